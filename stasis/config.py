@@ -1,0 +1,76 @@
+"""One Settings object for the daemon and the CLI: a TOML file plus STASIS_* environment variables.
+
+The environment is read once, in `load_settings()`, called at the entry point; everything below
+receives the Settings object explicitly. Precedence: environment > file > defaults. The file is
+STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
+
+    STASIS_SOCKET        unix socket of the daemon            (/run/stasis/stasis.sock)
+    STASIS_STATE_DIR     daemon state: database, job logs    (/var/lib/stasis)
+    STASIS_STORE         checkpoint store: directory or fsspec URL  (<state_dir>/checkpoints)
+    STASIS_SOCKET_GROUP  group allowed to use the socket      (stasis, when that group exists)
+    STASIS_KEEP          checkpoints kept per label, 0 = all  (5)
+    STASIS_CRIU          criu binary                          (first of /usr/local/sbin/criu, PATH)
+    STASIS_TINI          tini binary                          (tini-static, tini on PATH)
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from stasis.errors import UsageError
+
+DEFAULT_CONFIG_FILE = Path("/etc/stasis/config.toml")
+
+_ENV_KEYS = {
+    "STASIS_SOCKET": "socket",
+    "STASIS_STATE_DIR": "state_dir",
+    "STASIS_STORE": "store",
+    "STASIS_SOCKET_GROUP": "socket_group",
+    "STASIS_KEEP": "keep",
+    "STASIS_CRIU": "criu",
+    "STASIS_TINI": "tini",
+}
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    socket: Path = Path("/run/stasis/stasis.sock")
+    state_dir: Path = Path("/var/lib/stasis")
+    store: str = ""
+    socket_group: str = "stasis"
+    keep: int = 5
+    criu: str = ""
+    tini: str = ""
+
+    @property
+    def store_url(self) -> str:
+        return self.store or str(self.state_dir / "checkpoints")
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Build the Settings from the config file and the environment (os.environ by default)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    file = Path(env["STASIS_CONFIG"]) if env.get("STASIS_CONFIG") else DEFAULT_CONFIG_FILE
+    if env.get("STASIS_CONFIG") or file.exists():
+        try:
+            values.update(tomllib.loads(file.read_text()))
+        except FileNotFoundError:
+            raise UsageError(f"config file {file} does not exist; fix STASIS_CONFIG") from None
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise UsageError(f"cannot read config file {file}: {e}") from e
+    for key, field in _ENV_KEYS.items():
+        if env.get(key):
+            values[field] = env[key]
+    try:
+        return Settings.model_validate(values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise UsageError(f"bad setting {where!r}: {first['msg']}") from e

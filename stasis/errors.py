@@ -1,0 +1,105 @@
+"""The one exception tree of stasis.
+
+    StasisError
+    ├── UsageError            bad input from a caller (unknown id, invalid path)  -> CLI exit 2
+    │   └── NotFoundError     an unknown job or checkpoint id / label
+    ├── PermissionDeniedError a caller acting on something that is not theirs
+    ├── CRIUError             CRIU failed; carries the log path and the first real error line
+    │   └── CRIUNotFoundError no usable CRIU binary
+    ├── CheckpointError       a dump could not be taken or published
+    ├── RestoreError          a restore failed
+    ├── StoreError            the checkpoint store failed (I/O, full disk)
+    │   └── CorruptCheckpointError  a checkpoint failed verification
+    └── DaemonAPIError        the daemon answered with an error, or could not be reached
+
+Foreign errors are translated at the edge (`raise StoreError(...) from e`); code that must decide
+what to do next branches on the class, never on message text. The CLI prints `str(error)` as one
+line and exits with `error.exit_code`.
+"""
+
+from __future__ import annotations
+
+
+class StasisError(Exception):
+    """Base of every error stasis raises on purpose."""
+
+    exit_code: int = 1
+    http_status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(StasisError):
+    exit_code = 2
+    http_status = 400
+
+
+class NotFoundError(UsageError):
+    http_status = 404
+
+
+class PermissionDeniedError(StasisError):
+    exit_code = 2
+    http_status = 403
+
+
+class CRIUError(StasisError):
+    """CRIU reported a failure. `log_path` points at the full CRIU log, when one was written."""
+
+    def __init__(self, message: str, log_path: str | None = None) -> None:
+        if log_path:
+            message = f"{message} (CRIU log: {log_path})"
+        super().__init__(message)
+        self.log_path = log_path
+
+
+class CRIUNotFoundError(CRIUError):
+    pass
+
+
+class CheckpointError(StasisError):
+    pass
+
+
+class RestoreError(StasisError):
+    pass
+
+
+class StoreError(StasisError):
+    pass
+
+
+class CorruptCheckpointError(StoreError):
+    http_status = 422
+
+
+class DaemonAPIError(StasisError):
+    """The daemon could not be reached, or answered with an error of the given HTTP status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+        if status in (400, 404, 403):
+            self.exit_code = 2
+
+
+_BY_NAME: dict[str, type[StasisError]] = {
+    cls.__name__: cls
+    for cls in (
+        StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
+        CRIUNotFoundError, CheckpointError, RestoreError, StoreError, CorruptCheckpointError,
+    )
+}
+
+
+def error_from_wire(kind: str, message: str) -> StasisError:
+    """Rebuild an error the daemon sent as {"error": {"type": kind, "message": message}}."""
+    cls = _BY_NAME.get(kind, StasisError)
+    if cls is CRIUError or cls is CRIUNotFoundError:
+        return cls(message)
+    return cls(message)
