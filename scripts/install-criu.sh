@@ -1,0 +1,245 @@
+#!/usr/bin/env bash
+# install-criu.sh: install the CRIU that stasis needs, plus the job-side tools.
+#
+# Run as root on Debian 12 or 13. Idempotent: a second run changes nothing.
+#
+#  1. apt-get installs the build and runtime dependencies (only if one is missing).
+#  2. Builds CRIU 4.2.1 from Debian's upstream tarball with patches/criu/*.patch
+#     applied, unless /usr/local/sbin/criu already reports 4.2.1 and the stamp
+#     file records the sha256 of the current patch set (a changed patch rebuilds).
+#     The tarball is fetched with apt's own client (signature-verified Release,
+#     hash-checked files) through a PRIVATE apt configuration holding a deb-src
+#     entry for Debian unstable; the system's apt sources are never touched.
+#  3. Installs:
+#       /usr/local/sbin/criu              the patched criu binary
+#       /usr/local/share/criu/rpc.proto   CRIU's RPC schema (protoc input for the
+#                                         Python package: keep this exact path)
+#       /usr/local/share/stasis/criu.stamp
+#
+# Environment (all optional):
+#   STASIS_CRIU_FORCE=1     rebuild even if the stamp matches
+#   STASIS_CRIU_MIRROR=URI  Debian mirror to fetch the source from (default: the
+#                           one the system's apt sources use)
+#   STASIS_CRIU_JOBS=N      make -jN (default: number of CPUs)
+set -euo pipefail
+
+CRIU_UPSTREAM_VERSION=4.2.1
+CRIU_MIN_VERSION=4.2
+# sha256 of criu_4.2.1.orig.tar.xz (Debian source package criu 4.2.1-1)
+CRIU_ORIG_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
+
+PREFIX_SBIN=/usr/local/sbin
+PROTO_DIR=/usr/local/share/criu
+STAMP_DIR=/usr/local/share/stasis
+STAMP="$STAMP_DIR/criu.stamp"
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PATCH_DIR="$(cd "$SCRIPT_DIR/.." && pwd)/patches/criu"
+
+BUILD_DEPS=(
+    libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev
+    libnl-3-dev libprotobuf-c-dev libprotobuf-dev uuid-dev
+    protobuf-c-compiler protobuf-compiler pkgconf gcc make patch
+    xz-utils ca-certificates debian-archive-keyring
+)
+RUNTIME_DEPS=(
+    tini iptables nftables util-linux python3-venv python3-dev git
+)
+
+step() { printf '[install-criu] %s\n' "$*"; }
+die()  { printf '[install-criu] ERROR: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "must run as root"
+[ -r /etc/debian_version ] || die "this script supports Debian only"
+
+# --------------------------------------------------------------------------
+# 1. packages
+# --------------------------------------------------------------------------
+missing=()
+for p in "${BUILD_DEPS[@]}" "${RUNTIME_DEPS[@]}"; do
+    st="$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)"
+    [ "${st:0:2}" = "ii" ] || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    step "apt-get install: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq || die "apt-get update failed"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+        || die "apt-get install failed"
+else
+    step "packages: all present"
+fi
+[ -x /usr/bin/tini ] || [ -x /usr/bin/tini-static ] || die "tini not installed"
+
+# --------------------------------------------------------------------------
+# 2. is the installed criu current?
+# --------------------------------------------------------------------------
+shopt -s nullglob
+patches=("$PATCH_DIR"/*.patch)
+shopt -u nullglob
+# sha256 over the patch names and contents, in application order
+patchset_sha="$(
+    for f in "${patches[@]}"; do
+        printf '%s\n' "$(basename "$f")"
+        cat "$f"
+    done | sha256sum | cut -d' ' -f1
+)"
+want_stamp="criu=$CRIU_UPSTREAM_VERSION patches=$patchset_sha"
+
+installed_version=""
+if [ -x "$PREFIX_SBIN/criu" ]; then
+    installed_version="$("$PREFIX_SBIN/criu" --version 2>/dev/null \
+        | sed -n 's/^Version: *//p' | head -n1 || true)"
+fi
+if [ "${STASIS_CRIU_FORCE:-0}" != 1 ] \
+   && [ "$installed_version" = "$CRIU_UPSTREAM_VERSION" ] \
+   && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
+   && [ -f "$PROTO_DIR/rpc.proto" ]; then
+    step "criu $installed_version with patch set ${patchset_sha:0:12} already installed: nothing to do"
+    exit 0
+fi
+step "building criu $CRIU_UPSTREAM_VERSION (${#patches[@]} patches, set ${patchset_sha:0:12}; installed: ${installed_version:-none})"
+
+# --------------------------------------------------------------------------
+# 3. fetch the source with apt, through a private configuration
+# --------------------------------------------------------------------------
+WORK="$(mktemp -d /tmp/stasis-criu-build.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+chmod 755 "$WORK"
+
+mirror_uri() {
+    if [ -n "${STASIS_CRIU_MIRROR:-}" ]; then
+        echo "$STASIS_CRIU_MIRROR"; return
+    fi
+    local f uri
+    # deb822: the first stanza's URIs line that is not a security archive
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] || continue
+        uri="$(awk 'tolower($1)=="uris:" {for(i=2;i<=NF;i++) print $i}' "$f" \
+            | grep -v -- '-security' | head -n1 || true)"
+        [ -n "$uri" ] && { echo "$uri"; return; }
+    done
+    # one-line format
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+        [ -f "$f" ] || continue
+        uri="$(awk '$1=="deb" || $1=="deb-src" {
+                    for(i=2;i<=NF;i++) if ($i ~ /^[a-z+]+:\/\//) { print $i; break } }' "$f" \
+            | grep -v -- '-security' | head -n1 || true)"
+        [ -n "$uri" ] && { echo "$uri"; return; }
+    done
+    echo "http://deb.debian.org/debian"
+}
+MIRROR="$(mirror_uri)"
+KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
+[ -r "$KEYRING" ] || die "$KEYRING missing (package debian-archive-keyring)"
+
+APTROOT="$WORK/apt"
+mkdir -p "$APTROOT/sources.list.d" "$APTROOT/lists/partial" \
+         "$APTROOT/cache/archives/partial" "$WORK/src"
+# Unstable's Release file is signed by the current Debian archive keys, which
+# debian-archive-keyring ships (Debian 12's package carries the trixie keys
+# too). Verification stays ON: signed-by pins the official keyring.
+printf 'deb-src [signed-by=%s] %s unstable main\n' "$KEYRING" "$MIRROR" \
+    > "$APTROOT/sources.list"
+cat > "$APTROOT/apt.conf" <<EOF
+Dir::Etc::SourceList "$APTROOT/sources.list";
+Dir::Etc::SourceParts "$APTROOT/sources.list.d";
+Dir::State::Lists "$APTROOT/lists";
+Dir::Cache "$APTROOT/cache";
+Dir::Cache::pkgcache "";
+Dir::Cache::srcpkgcache "";
+APT::Get::List-Cleanup "false";
+Acquire::Languages "none";
+Acquire::IndexTargets::deb::Packages::DefaultEnabled "false";
+EOF
+chown -R _apt "$WORK/src" 2>/dev/null || true   # apt downloads as user _apt
+export APT_CONFIG="$APTROOT/apt.conf"
+
+step "apt-get update (private config: deb-src $MIRROR unstable main)"
+apt-get update -qq >"$WORK/apt-update.log" 2>&1 \
+    || { cat "$WORK/apt-update.log" >&2; die "apt-get update of the private source list failed"; }
+
+src_version="$(apt-cache showsrc criu 2>/dev/null | sed -n 's/^Version: *//p' | sort -V | tail -n1)"
+[ -n "$src_version" ] || die "no criu source package found in $MIRROR unstable"
+upstream="${src_version#*:}"; upstream="${upstream%-*}"
+if [ "$(printf '%s\n%s\n' "$CRIU_MIN_VERSION" "$upstream" | sort -V | head -n1)" != "$CRIU_MIN_VERSION" ]; then
+    die "unstable carries criu $src_version, need >= $CRIU_MIN_VERSION"
+fi
+if [ "$upstream" != "$CRIU_UPSTREAM_VERSION" ]; then
+    die "unstable carries criu $src_version, but the patches are for $CRIU_UPSTREAM_VERSION: update CRIU_UPSTREAM_VERSION, CRIU_ORIG_SHA256 and patches/criu/ together"
+fi
+
+# `apt-get source --print-uris` lists the package's files with the hashes from the
+# signed Sources index; apt-helper then downloads the upstream tarball and checks
+# that hash. Only the .orig tarball is fetched: some mirrors/proxies do not serve
+# the Debian packaging tarball, and it is not needed (we build upstream + our patches).
+step "apt-get source --print-uris criu=$src_version"
+apt-get source -qq --print-uris "criu=$src_version" >"$WORK/apt-source.log" 2>&1 \
+    || { cat "$WORK/apt-source.log" >&2; die "apt-get source --print-uris failed"; }
+# lines look like: 'URI' criu_4.2.1.orig.tar.xz SIZE SHA256:HEX
+orig_line="$(grep -E "^'[^']+' criu_${upstream}\.orig\.tar\.[a-z0-9]+ " "$WORK/apt-source.log" | head -n1)"
+[ -n "$orig_line" ] || { cat "$WORK/apt-source.log" >&2; die "no orig tarball listed for criu=$src_version"; }
+orig_uri="$(echo "$orig_line" | awk '{print $1}' | tr -d "'")"
+orig_name="$(echo "$orig_line" | awk '{print $2}')"
+orig_hash="$(echo "$orig_line" | awk '{print $4}')"
+case "$orig_hash" in SHA256:*|SHA512:*) ;; *) die "apt gave no strong hash for $orig_name ($orig_hash)";; esac
+step "download $orig_name"
+/usr/lib/apt/apt-helper -qq download-file "$orig_uri" "$WORK/src/$orig_name" "$orig_hash" \
+    >"$WORK/apt-download.log" 2>&1 \
+    || { cat "$WORK/apt-download.log" >&2; die "download of $orig_uri failed"; }
+unset APT_CONFIG
+
+orig="$WORK/src/$orig_name"
+[ -f "$orig" ] || die "expected $orig after apt-get source"
+sha="$(sha256sum "$orig" | cut -d' ' -f1)"
+[ "$sha" = "$CRIU_ORIG_SHA256" ] \
+    || die "sha256 mismatch for $(basename "$orig"): got $sha, want $CRIU_ORIG_SHA256"
+step "verified $(basename "$orig") sha256 $sha"
+
+# --------------------------------------------------------------------------
+# 4. unpack, patch, build
+# --------------------------------------------------------------------------
+mkdir "$WORK/build"
+tar -xf "$orig" -C "$WORK/build" --strip-components=1 \
+    || die "cannot unpack $orig"
+for p in "${patches[@]}"; do
+    step "patch $(basename "$p")"
+    patch -p1 -s -N -d "$WORK/build" < "$p" || die "patch $(basename "$p") does not apply"
+done
+
+jobs="${STASIS_CRIU_JOBS:-$(nproc)}"
+step "make -j$jobs criu (log: kept on failure)"
+if ! make -C "$WORK/build" -j"$jobs" criu >"$WORK/make.log" 2>&1; then
+    tail -n 40 "$WORK/make.log" >&2
+    die "criu build failed"
+fi
+bin="$WORK/build/criu/criu"
+[ -x "$bin" ] || die "build produced no criu binary"
+built_version="$("$bin" --version | sed -n 's/^Version: *//p' | head -n1)"
+[ "$built_version" = "$CRIU_UPSTREAM_VERSION" ] \
+    || die "built criu reports version '$built_version', want $CRIU_UPSTREAM_VERSION"
+
+# --------------------------------------------------------------------------
+# 5. install
+# --------------------------------------------------------------------------
+step "install $PREFIX_SBIN/criu, $PROTO_DIR/rpc.proto"
+install -D -m 0755 "$bin" "$PREFIX_SBIN/criu.new"
+mv -f "$PREFIX_SBIN/criu.new" "$PREFIX_SBIN/criu"
+install -d -m 0755 "$PROTO_DIR"
+install -m 0644 "$WORK/build/images/rpc.proto" "$PROTO_DIR/rpc.proto"
+# rpc.proto is self-contained today; install anything it imports alongside it.
+for imp in $(sed -n 's/^[[:space:]]*import[[:space:]]*"\([^"]*\)".*/\1/p' "$WORK/build/images/rpc.proto"); do
+    case "$imp" in google/*) continue ;; esac
+    install -m 0644 "$WORK/build/images/$imp" "$PROTO_DIR/$imp"
+done
+install -d -m 0755 "$STAMP_DIR"
+printf '%s\n' "$want_stamp" > "$STAMP"
+
+step "criu check"
+if "$PREFIX_SBIN/criu" check >"$WORK/check.log" 2>&1; then
+    step "criu check: $(tail -n1 "$WORK/check.log")"
+else
+    cat "$WORK/check.log" >&2
+    die "criu check failed (criu installed, but this kernel lacks something it needs)"
+fi
+step "done: $($PREFIX_SBIN/criu --version | head -n1)"
