@@ -208,7 +208,7 @@ for p in "${patches[@]}"; do
 done
 
 jobs="${STASIS_CRIU_JOBS:-$(nproc)}"
-step "make -j$jobs criu (log: kept on failure)"
+step "make -j$jobs criu"
 if ! make -C "$WORK/build" -j"$jobs" criu >"$WORK/make.log" 2>&1; then
     tail -n 40 "$WORK/make.log" >&2
     die "criu build failed"
