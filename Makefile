@@ -1,0 +1,48 @@
+# The two commands of the README: `make demo` and `make test`. Both install everything first.
+SHELL := /bin/bash
+PYTHON ?= /usr/bin/python3
+VENV := .venv
+BIN := $(VENV)/bin
+RPC_PROTO ?= /usr/local/share/criu/rpc.proto
+PROTO_OUT := stasis/engine/_proto
+
+.PHONY: install system venv proto test demo bench lint clean
+
+install: system venv proto
+
+# CRIU >= 4.2 (built from Debian's source with our patches), tini, iptables, build tools.
+system:
+	bash scripts/install-criu.sh
+
+venv: $(BIN)/stasis
+
+$(BIN)/stasis: pyproject.toml
+	test -x $(PYTHON) || apt-get install -y -q python3 python3-venv
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip==24.3.1
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# CRIU's RPC classes come from the rpc.proto of the CRIU that is installed, never from a copy.
+proto: $(PROTO_OUT)/rpc_pb2.py
+
+$(PROTO_OUT)/rpc_pb2.py: $(RPC_PROTO)
+	mkdir -p $(PROTO_OUT)
+	protoc --python_out=$(PROTO_OUT) -I $(dir $(RPC_PROTO)) $(RPC_PROTO)
+	touch $(PROTO_OUT)/__init__.py
+
+lint: install
+	$(BIN)/mypy
+
+test: install
+	$(BIN)/mypy
+	$(BIN)/pytest -q tests
+
+demo: install
+	$(BIN)/python -m stasis.demo
+
+bench: install
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT)

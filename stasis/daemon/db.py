@@ -1,0 +1,140 @@
+"""The daemon's job table: an embedded SQLite database under the state directory.
+
+It is what lets a restarted daemon find the jobs it started: each row keeps the job's pid and its
+start time (so a recycled pid is never mistaken for the job) and the job's own directory, where
+the job's supervisor writes the exit status even while no daemon runs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+
+_metadata = MetaData()
+
+jobs_table = Table(
+    "jobs",
+    _metadata,
+    Column("id", String(12), primary_key=True),
+    Column("pid", Integer, nullable=True),
+    Column("pid_start", Integer, nullable=True),
+    Column("shim_pid", Integer, nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("label", String(128), nullable=False),
+    Column("exit_code", Integer, nullable=True),
+    Column("command", Text, nullable=False),
+    Column("cwd", Text, nullable=False),
+    Column("env", Text, nullable=False),
+    Column("user", String(64), nullable=False),
+    Column("uid", Integer, nullable=False),
+    Column("gid", Integer, nullable=False),
+    Column("log", Text, nullable=False),
+    Column("checkpoint", String(64), nullable=True),
+    Column("created", String(32), nullable=False),
+    Column("job_dir", Text, nullable=False),
+)
+
+
+@dataclass
+class JobRow:
+    id: str
+    pid: int | None
+    pid_start: int | None
+    shim_pid: int | None
+    state: str
+    label: str
+    exit_code: int | None
+    command: list[str]
+    cwd: str
+    env: dict[str, str]
+    user: str
+    uid: int
+    gid: int
+    log: str
+    checkpoint: str | None
+    created: str
+    job_dir: str
+
+
+_JSON_COLUMNS = ("command", "env")
+
+
+def _to_row(values: Any) -> JobRow:
+    data = dict(values._mapping)
+    for key in _JSON_COLUMNS:
+        data[key] = json.loads(data[key])
+    return JobRow(**data)
+
+
+class JobDB:
+    """Thread-safe access to the jobs table (the API runs blocking work in threads)."""
+
+    def __init__(self, path: Path) -> None:
+        self.engine: Engine = create_engine(f"sqlite:///{path}")
+        event.listen(self.engine, "connect", _sqlite_pragmas)
+        _metadata.create_all(self.engine)
+        self._lock = threading.Lock()
+
+    def add(self, row: JobRow) -> None:
+        data = {f.name: getattr(row, f.name) for f in fields(row)}
+        for key in _JSON_COLUMNS:
+            data[key] = json.dumps(data[key])
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(insert(jobs_table).values(**data))
+
+    def get(self, job_id: str) -> JobRow | None:
+        with self._lock, self.engine.connect() as conn:
+            found = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id)).first()
+        return _to_row(found) if found else None
+
+    def all(self) -> list[JobRow]:
+        with self._lock, self.engine.connect() as conn:
+            rows = conn.execute(select(jobs_table).order_by(jobs_table.c.created)).all()
+        return [_to_row(r) for r in rows]
+
+    def live(self) -> list[JobRow]:
+        with self._lock, self.engine.connect() as conn:
+            rows = conn.execute(
+                select(jobs_table).where(jobs_table.c.state.in_(("running", "restored")))
+            ).all()
+        return [_to_row(r) for r in rows]
+
+    def set(self, job_id: str, **values: Any) -> None:
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(**values))
+
+    def finish(self, job_id: str, state: str, exit_code: int | None) -> bool:
+        """Move a live job to `state`; False when it was no longer live (someone else won)."""
+        with self._lock, self.engine.begin() as conn:
+            result = conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id)
+                .where(jobs_table.c.state.in_(("running", "restored")))
+                .values(state=state, exit_code=exit_code)
+            )
+        return bool(result.rowcount)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()

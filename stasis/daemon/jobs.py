@@ -1,0 +1,372 @@
+"""Jobs: start them, checkpoint them, restore them, kill them, follow them until they end.
+
+Blocking code (CRIU runs, file copies); the API calls it from worker threads. Every method takes
+the Caller and checks that the job or checkpoint is theirs before touching it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from stasis.config import Settings
+from stasis.daemon.db import JobDB, JobRow
+from stasis.daemon.models import (
+    DumpAnswer,
+    DumpRequest,
+    Job,
+    RestoreAnswer,
+    RestoreRequest,
+    RunAnswer,
+    RunRequest,
+    validate_job_id,
+)
+from stasis.daemon.users import Caller, account, job_account, job_environment
+from stasis.engine import CRIU, DumpOptions, find_criu, proctree
+from stasis.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NotFoundError,
+    RestoreError,
+    StasisError,
+    StoreError,
+    UsageError,
+    error_from_wire,
+)
+from stasis.store import (
+    CheckpointInfo,
+    Manifest,
+    Store,
+    new_checkpoint_id,
+    validate_checkpoint_id,
+    validate_label,
+)
+
+# (bytes done, bytes expected) while a dump or restore runs.
+Progress = Callable[[int, int], None]
+
+_TINI_CANDIDATES = ("/usr/bin/tini-static", "/usr/bin/tini", "/usr/local/bin/tini")
+# A restore of several GiB can take a while; a shim that says nothing for this long is stuck.
+_SHIM_ANSWER_TIMEOUT_S = 600
+
+
+def find_tini(configured: str) -> str:
+    for path in ((configured,) if configured else _TINI_CANDIDATES):
+        if os.access(path, os.X_OK):
+            return path
+    raise UsageError("tini is not installed; run `make install` (Debian package tini)")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+class JobManager:
+    def __init__(self, settings: Settings, store: Store, db: JobDB) -> None:
+        self.settings = settings
+        self.store = store
+        self.db = db
+        self.state_dir = settings.state_dir
+        self.logs_dir = self.state_dir / "logs"
+        self.jobs_dir = self.state_dir / "jobs"
+        self.criu_logs = self.state_dir / "criu-logs"
+        self.scratch = self.state_dir / "scratch"
+        self._shims: dict[int, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+        self._hostname = socket.gethostname()
+
+    def prepare(self) -> None:
+        """Create the state layout: users traverse to their logs, nothing else is theirs."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o711)
+        self.logs_dir.mkdir(exist_ok=True)
+        os.chmod(self.logs_dir, 0o711)
+        for d in (self.jobs_dir, self.criu_logs, self.scratch):
+            d.mkdir(exist_ok=True)
+            os.chmod(d, 0o700)
+
+    @property
+    def criu(self) -> CRIU:
+        return CRIU(find_criu(self.settings.criu), self.criu_logs)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def _row(self, job_id: str, caller: Caller) -> JobRow:
+        row = self.db.get(validate_job_id(job_id))
+        if row is None:
+            raise NotFoundError(f"no job {job_id}; see `stasis ps`")
+        caller.require(row.uid, f"job {job_id}")
+        return row
+
+    def get(self, job_id: str, caller: Caller) -> Job:
+        self.poll()
+        return _job(self._row(job_id, caller))
+
+    def jobs(self, caller: Caller) -> list[Job]:
+        self.poll()
+        return [_job(r) for r in self.db.all() if caller.may_act_on(r.uid)]
+
+    def checkpoints(self, label: str | None, caller: Caller) -> list[Manifest]:
+        if label is not None:
+            validate_label(label)
+        return [m for m in self.store.list(label) if caller.may_act_on(m.uid)]
+
+    def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
+        manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
+        caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
+        self.store.delete(checkpoint_id)
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def run(self, req: RunRequest, caller: Caller) -> RunAnswer:
+        acct = job_account(caller, req.user)
+        job_id = secrets.token_hex(6)
+        label = validate_label(req.label) if req.label else job_id
+        env = job_environment(acct, req.env)
+        if req.log:
+            log = req.log
+        else:
+            log = str(self.logs_dir / f"{job_id}.log")
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+            os.fchown(fd, acct.uid, acct.gid)
+            os.close(fd)
+        spec = {
+            "mode": "run",
+            "command": req.command,
+            "cwd": req.cwd,
+            "env": env,
+            "uid": acct.uid,
+            "gid": acct.gid,
+            "groups": acct.groups,
+            "log": log,
+            "tini": find_tini(self.settings.tini),
+        }
+        job_dir, answer = self._start_shim(job_id, spec)
+        if "error" in answer:
+            raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
+        pid = int(answer["pid"])
+        self.db.add(
+            JobRow(
+                id=job_id, pid=pid, pid_start=proctree.start_time(pid), shim_pid=answer["shim"],
+                state="running", label=label, exit_code=None, command=req.command, cwd=req.cwd,
+                env=req.env, user=acct.name, uid=acct.uid, gid=acct.gid, log=log,
+                checkpoint=None, created=_now(), job_dir=str(job_dir),
+            )
+        )
+        return RunAnswer(job=job_id, pid=pid, label=label)
+
+    def _start_shim(self, job_id: str, spec: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        job_dir = self.jobs_dir / job_id
+        job_dir.mkdir(mode=0o700)
+        (job_dir / "spec.json").write_text(json.dumps(spec))
+        shim = subprocess.Popen(
+            [sys.executable, "-m", "stasis.daemon.shim", str(job_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # the job must outlive a restart of the daemon
+        )
+        assert shim.stdout is not None
+        with self._lock:
+            self._shims[shim.pid] = shim
+        line = shim.stdout.readline()
+        shim.stdout.close()
+        if not line:
+            return job_dir, {"error": {"type": "StasisError", "message": "job supervisor died"}}
+        answer: dict[str, Any] = json.loads(line)
+        answer["shim"] = shim.pid
+        return job_dir, answer
+
+    # -- dump ----------------------------------------------------------------------------------
+
+    def dump(self, job_id: str, req: DumpRequest, caller: Caller,
+             progress: Progress | None = None) -> DumpAnswer:
+        row = self._row(job_id, caller)
+        self.poll()
+        row = self._row(job_id, caller)
+        if row.state not in ("running", "restored") or row.pid is None:
+            raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to dump")
+        if not proctree.alive(row.pid, row.pid_start):
+            raise UsageError(f"job {job_id} is no longer running; nothing to dump")
+        label = validate_label(req.label) if req.label else row.label
+        criu = self.criu
+        created = datetime.now(timezone.utc)
+        checkpoint_id = new_checkpoint_id(created)
+        info = CheckpointInfo(
+            id=checkpoint_id, label=label, job=row.id, host=self._hostname, created=created,
+            criu_version=".".join(str(p) for p in criu.version()), command=row.command,
+            cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
+        )
+        staging = self.store.staging_dir(checkpoint_id)
+        # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
+        # (full disk, store down) resumes the job as if nothing happened.
+        options = DumpOptions(leave_running=req.leave_running, leave_stopped=not req.leave_running)
+        expected = proctree.resident_bytes(row.pid)
+        watcher = _DirWatcher(staging, expected, progress) if progress else None
+        try:
+            result = criu.dump(row.pid, staging, options, f"dump-{checkpoint_id}.log")
+        except StasisError as e:
+            self.store.discard(checkpoint_id)
+            raise CheckpointError(f"checkpoint of job {job_id} failed, job still running: {e}") from e
+        finally:
+            if watcher:
+                watcher.stop()
+        try:
+            manifest = self.store.publish(info, req.compress)
+        except StasisError as e:
+            self.store.discard(checkpoint_id)
+            if not req.leave_running:
+                proctree.signal_tree(row.pid, signal.SIGCONT)
+            raise CheckpointError(f"checkpoint of job {job_id} failed, job still running: {e}") from e
+        if not req.leave_running:
+            self.db.set(row.id, state="checkpointed")
+            os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
+        return DumpAnswer(
+            checkpoint=manifest.id, label=manifest.label, job=row.id,
+            size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
+        )
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def restore(self, req: RestoreRequest, caller: Caller) -> RestoreAnswer:
+        if req.checkpoint:
+            candidates = [self.store.get(validate_checkpoint_id(req.checkpoint))]
+        elif req.label:
+            candidates = self.store.list(validate_label(req.label))
+            if not candidates:
+                raise NotFoundError(f"no checkpoint with label {req.label}")
+        else:
+            raise UsageError("name a checkpoint id or --label")
+        for manifest in candidates:
+            caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        skipped: list[str] = []
+        for manifest in candidates:
+            try:
+                answer = self._restore_one(manifest)
+            except CorruptCheckpointError as e:
+                # By label, an older complete checkpoint is better than none.
+                skipped.append(f"{manifest.id}: {e}")
+                if req.checkpoint:
+                    raise
+                continue
+            answer.skipped = skipped
+            return answer
+        raise RestoreError("no usable checkpoint with label "
+                           f"{req.label}: " + "; ".join(skipped))
+
+    def _restore_one(self, manifest: Manifest) -> RestoreAnswer:
+        acct = account(manifest.uid)
+        job_id = secrets.token_hex(6)
+        log = manifest.log_path or str(self.logs_dir / f"{job_id}.log")
+        with self.store.open_images(manifest.id, self.scratch) as (manifest, images):
+            spec = {
+                "mode": "restore",
+                "images": str(images),
+                "uid": acct.uid,
+                "gid": acct.gid,
+                "log": log,
+                "image_log": manifest.log_path or log,
+                "criu": find_criu(self.settings.criu),
+                "criu_log_dir": str(self.criu_logs),
+                "criu_log_name": f"restore-{job_id}.log",
+            }
+            job_dir, answer = self._start_shim(job_id, spec)
+        if "error" in answer:
+            raise RestoreError(
+                f"restore of checkpoint {manifest.id} failed: {answer['error']['message']}"
+            )
+        pid = int(answer["pid"])
+        self.db.add(
+            JobRow(
+                id=job_id, pid=pid, pid_start=proctree.start_time(pid), shim_pid=answer["shim"],
+                state="restored", label=manifest.label, exit_code=None, command=manifest.command,
+                cwd=manifest.cwd, env={}, user=manifest.user, uid=manifest.uid, gid=manifest.gid,
+                log=log, checkpoint=manifest.id, created=_now(), job_dir=str(job_dir),
+            )
+        )
+        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id)
+
+    # -- kill / follow -------------------------------------------------------------------------
+
+    def kill(self, job_id: str, caller: Caller) -> Job:
+        row = self._row(job_id, caller)
+        if row.state in ("running", "restored") and row.pid and proctree.alive(row.pid, row.pid_start):
+            os.kill(row.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not (Path(row.job_dir) / "exit.json").exists():
+                time.sleep(0.05)
+        self.poll()
+        return _job(self._row(job_id, caller))
+
+    def poll(self) -> None:
+        """Record the end of every job whose supervisor wrote its exit status (or vanished)."""
+        with self._lock:
+            for pid, shim in list(self._shims.items()):
+                if shim.poll() is not None:
+                    del self._shims[pid]
+        for row in self.db.live():
+            exit_file = Path(row.job_dir) / "exit.json"
+            if exit_file.exists():
+                try:
+                    code = json.loads(exit_file.read_text())["exit_code"]
+                except (OSError, ValueError, KeyError):
+                    code = None
+                self.db.finish(row.id, "exited", code)
+            elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
+                if row.shim_pid and proctree.alive(row.shim_pid, None):
+                    continue  # the supervisor is about to write the status
+                self.db.finish(row.id, "exited", None)
+
+
+class _DirWatcher:
+    """Reports how many bytes CRIU has written into a directory so far."""
+
+    def __init__(self, path: Path, expected: int, progress: Progress) -> None:
+        self.path = path
+        self.expected = expected
+        self.progress = progress
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _size(self) -> int:
+        total = 0
+        try:
+            for entry in os.scandir(self.path):
+                try:
+                    total += entry.stat().st_size
+                except OSError:
+                    pass
+        except OSError:
+            pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.progress(self._size(), self.expected)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.progress(self._size(), self.expected)
+
+
+def _job(row: JobRow) -> Job:
+    return Job(
+        job=row.id, pid=row.pid, state=row.state,  # type: ignore[arg-type]
+        label=row.label, exit_code=row.exit_code, command=row.command, user=row.user,
+        uid=row.uid, cwd=row.cwd, log=row.log, checkpoint=row.checkpoint, created=row.created,
+    )
+
+
+__all__ = ["JobManager", "Progress", "StoreError", "find_tini"]

@@ -1,0 +1,89 @@
+"""Wire formats of the daemon's HTTP/JSON API (requests in, answers out)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from stasis.errors import UsageError
+
+JOB_ID = re.compile(r"^[0-9a-f]{12}$")
+
+JobState = Literal["running", "restored", "checkpointed", "exited"]
+Compression = Literal["none", "zstd", "lz4"]
+
+
+def validate_job_id(job_id: str) -> str:
+    if not JOB_ID.match(job_id):
+        raise UsageError(f"{job_id!r} is not a job id (12 hex digits; see `stasis ps`)")
+    return job_id
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunRequest(_Model):
+    command: list[str] = Field(min_length=1)
+    label: str | None = None
+    log: str | None = None
+    cwd: str
+    env: dict[str, str] = {}
+    user: str | None = None
+
+    @field_validator("cwd", "log")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
+            raise ValueError("must be an absolute path")
+        return v
+
+
+class DumpRequest(_Model):
+    leave_running: bool = False
+    label: str | None = None
+    compress: Compression = "none"
+
+
+class RestoreRequest(_Model):
+    checkpoint: str | None = None
+    label: str | None = None
+
+
+class Job(_Model):
+    job: str
+    pid: int | None
+    state: JobState
+    label: str
+    exit_code: int | None
+    command: list[str]
+    user: str
+    uid: int
+    cwd: str
+    log: str
+    checkpoint: str | None = None  # the checkpoint this job was restored from
+    created: str
+
+
+class RunAnswer(_Model):
+    job: str
+    pid: int
+    label: str
+
+
+class DumpAnswer(_Model):
+    checkpoint: str
+    label: str
+    job: str
+    size_bytes: int
+    duration_s: float
+
+
+class RestoreAnswer(_Model):
+    job: str
+    pid: int
+    checkpoint: str
+    # Newer checkpoints of the label that failed verification and were passed over, with why.
+    skipped: list[str] = []

@@ -1,0 +1,98 @@
+"""`stasis daemon`: serve the API on the unix socket until SIGTERM.
+
+The daemon is a child subreaper, keeps its state under the state directory, and leaves jobs
+running when it stops: a restarted daemon finds them again in its database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import grp
+import logging
+import os
+import signal
+import socket
+from contextlib import suppress
+
+from aiohttp import web
+
+from stasis.config import Settings
+from stasis.daemon.api import make_app
+from stasis.daemon.db import JobDB
+from stasis.daemon.jobs import JobManager
+from stasis.errors import UsageError
+from stasis.store import Store
+
+log = logging.getLogger("stasis.daemon")
+
+PR_SET_CHILD_SUBREAPER = 36
+POLL_INTERVAL_S = 0.5
+
+
+def _socket_in_use(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def _socket_gid(settings: Settings) -> int:
+    try:
+        return grp.getgrnam(settings.socket_group).gr_gid
+    except KeyError:
+        return 0
+
+
+async def serve(settings: Settings) -> None:
+    if os.geteuid() != 0:
+        raise UsageError("stasis daemon must run as root")
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    manager_store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
+                          keep=settings.keep)
+    manager = JobManager(settings, manager_store, JobDB(settings.state_dir / "jobs.db"))
+    manager.prepare()
+    os.chmod(settings.state_dir / "jobs.db", 0o600)
+
+    sock_path = str(settings.socket)
+    settings.socket.parent.mkdir(parents=True, exist_ok=True)
+    if settings.socket.exists():
+        if _socket_in_use(sock_path):
+            raise UsageError(f"a daemon is already listening on {sock_path}")
+        settings.socket.unlink()
+
+    runner = web.AppRunner(make_app(manager), access_log=None)
+    await runner.setup()
+    # No moment in which the socket is world-writable: it is created 0660 under this umask.
+    old_umask = os.umask(0o117)
+    try:
+        site = web.UnixSite(runner, sock_path)
+        await site.start()
+    finally:
+        os.umask(old_umask)
+    os.chown(sock_path, 0, _socket_gid(settings))
+    os.chmod(sock_path, 0o660)
+    log.info("listening on %s, store %s", sock_path, settings.store_url)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def follow_jobs() -> None:
+        while True:
+            await asyncio.to_thread(manager.poll)
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    follower = asyncio.create_task(follow_jobs())
+    await stop.wait()
+    follower.cancel()
+    with suppress(asyncio.CancelledError):
+        await follower
+    await runner.cleanup()
+    with suppress(FileNotFoundError):
+        os.unlink(sock_path)
+    log.info("stopped; jobs keep running")

@@ -1,0 +1,166 @@
+"""The supervisor of one job: `python -m stasis.daemon.shim JOB_DIR`.
+
+The daemon starts one shim per job, in a session of its own, so that a job outlives a restart of
+the daemon and its exit status is never lost: the shim is the job's parent, waits for it and
+writes `exit.json` into the job's directory (atomically), whether or not a daemon is listening.
+
+Two modes, read from `spec.json` in JOB_DIR:
+  run      unshare a PID namespace and fork its init: setsid, drop to the job's user, stdin from
+           /dev/null, stdout/stderr appended to the log, then exec tini in front of the command
+           (a namespace init ignores SIGTERM from outside unless it has a handler; tini has one
+           and reaps zombies).
+  restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
+           at the job's log (inherit_fd), opened with the job user's rights.
+
+The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+CLONE_NEWPID = 0x20000000
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _answer(payload: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stdout.flush()
+    # Nobody reads further: drop the pipe so the daemon's read ends, and write nothing more.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+def _error(kind: str, message: str) -> None:
+    _answer({"error": {"type": kind, "message": message}})
+
+
+def _write_exit(job_dir: Path, status: int) -> None:
+    code = os.waitstatus_to_exitcode(status)
+    data = {"exit_code": code if code >= 0 else 128 - code, "signal": -code if code < 0 else None}
+    tmp = job_dir / "exit.json.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, job_dir / "exit.json")
+
+
+def _wait_for(job_dir: Path, pid: int) -> None:
+    """Reap everything (we are a subreaper) until `pid` itself ends; record its status."""
+    while True:
+        try:
+            got, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        if got == pid:
+            _write_exit(job_dir, status)
+            return
+
+
+def _exec_job(spec: dict[str, Any], status_w: int) -> None:
+    """In the namespace init (a fresh child): become the job, then exec tini. Never returns."""
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        if spec["uid"] != 0 or spec["gid"] != 0:
+            os.setgroups(spec["groups"])
+            os.setgid(spec["gid"])
+            os.setuid(spec["uid"])
+        log = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.chdir(spec["cwd"])
+        argv = [spec["tini"], "-g", "--", *spec["command"]]
+        os.execve(spec["tini"], argv, spec["env"])
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        os.write(status_w, f"{e.strerror or e}{where}".encode())
+    finally:
+        os._exit(127)
+
+
+def run(job_dir: Path, spec: dict[str, Any]) -> None:
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_r)
+        _exec_job(spec, status_w)
+    os.close(status_w)
+    failure = os.read(status_r, 4096)
+    os.close(status_r)
+    if failure:
+        os.waitpid(pid, 0)
+        _error("UsageError", f"cannot start {spec['command'][0]}: {failure.decode()}")
+        return
+    _answer({"pid": pid})
+    _wait_for(job_dir, pid)
+
+
+def _open_log_as_user(spec: dict[str, Any]) -> int:
+    """Open the job's log with the job user's rights (the path may come from the user)."""
+    os.setegid(spec["gid"])
+    os.seteuid(spec["uid"])
+    try:
+        return os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def restore(job_dir: Path, spec: dict[str, Any]) -> None:
+    from stasis.engine.criu import CRIU, RestoreOptions
+    from stasis.errors import StasisError
+
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    try:
+        log_fd = _open_log_as_user(spec)
+    except OSError as e:
+        _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
+        return
+    criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
+    # CRIU names regular files in its images by their path without the leading '/'.
+    key = spec["image_log"].lstrip("/")
+    try:
+        result = criu.restore(
+            Path(spec["images"]),
+            RestoreOptions(inherit_fds=[(key, log_fd)]),
+            spec["criu_log_name"],
+        )
+    except StasisError as e:
+        _error(type(e).__name__, str(e))
+        return
+    finally:
+        os.close(log_fd)
+    _answer({"pid": result.pid, "duration_s": result.duration_s})
+    _wait_for(job_dir, result.pid)
+
+
+def main() -> None:
+    job_dir = Path(sys.argv[1])
+    spec = json.loads((job_dir / "spec.json").read_text())
+    try:
+        if spec["mode"] == "run":
+            run(job_dir, spec)
+        else:
+            restore(job_dir, spec)
+    except Exception as e:  # the daemon must get an answer, whatever happened
+        _error("StasisError", f"job supervisor failed: {e}")
+
+
+if __name__ == "__main__":
+    main()

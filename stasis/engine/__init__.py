@@ -1,0 +1,21 @@
+"""The engine: drives CRIU through its RPC protocol (`criu swrk`). Nothing else in stasis starts
+`criu`. It knows processes and image directories, not jobs, stores or users: callers hand it a pid
+and a local directory.
+
+    rpc       one swrk session: protobuf messages over a SOCK_SEQPACKET pair, NOTIFY answered
+    criu      dump / restore / version / feature check on top of rpc
+    criulog   the first real error line of a CRIU log
+    proctree  walking a process tree in /proc (resume stopped trees, resident memory)
+    check     the `stasis check` report
+"""
+
+from stasis.engine.criu import (
+    CRIU,
+    DumpOptions,
+    DumpResult,
+    RestoreOptions,
+    RestoreResult,
+    find_criu,
+)
+
+__all__ = ["CRIU", "DumpOptions", "DumpResult", "RestoreOptions", "RestoreResult", "find_criu"]

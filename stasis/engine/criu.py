@@ -1,0 +1,192 @@
+"""Dump, restore, version and feature checks on top of one swrk session each."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stasis.engine import rpc
+from stasis.engine.criulog import first_error
+from stasis.errors import CRIUError, CRIUNotFoundError
+
+# Where scripts/install-criu.sh puts the CRIU we build (Debian 12's own criu fails on new kernels).
+_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu")
+MIN_VERSION = (4, 2)
+LOG_LEVEL = 4
+
+
+def find_criu(configured: str = "") -> str:
+    """The criu binary to use: the configured one, else ours under /usr/local, else PATH."""
+    if configured:
+        if not os.access(configured, os.X_OK):
+            raise CRIUNotFoundError(f"STASIS_CRIU={configured} is not an executable file")
+        return configured
+    for path in _CANDIDATES:
+        if os.access(path, os.X_OK):
+            return path
+    found = shutil.which("criu")
+    if found:
+        return found
+    raise CRIUNotFoundError("criu is not installed; run `make install` (builds CRIU >= 4.2)")
+
+
+@dataclass
+class DumpOptions:
+    leave_running: bool = False
+    # Keep the tree stopped (SIGSTOP) after a successful dump instead of killing it, so that the
+    # caller can kill it only once the checkpoint is safely published, or resume it if that fails.
+    leave_stopped: bool = False
+    tcp_established: bool = True
+    file_locks: bool = True
+    ext_unix_sk: bool = True
+    notify: rpc.NotifyHandler | None = None
+
+
+@dataclass
+class DumpResult:
+    duration_s: float
+    log_path: Path
+
+
+@dataclass
+class RestoreOptions:
+    # (key, fd) pairs: CRIU reopens the file whose image path is `key` (no leading '/') as `fd`.
+    inherit_fds: Sequence[tuple[str, int]] = ()
+    tcp_established: bool = True
+    file_locks: bool = True
+    ext_unix_sk: bool = True
+    notify: rpc.NotifyHandler | None = None
+
+
+@dataclass
+class RestoreResult:
+    pid: int
+    duration_s: float
+    log_path: Path
+
+
+@dataclass
+class Features:
+    mem_track: bool
+    lazy_pages: bool
+    extra: dict[str, bool] = field(default_factory=dict)
+
+
+class CRIU:
+    """A CRIU binary driven over RPC. Logs go to `log_dir` (one file per operation)."""
+
+    def __init__(self, path: str, log_dir: Path) -> None:
+        self.path = path
+        self.log_dir = log_dir
+
+    def _opts(self, pb: Any, images_dir: Path, log_name: str) -> tuple[Any, list[int]]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        images_fd = rpc.open_dir(images_dir)
+        work_fd = rpc.open_dir(self.log_dir)
+        opts = pb.criu_opts(
+            images_dir_fd=images_fd, work_dir_fd=work_fd, log_level=LOG_LEVEL, log_file=log_name
+        )
+        return opts, [images_fd, work_fd]
+
+    def _fail(self, what: str, resp: Any, log_path: Path) -> CRIUError:
+        reason = first_error(log_path) or (resp.cr_errmsg if resp.HasField("cr_errmsg") else "")
+        if not reason and resp.HasField("cr_errno") and resp.cr_errno:
+            reason = os.strerror(resp.cr_errno)
+        return CRIUError(f"{what} failed: {reason or 'unknown reason'}", str(log_path))
+
+    def dump(self, pid: int, images_dir: Path, options: DumpOptions, log_name: str) -> DumpResult:
+        """Dump the process tree rooted at `pid` into `images_dir`.
+
+        Unless leave_running/leave_stopped is set, CRIU kills the tree after a successful dump.
+        On failure CRIU resumes the tree, so the job keeps running.
+        """
+        pb = rpc.messages()
+        opts, fds = self._opts(pb, images_dir, log_name)
+        try:
+            opts.pid = pid
+            opts.leave_running = options.leave_running
+            if options.leave_stopped and not options.leave_running:
+                opts.leave_stopped = True
+            opts.tcp_established = options.tcp_established
+            opts.tcp_skip_in_flight = options.tcp_established
+            opts.file_locks = options.file_locks
+            opts.ext_unix_sk = options.ext_unix_sk
+            opts.notify_scripts = options.notify is not None
+            req = pb.criu_req(type=pb.DUMP, opts=opts)
+            start = time.monotonic()
+            resp = rpc.Session(self.path, options.notify).call(req)
+            duration = time.monotonic() - start
+        finally:
+            for fd in fds:
+                os.close(fd)
+        log_path = self.log_dir / log_name
+        if not resp.success:
+            raise self._fail(f"dump of pid {pid}", resp, log_path)
+        return DumpResult(duration_s=duration, log_path=log_path)
+
+    def restore(self, images_dir: Path, options: RestoreOptions, log_name: str) -> RestoreResult:
+        """Restore the tree in `images_dir` as a child of the calling process (rst_sibling)."""
+        pb = rpc.messages()
+        opts, fds = self._opts(pb, images_dir, log_name)
+        try:
+            opts.rst_sibling = True
+            opts.tcp_established = options.tcp_established
+            opts.file_locks = options.file_locks
+            opts.ext_unix_sk = options.ext_unix_sk
+            opts.notify_scripts = options.notify is not None
+            for key, fd in options.inherit_fds:
+                opts.inherit_fd.add(key=key, fd=fd)
+            req = pb.criu_req(type=pb.RESTORE, opts=opts)
+            start = time.monotonic()
+            resp = rpc.Session(self.path, options.notify).call(
+                req, pass_fds=[fd for _, fd in options.inherit_fds]
+            )
+            duration = time.monotonic() - start
+        finally:
+            for fd in fds:
+                os.close(fd)
+        log_path = self.log_dir / log_name
+        if not resp.success:
+            raise self._fail("restore", resp, log_path)
+        return RestoreResult(pid=resp.restore.pid, duration_s=duration, log_path=log_path)
+
+    def version(self) -> tuple[int, int, int]:
+        pb = rpc.messages()
+        resp = rpc.Session(self.path).call(pb.criu_req(type=pb.VERSION))
+        if not resp.success:
+            raise CRIUError(f"{self.path} did not report its version")
+        v = resp.version
+        return (v.major_number, v.minor_number, v.sublevel if v.HasField("sublevel") else 0)
+
+    def features(self) -> Features:
+        pb = rpc.messages()
+        req = pb.criu_req(
+            type=pb.FEATURE_CHECK, features=pb.criu_features(mem_track=True, lazy_pages=True)
+        )
+        resp = rpc.Session(self.path).call(req)
+        f = resp.features
+        return Features(
+            mem_track=bool(f.HasField("mem_track") and f.mem_track),
+            lazy_pages=bool(f.HasField("lazy_pages") and f.lazy_pages),
+        )
+
+    def check(self, log_name: str) -> str | None:
+        """Run CRIU's own kernel check; None when it passes, else the reason."""
+        pb = rpc.messages()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        work_fd = rpc.open_dir(self.log_dir)
+        try:
+            opts = pb.criu_opts(
+                images_dir_fd=work_fd, work_dir_fd=work_fd, log_level=LOG_LEVEL, log_file=log_name
+            )
+            resp = rpc.Session(self.path).call(pb.criu_req(type=pb.CHECK, opts=opts))
+        finally:
+            os.close(work_fd)
+        if resp.success:
+            return None
+        return first_error(self.log_dir / log_name) or "criu check failed"

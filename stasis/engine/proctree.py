@@ -1,0 +1,79 @@
+"""Process trees as /proc shows them."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of every thread of `pid` (empty when it is gone)."""
+    result: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return result
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
+        except OSError:
+            continue
+        result.extend(int(p) for p in text.split())
+    return result
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, parents first."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children(p))
+    return out
+
+
+def resident_bytes(pid: int) -> int:
+    """Resident memory of the whole tree under `pid` (an upper bound on what a dump writes)."""
+    total = 0
+    for p in tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
+def signal_tree(pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to every process of the tree; gone processes are skipped."""
+    for p in tree(pid):
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot: with the pid it identifies one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after its last ')'.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def alive(pid: int, started: int | None) -> bool:
+    """Whether `pid` still is the process that started at `started` (and is not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or int(fields[19]) == started

@@ -1,0 +1,165 @@
+"""Shared fixtures: a real stasis daemon (root) in a private directory, and the `stasis` CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ROOT / "tests" / "workloads"
+STASIS = str(Path(sys.executable).parent / "stasis")
+TEST_USER = "stasis-test"
+
+
+def workload(name: str, *args: object) -> list[str]:
+    """A command line running one of tests/workloads/ with the system's python3."""
+    return ["python3", "-u", str(WORKLOADS / name), *map(str, args)]
+
+
+def wait_for(predicate: Any, timeout_s: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def ensure_test_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", TEST_USER], check=True)
+        return pwd.getpwnam(TEST_USER)
+
+
+class Daemon:
+    """One `stasis daemon` with its own socket, state and store, plus a CLI wired to it."""
+
+    def __init__(self, root: Path, store: str | None = None, keep: int = 5) -> None:
+        self.root = root
+        self.socket = root / "stasis.sock"
+        self.state_dir = root / "state"
+        self.store = store or str(root / "store")
+        self.env = {
+            **os.environ,
+            "STASIS_SOCKET": str(self.socket),
+            "STASIS_STATE_DIR": str(self.state_dir),
+            "STASIS_STORE": self.store,
+            "STASIS_KEEP": str(keep),
+            "STASIS_SOCKET_GROUP": TEST_USER,
+            "STASIS_CONFIG": "",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log = open(self.root / "daemon.log", "ab")
+        self.proc = subprocess.Popen([STASIS, "daemon"], env=self.env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(self._answers, 20, "the daemon's socket")
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited: {(self.root / 'daemon.log').read_text()}")
+        return self.socket.exists() and self.cli("ps", check=False).returncode == 0
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        self.proc = None
+        self.log.close()
+
+    def cli(self, *args: str, user: str | None = None, check: bool = True,
+            input_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [STASIS, *args]
+        if user:
+            cmd = ["runuser", "-u", user, "--", "env",
+                   *(f"{k}={v}" for k, v in self.env.items() if k.startswith("STASIS_")), *cmd]
+        result = subprocess.run(cmd, env={**self.env, **(input_env or {})}, capture_output=True,
+                                text=True, timeout=300)
+        if check and result.returncode != 0:
+            raise AssertionError(f"stasis {' '.join(args)} failed ({result.returncode}): "
+                                 f"{result.stderr}{result.stdout}")
+        return result
+
+    def json(self, *args: str, user: str | None = None) -> Any:
+        return json.loads(self.cli(args[0], "--json", *args[1:], user=user).stdout)
+
+    def run(self, *command: str, label: str | None = None, user: str | None = None) -> Any:
+        opts = ["--label", label] if label else []
+        if user:
+            opts += ["--user", user]
+        return self.json("run", *opts, "--", *command)
+
+    def job(self, job_id: str) -> Any:
+        return next(j for j in self.json("ps") if j["job"] == job_id)
+
+    def log_of(self, job_id: str) -> str:
+        return self.cli("logs", job_id).stdout
+
+    def kill_all(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for job in self.json("ps"):
+            if job["state"] in ("running", "restored"):
+                self.cli("kill", job["job"], check=False)
+
+
+@pytest.fixture(scope="session")
+def test_user() -> pwd.struct_passwd:
+    return ensure_test_user()
+
+
+@pytest.fixture(scope="session")
+def world_tmp() -> Iterator[Path]:
+    """A scratch directory other users can traverse (pytest's tmp_path is root-only)."""
+    path = Path(tempfile.mkdtemp(prefix="stasis-tests-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _new_daemon(world_tmp: Path, name: str, **kwargs: Any) -> Daemon:
+    root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=world_tmp))
+    os.chmod(root, 0o755)
+    return Daemon(root, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Daemon]:
+    d = _new_daemon(world_tmp, "daemon", keep=3)
+    d.start()
+    yield d
+    d.kill_all()
+    d.stop()
+
+
+@pytest.fixture
+def make_daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Any]:
+    made: list[Daemon] = []
+
+    def make(**kwargs: Any) -> Daemon:
+        d = _new_daemon(world_tmp, "daemon", **kwargs)
+        d.start()
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.kill_all()
+        d.stop()

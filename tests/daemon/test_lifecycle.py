@@ -1,0 +1,50 @@
+"""Labels, retention, and a daemon restart under running jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import Daemon, wait_for, workload
+from tests.daemon.test_restore_state import last_number, numbers
+
+
+def test_restore_by_label_picks_newest_and_retention_drops_oldest(make_daemon: Any) -> None:
+    d: Daemon = make_daemon(keep=2)
+    job = d.run(*workload("counter.py"), label="train")
+    ids = []
+    for target in (3, 8, 13):
+        wait_for(lambda: last_number(d, job["job"]) >= target, what=f"count {target}")
+        ids.append(d.json("dump", job["job"], "--leave-running")["checkpoint"])
+    listed = [c["id"] for c in d.json("checkpoints", "--label", "train")]
+    assert listed == [ids[2], ids[1]]  # newest first; the oldest went over keep=2
+    d.cli("kill", job["job"])
+    before = numbers(d.log_of(job["job"]))
+    restored = d.json("restore", "--label", "train")
+    assert restored["checkpoint"] == ids[2]
+    wait_for(lambda: len(numbers(d.log_of(restored["job"]))) > len(before) + 2, what="more")
+    first_new = numbers(d.log_of(restored["job"]))[len(before)]
+    assert first_new >= 13  # from the newest checkpoint, not an older one
+    d.cli("checkpoints", "rm", ids[1])
+    assert [c["id"] for c in d.json("checkpoints")] == [ids[2]]
+    d.cli("kill", restored["job"])
+
+
+def test_daemon_restart_keeps_track_of_jobs(make_daemon: Any) -> None:
+    d: Daemon = make_daemon()
+    job = d.run(*workload("counter.py"), label="survivor")
+    short = d.run("sh", "-c", "sleep 1.5; exit 7")
+    wait_for(lambda: last_number(d, job["job"]) >= 3, what="counting")
+    d.stop()
+    wait_for(lambda: last_number(d, job["job"]) >= 10, what="counting while no daemon runs")
+    import time
+    time.sleep(1.6)  # the short job ends while no daemon is there
+    d.start()
+    listed = {j["job"]: j for j in d.json("ps")}
+    assert listed[job["job"]]["state"] == "running"
+    assert listed[short["job"]]["state"] == "exited"
+    assert listed[short["job"]]["exit_code"] == 7  # not lost: its supervisor recorded it
+    cp = d.json("dump", job["job"])
+    at_dump = last_number(d, job["job"])
+    restored = d.json("restore", cp["checkpoint"])
+    wait_for(lambda: last_number(d, restored["job"]) >= at_dump + 3, what="counting on")
+    d.cli("kill", restored["job"])
