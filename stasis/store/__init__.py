@@ -1,0 +1,32 @@
+"""The checkpoint store: CRIU images plus a manifest.json per checkpoint, on a directory or fsspec URL.
+
+Owns where checkpoints live and what they contain: staging directories for dumps, publishing
+(hashing, compression, the manifest written last), listing, verified fetching for restore,
+deletion and retention per label. The store is the source of truth: any node that sees the same
+store can list and restore its checkpoints. It does not run CRIU (the engine does) and keeps no
+state outside the store itself.
+"""
+
+from stasis.store.manifest import (
+    COMPRESSIONS,
+    CheckpointInfo,
+    Compression,
+    FileEntry,
+    Manifest,
+    new_checkpoint_id,
+    validate_checkpoint_id,
+    validate_label,
+)
+from stasis.store.store import Store
+
+__all__ = [
+    "COMPRESSIONS",
+    "CheckpointInfo",
+    "Compression",
+    "FileEntry",
+    "Manifest",
+    "Store",
+    "new_checkpoint_id",
+    "validate_checkpoint_id",
+    "validate_label",
+]

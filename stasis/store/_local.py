@@ -1,0 +1,215 @@
+"""The store on a local (or mounted shared) directory, with plain os calls.
+
+Layout, all owned by root because images restore credentials as root:
+
+    <root>/                     0755; refused when writable by anyone but its owner
+    <root>/.staging/            0700; CRIU dumps into <id>/, compressed output goes to <id>.publish/
+    <root>/<id>/                0700; image files 0600 and manifest.json
+
+Staging inside the root keeps publishing a rename on one filesystem: an uncompressed dump is never
+copied. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
+its manifest, so readers never see a checkpoint without one.
+
+Image data is not fsynced: after a power loss a listed checkpoint may hold torn files, which its
+sha256 sums catch at restore time; paying a full flush on every preemption dump is not worth it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from stasis.errors import StoreError
+from stasis.store.compression import Reader
+from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
+from stasis.store.manifest import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    Compression,
+    Manifest,
+    is_checkpoint_id,
+)
+
+STAGING_NAME = ".staging"
+_PUBLISH_SUFFIX = ".publish"
+
+
+class LocalTree:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.where = str(root)
+        self._checked = False
+
+    # -- the root ---------------------------------------------------------------------------
+
+    def _check_root(self) -> bool:
+        """True when the root exists and is safe to trust; StoreError when it exists and is not."""
+        if self._checked:
+            return True
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            return False
+        # Whoever can write the root can plant a checkpoint that root then restores.
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            raise StoreError(
+                f"store directory {self.root} is writable by other users (mode "
+                f"{st.st_mode & 0o7777:o}, owner uid {st.st_uid}): checkpoints restore as root, "
+                f"so `chown root {self.root}` and `chmod 755 {self.root}`"
+            )
+        self._checked = True
+        return True
+
+    def _ensure_root(self) -> None:
+        if not self._check_root():
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.chmod(0o755)
+            self._check_root()
+        _private_dir(self.root / STAGING_NAME)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def ids(self) -> list[str]:
+        if not self._check_root():
+            return []
+        found = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False) and is_checkpoint_id(entry.name):
+                    found.append(entry.name)
+        return found
+
+    def read_manifest(self, checkpoint_id: str) -> bytes:
+        if not self._check_root():
+            raise FileNotFoundError(self.root)
+        with _open_read(self.root / checkpoint_id / MANIFEST_NAME) as f:
+            return f.read(MAX_MANIFEST_BYTES)
+
+    def exists(self, checkpoint_id: str) -> bool:
+        return self._check_root() and (self.root / checkpoint_id).is_dir()
+
+    def stored_size(self, checkpoint_id: str, stored_name: str) -> int:
+        return _regular_size(self.root / checkpoint_id / stored_name)
+
+    def open_stored(self, checkpoint_id: str, stored_name: str) -> AbstractContextManager[Reader]:
+        return _open_read(self.root / checkpoint_id / stored_name)
+
+    def local_dir(self, checkpoint_id: str) -> Path | None:
+        return self.root / checkpoint_id
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _staging_path(self, checkpoint_id: str) -> Path:
+        return self.root / STAGING_NAME / checkpoint_id
+
+    def staging_dir(self, checkpoint_id: str) -> Path:
+        self._ensure_root()
+        path = self._staging_path(checkpoint_id)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(mode=0o700)
+        return path
+
+    def discard(self, checkpoint_id: str) -> None:
+        staging = self._staging_path(checkpoint_id)
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging.with_name(checkpoint_id + _PUBLISH_SUFFIX), ignore_errors=True)
+
+    def publish(self, info: CheckpointInfo, compression: Compression) -> Manifest:
+        staging = self._staging_path(info.id)
+        final = self.root / info.id
+        out = staging if compression == "none" else staging.with_name(info.id + _PUBLISH_SUFFIX)
+        moved = False
+        try:
+            self._ensure_root()
+            names = staged_names(staging)
+            if os.path.lexists(final):
+                raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
+            if compression == "none":
+                # The staged files are the stored ones: hash them in place, never copy.
+                entries = pack_staged(staging, names, compression, None)
+                for name in names:
+                    os.chmod(staging / name, 0o600)
+                os.chmod(staging, 0o700)
+            else:
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir(mode=0o700)
+                entries = pack_staged(staging, names, compression, lambda n: _create(out / n))
+            manifest = Manifest.build(info, compression, entries)
+            _write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))
+            _fsync_dir(out)
+            os.rename(out, final)
+            moved = True
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(final if moved else out, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return manifest
+
+    def remove(self, checkpoint_id: str) -> None:
+        path = self.root / checkpoint_id
+        if not self._check_root() or not path.is_dir():
+            raise FileNotFoundError(path)
+        try:
+            os.unlink(path / MANIFEST_NAME)
+            _fsync_dir(path)
+        except FileNotFoundError:
+            pass  # half-deleted before: finish the job
+        shutil.rmtree(path)
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, exist_ok=True)
+    path.chmod(0o700)
+
+
+def _create(path: Path) -> BinaryIO:
+    # O_EXCL: never follow a link planted where an image is going.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+@contextmanager
+def _open_read(path: Path) -> Iterator[io.FileIO]:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    with io.FileIO(fd, "rb") as f:
+        yield f
+
+
+def _regular_size(path: Path) -> int:
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(f"{path} is not a regular file")
+    return st.st_size
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

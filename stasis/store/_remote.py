@@ -1,0 +1,129 @@
+"""The store on any fsspec filesystem (object stores, memory://, dir::file://...).
+
+Same layout as the local store, `<root>/<id>/{images..., manifest.json}`, but images are dumped
+into a local staging directory first and uploaded from there, compressed on the way. There is no
+directory rename to lean on, so manifest.json is written last, under a temporary name and then
+moved into place: a checkpoint without it is never listed, and a failed publish removes what it
+uploaded. Permissions are the remote's business: grant writes to root alone.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shutil
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, cast
+
+from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
+from stasis.store.compression import Reader, Writer
+from stasis.store.manifest import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    Compression,
+    Manifest,
+    is_checkpoint_id,
+)
+
+
+class RemoteTree:
+    def __init__(self, fs: Any, root: str, where: str, staging_root: Path) -> None:
+        self.fs = fs  # an fsspec AbstractFileSystem; fsspec ships no type information
+        self.root = root.rstrip("/")
+        self.where = where
+        self.staging_root = staging_root
+
+    def _path(self, *parts: str) -> str:
+        return "/".join(p for p in (self.root, *parts) if p)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def ids(self) -> list[str]:
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            name = posixpath.basename(str(entry["name"]).rstrip("/"))
+            if entry.get("type") == "directory" and is_checkpoint_id(name):
+                found.append(name)
+        return found
+
+    def read_manifest(self, checkpoint_id: str) -> bytes:
+        with self.fs.open(self._path(checkpoint_id, MANIFEST_NAME), "rb") as f:
+            return cast(bytes, f.read(MAX_MANIFEST_BYTES))
+
+    def exists(self, checkpoint_id: str) -> bool:
+        return bool(self.fs.exists(self._path(checkpoint_id)))
+
+    def stored_size(self, checkpoint_id: str, stored_name: str) -> int:
+        return int(self.fs.size(self._path(checkpoint_id, stored_name)))
+
+    def open_stored(self, checkpoint_id: str, stored_name: str) -> AbstractContextManager[Reader]:
+        return cast(
+            AbstractContextManager[Reader],
+            self.fs.open(self._path(checkpoint_id, stored_name), "rb"),
+        )
+
+    def local_dir(self, checkpoint_id: str) -> Path | None:
+        return None
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _staging_path(self, checkpoint_id: str) -> Path:
+        return self.staging_root / checkpoint_id
+
+    def staging_dir(self, checkpoint_id: str) -> Path:
+        self.staging_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._staging_path(checkpoint_id)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(mode=0o700)
+        return path
+
+    def discard(self, checkpoint_id: str) -> None:
+        shutil.rmtree(self._staging_path(checkpoint_id), ignore_errors=True)
+
+    def _open_write(self, path: str) -> AbstractContextManager[Writer]:
+        return cast(AbstractContextManager[Writer], self.fs.open(path, "wb"))
+
+    def publish(self, info: CheckpointInfo, compression: Compression) -> Manifest:
+        staging = self._staging_path(info.id)
+        target = self._path(info.id)
+        started = False
+        try:
+            names = staged_names(staging)
+            if self.fs.exists(target):
+                raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
+            started = True
+            self.fs.makedirs(target, exist_ok=True)
+            entries = pack_staged(
+                staging, names, compression, lambda n: self._open_write(self._path(info.id, n))
+            )
+            manifest = Manifest.build(info, compression, entries)
+            tmp = self._path(info.id, f".{MANIFEST_NAME}.tmp")
+            self.fs.pipe_file(tmp, manifest_bytes(manifest))
+            self.fs.mv(tmp, self._path(info.id, MANIFEST_NAME))
+        except BaseException:
+            if started:
+                self._remove_quietly(target)
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return manifest
+
+    def _remove_quietly(self, target: str) -> None:
+        try:
+            self.fs.rm(target, recursive=True)
+        except Exception:
+            pass  # best effort while another error is on its way up; it is not listed anyway
+
+    def remove(self, checkpoint_id: str) -> None:
+        target = self._path(checkpoint_id)
+        if not self.fs.exists(target):
+            raise FileNotFoundError(target)
+        try:
+            self.fs.rm(self._path(checkpoint_id, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass  # half-deleted before: finish the job
+        self.fs.rm(target, recursive=True)

@@ -1,0 +1,129 @@
+"""The interface between `Store` and where its bytes live, plus the helpers both backends share.
+
+A `Tree` knows one layout, `<root>/<id>/{images..., manifest.json}`, on one kind of storage:
+a local directory (`_local.LocalTree`) or any fsspec filesystem (`_remote.RemoteTree`). Trees
+raise OSError (FileNotFoundError for anything absent) and leave the wording of errors, the
+validation of requests and the verification of images to `Store`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from stasis.errors import StoreError
+from stasis.store.compression import Reader, Writer, cpu_workers, pack, stored_name
+from stasis.store.manifest import CheckpointInfo, Compression, FileEntry, Manifest, is_safe_file_name
+
+# A manifest lists files, not data: anything this large is garbage, and is not read whole.
+MAX_MANIFEST_BYTES = 64 << 20
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Tree(Protocol):
+    where: str  # the store as users name it, for messages
+
+    def ids(self) -> list[str]:
+        """Names under the root that look like checkpoint ids; [] when the root does not exist."""
+        ...
+
+    def read_manifest(self, checkpoint_id: str) -> bytes: ...
+
+    def exists(self, checkpoint_id: str) -> bool: ...
+
+    def staging_dir(self, checkpoint_id: str) -> Path:
+        """Create a fresh empty local directory for the images of `checkpoint_id`."""
+        ...
+
+    def discard(self, checkpoint_id: str) -> None: ...
+
+    def publish(self, info: CheckpointInfo, compression: Compression) -> Manifest:
+        """Store the staged images of `info.id` and its manifest, all or nothing.
+
+        Always consumes the staging directory: it becomes the checkpoint, or is removed on failure.
+        """
+        ...
+
+    def remove(self, checkpoint_id: str) -> None:
+        """Remove manifest.json first, then the rest; FileNotFoundError if there is no such dir."""
+        ...
+
+    def open_stored(self, checkpoint_id: str, stored_name: str) -> AbstractContextManager[Reader]: ...
+
+    def stored_size(self, checkpoint_id: str, stored_name: str) -> int: ...
+
+    def local_dir(self, checkpoint_id: str) -> Path | None:
+        """The checkpoint's own directory when it is on a local filesystem, else None."""
+        ...
+
+
+def staged_names(staging: Path) -> list[str]:
+    """The image files CRIU left in `staging`; anything but plain files with safe names is refused."""
+    names = []
+    try:
+        entries = os.scandir(staging)
+    except FileNotFoundError:
+        raise StoreError(
+            f"no staged images for checkpoint {staging.name}: dump into Store.staging_dir() first"
+        ) from None
+    with entries:
+        for entry in entries:
+            if not entry.is_file(follow_symlinks=False) or not is_safe_file_name(entry.name):
+                raise StoreError(
+                    f"unexpected entry {entry.name!r} in staging directory {staging}: "
+                    "only plain image files can be published"
+                )
+            names.append(entry.name)
+    return sorted(names)
+
+
+def in_parallel(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """`[fn(x) for x in items]` on `workers` threads; raises the first failure after all finish."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stasis-store") as pool:
+        return list(pool.map(fn, items))
+
+
+def pack_staged(
+    staging: Path,
+    names: list[str],
+    compression: Compression,
+    open_dst: Callable[[str], AbstractContextManager[Writer]] | None,
+) -> list[FileEntry]:
+    """Hash (and compress into `open_dst(stored_name)`) every staged file, reading each once.
+
+    `open_dst=None` only hashes: the staged files themselves become the stored ones.
+    """
+
+    def one(name: str) -> FileEntry:
+        stored = stored_name(name, compression)
+        # Unbuffered: `pack` reads with readinto into its own large buffer.
+        with open(staging / name, "rb", buffering=0) as src:
+            if open_dst is None:
+                streamed = pack(src, None, compression)
+            else:
+                with open_dst(stored) as dst:
+                    streamed = pack(src, dst, compression)
+        return FileEntry(
+            name=name,
+            size_bytes=streamed.size_bytes,
+            stored_name=stored,
+            stored_size_bytes=streamed.stored_size_bytes,
+            sha256=streamed.sha256,
+        )
+
+    # zstd already runs one thread per CPU inside each file; the others get a file per thread.
+    workers = 1 if compression == "zstd" else cpu_workers(len(names))
+    return in_parallel(one, names, workers)
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    return manifest.model_dump_json(indent=2).encode() + b"\n"

@@ -1,0 +1,187 @@
+"""Streaming of image bytes: hash, compress and decompress in one pass over each file.
+
+Owns the codecs (none, zstd, lz4), the names compressed files get in the store, and the chunked
+loops that read a file exactly once while computing its sha256. Images can be several GiB, so
+nothing here holds a whole file in memory. Errors of the codecs surface as `DecompressionError`;
+OSError from the streams passes through untouched for the caller to translate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from collections.abc import Iterator
+from typing import IO, Protocol, cast
+
+import lz4.frame
+import zstandard
+
+from stasis.store.manifest import Compression
+
+CHUNK_BYTES = 8 << 20
+# Level 1: dumps happen under a preemption deadline, and level 1 already shrinks the zero
+# pages that dominate most images; higher levels buy a few percent for twice the CPU time.
+ZSTD_LEVEL = 1
+_LZ4_READ_BYTES = 128 << 10
+
+_SUFFIX: dict[Compression, str] = {"none": "", "zstd": ".zst", "lz4": ".lz4"}
+
+
+class DecompressionError(Exception):
+    """Stored bytes could not be decoded by their codec."""
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What one pass over a file saw: sizes on both sides and the sha256 of the plain bytes."""
+
+    size_bytes: int
+    stored_size_bytes: int
+    sha256: str
+
+
+class Reader(Protocol):
+    """Where stored or staged bytes come from: a local file, an fsspec file."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+class Writer(Protocol):
+    """Where packed bytes go: a local file, an fsspec file."""
+
+    def write(self, data: bytes | memoryview, /) -> int | None: ...
+
+
+def stored_name(name: str, compression: Compression) -> str:
+    """The name an image called `name` gets in the store under `compression`."""
+    return name + _SUFFIX[compression]
+
+
+class _CountingWriter:
+    """Forwards writes to `dst`, counting bytes; codecs write through it so we learn the stored size."""
+
+    def __init__(self, dst: Writer) -> None:
+        self.dst = dst
+        self.count = 0
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        self.dst.write(data)
+        self.count += len(data)
+        return len(data)
+
+
+class _Chunks:
+    """Yields views of one reused buffer filled by `readinto`: no allocation per chunk."""
+
+    def __init__(self, src: Reader) -> None:
+        self.src = src
+        self.buffer = bytearray(CHUNK_BYTES)
+        self.view = memoryview(self.buffer)
+
+    def __iter__(self) -> _Chunks:
+        return self
+
+    def __next__(self) -> memoryview:
+        n = self.src.readinto(self.view)
+        if not n:
+            raise StopIteration
+        return self.view[:n]
+
+
+def pack(src: Reader, dst: Writer | None, compression: Compression) -> Streamed:
+    """Read `src` once: hash it and write it, compressed as asked, to `dst`.
+
+    With `dst=None` (only valid for "none") the bytes are hashed and nowhere written: that is the
+    local uncompressed store, where the staged file itself becomes the stored one.
+    """
+    if dst is None and compression != "none":
+        raise ValueError("compression needs a destination")
+    sha = hashlib.sha256()
+    size = 0
+    out = _CountingWriter(dst) if dst is not None else None
+    if compression == "zstd":
+        assert out is not None
+        # threads=-1: one worker per CPU inside the codec, so files are packed one after another.
+        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
+        with cctx.stream_writer(cast(IO[bytes], out), closefd=False, write_size=CHUNK_BYTES) as writer:
+            for chunk in _Chunks(src):
+                sha.update(chunk)
+                writer.write(chunk)
+                size += len(chunk)
+    elif compression == "lz4":
+        assert out is not None
+        lz4c = lz4.frame.LZ4FrameCompressor()
+        out.write(lz4c.begin())
+        for chunk in _Chunks(src):
+            sha.update(chunk)
+            out.write(lz4c.compress(chunk))
+            size += len(chunk)
+        out.write(lz4c.flush())
+    else:
+        for chunk in _Chunks(src):
+            sha.update(chunk)
+            if out is not None:
+                out.write(chunk)
+            size += len(chunk)
+    stored = out.count if out is not None else size
+    return Streamed(size_bytes=size, stored_size_bytes=stored, sha256=sha.hexdigest())
+
+
+def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes: int) -> Streamed:
+    """Decode `src` into `dst` (or only hash it with `dst=None`), stopping past `max_bytes`.
+
+    Stopping early bounds the work a corrupt file can cause; the caller compares the returned size
+    and sha256 with the manifest. `stored_size_bytes` is not measured here and is reported as 0.
+    """
+    sha = hashlib.sha256()
+    size = 0
+    chunks: Iterator[bytes | memoryview]
+    if compression == "zstd":
+        chunks = _zstd_chunks(src)
+    elif compression == "lz4":
+        chunks = _lz4_chunks(src)
+    else:
+        chunks = iter(_Chunks(src))
+    try:
+        for chunk in chunks:
+            sha.update(chunk)
+            if dst is not None:
+                dst.write(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                break
+    except (zstandard.ZstdError, RuntimeError, EOFError) as e:
+        raise DecompressionError(str(e) or type(e).__name__) from e
+    return Streamed(size_bytes=size, stored_size_bytes=0, sha256=sha.hexdigest())
+
+
+def _zstd_chunks(src: Reader) -> Iterator[bytes]:
+    # A truncated frame just ends early here; the size check of the caller catches it.
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        cast(IO[bytes], src), read_size=CHUNK_BYTES, closefd=False
+    )
+    with reader:
+        while chunk := reader.read(CHUNK_BYTES):
+            yield chunk
+
+
+def _lz4_chunks(src: Reader) -> Iterator[bytes]:
+    # Small compressed reads bound the output of one call (lz4 expands at most ~255x), and are
+    # several times faster than lz4.frame.LZ4FrameFile, which feeds the codec 8 KiB at a time.
+    decompressor = lz4.frame.LZ4FrameDecompressor()
+    while data := src.read(_LZ4_READ_BYTES):
+        if decompressor.eof:
+            raise DecompressionError("data after the end of the lz4 frame")
+        yield decompressor.decompress(data)
+        if decompressor.eof and decompressor.unused_data:
+            raise DecompressionError("data after the end of the lz4 frame")
+    if not decompressor.eof:
+        raise DecompressionError("lz4 frame ends early")
+
+
+def cpu_workers(n_items: int) -> int:
+    """Threads for `n_items` files: hashlib and the codecs release the GIL on large buffers."""
+    return max(1, min(n_items, os.cpu_count() or 1, 8))

@@ -1,0 +1,168 @@
+"""What a checkpoint is on paper: its manifest, its id, its label.
+
+Owns the `manifest.json` schema (`Manifest`, `FileEntry`), the facts a caller supplies when
+publishing (`CheckpointInfo`), and the validation of every name that reaches the filesystem:
+checkpoint ids, labels and image file names. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stasis.errors import UsageError
+
+Compression = Literal["none", "zstd", "lz4"]
+COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "lz4")
+
+MANIFEST_NAME = "manifest.json"
+
+ID_PATTERN = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$"
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_ID_RE = re.compile(ID_PATTERN)
+_LABEL_RE = re.compile(LABEL_PATTERN)
+
+
+def new_checkpoint_id(now: datetime | None = None) -> str:
+    """A fresh id such as "20261130T001512Z-3f9a1c": UTC time then 6 random hex digits.
+
+    Ids sort by creation time as plain strings. A naive `now` is taken as local time.
+    """
+    moment = (now or datetime.now(UTC)).astimezone(UTC)
+    return f"{moment:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def is_checkpoint_id(name: str) -> bool:
+    return isinstance(name, str) and _ID_RE.fullmatch(name) is not None
+
+
+def validate_checkpoint_id(checkpoint_id: str) -> str:
+    """Return `checkpoint_id` unchanged, or raise UsageError: ids come from requests and become paths."""
+    if not is_checkpoint_id(checkpoint_id):
+        raise UsageError(
+            f"invalid checkpoint id {checkpoint_id!r}: expected one like 20261130T001512Z-3f9a1c"
+        )
+    return checkpoint_id
+
+
+def validate_label(label: str) -> str:
+    """Return `label` unchanged, or raise UsageError saying what a label may contain."""
+    if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
+        raise UsageError(
+            f"invalid label {label!r}: use 1 to 128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return label
+
+
+def is_safe_file_name(name: str) -> bool:
+    """True when `name` is one plain file name that cannot escape or shadow the checkpoint dir."""
+    return (
+        bool(name)
+        and len(name) <= 255
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and name not in (".", "..")
+        # manifest.json and its temporary twin belong to the store, never to the images.
+        and not name.startswith((MANIFEST_NAME, "." + MANIFEST_NAME))
+    )
+
+
+def _safe_file_name(name: str) -> str:
+    if not is_safe_file_name(name):
+        raise ValueError(f"unsafe file name {name!r}")
+    return name
+
+
+def _to_utc(value: datetime) -> datetime:
+    return value.astimezone(UTC)
+
+
+class FileEntry(BaseModel):
+    """One image file of a checkpoint."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str  # name CRIU gave it, e.g. "pages-1.img"
+    size_bytes: int = Field(ge=0)  # uncompressed
+    stored_name: str  # name in the store, e.g. "pages-1.img.zst"
+    stored_size_bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # of the uncompressed bytes
+
+    _check_names = field_validator("name", "stored_name")(_safe_file_name)
+
+
+class CheckpointInfo(BaseModel):
+    """What the caller of `Store.publish` knows about a dump; the store adds sizes and files."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(pattern=ID_PATTERN)
+    label: str = Field(pattern=LABEL_PATTERN)
+    job: str
+    host: str
+    created: AwareDatetime = Field(default_factory=lambda: datetime.now(UTC))
+    criu_version: str
+    command: list[str]
+    cwd: str
+    env: dict[str, str] = {}
+    user: str
+    uid: int
+    gid: int
+    log_path: str | None = None
+    extra: dict[str, Any] = {}  # room for later: parent checkpoint, gpu, slurm job id...
+
+    _utc = field_validator("created")(_to_utc)
+
+
+class Manifest(BaseModel):
+    """The content of `<store>/<id>/manifest.json`; its presence is what makes a checkpoint exist."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # Readers skip manifests of a format they do not know instead of misreading them.
+    format: Literal[1] = 1
+    id: str = Field(pattern=ID_PATTERN)
+    label: str = Field(pattern=LABEL_PATTERN)
+    job: str
+    host: str
+    created: AwareDatetime
+    size_bytes: int = Field(ge=0)  # total uncompressed image bytes
+    stored_size_bytes: int = Field(ge=0)
+    criu_version: str
+    command: list[str]
+    cwd: str
+    env: dict[str, str] = {}
+    user: str
+    uid: int
+    gid: int
+    log_path: str | None = None
+    compression: Compression
+    files: list[FileEntry]
+    extra: dict[str, Any] = {}
+
+    _utc = field_validator("created")(_to_utc)
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> Manifest:
+        for attr in ("name", "stored_name"):
+            names = [getattr(f, attr) for f in self.files]
+            if len(set(names)) != len(names):
+                raise ValueError(f"duplicate file {attr} in manifest")
+        return self
+
+    @classmethod
+    def build(cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry]) -> Manifest:
+        """The manifest of a checkpoint described by `info` holding `files`."""
+        return cls(
+            **info.model_dump(),
+            compression=compression,
+            files=sorted(files, key=lambda f: f.name),
+            size_bytes=sum(f.size_bytes for f in files),
+            stored_size_bytes=sum(f.stored_size_bytes for f in files),
+        )

@@ -1,0 +1,336 @@
+"""`Store`: the checkpoints any node sharing one directory or fsspec URL can list and restore.
+
+Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory), publishing
+(sizes, sha256 sums, compression, manifest.json written last), listing, verified fetching for
+restore, deletion and retention per label. Every id and file name reaching the filesystem is
+validated first; every foreign error leaves as one readable StoreError line.
+
+    store = Store(settings.store_url, staging_root=settings.state_dir / "staging", keep=settings.keep)
+    staging = store.staging_dir(checkpoint_id)        # criu dump --images-dir staging
+    manifest = store.publish(info, compression="zstd")  # or store.discard(checkpoint_id) on failure
+    with store.open_images(checkpoint_id, scratch) as (manifest, images_dir):
+        ...                                           # criu restore --images-dir images_dir
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import fsspec
+import fsspec.implementations.local
+from pydantic import ValidationError
+
+from stasis.errors import CorruptCheckpointError, NotFoundError, StasisError, StoreError, UsageError
+from stasis.store._local import LocalTree
+from stasis.store._remote import RemoteTree
+from stasis.store._tree import Tree, in_parallel
+from stasis.store.compression import DecompressionError, Reader, Streamed, cpu_workers, unpack
+from stasis.store.manifest import (
+    COMPRESSIONS,
+    CheckpointInfo,
+    Compression,
+    FileEntry,
+    Manifest,
+    validate_checkpoint_id,
+    validate_label,
+)
+
+log = logging.getLogger(__name__)
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class _UnreadableManifest(Exception):
+    pass
+
+
+class Store:
+    """Checkpoints under `url`: a plain directory path or an fsspec URL (memory://x, s3://b/p...).
+
+    `staging_root` is a local directory for dumps when the store is not a local directory (a local
+    store stages inside itself, so that publishing is a rename). `keep` is how many checkpoints
+    are kept per label, 0 for all.
+    """
+
+    def __init__(self, url: str, *, staging_root: Path, keep: int = 5) -> None:
+        if keep < 0:
+            raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
+        if not url:
+            raise UsageError("no checkpoint store given: set STASIS_STORE to a directory or URL")
+        self.url = url
+        self.keep = keep
+        self._tree = _open_tree(url, staging_root)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, keep={self.keep})"
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def staging_dir(self, checkpoint_id: str) -> Path:
+        """A fresh, empty, root-only local directory for CRIU to dump the images of `checkpoint_id`.
+
+        Pass the id to `publish` (via CheckpointInfo) or `discard` afterwards. Never listed.
+        """
+        validate_checkpoint_id(checkpoint_id)
+        try:
+            return self._tree.staging_dir(checkpoint_id)
+        except OSError as e:
+            raise self._write_error(checkpoint_id, e) from e
+
+    def discard(self, checkpoint_id: str) -> None:
+        """Remove the staging directory of a dump that failed; nothing happens if there is none."""
+        validate_checkpoint_id(checkpoint_id)
+        self._tree.discard(checkpoint_id)
+
+    def publish(self, info: CheckpointInfo, compression: Compression = "none") -> Manifest:
+        """Turn the images staged for `info.id` into a listed checkpoint and return its manifest.
+
+        Hashes every file, compresses it if asked, stores it and writes manifest.json last. The
+        staging directory is consumed either way: on success it became the checkpoint; on any
+        failure everything written is removed, nothing is listed, and StoreError says why (for a
+        full disk: "no space left on ..."). Then the oldest checkpoints of the label beyond `keep`
+        are deleted.
+        """
+        validate_checkpoint_id(info.id)
+        validate_label(info.label)
+        if compression not in COMPRESSIONS:
+            raise UsageError(f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
+        try:
+            manifest = self._tree.publish(info, compression)
+        except StasisError:
+            raise
+        except Exception as e:  # OSError, or the own types of fsspec backends
+            raise self._write_error(info.id, e) from e
+        try:
+            self._retain(info.label, protect=info.id)
+        except StasisError as e:
+            # The checkpoint is safe; a failed cleanup must not make the dump look failed.
+            log.warning("retention for label %s failed after publishing %s: %s", info.label, info.id, e)
+        return manifest
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Remove a checkpoint: manifest.json first, so a half-deleted one is never listed."""
+        validate_checkpoint_id(checkpoint_id)
+        try:
+            self._tree.remove(checkpoint_id)
+        except FileNotFoundError:
+            raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}") from e
+
+    def apply_retention(self, label: str) -> list[str]:
+        """Delete the checkpoints of `label` beyond the newest `keep`; return the deleted ids."""
+        return self._retain(validate_label(label), protect=None)
+
+    def _retain(self, label: str, protect: str | None) -> list[str]:
+        if self.keep == 0:
+            return []
+        doomed = [m.id for m in self.list(label)[self.keep :] if m.id != protect]
+        deleted = []
+        for checkpoint_id in doomed:
+            try:
+                self.delete(checkpoint_id)
+            except NotFoundError:
+                continue  # another node's retention got there first
+            deleted.append(checkpoint_id)
+        return deleted
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def list(self, label: str | None = None) -> list[Manifest]:
+        """Complete checkpoints (of `label`, if given), newest first; unreadable ones are skipped."""
+        if label is not None:
+            validate_label(label)
+        try:
+            ids = self._tree.ids()
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+        manifests = []
+        for checkpoint_id in ids:
+            try:
+                manifest = self._load(checkpoint_id)
+            except FileNotFoundError:
+                continue  # being published, or half-deleted
+            except (_UnreadableManifest, OSError) as e:
+                log.warning("skipping checkpoint %s in %s: %s", checkpoint_id, self.url, e)
+                continue
+            if label is None or manifest.label == label:
+                manifests.append(manifest)
+        return sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
+
+    def get(self, checkpoint_id: str) -> Manifest:
+        """The manifest of `checkpoint_id`; NotFoundError if it is unknown or incomplete."""
+        validate_checkpoint_id(checkpoint_id)
+        try:
+            return self._load(checkpoint_id)
+        except FileNotFoundError:
+            raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
+        except _UnreadableManifest as e:
+            raise self._corrupt(checkpoint_id, "manifest.json", f"is unreadable ({e})") from None
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}") from e
+
+    def latest(self, label: str) -> Manifest:
+        """The newest checkpoint of `label`; NotFoundError if it has none."""
+        manifests = self.list(validate_label(label))
+        if not manifests:
+            raise NotFoundError(f"no checkpoint with label {label} in store {self.url}")
+        return manifests[0]
+
+    @contextmanager
+    def open_images(self, checkpoint_id: str, scratch: Path) -> Iterator[tuple[Manifest, Path]]:
+        """Yield the manifest and a local directory of verified, uncompressed images for restore.
+
+        A local uncompressed checkpoint is verified in place and its own directory is yielded:
+        treat it as read-only and write CRIU's log elsewhere. Otherwise the images are fetched and
+        decompressed into a temporary directory under `scratch`, removed on exit. Any missing,
+        truncated or corrupt file raises CorruptCheckpointError before anything is yielded.
+        """
+        manifest = self.get(checkpoint_id)
+        in_place = self._tree.local_dir(checkpoint_id)
+        if in_place is not None and manifest.compression == "none":
+            self._verify(manifest, None)
+            yield manifest, in_place
+            return
+        try:
+            scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+            target = Path(tempfile.mkdtemp(prefix=f"{checkpoint_id}-", dir=scratch))
+        except OSError as e:
+            raise StoreError(f"cannot create a directory under {scratch} to restore {checkpoint_id}: {_reason(e)}") from e
+        try:
+            self._verify(manifest, target)
+            yield manifest, target
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _load(self, checkpoint_id: str) -> Manifest:
+        data = self._tree.read_manifest(checkpoint_id)
+        try:
+            manifest = Manifest.model_validate_json(data)
+        except (ValidationError, ValueError) as e:
+            raise _UnreadableManifest(_first_problem(e)) from e
+        if manifest.id != checkpoint_id:
+            raise _UnreadableManifest(f"it names checkpoint {manifest.id}")
+        return manifest
+
+    def _verify(self, manifest: Manifest, target: Path | None) -> None:
+        """Check every file against the manifest, decoding it into `target` when one is given."""
+        checkpoint_id = manifest.id
+        # Cheap size checks first: a truncated image fails at once, not after hashing GiBs.
+        for entry in manifest.files:
+            try:
+                stored = self._tree.stored_size(checkpoint_id, entry.stored_name)
+            except FileNotFoundError:
+                raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
+            except Exception as e:
+                raise self._read_error(checkpoint_id, e) from e
+            if stored != entry.stored_size_bytes:
+                raise self._corrupt(
+                    checkpoint_id,
+                    entry.name,
+                    f"has {stored} bytes stored instead of {entry.stored_size_bytes} (truncated?)",
+                )
+
+        def check(entry: FileEntry) -> None:
+            try:
+                with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
+                    got = _unpack_to(src, target, entry, manifest.compression)
+            except DecompressionError as e:
+                raise self._corrupt(checkpoint_id, entry.name, f"cannot be decompressed ({e})") from e
+            except FileNotFoundError:
+                raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
+            except OSError as e:
+                if target is not None and e.errno in _NO_SPACE:
+                    raise StoreError(
+                        f"no space left on {target.parent} while unpacking checkpoint {checkpoint_id}: "
+                        "free space or restore with another scratch directory"
+                    ) from e
+                raise self._read_error(checkpoint_id, e) from e
+            except StasisError:
+                raise
+            except Exception as e:
+                raise self._read_error(checkpoint_id, e) from e
+            if got.size_bytes != entry.size_bytes:
+                # Decoding stops soon after the expected size, so "more" has no exact count.
+                found = "more than" if got.size_bytes > entry.size_bytes else f"{got.size_bytes} bytes instead of"
+                raise self._corrupt(checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes")
+            if got.sha256 != entry.sha256:
+                raise self._corrupt(checkpoint_id, entry.name, "fails its sha256 check")
+
+        in_parallel(check, manifest.files, cpu_workers(len(manifest.files)))
+
+    def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {checkpoint_id} is corrupt: {file} {what}; "
+            f"delete it with `stasis checkpoints rm {checkpoint_id}`"
+        )
+
+    def _read_error(self, checkpoint_id: str, e: Exception) -> StoreError:
+        return StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}")
+
+    def _write_error(self, checkpoint_id: str, e: Exception) -> StoreError:
+        if _errno_in_chain(e) in _NO_SPACE:
+            return StoreError(
+                f"no space left on {self.url} while writing checkpoint {checkpoint_id}: "
+                "free space or point STASIS_STORE elsewhere"
+            )
+        return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: {_reason(e)}")
+
+
+def _open_tree(url: str, staging_root: Path) -> Tree:
+    if "://" not in url and "::" not in url:
+        return LocalTree(Path(url).absolute())
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError, TypeError) as e:
+        raise UsageError(f"cannot use checkpoint store {url}: {_reason(e)}") from e
+    if type(fs) is fsspec.implementations.local.LocalFileSystem:
+        return LocalTree(Path(root))
+    return RemoteTree(fs, str(root), url, staging_root)
+
+
+def _unpack_to(src: Reader, target: Path | None, entry: FileEntry, compression: Compression) -> Streamed:
+    if target is None:
+        return unpack(src, None, compression, entry.size_bytes)
+    with open(target / entry.name, "xb") as dst:
+        return unpack(src, dst, compression, entry.size_bytes)
+
+
+def _errno_in_chain(e: BaseException) -> int | None:
+    """The errno of `e` or of the OSError it wraps: codecs and fsspec re-raise write errors."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """One line about `e`: the OS's words and the file, without the errno noise."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _first_problem(e: ValueError) -> str:
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return _reason(e)
