@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ class Client:
             resp = self._http.request(method, path, json=body, params=params)
         except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError) as e:
             raise self._unreachable(e) from e
-        data = resp.json()
+        data = _json(resp)
         if resp.status_code >= 400:
             raise _error(data, resp.status_code)
         return data
@@ -63,7 +64,7 @@ class Client:
             with self._http.stream("POST", path, json=body) as resp:
                 if resp.status_code >= 400:
                     resp.read()
-                    raise _error(resp.json(), resp.status_code)
+                    raise _error(_json(resp), resp.status_code)
                 for line in resp.iter_lines():
                     if not line.strip():
                         continue
@@ -88,14 +89,14 @@ class Client:
         return self.request("GET", "/jobs")
 
     def job(self, job_id: str) -> Any:
-        return self.request("GET", f"/jobs/{job_id}")
+        return self.request("GET", f"/jobs/{_seg(job_id)}")
 
     def kill(self, job_id: str) -> Any:
-        return self.request("POST", f"/jobs/{job_id}/kill")
+        return self.request("POST", f"/jobs/{_seg(job_id)}/kill")
 
     def dump(self, job_id: str, progress: Callable[[int, int], None] | None = None,
              **request: Any) -> Any:
-        return self.stream(f"/jobs/{job_id}/dump", request, progress)
+        return self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress)
 
     def restore(self, progress: Callable[[int, int], None] | None = None, **request: Any) -> Any:
         return self.stream("/restore", request, progress)
@@ -104,7 +105,19 @@ class Client:
         return self.request("GET", "/checkpoints", params={"label": label} if label else None)
 
     def delete_checkpoint(self, checkpoint_id: str) -> Any:
-        return self.request("DELETE", f"/checkpoints/{checkpoint_id}")
+        return self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}")
+
+
+def _seg(value: str) -> str:
+    """One URL path segment: ids from the command line never become other paths."""
+    return quote(value, safe="")
+
+
+def _json(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return {"unexpected": resp.text[:200]}
 
 
 def _error(data: Any, status: int) -> StasisError:

@@ -18,8 +18,10 @@ The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type"
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,12 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.chdir(spec["cwd"])
+        # tini would only report this in the log; the caller deserves to hear it now.
+        prog = spec["command"][0]
+        found = os.access(prog, os.X_OK) if "/" in prog else shutil.which(
+            prog, path=spec["env"].get("PATH"))
+        if not found:
+            raise FileNotFoundError(errno.ENOENT, "no such executable program", prog)
         argv = [spec["tini"], "-g", "--", *spec["command"]]
         os.execve(spec["tini"], argv, spec["env"])
     except OSError as e:

@@ -74,7 +74,7 @@ def test_full_store_fails_cleanly_and_job_keeps_running(make_daemon: Any, world_
                                                         ) -> None:
     mnt = world_tmp / "small-store"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=755", "tmpfs", str(mnt)], check=True)
     try:
         d: Daemon = make_daemon(store=str(mnt))
         job = d.run(*workload("memhold.py", 32))
