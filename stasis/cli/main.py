@@ -10,6 +10,7 @@ import sys
 import click
 
 from stasis.cli import output
+from stasis.cli.slurm import slurm
 from stasis.config import Settings, load_settings
 from stasis.daemon.client import Client
 from stasis.errors import StasisError, UsageError
@@ -234,3 +235,7 @@ def main() -> None:
         sys.exit(1)
 
 
+
+
+
+cli.add_command(slurm)
