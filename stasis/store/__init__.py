@@ -1,4 +1,4 @@
-"""The checkpoint store: CRIU images plus a manifest.json per checkpoint, on a directory or fsspec URL.
+"""The checkpoint store: CRIU images plus a manifest.json each, on a directory or an fsspec URL.
 
 Owns where checkpoints live and what they contain: staging directories for dumps, publishing
 (hashing, compression, the manifest written last), listing, verified fetching for restore,

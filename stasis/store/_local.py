@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stasis.errors import StoreError
-from stasis.store.compression import Reader
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
+from stasis.store.compression import Reader
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,

@@ -17,7 +17,13 @@ from typing import Protocol, TypeVar
 
 from stasis.errors import StoreError
 from stasis.store.compression import Reader, Writer, cpu_workers, pack, stored_name
-from stasis.store.manifest import CheckpointInfo, Compression, FileEntry, Manifest, is_safe_file_name
+from stasis.store.manifest import (
+    CheckpointInfo,
+    Compression,
+    FileEntry,
+    Manifest,
+    is_safe_file_name,
+)
 
 # A manifest lists files, not data: anything this large is garbage, and is not read whole.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -54,7 +60,9 @@ class Tree(Protocol):
         """Remove manifest.json first, then the rest; FileNotFoundError if there is no such dir."""
         ...
 
-    def open_stored(self, checkpoint_id: str, stored_name: str) -> AbstractContextManager[Reader]: ...
+    def open_stored(
+        self, checkpoint_id: str, stored_name: str
+    ) -> AbstractContextManager[Reader]: ...
 
     def stored_size(self, checkpoint_id: str, stored_name: str) -> int: ...
 
@@ -64,7 +72,7 @@ class Tree(Protocol):
 
 
 def staged_names(staging: Path) -> list[str]:
-    """The image files CRIU left in `staging`; anything but plain files with safe names is refused."""
+    """The image files CRIU left in `staging`; refuses anything but plain files with safe names."""
     names = []
     try:
         entries = os.scandir(staging)

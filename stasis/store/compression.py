@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Protocol, cast
 
 import lz4.frame
@@ -61,7 +61,7 @@ def stored_name(name: str, compression: Compression) -> str:
 
 
 class _CountingWriter:
-    """Forwards writes to `dst`, counting bytes; codecs write through it so we learn the stored size."""
+    """Forwards writes to `dst` and counts them: codecs write through it, giving the stored size."""
 
     def __init__(self, dst: Writer) -> None:
         self.dst = dst
@@ -106,7 +106,9 @@ def pack(src: Reader, dst: Writer | None, compression: Compression) -> Streamed:
         assert out is not None
         # threads=-1: one worker per CPU inside the codec, so files are packed one after another.
         cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, threads=-1)
-        with cctx.stream_writer(cast(IO[bytes], out), closefd=False, write_size=CHUNK_BYTES) as writer:
+        with cctx.stream_writer(
+            cast(IO[bytes], out), closefd=False, write_size=CHUNK_BYTES
+        ) as writer:
             for chunk in _Chunks(src):
                 sha.update(chunk)
                 writer.write(chunk)

@@ -41,7 +41,7 @@ def is_checkpoint_id(name: str) -> bool:
 
 
 def validate_checkpoint_id(checkpoint_id: str) -> str:
-    """Return `checkpoint_id` unchanged, or raise UsageError: ids come from requests and become paths."""
+    """Return `checkpoint_id`, or raise UsageError: ids come from requests and become paths."""
     if not is_checkpoint_id(checkpoint_id):
         raise UsageError(
             f"invalid checkpoint id {checkpoint_id!r}: expected one like 20261130T001512Z-3f9a1c"
@@ -121,7 +121,7 @@ class CheckpointInfo(BaseModel):
 
 
 class Manifest(BaseModel):
-    """The content of `<store>/<id>/manifest.json`; its presence is what makes a checkpoint exist."""
+    """The content of `<store>/<id>/manifest.json`; its presence makes the checkpoint exist."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -157,7 +157,9 @@ class Manifest(BaseModel):
         return self
 
     @classmethod
-    def build(cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry]) -> Manifest:
+    def build(
+        cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry]
+    ) -> Manifest:
         """The manifest of a checkpoint described by `info` holding `files`."""
         return cls(
             **info.model_dump(),

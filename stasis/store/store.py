@@ -5,7 +5,7 @@ Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory)
 restore, deletion and retention per label. Every id and file name reaching the filesystem is
 validated first; every foreign error leaves as one readable StoreError line.
 
-    store = Store(settings.store_url, staging_root=settings.state_dir / "staging", keep=settings.keep)
+    store = Store(settings.store_url, staging_root=state_dir / "staging", keep=settings.keep)
     staging = store.staging_dir(checkpoint_id)        # criu dump --images-dir staging
     manifest = store.publish(info, compression="zstd")  # or store.discard(checkpoint_id) on failure
     with store.open_images(checkpoint_id, scratch) as (manifest, images_dir):
@@ -100,7 +100,9 @@ class Store:
         validate_checkpoint_id(info.id)
         validate_label(info.label)
         if compression not in COMPRESSIONS:
-            raise UsageError(f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
+            raise UsageError(
+                f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
+            )
         try:
             manifest = self._tree.publish(info, compression)
         except StasisError:
@@ -111,7 +113,9 @@ class Store:
             self._retain(info.label, protect=info.id)
         except StasisError as e:
             # The checkpoint is safe; a failed cleanup must not make the dump look failed.
-            log.warning("retention for label %s failed after publishing %s: %s", info.label, info.id, e)
+            log.warning(
+                "retention for label %s failed after publishing %s: %s", info.label, info.id, e
+            )
         return manifest
 
     def delete(self, checkpoint_id: str) -> None:
@@ -124,7 +128,9 @@ class Store:
         except StasisError:
             raise
         except Exception as e:
-            raise StoreError(f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}") from e
+            raise StoreError(
+                f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
+            ) from e
 
     def apply_retention(self, label: str) -> list[str]:
         """Delete the checkpoints of `label` beyond the newest `keep`; return the deleted ids."""
@@ -146,7 +152,7 @@ class Store:
     # -- reading ----------------------------------------------------------------------------
 
     def list(self, label: str | None = None) -> list[Manifest]:
-        """Complete checkpoints (of `label`, if given), newest first; unreadable ones are skipped."""
+        """Complete checkpoints (of `label`, if given), newest first; skips unreadable ones."""
         if label is not None:
             validate_label(label)
         try:
@@ -161,7 +167,9 @@ class Store:
                 manifest = self._load(checkpoint_id)
             except FileNotFoundError:
                 continue  # being published, or half-deleted
-            except (_UnreadableManifest, OSError) as e:
+            except StasisError:
+                raise
+            except Exception as e:  # garbage, or a file we may not read: one bad apple only
                 log.warning("skipping checkpoint %s in %s: %s", checkpoint_id, self.url, e)
                 continue
             if label is None or manifest.label == label:
@@ -180,7 +188,9 @@ class Store:
         except StasisError:
             raise
         except Exception as e:
-            raise StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}") from e
+            raise StoreError(
+                f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
+            ) from e
 
     def latest(self, label: str) -> Manifest:
         """The newest checkpoint of `label`; NotFoundError if it has none."""
@@ -208,7 +218,10 @@ class Store:
             scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
             target = Path(tempfile.mkdtemp(prefix=f"{checkpoint_id}-", dir=scratch))
         except OSError as e:
-            raise StoreError(f"cannot create a directory under {scratch} to restore {checkpoint_id}: {_reason(e)}") from e
+            raise StoreError(
+                f"cannot create a directory under {scratch} to restore {checkpoint_id}: "
+                f"{_reason(e)}"
+            ) from e
         try:
             self._verify(manifest, target)
             yield manifest, target
@@ -250,13 +263,16 @@ class Store:
                 with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
                     got = _unpack_to(src, target, entry, manifest.compression)
             except DecompressionError as e:
-                raise self._corrupt(checkpoint_id, entry.name, f"cannot be decompressed ({e})") from e
+                raise self._corrupt(
+                    checkpoint_id, entry.name, f"cannot be decompressed ({e})"
+                ) from e
             except FileNotFoundError:
                 raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
             except OSError as e:
                 if target is not None and e.errno in _NO_SPACE:
                     raise StoreError(
-                        f"no space left on {target.parent} while unpacking checkpoint {checkpoint_id}: "
+                        f"no space left on {target.parent} while unpacking checkpoint "
+                        f"{checkpoint_id}: "
                         "free space or restore with another scratch directory"
                     ) from e
                 raise self._read_error(checkpoint_id, e) from e
@@ -266,8 +282,14 @@ class Store:
                 raise self._read_error(checkpoint_id, e) from e
             if got.size_bytes != entry.size_bytes:
                 # Decoding stops soon after the expected size, so "more" has no exact count.
-                found = "more than" if got.size_bytes > entry.size_bytes else f"{got.size_bytes} bytes instead of"
-                raise self._corrupt(checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes")
+                found = (
+                    "more than"
+                    if got.size_bytes > entry.size_bytes
+                    else f"{got.size_bytes} bytes instead of"
+                )
+                raise self._corrupt(
+                    checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes"
+                )
             if got.sha256 != entry.sha256:
                 raise self._corrupt(checkpoint_id, entry.name, "fails its sha256 check")
 
@@ -303,7 +325,9 @@ def _open_tree(url: str, staging_root: Path) -> Tree:
     return RemoteTree(fs, str(root), url, staging_root)
 
 
-def _unpack_to(src: Reader, target: Path | None, entry: FileEntry, compression: Compression) -> Streamed:
+def _unpack_to(
+    src: Reader, target: Path | None, entry: FileEntry, compression: Compression
+) -> Streamed:
     if target is None:
         return unpack(src, None, compression, entry.size_bytes)
     with open(target / entry.name, "xb") as dst:

@@ -26,7 +26,11 @@ def test_pack_unpack_round_trip(compression: Compression, size: int) -> None:
 
 
 def test_stored_names() -> None:
-    assert [stored_name("pages-1.img", c) for c in COMPRESSIONS] == ["pages-1.img", "pages-1.img.zst", "pages-1.img.lz4"]
+    assert [stored_name("pages-1.img", c) for c in COMPRESSIONS] == [
+        "pages-1.img",
+        "pages-1.img.zst",
+        "pages-1.img.lz4",
+    ]
 
 
 def test_hash_only_needs_no_destination() -> None:

@@ -59,7 +59,9 @@ def _files_under(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def _expect_no_space(store: Store, checkpoint_id: str, where: str, compression: Compression) -> None:
+def _expect_no_space(
+    store: Store, checkpoint_id: str, where: str, compression: Compression
+) -> None:
     with pytest.raises(StoreError) as caught:
         store.publish(make_info(id=checkpoint_id), compression)
     message = str(caught.value)

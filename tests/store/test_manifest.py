@@ -37,7 +37,10 @@ def test_new_id_uses_utc_and_sorts_by_time() -> None:
     paris = timezone(timedelta(hours=1))
     first = new_checkpoint_id(datetime(2026, 11, 30, 1, 15, 12, tzinfo=paris))
     assert first.startswith("20261130T001512Z-")
-    later = [new_checkpoint_id(datetime(2026, 11, 30, 0, 15, 12, tzinfo=UTC) + timedelta(seconds=s)) for s in (1, 60, 86400)]
+    later = [
+        new_checkpoint_id(datetime(2026, 11, 30, 0, 15, 12, tzinfo=UTC) + timedelta(seconds=s))
+        for s in (1, 60, 86400)
+    ]
     assert sorted([*later, first]) == [first, *later]
 
 
@@ -48,8 +51,18 @@ def test_new_ids_differ_within_one_second() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "../x", "a/b", "/20261130T001512Z-3f9a1c", "20261130T001512Z-3f9a1c/..", "20261130T001512Z-3F9A1C",
-     "20261130T001512Z-3f9a1c\n", "20261130T001512-3f9a1c", ".", ".."],
+    [
+        "",
+        "../x",
+        "a/b",
+        "/20261130T001512Z-3f9a1c",
+        "20261130T001512Z-3f9a1c/..",
+        "20261130T001512Z-3F9A1C",
+        "20261130T001512Z-3f9a1c\n",
+        "20261130T001512-3f9a1c",
+        ".",
+        "..",
+    ],
 )
 def test_invalid_ids_are_refused(bad: str) -> None:
     with pytest.raises(UsageError, match="invalid checkpoint id"):
@@ -67,7 +80,9 @@ def test_invalid_labels_are_refused_readably(bad: str) -> None:
         validate_label(bad)
 
 
-@pytest.mark.parametrize("name", ["../pages.img", "a/b.img", "/etc/passwd", "..", ".", "", "manifest.json", "x\x00y"])
+@pytest.mark.parametrize(
+    "name", ["../pages.img", "a/b.img", "/etc/passwd", "..", ".", "", "manifest.json", "x\x00y"]
+)
 def test_file_entries_refuse_unsafe_names(name: str) -> None:
     with pytest.raises(ValidationError):
         FileEntry(name=name, size_bytes=1, stored_name="ok.img", stored_size_bytes=1, sha256=SHA)
@@ -77,7 +92,13 @@ def test_file_entries_refuse_unsafe_names(name: str) -> None:
 
 def test_manifest_round_trips_through_json_with_utc_time() -> None:
     info = make_info(created=datetime(2026, 11, 30, 1, 0, tzinfo=timezone(timedelta(hours=1))))
-    entry = FileEntry(name="pages-1.img", size_bytes=10, stored_name="pages-1.img.zst", stored_size_bytes=4, sha256=SHA)
+    entry = FileEntry(
+        name="pages-1.img",
+        size_bytes=10,
+        stored_name="pages-1.img.zst",
+        stored_size_bytes=4,
+        sha256=SHA,
+    )
     manifest = Manifest.build(info, "zstd", [entry])
     assert manifest.created == datetime(2026, 11, 30, 0, 0, tzinfo=UTC)
     assert manifest.created.utcoffset() == timedelta(0)
@@ -86,7 +107,9 @@ def test_manifest_round_trips_through_json_with_utc_time() -> None:
 
 
 def test_manifest_refuses_naive_times_duplicates_and_unknown_formats() -> None:
-    entry = FileEntry(name="a.img", size_bytes=1, stored_name="a.img", stored_size_bytes=1, sha256=SHA)
+    entry = FileEntry(
+        name="a.img", size_bytes=1, stored_name="a.img", stored_size_bytes=1, sha256=SHA
+    )
     good = Manifest.build(make_info(), "none", [entry]).model_dump(mode="json")
     with pytest.raises(ValidationError):
         Manifest.model_validate({**good, "created": "2026-11-30T00:00:00"})

@@ -22,7 +22,9 @@ def images(random_20m: bytes, mostly_zero: bytes) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "lz4"])
-def test_round_trip(store: Store, images: dict[str, bytes], compression: Compression, tmp_path: Path) -> None:
+def test_round_trip(
+    store: Store, images: dict[str, bytes], compression: Compression, tmp_path: Path
+) -> None:
     info = make_info()
     stage(store, info, images)
     published = store.publish(info, compression)
@@ -100,11 +102,17 @@ def _flip(data: bytes) -> bytes:
     ids=["flipped", "truncated", "extended"],
 )
 def test_damaged_image_is_reported_before_yielding(
-    store: Store, compression: Compression, damage: Callable[[bytes], bytes], words: str, tmp_path: Path
+    store: Store,
+    compression: Compression,
+    damage: Callable[[bytes], bytes],
+    words: str,
+    tmp_path: Path,
 ) -> None:
     manifest = _publish(store, compression)
     _rewrite(_stored_path(store, manifest, "pages-1.img"), damage)
-    with pytest.raises(CorruptCheckpointError, match=f"checkpoint {manifest.id} is corrupt: {words}") as caught:
+    with pytest.raises(
+        CorruptCheckpointError, match=f"checkpoint {manifest.id} is corrupt: {words}"
+    ) as caught:
         with store.open_images(manifest.id, tmp_path / "scratch"):
             pytest.fail("yielded a damaged checkpoint")
     assert str(caught.value).endswith(f"delete it with `stasis checkpoints rm {manifest.id}`")
@@ -118,7 +126,12 @@ def test_wrong_plain_size_is_caught(local_store: Store, tmp_path: Path) -> None:
     manifest = _publish(local_store, "zstd")
     entry = next(f for f in manifest.files if f.name == "core-1.img")
     lying = manifest.model_copy(
-        update={"files": [f if f is not entry else entry.model_copy(update={"size_bytes": 3}) for f in manifest.files]}
+        update={
+            "files": [
+                f if f is not entry else entry.model_copy(update={"size_bytes": 3})
+                for f in manifest.files
+            ]
+        }
     )
     (tmp_path / "store" / manifest.id / "manifest.json").write_text(lying.model_dump_json())
     with pytest.raises(CorruptCheckpointError, match="core-1.img holds more than 3 bytes;"):
@@ -156,7 +169,9 @@ def test_garbage_manifest_is_skipped_without_crashing(store: Store, garbage: byt
     fs, root = fsspec.core.url_to_fs(store.url)
     fs.pipe_file(f"{root}/{bad.id}/manifest.json", garbage)
     assert [m.id for m in store.list()] == [good.id]
-    with pytest.raises(CorruptCheckpointError, match=f"checkpoint {bad.id} is corrupt: manifest.json is unreadable"):
+    with pytest.raises(
+        CorruptCheckpointError, match=f"checkpoint {bad.id} is corrupt: manifest.json is unreadable"
+    ):
         store.get(bad.id)
     store.delete(bad.id)
     assert [m.id for m in store.list()] == [good.id]

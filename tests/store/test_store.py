@@ -55,9 +55,13 @@ def test_same_time_sorts_by_id(store: Store) -> None:
 
 
 def test_unknown_ids_and_labels(store: Store) -> None:
-    with pytest.raises(NotFoundError, match=f"no checkpoint 20261130T001512Z-000000 in store {store.url}"):
+    with pytest.raises(
+        NotFoundError, match=f"no checkpoint 20261130T001512Z-000000 in store {store.url}"
+    ):
         store.get("20261130T001512Z-000000")
-    with pytest.raises(NotFoundError, match=f"no checkpoint with label nothing in store {store.url}"):
+    with pytest.raises(
+        NotFoundError, match=f"no checkpoint with label nothing in store {store.url}"
+    ):
         store.latest("nothing")
     with pytest.raises(NotFoundError):
         store.delete("20261130T001512Z-000000")
@@ -110,7 +114,9 @@ def test_retention_keeps_newest_per_label(tmp_path: Path) -> None:
     tighter = Store(str(tmp_path / "store"), staging_root=tmp_path / "staging", keep=1)
     assert tighter.apply_retention("train") == [infos[1].id]
     assert tighter.apply_retention("train") == []
-    assert Store(str(tmp_path / "store"), staging_root=tmp_path, keep=0).apply_retention("train") == []
+    assert (
+        Store(str(tmp_path / "store"), staging_root=tmp_path, keep=0).apply_retention("train") == []
+    )
 
 
 def test_retention_never_deletes_the_checkpoint_just_published(tmp_path: Path) -> None:
@@ -145,6 +151,17 @@ def test_publish_refuses_subdirectories_and_cleans_up(store: Store) -> None:
     assert store.list() == []
 
 
+def test_publishing_an_existing_id_leaves_the_original_alone(store: Store) -> None:
+    info = make_info()
+    stage(store, info, {"a.img": b"first"})
+    first = store.publish(info)
+    staging = stage(store, info, {"a.img": b"second"})
+    with pytest.raises(StoreError, match=f"checkpoint {info.id} already exists"):
+        store.publish(info)
+    assert not staging.exists()
+    assert store.list() == [first]
+
+
 def test_publish_unknown_compression(store: Store) -> None:
     info = make_info()
     stage(store, info, {"a.img": b"a"})
@@ -169,7 +186,9 @@ def test_staging_dir_is_fresh_and_private(store: Store) -> None:
     assert stat.S_IMODE(again.stat().st_mode) == 0o700
 
 
-def test_local_store_stages_inside_itself_and_publishes_by_rename(local_store: Store, tmp_path: Path) -> None:
+def test_local_store_stages_inside_itself_and_publishes_by_rename(
+    local_store: Store, tmp_path: Path
+) -> None:
     info = make_info()
     staging = stage(local_store, info, {"pages-1.img": os.urandom(1000)})
     root = tmp_path / "store"
@@ -193,7 +212,9 @@ def test_memory_store_stages_under_staging_root(memory_store: Store, tmp_path: P
     memory_store.publish(info, "zstd")
     assert not staging.exists()
     fs = fsspec.filesystem("memory")
-    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{memory_store.url}/{info.id}", detail=False))
+    names = sorted(
+        p.rsplit("/", 1)[1] for p in fs.ls(f"{memory_store.url}/{info.id}", detail=False)
+    )
     assert names == ["core-1.img.zst", "empty.img.zst", "manifest.json", "mm-1.img.zst"]
 
 
