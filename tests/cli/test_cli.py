@@ -1,0 +1,68 @@
+"""The `stasis` command line as scripts and people use it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.daemon.test_bad_input import one_line_error
+
+
+def test_help_lists_every_command() -> None:
+    out = subprocess.run([STASIS, "--help"], capture_output=True, text=True, check=True).stdout
+    for name in ("run", "dump", "restore", "ps", "checkpoints", "kill", "logs", "check", "daemon"):
+        assert f"  {name} " in out or f"  {name}\n" in out
+
+
+def test_bad_usage_exits_2(daemon: Daemon) -> None:
+    one_line_error(daemon.cli("run", "--env", "NOEQUALS", "--", "true", check=False), 2, "--env")
+    one_line_error(daemon.cli("restore", check=False), 2, "CHECKPOINT")
+    one_line_error(daemon.cli("restore", "x", "--label", "y", check=False), 2)
+    assert daemon.cli("dump", check=False).returncode == 2  # click's own usage error
+    one_line_error(daemon.cli("ps", input_env={"STASIS_KEEP": "many"}, check=False), 2, "keep")
+
+
+def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
+    job = daemon.json("run", "--label", "shapes", "--env", "GREETING=hi", "--",
+                      "sh", "-c", 'echo "$GREETING from $PWD"; sleep 30')
+    assert set(job) == {"job", "pid", "label"} and job["label"] == "shapes"
+    wait_for(lambda: "hi from" in daemon.log_of(job["job"]), what="output")
+    rows = daemon.json("ps")
+    row = next(r for r in rows if r["job"] == job["job"])
+    assert set(row) == {"job", "pid", "state", "label", "exit_code", "command"}
+    assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
+    cp = daemon.json("dump", job["job"])
+    assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s"}
+    listed = daemon.json("checkpoints", "--label", "shapes")
+    assert [c["id"] for c in listed] == [cp["checkpoint"]]
+    restored = daemon.json("restore", "--label", "shapes")
+    assert {"job", "pid", "checkpoint"} <= set(restored)
+    killed = daemon.json("kill", restored["job"])
+    assert killed["state"] == "exited"
+
+
+def test_progress_on_a_terminal_only(daemon: Daemon) -> None:
+    job = daemon.run(*workload("memhold.py", 192))
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), 60, what="memory")
+    env_args = " ".join(f"{k}={v}" for k, v in daemon.env.items() if k.startswith("STASIS_"))
+    # `script` gives the command a pseudo-terminal, as a person at a shell would have.
+    tty = subprocess.run(
+        ["script", "-qec", f"env {env_args} {STASIS} dump --leave-running {job['job']}",
+         "/dev/null"], capture_output=True, text=True, timeout=120)
+    assert tty.returncode == 0, tty.stdout
+    assert "dumping" in tty.stdout and "MB" in tty.stdout  # bytes, rate and time left drawn
+    piped = daemon.cli("dump", "--leave-running", "--json", job["job"])
+    json.loads(piped.stdout)  # nothing but the JSON answer when piped
+    assert "dumping" not in piped.stdout + piped.stderr
+    daemon.cli("kill", job["job"])
+
+
+def test_check_reports_a_ready_node(daemon: Daemon) -> None:
+    report = daemon.json("check")
+    assert report["ok"] is True, report["problems"]
+    assert report["criu_version"].startswith("4.2")
+    assert report["features"]["mem_track"] is False
+    assert any("incremental" in n for n in report["notes"])
+    missing = daemon.cli("check", input_env={"STASIS_CRIU": "/nonexistent/criu"}, check=False)
+    assert missing.returncode == 1 and "problem" in missing.stdout

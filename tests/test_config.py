@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stasis.config import Settings, load_settings
+from stasis.errors import UsageError
+
+
+def test_defaults_file_and_env_precedence(tmp_path: Path) -> None:
+    defaults = Settings()
+    assert defaults.socket == Path("/run/stasis/stasis.sock") and defaults.keep == 5
+    assert defaults.store_url == "/var/lib/stasis/checkpoints"
+    conf = tmp_path / "c.toml"
+    conf.write_text('state_dir = "/srv/stasis"\nkeep = 9\nsocket = "/tmp/a.sock"\n')
+    s = load_settings({"STASIS_CONFIG": str(conf), "STASIS_SOCKET": "/tmp/b.sock"})
+    assert s.state_dir == Path("/srv/stasis") and s.keep == 9
+    assert s.socket == Path("/tmp/b.sock")  # the environment wins over the file
+    assert s.store_url == "/srv/stasis/checkpoints"
+    assert load_settings({"STASIS_CONFIG": str(conf), "STASIS_STORE": "memory://x"}).store_url \
+        == "memory://x"
+
+
+def test_bad_config_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="does not exist"):
+        load_settings({"STASIS_CONFIG": str(tmp_path / "missing.toml")})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("keep = [")
+    with pytest.raises(UsageError, match="cannot read config file"):
+        load_settings({"STASIS_CONFIG": str(bad)})
+    with pytest.raises(UsageError, match="keep"):
+        load_settings({"STASIS_KEEP": "lots"})
+    with pytest.raises(UsageError, match="unknown_key"):
+        (tmp_path / "x.toml").write_text("unknown_key = 1\n")
+        load_settings({"STASIS_CONFIG": str(tmp_path / "x.toml")})
