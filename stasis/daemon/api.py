@@ -136,7 +136,7 @@ async def restore(request: web.Request) -> web.StreamResponse:
     req = await _body(request, RestoreRequest)
     caller = peer(request)
     manager = request.app[MANAGER]
-    return await _stream(request, lambda progress: manager.restore(req, caller))
+    return await _stream(request, lambda progress: manager.restore(req, caller, progress))
 
 
 async def list_checkpoints(request: web.Request) -> web.StreamResponse:

@@ -166,7 +166,8 @@ class JobManager:
         )
         return RunAnswer(job=job_id, pid=pid, label=label)
 
-    def _start_shim(self, job_id: str, spec: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    def _start_shim(self, job_id: str, spec: dict[str, Any], progress: Progress | None = None,
+                    expected: int = 0) -> tuple[Path, dict[str, Any]]:
         job_dir = self.jobs_dir / job_id
         job_dir.mkdir(mode=0o700)
         (job_dir / "spec.json").write_text(json.dumps(spec))
@@ -179,7 +180,12 @@ class JobManager:
         assert shim.stdout is not None
         with self._lock:
             self._shims[shim.pid] = shim
-        line = shim.stdout.readline()
+        watcher = _ReadWatcher(shim.pid, expected, progress) if progress else None
+        try:
+            line = shim.stdout.readline()
+        finally:
+            if watcher:
+                watcher.stop()
         shim.stdout.close()
         if not line:
             return job_dir, {"error": {"type": "StasisError", "message": "job supervisor died"}}
@@ -238,7 +244,8 @@ class JobManager:
 
     # -- restore -------------------------------------------------------------------------------
 
-    def restore(self, req: RestoreRequest, caller: Caller) -> RestoreAnswer:
+    def restore(self, req: RestoreRequest, caller: Caller,
+                progress: Progress | None = None) -> RestoreAnswer:
         if req.checkpoint:
             candidates = [self.store.get(validate_checkpoint_id(req.checkpoint))]
         elif req.label:
@@ -252,7 +259,7 @@ class JobManager:
         skipped: list[str] = []
         for manifest in candidates:
             try:
-                answer = self._restore_one(manifest)
+                answer = self._restore_one(manifest, progress)
             except CorruptCheckpointError as e:
                 # By label, an older complete checkpoint is better than none.
                 skipped.append(f"{manifest.id}: {e}")
@@ -264,10 +271,15 @@ class JobManager:
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))
 
-    def _restore_one(self, manifest: Manifest) -> RestoreAnswer:
+    def _restore_one(self, manifest: Manifest, progress: Progress | None) -> RestoreAnswer:
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         log = manifest.log_path or str(self.logs_dir / f"{job_id}.log")
+        if Path(log).parent == self.logs_dir and not Path(log).exists():
+            # Restored on another node: our logs directory is not the user's to create files in.
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+            os.fchown(fd, acct.uid, acct.gid)
+            os.close(fd)
         with self.store.open_images(manifest.id, self.scratch) as (manifest, images):
             spec = {
                 "mode": "restore",
@@ -280,7 +292,7 @@ class JobManager:
                 "criu_log_dir": str(self.criu_logs),
                 "criu_log_name": f"restore-{job_id}.log",
             }
-            job_dir, answer = self._start_shim(job_id, spec)
+            job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
         if "error" in answer:
             raise RestoreError(
                 f"restore of checkpoint {manifest.id} failed: {answer['error']['message']}"
@@ -328,16 +340,35 @@ class JobManager:
                 self.db.finish(row.id, "exited", None)
 
 
-class _DirWatcher:
-    """Reports how many bytes CRIU has written into a directory so far."""
+class _Watcher:
+    """Calls `progress(done, expected)` every 0.2 s from a thread, and once more at the end."""
 
-    def __init__(self, path: Path, expected: int, progress: Progress) -> None:
-        self.path = path
+    def __init__(self, expected: int, progress: Progress) -> None:
         self.expected = expected
         self.progress = progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def _size(self) -> int:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.progress(self._size(), self.expected)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.progress(self._size(), self.expected)
+
+
+class _DirWatcher(_Watcher):
+    """How many bytes CRIU has written into the images directory so far (dump)."""
+
+    def __init__(self, path: Path, expected: int, progress: Progress) -> None:
+        self.path = path
+        super().__init__(expected, progress)
 
     def _size(self) -> int:
         total = 0
@@ -351,14 +382,27 @@ class _DirWatcher:
             pass
         return total
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self.progress(self._size(), self.expected)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.progress(self._size(), self.expected)
+class _ReadWatcher(_Watcher):
+    """How many bytes the restoring processes (CRIU and the tasks it forks) have read (restore)."""
+
+    def __init__(self, shim_pid: int, expected: int, progress: Progress) -> None:
+        self.shim_pid = shim_pid
+        self._best = 0
+        super().__init__(expected, progress)
+
+    def _size(self) -> int:
+        total = 0
+        for pid in proctree.tree(self.shim_pid):
+            try:
+                for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                    if line.startswith("rchar:"):
+                        total += int(line.split()[1])
+            except OSError:
+                continue
+        # Processes come and go during a restore: never report going backwards.
+        self._best = min(max(self._best, total), self.expected or total)
+        return self._best
 
 
 def _job(row: JobRow) -> Job:

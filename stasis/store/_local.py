@@ -11,7 +11,7 @@ copied. A checkpoint appears at <root>/<id> in a single rename of a directory th
 its manifest, so readers never see a checkpoint without one.
 
 Image data is not fsynced: after a power loss a listed checkpoint may hold torn files, which its
-sha256 sums catch at restore time; paying a full flush on every preemption dump is not worth it.
+xxh3-128 checksums catch at restore time; paying a full flush on every preemption dump is not worth it.
 """
 
 from __future__ import annotations

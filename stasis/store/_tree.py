@@ -125,7 +125,7 @@ def pack_staged(
             size_bytes=streamed.size_bytes,
             stored_name=stored,
             stored_size_bytes=streamed.stored_size_bytes,
-            sha256=streamed.sha256,
+            xxh3_128=streamed.xxh3_128,
         )
 
     # zstd already runs one thread per CPU inside each file; the others get a file per thread.

@@ -1,14 +1,14 @@
 """Streaming of image bytes: hash, compress and decompress in one pass over each file.
 
 Owns the codecs (none, zstd, lz4), the names compressed files get in the store, and the chunked
-loops that read a file exactly once while computing its sha256. Images can be several GiB, so
+loops that read a file exactly once while computing its checksum (xxh3-128). Images can be several GiB, so
 nothing here holds a whole file in memory. Errors of the codecs surface as `DecompressionError`;
 OSError from the streams passes through untouched for the caller to translate.
 """
 
 from __future__ import annotations
 
-import hashlib
+import xxhash
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,11 +34,11 @@ class DecompressionError(Exception):
 
 @dataclass(frozen=True)
 class Streamed:
-    """What one pass over a file saw: sizes on both sides and the sha256 of the plain bytes."""
+    """What one pass over a file saw: sizes on both sides and the xxh3-128 checksum of the plain bytes."""
 
     size_bytes: int
     stored_size_bytes: int
-    sha256: str
+    xxh3_128: str
 
 
 class Reader(Protocol):
@@ -99,7 +99,7 @@ def pack(src: Reader, dst: Writer | None, compression: Compression) -> Streamed:
     """
     if dst is None and compression != "none":
         raise ValueError("compression needs a destination")
-    sha = hashlib.sha256()
+    sha = xxhash.xxh3_128()
     size = 0
     out = _CountingWriter(dst) if dst is not None else None
     if compression == "zstd":
@@ -129,16 +129,16 @@ def pack(src: Reader, dst: Writer | None, compression: Compression) -> Streamed:
                 out.write(chunk)
             size += len(chunk)
     stored = out.count if out is not None else size
-    return Streamed(size_bytes=size, stored_size_bytes=stored, sha256=sha.hexdigest())
+    return Streamed(size_bytes=size, stored_size_bytes=stored, xxh3_128=sha.hexdigest())
 
 
 def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes: int) -> Streamed:
     """Decode `src` into `dst` (or only hash it with `dst=None`), stopping past `max_bytes`.
 
     Stopping early bounds the work a corrupt file can cause; the caller compares the returned size
-    and sha256 with the manifest. `stored_size_bytes` is not measured here and is reported as 0.
+    and checksum with the manifest. `stored_size_bytes` is not measured here and is reported as 0.
     """
-    sha = hashlib.sha256()
+    sha = xxhash.xxh3_128()
     size = 0
     chunks: Iterator[bytes | memoryview]
     if compression == "zstd":
@@ -157,7 +157,7 @@ def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes:
                 break
     except (zstandard.ZstdError, RuntimeError, EOFError) as e:
         raise DecompressionError(str(e) or type(e).__name__) from e
-    return Streamed(size_bytes=size, stored_size_bytes=0, sha256=sha.hexdigest())
+    return Streamed(size_bytes=size, stored_size_bytes=0, xxh3_128=sha.hexdigest())
 
 
 def _zstd_chunks(src: Reader) -> Iterator[bytes]:
@@ -185,5 +185,5 @@ def _lz4_chunks(src: Reader) -> Iterator[bytes]:
 
 
 def cpu_workers(n_items: int) -> int:
-    """Threads for `n_items` files: hashlib and the codecs release the GIL on large buffers."""
+    """Threads for `n_items` files: xxhash and the codecs release the GIL on large buffers."""
     return max(1, min(n_items, os.cpu_count() or 1, 8))

@@ -1,7 +1,7 @@
 """`Store`: the checkpoints any node sharing one directory or fsspec URL can list and restore.
 
 Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory), publishing
-(sizes, sha256 sums, compression, manifest.json written last), listing, verified fetching for
+(sizes, xxh3-128 checksums, compression, manifest.json written last), listing, verified fetching for
 restore, deletion and retention per label. Every id and file name reaching the filesystem is
 validated first; every foreign error leaves as one readable StoreError line.
 
@@ -290,8 +290,8 @@ class Store:
                 raise self._corrupt(
                     checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes"
                 )
-            if got.sha256 != entry.sha256:
-                raise self._corrupt(checkpoint_id, entry.name, "fails its sha256 check")
+            if got.xxh3_128 != entry.xxh3_128:
+                raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
         in_parallel(check, manifest.files, cpu_workers(len(manifest.files)))
 

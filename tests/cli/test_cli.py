@@ -53,9 +53,17 @@ def test_progress_on_a_terminal_only(daemon: Daemon) -> None:
     assert tty.returncode == 0, tty.stdout
     assert "dumping" in tty.stdout and "MB" in tty.stdout  # bytes, rate and time left drawn
     piped = daemon.cli("dump", "--leave-running", "--json", job["job"])
-    json.loads(piped.stdout)  # nothing but the JSON answer when piped
+    cp = json.loads(piped.stdout)  # nothing but the JSON answer when piped
     assert "dumping" not in piped.stdout + piped.stderr
     daemon.cli("kill", job["job"])
+    tty = subprocess.run(
+        ["script", "-qec", f"env {env_args} {STASIS} restore {cp['checkpoint']}", "/dev/null"],
+        capture_output=True, text=True, timeout=120)
+    assert tty.returncode == 0, tty.stdout
+    assert "restoring" in tty.stdout and "MB" in tty.stdout
+    restored = next(j for j in daemon.json("ps") if j["state"] == "restored"
+                    and j["label"] == job["label"])
+    daemon.cli("kill", restored["job"])
 
 
 def test_check_reports_a_ready_node(daemon: Daemon) -> None:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-import hashlib
+import xxhash
 import io
 import os
 
@@ -17,11 +17,11 @@ def test_pack_unpack_round_trip(compression: Compression, size: int) -> None:
     stored = io.BytesIO()
     packed = pack(io.BytesIO(data), stored, compression)
     assert packed.size_bytes == size
-    assert packed.sha256 == hashlib.sha256(data).hexdigest()
+    assert packed.xxh3_128 == xxhash.xxh3_128(data).hexdigest()
     assert packed.stored_size_bytes == len(stored.getvalue())
     out = io.BytesIO()
     unpacked = unpack(io.BytesIO(stored.getvalue()), out, compression, size)
-    assert (unpacked.size_bytes, unpacked.sha256) == (size, packed.sha256)
+    assert (unpacked.size_bytes, unpacked.xxh3_128) == (size, packed.xxh3_128)
     assert out.getvalue() == data
 
 
@@ -35,7 +35,7 @@ def test_stored_names() -> None:
 
 def test_hash_only_needs_no_destination() -> None:
     packed = pack(io.BytesIO(b"abc"), None, "none")
-    assert packed.sha256 == hashlib.sha256(b"abc").hexdigest()
+    assert packed.xxh3_128 == xxhash.xxh3_128(b"abc").hexdigest()
     with pytest.raises(ValueError):
         pack(io.BytesIO(b"abc"), None, "zstd")
 

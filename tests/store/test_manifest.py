@@ -18,7 +18,7 @@ from stasis.store import (
 
 from .helpers import make_info
 
-SHA = "0" * 64
+SHA = "0" * 32
 
 
 def test_public_api_is_sorted_and_complete() -> None:
@@ -85,9 +85,9 @@ def test_invalid_labels_are_refused_readably(bad: str) -> None:
 )
 def test_file_entries_refuse_unsafe_names(name: str) -> None:
     with pytest.raises(ValidationError):
-        FileEntry(name=name, size_bytes=1, stored_name="ok.img", stored_size_bytes=1, sha256=SHA)
+        FileEntry(name=name, size_bytes=1, stored_name="ok.img", stored_size_bytes=1, xxh3_128=SHA)
     with pytest.raises(ValidationError):
-        FileEntry(name="ok.img", size_bytes=1, stored_name=name, stored_size_bytes=1, sha256=SHA)
+        FileEntry(name="ok.img", size_bytes=1, stored_name=name, stored_size_bytes=1, xxh3_128=SHA)
 
 
 def test_manifest_round_trips_through_json_with_utc_time() -> None:
@@ -97,7 +97,7 @@ def test_manifest_round_trips_through_json_with_utc_time() -> None:
         size_bytes=10,
         stored_name="pages-1.img.zst",
         stored_size_bytes=4,
-        sha256=SHA,
+        xxh3_128=SHA,
     )
     manifest = Manifest.build(info, "zstd", [entry])
     assert manifest.created == datetime(2026, 11, 30, 0, 0, tzinfo=UTC)
@@ -108,7 +108,7 @@ def test_manifest_round_trips_through_json_with_utc_time() -> None:
 
 def test_manifest_refuses_naive_times_duplicates_and_unknown_formats() -> None:
     entry = FileEntry(
-        name="a.img", size_bytes=1, stored_name="a.img", stored_size_bytes=1, sha256=SHA
+        name="a.img", size_bytes=1, stored_name="a.img", stored_size_bytes=1, xxh3_128=SHA
     )
     good = Manifest.build(make_info(), "none", [entry]).model_dump(mode="json")
     with pytest.raises(ValidationError):
