@@ -11,6 +11,9 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_KEEP          checkpoints kept per label, 0 = all  (5)
     STASIS_CRIU          criu binary                          (first of /usr/local/sbin/criu, PATH)
     STASIS_TINI          tini binary                          (tini-static, tini on PATH)
+    STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged so that
+                         the job is frozen only while its pages go to memory; "" turns it off
+                                                              (/dev/shm/stasis-staging)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ _ENV_KEYS = {
     "STASIS_KEEP": "keep",
     "STASIS_CRIU": "criu",
     "STASIS_TINI": "tini",
+    "STASIS_STAGE_DIR": "stage_dir",
 }
 
 
@@ -47,6 +51,7 @@ class Settings(BaseModel):
     keep: int = 5
     criu: str = ""
     tini: str = ""
+    stage_dir: str = "/dev/shm/stasis-staging"
 
     @property
     def store_url(self) -> str:
@@ -66,7 +71,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UsageError(f"cannot read config file {file}: {e}") from e
     for key, field in _ENV_KEYS.items():
-        if env.get(key):
+        if env.get(key) or (key == "STASIS_STAGE_DIR" and key in env):
             values[field] = env[key]
     try:
         return Settings.model_validate(values)

@@ -49,7 +49,8 @@ def ensure_test_user() -> pwd.struct_passwd:
 class Daemon:
     """One `stasis daemon` with its own socket, state and store, plus a CLI wired to it."""
 
-    def __init__(self, root: Path, store: str | None = None, keep: int = 5) -> None:
+    def __init__(self, root: Path, store: str | None = None, keep: int = 5,
+                 env: dict[str, str] | None = None) -> None:
         self.root = root
         self.socket = root / "stasis.sock"
         self.state_dir = root / "state"
@@ -62,6 +63,7 @@ class Daemon:
             "STASIS_KEEP": str(keep),
             "STASIS_SOCKET_GROUP": TEST_USER,
             "STASIS_CONFIG": "",
+            **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
 

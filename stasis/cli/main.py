@@ -69,7 +69,7 @@ def run(ctx: click.Context, label: str | None, log: str | None, cwd: str | None,
 @click.argument("job")
 @click.option("--leave-running", is_flag=True, help="Keep the job running after the dump.")
 @click.option("--label", help="Label of this checkpoint (default: the job's label).")
-@click.option("--compress", type=click.Choice(["zstd", "lz4", "none"]), default="none",
+@click.option("--compress", type=click.Choice(["zstd", "lz4", "auto", "none"]), default="none",
               show_default=True)
 @json_option
 @click.pass_context

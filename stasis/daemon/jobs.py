@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.config import Settings
+from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.models import (
     DumpAnswer,
@@ -213,24 +215,28 @@ class JobManager:
             criu_version=".".join(str(p) for p in criu.version()), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
         )
-        staging = self.store.staging_dir(checkpoint_id)
+        expected = proctree.resident_bytes(row.pid)
+        # Leave-running dumps go to node memory first, so the job is frozen only that long; a
+        # dump that stops the job goes straight to the store (one copy, not two).
+        fast = staging.fast_dir(self.settings.stage_dir, checkpoint_id, expected) \
+            if req.leave_running else None
+        target = fast or self.store.staging_dir(checkpoint_id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
         options = DumpOptions(leave_running=req.leave_running, leave_stopped=not req.leave_running)
-        expected = proctree.resident_bytes(row.pid)
-        watcher = _DirWatcher(staging, expected, progress) if progress else None
+        watcher = _DirWatcher(target, expected, progress) if progress else None
         try:
-            result = criu.dump(row.pid, staging, options, f"dump-{checkpoint_id}.log")
+            result = criu.dump(row.pid, target, options, f"dump-{checkpoint_id}.log")
         except StasisError as e:
-            self.store.discard(checkpoint_id)
+            self._discard(checkpoint_id, fast)
             raise CheckpointError(f"checkpoint of job {job_id} failed, job still running: {e}") from e
         finally:
             if watcher:
                 watcher.stop()
         try:
-            manifest = self.store.publish(info, req.compress)
+            manifest = self.store.publish(info, req.compress, source=fast)
         except StasisError as e:
-            self.store.discard(checkpoint_id)
+            self._discard(checkpoint_id, fast)
             if not req.leave_running:
                 proctree.signal_tree(row.pid, signal.SIGCONT)
             raise CheckpointError(f"checkpoint of job {job_id} failed, job still running: {e}") from e
@@ -240,7 +246,13 @@ class JobManager:
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
+            staged=fast is not None,
         )
+
+    def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
+        self.store.discard(checkpoint_id)
+        if fast is not None:
+            shutil.rmtree(fast, ignore_errors=True)
 
     # -- restore -------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from stasis.errors import UsageError
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
 JobState = Literal["running", "restored", "checkpointed", "exited"]
-Compression = Literal["none", "zstd", "lz4"]
+Compression = Literal["none", "zstd", "lz4", "auto"]
 
 
 def validate_job_id(job_id: str) -> str:
@@ -79,6 +79,8 @@ class DumpAnswer(_Model):
     job: str
     size_bytes: int
     duration_s: float
+    # The images went to node memory first (leave-running dumps), then to the store.
+    staged: bool = False
 
 
 class RestoreAnswer(_Model):

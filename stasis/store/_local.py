@@ -115,22 +115,28 @@ class LocalTree:
         path.mkdir(mode=0o700)
         return path
 
+    def staged_path(self, checkpoint_id: str) -> Path:
+        return self._staging_path(checkpoint_id)
+
     def discard(self, checkpoint_id: str) -> None:
         staging = self._staging_path(checkpoint_id)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(staging.with_name(checkpoint_id + _PUBLISH_SUFFIX), ignore_errors=True)
 
-    def publish(self, info: CheckpointInfo, compression: Compression) -> Manifest:
-        staging = self._staging_path(info.id)
+    def publish(
+        self, info: CheckpointInfo, compression: Compression, source: Path | None = None
+    ) -> Manifest:
+        staging = source or self._staging_path(info.id)
+        in_place = source is None and compression == "none"
         final = self.root / info.id
-        out = staging if compression == "none" else staging.with_name(info.id + _PUBLISH_SUFFIX)
+        out = staging if in_place else self._staging_path(info.id + _PUBLISH_SUFFIX)
         moved = False
         try:
             self._ensure_root()
             names = staged_names(staging)
             if os.path.lexists(final):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
-            if compression == "none":
+            if in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
                 entries = pack_staged(staging, names, compression, None)
                 for name in names:
@@ -138,6 +144,7 @@ class LocalTree:
                 os.chmod(staging, 0o700)
             else:
                 shutil.rmtree(out, ignore_errors=True)
+                out.parent.mkdir(mode=0o700, exist_ok=True)
                 out.mkdir(mode=0o700)
                 entries = pack_staged(staging, names, compression, lambda n: _create(out / n))
             manifest = Manifest.build(info, compression, entries)

@@ -81,14 +81,19 @@ class RemoteTree:
         path.mkdir(mode=0o700)
         return path
 
+    def staged_path(self, checkpoint_id: str) -> Path:
+        return self._staging_path(checkpoint_id)
+
     def discard(self, checkpoint_id: str) -> None:
         shutil.rmtree(self._staging_path(checkpoint_id), ignore_errors=True)
 
     def _open_write(self, path: str) -> AbstractContextManager[Writer]:
         return cast(AbstractContextManager[Writer], self.fs.open(path, "wb"))
 
-    def publish(self, info: CheckpointInfo, compression: Compression) -> Manifest:
-        staging = self._staging_path(info.id)
+    def publish(
+        self, info: CheckpointInfo, compression: Compression, source: Path | None = None
+    ) -> Manifest:
+        staging = source or self._staging_path(info.id)
         target = self._path(info.id)
         started = False
         try:

@@ -47,12 +47,20 @@ class Tree(Protocol):
         """Create a fresh empty local directory for the images of `checkpoint_id`."""
         ...
 
+    def staged_path(self, checkpoint_id: str) -> Path:
+        """Where `staging_dir` put the images of `checkpoint_id` (without creating anything)."""
+        ...
+
     def discard(self, checkpoint_id: str) -> None: ...
 
-    def publish(self, info: CheckpointInfo, compression: Compression) -> Manifest:
+    def publish(
+        self, info: CheckpointInfo, compression: Compression, source: Path | None = None
+    ) -> Manifest:
         """Store the staged images of `info.id` and its manifest, all or nothing.
 
-        Always consumes the staging directory: it becomes the checkpoint, or is removed on failure.
+        `source` is a directory the images were staged in elsewhere (fast node-local memory);
+        None means this tree's own staging directory. Always consumes the staging directory: it
+        becomes the checkpoint, or is removed on failure.
         """
         ...
 

@@ -18,6 +18,8 @@ from stasis.errors import UsageError
 
 Compression = Literal["none", "zstd", "lz4"]
 COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "lz4")
+# What a dump may ask for: a method, or `auto` (the store samples the images and decides).
+CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
 
 MANIFEST_NAME = "manifest.json"
 

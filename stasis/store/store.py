@@ -29,12 +29,20 @@ from pydantic import ValidationError
 from stasis.errors import CorruptCheckpointError, NotFoundError, StasisError, StoreError, UsageError
 from stasis.store._local import LocalTree
 from stasis.store._remote import RemoteTree
-from stasis.store._tree import Tree, in_parallel
-from stasis.store.compression import DecompressionError, Reader, Streamed, cpu_workers, unpack
+from stasis.store._tree import Tree, in_parallel, staged_names
+from stasis.store.compression import (
+    DecompressionError,
+    Reader,
+    Streamed,
+    choose_compression,
+    cpu_workers,
+    unpack,
+)
 from stasis.store.manifest import (
     COMPRESSIONS,
     CheckpointInfo,
     Compression,
+    CompressionRequest,
     FileEntry,
     Manifest,
     validate_checkpoint_id,
@@ -88,7 +96,12 @@ class Store:
         validate_checkpoint_id(checkpoint_id)
         self._tree.discard(checkpoint_id)
 
-    def publish(self, info: CheckpointInfo, compression: Compression = "none") -> Manifest:
+    def publish(
+        self,
+        info: CheckpointInfo,
+        compression: CompressionRequest = "none",
+        source: Path | None = None,
+    ) -> Manifest:
         """Turn the images staged for `info.id` into a listed checkpoint and return its manifest.
 
         Hashes every file, compresses it if asked, stores it and writes manifest.json last. The
@@ -96,15 +109,20 @@ class Store:
         failure everything written is removed, nothing is listed, and StoreError says why (for a
         full disk: "no space left on ..."). Then the oldest checkpoints of the label beyond `keep`
         are deleted.
+
+        `source`: the images were staged outside the store (see `stage_fast`); they are read
+        from there, and the directory is removed either way.
         """
         validate_checkpoint_id(info.id)
         validate_label(info.label)
+        if compression == "auto":
+            compression = self._choose(info.id, source)
         if compression not in COMPRESSIONS:
             raise UsageError(
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
         try:
-            manifest = self._tree.publish(info, compression)
+            manifest = self._tree.publish(info, compression, source)
         except StasisError:
             raise
         except Exception as e:  # OSError, or the own types of fsspec backends
@@ -117,6 +135,13 @@ class Store:
                 "retention for label %s failed after publishing %s: %s", info.label, info.id, e
             )
         return manifest
+
+    def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
+        staged = source or self._tree.staged_path(checkpoint_id)
+        try:
+            return choose_compression(staged, staged_names(staged))
+        except OSError as e:
+            raise self._write_error(checkpoint_id, e) from e
 
     def delete(self, checkpoint_id: str) -> None:
         """Remove a checkpoint: manifest.json first, so a half-deleted one is never listed."""

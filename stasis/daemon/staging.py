@@ -1,0 +1,43 @@
+"""Where a dump's images go first: node-local memory when there is room, else the store.
+
+A leave-running dump staged in tmpfs freezes the job only for as long as its pages take to reach
+memory; the copy to the durable store (disk, shared directory, object store), with checksums and
+compression, happens after the job has resumed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+# Leave the node this much memory beyond the staged images, so staging never pushes jobs to OOM.
+HEADROOM_BYTES = 512 << 20
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def fast_dir(root: str, checkpoint_id: str, expected_bytes: int) -> Path | None:
+    """A fresh root-only directory under `root` for about `expected_bytes` of images, or None
+    when staging is off or the node lacks the memory or tmpfs space for it (dump directly)."""
+    if not root:
+        return None
+    base = Path(root)
+    try:
+        base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(base, 0o700)
+        fs = os.statvfs(base)
+    except OSError:
+        return None
+    need = int(expected_bytes * 1.1) + (16 << 20)
+    if fs.f_bavail * fs.f_frsize < need or mem_available() < need + HEADROOM_BYTES:
+        return None
+    path = base / checkpoint_id
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700)
+    return path

@@ -1,0 +1,347 @@
+"""`stasis slurm local-cluster up|down|status`: a throwaway single-node Slurm cluster.
+
+Everything lives under one private directory with private ports and a private munge socket, so it
+never clashes with a real Slurm on the machine: munged, slurmctld (started with -c: job ids restart
+at 1), one slurmd (node n1), a stasis node daemon with its own socket, state and store, and the
+stasis plugin set installed into the cluster's own slurm.conf. Two partitions: `low`
+(preemptable, PreemptMode=REQUEUE with a GraceTime) and `high` (PreemptMode=OFF, higher tier).
+With SLURM_CONF=<dir>/etc/slurm.conf the ordinary sbatch/squeue/scontrol/scancel talk to it.
+
+    D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
+    D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
+    D/slurm/      StateSaveLocation, SlurmdSpoolDir, pid and log files
+    D/stasis/     config.toml, daemon socket, state, checkpoint store, daemon log
+    D/lib/        the built SPANK plugin and the launcher
+    D/cluster.json  pids of what `up` started
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stasis.errors import StasisError, UsageError
+from stasis.slurm import install
+
+NODE = "n1"
+_UP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
+    @property
+    def munge(self) -> Path:
+        return self.root / "munge"
+
+    @property
+    def slurm(self) -> Path:
+        return self.root / "slurm"
+
+    @property
+    def stasis(self) -> Path:
+        return self.root / "stasis"
+
+    @property
+    def stasis_config(self) -> Path:
+        return self.stasis / "config.toml"
+
+    @property
+    def stasis_socket(self) -> Path:
+        return self.stasis / "stasis.sock"
+
+    @property
+    def store(self) -> Path:
+        return self.stasis / "store"
+
+    @property
+    def lib(self) -> Path:
+        return self.root / "lib"
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "cluster.json"
+
+    def env(self) -> dict[str, str]:
+        """What a client needs to talk to this cluster and its stasis daemon."""
+        return {"SLURM_CONF": str(self.slurm_conf), "STASIS_CONFIG": str(self.stasis_config)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _q(value: str) -> str:
+    """A TOML basic string (JSON's escaping is a subset of TOML's)."""
+    return json.dumps(value)
+
+
+def _check_path(path: Path) -> None:
+    if any(c.isspace() for c in str(path)) or "#" in str(path):
+        raise UsageError(f"{path}: Slurm's config files cannot hold paths with spaces or '#'")
+
+
+def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str) -> str:
+    s = lay.slurm
+    return f"""\
+# A throwaway single-node cluster made by `stasis slurm local-cluster up`.
+ClusterName=stasis-local
+SlurmctldHost={hostname}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={lay.munge}/munge.sock,cred_expire=10
+StateSaveLocation={s}/state
+SlurmdSpoolDir={s}/spool
+SlurmctldPidFile={s}/slurmctld.pid
+SlurmdPidFile={s}/slurmd.pid
+SlurmctldLogFile={s}/slurmctld.log
+SlurmdLogFile={s}/slurmd.log
+PlugStackConfig={lay.etc}/plugstack.conf
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+JobRequeue=1
+KillWait=5
+MinJobAge=300
+InactiveLimit=0
+Waittime=0
+ReturnToService=2
+MpiDefault=none
+NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=low Nodes={NODE} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace_s}
+PartitionName=high Nodes={NODE} Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+"""
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None, check: bool = True
+         ) -> subprocess.CompletedProcess[str]:
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as e:
+        raise UsageError(f"{cmd[0]} is not installed; run `make install` "
+                         "(scripts/install-slurm.sh)") from e
+    if check and result.returncode != 0:
+        raise StasisError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
+    return result
+
+
+def _client_env(lay: Layout) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **lay.env()}
+
+
+def _stasis_command() -> list[str]:
+    script = Path(sys.executable).parent / "stasis"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from stasis.cli.main import main; main()"]
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _wait(pred: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise StasisError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
+       warn_s: int = 60) -> Layout:
+    """Start the cluster under `root` (created if needed); returns its layout."""
+    if os.geteuid() != 0:
+        raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
+    root = root.absolute()
+    _check_path(root)
+    lay = Layout(root)
+    if lay.state_file.exists() and status(root)["running"]:
+        raise UsageError(f"a local cluster is already running in {root}; "
+                         "`stasis slurm local-cluster down` first")
+    for tool in ("munged", "slurmctld", "slurmd", "sinfo"):
+        if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
+            raise UsageError(f"{tool} is not installed; run `make install` "
+                             "(scripts/install-slurm.sh)")
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o755)
+    for d in (lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib):
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o755)
+    started: dict[str, int] = {}
+    try:
+        started["munged"] = _start_munge(lay)
+        hostname = socket.gethostname().split(".")[0]
+        lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
+                                                  hostname=hostname))
+        lay.stasis_config.write_text(
+            f"socket = {_q(str(lay.stasis_socket))}\n"
+            f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
+            f"store = {_q(str(lay.store))}\n"
+            f"socket_group = {_q(socket_group)}\n"
+        )
+        install.install(install.InstallOptions(
+            roles=frozenset(install.ROLES), slurm_conf=lay.slurm_conf, lib_dir=lay.lib,
+            stasis_config=lay.stasis_config, systemd_dir=None, warn_s=warn_s,
+        ), out=None)
+        started["stasis"] = _start_stasis(lay)
+        env = _client_env(lay)
+        _run(["slurmctld", "-f", str(lay.slurm_conf), "-c"], env)
+        _wait(lambda: _alive(_read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld")
+        started["slurmctld"] = _read_pid(lay.slurm / "slurmctld.pid") or 0
+        _run(["slurmd", "-f", str(lay.slurm_conf), "-N", NODE], env)
+        _wait(lambda: _alive(_read_pid(lay.slurm / "slurmd.pid")), 20, "slurmd")
+        started["slurmd"] = _read_pid(lay.slurm / "slurmd.pid") or 0
+        lay.state_file.write_text(json.dumps({"pids": started}))
+
+        def idle() -> bool:
+            r = _run(["sinfo", "-h", "-N", "-o", "%T"], env, check=False)
+            return r.returncode == 0 and r.stdout.strip().rstrip("*") == "idle"
+
+        _wait(idle, _UP_TIMEOUT_S, "node n1 to be idle")
+    except BaseException:
+        lay.state_file.write_text(json.dumps({"pids": started}))
+        down(root)
+        raise
+    return lay
+
+
+def _start_munge(lay: Layout) -> int:
+    munge_user = pwd.getpwnam("munge")
+    lay.munge.mkdir(exist_ok=True)
+    os.chown(lay.munge, munge_user.pw_uid, munge_user.pw_gid)
+    os.chmod(lay.munge, 0o755)  # munged refuses 0700 for the socket's directory
+    key = lay.munge / "munge.key"
+    if not key.exists():
+        key.write_bytes(os.urandom(1024))
+    os.chown(key, munge_user.pw_uid, munge_user.pw_gid)
+    os.chmod(key, 0o400)
+    m = lay.munge
+    _run(["runuser", "-u", "munge", "--", "munged", f"--socket={m}/munge.sock",
+          f"--key-file={key}", f"--log-file={m}/munged.log", f"--pid-file={m}/munged.pid",
+          f"--seed-file={m}/munged.seed", "--force"])
+    _wait(lambda: (m / "munge.sock").exists() and _alive(_read_pid(m / "munged.pid")), 10,
+          "munged")
+    return _read_pid(m / "munged.pid") or 0
+
+
+def _start_stasis(lay: Layout) -> int:
+    log = open(lay.stasis / "daemon.log", "ab")
+    env = {**_client_env(lay), "LANG": "C.UTF-8"}
+    proc = subprocess.Popen([*_stasis_command(), "daemon"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    log.close()
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise StasisError("the stasis daemon exited at start: "
+                              + (lay.stasis / "daemon.log").read_text()[-2000:])
+        return lay.stasis_socket.exists()
+
+    _wait(listening, 20, "the stasis daemon")
+    return proc.pid
+
+
+def _stop(pid: int | None, timeout_s: float = 15.0) -> None:
+    if not _alive(pid):
+        return
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _jobs(lay: Layout) -> list[str]:
+    r = _run(["squeue", "-h", "-o", "%i"], _client_env(lay), check=False)
+    return r.stdout.split() if r.returncode == 0 else []
+
+
+def down(root: Path) -> None:
+    """Cancel every job, stop every daemon `up` started. The directory stays (logs)."""
+    lay = Layout(root.absolute())
+    try:
+        pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
+    except (OSError, ValueError, KeyError):
+        pids = {}
+    if _alive(pids.get("slurmctld")):
+        jobs = _jobs(lay)
+        if jobs:
+            _run(["scancel", *jobs], _client_env(lay), check=False)
+            try:
+                _wait(lambda: not _jobs(lay), 30, "the jobs to end")
+            except StasisError:
+                pass
+    for name in ("slurmd", "slurmctld", "stasis", "munged"):
+        _stop(pids.get(name))
+    try:
+        lay.state_file.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def status(root: Path) -> dict[str, Any]:
+    lay = Layout(root.absolute())
+    try:
+        pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
+    except (OSError, ValueError, KeyError):
+        pids = {}
+    daemons = {name: _alive(pids.get(name))
+               for name in ("munged", "slurmctld", "slurmd", "stasis")}
+    return {"dir": str(lay.root), "slurm_conf": str(lay.slurm_conf),
+            "stasis_config": str(lay.stasis_config), "daemons": daemons,
+            "running": all(daemons.values())}

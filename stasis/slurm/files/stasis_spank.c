@@ -1,0 +1,243 @@
+/*
+ * stasis_spank.c: the SPANK plugin of stasis' Slurm integration.
+ *
+ * Built at install time against the installed <slurm/spank.h>:
+ *     gcc -shared -fPIC -O2 -o stasis_spank.so stasis_spank.c
+ * Loaded by slurmstepd from plugstack.conf as
+ *     optional /path/stasis_spank.so python=PY launcher=PATH [conf=TOML] [slurm_conf=PATH]
+ *
+ * It acts only in the batch step of jobs opted in with STASIS_ENABLE=1 (or CEDANA_ENABLE=1):
+ *   task_init_privileged (root, in the task process, before it execs the batch script):
+ *     becomes a child subreaper and runs `PY -I -m stasis.slurm.taskinit` (root). That helper
+ *     restores the job's latest checkpoint, whose namespace init ends up a child of this task
+ *     (exit 0), or asks for a fresh start (exit 10: we unshare a PID namespace, so the launcher's
+ *     first child is the init of a new namespace), or says the job runs unprotected (exit 11).
+ *     Its stdout (one JSON object) is handed to the launcher in STASIS_SLURM_START.
+ *   task_init (the job's user): saves the batch script's path in STASIS_SLURM_SCRIPT and makes
+ *     the task exec the launcher instead, which runs or adopts the workload and asks the node
+ *     daemon for checkpoints on SIGUSR1.
+ * Any failure leaves the job to run exactly as without stasis, with a warning in its output.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <slurm/slurm.h>
+#include <slurm/spank.h>
+
+SPANK_PLUGIN(stasis, 1);
+
+#define HELPER_OUTPUT_MAX 65536
+#define EXIT_RESTORED 0
+#define EXIT_FRESH 10
+#define EXIT_OFF 11
+
+static char python[1024] = "";
+static char launcher[1024] = "";
+static char conf[1024] = "";
+static char slurm_conf[1024] = "";
+static int started = 0; /* this task is under stasis (restored or fresh) */
+
+static void parse_args(int ac, char **av)
+{
+    for (int i = 0; i < ac; i++) {
+        const char *a = av[i];
+        if (!strncmp(a, "python=", 7))
+            snprintf(python, sizeof(python), "%s", a + 7);
+        else if (!strncmp(a, "launcher=", 9))
+            snprintf(launcher, sizeof(launcher), "%s", a + 9);
+        else if (!strncmp(a, "conf=", 5))
+            snprintf(conf, sizeof(conf), "%s", a + 5);
+        else if (!strncmp(a, "slurm_conf=", 11))
+            snprintf(slurm_conf, sizeof(slurm_conf), "%s", a + 11);
+        else
+            slurm_error("stasis: unknown plugstack argument %s", a);
+    }
+}
+
+static int truthy(const char *v)
+{
+    return v[0] && strcmp(v, "0") && strcasecmp(v, "false") && strcasecmp(v, "no");
+}
+
+/* Whether this is the batch step of a job that opted in. */
+static int opted_in(spank_t sp)
+{
+    uint32_t stepid = 0;
+    char buf[64];
+
+    if (!spank_remote(sp))
+        return 0;
+    if (spank_get_item(sp, S_JOB_STEPID, &stepid) != ESPANK_SUCCESS ||
+        stepid != SLURM_BATCH_SCRIPT)
+        return 0;
+    if (spank_getenv(sp, "STASIS_ENABLE", buf, sizeof(buf)) == ESPANK_SUCCESS && truthy(buf))
+        return 1;
+    if (spank_getenv(sp, "CEDANA_ENABLE", buf, sizeof(buf)) == ESPANK_SUCCESS && truthy(buf))
+        return 1;
+    return 0;
+}
+
+static void set_off(spank_t sp, const char *why)
+{
+    char json[1200];
+    /* `why` is ours (no quotes or backslashes in it). */
+    snprintf(json, sizeof(json), "{\"mode\": \"off\", \"messages\": [\"stasis: warning: %s; "
+             "this job runs WITHOUT checkpoint protection\"]}", why);
+    spank_setenv(sp, "STASIS_SLURM_START", json, 1);
+}
+
+/* Run the helper as root with a clean environment; collect its stdout. Returns its exit code. */
+static int run_helper(spank_t sp, char *out, size_t outlen)
+{
+    uint32_t jobid = 0;
+    uid_t uid = 0;
+    gid_t gid = 0;
+    char label[256] = "", jobid_s[32], uid_s[32], gid_s[32];
+    int fds[2];
+
+    spank_get_item(sp, S_JOB_ID, &jobid);
+    spank_get_item(sp, S_JOB_UID, &uid);
+    spank_get_item(sp, S_JOB_GID, &gid);
+    if (spank_getenv(sp, "STASIS_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS &&
+        spank_getenv(sp, "CEDANA_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS)
+        label[0] = '\0';
+    snprintf(jobid_s, sizeof(jobid_s), "%u", jobid);
+    snprintf(uid_s, sizeof(uid_s), "%u", (unsigned)uid);
+    snprintf(gid_s, sizeof(gid_s), "%u", (unsigned)gid);
+
+    if (pipe2(fds, O_CLOEXEC) < 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]);
+        close(fds[1]);
+        return -1;
+    }
+    if (pid == 0) {
+        sigset_t all;
+        char env_conf[1100], env_slurm[1100];
+        char *envp[5];
+        int n = 0;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+        for (int s = 1; s < NSIG; s++)
+            signal(s, SIG_DFL);
+        dup2(fds[1], 1);
+        int null = open("/dev/null", O_RDWR);
+        if (null >= 0) {
+            dup2(null, 0);
+            dup2(null, 2);
+        }
+        if (chdir("/") < 0)
+            _exit(127);
+        envp[n++] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+        if (conf[0]) {
+            snprintf(env_conf, sizeof(env_conf), "STASIS_CONFIG=%s", conf);
+            envp[n++] = env_conf;
+        }
+        if (slurm_conf[0]) {
+            snprintf(env_slurm, sizeof(env_slurm), "SLURM_CONF=%s", slurm_conf);
+            envp[n++] = env_slurm;
+        }
+        envp[n++] = "LANG=C.UTF-8";
+        envp[n] = NULL;
+        char *argv[] = {python, "-I", "-m", "stasis.slurm.taskinit", "--job-id", jobid_s,
+                        "--uid", uid_s, "--gid", gid_s, "--label", label, NULL};
+        execve(python, argv, envp);
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t got = 0;
+    for (;;) {
+        ssize_t r = read(fds[0], out + got, outlen - 1 - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+        if (got >= outlen - 1)
+            break;
+    }
+    out[got] = '\0';
+    close(fds[0]);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0) {
+        if (errno != EINTR)
+            return -1;
+    }
+    if (!WIFEXITED(status))
+        return -1;
+    return WEXITSTATUS(status);
+}
+
+int slurm_spank_init(spank_t sp, int ac, char **av)
+{
+    parse_args(ac, av);
+    return ESPANK_SUCCESS;
+}
+
+int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
+{
+    static char out[HELPER_OUTPUT_MAX];
+
+    started = 0;
+    if (!opted_in(sp))
+        return ESPANK_SUCCESS;
+    if (!python[0] || !launcher[0]) {
+        set_off(sp, "stasis is not configured on this node (plugstack.conf needs python= and "
+                    "launcher=)");
+        return ESPANK_SUCCESS;
+    }
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+        set_off(sp, "prctl(PR_SET_CHILD_SUBREAPER) failed");
+        return ESPANK_SUCCESS;
+    }
+    int code = run_helper(sp, out, sizeof(out));
+    if (code == EXIT_RESTORED) {
+        started = 1;
+    } else if (code == EXIT_FRESH) {
+        if (unshare(CLONE_NEWPID) < 0) {
+            set_off(sp, "unshare(CLONE_NEWPID) failed");
+            return ESPANK_SUCCESS;
+        }
+        started = 1;
+    } else if (code == EXIT_OFF) {
+        started = 0;
+    } else {
+        set_off(sp, "the stasis helper (stasis.slurm.taskinit) failed to run");
+        return ESPANK_SUCCESS;
+    }
+    spank_setenv(sp, "STASIS_SLURM_START", out, 1);
+    return ESPANK_SUCCESS;
+}
+
+int slurm_spank_task_init(spank_t sp, int ac, char **av)
+{
+    int argc = 0;
+    char **argv = NULL;
+    char buf[8];
+
+    if (!opted_in(sp) || !launcher[0])
+        return ESPANK_SUCCESS;
+    /* Also in the "off" case the launcher runs: it says why, and keeps SIGUSR1 from killing
+     * the batch script (cli_filter asked Slurm to send it). */
+    if (spank_getenv(sp, "STASIS_SLURM_START", buf, sizeof(buf)) == ESPANK_ENV_NOEXIST &&
+        !started)
+        return ESPANK_SUCCESS;
+    if (spank_get_item(sp, S_JOB_ARGV, &argc, &argv) != ESPANK_SUCCESS || argc < 1 || !argv)
+        return ESPANK_SUCCESS;
+    spank_setenv(sp, "STASIS_SLURM_SCRIPT", argv[0], 1);
+    argv[0] = strdup(launcher);
+    return ESPANK_SUCCESS;
+}

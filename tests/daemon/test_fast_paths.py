@@ -1,0 +1,73 @@
+"""Fast paths: leave-running dumps staged in node memory, and `--compress auto`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Daemon, wait_for, workload
+from tests.daemon.test_restore_state import workload_pid
+
+
+def _digest(d: Daemon, job: str) -> list[str]:
+    return re.findall(r"^digest (\w+)$", d.log_of(job), re.M)
+
+
+def test_leave_running_dump_is_staged_in_memory(make_daemon: Any, world_tmp: Path) -> None:
+    stage = world_tmp / "stage-ok"
+    d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
+    job = d.run(*workload("memhold.py", 32))
+    wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
+    cp = d.json("dump", "--leave-running", job["job"])
+    assert cp["staged"] is True
+    assert list(stage.iterdir()) == []  # moved to the store, nothing left in memory
+    assert d.job(job["job"])["state"] == "running"
+    d.cli("kill", job["job"])
+    restored = d.json("restore", cp["checkpoint"])
+    os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)
+    wait_for(lambda: len(_digest(d, restored["job"])) == 2, what="digest")
+    assert len(set(_digest(d, restored["job"]))) == 1
+    # A dump that stops the job is never staged: it goes straight to the store.
+    cp2 = d.json("dump", restored["job"])
+    assert cp2["staged"] is False
+
+
+def test_staging_falls_back_when_memory_is_short(make_daemon: Any, world_tmp: Path) -> None:
+    stage = world_tmp / "stage-small"
+    stage.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(stage)],
+                   check=True)
+    try:
+        d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
+        job = d.run(*workload("memhold.py", 32))
+        wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
+        cp = d.json("dump", "--leave-running", job["job"])
+        assert cp["staged"] is False and cp["size_bytes"] >= 32 << 20
+        d.cli("kill", job["job"])
+        restored = d.json("restore", cp["checkpoint"])
+        os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)
+        wait_for(lambda: len(_digest(d, restored["job"])) == 2, what="digest")
+        assert len(set(_digest(d, restored["job"]))) == 1
+        d.cli("kill", restored["job"])
+    finally:
+        subprocess.run(["umount", str(stage)], check=True)
+
+
+def test_compress_auto_picks_by_content(daemon: Daemon) -> None:
+    zeros = daemon.run(*workload("zeros.py", 64))
+    noise = daemon.run(*workload("memhold.py", 32))
+    wait_for(lambda: "ready" in daemon.log_of(zeros["job"]), what="zeros ready")
+    wait_for(lambda: "ready" in daemon.log_of(noise["job"]), what="noise ready")
+    z = daemon.json("dump", "--compress", "auto", zeros["job"])
+    n = daemon.json("dump", "--compress", "auto", noise["job"])
+    listed = {c["id"]: c for c in daemon.json("checkpoints")}
+    assert listed[z["checkpoint"]]["compression"] == "zstd"
+    assert listed[z["checkpoint"]]["stored_size_bytes"] * 5 <= z["size_bytes"]
+    assert listed[n["checkpoint"]]["compression"] == "none"
+    restored = daemon.json("restore", z["checkpoint"])
+    wait_for(lambda: daemon.job(restored["job"])["state"] == "restored", what="restored")
+    daemon.cli("kill", restored["job"])
