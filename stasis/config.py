@@ -14,6 +14,7 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged so that
                          the job is frozen only while its pages go to memory; "" turns it off
                                                               (/dev/shm/stasis-staging)
+    STASIS_LAZY_RESTORE  restore lazily by default (userfaultfd; `restore --lazy`)  (false)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _ENV_KEYS = {
     "STASIS_CRIU": "criu",
     "STASIS_TINI": "tini",
     "STASIS_STAGE_DIR": "stage_dir",
+    "STASIS_LAZY_RESTORE": "lazy_restore",
 }
 
 
@@ -52,6 +54,7 @@ class Settings(BaseModel):
     criu: str = ""
     tini: str = ""
     stage_dir: str = "/dev/shm/stasis-staging"
+    lazy_restore: bool = False
 
     @property
     def store_url(self) -> str:

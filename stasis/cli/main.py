@@ -89,14 +89,17 @@ def dump(ctx: click.Context, job: str, leave_running: bool, label: str | None, c
 @cli.command()
 @click.argument("checkpoint", required=False)
 @click.option("--label", help="Restore the newest checkpoint with this label.")
+@click.option("--lazy/--no-lazy", default=None,
+              help="Run before all memory is back (userfaultfd); default: the daemon's setting.")
 @json_option
 @click.pass_context
-def restore(ctx: click.Context, checkpoint: str | None, label: str | None, as_json: bool) -> None:
+def restore(ctx: click.Context, checkpoint: str | None, label: str | None, lazy: bool | None,
+            as_json: bool) -> None:
     """Restore CHECKPOINT (or the newest of --label) as a new job."""
     if bool(checkpoint) == bool(label):
         raise UsageError("give either a CHECKPOINT id or --label, not both or neither")
     with _client(ctx) as client, output.progress_bar("restoring", not as_json) as progress:
-        answer = client.restore(progress, checkpoint=checkpoint, label=label)
+        answer = client.restore(progress, checkpoint=checkpoint, label=label, lazy=lazy)
     for skipped in answer.get("skipped", []):
         output.errors.print(f"stasis: warning: skipped corrupt checkpoint {skipped}", markup=False)
     if as_json:

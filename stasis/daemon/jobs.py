@@ -271,7 +271,7 @@ class JobManager:
         skipped: list[str] = []
         for manifest in candidates:
             try:
-                answer = self._restore_one(manifest, progress)
+                answer = self._restore_one(manifest, progress, req.lazy)
             except CorruptCheckpointError as e:
                 # By label, an older complete checkpoint is better than none.
                 skipped.append(f"{manifest.id}: {e}")
@@ -283,7 +283,8 @@ class JobManager:
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))
 
-    def _restore_one(self, manifest: Manifest, progress: Progress | None) -> RestoreAnswer:
+    def _restore_one(self, manifest: Manifest, progress: Progress | None,
+                     lazy: bool | None) -> RestoreAnswer:
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         log = manifest.log_path or str(self.logs_dir / f"{job_id}.log")
@@ -303,6 +304,10 @@ class JobManager:
                 "criu": find_criu(self.settings.criu),
                 "criu_log_dir": str(self.criu_logs),
                 "criu_log_name": f"restore-{job_id}.log",
+                # Lazy pages read the images after the restore returns: only from a checkpoint
+                # that stays where it is (a local uncompressed store), not from a scratch copy.
+                "lazy": (self.settings.lazy_restore if lazy is None else lazy)
+                and not images.is_relative_to(self.scratch),
             }
             job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
         if "error" in answer:
@@ -318,7 +323,9 @@ class JobManager:
                 log=log, checkpoint=manifest.id, created=_now(), job_dir=str(job_dir),
             )
         )
-        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id)
+        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
+                             lazy=bool(answer.get("lazy")),
+                             duration_s=round(float(answer.get("duration_s", 0.0)), 4))
 
     # -- kill / follow -------------------------------------------------------------------------
 

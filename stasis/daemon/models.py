@@ -50,6 +50,7 @@ class DumpRequest(_Model):
 class RestoreRequest(_Model):
     checkpoint: str | None = None
     label: str | None = None
+    lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
 
 
 class Job(_Model):
@@ -89,3 +90,5 @@ class RestoreAnswer(_Model):
     checkpoint: str
     # Newer checkpoints of the label that failed verification and were passed over, with why.
     skipped: list[str] = []
+    lazy: bool = False  # the job runs while its memory is still coming back
+    duration_s: float = 0.0  # CRIU's restore, until the job ran again

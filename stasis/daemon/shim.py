@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,19 @@ def _write_exit(job_dir: Path, status: int) -> None:
     os.replace(tmp, job_dir / "exit.json")
 
 
-def _wait_for(job_dir: Path, pid: int) -> None:
-    """Reap everything (we are a subreaper) until `pid` itself ends; record its status."""
+def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
+              started: float = 0.0) -> None:
+    """Reap everything (we are a subreaper) until `pid` itself ends; record its status, and
+    when all memory of a lazily restored job was back (its lazy-pages process ended)."""
     while True:
         try:
             got, status = os.waitpid(-1, 0)
         except ChildProcessError:
             return
+        if got == lazy_pages:
+            data = {"all_memory_s": round(time.monotonic() - started, 4),
+                    "ok": os.waitstatus_to_exitcode(status) == 0}
+            (job_dir / "memory.json").write_text(json.dumps(data))
         if got == pid:
             _write_exit(job_dir, status)
             return
@@ -143,10 +150,11 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
     # CRIU names regular files in its images by their path without the leading '/'.
     key = spec["image_log"].lstrip("/")
+    started = time.monotonic()
     try:
         result = criu.restore(
             Path(spec["images"]),
-            RestoreOptions(inherit_fds=[(key, log_fd)]),
+            RestoreOptions(inherit_fds=[(key, log_fd)], lazy=spec.get("lazy", False)),
             spec["criu_log_name"],
         )
     except StasisError as e:
@@ -154,8 +162,9 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         return
     finally:
         os.close(log_fd)
-    _answer({"pid": result.pid, "duration_s": result.duration_s})
-    _wait_for(job_dir, result.pid)
+    _answer({"pid": result.pid, "duration_s": result.duration_s,
+             "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason})
+    _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 
 def main() -> None:

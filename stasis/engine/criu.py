@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class DumpResult:
 class RestoreOptions:
     # (key, fd) pairs: CRIU reopens the file whose image path is `key` (no leading '/') as `fd`.
     inherit_fds: Sequence[tuple[str, int]] = ()
+    # Resume the tree before its memory is back: `criu lazy-pages` serves page faults over
+    # userfaultfd and streams the rest in the background. The images must stay in place until
+    # `RestoreResult.lazy_pages` exits. Falls back to a full restore when that fails.
+    lazy: bool = False
     tcp_established: bool = True
     file_locks: bool = True
     ext_unix_sk: bool = True
@@ -68,6 +73,9 @@ class RestoreResult:
     pid: int
     duration_s: float
     log_path: Path
+    # The `criu lazy-pages` process still filling the tree's memory (lazy restores only).
+    lazy_pages: subprocess.Popen[bytes] | None = None
+    fallback_reason: str | None = None  # why a lazy restore became a full one
 
 
 @dataclass
@@ -131,8 +139,53 @@ class CRIU:
 
     def restore(self, images_dir: Path, options: RestoreOptions, log_name: str) -> RestoreResult:
         """Restore the tree in `images_dir` as a child of the calling process (rst_sibling)."""
+        if not options.lazy:
+            return self._restore(images_dir, options, log_name, None)
+        # Each lazy restore talks to its own lazy-pages daemon through a socket in its work dir.
+        work = self.log_dir / log_name.removesuffix(".log")
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            daemon = self._start_lazy_pages(images_dir, work)
+            try:
+                result = self._restore(images_dir, options, log_name, work)
+            except CRIUError:
+                daemon.kill()
+                daemon.wait()
+                raise
+            result.lazy_pages = daemon
+            return result
+        except CRIUError as e:
+            result = self._restore(images_dir, options, log_name, None)
+            result.fallback_reason = str(e)
+            return result
+
+    def _start_lazy_pages(self, images_dir: Path, work: Path) -> subprocess.Popen[bytes]:
+        socket_path = work / "lazy-pages.socket"
+        socket_path.unlink(missing_ok=True)
+        daemon = subprocess.Popen(
+            [self.path, "lazy-pages", "-D", str(images_dir), "-W", str(work),
+             "-v4", "-o", "lazy-pages.log"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while not socket_path.exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                daemon.kill()
+                daemon.wait()
+                raise CRIUError("criu lazy-pages did not start", str(work / "lazy-pages.log"))
+            time.sleep(0.002)
+        return daemon
+
+    def _restore(self, images_dir: Path, options: RestoreOptions, log_name: str,
+                 lazy_work: Path | None) -> RestoreResult:
         pb = rpc.messages()
         opts, fds = self._opts(pb, images_dir, log_name)
+        if lazy_work is not None:
+            os.close(fds.pop())
+            work_fd = rpc.open_dir(lazy_work)
+            fds.append(work_fd)
+            opts.work_dir_fd = work_fd
+            opts.lazy_pages = True
         try:
             opts.rst_sibling = True
             opts.tcp_established = options.tcp_established
@@ -150,7 +203,7 @@ class CRIU:
         finally:
             for fd in fds:
                 os.close(fd)
-        log_path = self.log_dir / log_name
+        log_path = (lazy_work or self.log_dir) / log_name
         if not resp.success:
             raise self._fail("restore", resp, log_path)
         return RestoreResult(pid=resp.restore.pid, duration_s=duration, log_path=log_path)

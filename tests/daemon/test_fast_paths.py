@@ -71,3 +71,35 @@ def test_compress_auto_picks_by_content(daemon: Daemon) -> None:
     restored = daemon.json("restore", z["checkpoint"])
     wait_for(lambda: daemon.job(restored["job"])["state"] == "restored", what="restored")
     daemon.cli("kill", restored["job"])
+
+
+def test_lazy_restore_runs_before_memory_is_back(daemon: Daemon) -> None:
+    job = daemon.run(*workload("memhold.py", 64))
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
+    cp = daemon.json("dump", job["job"])
+    restored = daemon.json("restore", "--lazy", cp["checkpoint"])
+    assert restored["lazy"] is True
+    os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)  # touches every page: all come back
+    wait_for(lambda: len(_digest(daemon, restored["job"])) == 2, what="digest")
+    assert len(set(_digest(daemon, restored["job"]))) == 1
+    memory = Path(daemon.state_dir / "jobs" / restored["job"] / "memory.json")
+    wait_for(memory.exists, what="lazy-pages done")
+    daemon.cli("kill", restored["job"])
+
+
+def test_lazy_restore_of_a_user_job_and_of_a_compressed_one(daemon: Daemon) -> None:
+    job = daemon.run(*workload("memhold.py", 16), user="stasis-test")
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
+    cp = daemon.json("dump", "--leave-running", job["job"])
+    zcp = daemon.json("dump", "--compress", "zstd", job["job"])
+    lazy = daemon.json("restore", "--lazy", cp["checkpoint"], user="stasis-test")
+    assert lazy["lazy"] is True
+    # A compressed checkpoint is unpacked into scratch space that goes away: restored in full.
+    full = daemon.json("restore", "--lazy", zcp["checkpoint"])
+    assert full["lazy"] is False
+    for r in (lazy, full):
+        os.kill(workload_pid(r["pid"]), signal.SIGUSR1)
+    wait_for(lambda: len(_digest(daemon, full["job"])) == 3, what="digests")
+    assert len(set(_digest(daemon, full["job"]))) == 1
+    for r in (lazy, full):
+        daemon.cli("kill", r["job"])
