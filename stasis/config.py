@@ -19,12 +19,12 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from stasis.errors import UsageError
 
@@ -41,11 +41,17 @@ _ENV_KEYS = {
     "STASIS_STAGE_DIR": "stage_dir",
     "STASIS_LAZY_RESTORE": "lazy_restore",
 }
+# Variables whose empty value means something ("" turns staging off), not "unset".
+_EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+# A plain dataclass, not a pydantic model: every CLI call builds one, and pydantic's import alone
+# costs ~70 ms of each `stasis` invocation.
+@dataclass(frozen=True)
+class Settings:
     socket: Path = Path("/run/stasis/stasis.sock")
     state_dir: Path = Path("/var/lib/stasis")
     store: str = ""
@@ -61,6 +67,28 @@ class Settings(BaseModel):
         return self.store or str(self.state_dir / "checkpoints")
 
 
+def _convert(name: str, value: object, default: object) -> object:
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        raise UsageError(f"bad setting {name!r}: {value!r} is not true or false")
+    if isinstance(default, int):
+        try:
+            number = int(str(value))
+        except ValueError:
+            raise UsageError(f"bad setting {name!r}: {value!r} is not a whole number") from None
+        if number < 0:
+            raise UsageError(f"bad setting {name!r}: {number} is below 0")
+        return number
+    if isinstance(default, Path):
+        return Path(str(value))
+    if not isinstance(value, str):
+        raise UsageError(f"bad setting {name!r}: {value!r} is not a string")
+    return value
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Build the Settings from the config file and the environment (os.environ by default)."""
     env = os.environ if environ is None else environ
@@ -73,12 +101,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             raise UsageError(f"config file {file} does not exist; fix STASIS_CONFIG") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UsageError(f"cannot read config file {file}: {e}") from e
-    for key, field in _ENV_KEYS.items():
-        if env.get(key) or (key == "STASIS_STAGE_DIR" and key in env):
-            values[field] = env[key]
-    try:
-        return Settings.model_validate(values)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise UsageError(f"bad setting {where!r}: {first['msg']}") from e
+    for key, name in _ENV_KEYS.items():
+        if env.get(key) or (key in _EMPTY_MEANS_SOMETHING and key in env):
+            values[name] = env[key]
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(values) - set(defaults))
+    if unknown:
+        raise UsageError(f"bad setting {unknown[0]!r}: no such setting (see stasis/config.py)")
+    return Settings(**{k: _convert(k, v, defaults[k]) for k, v in values.items()})  # type: ignore[arg-type]

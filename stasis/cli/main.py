@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
 import sys
 
@@ -61,7 +59,7 @@ def run(ctx: click.Context, label: str | None, log: str | None, cwd: str | None,
     if as_json:
         output.emit_json(answer)
     else:
-        output.console.print(f"job {answer['job']} running as pid {answer['pid']} "
+        output.say(f"job {answer['job']} running as pid {answer['pid']} "
                              f"(label {answer['label']})")
 
 
@@ -82,7 +80,7 @@ def dump(ctx: click.Context, job: str, leave_running: bool, label: str | None, c
     if as_json:
         output.emit_json(answer)
     else:
-        output.console.print(f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
+        output.say(f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
                              f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
 
 
@@ -101,11 +99,11 @@ def restore(ctx: click.Context, checkpoint: str | None, label: str | None, lazy:
     with _client(ctx) as client, output.progress_bar("restoring", not as_json) as progress:
         answer = client.restore(progress, checkpoint=checkpoint, label=label, lazy=lazy)
     for skipped in answer.get("skipped", []):
-        output.errors.print(f"stasis: warning: skipped corrupt checkpoint {skipped}", markup=False)
+        output.warn(f"skipped corrupt checkpoint {skipped}")
     if as_json:
         output.emit_json(answer)
     else:
-        output.console.print(f"job {answer['job']} restored from {answer['checkpoint']} "
+        output.say(f"job {answer['job']} restored from {answer['checkpoint']} "
                              f"as pid {answer['pid']}")
 
 
@@ -152,7 +150,7 @@ def checkpoints_rm(ctx: click.Context, checkpoint: str) -> None:
     """Delete CHECKPOINT from the store."""
     with _client(ctx) as client:
         client.delete_checkpoint(checkpoint)
-    output.console.print(f"deleted {checkpoint}")
+    output.say(f"deleted {checkpoint}")
 
 
 @cli.command()
@@ -166,7 +164,7 @@ def kill(ctx: click.Context, job: str, as_json: bool) -> None:
     if as_json:
         output.emit_json(answer)
     else:
-        output.console.print(f"job {job}: {answer['state']}")
+        output.say(f"job {job}: {answer['state']}")
 
 
 @cli.command()
@@ -195,15 +193,15 @@ def check(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         output.emit_json(report.model_dump(mode="json"))
     else:
-        output.console.print(f"CRIU: {report.criu_path or 'missing'} {report.criu_version or ''}")
-        output.console.print(f"kernel: {report.kernel}")
+        output.say(f"CRIU: {report.criu_path or 'missing'} {report.criu_version or ''}")
+        output.say(f"kernel: {report.kernel}")
         for name, value in report.features.items():
-            output.console.print(f"feature {name}: {'yes' if value else 'no'}")
+            output.say(f"feature {name}: {'yes' if value else 'no'}")
         for note in report.notes:
-            output.console.print(f"note: {note}")
+            output.say(f"note: {note}")
         for p in report.problems:
-            output.console.print(f"[red]problem:[/red] {p.what} -> {p.fix}")
-        output.console.print("OK" if report.ok else "NOT READY")
+            output.say(f"[red]problem:[/red] {p.what} -> {p.fix}")
+        output.say("OK" if report.ok else "NOT READY")
     if not report.ok:
         sys.exit(1)
 
@@ -212,6 +210,9 @@ def check(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def daemon(ctx: click.Context) -> None:
     """Run the node daemon in the foreground until SIGTERM (root)."""
+    import asyncio
+    import logging
+
     from stasis.daemon.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stasis %(levelname)s %(message)s")

@@ -1,4 +1,8 @@
-"""Printing: JSON for scripts, tables and progress bars for people, one-line errors."""
+"""Printing: JSON for scripts, tables and progress bars for people, one-line errors.
+
+rich is imported only when something is drawn for a person: scripts calling `--json` should not
+pay for it on every call.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,30 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
 
-console = Console()
-errors = Console(stderr=True)
+
+@cache
+def console() -> Console:
+    from rich.console import Console
+
+    return Console()
+
+
+@cache
+def errors() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def say(text: str) -> None:
+    """A line for a person (rich markup allowed)."""
+    console().print(text)
 
 
 def emit_json(data: Any) -> None:
@@ -27,14 +41,20 @@ def emit_json(data: Any) -> None:
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    from rich.table import Table
+
     t = Table(*columns, box=None, pad_edge=False)
     for row in rows:
         t.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
-    console.print(t)
+    console().print(t)
 
 
 def fail(message: str) -> None:
-    errors.print(f"stasis: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.stderr.write(f"stasis: error: {message}\n")
+
+
+def warn(message: str) -> None:
+    sys.stderr.write(f"stasis: warning: {message}\n")
 
 
 @contextmanager
@@ -43,9 +63,17 @@ def progress_bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None
     if not enabled or not sys.stdout.isatty():
         yield None
         return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
+        TransferSpeedColumn(), TimeRemainingColumn(), console=console(), transient=True,
     ) as bar:
         task = bar.add_task(what, total=None)
 

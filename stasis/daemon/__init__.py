@@ -8,7 +8,7 @@ the engine into the store, restores them, and follows them until they end.
     db       the SQLite job table
     users    callers, accounts, job environments
     server   `stasis daemon`: socket, signals, the follow loop
-    client   the httpx client the CLI (and scheduler plugins) use
+    client   the unix-socket HTTP client the CLI (and scheduler plugins) use
 
 It must not print to a terminal or parse command lines: that is the CLI's job.
 """

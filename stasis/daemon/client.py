@@ -1,32 +1,49 @@
-"""A client of the daemon's API over its unix socket (httpx with a uds transport)."""
+"""A client of the daemon's API over its unix socket.
+
+Built on the standard library's http.client rather than httpx: every `stasis` command (and every
+Slurm hook) makes one call, and importing httpx (which pulls in rich and click for its own CLI)
+cost ~100 ms of each invocation on these machines, more than the call itself.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
-from urllib.parse import quote
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import httpx
+from urllib.parse import quote, urlencode
 
 from stasis.errors import DaemonAPIError, StasisError, error_from_wire
 
-# Dumps and restores of big jobs take minutes; every other call answers at once.
-_TIMEOUT = httpx.Timeout(30.0, read=None)
+# Plain calls answer at once; dumps and restores of big jobs stream progress for minutes.
+_CONNECT_TIMEOUT_S = 30.0
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("stasis", timeout=_CONNECT_TIMEOUT_S)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(str(self.path))
+        except OSError:
+            sock.close()
+            raise
+        sock.settimeout(None)  # a dump may stream for a long time
+        self.sock = sock
 
 
 class Client:
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self._http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(socket_path)),
-            base_url="http://stasis",
-            timeout=_TIMEOUT,
-        )
 
     def close(self) -> None:
-        self._http.close()
+        pass
 
     def __enter__(self) -> Client:
         return self
@@ -34,10 +51,10 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _unreachable(self, e: Exception) -> DaemonAPIError:
+    def _unreachable(self, e: OSError) -> DaemonAPIError:
         if not self.socket_path.exists():
             why = "no socket there"
-        elif isinstance(e, httpx.ConnectError) and "ermission" in str(e):
+        elif isinstance(e, PermissionError):
             why = "permission denied on the socket (join its group)"
         else:
             why = "nothing answers on it"
@@ -46,38 +63,45 @@ class Client:
             "start it with `stasis daemon` or set STASIS_SOCKET"
         )
 
+    def _send(self, method: str, path: str, body: Any) -> http.client.HTTPResponse:
+        conn = _UnixConnection(self.socket_path)
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            return conn.getresponse()
+        except (ConnectionError, FileNotFoundError, PermissionError, http.client.HTTPException,
+                OSError) as e:
+            conn.close()
+            raise self._unreachable(e if isinstance(e, OSError) else OSError(str(e))) from e
+
     def request(self, method: str, path: str, body: Any = None,
                 params: dict[str, str] | None = None) -> Any:
-        try:
-            resp = self._http.request(method, path, json=body, params=params)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError) as e:
-            raise self._unreachable(e) from e
-        data = _json(resp)
-        if resp.status_code >= 400:
-            raise _error(data, resp.status_code)
+        if params:
+            path = f"{path}?{urlencode(params)}"
+        resp = self._send(method, path, body)
+        data = _json(resp.read())
+        if resp.status >= 400:
+            raise _error(data, resp.status)
         return data
 
     def stream(self, path: str, body: Any,
                progress: Callable[[int, int], None] | None = None) -> Any:
         """POST and read NDJSON: progress lines go to `progress`, the last line is the answer."""
-        try:
-            with self._http.stream("POST", path, json=body) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    raise _error(_json(resp), resp.status_code)
-                for line in resp.iter_lines():
-                    if not line.strip():
-                        continue
-                    item = json.loads(line)
-                    if "progress" in item:
-                        if progress:
-                            progress(item["progress"]["bytes"], item["progress"]["total"])
-                    elif "error" in item:
-                        raise _error(item, 0)
-                    else:
-                        return item["result"]
-        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError) as e:
-            raise self._unreachable(e) from e
+        resp = self._send("POST", path, body)
+        if resp.status >= 400:
+            raise _error(_json(resp.read()), resp.status)
+        while line := resp.readline():
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if "progress" in item:
+                if progress:
+                    progress(item["progress"]["bytes"], item["progress"]["total"])
+            elif "error" in item:
+                raise _error(item, 0)
+            else:
+                return item["result"]
         raise DaemonAPIError("the daemon closed the connection before answering")
 
     # -- the API, one method per route ----------------------------------------------------------
@@ -113,17 +137,16 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _json(resp: httpx.Response) -> Any:
+def _json(raw: bytes) -> Any:
     try:
-        return resp.json()
+        return json.loads(raw)
     except ValueError:
-        return {"unexpected": resp.text[:200]}
+        return {"unexpected": raw[:200].decode(errors="replace")}
 
 
 def _error(data: Any, status: int) -> StasisError:
     try:
         err = data["error"]
-        e = error_from_wire(err["type"], err["message"])
+        return error_from_wire(err["type"], err["message"])
     except (KeyError, TypeError):
         return DaemonAPIError(f"unexpected answer from the daemon: {data!r}", status)
-    return e
