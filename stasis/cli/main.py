@@ -69,14 +69,18 @@ def run(ctx: click.Context, label: str | None, log: str | None, cwd: str | None,
 @click.option("--label", help="Label of this checkpoint (default: the job's label).")
 @click.option("--compress", type=click.Choice(["zstd", "lz4", "auto", "none"]), default="none",
               show_default=True)
+@click.option("--incremental", is_flag=True,
+              help="Only memory changed since the last dump, where the kernel tracks it.")
 @json_option
 @click.pass_context
 def dump(ctx: click.Context, job: str, leave_running: bool, label: str | None, compress: str,
-         as_json: bool) -> None:
+         incremental: bool, as_json: bool) -> None:
     """Checkpoint JOB into the store (the job stops unless --leave-running)."""
     with _client(ctx) as client, output.progress_bar("dumping", not as_json) as progress:
         answer = client.dump(job, progress, leave_running=leave_running, label=label,
-                             compress=compress)
+                             compress=compress, incremental=incremental)
+    if answer.get("note"):
+        output.warn(answer["note"])
     if as_json:
         output.emit_json(answer)
     else:

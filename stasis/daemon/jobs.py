@@ -208,6 +208,11 @@ class JobManager:
             raise UsageError(f"job {job_id} is no longer running; nothing to dump")
         label = validate_label(req.label) if req.label else row.label
         criu = self.criu
+        note = None
+        if req.incremental and not criu.features().mem_track:
+            # Without soft-dirty tracking CRIU refuses pre-dumps: a full dump is the honest answer.
+            note = ("incremental dump not possible: this kernel does not track dirty memory "
+                    "(no soft-dirty); took a full dump")
         created = datetime.now(timezone.utc)
         checkpoint_id = new_checkpoint_id(created)
         info = CheckpointInfo(
@@ -246,7 +251,7 @@ class JobManager:
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            staged=fast is not None,
+            staged=fast is not None, note=note,
         )
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:

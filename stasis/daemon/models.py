@@ -45,6 +45,7 @@ class DumpRequest(_Model):
     leave_running: bool = False
     label: str | None = None
     compress: Compression = "none"
+    incremental: bool = False
 
 
 class RestoreRequest(_Model):
@@ -82,6 +83,8 @@ class DumpAnswer(_Model):
     duration_s: float
     # The images went to node memory first (leave-running dumps), then to the store.
     staged: bool = False
+    # Why an --incremental dump was taken in full (the kernel tracks no dirty memory).
+    note: str | None = None
 
 
 class RestoreAnswer(_Model):

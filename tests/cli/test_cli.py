@@ -33,7 +33,8 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
     assert set(row) == {"job", "pid", "state", "label", "exit_code", "command"}
     assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
     cp = daemon.json("dump", job["job"])
-    assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "staged"}
+    assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "staged",
+                       "note"}
     listed = daemon.json("checkpoints", "--label", "shapes")
     assert [c["id"] for c in listed] == [cp["checkpoint"]]
     restored = daemon.json("restore", "--label", "shapes")

@@ -103,3 +103,18 @@ def test_lazy_restore_of_a_user_job_and_of_a_compressed_one(daemon: Daemon) -> N
     assert len(set(_digest(daemon, full["job"]))) == 1
     for r in (lazy, full):
         daemon.cli("kill", r["job"])
+
+
+def test_incremental_falls_back_to_full_without_soft_dirty(daemon: Daemon) -> None:
+    job = daemon.run(*workload("memhold.py", 8))
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
+    result = daemon.cli("dump", "--incremental", "--leave-running", "--json", job["job"])
+    cp = __import__("json").loads(result.stdout)
+    assert "soft-dirty" in cp["note"] and "soft-dirty" in result.stderr
+    assert cp["size_bytes"] >= 8 << 20  # a full, restorable dump
+    daemon.cli("kill", job["job"])
+    restored = daemon.json("restore", cp["checkpoint"])
+    os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)
+    wait_for(lambda: len(_digest(daemon, restored["job"])) == 2, what="digest")
+    assert len(set(_digest(daemon, restored["job"]))) == 1
+    daemon.cli("kill", restored["job"])
