@@ -49,3 +49,18 @@ def test_daemon_restart_keeps_track_of_jobs(make_daemon: Any) -> None:
     restored = d.json("restore", cp["checkpoint"])
     wait_for(lambda: last_number(d, restored["job"]) >= at_dump + 3, what="counting on")
     d.cli("kill", restored["job"])
+
+
+def test_object_store_through_fsspec(make_daemon: Any) -> None:
+    # memory:// lives inside the daemon process: the same code path as s3:// or gs://.
+    d: Daemon = make_daemon(store="memory://stasis-ci")
+    job = d.run(*workload("counter.py"), label="remote")
+    wait_for(lambda: last_number(d, job["job"]) >= 5, what="counting")
+    cp = d.json("dump", "--compress", "lz4", job["job"])
+    at_dump = last_number(d, job["job"])
+    assert [c["id"] for c in d.json("checkpoints", "--label", "remote")] == [cp["checkpoint"]]
+    restored = d.json("restore", "--label", "remote")
+    wait_for(lambda: last_number(d, restored["job"]) >= at_dump + 3, what="counting on")
+    values = numbers(d.log_of(restored["job"]))
+    assert values == list(range(len(values)))
+    d.cli("kill", restored["job"])
