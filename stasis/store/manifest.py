@@ -124,33 +124,15 @@ class CheckpointInfo(BaseModel):
     _utc = field_validator("created")(_to_utc)
 
 
-class Manifest(BaseModel):
+class Manifest(CheckpointInfo):
     """The content of `<store>/<id>/manifest.json`; its presence makes the checkpoint exist."""
-
-    model_config = ConfigDict(frozen=True)
 
     # Readers skip manifests of a format they do not know instead of misreading them.
     format: Literal[1] = 1
-    id: str = Field(pattern=ID_PATTERN)
-    label: str = Field(pattern=LABEL_PATTERN)
-    job: str
-    host: str
-    created: AwareDatetime
     size_bytes: int = Field(ge=0)  # total uncompressed image bytes
     stored_size_bytes: int = Field(ge=0)
-    criu_version: str
-    command: list[str]
-    cwd: str
-    env: dict[str, str] = {}
-    user: str
-    uid: int
-    gid: int
-    log_path: str | None = None
     compression: Compression
     files: list[FileEntry]
-    extra: dict[str, Any] = {}
-
-    _utc = field_validator("created")(_to_utc)
 
     @model_validator(mode="after")
     def _names_unique(self) -> Manifest:
