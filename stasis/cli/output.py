@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 def console() -> Console:
     from rich.console import Console
 
-    return Console()
+    # Piped output has no width: do not squeeze tables into 80 columns then.
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 @cache
@@ -41,9 +42,11 @@ def emit_json(data: Any) -> None:
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
-    from rich.table import Table
+    """Ids are never cut or wrapped (people copy them); only the last column may wrap."""
+    from rich.table import Column, Table
 
-    t = Table(*columns, box=None, pad_edge=False)
+    cols = [Column(c, no_wrap=True, overflow="ignore") for c in columns[:-1]]
+    t = Table(*cols, Column(columns[-1], overflow="fold"), box=None, pad_edge=False)
     for row in rows:
         t.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
     console().print(t)
