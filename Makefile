@@ -33,9 +33,9 @@ $(PROTO_OUT)/rpc_pb2.py: $(RPC_PROTO)
 
 lint: install
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
-test: install
-	$(BIN)/mypy
+test: lint
 	$(BIN)/pytest -q tests
 
 demo: install
