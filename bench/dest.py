@@ -1,0 +1,80 @@
+"""Destinations: a private tmpfs (mounted for the run, unmounted after) and a directory on /.
+
+On `disk` stasis uses its default store (<state_dir>/checkpoints, on /); the plain CRIU images and
+the raw copy go to a sibling directory on the same filesystem. On `tmpfs` all three go to the
+tmpfs; stasis' state (database, logs) stays on disk either way.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.procs import BenchError
+
+DESTS = ("tmpfs", "disk")
+GiB = 1 << 30
+
+
+@dataclass
+class Destination:
+    name: str
+    scratch: Path  # plain CRIU images and the raw copy
+    store: Path | None  # stasis' store; None: the daemon's default store on disk
+    mounted: Path | None = None
+
+    def teardown(self) -> None:
+        if self.mounted is not None:
+            subprocess.run(["umount", str(self.mounted)], check=False)
+            self.mounted = None
+
+
+def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
+    base = root / name
+    base.mkdir(parents=True, exist_ok=True)
+    if name == "disk":
+        scratch = base / "scratch"
+        scratch.mkdir(exist_ok=True)
+        return Destination(name, scratch, None)
+    if name == "tmpfs":
+        mnt = base / "mnt"
+        mnt.mkdir(exist_ok=True)
+        # A tmpfs takes memory only for what is in it; the size cap is a guard against runaway.
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes},mode=0755", "stasis-bench",
+             str(mnt)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchError(f"cannot mount a tmpfs at {mnt}: {done.stderr.strip()}")
+        scratch = mnt / "scratch"
+        scratch.mkdir()
+        return Destination(name, scratch, mnt / "store", mounted=mnt)
+    raise ValueError(f"unknown destination {name!r}; known: {', '.join(DESTS)}")
+
+
+def available_bytes() -> int:
+    """MemAvailable: free memory plus what the kernel can reclaim (clean page cache)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise BenchError("no MemAvailable in /proc/meminfo")
+
+
+def bytes_needed(size: int, dest: str) -> int:
+    """Peak memory of one step of a case, with a margin.
+
+    At most one workload runs at a time (a leave-running original is killed before the restore),
+    but on tmpfs its image lives in memory beside it, and the raw read holds file + copy.
+    """
+    images = size if dest == "tmpfs" else 0
+    return int(max(size + images, 2 * size) * 1.15) + 2 * GiB
+
+
+def clear_dir(path: Path) -> None:
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)

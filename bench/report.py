@@ -1,0 +1,263 @@
+"""Summaries (median, min, max per figure), ratios, the targets of issue 4, JSON and Markdown.
+
+`python -m bench.report RESULTS.json` redoes the summary, the Markdown and the PNG of a results
+file from its raw runs (after a change to the report, or to a partial file of an interrupted run).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+# (method, figure) pairs summarised per case; ratios are taken between medians.
+FIGURES = (
+    ("raw", "write_s"), ("raw", "read_s"), ("raw", "write_gbps"), ("raw", "read_gbps"),
+    *((m, f) for m in ("stasis", "criu") for f in (
+        "dump_s", "frozen_s", "memdump_s", "memwrite_s", "bytes_written", "image_bytes",
+        "dump_gbps", "restore_s", "memory_s", "criu_restore_time_s")),
+    ("stasis", "daemon_dump_s"), ("stasis", "daemon_restore_s"), ("stasis", "cli_floor_s"),
+)
+RATIOS = (  # name, numerator, denominator
+    ("dump_s stasis/criu", ("stasis", "dump_s"), ("criu", "dump_s")),
+    ("frozen_s stasis/criu", ("stasis", "frozen_s"), ("criu", "frozen_s")),
+    ("restore_s stasis/criu", ("stasis", "restore_s"), ("criu", "restore_s")),
+    ("memory_s stasis/criu", ("stasis", "memory_s"), ("criu", "memory_s")),
+    ("image_bytes stasis/criu", ("stasis", "image_bytes"), ("criu", "image_bytes")),
+    ("dump_s stasis/raw", ("stasis", "dump_s"), ("raw", "write_s")),
+    ("restore_s stasis/raw", ("stasis", "restore_s"), ("raw", "read_s")),
+    ("dump_s criu/raw", ("criu", "dump_s"), ("raw", "write_s")),
+    ("restore_s criu/raw", ("criu", "restore_s"), ("raw", "read_s")),
+)
+CASE_KEYS = ("size_bytes", "kind", "dest", "mode")
+
+
+def spread(values: list[float]) -> dict[str, float | int]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def _case_id(case: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(case[k] for k in CASE_KEYS)
+
+
+def summarise(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    grouped: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for run in runs:
+        grouped.setdefault(_case_id(run["case"]), []).append(run)
+    out = []
+    for key, case_runs in grouped.items():
+        ok = [r for r in case_runs if "error" not in r]
+        figures: dict[str, dict[str, float | int]] = {}
+        for method, fig in FIGURES:
+            values = [r[method][fig] for r in ok
+                      if method in r and isinstance(r[method].get(fig), (int, float))]
+            if values:
+                figures[f"{method}.{fig}"] = spread([float(v) for v in values])
+        ratios = {}
+        for name, (nm, nf), (dm, df) in RATIOS:
+            num, den = figures.get(f"{nm}.{nf}"), figures.get(f"{dm}.{df}")
+            if num and den and den["median"]:
+                ratios[name] = num["median"] / den["median"]
+        verified = [r[m]["verified"] for r in ok for m in ("stasis", "criu")
+                    if m in r and r[m].get("verified") is not None]
+        out.append({
+            "case": dict(zip(CASE_KEYS, key)), "runs_ok": len(ok),
+            "errors": [r["error"] for r in case_runs if "error" in r],
+            "verified": all(verified) if verified else None,
+            "figures": figures, "ratios": ratios,
+        })
+    return out
+
+
+def _median(summary: dict[str, Any], name: str) -> float | None:
+    fig = summary["figures"].get(name)
+    return float(fig["median"]) if fig else None
+
+
+def _find(summaries: list[dict[str, Any]], **case: Any) -> dict[str, Any] | None:
+    for s in summaries:
+        if all(s["case"][k] == v for k, v in case.items()):
+            return s
+    return None
+
+
+def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets of issue 4, each with the numbers behind the verdict (None: not measured)."""
+    out: list[dict[str, Any]] = []
+    for s in summaries:
+        for fig in ("dump_s", "restore_s"):
+            ours, theirs = _median(s, f"stasis.{fig}"), _median(s, f"criu.{fig}")
+            if ours is None or theirs is None:
+                continue
+            out.append({
+                "target": f"{fig} within 5% or 50 ms of criu CLI", "case": s["case"],
+                "stasis": ours, "criu": theirs, "over_s": ours - theirs,
+                "met": ours <= theirs * 1.05 or ours - theirs <= 0.05,
+            })
+    for kind in ("random", "float32", "zero"):
+        disk = _find(summaries, size_bytes=GiB, kind=kind, dest="disk", mode="leave-running")
+        tmpfs = _find(summaries, size_bytes=GiB, kind=kind, dest="tmpfs", mode="leave-running")
+        if disk and tmpfs:
+            d, t = _median(disk, "stasis.frozen_s"), _median(tmpfs, "stasis.frozen_s")
+            if d is not None and t:
+                out.append({"target": "leave-running 1 GiB frozen time disk <= 1.2x tmpfs",
+                            "case": {"kind": kind}, "disk": d, "tmpfs": t, "ratio": d / t,
+                            "met": d <= 1.2 * t})
+    lazy = [s for s in summaries if s["case"]["mode"] == "lazy" and s["case"]["size_bytes"] == 4 * GiB]
+    for s in lazy:
+        r = _median(s, "stasis.restore_s")
+        out.append({"target": "lazy restore of 4 GiB runs again in < 0.3 s", "case": s["case"],
+                    "stasis": r, "met": r is not None and r < 0.3})
+    if not lazy:
+        out.append({"target": "lazy restore of 4 GiB runs again in < 0.3 s", "met": None,
+                    "why": "no lazy-mode 4 GiB case measured"})
+    auto_seen = False
+    for s in (s for s in summaries if s["case"]["mode"] == "auto"):
+        auto_seen = True
+        base = _find(summaries, **{**s["case"], "mode": "default"})
+        if base is None:
+            continue
+        if s["case"]["kind"] == "zero" and s["case"]["size_bytes"] == GiB:
+            a, b = _median(s, "stasis.image_bytes"), _median(base, "stasis.image_bytes")
+            if a and b:
+                out.append({"target": "compression auto: mostly-zero 1 GiB image >= 5x smaller",
+                            "case": s["case"], "ratio": b / a, "met": b / a >= 5})
+        if s["case"]["kind"] == "random":
+            a, b = _median(s, "stasis.dump_s"), _median(base, "stasis.dump_s")
+            if a and b:
+                out.append({"target": "compression auto: random dump <= 1.05x uncompressed",
+                            "case": s["case"], "ratio": a / b, "met": a <= 1.05 * b})
+    if not auto_seen:
+        out.append({"target": "compression auto", "met": None, "why": "no auto-mode case measured"})
+    return out
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:g} GiB" if n >= GiB else f"{n / (1 << 20):g} MiB"
+
+
+def _cell(s: dict[str, Any], name: str, scale: float = 1.0, digits: int = 3) -> str:
+    fig = s["figures"].get(name)
+    if not fig:
+        return "-"
+    return (f"{fig['median'] * scale:.{digits}f} "
+            f"({fig['min'] * scale:.{digits}f}-{fig['max'] * scale:.{digits}f})")
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _ratio(s: dict[str, Any], name: str) -> str:
+    r = s["ratios"].get(name)
+    return f"{r:.2f}" if r is not None else "-"
+
+
+def markdown(document: dict[str, Any]) -> str:
+    summaries: list[dict[str, Any]] = document["summary"]
+    host = document["host"]
+    lines = [
+        f"# stasis benchmark {document['started']}",
+        "",
+        f"Host: {host['kernel']}, {host['cpus']} CPUs, {host['mem_total_bytes'] / GiB:.1f} GiB, "
+        f"{host['criu']}; stasis {host['stasis_commit']}. Runs per case: {document['args']['runs']}.",
+        "Cells: median (min-max) seconds over the runs. `stasis` = the `stasis dump|restore` command "
+        "(CLI start-up included), `criu` = plain `criu dump -t PID -D DIR` / `criu restore -d`, "
+        "`raw` = a raw write / read of the same number of bytes on the same filesystem.",
+        "",
+        "## Dump",
+        "",
+        "| size | kind | dest | mode | stasis wall | criu wall | raw write | stasis frozen | "
+        "criu frozen | stasis GB/s | stasis/criu | stasis/raw | frozen stasis/criu | image MB |",
+        "|" + "---|" * 14,
+    ]
+    for s in summaries:
+        c = s["case"]
+        lines.append(
+            f"| {_size(c['size_bytes'])} | {c['kind']} | {c['dest']} | {c['mode']} | "
+            f"{_cell(s, 'stasis.dump_s')} | {_cell(s, 'criu.dump_s')} | {_cell(s, 'raw.write_s')} | "
+            f"{_cell(s, 'stasis.frozen_s')} | {_cell(s, 'criu.frozen_s')} | "
+            f"{_cell(s, 'stasis.dump_gbps', digits=2)} | {_ratio(s, 'dump_s stasis/criu')} | "
+            f"{_ratio(s, 'dump_s stasis/raw')} | {_ratio(s, 'frozen_s stasis/criu')} | "
+            f"{_cell(s, 'stasis.image_bytes', 1e-6, 0)} |")
+    lines += [
+        "",
+        "## Restore",
+        "",
+        "| size | kind | dest | mode | stasis runs again | criu runs again | raw read | "
+        "stasis memory back | stasis/criu | stasis/raw | criu/raw | verified |",
+        "|" + "---|" * 12,
+    ]
+    for s in summaries:
+        c = s["case"]
+        lines.append(
+            f"| {_size(c['size_bytes'])} | {c['kind']} | {c['dest']} | {c['mode']} | "
+            f"{_cell(s, 'stasis.restore_s')} | {_cell(s, 'criu.restore_s')} | "
+            f"{_cell(s, 'raw.read_s')} | {_cell(s, 'stasis.memory_s')} | "
+            f"{_ratio(s, 'restore_s stasis/criu')} | {_ratio(s, 'restore_s stasis/raw')} | "
+            f"{_ratio(s, 'restore_s criu/raw')} | {s['verified']} |")
+    lines += [
+        "",
+        "## Where stasis' time goes (medians, seconds)",
+        "",
+        "CLI floor = `stasis ps --json` (interpreter start-up + one API round trip); CRIU = the "
+        "daemon's own timing of the CRIU call; rest = wall - floor - CRIU (publishing: checksums, "
+        "copies, manifest, kill; restore: verification, shim start-up).",
+        "",
+        "| size | kind | dest | mode | CLI floor | dump wall | dump CRIU | dump rest | "
+        "restore wall | restore CRIU | restore rest |",
+        "|" + "---|" * 11,
+    ]
+    for s in summaries:
+        c = s["case"]
+        floor = _median(s, "stasis.cli_floor_s")
+        cells = []
+        for op in ("dump", "restore"):
+            wall, criu = _median(s, f"stasis.{op}_s"), _median(s, f"stasis.daemon_{op}_s")
+            rest = None
+            if wall is not None and criu is not None and floor is not None:
+                rest = wall - criu - floor
+            cells += [_num(wall), _num(criu), _num(rest)]
+        lines.append(f"| {_size(c['size_bytes'])} | {c['kind']} | {c['dest']} | {c['mode']} | "
+                     f"{_num(floor)} | " + " | ".join(cells) + " |")
+    lines += ["", "## Targets (issue 4)", "", "| target | case | figures | verdict |",
+              "|---|---|---|---|"]
+    for t in document["targets"]:
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
+        case = t.get("case", {})
+        where = " ".join(_size(v) if k == "size_bytes" else str(v) for k, v in case.items())
+        detail = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in t.items() if k not in ("target", "met", "case"))
+        lines.append(f"| {t['target']} | {where} | {detail} | {verdict} |")
+    if document["skipped"] or any(s["errors"] for s in summaries):
+        lines += ["", "## Skipped and failed", ""]
+        lines += [f"- skipped {json.dumps(k['case'])}: {k['why']}" for k in document["skipped"]]
+        lines += [f"- failed {json.dumps(s['case'])}: {e}" for s in summaries for e in s["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def rerender(path: Path) -> None:
+    from bench.plot import plot
+
+    document = json.loads(path.read_text())
+    document["summary"] = summarise(document["runs"])
+    document["targets"] = targets(document["summary"])
+    png = path.with_suffix(".png")
+    document["plot"] = png.name if plot(document["summary"], png) is None else None
+    write_json(path, document)
+    path.with_suffix(".md").write_text(markdown(document))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        rerender(Path(arg))
