@@ -64,18 +64,28 @@ def run(ctx: click.Context, label: str | None, log: str | None, cwd: str | None,
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", required=False)
 @click.option("--leave-running", is_flag=True, help="Keep the job running after the dump.")
 @click.option("--label", help="Label of this checkpoint (default: the job's label).")
 @click.option("--compress", type=click.Choice(["zstd", "lz4", "auto", "none"]), default="none",
               show_default=True)
 @click.option("--incremental", is_flag=True,
               help="Only memory changed since the last dump, where the kernel tracks it.")
+@click.option("--slurm-job", metavar="JOBID",
+              help="Checkpoint this Slurm job on its node instead; it is requeued and resumes "
+                   "from the checkpoint unless --leave-running.")
 @json_option
 @click.pass_context
-def dump(ctx: click.Context, job: str, leave_running: bool, label: str | None, compress: str,
-         incremental: bool, as_json: bool) -> None:
+def dump(ctx: click.Context, job: str | None, leave_running: bool, label: str | None,
+         compress: str, incremental: bool, slurm_job: str | None, as_json: bool) -> None:
     """Checkpoint JOB into the store (the job stops unless --leave-running)."""
+    if slurm_job is not None or job is None:
+        if job is not None or slurm_job is None:
+            raise UsageError("give either a JOB id or --slurm-job JOBID")
+        from stasis.cli.slurm import dump_slurm_job
+
+        dump_slurm_job(_client(ctx), slurm_job, leave_running, as_json)
+        return
     with _client(ctx) as client, output.progress_bar("dumping", not as_json) as progress:
         answer = client.dump(job, progress, leave_running=leave_running, label=label,
                              compress=compress, incremental=incremental)

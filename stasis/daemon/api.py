@@ -171,4 +171,7 @@ def make_app(manager: JobManager) -> web.Application:
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
         web.get("/check", check),
     ])
+    from stasis.daemon.slurm import add_routes as add_slurm_routes  # imports this module
+
+    add_slurm_routes(app)
     return app

@@ -7,13 +7,12 @@ internals (it uses their public entry points):
                 blocks, the pipeable installer script
     install     `stasis slurm install/uninstall`: files in place, minimal reversible edits of
                 slurm.conf / plugstack.conf / the lua scripts, byte-for-byte uninstall
-    jobinfo     what `scontrol` says about a job or a process (run on the node)
-    labels      which checkpoints a Slurm job may resume from (label, owner, job-id reuse)
     taskinit    the root helper the SPANK plugin runs in the job's task: restore or fresh start
     launcher    the batch "shell" as Slurm sees it: runs or adopts the workload, forwards signals,
                 asks the node daemon for a checkpoint on SIGUSR1 and periodically
     cluster     `stasis slurm local-cluster`: a throwaway single-node cluster for demos and tests
     demo        the preemption demo of `make demo`
 
-It must not change how jobs that did not opt in (STASIS_ENABLE=1) run.
+The daemon's side (registration, checkpoint + requeue, label rules, scontrol) is
+stasis.daemon.slurm. It must not change how jobs that did not opt in (STASIS_ENABLE=1) run.
 """

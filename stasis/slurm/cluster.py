@@ -244,7 +244,7 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
 
         def idle() -> bool:
             r = _run(["sinfo", "-h", "-N", "-o", "%T"], env, check=False)
-            return r.returncode == 0 and r.stdout.strip().rstrip("*") == "idle"
+            return r.returncode == 0 and {s.rstrip("*") for s in r.stdout.split()} == {"idle"}
 
         _wait(idle, _UP_TIMEOUT_S, "node n1 to be idle")
     except BaseException:

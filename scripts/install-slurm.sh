@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# install-slurm.sh: install the Slurm packages that stasis' Slurm integration and its tests need.
+#
+# Run as root on Debian 12 or 13. Idempotent: packages already installed are not touched.
+#   slurmctld slurmd slurm-client   the controller, the node daemon, sbatch/squeue/scontrol/...
+#   munge                           authentication
+#   libslurm-dev                    <slurm/spank.h>, to build the stasis SPANK plugin
+#   slurm-wlm-basic-plugins         job_submit/lua and cli_filter/lua
+#   gcc                             to build the SPANK plugin at install time
+# The packages' postinst scripts start no daemon on a machine without systemd; the local cluster
+# (`stasis slurm local-cluster up`) starts private ones. Nothing is configured here.
+set -euo pipefail
+
+PACKAGES=(slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-basic-plugins gcc)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+    echo "install-slurm: all Slurm packages present"
+    exit 0
+fi
+echo "install-slurm: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends "${missing[@]}"

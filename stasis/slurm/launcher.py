@@ -1,0 +1,236 @@
+"""The launcher: what an opted-in job's batch task execs instead of the batch script.
+
+The SPANK plugin swaps argv[0] for this program, so to Slurm it is the batch "shell": it gets the
+`B:` signals, its exit code is the job's. It runs as the job's user and forks nothing but the
+workload (its first child is the init of the job's PID namespace). By the mode the helper left in
+STASIS_SLURM_START:
+
+    fresh     fork the namespace init: setsid, exec tini -g -- <batch script>
+    restored  adopt the restored namespace init (already our child: we are a subreaper)
+    off       run the batch script as a plain child: stasis cannot protect this job
+
+Then it waits for the workload and
+    SIGUSR1 (preemption, or the time limit ahead)   asks the node daemon for a checkpoint; the
+              daemon publishes it, kills the workload and requeues the job
+    SIGTERM/INT/HUP/CONT/USR2                      forwarded to the workload
+    STASIS_INTERVAL=<s>                             a leave-running checkpoint every <s> seconds
+When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
+retires the label's checkpoints if that code is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stasis.daemon.client import Client
+from stasis.errors import StasisError
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
+INTERVAL_VARS = ("STASIS_INTERVAL", "CEDANA_INTERVAL")
+_PRIVATE = ("STASIS_SLURM_START", "STASIS_SLURM_SCRIPT")
+# After the daemon requeued the job, Slurm kills us; if it does not, give up after this long.
+_REQUEUE_WAIT_S = 300
+
+
+def say(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class Launcher:
+    def __init__(self, start: dict[str, Any], script: str, job_id: str) -> None:
+        self.start = start
+        self.script = script
+        self.job_id = job_id
+        self.mode: str = start.get("mode", "off")
+        self.socket = Path(start["socket"]) if start.get("socket") else None
+        self.pid = 0
+        self.requeued = False  # the daemon took the final checkpoint and requeued the job
+
+    # -- the workload --------------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in _PRIVATE}
+
+    def spawn(self) -> None:
+        if self.mode == "restored":
+            self.pid = int(self.start["pid"])
+            return
+        argv = [self.script]
+        if self.mode == "fresh":
+            argv = [self.start["tini"], "-g", "--", self.script]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for sig in (*FORWARDED, signal.SIGUSR1, signal.SIGPIPE):
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, set())
+                if self.mode == "fresh":
+                    os.setsid()  # inside the namespace: session ids stay in the dumped tree
+                os.execve(argv[0], argv, self._env())
+            except OSError as e:
+                os.write(2, f"stasis: cannot start {argv[0]}: {e}\n".encode())
+            os._exit(127)
+        self.pid = pid
+
+    # -- the daemon ----------------------------------------------------------------------------
+
+    def _client(self) -> Client:
+        assert self.socket is not None
+        return Client(self.socket)
+
+    def register(self) -> None:
+        if self.mode == "off":
+            return
+        interval = _env_first(INTERVAL_VARS)
+        try:
+            with self._client() as c:
+                c.request("POST", "/slurm/jobs", {
+                    "slurm_job": self.job_id, "pid": self.pid, "label": self.start["label"],
+                    "explicit_label": bool(self.start.get("explicit_label")),
+                })
+        except StasisError as e:
+            say(f"stasis: warning: the node daemon did not take this job ({e}); "
+                "it runs WITHOUT checkpoint protection")
+            self.mode = "off"
+            return
+        self.interval_s = float(interval) if interval and _is_number(interval) else 0.0
+
+    def checkpoint(self, final: bool) -> None:
+        """Ask the daemon for a checkpoint; `final` stops the workload and requeues the job.
+
+        Synchronous on purpose: a process that unshared its PID namespace cannot start threads,
+        and must not fork anything but the workload. Signals that arrive meanwhile wait in the
+        wakeup pipe.
+        """
+        try:
+            with self._client() as c:
+                answer = c.request("POST", f"/slurm/jobs/{self.job_id}/checkpoint",
+                                   {"leave_running": not final})
+        except StasisError as e:
+            say(f"stasis: warning: checkpoint failed: {e}; the job goes on")
+            return
+        if final:
+            self.requeued = True
+            say(f"stasis: checkpoint {answer['checkpoint']} taken ({answer['size_bytes']} bytes, "
+                f"{answer['duration_s']:.2f} s); the job is requeued and resumes from it")
+        else:
+            say(f"stasis: periodic checkpoint {answer['checkpoint']} taken")
+
+    def finish(self, code: int) -> None:
+        if self.mode == "off":
+            return
+        try:
+            with self._client() as c:
+                answer = c.request("POST", f"/slurm/jobs/{self.job_id}/finish",
+                                   {"exit_code": code})
+            if answer.get("retired"):
+                say(f"stasis: job completed; retired {len(answer['retired'])} checkpoint(s) of "
+                    f"label {self.start['label']}")
+        except StasisError as e:
+            say(f"stasis: warning: could not tell the node daemon that the job ended: {e}")
+
+    def taken_by_daemon(self) -> bool:
+        """Whether the workload was stopped by a checkpoint someone else asked for."""
+        try:
+            with self._client() as c:
+                state = c.request("GET", f"/slurm/jobs/{self.job_id}")
+        except StasisError:
+            return False
+        return bool(state.get("state") == "checkpointed")
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wfd)
+        for sig in (*FORWARDED, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: None)
+        self.spawn()
+        self.register()
+        pidfd = os.pidfd_open(self.pid)
+        interval = getattr(self, "interval_s", 0.0) if self.mode != "off" else 0.0
+        next_periodic = time.monotonic() + interval if interval > 0 else None
+        while True:
+            timeout = None if next_periodic is None else max(0.0, next_periodic - time.monotonic())
+            ready, _, _ = select.select([rfd, pidfd], [], [], timeout)
+            if pidfd in ready:
+                break
+            if rfd in ready:
+                try:
+                    data = os.read(rfd, 512)
+                except BlockingIOError:
+                    data = b""
+                for num in data:
+                    self._on_signal(signal.Signals(num))
+            if next_periodic is not None and time.monotonic() >= next_periodic:
+                self.checkpoint(final=False)
+                next_periodic = time.monotonic() + interval
+        _, status = os.waitpid(self.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        code = code if code >= 0 else 128 - code
+        if self.requeued or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+                             and self.mode != "off" and self.taken_by_daemon()):
+            # Slurm kills the batch step of a requeued job; the exit code does not count.
+            time.sleep(_REQUEUE_WAIT_S)
+            return 1
+        self.finish(code)
+        return code
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if sig == signal.SIGUSR1:
+            if self.mode == "off":
+                say("stasis: warning: SIGUSR1 (preemption or time limit ahead) but this job is "
+                    "not protected: no checkpoint")
+                return
+            say("stasis: SIGUSR1: taking a checkpoint, then the job is requeued")
+            self.checkpoint(final=True)
+            return
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _env_first(names: tuple[str, ...]) -> str:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return ""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    script = os.environ.get("STASIS_SLURM_SCRIPT", "")
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        start = json.loads(os.environ.get("STASIS_SLURM_START", "{}"))
+    except ValueError:
+        start = {"mode": "off", "messages": ["stasis: warning: bad STASIS_SLURM_START"]}
+    if not isinstance(start, dict):
+        start = {"mode": "off"}
+    for line in start.get("messages", []):
+        say(str(line))
+    if not script:
+        say("stasis: error: STASIS_SLURM_SCRIPT is not set; cannot find the batch script")
+        sys.exit(1)
+    if start.get("mode") == "off" and not start.get("messages"):
+        say("stasis: warning: this job runs WITHOUT checkpoint protection")
+    sys.exit(Launcher(start, script, job_id).run())
+
+
+if __name__ == "__main__":
+    main()

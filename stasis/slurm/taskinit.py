@@ -1,0 +1,164 @@
+"""The root helper the SPANK plugin runs inside an opted-in job's batch task, before the task execs.
+
+    python -I -m stasis.slurm.taskinit --job-id N --uid U --gid G --label L
+
+It decides how the job starts and prints one JSON object for the launcher:
+    {"mode": "restored", "pid": P, ...}  exit 0: the newest usable checkpoint the job may resume
+                                         from was restored; its namespace init (pid P) was our
+                                         child and, once we exit, is the task's (a subreaper)
+    {"mode": "fresh", ...}               exit 10: nothing to restore; the plugin unshares a PID
+                                         namespace and the launcher starts the batch script
+    {"mode": "off", ...}                 exit 11: stasis cannot protect this job (daemon down,
+                                         bad label, ...): it runs exactly as without stasis
+"messages" are lines for the job's output (why a checkpoint was skipped, what was restored).
+A corrupt newest checkpoint falls back to the one before it; a failed restore falls back to a
+fresh start. The helper never makes the job fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from stasis.config import Settings, load_settings
+from stasis.daemon.client import Client
+from stasis.engine import CRIU, RestoreOptions, find_criu
+from stasis.errors import CorruptCheckpointError, StasisError
+from stasis.daemon import slurm as jobinfo
+from stasis.daemon import slurm as labels
+from stasis.store import Manifest, Store
+
+EXIT_RESTORED = 0
+EXIT_FRESH = 10
+EXIT_OFF = 11
+UNPROTECTED = "this job runs WITHOUT checkpoint protection"
+_TINI_CANDIDATES = ("/usr/bin/tini-static", "/usr/bin/tini", "/usr/local/bin/tini")
+
+
+def find_tini(configured: str) -> str:
+    for path in ((configured,) if configured else _TINI_CANDIDATES):
+        if os.access(path, os.X_OK):
+            return path
+    raise StasisError("tini is not installed on this node (Debian package tini)")
+
+
+def _open_as(path: str, uid: int, gid: int) -> int:
+    """Open the job's output for appending with the job user's rights (paths come from users)."""
+    os.setegid(gid)
+    os.seteuid(uid)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def _restore(settings: Settings, store: Store, m: Manifest, info: jobinfo.JobInfo, gid: int
+             ) -> int:
+    s: dict[str, Any] = m.extra.get("slurm", {})
+    old_out = str(s.get("stdout") or m.log_path or "")
+    old_err = str(s.get("stderr") or old_out)
+    new_out = info.stdout or "/dev/null"
+    new_err = info.stderr or new_out
+    fds: list[int] = []
+    try:
+        inherit: list[tuple[str, int]] = []
+        if old_out:
+            fds.append(_open_as(new_out, info.uid, gid))
+            inherit.append((old_out.lstrip("/"), fds[-1]))
+        if old_err and old_err != old_out:
+            fds.append(_open_as(new_err, info.uid, gid))
+            inherit.append((old_err.lstrip("/"), fds[-1]))
+        criu = CRIU(find_criu(settings.criu), settings.state_dir / "criu-logs")
+        with store.open_images(m.id, settings.state_dir / "scratch") as (_, images):
+            result = criu.restore(images, RestoreOptions(inherit_fds=inherit),
+                                  f"restore-slurm-{info.job_id}-{m.id}.log")
+        return result.pid
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def decide(job_id: str, uid: int, gid: int, label_arg: str,
+           settings: Settings | None = None) -> tuple[int, dict[str, Any]]:
+    out: dict[str, Any] = {"mode": "off", "messages": []}
+    say: list[str] = out["messages"]
+    try:
+        settings = settings or load_settings()
+        jobinfo.validate_slurm_job_id(job_id)
+        label, explicit = labels.resolve_label(label_arg, job_id)
+    except StasisError as e:
+        say.append(f"stasis: warning: {e}; {UNPROTECTED}")
+        return EXIT_OFF, out
+    out.update(socket=str(settings.socket), label=label, explicit_label=explicit)
+    try:
+        with Client(settings.socket) as client:
+            client.request("GET", "/slurm/health")
+        out["tini"] = find_tini(settings.tini)
+        info = jobinfo.job_info(job_id)
+    except StasisError as e:
+        say.append(f"stasis: warning: {e}; {UNPROTECTED}")
+        return EXIT_OFF, out
+    if info.uid != uid:
+        say.append(f"stasis: warning: Slurm says job {job_id} belongs to uid {info.uid}, "
+                   f"not {uid}; {UNPROTECTED}")
+        return EXIT_OFF, out
+    try:
+        store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
+                      keep=settings.keep)
+        found = labels.candidates(store, label, explicit, uid, job_id, info.token)
+    except StasisError as e:
+        say.append(f"stasis: warning: cannot list checkpoints: {e}; starting from the beginning")
+        found = []
+    if not found:
+        if explicit:
+            say.append(f"stasis: warning: no checkpoint with label {label} to resume from: "
+                       "the job runs from the start")
+        else:
+            say.append(f"stasis: job {job_id} is protected (label {label})")
+        out["mode"] = "fresh"
+        return EXIT_FRESH, out
+    for m in found:
+        try:
+            pid = _restore(settings, store, m, info, gid)
+        except CorruptCheckpointError as e:
+            say.append(f"stasis: warning: skipping checkpoint {m.id}: {e}")
+            continue
+        except (StasisError, OSError) as e:
+            say.append(f"stasis: warning: restoring checkpoint {m.id} failed: {e}; "
+                       "the job runs from the start")
+            break
+        say.append(f"stasis: restored checkpoint {m.id} (label {label}, taken "
+                   f"{m.created:%Y-%m-%dT%H:%M:%SZ} from job {m.job})")
+        out.update(mode="restored", pid=pid, checkpoint=m.id)
+        return EXIT_RESTORED, out
+    else:
+        say.append(f"stasis: warning: no usable checkpoint with label {label}: "
+                   "the job runs from the start")
+    out["mode"] = "fresh"
+    return EXIT_FRESH, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="stasis.slurm.taskinit")
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--uid", type=int, required=True)
+    parser.add_argument("--gid", type=int, required=True)
+    parser.add_argument("--label", default="")
+    args = parser.parse_args(argv)
+    try:
+        code, out = decide(args.job_id, args.uid, args.gid, args.label)
+    except Exception as e:  # the job must start whatever happened here
+        code, out = EXIT_OFF, {"mode": "off", "messages": [
+            f"stasis: warning: internal error ({type(e).__name__}: {e}); {UNPROTECTED}"]}
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
