@@ -334,6 +334,30 @@ def down(root: Path) -> None:
         pass
 
 
+def _pids(lay: Layout) -> dict[str, int]:
+    try:
+        pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
+    except (OSError, ValueError, KeyError):
+        pids = {}
+    return pids
+
+
+def stop_daemon(root: Path) -> None:
+    """Stop only the cluster's stasis daemon (jobs then run unprotected)."""
+    lay = Layout(root.absolute())
+    _stop(_pids(lay).get("stasis"))
+
+
+def start_daemon(root: Path) -> None:
+    """Start the cluster's stasis daemon again after `stop_daemon`."""
+    lay = Layout(root.absolute())
+    pids = _pids(lay)
+    if _alive(pids.get("stasis")):
+        return
+    pids["stasis"] = _start_stasis(lay)
+    lay.state_file.write_text(json.dumps({"pids": pids}))
+
+
 def status(root: Path) -> dict[str, Any]:
     lay = Layout(root.absolute())
     try:
