@@ -213,6 +213,8 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
                              "(scripts/install-slurm.sh)")
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o755)
+    # A clean controller state: job ids start at 1 again (jobs of an earlier `up` are gone).
+    shutil.rmtree(lay.slurm / "state", ignore_errors=True)
     for d in (lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib):
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
@@ -274,21 +276,26 @@ def _start_munge(lay: Layout) -> int:
 
 
 def _start_stasis(lay: Layout) -> int:
-    log = open(lay.stasis / "daemon.log", "ab")
-    env = {**_client_env(lay), "LANG": "C.UTF-8"}
-    proc = subprocess.Popen([*_stasis_command(), "daemon"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-    log.close()
+    """Start the node daemon detached (`setsid -f`: not our child, it outlives this command)."""
+    pid_file = lay.stasis / "daemon.pid"
+    pid_file.unlink(missing_ok=True)
+    log = lay.stasis / "daemon.log"
+    env = {**_client_env(lay), "LANG": "C.UTF-8", "STASIS_LOG": str(log)}
+    subprocess.run(
+        ["setsid", "-f", "sh", "-c", 'echo $$ > "$0"; exec "$@" >>"$STASIS_LOG" 2>&1 </dev/null',
+         str(pid_file), *_stasis_command(), "daemon"],
+        env=env, check=True, timeout=30)
+    _wait(lambda: _read_pid(pid_file) is not None, 10, "the stasis daemon's pid")
+    pid = _read_pid(pid_file)
 
     def listening() -> bool:
-        if proc.poll() is not None:
-            raise StasisError("the stasis daemon exited at start: "
-                              + (lay.stasis / "daemon.log").read_text()[-2000:])
+        if not _alive(pid):
+            raise StasisError("the stasis daemon exited at start: " + log.read_text()[-2000:])
         return lay.stasis_socket.exists()
 
     _wait(listening, 20, "the stasis daemon")
-    return proc.pid
+    assert pid is not None
+    return pid
 
 
 def _stop(pid: int | None, timeout_s: float = 15.0) -> None:

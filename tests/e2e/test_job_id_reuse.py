@@ -1,0 +1,33 @@
+"""Job ids restart at 1 when slurmctld starts clean: a new job that merely reuses an id never
+picks up the checkpoints of the old job with that id (default label = job id)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.e2e.conftest import Cluster
+
+ENABLE = "--export=STASIS_ENABLE=1"
+
+
+def test_reused_job_id_starts_fresh(cluster: Cluster) -> None:
+    script = cluster.counter_script("reuse", ENABLE, stop=400, interval=0.5)
+    old = cluster.sbatch(script)
+    cluster.wait_number(old, 3)
+    cp = json.loads(cluster.stasis("dump", "--slurm-job", old, "--leave-running",
+                                   "--json").stdout)
+    assert cp["label"] == old
+    cluster.run("scancel", old)
+    cluster.wait_state(old, ("CANCELLED",))
+    cluster.down()
+    cluster.up()  # slurmctld -c: job ids start again at 1; the store is the same
+
+    new = cluster.sbatch(script)
+    assert new == old
+    cluster.wait_number(new, 3)
+    out = cluster.output(new)
+    assert "restored" not in out
+    assert cluster.numbers(new)[:3] == [0, 1, 2]
+    assert [c["id"] for c in cluster.checkpoints(old)] == [cp["checkpoint"]]  # untouched
+    cluster.run("scancel", new)
+    cluster.wait_state(new, ("CANCELLED",))
