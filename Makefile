@@ -13,6 +13,7 @@ install: system venv proto
 # CRIU >= 4.2 (built from Debian's source with our patches), tini, iptables, build tools.
 system:
 	bash scripts/install-criu.sh
+	bash scripts/install-slurm.sh
 
 venv: $(BIN)/stasis
 

@@ -1,0 +1,201 @@
+"""`stasis slurm install/uninstall` on a slurm.conf that already has other plugins: minimal
+edits, a dry run that prints the exact diff and changes nothing, idempotence, byte-for-byte
+uninstall, merged lua scripts, the pipeable install.sh."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stasis.errors import UsageError
+from stasis.slurm import install as inst
+from tests.conftest import STASIS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SLURM_CONF = """\
+# site config
+ClusterName=site
+JobSubmitPlugins=all_partitions   # partition defaults
+CliFilterPlugins=user_defaults
+SlurmctldParameters=enable_configless
+TaskPlugin=task/affinity,task/cgroup
+PlugStackConfig={etc}/plugstack.conf
+"""
+SITE_JOB_SUBMIT = """\
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  job_desc.comment = "site"
+  return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  return slurm.SUCCESS
+end
+"""
+SITE_PLUGSTACK = "required /usr/lib/site/other.so arg=1\n"
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "slurm.conf").write_text(SLURM_CONF.format(etc=etc))
+    (etc / "job_submit.lua").write_text(SITE_JOB_SUBMIT)
+    (etc / "plugstack.conf").write_text(SITE_PLUGSTACK)
+    os.chmod(etc / "job_submit.lua", 0o640)
+    return tmp_path
+
+
+def cli(site: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    etc = site / "etc"
+    extra = ["--slurm-conf", str(etc / "slurm.conf")]
+    if args[0] == "install":
+        extra += ["--lib-dir", str(site / "lib"), "--systemd-dir", str(site / "systemd"),
+                  "--stasis-config", str(site / "stasis.toml")]
+    result = subprocess.run([STASIS, "slurm", *args, *extra], capture_output=True, text=True,
+                            env={**os.environ, "STASIS_CONFIG": ""})
+    if check:
+        assert result.returncode == 0, result.stderr + result.stdout
+    return result
+
+
+def test_dry_run_prints_the_exact_diff_and_changes_nothing(site: Path) -> None:
+    before = snapshot(site)
+    out = cli(site, "install", "--node-role", "controller", "--node-role", "worker",
+              "--dry-run").stdout
+    assert snapshot(site) == before
+    assert "-JobSubmitPlugins=all_partitions   # partition defaults" in out
+    assert "+JobSubmitPlugins=all_partitions,lua   # partition defaults" in out
+    assert "+CliFilterPlugins=user_defaults,lua" in out
+    assert "+SlurmctldParameters=enable_configless,preempt_send_user_signal" in out
+    assert f"+optional {site}/lib/stasis_spank.so " in out
+    assert "would build" in out
+    # The dry run's diff is exactly what install then does to slurm.conf.
+    diff_file = site / "conf.diff"
+    conf_diff = out[out.index(f"--- {site}/etc/slurm.conf"):]
+    conf_diff = conf_diff[:conf_diff.index("--- ", 4)]
+    diff_file.write_text(conf_diff)
+    patched = site / "patched.conf"
+    patched.write_text((site / "etc" / "slurm.conf").read_text())
+    subprocess.run(["patch", "-s", str(patched), str(diff_file)], check=True)
+    cli(site, "install", "--node-role", "controller", "--node-role", "worker")
+    assert patched.read_text() == (site / "etc" / "slurm.conf").read_text()
+
+
+def test_install_keeps_existing_plugins_and_merges_lua(site: Path) -> None:
+    out = cli(site, "install", "--node-role", "controller", "--node-role", "worker",
+              "--node-role", "login").stdout
+    assert "scontrol reconfigure" in out
+    etc = site / "etc"
+    conf = (etc / "slurm.conf").read_text()
+    assert "JobSubmitPlugins=all_partitions,lua   # partition defaults\n" in conf
+    assert "CliFilterPlugins=user_defaults,lua\n" in conf
+    assert "SlurmctldParameters=enable_configless,preempt_send_user_signal\n" in conf
+    assert "TaskPlugin=task/affinity,task/cgroup\n" in conf  # untouched
+    job_submit = (etc / "job_submit.lua").read_text()
+    assert job_submit.startswith(SITE_JOB_SUBMIT)  # the site's function is still there
+    assert "local stasis_site_job_submit = slurm_job_submit" in job_submit
+    assert oct((etc / "job_submit.lua").stat().st_mode & 0o777) == "0o640"
+    plugstack = (etc / "plugstack.conf").read_text().splitlines()
+    assert plugstack[0] == SITE_PLUGSTACK.strip()
+    assert plugstack[1].startswith(f"optional {site}/lib/stasis_spank.so python=")
+    assert f"conf={site}/stasis.toml" in plugstack[1]
+    assert "B:USR1@" in (etc / "cli_filter.lua").read_text()
+    so = site / "lib" / "stasis_spank.so"
+    assert so.read_bytes()[:4] == b"\x7fELF"
+    assert os.access(site / "lib" / "stasis-slurm-launch", os.X_OK)
+    unit = (site / "systemd" / "stasis.service").read_text()
+    assert "KillMode=process" in unit and f"STASIS_CONFIG={site}/stasis.toml" in unit
+
+
+def test_install_twice_changes_nothing(site: Path) -> None:
+    cli(site, "install", "--node-role", "controller", "--node-role", "worker")
+    first = snapshot(site)
+    out = cli(site, "install", "--node-role", "controller", "--node-role", "worker").stdout
+    assert "nothing to change" in out
+    assert snapshot(site) == first
+    dry = cli(site, "install", "--node-role", "controller", "--node-role", "worker",
+              "--dry-run").stdout
+    assert "nothing to change" in dry and "+++" not in dry
+
+
+def test_uninstall_restores_every_file_byte_for_byte(site: Path) -> None:
+    before = snapshot(site)
+    modes = {p: p.stat().st_mode for p in site.rglob("*") if p.is_file()}
+    cli(site, "install", "--node-role", "controller", "--node-role", "worker",
+        "--node-role", "login")
+    cli(site, "install", "--node-role", "worker")
+    assert snapshot(site) != before
+    cli(site, "uninstall")
+    after = {k: v for k, v in snapshot(site).items()}
+    assert after == before
+    assert {p: p.stat().st_mode for p in site.rglob("*") if p.is_file()} == modes
+    assert "nothing to uninstall" in cli(site, "uninstall").stdout
+
+
+def test_uninstall_after_a_later_edit_takes_out_only_our_edits(site: Path) -> None:
+    cli(site, "install", "--node-role", "controller", "--node-role", "worker")
+    conf = site / "etc" / "slurm.conf"
+    conf.write_text(conf.read_text() + "# edited later by the admin\n")
+    out = cli(site, "uninstall").stdout
+    assert "changed since install" in out
+    assert conf.read_text() == SLURM_CONF.format(etc=site / "etc") + \
+        "# edited later by the admin\n"
+    assert (site / "etc" / "job_submit.lua").read_text() == SITE_JOB_SUBMIT
+
+
+def test_fresh_files_and_missing_keys(tmp_path: Path) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "slurm.conf").write_text("ClusterName=bare")  # no newline at the end, no plugins
+    opts = inst.InstallOptions(roles=frozenset({"controller"}), slurm_conf=etc / "slurm.conf",
+                               lib_dir=tmp_path / "lib", systemd_dir=None)
+    inst.install(opts, out=None)
+    assert (etc / "slurm.conf").read_text() == (
+        "ClusterName=bare\nJobSubmitPlugins=lua\nCliFilterPlugins=lua\n"
+        "SlurmctldParameters=preempt_send_user_signal\n")
+    assert (etc / "job_submit.lua").read_text().startswith(inst.BEGIN)
+    inst.uninstall(etc / "slurm.conf", out=None)
+    assert sorted(p.name for p in etc.iterdir()) == ["slurm.conf"]
+    assert (etc / "slurm.conf").read_text() == "ClusterName=bare"
+
+
+def test_hostile_paths_are_refused(tmp_path: Path) -> None:
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "slurm.conf").write_text("ClusterName=x\n")
+    for bad in ("lib dir", "lib#1"):
+        opts = inst.InstallOptions(roles=frozenset({"worker"}), slurm_conf=etc / "slurm.conf",
+                                   lib_dir=tmp_path / bad, systemd_dir=None)
+        with pytest.raises(UsageError, match="without spaces"):
+            inst.install(opts, out=None)
+    assert (etc / "slurm.conf").read_text() == "ClusterName=x\n"
+    with pytest.raises(UsageError, match="unknown node role"):
+        inst.plan(inst.InstallOptions(roles=frozenset({"gpu"}), slurm_conf=etc / "slurm.conf"))
+
+
+def test_pipeable_install_script(site: Path) -> None:
+    script = (ROOT / "stasis" / "slurm" / "files" / "install.sh").read_text()
+    etc = site / "etc"
+    result = subprocess.run(
+        ["bash", "-s", "--", "--node-role", "worker", "--slurm-conf", str(etc / "slurm.conf"),
+         "--lib-dir", str(site / "lib"), "--no-systemd"],
+        input=script, capture_output=True, text=True,
+        env={**os.environ, "STASIS_BIN": STASIS, "STASIS_CONFIG": ""})
+    assert result.returncode == 0, result.stderr
+    assert (site / "lib" / "stasis_spank.so").exists()
+    result = subprocess.run(["bash", "-s", "--", "uninstall", "--slurm-conf",
+                             str(etc / "slurm.conf")], input=script, capture_output=True,
+                            text=True, env={**os.environ, "STASIS_BIN": STASIS})
+    assert result.returncode == 0, result.stderr
+    assert not (site / "lib" / "stasis_spank.so").exists()
+    assert (etc / "slurm.conf").read_text() == SLURM_CONF.format(etc=etc)
