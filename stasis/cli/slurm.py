@@ -54,7 +54,7 @@ _conf_option = click.option("--slurm-conf", type=click.Path(dir_okay=False, path
 @click.option("--no-systemd", is_flag=True, help="Write no systemd unit.")
 @click.option("--warn-s", type=click.IntRange(5, 3600), default=60, show_default=True,
               help="Seconds before the time limit the job is told to checkpoint "
-                   "(at most half its time limit).")
+                   "(at most a sixth of its time limit).")
 @click.option("--dry-run", is_flag=True, help="Print the exact changes; change nothing.")
 def install(roles: tuple[str, ...], slurm_conf: Path, lib_dir: Path, stasis_config: Path | None,
             systemd_dir: Path, no_systemd: bool, warn_s: int, dry_run: bool) -> None:

@@ -37,8 +37,13 @@ from stasis.daemon.api import MANAGER, _body, peer
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import DumpOptions, proctree
-from stasis.errors import CheckpointError, NotFoundError, PermissionDeniedError, StasisError, \
-    UsageError
+from stasis.errors import (
+    CheckpointError,
+    NotFoundError,
+    PermissionDeniedError,
+    StasisError,
+    UsageError,
+)
 from stasis.store import CheckpointInfo, Manifest, Store, new_checkpoint_id, validate_label
 
 

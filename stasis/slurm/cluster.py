@@ -114,7 +114,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={lay.munge}/munge.sock,cred_expire=10
+AuthInfo=socket={lay.munge}/munge.sock,cred_expire=5
 StateSaveLocation={s}/state
 SlurmdSpoolDir={s}/spool
 SlurmctldPidFile={s}/slurmctld.pid
@@ -126,7 +126,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={s}/jobcomp.txt
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres

@@ -28,8 +28,7 @@ from stasis.config import Settings, load_settings
 from stasis.daemon.client import Client
 from stasis.engine import CRIU, RestoreOptions, find_criu
 from stasis.errors import CorruptCheckpointError, StasisError
-from stasis.daemon import slurm as jobinfo
-from stasis.daemon import slurm as labels
+from stasis.daemon import slurm as slurmd
 from stasis.store import Manifest, Store
 
 EXIT_RESTORED = 0
@@ -57,7 +56,7 @@ def _open_as(path: str, uid: int, gid: int) -> int:
         os.setegid(0)
 
 
-def _restore(settings: Settings, store: Store, m: Manifest, info: jobinfo.JobInfo, gid: int
+def _restore(settings: Settings, store: Store, m: Manifest, info: slurmd.JobInfo, gid: int
              ) -> int:
     s: dict[str, Any] = m.extra.get("slurm", {})
     old_out = str(s.get("stdout") or m.log_path or "")
@@ -89,8 +88,8 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     say: list[str] = out["messages"]
     try:
         settings = settings or load_settings()
-        jobinfo.validate_slurm_job_id(job_id)
-        label, explicit = labels.resolve_label(label_arg, job_id)
+        slurmd.validate_slurm_job_id(job_id)
+        label, explicit = slurmd.resolve_label(label_arg, job_id)
     except StasisError as e:
         say.append(f"stasis: warning: {e}; {UNPROTECTED}")
         return EXIT_OFF, out
@@ -99,7 +98,7 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         with Client(settings.socket) as client:
             client.request("GET", "/slurm/health")
         out["tini"] = find_tini(settings.tini)
-        info = jobinfo.job_info(job_id)
+        info = slurmd.job_info(job_id)
     except StasisError as e:
         say.append(f"stasis: warning: {e}; {UNPROTECTED}")
         return EXIT_OFF, out
@@ -110,7 +109,7 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     try:
         store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
                       keep=settings.keep)
-        found = labels.candidates(store, label, explicit, uid, job_id, info.token)
+        found = slurmd.candidates(store, label, explicit, uid, job_id, info.token)
     except StasisError as e:
         say.append(f"stasis: warning: cannot list checkpoints: {e}; starting from the beginning")
         found = []

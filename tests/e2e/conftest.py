@@ -127,6 +127,11 @@ class Cluster:
         found: list[dict[str, Any]] = json.loads(self.stasis(*args).stdout)
         return found
 
+    def sacct(self, job_id: str) -> list[tuple[str, str]]:
+        """(State, ExitCode) of the job's records in the job completion log (`sacct -c`)."""
+        out = self.run("sacct", "-c", "-n", "-P", "-j", job_id, "-o", "state,exitcode").stdout
+        return [tuple(line.split("|")[:2]) for line in out.splitlines() if "|" in line]  # type: ignore[misc]
+
     def pids(self, job_id: str) -> list[int]:
         result = self.run("scontrol", "listpids", job_id, check=False)
         return [int(line.split()[0]) for line in result.stdout.splitlines()[1:]

@@ -15,7 +15,7 @@ import pytest
 
 from stasis.slurm import cluster as local_cluster
 from tests.conftest import TEST_USER
-from tests.e2e.conftest import Cluster, LongJob, alive, until, wait_gone
+from tests.e2e.conftest import Cluster, LongJob, until, wait_gone
 
 ENABLE = "--export=STASIS_ENABLE=1"
 
@@ -70,6 +70,7 @@ def test_preempted_victim_resumes_from_its_checkpoint(cluster: Cluster,
     assert out.rstrip().splitlines()[-2] == "done"
     assert job["Restarts"] == "1"
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0"
+    assert ("COMPLETED", "0:0") in cluster.sacct(preempted["victim"])
     # Completed with exit 0: the label's checkpoints are retired.
     assert cluster.checkpoints("victim") == []
 
@@ -90,10 +91,18 @@ def test_non_root_job_manual_dump_resumes_and_keeps_its_exit_code(cluster: Clust
     assert cluster.job(job)["UserId"].startswith(TEST_USER)
     cluster.wait_number(job, 4)
     before_pids = cluster.pids(job)
+    inner_before = _namespace_pids(before_pids)
+    assert inner_before[0] == 1  # tini, the namespace's init: host pid 1 is always taken
     answer = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json",
                                        user=TEST_USER).stdout)
     assert answer["requeued"] is True and answer["label"] == job
     wait_gone(before_pids)
+    until(lambda: "stasis: restored checkpoint" in cluster.output(job), 90, "the restore")
+    after_pids = cluster.pids(job)
+    # Restored with the original pids inside its namespace, under new pids on the node.
+    assert _namespace_pids(after_pids) == inner_before
+    assert not set(after_pids) & set(before_pids)
+    assert all(_uid(p) == cluster_uid(TEST_USER) for p in after_pids if _uid(p) is not None)
     cluster.wait_state(job, ("FAILED", "COMPLETED"), 120)
     out = cluster.output(job)
     resumed = after(out, "stasis: restored checkpoint")
@@ -102,6 +111,7 @@ def test_non_root_job_manual_dump_resumes_and_keeps_its_exit_code(cluster: Clust
     info = cluster.job(job)
     assert info["Restarts"] == "1"
     assert info["ExitCode"] == "3:0" and info["JobState"] == "FAILED"
+    assert ("FAILED", "3:0") in cluster.sacct(job)
     # Kept after a failure; owned by the user, not by root.
     kept = cluster.checkpoints(job)
     assert [c["id"] for c in kept] == [answer["checkpoint"]]
@@ -135,7 +145,6 @@ def test_periodic_checkpoint_then_requeue_resumes_and_scancel_leaves_nothing(
     out = cluster.output(job)
     assert f"stasis: restored checkpoint {latest}" in out
     last_before = before(out, "stasis: restored checkpoint")[-1]
-    first_after = cluster.wait_number(job, 1)  # noqa: F841 (some output after the restore)
     resumed = until(lambda: after(cluster.output(job), "stasis: restored checkpoint"), 30,
                     "counter after the restore")
     # Resumed from the last periodic checkpoint: not from 0, not past where it was killed.
@@ -239,6 +248,33 @@ def test_daemon_down_job_runs_unprotected_and_says_so(cluster: Cluster) -> None:
     assert cluster.job(job)["ExitCode"] == "0:0"
 
 
+def _namespace_pids(pids: list[int]) -> list[int]:
+    """The pids inside their namespace of those `pids` that live in a child PID namespace."""
+    inner = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        levels = re.search(r"^NSpid:\s+(.*)$", status, re.M)
+        if levels and len(levels.group(1).split()) == 2:
+            inner.append(int(levels.group(1).split()[1]))
+    return sorted(inner)
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+
+
+def cluster_uid(user: str) -> int:
+    import pwd
+
+    return pwd.getpwnam(user).pw_uid
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -249,5 +285,3 @@ def _cmdline(pid: int) -> str:
 def _processes_running(pattern: str) -> bool:
     return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0
 
-
-__all__ = ["alive"]

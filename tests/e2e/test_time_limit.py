@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.e2e.conftest import TIME_LIMIT_WORK_S, LongJob
 
 
+@pytest.mark.timeout(600)
 def test_job_longer_than_its_time_limit_finishes(time_limit_job: LongJob) -> None:
     c, job = time_limit_job.cluster, time_limit_job.job_id
-    c.wait_state(job, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), 600)
+    c.wait_state(job, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), 540)
     info, out = c.job(job), c.output(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert info["TimeLimit"] == "00:01:00"

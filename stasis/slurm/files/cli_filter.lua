@@ -3,7 +3,7 @@
 -- opted in with STASIS_ENABLE=1 (or CEDANA_ENABLE=1) it asks for what stasis needs:
 --   --requeue               a checkpointed job comes back
 --   --signal=B:USR1@N       the batch step's launcher hears of preemption and of the time limit
---                           N seconds ahead (at most half the time limit) and checkpoints
+--                           N seconds ahead (at most a sixth of the time limit) and checkpoints
 --   --open-mode=append      the requeued job keeps appending to the same output file
 -- Every other job is left as it is. A site's own slurm_cli_pre_submit above still runs, after this.
 local stasis_site_pre_submit = slurm_cli_pre_submit
@@ -74,8 +74,10 @@ function slurm_cli_pre_submit(options, pack_offset)
     if signal == nil or signal == "" or signal == "0@0" then
       local warn = stasis_warn_s
       local limit = stasis_minutes(options["time"])
-      if limit ~= nil and limit > 0 and warn > limit * 30 then
-        warn = math.max(1, math.floor(limit * 30))
+      -- Slurm checks limits every 30 s and may signal up to that much earlier than asked:
+      -- for short limits keep the warning at a sixth of the limit so that each run gets work done.
+      if limit ~= nil and limit > 0 and warn > limit * 10 then
+        warn = math.max(5, math.floor(limit * 10))
       end
       stasis_set(options, "signal", "B:USR1@" .. warn)
     end
