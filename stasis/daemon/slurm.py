@@ -288,6 +288,7 @@ class SlurmJobs:
             raise PermissionDeniedError(f"permission denied: Slurm job {job_id} is not yours")
         if not req.explicit_label and req.label != job_id:
             raise UsageError("without an explicit label the label is the job id")
+        self._check_label_owner(req.label, caller.uid)
         try:
             cmdline = Path(f"/proc/{req.pid}/cmdline").read_bytes().split(b"\0")
             command = [c.decode(errors="replace") for c in cmdline if c]
@@ -303,6 +304,14 @@ class SlurmJobs:
         )
         self._save(reg)
         return reg
+
+    def _check_label_owner(self, label: str, uid: int) -> None:
+        """A label in use belongs to the user whose checkpoints it holds: another user's job
+        must not add to it (the store keeps only the newest few per label)."""
+        others = {m.uid for m in self.manager.store.list(label)} - {uid}
+        if others:
+            raise PermissionDeniedError(f"permission denied: label {label} holds another user's "
+                                        "checkpoints; choose another STASIS_CHECKPOINT")
 
     def get(self, job_id: str, caller: Caller) -> Registration:
         return self._load(job_id, caller)
@@ -320,6 +329,7 @@ class SlurmJobs:
         reg = self._load(job_id, caller)
         if reg.state == "checkpointed" or not proctree.alive(reg.pid, reg.pid_start):
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
+        self._check_label_owner(reg.label, reg.uid)
         m = self.manager
         criu = m.criu
         created = datetime.now(timezone.utc)

@@ -62,7 +62,8 @@ def test_preempted_victim_resumes_from_its_checkpoint(cluster: Cluster,
     out, job = preempted["victim_out"], preempted["victim_job"]
     assert preempted["preemptor_state"] == "COMPLETED"
     assert "SIGUSR1: taking a checkpoint" in out
-    at_dump = before(out, "SIGUSR1")[-1]
+    at_dump = before(out, "stasis: restored checkpoint")[-1]  # nothing printed after the dump
+    assert at_dump >= 5
     resumed = after(out, "stasis: restored checkpoint")
     # The same output file goes on, and the counter goes on from the checkpointed value.
     assert resumed[0] == at_dump + 1, out
@@ -118,14 +119,25 @@ def test_non_root_job_manual_dump_resumes_and_keeps_its_exit_code(cluster: Clust
     assert kept[0]["uid"] != 0 and kept[0]["user"] == TEST_USER
 
 
-def test_other_users_cannot_checkpoint_a_job(cluster: Cluster) -> None:
-    job = cluster.sbatch(cluster.counter_script("rootjob", ENABLE, stop=200, interval=0.5))
+def test_other_users_cannot_checkpoint_a_job_or_use_its_label(cluster: Cluster) -> None:
+    label = f"shared-{secrets.token_hex(3)}"
+    opt = f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}"
+    job = cluster.sbatch(cluster.counter_script("rootjob", opt, stop=200, interval=0.5))
     cluster.wait_number(job, 2)
     result = cluster.stasis("dump", "--slurm-job", job, user=TEST_USER, check=False)
     assert result.returncode == 2 and "permission denied" in result.stderr
     bad = cluster.stasis("dump", "--slurm-job", "../1", check=False)
     assert bad.returncode == 2 and "not a Slurm job id" in bad.stderr
     assert cluster.state(job) == "RUNNING"
+    cluster.stasis("dump", "--slurm-job", job, "--leave-running")
+    # Another user's job with the same label neither restores root's checkpoint nor adds to it.
+    theirs = cluster.sbatch(cluster.counter_script("theirs", opt, stop=3, interval=0.2),
+                            user=TEST_USER)
+    cluster.wait_state(theirs, ("COMPLETED",))
+    out = cluster.output(theirs)
+    assert "restored" not in out and cluster.numbers(theirs) == [0, 1, 2]
+    assert "holds another user's checkpoints" in out and "WITHOUT checkpoint protection" in out
+    assert len(cluster.checkpoints(label)) == 1
     cluster.run("scancel", job)
     cluster.wait_state(job, ("CANCELLED",))
 
