@@ -218,7 +218,7 @@ class Registration(BaseModel):
     stderr: str
     work_dir: str
     command: list[str]
-    state: str = "running"  # running | checkpointing | checkpointed
+    state: str = "running"  # running | checkpointed | requeue-failed
     registered: str
 
 
@@ -302,8 +302,19 @@ class SlurmJobs:
             command=command or ["(slurm batch job)"],
             registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
+        self._sweep()
         self._save(reg)
         return reg
+
+    def _sweep(self) -> None:
+        """Forget registrations of workloads that ended without telling us (scancel, crash)."""
+        for path in self.dir.glob("*.json"):
+            try:
+                old = Registration.model_validate_json(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if old.state == "running" and not proctree.alive(old.pid, old.pid_start):
+                path.unlink(missing_ok=True)
 
     def _check_label_owner(self, label: str, uid: int) -> None:
         """A label in use belongs to the user whose checkpoints it holds: another user's job
@@ -368,7 +379,15 @@ class SlurmJobs:
             reg.state = "checkpointed"
             self._save(reg)
             os.kill(reg.pid, signal.SIGKILL)  # the namespace init: the whole tree goes
-            requeue(job_id)
+            try:
+                requeue(job_id)
+            except StasisError as e:
+                reg.state = "requeue-failed"
+                self._save(reg)
+                raise CheckpointError(
+                    f"checkpoint {manifest.id} of Slurm job {job_id} was taken but the job could "
+                    f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
+                    f"{reg.label} to resume") from e
             answer["requeued"] = True
         return answer
 

@@ -11,8 +11,8 @@ It decides how the job starts and prints one JSON object for the launcher:
     {"mode": "off", ...}                 exit 11: stasis cannot protect this job (daemon down,
                                          bad label, ...): it runs exactly as without stasis
 "messages" are lines for the job's output (why a checkpoint was skipped, what was restored).
-A corrupt newest checkpoint falls back to the one before it; a failed restore falls back to a
-fresh start. The helper never makes the job fail.
+A corrupt or unrestorable newest checkpoint falls back to the one before it (up to three are
+tried); when none works the job starts fresh. The helper never makes the job fail.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ EXIT_RESTORED = 0
 EXIT_FRESH = 10
 EXIT_OFF = 11
 UNPROTECTED = "this job runs WITHOUT checkpoint protection"
+# The newest few checkpoints are tried, newest first; a job must not wait on many failures.
+_MAX_TRIES = 3
 _TINI_CANDIDATES = ("/usr/bin/tini-static", "/usr/bin/tini", "/usr/local/bin/tini")
 
 
@@ -121,16 +123,15 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
             say.append(f"stasis: job {job_id} is protected (label {label})")
         out["mode"] = "fresh"
         return EXIT_FRESH, out
-    for m in found:
+    for m in found[:_MAX_TRIES]:
         try:
             pid = _restore(settings, store, m, info, gid)
         except CorruptCheckpointError as e:
             say.append(f"stasis: warning: skipping checkpoint {m.id}: {e}")
             continue
         except (StasisError, OSError) as e:
-            say.append(f"stasis: warning: restoring checkpoint {m.id} failed: {e}; "
-                       "the job runs from the start")
-            break
+            say.append(f"stasis: warning: restoring checkpoint {m.id} failed: {e}")
+            continue
         say.append(f"stasis: restored checkpoint {m.id} (label {label}, taken "
                    f"{m.created:%Y-%m-%dT%H:%M:%SZ} from job {m.job})")
         out.update(mode="restored", pid=pid, checkpoint=m.id)
