@@ -53,6 +53,7 @@ class Launcher:
         self.socket = Path(start["socket"]) if start.get("socket") else None
         self.pid = 0
         self.requeued = False  # the daemon took the final checkpoint and requeued the job
+        self.interval_s = 0.0  # STASIS_INTERVAL: periodic leave-running checkpoints
 
     # -- the workload --------------------------------------------------------------------------
 
@@ -156,7 +157,7 @@ class Launcher:
         self.spawn()
         self.register()
         pidfd = os.pidfd_open(self.pid)
-        interval = getattr(self, "interval_s", 0.0) if self.mode != "off" else 0.0
+        interval = self.interval_s if self.mode != "off" else 0.0
         next_periodic = time.monotonic() + interval if interval > 0 else None
         while True:
             timeout = None if next_periodic is None else max(0.0, next_periodic - time.monotonic())
