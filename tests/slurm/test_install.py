@@ -4,6 +4,7 @@ uninstall, merged lua scripts, the pipeable install.sh."""
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import subprocess
@@ -79,16 +80,16 @@ def test_dry_run_prints_the_exact_diff_and_changes_nothing(site: Path) -> None:
     assert "+SlurmctldParameters=enable_configless,preempt_send_user_signal" in out
     assert f"+optional {site}/lib/stasis_spank.so " in out
     assert "would build" in out
-    # The dry run's diff is exactly what install then does to slurm.conf.
-    diff_file = site / "conf.diff"
-    conf_diff = out[out.index(f"--- {site}/etc/slurm.conf"):]
-    conf_diff = conf_diff[:conf_diff.index("--- ", 4)]
-    diff_file.write_text(conf_diff)
-    patched = site / "patched.conf"
-    patched.write_text((site / "etc" / "slurm.conf").read_text())
-    subprocess.run(["patch", "-s", str(patched), str(diff_file)], check=True)
+    # The dry run's diff is exactly what install then does, file by file.
+    originals = {p: p.read_text() for p in (site / "etc").iterdir()}
     cli(site, "install", "--node-role", "controller", "--node-role", "worker")
-    assert patched.read_text() == (site / "etc" / "slurm.conf").read_text()
+    for path, text in originals.items():
+        expected = "".join(difflib.unified_diff(
+            text.splitlines(keepends=True), path.read_text().splitlines(keepends=True),
+            fromfile=str(path), tofile=str(path)))
+        assert expected in out, path
+    created = site / "etc" / "cli_filter.lua"
+    assert f"--- /dev/null\n+++ {created}\n" in out
 
 
 def test_install_keeps_existing_plugins_and_merges_lua(site: Path) -> None:
