@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from stasis.config import Settings, load_settings
-from stasis.daemon.client import Client
 from stasis.engine import CRIU, RestoreOptions, find_criu
 from stasis.errors import CorruptCheckpointError, StasisError
 from stasis.daemon import slurm as slurmd
+from stasis.slurm.launcher import QuickClient
 from stasis.store import Manifest, Store
 
 EXIT_RESTORED = 0
@@ -97,7 +97,7 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         return EXIT_OFF, out
     out.update(socket=str(settings.socket), label=label, explicit_label=explicit)
     try:
-        with Client(settings.socket) as client:
+        with QuickClient(settings.socket, 10.0) as client:
             client.request("GET", "/slurm/health")
         out["tini"] = find_tini(settings.tini)
         info = slurmd.job_info(job_id)
