@@ -68,10 +68,12 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: slurmd.JobInfo
     fds: list[int] = []
     try:
         inherit: list[tuple[str, int]] = []
-        if old_out:
+        # Regular output files are re-pointed at this run's files (a new job id may mean a new
+        # name); /dev/null and other devices CRIU reopens itself.
+        if old_out and not old_out.startswith("/dev/"):
             fds.append(_open_as(new_out, info.uid, gid))
             inherit.append((old_out.lstrip("/"), fds[-1]))
-        if old_err and old_err != old_out:
+        if old_err and old_err != old_out and not old_err.startswith("/dev/"):
             fds.append(_open_as(new_err, info.uid, gid))
             inherit.append((old_err.lstrip("/"), fds[-1]))
         criu = CRIU(find_criu(settings.criu), settings.state_dir / "criu-logs")
