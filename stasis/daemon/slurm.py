@@ -18,23 +18,19 @@ live in <state_dir>/slurm/<job id>.json (root only), so they survive a restart o
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import subprocess
 import signal
 import socket
+import subprocess
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from stasis.daemon.api import MANAGER, _body, peer
-from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import DumpOptions, proctree
 from stasis.errors import (
@@ -45,6 +41,11 @@ from stasis.errors import (
     UsageError,
 )
 from stasis.store import CheckpointInfo, Manifest, Store, new_checkpoint_id, validate_label
+
+if TYPE_CHECKING:  # the SPANK helper imports this module: keep aiohttp and the job table out
+    from aiohttp import web
+
+    from stasis.daemon.jobs import JobManager
 
 
 # -- what Slurm says (scontrol, on the node; SLURM_CONF picks the cluster) ---------------------
@@ -410,46 +411,44 @@ class SlurmJobs:
         return {"retired": retired}
 
 
-SLURM = web.AppKey("slurm", SlurmJobs)
-
-
 def _dump(model: BaseModel | dict[str, Any]) -> Any:
     return model.model_dump(mode="json") if isinstance(model, BaseModel) else model
 
 
-async def health(request: web.Request) -> web.StreamResponse:
-    return web.json_response({"ok": True})
-
-
-async def register(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, RegisterRequest)
-    caller = peer(request)
-    reg = await asyncio.to_thread(request.app[SLURM].register, req, caller)
-    return web.json_response(_dump(reg))
-
-
-async def get_job(request: web.Request) -> web.StreamResponse:
-    reg = await asyncio.to_thread(request.app[SLURM].get, request.match_info["job"],
-                                  peer(request))
-    return web.json_response(_dump(reg))
-
-
-async def checkpoint(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, CheckpointRequest)
-    answer = await asyncio.to_thread(request.app[SLURM].checkpoint, request.match_info["job"],
-                                     req, peer(request))
-    return web.json_response(answer)
-
-
-async def finish(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, FinishRequest)
-    answer = await asyncio.to_thread(request.app[SLURM].finish, request.match_info["job"], req,
-                                     peer(request))
-    return web.json_response(answer)
-
-
 def add_routes(app: web.Application) -> None:
-    app[SLURM] = SlurmJobs(app[MANAGER])
+    """Register the /slurm routes on the daemon's app (called by api.make_app)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from stasis.daemon.api import MANAGER, _body, peer
+
+    jobs = SlurmJobs(app[MANAGER])
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": True})
+
+    async def register(request: web.Request) -> web.StreamResponse:
+        req = await _body(request, RegisterRequest)
+        reg = await asyncio.to_thread(jobs.register, req, peer(request))
+        return web.json_response(_dump(reg))
+
+    async def get_job(request: web.Request) -> web.StreamResponse:
+        reg = await asyncio.to_thread(jobs.get, request.match_info["job"], peer(request))
+        return web.json_response(_dump(reg))
+
+    async def checkpoint(request: web.Request) -> web.StreamResponse:
+        req = await _body(request, CheckpointRequest)
+        answer = await asyncio.to_thread(jobs.checkpoint, request.match_info["job"], req,
+                                         peer(request))
+        return web.json_response(answer)
+
+    async def finish(request: web.Request) -> web.StreamResponse:
+        req = await _body(request, FinishRequest)
+        answer = await asyncio.to_thread(jobs.finish, request.match_info["job"], req,
+                                         peer(request))
+        return web.json_response(answer)
+
     app.add_routes([
         web.get("/slurm/health", health),
         web.post("/slurm/jobs", register),
