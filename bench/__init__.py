@@ -12,6 +12,8 @@ and asserts nothing: the figures are for people and for the targets of issue 4. 
     raw.py                the physical limit: a raw write and read of the same bytes
     stats.py              decoder of CRIU's stats-dump / stats-restore images
     case.py               one run of one case: all three methods
+    snapshot.py           a committed stasis to measure (--stasis-ref), immune to edits meanwhile
+    slurm_e2e.py          --slurm: progress redone per preemption on the local Slurm cluster
     report.py, plot.py    summary (median/min/max, ratios, targets), Markdown, PNG
 
 Nothing here is imported by stasis; the suite drives stasis only through its CLI, as a user would.

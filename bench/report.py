@@ -237,6 +237,20 @@ def markdown(document: dict[str, Any]) -> str:
         detail = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in t.items() if k not in ("target", "met", "case"))
         lines.append(f"| {t['target']} | {where} | {detail} | {verdict} |")
+    if not summaries:  # a --slurm run: no case tables, nothing to hold targets against
+        lines = lines[:3]
+    slurm = document.get("slurm")
+    if slurm:
+        lines += ["", "## Slurm: progress redone per preemption (local cluster)", ""]
+        if not slurm.get("available"):
+            lines.append(f"- not measured: {slurm.get('why')}")
+        for method, r in slurm.get("methods", {}).items():
+            if "error" in r:
+                lines.append(f"- {method}: failed: {r['error']}")
+            else:
+                lines.append(f"- {method}: progress {r['progress_before']} before the preemption, "
+                             f"{r['progress_after']} after the restart: {r['redone_s']:.1f} s of "
+                             f"progress redone, {r['down_s']:.1f} s without output")
     if document["skipped"] or any(s["errors"] for s in summaries):
         lines += ["", "## Skipped and failed", ""]
         lines += [f"- skipped {json.dumps(k['case'])}: {k['why']}" for k in document["skipped"]]

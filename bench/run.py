@@ -11,6 +11,7 @@ that does not fit in free memory is skipped and listed as such, never squeezed i
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import platform
@@ -23,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench import procs, report
+from bench import procs, report, slurm_e2e
 from bench.case import Case, run_once
 from bench.dest import DESTS, GiB, available_bytes, bytes_needed, make_destination
 from bench.modes import DEFAULT_MODES, MODES, Mode, parse_modes
@@ -122,17 +123,6 @@ def warm_up(size: int) -> None:
         buf.close()
 
 
-def slurm_figure(stasis: str, cwd: Path) -> dict[str, Any]:
-    """End-to-end work lost per preemption on the local Slurm cluster (stub until it exists)."""
-    text = _help(stasis, "slurm", cwd)
-    if "local-cluster" not in text:
-        return {"available": False,
-                "why": "not available yet: `stasis slurm` has no local-cluster command"}
-    return {"available": False,
-            "why": "`stasis slurm local-cluster` exists but the bench's end-to-end measurement "
-                   "is not written yet"}
-
-
 def _log(message: str) -> None:
     print(f"[{datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -181,10 +171,11 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
         "runs": [], "skipped": [], "summary": [], "targets": [],
     }
     if args.slurm:
-        document["slurm"] = slurm_figure(stasis, work_root)
-        _log(f"slurm: {document['slurm']['why']}")
+        document["slurm"] = slurm_e2e.measure(stasis)
+        _log(f"slurm: {json.dumps(document['slurm'])}")
         report.write_json(paths["json"], document)
-        return 0
+        paths["md"].write_text(report.markdown(document))
+        return 0 if document["slurm"]["available"] else 1
 
     procs.become_subreaper()
     modes = []
