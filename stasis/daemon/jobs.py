@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from stasis.config import Settings
 from stasis.daemon import staging
@@ -87,6 +87,7 @@ class JobManager:
         self._shims: dict[int, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
         self._hostname = socket.gethostname()
+        self._criu_version: str | None = None
 
     def prepare(self) -> None:
         """Create the state layout: users traverse to their logs, nothing else is theirs."""
@@ -101,6 +102,12 @@ class JobManager:
     @property
     def criu(self) -> CRIU:
         return CRIU(find_criu(self.settings.criu), self.criu_logs)
+
+    def criu_version(self, criu: CRIU) -> str:
+        # Asked once: each ask starts a criu process, and a dump should not wait for that.
+        if self._criu_version is None:
+            self._criu_version = ".".join(str(p) for p in criu.version())
+        return self._criu_version
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -169,13 +176,14 @@ class JobManager:
         return RunAnswer(job=job_id, pid=pid, label=label)
 
     def _start_shim(self, job_id: str, spec: dict[str, Any], progress: Progress | None = None,
-                    expected: int = 0) -> tuple[Path, dict[str, Any]]:
+                    expected: int = 0, gate: _Gate | None = None
+                    ) -> tuple[Path, dict[str, Any]]:
         job_dir = self.jobs_dir / job_id
         job_dir.mkdir(mode=0o700)
         (job_dir / "spec.json").write_text(json.dumps(spec))
         shim = subprocess.Popen(
             [sys.executable, "-m", "stasis.daemon.shim", str(job_dir)],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if gate else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             start_new_session=True,  # the job must outlive a restart of the daemon
         )
@@ -184,6 +192,9 @@ class JobManager:
             self._shims[shim.pid] = shim
         watcher = _ReadWatcher(shim.pid, expected, progress) if progress else None
         try:
+            if gate is not None:
+                assert shim.stdin is not None
+                gate.open(shim.stdin, shim.pid)
             line = shim.stdout.readline()
         finally:
             if watcher:
@@ -217,7 +228,7 @@ class JobManager:
         checkpoint_id = new_checkpoint_id(created)
         info = CheckpointInfo(
             id=checkpoint_id, label=label, job=row.id, host=self._hostname, created=created,
-            criu_version=".".join(str(p) for p in criu.version()), command=row.command,
+            criu_version=self.criu_version(criu), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
         )
         expected = proctree.resident_bytes(row.pid)
@@ -298,23 +309,33 @@ class JobManager:
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
             os.fchown(fd, acct.uid, acct.gid)
             os.close(fd)
-        with self.store.open_images(manifest.id, self.scratch) as (manifest, images):
-            spec = {
-                "mode": "restore",
-                "images": str(images),
-                "uid": acct.uid,
-                "gid": acct.gid,
-                "log": log,
-                "image_log": manifest.log_path or log,
-                "criu": find_criu(self.settings.criu),
-                "criu_log_dir": str(self.criu_logs),
-                "criu_log_name": f"restore-{job_id}.log",
-                # Lazy pages read the images after the restore returns: only from a checkpoint
-                # that stays where it is (a local uncompressed store), not from a scratch copy.
-                "lazy": (self.settings.lazy_restore if lazy is None else lazy)
-                and not images.is_relative_to(self.scratch),
-            }
-            job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
+        spec: dict[str, Any] = {
+            "mode": "restore",
+            "uid": acct.uid,
+            "gid": acct.gid,
+            "log": log,
+            "image_log": manifest.log_path or log,
+            "criu": find_criu(self.settings.criu),
+            "criu_log_dir": str(self.criu_logs),
+            "criu_log_name": f"restore-{job_id}.log",
+        }
+        lazy = self.settings.lazy_restore if lazy is None else lazy
+        in_place = self.store.images_in_place(manifest.id)
+        if in_place is not None:
+            # CRIU reads the images where they are while we verify them; the restored tree is
+            # resumed only once they passed (the supervisor waits for our word at post-restore).
+            manifest, images = in_place
+            spec.update(images=str(images), lazy=lazy, gate=True)
+            gate = _Gate(lambda: self.store.verify(manifest))
+            job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes, gate)
+            if gate.error is not None:
+                raise gate.error
+        else:
+            with self.store.open_images(manifest.id, self.scratch) as (manifest, images):
+                # Lazy pages read the images after the restore returns: not from a scratch copy
+                # that goes away when this block ends.
+                spec.update(images=str(images), lazy=False)
+                job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
         if "error" in answer:
             raise RestoreError(
                 f"restore of checkpoint {manifest.id} failed: {answer['error']['message']}"
@@ -362,6 +383,30 @@ class JobManager:
                 if row.shim_pid and proctree.alive(row.shim_pid, None):
                     continue  # the supervisor is about to write the status
                 self.db.finish(row.id, "exited", None)
+
+
+class _Gate:
+    """Runs a check while the supervisor restores, then tells it (on its stdin) whether the
+    restored tree may be resumed: b"ok", or b"no" and the whole restore is killed (CRIU can
+    spin forever on a truncated image, so it cannot be trusted to reach the gate). The
+    check's error is kept for the caller."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self.check = check
+        self.error: StasisError | None = None
+
+    def open(self, pipe: IO[bytes], shim_pid: int) -> None:
+        try:
+            self.check()
+        except StasisError as e:
+            self.error = e
+            proctree.signal_tree(shim_pid, signal.SIGKILL)
+            return
+        try:
+            pipe.write(b"ok\n")
+            pipe.close()
+        except BrokenPipeError:
+            pass  # the restore failed before it asked: its own answer says why
 
 
 class _Watcher:

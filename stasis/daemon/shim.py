@@ -137,6 +137,17 @@ def _open_log_as_user(spec: dict[str, Any]) -> int:
         os.setegid(0)
 
 
+def _resume_gate(script: str, _pid: int) -> bool:
+    """The daemon verifies the images while CRIU restores: resume only on its "ok".
+
+    post-restore comes once all memory is in place and before the tasks run any of their own
+    code; a failure there makes CRIU kill them (a failed pre-resume would not stop the resume).
+    """
+    if script != "post-restore":
+        return True
+    return sys.stdin.buffer.readline().strip() == b"ok"
+
+
 def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     from stasis.engine.criu import CRIU, RestoreOptions
     from stasis.errors import StasisError
@@ -154,7 +165,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     try:
         result = criu.restore(
             Path(spec["images"]),
-            RestoreOptions(inherit_fds=[(key, log_fd)], lazy=spec.get("lazy", False)),
+            RestoreOptions(inherit_fds=[(key, log_fd)], lazy=spec.get("lazy", False),
+                           notify=_resume_gate if spec.get("gate") else None),
             spec["criu_log_name"],
         )
     except StasisError as e:

@@ -253,6 +253,23 @@ class Store:
         finally:
             shutil.rmtree(target, ignore_errors=True)
 
+    def images_in_place(self, checkpoint_id: str) -> tuple[Manifest, Path] | None:
+        """The manifest and the checkpoint's own directory, NOT yet verified, when CRIU can read
+        the images where they are (a local uncompressed store); else None (use open_images).
+
+        Lets a restore verify (`verify`) while CRIU already reads, gating the resume of the
+        restored tree on the result, instead of paying for both one after the other.
+        """
+        manifest = self.get(checkpoint_id)
+        in_place = self._tree.local_dir(checkpoint_id)
+        if in_place is None or manifest.compression != "none":
+            return None
+        return manifest, in_place
+
+    def verify(self, manifest: Manifest) -> None:
+        """Check a local uncompressed checkpoint's files in place; CorruptCheckpointError if not."""
+        self._verify(manifest, None)
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _load(self, checkpoint_id: str) -> Manifest:
