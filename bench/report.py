@@ -270,8 +270,29 @@ def rerender(path: Path) -> None:
     path.with_suffix(".md").write_text(markdown(document))
 
 
-if __name__ == "__main__":
-    import sys
+def combine(out: Path, paths: list[Path]) -> None:
+    """One PNG of several results files (e.g. a 256M/1G run and a 4G run); later files win."""
+    from bench.plot import plot
 
-    for arg in sys.argv[1:]:
-        rerender(Path(arg))
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path in paths:
+        for s in summarise(json.loads(path.read_text())["runs"]):
+            merged[_case_id(s["case"])] = s
+    why = plot(list(merged.values()), out)
+    if why:
+        raise SystemExit(why)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
+    p.add_argument("results", nargs="+", type=Path)
+    p.add_argument("--combine", type=Path, metavar="PNG",
+                   help="instead, draw one PNG of all the given results files")
+    args = p.parse_args()
+    if args.combine:
+        combine(args.combine, args.results)
+    else:
+        for arg in args.results:
+            rerender(arg)
