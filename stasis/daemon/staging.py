@@ -1,8 +1,10 @@
 """Where a dump's images go first: node-local memory when there is room, else the store.
 
-A leave-running dump staged in tmpfs freezes the job only for as long as its pages take to reach
-memory; the copy to the durable store (disk, shared directory, object store), with checksums and
-compression, happens after the job has resumed.
+A leave-running dump freezes the job only while its pages go to memory; making them durable
+(fsync, upload, checksums, compression) happens after the job has resumed. By default "memory" is
+the page cache of the store's own staging directory (CRIU does not fsync), which on the machines
+measured was faster than tmpfs. A tmpfs stage (STASIS_STAGE_DIR) is for nodes whose local write
+path is slower than memory (a store on NFS with a small page cache, writeback throttling).
 """
 
 from __future__ import annotations
