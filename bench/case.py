@@ -73,8 +73,31 @@ def _memory_back(pid: int, tail: LogTail, ready: Ready, restore_start: float,
     memory was back). Hashing touches every page, so with lazy pages the answer also marks the
     moment the last page arrived; the hashing itself (as timed before the dump) is subtracted."""
     os.kill(pid, signal.SIGUSR1)
-    line, seen = tail.wait_line("digest ", timeout_s)
+    try:
+        line, seen = tail.wait_line("digest ", timeout_s)
+    except BenchError as e:
+        raise BenchError(f"{e}; restored tree: {_tree_state(pid)}") from e
     return line.split()[1], seen - restore_start - ready.hash_s
+
+
+def _tree_state(pid: int) -> str:
+    """State and kernel wait channel of `pid` and its children, to tell a hang from a death."""
+    out = []
+    for p in [pid, *_children(pid)]:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{p}/wchan").read_text()
+        except OSError:
+            state, wchan = "gone", ""
+        out.append(f"{p}:{state}:{wchan}")
+    return " ".join(out)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _figures(dump_s: float, st: DumpStats, image_bytes: int, restore_s: float,
