@@ -43,6 +43,7 @@ demo: install
 	$(BIN)/python -m stasis.demo
 
 bench: install
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:

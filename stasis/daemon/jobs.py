@@ -7,6 +7,7 @@ the Caller and checks that the job or checkpoint is theirs before touching it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -48,12 +49,15 @@ from stasis.errors import (
 )
 from stasis.store import (
     CheckpointInfo,
+    FileEntry,
     Manifest,
     Store,
     new_checkpoint_id,
     validate_checkpoint_id,
     validate_label,
 )
+
+log = logging.getLogger("stasis.daemon")
 
 # (bytes done, bytes expected) while a dump or restore runs.
 Progress = Callable[[int, int], None]
@@ -326,10 +330,20 @@ class JobManager:
             # resumed only once they passed (the supervisor waits for our word at post-restore).
             manifest, images = in_place
             spec.update(images=str(images), lazy=lazy, gate=True)
-            gate = _Gate(lambda: self.store.verify(manifest))
+            checked = manifest
+            if lazy:
+                # A lazy job runs before its memory is back, so it cannot wait for the hash of
+                # GiBs of pages either: everything else (and every size) gates the resume, the
+                # page images are hashed right after, and a mismatch kills the job.
+                gate = _Gate(lambda: self.store.verify(checked, only=lambda f: not _is_pages(f)))
+            else:
+                gate = _Gate(lambda: self.store.verify(checked))
             job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes, gate)
             if gate.error is not None:
                 raise gate.error
+            if lazy and "pid" in answer:
+                threading.Thread(target=self._verify_pages_after, daemon=True,
+                                 args=(manifest, job_dir, int(answer["pid"]))).start()
         else:
             with self.store.open_images(manifest.id, self.scratch) as (manifest, images):
                 # Lazy pages read the images after the restore returns: not from a scratch copy
@@ -352,6 +366,16 @@ class JobManager:
         return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
                              lazy=bool(answer.get("lazy")),
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4))
+
+    def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
+        try:
+            self.store.verify(manifest, only=_is_pages)
+        except StasisError as e:
+            started = proctree.start_time(pid)
+            if started is not None:
+                proctree.signal_tree(pid, signal.SIGKILL)
+            (job_dir / "killed.json").write_text(json.dumps({"reason": str(e)}))
+            log.error("killed lazily restored job %s: %s", job_dir.name, e)
 
     # -- kill / follow -------------------------------------------------------------------------
 
@@ -472,6 +496,10 @@ class _ReadWatcher(_Watcher):
         # Processes come and go during a restore: never report going backwards.
         self._best = min(max(self._best, total), self.expected or total)
         return self._best
+
+
+def _is_pages(entry: FileEntry) -> bool:
+    return entry.name.startswith("pages-")
 
 
 def _job(row: JobRow) -> Job:

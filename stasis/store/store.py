@@ -18,7 +18,7 @@ import errno
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -266,9 +266,14 @@ class Store:
             return None
         return manifest, in_place
 
-    def verify(self, manifest: Manifest) -> None:
-        """Check a local uncompressed checkpoint's files in place; CorruptCheckpointError if not."""
-        self._verify(manifest, None)
+    def verify(
+        self, manifest: Manifest, only: Callable[[FileEntry], bool] | None = None
+    ) -> None:
+        """Check a local uncompressed checkpoint's files in place; CorruptCheckpointError if not.
+
+        Sizes are always checked for every file; `only` limits which files are also hashed.
+        """
+        self._verify(manifest, None, only)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -282,7 +287,12 @@ class Store:
             raise _UnreadableManifest(f"it names checkpoint {manifest.id}")
         return manifest
 
-    def _verify(self, manifest: Manifest, target: Path | None) -> None:
+    def _verify(
+        self,
+        manifest: Manifest,
+        target: Path | None,
+        only: Callable[[FileEntry], bool] | None = None,
+    ) -> None:
         """Check every file against the manifest, decoding it into `target` when one is given."""
         checkpoint_id = manifest.id
         # Cheap size checks first: a truncated image fails at once, not after hashing GiBs.
@@ -335,7 +345,8 @@ class Store:
             if got.xxh3_128 != entry.xxh3_128:
                 raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
-        in_parallel(check, manifest.files, cpu_workers(len(manifest.files)))
+        files = [f for f in manifest.files if only is None or only(f)]
+        in_parallel(check, files, cpu_workers(len(files)))
 
     def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(

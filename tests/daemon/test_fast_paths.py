@@ -118,3 +118,22 @@ def test_incremental_falls_back_to_full_without_soft_dirty(daemon: Daemon) -> No
     wait_for(lambda: len(_digest(daemon, restored["job"])) == 2, what="digest")
     assert len(set(_digest(daemon, restored["job"]))) == 1
     daemon.cli("kill", restored["job"])
+
+
+def test_lazy_restore_of_corrupt_pages_is_killed(daemon: Daemon) -> None:
+    job = daemon.run(*workload("memhold.py", 16))
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
+    cp = daemon.json("dump", job["job"])
+    pages = max((Path(daemon.store) / cp["checkpoint"]).glob("pages-*.img"),
+                key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(data)
+    # The small images gate the resume; the pages are hashed just after, and the job dies.
+    restored = daemon.json("restore", "--lazy", cp["checkpoint"])
+    wait_for(lambda: daemon.job(restored["job"])["state"] == "exited", what="killed")
+    killed = daemon.state_dir / "jobs" / restored["job"] / "killed.json"
+    assert "fails its checksum" in killed.read_text()
+    # A full restore refuses it outright.
+    result = daemon.cli("restore", cp["checkpoint"], check=False)
+    assert result.returncode == 1 and "corrupt" in result.stderr
