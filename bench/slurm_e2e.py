@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import BenchError
+from stasis.poll import poll
 
 PERIOD_S = 0.5
 CPUS = 2
@@ -104,13 +105,10 @@ def _lines(path: Path) -> list[str]:
 
 
 def _wait(what: str, pred: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise BenchError(f"slurm: timed out after {timeout_s:.0f} s waiting for {what}")
+    value = poll(pred, timeout_s, interval_s=0.1)
+    if not value:
+        raise BenchError(f"slurm: timed out after {timeout_s:.0f} s waiting for {what}")
+    return value
 
 
 def _progress(line: str) -> int | None:

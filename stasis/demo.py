@@ -13,11 +13,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+
+from stasis.poll import poll
 
 console = Console()
 STASIS = str(Path(sys.executable).parent / "stasis")
@@ -35,11 +36,8 @@ def _lines(log: Path) -> list[str]:
 
 
 def _wait(predicate: Any, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit("demo failed: timed out")
-        time.sleep(0.1)
+    if not poll(predicate, timeout_s, interval_s=0.1):
+        raise SystemExit("demo failed: timed out")
 
 
 def checkpoint_demo() -> None:

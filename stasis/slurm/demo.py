@@ -14,6 +14,7 @@ from typing import Any
 
 from stasis.daemon.slurm import parse_record
 from stasis.errors import StasisError
+from stasis.poll import poll
 from stasis.slurm import cluster
 
 _COUNTER = """\
@@ -64,13 +65,10 @@ class _Demo:
             return ""
 
     def wait(self, what: str, pred: Any, timeout_s: float = 120) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = pred()
-            if value:
-                return value
-            time.sleep(0.5)
-        raise StasisError(f"demo: timed out waiting for {what}")
+        value = poll(pred, timeout_s, interval_s=0.5)
+        if not value:
+            raise StasisError(f"demo: timed out waiting for {what}")
+        return value
 
     def say(self, text: str) -> None:
         self.console.print(text)

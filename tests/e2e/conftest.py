@@ -22,6 +22,7 @@ import pytest
 
 from stasis.daemon.slurm import parse_record
 from stasis.slurm import cluster as local_cluster
+from stasis.poll import poll
 from tests.conftest import STASIS, TEST_USER, ensure_test_user
 
 # A counter printing once per `interval` seconds up to `stop`, then exiting with `code`.
@@ -195,10 +196,7 @@ def wait_gone(pids: list[int], timeout_s: float = 30) -> None:
 
 
 def until(pred: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    value = poll(pred, timeout_s, interval_s=0.5)
+    if not value:
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return value
