@@ -23,4 +23,8 @@ def test_job_longer_than_its_time_limit_finishes(time_limit_job: LongJob) -> Non
     assert out.count("SIGUSR1: taking a checkpoint") == restarts
     # Every value exactly once, in order: each cycle went on where the previous one stopped.
     assert re.findall(r"^(\d+)$", out, re.M) == [str(i) for i in range(TIME_LIMIT_WORK_S)]
-    assert out.rstrip().splitlines()[-2] == "done"
+    # The workload's last word; the launcher's "restored" line may land just after it when the
+    # last cycle was restored right before the end (the tree resumes before the launcher writes).
+    lines = out.rstrip().splitlines()
+    assert "done" in lines[-3:] and lines.count("done") == 1, out
+    assert lines[-1].startswith("stasis: job completed"), out
