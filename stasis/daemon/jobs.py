@@ -36,7 +36,7 @@ from stasis.daemon.models import (
     validate_job_id,
 )
 from stasis.daemon.users import Caller, account, job_account, job_environment
-from stasis.engine import CRIU, DumpOptions, find_criu, proctree
+from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, proctree
 from stasis.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -49,6 +49,7 @@ from stasis.errors import (
 )
 from stasis.store import (
     CheckpointInfo,
+    CompressionRequest,
     FileEntry,
     Manifest,
     Store,
@@ -235,39 +236,54 @@ class JobManager:
             criu_version=self.criu_version(criu), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
         )
-        expected = proctree.resident_bytes(row.pid)
-        # Leave-running dumps go to node memory first, so the job is frozen only that long; a
-        # dump that stops the job goes straight to the store (one copy, not two).
-        fast = staging.fast_dir(self.settings.stage_dir, checkpoint_id, expected) \
-            if req.leave_running else None
-        target = fast or self.store.staging_dir(checkpoint_id)
-        # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
-        # (full disk, store down) resumes the job as if nothing happened.
-        options = DumpOptions(leave_running=req.leave_running, leave_stopped=not req.leave_running)
-        watcher = _DirWatcher(target, expected, progress) if progress else None
-        try:
-            result = criu.dump(row.pid, target, options, f"dump-{checkpoint_id}.log")
-        except StasisError as e:
-            self._discard(checkpoint_id, fast)
-            raise CheckpointError(f"checkpoint of job {job_id} failed, job still running: {e}") from e
-        finally:
-            if watcher:
-                watcher.stop()
-        try:
-            manifest = self.store.publish(info, req.compress, source=fast)
-        except StasisError as e:
-            self._discard(checkpoint_id, fast)
-            if not req.leave_running:
-                proctree.signal_tree(row.pid, signal.SIGCONT)
-            raise CheckpointError(f"checkpoint of job {job_id} failed, job still running: {e}") from e
+        what = f"job {job_id}"
+        manifest, result, staged = self.checkpoint_tree(
+            row.pid, info, req.leave_running, req.compress, what, progress)
         if not req.leave_running:
             self.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            staged=fast is not None, note=note,
+            staged=staged, note=note,
         )
+
+    def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
+                        compress: CompressionRequest, what: str,
+                        progress: Progress | None = None) -> tuple[Manifest, DumpResult, bool]:
+        """Dump the tree under `pid` and publish it as checkpoint `info.id`.
+
+        Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
+        caller records that and kills it. Any failure resumes it and publishes nothing.
+        Returns the manifest, CRIU's result and whether the images were staged in memory.
+        """
+        criu = self.criu
+        expected = proctree.resident_bytes(pid)
+        # Leave-running dumps may go to node memory first, so the job is frozen only that long;
+        # a dump that stops the job goes straight to the store (one copy, not two).
+        fast = staging.fast_dir(self.settings.stage_dir, info.id, expected) \
+            if leave_running else None
+        target = fast or self.store.staging_dir(info.id)
+        # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
+        # (full disk, store down) resumes the job as if nothing happened.
+        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running)
+        watcher = _DirWatcher(target, expected, progress) if progress else None
+        try:
+            result = criu.dump(pid, target, options, f"dump-{info.id}.log")
+        except StasisError as e:
+            self._discard(info.id, fast)
+            raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+        finally:
+            if watcher:
+                watcher.stop()
+        try:
+            manifest = self.store.publish(info, compress, source=fast)
+        except StasisError as e:
+            self._discard(info.id, fast)
+            if not leave_running:
+                proctree.signal_tree(pid, signal.SIGCONT)
+            raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+        return manifest, result, fast is not None
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
         self.store.discard(checkpoint_id)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from stasis.daemon.users import Caller
-from stasis.engine import DumpOptions, proctree
+from stasis.engine import proctree
 from stasis.errors import (
     CheckpointError,
     NotFoundError,
@@ -343,34 +343,17 @@ class SlurmJobs:
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
         self._check_label_owner(reg.label, reg.uid)
         m = self.manager
-        criu = m.criu
         created = datetime.now(timezone.utc)
-        checkpoint_id = new_checkpoint_id(created)
         info = CheckpointInfo(
-            id=checkpoint_id, label=reg.label, job=job_id, host=self._hostname, created=created,
-            criu_version=".".join(str(p) for p in criu.version()), command=reg.command,
+            id=new_checkpoint_id(created), label=reg.label, job=job_id, host=self._hostname,
+            created=created, criu_version=m.criu_version(m.criu), command=reg.command,
             cwd=reg.work_dir or "/", user=reg.user, uid=reg.uid, gid=reg.gid,
             log_path=reg.stdout or None,
             extra=slurm_extra(job_id, reg.token, reg.explicit_label, reg.stdout,
                                      reg.stderr),
         )
-        staging = m.store.staging_dir(checkpoint_id)
-        options = DumpOptions(leave_running=req.leave_running,
-                              leave_stopped=not req.leave_running)
-        try:
-            result = criu.dump(reg.pid, staging, options, f"dump-slurm-{job_id}-{checkpoint_id}.log")
-        except StasisError as e:
-            m.store.discard(checkpoint_id)
-            raise CheckpointError(f"checkpoint of Slurm job {job_id} failed, job still running: "
-                                  f"{e}") from e
-        try:
-            manifest = m.store.publish(info)
-        except StasisError as e:
-            m.store.discard(checkpoint_id)
-            if not req.leave_running:
-                proctree.signal_tree(reg.pid, signal.SIGCONT)
-            raise CheckpointError(f"checkpoint of Slurm job {job_id} failed, job still running: "
-                                  f"{e}") from e
+        manifest, result, _ = m.checkpoint_tree(reg.pid, info, req.leave_running, "none",
+                                                f"Slurm job {job_id}")
         answer: dict[str, Any] = {
             "checkpoint": manifest.id, "label": manifest.label, "slurm_job": job_id,
             "size_bytes": manifest.size_bytes, "duration_s": round(result.duration_s, 4),
