@@ -93,6 +93,11 @@ class JobManager:
         self._lock = threading.Lock()
         self._hostname = socket.gethostname()
         self._criu_version: str | None = None
+        self._spare = _SpareSupervisor()
+
+    def close(self) -> None:
+        """Let the spare supervisor go (running jobs and their supervisors are not touched)."""
+        self._spare.close()
 
     def prepare(self) -> None:
         """Create the state layout: users traverse to their logs, nothing else is theirs."""
@@ -103,6 +108,7 @@ class JobManager:
         for d in (self.jobs_dir, self.criu_logs, self.scratch):
             d.mkdir(exist_ok=True)
             os.chmod(d, 0o700)
+        self._spare.warm()
 
     @property
     def criu(self) -> CRIU:
@@ -186,20 +192,21 @@ class JobManager:
         job_dir = self.jobs_dir / job_id
         job_dir.mkdir(mode=0o700)
         (job_dir / "spec.json").write_text(json.dumps(spec))
-        shim = subprocess.Popen(
-            [sys.executable, "-m", "stasis.daemon.shim", str(job_dir)],
-            stdin=subprocess.PIPE if gate else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # the job must outlive a restart of the daemon
-        )
-        assert shim.stdout is not None
+        shim = self._spare.take()
+        assert shim.stdin is not None and shim.stdout is not None
         with self._lock:
             self._shims[shim.pid] = shim
         watcher = _ReadWatcher(shim.pid, expected, progress) if progress else None
         try:
-            if gate is not None:
-                assert shim.stdin is not None
-                gate.open(shim.stdin, shim.pid)
+            try:
+                shim.stdin.write(f"{job_dir}\n".encode())
+                shim.stdin.flush()
+                if gate is not None:
+                    gate.open(shim.stdin, shim.pid)
+                else:
+                    shim.stdin.close()
+            except BrokenPipeError:
+                pass  # it died; the empty answer below says so
             line = shim.stdout.readline()
         finally:
             if watcher:
@@ -268,6 +275,10 @@ class JobManager:
         # (full disk, store down) resumes the job as if nothing happened.
         options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running)
         watcher = _DirWatcher(target, expected, progress) if progress else None
+        # A dump that stops the job has it down until published: its images are hashed (and
+        # written back to disk) while CRIU writes them. A leave-running dump does all that after
+        # the job resumed instead: on these 2 CPUs the hashing slowed CRIU's frozen part by ~25%.
+        tail = self.store.follow(info.id, compress) if not leave_running else None
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
@@ -276,8 +287,9 @@ class JobManager:
         finally:
             if watcher:
                 watcher.stop()
+            hashed = tail.finish() if tail else None
         try:
-            manifest = self.store.publish(info, compress, source=fast)
+            manifest = self.store.publish(info, compress, source=fast, hashed=hashed)
         except StasisError as e:
             self._discard(info.id, fast)
             if not leave_running:
@@ -423,6 +435,63 @@ class JobManager:
                 if row.shim_pid and proctree.alive(row.shim_pid, None):
                     continue  # the supervisor is about to write the status
                 self.db.finish(row.id, "exited", None)
+
+
+class _SpareSupervisor:
+    """One supervisor process started ahead of need, its imports done, waiting on its stdin for
+    the directory of the job it is to supervise.
+
+    Starting Python and importing CRIU's RPC classes took 50-90 ms of every restore and run on
+    these machines; with a spare, a job's supervisor starts in the time it takes to write one
+    line, and the next spare warms up while the job runs. A spare that is never used exits when
+    its stdin closes (the daemon stopped).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: subprocess.Popen[bytes] | None = None
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # the job must outlive a restart of the daemon
+        )
+
+    def take(self) -> subprocess.Popen[bytes]:
+        with self._lock:
+            shim, self._next = self._next, None
+        if shim is None or shim.poll() is not None:
+            shim = self._start()
+        self.warm()
+        return shim
+
+    def warm(self) -> None:
+        """Have a spare ready (in the background): the first job need not wait for one."""
+        threading.Thread(target=self._refill, daemon=True).start()
+
+    def _refill(self) -> None:
+        spare = self._start()
+        with self._lock:
+            kept = self._next is None
+            if kept:
+                self._next = spare
+        if not kept:  # two jobs started at once: one spare is enough
+            _dismiss(spare)
+
+    def close(self) -> None:
+        with self._lock:
+            spare, self._next = self._next, None
+        if spare is not None:
+            _dismiss(spare)
+
+
+def _dismiss(spare: subprocess.Popen[bytes]) -> None:
+    assert spare.stdin is not None and spare.stdout is not None
+    spare.stdin.close()
+    spare.stdout.close()
+    spare.wait()
 
 
 class _Gate:

@@ -22,7 +22,7 @@ import io
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -36,6 +36,7 @@ from stasis.store._tree import (
     staged_names,
 )
 from stasis.store.compression import Reader, cpu_workers
+from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -132,7 +133,8 @@ class LocalTree:
         shutil.rmtree(staging.with_name(checkpoint_id + _PUBLISH_SUFFIX), ignore_errors=True)
 
     def publish(
-        self, info: CheckpointInfo, compression: Compression, source: Path | None = None
+        self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
+        hashed: Mapping[str, Partial] | None = None,
     ) -> Manifest:
         staging = source or self._staging_path(info.id)
         in_place = source is None and compression == "none"
@@ -146,7 +148,7 @@ class LocalTree:
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
             if in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
-                entries = pack_staged(staging, names, compression, None)
+                entries = pack_staged(staging, names, compression, None, hashed)
                 for name in names:
                     os.chmod(staging / name, 0o600)
                 os.chmod(staging, 0o700)

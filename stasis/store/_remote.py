@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import posixpath
 import shutil
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
 from stasis.store.compression import Reader, Writer
+from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -91,8 +93,10 @@ class RemoteTree:
         return cast(AbstractContextManager[Writer], self.fs.open(path, "wb"))
 
     def publish(
-        self, info: CheckpointInfo, compression: Compression, source: Path | None = None
+        self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
+        hashed: Mapping[str, Partial] | None = None,
     ) -> Manifest:
+        # `hashed` is of no use here: every image is read anyway, to be copied.
         staging = source or self._staging_path(info.id)
         target = self._path(info.id)
         started = False

@@ -9,7 +9,7 @@ validation of requests and the verification of images to `Store`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -24,6 +24,7 @@ from stasis.store.manifest import (
     Manifest,
     is_safe_file_name,
 )
+from stasis.store.tailhash import Partial
 
 # A manifest lists files, not data: anything this large is garbage, and is not read whole.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -54,13 +55,15 @@ class Tree(Protocol):
     def discard(self, checkpoint_id: str) -> None: ...
 
     def publish(
-        self, info: CheckpointInfo, compression: Compression, source: Path | None = None
+        self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
+        hashed: Mapping[str, Partial] | None = None,
     ) -> Manifest:
         """Store the staged images of `info.id` and its manifest, all or nothing.
 
         `source` is a directory the images were staged in elsewhere (fast node-local memory);
         None means this tree's own staging directory. Always consumes the staging directory: it
-        becomes the checkpoint, or is removed on failure.
+        becomes the checkpoint, or is removed on failure. `hashed`: see `pack_staged` (a tree
+        that copies the images anyway may ignore it).
         """
         ...
 
@@ -113,10 +116,12 @@ def pack_staged(
     names: list[str],
     compression: Compression,
     open_dst: Callable[[str], AbstractContextManager[Writer]] | None,
+    hashed: Mapping[str, Partial] | None = None,
 ) -> list[FileEntry]:
     """Hash (and compress into `open_dst(stored_name)`) every staged file, reading each once.
 
-    `open_dst=None` only hashes: the staged files themselves become the stored ones.
+    `open_dst=None` only hashes: the staged files themselves become the stored ones, and the
+    `hashed` beginnings of files (followed while CRIU wrote them) are not read again.
     """
 
     def one(name: str) -> FileEntry:
@@ -124,7 +129,12 @@ def pack_staged(
         # Unbuffered: `pack` reads with readinto into its own large buffer.
         with open(staging / name, "rb", buffering=0) as src:
             if open_dst is None:
-                streamed = pack(src, None, compression)
+                partial = (hashed or {}).get(name)
+                head = None
+                if partial is not None and partial.offset <= os.fstat(src.fileno()).st_size:
+                    src.seek(partial.offset)
+                    head = (partial.offset, partial.hasher)
+                streamed = pack(src, None, compression, head)
             else:
                 with open_dst(stored) as dst:
                     streamed = pack(src, dst, compression)

@@ -92,16 +92,21 @@ class _Chunks:
         return self.view[:n]
 
 
-def pack(src: Reader, dst: Writer | None, compression: Compression) -> Streamed:
+def pack(src: Reader, dst: Writer | None, compression: Compression,
+         hashed: tuple[int, xxhash.xxh3_128] | None = None) -> Streamed:
     """Read `src` once: hash it and write it, compressed as asked, to `dst`.
 
     With `dst=None` (only valid for "none") the bytes are hashed and nowhere written: that is the
-    local uncompressed store, where the staged file itself becomes the stored one.
+    local uncompressed store, where the staged file itself becomes the stored one. Then `hashed`
+    may say that the first N bytes already went into a hasher (see tailhash), and `src` is
+    positioned after them.
     """
     if dst is None and compression != "none":
         raise ValueError("compression needs a destination")
-    sha = xxhash.xxh3_128()
-    size = 0
+    if hashed is not None and dst is not None:
+        raise ValueError("a partial hash only continues where nothing is written")
+    sha = hashed[1] if hashed is not None else xxhash.xxh3_128()
+    size = hashed[0] if hashed is not None else 0
     out = _CountingWriter(dst) if dst is not None else None
     if compression == "zstd":
         assert out is not None

@@ -18,7 +18,7 @@ import errno
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from stasis.store.compression import (
     cpu_workers,
     unpack,
 )
+from stasis.store.tailhash import Partial, TailHasher
 from stasis.store.manifest import (
     COMPRESSIONS,
     CheckpointInfo,
@@ -101,6 +102,7 @@ class Store:
         info: CheckpointInfo,
         compression: CompressionRequest = "none",
         source: Path | None = None,
+        hashed: Mapping[str, Partial] | None = None,
     ) -> Manifest:
         """Turn the images staged for `info.id` into a listed checkpoint and return its manifest.
 
@@ -111,7 +113,8 @@ class Store:
         are deleted.
 
         `source`: the images were staged outside the store (see `stage_fast`); they are read
-        from there, and the directory is removed either way.
+        from there, and the directory is removed either way. `hashed`: what a `follow` of the
+        staging directory hashed while CRIU wrote it.
         """
         validate_checkpoint_id(info.id)
         validate_label(info.label)
@@ -122,7 +125,7 @@ class Store:
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
         try:
-            manifest = self._tree.publish(info, compression, source)
+            manifest = self._tree.publish(info, compression, source, hashed)
         except StasisError:
             raise
         except Exception as e:  # OSError, or the own types of fsspec backends
@@ -135,6 +138,19 @@ class Store:
                 "retention for label %s failed after publishing %s: %s", info.label, info.id, e
             )
         return manifest
+
+    def follow(self, checkpoint_id: str, compression: CompressionRequest) -> TailHasher | None:
+        """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`,
+        and writing them back to disk, where that saves reading them again at publish (a local
+        uncompressed store); else None. Pass `finish()`'s result to `publish` as `hashed`.
+
+        This shortens the whole dump (publish hashes the last MiBs, its fsync waits for the tail)
+        but slows CRIU's own writes a little: for dumps whose total time counts."""
+        validate_checkpoint_id(checkpoint_id)
+        if compression not in ("none", "auto") or self._tree.local_dir(checkpoint_id) is None:
+            return None
+        # sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
+        return TailHasher(self._tree.staged_path(checkpoint_id), writeback=True)
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)
