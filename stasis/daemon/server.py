@@ -93,6 +93,7 @@ async def serve(settings: Settings) -> None:
     with suppress(asyncio.CancelledError):
         await follower
     await runner.cleanup()
+    manager.close()
     with suppress(FileNotFoundError):
         os.unlink(sock_path)
     log.info("stopped; jobs keep running")

@@ -1,7 +1,8 @@
 """The supervisor of one job: `python -m stasis.daemon.shim JOB_DIR`.
 
-The daemon starts one shim per job, in a session of its own, so that a job outlives a restart of
-the daemon and its exit status is never lost: the shim is the job's parent, waits for it and
+The daemon starts one shim per job (with `--spare`: ahead of need, reading JOB_DIR from stdin),
+in a session of its own, so that a job outlives a restart of the daemon and its exit status is
+never lost: the shim is the job's parent, waits for it and
 writes `exit.json` into the job's directory (atomically), whether or not a daemon is listening.
 
 Two modes, read from `spec.json` in JOB_DIR:
@@ -179,8 +180,24 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 
+def _wait_for_job() -> Path | None:
+    """As a spare: import now what a restore needs, then wait for our job's directory."""
+    import importlib
+
+    importlib.import_module("stasis.engine.criu")
+    importlib.import_module("stasis.engine.rpc").messages()
+    line = sys.stdin.buffer.readline().strip()
+    return Path(line.decode()) if line else None
+
+
 def main() -> None:
-    job_dir = Path(sys.argv[1])
+    if sys.argv[1:] == ["--spare"]:
+        waited = _wait_for_job()
+        if waited is None:
+            return  # the daemon stopped without needing us
+        job_dir = waited
+    else:
+        job_dir = Path(sys.argv[1])
     spec = json.loads((job_dir / "spec.json").read_text())
     try:
         if spec["mode"] == "run":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 from tests.conftest import Daemon, wait_for, workload
@@ -64,3 +66,48 @@ def test_object_store_through_fsspec(make_daemon: Any) -> None:
     values = numbers(d.log_of(restored["job"]))
     assert values == list(range(len(values)))
     d.cli("kill", restored["job"])
+
+
+def _spares(daemon_pid: int) -> list[int]:
+    """The daemon's children that are idle spare supervisors."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = _parent(int(entry))
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == daemon_pid and b"--spare" in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_a_spare_supervisor_waits_and_leaves_with_the_daemon(make_daemon: Any) -> None:
+    d: Daemon = make_daemon()
+    assert d.proc is not None
+    daemon_pid = d.proc.pid
+    [spare] = wait_for(lambda: _spares(daemon_pid), what="a spare supervisor")
+    job = d.run(*workload("counter.py"))
+    wait_for(lambda: last_number(d, job["job"]) >= 1, what="counting")
+    # The spare became the job's supervisor (the workload's parent); a new one waits.
+    assert _parent(job["pid"]) == spare
+    both = wait_for(lambda: len(_spares(daemon_pid)) == 2 and _spares(daemon_pid),
+                    what="a new spare")
+    [new_spare] = set(both) - {spare}
+    d.stop()
+    wait_for(lambda: not os.path.exists(f"/proc/{new_spare}"),
+             what="the idle spare to leave with the daemon")
+    log = d.state_dir / "logs" / f"{job['job']}.log"
+    at_stop = numbers(log.read_text())[-1]
+    wait_for(lambda: numbers(log.read_text())[-1] >= at_stop + 2,
+             what="the job to go on without the daemon")
+    assert os.path.exists(f"/proc/{spare}")  # its supervisor too
+    os.kill(job["pid"], signal.SIGKILL)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
