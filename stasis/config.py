@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +95,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     values: dict[str, object] = {}
     file = Path(env["STASIS_CONFIG"]) if env.get("STASIS_CONFIG") else DEFAULT_CONFIG_FILE
     if env.get("STASIS_CONFIG") or file.exists():
+        import tomllib  # here: most nodes have no config file, and every CLI call comes here
+
         try:
             values.update(tomllib.loads(file.read_text()))
         except FileNotFoundError:

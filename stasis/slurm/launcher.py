@@ -20,7 +20,6 @@ retires the label's checkpoints if that code is 0.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import select
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stasis.daemon.client import Client, _UnixConnection
+from stasis.daemon.client import Client
 from stasis.errors import StasisError
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
@@ -38,28 +37,6 @@ INTERVAL_VARS = ("STASIS_INTERVAL", "CEDANA_INTERVAL")
 _PRIVATE = ("STASIS_SLURM_START", "STASIS_SLURM_SCRIPT")
 # After the daemon requeued the job, Slurm kills us; if it does not, give up after this long.
 _REQUEUE_WAIT_S = 300
-
-
-class QuickClient(Client):
-    """The daemon's client with a bound on how long an answer may take (None: no bound)."""
-
-    def __init__(self, socket_path: Path, timeout_s: float | None) -> None:
-        super().__init__(socket_path)
-        self.timeout_s = timeout_s
-
-    def _send(self, method: str, path: str, body: Any) -> http.client.HTTPResponse:
-        conn = _UnixConnection(self.socket_path)
-        payload = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        try:
-            conn.connect()
-            assert conn.sock is not None
-            conn.sock.settimeout(self.timeout_s)
-            conn.request(method, path, body=payload, headers=headers)
-            return conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:  # a timeout is an OSError too
-            conn.close()
-            raise self._unreachable(e if isinstance(e, OSError) else OSError(str(e))) from e
 
 
 # A daemon that does not answer these in time is as good as down (a checkpoint has no bound).
@@ -112,7 +89,7 @@ class Launcher:
 
     def _client(self, timeout_s: float | None = _QUICK_S) -> Client:
         assert self.socket is not None
-        return QuickClient(self.socket, timeout_s)
+        return Client(self.socket, timeout_s)
 
     def register(self) -> None:
         if self.mode == "off":

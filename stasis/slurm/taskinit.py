@@ -28,7 +28,7 @@ from stasis.config import Settings, load_settings
 from stasis.engine import CRIU, RestoreOptions, find_criu
 from stasis.errors import CorruptCheckpointError, StasisError
 from stasis.daemon import slurm as slurmd
-from stasis.slurm.launcher import QuickClient
+from stasis.daemon.client import Client
 from stasis.store import Manifest, Store
 
 EXIT_RESTORED = 0
@@ -99,7 +99,7 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         return EXIT_OFF, out
     out.update(socket=str(settings.socket), label=label, explicit_label=explicit)
     try:
-        with QuickClient(settings.socket, 10.0) as client:
+        with Client(settings.socket, 10.0) as client:
             client.request("GET", "/slurm/health")
         out["tini"] = find_tini(settings.tini)
         info = slurmd.job_info(job_id)
