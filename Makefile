@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 RPC_PROTO ?= /usr/local/share/criu/rpc.proto
 PROTO_OUT := stasis/engine/_proto
 
-.PHONY: install system venv proto test demo bench lint clean
+.PHONY: install system venv proto bytecode test demo bench lint clean
 
-install: system venv proto
+install: system venv proto bytecode
 
 # CRIU >= 4.2 (built from Debian's source with our patches), tini, iptables, build tools.
 system:
@@ -31,6 +31,11 @@ $(PROTO_OUT)/rpc_pb2.py: $(RPC_PROTO)
 	mkdir -p $(PROTO_OUT)
 	protoc --python_out=$(PROTO_OUT) -I $(dir $(RPC_PROTO)) $(RPC_PROTO)
 	touch $(PROTO_OUT)/__init__.py
+
+# Written here because imports may not write it (PYTHONDONTWRITEBYTECODE is set on some machines):
+# every CLI call and job supervisor would otherwise compile stasis again (~30 ms each).
+bytecode: venv proto
+	$(BIN)/python -m compileall -q stasis
 
 lint: install
 	$(BIN)/mypy

@@ -20,6 +20,7 @@ FIGURES = (
         "dump_s", "frozen_s", "memdump_s", "memwrite_s", "bytes_written", "image_bytes",
         "dump_gbps", "restore_s", "memory_s", "criu_restore_time_s")),
     ("stasis", "daemon_dump_s"), ("stasis", "daemon_restore_s"), ("stasis", "cli_floor_s"),
+    ("stasis", "api_dump_s"), ("stasis", "api_restore_s"), ("criu", "dump_sync_s"),
 )
 RATIOS = (  # name, numerator, denominator
     ("dump_s stasis/criu", ("stasis", "dump_s"), ("criu", "dump_s")),
@@ -27,6 +28,9 @@ RATIOS = (  # name, numerator, denominator
     ("restore_s stasis/criu", ("stasis", "restore_s"), ("criu", "restore_s")),
     ("memory_s stasis/criu", ("stasis", "memory_s"), ("criu", "memory_s")),
     ("image_bytes stasis/criu", ("stasis", "image_bytes"), ("criu", "image_bytes")),
+    ("dump api/criu", ("stasis", "api_dump_s"), ("criu", "dump_s")),
+    ("restore api/criu", ("stasis", "api_restore_s"), ("criu", "restore_s")),
+    ("dump_s stasis/criu+sync", ("stasis", "dump_s"), ("criu", "dump_sync_s")),
     ("dump_s stasis/raw", ("stasis", "dump_s"), ("raw", "write_s")),
     ("restore_s stasis/raw", ("stasis", "restore_s"), ("raw", "read_s")),
     ("dump_s criu/raw", ("criu", "dump_s"), ("raw", "write_s")),
@@ -89,12 +93,17 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The targets of issue 4, each with the numbers behind the verdict (None: not measured)."""
     out: list[dict[str, Any]] = []
     for s in summaries:
-        for fig in ("dump_s", "restore_s"):
-            ours, theirs = _median(s, f"stasis.{fig}"), _median(s, f"criu.{fig}")
+        # Held against the criu command: the `stasis` command (Python start-up included), and
+        # the daemon's API (what the Slurm plugin and any other caller wait for).
+        for fig, ours_name, how in (("dump_s", "dump_s", "command"),
+                                    ("restore_s", "restore_s", "command"),
+                                    ("dump_s", "api_dump_s", "API"),
+                                    ("restore_s", "api_restore_s", "API")):
+            ours, theirs = _median(s, f"stasis.{ours_name}"), _median(s, f"criu.{fig}")
             if ours is None or theirs is None:
                 continue
             out.append({
-                "target": f"{fig} within 5% or 50 ms of criu CLI", "case": s["case"],
+                "target": f"{fig} ({how}) within 5% or 50 ms of criu CLI", "case": s["case"],
                 "stasis": ours, "criu": theirs, "over_s": ours - theirs,
                 "met": ours <= theirs * 1.05 or ours - theirs <= 0.05,
             })
@@ -208,13 +217,15 @@ def markdown(document: dict[str, Any]) -> str:
         "",
         "## Where stasis' time goes (medians, seconds)",
         "",
-        "CLI floor = `stasis ps --json` (interpreter start-up + one API round trip); CRIU = the "
-        "daemon's own timing of the CRIU call; rest = wall - floor - CRIU (publishing: checksums, "
-        "copies, manifest, kill; restore: verification, shim start-up).",
+        "CLI floor = `stasis ps --json` (interpreter start-up + one API round trip); API = the "
+        "daemon's own time from request to answer (no CLI); CRIU = the daemon's timing of the "
+        "CRIU call; rest = wall - floor - CRIU (publishing: checksums, copies, manifest, kill; "
+        "restore: verification, supervisor). criu dump + sync = the plain command followed by "
+        "`sync`, which a durable checkpoint needs (stasis fsyncs before publishing).",
         "",
-        "| size | kind | dest | mode | CLI floor | dump wall | dump CRIU | dump rest | "
-        "restore wall | restore CRIU | restore rest |",
-        "|" + "---|" * 11,
+        "| size | kind | dest | mode | CLI floor | dump wall | dump API | dump CRIU | dump rest | "
+        "criu dump + sync | restore wall | restore API | restore CRIU | restore rest |",
+        "|" + "---|" * 14,
     ]
     for s in summaries:
         c = s["case"]
@@ -222,10 +233,13 @@ def markdown(document: dict[str, Any]) -> str:
         cells = []
         for op in ("dump", "restore"):
             wall, criu = _median(s, f"stasis.{op}_s"), _median(s, f"stasis.daemon_{op}_s")
+            api = _median(s, f"stasis.api_{op}_s")
             rest = None
             if wall is not None and criu is not None and floor is not None:
                 rest = wall - criu - floor
-            cells += [_num(wall), _num(criu), _num(rest)]
+            cells += [_num(wall), _num(api), _num(criu), _num(rest)]
+            if op == "dump":
+                cells.append(_num(_median(s, "criu.dump_sync_s")))
         lines.append(f"| {_size(c['size_bytes'])} | {c['kind']} | {c['dest']} | {c['mode']} | "
                      f"{_num(floor)} | " + " | ".join(cells) + " |")
     lines += ["", "## Targets (issue 4)", "", "| target | case | figures | verdict |",

@@ -222,6 +222,7 @@ class JobManager:
 
     def dump(self, job_id: str, req: DumpRequest, caller: Caller,
              progress: Progress | None = None) -> DumpAnswer:
+        started = time.monotonic()
         row = self._row(job_id, caller)
         self.poll()
         row = self._row(job_id, caller)
@@ -252,7 +253,7 @@ class JobManager:
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            staged=staged, note=note,
+            staged=staged, note=note, elapsed_s=round(time.monotonic() - started, 4),
         )
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
@@ -306,6 +307,7 @@ class JobManager:
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
+        started = time.monotonic()
         if req.checkpoint:
             candidates = [self.store.get(validate_checkpoint_id(req.checkpoint))]
         elif req.label:
@@ -327,6 +329,7 @@ class JobManager:
                     raise
                 continue
             answer.skipped = skipped
+            answer.elapsed_s = round(time.monotonic() - started, 4)
             return answer
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))

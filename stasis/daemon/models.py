@@ -80,7 +80,8 @@ class DumpAnswer(_Model):
     label: str
     job: str
     size_bytes: int
-    duration_s: float
+    duration_s: float  # CRIU's dump
+    elapsed_s: float = 0.0  # the daemon's whole answer: CRIU, publishing, the kill
     # The images went to node memory first (leave-running dumps), then to the store.
     staged: bool = False
     # Why an --incremental dump was taken in full (the kernel tracks no dirty memory).
@@ -95,3 +96,4 @@ class RestoreAnswer(_Model):
     skipped: list[str] = []
     lazy: bool = False  # the job runs while its memory is still coming back
     duration_s: float = 0.0  # CRIU's restore, until the job ran again
+    elapsed_s: float = 0.0  # the daemon's whole answer: verification, supervisor, CRIU

@@ -10,12 +10,14 @@ GiB = 1 << 30
 
 
 def _run(mode: str, dest: str, stasis_dump: float, criu_dump: float, frozen: float = 0.5,
-         image: int = GiB, kind: str = "random", size: int = GiB) -> dict[str, Any]:
+         image: int = GiB, kind: str = "random", size: int = GiB,
+         api_dump: float | None = None) -> dict[str, Any]:
     method = {"dump_s": stasis_dump, "frozen_s": frozen, "restore_s": 1.0, "memory_s": 1.0,
               "image_bytes": image, "verified": True}
+    stasis = {**method, "api_dump_s": stasis_dump if api_dump is None else api_dump}
     return {"case": {"size_bytes": size, "kind": kind, "dest": dest, "mode": mode}, "run": 0,
             "raw": {"write_s": 0.5, "read_s": 0.5},
-            "stasis": method, "criu": {**method, "dump_s": criu_dump}}
+            "stasis": stasis, "criu": {**method, "dump_s": criu_dump}}
 
 
 def test_medians_and_ratios() -> None:
@@ -31,7 +33,7 @@ def test_medians_and_ratios() -> None:
 def test_targets() -> None:
     runs = [
         _run("default", "disk", 1.04, 1.0),                  # within 5%
-        _run("default", "tmpfs", 0.30, 0.20),                # 100 ms over: missed
+        _run("default", "tmpfs", 0.30, 0.20, api_dump=0.23),  # 100 ms over; API 30 ms: met
         _run("leave-running", "disk", 1.0, 1.0, frozen=0.6),
         _run("leave-running", "tmpfs", 1.0, 1.0, frozen=0.5),
         _run("default", "disk", 1.0, 1.0, kind="zero", image=GiB),
@@ -40,8 +42,10 @@ def test_targets() -> None:
     found = targets(summarise(runs))
     by = {(t["target"], t.get("case", {}).get("dest"), t.get("case", {}).get("kind"),
            t.get("case", {}).get("mode")): t["met"] for t in found}
-    assert by[("dump_s within 5% or 50 ms of criu CLI", "disk", "random", "default")] is True
-    assert by[("dump_s within 5% or 50 ms of criu CLI", "tmpfs", "random", "default")] is False
+    within = "dump_s ({}) within 5% or 50 ms of criu CLI"
+    assert by[(within.format("command"), "disk", "random", "default")] is True
+    assert by[(within.format("command"), "tmpfs", "random", "default")] is False
+    assert by[(within.format("API"), "tmpfs", "random", "default")] is True
     assert by[("leave-running 1 GiB frozen time disk <= 1.2x tmpfs", None, "random", None)] is True
     assert by[("compression auto: mostly-zero 1 GiB image >= 5x smaller", "disk", "zero",
                "auto")] is True
