@@ -8,7 +8,10 @@ OSError from the streams passes through untouched for the caller to translate.
 
 from __future__ import annotations
 
+import io
+import mmap
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +95,37 @@ class _Chunks:
         return self.view[:n]
 
 
+_MAPPED_CHUNK = 64 << 20
+
+
+def _hash_mapped(src: Reader, sha: xxhash.xxh3_128, max_bytes: int | None = None) -> int | None:
+    """Feed the rest of a local regular file, from its position, to `sha` through a read-only
+    mapping (up to just past `max_bytes`); return how many bytes, or None where `src` is not such
+    a file (a pipe, an fsspec file): read it with `_Chunks` instead.
+
+    Hashing a mapping skips the copy into a buffer: ~0.27 s instead of 0.3-0.9 s per GiB on these
+    machines, on the publish and restore paths. Only for files nobody truncates while we read
+    (a truncated mapping raises SIGBUS): our own staging files and root-only store files.
+    """
+    if not isinstance(src, io.FileIO):
+        return None
+    st = os.fstat(src.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    start = src.tell()
+    end = st.st_size if max_bytes is None else min(st.st_size, start + max_bytes + 1)
+    if end <= start:
+        return 0
+    with mmap.mmap(src.fileno(), end, prot=mmap.PROT_READ) as mapped:
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+        with memoryview(mapped) as view:
+            for offset in range(start, end, _MAPPED_CHUNK):
+                with view[offset:min(offset + _MAPPED_CHUNK, end)] as chunk:
+                    sha.update(chunk)
+    src.seek(end)
+    return end - start
+
+
 def pack(src: Reader, dst: Writer | None, compression: Compression,
          hashed: tuple[int, xxhash.xxh3_128] | None = None) -> Streamed:
     """Read `src` once: hash it and write it, compressed as asked, to `dst`.
@@ -129,11 +163,15 @@ def pack(src: Reader, dst: Writer | None, compression: Compression,
             size += len(chunk)
         out.write(lz4c.flush())
     else:
-        for chunk in _Chunks(src):
-            sha.update(chunk)
-            if out is not None:
-                out.write(chunk)
-            size += len(chunk)
+        mapped = _hash_mapped(src, sha) if out is None else None
+        if mapped is not None:
+            size += mapped
+        else:
+            for chunk in _Chunks(src):
+                sha.update(chunk)
+                if out is not None:
+                    out.write(chunk)
+                size += len(chunk)
     stored = out.count if out is not None else size
     return Streamed(size_bytes=size, stored_size_bytes=stored, xxh3_128=sha.hexdigest())
 
@@ -146,6 +184,10 @@ def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes:
     """
     sha = xxhash.xxh3_128()
     size = 0
+    if compression == "none" and dst is None:
+        mapped = _hash_mapped(src, sha, max_bytes)
+        if mapped is not None:
+            return Streamed(size_bytes=mapped, stored_size_bytes=0, xxh3_128=sha.hexdigest())
     chunks: Iterator[bytes | memoryview]
     if compression == "zstd":
         chunks = _zstd_chunks(src)

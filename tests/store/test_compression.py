@@ -3,6 +3,7 @@ from __future__ import annotations
 import xxhash
 import io
 import os
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,21 @@ def test_truncated_lz4_is_a_decompression_error() -> None:
     pack(io.BytesIO(os.urandom(100_000)), stored, "lz4")
     with pytest.raises(DecompressionError, match="ends early"):
         unpack(io.BytesIO(stored.getvalue()[:-100]), None, "lz4", 100_000)
+
+
+@pytest.mark.parametrize("size", [0, 4095, (64 << 20) + 3])
+def test_local_files_are_hashed_through_a_mapping_alike(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    path = tmp_path / "pages-1.img"
+    path.write_bytes(data)
+    want = xxhash.xxh3_128(data).hexdigest()
+    with open(path, "rb", buffering=0) as f:  # a FileIO: hashed through a mapping
+        assert pack(f, None, "none").xxh3_128 == want
+        assert f.tell() == size
+    with open(path, "rb", buffering=0) as f:
+        got = unpack(f, None, "none", size)
+        assert (got.size_bytes, got.xxh3_128) == (size, want)
+    with open(path, "rb", buffering=0) as f:
+        # A file longer than the manifest says is read just past that, never whole.
+        assert unpack(f, None, "none", size // 2).size_bytes == min(size, size // 2 + 1)
+    assert pack(io.BytesIO(data), None, "none").xxh3_128 == want  # not a file: read in chunks
