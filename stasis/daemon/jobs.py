@@ -36,7 +36,7 @@ from stasis.daemon.models import (
     validate_job_id,
 )
 from stasis.daemon.users import Caller, account, job_account, job_environment
-from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, proctree
+from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, proctree
 from stasis.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -108,6 +108,9 @@ class JobManager:
         for d in (self.jobs_dir, self.criu_logs, self.scratch):
             d.mkdir(exist_ok=True)
             os.chmod(d, 0o700)
+        if kdat.clear_stale_tmp():
+            log.info("removed a stale %s.tmp left by a killed CRIU: CRIU caches its kernel "
+                     "probes again", kdat.CACHE)
         self._spare.warm()
 
     @property

@@ -6,6 +6,7 @@ and a local directory.
     criu      dump / restore / version / feature check on top of rpc
     criulog   the first real error line of a CRIU log
     proctree  walking a process tree in /proc (resume stopped trees, resident memory)
+    kdat      keeping CRIU's kernel-probe cache usable (a stale .tmp blocks it for good)
     check     the `stasis check` report
 """
 

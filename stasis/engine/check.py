@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from stasis.config import Settings
+from stasis.engine import kdat
 from stasis.engine.criu import CRIU, MIN_VERSION, find_criu
 from stasis.errors import StasisError
 
@@ -52,6 +53,9 @@ def run_check(settings: Settings) -> CheckReport:
                                     "incremental dumps fall back to full ones")
             if not features.lazy_pages:
                 report.notes.append("no userfaultfd lazy pages: restores load all memory first")
+            cache = kdat.cache_note()
+            if cache:
+                report.notes.append(cache)
             if os.geteuid() == 0:
                 failure = criu.check("check.log")
                 if failure:
