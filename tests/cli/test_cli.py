@@ -33,12 +33,14 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
     assert set(row) == {"job", "pid", "state", "label", "exit_code", "command"}
     assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
     cp = daemon.json("dump", job["job"])
-    assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "staged",
-                       "note"}
+    assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "elapsed_s",
+                       "staged", "note"}
+    assert 0 < cp["duration_s"] <= cp["elapsed_s"]  # CRIU's part of the daemon's whole answer
     listed = daemon.json("checkpoints", "--label", "shapes")
     assert [c["id"] for c in listed] == [cp["checkpoint"]]
     restored = daemon.json("restore", "--label", "shapes")
     assert {"job", "pid", "checkpoint"} <= set(restored)
+    assert 0 < restored["duration_s"] <= restored["elapsed_s"]
     killed = daemon.json("kill", restored["job"])
     assert killed["state"] == "exited"
 
