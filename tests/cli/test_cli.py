@@ -19,8 +19,18 @@ def test_bad_usage_exits_2(daemon: Daemon) -> None:
     one_line_error(daemon.cli("run", "--env", "NOEQUALS", "--", "true", check=False), 2, "--env")
     one_line_error(daemon.cli("restore", check=False), 2, "CHECKPOINT")
     one_line_error(daemon.cli("restore", "x", "--label", "y", check=False), 2)
-    assert daemon.cli("dump", check=False).returncode == 2  # click's own usage error
+    one_line_error(daemon.cli("dump", check=False), 2, "JOB")
     one_line_error(daemon.cli("ps", input_env={"STASIS_KEEP": "many"}, check=False), 2, "keep")
+
+
+def test_everything_after_the_command_is_the_commands(daemon: Daemon) -> None:
+    job = daemon.json("run", "--", "sh", "-c", 'echo "got: $*"', "sh", "--json", "--label", "x")
+    wait_for(lambda: "got: --json --label x" in daemon.log_of(job["job"]), what="the echo")
+    assert job["label"] == job["job"]  # that --label was the command's, not stasis'
+    plain = json.loads(daemon.cli("run", "--json", "sh", "-c", "echo without dashes").stdout)
+    wait_for(lambda: "without dashes" in daemon.log_of(plain["job"]), what="the echo")
+    one_line_error(daemon.cli("run", "--label", "y", check=False), 2, "COMMAND")
+    one_line_error(daemon.cli("no-such-command", check=False), 2, "no-such-command")
 
 
 def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
