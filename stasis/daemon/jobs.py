@@ -108,6 +108,13 @@ class JobManager:
         for d in (self.jobs_dir, self.criu_logs, self.scratch):
             d.mkdir(exist_ok=True)
             os.chmod(d, 0o700)
+        for name in staging.remove_leftovers(self.settings.stage_dir):
+            log.info("removed %s from the memory stage: a dump that never finished", name)
+        try:
+            for name in self.store.remove_stale_staging():
+                log.info("removed staging/%s from the store: a dump that never finished", name)
+        except StasisError as e:
+            log.warning("%s", e)  # the daemon still works; the space stays taken
         if kdat.clear_stale_tmp():
             log.info("removed a stale %s.tmp left by a killed CRIU: CRIU caches its kernel "
                      "probes again", kdat.CACHE)

@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from stasis.store import is_checkpoint_id
+
 # Leave the node this much memory beyond the staged images, so staging never pushes jobs to OOM.
 HEADROOM_BYTES = 512 << 20
 
@@ -43,3 +45,20 @@ def fast_dir(root: str, checkpoint_id: str, expected_bytes: int) -> Path | None:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(mode=0o700)
     return path
+
+
+def remove_leftovers(root: str) -> list[str]:
+    """Remove what dumps staged under `root` and never published (the daemon died meanwhile):
+    node memory that nothing frees otherwise. The stage is this node's own, and no dump runs
+    before the daemon does, so everything there is a leftover."""
+    if not root:
+        return []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    # Only what fast_dir makes: a stage dir set to a shared place (/tmp, say) loses nothing else.
+    ours = [e for e in entries if is_checkpoint_id(e.name) and e.is_dir(follow_symlinks=False)]
+    for entry in ours:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    return [e.name for e in ours]

@@ -127,6 +127,9 @@ class LocalTree:
     def staged_path(self, checkpoint_id: str) -> Path:
         return self._staging_path(checkpoint_id)
 
+    def staging_area(self) -> Path:
+        return self.root / STAGING_NAME
+
     def discard(self, checkpoint_id: str) -> None:
         staging = self._staging_path(checkpoint_id)
         shutil.rmtree(staging, ignore_errors=True)

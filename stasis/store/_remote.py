@@ -86,6 +86,9 @@ class RemoteTree:
     def staged_path(self, checkpoint_id: str) -> Path:
         return self._staging_path(checkpoint_id)
 
+    def staging_area(self) -> Path:
+        return self.staging_root
+
     def discard(self, checkpoint_id: str) -> None:
         shutil.rmtree(self._staging_path(checkpoint_id), ignore_errors=True)
 

@@ -9,6 +9,7 @@ validation of requests and the verification of images to `Store`.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -22,6 +23,7 @@ from stasis.store.manifest import (
     Compression,
     FileEntry,
     Manifest,
+    is_checkpoint_id,
     is_safe_file_name,
 )
 from stasis.store.tailhash import Partial
@@ -53,6 +55,10 @@ class Tree(Protocol):
         ...
 
     def discard(self, checkpoint_id: str) -> None: ...
+
+    def staging_area(self) -> Path:
+        """The directory holding every staging directory (and half-published copy) of this tree."""
+        ...
 
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
@@ -153,3 +159,31 @@ def pack_staged(
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     return manifest.model_dump_json(indent=2).encode() + b"\n"
+
+
+def remove_idle(area: Path, idle_s: float, now: float) -> list[str]:
+    """Remove the entries of `area` in which nothing was written for `idle_s` seconds (the entry
+    and the files in it, which a running dump keeps touching); return their names."""
+    removed = []
+    try:
+        entries = list(os.scandir(area))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not is_checkpoint_id(entry.name.removesuffix(".publish")):
+            continue  # not a dump's: not ours to judge
+        try:
+            newest = entry.stat(follow_symlinks=False).st_mtime
+            if entry.is_dir(follow_symlinks=False):
+                for inner in os.scandir(entry.path):
+                    newest = max(newest, inner.stat(follow_symlinks=False).st_mtime)
+        except FileNotFoundError:
+            continue  # finished or discarded meanwhile
+        if now - newest < idle_s:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+        removed.append(entry.name)
+    return removed

@@ -18,6 +18,7 @@ import errno
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ from pydantic import ValidationError
 from stasis.errors import CorruptCheckpointError, NotFoundError, StasisError, StoreError, UsageError
 from stasis.store._local import LocalTree
 from stasis.store._remote import RemoteTree
-from stasis.store._tree import Tree, in_parallel, staged_names
+from stasis.store._tree import Tree, in_parallel, remove_idle, staged_names
 from stasis.store.compression import (
     DecompressionError,
     Reader,
@@ -53,6 +54,8 @@ from stasis.store.manifest import (
 log = logging.getLogger(__name__)
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# A dump writes its images continuously; one whose staging directory sat idle this long is dead.
+STALE_STAGING_S = 3600.0
 
 
 class _UnreadableManifest(Exception):
@@ -138,6 +141,16 @@ class Store:
                 "retention for label %s failed after publishing %s: %s", info.label, info.id, e
             )
         return manifest
+
+    def remove_stale_staging(self, idle_s: float = STALE_STAGING_S) -> list[str]:
+        """Remove what dumps that never finished (a daemon killed mid-dump, a node crash) left
+        in the staging area: entries nothing was written to for `idle_s`. Those are never listed
+        (no manifest) but hold disk space. The age rule, not "everything", because a local store
+        may be shared with other nodes whose dumps are running. Returns the names removed."""
+        try:
+            return remove_idle(self._tree.staging_area(), idle_s, time.time())
+        except OSError as e:
+            raise StoreError(f"cannot clean the staging area of {self._tree.where}: {_reason(e)}") from e
 
     def follow(self, checkpoint_id: str, compression: CompressionRequest) -> TailHasher | None:
         """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`,

@@ -137,3 +137,30 @@ def test_lazy_restore_of_corrupt_pages_is_killed(daemon: Daemon) -> None:
     # A full restore refuses it outright.
     result = daemon.cli("restore", cp["checkpoint"], check=False)
     assert result.returncode == 1 and "corrupt" in result.stderr
+
+
+def test_a_restarted_daemon_clears_what_unfinished_dumps_left(make_daemon: Any,
+                                                              world_tmp: Path) -> None:
+    stage = world_tmp / "stage-leftovers"
+    d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
+    job = d.run(*workload("counter.py"))
+    cp = d.json("dump", "--leave-running", job["job"])
+    d.stop()
+    # What a daemon killed mid-dump leaves: images in node memory, a store staging directory.
+    dead_id = "20261130T000000Z-dead00"
+    (stage / dead_id).mkdir()
+    (stage / dead_id / "pages-1.img").write_bytes(b"x" * 8192)
+    (stage / "not-ours").write_text("keep")
+    staged = Path(d.store) / ".staging" / dead_id
+    staged.mkdir(parents=True)
+    (staged / "pages-1.img").write_bytes(b"y" * 8192)
+    old = 1_000_000_000
+    for p in (staged / "pages-1.img", staged):
+        os.utime(p, (old, old))
+    d.start()
+    assert not (stage / dead_id).exists() and not staged.exists()
+    assert (stage / "not-ours").read_text() == "keep"
+    # The published checkpoint and the job are untouched.
+    assert [c["id"] for c in d.json("checkpoints")] == [cp["checkpoint"]]
+    assert d.job(job["job"])["state"] == "running"
+    assert "removed staging/" + dead_id in (d.root / "daemon.log").read_text()
