@@ -208,17 +208,14 @@ def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes:
     return Streamed(size_bytes=size, stored_size_bytes=0, xxh3_128=sha.hexdigest())
 
 
-def _zstd_chunks(src: Reader) -> Iterator[memoryview]:
-    """Views of one reused buffer (valid until the next one): a fresh 8 MiB object per chunk cost
-    page faults on every chunk of a restore, on memory these VMs had handed back to the host."""
+def _zstd_chunks(src: Reader) -> Iterator[bytes]:
     # A truncated frame just ends early here; the size check of the caller catches it.
     reader = zstandard.ZstdDecompressor().stream_reader(
         cast(IO[bytes], src), read_size=CHUNK_BYTES, closefd=False
     )
-    view = memoryview(bytearray(CHUNK_BYTES))
     with reader:
-        while n := reader.readinto(view):
-            yield view[:n]
+        while chunk := reader.read(CHUNK_BYTES):
+            yield chunk
 
 
 def _lz4_chunks(src: Reader) -> Iterator[bytes]:
