@@ -75,7 +75,8 @@ class TailHasher:
             os.close(fd)
         self._files.clear()
         if self._failed is not None:
-            # Not an error for the dump: publish hashes these files from the start instead.
+            # Not an error for the dump: each partial is still whole up to its offset, and
+            # publish hashes the rest of every file itself.
             log.debug("tail hashing of %s stopped early: %s", self.directory, self._failed)
         return partials
 
