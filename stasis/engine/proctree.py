@@ -6,6 +6,8 @@ import os
 import signal
 from pathlib import Path
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 
 def children(pid: int) -> list[int]:
     """Direct children of every thread of `pid` (empty when it is gone)."""
@@ -35,15 +37,15 @@ def tree(pid: int) -> list[int]:
 
 
 def resident_bytes(pid: int) -> int:
-    """Resident memory of the whole tree under `pid` (an upper bound on what a dump writes)."""
+    """Resident memory of the whole tree under `pid` (an upper bound on what a dump writes).
+
+    From statm, the kernel's RSS counter: smaps_rollup gives the same figure by walking the page
+    tables, ~15 ms per GiB here, all of it added to every dump."""
     total = 0
     for p in tree(pid):
         try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Rss:"):
-                    total += int(line.split()[1]) * 1024
-                    break
-        except OSError:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
             continue
     return total
 
