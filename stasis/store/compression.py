@@ -98,14 +98,16 @@ class _Chunks:
 _MAPPED_CHUNK = 64 << 20
 
 
-def _hash_mapped(src: Reader, sha: xxhash.xxh3_128, max_bytes: int | None = None) -> int | None:
+def _hash_mapped(src: Reader, sha: xxhash.xxh3_128) -> int | None:
     """Feed the rest of a local regular file, from its position, to `sha` through a read-only
-    mapping (up to just past `max_bytes`); return how many bytes, or None where `src` is not such
-    a file (a pipe, an fsspec file): read it with `_Chunks` instead.
+    mapping; return how many bytes, or None where `src` is not such a file (a pipe, an fsspec
+    file): read it with `_Chunks` instead.
 
     Hashing a mapping skips the copy into a buffer: ~0.27 s instead of 0.3-0.9 s per GiB on these
-    machines, on the publish and restore paths. Only for files nobody truncates while we read
-    (a truncated mapping raises SIGBUS): our own staging files and root-only store files.
+    machines, on the publish path. Only for files nobody changes under us (a truncated mapping,
+    or a file another NFS client deleted, raises SIGBUS and kills the daemon): the staging files
+    this node's CRIU just wrote. Verifying stored checkpoints, which other nodes may delete,
+    reads them instead, where such a loss is an OSError and one error line.
     """
     if not isinstance(src, io.FileIO):
         return None
@@ -113,7 +115,7 @@ def _hash_mapped(src: Reader, sha: xxhash.xxh3_128, max_bytes: int | None = None
     if not stat.S_ISREG(st.st_mode):
         return None
     start = src.tell()
-    end = st.st_size if max_bytes is None else min(st.st_size, start + max_bytes + 1)
+    end = st.st_size
     if end <= start:
         return 0
     with mmap.mmap(src.fileno(), end, prot=mmap.PROT_READ) as mapped:
@@ -184,10 +186,6 @@ def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes:
     """
     sha = xxhash.xxh3_128()
     size = 0
-    if compression == "none" and dst is None:
-        mapped = _hash_mapped(src, sha, max_bytes)
-        if mapped is not None:
-            return Streamed(size_bytes=mapped, stored_size_bytes=0, xxh3_128=sha.hexdigest())
     chunks: Iterator[bytes | memoryview]
     if compression == "zstd":
         chunks = _zstd_chunks(src)
