@@ -115,6 +115,9 @@ class JobManager:
                 log.info("removed staging/%s from the store: a dump that never finished", name)
         except StasisError as e:
             log.warning("%s", e)  # the daemon still works; the space stays taken
+        cache_problem = kdat.ensure_cache_dir()
+        if cache_problem:
+            log.warning("%s", cache_problem)
         if kdat.clear_stale_tmp():
             log.info("removed a stale %s.tmp left by a killed CRIU: CRIU caches its kernel "
                      "probes again", kdat.CACHE)

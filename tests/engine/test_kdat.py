@@ -1,5 +1,5 @@
-"""CRIU's kernel-probe cache: a .tmp left by a killed CRIU is cleared; a /run that cannot hold
-the cache is reported by `stasis check`."""
+"""CRIU's kernel-probe cache: the daemon gives our CRIU's RUNDIR a root-only tmpfs, CRIU writes
+its cache there and the next CRIU loads it; a .tmp left by a killed CRIU is cleared."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from stasis.engine import kdat
+from tests.conftest import Daemon, workload
 
 
 def test_a_stale_tmp_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
@@ -24,12 +25,43 @@ def test_a_stale_tmp_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
     assert not tmp.exists()
 
 
-def test_only_a_tmpfs_can_hold_the_cache(tmp_path: Path) -> None:
-    mnt = tmp_path / "run"
-    mnt.mkdir()
-    assert kdat.cache_note(mnt) is not None  # the test's tmp dir is on the disk
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+def _mounts_on(path: Path) -> int:
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    return sum(1 for line in lines if line.split()[4] == str(path))
+
+
+def test_the_cache_dir_becomes_a_root_only_tmpfs_once(tmp_path: Path) -> None:
+    run = tmp_path / "stasis-criu"
+    assert kdat.cache_note(tmp_path) is not None  # the test's tmp dir is on the disk
     try:
-        assert kdat.cache_note(mnt) is None
+        assert kdat.ensure_cache_dir(run) is None
+        assert kdat.cache_note(run) is None
+        assert _mounts_on(run) == 1
+        assert os.stat(run).st_mode & 0o777 == 0o700
+        assert kdat.ensure_cache_dir(run) is None  # a restarted daemon mounts nothing more
+        assert _mounts_on(run) == 1
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        while _mounts_on(run):
+            subprocess.run(["umount", str(run)], check=True)
+
+
+def test_a_cache_dir_made_by_someone_else_is_left_alone(tmp_path: Path) -> None:
+    run = tmp_path / "stasis-criu"
+    run.mkdir()
+    os.chown(run, 65534, 65534)
+    problem = kdat.ensure_cache_dir(run)
+    assert problem is not None and "not a directory owned by root" in problem
+    assert _mounts_on(run) == 0
+
+
+def test_criu_keeps_its_probes_where_the_daemon_made_room(daemon: Daemon) -> None:
+    # The daemon fixture ran ensure_cache_dir on the real path our CRIU was built with.
+    assert kdat.cache_note() is None
+    kdat.CACHE.unlink(missing_ok=True)
+    job = daemon.run(*workload("counter.py"))
+    daemon.json("dump", "--leave-running", job["job"])
+    assert kdat.CACHE.exists(), "CRIU did not write its cache: is it built with this RUNDIR?"
+    daemon.json("dump", "--leave-running", job["job"])
+    logs = sorted((daemon.state_dir / "criu-logs").glob("*.log"), key=lambda p: p.stat().st_mtime)
+    assert f"Loaded kdat cache from {kdat.CACHE}" in logs[-1].read_text()
+    daemon.cli("kill", job["job"])
