@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 RPC_PROTO ?= /usr/local/share/criu/rpc.proto
 PROTO_OUT := stasis/engine/_proto
+# A plain path in a .pth: setuptools' default editable finder costs every `stasis` command
+# ~20 ms of imports (importlib.util, pathlib) before it does anything.
+EDITABLE := --config-settings editable_mode=compat -e
 
 .PHONY: install system venv proto bytecode test demo bench lint clean
 
@@ -21,7 +24,7 @@ $(BIN)/stasis: pyproject.toml
 	test -x $(PYTHON) || apt-get install -y -q python3 python3-venv
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip==24.3.1
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(EDITABLE) '.[dev]'
 	touch $@
 
 # CRIU's RPC classes come from the rpc.proto of the CRIU that is installed, never from a copy.
@@ -48,7 +51,7 @@ demo: install
 	$(BIN)/python -m stasis.demo
 
 bench: install
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q $(EDITABLE) '.[dev,bench]'
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
