@@ -290,18 +290,23 @@ class JobManager:
         options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running)
         watcher = _DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
-        # written back to disk) while CRIU writes them. A leave-running dump does all that after
-        # the job resumed instead: on these 2 CPUs the hashing slowed CRIU's frozen part by ~25%.
+        # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
+        # all that after the job resumed instead: on these 2 CPUs the hashing slowed CRIU's
+        # frozen part by ~25%.
         tail = self.store.follow(info.id, compress) if not leave_running else None
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
+            if tail:
+                tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
         finally:
             if watcher:
                 watcher.stop()
             hashed = tail.finish() if tail else None
+        if tail is not None and tail.compression is not None:
+            compress = tail.compression  # what `auto` settled on while following
         try:
             manifest = self.store.publish(info, compress, source=fast, hashed=hashed)
         except StasisError as e:

@@ -127,13 +127,23 @@ class LocalTree:
     def staged_path(self, checkpoint_id: str) -> Path:
         return self._staging_path(checkpoint_id)
 
+    def _packing_path(self, checkpoint_id: str) -> Path:
+        return self._staging_path(checkpoint_id + _PUBLISH_SUFFIX)
+
+    def packing_dir(self, checkpoint_id: str) -> Path:
+        self._ensure_root()
+        path = self._packing_path(checkpoint_id)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(mode=0o700)
+        return path
+
     def staging_area(self) -> Path:
         return self.root / STAGING_NAME
 
     def discard(self, checkpoint_id: str) -> None:
         staging = self._staging_path(checkpoint_id)
         shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(staging.with_name(checkpoint_id + _PUBLISH_SUFFIX), ignore_errors=True)
+        shutil.rmtree(self._packing_path(checkpoint_id), ignore_errors=True)
 
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
@@ -142,24 +152,29 @@ class LocalTree:
         staging = source or self._staging_path(info.id)
         in_place = source is None and compression == "none"
         final = self.root / info.id
-        out = staging if in_place else self._staging_path(info.id + _PUBLISH_SUFFIX)
+        out = staging if in_place else self._packing_path(info.id)
         moved = False
         try:
             self._ensure_root()
             names = staged_names(staging)
             if os.path.lexists(final):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
+            packed = any(p.packing is not None for p in (hashed or {}).values())
             if in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
                 entries = pack_staged(staging, names, compression, None, hashed)
                 for name in names:
                     os.chmod(staging / name, 0o600)
                 os.chmod(staging, 0o700)
+                # What a follower of `auto` compressed before it gave up, if anything.
+                shutil.rmtree(self._packing_path(info.id), ignore_errors=True)
             else:
-                shutil.rmtree(out, ignore_errors=True)
+                if not packed:  # else it holds what a follower compressed while CRIU wrote
+                    shutil.rmtree(out, ignore_errors=True)
                 out.parent.mkdir(mode=0o700, exist_ok=True)
-                out.mkdir(mode=0o700)
-                entries = pack_staged(staging, names, compression, lambda n: _create(out / n))
+                out.mkdir(mode=0o700, exist_ok=True)
+                entries = pack_staged(staging, names, compression, lambda n: _create(out / n),
+                                      hashed)
             in_parallel(_fsync_file, [out / e.stored_name for e in entries],
                         cpu_workers(len(entries)))
             manifest = Manifest.build(info, compression, entries)

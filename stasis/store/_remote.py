@@ -71,6 +71,9 @@ class RemoteTree:
     def local_dir(self, checkpoint_id: str) -> Path | None:
         return None
 
+    def packing_dir(self, checkpoint_id: str) -> Path:
+        raise NotImplementedError("only a local store's images are followed while CRIU writes")
+
     # -- writing ----------------------------------------------------------------------------
 
     def _staging_path(self, checkpoint_id: str) -> Path:

@@ -87,6 +87,11 @@ class Tree(Protocol):
         """The checkpoint's own directory when it is on a local filesystem, else None."""
         ...
 
+    def packing_dir(self, checkpoint_id: str) -> Path:
+        """An empty directory for the compressed files of `checkpoint_id` that a follower writes
+        while CRIU dumps (local trees only); publish takes them from there."""
+        ...
+
 
 def staged_names(staging: Path) -> list[str]:
     """The image files CRIU left in `staging`; refuses anything but plain files with safe names."""
@@ -132,16 +137,26 @@ def pack_staged(
 
     def one(name: str) -> FileEntry:
         stored = stored_name(name, compression)
+        partial = (hashed or {}).get(name)
+        packing = partial.packing if partial is not None else None
+        if packing is not None and (open_dst is None or packing.path.name != stored):
+            packing.drop()  # compressed for another codec than the one published
+            packing = None
         # Unbuffered: `pack` reads with readinto into its own large buffer.
         with open(staging / name, "rb", buffering=0) as src:
+            fits = partial is not None and partial.offset <= os.fstat(src.fileno()).st_size
             if open_dst is None:
-                partial = (hashed or {}).get(name)
                 head = None
-                if partial is not None and partial.offset <= os.fstat(src.fileno()).st_size:
+                if partial is not None and fits:
                     src.seek(partial.offset)
                     head = (partial.offset, partial.hasher)
                 streamed = pack(src, None, compression, head)
+            elif partial is not None and packing is not None and fits:
+                src.seek(partial.offset)
+                streamed = packing.finish(src, partial)
             else:
+                if packing is not None:
+                    packing.drop()
                 with open_dst(stored) as dst:
                     streamed = pack(src, dst, compression)
         return FileEntry(
@@ -152,6 +167,9 @@ def pack_staged(
             xxh3_128=streamed.xxh3_128,
         )
 
+    for name, partial in (hashed or {}).items():
+        if name not in names and partial.packing is not None:
+            partial.packing.drop()
     # zstd already runs one thread per CPU inside each file; the others get a file per thread.
     workers = 1 if compression == "zstd" else cpu_workers(len(names))
     return in_parallel(one, names, workers)

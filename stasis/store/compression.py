@@ -12,7 +12,7 @@ import io
 import mmap
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol, cast
@@ -176,6 +176,40 @@ def pack(src: Reader, dst: Writer | None, compression: Compression,
                 size += len(chunk)
     stored = out.count if out is not None else size
     return Streamed(size_bytes=size, stored_size_bytes=stored, xxh3_128=sha.hexdigest())
+
+
+class Encoder:
+    """One file's compressor fed piece by piece, for a caller that sees the bytes arrive over time
+    (a file CRIU is still writing). Its output, concatenated, is what `pack` would have stored:
+    one zstd or lz4 frame that `unpack` reads.
+
+    Single-threaded: it runs beside CRIU, which needs the other CPU. For the compressible
+    memory that `auto` picks zstd for, one thread is also the faster here (zero pages: 0.16-0.2
+    s/GiB against 0.24-0.25 with a worker per CPU).
+    """
+
+    def __init__(self, compression: Compression) -> None:
+        self._head = b""
+        if compression == "zstd":
+            zobj = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj()
+            self._compress: Callable[[bytes | memoryview], bytes] = zobj.compress
+            self._flush: Callable[[], bytes] = zobj.flush
+        elif compression == "lz4":
+            lz4c = lz4.frame.LZ4FrameCompressor()
+            self._head = lz4c.begin()
+            self._compress, self._flush = lz4c.compress, lz4c.flush
+        else:
+            raise ValueError(f"no encoder for {compression!r}")
+
+    def compress(self, data: bytes | memoryview) -> bytes:
+        out = self._compress(data)
+        if self._head:
+            out, self._head = self._head + out, b""
+        return out
+
+    def flush(self) -> bytes:
+        out, self._head = self._head + self._flush(), b""
+        return out
 
 
 def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes: int) -> Streamed:

@@ -153,17 +153,22 @@ class Store:
             raise StoreError(f"cannot clean the staging area of {self._tree.where}: {_reason(e)}") from e
 
     def follow(self, checkpoint_id: str, compression: CompressionRequest) -> TailHasher | None:
-        """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`,
-        and writing them back to disk, where that saves reading them again at publish (a local
-        uncompressed store); else None. Pass `finish()`'s result to `publish` as `hashed`.
+        """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`:
+        writing them back to disk (uncompressed), or compressing them into the files the store
+        keeps (zstd, lz4, auto), where the store is local; else None. Pass `finish()`'s result
+        to `publish` as `hashed`, and its `compression` (when not None) as the compression.
 
-        This shortens the whole dump (publish hashes the last MiBs, its fsync waits for the tail)
-        but slows CRIU's own writes a little: for dumps whose total time counts."""
+        This shortens the whole dump (publish hashes or compresses the last MiBs, its fsync waits
+        for the tail) but slows CRIU's own writes a little: for dumps whose total time counts."""
         validate_checkpoint_id(checkpoint_id)
-        if compression not in ("none", "auto") or self._tree.local_dir(checkpoint_id) is None:
+        if self._tree.local_dir(checkpoint_id) is None:
             return None
+        staged = self._tree.staged_path(checkpoint_id)
         # sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
-        return TailHasher(self._tree.staged_path(checkpoint_id), writeback=True)
+        if compression == "none":
+            return TailHasher(staged, writeback=True)
+        return TailHasher(staged, writeback=True, compression=compression,
+                          pack_into=self._tree.packing_dir(checkpoint_id))
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)

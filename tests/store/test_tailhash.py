@@ -7,9 +7,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from stasis.store import Store
+from stasis.store.manifest import Compression, CompressionRequest, FileEntry, Manifest
 from stasis.store.tailhash import Partial, TailHasher
 from tests.store.helpers import make_info, stage
 
@@ -64,11 +66,105 @@ def test_only_where_it_saves_a_read(local_store: Store, memory_store: Store) -> 
     info = make_info()
     local_store.staging_dir(info.id)
     memory_store.staging_dir(info.id)
-    assert local_store.follow(info.id, "zstd") is None  # compressing reads every byte anyway
-    assert memory_store.follow(info.id, "none") is None  # so does copying to a remote store
+    assert memory_store.follow(info.id, "none") is None  # copying to a remote reads it anyway
+    for compression in ("none", "auto", "zstd"):
+        tail = local_store.follow(info.id, compression)
+        assert tail is not None
+        assert tail.finish() == {}
+
+
+def _follow_and_publish(store: Store, compression: CompressionRequest,
+                        files: dict[str, bytes]) -> tuple[Manifest, dict[str, Partial], Path]:
+    info = make_info()
+    staging = store.staging_dir(info.id)
+    tail = store.follow(info.id, compression)
+    assert tail is not None
+    writers = [threading.Thread(target=_write_slowly, args=(staging / name, data, 20))
+               for name, data in files.items()]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    (staging / "inventory.img").write_bytes(b"inventory")
+    hashed = tail.finish()
+    decided = tail.compression or compression
+    packing_dir = staging.with_name(info.id + ".publish")
+    manifest = store.publish(info, decided, hashed=hashed)
+    return manifest, hashed, packing_dir
+
+
+def _entry(manifest: Manifest, name: str = "pages-1.img") -> FileEntry:
+    return next(f for f in manifest.files if f.name == name)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_compresses_while_written(local_store: Store, mostly_zero: bytes,
+                                  random_20m: bytes, compression: Compression) -> None:
+    files = {"pages-1.img": mostly_zero, "pages-2.img": random_20m[:5 << 20]}
+    manifest, hashed, _ = _follow_and_publish(local_store, compression, files)
+    # The follower compressed the files' heads, publish only the rest: one valid frame each.
+    assert all(hashed[n].packing is not None and hashed[n].offset > 0 for n in files)
+    assert manifest.compression == compression
+    entries = {f.name: f for f in manifest.files}
+    for name, data in files.items():
+        assert entries[name].xxh3_128 == xxhash.xxh3_128(data).hexdigest()
+        assert entries[name].size_bytes == len(data)
+    assert entries["pages-1.img"].stored_size_bytes * 5 < len(mostly_zero)
+    local_store.verify(manifest)  # decompresses every file and checks it against the manifest
+
+
+def test_auto_keeps_compressing_what_shrinks(local_store: Store, mostly_zero: bytes) -> None:
+    manifest, hashed, packing_dir = _follow_and_publish(
+        local_store, "auto", {"pages-1.img": mostly_zero})
+    assert hashed["pages-1.img"].packing is not None
+    assert manifest.compression == "zstd"
+    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero).hexdigest()
+    assert _entry(manifest).stored_size_bytes * 5 < len(mostly_zero)
+    assert not packing_dir.exists()  # it became the checkpoint
+    local_store.verify(manifest)
+
+
+def test_auto_gives_up_on_what_does_not(local_store: Store, random_20m: bytes) -> None:
+    manifest, hashed, packing_dir = _follow_and_publish(
+        local_store, "auto", {"pages-1.img": random_20m})
+    # A few MiB told it: the rest was only hashed, and the staged file is the stored one.
+    assert hashed["pages-1.img"].packing is None
+    assert hashed["pages-1.img"].offset > 0
+    assert manifest.compression == "none"
+    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(random_20m).hexdigest()
+    assert not packing_dir.exists()
+    local_store.verify(manifest)
+
+
+def test_auto_leaves_a_small_dump_to_publish(local_store: Store) -> None:
+    info = make_info()
+    staging = local_store.staging_dir(info.id)
     tail = local_store.follow(info.id, "auto")
     assert tail is not None
-    assert tail.finish() == {}
+    (staging / "pages-1.img").write_bytes(bytes(100 << 10))
+    time.sleep(0.05)
+    hashed = tail.finish()
+    assert tail.compression is None  # 100 KiB: too little to judge; publish's own rule applies
+    manifest = local_store.publish(info, "auto", hashed=hashed)
+    assert manifest.compression == "none"
+    local_store.verify(manifest)
+
+
+def test_a_packed_head_longer_than_the_file_is_redone(local_store: Store,
+                                                     mostly_zero: bytes) -> None:
+    info = make_info()
+    staging = local_store.staging_dir(info.id)
+    tail = local_store.follow(info.id, "zstd")
+    assert tail is not None
+    (staging / "pages-1.img").write_bytes(mostly_zero)
+    time.sleep(0.3)  # it follows within milliseconds
+    hashed = tail.finish()
+    assert hashed["pages-1.img"].offset > 4096
+    os.truncate(staging / "pages-1.img", 4096)  # not what the follower saw
+    manifest = local_store.publish(info, "zstd", hashed=hashed)
+    assert _entry(manifest).size_bytes == 4096
+    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero[:4096]).hexdigest()
+    local_store.verify(manifest)
 
 
 def test_a_vanished_directory_stops_nothing(tmp_path: Path) -> None:
