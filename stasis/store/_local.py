@@ -117,12 +117,14 @@ class LocalTree:
     def _staging_path(self, checkpoint_id: str) -> Path:
         return self.root / STAGING_NAME / checkpoint_id
 
-    def staging_dir(self, checkpoint_id: str) -> Path:
+    def _fresh(self, path: Path) -> Path:
         self._ensure_root()
-        path = self._staging_path(checkpoint_id)
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(mode=0o700)
         return path
+
+    def staging_dir(self, checkpoint_id: str) -> Path:
+        return self._fresh(self._staging_path(checkpoint_id))
 
     def staged_path(self, checkpoint_id: str) -> Path:
         return self._staging_path(checkpoint_id)
@@ -131,11 +133,7 @@ class LocalTree:
         return self._staging_path(checkpoint_id + _PUBLISH_SUFFIX)
 
     def packing_dir(self, checkpoint_id: str) -> Path:
-        self._ensure_root()
-        path = self._packing_path(checkpoint_id)
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(mode=0o700)
-        return path
+        return self._fresh(self._packing_path(checkpoint_id))
 
     def staging_area(self) -> Path:
         return self.root / STAGING_NAME
