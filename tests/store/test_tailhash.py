@@ -25,27 +25,32 @@ def _write_slowly(path: Path, data: bytes, pieces: int) -> None:
             time.sleep(0.01)
 
 
-def test_follows_files_as_they_grow(local_store: Store, random_20m: bytes) -> None:
+def _follow_and_publish(store: Store, compression: CompressionRequest,
+                        files: dict[str, bytes]) -> tuple[Manifest, dict[str, Partial], Path]:
     info = make_info()
-    staging = local_store.staging_dir(info.id)
-    tail = local_store.follow(info.id, "none")
+    staging = store.staging_dir(info.id)
+    tail = store.follow(info.id, compression)
     assert tail is not None
-    writers = [
-        threading.Thread(target=_write_slowly, args=(staging / "pages-1.img", random_20m, 40)),
-        threading.Thread(target=_write_slowly,
-                         args=(staging / "pages-2.img", random_20m[:3 << 20], 5)),
-    ]
+    writers = [threading.Thread(target=_write_slowly, args=(staging / name, data, 20))
+               for name, data in files.items()]
     for w in writers:
         w.start()
     for w in writers:
         w.join()
     (staging / "inventory.img").write_bytes(b"inventory")
     hashed = tail.finish()
+    decided = tail.compression or compression
+    packing_dir = staging.with_name(info.id + ".publish")
+    manifest = store.publish(info, decided, hashed=hashed)
+    return manifest, hashed, packing_dir
+
+
+def test_follows_files_as_they_grow(local_store: Store, random_20m: bytes) -> None:
+    manifest, hashed, _ = _follow_and_publish(
+        local_store, "none", {"pages-1.img": random_20m, "pages-2.img": random_20m[:3 << 20]})
     # It kept up with the writers (a few idle ms behind at most), and took no other image.
     assert set(hashed) == {"pages-1.img", "pages-2.img"}
     assert hashed["pages-1.img"].offset > 0
-
-    manifest = local_store.publish(info, "none", hashed=hashed)
 
     files = {f.name: f for f in manifest.files}
     assert files["pages-1.img"].xxh3_128 == xxhash.xxh3_128(random_20m).hexdigest()
@@ -71,26 +76,6 @@ def test_only_where_it_saves_a_read(local_store: Store, memory_store: Store) -> 
         tail = local_store.follow(info.id, compression)
         assert tail is not None
         assert tail.finish() == {}
-
-
-def _follow_and_publish(store: Store, compression: CompressionRequest,
-                        files: dict[str, bytes]) -> tuple[Manifest, dict[str, Partial], Path]:
-    info = make_info()
-    staging = store.staging_dir(info.id)
-    tail = store.follow(info.id, compression)
-    assert tail is not None
-    writers = [threading.Thread(target=_write_slowly, args=(staging / name, data, 20))
-               for name, data in files.items()]
-    for w in writers:
-        w.start()
-    for w in writers:
-        w.join()
-    (staging / "inventory.img").write_bytes(b"inventory")
-    hashed = tail.finish()
-    decided = tail.compression or compression
-    packing_dir = staging.with_name(info.id + ".publish")
-    manifest = store.publish(info, decided, hashed=hashed)
-    return manifest, hashed, packing_dir
 
 
 def _entry(manifest: Manifest, name: str = "pages-1.img") -> FileEntry:
