@@ -167,8 +167,13 @@ class Store:
         # sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
         if compression == "none":
             return TailHasher(staged, writeback=True)
-        return TailHasher(staged, writeback=True, compression=compression,
-                          pack_into=self._tree.packing_dir(checkpoint_id))
+        try:
+            pack_into = self._tree.packing_dir(checkpoint_id)
+        except OSError as e:
+            # Following is a shortcut: publish does all of it and reports a real disk problem.
+            log.debug("not compressing %s while CRIU writes: %s", checkpoint_id, e)
+            return None
+        return TailHasher(staged, writeback=True, compression=compression, pack_into=pack_into)
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)

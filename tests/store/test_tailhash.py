@@ -157,3 +157,17 @@ def test_a_vanished_directory_stops_nothing(tmp_path: Path) -> None:
     time.sleep(0.02)
     assert tail.finish() == {}
     assert os.listdir(tmp_path) == []
+
+
+def test_no_room_to_compress_alongside_is_no_error(local_store: Store,
+                                                   mostly_zero: bytes) -> None:
+    info = make_info()
+    staging = local_store.staging_dir(info.id)
+    # Something in the way of the directory the follower would compress into.
+    (staging.parent / (info.id + ".publish")).write_bytes(b"")
+    assert local_store.follow(info.id, "zstd") is None
+    (staging / "pages-1.img").write_bytes(mostly_zero)
+    (staging.parent / (info.id + ".publish")).unlink()
+    manifest = local_store.publish(info, "zstd")
+    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero).hexdigest()
+    local_store.verify(manifest)
