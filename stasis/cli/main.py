@@ -70,10 +70,12 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
 def restore(args: argparse.Namespace, settings: Settings) -> None:
     if bool(args.checkpoint) == bool(args.label):
         raise UsageError("give either a CHECKPOINT id or --label, not both or neither")
+    if args.user is not None and not args.label:
+        raise UsageError("--user says whose --label to restore; a CHECKPOINT id needs none")
     with Client(settings.socket) as client, \
             output.progress_bar("restoring", not args.json) as progress:
         answer = client.restore(progress, checkpoint=args.checkpoint, label=args.label,
-                                lazy=args.lazy)
+                                user=args.user, lazy=args.lazy)
     for skipped in answer.get("skipped", []):
         output.warn(f"skipped corrupt checkpoint {skipped}")
     if args.json:
@@ -102,14 +104,15 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
             client.delete_checkpoint(args.checkpoint)
             output.say(f"deleted {args.checkpoint}")
             return
-        found = client.checkpoints(args.label)
+        found = client.checkpoints(args.label, args.user)
     if args.json:
         output.emit_json(found)
         return
-    rows = [{"checkpoint": m["id"], "label": m["label"], "job": m["job"],
+    rows = [{"checkpoint": m["id"], "label": m["label"], "user": m["user"], "job": m["job"],
              "created": m["created"], "size_bytes": m["size_bytes"],
              "compression": m["compression"]} for m in found]
-    output.table(rows, ["checkpoint", "label", "job", "created", "size_bytes", "compression"])
+    output.table(rows, ["checkpoint", "label", "user", "job", "created", "size_bytes",
+                        "compression"])
 
 
 def kill(args: argparse.Namespace, settings: Settings) -> None:
@@ -199,7 +202,9 @@ def _add_restore(sub: Any) -> None:
     p = sub.add_parser("restore", help="Restore CHECKPOINT (or the newest of --label) as a new "
                                        "job.")
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT")
-    p.add_argument("--label", help="Restore the newest checkpoint with this label.")
+    p.add_argument("--label", help="Restore the newest of your checkpoints with this label.")
+    p.add_argument("--user", metavar="NAME|UID",
+                   help="Whose --label (root only, for another user's; default: yours).")
     p.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None,
                    help="Run before all memory is back (userfaultfd); default: the daemon's "
                         "setting.")
@@ -216,7 +221,10 @@ def _add_ps(sub: Any) -> None:
 def _add_checkpoints(sub: Any) -> None:
     p = sub.add_parser("checkpoints", help="List checkpoints, newest first "
                                            "(`checkpoints rm ID` deletes one).")
-    p.add_argument("--label", help="Only checkpoints with this label.")
+    p.add_argument("--label", help="Only your checkpoints with this label (or --user's).")
+    p.add_argument("--user", metavar="NAME|UID",
+                   help="Only this user's checkpoints (root only, for another user's; without "
+                        "it root lists every user's, but --label looks among root's own).")
     add_json(p)
     p.set_defaults(handler=checkpoints, action=None)
     rm = subcommands(p, dest="action", required=False).add_parser(

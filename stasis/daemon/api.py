@@ -141,7 +141,8 @@ async def restore(request: web.Request) -> web.StreamResponse:
 
 async def list_checkpoints(request: web.Request) -> web.StreamResponse:
     label = request.query.get("label")
-    found = await asyncio.to_thread(request.app[MANAGER].checkpoints, label, peer(request))
+    user = request.query.get("user")
+    found = await asyncio.to_thread(request.app[MANAGER].checkpoints, label, peer(request), user)
     return web.json_response(_dump(found))
 
 

@@ -156,8 +156,9 @@ class Client:
     def restore(self, progress: Callable[[int, int], None] | None = None, **request: Any) -> Any:
         return self.stream("/restore", request, progress)
 
-    def checkpoints(self, label: str | None = None) -> Any:
-        return self.request("GET", "/checkpoints", params={"label": label} if label else None)
+    def checkpoints(self, label: str | None = None, user: str | None = None) -> Any:
+        params = {k: v for k, v in (("label", label), ("user", user)) if v is not None}
+        return self.request("GET", "/checkpoints", params=params or None)
 
     def delete_checkpoint(self, checkpoint_id: str) -> Any:
         return self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}")

@@ -35,7 +35,14 @@ from stasis.daemon.models import (
     RunRequest,
     validate_job_id,
 )
-from stasis.daemon.users import Caller, account, job_account, job_environment
+from stasis.daemon.users import (
+    Caller,
+    account,
+    job_account,
+    job_environment,
+    owner_uid,
+    user_name,
+)
 from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, proctree
 from stasis.errors import (
     CheckpointError,
@@ -150,10 +157,15 @@ class JobManager:
         self.poll()
         return [_job(r) for r in self.db.all() if caller.may_act_on(r.uid)]
 
-    def checkpoints(self, label: str | None, caller: Caller) -> list[Manifest]:
+    def checkpoints(self, label: str | None, caller: Caller,
+                    user: str | None = None) -> list[Manifest]:
+        """The caller's checkpoints (of `label`). A label is looked up among one owner's: the
+        caller's, or whose `user` names (root only). Without either, root sees every owner's."""
         if label is not None:
             validate_label(label)
-        return [m for m in self.store.list(label) if caller.may_act_on(m.uid)]
+        if label is None and user is None and caller.is_root:
+            return self.store.list()
+        return self.store.list(label, uid=owner_uid(caller, user))
 
     def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
         manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
@@ -327,11 +339,14 @@ class JobManager:
                 progress: Progress | None = None) -> RestoreAnswer:
         started = time.monotonic()
         if req.checkpoint:
+            if req.user is not None:
+                raise UsageError("--user says whose label to restore; a checkpoint id needs none")
             candidates = [self.store.get(validate_checkpoint_id(req.checkpoint))]
         elif req.label:
-            candidates = self.store.list(validate_label(req.label))
+            owner = owner_uid(caller, req.user)
+            candidates = self.store.list(validate_label(req.label), uid=owner)
             if not candidates:
-                raise NotFoundError(f"no checkpoint with label {req.label}")
+                raise NotFoundError(self._no_label(req.label, owner, caller))
         else:
             raise UsageError("name a checkpoint id or --label")
         for manifest in candidates:
@@ -351,6 +366,18 @@ class JobManager:
             return answer
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))
+
+    def _no_label(self, label: str, owner: int, caller: Caller) -> str:
+        whose = "" if owner == caller.uid else f" of user {user_name(owner)}"
+        text = f"no checkpoint with label {label}{whose}"
+        if caller.is_root and owner == caller.uid:
+            # Root may restore anyone's: point at the owners that label has (nobody else may
+            # learn which labels other users have).
+            others = sorted({user_name(m.uid) for m in self.store.list(label)})
+            if others:
+                text += f"; {', '.join(others)} {'has' if len(others) == 1 else 'have'} " \
+                        f"checkpoints with that label: add --user {others[0]}"
+        return text
 
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:

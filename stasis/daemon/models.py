@@ -51,6 +51,8 @@ class DumpRequest(_Model):
 class RestoreRequest(_Model):
     checkpoint: str | None = None
     label: str | None = None
+    # Whose label (name or uid; root only, for another user's): the caller's own by default.
+    user: str | None = None
     lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
 
 

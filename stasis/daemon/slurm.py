@@ -142,12 +142,14 @@ def requeue(job_id: str) -> None:
 # -- labels: which checkpoints a Slurm job may resume from ------------------------------------
 #
 # A job labels its checkpoints with STASIS_CHECKPOINT (or CEDANA_CHECKPOINT); without one the label
-# is the job id. An explicit label is meant to be resumed by a later job under another id, so any
-# checkpoint of that label taken from a Slurm job of the same user qualifies. A default (job id)
-# label only matches checkpoints taken by this very job: same id AND the same token (set at submit
-# time in AdminComment by our job_submit.lua), so a job that merely reuses the id after slurmctld
-# started clean never picks up an old checkpoint. Never another user's checkpoint: restoring it
-# would run their processes with their rights.
+# is the job id. Labels belong to their owner, as everywhere in stasis: a job looks only among its
+# own user's checkpoints of the label (the store lists and retains per (owner, label)), so two
+# users may pick the same label without ever seeing, resuming or retiring each other's. An explicit
+# label is meant to be resumed by a later job under another id, so any checkpoint of that label
+# taken from a Slurm job of the same user qualifies. A default (job id) label only matches
+# checkpoints taken by this very job: same id AND the same token (set at submit time in
+# AdminComment by our job_submit.lua), so a job that merely reuses the id after slurmctld started
+# clean never picks up an old checkpoint.
 
 ENABLE_VARS = ("STASIS_ENABLE", "CEDANA_ENABLE")
 LABEL_VARS = ("STASIS_CHECKPOINT", "CEDANA_CHECKPOINT")
@@ -174,11 +176,11 @@ def _slurm(m: Manifest) -> dict[str, Any]:
 
 def candidates(store: Store, label: str, explicit: bool, uid: int, job_id: str, token: str
                ) -> list[Manifest]:
-    """Checkpoints this job may resume from, newest first."""
+    """Checkpoints this job (of user `uid`) may resume from, newest first."""
     found = []
-    for m in store.list(label):
+    for m in store.list(label, uid=uid):
         s = _slurm(m)
-        if m.uid != uid or not s:
+        if m.uid != uid or not s:  # the store filtered by owner already; never trust one filter
             continue
         if not explicit and (s.get("job_id") != job_id or s.get("token", "") != token):
             continue
@@ -289,7 +291,6 @@ class SlurmJobs:
             raise PermissionDeniedError(f"permission denied: Slurm job {job_id} is not yours")
         if not req.explicit_label and req.label != job_id:
             raise UsageError("without an explicit label the label is the job id")
-        self._check_label_owner(req.label, caller.uid)
         try:
             cmdline = Path(f"/proc/{req.pid}/cmdline").read_bytes().split(b"\0")
             command = [c.decode(errors="replace") for c in cmdline if c]
@@ -317,14 +318,6 @@ class SlurmJobs:
             if old.state == "running" and not proctree.alive(old.pid, old.pid_start):
                 path.unlink(missing_ok=True)
 
-    def _check_label_owner(self, label: str, uid: int) -> None:
-        """A label in use belongs to the user whose checkpoints it holds: another user's job
-        must not add to it (the store keeps only the newest few per label)."""
-        others = {m.uid for m in self.manager.store.list(label)} - {uid}
-        if others:
-            raise PermissionDeniedError(f"permission denied: label {label} holds another user's "
-                                        "checkpoints; choose another STASIS_CHECKPOINT")
-
     def get(self, job_id: str, caller: Caller) -> Registration:
         return self._load(job_id, caller)
 
@@ -341,7 +334,6 @@ class SlurmJobs:
         reg = self._load(job_id, caller)
         if reg.state == "checkpointed" or not proctree.alive(reg.pid, reg.pid_start):
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
-        self._check_label_owner(reg.label, reg.uid)
         m = self.manager
         created = datetime.now(timezone.utc)
         info = CheckpointInfo(

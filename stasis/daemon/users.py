@@ -55,6 +55,27 @@ def account(user: str | int) -> Account:
     )
 
 
+def owner_uid(caller: Caller, requested: str | None) -> int:
+    """Whose checkpoints a label names: the caller's own, or (root only) those of the user named
+    by name or uid. A uid need not exist on this node: its checkpoints may come from another."""
+    if requested is None:
+        return caller.uid
+    uid = int(requested) if requested.isdigit() else account(requested).uid
+    if uid != caller.uid and not caller.is_root:
+        raise PermissionDeniedError(
+            f"permission denied: only root may use another user's checkpoints (--user {requested})"
+        )
+    return uid
+
+
+def user_name(uid: int) -> str:
+    """The name of `uid` on this node, or the number when it has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def job_account(caller: Caller, requested: str | None) -> Account:
     """The account a new job runs as: the caller's own, or (root only) any named user."""
     if requested is None:

@@ -2,9 +2,9 @@
 
 Owns where checkpoints live and what they contain: staging directories for dumps, publishing
 (hashing, compression, the manifest written last), listing, verified fetching for restore,
-deletion and retention per label. The store is the source of truth: any node that sees the same
-store can list and restore its checkpoints. It does not run CRIU (the engine does) and keeps no
-state outside the store itself.
+deletion and retention per (owner, label). The store is the source of truth: any node that sees
+the same store can list and restore its checkpoints. It does not run CRIU (the engine does) and
+keeps no state outside the store itself.
 """
 
 from stasis.store.manifest import (

@@ -2,8 +2,8 @@
 
 Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory), publishing
 (sizes, xxh3-128 checksums, compression, manifest.json written last), listing, verified fetching for
-restore, deletion and retention per label. Every id and file name reaching the filesystem is
-validated first; every foreign error leaves as one readable StoreError line.
+restore, deletion and retention per (owner, label). Every id and file name reaching the filesystem
+is validated first; every foreign error leaves as one readable StoreError line.
 
     store = Store(settings.store_url, staging_root=state_dir / "staging", keep=settings.keep)
     staging = store.staging_dir(checkpoint_id)        # criu dump --images-dir staging
@@ -113,7 +113,7 @@ class Store:
         staging directory is consumed either way: on success it became the checkpoint; on any
         failure everything written is removed, nothing is listed, and StoreError says why (for a
         full disk: "no space left on ..."). Then the oldest checkpoints of the label beyond `keep`
-        are deleted.
+        are deleted: those of the same owner (`info.uid`) only, since a label belongs to its owner.
 
         `source`: the images were staged outside the store (see `stage_fast`); they are read
         from there, and the directory is removed either way. `hashed`: what a `follow` of the
@@ -134,7 +134,7 @@ class Store:
         except Exception as e:  # OSError, or the own types of fsspec backends
             raise self._write_error(info.id, e) from e
         try:
-            self._retain(info.label, protect=info.id)
+            self._retain(info.label, info.uid, protect=info.id)
         except StasisError as e:
             # The checkpoint is safe; a failed cleanup must not make the dump look failed.
             log.warning(
@@ -196,14 +196,19 @@ class Store:
                 f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
             ) from e
 
-    def apply_retention(self, label: str) -> list[str]:
-        """Delete the checkpoints of `label` beyond the newest `keep`; return the deleted ids."""
-        return self._retain(validate_label(label), protect=None)
+    def apply_retention(self, label: str, *, uid: int | None = None) -> list[str]:
+        """Delete the checkpoints of `label` beyond the newest `keep` of owner `uid` (None: of
+        each owner, counted apart); return the deleted ids."""
+        validate_label(label)
+        if uid is not None:
+            return self._retain(label, uid, protect=None)
+        owners = sorted({m.uid for m in self.list(label)})
+        return [deleted for owner in owners for deleted in self._retain(label, owner, None)]
 
-    def _retain(self, label: str, protect: str | None) -> list[str]:
+    def _retain(self, label: str, uid: int, protect: str | None) -> list[str]:
         if self.keep == 0:
             return []
-        doomed = [m.id for m in self.list(label)[self.keep :] if m.id != protect]
+        doomed = [m.id for m in self.list(label, uid=uid)[self.keep :] if m.id != protect]
         deleted = []
         for checkpoint_id in doomed:
             try:
@@ -215,8 +220,10 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def list(self, label: str | None = None) -> list[Manifest]:
-        """Complete checkpoints (of `label`, if given), newest first; skips unreadable ones."""
+    def list(self, label: str | None = None, *, uid: int | None = None) -> list[Manifest]:
+        """Complete checkpoints, newest first; skips unreadable ones. `label` and `uid` (the
+        owner) narrow the list: a label is only meaningful with its owner, (uid, label) names
+        one series of checkpoints, and a caller must never be handed another user's."""
         if label is not None:
             validate_label(label)
         try:
@@ -236,7 +243,7 @@ class Store:
             except Exception as e:  # garbage, or a file we may not read: one bad apple only
                 log.warning("skipping checkpoint %s in %s: %s", checkpoint_id, self.url, e)
                 continue
-            if label is None or manifest.label == label:
+            if (label is None or manifest.label == label) and (uid is None or manifest.uid == uid):
                 manifests.append(manifest)
         return sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
 
@@ -256,11 +263,13 @@ class Store:
                 f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
             ) from e
 
-    def latest(self, label: str) -> Manifest:
-        """The newest checkpoint of `label`; NotFoundError if it has none."""
-        manifests = self.list(validate_label(label))
+    def latest(self, label: str, *, uid: int) -> Manifest:
+        """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none."""
+        manifests = self.list(validate_label(label), uid=uid)
         if not manifests:
-            raise NotFoundError(f"no checkpoint with label {label} in store {self.url}")
+            raise NotFoundError(
+                f"no checkpoint with label {label} owned by uid {uid} in store {self.url}"
+            )
         return manifests[0]
 
     @contextmanager

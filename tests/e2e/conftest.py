@@ -123,8 +123,11 @@ class Cluster:
                ) -> subprocess.CompletedProcess[str]:
         return self.run(STASIS, *args, user=user, check=check)
 
-    def checkpoints(self, label: str | None = None) -> list[dict[str, Any]]:
-        args = ["checkpoints", "--json", *(["--label", label] if label else [])]
+    def checkpoints(self, label: str | None = None, user: str | None = None
+                    ) -> list[dict[str, Any]]:
+        """Root's view; a label is looked up among root's own checkpoints unless `user`."""
+        args = ["checkpoints", "--json", *(["--label", label] if label else []),
+                *(["--user", user] if user else [])]
         found: list[dict[str, Any]] = json.loads(self.stasis(*args).stdout)
         return found
 

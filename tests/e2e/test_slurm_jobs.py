@@ -113,8 +113,9 @@ def test_non_root_job_manual_dump_resumes_and_keeps_its_exit_code(cluster: Clust
     assert info["Restarts"] == "1"
     assert info["ExitCode"] == "3:0" and info["JobState"] == "FAILED"
     assert ("FAILED", "3:0") in cluster.sacct(job)
-    # Kept after a failure; owned by the user, not by root.
-    kept = cluster.checkpoints(job)
+    # Kept after a failure; owned by the user, not by root (whose label series is empty).
+    kept = cluster.checkpoints(job, user=TEST_USER)
+    assert cluster.checkpoints(job) == []
     assert [c["id"] for c in kept] == [answer["checkpoint"]]
     assert kept[0]["uid"] != 0 and kept[0]["user"] == TEST_USER
 
@@ -130,14 +131,18 @@ def test_other_users_cannot_checkpoint_a_job_or_use_its_label(cluster: Cluster) 
     assert bad.returncode == 2 and "not a Slurm job id" in bad.stderr
     assert cluster.state(job) == "RUNNING"
     cluster.stasis("dump", "--slurm-job", job, "--leave-running")
-    # Another user's job with the same label neither restores root's checkpoint nor adds to it.
+    # Another user's job with the same label: labels are per owner, so it starts from its own
+    # (empty) series, protected, never restores root's checkpoint, and completing with exit 0
+    # retires only its own checkpoints of the label, not root's.
     theirs = cluster.sbatch(cluster.counter_script("theirs", opt, stop=3, interval=0.2),
                             user=TEST_USER)
     cluster.wait_state(theirs, ("COMPLETED",))
     out = cluster.output(theirs)
     assert "restored" not in out and cluster.numbers(theirs) == [0, 1, 2]
-    assert "holds another user's checkpoints" in out and "WITHOUT checkpoint protection" in out
+    assert f"no checkpoint with label {label} to resume from" in out, out
+    assert "WITHOUT checkpoint protection" not in out
     assert len(cluster.checkpoints(label)) == 1
+    assert cluster.checkpoints(label, user=TEST_USER) == []
     cluster.run("scancel", job)
     cluster.wait_state(job, ("CANCELLED",))
 

@@ -29,7 +29,7 @@ def test_publish_then_get_list_latest(store: Store) -> None:
     assert manifest.extra == {"slurm_job_id": "1234"}
     assert store.get(info.id) == manifest
     assert store.list() == [manifest]
-    assert store.latest("train") == manifest
+    assert store.latest("train", uid=1000) == manifest
 
 
 def test_list_is_newest_first_and_filters_by_label(store: Store) -> None:
@@ -42,8 +42,8 @@ def test_list_is_newest_first_and_filters_by_label(store: Store) -> None:
     assert ids == sorted(ids, reverse=True)  # ids sort like their creation time
     assert [m.created.minute - 15 for m in store.list()] == [20, 10, 5, 0]
     assert [m.label for m in store.list("train")] == ["train"] * 3
-    assert store.latest("train").id == published[3].id
-    assert store.latest("eval").id == published[1].id
+    assert store.latest("train", uid=1000).id == published[3].id
+    assert store.latest("eval", uid=1000).id == published[1].id
 
 
 def test_same_time_sorts_by_id(store: Store) -> None:
@@ -60,9 +60,9 @@ def test_unknown_ids_and_labels(store: Store) -> None:
     ):
         store.get("20261130T001512Z-000000")
     with pytest.raises(
-        NotFoundError, match=f"no checkpoint with label nothing in store {store.url}"
+        NotFoundError, match=f"no checkpoint with label nothing owned by uid 1000 in store {store.url}"
     ):
-        store.latest("nothing")
+        store.latest("nothing", uid=1000)
     with pytest.raises(NotFoundError):
         store.delete("20261130T001512Z-000000")
     assert store.list() == []
@@ -83,7 +83,7 @@ def test_bad_labels_are_usage_errors(store: Store) -> None:
     with pytest.raises(UsageError, match="invalid label"):
         store.list("../x")
     with pytest.raises(UsageError, match="invalid label"):
-        store.latest("a/b")
+        store.latest("a/b", uid=0)
 
 
 def test_delete_removes_everything(store: Store) -> None:
@@ -117,6 +117,28 @@ def test_retention_keeps_newest_per_label(tmp_path: Path) -> None:
     assert (
         Store(str(tmp_path / "store"), staging_root=tmp_path, keep=0).apply_retention("train") == []
     )
+
+
+def test_labels_and_retention_are_per_owner(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "store"), staging_root=tmp_path / "staging", keep=2)
+    roots = make_info("shared", minutes=0, uid=0, user="root")
+    stage(store, roots, {"a.img": b"r"})
+    store.publish(roots)
+    alices = [make_info("shared", minutes=m) for m in (1, 2, 3, 4, 5)]
+    for info in alices:
+        stage(store, info, {"a.img": b"a"})
+        store.publish(info)
+    # Five dumps of uid 1000 kept its own newest two and never touched root's.
+    assert [m.id for m in store.list("shared", uid=0)] == [roots.id]
+    assert [m.id for m in store.list("shared", uid=1000)] == [alices[4].id, alices[3].id]
+    assert store.latest("shared", uid=0).id == roots.id
+    with pytest.raises(NotFoundError):
+        store.latest("shared", uid=1001)
+    assert len(store.list("shared")) == 3  # all owners, for root's own view
+    tighter = Store(str(tmp_path / "store"), staging_root=tmp_path / "staging", keep=1)
+    assert tighter.apply_retention("shared", uid=0) == []
+    assert tighter.apply_retention("shared") == [alices[3].id]  # each owner counted apart
+    assert [m.id for m in store.list("shared")] == [alices[4].id, roots.id]
 
 
 def test_retention_never_deletes_the_checkpoint_just_published(tmp_path: Path) -> None:
