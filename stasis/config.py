@@ -14,6 +14,11 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged, for
                          stores whose local write path is slower than memory; "" = off  ("")
     STASIS_LAZY_RESTORE  restore lazily by default (userfaultfd; `restore --lazy`)  (false)
+    STASIS_SITE_KEY      a key file every node of the site shares: checkpoints are signed with
+                         it and trusted by every node that has it  ("": each node signs with
+                         its own <state_dir>/keys/node.key)
+    STASIS_TRUSTED_KEYS  key files (or directories of them) of other nodes whose checkpoints
+                         this node restores; ':'-separated, a list in the file  (none)
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ _ENV_KEYS = {
     "STASIS_TINI": "tini",
     "STASIS_STAGE_DIR": "stage_dir",
     "STASIS_LAZY_RESTORE": "lazy_restore",
+    "STASIS_SITE_KEY": "site_key",
+    "STASIS_TRUSTED_KEYS": "trusted_keys",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -59,6 +66,10 @@ class Settings(NamedTuple):
     # cache faster than to tmpfs, and publishing fsyncs after the job resumed anyway.
     stage_dir: str = ""
     lazy_restore: bool = False
+    # Manifests are signed (stasis/store/signing.py): with the site key when there is one, else
+    # with the node's own key. Both are trusted, and so is every key file named here.
+    site_key: str = ""
+    trusted_keys: tuple[str, ...] = ()
 
     @property
     def store_url(self) -> str:
@@ -80,6 +91,11 @@ def _convert(name: str, value: object, default: object) -> object:
         if number < 0:
             raise UsageError(f"bad setting {name!r}: {number} is below 0")
         return number
+    if isinstance(default, tuple):
+        items = value.split(":") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+            raise UsageError(f"bad setting {name!r}: {value!r} is not a list of paths")
+        return tuple(i for i in items if i)
     if isinstance(default, Path):
         return Path(str(value))
     if not isinstance(value, str):

@@ -9,7 +9,9 @@
     ├── CheckpointError       a dump could not be taken or published
     ├── RestoreError          a restore failed
     ├── StoreError            the checkpoint store failed (I/O, full disk)
-    │   └── CorruptCheckpointError  a checkpoint failed verification
+    │   ├── CorruptCheckpointError  a checkpoint failed verification (or its manifest is garbage)
+    │   └── UntrustedCheckpointError its manifest is unsigned, tampered, or signed by a key this
+    │                                node does not trust
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
 
 Foreign errors are translated at the edge (`raise StoreError(...) from e`); code that must decide
@@ -78,6 +80,10 @@ class CorruptCheckpointError(StoreError):
     http_status = 422
 
 
+class UntrustedCheckpointError(StoreError):
+    http_status = 422
+
+
 class DaemonAPIError(StasisError):
     """The daemon could not be reached, or answered with an error of the given HTTP status."""
 
@@ -93,6 +99,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
     for cls in (
         StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
         CRIUNotFoundError, CheckpointError, RestoreError, StoreError, CorruptCheckpointError,
+        UntrustedCheckpointError,
     )
 }
 

@@ -22,7 +22,7 @@ from stasis.daemon.api import make_app
 from stasis.daemon.db import JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.errors import UsageError
-from stasis.store import Store
+from stasis.store import Store, node_keyring
 
 log = logging.getLogger("stasis.daemon")
 
@@ -51,8 +51,12 @@ async def serve(settings: Settings) -> None:
         raise UsageError("stasis daemon must run as root")
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     settings.state_dir.mkdir(parents=True, exist_ok=True)
+    # Made at the first start, kept forever: every checkpoint this node signs depends on it.
+    keys = node_keyring(settings, create=True)
+    log.info("signing checkpoints with key %s; trusting %d key(s)", keys.key_id,
+             len(keys.trusted_ids))
     manager_store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
-                          keep=settings.keep)
+                          keep=settings.keep, keys=keys)
     manager = JobManager(settings, manager_store, JobDB(settings.state_dir / "jobs.db"))
     manager.prepare()
     os.chmod(settings.state_dir / "jobs.db", 0o600)

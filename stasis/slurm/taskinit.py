@@ -29,7 +29,7 @@ from stasis.engine import CRIU, RestoreOptions, find_criu
 from stasis.errors import CorruptCheckpointError, StasisError
 from stasis.daemon import slurm as slurmd
 from stasis.daemon.client import Client
-from stasis.store import Manifest, Store
+from stasis.store import Manifest, Store, node_keyring
 
 EXIT_RESTORED = 0
 EXIT_FRESH = 10
@@ -111,8 +111,9 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
                    f"not {uid}; {UNPROTECTED}")
         return EXIT_OFF, out
     try:
+        # The node's keys (the daemon made them): only checkpoints signed by a trusted key.
         store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
-                      keep=settings.keep)
+                      keep=settings.keep, keys=node_keyring(settings))
         found = slurmd.candidates(store, label, explicit, uid, job_id, info.token)
     except StasisError as e:
         say.append(f"stasis: warning: cannot list checkpoints: {e}; starting from the beginning")

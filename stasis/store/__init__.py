@@ -19,6 +19,7 @@ from stasis.store.manifest import (
     validate_checkpoint_id,
     validate_label,
 )
+from stasis.store.signing import Keyring, Signature, Signer, node_keyring
 from stasis.store.store import Store
 
 __all__ = [
@@ -27,10 +28,14 @@ __all__ = [
     "Compression",
     "CompressionRequest",
     "FileEntry",
+    "Keyring",
     "Manifest",
+    "Signature",
+    "Signer",
     "Store",
     "is_checkpoint_id",
     "new_checkpoint_id",
+    "node_keyring",
     "validate_checkpoint_id",
     "validate_label",
 ]

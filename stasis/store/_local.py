@@ -22,7 +22,7 @@ import io
 import os
 import shutil
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -146,6 +146,8 @@ class LocalTree:
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
+        *,
+        seal: Callable[[Manifest], Manifest],
     ) -> Manifest:
         staging = source or self._staging_path(info.id)
         in_place = source is None and compression == "none"
@@ -175,7 +177,7 @@ class LocalTree:
                                       hashed)
             in_parallel(_fsync_file, [out / e.stored_name for e in entries],
                         cpu_workers(len(entries)))
-            manifest = Manifest.build(info, compression, entries)
+            manifest = seal(Manifest.build(info, compression, entries))
             _write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))
             _fsync_dir(out)
             os.rename(out, final)

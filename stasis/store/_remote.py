@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import posixpath
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
@@ -101,6 +101,8 @@ class RemoteTree:
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
+        *,
+        seal: Callable[[Manifest], Manifest],
     ) -> Manifest:
         # `hashed` is of no use here: every image is read anyway, to be copied.
         staging = source or self._staging_path(info.id)
@@ -115,7 +117,7 @@ class RemoteTree:
             entries = pack_staged(
                 staging, names, compression, lambda n: self._open_write(self._path(info.id, n))
             )
-            manifest = Manifest.build(info, compression, entries)
+            manifest = seal(Manifest.build(info, compression, entries))
             tmp = self._path(info.id, f".{MANIFEST_NAME}.tmp")
             self.fs.pipe_file(tmp, manifest_bytes(manifest))
             self.fs.mv(tmp, self._path(info.id, MANIFEST_NAME))

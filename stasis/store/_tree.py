@@ -63,13 +63,16 @@ class Tree(Protocol):
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
+        *,
+        seal: Callable[[Manifest], Manifest],
     ) -> Manifest:
         """Store the staged images of `info.id` and its manifest, all or nothing.
 
         `source` is a directory the images were staged in elsewhere (fast node-local memory);
         None means this tree's own staging directory. Always consumes the staging directory: it
         becomes the checkpoint, or is removed on failure. `hashed`: see `pack_staged` (a tree
-        that copies the images anyway may ignore it).
+        that copies the images anyway may ignore it). `seal` turns the manifest built from the
+        files into the one written (the store signs it there): what it returns is returned.
         """
         ...
 

@@ -1,8 +1,8 @@
 """What a checkpoint is on paper: its manifest, its id, its label.
 
-Owns the `manifest.json` schema (`Manifest`, `FileEntry`), the facts a caller supplies when
-publishing (`CheckpointInfo`), and the validation of every name that reaches the filesystem:
-checkpoint ids, labels and image file names. Nothing here does I/O.
+Owns the `manifest.json` schema (`Manifest`, `FileEntry`, the `Signature` it carries), the facts
+a caller supplies when publishing (`CheckpointInfo`), and the validation of every name that
+reaches the filesystem: checkpoint ids, labels and image file names. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stasis.errors import UsageError
+from stasis.store.signing import Signature
 
 Compression = Literal["none", "zstd", "lz4"]
 COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "lz4")
@@ -94,8 +95,9 @@ class FileEntry(BaseModel):
     size_bytes: int = Field(ge=0)  # uncompressed
     stored_name: str  # name in the store, e.g. "pages-1.img.zst"
     stored_size_bytes: int = Field(ge=0)
-    # xxh3-128 of the uncompressed bytes: it guards against damage (the store is root-only, so
-    # not against forgery), and at ~16 GB/s it costs a dump or restore next to nothing.
+    # xxh3-128 of the uncompressed bytes: it guards against damage, and at ~16 GB/s it costs a
+    # dump or restore next to nothing. It is not a MAC: the signed manifest binds these
+    # checksums to the checkpoint, but xxh3 itself does not resist a deliberate forger.
     xxh3_128: str = Field(pattern=r"^[0-9a-f]{32}$")
 
     _check_names = field_validator("name", "stored_name")(_safe_file_name)
@@ -133,6 +135,9 @@ class Manifest(CheckpointInfo):
     stored_size_bytes: int = Field(ge=0)
     compression: Compression
     files: list[FileEntry]
+    # HMAC-SHA256 over every other field (stasis/store/signing.py); None only before publishing:
+    # a manifest read without one is refused.
+    signature: Signature | None = None
 
     @model_validator(mode="after")
     def _names_unique(self) -> Manifest:

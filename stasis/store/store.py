@@ -5,7 +5,13 @@ Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory)
 restore, deletion and retention per (owner, label). Every id and file name reaching the filesystem
 is validated first; every foreign error leaves as one readable StoreError line.
 
-    store = Store(settings.store_url, staging_root=state_dir / "staging", keep=settings.keep)
+Every manifest is signed when published and verified whenever it is read (signing.py): a
+manifest without a signature, with one that does not verify, or signed by a key the store's
+keyring does not trust is never listed, never restored, never counted by retention.
+
+    keys = node_keyring(settings, create=True)
+    store = Store(settings.store_url, staging_root=state_dir / "staging", keep=settings.keep,
+                  keys=keys)
     staging = store.staging_dir(checkpoint_id)        # criu dump --images-dir staging
     manifest = store.publish(info, compression="zstd")  # or store.discard(checkpoint_id) on failure
     with store.open_images(checkpoint_id, scratch) as (manifest, images_dir):
@@ -15,6 +21,7 @@ is validated first; every foreign error leaves as one readable StoreError line.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import shutil
 import tempfile
@@ -27,7 +34,14 @@ import fsspec
 import fsspec.implementations.local
 from pydantic import ValidationError
 
-from stasis.errors import CorruptCheckpointError, NotFoundError, StasisError, StoreError, UsageError
+from stasis.errors import (
+    CorruptCheckpointError,
+    NotFoundError,
+    StasisError,
+    StoreError,
+    UntrustedCheckpointError,
+    UsageError,
+)
 from stasis.store._local import LocalTree
 from stasis.store._remote import RemoteTree
 from stasis.store._tree import Tree, in_parallel, remove_idle, staged_names
@@ -39,6 +53,7 @@ from stasis.store.compression import (
     cpu_workers,
     unpack,
 )
+from stasis.store.signing import Signer, Verdict, process_keyring
 from stasis.store.tailhash import Partial, TailHasher
 from stasis.store.manifest import (
     COMPRESSIONS,
@@ -56,10 +71,26 @@ log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A dump writes its images continuously; one whose staging directory sat idle this long is dead.
 STALE_STAGING_S = 3600.0
+# What a manifest's signature is for (signing.py): it verifies nothing else.
+MANIFEST_PURPOSE = "manifest"
 
 
 class _UnreadableManifest(Exception):
-    pass
+    """Not a manifest this stasis can read: garbage, or (`known_format` False) one of a format
+    it does not know, which a newer stasis sharing the store may have written."""
+
+    def __init__(self, why: str, known_format: bool = True) -> None:
+        super().__init__(why)
+        self.known_format = known_format
+
+
+class _UntrustedManifest(Exception):
+    """A well-formed manifest whose signature is missing, wrong or made with a key not trusted."""
+
+    def __init__(self, verdict: Verdict | None, key_id: str | None) -> None:
+        super().__init__(verdict.value if verdict else "not signed")
+        self.verdict = verdict
+        self.key_id = key_id
 
 
 class Store:
@@ -67,17 +98,24 @@ class Store:
 
     `staging_root` is a local directory for dumps when the store is not a local directory (a local
     store stages inside itself, so that publishing is a rename). `keep` is how many checkpoints
-    are kept per label, 0 for all.
+    are kept per (owner, label), 0 for all. `keys` signs what is published and says which
+    signatures are trusted: the daemon, and anything else that decides on what it reads, passes
+    the node's (`signing.node_keyring`). Without it the store signs with a key that lives as long
+    as this process and trusts nothing else: for tests and benchmarks of the store alone.
     """
 
-    def __init__(self, url: str, *, staging_root: Path, keep: int = 5) -> None:
+    def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
+                 keys: Signer | None = None) -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
             raise UsageError("no checkpoint store given: set STASIS_STORE to a directory or URL")
         self.url = url
         self.keep = keep
+        self.keys: Signer = keys if keys is not None else process_keyring()
         self._tree = _open_tree(url, staging_root)
+        # Checkpoints already warned about: a store with many bad ones must not flood the log.
+        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, keep={self.keep})"
@@ -128,7 +166,7 @@ class Store:
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
         try:
-            manifest = self._tree.publish(info, compression, source, hashed)
+            manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal)
         except StasisError:
             raise
         except Exception as e:  # OSError, or the own types of fsspec backends
@@ -240,8 +278,11 @@ class Store:
                 continue  # being published, or half-deleted
             except StasisError:
                 raise
+            except _UntrustedManifest as e:
+                self._warn_once(checkpoint_id, self._untrusted_why(e))
+                continue
             except Exception as e:  # garbage, or a file we may not read: one bad apple only
-                log.warning("skipping checkpoint %s in %s: %s", checkpoint_id, self.url, e)
+                self._warn_once(checkpoint_id, str(e))
                 continue
             if (label is None or manifest.label == label) and (uid is None or manifest.uid == uid):
                 manifests.append(manifest)
@@ -256,6 +297,8 @@ class Store:
             raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
         except _UnreadableManifest as e:
             raise self._corrupt(checkpoint_id, "manifest.json", f"is unreadable ({e})") from None
+        except _UntrustedManifest as e:
+            raise self._untrusted(checkpoint_id, e) from None
         except StasisError:
             raise
         except Exception as e:
@@ -325,15 +368,71 @@ class Store:
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def _seal(self, manifest: Manifest) -> Manifest:
+        signature = self.keys.sign(MANIFEST_PURPOSE, _signed_part(manifest))
+        return manifest.model_copy(update={"signature": signature})
+
     def _load(self, checkpoint_id: str) -> Manifest:
+        """The manifest of `checkpoint_id`, once it parsed and its signature verified."""
         data = self._tree.read_manifest(checkpoint_id)
         try:
-            manifest = Manifest.model_validate_json(data)
+            document = json.loads(data)
+        except ValueError as e:  # not JSON, not UTF-8
+            raise _UnreadableManifest(_reason(e)) from e
+        if not isinstance(document, dict):
+            raise _UnreadableManifest("not a JSON object")
+        if document.get("format", 1) != 1:
+            raise _UnreadableManifest(
+                f"format {document.get('format')!r}, which this stasis does not know "
+                "(written by a newer one?)", known_format=False)
+        try:
+            manifest = Manifest.model_validate(document)
         except (ValidationError, ValueError) as e:
             raise _UnreadableManifest(_first_problem(e)) from e
         if manifest.id != checkpoint_id:
             raise _UnreadableManifest(f"it names checkpoint {manifest.id}")
+        if manifest.signature is None:
+            raise _UntrustedManifest(None, None)
+        # Exactly what was read, not the model's view of it: a field this version ignores is
+        # signed too, and a change to it is a change.
+        del document["signature"]
+        verdict = self.keys.verify(MANIFEST_PURPOSE, document, manifest.signature)
+        if verdict is not Verdict.VALID:
+            raise _UntrustedManifest(verdict, manifest.signature.key_id)
         return manifest
+
+    def _warn_once(self, checkpoint_id: str, why: str) -> None:
+        if checkpoint_id not in self._warned:
+            self._warned.add(checkpoint_id)
+            log.warning("skipping checkpoint %s in %s: %s", checkpoint_id, self.url, why)
+
+    @staticmethod
+    def _untrusted_why(e: _UntrustedManifest) -> str:
+        if e.verdict is None:
+            return "its manifest is not signed"
+        if e.verdict is Verdict.UNKNOWN_KEY:
+            return f"its manifest is signed by key {e.key_id}, which this node does not trust"
+        return "its manifest does not match its signature (changed after it was signed)"
+
+    def _untrusted(self, checkpoint_id: str, e: _UntrustedManifest) -> UntrustedCheckpointError:
+        rm = f"root can delete it with `stasis checkpoints rm {checkpoint_id}`"
+        if e.verdict is Verdict.UNKNOWN_KEY:
+            return UntrustedCheckpointError(
+                f"checkpoint {checkpoint_id} is not trusted: its manifest is signed by key "
+                f"{e.key_id}, which this node does not trust; if another node of your site made "
+                f"it, add that node's key to trusted_keys (or give both one site_key) and restart "
+                f"the daemon, else {rm}"
+            )
+        if e.verdict is None:
+            what = ("is not signed: it was written by a stasis that did not sign manifests, or "
+                    "by someone else who can write the store")
+        else:
+            what = ("does not match its signature: it was changed after it was signed "
+                    "(tampering or damage)")
+        return UntrustedCheckpointError(
+            f"checkpoint {checkpoint_id} is not trusted and is not restored: its manifest {what}; "
+            f"{rm}"
+        )
 
     def _verify(
         self,
@@ -412,6 +511,13 @@ class Store:
                 "free space or point STASIS_STORE elsewhere"
             )
         return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: {_reason(e)}")
+
+
+def _signed_part(manifest: Manifest) -> dict[str, object]:
+    """The manifest as the JSON values written to manifest.json, less the signature: what a
+    reader gets back from the file and verifies."""
+    signed: dict[str, object] = json.loads(manifest.model_dump_json(exclude={"signature"}))
+    return signed
 
 
 def _open_tree(url: str, staging_root: Path) -> Tree:

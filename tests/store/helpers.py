@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from stasis.store import CheckpointInfo, Store, new_checkpoint_id
+from stasis.store import CheckpointInfo, Manifest, Store, new_checkpoint_id
+from stasis.store.store import MANIFEST_PURPOSE
 
 BASE_TIME = datetime(2026, 11, 30, 0, 15, 12, tzinfo=UTC)
 
@@ -40,3 +42,11 @@ def stage(store: Store, info: CheckpointInfo, files: dict[str, bytes]) -> Path:
 
 
 SMALL_FILES = {"core-1.img": b"core" * 100, "mm-1.img": b"mm" * 1000, "empty.img": b""}
+
+
+def signed(store: Store, manifest: Manifest) -> bytes:
+    """manifest.json for `manifest`, signed with `store`'s key as a publish would: for tests that
+    need a manifest that lies and is still trusted (the signer's own bug, not an attacker)."""
+    body = json.loads(manifest.model_dump_json(exclude={"signature"}))
+    sealed = manifest.model_copy(update={"signature": store.keys.sign(MANIFEST_PURPOSE, body)})
+    return sealed.model_dump_json().encode()

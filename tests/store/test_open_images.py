@@ -13,7 +13,7 @@ import pytest
 from stasis.errors import CorruptCheckpointError, NotFoundError
 from stasis.store import Compression, Manifest, Store
 
-from .helpers import SMALL_FILES, make_info, stage
+from .helpers import SMALL_FILES, make_info, signed, stage
 
 
 @pytest.fixture
@@ -133,7 +133,7 @@ def test_wrong_plain_size_is_caught(local_store: Store, tmp_path: Path) -> None:
             ]
         }
     )
-    (tmp_path / "store" / manifest.id / "manifest.json").write_text(lying.model_dump_json())
+    (tmp_path / "store" / manifest.id / "manifest.json").write_bytes(signed(local_store, lying))
     with pytest.raises(CorruptCheckpointError, match="core-1.img holds more than 3 bytes;"):
         with local_store.open_images(manifest.id, tmp_path / "scratch"):
             pass
