@@ -19,6 +19,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          its own <state_dir>/keys/node.key)
     STASIS_TRUSTED_KEYS  key files (or directories of them) of other nodes whose checkpoints
                          this node restores; ':'-separated, a list in the file  (none)
+    STASIS_REMOVE_CORRUPT_AFTER_S  checkpoints whose manifest is garbage are removed by the
+                         daemon this long after it was written; 0 = never  (604800: 7 days)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _ENV_KEYS = {
     "STASIS_LAZY_RESTORE": "lazy_restore",
     "STASIS_SITE_KEY": "site_key",
     "STASIS_TRUSTED_KEYS": "trusted_keys",
+    "STASIS_REMOVE_CORRUPT_AFTER_S": "remove_corrupt_after_s",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -70,6 +73,10 @@ class Settings(NamedTuple):
     # with the node's own key. Both are trusted, and so is every key file named here.
     site_key: str = ""
     trusted_keys: tuple[str, ...] = ()
+    # Nobody can restore a checkpoint whose manifest is garbage, nor tell whose it is; after this
+    # long it is removed (long enough for someone to look at it first). Unsigned or untrusted
+    # ones are never removed by themselves: a shared store may hold another site's.
+    remove_corrupt_after_s: int = 7 * 86400
 
     @property
     def store_url(self) -> str:

@@ -9,7 +9,8 @@
     ├── CheckpointError       a dump could not be taken or published
     ├── RestoreError          a restore failed
     ├── StoreError            the checkpoint store failed (I/O, full disk)
-    │   ├── CorruptCheckpointError  a checkpoint failed verification (or its manifest is garbage)
+    │   ├── CorruptCheckpointError  a checkpoint failed verification
+    │   │   └── UnreadableManifestError  its manifest is garbage: nobody can tell whose it is
     │   └── UntrustedCheckpointError its manifest is unsigned, tampered, or signed by a key this
     │                                node does not trust
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
@@ -80,6 +81,10 @@ class CorruptCheckpointError(StoreError):
     http_status = 422
 
 
+class UnreadableManifestError(CorruptCheckpointError):
+    pass
+
+
 class UntrustedCheckpointError(StoreError):
     http_status = 422
 
@@ -99,7 +104,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
     for cls in (
         StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
         CRIUNotFoundError, CheckpointError, RestoreError, StoreError, CorruptCheckpointError,
-        UntrustedCheckpointError,
+        UnreadableManifestError, UntrustedCheckpointError,
     )
 }
 

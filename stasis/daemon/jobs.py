@@ -48,9 +48,12 @@ from stasis.errors import (
     CheckpointError,
     CorruptCheckpointError,
     NotFoundError,
+    PermissionDeniedError,
     RestoreError,
     StasisError,
     StoreError,
+    UnreadableManifestError,
+    UntrustedCheckpointError,
     UsageError,
     error_from_wire,
 )
@@ -168,9 +171,31 @@ class JobManager:
         return self.store.list(label, uid=owner_uid(caller, user))
 
     def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
-        manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
-        caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
+        try:
+            manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
+        except (UnreadableManifestError, UntrustedCheckpointError) as e:
+            # Its owner cannot be told (garbage) or believed (unsigned, forged, another site's):
+            # root alone may remove it.
+            if not caller.is_root:
+                raise PermissionDeniedError(
+                    f"permission denied: the manifest of checkpoint {checkpoint_id} is "
+                    "unreadable or untrusted, so nobody can tell whose it is; only root can "
+                    "delete it"
+                ) from e
+            log.warning("root deletes checkpoint %s: %s", checkpoint_id, e)
+        else:
+            caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
         self.store.delete(checkpoint_id)
+
+    def sweep_store(self) -> None:
+        """Free what nobody can use: checkpoints whose manifest has been garbage for longer than
+        `remove_corrupt_after_s` (the daemon runs this at its start and then every hour)."""
+        if self.settings.remove_corrupt_after_s == 0:
+            return
+        try:
+            self.store.remove_unreadable(self.settings.remove_corrupt_after_s)
+        except StasisError as e:
+            log.warning("cannot remove corrupt checkpoints: %s", e)
 
     # -- run -----------------------------------------------------------------------------------
 

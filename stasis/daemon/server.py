@@ -28,6 +28,8 @@ log = logging.getLogger("stasis.daemon")
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL_INTERVAL_S = 0.5
+# How often checkpoints nobody can use (a garbage manifest) are looked for; first at the start.
+STORE_SWEEP_INTERVAL_S = 3600.0
 
 
 def _socket_in_use(path: str) -> bool:
@@ -91,11 +93,19 @@ async def serve(settings: Settings) -> None:
             await asyncio.to_thread(manager.poll)
             await asyncio.sleep(POLL_INTERVAL_S)
 
-    follower = asyncio.create_task(follow_jobs())
+    async def sweep_store() -> None:
+        # In the background: reading every manifest of a large store must not delay the socket.
+        while True:
+            await asyncio.to_thread(manager.sweep_store)
+            await asyncio.sleep(STORE_SWEEP_INTERVAL_S)
+
+    background = [asyncio.create_task(follow_jobs()), asyncio.create_task(sweep_store())]
     await stop.wait()
-    follower.cancel()
-    with suppress(asyncio.CancelledError):
-        await follower
+    for task in background:
+        task.cancel()
+    for task in background:
+        with suppress(asyncio.CancelledError):
+            await task
     await runner.cleanup()
     manager.close()
     with suppress(FileNotFoundError):

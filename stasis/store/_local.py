@@ -100,6 +100,9 @@ class LocalTree:
         with _open_read(self.root / checkpoint_id / MANIFEST_NAME) as f:
             return f.read(MAX_MANIFEST_BYTES)
 
+    def manifest_mtime(self, checkpoint_id: str) -> float:
+        return os.lstat(self.root / checkpoint_id / MANIFEST_NAME).st_mtime
+
     def exists(self, checkpoint_id: str) -> bool:
         return self._check_root() and (self.root / checkpoint_id).is_dir()
 

@@ -56,6 +56,11 @@ class RemoteTree:
         with self.fs.open(self._path(checkpoint_id, MANIFEST_NAME), "rb") as f:
             return cast(bytes, f.read(MAX_MANIFEST_BYTES))
 
+    def manifest_mtime(self, checkpoint_id: str) -> float:
+        # fsspec's own: a datetime, or NotImplementedError where the backend keeps no time.
+        modified = self.fs.modified(self._path(checkpoint_id, MANIFEST_NAME))
+        return float(modified.timestamp())
+
     def exists(self, checkpoint_id: str) -> bool:
         return bool(self.fs.exists(self._path(checkpoint_id)))
 

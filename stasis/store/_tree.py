@@ -44,6 +44,10 @@ class Tree(Protocol):
 
     def read_manifest(self, checkpoint_id: str) -> bytes: ...
 
+    def manifest_mtime(self, checkpoint_id: str) -> float:
+        """When manifest.json was last written (seconds since the epoch)."""
+        ...
+
     def exists(self, checkpoint_id: str) -> bool: ...
 
     def staging_dir(self, checkpoint_id: str) -> Path:

@@ -39,6 +39,7 @@ from stasis.errors import (
     NotFoundError,
     StasisError,
     StoreError,
+    UnreadableManifestError,
     UntrustedCheckpointError,
     UsageError,
 )
@@ -190,6 +191,48 @@ class Store:
         except OSError as e:
             raise StoreError(f"cannot clean the staging area of {self._tree.where}: {_reason(e)}") from e
 
+    def remove_unreadable(self, older_than_s: float) -> list[str]:
+        """Delete the checkpoints whose manifest.json is garbage and was written more than
+        `older_than_s` ago; return their ids. Nobody can restore them or tell whose they are,
+        and retention, which counts per (owner, label), never sees them.
+
+        Left alone: manifests of a format this stasis does not know (a newer node sharing the
+        store wrote them), well-formed ones that are unsigned or signed by a key this node does
+        not trust (a shared store may hold another site's checkpoints: root decides, with
+        `checkpoints rm`), those whose age cannot be told, and anything that cannot be read."""
+        try:
+            ids = self._tree.ids()
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+        now = time.time()
+        removed = []
+        for checkpoint_id in ids:
+            try:
+                self._load(checkpoint_id)
+                continue
+            except _UnreadableManifest as e:
+                if not e.known_format:
+                    continue
+                why = str(e)
+            except Exception:  # missing, untrusted, unreadable file: not garbage we can judge
+                continue
+            try:
+                age_s = now - self._tree.manifest_mtime(checkpoint_id)
+            except Exception:
+                continue
+            if age_s < older_than_s:
+                continue
+            try:
+                self.delete(checkpoint_id)
+            except NotFoundError:
+                continue  # another node got there first
+            log.info("removed checkpoint %s from %s: its manifest has been unreadable for "
+                     "%d s (%s)", checkpoint_id, self.url, age_s, why)
+            removed.append(checkpoint_id)
+        return removed
+
     def follow(self, checkpoint_id: str, compression: CompressionRequest) -> TailHasher | None:
         """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`:
         writing them back to disk (uncompressed), or compressing them into the files the store
@@ -296,7 +339,12 @@ class Store:
         except FileNotFoundError:
             raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
         except _UnreadableManifest as e:
-            raise self._corrupt(checkpoint_id, "manifest.json", f"is unreadable ({e})") from None
+            # Not the owner's to delete: nobody can tell who the owner is.
+            raise UnreadableManifestError(
+                f"checkpoint {checkpoint_id} is corrupt: manifest.json is unreadable ({e}); "
+                f"nobody can tell whose it is: root can delete it with "
+                f"`stasis checkpoints rm {checkpoint_id}`"
+            ) from None
         except _UntrustedManifest as e:
             raise self._untrusted(checkpoint_id, e) from None
         except StasisError:
