@@ -60,7 +60,8 @@ def owner_uid(caller: Caller, requested: str | None) -> int:
     by name or uid. A uid need not exist on this node: its checkpoints may come from another."""
     if requested is None:
         return caller.uid
-    uid = int(requested) if requested.isdigit() else account(requested).uid
+    numeric = requested.isascii() and requested.isdigit()
+    uid = int(requested) if numeric else account(requested).uid
     if uid != caller.uid and not caller.is_root:
         raise PermissionDeniedError(
             f"permission denied: only root may use another user's checkpoints (--user {requested})"
