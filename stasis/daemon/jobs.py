@@ -418,6 +418,7 @@ class JobManager:
             "mode": "restore",
             "uid": acct.uid,
             "gid": acct.gid,
+            "groups": acct.groups,
             "log": log,
             "image_log": manifest.log_path or log,
             "criu": find_criu(self.settings.criu),
@@ -452,9 +453,12 @@ class JobManager:
                 spec.update(images=str(images), lazy=False)
                 job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
         if "error" in answer:
-            raise RestoreError(
-                f"restore of checkpoint {manifest.id} failed: {answer['error']['message']}"
-            )
+            message = answer["error"]["message"]
+            if acct.uid != 0 and "Permission denied" in message:
+                # Swapped for a symlink, or its permissions changed since the dump.
+                message += (f" (a restore reopens the job's paths with the rights of its owner, "
+                            f"{acct.name}, who may not open that path now)")
+            raise RestoreError(f"restore of checkpoint {manifest.id} failed: {message}")
         pid = int(answer["pid"])
         self.db.add(
             JobRow(

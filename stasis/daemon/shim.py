@@ -11,7 +11,8 @@ Two modes, read from `spec.json` in JOB_DIR:
            (a namespace init ignores SIGTERM from outside unless it has a handler; tini has one
            and reaps zombies).
   restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
-           at the job's log (inherit_fd), opened with the job user's rights.
+           at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
+           files, cwd, mappings and socket addresses with those rights too (Owner).
 
 The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
 """
@@ -128,14 +129,18 @@ def run(job_dir: Path, spec: dict[str, Any]) -> None:
 
 
 def _open_log_as_user(spec: dict[str, Any]) -> int:
-    """Open the job's log with the job user's rights (the path may come from the user)."""
+    """Open the job's log with the job user's rights (the path may come from the user): their
+    groups too, or root's supplementary groups would open what the user's could not."""
+    saved = os.getgroups()
+    os.setgroups(spec["groups"])
     os.setegid(spec["gid"])
     os.seteuid(spec["uid"])
     try:
-        return os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOCTTY, 0o644)
     finally:
         os.seteuid(0)
         os.setegid(0)
+        os.setgroups(saved)
 
 
 def _resume_gate(script: str, _pid: int) -> bool:
@@ -150,7 +155,7 @@ def _resume_gate(script: str, _pid: int) -> bool:
 
 
 def restore(job_dir: Path, spec: dict[str, Any]) -> None:
-    from stasis.engine.criu import CRIU, RestoreOptions
+    from stasis.engine.criu import CRIU, Owner, RestoreOptions
     from stasis.errors import StasisError
 
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
@@ -167,7 +172,10 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         result = criu.restore(
             Path(spec["images"]),
             RestoreOptions(inherit_fds=[(key, log_fd)], lazy=spec.get("lazy", False),
-                           notify=_resume_gate if spec.get("gate") else None),
+                           notify=_resume_gate if spec.get("gate") else None,
+                           # Every path of the job is resolved with its owner's rights.
+                           owner=Owner(spec["uid"], spec["gid"], spec["groups"])
+                           if spec["uid"] != 0 else None),
             spec["criu_log_name"],
         )
     except StasisError as e:

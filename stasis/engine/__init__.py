@@ -14,9 +14,10 @@ from stasis.engine.criu import (
     CRIU,
     DumpOptions,
     DumpResult,
+    Owner,
     RestoreOptions,
     RestoreResult,
     find_criu,
 )
 
-__all__ = ["CRIU", "DumpOptions", "DumpResult", "RestoreOptions", "RestoreResult", "find_criu"]
+__all__ = ["CRIU", "DumpOptions", "DumpResult", "Owner", "RestoreOptions", "RestoreResult", "find_criu"]

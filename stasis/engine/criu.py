@@ -54,6 +54,21 @@ class DumpResult:
     log_path: Path
 
 
+@dataclass(frozen=True)
+class Owner:
+    """Whose rights a restore resolves the job's paths with (files, cwd, root, mappings, unix
+    socket addresses): CRIU itself runs as root, and a path swapped for a symlink after the dump
+    must not reach what this user could not (our CRIU patch 0003 reads CRIU_RESTORE_FSCREDS)."""
+
+    uid: int
+    gid: int
+    groups: Sequence[int] = ()
+
+    def environ(self) -> dict[str, str]:
+        groups = ",".join(str(g) for g in self.groups)
+        return {"CRIU_RESTORE_FSCREDS": f"{self.uid}:{self.gid}:{groups}"}
+
+
 @dataclass
 class RestoreOptions:
     # (key, fd) pairs: CRIU reopens the file whose image path is `key` (no leading '/') as `fd`.
@@ -66,6 +81,8 @@ class RestoreOptions:
     file_locks: bool = True
     ext_unix_sk: bool = True
     notify: rpc.NotifyHandler | None = None
+    # None: paths are resolved with root's rights (only for root's own jobs).
+    owner: Owner | None = None
 
 
 @dataclass
@@ -197,7 +214,8 @@ class CRIU:
             req = pb.criu_req(type=pb.RESTORE, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify).call(
-                req, pass_fds=[fd for _, fd in options.inherit_fds]
+                req, pass_fds=[fd for _, fd in options.inherit_fds],
+                env=options.owner.environ() if options.owner else None,
             )
             duration = time.monotonic() - start
         finally:

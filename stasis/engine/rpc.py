@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stasis.errors import CRIUError, CRIUNotFoundError
@@ -47,11 +47,13 @@ class Session:
         self.notify = notify
         self.criu_pid: int | None = None
 
-    def call(self, request: Any, pass_fds: Sequence[int] = ()) -> Any:
+    def call(self, request: Any, pass_fds: Sequence[int] = (),
+             env: Mapping[str, str] | None = None) -> Any:
         """Send `request` (a criu_req) and return the final criu_resp.
 
-        `pass_fds` are inherited by the swrk process (inherit_fd needs them there). A response with
-        success=false is returned, not raised: the caller knows which log explains it.
+        `pass_fds` are inherited by the swrk process (inherit_fd needs them there); `env` is added
+        to its environment. A response with success=false is returned, not raised: the caller
+        knows which log explains it.
         """
         pb = _pb()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -63,6 +65,7 @@ class Session:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     close_fds=True,
+                    env={**os.environ, **env} if env else None,
                 )
             except FileNotFoundError as e:
                 raise CRIUNotFoundError(
