@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 from contextlib import suppress
+from pathlib import Path
 
 from aiohttp import web
 
@@ -48,23 +49,43 @@ def _socket_gid(settings: Settings) -> int:
         return 0
 
 
+def _make_dirs(path: Path) -> None:
+    """mkdir -p, the directories it makes 0755 whatever the umask: users reach the socket and
+    their logs through them (those that exist are left as they are)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        with suppress(FileExistsError):
+            d.mkdir()
+            os.chmod(d, 0o755)
+
+
 async def serve(settings: Settings) -> None:
     if os.geteuid() != 0:
         raise UsageError("stasis daemon must run as root")
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    # Everything the daemon writes (job table and its WAL, staging, CRIU logs) is root's alone
+    # unless it says otherwise (the socket, the job logs, the directories users traverse); the
+    # jobs themselves get the umask the daemon was started with.
+    job_umask = os.umask(0o077)
+    _make_dirs(settings.state_dir)
     # Made at the first start, kept forever: every checkpoint this node signs depends on it.
     keys = node_keyring(settings, create=True)
     log.info("signing checkpoints with key %s; trusting %d key(s)", keys.key_id,
              len(keys.trusted_ids))
     manager_store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
                           keep=settings.keep, keys=keys)
-    manager = JobManager(settings, manager_store, JobDB(settings.state_dir / "jobs.db"))
+    db_path = settings.state_dir / "jobs.db"
+    for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
+        with suppress(FileNotFoundError):
+            os.chmod(f"{db_path}{name}", 0o600)
+    manager = JobManager(settings, manager_store, JobDB(db_path), job_umask=job_umask)
     manager.prepare()
-    os.chmod(settings.state_dir / "jobs.db", 0o600)
 
     sock_path = str(settings.socket)
-    settings.socket.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(settings.socket.parent)
     if settings.socket.exists():
         if _socket_in_use(sock_path):
             raise UsageError(f"a daemon is already listening on {sock_path}")

@@ -5,7 +5,8 @@ in a session of its own, so that a job outlives a restart of the daemon and its 
 never lost: the shim is the job's parent, waits for it and
 writes `exit.json` into the job's directory (atomically), whether or not a daemon is listening.
 
-Two modes, read from `spec.json` in JOB_DIR:
+Two modes, read from the spec: the line after JOB_DIR on stdin (as a spare; it may hold the
+job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
   run      unshare a PID namespace and fork its init: setsid, drop to the job's user, stdin from
            /dev/null, stdout/stderr appended to the log, then exec tini in front of the command
            (a namespace init ignores SIGTERM from outside unless it has a handler; tini has one
@@ -82,6 +83,7 @@ def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
 def _exec_job(spec: dict[str, Any], status_w: int) -> None:
     """In the namespace init (a fresh child): become the job, then exec tini. Never returns."""
     try:
+        os.umask(spec.get("umask", 0o022))  # the daemon's own (077) is not the job's business
         os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -131,9 +133,11 @@ def _open_log_as_user(spec: dict[str, Any]) -> int:
     """Open the job's log with the job user's rights (the path may come from the user)."""
     os.setegid(spec["gid"])
     os.seteuid(spec["uid"])
+    umask = os.umask(spec.get("umask", 0o022))  # a log the user makes is as theirs as ever
     try:
         return os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     finally:
+        os.umask(umask)
         os.seteuid(0)
         os.setegid(0)
 
@@ -180,25 +184,31 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 
-def _wait_for_job() -> Path | None:
-    """As a spare: import now what a restore needs, then wait for our job's directory."""
+def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:
+    """As a spare: import now what a restore needs, then wait for our job's directory and spec."""
     import importlib
 
     importlib.import_module("stasis.engine.criu")
     importlib.import_module("stasis.engine.rpc").messages()
     line = sys.stdin.buffer.readline().strip()
-    return Path(line.decode()) if line else None
+    spec = sys.stdin.buffer.readline()
+    if not line or not spec:
+        return None
+    return Path(line.decode()), json.loads(spec)
 
 
 def main() -> None:
+    # Its files (exit.json, CRIU's restore log) are root's alone, whatever umask the daemon had
+    # at the moment it started us (it narrows it briefly to create its socket).
+    os.umask(0o077)
     if sys.argv[1:] == ["--spare"]:
         waited = _wait_for_job()
         if waited is None:
             return  # the daemon stopped without needing us
-        job_dir = waited
+        job_dir, spec = waited
     else:
         job_dir = Path(sys.argv[1])
-    spec = json.loads((job_dir / "spec.json").read_text())
+        spec = json.loads((job_dir / "spec.json").read_text())
     try:
         if spec["mode"] == "run":
             run(job_dir, spec)
