@@ -23,7 +23,8 @@ import ctypes
 import errno
 import json
 import os
-import shutil
+import stat
+import struct
 import sys
 import time
 from pathlib import Path
@@ -95,19 +96,90 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.chdir(spec["cwd"])
-        # tini would only report this in the log; the caller deserves to hear it now.
-        prog = spec["command"][0]
-        found = os.access(prog, os.X_OK) if "/" in prog else shutil.which(
-            prog, path=spec["env"].get("PATH"))
-        if not found:
-            raise FileNotFoundError(errno.ENOENT, "no such executable program", prog)
+        # tini would only report this in the log, and the job would seem to have started: the
+        # caller deserves to hear it now.
+        _find_program(spec["command"][0], spec["env"].get("PATH", ""))
         argv = [spec["tini"], "-g", "--", *spec["command"]]
         os.execve(spec["tini"], argv, spec["env"])
     except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
+        where = f" ({e.filename})" if e.filename and e.filename != spec["command"][0] else ""
         os.write(status_w, f"{e.strerror or e}{where}".encode())
+    except BaseException as e:  # whatever it is, the job did not start: say so
+        os.write(status_w, f"{type(e).__name__}: {e}".encode())
     finally:
         os._exit(127)
+
+
+def _find_program(prog: str, path: str) -> str:
+    """Where execvp (in tini) will find `prog`, checked as the job's user now: a regular,
+    executable file whose interpreter (#!, or an ELF program's loader) exists. Raises OSError
+    saying what is wrong, as execve would."""
+    if "/" in prog:
+        return _check_executable(prog, prog)
+    denied = None
+    for d in path.split(":"):
+        candidate = os.path.join(d or ".", prog)
+        try:
+            return _check_executable(candidate, prog)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            denied = denied or e  # execvp goes on looking, and reports EACCES at the end
+    if denied is not None:
+        raise denied
+    raise FileNotFoundError(errno.ENOENT, "no such executable program on PATH", prog)
+
+
+def _check_executable(path: str, prog: str, depth: int = 0) -> str:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no such executable program", prog) from None
+    if not stat.S_ISREG(st.st_mode) or not os.access(path, os.X_OK):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not an executable file"
+        raise PermissionError(errno.EACCES, f"{what}, not a program it may run", path)
+    interpreter = _interpreter(path)
+    if interpreter and depth < 4:  # the kernel follows #! four levels deep
+        try:
+            _check_executable(interpreter, prog, depth + 1)
+        except OSError as e:
+            raise OSError(e.errno, f"its interpreter {interpreter}: {e.strerror}", path) from None
+    return path
+
+
+def _interpreter(path: str) -> str | None:
+    """The program the kernel runs for `path`: its #! line's, or its ELF loader (PT_INTERP)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            if head.startswith(b"#!"):
+                words = head[2:].split(b"\n", 1)[0].split()
+                return words[0].decode(errors="replace") if words else None
+            if head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+                return None
+            bits64, order = head[4] == 2, "<" if head[5] == 1 else ">"
+            if bits64:
+                phoff, = struct.unpack_from(order + "Q", head, 32)
+                phentsize, phnum = struct.unpack_from(order + "HH", head, 54)
+            else:
+                phoff, = struct.unpack_from(order + "I", head, 28)
+                phentsize, phnum = struct.unpack_from(order + "HH", head, 42)
+            for i in range(min(phnum, 64)):
+                f.seek(phoff + i * phentsize)
+                ph = f.read(phentsize)
+                if len(ph) < 16 or struct.unpack_from(order + "I", ph, 0)[0] != 3:  # PT_INTERP
+                    continue
+                if bits64:
+                    offset, = struct.unpack_from(order + "Q", ph, 8)
+                    size, = struct.unpack_from(order + "Q", ph, 32)
+                else:
+                    offset, = struct.unpack_from(order + "I", ph, 4)
+                    size, = struct.unpack_from(order + "I", ph, 16)
+                f.seek(offset)
+                return f.read(min(size, 4096)).split(b"\0", 1)[0].decode(errors="replace")
+    except (OSError, struct.error):
+        return None  # not readable by the user (execute-only) or odd: let execve judge
+    return None
 
 
 def run(job_dir: Path, spec: dict[str, Any]) -> None:
