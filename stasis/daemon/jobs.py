@@ -503,17 +503,27 @@ class JobManager:
                 if shim.poll() is not None:
                     del self._shims[pid]
         for row in self.db.live():
-            exit_file = Path(row.job_dir) / "exit.json"
-            if exit_file.exists():
-                try:
-                    code = json.loads(exit_file.read_text())["exit_code"]
-                except (OSError, ValueError, KeyError):
-                    code = None
-                self.db.finish(row.id, "exited", code)
-            elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
-                if row.shim_pid and proctree.alive(row.shim_pid, None):
-                    continue  # the supervisor is about to write the status
-                self.db.finish(row.id, "exited", None)
+            # A job is `exited` only on what was seen: its status written, or its process and
+            # supervisor gone. A failure to look (out of files, say) leaves it for next time.
+            try:
+                self._follow(row)
+            except OSError as e:
+                log.warning("cannot tell whether job %s still runs: %s", row.id, e)
+
+    def _follow(self, row: JobRow) -> None:
+        exit_file = Path(row.job_dir) / "exit.json"
+        if exit_file.exists():
+            try:
+                code = json.loads(exit_file.read_text())["exit_code"]
+            except (ValueError, KeyError):
+                code = None  # written, but garbled: the job did end
+            self.db.finish(row.id, "exited", code)
+        elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
+            if row.shim_pid and proctree.alive(row.shim_pid, None):
+                return  # the supervisor is about to write the status
+            if (Path(row.job_dir) / "exit.json").exists():
+                return  # it just did: read next time
+            self.db.finish(row.id, "exited", None)
 
 
 class _SpareSupervisor:
