@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.daemon.test_bad_input import one_line_error
 from tests.daemon.test_restore_state import last_number
 
 # A client that opens N connections to the daemon's socket, each sending the start of a request
@@ -117,6 +118,9 @@ def test_one_users_half_sent_requests_lock_nobody_out(make_daemon: Any,
     while time.monotonic() < deadline:
         assert _state(d, job["job"]) == "running"
         time.sleep(0.3)
+    # The user themselves is told why, in one line.
+    one_line_error(d.cli("ps", user=test_user.pw_name, check=False), 1, "too many connections",
+                   "max_connections_per_uid")
     report = holder.report()
     # Only the user's share stayed open; the daemon closed the rest at once.
     assert report["opened"] + report["refused"] == 200
