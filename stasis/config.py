@@ -22,7 +22,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_REMOVE_CORRUPT_AFTER_S  checkpoints whose manifest is garbage are removed by the
                          daemon this long after it was written; 0 = never  (604800: 7 days)
     STASIS_REQUEST_TIMEOUT_S  seconds a client has to send a request's headers once connected,
-                         and again its body once the headers are in; then it is cut off  (10)
+                         and again its body once the headers are in; then it is cut off;
+                         0 = no limit  (10)
     STASIS_MAX_CONNECTIONS_PER_UID  connections one user (not root) may hold open on the
                          daemon's socket at once; 0 = no cap  (64)
 """
