@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from contextlib import suppress
 from pathlib import Path
 
@@ -69,6 +70,10 @@ async def serve(settings: Settings) -> None:
         raise UsageError("stasis daemon must run as root")
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     quiet_repeats()
+    # A thread that dies (out of files, say) is logged through the same filter, not printed.
+    threading.excepthook = lambda a: log.error(
+        "thread %s failed", a.thread.name if a.thread else "?",
+        exc_info=a.exc_value)
     open_files = raise_open_files_limit()
     # Everything the daemon writes (job table and its WAL, staging, CRIU logs) is root's alone
     # unless it says otherwise (the socket, the job logs, the directories users traverse); the
