@@ -103,3 +103,18 @@ def test_env_values_an_older_daemon_kept_are_forgotten(tmp_path: Path) -> None:
     for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
         if (tmp_path / name).exists():
             assert b"old-secret-value" not in (tmp_path / name).read_bytes(), name
+
+
+def test_job_table_an_older_daemon_left_readable_is_made_private(make_daemon: Any) -> None:
+    d: Daemon = make_daemon()
+    d.run("true")
+    d.stop()
+    state = d.state_dir
+    # As an older daemon left them (killed: its WAL and shared memory stay behind).
+    for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
+        (state / name).touch()
+        os.chmod(state / name, 0o644)
+    d.start()
+    d.run("true")
+    for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
+        assert stat.S_IMODE((state / name).stat().st_mode) == 0o600, name
