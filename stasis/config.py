@@ -21,6 +21,11 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          this node restores; ':'-separated, a list in the file  (none)
     STASIS_REMOVE_CORRUPT_AFTER_S  checkpoints whose manifest is garbage are removed by the
                          daemon this long after it was written; 0 = never  (604800: 7 days)
+    STASIS_REQUEST_TIMEOUT_S  seconds a client has to send a request's headers once connected,
+                         and again its body once the headers are in; then it is cut off;
+                         0 = no limit  (10)
+    STASIS_MAX_CONNECTIONS_PER_UID  connections one user (not root) may hold open on the
+                         daemon's socket at once; 0 = no cap  (64)
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ _ENV_KEYS = {
     "STASIS_SITE_KEY": "site_key",
     "STASIS_TRUSTED_KEYS": "trusted_keys",
     "STASIS_REMOVE_CORRUPT_AFTER_S": "remove_corrupt_after_s",
+    "STASIS_REQUEST_TIMEOUT_S": "request_timeout_s",
+    "STASIS_MAX_CONNECTIONS_PER_UID": "max_connections_per_uid",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -77,6 +84,12 @@ class Settings(NamedTuple):
     # long it is removed (long enough for someone to look at it first). Unsigned or untrusted
     # ones are never removed by themselves: a shared store may hold another site's.
     remove_corrupt_after_s: int = 7 * 86400
+    # Our own clients send a whole request at once; a slow or stalled one (or a hostile one)
+    # must not hold the daemon's files for long.
+    request_timeout_s: int = 10
+    # Enough for one user's jobs, their Slurm hooks and their commands at once; root is not
+    # counted (its requests are always served).
+    max_connections_per_uid: int = 64
 
     @property
     def store_url(self) -> str:

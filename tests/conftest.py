@@ -48,8 +48,10 @@ class Daemon:
     """One `stasis daemon` with its own socket, state and store, plus a CLI wired to it."""
 
     def __init__(self, root: Path, store: str | None = None, keep: int = 5,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, nofile: int | None = None) -> None:
         self.root = root
+        # RLIMIT_NOFILE (soft and hard) to start the daemon under: a service manager's low one.
+        self.nofile = nofile
         self.socket = root / "stasis.sock"
         self.state_dir = root / "state"
         self.store = store or str(root / "store")
@@ -67,7 +69,8 @@ class Daemon:
 
     def start(self) -> None:
         self.log = open(self.root / "daemon.log", "ab")
-        self.proc = subprocess.Popen([STASIS, "daemon"], env=self.env, stdout=self.log,
+        limit = ["prlimit", f"--nofile={self.nofile}:{self.nofile}", "--"] if self.nofile else []
+        self.proc = subprocess.Popen([*limit, STASIS, "daemon"], env=self.env, stdout=self.log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(self._answers, 20, "the daemon's socket")
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +27,8 @@ from stasis.errors import StasisError, UsageError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MANAGER = web.AppKey("manager", JobManager)
+
+log = logging.getLogger("stasis.daemon")
 
 
 def peer(request: web.Request) -> Caller:
@@ -52,14 +55,53 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         where = ".".join(str(p) for p in first["loc"]) or "request"
         err = UsageError(f"bad request: {where}: {first['msg']}")
         return web.json_response(_error_body(err), status=400)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own refusals (no such path, body too large, too slow): one JSON line too.
+        err = UsageError(f"request refused: {e.status} {e.reason}: {e.text or ''}".strip(": "))
+        return web.json_response(_error_body(err), status=e.status)
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client left: nobody to answer
+    except Exception as e:
+        # A bug: the client gets one line, the traceback goes to the daemon's log only.
+        log.exception("internal error answering %s %s", request.method, request.path)
+        bug = StasisError(f"internal error: {type(e).__name__}: {e}")
+        return web.json_response(_error_body(bug), status=500)
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     try:
-        data = await request.json() if request.can_read_body else {}
-    except json.JSONDecodeError:
+        data = await request.json() if request.body_exists else {}
+    except RecursionError:
+        raise UsageError("bad request: body is nested too deeply") from None
+    except ValueError:  # not JSON, or not UTF-8
         raise UsageError("bad request: body is not JSON") from None
-    return model.model_validate(data)
+    _refuse_nul(data)
+    try:
+        return model.model_validate(data)
+    except RecursionError:
+        raise UsageError("bad request: body is nested too deeply") from None
+
+
+def _refuse_nul(data: Any) -> None:
+    """No command argument, path, variable or name can hold a NUL byte: the kernel would cut it
+    there or refuse it. Said here, for every route and field, before anything starts."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:  # not recursive: a deep body must not exhaust the stack here either
+        where, item = todo.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                path = f"{where}.{key}" if where else str(key)
+                if "\0" in key:
+                    raise UsageError(f"bad request: a name in {where or 'the request'} contains "
+                                     "a NUL character (\\0); no name can hold one")
+                todo.append((path, value))
+        elif isinstance(item, list):
+            todo.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(item))
+        elif isinstance(item, str) and "\0" in item:
+            raise UsageError(f"bad request: {where or 'request'} contains a NUL character "
+                             "(\\0); no argument, path or variable can hold one")
 
 
 def _dump(model: BaseModel | list[Any]) -> Any:
@@ -158,8 +200,9 @@ async def check(request: web.Request) -> web.StreamResponse:
     return web.json_response(_dump(report))
 
 
-def make_app(manager: JobManager) -> web.Application:
-    app = web.Application(middlewares=[errors])
+def make_app(manager: JobManager, middlewares: Sequence[Any] = ()) -> web.Application:
+    """The API; `middlewares` run inside the error handler (their refusals are JSON too)."""
+    app = web.Application(middlewares=[errors, *middlewares])
     app[MANAGER] = manager
     app.add_routes([
         web.post("/jobs", run_job),

@@ -13,7 +13,8 @@ import json
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from io import BufferedReader
+from typing import Any
 from urllib.parse import quote, urlencode
 
 from stasis.errors import DaemonAPIError, StasisError, error_from_wire
@@ -22,16 +23,24 @@ _CONNECT_TIMEOUT_S = 30.0
 
 
 class _Response:
-    def __init__(self, status: int, body: IO[bytes], sock: socket.socket) -> None:
+    def __init__(self, status: int, body: BufferedReader, sock: socket.socket) -> None:
         self.status = status
         self.body = body
         self.sock = sock
 
     def read(self) -> bytes:
+        data = bytearray()
         try:
-            return self.body.read()
+            while chunk := self.body.read1(65536):
+                data += chunk
+        except ConnectionResetError:
+            # A daemon that refuses a connection at once answers, then closes without reading
+            # the request: the kernel reports that as a reset after the answer.
+            if not data:
+                raise
         finally:
             self.close()
+        return bytes(data)
 
     def readline(self) -> bytes:
         return self.body.readline()
@@ -83,7 +92,10 @@ class Client:
             sock.settimeout(_CONNECT_TIMEOUT_S)
             sock.connect(str(self.socket_path))
             sock.settimeout(self.timeout_s)
-            sock.sendall(head.encode() + payload)
+            try:
+                sock.sendall(head.encode() + payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon refused us at once (too many connections): it said why
             reader = sock.makefile("rb")
             status_line = reader.readline()
             try:

@@ -2,7 +2,9 @@
 
 It is what lets a restarted daemon find the jobs it started: each row keeps the job's pid and its
 start time (so a recycled pid is never mistaken for the job) and the job's own directory, where
-the job's supervisor writes the exit status even while no daemon runs.
+the job's supervisor writes the exit status even while no daemon runs. Of a job's --env it keeps
+the names only: the values may be secrets, and nothing needs them once the job started (a
+restore gets the environment back from the job's memory).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class JobRow:
     exit_code: int | None
     command: list[str]
     cwd: str
-    env: dict[str, str]
+    env: list[str]  # the names of the job's --env variables, never their values
     user: str
     uid: int
     gid: int
@@ -81,6 +83,8 @@ def _to_row(values: Any) -> JobRow:
     data = dict(values._mapping)
     for key in _JSON_COLUMNS:
         data[key] = json.loads(data[key])
+    if isinstance(data["env"], dict):  # a row written before values were dropped
+        data["env"] = sorted(data["env"])
     return JobRow(**data)
 
 
@@ -92,6 +96,20 @@ class JobDB:
         event.listen(self.engine, "connect", _sqlite_pragmas)
         _metadata.create_all(self.engine)
         self._lock = threading.Lock()
+        self._forget_env_values()
+
+    def _forget_env_values(self) -> None:
+        """Rows written by an older stasis kept --env values: keep their names only (overwritten
+        in the file too: secure_delete), then empty the WAL that held the old pages."""
+        with self._lock, self.engine.begin() as conn:
+            old = select(jobs_table.c.id, jobs_table.c.env).where(jobs_table.c.env.like("{%"))
+            for job_id, env in conn.execute(old).all():
+                names = json.loads(env)
+                if isinstance(names, dict):
+                    conn.execute(update(jobs_table).where(jobs_table.c.id == job_id)
+                                 .values(env=json.dumps(sorted(names))))
+        with self._lock, self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def add(self, row: JobRow) -> None:
         data = {f.name: getattr(row, f.name) for f in fields(row)}
@@ -137,4 +155,6 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cursor = dbapi_conn.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    # Deleted or rewritten content is zeroed, not left in free pages for whoever reads the file.
+    cursor.execute("PRAGMA secure_delete=ON")
     cursor.close()

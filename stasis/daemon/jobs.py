@@ -90,8 +90,10 @@ def _now() -> str:
 
 
 class JobManager:
-    def __init__(self, settings: Settings, store: Store, db: JobDB) -> None:
+    def __init__(self, settings: Settings, store: Store, db: JobDB,
+                 job_umask: int = 0o022) -> None:
         self.settings = settings
+        self.job_umask = job_umask  # new jobs get it; the daemon's own files are private
         self.store = store
         self.db = db
         self.state_dir = settings.state_dir
@@ -210,6 +212,7 @@ class JobManager:
             log = str(self.logs_dir / f"{job_id}.log")
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
             os.fchown(fd, acct.uid, acct.gid)
+            os.fchmod(fd, 0o640)  # the daemon's umask is 077; the log is its owner's to read
             os.close(fd)
         spec = {
             "mode": "run",
@@ -221,6 +224,7 @@ class JobManager:
             "groups": acct.groups,
             "log": log,
             "tini": find_tini(self.settings.tini),
+            "umask": self.job_umask,
         }
         job_dir, answer = self._start_shim(job_id, spec)
         if "error" in answer:
@@ -230,7 +234,7 @@ class JobManager:
             JobRow(
                 id=job_id, pid=pid, pid_start=proctree.start_time(pid), shim_pid=answer["shim"],
                 state="running", label=label, exit_code=None, command=req.command, cwd=req.cwd,
-                env=req.env, user=acct.name, uid=acct.uid, gid=acct.gid, log=log,
+                env=sorted(req.env), user=acct.name, uid=acct.uid, gid=acct.gid, log=log,
                 checkpoint=None, created=_now(), job_dir=str(job_dir),
             )
         )
@@ -241,7 +245,6 @@ class JobManager:
                     ) -> tuple[Path, dict[str, Any]]:
         job_dir = self.jobs_dir / job_id
         job_dir.mkdir(mode=0o700)
-        (job_dir / "spec.json").write_text(json.dumps(spec))
         shim = self._spare.take()
         assert shim.stdin is not None and shim.stdout is not None
         with self._lock:
@@ -249,7 +252,8 @@ class JobManager:
         watcher = _ReadWatcher(shim.pid, expected, progress) if progress else None
         try:
             try:
-                shim.stdin.write(f"{job_dir}\n".encode())
+                # The spec holds the job's --env values: through the pipe, never into a file.
+                shim.stdin.write(f"{job_dir}\n{json.dumps(spec)}\n".encode())
                 shim.stdin.flush()
                 if gate is not None:
                     gate.open(shim.stdin, shim.pid)
@@ -413,6 +417,7 @@ class JobManager:
             # Restored on another node: our logs directory is not the user's to create files in.
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
             os.fchown(fd, acct.uid, acct.gid)
+            os.fchmod(fd, 0o640)  # the daemon's umask is 077; the log is its owner's to read
             os.close(fd)
         spec: dict[str, Any] = {
             "mode": "restore",
@@ -424,6 +429,7 @@ class JobManager:
             "criu": find_criu(self.settings.criu),
             "criu_log_dir": str(self.criu_logs),
             "criu_log_name": f"restore-{job_id}.log",
+            "umask": self.job_umask,  # for a log the supervisor creates as the user
         }
         lazy = self.settings.lazy_restore if lazy is None else lazy
         in_place = self.store.images_in_place(manifest.id)
@@ -464,7 +470,7 @@ class JobManager:
             JobRow(
                 id=job_id, pid=pid, pid_start=proctree.start_time(pid), shim_pid=answer["shim"],
                 state="restored", label=manifest.label, exit_code=None, command=manifest.command,
-                cwd=manifest.cwd, env={}, user=manifest.user, uid=manifest.uid, gid=manifest.gid,
+                cwd=manifest.cwd, env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid,
                 log=log, checkpoint=manifest.id, created=_now(), job_dir=str(job_dir),
             )
         )
@@ -501,17 +507,27 @@ class JobManager:
                 if shim.poll() is not None:
                     del self._shims[pid]
         for row in self.db.live():
-            exit_file = Path(row.job_dir) / "exit.json"
-            if exit_file.exists():
-                try:
-                    code = json.loads(exit_file.read_text())["exit_code"]
-                except (OSError, ValueError, KeyError):
-                    code = None
-                self.db.finish(row.id, "exited", code)
-            elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
-                if row.shim_pid and proctree.alive(row.shim_pid, None):
-                    continue  # the supervisor is about to write the status
-                self.db.finish(row.id, "exited", None)
+            # A job is `exited` only on what was seen: its status written, or its process and
+            # supervisor gone. A failure to look (out of files, say) leaves it for next time.
+            try:
+                self._follow(row)
+            except OSError as e:
+                log.warning("cannot tell whether job %s still runs: %s", row.id, e)
+
+    def _follow(self, row: JobRow) -> None:
+        exit_file = Path(row.job_dir) / "exit.json"
+        if exit_file.exists():
+            try:
+                code = json.loads(exit_file.read_text())["exit_code"]
+            except (ValueError, KeyError):
+                code = None  # written, but garbled: the job did end
+            self.db.finish(row.id, "exited", code)
+        elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
+            if row.shim_pid and proctree.alive(row.shim_pid, None):
+                return  # the supervisor is about to write the status
+            if (Path(row.job_dir) / "exit.json").exists():
+                return  # it just did: read next time
+            self.db.finish(row.id, "exited", None)
 
 
 class _SpareSupervisor:

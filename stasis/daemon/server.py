@@ -13,14 +13,18 @@ import logging
 import os
 import signal
 import socket
+import threading
 from contextlib import suppress
+from pathlib import Path
 
 from aiohttp import web
 
 from stasis.config import Settings
 from stasis.daemon.api import make_app
+from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_open_files_limit
 from stasis.daemon.db import JobDB
 from stasis.daemon.jobs import JobManager
+from stasis.daemon.logfilter import quiet_repeats
 from stasis.errors import UsageError
 from stasis.store import Store, node_keyring
 
@@ -48,40 +52,68 @@ def _socket_gid(settings: Settings) -> int:
         return 0
 
 
+def _make_dirs(path: Path) -> None:
+    """mkdir -p, the directories it makes 0755 whatever the umask: users reach the socket and
+    their logs through them (those that exist are left as they are)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        with suppress(FileExistsError):
+            d.mkdir()
+            os.chmod(d, 0o755)
+
+
 async def serve(settings: Settings) -> None:
     if os.geteuid() != 0:
         raise UsageError("stasis daemon must run as root")
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    quiet_repeats()
+    # A thread that dies (out of files, say) is logged through the same filter, not printed.
+    threading.excepthook = lambda a: log.error(
+        "thread %s failed", a.thread.name if a.thread else "?",
+        exc_info=a.exc_value)
+    open_files = raise_open_files_limit()
+    # Everything the daemon writes (job table and its WAL, staging, CRIU logs) is root's alone
+    # unless it says otherwise (the socket, the job logs, the directories users traverse); the
+    # jobs themselves get the umask the daemon was started with.
+    job_umask = os.umask(0o077)
+    _make_dirs(settings.state_dir)
     # Made at the first start, kept forever: every checkpoint this node signs depends on it.
     keys = node_keyring(settings, create=True)
     log.info("signing checkpoints with key %s; trusting %d key(s)", keys.key_id,
              len(keys.trusted_ids))
     manager_store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
                           keep=settings.keep, keys=keys)
-    manager = JobManager(settings, manager_store, JobDB(settings.state_dir / "jobs.db"))
+    db_path = settings.state_dir / "jobs.db"
+    for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
+        with suppress(FileNotFoundError):
+            os.chmod(f"{db_path}{name}", 0o600)
+    manager = JobManager(settings, manager_store, JobDB(db_path), job_umask=job_umask)
     manager.prepare()
-    os.chmod(settings.state_dir / "jobs.db", 0o600)
 
     sock_path = str(settings.socket)
-    settings.socket.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(settings.socket.parent)
     if settings.socket.exists():
         if _socket_in_use(sock_path):
             raise UsageError(f"a daemon is already listening on {sock_path}")
         settings.socket.unlink()
 
-    runner = web.AppRunner(make_app(manager), access_log=None)
+    guard = ConnectionGuard(settings.max_connections_per_uid, settings.request_timeout_s,
+                            open_files)
+    # An HTTP/1.1 client's next request on a kept-alive connection has as long as a first one.
+    runner = web.AppRunner(make_app(manager, [guard.middleware]), access_log=None,
+                           keepalive_timeout=settings.request_timeout_s or 75.0)
     await runner.setup()
-    # No moment in which the socket is world-writable: it is created 0660 under this umask.
-    old_umask = os.umask(0o117)
-    try:
-        site = web.UnixSite(runner, sock_path)
-        await site.start()
-    finally:
-        os.umask(old_umask)
+    # No moment in which the socket is world-writable: it is created 0700 under our umask (077),
+    # then given to its group.
+    site = GuardedUnixSite(runner, sock_path, guard)
+    await site.start()
     os.chown(sock_path, 0, _socket_gid(settings))
     os.chmod(sock_path, 0o660)
-    log.info("listening on %s, store %s", sock_path, settings.store_url)
+    log.info("listening on %s, store %s; %d open files at most", sock_path, settings.store_url,
+             open_files)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -90,13 +122,19 @@ async def serve(settings: Settings) -> None:
 
     async def follow_jobs() -> None:
         while True:
-            await asyncio.to_thread(manager.poll)
+            try:
+                await asyncio.to_thread(manager.poll)
+            except Exception as e:  # out of files, say: the next round looks again
+                log.warning("cannot look at the jobs now: %s: %s", type(e).__name__, e)
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def sweep_store() -> None:
         # In the background: reading every manifest of a large store must not delay the socket.
         while True:
-            await asyncio.to_thread(manager.sweep_store)
+            try:
+                await asyncio.to_thread(manager.sweep_store)
+            except Exception as e:
+                log.warning("cannot sweep the store now: %s: %s", type(e).__name__, e)
             await asyncio.sleep(STORE_SWEEP_INTERVAL_S)
 
     background = [asyncio.create_task(follow_jobs()), asyncio.create_task(sweep_store())]

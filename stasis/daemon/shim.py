@@ -5,7 +5,8 @@ in a session of its own, so that a job outlives a restart of the daemon and its 
 never lost: the shim is the job's parent, waits for it and
 writes `exit.json` into the job's directory (atomically), whether or not a daemon is listening.
 
-Two modes, read from `spec.json` in JOB_DIR:
+Two modes, read from the spec: the line after JOB_DIR on stdin (as a spare; it may hold the
+job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
   run      unshare a PID namespace and fork its init: setsid, drop to the job's user, stdin from
            /dev/null, stdout/stderr appended to the log, then exec tini in front of the command
            (a namespace init ignores SIGTERM from outside unless it has a handler; tini has one
@@ -23,7 +24,8 @@ import ctypes
 import errno
 import json
 import os
-import shutil
+import stat
+import struct
 import sys
 import time
 from pathlib import Path
@@ -83,6 +85,7 @@ def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
 def _exec_job(spec: dict[str, Any], status_w: int) -> None:
     """In the namespace init (a fresh child): become the job, then exec tini. Never returns."""
     try:
+        os.umask(spec.get("umask", 0o022))  # the daemon's own (077) is not the job's business
         os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -94,19 +97,90 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.chdir(spec["cwd"])
-        # tini would only report this in the log; the caller deserves to hear it now.
-        prog = spec["command"][0]
-        found = os.access(prog, os.X_OK) if "/" in prog else shutil.which(
-            prog, path=spec["env"].get("PATH"))
-        if not found:
-            raise FileNotFoundError(errno.ENOENT, "no such executable program", prog)
+        # tini would only report this in the log, and the job would seem to have started: the
+        # caller deserves to hear it now.
+        _find_program(spec["command"][0], spec["env"].get("PATH", ""))
         argv = [spec["tini"], "-g", "--", *spec["command"]]
         os.execve(spec["tini"], argv, spec["env"])
     except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
+        where = f" ({e.filename})" if e.filename and e.filename != spec["command"][0] else ""
         os.write(status_w, f"{e.strerror or e}{where}".encode())
+    except BaseException as e:  # whatever it is, the job did not start: say so
+        os.write(status_w, f"{type(e).__name__}: {e}".encode())
     finally:
         os._exit(127)
+
+
+def _find_program(prog: str, path: str) -> str:
+    """Where execvp (in tini) will find `prog`, checked as the job's user now: a regular,
+    executable file whose interpreter (#!, or an ELF program's loader) exists. Raises OSError
+    saying what is wrong, as execve would."""
+    if "/" in prog:
+        return _check_executable(prog, prog)
+    denied = None
+    for d in path.split(":"):
+        candidate = os.path.join(d or ".", prog)
+        try:
+            return _check_executable(candidate, prog)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            denied = denied or e  # execvp goes on looking, and reports EACCES at the end
+    if denied is not None:
+        raise denied
+    raise FileNotFoundError(errno.ENOENT, "no such executable program on PATH", prog)
+
+
+def _check_executable(path: str, prog: str, depth: int = 0) -> str:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no such executable program", prog) from None
+    if not stat.S_ISREG(st.st_mode) or not os.access(path, os.X_OK):
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not an executable file"
+        raise PermissionError(errno.EACCES, f"{what}, not a program it may run", path)
+    interpreter = _interpreter(path)
+    if interpreter and depth < 4:  # the kernel follows #! four levels deep
+        try:
+            _check_executable(interpreter, prog, depth + 1)
+        except OSError as e:
+            raise OSError(e.errno, f"its interpreter {interpreter}: {e.strerror}", path) from None
+    return path
+
+
+def _interpreter(path: str) -> str | None:
+    """The program the kernel runs for `path`: its #! line's, or its ELF loader (PT_INTERP)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            if head.startswith(b"#!"):
+                words = head[2:].split(b"\n", 1)[0].split()
+                return words[0].decode(errors="replace") if words else None
+            if head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+                return None
+            bits64, order = head[4] == 2, "<" if head[5] == 1 else ">"
+            if bits64:
+                phoff, = struct.unpack_from(order + "Q", head, 32)
+                phentsize, phnum = struct.unpack_from(order + "HH", head, 54)
+            else:
+                phoff, = struct.unpack_from(order + "I", head, 28)
+                phentsize, phnum = struct.unpack_from(order + "HH", head, 42)
+            for i in range(min(phnum, 64)):
+                f.seek(phoff + i * phentsize)
+                ph = f.read(phentsize)
+                if len(ph) < 16 or struct.unpack_from(order + "I", ph, 0)[0] != 3:  # PT_INTERP
+                    continue
+                if bits64:
+                    offset, = struct.unpack_from(order + "Q", ph, 8)
+                    size, = struct.unpack_from(order + "Q", ph, 32)
+                else:
+                    offset, = struct.unpack_from(order + "I", ph, 4)
+                    size, = struct.unpack_from(order + "I", ph, 16)
+                f.seek(offset)
+                return f.read(min(size, 4096)).split(b"\0", 1)[0].decode(errors="replace")
+    except (OSError, struct.error):
+        return None  # not readable by the user (execute-only) or odd: let execve judge
+    return None
 
 
 def run(job_dir: Path, spec: dict[str, Any]) -> None:
@@ -135,9 +209,11 @@ def _open_log_as_user(spec: dict[str, Any]) -> int:
     os.setgroups(spec["groups"])
     os.setegid(spec["gid"])
     os.seteuid(spec["uid"])
+    umask = os.umask(spec.get("umask", 0o022))  # a log the user makes is as theirs as ever
     try:
         return os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOCTTY, 0o644)
     finally:
+        os.umask(umask)
         os.seteuid(0)
         os.setegid(0)
         os.setgroups(saved)
@@ -188,25 +264,31 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 
-def _wait_for_job() -> Path | None:
-    """As a spare: import now what a restore needs, then wait for our job's directory."""
+def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:
+    """As a spare: import now what a restore needs, then wait for our job's directory and spec."""
     import importlib
 
     importlib.import_module("stasis.engine.criu")
     importlib.import_module("stasis.engine.rpc").messages()
     line = sys.stdin.buffer.readline().strip()
-    return Path(line.decode()) if line else None
+    spec = sys.stdin.buffer.readline()
+    if not line or not spec:
+        return None
+    return Path(line.decode()), json.loads(spec)
 
 
 def main() -> None:
+    # Its files (exit.json, CRIU's restore log) are root's alone, whatever umask the daemon had
+    # at the moment it started us (it narrows it briefly to create its socket).
+    os.umask(0o077)
     if sys.argv[1:] == ["--spare"]:
         waited = _wait_for_job()
         if waited is None:
             return  # the daemon stopped without needing us
-        job_dir = waited
+        job_dir, spec = waited
     else:
         job_dir = Path(sys.argv[1])
-    spec = json.loads((job_dir / "spec.json").read_text())
+        spec = json.loads((job_dir / "spec.json").read_text())
     try:
         if spec["mode"] == "run":
             run(job_dir, spec)

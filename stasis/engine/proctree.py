@@ -70,10 +70,13 @@ def start_time(pid: int) -> int | None:
 
 
 def alive(pid: int, started: int | None) -> bool:
-    """Whether `pid` still is the process that started at `started` (and is not a zombie)."""
+    """Whether `pid` still is the process that started at `started` (and is not a zombie).
+
+    Only a process /proc no longer has is gone; any other failure to look (no file descriptors
+    left, say) raises OSError: not being able to tell is not an exit."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
     fields = stat.rsplit(")", 1)[1].split()
     if fields[0] in ("Z", "X"):
