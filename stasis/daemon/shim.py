@@ -6,10 +6,12 @@ never lost: the shim is the job's parent, waits for it and
 writes `exit.json` into the job's directory (atomically), whether or not a daemon is listening.
 
 Two modes, read from `spec.json` in JOB_DIR:
-  run      unshare a PID namespace and fork its init: setsid, drop to the job's user, stdin from
-           /dev/null, stdout/stderr appended to the log, then exec tini in front of the command
-           (a namespace init ignores SIGTERM from outside unless it has a handler; tini has one
-           and reaps zombies).
+  run      unshare a PID namespace and fork its init: an IPC namespace of its own (SysV shared
+           memory, semaphores and queues belong to the job, so CRIU can dump and restore them),
+           setsid, drop to the job's user, stdin from /dev/null, stdout/stderr appended to the
+           log, then exec stasis-init in front of the command (stasis-init.c: it forwards signals
+           to the whole job, reaps, and lives as long as any process of the job does, so a
+           program that daemonizes stays the job).
   restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
            at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
            files, cwd, mappings and socket addresses with those rights too (Owner).
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 CLONE_NEWPID = 0x20000000
+CLONE_NEWIPC = 0x08000000
 PR_SET_CHILD_SUBREAPER = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -81,8 +84,11 @@ def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
 
 
 def _exec_job(spec: dict[str, Any], status_w: int) -> None:
-    """In the namespace init (a fresh child): become the job, then exec tini. Never returns."""
+    """In the namespace init (a fresh child): become the job, then exec stasis-init. Never
+    returns."""
     try:
+        # While still root: a job cannot make its own (CRIU refuses nested IPC namespaces).
+        _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
         os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -94,14 +100,14 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.chdir(spec["cwd"])
-        # tini would only report this in the log; the caller deserves to hear it now.
+        # The init would only report this in the log; the caller deserves to hear it now.
         prog = spec["command"][0]
         found = os.access(prog, os.X_OK) if "/" in prog else shutil.which(
             prog, path=spec["env"].get("PATH"))
         if not found:
             raise FileNotFoundError(errno.ENOENT, "no such executable program", prog)
-        argv = [spec["tini"], "-g", "--", *spec["command"]]
-        os.execve(spec["tini"], argv, spec["env"])
+        argv = [spec["init"], "--", *spec["command"]]
+        os.execve(spec["init"], argv, spec["env"])
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         os.write(status_w, f"{e.strerror or e}{where}".encode())
