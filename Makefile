@@ -9,14 +9,15 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode test demo bench lint clean
+.PHONY: install system venv proto bytecode init test demo bench lint clean
 
-install: system venv proto bytecode
+install: system venv proto bytecode init
 
 # CRIU >= 4.2 (built from Debian's source with our patches), tini, iptables, build tools.
 system:
 	bash scripts/install-criu.sh
 	bash scripts/install-slurm.sh
+	bash scripts/install-test-apps.sh
 
 venv: $(BIN)/stasis
 
@@ -26,6 +27,12 @@ $(BIN)/stasis: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip==24.3.1
 	$(BIN)/pip install -q $(EDITABLE) '.[dev]'
 	touch $@
+
+# The init of every job's PID namespace (static: it is part of every checkpoint, keep it small).
+init: $(BIN)/stasis-init
+
+$(BIN)/stasis-init: stasis/daemon/stasis-init.c $(BIN)/stasis
+	gcc -O2 -Wall -Wextra -Werror -static -o $@ $<
 
 # CRIU's RPC classes come from the rpc.proto of the CRIU that is installed, never from a copy.
 proto: $(PROTO_OUT)/rpc_pb2.py

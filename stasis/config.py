@@ -10,7 +10,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_SOCKET_GROUP  group allowed to use the socket      (stasis, when that group exists)
     STASIS_KEEP          checkpoints kept per label, 0 = all  (5)
     STASIS_CRIU          criu binary                          (first of /usr/local/sbin/criu, PATH)
-    STASIS_TINI          tini binary                          (tini-static, tini on PATH)
+    STASIS_TINI          tini binary (Slurm jobs' init)       (tini-static, tini on PATH)
+    STASIS_INIT          stasis-init binary (jobs' init)      (next to the venv's python, PATH)
     STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged, for
                          stores whose local write path is slower than memory; "" = off  ("")
     STASIS_LAZY_RESTORE  restore lazily by default (userfaultfd; `restore --lazy`)  (false)
@@ -47,6 +48,7 @@ _ENV_KEYS = {
     "STASIS_KEEP": "keep",
     "STASIS_CRIU": "criu",
     "STASIS_TINI": "tini",
+    "STASIS_INIT": "init",
     "STASIS_STAGE_DIR": "stage_dir",
     "STASIS_LAZY_RESTORE": "lazy_restore",
     "STASIS_SITE_KEY": "site_key",
@@ -72,6 +74,7 @@ class Settings(NamedTuple):
     keep: int = 5
     criu: str = ""
     tini: str = ""
+    init: str = ""
     # Off by default: on the machines measured (bench/results), CRIU writes to the disk's page
     # cache faster than to tmpfs, and publishing fsyncs after the job resumed anyway.
     stage_dir: str = ""

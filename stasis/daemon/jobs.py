@@ -85,6 +85,17 @@ def find_tini(configured: str) -> str:
     raise UsageError("tini is not installed; run `make install` (Debian package tini)")
 
 
+def find_init(configured: str) -> str:
+    """stasis-init (stasis/daemon/stasis-init.c): `make install` builds it next to the venv's
+    python."""
+    candidates = (configured,) if configured else (
+        str(Path(sys.executable).parent / "stasis-init"), shutil.which("stasis-init") or "")
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    raise UsageError("stasis-init is not built; run `make install`")
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -223,7 +234,7 @@ class JobManager:
             "gid": acct.gid,
             "groups": acct.groups,
             "log": log,
-            "tini": find_tini(self.settings.tini),
+            "init": find_init(self.settings.init),
             "umask": self.job_umask,
         }
         job_dir, answer = self._start_shim(job_id, spec)
@@ -688,4 +699,4 @@ def _job(row: JobRow) -> Job:
     )
 
 
-__all__ = ["JobManager", "Progress", "StoreError", "find_tini"]
+__all__ = ["JobManager", "Progress", "StoreError", "find_init", "find_tini"]

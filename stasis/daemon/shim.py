@@ -7,10 +7,12 @@ writes `exit.json` into the job's directory (atomically), whether or not a daemo
 
 Two modes, read from the spec: the line after JOB_DIR on stdin (as a spare; it may hold the
 job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
-  run      unshare a PID namespace and fork its init: setsid, drop to the job's user, stdin from
-           /dev/null, stdout/stderr appended to the log, then exec tini in front of the command
-           (a namespace init ignores SIGTERM from outside unless it has a handler; tini has one
-           and reaps zombies).
+  run      unshare a PID namespace and fork its init: an IPC namespace of its own (SysV shared
+           memory, semaphores and queues belong to the job, so CRIU can dump and restore them),
+           setsid, drop to the job's user, stdin from /dev/null, stdout/stderr appended to the
+           log, then exec stasis-init in front of the command (stasis-init.c: it forwards signals
+           to the whole job, reaps, and lives as long as any process of the job does, so a
+           program that daemonizes stays the job).
   restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
            at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
            files, cwd, mappings and socket addresses with those rights too (Owner).
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 CLONE_NEWPID = 0x20000000
+CLONE_NEWIPC = 0x08000000
 PR_SET_CHILD_SUBREAPER = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -83,9 +86,12 @@ def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
 
 
 def _exec_job(spec: dict[str, Any], status_w: int) -> None:
-    """In the namespace init (a fresh child): become the job, then exec tini. Never returns."""
+    """In the namespace init (a fresh child): become the job, then exec stasis-init. Never
+    returns."""
     try:
         os.umask(spec.get("umask", 0o022))  # the daemon's own (077) is not the job's business
+        # While still root: a job cannot make its own (CRIU refuses nested IPC namespaces).
+        _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
         os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -97,11 +103,11 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.chdir(spec["cwd"])
-        # tini would only report this in the log, and the job would seem to have started: the
-        # caller deserves to hear it now.
+        # The init would only report this in the log, and the job would seem to have started:
+        # the caller deserves to hear it now.
         _find_program(spec["command"][0], spec["env"].get("PATH", ""))
-        argv = [spec["tini"], "-g", "--", *spec["command"]]
-        os.execve(spec["tini"], argv, spec["env"])
+        argv = [spec["init"], "--", *spec["command"]]
+        os.execve(spec["init"], argv, spec["env"])
     except OSError as e:
         where = f" ({e.filename})" if e.filename and e.filename != spec["command"][0] else ""
         os.write(status_w, f"{e.strerror or e}{where}".encode())
@@ -112,7 +118,7 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
 
 
 def _find_program(prog: str, path: str) -> str:
-    """Where execvp (in tini) will find `prog`, checked as the job's user now: a regular,
+    """Where execvp (in stasis-init) will find `prog`, checked as the job's user now: a regular,
     executable file whose interpreter (#!, or an ELF program's loader) exists. Raises OSError
     saying what is wrong, as execve would."""
     if "/" in prog:

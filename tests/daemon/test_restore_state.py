@@ -21,7 +21,7 @@ def last_number(daemon: Daemon, job: str, prefix: str = "") -> int:
 
 
 def workload_pid(init_pid: int) -> int:
-    """The workload's pid: the child of the job's tini."""
+    """The workload's pid: the child of the job's init."""
     return wait_for(lambda: (proctree.children(init_pid) or [None])[0], what="workload process")
 
 
@@ -64,7 +64,7 @@ def test_memory_digest_survives(daemon: Daemon) -> None:
 def test_process_tree_with_pipe(daemon: Daemon) -> None:
     job = daemon.run(*workload("pipetree.py"))
     wait_for(lambda: last_number(daemon, job["job"], "got ") >= 5, what="pipe traffic")
-    assert len(proctree.tree(job["pid"])) == 3  # tini, parent, child
+    assert len(proctree.tree(job["pid"])) == 3  # init, parent, child
     cp = daemon.json("dump", job["job"])
     at_dump = last_number(daemon, job["job"], "got ")
     restored = daemon.json("restore", cp["checkpoint"])

@@ -10,7 +10,7 @@
  *   task_init_privileged (root, in the task process, before it execs the batch script):
  *     becomes a child subreaper and runs `PY -I -m stasis.slurm.taskinit` (root). That helper
  *     restores the job's latest checkpoint, whose namespace init ends up a child of this task
- *     (exit 0), or asks for a fresh start (exit 10: we unshare a PID namespace, so the launcher's
+ *     (exit 0), or asks for a fresh start (exit 10: we unshare a PID and an IPC namespace, so the launcher's
  *     first child is the init of a new namespace), or says the job runs unprotected (exit 11).
  *     Its stdout (one JSON object) is handed to the launcher in STASIS_SLURM_START.
  *   task_init (the job's user): saves the batch script's path in STASIS_SLURM_SCRIPT and makes
@@ -207,8 +207,9 @@ int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
     if (code == EXIT_RESTORED) {
         started = 1;
     } else if (code == EXIT_FRESH) {
-        if (unshare(CLONE_NEWPID) < 0) {
-            set_off(sp, "unshare(CLONE_NEWPID) failed");
+        /* An IPC namespace too: the job's SysV shared memory must be its own for CRIU. */
+        if (unshare(CLONE_NEWPID | CLONE_NEWIPC) < 0) {
+            set_off(sp, "unshare(CLONE_NEWPID | CLONE_NEWIPC) failed");
             return ESPANK_SUCCESS;
         }
         started = 1;
