@@ -73,16 +73,8 @@ log = logging.getLogger("stasis.daemon")
 # (bytes done, bytes expected) while a dump or restore runs.
 Progress = Callable[[int, int], None]
 
-_TINI_CANDIDATES = ("/usr/bin/tini-static", "/usr/bin/tini", "/usr/local/bin/tini")
 # A restore of several GiB can take a while; a shim that says nothing for this long is stuck.
 _SHIM_ANSWER_TIMEOUT_S = 600
-
-
-def find_tini(configured: str) -> str:
-    for path in ((configured,) if configured else _TINI_CANDIDATES):
-        if os.access(path, os.X_OK):
-            return path
-    raise UsageError("tini is not installed; run `make install` (Debian package tini)")
 
 
 def find_init(configured: str) -> str:
@@ -699,4 +691,4 @@ def _job(row: JobRow) -> Job:
     )
 
 
-__all__ = ["JobManager", "Progress", "StoreError", "find_init", "find_tini"]
+__all__ = ["JobManager", "Progress", "StoreError", "find_init"]
