@@ -58,8 +58,7 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
         answer = client.dump(args.job, progress, leave_running=args.leave_running,
                              label=args.label, compress=args.compress,
                              incremental=args.incremental)
-    if answer.get("note"):
-        output.warn(answer["note"])
+    output.notes(answer)
     if args.json:
         output.emit_json(answer)
     else:
@@ -78,6 +77,7 @@ def restore(args: argparse.Namespace, settings: Settings) -> None:
                                 user=args.user, lazy=args.lazy)
     for skipped in answer.get("skipped", []):
         output.warn(f"skipped corrupt checkpoint {skipped}")
+    output.notes(answer)
     if args.json:
         output.emit_json(answer)
     else:

@@ -60,6 +60,13 @@ def warn(message: str) -> None:
     sys.stderr.write(f"stasis: warning: {message}\n")
 
 
+def notes(answer: Any) -> None:
+    """What the daemon did otherwise than asked, and why (a fallback): on stderr, whatever the
+    mode, so --json output stays one value and a person still sees it."""
+    for text in answer.get("notes", []):
+        sys.stderr.write(f"note: {text}\n")
+
+
 @contextmanager
 def progress_bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     """A bytes/rate/time-left bar on a terminal; nothing when piped or with --json."""

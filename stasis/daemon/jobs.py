@@ -289,11 +289,11 @@ class JobManager:
             raise UsageError(f"job {job_id} is no longer running; nothing to dump")
         label = validate_label(req.label) if req.label else row.label
         criu = self.criu
-        note = None
+        notes: list[str] = []
         if req.incremental and not criu.features().mem_track:
             # Without soft-dirty tracking CRIU refuses pre-dumps: a full dump is the honest answer.
-            note = ("incremental dump not possible: this kernel does not track dirty memory "
-                    "(no soft-dirty); took a full dump")
+            notes.append("incremental dump not possible: this kernel does not track dirty "
+                         "memory (no soft-dirty); took a full dump")
         created = datetime.now(timezone.utc)
         checkpoint_id = new_checkpoint_id(created)
         info = CheckpointInfo(
@@ -303,31 +303,39 @@ class JobManager:
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(
-            row.pid, info, req.leave_running, req.compress, what, progress)
+            row.pid, info, req.leave_running, req.compress, what, progress, notes)
         if not req.leave_running:
             self.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            staged=staged, note=note, elapsed_s=round(time.monotonic() - started, 4),
+            staged=staged, notes=notes, elapsed_s=round(time.monotonic() - started, 4),
         )
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
-                        progress: Progress | None = None) -> tuple[Manifest, DumpResult, bool]:
+                        progress: Progress | None = None, notes: list[str] | None = None
+                        ) -> tuple[Manifest, DumpResult, bool]:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`.
 
         Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
         caller records that and kills it. Any failure resumes it and publishes nothing.
-        Returns the manifest, CRIU's result and whether the images were staged in memory.
+        Returns the manifest, CRIU's result and whether the images were staged in memory; what
+        was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
+        notes = [] if notes is None else notes
+        asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
         # Leave-running dumps may go to node memory first, so the job is frozen only that long;
         # a dump that stops the job goes straight to the store (one copy, not two).
-        fast = staging.fast_dir(self.settings.stage_dir, info.id, expected) \
-            if leave_running else None
+        fast = None
+        if leave_running:
+            fast, unstaged = staging.stage(self.settings.stage_dir, info.id, expected)
+            if unstaged:
+                notes.append(f"not staged in memory ({unstaged}): the job stayed frozen while "
+                             "its images went to the store")
         target = fast or self.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
@@ -358,6 +366,10 @@ class JobManager:
             if not leave_running:
                 proctree.signal_tree(pid, signal.SIGCONT)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+        if asked == "auto" and manifest.compression == "none":
+            why = "it is under 1 MiB" if manifest.size_bytes < (1 << 20) else \
+                "a sample of its memory did not shrink to half"
+            notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
@@ -435,6 +447,7 @@ class JobManager:
             "umask": self.job_umask,  # for a log the supervisor creates as the user
         }
         lazy = self.settings.lazy_restore if lazy is None else lazy
+        notes: list[str] = []
         in_place = self.store.images_in_place(manifest.id)
         if in_place is not None:
             # CRIU reads the images where they are while we verify them; the restored tree is
@@ -460,6 +473,13 @@ class JobManager:
                 # Lazy pages read the images after the restore returns: not from a scratch copy
                 # that goes away when this block ends.
                 spec.update(images=str(images), lazy=False)
+                if lazy:
+                    why = f"the checkpoint is compressed ({manifest.compression}) and was " \
+                        "unpacked" if manifest.compression != "none" else \
+                        f"the store {self.store.url} is not a local directory: the images were " \
+                        "fetched"
+                    notes.append(f"lazy restore not possible: {why} into scratch space that "
+                                 "goes away after the restore; restored in full")
                 job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
         if "error" in answer:
             message = answer["error"]["message"]
@@ -469,6 +489,9 @@ class JobManager:
                             f"{acct.name}, who may not open that path now)")
             raise RestoreError(f"restore of checkpoint {manifest.id} failed: {message}")
         pid = int(answer["pid"])
+        if answer.get("fallback"):
+            # The supervisor's CRIU could not restore lazily and restored in full.
+            notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
         self.db.add(
             JobRow(
                 id=job_id, pid=pid, pid_start=proctree.start_time(pid), shim_pid=answer["shim"],
@@ -478,7 +501,7 @@ class JobManager:
             )
         )
         return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
-                             lazy=bool(answer.get("lazy")),
+                             lazy=bool(answer.get("lazy")), notes=notes,
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4))
 
     def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:

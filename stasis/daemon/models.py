@@ -86,8 +86,9 @@ class DumpAnswer(_Model):
     elapsed_s: float = 0.0  # the daemon's whole answer: CRIU, publishing, the kill
     # The images went to node memory first (leave-running dumps), then to the store.
     staged: bool = False
-    # Why an --incremental dump was taken in full (the kernel tracks no dirty memory).
-    note: str | None = None
+    # Every way the dump differs from what was asked, and why: an --incremental dump taken in
+    # full, a dump not staged in memory, `--compress auto` storing it uncompressed. Never silent.
+    notes: list[str] = []
 
 
 class RestoreAnswer(_Model):
@@ -97,5 +98,7 @@ class RestoreAnswer(_Model):
     # Newer checkpoints of the label that failed verification and were passed over, with why.
     skipped: list[str] = []
     lazy: bool = False  # the job runs while its memory is still coming back
+    # Every way the restore differs from what was asked, and why (a lazy restore done in full).
+    notes: list[str] = []
     duration_s: float = 0.0  # CRIU's restore, until the job ran again
     elapsed_s: float = 0.0  # the daemon's whole answer: verification, supervisor, CRIU
