@@ -117,11 +117,18 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
 
 def kill(args: argparse.Namespace, settings: Settings) -> None:
     with Client(settings.socket) as client:
-        answer = client.kill(args.job)
+        answer = client.kill(args.job, signal=args.signal, timeout_s=args.timeout)
     if args.json:
         output.emit_json(answer)
+        return
+    code = "" if answer["exit_code"] is None else f", exit code {answer['exit_code']}"
+    if answer["ended_by"] is None:
+        output.say(f"job {args.job} was not running ({answer['state']}{code})")
+    elif answer["ended_by"] == answer["signal"]:
+        output.say(f"job {args.job} ended by {answer['ended_by']}{code}")
     else:
-        output.say(f"job {args.job}: {answer['state']}")
+        output.say(f"job {args.job} ended by {answer['ended_by']}: {answer['signal']} did not "
+                   f"end it within {answer['timeout_s']:g} s{code}")
 
 
 def logs(args: argparse.Namespace, settings: Settings) -> None:
@@ -232,9 +239,35 @@ def _add_checkpoints(sub: Any) -> None:
     rm.add_argument("checkpoint", metavar="CHECKPOINT")
 
 
+def _signal(text: str) -> str:
+    from stasis.daemon.signals import parse_signal
+
+    try:
+        return parse_signal(text).name
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 3600:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} is not in 0..3600 seconds")
+    return value
+
+
 def _add_kill(sub: Any) -> None:
-    p = sub.add_parser("kill", help="Kill JOB and every process in it.")
+    p = sub.add_parser("kill", help="Stop JOB and every process in it: SIG first, SIGKILL after "
+                                    "the timeout.")
     p.add_argument("job", metavar="JOB")
+    p.add_argument("--signal", type=_signal, default="SIGTERM", metavar="SIG",
+                   help="Signal to end the job with: a name (TERM, INT, HUP, USR1...) or a "
+                        "number (default: TERM).")
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+                   help="Seconds the job has to end on SIG before SIGKILL; 0: SIGKILL at once "
+                        "(default: the daemon's kill_timeout_s, 10).")
     add_json(p)
     p.set_defaults(handler=kill)
 

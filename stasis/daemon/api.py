@@ -20,7 +20,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import DumpRequest, RestoreRequest, RunRequest
+from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRequest
+from stasis.daemon.stopping import stop
 from stasis.daemon.users import Caller
 from stasis.engine.check import run_check
 from stasis.errors import StasisError, UsageError
@@ -127,8 +128,9 @@ async def get_job(request: web.Request) -> web.StreamResponse:
 
 
 async def kill_job(request: web.Request) -> web.StreamResponse:
-    job = await asyncio.to_thread(request.app[MANAGER].kill, request.match_info["job"], peer(request))
-    return web.json_response(_dump(job))
+    req = await _body(request, KillRequest)
+    answer = await stop(request.app[MANAGER], request.match_info["job"], peer(request), req)
+    return web.json_response(_dump(answer))
 
 
 async def _stream(request: web.Request, work: Callable[[Callable[[int, int], None]], BaseModel]

@@ -158,8 +158,8 @@ class Client:
     def job(self, job_id: str) -> Any:
         return self.request("GET", f"/jobs/{_seg(job_id)}")
 
-    def kill(self, job_id: str) -> Any:
-        return self.request("POST", f"/jobs/{_seg(job_id)}/kill")
+    def kill(self, job_id: str, **request: Any) -> Any:
+        return self.request("POST", f"/jobs/{_seg(job_id)}/kill", request)
 
     def dump(self, job_id: str, progress: Callable[[int, int], None] | None = None,
              **request: Any) -> Any:

@@ -29,6 +29,7 @@ from stasis.daemon.models import (
     DumpAnswer,
     DumpRequest,
     Job,
+    KillAnswer,
     RestoreAnswer,
     RestoreRequest,
     RunAnswer,
@@ -516,15 +517,53 @@ class JobManager:
 
     # -- kill / follow -------------------------------------------------------------------------
 
-    def kill(self, job_id: str, caller: Caller) -> Job:
+    def signal_job(self, job_id: str, caller: Caller, sig: signal.Signals) -> JobRow | None:
+        """Send `sig` to the caller's job `job_id`; its row, or None when it was not running.
+
+        The signal goes to the job's init, stasis-init, which forwards it to every process of
+        the job (a daemonized server too); SIGKILL ends the init and with it the whole PID
+        namespace."""
         row = self._row(job_id, caller)
-        if row.state in ("running", "restored") and row.pid and proctree.alive(row.pid, row.pid_start):
-            os.kill(row.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not (Path(row.job_dir) / "exit.json").exists():
-                time.sleep(0.05)
+        return row if self.send(row, sig) else None
+
+    def send(self, row: JobRow, sig: signal.Signals) -> bool:
+        """Send `sig` to the job's init if it still runs (the same process, not a recycled pid);
+        whether it did."""
+        if row.state not in ("running", "restored") or not row.pid:
+            return False
+        if not proctree.alive(row.pid, row.pid_start):
+            return False
+        try:
+            os.kill(row.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def has_ended(self, row: JobRow) -> bool:
+        """Whether the job's supervisor recorded its end (or both are gone). A stat and a /proc
+        read or two: cheap enough to ask from the event loop every few ms."""
+        if (Path(row.job_dir) / "exit.json").exists():
+            return True
+        return not (row.pid and proctree.alive(row.pid, row.pid_start)) and \
+            not (row.shim_pid and proctree.alive(row.shim_pid, None))
+
+    def kill_answer(self, job_id: str, caller: Caller, asked: signal.Signals, sent: bool,
+                    killed: bool, timeout_s: float) -> KillAnswer:
+        """How `stasis kill` went: `asked` was `sent` (not: the job was not running), then
+        SIGKILL if `killed`. SIGKILL ended the job only if its init died of it: a job that ended
+        on `asked` just as SIGKILL went out ended by `asked`."""
         self.poll()
-        return _job(self._row(job_id, caller))
+        row = self._row(job_id, caller)
+        ended_by = None
+        if sent:
+            if row.state in ("running", "restored"):
+                raise StasisError(
+                    f"job {job_id} is still running after SIGKILL: a process of it is stuck in "
+                    f"the kernel (state D in /proc/{row.pid}/stat); try again later")
+            ended_by = "SIGKILL" if killed and _died_of(row, signal.SIGKILL) else asked.name
+        return KillAnswer(job=row.id, state=row.state,  # type: ignore[arg-type]
+                          ended_by=ended_by, exit_code=row.exit_code, signal=asked.name,
+                          timeout_s=timeout_s)
 
     def poll(self) -> None:
         """Record the end of every job whose supervisor wrote its exit status (or vanished)."""
@@ -700,6 +739,18 @@ class _ReadWatcher(_Watcher):
         # Processes come and go during a restore: never report going backwards.
         self._best = min(max(self._best, total), self.expected or total)
         return self._best
+
+
+def _died_of(row: JobRow, sig: signal.Signals) -> bool:
+    """Whether the job's init was ended by `sig`, as its supervisor recorded. No record (the
+    supervisor vanished with the job): taken as yes, `sig` being the last thing sent."""
+    try:
+        return bool(json.loads((Path(row.job_dir) / "exit.json").read_text())
+                    .get("signal") == sig)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _is_pages(entry: FileEntry) -> bool:

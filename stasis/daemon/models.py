@@ -56,6 +56,14 @@ class RestoreRequest(_Model):
     lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
 
 
+class KillRequest(_Model):
+    # A name (TERM, SIGTERM, term) or a number; stasis/daemon/signals.py reads it.
+    signal: str | int = "SIGTERM"
+    # How long the job has to end on `signal` before SIGKILL; None: the daemon's
+    # kill_timeout_s. 0: SIGKILL at once.
+    timeout_s: float | None = Field(default=None, ge=0, le=3600)
+
+
 class Job(_Model):
     job: str
     pid: int | None
@@ -75,6 +83,17 @@ class RunAnswer(_Model):
     job: str
     pid: int
     label: str
+
+
+class KillAnswer(_Model):
+    job: str
+    state: JobState
+    # What ended the job: the signal asked for, or SIGKILL once the timeout passed. None: it
+    # was not running when asked (`state` says how it is).
+    ended_by: str | None
+    exit_code: int | None
+    signal: str  # the signal sent first
+    timeout_s: float  # how long it was given to end on it
 
 
 class DumpAnswer(_Model):
