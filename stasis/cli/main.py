@@ -46,12 +46,17 @@ def run(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def dump(args: argparse.Namespace, settings: Settings) -> None:
+    if args.check and args.slurm_job is not None:
+        raise UsageError("--check looks at a stasis JOB; it cannot check a --slurm-job")
     if args.slurm_job is not None or args.job is None:
         if args.job is not None or args.slurm_job is None:
             raise UsageError("give either a JOB id or --slurm-job JOBID")
         from stasis.cli.slurm import dump_slurm_job
 
         dump_slurm_job(Client(settings.socket), args.slurm_job, args.leave_running, args.json)
+        return
+    if args.check:
+        dump_check(args, settings)
         return
     with Client(settings.socket) as client, \
             output.progress_bar("dumping", not args.json) as progress:
@@ -64,6 +69,25 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
     else:
         output.say(f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
                    f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
+
+
+def dump_check(args: argparse.Namespace, settings: Settings) -> None:
+    """`dump --check`: exit 0 when nothing is known to block a dump of the job, else 1."""
+    with Client(settings.socket) as client:
+        answer = client.dump_check(args.job)
+    if args.json:
+        output.emit_json(answer)
+    else:
+        if answer["obstacles"]:
+            output.plain(f"job {args.job} cannot be dumped as it is:")
+            for obstacle in answer["obstacles"]:
+                output.plain(f"- {obstacle}")
+        else:
+            output.plain(f"job {args.job}: no obstacles found")
+        for note in answer["notes"]:
+            output.plain(f"note: {note}")
+    if answer["obstacles"]:
+        sys.exit(1)
 
 
 def restore(args: argparse.Namespace, settings: Settings) -> None:
@@ -198,6 +222,10 @@ def _add_dump(sub: Any) -> None:
                    help="(default: none)")
     p.add_argument("--incremental", action="store_true",
                    help="Only memory changed since the last dump, where the kernel tracks it.")
+    p.add_argument("--check", action="store_true",
+                   help="Dump nothing: report what would make the dump fail (a unix stream "
+                        "connection to a process outside the job) and what a restore would "
+                        "not bring back as it was; exit 1 if the dump would fail.")
     p.add_argument("--slurm-job", metavar="JOBID",
                    help="Checkpoint this Slurm job on its node instead; it is requeued and "
                         "resumes from the checkpoint unless --leave-running.")

@@ -37,6 +37,11 @@ def say(text: str) -> None:
     console().print(text)
 
 
+def plain(text: str) -> None:
+    """A line as it is: no markup, never wrapped (it may hold paths and long explanations)."""
+    sys.stdout.write(text + "\n")
+
+
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data) + "\n")
 

@@ -133,6 +133,12 @@ async def kill_job(request: web.Request) -> web.StreamResponse:
     return web.json_response(_dump(answer))
 
 
+async def dump_check(request: web.Request) -> web.StreamResponse:
+    answer = await asyncio.to_thread(request.app[MANAGER].dump_check, request.match_info["job"],
+                                     peer(request))
+    return web.json_response(_dump(answer))
+
+
 async def _stream(request: web.Request, work: Callable[[Callable[[int, int], None]], BaseModel]
                   ) -> web.StreamResponse:
     """Run `work` in a thread, streaming its progress, then its result or error, as NDJSON."""
@@ -212,6 +218,7 @@ def make_app(manager: JobManager, middlewares: Sequence[Any] = ()) -> web.Applic
         web.get("/jobs/{job}", get_job),
         web.post("/jobs/{job}/kill", kill_job),
         web.post("/jobs/{job}/dump", dump_job),
+        web.get("/jobs/{job}/dump-check", dump_check),
         web.post("/restore", restore),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),

@@ -165,6 +165,9 @@ class Client:
              **request: Any) -> Any:
         return self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress)
 
+    def dump_check(self, job_id: str) -> Any:
+        return self.request("GET", f"/jobs/{_seg(job_id)}/dump-check")
+
     def restore(self, progress: Callable[[int, int], None] | None = None, **request: Any) -> Any:
         return self.stream("/restore", request, progress)
 

@@ -27,6 +27,7 @@ from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.models import (
     DumpAnswer,
+    DumpCheckAnswer,
     DumpRequest,
     Job,
     KillAnswer,
@@ -44,7 +45,7 @@ from stasis.daemon.users import (
     owner_uid,
     user_name,
 )
-from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, proctree
+from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, obstacles, proctree
 from stasis.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -314,6 +315,21 @@ class JobManager:
             staged=staged, notes=notes, elapsed_s=round(time.monotonic() - started, 4),
         )
 
+    def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
+        """What would make a dump of the job fail, or its restore differ, found without
+        dumping (`stasis dump --check`)."""
+        row = self._row(job_id, caller)
+        self.poll()
+        row = self._row(job_id, caller)
+        if row.state not in ("running", "restored") or row.pid is None \
+                or not proctree.alive(row.pid, row.pid_start):
+            raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to check")
+        try:
+            found = obstacles.find(row.pid)
+        except OSError as e:
+            raise StasisError(f"cannot look into job {job_id}: {e}") from e
+        return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
+
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
                         progress: Progress | None = None, notes: list[str] | None = None
@@ -353,7 +369,10 @@ class JobManager:
             if tail:
                 tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
-            raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+            # CRIU names no process when one end of a connection is outside the job: we can.
+            why = obstacles.explain(pid)
+            raise CheckpointError(f"checkpoint of {what} failed, job still running: "
+                                  + (f"{why} (CRIU: {e})" if why else str(e))) from e
         finally:
             if watcher:
                 watcher.stop()

@@ -110,6 +110,14 @@ class DumpAnswer(_Model):
     notes: list[str] = []
 
 
+class DumpCheckAnswer(_Model):
+    job: str
+    # What makes a dump of the job fail as it is now, each with what to do about it.
+    obstacles: list[str] = []
+    # What a dump would not bring back as it was (a timed wait cut short by EINTR).
+    notes: list[str] = []
+
+
 class RestoreAnswer(_Model):
     job: str
     pid: int
