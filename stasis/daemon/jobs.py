@@ -325,7 +325,7 @@ class JobManager:
                 or not proctree.alive(row.pid, row.pid_start):
             raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to check")
         try:
-            found = obstacles.find(row.pid)
+            found = obstacles.find(row.pid, viewer=row.uid)
         except OSError as e:
             raise StasisError(f"cannot look into job {job_id}: {e}") from e
         return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
@@ -370,7 +370,7 @@ class JobManager:
                 tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
             # CRIU names no process when one end of a connection is outside the job: we can.
-            why = obstacles.explain(pid)
+            why = obstacles.explain(pid, viewer=info.uid)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: "
                                   + (f"{why} (CRIU: {e})" if why else str(e))) from e
         finally:

@@ -35,17 +35,18 @@ class Findings:
     notes: list[str] = field(default_factory=list)
 
 
-def find(root: int) -> Findings:
-    """Everything this module knows to look for in the tree under `root`."""
-    return Findings(obstacles=[p.describe() for p in unixpeers.external_peers(root)],
-                    notes=[_note(pid, call) for pid, call in timed_waits(root)])
+def find(root: int, viewer: int | None = None) -> Findings:
+    """Everything this module knows to look for in the tree under `root`, told to `viewer` (a
+    uid: other users' processes are named, their arguments not shown)."""
+    return Findings(obstacles=[p.describe() for p in unixpeers.external_peers(root, viewer)],
+                    notes=[_note(pid, call, viewer) for pid, call in timed_waits(root)])
 
 
-def explain(root: int) -> str | None:
+def explain(root: int, viewer: int | None = None) -> str | None:
     """Why a dump of the tree under `root` failed, as far as can be told from outside CRIU
     (None: nothing known to block it); never raises, it only adds to another error."""
     try:
-        obstacles = [p.describe() for p in unixpeers.external_peers(root)]
+        obstacles = [p.describe() for p in unixpeers.external_peers(root, viewer)]
     except OSError:
         return None
     return "; ".join(obstacles) or None
@@ -92,8 +93,8 @@ def _interrupted(path: str, calls: dict[int, str]) -> str | None:
     return None
 
 
-def _note(pid: int, call: str) -> str:
-    return (f"pid {pid} ({unixpeers.command(pid)}) waits in {call} with a timeout, which CRIU "
+def _note(pid: int, call: str, viewer: int | None) -> str:
+    return (f"pid {pid} ({unixpeers.command(pid, viewer)}) waits in {call} with a timeout, which CRIU "
             "cannot restart: after a restore that call returns early with EINTR (most programs "
             "retry; one that takes EINTR as fatal dies then)")
 

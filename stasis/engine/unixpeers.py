@@ -160,9 +160,18 @@ def socket_inodes(pid: int) -> set[int]:
     return found
 
 
-def command(pid: int) -> str:
-    """`pid`'s command line, shortened for one line of an error ("?" when it is gone)."""
+def command(pid: int, viewer: int | None = None) -> str:
+    """`pid`'s command line, shortened for one line of an error ("?" when it is gone).
+
+    Told to `viewer` (a uid; None or 0: root): another user's process shows only its name and
+    owner, since its arguments may hold what that user keeps from others (nodes may mount
+    /proc with hidepid)."""
     try:
+        if viewer:
+            owner = os.stat(f"/proc/{pid}").st_uid
+            if owner != viewer:
+                with open(f"/proc/{pid}/comm") as f:
+                    return f"{f.read().strip()}, user {_user(owner)}"
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().rstrip(b"\0").split(b"\0")
         # The program's name, not its whole path: the line has the pid for the rest.
@@ -174,6 +183,15 @@ def command(pid: int) -> str:
     except OSError:
         return "?"
     return text if len(text) <= _COMMAND_CHARS else text[:_COMMAND_CHARS - 3] + "..."
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def holders(inodes: Iterable[int], skip: set[int]) -> dict[int, list[int]]:
@@ -190,9 +208,10 @@ def holders(inodes: Iterable[int], skip: set[int]) -> dict[int, list[int]]:
     return found
 
 
-def external_peers(root: int) -> list[ExternalPeer]:
+def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
     """The unix stream and seqpacket connections between the tree under `root` and processes
-    outside it: each one makes CRIU's dump of the tree fail."""
+    outside it: each one makes CRIU's dump of the tree fail. Commands as `viewer` may see them
+    (see `command`)."""
     tree = proctree.tree(root)
     mine: dict[int, int] = {}  # socket inode -> the first process of the tree holding it
     for pid in tree:
@@ -212,10 +231,10 @@ def external_peers(root: int) -> list[ExternalPeer]:
         other = sockets.get(sk.peer)
         outside_name = other.name if other else None
         peers.append(ExternalPeer(
-            inside=Process(pid, command(pid)), kind=_TYPES[sk.type],
+            inside=Process(pid, command(pid, viewer)), kind=_TYPES[sk.type],
             address=sk.name or outside_name,
             served_inside=True if sk.name else False if outside_name else None,
-            holders=tuple(Process(p, command(p)) for p in sorted(far.get(sk.peer, []))),
+            holders=tuple(Process(p, command(p, viewer)) for p in sorted(far.get(sk.peer, []))),
         ))
     return peers
 

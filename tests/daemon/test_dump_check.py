@@ -51,7 +51,8 @@ def test_job_connected_to_a_server_outside(daemon: Daemon, sockdir: Path,
     assert server.stdout is not None and server.stdout.readline() == "listening\n"
     job = daemon.run(*workload("unixclient.py", path), user=user)
     wait_for(lambda: len(_echoes(daemon, job["job"])) >= 3, what="echoes")
-    server_says = f"pid {server.pid} (python3 -u {workload('unixserver.py', path)[2]} {path})"
+    # Root's process, told to the job's owner: its name, not its arguments.
+    server_says = f"pid {server.pid} (python3, user root)"
 
     check = daemon.cli("dump", "--check", job["job"], user=user, check=False)
     assert check.returncode == 1, check.stderr
@@ -86,7 +87,9 @@ def test_client_outside_connected_to_a_job(daemon: Daemon, sockdir: Path,
     path = sockdir / "mux.sock"
     job = daemon.run(*workload("unixserver.py", path), user=user)
     wait_for(lambda: "listening" in daemon.log_of(job["job"]), what="listening")
-    client = subprocess.Popen(workload("unixclient.py", path), stdout=subprocess.PIPE, text=True)
+    # The owner's own client (a terminal attached to their server, say): shown in full.
+    client = subprocess.Popen(workload("unixclient.py", path), stdout=subprocess.PIPE, text=True,
+                              user=test_user.pw_uid, group=test_user.pw_gid, extra_groups=[])
     outside.append(client)
     assert client.stdout is not None and client.stdout.readline() == "echo 0\n"
 
