@@ -130,7 +130,7 @@ def test_the_daemon_serves_others_while_a_kill_waits(daemon: Daemon, markers: Pa
     time.sleep(1)
     started = time.monotonic()
     daemon.json("ps")
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 2
     assert all(t.is_alive() for t in kills)  # still waiting for their jobs
     for t in kills:
         t.join()
