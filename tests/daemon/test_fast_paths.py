@@ -113,7 +113,7 @@ def test_lazy_restore_of_a_user_job_and_of_a_compressed_one(daemon: Daemon) -> N
     assert f"note: {why}\n" in result.stderr
     restored = re.search(r"job (\w+) restored from \S+ as pid (\d+)", result.stdout)
     assert restored is not None
-    full = {"job": restored[1], "pid": int(restored[2])}
+    full: dict[str, Any] = {"job": restored[1], "pid": int(restored[2])}
     again = daemon.json("restore", "--lazy", zcp["checkpoint"])
     assert again["lazy"] is False and again["notes"] == [why]
     daemon.cli("kill", again["job"])
