@@ -27,6 +27,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          0 = no limit  (10)
     STASIS_MAX_CONNECTIONS_PER_UID  connections one user (not root) may hold open on the
                          daemon's socket at once; 0 = no cap  (64)
+    STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
+                         before it sends SIGKILL; 0 = SIGKILL at once  (10)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _ENV_KEYS = {
     "STASIS_REMOVE_CORRUPT_AFTER_S": "remove_corrupt_after_s",
     "STASIS_REQUEST_TIMEOUT_S": "request_timeout_s",
     "STASIS_MAX_CONNECTIONS_PER_UID": "max_connections_per_uid",
+    "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -93,6 +96,9 @@ class Settings(NamedTuple):
     # Enough for one user's jobs, their Slurm hooks and their commands at once; root is not
     # counted (its requests are always served).
     max_connections_per_uid: int = 64
+    # Long enough for a server to finish its requests and write its state, short enough that a
+    # job which ignores TERM is not left running for long (`stasis kill --timeout` overrides).
+    kill_timeout_s: int = 10
 
     @property
     def store_url(self) -> str:

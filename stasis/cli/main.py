@@ -46,6 +46,8 @@ def run(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def dump(args: argparse.Namespace, settings: Settings) -> None:
+    if args.check and args.slurm_job is not None:
+        raise UsageError("--check looks at a stasis JOB; it cannot check a --slurm-job")
     if args.slurm_job is not None or args.job is None:
         if args.job is not None or args.slurm_job is None:
             raise UsageError("give either a JOB id or --slurm-job JOBID")
@@ -53,18 +55,39 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
 
         dump_slurm_job(Client(settings.socket), args.slurm_job, args.leave_running, args.json)
         return
+    if args.check:
+        dump_check(args, settings)
+        return
     with Client(settings.socket) as client, \
             output.progress_bar("dumping", not args.json) as progress:
         answer = client.dump(args.job, progress, leave_running=args.leave_running,
                              label=args.label, compress=args.compress,
                              incremental=args.incremental)
-    if answer.get("note"):
-        output.warn(answer["note"])
+    output.notes(answer)
     if args.json:
         output.emit_json(answer)
     else:
         output.say(f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
                    f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
+
+
+def dump_check(args: argparse.Namespace, settings: Settings) -> None:
+    """`dump --check`: exit 0 when nothing is known to block a dump of the job, else 1."""
+    with Client(settings.socket) as client:
+        answer = client.dump_check(args.job)
+    if args.json:
+        output.emit_json(answer)
+    else:
+        if answer["obstacles"]:
+            output.plain(f"job {args.job} cannot be dumped as it is:")
+            for obstacle in answer["obstacles"]:
+                output.plain(f"- {obstacle}")
+        else:
+            output.plain(f"job {args.job}: no obstacles found")
+        for note in answer["notes"]:
+            output.plain(f"note: {note}")
+    if answer["obstacles"]:
+        sys.exit(1)
 
 
 def restore(args: argparse.Namespace, settings: Settings) -> None:
@@ -78,6 +101,7 @@ def restore(args: argparse.Namespace, settings: Settings) -> None:
                                 user=args.user, lazy=args.lazy)
     for skipped in answer.get("skipped", []):
         output.warn(f"skipped corrupt checkpoint {skipped}")
+    output.notes(answer)
     if args.json:
         output.emit_json(answer)
     else:
@@ -117,11 +141,18 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
 
 def kill(args: argparse.Namespace, settings: Settings) -> None:
     with Client(settings.socket) as client:
-        answer = client.kill(args.job)
+        answer = client.kill(args.job, signal=args.signal, timeout_s=args.timeout)
     if args.json:
         output.emit_json(answer)
+        return
+    code = "" if answer["exit_code"] is None else f", exit code {answer['exit_code']}"
+    if answer["ended_by"] is None:
+        output.say(f"job {args.job} was not running ({answer['state']}{code})")
+    elif answer["ended_by"] == answer["signal"]:
+        output.say(f"job {args.job} ended by {answer['ended_by']}{code}")
     else:
-        output.say(f"job {args.job}: {answer['state']}")
+        output.say(f"job {args.job} ended by {answer['ended_by']}: {answer['signal']} did not "
+                   f"end it within {answer['timeout_s']:g} s{code}")
 
 
 def logs(args: argparse.Namespace, settings: Settings) -> None:
@@ -191,6 +222,10 @@ def _add_dump(sub: Any) -> None:
                    help="(default: none)")
     p.add_argument("--incremental", action="store_true",
                    help="Only memory changed since the last dump, where the kernel tracks it.")
+    p.add_argument("--check", action="store_true",
+                   help="Dump nothing: report what would make the dump fail (a unix stream "
+                        "connection to a process outside the job) and what a restore would "
+                        "not bring back as it was; exit 1 if the dump would fail.")
     p.add_argument("--slurm-job", metavar="JOBID",
                    help="Checkpoint this Slurm job on its node instead; it is requeued and "
                         "resumes from the checkpoint unless --leave-running.")
@@ -232,9 +267,35 @@ def _add_checkpoints(sub: Any) -> None:
     rm.add_argument("checkpoint", metavar="CHECKPOINT")
 
 
+def _signal(text: str) -> str:
+    from stasis.daemon.signals import parse_signal
+
+    try:
+        return parse_signal(text).name
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 3600:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} is not in 0..3600 seconds")
+    return value
+
+
 def _add_kill(sub: Any) -> None:
-    p = sub.add_parser("kill", help="Kill JOB and every process in it.")
+    p = sub.add_parser("kill", help="Stop JOB and every process in it: SIG first, SIGKILL after "
+                                    "the timeout.")
     p.add_argument("job", metavar="JOB")
+    p.add_argument("--signal", type=_signal, default="SIGTERM", metavar="SIG",
+                   help="Signal to end the job with: a name (TERM, INT, HUP, USR1...) or a "
+                        "number (default: TERM).")
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+                   help="Seconds the job has to end on SIG before SIGKILL; 0: SIGKILL at once "
+                        "(default: the daemon's kill_timeout_s, 10).")
     add_json(p)
     p.set_defaults(handler=kill)
 

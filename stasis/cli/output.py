@@ -37,6 +37,11 @@ def say(text: str) -> None:
     console().print(text)
 
 
+def plain(text: str) -> None:
+    """A line as it is: no markup, never wrapped (it may hold paths and long explanations)."""
+    sys.stdout.write(text + "\n")
+
+
 def emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data) + "\n")
 
@@ -58,6 +63,13 @@ def fail(message: str) -> None:
 
 def warn(message: str) -> None:
     sys.stderr.write(f"stasis: warning: {message}\n")
+
+
+def notes(answer: Any) -> None:
+    """What the daemon did otherwise than asked, and why (a fallback): on stderr, whatever the
+    mode, so --json output stays one value and a person still sees it."""
+    for text in answer.get("notes", []):
+        sys.stderr.write(f"note: {text}\n")
 
 
 @contextmanager

@@ -20,7 +20,8 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import DumpRequest, RestoreRequest, RunRequest
+from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRequest
+from stasis.daemon.stopping import stop
 from stasis.daemon.users import Caller
 from stasis.engine.check import run_check
 from stasis.errors import StasisError, UsageError
@@ -127,8 +128,15 @@ async def get_job(request: web.Request) -> web.StreamResponse:
 
 
 async def kill_job(request: web.Request) -> web.StreamResponse:
-    job = await asyncio.to_thread(request.app[MANAGER].kill, request.match_info["job"], peer(request))
-    return web.json_response(_dump(job))
+    req = await _body(request, KillRequest)
+    answer = await stop(request.app[MANAGER], request.match_info["job"], peer(request), req)
+    return web.json_response(_dump(answer))
+
+
+async def dump_check(request: web.Request) -> web.StreamResponse:
+    answer = await asyncio.to_thread(request.app[MANAGER].dump_check, request.match_info["job"],
+                                     peer(request))
+    return web.json_response(_dump(answer))
 
 
 async def _stream(request: web.Request, work: Callable[[Callable[[int, int], None]], BaseModel]
@@ -210,6 +218,7 @@ def make_app(manager: JobManager, middlewares: Sequence[Any] = ()) -> web.Applic
         web.get("/jobs/{job}", get_job),
         web.post("/jobs/{job}/kill", kill_job),
         web.post("/jobs/{job}/dump", dump_job),
+        web.get("/jobs/{job}/dump-check", dump_check),
         web.post("/restore", restore),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),

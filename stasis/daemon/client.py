@@ -158,12 +158,15 @@ class Client:
     def job(self, job_id: str) -> Any:
         return self.request("GET", f"/jobs/{_seg(job_id)}")
 
-    def kill(self, job_id: str) -> Any:
-        return self.request("POST", f"/jobs/{_seg(job_id)}/kill")
+    def kill(self, job_id: str, **request: Any) -> Any:
+        return self.request("POST", f"/jobs/{_seg(job_id)}/kill", request)
 
     def dump(self, job_id: str, progress: Callable[[int, int], None] | None = None,
              **request: Any) -> Any:
         return self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress)
+
+    def dump_check(self, job_id: str) -> Any:
+        return self.request("GET", f"/jobs/{_seg(job_id)}/dump-check")
 
     def restore(self, progress: Callable[[int, int], None] | None = None, **request: Any) -> Any:
         return self.stream("/restore", request, progress)

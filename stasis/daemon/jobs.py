@@ -27,8 +27,10 @@ from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.models import (
     DumpAnswer,
+    DumpCheckAnswer,
     DumpRequest,
     Job,
+    KillAnswer,
     RestoreAnswer,
     RestoreRequest,
     RunAnswer,
@@ -43,7 +45,7 @@ from stasis.daemon.users import (
     owner_uid,
     user_name,
 )
-from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, proctree
+from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, obstacles, proctree
 from stasis.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -289,11 +291,11 @@ class JobManager:
             raise UsageError(f"job {job_id} is no longer running; nothing to dump")
         label = validate_label(req.label) if req.label else row.label
         criu = self.criu
-        note = None
+        notes: list[str] = []
         if req.incremental and not criu.features().mem_track:
             # Without soft-dirty tracking CRIU refuses pre-dumps: a full dump is the honest answer.
-            note = ("incremental dump not possible: this kernel does not track dirty memory "
-                    "(no soft-dirty); took a full dump")
+            notes.append("incremental dump not possible: this kernel does not track dirty "
+                         "memory (no soft-dirty); took a full dump")
         created = datetime.now(timezone.utc)
         checkpoint_id = new_checkpoint_id(created)
         info = CheckpointInfo(
@@ -303,31 +305,54 @@ class JobManager:
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(
-            row.pid, info, req.leave_running, req.compress, what, progress)
+            row.pid, info, req.leave_running, req.compress, what, progress, notes)
         if not req.leave_running:
             self.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            staged=staged, note=note, elapsed_s=round(time.monotonic() - started, 4),
+            staged=staged, notes=notes, elapsed_s=round(time.monotonic() - started, 4),
         )
+
+    def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
+        """What would make a dump of the job fail, or its restore differ, found without
+        dumping (`stasis dump --check`)."""
+        row = self._row(job_id, caller)
+        self.poll()
+        row = self._row(job_id, caller)
+        if row.state not in ("running", "restored") or row.pid is None \
+                or not proctree.alive(row.pid, row.pid_start):
+            raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to check")
+        try:
+            found = obstacles.find(row.pid, viewer=row.uid)
+        except OSError as e:
+            raise StasisError(f"cannot look into job {job_id}: {e}") from e
+        return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
-                        progress: Progress | None = None) -> tuple[Manifest, DumpResult, bool]:
+                        progress: Progress | None = None, notes: list[str] | None = None
+                        ) -> tuple[Manifest, DumpResult, bool]:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`.
 
         Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
         caller records that and kills it. Any failure resumes it and publishes nothing.
-        Returns the manifest, CRIU's result and whether the images were staged in memory.
+        Returns the manifest, CRIU's result and whether the images were staged in memory; what
+        was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
+        notes = [] if notes is None else notes
+        asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
         # Leave-running dumps may go to node memory first, so the job is frozen only that long;
         # a dump that stops the job goes straight to the store (one copy, not two).
-        fast = staging.fast_dir(self.settings.stage_dir, info.id, expected) \
-            if leave_running else None
+        fast = None
+        if leave_running:
+            fast, unstaged = staging.stage(self.settings.stage_dir, info.id, expected)
+            if unstaged:
+                notes.append(f"not staged in memory ({unstaged}): the job stayed frozen while "
+                             "its images went to the store")
         target = fast or self.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
@@ -344,7 +369,10 @@ class JobManager:
             if tail:
                 tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
-            raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+            # CRIU names no process when one end of a connection is outside the job: we can.
+            why = obstacles.explain(pid, viewer=info.uid)
+            raise CheckpointError(f"checkpoint of {what} failed, job still running: "
+                                  + (f"{why} (CRIU: {e})" if why else str(e))) from e
         finally:
             if watcher:
                 watcher.stop()
@@ -358,6 +386,10 @@ class JobManager:
             if not leave_running:
                 proctree.signal_tree(pid, signal.SIGCONT)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+        if asked == "auto" and manifest.compression == "none":
+            why = "it is under 1 MiB" if manifest.size_bytes < (1 << 20) else \
+                "a sample of its memory did not shrink to half"
+            notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
@@ -435,6 +467,7 @@ class JobManager:
             "umask": self.job_umask,  # for a log the supervisor creates as the user
         }
         lazy = self.settings.lazy_restore if lazy is None else lazy
+        notes: list[str] = []
         in_place = self.store.images_in_place(manifest.id)
         if in_place is not None:
             # CRIU reads the images where they are while we verify them; the restored tree is
@@ -460,6 +493,13 @@ class JobManager:
                 # Lazy pages read the images after the restore returns: not from a scratch copy
                 # that goes away when this block ends.
                 spec.update(images=str(images), lazy=False)
+                if lazy:
+                    why = f"the checkpoint is compressed ({manifest.compression}) and was " \
+                        "unpacked" if manifest.compression != "none" else \
+                        f"the store {self.store.url} is not a local directory: the images were " \
+                        "fetched"
+                    notes.append(f"lazy restore not possible: {why} into scratch space that "
+                                 "goes away after the restore; restored in full")
                 job_dir, answer = self._start_shim(job_id, spec, progress, manifest.size_bytes)
         if "error" in answer:
             message = answer["error"]["message"]
@@ -469,6 +509,9 @@ class JobManager:
                             f"{acct.name}, who may not open that path now)")
             raise RestoreError(f"restore of checkpoint {manifest.id} failed: {message}")
         pid = int(answer["pid"])
+        if answer.get("fallback"):
+            # The supervisor's CRIU could not restore lazily and restored in full.
+            notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
         self.db.add(
             JobRow(
                 id=job_id, pid=pid, pid_start=proctree.start_time(pid), shim_pid=answer["shim"],
@@ -478,7 +521,7 @@ class JobManager:
             )
         )
         return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
-                             lazy=bool(answer.get("lazy")),
+                             lazy=bool(answer.get("lazy")), notes=notes,
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4))
 
     def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
@@ -493,15 +536,53 @@ class JobManager:
 
     # -- kill / follow -------------------------------------------------------------------------
 
-    def kill(self, job_id: str, caller: Caller) -> Job:
+    def signal_job(self, job_id: str, caller: Caller, sig: signal.Signals) -> JobRow | None:
+        """Send `sig` to the caller's job `job_id`; its row, or None when it was not running.
+
+        The signal goes to the job's init, stasis-init, which forwards it to every process of
+        the job (a daemonized server too); SIGKILL ends the init and with it the whole PID
+        namespace."""
         row = self._row(job_id, caller)
-        if row.state in ("running", "restored") and row.pid and proctree.alive(row.pid, row.pid_start):
-            os.kill(row.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not (Path(row.job_dir) / "exit.json").exists():
-                time.sleep(0.05)
+        return row if self.send(row, sig) else None
+
+    def send(self, row: JobRow, sig: signal.Signals) -> bool:
+        """Send `sig` to the job's init if it still runs (the same process, not a recycled pid);
+        whether it did."""
+        if row.state not in ("running", "restored") or not row.pid:
+            return False
+        if not proctree.alive(row.pid, row.pid_start):
+            return False
+        try:
+            os.kill(row.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def has_ended(self, row: JobRow) -> bool:
+        """Whether the job's supervisor recorded its end (or both are gone). A stat and a /proc
+        read or two: cheap enough to ask from the event loop every few ms."""
+        if (Path(row.job_dir) / "exit.json").exists():
+            return True
+        return not (row.pid and proctree.alive(row.pid, row.pid_start)) and \
+            not (row.shim_pid and proctree.alive(row.shim_pid, None))
+
+    def kill_answer(self, job_id: str, caller: Caller, asked: signal.Signals, sent: bool,
+                    killed: bool, timeout_s: float) -> KillAnswer:
+        """How `stasis kill` went: `asked` was `sent` (not: the job was not running), then
+        SIGKILL if `killed`. SIGKILL ended the job only if its init died of it: a job that ended
+        on `asked` just as SIGKILL went out ended by `asked`."""
         self.poll()
-        return _job(self._row(job_id, caller))
+        row = self._row(job_id, caller)
+        ended_by = None
+        if sent:
+            if row.state in ("running", "restored"):
+                raise StasisError(
+                    f"job {job_id} is still running after SIGKILL: a process of it is stuck in "
+                    f"the kernel (state D in /proc/{row.pid}/stat); try again later")
+            ended_by = "SIGKILL" if killed and _died_of(row, signal.SIGKILL) else asked.name
+        return KillAnswer(job=row.id, state=row.state,  # type: ignore[arg-type]
+                          ended_by=ended_by, exit_code=row.exit_code, signal=asked.name,
+                          timeout_s=timeout_s)
 
     def poll(self) -> None:
         """Record the end of every job whose supervisor wrote its exit status (or vanished)."""
@@ -677,6 +758,18 @@ class _ReadWatcher(_Watcher):
         # Processes come and go during a restore: never report going backwards.
         self._best = min(max(self._best, total), self.expected or total)
         return self._best
+
+
+def _died_of(row: JobRow, sig: signal.Signals) -> bool:
+    """Whether the job's init was ended by `sig`, as its supervisor recorded. No record (the
+    supervisor vanished with the job): taken as yes, `sig` being the last thing sent."""
+    try:
+        return bool(json.loads((Path(row.job_dir) / "exit.json").read_text())
+                    .get("signal") == sig)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _is_pages(entry: FileEntry) -> bool:

@@ -56,6 +56,14 @@ class RestoreRequest(_Model):
     lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
 
 
+class KillRequest(_Model):
+    # A name (TERM, SIGTERM, term) or a number; stasis/daemon/signals.py reads it.
+    signal: str | int = "SIGTERM"
+    # How long the job has to end on `signal` before SIGKILL; None: the daemon's
+    # kill_timeout_s. 0: SIGKILL at once.
+    timeout_s: float | None = Field(default=None, ge=0, le=3600)
+
+
 class Job(_Model):
     job: str
     pid: int | None
@@ -77,6 +85,17 @@ class RunAnswer(_Model):
     label: str
 
 
+class KillAnswer(_Model):
+    job: str
+    state: JobState
+    # What ended the job: the signal asked for, or SIGKILL once the timeout passed. None: it
+    # was not running when asked (`state` says how it is).
+    ended_by: str | None
+    exit_code: int | None
+    signal: str  # the signal sent first
+    timeout_s: float  # how long it was given to end on it
+
+
 class DumpAnswer(_Model):
     checkpoint: str
     label: str
@@ -86,8 +105,17 @@ class DumpAnswer(_Model):
     elapsed_s: float = 0.0  # the daemon's whole answer: CRIU, publishing, the kill
     # The images went to node memory first (leave-running dumps), then to the store.
     staged: bool = False
-    # Why an --incremental dump was taken in full (the kernel tracks no dirty memory).
-    note: str | None = None
+    # Every way the dump differs from what was asked, and why: an --incremental dump taken in
+    # full, a dump not staged in memory, `--compress auto` storing it uncompressed. Never silent.
+    notes: list[str] = []
+
+
+class DumpCheckAnswer(_Model):
+    job: str
+    # What makes a dump of the job fail as it is now, each with what to do about it.
+    obstacles: list[str] = []
+    # What a dump would not bring back as it was (a timed wait cut short by EINTR).
+    notes: list[str] = []
 
 
 class RestoreAnswer(_Model):
@@ -97,5 +125,7 @@ class RestoreAnswer(_Model):
     # Newer checkpoints of the label that failed verification and were passed over, with why.
     skipped: list[str] = []
     lazy: bool = False  # the job runs while its memory is still coming back
+    # Every way the restore differs from what was asked, and why (a lazy restore done in full).
+    notes: list[str] = []
     duration_s: float = 0.0  # CRIU's restore, until the job ran again
     elapsed_s: float = 0.0  # the daemon's whole answer: verification, supervisor, CRIU

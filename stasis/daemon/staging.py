@@ -29,22 +29,38 @@ def mem_available() -> int:
 def fast_dir(root: str, checkpoint_id: str, expected_bytes: int) -> Path | None:
     """A fresh root-only directory under `root` for about `expected_bytes` of images, or None
     when staging is off or the node lacks the memory or tmpfs space for it (dump directly)."""
+    return stage(root, checkpoint_id, expected_bytes)[0]
+
+
+def stage(root: str, checkpoint_id: str, expected_bytes: int) -> tuple[Path | None, str | None]:
+    """`fast_dir`, and why there is none when staging is on (None when it is off or there is
+    one): the caller tells the user that the dump went to the store directly."""
     if not root:
-        return None
+        return None, None
     base = Path(root)
     try:
         base.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(base, 0o700)
         fs = os.statvfs(base)
-    except OSError:
-        return None
+    except OSError as e:
+        return None, f"cannot use the stage directory {root}: {e.strerror or e}"
     need = int(expected_bytes * 1.1) + (16 << 20)
-    if fs.f_bavail * fs.f_frsize < need or mem_available() < need + HEADROOM_BYTES:
-        return None
+    free = fs.f_bavail * fs.f_frsize
+    if free < need:
+        return None, (f"the stage directory {root} has {_mib(free)} free, the dump needs about "
+                      f"{_mib(need)}")
+    available = mem_available()
+    if available < need + HEADROOM_BYTES:
+        return None, (f"the node has {_mib(available)} of memory available, the dump needs "
+                      f"about {_mib(need)} plus {_mib(HEADROOM_BYTES)} to spare")
     path = base / checkpoint_id
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(mode=0o700)
-    return path
+    return path, None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
 
 
 def remove_leftovers(root: str) -> list[str]:

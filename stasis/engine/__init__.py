@@ -8,6 +8,8 @@ and a local directory.
     proctree  walking a process tree in /proc (resume stopped trees, resident memory)
     kdat      keeping CRIU's kernel-probe cache usable (a stale .tmp blocks it for good)
     check     the `stasis check` report
+    unixpeers unix stream connections between a process tree and processes outside it
+    obstacles what a dump of a tree would fail on, or not bring back as it was (`dump --check`)
 """
 
 from stasis.engine.criu import (

@@ -44,7 +44,7 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
     assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
     cp = daemon.json("dump", job["job"])
     assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "elapsed_s",
-                       "staged", "note"}
+                       "staged", "notes"}
     assert 0 < cp["duration_s"] <= cp["elapsed_s"]  # CRIU's part of the daemon's whole answer
     listed = daemon.json("checkpoints", "--label", "shapes")
     assert [c["id"] for c in listed] == [cp["checkpoint"]]

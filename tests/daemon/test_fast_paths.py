@@ -45,10 +45,17 @@ def test_staging_falls_back_when_memory_is_short(make_daemon: Any, world_tmp: Pa
         d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
         job = d.run(*workload("memhold.py", 32))
         wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
-        cp = d.json("dump", "--leave-running", job["job"])
-        assert cp["staged"] is False and cp["size_bytes"] >= 32 << 20
+        result = d.cli("dump", "--leave-running", job["job"])
+        # Said, not silent: in text mode on stderr, why the job stayed frozen longer.
+        assert re.search(r"^note: not staged in memory \(the stage directory .* has \d+ MiB "
+                         r"free, the dump needs about \d+ MiB\)", result.stderr, re.M), result.stderr
+        checkpoint = re.search(r"^checkpoint (\S+) \(", result.stdout, re.M)
+        assert checkpoint is not None
+        cp = next(c for c in d.json("checkpoints") if c["id"] == checkpoint[1])
+        assert cp["size_bytes"] >= 32 << 20
+        assert list(stage.iterdir()) == []  # nothing of it was staged
         d.cli("kill", job["job"])
-        restored = d.json("restore", cp["checkpoint"])
+        restored = d.json("restore", cp["id"])
         os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)
         wait_for(lambda: len(_digest(d, restored["job"])) == 2, what="digest")
         assert len(set(_digest(d, restored["job"]))) == 1
@@ -64,6 +71,10 @@ def test_compress_auto_picks_by_content(daemon: Daemon) -> None:
     wait_for(lambda: "ready" in daemon.log_of(noise["job"]), what="noise ready")
     z = daemon.json("dump", "--compress", "auto", zeros["job"])
     n = daemon.json("dump", "--compress", "auto", noise["job"])
+    assert z["notes"] == []
+    # Asked to compress, stored as is: the answer says so and why.
+    assert n["notes"] == ["--compress auto stored the checkpoint uncompressed: a sample of its "
+                          "memory did not shrink to half"]
     listed = {c["id"]: c for c in daemon.json("checkpoints")}
     assert listed[z["checkpoint"]]["compression"] == "zstd"
     assert listed[z["checkpoint"]]["stored_size_bytes"] * 5 <= z["size_bytes"]
@@ -78,7 +89,7 @@ def test_lazy_restore_runs_before_memory_is_back(daemon: Daemon) -> None:
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
     cp = daemon.json("dump", job["job"])
     restored = daemon.json("restore", "--lazy", cp["checkpoint"])
-    assert restored["lazy"] is True
+    assert restored["lazy"] is True and restored["notes"] == []
     os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)  # touches every page: all come back
     wait_for(lambda: len(_digest(daemon, restored["job"])) == 2, what="digest")
     assert len(set(_digest(daemon, restored["job"]))) == 1
@@ -94,9 +105,18 @@ def test_lazy_restore_of_a_user_job_and_of_a_compressed_one(daemon: Daemon) -> N
     zcp = daemon.json("dump", "--compress", "zstd", job["job"])
     lazy = daemon.json("restore", "--lazy", cp["checkpoint"], user="stasis-test")
     assert lazy["lazy"] is True
-    # A compressed checkpoint is unpacked into scratch space that goes away: restored in full.
-    full = daemon.json("restore", "--lazy", zcp["checkpoint"])
-    assert full["lazy"] is False
+    # A compressed checkpoint is unpacked into scratch space that goes away: restored in full,
+    # and the answer says why (on stderr in text mode, in "notes" with --json).
+    result = daemon.cli("restore", "--lazy", zcp["checkpoint"])
+    why = ("lazy restore not possible: the checkpoint is compressed (zstd) and was unpacked "
+           "into scratch space that goes away after the restore; restored in full")
+    assert f"note: {why}\n" in result.stderr
+    restored = re.search(r"job (\w+) restored from \S+ as pid (\d+)", result.stdout)
+    assert restored is not None
+    full: dict[str, Any] = {"job": restored[1], "pid": int(restored[2])}
+    again = daemon.json("restore", "--lazy", zcp["checkpoint"])
+    assert again["lazy"] is False and again["notes"] == [why]
+    daemon.cli("kill", again["job"])
     for r in (lazy, full):
         os.kill(workload_pid(r["pid"]), signal.SIGUSR1)
     wait_for(lambda: len(_digest(daemon, full["job"])) == 3, what="digests")
@@ -110,7 +130,9 @@ def test_incremental_falls_back_to_full_without_soft_dirty(daemon: Daemon) -> No
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
     result = daemon.cli("dump", "--incremental", "--leave-running", "--json", job["job"])
     cp = __import__("json").loads(result.stdout)
-    assert "soft-dirty" in cp["note"] and "soft-dirty" in result.stderr
+    assert cp["notes"] == ["incremental dump not possible: this kernel does not track dirty "
+                           "memory (no soft-dirty); took a full dump"]
+    assert f"note: {cp['notes'][0]}\n" in result.stderr
     assert cp["size_bytes"] >= 8 << 20  # a full, restorable dump
     daemon.cli("kill", job["job"])
     restored = daemon.json("restore", cp["checkpoint"])
