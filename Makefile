@@ -29,10 +29,15 @@ $(BIN)/stasis: pyproject.toml
 	touch $@
 
 # The init of every job's PID namespace (static: it is part of every checkpoint, keep it small).
-init: $(BIN)/stasis-init
+# Jobs exec it as their own user: it goes where every user may run it, not only into the venv.
+INIT := /usr/local/libexec/stasis/stasis-init
+init: $(INIT)
 
 $(BIN)/stasis-init: stasis/daemon/stasis-init.c $(BIN)/stasis
 	gcc -O2 -Wall -Wextra -Werror -static -o $@ $<
+
+$(INIT): $(BIN)/stasis-init
+	install -D -m 0755 $< $@
 
 # CRIU's RPC classes come from the rpc.proto of the CRIU that is installed, never from a copy.
 proto: $(PROTO_OUT)/rpc_pb2.py

@@ -11,7 +11,7 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_KEEP          checkpoints kept per label, 0 = all  (5)
     STASIS_CRIU          criu binary                          (first of /usr/local/sbin/criu, PATH)
     STASIS_TINI          tini binary (Slurm jobs' init)       (tini-static, tini on PATH)
-    STASIS_INIT          stasis-init binary (jobs' init)      (next to the venv's python, PATH)
+    STASIS_INIT          stasis-init binary (jobs' init)      (/usr/local/libexec/stasis/)
     STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged, for
                          stores whose local write path is slower than memory; "" = off  ("")
     STASIS_LAZY_RESTORE  restore lazily by default (userfaultfd; `restore --lazy`)  (false)

@@ -79,11 +79,15 @@ Progress = Callable[[int, int], None]
 _SHIM_ANSWER_TIMEOUT_S = 600
 
 
+# `make install` puts stasis-init (stasis/daemon/stasis-init.c) here, where every job's user may
+# run it, and builds it next to the venv's python.
+_INIT_CANDIDATES = ("/usr/local/libexec/stasis/stasis-init",)
+
+
 def find_init(configured: str) -> str:
-    """stasis-init (stasis/daemon/stasis-init.c): `make install` builds it next to the venv's
-    python."""
     candidates = (configured,) if configured else (
-        str(Path(sys.executable).parent / "stasis-init"), shutil.which("stasis-init") or "")
+        *_INIT_CANDIDATES, str(Path(sys.executable).parent / "stasis-init"),
+        shutil.which("stasis-init") or "")
     for path in candidates:
         if path and os.access(path, os.X_OK):
             return path

@@ -70,8 +70,9 @@ def run_check(settings: Settings) -> CheckReport:
         if not (os.access(binary, os.X_OK) or shutil.which(binary)):
             report.problems.append(Problem(what=f"{name} is missing",
                                            fix=f"apt-get install {name.split('-')[0]}"))
-    init = settings.init or str(Path(sys.executable).parent / "stasis-init")
-    if not (os.access(init, os.X_OK) or shutil.which("stasis-init")):
+    inits = [settings.init] if settings.init else [
+        "/usr/local/libexec/stasis/stasis-init", str(Path(sys.executable).parent / "stasis-init")]
+    if not any(os.access(i, os.X_OK) for i in inits) and not shutil.which("stasis-init"):
         report.problems.append(Problem(what="stasis-init (the jobs' init) is missing",
                                        fix="run `make install`"))
     report.ok = not report.problems
