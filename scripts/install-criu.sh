@@ -50,7 +50,7 @@ BUILD_DEPS=(
     xz-utils ca-certificates debian-archive-keyring
 )
 RUNTIME_DEPS=(
-    tini iptables nftables util-linux python3-venv python3-dev git
+    tini iptables nftables util-linux procps python3-venv python3-dev git
 )
 
 step() { printf '[install-criu] %s\n' "$*"; }
