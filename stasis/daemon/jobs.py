@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -115,6 +116,11 @@ class JobManager:
         self._hostname = socket.gethostname()
         self._criu_version: str | None = None
         self._spare = _SpareSupervisor()
+        # What is being dumped (or recovered from a dump a killed daemon left): at most one dump
+        # of a job at a time. A second CRIU on a tree the first one holds fails, and a second
+        # stop-dump would find the tree the first one stopped (see `_dump_slot`).
+        self._busy: dict[str, str] = {}
+        self._busy_lock = threading.Lock()
 
     def close(self) -> None:
         """Let the spare supervisor go (running jobs and their supervisors are not touched)."""
@@ -287,6 +293,29 @@ class JobManager:
              progress: Progress | None = None) -> DumpAnswer:
         started = time.monotonic()
         row = self._row(job_id, caller)
+        # Held until the job is recorded checkpointed and killed: a second request in between
+        # would otherwise dump the stopped tree, or report the first one's success as a failure.
+        with self._dump_slot(f"job {row.id}", f"job {job_id}"):
+            return self._dump(job_id, req, caller, progress, started)
+
+    @contextmanager
+    def _dump_slot(self, key: str, what: str,
+                   why: str = "being checkpointed already; wait for it") -> Iterator[None]:
+        """Hold `key` (a job, or a process tree by its pid) for one dump. Whoever asks for it
+        meanwhile gets a CheckpointError at once: "<what> is <why the holder gave>"."""
+        with self._busy_lock:
+            held = self._busy.get(key)
+            if held is not None:
+                raise CheckpointError(f"{what} is {held}")
+            self._busy[key] = why
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                del self._busy[key]
+
+    def _dump(self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None,
+              started: float) -> DumpAnswer:
         self.poll()
         row = self._row(job_id, caller)
         if row.state not in ("running", "restored") or row.pid is None:
