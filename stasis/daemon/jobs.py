@@ -26,6 +26,7 @@ from typing import IO, Any
 from stasis.config import Settings
 from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
+from stasis.daemon.reaper import Reaper
 from stasis.daemon.models import (
     DumpAnswer,
     DumpCheckAnswer,
@@ -115,7 +116,8 @@ class JobManager:
         self._lock = threading.Lock()
         self._hostname = socket.gethostname()
         self._criu_version: str | None = None
-        self._spare = _SpareSupervisor()
+        self.reaper = Reaper()
+        self._spare = _SpareSupervisor(self.reaper)
         # What is being dumped (or recovered from a dump a killed daemon left): at most one dump
         # of a job at a time. A second CRIU on a tree the first one holds fails, and a second
         # stop-dump would find the tree the first one stopped (see `_dump_slot`).
@@ -657,17 +659,22 @@ class _SpareSupervisor:
     its stdin closes (the daemon stopped).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reaper: Reaper | None = None) -> None:
         self._lock = threading.Lock()
         self._next: subprocess.Popen[bytes] | None = None
+        self._reaper = reaper or Reaper()
 
     def _start(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # the job must outlive a restart of the daemon
-        )
+        # In a session of its own, like the orphans the reaper reaps: it must know this one.
+        with self._reaper.spawning() as supervisors:
+            spare = subprocess.Popen(
+                [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                start_new_session=True,  # the job must outlive a restart of the daemon
+            )
+            supervisors[spare.pid] = spare
+        return spare
 
     def take(self) -> subprocess.Popen[bytes]:
         with self._lock:
