@@ -26,6 +26,7 @@ from typing import IO, Any
 from stasis.config import Settings
 from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
+from stasis.daemon.inflight import DumpJournal, InFlightDump
 from stasis.daemon.reaper import Reaper
 from stasis.daemon.models import (
     DumpAnswer,
@@ -117,6 +118,7 @@ class JobManager:
         self._hostname = socket.gethostname()
         self._criu_version: str | None = None
         self.reaper = Reaper()
+        self.journal = DumpJournal(self.state_dir / "dumps")
         self._spare = _SpareSupervisor(self.reaper)
         # What is being dumped (or recovered from a dump a killed daemon left): at most one dump
         # of a job at a time. A second CRIU on a tree the first one holds fails, and a second
@@ -139,6 +141,8 @@ class JobManager:
             os.chmod(d, 0o700)
         for name in staging.remove_leftovers(self.settings.stage_dir):
             log.info("removed %s from the memory stage: a dump that never finished", name)
+        self.journal.prepare()
+        self.recover_dumps()
         try:
             for name in self.store.remove_stale_staging():
                 log.info("removed staging/%s from the store: a dump that never finished", name)
@@ -344,6 +348,7 @@ class JobManager:
         if not req.leave_running:
             self.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
+            self.dump_settled(manifest.id)
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
@@ -372,11 +377,35 @@ class JobManager:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`.
 
         Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
-        caller records that and kills it. Any failure resumes it and publishes nothing.
+        caller records that, kills it, then calls `dump_settled(info.id)`. Any failure resumes
+        it and publishes nothing. One dump of a tree at a time: a second is refused at once.
         Returns the manifest, CRIU's result and whether the images were staged in memory; what
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
         notes = [] if notes is None else notes
+        with self._dump_slot(f"pid {pid}", what):
+            # Written down until settled: should the daemon die meanwhile, its next start
+            # removes the staging and resumes the tree (`recover_dumps`).
+            self.journal.begin(InFlightDump(
+                checkpoint=info.id, job=info.job, pid=pid, pid_start=proctree.start_time(pid),
+                leave_running=leave_running))
+            try:
+                done = self._checkpoint_tree(pid, info, leave_running, compress, what,
+                                             progress, notes)
+            except BaseException:
+                self.journal.end(info.id)
+                raise
+            if leave_running:
+                self.journal.end(info.id)
+            return done
+
+    def dump_settled(self, checkpoint_id: str) -> None:
+        """The tree a dump stopped was killed (or resumed): nothing is left to undo."""
+        self.journal.end(checkpoint_id)
+
+    def _checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
+                         compress: CompressionRequest, what: str, progress: Progress | None,
+                         notes: list[str]) -> tuple[Manifest, DumpResult, bool]:
         asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
@@ -391,7 +420,9 @@ class JobManager:
         target = fast or self.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
-        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running)
+        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
+                              criu_started=lambda criu_pid: self.journal.note_criu(
+                                  info.id, criu_pid, proctree.start_time(criu_pid)))
         watcher = _DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
@@ -426,6 +457,72 @@ class JobManager:
                 "a sample of its memory did not shrink to half"
             notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
+
+    def recover_dumps(self) -> None:
+        """Undo what dumps that a killed daemon never finished left (called at start, before
+        any dump): their staging goes at once, and their trees, which CRIU may have left
+        stopped, run again. A CRIU of theirs that still runs is waited for first, in the
+        background, with the tree held against new dumps: resumed under it, the tree would
+        be stopped again when it finished."""
+        for entry in self.journal.leftovers():
+            try:
+                self.store.discard(entry.checkpoint)
+            except StasisError as e:
+                log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
+            log.warning("the dump of job %s (checkpoint %s) never finished: the daemon stopped "
+                        "during it; its staging is removed", entry.job, entry.checkpoint)
+            criu = entry.criu_pid
+            if criu is None or not proctree.alive(criu, entry.criu_start):
+                self._settle(entry)
+                continue
+            key = f"pid {entry.pid}"
+            with self._busy_lock:
+                self._busy[key] = ("being resumed: a daemon that stopped during its dump left "
+                                   "it to CRIU; wait for it")
+            threading.Thread(target=self._settle_after_criu, args=(entry, criu, key),
+                             daemon=True).start()
+
+    def _settle_after_criu(self, entry: InFlightDump, criu: int, key: str) -> None:
+        try:
+            log.warning("job %s: waiting for CRIU (pid %d), still dumping it for a daemon that "
+                        "stopped, before resuming it", entry.job, criu)
+            while proctree.alive(criu, entry.criu_start):
+                time.sleep(0.1)
+            # It may have written more before it found its directory gone.
+            self.store.discard(entry.checkpoint)
+            self._settle(entry)
+        except Exception:  # a thread of its own: say so rather than die silently
+            log.exception("cannot resume job %s after its interrupted dump", entry.job)
+        finally:
+            with self._busy_lock:
+                self._busy.pop(key, None)
+
+    def _settle(self, entry: InFlightDump) -> None:
+        """Finish or undo the dump `entry` records, now that no CRIU holds its tree."""
+        if not proctree.alive(entry.pid, entry.pid_start):
+            self.journal.end(entry.checkpoint)
+            return
+        row = self.db.get(entry.job) if _is_job_id(entry.job) else None
+        if row is not None and row.pid == entry.pid and not entry.leave_running \
+                and self._published(entry.checkpoint):
+            # The checkpoint made it: do the rest of what was asked (the job stops here), so
+            # the job and its checkpoint never run side by side unasked.
+            self.db.set(row.id, state="checkpointed")
+            os.kill(entry.pid, signal.SIGKILL)
+            log.warning("job %s: its checkpoint %s was published before the daemon stopped; "
+                        "the job is stopped now, as asked", row.id, entry.checkpoint)
+        elif proctree.stopped(entry.pid):
+            proctree.signal_tree(entry.pid, signal.SIGCONT)
+            log.warning("job %s: resumed; a daemon that stopped during its dump had left it "
+                        "stopped", entry.job)
+        self.journal.end(entry.checkpoint)
+
+    def _published(self, checkpoint_id: str) -> bool:
+        try:
+            self.store.get(checkpoint_id)
+        except StasisError:
+            return False
+        return True
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
         self.store.discard(checkpoint_id)
@@ -810,6 +907,14 @@ def _died_of(row: JobRow, sig: signal.Signals) -> bool:
         return True
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def _is_job_id(text: str) -> bool:
+    try:
+        validate_job_id(text)
+    except UsageError:
+        return False
+    return True
 
 
 def _is_pages(entry: FileEntry) -> bool:

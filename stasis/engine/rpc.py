@@ -43,9 +43,12 @@ def messages() -> Any:
 class Session:
     """Runs requests against a fresh `criu swrk` process each, answering NOTIFY messages."""
 
-    def __init__(self, criu_path: str, notify: NotifyHandler | None = None) -> None:
+    def __init__(self, criu_path: str, notify: NotifyHandler | None = None,
+                 started: Callable[[int], None] | None = None) -> None:
         self.criu_path = criu_path
         self.notify = notify
+        # Told the pid of each CRIU process as soon as it runs (before the request is sent).
+        self.started = started
         self.criu_pid: int | None = None
 
     def call(self, request: Any, pass_fds: Sequence[int] = (),
@@ -75,6 +78,8 @@ class Session:
                 ) from e
             self.criu_pid = proc.pid
             theirs.close()
+            if self.started is not None:
+                self.started(proc.pid)
             try:
                 return self._exchange(pb, ours, request, _exit_fd(proc.pid))
             finally:
