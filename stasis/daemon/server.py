@@ -135,6 +135,7 @@ async def serve(settings: Settings) -> None:
                 await asyncio.to_thread(manager.sweep_store)
             except Exception as e:
                 log.warning("cannot sweep the store now: %s: %s", type(e).__name__, e)
+            await asyncio.to_thread(manager.prune_history)  # old job rows and CRIU logs
             await asyncio.sleep(STORE_SWEEP_INTERVAL_S)
 
     async def reap_orphans() -> None:
