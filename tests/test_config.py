@@ -34,3 +34,16 @@ def test_bad_config_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="unknown_key"):
         (tmp_path / "x.toml").write_text("unknown_key = 1\n")
         load_settings({"STASIS_CONFIG": str(tmp_path / "x.toml")})
+
+
+def test_pruning_limits(tmp_path: Path) -> None:
+    defaults = Settings()
+    assert (defaults.keep_finished_jobs, defaults.keep_criu_logs) == (1000, 500)
+    conf = tmp_path / "c.toml"
+    conf.write_text("keep_criu_logs = 0\nfinished_jobs_max_age_s = 60\n")
+    s = load_settings({"STASIS_CONFIG": str(conf), "STASIS_KEEP_FINISHED_JOBS": "7",
+                       "STASIS_CRIU_LOGS_MAX_AGE_S": "3600"})
+    assert (s.keep_finished_jobs, s.finished_jobs_max_age_s) == (7, 60)
+    assert (s.keep_criu_logs, s.criu_logs_max_age_s) == (0, 3600)
+    with pytest.raises(UsageError, match="keep_finished_jobs"):
+        load_settings({"STASIS_KEEP_FINISHED_JOBS": "-1"})

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Table,
     Text,
     create_engine,
+    delete,
     event,
     insert,
     select,
@@ -77,6 +78,7 @@ class JobRow:
 
 
 _JSON_COLUMNS = ("command", "env")
+_LIVE = ("running", "restored")
 
 
 def _to_row(values: Any) -> JobRow:
@@ -134,6 +136,31 @@ class JobDB:
                 select(jobs_table).where(jobs_table.c.state.in_(("running", "restored")))
             ).all()
         return [_to_row(r) for r in rows]
+
+    def finished(self) -> list[tuple[str, str, str, int | None]]:
+        """(id, created, job_dir, shim_pid) of every job that is not live, newest first."""
+        with self._lock, self.engine.connect() as conn:
+            rows = conn.execute(
+                select(jobs_table.c.id, jobs_table.c.created, jobs_table.c.job_dir,
+                       jobs_table.c.shim_pid)
+                .where(jobs_table.c.state.not_in(_LIVE))
+                .order_by(jobs_table.c.created.desc())
+            ).all()
+        return [(r.id, r.created, r.job_dir, r.shim_pid) for r in rows]
+
+    def remove_finished(self, job_ids: list[str]) -> int:
+        """Delete the rows of `job_ids` that are not live; return how many went."""
+        removed = 0
+        with self._lock, self.engine.begin() as conn:
+            # In chunks: SQLite limits the parameters of one statement.
+            for start in range(0, len(job_ids), 500):
+                result = conn.execute(
+                    delete(jobs_table)
+                    .where(jobs_table.c.id.in_(job_ids[start:start + 500]))
+                    .where(jobs_table.c.state.not_in(_LIVE))
+                )
+                removed += result.rowcount
+        return removed
 
     def set(self, job_id: str, **values: Any) -> None:
         with self._lock, self.engine.begin() as conn:

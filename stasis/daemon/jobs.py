@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -25,6 +26,8 @@ from typing import IO, Any
 from stasis.config import Settings
 from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
+from stasis.daemon.inflight import DumpJournal, InFlightDump
+from stasis.daemon.reaper import Reaper
 from stasis.daemon.models import (
     DumpAnswer,
     DumpCheckAnswer,
@@ -75,6 +78,8 @@ log = logging.getLogger("stasis.daemon")
 # (bytes done, bytes expected) while a dump or restore runs.
 Progress = Callable[[int, int], None]
 
+# CRIU logs this young are never pruned: a CRIU may still be writing them.
+_CRIU_LOG_GRACE_S = 3600.0
 # A restore of several GiB can take a while; a shim that says nothing for this long is stuck.
 _SHIM_ANSWER_TIMEOUT_S = 600
 
@@ -114,7 +119,14 @@ class JobManager:
         self._lock = threading.Lock()
         self._hostname = socket.gethostname()
         self._criu_version: str | None = None
-        self._spare = _SpareSupervisor()
+        self.reaper = Reaper()
+        self.journal = DumpJournal(self.state_dir / "dumps")
+        self._spare = _SpareSupervisor(self.reaper)
+        # What is being dumped (or recovered from a dump a killed daemon left): at most one dump
+        # of a job at a time. A second CRIU on a tree the first one holds fails, and a second
+        # stop-dump would find the tree the first one stopped (see `_dump_slot`).
+        self._busy: dict[str, str] = {}
+        self._busy_lock = threading.Lock()
 
     def close(self) -> None:
         """Let the spare supervisor go (running jobs and their supervisors are not touched)."""
@@ -131,6 +143,8 @@ class JobManager:
             os.chmod(d, 0o700)
         for name in staging.remove_leftovers(self.settings.stage_dir):
             log.info("removed %s from the memory stage: a dump that never finished", name)
+        self.journal.prepare()
+        self.recover_dumps()
         try:
             for name in self.store.remove_stale_staging():
                 log.info("removed staging/%s from the store: a dump that never finished", name)
@@ -207,6 +221,73 @@ class JobManager:
             self.store.remove_unreadable(self.settings.remove_corrupt_after_s)
         except StasisError as e:
             log.warning("cannot remove corrupt checkpoints: %s", e)
+
+    def prune_history(self) -> None:
+        """Forget what would otherwise grow without bound: rows of finished jobs and CRIU's
+        logs beyond their configured count and age (the daemon runs this at its start and then
+        every hour). Never a live job's row, nor its CRIU logs."""
+        try:
+            jobs = self._prune_finished_jobs()
+            logs = self._prune_criu_logs()
+        except Exception as e:  # housekeeping: the next round tries again
+            log.warning("pruning old job rows and CRIU logs failed: %s", e)
+            return
+        if jobs or logs:
+            log.info("pruned %d finished job row(s) and %d CRIU log(s)", jobs, logs)
+
+    def _prune_finished_jobs(self) -> int:
+        keep, max_age_s = self.settings.keep_finished_jobs, self.settings.finished_jobs_max_age_s
+        if not keep and not max_age_s:
+            return 0
+        now = time.time()
+        doomed: list[tuple[str, str]] = []
+        for index, (job_id, created, job_dir, shim_pid) in enumerate(self.db.finished()):
+            if shim_pid and proctree.alive(shim_pid, None):
+                continue  # its supervisor may still write the exit status into its directory
+            if (keep and index >= keep) or (max_age_s and now - _ended(created, job_dir)
+                                             > max_age_s):
+                doomed.append((job_id, job_dir))
+        # Directories first: a row whose directory is gone is pruned again next time, a
+        # directory whose row is gone would stay forever.
+        for job_id, job_dir in doomed:
+            path = Path(job_dir)
+            if path.parent == self.jobs_dir and path.name == job_id:  # only what we made
+                shutil.rmtree(path, ignore_errors=True)
+        return self.db.remove_finished([job_id for job_id, _ in doomed]) if doomed else 0
+
+    def _prune_criu_logs(self) -> int:
+        keep, max_age_s = self.settings.keep_criu_logs, self.settings.criu_logs_max_age_s
+        if not keep and not max_age_s:
+            return 0
+        entries = []
+        with os.scandir(self.criu_logs) as found:
+            for entry in found:
+                # Logs, and lazy restores' work directories (their lazy-pages log); not CRIU's
+                # stats-dump and stats-restore, which each run overwrites.
+                if not entry.name.endswith(".log") and not (
+                        entry.name.startswith("restore-") and entry.is_dir(follow_symlinks=False)):
+                    continue
+                try:
+                    entries.append((entry.stat(follow_symlinks=False).st_mtime, entry))
+                except FileNotFoundError:
+                    continue
+        entries.sort(key=lambda e: e[0], reverse=True)
+        spared = {row.id for row in self.db.live()} | self.journal.active()
+        now = time.time()
+        removed = 0
+        for index, (mtime, entry) in enumerate(entries):
+            if not ((keep and index >= keep) or (max_age_s and now - mtime > max_age_s)):
+                continue
+            # A CRIU may still be writing a young one (a long dump, a restore streaming pages).
+            if now - mtime < _CRIU_LOG_GRACE_S or _criu_log_owner(entry.name) in spared:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            removed += 1
+        return removed
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -287,6 +368,29 @@ class JobManager:
              progress: Progress | None = None) -> DumpAnswer:
         started = time.monotonic()
         row = self._row(job_id, caller)
+        # Held until the job is recorded checkpointed and killed: a second request in between
+        # would otherwise dump the stopped tree, or report the first one's success as a failure.
+        with self._dump_slot(f"job {row.id}", f"job {job_id}"):
+            return self._dump(job_id, req, caller, progress, started)
+
+    @contextmanager
+    def _dump_slot(self, key: str, what: str,
+                   why: str = "being checkpointed already; wait for it") -> Iterator[None]:
+        """Hold `key` (a job, or a process tree by its pid) for one dump. Whoever asks for it
+        meanwhile gets a CheckpointError at once: "<what> is <why the holder gave>"."""
+        with self._busy_lock:
+            held = self._busy.get(key)
+            if held is not None:
+                raise CheckpointError(f"{what} is {held}")
+            self._busy[key] = why
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                del self._busy[key]
+
+    def _dump(self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None,
+              started: float) -> DumpAnswer:
         self.poll()
         row = self._row(job_id, caller)
         if row.state not in ("running", "restored") or row.pid is None:
@@ -313,6 +417,7 @@ class JobManager:
         if not req.leave_running:
             self.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
+            self.dump_settled(manifest.id)
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
@@ -341,11 +446,35 @@ class JobManager:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`.
 
         Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
-        caller records that and kills it. Any failure resumes it and publishes nothing.
+        caller records that, kills it, then calls `dump_settled(info.id)`. Any failure resumes
+        it and publishes nothing. One dump of a tree at a time: a second is refused at once.
         Returns the manifest, CRIU's result and whether the images were staged in memory; what
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
         notes = [] if notes is None else notes
+        with self._dump_slot(f"pid {pid}", what):
+            # Written down until settled: should the daemon die meanwhile, its next start
+            # removes the staging and resumes the tree (`recover_dumps`).
+            self.journal.begin(InFlightDump(
+                checkpoint=info.id, job=info.job, pid=pid, pid_start=proctree.start_time(pid),
+                leave_running=leave_running))
+            try:
+                done = self._checkpoint_tree(pid, info, leave_running, compress, what,
+                                             progress, notes)
+            except BaseException:
+                self.journal.end(info.id)
+                raise
+            if leave_running:
+                self.journal.end(info.id)
+            return done
+
+    def dump_settled(self, checkpoint_id: str) -> None:
+        """The tree a dump stopped was killed (or resumed): nothing is left to undo."""
+        self.journal.end(checkpoint_id)
+
+    def _checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
+                         compress: CompressionRequest, what: str, progress: Progress | None,
+                         notes: list[str]) -> tuple[Manifest, DumpResult, bool]:
         asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
@@ -360,7 +489,9 @@ class JobManager:
         target = fast or self.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
-        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running)
+        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
+                              criu_started=lambda criu_pid: self.journal.note_criu(
+                                  info.id, criu_pid, proctree.start_time(criu_pid)))
         watcher = _DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
@@ -395,6 +526,72 @@ class JobManager:
                 "a sample of its memory did not shrink to half"
             notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
+
+    def recover_dumps(self) -> None:
+        """Undo what dumps that a killed daemon never finished left (called at start, before
+        any dump): their staging goes at once, and their trees, which CRIU may have left
+        stopped, run again. A CRIU of theirs that still runs is waited for first, in the
+        background, with the tree held against new dumps: resumed under it, the tree would
+        be stopped again when it finished."""
+        for entry in self.journal.leftovers():
+            try:
+                self.store.discard(entry.checkpoint)
+            except StasisError as e:
+                log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
+            log.warning("the dump of job %s (checkpoint %s) never finished: the daemon stopped "
+                        "during it; its staging is removed", entry.job, entry.checkpoint)
+            criu = entry.criu_pid
+            if criu is None or not proctree.alive(criu, entry.criu_start):
+                self._settle(entry)
+                continue
+            key = f"pid {entry.pid}"
+            with self._busy_lock:
+                self._busy[key] = ("being resumed: a daemon that stopped during its dump left "
+                                   "it to CRIU; wait for it")
+            threading.Thread(target=self._settle_after_criu, args=(entry, criu, key),
+                             daemon=True).start()
+
+    def _settle_after_criu(self, entry: InFlightDump, criu: int, key: str) -> None:
+        try:
+            log.warning("job %s: waiting for CRIU (pid %d), still dumping it for a daemon that "
+                        "stopped, before resuming it", entry.job, criu)
+            while proctree.alive(criu, entry.criu_start):
+                time.sleep(0.1)
+            # It may have written more before it found its directory gone.
+            self.store.discard(entry.checkpoint)
+            self._settle(entry)
+        except Exception:  # a thread of its own: say so rather than die silently
+            log.exception("cannot resume job %s after its interrupted dump", entry.job)
+        finally:
+            with self._busy_lock:
+                self._busy.pop(key, None)
+
+    def _settle(self, entry: InFlightDump) -> None:
+        """Finish or undo the dump `entry` records, now that no CRIU holds its tree."""
+        if not proctree.alive(entry.pid, entry.pid_start):
+            self.journal.end(entry.checkpoint)
+            return
+        row = self.db.get(entry.job) if _is_job_id(entry.job) else None
+        if row is not None and row.pid == entry.pid and not entry.leave_running \
+                and self._published(entry.checkpoint):
+            # The checkpoint made it: do the rest of what was asked (the job stops here), so
+            # the job and its checkpoint never run side by side unasked.
+            self.db.set(row.id, state="checkpointed")
+            os.kill(entry.pid, signal.SIGKILL)
+            log.warning("job %s: its checkpoint %s was published before the daemon stopped; "
+                        "the job is stopped now, as asked", row.id, entry.checkpoint)
+        elif proctree.stopped(entry.pid):
+            proctree.signal_tree(entry.pid, signal.SIGCONT)
+            log.warning("job %s: resumed; a daemon that stopped during its dump had left it "
+                        "stopped", entry.job)
+        self.journal.end(entry.checkpoint)
+
+    def _published(self, checkpoint_id: str) -> bool:
+        try:
+            self.store.get(checkpoint_id)
+        except StasisError:
+            return False
+        return True
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
         self.store.discard(checkpoint_id)
@@ -628,17 +825,22 @@ class _SpareSupervisor:
     its stdin closes (the daemon stopped).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reaper: Reaper | None = None) -> None:
         self._lock = threading.Lock()
         self._next: subprocess.Popen[bytes] | None = None
+        self._reaper = reaper or Reaper()
 
     def _start(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # the job must outlive a restart of the daemon
-        )
+        # In a session of its own, like the orphans the reaper reaps: it must know this one.
+        with self._reaper.spawning() as supervisors:
+            spare = subprocess.Popen(
+                [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                start_new_session=True,  # the job must outlive a restart of the daemon
+            )
+            supervisors[spare.pid] = spare
+        return spare
 
     def take(self) -> subprocess.Popen[bytes]:
         with self._lock:
@@ -774,6 +976,34 @@ def _died_of(row: JobRow, sig: signal.Signals) -> bool:
         return True
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def _ended(created: str, job_dir: str) -> float:
+    """When a finished job ended, near enough: its supervisor writes the exit status into its
+    directory then. A job whose supervisor vanished has only its start time."""
+    try:
+        started = datetime.fromisoformat(created).timestamp()
+    except ValueError:
+        started = 0.0
+    try:
+        return max(started, os.stat(job_dir).st_mtime)
+    except OSError:
+        return started
+
+
+def _criu_log_owner(name: str) -> str | None:
+    """The job or checkpoint a CRIU log (or lazy restore's work directory) belongs to:
+    dump-<checkpoint>.log, restore-<job>.log, restore-<job>/."""
+    kind, _, rest = name.removesuffix(".log").partition("-")
+    return rest if kind in ("dump", "restore") and rest else None
+
+
+def _is_job_id(text: str) -> bool:
+    try:
+        validate_job_id(text)
+    except UsageError:
+        return False
+    return True
 
 
 def _is_pages(entry: FileEntry) -> bool:

@@ -135,9 +135,20 @@ async def serve(settings: Settings) -> None:
                 await asyncio.to_thread(manager.sweep_store)
             except Exception as e:
                 log.warning("cannot sweep the store now: %s: %s", type(e).__name__, e)
+            await asyncio.to_thread(manager.prune_history)  # old job rows and CRIU logs
             await asyncio.sleep(STORE_SWEEP_INTERVAL_S)
 
+    async def reap_orphans() -> None:
+        # What failed restores leave to us (we are their subreaper) must not stay zombies.
+        while True:
+            try:
+                await asyncio.to_thread(manager.reaper.sweep)
+            except Exception as e:  # out of files, say: the next round looks again
+                log.warning("cannot reap orphans now: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(POLL_INTERVAL_S)
+
     background = [asyncio.create_task(follow_jobs()), asyncio.create_task(sweep_store())]
+    background.append(asyncio.create_task(reap_orphans()))
     await stop.wait()
     for task in background:
         task.cancel()

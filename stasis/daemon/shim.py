@@ -26,6 +26,7 @@ import ctypes
 import errno
 import json
 import os
+import signal
 import stat
 import struct
 import sys
@@ -261,6 +262,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             spec["criu_log_name"],
         )
     except StasisError as e:
+        _end_leftovers()
         _error(type(e).__name__, str(e))
         return
     finally:
@@ -268,6 +270,24 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
     _answer({"pid": result.pid, "duration_s": result.duration_s,
              "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason})
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
+
+
+def _end_leftovers() -> None:
+    """Kill and reap what a failed restore left: tasks CRIU had made before it gave up or was
+    killed are our children (rst_sibling, and we are their subreaper). Left alone, they would
+    run unverified and untracked, or stay zombies of the daemon once we exit."""
+    from stasis.engine import proctree
+
+    for pid in proctree.tree(os.getpid())[1:]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:

@@ -355,6 +355,7 @@ class SlurmJobs:
             reg.state = "checkpointed"
             self._save(reg)
             os.kill(reg.pid, signal.SIGKILL)  # the namespace init: the whole tree goes
+            m.dump_settled(manifest.id)
             try:
                 requeue(job_id)
             except StasisError as e:

@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,9 @@ class DumpOptions:
     file_locks: bool = True
     ext_unix_sk: bool = True
     notify: rpc.NotifyHandler | None = None
+    # Told CRIU's pid before the dump starts: whoever must know, should the caller die during
+    # the dump, which CRIU may still hold the tree.
+    criu_started: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -144,7 +147,7 @@ class CRIU:
             opts.notify_scripts = options.notify is not None
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
-            resp = rpc.Session(self.path, options.notify).call(req)
+            resp = rpc.Session(self.path, options.notify, options.criu_started).call(req)
             duration = time.monotonic() - start
         finally:
             for fd in fds:

@@ -82,3 +82,16 @@ def alive(pid: int, started: int | None) -> bool:
     if fields[0] in ("Z", "X"):
         return False
     return started is None or int(fields[19]) == started
+
+
+def stopped(pid: int) -> list[int]:
+    """The processes of the tree under `pid` that are stopped by a signal (state T)."""
+    found = []
+    for p in tree(pid):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] == "T":
+            found.append(p)
+    return found

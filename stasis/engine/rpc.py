@@ -9,6 +9,7 @@ that returns False (or raises) makes CRIU abort the operation.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -42,9 +43,12 @@ def messages() -> Any:
 class Session:
     """Runs requests against a fresh `criu swrk` process each, answering NOTIFY messages."""
 
-    def __init__(self, criu_path: str, notify: NotifyHandler | None = None) -> None:
+    def __init__(self, criu_path: str, notify: NotifyHandler | None = None,
+                 started: Callable[[int], None] | None = None) -> None:
         self.criu_path = criu_path
         self.notify = notify
+        # Told the pid of each CRIU process as soon as it runs (before the request is sent).
+        self.started = started
         self.criu_pid: int | None = None
 
     def call(self, request: Any, pass_fds: Sequence[int] = (),
@@ -74,8 +78,10 @@ class Session:
                 ) from e
             self.criu_pid = proc.pid
             theirs.close()
+            if self.started is not None:
+                self.started(proc.pid)
             try:
-                return self._exchange(pb, ours, request)
+                return self._exchange(pb, ours, request, _exit_fd(proc.pid))
             finally:
                 ours.close()
                 proc.wait()
@@ -83,10 +89,17 @@ class Session:
             ours.close()
             theirs.close()
 
-    def _exchange(self, pb: Any, sock: socket.socket, request: Any) -> Any:
-        sock.send(request.SerializeToString())
+    def _exchange(self, pb: Any, sock: socket.socket, request: Any, exit_fd: int | None) -> Any:
+        try:
+            sock.send(request.SerializeToString())
+            return self._answer_until_done(pb, sock, exit_fd)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+
+    def _answer_until_done(self, pb: Any, sock: socket.socket, exit_fd: int | None) -> Any:
         while True:
-            data = sock.recv(_MAX_MESSAGE)
+            data = _receive(sock, exit_fd)
             if not data:
                 raise CRIUError("criu swrk exited without answering (it may have crashed)")
             resp = pb.criu_resp()
@@ -101,6 +114,37 @@ class Session:
                     ok = False
             reply = pb.criu_req(type=pb.NOTIFY, notify_success=ok)
             sock.send(reply.SerializeToString())
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd of our (not yet reaped, so not reused) child `pid`: readable once it exits."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None  # an old kernel: a killed CRIU is then noticed only when the socket closes
+
+
+def _receive(sock: socket.socket, exit_fd: int | None) -> bytes:
+    """The next message from CRIU; b"" once it exited without sending one.
+
+    The end of the socket does not tell: the tasks a restore forks inherit CRIU's end of it, so
+    after a kill -9 of CRIU half-way through a restore they keep it open (and wait forever for
+    CRIU). The exit of the swrk process itself does."""
+    if exit_fd is None:
+        return sock.recv(_MAX_MESSAGE)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(exit_fd, select.POLLIN)
+    while True:
+        ready = {fd for fd, _ in poller.poll()}
+        if sock.fileno() in ready:
+            return sock.recv(_MAX_MESSAGE)
+        if exit_fd in ready:
+            # What it sent before exiting is queued already: take that, else it said nothing.
+            try:
+                return sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return b""
 
 
 def open_dir(path: str | os.PathLike[str]) -> int:

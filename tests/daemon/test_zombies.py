@@ -1,0 +1,109 @@
+"""The daemon is a subreaper: what failed restores leave to it is reaped, not left as zombies,
+and a restore whose CRIU is killed leaves nothing running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from stasis.engine import proctree
+from stasis.poll import poll
+from tests.conftest import STASIS, Daemon, wait_for, workload
+
+
+def _stat(pid: int) -> tuple[str, str, int] | None:
+    """(command name, state, parent pid) of `pid`, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return text[text.index("(") + 1:text.rindex(")")], fields[0], int(fields[1])
+
+
+def zombies_of(parent: int) -> list[tuple[int, str]]:
+    """Zombie children of `parent`, from every /proc/*/stat (state Z, ppid == parent)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat and stat[1] == "Z" and stat[2] == parent:
+                found.append((int(entry), stat[0]))
+    return found
+
+
+def strays_of(daemon_pid: int) -> list[tuple[int, str]]:
+    """Live children of the daemon that are not job supervisors (a restored task that a failed
+    restore left running, say)."""
+    found = []
+    for pid in proctree.children(daemon_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        stat = _stat(pid)
+        if stat and stat[1] != "Z" and b"stasis.daemon.shim" not in argv:
+            found.append((pid, stat[0]))
+    return found
+
+
+def _no_zombies(daemon_pid: int) -> None:
+    # The daemon looks twice a second; a zombie that outlives a few looks is one it missed.
+    if poll(lambda: not zombies_of(daemon_pid), 3.0) is None:
+        raise AssertionError(f"zombie children of the daemon: {zombies_of(daemon_pid)}")
+
+
+def _criu_restoring(daemon_pid: int) -> int | None:
+    for pid in proctree.tree(daemon_pid)[1:]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and argv[1] == b"swrk":
+            return pid
+    return None
+
+
+def test_rejected_restores_and_a_killed_criu_leave_no_zombie(make_daemon: Any) -> None:
+    d: Daemon = make_daemon()
+    assert d.proc is not None
+    daemon_pid = d.proc.pid
+    job = d.run(*workload("memhold.py", 64))
+    wait_for(lambda: "ready" in d.log_of(job["job"]), 30, "64 MiB allocated")
+    cp = d.json("dump", job["job"], "--leave-running")["checkpoint"]
+
+    # A restore of a damaged copy is rejected at the gate: its tasks are killed mid-restore.
+    good = Path(d.store) / cp
+    pages = sorted(good.glob("pages-*"))[0]
+    intact = pages.read_bytes()
+    damaged = bytearray(intact)
+    damaged[len(damaged) // 2] ^= 0xFF
+    pages.write_bytes(bytes(damaged))
+    for _ in range(3):
+        rejected = d.cli("restore", cp, check=False)
+        assert rejected.returncode == 1 and "is corrupt" in rejected.stderr, rejected.stderr
+    _no_zombies(daemon_pid)
+    assert strays_of(daemon_pid) == []
+
+    # kill -9 of CRIU half-way through a restore (once the restored tree exists).
+    pages.write_bytes(intact)
+    result: dict[str, subprocess.CompletedProcess[str]] = {}
+    thread = threading.Thread(target=lambda: result.update(r=subprocess.run(
+        [STASIS, "restore", cp], env=d.env, capture_output=True, text=True, timeout=30)))
+    thread.start()
+    criu = poll(lambda: _criu_restoring(daemon_pid), 30, 0.002)
+    assert criu is not None, "no CRIU restoring"
+    supervisor = _stat(criu)[2]  # type: ignore[index]
+    poll(lambda: len(proctree.children(supervisor)) > 1 or not thread.is_alive(), 10, 0.002)
+    os.kill(criu, signal.SIGKILL)
+    thread.join()
+    assert result["r"].returncode == 1, result["r"].stderr
+    _no_zombies(daemon_pid)
+    assert poll(lambda: not strays_of(daemon_pid), 3.0) is not None, strays_of(daemon_pid)
+    # Nothing of the failed restores is listed as a job; the original runs on.
+    assert [j["job"] for j in d.json("ps")] == [job["job"]]
+    assert proctree.alive(job["pid"], None)
