@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from stasis.config import Settings, load_settings
-from stasis.engine import CRIU, RestoreOptions, find_criu
+from stasis.engine import CRIU, Owner, RestoreOptions, find_criu
 from stasis.errors import CorruptCheckpointError, StasisError
 from stasis.daemon import slurm as slurmd
 from stasis.daemon.client import Client
+from stasis.daemon.users import account
 from stasis.store import Manifest, Store, node_keyring
 
 EXIT_RESTORED = 0
@@ -77,9 +78,19 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: slurmd.JobInfo
             fds.append(_open_as(new_err, info.uid, gid))
             inherit.append((old_err.lstrip("/"), fds[-1]))
         criu = CRIU(find_criu(settings.criu), settings.state_dir / "criu-logs")
+        # CRIU runs as root here too: the job's paths are opened with its owner's rights, so
+        # that a file swapped for a symlink since the dump reaches nothing the user could not.
+        acct = account(m.uid)
+        owner = Owner(acct.uid, acct.gid, acct.groups) if acct.uid != 0 else None
         with store.open_images(m.id, settings.state_dir / "scratch") as (_, images):
-            result = criu.restore(images, RestoreOptions(inherit_fds=inherit),
+            result = criu.restore(images, RestoreOptions(inherit_fds=inherit, owner=owner),
                                   f"restore-slurm-{info.job_id}-{m.id}.log")
+        if m.host != settings.node:
+            # The node that dumped it may lift CRIU's network lock for it now.
+            try:
+                store.mark_restored(m.id, settings.node)
+            except StasisError:
+                pass  # that node lifts it after netlock_timeout_s anyway
         return result.pid
     finally:
         for fd in fds:
