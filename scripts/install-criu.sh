@@ -5,11 +5,18 @@
 #
 #  1. apt-get installs the build and runtime dependencies (only if one is missing).
 #  2. Builds CRIU 4.2.1 from Debian's upstream tarball with patches/criu/*.patch
-#     applied, unless /usr/local/sbin/criu already reports 4.2.1 and the stamp
-#     file records the sha256 of the current patch set (a changed patch rebuilds).
+#     applied, unless /usr/local/sbin/criu already reports the version the stamp
+#     file records, and the stamp records the sha256 of the current patch set (a
+#     changed patch rebuilds). No network is used then.
 #     The tarball is fetched with apt's own client (signature-verified Release,
 #     hash-checked files) through a PRIVATE apt configuration holding a deb-src
 #     entry for Debian unstable; the system's apt sources are never touched.
+#     The pinned 4.2.1 tarball is checked against CRIU_ORIG_SHA256 too.
+#     When unstable no longer carries 4.2.1 (Debian moved on), the newest CRIU
+#     >= CRIU_MIN_VERSION it carries is built instead, verified by apt's signed
+#     Sources index only; the run says so, and stops with what to do if one of
+#     the patches does not apply to it. The stamp then records that version
+#     ("criu=V fallback-for=4.2.1 ..."), and later runs keep it as it is.
 #  3. Installs:
 #       /usr/local/sbin/criu              the patched criu binary
 #       /usr/local/share/criu/rpc.proto   CRIU's RPC schema (protoc input for the
@@ -25,8 +32,17 @@
 # Environment (all optional):
 #   STASIS_CRIU_FORCE=1     rebuild even if the stamp matches
 #   STASIS_CRIU_MIRROR=URI  Debian mirror to fetch the source from (default: the
-#                           one the system's apt sources use)
+#                           one the system's apt sources use); a snapshot, e.g.
+#                           https://snapshot.debian.org/archive/debian/20251101T000000Z/,
+#                           brings back a version unstable no longer carries
 #   STASIS_CRIU_JOBS=N      make -jN (default: number of CPUs)
+#   STASIS_CRIU_PREFIX=DIR  install into DIR/sbin, DIR/share/criu, DIR/share/stasis
+#                           (default /usr/local; for tests: stasis uses /usr/local)
+#   STASIS_CRIU_PIN=V       the CRIU version to look for instead of 4.2.1, with
+#   STASIS_CRIU_PIN_SHA256=H  the sha256 of its orig tarball (tests: pinning a
+#                           version the archive lacks takes the fallback path)
+#   STASIS_CRIU_PREPARE_ONLY=1  fetch, verify, unpack and patch the source, then
+#                           stop: nothing is built or installed
 set -euo pipefail
 
 CRIU_UPSTREAM_VERSION=4.2.1
@@ -34,9 +50,22 @@ CRIU_MIN_VERSION=4.2
 # sha256 of criu_4.2.1.orig.tar.xz (Debian source package criu 4.2.1-1)
 CRIU_ORIG_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 
-PREFIX_SBIN=/usr/local/sbin
-PROTO_DIR=/usr/local/share/criu
-STAMP_DIR=/usr/local/share/stasis
+# The version the patches are for (and its tarball's sha256): CRIU_UPSTREAM_VERSION
+# unless a test pins another one.
+PIN="${STASIS_CRIU_PIN:-$CRIU_UPSTREAM_VERSION}"
+if [ -n "${STASIS_CRIU_PIN_SHA256:-}" ]; then
+    PIN_SHA256="$STASIS_CRIU_PIN_SHA256"
+elif [ "$PIN" = "$CRIU_UPSTREAM_VERSION" ]; then
+    PIN_SHA256="$CRIU_ORIG_SHA256"
+else
+    PIN_SHA256=""   # only needed if the archive carries $PIN (checked there)
+fi
+PREPARE_ONLY="${STASIS_CRIU_PREPARE_ONLY:-0}"
+
+PREFIX="${STASIS_CRIU_PREFIX:-/usr/local}"
+PREFIX_SBIN="$PREFIX/sbin"
+PROTO_DIR="$PREFIX/share/criu"
+STAMP_DIR="$PREFIX/share/stasis"
 STAMP="$STAMP_DIR/criu.stamp"
 CRIU_RUNDIR=/run/stasis-criu
 
@@ -91,21 +120,41 @@ patchset_sha="$(
         cat "$f"
     done | sha256sum | cut -d' ' -f1
 )"
-want_stamp="criu=$CRIU_UPSTREAM_VERSION patches=$patchset_sha rundir=$CRIU_RUNDIR"
+# The stamp of a build: "criu=VERSION patches=SHA rundir=DIR" for the pinned
+# version, "criu=VERSION fallback-for=PIN patches=SHA rundir=DIR" for a newer one
+# built because the archive no longer carried the pin.
+stamp_for() {  # VERSION
+    if [ "$1" = "$PIN" ]; then
+        printf 'criu=%s patches=%s rundir=%s' "$1" "$patchset_sha" "$CRIU_RUNDIR"
+    else
+        printf 'criu=%s fallback-for=%s patches=%s rundir=%s' \
+            "$1" "$PIN" "$patchset_sha" "$CRIU_RUNDIR"
+    fi
+}
 
 installed_version=""
 if [ -x "$PREFIX_SBIN/criu" ]; then
     installed_version="$("$PREFIX_SBIN/criu" --version 2>/dev/null \
         | sed -n 's/^Version: *//p' | head -n1 || true)"
 fi
-if [ "${STASIS_CRIU_FORCE:-0}" != 1 ] \
-   && [ "$installed_version" = "$CRIU_UPSTREAM_VERSION" ] \
-   && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
+installed_stamp=""
+[ -f "$STAMP" ] && installed_stamp="$(cat "$STAMP")"
+# Nothing to do, without going to the network, when the installed criu is the
+# build the stamp describes, for the current pin, patch set and rundir: the
+# pinned version, or a fallback build (kept even if the pin came back since:
+# STASIS_CRIU_FORCE=1 rebuilds, and then takes the pin if the archive has it).
+if [ "${STASIS_CRIU_FORCE:-0}" != 1 ] && [ "$PREPARE_ONLY" != 1 ] \
+   && [ -n "$installed_version" ] \
+   && [ "$installed_stamp" = "$(stamp_for "$installed_version")" ] \
    && [ -f "$PROTO_DIR/rpc.proto" ]; then
-    step "criu $installed_version with patch set ${patchset_sha:0:12} already installed: nothing to do"
+    if [ "$installed_version" = "$PIN" ]; then
+        step "criu $installed_version with patch set ${patchset_sha:0:12} already installed: nothing to do"
+    else
+        step "criu $installed_version (built because Debian unstable no longer carried $PIN) with patch set ${patchset_sha:0:12} already installed: nothing to do (STASIS_CRIU_FORCE=1 rebuilds)"
+    fi
     exit 0
 fi
-step "building criu $CRIU_UPSTREAM_VERSION (${#patches[@]} patches, set ${patchset_sha:0:12}; installed: ${installed_version:-none})"
+step "building criu $PIN or, if Debian unstable no longer carries it, the newest >= $CRIU_MIN_VERSION (${#patches[@]} patches, set ${patchset_sha:0:12}; installed: ${installed_version:-none})"
 
 # --------------------------------------------------------------------------
 # 3. fetch the source with apt, through a private configuration
@@ -145,8 +194,11 @@ mkdir -p "$APTROOT/sources.list.d" "$APTROOT/lists/partial" \
          "$APTROOT/cache/archives/partial" "$WORK/src"
 # Unstable's Release file is signed by the current Debian archive keys, which
 # debian-archive-keyring ships (Debian 12's package carries the trixie keys
-# too). Verification stays ON: signed-by pins the official keyring.
-printf 'deb-src [signed-by=%s] %s unstable main\n' "$KEYRING" "$MIRROR" \
+# too). Verification stays ON: signed-by pins the official keyring. A snapshot's
+# Release is past its Valid-Until by design: its signature is still checked.
+src_opts="signed-by=$KEYRING"
+case "$MIRROR" in *://snapshot.debian.org/*) src_opts="$src_opts check-valid-until=no" ;; esac
+printf 'deb-src [%s] %s unstable main\n' "$src_opts" "$MIRROR" \
     > "$APTROOT/sources.list"
 cat > "$APTROOT/apt.conf" <<EOF
 Dir::Etc::SourceList "$APTROOT/sources.list";
@@ -166,15 +218,47 @@ step "apt-get update (private config: deb-src $MIRROR unstable main)"
 apt-get update -qq >"$WORK/apt-update.log" 2>&1 \
     || { cat "$WORK/apt-update.log" >&2; die "apt-get update of the private source list failed"; }
 
-src_version="$(apt-cache showsrc criu 2>/dev/null | sed -n 's/^Version: *//p' | sort -V | tail -n1)"
-[ -n "$src_version" ] || die "no criu source package found in $MIRROR unstable"
-upstream="${src_version#*:}"; upstream="${upstream%-*}"
-if [ "$(printf '%s\n%s\n' "$CRIU_MIN_VERSION" "$upstream" | sort -V | head -n1)" != "$CRIU_MIN_VERSION" ]; then
-    die "unstable carries criu $src_version, need >= $CRIU_MIN_VERSION"
+# --------------------------------------------------------------------------
+# 3a. which version: the pin if the archive carries it, else the newest >= min
+# --------------------------------------------------------------------------
+upstream_of() {  # Debian version -> upstream version: 1:4.2.1+dfsg-3 -> 4.2.1+dfsg
+    local v="${1#*:}"
+    printf '%s' "${v%-*}"
+}
+criu_version_of() {  # Debian version -> what its `criu --version` says: 4.2.1
+    local v
+    v="$(upstream_of "$1")"
+    printf '%s' "${v%%+*}"
+}
+newest_of() {  # Debian versions -> the newest of them
+    local best="" v
+    for v in "$@"; do
+        if [ -z "$best" ] || dpkg --compare-versions "$v" gt "$best"; then best="$v"; fi
+    done
+    printf '%s' "$best"
+}
+mapfile -t src_versions < <(apt-cache showsrc criu 2>/dev/null | sed -n 's/^Version: *//p')
+[ "${#src_versions[@]}" -gt 0 ] \
+    || { cat "$WORK/apt-update.log" >&2; die "no criu source package found in $MIRROR unstable"; }
+pinned_versions=()
+for v in "${src_versions[@]}"; do
+    if [ "$(criu_version_of "$v")" = "$PIN" ]; then pinned_versions+=("$v"); fi
+done
+if [ "${#pinned_versions[@]}" -gt 0 ]; then
+    fallback=0
+    src_version="$(newest_of "${pinned_versions[@]}")"
+    [ -n "$PIN_SHA256" ] || die "STASIS_CRIU_PIN=$PIN needs STASIS_CRIU_PIN_SHA256 (the sha256 of its orig tarball)"
+    step "Debian unstable carries the pinned criu $PIN ($src_version)"
+else
+    fallback=1
+    src_version="$(newest_of "${src_versions[@]}")"
+    dpkg --compare-versions "$(criu_version_of "$src_version")" ge "$CRIU_MIN_VERSION" \
+        || die "Debian unstable carries neither criu $PIN nor any criu >= $CRIU_MIN_VERSION (only: ${src_versions[*]}): set STASIS_CRIU_MIRROR to a mirror that has $PIN (e.g. https://snapshot.debian.org/archive/debian/<date>/)"
+    step "criu $PIN is no longer in Debian unstable (it carries: ${src_versions[*]}): trying $src_version"
 fi
-if [ "$upstream" != "$CRIU_UPSTREAM_VERSION" ]; then
-    die "unstable carries criu $src_version, but the patches are for $CRIU_UPSTREAM_VERSION: update CRIU_UPSTREAM_VERSION, CRIU_ORIG_SHA256 and patches/criu/ together"
-fi
+upstream="$(upstream_of "$src_version")"
+criu_version="$(criu_version_of "$src_version")"
+want_stamp="$(stamp_for "$criu_version")"
 
 # `apt-get source --print-uris` lists the package's files with the hashes from the
 # signed Sources index; apt-helper then downloads the upstream tarball and checks
@@ -184,13 +268,15 @@ step "apt-get source --print-uris criu=$src_version"
 apt-get source -qq --print-uris "criu=$src_version" >"$WORK/apt-source.log" 2>&1 \
     || { cat "$WORK/apt-source.log" >&2; die "apt-get source --print-uris failed"; }
 # lines look like: 'URI' criu_4.2.1.orig.tar.xz SIZE SHA256:HEX
-orig_line="$(grep -E "^'[^']+' criu_${upstream}\.orig\.tar\.[a-z0-9]+ " "$WORK/apt-source.log" | head -n1)"
+orig_line="$(awk -v n="criu_${upstream}.orig.tar." '$1 ~ /^\047/ && index($2, n) == 1' \
+    "$WORK/apt-source.log" | head -n1)"
 [ -n "$orig_line" ] || { cat "$WORK/apt-source.log" >&2; die "no orig tarball listed for criu=$src_version"; }
 orig_uri="$(echo "$orig_line" | awk '{print $1}' | tr -d "'")"
 orig_name="$(echo "$orig_line" | awk '{print $2}')"
 orig_hash="$(echo "$orig_line" | awk '{print $4}')"
 case "$orig_hash" in SHA256:*|SHA512:*) ;; *) die "apt gave no strong hash for $orig_name ($orig_hash)";; esac
-step "download $orig_name"
+hash_kind="${orig_hash%%:*}"
+step "download $orig_name (apt-helper checks it against $hash_kind from the signed Sources index)"
 /usr/lib/apt/apt-helper -qq download-file "$orig_uri" "$WORK/src/$orig_name" "$orig_hash" \
     >"$WORK/apt-download.log" 2>&1 \
     || { cat "$WORK/apt-download.log" >&2; die "download of $orig_uri failed"; }
@@ -199,9 +285,13 @@ unset APT_CONFIG
 orig="$WORK/src/$orig_name"
 [ -f "$orig" ] || die "expected $orig after apt-get source"
 sha="$(sha256sum "$orig" | cut -d' ' -f1)"
-[ "$sha" = "$CRIU_ORIG_SHA256" ] \
-    || die "sha256 mismatch for $(basename "$orig"): got $sha, want $CRIU_ORIG_SHA256"
-step "verified $(basename "$orig") sha256 $sha"
+if [ "$fallback" = 0 ]; then
+    [ "$sha" = "$PIN_SHA256" ] \
+        || die "sha256 mismatch for $(basename "$orig"): got $sha, want $PIN_SHA256"
+    step "verified $(basename "$orig") sha256 $sha"
+else
+    step "verified $(basename "$orig") by apt's signed Sources index only ($hash_kind; sha256 $sha): there is no pinned sha256 for criu $criu_version"
+fi
 
 # --------------------------------------------------------------------------
 # 4. unpack, patch, build
@@ -211,8 +301,19 @@ tar -xf "$orig" -C "$WORK/build" --strip-components=1 \
     || die "cannot unpack $orig"
 for p in "${patches[@]}"; do
     step "patch $(basename "$p")"
-    patch -p1 -s -N -d "$WORK/build" < "$p" || die "patch $(basename "$p") does not apply"
+    if ! patch -p1 -N --batch -d "$WORK/build" -i "$p" >"$WORK/patch.log" 2>&1; then
+        cat "$WORK/patch.log" >&2
+        [ "$fallback" = 1 ] || die "patch $(basename "$p") does not apply to criu $criu_version"
+        die "patch $(basename "$p") does not apply to criu $criu_version, which Debian unstable carries instead of criu $PIN (the version the patches are for). Either set STASIS_CRIU_MIRROR to a mirror that still carries criu $PIN (e.g. https://snapshot.debian.org/archive/debian/<date>/, dates at https://snapshot.debian.org/package/criu/), or port patches/criu/ to criu $criu_version and update CRIU_UPSTREAM_VERSION and CRIU_ORIG_SHA256 in $0"
+    fi
 done
+if [ "$fallback" = 1 ]; then
+    step "criu $PIN is no longer in Debian unstable; building $criu_version instead, verified by apt's signed Sources index (not by the pinned sha256); all ${#patches[@]} patches applied"
+fi
+if [ "$PREPARE_ONLY" = 1 ]; then
+    step "STASIS_CRIU_PREPARE_ONLY=1: criu $criu_version fetched, verified and patched; stopping before the build (nothing installed)"
+    exit 0
+fi
 
 jobs="${STASIS_CRIU_JOBS:-$(nproc)}"
 step "make -j$jobs RUNDIR=$CRIU_RUNDIR criu"
@@ -223,8 +324,8 @@ fi
 bin="$WORK/build/criu/criu"
 [ -x "$bin" ] || die "build produced no criu binary"
 built_version="$("$bin" --version | sed -n 's/^Version: *//p' | head -n1)"
-[ "$built_version" = "$CRIU_UPSTREAM_VERSION" ] \
-    || die "built criu reports version '$built_version', want $CRIU_UPSTREAM_VERSION"
+[ "$built_version" = "$criu_version" ] \
+    || die "built criu reports version '$built_version', want $criu_version"
 
 # --------------------------------------------------------------------------
 # 5. install
@@ -249,4 +350,8 @@ else
     cat "$WORK/check.log" >&2
     die "criu check failed (criu installed, but this kernel lacks something it needs)"
 fi
-step "done: $($PREFIX_SBIN/criu --version | head -n1)"
+if [ "$fallback" = 1 ]; then
+    step "done: $("$PREFIX_SBIN/criu" --version | head -n1) (instead of the pinned $PIN, which Debian unstable no longer carries)"
+else
+    step "done: $("$PREFIX_SBIN/criu" --version | head -n1)"
+fi
