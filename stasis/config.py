@@ -34,6 +34,11 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          0 = no limit  (10)
     STASIS_MAX_CONNECTIONS_PER_UID  connections one user (not root) may hold open on the
                          daemon's socket at once; 0 = no cap  (64)
+    STASIS_NODE_NAME     this node's name in checkpoints it makes and notes it leaves in the
+                         store  (the host name)
+    STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
+                         that hold a stopped job's TCP peers waiting) for a checkpoint that is
+                         neither restored nor deleted; 0 = until then  (900)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
 """
@@ -70,6 +75,8 @@ _ENV_KEYS = {
     "STASIS_REQUEST_TIMEOUT_S": "request_timeout_s",
     "STASIS_MAX_CONNECTIONS_PER_UID": "max_connections_per_uid",
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
+    "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
+    "STASIS_NODE_NAME": "node_name",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -117,10 +124,22 @@ class Settings(NamedTuple):
     # Long enough for a server to finish its requests and write its state, short enough that a
     # job which ignores TERM is not left running for long (`stasis kill --timeout` overrides).
     kill_timeout_s: int = 10
+    # A peer's TCP gives up on a silent connection after ~15 minutes (Linux: tcp_retries2=15);
+    # a lock held longer only keeps that address/port pair blocked.
+    netlock_timeout_s: int = 900
+    node_name: str = ""  # "" = the host name (`Settings.node`)
 
     @property
     def store_url(self) -> str:
         return self.store or str(self.state_dir / "checkpoints")
+
+    @property
+    def node(self) -> str:
+        if self.node_name:
+            return self.node_name
+        import socket  # here: most commands never ask
+
+        return socket.gethostname()
 
 
 def _convert(name: str, value: object, default: object) -> object:

@@ -24,7 +24,7 @@ from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRe
 from stasis.daemon.stopping import stop
 from stasis.daemon.users import Caller
 from stasis.engine.check import run_check
-from stasis.errors import StasisError, UsageError
+from stasis.errors import PermissionDeniedError, StasisError, UsageError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MANAGER = web.AppKey("manager", JobManager)
@@ -202,6 +202,14 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
     return web.json_response({"deleted": checkpoint})
 
 
+async def network_locks(request: web.Request) -> web.StreamResponse:
+    # The addresses and ports of every job's connections: root's to see.
+    if not peer(request).is_root:
+        raise PermissionDeniedError("permission denied: only root may list network locks")
+    found = await asyncio.to_thread(request.app[MANAGER].netlocks.present)
+    return web.json_response(_dump(found))
+
+
 async def check(request: web.Request) -> web.StreamResponse:
     manager = request.app[MANAGER]
     report = await asyncio.to_thread(run_check, manager.settings)
@@ -223,6 +231,7 @@ def make_app(manager: JobManager, middlewares: Sequence[Any] = ()) -> web.Applic
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
         web.get("/check", check),
+        web.get("/network-locks", network_locks),
     ])
     from stasis.daemon.slurm import add_routes as add_slurm_routes  # imports this module
 

@@ -178,6 +178,9 @@ class Client:
     def delete_checkpoint(self, checkpoint_id: str) -> Any:
         return self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}")
 
+    def network_locks(self) -> Any:
+        return self.request("GET", "/network-locks")
+
 
 def _seg(value: str) -> str:
     """One URL path segment: ids from the command line never become other paths."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import (
     Column,
+    Float,
     Integer,
     MetaData,
     String,
@@ -54,6 +55,25 @@ jobs_table = Table(
     Column("created", String(32), nullable=False),
     Column("job_dir", Text, nullable=False),
 )
+
+# CRIU's network locks this node holds for checkpoints (see stasis/daemon/netlocks.py): the
+# iptables commands that put each rule in, until they are taken out.
+netlocks_table = Table(
+    "netlocks",
+    _metadata,
+    Column("checkpoint", String(64), primary_key=True),
+    Column("job", String(64), nullable=False),
+    Column("created", Float, nullable=False),  # seconds since the epoch
+    Column("rules", Text, nullable=False),  # JSON: a list of argv lists
+)
+
+
+@dataclass
+class NetLockRow:
+    checkpoint: str
+    job: str
+    created: float
+    rules: list[list[str]]
 
 
 @dataclass
@@ -175,6 +195,28 @@ class JobDB:
                 .where(jobs_table.c.state.in_(("running", "restored")))
                 .values(state=state, exit_code=exit_code)
             )
+        return bool(result.rowcount)
+
+    # -- network locks --------------------------------------------------------------------
+
+    def add_netlock(self, row: NetLockRow) -> None:
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(delete(netlocks_table)
+                         .where(netlocks_table.c.checkpoint == row.checkpoint))
+            conn.execute(insert(netlocks_table).values(
+                checkpoint=row.checkpoint, job=row.job, created=row.created,
+                rules=json.dumps(row.rules)))
+
+    def netlocks(self) -> list[NetLockRow]:
+        with self._lock, self.engine.connect() as conn:
+            rows = conn.execute(select(netlocks_table).order_by(netlocks_table.c.created)).all()
+        return [NetLockRow(checkpoint=r.checkpoint, job=r.job, created=r.created,
+                           rules=json.loads(r.rules)) for r in rows]
+
+    def remove_netlock(self, checkpoint_id: str) -> bool:
+        with self._lock, self.engine.begin() as conn:
+            result = conn.execute(delete(netlocks_table)
+                                  .where(netlocks_table.c.checkpoint == checkpoint_id))
         return bool(result.rowcount)
 
 

@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from stasis.config import Settings
 from stasis.daemon import staging
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.inflight import DumpJournal, InFlightDump
+from stasis.daemon.netlocks import NetLocks
 from stasis.daemon.reaper import Reaper
 from stasis.daemon.models import (
     DumpAnswer,
@@ -48,7 +48,8 @@ from stasis.daemon.users import (
     owner_uid,
     user_name,
 )
-from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, obstacles, proctree
+from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, kdat, netlock, obstacles
+from stasis.engine import proctree
 from stasis.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -117,11 +118,12 @@ class JobManager:
         self.scratch = self.state_dir / "scratch"
         self._shims: dict[int, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
-        self._hostname = socket.gethostname()
+        self._hostname = settings.node
         self._criu_version: str | None = None
         self.reaper = Reaper()
         self.journal = DumpJournal(self.state_dir / "dumps")
         self._spare = _SpareSupervisor(self.reaper)
+        self.netlocks = NetLocks(db, store, settings.netlock_timeout_s)
         # What is being dumped (or recovered from a dump a killed daemon left): at most one dump
         # of a job at a time. A second CRIU on a tree the first one holds fails, and a second
         # stop-dump would find the tree the first one stopped (see `_dump_slot`).
@@ -211,6 +213,7 @@ class JobManager:
         else:
             caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
         self.store.delete(checkpoint_id)
+        self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
 
     def sweep_store(self) -> None:
         """Free what nobody can use: checkpoints whose manifest has been garbage for longer than
@@ -514,18 +517,28 @@ class JobManager:
             hashed = tail.finish() if tail else None
         if tail is not None and tail.compression is not None:
             compress = tail.compression  # what `auto` settled on while following
+        # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
+        rules = [] if leave_running else netlock.rules_from_log(result.log_path)
         try:
             manifest = self.store.publish(info, compress, source=fast, hashed=hashed)
         except StasisError as e:
             self._discard(info.id, fast)
             if not leave_running:
-                proctree.signal_tree(pid, signal.SIGCONT)
+                self._resume(pid, rules, what)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+        self.netlocks.hold(info.id, info.job, rules)
         if asked == "auto" and manifest.compression == "none":
             why = "it is under 1 MiB" if manifest.size_bytes < (1 << 20) else \
                 "a sample of its memory did not shrink to half"
             notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
+
+    def _resume(self, pid: int, rules: list[netlock.LockRule], what: str) -> None:
+        """Let a tree a dump left stopped run on, its TCP connections too (CRIU left them
+        locked and in repair mode: the job would run with every connection dead)."""
+        for problem in netlock.reopen_connections(pid, rules):
+            log.warning("%s: %s", what, problem)
+        proctree.signal_tree(pid, signal.SIGCONT)
 
     def recover_dumps(self) -> None:
         """Undo what dumps that a killed daemon never finished left (called at start, before
@@ -568,20 +581,27 @@ class JobManager:
 
     def _settle(self, entry: InFlightDump) -> None:
         """Finish or undo the dump `entry` records, now that no CRIU holds its tree."""
+        rules = [] if entry.leave_running else netlock.rules_from_log(
+            self.criu_logs / f"dump-{entry.checkpoint}.log")
+        published = not entry.leave_running and self._published(entry.checkpoint)
         if not proctree.alive(entry.pid, entry.pid_start):
+            if published:
+                self.netlocks.hold(entry.checkpoint, entry.job, rules)
+            else:
+                netlock.remove(rules)  # nothing left to protect
             self.journal.end(entry.checkpoint)
             return
         row = self.db.get(entry.job) if _is_job_id(entry.job) else None
-        if row is not None and row.pid == entry.pid and not entry.leave_running \
-                and self._published(entry.checkpoint):
+        if row is not None and row.pid == entry.pid and published:
             # The checkpoint made it: do the rest of what was asked (the job stops here), so
             # the job and its checkpoint never run side by side unasked.
+            self.netlocks.hold(entry.checkpoint, entry.job, rules)
             self.db.set(row.id, state="checkpointed")
             os.kill(entry.pid, signal.SIGKILL)
             log.warning("job %s: its checkpoint %s was published before the daemon stopped; "
                         "the job is stopped now, as asked", row.id, entry.checkpoint)
         elif proctree.stopped(entry.pid):
-            proctree.signal_tree(entry.pid, signal.SIGCONT)
+            self._resume(entry.pid, rules, f"job {entry.job}")
             log.warning("job %s: resumed; a daemon that stopped during its dump had left it "
                         "stopped", entry.job)
         self.journal.end(entry.checkpoint)
@@ -710,6 +730,7 @@ class JobManager:
                             f"{acct.name}, who may not open that path now)")
             raise RestoreError(f"restore of checkpoint {manifest.id} failed: {message}")
         pid = int(answer["pid"])
+        self._restored(manifest)
         if answer.get("fallback"):
             # The supervisor's CRIU could not restore lazily and restored in full.
             notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
@@ -724,6 +745,17 @@ class JobManager:
         return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
                              lazy=bool(answer.get("lazy")), notes=notes,
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4))
+
+    def _restored(self, manifest: Manifest) -> None:
+        """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped
+        it elsewhere learns from the store that it may lift its own."""
+        self.netlocks.lifted_by_restore(manifest.id)
+        if manifest.host != self._hostname:
+            try:
+                self.store.mark_restored(manifest.id, self._hostname)
+            except StasisError as e:
+                log.warning("cannot note in the store that checkpoint %s was restored: %s",
+                            manifest.id, e)
 
     def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
         try:

@@ -25,6 +25,7 @@ from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_op
 from stasis.daemon.db import JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
+from stasis.daemon.netlocks import SWEEP_INTERVAL_S as NETLOCK_SWEEP_INTERVAL_S
 from stasis.errors import UsageError
 from stasis.store import Store, node_keyring
 
@@ -147,8 +148,18 @@ async def serve(settings: Settings) -> None:
                 log.warning("cannot reap orphans now: %s: %s", type(e).__name__, e)
             await asyncio.sleep(POLL_INTERVAL_S)
 
+    async def lift_network_locks() -> None:
+        # CRIU's DROP rules of checkpoints deleted, restored elsewhere or held long enough.
+        while True:
+            try:
+                await asyncio.to_thread(manager.netlocks.sweep)
+            except Exception as e:
+                log.warning("cannot lift network locks now: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(NETLOCK_SWEEP_INTERVAL_S)
+
     background = [asyncio.create_task(follow_jobs()), asyncio.create_task(sweep_store())]
     background.append(asyncio.create_task(reap_orphans()))
+    background.append(asyncio.create_task(lift_network_locks()))
     await stop.wait()
     for task in background:
         task.cancel()

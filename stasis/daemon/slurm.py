@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -243,7 +242,7 @@ class SlurmJobs:
         self.dir = manager.settings.state_dir / "slurm"
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
-        self._hostname = socket.gethostname()
+        self._hostname = manager.settings.node
 
     def _path(self, job_id: str) -> Path:
         return self.dir / f"{validate_slurm_job_id(job_id)}.json"

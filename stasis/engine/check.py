@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from stasis.config import Settings
-from stasis.engine import kdat
+from stasis.engine import kdat, netlock
 from stasis.engine.criu import CRIU, MIN_VERSION, find_criu
 from stasis.errors import StasisError
 
@@ -19,6 +19,17 @@ from stasis.errors import StasisError
 class Problem(BaseModel):
     what: str
     fix: str
+
+
+class NetworkLock(BaseModel):
+    """A rule of CRIU's network lock in this node's firewall (stasis/engine/netlock.py)."""
+
+    rule: str  # as iptables-save prints it
+    remove_with: str  # the command that takes it out by hand
+    # The checkpoint it is held for, as the daemon knows it; None: nobody's, or not asked.
+    checkpoint: str | None = None
+    job: str | None = None
+    release_at: str | None = None  # when the daemon lifts it unless a restore or rm does first
 
 
 class CheckReport(BaseModel):
@@ -29,6 +40,7 @@ class CheckReport(BaseModel):
     features: dict[str, bool] = {}
     notes: list[str] = []
     problems: list[Problem] = []
+    network_locks: list[NetworkLock] = []
 
 
 def run_check(settings: Settings) -> CheckReport:
@@ -75,5 +87,13 @@ def run_check(settings: Settings) -> CheckReport:
     if not any(os.access(i, os.X_OK) for i in inits) and not shutil.which("stasis-init"):
         report.problems.append(Problem(what="stasis-init (the jobs' init) is missing",
                                        fix="run `make install`"))
+    if os.geteuid() == 0:
+        report.network_locks = network_locks()
     report.ok = not report.problems
     return report
+
+
+def network_locks() -> list[NetworkLock]:
+    """CRIU's lock rules in this node's firewall, not yet matched to checkpoints."""
+    return [NetworkLock(rule=saved, remove_with=netlock.remove_command(saved))
+            for saved in netlock.present()]

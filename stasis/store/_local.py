@@ -204,6 +204,15 @@ class LocalTree:
             pass  # half-deleted before: finish the job
         shutil.rmtree(path)
 
+    def put_note(self, checkpoint_id: str, name: str, data: bytes) -> None:
+        path = self.root / checkpoint_id
+        if not self._check_root() or not path.is_dir():
+            raise FileNotFoundError(path)
+        _write_atomically(path / name, data)
+
+    def has_note(self, checkpoint_id: str, name: str) -> bool:
+        return self._check_root() and (self.root / checkpoint_id / name).is_file()
+
 
 def _private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, exist_ok=True)

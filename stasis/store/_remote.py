@@ -149,3 +149,11 @@ class RemoteTree:
         except FileNotFoundError:
             pass  # half-deleted before: finish the job
         self.fs.rm(target, recursive=True)
+
+    def put_note(self, checkpoint_id: str, name: str, data: bytes) -> None:
+        if not self.fs.exists(self._path(checkpoint_id, MANIFEST_NAME)):
+            raise FileNotFoundError(self._path(checkpoint_id))
+        self.fs.pipe_file(self._path(checkpoint_id, name), data)
+
+    def has_note(self, checkpoint_id: str, name: str) -> bool:
+        return bool(self.fs.exists(self._path(checkpoint_id, name)))

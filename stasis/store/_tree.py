@@ -84,6 +84,13 @@ class Tree(Protocol):
         """Remove manifest.json first, then the rest; FileNotFoundError if there is no such dir."""
         ...
 
+    def put_note(self, checkpoint_id: str, name: str, data: bytes) -> None:
+        """Write a small file beside a published checkpoint's images (not part of the manifest:
+        what it says must never decide on a restore)."""
+        ...
+
+    def has_note(self, checkpoint_id: str, name: str) -> bool: ...
+
     def open_stored(
         self, checkpoint_id: str, stored_name: str
     ) -> AbstractContextManager[Reader]: ...

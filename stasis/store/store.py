@@ -74,6 +74,8 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 STALE_STAGING_S = 3600.0
 # What a manifest's signature is for (signing.py): it verifies nothing else.
 MANIFEST_PURPOSE = "manifest"
+# Beside a checkpoint's images: some node restored it (`Store.mark_restored`).
+RESTORED_NOTE = "restored.json"
 
 
 class _UnreadableManifest(Exception):
@@ -276,6 +278,35 @@ class Store:
             raise StoreError(
                 f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
             ) from e
+
+    def mark_restored(self, checkpoint_id: str, host: str) -> None:
+        """Say in the store that `checkpoint_id` was restored on `host`: the node that dumped it
+        then lifts the network lock it holds for it (stasis/daemon/netlocks.py). Unsigned on
+        purpose: whoever forges one can only make that node lift a lock early."""
+        validate_checkpoint_id(checkpoint_id)
+        data = json.dumps({"host": host, "at": time.time()}).encode()
+        try:
+            self._tree.put_note(checkpoint_id, RESTORED_NOTE, data)
+        except FileNotFoundError:
+            raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
+        except Exception as e:
+            raise self._write_error(checkpoint_id, e) from e
+
+    def was_restored(self, checkpoint_id: str) -> bool:
+        """Whether some node said it restored `checkpoint_id` (see `mark_restored`)."""
+        validate_checkpoint_id(checkpoint_id)
+        try:
+            return self._tree.has_note(checkpoint_id, RESTORED_NOTE)
+        except Exception as e:
+            raise self._read_error(checkpoint_id, e) from e
+
+    def exists(self, checkpoint_id: str) -> bool:
+        """Whether the store holds `checkpoint_id` (published, or half-deleted)."""
+        validate_checkpoint_id(checkpoint_id)
+        try:
+            return self._tree.exists(checkpoint_id)
+        except Exception as e:
+            raise self._read_error(checkpoint_id, e) from e
 
     def apply_retention(self, label: str, *, uid: int | None = None) -> list[str]:
         """Delete the checkpoints of `label` beyond the newest `keep` of owner `uid` (None: of
