@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from stasis.errors import UsageError
+from stasis.layout import StateLayout
 
 DEFAULT_CONFIG_FILE = Path("/etc/stasis/config.toml")
 
@@ -132,6 +133,10 @@ class Settings(NamedTuple):
     @property
     def store_url(self) -> str:
         return self.store or str(self.state_dir / "checkpoints")
+
+    @property
+    def layout(self) -> StateLayout:
+        return StateLayout(self.state_dir)
 
     @property
     def node(self) -> str:

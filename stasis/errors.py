@@ -13,6 +13,8 @@
     │   │   └── UnreadableManifestError  its manifest is garbage: nobody can tell whose it is
     │   └── UntrustedCheckpointError its manifest is unsigned, tampered, or signed by a key this
     │                                node does not trust
+    ├── SlurmError            Slurm's tools failed, are missing, or did not answer
+    │   └── SlurmJobNotFoundError   Slurm knows no such job (also a NotFoundError)
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
 
 Foreign errors are translated at the edge (`raise StoreError(...) from e`); code that must decide
@@ -89,6 +91,15 @@ class UntrustedCheckpointError(StoreError):
     http_status = 422
 
 
+class SlurmError(StasisError):
+    http_status = 502  # a tool the daemon relies on failed, not the daemon itself
+
+
+class SlurmJobNotFoundError(SlurmError, NotFoundError):
+    exit_code = NotFoundError.exit_code
+    http_status = NotFoundError.http_status
+
+
 class DaemonAPIError(StasisError):
     """The daemon could not be reached, or answered with an error of the given HTTP status."""
 
@@ -104,14 +115,11 @@ _BY_NAME: dict[str, type[StasisError]] = {
     for cls in (
         StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
         CRIUNotFoundError, CheckpointError, RestoreError, StoreError, CorruptCheckpointError,
-        UnreadableManifestError, UntrustedCheckpointError,
+        UnreadableManifestError, UntrustedCheckpointError, SlurmError, SlurmJobNotFoundError,
     )
 }
 
 
 def error_from_wire(kind: str, message: str) -> StasisError:
     """Rebuild an error the daemon sent as {"error": {"type": kind, "message": message}}."""
-    cls = _BY_NAME.get(kind, StasisError)
-    if cls is CRIUError or cls is CRIUNotFoundError:
-        return cls(message)
-    return cls(message)
+    return _BY_NAME.get(kind, StasisError)(message)

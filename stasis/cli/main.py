@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from stasis.cli import output
 from stasis.cli.args import Parser, add_json, subcommands
 from stasis.config import Settings, load_settings
-from stasis.daemon.client import Client
+from stasis.client import Client
 from stasis.errors import StasisError, UsageError
 
 Handler = Callable[[argparse.Namespace, Settings], None]
@@ -112,13 +112,14 @@ def restore(args: argparse.Namespace, settings: Settings) -> None:
 def ps(args: argparse.Namespace, settings: Settings) -> None:
     with Client(settings.socket) as client:
         jobs = client.jobs()
-    rows = [{k: j[k] for k in ("job", "pid", "state", "label", "exit_code", "command")}
-            for j in jobs]
+    rows: list[dict[str, object]] = [
+        {"job": j["job"], "pid": j["pid"], "state": j["state"], "label": j["label"],
+         "exit_code": j["exit_code"], "command": j["command"]} for j in jobs]
     if args.json:
         output.emit_json(rows)
         return
-    for r in rows:
-        r["command"] = " ".join(r["command"])
+    for r, j in zip(rows, jobs):
+        r["command"] = " ".join(j["command"])
     output.table(rows, ["job", "pid", "state", "label", "exit_code", "command"])
 
 
@@ -210,9 +211,11 @@ def daemon(args: argparse.Namespace, settings: Settings) -> None:
     import logging
 
     from stasis.daemon.server import serve
+    from stasis.slurm.integration import SlurmIntegration
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stasis %(levelname)s %(message)s")
-    asyncio.run(serve(settings))
+    # The integrations this daemon serves: the core knows none of them.
+    asyncio.run(serve(settings, [SlurmIntegration]))
 
 
 def _add_run(sub: Any) -> None:

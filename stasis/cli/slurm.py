@@ -10,21 +10,20 @@ from typing import Any
 from stasis.cli import output
 from stasis.cli.args import add_json, int_range, subcommands
 from stasis.config import Settings
-from stasis.daemon.client import Client, _seg
+from stasis.client import Client
 
 
 def dump_slurm_job(client: Client, slurm_job: str, leave_running: bool, as_json: bool) -> None:
     """`stasis dump --slurm-job JOBID`: through the node daemon."""
-    from stasis.daemon.slurm import validate_slurm_job_id
+    from stasis.slurm.scontrol import validate_slurm_job_id
 
     validate_slurm_job_id(slurm_job)
     with client:
-        answer = client.request("POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint",
-                                {"leave_running": leave_running})
+        answer = client.slurm_checkpoint(slurm_job, leave_running=leave_running)
     if as_json:
         output.emit_json(answer)
         return
-    then = "requeued; it resumes from it" if answer.get("requeued") else "still running"
+    then = "requeued; it resumes from it" if answer["requeued"] else "still running"
     output.say(f"checkpoint {answer['checkpoint']} of Slurm job {slurm_job} "
                f"(label {answer['label']}, {answer['size_bytes']} bytes, "
                f"{answer['duration_s']:.2f} s); job {then}")

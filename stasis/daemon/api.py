@@ -11,18 +11,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from stasis.daemon.http import answer, peer, read_body, wire
+from stasis.daemon.integration import Integration
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRequest
 from stasis.daemon.stopping import stop
-from stasis.daemon.users import Caller
 from stasis.engine.check import run_check
 from stasis.errors import PermissionDeniedError, StasisError, UsageError
 
@@ -30,15 +29,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MANAGER = web.AppKey("manager", JobManager)
 
 log = logging.getLogger("stasis.daemon")
-
-
-def peer(request: web.Request) -> Caller:
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None:
-        raise UsageError("cannot identify the caller")
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return Caller(pid=pid, uid=uid, gid=gid)
 
 
 def _error_body(e: StasisError) -> dict[str, Any]:
@@ -71,72 +61,28 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(_error_body(bug), status=500)
 
 
-async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    try:
-        data = await request.json() if request.body_exists else {}
-    except RecursionError:
-        raise UsageError("bad request: body is nested too deeply") from None
-    except ValueError:  # not JSON, or not UTF-8
-        raise UsageError("bad request: body is not JSON") from None
-    _refuse_nul(data)
-    try:
-        return model.model_validate(data)
-    except RecursionError:
-        raise UsageError("bad request: body is nested too deeply") from None
-
-
-def _refuse_nul(data: Any) -> None:
-    """No command argument, path, variable or name can hold a NUL byte: the kernel would cut it
-    there or refuse it. Said here, for every route and field, before anything starts."""
-    todo: list[tuple[str, Any]] = [("", data)]
-    while todo:  # not recursive: a deep body must not exhaust the stack here either
-        where, item = todo.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                path = f"{where}.{key}" if where else str(key)
-                if "\0" in key:
-                    raise UsageError(f"bad request: a name in {where or 'the request'} contains "
-                                     "a NUL character (\\0); no name can hold one")
-                todo.append((path, value))
-        elif isinstance(item, list):
-            todo.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(item))
-        elif isinstance(item, str) and "\0" in item:
-            raise UsageError(f"bad request: {where or 'request'} contains a NUL character "
-                             "(\\0); no argument, path or variable can hold one")
-
-
-def _dump(model: BaseModel | list[Any]) -> Any:
-    if isinstance(model, list):
-        return [_dump(m) for m in model]
-    return model.model_dump(mode="json")
-
-
 async def run_job(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, RunRequest)
-    answer = await asyncio.to_thread(request.app[MANAGER].run, req, peer(request))
-    return web.json_response(_dump(answer))
+    req = await read_body(request, RunRequest)
+    return answer(await asyncio.to_thread(request.app[MANAGER].run, req, peer(request)))
 
 
 async def list_jobs(request: web.Request) -> web.StreamResponse:
-    jobs = await asyncio.to_thread(request.app[MANAGER].jobs, peer(request))
-    return web.json_response(_dump(jobs))
+    return answer(await asyncio.to_thread(request.app[MANAGER].jobs, peer(request)))
 
 
 async def get_job(request: web.Request) -> web.StreamResponse:
-    job = await asyncio.to_thread(request.app[MANAGER].get, request.match_info["job"], peer(request))
-    return web.json_response(_dump(job))
+    return answer(await asyncio.to_thread(request.app[MANAGER].get, request.match_info["job"],
+                                          peer(request)))
 
 
 async def kill_job(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, KillRequest)
-    answer = await stop(request.app[MANAGER], request.match_info["job"], peer(request), req)
-    return web.json_response(_dump(answer))
+    req = await read_body(request, KillRequest)
+    return answer(await stop(request.app[MANAGER], request.match_info["job"], peer(request), req))
 
 
 async def dump_check(request: web.Request) -> web.StreamResponse:
-    answer = await asyncio.to_thread(request.app[MANAGER].dump_check, request.match_info["job"],
-                                     peer(request))
-    return web.json_response(_dump(answer))
+    return answer(await asyncio.to_thread(request.app[MANAGER].dump_check,
+                                          request.match_info["job"], peer(request)))
 
 
 async def _stream(request: web.Request, work: Callable[[Callable[[int, int], None]], BaseModel]
@@ -152,7 +98,7 @@ async def _stream(request: web.Request, work: Callable[[Callable[[int, int], Non
 
     def run() -> None:
         try:
-            result: dict[str, Any] = {"result": _dump(work(progress))}
+            result: dict[str, Any] = {"result": wire(work(progress))}
         except StasisError as e:
             result = _error_body(e)
         except ValidationError as e:
@@ -175,7 +121,7 @@ async def _stream(request: web.Request, work: Callable[[Callable[[int, int], Non
 
 
 async def dump_job(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, DumpRequest)
+    req = await read_body(request, DumpRequest)
     caller = peer(request)
     job_id = request.match_info["job"]
     manager = request.app[MANAGER]
@@ -183,7 +129,7 @@ async def dump_job(request: web.Request) -> web.StreamResponse:
 
 
 async def restore(request: web.Request) -> web.StreamResponse:
-    req = await _body(request, RestoreRequest)
+    req = await read_body(request, RestoreRequest)
     caller = peer(request)
     manager = request.app[MANAGER]
     return await _stream(request, lambda progress: manager.restore(req, caller, progress))
@@ -192,8 +138,8 @@ async def restore(request: web.Request) -> web.StreamResponse:
 async def list_checkpoints(request: web.Request) -> web.StreamResponse:
     label = request.query.get("label")
     user = request.query.get("user")
-    found = await asyncio.to_thread(request.app[MANAGER].checkpoints, label, peer(request), user)
-    return web.json_response(_dump(found))
+    return answer(await asyncio.to_thread(request.app[MANAGER].checkpoints, label, peer(request),
+                                          user))
 
 
 async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
@@ -206,18 +152,17 @@ async def network_locks(request: web.Request) -> web.StreamResponse:
     # The addresses and ports of every job's connections: root's to see.
     if not peer(request).is_root:
         raise PermissionDeniedError("permission denied: only root may list network locks")
-    found = await asyncio.to_thread(request.app[MANAGER].netlocks.present)
-    return web.json_response(_dump(found))
+    return answer(await asyncio.to_thread(request.app[MANAGER].netlocks.present))
 
 
 async def check(request: web.Request) -> web.StreamResponse:
-    manager = request.app[MANAGER]
-    report = await asyncio.to_thread(run_check, manager.settings)
-    return web.json_response(_dump(report))
+    return answer(await asyncio.to_thread(run_check, request.app[MANAGER].settings))
 
 
-def make_app(manager: JobManager, middlewares: Sequence[Any] = ()) -> web.Application:
-    """The API; `middlewares` run inside the error handler (their refusals are JSON too)."""
+def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
+             middlewares: Sequence[Any] = ()) -> web.Application:
+    """The API, with the routes of `integrations`; `middlewares` run inside the error handler
+    (their refusals are JSON too)."""
     app = web.Application(middlewares=[errors, *middlewares])
     app[MANAGER] = manager
     app.add_routes([
@@ -233,7 +178,7 @@ def make_app(manager: JobManager, middlewares: Sequence[Any] = ()) -> web.Applic
         web.get("/check", check),
         web.get("/network-locks", network_locks),
     ])
-    from stasis.daemon.slurm import add_routes as add_slurm_routes  # imports this module
-
-    add_slurm_routes(app)
+    for integration in integrations:
+        integration.check_routes()
+        app.add_routes(integration.routes())
     return app

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 _metadata = MetaData()
 
@@ -132,6 +134,21 @@ class JobDB:
                                  .values(env=json.dumps(sorted(names))))
         with self._lock, self.engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    # -- for integrations: tables of their own in the same database -----------------------
+
+    def create_tables(self, tables: Sequence[Table]) -> None:
+        with self._lock:
+            for table in tables:
+                table.create(self.engine, checkfirst=True)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """One transaction, serialised with every other use of the database."""
+        with self._lock, self.engine.begin() as conn:
+            yield conn
+
+    # -- jobs ---------------------------------------------------------------------------------
 
     def add(self, row: JobRow) -> None:
         data = {f.name: getattr(row, f.name) for f in fields(row)}

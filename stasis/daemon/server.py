@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from stasis.config import Settings
 from stasis.daemon.api import make_app
 from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_open_files_limit
 from stasis.daemon.db import JobDB
+from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
 from stasis.daemon.netlocks import SWEEP_INTERVAL_S as NETLOCK_SWEEP_INTERVAL_S
@@ -66,7 +68,34 @@ def _make_dirs(path: Path) -> None:
             os.chmod(d, 0o755)
 
 
-async def serve(settings: Settings) -> None:
+def core_tasks(manager: JobManager) -> list[Task]:
+    def sweep_store() -> None:
+        manager.sweep_store()
+        manager.prune_history()  # old job rows and CRIU logs
+
+    return [
+        Task("follow jobs", POLL_INTERVAL_S, manager.poll),
+        # What failed restores leave to us (we are their subreaper) must not stay zombies.
+        Task("reap orphans", POLL_INTERVAL_S, manager.reaper.sweep),
+        # CRIU's DROP rules of checkpoints deleted, restored elsewhere or held long enough.
+        Task("lift network locks", NETLOCK_SWEEP_INTERVAL_S, manager.netlocks.sweep),
+        # Reading every manifest of a large store must not delay the socket: in a thread too.
+        Task("sweep the store", STORE_SWEEP_INTERVAL_S, sweep_store),
+    ]
+
+
+async def _every(task: Task) -> None:
+    while True:
+        try:
+            await asyncio.to_thread(task.run)
+        except Exception as e:  # out of files, say: the next round tries again
+            log.warning("cannot %s now: %s: %s", task.name, type(e).__name__, e)
+        await asyncio.sleep(task.interval_s)
+
+
+async def serve(settings: Settings, integrations: Sequence[type[Integration]] = ()) -> None:
+    """Serve the API, with the routes, tables and tasks of `integrations` (the entry point
+    chooses them; the core knows none)."""
     if os.geteuid() != 0:
         raise UsageError("stasis daemon must run as root")
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -85,14 +114,19 @@ async def serve(settings: Settings) -> None:
     keys = node_keyring(settings, create=True)
     log.info("signing checkpoints with key %s; trusting %d key(s)", keys.key_id,
              len(keys.trusted_ids))
-    manager_store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
+    manager_store = Store(settings.store_url, staging_root=settings.layout.staging,
                           keep=settings.keep, keys=keys)
-    db_path = settings.state_dir / "jobs.db"
+    db_path = settings.layout.db
     for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
         with suppress(FileNotFoundError):
             os.chmod(f"{db_path}{name}", 0o600)
-    manager = JobManager(settings, manager_store, JobDB(db_path), job_umask=job_umask)
+    db = JobDB(db_path)
+    manager = JobManager(settings, manager_store, db, job_umask=job_umask)
     manager.prepare()
+    plugged = [cls(manager) for cls in integrations]
+    for integration in plugged:
+        db.create_tables(integration.tables())
+        integration.prepare()
 
     sock_path = str(settings.socket)
     _make_dirs(settings.socket.parent)
@@ -104,7 +138,7 @@ async def serve(settings: Settings) -> None:
     guard = ConnectionGuard(settings.max_connections_per_uid, settings.request_timeout_s,
                             open_files)
     # An HTTP/1.1 client's next request on a kept-alive connection has as long as a first one.
-    runner = web.AppRunner(make_app(manager, [guard.middleware]), access_log=None,
+    runner = web.AppRunner(make_app(manager, plugged, [guard.middleware]), access_log=None,
                            keepalive_timeout=settings.request_timeout_s or 75.0)
     await runner.setup()
     # No moment in which the socket is world-writable: it is created 0700 under our umask (077),
@@ -121,45 +155,8 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    async def follow_jobs() -> None:
-        while True:
-            try:
-                await asyncio.to_thread(manager.poll)
-            except Exception as e:  # out of files, say: the next round looks again
-                log.warning("cannot look at the jobs now: %s: %s", type(e).__name__, e)
-            await asyncio.sleep(POLL_INTERVAL_S)
-
-    async def sweep_store() -> None:
-        # In the background: reading every manifest of a large store must not delay the socket.
-        while True:
-            try:
-                await asyncio.to_thread(manager.sweep_store)
-            except Exception as e:
-                log.warning("cannot sweep the store now: %s: %s", type(e).__name__, e)
-            await asyncio.to_thread(manager.prune_history)  # old job rows and CRIU logs
-            await asyncio.sleep(STORE_SWEEP_INTERVAL_S)
-
-    async def reap_orphans() -> None:
-        # What failed restores leave to us (we are their subreaper) must not stay zombies.
-        while True:
-            try:
-                await asyncio.to_thread(manager.reaper.sweep)
-            except Exception as e:  # out of files, say: the next round looks again
-                log.warning("cannot reap orphans now: %s: %s", type(e).__name__, e)
-            await asyncio.sleep(POLL_INTERVAL_S)
-
-    async def lift_network_locks() -> None:
-        # CRIU's DROP rules of checkpoints deleted, restored elsewhere or held long enough.
-        while True:
-            try:
-                await asyncio.to_thread(manager.netlocks.sweep)
-            except Exception as e:
-                log.warning("cannot lift network locks now: %s: %s", type(e).__name__, e)
-            await asyncio.sleep(NETLOCK_SWEEP_INTERVAL_S)
-
-    background = [asyncio.create_task(follow_jobs()), asyncio.create_task(sweep_store())]
-    background.append(asyncio.create_task(reap_orphans()))
-    background.append(asyncio.create_task(lift_network_locks()))
+    tasks = [*core_tasks(manager), *(t for i in plugged for t in i.tasks())]
+    background = [asyncio.create_task(_every(task)) for task in tasks]
     await stop.wait()
     for task in background:
         task.cancel()
@@ -167,6 +164,8 @@ async def serve(settings: Settings) -> None:
         with suppress(asyncio.CancelledError):
             await task
     await runner.cleanup()
+    for integration in plugged:
+        integration.close()
     manager.close()
     with suppress(FileNotFoundError):
         os.unlink(sock_path)

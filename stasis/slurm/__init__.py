@@ -12,7 +12,13 @@ internals (it uses their public entry points):
                 asks the node daemon for a checkpoint on SIGUSR1 and periodically
     cluster     `stasis slurm local-cluster`: a throwaway single-node cluster for demos and tests
     demo        the preemption demo of `make demo`
+    scontrol    what Slurm says (job info, pidinfo, requeue), its failures as SlurmError
+    labels      which checkpoints a job may resume from; the variables that opt a job in
+    models      the /slurm routes' requests and answers, as the daemon validates them
+    registrations  the daemon's side: jobs under stasis, checkpoint + requeue, retiring labels
+    integration the daemon plug-in: /slurm routes, the slurm_jobs table, housekeeping
 
-The daemon's side (registration, checkpoint + requeue, label rules, scontrol) is
-stasis.daemon.slurm. It must not change how jobs that did not opt in (STASIS_ENABLE=1) run.
+It plugs into the daemon through stasis.daemon.integration and talks to it through
+stasis.client; nothing outside this package knows Slurm. It must not change how jobs that did
+not opt in (STASIS_ENABLE=1) run.
 """

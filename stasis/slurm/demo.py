@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stasis.daemon.slurm import parse_record
+from stasis.slurm.scontrol import parse_record
 from stasis.errors import StasisError
 from stasis.poll import poll
 from stasis.slurm import cluster

@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stasis.daemon.client import Client
+from stasis.client import Client
 from stasis.errors import StasisError
+from stasis.slurm.labels import INTERVAL_VARS
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
-INTERVAL_VARS = ("STASIS_INTERVAL", "CEDANA_INTERVAL")
 _PRIVATE = ("STASIS_SLURM_START", "STASIS_SLURM_SCRIPT")
 # After the daemon requeued the job, Slurm kills us; if it does not, give up after this long.
 _REQUEUE_WAIT_S = 300
@@ -97,10 +97,8 @@ class Launcher:
         interval = _env_first(INTERVAL_VARS)
         try:
             with self._client() as c:
-                c.request("POST", "/slurm/jobs", {
-                    "slurm_job": self.job_id, "pid": self.pid, "label": self.start["label"],
-                    "explicit_label": bool(self.start.get("explicit_label")),
-                })
+                c.slurm_register(slurm_job=self.job_id, pid=self.pid, label=self.start["label"],
+                                 explicit_label=bool(self.start.get("explicit_label")))
         except StasisError as e:
             say(f"stasis: warning: the node daemon did not take this job ({e}); "
                 "it runs WITHOUT checkpoint protection")
@@ -117,8 +115,7 @@ class Launcher:
         """
         try:
             with self._client(None) as c:
-                answer = c.request("POST", f"/slurm/jobs/{self.job_id}/checkpoint",
-                                   {"leave_running": not final})
+                answer = c.slurm_checkpoint(self.job_id, leave_running=not final)
         except StasisError as e:
             say(f"stasis: warning: checkpoint failed: {e}; the job goes on")
             return
@@ -134,9 +131,8 @@ class Launcher:
             return
         try:
             with self._client() as c:
-                answer = c.request("POST", f"/slurm/jobs/{self.job_id}/finish",
-                                   {"exit_code": code})
-            if answer.get("retired"):
+                answer = c.slurm_finish(self.job_id, code)
+            if answer["retired"]:
                 say(f"stasis: job completed; retired {len(answer['retired'])} checkpoint(s) of "
                     f"label {self.start['label']}")
         except StasisError as e:
@@ -146,10 +142,10 @@ class Launcher:
         """Whether the workload was stopped by a checkpoint someone else asked for."""
         try:
             with self._client() as c:
-                state = c.request("GET", f"/slurm/jobs/{self.job_id}")
+                state = c.slurm_job(self.job_id)
         except StasisError:
             return False
-        return bool(state.get("state") == "checkpointed")
+        return state["state"] == "checkpointed"
 
     # -- the loop ------------------------------------------------------------------------------
 

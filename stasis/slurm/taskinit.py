@@ -27,10 +27,11 @@ from typing import Any
 from stasis.config import Settings, load_settings
 from stasis.engine import CRIU, Owner, RestoreOptions, find_criu
 from stasis.errors import CorruptCheckpointError, StasisError
-from stasis.daemon import slurm as slurmd
-from stasis.daemon.client import Client
+from stasis.client import Client
 from stasis.daemon.users import account
-from stasis.store import Manifest, Store, node_keyring
+from stasis.slurm import scontrol
+from stasis.slurm.labels import candidates, resolve_label
+from stasis.store import Manifest, Store, node_store
 
 EXIT_RESTORED = 0
 EXIT_FRESH = 10
@@ -59,7 +60,7 @@ def _open_as(path: str, uid: int, gid: int) -> int:
         os.setegid(0)
 
 
-def _restore(settings: Settings, store: Store, m: Manifest, info: slurmd.JobInfo, gid: int
+def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
              ) -> int:
     s: dict[str, Any] = m.extra.get("slurm", {})
     old_out = str(s.get("stdout") or m.log_path or "")
@@ -103,17 +104,17 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     say: list[str] = out["messages"]
     try:
         settings = settings or load_settings()
-        slurmd.validate_slurm_job_id(job_id)
-        label, explicit = slurmd.resolve_label(label_arg, job_id)
+        scontrol.validate_slurm_job_id(job_id)
+        label, explicit = resolve_label(label_arg, job_id)
     except StasisError as e:
         say.append(f"stasis: warning: {e}; {UNPROTECTED}")
         return EXIT_OFF, out
     out.update(socket=str(settings.socket), label=label, explicit_label=explicit)
     try:
         with Client(settings.socket, 10.0) as client:
-            client.request("GET", "/slurm/health")
+            client.slurm_health()
         out["tini"] = find_tini(settings.tini)
-        info = slurmd.job_info(job_id)
+        info = scontrol.job_info(job_id)
     except StasisError as e:
         say.append(f"stasis: warning: {e}; {UNPROTECTED}")
         return EXIT_OFF, out
@@ -123,9 +124,8 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         return EXIT_OFF, out
     try:
         # The node's keys (the daemon made them): only checkpoints signed by a trusted key.
-        store = Store(settings.store_url, staging_root=settings.state_dir / "staging",
-                      keep=settings.keep, keys=node_keyring(settings))
-        found = slurmd.candidates(store, label, explicit, uid, job_id, info.token)
+        store = node_store(settings)
+        found = candidates(store, label, explicit, uid, job_id, info.token)
     except StasisError as e:
         say.append(f"stasis: warning: cannot list checkpoints: {e}; starting from the beginning")
         found = []

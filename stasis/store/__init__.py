@@ -20,7 +20,7 @@ from stasis.store.manifest import (
     validate_label,
 )
 from stasis.store.signing import Keyring, Signature, Signer, node_keyring
-from stasis.store.store import Store
+from stasis.store.store import Store, node_store
 
 __all__ = [
     "COMPRESSIONS",
@@ -36,6 +36,7 @@ __all__ = [
     "is_checkpoint_id",
     "new_checkpoint_id",
     "node_keyring",
+    "node_store",
     "validate_checkpoint_id",
     "validate_label",
 ]

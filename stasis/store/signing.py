@@ -46,7 +46,6 @@ from stasis.errors import UsageError
 KEY_BYTES = 32
 # A key file is a few bytes; anything much larger is not one.
 _MAX_KEY_BYTES = 4096
-KEYS_DIR = "keys"
 NODE_KEY = "node.key"
 
 
@@ -149,8 +148,7 @@ def process_keyring() -> Keyring:
 def node_keyring(settings: Settings, create: bool = False) -> Keyring:
     """The keyring the settings describe: the node key `<state_dir>/keys/node.key` (made when
     `create` and missing: the daemon at its start), `site_key`, `trusted_keys`."""
-    return load_keyring(settings.state_dir / KEYS_DIR, settings.site_key, settings.trusted_keys,
-                        create)
+    return load_keyring(settings.layout.keys, settings.site_key, settings.trusted_keys, create)
 
 
 def load_keyring(keys_dir: Path, site_key: str, trusted_keys: Sequence[str],

@@ -9,9 +9,7 @@ Every manifest is signed when published and verified whenever it is read (signin
 manifest without a signature, with one that does not verify, or signed by a key the store's
 keyring does not trust is never listed, never restored, never counted by retention.
 
-    keys = node_keyring(settings, create=True)
-    store = Store(settings.store_url, staging_root=state_dir / "staging", keep=settings.keep,
-                  keys=keys)
+    store = node_store(settings)                      # as the node's daemon and helpers see it
     staging = store.staging_dir(checkpoint_id)        # criu dump --images-dir staging
     manifest = store.publish(info, compression="zstd")  # or store.discard(checkpoint_id) on failure
     with store.open_images(checkpoint_id, scratch) as (manifest, images_dir):
@@ -54,7 +52,8 @@ from stasis.store.compression import (
     cpu_workers,
     unpack,
 )
-from stasis.store.signing import Signer, Verdict, process_keyring
+from stasis.config import Settings
+from stasis.store.signing import Signer, Verdict, node_keyring, process_keyring
 from stasis.store.tailhash import Partial, TailHasher
 from stasis.store.manifest import (
     COMPRESSIONS,
@@ -644,3 +643,11 @@ def _first_problem(e: ValueError) -> str:
         where = ".".join(str(p) for p in first["loc"])
         return f"{where}: {first['msg']}" if where else str(first["msg"])
     return _reason(e)
+
+
+def node_store(settings: Settings, *, create_key: bool = False) -> Store:
+    """The store as this node's daemon (and its helpers) use it: the configured URL, staging
+    under the state directory, the node's keyring (its key made when `create_key`: the daemon
+    at its start)."""
+    return Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
+                 keys=node_keyring(settings, create=create_key))

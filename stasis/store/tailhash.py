@@ -29,7 +29,7 @@ from typing import BinaryIO, cast
 
 import xxhash
 
-from stasis.store.compression import Encoder, Reader, Streamed, stored_name
+from stasis.store.compression import AUTO_MAX_RATIO, Encoder, Reader, Streamed, stored_name
 from stasis.store.manifest import Compression, CompressionRequest
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ _SYNC_FILE_RANGE_WRITE = 2
 # `auto` judges the pages after this many bytes (and again after every chunk): the same amount
 # the sample of `choose_compression` reads, and the same rule (compress at half or less).
 AUTO_JUDGE_BYTES = 4 << 20
-AUTO_MAX_RATIO = 0.5
 AUTO_MIN_BYTES = 1 << 20  # below this, checkpoints are not compressed (choose_compression)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stasis.daemon.client import Client
+from stasis.client import Client
 from stasis.errors import UsageError
 from tests.conftest import Daemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from stasis.daemon.slurm import parse_record
+from stasis.slurm.scontrol import parse_record
 from stasis.slurm import cluster as local_cluster
 from stasis.poll import poll
 from tests.conftest import STASIS, TEST_USER, ensure_test_user

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stasis.daemon.slurm import candidates, parse_record, resolve_label, slurm_extra
+from stasis.slurm.labels import candidates, resolve_label, slurm_extra
+from stasis.slurm.scontrol import parse_record
 from stasis.errors import UsageError
 from stasis.store import Store
 from tests.store.helpers import SMALL_FILES, make_info, stage

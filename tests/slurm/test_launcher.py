@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stasis.errors import DaemonAPIError
-from stasis.daemon.client import Client
+from stasis.client import Client
 
 
 def test_a_daemon_that_never_answers_is_given_up_on(tmp_path: Path) -> None:

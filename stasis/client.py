@@ -1,4 +1,6 @@
-"""A client of the daemon's API over its unix socket.
+"""A client of the daemon's API over its unix socket: one typed method per route, Slurm's
+included (the shapes are stasis/wire.py's). Not part of the daemon: the CLI and the scheduler
+hooks use it, and it imports nothing of the daemon's.
 
 It speaks just enough HTTP/1.0 for our own server: one request per connection, the answer read
 to EOF (JSON, or NDJSON lines for dumps and restores). Not httpx, not even http.client: every
@@ -14,9 +16,10 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from io import BufferedReader
-from typing import Any
+from typing import Any, Unpack, cast
 from urllib.parse import quote, urlencode
 
+from stasis import wire
 from stasis.errors import DaemonAPIError, StasisError, error_from_wire
 
 _CONNECT_TIMEOUT_S = 30.0
@@ -147,39 +150,67 @@ class Client:
             resp.close()
         raise DaemonAPIError("the daemon closed the connection before answering")
 
-    # -- the API, one method per route ----------------------------------------------------------
+    # -- the API, one method per route (stasis/wire.py lists them) ------------------------
 
-    def run(self, **request: Any) -> Any:
-        return self.request("POST", "/jobs", request)
+    def run(self, **request: Unpack[wire.RunRequest]) -> wire.RunAnswer:
+        return cast(wire.RunAnswer, self.request("POST", "/jobs", request))
 
-    def jobs(self) -> Any:
-        return self.request("GET", "/jobs")
+    def jobs(self) -> list[wire.Job]:
+        return cast(list[wire.Job], self.request("GET", "/jobs"))
 
-    def job(self, job_id: str) -> Any:
-        return self.request("GET", f"/jobs/{_seg(job_id)}")
+    def job(self, job_id: str) -> wire.Job:
+        return cast(wire.Job, self.request("GET", f"/jobs/{_seg(job_id)}"))
 
-    def kill(self, job_id: str, **request: Any) -> Any:
-        return self.request("POST", f"/jobs/{_seg(job_id)}/kill", request)
+    def kill(self, job_id: str, **request: Unpack[wire.KillRequest]) -> wire.KillAnswer:
+        return cast(wire.KillAnswer, self.request("POST", f"/jobs/{_seg(job_id)}/kill", request))
 
     def dump(self, job_id: str, progress: Callable[[int, int], None] | None = None,
-             **request: Any) -> Any:
-        return self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress)
+             **request: Unpack[wire.DumpRequest]) -> wire.DumpAnswer:
+        return cast(wire.DumpAnswer, self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress))
 
-    def dump_check(self, job_id: str) -> Any:
-        return self.request("GET", f"/jobs/{_seg(job_id)}/dump-check")
+    def dump_check(self, job_id: str) -> wire.DumpCheckAnswer:
+        return cast(wire.DumpCheckAnswer,
+                    self.request("GET", f"/jobs/{_seg(job_id)}/dump-check"))
 
-    def restore(self, progress: Callable[[int, int], None] | None = None, **request: Any) -> Any:
-        return self.stream("/restore", request, progress)
+    def restore(self, progress: Callable[[int, int], None] | None = None,
+                **request: Unpack[wire.RestoreRequest]) -> wire.RestoreAnswer:
+        return cast(wire.RestoreAnswer, self.stream("/restore", request, progress))
 
-    def checkpoints(self, label: str | None = None, user: str | None = None) -> Any:
+    def checkpoints(self, label: str | None = None, user: str | None = None
+                    ) -> list[wire.Checkpoint]:
         params = {k: v for k, v in (("label", label), ("user", user)) if v is not None}
-        return self.request("GET", "/checkpoints", params=params or None)
+        return cast(list[wire.Checkpoint],
+                    self.request("GET", "/checkpoints", params=params or None))
 
-    def delete_checkpoint(self, checkpoint_id: str) -> Any:
-        return self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}")
+    def delete_checkpoint(self, checkpoint_id: str) -> wire.Deleted:
+        return cast(wire.Deleted,
+                    self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
 
-    def network_locks(self) -> Any:
-        return self.request("GET", "/network-locks")
+    def check(self) -> wire.CheckReport:
+        return cast(wire.CheckReport, self.request("GET", "/check"))
+
+    def network_locks(self) -> list[wire.NetworkLock]:
+        return cast(list[wire.NetworkLock], self.request("GET", "/network-locks"))
+
+    # -- Slurm (stasis.slurm.integration) ------------------------------------------------------
+
+    def slurm_health(self) -> wire.Health:
+        return cast(wire.Health, self.request("GET", "/slurm/health"))
+
+    def slurm_register(self, **request: Unpack[wire.RegisterRequest]) -> wire.Registration:
+        return cast(wire.Registration, self.request("POST", "/slurm/jobs", request))
+
+    def slurm_job(self, slurm_job: str) -> wire.Registration:
+        return cast(wire.Registration, self.request("GET", f"/slurm/jobs/{_seg(slurm_job)}"))
+
+    def slurm_checkpoint(self, slurm_job: str, **request: Unpack[wire.SlurmCheckpointRequest]
+                         ) -> wire.SlurmCheckpointAnswer:
+        return cast(wire.SlurmCheckpointAnswer, self.request(
+            "POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint", request))
+
+    def slurm_finish(self, slurm_job: str, exit_code: int) -> wire.FinishAnswer:
+        return cast(wire.FinishAnswer, self.request(
+            "POST", f"/slurm/jobs/{_seg(slurm_job)}/finish", {"exit_code": exit_code}))
 
 
 def _seg(value: str) -> str:

@@ -1,0 +1,73 @@
+"""How an integration (Slurm today; Kubernetes and the control plane next) plugs into the daemon.
+
+The daemon core knows no scheduler. Its entry point (`stasis daemon`: `stasis.cli.main`) names
+the integrations to load and hands them to `serve`; each is a subclass of `Integration`:
+
+    class SlurmIntegration(Integration):
+        name = "slurm"                          # its routes live under /slurm/
+        def __init__(self, manager): ...        # the JobManager: jobs, store, settings, db
+        def tables(self): return [my_table]     # created in the daemon's SQLite database
+        def prepare(self): ...                  # at start, after the tables exist (migrations)
+        def routes(self): return [web.get("/slurm/health", ...), ...]
+        def tasks(self): return [Task("sweep registrations", 60.0, self.sweep)]
+        def close(self): ...                    # when the daemon stops
+
+Routes read the caller and the body with `stasis.daemon.http` (`peer`, `read_body`) and answer
+with `http.answer`; a StasisError raised in one becomes the same one-line JSON error as in the
+core's routes. Tasks are blocking functions run in a worker thread every `interval_s`; one that
+raises is logged and runs again next round. An integration uses the daemon only through the
+JobManager's public methods and the modules of `stasis.daemon` (never another integration).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from aiohttp import web
+from sqlalchemy import Table
+
+if TYPE_CHECKING:
+    from stasis.daemon.jobs import JobManager
+
+
+@dataclass(frozen=True)
+class Task:
+    """Background work: `run` (blocking) in a thread, then again `interval_s` later."""
+
+    name: str
+    interval_s: float
+    run: Callable[[], object]
+
+
+class Integration:
+    name: ClassVar[str]
+
+    def __init__(self, manager: JobManager) -> None:
+        self.manager = manager
+
+    def tables(self) -> Sequence[Table]:
+        return ()
+
+    def prepare(self) -> None:
+        """Called once at the daemon's start, after `tables()` exist, before any request."""
+
+    def routes(self) -> Sequence[web.RouteDef]:
+        return ()
+
+    def tasks(self) -> Sequence[Task]:
+        return ()
+
+    def close(self) -> None:
+        """Called once when the daemon stops."""
+
+    def check_routes(self) -> None:
+        """Every route of an integration lives under /<name>/: integrations never collide."""
+        for route in self.routes():
+            if not route.path.startswith(f"/{self.name}/"):
+                raise ValueError(f"integration {self.name}: route {route.path} is not under "
+                                 f"/{self.name}/")
+
+
+__all__ = ["Integration", "Task"]

@@ -1,0 +1,277 @@
+"""Slurm jobs under stasis on this node: registering a job's workload, checkpointing it (and
+requeueing the job), retiring its label when it ends. The daemon side of the integration.
+
+A registration is accepted only from the job's own launcher: the process named must be the
+caller's child, run as the caller's uid, be the init of a PID namespace, and `scontrol pidinfo`
+must put the caller in that Slurm job, which Slurm must say is the caller's. Afterwards a user may
+act only on their own jobs (root on all). Registrations are rows of the daemon's database
+(table `slurm_jobs`), so they survive a restart of the daemon; the JSON files an older daemon
+kept in <state_dir>/slurm/ are moved there at the first start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import ValidationError
+from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
+
+from stasis.daemon.db import JobDB
+from stasis.daemon.jobs import JobManager
+from stasis.daemon.users import Caller
+from stasis.engine import proctree
+from stasis.errors import (
+    CheckpointError,
+    NotFoundError,
+    PermissionDeniedError,
+    SlurmError,
+    UsageError,
+)
+from stasis.slurm import scontrol
+from stasis.slurm.labels import candidates, slurm_extra
+from stasis.slurm.models import (
+    CheckpointAnswer,
+    CheckpointRequest,
+    FinishAnswer,
+    FinishRequest,
+    Registration,
+    RegisterRequest,
+)
+from stasis.store import CheckpointInfo, new_checkpoint_id, validate_label
+
+log = logging.getLogger("stasis.daemon")
+
+_metadata = MetaData()
+slurm_jobs_table = Table(
+    "slurm_jobs",
+    _metadata,
+    Column("slurm_job", String(16), primary_key=True),
+    Column("pid", Integer, nullable=False),
+    Column("pid_start", Integer, nullable=True),
+    Column("launcher_pid", Integer, nullable=False),
+    Column("uid", Integer, nullable=False),
+    Column("gid", Integer, nullable=False),
+    Column("user", String(64), nullable=False),
+    Column("label", String(128), nullable=False),
+    Column("explicit_label", Integer, nullable=False),
+    Column("token", String(128), nullable=False),
+    Column("stdout", Text, nullable=False),
+    Column("stderr", Text, nullable=False),
+    Column("work_dir", Text, nullable=False),
+    Column("command", Text, nullable=False),  # JSON list
+    Column("state", String(16), nullable=False),
+    Column("registered", String(32), nullable=False),
+)
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        raise UsageError(f"no process {pid}") from None
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+class Registrations:
+    """The `slurm_jobs` table."""
+
+    def __init__(self, db: JobDB) -> None:
+        self.db = db
+
+    def save(self, reg: Registration) -> None:
+        values = reg.model_dump()
+        values["command"] = json.dumps(values["command"])
+        with self.db.transaction() as conn:
+            conn.execute(delete(slurm_jobs_table)
+                         .where(slurm_jobs_table.c.slurm_job == reg.slurm_job))
+            conn.execute(insert(slurm_jobs_table).values(**values))
+
+    def get(self, job_id: str) -> Registration | None:
+        with self.db.transaction() as conn:
+            row = conn.execute(select(slurm_jobs_table)
+                               .where(slurm_jobs_table.c.slurm_job == job_id)).first()
+        return _registration(row._mapping) if row else None
+
+    def running(self) -> list[Registration]:
+        with self.db.transaction() as conn:
+            rows = conn.execute(select(slurm_jobs_table)
+                                .where(slurm_jobs_table.c.state == "running")).all()
+        return [_registration(r._mapping) for r in rows]
+
+    def set_state(self, job_id: str, state: str) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(update(slurm_jobs_table)
+                         .where(slurm_jobs_table.c.slurm_job == job_id).values(state=state))
+
+    def remove(self, job_id: str) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(delete(slurm_jobs_table).where(slurm_jobs_table.c.slurm_job == job_id))
+
+    def migrate(self, legacy: Path) -> int:
+        """Move the registrations an older daemon kept as <legacy>/<job>.json into the table."""
+        moved = 0
+        try:
+            files = sorted(legacy.glob("*.json"))
+        except OSError:
+            return 0
+        for path in files:
+            try:
+                reg = Registration.model_validate_json(path.read_text())
+            except (OSError, ValueError, ValidationError) as e:
+                log.warning("Slurm registration %s left where it is: %s", path, e)
+                continue
+            if self.get(reg.slurm_job) is None:
+                self.save(reg)
+                moved += 1
+            path.unlink(missing_ok=True)
+        try:
+            legacy.rmdir()
+        except OSError:
+            pass  # not empty (files we could not read), or never there
+        return moved
+
+
+def _registration(row: object) -> Registration:
+    data = dict(row)  # type: ignore[call-overload]
+    data["command"] = json.loads(data["command"])
+    data["explicit_label"] = bool(data["explicit_label"])
+    return Registration.model_validate(data)
+
+
+class SlurmJobs:
+    def __init__(self, manager: JobManager) -> None:
+        self.manager = manager
+        self.registrations = Registrations(manager.db)
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _load(self, job_id: str, caller: Caller) -> Registration:
+        reg = self.registrations.get(scontrol.validate_slurm_job_id(job_id))
+        if reg is None:
+            raise NotFoundError(f"Slurm job {job_id} is not under stasis on this node")
+        caller.require(reg.uid, f"Slurm job {job_id}")
+        return reg
+
+    def _lock(self, job_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(job_id, threading.Lock())
+
+    # -- endpoints (blocking; run in threads) ---------------------------------------------------
+
+    def register(self, req: RegisterRequest, caller: Caller) -> Registration:
+        job_id = scontrol.validate_slurm_job_id(req.slurm_job)
+        validate_label(req.label)
+        st = _status(req.pid)
+        if int(st.get("PPid", "-1")) != caller.pid:
+            raise PermissionDeniedError(f"permission denied: process {req.pid} is not yours "
+                                        "(not a child of the caller)")
+        if int(st.get("Uid", "-1").split()[0]) != caller.uid:
+            raise PermissionDeniedError(f"permission denied: process {req.pid} runs as another "
+                                        "user")
+        nspid = st.get("NSpid", "").split()
+        if len(nspid) < 2 or nspid[-1] != "1":
+            raise UsageError(f"process {req.pid} is not the init of a PID namespace")
+        if scontrol.job_of_pid(caller.pid) != job_id:
+            raise PermissionDeniedError(f"permission denied: the caller is not part of Slurm job "
+                                        f"{job_id}")
+        info = scontrol.job_info(job_id)
+        if info.uid != caller.uid:
+            raise PermissionDeniedError(f"permission denied: Slurm job {job_id} is not yours")
+        if not req.explicit_label and req.label != job_id:
+            raise UsageError("without an explicit label the label is the job id")
+        try:
+            cmdline = Path(f"/proc/{req.pid}/cmdline").read_bytes().split(b"\0")
+            command = [c.decode(errors="replace") for c in cmdline if c]
+        except OSError:
+            command = []
+        reg = Registration(
+            slurm_job=job_id, pid=req.pid, pid_start=proctree.start_time(req.pid),
+            launcher_pid=caller.pid, uid=caller.uid, gid=caller.gid, user=info.user,
+            label=req.label, explicit_label=req.explicit_label, token=info.token,
+            stdout=info.stdout, stderr=info.stderr or info.stdout, work_dir=info.work_dir,
+            command=command or ["(slurm batch job)"],
+            registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+        self.sweep()
+        self.registrations.save(reg)
+        return reg
+
+    def sweep(self) -> None:
+        """Forget registrations of workloads that ended without telling us (scancel, crash)."""
+        for old in self.registrations.running():
+            if not proctree.alive(old.pid, old.pid_start):
+                self.registrations.remove(old.slurm_job)
+
+    def get(self, job_id: str, caller: Caller) -> Registration:
+        return self._load(job_id, caller)
+
+    def checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller) -> CheckpointAnswer:
+        lock = self._lock(job_id)
+        if not lock.acquire(blocking=False):
+            raise UsageError(f"a checkpoint of Slurm job {job_id} is already being taken")
+        try:
+            return self._checkpoint(job_id, req, caller)
+        finally:
+            lock.release()
+
+    def _checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller
+                    ) -> CheckpointAnswer:
+        reg = self._load(job_id, caller)
+        if reg.state == "checkpointed" or not proctree.alive(reg.pid, reg.pid_start):
+            raise UsageError(f"Slurm job {job_id} has no running workload on this node")
+        m = self.manager
+        created = datetime.now(timezone.utc)
+        info = CheckpointInfo(
+            id=new_checkpoint_id(created), label=reg.label, job=job_id, host=m.settings.node,
+            created=created, criu_version=m.criu_version(m.criu), command=reg.command,
+            cwd=reg.work_dir or "/", user=reg.user, uid=reg.uid, gid=reg.gid,
+            log_path=reg.stdout or None,
+            extra=slurm_extra(job_id, reg.token, reg.explicit_label, reg.stdout, reg.stderr),
+        )
+        manifest, result, _ = m.checkpoint_tree(reg.pid, info, req.leave_running, "none",
+                                                f"Slurm job {job_id}")
+        answer = CheckpointAnswer(
+            checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
+            size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
+            requeued=False)
+        if not req.leave_running:
+            self.registrations.set_state(job_id, "checkpointed")
+            os.kill(reg.pid, signal.SIGKILL)  # the namespace init: the whole tree goes
+            m.dump_settled(manifest.id)
+            try:
+                scontrol.requeue(job_id)
+            except SlurmError as e:
+                self.registrations.set_state(job_id, "requeue-failed")
+                raise CheckpointError(
+                    f"checkpoint {manifest.id} of Slurm job {job_id} was taken but the job could "
+                    f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
+                    f"{reg.label} to resume") from e
+            answer.requeued = True
+        return answer
+
+    def finish(self, job_id: str, req: FinishRequest, caller: Caller) -> FinishAnswer:
+        reg = self._load(job_id, caller)
+        if not caller.is_root and caller.pid != reg.launcher_pid:
+            raise PermissionDeniedError("permission denied: only the job's launcher reports its "
+                                        "end")
+        retired: list[str] = []
+        if req.exit_code == 0:
+            store = self.manager.store
+            for m in candidates(store, reg.label, reg.explicit_label, reg.uid, job_id, reg.token):
+                try:
+                    store.delete(m.id)
+                    retired.append(m.id)
+                except NotFoundError:
+                    continue
+        self.registrations.remove(job_id)
+        return FinishAnswer(retired=retired)

@@ -1,0 +1,103 @@
+"""What Slurm says, through `scontrol` on this node (SLURM_CONF picks the cluster).
+
+scontrol's own words are read here and nowhere else: a job Slurm does not know is a
+SlurmJobNotFoundError, any other failure a SlurmError.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+
+from stasis.errors import SlurmError, SlurmJobNotFoundError, UsageError
+
+_JOB_ID = re.compile(r"^[0-9]{1,10}$")
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")
+_TOKEN = re.compile(r"stasis-token=([0-9A-Za-z.-]+)")
+_USER = re.compile(r"^(.*)\((\d+)\)$")
+# What scontrol prints for a job id slurmctld does not know (22.05 and 24.11 alike).
+_UNKNOWN_JOB = "Invalid job id"
+_TIMEOUT_S = 30
+
+
+def validate_slurm_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
+        raise UsageError(f"{job_id!r} is not a Slurm job id (digits, as in SLURM_JOB_ID)")
+    return job_id
+
+
+def scontrol(*args: str) -> str:
+    try:
+        result = subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                                timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except FileNotFoundError as e:
+        raise SlurmError("scontrol is not installed on this node") from e
+    except subprocess.TimeoutExpired as e:
+        raise SlurmError(f"scontrol {' '.join(args)} did not answer in {_TIMEOUT_S} s") from e
+    if result.returncode != 0:
+        output = (result.stderr or result.stdout).strip()
+        why = output.splitlines()[-1] if output else "no output"
+        kind = SlurmJobNotFoundError if _UNKNOWN_JOB in output else SlurmError
+        raise kind(f"scontrol {' '.join(args)} failed: {why}")
+    return result.stdout
+
+
+def parse_record(text: str) -> dict[str, str]:
+    """`Key=Value Key=Value ...` (one `scontrol -o` record); values may hold spaces."""
+    text = text.strip()
+    found = list(_KEY.finditer(text))
+    fields: dict[str, str] = {}
+    for i, m in enumerate(found):
+        end = found[i + 1].start() if i + 1 < len(found) else len(text)
+        fields.setdefault(m.group(1), text[m.end():end].strip())
+    return fields
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    user: str
+    uid: int
+    state: str
+    restarts: int
+    stdout: str
+    stderr: str
+    token: str  # from AdminComment (set by our job_submit.lua); "" without it
+    work_dir: str
+
+
+def job_info(job_id: str) -> JobInfo:
+    validate_slurm_job_id(job_id)
+    try:
+        text = scontrol("show", "job", "-o", job_id)
+    except SlurmJobNotFoundError:
+        raise SlurmJobNotFoundError(f"no Slurm job {job_id}") from None
+    fields = parse_record(text.splitlines()[0] if text.strip() else "")
+    if fields.get("JobId") != job_id:
+        raise SlurmJobNotFoundError(f"no Slurm job {job_id}")
+    m = _USER.match(fields.get("UserId", ""))
+    if not m:
+        raise SlurmError(f"scontrol show job {job_id}: no UserId")
+    token = _TOKEN.search(fields.get("AdminComment", ""))
+    restarts = fields.get("Restarts", "0")
+    return JobInfo(
+        job_id=job_id, user=m.group(1), uid=int(m.group(2)),
+        state=fields.get("JobState", ""), restarts=int(restarts) if restarts.isdigit() else 0,
+        stdout=fields.get("StdOut", ""), stderr=fields.get("StdErr", ""),
+        token=token.group(1) if token else "", work_dir=fields.get("WorkDir", ""),
+    )
+
+
+def job_of_pid(pid: int) -> str | None:
+    """The Slurm job a process of this node belongs to (`scontrol pidinfo`), or None."""
+    try:
+        text = scontrol("pidinfo", str(int(pid)))
+    except SlurmError:
+        return None
+    m = re.search(r"(?:JobId=|job id )(\d+)", text)
+    return m.group(1) if m else None
+
+
+def requeue(job_id: str) -> None:
+    scontrol("requeue", validate_slurm_job_id(job_id))

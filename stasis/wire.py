@@ -1,0 +1,245 @@
+"""The daemon's API on the wire: the JSON body of every request and answer, of every route.
+
+Typed dicts, so that the client (`stasis.client`) and everything that reads an answer is checked
+by mypy, at no cost when a command starts: this module imports only `typing` (pydantic costs
+every `stasis` command ~70 ms here, and typing_extensions, which pydantic needs to validate
+typed dicts on Python 3.11, ~11 ms). The daemon validates what it receives with pydantic
+models of the same shapes (stasis.daemon.models, stasis.slurm.models, the store's Manifest);
+tests/test_wire.py holds both sides to one another, field by field.
+
+    route                                   request              answer
+    POST   /jobs                            RunRequest           RunAnswer
+    GET    /jobs                                                 list[Job]
+    GET    /jobs/{job}                                           Job
+    POST   /jobs/{job}/kill                 KillRequest          KillAnswer
+    POST   /jobs/{job}/dump                 DumpRequest          DumpAnswer (NDJSON stream)
+    GET    /jobs/{job}/dump-check                                DumpCheckAnswer
+    POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
+    GET    /checkpoints?label=&user=                             list[Checkpoint]
+    DELETE /checkpoints/{checkpoint}                             Deleted
+    GET    /check                                                CheckReport
+    GET    /network-locks                                        list[NetworkLock]
+    GET    /slurm/health                                         Health
+    POST   /slurm/jobs                      RegisterRequest      Registration
+    GET    /slurm/jobs/{job}                                     Registration
+    POST   /slurm/jobs/{job}/checkpoint     SlurmCheckpointRequest  SlurmCheckpointAnswer
+    POST   /slurm/jobs/{job}/finish         FinishRequest        FinishAnswer
+
+An error, on any route, is {"error": {"type": <a StasisError class>, "message": <one line>}}.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+JobState = Literal["running", "restored", "checkpointed", "exited"]
+# What a dump is asked to do with its images; "auto" compresses only memory that shrinks.
+CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
+# What a stored checkpoint is compressed with (never "auto": that was decided at dump time).
+Compression = Literal["none", "zstd", "lz4"]
+
+
+class WireError(TypedDict):
+    type: str
+    message: str
+
+
+# -- jobs ------------------------------------------------------------------------------------
+
+class RunRequest(TypedDict, total=False):
+    command: list[str]  # required; every other field may be left out
+    label: str | None
+    log: str | None  # absolute
+    cwd: str  # absolute; required
+    env: dict[str, str]
+    user: str | None
+
+
+class RunAnswer(TypedDict):
+    job: str
+    pid: int
+    label: str
+
+
+class Job(TypedDict):
+    job: str
+    pid: int | None
+    state: JobState
+    label: str
+    exit_code: int | None
+    command: list[str]
+    user: str
+    uid: int
+    cwd: str
+    log: str
+    checkpoint: str | None  # the checkpoint this job was restored from
+    created: str
+
+
+class KillRequest(TypedDict, total=False):
+    signal: str | int  # TERM, SIGTERM, term, 15
+    timeout_s: float | None  # None: the daemon's kill_timeout_s; 0: SIGKILL at once
+
+
+class KillAnswer(TypedDict):
+    job: str
+    state: JobState
+    ended_by: str | None  # the signal asked for, or SIGKILL; None: it was not running
+    exit_code: int | None
+    signal: str
+    timeout_s: float
+
+
+class DumpRequest(TypedDict, total=False):
+    leave_running: bool
+    label: str | None
+    compress: CompressionRequest
+    incremental: bool
+
+
+class DumpAnswer(TypedDict):
+    checkpoint: str
+    label: str
+    job: str
+    size_bytes: int
+    duration_s: float  # CRIU's dump
+    elapsed_s: float  # the daemon's whole answer
+    staged: bool
+    notes: list[str]  # every way the dump differs from what was asked, and why
+
+
+class DumpCheckAnswer(TypedDict):
+    job: str
+    obstacles: list[str]
+    notes: list[str]
+
+
+class RestoreRequest(TypedDict, total=False):
+    checkpoint: str | None
+    label: str | None
+    user: str | None  # whose label (root only)
+    lazy: bool | None
+
+
+class RestoreAnswer(TypedDict):
+    job: str
+    pid: int
+    checkpoint: str
+    skipped: list[str]
+    lazy: bool
+    notes: list[str]
+    duration_s: float
+    elapsed_s: float
+
+
+class Progress(TypedDict):
+    """One line of a dump's or restore's NDJSON stream, before its result."""
+
+    bytes: int
+    total: int
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+class Checkpoint(TypedDict):
+    """A checkpoint's manifest, as the store keeps it (stasis.store.manifest.Manifest); the
+    fields a client reads (the manifest also lists its files and its signature)."""
+
+    id: str
+    label: str
+    job: str
+    host: str
+    created: str
+    criu_version: str
+    command: list[str]
+    cwd: str
+    user: str
+    uid: int
+    gid: int
+    log_path: str | None
+    size_bytes: int
+    stored_size_bytes: int
+    compression: Compression
+
+
+class Deleted(TypedDict):
+    deleted: str
+
+
+# -- the node --------------------------------------------------------------------------------
+
+class Problem(TypedDict):
+    what: str
+    fix: str
+
+
+class NetworkLock(TypedDict):
+    rule: str
+    remove_with: str
+    checkpoint: str | None
+    job: str | None
+    release_at: str | None
+
+
+class CheckReport(TypedDict):
+    ok: bool
+    criu_path: str | None
+    criu_version: str | None
+    kernel: str
+    features: dict[str, bool]
+    notes: list[str]
+    problems: list[Problem]
+    network_locks: list[NetworkLock]
+
+
+# -- Slurm (stasis.slurm) ----------------------------------------------------------------------
+
+class Health(TypedDict):
+    ok: bool
+
+
+class RegisterRequest(TypedDict, total=False):
+    slurm_job: str  # required
+    pid: int  # required: the workload's namespace init
+    label: str  # required
+    explicit_label: bool
+
+
+class Registration(TypedDict):
+    slurm_job: str
+    pid: int
+    pid_start: int | None
+    launcher_pid: int
+    uid: int
+    gid: int
+    user: str
+    label: str
+    explicit_label: bool
+    token: str
+    stdout: str
+    stderr: str
+    work_dir: str
+    command: list[str]
+    state: str  # running | checkpointed | requeue-failed
+    registered: str
+
+
+class SlurmCheckpointRequest(TypedDict, total=False):
+    leave_running: bool
+
+
+class SlurmCheckpointAnswer(TypedDict):
+    checkpoint: str
+    label: str
+    slurm_job: str
+    size_bytes: int
+    duration_s: float
+    requeued: bool
+
+
+class FinishRequest(TypedDict):
+    exit_code: int
+
+
+class FinishAnswer(TypedDict):
+    retired: list[str]
