@@ -209,23 +209,6 @@ def run(job_dir: Path, spec: dict[str, Any]) -> None:
     _wait_for(job_dir, pid)
 
 
-def _open_log_as_user(spec: dict[str, Any]) -> int:
-    """Open the job's log with the job user's rights (the path may come from the user): their
-    groups too, or root's supplementary groups would open what the user's could not."""
-    saved = os.getgroups()
-    os.setgroups(spec["groups"])
-    os.setegid(spec["gid"])
-    os.seteuid(spec["uid"])
-    umask = os.umask(spec.get("umask", 0o022))  # a log the user makes is as theirs as ever
-    try:
-        return os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOCTTY, 0o644)
-    finally:
-        os.umask(umask)
-        os.seteuid(0)
-        os.setegid(0)
-        os.setgroups(saved)
-
-
 def _resume_gate(script: str, _pid: int) -> bool:
     """The daemon verifies the images while CRIU restores: resume only on its "ok".
 
@@ -238,35 +221,26 @@ def _resume_gate(script: str, _pid: int) -> bool:
 
 
 def restore(job_dir: Path, spec: dict[str, Any]) -> None:
-    from stasis.engine.criu import CRIU, Owner, RestoreOptions
+    from stasis.engine.criu import CRIU, Owner
+    from stasis.engine.restoring import restore_tree
     from stasis.errors import StasisError
 
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
+    started = time.monotonic()
     try:
-        log_fd = _open_log_as_user(spec)
+        result = restore_tree(
+            criu, Path(spec["images"]), Owner(spec["uid"], spec["gid"], spec["groups"]),
+            [(spec["image_log"], spec["log"])], spec["criu_log_name"],
+            umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
+            notify=_resume_gate if spec.get("gate") else None)
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return
-    criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
-    # CRIU names regular files in its images by their path without the leading '/'.
-    key = spec["image_log"].lstrip("/")
-    started = time.monotonic()
-    try:
-        result = criu.restore(
-            Path(spec["images"]),
-            RestoreOptions(inherit_fds=[(key, log_fd)], lazy=spec.get("lazy", False),
-                           notify=_resume_gate if spec.get("gate") else None,
-                           # Every path of the job is resolved with its owner's rights.
-                           owner=Owner(spec["uid"], spec["gid"], spec["groups"])
-                           if spec["uid"] != 0 else None),
-            spec["criu_log_name"],
-        )
     except StasisError as e:
         _end_leftovers()
         _error(type(e).__name__, str(e))
         return
-    finally:
-        os.close(log_fd)
     _answer({"pid": result.pid, "duration_s": result.duration_s,
              "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason})
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
@@ -294,7 +268,7 @@ def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:
     """As a spare: import now what a restore needs, then wait for our job's directory and spec."""
     import importlib
 
-    importlib.import_module("stasis.engine.criu")
+    importlib.import_module("stasis.engine.restoring")
     importlib.import_module("stasis.engine.rpc").messages()
     line = sys.stdin.buffer.readline().strip()
     spec = sys.stdin.buffer.readline()

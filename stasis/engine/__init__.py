@@ -10,6 +10,8 @@ and a local directory.
     check     the `stasis check` report
     unixpeers unix stream connections between a process tree and processes outside it
     obstacles what a dump of a tree would fail on, or not bring back as it was (`dump --check`)
+    restoring the one way a job's tree is restored: its outputs and paths with its owner's rights
+    netlock   CRIU's network lock: the firewall rules a dump leaves, lifting them
 """
 
 from stasis.engine.criu import (

@@ -14,6 +14,7 @@ from typing import Any
 from stasis.engine import rpc
 from stasis.engine.criulog import first_error
 from stasis.errors import CRIUError, CRIUNotFoundError
+from stasis.poll import poll
 
 # Where scripts/install-criu.sh puts the CRIU we build (Debian 12's own criu fails on new kernels).
 _CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu")
@@ -187,13 +188,11 @@ class CRIU:
              "-v4", "-o", "lazy-pages.log"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 5
-        while not socket_path.exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                daemon.kill()
-                daemon.wait()
-                raise CRIUError("criu lazy-pages did not start", str(work / "lazy-pages.log"))
-            time.sleep(0.002)
+        poll(lambda: socket_path.exists() or daemon.poll() is not None, 5.0, 0.002)
+        if not socket_path.exists():
+            daemon.kill()
+            daemon.wait()
+            raise CRIUError("criu lazy-pages did not start", str(work / "lazy-pages.log"))
         return daemon
 
     def _restore(self, images_dir: Path, options: RestoreOptions, log_name: str,

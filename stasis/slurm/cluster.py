@@ -25,12 +25,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stasis.engine import proctree
 from stasis.errors import StasisError, UsageError
+from stasis.poll import poll
 from stasis.slurm import install
 
 NODE = "n1"
@@ -179,22 +180,15 @@ def _read_pid(path: Path) -> int | None:
 
 
 def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return bool(pid) and proctree.alive(pid or 0, None)
     except OSError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _wait(pred: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise StasisError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
+    if not poll(pred, timeout_s, 0.1):
+        raise StasisError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
@@ -307,10 +301,7 @@ def _stop(pid: int | None, timeout_s: float = 15.0) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    if _alive(pid):
+    if not poll(lambda: not _alive(pid), timeout_s):
         os.kill(pid, signal.SIGKILL)
 
 

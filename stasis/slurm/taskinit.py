@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from stasis.config import Settings, load_settings
-from stasis.engine import CRIU, Owner, RestoreOptions, find_criu
+from stasis.engine import CRIU, Owner, find_criu
+from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, StasisError
 from stasis.client import Client
 from stasis.daemon.users import account
@@ -49,17 +50,6 @@ def find_tini(configured: str) -> str:
     raise StasisError("tini is not installed on this node (Debian package tini)")
 
 
-def _open_as(path: str, uid: int, gid: int) -> int:
-    """Open the job's output for appending with the job user's rights (paths come from users)."""
-    os.setegid(gid)
-    os.seteuid(uid)
-    try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    finally:
-        os.seteuid(0)
-        os.setegid(0)
-
-
 def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
              ) -> int:
     s: dict[str, Any] = m.extra.get("slurm", {})
@@ -67,35 +57,28 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
     old_err = str(s.get("stderr") or old_out)
     new_out = info.stdout or "/dev/null"
     new_err = info.stderr or new_out
-    fds: list[int] = []
-    try:
-        inherit: list[tuple[str, int]] = []
-        # Regular output files are re-pointed at this run's files (a new job id may mean a new
-        # name); /dev/null and other devices CRIU reopens itself.
-        if old_out and not old_out.startswith("/dev/"):
-            fds.append(_open_as(new_out, info.uid, gid))
-            inherit.append((old_out.lstrip("/"), fds[-1]))
-        if old_err and old_err != old_out and not old_err.startswith("/dev/"):
-            fds.append(_open_as(new_err, info.uid, gid))
-            inherit.append((old_err.lstrip("/"), fds[-1]))
-        criu = CRIU(find_criu(settings.criu), settings.state_dir / "criu-logs")
-        # CRIU runs as root here too: the job's paths are opened with its owner's rights, so
-        # that a file swapped for a symlink since the dump reaches nothing the user could not.
-        acct = account(m.uid)
-        owner = Owner(acct.uid, acct.gid, acct.groups) if acct.uid != 0 else None
-        with store.open_images(m.id, settings.state_dir / "scratch") as (_, images):
-            result = criu.restore(images, RestoreOptions(inherit_fds=inherit, owner=owner),
-                                  f"restore-slurm-{info.job_id}-{m.id}.log")
-        if m.host != settings.node:
-            # The node that dumped it may lift CRIU's network lock for it now.
-            try:
-                store.mark_restored(m.id, settings.node)
-            except StasisError:
-                pass  # that node lifts it after netlock_timeout_s anyway
-        return result.pid
-    finally:
-        for fd in fds:
-            os.close(fd)
+    # Regular output files are re-pointed at this run's files (a new job id may mean a new
+    # name); /dev/null and other devices CRIU reopens itself.
+    outputs = []
+    if old_out and not old_out.startswith("/dev/"):
+        outputs.append((old_out, new_out))
+    if old_err and old_err != old_out and not old_err.startswith("/dev/"):
+        outputs.append((old_err, new_err))
+    layout = settings.layout
+    criu = CRIU(find_criu(settings.criu), layout.criu_logs)
+    acct = account(m.uid)
+    with store.open_images(m.id, layout.scratch) as (_, images):
+        # The same restore as the daemon's (CRIU as root, every path of the job with its
+        # owner's rights), here in the job's task so that the tree is the task's child.
+        result = restore_tree(criu, images, Owner(acct.uid, gid, acct.groups), outputs,
+                              f"restore-slurm-{info.job_id}-{m.id}.log")
+    if m.host != settings.node:
+        # The node that dumped it may lift CRIU's network lock for it now.
+        try:
+            store.mark_restored(m.id, settings.node)
+        except StasisError:
+            pass  # that node lifts it after netlock_timeout_s anyway
+    return result.pid
 
 
 def decide(job_id: str, uid: int, gid: int, label_arg: str,

@@ -1,0 +1,59 @@
+"""Restoring a job's tree as its owner would have it: the one path that prepares and runs CRIU's
+restore, for the daemon's job supervisor (stasis/daemon/shim.py) and for a Slurm job's task
+(stasis/slurm/taskinit.py) alike.
+
+CRIU runs as root. What the job writes its output to is reopened here with the owner's rights
+(the path may be the user's choice, and a log may have grown since the dump: CRIU would refuse
+it by size) and handed to CRIU as inherit_fd; every other path of the job (its files, cwd,
+mappings, socket addresses) CRIU resolves with the owner's rights too (`Owner`, CRIU patch 0003).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from stasis.engine import rpc
+from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
+
+
+def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
+    """Open `path` for appending with `owner`'s rights (their groups too: root's supplementary
+    groups would open what theirs could not); a file it creates is theirs, made under `umask`.
+    Returns the fd; the caller closes it."""
+    saved = os.getgroups()
+    os.setgroups(list(owner.groups))
+    os.setegid(owner.gid)
+    os.seteuid(owner.uid)
+    old_umask = os.umask(umask)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOCTTY | os.O_CLOEXEC,
+                       0o644)
+    finally:
+        os.umask(old_umask)
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(saved)
+
+
+def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
+                 log_name: str, *, umask: int = 0o022, lazy: bool = False,
+                 notify: rpc.NotifyHandler | None = None) -> RestoreResult:
+    """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
+    with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
+    write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
+    this run's name; each is opened with the owner's rights. OSError if one cannot be opened."""
+    fds: list[int] = []
+    try:
+        inherit = []
+        for old, new in outputs:
+            fds.append(open_as(new, owner, umask))
+            # CRIU names regular files in its images by their path without the leading '/'.
+            inherit.append((old.lstrip("/"), fds[-1]))
+        options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
+                                 owner=owner if owner.uid != 0 else None)
+        return criu.restore(images, options, log_name)
+    finally:
+        for fd in fds:
+            os.close(fd)
