@@ -15,14 +15,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args, get_origin, get_type_hints
 
 from sqlalchemy import (
     Column,
     Float,
     Integer,
     MetaData,
-    String,
     Table,
     Text,
     create_engine,
@@ -34,52 +33,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 
+from stasis import wire
+
 _metadata = MetaData()
-
-jobs_table = Table(
-    "jobs",
-    _metadata,
-    Column("id", String(12), primary_key=True),
-    Column("pid", Integer, nullable=True),
-    Column("pid_start", Integer, nullable=True),
-    Column("shim_pid", Integer, nullable=True),
-    Column("state", String(16), nullable=False),
-    Column("label", String(128), nullable=False),
-    Column("exit_code", Integer, nullable=True),
-    Column("command", Text, nullable=False),
-    Column("cwd", Text, nullable=False),
-    Column("env", Text, nullable=False),
-    Column("user", String(64), nullable=False),
-    Column("uid", Integer, nullable=False),
-    Column("gid", Integer, nullable=False),
-    Column("log", Text, nullable=False),
-    Column("checkpoint", String(64), nullable=True),
-    Column("created", String(32), nullable=False),
-    Column("job_dir", Text, nullable=False),
-)
-
-# CRIU's network locks this node holds for checkpoints (see stasis/daemon/netlocks.py): the
-# iptables commands that put each rule in, until they are taken out.
-netlocks_table = Table(
-    "netlocks",
-    _metadata,
-    Column("checkpoint", String(64), primary_key=True),
-    Column("job", String(64), nullable=False),
-    Column("created", Float, nullable=False),  # seconds since the epoch
-    Column("rules", Text, nullable=False),  # JSON: a list of argv lists
-)
-
-
-@dataclass
-class NetLockRow:
-    checkpoint: str
-    job: str
-    created: float
-    rules: list[list[str]]
 
 
 @dataclass
 class JobRow:
+    """A job, as the database keeps it: the one definition of a job record. The table is made
+    from these fields (`_columns`), and `wire()` is what the API answers of it (stasis/wire.py's
+    Job): everything but the supervisor's bookkeeping and the names of --env variables."""
+
     id: str
     pid: int | None
     pid_start: int | None
@@ -94,12 +58,51 @@ class JobRow:
     uid: int
     gid: int
     log: str
-    checkpoint: str | None
+    checkpoint: str | None  # the checkpoint it was restored from
     created: str
     job_dir: str
 
+    def wire(self) -> wire.Job:
+        return wire.Job(
+            job=self.id, pid=self.pid, state=cast(wire.JobState, self.state), label=self.label,
+            exit_code=self.exit_code, command=self.command, user=self.user, uid=self.uid,
+            cwd=self.cwd, log=self.log, checkpoint=self.checkpoint, created=self.created)
 
-_JSON_COLUMNS = ("command", "env")
+
+@dataclass
+class NetLockRow:
+    """A network lock this node holds (stasis/daemon/netlocks.py): the iptables commands that
+    put each of CRIU's rules in for a checkpoint, until they are taken out."""
+
+    checkpoint: str
+    job: str
+    created: float  # seconds since the epoch
+    rules: list[list[str]]
+
+
+def _columns(row: type[Any], primary_key: str) -> list[Column[Any]]:
+    """The table's columns, from the row's fields: lists are JSON text, `X | None` nullable."""
+    kinds: dict[Any, Any] = {int: Integer, str: Text, float: Float}
+    columns: list[Column[Any]] = []
+    for name, hint in get_type_hints(row).items():
+        args = [a for a in get_args(hint) if a is not type(None)]
+        nullable = type(None) in get_args(hint)
+        base = args[0] if nullable and len(args) == 1 else hint
+        kind = Text if get_origin(base) in (list, dict) else kinds[base]
+        columns.append(Column(name, kind, primary_key=name == primary_key, nullable=nullable))
+    return columns
+
+
+def _json_fields(row: type[Any]) -> tuple[str, ...]:
+    return tuple(name for name, hint in get_type_hints(row).items()
+                 if get_origin(hint) in (list, dict))
+
+
+jobs_table = Table("jobs", _metadata, *_columns(JobRow, "id"))
+netlocks_table = Table("netlocks", _metadata, *_columns(NetLockRow, "checkpoint"))
+
+
+_JSON_COLUMNS = _json_fields(JobRow)
 _LIVE = ("running", "restored")
 
 

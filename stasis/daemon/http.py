@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -59,12 +60,14 @@ def _refuse_nul(data: Any) -> None:
                              "(\\0); no argument, path or variable can hold one")
 
 
-def wire(model: BaseModel | list[Any]) -> Any:
-    """The JSON value of an answer (a model, or a list of them)."""
+def wire(model: BaseModel | Mapping[str, Any] | list[Any]) -> Any:
+    """The JSON value of an answer: a model, a typed dict of stasis/wire.py, or a list."""
     if isinstance(model, list):
         return [wire(m) for m in model]
-    return model.model_dump(mode="json")
+    if isinstance(model, BaseModel):
+        return model.model_dump(mode="json")
+    return model
 
 
-def answer(model: BaseModel | list[Any]) -> web.Response:
+def answer(model: BaseModel | Mapping[str, Any] | list[Any]) -> web.Response:
     return web.json_response(wire(model))
