@@ -8,11 +8,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stasis.errors import UsageError
+from stasis.store import CompressionRequest
 
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
 JobState = Literal["running", "restored", "checkpointed", "exited"]
-Compression = Literal["none", "zstd", "lz4", "auto"]
 
 
 def validate_job_id(job_id: str) -> str:
@@ -44,7 +44,7 @@ class RunRequest(_Model):
 class DumpRequest(_Model):
     leave_running: bool = False
     label: str | None = None
-    compress: Compression = "none"
+    compress: CompressionRequest = "none"
     incremental: bool = False
 
 
