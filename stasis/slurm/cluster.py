@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.engine import proctree
-from stasis.errors import StasisError, UsageError
+from stasis.errors import SlurmError, StasisError, UsageError
 from stasis.poll import poll
 from stasis.slurm import install
 
@@ -157,7 +157,7 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, check: bool = True
         raise UsageError(f"{cmd[0]} is not installed; run `make install` "
                          "(scripts/install-slurm.sh)") from e
     if check and result.returncode != 0:
-        raise StasisError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
+        raise SlurmError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
     return result
 
 
@@ -188,7 +188,7 @@ def _alive(pid: int | None) -> bool:
 
 def _wait(pred: Any, timeout_s: float, what: str) -> None:
     if not poll(pred, timeout_s, 0.1):
-        raise StasisError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
+        raise SlurmError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
@@ -285,7 +285,7 @@ def _start_stasis(lay: Layout) -> int:
 
     def listening() -> bool:
         if not _alive(pid):
-            raise StasisError("the stasis daemon exited at start: " + log.read_text()[-2000:])
+            raise SlurmError("the stasis daemon exited at start: " + log.read_text()[-2000:])
         return lay.stasis_socket.exists()
 
     _wait(listening, 20, "the stasis daemon")

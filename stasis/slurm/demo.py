@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.slurm.scontrol import parse_record
-from stasis.errors import StasisError
+from stasis.errors import SlurmError
 from stasis.poll import poll
 from stasis.slurm import cluster
 
@@ -52,7 +52,7 @@ class _Demo:
         result = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True,
                                 timeout=60, cwd=self.work)
         if result.returncode != 0:
-            raise StasisError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
+            raise SlurmError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
         return result.stdout
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -67,7 +67,7 @@ class _Demo:
     def wait(self, what: str, pred: Any, timeout_s: float = 120) -> Any:
         value = poll(pred, timeout_s, interval_s=0.5)
         if not value:
-            raise StasisError(f"demo: timed out waiting for {what}")
+            raise SlurmError(f"demo: timed out waiting for {what}")
         return value
 
     def say(self, text: str) -> None:

@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from stasis.errors import StasisError, UsageError
+from stasis.errors import SlurmError, UsageError
 
 ROLES = ("controller", "worker", "login")
 RECORD_NAME = ".stasis-install.json"
@@ -250,7 +250,7 @@ def _load_record(slurm_conf: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {"version": 1, "files": {}}
     except ValueError as e:
-        raise StasisError(f"{_record_path(slurm_conf)} is unreadable: {e}") from e
+        raise SlurmError(f"{_record_path(slurm_conf)} is unreadable: {e}") from e
 
 
 def plan(opts: InstallOptions) -> Plan:
@@ -315,7 +315,7 @@ def build_so(c_path: Path, so_path: Path) -> None:
     result = subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp),
                              str(c_path)], capture_output=True, text=True)
     if result.returncode != 0:
-        raise StasisError(f"building the SPANK plugin failed: {result.stderr.strip()}")
+        raise SlurmError(f"building the SPANK plugin failed: {result.stderr.strip()}")
     os.chmod(tmp, 0o755)
     os.replace(tmp, so_path)
 

@@ -27,7 +27,7 @@ from typing import Any
 from stasis.config import Settings, load_settings
 from stasis.engine import CRIU, Owner, find_criu
 from stasis.engine.restoring import restore_tree
-from stasis.errors import CorruptCheckpointError, StasisError
+from stasis.errors import CorruptCheckpointError, SlurmError, StasisError
 from stasis.client import Client
 from stasis.daemon.users import account
 from stasis.slurm import scontrol
@@ -47,7 +47,7 @@ def find_tini(configured: str) -> str:
     for path in ((configured,) if configured else _TINI_CANDIDATES):
         if os.access(path, os.X_OK):
             return path
-    raise StasisError("tini is not installed on this node (Debian package tini)")
+    raise SlurmError("tini is not installed on this node (Debian package tini)")
 
 
 def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
