@@ -171,38 +171,36 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.engine.check import run_check
 
     report = run_check(settings)
-    if report.network_locks:
-        from stasis.engine.check import NetworkLock
-
+    if report["network_locks"]:
         try:
             with Client(settings.socket, timeout_s=10) as client:
                 # The daemon knows which checkpoint holds each rule, and until when.
-                report.network_locks = [NetworkLock.model_validate(lock)
-                                        for lock in client.network_locks()]
+                report["network_locks"] = client.network_locks()
         except StasisError as e:
-            report.notes.append(f"cannot ask the daemon which checkpoints hold the network "
-                                f"locks below: {e}")
+            report["notes"].append(f"cannot ask the daemon which checkpoints hold the network "
+                                   f"locks below: {e}")
     if args.json:
-        output.emit_json(report.model_dump(mode="json"))
+        output.emit_json(report)
     else:
-        output.say(f"CRIU: {report.criu_path or 'missing'} {report.criu_version or ''}")
-        output.say(f"kernel: {report.kernel}")
-        for name, value in report.features.items():
+        output.say(f"CRIU: {report['criu_path'] or 'missing'} {report['criu_version'] or ''}")
+        output.say(f"kernel: {report['kernel']}")
+        for name, value in report["features"].items():
             output.say(f"feature {name}: {'yes' if value else 'no'}")
-        for note in report.notes:
+        for note in report["notes"]:
             output.say(f"note: {note}")
-        for lock in report.network_locks:
-            if lock.checkpoint:
-                until = f" until {lock.release_at}" if lock.release_at else ""
-                output.say(f"network lock: {lock.rule} (held for checkpoint {lock.checkpoint} "
-                           f"of job {lock.job}{until}, or until it is restored or deleted)")
+        for lock in report["network_locks"]:
+            if lock["checkpoint"]:
+                until = f" until {lock['release_at']}" if lock["release_at"] else ""
+                output.say(f"network lock: {lock['rule']} (held for checkpoint "
+                           f"{lock['checkpoint']} of job {lock['job']}{until}, or until it is "
+                           "restored or deleted)")
             else:
-                output.say(f"network lock: {lock.rule} (no checkpoint of this daemon holds it; "
-                           f"it blocks that connection for good: {lock.remove_with})")
-        for p in report.problems:
-            output.say(f"[red]problem:[/red] {p.what} -> {p.fix}")
-        output.say("OK" if report.ok else "NOT READY")
-    if not report.ok:
+                output.say(f"network lock: {lock['rule']} (no checkpoint of this daemon holds "
+                           f"it; it blocks that connection for good: {lock['remove_with']})")
+        for p in report["problems"]:
+            output.say(f"[red]problem:[/red] {p['what']} -> {p['fix']}")
+        output.say("OK" if report["ok"] else "NOT READY")
+    if not report["ok"]:
         sys.exit(1)
 
 

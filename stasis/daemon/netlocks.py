@@ -18,9 +18,10 @@ import logging
 import time
 from datetime import datetime, timezone
 
+from stasis import wire
 from stasis.daemon.db import JobDB, NetLockRow
 from stasis.engine import netlock
-from stasis.engine.check import NetworkLock, network_locks
+from stasis.engine.check import network_locks
 from stasis.engine.netlock import LockRule
 from stasis.errors import StasisError
 from stasis.store import Store
@@ -89,17 +90,17 @@ class NetLocks:
                         row.checkpoint, e)
         return None
 
-    def present(self) -> list[NetworkLock]:
+    def present(self) -> list[wire.NetworkLock]:
         """Every CRIU lock rule in this node's firewall, with the checkpoint it is held for."""
         rows = self.db.netlocks()
         found = []
         for lock in network_locks():
             held = next((row for row in rows for argv in row.rules
-                         if netlock.matches(lock.rule, LockRule(tuple(argv)))), None)
+                         if netlock.matches(lock["rule"], LockRule(tuple(argv)))), None)
             if held is not None:
-                lock.checkpoint, lock.job = held.checkpoint, held.job
+                lock["checkpoint"], lock["job"] = held.checkpoint, held.job
                 if self.timeout_s:
-                    lock.release_at = datetime.fromtimestamp(
+                    lock["release_at"] = datetime.fromtimestamp(
                         held.created + self.timeout_s, timezone.utc).isoformat(timespec="seconds")
             found.append(lock)
         return found

@@ -24,7 +24,8 @@ from sqlalchemy import Table
 from stasis.daemon.http import answer, peer, read_body
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
-from stasis.slurm.models import CheckpointRequest, FinishRequest, Health, RegisterRequest
+from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
+from stasis.wire import Health
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
 
 log = logging.getLogger("stasis.daemon")
@@ -56,7 +57,7 @@ class SlurmIntegration(Integration):
         jobs = self.jobs
 
         async def health(request: web.Request) -> web.StreamResponse:
-            return answer(Health())
+            return answer(Health(ok=True))
 
         async def register(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, RegisterRequest)

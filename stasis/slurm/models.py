@@ -1,6 +1,5 @@
-"""What the daemon's /slurm routes take and answer (validated on the daemon's side; the
-launcher and the SPANK helper send and read the same shapes as plain JSON, see
-`stasis.slurm.client`, so that they start without pydantic)."""
+"""What the daemon's /slurm routes take, as the daemon validates it (the answers are typed
+dicts of stasis/wire.py, which the client's methods type their arguments with too)."""
 
 from __future__ import annotations
 
@@ -24,39 +23,3 @@ class CheckpointRequest(_Model):
 
 class FinishRequest(_Model):
     exit_code: int
-
-
-class Registration(_Model):
-    slurm_job: str
-    pid: int
-    pid_start: int | None
-    launcher_pid: int
-    uid: int
-    gid: int
-    user: str
-    label: str
-    explicit_label: bool
-    token: str
-    stdout: str
-    stderr: str
-    work_dir: str
-    command: list[str]
-    state: str = "running"  # running | checkpointed | requeue-failed
-    registered: str
-
-
-class CheckpointAnswer(_Model):
-    checkpoint: str
-    label: str
-    slurm_job: str
-    size_bytes: int
-    duration_s: float
-    requeued: bool
-
-
-class FinishAnswer(_Model):
-    retired: list[str]
-
-
-class Health(_Model):
-    ok: bool = True

@@ -18,8 +18,8 @@ import signal
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, cast, get_type_hints
 
-from pydantic import ValidationError
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
 
 from stasis.daemon.db import JobDB
@@ -35,14 +35,8 @@ from stasis.errors import (
 )
 from stasis.slurm import scontrol
 from stasis.slurm.labels import candidates, slurm_extra
-from stasis.slurm.models import (
-    CheckpointAnswer,
-    CheckpointRequest,
-    FinishAnswer,
-    FinishRequest,
-    Registration,
-    RegisterRequest,
-)
+from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
+from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
 from stasis.store import CheckpointInfo, new_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
@@ -89,11 +83,10 @@ class Registrations:
         self.db = db
 
     def save(self, reg: Registration) -> None:
-        values = reg.model_dump()
-        values["command"] = json.dumps(values["command"])
+        values: dict[str, object] = {**reg, "command": json.dumps(reg["command"])}
         with self.db.transaction() as conn:
             conn.execute(delete(slurm_jobs_table)
-                         .where(slurm_jobs_table.c.slurm_job == reg.slurm_job))
+                         .where(slurm_jobs_table.c.slurm_job == reg["slurm_job"]))
             conn.execute(insert(slurm_jobs_table).values(**values))
 
     def get(self, job_id: str) -> Registration | None:
@@ -126,11 +119,11 @@ class Registrations:
             return 0
         for path in files:
             try:
-                reg = Registration.model_validate_json(path.read_text())
-            except (OSError, ValueError, ValidationError) as e:
+                reg = _legacy(path)
+            except (OSError, ValueError) as e:
                 log.warning("Slurm registration %s left where it is: %s", path, e)
                 continue
-            if self.get(reg.slurm_job) is None:
+            if self.get(reg["slurm_job"]) is None:
                 self.save(reg)
                 moved += 1
             path.unlink(missing_ok=True)
@@ -141,11 +134,29 @@ class Registrations:
         return moved
 
 
-def _registration(row: object) -> Registration:
-    data = dict(row)  # type: ignore[call-overload]
+def _registration(row: Any) -> Registration:
+    data = dict(row)
     data["command"] = json.loads(data["command"])
     data["explicit_label"] = bool(data["explicit_label"])
-    return Registration.model_validate(data)
+    return cast(Registration, data)
+
+
+def _legacy(path: Path) -> Registration:
+    """A registration an older daemon wrote as JSON: every field there, of the right kind."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    hints = get_type_hints(Registration)
+    missing = sorted(set(hints) - set(data) - {"state"})
+    if missing:
+        raise ValueError(f"no {', '.join(missing)}")
+    data.setdefault("state", "running")
+    for key in ("pid", "launcher_pid", "uid", "gid"):
+        if not isinstance(data[key], int):
+            raise ValueError(f"{key} is not a number")
+    if not isinstance(data["command"], list):
+        raise ValueError("command is not a list")
+    return cast(Registration, {k: data[k] for k in hints})
 
 
 class SlurmJobs:
@@ -159,7 +170,7 @@ class SlurmJobs:
         reg = self.registrations.get(scontrol.validate_slurm_job_id(job_id))
         if reg is None:
             raise NotFoundError(f"Slurm job {job_id} is not under stasis on this node")
-        caller.require(reg.uid, f"Slurm job {job_id}")
+        caller.require(reg["uid"], f"Slurm job {job_id}")
         return reg
 
     def _lock(self, job_id: str) -> threading.Lock:
@@ -200,7 +211,7 @@ class SlurmJobs:
             label=req.label, explicit_label=req.explicit_label, token=info.token,
             stdout=info.stdout, stderr=info.stderr or info.stdout, work_dir=info.work_dir,
             command=command or ["(slurm batch job)"],
-            registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            state="running", registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
         self.sweep()
         self.registrations.save(reg)
@@ -209,13 +220,14 @@ class SlurmJobs:
     def sweep(self) -> None:
         """Forget registrations of workloads that ended without telling us (scancel, crash)."""
         for old in self.registrations.running():
-            if not proctree.alive(old.pid, old.pid_start):
-                self.registrations.remove(old.slurm_job)
+            if not proctree.alive(old["pid"], old["pid_start"]):
+                self.registrations.remove(old["slurm_job"])
 
     def get(self, job_id: str, caller: Caller) -> Registration:
         return self._load(job_id, caller)
 
-    def checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller) -> CheckpointAnswer:
+    def checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller
+                   ) -> SlurmCheckpointAnswer:
         lock = self._lock(job_id)
         if not lock.acquire(blocking=False):
             raise UsageError(f"a checkpoint of Slurm job {job_id} is already being taken")
@@ -225,28 +237,29 @@ class SlurmJobs:
             lock.release()
 
     def _checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller
-                    ) -> CheckpointAnswer:
+                    ) -> SlurmCheckpointAnswer:
         reg = self._load(job_id, caller)
-        if reg.state == "checkpointed" or not proctree.alive(reg.pid, reg.pid_start):
+        if reg["state"] == "checkpointed" or not proctree.alive(reg["pid"], reg["pid_start"]):
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
         m = self.manager
         created = datetime.now(timezone.utc)
         info = CheckpointInfo(
-            id=new_checkpoint_id(created), label=reg.label, job=job_id, host=m.settings.node,
-            created=created, criu_version=m.criu_version(m.criu), command=reg.command,
-            cwd=reg.work_dir or "/", user=reg.user, uid=reg.uid, gid=reg.gid,
-            log_path=reg.stdout or None,
-            extra=slurm_extra(job_id, reg.token, reg.explicit_label, reg.stdout, reg.stderr),
+            id=new_checkpoint_id(created), label=reg["label"], job=job_id, host=m.settings.node,
+            created=created, criu_version=m.criu_version(m.criu), command=reg["command"],
+            cwd=reg["work_dir"] or "/", user=reg["user"], uid=reg["uid"], gid=reg["gid"],
+            log_path=reg["stdout"] or None,
+            extra=slurm_extra(job_id, reg["token"], reg["explicit_label"], reg["stdout"],
+                              reg["stderr"]),
         )
-        manifest, result, _ = m.checkpoint_tree(reg.pid, info, req.leave_running, "none",
+        manifest, result, _ = m.checkpoint_tree(reg["pid"], info, req.leave_running, "none",
                                                 f"Slurm job {job_id}")
-        answer = CheckpointAnswer(
+        answer = SlurmCheckpointAnswer(
             checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
             requeued=False)
         if not req.leave_running:
             self.registrations.set_state(job_id, "checkpointed")
-            os.kill(reg.pid, signal.SIGKILL)  # the namespace init: the whole tree goes
+            os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
             m.dump_settled(manifest.id)
             try:
                 scontrol.requeue(job_id)
@@ -255,19 +268,20 @@ class SlurmJobs:
                 raise CheckpointError(
                     f"checkpoint {manifest.id} of Slurm job {job_id} was taken but the job could "
                     f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
-                    f"{reg.label} to resume") from e
-            answer.requeued = True
+                    f"{reg['label']} to resume") from e
+            answer["requeued"] = True
         return answer
 
     def finish(self, job_id: str, req: FinishRequest, caller: Caller) -> FinishAnswer:
         reg = self._load(job_id, caller)
-        if not caller.is_root and caller.pid != reg.launcher_pid:
+        if not caller.is_root and caller.pid != reg["launcher_pid"]:
             raise PermissionDeniedError("permission denied: only the job's launcher reports its "
                                         "end")
         retired: list[str] = []
         if req.exit_code == 0:
             store = self.manager.store
-            for m in candidates(store, reg.label, reg.explicit_label, reg.uid, job_id, reg.token):
+            for m in candidates(store, reg["label"], reg["explicit_label"], reg["uid"], job_id,
+                                reg["token"]):
                 try:
                     store.delete(m.id)
                     retired.append(m.id)
