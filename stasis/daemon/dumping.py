@@ -1,0 +1,329 @@
+"""Checkpointing a process tree (a job's, or a scheduler task's): one dump of a tree at a time,
+its images published to the store or nothing at all (the tree goes on), and what dumps that a
+killed daemon never finished left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from stasis.daemon import staging
+from stasis.daemon.core import Core
+from stasis.daemon.inflight import InFlightDump
+from stasis.daemon.models import DumpAnswer, DumpCheckAnswer, DumpRequest, validate_job_id
+from stasis.daemon.progress import DirWatcher, Progress
+from stasis.daemon.tracking import JobTracker
+from stasis.daemon.users import Caller
+from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
+from stasis.engine import proctree
+from stasis.errors import CheckpointError, StasisError, UsageError
+from stasis.store import (
+    CheckpointInfo,
+    CompressionRequest,
+    Manifest,
+    new_checkpoint_id,
+    validate_label,
+)
+
+log = logging.getLogger("stasis.daemon")
+
+
+class Dumper:
+    def __init__(self, core: Core, tracker: JobTracker) -> None:
+        self.core = core
+        self._tracker = tracker
+        self._criu_version: str | None = None
+        # What is being dumped (or recovered from a dump a killed daemon left): at most one dump
+        # of a job at a time. A second CRIU on a tree the first one holds fails, and a second
+        # stop-dump would find the tree the first one stopped (see `_dump_slot`).
+        self._busy: dict[str, str] = {}
+        self._busy_lock = threading.Lock()
+
+    @property
+    def criu(self) -> CRIU:
+        return CRIU(find_criu(self.core.settings.criu), self.core.settings.layout.criu_logs)
+
+    def criu_version(self, criu: CRIU) -> str:
+        # Asked once: each ask starts a criu process, and a dump should not wait for that.
+        if self._criu_version is None:
+            self._criu_version = ".".join(str(p) for p in criu.version())
+        return self._criu_version
+
+    def prepare(self) -> None:
+        """Clear what dumps that never finished left (at start, before any dump)."""
+        for name in staging.remove_leftovers(self.core.settings.stage_dir):
+            log.info("removed %s from the memory stage: a dump that never finished", name)
+        self.core.journal.prepare()
+        self.recover_dumps()
+        try:
+            for name in self.core.store.remove_stale_staging():
+                log.info("removed staging/%s from the store: a dump that never finished", name)
+        except StasisError as e:
+            log.warning("%s", e)  # the daemon still works; the space stays taken
+
+    def dump(self, job_id: str, req: DumpRequest, caller: Caller,
+             progress: Progress | None = None) -> DumpAnswer:
+        started = time.monotonic()
+        row = self._tracker.row(job_id, caller)
+        # Held until the job is recorded checkpointed and killed: a second request in between
+        # would otherwise dump the stopped tree, or report the first one's success as a failure.
+        with self._dump_slot(f"job {row.id}", f"job {job_id}"):
+            return self._dump(job_id, req, caller, progress, started)
+
+    @contextmanager
+    def _dump_slot(self, key: str, what: str,
+                   why: str = "being checkpointed already; wait for it") -> Iterator[None]:
+        """Hold `key` (a job, or a process tree by its pid) for one dump. Whoever asks for it
+        meanwhile gets a CheckpointError at once: "<what> is <why the holder gave>"."""
+        with self._busy_lock:
+            held = self._busy.get(key)
+            if held is not None:
+                raise CheckpointError(f"{what} is {held}")
+            self._busy[key] = why
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                del self._busy[key]
+
+    def _dump(self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None,
+              started: float) -> DumpAnswer:
+        self._tracker.poll()
+        row = self._tracker.row(job_id, caller)
+        if row.state not in ("running", "restored") or row.pid is None:
+            raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to dump")
+        if not proctree.alive(row.pid, row.pid_start):
+            raise UsageError(f"job {job_id} is no longer running; nothing to dump")
+        label = validate_label(req.label) if req.label else row.label
+        criu = self.criu
+        notes: list[str] = []
+        if req.incremental and not criu.features().mem_track:
+            # Without soft-dirty tracking CRIU refuses pre-dumps: a full dump is the honest answer.
+            notes.append("incremental dump not possible: this kernel does not track dirty "
+                         "memory (no soft-dirty); took a full dump")
+        created = datetime.now(timezone.utc)
+        checkpoint_id = new_checkpoint_id(created)
+        info = CheckpointInfo(
+            id=checkpoint_id, label=label, job=row.id, host=self.core.hostname,
+            created=created, criu_version=self.criu_version(criu), command=row.command,
+            cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
+        )
+        what = f"job {job_id}"
+        manifest, result, staged = self.checkpoint_tree(
+            row.pid, info, req.leave_running, req.compress, what, progress, notes)
+        if not req.leave_running:
+            self.core.db.set(row.id, state="checkpointed")
+            os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
+            self.dump_settled(manifest.id)
+        return DumpAnswer(
+            checkpoint=manifest.id, label=manifest.label, job=row.id,
+            size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
+            staged=staged, notes=notes, elapsed_s=round(time.monotonic() - started, 4),
+        )
+
+    def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
+        """What would make a dump of the job fail, or its restore differ, found without
+        dumping (`stasis dump --check`)."""
+        row = self._tracker.row(job_id, caller)
+        self._tracker.poll()
+        row = self._tracker.row(job_id, caller)
+        if row.state not in ("running", "restored") or row.pid is None \
+                or not proctree.alive(row.pid, row.pid_start):
+            raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to check")
+        try:
+            found = obstacles.find(row.pid, viewer=row.uid)
+        except OSError as e:
+            raise StasisError(f"cannot look into job {job_id}: {e}") from e
+        return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
+
+    def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
+                        compress: CompressionRequest, what: str,
+                        progress: Progress | None = None, notes: list[str] | None = None
+                        ) -> tuple[Manifest, DumpResult, bool]:
+        """Dump the tree under `pid` and publish it as checkpoint `info.id`.
+
+        Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
+        caller records that, kills it, then calls `dump_settled(info.id)`. Any failure resumes
+        it and publishes nothing. One dump of a tree at a time: a second is refused at once.
+        Returns the manifest, CRIU's result and whether the images were staged in memory; what
+        was not done as asked (not staged, not compressed), and why, is added to `notes`.
+        """
+        notes = [] if notes is None else notes
+        with self._dump_slot(f"pid {pid}", what):
+            # Written down until settled: should the daemon die meanwhile, its next start
+            # removes the staging and resumes the tree (`recover_dumps`).
+            self.core.journal.begin(InFlightDump(
+                checkpoint=info.id, job=info.job, pid=pid, pid_start=proctree.start_time(pid),
+                leave_running=leave_running))
+            try:
+                done = self._checkpoint_tree(pid, info, leave_running, compress, what,
+                                             progress, notes)
+            except BaseException:
+                self.core.journal.end(info.id)
+                raise
+            if leave_running:
+                self.core.journal.end(info.id)
+            return done
+
+    def dump_settled(self, checkpoint_id: str) -> None:
+        """The tree a dump stopped was killed (or resumed): nothing is left to undo."""
+        self.core.journal.end(checkpoint_id)
+
+    def _checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
+                         compress: CompressionRequest, what: str, progress: Progress | None,
+                         notes: list[str]) -> tuple[Manifest, DumpResult, bool]:
+        asked = compress
+        criu = self.criu
+        expected = proctree.resident_bytes(pid)
+        # Leave-running dumps may go to node memory first, so the job is frozen only that long;
+        # a dump that stops the job goes straight to the store (one copy, not two).
+        fast = None
+        if leave_running:
+            fast, unstaged = staging.stage(self.core.settings.stage_dir, info.id, expected)
+            if unstaged:
+                notes.append(f"not staged in memory ({unstaged}): the job stayed frozen while "
+                             "its images went to the store")
+        target = fast or self.core.store.staging_dir(info.id)
+        # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
+        # (full disk, store down) resumes the job as if nothing happened.
+        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
+                              criu_started=lambda criu_pid: self.core.journal.note_criu(
+                                  info.id, criu_pid, proctree.start_time(criu_pid)))
+        watcher = DirWatcher(target, expected, progress) if progress else None
+        # A dump that stops the job has it down until published: its images are hashed (and
+        # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
+        # all that after the job resumed instead: on these 2 CPUs the hashing slowed CRIU's
+        # frozen part by ~25%.
+        tail = self.core.store.follow(info.id, compress) if not leave_running else None
+        try:
+            result = criu.dump(pid, target, options, f"dump-{info.id}.log")
+        except StasisError as e:
+            if tail:
+                tail.finish()  # before its files go: it may be creating one
+            self._discard(info.id, fast)
+            # CRIU names no process when one end of a connection is outside the job: we can.
+            why = obstacles.explain(pid, viewer=info.uid)
+            raise CheckpointError(f"checkpoint of {what} failed, job still running: "
+                                  + (f"{why} (CRIU: {e})" if why else str(e))) from e
+        finally:
+            if watcher:
+                watcher.stop()
+            hashed = tail.finish() if tail else None
+        if tail is not None and tail.compression is not None:
+            compress = tail.compression  # what `auto` settled on while following
+        # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
+        rules = [] if leave_running else netlock.rules_from_log(result.log_path)
+        try:
+            manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed)
+        except StasisError as e:
+            self._discard(info.id, fast)
+            if not leave_running:
+                self._resume(pid, rules, what)
+            raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
+        self.core.netlocks.hold(info.id, info.job, rules)
+        if asked == "auto" and manifest.compression == "none":
+            why = "it is under 1 MiB" if manifest.size_bytes < (1 << 20) else \
+                "a sample of its memory did not shrink to half"
+            notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
+        return manifest, result, fast is not None
+
+    def _resume(self, pid: int, rules: list[netlock.LockRule], what: str) -> None:
+        """Let a tree a dump left stopped run on, its TCP connections too (CRIU left them
+        locked and in repair mode: the job would run with every connection dead)."""
+        for problem in netlock.reopen_connections(pid, rules):
+            log.warning("%s: %s", what, problem)
+        proctree.signal_tree(pid, signal.SIGCONT)
+
+    def recover_dumps(self) -> None:
+        """Undo what dumps that a killed daemon never finished left (called at start, before
+        any dump): their staging goes at once, and their trees, which CRIU may have left
+        stopped, run again. A CRIU of theirs that still runs is waited for first, in the
+        background, with the tree held against new dumps: resumed under it, the tree would
+        be stopped again when it finished."""
+        for entry in self.core.journal.leftovers():
+            try:
+                self.core.store.discard(entry.checkpoint)
+            except StasisError as e:
+                log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
+            log.warning("the dump of job %s (checkpoint %s) never finished: the daemon stopped "
+                        "during it; its staging is removed", entry.job, entry.checkpoint)
+            criu = entry.criu_pid
+            if criu is None or not proctree.alive(criu, entry.criu_start):
+                self._settle(entry)
+                continue
+            key = f"pid {entry.pid}"
+            with self._busy_lock:
+                self._busy[key] = ("being resumed: a daemon that stopped during its dump left "
+                                   "it to CRIU; wait for it")
+            threading.Thread(target=self._settle_after_criu, args=(entry, criu, key),
+                             daemon=True).start()
+
+    def _settle_after_criu(self, entry: InFlightDump, criu: int, key: str) -> None:
+        try:
+            log.warning("job %s: waiting for CRIU (pid %d), still dumping it for a daemon that "
+                        "stopped, before resuming it", entry.job, criu)
+            while proctree.alive(criu, entry.criu_start):
+                time.sleep(0.1)
+            # It may have written more before it found its directory gone.
+            self.core.store.discard(entry.checkpoint)
+            self._settle(entry)
+        except Exception:  # a thread of its own: say so rather than die silently
+            log.exception("cannot resume job %s after its interrupted dump", entry.job)
+        finally:
+            with self._busy_lock:
+                self._busy.pop(key, None)
+
+    def _settle(self, entry: InFlightDump) -> None:
+        """Finish or undo the dump `entry` records, now that no CRIU holds its tree."""
+        rules = [] if entry.leave_running else netlock.rules_from_log(
+            self.core.settings.layout.criu_logs / f"dump-{entry.checkpoint}.log")
+        published = not entry.leave_running and self._published(entry.checkpoint)
+        if not proctree.alive(entry.pid, entry.pid_start):
+            if published:
+                self.core.netlocks.hold(entry.checkpoint, entry.job, rules)
+            else:
+                netlock.remove(rules)  # nothing left to protect
+            self.core.journal.end(entry.checkpoint)
+            return
+        row = self.core.db.get(entry.job) if _is_job_id(entry.job) else None
+        if row is not None and row.pid == entry.pid and published:
+            # The checkpoint made it: do the rest of what was asked (the job stops here), so
+            # the job and its checkpoint never run side by side unasked.
+            self.core.netlocks.hold(entry.checkpoint, entry.job, rules)
+            self.core.db.set(row.id, state="checkpointed")
+            os.kill(entry.pid, signal.SIGKILL)
+            log.warning("job %s: its checkpoint %s was published before the daemon stopped; "
+                        "the job is stopped now, as asked", row.id, entry.checkpoint)
+        elif proctree.stopped(entry.pid):
+            self._resume(entry.pid, rules, f"job {entry.job}")
+            log.warning("job %s: resumed; a daemon that stopped during its dump had left it "
+                        "stopped", entry.job)
+        self.core.journal.end(entry.checkpoint)
+
+    def _published(self, checkpoint_id: str) -> bool:
+        try:
+            self.core.store.get(checkpoint_id)
+        except StasisError:
+            return False
+        return True
+
+    def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
+        self.core.store.discard(checkpoint_id)
+        if fast is not None:
+            shutil.rmtree(fast, ignore_errors=True)
+
+
+def _is_job_id(text: str) -> bool:
+    try:
+        validate_job_id(text)
+    except UsageError:
+        return False
+    return True

@@ -1,0 +1,185 @@
+"""Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
+complete one), its images verified before the restored tree runs (lazily: its pages right after,
+the job killed on a mismatch), and the network lock its restore lifts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stasis.daemon.core import Core
+from stasis.daemon.models import RestoreAnswer, RestoreRequest
+from stasis.daemon.progress import Progress
+from stasis.daemon.supervisor import Gate, Supervisors, create_log
+from stasis.daemon.users import Caller, account, owner_uid, user_name
+from stasis.engine import find_criu, proctree
+from stasis.errors import (
+    CorruptCheckpointError,
+    NotFoundError,
+    RestoreError,
+    StasisError,
+    UsageError,
+)
+from stasis.store import FileEntry, Manifest, validate_checkpoint_id, validate_label
+
+log = logging.getLogger("stasis.daemon")
+
+
+class Restorer:
+    def __init__(self, core: Core, supervisors: Supervisors, job_umask: int) -> None:
+        self.core = core
+        self.job_umask = job_umask
+        self._supervisors = supervisors
+
+    def restore(self, req: RestoreRequest, caller: Caller,
+                progress: Progress | None = None) -> RestoreAnswer:
+        started = time.monotonic()
+        if req.checkpoint:
+            if req.user is not None:
+                raise UsageError("--user says whose label to restore; a checkpoint id needs none")
+            candidates = [self.core.store.get(validate_checkpoint_id(req.checkpoint))]
+        elif req.label:
+            owner = owner_uid(caller, req.user)
+            candidates = self.core.store.list(validate_label(req.label), uid=owner)
+            if not candidates:
+                raise NotFoundError(self._no_label(req.label, owner, caller))
+        else:
+            raise UsageError("name a checkpoint id or --label")
+        for manifest in candidates:
+            caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        skipped: list[str] = []
+        for manifest in candidates:
+            try:
+                answer = self._restore_one(manifest, progress, req.lazy)
+            except CorruptCheckpointError as e:
+                # By label, an older complete checkpoint is better than none.
+                skipped.append(f"{manifest.id}: {e}")
+                if req.checkpoint:
+                    raise
+                continue
+            answer.skipped = skipped
+            answer.elapsed_s = round(time.monotonic() - started, 4)
+            return answer
+        raise RestoreError("no usable checkpoint with label "
+                           f"{req.label}: " + "; ".join(skipped))
+
+    def _no_label(self, label: str, owner: int, caller: Caller) -> str:
+        whose = "" if owner == caller.uid else f" of user {user_name(owner)}"
+        text = f"no checkpoint with label {label}{whose}"
+        if caller.is_root and owner == caller.uid:
+            # Root may restore anyone's: point at the owners that label has (nobody else may
+            # learn which labels other users have).
+            others = sorted({user_name(m.uid) for m in self.core.store.list(label)})
+            if others:
+                text += f"; {', '.join(others)} {'has' if len(others) == 1 else 'have'} " \
+                        f"checkpoints with that label: add --user {others[0]}"
+        return text
+
+    def _restore_one(self, manifest: Manifest, progress: Progress | None,
+                     lazy: bool | None) -> RestoreAnswer:
+        store, settings = self.core.store, self.core.settings
+        acct = account(manifest.uid)
+        job_id = secrets.token_hex(6)
+        logs = settings.layout.logs
+        log = manifest.log_path or str(logs / f"{job_id}.log")
+        if Path(log).parent == logs and not Path(log).exists():
+            # Restored on another node: our logs directory is not the user's to create files in.
+            create_log(log, acct)
+        spec: dict[str, Any] = {
+            "mode": "restore",
+            "uid": acct.uid,
+            "gid": acct.gid,
+            "groups": acct.groups,
+            "log": log,
+            "image_log": manifest.log_path or log,
+            "criu": find_criu(settings.criu),
+            "criu_log_dir": str(settings.layout.criu_logs),
+            "criu_log_name": f"restore-{job_id}.log",
+            "umask": self.job_umask,  # for a log the supervisor creates as the user
+        }
+        lazy = settings.lazy_restore if lazy is None else lazy
+        notes: list[str] = []
+        in_place = store.images_in_place(manifest.id)
+        if in_place is not None:
+            # CRIU reads the images where they are while we verify them; the restored tree is
+            # resumed only once they passed (the supervisor waits for our word at post-restore).
+            manifest, images = in_place
+            spec.update(images=str(images), lazy=lazy, gate=True)
+            checked = manifest
+            if lazy:
+                # A lazy job runs before its memory is back, so it cannot wait for the hash of
+                # GiBs of pages either: everything else (and every size) gates the resume, the
+                # page images are hashed right after, and a mismatch kills the job.
+                gate = Gate(lambda: store.verify(checked, only=lambda f: not _is_pages(f)))
+            else:
+                gate = Gate(lambda: store.verify(checked))
+            started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate)
+            if gate.error is not None:
+                raise gate.error
+            if lazy and "pid" in started.answer:
+                threading.Thread(target=self._verify_pages_after, daemon=True,
+                                 args=(manifest, started.job_dir, started.pid)).start()
+        else:
+            with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
+                # Lazy pages read the images after the restore returns: not from a scratch copy
+                # that goes away when this block ends.
+                spec.update(images=str(images), lazy=False)
+                if lazy:
+                    why = f"the checkpoint is compressed ({manifest.compression}) and was " \
+                        "unpacked" if manifest.compression != "none" else \
+                        f"the store {store.url} is not a local directory: the images were " \
+                        "fetched"
+                    notes.append(f"lazy restore not possible: {why} into scratch space that "
+                                 "goes away after the restore; restored in full")
+                started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
+        answer = started.answer
+        if "error" in answer:
+            message = answer["error"]["message"]
+            if acct.uid != 0 and "Permission denied" in message:
+                # Swapped for a symlink, or its permissions changed since the dump.
+                message += (f" (a restore reopens the job's paths with the rights of its owner, "
+                            f"{acct.name}, who may not open that path now)")
+            raise RestoreError(f"restore of checkpoint {manifest.id} failed: {message}")
+        pid = started.pid
+        self._restored(manifest)
+        if answer.get("fallback"):
+            # The supervisor's CRIU could not restore lazily and restored in full.
+            notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
+        self.core.db.add(started.row(
+            state="restored", label=manifest.label, command=manifest.command, cwd=manifest.cwd,
+            env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid, log=log,
+            checkpoint=manifest.id))
+        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
+                             lazy=bool(answer.get("lazy")), notes=notes,
+                             duration_s=round(float(answer.get("duration_s", 0.0)), 4))
+
+    def _restored(self, manifest: Manifest) -> None:
+        """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped
+        it elsewhere learns from the store that it may lift its own."""
+        self.core.netlocks.lifted_by_restore(manifest.id)
+        if manifest.host != self.core.hostname:
+            try:
+                self.core.store.mark_restored(manifest.id, self.core.hostname)
+            except StasisError as e:
+                log.warning("cannot note in the store that checkpoint %s was restored: %s",
+                            manifest.id, e)
+
+    def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
+        try:
+            self.core.store.verify(manifest, only=_is_pages)
+        except StasisError as e:
+            started = proctree.start_time(pid)
+            if started is not None:
+                proctree.signal_tree(pid, signal.SIGKILL)
+            (job_dir / "killed.json").write_text(json.dumps({"reason": str(e)}))
+            log.error("killed lazily restored job %s: %s", job_dir.name, e)
+
+
+def _is_pages(entry: FileEntry) -> bool:
+    return entry.name.startswith("pages-")

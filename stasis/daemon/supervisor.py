@@ -1,0 +1,220 @@
+"""A job's supervisor process (stasis.daemon.shim, the parent of the job): started ahead of
+need, handed the job's spec, asked for its answer, and the row that records the job it started;
+the gate a restored tree waits at; the job's log, created for its owner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from stasis.daemon.db import JobRow
+from stasis.daemon.progress import Progress, ReadWatcher
+from stasis.daemon.reaper import Reaper
+from stasis.daemon.users import Account
+from stasis.engine import proctree
+from stasis.errors import StasisError, UsageError
+from stasis.layout import StateLayout
+
+# `make install` puts stasis-init (stasis/daemon/stasis-init.c) here, where every job's user may
+# run it, and builds it next to the venv's python.
+_INIT_CANDIDATES = ("/usr/local/libexec/stasis/stasis-init",)
+
+
+def find_init(configured: str) -> str:
+    candidates = (configured,) if configured else (
+        *_INIT_CANDIDATES, str(Path(sys.executable).parent / "stasis-init"),
+        shutil.which("stasis-init") or "")
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    raise UsageError("stasis-init is not built; run `make install`")
+
+
+def create_log(path: str, acct: Account) -> None:
+    """Create a job's log, its owner's, where the owner may not create files (the daemon's
+    logs directory); never one that is there already."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    os.fchown(fd, acct.uid, acct.gid)
+    os.fchmod(fd, 0o640)  # the daemon's umask is 077; the log is its owner's to read
+    os.close(fd)
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a job's supervisor answered: the job it started ("pid"), or an "error"."""
+
+    job_id: str
+    job_dir: Path
+    answer: dict[str, Any]
+
+    @property
+    def pid(self) -> int:
+        return int(self.answer["pid"])
+
+    def row(self, *, state: str, label: str, command: list[str], cwd: str, env: list[str],
+            user: str, uid: int, gid: int, log: str, checkpoint: str | None) -> JobRow:
+        """The job's record, as it starts: running (or restored), with its supervisor."""
+        pid = self.pid
+        return JobRow(
+            id=self.job_id, pid=pid, pid_start=proctree.start_time(pid),
+            shim_pid=self.answer["shim"], state=state, label=label, exit_code=None,
+            command=command, cwd=cwd, env=env, user=user, uid=uid, gid=gid, log=log,
+            checkpoint=checkpoint, created=_now(), job_dir=str(self.job_dir),
+        )
+
+
+class Supervisors:
+    """The jobs' supervisors this daemon starts, one per job, each from a spare."""
+
+    def __init__(self, layout: StateLayout, reaper: Reaper) -> None:
+        self._layout = layout
+        self._shims: dict[int, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+        self._spare = _SpareSupervisor(reaper)
+
+    def warm(self) -> None:
+        self._spare.warm()
+
+    def close(self) -> None:
+        """Let the spare go (running jobs and their supervisors are not touched)."""
+        self._spare.close()
+
+    def start(self, job_id: str, spec: dict[str, Any], progress: Progress | None = None,
+              expected: int = 0, gate: Gate | None = None) -> Started:
+        job_dir = self._layout.job_dir(job_id)
+        job_dir.mkdir(mode=0o700)
+        shim = self._spare.take()
+        assert shim.stdin is not None and shim.stdout is not None
+        with self._lock:
+            self._shims[shim.pid] = shim
+        watcher = ReadWatcher(shim.pid, expected, progress) if progress else None
+        try:
+            try:
+                # The spec holds the job's --env values: through the pipe, never into a file.
+                shim.stdin.write(f"{job_dir}\n{json.dumps(spec)}\n".encode())
+                shim.stdin.flush()
+                if gate is not None:
+                    gate.open(shim.stdin, shim.pid)
+                else:
+                    shim.stdin.close()
+            except BrokenPipeError:
+                pass  # it died; the empty answer below says so
+            line = shim.stdout.readline()
+        finally:
+            if watcher:
+                watcher.stop()
+        shim.stdout.close()
+        if not line:
+            return Started(job_id, job_dir,
+                           {"error": {"type": "StasisError", "message": "job supervisor died"}})
+        answer: dict[str, Any] = json.loads(line)
+        answer["shim"] = shim.pid
+        return Started(job_id, job_dir, answer)
+
+    def reap(self) -> None:
+        """Forget the supervisors that exited (their jobs ended)."""
+        with self._lock:
+            for pid, shim in list(self._shims.items()):
+                if shim.poll() is not None:
+                    del self._shims[pid]
+
+
+class _SpareSupervisor:
+    """One supervisor process started ahead of need, its imports done, waiting on its stdin for
+    the directory of the job it is to supervise.
+
+    Starting Python and importing CRIU's RPC classes took 50-90 ms of every restore and run on
+    these machines; with a spare, a job's supervisor starts in the time it takes to write one
+    line, and the next spare warms up while the job runs. A spare that is never used exits when
+    its stdin closes (the daemon stopped).
+    """
+
+    def __init__(self, reaper: Reaper | None = None) -> None:
+        self._lock = threading.Lock()
+        self._next: subprocess.Popen[bytes] | None = None
+        self._reaper = reaper or Reaper()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        # In a session of its own, like the orphans the reaper reaps: it must know this one.
+        with self._reaper.spawning() as supervisors:
+            spare = subprocess.Popen(
+                [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                start_new_session=True,  # the job must outlive a restart of the daemon
+            )
+            supervisors[spare.pid] = spare
+        return spare
+
+    def take(self) -> subprocess.Popen[bytes]:
+        with self._lock:
+            shim, self._next = self._next, None
+        if shim is None or shim.poll() is not None:
+            shim = self._start()
+        self.warm()
+        return shim
+
+    def warm(self) -> None:
+        """Have a spare ready (in the background): the first job need not wait for one."""
+        threading.Thread(target=self._refill, daemon=True).start()
+
+    def _refill(self) -> None:
+        spare = self._start()
+        with self._lock:
+            kept = self._next is None
+            if kept:
+                self._next = spare
+        if not kept:  # two jobs started at once: one spare is enough
+            _dismiss(spare)
+
+    def close(self) -> None:
+        with self._lock:
+            spare, self._next = self._next, None
+        if spare is not None:
+            _dismiss(spare)
+
+
+def _dismiss(spare: subprocess.Popen[bytes]) -> None:
+    assert spare.stdin is not None and spare.stdout is not None
+    spare.stdin.close()
+    spare.stdout.close()
+    spare.wait()
+
+
+class Gate:
+    """Runs a check while the supervisor restores, then tells it (on its stdin) whether the
+    restored tree may be resumed: b"ok", or b"no" and the whole restore is killed (CRIU can
+    spin forever on a truncated image, so it cannot be trusted to reach the gate). The
+    check's error is kept for the caller."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self.check = check
+        self.error: StasisError | None = None
+
+    def open(self, pipe: IO[bytes], shim_pid: int) -> None:
+        try:
+            self.check()
+        except StasisError as e:
+            self.error = e
+            proctree.signal_tree(shim_pid, signal.SIGKILL)
+            return
+        try:
+            pipe.write(b"ok\n")
+            pipe.close()
+        except BrokenPipeError:
+            pass  # the restore failed before it asked: its own answer says why
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
