@@ -19,8 +19,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.procs import BenchError
 from stasis.poll import poll
@@ -104,7 +105,10 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def _wait(what: str, pred: Any, timeout_s: float) -> Any:
+T = TypeVar("T")
+
+
+def _wait(what: str, pred: Callable[[], T | None], timeout_s: float) -> T:
     value = poll(pred, timeout_s, interval_s=0.1)
     if not value:
         raise BenchError(f"slurm: timed out after {timeout_s:.0f} s waiting for {what}")

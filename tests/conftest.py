@@ -10,9 +10,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
@@ -23,13 +23,16 @@ WORKLOADS = ROOT / "tests" / "workloads"
 STASIS = str(Path(sys.executable).parent / "stasis")
 TEST_USER = "stasis-test"
 
+T = TypeVar("T")
+
 
 def workload(name: str, *args: object) -> list[str]:
     """A command line running one of tests/workloads/ with the system's python3."""
     return ["python3", "-u", str(WORKLOADS / name), *map(str, args)]
 
 
-def wait_for(predicate: Any, timeout_s: float = 15.0, what: str = "condition") -> Any:
+def wait_for(predicate: Callable[[], T | None], timeout_s: float = 15.0,
+             what: str = "condition") -> T:
     value = poll(predicate, timeout_s)
     if not value:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
@@ -152,8 +155,15 @@ def daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Daemon]:
     d.stop()
 
 
+class MakeDaemon(Protocol):
+    """The `make_daemon` fixture: starts one more daemon, with `Daemon`'s keyword arguments."""
+
+    def __call__(self, *, store: str | None = ..., keep: int = ...,
+                 env: dict[str, str] | None = ..., nofile: int | None = ...) -> Daemon: ...
+
+
 @pytest.fixture
-def make_daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Any]:
+def make_daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[MakeDaemon]:
     made: list[Daemon] = []
 
     def make(**kwargs: Any) -> Daemon:

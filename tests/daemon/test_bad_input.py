@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from stasis.engine import proctree
-from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.conftest import STASIS, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import last_number
 
 
@@ -70,7 +69,7 @@ def test_corrupt_checkpoint_is_refused(daemon: Daemon, damage: str) -> None:
     daemon.cli("kill", restored["job"])
 
 
-def test_full_store_fails_cleanly_and_job_keeps_running(make_daemon: Any, world_tmp: Path
+def test_full_store_fails_cleanly_and_job_keeps_running(make_daemon: MakeDaemon, world_tmp: Path
                                                         ) -> None:
     mnt = world_tmp / "small-store"
     mnt.mkdir()

@@ -6,10 +6,9 @@ from __future__ import annotations
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any
 
 from stasis.engine import proctree
-from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.conftest import STASIS, Daemon, MakeDaemon, wait_for, workload
 
 
 def tracer(pid: int) -> int:
@@ -22,7 +21,7 @@ def tracer(pid: int) -> int:
                     if line.startswith("TracerPid:")))
 
 
-def test_second_stop_dump_is_refused_while_the_first_runs(make_daemon: Any) -> None:
+def test_second_stop_dump_is_refused_while_the_first_runs(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     job = d.run(*workload("memhold.py", 128), label="twice")
     wait_for(lambda: "ready" in d.log_of(job["job"]), 30, "128 MiB allocated")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.conftest import STASIS, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
 from tests.daemon.test_restore_state import last_number
 
@@ -104,7 +104,7 @@ def _daemon_log(d: Daemon) -> Path:
     return d.root / "daemon.log"
 
 
-def test_one_users_half_sent_requests_lock_nobody_out(make_daemon: Any,
+def test_one_users_half_sent_requests_lock_nobody_out(make_daemon: MakeDaemon,
                                                       test_user: pwd.struct_passwd) -> None:
     # 128 open files in all, as a (low) service manager's limit; the user tries for 200.
     d: Daemon = make_daemon(nofile=128, env={"STASIS_MAX_CONNECTIONS_PER_UID": "16",
@@ -131,7 +131,7 @@ def test_one_users_half_sent_requests_lock_nobody_out(make_daemon: Any,
     d.cli("kill", job["job"])
 
 
-def test_root_exhausting_the_daemon_does_not_end_its_jobs(make_daemon: Any) -> None:
+def test_root_exhausting_the_daemon_does_not_end_its_jobs(make_daemon: MakeDaemon) -> None:
     # Root is not capped: here root itself takes every file the daemon may open, so the daemon
     # meets EMFILE everywhere (accepting, reading /proc, SQLite). A job is not `exited` for that,
     # and the daemon's log does not fill the disk.
@@ -150,7 +150,7 @@ def test_root_exhausting_the_daemon_does_not_end_its_jobs(make_daemon: Any) -> N
     d.cli("kill", job["job"])
 
 
-def test_slow_requests_are_cut_off(make_daemon: Any, test_user: pwd.struct_passwd) -> None:
+def test_slow_requests_are_cut_off(make_daemon: MakeDaemon, test_user: pwd.struct_passwd) -> None:
     d: Daemon = make_daemon(env={"STASIS_REQUEST_TIMEOUT_S": "1"})
     user = test_user.pw_name
     holders = {mode: Holder(d, 3, mode, hold_s=5, user=user)

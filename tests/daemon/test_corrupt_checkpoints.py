@@ -7,9 +7,8 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
-from tests.conftest import TEST_USER, Daemon, wait_for, workload
+from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
 from tests.daemon.test_restore_state import last_number
 
@@ -58,7 +57,7 @@ def test_only_root_deletes_a_checkpoint_nobody_can_tell_the_owner_of(daemon: Dae
     one_line_error(daemon.cli("checkpoints", "rm", garbage, check=False), 2, "no checkpoint")
 
 
-def test_the_daemon_frees_old_garbage_and_leaves_the_rest(make_daemon: Any) -> None:
+def test_the_daemon_frees_old_garbage_and_leaves_the_rest(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon(env={"STASIS_REMOVE_CORRUPT_AFTER_S": "3600"})
     good, old_garbage, new_garbage, old_untrusted, old_future = _dumps(d, 5)
     d.stop()

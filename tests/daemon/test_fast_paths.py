@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Daemon, wait_for, workload
+from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import workload_pid
 
 
@@ -17,7 +17,7 @@ def _digest(d: Daemon, job: str) -> list[str]:
     return re.findall(r"^digest (\w+)$", d.log_of(job), re.M)
 
 
-def test_leave_running_dump_is_staged_in_memory(make_daemon: Any, world_tmp: Path) -> None:
+def test_leave_running_dump_is_staged_in_memory(make_daemon: MakeDaemon, world_tmp: Path) -> None:
     stage = world_tmp / "stage-ok"
     d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
     job = d.run(*workload("memhold.py", 32))
@@ -36,7 +36,7 @@ def test_leave_running_dump_is_staged_in_memory(make_daemon: Any, world_tmp: Pat
     assert cp2["staged"] is False
 
 
-def test_staging_falls_back_when_memory_is_short(make_daemon: Any, world_tmp: Path) -> None:
+def test_staging_falls_back_when_memory_is_short(make_daemon: MakeDaemon, world_tmp: Path) -> None:
     stage = world_tmp / "stage-small"
     stage.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(stage)],
@@ -161,7 +161,7 @@ def test_lazy_restore_of_corrupt_pages_is_killed(daemon: Daemon) -> None:
     assert result.returncode == 1 and "corrupt" in result.stderr
 
 
-def test_a_restarted_daemon_clears_what_unfinished_dumps_left(make_daemon: Any,
+def test_a_restarted_daemon_clears_what_unfinished_dumps_left(make_daemon: MakeDaemon,
                                                               world_tmp: Path) -> None:
     stage = world_tmp / "stage-leftovers"
     d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})

@@ -13,7 +13,7 @@ from typing import Any
 
 from stasis.engine import proctree
 from stasis.poll import poll
-from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.conftest import STASIS, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_concurrent_dumps import tracer
 from tests.daemon.test_restore_state import last_number, numbers
 
@@ -67,7 +67,7 @@ def _runs_on(d: Daemon, job: dict[str, Any]) -> None:
     wait_for(lambda: counted(d, job) >= mark + 3, 10, "the counter to go on")
 
 
-def test_killed_after_criu_stopped_the_job(make_daemon: Any) -> None:
+def test_killed_after_criu_stopped_the_job(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     job = d.run(*workload("counter.py", 0.05, 128), label="frozen")
     dump, criu = _start_dump_and_catch_criu(d, job)
@@ -95,7 +95,7 @@ def test_killed_after_criu_stopped_the_job(make_daemon: Any) -> None:
     d.cli("kill", restored["job"])
 
 
-def test_killed_while_criu_dumps(make_daemon: Any) -> None:
+def test_killed_while_criu_dumps(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     job = d.run(*workload("counter.py", 0.05, 128), label="held")
     dump, criu = _start_dump_and_catch_criu(d, job)
@@ -122,7 +122,7 @@ def test_killed_while_criu_dumps(make_daemon: Any) -> None:
     assert [c["id"] for c in d.json("checkpoints")] == [cp["checkpoint"]]
 
 
-def test_killed_after_publishing_finishes_the_dump(make_daemon: Any) -> None:
+def test_killed_after_publishing_finishes_the_dump(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     job = d.run(*workload("counter.py", 0.05), label="published")
     wait_for(lambda: last_number(d, job["job"]) >= 2, 30, "counting")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
 
-from tests.conftest import Daemon, wait_for, workload
+from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import last_number, numbers
 
 
-def test_restore_by_label_picks_newest_and_retention_drops_oldest(make_daemon: Any) -> None:
+def test_restore_by_label_picks_newest_and_retention_drops_oldest(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon(keep=2)
     job = d.run(*workload("counter.py"), label="train")
     ids = []
@@ -31,7 +30,7 @@ def test_restore_by_label_picks_newest_and_retention_drops_oldest(make_daemon: A
     d.cli("kill", restored["job"])
 
 
-def test_daemon_restart_keeps_track_of_jobs(make_daemon: Any) -> None:
+def test_daemon_restart_keeps_track_of_jobs(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     job = d.run(*workload("counter.py"), label="survivor")
     short = d.run("sh", "-c", "sleep 1.5; exit 7")
@@ -53,7 +52,7 @@ def test_daemon_restart_keeps_track_of_jobs(make_daemon: Any) -> None:
     d.cli("kill", restored["job"])
 
 
-def test_object_store_through_fsspec(make_daemon: Any) -> None:
+def test_object_store_through_fsspec(make_daemon: MakeDaemon) -> None:
     # memory:// lives inside the daemon process: the same code path as s3:// or gs://.
     d: Daemon = make_daemon(store="memory://stasis-ci")
     job = d.run(*workload("counter.py"), label="remote")
@@ -85,7 +84,7 @@ def _spares(daemon_pid: int) -> list[int]:
     return found
 
 
-def test_a_spare_supervisor_waits_and_leaves_with_the_daemon(make_daemon: Any) -> None:
+def test_a_spare_supervisor_waits_and_leaves_with_the_daemon(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     assert d.proc is not None
     daemon_pid = d.proc.pid
@@ -94,7 +93,7 @@ def test_a_spare_supervisor_waits_and_leaves_with_the_daemon(make_daemon: Any) -
     wait_for(lambda: last_number(d, job["job"]) >= 1, what="counting")
     # The spare became the job's supervisor (the workload's parent); a new one waits.
     assert _parent(job["pid"]) == spare
-    both = wait_for(lambda: len(_spares(daemon_pid)) == 2 and _spares(daemon_pid),
+    both = wait_for(lambda: _spares(daemon_pid) if len(_spares(daemon_pid)) == 2 else [],
                     what="a new spare")
     [new_spare] = set(both) - {spare}
     d.stop()

@@ -58,7 +58,7 @@ class Peer:
             data = self.conn.recv(4096)
         except TimeoutError:
             return "silence"
-        except ConnectionResetError:
+        except (ConnectionResetError, BrokenPipeError):  # a reset came back: EPIPE on send
             return "reset"
         return "answer" if data else "closed"
 

@@ -10,9 +10,8 @@ import secrets
 import stat
 import subprocess
 from pathlib import Path
-from typing import Any
 
-from tests.conftest import Daemon, wait_for, workload
+from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import last_number, workload_pid
 
 
@@ -24,7 +23,7 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
 
 
-def test_env_values_are_not_kept_and_state_is_private(make_daemon: Any,
+def test_env_values_are_not_kept_and_state_is_private(make_daemon: MakeDaemon,
                                                       test_user: pwd.struct_passwd) -> None:
     d: Daemon = make_daemon()
     user = test_user.pw_name
@@ -67,7 +66,7 @@ def test_env_values_are_not_kept_and_state_is_private(make_daemon: Any,
     d.cli("kill", restored["job"], user=user)
 
 
-def test_job_keeps_the_umask_it_had(make_daemon: Any, world_tmp: Path,
+def test_job_keeps_the_umask_it_had(make_daemon: MakeDaemon, world_tmp: Path,
                                     test_user: pwd.struct_passwd) -> None:
     # The daemon's own files are private; the files a job makes are the job's business.
     d: Daemon = make_daemon()
@@ -105,7 +104,7 @@ def test_env_values_an_older_daemon_kept_are_forgotten(tmp_path: Path) -> None:
             assert b"old-secret-value" not in (tmp_path / name).read_bytes(), name
 
 
-def test_job_table_an_older_daemon_left_readable_is_made_private(make_daemon: Any) -> None:
+def test_job_table_an_older_daemon_left_readable_is_made_private(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     d.run("true")
     d.stop()

@@ -10,10 +10,9 @@ import sqlite3
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from stasis.engine import proctree
-from tests.conftest import Daemon, wait_for, workload
+from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import last_number
 
 DAY_S = 86400
@@ -59,7 +58,7 @@ def _criu_logs(d: Daemon, count: int, at: float) -> list[str]:
     return names
 
 
-def test_old_rows_and_criu_logs_are_pruned_live_ones_stay(make_daemon: Any) -> None:
+def test_old_rows_and_criu_logs_are_pruned_live_ones_stay(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon(env={
         "STASIS_KEEP_FINISHED_JOBS": "20", "STASIS_FINISHED_JOBS_MAX_AGE_S": str(3 * DAY_S),
         "STASIS_KEEP_CRIU_LOGS": "10", "STASIS_CRIU_LOGS_MAX_AGE_S": str(DAY_S),

@@ -22,7 +22,8 @@ def last_number(daemon: Daemon, job: str, prefix: str = "") -> int:
 
 def workload_pid(init_pid: int) -> int:
     """The workload's pid: the child of the job's init."""
-    return wait_for(lambda: (proctree.children(init_pid) or [None])[0], what="workload process")
+    return wait_for(lambda: next(iter(proctree.children(init_pid)), None),
+                    what="workload process")
 
 
 def test_counter_resumes_from_checkpointed_value(daemon: Daemon) -> None:
@@ -36,7 +37,10 @@ def test_counter_resumes_from_checkpointed_value(daemon: Daemon) -> None:
 
     restored = daemon.json("restore", cp["checkpoint"])
     assert restored["pid"] != job["pid"]
-    new_log = lambda: daemon.log_of(restored["job"])  # noqa: E731
+
+    def new_log() -> str:
+        return daemon.log_of(restored["job"])
+
     wait_for(lambda: numbers(new_log())[-1] >= at_dump + 10, what="counter past the dump")
     values = numbers(new_log())
     # One log, one sequence: what came after the restore continues the dump's value, no restart.

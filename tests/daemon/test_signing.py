@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import TEST_USER, Daemon, wait_for, workload
+from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
 from tests.daemon.test_restore_state import last_number, numbers
 
@@ -78,7 +78,8 @@ def _continues(d: Daemon, job: Any, restored: Any, at_dump: int) -> None:
     assert values[-1] >= at_dump + 3
 
 
-def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(make_daemon: Any) -> None:
+def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(
+        make_daemon: MakeDaemon) -> None:
     node_a: Daemon = make_daemon()
     node_b: Daemon = make_daemon(store=node_a.store)  # its own state dir and key, one store
     job = _counter(node_a, "roaming")
@@ -109,7 +110,8 @@ def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(make_daemo
         assert key.read_bytes().hex() not in (d.root / "daemon.log").read_text()
 
 
-def test_nodes_sharing_a_site_key_trust_each_other(make_daemon: Any, world_tmp: Path) -> None:
+def test_nodes_sharing_a_site_key_trust_each_other(make_daemon: MakeDaemon,
+                                                    world_tmp: Path) -> None:
     site = world_tmp / f"site-{os.getpid()}.key"
     fd = os.open(site, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, os.urandom(32))

@@ -8,11 +8,10 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any
 
 from stasis.engine import proctree
 from stasis.poll import poll
-from tests.conftest import STASIS, Daemon, wait_for, workload
+from tests.conftest import STASIS, Daemon, MakeDaemon, wait_for, workload
 
 
 def _stat(pid: int) -> tuple[str, str, int] | None:
@@ -68,7 +67,7 @@ def _criu_restoring(daemon_pid: int) -> int | None:
     return None
 
 
-def test_rejected_restores_and_a_killed_criu_leave_no_zombie(make_daemon: Any) -> None:
+def test_rejected_restores_and_a_killed_criu_leave_no_zombie(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     assert d.proc is not None
     daemon_pid = d.proc.pid

@@ -14,9 +14,9 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -198,7 +198,10 @@ def wait_gone(pids: list[int], timeout_s: float = 30) -> None:
     until(lambda: not any(alive(p) for p in pids), timeout_s, f"processes {pids} to end")
 
 
-def until(pred: Any, timeout_s: float, what: str) -> Any:
+T = TypeVar("T")
+
+
+def until(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
     value = poll(pred, timeout_s, interval_s=0.5)
     if not value:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

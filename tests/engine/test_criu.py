@@ -31,7 +31,8 @@ def counter(tmp_path: Path) -> Iterator[tuple[int, Path]]:
              *workload("counter.py")],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
         )
-    init = wait_for(lambda: (proctree.children(proc.pid) or [None])[0], what="namespace init")
+    init = wait_for(lambda: next(iter(proctree.children(proc.pid)), None),
+                    what="namespace init")
     wait_for(lambda: len(_numbers(log)) >= 3, what="counting")
     yield init, log
     proctree.signal_tree(init, signal.SIGKILL)
@@ -87,11 +88,14 @@ def test_notify_hooks_run_and_can_abort(criu: CRIU, counter: tuple[int, Path],
     lines = log.read_text().count("\n")
     wait_for(lambda: log.read_text().count("\n") >= lines + 3, what="still counting")
 
+    def record(script: str, _pid: int) -> bool:
+        seen.append(script)
+        return True
+
     seen.clear()
     images = tmp_path / "img2"
     images.mkdir()
-    criu.dump(init, images, DumpOptions(notify=lambda s, p: seen.append(s) is None),
-              "dump.log")
+    criu.dump(init, images, DumpOptions(notify=record), "dump.log")
     assert "pre-dump" in seen and "post-dump" in seen
     at_dump = _numbers(log)[-1]
 
@@ -101,7 +105,7 @@ def test_notify_hooks_run_and_can_abort(criu: CRIU, counter: tuple[int, Path],
         result = criu.restore(
             images,
             RestoreOptions(inherit_fds=[(str(log).lstrip("/"), out.fileno())],
-                           notify=lambda s, p: seen.append(s) is None),
+                           notify=record),
             "restore.log",
         )
     finally:

@@ -72,7 +72,8 @@ def test_only_where_it_saves_a_read(local_store: Store, memory_store: Store) -> 
     local_store.staging_dir(info.id)
     memory_store.staging_dir(info.id)
     assert memory_store.follow(info.id, "none") is None  # copying to a remote reads it anyway
-    for compression in ("none", "auto", "zstd"):
+    compressions: tuple[CompressionRequest, ...] = ("none", "auto", "zstd")
+    for compression in compressions:
         tail = local_store.follow(info.id, compression)
         assert tail is not None
         assert tail.finish() == {}

@@ -4,6 +4,7 @@ import os
 import signal
 import sys
 import time
+from types import FrameType
 
 size = int(sys.argv[1]) << 20
 block = bytearray(os.urandom(size))
@@ -11,7 +12,7 @@ print("digest", hashlib.sha256(block).hexdigest(), flush=True)
 asked = False
 
 
-def on_usr1(_sig, _frame):
+def on_usr1(_sig: int, _frame: FrameType | None) -> None:
     global asked
     asked = True
 
