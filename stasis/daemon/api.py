@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from stasis.daemon.http import answer, peer, read_body, wire
 from stasis.daemon.integration import Integration
@@ -85,7 +85,8 @@ async def dump_check(request: web.Request) -> web.StreamResponse:
                                           request.match_info["job"], peer(request)))
 
 
-async def _stream(request: web.Request, work: Callable[[Callable[[int, int], None]], BaseModel]
+async def _stream(request: web.Request,
+                  work: Callable[[Callable[[int, int], None]], Mapping[str, Any]]
                   ) -> web.StreamResponse:
     """Run `work` in a thread, streaming its progress, then its result or error, as NDJSON."""
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

@@ -18,7 +18,8 @@ from pathlib import Path
 from stasis.daemon import staging
 from stasis.daemon.core import Core
 from stasis.daemon.inflight import InFlightDump
-from stasis.daemon.models import DumpAnswer, DumpCheckAnswer, DumpRequest, validate_job_id
+from stasis.daemon.models import DumpRequest, validate_job_id
+from stasis.wire import DumpAnswer, DumpCheckAnswer
 from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller

@@ -28,17 +28,7 @@ from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.dumping import Dumper
 from stasis.daemon.housekeeping import Housekeeping
 from stasis.daemon.inflight import DumpJournal
-from stasis.daemon.models import (
-    DumpAnswer,
-    DumpCheckAnswer,
-    DumpRequest,
-    Job,
-    KillAnswer,
-    RestoreAnswer,
-    RestoreRequest,
-    RunAnswer,
-    RunRequest,
-)
+from stasis.daemon.models import DumpRequest, RestoreRequest, RunRequest
 from stasis.daemon.netlocks import NetLocks
 from stasis.daemon.progress import Progress
 from stasis.daemon.reaper import Reaper
@@ -63,6 +53,7 @@ from stasis.store import (
     validate_checkpoint_id,
     validate_label,
 )
+from stasis.wire import DumpAnswer, DumpCheckAnswer, Job, KillAnswer, RestoreAnswer, RunAnswer
 
 log = logging.getLogger("stasis.daemon")
 
@@ -124,11 +115,11 @@ class JobManager:
 
     def get(self, job_id: str, caller: Caller) -> Job:
         self.poll()
-        return _job(self._tracker.row(job_id, caller))
+        return self._tracker.row(job_id, caller).wire()
 
     def jobs(self, caller: Caller) -> list[Job]:
         self.poll()
-        return [_job(r) for r in self.db.all() if caller.may_act_on(r.uid)]
+        return [r.wire() for r in self.db.all() if caller.may_act_on(r.uid)]
 
     def checkpoints(self, label: str | None, caller: Caller,
                     user: str | None = None) -> list[Manifest]:
@@ -257,20 +248,11 @@ class JobManager:
                     f"job {job_id} is still running after SIGKILL: a process of it is stuck in "
                     f"the kernel (state D in /proc/{row.pid}/stat); try again later")
             ended_by = "SIGKILL" if killed and died_of(row, signal.SIGKILL) else asked.name
-        return KillAnswer(job=row.id, state=row.state,  # type: ignore[arg-type]
-                          ended_by=ended_by, exit_code=row.exit_code, signal=asked.name,
-                          timeout_s=timeout_s)
+        return KillAnswer(job=row.id, state=row.wire()["state"], ended_by=ended_by,
+                          exit_code=row.exit_code, signal=asked.name, timeout_s=timeout_s)
 
     def poll(self) -> None:
         self._tracker.poll()
-
-
-def _job(row: JobRow) -> Job:
-    return Job(
-        job=row.id, pid=row.pid, state=row.state,  # type: ignore[arg-type]
-        label=row.label, exit_code=row.exit_code, command=row.command, user=row.user,
-        uid=row.uid, cwd=row.cwd, log=row.log, checkpoint=row.checkpoint, created=row.created,
-    )
 
 
 __all__ = ["JobManager", "Progress", "StoreError", "find_init"]

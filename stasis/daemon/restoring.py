@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from stasis.daemon.core import Core
-from stasis.daemon.models import RestoreAnswer, RestoreRequest
+from stasis.daemon.models import RestoreRequest
+from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
@@ -63,8 +64,8 @@ class Restorer:
                 if req.checkpoint:
                     raise
                 continue
-            answer.skipped = skipped
-            answer.elapsed_s = round(time.monotonic() - started, 4)
+            answer["skipped"] = skipped
+            answer["elapsed_s"] = round(time.monotonic() - started, 4)
             return answer
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))
@@ -155,9 +156,10 @@ class Restorer:
             state="restored", label=manifest.label, command=manifest.command, cwd=manifest.cwd,
             env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid, log=log,
             checkpoint=manifest.id))
-        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id,
+        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id, skipped=[],
                              lazy=bool(answer.get("lazy")), notes=notes,
-                             duration_s=round(float(answer.get("duration_s", 0.0)), 4))
+                             duration_s=round(float(answer.get("duration_s", 0.0)), 4),
+                             elapsed_s=0.0)
 
     def _restored(self, manifest: Manifest) -> None:
         """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped

@@ -14,7 +14,8 @@ import time
 
 from stasis.daemon.db import JobRow
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import KillAnswer, KillRequest
+from stasis.daemon.models import KillRequest
+from stasis.wire import KillAnswer
 from stasis.daemon.signals import parse_signal
 from stasis.daemon.users import Caller
 

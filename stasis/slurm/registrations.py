@@ -18,7 +18,7 @@ import signal
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, cast, get_type_hints
+from typing import Any, cast, get_args, get_origin, get_type_hints
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
 
@@ -142,21 +142,32 @@ def _registration(row: Any) -> Registration:
 
 
 def _legacy(path: Path) -> Registration:
-    """A registration an older daemon wrote as JSON: every field there, of the right kind."""
+    """A registration an older daemon wrote as JSON: every field there, each of its kind."""
     data = json.loads(path.read_text())
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
-    hints = get_type_hints(Registration)
-    missing = sorted(set(hints) - set(data) - {"state"})
-    if missing:
-        raise ValueError(f"no {', '.join(missing)}")
     data.setdefault("state", "running")
-    for key in ("pid", "launcher_pid", "uid", "gid"):
-        if not isinstance(data[key], int):
-            raise ValueError(f"{key} is not a number")
-    if not isinstance(data["command"], list):
-        raise ValueError("command is not a list")
+    hints = get_type_hints(Registration)
+    for key, hint in hints.items():
+        if key not in data:
+            raise ValueError(f"no {key}")
+        if not _of_kind(data[key], hint):
+            raise ValueError(f"{key} is {data[key]!r}, not of the kind {hint}")
     return cast(Registration, {k: data[k] for k in hints})
+
+
+def _of_kind(value: object, hint: Any) -> bool:
+    """Whether a JSON value fits a field's type (str, int, bool, list[str], X | None)."""
+    args = get_args(hint)
+    if get_origin(hint) is list:
+        return isinstance(value, list) and all(_of_kind(v, args[0]) for v in value)
+    if args:  # a union: X | None
+        return any(_of_kind(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
 
 
 class SlurmJobs:
