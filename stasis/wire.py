@@ -3,9 +3,10 @@
 Typed dicts, so that the client (`stasis.client`) and everything that reads an answer is checked
 by mypy, at no cost when a command starts: this module imports only `typing` (pydantic costs
 every `stasis` command ~70 ms here, and typing_extensions, which pydantic needs to validate
-typed dicts on Python 3.11, ~11 ms). The daemon validates what it receives with pydantic
-models of the same shapes (stasis.daemon.models, stasis.slurm.models, the store's Manifest);
-tests/test_wire.py holds both sides to one another, field by field.
+typed dicts on Python 3.11, ~11 ms). The daemon builds its answers as these very dicts. What
+it receives it validates with pydantic (constraints, defaults, one-line errors): the request
+models of stasis.daemon.models and stasis.slurm.models, which tests/test_wire.py holds to the
+request shapes here field by field; a checkpoint is the store's Manifest.
 
     route                                   request              answer
     POST   /jobs                            RunRequest           RunAnswer
