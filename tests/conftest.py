@@ -140,7 +140,7 @@ def world_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _new_daemon(world_tmp: Path, name: str, **kwargs: Any) -> Daemon:
+def new_daemon(world_tmp: Path, name: str, **kwargs: Any) -> Daemon:
     root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=world_tmp))
     os.chmod(root, 0o755)
     return Daemon(root, **kwargs)
@@ -148,7 +148,7 @@ def _new_daemon(world_tmp: Path, name: str, **kwargs: Any) -> Daemon:
 
 @pytest.fixture(scope="module")
 def daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Daemon]:
-    d = _new_daemon(world_tmp, "daemon", keep=3)
+    d = new_daemon(world_tmp, "daemon", keep=3)
     d.start()
     yield d
     d.kill_all()
@@ -167,7 +167,7 @@ def make_daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[MakeD
     made: list[Daemon] = []
 
     def make(**kwargs: Any) -> Daemon:
-        d = _new_daemon(world_tmp, "daemon", **kwargs)
+        d = new_daemon(world_tmp, "daemon", **kwargs)
         d.start()
         made.append(d)
         return d

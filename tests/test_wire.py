@@ -253,9 +253,9 @@ def test_every_wire_shape_is_held_to_something() -> None:
 
 
 def test_error_shape() -> None:
-    from stasis.daemon.api import _error_body
+    from stasis.daemon.http import error_body
 
-    body = _error_body(NotFoundError("no job x"))
+    body = error_body(NotFoundError("no job x"))
     assert set(body) == {"error"}
     assert set(body["error"]) == set(typing.get_type_hints(wire.WireError))
     assert body["error"] == {"type": "NotFoundError", "message": "no job x"}

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from stasis.daemon.http import answer, peer, read_body, wire
+from stasis.daemon.http import answer, error_body, peer, read_body, wire
 from stasis.daemon.integration import Integration
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRequest
@@ -31,34 +31,32 @@ MANAGER = web.AppKey("manager", JobManager)
 log = logging.getLogger("stasis.daemon")
 
 
-def _error_body(e: StasisError) -> dict[str, Any]:
-    return {"error": {"type": type(e).__name__, "message": str(e)}}
-
-
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except StasisError as e:
-        return web.json_response(_error_body(e), status=e.http_status)
+        return web.json_response(error_body(e), status=e.http_status)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "request"
         err = UsageError(f"bad request: {where}: {first['msg']}")
-        return web.json_response(_error_body(err), status=400)
+        return web.json_response(error_body(err), status=400)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         # aiohttp's own refusals (no such path, body too large, too slow): one JSON line too.
         err = UsageError(f"request refused: {e.status} {e.reason}: {e.text or ''}".strip(": "))
-        return web.json_response(_error_body(err), status=e.status)
+        # A 405 names the methods the path takes (Allow), as HTTP has it.
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return web.json_response(error_body(err), status=e.status, headers=allow)
     except (ConnectionError, asyncio.CancelledError):
         raise  # the client left: nobody to answer
     except Exception as e:
         # A bug: the client gets one line, the traceback goes to the daemon's log only.
         log.exception("internal error answering %s %s", request.method, request.path)
         bug = StasisError(f"internal error: {type(e).__name__}: {e}")
-        return web.json_response(_error_body(bug), status=500)
+        return web.json_response(error_body(bug), status=500)
 
 
 async def run_job(request: web.Request) -> web.StreamResponse:
@@ -101,11 +99,11 @@ async def _stream(request: web.Request,
         try:
             result: dict[str, Any] = {"result": wire(work(progress))}
         except StasisError as e:
-            result = _error_body(e)
+            result = error_body(e)
         except ValidationError as e:
-            result = _error_body(UsageError(f"bad request: {e.errors()[0]['msg']}"))
+            result = error_body(UsageError(f"bad request: {e.errors()[0]['msg']}"))
         except Exception as e:  # keep the daemon up and tell the client
-            result = _error_body(StasisError(f"internal error: {type(e).__name__}: {e}"))
+            result = error_body(StasisError(f"internal error: {type(e).__name__}: {e}"))
         loop.call_soon_threadsafe(queue.put_nowait, result)
 
     task = asyncio.create_task(asyncio.to_thread(run))

@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from stasis.daemon.users import Caller
-from stasis.errors import UsageError
+from stasis.errors import StasisError, UsageError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -58,6 +58,11 @@ def _refuse_nul(data: Any) -> None:
         elif isinstance(item, str) and "\0" in item:
             raise UsageError(f"bad request: {where or 'request'} contains a NUL character "
                              "(\\0); no argument, path or variable can hold one")
+
+
+def error_body(e: StasisError) -> dict[str, Any]:
+    """What every route answers for an error: {"error": {"type", "message"}} (one line)."""
+    return {"error": {"type": type(e).__name__, "message": str(e)}}
 
 
 def wire(model: BaseModel | Mapping[str, Any] | list[Any]) -> Any:

@@ -19,7 +19,7 @@ from stasis.daemon.db import JobDB
 from stasis.engine import proctree
 from stasis.slurm.registrations import Registrations, slurm_jobs_table
 from stasis.wire import Registration
-from tests.conftest import Daemon, _new_daemon
+from tests.conftest import Daemon, new_daemon
 
 
 def registration(slurm_job: str, **kw: Any) -> Registration:
@@ -177,7 +177,7 @@ def test_migrate_never_overwrites_the_table(regs: Registrations, tmp_path: Path)
 
 def test_daemon_moves_registrations_at_start(world_tmp: Path,
                                              test_user: pwd.struct_passwd) -> None:
-    d: Daemon = _new_daemon(world_tmp, "daemon")
+    d: Daemon = new_daemon(world_tmp, "daemon")
     # A live workload, so that the daemon's sweep of ended ones keeps the registration.
     workload = subprocess.Popen(["sleep", "120"])
     try:
