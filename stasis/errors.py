@@ -8,6 +8,7 @@
     │   └── CRIUNotFoundError no usable CRIU binary
     ├── CheckpointError       a dump could not be taken or published
     ├── RestoreError          a restore failed
+    │   └── OwnerDeniedError  a path of the job is one its owner may not open now
     ├── StoreError            the checkpoint store failed (I/O, full disk)
     │   ├── CorruptCheckpointError  a checkpoint failed verification
     │   │   └── UnreadableManifestError  its manifest is garbage: nobody can tell whose it is
@@ -75,6 +76,10 @@ class RestoreError(StasisError):
     pass
 
 
+class OwnerDeniedError(RestoreError):
+    http_status = 403
+
+
 class StoreError(StasisError):
     pass
 
@@ -114,7 +119,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
     cls.__name__: cls
     for cls in (
         StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
-        CRIUNotFoundError, CheckpointError, RestoreError, StoreError, CorruptCheckpointError,
+        CRIUNotFoundError, CheckpointError, RestoreError, OwnerDeniedError, StoreError, CorruptCheckpointError,
         UnreadableManifestError, UntrustedCheckpointError, SlurmError, SlurmJobNotFoundError,
     )
 }

@@ -23,6 +23,7 @@ from stasis.engine import find_criu, proctree
 from stasis.errors import (
     CorruptCheckpointError,
     NotFoundError,
+    OwnerDeniedError,
     RestoreError,
     StasisError,
     UsageError,
@@ -141,12 +142,10 @@ class Restorer:
                 started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
         answer = started.answer
         if "error" in answer:
-            message = answer["error"]["message"]
-            if acct.uid != 0 and "Permission denied" in message:
-                # Swapped for a symlink, or its permissions changed since the dump.
-                message += (f" (a restore reopens the job's paths with the rights of its owner, "
-                            f"{acct.name}, who may not open that path now)")
-            raise RestoreError(f"restore of checkpoint {manifest.id} failed: {message}")
+            kind = OwnerDeniedError if answer["error"]["type"] == OwnerDeniedError.__name__ \
+                else RestoreError
+            raise kind(f"restore of checkpoint {manifest.id} failed: "
+                       f"{answer['error']['message']}")
         pid = started.pid
         self._restored(manifest)
         if answer.get("fallback"):

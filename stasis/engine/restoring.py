@@ -10,12 +10,15 @@ mappings, socket addresses) CRIU resolves with the owner's rights too (`Owner`, 
 
 from __future__ import annotations
 
+import errno
 import os
+import pwd
 from collections.abc import Sequence
 from pathlib import Path
 
 from stasis.engine import rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
+from stasis.errors import CRIUError, OwnerDeniedError
 
 
 def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
@@ -53,7 +56,23 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             inherit.append((old.lstrip("/"), fds[-1]))
         options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
                                  owner=owner if owner.uid != 0 else None)
-        return criu.restore(images, options, log_name)
+        try:
+            return criu.restore(images, options, log_name)
+        except CRIUError as e:
+            # CRIU's words, read here at the edge: with the owner's rights, EACCES means a path
+            # swapped for a symlink, or whose permissions changed since the dump.
+            if owner.uid != 0 and os.strerror(errno.EACCES) in str(e):
+                raise OwnerDeniedError(
+                    f"{e} (a restore reopens the job's paths with the rights of its owner, "
+                    f"{_name(owner.uid)}, who may not open that path now)") from e
+            raise
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"

@@ -102,6 +102,7 @@ def _refused(daemon: Daemon, p: Paths, checkpoint: str) -> str:
     assert not restored
     message = r.stderr.strip()
     assert "Permission denied" in message, message
+    assert f"with the rights of its owner, {p.user.pw_name}" in message, message
     assert len(message.splitlines()) == 1, message
     return message
 
