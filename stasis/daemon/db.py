@@ -1,4 +1,5 @@
-"""The daemon's job table: an embedded SQLite database under the state directory.
+"""The daemon's database: one SQLite file under the state directory, holding the job table, the
+network locks this node holds, and the tables integrations add (`create_tables`, `transaction`).
 
 It is what lets a restarted daemon find the jobs it started: each row keeps the job's pid and its
 start time (so a recycled pid is never mistaken for the job) and the job's own directory, where

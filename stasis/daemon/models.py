@@ -1,4 +1,6 @@
-"""Wire formats of the daemon's HTTP/JSON API (requests in, answers out)."""
+"""What the daemon's core routes take, as the daemon validates it: pydantic models of the request
+shapes of stasis/wire.py (tests/test_wire.py holds them to each other); the answers are the
+wire's typed dicts themselves."""
 
 from __future__ import annotations
 
