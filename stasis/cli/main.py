@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from stasis import wire
 from stasis.cli import output
 from stasis.cli.args import Parser, add_json, subcommands
 from stasis.config import Settings, load_settings
@@ -63,12 +64,18 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
         answer = client.dump(args.job, progress, leave_running=args.leave_running,
                              label=args.label, compress=args.compress,
                              incremental=args.incremental)
+    _done(args, answer, f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
+          f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
+
+
+def _done(args: argparse.Namespace, answer: wire.DumpAnswer | wire.RestoreAnswer,
+          line: str) -> None:
+    """A dump's or restore's answer: its notes on stderr, then JSON or one line."""
     output.notes(answer)
     if args.json:
         output.emit_json(answer)
     else:
-        output.say(f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
-                   f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
+        output.say(line)
 
 
 def dump_check(args: argparse.Namespace, settings: Settings) -> None:
@@ -101,12 +108,8 @@ def restore(args: argparse.Namespace, settings: Settings) -> None:
                                 user=args.user, lazy=args.lazy)
     for skipped in answer.get("skipped", []):
         output.warn(f"skipped corrupt checkpoint {skipped}")
-    output.notes(answer)
-    if args.json:
-        output.emit_json(answer)
-    else:
-        output.say(f"job {answer['job']} restored from {answer['checkpoint']} "
-                   f"as pid {answer['pid']}")
+    _done(args, answer, f"job {answer['job']} restored from {answer['checkpoint']} "
+          f"as pid {answer['pid']}")
 
 
 def ps(args: argparse.Namespace, settings: Settings) -> None:

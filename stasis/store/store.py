@@ -201,12 +201,7 @@ class Store:
         store wrote them), well-formed ones that are unsigned or signed by a key this node does
         not trust (a shared store may hold another site's checkpoints: root decides, with
         `checkpoints rm`), those whose age cannot be told, and anything that cannot be read."""
-        try:
-            ids = self._tree.ids()
-        except StasisError:
-            raise
-        except Exception as e:
-            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+        ids = self._ids()
         now = time.time()
         removed = []
         for checkpoint_id in ids:
@@ -331,18 +326,21 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------
 
+    def _ids(self) -> list[str]:
+        try:
+            return self._tree.ids()
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+
     def list(self, label: str | None = None, *, uid: int | None = None) -> list[Manifest]:
         """Complete checkpoints, newest first; skips unreadable ones. `label` and `uid` (the
         owner) narrow the list: a label is only meaningful with its owner, (uid, label) names
         one series of checkpoints, and a caller must never be handed another user's."""
         if label is not None:
             validate_label(label)
-        try:
-            ids = self._tree.ids()
-        except StasisError:
-            raise
-        except Exception as e:
-            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+        ids = self._ids()
         manifests = []
         for checkpoint_id in ids:
             try:
