@@ -29,7 +29,7 @@ from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
 from stasis.daemon.netlocks import SWEEP_INTERVAL_S as NETLOCK_SWEEP_INTERVAL_S
 from stasis.errors import UsageError
-from stasis.store import Store, node_keyring
+from stasis.store import node_keyring, node_store
 
 log = logging.getLogger("stasis.daemon")
 
@@ -114,8 +114,7 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     keys = node_keyring(settings, create=True)
     log.info("signing checkpoints with key %s; trusting %d key(s)", keys.key_id,
              len(keys.trusted_ids))
-    manager_store = Store(settings.store_url, staging_root=settings.layout.staging,
-                          keep=settings.keep, keys=keys)
+    manager_store = node_store(settings, keys)
     db_path = settings.layout.db
     for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
         with suppress(FileNotFoundError):

@@ -643,9 +643,9 @@ def _first_problem(e: ValueError) -> str:
     return _reason(e)
 
 
-def node_store(settings: Settings, *, create_key: bool = False) -> Store:
+def node_store(settings: Settings, keys: Signer | None = None) -> Store:
     """The store as this node's daemon (and its helpers) use it: the configured URL, staging
-    under the state directory, the node's keyring (its key made when `create_key`: the daemon
-    at its start)."""
+    under the state directory, the node's keyring (`keys`: the one the daemon made at its
+    start; else read from the state directory)."""
     return Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
-                 keys=node_keyring(settings, create=create_key))
+                 keys=keys if keys is not None else node_keyring(settings))
