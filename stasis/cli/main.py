@@ -11,14 +11,16 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from stasis import wire
 from stasis.cli import output
 from stasis.cli.args import Parser, add_json, subcommands
 from stasis.config import Settings, load_settings
 from stasis.client import Client
 from stasis.errors import StasisError, UsageError
+
+if TYPE_CHECKING:
+    from stasis import wire
 
 Handler = Callable[[argparse.Namespace, Settings], None]
 
