@@ -235,7 +235,10 @@ class SlurmCheckpointAnswer(TypedDict):
     slurm_job: str
     size_bytes: int
     duration_s: float
-    requeued: bool
+    requeued: bool  # the job will run again (requeued by the daemon, or by Slurm)
+    # Slurm requeues it once the batch step ends (a preemption on Slurm >= 24.11): the launcher
+    # must exit now, during the grace time, and not requeue it again.
+    slurm_requeues: bool
 
 
 class FinishRequest(TypedDict):

@@ -17,6 +17,8 @@ from stasis.errors import SlurmError
 from stasis.poll import poll
 from stasis.slurm import cluster
 
+# How long after the victim ended a requeue it should not have had would show (cred_expire=5).
+_SETTLE_S = 10.0
 _COUNTER = """\
 import time
 for i in range(30):
@@ -103,8 +105,19 @@ def run_preemption_demo(console: Any) -> None:
         d.say("victim started again and was restored from its checkpoint")
         d.wait("the victim to finish",
                lambda: d.job(victim).get("JobState") in ("COMPLETED", "FAILED"), 90)
+        # What the demo claims, checked: one requeue, and no run after it ended (Slurm 24.11
+        # requeued a preempted job that had requeued itself once more when it ended: a second
+        # run from 0). A second requeue would come within the controller's cred_expire + 1 s.
+        time.sleep(_SETTLE_S)
         info = d.job(victim)
         out = d.output(victim)
+        counted = [int(ln) for ln in out.splitlines() if ln.isdigit()]
+        if info.get("JobState") != "COMPLETED" or info.get("Restarts") != "1" \
+                or counted != list(range(30)):
+            raise SlurmError(
+                f"demo: the victim did not resume exactly once: JobState={info.get('JobState')} "
+                f"Restarts={info.get('Restarts')}, counter {counted[:3]}...{counted[-3:]} "
+                f"({len(counted)} values); see {d.work}")
         d.say("[bold]victim's output file[/bold] (one file, appended across the requeue):")
         lines = out.splitlines()
         keep = {0, 1, len(lines) - 2, len(lines) - 1}

@@ -57,6 +57,8 @@ class Launcher:
         self.socket = Path(start["socket"]) if start.get("socket") else None
         self.pid = 0
         self.requeued = False  # the daemon took the final checkpoint and requeued the job
+        # ...or left the requeue to Slurm, which makes it when this batch step ends (preempted)
+        self.slurm_requeues = False
         self.interval_s = 0.0  # STASIS_INTERVAL: periodic leave-running checkpoints
 
     # -- the workload --------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class Launcher:
             return
         if final:
             self.requeued = True
+            self.slurm_requeues = answer["slurm_requeues"]
             say(f"stasis: checkpoint {answer['checkpoint']} taken ({answer['size_bytes']} bytes, "
                 f"{answer['duration_s']:.2f} s); the job is requeued and resumes from it")
         else:
@@ -179,6 +182,9 @@ class Launcher:
         code = code if code >= 0 else 128 - code
         if self.requeued or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
                              and self.mode != "off" and self.taken_by_daemon()):
+            if self.slurm_requeues:
+                # End now, within the grace time: that is what makes Slurm requeue it, once.
+                return 0
             # Slurm kills the batch step of a requeued job; the exit code does not count.
             time.sleep(_REQUEUE_WAIT_S)
             return 1

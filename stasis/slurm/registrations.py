@@ -64,6 +64,17 @@ slurm_jobs_table = Table(
 )
 
 
+def _slurm_requeues(job_id: str) -> bool:
+    """Whether Slurm requeues the job by itself once its batch step ends: it is being preempted,
+    on a Slurm that does so (scontrol.requeues_preempted_job_when_it_ends); a requeue of ours as
+    well would make it run twice. When Slurm cannot tell, we requeue."""
+    try:
+        return scontrol.job_info(job_id).preempted and \
+            scontrol.requeues_preempted_job_when_it_ends()
+    except SlurmError:
+        return False
+
+
 def _status(pid: int) -> dict[str, str]:
     try:
         text = Path(f"/proc/{pid}/status").read_text()
@@ -267,11 +278,14 @@ class SlurmJobs:
         answer = SlurmCheckpointAnswer(
             checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            requeued=False)
+            requeued=False, slurm_requeues=False)
         if not req.leave_running:
             self.registrations.set_state(job_id, "checkpointed")
             os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
             m.dump_settled(manifest.id)
+            if _slurm_requeues(job_id):
+                answer["requeued"] = answer["slurm_requeues"] = True
+                return answer
             try:
                 scontrol.requeue(job_id)
             except SlurmError as e:

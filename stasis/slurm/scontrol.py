@@ -6,6 +6,7 @@ SlurmJobNotFoundError, any other failure a SlurmError.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class JobInfo:
     stderr: str
     token: str  # from AdminComment (set by our job_submit.lua); "" without it
     work_dir: str
+    preempted: bool = False  # PreemptTime is set: a preemption's grace time is running
 
 
 def job_info(job_id: str) -> JobInfo:
@@ -86,6 +88,7 @@ def job_info(job_id: str) -> JobInfo:
         state=fields.get("JobState", ""), restarts=int(restarts) if restarts.isdigit() else 0,
         stdout=fields.get("StdOut", ""), stderr=fields.get("StdErr", ""),
         token=token.group(1) if token else "", work_dir=fields.get("WorkDir", ""),
+        preempted=fields.get("PreemptTime", "None") not in ("", "None", "Unknown"),
     )
 
 
@@ -97,6 +100,29 @@ def job_of_pid(pid: int) -> str | None:
         return None
     m = re.search(r"(?:JobId=|job id )(\d+)", text)
     return m.group(1) if m else None
+
+
+@functools.cache
+def version() -> tuple[int, int]:
+    """(major, minor) of the Slurm on this node (scontrol needs its slurm.conf even for this)."""
+    return parse_version(scontrol("--version"))
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """`scontrol --version` says "slurm 24.11.5" (or "slurm-wlm 22.05.8")."""
+    m = re.search(r"(\d+)\.(\d+)", text)
+    if not m:
+        raise SlurmError(f"no Slurm version in {text.strip()!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def requeues_preempted_job_when_it_ends() -> bool:
+    """Whether Slurm itself requeues a preempted job (PreemptMode=REQUEUE) that ends during its
+    grace time. Seen on 24.11: it does, and a job that requeued itself during the grace time is
+    requeued once more when its next run ends (it runs twice). Seen on 22.05: it does not (the job
+    ends COMPLETED), so the job must requeue itself. Versions between were not seen: they are
+    taken as 22.05 (a job run twice is better than a job never resumed)."""
+    return version() >= (24, 11)
 
 
 def requeue(job_id: str) -> None:
