@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from stasis.slurm import cluster as local_cluster
+from stasis.slurm import scontrol
 from tests.conftest import TEST_USER
 from tests.e2e.conftest import Cluster, LongJob, until, wait_gone
 
@@ -52,6 +53,7 @@ def preempted(cluster: Cluster) -> dict[str, Any]:
     cluster.wait_state(v, ("COMPLETED", "FAILED", "CANCELLED"), 150)
     cluster.wait_state(p, ("COMPLETED", "FAILED", "CANCELLED"), 90)
     return {"victim": v, "plain": p, "preemptor": pre,
+            "version": cluster.run("scontrol", "--version").stdout,
             "victim_job": cluster.job(v), "plain_job": cluster.job(p),
             "victim_out": cluster.output(v), "plain_out": cluster.output(p),
             "preemptor_state": cluster.state(pre)}
@@ -79,11 +81,18 @@ def test_preempted_victim_resumes_from_its_checkpoint(cluster: Cluster,
 def test_same_job_without_stasis_restarts_from_zero(preempted: dict[str, Any]) -> None:
     out, job = preempted["plain_out"], preempted["plain_job"]
     numbers = [int(n) for n in re.findall(r"^(\d+)$", out, re.M)]
-    assert numbers.count(0) == 2, out  # the first run, then the requeued run from the start
+    # The first run, then the requeued run from the start. Slurm 24.11 (seen) requeues a preempted
+    # job once more when that run ends: a third run, Slurm's own doing, with or without stasis.
+    runs = 3 if _slurm(preempted) >= (24, 11) else 2
+    assert numbers.count(0) == runs, out
     second = numbers[numbers.index(0, 1):]
-    assert second == list(range(25))
+    assert second == list(range(25)) * (runs - 1)
     assert "stasis" not in out
-    assert job["Restarts"] == "1" and job["JobState"] == "COMPLETED"
+    assert job["Restarts"] == str(runs - 1) and job["JobState"] == "COMPLETED"
+
+
+def _slurm(preempted: dict[str, Any]) -> tuple[int, int]:
+    return scontrol.parse_version(preempted["version"])
 
 
 def test_non_root_job_manual_dump_resumes_and_keeps_its_exit_code(cluster: Cluster) -> None:
