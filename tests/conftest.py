@@ -131,6 +131,18 @@ def test_user() -> pwd.struct_passwd:
     return ensure_test_user()
 
 
+@pytest.fixture
+def site_key(world_tmp: Path) -> Iterator[Path]:
+    """A site key file (32 random bytes, root-only) for test daemons standing in for the nodes
+    of one site (STASIS_SITE_KEY)."""
+    path = world_tmp / f"site-{os.urandom(4).hex()}.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    yield path
+    path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def world_tmp() -> Iterator[Path]:
     """A scratch directory other users can traverse (pytest's tmp_path is root-only)."""

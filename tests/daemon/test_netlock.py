@@ -149,28 +149,21 @@ def test_restoring_here_lets_criu_lift_the_lock_and_forgets_it(daemon: Daemon,
 
 
 def test_restored_on_another_node_lifts_the_lock_on_the_first(make_daemon: MakeDaemon,
-                                                               world_tmp: Path,
+                                                               site_key: Path,
                                                                peer: Peer) -> None:
-    site = world_tmp / f"site-netlock-{os.getpid()}.key"
-    fd = os.open(site, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32))
-    os.close(fd)
-    try:
-        node_a: Daemon = make_daemon(env={"STASIS_SITE_KEY": str(site),
-                                          "STASIS_NODE_NAME": "node-a"})
-        node_b: Daemon = make_daemon(store=node_a.store, env={"STASIS_SITE_KEY": str(site),
-                                                              "STASIS_NODE_NAME": "node-b"})
-        job, job_port = start(node_a, peer)
-        checkpoint = node_a.json("dump", job["job"])["checkpoint"]
-        restored = node_b.json("restore", checkpoint)
-        # Both nodes share this machine's firewall, so node B's CRIU lifts the rules; node A
-        # must learn from the store that its lock is done with, and drop it.
-        wait_for(lambda: "the checkpoint was restored on another node" in
-                 (node_a.root / "daemon.log").read_text(), 20, "node A to drop its lock")
-        assert (Path(node_a.store) / checkpoint / "restored.json").exists()
-        node_b.cli("kill", restored["job"])
-    finally:
-        site.unlink()
+    node_a: Daemon = make_daemon(env={"STASIS_SITE_KEY": str(site_key),
+                                      "STASIS_NODE_NAME": "node-a"})
+    node_b: Daemon = make_daemon(store=node_a.store, env={"STASIS_SITE_KEY": str(site_key),
+                                                          "STASIS_NODE_NAME": "node-b"})
+    job, job_port = start(node_a, peer)
+    checkpoint = node_a.json("dump", job["job"])["checkpoint"]
+    restored = node_b.json("restore", checkpoint)
+    # Both nodes share this machine's firewall, so node B's CRIU lifts the rules; node A
+    # must learn from the store that its lock is done with, and drop it.
+    wait_for(lambda: "the checkpoint was restored on another node" in
+             (node_a.root / "daemon.log").read_text(), 20, "node A to drop its lock")
+    assert (Path(node_a.store) / checkpoint / "restored.json").exists()
+    node_b.cli("kill", restored["job"])
 
 
 def test_failed_dump_leaves_the_jobs_connections_working(make_daemon: MakeDaemon,

@@ -5,7 +5,6 @@ daemon with its own key restores another node's checkpoint only once it trusts t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +110,12 @@ def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(
 
 
 def test_nodes_sharing_a_site_key_trust_each_other(make_daemon: MakeDaemon,
-                                                    world_tmp: Path) -> None:
-    site = world_tmp / f"site-{os.getpid()}.key"
-    fd = os.open(site, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32))
-    os.close(fd)
-    try:
-        node_a: Daemon = make_daemon(env={"STASIS_SITE_KEY": str(site)})
-        node_b: Daemon = make_daemon(store=node_a.store, env={"STASIS_SITE_KEY": str(site)})
-        job = _counter(node_a, "site")
-        checkpoint = node_a.json("dump", job["job"])["checkpoint"]
-        at_dump = last_number(node_a, job["job"])
-        restored = node_b.json("restore", checkpoint)
-        _continues(node_b, job, restored, at_dump)
-        node_b.cli("kill", restored["job"])
-    finally:
-        site.unlink()
+                                                    site_key: Path) -> None:
+    node_a: Daemon = make_daemon(env={"STASIS_SITE_KEY": str(site_key)})
+    node_b: Daemon = make_daemon(store=node_a.store, env={"STASIS_SITE_KEY": str(site_key)})
+    job = _counter(node_a, "site")
+    checkpoint = node_a.json("dump", job["job"])["checkpoint"]
+    at_dump = last_number(node_a, job["job"])
+    restored = node_b.json("restore", checkpoint)
+    _continues(node_b, job, restored, at_dump)
+    node_b.cli("kill", restored["job"])
