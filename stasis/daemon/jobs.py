@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import signal
-from pathlib import Path
 
 from stasis.config import Settings
 from stasis.daemon.core import Core

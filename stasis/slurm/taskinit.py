@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from stasis.config import Settings, load_settings
