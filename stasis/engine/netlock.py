@@ -17,6 +17,7 @@ them out again, bringing a resumed tree's connections back, and the CRIU-shaped 
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import re
 import shlex
@@ -30,7 +31,9 @@ from stasis.engine import proctree
 
 # CRIU's own mark: packets CRIU itself sends while restoring carry it and pass the rules.
 CRIU_MARK = "0xc114"
-_RUNNING = re.compile(r"Running (?:ip6?tables) \[(.*)\]\s*$")
+# CRIU's own log line, from its start: the log also holds the job's file names, which the job's
+# user chooses (a newline included), so nothing but a line of exactly this shape is believed.
+_RUNNING = re.compile(r"^\(\d+\.\d+\) \tRunning ip6?tables \[(.*)\]$")
 _TOOLS = ("iptables", "ip6tables")
 _LOCK_FLAGS = ("-I", "-A")
 _TCP_REPAIR = 19  # linux/tcp.h
@@ -88,7 +91,7 @@ def rules_from_log(log_path: Path) -> list[LockRule]:
             argv = tuple(shlex.split(found.group(1)))
         except ValueError:
             continue
-        if not argv or argv[0] not in _TOOLS or "-j" not in argv or argv[-1] != "DROP":
+        if not _criu_shaped(argv):
             continue
         if "-D" in argv:
             for i, rule in enumerate(rules):
@@ -98,6 +101,31 @@ def rules_from_log(log_path: Path) -> list[LockRule]:
         elif any(flag in argv for flag in _LOCK_FLAGS):
             rules.append(LockRule(argv))
     return rules
+
+
+def _criu_shaped(argv: tuple[str, ...]) -> bool:
+    """Whether `argv` is exactly what CRIU runs to lock (-I/-A) or unlock (-D) one direction of a
+    TCP connection: root runs the -D form of it later, so a look-alike a user planted in the log
+    must not pass (at worst it names another CRIU lock rule, never a rule of the site's own)."""
+    words = list(argv)
+    if words[1:2] == ["-w"]:
+        del words[1]
+    if len(words) != 22 or words[0] not in _TOOLS:
+        return False
+    shape = [words[0], "-t", "filter", "", "", "--protocol", "tcp", "-m", "mark", "!", "--mark",
+             "0xC114", "--source", "", "--sport", "", "--destination", "", "--dport", "", "-j",
+             "DROP"]
+    if any(want and got != want for got, want in zip(words, shape)):
+        return False
+    if words[3] not in (*_LOCK_FLAGS, "-D") or words[4] not in ("INPUT", "OUTPUT"):
+        return False
+    family = 6 if words[0] == "ip6tables" else 4
+    try:
+        if any(ipaddress.ip_address(words[i]).version != family for i in (13, 17)):
+            return False
+    except ValueError:
+        return False
+    return all(words[i].isdigit() and 0 < int(words[i]) < 65536 for i in (15, 19))
 
 
 def remove(rules: Iterable[LockRule]) -> list[str]:
