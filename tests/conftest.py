@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import pytest
 
 from stasis.poll import poll
+from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
@@ -141,6 +142,21 @@ def site_key(world_tmp: Path) -> Iterator[Path]:
     os.close(fd)
     yield path
     path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def s3(world_tmp: Path) -> Iterator[S3Server]:
+    """One real S3 server (SeaweedFS) for the whole session; tests make their own buckets."""
+    server = S3Server(Path(tempfile.mkdtemp(prefix="s3-", dir=world_tmp)))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3: S3Server) -> str:
+    """A fresh bucket on the session's S3 server."""
+    return s3.make_bucket(f"t-{os.urandom(6).hex()}")
 
 
 @pytest.fixture(scope="session")
