@@ -39,8 +39,21 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
+    STASIS_KEEP_MAX_AGE_S  checkpoints older than this are deleted (a label's newest one
+                         always stays); 0 = no age limit  (0)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
+
+An s3:// store takes its endpoint, region and credentials where AWS tools look for them
+(AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
+shared files ~/.aws/config and ~/.aws/credentials, read by botocore itself), or from the file:
+
+    s3_endpoint_url = "http://10.0.0.5:8333"
+    s3_region = "us-east-1"
+    s3_access_key_id = "..."
+    s3_secret_access_key = "..."   # keep the file root-only; never logged
+
+The file's values win over the environment's.
 """
 
 from __future__ import annotations
@@ -78,6 +91,7 @@ _ENV_KEYS = {
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
+    "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -129,6 +143,19 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    keep_max_age_s: int = 0
+    # Only from the file: the environment has AWS's own variables for these (botocore reads
+    # them). "" = leave it to botocore.
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    s3_access_key_id: str = ""
+    s3_secret_access_key: str = ""
+
+    def __repr__(self) -> str:
+        # Settings end up in tracebacks and debug output; the secret must not.
+        shown = self._replace(s3_secret_access_key="***") if self.s3_secret_access_key else self
+        fields = ", ".join(f"{k}={v!r}" for k, v in zip(self._fields, tuple(shown)))
+        return f"Settings({fields})"
 
     @property
     def store_url(self) -> str:

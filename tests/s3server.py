@@ -124,7 +124,7 @@ class S3Server:
         options: dict[str, Any] = {
             "key": self.access_key, "secret": self.secret_key,
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION},
-            "skip_instance_cache": True,
+            "skip_instance_cache": True, "use_listings_cache": False,
         }
         options.update(overrides)
         return s3fs.S3FileSystem(**options)
