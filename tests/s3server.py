@@ -111,7 +111,7 @@ class S3Server:
             probe = f"ready-{os.getpid()}"
             fs.mkdir(probe)
             fs.pipe_file(f"{probe}/probe", b"x")
-            ok = fs.cat_file(f"{probe}/probe") == b"x"
+            ok: bool = fs.cat_file(f"{probe}/probe") == b"x"
             fs.rm(probe, recursive=True)
             return ok
         except Exception:
