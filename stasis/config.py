@@ -51,9 +51,12 @@ shared files ~/.aws/config and ~/.aws/credentials, read by botocore itself), or 
     s3_endpoint_url = "http://10.0.0.5:8333"
     s3_region = "us-east-1"
     s3_access_key_id = "..."
-    s3_secret_access_key = "..."   # keep the file root-only; never logged
+    s3_secret_access_key_file = "/etc/stasis/s3-secret"   # root-only; holds the secret
 
-The file's values win over the environment's.
+The secret goes in a root-only file of its own (`s3_secret_access_key_file`), so that the config
+file stays readable by the users whose `stasis` commands read it too; `s3_secret_access_key`
+in the config file itself only suits a config file nobody but root reads. Never logged. The
+file's values win over the environment's.
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class Settings(NamedTuple):
     s3_region: str = ""
     s3_access_key_id: str = ""
     s3_secret_access_key: str = ""
+    s3_secret_access_key_file: str = ""
 
     def __repr__(self) -> str:
         # Settings end up in tracebacks and debug output; the secret must not.

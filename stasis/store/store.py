@@ -813,10 +813,24 @@ def store_options(settings: Settings) -> dict[str, object]:
     if settings.s3_region:
         client["region_name"] = settings.s3_region
     options: dict[str, object] = {"client_kwargs": client} if client else {}
-    if settings.s3_access_key_id or settings.s3_secret_access_key:
+    secret = settings.s3_secret_access_key
+    if settings.s3_secret_access_key_file:
+        secret = _read_secret(Path(settings.s3_secret_access_key_file))
+    if settings.s3_access_key_id or secret:
         options["key"] = settings.s3_access_key_id
-        options["secret"] = settings.s3_secret_access_key
+        options["secret"] = secret
     return options
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        st = path.stat()
+        if st.st_mode & 0o077:
+            raise UsageError(f"s3_secret_access_key_file {path} is readable by others (mode "
+                             f"{st.st_mode & 0o777:o}): `chmod 600 {path}`")
+        return path.read_text().strip()
+    except OSError as e:
+        raise UsageError(f"cannot read s3_secret_access_key_file {path}: {_reason(e)}") from e
 
 
 def _unpack_to(
