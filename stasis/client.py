@@ -188,6 +188,9 @@ class Client:
         return cast("wire.Deleted",
                     self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
 
+    def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
+        return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))
+
     def check(self) -> wire.CheckReport:
         return cast("wire.CheckReport", self.request("GET", "/check"))
 

@@ -18,6 +18,7 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
     GET    /checkpoints?label=&user=                             list[Checkpoint]
     DELETE /checkpoints/{checkpoint}                             Deleted
+    POST   /checkpoints/gc                  GcRequest            GcAnswer (root only)
     GET    /check                                                CheckReport
     GET    /network-locks                                        list[NetworkLock]
     GET    /slurm/health                                         Health
@@ -165,6 +166,22 @@ class Checkpoint(TypedDict):
 
 class Deleted(TypedDict):
     deleted: str
+
+
+class GcRequest(TypedDict, total=False):
+    # Only what nothing was written to for this long is someone's garbage  (3600)
+    idle_s: float
+
+
+class GcAnswer(TypedDict):
+    """What `checkpoints gc` removed from the store (and the index entries it added)."""
+
+    staging: list[str]  # staging directories of dumps that died
+    partial: list[str]  # checkpoints without a manifest: publishes cut off
+    uploads: list[str]  # unfinished multipart uploads (S3), by key
+    expired: list[str]  # checkpoints beyond keep or older than keep_max_age_s
+    index_entries_removed: int
+    index_entries_added: int
 
 
 # -- the node --------------------------------------------------------------------------------

@@ -96,8 +96,8 @@ class S3Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.proc.returncode}; "
-                                   f"see {self.root / 'weed.log'}")
+                tail = (self.root / "weed.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}:\n{tail}")
             if self._ready():
                 return
             time.sleep(0.25)

@@ -34,6 +34,7 @@ from tests.conftest import ROOT
 REQUEST_PAIRS: list[tuple[type, type[BaseModel]]] = [
     (wire.RunRequest, daemon_models.RunRequest),
     (wire.KillRequest, daemon_models.KillRequest),
+    (wire.GcRequest, daemon_models.GcRequest),
     (wire.DumpRequest, daemon_models.DumpRequest),
     (wire.RestoreRequest, daemon_models.RestoreRequest),
     (wire.RegisterRequest, slurm_models.RegisterRequest),
@@ -47,6 +48,7 @@ WIRE_ONLY = {
     "WireError",  # test_error_shape
     "Progress",  # the dump and restore streams (tests/daemon/test_api.py)
     "Deleted",  # tests/test_client.py
+    "GcAnswer",  # tests/daemon/test_gc.py
     "Checkpoint",  # a part of the store's Manifest: test_checkpoint_is_part_of_the_manifest
     "CheckReport", "Problem", "NetworkLock",  # test_check_report_is_the_wires
     "Registration",  # test_registration_rows_are_the_wires

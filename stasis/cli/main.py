@@ -134,6 +134,18 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
             client.delete_checkpoint(args.checkpoint)
             output.say(f"deleted {args.checkpoint}")
             return
+        if args.action == "gc":
+            report = client.collect_garbage(idle_s=args.idle)
+            if args.json:
+                output.emit_json(report)
+                return
+            output.say(
+                f"removed {len(report['staging'])} staging dir(s), {len(report['partial'])} "
+                f"partial checkpoint(s), {len(report['uploads'])} unfinished upload(s), "
+                f"{report['index_entries_removed']} stale index entr(ies); expired "
+                f"{len(report['expired'])} checkpoint(s); indexed "
+                f"{report['index_entries_added']}")
+            return
         found = client.checkpoints(args.label, args.user)
     if args.json:
         output.emit_json(found)
@@ -280,16 +292,25 @@ def _add_ps(sub: Any) -> None:
 
 def _add_checkpoints(sub: Any) -> None:
     p = sub.add_parser("checkpoints", help="List checkpoints, newest first "
-                                           "(`checkpoints rm ID` deletes one).")
+                                           "(`checkpoints rm ID` deletes one, "
+                                           "`checkpoints gc` cleans the store).")
     p.add_argument("--label", help="Only your checkpoints with this label (or --user's).")
     p.add_argument("--user", metavar="NAME|UID",
                    help="Only this user's checkpoints (root only, for another user's; without "
                         "it root lists every user's, but --label looks among root's own).")
     add_json(p)
     p.set_defaults(handler=checkpoints, action=None)
-    rm = subcommands(p, dest="action", required=False).add_parser(
-        "rm", help="Delete CHECKPOINT from the store.")
+    actions = subcommands(p, dest="action", required=False)
+    rm = actions.add_parser("rm", help="Delete CHECKPOINT from the store.")
     rm.add_argument("checkpoint", metavar="CHECKPOINT")
+    gc = actions.add_parser(
+        "gc", help="Remove what dead dumps and nodes left in the store (staging, partial "
+                   "uploads, stale index entries) and apply retention to every label (root).")
+    gc.add_argument("--idle", type=float, default=3600.0, metavar="SECONDS",
+                    help="Only what nothing was written to for this long (default 3600).")
+    # SUPPRESS: `checkpoints --json gc` keeps the --json given before `gc`.
+    gc.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                    help="Print one JSON value.")
 
 
 def _signal(text: str) -> str:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from stasis.daemon.http import answer, error_body, peer, read_body, wire
 from stasis.daemon.integration import Integration
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRequest
+from stasis.daemon.models import DumpRequest, GcRequest, KillRequest, RestoreRequest, RunRequest
 from stasis.daemon.stopping import stop
 from stasis.engine.check import run_check
 from stasis.errors import PermissionDeniedError, StasisError, UsageError
@@ -147,6 +147,12 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
     return web.json_response({"deleted": checkpoint})
 
 
+async def collect_garbage(request: web.Request) -> web.StreamResponse:
+    req = await read_body(request, GcRequest)
+    return answer(await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request),
+                                          req.idle_s))
+
+
 async def network_locks(request: web.Request) -> web.StreamResponse:
     # The addresses and ports of every job's connections: root's to see.
     if not peer(request).is_root:
@@ -174,6 +180,7 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.post("/restore", restore),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
+        web.post("/checkpoints/gc", collect_garbage),
         web.get("/check", check),
         web.get("/network-locks", network_locks),
     ])

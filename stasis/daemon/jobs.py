@@ -52,7 +52,15 @@ from stasis.store import (
     validate_checkpoint_id,
     validate_label,
 )
-from stasis.wire import DumpAnswer, DumpCheckAnswer, Job, KillAnswer, RestoreAnswer, RunAnswer
+from stasis.wire import (
+    DumpAnswer,
+    DumpCheckAnswer,
+    GcAnswer,
+    Job,
+    KillAnswer,
+    RestoreAnswer,
+    RunAnswer,
+)
 
 log = logging.getLogger("stasis.daemon")
 
@@ -147,6 +155,23 @@ class JobManager:
             caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
         self.store.delete(checkpoint_id)
         self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
+
+    def collect_garbage(self, caller: Caller, idle_s: float) -> GcAnswer:
+        """`stasis checkpoints gc`: what dead dumps and nodes left in the store, and retention
+        over every label. Root only: it judges every user's leftovers."""
+        if not caller.is_root:
+            raise PermissionDeniedError("permission denied: only root may collect the garbage "
+                                        "of the store")
+        report = self.store.gc(idle_s)
+        expired = self.store.expire()
+        log.info("gc of %s: removed %d staging dir(s), %d partial checkpoint(s), %d upload(s), "
+                 "%d index entr(ies); expired %d checkpoint(s)", self.store.url,
+                 len(report.staging), len(report.partial), len(report.uploads),
+                 report.entries_removed, len(expired))
+        return GcAnswer(staging=report.staging, partial=report.partial,
+                             uploads=report.uploads, expired=expired,
+                             index_entries_removed=report.entries_removed,
+                             index_entries_added=report.entries_added)
 
     # -- housekeeping --------------------------------------------------------------------------
 

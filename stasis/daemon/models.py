@@ -58,6 +58,10 @@ class RestoreRequest(_Model):
     lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
 
 
+class GcRequest(_Model):
+    idle_s: float = Field(default=3600.0, ge=0)
+
+
 class KillRequest(_Model):
     # A name (TERM, SIGTERM, term) or a number; stasis/daemon/signals.py reads it.
     signal: str | int = "SIGTERM"
