@@ -443,22 +443,27 @@ class Store:
             validate_label(label)
         indexed = label is not None and self._index_ready()
         ids = [e.checkpoint_id for e in self._entries(label, uid)] if indexed else self._ids()
-        manifests = []
-        for checkpoint_id in ids:
+        def one(checkpoint_id: str) -> Manifest | None:
             try:
-                manifest = self._load(checkpoint_id)
+                return self._load(checkpoint_id)
             except FileNotFoundError:
-                continue  # being published, or half-deleted
+                return None  # being published, or half-deleted
             except StasisError:
                 raise
             except _UntrustedManifest as e:
                 self._warn_once(checkpoint_id, self._untrusted_why(e))
-                continue
+                return None
             except Exception as e:  # garbage, or a file we may not read: one bad apple only
                 self._warn_once(checkpoint_id, str(e))
-                continue
-            if (label is None or manifest.label == label) and (uid is None or manifest.uid == uid):
-                manifests.append(manifest)
+                return None
+
+        # A remote store answers each read after a round trip: several at once.
+        workers = 1 if isinstance(self._tree, LocalTree) else 16
+        manifests = [
+            m for m in in_parallel(one, ids, min(workers, len(ids)))
+            if m is not None and (label is None or m.label == label)
+            and (uid is None or m.uid == uid)
+        ]
         return sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
 
     def get(self, checkpoint_id: str) -> Manifest:
