@@ -39,6 +39,9 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
+    STASIS_TEST_PAGE_DELAY_MS  TESTS ONLY: milliseconds the page server of a lazy restore from
+                         a store holds back each answer (a deterministic window before all
+                         pages are back)  (0)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
 """
@@ -78,6 +81,7 @@ _ENV_KEYS = {
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
+    "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -129,6 +133,8 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
+    test_page_delay_ms: int = 0
 
     @property
     def store_url(self) -> str:

@@ -233,7 +233,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             criu, Path(spec["images"]), Owner(spec["uid"], spec["gid"], spec["groups"]),
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
-            notify=_resume_gate if spec.get("gate") else None)
+            notify=_resume_gate if spec.get("gate") else None,
+            page_server=Path(spec["page_server"]) if spec.get("page_server") else None)
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return
