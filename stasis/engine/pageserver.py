@@ -210,7 +210,7 @@ class PageReader(Protocol):
     """Plaintext bytes of image file `name` from `offset`: exactly `length` of them, or an
     exception (a store that failed, a chunk that did not verify)."""
 
-    def __call__(self, name: str, offset: int, length: int) -> bytes: ...
+    def __call__(self, name: str, offset: int, length: int, /) -> bytes: ...
 
 
 class _ReadAhead:
