@@ -42,8 +42,24 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_TEST_PAGE_DELAY_MS  TESTS ONLY: milliseconds the page server of a lazy restore from
                          a store holds back each answer (a deterministic window before all
                          pages are back)  (0)
+    STASIS_KEEP_MAX_AGE_S  checkpoints older than this are deleted (a label's newest one
+                         always stays); 0 = no age limit  (0)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
+
+An s3:// store takes its endpoint, region and credentials where AWS tools look for them
+(AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
+shared files ~/.aws/config and ~/.aws/credentials, read by botocore itself), or from the file:
+
+    s3_endpoint_url = "http://10.0.0.5:8333"
+    s3_region = "us-east-1"
+    s3_access_key_id = "..."
+    s3_secret_access_key_file = "/etc/stasis/s3-secret"   # root-only; holds the secret
+
+The secret goes in a root-only file of its own (`s3_secret_access_key_file`), so that the config
+file stays readable by the users whose `stasis` commands read it too; `s3_secret_access_key`
+in the config file itself only suits a config file nobody but root reads. Never logged. The
+file's values win over the environment's.
 """
 
 from __future__ import annotations
@@ -82,6 +98,7 @@ _ENV_KEYS = {
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
+    "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -135,6 +152,20 @@ class Settings(NamedTuple):
     node_name: str = ""  # "" = the host name (`Settings.node`)
     # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
     test_page_delay_ms: int = 0
+    keep_max_age_s: int = 0
+    # Only from the file: the environment has AWS's own variables for these (botocore reads
+    # them). "" = leave it to botocore.
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    s3_access_key_id: str = ""
+    s3_secret_access_key: str = ""
+    s3_secret_access_key_file: str = ""
+
+    def __repr__(self) -> str:
+        # Settings end up in tracebacks and debug output; the secret must not.
+        shown = self._replace(s3_secret_access_key="***") if self.s3_secret_access_key else self
+        fields = ", ".join(f"{k}={v!r}" for k, v in zip(self._fields, tuple(shown)))
+        return f"Settings({fields})"
 
     @property
     def store_url(self) -> str:

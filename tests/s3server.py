@@ -111,7 +111,7 @@ class S3Server:
             probe = f"ready-{os.getpid()}"
             fs.mkdir(probe)
             fs.pipe_file(f"{probe}/probe", b"x")
-            ok = fs.cat_file(f"{probe}/probe") == b"x"
+            ok: bool = fs.cat_file(f"{probe}/probe") == b"x"
             fs.rm(probe, recursive=True)
             return ok
         except Exception:
@@ -124,7 +124,7 @@ class S3Server:
         options: dict[str, Any] = {
             "key": self.access_key, "secret": self.secret_key,
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION},
-            "skip_instance_cache": True,
+            "skip_instance_cache": True, "use_listings_cache": False,
         }
         options.update(overrides)
         return s3fs.S3FileSystem(**options)

@@ -36,6 +36,7 @@ from stasis.store._tree import (
     staged_names,
 )
 from stasis.store.compression import Reader, cpu_workers
+from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
@@ -212,6 +213,82 @@ class LocalTree:
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return self._check_root() and (self.root / checkpoint_id / name).is_file()
+
+    def newest_write(self, checkpoint_id: str) -> float | None:
+        path = self.root / checkpoint_id
+        try:
+            times = [os.lstat(path).st_mtime]
+            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)]
+        except FileNotFoundError:
+            return None
+        return max(times)
+
+    # -- the label index --------------------------------------------------------------------
+
+    def _index(self) -> Path:
+        return self.root / INDEX_DIR
+
+    def index_put(self, label: str, uid: int, name: str) -> None:
+        self._ensure_root()
+        index = self._index()
+        _private_dir(index)
+        by_label = index / label
+        by_label.mkdir(mode=0o700, exist_ok=True)
+        owner = by_label / str(uid)
+        owner.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(owner / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        # The entry must outlive a crash that the manifest written after it survives.
+        _fsync_dir(owner)
+
+    def index_remove(self, label: str, uid: int, name: str) -> None:
+        owner = self._index() / label / str(uid)
+        try:
+            os.unlink(owner / name)
+        except FileNotFoundError:
+            return
+        for empty in (owner, owner.parent):
+            try:
+                os.rmdir(empty)
+            except OSError:
+                break  # not empty (or another node filled it meanwhile)
+
+    def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
+        if not self._check_root():
+            return []
+        by_label = self._index() / label
+        if uid is not None:
+            owners = [(uid, by_label / str(uid))]
+        else:
+            try:
+                owners = [(u, by_label / e) for e in os.listdir(by_label)
+                          if (u := parse_uid(e)) is not None]
+            except FileNotFoundError:
+                return []
+        found = []
+        for owner_uid, owner in owners:
+            try:
+                names = os.listdir(owner)
+            except FileNotFoundError:
+                continue
+            found += [e for n in names if (e := parse_entry(n, owner_uid)) is not None]
+        return sorted(found)
+
+    def index_labels(self) -> list[str]:
+        if not self._check_root():
+            return []
+        try:
+            return sorted(e for e in os.listdir(self._index()) if e != FORMAT_FILE)
+        except FileNotFoundError:
+            return []
+
+    def index_ready(self) -> bool:
+        return self._check_root() and (self._index() / FORMAT_FILE).is_file()
+
+    def mark_index_ready(self) -> None:
+        self._ensure_root()
+        _private_dir(self._index())
+        _write_atomically(self._index() / FORMAT_FILE, FORMAT)
 
 
 def _private_dir(path: Path) -> None:

@@ -3,7 +3,8 @@
 Same layout as the local store, `<root>/<id>/{images..., manifest.json}`, but images are dumped
 into a local staging directory first and uploaded from there, compressed on the way. There is no
 directory rename to lean on, so manifest.json is written last, under a temporary name and then
-moved into place: a checkpoint without it is never listed, and a failed publish removes what it
+moved into place (on S3, where one PUT is atomic and there is no rename, written in place:
+see _s3.py): a checkpoint without it is never listed, and a failed publish removes what it
 uploaded. Permissions are the remote's business: grant writes to root alone.
 """
 
@@ -18,6 +19,7 @@ from typing import Any, cast
 
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
 from stasis.store.compression import Reader, Writer
+from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
@@ -45,6 +47,10 @@ class RemoteTree:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
+        return self._ids_in(entries)
+
+    @staticmethod
+    def _ids_in(entries: list[dict[str, Any]]) -> list[str]:
         found = []
         for entry in entries:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
@@ -53,8 +59,9 @@ class RemoteTree:
         return found
 
     def read_manifest(self, checkpoint_id: str) -> bytes:
-        with self.fs.open(self._path(checkpoint_id, MANIFEST_NAME), "rb") as f:
-            return cast(bytes, f.read(MAX_MANIFEST_BYTES))
+        # One ranged GET: opening a file first would cost a HEAD request more on object stores.
+        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, MANIFEST_NAME),
+                                            start=0, end=MAX_MANIFEST_BYTES))
 
     def manifest_mtime(self, checkpoint_id: str) -> float:
         # fsspec's own: a datetime, or NotImplementedError where the backend keeps no time.
@@ -118,14 +125,12 @@ class RemoteTree:
             if self.fs.exists(target):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
             started = True
-            self.fs.makedirs(target, exist_ok=True)
+            self._make_dir(target)
             entries = pack_staged(
                 staging, names, compression, lambda n: self._open_write(self._path(info.id, n))
             )
             manifest = seal(Manifest.build(info, compression, entries))
-            tmp = self._path(info.id, f".{MANIFEST_NAME}.tmp")
-            self.fs.pipe_file(tmp, manifest_bytes(manifest))
-            self.fs.mv(tmp, self._path(info.id, MANIFEST_NAME))
+            self._put_manifest(info.id, manifest_bytes(manifest))
         except BaseException:
             if started:
                 self._remove_quietly(target)
@@ -133,6 +138,15 @@ class RemoteTree:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def _make_dir(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def _put_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        # Not every fsspec backend writes a file in one step: write beside it, then move.
+        tmp = self._path(checkpoint_id, f".{MANIFEST_NAME}.tmp")
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, self._path(checkpoint_id, MANIFEST_NAME))
 
     def _remove_quietly(self, target: str) -> None:
         try:
@@ -157,3 +171,62 @@ class RemoteTree:
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return bool(self.fs.exists(self._path(checkpoint_id, name)))
+
+    def newest_write(self, checkpoint_id: str) -> float | None:
+        try:
+            entries = self.fs.ls(self._path(checkpoint_id), detail=True)
+        except FileNotFoundError:
+            return None
+        times = []
+        for entry in entries:
+            # Each backend names it its own way: S3 LastModified, local mtime, memory created.
+            stamp = entry.get("LastModified") or entry.get("mtime") or entry.get("created")
+            if hasattr(stamp, "timestamp"):
+                times.append(float(stamp.timestamp()))
+            elif isinstance(stamp, int | float):
+                times.append(float(stamp))
+        return max(times) if times else None
+
+    # -- the label index --------------------------------------------------------------------
+
+    def index_put(self, label: str, uid: int, name: str) -> None:
+        self._make_dir(self._path(INDEX_DIR, label, str(uid)))
+        self.fs.pipe_file(self._path(INDEX_DIR, label, str(uid), name), b"")
+
+    def index_remove(self, label: str, uid: int, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(INDEX_DIR, label, str(uid), name))
+        except FileNotFoundError:
+            pass
+
+    def _names(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return [posixpath.basename(str(e).rstrip("/")) for e in entries]
+
+    def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
+        if uid is not None:
+            owners = [uid]
+        else:
+            owners = [u for n in self._names(self._path(INDEX_DIR, label))
+                      if (u := parse_uid(n)) is not None]
+        found = []
+        for owner in owners:
+            found += [e for n in self._owner_entries(label, owner, limit)
+                      if (e := parse_entry(n, owner)) is not None]
+        return sorted(found)
+
+    def _owner_entries(self, label: str, uid: int, limit: int | None) -> list[str]:
+        return self._names(self._path(INDEX_DIR, label, str(uid)))
+
+    def index_labels(self) -> list[str]:
+        return sorted(n for n in self._names(self._path(INDEX_DIR)) if n != FORMAT_FILE)
+
+    def index_ready(self) -> bool:
+        return bool(self.fs.exists(self._path(INDEX_DIR, FORMAT_FILE)))
+
+    def mark_index_ready(self) -> None:
+        self._make_dir(self._path(INDEX_DIR))
+        self.fs.pipe_file(self._path(INDEX_DIR, FORMAT_FILE), FORMAT)

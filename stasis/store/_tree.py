@@ -26,6 +26,7 @@ from stasis.store.manifest import (
     is_checkpoint_id,
     is_safe_file_name,
 )
+from stasis.store.index import Entry
 from stasis.store.tailhash import Partial
 
 # A manifest lists files, not data: anything this large is garbage, and is not read whole.
@@ -105,6 +106,36 @@ class Tree(Protocol):
         """An empty directory for the compressed files of `checkpoint_id` that a follower writes
         while CRIU dumps (local trees only); publish takes them from there."""
         ...
+
+    def newest_write(self, checkpoint_id: str) -> float | None:
+        """When anything in a checkpoint's directory was last written (epoch seconds); None
+        when it holds nothing or the backend cannot tell."""
+        ...
+
+    # -- the label index (index.py) ---------------------------------------------------------
+
+    def index_put(self, label: str, uid: int, name: str) -> None:
+        """Create the (empty) index entry `name` of (label, uid), durably."""
+        ...
+
+    def index_remove(self, label: str, uid: int, name: str) -> None:
+        """Remove an index entry; nothing happens when it is not there."""
+        ...
+
+    def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
+        """The entries of (label, uid), or of `label` for every owner (uid None), newest first;
+        at least the newest `limit` of each owner when a limit is given (a tree may return more)."""
+        ...
+
+    def index_labels(self) -> list[str]:
+        """Every label with index entries."""
+        ...
+
+    def index_ready(self) -> bool:
+        """Whether the index is complete (`Store.ensure_index` finished once)."""
+        ...
+
+    def mark_index_ready(self) -> None: ...
 
 
 def staged_names(staging: Path) -> list[str]:

@@ -18,6 +18,7 @@ keyring does not trust is never listed, never restored, never counted by retenti
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import logging
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -43,6 +45,8 @@ from stasis.errors import (
 )
 from stasis.store._local import LocalTree
 from stasis.store._remote import RemoteTree
+from stasis.store._s3 import SHARED_OPTIONS, S3Tree, describe
+from stasis.store.index import Entry, entry_name
 from stasis.store._tree import Tree, in_parallel, remove_idle, staged_names
 from stasis.store.compression import (
     DecompressionError,
@@ -75,6 +79,19 @@ STALE_STAGING_S = 3600.0
 MANIFEST_PURPOSE = "manifest"
 # Beside a checkpoint's images: some node restored it (`Store.mark_restored`).
 RESTORED_NOTE = "restored.json"
+# Index entries `latest` reads in one go: S3's page.
+_FIRST_PAGE = 1000
+
+
+@dataclass
+class GcReport:
+    """What `Store.gc` removed (and the index entries it added)."""
+
+    staging: list[str] = field(default_factory=list)
+    partial: list[str] = field(default_factory=list)  # checkpoints without a manifest
+    uploads: list[str] = field(default_factory=list)  # keys of aborted multipart uploads
+    entries_removed: int = 0
+    entries_added: int = 0
 
 
 class _UnreadableManifest(Exception):
@@ -107,15 +124,19 @@ class Store:
     """
 
     def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
-                 keys: Signer | None = None) -> None:
+                 keys: Signer | None = None, max_age_s: float = 0,
+                 options: Mapping[str, object] | None = None) -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
             raise UsageError("no checkpoint store given: set STASIS_STORE to a directory or URL")
+        if max_age_s < 0:
+            raise UsageError(f"max_age_s must be 0 (no age limit) or more, not {max_age_s}")
         self.url = url
         self.keep = keep
+        self.max_age_s = max_age_s
         self.keys: Signer = keys if keys is not None else process_keyring()
-        self._tree = _open_tree(url, staging_root)
+        self._tree = _open_tree(url, staging_root, options or {})
         # Checkpoints already warned about: a store with many bad ones must not flood the log.
         self._warned: set[str] = set()
 
@@ -167,11 +188,16 @@ class Store:
             raise UsageError(
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
+        entry = entry_name(info.created, info.id)
         try:
+            # Before the manifest: a published checkpoint always has its entry (index.py).
+            self._tree.index_put(info.label, info.uid, entry)
             manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal)
-        except StasisError:
-            raise
-        except Exception as e:  # OSError, or the own types of fsspec backends
+        except BaseException as e:
+            self._forget_entry(info.label, info.uid, entry)
+            if isinstance(e, StasisError) or not isinstance(e, Exception):
+                raise
+            # OSError, or the own types of fsspec backends
             raise self._write_error(info.id, e) from e
         try:
             self._retain(info.label, info.uid, protect=info.id)
@@ -259,9 +285,20 @@ class Store:
         except OSError as e:
             raise self._write_error(checkpoint_id, e) from e
 
+    def _forget_entry(self, label: str, uid: int, entry: str) -> None:
+        try:
+            self._tree.index_remove(label, uid, entry)
+        except Exception as e:  # the server is gone, say: gc removes the entry later
+            log.debug("cannot remove index entry %s of %s: %s", entry, label, e)
+
     def delete(self, checkpoint_id: str) -> None:
-        """Remove a checkpoint: manifest.json first, so a half-deleted one is never listed."""
+        """Remove a checkpoint: manifest.json first, so a half-deleted one is never listed;
+        its index entry last."""
         validate_checkpoint_id(checkpoint_id)
+        try:
+            known: Manifest | None = self._load(checkpoint_id)
+        except Exception:
+            known = None  # unreadable or gone: gc finds its entry, if any
         try:
             self._tree.remove(checkpoint_id)
         except FileNotFoundError:
@@ -270,8 +307,10 @@ class Store:
             raise
         except Exception as e:
             raise StoreError(
-                f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
+                f"cannot delete checkpoint {checkpoint_id} from {self.url}: {self._why(e)}"
             ) from e
+        if known is not None:
+            self._forget_entry(known.label, known.uid, entry_name(known.created, known.id))
 
     def mark_restored(self, checkpoint_id: str, host: str) -> None:
         """Say in the store that `checkpoint_id` was restored on `host`: the node that dumped it
@@ -312,9 +351,16 @@ class Store:
         return [deleted for owner in owners for deleted in self._retain(label, owner, None)]
 
     def _retain(self, label: str, uid: int, protect: str | None) -> list[str]:
-        if self.keep == 0:
+        if self.keep == 0 and self.max_age_s == 0:
             return []
-        doomed = [m.id for m in self.list(label, uid=uid)[self.keep :] if m.id != protect]
+        series = self.list(label, uid=uid)
+        doomed = [m.id for m in series[self.keep:]] if self.keep else []
+        if self.max_age_s:
+            # The newest always stays: it is what the next restore of the label resumes from.
+            cutoff = time.time() - self.max_age_s
+            doomed += [m.id for m in series[1:] if m.created.timestamp() < cutoff
+                       and m.id not in doomed]
+        doomed = [d for d in doomed if d != protect]
         deleted = []
         for checkpoint_id in doomed:
             try:
@@ -324,6 +370,61 @@ class Store:
             deleted.append(checkpoint_id)
         return deleted
 
+    def expire(self) -> builtins.list[str]:
+        """Apply retention (keep-N and the age limit) to every label of every owner; return the
+        deleted ids. Publishing applies it to its own label; this catches labels nobody dumps
+        any more."""
+        if self._index_ready():
+            try:
+                labels = self._tree.index_labels()
+            except Exception as e:
+                raise StoreError(f"cannot list the labels of {self.url}: {self._why(e)}") from e
+        else:
+            labels = sorted({m.label for m in self.list()})
+        return [deleted for label in labels for deleted in self.apply_retention(label)]
+
+    def gc(self, idle_s: float = STALE_STAGING_S) -> GcReport:
+        """Remove what dead dumps and dead nodes left behind, all of it idle for `idle_s`:
+        staging directories, checkpoint directories without a manifest (a publish cut off),
+        unfinished multipart uploads (S3), index entries leading nowhere; and add the index
+        entries that are missing. Never touches a complete checkpoint."""
+        report = GcReport(staging=self.remove_stale_staging(idle_s))
+        now = time.time()
+        tree = self._tree
+        try:
+            ids = set(tree.ids())
+            for checkpoint_id in sorted(ids):
+                try:
+                    tree.read_manifest(checkpoint_id)
+                    continue
+                except FileNotFoundError:
+                    pass
+                newest = tree.newest_write(checkpoint_id)
+                if newest is not None and now - newest < idle_s:
+                    continue  # a publish under way, maybe on another node
+                try:
+                    tree.remove(checkpoint_id)
+                except FileNotFoundError:
+                    pass
+                ids.discard(checkpoint_id)
+                report.partial.append(checkpoint_id)
+            if isinstance(tree, S3Tree):
+                for key, upload_id in tree.abandoned_uploads(idle_s):
+                    tree.abort_upload(key, upload_id)
+                    report.uploads.append(key)
+            for label in tree.index_labels():
+                for entry in tree.index_list(label, None):
+                    if entry.checkpoint_id in ids or now - entry.created.timestamp() < idle_s:
+                        continue
+                    tree.index_remove(label, entry.uid, entry.name)
+                    report.entries_removed += 1
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot collect garbage in {self.url}: {self._why(e)}") from e
+        report.entries_added = self._add_missing_entries()
+        return report
+
     # -- reading ----------------------------------------------------------------------------
 
     def _ids(self) -> list[str]:
@@ -332,7 +433,7 @@ class Store:
         except StasisError:
             raise
         except Exception as e:
-            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+            raise StoreError(f"cannot list checkpoints in {self.url}: {self._why(e)}") from e
 
     def list(self, label: str | None = None, *, uid: int | None = None) -> list[Manifest]:
         """Complete checkpoints, newest first; skips unreadable ones. `label` and `uid` (the
@@ -340,7 +441,8 @@ class Store:
         one series of checkpoints, and a caller must never be handed another user's."""
         if label is not None:
             validate_label(label)
-        ids = self._ids()
+        indexed = label is not None and self._index_ready()
+        ids = [e.checkpoint_id for e in self._entries(label, uid)] if indexed else self._ids()
         manifests = []
         for checkpoint_id in ids:
             try:
@@ -383,8 +485,18 @@ class Store:
             ) from e
 
     def latest(self, label: str, *, uid: int) -> Manifest:
-        """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none."""
-        manifests = self.list(validate_label(label), uid=uid)
+        """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none.
+
+        With the index (index.py): one listing and, normally, one manifest read, whatever the
+        size of the store."""
+        validate_label(label)
+        if self._index_ready():
+            for entry in self._entries(label, uid, limit=_FIRST_PAGE):
+                found = self._indexed(entry, label)
+                if found is not None:
+                    return found
+            # Only entries of publishes under way or dead on the first page: read them all.
+        manifests = self.list(label, uid=uid)
         if not manifests:
             raise NotFoundError(
                 f"no checkpoint with label {label} owned by uid {uid} in store {self.url}"
@@ -450,7 +562,80 @@ class Store:
         """
         self._verify(manifest, None, only)
 
+    # -- the label index --------------------------------------------------------------------
+
+    def _index_ready(self) -> bool:
+        try:
+            return self._tree.index_ready()
+        except Exception as e:
+            raise StoreError(f"cannot read the index of {self.url}: {self._why(e)}") from e
+
+    def _entries(self, label: str | None, uid: int | None,
+                 limit: int | None = None) -> builtins.list[Entry]:
+        assert label is not None
+        try:
+            return self._tree.index_list(label, uid, limit)
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot list checkpoints in {self.url}: {self._why(e)}") from e
+
+    def _indexed(self, entry: Entry, label: str) -> Manifest | None:
+        """The manifest an index entry leads to, when it is complete, trusted and matches."""
+        try:
+            manifest = self._load(entry.checkpoint_id)
+        except FileNotFoundError:
+            return None  # being published, or its publish died (gc removes the entry)
+        except StasisError:
+            raise
+        except _UntrustedManifest as e:
+            self._warn_once(entry.checkpoint_id, self._untrusted_why(e))
+            return None
+        except Exception as e:
+            self._warn_once(entry.checkpoint_id, str(e))
+            return None
+        # The entry is a hint; the signed manifest decides.
+        if manifest.label != label or manifest.uid != entry.uid:
+            return None
+        return manifest
+
+    def ensure_index(self) -> int:
+        """Make the label index complete: add an entry for every checkpoint that lacks one (a
+        store written before stasis kept an index), then mark it complete. Reads every manifest
+        once, the first time only; returns how many entries were added (0 when complete)."""
+        if self._index_ready():
+            return 0
+        added = self._add_missing_entries()
+        try:
+            self._tree.mark_index_ready()
+        except Exception as e:
+            raise self._write_error("index", e) from e
+        return added
+
+    def _add_missing_entries(self) -> int:
+        added = 0
+        by_series: dict[tuple[str, int], set[str]] = {}
+        for manifest in self.list():
+            key = (manifest.label, manifest.uid)
+            if key not in by_series:
+                by_series[key] = {e.name for e in self._entries(*key)}
+            name = entry_name(manifest.created, manifest.id)
+            if name not in by_series[key]:
+                try:
+                    self._tree.index_put(manifest.label, manifest.uid, name)
+                except Exception as e:
+                    raise self._write_error(manifest.id, e) from e
+                added += 1
+        return added
+
     # -- helpers ----------------------------------------------------------------------------
+
+    def _why(self, e: BaseException) -> str:
+        if isinstance(self._tree, S3Tree):
+            said = describe(e, self.url)
+            if said is not None:
+                return said
+        return _reason(e)
 
     def _seal(self, manifest: Manifest) -> Manifest:
         signature = self.keys.sign(MANIFEST_PURPOSE, _signed_part(manifest))
@@ -586,7 +771,8 @@ class Store:
         )
 
     def _read_error(self, checkpoint_id: str, e: Exception) -> StoreError:
-        return StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}")
+        return StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: "
+                          f"{self._why(e)}")
 
     def _write_error(self, checkpoint_id: str, e: Exception) -> StoreError:
         if _errno_in_chain(e) in _NO_SPACE:
@@ -594,7 +780,8 @@ class Store:
                 f"no space left on {self.url} while writing checkpoint {checkpoint_id}: "
                 "free space or point STASIS_STORE elsewhere"
             )
-        return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: {_reason(e)}")
+        return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: "
+                          f"{self._why(e)}")
 
 
 def _signed_part(manifest: Manifest) -> dict[str, object]:
@@ -604,16 +791,54 @@ def _signed_part(manifest: Manifest) -> dict[str, object]:
     return signed
 
 
-def _open_tree(url: str, staging_root: Path) -> Tree:
+def _open_tree(url: str, staging_root: Path, options: Mapping[str, object]) -> Tree:
     if "://" not in url and "::" not in url:
         return LocalTree(Path(url).absolute())
+    s3 = url.startswith(("s3://", "s3a://"))
+    if s3:
+        options = {**SHARED_OPTIONS, **options}
+        if not url.split("://", 1)[1].split("/", 1)[0]:
+            raise UsageError(f"checkpoint store {url} names no bucket: use s3://BUCKET/PREFIX")
     try:
-        fs, root = fsspec.core.url_to_fs(url)
+        fs, root = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError, TypeError) as e:
         raise UsageError(f"cannot use checkpoint store {url}: {_reason(e)}") from e
     if type(fs) is fsspec.implementations.local.LocalFileSystem:
         return LocalTree(Path(root))
+    if s3:
+        return S3Tree(fs, str(root), url, staging_root)
     return RemoteTree(fs, str(root), url, staging_root)
+
+
+def store_options(settings: Settings) -> dict[str, object]:
+    """fsspec options for the configured store: the S3 endpoint, region and keys of the config
+    file (else botocore finds them where AWS tools look: AWS_* variables, ~/.aws)."""
+    if not settings.store_url.startswith(("s3://", "s3a://")):
+        return {}
+    client: dict[str, str] = {}
+    if settings.s3_endpoint_url:
+        client["endpoint_url"] = settings.s3_endpoint_url
+    if settings.s3_region:
+        client["region_name"] = settings.s3_region
+    options: dict[str, object] = {"client_kwargs": client} if client else {}
+    secret = settings.s3_secret_access_key
+    if settings.s3_secret_access_key_file:
+        secret = _read_secret(Path(settings.s3_secret_access_key_file))
+    if settings.s3_access_key_id or secret:
+        options["key"] = settings.s3_access_key_id
+        options["secret"] = secret
+    return options
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        st = path.stat()
+        if st.st_mode & 0o077:
+            raise UsageError(f"s3_secret_access_key_file {path} is readable by others (mode "
+                             f"{st.st_mode & 0o777:o}): `chmod 600 {path}`")
+        return path.read_text().strip()
+    except OSError as e:
+        raise UsageError(f"cannot read s3_secret_access_key_file {path}: {_reason(e)}") from e
 
 
 def _unpack_to(
@@ -656,4 +881,5 @@ def node_store(settings: Settings, keys: Signer | None = None) -> Store:
     under the state directory, the node's keyring (`keys`: the one the daemon made at its
     start; else read from the state directory)."""
     return Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
-                 keys=keys if keys is not None else node_keyring(settings))
+                 keys=keys if keys is not None else node_keyring(settings),
+                 max_age_s=settings.keep_max_age_s, options=store_options(settings))
