@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import workload_pid
+from tests.s3server import S3Server
 
 
 def _digests(d: Daemon, job: str) -> list[str]:
@@ -84,3 +85,22 @@ def test_a_page_that_cannot_be_had_kills_the_job(make_daemon: MakeDaemon,
     assert d.job(restored["job"])["state"] == "failed"
     assert re.search(f"killed lazily restored job {restored['job']} .*: a page could not be had "
                      "from the store: .*pages-", (d.root / "daemon.log").read_text())
+
+
+def test_lazy_restore_from_s3(make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str,
+                              site_key: Path) -> None:
+    env = {**s3.env(), "STASIS_SITE_KEY": str(site_key)}
+    node_a = make_daemon(store=f"s3://{s3_bucket}/site", env=env)
+    node_b = make_daemon(store=f"s3://{s3_bucket}/site", env=env)
+    job = node_a.run(*workload("memhold.py", 32))
+    wait_for(lambda: "ready" in node_a.log_of(job["job"]), what="ready")
+    cp = node_a.json("dump", job["job"])
+    restored = node_b.json("restore", "--lazy", cp["checkpoint"])
+    assert restored["lazy"] is True and restored["notes"] == []
+    os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)
+    wait_for(lambda: len(_digests(node_b, restored["job"])) == 2, 60, "digest")
+    assert len(set(_digests(node_b, restored["job"]))) == 1
+    memory = node_b.state_dir / "jobs" / restored["job"] / "memory.json"
+    wait_for(memory.exists, 60, "lazy-pages done")
+    assert json.loads(memory.read_text())["ok"] is True
+    node_b.cli("kill", restored["job"])
