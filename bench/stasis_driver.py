@@ -28,12 +28,13 @@ class Timed:
 
 
 class StasisDaemon:
-    def __init__(self, root: Path, store: Path | None, stasis: str = STASIS) -> None:
+    def __init__(self, root: Path, store: Path | None, stasis: str = STASIS,
+                 url: str | None = None) -> None:
         """`store` None: the default store, <state_dir>/checkpoints, on the disk under `root`.
 
         `stasis` is the command to run (a snapshot's, see bench.snapshot). Everything runs with
         `root` as its working directory: `python -m` (the job shims) would import stasis from
-        the current directory first.
+        the current directory first. `url`: how the daemon is to name `store` (dir::file://).
         """
         self.root = root
         self.stasis = stasis
@@ -47,7 +48,7 @@ class StasisDaemon:
             "STASIS_CONFIG": "",
         }
         if store is not None:
-            self.env["STASIS_STORE"] = str(store)
+            self.env["STASIS_STORE"] = url or str(store)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -39,6 +39,9 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
+    STASIS_TEST_PAGE_DELAY_MS  TESTS ONLY: milliseconds the page server of a lazy restore from
+                         a store holds back each answer (a deterministic window before all
+                         pages are back)  (0)
     STASIS_KEEP_MAX_AGE_S  checkpoints older than this are deleted (a label's newest one
                          always stays); 0 = no age limit  (0)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
@@ -94,6 +97,7 @@ _ENV_KEYS = {
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
+    "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
@@ -146,6 +150,8 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
+    test_page_delay_ms: int = 0
     keep_max_age_s: int = 0
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.

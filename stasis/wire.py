@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-JobState = Literal["running", "restored", "checkpointed", "exited"]
+JobState = Literal["running", "restored", "checkpointed", "exited", "failed"]
 # What a dump is asked to do with its images; "auto" compresses only memory that shrinks.
 CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
 # What a stored checkpoint is compressed with (never "auto": that was decided at dump time).

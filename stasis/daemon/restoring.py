@@ -1,6 +1,7 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs (lazily: its pages right after,
-the job killed on a mismatch), and the network lock its restore lifts."""
+the job killed on a mismatch), and the network lock its restore lifts. A lazy restore from a
+store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
-from stasis.engine import find_criu, proctree
+from stasis.daemon.lazystore import LazyRestore, page_reader, verifies_per_chunk
+from stasis.engine import CRIU, find_criu, proctree
+from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
     NotFoundError,
@@ -38,6 +41,7 @@ class Restorer:
         self.core = core
         self.job_umask = job_umask
         self._supervisors = supervisors
+        self._uffd: bool | None = None  # whether CRIU can restore lazily here (asked once)
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
@@ -128,18 +132,34 @@ class Restorer:
                 threading.Thread(target=self._verify_pages_after, daemon=True,
                                  args=(manifest, started.job_dir, started.pid)).start()
         else:
-            with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
-                # Lazy pages read the images after the restore returns: not from a scratch copy
-                # that goes away when this block ends.
-                spec.update(images=str(images), lazy=False)
-                if lazy:
-                    why = f"the checkpoint is compressed ({manifest.compression}) and was " \
-                        "unpacked" if manifest.compression != "none" else \
-                        f"the store {store.url} is not a local directory: the images were " \
-                        "fetched"
-                    notes.append(f"lazy restore not possible: {why} into scratch space that "
-                                 "goes away after the restore; restored in full")
-                started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
+            served, why_not = (self._serve_lazily(manifest), None) if lazy else (None, None)
+            if isinstance(served, str):
+                served, why_not = None, served
+            if served is not None:
+                spec.update(images=str(served.images), lazy=True,
+                            page_server=str(served.socket_path))
+                try:
+                    started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
+                except BaseException:
+                    served.discard()
+                    raise
+                if "pid" not in started.answer:
+                    served.discard()
+                else:
+                    served.started(started.pid, started.job_dir)
+                    if not verifies_per_chunk(store):
+                        # TEMPORARY (until Store.read_range): what was served is hashed after.
+                        threading.Thread(target=self._verify_pages_after, daemon=True,
+                                         args=(manifest, started.job_dir, started.pid)).start()
+            else:
+                with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
+                    # Lazy pages read the images after the restore returns: not from a scratch
+                    # copy that goes away when this block ends.
+                    spec.update(images=str(images), lazy=False)
+                    if lazy:
+                        notes.append(why_not or _why_not_lazy(manifest, store.url))
+                    started = self._supervisors.start(job_id, spec, progress,
+                                                      manifest.size_bytes)
         answer = started.answer
         if "error" in answer:
             kind = OwnerDeniedError if answer["error"]["type"] == OwnerDeniedError.__name__ \
@@ -159,6 +179,38 @@ class Restorer:
                              lazy=bool(answer.get("lazy")), notes=notes,
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4),
                              elapsed_s=0.0)
+
+    def _serve_lazily(self, manifest: Manifest) -> LazyRestore | str | None:
+        """The images of a lazy restore whose pages the daemon serves from the store (fetched,
+        listening), or why that is not possible on this node (a note: restored in full), or
+        None when the checkpoint cannot be read by range (the usual note)."""
+        store, settings = self.core.store, self.core.settings
+        read = page_reader(store, manifest)
+        if read is None:
+            return None
+        if not self._has_uffd():
+            return ("lazy restore not possible: this kernel has no userfaultfd for CRIU's "
+                    "lazy pages; restored in full")
+        served = LazyRestore(store, manifest, read, settings.layout.scratch,
+                             delay_s=settings.test_page_delay_ms / 1000)
+        try:
+            served.prepare()
+        except PagemapError as e:
+            served.discard()
+            return f"lazy restore not possible: {e}; restored in full"
+        except BaseException:
+            served.discard()
+            raise
+        return served
+
+    def _has_uffd(self) -> bool:
+        if self._uffd is None:
+            criu = CRIU(find_criu(self.core.settings.criu), self.core.settings.layout.criu_logs)
+            try:
+                self._uffd = criu.features().lazy_pages
+            except StasisError:
+                self._uffd = False
+        return self._uffd
 
     def _restored(self, manifest: Manifest) -> None:
         """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped
@@ -180,6 +232,14 @@ class Restorer:
                 proctree.signal_tree(pid, signal.SIGKILL)
             (job_dir / "killed.json").write_text(json.dumps({"reason": str(e)}))
             log.error("killed lazily restored job %s: %s", job_dir.name, e)
+
+
+def _why_not_lazy(manifest: Manifest, url: str) -> str:
+    why = f"the checkpoint is compressed ({manifest.compression}) and was unpacked" \
+        if manifest.compression != "none" else \
+        f"the store {url} is not a local directory: the images were fetched"
+    return (f"lazy restore not possible: {why} into scratch space that goes away after the "
+            "restore; restored in full")
 
 
 def _is_pages(entry: FileEntry) -> bool:

@@ -42,11 +42,13 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
 
 def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
                  log_name: str, *, umask: int = 0o022, lazy: bool = False,
-                 notify: rpc.NotifyHandler | None = None) -> RestoreResult:
+                 notify: rpc.NotifyHandler | None = None,
+                 page_server: Path | None = None) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
-    this run's name; each is opened with the owner's rights. OSError if one cannot be opened."""
+    this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
+    `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions)."""
     fds: list[int] = []
     try:
         inherit = []
@@ -55,6 +57,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             # CRIU names regular files in its images by their path without the leading '/'.
             inherit.append((old.lstrip("/"), fds[-1]))
         options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
+                                 page_server=page_server,
                                  owner=owner if owner.uid != 0 else None)
         try:
             return criu.restore(images, options, log_name)

@@ -550,6 +550,14 @@ class Store:
             return None
         return manifest, in_place
 
+    def fetch_files(
+        self, manifest: Manifest, target: Path, only: Callable[[FileEntry], bool]
+    ) -> None:
+        """Decode the files `only` selects into the existing directory `target`, verified
+        (CorruptCheckpointError); the sizes of all are checked. For a restore that fetches the
+        rest itself (the page server of a lazy restore, stasis/daemon/lazystore.py)."""
+        self._verify(manifest, target, only)
+
     def verify(
         self, manifest: Manifest, only: Callable[[FileEntry], bool] | None = None
     ) -> None:

@@ -155,7 +155,7 @@ def test_lazy_restore_of_corrupt_pages_is_killed(daemon: Daemon) -> None:
     pages.write_bytes(data)
     # The small images gate the resume; the pages are hashed just after, and the job dies.
     restored = daemon.json("restore", "--lazy", cp["checkpoint"])
-    wait_for(lambda: daemon.job(restored["job"])["state"] == "exited", what="killed")
+    wait_for(lambda: daemon.job(restored["job"])["state"] == "failed", what="killed")
     killed = daemon.state_dir / "jobs" / restored["job"] / "killed.json"
     assert "fails its checksum" in killed.read_text()
     # A full restore refuses it outright.
