@@ -41,6 +41,12 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          neither restored nor deleted; 0 = until then  (900)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
+    STASIS_ENCRYPT       encrypt every dump's images (AES-256-GCM; `dump --encrypt` per dump)
+                         (false)
+    STASIS_ENCRYPTION_KEY_FILE  root-only file of 32 random bytes (raw or base64) whose key
+                         wraps each checkpoint's data key; read by the daemon  ("": none)
+    STASIS_OLD_ENCRYPTION_KEY_FILES  earlier key files, still accepted for reading (restore,
+                         `checkpoints rekey`); ':'-separated, a list in the file  (none)
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ _ENV_KEYS = {
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
+    "STASIS_ENCRYPT": "encrypt",
+    "STASIS_ENCRYPTION_KEY_FILE": "encryption_key_file",
+    "STASIS_OLD_ENCRYPTION_KEY_FILES": "old_encryption_key_files",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -129,6 +138,12 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
+    # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
+    # and `stasis checkpoints rekey`.
+    encrypt: bool = False
+    encryption_key_file: str = ""
+    old_encryption_key_files: tuple[str, ...] = ()
 
     @property
     def store_url(self) -> str:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
 from stasis.store.compression import Reader, Writer
+from stasis.store.crypt import DataKey
 from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
@@ -108,6 +109,7 @@ class RemoteTree:
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
+        data_key: DataKey | None = None,
     ) -> Manifest:
         # `hashed` is of no use here: every image is read anyway, to be copied.
         staging = source or self._staging_path(info.id)
@@ -120,9 +122,12 @@ class RemoteTree:
             started = True
             self.fs.makedirs(target, exist_ok=True)
             entries = pack_staged(
-                staging, names, compression, lambda n: self._open_write(self._path(info.id, n))
+                staging, names, compression, lambda n: self._open_write(self._path(info.id, n)),
+                data_key=data_key,
             )
-            manifest = seal(Manifest.build(info, compression, entries))
+            manifest = seal(Manifest.build(
+                info, compression, entries,
+                data_key.encryption if data_key is not None else None))
             tmp = self._path(info.id, f".{MANIFEST_NAME}.tmp")
             self.fs.pipe_file(tmp, manifest_bytes(manifest))
             self.fs.mv(tmp, self._path(info.id, MANIFEST_NAME))
@@ -133,6 +138,19 @@ class RemoteTree:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        final = self._path(checkpoint_id, MANIFEST_NAME)
+        if not self.fs.exists(final):
+            raise FileNotFoundError(final)
+        tmp = self._path(checkpoint_id, f".{MANIFEST_NAME}.tmp")
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, final)
+
+    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
+                          end: int) -> bytes:
+        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, stored_name),
+                                            start=start, end=end))
 
     def _remove_quietly(self, target: str) -> None:
         try:
