@@ -188,6 +188,9 @@ class Client:
         return cast("wire.Deleted",
                     self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
 
+    def rekey(self) -> wire.RekeyAnswer:
+        return cast("wire.RekeyAnswer", self.request("POST", "/checkpoints/rekey"))
+
     def check(self) -> wire.CheckReport:
         return cast("wire.CheckReport", self.request("GET", "/check"))
 

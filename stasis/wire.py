@@ -18,6 +18,7 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
     GET    /checkpoints?label=&user=                             list[Checkpoint]
     DELETE /checkpoints/{checkpoint}                             Deleted
+    POST   /checkpoints/rekey                                    RekeyAnswer (root only)
     GET    /check                                                CheckReport
     GET    /network-locks                                        list[NetworkLock]
     GET    /slurm/health                                         Health
@@ -96,6 +97,7 @@ class DumpRequest(TypedDict, total=False):
     label: str | None
     compress: CompressionRequest
     incremental: bool
+    encrypt: bool | None  # None: the daemon's setting (encrypt)
 
 
 class DumpAnswer(TypedDict):
@@ -165,6 +167,15 @@ class Checkpoint(TypedDict):
 
 class Deleted(TypedDict):
     deleted: str
+
+
+class RekeyAnswer(TypedDict):
+    """`checkpoints rekey`: checkpoints whose data key was re-wrapped with the current key file,
+    how many were on it already, and how many are wrapped by a key this node has not got."""
+
+    rekeyed: list[str]
+    current: int
+    unknown_key: int
 
 
 # -- the node --------------------------------------------------------------------------------

@@ -147,6 +147,10 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
     return web.json_response({"deleted": checkpoint})
 
 
+async def rekey(request: web.Request) -> web.StreamResponse:
+    return answer(await asyncio.to_thread(request.app[MANAGER].rekey, peer(request)))
+
+
 async def network_locks(request: web.Request) -> web.StreamResponse:
     # The addresses and ports of every job's connections: root's to see.
     if not peer(request).is_root:
@@ -174,6 +178,7 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.post("/restore", restore),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
+        web.post("/checkpoints/rekey", rekey),
         web.get("/check", check),
         web.get("/network-locks", network_locks),
     ])

@@ -118,8 +118,8 @@ def _decode_key(data: bytes) -> bytes | None:
 
 
 class KeyFiles:
-    """The configured key files, read when needed (a rotated key file is seen without a
-    restart): `current` encrypts new checkpoints, the old ones still open what they wrapped."""
+    """The configured key files, read each time they are needed (what a file holds can change
+    under a running daemon; which files are named is settled at its start): `current` encrypts new checkpoints, the old ones still open what they wrapped."""
 
     def __init__(self, current: str = "", old: Sequence[str] = ()) -> None:
         self.current_path = current
@@ -231,7 +231,7 @@ def open_data_key(keys: KeyFiles, encryption: Encryption, checkpoint_id: str) ->
         raise EncryptionKeyError(
             f"checkpoint {checkpoint_id} is encrypted with key {encryption.key_id} and "
             f"{configured}: set encryption_key_file (or old_encryption_key_files) to the key "
-            f"file with id {encryption.key_id} and restart the daemon")
+            f"file with id {encryption.key_id} (and restart the daemon)")
     try:
         return ChunkCipher(unwrap(key, checkpoint_id, encryption), checkpoint_id)
     except DecryptionError:
