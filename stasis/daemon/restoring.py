@@ -135,6 +135,8 @@ class Restorer:
                 if lazy:
                     why = f"the checkpoint is compressed ({manifest.compression}) and was " \
                         "unpacked" if manifest.compression != "none" else \
+                        "the checkpoint is encrypted and was decrypted" \
+                        if manifest.encryption is not None else \
                         f"the store {store.url} is not a local directory: the images were " \
                         "fetched"
                     notes.append(f"lazy restore not possible: {why} into scratch space that "

@@ -86,8 +86,12 @@ def _zstd_decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+Pieces = tuple[bytes | memoryview, ...]
+
+
 def encode_chunk(spec: ChunkSpec, name: str, index: int, last: bool,
-                 data: bytes | memoryview) -> bytes | memoryview:
+                 data: bytes | memoryview) -> Pieces:
+    """One chunk as stored, in pieces to be written one after the other."""
     blob: bytes | memoryview
     if spec.compression == "zstd":
         blob = _zstd_compressor().compress(data)
@@ -96,8 +100,8 @@ def encode_chunk(spec: ChunkSpec, name: str, index: int, last: bool,
     else:
         blob = data
     if spec.cipher is not None:
-        blob = spec.cipher.seal(name, index, last, blob)
-    return blob
+        return spec.cipher.seal(name, index, last, blob)
+    return (blob,)
 
 
 def decode_chunk(spec: ChunkSpec, name: str, index: int, last: bool, plain_bytes: int,
@@ -153,9 +157,11 @@ class ChunkWriter:
         self._ended = False
         self._next = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: deque[Future[bytes | memoryview]] = deque()
+        self._ahead: deque[Future[Pieces]] = deque()
 
-    def add(self, chunk: bytes | memoryview) -> None:
+    def add(self, chunk: bytes | memoryview, last: bool | None = None) -> None:
+        """Take the next chunk; `last` says whether it is the file's last, where the caller
+        knows (then it is encoded at once, from `chunk` itself when on this thread)."""
         n = len(chunk)
         if n == 0:
             return
@@ -173,14 +179,21 @@ class ChunkWriter:
             return
         if self._pending is not None:
             self._submit(self._pending, last=False)
-        self._pending = bytes(chunk)
+            self._pending = None
+        if last is None:
+            self._pending = bytes(chunk)
+            return
+        self._ended = self._ended or last
+        inline = self.workers <= 1 and not self._ahead
+        self._submit(chunk if inline else bytes(chunk), last)
 
     def add_from(self, src: Reader) -> None:
         """Add the rest of `src`, from where it is, to its end."""
         if self.dst is None and self._add_mapped(src):
             return
+        end = _regular_size(src)
         for chunk in read_chunks(src, self.spec.chunk_bytes):
-            self.add(chunk)
+            self.add(chunk, None if end is None else self.offset + len(chunk) >= end)
 
     def _add_mapped(self, src: Reader) -> bool:
         """Checksum the rest of a local regular file through a read-only mapping (no copy into
@@ -207,7 +220,7 @@ class ChunkWriter:
         src.seek(end)
         return True
 
-    def _submit(self, data: bytes, last: bool) -> None:
+    def _submit(self, data: bytes | memoryview, last: bool) -> None:
         index, self._next = self._next, self._next + 1
         if self.workers <= 1 and not self._ahead:
             self._emit(encode_chunk(self.spec, self.name, index, last, data))
@@ -220,14 +233,17 @@ class ChunkWriter:
         while len(self._ahead) > _AHEAD_PER_WORKER * max(1, self.workers):
             self._emit(self._ahead.popleft().result())
 
-    def _emit(self, blob: bytes | memoryview) -> None:
+    def _emit(self, pieces: Pieces) -> None:
         assert self.dst is not None
-        self.dst.write(blob)
-        self._stored.append(len(blob))
-        self.stored_total += len(blob)
+        n = 0
+        for piece in pieces:
+            self.dst.write(piece)
+            n += len(piece)
+            if self._sums is None:
+                self._whole.update(piece)
+        self._stored.append(n)
+        self.stored_total += n
         self.encoded = min(self.offset, len(self._stored) * self.spec.chunk_bytes)
-        if self._sums is None:
-            self._whole.update(blob)
 
     def finish(self) -> tuple[Streamed, Chunks]:
         try:
@@ -252,6 +268,15 @@ class ChunkWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def _regular_size(src: Reader) -> int | None:
+    """The size of a local regular file (then each chunk can be told last or not as it is
+    read); None for anything else."""
+    if not isinstance(src, io.FileIO):
+        return None
+    st = os.fstat(src.fileno())
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def read_chunks(src: Reader, size: int) -> Iterator[memoryview]:

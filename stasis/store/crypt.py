@@ -191,9 +191,12 @@ class ChunkCipher:
         return (_CHUNK_DOMAIN + self._checkpoint + name.encode() + b"\0"
                 + struct.pack(">QB", index, 1 if last else 0))
 
-    def seal(self, name: str, index: int, last: bool, data: bytes | memoryview) -> bytes:
+    def seal(self, name: str, index: int, last: bool, data: bytes | memoryview
+             ) -> tuple[bytes, bytes]:
+        """The sealed chunk as (nonce, ciphertext and tag): stored one after the other, written
+        as two pieces (joining them would copy each MiB once more)."""
         nonce = secrets.token_bytes(NONCE_BYTES)
-        return nonce + self._aead.encrypt(nonce, bytes(data), self._ad(name, index, last))
+        return nonce, self._aead.encrypt(nonce, data, self._ad(name, index, last))
 
     def open(self, name: str, index: int, last: bool, sealed: bytes | memoryview) -> bytes:
         if len(sealed) < OVERHEAD_BYTES:

@@ -214,7 +214,9 @@ class TailHasher:
                 self._files[entry.name] = (fd, self._start(entry.name))
             fd, partial = self._files[entry.name]
             size = os.fstat(fd).st_size
-            whole = size - size % self._chunk  # CRIU may be in the middle of the last one
+            # Whole chunks with at least a byte after them: CRIU may be in the middle of the
+            # next one, and a chunk taken here is known not to be the file's last.
+            whole = (size - 1) // self._chunk * self._chunk if size else 0
             view = memoryview(self._buffer)
             start = partial.offset
             while partial.offset < whole and not self._stop.is_set():
@@ -224,7 +226,7 @@ class TailHasher:
                 if n <= 0:
                     break
                 for at in range(0, n, self._chunk):
-                    partial.writer.add(view[at:at + self._chunk])
+                    partial.writer.add(view[at:at + self._chunk], last=False)
                 self._raw += n
                 progressed = True
                 if self._auto and self.compression is None and self._shrinks() is False:
