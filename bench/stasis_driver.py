@@ -49,6 +49,8 @@ class StasisDaemon:
         }
         if store is not None:
             self.env["STASIS_STORE"] = url or str(store)
+        # Used by the encrypt mode only (`dump --encrypt`); the other modes store in the clear.
+        self.env["STASIS_ENCRYPTION_KEY_FILE"] = str(root / "encryption.key")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,6 +60,11 @@ class StasisDaemon:
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        key = self.root / "encryption.key"
+        if not key.exists():
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, os.urandom(32))
+            os.close(fd)
         with open(self.root / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen([self.stasis, "daemon"], env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

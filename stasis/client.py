@@ -190,6 +190,8 @@ class Client:
 
     def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
         return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))
+    def rekey(self) -> wire.RekeyAnswer:
+        return cast("wire.RekeyAnswer", self.request("POST", "/checkpoints/rekey"))
 
     def check(self) -> wire.CheckReport:
         return cast("wire.CheckReport", self.request("GET", "/check"))

@@ -46,6 +46,12 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          always stays); 0 = no age limit  (0)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
+    STASIS_ENCRYPT       encrypt every dump's images (AES-256-GCM; `dump --encrypt` per dump)
+                         (false)
+    STASIS_ENCRYPTION_KEY_FILE  root-only file of 32 random bytes (raw or base64) whose key
+                         wraps each checkpoint's data key; read by the daemon  ("": none)
+    STASIS_OLD_ENCRYPTION_KEY_FILES  earlier key files, still accepted for reading (restore,
+                         `checkpoints rekey`); ':'-separated, a list in the file  (none)
 
 An s3:// store takes its endpoint, region and credentials where AWS tools look for them
 (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
@@ -99,6 +105,9 @@ _ENV_KEYS = {
     "STASIS_NODE_NAME": "node_name",
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
+    "STASIS_ENCRYPT": "encrypt",
+    "STASIS_ENCRYPTION_KEY_FILE": "encryption_key_file",
+    "STASIS_OLD_ENCRYPTION_KEY_FILES": "old_encryption_key_files",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -150,6 +159,12 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
+    # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
+    # and `stasis checkpoints rekey`.
+    encrypt: bool = False
+    encryption_key_file: str = ""
+    old_encryption_key_files: tuple[str, ...] = ()
     # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
     test_page_delay_ms: int = 0
     keep_max_age_s: int = 0

@@ -19,6 +19,7 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     GET    /checkpoints?label=&user=                             list[Checkpoint]
     DELETE /checkpoints/{checkpoint}                             Deleted
     POST   /checkpoints/gc                  GcRequest            GcAnswer (root only)
+    POST   /checkpoints/rekey                                    RekeyAnswer (root only)
     GET    /check                                                CheckReport
     GET    /network-locks                                        list[NetworkLock]
     GET    /slurm/health                                         Health
@@ -97,6 +98,7 @@ class DumpRequest(TypedDict, total=False):
     label: str | None
     compress: CompressionRequest
     incremental: bool
+    encrypt: bool | None  # None: the daemon's setting (encrypt)
 
 
 class DumpAnswer(TypedDict):
@@ -182,6 +184,13 @@ class GcAnswer(TypedDict):
     expired: list[str]  # checkpoints beyond keep or older than keep_max_age_s
     index_entries_removed: int
     index_entries_added: int
+class RekeyAnswer(TypedDict):
+    """`checkpoints rekey`: checkpoints whose data key was re-wrapped with the current key file,
+    how many were on it already, and how many are wrapped by a key this node has not got."""
+
+    rekeyed: list[str]
+    current: int
+    unknown_key: int
 
 
 # -- the node --------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
             output.progress_bar("dumping", not args.json) as progress:
         answer = client.dump(args.job, progress, leave_running=args.leave_running,
                              label=args.label, compress=args.compress,
-                             incremental=args.incremental)
+                             incremental=args.incremental, encrypt=args.encrypt)
     _done(args, answer, f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
           f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
 
@@ -145,6 +145,18 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
                 f"{report['index_entries_removed']} stale index entr(ies); expired "
                 f"{len(report['expired'])} checkpoint(s); indexed "
                 f"{report['index_entries_added']}")
+            return
+        if args.action == "rekey":
+            done = client.rekey()
+            if args.json:
+                output.emit_json(done)
+            else:
+                output.say(f"rekeyed {len(done['rekeyed'])} checkpoints to the current key "
+                           f"({done['current']} were on it already)")
+            if done["unknown_key"]:
+                output.warn(f"{done['unknown_key']} encrypted checkpoints are wrapped by a key "
+                            "this node has not got (not in encryption_key_file or "
+                            "old_encryption_key_files): left as they are")
             return
         found = client.checkpoints(args.label, args.user)
     if args.json:
@@ -259,6 +271,9 @@ def _add_dump(sub: Any) -> None:
                    help="(default: none)")
     p.add_argument("--incremental", action="store_true",
                    help="Only memory changed since the last dump, where the kernel tracks it.")
+    p.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=None,
+                   help="Encrypt the images (AES-256-GCM, with the daemon's "
+                        "encryption_key_file); default: the daemon's setting (encrypt).")
     p.add_argument("--check", action="store_true",
                    help="Dump nothing: report what would make the dump fail (a unix stream "
                         "connection to a process outside the job) and what a restore would "
@@ -293,7 +308,8 @@ def _add_ps(sub: Any) -> None:
 def _add_checkpoints(sub: Any) -> None:
     p = sub.add_parser("checkpoints", help="List checkpoints, newest first "
                                            "(`checkpoints rm ID` deletes one, "
-                                           "`checkpoints gc` cleans the store).")
+                                           "`checkpoints gc` cleans the store, `checkpoints "
+                                           "rekey` re-wraps encryption keys).")
     p.add_argument("--label", help="Only your checkpoints with this label (or --user's).")
     p.add_argument("--user", metavar="NAME|UID",
                    help="Only this user's checkpoints (root only, for another user's; without "
@@ -311,6 +327,13 @@ def _add_checkpoints(sub: Any) -> None:
     # SUPPRESS: `checkpoints --json gc` keeps the --json given before `gc`.
     gc.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                     help="Print one JSON value.")
+    rekey = actions.add_parser(
+        "rekey", help="Re-wrap the data keys of checkpoints encrypted with an old key file "
+                      "(old_encryption_key_files) with the current one; images are not "
+                      "rewritten (root only).")
+    # SUPPRESS: `checkpoints --json rekey` keeps the --json given before it.
+    rekey.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="Print one JSON value.")
 
 
 def _signal(text: str) -> str:

@@ -151,6 +151,8 @@ async def collect_garbage(request: web.Request) -> web.StreamResponse:
     req = await read_body(request, GcRequest)
     return answer(await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request),
                                           req.idle_s))
+async def rekey(request: web.Request) -> web.StreamResponse:
+    return answer(await asyncio.to_thread(request.app[MANAGER].rekey, peer(request)))
 
 
 async def network_locks(request: web.Request) -> web.StreamResponse:
@@ -181,6 +183,7 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
         web.post("/checkpoints/gc", collect_garbage),
+        web.post("/checkpoints/rekey", rekey),
         web.get("/check", check),
         web.get("/network-locks", network_locks),
     ])

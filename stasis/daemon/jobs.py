@@ -58,6 +58,7 @@ from stasis.wire import (
     GcAnswer,
     Job,
     KillAnswer,
+    RekeyAnswer,
     RestoreAnswer,
     RunAnswer,
 )
@@ -137,6 +138,17 @@ class JobManager:
         if label is None and user is None and caller.is_root:
             return self.store.list()
         return self.store.list(label, uid=owner_uid(caller, user))
+
+    def rekey(self, caller: Caller) -> RekeyAnswer:
+        """Re-wrap every checkpoint's data key that an old key file wraps with the current one
+        (root only: it rewrites every user's manifests)."""
+        if not caller.is_root:
+            raise PermissionDeniedError("permission denied: only root may rekey checkpoints")
+        done = self.store.rekey()
+        log.info("rekeyed %d checkpoints (%d already on the current key, %d on a key this node "
+                 "has not got)", len(done.rekeyed), done.current, done.unknown_key)
+        return RekeyAnswer(rekeyed=done.rekeyed, current=done.current,
+                           unknown_key=done.unknown_key)
 
     def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
         try:
@@ -227,12 +239,13 @@ class JobManager:
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
-                        progress: Progress | None = None, notes: list[str] | None = None
+                        progress: Progress | None = None, notes: list[str] | None = None,
+                        *, encrypt: bool | None = None,
                         ) -> tuple[Manifest, DumpResult, bool]:
         """See `Dumper.checkpoint_tree`: unless `leave_running`, the caller records the tree
         stopped, kills it, then calls `dump_settled`."""
         return self._dumper.checkpoint_tree(pid, info, leave_running, compress, what,
-                                            progress, notes)
+                                            progress, notes, encrypt=encrypt)
 
     def dump_settled(self, checkpoint_id: str) -> None:
         self._dumper.dump_settled(checkpoint_id)

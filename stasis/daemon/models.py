@@ -48,6 +48,7 @@ class DumpRequest(_Model):
     label: str | None = None
     compress: CompressionRequest = "none"
     incremental: bool = False
+    encrypt: bool | None = None  # None: the daemon's setting (encrypt)
 
 
 class RestoreRequest(_Model):

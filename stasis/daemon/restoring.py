@@ -237,6 +237,8 @@ class Restorer:
 def _why_not_lazy(manifest: Manifest, url: str) -> str:
     why = f"the checkpoint is compressed ({manifest.compression}) and was unpacked" \
         if manifest.compression != "none" else \
+        "the checkpoint is encrypted and was decrypted" \
+        if manifest.encryption is not None else \
         f"the store {url} is not a local directory: the images were fetched"
     return (f"lazy restore not possible: {why} into scratch space that goes away after the "
             "restore; restored in full")

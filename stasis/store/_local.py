@@ -7,7 +7,8 @@ Layout, all owned by root because images restore credentials as root:
     <root>/<id>/                0700; image files 0600 and manifest.json
 
 Staging inside the root keeps publishing a rename on one filesystem: an uncompressed dump is never
-copied. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
+copied. An encrypted one always is (into <id>.publish/, sealed), and its plain staged files are
+removed once the checkpoint is published or has failed. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
 its manifest, so readers never see a checkpoint without one.
 
 A checkpoint is listed only once it is durable: every image file is fsynced (in parallel) before
@@ -37,6 +38,7 @@ from stasis.store._tree import (
 )
 from stasis.store.compression import Reader, cpu_workers
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
+from stasis.store.crypt import DataKey
 from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
@@ -152,9 +154,11 @@ class LocalTree:
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
+        data_key: DataKey | None = None,
     ) -> Manifest:
         staging = source or self._staging_path(info.id)
-        in_place = source is None and compression == "none"
+        # Encrypted images are never the staged files: those hold the plain bytes, and go.
+        in_place = source is None and compression == "none" and data_key is None
         final = self.root / info.id
         out = staging if in_place else self._packing_path(info.id)
         moved = False
@@ -163,7 +167,7 @@ class LocalTree:
             names = staged_names(staging)
             if os.path.lexists(final):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
-            packed = any(p.packing is not None for p in (hashed or {}).values())
+            packed = any(p.output is not None for p in (hashed or {}).values())
             if in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
                 entries = pack_staged(staging, names, compression, None, hashed)
@@ -178,10 +182,12 @@ class LocalTree:
                 out.parent.mkdir(mode=0o700, exist_ok=True)
                 out.mkdir(mode=0o700, exist_ok=True)
                 entries = pack_staged(staging, names, compression, lambda n: _create(out / n),
-                                      hashed)
+                                      hashed, data_key)
             in_parallel(_fsync_file, [out / e.stored_name for e in entries],
                         cpu_workers(len(entries)))
-            manifest = seal(Manifest.build(info, compression, entries))
+            manifest = seal(Manifest.build(
+                info, compression, entries,
+                data_key.encryption if data_key is not None else None))
             _write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))
             _fsync_dir(out)
             os.rename(out, final)
@@ -193,6 +199,29 @@ class LocalTree:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        path = self.root / checkpoint_id
+        if not self._check_root() or not (path / MANIFEST_NAME).is_file():
+            raise FileNotFoundError(path / MANIFEST_NAME)
+        _write_atomically(path / MANIFEST_NAME, data)
+        _fsync_dir(path)
+
+    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
+                          end: int) -> bytes:
+        fd = os.open(self.root / checkpoint_id / stored_name,
+                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            parts = []
+            while start < end:
+                data = os.pread(fd, end - start, start)
+                if not data:
+                    break
+                parts.append(data)
+                start += len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
 
     def remove(self, checkpoint_id: str) -> None:
         path = self.root / checkpoint_id

@@ -20,6 +20,7 @@ from typing import Any, cast
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
 from stasis.store.compression import Reader, Writer
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
+from stasis.store.crypt import DataKey
 from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
@@ -115,6 +116,7 @@ class RemoteTree:
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
+        data_key: DataKey | None = None,
     ) -> Manifest:
         # `hashed` is of no use here: every image is read anyway, to be copied.
         staging = source or self._staging_path(info.id)
@@ -127,9 +129,12 @@ class RemoteTree:
             started = True
             self._make_dir(target)
             entries = pack_staged(
-                staging, names, compression, lambda n: self._open_write(self._path(info.id, n))
+                staging, names, compression, lambda n: self._open_write(self._path(info.id, n)),
+                data_key=data_key,
             )
-            manifest = seal(Manifest.build(info, compression, entries))
+            manifest = seal(Manifest.build(
+                info, compression, entries,
+                data_key.encryption if data_key is not None else None))
             self._put_manifest(info.id, manifest_bytes(manifest))
         except BaseException:
             if started:
@@ -147,6 +152,17 @@ class RemoteTree:
         tmp = self._path(checkpoint_id, f".{MANIFEST_NAME}.tmp")
         self.fs.pipe_file(tmp, data)
         self.fs.mv(tmp, self._path(checkpoint_id, MANIFEST_NAME))
+
+    def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        final = self._path(checkpoint_id, MANIFEST_NAME)
+        if not self.fs.exists(final):
+            raise FileNotFoundError(final)
+        self._put_manifest(checkpoint_id, data)
+
+    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
+                          end: int) -> bytes:
+        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, stored_name),
+                                            start=start, end=end))
 
     def _remove_quietly(self, target: str) -> None:
         try:

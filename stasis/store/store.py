@@ -24,6 +24,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -47,7 +48,8 @@ from stasis.store._local import LocalTree
 from stasis.store._remote import RemoteTree
 from stasis.store._s3 import SHARED_OPTIONS, S3Tree, describe
 from stasis.store.index import Entry, entry_name
-from stasis.store._tree import Tree, in_parallel, remove_idle, staged_names
+from stasis.store._tree import Tree, in_parallel, manifest_bytes, remove_idle, staged_names
+from stasis.store.chunked import ChunkDecoder, ChunkError, ChunkSpec, unpack_chunked
 from stasis.store.compression import (
     DecompressionError,
     Reader,
@@ -57,10 +59,12 @@ from stasis.store.compression import (
     unpack,
 )
 from stasis.config import Settings
+from stasis.store.crypt import ChunkCipher, DataKey, KeyFiles, new_data_key, open_data_key, rewrap
 from stasis.store.signing import Signer, Verdict, node_keyring, process_keyring
-from stasis.store.tailhash import Partial, TailHasher
+from stasis.store.tailhash import Partial, TailHasher, local_opener
 from stasis.store.manifest import (
     COMPRESSIONS,
+    FORMATS,
     CheckpointInfo,
     Compression,
     CompressionRequest,
@@ -121,11 +125,14 @@ class Store:
     signatures are trusted: the daemon, and anything else that decides on what it reads, passes
     the node's (`signing.node_keyring`). Without it the store signs with a key that lives as long
     as this process and trusts nothing else: for tests and benchmarks of the store alone.
+    `encryption`: the key files that encrypt new checkpoints (`new_data_key`) and open
+    encrypted ones; none by default.
     """
 
     def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
                  keys: Signer | None = None, max_age_s: float = 0,
-                 options: Mapping[str, object] | None = None) -> None:
+                 options: Mapping[str, object] | None = None,
+                 encryption: KeyFiles | None = None) -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
@@ -136,9 +143,14 @@ class Store:
         self.keep = keep
         self.max_age_s = max_age_s
         self.keys: Signer = keys if keys is not None else process_keyring()
+        self.encryption = encryption if encryption is not None else KeyFiles()
         self._tree = _open_tree(url, staging_root, options or {})
         # Checkpoints already warned about: a store with many bad ones must not flood the log.
         self._warned: set[str] = set()
+        # Opened data keys, by (checkpoint, wrapped key): range reads come one page run at a
+        # time, and each would otherwise read the key file and unwrap again.
+        self._ciphers: dict[tuple[str, str], ChunkCipher] = {}
+        self._ciphers_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, keep={self.keep})"
@@ -161,12 +173,20 @@ class Store:
         validate_checkpoint_id(checkpoint_id)
         self._tree.discard(checkpoint_id)
 
+    def new_data_key(self, checkpoint_id: str) -> DataKey:
+        """A fresh data key for `checkpoint_id`, wrapped by the current key file: pass it to
+        `follow` and `publish`. Ask for it before CRIU runs: UsageError (one line) when no key
+        file is configured or it cannot be used, and nothing was dumped yet."""
+        validate_checkpoint_id(checkpoint_id)
+        return new_data_key(self.encryption.current(), checkpoint_id)
+
     def publish(
         self,
         info: CheckpointInfo,
         compression: CompressionRequest = "none",
         source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
+        data_key: DataKey | None = None,
     ) -> Manifest:
         """Turn the images staged for `info.id` into a listed checkpoint and return its manifest.
 
@@ -178,7 +198,8 @@ class Store:
 
         `source`: the images were staged outside the store (see `stage_fast`); they are read
         from there, and the directory is removed either way. `hashed`: what a `follow` of the
-        staging directory hashed while CRIU wrote it.
+        staging directory hashed while CRIU wrote it. `data_key` (`new_data_key`): encrypt the
+        images; the plain staged files are removed either way.
         """
         validate_checkpoint_id(info.id)
         validate_label(info.label)
@@ -192,7 +213,8 @@ class Store:
         try:
             # Before the manifest: a published checkpoint always has its entry (index.py).
             self._tree.index_put(info.label, info.uid, entry)
-            manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal)
+            manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal,
+                                          data_key=data_key)
         except BaseException as e:
             self._forget_entry(info.label, info.uid, entry)
             if isinstance(e, StasisError) or not isinstance(e, Exception):
@@ -255,11 +277,13 @@ class Store:
             removed.append(checkpoint_id)
         return removed
 
-    def follow(self, checkpoint_id: str, compression: CompressionRequest) -> TailHasher | None:
+    def follow(self, checkpoint_id: str, compression: CompressionRequest,
+               data_key: DataKey | None = None) -> TailHasher | None:
         """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`:
         writing them back to disk (uncompressed), or compressing them into the files the store
-        keeps (zstd, lz4, auto), where the store is local; else None. Pass `finish()`'s result
-        to `publish` as `hashed`, and its `compression` (when not None) as the compression.
+        keeps (zstd, lz4, auto; sealed with `data_key`), where the store is local; else None.
+        Pass `finish()`'s result to `publish` as `hashed`, and its `compression` (when not None)
+        as the compression, with the same `data_key`.
 
         This shortens the whole dump (publish hashes or compresses the last MiBs, its fsync waits
         for the tail) but slows CRIU's own writes a little: for dumps whose total time counts."""
@@ -268,7 +292,7 @@ class Store:
             return None
         staged = self._tree.staged_path(checkpoint_id)
         # sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
-        if compression == "none":
+        if compression == "none" and data_key is None:
             return TailHasher(staged, writeback=True)
         try:
             pack_into = self._tree.packing_dir(checkpoint_id)
@@ -276,7 +300,9 @@ class Store:
             # Following is a shortcut: publish does all of it and reports a real disk problem.
             log.debug("not compressing %s while CRIU writes: %s", checkpoint_id, e)
             return None
-        return TailHasher(staged, writeback=True, compression=compression, pack_into=pack_into)
+        return TailHasher(staged, writeback=True, compression=compression,
+                          open_out=local_opener(pack_into, writeback=True),
+                          cipher=data_key.cipher if data_key is not None else None)
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)
@@ -519,10 +545,12 @@ class Store:
         """
         manifest = self.get(checkpoint_id)
         in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is not None and manifest.compression == "none":
+        if in_place is not None and _plain(manifest):
             self._verify(manifest, None)
             yield manifest, in_place
             return
+        # Before anything is written: a missing key leaves no scratch behind.
+        self._cipher(manifest)
         try:
             scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
             target = Path(tempfile.mkdtemp(prefix=f"{checkpoint_id}-", dir=scratch))
@@ -546,7 +574,7 @@ class Store:
         """
         manifest = self.get(checkpoint_id)
         in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is None or manifest.compression != "none":
+        if in_place is None or not _plain(manifest):
             return None
         return manifest, in_place
 
@@ -561,7 +589,9 @@ class Store:
     def verify(
         self, manifest: Manifest, only: Callable[[FileEntry], bool] | None = None
     ) -> None:
-        """Check a local uncompressed checkpoint's files in place; CorruptCheckpointError if not.
+        """Check a checkpoint's files where they are (decoding what is stored compressed or
+        sealed, keeping nothing); CorruptCheckpointError if one fails, EncryptionKeyError when
+        it is encrypted with a key this node does not have.
 
         Sizes are always checked for every file; `only` limits which files are also hashed.
         """
@@ -641,6 +671,112 @@ class Store:
             if said is not None:
                 return said
         return _reason(e)
+    def read_range(self, manifest: Manifest, name: str, offset: int, length: int) -> bytes:
+        """Plain bytes [offset, offset + length) of image file `name` of `manifest` (one that
+        `get` returned: its signature is what vouches for the chunk table), fetching only the
+        chunks they lie in and verifying each (its tag when encrypted, else its checksum): a
+        mismatch raises CorruptCheckpointError, never wrong bytes. Thread-safe.
+
+        UsageError for a range outside the file or an unknown file; StoreError for a
+        checkpoint of format 1, whose files have no chunk table (restore those in full).
+        """
+        entry = next((f for f in manifest.files if f.name == name), None)
+        if entry is None:
+            raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
+        if offset < 0 or length < 0 or offset + length > entry.size_bytes:
+            raise UsageError(f"bytes {offset}..{offset + length} are not within {name} of "
+                             f"checkpoint {manifest.id} ({entry.size_bytes} bytes)")
+        if length == 0:
+            return b""
+        if entry.chunks is None:
+            raise StoreError(f"checkpoint {manifest.id} was stored before images were "
+                             f"chunked: {name} has no chunk table for range reads; restore it "
+                             "in full")
+        decoder = ChunkDecoder(name, entry.size_bytes, entry.chunks,
+                               ChunkSpec(manifest.compression, self._cipher(manifest),
+                                         entry.chunks.size_bytes))
+        first, last = decoder.span(offset, length)
+        offsets = entry.chunks.offsets
+        start, end = offsets[first], offsets[last + 1]
+        try:
+            stored = self._tree.read_stored_range(manifest.id, entry.stored_name, start, end)
+        except FileNotFoundError:
+            raise self._corrupt(manifest.id, name, "is missing") from None
+        except Exception as e:
+            raise self._read_error(manifest.id, e) from e
+        if len(stored) != end - start:
+            raise self._corrupt(manifest.id, name, f"ends at byte {start + len(stored)} of "
+                                f"{entry.stored_size_bytes} stored (truncated?)")
+        view = memoryview(stored)
+        pieces = []
+        try:
+            for index in range(first, last + 1):
+                pieces.append(decoder.decode(
+                    index, view[offsets[index] - start:offsets[index + 1] - start]))
+        except ChunkError as e:
+            raise self._corrupt(manifest.id, name, str(e)) from None
+        skip = offset - first * entry.chunks.size_bytes
+        if len(pieces) == 1:
+            return bytes(memoryview(pieces[0])[skip:skip + length])
+        return b"".join(pieces)[skip:skip + length]
+
+    def rekey(self) -> RekeyResult:
+        """Wrap the data key of every encrypted checkpoint (this node trusts) that an old key
+        file wraps with the current one instead: only manifest.json is rewritten (re-signed,
+        atomically), never an image. Checkpoints whose key is not configured are counted and
+        left as they are."""
+        current = self.encryption.current()
+        keys = {k.key_id: k for k in self.encryption.all()}
+        result = RekeyResult()
+        for manifest in self.list():
+            enc = manifest.encryption
+            if enc is None:
+                continue
+            if enc.key_id == current.key_id:
+                result.current += 1
+                continue
+            old = keys.get(enc.key_id)
+            if old is None:
+                result.unknown_key += 1
+                log.warning("cannot rekey checkpoint %s: its key %s is not among the key files",
+                            manifest.id, enc.key_id)
+                continue
+            try:
+                wrapped = rewrap(old, current, manifest.id, enc)
+            except Exception:
+                result.unknown_key += 1
+                log.warning("cannot rekey checkpoint %s: its wrapped data key does not open "
+                            "with key %s", manifest.id, enc.key_id)
+                continue
+            updated = self._seal(manifest.model_copy(update={"encryption": wrapped,
+                                                             "signature": None}))
+            try:
+                self._tree.write_manifest(manifest.id, manifest_bytes(updated))
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except Exception as e:
+                raise self._write_error(manifest.id, e) from e
+            result.rekeyed.append(manifest.id)
+        return result
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _cipher(self, manifest: Manifest) -> ChunkCipher | None:
+        """The cipher of an encrypted checkpoint (None for one in the clear); EncryptionKeyError
+        naming the key it needs when this node has not got it."""
+        enc = manifest.encryption
+        if enc is None:
+            return None
+        cache_key = (manifest.id, enc.wrapped_key)
+        with self._ciphers_lock:
+            cipher = self._ciphers.get(cache_key)
+        if cipher is None:
+            cipher = open_data_key(self.encryption, enc, manifest.id)
+            with self._ciphers_lock:
+                if len(self._ciphers) >= 64:
+                    self._ciphers.clear()
+                self._ciphers[cache_key] = cipher
+        return cipher
 
     def _seal(self, manifest: Manifest) -> Manifest:
         signature = self.keys.sign(MANIFEST_PURPOSE, _signed_part(manifest))
@@ -655,7 +791,7 @@ class Store:
             raise _UnreadableManifest(_reason(e)) from e
         if not isinstance(document, dict):
             raise _UnreadableManifest("not a JSON object")
-        if document.get("format", 1) != 1:
+        if document.get("format", 1) not in FORMATS:
             raise _UnreadableManifest(
                 f"format {document.get('format')!r}, which this stasis does not know "
                 "(written by a newer one?)", known_format=False)
@@ -716,6 +852,7 @@ class Store:
     ) -> None:
         """Check every file against the manifest, decoding it into `target` when one is given."""
         checkpoint_id = manifest.id
+        cipher = self._cipher(manifest)
         # Cheap size checks first: a truncated image fails at once, not after hashing GiBs.
         for entry in manifest.files:
             try:
@@ -734,7 +871,9 @@ class Store:
         def check(entry: FileEntry) -> None:
             try:
                 with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
-                    got = _unpack_to(src, target, entry, manifest.compression)
+                    got = _unpack_to(src, target, entry, manifest.compression, cipher, workers)
+            except ChunkError as e:
+                raise self._corrupt(checkpoint_id, entry.name, str(e)) from None
             except DecompressionError as e:
                 raise self._corrupt(
                     checkpoint_id, entry.name, f"cannot be decompressed ({e})"
@@ -767,7 +906,9 @@ class Store:
                 raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
         files = [f for f in manifest.files if only is None or only(f)]
-        in_parallel(check, files, cpu_workers(len(files)))
+        # Files on threads, and the chunks of each large one on threads of their own.
+        workers = cpu_workers(len(files))
+        in_parallel(check, files, workers)
 
     def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -844,15 +985,29 @@ def _read_secret(path: Path) -> str:
         return path.read_text().strip()
     except OSError as e:
         raise UsageError(f"cannot read s3_secret_access_key_file {path}: {_reason(e)}") from e
+def _plain(manifest: Manifest) -> bool:
+    """Whether every stored file is its image as CRIU wrote it (readable in place)."""
+    return manifest.compression == "none" and manifest.encryption is None
 
 
 def _unpack_to(
-    src: Reader, target: Path | None, entry: FileEntry, compression: Compression
+    src: Reader, target: Path | None, entry: FileEntry, compression: Compression,
+    cipher: ChunkCipher | None, workers: int,
 ) -> Streamed:
+    if entry.chunks is None:  # format 1: one stream per file
+        if target is None:
+            return unpack(src, None, compression, entry.size_bytes)
+        with open(target / entry.name, "xb") as dst:
+            return unpack(src, dst, compression, entry.size_bytes)
+    decoder = ChunkDecoder(entry.name, entry.size_bytes, entry.chunks,
+                           ChunkSpec(compression, cipher, entry.chunks.size_bytes))
     if target is None:
-        return unpack(src, None, compression, entry.size_bytes)
+        if decoder.spec.identity:
+            # A plain file: its whole checksum says all its chunks' do (and is ~2x faster).
+            return unpack(src, None, "none", entry.size_bytes)
+        return unpack_chunked(src, None, decoder, workers)
     with open(target / entry.name, "xb") as dst:
-        return unpack(src, dst, compression, entry.size_bytes)
+        return unpack_chunked(src, dst, decoder, workers)
 
 
 def _errno_in_chain(e: BaseException) -> int | None:
@@ -881,10 +1036,22 @@ def _first_problem(e: ValueError) -> str:
     return _reason(e)
 
 
+@dataclass
+class RekeyResult:
+    """What `Store.rekey` did: checkpoints re-wrapped, already on the current key, and left
+    because their key is not configured here."""
+
+    rekeyed: list[str] = field(default_factory=list)
+    current: int = 0
+    unknown_key: int = 0
+
+
 def node_store(settings: Settings, keys: Signer | None = None) -> Store:
     """The store as this node's daemon (and its helpers) use it: the configured URL, staging
     under the state directory, the node's keyring (`keys`: the one the daemon made at its
     start; else read from the state directory)."""
     return Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
                  keys=keys if keys is not None else node_keyring(settings),
-                 max_age_s=settings.keep_max_age_s, options=store_options(settings))
+                 max_age_s=settings.keep_max_age_s, options=store_options(settings),
+                 encryption=KeyFiles(settings.encryption_key_file,
+                                     settings.old_encryption_key_files))
