@@ -45,39 +45,13 @@ SOCKET_NAME = "page-server.sock"
 
 
 def page_reader(store: Store, manifest: Manifest) -> PageReader | None:
-    """How the plaintext of the checkpoint's image files is read by range: `Store.read_range`
-    where the store has it, else (TEMPORARY, until it lands) straight from the stored bytes of
-    an uncompressed checkpoint, unverified (the pages are hashed in full after the restore,
-    as for a local lazy restore). None when neither can: the caller restores in full."""
-    read_range = getattr(store, "read_range", None)
-    if read_range is not None:
-        return lambda name, offset, length: bytes(read_range(manifest, name, offset, length))
-    if manifest.compression != "none":
+    """How the plaintext of the checkpoint's page files is read by range: `Store.read_range`,
+    which verifies every chunk it reads (its checksum, or its tag when encrypted). None for a
+    checkpoint stored before images were chunked (no table to read ranges by): the caller
+    restores it in full."""
+    if any(f.chunks is None for f in manifest.files if _PAGES.match(f.name)):
         return None
-    entries = {f.name: f for f in manifest.files}
-
-    def raw(name: str, offset: int, length: int) -> bytes:
-        # TEMPORARY: raw bytes of an uncompressed stored file, not verified per chunk.
-        entry = entries[name]
-        try:
-            with store._tree.open_stored(manifest.id, entry.stored_name) as src:
-                src.seek(offset)  # type: ignore[attr-defined]
-                data = bytes(src.read(length))
-        except Exception as e:
-            raise StoreError(f"cannot read {name} of checkpoint {manifest.id} from "
-                             f"{store.url}: {e}") from e
-        if len(data) != length:
-            raise StoreError(f"checkpoint {manifest.id}: {name} holds fewer bytes than its "
-                             f"manifest says (truncated?)")
-        return data
-
-    return raw
-
-
-def verifies_per_chunk(store: Store) -> bool:
-    """Whether ranges read from `store` are verified as they are read (else the pages are
-    hashed after the restore)."""
-    return hasattr(store, "read_range")
+    return lambda name, offset, length: store.read_range(manifest, name, offset, length)
 
 
 class LazyRestore:

@@ -20,7 +20,7 @@ from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
-from stasis.daemon.lazystore import LazyRestore, page_reader, verifies_per_chunk
+from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.engine import CRIU, find_criu, proctree
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
@@ -147,10 +147,6 @@ class Restorer:
                     served.discard()
                 else:
                     served.started(started.pid, started.job_dir)
-                    if not verifies_per_chunk(store):
-                        # TEMPORARY (until Store.read_range): what was served is hashed after.
-                        threading.Thread(target=self._verify_pages_after, daemon=True,
-                                         args=(manifest, started.job_dir, started.pid)).start()
             else:
                 with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
                     # Lazy pages read the images after the restore returns: not from a scratch
@@ -235,11 +231,8 @@ class Restorer:
 
 
 def _why_not_lazy(manifest: Manifest, url: str) -> str:
-    why = f"the checkpoint is compressed ({manifest.compression}) and was unpacked" \
-        if manifest.compression != "none" else \
-        "the checkpoint is encrypted and was decrypted" \
-        if manifest.encryption is not None else \
-        f"the store {url} is not a local directory: the images were fetched"
+    # Only checkpoints stored before images were chunked come here (page_reader).
+    why = "the checkpoint was stored before images were chunked: its images were fetched"
     return (f"lazy restore not possible: {why} into scratch space that goes away after the "
             "restore; restored in full")
 
