@@ -77,6 +77,15 @@ def test_encrypted_dump_restore_and_rotation(make_daemon: MakeDaemon, world_tmp:
     # It goes on from where it was, not from the start.
     assert numbers(d.log_of(restored["job"]))[len(before)] == before[-1] + 1
     d.cli("kill", restored["job"])
+    # And lazily: the daemon decrypts each chunk as lazy-pages asks for it.
+    lazy = d.json("restore", "--lazy", cp["checkpoint"])
+    assert lazy["lazy"] is True and lazy["notes"] == []
+    # The same log: this second restore goes on from the same number once more, never from 0.
+    wait_for(lambda: numbers(d.log_of(lazy["job"])).count(before[-1] + 2) == 2,
+             what="counting on, lazily")
+    values = numbers(d.log_of(lazy["job"]))
+    assert values.count(before[-1] + 1) == 2 and values.count(0) == 1
+    d.cli("kill", lazy["job"])
 
 
 def test_no_key_means_no_dump_and_the_job_runs_on(daemon: Daemon) -> None:
