@@ -138,7 +138,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 16  # stasis/wire.py's table
+    assert len(routes) == 18  # stasis/wire.py's table
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/",
@@ -170,6 +170,12 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert killed["state"] == "exited" and killed["ended_by"] == "SIGKILL"
     assert json_answer(req("DELETE", f"/checkpoints/{cp}")) == {"deleted": cp}
     assert json_answer(req("GET", "/checkpoints?label=api-sleep")) == []
+
+    gc = json_answer(req("POST", "/checkpoints/gc", {"idle_s": 3600}))
+    assert conforms(gc, wire.GcAnswer) and gc["partial"] == []
+    # This daemon has no encryption key: nothing to re-wrap with (tests/daemon/test_encryption.py
+    # has the answer of one that has).
+    assert "encryption" in assert_error(req("POST", "/checkpoints/rekey"), 400, "UsageError")
 
     report = json_answer(req("GET", "/check"))
     assert conforms(report, wire.CheckReport) and report["kernel"] == os.uname().release
