@@ -134,12 +134,16 @@ class TailHasher:
     name>)` ("auto": zstd while the pages shrink to half or less). `compression` says what was
     settled on once `finish()` returned: the codec, "none", or None (auto saw too little to
     judge). Without `open_out` only uncompressed, unencrypted images are followed.
+    `copy_plain`: uncompressed, unencrypted images go to `open_out` too (a store that keeps
+    them elsewhere, S3 say, uploads them while CRIU writes).
     """
 
     def __init__(self, directory: Path, writeback: bool = False,
                  compression: CompressionRequest = "none", open_out: Opener | None = None,
-                 cipher: ChunkCipher | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 cipher: ChunkCipher | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 copy_plain: bool = False) -> None:
         self.directory = directory
+        self._copy_plain = copy_plain and open_out is not None
         self._stop = threading.Event()
         self._files: dict[str, tuple[int, Partial]] = {}  # name -> (fd, partial)
         self._chunk = chunk_bytes
@@ -192,7 +196,7 @@ class TailHasher:
 
     def _start(self, name: str) -> Partial:
         spec = self._spec()
-        if spec.identity:
+        if spec.identity and not self._copy_plain:
             return Partial(ChunkWriter(name, spec, None))
         assert self._open_out is not None
         stored = stored_name(name, spec.compression, spec.encrypted)
