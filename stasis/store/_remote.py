@@ -205,6 +205,7 @@ class RemoteTree:
         them (`TailHasher(open_out=...)`); publish finishes them, `discard` stops them."""
         if self.fs.exists(self._path(checkpoint_id)):
             raise FileExistsError(f"checkpoint {checkpoint_id} already exists in {self.where}")
+        self._make_dir(self._path(checkpoint_id))  # filesystems with directories need it
 
         def open_out(stored_name: str) -> Output:
             output = self._open_output(self._path(checkpoint_id, stored_name))
