@@ -65,17 +65,19 @@ class ThreadedOutput:
         self._thread.start()
 
     def _run(self) -> None:
+        ended = False  # the end (None) was taken from the queue
         try:
             with self.fs.open(self.path, "wb") as f:
                 while (data := self._queue.get()) is not None:
                     if self._stop:
                         raise _Stopped
                     f.write(data)
+                ended = True
                 if self._stop:
                     raise _Stopped
-        except BaseException as e:
+        except BaseException as e:  # the close of the file included (a full disk says so there)
             self._error = e
-            while self._queue.get() is not None:
+            while not ended and self._queue.get() is not None:
                 pass  # let `write` go on; close or discard is what reports
 
     def write(self, data: bytes | memoryview, /) -> int:

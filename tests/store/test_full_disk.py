@@ -10,6 +10,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,3 +109,30 @@ def test_8_mib_upload_to_a_full_fsspec_store(tiny_fs: Path, tmp_path: Path) -> N
     _expect_no_space(store, info.id, url, "none")
     assert not staging.exists()
     assert _files_under(tiny_fs) == []
+
+
+def test_a_streamed_upload_to_a_full_fsspec_store_fails_and_never_hangs(
+        tiny_fs: Path, tmp_path: Path) -> None:
+    # The follower streams the images while "CRIU" writes them; the store fills up. The error
+    # may come as late as the file's close: the dump must still fail, not wait forever.
+    url = f"dir::file://{tiny_fs}"
+    store = Store(url, staging_root=tmp_path / "staging", keep=0)
+    info = make_info()
+    staging = store.staging_dir(info.id)
+    tail = store.follow(info.id, "none")
+    assert tail is not None
+    (staging / "pages-1.img").write_bytes(os.urandom(8 << 20))
+    (staging / "core-1.img").write_bytes(b"c" * 100)
+    hashed = tail.finish()
+    _expect_no_space_with(store, info, url, hashed)
+    assert not staging.exists()
+
+
+def _expect_no_space_with(store: Store, info: Any, where: str, hashed: Any) -> None:
+    with pytest.raises(StoreError) as caught:
+        store.publish(info, "none", hashed=hashed)
+    assert str(caught.value) == (
+        f"no space left on {where} while writing checkpoint {info.id}: "
+        "free space or point STASIS_STORE elsewhere"
+    )
+    assert store.list() == []
