@@ -17,6 +17,7 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     GET    /jobs/{job}/dump-check                                DumpCheckAnswer
     POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
     GET    /checkpoints?label=&user=                             list[Checkpoint]
+    GET    /checkpoints/{checkpoint}/check                       CompatReport
     DELETE /checkpoints/{checkpoint}                             Deleted
     GET    /check                                                CheckReport
     GET    /network-locks                                        list[NetworkLock]
@@ -165,6 +166,52 @@ class Checkpoint(TypedDict):
 
 class Deleted(TypedDict):
     deleted: str
+
+
+# What a restore depends on (stasis.engine.nodefacts): recorded in the manifest at dump time as
+# `restore_facts` (stasis.store.manifest.RestoreFacts holds the same shape), compared before
+# CRIU restores, and shown by `stasis check --checkpoint ID`.
+
+class OpenFile(TypedDict):
+    """A regular file the job had open when it was dumped: CRIU reopens it by path."""
+
+    path: str
+    size_bytes: int
+    mtime_ns: int
+    mode: int  # permission bits (st_mode & 0o7777)
+    # "append": only ever open write-only with O_APPEND (CRIU skips its size check);
+    # "write": open for writing some other way; "read": only ever open read-only.
+    access: Literal["read", "write", "append"]
+
+
+class RestoreFacts(TypedDict):
+    arch: str  # os.uname().machine
+    cpu_model: str
+    cpu_flags: list[str]  # /proc/cpuinfo's flags (Features on arm64), common to every CPU
+    kernel: str  # os.uname().release
+    criu_version: str
+    stasis_version: str
+    user: str
+    uid: int
+    files: list[OpenFile] | None  # None: they could not be read at dump time
+
+
+Verdict = Literal["ok", "note", "refuses"]
+
+
+class CompatFinding(TypedDict):
+    fact: str  # "architecture", "CPU flags", "kernel", "CRIU", "stasis", "user", "file /x"...
+    recorded: str  # the checkpoint's value
+    here: str  # this node's value
+    verdict: Verdict
+    why: str  # what the difference means, "" when ok
+
+
+class CompatReport(TypedDict):
+    checkpoint: str
+    recorded: bool  # False: the checkpoint was dumped before stasis recorded these facts
+    restorable: bool  # no finding refuses
+    findings: list[CompatFinding]
 
 
 # -- the node --------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs (lazily: its pages right after,
-the job killed on a mismatch), and the network lock its restore lifts."""
+the job killed on a mismatch), and the network lock its restore lifts. A checkpoint that
+recorded what its restore depends on is compared with this node first (engine/nodefacts.py):
+here for what needs no user's rights, then in the supervisor, files included, before CRIU."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from stasis.daemon.core import Core
 from stasis.daemon.models import RestoreRequest
@@ -19,9 +21,11 @@ from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
-from stasis.engine import find_criu, proctree
+from stasis import wire
+from stasis.engine import CRIU, find_criu, nodefacts, proctree
 from stasis.errors import (
     CorruptCheckpointError,
+    IncompatibleNodeError,
     NotFoundError,
     OwnerDeniedError,
     RestoreError,
@@ -38,6 +42,7 @@ class Restorer:
         self.core = core
         self.job_umask = job_umask
         self._supervisors = supervisors
+        self._criu_version: str | None = None
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
@@ -86,6 +91,7 @@ class Restorer:
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
+        expect = self._check_node(manifest)
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         logs = settings.layout.logs
@@ -104,6 +110,7 @@ class Restorer:
             "criu_log_dir": str(settings.layout.criu_logs),
             "criu_log_name": f"restore-{job_id}.log",
             "umask": self.job_umask,  # for a log the supervisor creates as the user
+            "expect": expect, "checkpoint": manifest.id,  # compared again there, files too
         }
         lazy = settings.lazy_restore if lazy is None else lazy
         notes: list[str] = []
@@ -142,12 +149,15 @@ class Restorer:
                 started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
         answer = started.answer
         if "error" in answer:
+            if answer["error"]["type"] == IncompatibleNodeError.__name__:
+                raise IncompatibleNodeError(answer["error"]["message"])
             kind = OwnerDeniedError if answer["error"]["type"] == OwnerDeniedError.__name__ \
                 else RestoreError
             raise kind(f"restore of checkpoint {manifest.id} failed: "
                        f"{answer['error']['message']}")
         pid = started.pid
         self._restored(manifest)
+        notes.extend(answer.get("notes") or [])  # what differs from the dumping node, safely
         if answer.get("fallback"):
             # The supervisor's CRIU could not restore lazily and restored in full.
             notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
@@ -159,6 +169,24 @@ class Restorer:
                              lazy=bool(answer.get("lazy")), notes=notes,
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4),
                              elapsed_s=0.0)
+
+    def _check_node(self, manifest: Manifest) -> wire.RestoreFacts | None:
+        """Refuse (IncompatibleNodeError) what differs from the node that dumped `manifest` in
+        a way the restore cannot cope with, but its files: those the supervisor compares with
+        the owner's rights. The recorded facts, for the supervisor; None when there are none
+        (checkpoints dumped before they were recorded restore unchecked)."""
+        if manifest.restore_facts is None:
+            return None
+        expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
+        if self._criu_version is None:
+            settings = self.core.settings
+            self._criu_version = nodefacts.criu_version(
+                CRIU(find_criu(settings.criu), settings.layout.criu_logs))
+        findings = nodefacts.compare(expect, nodefacts.node(self._criu_version), None)
+        refused = nodefacts.refusal(manifest.id, findings)
+        if refused is not None:
+            raise IncompatibleNodeError(refused)
+        return expect
 
     def _restored(self, manifest: Manifest) -> None:
         """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped

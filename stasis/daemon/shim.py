@@ -15,7 +15,9 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            program that daemonizes stays the job).
   restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
            at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
-           files, cwd, mappings and socket addresses with those rights too (Owner).
+           files, cwd, mappings and socket addresses with those rights too (Owner). Before that,
+           the spec's "expect" (the checkpoint's restore_facts) is compared with this node
+           (engine/nodefacts.py): a difference that refuses answers IncompatibleNodeError.
 
 The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
 """
@@ -233,7 +235,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             criu, Path(spec["images"]), Owner(spec["uid"], spec["gid"], spec["groups"]),
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
-            notify=_resume_gate if spec.get("gate") else None)
+            notify=_resume_gate if spec.get("gate") else None,
+            expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""))
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return
@@ -242,7 +245,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         _error(type(e).__name__, str(e))
         return
     _answer({"pid": result.pid, "duration_s": result.duration_s,
-             "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason})
+             "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason,
+             "notes": result.notes})
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 

@@ -1,7 +1,8 @@
 """What a checkpoint is on paper: its manifest, its id, its label.
 
 Owns the `manifest.json` schema (`Manifest`, `FileEntry`, the `Signature` it carries), the facts
-a caller supplies when publishing (`CheckpointInfo`), and the validation of every name that
+a caller supplies when publishing (`CheckpointInfo`, with what a restore depends on:
+`RecordedFacts`, the shape of stasis.wire.RestoreFacts), and the validation of every name that
 reaches the filesystem: checkpoint ids, labels and image file names. Nothing here does I/O.
 """
 
@@ -103,6 +104,35 @@ class FileEntry(BaseModel):
     _check_names = field_validator("name", "stored_name")(_safe_file_name)
 
 
+class RecordedFile(BaseModel):
+    """A regular file the job had open at the dump (stasis.wire.OpenFile)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    size_bytes: int = Field(ge=0)
+    mtime_ns: int
+    mode: int = Field(ge=0, le=0o7777)
+    access: Literal["read", "write", "append"]
+
+
+class RecordedFacts(BaseModel):
+    """What a restore of the checkpoint depends on, as the dumping node saw it
+    (stasis.wire.RestoreFacts; stasis.engine.nodefacts gathers and compares them)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    arch: str
+    cpu_model: str
+    cpu_flags: list[str]
+    kernel: str
+    criu_version: str
+    stasis_version: str
+    user: str
+    uid: int
+    files: list[RecordedFile] | None
+
+
 class CheckpointInfo(BaseModel):
     """What the caller of `Store.publish` knows about a dump; the store adds sizes and files."""
 
@@ -122,6 +152,8 @@ class CheckpointInfo(BaseModel):
     gid: int
     log_path: str | None = None
     extra: dict[str, Any] = {}  # room for later: parent checkpoint, gpu, slurm job id...
+    # None in manifests written before stasis recorded them: those restore unchecked.
+    restore_facts: RecordedFacts | None = None
 
     _utc = field_validator("created")(_to_utc)
 
