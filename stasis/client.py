@@ -188,6 +188,10 @@ class Client:
         return cast("wire.Deleted",
                     self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
 
+    def check_checkpoint(self, checkpoint_id: str) -> wire.CompatReport:
+        return cast("wire.CompatReport", self.request(
+            "GET", f"/checkpoints/{_seg(checkpoint_id)}/check"))
+
     def check(self) -> wire.CheckReport:
         return cast("wire.CheckReport", self.request("GET", "/check"))
 

@@ -173,6 +173,9 @@ def logs(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def check(args: argparse.Namespace, settings: Settings) -> None:
+    if args.checkpoint is not None:
+        check_checkpoint(args, settings)
+        return
     from stasis.engine.check import run_check
 
     report = run_check(settings)
@@ -206,6 +209,32 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
             output.say(f"[red]problem:[/red] {p['what']} -> {p['fix']}")
         output.say("OK" if report["ok"] else "NOT READY")
     if not report["ok"]:
+        sys.exit(1)
+
+
+def check_checkpoint(args: argparse.Namespace, settings: Settings) -> None:
+    """`check --checkpoint ID`: what the checkpoint recorded of the node that dumped it against
+    this node. Exit 0 when a restore here would go ahead (notes or not), 1 when it would be
+    refused."""
+    with Client(settings.socket) as client:
+        report = client.check_checkpoint(args.checkpoint)
+    if args.json:
+        output.emit_json(report)
+    elif not report["recorded"]:
+        output.plain(f"checkpoint {report['checkpoint']} records nothing to compare: it was "
+                     "dumped before stasis recorded what a restore depends on, and restores "
+                     "unchecked")
+    else:
+        rows = [{"fact": f["fact"], "checkpoint": f["recorded"], "this node": f["here"],
+                 "verdict": f["verdict"]} for f in report["findings"]]
+        output.table(rows, ["fact", "checkpoint", "this node", "verdict"])
+        for f in report["findings"]:
+            if f["verdict"] != "ok":
+                output.plain(f"{f['verdict']}: {f['why']}")
+        output.plain(f"checkpoint {report['checkpoint']} "
+                     + ("can be restored on this node" if report["restorable"]
+                        else "would be refused on this node"))
+    if not report["restorable"]:
         sys.exit(1)
 
 
@@ -335,6 +364,9 @@ def _add_logs(sub: Any) -> None:
 def _add_check(sub: Any) -> None:
     p = sub.add_parser("check", help="Can this node checkpoint and restore? What is missing and "
                                      "how to fix it.")
+    p.add_argument("--checkpoint", metavar="ID",
+                   help="Compare what checkpoint ID recorded of the node that dumped it (CPU, "
+                        "kernel, CRIU, user, open files) with this node: ok, note, or refuses.")
     add_json(p)
     p.set_defaults(handler=check)
 

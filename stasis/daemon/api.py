@@ -147,6 +147,11 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
     return web.json_response({"deleted": checkpoint})
 
 
+async def check_checkpoint(request: web.Request) -> web.StreamResponse:
+    return answer(await asyncio.to_thread(request.app[MANAGER].check_checkpoint,
+                                          request.match_info["checkpoint"], peer(request)))
+
+
 async def network_locks(request: web.Request) -> web.StreamResponse:
     # The addresses and ports of every job's connections: root's to see.
     if not peer(request).is_root:
@@ -174,6 +179,7 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.post("/restore", restore),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
+        web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
         web.get("/check", check),
         web.get("/network-locks", network_locks),
     ])

@@ -52,7 +52,15 @@ from stasis.store import (
     validate_checkpoint_id,
     validate_label,
 )
-from stasis.wire import DumpAnswer, DumpCheckAnswer, Job, KillAnswer, RestoreAnswer, RunAnswer
+from stasis.wire import (
+    CompatReport,
+    DumpAnswer,
+    DumpCheckAnswer,
+    Job,
+    KillAnswer,
+    RestoreAnswer,
+    RunAnswer,
+)
 
 log = logging.getLogger("stasis.daemon")
 
@@ -215,6 +223,10 @@ class JobManager:
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
         return self._restorer.restore(req, caller, progress)
+
+    def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CompatReport:
+        """The caller's checkpoint's recorded facts against this node (`check --checkpoint`)."""
+        return self._restorer.compare(checkpoint_id, caller)
 
     # -- kill / follow -------------------------------------------------------------------------
 

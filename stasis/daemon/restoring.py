@@ -22,7 +22,7 @@ from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
-from stasis.engine import CRIU, find_criu, nodefacts, proctree
+from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
 from stasis.errors import (
     CorruptCheckpointError,
     IncompatibleNodeError,
@@ -178,15 +178,40 @@ class Restorer:
         if manifest.restore_facts is None:
             return None
         expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
-        if self._criu_version is None:
-            settings = self.core.settings
-            self._criu_version = nodefacts.criu_version(
-                CRIU(find_criu(settings.criu), settings.layout.criu_logs))
-        findings = nodefacts.compare(expect, nodefacts.node(self._criu_version), None)
+        findings = nodefacts.compare(expect, nodefacts.node(self._node_criu()), None)
         refused = nodefacts.refusal(manifest.id, findings)
         if refused is not None:
             raise IncompatibleNodeError(refused)
         return expect
+
+    def _node_criu(self) -> str:
+        # Asked once: each ask starts a criu process.
+        if self._criu_version is None:
+            settings = self.core.settings
+            self._criu_version = nodefacts.criu_version(
+                CRIU(find_criu(settings.criu), settings.layout.criu_logs))
+        return self._criu_version
+
+    def compare(self, checkpoint_id: str, caller: Caller) -> wire.CompatReport:
+        """`stasis check --checkpoint`: every fact the checkpoint recorded against this node,
+        its files looked at with its owner's rights (as a restore reopens them)."""
+        manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
+        caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        if manifest.restore_facts is None:
+            return wire.CompatReport(checkpoint=manifest.id, recorded=False, restorable=True,
+                                     findings=[])
+        expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
+        try:
+            acct = account(manifest.uid)
+            owner = Owner(acct.uid, acct.gid, acct.groups)
+        except UsageError:
+            owner = Owner(manifest.uid, manifest.gid)  # nobody's here: the user finding says so
+        files = nodefacts.stat_files_as(owner, [f["path"] for f in expect["files"] or ()])
+        findings = nodefacts.compare(expect, nodefacts.node(self._node_criu()), files,
+                                     skip=[manifest.log_path] if manifest.log_path else [])
+        return wire.CompatReport(
+            checkpoint=manifest.id, recorded=True, findings=findings,
+            restorable=all(f["verdict"] != "refuses" for f in findings))
 
     def _restored(self, manifest: Manifest) -> None:
         """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped

@@ -21,8 +21,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
+from stasis import wire
 from stasis.config import Settings, load_settings
 from stasis.engine import CRIU, Owner, find_criu
 from stasis.engine.restoring import restore_tree
@@ -69,8 +70,12 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
     with store.open_images(m.id, layout.scratch) as (_, images):
         # The same restore as the daemon's (CRIU as root, every path of the job with its
         # owner's rights), here in the job's task so that the tree is the task's child.
+        # What the checkpoint recorded of the node that dumped it is compared first.
+        facts = cast("wire.RestoreFacts", m.restore_facts.model_dump()) \
+            if m.restore_facts is not None else None
         result = restore_tree(criu, images, Owner(acct.uid, gid, acct.groups), outputs,
-                              f"restore-slurm-{info.job_id}-{m.id}.log")
+                              f"restore-slurm-{info.job_id}-{m.id}.log", expect=facts,
+                              checkpoint=m.id)
     if m.host != settings.node:
         # The node that dumped it may lift CRIU's network lock for it now.
         try:
