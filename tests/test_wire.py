@@ -52,6 +52,8 @@ WIRE_ONLY = {
     "Registration",  # test_registration_rows_are_the_wires
     "Health", "FinishAnswer", "SlurmCheckpointAnswer",  # mypy; Health: tests/test_client.py
     "RunAnswer", "Job", "KillAnswer", "DumpAnswer", "DumpCheckAnswer", "RestoreAnswer",
+    "RestoreFacts", "OpenFile",  # the manifest's restore_facts: test_restore_facts_are_recorded
+    "CompatReport", "CompatFinding",  # tests/daemon/test_restore_facts.py, from a real daemon
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]
@@ -241,6 +243,16 @@ def test_checkpoint_is_part_of_the_manifest() -> None:
     assert wire.Checkpoint.__required_keys__ == set(hints)
     # Every field the wire reads is always in a manifest's JSON (required or defaulted).
     assert "signature" not in hints and "files" not in hints
+
+
+def test_restore_facts_are_recorded_as_the_wire_has_them() -> None:
+    # The engine gathers and compares wire.RestoreFacts; the manifest stores them as its model.
+    from stasis.store import RecordedFacts
+
+    field = Manifest.model_fields["restore_facts"]
+    assert json_kind(field.annotation) == json_kind(wire.RestoreFacts | None)
+    assert json_kind(RecordedFacts) == json_kind(wire.RestoreFacts)
+    assert not field.is_required()  # manifests written before them still read
 
 
 def test_every_wire_shape_is_held_to_something() -> None:

@@ -179,9 +179,10 @@ class Restorer:
             return None
         expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
         findings = nodefacts.compare(expect, nodefacts.node(self._node_criu()), None)
-        refused = nodefacts.refusal(manifest.id, findings)
-        if refused is not None:
-            raise IncompatibleNodeError(refused)
+        if nodefacts.refusal(manifest.id, findings) is not None:
+            # Refused anyway: the files too, so that the one line names every difference.
+            raise IncompatibleNodeError(nodefacts.refusal(
+                manifest.id, self.compare(manifest.id, None)["findings"]) or "")
         return expect
 
     def _node_criu(self) -> str:
@@ -192,11 +193,13 @@ class Restorer:
                 CRIU(find_criu(settings.criu), settings.layout.criu_logs))
         return self._criu_version
 
-    def compare(self, checkpoint_id: str, caller: Caller) -> wire.CompatReport:
+    def compare(self, checkpoint_id: str, caller: Caller | None) -> wire.CompatReport:
         """`stasis check --checkpoint`: every fact the checkpoint recorded against this node,
-        its files looked at with its owner's rights (as a restore reopens them)."""
+        its files looked at with its owner's rights (as a restore reopens them). `caller`
+        None: the daemon's own ask, for a caller already allowed."""
         manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
-        caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        if caller is not None:
+            caller.require(manifest.uid, f"checkpoint {manifest.id}")
         if manifest.restore_facts is None:
             return wire.CompatReport(checkpoint=manifest.id, recorded=False, restorable=True,
                                      findings=[])

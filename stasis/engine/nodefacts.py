@@ -376,13 +376,12 @@ def _cpu(recorded: wire.RestoreFacts, here: Node) -> list[wire.CompatFinding]:
         isa, other = missing, []
     n_rec, n_here = f"{len(recorded['cpu_flags'])} flags", f"{len(here.cpu_flags)} flags"
     out = []
+    them = "it" if len(isa) == 1 else "them"
     if isa:
         out.append(_finding(
             "CPU flags", n_rec, f"{n_here}, lacking {', '.join(isa)}", "refuses",
-            f"this CPU lacks {', '.join(isa)} (the dumping node's had "
-            f"{'it' if len(isa) == 1 else 'them'}: the job may use "
-            f"{'it' if len(isa) == 1 else 'them'} and would die of SIGILL); restore it on a "
-            "node whose CPU has them"))
+            f"this CPU lacks {', '.join(isa)} (the dumping node's had {them}: the job may use "
+            f"{them} and would die of SIGILL); restore it on a node whose CPU has {them}"))
     else:
         out.append(_finding("CPU flags", n_rec, n_here))
     if other:
@@ -462,7 +461,7 @@ def _file(entry: wire.OpenFile, now: FileState) -> wire.CompatFinding:
     if now.mode != entry["mode"]:
         return _finding(fact, was, here, "refuses",
                         f"{path} has mode {now.mode:04o}, was {entry['mode']:04o} when dumped "
-                        f"(CRIU refuses it): chmod {entry['mode']:04o} it")
+                        f"(CRIU refuses it): chmod it back to {entry['mode']:04o}")
     if now.mtime_ns != entry["mtime_ns"]:
         if entry["access"] == "read":
             return _finding(fact, was, here, "refuses",

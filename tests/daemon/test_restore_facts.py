@@ -15,13 +15,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from stasis import __version__
+from stasis import __version__, wire
 from stasis.engine.nodefacts import X86_INSTRUCTION_FLAGS
 from stasis.store.signing import load_keyring
 from stasis.store.store import MANIFEST_PURPOSE
 from tests.conftest import TEST_USER, Daemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
 from tests.daemon.test_restore_state import last_number, numbers
+from tests.test_wire import conforms
 
 
 def _files(tmp: Path) -> tuple[Path, Path, Path]:
@@ -61,15 +62,16 @@ def _resign(d: Daemon, checkpoint: str, document: dict[str, Any]) -> None:
 
 def _cpuinfo() -> tuple[str, list[str]]:
     """This machine's CPU model and the flags all its CPUs share, read here independently."""
-    model, common = "", None
+    model, common = "", set[str]()
+    first = True
     for block in Path("/proc/cpuinfo").read_text().split("\n\n"):
         lines = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
         lines = {k.strip(): v.strip() for k, v in lines.items()}
         if "flags" in lines:
             model = model or lines.get("model name", "")
             flags = set(lines["flags"].split())
-            common = flags if common is None else common & flags
-    return model, sorted(common or ())
+            common, first = (flags if first else common & flags), False
+    return model, sorted(common)
 
 
 def _criu_version() -> str:
@@ -193,6 +195,7 @@ def test_check_compares_the_owners_checkpoint_and_nobody_elses(
     checkpoint = daemon.json("dump", job["job"], user=TEST_USER)["checkpoint"]
 
     report = daemon.json("check", "--checkpoint", checkpoint, user=TEST_USER)
+    assert conforms(report, wire.CompatReport), report
     assert report["checkpoint"] == checkpoint and report["recorded"] is True
     assert report["restorable"] is True
     verdicts = {f["fact"]: f["verdict"] for f in report["findings"]}
