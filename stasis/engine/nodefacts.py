@@ -59,6 +59,7 @@ extension the kernel switched off cannot be used either. On other architectures 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
@@ -351,7 +352,8 @@ def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileSta
         for entry in recorded["files"] or ():
             if entry["path"] not in skipped:
                 out.append(_file(entry, files.get(entry["path"],
-                                                  FileState(entry["path"], "not looked at"))))
+                                                  FileState(entry["path"], "not looked at")),
+                                 recorded["user"]))
     if recorded["files"] is None:
         out.append(_finding("open files", "not recorded", "", "note",
                             "the dump could not list the job's open files: they are not "
@@ -437,10 +439,14 @@ def _describe(size: int, mode: int, mtime_ns: int) -> str:
     return f"{size} bytes, mode {mode:04o}, modified {_when(mtime_ns)}"
 
 
-def _file(entry: wire.OpenFile, now: FileState) -> wire.CompatFinding:
+def _file(entry: wire.OpenFile, now: FileState, user: str) -> wire.CompatFinding:
     path = entry["path"]
     fact = f"file {path}"
     was = _describe(entry["size_bytes"], entry["mode"], entry["mtime_ns"])
+    if now.error == os.strerror(errno.EACCES):
+        return _finding(fact, was, now.error, "refuses",
+                        f"{path}: {now.error} (a restore reopens the job's files with the "
+                        f"rights of its owner, {user}, who may not open it now)")
     if now.error is not None:
         return _finding(fact, was, now.error, "refuses",
                         f"{path} cannot be opened here ({now.error}); the job had it open: put "

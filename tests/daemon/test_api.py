@@ -138,7 +138,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 16  # stasis/wire.py's table
+    assert len(routes) == 17  # stasis/wire.py's table
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/",
@@ -163,6 +163,8 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert [c["id"] for c in cps] == [cp]
     assert cp in [c["id"] for c in json_answer(req("GET", "/checkpoints"))]
 
+    compared = json_answer(req("GET", f"/checkpoints/{cp}/check"))
+    assert conforms(compared, wire.CompatReport) and compared["restorable"] is True
     restored = stream_result(req("POST", "/restore", {"checkpoint": cp}))
     assert conforms(restored, wire.RestoreAnswer) and restored["checkpoint"] == cp
     killed = json_answer(req("POST", f"/jobs/{restored['job']}/kill", {"timeout_s": 0}))
