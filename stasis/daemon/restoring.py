@@ -110,7 +110,8 @@ class Restorer:
             "criu_log_dir": str(settings.layout.criu_logs),
             "criu_log_name": f"restore-{job_id}.log",
             "umask": self.job_umask,  # for a log the supervisor creates as the user
-            "expect": expect, "checkpoint": manifest.id,  # compared again there, files too
+            # Compared again there, files too.
+            "expect": expect, "checkpoint": manifest.id, "criu_version": self._node_criu(),
         }
         lazy = settings.lazy_restore if lazy is None else lazy
         notes: list[str] = []

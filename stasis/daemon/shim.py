@@ -236,7 +236,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
             notify=_resume_gate if spec.get("gate") else None,
-            expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""))
+            expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
+            criu_version=spec.get("criu_version"))
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return
@@ -274,6 +275,7 @@ def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:
 
     importlib.import_module("stasis.engine.restoring")
     importlib.import_module("stasis.engine.rpc").messages()
+    importlib.import_module("stasis.engine.nodefacts").cpu()  # what a restore compares
     line = sys.stdin.buffer.readline().strip()
     spec = sys.stdin.buffer.readline()
     if not line or not spec:

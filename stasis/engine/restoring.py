@@ -48,7 +48,8 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
 def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
                  log_name: str, *, umask: int = 0o022, lazy: bool = False,
                  notify: rpc.NotifyHandler | None = None,
-                 expect: wire.RestoreFacts | None = None, checkpoint: str = "") -> RestoreResult:
+                 expect: wire.RestoreFacts | None = None, checkpoint: str = "",
+                 criu_version: str | None = None) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
@@ -57,13 +58,15 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
     `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before
     CRIU runs, when this node differs in a way the restore cannot cope with. The notes among
-    the differences come back in `RestoreResult.notes`."""
+    the differences come back in `RestoreResult.notes`. `criu_version`: `criu`'s, when the
+    caller knows it already."""
     found: list[wire.CompatFinding] = []
     if expect is not None:
         # The caller is single-threaded (a supervisor, a Slurm task's helper): the files are
         # looked at with the owner's rights, as CRIU will reopen them.
         found = nodefacts.require(checkpoint or str(images), expect, criu, owner,
-                                  skip=[old for old, _ in outputs])
+                                  skip=[old for old, _ in outputs],
+                                  known_criu_version=criu_version)
     fds: list[int] = []
     try:
         inherit = []
