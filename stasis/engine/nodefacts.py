@@ -95,6 +95,8 @@ X86_INSTRUCTION_FLAGS = frozenset("""
     clzero rdpru
 """.split())
 
+# Files of the kernel's, not the job's: their sizes and times say nothing of what it read.
+_PSEUDO = ("/proc/", "/sys/")
 _O_ACCMODE = 0o3
 _O_WRONLY = 0o1
 _O_APPEND = 0o2000
@@ -171,7 +173,8 @@ def open_files(pid: int) -> list[wire.OpenFile]:
 
     Left out: what the tree's root has as stdout and stderr (the job's log, a Slurm job's
     output: a restore re-points those at files of its own), deleted files (CRIU keeps their
-    contents in the images), and anything that is not a regular file."""
+    contents in the images), files under /proc and /sys, and anything that is not a regular
+    file."""
     outputs: set[tuple[int, int]] = set()
     for std in (1, 2):
         try:
@@ -205,7 +208,8 @@ def _open_file(pid: int, fd: str, skip: set[tuple[int, int]]) -> wire.OpenFile |
     except (OSError, ValueError):
         return None  # closed meanwhile
     if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or not target.startswith("/") \
-            or target.endswith(" (deleted)") or (st.st_dev, st.st_ino) in skip:
+            or target.endswith(" (deleted)") or target.startswith(_PSEUDO) \
+            or (st.st_dev, st.st_ino) in skip:
         return None
     access: Literal["read", "write", "append"]
     if flags & _O_ACCMODE == 0:
