@@ -65,6 +65,7 @@ demo: install
 bench: install
 	$(BIN)/pip install -q $(EDITABLE) '.[dev,bench]'
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+	$(BIN)/python -m bench.labels $(BENCH_LABELS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)

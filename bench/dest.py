@@ -14,7 +14,9 @@ from pathlib import Path
 
 from bench.procs import BenchError
 
-DESTS = ("tmpfs", "disk")
+# "remote": a tmpfs too, but the store is reached as `dir::file://` (fsspec, the code path of an
+# object store: images fetched, or served to a lazy restore by the daemon's page server).
+DESTS = ("tmpfs", "disk", "remote")
 GiB = 1 << 30
 
 
@@ -24,6 +26,8 @@ class Destination:
     scratch: Path  # plain CRIU images and the raw copy
     store: Path | None  # stasis' store; None: the daemon's default store on disk
     mounted: Path | None = None
+    url: str | None = None  # how the daemon names `store`, when not by its path
+
 
     def teardown(self) -> None:
         if self.mounted is not None:
@@ -38,7 +42,7 @@ def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
         scratch = base / "scratch"
         scratch.mkdir(exist_ok=True)
         return Destination(name, scratch, None)
-    if name == "tmpfs":
+    if name in ("tmpfs", "remote"):
         mnt = base / "mnt"
         mnt.mkdir(exist_ok=True)
         # A tmpfs takes memory only for what is in it; the size cap is a guard against runaway.
@@ -49,7 +53,9 @@ def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
             raise BenchError(f"cannot mount a tmpfs at {mnt}: {done.stderr.strip()}")
         scratch = mnt / "scratch"
         scratch.mkdir()
-        return Destination(name, scratch, mnt / "store", mounted=mnt)
+        store = mnt / "store"
+        url = f"dir::file://{store}" if name == "remote" else None
+        return Destination(name, scratch, store, mounted=mnt, url=url)
     raise ValueError(f"unknown destination {name!r}; known: {', '.join(DESTS)}")
 
 
@@ -68,7 +74,7 @@ def bytes_needed(size: int, dest: str) -> int:
     At most one workload runs at a time (a leave-running original is killed before the restore),
     but on tmpfs its image lives in memory beside it, and the raw read holds file + copy.
     """
-    images = size if dest == "tmpfs" else 0
+    images = size if dest in ("tmpfs", "remote") else 0
     return int(max(size + images, 2 * size) * 1.15) + 2 * GiB
 
 

@@ -142,6 +142,21 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             "case": s["case"], "ratio": a / b, "met": a <= 1.05 * b})
     if not auto_seen:
         out.append({"target": "compression auto", "met": None, "why": "no auto-mode case measured"})
+    encrypted = [s for s in summaries if s["case"]["mode"] == "encrypt"
+                 and s["case"]["size_bytes"] == GiB]
+    for s in encrypted:
+        base = _find(summaries, **{**s["case"], "mode": "default"})
+        if base is None:
+            continue
+        for fig in ("dump_s", "restore_s"):
+            a, b = _median(s, f"stasis.{fig}"), _median(base, f"stasis.{fig}")
+            if a and b:
+                out.append({"target": f"encryption: 1 GiB {fig} <= 1.10x unencrypted",
+                            "case": s["case"], "encrypted": a, "plain": b, "ratio": a / b,
+                            "met": a <= 1.10 * b})
+    if not encrypted:
+        out.append({"target": "encryption: 1 GiB dump and restore <= 1.10x unencrypted",
+                    "met": None, "why": "no encrypt-mode 1 GiB case measured"})
     return out
 
 

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="256 MiB, random, tmpfs, default mode, one run (the smoke test)")
     p.add_argument("--sizes", default="256M,1G")
     p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--dest", default=",".join(DESTS))
+    p.add_argument("--dest", default="tmpfs,disk")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
@@ -191,7 +191,7 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
     work.mkdir()
     for dest_name in args.dest_list:
         dest = make_destination(dest_name, work_root, tmpfs_bytes)
-        daemon = StasisDaemon(work_root / f"daemon-{dest_name}", dest.store, stasis)
+        daemon = StasisDaemon(work_root / f"daemon-{dest_name}", dest.store, stasis, dest.url)
         try:
             daemon.start()
             for size in args.size_list:

@@ -28,12 +28,13 @@ class Timed:
 
 
 class StasisDaemon:
-    def __init__(self, root: Path, store: Path | None, stasis: str = STASIS) -> None:
+    def __init__(self, root: Path, store: Path | None, stasis: str = STASIS,
+                 url: str | None = None) -> None:
         """`store` None: the default store, <state_dir>/checkpoints, on the disk under `root`.
 
         `stasis` is the command to run (a snapshot's, see bench.snapshot). Everything runs with
         `root` as its working directory: `python -m` (the job shims) would import stasis from
-        the current directory first.
+        the current directory first. `url`: how the daemon is to name `store` (dir::file://).
         """
         self.root = root
         self.stasis = stasis
@@ -47,7 +48,9 @@ class StasisDaemon:
             "STASIS_CONFIG": "",
         }
         if store is not None:
-            self.env["STASIS_STORE"] = str(store)
+            self.env["STASIS_STORE"] = url or str(store)
+        # Used by the encrypt mode only (`dump --encrypt`); the other modes store in the clear.
+        self.env["STASIS_ENCRYPTION_KEY_FILE"] = str(root / "encryption.key")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -57,6 +60,11 @@ class StasisDaemon:
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        key = self.root / "encryption.key"
+        if not key.exists():
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, os.urandom(32))
+            os.close(fd)
         with open(self.root / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen([self.stasis, "daemon"], env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

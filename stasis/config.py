@@ -39,8 +39,33 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
+    STASIS_TEST_PAGE_DELAY_MS  TESTS ONLY: milliseconds the page server of a lazy restore from
+                         a store holds back each answer (a deterministic window before all
+                         pages are back)  (0)
+    STASIS_KEEP_MAX_AGE_S  checkpoints older than this are deleted (a label's newest one
+                         always stays); 0 = no age limit  (0)
     STASIS_KILL_TIMEOUT_S  seconds `stasis kill` gives a job to end on its signal (TERM)
                          before it sends SIGKILL; 0 = SIGKILL at once  (10)
+    STASIS_ENCRYPT       encrypt every dump's images (AES-256-GCM; `dump --encrypt` per dump)
+                         (false)
+    STASIS_ENCRYPTION_KEY_FILE  root-only file of 32 random bytes (raw or base64) whose key
+                         wraps each checkpoint's data key; read by the daemon  ("": none)
+    STASIS_OLD_ENCRYPTION_KEY_FILES  earlier key files, still accepted for reading (restore,
+                         `checkpoints rekey`); ':'-separated, a list in the file  (none)
+
+An s3:// store takes its endpoint, region and credentials where AWS tools look for them
+(AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
+shared files ~/.aws/config and ~/.aws/credentials, read by botocore itself), or from the file:
+
+    s3_endpoint_url = "http://10.0.0.5:8333"
+    s3_region = "us-east-1"
+    s3_access_key_id = "..."
+    s3_secret_access_key_file = "/etc/stasis/s3-secret"   # root-only; holds the secret
+
+The secret goes in a root-only file of its own (`s3_secret_access_key_file`), so that the config
+file stays readable by the users whose `stasis` commands read it too; `s3_secret_access_key`
+in the config file itself only suits a config file nobody but root reads. Never logged. The
+file's values win over the environment's.
 """
 
 from __future__ import annotations
@@ -78,6 +103,11 @@ _ENV_KEYS = {
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
+    "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
+    "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
+    "STASIS_ENCRYPT": "encrypt",
+    "STASIS_ENCRYPTION_KEY_FILE": "encryption_key_file",
+    "STASIS_OLD_ENCRYPTION_KEY_FILES": "old_encryption_key_files",
 }
 # Variables whose empty value means something ("" turns staging off), not "unset".
 _EMPTY_MEANS_SOMETHING = {"STASIS_STAGE_DIR"}
@@ -129,6 +159,28 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
+    # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
+    # and `stasis checkpoints rekey`.
+    encrypt: bool = False
+    encryption_key_file: str = ""
+    old_encryption_key_files: tuple[str, ...] = ()
+    # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
+    test_page_delay_ms: int = 0
+    keep_max_age_s: int = 0
+    # Only from the file: the environment has AWS's own variables for these (botocore reads
+    # them). "" = leave it to botocore.
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    s3_access_key_id: str = ""
+    s3_secret_access_key: str = ""
+    s3_secret_access_key_file: str = ""
+
+    def __repr__(self) -> str:
+        # Settings end up in tracebacks and debug output; the secret must not.
+        shown = self._replace(s3_secret_access_key="***") if self.s3_secret_access_key else self
+        fields = ", ".join(f"{k}={v!r}" for k, v in zip(self._fields, tuple(shown)))
+        return f"Settings({fields})"
 
     @property
     def store_url(self) -> str:

@@ -14,8 +14,9 @@
     ├── StoreError            the checkpoint store failed (I/O, full disk)
     │   ├── CorruptCheckpointError  a checkpoint failed verification
     │   │   └── UnreadableManifestError  its manifest is garbage: nobody can tell whose it is
-    │   └── UntrustedCheckpointError its manifest is unsigned, tampered, or signed by a key this
-    │                                node does not trust
+    │   ├── UntrustedCheckpointError its manifest is unsigned, tampered, or signed by a key this
+    │   │                            node does not trust
+    │   └── EncryptionKeyError  an encrypted checkpoint whose key this node does not have
     ├── SlurmError            Slurm's tools failed, are missing, or did not answer
     │   └── SlurmJobNotFoundError   Slurm knows no such job (also a NotFoundError)
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
@@ -102,6 +103,10 @@ class UntrustedCheckpointError(StoreError):
     http_status = 422
 
 
+class EncryptionKeyError(StoreError):
+    http_status = 422
+
+
 class SlurmError(StasisError):
     http_status = 502  # a tool the daemon relies on failed, not the daemon itself
 
@@ -127,7 +132,8 @@ _BY_NAME: dict[str, type[StasisError]] = {
         StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
         CRIUNotFoundError, CheckpointError, RestoreError, OwnerDeniedError, StoreError, CorruptCheckpointError,
         IncompatibleNodeError,
-        UnreadableManifestError, UntrustedCheckpointError, SlurmError, SlurmJobNotFoundError,
+        UnreadableManifestError, UntrustedCheckpointError, EncryptionKeyError, SlurmError,
+        SlurmJobNotFoundError,
     )
 }
 

@@ -17,8 +17,10 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     GET    /jobs/{job}/dump-check                                DumpCheckAnswer
     POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
     GET    /checkpoints?label=&user=                             list[Checkpoint]
-    GET    /checkpoints/{checkpoint}/check                       CompatReport
     DELETE /checkpoints/{checkpoint}                             Deleted
+    GET    /checkpoints/{checkpoint}/check                       CheckpointCheck
+    POST   /checkpoints/gc                  GcRequest            GcAnswer (root only)
+    POST   /checkpoints/rekey                                    RekeyAnswer (root only)
     GET    /check                                                CheckReport
     GET    /network-locks                                        list[NetworkLock]
     GET    /slurm/health                                         Health
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-JobState = Literal["running", "restored", "checkpointed", "exited"]
+JobState = Literal["running", "restored", "checkpointed", "exited", "failed"]
 # What a dump is asked to do with its images; "auto" compresses only memory that shrinks.
 CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
 # What a stored checkpoint is compressed with (never "auto": that was decided at dump time).
@@ -97,6 +99,7 @@ class DumpRequest(TypedDict, total=False):
     label: str | None
     compress: CompressionRequest
     incremental: bool
+    encrypt: bool | None  # None: the daemon's setting (encrypt)
 
 
 class DumpAnswer(TypedDict):
@@ -169,7 +172,7 @@ class Deleted(TypedDict):
 
 
 # What a restore depends on (stasis.engine.nodefacts): recorded in the manifest at dump time as
-# `restore_facts` (stasis.store.manifest.RestoreFacts holds the same shape), compared before
+# `restore_facts` (stasis.store.manifest.RecordedFacts holds the same shape), compared before
 # CRIU restores, and shown by `stasis check --checkpoint ID`.
 
 class OpenFile(TypedDict):
@@ -199,19 +202,47 @@ class RestoreFacts(TypedDict):
 Verdict = Literal["ok", "note", "refuses"]
 
 
-class CompatFinding(TypedDict):
-    fact: str  # "architecture", "CPU flags", "kernel", "CRIU", "stasis", "user", "file /x"...
+class CompatFact(TypedDict):
+    """One thing a restore depends on: as recorded at dump time, as on this node."""
+
+    what: str  # "architecture", "CPU flags", "CRIU", "user", "file /data/x.bin" ...
     recorded: str  # the checkpoint's value
     here: str  # this node's value
     verdict: Verdict
-    why: str  # what the difference means, "" when ok
+    why: str  # what the difference means (a note's too), "" when ok
 
 
-class CompatReport(TypedDict):
+class CheckpointCheck(TypedDict):
+    """`stasis check --checkpoint ID`: the checkpoint's recorded facts beside this node's."""
+
     checkpoint: str
-    recorded: bool  # False: the checkpoint was dumped before stasis recorded these facts
-    restorable: bool  # no finding refuses
-    findings: list[CompatFinding]
+    node: str
+    recorded: bool  # False: dumped by a stasis that recorded nothing to compare
+    restorable: bool  # no fact refuses
+    facts: list[CompatFact]
+
+
+class GcRequest(TypedDict, total=False):
+    # Only what nothing was written to for this long is someone's garbage  (3600)
+    idle_s: float
+
+
+class GcAnswer(TypedDict):
+    """What `checkpoints gc` removed from the store (and the index entries it added)."""
+
+    staging: list[str]  # staging directories of dumps that died
+    partial: list[str]  # checkpoints without a manifest: publishes cut off
+    uploads: list[str]  # unfinished multipart uploads (S3), by key
+    expired: list[str]  # checkpoints beyond keep or older than keep_max_age_s
+    index_entries_removed: int
+    index_entries_added: int
+class RekeyAnswer(TypedDict):
+    """`checkpoints rekey`: checkpoints whose data key was re-wrapped with the current key file,
+    how many were on it already, and how many are wrapped by a key this node has not got."""
+
+    rekeyed: list[str]
+    current: int
+    unknown_key: int
 
 
 # -- the node --------------------------------------------------------------------------------

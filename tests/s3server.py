@@ -88,7 +88,12 @@ class S3Server:
         self.proc = subprocess.Popen(
             [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              *self._ports, "-filer", "-s3", f"-s3.config={config}",
-             "-volume.max=0", "-master.volumeSizeLimitMB=1024"],
+             # Every bucket is a collection with volumes of its own: room for hundreds.
+             "-volume.max=2000", "-master.volumeSizeLimitMB=64",
+             # Side servers on fixed default ports would collide between two servers; a
+             # bucket made by a PUT is not what AWS does.
+             "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
+             "-master.telemetry=false"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -96,8 +101,8 @@ class S3Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.proc.returncode}; "
-                                   f"see {self.root / 'weed.log'}")
+                tail = (self.root / "weed.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}:\n{tail}")
             if self._ready():
                 return
             time.sleep(0.25)
@@ -111,7 +116,7 @@ class S3Server:
             probe = f"ready-{os.getpid()}"
             fs.mkdir(probe)
             fs.pipe_file(f"{probe}/probe", b"x")
-            ok = fs.cat_file(f"{probe}/probe") == b"x"
+            ok: bool = fs.cat_file(f"{probe}/probe") == b"x"
             fs.rm(probe, recursive=True)
             return ok
         except Exception:
@@ -124,7 +129,7 @@ class S3Server:
         options: dict[str, Any] = {
             "key": self.access_key, "secret": self.secret_key,
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION},
-            "skip_instance_cache": True,
+            "skip_instance_cache": True, "use_listings_cache": False,
         }
         options.update(overrides)
         return s3fs.S3FileSystem(**options)

@@ -34,6 +34,7 @@ from tests.conftest import ROOT
 REQUEST_PAIRS: list[tuple[type, type[BaseModel]]] = [
     (wire.RunRequest, daemon_models.RunRequest),
     (wire.KillRequest, daemon_models.KillRequest),
+    (wire.GcRequest, daemon_models.GcRequest),
     (wire.DumpRequest, daemon_models.DumpRequest),
     (wire.RestoreRequest, daemon_models.RestoreRequest),
     (wire.RegisterRequest, slurm_models.RegisterRequest),
@@ -47,13 +48,15 @@ WIRE_ONLY = {
     "WireError",  # test_error_shape
     "Progress",  # the dump and restore streams (tests/daemon/test_api.py)
     "Deleted",  # tests/test_client.py
+    "GcAnswer",  # tests/daemon/test_gc.py
+    "CheckpointCheck", "CompatFact",  # tests/daemon/test_api.py, test_restore_facts.py
+    "RekeyAnswer",  # tests/daemon/test_encryption.py
     "Checkpoint",  # a part of the store's Manifest: test_checkpoint_is_part_of_the_manifest
     "CheckReport", "Problem", "NetworkLock",  # test_check_report_is_the_wires
     "Registration",  # test_registration_rows_are_the_wires
     "Health", "FinishAnswer", "SlurmCheckpointAnswer",  # mypy; Health: tests/test_client.py
     "RunAnswer", "Job", "KillAnswer", "DumpAnswer", "DumpCheckAnswer", "RestoreAnswer",
     "RestoreFacts", "OpenFile",  # the manifest's restore_facts: test_restore_facts_are_recorded
-    "CompatReport", "CompatFinding",  # tests/daemon/test_restore_facts.py, from a real daemon
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]

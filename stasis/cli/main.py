@@ -65,7 +65,7 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
             output.progress_bar("dumping", not args.json) as progress:
         answer = client.dump(args.job, progress, leave_running=args.leave_running,
                              label=args.label, compress=args.compress,
-                             incremental=args.incremental)
+                             incremental=args.incremental, encrypt=args.encrypt)
     _done(args, answer, f"checkpoint {answer['checkpoint']} (label {answer['label']}, "
           f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s)")
 
@@ -133,6 +133,30 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
         if args.action == "rm":
             client.delete_checkpoint(args.checkpoint)
             output.say(f"deleted {args.checkpoint}")
+            return
+        if args.action == "gc":
+            report = client.collect_garbage(idle_s=args.idle)
+            if args.json:
+                output.emit_json(report)
+                return
+            output.say(
+                f"removed {len(report['staging'])} staging dir(s), {len(report['partial'])} "
+                f"partial checkpoint(s), {len(report['uploads'])} unfinished upload(s), "
+                f"{report['index_entries_removed']} stale index entr(ies); expired "
+                f"{len(report['expired'])} checkpoint(s); indexed "
+                f"{report['index_entries_added']}")
+            return
+        if args.action == "rekey":
+            done = client.rekey()
+            if args.json:
+                output.emit_json(done)
+            else:
+                output.say(f"rekeyed {len(done['rekeyed'])} checkpoints to the current key "
+                           f"({done['current']} were on it already)")
+            if done["unknown_key"]:
+                output.warn(f"{done['unknown_key']} encrypted checkpoints are wrapped by a key "
+                            "this node has not got (not in encryption_key_file or "
+                            "old_encryption_key_files): left as they are")
             return
         found = client.checkpoints(args.label, args.user)
     if args.json:
@@ -225,15 +249,15 @@ def check_checkpoint(args: argparse.Namespace, settings: Settings) -> None:
                      "dumped before stasis recorded what a restore depends on, and restores "
                      "unchecked")
     else:
-        rows = [{"fact": f["fact"], "checkpoint": f["recorded"], "this node": f["here"],
-                 "verdict": f["verdict"]} for f in report["findings"]]
-        output.table(rows, ["fact", "checkpoint", "this node", "verdict"])
-        for f in report["findings"]:
+        rows = [{"what": f["what"], "checkpoint": f["recorded"], "this node": f["here"],
+                 "verdict": f["verdict"]} for f in report["facts"]]
+        output.table(rows, ["what", "checkpoint", "this node", "verdict"])
+        for f in report["facts"]:
             if f["verdict"] != "ok":
                 output.plain(f"{f['verdict']}: {f['why']}")
         output.plain(f"checkpoint {report['checkpoint']} "
-                     + ("can be restored on this node" if report["restorable"]
-                        else "would be refused on this node"))
+                     + ("can be restored" if report["restorable"] else "would be refused")
+                     + f" on this node ({report['node']})")
     if not report["restorable"]:
         sys.exit(1)
 
@@ -276,6 +300,9 @@ def _add_dump(sub: Any) -> None:
                    help="(default: none)")
     p.add_argument("--incremental", action="store_true",
                    help="Only memory changed since the last dump, where the kernel tracks it.")
+    p.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=None,
+                   help="Encrypt the images (AES-256-GCM, with the daemon's "
+                        "encryption_key_file); default: the daemon's setting (encrypt).")
     p.add_argument("--check", action="store_true",
                    help="Dump nothing: report what would make the dump fail (a unix stream "
                         "connection to a process outside the job) and what a restore would "
@@ -309,16 +336,33 @@ def _add_ps(sub: Any) -> None:
 
 def _add_checkpoints(sub: Any) -> None:
     p = sub.add_parser("checkpoints", help="List checkpoints, newest first "
-                                           "(`checkpoints rm ID` deletes one).")
+                                           "(`checkpoints rm ID` deletes one, "
+                                           "`checkpoints gc` cleans the store, `checkpoints "
+                                           "rekey` re-wraps encryption keys).")
     p.add_argument("--label", help="Only your checkpoints with this label (or --user's).")
     p.add_argument("--user", metavar="NAME|UID",
                    help="Only this user's checkpoints (root only, for another user's; without "
                         "it root lists every user's, but --label looks among root's own).")
     add_json(p)
     p.set_defaults(handler=checkpoints, action=None)
-    rm = subcommands(p, dest="action", required=False).add_parser(
-        "rm", help="Delete CHECKPOINT from the store.")
+    actions = subcommands(p, dest="action", required=False)
+    rm = actions.add_parser("rm", help="Delete CHECKPOINT from the store.")
     rm.add_argument("checkpoint", metavar="CHECKPOINT")
+    gc = actions.add_parser(
+        "gc", help="Remove what dead dumps and nodes left in the store (staging, partial "
+                   "uploads, stale index entries) and apply retention to every label (root).")
+    gc.add_argument("--idle", type=float, default=3600.0, metavar="SECONDS",
+                    help="Only what nothing was written to for this long (default 3600).")
+    # SUPPRESS: `checkpoints --json gc` keeps the --json given before `gc`.
+    gc.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                    help="Print one JSON value.")
+    rekey = actions.add_parser(
+        "rekey", help="Re-wrap the data keys of checkpoints encrypted with an old key file "
+                      "(old_encryption_key_files) with the current one; images are not "
+                      "rewritten (root only).")
+    # SUPPRESS: `checkpoints --json rekey` keeps the --json given before it.
+    rekey.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="Print one JSON value.")
 
 
 def _signal(text: str) -> str:

@@ -12,6 +12,7 @@ the engine into the store, restores them, and follows them until they end.
     supervisor   starting a job's supervisor (a spare one waits), the restore gate, job logs
     dumping      dump, dump --check, publishing, undoing dumps a killed daemon left
     restoring    restore by id or label, verification, the lazy path
+    lazystore    lazy restore from a store: scratch images, the page server, killing on failure
     housekeeping pruning finished jobs and CRIU logs, freeing garbage checkpoints
     progress     bytes done while CRIU dumps or restores
     stopping     `stasis kill`: the signal, the grace period, SIGKILL

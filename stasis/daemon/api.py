@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from stasis.daemon.http import answer, error_body, peer, read_body, wire
 from stasis.daemon.integration import Integration
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import DumpRequest, KillRequest, RestoreRequest, RunRequest
+from stasis.daemon.models import DumpRequest, GcRequest, KillRequest, RestoreRequest, RunRequest
 from stasis.daemon.stopping import stop
 from stasis.engine.check import run_check
 from stasis.errors import PermissionDeniedError, StasisError, UsageError
@@ -148,8 +148,17 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
 
 
 async def check_checkpoint(request: web.Request) -> web.StreamResponse:
-    return answer(await asyncio.to_thread(request.app[MANAGER].check_checkpoint,
-                                          request.match_info["checkpoint"], peer(request)))
+    checkpoint = request.match_info["checkpoint"]
+    return answer(await asyncio.to_thread(request.app[MANAGER].check_checkpoint, checkpoint,
+                                          peer(request)))
+
+
+async def collect_garbage(request: web.Request) -> web.StreamResponse:
+    req = await read_body(request, GcRequest)
+    return answer(await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request),
+                                          req.idle_s))
+async def rekey(request: web.Request) -> web.StreamResponse:
+    return answer(await asyncio.to_thread(request.app[MANAGER].rekey, peer(request)))
 
 
 async def network_locks(request: web.Request) -> web.StreamResponse:
@@ -180,6 +189,8 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
         web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
+        web.post("/checkpoints/gc", collect_garbage),
+        web.post("/checkpoints/rekey", rekey),
         web.get("/check", check),
         web.get("/network-locks", network_locks),
     ])

@@ -32,6 +32,7 @@ from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
     CompressionRequest,
+    DataKey,
     Manifest,
     RecordedFacts,
     new_checkpoint_id,
@@ -123,7 +124,8 @@ class Dumper:
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(
-            row.pid, info, req.leave_running, req.compress, what, progress, notes)
+            row.pid, info, req.leave_running, req.compress, what, progress, notes,
+            encrypt=req.encrypt)
         if not req.leave_running:
             self.core.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
@@ -151,9 +153,11 @@ class Dumper:
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
-                        progress: Progress | None = None, notes: list[str] | None = None
+                        progress: Progress | None = None, notes: list[str] | None = None,
+                        *, encrypt: bool | None = None,
                         ) -> tuple[Manifest, DumpResult, bool]:
-        """Dump the tree under `pid` and publish it as checkpoint `info.id`.
+        """Dump the tree under `pid` and publish it as checkpoint `info.id`; `encrypt` its
+        images (None: the `encrypt` setting).
 
         Unless `leave_running`, the tree is left stopped (not killed) once this returns: the
         caller records that, kills it, then calls `dump_settled(info.id)`. Any failure resumes
@@ -162,6 +166,10 @@ class Dumper:
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
         notes = [] if notes is None else notes
+        if encrypt is None:
+            encrypt = self.core.settings.encrypt
+        # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
+        data_key = self.core.store.new_data_key(info.id) if encrypt else None
         with self._dump_slot(f"pid {pid}", what):
             # Written down until settled: should the daemon die meanwhile, its next start
             # removes the staging and resumes the tree (`recover_dumps`).
@@ -170,7 +178,7 @@ class Dumper:
                 leave_running=leave_running))
             try:
                 done = self._checkpoint_tree(pid, info, leave_running, compress, what,
-                                             progress, notes)
+                                             progress, notes, data_key)
             except BaseException:
                 self.core.journal.end(info.id)
                 raise
@@ -184,7 +192,8 @@ class Dumper:
 
     def _checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                          compress: CompressionRequest, what: str, progress: Progress | None,
-                         notes: list[str]) -> tuple[Manifest, DumpResult, bool]:
+                         notes: list[str], data_key: DataKey | None,
+                         ) -> tuple[Manifest, DumpResult, bool]:
         asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
@@ -209,7 +218,8 @@ class Dumper:
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
         # all that after the job resumed instead: on these 2 CPUs the hashing slowed CRIU's
         # frozen part by ~25%.
-        tail = self.core.store.follow(info.id, compress) if not leave_running else None
+        tail = self.core.store.follow(info.id, compress, data_key) if not leave_running \
+            else None
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
@@ -230,7 +240,8 @@ class Dumper:
         rules = [] if leave_running else netlock.rules_from_log(result.log_path)
         info = self._with_facts(info, criu, opened.files)
         try:
-            manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed)
+            manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed,
+                                               data_key=data_key)
         except StasisError as e:
             self._discard(info.id, fast)
             if not leave_running:

@@ -27,12 +27,29 @@ class Housekeeping:
         self.core = core
 
     def sweep_store(self) -> None:
-        """Free what nobody can use: checkpoints whose manifest has been garbage for longer than
-        `remove_corrupt_after_s` (the daemon runs this at its start and then every hour)."""
+        """Keep the store usable and bounded (the daemon runs this at its start and then every
+        hour): complete its label index (once: a store written by a stasis without one), delete
+        checkpoints older than `keep_max_age_s`, and free what nobody can use: checkpoints whose
+        manifest has been garbage for longer than `remove_corrupt_after_s`."""
+        store = self.core.store
+        try:
+            added = store.ensure_index()
+            if added:
+                log.info("indexed %d checkpoint(s) of %s by label", added, store.url)
+        except StasisError as e:
+            log.warning("cannot index the checkpoints of %s: %s", store.url, e)
+        if self.core.settings.keep_max_age_s:
+            try:
+                expired = store.expire()
+                if expired:
+                    log.info("deleted %d checkpoint(s) older than %d s", len(expired),
+                             self.core.settings.keep_max_age_s)
+            except StasisError as e:
+                log.warning("cannot delete old checkpoints: %s", e)
         if self.core.settings.remove_corrupt_after_s == 0:
             return
         try:
-            self.core.store.remove_unreadable(self.core.settings.remove_corrupt_after_s)
+            store.remove_unreadable(self.core.settings.remove_corrupt_after_s)
         except StasisError as e:
             log.warning("cannot remove corrupt checkpoints: %s", e)
 

@@ -53,11 +53,13 @@ from stasis.store import (
     validate_label,
 )
 from stasis.wire import (
-    CompatReport,
+    CheckpointCheck,
     DumpAnswer,
     DumpCheckAnswer,
+    GcAnswer,
     Job,
     KillAnswer,
+    RekeyAnswer,
     RestoreAnswer,
     RunAnswer,
 )
@@ -138,6 +140,17 @@ class JobManager:
             return self.store.list()
         return self.store.list(label, uid=owner_uid(caller, user))
 
+    def rekey(self, caller: Caller) -> RekeyAnswer:
+        """Re-wrap every checkpoint's data key that an old key file wraps with the current one
+        (root only: it rewrites every user's manifests)."""
+        if not caller.is_root:
+            raise PermissionDeniedError("permission denied: only root may rekey checkpoints")
+        done = self.store.rekey()
+        log.info("rekeyed %d checkpoints (%d already on the current key, %d on a key this node "
+                 "has not got)", len(done.rekeyed), done.current, done.unknown_key)
+        return RekeyAnswer(rekeyed=done.rekeyed, current=done.current,
+                           unknown_key=done.unknown_key)
+
     def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
         try:
             manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
@@ -155,6 +168,28 @@ class JobManager:
             caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
         self.store.delete(checkpoint_id)
         self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
+
+    def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CheckpointCheck:
+        """`stasis check --checkpoint`: what its restore depends on, beside this node (the
+        caller's own checkpoints; root's: anyone's)."""
+        return self._restorer.compare(checkpoint_id, caller)
+
+    def collect_garbage(self, caller: Caller, idle_s: float) -> GcAnswer:
+        """`stasis checkpoints gc`: what dead dumps and nodes left in the store, and retention
+        over every label. Root only: it judges every user's leftovers."""
+        if not caller.is_root:
+            raise PermissionDeniedError("permission denied: only root may collect the garbage "
+                                        "of the store")
+        report = self.store.gc(idle_s)
+        expired = self.store.expire()
+        log.info("gc of %s: removed %d staging dir(s), %d partial checkpoint(s), %d upload(s), "
+                 "%d index entr(ies); expired %d checkpoint(s)", self.store.url,
+                 len(report.staging), len(report.partial), len(report.uploads),
+                 report.entries_removed, len(expired))
+        return GcAnswer(staging=report.staging, partial=report.partial,
+                             uploads=report.uploads, expired=expired,
+                             index_entries_removed=report.entries_removed,
+                             index_entries_added=report.entries_added)
 
     # -- housekeeping --------------------------------------------------------------------------
 
@@ -210,12 +245,13 @@ class JobManager:
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
-                        progress: Progress | None = None, notes: list[str] | None = None
+                        progress: Progress | None = None, notes: list[str] | None = None,
+                        *, encrypt: bool | None = None,
                         ) -> tuple[Manifest, DumpResult, bool]:
         """See `Dumper.checkpoint_tree`: unless `leave_running`, the caller records the tree
         stopped, kills it, then calls `dump_settled`."""
         return self._dumper.checkpoint_tree(pid, info, leave_running, compress, what,
-                                            progress, notes)
+                                            progress, notes, encrypt=encrypt)
 
     def dump_settled(self, checkpoint_id: str) -> None:
         self._dumper.dump_settled(checkpoint_id)
@@ -223,10 +259,6 @@ class JobManager:
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
         return self._restorer.restore(req, caller, progress)
-
-    def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CompatReport:
-        """The caller's checkpoint's recorded facts against this node (`check --checkpoint`)."""
-        return self._restorer.compare(checkpoint_id, caller)
 
     # -- kill / follow -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from stasis.store import CompressionRequest
 
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
-JobState = Literal["running", "restored", "checkpointed", "exited"]
+JobState = Literal["running", "restored", "checkpointed", "exited", "failed"]
 
 
 def validate_job_id(job_id: str) -> str:
@@ -48,6 +48,7 @@ class DumpRequest(_Model):
     label: str | None = None
     compress: CompressionRequest = "none"
     incremental: bool = False
+    encrypt: bool | None = None  # None: the daemon's setting (encrypt)
 
 
 class RestoreRequest(_Model):
@@ -56,6 +57,10 @@ class RestoreRequest(_Model):
     # Whose label (name or uid; root only, for another user's): the caller's own by default.
     user: str | None = None
     lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
+
+
+class GcRequest(_Model):
+    idle_s: float = Field(default=3600.0, ge=0)
 
 
 class KillRequest(_Model):

@@ -1,8 +1,9 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs (lazily: its pages right after,
-the job killed on a mismatch), and the network lock its restore lifts. A checkpoint that
-recorded what its restore depends on is compared with this node first (engine/nodefacts.py):
-here for what needs no user's rights, then in the supervisor, files included, before CRIU."""
+the job killed on a mismatch), and the network lock its restore lifts. A lazy restore from a
+store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py).
+A checkpoint that recorded what its restore depends on is compared with this node first
+(engine/nodefacts.py), before anything is fetched or CRIU runs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
+from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
+from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
     IncompatibleNodeError,
@@ -42,7 +45,8 @@ class Restorer:
         self.core = core
         self.job_umask = job_umask
         self._supervisors = supervisors
-        self._criu_version: str | None = None
+        self._uffd: bool | None = None  # whether CRIU can restore lazily here (asked once)
+        self._criu_version: str | None = None  # asked once, as for dumps
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
@@ -91,7 +95,9 @@ class Restorer:
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
-        expect = self._check_node(manifest)
+        in_place = store.images_in_place(manifest.id)
+        # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
+        expect = self._check_node(manifest, files=in_place is None)
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         logs = settings.layout.logs
@@ -111,11 +117,10 @@ class Restorer:
             "criu_log_name": f"restore-{job_id}.log",
             "umask": self.job_umask,  # for a log the supervisor creates as the user
             # Compared again there, files too.
-            "expect": expect, "checkpoint": manifest.id, "criu_version": self._node_criu(),
+            "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
         }
         lazy = settings.lazy_restore if lazy is None else lazy
         notes: list[str] = []
-        in_place = store.images_in_place(manifest.id)
         if in_place is not None:
             # CRIU reads the images where they are while we verify them; the restored tree is
             # resumed only once they passed (the supervisor waits for our word at post-restore).
@@ -136,18 +141,30 @@ class Restorer:
                 threading.Thread(target=self._verify_pages_after, daemon=True,
                                  args=(manifest, started.job_dir, started.pid)).start()
         else:
-            with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
-                # Lazy pages read the images after the restore returns: not from a scratch copy
-                # that goes away when this block ends.
-                spec.update(images=str(images), lazy=False)
-                if lazy:
-                    why = f"the checkpoint is compressed ({manifest.compression}) and was " \
-                        "unpacked" if manifest.compression != "none" else \
-                        f"the store {store.url} is not a local directory: the images were " \
-                        "fetched"
-                    notes.append(f"lazy restore not possible: {why} into scratch space that "
-                                 "goes away after the restore; restored in full")
-                started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
+            served, why_not = (self._serve_lazily(manifest), None) if lazy else (None, None)
+            if isinstance(served, str):
+                served, why_not = None, served
+            if served is not None:
+                spec.update(images=str(served.images), lazy=True,
+                            page_server=str(served.socket_path))
+                try:
+                    started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
+                except BaseException:
+                    served.discard()
+                    raise
+                if "pid" not in started.answer:
+                    served.discard()
+                else:
+                    served.started(started.pid, started.job_dir)
+            else:
+                with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
+                    # Lazy pages read the images after the restore returns: not from a scratch
+                    # copy that goes away when this block ends.
+                    spec.update(images=str(images), lazy=False)
+                    if lazy:
+                        notes.append(why_not or _why_not_lazy(manifest, store.url))
+                    started = self._supervisors.start(job_id, spec, progress,
+                                                      manifest.size_bytes)
         answer = started.answer
         if "error" in answer:
             if answer["error"]["type"] == IncompatibleNodeError.__name__:
@@ -171,51 +188,88 @@ class Restorer:
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4),
                              elapsed_s=0.0)
 
-    def _check_node(self, manifest: Manifest) -> wire.RestoreFacts | None:
+    def _serve_lazily(self, manifest: Manifest) -> LazyRestore | str | None:
+        """The images of a lazy restore whose pages the daemon serves from the store (fetched,
+        listening), or why that is not possible on this node (a note: restored in full), or
+        None when the checkpoint cannot be read by range (the usual note)."""
+        store, settings = self.core.store, self.core.settings
+        read = page_reader(store, manifest)
+        if read is None:
+            return None
+        if not self._has_uffd():
+            return ("lazy restore not possible: this kernel has no userfaultfd for CRIU's "
+                    "lazy pages; restored in full")
+        served = LazyRestore(store, manifest, read, settings.layout.scratch,
+                             delay_s=settings.test_page_delay_ms / 1000)
+        try:
+            served.prepare()
+        except PagemapError as e:
+            served.discard()
+            return f"lazy restore not possible: {e}; restored in full"
+        except BaseException:
+            served.discard()
+            raise
+        return served
+
+    def _check_node(self, manifest: Manifest, files: bool) -> wire.RestoreFacts | None:
         """Refuse (IncompatibleNodeError) what differs from the node that dumped `manifest` in
-        a way the restore cannot cope with, but its files: those the supervisor compares with
-        the owner's rights. The recorded facts, for the supervisor; None when there are none
-        (checkpoints dumped before they were recorded restore unchecked)."""
+        a way the restore cannot cope with. Its open files are compared here when `files`
+        (the images are to be fetched: not for nothing), else by the supervisor, with the
+        owner's rights, just before CRIU. The recorded facts, for the supervisor; None when
+        there are none (checkpoints dumped before they were recorded restore unchecked)."""
         if manifest.restore_facts is None:
             return None
         expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
-        findings = nodefacts.compare(expect, nodefacts.node(self._node_criu()), None)
-        if nodefacts.refusal(manifest.id, findings) is not None:
-            # Refused anyway: the files too, so that the one line names every difference.
-            raise IncompatibleNodeError(nodefacts.refusal(
-                manifest.id, self.compare(manifest.id, None)["findings"]) or "")
+        facts = nodefacts.compare(expect, nodefacts.node(self.criu_version()), None)
+        if files or nodefacts.refusal(manifest.id, facts) is not None:
+            # With the files (a refusal names every difference), as the owner sees them.
+            facts = self._report(manifest)["facts"]
+        refused = nodefacts.refusal(manifest.id, facts)
+        if refused is not None:
+            raise IncompatibleNodeError(refused)
         return expect
 
-    def _node_criu(self) -> str:
-        # Asked once: each ask starts a criu process.
+    def criu_version(self) -> str:
+        # Asked once, as for dumps: each ask starts a criu process.
         if self._criu_version is None:
             settings = self.core.settings
             self._criu_version = nodefacts.criu_version(
                 CRIU(find_criu(settings.criu), settings.layout.criu_logs))
         return self._criu_version
 
-    def compare(self, checkpoint_id: str, caller: Caller | None) -> wire.CompatReport:
+    def compare(self, checkpoint_id: str, caller: Caller) -> wire.CheckpointCheck:
         """`stasis check --checkpoint`: every fact the checkpoint recorded against this node,
-        its files looked at with its owner's rights (as a restore reopens them). `caller`
-        None: the daemon's own ask, for a caller already allowed."""
+        its files looked at with its owner's rights (as a restore reopens them)."""
         manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
-        if caller is not None:
-            caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        return self._report(manifest)
+
+    def _report(self, manifest: Manifest) -> wire.CheckpointCheck:
+        node = self.core.hostname
         if manifest.restore_facts is None:
-            return wire.CompatReport(checkpoint=manifest.id, recorded=False, restorable=True,
-                                     findings=[])
+            return wire.CheckpointCheck(checkpoint=manifest.id, node=node, recorded=False,
+                                        restorable=True, facts=[])
         expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
         try:
             acct = account(manifest.uid)
             owner = Owner(acct.uid, acct.gid, acct.groups)
         except UsageError:
-            owner = Owner(manifest.uid, manifest.gid)  # nobody's here: the user finding says so
+            owner = Owner(manifest.uid, manifest.gid)  # nobody's here: the user fact says so
         files = nodefacts.stat_files_as(owner, [f["path"] for f in expect["files"] or ()])
-        findings = nodefacts.compare(expect, nodefacts.node(self._node_criu()), files,
-                                     skip=[manifest.log_path] if manifest.log_path else [])
-        return wire.CompatReport(
-            checkpoint=manifest.id, recorded=True, findings=findings,
-            restorable=all(f["verdict"] != "refuses" for f in findings))
+        facts = nodefacts.compare(expect, nodefacts.node(self.criu_version()), files,
+                                  skip=[manifest.log_path] if manifest.log_path else [])
+        return wire.CheckpointCheck(
+            checkpoint=manifest.id, node=node, recorded=True, facts=facts,
+            restorable=all(f["verdict"] != "refuses" for f in facts))
+
+    def _has_uffd(self) -> bool:
+        if self._uffd is None:
+            criu = CRIU(find_criu(self.core.settings.criu), self.core.settings.layout.criu_logs)
+            try:
+                self._uffd = criu.features().lazy_pages
+            except StasisError:
+                self._uffd = False
+        return self._uffd
 
     def _restored(self, manifest: Manifest) -> None:
         """CRIU lifted the checkpoint's network lock if this node holds it; a node that dumped
@@ -237,6 +291,13 @@ class Restorer:
                 proctree.signal_tree(pid, signal.SIGKILL)
             (job_dir / "killed.json").write_text(json.dumps({"reason": str(e)}))
             log.error("killed lazily restored job %s: %s", job_dir.name, e)
+
+
+def _why_not_lazy(manifest: Manifest, url: str) -> str:
+    # Only checkpoints stored before images were chunked come here (page_reader).
+    why = "the checkpoint was stored before images were chunked: its images were fetched"
+    return (f"lazy restore not possible: {why} into scratch space that goes away after the "
+            "restore; restored in full")
 
 
 def _is_pages(entry: FileEntry) -> bool:

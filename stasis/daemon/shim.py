@@ -15,9 +15,12 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            program that daemonizes stays the job).
   restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
            at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
-           files, cwd, mappings and socket addresses with those rights too (Owner). Before that,
-           the spec's "expect" (the checkpoint's restore_facts) is compared with this node
-           (engine/nodefacts.py): a difference that refuses answers IncompatibleNodeError.
+           files, cwd, mappings and socket addresses with those rights too (Owner).
+           A lazy restore from a store has its lazy pages served by the daemon on a unix socket
+           (spec "page_server"), which this process connects lazy-pages to.
+           Before that, the spec's "expect" (the checkpoint's restore_facts) is compared with
+           this node (engine/nodefacts.py): a difference that refuses answers
+           IncompatibleNodeError.
 
 The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
 """
@@ -236,6 +239,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
             notify=_resume_gate if spec.get("gate") else None,
+            page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
             expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
             criu_version=spec.get("criu_version"))
     except OSError as e:

@@ -70,7 +70,10 @@ class JobTracker:
                 code = json.loads(exit_file.read_text())["exit_code"]
             except (ValueError, KeyError):
                 code = None  # written, but garbled: the job did end
-            self.db.finish(row.id, "exited", code)
+            # Killed by the daemon because its memory could not be had (a lazy restore whose
+            # pages did not verify or did not come): killed.json says why.
+            killed = (Path(row.job_dir) / "killed.json").exists()
+            self.db.finish(row.id, "failed" if killed else "exited", code)
         elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
             if row.shim_pid and proctree.alive(row.shim_pid, None):
                 return  # the supervisor is about to write the status

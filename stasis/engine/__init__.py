@@ -12,6 +12,7 @@ and a local directory.
     obstacles what a dump of a tree would fail on, or not bring back as it was (`dump --check`)
     restoring the one way a job's tree is restored: its outputs and paths with its owner's rights
     netlock   CRIU's network lock: the firewall rules a dump leaves, lifting them
+    pageserver CRIU's page-server protocol served from a page reader (lazy restore from a store)
     nodefacts what a restore depends on (CPU, kernel, CRIU, user, open files), recorded at
               dump time and compared with the restoring node before CRIU runs
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,21 @@ from stasis.poll import poll
 _CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu")
 MIN_VERSION = (4, 2)
 LOG_LEVEL = 4
+
+
+def connect_unix(path: Path) -> socket.socket:
+    """A connection to the unix socket at `path`, however long the path (sun_path holds 107
+    bytes: the directory is reached through /proc/self/fd instead). CRIUError if refused."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.connect(f"/proc/self/fd/{dir_fd}/{path.name}")
+    except OSError as e:
+        sock.close()
+        raise CRIUError(f"cannot reach the page server at {path}: {e.strerror}") from e
+    finally:
+        os.close(dir_fd)
+    return sock
 
 
 def find_criu(configured: str = "") -> str:
@@ -81,6 +97,10 @@ class RestoreOptions:
     # userfaultfd and streams the rest in the background. The images must stay in place until
     # `RestoreResult.lazy_pages` exits. Falls back to a full restore when that fails.
     lazy: bool = False
+    # A unix socket the pages not in the local pages-*.img are served on (CRIU's page-server
+    # protocol, stasis/engine/pageserver.py): lazy-pages is handed a connection to it
+    # (`--page-server --ps-socket`). None: lazy-pages reads them from the images.
+    page_server: Path | None = None
     tcp_established: bool = True
     file_locks: bool = True
     ext_unix_sk: bool = True
@@ -168,7 +188,7 @@ class CRIU:
         work = self.log_dir / log_name.removesuffix(".log")
         work.mkdir(parents=True, exist_ok=True)
         try:
-            daemon = self._start_lazy_pages(images_dir, work)
+            daemon = self._start_lazy_pages(images_dir, work, options.page_server)
             try:
                 result = self._restore(images_dir, options, log_name, work)
             except CRIUError:
@@ -178,18 +198,32 @@ class CRIU:
             result.lazy_pages = daemon
             return result
         except CRIUError as e:
+            if options.page_server is not None:
+                # The local images lack the lazy pages: a full restore from them would be wrong.
+                raise
             result = self._restore(images_dir, options, log_name, None)
             result.fallback_reason = str(e)
             return result
 
-    def _start_lazy_pages(self, images_dir: Path, work: Path) -> subprocess.Popen[bytes]:
+    def _start_lazy_pages(self, images_dir: Path, work: Path,
+                          page_server: Path | None = None) -> subprocess.Popen[bytes]:
         socket_path = work / "lazy-pages.socket"
         socket_path.unlink(missing_ok=True)
-        daemon = subprocess.Popen(
-            [self.path, "lazy-pages", "-D", str(images_dir), "-W", str(work),
-             "-v4", "-o", "lazy-pages.log"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        extra: list[str] = []
+        conn = None
+        if page_server is not None:
+            conn = connect_unix(page_server)
+            extra = ["--page-server", "--ps-socket", str(conn.fileno())]
+        try:
+            daemon = subprocess.Popen(
+                [self.path, "lazy-pages", "-D", str(images_dir), "-W", str(work),
+                 "-v4", "-o", "lazy-pages.log", *extra],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=[conn.fileno()] if conn is not None else [],
+            )
+        finally:
+            if conn is not None:
+                conn.close()  # lazy-pages holds its own copy
         poll(lambda: socket_path.exists() or daemon.poll() is not None, 5.0, 0.002)
         if not socket_path.exists():
             daemon.kill()

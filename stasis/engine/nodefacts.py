@@ -322,9 +322,9 @@ def stat_files_as(owner: Owner, paths: Sequence[str]) -> dict[str, FileState]:
 
 # -- comparing -------------------------------------------------------------------------------
 
-def _finding(fact: str, recorded: str, here: str, verdict: wire.Verdict = "ok",
-             why: str = "") -> wire.CompatFinding:
-    return wire.CompatFinding(fact=fact, recorded=recorded, here=here, verdict=verdict, why=why)
+def _finding(what: str, recorded: str, here: str, verdict: wire.Verdict = "ok",
+             why: str = "") -> wire.CompatFact:
+    return wire.CompatFact(what=what, recorded=recorded, here=here, verdict=verdict, why=why)
 
 
 def _version(text: str) -> tuple[int, ...] | None:
@@ -335,7 +335,7 @@ def _version(text: str) -> tuple[int, ...] | None:
 
 
 def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileState] | None,
-            skip: Iterable[str] = ()) -> list[wire.CompatFinding]:
+            skip: Iterable[str] = ()) -> list[wire.CompatFact]:
     """Every recorded fact against this node. `files`: the recorded files' paths as a restore
     would find them (`stat_files`, with the owner's rights); None leaves files out. `skip`:
     paths a restore re-points rather than reopens (the job's log)."""
@@ -365,7 +365,7 @@ def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileSta
     return out
 
 
-def _arch(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFinding:
+def _arch(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFact:
     if recorded["arch"] == here.arch:
         return _finding("architecture", recorded["arch"], here.arch)
     return _finding("architecture", recorded["arch"], here.arch, "refuses",
@@ -373,7 +373,7 @@ def _arch(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFinding:
                     f"CRIU restores a process only on the architecture it ran on")
 
 
-def _cpu(recorded: wire.RestoreFacts, here: Node) -> list[wire.CompatFinding]:
+def _cpu(recorded: wire.RestoreFacts, here: Node) -> list[wire.CompatFact]:
     missing = sorted(set(recorded["cpu_flags"]) - set(here.cpu_flags))
     if recorded["arch"] in ("x86_64", "i686", "i386"):
         isa = [f for f in missing if f in X86_INSTRUCTION_FLAGS]
@@ -402,7 +402,7 @@ def _cpu(recorded: wire.RestoreFacts, here: Node) -> list[wire.CompatFinding]:
     return out
 
 
-def _criu(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFinding:
+def _criu(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFact:
     was, now = recorded["criu_version"], here.criu_version
     if was == now:
         return _finding("CRIU", was, now)
@@ -414,7 +414,7 @@ def _criu(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFinding:
     return _finding("CRIU", was, now, "note", f"another CRIU ({now}; dumped with {was})")
 
 
-def _user(recorded: wire.RestoreFacts) -> wire.CompatFinding:
+def _user(recorded: wire.RestoreFacts) -> wire.CompatFact:
     name, uid = recorded["user"], recorded["uid"]
     was = f"{name} (uid {uid})"
     try:
@@ -443,7 +443,7 @@ def _describe(size: int, mode: int, mtime_ns: int) -> str:
     return f"{size} bytes, mode {mode:04o}, modified {_when(mtime_ns)}"
 
 
-def _file(entry: wire.OpenFile, now: FileState, user: str) -> wire.CompatFinding:
+def _file(entry: wire.OpenFile, now: FileState, user: str) -> wire.CompatFact:
     path = entry["path"]
     fact = f"file {path}"
     was = _describe(entry["size_bytes"], entry["mode"], entry["mtime_ns"])
@@ -486,7 +486,7 @@ def _file(entry: wire.OpenFile, now: FileState, user: str) -> wire.CompatFinding
     return _finding(fact, was, here)
 
 
-def refusal(checkpoint_id: str, findings: Iterable[wire.CompatFinding]) -> str | None:
+def refusal(checkpoint_id: str, findings: Iterable[wire.CompatFact]) -> str | None:
     """The one line refusing a restore of `checkpoint_id` here, or None when nothing refuses."""
     whys = [f["why"] for f in findings if f["verdict"] == "refuses"]
     if not whys:
@@ -498,7 +498,7 @@ def refusal(checkpoint_id: str, findings: Iterable[wire.CompatFinding]) -> str |
 
 def require(checkpoint_id: str, recorded: wire.RestoreFacts, criu: CRIU, owner: Owner,
             skip: Iterable[str] = (), known_criu_version: str | None = None
-            ) -> list[wire.CompatFinding]:
+            ) -> list[wire.CompatFact]:
     """Compare before a restore, the files with `owner`'s rights (single-threaded callers):
     IncompatibleNodeError naming every difference that refuses, else the findings (notes).
     `known_criu_version`: `criu`'s, when the caller knows it (asking CRIU takes 5-20 ms)."""
@@ -513,6 +513,6 @@ def require(checkpoint_id: str, recorded: wire.RestoreFacts, criu: CRIU, owner: 
     return findings
 
 
-def notes(findings: Iterable[wire.CompatFinding]) -> list[str]:
+def notes(findings: Iterable[wire.CompatFact]) -> list[str]:
     """The findings that are notes, as lines for a restore's answer."""
     return [f["why"] for f in findings if f["verdict"] == "note"]

@@ -48,6 +48,7 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
 def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
                  log_name: str, *, umask: int = 0o022, lazy: bool = False,
                  notify: rpc.NotifyHandler | None = None,
+                 page_server: Path | None = None,
                  expect: wire.RestoreFacts | None = None, checkpoint: str = "",
                  criu_version: str | None = None) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
@@ -55,12 +56,14 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
     this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
 
+    `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions).
+
     `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
     `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before
     CRIU runs, when this node differs in a way the restore cannot cope with. The notes among
     the differences come back in `RestoreResult.notes`. `criu_version`: `criu`'s, when the
     caller knows it already."""
-    found: list[wire.CompatFinding] = []
+    found: list[wire.CompatFact] = []
     if expect is not None:
         # The caller is single-threaded (a supervisor, a Slurm task's helper): the files are
         # looked at with the owner's rights, as CRIU will reopen them.
@@ -75,6 +78,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             # CRIU names regular files in its images by their path without the leading '/'.
             inherit.append((old.lstrip("/"), fds[-1]))
         options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
+                                 page_server=page_server,
                                  owner=owner if owner.uid != 0 else None)
         try:
             result = criu.restore(images, options, log_name)

@@ -20,6 +20,7 @@ from stasis.store.manifest import (
     validate_checkpoint_id,
     validate_label,
 )
+from stasis.store.crypt import DataKey, KeyFiles
 from stasis.store.signing import Keyring, Signature, Signer, node_keyring
 from stasis.store.store import Store, node_store
 
@@ -28,7 +29,9 @@ __all__ = [
     "CheckpointInfo",
     "Compression",
     "CompressionRequest",
+    "DataKey",
     "FileEntry",
+    "KeyFiles",
     "Keyring",
     "Manifest",
     "RecordedFacts",

@@ -7,7 +7,8 @@ Layout, all owned by root because images restore credentials as root:
     <root>/<id>/                0700; image files 0600 and manifest.json
 
 Staging inside the root keeps publishing a rename on one filesystem: an uncompressed dump is never
-copied. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
+copied. An encrypted one always is (into <id>.publish/, sealed), and its plain staged files are
+removed once the checkpoint is published or has failed. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
 its manifest, so readers never see a checkpoint without one.
 
 A checkpoint is listed only once it is durable: every image file is fsynced (in parallel) before
@@ -36,6 +37,8 @@ from stasis.store._tree import (
     staged_names,
 )
 from stasis.store.compression import Reader, cpu_workers
+from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
+from stasis.store.crypt import DataKey
 from stasis.store.tailhash import Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
@@ -151,9 +154,11 @@ class LocalTree:
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
+        data_key: DataKey | None = None,
     ) -> Manifest:
         staging = source or self._staging_path(info.id)
-        in_place = source is None and compression == "none"
+        # Encrypted images are never the staged files: those hold the plain bytes, and go.
+        in_place = source is None and compression == "none" and data_key is None
         final = self.root / info.id
         out = staging if in_place else self._packing_path(info.id)
         moved = False
@@ -162,7 +167,7 @@ class LocalTree:
             names = staged_names(staging)
             if os.path.lexists(final):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
-            packed = any(p.packing is not None for p in (hashed or {}).values())
+            packed = any(p.output is not None for p in (hashed or {}).values())
             if in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
                 entries = pack_staged(staging, names, compression, None, hashed)
@@ -177,10 +182,12 @@ class LocalTree:
                 out.parent.mkdir(mode=0o700, exist_ok=True)
                 out.mkdir(mode=0o700, exist_ok=True)
                 entries = pack_staged(staging, names, compression, lambda n: _create(out / n),
-                                      hashed)
+                                      hashed, data_key)
             in_parallel(_fsync_file, [out / e.stored_name for e in entries],
                         cpu_workers(len(entries)))
-            manifest = seal(Manifest.build(info, compression, entries))
+            manifest = seal(Manifest.build(
+                info, compression, entries,
+                data_key.encryption if data_key is not None else None))
             _write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))
             _fsync_dir(out)
             os.rename(out, final)
@@ -192,6 +199,29 @@ class LocalTree:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        path = self.root / checkpoint_id
+        if not self._check_root() or not (path / MANIFEST_NAME).is_file():
+            raise FileNotFoundError(path / MANIFEST_NAME)
+        _write_atomically(path / MANIFEST_NAME, data)
+        _fsync_dir(path)
+
+    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
+                          end: int) -> bytes:
+        fd = os.open(self.root / checkpoint_id / stored_name,
+                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            parts = []
+            while start < end:
+                data = os.pread(fd, end - start, start)
+                if not data:
+                    break
+                parts.append(data)
+                start += len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
 
     def remove(self, checkpoint_id: str) -> None:
         path = self.root / checkpoint_id
@@ -212,6 +242,82 @@ class LocalTree:
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return self._check_root() and (self.root / checkpoint_id / name).is_file()
+
+    def newest_write(self, checkpoint_id: str) -> float | None:
+        path = self.root / checkpoint_id
+        try:
+            times = [os.lstat(path).st_mtime]
+            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)]
+        except FileNotFoundError:
+            return None
+        return max(times)
+
+    # -- the label index --------------------------------------------------------------------
+
+    def _index(self) -> Path:
+        return self.root / INDEX_DIR
+
+    def index_put(self, label: str, uid: int, name: str) -> None:
+        self._ensure_root()
+        index = self._index()
+        _private_dir(index)
+        by_label = index / label
+        by_label.mkdir(mode=0o700, exist_ok=True)
+        owner = by_label / str(uid)
+        owner.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(owner / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        # The entry must outlive a crash that the manifest written after it survives.
+        _fsync_dir(owner)
+
+    def index_remove(self, label: str, uid: int, name: str) -> None:
+        owner = self._index() / label / str(uid)
+        try:
+            os.unlink(owner / name)
+        except FileNotFoundError:
+            return
+        for empty in (owner, owner.parent):
+            try:
+                os.rmdir(empty)
+            except OSError:
+                break  # not empty (or another node filled it meanwhile)
+
+    def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
+        if not self._check_root():
+            return []
+        by_label = self._index() / label
+        if uid is not None:
+            owners = [(uid, by_label / str(uid))]
+        else:
+            try:
+                owners = [(u, by_label / e) for e in os.listdir(by_label)
+                          if (u := parse_uid(e)) is not None]
+            except FileNotFoundError:
+                return []
+        found = []
+        for owner_uid, owner in owners:
+            try:
+                names = os.listdir(owner)
+            except FileNotFoundError:
+                continue
+            found += [e for n in names if (e := parse_entry(n, owner_uid)) is not None]
+        return sorted(found)
+
+    def index_labels(self) -> list[str]:
+        if not self._check_root():
+            return []
+        try:
+            return sorted(e for e in os.listdir(self._index()) if e != FORMAT_FILE)
+        except FileNotFoundError:
+            return []
+
+    def index_ready(self) -> bool:
+        return self._check_root() and (self._index() / FORMAT_FILE).is_file()
+
+    def mark_index_ready(self) -> None:
+        self._ensure_root()
+        _private_dir(self._index())
+        _write_atomically(self._index() / FORMAT_FILE, FORMAT)
 
 
 def _private_dir(path: Path) -> None:

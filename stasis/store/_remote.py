@@ -3,14 +3,24 @@
 Same layout as the local store, `<root>/<id>/{images..., manifest.json}`, but images are dumped
 into a local staging directory first and uploaded from there, compressed on the way. There is no
 directory rename to lean on, so manifest.json is written last, under a temporary name and then
-moved into place: a checkpoint without it is never listed, and a failed publish removes what it
+moved into place (on S3, where one PUT is atomic and there is no rename, written in place:
+see _s3.py): a checkpoint without it is never listed, and a failed publish removes what it
 uploaded. Permissions are the remote's business: grant writes to root alone.
+
+A dump whose total time counts streams instead (`stream_opener`, used by `Store.follow`): the
+page images are uploaded while CRIU still writes them, each stored file on a thread of its own
+(`ThreadedOutput`; on S3 a multipart upload of several parts at once), and publish only sends
+the tails, then the manifest. Streams a dump started and never published are stopped and
+removed by `discard`.
 """
 
 from __future__ import annotations
 
+import logging
 import posixpath
+import queue
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -18,7 +28,9 @@ from typing import Any, cast
 
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
 from stasis.store.compression import Reader, Writer
-from stasis.store.tailhash import Partial
+from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
+from stasis.store.crypt import DataKey
+from stasis.store.tailhash import Opener, Output, Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -28,12 +40,87 @@ from stasis.store.manifest import (
 )
 
 
+log = logging.getLogger(__name__)
+
+_QUEUE_DEPTH = 8  # writes a ThreadedOutput holds before its writer waits (a few MiB)
+
+
+class ThreadedOutput:
+    """One remote file written by a thread of its own from a bounded queue, so that the
+    follower that produces its bytes never waits on the network (until the queue is full).
+
+    `write` never raises: a failed upload is reported by `close`, which waits for everything
+    queued to be written (a follower must not stop half-way with its writer ahead of its
+    output). `discard` stops, and removes what was written.
+    """
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self._queue: queue.Queue[bytes | None] = queue.Queue(_QUEUE_DEPTH)
+        self._error: BaseException | None = None
+        self._stop = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stasis-upload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self.fs.open(self.path, "wb") as f:
+                while (data := self._queue.get()) is not None:
+                    if self._stop:
+                        raise _Stopped
+                    f.write(data)
+                if self._stop:
+                    raise _Stopped
+        except BaseException as e:
+            self._error = e
+            while self._queue.get() is not None:
+                pass  # let `write` go on; close or discard is what reports
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        if not self._closed:
+            self._queue.put(bytes(data))  # a copy: the follower reuses its buffer
+        return len(data)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            self._remove()
+            raise self._error
+
+    def discard(self) -> None:
+        self._stop = True
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
+            self.fs.rm_file(self.path)
+        except Exception:
+            pass  # never written, or the server is gone: gc removes it
+
+
+class _Stopped(Exception):
+    """A discarded ThreadedOutput: its file is not to be committed."""
+
+
 class RemoteTree:
     def __init__(self, fs: Any, root: str, where: str, staging_root: Path) -> None:
         self.fs = fs  # an fsspec AbstractFileSystem; fsspec ships no type information
         self.root = root.rstrip("/")
         self.where = where
         self.staging_root = staging_root
+        # The outputs each dump's follower opened: `discard` stops those never published.
+        self._streams: dict[str, list[Output]] = {}
+        self._streams_lock = threading.Lock()
 
     def _path(self, *parts: str) -> str:
         return "/".join(p for p in (self.root, *parts) if p)
@@ -45,6 +132,10 @@ class RemoteTree:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
+        return self._ids_in(entries)
+
+    @staticmethod
+    def _ids_in(entries: list[dict[str, Any]]) -> list[str]:
         found = []
         for entry in entries:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
@@ -53,8 +144,9 @@ class RemoteTree:
         return found
 
     def read_manifest(self, checkpoint_id: str) -> bytes:
-        with self.fs.open(self._path(checkpoint_id, MANIFEST_NAME), "rb") as f:
-            return cast(bytes, f.read(MAX_MANIFEST_BYTES))
+        # One ranged GET: opening a file first would cost a HEAD request more on object stores.
+        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, MANIFEST_NAME),
+                                            start=0, end=MAX_MANIFEST_BYTES))
 
     def manifest_mtime(self, checkpoint_id: str) -> float:
         # fsspec's own: a datetime, or NotImplementedError where the backend keeps no time.
@@ -98,41 +190,99 @@ class RemoteTree:
         return self.staging_root
 
     def discard(self, checkpoint_id: str) -> None:
+        for output in self._take_streams(checkpoint_id):
+            output.discard()
         shutil.rmtree(self._staging_path(checkpoint_id), ignore_errors=True)
 
     def _open_write(self, path: str) -> AbstractContextManager[Writer]:
         return cast(AbstractContextManager[Writer], self.fs.open(path, "wb"))
+
+    def _open_output(self, path: str) -> Output:
+        return ThreadedOutput(self.fs, path)
+
+    def stream_opener(self, checkpoint_id: str) -> Opener:
+        """Outputs for the stored files of `checkpoint_id`, uploading while a follower writes
+        them (`TailHasher(open_out=...)`); publish finishes them, `discard` stops them."""
+        if self.fs.exists(self._path(checkpoint_id)):
+            raise FileExistsError(f"checkpoint {checkpoint_id} already exists in {self.where}")
+        self._make_dir(self._path(checkpoint_id))  # filesystems with directories need it
+
+        def open_out(stored_name: str) -> Output:
+            output = self._open_output(self._path(checkpoint_id, stored_name))
+            with self._streams_lock:
+                self._streams.setdefault(checkpoint_id, []).append(output)
+            return output
+
+        return open_out
+
+    def _take_streams(self, checkpoint_id: str) -> list[Output]:
+        with self._streams_lock:
+            return self._streams.pop(checkpoint_id, [])
 
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
+        data_key: DataKey | None = None,
     ) -> Manifest:
-        # `hashed` is of no use here: every image is read anyway, to be copied.
+        # `hashed` counts where a follower streamed the images (`stream_opener`): their tails
+        # are sent here. Partials that only hashed are of no use: every file is read anyway.
         staging = source or self._staging_path(info.id)
         target = self._path(info.id)
-        started = False
+        streamed = {n: p for n, p in (hashed or {}).items() if p.output is not None}
+        for partial in (hashed or {}).values():
+            if partial.output is None:
+                partial.discard()
+        started = bool(streamed)
         try:
             names = staged_names(staging)
-            if self.fs.exists(target):
+            # What was streamed is there already (on S3 invisible until its upload completes).
+            if self.fs.exists(self._path(info.id, MANIFEST_NAME) if streamed else target):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
             started = True
-            self.fs.makedirs(target, exist_ok=True)
+            self._make_dir(target)
             entries = pack_staged(
-                staging, names, compression, lambda n: self._open_write(self._path(info.id, n))
+                staging, names, compression, lambda n: self._open_write(self._path(info.id, n)),
+                streamed, data_key=data_key,
             )
-            manifest = seal(Manifest.build(info, compression, entries))
-            tmp = self._path(info.id, f".{MANIFEST_NAME}.tmp")
-            self.fs.pipe_file(tmp, manifest_bytes(manifest))
-            self.fs.mv(tmp, self._path(info.id, MANIFEST_NAME))
+            manifest = seal(Manifest.build(
+                info, compression, entries,
+                data_key.encryption if data_key is not None else None))
+            self._put_manifest(info.id, manifest_bytes(manifest))
         except BaseException:
+            # Uploads still open (a file that failed, or others cut short) are aborted first.
+            for partial in streamed.values():
+                partial.discard()
+            for output in self._take_streams(info.id):
+                output.discard()
             if started:
                 self._remove_quietly(target)
             raise
         finally:
+            self._take_streams(info.id)
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def _make_dir(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def _put_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        # Not every fsspec backend writes a file in one step: write beside it, then move.
+        tmp = self._path(checkpoint_id, f".{MANIFEST_NAME}.tmp")
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, self._path(checkpoint_id, MANIFEST_NAME))
+
+    def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        final = self._path(checkpoint_id, MANIFEST_NAME)
+        if not self.fs.exists(final):
+            raise FileNotFoundError(final)
+        self._put_manifest(checkpoint_id, data)
+
+    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
+                          end: int) -> bytes:
+        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, stored_name),
+                                            start=start, end=end))
 
     def _remove_quietly(self, target: str) -> None:
         try:
@@ -157,3 +307,62 @@ class RemoteTree:
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return bool(self.fs.exists(self._path(checkpoint_id, name)))
+
+    def newest_write(self, checkpoint_id: str) -> float | None:
+        try:
+            entries = self.fs.ls(self._path(checkpoint_id), detail=True)
+        except FileNotFoundError:
+            return None
+        times = []
+        for entry in entries:
+            # Each backend names it its own way: S3 LastModified, local mtime, memory created.
+            stamp = entry.get("LastModified") or entry.get("mtime") or entry.get("created")
+            if hasattr(stamp, "timestamp"):
+                times.append(float(stamp.timestamp()))
+            elif isinstance(stamp, int | float):
+                times.append(float(stamp))
+        return max(times) if times else None
+
+    # -- the label index --------------------------------------------------------------------
+
+    def index_put(self, label: str, uid: int, name: str) -> None:
+        self._make_dir(self._path(INDEX_DIR, label, str(uid)))
+        self.fs.pipe_file(self._path(INDEX_DIR, label, str(uid), name), b"")
+
+    def index_remove(self, label: str, uid: int, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(INDEX_DIR, label, str(uid), name))
+        except FileNotFoundError:
+            pass
+
+    def _names(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return [posixpath.basename(str(e).rstrip("/")) for e in entries]
+
+    def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
+        if uid is not None:
+            owners = [uid]
+        else:
+            owners = [u for n in self._names(self._path(INDEX_DIR, label))
+                      if (u := parse_uid(n)) is not None]
+        found = []
+        for owner in owners:
+            found += [e for n in self._owner_entries(label, owner, limit)
+                      if (e := parse_entry(n, owner)) is not None]
+        return sorted(found)
+
+    def _owner_entries(self, label: str, uid: int, limit: int | None) -> list[str]:
+        return self._names(self._path(INDEX_DIR, label, str(uid)))
+
+    def index_labels(self) -> list[str]:
+        return sorted(n for n in self._names(self._path(INDEX_DIR)) if n != FORMAT_FILE)
+
+    def index_ready(self) -> bool:
+        return bool(self.fs.exists(self._path(INDEX_DIR, FORMAT_FILE)))
+
+    def mark_index_ready(self) -> None:
+        self._make_dir(self._path(INDEX_DIR))
+        self.fs.pipe_file(self._path(INDEX_DIR, FORMAT_FILE), FORMAT)

@@ -8,6 +8,7 @@ validation of requests and the verification of images to `Store`.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -17,15 +18,19 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from stasis.errors import StoreError
-from stasis.store.compression import Reader, Writer, cpu_workers, pack, stored_name
+from stasis.store.chunked import ChunkSpec, ChunkWriter
+from stasis.store.compression import Reader, Streamed, Writer, cpu_workers, stored_name
+from stasis.store.crypt import DataKey
 from stasis.store.manifest import (
     CheckpointInfo,
+    Chunks,
     Compression,
     FileEntry,
     Manifest,
     is_checkpoint_id,
     is_safe_file_name,
 )
+from stasis.store.index import Entry
 from stasis.store.tailhash import Partial
 
 # A manifest lists files, not data: anything this large is garbage, and is not read whole.
@@ -69,6 +74,7 @@ class Tree(Protocol):
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
+        data_key: DataKey | None = None,
     ) -> Manifest:
         """Store the staged images of `info.id` and its manifest, all or nothing.
 
@@ -77,7 +83,19 @@ class Tree(Protocol):
         becomes the checkpoint, or is removed on failure. `hashed`: see `pack_staged` (a tree
         that copies the images anyway may ignore it). `seal` turns the manifest built from the
         files into the one written (the store signs it there): what it returns is returned.
+        `data_key`: encrypt the images with it (the plain staged files never become stored
+        ones, and are removed either way).
         """
+        ...
+
+    def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
+        """Replace a published checkpoint's manifest.json atomically (readers see the old one
+        or the new one, never a part); FileNotFoundError when there is no such checkpoint."""
+        ...
+
+    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
+                          end: int) -> bytes:
+        """Bytes [start, end) of a stored file (fewer only where the file is shorter)."""
         ...
 
     def remove(self, checkpoint_id: str) -> None:
@@ -105,6 +123,36 @@ class Tree(Protocol):
         """An empty directory for the compressed files of `checkpoint_id` that a follower writes
         while CRIU dumps (local trees only); publish takes them from there."""
         ...
+
+    def newest_write(self, checkpoint_id: str) -> float | None:
+        """When anything in a checkpoint's directory was last written (epoch seconds); None
+        when it holds nothing or the backend cannot tell."""
+        ...
+
+    # -- the label index (index.py) ---------------------------------------------------------
+
+    def index_put(self, label: str, uid: int, name: str) -> None:
+        """Create the (empty) index entry `name` of (label, uid), durably."""
+        ...
+
+    def index_remove(self, label: str, uid: int, name: str) -> None:
+        """Remove an index entry; nothing happens when it is not there."""
+        ...
+
+    def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
+        """The entries of (label, uid), or of `label` for every owner (uid None), newest first;
+        at least the newest `limit` of each owner when a limit is given (a tree may return more)."""
+        ...
+
+    def index_labels(self) -> list[str]:
+        """Every label with index entries."""
+        ...
+
+    def index_ready(self) -> bool:
+        """Whether the index is complete (`Store.ensure_index` finished once)."""
+        ...
+
+    def mark_index_ready(self) -> None: ...
 
 
 def staged_names(staging: Path) -> list[str]:
@@ -142,51 +190,87 @@ def pack_staged(
     compression: Compression,
     open_dst: Callable[[str], AbstractContextManager[Writer]] | None,
     hashed: Mapping[str, Partial] | None = None,
+    data_key: DataKey | None = None,
 ) -> list[FileEntry]:
-    """Hash (and compress into `open_dst(stored_name)`) every staged file, reading each once.
+    """Checksum (and chunk, compress, seal into `open_dst(stored_name)`) every staged file,
+    reading each once.
 
-    `open_dst=None` only hashes: the staged files themselves become the stored ones, and the
-    `hashed` beginnings of files (followed while CRIU wrote them) are not read again.
+    `open_dst=None` only checksums (no compression, no encryption): the staged files themselves
+    become the stored ones. `hashed`: the beginnings of files a follower took while CRIU wrote
+    them; each is continued where it fits (same codec and key, not past the file's end) and
+    discarded where not.
     """
+    spec = ChunkSpec(compression, data_key.cipher if data_key is not None else None)
+    if open_dst is None and not spec.identity:
+        raise ValueError("compressed or encrypted files need a destination")
+    workers = cpu_workers(len(names))
 
     def one(name: str) -> FileEntry:
-        stored = stored_name(name, compression)
+        stored = stored_name(name, compression, spec.encrypted)
         partial = (hashed or {}).get(name)
-        packing = partial.packing if partial is not None else None
-        if packing is not None and (open_dst is None or packing.path.name != stored):
-            packing.drop()  # compressed for another codec than the one published
-            packing = None
-        # Unbuffered: `pack` reads with readinto into its own large buffer.
+        # Unbuffered: the chunk loops read with readinto into their own buffers.
         with open(staging / name, "rb", buffering=0) as src:
-            fits = partial is not None and partial.offset <= os.fstat(src.fileno()).st_size
-            if open_dst is None:
-                head = None
-                if partial is not None and fits:
-                    src.seek(partial.offset)
-                    head = (partial.offset, partial.hasher)
-                streamed = pack(src, None, compression, head)
-            elif partial is not None and packing is not None and fits:
+            if partial is not None and not _continues(partial, spec, stored, src,
+                                                      open_dst is not None):
+                partial.discard()
+                partial = None
+            if partial is not None:
                 src.seek(partial.offset)
-                streamed = packing.finish(src, partial)
+                writer = partial.writer
+                writer.workers = workers
+                try:
+                    streamed, table = _complete(writer, src)
+                finally:
+                    if partial.output is not None:
+                        partial.output.close()
+            elif open_dst is None:
+                writer = ChunkWriter(name, spec, None)
+                writer.add_from(src)
+                streamed, table = writer.finish()
             else:
-                if packing is not None:
-                    packing.drop()
                 with open_dst(stored) as dst:
-                    streamed = pack(src, dst, compression)
+                    writer = ChunkWriter(name, spec, dst, workers)
+                    streamed, table = _complete(writer, src)
         return FileEntry(
             name=name,
             size_bytes=streamed.size_bytes,
             stored_name=stored,
             stored_size_bytes=streamed.stored_size_bytes,
             xxh3_128=streamed.xxh3_128,
+            chunks=table,
         )
 
     for name, partial in (hashed or {}).items():
-        if name not in names and partial.packing is not None:
-            partial.packing.drop()
-    # zstd already runs one thread per CPU inside each file; the others get a file per thread.
-    workers = 1 if compression == "zstd" else cpu_workers(len(names))
+        if name not in names:
+            partial.discard()
+    # Files on threads of their own, and the chunks of each large one on threads too: the
+    # small files cost opening and closing, the page images the codecs' time.
     return in_parallel(one, names, workers)
+
+
+def _complete(writer: ChunkWriter, src: Reader) -> tuple[Streamed, Chunks]:
+    try:
+        writer.add_from(src)
+    except BaseException:
+        writer.close()
+        raise
+    return writer.finish()
+
+
+def _continues(partial: Partial, spec: ChunkSpec, stored: str, src: Reader,
+               copies: bool = False) -> bool:
+    """Whether publish can go on from what a follower took of this file (`copies`: publish
+    writes even plain files to a destination, which a follower may have streamed them to)."""
+    writer = partial.writer
+    if writer.spec != spec:
+        return False  # encoded for another codec (or key) than the one published
+    if (partial.output is None) != spec.identity and not (
+            copies and spec.identity and partial.output is not None):
+        return False
+    if partial.output is not None and partial.stored_name != stored:
+        return False
+    assert isinstance(src, io.FileIO)
+    return partial.offset <= os.fstat(src.fileno()).st_size
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:

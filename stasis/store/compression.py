@@ -1,7 +1,10 @@
-"""Streaming of image bytes: hash, compress and decompress in one pass over each file.
+"""Streaming of image bytes: the codecs' names and the format-1 stored files.
 
-Owns the codecs (none, zstd, lz4), the names compressed files get in the store, and the chunked
-loops that read a file exactly once while computing its checksum (xxh3-128). Images can be several GiB, so
+Owns the codecs (none, zstd, lz4), the names stored files get, the `auto` decision, and the
+stored files of format-1 checkpoints (one zstd or lz4 stream per file, or the plain file):
+`unpack` reads them for restore, `pack` writes them (tests of old checkpoints). New checkpoints
+are stored in chunks (chunked.py). Both read a file exactly once while computing its checksum
+(xxh3-128). Images can be several GiB, so
 nothing here holds a whole file in memory. Errors of the codecs surface as `DecompressionError`;
 OSError from the streams passes through untouched for the caller to translate.
 """
@@ -12,7 +15,7 @@ import io
 import mmap
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol, cast
@@ -30,6 +33,7 @@ ZSTD_LEVEL = 1
 _LZ4_READ_BYTES = 128 << 10
 
 _SUFFIX: dict[Compression, str] = {"none": "", "zstd": ".zst", "lz4": ".lz4"}
+_SEALED_SUFFIX = ".enc"
 
 
 class DecompressionError(Exception):
@@ -59,9 +63,9 @@ class Writer(Protocol):
     def write(self, data: bytes | memoryview, /) -> int | None: ...
 
 
-def stored_name(name: str, compression: Compression) -> str:
-    """The name an image called `name` gets in the store under `compression`."""
-    return name + _SUFFIX[compression]
+def stored_name(name: str, compression: Compression, encrypted: bool = False) -> str:
+    """The name an image called `name` gets in the store under `compression` (and encryption)."""
+    return name + _SUFFIX[compression] + (_SEALED_SUFFIX if encrypted else "")
 
 
 class _CountingWriter:
@@ -176,40 +180,6 @@ def pack(src: Reader, dst: Writer | None, compression: Compression,
                 size += len(chunk)
     stored = out.count if out is not None else size
     return Streamed(size_bytes=size, stored_size_bytes=stored, xxh3_128=sha.hexdigest())
-
-
-class Encoder:
-    """One file's compressor fed piece by piece, for a caller that sees the bytes arrive over time
-    (a file CRIU is still writing). Its output, concatenated, is what `pack` would have stored:
-    one zstd or lz4 frame that `unpack` reads.
-
-    Single-threaded: it runs beside CRIU, which needs the other CPU. For the compressible
-    memory that `auto` picks zstd for, one thread is also the faster here (zero pages: 0.16-0.2
-    s/GiB against 0.24-0.25 with a worker per CPU).
-    """
-
-    def __init__(self, compression: Compression) -> None:
-        self._head = b""
-        if compression == "zstd":
-            zobj = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj()
-            self._compress: Callable[[bytes | memoryview], bytes] = zobj.compress
-            self._flush: Callable[[], bytes] = zobj.flush
-        elif compression == "lz4":
-            lz4c = lz4.frame.LZ4FrameCompressor()
-            self._head = lz4c.begin()
-            self._compress, self._flush = lz4c.compress, lz4c.flush
-        else:
-            raise ValueError(f"no encoder for {compression!r}")
-
-    def compress(self, data: bytes | memoryview) -> bytes:
-        out = self._compress(data)
-        if self._head:
-            out, self._head = self._head + out, b""
-        return out
-
-    def flush(self) -> bytes:
-        out, self._head = self._head + self._flush(), b""
-        return out
 
 
 def unpack(src: Reader, dst: Writer | None, compression: Compression, max_bytes: int) -> Streamed:

@@ -1,6 +1,7 @@
 """What a checkpoint is on paper: its manifest, its id, its label.
 
-Owns the `manifest.json` schema (`Manifest`, `FileEntry`, the `Signature` it carries), the facts
+Owns the `manifest.json` schema (`Manifest`, `FileEntry` with its `Chunks` table, the
+`Encryption` and `Signature` it carries), the facts
 a caller supplies when publishing (`CheckpointInfo`, with what a restore depends on:
 `RecordedFacts`, the shape of stasis.wire.RestoreFacts), and the validation of every name that
 reaches the filesystem: checkpoint ids, labels and image file names. Nothing here does I/O.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import re
 import secrets
 from datetime import UTC, datetime
+from functools import cached_property
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,6 +27,12 @@ COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "lz4")
 CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
 
 MANIFEST_NAME = "manifest.json"
+# Format 2: image files are stored as tables of chunks (`FileEntry.chunks`), and may be
+# encrypted. A stasis that knows only format 1 would read those chunks as one stream and call the
+# checkpoint corrupt; with 2 it skips it as "written by a newer one" and leaves it alone. Format
+# 1 manifests (one zstd/lz4 stream or a plain file each, no chunk table) are still read.
+FORMAT: Literal[2] = 2
+FORMATS = (1, 2)
 
 ID_PATTERN = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$"
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -87,6 +96,53 @@ def _to_utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
+class Chunks(BaseModel):
+    """How one stored file is cut: chunks of `size_bytes` plain bytes (the last one shorter),
+    each compressed and sealed on its own, stored one after another. What a reader needs to
+    fetch and check any range of the file without the rest."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size_bytes: int = Field(gt=0)
+    stored_bytes: list[int]  # per chunk, in order: its offset is the sum of those before it
+    # Per chunk, of its plain bytes: so that even a range of an unencrypted file verifies on
+    # its own. None when the checkpoint is encrypted: each chunk's AEAD tag checks it, and a
+    # checksum of plain bytes would let whoever reads the manifest confirm a guess of them.
+    xxh3_64: list[str] | None = None
+
+    @field_validator("stored_bytes")
+    @classmethod
+    def _sizes(cls, sizes: list[int]) -> list[int]:
+        if any(n < 0 for n in sizes):
+            raise ValueError("negative chunk size")
+        return sizes
+
+    @field_validator("xxh3_64")
+    @classmethod
+    def _sums(cls, sums: list[str] | None) -> list[str] | None:
+        if sums is not None and not all(_XXH64_RE.fullmatch(s) for s in sums):
+            raise ValueError("a chunk checksum is not 16 hex digits")
+        return sums
+
+    @cached_property
+    def offsets(self) -> list[int]:
+        """Where each chunk starts in the stored file, and (last) where the file ends."""
+        return [0, *accumulate(self.stored_bytes)]
+
+
+_XXH64_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+class Encryption(BaseModel):
+    """How a checkpoint's images are encrypted (stasis/store/crypt.py); signed with the rest."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    algorithm: Literal["aes-256-gcm"] = "aes-256-gcm"
+    key_id: str = Field(pattern=r"^[0-9a-f]{32}$")  # the key file's id: who can unwrap
+    wrapped_key: str = Field(max_length=256)  # base64 of nonce || AES-GCM(data key) || tag
+
+
 class FileEntry(BaseModel):
     """One image file of a checkpoint."""
 
@@ -99,9 +155,26 @@ class FileEntry(BaseModel):
     # xxh3-128 of the uncompressed bytes: it guards against damage, and at ~16 GB/s it costs a
     # dump or restore next to nothing. It is not a MAC: the signed manifest binds these
     # checksums to the checkpoint, but xxh3 itself does not resist a deliberate forger.
+    # Of the bytes as stored when the checkpoint is encrypted (see Chunks.xxh3_64 for why).
     xxh3_128: str = Field(pattern=r"^[0-9a-f]{32}$")
+    chunks: Chunks | None = None  # None: format 1, one stream (or plain file) without a table
 
     _check_names = field_validator("name", "stored_name")(_safe_file_name)
+
+    @model_validator(mode="after")
+    def _table_fits(self) -> FileEntry:
+        if self.chunks is None:
+            return self
+        count = -(-self.size_bytes // self.chunks.size_bytes)
+        if len(self.chunks.stored_bytes) != count:
+            raise ValueError(f"{self.name}: {len(self.chunks.stored_bytes)} chunks for "
+                             f"{self.size_bytes} bytes, not {count}")
+        if self.chunks.xxh3_64 is not None and len(self.chunks.xxh3_64) != count:
+            raise ValueError(f"{self.name}: {len(self.chunks.xxh3_64)} chunk checksums "
+                             f"for {count} chunks")
+        if sum(self.chunks.stored_bytes) != self.stored_size_bytes:
+            raise ValueError(f"{self.name}: its chunks do not add up to its stored size")
+        return self
 
 
 class RecordedFile(BaseModel):
@@ -162,11 +235,12 @@ class Manifest(CheckpointInfo):
     """The content of `<store>/<id>/manifest.json`; its presence makes the checkpoint exist."""
 
     # Readers skip manifests of a format they do not know instead of misreading them.
-    format: Literal[1] = 1
+    format: Literal[1, 2] = FORMAT
     size_bytes: int = Field(ge=0)  # total uncompressed image bytes
     stored_size_bytes: int = Field(ge=0)
     compression: Compression
     files: list[FileEntry]
+    encryption: Encryption | None = None  # None: stored in the clear
     # HMAC-SHA256 over every other field (stasis/store/signing.py); None only before publishing:
     # a manifest read without one is refused.
     signature: Signature | None = None
@@ -177,16 +251,20 @@ class Manifest(CheckpointInfo):
             names = [getattr(f, attr) for f in self.files]
             if len(set(names)) != len(names):
                 raise ValueError(f"duplicate file {attr} in manifest")
+        if self.encryption is not None and any(f.chunks is None for f in self.files):
+            raise ValueError("an encrypted checkpoint without chunk tables")
         return self
 
     @classmethod
     def build(
-        cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry]
+        cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry],
+        encryption: Encryption | None = None,
     ) -> Manifest:
         """The manifest of a checkpoint described by `info` holding `files`."""
         return cls(
             **info.model_dump(),
             compression=compression,
+            encryption=encryption,
             files=sorted(files, key=lambda f: f.name),
             size_bytes=sum(f.size_bytes for f in files),
             stored_size_bytes=sum(f.stored_size_bytes for f in files),

@@ -18,18 +18,25 @@ keyring does not trust is never listed, never restored, never counted by retenti
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import logging
+import os
 import shutil
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
 import fsspec.implementations.local
+import xxhash
 from pydantic import ValidationError
 
 from stasis.errors import (
@@ -43,7 +50,10 @@ from stasis.errors import (
 )
 from stasis.store._local import LocalTree
 from stasis.store._remote import RemoteTree
-from stasis.store._tree import Tree, in_parallel, remove_idle, staged_names
+from stasis.store._s3 import SHARED_OPTIONS, S3Tree, describe
+from stasis.store.index import Entry, entry_name
+from stasis.store._tree import Tree, in_parallel, manifest_bytes, remove_idle, staged_names
+from stasis.store.chunked import ChunkDecoder, ChunkError, ChunkSpec, unpack_chunked
 from stasis.store.compression import (
     DecompressionError,
     Reader,
@@ -53,10 +63,12 @@ from stasis.store.compression import (
     unpack,
 )
 from stasis.config import Settings
+from stasis.store.crypt import ChunkCipher, DataKey, KeyFiles, new_data_key, open_data_key, rewrap
 from stasis.store.signing import Signer, Verdict, node_keyring, process_keyring
-from stasis.store.tailhash import Partial, TailHasher
+from stasis.store.tailhash import Partial, TailHasher, local_opener
 from stasis.store.manifest import (
     COMPRESSIONS,
+    FORMATS,
     CheckpointInfo,
     Compression,
     CompressionRequest,
@@ -71,10 +83,28 @@ log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A dump writes its images continuously; one whose staging directory sat idle this long is dead.
 STALE_STAGING_S = 3600.0
+# A full restore from a remote store fetches each chunked file in ranged GETs of this many
+# chunks (16 MiB of plain bytes at most: what is held per range), this many at once: one stream
+# per file leaves most of an object store's bandwidth unused.
+RANGE_CHUNKS = 16
+RANGES_IN_FLIGHT = 8
 # What a manifest's signature is for (signing.py): it verifies nothing else.
 MANIFEST_PURPOSE = "manifest"
 # Beside a checkpoint's images: some node restored it (`Store.mark_restored`).
 RESTORED_NOTE = "restored.json"
+# Index entries `latest` reads in one go: S3's page.
+_FIRST_PAGE = 1000
+
+
+@dataclass
+class GcReport:
+    """What `Store.gc` removed (and the index entries it added)."""
+
+    staging: list[str] = field(default_factory=list)
+    partial: list[str] = field(default_factory=list)  # checkpoints without a manifest
+    uploads: list[str] = field(default_factory=list)  # keys of aborted multipart uploads
+    entries_removed: int = 0
+    entries_added: int = 0
 
 
 class _UnreadableManifest(Exception):
@@ -104,20 +134,32 @@ class Store:
     signatures are trusted: the daemon, and anything else that decides on what it reads, passes
     the node's (`signing.node_keyring`). Without it the store signs with a key that lives as long
     as this process and trusts nothing else: for tests and benchmarks of the store alone.
+    `encryption`: the key files that encrypt new checkpoints (`new_data_key`) and open
+    encrypted ones; none by default.
     """
 
     def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
-                 keys: Signer | None = None) -> None:
+                 keys: Signer | None = None, max_age_s: float = 0,
+                 options: Mapping[str, object] | None = None,
+                 encryption: KeyFiles | None = None) -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
             raise UsageError("no checkpoint store given: set STASIS_STORE to a directory or URL")
+        if max_age_s < 0:
+            raise UsageError(f"max_age_s must be 0 (no age limit) or more, not {max_age_s}")
         self.url = url
         self.keep = keep
+        self.max_age_s = max_age_s
         self.keys: Signer = keys if keys is not None else process_keyring()
-        self._tree = _open_tree(url, staging_root)
+        self.encryption = encryption if encryption is not None else KeyFiles()
+        self._tree = _open_tree(url, staging_root, options or {})
         # Checkpoints already warned about: a store with many bad ones must not flood the log.
         self._warned: set[str] = set()
+        # Opened data keys, by (checkpoint, wrapped key): range reads come one page run at a
+        # time, and each would otherwise read the key file and unwrap again.
+        self._ciphers: dict[tuple[str, str], ChunkCipher] = {}
+        self._ciphers_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, keep={self.keep})"
@@ -140,12 +182,20 @@ class Store:
         validate_checkpoint_id(checkpoint_id)
         self._tree.discard(checkpoint_id)
 
+    def new_data_key(self, checkpoint_id: str) -> DataKey:
+        """A fresh data key for `checkpoint_id`, wrapped by the current key file: pass it to
+        `follow` and `publish`. Ask for it before CRIU runs: UsageError (one line) when no key
+        file is configured or it cannot be used, and nothing was dumped yet."""
+        validate_checkpoint_id(checkpoint_id)
+        return new_data_key(self.encryption.current(), checkpoint_id)
+
     def publish(
         self,
         info: CheckpointInfo,
         compression: CompressionRequest = "none",
         source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
+        data_key: DataKey | None = None,
     ) -> Manifest:
         """Turn the images staged for `info.id` into a listed checkpoint and return its manifest.
 
@@ -157,7 +207,8 @@ class Store:
 
         `source`: the images were staged outside the store (see `stage_fast`); they are read
         from there, and the directory is removed either way. `hashed`: what a `follow` of the
-        staging directory hashed while CRIU wrote it.
+        staging directory hashed while CRIU wrote it. `data_key` (`new_data_key`): encrypt the
+        images; the plain staged files are removed either way.
         """
         validate_checkpoint_id(info.id)
         validate_label(info.label)
@@ -167,11 +218,17 @@ class Store:
             raise UsageError(
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
+        entry = entry_name(info.created, info.id)
         try:
-            manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal)
-        except StasisError:
-            raise
-        except Exception as e:  # OSError, or the own types of fsspec backends
+            # Before the manifest: a published checkpoint always has its entry (index.py).
+            self._tree.index_put(info.label, info.uid, entry)
+            manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal,
+                                          data_key=data_key)
+        except BaseException as e:
+            self._forget_entry(info.label, info.uid, entry)
+            if isinstance(e, StasisError) or not isinstance(e, Exception):
+                raise
+            # OSError, or the own types of fsspec backends
             raise self._write_error(info.id, e) from e
         try:
             self._retain(info.label, info.uid, protect=info.id)
@@ -229,20 +286,24 @@ class Store:
             removed.append(checkpoint_id)
         return removed
 
-    def follow(self, checkpoint_id: str, compression: CompressionRequest) -> TailHasher | None:
+    def follow(self, checkpoint_id: str, compression: CompressionRequest,
+               data_key: DataKey | None = None) -> TailHasher | None:
         """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`:
         writing them back to disk (uncompressed), or compressing them into the files the store
-        keeps (zstd, lz4, auto), where the store is local; else None. Pass `finish()`'s result
-        to `publish` as `hashed`, and its `compression` (when not None) as the compression.
+        keeps (zstd, lz4, auto; sealed with `data_key`), where the store is local; else None.
+        Pass `finish()`'s result to `publish` as `hashed`, and its `compression` (when not None)
+        as the compression, with the same `data_key`.
 
         This shortens the whole dump (publish hashes or compresses the last MiBs, its fsync waits
         for the tail) but slows CRIU's own writes a little: for dumps whose total time counts."""
         validate_checkpoint_id(checkpoint_id)
+        if isinstance(self._tree, RemoteTree):
+            return self._stream(checkpoint_id, compression, data_key)
         if self._tree.local_dir(checkpoint_id) is None:
             return None
         staged = self._tree.staged_path(checkpoint_id)
         # sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
-        if compression == "none":
+        if compression == "none" and data_key is None:
             return TailHasher(staged, writeback=True)
         try:
             pack_into = self._tree.packing_dir(checkpoint_id)
@@ -250,7 +311,24 @@ class Store:
             # Following is a shortcut: publish does all of it and reports a real disk problem.
             log.debug("not compressing %s while CRIU writes: %s", checkpoint_id, e)
             return None
-        return TailHasher(staged, writeback=True, compression=compression, pack_into=pack_into)
+        return TailHasher(staged, writeback=True, compression=compression,
+                          open_out=local_opener(pack_into, writeback=True),
+                          cipher=data_key.cipher if data_key is not None else None)
+
+    def _stream(self, checkpoint_id: str, compression: CompressionRequest,
+                data_key: DataKey | None) -> TailHasher | None:
+        """`follow` for a remote store: every image (compressed or not, sealed or not) is
+        uploaded while CRIU writes it; publish sends the tails and the manifest."""
+        assert isinstance(self._tree, RemoteTree)
+        try:
+            opener = self._tree.stream_opener(checkpoint_id)
+        except Exception as e:
+            # A shortcut only: publish uploads everything itself and reports what is wrong.
+            log.debug("not uploading %s while CRIU writes: %s", checkpoint_id, e)
+            return None
+        return TailHasher(self._tree.staged_path(checkpoint_id), compression=compression,
+                          open_out=opener, copy_plain=True,
+                          cipher=data_key.cipher if data_key is not None else None)
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)
@@ -259,9 +337,20 @@ class Store:
         except OSError as e:
             raise self._write_error(checkpoint_id, e) from e
 
+    def _forget_entry(self, label: str, uid: int, entry: str) -> None:
+        try:
+            self._tree.index_remove(label, uid, entry)
+        except Exception as e:  # the server is gone, say: gc removes the entry later
+            log.debug("cannot remove index entry %s of %s: %s", entry, label, e)
+
     def delete(self, checkpoint_id: str) -> None:
-        """Remove a checkpoint: manifest.json first, so a half-deleted one is never listed."""
+        """Remove a checkpoint: manifest.json first, so a half-deleted one is never listed;
+        its index entry last."""
         validate_checkpoint_id(checkpoint_id)
+        try:
+            known: Manifest | None = self._load(checkpoint_id)
+        except Exception:
+            known = None  # unreadable or gone: gc finds its entry, if any
         try:
             self._tree.remove(checkpoint_id)
         except FileNotFoundError:
@@ -270,8 +359,10 @@ class Store:
             raise
         except Exception as e:
             raise StoreError(
-                f"cannot delete checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
+                f"cannot delete checkpoint {checkpoint_id} from {self.url}: {self._why(e)}"
             ) from e
+        if known is not None:
+            self._forget_entry(known.label, known.uid, entry_name(known.created, known.id))
 
     def mark_restored(self, checkpoint_id: str, host: str) -> None:
         """Say in the store that `checkpoint_id` was restored on `host`: the node that dumped it
@@ -312,9 +403,16 @@ class Store:
         return [deleted for owner in owners for deleted in self._retain(label, owner, None)]
 
     def _retain(self, label: str, uid: int, protect: str | None) -> list[str]:
-        if self.keep == 0:
+        if self.keep == 0 and self.max_age_s == 0:
             return []
-        doomed = [m.id for m in self.list(label, uid=uid)[self.keep :] if m.id != protect]
+        series = self.list(label, uid=uid)
+        doomed = [m.id for m in series[self.keep:]] if self.keep else []
+        if self.max_age_s:
+            # The newest always stays: it is what the next restore of the label resumes from.
+            cutoff = time.time() - self.max_age_s
+            doomed += [m.id for m in series[1:] if m.created.timestamp() < cutoff
+                       and m.id not in doomed]
+        doomed = [d for d in doomed if d != protect]
         deleted = []
         for checkpoint_id in doomed:
             try:
@@ -324,6 +422,61 @@ class Store:
             deleted.append(checkpoint_id)
         return deleted
 
+    def expire(self) -> builtins.list[str]:
+        """Apply retention (keep-N and the age limit) to every label of every owner; return the
+        deleted ids. Publishing applies it to its own label; this catches labels nobody dumps
+        any more."""
+        if self._index_ready():
+            try:
+                labels = self._tree.index_labels()
+            except Exception as e:
+                raise StoreError(f"cannot list the labels of {self.url}: {self._why(e)}") from e
+        else:
+            labels = sorted({m.label for m in self.list()})
+        return [deleted for label in labels for deleted in self.apply_retention(label)]
+
+    def gc(self, idle_s: float = STALE_STAGING_S) -> GcReport:
+        """Remove what dead dumps and dead nodes left behind, all of it idle for `idle_s`:
+        staging directories, checkpoint directories without a manifest (a publish cut off),
+        unfinished multipart uploads (S3), index entries leading nowhere; and add the index
+        entries that are missing. Never touches a complete checkpoint."""
+        report = GcReport(staging=self.remove_stale_staging(idle_s))
+        now = time.time()
+        tree = self._tree
+        try:
+            ids = set(tree.ids())
+            for checkpoint_id in sorted(ids):
+                try:
+                    tree.read_manifest(checkpoint_id)
+                    continue
+                except FileNotFoundError:
+                    pass
+                newest = tree.newest_write(checkpoint_id)
+                if newest is not None and now - newest < idle_s:
+                    continue  # a publish under way, maybe on another node
+                try:
+                    tree.remove(checkpoint_id)
+                except FileNotFoundError:
+                    pass
+                ids.discard(checkpoint_id)
+                report.partial.append(checkpoint_id)
+            if isinstance(tree, S3Tree):
+                for key, upload_id in tree.abandoned_uploads(idle_s):
+                    tree.abort_upload(key, upload_id)
+                    report.uploads.append(key)
+            for label in tree.index_labels():
+                for entry in tree.index_list(label, None):
+                    if entry.checkpoint_id in ids or now - entry.created.timestamp() < idle_s:
+                        continue
+                    tree.index_remove(label, entry.uid, entry.name)
+                    report.entries_removed += 1
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot collect garbage in {self.url}: {self._why(e)}") from e
+        report.entries_added = self._add_missing_entries()
+        return report
+
     # -- reading ----------------------------------------------------------------------------
 
     def _ids(self) -> list[str]:
@@ -332,7 +485,7 @@ class Store:
         except StasisError:
             raise
         except Exception as e:
-            raise StoreError(f"cannot list checkpoints in {self.url}: {_reason(e)}") from e
+            raise StoreError(f"cannot list checkpoints in {self.url}: {self._why(e)}") from e
 
     def list(self, label: str | None = None, *, uid: int | None = None) -> list[Manifest]:
         """Complete checkpoints, newest first; skips unreadable ones. `label` and `uid` (the
@@ -340,23 +493,29 @@ class Store:
         one series of checkpoints, and a caller must never be handed another user's."""
         if label is not None:
             validate_label(label)
-        ids = self._ids()
-        manifests = []
-        for checkpoint_id in ids:
+        indexed = label is not None and self._index_ready()
+        ids = [e.checkpoint_id for e in self._entries(label, uid)] if indexed else self._ids()
+        def one(checkpoint_id: str) -> Manifest | None:
             try:
-                manifest = self._load(checkpoint_id)
+                return self._load(checkpoint_id)
             except FileNotFoundError:
-                continue  # being published, or half-deleted
+                return None  # being published, or half-deleted
             except StasisError:
                 raise
             except _UntrustedManifest as e:
                 self._warn_once(checkpoint_id, self._untrusted_why(e))
-                continue
+                return None
             except Exception as e:  # garbage, or a file we may not read: one bad apple only
                 self._warn_once(checkpoint_id, str(e))
-                continue
-            if (label is None or manifest.label == label) and (uid is None or manifest.uid == uid):
-                manifests.append(manifest)
+                return None
+
+        # A remote store answers each read after a round trip: several at once.
+        workers = 1 if isinstance(self._tree, LocalTree) else 16
+        manifests = [
+            m for m in in_parallel(one, ids, min(workers, len(ids)))
+            if m is not None and (label is None or m.label == label)
+            and (uid is None or m.uid == uid)
+        ]
         return sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
 
     def get(self, checkpoint_id: str) -> Manifest:
@@ -383,8 +542,18 @@ class Store:
             ) from e
 
     def latest(self, label: str, *, uid: int) -> Manifest:
-        """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none."""
-        manifests = self.list(validate_label(label), uid=uid)
+        """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none.
+
+        With the index (index.py): one listing and, normally, one manifest read, whatever the
+        size of the store."""
+        validate_label(label)
+        if self._index_ready():
+            for entry in self._entries(label, uid, limit=_FIRST_PAGE):
+                found = self._indexed(entry, label)
+                if found is not None:
+                    return found
+            # Only entries of publishes under way or dead on the first page: read them all.
+        manifests = self.list(label, uid=uid)
         if not manifests:
             raise NotFoundError(
                 f"no checkpoint with label {label} owned by uid {uid} in store {self.url}"
@@ -402,10 +571,12 @@ class Store:
         """
         manifest = self.get(checkpoint_id)
         in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is not None and manifest.compression == "none":
+        if in_place is not None and _plain(manifest):
             self._verify(manifest, None)
             yield manifest, in_place
             return
+        # Before anything is written: a missing key leaves no scratch behind.
+        self._cipher(manifest)
         try:
             scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
             target = Path(tempfile.mkdtemp(prefix=f"{checkpoint_id}-", dir=scratch))
@@ -429,20 +600,209 @@ class Store:
         """
         manifest = self.get(checkpoint_id)
         in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is None or manifest.compression != "none":
+        if in_place is None or not _plain(manifest):
             return None
         return manifest, in_place
+
+    def fetch_files(
+        self, manifest: Manifest, target: Path, only: Callable[[FileEntry], bool]
+    ) -> None:
+        """Decode the files `only` selects into the existing directory `target`, verified
+        (CorruptCheckpointError); the sizes of all are checked. For a restore that fetches the
+        rest itself (the page server of a lazy restore, stasis/daemon/lazystore.py)."""
+        self._verify(manifest, target, only)
 
     def verify(
         self, manifest: Manifest, only: Callable[[FileEntry], bool] | None = None
     ) -> None:
-        """Check a local uncompressed checkpoint's files in place; CorruptCheckpointError if not.
+        """Check a checkpoint's files where they are (decoding what is stored compressed or
+        sealed, keeping nothing); CorruptCheckpointError if one fails, EncryptionKeyError when
+        it is encrypted with a key this node does not have.
 
         Sizes are always checked for every file; `only` limits which files are also hashed.
         """
         self._verify(manifest, None, only)
 
+    # -- the label index --------------------------------------------------------------------
+
+    def _index_ready(self) -> bool:
+        try:
+            return self._tree.index_ready()
+        except Exception as e:
+            raise StoreError(f"cannot read the index of {self.url}: {self._why(e)}") from e
+
+    def _entries(self, label: str | None, uid: int | None,
+                 limit: int | None = None) -> builtins.list[Entry]:
+        assert label is not None
+        try:
+            return self._tree.index_list(label, uid, limit)
+        except StasisError:
+            raise
+        except Exception as e:
+            raise StoreError(f"cannot list checkpoints in {self.url}: {self._why(e)}") from e
+
+    def _indexed(self, entry: Entry, label: str) -> Manifest | None:
+        """The manifest an index entry leads to, when it is complete, trusted and matches."""
+        try:
+            manifest = self._load(entry.checkpoint_id)
+        except FileNotFoundError:
+            return None  # being published, or its publish died (gc removes the entry)
+        except StasisError:
+            raise
+        except _UntrustedManifest as e:
+            self._warn_once(entry.checkpoint_id, self._untrusted_why(e))
+            return None
+        except Exception as e:
+            self._warn_once(entry.checkpoint_id, str(e))
+            return None
+        # The entry is a hint; the signed manifest decides.
+        if manifest.label != label or manifest.uid != entry.uid:
+            return None
+        return manifest
+
+    def ensure_index(self) -> int:
+        """Make the label index complete: add an entry for every checkpoint that lacks one (a
+        store written before stasis kept an index), then mark it complete. Reads every manifest
+        once, the first time only; returns how many entries were added (0 when complete)."""
+        if self._index_ready():
+            return 0
+        added = self._add_missing_entries()
+        try:
+            self._tree.mark_index_ready()
+        except Exception as e:
+            raise self._write_error("index", e) from e
+        return added
+
+    def _add_missing_entries(self) -> int:
+        added = 0
+        by_series: dict[tuple[str, int], set[str]] = {}
+        for manifest in self.list():
+            key = (manifest.label, manifest.uid)
+            if key not in by_series:
+                by_series[key] = {e.name for e in self._entries(*key)}
+            name = entry_name(manifest.created, manifest.id)
+            if name not in by_series[key]:
+                try:
+                    self._tree.index_put(manifest.label, manifest.uid, name)
+                except Exception as e:
+                    raise self._write_error(manifest.id, e) from e
+                added += 1
+        return added
+
     # -- helpers ----------------------------------------------------------------------------
+
+    def _why(self, e: BaseException) -> str:
+        if isinstance(self._tree, S3Tree):
+            said = describe(e, self.url)
+            if said is not None:
+                return said
+        return _reason(e)
+    def read_range(self, manifest: Manifest, name: str, offset: int, length: int) -> bytes:
+        """Plain bytes [offset, offset + length) of image file `name` of `manifest` (one that
+        `get` returned: its signature is what vouches for the chunk table), fetching only the
+        chunks they lie in and verifying each (its tag when encrypted, else its checksum): a
+        mismatch raises CorruptCheckpointError, never wrong bytes. Thread-safe.
+
+        UsageError for a range outside the file or an unknown file; StoreError for a
+        checkpoint of format 1, whose files have no chunk table (restore those in full).
+        """
+        entry = next((f for f in manifest.files if f.name == name), None)
+        if entry is None:
+            raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
+        if offset < 0 or length < 0 or offset + length > entry.size_bytes:
+            raise UsageError(f"bytes {offset}..{offset + length} are not within {name} of "
+                             f"checkpoint {manifest.id} ({entry.size_bytes} bytes)")
+        if length == 0:
+            return b""
+        if entry.chunks is None:
+            raise StoreError(f"checkpoint {manifest.id} was stored before images were "
+                             f"chunked: {name} has no chunk table for range reads; restore it "
+                             "in full")
+        decoder = ChunkDecoder(name, entry.size_bytes, entry.chunks,
+                               ChunkSpec(manifest.compression, self._cipher(manifest),
+                                         entry.chunks.size_bytes))
+        first, last = decoder.span(offset, length)
+        offsets = entry.chunks.offsets
+        start, end = offsets[first], offsets[last + 1]
+        try:
+            stored = self._tree.read_stored_range(manifest.id, entry.stored_name, start, end)
+        except FileNotFoundError:
+            raise self._corrupt(manifest.id, name, "is missing") from None
+        except Exception as e:
+            raise self._read_error(manifest.id, e) from e
+        if len(stored) != end - start:
+            raise self._corrupt(manifest.id, name, f"ends at byte {start + len(stored)} of "
+                                f"{entry.stored_size_bytes} stored (truncated?)")
+        view = memoryview(stored)
+        pieces = []
+        try:
+            for index in range(first, last + 1):
+                pieces.append(decoder.decode(
+                    index, view[offsets[index] - start:offsets[index + 1] - start]))
+        except ChunkError as e:
+            raise self._corrupt(manifest.id, name, str(e)) from None
+        skip = offset - first * entry.chunks.size_bytes
+        if len(pieces) == 1:
+            return bytes(memoryview(pieces[0])[skip:skip + length])
+        return b"".join(pieces)[skip:skip + length]
+
+    def rekey(self) -> RekeyResult:
+        """Wrap the data key of every encrypted checkpoint (this node trusts) that an old key
+        file wraps with the current one instead: only manifest.json is rewritten (re-signed,
+        atomically), never an image. Checkpoints whose key is not configured are counted and
+        left as they are."""
+        current = self.encryption.current()
+        keys = {k.key_id: k for k in self.encryption.all()}
+        result = RekeyResult()
+        for manifest in self.list():
+            enc = manifest.encryption
+            if enc is None:
+                continue
+            if enc.key_id == current.key_id:
+                result.current += 1
+                continue
+            old = keys.get(enc.key_id)
+            if old is None:
+                result.unknown_key += 1
+                log.warning("cannot rekey checkpoint %s: its key %s is not among the key files",
+                            manifest.id, enc.key_id)
+                continue
+            try:
+                wrapped = rewrap(old, current, manifest.id, enc)
+            except Exception:
+                result.unknown_key += 1
+                log.warning("cannot rekey checkpoint %s: its wrapped data key does not open "
+                            "with key %s", manifest.id, enc.key_id)
+                continue
+            updated = self._seal(manifest.model_copy(update={"encryption": wrapped,
+                                                             "signature": None}))
+            try:
+                self._tree.write_manifest(manifest.id, manifest_bytes(updated))
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except Exception as e:
+                raise self._write_error(manifest.id, e) from e
+            result.rekeyed.append(manifest.id)
+        return result
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _cipher(self, manifest: Manifest) -> ChunkCipher | None:
+        """The cipher of an encrypted checkpoint (None for one in the clear); EncryptionKeyError
+        naming the key it needs when this node has not got it."""
+        enc = manifest.encryption
+        if enc is None:
+            return None
+        cache_key = (manifest.id, enc.wrapped_key)
+        with self._ciphers_lock:
+            cipher = self._ciphers.get(cache_key)
+        if cipher is None:
+            cipher = open_data_key(self.encryption, enc, manifest.id)
+            with self._ciphers_lock:
+                if len(self._ciphers) >= 64:
+                    self._ciphers.clear()
+                self._ciphers[cache_key] = cipher
+        return cipher
 
     def _seal(self, manifest: Manifest) -> Manifest:
         signature = self.keys.sign(MANIFEST_PURPOSE, _signed_part(manifest))
@@ -457,7 +817,7 @@ class Store:
             raise _UnreadableManifest(_reason(e)) from e
         if not isinstance(document, dict):
             raise _UnreadableManifest("not a JSON object")
-        if document.get("format", 1) != 1:
+        if document.get("format", 1) not in FORMATS:
             raise _UnreadableManifest(
                 f"format {document.get('format')!r}, which this stasis does not know "
                 "(written by a newer one?)", known_format=False)
@@ -518,6 +878,7 @@ class Store:
     ) -> None:
         """Check every file against the manifest, decoding it into `target` when one is given."""
         checkpoint_id = manifest.id
+        cipher = self._cipher(manifest)
         # Cheap size checks first: a truncated image fails at once, not after hashing GiBs.
         for entry in manifest.files:
             try:
@@ -533,10 +894,20 @@ class Store:
                     f"has {stored} bytes stored instead of {entry.stored_size_bytes} (truncated?)",
                 )
 
+        ranges = ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="stasis-fetch") \
+            if target is not None and self._tree.local_dir(checkpoint_id) is None else None
+
         def check(entry: FileEntry) -> None:
             try:
-                with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
-                    got = _unpack_to(src, target, entry, manifest.compression)
+                if ranges is not None and target is not None and entry.chunks is not None \
+                        and len(entry.chunks.stored_bytes) > 1:
+                    got = self._fetch_ranged(manifest, entry, target, cipher, ranges)
+                else:
+                    with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
+                        got = _unpack_to(src, target, entry, manifest.compression, cipher,
+                                         workers)
+            except ChunkError as e:
+                raise self._corrupt(checkpoint_id, entry.name, str(e)) from None
             except DecompressionError as e:
                 raise self._corrupt(
                     checkpoint_id, entry.name, f"cannot be decompressed ({e})"
@@ -569,7 +940,63 @@ class Store:
                 raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
         files = [f for f in manifest.files if only is None or only(f)]
-        in_parallel(check, files, cpu_workers(len(files)))
+        # Files on threads, and the chunks of each large one on threads of their own.
+        workers = cpu_workers(len(files))
+        try:
+            in_parallel(check, files, workers)
+        finally:
+            if ranges is not None:
+                ranges.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch_ranged(self, manifest: Manifest, entry: FileEntry, target: Path,
+                      cipher: ChunkCipher | None, pool: ThreadPoolExecutor) -> Streamed:
+        """Decode a chunked file into `target` from ranged reads of several chunks each, up to
+        RANGES_IN_FLIGHT at once on `pool`, each chunk checked and written at its offset; the
+        whole file's checksum is still taken in order (ChunkError on any bad chunk)."""
+        chunks = entry.chunks
+        assert chunks is not None
+        decoder = ChunkDecoder(entry.name, entry.size_bytes, chunks,
+                               ChunkSpec(manifest.compression, cipher, chunks.size_bytes))
+        offsets = chunks.offsets
+        spans = [(first, min(first + RANGE_CHUNKS, decoder.count))
+                 for first in range(0, decoder.count, RANGE_CHUNKS)]
+        with open(target / entry.name, "xb") as dst:
+            fd = dst.fileno()
+
+            def one(span: tuple[int, int]) -> list[bytes | memoryview]:
+                first, end_index = span
+                start, end = offsets[first], offsets[end_index]
+                stored = self._tree.read_stored_range(manifest.id, entry.stored_name, start, end)
+                if len(stored) != end - start:
+                    raise ChunkError(f"ends in chunk {first} or after ({start + len(stored)} "
+                                     "bytes stored: truncated?)")
+                view = memoryview(stored)
+                covered: list[bytes | memoryview] = []
+                for index in range(first, end_index):
+                    piece = view[offsets[index] - start:offsets[index + 1] - start]
+                    plain = decoder.decode(index, piece)
+                    _pwrite_all(fd, plain, index * chunks.size_bytes)
+                    covered.append(piece if decoder.spec.encrypted else plain)
+                return covered
+
+            whole = xxhash.xxh3_128()
+            ahead: deque[Future[list[bytes | memoryview]]] = deque()
+            try:
+                for span in spans:
+                    ahead.append(pool.submit(one, span))
+                    if len(ahead) >= RANGES_IN_FLIGHT:
+                        for piece in ahead.popleft().result():
+                            whole.update(piece)
+                while ahead:
+                    for piece in ahead.popleft().result():
+                        whole.update(piece)
+            finally:
+                for future in ahead:
+                    future.cancel()
+                wait(ahead)
+        # Each chunk decoded to exactly its plain size (decode checks): the file is whole.
+        return Streamed(size_bytes=entry.size_bytes, stored_size_bytes=offsets[-1],
+                        xxh3_128=whole.hexdigest())
 
     def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -578,7 +1005,8 @@ class Store:
         )
 
     def _read_error(self, checkpoint_id: str, e: Exception) -> StoreError:
-        return StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}")
+        return StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: "
+                          f"{self._why(e)}")
 
     def _write_error(self, checkpoint_id: str, e: Exception) -> StoreError:
         if _errno_in_chain(e) in _NO_SPACE:
@@ -586,7 +1014,8 @@ class Store:
                 f"no space left on {self.url} while writing checkpoint {checkpoint_id}: "
                 "free space or point STASIS_STORE elsewhere"
             )
-        return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: {_reason(e)}")
+        return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: "
+                          f"{self._why(e)}")
 
 
 def _signed_part(manifest: Manifest) -> dict[str, object]:
@@ -596,25 +1025,85 @@ def _signed_part(manifest: Manifest) -> dict[str, object]:
     return signed
 
 
-def _open_tree(url: str, staging_root: Path) -> Tree:
+def _open_tree(url: str, staging_root: Path, options: Mapping[str, object]) -> Tree:
     if "://" not in url and "::" not in url:
         return LocalTree(Path(url).absolute())
+    s3 = url.startswith(("s3://", "s3a://"))
+    if s3:
+        options = {**SHARED_OPTIONS, **options}
+        if not url.split("://", 1)[1].split("/", 1)[0]:
+            raise UsageError(f"checkpoint store {url} names no bucket: use s3://BUCKET/PREFIX")
     try:
-        fs, root = fsspec.core.url_to_fs(url)
+        fs, root = fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError, TypeError) as e:
         raise UsageError(f"cannot use checkpoint store {url}: {_reason(e)}") from e
     if type(fs) is fsspec.implementations.local.LocalFileSystem:
         return LocalTree(Path(root))
+    if s3:
+        return S3Tree(fs, str(root), url, staging_root)
     return RemoteTree(fs, str(root), url, staging_root)
 
 
+def store_options(settings: Settings) -> dict[str, object]:
+    """fsspec options for the configured store: the S3 endpoint, region and keys of the config
+    file (else botocore finds them where AWS tools look: AWS_* variables, ~/.aws)."""
+    if not settings.store_url.startswith(("s3://", "s3a://")):
+        return {}
+    client: dict[str, str] = {}
+    if settings.s3_endpoint_url:
+        client["endpoint_url"] = settings.s3_endpoint_url
+    if settings.s3_region:
+        client["region_name"] = settings.s3_region
+    options: dict[str, object] = {"client_kwargs": client} if client else {}
+    secret = settings.s3_secret_access_key
+    if settings.s3_secret_access_key_file:
+        secret = _read_secret(Path(settings.s3_secret_access_key_file))
+    if settings.s3_access_key_id or secret:
+        options["key"] = settings.s3_access_key_id
+        options["secret"] = secret
+    return options
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        st = path.stat()
+        if st.st_mode & 0o077:
+            raise UsageError(f"s3_secret_access_key_file {path} is readable by others (mode "
+                             f"{st.st_mode & 0o777:o}): `chmod 600 {path}`")
+        return path.read_text().strip()
+    except OSError as e:
+        raise UsageError(f"cannot read s3_secret_access_key_file {path}: {_reason(e)}") from e
+def _plain(manifest: Manifest) -> bool:
+    """Whether every stored file is its image as CRIU wrote it (readable in place)."""
+    return manifest.compression == "none" and manifest.encryption is None
+
+
 def _unpack_to(
-    src: Reader, target: Path | None, entry: FileEntry, compression: Compression
+    src: Reader, target: Path | None, entry: FileEntry, compression: Compression,
+    cipher: ChunkCipher | None, workers: int,
 ) -> Streamed:
+    if entry.chunks is None:  # format 1: one stream per file
+        if target is None:
+            return unpack(src, None, compression, entry.size_bytes)
+        with open(target / entry.name, "xb") as dst:
+            return unpack(src, dst, compression, entry.size_bytes)
+    decoder = ChunkDecoder(entry.name, entry.size_bytes, entry.chunks,
+                           ChunkSpec(compression, cipher, entry.chunks.size_bytes))
     if target is None:
-        return unpack(src, None, compression, entry.size_bytes)
+        if decoder.spec.identity:
+            # A plain file: its whole checksum says all its chunks' do (and is ~2x faster).
+            return unpack(src, None, "none", entry.size_bytes)
+        return unpack_chunked(src, None, decoder, workers)
     with open(target / entry.name, "xb") as dst:
-        return unpack(src, dst, compression, entry.size_bytes)
+        return unpack_chunked(src, dst, decoder, workers)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 def _errno_in_chain(e: BaseException) -> int | None:
@@ -643,9 +1132,22 @@ def _first_problem(e: ValueError) -> str:
     return _reason(e)
 
 
+@dataclass
+class RekeyResult:
+    """What `Store.rekey` did: checkpoints re-wrapped, already on the current key, and left
+    because their key is not configured here."""
+
+    rekeyed: list[str] = field(default_factory=list)
+    current: int = 0
+    unknown_key: int = 0
+
+
 def node_store(settings: Settings, keys: Signer | None = None) -> Store:
     """The store as this node's daemon (and its helpers) use it: the configured URL, staging
     under the state directory, the node's keyring (`keys`: the one the daemon made at its
     start; else read from the state directory)."""
     return Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
-                 keys=keys if keys is not None else node_keyring(settings))
+                 keys=keys if keys is not None else node_keyring(settings),
+                 max_age_s=settings.keep_max_age_s, options=store_options(settings),
+                 encryption=KeyFiles(settings.encryption_key_file,
+                                     settings.old_encryption_key_files))

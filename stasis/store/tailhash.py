@@ -7,10 +7,13 @@ can follow the files as they grow, on the CPU that CRIU leaves idle, and hand th
 that only needs the last few MiB. On a disk store it also starts the write-back of what it has
 read (sync_file_range), so the fsync before the manifest waits for the tail, not for everything.
 
-A compressed dump is compressed the same way, into the files the store will keep (`pack_into`):
-publish then compresses only the tail. With `auto` the follower compresses with zstd and watches
+A compressed or encrypted dump is chunked, compressed and sealed the same way (chunked.py), into
+the files the store will keep: `open_out(stored name)` makes each (`local_opener`: files in the
+local store's packing directory, written back to disk as they grow; another opener can stream
+them elsewhere). Publish then encodes only the tail. Only whole chunks are taken while CRIU
+writes, so what publish continues is always at a chunk boundary. With `auto` the follower compresses with zstd and watches
 what it gets: once a few MiB say the pages do not shrink to half, it drops what it compressed and
-only hashes from then on, so incompressible memory costs a few MiB of zstd, not a whole pass.
+goes on uncompressed (from the start of each file, re-reading a few MiB), so incompressible memory costs a few MiB of zstd, not a whole pass.
 
 The partial hashes are a shortcut only: publish checks each against the file's final size and
 re-reads any file that does not fit, so a wrong guess costs time, never a wrong checksum.
@@ -23,18 +26,18 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Protocol, cast
 
-import xxhash
-
-from stasis.store.compression import AUTO_MAX_RATIO, Encoder, Reader, Streamed, stored_name
+from stasis.store.chunked import CHUNK_BYTES, ChunkSpec, ChunkWriter
+from stasis.store.compression import AUTO_MAX_RATIO, stored_name
+from stasis.store.crypt import ChunkCipher
 from stasis.store.manifest import Compression, CompressionRequest
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 8 << 20
+_READ_CHUNKS = 8  # chunks read per pread while following
 _IDLE_S = 0.003
 _SYNC_FILE_RANGE_WRITE = 2
 # `auto` judges the pages after this many bytes (and again after every chunk): the same amount
@@ -43,51 +46,73 @@ AUTO_JUDGE_BYTES = 4 << 20
 AUTO_MIN_BYTES = 1 << 20  # below this, checkpoints are not compressed (choose_compression)
 
 
-@dataclass
-class Packing:
-    """The first bytes of one file, compressed into `out` (a file the store keeps)."""
+class Output(Protocol):
+    """Where a follower writes one stored file: written in order, then closed, or discarded
+    (closed and removed: publish encodes that file again)."""
 
-    encoder: Encoder
-    out: BinaryIO
-    path: Path
-    packed: int = 0
+    def write(self, data: bytes | memoryview, /) -> int | None: ...
 
-    def write(self, data: bytes | memoryview) -> None:
-        blob = self.encoder.compress(data)
-        if blob:
-            self.out.write(blob)
-            self.packed += len(blob)
+    def close(self) -> None: ...
 
-    def finish(self, src: Reader, partial: Partial) -> Streamed:
-        """Compress the rest of `src` (positioned at partial.offset) and close the frame."""
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        size = partial.offset
-        try:
-            while n := src.readinto(view):
-                partial.hasher.update(view[:n])
-                self.write(view[:n])
-                size += n
-            tail = self.encoder.flush()
-            self.out.write(tail)
-            self.packed += len(tail)
-        finally:
-            self.out.close()
-        return Streamed(size_bytes=size, stored_size_bytes=self.packed,
-                        xxh3_128=partial.hasher.hexdigest())
+    def discard(self) -> None: ...
 
-    def drop(self) -> None:
-        self.out.close()
+
+Opener = Callable[[str], Output]
+
+
+class LocalOutput:
+    """A new file in a local directory (O_EXCL: never a link planted where an image goes),
+    whose pages go to disk as they are written when `writeback`."""
+
+    def __init__(self, path: Path, writeback: bool) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._sync = _sync_file_range() if writeback else None
+        self._written = 0
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        view = memoryview(data)
+        start = self._written
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+            self._written += n
+        if self._sync is not None:
+            self._sync(self._fd, start, self._written - start, _SYNC_FILE_RANGE_WRITE)
+        return len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        self.close()
         self.path.unlink(missing_ok=True)
+
+
+def local_opener(directory: Path, writeback: bool = False) -> Opener:
+    return lambda name: LocalOutput(directory / name, writeback)
 
 
 @dataclass
 class Partial:
-    """The first `offset` bytes of one file, already fed to `hasher` (and to `packing`)."""
+    """The first `offset` bytes of one file (a multiple of the chunk size), already taken by
+    `writer`, which writes to `output` (None: it only checksums, the file itself is stored)."""
 
-    offset: int
-    hasher: xxhash.xxh3_128
-    packing: Packing | None = field(default=None, compare=False)
+    writer: ChunkWriter
+    output: Output | None = None
+    stored_name: str = ""
+
+    @property
+    def offset(self) -> int:
+        return self.writer.offset
+
+    def discard(self) -> None:
+        self.writer.close()
+        if self.output is not None:
+            self.output.discard()
+            self.output = None
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -105,49 +130,54 @@ class TailHasher:
 
     `writeback`: start the disk write of every hashed range at once (for a durable store on a
     disk; pointless on tmpfs), where the staged files are the ones the store keeps.
-    `compression` with `pack_into`: also compress each image into `pack_into`/<stored name>
-    ("auto": zstd while the pages shrink to half or less). `compression` says what was settled
-    on once `finish()` returned: the codec, "none", or None (auto saw too little to judge).
+    `compression` and `cipher` with `open_out`: also encode each image into `open_out(<stored
+    name>)` ("auto": zstd while the pages shrink to half or less). `compression` says what was
+    settled on once `finish()` returned: the codec, "none", or None (auto saw too little to
+    judge). Without `open_out` only uncompressed, unencrypted images are followed.
+    `copy_plain`: uncompressed, unencrypted images go to `open_out` too (a store that keeps
+    them elsewhere, S3 say, uploads them while CRIU writes).
     """
 
     def __init__(self, directory: Path, writeback: bool = False,
-                 compression: CompressionRequest = "none", pack_into: Path | None = None) -> None:
+                 compression: CompressionRequest = "none", open_out: Opener | None = None,
+                 cipher: ChunkCipher | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 copy_plain: bool = False) -> None:
         self.directory = directory
+        self._copy_plain = copy_plain and open_out is not None
         self._stop = threading.Event()
         self._files: dict[str, tuple[int, Partial]] = {}  # name -> (fd, partial)
-        self._buffer = bytearray(_CHUNK)
+        self._chunk = chunk_bytes
+        self._buffer = bytearray(chunk_bytes * _READ_CHUNKS)
         self._writeback = writeback
         self._sync = _sync_file_range() if writeback else None
         self._failed: BaseException | None = None
         self._auto = compression == "auto"
-        self._codec: Compression | None = None
-        if pack_into is not None and compression != "none":
-            self._codec = "zstd" if self._auto else cast(Compression, compression)
-        self._pack_into = pack_into
+        self._cipher = cipher
+        self._open_out = open_out
+        self._codec: Compression = "zstd" if self._auto else cast(Compression, compression)
         self._raw = 0
-        self._packed = 0
         self.compression: Compression | None = "none" if compression == "none" else None
+        if open_out is None and (self._codec != "none" or cipher is not None):
+            raise ValueError("encoding images while CRIU writes them needs open_out")
         self._thread = threading.Thread(target=self._run, name="stasis-tailhash", daemon=True)
         self._thread.start()
 
     def finish(self) -> dict[str, Partial]:
-        """Stop following (the writer is done) and return what was hashed, by file name."""
+        """Stop following (the writer is done) and return what was taken, by file name."""
         self._stop.set()
         self._thread.join()
         if self._failed is not None:
-            # Not an error for the dump: publish hashes (and compresses) every file itself. All
-            # is dropped, since a failed write can leave a hasher ahead of its packing.
+            # Not an error for the dump: publish hashes (and encodes) every file itself. All
+            # is dropped, since a failed write can leave a writer ahead of its output.
             log.debug("tail hashing of %s stopped early: %s", self.directory, self._failed)
-            self._give_up_packing()
+            self._drop_all()
             self.compression = "none" if self.compression == "none" else None
-            partials = {}
-        else:
-            if self._codec is not None:
-                if self._auto and self._raw < AUTO_MIN_BYTES:
-                    self._give_up_packing()  # too little seen: publish decides from the files
-                else:
-                    self.compression = self._codec
-            partials = {name: partial for name, (fd, partial) in self._files.items()}
+        elif self._auto and self.compression is None:
+            if self._raw < AUTO_MIN_BYTES:
+                self._drop_all()  # too little seen: publish decides from the files
+            else:
+                self.compression = self._codec
+        partials = {name: partial for name, (fd, partial) in self._files.items()}
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
@@ -161,8 +191,20 @@ class TailHasher:
         except OSError as e:
             self._failed = e
 
+    def _spec(self) -> ChunkSpec:
+        return ChunkSpec(self._codec, self._cipher, self._chunk)
+
+    def _start(self, name: str) -> Partial:
+        spec = self._spec()
+        if spec.identity and not self._copy_plain:
+            return Partial(ChunkWriter(name, spec, None))
+        assert self._open_out is not None
+        stored = stored_name(name, spec.compression, spec.encrypted)
+        output = self._open_out(stored)
+        return Partial(ChunkWriter(name, spec, output), output, stored)
+
     def _sweep(self) -> bool:
-        """Hash whatever was appended since the last sweep; True if anything was."""
+        """Take whatever whole chunks were appended since the last sweep; True if any was."""
         progressed = False
         try:
             entries = list(os.scandir(self.directory))
@@ -173,45 +215,51 @@ class TailHasher:
                 continue
             if entry.name not in self._files:
                 fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                self._files[entry.name] = (fd, Partial(0, xxhash.xxh3_128(),
-                                                       self._start_packing(entry.name)))
+                self._files[entry.name] = (fd, self._start(entry.name))
             fd, partial = self._files[entry.name]
             size = os.fstat(fd).st_size
+            # Whole chunks with at least a byte after them: CRIU may be in the middle of the
+            # next one, and a chunk taken here is known not to be the file's last.
+            whole = (size - 1) // self._chunk * self._chunk if size else 0
             view = memoryview(self._buffer)
             start = partial.offset
-            while partial.offset < size and not self._stop.is_set():
-                n = os.preadv(fd, [view[:min(_CHUNK, size - partial.offset)]], partial.offset)
+            while partial.offset < whole and not self._stop.is_set():
+                want = min(len(view), whole - partial.offset)
+                n = os.preadv(fd, [view[:want]], partial.offset)
+                n -= n % self._chunk
                 if n <= 0:
                     break
-                partial.hasher.update(view[:n])
-                if partial.packing is not None:
-                    before = partial.packing.packed
-                    partial.packing.write(view[:n])
-                    self._raw += n
-                    self._packed += partial.packing.packed - before
-                partial.offset += n
+                for at in range(0, n, self._chunk):
+                    partial.writer.add(view[at:at + self._chunk], last=False)
+                self._raw += n
                 progressed = True
-                if self._auto and self._codec is not None and self._raw >= AUTO_JUDGE_BYTES \
-                        and self._packed > self._raw * AUTO_MAX_RATIO:
-                    self._give_up_packing()
-                    self.compression = "none"
-                    if self._writeback:
-                        start = 0  # the staged files are the stored ones after all
-            if self._sync is not None and self._codec is None and partial.offset > start:
+                if self._auto and self.compression is None and self._shrinks() is False:
+                    self._give_up_compressing()
+                    return True  # every file starts again, uncompressed
+            if self._sync is not None and partial.output is None and partial.offset > start:
                 self._sync(fd, start, partial.offset - start, _SYNC_FILE_RANGE_WRITE)
         return progressed
 
-    def _start_packing(self, name: str) -> Packing | None:
-        if self._codec is None or self._pack_into is None:
+    def _shrinks(self) -> bool | None:
+        """Whether what zstd compressed so far shrank to half; None until it saw enough."""
+        writers = [p.writer for _, p in self._files.values()]
+        encoded = sum(w.encoded for w in writers)
+        if encoded < AUTO_JUDGE_BYTES:
             return None
-        path = self._pack_into / stored_name(name, self._codec)
-        # O_EXCL: never follow a link planted where an image is going.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        return Packing(Encoder(self._codec), os.fdopen(fd, "wb"), path)
+        return sum(w.stored_total for w in writers) <= encoded * AUTO_MAX_RATIO
 
-    def _give_up_packing(self) -> None:
-        self._codec = None
+    def _give_up_compressing(self) -> None:
+        """`auto` saw pages that do not shrink: what was compressed goes, and every file is
+        taken again from its start without compression (sealed still, when encrypted)."""
+        self._codec = "none"
+        self.compression = "none"
+        for name, (fd, partial) in list(self._files.items()):
+            partial.discard()
+            self._files[name] = (fd, self._start(name))
+
+    def _drop_all(self) -> None:
         for _, partial in self._files.values():
-            if partial.packing is not None:
-                partial.packing.drop()
-                partial.packing = None
+            partial.discard()
+        for fd, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()

@@ -50,6 +50,18 @@ def test_targets() -> None:
     assert by[("compression auto: mostly-zero 1 GiB image >= 5x smaller", "disk", "zero",
                "auto")] is True
     assert by[("lazy restore of 4 GiB runs again in < 0.3 s", None, None, None)] is None
+    assert by[("encryption: 1 GiB dump and restore <= 1.10x unencrypted", None, None,
+               None)] is None
+
+
+def test_encryption_target() -> None:
+    runs = [_run("default", "disk", 2.0, 2.0), _run("encrypt", "disk", 2.1, 2.0),
+            _run("default", "tmpfs", 1.0, 1.0), _run("encrypt", "tmpfs", 1.2, 1.0)]
+    found = {(t["target"], t["case"]["dest"]): t for t in targets(summarise(runs))
+             if t["target"].startswith("encryption")}
+    assert found[("encryption: 1 GiB dump_s <= 1.10x unencrypted", "disk")]["met"] is True
+    assert found[("encryption: 1 GiB dump_s <= 1.10x unencrypted", "tmpfs")]["met"] is False
+    assert found[("encryption: 1 GiB restore_s <= 1.10x unencrypted", "disk")]["ratio"] == 1.0
 
 
 def test_markdown_has_a_row_per_case() -> None:

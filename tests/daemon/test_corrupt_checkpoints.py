@@ -66,7 +66,7 @@ def test_the_daemon_frees_old_garbage_and_leaves_the_rest(make_daemon: MakeDaemo
     _manifest(d, new_garbage).write_bytes(b"\x00garbage")
     _tamper(d, old_untrusted)  # maybe another site's: root decides, not the daemon
     _age(_manifest(d, old_untrusted), 7200)
-    _manifest(d, old_future).write_text('{"format": 2}')  # a newer stasis sharing the store
+    _manifest(d, old_future).write_text('{"format": 99}')  # a newer stasis sharing the store
     _age(_manifest(d, old_future), 7200)
     _age(_manifest(d, good), 7200)
 

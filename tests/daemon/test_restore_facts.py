@@ -19,7 +19,7 @@ from stasis import __version__, wire
 from stasis.engine.nodefacts import X86_INSTRUCTION_FLAGS
 from stasis.store.signing import load_keyring
 from stasis.store.store import MANIFEST_PURPOSE
-from tests.conftest import TEST_USER, Daemon, wait_for, workload
+from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
 from tests.daemon.test_restore_state import last_number, numbers
 from tests.test_wire import conforms
@@ -170,6 +170,9 @@ def test_a_cpu_flag_this_node_lacks_refuses_and_a_machine_flag_is_a_note(
     _resign(daemon, checkpoint, document)
     line = _refused(daemon, checkpoint, f"this CPU lacks {lacking[0]}, {lacking[1]}")
     assert "SIGILL" in line
+    # By label too: it is not skipped for an older one (that is not what was asked for).
+    one_line_error(daemon.cli("restore", "--label", "cpuflags", check=False), 1,
+                   f"cannot restore checkpoint {checkpoint}", f"this CPU lacks {lacking[0]}")
     check = daemon.cli("check", "--checkpoint", checkpoint, check=False)
     assert check.returncode == 1, check.stderr
     assert f"refuses: this CPU lacks {lacking[0]}, {lacking[1]}" in check.stdout
@@ -195,14 +198,14 @@ def test_check_compares_the_owners_checkpoint_and_nobody_elses(
     checkpoint = daemon.json("dump", job["job"], user=TEST_USER)["checkpoint"]
 
     report = daemon.json("check", "--checkpoint", checkpoint, user=TEST_USER)
-    assert conforms(report, wire.CompatReport), report
+    assert conforms(report, wire.CheckpointCheck), report
     assert report["checkpoint"] == checkpoint and report["recorded"] is True
     assert report["restorable"] is True
-    verdicts = {f["fact"]: f["verdict"] for f in report["findings"]}
+    verdicts = {f["what"]: f["verdict"] for f in report["facts"]}
     assert verdicts == {
         "architecture": "ok", "CPU flags": "ok", "CRIU": "ok", "kernel": "ok", "stasis": "ok",
         "user": "ok", f"file {read}": "ok", f"file {append}": "ok", f"file {rw}": "ok"}
-    user = next(f for f in report["findings"] if f["fact"] == "user")
+    user = next(f for f in report["facts"] if f["what"] == "user")
     assert user["recorded"] == user["here"] == f"{TEST_USER} (uid {pwd.getpwnam(TEST_USER).pw_uid})"
     table = daemon.cli("check", "--checkpoint", checkpoint, user=TEST_USER).stdout
     assert re.search(rf"file {re.escape(str(read))}\s+2048 bytes, mode 0666", table), table
@@ -215,12 +218,12 @@ def test_check_compares_the_owners_checkpoint_and_nobody_elses(
     (secret / "x").write_bytes(b"s" * 2048)
     os.symlink(secret / "x", read)
     report = _check(daemon, checkpoint, TEST_USER)
-    found = next(f for f in report["findings"] if f["fact"] == f"file {read}")
+    found = next(f for f in report["facts"] if f["what"] == f"file {read}")
     assert found["verdict"] == "refuses" and found["here"] == "Permission denied", found
     assert report["restorable"] is False
     # Root sees it the way the owner would, and another user not at all.
     as_root = _check(daemon, checkpoint)
-    assert as_root["findings"] == report["findings"]
+    assert as_root["facts"] == report["facts"]
     job_root = daemon.json("run", "--", *workload("counter.py"))
     wait_for(lambda: last_number(daemon, job_root["job"]) >= 1, what="counting")
     roots = daemon.json("dump", job_root["job"])["checkpoint"]
@@ -242,8 +245,44 @@ def test_a_checkpoint_that_records_nothing_restores_as_before(daemon: Daemon) ->
     out = daemon.cli("check", "--checkpoint", checkpoint).stdout
     assert f"checkpoint {checkpoint} records nothing to compare" in out
     report = daemon.json("check", "--checkpoint", checkpoint)
-    assert report == {"checkpoint": checkpoint, "recorded": False, "restorable": True,
-                      "findings": []}
+    assert report == {"checkpoint": checkpoint, "node": report["node"], "recorded": False,
+                      "restorable": True, "facts": []}
+    assert report["node"]  # this node's name
     restored = daemon.json("restore", checkpoint)
     assert restored["notes"] == []
     _continues(daemon, restored, at_dump)
+
+
+def test_from_a_store_it_fetches_from_a_changed_file_refuses_before_anything_is_fetched(
+        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    store = world_tmp / f"fetched-store-{os.urandom(3).hex()}"
+    store.mkdir(mode=0o700)
+    d = make_daemon(store=f"dir::file://{store}")
+    tmp = world_tmp / f"fetched-{os.urandom(3).hex()}"
+    tmp.mkdir()
+    os.chmod(tmp, 0o777)
+    read, append, rw = files = _files(tmp)
+    for path in files:
+        os.chmod(path, 0o666)
+    job = _holding(d, files, "fetched", TEST_USER)
+    checkpoint = d.json("dump", job["job"], user=TEST_USER)["checkpoint"]
+    at_dump = last_number(d, job["job"])
+    dumped = rw.stat()
+    rw.write_bytes(b"w" * 50)  # the job wrote 100 bytes of it: CRIU would refuse it half-way
+    # Its page images taken away: a restore that fetched anything would fail on them first.
+    pages = sorted((store / checkpoint).glob("pages-*"))
+    assert pages
+    aside = world_tmp / f"aside-{os.urandom(3).hex()}"
+    aside.mkdir()
+    for path in pages:
+        path.rename(aside / path.name)
+    line = one_line_error(d.cli("restore", checkpoint, user=TEST_USER, check=False), 1,
+                          f"cannot restore checkpoint {checkpoint} on this node",
+                          f"{rw} is 50 bytes, was 100 when dumped")
+    assert "pages-" not in line
+    for path in pages:
+        (aside / path.name).rename(path)
+    rw.write_bytes(b"w" * 100)
+    os.utime(rw, ns=(dumped.st_atime_ns, dumped.st_mtime_ns))
+    restored = d.json("restore", checkpoint, user=TEST_USER)
+    _continues(d, restored, at_dump)

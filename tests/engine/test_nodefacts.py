@@ -32,8 +32,8 @@ def recorded(**changes: Any) -> wire.RestoreFacts:
     return facts
 
 
-def verdicts(findings: list[wire.CompatFinding]) -> dict[str, str]:
-    return {f["fact"]: f["verdict"] for f in findings}
+def verdicts(findings: list[wire.CompatFact]) -> dict[str, str]:
+    return {f["what"]: f["verdict"] for f in findings}
 
 
 def refused(facts: wire.RestoreFacts, files: dict[str, FileState] | None = None) -> str:
@@ -120,7 +120,7 @@ def _now(path: str, size: int = 100, mode: int = 0o644,
 ])
 def test_open_files(access: str, now: FileState, verdict: str, words: str) -> None:
     findings = nodefacts.compare(recorded(files=[_file("/f", access)]), HERE, {"/f": now})
-    found = next(f for f in findings if f["fact"] == "file /f")
+    found = next(f for f in findings if f["what"] == "file /f")
     assert found["verdict"] == verdict and words in found["why"], found
 
 

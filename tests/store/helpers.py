@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import fsspec
+
 from stasis.store import CheckpointInfo, Manifest, Store, new_checkpoint_id
+from stasis.store.crypt import KeyFiles
 from stasis.store.store import MANIFEST_PURPOSE
 
 BASE_TIME = datetime(2026, 11, 30, 0, 15, 12, tzinfo=UTC)
@@ -50,3 +57,45 @@ def signed(store: Store, manifest: Manifest) -> bytes:
     body = json.loads(manifest.model_dump_json(exclude={"signature"}))
     sealed = manifest.model_copy(update={"signature": store.keys.sign(MANIFEST_PURPOSE, body)})
     return sealed.model_dump_json().encode()
+
+
+def write_key(path: Path, key: bytes | None = None, mode: int = 0o600) -> Path:
+    """An encryption key file (32 random bytes unless `key` says otherwise)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key if key is not None else os.urandom(32))
+    os.chmod(path, mode)
+    return path
+
+
+def with_keys(store: Store, current: Path | None, *old: Path) -> Store:
+    """The same store (same URL, same signing keys) as a node with these key files sees it."""
+    return Store(store.url, staging_root=store._tree.staging_area(), keep=store.keep,
+                 keys=store.keys,
+                 encryption=KeyFiles(str(current) if current else "", [str(p) for p in old]))
+
+
+def encrypted_store(store: Store, tmp_path: Path) -> Store:
+    """`store` with an encryption key file of its own (tmp_path/current.key)."""
+    key = tmp_path / "current.key"
+    if not key.exists():
+        write_key(key)
+    return with_keys(store, key)
+
+
+def stored_bytes(store: Store, manifest: Manifest, name: str) -> bytes:
+    entry = next(f for f in manifest.files if f.name == name)
+    fs, root = fsspec.core.url_to_fs(store.url)
+    with fs.open(f"{root}/{manifest.id}/{entry.stored_name}", "rb") as f:
+        data: bytes = f.read()
+    return data
+
+
+@contextmanager
+def stored_file(store: Store, manifest: Manifest, name: str) -> Iterator[io.BytesIO]:
+    """A stored image file to damage: changes to the yielded buffer are written back."""
+    entry = next(f for f in manifest.files if f.name == name)
+    fs, root = fsspec.core.url_to_fs(store.url)
+    buffer = io.BytesIO(stored_bytes(store, manifest, name))
+    yield buffer
+    fs.pipe_file(f"{root}/{manifest.id}/{entry.stored_name}", buffer.getvalue())

@@ -49,7 +49,7 @@ def test_old_garbage_goes_and_everything_else_stays(store: Store) -> None:
     old_garbage, new_garbage, future, untrusted, unsigned = (_publish(store) for _ in range(5))
     _write(store, old_garbage.id, b"{not json", 2 * DAY_S)
     _write(store, new_garbage.id, b"{not json", 60)
-    _write(store, future.id, b'{"format": 2, "id": "whatever"}', 2 * DAY_S)
+    _write(store, future.id, b'{"format": 99, "id": "whatever"}', 2 * DAY_S)
     other_node = Store(store.url, staging_root=store._tree.staging_area(),
                        keys=Keyring.ephemeral())
     theirs = _publish(other_node)

@@ -116,6 +116,6 @@ def test_manifest_refuses_naive_times_duplicates_and_unknown_formats() -> None:
     with pytest.raises(ValidationError, match="duplicate"):
         Manifest.model_validate({**good, "files": [good["files"][0]] * 2})
     with pytest.raises(ValidationError):
-        Manifest.model_validate({**good, "format": 2})
+        Manifest.model_validate({**good, "format": 3})
     with pytest.raises(ValidationError):
         Manifest.model_validate({**good, "id": "../x"})

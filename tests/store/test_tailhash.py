@@ -12,6 +12,7 @@ import xxhash
 
 from stasis.store import Store
 from stasis.store.manifest import Compression, CompressionRequest, FileEntry, Manifest
+from stasis.store.chunked import CHUNK_BYTES, ChunkSpec, ChunkWriter
 from stasis.store.tailhash import Partial, TailHasher
 from tests.store.helpers import make_info, stage
 
@@ -62,8 +63,9 @@ def test_follows_files_as_they_grow(local_store: Store, random_20m: bytes) -> No
 def test_a_partial_hash_longer_than_the_file_is_ignored(local_store: Store) -> None:
     info = make_info()
     stage(local_store, info, {"pages-1.img": b"x" * 1000})
-    bogus = Partial(offset=5000, hasher=xxhash.xxh3_128(b"y" * 5000))
-    manifest = local_store.publish(info, "none", hashed={"pages-1.img": bogus})
+    bogus = ChunkWriter("pages-1.img", ChunkSpec("none"), None)
+    bogus.add(b"y" * CHUNK_BYTES)
+    manifest = local_store.publish(info, "none", hashed={"pages-1.img": Partial(bogus)})
     assert manifest.files[0].xxh3_128 == xxhash.xxh3_128(b"x" * 1000).hexdigest()
 
 
@@ -71,7 +73,11 @@ def test_only_where_it_saves_a_read(local_store: Store, memory_store: Store) -> 
     info = make_info()
     local_store.staging_dir(info.id)
     memory_store.staging_dir(info.id)
-    assert memory_store.follow(info.id, "none") is None  # copying to a remote reads it anyway
+    # A remote store streams the images while CRIU writes (tests/store/test_s3_stream.py).
+    streaming = memory_store.follow(info.id, "none")
+    assert streaming is not None
+    streaming.finish()
+    memory_store.discard(info.id)
     compressions: tuple[CompressionRequest, ...] = ("none", "auto", "zstd")
     for compression in compressions:
         tail = local_store.follow(info.id, compression)
@@ -89,7 +95,7 @@ def test_compresses_while_written(local_store: Store, mostly_zero: bytes,
     files = {"pages-1.img": mostly_zero, "pages-2.img": random_20m[:5 << 20]}
     manifest, hashed, _ = _follow_and_publish(local_store, compression, files)
     # The follower compressed the files' heads, publish only the rest: one valid frame each.
-    assert all(hashed[n].packing is not None and hashed[n].offset > 0 for n in files)
+    assert all(hashed[n].output is not None and hashed[n].offset > 0 for n in files)
     assert manifest.compression == compression
     entries = {f.name: f for f in manifest.files}
     for name, data in files.items():
@@ -102,7 +108,7 @@ def test_compresses_while_written(local_store: Store, mostly_zero: bytes,
 def test_auto_keeps_compressing_what_shrinks(local_store: Store, mostly_zero: bytes) -> None:
     manifest, hashed, packing_dir = _follow_and_publish(
         local_store, "auto", {"pages-1.img": mostly_zero})
-    assert hashed["pages-1.img"].packing is not None
+    assert hashed["pages-1.img"].output is not None
     assert manifest.compression == "zstd"
     assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero).hexdigest()
     assert _entry(manifest).stored_size_bytes * 5 < len(mostly_zero)
@@ -114,7 +120,7 @@ def test_auto_gives_up_on_what_does_not(local_store: Store, random_20m: bytes) -
     manifest, hashed, packing_dir = _follow_and_publish(
         local_store, "auto", {"pages-1.img": random_20m})
     # A few MiB told it: the rest was only hashed, and the staged file is the stored one.
-    assert hashed["pages-1.img"].packing is None
+    assert hashed["pages-1.img"].output is None
     assert hashed["pages-1.img"].offset > 0
     assert manifest.compression == "none"
     assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(random_20m).hexdigest()

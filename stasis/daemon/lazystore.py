@@ -1,0 +1,167 @@
+"""Lazy restore from a store CRIU cannot read in place (not a local directory, or compressed):
+the small images and the pages the restore reads itself are fetched into a scratch directory
+(the page files as sparse files of their full size), and the daemon serves the rest, on demand
+and in the background, over CRIU's page-server protocol (stasis/engine/pageserver.py) to the
+job's `criu lazy-pages`, from the store.
+
+A page that cannot be had (the store fails, a chunk does not verify) kills the restored tree
+before lazy-pages hears of it (it would let the kernel hand the tree zero pages): the job ends,
+`killed.json` in its directory and the daemon's log say why.
+
+Known limit: the pages are served by the daemon process. A daemon that dies before every page
+arrived takes the server with it, and what was still missing reads as zeros to the job (lazy-
+pages exits, the kernel drops the userfaultfd). A graceful stop waits for those (`drain`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from stasis.engine import proctree
+from stasis.engine.pageserver import (
+    PageReader,
+    PagemapError,
+    PageServer,
+    fill_sparse,
+    process_pagemaps,
+)
+from stasis.errors import StoreError
+from stasis.store import Manifest, Store
+
+log = logging.getLogger("stasis.daemon")
+
+_PAGES = re.compile(r"^pages-[0-9]+\.img$")
+SOCKET_NAME = "page-server.sock"
+
+
+def page_reader(store: Store, manifest: Manifest) -> PageReader | None:
+    """How the plaintext of the checkpoint's page files is read by range: `Store.read_range`,
+    which verifies every chunk it reads (its checksum, or its tag when encrypted). None for a
+    checkpoint stored before images were chunked (no table to read ranges by): the caller
+    restores it in full."""
+    if any(f.chunks is None for f in manifest.files if _PAGES.match(f.name)):
+        return None
+    return lambda name, offset, length: store.read_range(manifest, name, offset, length)
+
+
+class LazyRestore:
+    """One lazy restore served from the store: its scratch images, its page server, and what
+    to kill should a page not come."""
+
+    def __init__(self, store: Store, manifest: Manifest, read: PageReader, scratch: Path,
+                 delay_s: float = 0.0) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._read = read
+        self._delay_s = delay_s
+        scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.images = Path(tempfile.mkdtemp(prefix=f"{manifest.id}-lazy-", dir=scratch))
+        self.socket_path = self.images / SOCKET_NAME
+        self._sizes: dict[str, int] = {}
+        self._listener: socket.socket | None = None
+        self._server: PageServer | None = None
+        self._job: tuple[int | None, Path | None] = (None, None)
+        self._started = threading.Event()
+        self.done = threading.Event()
+        self.failure: str | None = None
+
+    # -- before the restore ------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Fetch (verified) every image but the page files, and of each page file what the
+        restore reads itself; start listening. StasisError (CorruptCheckpointError...) if the
+        checkpoint cannot be had; PagemapError if it is not one this path serves."""
+        pages = [f for f in self.manifest.files if _PAGES.match(f.name)]
+        self.store.fetch_files(self.manifest, self.images, only=lambda f: f not in pages)
+        pagemaps = process_pagemaps(self.images)
+        by_file = {pm.pages_file: pm for pm in pagemaps.values()}
+        if len(by_file) != len(pagemaps) or any(pm.in_parent() for pm in pagemaps.values()):
+            raise PagemapError("its pagemaps share page files or lean on a parent checkpoint")
+        sizes = {f.name: f.size_bytes for f in pages}
+        for entry in pages:
+            pm = by_file.get(entry.name)
+            # Page files no task's pagemap names (shared memory's) are read whole by the restore.
+            ranges = pm.eager_ranges() if pm else [(0, entry.size_bytes)]
+            fill_sparse(self.images / entry.name, entry.size_bytes, ranges, self._read,
+                        entry.name)
+        self._sizes = sizes
+        self._listen()
+
+    def _listen(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        dir_fd = os.open(self.images, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # Through /proc: sun_path holds 107 bytes, a state directory's path may be longer.
+            listener.bind(f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}")
+        finally:
+            os.close(dir_fd)
+        listener.listen(1)
+        self._listener = listener
+        threading.Thread(target=self._accept, name="stasis-page-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            self._listener.settimeout(60.0)  # lazy-pages connects at the restore's start
+            conn, _ = self._listener.accept()
+        except OSError:
+            self._finish()
+            return
+        finally:
+            self._listener.close()
+        # The directory is root's alone (0700): only root's lazy-pages could have connected.
+        self._server = PageServer(conn, self.images, self._sizes, self._read, self._on_failure,
+                                  delay_s=self._delay_s)
+        try:
+            self._server.serve()
+        finally:
+            self._finish()
+
+    # -- after the restore -------------------------------------------------------------------
+
+    def started(self, pid: int | None, job_dir: Path | None) -> None:
+        """The restore ended: its tree's pid (None: it failed, nothing to kill)."""
+        self._job = (pid, job_dir)
+        self._started.set()
+        if pid is None and self._listener is not None:
+            self._listener.close()
+
+    def _on_failure(self, reason: str) -> None:
+        self.failure = reason
+        # The tree is waiting for this very page: it runs no further until killed, so waiting
+        # for its pid (the restore's answer is on its way) feeds it nothing.
+        self._started.wait(300.0)
+        pid, job_dir = self._job
+        if pid is None:
+            return
+        started = proctree.start_time(pid)
+        tree = proctree.tree(pid)
+        proctree.signal_tree(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and any(proctree.alive(p, None) for p in tree):
+            time.sleep(0.005)
+        if job_dir is not None:
+            (job_dir / "killed.json").write_text(json.dumps({"reason": reason}))
+        log.error("killed lazily restored job %s (pid %d%s): a page could not be had from the "
+                  "store: %s", job_dir.name if job_dir else "?", pid,
+                  "" if started else ", already gone", reason)
+
+    def _finish(self) -> None:
+        shutil.rmtree(self.images, ignore_errors=True)
+        self.done.set()
+
+    def discard(self) -> None:
+        """The restore did not happen: stop listening, remove the scratch images."""
+        self.started(None, None)
+        if self._server is None:
+            self._finish()
