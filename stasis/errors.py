@@ -8,7 +8,9 @@
     │   └── CRIUNotFoundError no usable CRIU binary
     ├── CheckpointError       a dump could not be taken or published
     ├── RestoreError          a restore failed
-    │   └── OwnerDeniedError  a path of the job is one its owner may not open now
+    │   ├── OwnerDeniedError  a path of the job is one its owner may not open now
+    │   └── IncompatibleNodeError  this node differs from the dumping one in a way the restore
+    │                              cannot cope with (refused before CRIU runs)
     ├── StoreError            the checkpoint store failed (I/O, full disk)
     │   ├── CorruptCheckpointError  a checkpoint failed verification
     │   │   └── UnreadableManifestError  its manifest is garbage: nobody can tell whose it is
@@ -81,6 +83,10 @@ class OwnerDeniedError(RestoreError):
     http_status = 403
 
 
+class IncompatibleNodeError(RestoreError):
+    http_status = 409
+
+
 class StoreError(StasisError):
     pass
 
@@ -125,6 +131,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
     for cls in (
         StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
         CRIUNotFoundError, CheckpointError, RestoreError, OwnerDeniedError, StoreError, CorruptCheckpointError,
+        IncompatibleNodeError,
         UnreadableManifestError, UntrustedCheckpointError, EncryptionKeyError, SlurmError,
         SlurmJobNotFoundError,
     )

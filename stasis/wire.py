@@ -171,14 +171,45 @@ class Deleted(TypedDict):
     deleted: str
 
 
+# What a restore depends on (stasis.engine.nodefacts): recorded in the manifest at dump time as
+# `restore_facts` (stasis.store.manifest.RecordedFacts holds the same shape), compared before
+# CRIU restores, and shown by `stasis check --checkpoint ID`.
+
+class OpenFile(TypedDict):
+    """A regular file the job had open when it was dumped: CRIU reopens it by path."""
+
+    path: str
+    size_bytes: int
+    mtime_ns: int
+    mode: int  # permission bits (st_mode & 0o7777)
+    # "append": only ever open write-only with O_APPEND (CRIU skips its size check);
+    # "write": open for writing some other way; "read": only ever open read-only.
+    access: Literal["read", "write", "append"]
+
+
+class RestoreFacts(TypedDict):
+    arch: str  # os.uname().machine
+    cpu_model: str
+    cpu_flags: list[str]  # /proc/cpuinfo's flags (Features on arm64), common to every CPU
+    kernel: str  # os.uname().release
+    criu_version: str
+    stasis_version: str
+    user: str
+    uid: int
+    files: list[OpenFile] | None  # None: they could not be read at dump time
+
+
+Verdict = Literal["ok", "note", "refuses"]
+
+
 class CompatFact(TypedDict):
     """One thing a restore depends on: as recorded at dump time, as on this node."""
 
     what: str  # "architecture", "CPU flags", "CRIU", "user", "file /data/x.bin" ...
-    recorded: str
-    here: str
-    verdict: Literal["ok", "note", "refuses"]
-    why: str  # for "refuses": what is wrong, in words
+    recorded: str  # the checkpoint's value
+    here: str  # this node's value
+    verdict: Verdict
+    why: str  # what the difference means (a note's too), "" when ok
 
 
 class CheckpointCheck(TypedDict):
@@ -186,8 +217,8 @@ class CheckpointCheck(TypedDict):
 
     checkpoint: str
     node: str
-    recorded: bool  # False: written by a stasis that recorded nothing to compare
-    restorable: bool
+    recorded: bool  # False: dumped by a stasis that recorded nothing to compare
+    restorable: bool  # no fact refuses
     facts: list[CompatFact]
 
 

@@ -49,13 +49,14 @@ WIRE_ONLY = {
     "Progress",  # the dump and restore streams (tests/daemon/test_api.py)
     "Deleted",  # tests/test_client.py
     "GcAnswer",  # tests/daemon/test_gc.py
-    "CheckpointCheck", "CompatFact",  # tests/daemon/test_api.py
+    "CheckpointCheck", "CompatFact",  # tests/daemon/test_api.py, test_restore_facts.py
     "RekeyAnswer",  # tests/daemon/test_encryption.py
     "Checkpoint",  # a part of the store's Manifest: test_checkpoint_is_part_of_the_manifest
     "CheckReport", "Problem", "NetworkLock",  # test_check_report_is_the_wires
     "Registration",  # test_registration_rows_are_the_wires
     "Health", "FinishAnswer", "SlurmCheckpointAnswer",  # mypy; Health: tests/test_client.py
     "RunAnswer", "Job", "KillAnswer", "DumpAnswer", "DumpCheckAnswer", "RestoreAnswer",
+    "RestoreFacts", "OpenFile",  # the manifest's restore_facts: test_restore_facts_are_recorded
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]
@@ -245,6 +246,16 @@ def test_checkpoint_is_part_of_the_manifest() -> None:
     assert wire.Checkpoint.__required_keys__ == set(hints)
     # Every field the wire reads is always in a manifest's JSON (required or defaulted).
     assert "signature" not in hints and "files" not in hints
+
+
+def test_restore_facts_are_recorded_as_the_wire_has_them() -> None:
+    # The engine gathers and compares wire.RestoreFacts; the manifest stores them as its model.
+    from stasis.store import RecordedFacts
+
+    field = Manifest.model_fields["restore_facts"]
+    assert json_kind(field.annotation) == json_kind(wire.RestoreFacts | None)
+    assert json_kind(RecordedFacts) == json_kind(wire.RestoreFacts)
+    assert not field.is_required()  # manifests written before them still read
 
 
 def test_every_wire_shape_is_held_to_something() -> None:

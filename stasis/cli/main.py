@@ -197,7 +197,7 @@ def logs(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def check(args: argparse.Namespace, settings: Settings) -> None:
-    if args.checkpoint:
+    if args.checkpoint is not None:
         check_checkpoint(args, settings)
         return
     from stasis.engine.check import run_check
@@ -233,6 +233,32 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
             output.say(f"[red]problem:[/red] {p['what']} -> {p['fix']}")
         output.say("OK" if report["ok"] else "NOT READY")
     if not report["ok"]:
+        sys.exit(1)
+
+
+def check_checkpoint(args: argparse.Namespace, settings: Settings) -> None:
+    """`check --checkpoint ID`: what the checkpoint recorded of the node that dumped it against
+    this node. Exit 0 when a restore here would go ahead (notes or not), 1 when it would be
+    refused."""
+    with Client(settings.socket) as client:
+        report = client.check_checkpoint(args.checkpoint)
+    if args.json:
+        output.emit_json(report)
+    elif not report["recorded"]:
+        output.plain(f"checkpoint {report['checkpoint']} records nothing to compare: it was "
+                     "dumped before stasis recorded what a restore depends on, and restores "
+                     "unchecked")
+    else:
+        rows = [{"what": f["what"], "checkpoint": f["recorded"], "this node": f["here"],
+                 "verdict": f["verdict"]} for f in report["facts"]]
+        output.table(rows, ["what", "checkpoint", "this node", "verdict"])
+        for f in report["facts"]:
+            if f["verdict"] != "ok":
+                output.plain(f"{f['verdict']}: {f['why']}")
+        output.plain(f"checkpoint {report['checkpoint']} "
+                     + ("can be restored" if report["restorable"] else "would be refused")
+                     + f" on this node ({report['node']})")
+    if not report["restorable"]:
         sys.exit(1)
 
 
@@ -379,30 +405,12 @@ def _add_logs(sub: Any) -> None:
     p.set_defaults(handler=logs)
 
 
-def check_checkpoint(args: argparse.Namespace, settings: Settings) -> None:
-    with Client(settings.socket) as client:
-        report = client.check_checkpoint(args.checkpoint)
-    if args.json:
-        output.emit_json(report)
-        return
-    if not report["recorded"]:
-        output.say(f"checkpoint {report['checkpoint']} records nothing to compare (made by a "
-                   "stasis before these checks): its restore is not checked")
-        return
-    output.table([dict(f) for f in report["facts"]],
-                 ["what", "recorded", "here", "verdict", "why"])
-    verdict = "can be restored" if report["restorable"] else "cannot be restored"
-    output.say(f"checkpoint {report['checkpoint']} {verdict} on {report['node']}")
-    if not report["restorable"]:
-        raise SystemExit(1)
-
-
 def _add_check(sub: Any) -> None:
     p = sub.add_parser("check", help="Can this node checkpoint and restore? What is missing and "
                                      "how to fix it.")
     p.add_argument("--checkpoint", metavar="ID",
-                   help="Compare what the restore of checkpoint ID depends on (architecture, "
-                        "CPU flags, CRIU, user, open files) with this node.")
+                   help="Compare what checkpoint ID recorded of the node that dumped it (CPU, "
+                        "kernel, CRIU, user, open files) with this node: ok, note, or refuses.")
     add_json(p)
     p.set_defaults(handler=check)
 

@@ -1,6 +1,8 @@
 """Checkpointing a process tree (a job's, or a scheduler task's): one dump of a tree at a time,
 its images published to the store or nothing at all (the tree goes on), and what dumps that a
-killed daemon never finished left behind."""
+killed daemon never finished left behind. Each checkpoint records what its restore depends on
+(`restore_facts`: this node's architecture, CPU flags, kernel, CRIU and stasis versions, the
+user, the files the tree had open; engine/nodefacts.py)."""
 
 from __future__ import annotations
 
@@ -16,22 +18,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from stasis.daemon import staging
-from stasis.daemon import compat
 from stasis.daemon.core import Core
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, validate_job_id
+from stasis import wire
 from stasis.wire import DumpAnswer, DumpCheckAnswer
 from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller
 from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
-from stasis.engine import proctree
+from stasis.engine import nodefacts, proctree
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
     CompressionRequest,
     DataKey,
     Manifest,
+    RecordedFacts,
     new_checkpoint_id,
     validate_label,
 )
@@ -163,9 +166,6 @@ class Dumper:
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
         notes = [] if notes is None else notes
-        # What its restore will depend on, while the tree still holds its files.
-        info = info.model_copy(update={"requires": compat.record(
-            pid, {info.log_path} if info.log_path else set())})
         if encrypt is None:
             encrypt = self.core.settings.encrypt
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
@@ -208,9 +208,11 @@ class Dumper:
         target = fast or self.core.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
+        opened = nodefacts.OpenFilesAtDump(pid)  # read while CRIU holds the tree frozen
         options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
                               criu_started=lambda criu_pid: self.core.journal.note_criu(
-                                  info.id, criu_pid, proctree.start_time(criu_pid)))
+                                  info.id, criu_pid, proctree.start_time(criu_pid)),
+                              notify=opened)
         watcher = DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
@@ -236,6 +238,7 @@ class Dumper:
             compress = tail.compression  # what `auto` settled on while following
         # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
         rules = [] if leave_running else netlock.rules_from_log(result.log_path)
+        info = self._with_facts(info, criu, opened.files)
         try:
             manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed,
                                                data_key=data_key)
@@ -250,6 +253,13 @@ class Dumper:
                 "a sample of its memory did not shrink to half"
             notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
+
+    def _with_facts(self, info: CheckpointInfo, criu: CRIU,
+                    files: list[wire.OpenFile] | None) -> CheckpointInfo:
+        """`info` with what a restore of it depends on (compared before CRIU restores it)."""
+        here = nodefacts.node(self.criu_version(criu))
+        facts = nodefacts.record(here, info.user, info.uid, files)
+        return info.model_copy(update={"restore_facts": RecordedFacts.model_validate(facts)})
 
     def _resume(self, pid: int, rules: list[netlock.LockRule], what: str) -> None:
         """Let a tree a dump left stopped run on, its TCP connections too (CRIU left them

@@ -22,7 +22,6 @@ import secrets
 import signal
 
 from stasis.config import Settings
-from stasis.daemon import compat
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.dumping import Dumper
@@ -55,7 +54,6 @@ from stasis.store import (
 )
 from stasis.wire import (
     CheckpointCheck,
-    CompatFact,
     DumpAnswer,
     DumpCheckAnswer,
     GcAnswer,
@@ -172,16 +170,9 @@ class JobManager:
         self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
 
     def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CheckpointCheck:
-        """`stasis check --checkpoint`: what its restore depends on, beside this node."""
-        manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
-        caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
-        facts = compat.compare(manifest, self._restorer.criu_version())
-        return CheckpointCheck(
-            checkpoint=manifest.id, node=self.settings.node,
-            recorded=manifest.requires is not None,
-            restorable=all(f.verdict != "refuses" for f in facts),
-            facts=[CompatFact(what=f.what, recorded=f.recorded, here=f.here, verdict=f.verdict,
-                              why=f.why) for f in facts])
+        """`stasis check --checkpoint`: what its restore depends on, beside this node (the
+        caller's own checkpoints; root's: anyone's)."""
+        return self._restorer.compare(checkpoint_id, caller)
 
     def collect_garbage(self, caller: Caller, idle_s: float) -> GcAnswer:
         """`stasis checkpoints gc`: what dead dumps and nodes left in the store, and retention

@@ -1,7 +1,9 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs (lazily: its pages right after,
 the job killed on a mismatch), and the network lock its restore lifts. A lazy restore from a
-store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py)."""
+store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py).
+A checkpoint that recorded what its restore depends on is compared with this node first
+(engine/nodefacts.py), before anything is fetched or CRIU runs."""
 
 from __future__ import annotations
 
@@ -12,20 +14,21 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from stasis.daemon.compat import check_restorable
 from stasis.daemon.core import Core
 from stasis.daemon.models import RestoreRequest
 from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
+from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
-from stasis.engine import CRIU, find_criu, proctree
+from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
+    IncompatibleNodeError,
     NotFoundError,
     OwnerDeniedError,
     RestoreError,
@@ -92,8 +95,9 @@ class Restorer:
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
+        in_place = store.images_in_place(manifest.id)
         # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
-        check_restorable(manifest, self.criu_version())
+        expect = self._check_node(manifest, files=in_place is None)
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         logs = settings.layout.logs
@@ -112,10 +116,11 @@ class Restorer:
             "criu_log_dir": str(settings.layout.criu_logs),
             "criu_log_name": f"restore-{job_id}.log",
             "umask": self.job_umask,  # for a log the supervisor creates as the user
+            # Compared again there, files too.
+            "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
         }
         lazy = settings.lazy_restore if lazy is None else lazy
         notes: list[str] = []
-        in_place = store.images_in_place(manifest.id)
         if in_place is not None:
             # CRIU reads the images where they are while we verify them; the restored tree is
             # resumed only once they passed (the supervisor waits for our word at post-restore).
@@ -162,12 +167,15 @@ class Restorer:
                                                       manifest.size_bytes)
         answer = started.answer
         if "error" in answer:
+            if answer["error"]["type"] == IncompatibleNodeError.__name__:
+                raise IncompatibleNodeError(answer["error"]["message"])
             kind = OwnerDeniedError if answer["error"]["type"] == OwnerDeniedError.__name__ \
                 else RestoreError
             raise kind(f"restore of checkpoint {manifest.id} failed: "
                        f"{answer['error']['message']}")
         pid = started.pid
         self._restored(manifest)
+        notes.extend(answer.get("notes") or [])  # what differs from the dumping node, safely
         if answer.get("fallback"):
             # The supervisor's CRIU could not restore lazily and restored in full.
             notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
@@ -203,11 +211,56 @@ class Restorer:
             raise
         return served
 
+    def _check_node(self, manifest: Manifest, files: bool) -> wire.RestoreFacts | None:
+        """Refuse (IncompatibleNodeError) what differs from the node that dumped `manifest` in
+        a way the restore cannot cope with. Its open files are compared here when `files`
+        (the images are to be fetched: not for nothing), else by the supervisor, with the
+        owner's rights, just before CRIU. The recorded facts, for the supervisor; None when
+        there are none (checkpoints dumped before they were recorded restore unchecked)."""
+        if manifest.restore_facts is None:
+            return None
+        expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
+        facts = nodefacts.compare(expect, nodefacts.node(self.criu_version()), None)
+        if files or nodefacts.refusal(manifest.id, facts) is not None:
+            # With the files (a refusal names every difference), as the owner sees them.
+            facts = self._report(manifest)["facts"]
+        refused = nodefacts.refusal(manifest.id, facts)
+        if refused is not None:
+            raise IncompatibleNodeError(refused)
+        return expect
+
     def criu_version(self) -> str:
+        # Asked once, as for dumps: each ask starts a criu process.
         if self._criu_version is None:
-            criu = CRIU(find_criu(self.core.settings.criu), self.core.settings.layout.criu_logs)
-            self._criu_version = ".".join(str(p) for p in criu.version())
+            settings = self.core.settings
+            self._criu_version = nodefacts.criu_version(
+                CRIU(find_criu(settings.criu), settings.layout.criu_logs))
         return self._criu_version
+
+    def compare(self, checkpoint_id: str, caller: Caller) -> wire.CheckpointCheck:
+        """`stasis check --checkpoint`: every fact the checkpoint recorded against this node,
+        its files looked at with its owner's rights (as a restore reopens them)."""
+        manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
+        caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        return self._report(manifest)
+
+    def _report(self, manifest: Manifest) -> wire.CheckpointCheck:
+        node = self.core.hostname
+        if manifest.restore_facts is None:
+            return wire.CheckpointCheck(checkpoint=manifest.id, node=node, recorded=False,
+                                        restorable=True, facts=[])
+        expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
+        try:
+            acct = account(manifest.uid)
+            owner = Owner(acct.uid, acct.gid, acct.groups)
+        except UsageError:
+            owner = Owner(manifest.uid, manifest.gid)  # nobody's here: the user fact says so
+        files = nodefacts.stat_files_as(owner, [f["path"] for f in expect["files"] or ()])
+        facts = nodefacts.compare(expect, nodefacts.node(self.criu_version()), files,
+                                  skip=[manifest.log_path] if manifest.log_path else [])
+        return wire.CheckpointCheck(
+            checkpoint=manifest.id, node=node, recorded=True, facts=facts,
+            restorable=all(f["verdict"] != "refuses" for f in facts))
 
     def _has_uffd(self) -> bool:
         if self._uffd is None:

@@ -18,6 +18,9 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            files, cwd, mappings and socket addresses with those rights too (Owner).
            A lazy restore from a store has its lazy pages served by the daemon on a unix socket
            (spec "page_server"), which this process connects lazy-pages to.
+           Before that, the spec's "expect" (the checkpoint's restore_facts) is compared with
+           this node (engine/nodefacts.py): a difference that refuses answers
+           IncompatibleNodeError.
 
 The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
 """
@@ -236,7 +239,9 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
             notify=_resume_gate if spec.get("gate") else None,
-            page_server=Path(spec["page_server"]) if spec.get("page_server") else None)
+            page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
+            expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
+            criu_version=spec.get("criu_version"))
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return
@@ -245,7 +250,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         _error(type(e).__name__, str(e))
         return
     _answer({"pid": result.pid, "duration_s": result.duration_s,
-             "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason})
+             "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason,
+             "notes": result.notes})
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 
@@ -273,6 +279,7 @@ def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:
 
     importlib.import_module("stasis.engine.restoring")
     importlib.import_module("stasis.engine.rpc").messages()
+    importlib.import_module("stasis.engine.nodefacts").cpu()  # what a restore compares
     line = sys.stdin.buffer.readline().strip()
     spec = sys.stdin.buffer.readline()
     if not line or not spec:

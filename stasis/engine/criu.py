@@ -117,6 +117,8 @@ class RestoreResult:
     # The `criu lazy-pages` process still filling the tree's memory (lazy restores only).
     lazy_pages: subprocess.Popen[bytes] | None = None
     fallback_reason: str | None = None  # why a lazy restore became a full one
+    # What differs from the node that dumped it without stopping the restore (nodefacts).
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass

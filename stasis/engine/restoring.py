@@ -6,6 +6,10 @@ CRIU runs as root. What the job writes its output to is reopened here with the o
 (the path may be the user's choice, and a log may have grown since the dump: CRIU would refuse
 it by size) and handed to CRIU as inherit_fd; every other path of the job (its files, cwd,
 mappings, socket addresses) CRIU resolves with the owner's rights too (`Owner`, CRIU patch 0003).
+
+Before CRIU runs, the facts the checkpoint recorded at dump time (architecture, CPU flags, CRIU
+version, user, open files...) are compared with this node (stasis/engine/nodefacts.py): a
+difference CRIU cannot cope with refuses the restore, naming it, with nothing restored.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import pwd
 from collections.abc import Sequence
 from pathlib import Path
 
-from stasis.engine import rpc
+from stasis import wire
+from stasis.engine import nodefacts, rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
 from stasis.errors import CRIUError, OwnerDeniedError
 
@@ -43,12 +48,28 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
 def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
                  log_name: str, *, umask: int = 0o022, lazy: bool = False,
                  notify: rpc.NotifyHandler | None = None,
-                 page_server: Path | None = None) -> RestoreResult:
+                 page_server: Path | None = None,
+                 expect: wire.RestoreFacts | None = None, checkpoint: str = "",
+                 criu_version: str | None = None) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
     this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
-    `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions)."""
+
+    `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions).
+
+    `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
+    `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before
+    CRIU runs, when this node differs in a way the restore cannot cope with. The notes among
+    the differences come back in `RestoreResult.notes`. `criu_version`: `criu`'s, when the
+    caller knows it already."""
+    found: list[wire.CompatFact] = []
+    if expect is not None:
+        # The caller is single-threaded (a supervisor, a Slurm task's helper): the files are
+        # looked at with the owner's rights, as CRIU will reopen them.
+        found = nodefacts.require(checkpoint or str(images), expect, criu, owner,
+                                  skip=[old for old, _ in outputs],
+                                  known_criu_version=criu_version)
     fds: list[int] = []
     try:
         inherit = []
@@ -60,7 +81,9 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                                  page_server=page_server,
                                  owner=owner if owner.uid != 0 else None)
         try:
-            return criu.restore(images, options, log_name)
+            result = criu.restore(images, options, log_name)
+            result.notes.extend(nodefacts.notes(found))
+            return result
         except CRIUError as e:
             # CRIU's words, read here at the edge: with the owner's rights, EACCES means a path
             # swapped for a symlink, or whose permissions changed since the dump.

@@ -21,11 +21,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
+from stasis import wire
 from stasis.config import Settings, load_settings
-from stasis.engine import CRIU, Owner, find_criu
-from stasis.daemon.compat import check_restorable
+from stasis.engine import CRIU, Owner, find_criu, nodefacts
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, SlurmError, StasisError
 from stasis.client import Client
@@ -66,14 +66,18 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         outputs.append((old_err, new_err))
     layout = settings.layout
     criu = CRIU(find_criu(settings.criu), layout.criu_logs)
-    # As the daemon does: a node that cannot restore it says why before anything is fetched
-    # (the caller then tries the next older checkpoint, or runs the job from the start).
-    check_restorable(m, ".".join(str(p) for p in criu.version()))
     acct = account(m.uid)
+    owner = Owner(acct.uid, gid, acct.groups)
+    if m.restore_facts is not None:
+        # As the daemon does: a node that cannot restore it says why before anything is
+        # fetched (the caller then tries the next older checkpoint, or runs the job from the
+        # start); its files with the owner's rights (this helper is single-threaded).
+        nodefacts.require(m.id, cast("wire.RestoreFacts", m.restore_facts.model_dump()), criu,
+                          owner, skip=[old for old, _ in outputs])
     with store.open_images(m.id, layout.scratch) as (_, images):
         # The same restore as the daemon's (CRIU as root, every path of the job with its
         # owner's rights), here in the job's task so that the tree is the task's child.
-        result = restore_tree(criu, images, Owner(acct.uid, gid, acct.groups), outputs,
+        result = restore_tree(criu, images, owner, outputs,
                               f"restore-slurm-{info.job_id}-{m.id}.log")
     if m.host != settings.node:
         # The node that dumped it may lift CRIU's network lock for it now.

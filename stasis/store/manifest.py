@@ -2,7 +2,8 @@
 
 Owns the `manifest.json` schema (`Manifest`, `FileEntry` with its `Chunks` table, the
 `Encryption` and `Signature` it carries), the facts
-a caller supplies when publishing (`CheckpointInfo`), and the validation of every name that
+a caller supplies when publishing (`CheckpointInfo`, with what a restore depends on:
+`RecordedFacts`, the shape of stasis.wire.RestoreFacts), and the validation of every name that
 reaches the filesystem: checkpoint ids, labels and image file names. Nothing here does I/O.
 """
 
@@ -176,29 +177,33 @@ class FileEntry(BaseModel):
         return self
 
 
-class OpenFile(BaseModel):
-    """A regular file the job had open when it was dumped: CRIU reopens it by path."""
+class RecordedFile(BaseModel):
+    """A regular file the job had open at the dump (stasis.wire.OpenFile)."""
 
     model_config = ConfigDict(frozen=True)
 
     path: str
     size_bytes: int = Field(ge=0)
     mtime_ns: int
-    writable: bool  # opened for writing (its size may grow while a left-running job goes on)
+    mode: int = Field(ge=0, le=0o7777)
+    access: Literal["read", "write", "append"]
 
 
-class Requires(BaseModel):
-    """What a restore of the checkpoint depends on, recorded at dump time and compared with the
-    restoring node before CRIU runs (stasis/daemon/compat.py). The CRIU version, the user and
-    the uid are the manifest's own fields."""
+class RecordedFacts(BaseModel):
+    """What a restore of the checkpoint depends on, as the dumping node saw it
+    (stasis.wire.RestoreFacts; stasis.engine.nodefacts gathers and compares them)."""
 
     model_config = ConfigDict(frozen=True)
 
-    arch: str  # uname -m
-    kernel: str  # uname -r
+    arch: str
+    cpu_model: str
+    cpu_flags: list[str]
+    kernel: str
+    criu_version: str
     stasis_version: str
-    cpu_flags: list[str]  # /proc/cpuinfo "flags" of the dumping CPU (what CRIU's cpuinfo sees)
-    files: list[OpenFile] = []
+    user: str
+    uid: int
+    files: list[RecordedFile] | None
 
 
 class CheckpointInfo(BaseModel):
@@ -220,7 +225,8 @@ class CheckpointInfo(BaseModel):
     gid: int
     log_path: str | None = None
     extra: dict[str, Any] = {}  # room for later: parent checkpoint, gpu, slurm job id...
-    requires: Requires | None = None  # None: recorded by a stasis that did not record it
+    # None in manifests written before stasis recorded them: those restore unchecked.
+    restore_facts: RecordedFacts | None = None
 
     _utc = field_validator("created")(_to_utc)
 
