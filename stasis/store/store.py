@@ -294,6 +294,10 @@ class Store:
         # sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
         if compression == "none" and data_key is None:
             return TailHasher(staged, writeback=True)
+        cipher = data_key.cipher if data_key is not None else None
+        if compression == "none":
+            # Sealed in place (tailhash.InPlaceOutput): no second copy to write, none to remove.
+            return TailHasher(staged, writeback=True, cipher=cipher, seal_in_place=True)
         try:
             pack_into = self._tree.packing_dir(checkpoint_id)
         except OSError as e:
@@ -302,7 +306,7 @@ class Store:
             return None
         return TailHasher(staged, writeback=True, compression=compression,
                           open_out=local_opener(pack_into, writeback=True),
-                          cipher=data_key.cipher if data_key is not None else None)
+                          cipher=cipher, seal_in_place=True)
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)

@@ -16,7 +16,7 @@ import pytest
 from stasis.errors import CorruptCheckpointError, EncryptionKeyError, UsageError
 from stasis.store import Manifest, Store
 from stasis.store.chunked import CHUNK_BYTES
-from stasis.store.crypt import OVERHEAD_BYTES, encryption_key_id, read_key_file
+from stasis.store.crypt import encryption_key_id, read_key_file
 from stasis.store.manifest import Compression, CompressionRequest
 from tests.store.helpers import (
     encrypted_store,
@@ -67,7 +67,7 @@ def test_sealed_at_rest_and_restored_exactly(store: Store, tmp_path: Path,
         assert len(data) == entry.stored_size_bytes
     pages = next(f for f in manifest.files if f.name == "pages-2.img")
     if compression == "none":
-        assert pages.stored_size_bytes == 3 * (CHUNK_BYTES + OVERHEAD_BYTES)
+        assert pages.stored_size_bytes == 3 * CHUNK_BYTES  # sealed in place: as long
     assert _restored(store, manifest, tmp_path / "scratch") == FILES
     assert os.listdir(tmp_path / "scratch") == []
     store.verify(manifest)
