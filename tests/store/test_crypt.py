@@ -308,3 +308,18 @@ def test_a_file_sealed_in_part_is_never_published(local_store: Store, tmp_path: 
     assert store.list() == [] and not staging.exists()
     assert not (tmp_path / "store" / info.id).exists()
     assert os.listdir(tmp_path / "store" / ".staging") == []
+
+
+def test_decrypted_images_go_to_memory_and_go(local_store: Store, tmp_path: Path) -> None:
+    from stasis.store.store import MEMORY_SCRATCH
+    if not MEMORY_SCRATCH.is_dir():
+        pytest.skip(f"no {MEMORY_SCRATCH} here")
+    store = encrypted_store(local_store, tmp_path)
+    manifest = _publish(store)
+    with store.open_images(manifest.id, tmp_path / "scratch") as (_, images):
+        # Plain pages of an encrypted checkpoint: in memory, never in the scratch on disk.
+        assert images.parent == MEMORY_SCRATCH and manifest.id in images.name
+        assert (images / "pages-1.img").read_bytes() == PAGES
+        assert os.stat(images).st_mode & 0o777 == 0o700
+    assert not images.exists()
+    assert os.listdir(tmp_path / "scratch") == []
