@@ -188,6 +188,10 @@ class Client:
         return cast("wire.Deleted",
                     self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
 
+    def check_checkpoint(self, checkpoint_id: str) -> wire.CheckpointCheck:
+        return cast("wire.CheckpointCheck",
+                    self.request("GET", f"/checkpoints/{_seg(checkpoint_id)}/check"))
+
     def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
         return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))
     def rekey(self) -> wire.RekeyAnswer:

@@ -18,6 +18,7 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
     GET    /checkpoints?label=&user=                             list[Checkpoint]
     DELETE /checkpoints/{checkpoint}                             Deleted
+    GET    /checkpoints/{checkpoint}/check                       CheckpointCheck
     POST   /checkpoints/gc                  GcRequest            GcAnswer (root only)
     POST   /checkpoints/rekey                                    RekeyAnswer (root only)
     GET    /check                                                CheckReport
@@ -168,6 +169,26 @@ class Checkpoint(TypedDict):
 
 class Deleted(TypedDict):
     deleted: str
+
+
+class CompatFact(TypedDict):
+    """One thing a restore depends on: as recorded at dump time, as on this node."""
+
+    what: str  # "architecture", "CPU flags", "CRIU", "user", "file /data/x.bin" ...
+    recorded: str
+    here: str
+    verdict: Literal["ok", "note", "refuses"]
+    why: str  # for "refuses": what is wrong, in words
+
+
+class CheckpointCheck(TypedDict):
+    """`stasis check --checkpoint ID`: the checkpoint's recorded facts beside this node's."""
+
+    checkpoint: str
+    node: str
+    recorded: bool  # False: written by a stasis that recorded nothing to compare
+    restorable: bool
+    facts: list[CompatFact]
 
 
 class GcRequest(TypedDict, total=False):

@@ -88,7 +88,8 @@ class S3Server:
         self.proc = subprocess.Popen(
             [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              *self._ports, "-filer", "-s3", f"-s3.config={config}",
-             "-volume.max=0", "-master.volumeSizeLimitMB=1024",
+             # Every bucket is a collection with volumes of its own: room for hundreds.
+             "-volume.max=2000", "-master.volumeSizeLimitMB=64",
              # Side servers on fixed default ports would collide between two servers; a
              # bucket made by a PUT is not what AWS does.
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",

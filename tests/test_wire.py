@@ -49,6 +49,7 @@ WIRE_ONLY = {
     "Progress",  # the dump and restore streams (tests/daemon/test_api.py)
     "Deleted",  # tests/test_client.py
     "GcAnswer",  # tests/daemon/test_gc.py
+    "CheckpointCheck", "CompatFact",  # tests/daemon/test_api.py
     "RekeyAnswer",  # tests/daemon/test_encryption.py
     "Checkpoint",  # a part of the store's Manifest: test_checkpoint_is_part_of_the_manifest
     "CheckReport", "Problem", "NetworkLock",  # test_check_report_is_the_wires

@@ -74,12 +74,19 @@ def main() -> None:
     kind, size = sys.argv[1], int(sys.argv[2])
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     FILLERS[kind](buf, size)
-    # Blocked and taken with sigwait: no window in which a request could be missed.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    # A handler and a wakeup pipe, not sigwait: a task dumped inside sigwait is restored with
+    # the signal UNblocked (the kernel shows CRIU the mask sigtimedwait lowered for the wait),
+    # so a request arriving before it waits again killed it (SIGUSR1's default action). Each
+    # signal writes one byte to the pipe: none is missed, none can kill.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     value, took = digest(buf, size)
     print(f"ready {value} {took:.4f}", flush=True)
     while True:
-        signal.sigwait({signal.SIGUSR1})
+        if os.read(wake_r, 1) != bytes([signal.SIGUSR1]):
+            continue
         value, took = digest(buf, size)
         print(f"digest {value} {took:.4f}", flush=True)
 

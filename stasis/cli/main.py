@@ -197,6 +197,9 @@ def logs(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def check(args: argparse.Namespace, settings: Settings) -> None:
+    if args.checkpoint:
+        check_checkpoint(args, settings)
+        return
     from stasis.engine.check import run_check
 
     report = run_check(settings)
@@ -376,9 +379,30 @@ def _add_logs(sub: Any) -> None:
     p.set_defaults(handler=logs)
 
 
+def check_checkpoint(args: argparse.Namespace, settings: Settings) -> None:
+    with Client(settings.socket) as client:
+        report = client.check_checkpoint(args.checkpoint)
+    if args.json:
+        output.emit_json(report)
+        return
+    if not report["recorded"]:
+        output.say(f"checkpoint {report['checkpoint']} records nothing to compare (made by a "
+                   "stasis before these checks): its restore is not checked")
+        return
+    output.table([dict(f) for f in report["facts"]],
+                 ["what", "recorded", "here", "verdict", "why"])
+    verdict = "can be restored" if report["restorable"] else "cannot be restored"
+    output.say(f"checkpoint {report['checkpoint']} {verdict} on {report['node']}")
+    if not report["restorable"]:
+        raise SystemExit(1)
+
+
 def _add_check(sub: Any) -> None:
     p = sub.add_parser("check", help="Can this node checkpoint and restore? What is missing and "
                                      "how to fix it.")
+    p.add_argument("--checkpoint", metavar="ID",
+                   help="Compare what the restore of checkpoint ID depends on (architecture, "
+                        "CPU flags, CRIU, user, open files) with this node.")
     add_json(p)
     p.set_defaults(handler=check)
 

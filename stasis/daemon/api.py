@@ -147,6 +147,12 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
     return web.json_response({"deleted": checkpoint})
 
 
+async def check_checkpoint(request: web.Request) -> web.StreamResponse:
+    checkpoint = request.match_info["checkpoint"]
+    return answer(await asyncio.to_thread(request.app[MANAGER].check_checkpoint, checkpoint,
+                                          peer(request)))
+
+
 async def collect_garbage(request: web.Request) -> web.StreamResponse:
     req = await read_body(request, GcRequest)
     return answer(await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request),
@@ -182,6 +188,7 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.post("/restore", restore),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
+        web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
         web.post("/checkpoints/gc", collect_garbage),
         web.post("/checkpoints/rekey", rekey),
         web.get("/check", check),

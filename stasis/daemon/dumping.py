@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from stasis.daemon import staging
+from stasis.daemon import compat
 from stasis.daemon.core import Core
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, validate_job_id
@@ -162,6 +163,9 @@ class Dumper:
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
         notes = [] if notes is None else notes
+        # What its restore will depend on, while the tree still holds its files.
+        info = info.model_copy(update={"requires": compat.record(
+            pid, {info.log_path} if info.log_path else set())})
         if encrypt is None:
             encrypt = self.core.settings.encrypt
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.

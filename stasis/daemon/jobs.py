@@ -22,6 +22,7 @@ import secrets
 import signal
 
 from stasis.config import Settings
+from stasis.daemon import compat
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.dumping import Dumper
@@ -53,6 +54,8 @@ from stasis.store import (
     validate_label,
 )
 from stasis.wire import (
+    CheckpointCheck,
+    CompatFact,
     DumpAnswer,
     DumpCheckAnswer,
     GcAnswer,
@@ -167,6 +170,18 @@ class JobManager:
             caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
         self.store.delete(checkpoint_id)
         self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
+
+    def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CheckpointCheck:
+        """`stasis check --checkpoint`: what its restore depends on, beside this node."""
+        manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
+        caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
+        facts = compat.compare(manifest, self._restorer.criu_version())
+        return CheckpointCheck(
+            checkpoint=manifest.id, node=self.settings.node,
+            recorded=manifest.requires is not None,
+            restorable=all(f.verdict != "refuses" for f in facts),
+            facts=[CompatFact(what=f.what, recorded=f.recorded, here=f.here, verdict=f.verdict,
+                              why=f.why) for f in facts])
 
     def collect_garbage(self, caller: Caller, idle_s: float) -> GcAnswer:
         """`stasis checkpoints gc`: what dead dumps and nodes left in the store, and retention

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stasis.daemon.compat import check_restorable
 from stasis.daemon.core import Core
 from stasis.daemon.models import RestoreRequest
 from stasis.wire import RestoreAnswer
@@ -42,6 +43,7 @@ class Restorer:
         self.job_umask = job_umask
         self._supervisors = supervisors
         self._uffd: bool | None = None  # whether CRIU can restore lazily here (asked once)
+        self._criu_version: str | None = None  # asked once, as for dumps
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
@@ -90,6 +92,8 @@ class Restorer:
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
+        # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
+        check_restorable(manifest, self.criu_version())
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         logs = settings.layout.logs
@@ -198,6 +202,12 @@ class Restorer:
             served.discard()
             raise
         return served
+
+    def criu_version(self) -> str:
+        if self._criu_version is None:
+            criu = CRIU(find_criu(self.core.settings.criu), self.core.settings.layout.criu_logs)
+            self._criu_version = ".".join(str(p) for p in criu.version())
+        return self._criu_version
 
     def _has_uffd(self) -> bool:
         if self._uffd is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from stasis.config import Settings, load_settings
 from stasis.engine import CRIU, Owner, find_criu
+from stasis.daemon.compat import check_restorable
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, SlurmError, StasisError
 from stasis.client import Client
@@ -65,6 +66,9 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         outputs.append((old_err, new_err))
     layout = settings.layout
     criu = CRIU(find_criu(settings.criu), layout.criu_logs)
+    # As the daemon does: a node that cannot restore it says why before anything is fetched
+    # (the caller then tries the next older checkpoint, or runs the job from the start).
+    check_restorable(m, ".".join(str(p) for p in criu.version()))
     acct = account(m.uid)
     with store.open_images(m.id, layout.scratch) as (_, images):
         # The same restore as the daemon's (CRIU as root, every path of the job with its

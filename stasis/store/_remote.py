@@ -6,12 +6,21 @@ directory rename to lean on, so manifest.json is written last, under a temporary
 moved into place (on S3, where one PUT is atomic and there is no rename, written in place:
 see _s3.py): a checkpoint without it is never listed, and a failed publish removes what it
 uploaded. Permissions are the remote's business: grant writes to root alone.
+
+A dump whose total time counts streams instead (`stream_opener`, used by `Store.follow`): the
+page images are uploaded while CRIU still writes them, each stored file on a thread of its own
+(`ThreadedOutput`; on S3 a multipart upload of several parts at once), and publish only sends
+the tails, then the manifest. Streams a dump started and never published are stopped and
+removed by `discard`.
 """
 
 from __future__ import annotations
 
+import logging
 import posixpath
+import queue
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -21,7 +30,7 @@ from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, 
 from stasis.store.compression import Reader, Writer
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.crypt import DataKey
-from stasis.store.tailhash import Partial
+from stasis.store.tailhash import Opener, Output, Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -31,12 +40,87 @@ from stasis.store.manifest import (
 )
 
 
+log = logging.getLogger(__name__)
+
+_QUEUE_DEPTH = 8  # writes a ThreadedOutput holds before its writer waits (a few MiB)
+
+
+class ThreadedOutput:
+    """One remote file written by a thread of its own from a bounded queue, so that the
+    follower that produces its bytes never waits on the network (until the queue is full).
+
+    `write` never raises: a failed upload is reported by `close`, which waits for everything
+    queued to be written (a follower must not stop half-way with its writer ahead of its
+    output). `discard` stops, and removes what was written.
+    """
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self._queue: queue.Queue[bytes | None] = queue.Queue(_QUEUE_DEPTH)
+        self._error: BaseException | None = None
+        self._stop = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stasis-upload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with self.fs.open(self.path, "wb") as f:
+                while (data := self._queue.get()) is not None:
+                    if self._stop:
+                        raise _Stopped
+                    f.write(data)
+                if self._stop:
+                    raise _Stopped
+        except BaseException as e:
+            self._error = e
+            while self._queue.get() is not None:
+                pass  # let `write` go on; close or discard is what reports
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        if not self._closed:
+            self._queue.put(bytes(data))  # a copy: the follower reuses its buffer
+        return len(data)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            self._remove()
+            raise self._error
+
+    def discard(self) -> None:
+        self._stop = True
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
+            self.fs.rm_file(self.path)
+        except Exception:
+            pass  # never written, or the server is gone: gc removes it
+
+
+class _Stopped(Exception):
+    """A discarded ThreadedOutput: its file is not to be committed."""
+
+
 class RemoteTree:
     def __init__(self, fs: Any, root: str, where: str, staging_root: Path) -> None:
         self.fs = fs  # an fsspec AbstractFileSystem; fsspec ships no type information
         self.root = root.rstrip("/")
         self.where = where
         self.staging_root = staging_root
+        # The outputs each dump's follower opened: `discard` stops those never published.
+        self._streams: dict[str, list[Output]] = {}
+        self._streams_lock = threading.Lock()
 
     def _path(self, *parts: str) -> str:
         return "/".join(p for p in (self.root, *parts) if p)
@@ -106,10 +190,34 @@ class RemoteTree:
         return self.staging_root
 
     def discard(self, checkpoint_id: str) -> None:
+        for output in self._take_streams(checkpoint_id):
+            output.discard()
         shutil.rmtree(self._staging_path(checkpoint_id), ignore_errors=True)
 
     def _open_write(self, path: str) -> AbstractContextManager[Writer]:
         return cast(AbstractContextManager[Writer], self.fs.open(path, "wb"))
+
+    def _open_output(self, path: str) -> Output:
+        return ThreadedOutput(self.fs, path)
+
+    def stream_opener(self, checkpoint_id: str) -> Opener:
+        """Outputs for the stored files of `checkpoint_id`, uploading while a follower writes
+        them (`TailHasher(open_out=...)`); publish finishes them, `discard` stops them."""
+        if self.fs.exists(self._path(checkpoint_id)):
+            raise FileExistsError(f"checkpoint {checkpoint_id} already exists in {self.where}")
+        self._make_dir(self._path(checkpoint_id))  # filesystems with directories need it
+
+        def open_out(stored_name: str) -> Output:
+            output = self._open_output(self._path(checkpoint_id, stored_name))
+            with self._streams_lock:
+                self._streams.setdefault(checkpoint_id, []).append(output)
+            return output
+
+        return open_out
+
+    def _take_streams(self, checkpoint_id: str) -> list[Output]:
+        with self._streams_lock:
+            return self._streams.pop(checkpoint_id, [])
 
     def publish(
         self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
@@ -118,29 +226,41 @@ class RemoteTree:
         seal: Callable[[Manifest], Manifest],
         data_key: DataKey | None = None,
     ) -> Manifest:
-        # `hashed` is of no use here: every image is read anyway, to be copied.
+        # `hashed` counts where a follower streamed the images (`stream_opener`): their tails
+        # are sent here. Partials that only hashed are of no use: every file is read anyway.
         staging = source or self._staging_path(info.id)
         target = self._path(info.id)
-        started = False
+        streamed = {n: p for n, p in (hashed or {}).items() if p.output is not None}
+        for partial in (hashed or {}).values():
+            if partial.output is None:
+                partial.discard()
+        started = bool(streamed)
         try:
             names = staged_names(staging)
-            if self.fs.exists(target):
+            # What was streamed is there already (on S3 invisible until its upload completes).
+            if self.fs.exists(self._path(info.id, MANIFEST_NAME) if streamed else target):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
             started = True
             self._make_dir(target)
             entries = pack_staged(
                 staging, names, compression, lambda n: self._open_write(self._path(info.id, n)),
-                data_key=data_key,
+                streamed, data_key=data_key,
             )
             manifest = seal(Manifest.build(
                 info, compression, entries,
                 data_key.encryption if data_key is not None else None))
             self._put_manifest(info.id, manifest_bytes(manifest))
         except BaseException:
+            # Uploads still open (a file that failed, or others cut short) are aborted first.
+            for partial in streamed.values():
+                partial.discard()
+            for output in self._take_streams(info.id):
+                output.discard()
             if started:
                 self._remove_quietly(target)
             raise
         finally:
+            self._take_streams(info.id)
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
 

@@ -210,7 +210,8 @@ def pack_staged(
         partial = (hashed or {}).get(name)
         # Unbuffered: the chunk loops read with readinto into their own buffers.
         with open(staging / name, "rb", buffering=0) as src:
-            if partial is not None and not _continues(partial, spec, stored, src):
+            if partial is not None and not _continues(partial, spec, stored, src,
+                                                      open_dst is not None):
                 partial.discard()
                 if partial.spoiled:
                     # Its first chunks are ciphertext whose seals are gone: sealing the file
@@ -261,11 +262,16 @@ def _complete(writer: ChunkWriter, src: Reader) -> tuple[Streamed, Chunks]:
     return writer.finish()
 
 
-def _continues(partial: Partial, spec: ChunkSpec, stored: str, src: Reader) -> bool:
-    """Whether publish can go on from what a follower took of this file."""
+def _continues(partial: Partial, spec: ChunkSpec, stored: str, src: Reader,
+               copies: bool = False) -> bool:
+    """Whether publish can go on from what a follower took of this file (`copies`: publish
+    writes even plain files to a destination, which a follower may have streamed them to)."""
     writer = partial.writer
-    if writer.spec != spec or (partial.output is None) != spec.identity:
+    if writer.spec != spec:
         return False  # encoded for another codec (or key) than the one published
+    if (partial.output is None) != spec.identity and not (
+            copies and spec.identity and partial.output is not None):
+        return False
     if partial.output is not None and partial.stored_name != stored:
         return False
     assert isinstance(src, io.FileIO)

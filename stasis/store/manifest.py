@@ -191,6 +191,31 @@ class FileEntry(BaseModel):
         return self
 
 
+class OpenFile(BaseModel):
+    """A regular file the job had open when it was dumped: CRIU reopens it by path."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    size_bytes: int = Field(ge=0)
+    mtime_ns: int
+    writable: bool  # opened for writing (its size may grow while a left-running job goes on)
+
+
+class Requires(BaseModel):
+    """What a restore of the checkpoint depends on, recorded at dump time and compared with the
+    restoring node before CRIU runs (stasis/daemon/compat.py). The CRIU version, the user and
+    the uid are the manifest's own fields."""
+
+    model_config = ConfigDict(frozen=True)
+
+    arch: str  # uname -m
+    kernel: str  # uname -r
+    stasis_version: str
+    cpu_flags: list[str]  # /proc/cpuinfo "flags" of the dumping CPU (what CRIU's cpuinfo sees)
+    files: list[OpenFile] = []
+
+
 class CheckpointInfo(BaseModel):
     """What the caller of `Store.publish` knows about a dump; the store adds sizes and files."""
 
@@ -210,6 +235,7 @@ class CheckpointInfo(BaseModel):
     gid: int
     log_path: str | None = None
     extra: dict[str, Any] = {}  # room for later: parent checkpoint, gpu, slurm job id...
+    requires: Requires | None = None  # None: recorded by a stasis that did not record it
 
     _utc = field_validator("created")(_to_utc)
 

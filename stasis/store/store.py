@@ -27,13 +27,16 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
 import fsspec.implementations.local
+import xxhash
 from pydantic import ValidationError
 
 from stasis.errors import (
@@ -80,6 +83,11 @@ log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # A dump writes its images continuously; one whose staging directory sat idle this long is dead.
 STALE_STAGING_S = 3600.0
+# A full restore from a remote store fetches each chunked file in ranged GETs of this many
+# chunks (16 MiB of plain bytes at most: what is held per range), this many at once: one stream
+# per file leaves most of an object store's bandwidth unused.
+RANGE_CHUNKS = 16
+RANGES_IN_FLIGHT = 8
 # What a manifest's signature is for (signing.py): it verifies nothing else.
 MANIFEST_PURPOSE = "manifest"
 # Beside a checkpoint's images: some node restored it (`Store.mark_restored`).
@@ -289,6 +297,8 @@ class Store:
         This shortens the whole dump (publish hashes or compresses the last MiBs, its fsync waits
         for the tail) but slows CRIU's own writes a little: for dumps whose total time counts."""
         validate_checkpoint_id(checkpoint_id)
+        if isinstance(self._tree, RemoteTree):
+            return self._stream(checkpoint_id, compression, data_key)
         if self._tree.local_dir(checkpoint_id) is None:
             return None
         staged = self._tree.staged_path(checkpoint_id)
@@ -308,6 +318,21 @@ class Store:
         return TailHasher(staged, writeback=True, compression=compression,
                           open_out=local_opener(pack_into, writeback=True),
                           cipher=cipher, seal_in_place=True)
+
+    def _stream(self, checkpoint_id: str, compression: CompressionRequest,
+                data_key: DataKey | None) -> TailHasher | None:
+        """`follow` for a remote store: every image (compressed or not, sealed or not) is
+        uploaded while CRIU writes it; publish sends the tails and the manifest."""
+        assert isinstance(self._tree, RemoteTree)
+        try:
+            opener = self._tree.stream_opener(checkpoint_id)
+        except Exception as e:
+            # A shortcut only: publish uploads everything itself and reports what is wrong.
+            log.debug("not uploading %s while CRIU writes: %s", checkpoint_id, e)
+            return None
+        return TailHasher(self._tree.staged_path(checkpoint_id), compression=compression,
+                          open_out=opener, copy_plain=True,
+                          cipher=data_key.cipher if data_key is not None else None)
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)
@@ -878,10 +903,18 @@ class Store:
                     f"has {stored} bytes stored instead of {entry.stored_size_bytes} (truncated?)",
                 )
 
+        ranges = ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="stasis-fetch") \
+            if target is not None and self._tree.local_dir(checkpoint_id) is None else None
+
         def check(entry: FileEntry) -> None:
             try:
-                with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
-                    got = _unpack_to(src, target, entry, manifest.compression, cipher, workers)
+                if ranges is not None and target is not None and entry.chunks is not None \
+                        and len(entry.chunks.stored_bytes) > 1:
+                    got = self._fetch_ranged(manifest, entry, target, cipher, ranges)
+                else:
+                    with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
+                        got = _unpack_to(src, target, entry, manifest.compression, cipher,
+                                         workers)
             except ChunkError as e:
                 raise self._corrupt(checkpoint_id, entry.name, str(e)) from None
             except DecompressionError as e:
@@ -918,7 +951,61 @@ class Store:
         files = [f for f in manifest.files if only is None or only(f)]
         # Files on threads, and the chunks of each large one on threads of their own.
         workers = cpu_workers(len(files))
-        in_parallel(check, files, workers)
+        try:
+            in_parallel(check, files, workers)
+        finally:
+            if ranges is not None:
+                ranges.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch_ranged(self, manifest: Manifest, entry: FileEntry, target: Path,
+                      cipher: ChunkCipher | None, pool: ThreadPoolExecutor) -> Streamed:
+        """Decode a chunked file into `target` from ranged reads of several chunks each, up to
+        RANGES_IN_FLIGHT at once on `pool`, each chunk checked and written at its offset; the
+        whole file's checksum is still taken in order (ChunkError on any bad chunk)."""
+        chunks = entry.chunks
+        assert chunks is not None
+        decoder = ChunkDecoder(entry.name, entry.size_bytes, chunks,
+                               ChunkSpec(manifest.compression, cipher, chunks.size_bytes))
+        offsets = chunks.offsets
+        spans = [(first, min(first + RANGE_CHUNKS, decoder.count))
+                 for first in range(0, decoder.count, RANGE_CHUNKS)]
+        with open(target / entry.name, "xb") as dst:
+            fd = dst.fileno()
+
+            def one(span: tuple[int, int]) -> list[bytes | memoryview]:
+                first, end_index = span
+                start, end = offsets[first], offsets[end_index]
+                stored = self._tree.read_stored_range(manifest.id, entry.stored_name, start, end)
+                if len(stored) != end - start:
+                    raise ChunkError(f"ends in chunk {first} or after ({start + len(stored)} "
+                                     "bytes stored: truncated?)")
+                view = memoryview(stored)
+                covered: list[bytes | memoryview] = []
+                for index in range(first, end_index):
+                    piece = view[offsets[index] - start:offsets[index + 1] - start]
+                    plain = decoder.decode(index, piece)
+                    _pwrite_all(fd, plain, index * chunks.size_bytes)
+                    covered.append(piece if decoder.spec.encrypted else plain)
+                return covered
+
+            whole = xxhash.xxh3_128()
+            ahead: deque[Future[list[bytes | memoryview]]] = deque()
+            try:
+                for span in spans:
+                    ahead.append(pool.submit(one, span))
+                    if len(ahead) >= RANGES_IN_FLIGHT:
+                        for piece in ahead.popleft().result():
+                            whole.update(piece)
+                while ahead:
+                    for piece in ahead.popleft().result():
+                        whole.update(piece)
+            finally:
+                for future in ahead:
+                    future.cancel()
+                wait(ahead)
+        # Each chunk decoded to exactly its plain size (decode checks): the file is whole.
+        return Streamed(size_bytes=entry.size_bytes, stored_size_bytes=offsets[-1],
+                        xxh3_128=whole.hexdigest())
 
     def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -1040,6 +1127,14 @@ def _unpack_to(
         return unpack_chunked(src, None, decoder, workers)
     with open(target / entry.name, "xb") as dst:
         return unpack_chunked(src, dst, decoder, workers)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 def _errno_in_chain(e: BaseException) -> int | None:

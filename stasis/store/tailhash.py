@@ -182,13 +182,16 @@ class TailHasher:
     `cipher` and `seal_in_place`).
     `seal_in_place`: uncompressed images are sealed where they are (InPlaceOutput) rather than
     into `open_out`, for a store that keeps the staged files (a local one).
+    `copy_plain`: uncompressed, unencrypted images go to `open_out` too (a store that keeps
+    them elsewhere, S3 say, uploads them while CRIU writes).
     """
 
     def __init__(self, directory: Path, writeback: bool = False,
                  compression: CompressionRequest = "none", open_out: Opener | None = None,
                  cipher: ChunkCipher | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 seal_in_place: bool = False) -> None:
+                 seal_in_place: bool = False, copy_plain: bool = False) -> None:
         self.directory = directory
+        self._copy_plain = copy_plain and open_out is not None
         self._stop = threading.Event()
         self._files: dict[str, tuple[int, Partial]] = {}  # name -> (fd, partial)
         self._chunk = chunk_bytes
@@ -247,7 +250,7 @@ class TailHasher:
 
     def _start(self, name: str) -> Partial:
         spec = self._spec()
-        if spec.identity:
+        if spec.identity and not self._copy_plain:
             return Partial(ChunkWriter(name, spec, None))
         stored = stored_name(name, spec.compression, spec.encrypted)
         if self._in_place and spec.compression == "none":

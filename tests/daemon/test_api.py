@@ -138,7 +138,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 16  # stasis/wire.py's table
+    assert len(routes) == 19  # stasis/wire.py's table
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/",
@@ -163,6 +163,9 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert [c["id"] for c in cps] == [cp]
     assert cp in [c["id"] for c in json_answer(req("GET", "/checkpoints"))]
 
+    checked = json_answer(req("GET", f"/checkpoints/{cp}/check"))
+    assert conforms(checked, wire.CheckpointCheck) and checked["restorable"] is True
+    assert all(conforms(f, wire.CompatFact) for f in checked["facts"])
     restored = stream_result(req("POST", "/restore", {"checkpoint": cp}))
     assert conforms(restored, wire.RestoreAnswer) and restored["checkpoint"] == cp
     killed = json_answer(req("POST", f"/jobs/{restored['job']}/kill", {"timeout_s": 0}))
@@ -170,6 +173,12 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert killed["state"] == "exited" and killed["ended_by"] == "SIGKILL"
     assert json_answer(req("DELETE", f"/checkpoints/{cp}")) == {"deleted": cp}
     assert json_answer(req("GET", "/checkpoints?label=api-sleep")) == []
+
+    gc = json_answer(req("POST", "/checkpoints/gc", {"idle_s": 3600}))
+    assert conforms(gc, wire.GcAnswer) and gc["partial"] == []
+    # This daemon has no encryption key: nothing to re-wrap with (tests/daemon/test_encryption.py
+    # has the answer of one that has).
+    assert "encryption" in assert_error(req("POST", "/checkpoints/rekey"), 400, "UsageError")
 
     report = json_answer(req("GET", "/check"))
     assert conforms(report, wire.CheckReport) and report["kernel"] == os.uname().release
