@@ -39,6 +39,11 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     # the bench daemon's own key file; held against "default" (no more than 10% slower).
     Mode("encrypt", "stop-and-dump with the images encrypted", dump_args=("--encrypt",),
          needs=(("dump", "--encrypt"),)),
+    # An encrypted checkpoint restored lazily: its pages decrypted as lazy-pages fetches them
+    # (stasis/daemon/lazystore.py); "memory back" is what to hold against encrypt's restore.
+    Mode("encrypt-lazy", "encrypted dump, lazy restore served from the store",
+         dump_args=("--encrypt",), restore_args=("--lazy",), lazy=True,
+         needs=(("dump", "--encrypt"), ("restore", "--lazy"))),
     # The plain CRIU baseline stays a full `criu restore`: what a user has without stasis.
     Mode("lazy", "lazy restore (userfaultfd), memory paged in after the job runs",
          restore_args=("--lazy",), lazy=True, needs=(("restore", "--lazy"),)),

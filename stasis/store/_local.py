@@ -7,8 +7,10 @@ Layout, all owned by root because images restore credentials as root:
     <root>/<id>/                0700; image files 0600 and manifest.json
 
 Staging inside the root keeps publishing a rename on one filesystem: an uncompressed dump is never
-copied. An encrypted one always is (into <id>.publish/, sealed), and its plain staged files are
-removed once the checkpoint is published or has failed. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
+copied. An uncompressed encrypted one is sealed in place (each chunk overwritten by its
+ciphertext, as long: tailhash.InPlaceOutput) and its files renamed to their stored names; a
+compressed one is written into <id>.publish/, and its plain staged files are removed once the
+checkpoint is published or has failed. A checkpoint appears at <root>/<id> in a single rename of a directory that already holds
 its manifest, so readers never see a checkpoint without one.
 
 A checkpoint is listed only once it is durable: every image file is fsynced (in parallel) before
@@ -36,10 +38,10 @@ from stasis.store._tree import (
     pack_staged,
     staged_names,
 )
-from stasis.store.compression import Reader, cpu_workers
+from stasis.store.compression import Reader, Writer, cpu_workers, stored_name
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.crypt import DataKey
-from stasis.store.tailhash import Partial
+from stasis.store.tailhash import InPlaceOutput, Partial
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -157,8 +159,7 @@ class LocalTree:
         data_key: DataKey | None = None,
     ) -> Manifest:
         staging = source or self._staging_path(info.id)
-        # Encrypted images are never the staged files: those hold the plain bytes, and go.
-        in_place = source is None and compression == "none" and data_key is None
+        in_place = source is None and compression == "none"
         final = self.root / info.id
         out = staging if in_place else self._packing_path(info.id)
         moved = False
@@ -168,7 +169,18 @@ class LocalTree:
             if os.path.lexists(final):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
             packed = any(p.output is not None for p in (hashed or {}).values())
-            if in_place:
+            if in_place and data_key is not None:
+                # Sealed where they are: the plain bytes never stay beside the ciphertext.
+                plain_of = {stored_name(n, "none", True): n for n in names}
+                entries = pack_staged(staging, names, compression,
+                                      lambda stored: _sealing(staging / plain_of[stored]),
+                                      hashed, data_key)
+                for entry in entries:
+                    os.rename(staging / entry.name, staging / entry.stored_name)
+                    os.chmod(staging / entry.stored_name, 0o600)
+                os.chmod(staging, 0o700)
+                shutil.rmtree(self._packing_path(info.id), ignore_errors=True)
+            elif in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
                 entries = pack_staged(staging, names, compression, None, hashed)
                 for name in names:
@@ -323,6 +335,15 @@ class LocalTree:
 def _private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, exist_ok=True)
     path.chmod(0o700)
+
+
+@contextmanager
+def _sealing(path: Path) -> Iterator[Writer]:
+    output = InPlaceOutput(path, writeback=False)
+    try:
+        yield output
+    finally:
+        output.close()
 
 
 def _create(path: Path) -> BinaryIO:

@@ -213,6 +213,11 @@ def pack_staged(
             if partial is not None and not _continues(partial, spec, stored, src,
                                                       open_dst is not None):
                 partial.discard()
+                if partial.spoiled:
+                    # Its first chunks are ciphertext whose seals are gone: sealing the file
+                    # again would store garbage that opens fine.
+                    raise StoreError(f"{name} was sealed in part while CRIU wrote it and "
+                                     "that could not be finished; dump again")
                 partial = None
             if partial is not None:
                 src.seek(partial.offset)

@@ -2,7 +2,7 @@
 
     keys = KeyFiles(settings.encryption_key_file, settings.old_encryption_key_files)
     data_key = new_data_key(keys.current(), checkpoint_id)   # fresh 32 bytes, wrapped
-    sealed = data_key.cipher.seal("pages-1.img", 0, last=False, data=plain)
+    ciphertext, seal = data_key.cipher.seal("pages-1.img", 0, last=False, data=plain)
     manifest.encryption = data_key.encryption                  # algorithm, key id, wrapped key
     cipher = open_data_key(keys, manifest.encryption, checkpoint_id)  # restore
 
@@ -14,12 +14,15 @@ the checkpoint id as associated data, so a wrapped key copied into another check
 manifest does not open. Rotation re-wraps the data key; the images are never rewritten.
 
 Each chunk of an image is sealed with AES-256-GCM under the data key: a random 96-bit nonce
-stored before the ciphertext (random rather than derived: a chunk sealed twice, by a follower
-and then again by publish, must never reuse a nonce with other bytes), and associated data
-binding the checkpoint id, the file name, the chunk's index and whether it is the last, so a
-chunk cannot be moved to another place, file or checkpoint, and a file cannot be cut short at a
-chunk boundary. AES-GCM runs at ~8 GB/s on one core of these machines (AES-NI): it needs no
-threads of its own. Nothing here logs, and no error message carries a key.
+(random rather than derived: a chunk sealed twice, by a follower and then again by publish, must
+never reuse a nonce with other bytes), and associated data binding the checkpoint id, the file
+name, the chunk's index and whether it is the last, so a chunk cannot be moved to another place,
+file or checkpoint, and a file cannot be cut short at a chunk boundary. The stored chunk is the
+bare ciphertext, as long as the plain bytes; its nonce and tag (the `seal`, 28 bytes) go to the
+manifest's chunk table. So an uncompressed image is sealed in place, each chunk overwritten by
+its ciphertext where CRIU wrote it, and published by a rename like a plain one (no second copy).
+AES-GCM runs at ~7 GB/s on one core of these machines (AES-NI) and holds the GIL: threads do not
+speed it up. Nothing here logs, and no error message carries a key.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ ALGORITHM = "aes-256-gcm"
 KEY_BYTES = 32
 NONCE_BYTES = 12
 TAG_BYTES = 16
-# What sealing adds to each chunk: the nonce before it and the tag after it.
-OVERHEAD_BYTES = NONCE_BYTES + TAG_BYTES
+# What sealing adds to each chunk, kept in the chunk table: its nonce and its tag.
+SEAL_BYTES = NONCE_BYTES + TAG_BYTES
 _MAX_KEY_FILE_BYTES = 4096
 _KEY_ID_DOMAIN = b"stasis encryption key id\0"
 _WRAP_DOMAIN = b"stasis-data-key-v1\0"
@@ -192,21 +195,32 @@ class ChunkCipher:
                 + struct.pack(">QB", index, 1 if last else 0))
 
     def seal(self, name: str, index: int, last: bool, data: bytes | memoryview
-             ) -> tuple[bytes, bytes]:
-        """The sealed chunk as (nonce, ciphertext and tag): stored one after the other, written
-        as two pieces (joining them would copy each MiB once more)."""
+             ) -> tuple[memoryview, bytes]:
+        """The sealed chunk as (ciphertext, seal): the ciphertext is as long as `data` and is
+        what is stored; the seal (nonce and tag) goes to the chunk table."""
         nonce = secrets.token_bytes(NONCE_BYTES)
-        return nonce, self._aead.encrypt(nonce, data, self._ad(name, index, last))
+        sealed = memoryview(self._aead.encrypt(nonce, data, self._ad(name, index, last)))
+        return sealed[:-TAG_BYTES], nonce + bytes(sealed[-TAG_BYTES:])
 
-    def open(self, name: str, index: int, last: bool, sealed: bytes | memoryview) -> bytes:
-        if len(sealed) < OVERHEAD_BYTES:
-            raise DecryptionError(f"chunk {index} is too short to be sealed")
-        view = memoryview(sealed)
+    def open(self, name: str, index: int, last: bool, joined: bytes | bytearray | memoryview,
+             seal: bytes) -> bytes:
+        """The plain bytes of a chunk; `joined` is its ciphertext followed by the tag of `seal`
+        (see `join`: a reader that reads into a buffer one tag longer saves a copy)."""
+        if len(seal) != SEAL_BYTES or len(joined) < TAG_BYTES:
+            raise DecryptionError(f"chunk {index} has no seal")
         try:
-            return self._aead.decrypt(bytes(view[:NONCE_BYTES]), bytes(view[NONCE_BYTES:]),
-                                      self._ad(name, index, last))
+            return self._aead.decrypt(seal[:NONCE_BYTES], joined, self._ad(name, index, last))
         except InvalidTag:
             raise DecryptionError(f"chunk {index} fails its authentication tag") from None
+
+
+def join(ciphertext: bytes | memoryview, seal: bytes) -> bytearray:
+    """A stored chunk and the tag of its seal, one after the other, as `ChunkCipher.open` takes
+    them."""
+    joined = bytearray(len(ciphertext) + TAG_BYTES)
+    joined[:len(ciphertext)] = ciphertext
+    joined[len(ciphertext):] = seal[NONCE_BYTES:]
+    return joined
 
 
 @dataclass(frozen=True)

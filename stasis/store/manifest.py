@@ -109,6 +109,10 @@ class Chunks(BaseModel):
     # its own. None when the checkpoint is encrypted: each chunk's AEAD tag checks it, and a
     # checksum of plain bytes would let whoever reads the manifest confirm a guess of them.
     xxh3_64: list[str] | None = None
+    # Per chunk of an encrypted file, in hex: its AES-GCM nonce and tag (crypt.py). The stored
+    # chunk is the bare ciphertext, as long as what it seals: an uncompressed image is sealed
+    # where CRIU wrote it. The signature over the manifest covers these too.
+    seals: list[str] | None = None
 
     @field_validator("stored_bytes")
     @classmethod
@@ -124,6 +128,13 @@ class Chunks(BaseModel):
             raise ValueError("a chunk checksum is not 16 hex digits")
         return sums
 
+    @field_validator("seals")
+    @classmethod
+    def _seals(cls, seals: list[str] | None) -> list[str] | None:
+        if seals is not None and not all(_SEAL_RE.fullmatch(s) for s in seals):
+            raise ValueError("a chunk seal is not 56 hex digits")
+        return seals
+
     @cached_property
     def offsets(self) -> list[int]:
         """Where each chunk starts in the stored file, and (last) where the file ends."""
@@ -131,6 +142,7 @@ class Chunks(BaseModel):
 
 
 _XXH64_RE = re.compile(r"^[0-9a-f]{16}$")
+_SEAL_RE = re.compile(r"^[0-9a-f]{56}$")
 
 
 class Encryption(BaseModel):
@@ -171,6 +183,9 @@ class FileEntry(BaseModel):
                              f"{self.size_bytes} bytes, not {count}")
         if self.chunks.xxh3_64 is not None and len(self.chunks.xxh3_64) != count:
             raise ValueError(f"{self.name}: {len(self.chunks.xxh3_64)} chunk checksums "
+                             f"for {count} chunks")
+        if self.chunks.seals is not None and len(self.chunks.seals) != count:
+            raise ValueError(f"{self.name}: {len(self.chunks.seals)} chunk seals "
                              f"for {count} chunks")
         if sum(self.chunks.stored_bytes) != self.stored_size_bytes:
             raise ValueError(f"{self.name}: its chunks do not add up to its stored size")
@@ -251,8 +266,12 @@ class Manifest(CheckpointInfo):
             names = [getattr(f, attr) for f in self.files]
             if len(set(names)) != len(names):
                 raise ValueError(f"duplicate file {attr} in manifest")
-        if self.encryption is not None and any(f.chunks is None for f in self.files):
-            raise ValueError("an encrypted checkpoint without chunk tables")
+        if self.encryption is not None and any(f.chunks is None or f.chunks.seals is None
+                                               for f in self.files):
+            raise ValueError("an encrypted checkpoint without chunk seals")
+        if self.encryption is None and any(f.chunks is not None and f.chunks.seals is not None
+                                           for f in self.files):
+            raise ValueError("chunk seals in a checkpoint that is not encrypted")
         return self
 
     @classmethod

@@ -11,8 +11,14 @@ A compressed or encrypted dump is chunked, compressed and sealed the same way (c
 the files the store will keep: `open_out(stored name)` makes each (`local_opener`: files in the
 local store's packing directory, written back to disk as they grow; another opener can stream
 them elsewhere). Publish then encodes only the tail. Only whole chunks are taken while CRIU
-writes, so what publish continues is always at a chunk boundary. With `auto` the follower compresses with zstd and watches
-what it gets: once a few MiB say the pages do not shrink to half, it drops what it compressed and
+writes, so what publish continues is always at a chunk boundary. An uncompressed encrypted image
+of a local store is sealed in place (`seal_in_place`, `InPlaceOutput`): each chunk CRIU finished
+is overwritten by its ciphertext, which is as long, and publish renames the file, as it does a
+plain one; CRIU only appends, so it never sees (or rewrites) what was sealed behind it. Such a
+file can no longer be encoded again from its start: a follower that fails after sealing part of
+one says so (`Partial.spoiled`), and publish fails instead of sealing ciphertext as if plain.
+
+With `auto` the follower compresses with zstd and watches what it gets: once a few MiB say the pages do not shrink to half, it drops what it compressed and
 goes on uncompressed (from the start of each file, re-reading a few MiB), so incompressible memory costs a few MiB of zstd, not a whole pass.
 
 The partial hashes are a shortcut only: publish checks each against the file's final size and
@@ -26,7 +32,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -91,6 +97,40 @@ class LocalOutput:
         self.path.unlink(missing_ok=True)
 
 
+class InPlaceOutput:
+    """The staged file itself: what is written overwrites it from its start, at the offsets
+    the plain bytes had (each write as long as what it replaces: a sealed, uncompressed chunk).
+    Pages go to disk as they are sealed when `writeback`; never before (they were plain)."""
+
+    def __init__(self, path: Path, writeback: bool) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self._sync = _sync_file_range() if writeback else None
+        self.written = 0
+        # Some plain bytes were overwritten and the table that opens them was dropped.
+        self.spoiled = False
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        view = memoryview(data)
+        start = self.written
+        while view:
+            n = os.pwrite(self._fd, view, self.written)
+            view = view[n:]
+            self.written += n
+        if self._sync is not None:
+            self._sync(self._fd, start, self.written - start, _SYNC_FILE_RANGE_WRITE)
+        return len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        self.close()
+        self.spoiled = self.spoiled or self.written > 0
+
+
 def local_opener(directory: Path, writeback: bool = False) -> Opener:
     return lambda name: LocalOutput(directory / name, writeback)
 
@@ -103,6 +143,9 @@ class Partial:
     writer: ChunkWriter
     output: Output | None = None
     stored_name: str = ""
+    # The staged file was sealed in part, in place, and what opens it was dropped: it cannot
+    # be published any more (see InPlaceOutput).
+    spoiled: bool = field(default=False, init=False)
 
     @property
     def offset(self) -> int:
@@ -112,6 +155,8 @@ class Partial:
         self.writer.close()
         if self.output is not None:
             self.output.discard()
+            if isinstance(self.output, InPlaceOutput) and self.output.spoiled:
+                self.spoiled = True
             self.output = None
 
 
@@ -133,7 +178,10 @@ class TailHasher:
     `compression` and `cipher` with `open_out`: also encode each image into `open_out(<stored
     name>)` ("auto": zstd while the pages shrink to half or less). `compression` says what was
     settled on once `finish()` returned: the codec, "none", or None (auto saw too little to
-    judge). Without `open_out` only uncompressed, unencrypted images are followed.
+    judge). Without `open_out` only uncompressed images are followed (sealed in place with
+    `cipher` and `seal_in_place`).
+    `seal_in_place`: uncompressed images are sealed where they are (InPlaceOutput) rather than
+    into `open_out`, for a store that keeps the staged files (a local one).
     `copy_plain`: uncompressed, unencrypted images go to `open_out` too (a store that keeps
     them elsewhere, S3 say, uploads them while CRIU writes).
     """
@@ -141,7 +189,7 @@ class TailHasher:
     def __init__(self, directory: Path, writeback: bool = False,
                  compression: CompressionRequest = "none", open_out: Opener | None = None,
                  cipher: ChunkCipher | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 copy_plain: bool = False) -> None:
+                 seal_in_place: bool = False, copy_plain: bool = False) -> None:
         self.directory = directory
         self._copy_plain = copy_plain and open_out is not None
         self._stop = threading.Event()
@@ -154,10 +202,15 @@ class TailHasher:
         self._auto = compression == "auto"
         self._cipher = cipher
         self._open_out = open_out
+        self._in_place = seal_in_place and cipher is not None
         self._codec: Compression = "zstd" if self._auto else cast(Compression, compression)
         self._raw = 0
         self.compression: Compression | None = "none" if compression == "none" else None
-        if open_out is None and (self._codec != "none" or cipher is not None):
+        # Partials that were dropped after sealing part of their file in place: publish must
+        # see them, and refuse.
+        self._spoiled: dict[str, Partial] = {}
+        if open_out is None and (self._codec != "none" or (cipher is not None
+                                                           and not self._in_place)):
             raise ValueError("encoding images while CRIU writes them needs open_out")
         self._thread = threading.Thread(target=self._run, name="stasis-tailhash", daemon=True)
         self._thread.start()
@@ -177,7 +230,8 @@ class TailHasher:
                 self._drop_all()  # too little seen: publish decides from the files
             else:
                 self.compression = self._codec
-        partials = {name: partial for name, (fd, partial) in self._files.items()}
+        partials = {**self._spoiled,
+                    **{name: partial for name, (fd, partial) in self._files.items()}}
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
@@ -198,8 +252,11 @@ class TailHasher:
         spec = self._spec()
         if spec.identity and not self._copy_plain:
             return Partial(ChunkWriter(name, spec, None))
-        assert self._open_out is not None
         stored = stored_name(name, spec.compression, spec.encrypted)
+        if self._in_place and spec.compression == "none":
+            sealer = InPlaceOutput(self.directory / name, self._writeback)
+            return Partial(ChunkWriter(name, spec, sealer), sealer, stored)
+        assert self._open_out is not None
         output = self._open_out(stored)
         return Partial(ChunkWriter(name, spec, output), output, stored)
 
@@ -258,8 +315,10 @@ class TailHasher:
             self._files[name] = (fd, self._start(name))
 
     def _drop_all(self) -> None:
-        for _, partial in self._files.values():
+        for name, (_, partial) in self._files.items():
             partial.discard()
+            if partial.spoiled:
+                self._spoiled[name] = partial
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()

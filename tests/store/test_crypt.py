@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from stasis.errors import CorruptCheckpointError, EncryptionKeyError, UsageError
+from stasis.errors import CorruptCheckpointError, EncryptionKeyError, StoreError, UsageError
 from stasis.store import Manifest, Store
 from stasis.store.chunked import CHUNK_BYTES
-from stasis.store.crypt import OVERHEAD_BYTES, encryption_key_id, read_key_file
+from stasis.store.crypt import encryption_key_id, read_key_file
 from stasis.store.manifest import Compression, CompressionRequest
 from tests.store.helpers import (
     encrypted_store,
@@ -67,7 +67,7 @@ def test_sealed_at_rest_and_restored_exactly(store: Store, tmp_path: Path,
         assert len(data) == entry.stored_size_bytes
     pages = next(f for f in manifest.files if f.name == "pages-2.img")
     if compression == "none":
-        assert pages.stored_size_bytes == 3 * (CHUNK_BYTES + OVERHEAD_BYTES)
+        assert pages.stored_size_bytes == 3 * CHUNK_BYTES  # sealed in place: as long
     assert _restored(store, manifest, tmp_path / "scratch") == FILES
     assert os.listdir(tmp_path / "scratch") == []
     store.verify(manifest)
@@ -237,3 +237,89 @@ def test_sealed_while_criu_writes(local_store: Store, tmp_path: Path,
     assert _restored(store, manifest, tmp_path / "scratch") == {**files, "core-1.img": MARKER}
     shutil.rmtree(tmp_path / "scratch")
     assert os.listdir(tmp_path / "store" / ".staging") == []
+
+
+def _follow_and_write(store: Store, files: dict[str, bytes]) -> tuple[
+        Manifest, dict[str, int], Path]:
+    """Stage `files` as CRIU would, followed and sealed in place; return what publish made,
+    the staged files' inode numbers, and the staging directory."""
+    info = make_info()
+    staging = store.staging_dir(info.id)
+    data_key = store.new_data_key(info.id)
+    tail = store.follow(info.id, "none", data_key)
+    assert tail is not None
+    for name, data in files.items():
+        _write_slowly(staging / name, data, 20)
+    inodes = {n: os.stat(staging / n).st_ino for n in files}
+    hashed = tail.finish()
+    assert hashed["pages-2.img"].offset > 0  # sealed while written
+    return store.publish(info, "none", hashed=hashed, data_key=data_key), inodes, staging
+
+
+def test_uncompressed_images_are_sealed_in_place(local_store: Store, tmp_path: Path) -> None:
+    store = encrypted_store(local_store, tmp_path)
+    files = {"pages-1.img": PAGES, "pages-2.img": FILES["pages-2.img"]}
+    manifest, inodes, staging = _follow_and_write(store, files)
+    root = tmp_path / "store"
+    for entry in manifest.files:
+        path = root / manifest.id / entry.stored_name
+        # The very file CRIU wrote, renamed: no second copy was made.
+        assert os.stat(path).st_ino == inodes[entry.name]
+        sealed = path.read_bytes()
+        plain = files[entry.name]
+        assert len(sealed) == len(plain) == entry.stored_size_bytes
+        # Not one page of it is left as it was (equal bytes by chance: ~1 in 256).
+        for at in range(0, len(plain), 4096):
+            assert sealed[at:at + 4096] != plain[at:at + 4096], (entry.name, at)
+        same = sum(a == b for a, b in zip(sealed[:65536], plain[:65536]))
+        assert same < 65536 // 100
+        assert entry.chunks is not None and entry.chunks.seals is not None
+        assert len(entry.chunks.seals) == len(entry.chunks.stored_bytes)
+    assert os.listdir(root / ".staging") == [] and not staging.exists()
+    assert _restored(store, manifest, tmp_path / "scratch") == files
+    # A flipped byte in a chunk sealed in place is caught, by range and by a full restore.
+    with open(root / manifest.id / "pages-2.img.enc", "r+b") as f:
+        f.seek(CHUNK_BYTES + 5)
+        byte = f.read(1)
+        f.seek(CHUNK_BYTES + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    assert store.read_range(manifest, "pages-2.img", 0, 100) == files["pages-2.img"][:100]
+    with pytest.raises(CorruptCheckpointError, match="pages-2.img.*chunk 1"):
+        store.read_range(manifest, "pages-2.img", CHUNK_BYTES, 100)
+    with pytest.raises(CorruptCheckpointError, match="pages-2.img"):
+        _restored(store, manifest, tmp_path / "scratch2")
+
+
+def test_a_file_sealed_in_part_is_never_published(local_store: Store, tmp_path: Path) -> None:
+    store = encrypted_store(local_store, tmp_path)
+    info = make_info()
+    staging = store.staging_dir(info.id)
+    data_key = store.new_data_key(info.id)
+    tail = store.follow(info.id, "none", data_key)
+    assert tail is not None
+    _write_slowly(staging / "pages-1.img", FILES["pages-2.img"], 20)
+    hashed = tail.finish()
+    # What a follower that failed after sealing some chunks leaves: the seals are gone.
+    hashed["pages-1.img"].discard()
+    assert hashed["pages-1.img"].spoiled
+    with pytest.raises(StoreError, match="pages-1.img was sealed in part") as e:
+        store.publish(info, "none", hashed=hashed, data_key=data_key)
+    assert "\n" not in str(e.value)
+    assert store.list() == [] and not staging.exists()
+    assert not (tmp_path / "store" / info.id).exists()
+    assert os.listdir(tmp_path / "store" / ".staging") == []
+
+
+def test_decrypted_images_go_to_memory_and_go(local_store: Store, tmp_path: Path) -> None:
+    from stasis.store.store import MEMORY_SCRATCH
+    if not MEMORY_SCRATCH.is_dir():
+        pytest.skip(f"no {MEMORY_SCRATCH} here")
+    store = encrypted_store(local_store, tmp_path)
+    manifest = _publish(store)
+    with store.open_images(manifest.id, tmp_path / "scratch") as (_, images):
+        # Plain pages of an encrypted checkpoint: in memory, never in the scratch on disk.
+        assert images.parent == MEMORY_SCRATCH and manifest.id in images.name
+        assert (images / "pages-1.img").read_bytes() == PAGES
+        assert os.stat(images).st_mode & 0o777 == 0o700
+    assert not images.exists()
+    assert os.listdir(tmp_path / "scratch") == []
