@@ -129,6 +129,12 @@ def _finish_restore(fig: dict[str, Any], lazy: bool, pid: int, tail: LogTail, re
             raise BenchError(f"restored memory differs: digest {digest}, expected {ready.digest}")
 
 
+def _stored_bytes(dest: Destination, checkpoint: str) -> int:
+    fs = dest.filesystem()
+    return sum(int(e["size"]) for e in fs.ls(f"{dest.url}/{checkpoint}".removeprefix("s3://"),
+                                             detail=True))
+
+
 def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dict[str, Any]:
     images = dest.scratch / "criu-images"
     images.mkdir()
@@ -144,6 +150,11 @@ def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dic
         _fresh(cwork / "stats-dump")
         os.sync()
         d = criu_cli.dump(ns.init_pid, images, cwork, case.mode.leave_running)
+        upload_s = 0.0
+        if dest.s3 is not None:  # what a user without stasis does next: upload the images
+            fs, started = dest.filesystem(), time.monotonic()
+            fs.put(str(images) + "/", f"{dest.bucket}/criu-images/", recursive=True)
+            upload_s = time.monotonic() - started
         # criu leaves its images in the page cache; stasis publishes only once they are on disk.
         # What it takes a user to get there too (sync flushes this run's images, little else).
         synced = time.monotonic()
@@ -157,6 +168,12 @@ def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dic
         _fresh(cwork / "stats-restore")
         os.sync()
         start = time.monotonic()
+        download_s = 0.0
+        if dest.s3 is not None:  # and before restoring: download them again
+            clear_dir(images)
+            fs = dest.filesystem()
+            fs.get(f"{dest.bucket}/criu-images/", str(images) + "/", recursive=True)
+            download_s = time.monotonic() - start
         r = criu_cli.restore(images, cwork)
         assert r.pid is not None
         restored = r.pid
@@ -164,6 +181,10 @@ def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dic
             else None
         fig = _figures(d.wall_s, st, image_bytes, r.wall_s, rst)
         fig["dump_sync_s"] = d.wall_s + sync_s
+        if dest.s3 is not None:
+            fig["dump_upload_s"] = d.wall_s + upload_s
+            fig["download_restore_s"] = download_s + r.wall_s
+            dest.filesystem().rm(f"{dest.bucket}/criu-images", recursive=True)
         _finish_restore(fig, False, restored, tail, ready, start, verify, case)
         return fig
     finally:
@@ -177,7 +198,8 @@ def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dic
         clear_dir(dest.scratch)
 
 
-def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool) -> dict[str, Any]:
+def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool,
+                   dest: Destination | None = None) -> dict[str, Any]:
     log = _fresh(work / "stasis-workload.log")
     job = daemon.run(workload_command(case), log)["job"]
     jobs = [job]
@@ -192,7 +214,8 @@ def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool) -
         st = read_dump_stats(daemon.criu_work / "stats-dump")
         if case.mode.leave_running:
             daemon.kill(job)
-        image_bytes = dir_bytes(daemon.store_root / str(checkpoint))
+        image_bytes = _stored_bytes(dest, str(checkpoint)) if dest is not None and dest.s3 \
+            else dir_bytes(daemon.store_root / str(checkpoint))
         _fresh(daemon.criu_work / "stats-restore")
         os.sync()
         start = time.monotonic()
@@ -229,7 +252,8 @@ def run_once(case: Case, dest: Destination, daemon: StasisDaemon, work: Path, in
     """All three methods once. Odd runs measure stasis before CRIU, so drift hits both alike."""
     result: dict[str, Any] = {"case": case.key(), "run": index}
     try:
-        r = raw.copy_baseline(dest.scratch, case.size_bytes)
+        r = raw.s3_baseline(dest.filesystem(), dest.bucket, case.size_bytes) \
+            if dest.s3 is not None else raw.copy_baseline(dest.scratch, case.size_bytes)
         result["raw"] = {**asdict(r), "write_gbps": r.size_bytes / r.write_s / 1e9,
                          "read_gbps": r.size_bytes / r.read_s / 1e9}
         order = ("criu", "stasis") if index % 2 == 0 else ("stasis", "criu")
@@ -237,7 +261,7 @@ def run_once(case: Case, dest: Destination, daemon: StasisDaemon, work: Path, in
             if method == "criu":
                 result["criu"] = measure_criu(case, dest, work, verify)
             else:
-                result["stasis"] = measure_stasis(case, daemon, work, verify)
+                result["stasis"] = measure_stasis(case, daemon, work, verify, dest)
     except (BenchError, OSError, ValueError, KeyError) as e:
         result["error"] = f"{type(e).__name__}: {e}"
     finally:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.procs import BenchError
 
 # "remote": a tmpfs too, but the store is reached as `dir::file://` (fsspec, the code path of an
 # object store: images fetched, or served to a lazy restore by the daemon's page server).
-DESTS = ("tmpfs", "disk", "remote")
+# "s3": a real S3 server (SeaweedFS, started here, its data on disk) as the store; the raw
+# baseline is s3fs uploading and downloading the same bytes, the CRIU one `criu dump` to the tmpfs
+# then that upload (and the download before `criu restore`).
+DESTS = ("tmpfs", "disk", "remote", "s3")
 GiB = 1 << 30
 
 
@@ -27,9 +31,18 @@ class Destination:
     store: Path | None  # stasis' store; None: the daemon's default store on disk
     mounted: Path | None = None
     url: str | None = None  # how the daemon names `store`, when not by its path
+    env: dict[str, str] = field(default_factory=dict)  # for the daemon (S3 keys, endpoint)
+    s3: Any = None  # the S3Server of an "s3" destination
+    bucket: str = ""
 
+    def filesystem(self) -> Any:
+        """An s3fs filesystem on the destination's S3 server (s3 only)."""
+        return self.s3.filesystem()
 
     def teardown(self) -> None:
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
         if self.mounted is not None:
             subprocess.run(["umount", str(self.mounted)], check=False)
             self.mounted = None
@@ -42,7 +55,7 @@ def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
         scratch = base / "scratch"
         scratch.mkdir(exist_ok=True)
         return Destination(name, scratch, None)
-    if name in ("tmpfs", "remote"):
+    if name in ("tmpfs", "remote", "s3"):
         mnt = base / "mnt"
         mnt.mkdir(exist_ok=True)
         # A tmpfs takes memory only for what is in it; the size cap is a guard against runaway.
@@ -54,6 +67,16 @@ def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
         scratch = mnt / "scratch"
         scratch.mkdir()
         store = mnt / "store"
+        if name == "s3":
+            from tests.s3server import S3Server  # the tests' server: bench needs the dev extra
+
+            # On disk: the server frees deleted objects only when it compacts its volumes, so a
+            # suite's worth of them would fill a tmpfs.
+            server = S3Server(base / "s3")
+            server.start()
+            bucket = server.make_bucket("stasis-bench")
+            return Destination(name, scratch, store, mounted=mnt, url=f"s3://{bucket}/ckpt",
+                               env=server.env(), s3=server, bucket=bucket)
         url = f"dir::file://{store}" if name == "remote" else None
         return Destination(name, scratch, store, mounted=mnt, url=url)
     raise ValueError(f"unknown destination {name!r}; known: {', '.join(DESTS)}")
@@ -74,7 +97,7 @@ def bytes_needed(size: int, dest: str) -> int:
     At most one workload runs at a time (a leave-running original is killed before the restore),
     but on tmpfs its image lives in memory beside it, and the raw read holds file + copy.
     """
-    images = size if dest in ("tmpfs", "remote") else 0
+    images = size if dest in ("tmpfs", "remote", "s3") else 0
     return int(max(size + images, 2 * size) * 1.15) + 2 * GiB
 
 

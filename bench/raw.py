@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BLOCK = 64 << 20
 
@@ -22,6 +23,23 @@ class RawResult:
     write_s: float
     read_s: float
     size_bytes: int
+
+
+def s3_baseline(fs: Any, prefix: str, size: int) -> RawResult:
+    """The same bytes up to S3 and back with s3fs alone (what `dump to S3` is held to)."""
+    block = os.urandom(min(BLOCK, size))
+    data = (block * (size // len(block) + 1))[:size]
+    path = f"{prefix}/raw-copy.bin"
+    start = time.monotonic()
+    fs.pipe_file(path, data)
+    write_s = time.monotonic() - start
+    del data
+    start = time.monotonic()
+    got = fs.cat_file(path)
+    read_s = time.monotonic() - start
+    assert len(got) == size
+    fs.rm_file(path)
+    return RawResult(write_s=write_s, read_s=read_s, size_bytes=size)
 
 
 def copy_baseline(directory: Path, size: int) -> RawResult:

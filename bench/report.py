@@ -21,6 +21,7 @@ FIGURES = (
         "dump_gbps", "restore_s", "memory_s", "criu_restore_time_s")),
     ("stasis", "daemon_dump_s"), ("stasis", "daemon_restore_s"), ("stasis", "cli_floor_s"),
     ("stasis", "api_dump_s"), ("stasis", "api_restore_s"), ("criu", "dump_sync_s"),
+    ("criu", "dump_upload_s"), ("criu", "download_restore_s"),  # s3 only
 )
 RATIOS = (  # name, numerator, denominator
     ("dump_s stasis/criu", ("stasis", "dump_s"), ("criu", "dump_s")),
@@ -35,6 +36,8 @@ RATIOS = (  # name, numerator, denominator
     ("restore_s stasis/raw", ("stasis", "restore_s"), ("raw", "read_s")),
     ("dump_s criu/raw", ("criu", "dump_s"), ("raw", "write_s")),
     ("restore_s criu/raw", ("criu", "restore_s"), ("raw", "read_s")),
+    ("dump_s stasis/criu+upload", ("stasis", "dump_s"), ("criu", "dump_upload_s")),
+    ("restore_s stasis/download+criu", ("stasis", "restore_s"), ("criu", "download_restore_s")),
 )
 CASE_KEYS = ("size_bytes", "kind", "dest", "mode")
 
@@ -92,7 +95,7 @@ def _find(summaries: list[dict[str, Any]], **case: Any) -> dict[str, Any] | None
 def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The targets of issue 4, each with the numbers behind the verdict (None: not measured)."""
     out: list[dict[str, Any]] = []
-    for s in summaries:
+    for s in (s for s in summaries if s["case"]["dest"] != "s3"):  # s3: see _s3_targets
         # Held against the criu command: the `stasis` command (Python start-up included), and
         # the daemon's API (what the Slurm plugin and any other caller wait for).
         for fig, ours_name, how in (("dump_s", "dump_s", "command"),
@@ -157,6 +160,40 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not encrypted:
         out.append({"target": "encryption: 1 GiB dump and restore <= 1.10x unencrypted",
                     "met": None, "why": "no encrypt-mode 1 GiB case measured"})
+    out += _s3_targets(summaries)
+    return out
+
+
+def _s3_targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The object-storage issue's: a dump to S3 against s3fs uploading the same bytes and
+    against `criu dump` + that upload; a restore against download + `criu restore`; lazy."""
+    out: list[dict[str, Any]] = []
+    on_s3 = [s for s in summaries if s["case"]["dest"] == "s3"]
+    for s in (s for s in on_s3 if s["case"]["mode"] == "default"):
+        dump, upload = _median(s, "stasis.dump_s"), _median(s, "raw.write_s")
+        criu_up = _median(s, "criu.dump_upload_s")
+        if dump and upload:
+            out.append({"target": "dump to S3 within 1.2x of s3fs uploading the same bytes",
+                        "case": s["case"], "stasis": dump, "raw": upload,
+                        "ratio": dump / upload, "met": dump <= 1.2 * upload})
+        if dump and criu_up:
+            out.append({"target": "dump to S3 faster than criu dump + upload", "case": s["case"],
+                        "stasis": dump, "criu": criu_up, "met": dump < criu_up})
+        restore, criu_down = _median(s, "stasis.restore_s"), _median(s, "criu.download_restore_s")
+        if restore and criu_down:
+            out.append({"target": "restore from S3 within 1.2x of download + criu restore",
+                        "case": s["case"], "stasis": restore, "criu": criu_down,
+                        "ratio": restore / criu_down, "met": restore <= 1.2 * criu_down})
+    for s in (s for s in on_s3 if s["case"]["mode"] == "lazy"):
+        limit = {GiB: 1.0, 4 * GiB: 1.5}.get(s["case"]["size_bytes"])
+        runs_again = _median(s, "stasis.restore_s")
+        if limit is not None and runs_again is not None:
+            out.append({"target": f"lazy from S3: {_size(s['case']['size_bytes'])} runs again "
+                                  f"in < {limit:g} s", "case": s["case"], "stasis": runs_again,
+                        "met": runs_again < limit})
+    if not on_s3:
+        out.append({"target": "S3 dump, restore and lazy restore", "met": None,
+                    "why": "no s3-destination case measured (--dest s3)"})
     return out
 
 

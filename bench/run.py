@@ -191,7 +191,8 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
     work.mkdir()
     for dest_name in args.dest_list:
         dest = make_destination(dest_name, work_root, tmpfs_bytes)
-        daemon = StasisDaemon(work_root / f"daemon-{dest_name}", dest.store, stasis, dest.url)
+        daemon = StasisDaemon(work_root / f"daemon-{dest_name}", dest.store, stasis, dest.url,
+                              dest.env)
         try:
             daemon.start()
             for size in args.size_list:

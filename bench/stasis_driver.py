@@ -29,7 +29,7 @@ class Timed:
 
 class StasisDaemon:
     def __init__(self, root: Path, store: Path | None, stasis: str = STASIS,
-                 url: str | None = None) -> None:
+                 url: str | None = None, env: dict[str, str] | None = None) -> None:
         """`store` None: the default store, <state_dir>/checkpoints, on the disk under `root`.
 
         `stasis` is the command to run (a snapshot's, see bench.snapshot). Everything runs with
@@ -46,6 +46,7 @@ class StasisDaemon:
             "STASIS_STATE_DIR": str(self.state_dir),
             "STASIS_KEEP": "0",  # the bench deletes what it made; retention must not interfere
             "STASIS_CONFIG": "",
+            **(env or {}),
         }
         if store is not None:
             self.env["STASIS_STORE"] = url or str(store)

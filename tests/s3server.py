@@ -89,7 +89,7 @@ class S3Server:
             [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              *self._ports, "-filer", "-s3", f"-s3.config={config}",
              # Every bucket is a collection with volumes of its own: room for hundreds.
-             "-volume.max=2000", "-master.volumeSizeLimitMB=64",
+             "-volume.max=2000", "-master.volumeSizeLimitMB=512",
              # Side servers on fixed default ports would collide between two servers; a
              # bucket made by a PUT is not what AWS does.
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
