@@ -208,11 +208,16 @@ class Dumper:
         target = fast or self.core.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
-        opened = nodefacts.OpenFilesAtDump(pid)  # read while CRIU holds the tree frozen
+        # The tree's open files as its images record them: a dump that stops the job reads
+        # them once CRIU is done (the tree is left stopped until published); a leave-running one
+        # at CRIU's post-dump, while CRIU still holds it frozen. Not every dump through the
+        # notification: it makes CRIU wait on this daemon (one stopped mid-dump would hold the
+        # job frozen with it).
+        opened = nodefacts.OpenFilesAtDump(pid)
         options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
                               criu_started=lambda criu_pid: self.core.journal.note_criu(
                                   info.id, criu_pid, proctree.start_time(criu_pid)),
-                              notify=opened)
+                              notify=opened if leave_running else None)
         watcher = DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
@@ -238,6 +243,8 @@ class Dumper:
             compress = tail.compression  # what `auto` settled on while following
         # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
         rules = [] if leave_running else netlock.rules_from_log(result.log_path)
+        if not leave_running:
+            opened("post-dump", pid)  # the tree stands stopped as CRIU left it
         info = self._with_facts(info, criu, opened.files)
         try:
             manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed,
