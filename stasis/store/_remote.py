@@ -239,8 +239,9 @@ class RemoteTree:
         started = bool(streamed)
         try:
             names = staged_names(staging)
-            # What was streamed is there already (on S3 invisible until its upload completes).
-            if self.fs.exists(self._path(info.id, MANIFEST_NAME) if streamed else target):
+            # What was streamed (or began to be) is there already: only a manifest says the
+            # checkpoint exists.
+            if self.fs.exists(self._path(info.id, MANIFEST_NAME)):
                 raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
             started = True
             self._make_dir(target)
