@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.procs import BenchError
 
 CRIU = "/usr/local/sbin/criu"
+TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,12 @@ class CliResult:
 
 def _run(args: list[str], what: str, log: Path) -> float:
     start = time.monotonic()
-    done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    try:
+        # A hung baseline must fail its case, not the suite (seen: `criu restore` spinning).
+        done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{what} did not finish in {TIMEOUT_S} s; see {log}") from None
     wall = time.monotonic() - start
     if done.returncode != 0:
         raise BenchError(f"{what} failed ({done.returncode}); see {log}: {done.stderr[-300:]}")
