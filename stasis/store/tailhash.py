@@ -66,49 +66,15 @@ class Output(Protocol):
 Opener = Callable[[str], Output]
 
 
-class LocalOutput:
-    """A new file in a local directory (O_EXCL: never a link planted where an image goes),
-    whose pages go to disk as they are written when `writeback`."""
+class _FileOutput:
+    """A local file written in order from `written` on, its pages sent to disk as they are
+    written when `writeback`."""
 
-    def __init__(self, path: Path, writeback: bool) -> None:
+    def __init__(self, path: Path, flags: int, writeback: bool) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._sync = _sync_file_range() if writeback else None
-        self._written = 0
-
-    def write(self, data: bytes | memoryview, /) -> int:
-        view = memoryview(data)
-        start = self._written
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-            self._written += n
-        if self._sync is not None:
-            self._sync(self._fd, start, self._written - start, _SYNC_FILE_RANGE_WRITE)
-        return len(data)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def discard(self) -> None:
-        self.close()
-        self.path.unlink(missing_ok=True)
-
-
-class InPlaceOutput:
-    """The staged file itself: what is written overwrites it from its start, at the offsets
-    the plain bytes had (each write as long as what it replaces: a sealed, uncompressed chunk).
-    Pages go to disk as they are sealed when `writeback`; never before (they were plain)."""
-
-    def __init__(self, path: Path, writeback: bool) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o600)
         self._sync = _sync_file_range() if writeback else None
         self.written = 0
-        # Some plain bytes were overwritten and the table that opens them was dropped.
-        self.spoiled = False
 
     def write(self, data: bytes | memoryview, /) -> int:
         view = memoryview(data)
@@ -125,6 +91,28 @@ class InPlaceOutput:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class LocalOutput(_FileOutput):
+    """A new file in a local directory (O_EXCL: never a link planted where an image goes)."""
+
+    def __init__(self, path: Path, writeback: bool) -> None:
+        super().__init__(path, os.O_CREAT | os.O_EXCL, writeback)
+
+    def discard(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+class InPlaceOutput(_FileOutput):
+    """The staged file itself: what is written overwrites it from its start, at the offsets
+    the plain bytes had (each write as long as what it replaces: a sealed, uncompressed chunk).
+    Pages go to disk as they are sealed when `writeback`; never before (they were plain)."""
+
+    def __init__(self, path: Path, writeback: bool) -> None:
+        super().__init__(path, os.O_NOFOLLOW, writeback)
+        # Some plain bytes were overwritten and the table that opens them was dropped.
+        self.spoiled = False
 
     def discard(self) -> None:
         self.close()
