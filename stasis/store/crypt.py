@@ -30,9 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import os
 import secrets
-import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from stasis.errors import EncryptionKeyError, UsageError
 from stasis.store.manifest import Encryption
+from stasis.store.signing import read_secret_file
 
 ALGORITHM = "aes-256-gcm"
 KEY_BYTES = 32
@@ -78,26 +77,9 @@ class Key:
 def read_key_file(path: str) -> Key:
     """The key in `path`: 32 bytes raw, or base64 of them. UsageError (one line, no key bytes)
     when it is missing, not root's alone, or not a key."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise UsageError(f"encryption key file {path} does not exist: make one with "
-                         f"`head -c {KEY_BYTES} /dev/urandom > {path} && chmod 600 {path}`"
-                         ) from None
-    except OSError as e:
-        raise UsageError(f"cannot read encryption key file {path}: {e.strerror}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"encryption key file {path} is not a regular file")
-        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o077:
-            raise UsageError(
-                f"encryption key file {path} may be read or written by other users (mode "
-                f"{st.st_mode & 0o7777:o}, owner uid {st.st_uid}): it is a secret; "
-                f"`chown root {path}` and `chmod 600 {path}`")
-        data = os.read(fd, _MAX_KEY_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
+    data = read_secret_file(
+        Path(path), "encryption key file", _MAX_KEY_FILE_BYTES,
+        f"make one with `head -c {KEY_BYTES} /dev/urandom > {path} && chmod 600 {path}`")
     secret = _decode_key(data)
     if secret is None:
         raise UsageError(

@@ -178,12 +178,15 @@ def _key_files(path: Path) -> list[Path]:
         raise UsageError(f"cannot read trusted keys in {path}: {e.strerror}") from e
 
 
-def read_key(path: Path, what: str) -> bytes:
-    """A key file's bytes; refuses one that others could read or replace (UsageError)."""
+def read_secret_file(path: Path, what: str, max_bytes: int, missing_hint: str = "") -> bytes:
+    """The first `max_bytes` + 1 bytes of a file holding a secret (a key, a password); refuses
+    (UsageError, one line, never the contents) one that is missing, a link, not a regular file,
+    or that others could read or replace. `missing_hint` ends the line for a missing file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise UsageError(f"{what} {path} does not exist") from None
+        raise UsageError(f"{what} {path} does not exist"
+                         + (f": {missing_hint}" if missing_hint else "")) from None
     except OSError as e:
         raise UsageError(f"cannot read {what} {path}: {e.strerror}") from e
     try:
@@ -196,9 +199,14 @@ def read_key(path: Path, what: str) -> bytes:
                 f"{st.st_mode & 0o7777:o}, owner uid {st.st_uid}): it is a secret; "
                 f"`chown root {path}` and `chmod 600 {path}`"
             )
-        key = os.read(fd, _MAX_KEY_BYTES + 1)
+        return os.read(fd, max_bytes + 1)
     finally:
         os.close(fd)
+
+
+def read_key(path: Path, what: str) -> bytes:
+    """A key file's bytes; refuses one that others could read or replace (UsageError)."""
+    key = read_secret_file(path, what, _MAX_KEY_BYTES)
     if not KEY_BYTES <= len(key) <= _MAX_KEY_BYTES:
         raise UsageError(
             f"{what} {path} holds {len(key)} bytes, not a key: make one with "

@@ -64,7 +64,13 @@ from stasis.store.compression import (
 )
 from stasis.config import Settings
 from stasis.store.crypt import ChunkCipher, DataKey, KeyFiles, new_data_key, open_data_key, rewrap
-from stasis.store.signing import Signer, Verdict, node_keyring, process_keyring
+from stasis.store.signing import (
+    Signer,
+    Verdict,
+    node_keyring,
+    process_keyring,
+    read_secret_file,
+)
 from stasis.store.tailhash import Partial, TailHasher, local_opener
 from stasis.store.manifest import (
     COMPRESSIONS,
@@ -1074,14 +1080,11 @@ def store_options(settings: Settings) -> dict[str, object]:
 
 
 def _read_secret(path: Path) -> str:
-    try:
-        st = path.stat()
-        if st.st_mode & 0o077:
-            raise UsageError(f"s3_secret_access_key_file {path} is readable by others (mode "
-                             f"{st.st_mode & 0o777:o}): `chmod 600 {path}`")
-        return path.read_text().strip()
-    except OSError as e:
-        raise UsageError(f"cannot read s3_secret_access_key_file {path}: {_reason(e)}") from e
+    # An S3 secret key is some 40 characters; 4 KiB is far more than any.
+    return read_secret_file(path, "s3_secret_access_key_file", 4096).decode(
+        errors="replace").strip()
+
+
 # Where decrypted images go for a full restore when memory allows: never to a disk (they are
 # the plain pages), and ~0.4-0.6 s/GiB faster than the state directory's scratch on disk.
 MEMORY_SCRATCH = Path("/dev/shm")
