@@ -45,13 +45,13 @@ SOCKET_NAME = "page-server.sock"
 
 
 def page_reader(store: Store, manifest: Manifest) -> PageReader | None:
-    """How the plaintext of the checkpoint's page files is read by range: `Store.read_range`,
-    which verifies every chunk it reads (its checksum, or its tag when encrypted). None for a
+    """How the plaintext of the checkpoint's page files is read by range:
+    `Store.read_range_views`, which verifies every chunk it reads (its checksum, or its tag when encrypted). None for a
     checkpoint stored before images were chunked (no table to read ranges by): the caller
     restores it in full."""
     if any(f.chunks is None for f in manifest.files if _PAGES.match(f.name)):
         return None
-    return lambda name, offset, length: store.read_range(manifest, name, offset, length)
+    return lambda name, offset, length: store.read_range_views(manifest, name, offset, length)
 
 
 class LazyRestore:

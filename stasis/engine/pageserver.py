@@ -57,6 +57,8 @@ PE_PARENT = 1 << 0
 PE_LAZY = 1 << 1
 PE_PRESENT = 1 << 2
 
+_SO_SNDBUFFORCE = 32  # <asm-generic/socket.h>; the socket module does not name it
+
 PS_IOV_ADD_F = 6
 PS_IOV_GET = 7
 PS_IOV_CLOSE = 0x1023
@@ -206,11 +208,32 @@ def process_pagemaps(images: Path) -> dict[int, Pagemap]:
     return found
 
 
-class PageReader(Protocol):
-    """Plaintext bytes of image file `name` from `offset`: exactly `length` of them, or an
-    exception (a store that failed, a chunk that did not verify)."""
+Buffers = bytes | memoryview | list[memoryview]
 
-    def __call__(self, name: str, offset: int, length: int, /) -> bytes: ...
+
+class PageReader(Protocol):
+    """Plaintext bytes of image file `name` from `offset`: exactly `length` of them (in one
+    buffer, or in pieces that follow each other: `Store.read_range_views`), or an exception (a
+    store that failed, a chunk that did not verify)."""
+
+    def __call__(self, name: str, offset: int, length: int, /) -> Buffers: ...
+
+
+def _views(data: Buffers) -> list[memoryview]:
+    return data if isinstance(data, list) else [memoryview(data)]
+
+
+def _slice(views: list[memoryview], lo: int, hi: int) -> list[memoryview]:
+    """Bytes [lo, hi) of the pieces `views`, as views (nothing copied)."""
+    out, at = [], 0
+    for view in views:
+        end = at + len(view)
+        if end > lo and at < hi:
+            out.append(view[max(lo - at, 0):min(hi, end) - at])
+        at = end
+        if at >= hi:
+            break
+    return out
 
 
 class _ReadAhead:
@@ -225,10 +248,10 @@ class _ReadAhead:
         self._ahead = ahead
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(ahead, 4)),
                                         thread_name_prefix="stasis-pages")
-        self._blocks: dict[tuple[str, int], Future[bytes]] = {}
+        self._blocks: dict[tuple[str, int], Future[list[memoryview]]] = {}
         self._lock = threading.Lock()
 
-    def _future(self, name: str, index: int) -> Future[bytes] | None:
+    def _future(self, name: str, index: int) -> Future[list[memoryview]] | None:
         start = index * self._block
         size = self._sizes[name]
         if start >= size:
@@ -237,31 +260,35 @@ class _ReadAhead:
         with self._lock:
             fut = self._blocks.get(key)
             if fut is None:
-                fut = self._pool.submit(self._read, name, start, min(self._block, size - start))
+                fut = self._pool.submit(self._read_views, name, start,
+                                        min(self._block, size - start))
                 self._blocks[key] = fut
                 # Bounded: blocks served long ago go (a page is asked for once, then it is in).
                 while len(self._blocks) > 4 * self._ahead + 8:
                     del self._blocks[next(iter(self._blocks))]
             return fut
 
-    def read(self, name: str, offset: int, length: int) -> bytes:
+    def _read_views(self, name: str, offset: int, length: int) -> list[memoryview]:
+        views = _views(self._read(name, offset, length))
+        got = sum(len(v) for v in views)
+        if got != length:
+            raise PagemapError(f"{name}: got {got} bytes of {length} at {offset}")
+        return views
+
+    def read(self, name: str, offset: int, length: int) -> list[memoryview]:
         if name not in self._sizes or offset + length > self._sizes[name]:
             raise PagemapError(f"{name} has no bytes {offset}-{offset + length}")
         first, last = offset // self._block, (offset + length - 1) // self._block
         for index in range(last + 1, last + 1 + self._ahead):
             self._future(name, index)
-        parts = []
+        parts: list[memoryview] = []
         for index in range(first, last + 1):
             fut = self._future(name, index)
             assert fut is not None
-            data = fut.result()
             lo = max(offset, index * self._block) - index * self._block
             hi = min(offset + length, (index + 1) * self._block) - index * self._block
-            parts.append(data[lo:hi])
-        data = b"".join(parts)
-        if len(data) != length:
-            raise PagemapError(f"{name}: got {len(data)} bytes of {length} at {offset}")
-        return data
+            parts += _slice(fut.result(), lo, hi)
+        return parts
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -278,6 +305,12 @@ class PageServer:
                  read: PageReader, on_failure: Callable[[str], None], *,
                  block_bytes: int = 4 << 20, ahead: int = 4, delay_s: float = 0.0) -> None:
         self.sock = sock
+        # A unix socket queues ~200 KiB by default: each 4 MiB answer would go over in steps,
+        # lazy-pages and this server taking turns. Room for whole answers lets both run at once.
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, 16 << 20)
+        except OSError:
+            pass  # not root (tests): the default works, only slower
         self.pagemaps = process_pagemaps(images)
         self._ahead = _ReadAhead(read, sizes, block_bytes, ahead)
         self._on_failure = on_failure
@@ -338,8 +371,20 @@ class PageServer:
         if self._delay_s:
             time.sleep(self._delay_s)
         header = _IOV.pack(PS_IOV_ADD_F | PE_PRESENT << _CMD_BITS, count, vaddr, dst_id)
-        self.sock.sendall(header + data)
-        self.served_bytes += len(data)
+        _send_all(self.sock, [memoryview(header), *data])
+        self.served_bytes += count * PAGE_SIZE
+
+
+def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendall for pieces (one sendmsg for them all: no joined copy of 4 MiB per answer)."""
+    while views:
+        sent = sock.sendmsg(views[:1024])  # IOV_MAX
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
@@ -372,10 +417,15 @@ def fill_sparse(path: Path, size: int, ranges: list[tuple[int, int]], read: Page
                   for off, length in ranges for done in range(0, length, 8 << 20)]
 
         def one(piece: tuple[int, int]) -> None:
-            data = read(name, piece[0], piece[1])
-            if len(data) != piece[1]:
-                raise PagemapError(f"{name}: got {len(data)} bytes of {piece[1]}")
-            os.pwrite(fd, data, piece[0])
+            views = _views(read(name, piece[0], piece[1]))
+            if sum(len(v) for v in views) != piece[1]:
+                raise PagemapError(f"{name}: got {sum(len(v) for v in views)} bytes of "
+                                   f"{piece[1]}")
+            at = piece[0]
+            for view in views:
+                while view:
+                    written = os.pwrite(fd, view, at)
+                    view, at = view[written:], at + written
 
         if len(pieces) <= 1:
             for piece in pieces:
