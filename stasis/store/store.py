@@ -718,7 +718,7 @@ class Store:
         return bytes(views[0]) if len(views) == 1 else b"".join(views)
 
     def read_range_views(self, manifest: Manifest, name: str, offset: int,
-                         length: int) -> list[memoryview]:
+                         length: int) -> builtins.list[memoryview]:
         """Plain bytes [offset, offset + length) of image file `name` of `manifest` (one that
         `get` returned: its signature is what vouches for the chunk table), fetching only the
         chunks they lie in and verifying each (its tag when encrypted, else its checksum): a
