@@ -8,9 +8,16 @@ A page that cannot be had (the store fails, a chunk does not verify) kills the r
 before lazy-pages hears of it (it would let the kernel hand the tree zero pages): the job ends,
 `killed.json` in its directory and the daemon's log say why.
 
-Known limit: the pages are served by the daemon process. A daemon that dies before every page
-arrived takes the server with it, and what was still missing reads as zeros to the job (lazy-
-pages exits, the kernel drops the userfaultfd). A graceful stop waits for those (`drain`).
+The pages are served by the daemon process. A daemon that dies before every page arrived
+takes the server with it: the job's supervisor, which holds the other end of the socket
+lazy-pages reads, then kills the job before lazy-pages can end (engine/lazylink.py), so that
+it never reads zeros for what was missing; `killed.json` says so. A graceful stop waits for
+those restores to finish (`drain`).
+
+`hold`: the same server for a full restore of images CRIU cannot read in place (compressed or
+encrypted, in a local store): the tree stays stopped until all its memory is in, decoded on
+its way, and a page that cannot be had fails the restore (CorruptCheckpointError) instead of
+killing a running job.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import time
 from pathlib import Path
 
 from stasis.engine import proctree
+from stasis.engine.lazylink import DONE
 from stasis.engine.pageserver import (
     PageReader,
     PagemapError,
@@ -59,8 +67,9 @@ class LazyRestore:
     to kill should a page not come."""
 
     def __init__(self, store: Store, manifest: Manifest, read: PageReader, scratch: Path,
-                 delay_s: float = 0.0) -> None:
+                 delay_s: float = 0.0, hold: bool = False) -> None:
         self.store = store
+        self._hold = hold  # a full restore: the tree resumes once all memory is in
         self.manifest = manifest
         self._read = read
         self._delay_s = delay_s
@@ -112,19 +121,38 @@ class LazyRestore:
     def _accept(self) -> None:
         assert self._listener is not None
         try:
-            self._listener.settimeout(60.0)  # lazy-pages connects at the restore's start
+            self._listener.settimeout(60.0)  # the supervisor connects at the restore's start
             conn, _ = self._listener.accept()
         except OSError:
             self._finish()
             return
         finally:
             self._listener.close()
-        # The directory is root's alone (0700): only root's lazy-pages could have connected.
-        self._server = PageServer(conn, self.images, self._sizes, self._read, self._on_failure,
-                                  delay_s=self._delay_s)
+        # The directory is root's alone (0700): only the job's supervisor could have connected.
+        # It hands us our end of the socket lazy-pages reads (engine/lazylink.py) and keeps
+        # this connection open: its end is how it learns that we are gone.
+        try:
+            conn.settimeout(10.0)
+            _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+            conn.settimeout(None)
+        except OSError:
+            fds = []
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            self._finish()
+            return
+        self._server = PageServer(socket.socket(fileno=fds[0]), self.images, self._sizes,
+                                  self._read, self._on_failure, delay_s=self._delay_s)
         try:
             self._server.serve()
         finally:
+            try:
+                conn.sendall(DONE)  # stopped of our own accord: nothing for it to guard
+            except OSError:
+                pass
+            conn.close()
             self._finish()
 
     # -- after the restore -------------------------------------------------------------------
@@ -138,6 +166,12 @@ class LazyRestore:
 
     def _on_failure(self, reason: str) -> None:
         self.failure = reason
+        if self._hold:
+            # The tree stands stopped until all its memory is in: it is killed, and the
+            # restore fails, once lazy-pages ends for want of this page (engine/lazylink.py).
+            log.error("restore of checkpoint %s: a page could not be had from the store: %s",
+                      self.manifest.id, reason)
+            return
         # The tree is waiting for this very page: it runs no further until killed, so waiting
         # for its pid (the restore's answer is on its way) feeds it nothing.
         self._started.wait(300.0)

@@ -141,11 +141,16 @@ class Restorer:
                 threading.Thread(target=self._verify_pages_after, daemon=True,
                                  args=(manifest, started.job_dir, started.pid)).start()
         else:
-            served, why_not = (self._serve_lazily(manifest), None) if lazy else (None, None)
+            # Compressed or encrypted images in a local store: decoded on their way into the
+            # tree's memory (lazy-pages, from our page server), the tree resumed once all is
+            # in, rather than written out in plain first and read again by CRIU.
+            stream = not lazy and store.is_local(manifest.id)
+            served, why_not = (self._serve_lazily(manifest, hold=stream), None) \
+                if lazy or stream else (None, None)
             if isinstance(served, str):
                 served, why_not = None, served
             if served is not None:
-                spec.update(images=str(served.images), lazy=True,
+                spec.update(images=str(served.images), lazy=True, hold=stream,
                             page_server=str(served.socket_path))
                 try:
                     started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
@@ -154,6 +159,8 @@ class Restorer:
                     raise
                 if "pid" not in started.answer:
                     served.discard()
+                    if served.failure is not None:
+                        raise CorruptCheckpointError(served.failure)
                 else:
                     served.started(started.pid, started.job_dir)
             else:
@@ -188,10 +195,11 @@ class Restorer:
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4),
                              elapsed_s=0.0)
 
-    def _serve_lazily(self, manifest: Manifest) -> LazyRestore | str | None:
+    def _serve_lazily(self, manifest: Manifest, hold: bool = False) -> LazyRestore | str | None:
         """The images of a lazy restore whose pages the daemon serves from the store (fetched,
         listening), or why that is not possible on this node (a note: restored in full), or
-        None when the checkpoint cannot be read by range (the usual note)."""
+        None when the checkpoint cannot be read by range (the usual note). `hold`: for a full
+        restore that resumes once all pages are in (LazyRestore)."""
         store, settings = self.core.store, self.core.settings
         read = page_reader(store, manifest)
         if read is None:
@@ -200,7 +208,7 @@ class Restorer:
             return ("lazy restore not possible: this kernel has no userfaultfd for CRIU's "
                     "lazy pages; restored in full")
         served = LazyRestore(store, manifest, read, settings.layout.scratch,
-                             delay_s=settings.test_page_delay_ms / 1000)
+                             delay_s=settings.test_page_delay_ms / 1000, hold=hold)
         try:
             served.prepare()
         except PagemapError as e:

@@ -17,7 +17,11 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
            files, cwd, mappings and socket addresses with those rights too (Owner).
            A lazy restore from a store has its lazy pages served by the daemon on a unix socket
-           (spec "page_server"), which this process connects lazy-pages to.
+           (spec "page_server"), which this process connects lazy-pages to, through a link
+           that kills the job should the daemon die before all memory was back (instead of
+           the kernel handing it zero pages: engine/lazylink.py). Spec "hold" (a full restore
+           of compressed or encrypted images, decoded on their way in): the same, with the job
+           resumed only once all its memory is back.
            Before that, the spec's "expect" (the checkpoint's restore_facts) is compared with
            this node (engine/nodefacts.py): a difference that refuses answers
            IncompatibleNodeError.
@@ -240,6 +244,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
             notify=_resume_gate if spec.get("gate") else None,
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
+            hold=spec.get("hold", False), on_lost=lambda why: _note_killed(job_dir, why),
             expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
             criu_version=spec.get("criu_version"))
     except OSError as e:
@@ -250,9 +255,17 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         _error(type(e).__name__, str(e))
         return
     _answer({"pid": result.pid, "duration_s": result.duration_s,
-             "lazy": result.lazy_pages is not None, "fallback": result.fallback_reason,
+             "lazy": result.lazy_pages is not None and not spec.get("hold", False),
+             "fallback": result.fallback_reason,
              "notes": result.notes})
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
+
+
+def _note_killed(job_dir: Path, reason: str) -> None:
+    """Why the job is about to be killed (the daemon reads it with exit.json: state failed)."""
+    tmp = job_dir / "killed.json.tmp"
+    tmp.write_text(json.dumps({"reason": reason}))
+    os.replace(tmp, job_dir / "killed.json")
 
 
 def _end_leftovers() -> None:

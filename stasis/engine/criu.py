@@ -8,12 +8,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from stasis.engine import rpc
 from stasis.engine.criulog import first_error
+from stasis.engine.lazylink import PageServerLink, hold_until_complete
 from stasis.errors import CRIUError, CRIUNotFoundError
 from stasis.poll import poll
 
@@ -101,6 +102,12 @@ class RestoreOptions:
     # protocol, stasis/engine/pageserver.py): lazy-pages is handed a connection to it
     # (`--page-server --ps-socket`). None: lazy-pages reads them from the images.
     page_server: Path | None = None
+    # With `lazy`: keep the restored tree stopped until lazy-pages brought all its memory back
+    # (a full restore whose pages are decoded on their way in, from `page_server`). A page
+    # that does not come kills the stopped tree and fails the restore.
+    hold: bool = False
+    # Called with the reason before a tree is killed because its page server went away.
+    on_lost: Callable[[str], None] | None = None
     tcp_established: bool = True
     file_locks: bool = True
     ext_unix_sk: bool = True
@@ -116,6 +123,8 @@ class RestoreResult:
     log_path: Path
     # The `criu lazy-pages` process still filling the tree's memory (lazy restores only).
     lazy_pages: subprocess.Popen[bytes] | None = None
+    # Its link to the page server, when the pages come from one (engine/lazylink.py).
+    page_link: PageServerLink | None = None
     fallback_reason: str | None = None  # why a lazy restore became a full one
     # What differs from the node that dumped it without stopping the restore (nodefacts).
     notes: list[str] = field(default_factory=list)
@@ -188,14 +197,33 @@ class CRIU:
         work = self.log_dir / log_name.removesuffix(".log")
         work.mkdir(parents=True, exist_ok=True)
         try:
-            daemon = self._start_lazy_pages(images_dir, work, options.page_server)
+            daemon, link = self._start_lazy_pages(images_dir, work, options.page_server,
+                                                  options.on_lost)
+            failed: list[str] = []
+            run = options
+            if options.hold:
+                run = replace(options, notify=hold_until_complete(options.notify, daemon, link,
+                                                                  failed))
             try:
-                result = self._restore(images_dir, options, log_name, work)
-            except CRIUError:
+                result = self._restore(images_dir, run, log_name, work)
+            except (CRIUError, OSError) as e:
                 daemon.kill()
                 daemon.wait()
+                if link is not None:
+                    link.tree(None)
+                if failed:  # and CRIU was killed for it (lazylink.hold_until_complete)
+                    raise CRIUError(f"restore failed: {failed[0]}",
+                                    str(work / "lazy-pages.log")) from None
                 raise
+            if failed:
+                # CRIU let go of a tree we had killed while it stood stopped.
+                if link is not None:
+                    link.tree(None)
+                raise CRIUError(f"restore failed: {failed[0]}", str(work / "lazy-pages.log"))
+            if link is not None:
+                link.tree(result.pid)
             result.lazy_pages = daemon
+            result.page_link = link
             return result
         except CRIUError as e:
             if options.page_server is not None:
@@ -205,31 +233,37 @@ class CRIU:
             result.fallback_reason = str(e)
             return result
 
-    def _start_lazy_pages(self, images_dir: Path, work: Path,
-                          page_server: Path | None = None) -> subprocess.Popen[bytes]:
+    def _start_lazy_pages(self, images_dir: Path, work: Path, page_server: Path | None = None,
+                          on_lost: Callable[[str], None] | None = None
+                          ) -> tuple[subprocess.Popen[bytes], PageServerLink | None]:
         socket_path = work / "lazy-pages.socket"
         socket_path.unlink(missing_ok=True)
         extra: list[str] = []
-        conn = None
+        link = None
         if page_server is not None:
-            conn = connect_unix(page_server)
-            extra = ["--page-server", "--ps-socket", str(conn.fileno())]
+            link = PageServerLink(connect_unix(page_server), on_lost)
+            extra = ["--page-server", "--ps-socket", str(link.lazy_pages_fd)]
+        daemon = None
         try:
             daemon = subprocess.Popen(
                 [self.path, "lazy-pages", "-D", str(images_dir), "-W", str(work),
                  "-v4", "-o", "lazy-pages.log", *extra],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                pass_fds=[conn.fileno()] if conn is not None else [],
+                pass_fds=[link.lazy_pages_fd] if link is not None else [],
             )
         finally:
-            if conn is not None:
-                conn.close()  # lazy-pages holds its own copy
+            if link is not None:
+                link.spawned(daemon)
+                if daemon is None:
+                    link.tree(None)
         poll(lambda: socket_path.exists() or daemon.poll() is not None, 5.0, 0.002)
         if not socket_path.exists():
             daemon.kill()
             daemon.wait()
+            if link is not None:
+                link.tree(None)
             raise CRIUError("criu lazy-pages did not start", str(work / "lazy-pages.log"))
-        return daemon
+        return daemon, link
 
     def _restore(self, images_dir: Path, options: RestoreOptions, log_name: str,
                  lazy_work: Path | None) -> RestoreResult:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import pwd
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stasis import wire
@@ -48,7 +48,8 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
 def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
                  log_name: str, *, umask: int = 0o022, lazy: bool = False,
                  notify: rpc.NotifyHandler | None = None,
-                 page_server: Path | None = None,
+                 page_server: Path | None = None, hold: bool = False,
+                 on_lost: Callable[[str], None] | None = None,
                  expect: wire.RestoreFacts | None = None, checkpoint: str = "",
                  criu_version: str | None = None) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
@@ -56,7 +57,9 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
     this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
 
-    `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions).
+    `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions);
+    `hold`: the tree resumes only once all of them are in (RestoreOptions.hold); `on_lost`:
+    told why before the tree is killed for a page server that went away.
 
     `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
     `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before
@@ -78,7 +81,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             # CRIU names regular files in its images by their path without the leading '/'.
             inherit.append((old.lstrip("/"), fds[-1]))
         options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
-                                 page_server=page_server,
+                                 page_server=page_server, hold=hold, on_lost=on_lost,
                                  owner=owner if owner.uid != 0 else None)
         try:
             result = criu.restore(images, options, log_name)

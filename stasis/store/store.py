@@ -619,6 +619,10 @@ class Store:
             return None
         return manifest, in_place
 
+    def is_local(self, checkpoint_id: str) -> bool:
+        """Whether the checkpoint's files are on a local filesystem (read by range cheaply)."""
+        return self._tree.local_dir(checkpoint_id) is not None
+
     def fetch_files(
         self, manifest: Manifest, target: Path, only: Callable[[FileEntry], bool]
     ) -> None:
