@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+from subprocess import CompletedProcess
 from pathlib import Path
 
 from stasis.engine import proctree
@@ -67,6 +68,36 @@ def _criu_restoring(daemon_pid: int) -> int | None:
     return None
 
 
+def _restore_killing_criu(d: Daemon, cp: str, daemon_pid: int,
+                          retried: list[str]) -> CompletedProcess[str] | None:
+    """The answer to a restore of `cp` whose CRIU got SIGKILLed once the restored tree existed;
+    None when the restore was done before that (a loaded machine runs a 64 MiB restore before
+    this test's process gets the CPU back): its job is killed and added to `retried`."""
+    result: dict[str, CompletedProcess[str]] = {}
+    thread = threading.Thread(target=lambda: result.update(r=subprocess.run(
+        [STASIS, "restore", cp], env=d.env, capture_output=True, text=True, timeout=30)))
+    thread.start()
+    found = poll(lambda: _criu_restoring(daemon_pid) or ("done" if not thread.is_alive() else 0),
+                 30, 0.002)
+    criu = found if isinstance(found, int) else None
+    stat = _stat(criu) if criu is not None else None
+    if criu is not None and stat is not None:
+        supervisor = stat[2]
+        poll(lambda: len(proctree.children(supervisor)) > 1 or not thread.is_alive(), 10, 0.002)
+        try:
+            os.kill(criu, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    thread.join()
+    answer = result["r"]
+    if answer.returncode == 0:
+        restored = answer.stdout.split()[1]
+        d.cli("kill", restored)
+        retried.append(restored)
+        return None
+    return answer
+
+
 def test_rejected_restores_and_a_killed_criu_leave_no_zombie(make_daemon: MakeDaemon) -> None:
     d: Daemon = make_daemon()
     assert d.proc is not None
@@ -90,19 +121,18 @@ def test_rejected_restores_and_a_killed_criu_leave_no_zombie(make_daemon: MakeDa
 
     # kill -9 of CRIU half-way through a restore (once the restored tree exists).
     pages.write_bytes(intact)
-    result: dict[str, subprocess.CompletedProcess[str]] = {}
-    thread = threading.Thread(target=lambda: result.update(r=subprocess.run(
-        [STASIS, "restore", cp], env=d.env, capture_output=True, text=True, timeout=30)))
-    thread.start()
-    criu = poll(lambda: _criu_restoring(daemon_pid), 30, 0.002)
-    assert criu is not None, "no CRIU restoring"
-    supervisor = _stat(criu)[2]  # type: ignore[index]
-    poll(lambda: len(proctree.children(supervisor)) > 1 or not thread.is_alive(), 10, 0.002)
-    os.kill(criu, signal.SIGKILL)
-    thread.join()
-    assert result["r"].returncode == 1, result["r"].stderr
+    killed = None
+    retried: list[str] = []
+    for _ in range(10):
+        killed = _restore_killing_criu(d, cp, daemon_pid, retried)
+        if killed is not None:
+            break
+    assert killed is not None, "every restore got done before its CRIU could be killed"
+    assert killed.returncode == 1, killed.stderr
     _no_zombies(daemon_pid)
     assert poll(lambda: not strays_of(daemon_pid), 3.0) is not None, strays_of(daemon_pid)
     # Nothing of the failed restores is listed as a job; the original runs on.
-    assert [j["job"] for j in d.json("ps")] == [job["job"]]
+    jobs = {j["job"]: j["state"] for j in d.json("ps")}
+    assert jobs.pop(job["job"]) == "running"
+    assert sorted(jobs) == sorted(retried) and "running" not in jobs.values(), jobs
     assert proctree.alive(job["pid"], None)
