@@ -10,6 +10,7 @@ import re
 import signal
 from pathlib import Path
 
+from stasis.engine import proctree
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import workload_pid
 from tests.s3server import S3Server
@@ -104,3 +105,35 @@ def test_lazy_restore_from_s3(make_daemon: MakeDaemon, s3: S3Server, s3_bucket: 
     wait_for(memory.exists, 60, "lazy-pages done")
     assert json.loads(memory.read_text())["ok"] is True
     node_b.cli("kill", restored["job"])
+
+
+def test_a_daemon_killed_mid_lazy_restore_takes_the_job_with_it(make_daemon: MakeDaemon,
+                                                                 world_tmp: Path) -> None:
+    """The daemon serves a lazy restore's pages: when it dies (kill -9) before all are back, the
+    job is killed by its supervisor, which holds the other end of the page server's socket, before
+    lazy-pages could let the kernel map zero pages where its memory was."""
+    store = world_tmp / "lazy-daemon-killed"
+    d = make_daemon(store=f"dir::file://{store}", env={"STASIS_TEST_PAGE_DELAY_MS": "50"})
+    job = d.run(*workload("memhold.py", 64))
+    wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
+    cp = d.json("dump", job["job"])
+    original = _digests(d, job["job"])
+    restored = d.json("restore", "--lazy", cp["checkpoint"])
+    assert restored["lazy"] is True
+    root = workload_pid(restored["pid"])
+    os.kill(root, signal.SIGUSR1)  # touches every page: over 2 s of answers at 50 ms each
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.proc.wait()
+    d.stop()
+    wait_for(lambda: not proctree.alive(root, None), 30, "the job to be killed")
+    job_dir = d.state_dir / "jobs" / restored["job"]
+    wait_for((job_dir / "killed.json").exists, 30, "killed.json")
+    reason = json.loads((job_dir / "killed.json").read_text())["reason"]
+    assert "page server went away" in reason, reason
+    # Never fed zeros: the log (the original's, which the restored job writes on) holds the
+    # original's digest alone, none from the restored job.
+    log = (d.state_dir / "logs" / f"{job['job']}.log").read_text()
+    assert re.findall(r"^digest (\w+)$", log, re.M) == original
+    d.start()
+    assert d.job(restored["job"])["state"] == "failed"
