@@ -52,6 +52,10 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          wraps each checkpoint's data key; read by the daemon  ("": none)
     STASIS_OLD_ENCRYPTION_KEY_FILES  earlier key files, still accepted for reading (restore,
                          `checkpoints rekey`); ':'-separated, a list in the file  (none)
+    STASIS_RUNC          the runc that containers run on (stasis-runc hands everything to it)
+                         ("": /usr/sbin/runc, else the first on PATH)
+    STASIS_K8S_STOP_TIMEOUT_S  seconds a container's checkpoint at its stop may take before
+                         the container is stopped as usual without it  (20)
 
 An s3:// store takes its endpoint, region and credentials where AWS tools look for them
 (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
@@ -81,6 +85,8 @@ from stasis.layout import StateLayout
 DEFAULT_CONFIG_FILE = Path("/etc/stasis/config.toml")
 
 _ENV_KEYS = {
+    "STASIS_RUNC": "runc",
+    "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
     "STASIS_STORE": "store",
@@ -168,6 +174,10 @@ class Settings(NamedTuple):
     # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
     test_page_delay_ms: int = 0
     keep_max_age_s: int = 0
+    # Containers (stasis/k8s): the real runc, and the part of a pod's grace period (30 s by
+    # default) a checkpoint at the container's stop may use.
+    runc: str = ""
+    k8s_stop_timeout_s: int = 20
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.
     s3_endpoint_url: str = ""

@@ -17,6 +17,7 @@
     │   ├── UntrustedCheckpointError its manifest is unsigned, tampered, or signed by a key this
     │   │                            node does not trust
     │   └── EncryptionKeyError  an encrypted checkpoint whose key this node does not have
+    ├── ContainerError        runc or containerd failed on a container
     ├── SlurmError            Slurm's tools failed, are missing, or did not answer
     │   └── SlurmJobNotFoundError   Slurm knows no such job (also a NotFoundError)
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
@@ -107,6 +108,10 @@ class EncryptionKeyError(StoreError):
     http_status = 422
 
 
+class ContainerError(StasisError):
+    http_status = 502
+
+
 class SlurmError(StasisError):
     http_status = 502  # a tool the daemon relies on failed, not the daemon itself
 
@@ -133,7 +138,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
         CRIUNotFoundError, CheckpointError, RestoreError, OwnerDeniedError, StoreError, CorruptCheckpointError,
         IncompatibleNodeError,
         UnreadableManifestError, UntrustedCheckpointError, EncryptionKeyError, SlurmError,
-        SlurmJobNotFoundError,
+        SlurmJobNotFoundError, ContainerError,
     )
 }
 

@@ -51,6 +51,13 @@ def run(args: argparse.Namespace, settings: Settings) -> None:
 def dump(args: argparse.Namespace, settings: Settings) -> None:
     if args.check and args.slurm_job is not None:
         raise UsageError("--check looks at a stasis JOB; it cannot check a --slurm-job")
+    if args.container is not None:
+        if args.job is not None or args.slurm_job is not None:
+            raise UsageError("give one of JOB, --slurm-job JOBID or --container ID")
+        from stasis.cli.k8s import dump_container
+
+        dump_container(Client(settings.socket), args.container, args.leave_running, args.json)
+        return
     if args.slurm_job is not None or args.job is None:
         if args.job is not None or args.slurm_job is None:
             raise UsageError("give either a JOB id or --slurm-job JOBID")
@@ -267,11 +274,12 @@ def daemon(args: argparse.Namespace, settings: Settings) -> None:
     import logging
 
     from stasis.daemon.server import serve
+    from stasis.k8s.integration import K8sIntegration
     from stasis.slurm.integration import SlurmIntegration
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stasis %(levelname)s %(message)s")
     # The integrations this daemon serves: the core knows none of them.
-    asyncio.run(serve(settings, [SlurmIntegration]))
+    asyncio.run(serve(settings, [SlurmIntegration, K8sIntegration]))
 
 
 def _add_run(sub: Any) -> None:
@@ -310,6 +318,10 @@ def _add_dump(sub: Any) -> None:
     p.add_argument("--slurm-job", metavar="JOBID",
                    help="Checkpoint this Slurm job on its node instead; it is requeued and "
                         "resumes from the checkpoint unless --leave-running.")
+    p.add_argument("--container", metavar="ID",
+                   help="Checkpoint this container (run by the stasis runtime on this node) "
+                        "instead; it is stopped and resumes when created again, unless "
+                        "--leave-running.")
     add_json(p)
     p.set_defaults(handler=dump)
 
@@ -421,6 +433,12 @@ def _add_daemon(sub: Any) -> None:
     p.set_defaults(handler=daemon)
 
 
+def _add_k8s(sub: Any) -> None:
+    from stasis.cli.k8s import add_k8s
+
+    add_k8s(sub)
+
+
 def _add_slurm(sub: Any) -> None:
     from stasis.cli.slurm import add_slurm
 
@@ -430,7 +448,7 @@ def _add_slurm(sub: Any) -> None:
 COMMANDS: dict[str, Callable[[Any], None]] = {
     "run": _add_run, "dump": _add_dump, "restore": _add_restore, "ps": _add_ps,
     "checkpoints": _add_checkpoints, "kill": _add_kill, "logs": _add_logs, "check": _add_check,
-    "daemon": _add_daemon, "slurm": _add_slurm,
+    "daemon": _add_daemon, "slurm": _add_slurm, "k8s": _add_k8s,
 }
 
 

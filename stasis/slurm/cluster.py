@@ -21,15 +21,13 @@ import json
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stasis.engine import proctree
+from stasis.daemon import detached
 from stasis.errors import SlurmError, StasisError, UsageError
 from stasis.poll import poll
 from stasis.slurm import install
@@ -165,27 +163,6 @@ def _client_env(lay: Layout) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **lay.env()}
 
 
-def _stasis_command() -> list[str]:
-    script = Path(sys.executable).parent / "stasis"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from stasis.cli.main import main; main()"]
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(pid: int | None) -> bool:
-    try:
-        return bool(pid) and proctree.alive(pid or 0, None)
-    except OSError:
-        return False
-
-
 def _wait(pred: Any, timeout_s: float, what: str) -> None:
     if not poll(pred, timeout_s, 0.1):
         raise SlurmError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
@@ -232,11 +209,11 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
         started["stasis"] = _start_stasis(lay)
         env = _client_env(lay)
         _run(["slurmctld", "-f", str(lay.slurm_conf), "-c"], env)
-        _wait(lambda: _alive(_read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld")
-        started["slurmctld"] = _read_pid(lay.slurm / "slurmctld.pid") or 0
+        _wait(lambda: detached.alive(detached.read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld")
+        started["slurmctld"] = detached.read_pid(lay.slurm / "slurmctld.pid") or 0
         _run(["slurmd", "-f", str(lay.slurm_conf), "-N", NODE], env)
-        _wait(lambda: _alive(_read_pid(lay.slurm / "slurmd.pid")), 20, "slurmd")
-        started["slurmd"] = _read_pid(lay.slurm / "slurmd.pid") or 0
+        _wait(lambda: detached.alive(detached.read_pid(lay.slurm / "slurmd.pid")), 20, "slurmd")
+        started["slurmd"] = detached.read_pid(lay.slurm / "slurmd.pid") or 0
         lay.state_file.write_text(json.dumps({"pids": started}))
 
         def idle() -> bool:
@@ -265,44 +242,21 @@ def _start_munge(lay: Layout) -> int:
     _run(["runuser", "-u", "munge", "--", "munged", f"--socket={m}/munge.sock",
           f"--key-file={key}", f"--log-file={m}/munged.log", f"--pid-file={m}/munged.pid",
           f"--seed-file={m}/munged.seed", "--force"])
-    _wait(lambda: (m / "munge.sock").exists() and _alive(_read_pid(m / "munged.pid")), 10,
+    _wait(lambda: (m / "munge.sock").exists() and detached.alive(detached.read_pid(m / "munged.pid")), 10,
           "munged")
-    return _read_pid(m / "munged.pid") or 0
+    return detached.read_pid(m / "munged.pid") or 0
 
 
 def _start_stasis(lay: Layout) -> int:
-    """Start the node daemon detached (`setsid -f`: not our child, it outlives this command)."""
-    pid_file = lay.stasis / "daemon.pid"
-    pid_file.unlink(missing_ok=True)
+    """Start the node daemon detached: it outlives this command."""
     log = lay.stasis / "daemon.log"
-    env = {**_client_env(lay), "LANG": "C.UTF-8", "STASIS_LOG": str(log)}
-    subprocess.run(
-        ["setsid", "-f", "sh", "-c", 'echo $$ > "$0"; exec "$@" >>"$STASIS_LOG" 2>&1 </dev/null',
-         str(pid_file), *_stasis_command(), "daemon"],
-        env=env, check=True, timeout=30)
-    _wait(lambda: _read_pid(pid_file) is not None, 10, "the stasis daemon's pid")
-    pid = _read_pid(pid_file)
-
-    def listening() -> bool:
-        if not _alive(pid):
-            raise SlurmError("the stasis daemon exited at start: " + log.read_text()[-2000:])
-        return lay.stasis_socket.exists()
-
-    _wait(listening, 20, "the stasis daemon")
+    env = {**_client_env(lay), "LANG": "C.UTF-8"}
+    pid = detached.start([*detached.stasis_command(), "daemon"], lay.stasis / "daemon.pid", log,
+                         env)
+    detached.wait_listening(pid, lay.stasis_socket, log, 20,
+                            lambda why: SlurmError(f"the stasis daemon did not start: {why}"))
     assert pid is not None
     return pid
-
-
-def _stop(pid: int | None, timeout_s: float = 15.0) -> None:
-    if not _alive(pid):
-        return
-    assert pid is not None
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    if not poll(lambda: not _alive(pid), timeout_s):
-        os.kill(pid, signal.SIGKILL)
 
 
 def _jobs(lay: Layout) -> list[str]:
@@ -317,7 +271,7 @@ def down(root: Path) -> None:
         pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
     except (OSError, ValueError, KeyError):
         pids = {}
-    if _alive(pids.get("slurmctld")):
+    if detached.alive(pids.get("slurmctld")):
         jobs = _jobs(lay)
         if jobs:
             _run(["scancel", *jobs], _client_env(lay), check=False)
@@ -326,7 +280,7 @@ def down(root: Path) -> None:
             except StasisError:
                 pass
     for name in ("slurmd", "slurmctld", "stasis", "munged"):
-        _stop(pids.get(name))
+        detached.stop(pids.get(name))
     try:
         lay.state_file.unlink()
     except FileNotFoundError:
@@ -344,14 +298,14 @@ def _pids(lay: Layout) -> dict[str, int]:
 def stop_daemon(root: Path) -> None:
     """Stop only the cluster's stasis daemon (jobs then run unprotected)."""
     lay = Layout(root.absolute())
-    _stop(_pids(lay).get("stasis"))
+    detached.stop(_pids(lay).get("stasis"))
 
 
 def start_daemon(root: Path) -> None:
     """Start the cluster's stasis daemon again after `stop_daemon`."""
     lay = Layout(root.absolute())
     pids = _pids(lay)
-    if _alive(pids.get("stasis")):
+    if detached.alive(pids.get("stasis")):
         return
     pids["stasis"] = _start_stasis(lay)
     lay.state_file.write_text(json.dumps({"pids": pids}))
@@ -363,7 +317,7 @@ def status(root: Path) -> dict[str, Any]:
         pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
     except (OSError, ValueError, KeyError):
         pids = {}
-    daemons = {name: _alive(pids.get(name))
+    daemons = {name: detached.alive(pids.get(name))
                for name in ("munged", "slurmctld", "slurmd", "stasis")}
     return {"dir": str(lay.root), "slurm_conf": str(lay.slurm_conf),
             "stasis_config": str(lay.stasis_config), "daemons": daemons,

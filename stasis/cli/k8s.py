@@ -1,0 +1,76 @@
+"""`stasis k8s ...` (local-node) and `stasis dump --container ID`: the Kubernetes
+integration's commands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from stasis.cli import output
+from stasis.cli.args import add_json, subcommands
+from stasis.client import Client
+from stasis.config import Settings
+
+
+def dump_container(client: Client, container_id: str, leave_running: bool,
+                   as_json: bool) -> None:
+    """`stasis dump --container ID`: a checkpoint of a container under stasis on this node;
+    it is stopped (killed once the checkpoint is published) unless --leave-running."""
+    from stasis.k8s.runc import validate_container_id
+
+    validate_container_id(container_id)
+    with client:
+        answer = client.request("POST", f"/k8s/containers/{container_id}/checkpoint",
+                                {"reason": "manual" if leave_running else "stop"})
+    if as_json:
+        output.emit_json(answer)
+        return
+    then = "stopped; it resumes from it when created again" if answer["stopped"] \
+        else "still running"
+    output.say(f"checkpoint {answer['checkpoint']} of container {container_id} "
+               f"(label {answer['label']}, namespace {answer['namespace']}, "
+               f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s); container {then}")
+
+
+def add_k8s(commands: Any) -> None:
+    top = commands.add_parser("k8s", help="Kubernetes integration: a private containerd with "
+                                          "the stasis runtime.")
+    sub = subcommands(top)
+    local = sub.add_parser("local-node", help="A private containerd (own root, state and "
+                                              "socket) with the stasis runtime, and a daemon.")
+    lsub = subcommands(local)
+    p = lsub.add_parser("up", help="Start it; `ctr -a ADDRESS -n NAMESPACE run --runtime "
+                                   "RUNTIME ...` then runs containers through stasis.")
+    _dir_option(p)
+    p.add_argument("--store", default="", help="Checkpoint store (default: DIR/stasis/store).")
+    add_json(p, 'Print {"containerd_address": PATH, "runtime": NAME, "namespace": NS, ...}.')
+    p.set_defaults(handler=up)
+    p = lsub.add_parser("down", help="Kill its containers, stop containerd and the daemon "
+                                     "(the directory and its logs stay).")
+    _dir_option(p)
+    p.set_defaults(handler=down)
+
+
+def _dir_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", dest="root", type=Path, default=Path("/tmp/stasis-local-node"),
+                   help="The node's private directory (default: %(default)s).")
+
+
+def up(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.k8s import localnode
+
+    lay = localnode.up(args.root, store=args.store)
+    info = lay.describe()
+    if args.json:
+        output.emit_json(info)
+    else:
+        output.say(f"local node up in {lay.root}\n  ctr -a {info['containerd_address']} -n "
+                   f"{info['namespace']} run --runtime {info['runtime']} IMAGE ID ...")
+
+
+def down(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.k8s import localnode
+
+    localnode.down(args.root)
+    output.say(f"local node in {args.root} is down")

@@ -1,0 +1,353 @@
+"""The daemon's side of containers: checkpoint one (on its stop, every interval, by hand),
+prepare its restore from its label's newest good checkpoint, remember the opted-in ones.
+
+Only root may call these (the runtime wrapper runs as root in containerd's shim). A container's
+checkpoints are stored under its namespace (owner `k8s:<namespace>`, an owner uid of its own:
+runc.namespace_uid), so a label never reaches across namespaces; a restore also checks the
+namespace recorded in the manifest. Registrations are rows of the daemon's database (table
+`k8s_containers`): intervals and `stasis dump --container` survive a restart of the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
+
+from stasis.daemon.jobs import JobManager
+from stasis.daemon.users import Caller
+from stasis.errors import (
+    ContainerError,
+    NotFoundError,
+    PermissionDeniedError,
+    StasisError,
+    UsageError,
+)
+from stasis.k8s import rootfs
+from stasis.k8s.models import (
+    CheckpointAnswer,
+    CheckpointRequest,
+    ContainerInfo,
+    ContainerRef,
+    Forgotten,
+    RegisterRequest,
+    RestoreDoneRequest,
+    RestorePlan,
+    RestoreRequest,
+)
+from stasis.k8s.runc import Bundle, Runc, read_bundle, real_runc, validate_abs_path, \
+    validate_container_id
+from stasis.store import CheckpointInfo, Manifest, new_checkpoint_id, validate_label
+
+log = logging.getLogger("stasis.daemon")
+
+_metadata = MetaData()
+k8s_containers_table = Table(
+    "k8s_containers",
+    _metadata,
+    Column("container_id", String(1024), primary_key=True),
+    Column("runc_root", Text, nullable=False),
+    Column("bundle", Text, nullable=False),
+    Column("label", String(128), nullable=False),
+    Column("namespace", String(253), nullable=False),
+    Column("pod", Text, nullable=True),
+    Column("interval_s", Integer, nullable=False),
+    Column("restored_from", String(32), nullable=True),
+    Column("last_checkpoint", String(32), nullable=True),
+    Column("last_checkpoint_at", Integer, nullable=True),
+    Column("registered", String(32), nullable=False),
+)
+
+# A restore plan whose wrapper never said how it went is dropped after this long.
+_PLAN_TTL_S = 600.0
+
+
+def _root_only(caller: Caller) -> None:
+    if not caller.is_root:
+        raise PermissionDeniedError("permission denied: only root (the container runtime) acts "
+                                    "on containers")
+
+
+class Containers:
+    def __init__(self, manager: JobManager) -> None:
+        self.manager = manager
+        self.db = manager.db
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        # Restores under way: the images stay open (fetched, verified) until the wrapper's
+        # `runc restore` is done with them.
+        self._plans: dict[str, tuple[contextlib.ExitStack, float]] = {}
+
+    # -- the registry ---------------------------------------------------------------------
+
+    def register(self, req: RegisterRequest, caller: Caller) -> ContainerInfo:
+        _root_only(caller)
+        cid = validate_container_id(req.container_id)
+        root = validate_abs_path(req.runc_root, "runc root")
+        bundle = read_bundle(validate_abs_path(req.bundle, "bundle"), cid)
+        if bundle.label is None:
+            raise UsageError(f"container {cid} has no STASIS_CHECKPOINT: nothing to protect")
+        validate_label(bundle.label)
+        row = {"container_id": cid, "runc_root": str(root), "bundle": str(bundle.path),
+               "label": bundle.label, "namespace": bundle.namespace, "pod": bundle.pod,
+               "interval_s": bundle.interval_s, "restored_from": req.restored_from,
+               "last_checkpoint": None,
+               "last_checkpoint_at": int(time.time()),
+               "registered": datetime.now(UTC).isoformat(timespec="seconds")}
+        with self.db.transaction() as conn:
+            conn.execute(delete(k8s_containers_table).where(
+                k8s_containers_table.c.container_id == cid))
+            conn.execute(insert(k8s_containers_table).values(**row))
+        return _info(row)
+
+    def _row(self, container_id: str) -> dict[str, Any] | None:
+        with self.db.transaction() as conn:
+            r = conn.execute(select(k8s_containers_table).where(
+                k8s_containers_table.c.container_id == container_id)).mappings().first()
+        return dict(r) if r is not None else None
+
+    def _set(self, container_id: str, **values: Any) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(update(k8s_containers_table).where(
+                k8s_containers_table.c.container_id == container_id).values(**values))
+
+    def all(self, caller: Caller) -> list[ContainerInfo]:
+        _root_only(caller)
+        with self.db.transaction() as conn:
+            rows = conn.execute(select(k8s_containers_table)).mappings().all()
+        return [_info(dict(r)) for r in rows]
+
+    def forget(self, container_id: str, caller: Caller) -> Forgotten:
+        _root_only(caller)
+        validate_container_id(container_id)
+        self._drop_plan(container_id)
+        with self.db.transaction() as conn:
+            n = conn.execute(delete(k8s_containers_table).where(
+                k8s_containers_table.c.container_id == container_id)).rowcount
+        return Forgotten(container_id=container_id, forgotten=bool(n))
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _lock(self, container_id: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(container_id, threading.Lock())
+
+    def checkpoint(self, container_id: str, req: CheckpointRequest, caller: Caller
+                   ) -> CheckpointAnswer:
+        _root_only(caller)
+        validate_container_id(container_id)
+        row = self._row(container_id)
+        if req.runc_root:
+            root = validate_abs_path(req.runc_root, "runc root")
+        elif row is not None:
+            root = Path(row["runc_root"])
+        else:
+            raise NotFoundError(f"no container {container_id} under stasis on this node")
+        timeout = req.timeout_s or float(self.manager.settings.k8s_stop_timeout_s)
+        lock = self._lock(container_id)
+        # A stop waits for an interval checkpoint under way (it is nearly done); a second
+        # interval or manual one is refused.
+        if not lock.acquire(timeout=timeout if req.reason == "stop" else 0):
+            raise UsageError(f"a checkpoint of container {container_id} is already being taken")
+        try:
+            return self._checkpoint(container_id, root, req.reason, timeout)
+        finally:
+            lock.release()
+
+    def _checkpoint(self, container_id: str, root: Path, reason: str, timeout_s: float
+                    ) -> CheckpointAnswer:
+        m = self.manager
+        runc = Runc(real_runc(m.settings.runc), root, m.criu.path)
+        state = runc.state(container_id)
+        if state.get("status") not in ("running", "paused"):
+            raise UsageError(f"container {container_id} is {state.get('status')}: only a "
+                             "running container can be checkpointed")
+        bundle = read_bundle(Path(str(state.get("bundle"))), container_id)
+        if bundle.label is None:
+            raise UsageError(f"container {container_id} has no STASIS_CHECKPOINT")
+        label = validate_label(bundle.label)
+        started = time.monotonic()
+        created = datetime.now(UTC)
+        cid = new_checkpoint_id(created)
+        store = m.store
+        data_key = store.new_data_key(cid) if m.settings.encrypt else None
+        staging = store.staging_dir(cid)
+        work = Path(tempfile.mkdtemp(prefix=f"runc-{cid}-", dir=m.criu_logs))
+        runc.run("pause", container_id, timeout_s=10)
+        paused = True
+        try:
+            try:
+                runc.checkpoint(container_id, staging, work, timeout_s)
+                rootfs.capture(bundle.rootfs, staging / rootfs.DIFF_NAME)
+            except BaseException:
+                store.discard(cid)
+                raise
+            if reason != "stop":
+                paused = not _resume(runc, container_id)
+            info = CheckpointInfo(
+                id=cid, label=label, job=f"container {container_id}", host=m.settings.node,
+                created=created, criu_version=m.criu_version(m.criu), command=bundle.args,
+                cwd=bundle.cwd, user=f"k8s:{bundle.namespace}", uid=bundle.uid, gid=bundle.uid,
+                extra={"k8s": {"namespace": bundle.namespace, "pod": bundle.pod,
+                               "container": bundle.name, "container_id": container_id,
+                               "reason": reason, "runtime": "runc"}},
+            )
+            manifest = store.publish(info, "none", data_key=data_key)
+        except BaseException:
+            if paused:
+                _resume(runc, container_id)
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        stopped = False
+        if reason == "stop":
+            # Killed while still frozen: it never runs past its checkpoint.
+            try:
+                runc.run("kill", container_id, str(int(signal.SIGKILL)), timeout_s=10)
+                stopped = True
+            finally:
+                _resume(runc, container_id)
+        self._set(container_id, last_checkpoint=manifest.id,
+                  last_checkpoint_at=int(time.time()))
+        log.info("container %s (%s): checkpoint %s of label %s (%s, %.2f s)", container_id,
+                 bundle.namespace, manifest.id, label, reason, time.monotonic() - started)
+        return CheckpointAnswer(checkpoint=manifest.id, label=label, container_id=container_id,
+                                namespace=bundle.namespace, size_bytes=manifest.size_bytes,
+                                duration_s=round(time.monotonic() - started, 4),
+                                stopped=stopped)
+
+    def checkpoint_due(self) -> None:
+        """Every container with STASIS_INTERVAL whose last checkpoint is that old: another."""
+        now = time.time()
+        with self.db.transaction() as conn:
+            rows = conn.execute(select(k8s_containers_table).where(
+                k8s_containers_table.c.interval_s > 0)).mappings().all()
+        for row in rows:
+            if now - (row["last_checkpoint_at"] or 0) < row["interval_s"]:
+                continue
+            try:
+                self.checkpoint(row["container_id"], CheckpointRequest(reason="interval"),
+                                Caller(pid=0, uid=0, gid=0))
+            except StasisError as e:
+                self._set(row["container_id"], last_checkpoint_at=int(now))
+                log.warning("interval checkpoint of container %s failed: %s",
+                            row["container_id"], e)
+
+    # -- restores -------------------------------------------------------------------------
+
+    def plan_restore(self, req: RestoreRequest, caller: Caller) -> RestorePlan:
+        """Fetch and verify the newest good checkpoint of the container's label, put its
+        writable layer into the new root, and say where its images are (kept until
+        `restore_done`). A checkpoint that fails verification is skipped for the one before."""
+        _root_only(caller)
+        cid = validate_container_id(req.container_id)
+        bundle = read_bundle(validate_abs_path(req.bundle, "bundle"), cid)
+        if bundle.label is None:
+            raise UsageError(f"container {cid} has no STASIS_CHECKPOINT")
+        label = validate_label(bundle.label)
+        notes: list[str] = []
+        self._drop_plan(cid)
+        for manifest in self._candidates(label, bundle, notes):
+            stack = contextlib.ExitStack()
+            try:
+                _, images = stack.enter_context(
+                    self.manager.store.open_images(manifest.id, self.manager.scratch))
+                work = Path(tempfile.mkdtemp(prefix=f"runc-restore-{manifest.id}-",
+                                             dir=self.manager.criu_logs))
+                stack.callback(shutil.rmtree, work, True)
+                diff = images / rootfs.DIFF_NAME
+                if diff.exists():
+                    rootfs.apply(diff, bundle.rootfs)
+            except StasisError as e:
+                stack.close()
+                notes.append(f"checkpoint {manifest.id} skipped: {e}")
+                log.warning("container %s: checkpoint %s skipped: %s", cid, manifest.id, e)
+                continue
+            except BaseException:
+                stack.close()
+                raise
+            self._plans[cid] = (stack, time.monotonic())
+            return RestorePlan(checkpoint=manifest.id, label=label, images_dir=str(images),
+                               work_dir=str(work), notes=notes)
+        return RestorePlan(checkpoint=None, label=label, images_dir=None, work_dir=None,
+                           notes=notes or [f"no checkpoint of label {label} in namespace "
+                                           f"{bundle.namespace} yet"])
+
+    def _candidates(self, label: str, bundle: Bundle, notes: list[str]) -> list[Manifest]:
+        store = self.manager.store
+        try:
+            newest = [store.latest(label, uid=bundle.uid)]
+        except NotFoundError:
+            return []
+        except StasisError as e:
+            notes.append(f"the newest checkpoint of label {label} cannot be read: {e}")
+            newest = []
+        try:
+            # The rest only matter when the newest fails: listing reads every manifest.
+            rest = [m for m in store.list(label, uid=bundle.uid) if not newest
+                    or m.id != newest[0].id]
+        except StasisError as e:
+            notes.append(f"the checkpoints of label {label} cannot be listed: {e}")
+            rest = []
+        rest.sort(key=lambda m: m.created, reverse=True)
+        ok = []
+        for m in newest + rest:
+            ns = (m.extra.get("k8s") or {}).get("namespace")
+            if ns != bundle.namespace:
+                notes.append(f"checkpoint {m.id} belongs to namespace {ns}, not "
+                             f"{bundle.namespace}: refused")
+                continue
+            ok.append(m)
+        return ok
+
+    def restore_done(self, container_id: str, req: RestoreDoneRequest, caller: Caller
+                     ) -> Forgotten:
+        _root_only(caller)
+        validate_container_id(container_id)
+        had = self._drop_plan(container_id)
+        if not req.ok:
+            log.warning("container %s: runc restore failed: %s", container_id, req.error)
+        return Forgotten(container_id=container_id, forgotten=had)
+
+    def _drop_plan(self, container_id: str) -> bool:
+        plan = self._plans.pop(container_id, None)
+        if plan is not None:
+            plan[0].close()
+        return plan is not None
+
+    def sweep(self) -> None:
+        """Plans whose wrapper died before saying how the restore went."""
+        now = time.monotonic()
+        for cid, (_, since) in list(self._plans.items()):
+            if now - since > _PLAN_TTL_S:
+                self._drop_plan(cid)
+
+    def close(self) -> None:
+        for cid in list(self._plans):
+            self._drop_plan(cid)
+
+
+def _resume(runc: Runc, container_id: str) -> bool:
+    try:
+        runc.run("resume", container_id, timeout_s=10)
+        return True
+    except ContainerError as e:
+        log.debug("resume of container %s: %s", container_id, e)
+        return False
+
+
+def _info(row: dict[str, Any]) -> ContainerInfo:
+    return ContainerInfo(container_id=row["container_id"], runc_root=row["runc_root"],
+                         bundle=row["bundle"], label=row["label"], namespace=row["namespace"],
+                         pod=row["pod"], interval_s=row["interval_s"],
+                         restored_from=row["restored_from"],
+                         last_checkpoint=row["last_checkpoint"], registered=row["registered"])

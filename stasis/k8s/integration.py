@@ -1,0 +1,84 @@
+"""The Kubernetes integration of the node daemon: its routes, its table, its tasks.
+
+    GET  /k8s/containers                      the containers under stasis on this node
+    POST /k8s/containers                      {runc_root, container_id, bundle[, restored_from]}:
+                                              the wrapper registers a started container
+    POST /k8s/containers/{id}/checkpoint      {reason: stop|interval|manual[, runc_root,
+                                              timeout_s]}; stop kills it once published
+    POST /k8s/containers/{id}/forget          the container was deleted
+    POST /k8s/restores                        {runc_root, container_id, bundle}: a restore plan
+                                              (images ready, writable layer put back) or none
+    POST /k8s/restores/{id}/done              {ok, error}: the wrapper's runc restore ended
+
+All of them are root's (containerd's shim runs the wrapper as root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from aiohttp import web
+from sqlalchemy import Table
+
+from stasis.daemon.http import answer, peer, read_body
+from stasis.daemon.integration import Integration, Task
+from stasis.daemon.jobs import JobManager
+from stasis.k8s.containers import Containers, k8s_containers_table
+from stasis.k8s.models import CheckpointRequest, RegisterRequest, RestoreDoneRequest, \
+    RestoreRequest
+
+
+class K8sIntegration(Integration):
+    name = "k8s"
+
+    def __init__(self, manager: JobManager) -> None:
+        super().__init__(manager)
+        self.containers = Containers(manager)
+
+    def tables(self) -> Sequence[Table]:
+        return [k8s_containers_table]
+
+    def tasks(self) -> Sequence[Task]:
+        return [Task("interval checkpoints of containers", 1.0, self.containers.checkpoint_due),
+                Task("forget abandoned container restores", 60.0, self.containers.sweep)]
+
+    def close(self) -> None:
+        self.containers.close()
+
+    def routes(self) -> Sequence[web.RouteDef]:
+        c = self.containers
+
+        async def all_containers(request: web.Request) -> web.StreamResponse:
+            return answer(await asyncio.to_thread(c.all, peer(request)))
+
+        async def register(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, RegisterRequest)
+            return answer(await asyncio.to_thread(c.register, req, peer(request)))
+
+        async def checkpoint(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, CheckpointRequest)
+            return answer(await asyncio.to_thread(c.checkpoint, request.match_info["id"], req,
+                                                  peer(request)))
+
+        async def forget(request: web.Request) -> web.StreamResponse:
+            return answer(await asyncio.to_thread(c.forget, request.match_info["id"],
+                                                  peer(request)))
+
+        async def plan_restore(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, RestoreRequest)
+            return answer(await asyncio.to_thread(c.plan_restore, req, peer(request)))
+
+        async def restore_done(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, RestoreDoneRequest)
+            return answer(await asyncio.to_thread(c.restore_done, request.match_info["id"], req,
+                                                  peer(request)))
+
+        return [
+            web.get("/k8s/containers", all_containers),
+            web.post("/k8s/containers", register),
+            web.post("/k8s/containers/{id}/checkpoint", checkpoint),
+            web.post("/k8s/containers/{id}/forget", forget),
+            web.post("/k8s/restores", plan_restore),
+            web.post("/k8s/restores/{id}/done", restore_done),
+        ]

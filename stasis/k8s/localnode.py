@@ -1,0 +1,154 @@
+"""`stasis k8s local-node up|down --dir D`: a private containerd with the stasis runtime
+installed as the node agent installs it (stasis.k8s.shim), and a stasis daemon for it.
+
+    D/containerd/   config.toml, root, state, containerd.sock, containerd.log
+    D/bin/          containerd-shim-stasis-v2, runc-wrapper/runc (first on containerd's PATH)
+    D/stasis/       config.toml, daemon socket, state, checkpoint store, daemon log
+
+Containers are started with `ctr -a D/containerd/containerd.sock -n stasis run --runtime
+io.containerd.stasis.v2 ...`. Nothing outside D is touched, except runc's state under
+/run/containerd/runc/<namespace> (the shim puts it there) and the mounts of running containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stasis.daemon import detached
+from stasis.errors import ContainerError, UsageError
+from stasis.k8s import shim
+
+NAMESPACE = "stasis"
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def containerd(self) -> Path:
+        return self.root / "containerd"
+
+    @property
+    def address(self) -> Path:
+        return self.containerd / "containerd.sock"
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "bin"
+
+    @property
+    def stasis(self) -> Path:
+        return self.root / "stasis"
+
+    @property
+    def stasis_config(self) -> Path:
+        return self.stasis / "config.toml"
+
+    @property
+    def stasis_socket(self) -> Path:
+        return self.stasis / "stasis.sock"
+
+    def describe(self) -> dict[str, Any]:
+        return {"containerd_address": str(self.address), "runtime": shim.RUNTIME_TYPE,
+                "namespace": NAMESPACE, "stasis_socket": str(self.stasis_socket),
+                "stasis_config": str(self.stasis_config), "dir": str(self.root)}
+
+
+def _q(value: str) -> str:
+    return json.dumps(value)  # a TOML basic string
+
+
+def containerd_config(lay: Layout) -> str:
+    c = lay.containerd
+    return (
+        "version = 2\n"
+        f"root = {_q(str(c / 'root'))}\n"
+        f"state = {_q(str(c / 'state'))}\n"
+        # No kubelet talks CRI here; the runtime entry is written as on a node all the same.
+        'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+        "[grpc]\n"
+        f"  address = {_q(str(lay.address))}\n"
+        "[ttrpc]\n"
+        f"  address = {_q(str(lay.address) + '.ttrpc')}\n"
+        "[debug]\n"
+        f"  address = {_q(str(c / 'debug.sock'))}\n"
+        + shim.cri_runtime_entry()
+    )
+
+
+def up(root: Path, store: str = "") -> Layout:
+    if os.geteuid() != 0:
+        raise UsageError("k8s local-node up must run as root (it starts containerd)")
+    for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
+        if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin:/usr/local/bin"):
+            raise UsageError(f"{tool} is not installed; run `make install` "
+                             "(scripts/install-containers.sh)")
+    lay = Layout(root.absolute())
+    if detached.alive(detached.read_pid(lay.containerd / "containerd.pid")):
+        raise UsageError(f"a local node is already running in {lay.root}; "
+                         "`stasis k8s local-node down` first")
+    for d in (lay.root, lay.containerd, lay.bin, lay.stasis):
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o755)
+    lay.stasis_config.write_text(
+        f"socket = {_q(str(lay.stasis_socket))}\n"
+        f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
+        f"store = {_q(store or str(lay.stasis / 'store'))}\n"
+    )
+    shim.install(lay.bin, lay.stasis_config)
+    (lay.containerd / "config.toml").write_text(containerd_config(lay))
+    env = {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+           "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
+    try:
+        log = lay.stasis / "daemon.log"
+        pid = detached.start([*detached.stasis_command(), "daemon"], lay.stasis / "daemon.pid",
+                             log, env)
+        detached.wait_listening(pid, lay.stasis_socket, log, 20,
+                                lambda why: ContainerError(f"the stasis daemon did not start: "
+                                                           f"{why}"))
+        clog = lay.containerd / "containerd.log"
+        pid = detached.start(["containerd", "--config", str(lay.containerd / "config.toml")],
+                             lay.containerd / "containerd.pid", clog, env)
+        detached.wait_listening(pid, lay.address, clog, 20,
+                                lambda why: ContainerError(f"containerd did not start: {why}"))
+    except BaseException:
+        down(lay.root)
+        raise
+    return lay
+
+
+def _ctr(lay: Layout, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ctr", "-a", str(lay.address), "-n", NAMESPACE, *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def down(root: Path) -> None:
+    """Kill and delete every container, stop containerd and the daemon. D stays (logs)."""
+    lay = Layout(root.absolute())
+    cpid = detached.read_pid(lay.containerd / "containerd.pid")
+    if detached.alive(cpid):
+        for task in _ctr(lay, "tasks", "ls", "-q").stdout.split():
+            _ctr(lay, "tasks", "delete", "-f", task)  # -f: SIGKILL first
+        for c in _ctr(lay, "containers", "ls", "-q").stdout.split():
+            _ctr(lay, "containers", "delete", c)
+    detached.stop(cpid)
+    detached.stop(detached.read_pid(lay.stasis / "daemon.pid"))
+    _unmount_under(lay.root)
+
+
+def _unmount_under(root: Path) -> None:
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return
+    points = [line.split(" ")[4] for line in lines]
+    prefix = str(root) + "/"
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)

@@ -1,0 +1,76 @@
+"""What the daemon's /k8s routes take (pydantic, validated) and answer (typed dicts)."""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContainerRef(_Model):
+    """A container as the shim names it to runc: the runc root and the container id."""
+
+    runc_root: str
+    container_id: str
+
+
+class RegisterRequest(ContainerRef):
+    bundle: str
+    restored_from: str | None = None
+
+
+class RestoreRequest(ContainerRef):
+    bundle: str
+
+
+class RestoreDoneRequest(_Model):
+    ok: bool
+    error: str = ""
+
+
+class CheckpointRequest(_Model):
+    # stop: the container is being stopped; it is killed once the checkpoint is published
+    # (and left running when the checkpoint fails). interval / manual: it goes on running.
+    reason: Literal["stop", "interval", "manual"] = "manual"
+    runc_root: str = ""  # "" = where the container was registered
+    timeout_s: float = 0  # 0 = the daemon's k8s_stop_timeout_s
+
+
+class CheckpointAnswer(TypedDict):
+    checkpoint: str
+    label: str
+    container_id: str
+    namespace: str
+    size_bytes: int
+    duration_s: float
+    stopped: bool
+
+
+class RestorePlan(TypedDict):
+    checkpoint: str | None  # None: nothing to restore, start fresh
+    label: str
+    images_dir: str | None
+    work_dir: str | None
+    notes: list[str]  # what the container's log should say (skipped checkpoints, why fresh)
+
+
+class ContainerInfo(TypedDict):
+    container_id: str
+    runc_root: str
+    bundle: str
+    label: str
+    namespace: str
+    pod: str | None
+    interval_s: int
+    restored_from: str | None
+    last_checkpoint: str | None
+    registered: str
+
+
+class Forgotten(TypedDict):
+    container_id: str
+    forgotten: bool
