@@ -13,11 +13,13 @@ EDITABLE := --config-settings editable_mode=compat -e
 
 install: system venv proto bytecode init
 
-# CRIU >= 4.2 (built from Debian's source with our patches), tini, iptables, build tools.
+# CRIU >= 4.2 (built from Debian's source with our patches), tini, iptables, build tools;
+# Slurm; the test applications; containerd and runc.
 system:
 	bash scripts/install-criu.sh
 	bash scripts/install-slurm.sh
 	bash scripts/install-test-apps.sh
+	bash scripts/install-containers.sh
 
 venv: $(BIN)/stasis
 

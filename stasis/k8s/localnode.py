@@ -104,15 +104,9 @@ def up(root: Path, store: str = "") -> Layout:
     )
     shim.install(lay.bin, lay.stasis_config)
     (lay.containerd / "config.toml").write_text(containerd_config(lay))
-    env = {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-           "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
+    env = _env(lay)
     try:
-        log = lay.stasis / "daemon.log"
-        pid = detached.start([*detached.stasis_command(), "daemon"], lay.stasis / "daemon.pid",
-                             log, env)
-        detached.wait_listening(pid, lay.stasis_socket, log, 20,
-                                lambda why: ContainerError(f"the stasis daemon did not start: "
-                                                           f"{why}"))
+        start_daemon(lay)
         clog = lay.containerd / "containerd.log"
         pid = detached.start(["containerd", "--config", str(lay.containerd / "config.toml")],
                              lay.containerd / "containerd.pid", clog, env)
@@ -122,6 +116,20 @@ def up(root: Path, store: str = "") -> Layout:
         down(lay.root)
         raise
     return lay
+
+
+def _env(lay: Layout) -> dict[str, str]:
+    return {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
+
+
+def start_daemon(lay: Layout) -> None:
+    """Start the node's stasis daemon (again, after it was stopped)."""
+    log = lay.stasis / "daemon.log"
+    pid = detached.start([*detached.stasis_command(), "daemon"], lay.stasis / "daemon.pid",
+                         log, _env(lay))
+    detached.wait_listening(pid, lay.stasis_socket, log, 20,
+                            lambda why: ContainerError(f"the stasis daemon did not start: {why}"))
 
 
 def _ctr(lay: Layout, *args: str) -> subprocess.CompletedProcess[str]:

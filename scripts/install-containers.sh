@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# install-containers.sh: what the Kubernetes integration runs on and is tested with.
+#
+# Run as root on Debian 12 or 13. Idempotent: packages already installed are not touched.
+#   containerd       containerd and its runc shim (containerd-shim-runc-v2), which runs
+#                    stasis-runc in front of runc; tests start a private one (`stasis k8s
+#                    local-node up`), the package's own service is not used
+#   runc             the OCI runtime; it drives our CRIU (/usr/local/sbin/criu) for containers
+#   busybox-static   the tests' container image is built from it (no registry is reachable)
+# --no-install-recommends: runc recommends Debian's criu, which is older than ours.
+set -euo pipefail
+
+PACKAGES=(containerd runc busybox-static)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+    echo "install-containers: all packages present"
+    exit 0
+fi
+echo "install-containers: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -1,0 +1,141 @@
+"""A real containerd with the stasis runtime (`stasis k8s local-node up`) and a busybox image
+built here from Debian's busybox-static as an OCI archive (no registry is reachable)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from stasis.k8s import localnode
+from tests.conftest import STASIS
+
+IMAGE = "stasis.test/busybox:1"
+BUSYBOX = "/usr/bin/busybox"
+APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true")
+
+
+def _blob(layout: Path, data: bytes) -> tuple[str, int]:
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    return f"sha256:{digest}", len(data)
+
+
+def busybox_archive(out: Path) -> Path:
+    """An OCI image archive (index.json, oci-layout, blobs) of busybox with a few applets."""
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for d in ("bin", "tmp", "data"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(info)
+        tar.add(BUSYBOX, arcname="bin/busybox")
+        for applet in APPLETS:
+            info = tarfile.TarInfo(f"bin/{applet}")
+            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+            tar.addfile(info)
+    layer_bytes = layer.getvalue()
+    layout = out.with_suffix(".d")
+    layout.mkdir(parents=True, exist_ok=True)
+    layer_digest, layer_size = _blob(layout, layer_bytes)
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
+              "rootfs": {"type": "layers",
+                         "diff_ids": [f"sha256:{hashlib.sha256(layer_bytes).hexdigest()}"]}}
+    config_digest, config_size = _blob(layout, json.dumps(config).encode())
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           "digest": config_digest, "size": config_size},
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                            "digest": layer_digest, "size": layer_size}]}
+    manifest_digest, manifest_size = _blob(layout, json.dumps(manifest).encode())
+    index = {"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest,
+        "size": manifest_size, "annotations": {"org.opencontainers.image.ref.name": IMAGE}}]}
+    (layout / "index.json").write_text(json.dumps(index))
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    with tarfile.open(out, "w") as tar:
+        for entry in sorted(os.listdir(layout)):
+            tar.add(layout / entry, arcname=entry)
+    return out
+
+
+class Node:
+    """The local node, driven with `ctr` the way the kubelet drives containerd's tasks."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.lay = localnode.Layout(root)
+        self.info: dict[str, Any] = {}
+
+    def up(self) -> None:
+        r = subprocess.run([STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "STASIS_CONFIG": ""})
+        assert r.returncode == 0, r.stderr + r.stdout
+        self.info = json.loads(r.stdout)
+        archive = busybox_archive(self.root / "busybox.tar")
+        r = self.ctr("images", "import", str(archive))
+        assert r.returncode == 0, r.stderr
+
+    def down(self) -> None:
+        subprocess.run([STASIS, "k8s", "local-node", "down", "--dir", str(self.root)],
+                       capture_output=True, text=True, timeout=120)
+
+    def restart_daemon(self) -> None:
+        localnode.start_daemon(self.lay)
+
+    def ctr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ctr", "-a", self.info["containerd_address"], "-n",
+                               self.info["namespace"], *args], capture_output=True, text=True,
+                              timeout=timeout_s)
+
+    def stasis(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([STASIS, *args], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "STASIS_CONFIG": self.info["stasis_config"]})
+
+    def run(self, cid: str, script: str, env: dict[str, str] | None = None,
+            runtime: str | None = None) -> Path:
+        """Create and start a container (detached); its log file."""
+        log = self.root / f"{cid}-{time.monotonic_ns()}.log"
+        envs = [f"--env={k}={v}" for k, v in (env or {}).items()]
+        r = self.ctr("run", "-d", f"--log-uri=file://{log}",
+                     f"--runtime={runtime or self.info['runtime']}", *envs, IMAGE, cid,
+                     "/bin/sh", "-c", script)
+        assert r.returncode == 0, r.stderr
+        return log
+
+    def status(self, cid: str) -> str | None:
+        for line in self.ctr("tasks", "ls").stdout.splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0] == cid:
+                return fields[-1]
+        return None
+
+    def stop(self, cid: str, grace_s: float = 30) -> None:
+        """As the kubelet stops a container: TERM, the grace period, then KILL."""
+        self.ctr("tasks", "kill", "-s", "SIGTERM", cid, timeout_s=grace_s + 30)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.status(cid) != "STOPPED":
+            time.sleep(0.1)
+        if self.status(cid) != "STOPPED":
+            self.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+
+    def remove(self, cid: str) -> None:
+        self.ctr("tasks", "delete", "-f", cid)
+        self.ctr("containers", "delete", cid)
+
+    def run_attached(self, cid: str, script: str, env: dict[str, str] | None = None,
+                     runtime: str | None = None, timeout_s: float = 60
+                     ) -> subprocess.CompletedProcess[str]:
+        """`ctr run --rm` in the foreground: its exit code and output are the container's."""
+        envs = [f"--env={k}={v}" for k, v in (env or {}).items()]
+        return self.ctr("run", "--rm", f"--runtime={runtime or self.info['runtime']}", *envs,
+                        IMAGE, cid, "/bin/sh", "-c", script, timeout_s=timeout_s)

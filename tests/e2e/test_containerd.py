@@ -1,0 +1,147 @@
+"""Containers through containerd's real runc shim with the stasis runtime (`stasis k8s
+local-node`): the way the kubelet stops, deletes and creates them again, driven with `ctr`."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stasis.daemon import detached
+from tests.conftest import wait_for
+from tests.e2e.containerd_node import Node
+
+# Counts in memory (never re-read from disk), writes a token into its own filesystem once.
+COUNTER = ("echo token-$0 > /data/made; i=0; while :; do i=$((i+1)); echo n=$i; "
+           "sleep 0.1; done")
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    root = Path(tempfile.mkdtemp(prefix="stasis-node-"))
+    n = Node(root)
+    try:
+        n.up()
+        yield n
+    finally:
+        n.down()
+
+
+def numbers(log: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
+
+
+def counter(node: Node, cid: str, label: str, token: str = "x") -> Path:
+    return node.run(cid, COUNTER.replace("$0", token), env={"STASIS_CHECKPOINT": label})
+
+
+def test_a_stopped_container_created_again_continues_its_count_and_keeps_its_files(
+        node: Node) -> None:
+    label, token = f"count-{secrets.token_hex(3)}", secrets.token_hex(4)
+    log = counter(node, "c-count", label, token)
+    wait_for(lambda: len(numbers(log)) >= 8, 20, "the counter to count")
+    node.stop("c-count")
+    assert node.status("c-count") == "STOPPED"
+    before = numbers(log)
+    listed = node.stasis("checkpoints", "--json")
+    assert listed.returncode == 0, listed.stderr
+    mine = [c for c in json.loads(listed.stdout) if c["label"] == label]
+    assert [c["user"] for c in mine] == ["k8s:stasis"]
+    node.remove("c-count")
+
+    # Created again from the same spec, in a new container (new rootfs snapshot).
+    log2 = counter(node, "c-count", label, "second-start")
+    wait_for(lambda: len(numbers(log2)) >= 3, 20, "the restored counter to count")
+    after = numbers(log2)
+    assert "stasis: restored from checkpoint" in log2.read_text()
+    assert after[0] == before[-1] + 1, (before[-3:], after[:3])
+    made = node.ctr("tasks", "exec", "--exec-id", "cat1", "c-count", "/bin/cat", "/data/made")
+    assert made.stdout.strip() == f"token-{token}", made.stderr
+    node.stop("c-count")
+    node.remove("c-count")
+
+
+def test_a_container_without_the_variable_is_runc_s_alone(node: Node) -> None:
+    script = "echo out; echo err >&2; echo hi > /tmp/f; cat /tmp/f; exit 7"
+    ours = node.run_attached("c-plain", script)
+    plain = node.run_attached("c-plain-runc", script, runtime="io.containerd.runc.v2")
+    assert (ours.returncode, ours.stdout, ours.stderr) == \
+        (plain.returncode, plain.stdout, plain.stderr) == (7, "out\nhi\n", "err\n")
+    # Its stop signal reaches it (no checkpoint is taken): TERM ends it as with runc.
+    log = node.run("c-plain-term", "trap 'echo got-term; exit 3' TERM; "
+                   "while :; do sleep 0.1; done")
+    wait_for(lambda: node.status("c-plain-term") == "RUNNING", 10, "the container to run")
+    node.stop("c-plain-term")
+    wait_for(lambda: "got-term" in log.read_text(), 10, "the trap to run")
+    node.remove("c-plain-term")
+    assert node.stasis("checkpoints").stdout.count("c-plain") == 0
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(node: Node) -> None:
+    label = f"fallback-{secrets.token_hex(3)}"
+    log = counter(node, "c-fb", label)
+    wait_for(lambda: len(numbers(log)) >= 3, 20, "the counter to count")
+    first = node.stasis("dump", "--container", "c-fb", "--leave-running", "--json")
+    assert first.returncode == 0, first.stderr
+    wait_for(lambda: len(numbers(log)) >= 15, 20, "the counter to go on")
+    node.stop("c-fb")
+    newest = numbers(log)[-1]
+    node.remove("c-fb")
+    store = Path(node.info["dir"]) / "stasis" / "store"
+    ids = sorted(p.name for p in store.iterdir() if p.name[:1].isdigit()
+                 and label in (p / "manifest.json").read_text())
+    assert len(ids) == 2
+    pages = max((store / ids[-1]).glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+
+    log2 = counter(node, "c-fb", label)
+    wait_for(lambda: len(numbers(log2)) >= 2, 20, "the restored counter")
+    text = log2.read_text()
+    assert f"checkpoint {ids[-1]} skipped" in text, text[:500]
+    assert f"restored from checkpoint {ids[0]}" in text
+    assert numbers(log2)[0] < newest  # from the older checkpoint, not fresh
+    assert numbers(log2)[0] > 1
+    node.stop("c-fb")
+    node.remove("c-fb")
+
+
+def test_without_a_daemon_a_container_starts_fresh_and_says_so(node: Node) -> None:
+    label = f"nodaemon-{secrets.token_hex(3)}"
+    pid_file = Path(node.info["dir"]) / "stasis" / "daemon.pid"
+    detached.stop(detached.read_pid(pid_file))
+    try:
+        log = counter(node, "c-nod", label)
+        wait_for(lambda: len(numbers(log)) >= 2, 20, "the counter")
+        text = log.read_text()
+        assert "stasis: cannot ask for a checkpoint of label" in text and "starting fresh" in text
+        assert numbers(log)[0] == 1
+        # Stopped without a daemon: stopped as usual.
+        node.stop("c-nod", grace_s=20)
+        assert node.status("c-nod") == "STOPPED"
+        node.remove("c-nod")
+    finally:
+        node.restart_daemon()
+
+
+def test_stasis_interval_checkpoints_a_running_container(node: Node) -> None:
+    label = f"interval-{secrets.token_hex(3)}"
+    log = node.run("c-int", COUNTER.replace("$0", "i"),
+                   env={"STASIS_CHECKPOINT": label, "STASIS_INTERVAL": "1"})
+
+    def checkpoints() -> list[dict[str, object]]:
+        listed = json.loads(node.stasis("checkpoints", "--json").stdout)
+        return [c for c in listed if c["label"] == label]
+
+    wait_for(lambda: len(checkpoints()) >= 2, 30, "two interval checkpoints")
+    assert node.status("c-int") == "RUNNING"
+    counted = len(numbers(log))
+    wait_for(lambda: len(numbers(log)) > counted + 3, 10, "the counter to go on")
+    node.stop("c-int")
+    node.remove("c-int")
