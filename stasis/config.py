@@ -56,6 +56,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          ("": /usr/sbin/runc, else the first on PATH)
     STASIS_K8S_STOP_TIMEOUT_S  seconds a container's checkpoint at its stop may take before
                          the container is stopped as usual without it  (20)
+    STASIS_CONTAINERD_ADDRESS  containerd's socket, whose task events tell how containers
+                         ended  (/run/containerd/containerd.sock)
 
 An s3:// store takes its endpoint, region and credentials where AWS tools look for them
 (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
@@ -86,6 +88,7 @@ DEFAULT_CONFIG_FILE = Path("/etc/stasis/config.toml")
 
 _ENV_KEYS = {
     "STASIS_RUNC": "runc",
+    "STASIS_CONTAINERD_ADDRESS": "containerd_address",
     "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
@@ -178,6 +181,7 @@ class Settings(NamedTuple):
     # default) a checkpoint at the container's stop may use.
     runc: str = ""
     k8s_stop_timeout_s: int = 20
+    containerd_address: str = "/run/containerd/containerd.sock"
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.
     s3_endpoint_url: str = ""

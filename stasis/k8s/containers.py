@@ -44,8 +44,8 @@ from stasis.k8s.models import (
     RestorePlan,
     RestoreRequest,
 )
-from stasis.k8s.runc import Bundle, Runc, read_bundle, real_runc, validate_abs_path, \
-    validate_container_id
+from stasis.k8s.runc import Bundle, Runc, namespace_uid, read_bundle, real_runc, \
+    validate_abs_path, validate_container_id
 from stasis.store import CheckpointInfo, Manifest, new_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
@@ -241,6 +241,27 @@ class Containers:
                 self._set(row["container_id"], last_checkpoint_at=int(now))
                 log.warning("interval checkpoint of container %s failed: %s",
                             row["container_id"], e)
+
+    def ended(self, container_id: str, exit_status: int) -> list[str]:
+        """The container's init exited: 0 retires the label's checkpoints of its namespace
+        (the ids deleted), anything else keeps them for the next start."""
+        row = self._row(container_id)
+        if row is None or exit_status != 0:
+            return []
+        store = self.manager.store
+        uid = namespace_uid(row["namespace"])
+        retired = []
+        for m in store.list(row["label"], uid=uid):
+            if (m.extra.get("k8s") or {}).get("namespace") != row["namespace"]:
+                continue
+            try:
+                store.delete(m.id)
+                retired.append(m.id)
+            except NotFoundError:
+                continue
+        log.info("container %s exited 0: label %s retired (%d checkpoint(s))", container_id,
+                 row["label"], len(retired))
+        return retired
 
     # -- restores -------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from sqlalchemy import Table
 from stasis.daemon.http import answer, peer, read_body
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
+from stasis.k8s.events import ExitFollower
 from stasis.k8s.containers import Containers, k8s_containers_table
 from stasis.k8s.models import CheckpointRequest, RegisterRequest, RestoreDoneRequest, \
     RestoreRequest
@@ -35,6 +36,12 @@ class K8sIntegration(Integration):
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
         self.containers = Containers(manager)
+        self.events = ExitFollower(manager.settings.containerd_address,
+                                   lambda e: self.containers.ended(e.container_id,
+                                                                   e.exit_status))
+
+    def prepare(self) -> None:
+        self.events.start()
 
     def tables(self) -> Sequence[Table]:
         return [k8s_containers_table]
@@ -44,6 +51,7 @@ class K8sIntegration(Integration):
                 Task("forget abandoned container restores", 60.0, self.containers.sweep)]
 
     def close(self) -> None:
+        self.events.close()
         self.containers.close()
 
     def routes(self) -> Sequence[web.RouteDef]:

@@ -101,6 +101,7 @@ def up(root: Path, store: str = "") -> Layout:
         f"socket = {_q(str(lay.stasis_socket))}\n"
         f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
         f"store = {_q(store or str(lay.stasis / 'store'))}\n"
+        f"containerd_address = {_q(str(lay.address))}\n"
     )
     shim.install(lay.bin, lay.stasis_config)
     (lay.containerd / "config.toml").write_text(containerd_config(lay))

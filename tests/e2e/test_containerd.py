@@ -145,3 +145,28 @@ def test_stasis_interval_checkpoints_a_running_container(node: Node) -> None:
     wait_for(lambda: len(numbers(log)) > counted + 3, 10, "the counter to go on")
     node.stop("c-int")
     node.remove("c-int")
+
+
+def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(
+        node: Node) -> None:
+    label = f"done-{secrets.token_hex(3)}"
+
+    def checkpoints() -> list[dict[str, object]]:
+        listed = json.loads(node.stasis("checkpoints", "--json").stdout)
+        return [c for c in listed if c["label"] == label]
+
+    env = {"STASIS_CHECKPOINT": label}
+    node.run("c-done", "while [ ! -e /data/go ]; do sleep 0.1; done; exit $(cat /data/go)", env)
+    wait_for(lambda: node.status("c-done") == "RUNNING", 10, "the container to run")
+    assert node.stasis("dump", "--container", "c-done", "--leave-running").returncode == 0
+    node.ctr("tasks", "exec", "--exec-id", "fail", "c-done", "/bin/sh", "-c",
+             "echo 3 > /data/go")
+    wait_for(lambda: node.status("c-done") == "STOPPED", 10, "the container to exit 3")
+    node.remove("c-done")
+    assert len(checkpoints()) == 1  # a failure keeps them: the next start resumes
+
+    node.run("c-done", "while [ ! -e /data/go ]; do sleep 0.1; done; exit 0", env)
+    wait_for(lambda: node.status("c-done") == "RUNNING", 10, "the restored container to run")
+    node.ctr("tasks", "exec", "--exec-id", "ok", "c-done", "/bin/sh", "-c", "echo 0 > /data/go")
+    wait_for(lambda: checkpoints() == [], 15, "the label to be retired")
+    node.remove("c-done")
