@@ -7,10 +7,11 @@
 #                    local-node up`), the package's own service is not used
 #   runc             the OCI runtime; it drives our CRIU (/usr/local/sbin/criu) for containers
 #   busybox-static   the tests' container image is built from it (no registry is reachable)
+#   skopeo           reads the OCI archives `stasis export --oci` writes (tests)
 # --no-install-recommends: runc recommends Debian's criu, which is older than ours.
 set -euo pipefail
 
-PACKAGES=(containerd runc busybox-static)
+PACKAGES=(containerd runc busybox-static skopeo)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

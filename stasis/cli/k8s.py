@@ -74,3 +74,50 @@ def down(args: argparse.Namespace, settings: Settings) -> None:
 
     localnode.down(args.root)
     output.say(f"local node in {args.root} is down")
+
+
+def add_export(commands: Any) -> None:
+    p = commands.add_parser("export", help="Write CHECKPOINT as an OCI image archive (the "
+                                           "checkpoint image layout of CRI-O and Podman).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--oci", required=True, type=Path, metavar="FILE",
+                   help="The archive to write (skopeo copy oci-archive:FILE ... pushes it).")
+    add_json(p)
+    p.set_defaults(handler=export)
+
+
+def add_import(commands: Any) -> None:
+    p = commands.add_parser("import", help="Store the checkpoint of an OCI image archive (as "
+                                           "`export` writes it) as a new checkpoint.")
+    p.add_argument("archive", type=Path, metavar="FILE")
+    p.add_argument("--label", default="", help="(default: the archive's)")
+    p.add_argument("--namespace", default="", help="Namespace it belongs to (default: the "
+                                                   "archive's).")
+    add_json(p)
+    p.set_defaults(handler=import_)
+
+
+def export(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.store import validate_checkpoint_id
+
+    validate_checkpoint_id(args.checkpoint)
+    with Client(settings.socket) as client:
+        answer = client.request("POST", f"/k8s/checkpoints/{args.checkpoint}/export",
+                                {"path": str(args.oci.absolute())})
+    if args.json:
+        output.emit_json(answer)
+    else:
+        output.say(f"checkpoint {args.checkpoint} written to {answer['path']} "
+                   f"({answer['size_bytes']} bytes, manifest {answer['digest']})")
+
+
+def import_(args: argparse.Namespace, settings: Settings) -> None:
+    with Client(settings.socket) as client:
+        answer = client.request("POST", "/k8s/checkpoints/import",
+                                {"path": str(args.archive.absolute()), "label": args.label,
+                                 "namespace": args.namespace})
+    if args.json:
+        output.emit_json(answer)
+    else:
+        output.say(f"checkpoint {answer['checkpoint']} (label {answer['label']}, namespace "
+                   f"{answer['namespace']}) imported from {args.archive}")

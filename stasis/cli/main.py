@@ -433,6 +433,18 @@ def _add_daemon(sub: Any) -> None:
     p.set_defaults(handler=daemon)
 
 
+def _add_export(sub: Any) -> None:
+    from stasis.cli.k8s import add_export
+
+    add_export(sub)
+
+
+def _add_import(sub: Any) -> None:
+    from stasis.cli.k8s import add_import
+
+    add_import(sub)
+
+
 def _add_k8s(sub: Any) -> None:
     from stasis.cli.k8s import add_k8s
 
@@ -449,6 +461,7 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
     "run": _add_run, "dump": _add_dump, "restore": _add_restore, "ps": _add_ps,
     "checkpoints": _add_checkpoints, "kill": _add_kill, "logs": _add_logs, "check": _add_check,
     "daemon": _add_daemon, "slurm": _add_slurm, "k8s": _add_k8s,
+    "export": _add_export, "import": _add_import,
 }
 
 

@@ -32,11 +32,14 @@ from stasis.errors import (
     StasisError,
     UsageError,
 )
-from stasis.k8s import rootfs
+from stasis.k8s import oci, rootfs
 from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
     ContainerInfo,
+    ExportAnswer,
+    ExportRequest,
+    ImportRequest,
     ContainerRef,
     Forgotten,
     RegisterRequest,
@@ -188,6 +191,8 @@ class Containers:
             try:
                 runc.checkpoint(container_id, staging, work, timeout_s)
                 rootfs.capture(bundle.rootfs, staging / rootfs.DIFF_NAME)
+                # The spec it ran with: what an export hands to CRI-O or Podman.
+                shutil.copyfile(bundle.path / "config.json", staging / oci.SPEC_DUMP)
             except BaseException:
                 store.discard(cid)
                 raise
@@ -262,6 +267,57 @@ class Containers:
         log.info("container %s exited 0: label %s retired (%d checkpoint(s))", container_id,
                  row["label"], len(retired))
         return retired
+
+    # -- OCI images ------------------------------------------------------------------------
+
+    def export(self, checkpoint_id: str, req: ExportRequest, caller: Caller) -> ExportAnswer:
+        _root_only(caller)
+        out = validate_abs_path(req.path, "output file")
+        if not out.parent.is_dir():
+            raise UsageError(f"cannot write {out}: {out.parent} is not a directory")
+        store = self.manager.store
+        with store.open_images(checkpoint_id, self.manager.scratch) as (manifest, images):
+            k8s = manifest.extra.get("k8s") or {}
+            meta = {"label": manifest.label, "checkpoint": manifest.id,
+                    "namespace": k8s.get("namespace", ""), "name": k8s.get("container"),
+                    "container_id": k8s.get("container_id", ""), "user": manifest.user,
+                    "created": manifest.created.isoformat(), "command": manifest.command,
+                    "cwd": manifest.cwd, "criu_version": manifest.criu_version}
+            done = oci.export_checkpoint(images, [f.name for f in manifest.files], meta, out)
+        return ExportAnswer(checkpoint=checkpoint_id, path=str(out), digest=done.digest,
+                            size_bytes=done.size_bytes)
+
+    def import_(self, req: ImportRequest, caller: Caller) -> CheckpointAnswer:
+        _root_only(caller)
+        archive = validate_abs_path(req.path, "archive")
+        m = self.manager
+        created = datetime.now(UTC)
+        cid = new_checkpoint_id(created)
+        staging = m.store.staging_dir(cid)
+        try:
+            meta = oci.import_archive(archive, staging)
+        except BaseException:
+            m.store.discard(cid)
+            raise
+        label = validate_label(req.label or str(meta.get("label") or ""))
+        namespace = req.namespace or str(meta.get("namespace") or "")
+        if not namespace:
+            m.store.discard(cid)
+            raise UsageError(f"{archive} names no namespace: give --namespace")
+        uid = namespace_uid(namespace)
+        info = CheckpointInfo(
+            id=cid, label=label, job=f"imported {archive.name}", host=m.settings.node,
+            created=created, criu_version=str(meta.get("criu_version") or "unknown"),
+            command=list(meta.get("command") or []), cwd=str(meta.get("cwd") or "/"),
+            user=f"k8s:{namespace}", uid=uid, gid=uid,
+            extra={"k8s": {"namespace": namespace, "container": meta.get("name"),
+                           "reason": "import", "runtime": "runc",
+                           "imported_from": meta.get("checkpoint")}})
+        manifest = m.store.publish(info, "none")
+        return CheckpointAnswer(checkpoint=manifest.id, label=label, container_id="",
+                                namespace=namespace, size_bytes=manifest.size_bytes,
+                                duration_s=round((datetime.now(UTC) - created)
+                                                 .total_seconds(), 4), stopped=False)
 
     # -- restores -------------------------------------------------------------------------
 

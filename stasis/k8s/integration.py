@@ -9,6 +9,9 @@
     POST /k8s/restores                        {runc_root, container_id, bundle}: a restore plan
                                               (images ready, writable layer put back) or none
     POST /k8s/restores/{id}/done              {ok, error}: the wrapper's runc restore ended
+    POST /k8s/checkpoints/{id}/export         {path}: the checkpoint as an OCI image archive
+    POST /k8s/checkpoints/import              {path[, label, namespace]}: one such archive
+                                              as a new checkpoint
 
 All of them are root's (containerd's shim runs the wrapper as root).
 """
@@ -26,8 +29,8 @@ from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.k8s.events import ExitFollower
 from stasis.k8s.containers import Containers, k8s_containers_table
-from stasis.k8s.models import CheckpointRequest, RegisterRequest, RestoreDoneRequest, \
-    RestoreRequest
+from stasis.k8s.models import CheckpointRequest, ExportRequest, ImportRequest, \
+    RegisterRequest, RestoreDoneRequest, RestoreRequest
 
 
 class K8sIntegration(Integration):
@@ -82,7 +85,18 @@ class K8sIntegration(Integration):
             return answer(await asyncio.to_thread(c.restore_done, request.match_info["id"], req,
                                                   peer(request)))
 
+        async def export(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, ExportRequest)
+            return answer(await asyncio.to_thread(c.export, request.match_info["id"], req,
+                                                  peer(request)))
+
+        async def import_(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, ImportRequest)
+            return answer(await asyncio.to_thread(c.import_, req, peer(request)))
+
         return [
+            web.post("/k8s/checkpoints/{id}/export", export),
+            web.post("/k8s/checkpoints/import", import_),
             web.get("/k8s/containers", all_containers),
             web.post("/k8s/containers", register),
             web.post("/k8s/containers/{id}/checkpoint", checkpoint),

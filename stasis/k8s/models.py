@@ -74,3 +74,20 @@ class ContainerInfo(TypedDict):
 class Forgotten(TypedDict):
     container_id: str
     forgotten: bool
+
+
+class ExportRequest(_Model):
+    path: str  # where the daemon writes the archive (root only)
+
+
+class ImportRequest(_Model):
+    path: str
+    label: str = ""  # "" = the one in the archive
+    namespace: str = ""
+
+
+class ExportAnswer(TypedDict):
+    checkpoint: str
+    path: str
+    digest: str
+    size_bytes: int

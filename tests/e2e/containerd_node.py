@@ -3,7 +3,6 @@ built here from Debian's busybox-static as an OCI archive (no registry is reacha
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -13,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stasis.k8s import localnode
+from stasis.k8s import localnode, oci
 from tests.conftest import STASIS
 
 IMAGE = "stasis.test/busybox:1"
@@ -21,15 +20,8 @@ BUSYBOX = "/usr/bin/busybox"
 APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true")
 
 
-def _blob(layout: Path, data: bytes) -> tuple[str, int]:
-    digest = hashlib.sha256(data).hexdigest()
-    (layout / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
-    (layout / "blobs" / "sha256" / digest).write_bytes(data)
-    return f"sha256:{digest}", len(data)
-
-
 def busybox_archive(out: Path) -> Path:
-    """An OCI image archive (index.json, oci-layout, blobs) of busybox with a few applets."""
+    """An OCI image archive of busybox with a few applets (written as stasis writes images)."""
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w") as tar:
         for d in ("bin", "tmp", "data"):
@@ -41,29 +33,9 @@ def busybox_archive(out: Path) -> Path:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
-    layer_bytes = layer.getvalue()
-    layout = out.with_suffix(".d")
-    layout.mkdir(parents=True, exist_ok=True)
-    layer_digest, layer_size = _blob(layout, layer_bytes)
-    config = {"architecture": "amd64", "os": "linux",
-              "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
-              "rootfs": {"type": "layers",
-                         "diff_ids": [f"sha256:{hashlib.sha256(layer_bytes).hexdigest()}"]}}
-    config_digest, config_size = _blob(layout, json.dumps(config).encode())
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                           "digest": config_digest, "size": config_size},
-                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
-                            "digest": layer_digest, "size": layer_size}]}
-    manifest_digest, manifest_size = _blob(layout, json.dumps(manifest).encode())
-    index = {"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest,
-        "size": manifest_size, "annotations": {"org.opencontainers.image.ref.name": IMAGE}}]}
-    (layout / "index.json").write_text(json.dumps(index))
-    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-    with tarfile.open(out, "w") as tar:
-        for entry in sorted(os.listdir(layout)):
-            tar.add(layout / entry, arcname=entry)
+    oci.write_archive(out, [layer.getvalue()], {
+        "architecture": "amd64", "os": "linux",
+        "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]}}, {}, IMAGE)
     return out
 
 

@@ -3,9 +3,12 @@ local-node`): the way the kubelet stops, deletes and creates them again, driven 
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import secrets
+import subprocess
+import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +173,59 @@ def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(
     node.ctr("tasks", "exec", "--exec-id", "ok", "c-done", "/bin/sh", "-c", "echo 0 > /data/go")
     wait_for(lambda: checkpoints() == [], 15, "the label to be retired")
     node.remove("c-done")
+
+
+def test_a_checkpoint_exported_as_an_oci_image_and_imported_again_restores(
+        node: Node, tmp_path: Path) -> None:
+    label = f"oci-{secrets.token_hex(3)}"
+    log = counter(node, "c-oci", label, "oci")
+    wait_for(lambda: len(numbers(log)) >= 5, 20, "the counter")
+    node.stop("c-oci")
+    before = numbers(log)
+    node.remove("c-oci")
+    listed = [c for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+              if c["label"] == label]
+    assert len(listed) == 1
+    archive = tmp_path / "checkpoint.tar"
+    exported = node.stasis("export", listed[0]["id"], "--oci", str(archive), "--json")
+    assert exported.returncode == 0, exported.stderr
+
+    # A real OCI tool reads it, with the annotations CRI-O and Podman look for.
+    inspect = subprocess.run(["skopeo", "inspect", "--raw", f"oci-archive:{archive}"],
+                             capture_output=True, text=True, timeout=60)
+    assert inspect.returncode == 0, inspect.stderr
+    manifest = json.loads(inspect.stdout)
+    assert manifest["annotations"]["io.kubernetes.cri-o.annotations.checkpoint.name"] == label
+    assert manifest["annotations"]["dev.stasis.checkpoint.id"] == listed[0]["id"]
+    with tarfile.open(archive) as tar:
+        layer_name = "blobs/sha256/" + manifest["layers"][0]["digest"].split(":")[1]
+        layer = tar.extractfile(layer_name)
+        assert layer is not None
+        with tarfile.open(fileobj=io.BytesIO(layer.read())) as inner:
+            names = inner.getnames()
+    assert {"spec.dump", "config.dump", "rootfs-diff.tar", "deleted.files",
+            "checkpoint/inventory.img"} <= set(names)
+
+    # Gone from the store; imported back; a new container resumes from it.
+    assert node.stasis("checkpoints", "rm", listed[0]["id"]).returncode == 0
+    imported = node.stasis("import", str(archive), "--json")
+    assert imported.returncode == 0, imported.stderr
+    assert json.loads(imported.stdout)["label"] == label
+    log2 = counter(node, "c-oci", label, "again")
+    wait_for(lambda: len(numbers(log2)) >= 2, 20, "the counter restored from the import")
+    assert numbers(log2)[0] == before[-1] + 1
+    made = node.ctr("tasks", "exec", "--exec-id", "cat2", "c-oci", "/bin/cat", "/data/made")
+    assert made.stdout.strip() == "token-oci"
+    node.stop("c-oci")
+    node.remove("c-oci")
+
+
+def test_export_of_an_unknown_checkpoint_and_import_of_a_non_image_fail_in_one_line(
+        node: Node, tmp_path: Path) -> None:
+    r = node.stasis("export", "20200101T000000Z-abcdef", "--oci", str(tmp_path / "x.tar"))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x.tar").exists()
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"not a tar")
+    r = node.stasis("import", str(junk))
+    assert r.returncode == 2 and "is not an OCI image archive" in r.stderr, r.stderr
