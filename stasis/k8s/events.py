@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import threading
@@ -60,6 +61,10 @@ class ExitFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # A node without containerd (yet): nothing to follow, and no `ctr` started for it.
+            if not os.path.exists(self.address):
+                self._stop.wait(5.0)
+                continue
             try:
                 self._proc = subprocess.Popen(["ctr", "-a", self.address, "events"],
                                               stdout=subprocess.PIPE,
