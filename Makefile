@@ -68,6 +68,7 @@ bench: install
 	$(BIN)/pip install -q $(EDITABLE) '.[dev,bench]'
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 	$(BIN)/python -m bench.labels $(BENCH_LABELS_ARGS)
+	$(BIN)/python -m bench.containers $(BENCH_CONTAINERS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)

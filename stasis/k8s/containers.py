@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
+from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, \
+    update
 
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller

@@ -17,7 +17,8 @@ from tests.conftest import STASIS
 
 IMAGE = "stasis.test/busybox:1"
 BUSYBOX = "/usr/bin/busybox"
-APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true")
+APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true", "head",
+           "base64")
 
 
 def busybox_archive(out: Path) -> Path:
