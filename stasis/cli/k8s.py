@@ -37,6 +37,17 @@ def add_k8s(commands: Any) -> None:
     top = commands.add_parser("k8s", help="Kubernetes integration: a private containerd with "
                                           "the stasis runtime.")
     sub = subcommands(top)
+    p = sub.add_parser("install-runtime", help="Put the stasis runtime on this node (as the node "
+                                               "agent does); then restart containerd.")
+    _node_options(p)
+    p.add_argument("--stasis-config", type=Path, default=Path("/etc/stasis/config.toml"),
+                   help="The daemon's config the runtime reads (default: %(default)s).")
+    p.add_argument("--dry-run", action="store_true", help="Print the changes; change nothing.")
+    p.set_defaults(handler=install_runtime)
+    p = sub.add_parser("uninstall-runtime", help="Take the stasis runtime off this node again "
+                                                 "(containerd's config byte for byte).")
+    _node_options(p)
+    p.set_defaults(handler=uninstall_runtime)
     local = sub.add_parser("local-node", help="A private containerd (own root, state and "
                                               "socket) with the stasis runtime, and a daemon.")
     lsub = subcommands(local)
@@ -50,6 +61,30 @@ def add_k8s(commands: Any) -> None:
                                      "(the directory and its logs stay).")
     _dir_option(p)
     p.set_defaults(handler=down)
+
+
+def _node_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--containerd-config", type=Path, default=Path("/etc/containerd/config.toml"),
+                   help="(default: %(default)s)")
+    p.add_argument("--bin-dir", type=Path, default=Path("/usr/local/bin"),
+                   help="A directory on containerd's PATH (default: %(default)s).")
+
+
+def install_runtime(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.k8s import shim
+
+    for change in shim.install_node(args.containerd_config, args.bin_dir,
+                                    args.stasis_config.absolute(), dry_run=args.dry_run):
+        output.say(("would " if args.dry_run else "") + change)
+    if not args.dry_run:
+        output.say("restart containerd to load it (systemctl restart containerd)")
+
+
+def uninstall_runtime(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.k8s import shim
+
+    for change in shim.uninstall_node(args.containerd_config, args.bin_dir):
+        output.say(change)
 
 
 def _dir_option(p: argparse.ArgumentParser) -> None:

@@ -72,3 +72,78 @@ def install(bin_dir: Path, stasis_config: Path) -> Path:
     tmp.chmod(0o755)
     tmp.replace(shim)
     return shim
+
+
+_BEGIN = "# --- stasis runtime (stasis k8s install-runtime; removed by uninstall-runtime) ---\n"
+_END = "# --- end of stasis runtime ---\n"
+
+
+def _block() -> str:
+    return _BEGIN + cri_runtime_entry() + _END
+
+
+def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
+                 dry_run: bool = False) -> list[str]:
+    """Put the stasis runtime on this node as the node agent does: the shim and runc wrapper
+    in `bin_dir` (on containerd's PATH), the CRI runtime entry at the end of containerd's
+    config (a marked block, so that uninstall gives the file back byte for byte). What was
+    (or would be) changed; containerd reads its config again only when restarted."""
+    changes = [f"write {bin_dir / SHIM_NAME} and {bin_dir / 'runc-wrapper' / 'runc'}"]
+    text = containerd_config.read_text() if containerd_config.exists() else ""
+    if _BEGIN not in text:
+        _check_config(containerd_config, text)
+        changes.append(f"append the runtime entry `{HANDLER}` to {containerd_config}")
+    if dry_run:
+        return changes
+    install(bin_dir, stasis_config)
+    if _BEGIN not in text:
+        base = text if text else "version = 2\n"
+        if not base.endswith("\n"):
+            base += "\n"
+        containerd_config.parent.mkdir(parents=True, exist_ok=True)
+        tmp = containerd_config.with_name(containerd_config.name + ".stasis-tmp")
+        tmp.write_text(base + _block())
+        if containerd_config.exists():
+            os.chmod(tmp, containerd_config.stat().st_mode & 0o7777)
+        tmp.replace(containerd_config)
+        if not text:
+            (containerd_config.parent / ".stasis-created").write_text(containerd_config.name)
+    return changes
+
+
+def _check_config(path: Path, text: str) -> None:
+    import tomllib
+
+    try:
+        data = tomllib.loads(text) if text else {"version": 2}
+    except tomllib.TOMLDecodeError as e:
+        raise ContainerError(f"cannot read containerd's config {path}: {e}") from e
+    if data.get("version") != 2:
+        raise ContainerError(f"{path} is not a version 2 containerd config: add the runtime "
+                             "entry by hand: " + cri_runtime_entry().replace("\n", " "))
+    runtimes = (data.get("plugins", {}).get("io.containerd.grpc.v1.cri", {})
+                .get("containerd", {}).get("runtimes", {}))
+    if HANDLER in runtimes:
+        raise ContainerError(f"{path} already has a runtime `{HANDLER}` that stasis did not "
+                             "write: remove it, then install again")
+
+
+def uninstall_node(containerd_config: Path, bin_dir: Path) -> list[str]:
+    changes = []
+    for path in (bin_dir / SHIM_NAME, bin_dir / "runc-wrapper" / "runc"):
+        if path.exists() or path.is_symlink():
+            path.unlink()
+            changes.append(f"remove {path}")
+    if containerd_config.exists():
+        text = containerd_config.read_text()
+        if _BEGIN in text:
+            head, _, rest = text.partition(_BEGIN)
+            _, _, tail = rest.partition(_END)
+            created = containerd_config.parent / ".stasis-created"
+            if created.exists() and not (head + tail).strip().removeprefix("version = 2"):
+                containerd_config.unlink()
+                created.unlink()
+            else:
+                containerd_config.write_text(head + tail)
+            changes.append(f"remove the runtime entry `{HANDLER}` from {containerd_config}")
+    return changes
