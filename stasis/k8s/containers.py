@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from datetime import UTC, datetime
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -360,32 +361,38 @@ class Containers:
                            notes=notes or [f"no checkpoint of label {label} in namespace "
                                            f"{bundle.namespace} yet"])
 
-    def _candidates(self, label: str, bundle: Bundle, notes: list[str]) -> list[Manifest]:
+    def _candidates(self, label: str, bundle: Bundle, notes: list[str]) -> Iterator[Manifest]:
+        """The label's checkpoints of the container's namespace, newest first. The newest comes
+        from the index (a bounded lookup); the rest are listed only when it fails."""
         store = self.manager.store
+        newest: Manifest | None = None
         try:
-            newest = [store.latest(label, uid=bundle.uid)]
+            newest = store.latest(label, uid=bundle.uid)
         except NotFoundError:
-            return []
+            return
         except StasisError as e:
             notes.append(f"the newest checkpoint of label {label} cannot be read: {e}")
-            newest = []
+        if newest is not None and self._ours(newest, bundle, notes):
+            yield newest
         try:
-            # The rest only matter when the newest fails: listing reads every manifest.
-            rest = [m for m in store.list(label, uid=bundle.uid) if not newest
-                    or m.id != newest[0].id]
+            rest = [m for m in store.list(label, uid=bundle.uid)
+                    if newest is None or m.id != newest.id]
         except StasisError as e:
             notes.append(f"the checkpoints of label {label} cannot be listed: {e}")
-            rest = []
+            return
         rest.sort(key=lambda m: m.created, reverse=True)
-        ok = []
-        for m in newest + rest:
-            ns = (m.extra.get("k8s") or {}).get("namespace")
-            if ns != bundle.namespace:
-                notes.append(f"checkpoint {m.id} belongs to namespace {ns}, not "
-                             f"{bundle.namespace}: refused")
-                continue
-            ok.append(m)
-        return ok
+        for m in rest:
+            if self._ours(m, bundle, notes):
+                yield m
+
+    @staticmethod
+    def _ours(m: Manifest, bundle: Bundle, notes: list[str]) -> bool:
+        ns = (m.extra.get("k8s") or {}).get("namespace")
+        if ns != bundle.namespace:
+            notes.append(f"checkpoint {m.id} belongs to namespace {ns}, not "
+                         f"{bundle.namespace}: refused")
+            return False
+        return True
 
     def restore_done(self, container_id: str, req: RestoreDoneRequest, caller: Caller
                      ) -> Forgotten:
