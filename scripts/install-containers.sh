@@ -13,17 +13,4 @@ set -euo pipefail
 
 PACKAGES=(containerd runc busybox-static skopeo)
 
-missing=()
-for p in "${PACKAGES[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-        missing+=("$p")
-    fi
-done
-if [ "${#missing[@]}" -eq 0 ]; then
-    echo "install-containers: all packages present"
-    exit 0
-fi
-echo "install-containers: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
-apt-get install -y -q --no-install-recommends "${missing[@]}"
+bash "$(dirname "$0")/apt-install.sh" install-containers "${PACKAGES[@]}"

@@ -10,17 +10,4 @@ set -euo pipefail
 
 PACKAGES=(postgresql)
 
-missing=()
-for p in "${PACKAGES[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-        missing+=("$p")
-    fi
-done
-if [ "${#missing[@]}" -eq 0 ]; then
-    echo "install-test-apps: all packages present"
-    exit 0
-fi
-echo "install-test-apps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
-apt-get install -y -q --no-install-recommends "${missing[@]}"
+bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"
