@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import tarfile
 import tempfile
@@ -58,7 +59,9 @@ def write_archive(out: Path, layers: list[bytes], config: dict[str, Any],
         "mediaType": MANIFEST_TYPE, "digest": manifest_digest, "size": manifest_size,
         "annotations": {"org.opencontainers.image.ref.name": ref}}]}
     tmp = out.with_name(f".{out.name}.tmp")
-    with tarfile.open(tmp, "w") as tar:
+    # Root's alone: a checkpoint image holds the container's memory in the clear.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
         _add_bytes(tar, "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
         _add_bytes(tar, "index.json", json.dumps(index).encode())
         for digest, data in blobs.items():

@@ -189,6 +189,7 @@ def test_a_checkpoint_exported_as_an_oci_image_and_imported_again_restores(
     archive = tmp_path / "checkpoint.tar"
     exported = node.stasis("export", listed[0]["id"], "--oci", str(archive), "--json")
     assert exported.returncode == 0, exported.stderr
+    assert archive.stat().st_mode & 0o777 == 0o600  # the container's memory, in the clear
 
     # A real OCI tool reads it, with the annotations CRI-O and Podman look for.
     inspect = subprocess.run(["skopeo", "inspect", "--raw", f"oci-archive:{archive}"],
