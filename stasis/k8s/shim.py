@@ -52,13 +52,43 @@ def _wrapper() -> str:
     return str(script)
 
 
+def _dispatcher(real_runc: str) -> str:
+    """The `runc` the shim runs: the shim calls runc for state, ps, exec, events... of every
+    container on the node; only create, start, kill and delete can concern stasis, so only
+    those pay for starting Python (stasis-runc), and the rest go to runc at once."""
+    return (
+        "#!/bin/sh\n"
+        "# Written by stasis (stasis/k8s/shim.py): runc, with stasis-runc in front of it for\n"
+        "# the commands that can concern a container with STASIS_CHECKPOINT.\n"
+        "skip=0\n"
+        'for a in "$@"; do\n'
+        '    if [ "$skip" = 1 ]; then skip=0; continue; fi\n'
+        '    case "$a" in\n'
+        "        --log|--log-format|--root|--criu|--rootless) skip=1 ;;\n"
+        "        -*) ;;\n"
+        "        create|start|kill|delete) exec " + shlex.quote(_wrapper()) + ' "$@" ;;\n'
+        "        *) break ;;\n"
+        "    esac\n"
+        "done\n"
+        f'exec {shlex.quote(real_runc)} "$@"\n'
+    )
+
+
 def install(bin_dir: Path, stasis_config: Path) -> Path:
     """Write the shim and the runc wrapper into `bin_dir`; the shim's path."""
+    from stasis.config import load_settings
+    from stasis.k8s.runc import real_runc
+
     wrapper_dir = bin_dir / "runc-wrapper"
     wrapper_dir.mkdir(parents=True, exist_ok=True)
     runc = wrapper_dir / "runc"
-    runc.unlink(missing_ok=True)
-    runc.symlink_to(_wrapper())
+    settings = load_settings({"STASIS_CONFIG": str(stasis_config)}) if stasis_config.exists() \
+        else None
+    tmp_runc = runc.with_name("runc.tmp")
+    tmp_runc.unlink(missing_ok=True)
+    tmp_runc.write_text(_dispatcher(real_runc(settings.runc if settings else "")))
+    tmp_runc.chmod(0o755)
+    tmp_runc.replace(runc)
     shim = bin_dir / SHIM_NAME
     tmp = shim.with_name(shim.name + ".tmp")
     tmp.write_text(

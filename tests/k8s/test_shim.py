@@ -35,7 +35,8 @@ def test_install_adds_the_runtime_entry_and_uninstall_gives_the_file_back(tmp_pa
     script = (bin_dir / shim.SHIM_NAME).read_text()
     assert "STASIS_CONFIG=/etc/stasis/config.toml" in script
     assert "containerd-shim-runc-v2" in script
-    assert (bin_dir / "runc-wrapper" / "runc").resolve().name == "stasis-runc"
+    dispatcher = (bin_dir / "runc-wrapper" / "runc").read_text()
+    assert "stasis-runc" in dispatcher and 'exec /usr/sbin/runc "$@"' in dispatcher
     once = config.read_text()
     shim.install_node(config, bin_dir, Path("/etc/stasis/config.toml"))
     assert config.read_text() == once  # idempotent
@@ -69,3 +70,23 @@ def test_configs_it_cannot_extend_are_refused_and_left_alone(tmp_path: Path, tex
     with pytest.raises(ContainerError, match=why):
         shim.install_node(config, tmp_path / "bin", Path("/etc/stasis/config.toml"))
     assert config.read_text() == text and not (tmp_path / "bin").exists()
+
+
+def test_only_the_commands_that_can_concern_stasis_start_stasis_runc(tmp_path: Path) -> None:
+    real = tmp_path / "real-runc"
+    real.write_text('#!/bin/sh\necho "runc $*"\n')
+    real.chmod(0o755)
+    script = tmp_path / "runc"
+    script.write_text(shim._dispatcher(str(real)))
+    script.chmod(0o755)
+
+    def run(*args: str) -> str:
+        return subprocess.run([str(script), *args], capture_output=True, text=True,
+                              check=False).stdout
+
+    # Straight to runc, the value of --root never taken for a command.
+    assert run("--root", "kill", "state", "c1") == "runc --root kill state c1\n"
+    assert run("--log=/l", "ps", "c1") == "runc --log=/l ps c1\n"
+    assert run("--version") == "runc --version\n"
+    assert "stasis-runc" in script.read_text().split("create|start|kill|delete", 1)[1] \
+        .splitlines()[0]
