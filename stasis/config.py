@@ -58,6 +58,11 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          the container is stopped as usual without it  (20)
     STASIS_CONTAINERD_ADDRESS  containerd's socket, whose task events tell how containers
                          ended  (/run/containerd/containerd.sock)
+    STASIS_KUBECONFIG    the kubeconfig file the node agent (`stasis k8s agent`) and
+                         `stasis k8s checkpoint` use; "" = the pod's service account
+                         (in-cluster), else $KUBECONFIG or ~/.kube/config  ("")
+    STASIS_K8S_CHECK_INTERVAL_S  seconds between the node agent's checks of its node (the
+                         not-ready taint follows them)  (10)
 
 An s3:// store takes its endpoint, region and credentials where AWS tools look for them
 (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
@@ -90,6 +95,8 @@ _ENV_KEYS = {
     "STASIS_RUNC": "runc",
     "STASIS_CONTAINERD_ADDRESS": "containerd_address",
     "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
+    "STASIS_KUBECONFIG": "kubeconfig",
+    "STASIS_K8S_CHECK_INTERVAL_S": "k8s_check_interval_s",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
     "STASIS_STORE": "store",
@@ -182,6 +189,8 @@ class Settings(NamedTuple):
     runc: str = ""
     k8s_stop_timeout_s: int = 20
     containerd_address: str = "/run/containerd/containerd.sock"
+    kubeconfig: str = ""
+    k8s_check_interval_s: float = 10.0
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.
     s3_endpoint_url: str = ""
@@ -220,6 +229,14 @@ def _convert(name: str, value: object, default: object) -> object:
         if str(value).lower() in _TRUE | _FALSE:
             return str(value).lower() in _TRUE
         raise UsageError(f"bad setting {name!r}: {value!r} is not true or false")
+    if isinstance(default, float):
+        try:
+            seconds = float(str(value))
+        except ValueError:
+            raise UsageError(f"bad setting {name!r}: {value!r} is not a number") from None
+        if not seconds > 0:
+            raise UsageError(f"bad setting {name!r}: {seconds} is not above 0")
+        return seconds
     if isinstance(default, int):
         try:
             number = int(str(value))

@@ -48,6 +48,33 @@ def add_k8s(commands: Any) -> None:
                                                  "(containerd's config byte for byte).")
     _node_options(p)
     p.set_defaults(handler=uninstall_runtime)
+    p = sub.add_parser("agent", help="The node agent (the chart's DaemonSet): runtime on the "
+                                     "host, the daemon, the not-ready taint, cordon, by-hand "
+                                     "and interval checkpoints of pods.")
+    p.add_argument("--node", default="", help="This node's name in the API (default: "
+                                              "STASIS_NODE_NAME, else the host name).")
+    _kubeconfig_option(p)
+    p.add_argument("--host-root", type=Path, default=None,
+                   help="Where the host's root is mounted: install the runtime there "
+                        "(default: install nothing).")
+    _node_options(p)
+    p.add_argument("--stasis-config", type=Path, default=Path("/etc/stasis/config.toml"),
+                   help="The daemon's config as the host's runtime finds it "
+                        "(default: %(default)s).")
+    p.add_argument("--restart-containerd", default="",
+                   help="Command that restarts the host's containerd once the runtime entry "
+                        "was added, e.g. 'nsenter -t 1 -m -- systemctl restart containerd'.")
+    p.add_argument("--no-daemon", action="store_true",
+                   help="Use the daemon already running on STASIS_SOCKET; start none.")
+    p.set_defaults(handler=agent)
+    p = sub.add_parser("checkpoint", help="A leave-running checkpoint of a pod's containers, "
+                                          "taken by the agent of the pod's node.")
+    p.add_argument("pod", metavar="NAMESPACE/POD")
+    _kubeconfig_option(p)
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="Seconds to wait for the agent's answer (default: %(default)s).")
+    add_json(p)
+    p.set_defaults(handler=checkpoint_pod)
     local = sub.add_parser("local-node", help="A private containerd (own root, state and "
                                               "socket) with the stasis runtime, and a daemon.")
     lsub = subcommands(local)
@@ -68,6 +95,85 @@ def _node_options(p: argparse.ArgumentParser) -> None:
                    help="(default: %(default)s)")
     p.add_argument("--bin-dir", type=Path, default=Path("/usr/local/bin"),
                    help="A directory on containerd's PATH (default: %(default)s).")
+
+
+def _kubeconfig_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kubeconfig", default=None,
+                   help="(default: STASIS_KUBECONFIG, else the pod's service account, else "
+                        "$KUBECONFIG or ~/.kube/config)")
+
+
+def agent(args: argparse.Namespace, settings: Settings) -> None:
+    import logging
+    import shlex
+    import signal
+
+    from stasis.k8s import kube
+    from stasis.k8s.agent import Agent, HostInstall
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s stasis-agent %(levelname)s %(message)s")
+    install = None
+    if args.host_root is not None:
+        install = HostInstall(root=args.host_root, containerd_config=args.containerd_config,
+                              bin_dir=args.bin_dir, stasis_config=args.stasis_config,
+                              restart_containerd=tuple(shlex.split(args.restart_containerd)))
+    api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
+    node = Agent(settings=settings, api=api, node=args.node or settings.node, install=install,
+                 start_daemon=not args.no_daemon)
+    signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: node.stop.set())
+    node.run()
+
+
+def checkpoint_pod(args: argparse.Namespace, settings: Settings) -> None:
+    import json
+    import time
+
+    from stasis.errors import ContainerError, NotFoundError, UsageError
+    from stasis.k8s import kube
+
+    namespace, _, name = args.pod.partition("/")
+    if not namespace or not name or "/" in name:
+        raise UsageError(f"{args.pod!r} is not NAMESPACE/POD")
+    api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
+    what = f"pod {namespace}/{name}"
+    try:
+        pod = kube.call(f"read {what}", api.read_namespaced_pod, name, namespace)
+    except kube.KubeError as e:
+        if " 404 " in str(e):
+            raise NotFoundError(f"no {what}") from None
+        raise
+    node = getattr(pod.spec, "node_name", None)
+    if not node:
+        raise ContainerError(f"{what} is not on a node yet: nothing to checkpoint")
+    token = kube.now_token()
+    kube.annotate(api, "pod", pod, {kube.CHECKPOINT_ANNOTATION: token})
+    deadline = time.monotonic() + args.timeout
+    while True:
+        pod = kube.call(f"read {what}", api.read_namespaced_pod, name, namespace)
+        ann = kube.annotations_of(pod)
+        if ann.get(kube.CHECKPOINTED_ANNOTATION) == token:
+            break
+        if time.monotonic() > deadline:
+            raise ContainerError(f"the stasis agent of node {node} did not answer within "
+                              f"{args.timeout:.0f} s: is it running there (kubectl -n "
+                              "stasis-system get pods -o wide)?")
+        time.sleep(0.5)
+    result = json.loads(ann.get(kube.RESULT_ANNOTATION) or "{}")
+    if args.json:
+        output.emit_json(result)
+    failed = [c for c, r in result.get("containers", {}).items() if "error" in r]
+    if not args.json:
+        for c, r in sorted(result.get("containers", {}).items()):
+            if "error" in r:
+                output.warn(f"container {c}: {r['error']}")
+            else:
+                output.say(f"container {c}: checkpoint {r['checkpoint']} (label {r['label']})")
+    if result.get("error"):
+        raise ContainerError(result["error"])
+    if failed:
+        raise ContainerError(f"{len(failed)} container(s) of {what} were not checkpointed")
 
 
 def install_runtime(args: argparse.Namespace, settings: Settings) -> None:

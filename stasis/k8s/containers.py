@@ -42,6 +42,7 @@ from stasis.k8s.models import (
     ExportAnswer,
     ExportRequest,
     ImportRequest,
+    IntervalRequest,
     ContainerRef,
     Forgotten,
     RegisterRequest,
@@ -130,6 +131,21 @@ class Containers:
         with self.db.transaction() as conn:
             rows = conn.execute(select(k8s_containers_table)).mappings().all()
         return [_info(dict(r)) for r in rows]
+
+    def set_interval(self, container_id: str, req: IntervalRequest, caller: Caller
+                     ) -> ContainerInfo:
+        _root_only(caller)
+        validate_container_id(container_id)
+        row = self._row(container_id)
+        if row is None:
+            raise NotFoundError(f"no container {container_id} under stasis on this node")
+        interval = req.interval_s
+        if interval is None:
+            interval = read_bundle(Path(row["bundle"]), container_id).interval_s
+        # Counted from now: a shorter interval does not fire at once for an old checkpoint.
+        self._set(container_id, interval_s=interval, last_checkpoint_at=int(time.time()))
+        row.update(interval_s=interval)
+        return _info(row)
 
     def forget(self, container_id: str, caller: Caller) -> Forgotten:
         _root_only(caller)

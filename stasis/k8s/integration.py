@@ -3,8 +3,10 @@
     GET  /k8s/containers                      the containers under stasis on this node
     POST /k8s/containers                      {runc_root, container_id, bundle[, restored_from]}:
                                               the wrapper registers a started container
-    POST /k8s/containers/{id}/checkpoint      {reason: stop|interval|manual[, runc_root,
+    POST /k8s/containers/{id}/checkpoint      {reason: stop|interval|manual|cordon[, runc_root,
                                               timeout_s]}; stop kills it once published
+    POST /k8s/containers/{id}/interval        {interval_s}: its leave-running checkpoints'
+                                              interval (null = its STASIS_INTERVAL)
     POST /k8s/containers/{id}/forget          the container was deleted
     POST /k8s/restores                        {runc_root, container_id, bundle}: a restore plan
                                               (images ready, writable layer put back) or none
@@ -30,7 +32,7 @@ from stasis.daemon.jobs import JobManager
 from stasis.k8s.events import ExitFollower
 from stasis.k8s.containers import Containers, k8s_containers_table
 from stasis.k8s.models import CheckpointRequest, ExportRequest, ImportRequest, \
-    RegisterRequest, RestoreDoneRequest, RestoreRequest
+    IntervalRequest, RegisterRequest, RestoreDoneRequest, RestoreRequest
 
 
 class K8sIntegration(Integration):
@@ -72,6 +74,11 @@ class K8sIntegration(Integration):
             return answer(await asyncio.to_thread(c.checkpoint, request.match_info["id"], req,
                                                   peer(request)))
 
+        async def interval(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, IntervalRequest)
+            return answer(await asyncio.to_thread(c.set_interval, request.match_info["id"],
+                                                  req, peer(request)))
+
         async def forget(request: web.Request) -> web.StreamResponse:
             return answer(await asyncio.to_thread(c.forget, request.match_info["id"],
                                                   peer(request)))
@@ -100,6 +107,7 @@ class K8sIntegration(Integration):
             web.get("/k8s/containers", all_containers),
             web.post("/k8s/containers", register),
             web.post("/k8s/containers/{id}/checkpoint", checkpoint),
+            web.post("/k8s/containers/{id}/interval", interval),
             web.post("/k8s/containers/{id}/forget", forget),
             web.post("/k8s/restores", plan_restore),
             web.post("/k8s/restores/{id}/done", restore_done),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Model(BaseModel):
@@ -34,10 +34,17 @@ class RestoreDoneRequest(_Model):
 
 class CheckpointRequest(_Model):
     # stop: the container is being stopped; it is killed once the checkpoint is published
-    # (and left running when the checkpoint fails). interval / manual: it goes on running.
-    reason: Literal["stop", "interval", "manual"] = "manual"
+    # (and left running when the checkpoint fails). interval / manual / cordon (its node was
+    # cordoned, the agent asks): it goes on running.
+    reason: Literal["stop", "interval", "manual", "cordon"] = "manual"
     runc_root: str = ""  # "" = where the container was registered
     timeout_s: float = 0  # 0 = the daemon's k8s_stop_timeout_s
+
+
+class IntervalRequest(_Model):
+    # Seconds between leave-running checkpoints, 0 = none; None = the container's own
+    # STASIS_INTERVAL again (the agent sets it from the pod's stasis.dev/interval annotation).
+    interval_s: int | None = Field(default=None, ge=0, le=7 * 86400)
 
 
 class CheckpointAnswer(TypedDict):

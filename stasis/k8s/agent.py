@@ -1,0 +1,293 @@
+"""`stasis k8s agent`: the node agent, one per node (the chart's DaemonSet).
+
+At its start it puts the stasis runtime on the node (stasis.k8s.shim.install_node, into the
+host's root as the pod mounts it) and starts the node's stasis daemon. Then it watches the
+Kubernetes API for its node and the pods on it:
+
+- readiness: every `k8s_check_interval_s` it asks the daemon for its check (CRIU, kernel,
+  store); while that fails the node carries the taint stasis.dev/not-ready:NoSchedule, which
+  comes off when it passes and goes back when it fails again (or the daemon dies; it is
+  started again);
+- cordon: when the node becomes unschedulable, a leave-running checkpoint of every container
+  under stasis on it (what was taken goes into the node's stasis.dev/cordon-checkpoints);
+- by hand: a new value of a pod's stasis.dev/checkpoint annotation (`stasis k8s checkpoint
+  NS/POD` writes one) is a leave-running checkpoint of the pod's containers, answered in
+  stasis.dev/checkpointed and stasis.dev/checkpoint-result;
+- interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
+  leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again).
+
+Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stasis.client import Client
+from stasis.config import Settings
+from stasis.errors import ContainerError, StasisError
+from stasis.k8s import kube
+from stasis.k8s.models import ContainerInfo
+
+log = logging.getLogger("stasis.k8s.agent")
+
+
+@dataclass(frozen=True)
+class HostInstall:
+    """Where the runtime goes: paths as seen from the agent (the host's root mounted at
+    `root`), and the command that makes containerd read its config again."""
+
+    root: Path
+    containerd_config: Path = Path("/etc/containerd/config.toml")
+    bin_dir: Path = Path("/usr/local/bin")
+    stasis_config: Path = Path("/etc/stasis/config.toml")
+    restart_containerd: tuple[str, ...] = ()
+
+    def on_host(self, path: Path) -> Path:
+        return self.root / path.relative_to("/")
+
+
+@dataclass
+class Agent:
+    settings: Settings
+    api: Any  # kubernetes.client.CoreV1Api
+    node: str
+    install: HostInstall | None = None
+    start_daemon: bool = True
+    stop: threading.Event = field(default_factory=threading.Event)
+    ready: bool | None = None  # None: not checked yet (the taint is left as it is)
+    why_not_ready: str = ""
+    _daemon: subprocess.Popen[bytes] | None = None
+    _unschedulable: bool | None = None
+    _node_obj: Any = None
+    _answered: set[str] = field(default_factory=set)
+    _interval_set: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Until `stop` is set (SIGTERM)."""
+        if self.install is not None:
+            install_runtime(self.install)
+        threads = [threading.Thread(target=self._readiness, name="readiness", daemon=True),
+                   threading.Thread(target=self._watch_node, name="node", daemon=True),
+                   threading.Thread(target=self._watch_pods, name="pods", daemon=True)]
+        for t in threads:
+            t.start()
+        log.info("agent of node %s running", self.node)
+        try:
+            self.stop.wait()
+        finally:
+            self._stop_daemon()
+
+    def _client(self, timeout_s: float | None = 30) -> Client:
+        return Client(self.settings.socket, timeout_s=timeout_s)
+
+    def _keep_daemon(self) -> None:
+        if not self.start_daemon:
+            return
+        if self._daemon is not None and self._daemon.poll() is None:
+            return
+        if self._daemon is not None:
+            log.warning("the stasis daemon exited (%s); starting it again",
+                        self._daemon.returncode)
+        from stasis.daemon.detached import stasis_command
+
+        self._daemon = subprocess.Popen([*stasis_command(), "daemon"])
+
+    def _stop_daemon(self) -> None:
+        if self._daemon is not None and self._daemon.poll() is None:
+            self._daemon.terminate()
+            try:
+                self._daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._daemon.kill()
+
+    # -- readiness and the taint -----------------------------------------------------------
+
+    def check(self) -> tuple[bool, str]:
+        try:
+            with self._client() as c:
+                report = c.check()
+        except StasisError as e:
+            return False, str(e)
+        if report["ok"]:
+            return True, ""
+        problems = "; ".join(f"{p['what']} ({p['fix']})" for p in report["problems"])
+        return False, problems or "the daemon's check failed"
+
+    def _readiness(self) -> None:
+        while not self.stop.is_set():
+            self._keep_daemon()
+            ok, why = self.check()
+            with self._lock:
+                changed = ok != self.ready
+                self.ready, self.why_not_ready = ok, why
+            if changed:
+                if ok:
+                    log.info("node %s: stasis is ready", self.node)
+                else:
+                    log.warning("node %s: stasis is not ready: %s", self.node, why)
+            self._taint()
+            self.stop.wait(self.settings.k8s_check_interval_s)
+
+    def _taint(self, node: Any = None) -> None:
+        if self.ready is None:
+            return
+        try:
+            node = node or kube.call(f"read node {self.node}", self.api.read_node, self.node)
+            if kube.set_taint(self.api, node, present=not self.ready):
+                log.info("node %s: taint %s %s", self.node, kube.TAINT_KEY,
+                         "removed" if self.ready else "put on")
+        except kube.KubeError as e:
+            log.warning("node %s: cannot set its taint: %s", self.node, e)
+
+    # -- the node: taint kept, cordon ------------------------------------------------------
+
+    def _watch_node(self) -> None:
+        for kind, node in kube.watch(self.api, self.api.list_node, self.stop,
+                                     field_selector=f"metadata.name={self.node}"):
+            if node.metadata.name != self.node or kind == "DELETED":
+                continue
+            self._taint(node)
+            cordoned = bool(node.spec.unschedulable)
+            was, self._unschedulable = self._unschedulable, cordoned
+            # Only a change is a cordon: a node found cordoned at the agent's start was
+            # cordoned before (its containers' stops still checkpoint them).
+            if was is False and cordoned:
+                threading.Thread(target=self.on_cordon, args=(node,), name="cordon",
+                                 daemon=True).start()
+
+    def on_cordon(self, node: Any) -> dict[str, Any]:
+        log.info("node %s cordoned: checkpointing its containers under stasis", self.node)
+        results: dict[str, Any] = {}
+        try:
+            containers = self._containers()
+        except StasisError as e:
+            containers = []
+            results["error"] = str(e)
+        for c in containers:
+            results[c["container_id"]] = self._checkpoint(c["container_id"], "cordon")
+        done = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "containers": results}
+        try:
+            kube.annotate(self.api, "node", node, {kube.CORDON_ANNOTATION: json.dumps(done)})
+        except kube.KubeError as e:
+            log.warning("node %s: cannot record its cordon checkpoints: %s", self.node, e)
+        return done
+
+    def _containers(self) -> list[ContainerInfo]:
+        with self._client() as c:
+            found: list[ContainerInfo] = c.request("GET", "/k8s/containers")
+        return found
+
+    def _checkpoint(self, container_id: str, reason: str) -> dict[str, Any]:
+        try:
+            with self._client(timeout_s=None) as c:
+                a = c.request("POST", f"/k8s/containers/{container_id}/checkpoint",
+                              {"reason": reason})
+        except StasisError as e:
+            log.warning("checkpoint of container %s (%s) failed: %s", container_id, reason, e)
+            return {"error": str(e)}
+        return {"checkpoint": a["checkpoint"], "label": a["label"]}
+
+    # -- pods: by hand, intervals ----------------------------------------------------------
+
+    def _watch_pods(self) -> None:
+        for kind, pod in kube.watch(self.api, self.api.list_pod_for_all_namespaces, self.stop,
+                                    field_selector=f"spec.nodeName={self.node}"):
+            if kind == "DELETED" or getattr(pod.spec, "node_name", None) != self.node:
+                continue
+            try:
+                self.on_pod(pod)
+            except StasisError as e:
+                log.warning("pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, e)
+
+    def on_pod(self, pod: Any) -> None:
+        ann = kube.annotations_of(pod)
+        ids = kube.container_ids(pod)
+        asked = ann.get(kube.CHECKPOINT_ANNOTATION)
+        wants_checkpoint = bool(asked) and asked != ann.get(kube.CHECKPOINTED_ANNOTATION) \
+            and asked not in self._answered
+        if not wants_checkpoint and kube.INTERVAL_ANNOTATION not in ann \
+                and not self._interval_set.intersection(ids.values()):
+            return  # the common case: nothing asked of this pod (no call to the daemon)
+        ours = {c["container_id"]: c for c in self._containers()}
+        self._intervals(pod, ann, ids, ours)
+        if wants_checkpoint:
+            assert asked is not None
+            self._answered.add(asked)
+            self._checkpoint_pod(pod, asked, ids, ours)
+
+    def _checkpoint_pod(self, pod: Any, asked: str, ids: dict[str, str],
+                        ours: dict[str, ContainerInfo]) -> None:
+        name = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        result: dict[str, Any] = {"containers": {}}
+        for container, cid in sorted(ids.items()):
+            if cid in ours:
+                result["containers"][container] = self._checkpoint(cid, "manual")
+        if not result["containers"]:
+            result["error"] = (f"no container of pod {name} is under stasis on node "
+                               f"{self.node} (runtimeClassName: stasis and STASIS_CHECKPOINT "
+                               "on the container)")
+        log.info("pod %s: checkpoint asked (%s): %s", name, asked, json.dumps(result))
+        kube.annotate(self.api, "pod", pod, {kube.CHECKPOINTED_ANNOTATION: asked,
+                                             kube.RESULT_ANNOTATION: json.dumps(result)})
+
+    def _intervals(self, pod: Any, ann: dict[str, str], ids: dict[str, str],
+                   ours: dict[str, ContainerInfo]) -> None:
+        raw = ann.get(kube.INTERVAL_ANNOTATION)
+        wanted: int | None = None
+        if raw is not None:
+            try:
+                wanted = int(raw)
+                if wanted < 0:
+                    raise ValueError(raw)
+            except ValueError:
+                log.warning("pod %s/%s: %s=%r is not a whole number of seconds; ignored",
+                            pod.metadata.namespace, pod.metadata.name,
+                            kube.INTERVAL_ANNOTATION, raw)
+                return
+        for cid in ids.values():
+            info = ours.get(cid)
+            if info is None:
+                continue
+            if wanted is not None and info["interval_s"] != wanted:
+                self._set_interval(cid, wanted)
+                self._interval_set.add(cid)
+            elif wanted is None and cid in self._interval_set:
+                self._set_interval(cid, None)
+                self._interval_set.discard(cid)
+
+    def _set_interval(self, container_id: str, seconds: int | None) -> None:
+        with self._client() as c:
+            c.request("POST", f"/k8s/containers/{container_id}/interval",
+                      {"interval_s": seconds})
+        log.info("container %s: checkpoint interval %s", container_id,
+                 f"{seconds} s" if seconds is not None else "its own STASIS_INTERVAL")
+
+
+def install_runtime(where: HostInstall) -> list[str]:
+    """The stasis runtime on the host; containerd restarted when its config was changed."""
+    from stasis.k8s import shim
+
+    changes = shim.install_node(where.on_host(where.containerd_config),
+                                where.on_host(where.bin_dir), where.stasis_config)
+    for change in changes:
+        log.info("host: %s", change)
+    if where.restart_containerd and any("runtime entry" in c for c in changes):
+        done = subprocess.run(list(where.restart_containerd), capture_output=True, text=True,
+                              timeout=120, check=False)
+        if done.returncode != 0:
+            raise ContainerError(f"restarting containerd ({' '.join(where.restart_containerd)}) "
+                                 f"failed: {done.stderr.strip() or done.returncode}")
+        log.info("host: containerd restarted")
+    return changes

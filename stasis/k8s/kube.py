@@ -1,0 +1,155 @@
+"""The Kubernetes API as the node agent and `stasis k8s checkpoint` use it (the official
+client): one node, the pods on it, their annotations and the node's taints.
+
+Only plain GET, PATCH and watch of nodes and pods: the calls every API server serves alike
+(the tests run them against kmock's emulator, since no API server runs on these machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from stasis.errors import StasisError
+
+log = logging.getLogger("stasis.k8s.agent")
+
+TAINT_KEY = "stasis.dev/not-ready"
+TAINT_EFFECT = "NoSchedule"
+# A new value asks the agent of the pod's node for a leave-running checkpoint of the pod's
+# containers under stasis; the agent answers with the same value in CHECKPOINTED and what
+# became of each container in RESULT (JSON).
+CHECKPOINT_ANNOTATION = "stasis.dev/checkpoint"
+CHECKPOINTED_ANNOTATION = "stasis.dev/checkpointed"
+RESULT_ANNOTATION = "stasis.dev/checkpoint-result"
+# Seconds between leave-running checkpoints of the pod's containers, over their own
+# STASIS_INTERVAL while the annotation is there.
+INTERVAL_ANNOTATION = "stasis.dev/interval"
+# On the node: what the agent checkpointed when the node was last cordoned (JSON).
+CORDON_ANNOTATION = "stasis.dev/cordon-checkpoints"
+
+
+class KubeError(StasisError):
+    """The Kubernetes API could not be reached or refused a call."""
+
+
+def connect(kubeconfig: str) -> Any:
+    """A CoreV1Api: from `kubeconfig` when given, else the pod's service account, else the
+    usual kubeconfig ($KUBECONFIG, ~/.kube/config)."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            try:
+                config.load_incluster_config(client_configuration=cfg)
+            except config.ConfigException:
+                config.load_kube_config(client_configuration=cfg)
+    except (config.ConfigException, OSError) as e:
+        where = kubeconfig or "the pod's service account or ~/.kube/config"
+        raise KubeError(f"no Kubernetes API from {where}: {e}; give --kubeconfig "
+                        "(or STASIS_KUBECONFIG)") from None
+    return client.CoreV1Api(client.ApiClient(cfg))
+
+
+def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """One API call; its failure as a KubeError that says what was being done."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        return fn(*args, **kwargs)
+    except ApiException as e:
+        raise KubeError(f"{what}: the API server answered {e.status} {e.reason}") from None
+    except (HTTPError, OSError) as e:
+        raise KubeError(f"{what}: the API server cannot be reached: {e}") from None
+
+
+def watch(api: Any, list_fn: Callable[..., Any], stop: threading.Event,
+          **selectors: Any) -> Iterator[tuple[str, Any]]:
+    """(event type, object) of `list_fn`'s objects, forever: every object as ADDED first,
+    then their changes; a dropped or timed-out watch is started again (after a pause when it
+    failed), so a consumer sees every object again then and must be idempotent."""
+    from kubernetes import watch as k8s_watch
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    pause = 1.0
+    while not stop.is_set():
+        w = k8s_watch.Watch()
+        try:
+            # The read timeout ends a watch whose server went quiet or away; the server's
+            # own timeout ends a healthy one now and then, as clients are expected to.
+            for event in w.stream(list_fn, timeout_seconds=300, _request_timeout=(10, 330),
+                                  **selectors):
+                pause = 1.0
+                if event.get("type") == "ERROR":
+                    raise KubeError(f"watch error: {event.get('raw_object')}")
+                yield str(event["type"]), event["object"]
+                if stop.is_set():
+                    return
+        except (ApiException, HTTPError, OSError, KubeError, ValueError) as e:
+            log.warning("watch of %s failed (%s); again in %.0f s", selectors or "all", e,
+                        pause)
+            stop.wait(pause)
+            pause = min(pause * 2, 30.0)
+        finally:
+            w.stop()
+
+
+def annotations_of(obj: Any) -> dict[str, str]:
+    return dict(getattr(obj.metadata, "annotations", None) or {})
+
+
+def container_ids(pod: Any) -> dict[str, str]:
+    """container name -> runtime container id, of a pod's containers that have started
+    (containerd://ID in the kubelet's status)."""
+    ids = {}
+    for status in (getattr(pod.status, "container_statuses", None) or []):
+        cid = status.container_id or ""
+        if "://" in cid:
+            ids[status.name] = cid.split("://", 1)[1]
+    return ids
+
+
+def set_taint(api: Any, node: Any, present: bool) -> bool:
+    """Put the not-ready taint on the node or take it off; whether the node was changed."""
+    taints = list(getattr(node.spec, "taints", None) or [])
+    has = any(t.key == TAINT_KEY for t in taints)
+    if has == present:
+        return False
+    sanitize = api.api_client.sanitize_for_serialization
+    kept = [sanitize(t) for t in taints if t.key != TAINT_KEY]
+    if present:
+        kept.append({"key": TAINT_KEY, "effect": TAINT_EFFECT})
+    body: dict[str, Any] = {"spec": {"taints": kept}}
+    rv = getattr(node.metadata, "resource_version", None)
+    if rv and rv.isdigit():
+        # Optimistic concurrency: a taint someone else put on meanwhile is not dropped; the
+        # conflict (409) is retried from the next look at the node.
+        body["metadata"] = {"resourceVersion": rv}
+    call(f"{'taint' if present else 'untaint'} node {node.metadata.name}", api.patch_node,
+         node.metadata.name, body)
+    return True
+
+
+def annotate(api: Any, kind: str, obj: Any, values: dict[str, str | None]) -> None:
+    body = {"metadata": {"annotations": values}}
+    name = obj.metadata.name
+    if kind == "node":
+        call(f"annotate node {name}", api.patch_node, name, body)
+    else:
+        call(f"annotate pod {obj.metadata.namespace}/{name}", api.patch_namespaced_pod, name,
+             obj.metadata.namespace, body)
+
+
+def now_token() -> str:
+    """A fresh value for CHECKPOINT_ANNOTATION."""
+    import secrets
+
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"

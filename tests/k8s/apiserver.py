@@ -1,0 +1,106 @@
+"""A Kubernetes API for the agent's tests: kmock's KubernetesEmulator (an in-memory API server:
+objects created, patched, listed and watched over real HTTP), in a process of its own, since no
+real API server can run on these machines. It is an emulator, not a cluster: nothing schedules
+pods or runs a kubelet; the tests write what the kubelet would (a pod's container statuses).
+
+    python tests/k8s/apiserver.py     prints its URL, then serves until killed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import json
+import urllib.error
+import urllib.request
+
+HERE = Path(__file__)
+
+
+class ApiServer:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.kubeconfig = workdir / "kubeconfig"
+
+    def start(self) -> None:
+        with (self.workdir / "apiserver.log").open("w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(HERE)], stdout=subprocess.PIPE,
+                                         stderr=log, text=True, cwd=self.workdir)
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        assert self.url.startswith("http://"), (self.workdir / "apiserver.log").read_text()
+        self.kubeconfig.write_text(textwrap.dedent(f"""\
+            apiVersion: v1
+            kind: Config
+            clusters: [{{name: kmock, cluster: {{server: "{self.url}"}}}}]
+            users: [{{name: test, user: {{token: not-a-secret}}}}]
+            contexts: [{{name: kmock, context: {{cluster: kmock, user: test}}}}]
+            current-context: kmock
+            """))
+        os.chmod(self.kubeconfig, 0o600)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+    # What a test does to the cluster (as kubectl or the kubelet would), over HTTP.
+
+    def _path(self, kind: str, namespace: str | None, name: str | None = None) -> str:
+        base = "/api/v1" + (f"/namespaces/{namespace}" if namespace else "") + f"/{kind}"
+        return base + (f"/{name}" if name else "")
+
+    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
+            "Content-Type": "application/merge-patch+json" if method == "PATCH"
+            else "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                answer: dict[str, Any] = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"{method} {path}: {e.code} {e.read()!r}") from None
+        return answer
+
+    def create(self, kind: str, obj: dict[str, Any]) -> None:
+        self._call("POST", self._path(kind, obj["metadata"].get("namespace")), obj)
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+        return self._call("GET", self._path(kind, namespace, name))
+
+    def patch(self, kind: str, name: str, body: dict[str, Any],
+              namespace: str | None = None) -> None:
+        self._call("PATCH", self._path(kind, namespace, name), body)
+
+
+async def _serve() -> None:
+    import kmock
+    from kmock._internal import parsing
+
+    # The official Python client asks for `watch=True`; a real API server takes any Go bool
+    # there, kmock 0.8 only `true`.
+    guess = parsing.guess_k8s
+
+    def lenient(k8s: Any, method: Any, query: dict[str, str]) -> Any:
+        if "watch" in query:
+            query = {**query, "watch": str(query["watch"].lower() in ("1", "t", "true")).lower()}
+        return guess(k8s, method, query)
+
+    parsing.guess_k8s = lenient
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        print(server.url, flush=True)
+        await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve())
