@@ -58,9 +58,6 @@ def add_k8s(commands: Any) -> None:
                    help="Where the host's root is mounted: install the runtime there "
                         "(default: install nothing).")
     _node_options(p)
-    p.add_argument("--stasis-config", type=Path, default=Path("/etc/stasis/config.toml"),
-                   help="The daemon's config as the host's runtime finds it "
-                        "(default: %(default)s).")
     p.add_argument("--restart-containerd", default="",
                    help="Command that restarts the host's containerd once the runtime entry "
                         "was added, e.g. 'nsenter -t 1 -m -- systemctl restart containerd'.")
@@ -82,6 +79,9 @@ def add_k8s(commands: Any) -> None:
                                    "RUNTIME ...` then runs containers through stasis.")
     _dir_option(p)
     p.add_argument("--store", default="", help="Checkpoint store (default: DIR/stasis/store).")
+    p.add_argument("--bundle", action="store_true",
+                   help="Run stasis-runc and CRIU from a host bundle (DIR/runtime), as on a "
+                        "node the agent installed, not from this venv.")
     add_json(p, 'Print {"containerd_address": PATH, "runtime": NAME, "namespace": NS, ...}.')
     p.set_defaults(handler=up)
     p = lsub.add_parser("down", help="Kill its containers, stop containerd and the daemon "
@@ -116,8 +116,7 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
     install = None
     if args.host_root is not None:
         install = HostInstall(root=args.host_root, containerd_config=args.containerd_config,
-                              bin_dir=args.bin_dir, stasis_config=args.stasis_config,
-                              restart_containerd=tuple(shlex.split(args.restart_containerd)))
+                              bin_dir=args.bin_dir, restart_containerd=tuple(shlex.split(args.restart_containerd)))
     api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
     node = Agent(settings=settings, api=api, node=args.node or settings.node, install=install,
                  start_daemon=not args.no_daemon)
@@ -201,7 +200,7 @@ def _dir_option(p: argparse.ArgumentParser) -> None:
 def up(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.k8s import localnode
 
-    lay = localnode.up(args.root, store=args.store)
+    lay = localnode.up(args.root, store=args.store, bundle=args.bundle)
     info = lay.describe()
     if args.json:
         output.emit_json(info)

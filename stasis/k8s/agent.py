@@ -41,17 +41,28 @@ log = logging.getLogger("stasis.k8s.agent")
 
 @dataclass(frozen=True)
 class HostInstall:
-    """Where the runtime goes: paths as seen from the agent (the host's root mounted at
-    `root`), and the command that makes containerd read its config again."""
+    """Where the runtime goes, as host paths (the agent sees the host's root at `root`), and
+    the command that makes containerd read its config again."""
 
     root: Path
     containerd_config: Path = Path("/etc/containerd/config.toml")
     bin_dir: Path = Path("/usr/local/bin")
-    stasis_config: Path = Path("/etc/stasis/config.toml")
+    # stasis-runc and CRIU with everything they need (stasis.k8s.hostbundle).
+    bundle: Path = Path("/usr/local/lib/stasis")
+    # What the host's stasis-runc reads: the daemon's socket, the bundle's CRIU, the runc.
+    runtime_config: Path = Path("/etc/stasis/runtime.toml")
     restart_containerd: tuple[str, ...] = ()
 
     def on_host(self, path: Path) -> Path:
         return self.root / path.relative_to("/")
+
+    def node_runc(self) -> str:
+        for candidate in ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc",
+                          "/usr/local/bin/runc"):
+            if self.on_host(Path(candidate)).exists():
+                return candidate
+        raise ContainerError(f"no runc on the node (looked in {self.root}/usr/sbin, "
+                             "/usr/bin, /usr/local/sbin, /usr/local/bin)")
 
 
 @dataclass
@@ -76,7 +87,7 @@ class Agent:
     def run(self) -> None:
         """Until `stop` is set (SIGTERM)."""
         if self.install is not None:
-            install_runtime(self.install)
+            install_runtime(self.install, self.settings)
         threads = [threading.Thread(target=self._readiness, name="readiness", daemon=True),
                    threading.Thread(target=self._watch_node, name="node", daemon=True),
                    threading.Thread(target=self._watch_pods, name="pods", daemon=True)]
@@ -275,12 +286,28 @@ class Agent:
                  f"{seconds} s" if seconds is not None else "its own STASIS_INTERVAL")
 
 
-def install_runtime(where: HostInstall) -> list[str]:
+def install_runtime(where: HostInstall, settings: Settings) -> list[str]:
     """The stasis runtime on the host; containerd restarted when its config was changed."""
-    from stasis.k8s import shim
+    from stasis.engine.criu import find_criu
+    from stasis.k8s import hostbundle, shim
 
-    changes = shim.install_node(where.on_host(where.containerd_config),
-                                where.on_host(where.bin_dir), where.stasis_config)
+    runc = where.node_runc()
+    changes = []
+    if hostbundle.install(where.on_host(where.bundle), Path(find_criu(settings.criu)),
+                          seen_as=where.bundle):
+        changes.append(f"install stasis-runc and CRIU into {where.bundle}")
+    config = where.on_host(where.runtime_config)
+    config.parent.mkdir(parents=True, exist_ok=True)
+    q = json.dumps  # TOML basic strings
+    tmp = config.with_name(config.name + ".tmp")
+    tmp.write_text(f"socket = {q(str(settings.socket))}\n"
+                   f"criu = {q(str(where.bundle / 'bin' / 'criu'))}\n"
+                   f"runc = {q(runc)}\n")
+    tmp.replace(config)
+    changes += shim.install_node(where.on_host(where.containerd_config),
+                                 where.on_host(where.bin_dir), where.runtime_config,
+                                 wrapper=str(where.bundle / "bin" / "stasis-runc"),
+                                 node_runc=runc)
     for change in changes:
         log.info("host: %s", change)
     if where.restart_containerd and any("runtime entry" in c for c in changes):

@@ -4,6 +4,7 @@ installed as the node agent installs it (stasis.k8s.shim), and a stasis daemon f
     D/containerd/   config.toml, root, state, containerd.sock, containerd.log
     D/bin/          containerd-shim-stasis-v2, runc-wrapper/runc (first on containerd's PATH)
     D/stasis/       config.toml, daemon socket, state, checkpoint store, daemon log
+    D/runtime/      with --bundle: stasis-runc and CRIU as the node agent puts them on a host
 
 Containers are started with `ctr -a D/containerd/containerd.sock -n stasis run --runtime
 io.containerd.stasis.v2 ...`. Nothing outside D is touched, except runc's state under
@@ -83,7 +84,9 @@ def containerd_config(lay: Layout) -> str:
     )
 
 
-def up(root: Path, store: str = "") -> Layout:
+def up(root: Path, store: str = "", bundle: bool = False) -> Layout:
+    """`bundle`: stasis-runc and CRIU run from a host bundle (stasis.k8s.hostbundle, in
+    D/runtime), as on a node the agent installed, instead of from this venv."""
     if os.geteuid() != 0:
         raise UsageError("k8s local-node up must run as root (it starts containerd)")
     for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
@@ -97,13 +100,20 @@ def up(root: Path, store: str = "") -> Layout:
     for d in (lay.root, lay.containerd, lay.bin, lay.stasis):
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
-    lay.stasis_config.write_text(
-        f"socket = {_q(str(lay.stasis_socket))}\n"
-        f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
-        f"store = {_q(store or str(lay.stasis / 'store'))}\n"
-        f"containerd_address = {_q(str(lay.address))}\n"
-    )
-    shim.install(lay.bin, lay.stasis_config)
+    wrapper = None
+    config = (f"socket = {_q(str(lay.stasis_socket))}\n"
+              f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
+              f"store = {_q(store or str(lay.stasis / 'store'))}\n"
+              f"containerd_address = {_q(str(lay.address))}\n")
+    if bundle:
+        from stasis.engine.criu import find_criu
+        from stasis.k8s import hostbundle
+
+        hostbundle.install(lay.root / "runtime", Path(find_criu()))
+        wrapper = str(lay.root / "runtime" / "bin" / "stasis-runc")
+        config += f"criu = {_q(str(lay.root / 'runtime' / 'bin' / 'criu'))}\n"
+    lay.stasis_config.write_text(config)
+    shim.install(lay.bin, lay.stasis_config, wrapper=wrapper)
     (lay.containerd / "config.toml").write_text(containerd_config(lay))
     env = _env(lay)
     try:

@@ -52,7 +52,7 @@ def _wrapper() -> str:
     return str(script)
 
 
-def _dispatcher(real_runc: str) -> str:
+def _dispatcher(real_runc: str, wrapper: str) -> str:
     """The `runc` the shim runs: the shim calls runc for state, ps, exec, events... of every
     container on the node; only create, start, kill and delete can concern stasis, so only
     those pay for starting Python (stasis-runc), and the rest go to runc at once."""
@@ -66,7 +66,7 @@ def _dispatcher(real_runc: str) -> str:
         '    case "$a" in\n'
         "        --log|--log-format|--root|--criu|--rootless) skip=1 ;;\n"
         "        -*) ;;\n"
-        "        create|start|kill|delete) exec " + shlex.quote(_wrapper()) + ' "$@" ;;\n'
+        "        create|start|kill|delete) exec " + shlex.quote(wrapper) + ' "$@" ;;\n'
         "        *) break ;;\n"
         "    esac\n"
         "done\n"
@@ -74,8 +74,11 @@ def _dispatcher(real_runc: str) -> str:
     )
 
 
-def install(bin_dir: Path, stasis_config: Path) -> Path:
-    """Write the shim and the runc wrapper into `bin_dir`; the shim's path."""
+def install(bin_dir: Path, stasis_config: Path, wrapper: str | None = None,
+            node_runc: str | None = None) -> Path:
+    """Write the shim and the runc wrapper into `bin_dir`; the shim's path. `wrapper`: the
+    stasis-runc the node runs (default: this venv's); `node_runc`: the node's real runc (default:
+    the config's, else the first found here)."""
     from stasis.config import load_settings
     from stasis.k8s.runc import real_runc
 
@@ -86,7 +89,8 @@ def install(bin_dir: Path, stasis_config: Path) -> Path:
         else None
     tmp_runc = runc.with_name("runc.tmp")
     tmp_runc.unlink(missing_ok=True)
-    tmp_runc.write_text(_dispatcher(real_runc(settings.runc if settings else "")))
+    tmp_runc.write_text(_dispatcher(node_runc or real_runc(settings.runc if settings else ""),
+                                    wrapper or _wrapper()))
     tmp_runc.chmod(0o755)
     tmp_runc.replace(runc)
     shim = bin_dir / SHIM_NAME
@@ -113,7 +117,8 @@ def _block() -> str:
 
 
 def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
-                 dry_run: bool = False) -> list[str]:
+                 dry_run: bool = False, wrapper: str | None = None,
+                 node_runc: str | None = None) -> list[str]:
     """Put the stasis runtime on this node as the node agent does: the shim and runc wrapper
     in `bin_dir` (on containerd's PATH), the CRI runtime entry at the end of containerd's
     config (a marked block, so that uninstall gives the file back byte for byte). What was
@@ -125,7 +130,7 @@ def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
         changes.append(f"append the runtime entry `{HANDLER}` to {containerd_config}")
     if dry_run:
         return changes
-    install(bin_dir, stasis_config)
+    install(bin_dir, stasis_config, wrapper, node_runc)
     if _BEGIN not in text:
         base = text if text else "version = 2\n"
         if not base.endswith("\n"):

@@ -43,13 +43,15 @@ def busybox_archive(out: Path) -> Path:
 class Node:
     """The local node, driven with `ctr` the way the kubelet drives containerd's tasks."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, bundle: bool = False) -> None:
         self.root = root
+        self.bundle = bundle
         self.lay = localnode.Layout(root)
         self.info: dict[str, Any] = {}
 
     def up(self) -> None:
-        r = subprocess.run([STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json"],
+        r = subprocess.run([STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json",
+                            *(["--bundle"] if self.bundle else [])],
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "STASIS_CONFIG": ""})
         assert r.returncode == 0, r.stderr + r.stdout

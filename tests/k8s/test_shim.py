@@ -77,7 +77,7 @@ def test_only_the_commands_that_can_concern_stasis_start_stasis_runc(tmp_path: P
     real.write_text('#!/bin/sh\necho "runc $*"\n')
     real.chmod(0o755)
     script = tmp_path / "runc"
-    script.write_text(shim._dispatcher(str(real)))
+    script.write_text(shim._dispatcher(str(real), shim._wrapper()))
     script.chmod(0o755)
 
     def run(*args: str) -> str:
