@@ -116,7 +116,8 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
     install = None
     if args.host_root is not None:
         install = HostInstall(root=args.host_root, containerd_config=args.containerd_config,
-                              bin_dir=args.bin_dir, restart_containerd=tuple(shlex.split(args.restart_containerd)))
+                              bin_dir=args.bin_dir,
+                              restart_containerd=tuple(shlex.split(args.restart_containerd)))
     api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
     node = Agent(settings=settings, api=api, node=args.node or settings.node, install=install,
                  start_daemon=not args.no_daemon)
