@@ -12,6 +12,8 @@ from stasis.cli.args import add_json, subcommands
 from stasis.client import Client
 from stasis.config import Settings
 
+TAINT = "stasis.dev/not-ready:NoSchedule"  # stasis.k8s.kube's default, without importing it
+
 
 def dump_container(client: Client, container_id: str, leave_running: bool,
                    as_json: bool) -> None:
@@ -58,6 +60,13 @@ def add_k8s(commands: Any) -> None:
                    help="Where the host's root is mounted: install the runtime there "
                         "(default: install nothing).")
     _node_options(p)
+    p.add_argument("--bundle-dir", type=Path, default=Path("/usr/local/lib/stasis"),
+                   help="Host directory of stasis-runc and CRIU (default: %(default)s).")
+    p.add_argument("--runtime-config", type=Path, default=Path("/etc/stasis/runtime.toml"),
+                   help="Host file the runtime reads (default: %(default)s).")
+    p.add_argument("--taint", default=f"{TAINT}",
+                   help="KEY:EFFECT kept on the node while stasis is not ready there "
+                        "(default: %(default)s).")
     p.add_argument("--restart-containerd", default="",
                    help="Command that restarts the host's containerd once the runtime entry "
                         "was added, e.g. 'nsenter -t 1 -m -- systemctl restart containerd'.")
@@ -108,6 +117,7 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
     import shlex
     import signal
 
+    from stasis.errors import UsageError
     from stasis.k8s import kube
     from stasis.k8s.agent import Agent, HostInstall
 
@@ -116,11 +126,16 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
     install = None
     if args.host_root is not None:
         install = HostInstall(root=args.host_root, containerd_config=args.containerd_config,
-                              bin_dir=args.bin_dir,
+                              bin_dir=args.bin_dir, bundle=args.bundle_dir,
+                              runtime_config=args.runtime_config,
                               restart_containerd=tuple(shlex.split(args.restart_containerd)))
+    key, _, effect = args.taint.partition(":")
+    if not key or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+        raise UsageError(f"--taint {args.taint!r} is not KEY:NoSchedule|PreferNoSchedule|"
+                         "NoExecute")
     api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
     node = Agent(settings=settings, api=api, node=args.node or settings.node, install=install,
-                 start_daemon=not args.no_daemon)
+                 start_daemon=not args.no_daemon, taint=(key, effect))
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     node.run()

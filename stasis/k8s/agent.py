@@ -72,6 +72,7 @@ class Agent:
     node: str
     install: HostInstall | None = None
     start_daemon: bool = True
+    taint: tuple[str, str] = (kube.TAINT_KEY, kube.TAINT_EFFECT)
     stop: threading.Event = field(default_factory=threading.Event)
     ready: bool | None = None  # None: not checked yet (the taint is left as it is)
     why_not_ready: str = ""
@@ -155,8 +156,8 @@ class Agent:
             return
         try:
             node = node or kube.call(f"read node {self.node}", self.api.read_node, self.node)
-            if kube.set_taint(self.api, node, present=not self.ready):
-                log.info("node %s: taint %s %s", self.node, kube.TAINT_KEY,
+            if kube.set_taint(self.api, node, not self.ready, *self.taint):
+                log.info("node %s: taint %s %s", self.node, self.taint[0],
                          "removed" if self.ready else "put on")
         except kube.KubeError as e:
             log.warning("node %s: cannot set its taint: %s", self.node, e)

@@ -117,16 +117,17 @@ def container_ids(pod: Any) -> dict[str, str]:
     return ids
 
 
-def set_taint(api: Any, node: Any, present: bool) -> bool:
+def set_taint(api: Any, node: Any, present: bool, key: str = TAINT_KEY,
+              effect: str = TAINT_EFFECT) -> bool:
     """Put the not-ready taint on the node or take it off; whether the node was changed."""
     taints = list(getattr(node.spec, "taints", None) or [])
-    has = any(t.key == TAINT_KEY for t in taints)
+    has = any(t.key == key for t in taints)
     if has == present:
         return False
     sanitize = api.api_client.sanitize_for_serialization
-    kept = [sanitize(t) for t in taints if t.key != TAINT_KEY]
+    kept = [sanitize(t) for t in taints if t.key != key]
     if present:
-        kept.append({"key": TAINT_KEY, "effect": TAINT_EFFECT})
+        kept.append({"key": key, "effect": effect})
     body: dict[str, Any] = {"spec": {"taints": kept}}
     rv = getattr(node.metadata, "resource_version", None)
     if rv and rv.isdigit():

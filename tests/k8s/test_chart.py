@@ -50,6 +50,18 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret() -> None:
     assert agent["image"] == "registry.example/stasis:9.9"
     assert agent["securityContext"]["privileged"] is True
     assert agent["readinessProbe"]["exec"]["command"] == ["stasis", "check"]
+    assert agent["command"] == ["stasis"] and agent["args"][:3] == [
+        "k8s", "agent", "--host-root=/host"]
+    assert "--taint=stasis.dev/not-ready:NoSchedule" in agent["args"]
+    # The agent's own CLI takes what the chart passes.
+    from stasis.cli.main import parser
+
+    parsed = parser("k8s").parse_args(agent["args"])
+    assert parsed.host_root == Path("/host") and parsed.restart_containerd.startswith("nsenter")
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["STASIS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    assert mounts["/run/containerd"]["mountPropagation"] == "HostToContainer"
     config = docs["ConfigMap"]["data"]["config.toml"]
     assert 'store = "s3://ckpt/site"' in config and "encrypt = true" in config
     assert "s3cret" not in str(docs["ConfigMap"]) and "s3cret" not in str(docs["DaemonSet"])
