@@ -9,7 +9,7 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode init test demo bench lint clean
+.PHONY: install system venv proto bytecode init test demo bench lint clean image
 
 install: system venv proto bytecode init
 
@@ -53,6 +53,11 @@ $(PROTO_OUT)/rpc_pb2.py: $(RPC_PROTO)
 # every CLI call and job supervisor would otherwise compile stasis again (~30 ms each).
 bytecode: venv proto
 	$(BIN)/python -m compileall -q stasis
+
+# The node agent's container image, an OCI archive: build/stasis-agent-VERSION.oci.tar
+# (Debian packages and this repository only; scripts/build-image.sh).
+image: install
+	bash scripts/build-image.sh
 
 lint: install
 	$(BIN)/mypy

@@ -5,7 +5,7 @@
 #
 #  1. A Debian root (debootstrap --variant=minbase, the suite of this machine, from the mirror
 #     its apt uses), built once into build/image/base-SUITE and copied for every build, with
-#     Python, iptables (CRIU's network lock), containerd's ctr (exit events), and the libraries
+#     Python, iptables (CRIU's network lock), containerd's ctr (exit events), tini, and the libraries
 #     this machine's CRIU links (found with ldd and dpkg -S).
 #  2. This machine's CRIU (scripts/install-criu.sh: 4.2 with our patches) and stasis-init.
 #  3. stasis in /opt/stasis/venv: its wheel and the pinned dependencies' wheels built here
@@ -33,7 +33,7 @@ command -v debootstrap >/dev/null || bash scripts/apt-install.sh build-image deb
 criu_libs=$(ldd /usr/local/sbin/criu | awk '/=> \//{print $3}' | while read -r f; do
     dpkg -S "$f" 2>/dev/null || dpkg -S "$(realpath "$f")" 2>/dev/null || true
 done | cut -d: -f1 | sort -u | paste -sd, -)
-include="python3,python3-venv,iptables,containerd,util-linux,ca-certificates,$criu_libs"
+include="python3,python3-venv,iptables,containerd,tini,util-linux,ca-certificates,$criu_libs"
 
 mkdir -p "$work"
 if [ ! -f "$base/.complete" ] || [ "$(cat "$base/.complete")" != "$include" ]; then

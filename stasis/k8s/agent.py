@@ -141,7 +141,7 @@ class Agent:
             self._keep_daemon()
             ok, why = self.check()
             with self._lock:
-                changed = ok != self.ready
+                changed = ok != self.ready or why != self.why_not_ready
                 self.ready, self.why_not_ready = ok, why
             if changed:
                 if ok:
@@ -308,7 +308,7 @@ def install_runtime(where: HostInstall, settings: Settings) -> list[str]:
     changes += shim.install_node(where.on_host(where.containerd_config),
                                  where.on_host(where.bin_dir), where.runtime_config,
                                  wrapper=str(where.bundle / "bin" / "stasis-runc"),
-                                 node_runc=runc)
+                                 node_runc=runc, seen_as=where.bin_dir)
     for change in changes:
         log.info("host: %s", change)
     if where.restart_containerd and any("runtime entry" in c for c in changes):

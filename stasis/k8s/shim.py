@@ -75,10 +75,11 @@ def _dispatcher(real_runc: str, wrapper: str) -> str:
 
 
 def install(bin_dir: Path, stasis_config: Path, wrapper: str | None = None,
-            node_runc: str | None = None) -> Path:
+            node_runc: str | None = None, seen_as: Path | None = None) -> Path:
     """Write the shim and the runc wrapper into `bin_dir`; the shim's path. `wrapper`: the
     stasis-runc the node runs (default: this venv's); `node_runc`: the node's real runc (default:
-    the config's, else the first found here)."""
+    the config's, else the first found here); `seen_as`: the path the node knows `bin_dir`
+    by (the agent sees the host's root mounted elsewhere)."""
     from stasis.config import load_settings
     from stasis.k8s.runc import real_runc
 
@@ -100,7 +101,7 @@ def install(bin_dir: Path, stasis_config: Path, wrapper: str | None = None,
         "# Written by stasis (stasis/k8s/shim.py): containerd's runc shim with stasis-runc in\n"
         "# front of runc. Containers without STASIS_CHECKPOINT go to runc unchanged.\n"
         f"export STASIS_CONFIG={shlex.quote(str(stasis_config))}\n"
-        f'export PATH={shlex.quote(str(wrapper_dir))}:"$PATH"\n'
+        f'export PATH={shlex.quote(str((seen_as or bin_dir) / "runc-wrapper"))}:"$PATH"\n'
         f"exec {shlex.quote(_runc_shim())} \"$@\"\n"
     )
     tmp.chmod(0o755)
@@ -118,7 +119,7 @@ def _block() -> str:
 
 def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
                  dry_run: bool = False, wrapper: str | None = None,
-                 node_runc: str | None = None) -> list[str]:
+                 node_runc: str | None = None, seen_as: Path | None = None) -> list[str]:
     """Put the stasis runtime on this node as the node agent does: the shim and runc wrapper
     in `bin_dir` (on containerd's PATH), the CRI runtime entry at the end of containerd's
     config (a marked block, so that uninstall gives the file back byte for byte). What was
@@ -130,7 +131,7 @@ def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
         changes.append(f"append the runtime entry `{HANDLER}` to {containerd_config}")
     if dry_run:
         return changes
-    install(bin_dir, stasis_config, wrapper, node_runc)
+    install(bin_dir, stasis_config, wrapper, node_runc, seen_as)
     if _BEGIN not in text:
         base = text if text else "version = 2\n"
         if not base.endswith("\n"):

@@ -42,6 +42,7 @@ def test_the_runtime_goes_into_the_host_root_and_containerd_restarts_once(tmp_pa
     # The scripts name the host's paths, not the pod's.
     script = (host / "usr" / "local" / "bin" / shim.SHIM_NAME).read_text()
     assert "STASIS_CONFIG=/etc/stasis/runtime.toml" in script
+    assert 'export PATH=/usr/local/bin/runc-wrapper:"$PATH"' in script
     dispatcher = (host / "usr" / "local" / "bin" / "runc-wrapper" / "runc").read_text()
     assert "exec /usr/local/lib/stasis/bin/stasis-runc " in dispatcher
     assert 'exec /usr/bin/runc "$@"' in dispatcher
