@@ -63,6 +63,13 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          (in-cluster), else $KUBECONFIG or ~/.kube/config  ("")
     STASIS_K8S_CHECK_INTERVAL_S  seconds between the node agent's checks of its node (the
                          not-ready taint follows them)  (10)
+    STASIS_CONTROLPLANE_URL  the control plane this node joins, and the admin CLI talks to;
+                         "" = none  (""; CEDANA_URL accepted too)
+    STASIS_CLUSTER_ID    the cluster this node belongs to (checked against its token)  ("";
+                         CEDANA_CLUSTER_ID)
+    STASIS_AUTH_TOKEN    the cluster's token (a node) or the admin token (the CLI); never
+                         logged  (""; CEDANA_AUTH_TOKEN)
+    STASIS_CONTROLPLANE_HEARTBEAT_S  seconds between a node's heartbeats  (10)
 
 An s3:// store takes its endpoint, region and credentials where AWS tools look for them
 (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
@@ -97,6 +104,14 @@ _ENV_KEYS = {
     "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
     "STASIS_KUBECONFIG": "kubeconfig",
     "STASIS_K8S_CHECK_INTERVAL_S": "k8s_check_interval_s",
+    # Cedana's spellings first: the STASIS_ ones, read after them, win.
+    "CEDANA_URL": "controlplane_url",
+    "CEDANA_CLUSTER_ID": "cluster_id",
+    "CEDANA_AUTH_TOKEN": "auth_token",
+    "STASIS_CONTROLPLANE_URL": "controlplane_url",
+    "STASIS_CLUSTER_ID": "cluster_id",
+    "STASIS_AUTH_TOKEN": "auth_token",
+    "STASIS_CONTROLPLANE_HEARTBEAT_S": "controlplane_heartbeat_s",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
     "STASIS_STORE": "store",
@@ -191,6 +206,11 @@ class Settings(NamedTuple):
     containerd_address: str = "/run/containerd/containerd.sock"
     kubeconfig: str = ""
     k8s_check_interval_s: float = 10.0
+    # The control plane (stasis/controlplane): where this node reports, with which token.
+    controlplane_url: str = ""
+    cluster_id: str = ""
+    auth_token: str = ""
+    controlplane_heartbeat_s: float = 10.0
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.
     s3_endpoint_url: str = ""
@@ -201,7 +221,9 @@ class Settings(NamedTuple):
 
     def __repr__(self) -> str:
         # Settings end up in tracebacks and debug output; the secret must not.
-        shown = self._replace(s3_secret_access_key="***") if self.s3_secret_access_key else self
+        shown = self._replace(
+            s3_secret_access_key="***" if self.s3_secret_access_key else "",
+            auth_token="***" if self.auth_token else "")
         fields = ", ".join(f"{k}={v!r}" for k, v in zip(self._fields, tuple(shown)))
         return f"Settings({fields})"
 

@@ -47,3 +47,20 @@ def test_pruning_limits(tmp_path: Path) -> None:
     assert (s.keep_criu_logs, s.criu_logs_max_age_s) == (0, 3600)
     with pytest.raises(UsageError, match="keep_finished_jobs"):
         load_settings({"STASIS_KEEP_FINISHED_JOBS": "-1"})
+
+
+def test_the_control_plane_settings_take_cedana_s_spellings_and_the_token_is_never_shown(
+        ) -> None:
+    env = {"STASIS_CONFIG": "/dev/null", "CEDANA_URL": "https://cp.example",
+           "CEDANA_CLUSTER_ID": "cl_1", "CEDANA_AUTH_TOKEN": "stasis_sekrit"}
+    s = load_settings(env)
+    assert (s.controlplane_url, s.cluster_id, s.auth_token) == (
+        "https://cp.example", "cl_1", "stasis_sekrit")
+    assert "sekrit" not in repr(s) and "auth_token='***'" in repr(s)
+    s = load_settings({**env, "STASIS_CONTROLPLANE_URL": "https://other.example",
+                       "STASIS_AUTH_TOKEN": "stasis_mine"})
+    assert (s.controlplane_url, s.auth_token) == ("https://other.example", "stasis_mine")
+    s = load_settings({"STASIS_CONFIG": "/dev/null", "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5"})
+    assert s.controlplane_heartbeat_s == 0.5
+    with pytest.raises(UsageError, match="is not above 0"):
+        load_settings({"STASIS_CONFIG": "/dev/null", "STASIS_CONTROLPLANE_HEARTBEAT_S": "0"})

@@ -1,4 +1,5 @@
-"""`stasis`: run, dump, restore, ps, checkpoints, kill, logs, check, daemon (and `slurm ...`).
+"""`stasis`: run, dump, restore, ps, checkpoints, kill, logs, check, daemon (and `slurm ...`,
+`k8s ...`, `controlplane ...`).
 
 Built on argparse, not click: importing click cost ~40 ms of every command on these machines,
 most of what `stasis dump` and `stasis restore` took over the plain `criu` command that issue 4
@@ -273,13 +274,14 @@ def daemon(args: argparse.Namespace, settings: Settings) -> None:
     import asyncio
     import logging
 
+    from stasis.controlplane.node import ControlPlaneNode
     from stasis.daemon.server import serve
     from stasis.k8s.integration import K8sIntegration
     from stasis.slurm.integration import SlurmIntegration
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stasis %(levelname)s %(message)s")
     # The integrations this daemon serves: the core knows none of them.
-    asyncio.run(serve(settings, [SlurmIntegration, K8sIntegration]))
+    asyncio.run(serve(settings, [SlurmIntegration, K8sIntegration, ControlPlaneNode]))
 
 
 def _add_run(sub: Any) -> None:
@@ -451,6 +453,12 @@ def _add_k8s(sub: Any) -> None:
     add_k8s(sub)
 
 
+def _add_controlplane(sub: Any) -> None:
+    from stasis.cli.controlplane import add_controlplane
+
+    add_controlplane(sub)
+
+
 def _add_slurm(sub: Any) -> None:
     from stasis.cli.slurm import add_slurm
 
@@ -461,7 +469,7 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
     "run": _add_run, "dump": _add_dump, "restore": _add_restore, "ps": _add_ps,
     "checkpoints": _add_checkpoints, "kill": _add_kill, "logs": _add_logs, "check": _add_check,
     "daemon": _add_daemon, "slurm": _add_slurm, "k8s": _add_k8s,
-    "export": _add_export, "import": _add_import,
+    "export": _add_export, "import": _add_import, "controlplane": _add_controlplane,
 }
 
 

@@ -1,0 +1,117 @@
+"""`stasis controlplane ...`: serve the control plane, and its admin commands (clusters, tokens,
+nodes), which talk to the one named by STASIS_CONTROLPLANE_URL with STASIS_AUTH_TOKEN."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from stasis.cli import output
+from stasis.cli.args import add_json, subcommands
+from stasis.config import Settings
+
+
+def add_controlplane(commands: Any) -> None:
+    top = commands.add_parser("controlplane", help="The control plane: serve it, or administer "
+                                                   "the one at STASIS_CONTROLPLANE_URL.")
+    sub = subcommands(top)
+    p = sub.add_parser("serve", help="Run the control plane.")
+    p.add_argument("--db", default="", help="SQLAlchemy URL (postgresql+psycopg://...) or a "
+                                            "SQLite file (default: STATE_DIR/controlplane.db).")
+    p.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default: %(default)s)")
+    p.add_argument("--admin-token-file", type=Path, default=None,
+                   help="Where the admin token made at the first start goes (0600; default: "
+                        "printed once).")
+    p.add_argument("--cert", type=Path, default=None, help="TLS certificate (PEM): HTTPS.")
+    p.add_argument("--key", type=Path, default=None, help="Its private key (PEM).")
+    p.add_argument("--allow-plain-http", action="store_true",
+                   help="Serve plain HTTP on a non-loopback address (tokens in the clear).")
+    p.add_argument("--lost-after", type=float, default=60.0, metavar="S",
+                   help="A node silent this long is shown as lost (default: %(default)s).")
+    p.set_defaults(handler=serve)
+
+    clusters = subcommands(sub.add_parser("clusters", help="Clusters and their tokens."))
+    p = clusters.add_parser("add", help="Register a cluster: its id and token (what the Slurm "
+                                        "installer and the Helm chart take).")
+    p.add_argument("name")
+    p.add_argument("--kind", required=True, choices=["slurm", "kubernetes"])
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/clusters",
+                                              {"name": a.name, "kind": a.kind}, _said_cluster))
+    p = clusters.add_parser("list", help="The clusters.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/clusters", None,
+                                              _said_rows("id", "name", "kind", "created")))
+    p = clusters.add_parser("rotate", help="A new token for a cluster; its old ones revoked.")
+    p.add_argument("cluster_id", metavar="CLUSTER_ID")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
+                                              f"/api/v1/clusters/{_seg(a.cluster_id)}/rotate",
+                                              None, _said_cluster))
+
+    toks = subcommands(sub.add_parser("tokens", help="Tokens (never shown again: ids only)."))
+    p = toks.add_parser("list")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/tokens", None, _said_rows(
+        "id", "kind", "cluster_id", "created", "revoked")))
+    p = toks.add_parser("revoke")
+    p.add_argument("token_id", metavar="TOKEN_ID")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
+                                              f"/api/v1/tokens/{_seg(a.token_id)}/revoke", None,
+                                              lambda d: output.say(f"revoked {d['token_id']}")))
+
+    p = sub.add_parser("nodes", help="The nodes: ready, not-ready or lost.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/nodes", None, _said_rows(
+        "cluster", "name", "state", "jobs", "stasis_version", "criu_version",
+        "last_heartbeat_age_s")))
+
+
+def _seg(value: str) -> str:
+    from urllib.parse import quote
+
+    return quote(value, safe="")
+
+
+def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, body: Any,
+          say: Any) -> None:
+    from stasis.controlplane.client import ControlPlaneClient
+
+    answer = ControlPlaneClient(settings.controlplane_url, settings.auth_token).request(
+        method, path, body)
+    if args.json:
+        output.emit_json(answer)
+    else:
+        say(answer)
+
+
+def _said_cluster(d: dict[str, Any]) -> None:
+    output.plain(f"cluster {d.get('name', d['cluster_id'])}: id {d['cluster_id']}\n"
+                 f"token (shown once): {d['token']}")
+
+
+def _said_rows(*keys: str) -> Any:
+    def say(rows: list[dict[str, Any]]) -> None:
+        output.plain("\t".join(keys))
+        for r in rows:
+            output.plain("\t".join("" if r.get(k) is None else str(r.get(k)) for k in keys))
+
+    return say
+
+
+def serve(args: argparse.Namespace, settings: Settings) -> None:
+    import asyncio
+    import logging
+
+    from stasis.controlplane.server import serve as run
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s stasis-controlplane %(levelname)s %(message)s")
+    db = args.db or str(settings.state_dir / "controlplane.db")
+    try:
+        asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
+                        args.allow_plain_http, args.lost_after))
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,56 @@
+"""The control plane's API as the admin CLI and the node daemons call it (blocking, stdlib HTTP:
+a call every few seconds needs no more)."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+from typing import Any
+
+from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
+
+
+class ControlPlaneUnreachable(StasisError):
+    """Nothing (or no HTTP) answers at the control plane's URL."""
+
+
+_BY_STATUS: dict[int, type[StasisError]] = {400: UsageError, 401: PermissionDeniedError,
+                                            403: PermissionDeniedError, 404: NotFoundError,
+                                            413: UsageError}
+
+
+class ControlPlaneClient:
+    def __init__(self, url: str, token: str, timeout_s: float = 10.0) -> None:
+        if not url:
+            raise UsageError("no control plane: set STASIS_CONTROLPLANE_URL (or "
+                             "controlplane_url in the config)")
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"control plane URL {url!r} is not http:// or https://")
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self._ssl = ssl.create_default_context() if url.startswith("https://") else None
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            try:
+                message = str(json.loads(e.read()).get("error"))
+            except (ValueError, AttributeError):
+                message = f"{e.code} {e.reason}"
+            raise _BY_STATUS.get(e.code, StasisError)(message) from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            why = getattr(e, "reason", e)
+            raise ControlPlaneUnreachable(f"cannot reach the control plane at {self.url} "
+                                          f"({why}): is it running? (STASIS_CONTROLPLANE_URL)"
+                                          ) from None

@@ -1,0 +1,1 @@
+"""Alembic migrations of the control plane's database (run at `controlplane serve` start)."""

@@ -1,0 +1,251 @@
+"""What the control plane keeps: clusters, their tokens and nodes, in its database (SQLite file
+or PostgreSQL, by SQLAlchemy URL), migrated by Alembic when opened."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import Engine, create_engine, insert, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from stasis.controlplane.schema import clusters, nodes, tokens
+from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
+
+TOKEN_PREFIX = "stasis_"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+Kind = Literal["slurm", "kubernetes"]
+
+
+class ControlPlaneError(StasisError):
+    """The control plane's database or API failed."""
+
+
+class AuthError(PermissionDeniedError):
+    http_status = 401
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request comes from: the admin, or one cluster's nodes."""
+
+    kind: Literal["admin", "cluster"]
+    token_id: str
+    cluster_id: str | None = None
+
+    def admin_only(self) -> None:
+        if self.kind != "admin":
+            raise PermissionDeniedError("this needs the admin token; a cluster token may only "
+                                        "register and report its own nodes")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def validate_name(name: str, what: str = "name") -> str:
+    if not _NAME.fullmatch(name):
+        raise UsageError(f"bad {what} {name!r}: letters, digits, '.', '_' and '-', at most 100")
+    return name
+
+
+def _url_for(db: str) -> str:
+    """A bare path is a SQLite file; anything else an SQLAlchemy URL (postgresql+psycopg://)."""
+    if "://" in db:
+        return db
+    return f"sqlite:///{Path(db).absolute()}"
+
+
+class Registry:
+    def __init__(self, db: str) -> None:
+        self.url = _url_for(db)
+        try:
+            self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
+            self.migrate()
+        except (OperationalError, SQLAlchemyError) as e:
+            raise ControlPlaneError(f"cannot open the control plane's database "
+                                    f"{safe_url(self.url)}: {e.__class__.__name__}: "
+                                    f"{str(e).splitlines()[0]}") from None
+
+    def migrate(self) -> None:
+        """The schema brought to the newest revision (Alembic), whatever it was."""
+        from alembic import command
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+        with self.engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def bootstrap_admin(self) -> str | None:
+        """A new admin token when there is none (the control plane's first start), else None."""
+        with self.engine.begin() as conn:
+            live = conn.execute(select(tokens.c.id).where(
+                tokens.c.kind == "admin", tokens.c.revoked.is_(None))).first()
+            if live is not None:
+                return None
+            token = new_token()
+            conn.execute(insert(tokens).values(id="tok_" + secrets.token_hex(6), kind="admin",
+                                               cluster_id=None, sha256=_sha(token),
+                                               created=_now(), revoked=None))
+            return token
+
+    def authenticate(self, token: str) -> Principal:
+        if not token.startswith(TOKEN_PREFIX):
+            raise AuthError("no valid token: send `Authorization: Bearer stasis_...` "
+                            "(STASIS_AUTH_TOKEN)")
+        with self.engine.begin() as conn:
+            row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
+        if row is None:
+            raise AuthError("unknown token")
+        if row.revoked is not None:
+            raise AuthError(f"token {row.id} was revoked on {row.revoked}")
+        return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
+
+    def list_tokens(self) -> list[dict[str, Any]]:
+        with self.engine.begin() as conn:
+            rows = conn.execute(select(tokens.c.id, tokens.c.kind, tokens.c.cluster_id,
+                                       tokens.c.created, tokens.c.revoked)
+                                .order_by(tokens.c.created, tokens.c.id)).mappings().all()
+        return [dict(r) for r in rows]
+
+    def revoke(self, token_id: str, by: Principal) -> dict[str, Any]:
+        if token_id == by.token_id:
+            raise UsageError("an admin token cannot revoke itself (create another first)")
+        with self.engine.begin() as conn:
+            n = conn.execute(update(tokens).where(tokens.c.id == token_id,
+                                                  tokens.c.revoked.is_(None))
+                             .values(revoked=_now())).rowcount
+        if not n:
+            raise NotFoundError(f"no live token {token_id}")
+        return {"token_id": token_id, "revoked": True}
+
+    def rotate(self, cluster_id: str) -> dict[str, Any]:
+        """A new token for the cluster; its older ones are revoked."""
+        self.cluster(cluster_id)
+        token = new_token()
+        with self.engine.begin() as conn:
+            conn.execute(update(tokens).where(tokens.c.cluster_id == cluster_id,
+                                              tokens.c.revoked.is_(None))
+                         .values(revoked=_now()))
+            tid = "tok_" + secrets.token_hex(6)
+            conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cluster_id,
+                                               sha256=_sha(token), created=_now(),
+                                               revoked=None))
+        return {"cluster_id": cluster_id, "token_id": tid, "token": token}
+
+    # -- clusters -----------------------------------------------------------------------------
+
+    def add_cluster(self, name: str, kind: str) -> dict[str, Any]:
+        validate_name(name, "cluster name")
+        if kind not in ("slurm", "kubernetes"):
+            raise UsageError(f"bad cluster kind {kind!r}: slurm or kubernetes")
+        cid = "cl_" + secrets.token_hex(8)
+        token = new_token()
+        tid = "tok_" + secrets.token_hex(6)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(clusters).values(id=cid, name=name, kind=kind,
+                                                     created=_now()))
+                conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cid,
+                                                   sha256=_sha(token), created=_now(),
+                                                   revoked=None))
+        except IntegrityError:
+            raise UsageError(f"a cluster named {name!r} exists already") from None
+        return {"cluster_id": cid, "name": name, "kind": kind, "token_id": tid, "token": token}
+
+    def cluster(self, cluster_id: str) -> dict[str, Any]:
+        with self.engine.begin() as conn:
+            row = conn.execute(select(clusters).where(clusters.c.id == cluster_id)
+                               ).mappings().first()
+        if row is None:
+            raise NotFoundError(f"no cluster {cluster_id}")
+        return dict(row)
+
+    def list_clusters(self) -> list[dict[str, Any]]:
+        with self.engine.begin() as conn:
+            rows = conn.execute(select(clusters).order_by(clusters.c.name)).mappings().all()
+        return [dict(r) for r in rows]
+
+    # -- nodes --------------------------------------------------------------------------------
+
+    def register_node(self, by: Principal, report: dict[str, Any]) -> dict[str, Any]:
+        if by.kind != "cluster" or by.cluster_id is None:
+            raise UsageError("nodes register with their cluster's token, not the admin's")
+        if report.get("cluster_id") and report["cluster_id"] != by.cluster_id:
+            raise PermissionDeniedError(f"this token belongs to cluster {by.cluster_id}, not "
+                                        f"{report['cluster_id']}: fix STASIS_CLUSTER_ID or "
+                                        "STASIS_AUTH_TOKEN")
+        name = validate_name(str(report["name"]), "node name")
+        row = {"host": str(report["host"])[:200],
+               "stasis_version": str(report["stasis_version"])[:60],
+               "criu_version": (str(report["criu_version"])[:60]
+                                if report.get("criu_version") else None),
+               "slurm_version": (str(report["slurm_version"])[:60]
+                                 if report.get("slurm_version") else None),
+               "check_ok": bool(report["check_ok"]),
+               "problems": json.dumps(list(report.get("problems") or [])[:50]),
+               "last_heartbeat": int(time.time()), "jobs": int(report.get("jobs") or 0)}
+        with self.engine.begin() as conn:
+            n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
+                                                 nodes.c.name == name).values(**row)).rowcount
+            if not n:
+                conn.execute(insert(nodes).values(cluster_id=by.cluster_id, name=name,
+                                                  registered=_now(), **row))
+        return {"cluster_id": by.cluster_id, "name": name, "registered": True}
+
+    def heartbeat(self, by: Principal, name: str, jobs: int) -> dict[str, Any]:
+        validate_name(name, "node name")
+        with self.engine.begin() as conn:
+            n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
+                                                 nodes.c.name == name)
+                             .values(last_heartbeat=int(time.time()), jobs=jobs)).rowcount
+        if not n:
+            raise NotFoundError(f"node {name} is not registered in this cluster: register "
+                                "first")
+        return {"name": name, "ok": True}
+
+    def list_nodes(self, by: Principal, lost_after_s: float) -> list[dict[str, Any]]:
+        q = select(nodes, clusters.c.name.label("cluster")).join(
+            clusters, clusters.c.id == nodes.c.cluster_id)
+        if by.kind != "admin":
+            q = q.where(nodes.c.cluster_id == by.cluster_id)
+        with self.engine.begin() as conn:
+            rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
+        now = time.time()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["problems"] = json.loads(d["problems"])
+            age = now - d["last_heartbeat"]
+            d["state"] = "lost" if age > lost_after_s else \
+                ("ready" if d["check_ok"] else "not-ready")
+            d["last_heartbeat_age_s"] = round(age, 1)
+            out.append(d)
+        return out
+
+
+def safe_url(url: str) -> str:
+    """A database URL without its password (for messages and logs)."""
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)

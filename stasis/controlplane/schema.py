@@ -1,0 +1,43 @@
+"""The control plane's tables (SQLAlchemy Core). Changes go through a new Alembic revision in
+migrations/versions, never through create_all."""
+
+from __future__ import annotations
+
+from sqlalchemy import Boolean, Column, ForeignKey, Integer, MetaData, String, Table, Text
+
+metadata = MetaData()
+
+clusters = Table(
+    "clusters", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("name", String(200), nullable=False, unique=True),
+    Column("kind", String(20), nullable=False),  # slurm | kubernetes
+    Column("created", String(40), nullable=False),
+)
+
+# A token is shown once; only its SHA-256 is kept (tokens are 256 random bits: no salt or slow
+# hash needed to keep them from being guessed back).
+tokens = Table(
+    "tokens", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("kind", String(20), nullable=False),  # admin | cluster
+    Column("cluster_id", String(40), ForeignKey("clusters.id"), nullable=True),
+    Column("sha256", String(64), nullable=False, unique=True),
+    Column("created", String(40), nullable=False),
+    Column("revoked", String(40), nullable=True),
+)
+
+nodes = Table(
+    "nodes", metadata,
+    Column("cluster_id", String(40), ForeignKey("clusters.id"), primary_key=True),
+    Column("name", String(200), primary_key=True),
+    Column("host", String(200), nullable=False),
+    Column("stasis_version", String(60), nullable=False),
+    Column("criu_version", String(60), nullable=True),
+    Column("slurm_version", String(60), nullable=True),
+    Column("check_ok", Boolean, nullable=False),
+    Column("problems", Text, nullable=False),  # JSON list of the check's problems
+    Column("registered", String(40), nullable=False),
+    Column("last_heartbeat", Integer, nullable=False),  # unix seconds
+    Column("jobs", Integer, nullable=False, default=0),
+)

@@ -1,0 +1,226 @@
+"""`stasis controlplane serve`: the control plane's HTTP API (aiohttp).
+
+    GET  /api/v1/health                    no token
+    POST /api/v1/clusters                  admin: {name, kind} -> {cluster_id, token, ...}
+    GET  /api/v1/clusters                  admin
+    POST /api/v1/clusters/{id}/rotate      admin: a new cluster token, the old ones revoked
+    GET  /api/v1/tokens                    admin: ids, kinds, clusters, revoked (never tokens)
+    POST /api/v1/tokens/{id}/revoke        admin
+    POST /api/v1/nodes/register            cluster token: the node's versions and check
+    POST /api/v1/nodes/{name}/heartbeat    cluster token: {jobs}
+    GET  /api/v1/nodes                     admin: every node; a cluster token: its own
+
+Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
+{"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stasis.controlplane.registry import AuthError, Principal, Registry, safe_url
+from stasis.errors import StasisError, UsageError
+
+log = logging.getLogger("stasis.controlplane")
+MAX_BODY_BYTES = 1 << 20
+REGISTRY = web.AppKey("registry", Registry)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NewCluster(_Model):
+    name: str = Field(max_length=100)
+    kind: Literal["slurm", "kubernetes"]
+
+
+class NodeReport(_Model):
+    name: str = Field(max_length=100)
+    cluster_id: str | None = Field(default=None, max_length=40)
+    host: str = Field(max_length=200)
+    stasis_version: str = Field(max_length=60)
+    criu_version: str | None = Field(default=None, max_length=60)
+    slurm_version: str | None = Field(default=None, max_length=60)
+    check_ok: bool
+    problems: list[str] = Field(default_factory=list, max_length=50)
+    jobs: int = Field(default=0, ge=0)
+
+
+class Heartbeat(_Model):
+    jobs: int = Field(default=0, ge=0)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except StasisError as e:
+        return web.json_response({"error": str(e)}, status=e.http_status)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        return web.json_response({"error": f"bad request: {where}: {first['msg']}"},
+                                 status=400)
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response({"error": f"request body over {MAX_BODY_BYTES} bytes"},
+                                 status=413)
+
+
+def _principal(request: web.Request) -> Principal:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise AuthError("no token: send `Authorization: Bearer stasis_...` "
+                        "(STASIS_AUTH_TOKEN)")
+    return request.app[REGISTRY].authenticate(token.strip())
+
+
+async def _body(request: web.Request, model: type[_Model]) -> Any:
+    try:
+        data = await request.json() if request.body_exists else {}
+    except ValueError:
+        raise UsageError("bad request: body is not JSON") from None
+    return model.model_validate(data)
+
+
+def app(registry: Registry, lost_after_s: float) -> web.Application:
+    a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    a[REGISTRY] = registry
+
+    def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.to_thread(fn, *args)
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": True})
+
+    async def add_cluster(request: web.Request) -> web.StreamResponse:
+        _principal(request).admin_only()
+        body = await _body(request, NewCluster)
+        return web.json_response(await run(registry.add_cluster, body.name, body.kind),
+                                 status=201)
+
+    async def list_clusters(request: web.Request) -> web.StreamResponse:
+        _principal(request).admin_only()
+        return web.json_response(await run(registry.list_clusters))
+
+    async def rotate(request: web.Request) -> web.StreamResponse:
+        _principal(request).admin_only()
+        return web.json_response(await run(registry.rotate, request.match_info["id"]))
+
+    async def list_tokens(request: web.Request) -> web.StreamResponse:
+        _principal(request).admin_only()
+        return web.json_response(await run(registry.list_tokens))
+
+    async def revoke(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        return web.json_response(await run(registry.revoke, request.match_info["id"], who))
+
+    async def register(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        body = await _body(request, NodeReport)
+        return web.json_response(await run(registry.register_node, who, body.model_dump()))
+
+    async def heartbeat(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        if who.kind != "cluster":
+            raise UsageError("heartbeats come with a cluster token")
+        body = await _body(request, Heartbeat)
+        return web.json_response(await run(registry.heartbeat, who,
+                                            request.match_info["name"], body.jobs))
+
+    async def list_nodes(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(registry.list_nodes, _principal(request),
+                                            lost_after_s))
+
+    a.add_routes([
+        web.get("/api/v1/health", health),
+        web.post("/api/v1/clusters", add_cluster),
+        web.get("/api/v1/clusters", list_clusters),
+        web.post("/api/v1/clusters/{id}/rotate", rotate),
+        web.get("/api/v1/tokens", list_tokens),
+        web.post("/api/v1/tokens/{id}/revoke", revoke),
+        web.post("/api/v1/nodes/register", register),
+        web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
+        web.get("/api/v1/nodes", list_nodes),
+    ])
+    return a
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--listen {listen!r} is not HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def write_admin_token(token: str, path: Path | None) -> None:
+    """Shown once: into `path` (0600) when given, else on stdout."""
+    if path is None:
+        print(f"admin token (shown once, keep it): {token}", flush=True)
+        return
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    print(f"admin token written to {path} (0600)", flush=True)
+
+
+async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path | None,
+                key: Path | None, allow_plain_http: bool, lost_after_s: float) -> None:
+    host, port = parse_listen(listen)
+    context = None
+    if cert is not None or key is not None:
+        if cert is None or key is None:
+            raise UsageError("HTTPS needs both --cert and --key")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise UsageError(f"cannot load the certificate {cert} / key {key}: {e}") from None
+    elif not _loopback(host) and not allow_plain_http:
+        raise UsageError(f"plain HTTP on {host} would send tokens in the clear: give --cert "
+                         "and --key, listen on 127.0.0.1, or --allow-plain-http")
+    registry = await asyncio.to_thread(Registry, db)
+    token = await asyncio.to_thread(registry.bootstrap_admin)
+    if token is not None:
+        write_admin_token(token, admin_token_file)
+    runner = web.AppRunner(app(registry, lost_after_s), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=context)
+    await site.start()
+    scheme = "https" if context else "http"
+    log.info("control plane on %s://%s:%d (database %s)", scheme, host, port,
+             json.dumps(safe_url(registry.url)))
+    print(f"listening on {scheme}://{host}:{port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        registry.close()
+
+

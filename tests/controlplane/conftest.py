@@ -1,0 +1,112 @@
+"""The control plane as its users run it: `stasis controlplane serve` as a process, on SQLite and
+on a real PostgreSQL (tests/pgserver.py), driven with the admin CLI and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import STASIS, wait_for
+from tests.pgserver import PostgresServer
+from tests.s3server import free_ports
+
+
+@pytest.fixture(scope="session")
+def postgres(world_tmp: Path) -> Iterator[PostgresServer]:
+    server = PostgresServer(Path(tempfile.mkdtemp(prefix="pg-", dir=world_tmp)))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class ControlPlane:
+    def __init__(self, root: Path, db: str) -> None:
+        self.root = root
+        self.db = db
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token_file = root / "admin.token"
+        self.log = root / "controlplane.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, *extra: str) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [STASIS, "controlplane", "serve", "--db", self.db, "--listen",
+                 f"127.0.0.1:{self.port}", "--admin-token-file", str(self.token_file),
+                 "--lost-after", "3", *extra],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STASIS_CONFIG": ""})
+        wait_for(self._healthy, 30, f"the control plane ({self.log})")
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"control plane exited: {self.log.read_text()}")
+        try:
+            return bool(self.call("GET", "/api/v1/health")[1].get("ok"))
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+    @property
+    def admin(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def call(self, method: str, path: str, token: str | None = None, body: Any = None,
+             raw: bytes | None = None) -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None
+                                            else None)
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=20) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "STASIS_CONFIG": "", "STASIS_CONTROLPLANE_URL": self.url,
+               "STASIS_AUTH_TOKEN": self.admin if token is None else token}
+        return subprocess.run([STASIS, "controlplane", *args], capture_output=True, text=True,
+                              timeout=60, env=env)
+
+    def json(self, *args: str, token: str | None = None) -> Any:
+        r = self.cli(*args, "--json", token=token)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, world_tmp: Path) -> str:
+    if request.param == "sqlite":
+        return str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "controlplane.db")
+    server: PostgresServer = request.getfixturevalue("postgres")
+    return server.new_database()
+
+
+@pytest.fixture
+def controlplane(db_url: str, world_tmp: Path) -> Iterator[ControlPlane]:
+    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db_url)
+    cp.start()
+    try:
+        yield cp
+    finally:
+        cp.stop()

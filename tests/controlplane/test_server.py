@@ -1,0 +1,133 @@
+"""The control plane's API and admin CLI, the same tests on SQLite and on PostgreSQL: the admin
+token made once, clusters and their tokens, who may call what, hostile input, restarts."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+from pathlib import Path
+
+from tests.conftest import STASIS
+from tests.controlplane.conftest import ControlPlane
+
+NODE = {"name": "n1", "host": "n1.example", "stasis_version": "0.1.0",
+        "criu_version": "4.2.1", "check_ok": True, "problems": []}
+
+
+def test_the_admin_token_is_made_once_kept_hashed_and_the_data_survives_a_restart(
+        controlplane: ControlPlane) -> None:
+    cp = controlplane
+    token = cp.admin
+    assert token.startswith("stasis_") and len(token) > 40
+    assert stat.S_IMODE(cp.token_file.stat().st_mode) == 0o600
+    assert token not in cp.log.read_text()
+    added = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    assert added["cluster_id"].startswith("cl_") and added["token"].startswith("stasis_")
+    cp.stop()
+    cp.token_file.unlink()
+    cp.start()  # migrations again (nothing to do), no second admin token
+    assert not cp.token_file.exists()
+    status, clusters = cp.call("GET", "/api/v1/clusters", token)
+    assert status == 200 and [c["name"] for c in clusters] == ["hpc"]
+    # Only hashes are stored: neither token is in the database.
+    if "://" not in cp.db:
+        data = Path(cp.db).read_bytes()
+        assert token.encode() not in data and added["token"].encode() not in data
+
+
+def test_clusters_and_tokens_from_the_cli(controlplane: ControlPlane) -> None:
+    cp = controlplane
+    a = cp.json("clusters", "add", "a", "--kind", "slurm")
+    b = cp.json("clusters", "add", "b", "--kind", "kubernetes")
+    listed = cp.json("clusters", "list")
+    assert [(c["name"], c["kind"]) for c in listed] == [("a", "slurm"), ("b", "kubernetes")]
+    r = cp.cli("clusters", "add", "a", "--kind", "slurm")
+    assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: a cluster named 'a' "
+                                                   "exists already")
+    r = cp.cli("clusters", "add", "c", "--kind", "lsf")
+    assert r.returncode == 2 and "invalid choice: 'lsf'" in r.stderr
+    tokens = cp.json("tokens", "list")
+    assert {t["kind"] for t in tokens} == {"admin", "cluster"}
+    assert all("token" not in t and "sha256" not in t for t in tokens)
+
+    rotated = cp.json("clusters", "rotate", a["cluster_id"])
+    assert cp.call("POST", "/api/v1/nodes/register", rotated["token"], NODE)[0] == 200
+    status, err = cp.call("POST", "/api/v1/nodes/register", a["token"], NODE)
+    assert status == 401 and err["error"].startswith(f"token {a['token_id']} was revoked on ")
+    done = cp.json("tokens", "revoke", b["token_id"])
+    assert done == {"token_id": b["token_id"], "revoked": True}
+    assert cp.call("GET", "/api/v1/nodes", b["token"])[0] == 401
+    r = cp.cli("tokens", "revoke", "tok_nope")
+    assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no live token tok_nope")
+
+
+def test_who_may_call_what(controlplane: ControlPlane) -> None:
+    cp = controlplane
+    a = cp.json("clusters", "add", "a", "--kind", "slurm")
+    b = cp.json("clusters", "add", "b", "--kind", "slurm")
+    for token, status in ((None, 401), ("", 401), ("stasis_wrong", 401), ("garbage", 401),
+                          (a["token"], 403)):
+        got, err = cp.call("GET", "/api/v1/clusters", token)
+        assert got == status and err["error"], (token, got, err)
+    assert cp.call("POST", "/api/v1/clusters", a["token"], {"name": "x", "kind": "slurm"}
+                   )[0] == 403
+    assert cp.call("POST", f"/api/v1/clusters/{b['cluster_id']}/rotate", a["token"])[0] == 403
+    # A cluster's token sees and reports its own nodes only.
+    assert cp.call("POST", "/api/v1/nodes/register", a["token"], NODE)[0] == 200
+    assert cp.call("POST", "/api/v1/nodes/register", b["token"], {**NODE, "name": "m1"}
+                   )[0] == 200
+    assert [n["name"] for n in cp.call("GET", "/api/v1/nodes", a["token"])[1]] == ["n1"]
+    assert [n["name"] for n in cp.call("GET", "/api/v1/nodes", cp.admin)[1]] == ["n1", "m1"]
+    status, err = cp.call("POST", "/api/v1/nodes/register", a["token"],
+                          {**NODE, "cluster_id": b["cluster_id"]})
+    assert status == 403 and f"belongs to cluster {a['cluster_id']}" in err["error"]
+    status, err = cp.call("POST", "/api/v1/nodes/m1/heartbeat", a["token"], {"jobs": 1})
+    assert status == 404 and "not registered in this cluster" in err["error"]
+    r = cp.cli("nodes", token="stasis_wrong")
+    assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: unknown token")
+
+
+def test_hostile_input_is_refused_in_one_line_and_changes_nothing(
+        controlplane: ControlPlane) -> None:
+    cp = controlplane
+    a = cp.json("clusters", "add", "a", "--kind", "slurm")
+    for name in ("x'; DROP TABLE clusters;--", "<script>alert(1)</script>", "../etc", "",
+                 "a" * 101, "n\x00ul"):
+        status, err = cp.call("POST", "/api/v1/clusters", cp.admin,
+                              {"name": name, "kind": "slurm"})
+        assert status == 400 and "\n" not in err["error"], (name, err)
+        status, err = cp.call("POST", "/api/v1/nodes/register", a["token"],
+                              {**NODE, "name": name})
+        assert status == 400, (name, err)
+    for raw in (b"{", b"[1, 2]", b'{"name": "x", "kind": "slurm", "extra": 1}'):
+        status, err = cp.call("POST", "/api/v1/clusters", cp.admin, raw=raw)
+        assert status == 400 and err["error"].startswith("bad request"), (raw, err)
+    status, err = cp.call("POST", "/api/v1/clusters", cp.admin, raw=b"x" * (2 << 20))
+    assert status == 413, err
+    assert [c["name"] for c in cp.call("GET", "/api/v1/clusters", cp.admin)[1]] == ["a"]
+    status, err = cp.call("POST", "/api/v1/tokens/'%20OR%201=1--/revoke", cp.admin)
+    assert status == 404
+    assert len(cp.call("GET", "/api/v1/tokens", cp.admin)[1]) == 2
+
+
+def test_an_unreachable_database_and_a_public_plain_http_listen_fail_in_one_line() -> None:
+    r = subprocess.run([STASIS, "controlplane", "serve", "--db",
+                        "postgresql+psycopg://u:hunter2@127.0.0.1:1/x", "--listen",
+                        "127.0.0.1:8471"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.startswith("stasis: error: cannot open the control plane's database "
+                               "postgresql+psycopg://u:***@127.0.0.1:1/x: OperationalError")
+    assert "hunter2" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([STASIS, "controlplane", "serve", "--listen", "0.0.0.0:8470"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr.strip()) == (2, (
+        "stasis: error: plain HTTP on 0.0.0.0 would send tokens in the clear: give --cert and "
+        "--key, listen on 127.0.0.1, or --allow-plain-http"))
+    r = subprocess.run([STASIS, "controlplane", "nodes"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "STASIS_CONFIG": "",
+                                        "STASIS_CONTROLPLANE_URL": "http://127.0.0.1:1"})
+    assert r.returncode == 1 and r.stderr.startswith(
+        "stasis: error: cannot reach the control plane at http://127.0.0.1:1 (")
+    assert json.dumps(r.stderr)  # one line
+    assert len(r.stderr.strip().splitlines()) == 1
