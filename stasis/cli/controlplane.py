@@ -29,6 +29,9 @@ def add_controlplane(commands: Any) -> None:
                    help="Serve plain HTTP on a non-loopback address (tokens in the clear).")
     p.add_argument("--lost-after", type=float, default=60.0, metavar="S",
                    help="A node silent this long is shown as lost (default: %(default)s).")
+    p.add_argument("--command-lease", type=float, default=60.0, metavar="S",
+                   help="Seconds a node holds a command before it is given out again "
+                        "(default: %(default)s).")
     p.set_defaults(handler=serve)
 
     clusters = subcommands(sub.add_parser("clusters", help="Clusters and their tokens."))
@@ -67,6 +70,51 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/nodes", None, _said_rows(
         "cluster", "name", "state", "jobs", "stasis_version", "criu_version",
         "last_heartbeat_age_s")))
+
+
+    p = sub.add_parser("jobs", help="The jobs the nodes report.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/jobs", None, _said_rows(
+        "cluster", "node", "job", "label", "user", "state", "restored_from")))
+    p = sub.add_parser("actions", help="The commands sent to nodes, and how they went.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/commands", None,
+                                              _said_rows("id", "kind", "node", "state",
+                                                         "attempts", "created", "finished")))
+    p = sub.add_parser("checkpoint", help="A checkpoint of JOB, taken by its node's daemon.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--stop", action="store_true", help="Stop the job once it is checkpointed "
+                                                       "(default: it goes on running).")
+    p.add_argument("--wait", type=float, default=300.0, metavar="S",
+                   help="Seconds to wait for the node's answer (default: %(default)s).")
+    add_json(p)
+    p.set_defaults(handler=checkpoint)
+
+
+def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
+    import time
+
+    from stasis.controlplane.client import ControlPlaneClient
+    from stasis.errors import CheckpointError
+
+    client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
+    cmd = client.request("POST", "/api/v1/commands", {
+        "kind": "checkpoint", "job": args.job, "leave_running": not args.stop})
+    deadline = time.monotonic() + args.wait
+    while cmd["state"] not in ("done", "failed"):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"node {cmd['node']} has not answered command {cmd['id']} "
+                                  f"within {args.wait:.0f} s (`stasis controlplane actions`)")
+        time.sleep(0.3)
+        cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
+    if args.json:
+        output.emit_json(cmd)
+    if cmd["state"] == "failed":
+        raise CheckpointError(f"node {cmd['node']}: {cmd['result'].get('error')}")
+    if not args.json:
+        r = cmd["result"]
+        output.say(f"checkpoint {r['checkpoint']} of job {args.job} on node {cmd['node']} "
+                   f"(label {r['label']})")
 
 
 def _seg(value: str) -> str:
@@ -112,6 +160,6 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
     db = args.db or str(settings.state_dir / "controlplane.db")
     try:
         asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
-                        args.allow_plain_http, args.lost_after))
+                        args.allow_plain_http, args.lost_after, args.command_lease))
     except KeyboardInterrupt:
         pass

@@ -1,12 +1,16 @@
 """The node side of the control plane: a daemon integration that joins this node to the control
 plane its settings name (`controlplane_url`, `auth_token`, `cluster_id`). It connects out, never
 listens: it registers (host, versions, `stasis check`), then heartbeats every
-`controlplane_heartbeat_s` with the number of running jobs; registered again whenever the control
-plane no longer knows the node (a new database, a restart without it). The token is never logged.
+`controlplane_heartbeat_s` with its live jobs, and takes the commands queued for it: leased,
+carried out, acknowledged. What it did is kept by command id in the daemon's database (table
+`controlplane_done`) before it is acknowledged, so a command leased again (the acknowledgement
+was lost: the connection dropped, the control plane restarted) is answered, not done twice.
+Registered again whenever the control plane no longer knows the node. The token is never logged.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import socket
@@ -14,6 +18,8 @@ import subprocess
 from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
+
+from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, Text, insert, select
 
 from stasis.controlplane.client import ControlPlaneClient
 from stasis.daemon.integration import Integration, Task
@@ -25,6 +31,15 @@ log = logging.getLogger("stasis.daemon")
 _ROOT = Caller(pid=0, uid=0, gid=0)
 # Every this many heartbeats the node's check runs again and is reported (a register).
 _CHECK_EVERY = 30
+_ALIVE = ("running", "restored")
+
+done_table = Table(
+    "controlplane_done", MetaData(),
+    Column("command_id", String(40), primary_key=True),
+    Column("ok", Boolean, nullable=False),
+    Column("result", Text, nullable=False),
+    Column("at", Integer, nullable=False),
+)
 
 
 class ControlPlaneNode(Integration):
@@ -38,6 +53,9 @@ class ControlPlaneNode(Integration):
         self._beats = 0
         self._registered = False
         self._failing: str | None = None
+
+    def tables(self) -> Sequence[Table]:
+        return [done_table]
 
     def tasks(self) -> Sequence[Task]:
         if self.client is None:
@@ -55,10 +73,12 @@ class ControlPlaneNode(Integration):
                 "criu_version": check["criu_version"], "slurm_version": _slurm_version(),
                 "check_ok": check["ok"],
                 "problems": [f"{p['what']} ({p['fix']})" for p in check["problems"]],
-                "jobs": self._running()}
+                "jobs": sum(1 for j in self._jobs() if j["state"] == "running")}
 
-    def _running(self) -> int:
-        return sum(1 for j in self.manager.jobs(_ROOT) if j["state"] == "running")
+    def _jobs(self) -> list[dict[str, Any]]:
+        return [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
+                 "restored_from": j["checkpoint"]}
+                for j in self.manager.jobs(_ROOT) if j["state"] in _ALIVE]
 
     def beat(self) -> None:
         assert self.client is not None
@@ -71,8 +91,9 @@ class ControlPlaneNode(Integration):
                 self._registered = True
             else:
                 self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}"
-                                    "/heartbeat", {"jobs": self._running()})
+                                    "/heartbeat", {"jobs": self._jobs()})
             self._beats += 1
+            self._commands()
             if self._failing is not None:
                 log.info("the control plane answers again")
                 self._failing = None
@@ -82,6 +103,51 @@ class ControlPlaneNode(Integration):
             if str(e) != self._failing:  # once per new problem, not every heartbeat
                 log.warning("control plane: %s", e)
                 self._failing = str(e)
+
+
+    def _commands(self) -> None:
+        assert self.client is not None
+        lease = f"/api/v1/nodes/{self.manager.settings.node}/commands/lease"
+        cmd = self.client.request("POST", lease, {})
+        while cmd is not None:
+            ok, result = self._done(cmd["id"]) or self._carry_out(cmd)
+            self.client.request("POST", f"/api/v1/commands/{cmd['id']}/ack",
+                                {"ok": ok, "result": result})
+            cmd = self.client.request("POST", lease, {})
+
+    def _done(self, command_id: str) -> tuple[bool, dict[str, Any]] | None:
+        with self.manager.db.transaction() as conn:
+            row = conn.execute(select(done_table).where(
+                done_table.c.command_id == command_id)).first()
+        if row is None:
+            return None
+        log.info("control plane command %s was carried out already: answered again",
+                 command_id)
+        return bool(row.ok), json.loads(row.result)
+
+    def _carry_out(self, cmd: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        import time
+
+        from stasis.daemon.models import DumpRequest
+
+        ok = False
+        result: dict[str, Any] = {"error": f"unknown command {cmd['kind']!r}"}
+        if cmd["kind"] == "checkpoint":
+            job, leave = str(cmd["args"]["job"]), bool(cmd["args"].get("leave_running", True))
+            try:
+                answer = self.manager.dump(job, DumpRequest(leave_running=leave), _ROOT)
+                ok, result = True, {"checkpoint": answer["checkpoint"],
+                                    "label": answer["label"],
+                                    "size_bytes": answer["size_bytes"]}
+            except StasisError as e:
+                result = {"error": str(e)}
+        log.info("control plane command %s (%s): %s", cmd["id"], cmd["kind"],
+                 "done" if ok else result["error"])
+        with self.manager.db.transaction() as conn:
+            conn.execute(insert(done_table).values(command_id=cmd["id"], ok=ok,
+                                                   result=json.dumps(result),
+                                                   at=int(time.time())))
+        return ok, result
 
 
 def _slurm_version() -> str | None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from sqlalchemy import Engine, create_engine, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from stasis.controlplane.schema import clusters, nodes, tokens
+from stasis.controlplane.schema import clusters, commands, nodes, tokens
 from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
 TOKEN_PREFIX = "stasis_"
@@ -215,12 +215,14 @@ class Registry:
                                                   registered=_now(), **row))
         return {"cluster_id": by.cluster_id, "name": name, "registered": True}
 
-    def heartbeat(self, by: Principal, name: str, jobs: int) -> dict[str, Any]:
+    def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         validate_name(name, "node name")
+        running = sum(1 for j in jobs if j.get("state") == "running")
         with self.engine.begin() as conn:
             n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
                                                  nodes.c.name == name)
-                             .values(last_heartbeat=int(time.time()), jobs=jobs)).rowcount
+                             .values(last_heartbeat=int(time.time()), jobs=running,
+                                     job_list=json.dumps(jobs))).rowcount
         if not n:
             raise NotFoundError(f"node {name} is not registered in this cluster: register "
                                 "first")
@@ -238,12 +240,103 @@ class Registry:
         for r in rows:
             d = dict(r)
             d["problems"] = json.loads(d["problems"])
+            d.pop("job_list", None)
             age = now - d["last_heartbeat"]
             d["state"] = "lost" if age > lost_after_s else \
                 ("ready" if d["check_ok"] else "not-ready")
             d["last_heartbeat_age_s"] = round(age, 1)
             out.append(d)
         return out
+
+
+    def list_jobs(self, by: Principal) -> list[dict[str, Any]]:
+        """Every job the nodes last reported, with its node and cluster."""
+        q = select(nodes.c.cluster_id, nodes.c.name, nodes.c.job_list,
+                   clusters.c.name.label("cluster")).join(clusters,
+                                                          clusters.c.id == nodes.c.cluster_id)
+        if by.kind != "admin":
+            q = q.where(nodes.c.cluster_id == by.cluster_id)
+        with self.engine.begin() as conn:
+            rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
+        return [{**j, "node": r["name"], "cluster": r["cluster"],
+                 "cluster_id": r["cluster_id"]} for r in rows for j in json.loads(r["job_list"])]
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def queue(self, by: Principal, kind: str, job: str, args: dict[str, Any]
+              ) -> dict[str, Any]:
+        """A command for the node that last reported `job`."""
+        by.admin_only()
+        where = [j for j in self.list_jobs(by) if j.get("job") == job]
+        if not where:
+            raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
+                                "lists them")
+        cid = "cmd_" + secrets.token_hex(8)
+        row = {"id": cid, "cluster_id": where[0]["cluster_id"], "node": where[0]["node"],
+               "kind": kind, "args": json.dumps({**args, "job": job}), "state": "queued",
+               "attempts": 0, "lease_until": None, "result": None, "created": _now(),
+               "finished": None}
+        with self.engine.begin() as conn:
+            conn.execute(insert(commands).values(**row))
+        return self._command(row)
+
+    def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
+        """The node's next command, leased to it for `lease_s` (None: nothing to do)."""
+        validate_name(node, "node name")
+        now = int(time.time())
+        free = (commands.c.state == "queued") | (
+            (commands.c.state == "leased") & (commands.c.lease_until < now))
+        with self.engine.begin() as conn:
+            for _ in range(5):  # another leaser may win a row between select and update
+                row = conn.execute(select(commands.c.id).where(
+                    commands.c.cluster_id == by.cluster_id, commands.c.node == node, free)
+                    .order_by(commands.c.created, commands.c.id).limit(1)).first()
+                if row is None:
+                    return None
+                n = conn.execute(update(commands).where(commands.c.id == row.id, free).values(
+                    state="leased", lease_until=now + int(lease_s),
+                    attempts=commands.c.attempts + 1)).rowcount
+                if n:
+                    got = conn.execute(select(commands).where(commands.c.id == row.id)
+                                       ).mappings().first()
+                    return self._command(dict(got)) if got is not None else None
+        return None
+
+    def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any]
+            ) -> dict[str, Any]:
+        with self.engine.begin() as conn:
+            row = conn.execute(select(commands).where(commands.c.id == command_id)
+                               ).mappings().first()
+            if row is None or row["cluster_id"] != by.cluster_id:
+                raise NotFoundError(f"no command {command_id} for this cluster")
+            if row["state"] in ("done", "failed"):
+                return self._command(dict(row))  # acknowledged twice: the first one stands
+            conn.execute(update(commands).where(commands.c.id == command_id).values(
+                state="done" if ok else "failed", result=json.dumps(result),
+                finished=_now(), lease_until=None))
+            got = conn.execute(select(commands).where(commands.c.id == command_id)
+                               ).mappings().first()
+        return self._command(dict(got or row))
+
+    def command(self, by: Principal, command_id: str) -> dict[str, Any]:
+        with self.engine.begin() as conn:
+            row = conn.execute(select(commands).where(commands.c.id == command_id)
+                               ).mappings().first()
+        if row is None or (by.kind != "admin" and row["cluster_id"] != by.cluster_id):
+            raise NotFoundError(f"no command {command_id}")
+        return self._command(dict(row))
+
+    def list_commands(self, by: Principal) -> list[dict[str, Any]]:
+        q = select(commands).order_by(commands.c.created, commands.c.id)
+        if by.kind != "admin":
+            q = q.where(commands.c.cluster_id == by.cluster_id)
+        with self.engine.begin() as conn:
+            return [self._command(dict(r)) for r in conn.execute(q).mappings().all()]
+
+    @staticmethod
+    def _command(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "args": json.loads(row["args"]),
+                "result": json.loads(row["result"]) if row.get("result") else None}
 
 
 def safe_url(url: str) -> str:

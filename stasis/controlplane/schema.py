@@ -40,4 +40,24 @@ nodes = Table(
     Column("registered", String(40), nullable=False),
     Column("last_heartbeat", Integer, nullable=False),  # unix seconds
     Column("jobs", Integer, nullable=False, default=0),
+    Column("job_list", Text, nullable=False, default="[]"),  # JSON: the node's jobs
+)
+
+# Commands for a node, carried out once: a node leases the next one (for `lease_s`), does it,
+# and acknowledges it with its result; a lease that runs out without an acknowledgement (the
+# node or the connection died) is leased again, and the node, which keeps what it did by
+# command id, answers with the same result instead of doing it twice.
+commands = Table(
+    "commands", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("cluster_id", String(40), ForeignKey("clusters.id"), nullable=False),
+    Column("node", String(200), nullable=False),
+    Column("kind", String(40), nullable=False),  # checkpoint
+    Column("args", Text, nullable=False),  # JSON
+    Column("state", String(20), nullable=False),  # queued | leased | done | failed
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("lease_until", Integer, nullable=True),
+    Column("result", Text, nullable=True),  # JSON
+    Column("created", String(40), nullable=False),
+    Column("finished", String(40), nullable=True),
 )

@@ -7,8 +7,13 @@
     GET  /api/v1/tokens                    admin: ids, kinds, clusters, revoked (never tokens)
     POST /api/v1/tokens/{id}/revoke        admin
     POST /api/v1/nodes/register            cluster token: the node's versions and check
-    POST /api/v1/nodes/{name}/heartbeat    cluster token: {jobs}
+    POST /api/v1/nodes/{name}/heartbeat    cluster token: {jobs: [its jobs]}
     GET  /api/v1/nodes                     admin: every node; a cluster token: its own
+    GET  /api/v1/jobs                      the jobs the nodes last reported (same scoping)
+    POST /api/v1/commands                  admin: {kind: checkpoint, job, leave_running}
+    GET  /api/v1/commands[/{id}]           the commands and their results (same scoping)
+    POST /api/v1/nodes/{name}/commands/lease   cluster token: the node's next command or null
+    POST /api/v1/commands/{id}/ack         cluster token: {ok, result}
 
 Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
 {"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
@@ -57,8 +62,27 @@ class NodeReport(_Model):
     jobs: int = Field(default=0, ge=0)
 
 
+class JobReport(_Model):
+    job: str = Field(max_length=100)
+    label: str | None = Field(default=None, max_length=200)
+    user: str | None = Field(default=None, max_length=100)
+    state: str = Field(max_length=40)
+    restored_from: str | None = Field(default=None, max_length=100)
+
+
 class Heartbeat(_Model):
-    jobs: int = Field(default=0, ge=0)
+    jobs: list[JobReport] = Field(default_factory=list, max_length=10_000)
+
+
+class NewCommand(_Model):
+    kind: Literal["checkpoint"]
+    job: str = Field(max_length=100)
+    leave_running: bool = True
+
+
+class Ack(_Model):
+    ok: bool
+    result: dict[str, Any] = Field(default_factory=dict)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -97,7 +121,7 @@ async def _body(request: web.Request, model: type[_Model]) -> Any:
     return model.model_validate(data)
 
 
-def app(registry: Registry, lost_after_s: float) -> web.Application:
+def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.Application:
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
 
@@ -141,11 +165,45 @@ def app(registry: Registry, lost_after_s: float) -> web.Application:
             raise UsageError("heartbeats come with a cluster token")
         body = await _body(request, Heartbeat)
         return web.json_response(await run(registry.heartbeat, who,
-                                            request.match_info["name"], body.jobs))
+                                            request.match_info["name"],
+                                            [j.model_dump() for j in body.jobs]))
 
     async def list_nodes(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_nodes, _principal(request),
                                             lost_after_s))
+
+    async def list_jobs(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(registry.list_jobs, _principal(request)))
+
+    async def new_command(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        body = await _body(request, NewCommand)
+        return web.json_response(await run(registry.queue, who, body.kind, body.job,
+                                            {"leave_running": body.leave_running}),
+                                 status=201)
+
+    async def list_commands(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(registry.list_commands, _principal(request)))
+
+    async def get_command(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(registry.command, _principal(request),
+                                            request.match_info["id"]))
+
+    async def lease(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        if who.kind != "cluster":
+            raise UsageError("commands are leased with a cluster token")
+        return web.json_response(await run(registry.lease, who, request.match_info["name"],
+                                            lease_s))
+
+    async def ack(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        if who.kind != "cluster":
+            raise UsageError("commands are acknowledged with a cluster token")
+        body = await _body(request, Ack)
+        return web.json_response(await run(registry.ack, who, request.match_info["id"],
+                                            body.ok, body.result))
 
     a.add_routes([
         web.get("/api/v1/health", health),
@@ -157,6 +215,12 @@ def app(registry: Registry, lost_after_s: float) -> web.Application:
         web.post("/api/v1/nodes/register", register),
         web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
         web.get("/api/v1/nodes", list_nodes),
+        web.get("/api/v1/jobs", list_jobs),
+        web.post("/api/v1/commands", new_command),
+        web.get("/api/v1/commands", list_commands),
+        web.get("/api/v1/commands/{id}", get_command),
+        web.post("/api/v1/nodes/{name}/commands/lease", lease),
+        web.post("/api/v1/commands/{id}/ack", ack),
     ])
     return a
 
@@ -191,7 +255,8 @@ def write_admin_token(token: str, path: Path | None) -> None:
 
 
 async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path | None,
-                key: Path | None, allow_plain_http: bool, lost_after_s: float) -> None:
+                key: Path | None, allow_plain_http: bool, lost_after_s: float,
+                lease_s: float = 60.0) -> None:
     host, port = parse_listen(listen)
     context = None
     if cert is not None or key is not None:
@@ -209,7 +274,7 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
     token = await asyncio.to_thread(registry.bootstrap_admin)
     if token is not None:
         write_admin_token(token, admin_token_file)
-    runner = web.AppRunner(app(registry, lost_after_s), access_log=None)
+    runner = web.AppRunner(app(registry, lost_after_s, lease_s), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()

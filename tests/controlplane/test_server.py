@@ -82,7 +82,7 @@ def test_who_may_call_what(controlplane: ControlPlane) -> None:
     status, err = cp.call("POST", "/api/v1/nodes/register", a["token"],
                           {**NODE, "cluster_id": b["cluster_id"]})
     assert status == 403 and f"belongs to cluster {a['cluster_id']}" in err["error"]
-    status, err = cp.call("POST", "/api/v1/nodes/m1/heartbeat", a["token"], {"jobs": 1})
+    status, err = cp.call("POST", "/api/v1/nodes/m1/heartbeat", a["token"], {"jobs": []})
     assert status == 404 and "not registered in this cluster" in err["error"]
     r = cp.cli("nodes", token="stasis_wrong")
     assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: unknown token")

@@ -1,0 +1,89 @@
+"""Commands from the control plane to a node (leased, carried out, acknowledged), the first of
+them a checkpoint of a job: taken once, even when the control plane dies between the node's
+lease and its acknowledgement."""
+
+from __future__ import annotations
+
+import pwd
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from tests.conftest import new_daemon, wait_for, workload
+from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.test_node import node_env
+
+
+def test_a_job_is_checkpointed_from_the_control_plane_and_goes_on(
+        controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    cp = controlplane
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    d = new_daemon(world_tmp, "node-c", env=node_env(cp, cluster, "node-c"))
+    d.start()
+    try:
+        job = d.run(*workload("counter.py"), label="cp-cmd")["job"]
+        wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30,
+                 "the job to be reported")
+        (reported,) = cp.json("jobs")
+        assert (reported["node"], reported["label"], reported["state"]) == (
+            "node-c", "cp-cmd", "running")
+        done = cp.json("checkpoint", job)
+        assert done["state"] == "done" and done["attempts"] == 1, done
+        ckpt = done["result"]["checkpoint"]
+        assert [c["id"] for c in d.json("checkpoints") if c["label"] == "cp-cmd"] == [ckpt]
+        assert d.job(job)["state"] == "running"  # leave-running
+        r = cp.cli("checkpoint", job)
+        assert r.returncode == 0 and r.stdout.startswith("checkpoint ") and \
+            f"of job {job} on node node-c (label cp-cmd)" in r.stdout, r.stderr
+        r = cp.cli("checkpoint", "nope")
+        assert (r.returncode, r.stderr.strip()) == (
+            2, "stasis: error: no node reports a job nope: `stasis controlplane jobs` lists them")
+        actions = cp.json("actions")
+        assert [(a["kind"], a["state"]) for a in actions] == [("checkpoint", "done")] * 2
+        # A node token may not queue commands.
+        status, _ = cp.call("POST", "/api/v1/commands", cluster["token"],
+                            {"kind": "checkpoint", "job": job})
+        assert status == 403
+    finally:
+        d.kill_all()
+        d.stop()
+
+
+def test_a_command_whose_acknowledgement_is_lost_is_carried_out_once(
+        world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
+    cp = ControlPlane(root, str(root / "cp.db"))
+    cp.start("--command-lease", "2")
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    d = new_daemon(world_tmp, "node-o", env=node_env(cp, cluster, "node-o"))
+    d.start()
+    try:
+        # Enough memory that its dump takes a while: the window between lease and ack.
+        job = d.run(*workload("memhold.py", 192), label="cp-once")["job"]
+        wait_for(lambda: "ready" in d.log_of(job), 30, "the job to fill its memory")
+        wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job report")
+        status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
+                              {"kind": "checkpoint", "job": job})
+        assert status == 201
+        wait_for(lambda: cp.call("GET", f"/api/v1/commands/{cmd['id']}", cp.admin)[1]
+                 ["state"] == "leased", 30, "the node to lease the command")
+        # The control plane dies while the node is at work: its acknowledgement is lost.
+        assert cp.proc is not None
+        cp.proc.send_signal(signal.SIGKILL)
+        cp.proc.wait()
+        wait_for(lambda: len([c for c in d.json("checkpoints") if c["label"] == "cp-once"]),
+                 60, "the node's checkpoint")
+        time.sleep(1)
+        cp.start("--command-lease", "2")
+        final = wait_for(lambda: (lambda c: c if c["state"] == "done" else None)(
+            cp.call("GET", f"/api/v1/commands/{cmd['id']}", cp.admin)[1]), 60,
+            "the command to be acknowledged")
+        assert final["attempts"] == 2, final
+        (only,) = [c["id"] for c in d.json("checkpoints") if c["label"] == "cp-once"]
+        assert final["result"]["checkpoint"] == only
+        assert "was carried out already: answered again" in (d.root / "daemon.log").read_text()
+    finally:
+        d.kill_all()
+        d.stop()
+        cp.stop()
