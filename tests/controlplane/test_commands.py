@@ -9,6 +9,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
@@ -76,9 +77,11 @@ def test_a_command_whose_acknowledgement_is_lost_is_carried_out_once(
                  60, "the node's checkpoint")
         time.sleep(1)
         cp.start("--command-lease", "2")
-        final = wait_for(lambda: (lambda c: c if c["state"] == "done" else None)(
-            cp.call("GET", f"/api/v1/commands/{cmd['id']}", cp.admin)[1]), 60,
-            "the command to be acknowledged")
+        def acknowledged() -> dict[str, Any] | None:
+            c: dict[str, Any] = cp.call("GET", f"/api/v1/commands/{cmd['id']}", cp.admin)[1]
+            return c if c["state"] == "done" else None
+
+        final = wait_for(acknowledged, 60, "the command to be acknowledged")
         assert final["attempts"] == 2, final
         (only,) = [c["id"] for c in d.json("checkpoints") if c["label"] == "cp-once"]
         assert final["result"]["checkpoint"] == only
