@@ -89,24 +89,64 @@ def add_controlplane(commands: Any) -> None:
                    help="Seconds to wait for the node's answer (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=checkpoint)
+    p = sub.add_parser("migrate", help="Move JOB to NODE: checkpointed and stopped on its "
+                                       "node, restored on NODE from the store both share.")
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--to", required=True, metavar="NODE")
+    p.add_argument("--wait", type=float, default=300.0, metavar="S",
+                   help="Seconds to wait for each node (default: %(default)s).")
+    add_json(p)
+    p.set_defaults(handler=migrate)
+
+
+def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
+    """The command once its node acknowledged it."""
+    import time
+
+    from stasis.errors import CheckpointError
+
+    deadline = time.monotonic() + wait_s
+    while cmd["state"] not in ("done", "failed"):
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"node {cmd['node']} has not answered command {cmd['id']} "
+                                  f"within {wait_s:.0f} s (`stasis controlplane actions`)")
+        time.sleep(0.3)
+        cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
+    return cmd
+
+
+def migrate(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.controlplane.client import ControlPlaneClient
+    from stasis.errors import CheckpointError, RestoreError
+
+    client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
+    first = _finished(client, client.request("POST", "/api/v1/migrations",
+                                             {"job": args.job, "to": args.to}), args.wait)
+    if first["state"] == "failed":
+        raise CheckpointError(f"node {first['node']}: {first['result'].get('error')} (job "
+                              f"{args.job} goes on there)")
+    then = _finished(client, client.request("GET", f"/api/v1/commands/{first['result']['next']}"),
+                     args.wait)
+    if then["state"] == "failed":
+        raise RestoreError(f"node {then['node']}: {then['result'].get('error')} (checkpoint "
+                           f"{first['result']['checkpoint']} is kept: restore it by hand)")
+    moved = {"job": then["result"]["job"], "node": then["node"],
+             "checkpoint": first["result"]["checkpoint"], "from_job": args.job,
+             "from_node": first["node"], "commands": [first["id"], then["id"]]}
+    if args.json:
+        output.emit_json(moved)
+    else:
+        output.say(f"job {args.job} on {moved['from_node']} is job {moved['job']} on "
+                   f"{moved['node']} (checkpoint {moved['checkpoint']})")
 
 
 def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
-    import time
-
     from stasis.controlplane.client import ControlPlaneClient
     from stasis.errors import CheckpointError
 
     client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
-    cmd = client.request("POST", "/api/v1/commands", {
-        "kind": "checkpoint", "job": args.job, "leave_running": not args.stop})
-    deadline = time.monotonic() + args.wait
-    while cmd["state"] not in ("done", "failed"):
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"node {cmd['node']} has not answered command {cmd['id']} "
-                                  f"within {args.wait:.0f} s (`stasis controlplane actions`)")
-        time.sleep(0.3)
-        cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
+    cmd = _finished(client, client.request("POST", "/api/v1/commands", {
+        "kind": "checkpoint", "job": args.job, "leave_running": not args.stop}), args.wait)
     if args.json:
         output.emit_json(cmd)
     if cmd["state"] == "failed":

@@ -128,7 +128,7 @@ class ControlPlaneNode(Integration):
     def _carry_out(self, cmd: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         import time
 
-        from stasis.daemon.models import DumpRequest
+        from stasis.daemon.models import DumpRequest, RestoreRequest
 
         ok = False
         result: dict[str, Any] = {"error": f"unknown command {cmd['kind']!r}"}
@@ -139,6 +139,13 @@ class ControlPlaneNode(Integration):
                 ok, result = True, {"checkpoint": answer["checkpoint"],
                                     "label": answer["label"],
                                     "size_bytes": answer["size_bytes"]}
+            except StasisError as e:
+                result = {"error": str(e)}
+        elif cmd["kind"] == "restore":
+            try:
+                done = self.manager.restore(RestoreRequest(checkpoint=str(
+                    cmd["args"]["checkpoint"])), _ROOT)
+                ok, result = True, {"job": done["job"], "checkpoint": done["checkpoint"]}
             except StasisError as e:
                 result = {"error": str(e)}
         log.info("control plane command %s (%s): %s", cmd["id"], cmd["kind"],

@@ -280,6 +280,25 @@ class Registry:
             conn.execute(insert(commands).values(**row))
         return self._command(row)
 
+    def migrate_job(self, by: Principal, job: str, to: str) -> dict[str, Any]:
+        """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
+        on node `to` of the same cluster, through the store both share."""
+        by.admin_only()
+        validate_name(to, "node name")
+        where = [j for j in self.list_jobs(by) if j.get("job") == job]
+        if not where:
+            raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
+                                "lists them")
+        src = where[0]
+        if src["node"] == to:
+            raise UsageError(f"job {job} runs on {to} already")
+        target = [n for n in self.list_nodes(by, float("inf"))
+                  if n["cluster_id"] == src["cluster_id"] and n["name"] == to]
+        if not target:
+            raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
+        return self.queue(by, "checkpoint", job, {"leave_running": False,
+                                                  "then_restore_on": to})
+
     def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
         """The node's next command, leased to it for `lease_s` (None: nothing to do)."""
         validate_name(node, "node name")
@@ -311,6 +330,18 @@ class Registry:
                 raise NotFoundError(f"no command {command_id} for this cluster")
             if row["state"] in ("done", "failed"):
                 return self._command(dict(row))  # acknowledged twice: the first one stands
+            args = json.loads(row["args"])
+            if ok and args.get("then_restore_on") and result.get("checkpoint"):
+                # The second half of a migration: the restore, on the target node.
+                nid = "cmd_" + secrets.token_hex(8)
+                conn.execute(insert(commands).values(
+                    id=nid, cluster_id=row["cluster_id"], node=args["then_restore_on"],
+                    kind="restore", args=json.dumps({"checkpoint": result["checkpoint"],
+                                                     "migrated_from": command_id,
+                                                     "job": args["job"]}),
+                    state="queued", attempts=0, lease_until=None, result=None,
+                    created=_now(), finished=None))
+                result = {**result, "next": nid}
             conn.execute(update(commands).where(commands.c.id == command_id).values(
                 state="done" if ok else "failed", result=json.dumps(result),
                 finished=_now(), lease_until=None))

@@ -14,6 +14,9 @@
     GET  /api/v1/commands[/{id}]           the commands and their results (same scoping)
     POST /api/v1/nodes/{name}/commands/lease   cluster token: the node's next command or null
     POST /api/v1/commands/{id}/ack         cluster token: {ok, result}
+    POST /api/v1/migrations                admin: {job, to}: checkpoint and stop it on its
+                                           node, then restore it on `to` (the checkpoint
+                                           command's result names the restore's as `next`)
 
 Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
 {"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
@@ -78,6 +81,11 @@ class NewCommand(_Model):
     kind: Literal["checkpoint"]
     job: str = Field(max_length=100)
     leave_running: bool = True
+
+
+class Migration(_Model):
+    job: str = Field(max_length=100)
+    to: str = Field(max_length=100)
 
 
 class Ack(_Model):
@@ -183,6 +191,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
                                             {"leave_running": body.leave_running}),
                                  status=201)
 
+    async def migrate(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        body = await _body(request, Migration)
+        return web.json_response(await run(registry.migrate_job, who, body.job, body.to),
+                                 status=201)
+
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
@@ -221,6 +236,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.get("/api/v1/commands/{id}", get_command),
         web.post("/api/v1/nodes/{name}/commands/lease", lease),
         web.post("/api/v1/commands/{id}/ack", ack),
+        web.post("/api/v1/migrations", migrate),
     ])
     return a
 

@@ -90,3 +90,51 @@ def test_a_command_whose_acknowledgement_is_lost_is_carried_out_once(
         d.kill_all()
         d.stop()
         cp.stop()
+
+
+def test_a_job_migrated_to_another_node_continues_its_count_there(
+        controlplane: ControlPlane, world_tmp: Path, site_key: Path,
+        test_user: pwd.struct_passwd) -> None:
+    cp = controlplane
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
+    shared = {"STASIS_SITE_KEY": str(site_key)}
+    a = new_daemon(world_tmp, "node-a", store=str(store),
+                   env={**node_env(cp, cluster, "node-a"), **shared})
+    b = new_daemon(world_tmp, "node-b", store=str(store),
+                   env={**node_env(cp, cluster, "node-b"), **shared})
+    started = []
+    try:
+        for d in (a, b):
+            d.start()
+            started.append(d)
+        job = a.run(*workload("counter.py"), label="cp-move", user=test_user.pw_name)["job"]
+        wait_for(lambda: len(a.log_of(job).split()) >= 5, 30, "the counter to count")
+        wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job report")
+        r = cp.cli("migrate", job, "--to", "node-a")
+        assert (r.returncode, r.stderr.strip()) == (
+            2, f"stasis: error: job {job} runs on node-a already")
+        r = cp.cli("migrate", job, "--to", "node-z")
+        assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no node node-z in "
+                                                       "cluster hpc")
+        moved = cp.json("migrate", job, "--to", "node-b")
+        assert (moved["from_node"], moved["node"], moved["from_job"]) == (
+            "node-a", "node-b", job)
+        before = [int(x) for x in a.log_of(job).split()]
+        assert a.job(job)["state"] == "checkpointed"
+        new = moved["job"]
+        wait_for(lambda: len(b.log_of(new).split()) >= len(before) + 3, 30,
+                 "the counter to go on on B")
+        # The job's log travels with it: what it wrote on A, then what it counts on B.
+        after = [int(x) for x in b.log_of(new).split()]
+        assert after[:len(before)] == before
+        assert after[len(before)] == before[-1] + 1, (before[-3:], after[len(before):][:3])
+        wait_for(lambda: [(j["node"], j["job"]) for j in cp.json("jobs")] == [("node-b", new)],
+                 30, "the job to be reported on node-b")
+        assert cp.json("jobs")[0]["user"] == test_user.pw_name  # still its owner's
+        assert [(x["kind"], x["node"], x["state"]) for x in cp.json("actions")] == [
+            ("checkpoint", "node-a", "done"), ("restore", "node-b", "done")]
+    finally:
+        for d in started:
+            d.kill_all()
+            d.stop()
