@@ -97,6 +97,13 @@ def add_controlplane(commands: Any) -> None:
                    help="Seconds to wait for each node (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=migrate)
+    p = sub.add_parser("drain", help="Move every job off NODE (to the other ready nodes of its "
+                                     "cluster); done when the node reports none.")
+    p.add_argument("node", metavar="NODE")
+    p.add_argument("--wait", type=float, default=600.0, metavar="S",
+                   help="Seconds to wait for the nodes (default: %(default)s).")
+    add_json(p)
+    p.set_defaults(handler=drain)
 
 
 def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
@@ -138,6 +145,48 @@ def migrate(args: argparse.Namespace, settings: Settings) -> None:
     else:
         output.say(f"job {args.job} on {moved['from_node']} is job {moved['job']} on "
                    f"{moved['node']} (checkpoint {moved['checkpoint']})")
+
+
+def drain(args: argparse.Namespace, settings: Settings) -> None:
+    import time
+
+    from stasis.controlplane.client import ControlPlaneClient
+    from stasis.errors import CheckpointError
+
+    client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
+    plan = client.request("POST", f"/api/v1/nodes/{_seg(args.node)}/drain")
+    moved, failed = [], []
+    for first in plan["migrations"]:
+        first = _finished(client, first, args.wait)
+        job = first["args"]["job"]
+        if first["state"] == "failed":
+            failed.append(f"{job}: {first['result'].get('error')}")
+            continue
+        then = _finished(client, client.request(
+            "GET", f"/api/v1/commands/{first['result']['next']}"), args.wait)
+        if then["state"] == "failed":
+            failed.append(f"{job}: restore on {then['node']}: {then['result'].get('error')}")
+            continue
+        moved.append({"from_job": job, "job": then["result"]["job"], "node": then["node"],
+                      "checkpoint": first["result"]["checkpoint"]})
+    deadline = time.monotonic() + args.wait
+    empty = False
+    while not empty and not failed and time.monotonic() < deadline:
+        jobs = client.request("GET", "/api/v1/jobs")
+        empty = not any(j["node"] == args.node and j["cluster_id"] == plan["cluster_id"]
+                        for j in jobs)
+        if not empty:
+            time.sleep(0.5)
+    done = {"node": args.node, "moved": moved, "failed": failed, "empty": empty}
+    if args.json:
+        output.emit_json(done)
+    else:
+        for m in moved:
+            output.say(f"job {m['from_job']} is job {m['job']} on {m['node']}")
+        output.say(f"node {args.node} is " + ("empty" if empty else "not empty yet"))
+    if failed:
+        raise CheckpointError(f"{len(failed)} job(s) could not be moved off {args.node}: "
+                              + "; ".join(failed))
 
 
 def checkpoint(args: argparse.Namespace, settings: Settings) -> None:

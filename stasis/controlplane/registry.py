@@ -299,6 +299,32 @@ class Registry:
         return self.queue(by, "checkpoint", job, {"leave_running": False,
                                                   "then_restore_on": to})
 
+    def drain(self, by: Principal, node: str, lost_after_s: float) -> dict[str, Any]:
+        """Every live job of `node` migrated to the other ready nodes of its cluster (the one
+        with the fewest jobs first)."""
+        by.admin_only()
+        validate_name(node, "node name")
+        all_nodes = self.list_nodes(by, lost_after_s)
+        mine = [n for n in all_nodes if n["name"] == node]
+        if not mine:
+            raise NotFoundError(f"no node {node}")
+        if len(mine) > 1:
+            raise UsageError(f"node {node} is in several clusters; drain it by its cluster")
+        cluster = mine[0]["cluster_id"]
+        jobs = [j for j in self.list_jobs(by) if j["node"] == node and
+                j["cluster_id"] == cluster]
+        others = {n["name"]: int(n["jobs"]) for n in all_nodes
+                  if n["cluster_id"] == cluster and n["name"] != node and n["state"] == "ready"}
+        if jobs and not others:
+            raise UsageError(f"no other ready node in cluster {mine[0]['cluster']} to take the "
+                             f"{len(jobs)} job(s) of {node}")
+        moves = []
+        for j in jobs:
+            to = min(sorted(others), key=lambda n: others[n])
+            others[to] += 1
+            moves.append(self.migrate_job(by, j["job"], to))
+        return {"node": node, "cluster_id": cluster, "migrations": moves}
+
     def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
         """The node's next command, leased to it for `lease_s` (None: nothing to do)."""
         validate_name(node, "node name")

@@ -17,6 +17,8 @@
     POST /api/v1/migrations                admin: {job, to}: checkpoint and stop it on its
                                            node, then restore it on `to` (the checkpoint
                                            command's result names the restore's as `next`)
+    POST /api/v1/nodes/{name}/drain        admin: every live job of the node migrated to the
+                                           other ready nodes of its cluster
 
 Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
 {"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
@@ -198,6 +200,12 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         return web.json_response(await run(registry.migrate_job, who, body.job, body.to),
                                  status=201)
 
+    async def drain(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        return web.json_response(await run(registry.drain, who, request.match_info["name"],
+                                            lost_after_s), status=201)
+
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
@@ -237,6 +245,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.post("/api/v1/nodes/{name}/commands/lease", lease),
         web.post("/api/v1/commands/{id}/ack", ack),
         web.post("/api/v1/migrations", migrate),
+        web.post("/api/v1/nodes/{name}/drain", drain),
     ])
     return a
 

@@ -138,3 +138,43 @@ def test_a_job_migrated_to_another_node_continues_its_count_there(
         for d in started:
             d.kill_all()
             d.stop()
+
+
+def test_a_drain_moves_every_job_off_a_node_and_each_goes_on_elsewhere(
+        controlplane: ControlPlane, world_tmp: Path, site_key: Path,
+        test_user: pwd.struct_passwd) -> None:
+    cp = controlplane
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
+    daemons = {n: new_daemon(world_tmp, n, store=str(store), env={
+        **node_env(cp, cluster, n), "STASIS_SITE_KEY": str(site_key)})
+        for n in ("node-a", "node-b", "node-c")}
+    started = []
+    try:
+        for d in daemons.values():
+            d.start()
+            started.append(d)
+        a = daemons["node-a"]
+        jobs = [a.run(*workload("counter.py"), label=f"drain-{i}")["job"] for i in range(2)]
+        wait_for(lambda: sorted(j["job"] for j in cp.json("jobs")) == sorted(jobs), 30,
+                 "the jobs' report")
+        before = {j: [int(x) for x in a.log_of(j).split()] for j in jobs}
+        done = cp.json("drain", "node-a")
+        assert done["empty"] and not done["failed"], done
+        # One each: the node with the fewest jobs takes the next one.
+        assert sorted(m["node"] for m in done["moved"]) == ["node-b", "node-c"]
+        for m in done["moved"]:
+            d = daemons[m["node"]]
+            old = [int(x) for x in a.log_of(m["from_job"]).split()]
+            assert len(old) >= len(before[m["from_job"]])
+            wait_for(lambda: len(d.log_of(m["job"]).split()) >= len(old) + 3, 30,
+                     f"job {m['job']} to count on {m['node']}")
+            after = [int(x) for x in d.log_of(m["job"]).split()]
+            assert after[len(old)] == old[-1] + 1
+        assert {j["node"] for j in cp.json("jobs")} == {"node-b", "node-c"}
+        r = cp.cli("drain", "node-z")
+        assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no node node-z")
+    finally:
+        for d in started:
+            d.kill_all()
+            d.stop()
