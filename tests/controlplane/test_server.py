@@ -8,6 +8,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import STASIS
 from tests.controlplane.conftest import ControlPlane
 
@@ -131,3 +133,33 @@ def test_an_unreachable_database_and_a_public_plain_http_listen_fail_in_one_line
         "stasis: error: cannot reach the control plane at http://127.0.0.1:1 (")
     assert json.dumps(r.stderr)  # one line
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_https_with_a_certificate(world_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="cp-tls-", dir=world_tmp))
+    cert, key = root / "cert.pem", root / "key.pem"
+    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                        "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(key), "-out", str(cert)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    cp = ControlPlane(root, str(root / "cp.db"))
+    cp.url = cp.url.replace("http://", "https://")
+    # The tests' own HTTP client: trust the certificate as a user would (SSL_CERT_FILE).
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    try:
+        cp.start("--cert", str(cert), "--key", str(key))
+        added = cp.json("clusters", "add", "tls", "--kind", "kubernetes")
+        assert added["token"].startswith("stasis_")
+        r = cp.cli("clusters", "list")
+        assert r.returncode == 0 and "tls" in r.stdout
+        plain = subprocess.run([STASIS, "controlplane", "nodes"], capture_output=True,
+                               text=True, timeout=60, env={
+                                   **os.environ, "STASIS_CONFIG": "",
+                                   "STASIS_CONTROLPLANE_URL": cp.url.replace("https", "http"),
+                                   "STASIS_AUTH_TOKEN": cp.admin})
+        assert plain.returncode != 0
+    finally:
+        cp.stop()
