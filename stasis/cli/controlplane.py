@@ -104,6 +104,34 @@ def add_controlplane(commands: Any) -> None:
                    help="Seconds to wait for the nodes (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=drain)
+    pol = subcommands(sub.add_parser("policies", help="Policies: every N seconds, a "
+                                                      "checkpoint of matching jobs or retention "
+                                                      "of their checkpoints."))
+    p = pol.add_parser("add")
+    p.add_argument("name")
+    p.add_argument("--every", required=True, type=_duration, metavar="N[s|m|h|d]")
+    p.add_argument("--action", required=True, choices=["checkpoint", "retain"])
+    p.add_argument("--keep", type=int, default=None,
+                   help="retain: the newest checkpoints each label keeps.")
+    for f in ("cluster", "node", "label", "user"):
+        p.add_argument(f"--{f}", default="", help=f"Only this {f} (a glob).")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/policies", {
+        "name": a.name, "every_s": a.every, "action": a.action, "keep": a.keep,
+        "filters": {f: getattr(a, f) for f in ("cluster", "node", "label", "user")
+                    if getattr(a, f)}}, lambda d: output.say(f"policy {d['name']} added")))
+    p = pol.add_parser("list")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
+                                              _said_rows("name", "every_s", "action", "keep",
+                                                         "filters", "last_run")))
+    p = pol.add_parser("rm")
+    p.add_argument("name")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "DELETE",
+                                              f"/api/v1/policies/{_seg(a.name)}", None,
+                                              lambda d: output.say(f"policy {d['name']} "
+                                                                   "removed")))
 
 
 def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
@@ -204,6 +232,15 @@ def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
         r = cmd["result"]
         output.say(f"checkpoint {r['checkpoint']} of job {args.job} on node {cmd['node']} "
                    f"(label {r['label']})")
+
+
+def _duration(text: str) -> int:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        return int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (90s, 10m, 1h)") from None
 
 
 def _seg(value: str) -> str:

@@ -148,6 +148,11 @@ class ControlPlaneNode(Integration):
                 ok, result = True, {"job": done["job"], "checkpoint": done["checkpoint"]}
             except StasisError as e:
                 result = {"error": str(e)}
+        elif cmd["kind"] == "retain":
+            try:
+                ok, result = True, {"deleted": self._retain(cmd["args"])}
+            except StasisError as e:
+                result = {"error": str(e)}
         log.info("control plane command %s (%s): %s", cmd["id"], cmd["kind"],
                  "done" if ok else result["error"])
         with self.manager.db.transaction() as conn:
@@ -155,6 +160,30 @@ class ControlPlaneNode(Integration):
                                                    result=json.dumps(result),
                                                    at=int(time.time())))
         return ok, result
+
+
+    def _retain(self, args: dict[str, Any]) -> list[str]:
+        """Each matching (owner, label) keeps its newest `keep` checkpoints; the ids deleted."""
+        import fnmatch
+
+        from stasis.errors import NotFoundError as Gone
+
+        pattern, user, keep = str(args.get("label") or "*"), args.get("user"), int(args["keep"])
+        seen: dict[tuple[int, str], int] = {}
+        deleted = []
+        store = self.manager.store
+        for m in store.list():  # newest first
+            if not fnmatch.fnmatchcase(m.label, pattern) or (user and m.user != user):
+                continue
+            key = (m.uid, m.label)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > keep:
+                try:
+                    store.delete(m.id)
+                    deleted.append(m.id)
+                except Gone:
+                    pass
+        return deleted
 
 
 def _slurm_version() -> str | None:

@@ -46,8 +46,13 @@ class Principal:
                                         "register and report its own nodes")
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _now(timespec: str = "seconds") -> str:
+    return datetime.now(UTC).isoformat(timespec=timespec)
+
+
+def _stamp() -> str:
+    """A command's creation time, fine enough to order the commands one request made."""
+    return _now("microseconds")
 
 
 def _sha(token: str) -> str:
@@ -271,11 +276,15 @@ class Registry:
         if not where:
             raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
                                 "lists them")
+        return self.queue_for_node(where[0]["cluster_id"], where[0]["node"], kind,
+                                   {**args, "job": job})
+
+    def queue_for_node(self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
+                       ) -> dict[str, Any]:
         cid = "cmd_" + secrets.token_hex(8)
-        row = {"id": cid, "cluster_id": where[0]["cluster_id"], "node": where[0]["node"],
-               "kind": kind, "args": json.dumps({**args, "job": job}), "state": "queued",
-               "attempts": 0, "lease_until": None, "result": None, "created": _now(),
-               "finished": None}
+        row = {"id": cid, "cluster_id": cluster_id, "node": node, "kind": kind,
+               "args": json.dumps(args), "state": "queued", "attempts": 0,
+               "lease_until": None, "result": None, "created": _stamp(), "finished": None}
         with self.engine.begin() as conn:
             conn.execute(insert(commands).values(**row))
         return self._command(row)
@@ -366,7 +375,7 @@ class Registry:
                                                      "migrated_from": command_id,
                                                      "job": args["job"]}),
                     state="queued", attempts=0, lease_until=None, result=None,
-                    created=_now(), finished=None))
+                    created=_stamp(), finished=None))
                 result = {**result, "next": nid}
             conn.execute(update(commands).where(commands.c.id == command_id).values(
                 state="done" if ok else "failed", result=json.dumps(result),

@@ -61,3 +61,18 @@ commands = Table(
     Column("created", String(40), nullable=False),
     Column("finished", String(40), nullable=True),
 )
+
+# Policies: trigger -> filter -> action. The trigger so far: every `every_s` seconds; the
+# filter: cluster, node, label (a glob), user; the actions: a leave-running checkpoint of every
+# matching job, or retention of each matching label's newest `keep` checkpoints on each node.
+policies = Table(
+    "policies", metadata,
+    Column("name", String(100), primary_key=True),
+    Column("every_s", Integer, nullable=False),
+    Column("action", String(40), nullable=False),  # checkpoint | retain
+    Column("filters", Text, nullable=False),  # JSON {cluster, node, label, user}
+    Column("keep", Integer, nullable=True),
+    Column("enabled", Boolean, nullable=False),
+    Column("last_run", Integer, nullable=False),
+    Column("created", String(40), nullable=False),
+)

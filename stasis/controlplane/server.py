@@ -19,6 +19,7 @@
                                            command's result names the restore's as `next`)
     POST /api/v1/nodes/{name}/drain        admin: every live job of the node migrated to the
                                            other ready nodes of its cluster
+    GET|POST /api/v1/policies, DELETE /api/v1/policies/{name}   admin (stasis.controlplane.policies)
 
 Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
 {"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
@@ -38,6 +39,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from stasis.controlplane import policies
 from stasis.controlplane.registry import AuthError, Principal, Registry, safe_url
 from stasis.errors import StasisError, UsageError
 
@@ -88,6 +90,14 @@ class NewCommand(_Model):
 class Migration(_Model):
     job: str = Field(max_length=100)
     to: str = Field(max_length=100)
+
+
+class NewPolicy(_Model):
+    name: str = Field(max_length=100)
+    every_s: int = Field(ge=1, le=366 * 86400)
+    action: Literal["checkpoint", "retain"]
+    filters: dict[str, str] = Field(default_factory=dict, max_length=4)
+    keep: int | None = Field(default=None, ge=1, le=100_000)
 
 
 class Ack(_Model):
@@ -206,6 +216,19 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         return web.json_response(await run(registry.drain, who, request.match_info["name"],
                                             lost_after_s), status=201)
 
+    async def add_policy(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        b = await _body(request, NewPolicy)
+        return web.json_response(await run(policies.add, registry, who, b.name, b.every_s,
+                                            b.action, b.filters, b.keep), status=201)
+
+    async def list_policies(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(policies.listed, registry, _principal(request)))
+
+    async def remove_policy(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(policies.remove, registry, _principal(request),
+                                            request.match_info["name"]))
+
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
@@ -246,6 +269,9 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.post("/api/v1/commands/{id}/ack", ack),
         web.post("/api/v1/migrations", migrate),
         web.post("/api/v1/nodes/{name}/drain", drain),
+        web.get("/api/v1/policies", list_policies),
+        web.post("/api/v1/policies", add_policy),
+        web.delete("/api/v1/policies/{name}", remove_policy),
     ])
     return a
 
@@ -307,10 +333,27 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
     log.info("control plane on %s://%s:%d (database %s)", scheme, host, port,
              json.dumps(safe_url(registry.url)))
     print(f"listening on {scheme}://{host}:{port}", flush=True)
+    runs = asyncio.create_task(_run_policies(registry, lost_after_s))
     try:
         await asyncio.Event().wait()
     finally:
+        runs.cancel()
         await runner.cleanup()
         registry.close()
+
+
+async def _run_policies(registry: Registry, lost_after_s: float) -> None:
+    failing = ""
+    while True:
+        try:
+            queued = await asyncio.to_thread(policies.run_due, registry, lost_after_s)
+            if queued:
+                log.info("policies queued %d command(s)", queued)
+            failing = ""
+        except Exception as e:  # the next round tries again; say it once
+            if str(e) != failing:
+                log.warning("running the policies failed: %s: %s", type(e).__name__, e)
+                failing = str(e)
+        await asyncio.sleep(1.0)
 
 
