@@ -20,6 +20,7 @@
     POST /api/v1/nodes/{name}/drain        admin: every live job of the node migrated to the
                                            other ready nodes of its cluster
     GET|POST /api/v1/policies, DELETE /api/v1/policies/{name}   admin (stasis.controlplane.policies)
+    GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
 
 Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
 {"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
@@ -229,6 +230,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         return web.json_response(await run(policies.remove, registry, _principal(request),
                                             request.match_info["name"]))
 
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        from stasis.controlplane.metrics import render
+
+        text = await run(render, registry, _principal(request), lost_after_s)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
@@ -269,6 +277,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.post("/api/v1/commands/{id}/ack", ack),
         web.post("/api/v1/migrations", migrate),
         web.post("/api/v1/nodes/{name}/drain", drain),
+        web.get("/metrics", metrics),
         web.get("/api/v1/policies", list_policies),
         web.post("/api/v1/policies", add_policy),
         web.delete("/api/v1/policies/{name}", remove_policy),

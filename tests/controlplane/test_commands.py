@@ -8,6 +8,8 @@ import pwd
 import signal
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +48,29 @@ def test_a_job_is_checkpointed_from_the_control_plane_and_goes_on(
         status, _ = cp.call("POST", "/api/v1/commands", cluster["token"],
                             {"kind": "checkpoint", "job": job})
         assert status == 403
+        metrics = scrape(cp, cp.admin)
+        assert "stasis_checkpoints_total 2\n" in metrics, metrics
+        assert 'stasis_nodes{cluster="hpc",state="ready"} 1\n' in metrics
+        assert 'stasis_jobs{cluster="hpc",node="node-c"} 1\n' in metrics
+        assert 'stasis_commands{kind="checkpoint",state="done"} 2\n' in metrics
+        assert "stasis_checkpoint_bytes_total 0\n" not in metrics
+        for token, code in ((cluster["token"], 403), ("", 401)):
+            try:
+                scrape(cp, token)
+                raise AssertionError("metrics served")
+            except urllib.error.HTTPError as e:
+                assert e.code == code
     finally:
         d.kill_all()
         d.stop()
+
+
+def scrape(cp: ControlPlane, token: str) -> str:
+    req = urllib.request.Request(cp.url + "/metrics",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        return str(r.read().decode())
 
 
 def test_a_command_whose_acknowledgement_is_lost_is_carried_out_once(
