@@ -62,6 +62,7 @@ class S3Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.endpoint = ""
+        self._last_error = "none"
 
     def start(self, timeout_s: float = 60.0) -> None:
         data = self.root / "data"
@@ -107,7 +108,9 @@ class S3Server:
                 return
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"S3 gateway not ready after {timeout_s} s; see {self.root}/weed.log")
+        tail = (self.root / "weed.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"S3 gateway not ready after {timeout_s} s (last probe: "
+                           f"{self._last_error}); {self.root}/weed.log ends:\n{tail}")
 
     def _ready(self) -> bool:
         # Ready means it can store: a bucket made and listed with our key.
@@ -119,7 +122,8 @@ class S3Server:
             ok: bool = fs.cat_file(f"{probe}/probe") == b"x"
             fs.rm(probe, recursive=True)
             return ok
-        except Exception:
+        except Exception as e:  # not up yet; said if it never comes up
+            self._last_error = f"{type(e).__name__}: {e}"
             return False
 
     def filesystem(self, **overrides: Any) -> Any:
