@@ -21,6 +21,8 @@
                                            other ready nodes of its cluster
     GET|POST /api/v1/policies, DELETE /api/v1/policies/{name}   admin (stasis.controlplane.policies)
     GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
+    GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
+                                           installs the chart connected to this control plane
 
 Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
 {"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
@@ -237,6 +239,24 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
+    async def install_kubernetes(request: web.Request) -> web.StreamResponse:
+        import shlex
+
+        who = _principal(request)
+        if who.kind != "cluster" or who.cluster_id is None:
+            raise UsageError("ask with the cluster's token (`clusters add NAME --kind "
+                             "kubernetes` printed it)")
+        cluster = await run(registry.cluster, who.cluster_id)
+        if cluster["kind"] != "kubernetes":
+            raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
+        token = request.headers["Authorization"].partition(" ")[2].strip()
+        url = f"{request.scheme}://{request.host}"
+        text = ("helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
+                f"  --set config.url={shlex.quote(url)} \\\n"
+                f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
+                f"  --set config.authToken={shlex.quote(token)}\n")
+        return web.Response(text=text, content_type="text/plain")
+
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
@@ -278,6 +298,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.post("/api/v1/migrations", migrate),
         web.post("/api/v1/nodes/{name}/drain", drain),
         web.get("/metrics", metrics),
+        web.get("/install/kubernetes", install_kubernetes),
         web.get("/api/v1/policies", list_policies),
         web.post("/api/v1/policies", add_policy),
         web.delete("/api/v1/policies/{name}", remove_policy),

@@ -4,16 +4,18 @@ lease and its acknowledgement."""
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import signal
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import new_daemon, wait_for, workload
+from tests.conftest import Daemon, new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.test_node import node_env
 
@@ -114,22 +116,33 @@ def test_a_command_whose_acknowledgement_is_lost_is_carried_out_once(
         cp.stop()
 
 
+@contextlib.contextmanager
+def site_nodes(cp: ControlPlane, world_tmp: Path, site_key: Path, *names: str
+               ) -> Iterator[dict[str, Daemon]]:
+    """Daemons that are nodes of one cluster and one site: a store they share, a site key
+    they all sign and trust with."""
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
+    daemons = {n: new_daemon(world_tmp, n, store=str(store), env={
+        **node_env(cp, cluster, n), "STASIS_SITE_KEY": str(site_key)}) for n in names}
+    started = []
+    try:
+        for d in daemons.values():
+            d.start()
+            started.append(d)
+        yield daemons
+    finally:
+        for d in started:
+            d.kill_all()
+            d.stop()
+
+
 def test_a_job_migrated_to_another_node_continues_its_count_there(
         controlplane: ControlPlane, world_tmp: Path, site_key: Path,
         test_user: pwd.struct_passwd) -> None:
     cp = controlplane
-    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-    store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
-    shared = {"STASIS_SITE_KEY": str(site_key)}
-    a = new_daemon(world_tmp, "node-a", store=str(store),
-                   env={**node_env(cp, cluster, "node-a"), **shared})
-    b = new_daemon(world_tmp, "node-b", store=str(store),
-                   env={**node_env(cp, cluster, "node-b"), **shared})
-    started = []
-    try:
-        for d in (a, b):
-            d.start()
-            started.append(d)
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b") as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
         job = a.run(*workload("counter.py"), label="cp-move", user=test_user.pw_name)["job"]
         wait_for(lambda: len(a.log_of(job).split()) >= 5, 30, "the counter to count")
         wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job report")
@@ -156,26 +169,13 @@ def test_a_job_migrated_to_another_node_continues_its_count_there(
         assert cp.json("jobs")[0]["user"] == test_user.pw_name  # still its owner's
         assert [(x["kind"], x["node"], x["state"]) for x in cp.json("actions")] == [
             ("checkpoint", "node-a", "done"), ("restore", "node-b", "done")]
-    finally:
-        for d in started:
-            d.kill_all()
-            d.stop()
 
 
 def test_a_drain_moves_every_job_off_a_node_and_each_goes_on_elsewhere(
         controlplane: ControlPlane, world_tmp: Path, site_key: Path,
         test_user: pwd.struct_passwd) -> None:
     cp = controlplane
-    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-    store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
-    daemons = {n: new_daemon(world_tmp, n, store=str(store), env={
-        **node_env(cp, cluster, n), "STASIS_SITE_KEY": str(site_key)})
-        for n in ("node-a", "node-b", "node-c")}
-    started = []
-    try:
-        for d in daemons.values():
-            d.start()
-            started.append(d)
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", "node-c") as daemons:
         a = daemons["node-a"]
         jobs = [a.run(*workload("counter.py"), label=f"drain-{i}")["job"] for i in range(2)]
         wait_for(lambda: sorted(j["job"] for j in cp.json("jobs")) == sorted(jobs), 30,
@@ -196,7 +196,3 @@ def test_a_drain_moves_every_job_off_a_node_and_each_goes_on_elsewhere(
         assert {j["node"] for j in cp.json("jobs")} == {"node-b", "node-c"}
         r = cp.cli("drain", "node-z")
         assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no node node-z")
-    finally:
-        for d in started:
-            d.kill_all()
-            d.stop()

@@ -163,3 +163,32 @@ def test_https_with_a_certificate(world_tmp: Path, monkeypatch: pytest.MonkeyPat
         assert plain.returncode != 0
     finally:
         cp.stop()
+
+
+def test_the_kubernetes_installer_is_the_helm_command_with_the_cluster_s_values(
+        controlplane: ControlPlane) -> None:
+    import shlex
+    import urllib.error
+    import urllib.request
+
+    cp = controlplane
+    k8s = cp.json("clusters", "add", "gpus", "--kind", "kubernetes")
+    slurm = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+
+    def installer(token: str) -> str:
+        req = urllib.request.Request(cp.url + "/install/kubernetes",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return str(r.read().decode())
+
+    args = shlex.split(installer(k8s["token"]).replace("\\\n", " "))
+    assert args[:4] == ["helm", "upgrade", "-i", "stasis"]
+    sets = dict(a.split("=", 1) for a in args[args.index("--set"):] if a != "--set")
+    assert sets == {"config.url": cp.url, "config.clusterId": k8s["cluster_id"],
+                    "config.authToken": k8s["token"]}
+    for token in (slurm["token"], cp.admin):
+        try:
+            installer(token)
+            raise AssertionError("an installer for the wrong token")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400
