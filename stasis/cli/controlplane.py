@@ -109,15 +109,22 @@ def add_controlplane(commands: Any) -> None:
                                                       "of their checkpoints."))
     p = pol.add_parser("add")
     p.add_argument("name")
-    p.add_argument("--every", required=True, type=_duration, metavar="N[s|m|h|d]")
+    when = p.add_mutually_exclusive_group(required=True)
+    when.add_argument("--every", type=_duration, metavar="N[s|m|h|d]")
+    when.add_argument("--on", choices=["webhook"],
+                      help="Run only when called: `policies run NAME` or POST "
+                           "/api/v1/policies/NAME/run.")
     p.add_argument("--action", required=True, choices=["checkpoint", "retain"])
     p.add_argument("--keep", type=int, default=None,
                    help="retain: the newest checkpoints each label keeps.")
+    p.add_argument("--older-than", type=_duration, default=None, metavar="N[s|m|h|d]",
+                   help="retain: delete checkpoints older than this (a label's newest stays).")
     for f in ("cluster", "node", "label", "user"):
         p.add_argument(f"--{f}", default="", help=f"Only this {f} (a glob).")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/policies", {
-        "name": a.name, "every_s": a.every, "action": a.action, "keep": a.keep,
+        "name": a.name, "every_s": a.every or 0, "action": a.action, "keep": a.keep,
+        "older_than_s": a.older_than,
         "filters": {f: getattr(a, f) for f in ("cluster", "node", "label", "user")
                     if getattr(a, f)}}, lambda d: output.say(f"policy {d['name']} added")))
     p = pol.add_parser("list")
@@ -125,6 +132,19 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
                                               _said_rows("name", "every_s", "action", "keep",
                                                          "filters", "last_run")))
+    p = pol.add_parser("run", help="Run a policy now (what its webhook does).")
+    p.add_argument("name")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
+                                              f"/api/v1/policies/{_seg(a.name)}/run", None,
+                                              lambda d: output.say(f"policy {d['name']}: "
+                                                                   f"{d['queued']} command(s)")))
+    p = sub.add_parser("events", help="What happened: nodes joining, commands, policy runs.")
+    p.add_argument("--limit", type=int, default=200)
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", f"/api/v1/events?limit={a.limit}",
+                                              None, _said_rows("at", "node", "kind",
+                                                               "message")))
     p = pol.add_parser("rm")
     p.add_argument("name")
     add_json(p)

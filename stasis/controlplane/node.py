@@ -163,12 +163,17 @@ class ControlPlaneNode(Integration):
 
 
     def _retain(self, args: dict[str, Any]) -> list[str]:
-        """Each matching (owner, label) keeps its newest `keep` checkpoints; the ids deleted."""
+        """Each matching (owner, label) keeps its newest `keep` checkpoints, and none older
+        than `older_than_s` but its newest; the ids deleted."""
         import fnmatch
+        from datetime import UTC, datetime, timedelta
 
         from stasis.errors import NotFoundError as Gone
 
-        pattern, user, keep = str(args.get("label") or "*"), args.get("user"), int(args["keep"])
+        pattern, user = str(args.get("label") or "*"), args.get("user")
+        keep = int(args["keep"]) if args.get("keep") else None
+        cutoff = (datetime.now(UTC) - timedelta(seconds=int(args["older_than_s"]))
+                  if args.get("older_than_s") else None)
         seen: dict[tuple[int, str], int] = {}
         deleted = []
         store = self.manager.store
@@ -177,7 +182,8 @@ class ControlPlaneNode(Integration):
                 continue
             key = (m.uid, m.label)
             seen[key] = seen.get(key, 0) + 1
-            if seen[key] > keep:
+            if seen[key] > 1 and ((keep is not None and seen[key] > keep) or
+                                  (cutoff is not None and m.created < cutoff)):
                 try:
                     store.delete(m.id)
                     deleted.append(m.id)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from sqlalchemy import Engine, create_engine, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from stasis.controlplane.schema import clusters, commands, nodes, tokens
+from stasis.controlplane.schema import clusters, commands, events, nodes, tokens
 from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
 TOKEN_PREFIX = "stasis_"
@@ -218,6 +218,10 @@ class Registry:
             if not n:
                 conn.execute(insert(nodes).values(cluster_id=by.cluster_id, name=name,
                                                   registered=_now(), **row))
+                self._event(conn, by.cluster_id, name, "node-joined",
+                            f"node {name} joined (stasis {row['stasis_version']}, CRIU "
+                            f"{row['criu_version']}, check "
+                            f"{'ok' if row['check_ok'] else 'failing'})")
         return {"cluster_id": by.cluster_id, "name": name, "registered": True}
 
     def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -380,6 +384,12 @@ class Registry:
             conn.execute(update(commands).where(commands.c.id == command_id).values(
                 state="done" if ok else "failed", result=json.dumps(result),
                 finished=_now(), lease_until=None))
+            what = f"{row['kind']} {args.get('job') or args.get('label') or ''}".strip()
+            self._event(conn, row["cluster_id"], row["node"],
+                        "command-done" if ok else "command-failed",
+                        f"{what} ({command_id}): " + (
+                            json.dumps({k: v for k, v in result.items() if k != "next"})
+                            if ok else str(result.get("error"))))
             got = conn.execute(select(commands).where(commands.c.id == command_id)
                                ).mappings().first()
         return self._command(dict(got or row))
@@ -398,6 +408,26 @@ class Registry:
             q = q.where(commands.c.cluster_id == by.cluster_id)
         with self.engine.begin() as conn:
             return [self._command(dict(r)) for r in conn.execute(q).mappings().all()]
+
+    # -- events -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _event(conn: Any, cluster_id: str | None, node: str | None, kind: str,
+               message: str) -> None:
+        conn.execute(insert(events).values(at=_stamp(), cluster_id=cluster_id, node=node,
+                                           kind=kind, message=message[:2000]))
+
+    def event(self, cluster_id: str | None, node: str | None, kind: str, message: str) -> None:
+        with self.engine.begin() as conn:
+            self._event(conn, cluster_id, node, kind, message)
+
+    def list_events(self, by: Principal, limit: int = 200) -> list[dict[str, Any]]:
+        q = select(events).order_by(events.c.id.desc()).limit(limit)
+        if by.kind != "admin":
+            q = q.where(events.c.cluster_id == by.cluster_id)
+        with self.engine.begin() as conn:
+            rows = [dict(r) for r in conn.execute(q).mappings().all()]
+        return rows[::-1]
 
     @staticmethod
     def _command(row: dict[str, Any]) -> dict[str, Any]:

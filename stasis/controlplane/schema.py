@@ -62,7 +62,8 @@ commands = Table(
     Column("finished", String(40), nullable=True),
 )
 
-# Policies: trigger -> filter -> action. The trigger so far: every `every_s` seconds; the
+# Policies: trigger -> filter -> action. The trigger: every `every_s` seconds (0: only when
+# its webhook is called); the
 # filter: cluster, node, label (a glob), user; the actions: a leave-running checkpoint of every
 # matching job, or retention of each matching label's newest `keep` checkpoints on each node.
 policies = Table(
@@ -72,7 +73,19 @@ policies = Table(
     Column("action", String(40), nullable=False),  # checkpoint | retain
     Column("filters", Text, nullable=False),  # JSON {cluster, node, label, user}
     Column("keep", Integer, nullable=True),
+    Column("older_than_s", Integer, nullable=True),  # retain: and none older than this
     Column("enabled", Boolean, nullable=False),
     Column("last_run", Integer, nullable=False),
     Column("created", String(40), nullable=False),
+)
+
+# What happened, newest last: nodes joining, commands done or failed, policies run.
+events = Table(
+    "events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", String(40), nullable=False),
+    Column("cluster_id", String(40), nullable=True),
+    Column("node", String(200), nullable=True),
+    Column("kind", String(40), nullable=False),
+    Column("message", Text, nullable=False),
 )

@@ -21,6 +21,8 @@
                                            other ready nodes of its cluster
     GET|POST /api/v1/policies, DELETE /api/v1/policies/{name}   admin (stasis.controlplane.policies)
     GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
+    GET  /api/v1/events[?limit=N]          what happened, oldest first (same scoping as nodes)
+    POST /api/v1/policies/{name}/run       admin: run a policy now (its webhook)
     GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
                                            installs the chart connected to this control plane
 
@@ -97,10 +99,11 @@ class Migration(_Model):
 
 class NewPolicy(_Model):
     name: str = Field(max_length=100)
-    every_s: int = Field(ge=1, le=366 * 86400)
+    every_s: int = Field(ge=0, le=366 * 86400)  # 0: only when its webhook is called
     action: Literal["checkpoint", "retain"]
     filters: dict[str, str] = Field(default_factory=dict, max_length=4)
     keep: int | None = Field(default=None, ge=1, le=100_000)
+    older_than_s: int | None = Field(default=None, ge=1)
 
 
 class Ack(_Model):
@@ -223,7 +226,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         who = _principal(request)
         b = await _body(request, NewPolicy)
         return web.json_response(await run(policies.add, registry, who, b.name, b.every_s,
-                                            b.action, b.filters, b.keep), status=201)
+                                            b.action, b.filters, b.keep, b.older_than_s),
+                                 status=201)
 
     async def list_policies(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(policies.listed, registry, _principal(request)))
@@ -231,6 +235,17 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
     async def remove_policy(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(policies.remove, registry, _principal(request),
                                             request.match_info["name"]))
+
+    async def list_events(request: web.Request) -> web.StreamResponse:
+        raw = request.query.get("limit", "200")
+        if not raw.isdigit() or not 0 < int(raw) <= 10_000:
+            raise UsageError(f"bad limit {raw!r}: 1..10000")
+        return web.json_response(await run(registry.list_events, _principal(request),
+                                            int(raw)))
+
+    async def run_policy(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(policies.run_now, registry, _principal(request),
+                                            request.match_info["name"], lost_after_s))
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         from stasis.controlplane.metrics import render
@@ -298,6 +313,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.post("/api/v1/migrations", migrate),
         web.post("/api/v1/nodes/{name}/drain", drain),
         web.get("/metrics", metrics),
+        web.get("/api/v1/events", list_events),
+        web.post("/api/v1/policies/{name}/run", run_policy),
         web.get("/install/kubernetes", install_kubernetes),
         web.get("/api/v1/policies", list_policies),
         web.post("/api/v1/policies", add_policy),

@@ -4,6 +4,7 @@ retention that deletes all but each label's newest checkpoints, on real node dae
 from __future__ import annotations
 
 import pwd
+import time
 from pathlib import Path
 
 from tests.conftest import new_daemon, wait_for, workload
@@ -29,7 +30,8 @@ def test_a_periodic_policy_checkpoints_what_it_picks_and_retention_keeps_the_new
         wait_for(lambda: len(cp.json("jobs")) == 2, 30, "the jobs' report")
         r = cp.cli("policies", "add", "p", "--every", "1", "--action", "retain")
         assert (r.returncode, r.stderr.strip()) == (
-            2, "stasis: error: retain needs keep >= 1 (the newest checkpoints each label keeps)")
+            2, "stasis: error: retain needs keep >= 1 (the newest checkpoints each label keeps) "
+               "or older_than_s")
         added = cp.json("policies", "add", "often", "--every", "1", "--action", "checkpoint",
                         "--label", "pol-*")
         assert added["filters"] == {"label": "pol-*"}
@@ -46,6 +48,30 @@ def test_a_periodic_policy_checkpoints_what_it_picks_and_retention_keeps_the_new
         assert [p["name"] for p in cp.json("policies", "list")] == ["keep-1"]
         kinds = {(a["kind"], a["state"]) for a in cp.json("actions")}
         assert ("checkpoint", "done") in kinds and ("retain", "done") in kinds
+        cp.json("policies", "rm", "keep-1")
+
+        # A webhook policy runs when called, never by itself.
+        cp.json("policies", "add", "hook", "--on", "webhook", "--action", "checkpoint",
+                "--label", "other")
+        assert cp.json("policies", "run", "hook") == {"name": "hook", "queued": 1}
+        wait_for(lambda: len(ids("other")) == 3, 30, "the webhook's checkpoint")
+        time.sleep(2.5)
+        assert len(ids("other")) == 3
+        # Retention by age: all but the newest are older than a second.
+        newest = ids("other")[0]
+        cp.json("policies", "add", "old", "--on", "webhook", "--action", "retain",
+                "--older-than", "1s", "--label", "other")
+        time.sleep(1.5)
+        cp.json("policies", "run", "old")
+        wait_for(lambda: ids("other") == [newest], 30, "retention by age")
+        r = cp.cli("policies", "run", "nope")
+        assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no policy nope")
+        happened = cp.json("events")
+        kinds_seen = {e["kind"] for e in happened}
+        assert {"node-joined", "command-done", "policy-run"} <= kinds_seen, kinds_seen
+        assert any(e["message"].startswith("policy hook (webhook): 1 command(s)")
+                   for e in happened)
+        assert [e["id"] for e in happened] == sorted(e["id"] for e in happened)
     finally:
         d.kill_all()
         d.stop()
