@@ -39,6 +39,7 @@ class ControlPlane:
         self.token_file = root / "admin.token"
         self.log = root / "controlplane.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._last = "none"
 
     def start(self, *extra: str) -> None:
         with self.log.open("ab") as out:
@@ -47,7 +48,11 @@ class ControlPlane:
                  f"127.0.0.1:{self.port}", "--admin-token-file", str(self.token_file),
                  "--lost-after", "3", *extra],
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STASIS_CONFIG": ""})
-        wait_for(self._healthy, 30, f"the control plane ({self.log})")
+        try:
+            wait_for(self._healthy, 30, "the control plane")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; {self.log} ends: {self.log.read_text()[-2000:]}"
+                                 f"; last health check: {self._last}") from None
 
     def _healthy(self) -> bool:
         assert self.proc is not None
@@ -55,7 +60,8 @@ class ControlPlane:
             raise AssertionError(f"control plane exited: {self.log.read_text()}")
         try:
             return bool(self.call("GET", "/api/v1/health")[1].get("ok"))
-        except OSError:
+        except OSError as e:
+            self._last = f"{type(e).__name__}: {e}"
             return False
 
     def stop(self) -> None:
