@@ -232,6 +232,9 @@ class Store:
                                           data_key=data_key)
         except BaseException as e:
             self._forget_entry(info.label, info.uid, entry)
+            # The index entry can fail before the tree's publish starts (the server went
+            # away while CRIU wrote): the staged images and their streams are consumed anyway.
+            self._discard_quietly(info.id, source)
             if isinstance(e, StasisError) or not isinstance(e, Exception):
                 raise
             # OSError, or the own types of fsspec backends
@@ -346,6 +349,14 @@ class Store:
             return choose_compression(staged, staged_names(staged))
         except OSError as e:
             raise self._write_error(checkpoint_id, e) from e
+
+    def _discard_quietly(self, checkpoint_id: str, source: Path | None) -> None:
+        try:
+            self._tree.discard(checkpoint_id)
+        except Exception as e:  # what is left is a stale staging entry: gc removes it
+            log.debug("cannot discard the staging of %s: %s", checkpoint_id, e)
+        if source is not None:
+            shutil.rmtree(source, ignore_errors=True)
 
     def _forget_entry(self, label: str, uid: int, entry: str) -> None:
         try:
