@@ -79,6 +79,16 @@ def _url_for(db: str) -> str:
 class Registry:
     def __init__(self, db: str) -> None:
         self.url = _url_for(db)
+        if "://" not in db:
+            # Root's alone: it holds every cluster, node and token hash of the site.
+            import os
+
+            try:
+                os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+                os.chmod(db, 0o600)
+            except OSError as e:
+                raise ControlPlaneError(f"cannot create the control plane's database {db}: "
+                                        f"{e.strerror}") from None
         try:
             self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
             self.migrate()

@@ -32,8 +32,9 @@ def test_the_admin_token_is_made_once_kept_hashed_and_the_data_survives_a_restar
     assert not cp.token_file.exists()
     status, clusters = cp.call("GET", "/api/v1/clusters", token)
     assert status == 200 and [c["name"] for c in clusters] == ["hpc"]
-    # Only hashes are stored: neither token is in the database.
+    # Only hashes are stored: neither token is in the database, which is root's alone.
     if "://" not in cp.db:
+        assert stat.S_IMODE(Path(cp.db).stat().st_mode) == 0o600
         data = Path(cp.db).read_bytes()
         assert token.encode() not in data and added["token"].encode() not in data
 
