@@ -100,6 +100,7 @@ class DumpRequest(TypedDict, total=False):
     compress: CompressionRequest
     incremental: bool
     encrypt: bool | None  # None: the daemon's setting (encrypt)
+    reason: str  # why it is taken, as reported: "asked" unless said
 
 
 class DumpAnswer(TypedDict):
@@ -282,6 +283,7 @@ class RegisterRequest(TypedDict, total=False):
     pid: int  # required: the workload's namespace init
     label: str  # required
     explicit_label: bool
+    restored_from: str | None  # the checkpoint the workload was restored from
 
 
 class Registration(TypedDict):
@@ -305,6 +307,7 @@ class Registration(TypedDict):
 
 class SlurmCheckpointRequest(TypedDict, total=False):
     leave_running: bool
+    reason: str  # as reported: "asked" unless said
 
 
 class SlurmCheckpointAnswer(TypedDict):

@@ -75,7 +75,22 @@ def add_controlplane(commands: Any) -> None:
     p = sub.add_parser("jobs", help="The jobs the nodes report.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/jobs", None, _said_rows(
-        "cluster", "node", "job", "label", "user", "state", "restored_from")))
+        "cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s")))
+    p = sub.add_parser("checkpoints", help="The checkpoints the nodes reported, newest "
+                                           "first: size, CRIU's time, frozen time, store.")
+    p.add_argument("--limit", type=int, default=500)
+    p.add_argument("--deleted", action="store_true", help="Deleted ones too.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(
+        a, s, "GET", f"/api/v1/checkpoints?limit={a.limit}" + ("&deleted=1" if a.deleted
+                                                                else ""),
+        None, _said_rows("cluster", "node", "id", "job", "label", "user", "size_bytes",
+                         "duration_s", "frozen_s", "reason", "age_s")))
+    p = sub.add_parser("savings", help="Node-hours of work kept by restores instead of "
+                                       "reruns, per cluster and per user.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/savings", None,
+                                              _said_savings))
     p = sub.add_parser("actions", help="The commands sent to nodes, and how they went.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/commands", None,
@@ -284,6 +299,14 @@ def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, 
 def _said_cluster(d: dict[str, Any]) -> None:
     output.plain(f"cluster {d.get('name', d['cluster_id'])}: id {d['cluster_id']}\n"
                  f"token (shown once): {d['token']}")
+
+
+def _said_savings(d: dict[str, Any]) -> None:
+    output.say(f"{d['node_hours']:.3f} node-hours of work kept by {d['restores']} restore(s)")
+    for c in d["clusters"]:
+        output.say(f"  cluster {c['cluster']}: {c['node_hours']:.3f}")
+    for u in d["users"]:
+        output.say(f"  user {u['user']}: {u['node_hours']:.3f}")
 
 
 def _said_rows(*keys: str) -> Any:

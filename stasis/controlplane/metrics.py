@@ -1,6 +1,7 @@
 """The control plane's Prometheus metrics (text exposition format 0.0.4), from its database:
 nodes by state, live jobs, commands by kind and state, checkpoints taken through it and their
-bytes."""
+bytes; the checkpoints and restores the nodes report (counts, bytes, seconds, frozen seconds)
+and the node-hours of work restores kept (savings)."""
 
 from __future__ import annotations
 
@@ -45,4 +46,21 @@ def render(registry: Registry, by: Principal, lost_after_s: float) -> str:
            {"": sum(int((c["result"] or {}).get("size_bytes") or 0) for c in done)})
     metric("stasis_command_failures_total", "counter", "Commands that failed on their node.",
            {"": sum(1 for c in commands if c["state"] == "failed")})
+    totals = registry.checkpoint_totals()
+    metric("stasis_reported_checkpoints_total", "counter",
+           "Checkpoints the nodes reported, by cluster.",
+           {_labels(cluster=t["cluster"]): int(t["count"]) for t in totals})
+    metric("stasis_reported_checkpoint_bytes_total", "counter", "Their image bytes.",
+           {_labels(cluster=t["cluster"]): int(t["bytes"]) for t in totals})
+    metric("stasis_checkpoint_seconds_total", "counter", "CRIU's seconds for them.",
+           {_labels(cluster=t["cluster"]): round(float(t["seconds"]), 4) for t in totals})
+    metric("stasis_checkpoint_frozen_seconds_total", "counter",
+           "Seconds their jobs stood frozen for them.",
+           {_labels(cluster=t["cluster"]): round(float(t["frozen"]), 4) for t in totals})
+    saved = registry.savings(by)
+    metric("stasis_restores_total", "counter", "Restores the nodes reported.",
+           {"": saved["restores"]})
+    metric("stasis_saved_node_hours_total", "counter",
+           "Node-hours of work kept by restores instead of reruns, by cluster.",
+           {_labels(cluster=c["cluster"]): c["node_hours"] for c in saved["clusters"]})
     return "\n".join(out) + "\n"

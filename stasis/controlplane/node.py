@@ -19,9 +19,24 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
 
-from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, Text, insert, select
+from dataclasses import asdict
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    delete,
+    func,
+    insert,
+    select,
+)
 
 from stasis.controlplane.client import ControlPlaneClient
+from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
@@ -32,6 +47,16 @@ _ROOT = Caller(pid=0, uid=0, gid=0)
 # Every this many heartbeats the node's check runs again and is reported (a register).
 _CHECK_EVERY = 30
 _ALIVE = ("running", "restored")
+
+# What the node did (stasis.daemon.activity) until a heartbeat has carried it to the control
+# plane: kept here so that a control plane that is down for a while still hears of it all.
+outbox_table = Table(
+    "controlplane_outbox", MetaData(),
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("body", Text, nullable=False),  # JSON of an Activity
+)
+_OUTBOX_MAX = 10_000  # beyond that the oldest are dropped: a control plane gone for days
+_PER_BEAT = 500
 
 done_table = Table(
     "controlplane_done", MetaData(),
@@ -55,7 +80,28 @@ class ControlPlaneNode(Integration):
         self._failing: str | None = None
 
     def tables(self) -> Sequence[Table]:
-        return [done_table]
+        return [done_table, outbox_table]
+
+    def prepare(self) -> None:
+        if self.client is not None:
+            self.manager.activity.add(self._heard)
+
+    def _heard(self, activity: Activity) -> None:
+        with self.manager.db.transaction() as conn:
+            conn.execute(insert(outbox_table).values(body=json.dumps(asdict(activity))))
+            newest = conn.execute(select(func.max(outbox_table.c.id))).scalar() or 0
+            conn.execute(delete(outbox_table).where(outbox_table.c.id <= newest - _OUTBOX_MAX))
+
+    def _outbox(self) -> tuple[list[int], list[dict[str, Any]]]:
+        with self.manager.db.transaction() as conn:
+            rows = conn.execute(select(outbox_table).order_by(outbox_table.c.id)
+                                .limit(_PER_BEAT)).all()
+        return [r.id for r in rows], [json.loads(r.body) for r in rows]
+
+    def _sent(self, ids: list[int]) -> None:
+        if ids:
+            with self.manager.db.transaction() as conn:
+                conn.execute(delete(outbox_table).where(outbox_table.c.id.in_(ids)))
 
     def tasks(self) -> Sequence[Task]:
         if self.client is None:
@@ -76,9 +122,10 @@ class ControlPlaneNode(Integration):
                 "jobs": sum(1 for j in self._jobs() if j["state"] == "running")}
 
     def _jobs(self) -> list[dict[str, Any]]:
-        return [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
-                 "restored_from": j["checkpoint"]}
+        mine = [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
+                 "restored_from": j["checkpoint"], "started": j["created"], "kind": "daemon"}
                 for j in self.manager.jobs(_ROOT) if j["state"] in _ALIVE]
+        return mine + [dict(j) for j in self.manager.reported_jobs()]
 
     def beat(self) -> None:
         assert self.client is not None
@@ -90,8 +137,10 @@ class ControlPlaneNode(Integration):
                              self.manager.settings.node)
                 self._registered = True
             else:
+                ids, activity = self._outbox()
                 self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}"
-                                    "/heartbeat", {"jobs": self._jobs()})
+                                    "/heartbeat", {"jobs": self._jobs(), "activity": activity})
+                self._sent(ids)
             self._beats += 1
             self._commands()
             if self._failing is not None:

@@ -13,10 +13,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import Engine, create_engine, insert, select, update
+from sqlalchemy import Engine, and_, create_engine, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from stasis.controlplane.schema import clusters, commands, events, nodes, tokens
+from stasis.controlplane.schema import (
+    checkpoints,
+    clusters,
+    commands,
+    events,
+    nodes,
+    restores,
+    tokens,
+)
 from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
 TOKEN_PREFIX = "stasis_"
@@ -234,7 +242,8 @@ class Registry:
                             f"{'ok' if row['check_ok'] else 'failing'})")
         return {"cluster_id": by.cluster_id, "name": name, "registered": True}
 
-    def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]],
+                  activity: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         validate_name(name, "node name")
         running = sum(1 for j in jobs if j.get("state") == "running")
         with self.engine.begin() as conn:
@@ -242,10 +251,45 @@ class Registry:
                                                  nodes.c.name == name)
                              .values(last_heartbeat=int(time.time()), jobs=running,
                                      job_list=json.dumps(jobs))).rowcount
-        if not n:
-            raise NotFoundError(f"node {name} is not registered in this cluster: register "
-                                "first")
+            if not n:
+                raise NotFoundError(f"node {name} is not registered in this cluster: register "
+                                    "first")
+            assert by.cluster_id is not None
+            for a in activity or ():
+                self._record(conn, by.cluster_id, name, a)
         return {"name": name, "ok": True}
+
+    def _record(self, conn: Any, cluster_id: str, node: str, a: dict[str, Any]) -> None:
+        """One checkpoint or restore a node reports; a report sent again changes nothing."""
+        if a["kind"] == "checkpoint":
+            if conn.execute(select(checkpoints.c.id).where(
+                    checkpoints.c.id == a["checkpoint"])).first() is not None:
+                return
+            conn.execute(insert(checkpoints).values(
+                id=a["checkpoint"], cluster_id=cluster_id, node=node, job=a["job"],
+                label=a["label"], user=a["user"], size_bytes=a["size_bytes"],
+                stored_size_bytes=a["stored_size_bytes"], duration_s=a["duration_s"],
+                frozen_s=a["frozen_s"], work_s=a["work_s"], leave_running=a["leave_running"],
+                reason=a["reason"], store=a["store"], created=a["at"], deleted=None))
+            self._event(conn, cluster_id, node, "checkpoint",
+                        f"checkpoint {a['checkpoint']} of job {a['job']} (label {a['label']}, "
+                        f"user {a['user']}, {a['reason']}): {_size(a['size_bytes'])} in "
+                        f"{a['duration_s']:.2f} s, "
+                        + ("job went on" if a["leave_running"] else "job stopped"))
+            return
+        if conn.execute(select(restores.c.id).where(
+                restores.c.cluster_id == cluster_id, restores.c.node == node,
+                restores.c.job == a["job"], restores.c.checkpoint == a["checkpoint"])
+                ).first() is not None:
+            return
+        conn.execute(insert(restores).values(
+            cluster_id=cluster_id, node=node, checkpoint=a["checkpoint"], job=a["job"],
+            label=a["label"], user=a["user"], work_s=a["work_s"], duration_s=a["duration_s"],
+            reason=a["reason"], at=a["at"]))
+        self._event(conn, cluster_id, node, "restore",
+                    f"job {a['job']} (label {a['label']}, user {a['user']}) restored from "
+                    f"checkpoint {a['checkpoint']}: {a['work_s'] / 3600:.3f} node-hours of "
+                    "work kept")
 
     def list_nodes(self, by: Principal, lost_after_s: float) -> list[dict[str, Any]]:
         q = select(nodes, clusters.c.name.label("cluster")).join(
@@ -277,8 +321,87 @@ class Registry:
             q = q.where(nodes.c.cluster_id == by.cluster_id)
         with self.engine.begin() as conn:
             rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
-        return [{**j, "node": r["name"], "cluster": r["cluster"],
+        jobs = [{**j, "node": r["name"], "cluster": r["cluster"],
                  "cluster_id": r["cluster_id"]} for r in rows for j in json.loads(r["job_list"])]
+        last = self._last_checkpoints(by)
+        now = time.time()
+        for j in jobs:
+            ckpt = last.get((j["cluster_id"], j.get("user"), j.get("label")))
+            j["last_checkpoint"] = ckpt["id"] if ckpt else None
+            j["last_checkpoint_age_s"] = round(now - ckpt["created"], 1) if ckpt else None
+        return jobs
+
+    def _last_checkpoints(self, by: Principal) -> dict[tuple[Any, ...], dict[str, Any]]:
+        """The newest live checkpoint of each (cluster, user, label)."""
+        newest = select(checkpoints.c.cluster_id, checkpoints.c.user, checkpoints.c.label,
+                        func.max(checkpoints.c.created).label("created")).where(
+            checkpoints.c.deleted.is_(None)).group_by(
+            checkpoints.c.cluster_id, checkpoints.c.user, checkpoints.c.label)
+        if by.kind != "admin":
+            newest = newest.where(checkpoints.c.cluster_id == by.cluster_id)
+        sub = newest.subquery()
+        q = select(checkpoints.c.id, checkpoints.c.cluster_id, checkpoints.c.user,
+                   checkpoints.c.label, checkpoints.c.created).join(sub, and_(
+            checkpoints.c.cluster_id == sub.c.cluster_id, checkpoints.c.user == sub.c.user,
+            checkpoints.c.label == sub.c.label, checkpoints.c.created == sub.c.created))
+        with self.engine.begin() as conn:
+            rows = conn.execute(q).mappings().all()
+        return {(r["cluster_id"], r["user"], r["label"]): dict(r) for r in rows}
+
+    def list_checkpoints(self, by: Principal, limit: int = 500,
+                         deleted: bool = False) -> list[dict[str, Any]]:
+        """The checkpoints the nodes reported, newest first (deleted ones only if asked)."""
+        q = select(checkpoints, clusters.c.name.label("cluster")).join(
+            clusters, clusters.c.id == checkpoints.c.cluster_id)
+        if by.kind != "admin":
+            q = q.where(checkpoints.c.cluster_id == by.cluster_id)
+        if not deleted:
+            q = q.where(checkpoints.c.deleted.is_(None))
+        with self.engine.begin() as conn:
+            rows = conn.execute(q.order_by(checkpoints.c.created.desc(), checkpoints.c.id)
+                                .limit(limit)).mappings().all()
+        now = time.time()
+        return [{**dict(r), "age_s": round(now - r["created"], 1)} for r in rows]
+
+    def checkpoint_totals(self) -> list[dict[str, Any]]:
+        """Per cluster: checkpoints reported (deleted ones too), their bytes and seconds."""
+        q = select(clusters.c.name.label("cluster"), func.count().label("count"),
+                   func.coalesce(func.sum(checkpoints.c.size_bytes), 0).label("bytes"),
+                   func.coalesce(func.sum(checkpoints.c.duration_s), 0).label("seconds"),
+                   func.coalesce(func.sum(checkpoints.c.frozen_s), 0).label("frozen")).join(
+            clusters, clusters.c.id == checkpoints.c.cluster_id).group_by(clusters.c.name)
+        with self.engine.begin() as conn:
+            return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def savings(self, by: Principal) -> dict[str, Any]:
+        """Node-hours of work kept by restores instead of reruns: in all, per cluster, per
+        user, per day (UTC). A restore keeps the seconds of work its checkpoint held; every
+        job counts as one node (the nodes report single-node jobs)."""
+        q = select(restores.c.cluster_id, clusters.c.name.label("cluster"), restores.c.user,
+                   restores.c.work_s, restores.c.at).join(
+            clusters, clusters.c.id == restores.c.cluster_id)
+        if by.kind != "admin":
+            q = q.where(restores.c.cluster_id == by.cluster_id)
+        with self.engine.begin() as conn:
+            rows = conn.execute(q.order_by(restores.c.at)).mappings().all()
+        per_cluster: dict[str, float] = {}
+        per_user: dict[str, float] = {}
+        per_day: dict[str, float] = {}
+        for r in rows:
+            hours = float(r["work_s"]) / 3600
+            per_cluster[r["cluster"]] = per_cluster.get(r["cluster"], 0.0) + hours
+            per_user[r["user"]] = per_user.get(r["user"], 0.0) + hours
+            day = datetime.fromtimestamp(r["at"], UTC).date().isoformat()
+            per_day[day] = per_day.get(day, 0.0) + hours
+
+        def listed(d: dict[str, float], key: str) -> list[dict[str, Any]]:
+            return [{key: k, "node_hours": round(v, 4)} for k, v in
+                    sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+        return {"node_hours": round(sum(per_cluster.values()), 4), "restores": len(rows),
+                "clusters": listed(per_cluster, "cluster"), "users": listed(per_user, "user"),
+                "days": [{"day": k, "node_hours": round(v, 4)} for k, v in
+                         sorted(per_day.items())]}
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -380,6 +503,10 @@ class Registry:
             if row["state"] in ("done", "failed"):
                 return self._command(dict(row))  # acknowledged twice: the first one stands
             args = json.loads(row["args"])
+            if ok and row["kind"] == "retain" and result.get("deleted"):
+                conn.execute(update(checkpoints).where(
+                    checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
+                    checkpoints.c.cluster_id == row["cluster_id"]).values(deleted=time.time()))
             if ok and args.get("then_restore_on") and result.get("checkpoint"):
                 # The second half of a migration: the restore, on the target node.
                 nid = "cmd_" + secrets.token_hex(8)
@@ -443,6 +570,14 @@ class Registry:
     def _command(row: dict[str, Any]) -> dict[str, Any]:
         return {**row, "args": json.loads(row["args"]),
                 "result": json.loads(row["result"]) if row.get("result") else None}
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def safe_url(url: str) -> str:

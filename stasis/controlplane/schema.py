@@ -3,7 +3,19 @@ migrations/versions, never through create_all."""
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Column, ForeignKey, Integer, MetaData, String, Table, Text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
 
 metadata = MetaData()
 
@@ -88,4 +100,54 @@ events = Table(
     Column("node", String(200), nullable=True),
     Column("kind", String(40), nullable=False),
     Column("message", Text, nullable=False),
+)
+
+# The checkpoints the nodes report (stasis.daemon.activity), deleted ones kept with the time:
+# what each cost (size, CRIU's time, how long the job stood frozen) and the work it holds.
+checkpoints = Table(
+    "checkpoints", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("cluster_id", String(40), nullable=False),
+    Column("node", String(200), nullable=False),
+    Column("job", String(100), nullable=False),
+    Column("label", String(200), nullable=False),
+    Column("user", String(100), nullable=False),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("stored_size_bytes", BigInteger, nullable=False),
+    Column("duration_s", Float, nullable=False),
+    Column("frozen_s", Float, nullable=False),
+    Column("work_s", Float, nullable=False),  # seconds of the job's run it holds
+    Column("leave_running", Boolean, nullable=False),
+    Column("reason", String(60), nullable=False),
+    Column("store", String(500), nullable=False),
+    Column("created", Float, nullable=False),  # unix seconds
+    Column("deleted", Float, nullable=True),
+)
+
+# Restores the nodes report: each keeps `work_s` seconds of work a rerun would have redone
+# (the savings). Once per (node, job, checkpoint): a report sent twice counts once.
+restores = Table(
+    "restores", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("cluster_id", String(40), nullable=False),
+    Column("node", String(200), nullable=False),
+    Column("checkpoint", String(64), nullable=False),
+    Column("job", String(100), nullable=False),
+    Column("label", String(200), nullable=False),
+    Column("user", String(100), nullable=False),
+    Column("work_s", Float, nullable=False),
+    Column("duration_s", Float, nullable=False),
+    Column("reason", String(60), nullable=False),
+    Column("at", Float, nullable=False),
+    UniqueConstraint("cluster_id", "node", "job", "checkpoint", name="restores_once"),
+)
+
+# Dashboard log-ins: a session id (its SHA-256 kept) for the token that logged in, with the
+# token every form of that session must carry back (CSRF); gone at `expires` or at log-out.
+sessions = Table(
+    "sessions", metadata,
+    Column("sha256", String(64), primary_key=True),
+    Column("token_id", String(40), nullable=False),
+    Column("csrf", String(64), nullable=False),
+    Column("expires", Integer, nullable=False),
 )

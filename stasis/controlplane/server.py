@@ -22,6 +22,10 @@
     GET|POST /api/v1/policies, DELETE /api/v1/policies/{name}   admin (stasis.controlplane.policies)
     GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
     GET  /api/v1/events[?limit=N]          what happened, oldest first (same scoping as nodes)
+    GET  /api/v1/checkpoints[?limit=N&deleted=1]   the checkpoints the nodes reported, newest
+                                           first: size, CRIU's time, frozen time, store
+    GET  /api/v1/savings                   node-hours of work kept by restores: in all, per
+                                           cluster, user and day
     POST /api/v1/policies/{name}/run       admin: run a policy now (its webhook)
     GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
                                            installs the chart connected to this control plane
@@ -80,10 +84,32 @@ class JobReport(_Model):
     user: str | None = Field(default=None, max_length=100)
     state: str = Field(max_length=40)
     restored_from: str | None = Field(default=None, max_length=100)
+    started: str | None = Field(default=None, max_length=40)
+    kind: str = Field(default="daemon", max_length=20)  # daemon | slurm | ...
+
+
+class ActivityReport(_Model):
+    """A checkpoint or restore of the node (stasis.daemon.activity.Activity)."""
+
+    kind: Literal["checkpoint", "restore"]
+    checkpoint: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    label: str = Field(max_length=200)
+    job: str = Field(max_length=100)
+    user: str = Field(max_length=100)
+    size_bytes: int = Field(ge=0)
+    stored_size_bytes: int = Field(default=0, ge=0)
+    work_s: float = Field(ge=0)
+    duration_s: float = Field(ge=0)
+    frozen_s: float = Field(default=0.0, ge=0)
+    leave_running: bool = True
+    store: str = Field(default="", max_length=500)
+    reason: str = Field(default="", max_length=60)
+    at: float = Field(gt=0)
 
 
 class Heartbeat(_Model):
     jobs: list[JobReport] = Field(default_factory=list, max_length=10_000)
+    activity: list[ActivityReport] = Field(default_factory=list, max_length=1000)
 
 
 class NewCommand(_Model):
@@ -147,6 +173,13 @@ async def _body(request: web.Request, model: type[_Model]) -> Any:
     return model.model_validate(data)
 
 
+def _limit(request: web.Request, default: int) -> int:
+    raw = request.query.get("limit", str(default))
+    if not raw.isdigit() or not 0 < int(raw) <= 10_000:
+        raise UsageError(f"bad limit {raw!r}: 1..10000")
+    return int(raw)
+
+
 def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.Application:
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
@@ -192,7 +225,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         body = await _body(request, Heartbeat)
         return web.json_response(await run(registry.heartbeat, who,
                                             request.match_info["name"],
-                                            [j.model_dump() for j in body.jobs]))
+                                            [j.model_dump() for j in body.jobs],
+                                            [a.model_dump() for a in body.activity]))
 
     async def list_nodes(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_nodes, _principal(request),
@@ -237,11 +271,16 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
                                             request.match_info["name"]))
 
     async def list_events(request: web.Request) -> web.StreamResponse:
-        raw = request.query.get("limit", "200")
-        if not raw.isdigit() or not 0 < int(raw) <= 10_000:
-            raise UsageError(f"bad limit {raw!r}: 1..10000")
         return web.json_response(await run(registry.list_events, _principal(request),
-                                            int(raw)))
+                                            _limit(request, 200)))
+
+    async def list_checkpoints(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(registry.list_checkpoints, _principal(request),
+                                            _limit(request, 500),
+                                            request.query.get("deleted") == "1"))
+
+    async def savings(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(registry.savings, _principal(request)))
 
     async def run_policy(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(policies.run_now, registry, _principal(request),
@@ -314,6 +353,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.A
         web.post("/api/v1/nodes/{name}/drain", drain),
         web.get("/metrics", metrics),
         web.get("/api/v1/events", list_events),
+        web.get("/api/v1/checkpoints", list_checkpoints),
+        web.get("/api/v1/savings", savings),
         web.post("/api/v1/policies/{name}/run", run_policy),
         web.get("/install/kubernetes", install_kubernetes),
         web.get("/api/v1/policies", list_policies),

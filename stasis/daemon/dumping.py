@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from stasis.daemon import staging
+from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, validate_job_id
@@ -121,11 +122,12 @@ class Dumper:
             id=checkpoint_id, label=label, job=row.id, host=self.core.hostname,
             created=created, criu_version=self.criu_version(criu), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
+            extra={"work_s": self.core.work.at(row.id, row.created, created)},
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(
             row.pid, info, req.leave_running, req.compress, what, progress, notes,
-            encrypt=req.encrypt)
+            encrypt=req.encrypt, reason=req.reason)
         if not req.leave_running:
             self.core.db.set(row.id, state="checkpointed")
             os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
@@ -154,7 +156,7 @@ class Dumper:
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
                         progress: Progress | None = None, notes: list[str] | None = None,
-                        *, encrypt: bool | None = None,
+                        *, encrypt: bool | None = None, reason: str = "asked",
                         ) -> tuple[Manifest, DumpResult, bool]:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`; `encrypt` its
         images (None: the `encrypt` setting).
@@ -184,7 +186,16 @@ class Dumper:
                 raise
             if leave_running:
                 self.core.journal.end(info.id)
-            return done
+        manifest, result, _ = done
+        self.core.activity.notify(Activity(
+            kind="checkpoint", checkpoint=manifest.id, label=manifest.label, job=info.job,
+            user=info.user, size_bytes=manifest.size_bytes,
+            stored_size_bytes=manifest.stored_size_bytes, work_s=work_of(info.extra),
+            duration_s=round(result.duration_s, 4),
+            # CRIU holds the tree frozen while it dumps; a dump that stops the job ends it.
+            frozen_s=round(result.duration_s, 4), leave_running=leave_running,
+            store=self.core.store.url, reason=reason))
+        return done
 
     def dump_settled(self, checkpoint_id: str) -> None:
         """The tree a dump stopped was killed (or resumed): nothing is left to undo."""

@@ -20,8 +20,10 @@ import logging
 import os
 import secrets
 import signal
+from collections.abc import Callable
 
 from stasis.config import Settings
+from stasis.daemon.activity import JobWork, Listeners, ReportedJob
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.dumping import Dumper
@@ -83,7 +85,11 @@ class JobManager:
         self.reaper = Reaper()
         self.journal = DumpJournal(layout.dumps)
         self.netlocks = NetLocks(db, store, settings.netlock_timeout_s)
-        core = Core(settings, store, db, self.netlocks, self.journal, settings.node)
+        self.activity = Listeners()  # integrations hear of checkpoints and restores here
+        self._job_sources: list[Callable[[], list[ReportedJob]]] = []
+        self.work = JobWork(db)
+        core = Core(settings, store, db, self.netlocks, self.journal, settings.node,
+                    self.activity, self.work)
         self._supervisors = Supervisors(layout, self.reaper)
         self._tracker = JobTracker(db, self._supervisors)
         self._dumper = Dumper(core, self._tracker)
@@ -129,6 +135,13 @@ class JobManager:
     def jobs(self, caller: Caller) -> list[Job]:
         self.poll()
         return [r.wire() for r in self.db.all() if caller.may_act_on(r.uid)]
+
+    def add_job_source(self, source: Callable[[], list[ReportedJob]]) -> None:
+        """Jobs an integration runs beside the daemon's own, listed where the node reports."""
+        self._job_sources.append(source)
+
+    def reported_jobs(self) -> list[ReportedJob]:
+        return [j for source in self._job_sources for j in source()]
 
     def checkpoints(self, label: str | None, caller: Caller,
                     user: str | None = None) -> list[Manifest]:
@@ -246,12 +259,12 @@ class JobManager:
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                         compress: CompressionRequest, what: str,
                         progress: Progress | None = None, notes: list[str] | None = None,
-                        *, encrypt: bool | None = None,
+                        *, encrypt: bool | None = None, reason: str = "asked",
                         ) -> tuple[Manifest, DumpResult, bool]:
         """See `Dumper.checkpoint_tree`: unless `leave_running`, the caller records the tree
         stopped, kills it, then calls `dump_settled`."""
         return self._dumper.checkpoint_tree(pid, info, leave_running, compress, what,
-                                            progress, notes, encrypt=encrypt)
+                                            progress, notes, encrypt=encrypt, reason=reason)
 
     def dump_settled(self, checkpoint_id: str) -> None:
         self._dumper.dump_settled(checkpoint_id)

@@ -49,6 +49,8 @@ class DumpRequest(_Model):
     compress: CompressionRequest = "none"
     incremental: bool = False
     encrypt: bool | None = None  # None: the daemon's setting (encrypt)
+    # Why it is taken, as reported (to the control plane): a word or a few.
+    reason: str = Field(default="asked", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
 
 
 class RestoreRequest(_Model):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.models import RestoreRequest
 from stasis.wire import RestoreAnswer
@@ -76,6 +77,12 @@ class Restorer:
                 continue
             answer["skipped"] = skipped
             answer["elapsed_s"] = round(time.monotonic() - started, 4)
+            work_s = work_of(manifest.extra)
+            self.core.work.started_from(answer["job"], manifest.id, work_s)
+            self.core.activity.notify(Activity(
+                kind="restore", checkpoint=manifest.id, label=manifest.label,
+                job=answer["job"], user=manifest.user, size_bytes=manifest.size_bytes,
+                work_s=work_s, duration_s=answer["duration_s"], store=self.core.store.url))
             return answer
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from aiohttp import web
 from sqlalchemy import Table
 
+from stasis.daemon.activity import ReportedJob
 from stasis.daemon.http import answer, peer, read_body
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
@@ -40,6 +41,13 @@ class SlurmIntegration(Integration):
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
         self.jobs = SlurmJobs(manager)
+        manager.add_job_source(self._reported)
+
+    def _reported(self) -> list[ReportedJob]:
+        return [ReportedJob(job=r["slurm_job"], label=r["label"], user=r["user"],
+                            state="running", restored_from=None, started=r["registered"],
+                            kind="slurm")
+                for r in self.jobs.registrations.running()]
 
     def tables(self) -> Sequence[Table]:
         return [slurm_jobs_table]

@@ -100,7 +100,8 @@ class Launcher:
         try:
             with self._client() as c:
                 c.slurm_register(slurm_job=self.job_id, pid=self.pid, label=self.start["label"],
-                                 explicit_label=bool(self.start.get("explicit_label")))
+                                 explicit_label=bool(self.start.get("explicit_label")),
+                                 restored_from=self.start.get("checkpoint"))
         except StasisError as e:
             say(f"stasis: warning: the node daemon did not take this job ({e}); "
                 "it runs WITHOUT checkpoint protection")
@@ -117,7 +118,9 @@ class Launcher:
         """
         try:
             with self._client(None) as c:
-                answer = c.slurm_checkpoint(self.job_id, leave_running=not final)
+                answer = c.slurm_checkpoint(
+                    self.job_id, leave_running=not final,
+                    reason="preemption or time limit" if final else "periodic")
         except StasisError as e:
             say(f"stasis: warning: checkpoint failed: {e}; the job goes on")
             return

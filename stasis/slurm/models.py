@@ -15,10 +15,15 @@ class RegisterRequest(_Model):
     pid: int = Field(gt=1)
     label: str
     explicit_label: bool = False
+    restored_from: str | None = None  # the checkpoint the workload was restored from
+
+
+_REASON = Field(default="asked", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
 
 
 class CheckpointRequest(_Model):
     leave_running: bool = False
+    reason: str = _REASON
 
 
 class FinishRequest(_Model):

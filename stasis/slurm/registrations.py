@@ -22,6 +22,7 @@ from typing import Any, cast, get_args, get_origin, get_type_hints
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
 
+from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.db import JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
@@ -31,13 +32,14 @@ from stasis.errors import (
     NotFoundError,
     PermissionDeniedError,
     SlurmError,
+    StasisError,
     UsageError,
 )
 from stasis.slurm import scontrol
 from stasis.slurm.labels import candidates, slurm_extra
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
-from stasis.store import CheckpointInfo, new_checkpoint_id, validate_label
+from stasis.store import CheckpointInfo, new_checkpoint_id, validate_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
 
@@ -237,7 +239,33 @@ class SlurmJobs:
         )
         self.sweep()
         self.registrations.save(reg)
+        self._started(reg, req.restored_from)
         return reg
+
+    def _started(self, reg: Registration, restored_from: str | None) -> None:
+        """Count the job's work from the checkpoint it was restored from (or from nothing),
+        and tell who listens of that restore."""
+        m = self.manager
+        job_id = reg["slurm_job"]
+        if restored_from is None:
+            m.work.forget(job_id)
+            return
+        try:
+            manifest = m.store.get(validate_checkpoint_id(restored_from))
+        except StasisError as e:
+            log.warning("Slurm job %s: cannot read checkpoint %s it was restored from: %s",
+                        job_id, restored_from, e)
+            m.work.forget(job_id)
+            return
+        if manifest.uid != reg["uid"]:
+            raise PermissionDeniedError(f"permission denied: checkpoint {manifest.id} is not "
+                                        "yours")
+        work_s = work_of(manifest.extra)
+        m.work.started_from(job_id, manifest.id, work_s)
+        m.activity.notify(Activity(
+            kind="restore", checkpoint=manifest.id, label=manifest.label, job=job_id,
+            user=reg["user"], size_bytes=manifest.size_bytes, work_s=work_s, duration_s=0.0,
+            store=m.store.url, reason="Slurm requeue"))
 
     def sweep(self) -> None:
         """Forget registrations of workloads that ended without telling us (scancel, crash)."""
@@ -270,11 +298,12 @@ class SlurmJobs:
             created=created, criu_version=m.criu_version(m.criu), command=reg["command"],
             cwd=reg["work_dir"] or "/", user=reg["user"], uid=reg["uid"], gid=reg["gid"],
             log_path=reg["stdout"] or None,
-            extra=slurm_extra(job_id, reg["token"], reg["explicit_label"], reg["stdout"],
-                              reg["stderr"]),
+            extra={**slurm_extra(job_id, reg["token"], reg["explicit_label"], reg["stdout"],
+                                 reg["stderr"]),
+                   "work_s": m.work.at(job_id, reg["registered"], created)},
         )
         manifest, result, _ = m.checkpoint_tree(reg["pid"], info, req.leave_running, "none",
-                                                f"Slurm job {job_id}")
+                                                f"Slurm job {job_id}", reason=req.reason)
         answer = SlurmCheckpointAnswer(
             checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),

@@ -1,0 +1,88 @@
+"""What nodes report of their checkpoints and restores, and the savings shown from it: a job
+checkpointed on its node (not through the control plane) is listed with its size, CRIU's time
+and frozen time; restored after it was stopped, it keeps the work it had done, counted as
+node-hours per cluster and per user; a report sent again counts once."""
+
+from __future__ import annotations
+
+import pwd
+import time
+from pathlib import Path
+
+from tests.conftest import new_daemon, wait_for, workload
+from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.test_commands import scrape
+from tests.controlplane.test_node import node_env
+
+
+def test_checkpoints_and_restores_reported_with_the_work_they_keep(
+        controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    cp = controlplane
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    d = new_daemon(world_tmp, "node-r", env=node_env(cp, cluster, "node-r"))
+    d.start()
+    try:
+        job = d.run(*workload("counter.py"), label="kept", user=test_user.pw_name)["job"]
+        time.sleep(2.0)  # work the checkpoint will hold
+        first = d.json("dump", job, "--leave-running")
+        ckpts = wait_for(lambda: cp.json("checkpoints") or None, 20, "the checkpoint report")
+        (c,) = ckpts
+        assert (c["id"], c["job"], c["label"], c["user"], c["node"], c["cluster"]) == (
+            first["checkpoint"], job, "kept", test_user.pw_name, "node-r", "hpc")
+        assert c["size_bytes"] == first["size_bytes"] > 0
+        assert c["duration_s"] == first["duration_s"] and c["frozen_s"] > 0
+        assert c["leave_running"] is True and c["reason"] == "asked"
+        assert c["store"] == d.store and 2.0 <= c["work_s"] < 30, c
+        (j,) = cp.json("jobs")
+        assert j["last_checkpoint"] == first["checkpoint"] and j["last_checkpoint_age_s"] >= 0
+        assert cp.json("savings")["node_hours"] == 0
+
+        time.sleep(1.0)
+        stopped = d.json("dump", job)  # stops it
+        wait_for(lambda: len(cp.json("checkpoints")) == 2, 20, "the second report")
+        restored = d.json("restore", stopped["checkpoint"])
+        saved = wait_for(lambda: (s := cp.json("savings"))["restores"] and s, 20,
+                         "the restore report")
+        (stop_ckpt,) = [x for x in cp.json("checkpoints") if x["id"] == stopped["checkpoint"]]
+        assert stop_ckpt["leave_running"] is False and stop_ckpt["work_s"] > c["work_s"]
+        hours = round(stop_ckpt["work_s"] / 3600, 4)
+        assert saved["node_hours"] == hours and saved["restores"] == 1, saved
+        assert saved["clusters"] == [{"cluster": "hpc", "node_hours": hours}]
+        assert saved["users"] == [{"user": test_user.pw_name, "node_hours": hours}]
+        assert [x["node_hours"] for x in saved["days"]] == [hours]
+        kinds = [e["kind"] for e in cp.json("events")]
+        assert kinds.count("checkpoint") == 2 and kinds.count("restore") == 1, kinds
+        (r,) = [e for e in cp.json("events") if e["kind"] == "restore"]
+        assert f"restored from checkpoint {stopped['checkpoint']}" in r["message"]
+
+        # The restored job counts on from the work it was restored with.
+        time.sleep(1.0)
+        again = d.json("dump", restored["job"], "--leave-running")
+        wait_for(lambda: len(cp.json("checkpoints")) == 3, 20, "the third report")
+        (third,) = [x for x in cp.json("checkpoints") if x["id"] == again["checkpoint"]]
+        assert third["work_s"] > stop_ckpt["work_s"] + 0.9, (third, stop_ckpt)
+
+        # The same report twice (a heartbeat whose answer was lost) changes nothing.
+        report = {"kind": "restore", "checkpoint": stopped["checkpoint"], "label": "kept",
+                  "job": restored["job"], "user": test_user.pw_name, "size_bytes": 1,
+                  "work_s": 99.0, "duration_s": 0.1, "at": time.time()}
+        status, _ = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", cluster["token"],
+                            {"jobs": [], "activity": [report]})
+        assert status == 200
+        assert cp.json("savings")["node_hours"] == hours
+        status, body = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", cluster["token"],
+                               {"jobs": [], "activity": [{**report, "checkpoint": "../x"}]})
+        assert status == 400 and "checkpoint" in body["error"], body
+        metrics = scrape(cp, cp.admin)
+        assert 'stasis_reported_checkpoints_total{cluster="hpc"} 3\n' in metrics, metrics
+        assert "stasis_restores_total 1\n" in metrics
+        assert f'stasis_saved_node_hours_total{{cluster="hpc"}} {hours}\n' in metrics
+        # Another cluster's token sees none of it.
+        other = cp.json("clusters", "add", "other", "--kind", "slurm")
+        status, listed = cp.call("GET", "/api/v1/checkpoints", other["token"])
+        assert (status, listed) == (200, [])
+        status, theirs = cp.call("GET", "/api/v1/savings", other["token"])
+        assert status == 200 and theirs["node_hours"] == 0
+    finally:
+        d.kill_all()
+        d.stop()
