@@ -3,11 +3,14 @@
 #
 # Run as root on Debian 12 or 13. Idempotent: packages already installed are not touched.
 #   postgresql   a multi-process database server that daemonizes (pg_ctl) and keeps its
-#                shared buffers in SysV shared memory when asked (shared_memory_type=sysv)
+#                shared buffers in SysV shared memory when asked (shared_memory_type=sysv);
+#                also the control plane's database in its PostgreSQL tests
+#   chromium, chromium-driver
+#                the control plane's dashboard, driven headless by Selenium in its tests
 # The tests start private servers as an ordinary user on loopback; nothing here is configured,
 # and on a machine without systemd the package's own cluster is not started.
 set -euo pipefail
 
-PACKAGES=(postgresql)
+PACKAGES=(postgresql chromium chromium-driver)
 
 bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"

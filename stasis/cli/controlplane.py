@@ -32,6 +32,8 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("--command-lease", type=float, default=60.0, metavar="S",
                    help="Seconds a node holds a command before it is given out again "
                         "(default: %(default)s).")
+    p.add_argument("--session-ttl", type=_duration, default=8 * 3600, metavar="N[s|m|h|d]",
+                   help="How long a dashboard log-in lasts (default: 8h).")
     p.set_defaults(handler=serve)
 
     clusters = subcommands(sub.add_parser("clusters", help="Clusters and their tokens."))
@@ -329,6 +331,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
     db = args.db or str(settings.state_dir / "controlplane.db")
     try:
         asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
-                        args.allow_plain_http, args.lost_after, args.command_lease))
+                        args.allow_plain_http, args.lost_after, args.command_lease,
+                        int(args.session_ttl)))
     except KeyboardInterrupt:
         pass

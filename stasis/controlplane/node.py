@@ -184,7 +184,11 @@ class ControlPlaneNode(Integration):
         if cmd["kind"] == "checkpoint":
             job, leave = str(cmd["args"]["job"]), bool(cmd["args"].get("leave_running", True))
             try:
-                answer = self.manager.dump(job, DumpRequest(leave_running=leave), _ROOT)
+                args = cmd["args"]
+                reason = str(args.get("reason") or (f"policy {args['policy']}"
+                                                    if args.get("policy") else "control plane"))
+                answer = self.manager.dump(job, DumpRequest(leave_running=leave,
+                                                            reason=reason[:60]), _ROOT)
                 ok, result = True, {"checkpoint": answer["checkpoint"],
                                     "label": answer["label"],
                                     "size_bytes": answer["size_bytes"]}

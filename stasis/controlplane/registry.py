@@ -443,7 +443,8 @@ class Registry:
         if not target:
             raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
         return self.queue(by, "checkpoint", job, {"leave_running": False,
-                                                  "then_restore_on": to})
+                                                  "then_restore_on": to,
+                                                  "reason": f"migration to {to}"})
 
     def drain(self, by: Principal, node: str, lost_after_s: float) -> dict[str, Any]:
         """Every live job of `node` migrated to the other ready nodes of its cluster (the one

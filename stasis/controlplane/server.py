@@ -30,8 +30,10 @@
     GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
                                            installs the chart connected to this control plane
 
-Every request but health carries `Authorization: Bearer <token>`; errors are one JSON line
-{"error": "..."} with the status of their class. Plain HTTP only on loopback unless allowed.
+The dashboard's pages live under /ui/ (stasis.controlplane.dashboard: log in with a token, a
+session cookie after). Every API request but health carries `Authorization: Bearer <token>`;
+errors are one JSON line {"error": "..."} with the status of their class. Plain HTTP only on
+loopback unless allowed.
 """
 
 from __future__ import annotations
@@ -180,9 +182,13 @@ def _limit(request: web.Request, default: int) -> int:
     return int(raw)
 
 
-def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0) -> web.Application:
+def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
+        session_ttl_s: int = 8 * 3600) -> web.Application:
+    from stasis.controlplane import dashboard
+
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
+    a.add_routes(dashboard.routes(registry, lost_after_s, session_ttl_s))
 
     def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
         return asyncio.to_thread(fn, *args)
@@ -395,7 +401,7 @@ def write_admin_token(token: str, path: Path | None) -> None:
 
 async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path | None,
                 key: Path | None, allow_plain_http: bool, lost_after_s: float,
-                lease_s: float = 60.0) -> None:
+                lease_s: float = 60.0, session_ttl_s: int = 8 * 3600) -> None:
     host, port = parse_listen(listen)
     context = None
     if cert is not None or key is not None:
@@ -413,7 +419,7 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
     token = await asyncio.to_thread(registry.bootstrap_admin)
     if token is not None:
         write_admin_token(token, admin_token_file)
-    runner = web.AppRunner(app(registry, lost_after_s, lease_s), access_log=None)
+    runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()

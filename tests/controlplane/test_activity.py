@@ -8,6 +8,7 @@ from __future__ import annotations
 import pwd
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
@@ -25,7 +26,8 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         job = d.run(*workload("counter.py"), label="kept", user=test_user.pw_name)["job"]
         time.sleep(2.0)  # work the checkpoint will hold
         first = d.json("dump", job, "--leave-running")
-        ckpts = wait_for(lambda: cp.json("checkpoints") or None, 20, "the checkpoint report")
+        ckpts: list[Any] = wait_for(lambda: cp.json("checkpoints") or None, 20,
+                                    "the checkpoint report")
         (c,) = ckpts
         assert (c["id"], c["job"], c["label"], c["user"], c["node"], c["cluster"]) == (
             first["checkpoint"], job, "kept", test_user.pw_name, "node-r", "hpc")
@@ -41,7 +43,7 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         stopped = d.json("dump", job)  # stops it
         wait_for(lambda: len(cp.json("checkpoints")) == 2, 20, "the second report")
         restored = d.json("restore", stopped["checkpoint"])
-        saved = wait_for(lambda: (s := cp.json("savings"))["restores"] and s, 20,
+        saved: dict[str, Any] = wait_for(lambda: (s := cp.json("savings"))["restores"] and s, 20,
                          "the restore report")
         (stop_ckpt,) = [x for x in cp.json("checkpoints") if x["id"] == stopped["checkpoint"]]
         assert stop_ckpt["leave_running"] is False and stop_ckpt["work_s"] > c["work_s"]

@@ -1,0 +1,310 @@
+"""The dashboard: server-rendered pages under /ui/ (Jinja2, autoescaped), a little JavaScript
+that refreshes each page's live part every few seconds, no build step.
+
+    GET  /ui/login, POST /ui/login      log in with a token (admin: everything; a cluster's:
+                                        its own nodes, jobs and checkpoints, read only)
+    POST /ui/logout
+    GET  /ui/                           clusters and nodes: health, versions, last heartbeat
+    GET  /ui/jobs                       jobs (protected, state, last checkpoint and its age);
+    POST /ui/jobs/{job}/checkpoint      "Checkpoint now"
+    POST /ui/jobs/{job}/migrate         "Migrate" to the node chosen
+    GET  /ui/checkpoints                size, CRIU's time, frozen time, where stored
+    GET  /ui/policies, POST /ui/policies, POST /ui/policies/{name}/run|delete
+    GET  /ui/actions, /ui/events        the commands with their status; the timeline
+    GET  /ui/savings                    node-hours kept by restores, per cluster and user, by day
+
+Every POST carries the session's CSRF token (a hidden field) and, when the browser sends one, an
+Origin of this host; the session cookie is HttpOnly and SameSite=Strict (and Secure over HTTPS).
+Pages send a Content-Security-Policy that allows only this server's own script and style.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jinja2
+from aiohttp import web
+
+from stasis.controlplane import policies, sessions
+from stasis.controlplane.registry import AuthError, Registry
+from stasis.controlplane.sessions import Session
+from stasis.errors import StasisError, UsageError
+
+COOKIE = "stasis_session"
+HERE = Path(__file__).parent
+_STATIC = {"style.css": "text/css", "live.js": "text/javascript"}
+_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self'; connect-src 'self'; form-action 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    # Not no-referrer: with it browsers send `Origin: null` on the forms' own POSTs.
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+_PAGES = [("/ui/", "Nodes"), ("/ui/jobs", "Jobs"), ("/ui/checkpoints", "Checkpoints"),
+          ("/ui/policies", "Policies"), ("/ui/actions", "Actions"), ("/ui/events", "Events"),
+          ("/ui/savings", "Savings")]
+_MAX_FLASH = 5
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    s = max(0.0, float(seconds))
+    if s < 90:
+        return f"{s:.0f} s ago"
+    if s < 5400:
+        return f"{s / 60:.0f} min ago"
+    if s < 172800:
+        return f"{s / 3600:.1f} h ago"
+    return f"{s / 86400:.0f} d ago"
+
+
+def _size(n: float | None) -> str:
+    x = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
+                             autoescape=True)
+    env.filters["age"] = _age
+    env.filters["size"] = _size
+    return env
+
+
+Gather = Callable[[Session], dict[str, Any]]
+
+
+def routes(registry: Registry, lost_after_s: float, session_ttl_s: int
+           ) -> list[web.RouteDef]:
+    env = _environment()
+    flashes: dict[str, list[tuple[str, str]]] = {}
+
+    def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.to_thread(fn, *args)
+
+    def headers(response: web.StreamResponse) -> web.StreamResponse:
+        response.headers.update(_HEADERS)
+        return response
+
+    def flash(session: Session, kind: str, text: str) -> None:
+        said = flashes.setdefault(session.key, [])
+        said.append((kind, text[:500]))
+        del said[:-_MAX_FLASH]
+
+    async def session_of(request: web.Request) -> Session | None:
+        try:
+            found: Session = await run(sessions.find, registry, request.cookies.get(COOKIE, ""))
+        except AuthError:
+            return None
+        return found
+
+    def to_login() -> web.StreamResponse:
+        return headers(web.HTTPSeeOther("/ui/login"))
+
+    def render(name: str, request: web.Request, session: Session | None, status: int = 200,
+               **values: Any) -> web.StreamResponse:
+        template = env.get_template(name)
+        values.update(pages=_PAGES, path=request.path, session=session,
+                      now=time.strftime("%H:%M:%S", time.gmtime()),
+                      flashes=flashes.pop(session.key, []) if session else [])
+        if request.headers.get("X-Stasis-Fragment") == "1" and "live" in template.blocks:
+            ctx = template.new_context(values)
+            text = "".join(template.blocks["live"](ctx))
+        else:
+            text = template.render(values)
+        return headers(web.Response(text=text, content_type="text/html", status=status))
+
+    def page(name: str, gather: Gather) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            session = await session_of(request)
+            if session is None:
+                if request.headers.get("X-Stasis-Fragment") == "1":
+                    return headers(web.Response(status=401, text="log in again"))
+                return to_login()
+            try:
+                values = await run(gather, session)
+            except StasisError as e:
+                return render(name, request, session, status=e.http_status, error=str(e))
+            return render(name, request, session, error=None, **values)
+        return handler
+
+    async def form_of(request: web.Request) -> tuple[Session, dict[str, str]] | web.StreamResponse:
+        """A POST's session and fields, or the answer that refuses it."""
+        origin = request.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc != request.host:
+            return headers(web.Response(status=403, text="cross-site request refused"))
+        session = await session_of(request)
+        if session is None:
+            return to_login()
+        data = await request.post()
+        fields = {k: v for k, v in data.items() if isinstance(v, str)}
+        if not session.csrf_ok(fields.get("csrf", "")):
+            return headers(web.Response(status=403, text="the form's CSRF token is missing or "
+                                                         "wrong: reload the page"))
+        return session, fields
+
+    def action(do: Callable[[Session, web.Request, dict[str, str]], str], back: str
+               ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            got = await form_of(request)
+            if isinstance(got, web.StreamResponse):
+                return got
+            session, fields = got
+            try:
+                flash(session, "ok", await run(do, session, request, fields))
+            except StasisError as e:
+                flash(session, "error", str(e))
+            return headers(web.HTTPSeeOther(back))
+        return handler
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def nodes(s: Session) -> dict[str, Any]:
+        who = s.principal
+        clusters = registry.list_clusters() if who.kind == "admin" else \
+            [registry.cluster(who.cluster_id)] if who.cluster_id else []
+        return {"clusters": clusters, "nodes": registry.list_nodes(who, lost_after_s)}
+
+    def jobs(s: Session) -> dict[str, Any]:
+        listed = registry.list_jobs(s.principal)
+        ready = [n for n in registry.list_nodes(s.principal, lost_after_s)
+                 if n["state"] == "ready"]
+        for j in listed:
+            j["targets"] = [n["name"] for n in ready
+                            if n["cluster_id"] == j["cluster_id"] and n["name"] != j["node"]]
+        return {"jobs": listed}
+
+    def checkpoints(s: Session) -> dict[str, Any]:
+        return {"checkpoints": registry.list_checkpoints(s.principal, 300)}
+
+    def policy_page(s: Session) -> dict[str, Any]:
+        return {"policies": policies.listed(registry, s.principal)}
+
+    def actions(s: Session) -> dict[str, Any]:
+        return {"commands": registry.list_commands(s.principal)[::-1][:300]}
+
+    def events(s: Session) -> dict[str, Any]:
+        return {"events": registry.list_events(s.principal, 300)[::-1]}
+
+    def savings(s: Session) -> dict[str, Any]:
+        saved = registry.savings(s.principal)
+        days = saved["days"][-30:]
+        top = max([d["node_hours"] for d in days] + [1e-9])
+        saved["bars"] = [{**d, "height": round(150 * d["node_hours"] / top, 1)} for d in days]
+        return {"saved": saved}
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def checkpoint_now(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        job = request.match_info["job"]
+        cmd = registry.queue(s.principal, "checkpoint", job, {"leave_running": True,
+                                                              "reason": "dashboard"})
+        return f"checkpoint of job {job} on node {cmd['node']} asked ({cmd['id']})"
+
+    def migrate(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        job = request.match_info["job"]
+        to = f.get("to", "")
+        if not to:
+            raise UsageError("choose the node to migrate to")
+        cmd = registry.migrate_job(s.principal, job, to)
+        return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
+
+    def add_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        def number(key: str) -> int | None:
+            raw = f.get(key, "").strip()
+            if not raw:
+                return None
+            if not raw.isdigit():
+                raise UsageError(f"{key}: a whole number, not {raw!r}")
+            return int(raw)
+
+        every = number("every_s")
+        p = policies.add(registry, s.principal, f.get("name", ""), every or 0,
+                         f.get("action", ""),
+                         {k: f[k] for k in policies.FILTERS if f.get(k)}, number("keep"),
+                         number("older_than_s"))
+        return f"policy {p['name']} added"
+
+    def run_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        done = policies.run_now(registry, s.principal, request.match_info["name"],
+                                lost_after_s)
+        return f"policy {done['name']} ran: {done['queued']} command(s)"
+
+    def remove_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        policies.remove(registry, s.principal, request.match_info["name"])
+        return f"policy {request.match_info['name']} removed"
+
+    # -- log-in -------------------------------------------------------------------------------
+
+    async def login_page(request: web.Request) -> web.StreamResponse:
+        return render("login.html", request, None, error=None)
+
+    async def login(request: web.Request) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc != request.host:
+            return headers(web.Response(status=403, text="cross-site request refused"))
+        data = await request.post()
+        token = data.get("token")
+        try:
+            if not isinstance(token, str) or not token.strip():
+                raise AuthError("give a token")
+            sid, _ = await run(sessions.start, registry, token, session_ttl_s)
+        except StasisError as e:
+            return render("login.html", request, None, status=401, error=str(e))
+        response = web.HTTPSeeOther("/ui/")
+        response.set_cookie(COOKIE, sid, max_age=session_ttl_s, path="/ui", httponly=True,
+                            samesite="Strict", secure=request.secure)
+        return headers(response)
+
+    async def logout(request: web.Request) -> web.StreamResponse:
+        got = await form_of(request)
+        if isinstance(got, web.StreamResponse):
+            return got
+        await run(sessions.end, registry, got[0])
+        response = web.HTTPSeeOther("/ui/login")
+        response.del_cookie(COOKIE, path="/ui")
+        return headers(response)
+
+    async def static(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in _STATIC:
+            raise web.HTTPNotFound()
+        return headers(web.Response(body=(HERE / "static" / name).read_bytes(),
+                                    content_type=_STATIC[name]))
+
+    async def root(request: web.Request) -> web.StreamResponse:
+        return headers(web.HTTPSeeOther("/ui/"))
+
+    return [
+        web.get("/", root),
+        web.get("/ui", root),
+        web.get("/ui/login", login_page),
+        web.post("/ui/login", login),
+        web.post("/ui/logout", logout),
+        web.get("/ui/static/{name}", static),
+        web.get("/ui/", page("nodes.html", nodes)),
+        web.get("/ui/jobs", page("jobs.html", jobs)),
+        web.post("/ui/jobs/{job}/checkpoint", action(checkpoint_now, "/ui/jobs")),
+        web.post("/ui/jobs/{job}/migrate", action(migrate, "/ui/jobs")),
+        web.get("/ui/checkpoints", page("checkpoints.html", checkpoints)),
+        web.get("/ui/policies", page("policies.html", policy_page)),
+        web.post("/ui/policies", action(add_policy, "/ui/policies")),
+        web.post("/ui/policies/{name}/run", action(run_policy, "/ui/policies")),
+        web.post("/ui/policies/{name}/delete", action(remove_policy, "/ui/policies")),
+        web.get("/ui/actions", page("actions.html", actions)),
+        web.get("/ui/events", page("events.html", events)),
+        web.get("/ui/savings", page("savings.html", savings)),
+    ]

@@ -1,0 +1,70 @@
+"""Dashboard log-ins: a token given once on the log-in page becomes a session (table `sessions`):
+a random session id in an HttpOnly, SameSite=Strict cookie (its SHA-256 kept, never the id),
+the token's id, and a CSRF token that every form of the session carries back. A session ends at
+its expiry, at log-out, or when its token is revoked (checked on every request)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import delete, insert, select
+
+from stasis.controlplane.registry import AuthError, Principal, Registry
+from stasis.controlplane.schema import sessions, tokens
+
+
+@dataclass(frozen=True)
+class Session:
+    principal: Principal
+    csrf: str
+    key: str  # the SHA-256 of its id: what it is kept (and its messages found) under
+    expires: int
+
+    def csrf_ok(self, given: str) -> bool:
+        return hmac.compare_digest(self.csrf.encode(), given.encode())
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
+    """Log in with `token`: the new session's id (for the cookie) and the session."""
+    who = registry.authenticate(token.strip())
+    sid = secrets.token_urlsafe(32)
+    csrf = secrets.token_urlsafe(32)
+    now = int(time.time())
+    with registry.engine.begin() as conn:
+        conn.execute(delete(sessions).where(sessions.c.expires < now))
+        conn.execute(insert(sessions).values(sha256=_sha(sid), token_id=who.token_id,
+                                             csrf=csrf, expires=now + ttl_s))
+    return sid, Session(who, csrf, _sha(sid), now + ttl_s)
+
+
+def find(registry: Registry, sid: str) -> Session:
+    """The live session of cookie value `sid`, or AuthError."""
+    if not sid or len(sid) > 100:
+        raise AuthError("not logged in")
+    key = _sha(sid)
+    with registry.engine.begin() as conn:
+        row = conn.execute(select(sessions.c.token_id, sessions.c.csrf, sessions.c.expires,
+                                  tokens.c.kind, tokens.c.cluster_id, tokens.c.revoked)
+                           .join(tokens, tokens.c.id == sessions.c.token_id)
+                           .where(sessions.c.sha256 == key)).first()
+        if row is None:
+            raise AuthError("not logged in")
+        if row.expires < time.time() or row.revoked is not None:
+            conn.execute(delete(sessions).where(sessions.c.sha256 == key))
+            raise AuthError("the session expired" if row.revoked is None
+                            else "the session's token was revoked")
+    return Session(Principal(kind=row.kind, token_id=row.token_id, cluster_id=row.cluster_id),
+                   row.csrf, key, int(row.expires))
+
+
+def end(registry: Registry, session: Session) -> None:
+    with registry.engine.begin() as conn:
+        conn.execute(delete(sessions).where(sessions.c.sha256 == session.key))

@@ -1,0 +1,278 @@
+"""The dashboard in a real browser: Debian's headless chromium, driven by Selenium through
+Debian's chromium-driver, against a control plane with two real node daemons. Log in with the
+token, see the running job, "Checkpoint now", see the checkpoint appear (the page refreshes
+itself), migrate the job, see it running on the other node, its count gone on. Screenshots of
+the main pages are kept under build/test-artifacts/dashboard/ (STASIS_TEST_ARTIFACTS).
+
+Then the dashboard's defences, over plain HTTP: sessions expire and die with their token, forms
+without the session's CSRF token or from another origin are refused, hostile input is shown
+escaped, a cluster token sees only its cluster and cannot act."""
+
+from __future__ import annotations
+
+import http.cookiejar
+import os
+import pwd
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import Select
+
+from tests.conftest import wait_for, workload
+from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.test_commands import site_nodes
+
+ARTIFACTS = Path(os.environ.get("STASIS_TEST_ARTIFACTS")
+                 or Path(__file__).resolve().parents[2] / "build" / "test-artifacts") / "dashboard"
+
+
+@pytest.fixture
+def browser(world_tmp: Path) -> Iterator[WebDriver]:
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    # Root in a container: no sandbox; the rest keeps chromium off the (closed) network.
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1400,900",
+                 f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-', dir=world_tmp)}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver"))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shot(driver: WebDriver, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def rows(driver: WebDriver, css: str) -> list[dict[str, str]]:
+    """The data-* attributes of the rows `css` finds, read again if the page refreshed them."""
+    for _ in range(5):
+        try:
+            return [{k: str(e.get_attribute(f"data-{k}") or "")
+                     for k in ("job", "node", "label", "checkpoint", "state")}
+                    for e in driver.find_elements(By.CSS_SELECTOR, css)]
+        except StaleElementReferenceException:
+            continue
+    return []
+
+
+def shown(driver: WebDriver, text: str) -> None:
+    """`text` in a message of the page the last click led to (once it has loaded)."""
+    def found() -> bool:
+        try:
+            return any(text in e.text for e in driver.find_elements(By.CSS_SELECTOR, ".flash"))
+        except StaleElementReferenceException:
+            return False
+    wait_for(found, 10, f"the message {text!r}")
+
+
+def click_in_row(driver: WebDriver, row_css: str, button_css: str) -> None:
+    for _ in range(5):
+        try:
+            driver.find_element(By.CSS_SELECTOR, f"{row_css} {button_css}").click()
+            return
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"could not click {button_css} in {row_css}")
+
+
+def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
+        controlplane: ControlPlane, world_tmp: Path, site_key: Path, browser: WebDriver,
+        test_user: pwd.struct_passwd) -> None:
+    cp, driver = controlplane, browser
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b") as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
+        job = a.run(*workload("counter.py"), label="web", user=test_user.pw_name)["job"]
+        driver.get(cp.url + "/ui/jobs")
+        assert driver.current_url.endswith("/ui/login")  # not logged in yet
+        shot(driver, "login")
+        driver.find_element(By.ID, "token").send_keys("stasis_wrong")
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: driver.find_elements(By.ID, "error"), 10, "the log-in's error")
+        assert "unknown token" in driver.find_element(By.ID, "error").text
+        driver.find_element(By.ID, "token").send_keys(cp.admin)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: driver.current_url.endswith("/ui/"), 10, "the nodes page")
+        wait_for(lambda: {r["node"] for r in rows(driver, "#nodes tr[data-node]")} ==
+                 {"node-a", "node-b"}, 30, "both nodes on the page")
+        shot(driver, "nodes")
+
+        driver.get(cp.url + "/ui/jobs")
+        mine = f'#jobs tr[data-job="{job}"]'
+        wait_for(lambda: rows(driver, mine), 30, "the running job on the jobs page")
+        assert rows(driver, mine)[0]["node"] == "node-a"
+        shot(driver, "jobs")
+        click_in_row(driver, mine, "button.checkpoint")
+        shown(driver, f"checkpoint of job {job} on node node-a asked")
+
+        driver.get(cp.url + "/ui/checkpoints")
+        ckpts = wait_for(lambda: rows(driver, f'#checkpoints tr[data-job="{job}"]'), 30,
+                         "the checkpoint to appear (live refresh)")
+        assert [c["id"] for c in a.json("checkpoints")] == [ckpts[0]["checkpoint"]]
+        assert "dashboard" in driver.find_element(By.ID, "checkpoints").text  # its reason
+        shot(driver, "checkpoints")
+
+        driver.get(cp.url + "/ui/jobs")
+        wait_for(lambda: rows(driver, mine), 30, "the job again")
+        Select(driver.find_element(By.CSS_SELECTOR, f"{mine} select.to")).select_by_value(
+            "node-b")
+        click_in_row(driver, mine, "button.migrate")
+        shown(driver, f"job {job} is being moved from node-a to node-b")
+        moved = wait_for(lambda: [r for r in rows(driver, "#jobs tr[data-job]")
+                                  if r["label"] == "web" and r["node"] == "node-b"], 60,
+                         "the job running on node-b (live refresh)")
+        shot(driver, "jobs-migrated")
+        new = moved[0]["job"]
+        assert new != job and a.job(job)["state"] == "checkpointed"
+        before = [int(x) for x in a.log_of(job).split()]
+        wait_for(lambda: len(b.log_of(new).split()) >= len(before) + 2, 30, "the count on B")
+        after = [int(x) for x in b.log_of(new).split()]
+        assert after[len(before)] == before[-1] + 1  # went on, not from 0
+
+        driver.get(cp.url + "/ui/actions")
+        wait_for(lambda: sorted(r["state"] for r in rows(driver, "#actions tr[data-command]"))
+                 == ["done"] * 3, 30, f"the three commands done: {cp.json('actions')}")
+        shot(driver, "actions")
+        driver.get(cp.url + "/ui/savings")
+        wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#chart rect"), 30,
+                 "the restore in the savings")
+        assert "1 restore(s)" in driver.find_element(By.ID, "total").text
+        shot(driver, "savings")
+        driver.get(cp.url + "/ui/events")
+        text = driver.find_element(By.ID, "events").text
+        assert "node-joined" in text and f"restored from checkpoint" in text, text
+        shot(driver, "events")
+        driver.get(cp.url + "/ui/policies")
+        driver.find_element(By.NAME, "name").send_keys("<script>alert(1)</script>")
+        driver.find_element(By.CSS_SELECTOR, "#new-policy button").click()
+        shown(driver, "bad policy name '<script>alert(1)</script>'")
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in driver.page_source
+        driver.find_element(By.NAME, "name").send_keys("hourly")
+        driver.find_element(By.CSS_SELECTOR, "#new-policy button").click()
+        wait_for(lambda: rows(driver, '#policies tr[data-policy="hourly"]') or
+                 driver.find_elements(By.CSS_SELECTOR, '#policies tr[data-policy="hourly"]'),
+                 10, "the policy listed")
+        shot(driver, "policies")
+        assert [p["name"] for p in cp.json("policies", "list")] == ["hourly"]
+        driver.find_element(By.CSS_SELECTOR, ".logout button").click()
+        wait_for(lambda: driver.current_url.endswith("/ui/login"), 10, "the log-in page")
+        driver.get(cp.url + "/ui/jobs")
+        assert driver.current_url.endswith("/ui/login")  # the session is gone
+
+
+class Browserless:
+    """A cookie-keeping HTTP client (what a script or an attacker's page would send)."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.jar = http.cookiejar.CookieJar()
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar),
+                                                  _NoRedirect())
+
+    def call(self, method: str, path: str, form: dict[str, str] | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+        data = urllib.parse.urlencode(form).encode() if form is not None else None
+        req = urllib.request.Request(self.cp.url + path, data=data, method=method,
+                                     headers=headers or {})
+        try:
+            with self.opener.open(req, timeout=20) as r:
+                return r.status, r.headers.get("Location", ""), r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Location", ""), e.read().decode()
+
+    def login(self, token: str) -> str:
+        status, where, _ = self.call("POST", "/ui/login", {"token": token})
+        assert (status, where) == (303, "/ui/"), (status, where)
+        status, _, page = self.call("GET", "/ui/")
+        assert status == 200
+        return page.split('name="csrf" value="')[1].split('"')[0]
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def test_dashboard_sessions_csrf_and_scoping(world_tmp: Path) -> None:
+    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
+                      str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"))
+    cp.start("--session-ttl", "3s")
+    try:
+        web = Browserless(cp)
+        csrf = web.login(cp.admin)
+        cookie = next(c for c in web.jar if c.name == "stasis_session")
+        assert cookie.path == "/ui" and cookie.has_nonstandard_attr("HttpOnly")
+        status, _, page = web.call("GET", "/ui/jobs")
+        assert status == 200 and "No node reports a running job." in page
+        # Security headers on every page.
+        req = urllib.request.Request(cp.url + "/ui/login")
+        with urllib.request.urlopen(req, timeout=20) as r:
+            csp = r.headers["Content-Security-Policy"]
+            assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+            assert r.headers["X-Frame-Options"] == "DENY"
+        # A form without the CSRF token, with a wrong one, or from another origin: refused.
+        for form, headers in (({"name": "p1", "every_s": "60", "action": "checkpoint"}, {}),
+                              ({"name": "p1", "every_s": "60", "action": "checkpoint",
+                                "csrf": "x" * 43}, {}),
+                              ({"name": "p1", "every_s": "60", "action": "checkpoint",
+                                "csrf": csrf}, {"Origin": "http://evil.example"})):
+            status, _, body = web.call("POST", "/ui/policies", form, headers)
+            assert status == 403, (status, body)
+        assert cp.json("policies", "list") == []
+        status, where, _ = web.call("POST", "/ui/policies", {
+            "name": "p1", "every_s": "60", "action": "checkpoint", "csrf": csrf})
+        assert (status, where) == (303, "/ui/policies")
+        assert [p["name"] for p in cp.json("policies", "list")] == ["p1"]
+        # Hostile input in a path and a field: an error shown escaped, nothing done.
+        status, _, _ = web.call("POST", "/ui/jobs/%3Cscript%3Ex'%20OR%201=1--/checkpoint",
+                                {"csrf": csrf})
+        assert status == 303
+        status, _, page = web.call("GET", "/ui/jobs")
+        assert "no node reports a job &lt;script&gt;x&#39; OR 1=1--" in page, page
+        assert "<script>x" not in page
+        status, _, _ = web.call("POST", "/ui/policies", {
+            "name": "p2", "every_s": "1; DROP TABLE policies", "action": "checkpoint",
+            "csrf": csrf})
+        status, _, page = web.call("GET", "/ui/policies")
+        assert "every_s: a whole number, not &#39;1; DROP TABLE policies&#39;" in page
+        assert [p["name"] for p in cp.json("policies", "list")] == ["p1"]
+        # The session expires.
+        time.sleep(3.5)
+        status, where, _ = web.call("GET", "/ui/jobs")
+        assert (status, where) == (303, "/ui/login")
+        status, _, _ = web.call("GET", "/ui/jobs", headers={"X-Stasis-Fragment": "1"})
+        assert status == 401  # the live refresh sends the page to the log-in
+        # A cluster token: its own cluster only, and no actions.
+        hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+        cp.json("clusters", "add", "other", "--kind", "kubernetes")
+        viewer = Browserless(cp)
+        csrf = viewer.login(hpc["token"])
+        status, _, page = viewer.call("GET", "/ui/")
+        assert "hpc" in page and "other" not in page
+        status, _, page = viewer.call("GET", "/ui/policies")
+        assert status == 403 and "this needs the admin token" in page
+        status, _, _ = viewer.call("POST", "/ui/policies/p1/delete", {"csrf": csrf})
+        assert status == 303 and [p["name"] for p in cp.json("policies", "list")] == ["p1"]
+        # Revoking the token ends its sessions.
+        cp.json("tokens", "revoke", next(t["id"] for t in cp.json("tokens", "list")
+                                        if t["cluster_id"] == hpc["cluster_id"]))
+        status, where, _ = viewer.call("GET", "/ui/")
+        assert (status, where) == (303, "/ui/login")
+    finally:
+        cp.stop()
