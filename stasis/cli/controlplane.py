@@ -10,6 +10,7 @@ from typing import Any
 from stasis.cli import output
 from stasis.cli.args import add_json, subcommands
 from stasis.config import Settings
+from stasis.errors import UsageError
 
 
 def add_controlplane(commands: Any) -> None:
@@ -35,6 +36,15 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("--session-ttl", type=_duration, default=8 * 3600, metavar="N[s|m|h|d]",
                    help="How long a dashboard log-in lasts (default: 8h).")
     p.set_defaults(handler=serve)
+
+    p = sub.add_parser("join", help="Put a control plane's url, cluster id and token "
+                                    "(STASIS_AUTH_TOKEN) into a node daemon's config file "
+                                    "(what the web installer runs).")
+    p.add_argument("--config", type=Path, required=True, help="The config file (0600).")
+    p.add_argument("--url", required=True)
+    p.add_argument("--cluster-id", required=True)
+    p.add_argument("--node", default=None, help="This node's name (default: the host name).")
+    p.set_defaults(handler=join)
 
     clusters = subcommands(sub.add_parser("clusters", help="Clusters and their tokens."))
     p = clusters.add_parser("add", help="Register a cluster: its id and token (what the Slurm "
@@ -320,6 +330,16 @@ def _said_rows(*keys: str) -> Any:
     return say
 
 
+def join(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.controlplane.installer import join as write
+
+    if not settings.auth_token:
+        raise UsageError("give the cluster's token in STASIS_AUTH_TOKEN (not on the command "
+                         "line: other users see arguments)")
+    keys = write(args.config, args.url, args.cluster_id, settings.auth_token, args.node)
+    output.say(f"{args.config}: {', '.join(keys)} written; restart the node daemon to join")
+
+
 def serve(args: argparse.Namespace, settings: Settings) -> None:
     import asyncio
     import logging
@@ -332,6 +352,6 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
     try:
         asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
                         args.allow_plain_http, args.lost_after, args.command_lease,
-                        int(args.session_ttl)))
+                        int(args.session_ttl), settings.state_dir / "controlplane"))
     except KeyboardInterrupt:
         pass

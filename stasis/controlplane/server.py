@@ -29,6 +29,9 @@
     POST /api/v1/policies/{name}/run       admin: run a policy now (its webhook)
     GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
                                            installs the chart connected to this control plane
+    GET  /install/slurm                    a slurm cluster's token: the node installer script
+                                           (stasis.controlplane.installer), for `| sudo -E bash`
+    GET  /install/stasis.whl               a slurm cluster's token: the wheel it installs
 
 The dashboard's pages live under /ui/ (stasis.controlplane.dashboard: log in with a token, a
 session cookie after). Every API request but health carries `Authorization: Bearer <token>`;
@@ -183,7 +186,8 @@ def _limit(request: web.Request, default: int) -> int:
 
 
 def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
-        session_ttl_s: int = 8 * 3600) -> web.Application:
+        session_ttl_s: int = 8 * 3600, cache_dir: Path = Path("/var/lib/stasis/controlplane")
+        ) -> web.Application:
     from stasis.controlplane import dashboard
 
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
@@ -317,6 +321,35 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
                 f"  --set config.authToken={shlex.quote(token)}\n")
         return web.Response(text=text, content_type="text/plain")
 
+    def slurm_cluster(request: web.Request) -> tuple[Principal, str]:
+        who = _principal(request)
+        if who.kind != "cluster" or who.cluster_id is None:
+            raise UsageError("ask with the cluster's token (`clusters add NAME --kind slurm` "
+                             "printed it)")
+        return who, request.headers["Authorization"].partition(" ")[2].strip()
+
+    async def install_slurm(request: web.Request) -> web.StreamResponse:
+        from stasis.controlplane.installer import slurm_script
+
+        who, token = slurm_cluster(request)
+        assert who.cluster_id is not None
+        cluster = await run(registry.cluster, who.cluster_id)
+        if cluster["kind"] != "slurm":
+            raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster: "
+                             "/install/kubernetes")
+        url = f"{request.scheme}://{request.host}"
+        return web.Response(text=slurm_script(url, who.cluster_id, cluster["name"], token),
+                            content_type="text/x-shellscript")
+
+    async def install_wheel(request: web.Request) -> web.StreamResponse:
+        from stasis.controlplane.installer import build_wheel
+
+        slurm_cluster(request)
+        path = await run(build_wheel, cache_dir)
+        return web.Response(body=path.read_bytes(), content_type="application/octet-stream",
+                            headers={"Content-Disposition":
+                                     f'attachment; filename="{path.name}"'})
+
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
@@ -363,6 +396,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.get("/api/v1/savings", savings),
         web.post("/api/v1/policies/{name}/run", run_policy),
         web.get("/install/kubernetes", install_kubernetes),
+        web.get("/install/slurm", install_slurm),
+        web.get("/install/stasis.whl", install_wheel),
         web.get("/api/v1/policies", list_policies),
         web.post("/api/v1/policies", add_policy),
         web.delete("/api/v1/policies/{name}", remove_policy),
@@ -401,7 +436,8 @@ def write_admin_token(token: str, path: Path | None) -> None:
 
 async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path | None,
                 key: Path | None, allow_plain_http: bool, lost_after_s: float,
-                lease_s: float = 60.0, session_ttl_s: int = 8 * 3600) -> None:
+                lease_s: float = 60.0, session_ttl_s: int = 8 * 3600,
+                cache_dir: Path = Path("/var/lib/stasis/controlplane")) -> None:
     host, port = parse_listen(listen)
     context = None
     if cert is not None or key is not None:
@@ -419,7 +455,8 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
     token = await asyncio.to_thread(registry.bootstrap_admin)
     if token is not None:
         write_admin_token(token, admin_token_file)
-    runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s), access_log=None)
+    runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir),
+                           access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()

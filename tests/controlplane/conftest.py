@@ -47,7 +47,8 @@ class ControlPlane:
                 [STASIS, "controlplane", "serve", "--db", self.db, "--listen",
                  f"127.0.0.1:{self.port}", "--admin-token-file", str(self.token_file),
                  "--lost-after", "3", *extra],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "STASIS_CONFIG": ""})
+                stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "STASIS_CONFIG": "", "STASIS_STATE_DIR": str(self.root)})
         try:
             wait_for(self._healthy, 30, "the control plane")
         except AssertionError as e:
