@@ -147,7 +147,8 @@ else
 fi
 init=/usr/local/libexec/stasis/stasis-init
 if [ ! -x "$init" ]; then
-    src="$("$prefix/bin/python" -c 'import stasis, pathlib; print(pathlib.Path(stasis.__file__).parent / "daemon" / "stasis-init.c")')"
+    src="$("$prefix/bin/python" -c 'import stasis, pathlib
+print(pathlib.Path(stasis.__file__).parent / "daemon" / "stasis-init.c")')"
     if command -v gcc >/dev/null; then
         say "building the jobs' init $init"
         mkdir -p "$(dirname "$init")"
@@ -167,10 +168,12 @@ if [ -d /run/systemd/system ] && [ -f /etc/systemd/system/stasis.service ]; then
     systemctl restart stasis.service
     say "the node daemon (stasis.service) restarted: it joins the control plane at $url"
 else
-    say "no systemd here: (re)start the node daemon with STASIS_CONFIG=$config $prefix/bin/stasis daemon"
+    say "no systemd here: (re)start the node daemon:" \
+        "STASIS_CONFIG=$config $prefix/bin/stasis daemon"
 fi
 say "apply the Slurm side with: scontrol reconfigure"
-STASIS_CONFIG="$config" "$prefix/bin/stasis" check >&2 || say "warning: stasis check found problems (above)"
+STASIS_CONFIG="$config" "$prefix/bin/stasis" check >&2 ||
+    say "warning: stasis check found problems (above)"
 """
 
 
