@@ -36,6 +36,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          daemon's socket at once; 0 = no cap  (64)
     STASIS_NODE_NAME     this node's name in checkpoints it makes and notes it leaves in the
                          store  (the host name)
+    STASIS_SLURM_NODE_NAME  this node's NodeName in slurm.conf, for a drain  (the short host
+                         name)
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
@@ -134,6 +136,7 @@ _ENV_KEYS = {
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
+    "STASIS_SLURM_NODE_NAME": "slurm_node_name",
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
     "STASIS_ENCRYPT": "encrypt",
@@ -190,6 +193,7 @@ class Settings(NamedTuple):
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
+    slurm_node_name: str = ""  # this node's NodeName in slurm.conf; "" = the short host name
     # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
     # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
     # and `stasis checkpoints rekey`.

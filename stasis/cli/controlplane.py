@@ -111,7 +111,8 @@ def add_controlplane(commands: Any) -> None:
     p = sub.add_parser("checkpoint", help="A checkpoint of JOB, taken by its node's daemon.")
     p.add_argument("job", metavar="JOB")
     p.add_argument("--stop", action="store_true", help="Stop the job once it is checkpointed "
-                                                       "(default: it goes on running).")
+                                                       "(a Slurm job: and requeue it; "
+                                                       "default: it goes on running).")
     p.add_argument("--wait", type=float, default=300.0, metavar="S",
                    help="Seconds to wait for the node's answer (default: %(default)s).")
     add_json(p)
@@ -124,9 +125,12 @@ def add_controlplane(commands: Any) -> None:
                    help="Seconds to wait for each node (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=migrate)
-    p = sub.add_parser("drain", help="Move every job off NODE (to the other ready nodes of its "
-                                     "cluster); done when the node reports none.")
+    p = sub.add_parser("drain", help="Move every job off NODE: on a Slurm cluster NODE is "
+                                     "drained in Slurm and its jobs checkpointed and requeued; "
+                                     "stasis's own jobs migrate to the other ready nodes. "
+                                     "Done when the node reports none.")
     p.add_argument("node", metavar="NODE")
+    p.add_argument("--reason", default="stasis drain", help="Slurm's drain reason.")
     p.add_argument("--wait", type=float, default=600.0, metavar="S",
                    help="Seconds to wait for the nodes (default: %(default)s).")
     add_json(p)
@@ -138,27 +142,47 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("name")
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--every", type=_duration, metavar="N[s|m|h|d]")
-    when.add_argument("--on", choices=["webhook"],
-                      help="Run only when called: `policies run NAME` or POST "
-                           "/api/v1/policies/NAME/run.")
+    when.add_argument("--on", choices=["webhook", "memory", "drain"],
+                      help="webhook: run only when called (`policies run NAME`, POST "
+                           "/api/v1/policies/NAME/run); memory: a job above --above PCT of "
+                           "its node's memory; drain: the jobs of a node its scheduler "
+                           "drains or holds for maintenance.")
+    p.add_argument("--above", type=float, default=None, metavar="PCT",
+                   help="memory: the share of its node's memory that triggers.")
     p.add_argument("--action", required=True, choices=["checkpoint", "retain"])
+    p.add_argument("--stop", action="store_true",
+                   help="checkpoint: and stop the job (a Slurm job: requeue it).")
     p.add_argument("--keep", type=int, default=None,
                    help="retain: the newest checkpoints each label keeps.")
+    p.add_argument("--completed", action="store_true",
+                   help="retain: delete every checkpoint of a label whose job completed "
+                        "(exit 0) and that runs nowhere.")
     p.add_argument("--older-than", type=_duration, default=None, metavar="N[s|m|h|d]",
                    help="retain: delete checkpoints older than this (a label's newest stays).")
-    for f in ("cluster", "node", "label", "user"):
-        p.add_argument(f"--{f}", default="", help=f"Only this {f} (a glob).")
+    for f in ("cluster", "node", "label", "user", "partition"):
+        p.add_argument(f"--{f}", default="", help=f"Only this {f} (a glob; partition: "
+                                                  "Kubernetes' namespace too).")
+    p.add_argument("--min-age", type=_duration, default=None, metavar="N[s|m|h|d]",
+                   help="Only jobs that have run this long.")
+    p.add_argument("--min-size", type=_size, default=None, metavar="N[K|M|G]",
+                   help="Only jobs with this much resident memory.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/policies", {
         "name": a.name, "every_s": a.every or 0, "action": a.action, "keep": a.keep,
-        "older_than_s": a.older_than,
-        "filters": {f: getattr(a, f) for f in ("cluster", "node", "label", "user")
-                    if getattr(a, f)}}, lambda d: output.say(f"policy {d['name']} added")))
+        "older_than_s": a.older_than, "stop": a.stop, "completed": a.completed,
+        "trigger": a.on if a.on in ("memory", "drain") else "every",
+        "threshold_pct": a.above,
+        "filters": {**{f: getattr(a, f) for f in ("cluster", "node", "label", "user",
+                                                   "partition") if getattr(a, f)},
+                    **({"min_age_s": str(a.min_age)} if a.min_age else {}),
+                    **({"min_rss_bytes": str(a.min_size)} if a.min_size else {})}},
+        lambda d: output.say(f"policy {d['name']} added")))
     p = pol.add_parser("list")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
-                                              _said_rows("name", "every_s", "action", "keep",
-                                                         "filters", "last_run")))
+                                              _said_rows("name", "trigger", "every_s",
+                                                         "action", "stop", "keep", "filters",
+                                                         "last_run")))
     p = pol.add_parser("run", help="Run a policy now (what its webhook does).")
     p.add_argument("name")
     add_json(p)
@@ -229,8 +253,16 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import CheckpointError
 
     client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
-    plan = client.request("POST", f"/api/v1/nodes/{_seg(args.node)}/drain")
-    moved, failed = [], []
+    plan = client.request("POST", f"/api/v1/nodes/{_seg(args.node)}/drain",
+                          {"reason": args.reason})
+    moved, failed, requeued = [], [], []
+    if plan.get("drain"):
+        drained = _finished(client, plan["drain"], args.wait)
+        if drained["state"] == "failed":
+            failed.append(f"drain: {drained['result'].get('error')}")
+        else:
+            requeued = list(drained["result"].get("requeued") or [])
+            failed.extend(drained["result"].get("failed") or [])
     for first in plan["migrations"]:
         first = _finished(client, first, args.wait)
         job = first["args"]["job"]
@@ -252,10 +284,13 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
                         for j in jobs)
         if not empty:
             time.sleep(0.5)
-    done = {"node": args.node, "moved": moved, "failed": failed, "empty": empty}
+    done = {"node": args.node, "moved": moved, "requeued": requeued, "failed": failed,
+            "empty": empty}
     if args.json:
         output.emit_json(done)
     else:
+        for r in requeued:
+            output.say(f"Slurm job {r['job']} checkpointed ({r['checkpoint']}) and requeued")
         for m in moved:
             output.say(f"job {m['from_job']} is job {m['job']} on {m['node']}")
         output.say(f"node {args.node} is " + ("empty" if empty else "not empty yet"))
@@ -288,6 +323,16 @@ def _duration(text: str) -> int:
         return int(float(number) * units[unit])
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration (90s, 10m, 1h)") from None
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text[:-1], text[-1:].upper()
+    if unit.isdigit():
+        number, unit = text, ""
+    if not number.isdigit() or unit not in units:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: a number with K, M, G or T")
+    return int(number) * units[unit]
 
 
 def _seg(value: str) -> str:

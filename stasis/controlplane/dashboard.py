@@ -232,10 +232,13 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int
             return int(raw)
 
         every = number("every_s")
+        threshold = number("threshold_pct")
         p = policies.add(registry, s.principal, f.get("name", ""), every or 0,
                          f.get("action", ""),
                          {k: f[k] for k in policies.FILTERS if f.get(k)}, number("keep"),
-                         number("older_than_s"))
+                         number("older_than_s"), f.get("trigger") or "every",
+                         float(threshold) if threshold is not None else None,
+                         f.get("stop") == "1")
         return f"policy {p['name']} added"
 
     def run_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:

@@ -40,7 +40,7 @@ from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
-from stasis.errors import NotFoundError, StasisError
+from stasis.errors import NotFoundError, StasisError, UsageError
 
 log = logging.getLogger("stasis.daemon")
 _ROOT = Caller(pid=0, uid=0, gid=0)
@@ -123,9 +123,19 @@ class ControlPlaneNode(Integration):
 
     def _jobs(self) -> list[dict[str, Any]]:
         mine = [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
-                 "restored_from": j["checkpoint"], "started": j["created"], "kind": "daemon"}
+                 "restored_from": j["checkpoint"], "started": j["created"], "kind": "daemon",
+                 "partition": None, "rss_bytes": _rss(j["pid"])}
                 for j in self.manager.jobs(_ROOT) if j["state"] in _ALIVE]
         return mine + [dict(j) for j in self.manager.reported_jobs()]
+
+    def _scheduler_state(self) -> str | None:
+        for source in self.manager.job_sources():
+            if source.state is not None:
+                try:
+                    return source.state()
+                except StasisError as e:
+                    return f"unknown ({str(e)[:40]})"
+        return None
 
     def beat(self) -> None:
         assert self.client is not None
@@ -139,7 +149,9 @@ class ControlPlaneNode(Integration):
             else:
                 ids, activity = self._outbox()
                 self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}"
-                                    "/heartbeat", {"jobs": self._jobs(), "activity": activity})
+                                    "/heartbeat", {"jobs": self._jobs(), "activity": activity,
+                                                   "mem_total_bytes": _mem_total(),
+                                                   "scheduler_state": self._scheduler_state()})
                 self._sent(ids)
             self._beats += 1
             self._commands()
@@ -181,17 +193,29 @@ class ControlPlaneNode(Integration):
 
         ok = False
         result: dict[str, Any] = {"error": f"unknown command {cmd['kind']!r}"}
+        args = cmd["args"]
+        reason = str(args.get("reason") or (f"policy {args['policy']}"
+                                            if args.get("policy") else "control plane"))[:60]
         if cmd["kind"] == "checkpoint":
-            job, leave = str(cmd["args"]["job"]), bool(cmd["args"].get("leave_running", True))
+            job, leave = str(args["job"]), bool(args.get("leave_running", True))
+            kind = str(args.get("kind") or "daemon")
             try:
-                args = cmd["args"]
-                reason = str(args.get("reason") or (f"policy {args['policy']}"
-                                                    if args.get("policy") else "control plane"))
-                answer = self.manager.dump(job, DumpRequest(leave_running=leave,
-                                                            reason=reason[:60]), _ROOT)
-                ok, result = True, {"checkpoint": answer["checkpoint"],
-                                    "label": answer["label"],
-                                    "size_bytes": answer["size_bytes"]}
+                if kind == "daemon":
+                    answer = dict(self.manager.dump(job, DumpRequest(leave_running=leave,
+                                                                     reason=reason), _ROOT))
+                else:  # a scheduler's job: stopped means requeued
+                    answer = self.manager.job_source(kind).checkpoint(job, leave, reason)
+                ok, result = True, {k: answer[k] for k in ("checkpoint", "label", "size_bytes",
+                                                           "requeued") if k in answer}
+            except StasisError as e:
+                result = {"error": str(e)}
+        elif cmd["kind"] == "drain":
+            try:
+                drained = [source.drain(reason) for source in self.manager.job_sources()
+                           if source.drain is not None]
+                if not drained:
+                    raise UsageError("no scheduler on this node to drain it in")
+                ok, result = True, {k: v for d in drained for k, v in d.items()}
             except StasisError as e:
                 result = {"error": str(e)}
         elif cmd["kind"] == "restore":
@@ -215,6 +239,16 @@ class ControlPlaneNode(Integration):
         return ok, result
 
 
+    def _completed(self, live: set[tuple[str, str]]) -> set[tuple[int, str]]:
+        """(uid, label) whose newest job on this node exited 0, with none of that label running
+        here or (by `live`, the control plane's view) anywhere in the cluster."""
+        newest: dict[tuple[int, str], Any] = {}
+        for j in _newest_first(self.manager.jobs(_ROOT)):
+            newest.setdefault((j["uid"], j["label"]), j)
+        return {key for key, j in newest.items()
+                if j["state"] == "exited" and j["exit_code"] == 0 and
+                (j["user"], j["label"]) not in live}
+
     def _retain(self, args: dict[str, Any]) -> list[str]:
         """Each matching (owner, label) keeps its newest `keep` checkpoints, and none older
         than `older_than_s` but its newest; the ids deleted."""
@@ -225,6 +259,8 @@ class ControlPlaneNode(Integration):
 
         pattern, user = str(args.get("label") or "*"), args.get("user")
         keep = int(args["keep"]) if args.get("keep") else None
+        finished = self._completed({(str(u), str(lb)) for u, lb in args.get("live") or ()}) \
+            if args.get("completed") else set()
         cutoff = (datetime.now(UTC) - timedelta(seconds=int(args["older_than_s"]))
                   if args.get("older_than_s") else None)
         seen: dict[tuple[int, str], int] = {}
@@ -235,14 +271,38 @@ class ControlPlaneNode(Integration):
                 continue
             key = (m.uid, m.label)
             seen[key] = seen.get(key, 0) + 1
-            if seen[key] > 1 and ((keep is not None and seen[key] > keep) or
-                                  (cutoff is not None and m.created < cutoff)):
+            if key in finished or (seen[key] > 1 and (
+                    (keep is not None and seen[key] > keep) or
+                    (cutoff is not None and m.created < cutoff))):
                 try:
                     store.delete(m.id)
                     deleted.append(m.id)
                 except Gone:
                     pass
         return deleted
+
+
+def _newest_first(jobs: list[Any]) -> list[Any]:
+    return sorted(jobs, key=lambda j: j["created"], reverse=True)
+
+
+def _rss(pid: int | None) -> int:
+    from stasis.engine import proctree
+
+    try:
+        return proctree.resident_bytes(pid) if pid else 0
+    except OSError:
+        return 0
+
+
+def _mem_total() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _slurm_version() -> str | None:

@@ -1,12 +1,19 @@
 """Policies: trigger -> filter -> action, kept in the control plane's database and run by it.
 
     trigger  every N seconds (`every_s`), or only when called (`every_s` 0: its webhook,
-             POST /api/v1/policies/NAME/run, `stasis controlplane policies run NAME`)
-    filter   cluster (name), node, label (a glob: `train-*`), user
-    action   checkpoint: a leave-running checkpoint of every matching live job;
+             POST /api/v1/policies/NAME/run, `stasis controlplane policies run NAME`);
+             memory: a job whose resident memory is above `threshold_pct` of its node's
+             (looked at every second; a job is acted on again `every_s` later at the soonest,
+             60 s by default); drain: the jobs of a node its scheduler drains or holds for
+             maintenance (Slurm's DRAIN, MAINT), each once
+    filter   cluster (name), node, label (a glob: `train-*`), user, partition (Kubernetes: the
+             namespace), min_age_s (the job has run that long), min_rss_bytes (its size)
+    action   checkpoint: a checkpoint of every matching live job, leave-running, or with
+             `stop` stopped (a Slurm job: checkpointed and requeued);
              retain: on every matching node, each matching label keeps its newest `keep`
-             checkpoints, and none older than `older_than_s` but its newest one (the node
-             deletes the rest)
+             checkpoints, and none older than `older_than_s` but its newest one, and with
+             `completed` none of a label whose last job on that node completed (exit 0) and
+             that runs nowhere in the cluster (the node deletes them)
 
 A policy's run queues ordinary node commands (stasis.controlplane.registry), marked with its
 name; a job that still has a command of the policy under way gets no second one.
@@ -25,34 +32,51 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane.registry import Principal, Registry, validate_name
-from stasis.controlplane.schema import commands, policies
+from stasis.controlplane.schema import commands, nodes, policies
 from stasis.errors import NotFoundError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
 ACTIONS = ("checkpoint", "retain")
-FILTERS = ("cluster", "node", "label", "user")
+TRIGGERS = ("every", "memory", "drain")
+GLOB_FILTERS = ("cluster", "node", "label", "user", "partition")
+NUMBER_FILTERS = ("min_age_s", "min_rss_bytes")
+FILTERS = GLOB_FILTERS + NUMBER_FILTERS
 _SYSTEM = Principal(kind="admin", token_id="policy")
+_MEMORY_COOLDOWN_S = 60
+_HELD = ("DRAIN", "MAINT")  # in Slurm's node state: the node is being emptied
 
 
 def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
-        filters: dict[str, str], keep: int | None, older_than_s: int | None = None
-        ) -> dict[str, Any]:
+        filters: dict[str, str], keep: int | None, older_than_s: int | None = None,
+        trigger: str = "every", threshold_pct: float | None = None, stop: bool = False,
+        completed: bool = False) -> dict[str, Any]:
     by.admin_only()
     validate_name(name, "policy name")
     if action not in ACTIONS:
         raise UsageError(f"bad action {action!r}: {' or '.join(ACTIONS)}")
+    if trigger not in TRIGGERS:
+        raise UsageError(f"bad trigger {trigger!r}: {', '.join(TRIGGERS)}")
     if every_s < 0:
         raise UsageError("every_s is seconds between runs, or 0 (only when called)")
-    if action == "retain" and (keep is None or keep < 1) and not older_than_s:
-        raise UsageError("retain needs keep >= 1 (the newest checkpoints each label keeps) "
-                         "or older_than_s")
+    if action == "retain" and (keep is None or keep < 1) and not older_than_s and \
+            not completed:
+        raise UsageError("retain needs keep >= 1 (the newest checkpoints each label keeps), "
+                         "older_than_s or completed")
+    if trigger != "every" and action != "checkpoint":
+        raise UsageError(f"a {trigger} trigger takes the checkpoint action")
+    if trigger == "memory" and (threshold_pct is None or not 0 < threshold_pct <= 100):
+        raise UsageError("a memory trigger needs threshold_pct, above 0 and at most 100")
     unknown = sorted(set(filters) - set(FILTERS))
     if unknown:
         raise UsageError(f"bad filter {unknown[0]!r}: {', '.join(FILTERS)}")
+    for key in NUMBER_FILTERS:
+        if filters.get(key) and not str(filters[key]).isdigit():
+            raise UsageError(f"filter {key}: a whole number, not {filters[key]!r}")
     row = {"name": name, "every_s": every_s, "action": action,
-           "filters": json.dumps({k: v for k, v in filters.items() if v}),
+           "filters": json.dumps({k: str(v) for k, v in filters.items() if v}),
            "keep": keep, "older_than_s": older_than_s, "enabled": True, "last_run": 0,
-           "created": datetime.now(UTC).isoformat(timespec="seconds")}
+           "created": datetime.now(UTC).isoformat(timespec="seconds"), "trigger": trigger,
+           "threshold_pct": threshold_pct, "stop": stop, "completed": completed}
     try:
         with registry.engine.begin() as conn:
             conn.execute(insert(policies).values(**row))
@@ -81,19 +105,36 @@ def _shown(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "filters": json.loads(row["filters"])}
 
 
-def _matches(filters: dict[str, str], job: dict[str, Any]) -> bool:
-    return all(job.get(k) is not None and fnmatch.fnmatchcase(str(job[k]), v)
-               for k, v in filters.items())
+def _matches(filters: dict[str, str], job: dict[str, Any], now: float | None = None) -> bool:
+    for key, value in filters.items():
+        if key == "min_age_s":
+            started = job.get("started")
+            try:
+                begun = datetime.fromisoformat(str(started)).timestamp() if started else None
+            except ValueError:
+                begun = None
+            if begun is None or (now or time.time()) - begun < int(value):
+                return False
+        elif key == "min_rss_bytes":
+            if int(job.get("rss_bytes") or 0) < int(value):
+                return False
+        elif job.get(key) is None or not fnmatch.fnmatchcase(str(job[key]), value):
+            return False
+    return True
 
 
 def run_due(registry: Registry, lost_after_s: float) -> int:
-    """Every periodic policy whose time has come, run once; how many commands were queued."""
+    """Every periodic policy whose time has come, run once, and every memory and drain policy
+    looked at; how many commands were queued."""
     now = int(time.time())
     with registry.engine.begin() as conn:
-        due = [dict(r) for r in conn.execute(select(policies).where(
-            policies.c.enabled.is_(True), policies.c.every_s > 0)).mappings().all()
-            if now - r["last_run"] >= r["every_s"]]
-    return sum(_run(registry, p, lost_after_s, "every") for p in due)
+        rows = [dict(r) for r in conn.execute(select(policies).where(
+            policies.c.enabled.is_(True))).mappings().all()]
+    due = [r for r in rows if r["trigger"] == "every" and r["every_s"] > 0 and
+           now - r["last_run"] >= r["every_s"]]
+    watching = [r for r in rows if r["trigger"] in ("memory", "drain")]
+    return sum(_run(registry, p, lost_after_s, "every") for p in due) + \
+        sum(_watch(registry, p, lost_after_s) for p in watching)
 
 
 def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float
@@ -108,26 +149,33 @@ def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float
 
 
 def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -> int:
+    if p.get("trigger") in ("memory", "drain"):
+        return _watch(registry, p, lost_after_s)  # called: what meets its trigger now
     with registry.engine.begin() as conn:
         conn.execute(update(policies).where(policies.c.name == p["name"])
                      .values(last_run=int(time.time())))
     filters = json.loads(p["filters"])
     if p["action"] == "checkpoint":
-        queued = _checkpoint_jobs(registry, p["name"], filters)
+        queued = _checkpoint_jobs(registry, p["name"], filters, bool(p.get("stop")))
     else:
         queued = _retain(registry, p["name"], filters, p["keep"], p.get("older_than_s"),
-                         lost_after_s)
+                         lost_after_s, bool(p.get("completed")))
     if queued:
         registry.event(None, None, "policy-run",
                        f"policy {p['name']} ({why}): {queued} command(s) queued")
     return queued
 
 
-def _busy(registry: Registry, policy: str) -> set[tuple[str, str]]:
-    """(node, job or label) that still have a command of this policy under way."""
+def _busy(registry: Registry, policy: str, since: float | None = None
+          ) -> set[tuple[str, str]]:
+    """(node, job or label) that still have a command of this policy under way (or, with
+    `since`, had one created since then)."""
+    states: Any = commands.c.state.in_(("queued", "leased"))
+    if since is not None:
+        stamp = datetime.fromtimestamp(since, UTC).isoformat(timespec="microseconds")
+        states = states | (commands.c.created >= stamp)
     with registry.engine.begin() as conn:
-        rows = conn.execute(select(commands.c.node, commands.c.args).where(
-            commands.c.state.in_(("queued", "leased")))).all()
+        rows = conn.execute(select(commands.c.node, commands.c.args).where(states)).all()
     out = set()
     for node, args in rows:
         a = json.loads(args)
@@ -136,23 +184,61 @@ def _busy(registry: Registry, policy: str) -> set[tuple[str, str]]:
     return out
 
 
-def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str]) -> int:
-    busy = _busy(registry, policy)
+def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
+                     stop: bool = False, only: Any = None, since: float | None = None) -> int:
+    busy = _busy(registry, policy, since)
     n = 0
+    now = time.time()
     for job in registry.list_jobs(_SYSTEM):
-        if job.get("state") != "running" or not _matches(filters, job) or \
-                (job["node"], job["job"]) in busy:
+        if job.get("state") not in ("running", "restored") or \
+                not _matches(filters, job, now) or (job["node"], job["job"]) in busy or \
+                (only is not None and not only(job)):
             continue
         registry.queue(_SYSTEM, "checkpoint", job["job"],
-                       {"leave_running": True, "policy": policy})
+                       {"leave_running": not stop, "policy": policy})
         n += 1
     return n
 
 
+def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
+    """A memory or drain policy: the jobs that meet its trigger now."""
+    filters = json.loads(p["filters"])
+    with registry.engine.begin() as conn:
+        state = {(r.cluster_id, r.name): (r.mem_total_bytes, r.scheduler_state or "")
+                 for r in conn.execute(select(nodes.c.cluster_id, nodes.c.name,
+                                              nodes.c.mem_total_bytes,
+                                              nodes.c.scheduler_state)).all()}
+    if p["trigger"] == "memory":
+        def over(job: dict[str, Any]) -> bool:
+            total = state.get((job["cluster_id"], job["node"]), (None, ""))[0]
+            return bool(total) and 100.0 * int(job.get("rss_bytes") or 0) / total >= \
+                float(p["threshold_pct"])
+
+        cooldown = p["every_s"] or _MEMORY_COOLDOWN_S
+        queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], over,
+                                  since=time.time() - cooldown)
+        why = f"memory above {p['threshold_pct']:g}%"
+    else:
+        def held(job: dict[str, Any]) -> bool:
+            s = state.get((job["cluster_id"], job["node"]), (None, ""))[1].upper()
+            return any(word in s for word in _HELD)
+
+        queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], held, since=0)
+        why = "node drained or in maintenance"
+    if queued:
+        with registry.engine.begin() as conn:
+            conn.execute(update(policies).where(policies.c.name == p["name"])
+                         .values(last_run=int(time.time())))
+        registry.event(None, None, "policy-run",
+                       f"policy {p['name']} ({why}): {queued} command(s) queued")
+    return queued
+
+
 def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int | None,
-            older_than_s: int | None, lost_after_s: float) -> int:
+            older_than_s: int | None, lost_after_s: float, completed: bool = False) -> int:
     busy = _busy(registry, policy)
     n = 0
+    jobs = registry.list_jobs(_SYSTEM) if completed else []
     for node in registry.list_nodes(_SYSTEM, lost_after_s):
         if node["state"] == "lost" or (node["name"], filters.get("label", "*")) in busy:
             continue
@@ -162,6 +248,11 @@ def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int 
         registry.queue_for_node(node["cluster_id"], node["name"], "retain",
                                 {"label": filters.get("label", "*"),
                                  "user": filters.get("user"), "keep": keep,
-                                 "older_than_s": older_than_s, "policy": policy})
+                                 "older_than_s": older_than_s, "policy": policy,
+                                 "completed": completed,
+                                 # what runs anywhere in the cluster is not completed
+                                 "live": sorted({(str(j.get("user")), str(j.get("label")))
+                                                 for j in jobs
+                                                 if j["cluster_id"] == node["cluster_id"]})})
         n += 1
     return n

@@ -233,7 +233,9 @@ class Registry:
         with self.engine.begin() as conn:
             n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
                                                  nodes.c.name == name).values(**row)).rowcount
-            if not n:
+            if n:
+                self._back(conn, by.cluster_id, name)
+            else:
                 conn.execute(insert(nodes).values(cluster_id=by.cluster_id, name=name,
                                                   registered=_now(), **row))
                 self._event(conn, by.cluster_id, name, "node-joined",
@@ -243,21 +245,51 @@ class Registry:
         return {"cluster_id": by.cluster_id, "name": name, "registered": True}
 
     def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]],
-                  activity: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  activity: list[dict[str, Any]] | None = None,
+                  mem_total_bytes: int | None = None, scheduler_state: str | None = None
+                  ) -> dict[str, Any]:
         validate_name(name, "node name")
-        running = sum(1 for j in jobs if j.get("state") == "running")
+        running = sum(1 for j in jobs if j.get("state") in ("running", "restored"))
         with self.engine.begin() as conn:
             n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
                                                  nodes.c.name == name)
                              .values(last_heartbeat=int(time.time()), jobs=running,
-                                     job_list=json.dumps(jobs))).rowcount
+                                     job_list=json.dumps(jobs),
+                                     mem_total_bytes=mem_total_bytes,
+                                     scheduler_state=scheduler_state)).rowcount
             if not n:
                 raise NotFoundError(f"node {name} is not registered in this cluster: register "
                                     "first")
             assert by.cluster_id is not None
+            self._back(conn, by.cluster_id, name)
             for a in activity or ():
                 self._record(conn, by.cluster_id, name, a)
         return {"name": name, "ok": True}
+
+    def _back(self, conn: Any, cluster_id: str, name: str) -> None:
+        """A node that was found lost and is heard of again: said once."""
+        n = conn.execute(update(nodes).where(
+            nodes.c.cluster_id == cluster_id, nodes.c.name == name,
+            nodes.c.lost_since.is_not(None)).values(lost_since=None)).rowcount
+        if n:
+            self._event(conn, cluster_id, name, "node-back", f"node {name} reports again")
+
+    def note_lost(self, lost_after_s: float) -> list[str]:
+        """Nodes silent for `lost_after_s` that were not found so before: marked, and an event
+        each; their names."""
+        now = int(time.time())
+        with self.engine.begin() as conn:
+            rows = conn.execute(select(nodes.c.cluster_id, nodes.c.name, nodes.c.jobs,
+                                       nodes.c.last_heartbeat).where(
+                nodes.c.lost_since.is_(None),
+                nodes.c.last_heartbeat < now - lost_after_s)).all()
+            for r in rows:
+                conn.execute(update(nodes).where(nodes.c.cluster_id == r.cluster_id,
+                                                 nodes.c.name == r.name).values(lost_since=now))
+                self._event(conn, r.cluster_id, r.name, "node-lost",
+                            f"node {r.name} is lost: silent for {now - r.last_heartbeat} s "
+                            f"with {r.jobs} job(s)")
+        return [r.name for r in rows]
 
     def _record(self, conn: Any, cluster_id: str, node: str, a: dict[str, Any]) -> None:
         """One checkpoint or restore a node reports; a report sent again changes nothing."""
@@ -414,7 +446,8 @@ class Registry:
             raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
                                 "lists them")
         return self.queue_for_node(where[0]["cluster_id"], where[0]["node"], kind,
-                                   {**args, "job": job})
+                                   {**args, "job": job,
+                                    "kind": where[0].get("kind") or "daemon"})
 
     def queue_for_node(self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
                        ) -> dict[str, Any]:
@@ -436,6 +469,10 @@ class Registry:
             raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
                                 "lists them")
         src = where[0]
+        if (src.get("kind") or "daemon") != "daemon":
+            raise UsageError(f"{src['kind']} job {job} moves where its scheduler puts it: "
+                             f"`stasis controlplane checkpoint {job} --stop` checkpoints and "
+                             "requeues it")
         if src["node"] == to:
             raise UsageError(f"job {job} runs on {to} already")
         target = [n for n in self.list_nodes(by, float("inf"))
@@ -446,9 +483,12 @@ class Registry:
                                                   "then_restore_on": to,
                                                   "reason": f"migration to {to}"})
 
-    def drain(self, by: Principal, node: str, lost_after_s: float) -> dict[str, Any]:
-        """Every live job of `node` migrated to the other ready nodes of its cluster (the one
-        with the fewest jobs first)."""
+    def drain(self, by: Principal, node: str, lost_after_s: float,
+              reason: str = "stasis drain") -> dict[str, Any]:
+        """Every live job of `node` off it: on a Slurm cluster the node is drained in Slurm and
+        its Slurm jobs checkpointed and requeued (one `drain` command; Slurm runs them again
+        elsewhere, restored); the daemon's own jobs migrated to the other ready nodes of its
+        cluster (the one with the fewest jobs first)."""
         by.admin_only()
         validate_name(node, "node name")
         all_nodes = self.list_nodes(by, lost_after_s)
@@ -459,7 +499,10 @@ class Registry:
             raise UsageError(f"node {node} is in several clusters; drain it by its cluster")
         cluster = mine[0]["cluster_id"]
         jobs = [j for j in self.list_jobs(by) if j["node"] == node and
-                j["cluster_id"] == cluster]
+                j["cluster_id"] == cluster and (j.get("kind") or "daemon") == "daemon"]
+        scheduler = None
+        if self.cluster(cluster)["kind"] == "slurm" and mine[0]["state"] != "lost":
+            scheduler = self.queue_for_node(cluster, node, "drain", {"reason": reason})
         others = {n["name"]: int(n["jobs"]) for n in all_nodes
                   if n["cluster_id"] == cluster and n["name"] != node and n["state"] == "ready"}
         if jobs and not others:
@@ -470,7 +513,7 @@ class Registry:
             to = min(sorted(others), key=lambda n: others[n])
             others[to] += 1
             moves.append(self.migrate_job(by, j["job"], to))
-        return {"node": node, "cluster_id": cluster, "migrations": moves}
+        return {"node": node, "cluster_id": cluster, "migrations": moves, "drain": scheduler}
 
     def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
         """The node's next command, leased to it for `lease_s` (None: nothing to do)."""

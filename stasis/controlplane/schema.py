@@ -15,6 +15,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
 )
 
 metadata = MetaData()
@@ -53,6 +54,9 @@ nodes = Table(
     Column("last_heartbeat", Integer, nullable=False),  # unix seconds
     Column("jobs", Integer, nullable=False, default=0),
     Column("job_list", Text, nullable=False, default="[]"),  # JSON: the node's jobs
+    Column("mem_total_bytes", BigInteger, nullable=True),  # its memory (for memory triggers)
+    Column("scheduler_state", String(60), nullable=True),  # Slurm's: IDLE, MIXED+DRAIN, ...
+    Column("lost_since", Integer, nullable=True),  # when it was found silent (an event)
 )
 
 # Commands for a node, carried out once: a node leases the next one (for `lease_s`), does it,
@@ -86,6 +90,13 @@ policies = Table(
     Column("filters", Text, nullable=False),  # JSON {cluster, node, label, user}
     Column("keep", Integer, nullable=True),
     Column("older_than_s", Integer, nullable=True),  # retain: and none older than this
+    # every (every_s; 0: only its webhook) | memory (a job above threshold_pct of its node's
+    # memory) | drain (the jobs of a node its scheduler drains or holds for maintenance)
+    Column("trigger", String(20), nullable=False, server_default="every"),
+    Column("threshold_pct", Float, nullable=True),
+    Column("stop", Boolean, nullable=False, server_default=false()),  # checkpoint: and stop
+    # retain: and every checkpoint of a label whose job completed (exit 0), none running
+    Column("completed", Boolean, nullable=False, server_default=false()),
     Column("enabled", Boolean, nullable=False),
     Column("last_run", Integer, nullable=False),
     Column("created", String(40), nullable=False),

@@ -91,6 +91,8 @@ class JobReport(_Model):
     restored_from: str | None = Field(default=None, max_length=100)
     started: str | None = Field(default=None, max_length=40)
     kind: str = Field(default="daemon", max_length=20)  # daemon | slurm | ...
+    partition: str | None = Field(default=None, max_length=100)
+    rss_bytes: int = Field(default=0, ge=0)
 
 
 class ActivityReport(_Model):
@@ -115,12 +117,19 @@ class ActivityReport(_Model):
 class Heartbeat(_Model):
     jobs: list[JobReport] = Field(default_factory=list, max_length=10_000)
     activity: list[ActivityReport] = Field(default_factory=list, max_length=1000)
+    mem_total_bytes: int | None = Field(default=None, ge=0)
+    scheduler_state: str | None = Field(default=None, max_length=60)
 
 
 class NewCommand(_Model):
     kind: Literal["checkpoint"]
     job: str = Field(max_length=100)
     leave_running: bool = True
+
+
+class Drain(_Model):
+    reason: str = Field(default="stasis drain", max_length=60,
+                        pattern=r"^[A-Za-z0-9 ._:-]*$")
 
 
 class Migration(_Model):
@@ -132,9 +141,13 @@ class NewPolicy(_Model):
     name: str = Field(max_length=100)
     every_s: int = Field(ge=0, le=366 * 86400)  # 0: only when its webhook is called
     action: Literal["checkpoint", "retain"]
-    filters: dict[str, str] = Field(default_factory=dict, max_length=4)
+    filters: dict[str, str] = Field(default_factory=dict, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
     older_than_s: int | None = Field(default=None, ge=1)
+    trigger: Literal["every", "memory", "drain"] = "every"
+    threshold_pct: float | None = Field(default=None, gt=0, le=100)
+    stop: bool = False  # checkpoint: and stop the job (a Slurm job: requeued)
+    completed: bool = False  # retain: the checkpoints of labels whose job completed
 
 
 class Ack(_Model):
@@ -236,7 +249,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         return web.json_response(await run(registry.heartbeat, who,
                                             request.match_info["name"],
                                             [j.model_dump() for j in body.jobs],
-                                            [a.model_dump() for a in body.activity]))
+                                            [a.model_dump() for a in body.activity],
+                                            body.mem_total_bytes, body.scheduler_state))
 
     async def list_nodes(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_nodes, _principal(request),
@@ -263,14 +277,17 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
     async def drain(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
+        body = await _body(request, Drain)
         return web.json_response(await run(registry.drain, who, request.match_info["name"],
-                                            lost_after_s), status=201)
+                                            lost_after_s, body.reason), status=201)
 
     async def add_policy(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         b = await _body(request, NewPolicy)
         return web.json_response(await run(policies.add, registry, who, b.name, b.every_s,
-                                            b.action, b.filters, b.keep, b.older_than_s),
+                                            b.action, b.filters, b.keep, b.older_than_s,
+                                            b.trigger, b.threshold_pct, b.stop,
+                                            b.completed),
                                  status=201)
 
     async def list_policies(request: web.Request) -> web.StreamResponse:
@@ -477,6 +494,7 @@ async def _run_policies(registry: Registry, lost_after_s: float) -> None:
     failing = ""
     while True:
         try:
+            await asyncio.to_thread(registry.note_lost, lost_after_s)
             queued = await asyncio.to_thread(policies.run_due, registry, lost_after_s)
             if queued:
                 log.info("policies queued %d command(s)", queued)

@@ -62,6 +62,22 @@ class ReportedJob(TypedDict):
     restored_from: str | None
     started: str
     kind: str  # slurm, ...
+    partition: str | None  # the scheduler's partition (Kubernetes: the namespace)
+    rss_bytes: int  # the resident memory of its processes
+
+
+@dataclass(frozen=True)
+class JobSource:
+    """An integration's jobs, as others may act on them through the JobManager: listed, and
+    checkpointed (`leave_running` False: stopped, and requeued where a scheduler runs them);
+    `drain` (a scheduler's: this node takes no new job, its jobs requeued) and `state` (the
+    scheduler's state of this node: IDLE, MIXED+DRAIN, ...) when it has them."""
+
+    kind: str
+    jobs: Callable[[], list[ReportedJob]]
+    checkpoint: Callable[[str, bool, str], dict[str, object]]  # (job, leave_running, reason)
+    drain: Callable[[str], dict[str, object]] | None = None  # (reason)
+    state: Callable[[], str] | None = None  # the scheduler's state of this node
 
 
 Listener = Callable[[Activity], object]

@@ -20,10 +20,9 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
 
 from stasis.config import Settings
-from stasis.daemon.activity import JobWork, Listeners, ReportedJob
+from stasis.daemon.activity import JobSource, JobWork, Listeners, ReportedJob
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.dumping import Dumper
@@ -39,6 +38,7 @@ from stasis.daemon.tracking import JobTracker, died_of
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
 from stasis.engine import CRIU, DumpResult, kdat
 from stasis.errors import (
+    NotFoundError,
     PermissionDeniedError,
     StasisError,
     StoreError,
@@ -86,7 +86,7 @@ class JobManager:
         self.journal = DumpJournal(layout.dumps)
         self.netlocks = NetLocks(db, store, settings.netlock_timeout_s)
         self.activity = Listeners()  # integrations hear of checkpoints and restores here
-        self._job_sources: list[Callable[[], list[ReportedJob]]] = []
+        self._job_sources: dict[str, JobSource] = {}
         self.work = JobWork(db)
         core = Core(settings, store, db, self.netlocks, self.journal, settings.node,
                     self.activity, self.work)
@@ -136,12 +136,21 @@ class JobManager:
         self.poll()
         return [r.wire() for r in self.db.all() if caller.may_act_on(r.uid)]
 
-    def add_job_source(self, source: Callable[[], list[ReportedJob]]) -> None:
-        """Jobs an integration runs beside the daemon's own, listed where the node reports."""
-        self._job_sources.append(source)
+    def add_job_source(self, source: JobSource) -> None:
+        """Jobs an integration runs beside the daemon's own: listed where the node reports,
+        checkpointed through `source` when asked (the control plane's commands)."""
+        self._job_sources[source.kind] = source
 
     def reported_jobs(self) -> list[ReportedJob]:
-        return [j for source in self._job_sources for j in source()]
+        return [j for source in self._job_sources.values() for j in source.jobs()]
+
+    def job_source(self, kind: str) -> JobSource:
+        if kind not in self._job_sources:
+            raise NotFoundError(f"this node runs no {kind} jobs under stasis")
+        return self._job_sources[kind]
+
+    def job_sources(self) -> list[JobSource]:
+        return list(self._job_sources.values())
 
     def checkpoints(self, label: str | None, caller: Caller,
                     user: str | None = None) -> list[Manifest]:

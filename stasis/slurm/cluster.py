@@ -201,6 +201,7 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
             f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
             f"store = {_q(str(lay.store))}\n"
             f"socket_group = {_q(socket_group)}\n"
+            f"slurm_node_name = {_q(NODE)}\n"
         )
         install.install(install.InstallOptions(
             roles=frozenset(install.ROLES), slurm_conf=lay.slurm_conf, lib_dir=lay.lib,

@@ -16,20 +16,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Sequence
 
 from aiohttp import web
 from sqlalchemy import Table
 
-from stasis.daemon.activity import ReportedJob
+from stasis.daemon.activity import JobSource, ReportedJob
 from stasis.daemon.http import answer, peer, read_body
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
+from stasis.daemon.users import Caller
+from stasis.engine import proctree
+from stasis.errors import SlurmError, StasisError
+from stasis.slurm import scontrol
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import Health
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
 
 log = logging.getLogger("stasis.daemon")
+_ROOT = Caller(pid=0, uid=0, gid=0)  # what the control plane asks is the node admin's doing
 
 # Registrations of workloads that ended without telling the daemon (scancel) are forgotten.
 _SWEEP_INTERVAL_S = 60.0
@@ -41,13 +47,58 @@ class SlurmIntegration(Integration):
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
         self.jobs = SlurmJobs(manager)
-        manager.add_job_source(self._reported)
+        manager.add_job_source(JobSource("slurm", self._reported, self._checkpoint,
+                                         self._drain, self._state))
+        self._partitions: dict[str, str] = {}  # Slurm job id -> its partition, asked once
 
     def _reported(self) -> list[ReportedJob]:
+        running = self.jobs.registrations.running()
+        live = {r["slurm_job"] for r in running}
+        for gone in set(self._partitions) - live:
+            del self._partitions[gone]
         return [ReportedJob(job=r["slurm_job"], label=r["label"], user=r["user"],
                             state="running", restored_from=None, started=r["registered"],
-                            kind="slurm")
-                for r in self.jobs.registrations.running()]
+                            kind="slurm", partition=self._partition(r["slurm_job"]),
+                            rss_bytes=proctree.resident_bytes(r["pid"])
+                            if proctree.alive(r["pid"], r["pid_start"]) else 0)
+                for r in running]
+
+    def _partition(self, job_id: str) -> str | None:
+        if job_id not in self._partitions:
+            try:
+                self._partitions[job_id] = scontrol.job_info(job_id).partition
+            except SlurmError:
+                return None
+        return self._partitions[job_id] or None
+
+    def _checkpoint(self, job_id: str, leave_running: bool, reason: str) -> dict[str, object]:
+        """For the control plane: a checkpoint of Slurm job `job_id` (stopped: requeued)."""
+        done = self.jobs.checkpoint(job_id, CheckpointRequest(leave_running=leave_running,
+                                                              reason=reason), _ROOT)
+        return dict(done)
+
+    def _node(self) -> str:
+        return self.manager.settings.slurm_node_name or socket.gethostname().split(".")[0]
+
+    def _state(self) -> str:
+        return scontrol.node_state(self._node())
+
+    def _drain(self, reason: str) -> dict[str, object]:
+        """Slurm gives this node no new job, then every protected job on it is checkpointed
+        and requeued: they resume on other nodes from those checkpoints."""
+        node = self._node()
+        scontrol.drain_node(node, reason)
+        requeued, failed = [], []
+        for r in self.jobs.registrations.running():
+            try:
+                done = self.jobs.checkpoint(r["slurm_job"], CheckpointRequest(
+                    leave_running=False, reason=reason), _ROOT)
+                requeued.append({"job": r["slurm_job"], "checkpoint": done["checkpoint"]})
+            except StasisError as e:
+                failed.append(f"{r['slurm_job']}: {e}")
+        log.info("Slurm node %s drained (%s): %d job(s) checkpointed and requeued%s", node,
+                 reason, len(requeued), f", {len(failed)} failed" if failed else "")
+        return {"slurm_node": node, "requeued": requeued, "failed": failed}
 
     def tables(self) -> Sequence[Table]:
         return [slurm_jobs_table]

@@ -67,6 +67,7 @@ class JobInfo:
     token: str  # from AdminComment (set by our job_submit.lua); "" without it
     work_dir: str
     preempted: bool = False  # PreemptTime is set: a preemption's grace time is running
+    partition: str = ""
 
 
 def job_info(job_id: str) -> JobInfo:
@@ -89,6 +90,7 @@ def job_info(job_id: str) -> JobInfo:
         stdout=fields.get("StdOut", ""), stderr=fields.get("StdErr", ""),
         token=token.group(1) if token else "", work_dir=fields.get("WorkDir", ""),
         preempted=fields.get("PreemptTime", "None") not in ("", "None", "Unknown"),
+        partition=fields.get("Partition", ""),
     )
 
 
@@ -127,3 +129,20 @@ def requeues_preempted_job_when_it_ends() -> bool:
 
 def requeue(job_id: str) -> None:
     scontrol("requeue", validate_slurm_job_id(job_id))
+
+
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def drain_node(node: str, reason: str) -> None:
+    """Slurm gives `node` no new job (State=DRAIN); the jobs on it go on until they end."""
+    if not _NODE.fullmatch(node):
+        raise SlurmError(f"bad Slurm node name {node!r}")
+    scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason[:100] or 'stasis'}")
+
+
+def node_state(node: str) -> str:
+    """Slurm's state of `node` (IDLE, MIXED+DRAIN, ...)."""
+    if not _NODE.fullmatch(node):
+        raise SlurmError(f"bad Slurm node name {node!r}")
+    return parse_record(scontrol("show", "node", "-o", node)).get("State", "")
