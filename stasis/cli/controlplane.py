@@ -140,9 +140,9 @@ def add_controlplane(commands: Any) -> None:
                                                       "of their checkpoints."))
     p = pol.add_parser("add")
     p.add_argument("name")
-    when = p.add_mutually_exclusive_group(required=True)
-    when.add_argument("--every", type=_duration, metavar="N[s|m|h|d]")
-    when.add_argument("--on", choices=["webhook", "memory", "drain"],
+    p.add_argument("--every", type=_duration, metavar="N[s|m|h|d]",
+                   help="Run every N (with --on memory: act on a job again only N later).")
+    p.add_argument("--on", choices=["webhook", "memory", "drain"],
                       help="webhook: run only when called (`policies run NAME`, POST "
                            "/api/v1/policies/NAME/run); memory: a job above --above PCT of "
                            "its node's memory; drain: the jobs of a node its scheduler "
@@ -167,16 +167,7 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("--min-size", type=_size, default=None, metavar="N[K|M|G]",
                    help="Only jobs with this much resident memory.")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/policies", {
-        "name": a.name, "every_s": a.every or 0, "action": a.action, "keep": a.keep,
-        "older_than_s": a.older_than, "stop": a.stop, "completed": a.completed,
-        "trigger": a.on if a.on in ("memory", "drain") else "every",
-        "threshold_pct": a.above,
-        "filters": {**{f: getattr(a, f) for f in ("cluster", "node", "label", "user",
-                                                   "partition") if getattr(a, f)},
-                    **({"min_age_s": str(a.min_age)} if a.min_age else {}),
-                    **({"min_rss_bytes": str(a.min_size)} if a.min_size else {})}},
-        lambda d: output.say(f"policy {d['name']} added")))
+    p.set_defaults(handler=add_policy)
     p = pol.add_parser("list")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
@@ -373,6 +364,25 @@ def _said_rows(*keys: str) -> Any:
             output.plain("\t".join("" if r.get(k) is None else str(r.get(k)) for k in keys))
 
     return say
+
+
+def add_policy(args: argparse.Namespace, settings: Settings) -> None:
+    a = args
+    if a.every is None and a.on is None:
+        raise UsageError("say when: --every N or --on webhook|memory|drain")
+    if a.on in ("webhook", "drain") and a.every is not None:
+        raise UsageError(f"--every with --on {a.on}: a {a.on} policy runs when it is called "
+                         "or triggered, not every N")
+    _call(a, settings, "POST", "/api/v1/policies", {
+        "name": a.name, "every_s": a.every or 0, "action": a.action, "keep": a.keep,
+        "older_than_s": a.older_than, "stop": a.stop, "completed": a.completed,
+        "trigger": a.on if a.on in ("memory", "drain") else "every",
+        "threshold_pct": a.above,
+        "filters": {**{f: getattr(a, f) for f in ("cluster", "node", "label", "user",
+                                                   "partition") if getattr(a, f)},
+                    **({"min_age_s": str(a.min_age)} if a.min_age else {}),
+                    **({"min_rss_bytes": str(a.min_size)} if a.min_size else {})}},
+        lambda d: output.say(f"policy {d['name']} added"))
 
 
 def join(args: argparse.Namespace, settings: Settings) -> None:

@@ -132,9 +132,9 @@ class ControlPlaneNode(Integration):
         for source in self.manager.job_sources():
             if source.state is not None:
                 try:
-                    return source.state()
-                except StasisError as e:
-                    return f"unknown ({str(e)[:40]})"
+                    return source.state()[:60] or None
+                except StasisError:
+                    return None
         return None
 
     def beat(self) -> None:

@@ -81,7 +81,11 @@ class SlurmIntegration(Integration):
         return self.manager.settings.slurm_node_name or socket.gethostname().split(".")[0]
 
     def _state(self) -> str:
-        return scontrol.node_state(self._node())
+        """Slurm's state of this node; "" where Slurm does not know it (no Slurm here)."""
+        try:
+            return scontrol.node_state(self._node())
+        except SlurmError:
+            return ""
 
     def _drain(self, reason: str) -> dict[str, object]:
         """Slurm gives this node no new job, then every protected job on it is checkpointed

@@ -124,7 +124,7 @@ def test_the_control_plane_checkpoints_drains_and_triggers_on_slurm(
     if not cp.json("nodes"):
         pytest.fail("the node did not join (the installer test failed first)")
     job = cluster.sbatch(cluster.counter_script(
-        "cpdrain", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpdrain", stop=60,
+        "cpdrain", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpdrain", stop=120,
         interval=0.5))
     cluster.wait_number(job, 3)
     wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job reported")
@@ -143,8 +143,10 @@ def test_the_control_plane_checkpoints_drains_and_triggers_on_slurm(
     node = cluster.run("scontrol", "show", "node", "n1").stdout
     assert "DRAIN" in node and "kernel update" in node, node
     at_dump = cluster.numbers(job)[-1]
-    until_pending = cluster.wait_state(job, ("PENDING",), 60)
-    assert until_pending == "PENDING"  # requeued, and the only node takes no job
+    try:
+        cluster.wait_state(job, ("PENDING",), 60)  # requeued, and the only node takes no job
+    except AssertionError:
+        raise AssertionError(cluster.run("scontrol", "show", "job", job).stdout + node)
     wait_for(lambda: "DRAIN" in (cp.json("nodes")[0]["scheduler_state"] or ""), 30,
              "the node's Slurm state in the control plane")
     _resume_node(cluster)
@@ -159,15 +161,20 @@ def test_the_control_plane_checkpoints_drains_and_triggers_on_slurm(
     cp.json("policies", "add", "maint", "--on", "drain", "--action", "checkpoint", "--stop")
     cluster.run("scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=maintenance")
     try:
-        cluster.wait_state(job, ("PENDING",), 60)
+        try:
+            cluster.wait_state(job, ("PENDING",), 60)
+        except AssertionError:
+            raise AssertionError(f"{cp.json('nodes')} {cp.json('jobs')} {cp.json('actions')} "
+                                 f"{cp.json('policies', 'list')}") from None
         wait_for(lambda: any(e["kind"] == "policy-run" and "node drained" in e["message"]
                              for e in cp.json("events")), 20, "the policy's run")
-        (ckpt,) = [c for c in cp.json("checkpoints", "--deleted")
-                   if c["reason"] == "policy maint"]
+        (ckpt,) = wait_for(lambda: [c for c in cp.json("checkpoints", "--deleted")
+                                    if c["reason"] == "policy maint"], 30,
+                           "the policy's checkpoint reported")
         assert ckpt["job"] == job and ckpt["leave_running"] is False
         at_second = cluster.numbers(job)[-1]
     finally:
         cp.json("policies", "rm", "maint")
         _resume_node(cluster)
-    cluster.wait_state(job, ("COMPLETED",), 120)
-    assert cluster.numbers(job) == list(range(60)) and at_second > at_dump
+    cluster.wait_state(job, ("COMPLETED",), 150)
+    assert cluster.numbers(job) == list(range(120)) and at_second > at_dump
