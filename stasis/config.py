@@ -137,6 +137,7 @@ _ENV_KEYS = {
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
     "STASIS_SLURM_NODE_NAME": "slurm_node_name",
+    "SLURM_CONF": "slurm_conf",  # Slurm's own variable: which cluster scontrol talks to
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
     "STASIS_ENCRYPT": "encrypt",
@@ -194,6 +195,7 @@ class Settings(NamedTuple):
     netlock_timeout_s: int = 900
     node_name: str = ""  # "" = the host name (`Settings.node`)
     slurm_node_name: str = ""  # this node's NodeName in slurm.conf; "" = the short host name
+    slurm_conf: str = ""  # "" = Slurm's default, /etc/slurm/slurm.conf
     # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
     # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
     # and `stasis checkpoints rekey`.
@@ -238,6 +240,11 @@ class Settings(NamedTuple):
     @property
     def layout(self) -> StateLayout:
         return StateLayout(self.state_dir)
+
+    @property
+    def slurm_conf_present(self) -> bool:
+        """Whether this node has a Slurm configuration (scontrol would find a cluster)."""
+        return Path(self.slurm_conf or "/etc/slurm/slurm.conf").exists()
 
     @property
     def node(self) -> str:

@@ -250,9 +250,11 @@ def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int 
                                  "user": filters.get("user"), "keep": keep,
                                  "older_than_s": older_than_s, "policy": policy,
                                  "completed": completed,
-                                 # what runs anywhere in the cluster is not completed
+                                 # what runs on another node of the cluster is not
+                                 # completed (the node knows its own jobs best)
                                  "live": sorted({(str(j.get("user")), str(j.get("label")))
                                                  for j in jobs
-                                                 if j["cluster_id"] == node["cluster_id"]})})
+                                                 if j["cluster_id"] == node["cluster_id"] and
+                                                 j["node"] != node["name"]})})
         n += 1
     return n

@@ -501,7 +501,10 @@ class Registry:
         jobs = [j for j in self.list_jobs(by) if j["node"] == node and
                 j["cluster_id"] == cluster and (j.get("kind") or "daemon") == "daemon"]
         scheduler = None
-        if self.cluster(cluster)["kind"] == "slurm" and mine[0]["state"] != "lost":
+        # Only where the node said Slurm knows it (a node that runs stasis's own jobs only
+        # reports no scheduler state).
+        if self.cluster(cluster)["kind"] == "slurm" and mine[0]["state"] != "lost" and \
+                mine[0].get("scheduler_state"):
             scheduler = self.queue_for_node(cluster, node, "drain", {"reason": reason})
         others = {n["name"]: int(n["jobs"]) for n in all_nodes
                   if n["cluster_id"] == cluster and n["name"] != node and n["state"] == "ready"}

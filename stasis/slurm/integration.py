@@ -82,6 +82,8 @@ class SlurmIntegration(Integration):
 
     def _state(self) -> str:
         """Slurm's state of this node; "" where Slurm does not know it (no Slurm here)."""
+        if not self.manager.settings.slurm_conf_present:
+            return ""  # scontrol without a configuration may hang on DNS SRV lookups
         try:
             return scontrol.node_state(self._node())
         except SlurmError:

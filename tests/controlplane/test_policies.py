@@ -74,7 +74,9 @@ def test_a_periodic_policy_checkpoints_what_it_picks_and_retention_keeps_the_new
         cp.json("policies", "add", "done", "--on", "webhook", "--action", "retain",
                 "--completed")
         cp.json("policies", "run", "done")
-        wait_for(lambda: ids("fin") == [], 30, "the completed job's checkpoints deleted")
+        wait_for(lambda: ids("fin") == [], 30, "the completed job's checkpoints deleted: "
+                 f"{[a for a in cp.json('actions') if a['kind'] == 'retain'][-2:]} "
+                 f"{(d.root / 'daemon.log').read_text()[-1500:]}")
         assert ids("other") == [newest] and ids("pol-train")  # running: kept
         r = cp.cli("policies", "run", "nope")
         assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no policy nope")
