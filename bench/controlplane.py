@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     periods = [float(x) for x in args.heartbeat.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-cp-"))
+    os.chmod(root, 0o755)  # PostgreSQL runs as its own user beneath it
     pg = PostgresServer(root / "pg")
     pg.start()
     port = free_ports(1)[0]
