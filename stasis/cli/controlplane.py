@@ -51,25 +51,30 @@ def add_controlplane(commands: Any) -> None:
                                         "installer and the Helm chart take).")
     p.add_argument("name")
     p.add_argument("--kind", required=True, choices=["slurm", "kubernetes"])
+    p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
+                   help="The token stops working this long from now (default: never).")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/clusters",
-                                              {"name": a.name, "kind": a.kind}, _said_cluster))
+                                              {"name": a.name, "kind": a.kind,
+                                               "expires_in_s": a.expires_in}, _said_cluster))
     p = clusters.add_parser("list", help="The clusters.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/clusters", None,
                                               _said_rows("id", "name", "kind", "created")))
     p = clusters.add_parser("rotate", help="A new token for a cluster; its old ones revoked.")
     p.add_argument("cluster_id", metavar="CLUSTER_ID")
+    p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
+                   help="The new token stops working this long from now (default: never).")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
                                               f"/api/v1/clusters/{_seg(a.cluster_id)}/rotate",
-                                              None, _said_cluster))
+                                              {"expires_in_s": a.expires_in}, _said_cluster))
 
     toks = subcommands(sub.add_parser("tokens", help="Tokens (never shown again: ids only)."))
     p = toks.add_parser("list")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/tokens", None, _said_rows(
-        "id", "kind", "cluster_id", "created", "revoked")))
+        "id", "kind", "cluster_id", "created", "revoked", "expires")))
     p = toks.add_parser("revoke")
     p.add_argument("token_id", metavar="TOKEN_ID")
     add_json(p)

@@ -144,12 +144,16 @@ class Registry:
             raise AuthError("unknown token")
         if row.revoked is not None:
             raise AuthError(f"token {row.id} was revoked on {row.revoked}")
+        if row.expires is not None and time.time() >= row.expires:
+            when = datetime.fromtimestamp(row.expires, UTC).isoformat(timespec="seconds")
+            raise AuthError(f"token {row.id} expired on {when}: `stasis controlplane "
+                            "clusters rotate` gives a new one")
         return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
 
     def list_tokens(self) -> list[dict[str, Any]]:
         with self.engine.begin() as conn:
             rows = conn.execute(select(tokens.c.id, tokens.c.kind, tokens.c.cluster_id,
-                                       tokens.c.created, tokens.c.revoked)
+                                       tokens.c.created, tokens.c.revoked, tokens.c.expires)
                                 .order_by(tokens.c.created, tokens.c.id)).mappings().all()
         return [dict(r) for r in rows]
 
@@ -164,8 +168,9 @@ class Registry:
             raise NotFoundError(f"no live token {token_id}")
         return {"token_id": token_id, "revoked": True}
 
-    def rotate(self, cluster_id: str) -> dict[str, Any]:
-        """A new token for the cluster; its older ones are revoked."""
+    def rotate(self, cluster_id: str, expires_in_s: int | None = None) -> dict[str, Any]:
+        """A new token for the cluster (expiring `expires_in_s` from now, if given); its older
+        ones are revoked."""
         self.cluster(cluster_id)
         token = new_token()
         with self.engine.begin() as conn:
@@ -175,12 +180,14 @@ class Registry:
             tid = "tok_" + secrets.token_hex(6)
             conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cluster_id,
                                                sha256=_sha(token), created=_now(),
-                                               revoked=None))
-        return {"cluster_id": cluster_id, "token_id": tid, "token": token}
+                                               revoked=None, expires=_expiry(expires_in_s)))
+        return {"cluster_id": cluster_id, "token_id": tid, "token": token,
+                "expires": _expiry(expires_in_s)}
 
     # -- clusters -----------------------------------------------------------------------------
 
-    def add_cluster(self, name: str, kind: str) -> dict[str, Any]:
+    def add_cluster(self, name: str, kind: str, expires_in_s: int | None = None
+                    ) -> dict[str, Any]:
         validate_name(name, "cluster name")
         if kind not in ("slurm", "kubernetes"):
             raise UsageError(f"bad cluster kind {kind!r}: slurm or kubernetes")
@@ -193,10 +200,12 @@ class Registry:
                                                      created=_now()))
                 conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cid,
                                                    sha256=_sha(token), created=_now(),
-                                                   revoked=None))
+                                                   revoked=None,
+                                                   expires=_expiry(expires_in_s)))
         except IntegrityError:
             raise UsageError(f"a cluster named {name!r} exists already") from None
-        return {"cluster_id": cid, "name": name, "kind": kind, "token_id": tid, "token": token}
+        return {"cluster_id": cid, "name": name, "kind": kind, "token_id": tid, "token": token,
+                "expires": _expiry(expires_in_s)}
 
     def cluster(self, cluster_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:
@@ -617,6 +626,10 @@ class Registry:
     def _command(row: dict[str, Any]) -> dict[str, Any]:
         return {**row, "args": json.loads(row["args"]),
                 "result": json.loads(row["result"]) if row.get("result") else None}
+
+
+def _expiry(expires_in_s: int | None) -> int | None:
+    return int(time.time()) + expires_in_s if expires_in_s else None
 
 
 def _size(n: float) -> str:

@@ -38,6 +38,7 @@ tokens = Table(
     Column("sha256", String(64), nullable=False, unique=True),
     Column("created", String(40), nullable=False),
     Column("revoked", String(40), nullable=True),
+    Column("expires", Integer, nullable=True),  # unix seconds; None: until revoked
 )
 
 nodes = Table(

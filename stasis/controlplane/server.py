@@ -69,6 +69,11 @@ class _Model(BaseModel):
 class NewCluster(_Model):
     name: str = Field(max_length=100)
     kind: Literal["slurm", "kubernetes"]
+    expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
+
+
+class Rotation(_Model):
+    expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
 
 
 class NodeReport(_Model):
@@ -216,8 +221,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
     async def add_cluster(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
         body = await _body(request, NewCluster)
-        return web.json_response(await run(registry.add_cluster, body.name, body.kind),
-                                 status=201)
+        return web.json_response(await run(registry.add_cluster, body.name, body.kind,
+                                            body.expires_in_s), status=201)
 
     async def list_clusters(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
@@ -225,7 +230,9 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
 
     async def rotate(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
-        return web.json_response(await run(registry.rotate, request.match_info["id"]))
+        body = await _body(request, Rotation)
+        return web.json_response(await run(registry.rotate, request.match_info["id"],
+                                            body.expires_in_s))
 
     async def list_tokens(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()

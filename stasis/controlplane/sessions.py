@@ -1,7 +1,7 @@
 """Dashboard log-ins: a token given once on the log-in page becomes a session (table `sessions`):
 a random session id in an HttpOnly, SameSite=Strict cookie (its SHA-256 kept, never the id),
 the token's id, and a CSRF token that every form of the session carries back. A session ends at
-its expiry, at log-out, or when its token is revoked (checked on every request)."""
+its expiry, at log-out, or when its token is revoked or expires (checked on every request)."""
 
 from __future__ import annotations
 
@@ -52,15 +52,18 @@ def find(registry: Registry, sid: str) -> Session:
     key = _sha(sid)
     with registry.engine.begin() as conn:
         row = conn.execute(select(sessions.c.token_id, sessions.c.csrf, sessions.c.expires,
-                                  tokens.c.kind, tokens.c.cluster_id, tokens.c.revoked)
+                                  tokens.c.kind, tokens.c.cluster_id, tokens.c.revoked,
+                                  tokens.c.expires.label("token_expires"))
                            .join(tokens, tokens.c.id == sessions.c.token_id)
                            .where(sessions.c.sha256 == key)).first()
         if row is None:
             raise AuthError("not logged in")
-        if row.expires < time.time() or row.revoked is not None:
+        token_gone = row.revoked is not None or (
+            row.token_expires is not None and row.token_expires <= time.time())
+        if row.expires < time.time() or token_gone:
             conn.execute(delete(sessions).where(sessions.c.sha256 == key))
-            raise AuthError("the session expired" if row.revoked is None
-                            else "the session's token was revoked")
+            raise AuthError("the session's token was revoked or expired" if token_gone
+                            else "the session expired")
     return Session(Principal(kind=row.kind, token_id=row.token_id, cluster_id=row.cluster_id),
                    row.csrf, key, int(row.expires))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,21 @@ def test_the_kubernetes_installer_is_the_helm_command_with_the_cluster_s_values(
             raise AssertionError("an installer for the wrong token")
         except urllib.error.HTTPError as e:
             assert e.code == 400
+
+
+def test_cluster_tokens_can_expire(controlplane: ControlPlane) -> None:
+    cp = controlplane
+    hpc = cp.json("clusters", "add", "short", "--kind", "slurm", "--expires-in", "2s")
+    assert hpc["expires"] is not None
+    report = {"name": "n1", "host": "n1", "stasis_version": "x", "check_ok": True}
+    assert cp.call("POST", "/api/v1/nodes/register", hpc["token"], report)[0] == 200
+    time.sleep(2.5)
+    status, body = cp.call("POST", "/api/v1/nodes/register", hpc["token"], report)
+    assert status == 401 and f"token {hpc['token_id']} expired on" in body["error"], body
+    (listed,) = [t for t in cp.json("tokens", "list") if t["id"] == hpc["token_id"]]
+    assert listed["expires"] == hpc["expires"]
+    fresh = cp.json("clusters", "rotate", hpc["cluster_id"])  # no expiry
+    assert fresh["expires"] is None
+    assert cp.call("POST", "/api/v1/nodes/register", fresh["token"], report)[0] == 200
+    r = cp.cli("clusters", "add", "bad", "--kind", "slurm", "--expires-in", "soon")
+    assert r.returncode == 2

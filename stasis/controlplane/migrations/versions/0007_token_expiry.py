@@ -1,0 +1,23 @@
+"""tokens that expire
+
+Revision ID: 0007
+Revises: 0006
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0007"
+down_revision = "0006"
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("tokens") as batch:
+        batch.add_column(sa.Column("expires", sa.Integer, nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("tokens") as batch:
+        batch.drop_column("expires")
