@@ -154,7 +154,7 @@ def add_controlplane(commands: Any) -> None:
                            "drains or holds for maintenance.")
     p.add_argument("--above", type=float, default=None, metavar="PCT",
                    help="memory: the share of its node's memory that triggers.")
-    p.add_argument("--action", required=True, choices=["checkpoint", "retain"])
+    p.add_argument("--action", required=True, choices=["checkpoint", "retain", "migrate"])
     p.add_argument("--stop", action="store_true",
                    help="checkpoint: and stop the job (a Slurm job: requeue it).")
     p.add_argument("--keep", type=int, default=None,

@@ -10,6 +10,8 @@
              namespace), min_age_s (the job has run that long), min_rss_bytes (its size)
     action   checkpoint: a checkpoint of every matching live job, leave-running, or with
              `stop` stopped (a Slurm job: checkpointed and requeued);
+             migrate: every matching job of the daemon's own moved to the ready node of its
+             cluster with the fewest jobs (a Slurm job: checkpointed and requeued);
              retain: on every matching node, each matching label keeps its newest `keep`
              checkpoints, and none older than `older_than_s` but its newest one, and with
              `completed` none of a label whose last job on that node completed (exit 0) and
@@ -36,7 +38,7 @@ from stasis.controlplane.schema import commands, nodes, policies
 from stasis.errors import NotFoundError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
-ACTIONS = ("checkpoint", "retain")
+ACTIONS = ("checkpoint", "retain", "migrate")
 TRIGGERS = ("every", "memory", "drain")
 GLOB_FILTERS = ("cluster", "node", "label", "user", "partition")
 NUMBER_FILTERS = ("min_age_s", "min_rss_bytes")
@@ -53,7 +55,7 @@ def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
     by.admin_only()
     validate_name(name, "policy name")
     if action not in ACTIONS:
-        raise UsageError(f"bad action {action!r}: {' or '.join(ACTIONS)}")
+        raise UsageError(f"bad action {action!r}: {', '.join(ACTIONS)}")
     if trigger not in TRIGGERS:
         raise UsageError(f"bad trigger {trigger!r}: {', '.join(TRIGGERS)}")
     if every_s < 0:
@@ -62,8 +64,8 @@ def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
             not completed:
         raise UsageError("retain needs keep >= 1 (the newest checkpoints each label keeps), "
                          "older_than_s or completed")
-    if trigger != "every" and action != "checkpoint":
-        raise UsageError(f"a {trigger} trigger takes the checkpoint action")
+    if trigger != "every" and action == "retain":
+        raise UsageError(f"a {trigger} trigger takes the checkpoint or migrate action")
     if trigger == "memory" and (threshold_pct is None or not 0 < threshold_pct <= 100):
         raise UsageError("a memory trigger needs threshold_pct, above 0 and at most 100")
     unknown = sorted(set(filters) - set(FILTERS))
@@ -155,8 +157,9 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
         conn.execute(update(policies).where(policies.c.name == p["name"])
                      .values(last_run=int(time.time())))
     filters = json.loads(p["filters"])
-    if p["action"] == "checkpoint":
-        queued = _checkpoint_jobs(registry, p["name"], filters, bool(p.get("stop")))
+    if p["action"] in ("checkpoint", "migrate"):
+        queued = _checkpoint_jobs(registry, p["name"], filters, bool(p.get("stop")),
+                                  migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
     else:
         queued = _retain(registry, p["name"], filters, p["keep"], p.get("older_than_s"),
                          lost_after_s, bool(p.get("completed")))
@@ -185,17 +188,30 @@ def _busy(registry: Registry, policy: str, since: float | None = None
 
 
 def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
-                     stop: bool = False, only: Any = None, since: float | None = None) -> int:
+                     stop: bool = False, only: Any = None, since: float | None = None,
+                     migrate: bool = False, lost_after_s: float = float("inf")) -> int:
     busy = _busy(registry, policy, since)
     n = 0
     now = time.time()
+    ready = [x for x in registry.list_nodes(_SYSTEM, lost_after_s) if x["state"] == "ready"] \
+        if migrate else []
     for job in registry.list_jobs(_SYSTEM):
         if job.get("state") not in ("running", "restored") or \
                 not _matches(filters, job, now) or (job["node"], job["job"]) in busy or \
                 (only is not None and not only(job)):
             continue
-        registry.queue(_SYSTEM, "checkpoint", job["job"],
-                       {"leave_running": not stop, "policy": policy})
+        if migrate and (job.get("kind") or "daemon") == "daemon":
+            # To the ready node of its cluster with the fewest jobs; none: it stays.
+            others = [x for x in ready if x["cluster_id"] == job["cluster_id"] and
+                      x["name"] != job["node"]]
+            if not others:
+                continue
+            to = min(others, key=lambda x: (int(x["jobs"]), x["name"]))
+            to["jobs"] = int(to["jobs"]) + 1
+            registry.migrate_job(_SYSTEM, job["job"], to["name"], {"policy": policy})
+        else:  # a scheduler's job moves by requeue
+            registry.queue(_SYSTEM, "checkpoint", job["job"],
+                           {"leave_running": not (stop or migrate), "policy": policy})
         n += 1
     return n
 
@@ -216,14 +232,16 @@ def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
 
         cooldown = p["every_s"] or _MEMORY_COOLDOWN_S
         queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], over,
-                                  since=time.time() - cooldown)
+                                  since=time.time() - cooldown,
+                                  migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
         why = f"memory above {p['threshold_pct']:g}%"
     else:
         def held(job: dict[str, Any]) -> bool:
             s = state.get((job["cluster_id"], job["node"]), (None, ""))[1].upper()
             return any(word in s for word in _HELD)
 
-        queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], held, since=0)
+        queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], held, since=0,
+                                  migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
         why = "node drained or in maintenance"
     if queued:
         with registry.engine.begin() as conn:

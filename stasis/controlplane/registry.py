@@ -468,7 +468,8 @@ class Registry:
             conn.execute(insert(commands).values(**row))
         return self._command(row)
 
-    def migrate_job(self, by: Principal, job: str, to: str) -> dict[str, Any]:
+    def migrate_job(self, by: Principal, job: str, to: str,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
         on node `to` of the same cluster, through the store both share."""
         by.admin_only()
@@ -490,7 +491,8 @@ class Registry:
             raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
         return self.queue(by, "checkpoint", job, {"leave_running": False,
                                                   "then_restore_on": to,
-                                                  "reason": f"migration to {to}"})
+                                                  "reason": f"migration to {to}",
+                                                  **(extra or {})})
 
     def drain(self, by: Principal, node: str, lost_after_s: float,
               reason: str = "stasis drain") -> dict[str, Any]:

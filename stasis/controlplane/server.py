@@ -145,7 +145,7 @@ class Migration(_Model):
 class NewPolicy(_Model):
     name: str = Field(max_length=100)
     every_s: int = Field(ge=0, le=366 * 86400)  # 0: only when its webhook is called
-    action: Literal["checkpoint", "retain"]
+    action: Literal["checkpoint", "retain", "migrate"]
     filters: dict[str, str] = Field(default_factory=dict, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
     older_than_s: int | None = Field(default=None, ge=1)

@@ -196,3 +196,29 @@ def test_a_drain_moves_every_job_off_a_node_and_each_goes_on_elsewhere(
         assert {j["node"] for j in cp.json("jobs")} == {"node-b", "node-c"}
         r = cp.cli("drain", "node-z")
         assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no node node-z")
+
+
+def test_a_migrate_policy_moves_the_jobs_it_picks_to_the_least_busy_node(
+        controlplane: ControlPlane, world_tmp: Path, site_key: Path,
+        test_user: pwd.struct_passwd) -> None:
+    cp = controlplane
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b") as nodes:
+        a, b = nodes["node-a"], nodes["node-b"]
+        job = a.run(*workload("counter.py"), label="pol-move")["job"]
+        wait_for(lambda: len(a.log_of(job).split()) >= 3, 30, "the counter to count")
+        wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job report")
+        cp.json("policies", "add", "off-a", "--on", "webhook", "--action", "migrate",
+                "--node", "node-a")
+        assert cp.json("policies", "run", "off-a")["queued"] == 1
+        moved = wait_for(lambda: [j for j in cp.json("jobs") if j["node"] == "node-b"], 60,
+                         "the job on node-b")
+        before = [int(x) for x in a.log_of(job).split()]
+        new = moved[0]["job"]
+        wait_for(lambda: len(b.log_of(new).split()) >= len(before) + 2, 30, "the count on B")
+        after = [int(x) for x in b.log_of(new).split()]
+        assert after[len(before)] == before[-1] + 1  # went on
+        (first,) = [c for c in cp.json("actions") if c["kind"] == "checkpoint"]
+        assert first["args"]["policy"] == "off-a" and first["args"]["then_restore_on"] == \
+            "node-b"
+        # Nothing left on node-a for it to move.
+        assert cp.json("policies", "run", "off-a")["queued"] == 0
