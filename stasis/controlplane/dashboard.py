@@ -31,7 +31,7 @@ import jinja2
 from aiohttp import web
 
 from stasis.controlplane import policies, sessions
-from stasis.controlplane.registry import AuthError, Registry
+from stasis.controlplane.registry import AuthError, Registry, human_size
 from stasis.controlplane.sessions import Session
 from stasis.errors import StasisError, UsageError
 
@@ -67,20 +67,11 @@ def _age(seconds: float | None) -> str:
     return f"{s / 86400:.0f} d ago"
 
 
-def _size(n: float | None) -> str:
-    x = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if x < 1024 or unit == "GiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} TiB"
-
-
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True)
     env.filters["age"] = _age
-    env.filters["size"] = _size
+    env.filters["size"] = human_size
     return env
 
 

@@ -314,7 +314,7 @@ class Registry:
                 reason=a["reason"], store=a["store"], created=a["at"], deleted=None))
             self._event(conn, cluster_id, node, "checkpoint",
                         f"checkpoint {a['checkpoint']} of job {a['job']} (label {a['label']}, "
-                        f"user {a['user']}, {a['reason']}): {_size(a['size_bytes'])} in "
+                        f"user {a['user']}, {a['reason']}): {human_size(a['size_bytes'])} in "
                         f"{a['duration_s']:.2f} s, "
                         + ("job went on" if a["leave_running"] else "job stopped"))
             return
@@ -634,12 +634,14 @@ def _expiry(expires_in_s: int | None) -> int | None:
     return int(time.time()) + expires_in_s if expires_in_s else None
 
 
-def _size(n: float) -> str:
+def human_size(n: float | None) -> str:
+    """Bytes as people read them: 512 B, 3.1 MiB."""
+    x = float(n or 0)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
 
 
 def safe_url(url: str) -> str:
