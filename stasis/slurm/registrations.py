@@ -39,7 +39,13 @@ from stasis.slurm import scontrol
 from stasis.slurm.labels import candidates, slurm_extra
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
-from stasis.store import CheckpointInfo, new_checkpoint_id, validate_checkpoint_id, validate_label
+from stasis.store import (
+    CheckpointInfo,
+    Manifest,
+    new_checkpoint_id,
+    validate_checkpoint_id,
+    validate_label,
+)
 
 log = logging.getLogger("stasis.daemon")
 
@@ -237,29 +243,37 @@ class SlurmJobs:
             command=command or ["(slurm batch job)"],
             state="running", registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
+        # Before anything is kept: another user's checkpoint is refused, not counted.
+        manifest = self._restored_from(reg, req.restored_from)
         self.sweep()
         self.registrations.save(reg)
-        self._started(reg, req.restored_from)
+        self._started(reg, manifest)
         return reg
 
-    def _started(self, reg: Registration, restored_from: str | None) -> None:
+    def _restored_from(self, reg: Registration, checkpoint: str | None) -> Manifest | None:
+        """The caller's checkpoint its workload was restored from (None: none, or unreadable:
+        the work is then counted from nothing)."""
+        if checkpoint is None:
+            return None
+        try:
+            manifest = self.manager.store.get(validate_checkpoint_id(checkpoint))
+        except StasisError as e:
+            log.warning("Slurm job %s: cannot read checkpoint %s it was restored from: %s",
+                        reg["slurm_job"], checkpoint, e)
+            return None
+        if manifest.uid != reg["uid"]:
+            raise PermissionDeniedError(f"permission denied: checkpoint {manifest.id} is not "
+                                        "yours")
+        return manifest
+
+    def _started(self, reg: Registration, manifest: Manifest | None) -> None:
         """Count the job's work from the checkpoint it was restored from (or from nothing),
         and tell who listens of that restore."""
         m = self.manager
         job_id = reg["slurm_job"]
-        if restored_from is None:
+        if manifest is None:
             m.work.forget(job_id)
             return
-        try:
-            manifest = m.store.get(validate_checkpoint_id(restored_from))
-        except StasisError as e:
-            log.warning("Slurm job %s: cannot read checkpoint %s it was restored from: %s",
-                        job_id, restored_from, e)
-            m.work.forget(job_id)
-            return
-        if manifest.uid != reg["uid"]:
-            raise PermissionDeniedError(f"permission denied: checkpoint {manifest.id} is not "
-                                        "yours")
         work_s = work_of(manifest.extra)
         m.work.started_from(job_id, manifest.id, work_s)
         m.activity.notify(Activity(
