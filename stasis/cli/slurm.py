@@ -77,6 +77,9 @@ def add_slurm(commands: Any) -> None:
                         "default: %(default)s).")
     add_json(p, 'Print {"slurm_conf": PATH, "stasis_config": PATH}.')
     p.set_defaults(handler=up)
+    p.add_argument("--accounting", action="store_true",
+                   help="Also start slurmdbd with a private MariaDB (sacct, `stasis slurm "
+                        "report`).")
     p = lsub.add_parser("down", help="Cancel its jobs and stop its daemons (the directory and "
                                      "its logs stay).")
     _dir_option(p)
@@ -85,6 +88,12 @@ def add_slurm(commands: Any) -> None:
     _dir_option(p)
     add_json(p)
     p.set_defaults(handler=status)
+
+    from stasis.cli.slurm_remote import add_remote
+    from stasis.cli.slurm_report import add_report
+
+    add_remote(sub)
+    add_report(sub)
 
 
 def _conf_option(p: argparse.ArgumentParser) -> None:
@@ -120,7 +129,7 @@ def up(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.slurm import cluster
 
     lay = cluster.up(args.root, cpus=args.cpus, grace_s=args.grace_s,
-                     socket_group=args.socket_group)
+                     socket_group=args.socket_group, accounting=args.accounting)
     if args.json:
         output.emit_json({"slurm_conf": str(lay.slurm_conf),
                           "stasis_config": str(lay.stasis_config)})

@@ -101,8 +101,12 @@ def _check_path(path: Path) -> None:
         raise UsageError(f"{path}: Slurm's config files cannot hold paths with spaces or '#'")
 
 
-def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str) -> str:
+def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
+                    accounting: str = "") -> str:
+    """`accounting`: slurm.conf lines that replace the accounting_storage/none default."""
     s = lay.slurm
+    acct = accounting or "JobAcctGatherType=jobacct_gather/none\n" \
+        "AccountingStorageType=accounting_storage/none"
     return f"""\
 # A throwaway single-node cluster made by `stasis slurm local-cluster up`.
 ClusterName=stasis-local
@@ -123,8 +127,7 @@ SlurmdLogFile={s}/slurmd.log
 PlugStackConfig={lay.etc}/plugstack.conf
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+{acct}
 JobCompType=jobcomp/filetxt
 JobCompLoc={s}/jobcomp.txt
 SchedulerType=sched/backfill
@@ -169,7 +172,7 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
 
 
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
-       warn_s: int = 60) -> Layout:
+       warn_s: int = 60, accounting: bool = False) -> Layout:
     """Start the cluster under `root` (created if needed); returns its layout."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
@@ -194,8 +197,13 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
     try:
         started["munged"] = _start_munge(lay)
         hostname = socket.gethostname().split(".")[0]
+        acct_conf = ""
+        if accounting:
+            from stasis.slurm import accounting as acct
+
+            acct_conf = acct.start(lay, started)
         lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
-                                                  hostname=hostname))
+                                                  hostname=hostname, accounting=acct_conf))
         lay.stasis_config.write_text(
             f"socket = {_q(str(lay.stasis_socket))}\n"
             f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
@@ -260,6 +268,16 @@ def _start_stasis(lay: Layout) -> int:
     return pid
 
 
+def _stop_order(pids: dict[str, int]) -> list[str]:
+    """Nodes first, then the controller, the stasis daemons, accounting, munge last."""
+    def rank(name: str) -> int:
+        for i, prefix in enumerate(("slurmd", "slurmctld", "stasis", "slurmdbd", "mariadb")):
+            if name.startswith(prefix):
+                return i
+        return 9 if name == "munged" else 5
+    return sorted(pids, key=rank)
+
+
 def _jobs(lay: Layout) -> list[str]:
     r = _run(["squeue", "-h", "-o", "%i"], _client_env(lay), check=False)
     return r.stdout.split() if r.returncode == 0 else []
@@ -280,7 +298,7 @@ def down(root: Path) -> None:
                 _wait(lambda: not _jobs(lay), 30, "the jobs to end")
             except StasisError:
                 pass
-    for name in ("slurmd", "slurmctld", "stasis", "munged"):
+    for name in _stop_order(pids):
         detached.stop(pids.get(name))
     try:
         lay.state_file.unlink()
