@@ -271,10 +271,12 @@ def _start_stasis(lay: Layout) -> int:
 def _stop_order(pids: dict[str, int]) -> list[str]:
     """Nodes first, then the controller, the stasis daemons, accounting, munge last."""
     def rank(name: str) -> int:
-        for i, prefix in enumerate(("slurmd", "slurmctld", "stasis", "slurmdbd", "mariadb")):
+        if name.startswith("slurmdbd"):
+            return 3
+        for i, prefix in enumerate(("slurmd", "slurmctld", "stasis")):
             if name.startswith(prefix):
                 return i
-        return 9 if name == "munged" else 5
+        return 9 if name == "munged" else 4
     return sorted(pids, key=rank)
 
 
