@@ -7,10 +7,13 @@
 #   libslurm-dev                    <slurm/spank.h>, to build the stasis SPANK plugin
 #   slurm-wlm-basic-plugins         job_submit/lua and cli_filter/lua
 #   gcc                             to build the SPANK plugin at install time
+#   slurmdbd mariadb-server         accounting (`local-cluster up --accounting`, sacct and
+#                                   `stasis slurm report`); the local cluster starts private ones
 # The packages' postinst scripts start no daemon on a machine without systemd; the local cluster
 # (`stasis slurm local-cluster up`) starts private ones. Nothing is configured here.
 set -euo pipefail
 
-PACKAGES=(slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-basic-plugins gcc)
+PACKAGES=(slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-basic-plugins gcc
+          slurmdbd mariadb-server)
 
 bash "$(dirname "$0")/apt-install.sh" install-slurm "${PACKAGES[@]}"
