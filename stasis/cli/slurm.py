@@ -63,19 +63,25 @@ def add_slurm(commands: Any) -> None:
                    help="Print what would be restored; change nothing.")
     p.set_defaults(handler=uninstall)
 
-    local = sub.add_parser("local-cluster", help="A throwaway single-node cluster (munge, "
-                                                 "slurmctld, slurmd, stasis daemon).")
+    local = sub.add_parser("local-cluster", help="A throwaway cluster on this machine (munge, "
+                                                 "slurmctld, slurmd and a stasis daemon per "
+                                                 "node).")
     lsub = subcommands(local)
     p = lsub.add_parser("up", help="Start the cluster; then SLURM_CONF=<dir>/etc/slurm.conf "
                                    "sbatch ... talks to it.")
     _dir_option(p)
-    p.add_argument("--cpus", type=int_range(1, 256), default=8, help="(default: %(default)s)")
+    p.add_argument("--nodes", type=int_range(1, 16), default=1,
+                   help="Nodes n1..nN; several are each a host of their own (a network and a "
+                        "UTS namespace, an address on a private bridge), sharing the store "
+                        "(default: %(default)s).")
+    p.add_argument("--cpus", type=int_range(1, 256), default=8,
+                   help="CPUs of each node (default: %(default)s)")
     p.add_argument("--grace-s", type=int_range(1, 3600), default=10,
                    help="GraceTime of the preemptable `low` partition (default: %(default)s).")
     p.add_argument("--socket-group", default="stasis",
                    help="Group allowed on the stasis daemon's socket (job users must be in it; "
                         "default: %(default)s).")
-    add_json(p, 'Print {"slurm_conf": PATH, "stasis_config": PATH}.')
+    add_json(p, 'Print {"slurm_conf": PATH, "stasis_config": PATH, "nodes": [NAMES]}.')
     p.set_defaults(handler=up)
     p.add_argument("--accounting", action="store_true",
                    help="Also start slurmdbd with a private MariaDB (sacct, `stasis slurm "
@@ -88,6 +94,21 @@ def add_slurm(commands: Any) -> None:
     _dir_option(p)
     add_json(p)
     p.set_defaults(handler=status)
+    p = lsub.add_parser("exec", help="Run a command on a node: inside its namespaces, with its "
+                                     "stasis config and the cluster's SLURM_CONF.")
+    _dir_option(p)
+    p.add_argument("node", help="The node (n1, n2, ...).")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.set_defaults(handler=exec_on)
+    p = lsub.add_parser("kill-node", help="The node fails: its slurmd, stasis daemon and job "
+                                          "processes killed without warning.")
+    _dir_option(p)
+    p.add_argument("node")
+    p.set_defaults(handler=kill_node)
+    p = lsub.add_parser("start-node", help="Start a killed node's daemons again.")
+    _dir_option(p)
+    p.add_argument("node")
+    p.set_defaults(handler=start_node)
 
     from stasis.cli.slurm_remote import add_remote
     from stasis.cli.slurm_report import add_report
@@ -129,13 +150,17 @@ def up(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.slurm import cluster
 
     lay = cluster.up(args.root, cpus=args.cpus, grace_s=args.grace_s,
-                     socket_group=args.socket_group, accounting=args.accounting)
+                     socket_group=args.socket_group, accounting=args.accounting,
+                     nodes=args.nodes)
     if args.json:
         output.emit_json({"slurm_conf": str(lay.slurm_conf),
-                          "stasis_config": str(lay.stasis_config)})
+                          "stasis_config": str(lay.stasis_config), "nodes": lay.nodes()})
     else:
-        output.say(f"local cluster up in {lay.root}\n"
+        output.say(f"local cluster up in {lay.root}: node(s) {', '.join(lay.nodes())}\n"
                    f"  export SLURM_CONF={lay.slurm_conf} STASIS_CONFIG={lay.stasis_config}")
+        if len(lay.nodes()) > 1:
+            output.say(f"  on a node: stasis slurm local-cluster exec --dir {lay.root} "
+                       f"{lay.nodes()[1]} -- CMD ...")
 
 
 def down(args: argparse.Namespace, settings: Settings) -> None:
@@ -143,6 +168,36 @@ def down(args: argparse.Namespace, settings: Settings) -> None:
 
     cluster.down(args.root)
     output.say(f"local cluster in {args.root} is down")
+
+
+def exec_on(args: argparse.Namespace, settings: Settings) -> None:
+    import os
+
+    from stasis.errors import UsageError
+    from stasis.slurm import cluster
+
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise UsageError("give the command to run after --")
+    full, env = cluster.exec_argv(args.root, args.node, argv)
+    try:
+        os.execvpe(full[0], full, env)
+    except OSError as e:
+        raise UsageError(f"cannot run {full[0]}: {e.strerror}") from None
+
+
+def kill_node(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.slurm import cluster
+
+    killed = cluster.kill_node(args.root, args.node)
+    output.say(f"node {args.node} killed ({len(killed)} processes)")
+
+
+def start_node(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.slurm import cluster
+
+    cluster.start_node(args.root, args.node)
+    output.say(f"node {args.node} started again")
 
 
 def status(args: argparse.Namespace, settings: Settings) -> None:

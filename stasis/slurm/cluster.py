@@ -1,18 +1,31 @@
-"""`stasis slurm local-cluster up|down|status`: a throwaway single-node Slurm cluster.
+"""`stasis slurm local-cluster up|down|status|exec|kill-node|start-node`: a throwaway Slurm
+cluster on this machine, of one node or several.
 
 Everything lives under one private directory with private ports and a private munge socket, so it
 never clashes with a real Slurm on the machine: munged, slurmctld (started with -c: job ids restart
-at 1), one slurmd (node n1), a stasis node daemon with its own socket, state and store, and the
-stasis plugin set installed into the cluster's own slurm.conf. Two partitions: `low`
-(preemptable, PreemptMode=REQUEUE with a GraceTime) and `high` (PreemptMode=OFF, higher tier).
-With SLURM_CONF=<dir>/etc/slurm.conf the ordinary sbatch/squeue/scontrol/scancel talk to it.
+at 1), slurmd nodes n1..nN, one stasis node daemon per node, a checkpoint store they all share
+(the directory stands in for a shared file system; one site key, so every node trusts every
+node's checkpoints), and the stasis plugin set installed into the cluster's own slurm.conf. Two
+partitions over all nodes: `low` (preemptable, PreemptMode=REQUEUE with a GraceTime) and `high`
+(PreemptMode=OFF, higher tier). With SLURM_CONF=<dir>/etc/slurm.conf the ordinary
+sbatch/squeue/scontrol/scancel talk to it.
+
+One node runs in this machine's own namespaces on 127.0.0.1. Several nodes are each a host of
+their own: a network namespace with its own address on a private bridge (10.213.X.0/24, the
+bridge is this machine's .254 and slurmctld's address) and a UTS namespace with the node's name
+as host name. Each node's slurmd and stasis daemon run inside them, so the jobs of a node, the
+CRIU that dumps them and the one that restores them all see that node's network. The file system
+is shared, as on a cluster with a shared home and store.
 
     D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
     D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
-    D/slurm/      StateSaveLocation, SlurmdSpoolDir, pid and log files
-    D/stasis/     config.toml, daemon socket, state, checkpoint store, daemon log
+    D/slurm/      StateSaveLocation, slurmctld's pid and log (and slurmd's on one node)
+    D/stasis/     the shared store and site key (and on one node: the daemon's config.toml,
+                  socket, state, log)
+    D/nodes/NAME/ several nodes: the node's slurmd spool, pid and log, its stasis daemon's
+                  config.toml, socket, state and log, its UTS namespace file
     D/lib/        the built SPANK plugin and the launcher
-    D/cluster.json  pids of what `up` started
+    D/cluster.json  pids of what `up` started, the nodes and their network
 """
 
 from __future__ import annotations
@@ -21,8 +34,10 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +48,10 @@ from stasis.poll import poll
 from stasis.slurm import install
 
 NODE = "n1"
+MAX_NODES = 16
 _UP_TIMEOUT_S = 60.0
+_NET = "10.213"
+_HOST_OCTET = 254
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,10 @@ class Layout:
 
     @property
     def stasis_config(self) -> Path:
+        """The stasis config a client on this machine uses: the one node's, or the first's."""
+        nodes = self.nodes()
+        if len(nodes) > 1:
+            return self.node_config(nodes[0])
         return self.stasis / "config.toml"
 
     @property
@@ -73,6 +95,10 @@ class Layout:
         return self.stasis / "store"
 
     @property
+    def site_key(self) -> Path:
+        return self.stasis / "site.key"
+
+    @property
     def lib(self) -> Path:
         return self.root / "lib"
 
@@ -80,9 +106,72 @@ class Layout:
     def state_file(self) -> Path:
         return self.root / "cluster.json"
 
+    def node_dir(self, node: str) -> Path:
+        return self.root / "nodes" / node
+
+    def node_config(self, node: str) -> Path:
+        return self.node_dir(node) / "config.toml"
+
+    def node_socket(self, node: str) -> Path:
+        return self.node_dir(node) / "stasis.sock"
+
+    def nodes(self) -> list[str]:
+        """The cluster's node names (from cluster.json; one node when it says none)."""
+        return _state(self).get("nodes") or [NODE]
+
+    def config_of(self, node: str) -> Path:
+        """The stasis config of `node`'s daemon."""
+        if len(self.nodes()) > 1:
+            return self.node_config(node)
+        return self.stasis / "config.toml"
+
     def env(self) -> dict[str, str]:
         """What a client needs to talk to this cluster and its stasis daemon."""
         return {"SLURM_CONF": str(self.slurm_conf), "STASIS_CONFIG": str(self.stasis_config)}
+
+
+@dataclass(frozen=True)
+class Net:
+    """The private network of a cluster of several nodes."""
+    net_id: int  # the third octet; also names the bridge and the namespaces
+
+    @property
+    def bridge(self) -> str:
+        return f"stsb{self.net_id}"
+
+    @property
+    def host_addr(self) -> str:
+        return f"{_NET}.{self.net_id}.{_HOST_OCTET}"
+
+    def addr(self, index: int) -> str:
+        return f"{_NET}.{self.net_id}.{index + 1}"
+
+    def netns(self, node: str) -> str:
+        return f"stasis-{self.net_id}-{node}"
+
+    def netns_path(self, node: str) -> Path:
+        return Path("/run/netns") / self.netns(node)
+
+    def veth(self, index: int) -> str:
+        return f"stsv{self.net_id}x{index + 1}"
+
+
+def _state(lay: Layout) -> dict[str, Any]:
+    try:
+        data = json.loads(lay.state_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_state(lay: Layout, state: dict[str, Any]) -> None:
+    tmp = lay.state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(lay.state_file)
+
+
+def node_names(count: int) -> list[str]:
+    return [f"n{i + 1}" for i in range(count)]
 
 
 def _free_port() -> int:
@@ -97,20 +186,43 @@ def _q(value: str) -> str:
 
 
 def _check_path(path: Path) -> None:
-    if any(c.isspace() for c in str(path)) or "#" in str(path):
-        raise UsageError(f"{path}: Slurm's config files cannot hold paths with spaces or '#'")
+    if any(c.isspace() for c in str(path)) or "#" in str(path) or "%" in str(path):
+        raise UsageError(f"{path}: Slurm's config files cannot hold paths with spaces, '#' or "
+                         "'%'")
 
 
 def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
-                    accounting: str = "") -> str:
-    """`accounting`: slurm.conf lines that replace the accounting_storage/none default."""
+                    accounting: str = "", nodes: list[str] | None = None,
+                    net: Net | None = None) -> str:
+    """`accounting`: slurm.conf lines that replace the accounting_storage/none default.
+    `nodes` and `net`: several nodes, each at its address on `net`."""
     s = lay.slurm
     acct = accounting or "JobAcctGatherType=jobacct_gather/none\n" \
         "AccountingStorageType=accounting_storage/none"
+    if net is None or not nodes or len(nodes) < 2:
+        ctld = f"{hostname}(127.0.0.1)"
+        slurmd = (f"SlurmdPidFile={s}/slurmd.pid\nSlurmdLogFile={s}/slurmd.log\n"
+                  f"SlurmdSpoolDir={s}/spool")
+        node_lines = (f"NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} "
+                      "RealMemory=1000 State=UNKNOWN")
+        members = NODE
+    else:
+        ctld = f"{hostname}({net.host_addr})"
+        # %n: each slurmd its own files (Slurm puts the node's name in).
+        n = lay.root / "nodes" / "%n"
+        slurmd = (f"SlurmdPidFile={n}/slurmd.pid\nSlurmdLogFile={n}/slurmd.log\n"
+                  f"SlurmdSpoolDir={n}/spool\n"
+                  # A node killed without warning is DOWN (and its jobs requeued) this soon.
+                  "SlurmdTimeout=10")
+        node_lines = "\n".join(
+            f"NodeName={name} NodeHostname={name} NodeAddr={net.addr(i)} CPUs={cpus} "
+            "RealMemory=1000 State=UNKNOWN" for i, name in enumerate(nodes))
+        members = ",".join(nodes)
+    title = "single-node" if not nodes or len(nodes) < 2 else f"{len(nodes)}-node"
     return f"""\
-# A throwaway single-node cluster made by `stasis slurm local-cluster up`.
+# A throwaway {title} cluster made by `stasis slurm local-cluster up`.
 ClusterName=stasis-local
-SlurmctldHost={hostname}(127.0.0.1)
+SlurmctldHost={ctld}
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -119,11 +231,9 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={lay.munge}/munge.sock,cred_expire=5
 StateSaveLocation={s}/state
-SlurmdSpoolDir={s}/spool
 SlurmctldPidFile={s}/slurmctld.pid
-SlurmdPidFile={s}/slurmd.pid
 SlurmctldLogFile={s}/slurmctld.log
-SlurmdLogFile={s}/slurmd.log
+{slurmd}
 PlugStackConfig={lay.etc}/plugstack.conf
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -144,9 +254,9 @@ InactiveLimit=0
 Waittime=0
 ReturnToService=2
 MpiDefault=none
-NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=low Nodes={NODE} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace_s}
-PartitionName=high Nodes={NODE} Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+{node_lines}
+PartitionName=low Nodes={members} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace_s}
+PartitionName=high Nodes={members} Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
 
 
@@ -171,11 +281,75 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
         raise SlurmError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+# -- the network of several nodes --------------------------------------------------------------
+
+def _pick_net(root: Path) -> Net:
+    """A /24 no other local cluster of this machine uses (its bridge would exist)."""
+    start = zlib.crc32(str(root).encode()) % 200
+    for i in range(200):
+        net = Net(20 + (start + i) % 200)
+        if not Path(f"/sys/class/net/{net.bridge}").exists():
+            return net
+    raise SlurmError("no free private network for the local cluster (200 in use?)")
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _uts_file(lay: Layout, node: str) -> Path:
+    return lay.node_dir(node) / "uts"
+
+
+def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
+    if not shutil.which("ip"):
+        raise UsageError("`ip` is not installed (Debian package iproute2); several nodes need it")
+    _ip("link", "add", net.bridge, "type", "bridge")
+    _ip("addr", "add", f"{net.host_addr}/24", "dev", net.bridge)
+    _ip("link", "set", net.bridge, "up")
+    for i, node in enumerate(nodes):
+        ns = net.netns(node)
+        if net.netns_path(node).exists():
+            _run(["ip", "netns", "del", ns], check=False)
+        _ip("netns", "add", ns)
+        _ip("link", "add", net.veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", net.veth(i), "master", net.bridge, "up")
+        _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        uts = _uts_file(lay, node)
+        uts.touch()
+        _run(["unshare", f"--uts={uts}", "hostname", node])
+
+
+def _net_down(lay: Layout, state: dict[str, Any]) -> None:
+    if "net_id" not in state:
+        return
+    net = Net(int(state["net_id"]))
+    for node in state.get("nodes", []):
+        _run(["umount", str(_uts_file(lay, node))], check=False)
+        _run(["ip", "netns", "del", net.netns(node)], check=False)
+    _run(["ip", "link", "del", net.bridge], check=False)
+
+
+def _node_prefix(lay: Layout, node: str) -> list[str]:
+    """How to run a command inside `node` (nothing on a one-node cluster)."""
+    state = _state(lay)
+    if "net_id" not in state:
+        return []
+    net = Net(int(state["net_id"]))
+    return ["nsenter", f"--net={net.netns_path(node)}", f"--uts={_uts_file(lay, node)}", "--"]
+
+
+# -- up, down ----------------------------------------------------------------------------------
+
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
-       warn_s: int = 60, accounting: bool = False) -> Layout:
+       warn_s: int = 60, accounting: bool = False, nodes: int = 1) -> Layout:
     """Start the cluster under `root` (created if needed); returns its layout."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
+    if not 1 <= nodes <= MAX_NODES:
+        raise UsageError(f"--nodes must be 1 to {MAX_NODES}")
     root = root.absolute()
     _check_path(root)
     lay = Layout(root)
@@ -190,11 +364,22 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
     os.chmod(root, 0o755)
     # A clean controller state: job ids start at 1 again (jobs of an earlier `up` are gone).
     shutil.rmtree(lay.slurm / "state", ignore_errors=True)
-    for d in (lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib):
+    names = node_names(nodes)
+    dirs = [lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib]
+    dirs += [p for n in names if nodes > 1 for p in (lay.node_dir(n), lay.node_dir(n) / "spool")]
+    for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
     started: dict[str, int] = {}
+    state: dict[str, Any] = {"pids": started, "nodes": names}
+    _save_state(lay, state)
     try:
+        net = None
+        if nodes > 1:
+            net = _pick_net(root)
+            state["net_id"] = net.net_id
+            _save_state(lay, state)
+            _net_up(lay, net, names)
         started["munged"] = _start_munge(lay)
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
@@ -203,38 +388,80 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
 
             acct_conf = acct.start(lay, started)
         lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
-                                                  hostname=hostname, accounting=acct_conf))
-        lay.stasis_config.write_text(
-            f"socket = {_q(str(lay.stasis_socket))}\n"
-            f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
-            f"store = {_q(str(lay.store))}\n"
-            f"socket_group = {_q(socket_group)}\n"
-            f"slurm_node_name = {_q(NODE)}\n"
-        )
+                                                  hostname=hostname, accounting=acct_conf,
+                                                  nodes=names, net=net))
+        _make_site_key(lay)
+        for node in names:
+            lay.config_of(node).write_text(_stasis_config(lay, node, socket_group))
         install.install(install.InstallOptions(
             roles=frozenset(install.ROLES), slurm_conf=lay.slurm_conf, lib_dir=lay.lib,
-            stasis_config=lay.stasis_config, systemd_dir=None, warn_s=warn_s,
+            # %n: the SPANK plugin reads the config of the node it runs on.
+            stasis_config=lay.config_of("%n") if nodes > 1 else lay.config_of(NODE),
+            systemd_dir=None, warn_s=warn_s,
         ), out=None)
-        started["stasis"] = _start_stasis(lay)
+        _save_state(lay, state)
+        for node in names:
+            started[_daemon_key(lay, node)] = _start_stasis(lay, node)
+            _save_state(lay, state)
         env = _client_env(lay)
         _run(["slurmctld", "-f", str(lay.slurm_conf), "-c"], env)
         _wait(lambda: detached.alive(detached.read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld")
         started["slurmctld"] = detached.read_pid(lay.slurm / "slurmctld.pid") or 0
-        _run(["slurmd", "-f", str(lay.slurm_conf), "-N", NODE], env)
-        _wait(lambda: detached.alive(detached.read_pid(lay.slurm / "slurmd.pid")), 20, "slurmd")
-        started["slurmd"] = detached.read_pid(lay.slurm / "slurmd.pid") or 0
-        lay.state_file.write_text(json.dumps({"pids": started}))
+        _save_state(lay, state)
+        for node in names:
+            started[_slurmd_key(lay, node)] = _start_slurmd(lay, node)
+            _save_state(lay, state)
 
         def idle() -> bool:
-            r = _run(["sinfo", "-h", "-N", "-o", "%T"], env, check=False)
-            return r.returncode == 0 and {s.rstrip("*") for s in r.stdout.split()} == {"idle"}
+            r = _run(["sinfo", "-h", "-N", "-o", "%N %T"], env, check=False)
+            seen = dict(line.split()[:2] for line in r.stdout.splitlines() if line.split())
+            return r.returncode == 0 and all(seen.get(n, "").rstrip("*") == "idle"
+                                             for n in names)
 
-        _wait(idle, _UP_TIMEOUT_S, "node n1 to be idle")
+        _wait(idle, _UP_TIMEOUT_S, f"node(s) {', '.join(names)} to be idle")
     except BaseException:
-        lay.state_file.write_text(json.dumps({"pids": started}))
+        _save_state(lay, state)
         down(root)
         raise
     return lay
+
+
+def _daemon_key(lay: Layout, node: str) -> str:
+    return "stasis" if len(lay.nodes()) < 2 else f"stasis:{node}"
+
+
+def _slurmd_key(lay: Layout, node: str) -> str:
+    return "slurmd" if len(lay.nodes()) < 2 else f"slurmd:{node}"
+
+
+def _slurmd_pid_file(lay: Layout, node: str) -> Path:
+    if len(lay.nodes()) < 2:
+        return lay.slurm / "slurmd.pid"
+    return lay.node_dir(node) / "slurmd.pid"
+
+
+def _make_site_key(lay: Layout) -> None:
+    """One key every node signs with and trusts: a checkpoint of one restores on another."""
+    if lay.site_key.exists():
+        return
+    fd = os.open(lay.site_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+
+
+def _stasis_config(lay: Layout, node: str, socket_group: str) -> str:
+    several = len(lay.nodes()) > 1
+    home = lay.node_dir(node) if several else lay.stasis
+    return (f"socket = {_q(str(home / 'stasis.sock'))}\n"
+            f"state_dir = {_q(str(home / 'state'))}\n"
+            f"store = {_q(str(lay.store))}\n"
+            f"socket_group = {_q(socket_group)}\n"
+            f"site_key = {_q(str(lay.site_key))}\n"
+            f"slurm_node_name = {_q(node)}\n"
+            + (f"node_name = {_q(node)}\n" if several else "")
+            + f"slurm_conf = {_q(str(lay.slurm_conf))}\n")
 
 
 def _start_munge(lay: Layout) -> int:
@@ -256,16 +483,28 @@ def _start_munge(lay: Layout) -> int:
     return detached.read_pid(m / "munged.pid") or 0
 
 
-def _start_stasis(lay: Layout) -> int:
-    """Start the node daemon detached: it outlives this command."""
-    log = lay.stasis / "daemon.log"
-    env = {**_client_env(lay), "LANG": "C.UTF-8"}
-    pid = detached.start([*detached.stasis_command(), "daemon"], lay.stasis / "daemon.pid", log,
-                         env)
-    detached.wait_listening(pid, lay.stasis_socket, log, 20,
-                            lambda why: SlurmError(f"the stasis daemon did not start: {why}"))
+def _start_stasis(lay: Layout, node: str) -> int:
+    """Start `node`'s stasis daemon detached (inside the node): it outlives this command."""
+    config = lay.config_of(node)
+    home = config.parent
+    log = home / "daemon.log"
+    env = {**_client_env(lay), "LANG": "C.UTF-8", "STASIS_CONFIG": str(config)}
+    pid = detached.start([*_node_prefix(lay, node), *detached.stasis_command(), "daemon"],
+                         home / "daemon.pid", log, env)
+    detached.wait_listening(pid, home / "stasis.sock", log, 20,
+                            lambda why: SlurmError(f"the stasis daemon of {node} did not start: "
+                                                   f"{why}"))
     assert pid is not None
     return pid
+
+
+def _start_slurmd(lay: Layout, node: str) -> int:
+    pid_file = _slurmd_pid_file(lay, node)
+    pid_file.unlink(missing_ok=True)
+    _run([*_node_prefix(lay, node), "slurmd", "-f", str(lay.slurm_conf), "-N", node],
+         _client_env(lay))
+    _wait(lambda: detached.alive(detached.read_pid(pid_file)), 20, f"slurmd of {node}")
+    return detached.read_pid(pid_file) or 0
 
 
 def _stop_order(pids: dict[str, int]) -> list[str]:
@@ -286,12 +525,11 @@ def _jobs(lay: Layout) -> list[str]:
 
 
 def down(root: Path) -> None:
-    """Cancel every job, stop every daemon `up` started. The directory stays (logs)."""
+    """Cancel every job, stop every daemon `up` started, take its network away. The directory
+    stays (logs)."""
     lay = Layout(root.absolute())
-    try:
-        pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
-    except (OSError, ValueError, KeyError):
-        pids = {}
+    state = _state(lay)
+    pids: dict[str, int] = state.get("pids") or {}
     if detached.alive(pids.get("slurmctld")):
         jobs = _jobs(lay)
         if jobs:
@@ -302,6 +540,9 @@ def down(root: Path) -> None:
                 pass
     for name in _stop_order(pids):
         detached.stop(pids.get(name))
+    for node in state.get("nodes", []):
+        _kill_node_processes(lay, state, node)
+    _net_down(lay, state)
     try:
         lay.state_file.unlink()
     except FileNotFoundError:
@@ -309,37 +550,106 @@ def down(root: Path) -> None:
 
 
 def _pids(lay: Layout) -> dict[str, int]:
-    try:
-        pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
-    except (OSError, ValueError, KeyError):
-        pids = {}
+    pids: dict[str, int] = _state(lay).get("pids") or {}
     return pids
 
 
-def stop_daemon(root: Path) -> None:
-    """Stop only the cluster's stasis daemon (jobs then run unprotected)."""
+def stop_daemon(root: Path, node: str = NODE) -> None:
+    """Stop only a node's stasis daemon (its jobs then run unprotected)."""
     lay = Layout(root.absolute())
-    detached.stop(_pids(lay).get("stasis"))
+    detached.stop(_pids(lay).get(_daemon_key(lay, node)))
 
 
-def start_daemon(root: Path) -> None:
-    """Start the cluster's stasis daemon again after `stop_daemon`."""
+def start_daemon(root: Path, node: str = NODE) -> None:
+    """Start a node's stasis daemon again after `stop_daemon`."""
     lay = Layout(root.absolute())
-    pids = _pids(lay)
-    if detached.alive(pids.get("stasis")):
+    state = _state(lay)
+    pids = state.setdefault("pids", {})
+    key = _daemon_key(lay, node)
+    if detached.alive(pids.get(key)):
         return
-    pids["stasis"] = _start_stasis(lay)
-    lay.state_file.write_text(json.dumps({"pids": pids}))
+    pids[key] = _start_stasis(lay, node)
+    _save_state(lay, state)
+
+
+# -- what happens to nodes ---------------------------------------------------------------------
+
+def _check_node(lay: Layout, node: str) -> None:
+    if node not in lay.nodes():
+        raise UsageError(f"no node {node!r} in the local cluster in {lay.root} "
+                         f"(nodes: {', '.join(lay.nodes())})")
+
+
+def _netns_inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _kill_node_processes(lay: Layout, state: dict[str, Any], node: str) -> list[int]:
+    """SIGKILL every process inside `node`'s network namespace (several nodes only)."""
+    if "net_id" not in state:
+        return []
+    ino = _netns_inode(Net(int(state["net_id"])).netns_path(node))
+    if ino is None:
+        return []
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(entry / "ns" / "net").st_ino != ino:
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def kill_node(root: Path, node: str) -> list[int]:
+    """The node fails: its slurmd, its stasis daemon and every job process on it are killed
+    at once, without warning (SIGKILL). Slurm finds it DOWN after SlurmdTimeout."""
+    lay = Layout(root.absolute())
+    _check_node(lay, node)
+    state = _state(lay)
+    if "net_id" not in state:
+        raise UsageError("kill-node needs a cluster of several nodes (up --nodes N)")
+    killed = _kill_node_processes(lay, state, node)
+    poll(lambda: not _kill_node_processes(lay, state, node), 10, 0.1)
+    return killed
+
+
+def start_node(root: Path, node: str) -> None:
+    """Bring a killed node back: its stasis daemon, then its slurmd (Slurm returns it to
+    service when it registers: ReturnToService=2)."""
+    lay = Layout(root.absolute())
+    _check_node(lay, node)
+    state = _state(lay)
+    pids = state.setdefault("pids", {})
+    if not detached.alive(pids.get(_daemon_key(lay, node))):
+        pids[_daemon_key(lay, node)] = _start_stasis(lay, node)
+    if not detached.alive(pids.get(_slurmd_key(lay, node))):
+        pids[_slurmd_key(lay, node)] = _start_slurmd(lay, node)
+    _save_state(lay, state)
+
+
+def exec_argv(root: Path, node: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """How to run `argv` on `node`: inside its namespaces, with its stasis config."""
+    lay = Layout(root.absolute())
+    _check_node(lay, node)
+    env = {**os.environ, "SLURM_CONF": str(lay.slurm_conf),
+           "STASIS_CONFIG": str(lay.config_of(node))}
+    return [*_node_prefix(lay, node), *argv], env
 
 
 def status(root: Path) -> dict[str, Any]:
     lay = Layout(root.absolute())
-    try:
-        pids: dict[str, int] = json.loads(lay.state_file.read_text())["pids"]
-    except (OSError, ValueError, KeyError):
-        pids = {}
-    daemons = {name: detached.alive(pids.get(name))
-               for name in ("munged", "slurmctld", "slurmd", "stasis")}
+    pids = _pids(lay)
+    daemons = {name: detached.alive(pids.get(name)) for name in sorted(pids)}
+    if not pids:
+        daemons = {name: False for name in ("munged", "slurmctld", "slurmd", "stasis")}
     return {"dir": str(lay.root), "slurm_conf": str(lay.slurm_conf),
-            "stasis_config": str(lay.stasis_config), "daemons": daemons,
+            "stasis_config": str(lay.stasis_config), "nodes": lay.nodes(), "daemons": daemons,
             "running": all(daemons.values())}

@@ -5,6 +5,8 @@
  *     gcc -shared -fPIC -O2 -o stasis_spank.so stasis_spank.c
  * Loaded by slurmstepd from plugstack.conf as
  *     optional /path/stasis_spank.so python=PY launcher=PATH [conf=TOML] [slurm_conf=PATH]
+ * A "%n" in conf= is the name of the node it runs on (SLURMD_NODENAME): several slurmd of one
+ * slurm.conf on one machine (the local cluster's nodes) each have their own stasis daemon.
  *
  * It acts only in the batch step of jobs opted in with STASIS_ENABLE=1 (or CEDANA_ENABLE=1):
  *   task_init_privileged (root, in the task process, before it execs the batch script):
@@ -97,13 +99,40 @@ static void set_off(spank_t sp, const char *why)
     spank_setenv(sp, "STASIS_SLURM_START", json, 1);
 }
 
+/* conf= with each "%n" replaced by this node's name. */
+static void node_conf(spank_t sp, char *out, size_t outlen)
+{
+    char node[256] = "";
+    size_t o = 0;
+
+    if (spank_getenv(sp, "SLURMD_NODENAME", node, sizeof(node)) != ESPANK_SUCCESS || !node[0]) {
+        if (gethostname(node, sizeof(node)) < 0)
+            node[0] = '\0';
+        node[sizeof(node) - 1] = '\0';
+        char *dot = strchr(node, '.');
+        if (dot)
+            *dot = '\0';
+    }
+    for (const char *c = conf; *c && o + 1 < outlen; c++) {
+        if (c[0] == '%' && c[1] == 'n') {
+            o += (size_t)snprintf(out + o, outlen - o, "%s", node);
+            if (o >= outlen)
+                o = outlen - 1;
+            c++;
+        } else {
+            out[o++] = *c;
+        }
+    }
+    out[o] = '\0';
+}
+
 /* Run the helper as root with a clean environment; collect its stdout. Returns its exit code. */
 static int run_helper(spank_t sp, char *out, size_t outlen)
 {
     uint32_t jobid = 0;
     uid_t uid = 0;
     gid_t gid = 0;
-    char label[256] = "", jobid_s[32], uid_s[32], gid_s[32];
+    char label[256] = "", jobid_s[32], uid_s[32], gid_s[32], conf_here[1024];
     int fds[2];
 
     spank_get_item(sp, S_JOB_ID, &jobid);
@@ -115,6 +144,7 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
     snprintf(jobid_s, sizeof(jobid_s), "%u", jobid);
     snprintf(uid_s, sizeof(uid_s), "%u", (unsigned)uid);
     snprintf(gid_s, sizeof(gid_s), "%u", (unsigned)gid);
+    node_conf(sp, conf_here, sizeof(conf_here));
 
     if (pipe2(fds, O_CLOEXEC) < 0)
         return -1;
@@ -142,8 +172,8 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
         if (chdir("/") < 0)
             _exit(127);
         envp[n++] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-        if (conf[0]) {
-            snprintf(env_conf, sizeof(env_conf), "STASIS_CONFIG=%s", conf);
+        if (conf_here[0]) {
+            snprintf(env_conf, sizeof(env_conf), "STASIS_CONFIG=%s", conf_here);
             envp[n++] = env_conf;
         }
         if (slurm_conf[0]) {
