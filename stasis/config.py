@@ -38,6 +38,11 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          store  (the host name)
     STASIS_SLURM_NODE_NAME  this node's NodeName in slurm.conf, for a drain  (the short host
                          name)
+    STASIS_SLURM_REMOTE_PORT  the TCP port every node's daemon of the Slurm cluster listens on
+                         for `stasis dump --slurm-job` and `stasis slurm drain` from other nodes
+                         (munge-authenticated), and the CLI sends them to; one port cluster-wide;
+                         0 = off  (0; 6821, beside Slurm's own 6817-6819, is the suggested one)
+    STASIS_SLURM_REMOTE_ADDRESS  the address that listener binds  ("": every address)
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
@@ -137,6 +142,8 @@ _ENV_KEYS = {
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
     "STASIS_NODE_NAME": "node_name",
     "STASIS_SLURM_NODE_NAME": "slurm_node_name",
+    "STASIS_SLURM_REMOTE_PORT": "slurm_remote_port",
+    "STASIS_SLURM_REMOTE_ADDRESS": "slurm_remote_address",
     "SLURM_CONF": "slurm_conf",  # Slurm's own variable: which cluster scontrol talks to
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
@@ -196,6 +203,11 @@ class Settings(NamedTuple):
     node_name: str = ""  # "" = the host name (`Settings.node`)
     slurm_node_name: str = ""  # this node's NodeName in slurm.conf; "" = the short host name
     slurm_conf: str = ""  # "" = Slurm's default, /etc/slurm/slurm.conf
+    # Off unless asked: it is root's daemon listening on the network, a port the site's
+    # firewall must let through between its nodes, and a node without Slurm (containers, a
+    # laptop, the test suite's many daemons) must not open one.
+    slurm_remote_port: int = 0
+    slurm_remote_address: str = ""
     # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
     # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
     # and `stasis checkpoints rekey`.
@@ -311,4 +323,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     unknown = sorted(set(values) - set(defaults))
     if unknown:
         raise UsageError(f"bad setting {unknown[0]!r}: no such setting (see stasis/config.py)")
-    return Settings(**{k: _convert(k, v, defaults[k]) for k, v in values.items()})  # type: ignore[arg-type]
+    settings = Settings(**{k: _convert(k, v, defaults[k]) for k, v in values.items()})  # type: ignore[arg-type]
+    if settings.slurm_remote_port > 65535:
+        raise UsageError(f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
+                         "a TCP port (1..65535, or 0 for off)")
+    return settings

@@ -62,9 +62,9 @@ def dump(args: argparse.Namespace, settings: Settings) -> None:
     if args.slurm_job is not None or args.job is None:
         if args.job is not None or args.slurm_job is None:
             raise UsageError("give either a JOB id or --slurm-job JOBID")
-        from stasis.cli.slurm import dump_slurm_job
+        from stasis.cli.slurm_remote import dump_slurm_job
 
-        dump_slurm_job(Client(settings.socket), args.slurm_job, args.leave_running, args.json)
+        dump_slurm_job(settings, args.slurm_job, args.leave_running, args.json)
         return
     if args.check:
         dump_check(args, settings)

@@ -10,6 +10,19 @@
                                             label's checkpoints (COMPLETED), anything else keeps them
 
 Who calls is the socket's peer (SO_PEERCRED); see stasis.slurm.registrations for who may do what.
+
+With `slurm_remote_port` set, the integration also listens on TCP (every address, or
+`slurm_remote_address`) for the same requests from other nodes of the cluster, each carrying a
+munge credential (stasis.slurm.remote: who asks is munge's uid, never the request's):
+
+    POST /slurm/remote/jobs/{id}/checkpoint  {"credential", "leave_running", "reason"}
+    POST /slurm/remote/drain                 {"credential", "reason"}: root only; the node is
+                                             drained in Slurm and its protected jobs
+                                             checkpointed and requeued
+
+Only those two routes are served there, with the unix socket's limits: `request_timeout_s`
+for the headers and again for the body, `max_connections_per_uid` connections from the network
+at once (they all count as one unknown user), a body of at most 16 KiB.
 """
 
 from __future__ import annotations
@@ -18,18 +31,22 @@ import asyncio
 import logging
 import socket
 from collections.abc import Sequence
+from contextlib import suppress
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Table
 
 from stasis.daemon.activity import JobSource, ReportedJob
+from stasis.daemon.api import errors
+from stasis.daemon.connections import ConnectionGuard, raise_open_files_limit
 from stasis.daemon.http import answer, peer, read_body
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
-from stasis.errors import SlurmError, StasisError
-from stasis.slurm import scontrol
+from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
+from stasis.slurm import remote, scontrol
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import Health
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
@@ -39,6 +56,55 @@ _ROOT = Caller(pid=0, uid=0, gid=0)  # what the control plane asks is the node a
 
 # Registrations of workloads that ended without telling the daemon (scancel) are forgotten.
 _SWEEP_INTERVAL_S = 60.0
+# A remote request is a credential (~400 characters) and two fields.
+_REMOTE_MAX_BODY = 16 * 1024
+_REASON = Field(default="asked", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
+
+
+class RemoteCheckpointRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    credential: str = Field(max_length=remote.MAX_CREDENTIAL_CHARS)
+    leave_running: bool = False
+    reason: str = _REASON
+
+
+class RemoteDrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    credential: str = Field(max_length=remote.MAX_CREDENTIAL_CHARS)
+    reason: str = _REASON
+
+
+class _GuardedSockSite(web.SockSite):
+    """aiohttp's SockSite, with every connection going through a ConnectionGuard."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket,
+                 guard: ConnectionGuard) -> None:
+        super().__init__(runner, sock)
+        self._guard = guard
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._guard.wrap(server), sock=self._sock, backlog=self._backlog)
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    """The remote listener's socket, bound now: a port taken is the daemon's start failing."""
+    try:
+        if address:
+            family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)[0][0]
+            return socket.create_server((address, port), family=family)
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6,
+                                        dualstack_ipv6=True)
+        return socket.create_server(("", port))
+    except OSError as e:
+        raise UsageError(f"cannot listen for remote Slurm commands on "
+                         f"{address or '*'}:{port} (slurm_remote_port): "
+                         f"{e.strerror or e}") from None
 
 
 class SlurmIntegration(Integration):
@@ -50,6 +116,7 @@ class SlurmIntegration(Integration):
         manager.add_job_source(JobSource("slurm", self._reported, self._checkpoint,
                                          self._drain, self._state))
         self._partitions: dict[str, str] = {}  # Slurm job id -> its partition, asked once
+        self._listener: asyncio.Task[None] | None = None
 
     def _reported(self) -> list[ReportedJob]:
         running = self.jobs.registrations.running()
@@ -78,7 +145,7 @@ class SlurmIntegration(Integration):
         return dict(done)
 
     def _node(self) -> str:
-        return self.manager.settings.slurm_node_name or socket.gethostname().split(".")[0]
+        return remote.this_node(self.manager.settings)
 
     def _state(self) -> str:
         """Slurm's state of this node; "" where Slurm does not know it (no Slurm here)."""
@@ -114,6 +181,88 @@ class SlurmIntegration(Integration):
         if moved:
             log.info("moved %d Slurm registration(s) of an older daemon into its database",
                      moved)
+        settings = self.manager.settings
+        if settings.slurm_remote_port:
+            sock = _listen(settings.slurm_remote_address, settings.slurm_remote_port)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not in a daemon (a test's integration): nothing to serve
+                sock.close()
+                return
+            self._listener = loop.create_task(self._serve_remote(sock))
+
+    def close(self) -> None:
+        # Its cleanup (closing the listener) runs as the daemon's loop winds down.
+        if self._listener is not None:
+            self._listener.cancel()
+
+    # -- the remote listener -------------------------------------------------------------------
+
+    async def _serve_remote(self, sock: socket.socket) -> None:
+        settings = self.manager.settings
+        guard = ConnectionGuard(settings.max_connections_per_uid, settings.request_timeout_s,
+                                raise_open_files_limit())
+        app = web.Application(middlewares=[guard.middleware, errors],
+                              client_max_size=_REMOTE_MAX_BODY)
+        app.add_routes(self.remote_routes())
+        runner = web.AppRunner(app, access_log=None,
+                               keepalive_timeout=settings.request_timeout_s or 75.0)
+        try:
+            await runner.setup()
+            await _GuardedSockSite(runner, sock, guard).start()
+            host, port = sock.getsockname()[:2]
+            log.info("listening for remote Slurm commands on %s port %d (munge identifies "
+                     "the caller)", host or "*", port)
+            await asyncio.Event().wait()  # until cancelled by close()
+        except Exception:
+            log.exception("the remote listener for Slurm commands failed; only the local "
+                          "socket serves them")
+        finally:
+            await runner.cleanup()
+            with suppress(OSError):
+                sock.close()
+
+    def _remote_caller(self, request: web.Request, credential: str, op: str,
+                       fields: dict[str, object]) -> Caller:
+        """Who asks `op` (blocking: munge): munge's uid and gid, once the credential decoded
+        here and names this very request, node and cluster."""
+        conf = remote.slurm_conf(self.manager.settings)
+        try:
+            identity = remote.verify_credential(credential, conf.munge_socket)
+            remote.check_payload(identity, remote.request_payload(op, self._node(),
+                                                                  conf.cluster, **fields))
+        except PermissionDeniedError as e:
+            log.warning("refused a remote Slurm %s from %s: %s", op, request.remote, e)
+            raise
+        log.info("remote Slurm %s %s asked by uid %d from %s", op,
+                 " ".join(f"{k}={v}" for k, v in fields.items()), identity.uid, request.remote)
+        return Caller(pid=-1, uid=identity.uid, gid=identity.gid)  # no process of this node
+
+    def remote_routes(self) -> Sequence[web.RouteDef]:
+        """What the remote listener serves (and nothing of the unix socket's)."""
+        jobs = self.jobs
+
+        async def checkpoint(request: web.Request) -> web.StreamResponse:
+            job_id = scontrol.validate_slurm_job_id(request.match_info["job"])
+            req = await read_body(request, RemoteCheckpointRequest)
+            caller = await asyncio.to_thread(
+                self._remote_caller, request, req.credential, "checkpoint",
+                {"job": job_id, "leave_running": req.leave_running, "reason": req.reason})
+            return answer(await asyncio.to_thread(
+                jobs.checkpoint, job_id,
+                CheckpointRequest(leave_running=req.leave_running, reason=req.reason), caller))
+
+        async def drain(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, RemoteDrainRequest)
+            caller = await asyncio.to_thread(self._remote_caller, request, req.credential,
+                                             "drain", {"reason": req.reason})
+            if not caller.is_root:
+                raise PermissionDeniedError(f"permission denied: only root drains a node "
+                                            f"(uid {caller.uid} asked)")
+            return answer(await asyncio.to_thread(self._drain, req.reason))
+
+        return [web.post("/slurm/remote/jobs/{job}/checkpoint", checkpoint),
+                web.post("/slurm/remote/drain", drain)]
 
     def tasks(self) -> Sequence[Task]:
         return [Task("forget ended Slurm workloads", _SWEEP_INTERVAL_S, self.jobs.sweep)]

@@ -1,6 +1,6 @@
-"""What Slurm says, through `scontrol` on this node (SLURM_CONF picks the cluster).
+"""What Slurm says, through `scontrol` (and `squeue`) on this node (SLURM_CONF picks the cluster).
 
-scontrol's own words are read here and nowhere else: a job Slurm does not know is a
+Their own words are read here and nowhere else: a job Slurm does not know is a
 SlurmJobNotFoundError, any other failure a SlurmError.
 """
 
@@ -11,7 +11,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from stasis.errors import SlurmError, SlurmJobNotFoundError, UsageError
+from stasis.errors import NotFoundError, SlurmError, SlurmJobNotFoundError, UsageError
 
 _JOB_ID = re.compile(r"^[0-9]{1,10}$")
 _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")
@@ -29,18 +29,22 @@ def validate_slurm_job_id(job_id: str) -> str:
 
 
 def scontrol(*args: str) -> str:
+    return _tool("scontrol", *args)
+
+
+def _tool(tool: str, *args: str) -> str:
     try:
-        result = subprocess.run(["scontrol", *args], capture_output=True, text=True,
+        result = subprocess.run([tool, *args], capture_output=True, text=True,
                                 timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except FileNotFoundError as e:
-        raise SlurmError("scontrol is not installed on this node") from e
+        raise SlurmError(f"{tool} is not installed on this node") from e
     except subprocess.TimeoutExpired as e:
-        raise SlurmError(f"scontrol {' '.join(args)} did not answer in {_TIMEOUT_S} s") from e
+        raise SlurmError(f"{tool} {' '.join(args)} did not answer in {_TIMEOUT_S} s") from e
     if result.returncode != 0:
         output = (result.stderr or result.stdout).strip()
         why = output.splitlines()[-1] if output else "no output"
         kind = SlurmJobNotFoundError if _UNKNOWN_JOB in output else SlurmError
-        raise kind(f"scontrol {' '.join(args)} failed: {why}")
+        raise kind(f"{tool} {' '.join(args)} failed: {why}")
     return result.stdout
 
 
@@ -68,6 +72,7 @@ class JobInfo:
     work_dir: str
     preempted: bool = False  # PreemptTime is set: a preemption's grace time is running
     partition: str = ""
+    batch_host: str = ""  # the node its batch step runs on; "" while it runs nowhere
 
 
 def job_info(job_id: str) -> JobInfo:
@@ -91,6 +96,7 @@ def job_info(job_id: str) -> JobInfo:
         token=token.group(1) if token else "", work_dir=fields.get("WorkDir", ""),
         preempted=fields.get("PreemptTime", "None") not in ("", "None", "Unknown"),
         partition=fields.get("Partition", ""),
+        batch_host=fields.get("BatchHost", "") if fields.get("BatchHost") != "(null)" else "",
     )
 
 
@@ -134,6 +140,12 @@ def requeue(job_id: str) -> None:
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+def validate_node_name(node: str) -> str:
+    if not isinstance(node, str) or not _NODE.fullmatch(node):
+        raise UsageError(f"{node!r} is not a Slurm node name")
+    return node
+
+
 def drain_node(node: str, reason: str) -> None:
     """Slurm gives `node` no new job (State=DRAIN); the jobs on it go on until they end."""
     if not _NODE.fullmatch(node):
@@ -146,3 +158,26 @@ def node_state(node: str) -> str:
     if not _NODE.fullmatch(node):
         raise SlurmError(f"bad Slurm node name {node!r}")
     return parse_record(scontrol("show", "node", "-o", node)).get("State", "")
+
+
+def node_address(node: str) -> str:
+    """Where `node` is reached (its NodeAddr; Slurm says the NodeName when none is set)."""
+    validate_node_name(node)
+    try:
+        text = scontrol("show", "node", "-o", node)
+    except SlurmError as e:
+        # 22.05 and 24.11 alike: "Node n9 not found" on stderr, exit 1.
+        if "not found" in str(e):
+            raise NotFoundError(f"no Slurm node {node}") from None
+        raise
+    fields = parse_record(text.splitlines()[0] if text.strip() else "")
+    if fields.get("NodeName") != node:
+        raise NotFoundError(f"no Slurm node {node}")
+    return fields.get("NodeAddr") or node
+
+
+def jobs_on_node(node: str) -> list[str]:
+    """The jobs Slurm has running or completing on `node` (ids, ascending)."""
+    validate_node_name(node)
+    text = _tool("squeue", "-h", "-w", node, "-t", "RUNNING,COMPLETING", "-o", "%i")
+    return sorted({j for j in text.split() if _JOB_ID.match(j)}, key=int)
