@@ -35,6 +35,9 @@ def add_controlplane(commands: Any) -> None:
                         "(default: %(default)s).")
     p.add_argument("--session-ttl", type=_duration, default=8 * 3600, metavar="N[s|m|h|d]",
                    help="How long a dashboard log-in lasts (default: 8h).")
+    p.add_argument("--min-interval", type=_duration, default=60, metavar="N[s|m|h|d]",
+                   help="The shortest period a policy may have: a shorter --every is refused "
+                        "(default: 60s).")
     p.set_defaults(handler=serve)
 
     p = sub.add_parser("join", help="Put a control plane's url, cluster id and token "
@@ -143,36 +146,24 @@ def add_controlplane(commands: Any) -> None:
     pol = subcommands(sub.add_parser("policies", help="Policies: every N seconds, a "
                                                       "checkpoint of matching jobs or retention "
                                                       "of their checkpoints."))
-    p = pol.add_parser("add")
+    p = pol.add_parser("add", help="A new policy (a webhook one prints its hook token, once).")
     p.add_argument("name")
-    p.add_argument("--every", type=_duration, metavar="N[s|m|h|d]",
-                   help="Run every N (with --on memory: act on a job again only N later).")
-    p.add_argument("--on", choices=["webhook", "memory", "drain"],
-                      help="webhook: run only when called (`policies run NAME`, POST "
-                           "/api/v1/policies/NAME/run); memory: a job above --above PCT of "
-                           "its node's memory; drain: the jobs of a node its scheduler "
-                           "drains or holds for maintenance.")
-    p.add_argument("--above", type=float, default=None, metavar="PCT",
-                   help="memory: the share of its node's memory that triggers.")
-    p.add_argument("--action", required=True, choices=["checkpoint", "retain", "migrate"])
-    p.add_argument("--stop", action="store_true",
-                   help="checkpoint: and stop the job (a Slurm job: requeue it).")
-    p.add_argument("--keep", type=int, default=None,
-                   help="retain: the newest checkpoints each label keeps.")
-    p.add_argument("--completed", action="store_true",
-                   help="retain: delete every checkpoint of a label whose job completed "
-                        "(exit 0) and that runs nowhere.")
-    p.add_argument("--older-than", type=_duration, default=None, metavar="N[s|m|h|d]",
-                   help="retain: delete checkpoints older than this (a label's newest stays).")
-    for f in ("cluster", "node", "label", "user", "partition"):
-        p.add_argument(f"--{f}", default="", help=f"Only this {f} (a glob; partition: "
-                                                  "Kubernetes' namespace too).")
-    p.add_argument("--min-age", type=_duration, default=None, metavar="N[s|m|h|d]",
-                   help="Only jobs that have run this long.")
-    p.add_argument("--min-size", type=_size, default=None, metavar="N[K|M|G]",
-                   help="Only jobs with this much resident memory.")
+    _policy_options(p, editing=False)
     add_json(p)
     p.set_defaults(handler=add_policy)
+    p = pol.add_parser("edit", help="Change a policy in place: only the options given change "
+                                    "(a filter given as '' is removed).")
+    p.add_argument("name")
+    _policy_options(p, editing=True)
+    add_json(p)
+    p.set_defaults(handler=edit_policy)
+    p = pol.add_parser("rotate-hook", help="A new hook token for a policy (printed once); the "
+                                           "old one stops working.")
+    p.add_argument("name")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
+                                              f"/api/v1/policies/{_seg(a.name)}/rotate-hook",
+                                              None, lambda d: _said_hook(d, s)))
     p = pol.add_parser("list")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
@@ -199,6 +190,52 @@ def add_controlplane(commands: Any) -> None:
                                               f"/api/v1/policies/{_seg(a.name)}", None,
                                               lambda d: output.say(f"policy {d['name']} "
                                                                    "removed")))
+
+
+def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
+    """The options of `policies add`, and of `policies edit` where none has a default (what is
+    not given does not change)."""
+    p.add_argument("--every", type=_duration, metavar="N[s|m|h|d]",
+                   help="Run every N, at least the control plane's floor (serve "
+                        "--min-interval, 60 s by default); with --on memory: act on a job "
+                        "again only N later." + (" 0: only when called." if editing else ""))
+    p.add_argument("--on", choices=["webhook", "memory", "drain"],
+                   help="webhook: run only when called (`policies run NAME`, POST "
+                        "/api/v1/policies/NAME/run, with the admin token or the policy's hook "
+                        "token); memory: a job above --above PCT of its node's memory; drain: "
+                        "the jobs of a node its scheduler drains or holds for maintenance.")
+    p.add_argument("--above", type=float, default=None, metavar="PCT",
+                   help="memory: the share of its node's memory that triggers.")
+    p.add_argument("--action", required=not editing, default=None,
+                   choices=["checkpoint", "retain", "migrate"])
+    flag: Any = argparse.BooleanOptionalAction if editing else "store_true"
+    p.add_argument("--stop", action=flag, default=None if editing else False,
+                   help="checkpoint: and stop the job (a Slurm job: requeue it).")
+    p.add_argument("--keep", type=int, default=None,
+                   help="retain: the newest checkpoints each label keeps" +
+                        (" (0: no such limit)." if editing else "."))
+    p.add_argument("--completed", action=flag, default=None if editing else False,
+                   help="retain: delete every checkpoint of a label whose job completed "
+                        "(exit 0) and that runs nowhere.")
+    p.add_argument("--older-than", type=_duration, default=None, metavar="N[s|m|h|d]",
+                   help="retain: delete checkpoints older than this (a label's newest stays)"
+                        + ("; 0: no such limit." if editing else "."))
+    for f in _GLOBS:
+        p.add_argument(f"--{f}", default=None if editing else "",
+                       help=f"Only this {f} (a glob; partition: Kubernetes' namespace too)"
+                            + ("; '' removes the filter." if editing else "."))
+    p.add_argument("--min-age", type=_duration, default=None, metavar="N[s|m|h|d]",
+                   help="Only jobs that have run this long" + ("; 0 removes the filter."
+                                                              if editing else "."))
+    p.add_argument("--min-size", type=_size, default=None, metavar="N[K|M|G]",
+                   help="Only jobs with this much resident memory" + (
+                       "; 0 removes the filter." if editing else "."))
+    if editing:
+        p.add_argument("--enable", action=argparse.BooleanOptionalAction, default=None,
+                       help="--disable: the policy stays, but runs no more until --enable.")
+
+
+_GLOBS = ("cluster", "node", "label", "user", "partition")
 
 
 def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
@@ -383,11 +420,58 @@ def add_policy(args: argparse.Namespace, settings: Settings) -> None:
         "older_than_s": a.older_than, "stop": a.stop, "completed": a.completed,
         "trigger": a.on if a.on in ("memory", "drain") else "every",
         "threshold_pct": a.above,
-        "filters": {**{f: getattr(a, f) for f in ("cluster", "node", "label", "user",
-                                                   "partition") if getattr(a, f)},
+        "filters": {**{f: getattr(a, f) for f in _GLOBS if getattr(a, f)},
                     **({"min_age_s": str(a.min_age)} if a.min_age else {}),
                     **({"min_rss_bytes": str(a.min_size)} if a.min_size else {})}},
-        lambda d: output.say(f"policy {d['name']} added"))
+        lambda d: _said_policy(d, "added", settings))
+
+
+def edit_policy(args: argparse.Namespace, settings: Settings) -> None:
+    a = args
+    body: dict[str, Any] = {}
+    if a.on is not None:
+        if a.on in ("webhook", "drain") and a.every is not None:
+            raise UsageError(f"--every with --on {a.on}: a {a.on} policy runs when it is "
+                             "called or triggered, not every N")
+        body["trigger"] = "every" if a.on == "webhook" else a.on
+        if a.on in ("webhook", "drain"):
+            body["every_s"] = 0
+    for key, value in (("every_s", a.every), ("threshold_pct", a.above),
+                       ("action", a.action), ("stop", a.stop), ("completed", a.completed),
+                       ("enabled", a.enable)):
+        if value is not None:
+            body[key] = value
+    for key, value in (("keep", a.keep), ("older_than_s", a.older_than)):
+        if value is not None:
+            body[key] = value or None  # 0: no such limit
+    filters = {f: getattr(a, f) for f in _GLOBS if getattr(a, f) is not None}
+    if a.min_age is not None:
+        filters["min_age_s"] = str(a.min_age) if a.min_age else ""
+    if a.min_size is not None:
+        filters["min_rss_bytes"] = str(a.min_size) if a.min_size else ""
+    if filters:
+        body["filters"] = filters
+    if not body:
+        raise UsageError(f"nothing to change in policy {a.name}: give what changes (--every, "
+                         "--on, --action, a filter, ...; `policies edit -h`)")
+    _call(a, settings, "PATCH", f"/api/v1/policies/{_seg(a.name)}", body,
+          lambda d: _said_policy(d, "saved", settings))
+
+
+def _said_policy(d: dict[str, Any], done: str, settings: Settings) -> None:
+    output.plain(f"policy {d['name']} {done}")
+    if d.get("hook_token"):
+        _said_hook(d, settings)
+
+
+def _said_hook(d: dict[str, Any], settings: Settings) -> None:
+    import shlex
+
+    url = f"{settings.controlplane_url.rstrip('/')}/api/v1/policies/{_seg(d['name'])}/run"
+    output.plain(f"hook token (shown once; it runs policy {d['name']} only): "
+                 f"{d['hook_token']}\n"
+                 f"  curl -fsS -X POST -H {shlex.quote('Authorization: Bearer ' + d['hook_token'])}"
+                 f" {shlex.quote(url)}")
 
 
 def join(args: argparse.Namespace, settings: Settings) -> None:
@@ -412,6 +496,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
     try:
         asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
                         args.allow_plain_http, args.lost_after, args.command_lease,
-                        int(args.session_ttl), settings.state_dir / "controlplane"))
+                        int(args.session_ttl), settings.state_dir / "controlplane",
+                        int(args.min_interval)))
     except KeyboardInterrupt:
         pass

@@ -10,6 +10,8 @@ that refreshes each page's live part every few seconds, no build step.
     POST /ui/jobs/{job}/migrate         "Migrate" to the node chosen
     GET  /ui/checkpoints                size, CRIU's time, frozen time, where stored
     GET  /ui/policies, POST /ui/policies, POST /ui/policies/{name}/run|delete
+    GET  /ui/policies/{name}/edit, POST /ui/policies/{name}/edit   a policy edited in place
+                                        (the form holds all its fields: what it sends is it)
     GET  /ui/actions, /ui/events        the commands with their status; the timeline
     GET  /ui/savings                    node-hours kept by restores, per cluster and user, by day
 
@@ -33,7 +35,7 @@ from aiohttp import web
 from stasis.controlplane import policies, sessions
 from stasis.controlplane.registry import AuthError, Registry, human_size
 from stasis.controlplane.sessions import Session
-from stasis.errors import StasisError, UsageError
+from stasis.errors import NotFoundError, StasisError, UsageError
 
 COOKIE = "stasis_session"
 HERE = Path(__file__).parent
@@ -78,8 +80,30 @@ def _environment() -> jinja2.Environment:
 Gather = Callable[[Session], dict[str, Any]]
 
 
-def routes(registry: Registry, lost_after_s: float, session_ttl_s: int
-           ) -> list[web.RouteDef]:
+def _number(f: dict[str, str], key: str) -> int | None:
+    """A whole number from a form field; None when it is empty."""
+    raw = f.get(key, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
+        raise UsageError(f"{key}: a whole number, not {raw[:40]!r}")
+    return int(raw)
+
+
+def _share(f: dict[str, str], key: str) -> float | None:
+    """A percentage from a form field (50, 12.5); None when it is empty."""
+    raw = f.get(key, "").strip()
+    if not raw:
+        return None
+    whole, _, part = raw.partition(".")
+    if not (raw.isascii() and whole.isdigit() and (not part or part.isdigit())) or \
+            len(raw) > 20:
+        raise UsageError(f"{key}: a number, not {raw[:40]!r}")
+    return float(raw)
+
+
+def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
+           min_interval_s: int = policies.MIN_INTERVAL_S) -> list[web.RouteDef]:
     env = _environment()
     flashes: dict[str, list[tuple[str, str]]] = {}
 
@@ -182,7 +206,20 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int
         return {"checkpoints": registry.list_checkpoints(s.principal, 300)}
 
     def policy_page(s: Session) -> dict[str, Any]:
-        return {"policies": policies.listed(registry, s.principal)}
+        return {"policies": policies.listed(registry, s.principal),
+                "min_interval_s": min_interval_s}
+
+    async def policy_edit_page(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+
+        def one(s: Session) -> dict[str, Any]:
+            found = [p for p in policies.listed(registry, s.principal) if p["name"] == name]
+            if not found:
+                raise NotFoundError(f"no policy {name}")
+            return {"p": found[0], "filters": policies.FILTERS,
+                    "min_interval_s": min_interval_s}
+
+        return await page("policy_edit.html", one)(request)
 
     def actions(s: Session) -> dict[str, Any]:
         return {"commands": registry.list_commands(s.principal)[::-1][:300]}
@@ -214,23 +251,32 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int
         return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
 
     def add_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        def number(key: str) -> int | None:
-            raw = f.get(key, "").strip()
-            if not raw:
-                return None
-            if not raw.isdigit():
-                raise UsageError(f"{key}: a whole number, not {raw!r}")
-            return int(raw)
-
-        every = number("every_s")
-        threshold = number("threshold_pct")
-        p = policies.add(registry, s.principal, f.get("name", ""), every or 0,
+        p = policies.add(registry, s.principal, f.get("name", ""), _number(f, "every_s") or 0,
                          f.get("action", ""),
-                         {k: f[k] for k in policies.FILTERS if f.get(k)}, number("keep"),
-                         number("older_than_s"), f.get("trigger") or "every",
-                         float(threshold) if threshold is not None else None,
-                         f.get("stop") == "1")
+                         {k: f[k] for k in policies.FILTERS if f.get(k)}, _number(f, "keep"),
+                         _number(f, "older_than_s"), f.get("trigger") or "every",
+                         _share(f, "threshold_pct"), f.get("stop") == "1",
+                         min_interval_s=min_interval_s)
+        if p.get("hook_token"):
+            return (f"policy {p['name']} added; its hook token (shown once, it runs this "
+                    f"policy only): {p['hook_token']}")
         return f"policy {p['name']} added"
+
+    def edit_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        name = request.match_info["name"]
+        changes: dict[str, Any] = {
+            "every_s": _number(f, "every_s") or 0, "action": f.get("action", ""),
+            "trigger": f.get("trigger") or "every", "keep": _number(f, "keep"),
+            "older_than_s": _number(f, "older_than_s"),
+            "threshold_pct": _share(f, "threshold_pct"),
+            "stop": f.get("stop") == "1", "completed": f.get("completed") == "1",
+            "enabled": f.get("enabled") == "1",
+            "filters": {k: f.get(k, "").strip() for k in policies.FILTERS}}
+        p = policies.edit(registry, s.principal, name, changes, min_interval_s)
+        if p.get("hook_token"):
+            return (f"policy {name} saved; its hook token (shown once, it runs this policy "
+                    f"only): {p['hook_token']}")
+        return f"policy {name} saved"
 
     def run_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
         done = policies.run_now(registry, s.principal, request.match_info["name"],
@@ -298,6 +344,8 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int
         web.post("/ui/policies", action(add_policy, "/ui/policies")),
         web.post("/ui/policies/{name}/run", action(run_policy, "/ui/policies")),
         web.post("/ui/policies/{name}/delete", action(remove_policy, "/ui/policies")),
+        web.get("/ui/policies/{name}/edit", policy_edit_page),
+        web.post("/ui/policies/{name}/edit", action(edit_policy, "/ui/policies")),
         web.get("/ui/actions", page("actions.html", actions)),
         web.get("/ui/events", page("events.html", events)),
         web.get("/ui/savings", page("savings.html", savings)),

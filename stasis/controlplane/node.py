@@ -5,6 +5,9 @@ listens: it registers (host, versions, `stasis check`), then heartbeats every
 carried out, acknowledged. What it did is kept by command id in the daemon's database (table
 `controlplane_done`) before it is acknowledged, so a command leased again (the acknowledgement
 was lost: the connection dropped, the control plane restarted) is answered, not done twice.
+Commands run one at a time in a worker thread of their own, never in the heartbeat: a dump that
+takes minutes does not silence the node (it would be shown lost), and every heartbeat renews
+the lease of the command under way, so it is not given out again while the node works on it.
 Registered again whenever the control plane no longer knows the node. The token is never logged.
 """
 
@@ -15,6 +18,7 @@ import logging
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
@@ -78,6 +82,12 @@ class ControlPlaneNode(Integration):
         self._beats = 0
         self._registered = False
         self._failing: str | None = None
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._current: str | None = None  # the command under way (its lease is renewed)
+        self._worker_failing: str | None = None
+        self._unleased: str | None = None
+        self._closing = False
 
     def tables(self) -> Sequence[Table]:
         return [done_table, outbox_table]
@@ -154,7 +164,8 @@ class ControlPlaneNode(Integration):
                                                    "scheduler_state": self._scheduler_state()})
                 self._sent(ids)
             self._beats += 1
-            self._commands()
+            self._renew()
+            self._start_worker()
             if self._failing is not None:
                 log.info("the control plane answers again")
                 self._failing = None
@@ -166,15 +177,60 @@ class ControlPlaneNode(Integration):
                 self._failing = str(e)
 
 
+    def close(self) -> None:
+        self._closing = True  # the command under way ends; no other is leased
+
+    def _renew(self) -> None:
+        assert self.client is not None
+        with self._lock:
+            current = self._current
+        if current is None:
+            return
+        try:
+            self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}/commands/"
+                                f"{current}/renew", {})
+        except NotFoundError:
+            # Acknowledged meanwhile, or its lease ran out (the control plane was away): it
+            # is answered from controlplane_done if it comes again.
+            if self._unleased != current:
+                log.info("control plane command %s is no longer leased to this node", current)
+                self._unleased = current
+
+    def _start_worker(self) -> None:
+        if self._closing or (self._worker is not None and self._worker.is_alive()):
+            return
+        self._worker = threading.Thread(target=self._commands, name="controlplane commands",
+                                        daemon=True)
+        self._worker.start()
+
     def _commands(self) -> None:
+        """The worker: every command queued for this node, one after another, until none is
+        left (the next heartbeat starts it again)."""
         assert self.client is not None
         lease = f"/api/v1/nodes/{self.manager.settings.node}/commands/lease"
-        cmd = self.client.request("POST", lease, {})
-        while cmd is not None:
-            ok, result = self._done(cmd["id"]) or self._carry_out(cmd)
-            self.client.request("POST", f"/api/v1/commands/{cmd['id']}/ack",
-                                {"ok": ok, "result": result})
-            cmd = self.client.request("POST", lease, {})
+        try:
+            while not self._closing:
+                cmd = self.client.request("POST", lease, {})
+                if cmd is None:
+                    break
+                with self._lock:
+                    self._current = cmd["id"]
+                try:
+                    ok, result = self._done(cmd["id"]) or self._carry_out(cmd)
+                finally:
+                    with self._lock:
+                        self._current = None
+                self.client.request("POST", f"/api/v1/commands/{cmd['id']}/ack",
+                                    {"ok": ok, "result": result})
+            self._worker_failing = None
+        except NotFoundError:
+            self._registered = False  # it forgot us: register at the next beat
+        except StasisError as e:
+            # Not acknowledged: the command is leased again once its lease runs out and
+            # answered from what was kept.
+            if str(e) != self._worker_failing:
+                log.warning("control plane commands: %s", e)
+                self._worker_failing = str(e)
 
     def _done(self, command_id: str) -> tuple[bool, dict[str, Any]] | None:
         with self.manager.db.transaction() as conn:

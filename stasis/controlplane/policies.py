@@ -19,13 +19,21 @@
 
 A policy's run queues ordinary node commands (stasis.controlplane.registry), marked with its
 name; a job that still has a command of the policy under way gets no second one.
+
+Policies are edited in place (`edit`: only what is named changes, checked as a new one is). A
+period below the control plane's floor (`MIN_INTERVAL_S`, `serve --min-interval`) is refused. A
+webhook policy has a hook token of its own (`stasis_hook_...`, made when it is added or by
+`rotate_hook`, shown once, its SHA-256 kept): it runs that policy and is refused everywhere else.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -33,7 +41,13 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from stasis.controlplane.registry import Principal, Registry, validate_name
+from stasis.controlplane.registry import (
+    HOOK_PREFIX,
+    AuthError,
+    Principal,
+    Registry,
+    validate_name,
+)
 from stasis.controlplane.schema import commands, nodes, policies
 from stasis.errors import NotFoundError, UsageError
 
@@ -44,6 +58,12 @@ GLOB_FILTERS = ("cluster", "node", "label", "user", "partition")
 NUMBER_FILTERS = ("min_age_s", "min_rss_bytes")
 FILTERS = GLOB_FILTERS + NUMBER_FILTERS
 _SYSTEM = Principal(kind="admin", token_id="policy")
+# The shortest period a policy may have unless the control plane is served with another floor
+# (`serve --min-interval`): a dump freezes its job, and one a few seconds apart leaves it little
+# time to run.
+MIN_INTERVAL_S = 60
+EDITABLE = ("every_s", "action", "filters", "keep", "older_than_s", "trigger", "threshold_pct",
+            "stop", "completed", "enabled")
 _MEMORY_COOLDOWN_S = 60
 _HELD = ("DRAIN", "MAINT")  # in Slurm's node state: the node is being emptied
 
@@ -51,17 +71,107 @@ _HELD = ("DRAIN", "MAINT")  # in Slurm's node state: the node is being emptied
 def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
         filters: dict[str, str], keep: int | None, older_than_s: int | None = None,
         trigger: str = "every", threshold_pct: float | None = None, stop: bool = False,
-        completed: bool = False) -> dict[str, Any]:
+        completed: bool = False, min_interval_s: int = MIN_INTERVAL_S) -> dict[str, Any]:
+    """A new policy; a webhook one (every_s 0) with its hook token, shown this once."""
     by.admin_only()
     validate_name(name, "policy name")
+    row = {"name": name, "every_s": every_s, "action": action,
+           "filters": {k: str(v) for k, v in filters.items() if v},
+           "keep": keep, "older_than_s": older_than_s, "trigger": trigger,
+           "threshold_pct": threshold_pct, "stop": stop, "completed": completed}
+    _check(row, min_interval_s)
+    token = new_hook_token() if _webhook(row) else None
+    row.update(filters=json.dumps(row["filters"]), enabled=True, last_run=0, created=_now(),
+               hook_sha256=_sha(token) if token else None,
+               hook_created=_now() if token else None)
+    try:
+        with registry.engine.begin() as conn:
+            conn.execute(insert(policies).values(**row))
+    except IntegrityError:
+        raise UsageError(f"a policy named {name!r} exists already") from None
+    return {**_shown(row), **({"hook_token": token} if token else {})}
+
+
+def edit(registry: Registry, by: Principal, name: str, changes: dict[str, Any],
+         min_interval_s: int = MIN_INTERVAL_S) -> dict[str, Any]:
+    """Only what `changes` names changes (its `filters` are merged in, an empty value removes
+    one); the result is checked as a new policy would be, and nothing changes if it fails.
+    A policy that becomes a webhook one without a hook token gets one, shown this once."""
+    by.admin_only()
+    unknown = sorted(set(changes) - set(EDITABLE))
+    if unknown:
+        raise UsageError(f"cannot edit {unknown[0]!r} of a policy: {', '.join(EDITABLE)}")
+    with registry.engine.begin() as conn:
+        found = conn.execute(select(policies).where(policies.c.name == name)
+                             .with_for_update()).mappings().first()
+        if found is None:
+            raise NotFoundError(f"no policy {name}")
+        old = {**dict(found), "filters": json.loads(found["filters"])}
+        new = {**old, **{k: v for k, v in changes.items() if k != "filters"}}
+        merged = {**old["filters"], **{k: v for k, v in (changes.get("filters") or {}).items()}}
+        new["filters"] = {k: str(v) for k, v in merged.items() if v not in (None, "")}
+        # The floor is the one in force now; an untouched period set under an older one stays.
+        _check(new, min_interval_s if "every_s" in changes else 0)
+        token = new_hook_token() if _webhook(new) and not old["hook_sha256"] else None
+        if token:
+            new.update(hook_sha256=_sha(token), hook_created=_now())
+        said = [f"{k} {_said(old[k])} -> {_said(new[k])}" for k in EDITABLE
+                if old[k] != new[k]]
+        conn.execute(update(policies).where(policies.c.name == name).values(
+            **{k: new[k] for k in EDITABLE if k != "filters"}, filters=json.dumps(
+                new["filters"]), hook_sha256=new["hook_sha256"],
+            hook_created=new["hook_created"]))
+        if said:
+            registry._event(conn, None, None, "policy-edited",
+                            f"policy {name} edited: {'; '.join(said)}")
+    return {**_shown({**new, "filters": json.dumps(new["filters"])}),
+            **({"hook_token": token} if token else {})}
+
+
+def rotate_hook(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
+    """A new hook token for the policy (shown this once); the old one stops working."""
+    by.admin_only()
+    token = new_hook_token()
+    with registry.engine.begin() as conn:
+        n = conn.execute(update(policies).where(policies.c.name == name).values(
+            hook_sha256=_sha(token), hook_created=_now())).rowcount
+    if not n:
+        raise NotFoundError(f"no policy {name}")
+    return {"name": name, "hook_token": token}
+
+
+def new_hook_token() -> str:
+    return HOOK_PREFIX + secrets.token_urlsafe(32)
+
+
+def _webhook(row: dict[str, Any]) -> bool:
+    return row["trigger"] == "every" and not row["every_s"]
+
+
+def _said(value: Any) -> str:
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _check(p: dict[str, Any], min_interval_s: int) -> None:
+    """What add and edit both refuse, each with one line."""
+    action, trigger, every_s = p["action"], p["trigger"], p["every_s"]
+    filters, keep, threshold_pct = p["filters"], p["keep"], p["threshold_pct"]
     if action not in ACTIONS:
         raise UsageError(f"bad action {action!r}: {', '.join(ACTIONS)}")
     if trigger not in TRIGGERS:
         raise UsageError(f"bad trigger {trigger!r}: {', '.join(TRIGGERS)}")
-    if every_s < 0:
+    if not isinstance(every_s, int) or every_s < 0:
         raise UsageError("every_s is seconds between runs, or 0 (only when called)")
-    if action == "retain" and (keep is None or keep < 1) and not older_than_s and \
-            not completed:
+    if 0 < every_s < min_interval_s and trigger != "drain":
+        # A checkpoint every few seconds freezes the jobs it picks most of the time.
+        raise UsageError(f"every {every_s} s is below this control plane's floor of "
+                         f"{min_interval_s} s between runs (serve --min-interval)")
+    if action == "retain" and (keep is None or keep < 1) and not p["older_than_s"] and \
+            not p["completed"]:
         raise UsageError("retain needs keep >= 1 (the newest checkpoints each label keeps), "
                          "older_than_s or completed")
     if trigger != "every" and action == "retain":
@@ -74,17 +184,10 @@ def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
     for key in NUMBER_FILTERS:
         if filters.get(key) and not str(filters[key]).isdigit():
             raise UsageError(f"filter {key}: a whole number, not {filters[key]!r}")
-    row = {"name": name, "every_s": every_s, "action": action,
-           "filters": json.dumps({k: str(v) for k, v in filters.items() if v}),
-           "keep": keep, "older_than_s": older_than_s, "enabled": True, "last_run": 0,
-           "created": datetime.now(UTC).isoformat(timespec="seconds"), "trigger": trigger,
-           "threshold_pct": threshold_pct, "stop": stop, "completed": completed}
-    try:
-        with registry.engine.begin() as conn:
-            conn.execute(insert(policies).values(**row))
-    except IntegrityError:
-        raise UsageError(f"a policy named {name!r} exists already") from None
-    return _shown(row)
+
+
+def _sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def remove(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
@@ -104,7 +207,9 @@ def listed(registry: Registry, by: Principal) -> list[dict[str, Any]]:
 
 
 def _shown(row: dict[str, Any]) -> dict[str, Any]:
-    return {**row, "filters": json.loads(row["filters"])}
+    """A policy as the API shows it: its hook token's hash never, whether it has one."""
+    shown = {k: v for k, v in row.items() if k != "hook_sha256"}
+    return {**shown, "filters": json.loads(row["filters"]), "hook": bool(row["hook_sha256"])}
 
 
 def _matches(filters: dict[str, str], job: dict[str, Any], now: float | None = None) -> bool:
@@ -147,7 +252,27 @@ def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
     if row is None:
         raise NotFoundError(f"no policy {name}")
-    return {"name": name, "queued": _run(registry, dict(row), lost_after_s, "webhook")}
+    return _called(registry, dict(row), lost_after_s)
+
+
+def run_hook(registry: Registry, token: str, name: str, lost_after_s: float
+             ) -> dict[str, Any]:
+    """The policy's webhook called with its own hook token (which runs no other policy)."""
+    with registry.engine.begin() as conn:
+        row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
+    # One answer whether the policy is missing or the token is another's: a hook token's
+    # holder learns nothing of the other policies.
+    if row is None or not row["hook_sha256"] or \
+            not hmac.compare_digest(row["hook_sha256"], _sha(token)):
+        raise AuthError(f"not the hook token of policy {name}")
+    return _called(registry, dict(row), lost_after_s)
+
+
+def _called(registry: Registry, p: dict[str, Any], lost_after_s: float) -> dict[str, Any]:
+    if not p["enabled"]:
+        raise UsageError(f"policy {p['name']} is disabled (`policies edit {p['name']} "
+                         "--enable`)")
+    return {"name": p["name"], "queued": _run(registry, p, lost_after_s, "webhook")}
 
 
 def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -> int:

@@ -22,12 +22,14 @@ from stasis.controlplane.schema import (
     commands,
     events,
     nodes,
+    policies,
     restores,
     tokens,
 )
 from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
 TOKEN_PREFIX = "stasis_"
+HOOK_PREFIX = TOKEN_PREFIX + "hook_"  # a policy's (stasis.controlplane.policies)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 Kind = Literal["slurm", "kubernetes"]
 
@@ -68,7 +70,10 @@ def _sha(token: str) -> str:
 
 
 def new_token() -> str:
-    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+    while True:
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        if not token.startswith(HOOK_PREFIX):  # one in 2^30: it would read as a hook token
+            return token
 
 
 def validate_name(name: str, what: str = "name") -> str:
@@ -138,6 +143,15 @@ class Registry:
         if not token.startswith(TOKEN_PREFIX):
             raise AuthError("no valid token: send `Authorization: Bearer stasis_...` "
                             "(STASIS_AUTH_TOKEN)")
+        if token.startswith(HOOK_PREFIX):
+            with self.engine.begin() as conn:
+                hook = conn.execute(select(policies.c.name).where(
+                    policies.c.hook_sha256 == _sha(token))).first()
+            if hook is None:
+                raise AuthError("unknown token")
+            raise PermissionDeniedError(f"this is the hook token of policy {hook.name}: it "
+                                        f"runs that policy only (POST /api/v1/policies/"
+                                        f"{hook.name}/run)")
         with self.engine.begin() as conn:
             row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
         if row is None:
@@ -496,10 +510,13 @@ class Registry:
 
     def drain(self, by: Principal, node: str, lost_after_s: float,
               reason: str = "stasis drain") -> dict[str, Any]:
-        """Every live job of `node` off it: on a Slurm cluster the node is drained in Slurm and
-        its Slurm jobs checkpointed and requeued (one `drain` command; Slurm runs them again
-        elsewhere, restored); the daemon's own jobs migrated to the other ready nodes of its
-        cluster (the one with the fewest jobs first)."""
+        """Every live job of `node` off it. Where the node reports a scheduler state (Slurm,
+        Kubernetes), one `drain` command has its daemon empty it in the scheduler: a Slurm
+        node drained and its Slurm jobs checkpointed and requeued, a Kubernetes node cordoned
+        and its pods checkpointed and evicted; the scheduler runs them again elsewhere,
+        restored. Those jobs (kind other than "daemon") are listed as `handled` by that
+        command. The daemon's own jobs are migrated to the other ready nodes of the cluster
+        (the one with the fewest jobs first)."""
         by.admin_only()
         validate_name(node, "node name")
         all_nodes = self.list_nodes(by, lost_after_s)
@@ -509,25 +526,33 @@ class Registry:
         if len(mine) > 1:
             raise UsageError(f"node {node} is in several clusters; drain it by its cluster")
         cluster = mine[0]["cluster_id"]
-        jobs = [j for j in self.list_jobs(by) if j["node"] == node and
-                j["cluster_id"] == cluster and (j.get("kind") or "daemon") == "daemon"]
-        scheduler = None
-        # Only where the node said Slurm knows it (a node that runs stasis's own jobs only
-        # reports no scheduler state).
-        if self.cluster(cluster)["kind"] == "slurm" and mine[0]["state"] != "lost" and \
-                mine[0].get("scheduler_state"):
-            scheduler = self.queue_for_node(cluster, node, "drain", {"reason": reason})
+        listed = [j for j in self.list_jobs(by) if j["node"] == node and
+                  j["cluster_id"] == cluster]
+        jobs = [j for j in listed if (j.get("kind") or "daemon") == "daemon"]
+        theirs = [j for j in listed if (j.get("kind") or "daemon") != "daemon"]
+        # Only where the node said its scheduler knows it (a node that runs stasis's own jobs
+        # only reports no scheduler state).
+        by_scheduler = self.cluster(cluster)["kind"] in ("slurm", "kubernetes") and \
+            mine[0]["state"] != "lost" and bool(mine[0].get("scheduler_state"))
+        if theirs and not by_scheduler:
+            why = "is lost" if mine[0]["state"] == "lost" else "reports no scheduler state"
+            raise UsageError(f"node {node} {why}: its {len(theirs)} {theirs[0]['kind']} "
+                             "job(s) cannot be drained in their scheduler from here")
         others = {n["name"]: int(n["jobs"]) for n in all_nodes
                   if n["cluster_id"] == cluster and n["name"] != node and n["state"] == "ready"}
         if jobs and not others:
             raise UsageError(f"no other ready node in cluster {mine[0]['cluster']} to take the "
                              f"{len(jobs)} job(s) of {node}")
+        scheduler = self.queue_for_node(cluster, node, "drain", {"reason": reason}) \
+            if by_scheduler else None
         moves = []
         for j in jobs:
             to = min(sorted(others), key=lambda n: others[n])
             others[to] += 1
             moves.append(self.migrate_job(by, j["job"], to))
-        return {"node": node, "cluster_id": cluster, "migrations": moves, "drain": scheduler}
+        return {"node": node, "cluster_id": cluster, "migrations": moves, "drain": scheduler,
+                "handled": [{"job": j["job"], "kind": j["kind"], "label": j.get("label")}
+                            for j in theirs]}
 
     def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
         """The node's next command, leased to it for `lease_s` (None: nothing to do)."""
@@ -550,6 +575,21 @@ class Registry:
                                        ).mappings().first()
                     return self._command(dict(got)) if got is not None else None
         return None
+
+    def renew(self, by: Principal, node: str, command_id: str, lease_s: float
+              ) -> dict[str, Any]:
+        """The lease of a command `node` is still carrying out, extended to `lease_s` from now
+        (a long dump is not given out again while its node works on it)."""
+        validate_name(node, "node name")
+        until = int(time.time()) + int(lease_s)
+        with self.engine.begin() as conn:
+            n = conn.execute(update(commands).where(
+                commands.c.id == command_id, commands.c.cluster_id == by.cluster_id,
+                commands.c.node == node, commands.c.state == "leased").values(
+                lease_until=until)).rowcount
+        if not n:
+            raise NotFoundError(f"no command {command_id} leased to node {node}")
+        return {"id": command_id, "lease_until": until}
 
     def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any]
             ) -> dict[str, Any]:

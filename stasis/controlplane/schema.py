@@ -98,9 +98,13 @@ policies = Table(
     Column("stop", Boolean, nullable=False, server_default=false()),  # checkpoint: and stop
     # retain: and every checkpoint of a label whose job completed (exit 0), none running
     Column("completed", Boolean, nullable=False, server_default=false()),
+    # Its hook token's SHA-256: that token runs this policy (its webhook) and nothing else.
+    Column("hook_sha256", String(64), nullable=True),
+    Column("hook_created", String(40), nullable=True),
     Column("enabled", Boolean, nullable=False),
     Column("last_run", Integer, nullable=False),
     Column("created", String(40), nullable=False),
+    UniqueConstraint("hook_sha256", name="policies_hook_once"),
 )
 
 # What happened, newest last: nodes joining, commands done or failed, policies run.

@@ -13,20 +13,26 @@
     POST /api/v1/commands                  admin: {kind: checkpoint, job, leave_running}
     GET  /api/v1/commands[/{id}]           the commands and their results (same scoping)
     POST /api/v1/nodes/{name}/commands/lease   cluster token: the node's next command or null
+    POST /api/v1/nodes/{name}/commands/{id}/renew   cluster token: the lease of a command the
+                                           node is still carrying out, extended
     POST /api/v1/commands/{id}/ack         cluster token: {ok, result}
     POST /api/v1/migrations                admin: {job, to}: checkpoint and stop it on its
                                            node, then restore it on `to` (the checkpoint
                                            command's result names the restore's as `next`)
     POST /api/v1/nodes/{name}/drain        admin: every live job of the node migrated to the
                                            other ready nodes of its cluster
-    GET|POST /api/v1/policies, DELETE /api/v1/policies/{name}   admin (stasis.controlplane.policies)
+    GET|POST /api/v1/policies, PATCH|DELETE /api/v1/policies/{name}   admin
+                                           (stasis.controlplane.policies; PATCH: only the
+                                           fields given change)
+    POST /api/v1/policies/{name}/rotate-hook   admin: a new hook token for the policy
     GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
     GET  /api/v1/events[?limit=N]          what happened, oldest first (same scoping as nodes)
     GET  /api/v1/checkpoints[?limit=N&deleted=1]   the checkpoints the nodes reported, newest
                                            first: size, CRIU's time, frozen time, store
     GET  /api/v1/savings                   node-hours of work kept by restores: in all, per
                                            cluster, user and day
-    POST /api/v1/policies/{name}/run       admin: run a policy now (its webhook)
+    POST /api/v1/policies/{name}/run       admin, or that policy's own hook token
+                                           (stasis_hook_...): run it now (its webhook)
     GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
                                            installs the chart connected to this control plane
     GET  /install/slurm                    a slurm cluster's token: the node installer script
@@ -54,7 +60,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stasis.controlplane import policies
-from stasis.controlplane.registry import AuthError, Principal, Registry, safe_url
+from stasis.controlplane.registry import HOOK_PREFIX, AuthError, Principal, Registry, safe_url
 from stasis.errors import StasisError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
@@ -155,6 +161,31 @@ class NewPolicy(_Model):
     completed: bool = False  # retain: the checkpoints of labels whose job completed
 
 
+class PolicyEdit(_Model):
+    """What PATCH /api/v1/policies/NAME changes: only the fields given (NewPolicy's rules);
+    `filters` are merged in, an empty or null value removes one."""
+
+    every_s: int | None = Field(default=None, ge=0, le=366 * 86400)
+    action: Literal["checkpoint", "retain", "migrate"] | None = None
+    filters: dict[str, str | None] | None = Field(default=None,
+                                                  max_length=len(policies.FILTERS))
+    keep: int | None = Field(default=None, ge=1, le=100_000)
+    older_than_s: int | None = Field(default=None, ge=1)
+    trigger: Literal["every", "memory", "drain"] | None = None
+    threshold_pct: float | None = Field(default=None, gt=0, le=100)
+    stop: bool | None = None
+    completed: bool | None = None
+    enabled: bool | None = None
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the request gave (null for keep/older_than_s/threshold_pct: unset)."""
+        given = self.model_dump(exclude_unset=True)
+        for key in ("every_s", "action", "trigger", "stop", "completed", "enabled"):
+            if key in given and given[key] is None:
+                raise UsageError(f"bad request: {key}: cannot be null")
+        return given
+
+
 class Ack(_Model):
     ok: bool
     result: dict[str, Any] = Field(default_factory=dict)
@@ -179,13 +210,17 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                                  status=413)
 
 
-def _principal(request: web.Request) -> Principal:
+def _bearer(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    if scheme.lower() != "bearer" or not token.strip():
         raise AuthError("no token: send `Authorization: Bearer stasis_...` "
                         "(STASIS_AUTH_TOKEN)")
-    return request.app[REGISTRY].authenticate(token.strip())
+    return token.strip()
+
+
+def _principal(request: web.Request) -> Principal:
+    return request.app[REGISTRY].authenticate(_bearer(request))
 
 
 async def _body(request: web.Request, model: type[_Model]) -> Any:
@@ -204,13 +239,13 @@ def _limit(request: web.Request, default: int) -> int:
 
 
 def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
-        session_ttl_s: int = 8 * 3600, cache_dir: Path = Path("/var/lib/stasis/controlplane")
-        ) -> web.Application:
+        session_ttl_s: int = 8 * 3600, cache_dir: Path = Path("/var/lib/stasis/controlplane"),
+        min_interval_s: int = policies.MIN_INTERVAL_S) -> web.Application:
     from stasis.controlplane import dashboard
 
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
-    a.add_routes(dashboard.routes(registry, lost_after_s, session_ttl_s))
+    a.add_routes(dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s))
 
     def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
         return asyncio.to_thread(fn, *args)
@@ -294,8 +329,20 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         return web.json_response(await run(policies.add, registry, who, b.name, b.every_s,
                                             b.action, b.filters, b.keep, b.older_than_s,
                                             b.trigger, b.threshold_pct, b.stop,
-                                            b.completed),
+                                            b.completed, min_interval_s),
                                  status=201)
+
+    async def edit_policy(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        b = await _body(request, PolicyEdit)
+        return web.json_response(await run(policies.edit, registry, who,
+                                            request.match_info["name"], b.changes(),
+                                            min_interval_s))
+
+    async def rotate_hook(request: web.Request) -> web.StreamResponse:
+        return web.json_response(await run(policies.rotate_hook, registry,
+                                            _principal(request), request.match_info["name"]))
 
     async def list_policies(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(policies.listed, registry, _principal(request)))
@@ -317,8 +364,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         return web.json_response(await run(registry.savings, _principal(request)))
 
     async def run_policy(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        token = _bearer(request)
+        if token.startswith(HOOK_PREFIX):  # the policy's own hook token: this policy only
+            return web.json_response(await run(policies.run_hook, registry, token, name,
+                                                lost_after_s))
         return web.json_response(await run(policies.run_now, registry, _principal(request),
-                                            request.match_info["name"], lost_after_s))
+                                            name, lost_after_s))
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         from stasis.controlplane.metrics import render
@@ -388,6 +440,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         return web.json_response(await run(registry.lease, who, request.match_info["name"],
                                             lease_s))
 
+    async def renew(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        if who.kind != "cluster":
+            raise UsageError("command leases are renewed with a cluster token")
+        return web.json_response(await run(registry.renew, who, request.match_info["name"],
+                                            request.match_info["id"], lease_s))
+
     async def ack(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         if who.kind != "cluster":
@@ -411,6 +470,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.get("/api/v1/commands", list_commands),
         web.get("/api/v1/commands/{id}", get_command),
         web.post("/api/v1/nodes/{name}/commands/lease", lease),
+        web.post("/api/v1/nodes/{name}/commands/{id}/renew", renew),
         web.post("/api/v1/commands/{id}/ack", ack),
         web.post("/api/v1/migrations", migrate),
         web.post("/api/v1/nodes/{name}/drain", drain),
@@ -424,7 +484,9 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.get("/install/stasis.whl", install_wheel),
         web.get("/api/v1/policies", list_policies),
         web.post("/api/v1/policies", add_policy),
+        web.patch("/api/v1/policies/{name}", edit_policy),
         web.delete("/api/v1/policies/{name}", remove_policy),
+        web.post("/api/v1/policies/{name}/rotate-hook", rotate_hook),
     ])
     return a
 
@@ -461,7 +523,8 @@ def write_admin_token(token: str, path: Path | None) -> None:
 async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path | None,
                 key: Path | None, allow_plain_http: bool, lost_after_s: float,
                 lease_s: float = 60.0, session_ttl_s: int = 8 * 3600,
-                cache_dir: Path = Path("/var/lib/stasis/controlplane")) -> None:
+                cache_dir: Path = Path("/var/lib/stasis/controlplane"),
+                min_interval_s: int = policies.MIN_INTERVAL_S) -> None:
     host, port = parse_listen(listen)
     context = None
     if cert is not None or key is not None:
@@ -479,8 +542,8 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
     token = await asyncio.to_thread(registry.bootstrap_admin)
     if token is not None:
         write_admin_token(token, admin_token_file)
-    runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir),
-                           access_log=None)
+    runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir,
+                               min_interval_s), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()

@@ -46,7 +46,8 @@ class ControlPlane:
             self.proc = subprocess.Popen(
                 [STASIS, "controlplane", "serve", "--db", self.db, "--listen",
                  f"127.0.0.1:{self.port}", "--admin-token-file", str(self.token_file),
-                 "--lost-after", "3", *extra],
+                 # Policies every second: the floor is lowered (a test may raise it again).
+                 "--lost-after", "3", "--min-interval", "1", *extra],
                 stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, "STASIS_CONFIG": "", "STASIS_STATE_DIR": str(self.root)})
         try:
