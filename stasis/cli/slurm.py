@@ -74,6 +74,8 @@ def add_slurm(commands: Any) -> None:
                    help="Nodes n1..nN; several are each a host of their own (a network and a "
                         "UTS namespace, an address on a private bridge), sharing the store "
                         "(default: %(default)s).")
+    p.add_argument("--without-stasis", action="append", default=[], metavar="NODE",
+                   help="A node with no stasis at all (no plugin, no daemon); repeatable.")
     p.add_argument("--cpus", type=int_range(1, 256), default=8,
                    help="CPUs of each node (default: %(default)s)")
     p.add_argument("--grace-s", type=int_range(1, 3600), default=10,
@@ -151,7 +153,7 @@ def up(args: argparse.Namespace, settings: Settings) -> None:
 
     lay = cluster.up(args.root, cpus=args.cpus, grace_s=args.grace_s,
                      socket_group=args.socket_group, accounting=args.accounting,
-                     nodes=args.nodes)
+                     nodes=args.nodes, without_stasis=tuple(args.without_stasis))
     if args.json:
         output.emit_json({"slurm_conf": str(lay.slurm_conf),
                           "stasis_config": str(lay.stasis_config), "nodes": lay.nodes()})

@@ -9,7 +9,7 @@ internals (it uses their public entry points):
                 slurm.conf / plugstack.conf / the lua scripts, byte-for-byte uninstall
     taskinit    the root helper the SPANK plugin runs in the job's task: restore or fresh start
     launcher    the batch "shell" as Slurm sees it: runs or adopts the workload, forwards signals,
-                asks the node daemon for a checkpoint on SIGUSR1 and periodically
+                asks the node daemon for a checkpoint on SIGURG and periodically
     cluster     `stasis slurm local-cluster`: a throwaway single-node cluster for demos and tests
     demo        the preemption demo of `make demo`
     scontrol    what Slurm says (job info, pidinfo, requeue), its failures as SlurmError

@@ -12,10 +12,12 @@ sbatch/squeue/scontrol/scancel talk to it.
 
 One node runs in this machine's own namespaces on 127.0.0.1. Several nodes are each a host of
 their own: a network namespace with its own address on a private bridge (10.213.X.0/24, the
-bridge is this machine's .254 and slurmctld's address) and a UTS namespace with the node's name
-as host name. Each node's slurmd and stasis daemon run inside them, so the jobs of a node, the
-CRIU that dumps them and the one that restores them all see that node's network. The file system
-is shared, as on a cluster with a shared home and store.
+bridge is this machine's .254 and slurmctld's address), a UTS namespace with the node's name as
+host name, and a mount namespace in which the node's own slurmd spool directory is at the one
+SlurmdSpoolDir path (node-local, as on real sites). Each node's slurmd and stasis daemon run
+inside them, so the jobs of a node, the CRIU that dumps them and the one that restores them all
+see that node. The rest of the file system is shared, as on a cluster with a shared home and
+store.
 
     D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
     D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
@@ -23,7 +25,8 @@ is shared, as on a cluster with a shared home and store.
     D/stasis/     the shared store and site key (and on one node: the daemon's config.toml,
                   socket, state, log)
     D/nodes/NAME/ several nodes: the node's slurmd spool, pid and log, its stasis daemon's
-                  config.toml, socket, state and log, its UTS namespace file
+                  config.toml, socket, state and log
+    D/ns/         several nodes: their UTS and mount namespaces (bind-mounted files)
     D/lib/        the built SPANK plugin and the launcher
     D/cluster.json  pids of what `up` started, the nodes and their network
 """
@@ -210,8 +213,10 @@ def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
         ctld = f"{hostname}({net.host_addr})"
         # %n: each slurmd its own files (Slurm puts the node's name in).
         n = lay.root / "nodes" / "%n"
+        # One spool path on every node, as on real sites (a job reading its batch script has
+        # it open there): each node's mount namespace binds its own directory over it.
         slurmd = (f"SlurmdPidFile={n}/slurmd.pid\nSlurmdLogFile={n}/slurmd.log\n"
-                  f"SlurmdSpoolDir={n}/spool\n"
+                  f"SlurmdSpoolDir={s}/spool\n"
                   # A node killed without warning is DOWN (and its jobs requeued) this soon.
                   "SlurmdTimeout=10")
         node_lines = "\n".join(
@@ -297,13 +302,32 @@ def _ip(*args: str) -> None:
     _run(["ip", *args])
 
 
+def _ns_dir(lay: Layout) -> Path:
+    return lay.root / "ns"
+
+
 def _uts_file(lay: Layout, node: str) -> Path:
-    return lay.node_dir(node) / "uts"
+    return _ns_dir(lay) / f"{node}.uts"
+
+
+def _mnt_file(lay: Layout, node: str) -> Path:
+    return _ns_dir(lay) / f"{node}.mnt"
+
+
+def _private_ns_dir(lay: Layout) -> None:
+    """Namespace files are bind mounts, and a mount namespace's only on a mount that does not
+    propagate (what `ip netns` does for /run/netns)."""
+    d = _ns_dir(lay)
+    d.mkdir(exist_ok=True)
+    if _run(["mountpoint", "-q", str(d)], check=False).returncode != 0:
+        _run(["mount", "--bind", str(d), str(d)])
+    _run(["mount", "--make-private", str(d)])
 
 
 def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
     if not shutil.which("ip"):
         raise UsageError("`ip` is not installed (Debian package iproute2); several nodes need it")
+    _private_ns_dir(lay)
     _ip("link", "add", net.bridge, "type", "bridge")
     _ip("addr", "add", f"{net.host_addr}/24", "dev", net.bridge)
     _ip("link", "set", net.bridge, "up")
@@ -317,9 +341,12 @@ def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
         _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        uts = _uts_file(lay, node)
+        uts, mnt = _uts_file(lay, node), _mnt_file(lay, node)
         uts.touch()
-        _run(["unshare", f"--uts={uts}", "hostname", node])
+        mnt.touch()
+        _run(["unshare", f"--uts={uts}", f"--mount={mnt}", "--propagation", "private",
+              "sh", "-c", 'hostname "$0" && mount --bind "$1" "$2"', node,
+              str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool")])
 
 
 def _net_down(lay: Layout, state: dict[str, Any]) -> None:
@@ -327,8 +354,10 @@ def _net_down(lay: Layout, state: dict[str, Any]) -> None:
         return
     net = Net(int(state["net_id"]))
     for node in state.get("nodes", []):
+        _run(["umount", str(_mnt_file(lay, node))], check=False)
         _run(["umount", str(_uts_file(lay, node))], check=False)
         _run(["ip", "netns", "del", net.netns(node)], check=False)
+    _run(["umount", str(_ns_dir(lay))], check=False)
     _run(["ip", "link", "del", net.bridge], check=False)
 
 
@@ -338,14 +367,20 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
     if "net_id" not in state:
         return []
     net = Net(int(state["net_id"]))
-    return ["nsenter", f"--net={net.netns_path(node)}", f"--uts={_uts_file(lay, node)}", "--"]
+    return ["nsenter", f"--net={net.netns_path(node)}", f"--uts={_uts_file(lay, node)}",
+            f"--mount={_mnt_file(lay, node)}", "--"]
 
 
 # -- up, down ----------------------------------------------------------------------------------
 
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
-       warn_s: int = 60, accounting: bool = False, nodes: int = 1) -> Layout:
-    """Start the cluster under `root` (created if needed); returns its layout."""
+       warn_s: int = 60, accounting: bool = False, nodes: int = 1,
+       without_stasis: tuple[str, ...] = ()) -> Layout:
+    """Start the cluster under `root` (created if needed); returns its layout.
+
+    `without_stasis`: nodes that have no stasis at all (no SPANK plugin: their slurmd reads a
+    slurm.conf of their own whose plugstack is empty; no daemon), as a node of a site that
+    installed stasis on some nodes only."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
     if not 1 <= nodes <= MAX_NODES:
@@ -365,13 +400,22 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
     # A clean controller state: job ids start at 1 again (jobs of an earlier `up` are gone).
     shutil.rmtree(lay.slurm / "state", ignore_errors=True)
     names = node_names(nodes)
+    bare = sorted(set(without_stasis))
+    if bare and nodes < 2:
+        raise UsageError("--without-stasis needs several nodes (--nodes N)")
+    for node in bare:
+        if node not in names:
+            raise UsageError(f"--without-stasis {node}: no such node (nodes: "
+                             f"{', '.join(names)})")
+    if len(bare) == len(names):
+        raise UsageError("at least one node must have stasis")
     dirs = [lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib]
     dirs += [p for n in names if nodes > 1 for p in (lay.node_dir(n), lay.node_dir(n) / "spool")]
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
     started: dict[str, int] = {}
-    state: dict[str, Any] = {"pids": started, "nodes": names}
+    state: dict[str, Any] = {"pids": started, "nodes": names, "without_stasis": bare}
     _save_state(lay, state)
     try:
         net = None
@@ -399,8 +443,12 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
             stasis_config=lay.config_of("%n") if nodes > 1 else lay.config_of(NODE),
             systemd_dir=None, warn_s=warn_s,
         ), out=None)
+        for node in bare:
+            _write_bare_conf(lay, node)
         _save_state(lay, state)
         for node in names:
+            if node in bare:
+                continue
             started[_daemon_key(lay, node)] = _start_stasis(lay, node)
             _save_state(lay, state)
         env = _client_env(lay)
@@ -432,6 +480,20 @@ def _daemon_key(lay: Layout, node: str) -> str:
 
 def _slurmd_key(lay: Layout, node: str) -> str:
     return "slurmd" if len(lay.nodes()) < 2 else f"slurmd:{node}"
+
+
+def _bare_conf(lay: Layout, node: str) -> Path:
+    return lay.node_dir(node) / "slurm.conf"
+
+
+def _write_bare_conf(lay: Layout, node: str) -> None:
+    """The cluster's slurm.conf but for an empty plugstack: this node loads no stasis plugin.
+    (slurmctld logs that its slurm.conf differs; nodes of real sites differ the same way.)"""
+    empty = lay.node_dir(node) / "plugstack.conf"
+    empty.write_text("# no stasis on this node\n")
+    lines = [f"PlugStackConfig={empty}" if line.startswith("PlugStackConfig=") else line
+             for line in lay.slurm_conf.read_text().splitlines()]
+    _bare_conf(lay, node).write_text("\n".join(lines) + "\n")
 
 
 def _slurmd_pid_file(lay: Layout, node: str) -> Path:
@@ -501,8 +563,10 @@ def _start_stasis(lay: Layout, node: str) -> int:
 def _start_slurmd(lay: Layout, node: str) -> int:
     pid_file = _slurmd_pid_file(lay, node)
     pid_file.unlink(missing_ok=True)
-    _run([*_node_prefix(lay, node), "slurmd", "-f", str(lay.slurm_conf), "-N", node],
-         _client_env(lay))
+    conf = lay.slurm_conf
+    if node in _state(lay).get("without_stasis", []):
+        conf = _bare_conf(lay, node)
+    _run([*_node_prefix(lay, node), "slurmd", "-f", str(conf), "-N", node], _client_env(lay))
     _wait(lambda: detached.alive(detached.read_pid(pid_file)), 20, f"slurmd of {node}")
     return detached.read_pid(pid_file) or 0
 
@@ -628,7 +692,8 @@ def start_node(root: Path, node: str) -> None:
     _check_node(lay, node)
     state = _state(lay)
     pids = state.setdefault("pids", {})
-    if not detached.alive(pids.get(_daemon_key(lay, node))):
+    if node not in state.get("without_stasis", []) and \
+            not detached.alive(pids.get(_daemon_key(lay, node))):
         pids[_daemon_key(lay, node)] = _start_stasis(lay, node)
     if not detached.alive(pids.get(_slurmd_key(lay, node))):
         pids[_slurmd_key(lay, node)] = _start_slurmd(lay, node)

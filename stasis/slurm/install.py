@@ -55,7 +55,7 @@ class InstallOptions:
     stasis_config: Path | None = None  # the node daemon's config file (default: its own default)
     systemd_dir: Path | None = DEFAULT_SYSTEMD_DIR  # None: no unit file
     python: str = sys.executable
-    warn_s: int = 60  # --signal=B:USR1@N, capped at a sixth of the job's time limit
+    warn_s: int = 60  # --signal=B:URG@N, capped at a sixth of the job's time limit
 
 
 @dataclass

@@ -10,8 +10,8 @@ STASIS_SLURM_START:
     off       run the batch script as a plain child: stasis cannot protect this job
 
 Then it waits for the workload and
-    SIGUSR1 (preemption, or the time limit ahead)   asks the node daemon for a checkpoint; the
-              daemon publishes it, kills the workload and requeues the job
+    SIGURG (preemption, or the time limit ahead; SIGUSR1 too)  asks the node daemon for a
+              checkpoint; the daemon publishes it, kills the workload and requeues the job
     SIGTERM/INT/HUP/CONT/USR2                      forwarded to the workload
     STASIS_INTERVAL=<s>                             a leave-running checkpoint every <s> seconds
 When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
@@ -34,6 +34,10 @@ from stasis.errors import StasisError
 from stasis.slurm.labels import INTERVAL_VARS
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
+# The warning Slurm sends the batch step (cli_filter asks for URG: its default action is to be
+# ignored, so an opted-in job that lands on a node without stasis runs on as without it; USR1
+# is what jobs submitted before asked for).
+WARNINGS = (signal.SIGURG, signal.SIGUSR1)
 _PRIVATE = ("STASIS_SLURM_START", "STASIS_SLURM_SCRIPT")
 # After the daemon requeued the job, Slurm kills us; if it does not, give up after this long.
 _REQUEUE_WAIT_S = 300
@@ -76,7 +80,7 @@ class Launcher:
         pid = os.fork()
         if pid == 0:
             try:
-                for sig in (*FORWARDED, signal.SIGUSR1, signal.SIGPIPE):
+                for sig in (*FORWARDED, *WARNINGS, signal.SIGPIPE):
                     signal.signal(sig, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 if self.mode == "fresh":
@@ -158,7 +162,7 @@ class Launcher:
     def run(self) -> int:
         rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wfd)
-        for sig in (*FORWARDED, signal.SIGUSR1):
+        for sig in (*FORWARDED, *WARNINGS):
             signal.signal(sig, lambda *_: None)
         self.spawn()
         self.register()
@@ -195,12 +199,12 @@ class Launcher:
         return code
 
     def _on_signal(self, sig: signal.Signals) -> None:
-        if sig == signal.SIGUSR1:
+        if sig in WARNINGS:
             if self.mode == "off":
-                say("stasis: warning: SIGUSR1 (preemption or time limit ahead) but this job is "
-                    "not protected: no checkpoint")
+                say(f"stasis: warning: {sig.name} (preemption or time limit ahead) but this job "
+                    "is not protected: no checkpoint")
                 return
-            say("stasis: SIGUSR1: taking a checkpoint, then the job is requeued")
+            say(f"stasis: {sig.name}: taking a checkpoint, then the job is requeued")
             self.checkpoint(final=True)
             return
         try:

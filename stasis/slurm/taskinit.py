@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any, cast
 
@@ -31,7 +32,7 @@ from stasis.errors import CorruptCheckpointError, SlurmError, StasisError
 from stasis.client import Client
 from stasis.daemon.users import account
 from stasis.slurm import scontrol
-from stasis.slurm.labels import candidates, resolve_label
+from stasis.slurm.labels import candidates, resolve_label, slurm_of
 from stasis.store import Manifest, Store, node_store
 
 EXIT_RESTORED = 0
@@ -48,6 +49,16 @@ def find_tini(configured: str) -> str:
         if os.access(path, os.X_OK):
             return path
     raise SlurmError("tini is not installed on this node (Debian package tini)")
+
+
+def rewritten_by_slurm(m: Manifest, job_id: str) -> list[str]:
+    """The batch script a shell of the job was reading, when the job restarts under its own id:
+    slurmd writes the script into its spool again at every start of the job (the same script,
+    the same path on every node), so its time is new but not its contents."""
+    if m.restore_facts is None or slurm_of(m).get("job_id") != job_id:
+        return []
+    script = re.compile(rf"/job0*{re.escape(job_id)}/slurm_script$")
+    return [f.path for f in m.restore_facts.files or () if script.search(f.path)]
 
 
 def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
@@ -73,7 +84,8 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         # fetched (the caller then tries the next older checkpoint, or runs the job from the
         # start); its files with the owner's rights (this helper is single-threaded).
         nodefacts.require(m.id, cast("wire.RestoreFacts", m.restore_facts.model_dump()), criu,
-                          owner, skip=[old for old, _ in outputs])
+                          owner, skip=[*(old for old, _ in outputs),
+                                       *rewritten_by_slurm(m, info.job_id)])
     with store.open_images(m.id, layout.scratch) as (_, images):
         # The same restore as the daemon's (CRIU as root, every path of the job with its
         # owner's rights), here in the job's task so that the tree is the task's child.

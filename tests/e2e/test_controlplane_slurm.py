@@ -91,7 +91,7 @@ def test_the_web_installer_joins_a_slurm_node_and_shows_its_preemption(
     cluster.sbatch(preemptor)
     cluster.wait_state(v, ("COMPLETED", "FAILED", "CANCELLED"), 150)
     out = cluster.output(v)
-    assert "SIGUSR1: taking a checkpoint" in out and "stasis: restored checkpoint" in out
+    assert "SIGURG: taking a checkpoint" in out and "stasis: restored checkpoint" in out
     assert re.findall(r"^(\d+)$", out, re.M) == [str(i) for i in range(40)], out
 
     def reported() -> list[dict[str, Any]] | None:

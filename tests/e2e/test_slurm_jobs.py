@@ -63,7 +63,7 @@ def test_preempted_victim_resumes_from_its_checkpoint(cluster: Cluster,
                                                       preempted: dict[str, Any]) -> None:
     out, job = preempted["victim_out"], preempted["victim_job"]
     assert preempted["preemptor_state"] == "COMPLETED"
-    assert "SIGUSR1: taking a checkpoint" in out
+    assert "SIGURG: taking a checkpoint" in out
     at_dump = before(out, "stasis: restored checkpoint")[-1]  # nothing printed after the dump
     assert at_dump >= 5
     resumed = after(out, "stasis: restored checkpoint")

@@ -1,5 +1,5 @@
 """A job with --time=1 whose work needs about 3 minutes finishes across several checkpoint,
-requeue and restore cycles (cli_filter asks for SIGUSR1 ahead of the limit)."""
+requeue and restore cycles (cli_filter asks for SIGURG ahead of the limit)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_job_longer_than_its_time_limit_finishes(time_limit_job: LongJob) -> Non
     restarts = int(info["Restarts"])
     assert restarts >= 2, out  # far more work than one time limit allows
     assert out.count("stasis: restored checkpoint") == restarts
-    assert out.count("SIGUSR1: taking a checkpoint") == restarts
+    assert out.count("SIGURG: taking a checkpoint") == restarts
     # Every value exactly once, in order: each cycle went on where the previous one stopped.
     assert re.findall(r"^(\d+)$", out, re.M) == [str(i) for i in range(TIME_LIMIT_WORK_S)]
     # The workload's last word; the launcher's "restored" line may land just after it when the

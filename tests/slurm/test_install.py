@@ -110,7 +110,7 @@ def test_install_keeps_existing_plugins_and_merges_lua(site: Path) -> None:
     assert plugstack[0] == SITE_PLUGSTACK.strip()
     assert plugstack[1].startswith(f"optional {site}/lib/stasis_spank.so python=")
     assert f"conf={site}/stasis.toml" in plugstack[1]
-    assert "B:USR1@" in (etc / "cli_filter.lua").read_text()
+    assert "B:URG@" in (etc / "cli_filter.lua").read_text()
     so = site / "lib" / "stasis_spank.so"
     assert so.read_bytes()[:4] == b"\x7fELF"
     assert os.access(site / "lib" / "stasis-slurm-launch", os.X_OK)

@@ -2,8 +2,10 @@
 -- Added by `stasis slurm install`; `stasis slurm uninstall` takes it out again. For batch jobs
 -- opted in with STASIS_ENABLE=1 (or CEDANA_ENABLE=1) it asks for what stasis needs:
 --   --requeue               a checkpointed job comes back
---   --signal=B:USR1@N       the batch step's launcher hears of preemption and of the time limit
---                           N seconds ahead (at most a sixth of the time limit) and checkpoints
+--   --signal=B:URG@N        the batch step's launcher hears of preemption and of the time limit
+--                           N seconds ahead (at most a sixth of the time limit) and checkpoints;
+--                           URG because its default action is to be ignored: a job that lands
+--                           on a node without stasis runs on exactly as without it
 --   --open-mode=append      the requeued job keeps appending to the same output file
 -- Every other job is left as it is. A site's own slurm_cli_pre_submit above still runs, after this.
 local stasis_site_pre_submit = slurm_cli_pre_submit
@@ -79,7 +81,7 @@ function slurm_cli_pre_submit(options, pack_offset)
       if limit ~= nil and limit > 0 and warn > limit * 10 then
         warn = math.max(5, math.floor(limit * 10))
       end
-      stasis_set(options, "signal", "B:USR1@" .. warn)
+      stasis_set(options, "signal", "B:URG@" .. warn)
     end
   end
   if stasis_site_pre_submit ~= nil then

@@ -17,7 +17,7 @@
  *     Its stdout (one JSON object) is handed to the launcher in STASIS_SLURM_START.
  *   task_init (the job's user): saves the batch script's path in STASIS_SLURM_SCRIPT and makes
  *     the task exec the launcher instead, which runs or adopts the workload and asks the node
- *     daemon for checkpoints on SIGUSR1.
+ *     daemon for checkpoints on SIGURG (or SIGUSR1).
  * Any failure leaves the job to run exactly as without stasis, with a warning in its output.
  */
 #define _GNU_SOURCE
@@ -261,7 +261,8 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 
     if (!opted_in(sp) || !launcher[0])
         return ESPANK_SUCCESS;
-    /* Also in the "off" case the launcher runs: it says why, and keeps SIGUSR1 from killing
+    /* Also in the "off" case the launcher runs: it says why, and keeps the warning signal (USR1 of
+     * jobs submitted before URG was asked for) from killing
      * the batch script (cli_filter asked Slurm to send it). */
     if (spank_getenv(sp, "STASIS_SLURM_START", buf, sizeof(buf)) == ESPANK_ENV_NOEXIST &&
         !started)
