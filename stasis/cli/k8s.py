@@ -81,6 +81,12 @@ def add_k8s(commands: Any) -> None:
                    help="Seconds to wait for the agent's answer (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=checkpoint_pod)
+    p = sub.add_parser("drain", help="This node: cordon it, checkpoint its containers under "
+                                     "stasis as at their stop, evict their pods (they start "
+                                     "again elsewhere, restored).")
+    p.add_argument("--reason", default="stasis drain", help="(default: %(default)s)")
+    add_json(p)
+    p.set_defaults(handler=drain)
     local = sub.add_parser("local-node", help="A private containerd (own root, state and "
                                               "socket) with the stasis runtime, and a daemon.")
     lsub = subcommands(local)
@@ -91,6 +97,13 @@ def add_k8s(commands: Any) -> None:
     p.add_argument("--bundle", action="store_true",
                    help="Run stasis-runc and CRIU from a host bundle (DIR/runtime), as on a "
                         "node the agent installed, not from this venv.")
+    p.add_argument("--kubeconfig", default="",
+                   help="The Kubernetes API the daemon drains this node in (default: none).")
+    p.add_argument("--node-name", default="",
+                   help="This node's name in that API (default: the host name).")
+    p.add_argument("--min-interval", type=int, default=None, metavar="SECONDS",
+                   help="Floor on containers' checkpoint intervals (default: the daemon's, "
+                        "60).")
     add_json(p, 'Print {"containerd_address": PATH, "runtime": NAME, "namespace": NS, ...}.')
     p.set_defaults(handler=up)
     p = lsub.add_parser("down", help="Kill its containers, stop containerd and the daemon "
@@ -191,6 +204,25 @@ def checkpoint_pod(args: argparse.Namespace, settings: Settings) -> None:
         raise ContainerError(f"{len(failed)} container(s) of {what} were not checkpointed")
 
 
+def drain(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.errors import ContainerError
+
+    with Client(settings.socket, timeout_s=None) as c:
+        done = c.request("POST", "/k8s/node/drain", {"reason": args.reason})
+    if args.json:
+        output.emit_json(done)
+    else:
+        output.say(f"node {done['k8s_node']} cordoned")
+        for r in done["requeued"]:
+            output.say(f"container {r['job']}: checkpoint {r['checkpoint']} (label "
+                       f"{r['label']}), pod {r['pod']} evicted")
+        for f in done["failed"]:
+            output.warn(f)
+    if done["failed"]:
+        raise ContainerError(f"{len(done['failed'])} container(s) or pod(s) of node "
+                             f"{done['k8s_node']} were not moved off it")
+
+
 def install_runtime(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.k8s import shim
 
@@ -216,7 +248,13 @@ def _dir_option(p: argparse.ArgumentParser) -> None:
 def up(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.k8s import localnode
 
-    lay = localnode.up(args.root, store=args.store, bundle=args.bundle)
+    from stasis.errors import UsageError
+
+    if args.min_interval is not None and args.min_interval < 0:
+        raise UsageError(f"--min-interval {args.min_interval}: seconds, 0 or more")
+    lay = localnode.up(args.root, store=args.store, bundle=args.bundle,
+                       kubeconfig=args.kubeconfig, node_name=args.node_name,
+                       min_interval_s=args.min_interval)
     info = lay.describe()
     if args.json:
         output.emit_json(info)

@@ -14,7 +14,8 @@ Kubernetes API for its node and the pods on it:
   NS/POD` writes one) is a leave-running checkpoint of the pod's containers, answered in
   stasis.dev/checkpointed and stasis.dev/checkpoint-result;
 - interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
-  leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again).
+  leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again), never below
+  the daemon's floor (stasis.k8s.containers.min_interval_s).
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
 """
@@ -80,7 +81,8 @@ class Agent:
     _unschedulable: bool | None = None
     _node_obj: Any = None
     _answered: set[str] = field(default_factory=set)
-    _interval_set: set[str] = field(default_factory=set)
+    # container id -> the interval the agent asked for it (the daemon may have raised it).
+    _interval_set: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- running ---------------------------------------------------------------------------
@@ -230,7 +232,7 @@ class Agent:
         wants_checkpoint = bool(asked) and asked != ann.get(kube.CHECKPOINTED_ANNOTATION) \
             and asked not in self._answered
         if not wants_checkpoint and kube.INTERVAL_ANNOTATION not in ann \
-                and not self._interval_set.intersection(ids.values()):
+                and not set(self._interval_set).intersection(ids.values()):
             return  # the common case: nothing asked of this pod (no call to the daemon)
         ours = {c["container_id"]: c for c in self._containers()}
         self._intervals(pod, ann, ids, ours)
@@ -272,12 +274,15 @@ class Agent:
             info = ours.get(cid)
             if info is None:
                 continue
-            if wanted is not None and info["interval_s"] != wanted:
+            # Asked once per value: the daemon raises an interval below its floor, so the
+            # container's may differ from the annotation's for good.
+            if wanted is not None and self._interval_set.get(cid) != wanted and \
+                    (cid in self._interval_set or info["interval_s"] != wanted):
                 self._set_interval(cid, wanted)
-                self._interval_set.add(cid)
+                self._interval_set[cid] = wanted
             elif wanted is None and cid in self._interval_set:
                 self._set_interval(cid, None)
-                self._interval_set.discard(cid)
+                del self._interval_set[cid]
 
     def _set_interval(self, container_id: str, seconds: int | None) -> None:
         with self._client() as c:

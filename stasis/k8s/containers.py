@@ -6,25 +6,35 @@ checkpoints are stored under its namespace (owner `k8s:<namespace>`, an owner ui
 runc.namespace_uid), so a label never reaches across namespaces; a restore also checks the
 namespace recorded in the manifest. Registrations are rows of the daemon's database (table
 `k8s_containers`): intervals and `stasis dump --container` survive a restart of the daemon.
+
+Intervals have a floor, the node admin's (`min_interval_s`): a pod's owner who asks for
+checkpoints every second (STASIS_INTERVAL, stasis.dev/interval) gets one every floor seconds,
+and a line in the container's log saying so. Checkpoints and restores are told to the
+manager's listeners (the control plane hears of them), with the seconds of work they hold.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
 from datetime import UTC, datetime
 from collections.abc import Iterator
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, \
     update
 
+from stasis.config import Settings
+from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.errors import (
@@ -76,6 +86,30 @@ k8s_containers_table = Table(
 # A restore plan whose wrapper never said how it went is dropped after this long.
 _PLAN_TTL_S = 600.0
 
+# The floor on a container's checkpoint interval (seconds; 0 = none): a dump freezes the
+# container and writes its memory, which the node's other pods pay for too.
+DEFAULT_MIN_INTERVAL_S = 60
+MIN_INTERVAL_VARIABLE = "STASIS_K8S_MIN_INTERVAL_S"
+
+
+def min_interval_s(settings: Settings, environ: Mapping[str, str]) -> int:
+    """The node's floor: the `k8s_min_interval_s` setting where stasis.config has it, else
+    STASIS_K8S_MIN_INTERVAL_S from the daemon's environment (the chart sets it), else 60."""
+    configured = getattr(settings, "k8s_min_interval_s", None)
+    if isinstance(configured, int):
+        return configured
+    raw = environ.get(MIN_INTERVAL_VARIABLE, "")
+    if not raw:
+        return DEFAULT_MIN_INTERVAL_S
+    try:
+        floor = int(raw)
+        if floor < 0:
+            raise ValueError(raw)
+    except ValueError:
+        raise UsageError(f"bad setting {MIN_INTERVAL_VARIABLE}: {raw!r} is not a whole "
+                         "number of seconds") from None
+    return floor
+
 
 def _root_only(caller: Caller) -> None:
     if not caller.is_root:
@@ -84,9 +118,10 @@ def _root_only(caller: Caller) -> None:
 
 
 class Containers:
-    def __init__(self, manager: JobManager) -> None:
+    def __init__(self, manager: JobManager, min_interval: int = DEFAULT_MIN_INTERVAL_S) -> None:
         self.manager = manager
         self.db = manager.db
+        self.min_interval_s = min_interval
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         # Restores under way: the images stay open (fetched, verified) until the wrapper's
@@ -103,9 +138,11 @@ class Containers:
         if bundle.label is None:
             raise UsageError(f"container {cid} has no STASIS_CHECKPOINT: nothing to protect")
         validate_label(bundle.label)
+        restored = self._restored(cid, bundle, req.restored_from)
         row = {"container_id": cid, "runc_root": str(root), "bundle": str(bundle.path),
                "label": bundle.label, "namespace": bundle.namespace, "pod": bundle.pod,
-               "interval_s": bundle.interval_s, "restored_from": req.restored_from,
+               "interval_s": self._floored(bundle.interval_s, root, cid),
+               "restored_from": restored.id if restored else req.restored_from,
                "last_checkpoint": None,
                "last_checkpoint_at": int(time.time()),
                "registered": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -114,6 +151,78 @@ class Containers:
                 k8s_containers_table.c.container_id == cid))
             conn.execute(insert(k8s_containers_table).values(**row))
         return _info(row)
+
+    def _restored(self, container_id: str, bundle: Bundle, checkpoint: str | None
+                  ) -> Manifest | None:
+        """The container's work counts from the checkpoint it was restored from (or from
+        nothing); a restore is told to the listeners."""
+        m = self.manager
+        if checkpoint is None:
+            m.work.forget(container_id)
+            return None
+        try:
+            manifest = m.store.get(checkpoint)
+        except StasisError as e:
+            log.warning("container %s: cannot read checkpoint %s it was restored from: %s",
+                        container_id, checkpoint, e)
+            m.work.forget(container_id)
+            return None
+        work_s = work_of(manifest.extra)
+        m.work.started_from(container_id, manifest.id, work_s)
+        m.activity.notify(Activity(
+            kind="restore", checkpoint=manifest.id, label=manifest.label, job=container_id,
+            user=f"k8s:{bundle.namespace}", size_bytes=manifest.size_bytes, work_s=work_s,
+            duration_s=0.0, store=m.store.url, reason="container created again"))
+        return manifest
+
+    def _floored(self, interval_s: int, runc_root: Path, container_id: str) -> int:
+        """`interval_s` raised to the node's floor (0, none, stays 0); the container's log
+        says so."""
+        floor = self.min_interval_s
+        if not 0 < interval_s < floor:
+            return interval_s
+        log.info("container %s: checkpoint interval %d s raised to the node's minimum, %d s",
+                 container_id, interval_s, floor)
+        self._tell(runc_root, container_id,
+                   f"checkpoint interval {interval_s} s (STASIS_INTERVAL or the pod's "
+                   f"stasis.dev/interval) is below this node's minimum of {floor} s: "
+                   f"checkpoints every {floor} s")
+        return floor
+
+    def _tell(self, runc_root: Path, container_id: str, message: str) -> bool:
+        """One line into the container's log: written to its init's stderr when that is the
+        pipe the runtime's shim reads (never to a file the workload put there)."""
+        try:
+            pid = int(str(self._runc(runc_root).state(container_id).get("pid")))
+            path = f"/proc/{pid}/fd/2"
+            if not stat.S_ISFIFO(os.stat(path).st_mode):
+                return False
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            try:
+                os.write(fd, f"stasis: {message}\n".encode())
+            finally:
+                os.close(fd)
+        except (StasisError, OSError, ValueError) as e:
+            log.debug("container %s: cannot write to its log: %s", container_id, e)
+            return False
+        return True
+
+    def _runc(self, runc_root: Path) -> Runc:
+        return Runc(real_runc(self.manager.settings.runc), runc_root, self.manager.criu.path)
+
+    def running(self, info: ContainerInfo) -> tuple[str, int] | None:
+        """(runc's status, init pid) of a registered container that is running or paused."""
+        try:
+            state = self._runc(Path(info["runc_root"])).state(info["container_id"])
+        except StasisError:
+            return None
+        status = str(state.get("status"))
+        if status not in ("running", "paused"):
+            return None
+        try:
+            return status, int(str(state.get("pid")))
+        except ValueError:
+            return None
 
     def _row(self, container_id: str) -> dict[str, Any] | None:
         with self.db.transaction() as conn:
@@ -142,6 +251,7 @@ class Containers:
         interval = req.interval_s
         if interval is None:
             interval = read_bundle(Path(row["bundle"]), container_id).interval_s
+        interval = self._floored(interval, Path(row["runc_root"]), container_id)
         # Counted from now: a shorter interval does not fire at once for an old checkpoint.
         self._set(container_id, interval_s=interval, last_checkpoint_at=int(time.time()))
         row.update(interval_s=interval)
@@ -154,6 +264,7 @@ class Containers:
         with self.db.transaction() as conn:
             n = conn.execute(delete(k8s_containers_table).where(
                 k8s_containers_table.c.container_id == container_id)).rowcount
+        self.manager.work.forget(container_id)
         return Forgotten(container_id=container_id, forgotten=bool(n))
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -162,8 +273,10 @@ class Containers:
         with self._locks_guard:
             return self._locks.setdefault(container_id, threading.Lock())
 
-    def checkpoint(self, container_id: str, req: CheckpointRequest, caller: Caller
-                   ) -> CheckpointAnswer:
+    def checkpoint(self, container_id: str, req: CheckpointRequest, caller: Caller,
+                   why: str = "") -> CheckpointAnswer:
+        """`why`: what the checkpoint is for, in words (the control plane's reason); else
+        the request's reason."""
         _root_only(caller)
         validate_container_id(container_id)
         row = self._row(container_id)
@@ -180,14 +293,15 @@ class Containers:
         if not lock.acquire(timeout=timeout if req.reason == "stop" else 0):
             raise UsageError(f"a checkpoint of container {container_id} is already being taken")
         try:
-            return self._checkpoint(container_id, root, req.reason, timeout)
+            return self._checkpoint(container_id, root, req.reason, timeout,
+                                    row["registered"] if row else None, why or req.reason)
         finally:
             lock.release()
 
-    def _checkpoint(self, container_id: str, root: Path, reason: str, timeout_s: float
-                    ) -> CheckpointAnswer:
+    def _checkpoint(self, container_id: str, root: Path, reason: str, timeout_s: float,
+                    registered: str | None, why: str) -> CheckpointAnswer:
         m = self.manager
-        runc = Runc(real_runc(m.settings.runc), root, m.criu.path)
+        runc = self._runc(root)
         state = runc.state(container_id)
         if state.get("status") not in ("running", "paused"):
             raise UsageError(f"container {container_id} is {state.get('status')}: only a "
@@ -204,6 +318,7 @@ class Containers:
         staging = store.staging_dir(cid)
         work = Path(tempfile.mkdtemp(prefix=f"runc-{cid}-", dir=m.criu_logs))
         runc.run("pause", container_id, timeout_s=10)
+        frozen = time.monotonic()
         paused = True
         try:
             try:
@@ -216,13 +331,15 @@ class Containers:
                 raise
             if reason != "stop":
                 paused = not _resume(runc, container_id)
+            frozen_s = time.monotonic() - frozen
             info = CheckpointInfo(
                 id=cid, label=label, job=f"container {container_id}", host=m.settings.node,
                 created=created, criu_version=m.criu_version(m.criu), command=bundle.args,
                 cwd=bundle.cwd, user=f"k8s:{bundle.namespace}", uid=bundle.uid, gid=bundle.uid,
                 extra={"k8s": {"namespace": bundle.namespace, "pod": bundle.pod,
                                "container": bundle.name, "container_id": container_id,
-                               "reason": reason, "runtime": "runc"}},
+                               "reason": reason, "runtime": "runc"},
+                       "work_s": m.work.at(container_id, registered or created, created)},
             )
             manifest = store.publish(info, "none", data_key=data_key)
         except BaseException:
@@ -242,7 +359,13 @@ class Containers:
         self._set(container_id, last_checkpoint=manifest.id,
                   last_checkpoint_at=int(time.time()))
         log.info("container %s (%s): checkpoint %s of label %s (%s, %.2f s)", container_id,
-                 bundle.namespace, manifest.id, label, reason, time.monotonic() - started)
+                 bundle.namespace, manifest.id, label, why, time.monotonic() - started)
+        m.activity.notify(Activity(
+            kind="checkpoint", checkpoint=manifest.id, label=label, job=container_id,
+            user=info.user, size_bytes=manifest.size_bytes,
+            stored_size_bytes=manifest.stored_size_bytes, work_s=work_of(info.extra),
+            duration_s=round(time.monotonic() - started, 4), frozen_s=round(frozen_s, 4),
+            leave_running=not stopped, store=m.store.url, reason=why[:60]))
         return CheckpointAnswer(checkpoint=manifest.id, label=label, container_id=container_id,
                                 namespace=bundle.namespace, size_bytes=manifest.size_bytes,
                                 duration_s=round(time.monotonic() - started, 4),
@@ -255,7 +378,9 @@ class Containers:
             rows = conn.execute(select(k8s_containers_table).where(
                 k8s_containers_table.c.interval_s > 0)).mappings().all()
         for row in rows:
-            if now - (row["last_checkpoint_at"] or 0) < row["interval_s"]:
+            # A row kept from before the floor was raised is held to it too.
+            if now - (row["last_checkpoint_at"] or 0) < max(row["interval_s"],
+                                                            self.min_interval_s):
                 continue
             try:
                 self.checkpoint(row["container_id"], CheckpointRequest(reason="interval"),

@@ -14,13 +14,18 @@
     POST /k8s/checkpoints/{id}/export         {path}: the checkpoint as an OCI image archive
     POST /k8s/checkpoints/import              {path[, label, namespace]}: one such archive
                                               as a new checkpoint
+    GET  /k8s/node                            {node, state, api}: this node in Kubernetes
+    POST /k8s/node/drain                      {reason}: cordon, checkpoint, evict (source.py)
 
-All of them are root's (containerd's shim runs the wrapper as root).
+All of them are root's (containerd's shim runs the wrapper as root). The containers are also a
+JobSource of kind "container" (stasis.k8s.source): the control plane lists, checkpoints and
+drains them through it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -29,10 +34,14 @@ from sqlalchemy import Table
 from stasis.daemon.http import answer, peer, read_body
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
+from stasis.daemon.users import Caller
+from stasis.errors import PermissionDeniedError
+from stasis.k8s import kube
 from stasis.k8s.events import ExitFollower
-from stasis.k8s.containers import Containers, k8s_containers_table
-from stasis.k8s.models import CheckpointRequest, ExportRequest, ImportRequest, \
-    IntervalRequest, RegisterRequest, RestoreDoneRequest, RestoreRequest
+from stasis.k8s.containers import Containers, k8s_containers_table, min_interval_s
+from stasis.k8s.models import CheckpointRequest, DrainRequest, ExportRequest, ImportRequest, \
+    IntervalRequest, NodeInfo, RegisterRequest, RestoreDoneRequest, RestoreRequest
+from stasis.k8s.source import ContainerJobs
 
 
 class K8sIntegration(Integration):
@@ -40,7 +49,12 @@ class K8sIntegration(Integration):
 
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
-        self.containers = Containers(manager)
+        s = manager.settings
+        # The daemon's entry point read the environment into its Settings; the floor's
+        # variable is read here while stasis.config has no setting for it.
+        self.containers = Containers(manager, min_interval_s(s, os.environ))
+        self.jobs = ContainerJobs(self.containers, s.node, kube.connect_daemon(s.kubeconfig))
+        manager.add_job_source(self.jobs.source())
         self.events = ExitFollower(manager.settings.containerd_address,
                                    lambda e: self.containers.ended(e.container_id,
                                                                    e.exit_status))
@@ -101,9 +115,22 @@ class K8sIntegration(Integration):
             req = await read_body(request, ImportRequest)
             return answer(await asyncio.to_thread(c.import_, req, peer(request)))
 
+        async def node(request: web.Request) -> web.StreamResponse:
+            _root_only(peer(request))
+            return answer(NodeInfo(node=self.jobs.node,
+                                   state=await asyncio.to_thread(self.jobs.state),
+                                   api=self.jobs.api is not None))
+
+        async def drain(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, DrainRequest)
+            _root_only(peer(request))
+            return answer(await asyncio.to_thread(self.jobs.drain, req.reason))
+
         return [
             web.post("/k8s/checkpoints/{id}/export", export),
             web.post("/k8s/checkpoints/import", import_),
+            web.get("/k8s/node", node),
+            web.post("/k8s/node/drain", drain),
             web.get("/k8s/containers", all_containers),
             web.post("/k8s/containers", register),
             web.post("/k8s/containers/{id}/checkpoint", checkpoint),
@@ -112,3 +139,8 @@ class K8sIntegration(Integration):
             web.post("/k8s/restores", plan_restore),
             web.post("/k8s/restores/{id}/done", restore_done),
         ]
+
+
+def _root_only(caller: Caller) -> None:
+    if not caller.is_root:
+        raise PermissionDeniedError("permission denied: only root drains the node")

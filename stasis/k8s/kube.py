@@ -1,8 +1,10 @@
-"""The Kubernetes API as the node agent and `stasis k8s checkpoint` use it (the official
-client): one node, the pods on it, their annotations and the node's taints.
+"""The Kubernetes API as the node agent, the daemon's drain and `stasis k8s checkpoint` use it
+(the official client): one node, the pods on it, their annotations, the node's taints and
+cordon, and evictions of pods.
 
-Only plain GET, PATCH and watch of nodes and pods: the calls every API server serves alike
-(the tests run them against kmock's emulator, since no API server runs on these machines).
+Only plain GET, PATCH, watch of nodes and pods and the Eviction API: the calls every API server
+serves alike (the tests run them against kmock's emulator, since no API server runs on these
+machines).
 """
 
 from __future__ import annotations
@@ -54,6 +56,26 @@ def connect(kubeconfig: str) -> Any:
         where = kubeconfig or "the pod's service account or ~/.kube/config"
         raise KubeError(f"no Kubernetes API from {where}: {e}; give --kubeconfig "
                         "(or STASIS_KUBECONFIG)") from None
+    return client.CoreV1Api(client.ApiClient(cfg))
+
+
+def connect_daemon(kubeconfig: str) -> Any | None:
+    """The daemon's CoreV1Api, or None where this node has no Kubernetes API: from `kubeconfig`
+    when given, else the pod's service account (the daemon runs in the agent's pod). Unlike
+    `connect`, never an admin's ~/.kube/config: a daemon on a Slurm node must not cordon a
+    node of whatever cluster root's kubeconfig names."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            config.load_incluster_config(client_configuration=cfg)
+    except (config.ConfigException, OSError) as e:
+        if kubeconfig:
+            log.warning("no Kubernetes API from %s: %s; no drain of this node", kubeconfig, e)
+        return None
     return client.CoreV1Api(client.ApiClient(cfg))
 
 
@@ -154,3 +176,54 @@ def now_token() -> str:
     import secrets
 
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+# The daemon asks with these (seconds): a heartbeat must not hang on a slow API server.
+_SHORT = (5, 10)
+
+
+def node_state(api: Any, node: str) -> str:
+    """The node as `kubectl get nodes` shows its STATUS (Ready, NotReady, Unknown), with
+    ",SchedulingDisabled+DRAIN" while it is cordoned (DRAIN: the word the control plane's drain
+    policies look for, as in Slurm's MIXED+DRAIN)."""
+    obj = call(f"read node {node}", api.read_node, node, _request_timeout=_SHORT)
+    ready = "Unknown"
+    for cond in (getattr(obj.status, "conditions", None) or []) if obj.status else []:
+        if cond.type == "Ready":
+            ready = {"True": "Ready", "False": "NotReady"}.get(cond.status, "Unknown")
+    return ready + (",SchedulingDisabled+DRAIN" if obj.spec and obj.spec.unschedulable else "")
+
+
+def cordon(api: Any, node: str) -> bool:
+    """Mark the node unschedulable; whether it was schedulable before."""
+    obj = call(f"read node {node}", api.read_node, node, _request_timeout=_SHORT)
+    if obj.spec is not None and obj.spec.unschedulable:
+        return False
+    call(f"cordon node {node}", api.patch_node, node, {"spec": {"unschedulable": True}},
+         _request_timeout=_SHORT)
+    return True
+
+
+def pods_of_containers(api: Any, node: str) -> dict[str, tuple[str, str]]:
+    """runtime container id -> (namespace, pod) of the pods bound to `node`."""
+    found = call(f"list the pods of node {node}", api.list_pod_for_all_namespaces,
+                 field_selector=f"spec.nodeName={node}", _request_timeout=_SHORT)
+    out: dict[str, tuple[str, str]] = {}
+    for pod in found.items:
+        # Selectors are the server's to apply; an emulator may not.
+        if getattr(pod.spec, "node_name", None) != node:
+            continue
+        for cid in container_ids(pod).values():
+            out[cid] = (pod.metadata.namespace, pod.metadata.name)
+    return out
+
+
+def evict(api: Any, namespace: str, pod: str) -> None:
+    """The Eviction API: the pod is deleted within its disruption budget (a refusal, 429, is a
+    KubeError) and its controller (Deployment, StatefulSet, ...) makes a new one elsewhere."""
+    from kubernetes import client
+
+    body = client.V1Eviction(api_version="policy/v1", kind="Eviction",
+                             metadata=client.V1ObjectMeta(name=pod, namespace=namespace))
+    call(f"evict pod {namespace}/{pod}", api.create_namespaced_pod_eviction, pod, namespace,
+         body, _preload_content=False, _request_timeout=_SHORT)

@@ -3,7 +3,8 @@ installed as the node agent installs it (stasis.k8s.shim), and a stasis daemon f
 
     D/containerd/   config.toml, root, state, containerd.sock, containerd.log
     D/bin/          containerd-shim-stasis-v2, runc-wrapper/runc (first on containerd's PATH)
-    D/stasis/       config.toml, daemon socket, state, checkpoint store, daemon log
+    D/stasis/       config.toml, daemon socket, state, checkpoint store, daemon log;
+                    daemon.env: variables the daemon starts with (the interval floor)
     D/runtime/      with --bundle: stasis-runc and CRIU as the node agent puts them on a host
 
 Containers are started with `ctr -a D/containerd/containerd.sock -n stasis run --runtime
@@ -84,9 +85,12 @@ def containerd_config(lay: Layout) -> str:
     )
 
 
-def up(root: Path, store: str = "", bundle: bool = False) -> Layout:
+def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
+       node_name: str = "", min_interval_s: int | None = None) -> Layout:
     """`bundle`: stasis-runc and CRIU run from a host bundle (stasis.k8s.hostbundle, in
-    D/runtime), as on a node the agent installed, instead of from this venv."""
+    D/runtime), as on a node the agent installed, instead of from this venv. `kubeconfig` and
+    `node_name`: the Kubernetes API and the node in it the daemon drains (none: no drain).
+    `min_interval_s`: the floor on containers' checkpoint intervals (default: the daemon's)."""
     if os.geteuid() != 0:
         raise UsageError("k8s local-node up must run as root (it starts containerd)")
     for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
@@ -105,6 +109,16 @@ def up(root: Path, store: str = "", bundle: bool = False) -> Layout:
               f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
               f"store = {_q(store or str(lay.stasis / 'store'))}\n"
               f"containerd_address = {_q(str(lay.address))}\n")
+    if kubeconfig:
+        config += f"kubeconfig = {_q(str(Path(kubeconfig).absolute()))}\n"
+    if node_name:
+        config += f"node_name = {_q(node_name)}\n"
+    env_file = lay.stasis / "daemon.env"
+    env_file.unlink(missing_ok=True)
+    if min_interval_s is not None:
+        from stasis.k8s.containers import MIN_INTERVAL_VARIABLE
+
+        env_file.write_text(f"{MIN_INTERVAL_VARIABLE}={int(min_interval_s)}\n")
     if bundle:
         from stasis.engine.criu import find_criu
         from stasis.k8s import hostbundle
@@ -130,8 +144,17 @@ def up(root: Path, store: str = "", bundle: bool = False) -> Layout:
 
 
 def _env(lay: Layout) -> dict[str, str]:
-    return {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-            "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
+    env = {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+           "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
+    try:
+        lines = (lay.stasis / "daemon.env").read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        key, eq, value = line.partition("=")
+        if eq:
+            env[key] = value
+    return env
 
 
 def start_daemon(lay: Layout) -> None:

@@ -47,6 +47,16 @@ class IntervalRequest(_Model):
     interval_s: int | None = Field(default=None, ge=0, le=7 * 86400)
 
 
+class DrainRequest(_Model):
+    reason: str = Field(default="stasis drain", min_length=1, max_length=60)
+
+
+class NodeInfo(TypedDict):
+    node: str  # this node's name in the Kubernetes API
+    state: str  # Ready, Ready,SchedulingDisabled+DRAIN, ...; "" = the API did not answer
+    api: bool  # whether the daemon has a Kubernetes API at all
+
+
 class CheckpointAnswer(TypedDict):
     checkpoint: str
     label: str

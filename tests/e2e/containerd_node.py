@@ -43,15 +43,21 @@ def busybox_archive(out: Path) -> Path:
 class Node:
     """The local node, driven with `ctr` the way the kubelet drives containerd's tasks."""
 
-    def __init__(self, root: Path, bundle: bool = False) -> None:
+    def __init__(self, root: Path, bundle: bool = False, min_interval_s: int | None = None,
+                 kubeconfig: Path | None = None, node_name: str = "") -> None:
         self.root = root
         self.bundle = bundle
+        self.options = [*(["--bundle"] if bundle else []),
+                        *([f"--min-interval={min_interval_s}"] if min_interval_s is not None
+                          else []),
+                        *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []),
+                        *([f"--node-name={node_name}"] if node_name else [])]
         self.lay = localnode.Layout(root)
         self.info: dict[str, Any] = {}
 
     def up(self) -> None:
         r = subprocess.run([STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json",
-                            *(["--bundle"] if self.bundle else [])],
+                            *self.options],
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "STASIS_CONFIG": ""})
         assert r.returncode == 0, r.stderr + r.stdout
@@ -66,6 +72,16 @@ class Node:
 
     def restart_daemon(self) -> None:
         localnode.start_daemon(self.lay)
+
+    def configure(self, values: dict[str, object]) -> None:
+        """More settings in the daemon's config file; the daemon started again with them."""
+        from stasis.daemon import detached
+
+        with self.lay.stasis_config.open("a") as out:
+            for key, value in values.items():
+                out.write(f"{key} = {json.dumps(value)}\n")
+        detached.stop(detached.read_pid(self.lay.stasis / "daemon.pid"))
+        self.restart_daemon()
 
     def ctr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["ctr", "-a", self.info["containerd_address"], "-n",

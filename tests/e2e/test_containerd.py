@@ -12,6 +12,7 @@ import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,12 +28,20 @@ COUNTER = ("echo token-$0 > /data/made; i=0; while :; do i=$((i+1)); echo n=$i; 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
     root = Path(tempfile.mkdtemp(prefix="stasis-node-"))
-    n = Node(root)
+    n = Node(root, min_interval_s=2)  # the floor on intervals, low for a short test
     try:
         n.up()
         yield n
     finally:
         n.down()
+
+
+def registered(node: Node) -> list[dict[str, Any]]:
+    from stasis.client import Client
+
+    with Client(node.lay.stasis_socket) as c:
+        found: list[dict[str, Any]] = c.request("GET", "/k8s/containers")
+    return found
 
 
 def numbers(log: Path) -> list[int]:
@@ -133,7 +142,8 @@ def test_without_a_daemon_a_container_starts_fresh_and_says_so(node: Node) -> No
         node.restart_daemon()
 
 
-def test_stasis_interval_checkpoints_a_running_container(node: Node) -> None:
+def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_floor(
+        node: Node) -> None:
     label = f"interval-{secrets.token_hex(3)}"
     log = node.run("c-int", COUNTER.replace("$0", "i"),
                    env={"STASIS_CHECKPOINT": label, "STASIS_INTERVAL": "1"})
@@ -142,7 +152,18 @@ def test_stasis_interval_checkpoints_a_running_container(node: Node) -> None:
         listed = json.loads(node.stasis("checkpoints", "--json").stdout)
         return [c for c in listed if c["label"] == label]
 
+    # Asked for 1 s, below the node's floor (2 s): raised, and the container's log says so.
+    floored = ("stasis: checkpoint interval 1 s (STASIS_INTERVAL or the pod's "
+               "stasis.dev/interval) is below this node's minimum of 2 s: checkpoints every 2 s")
+    wait_for(lambda: floored in log.read_text(), 20, "the floor's line in the container's log")
+    (row,) = [c for c in registered(node) if c["container_id"] == "c-int"]
+    assert row["interval_s"] == 2
     wait_for(lambda: len(checkpoints()) >= 2, 30, "two interval checkpoints")
+    created = sorted(str(c["created"]) for c in checkpoints())
+    from datetime import datetime
+
+    gap = (datetime.fromisoformat(created[1]) - datetime.fromisoformat(created[0]))
+    assert gap.total_seconds() >= 1.5, created
     assert node.status("c-int") == "RUNNING"
     counted = len(numbers(log))
     wait_for(lambda: len(numbers(log)) > counted + 3, 10, "the counter to go on")
@@ -230,3 +251,9 @@ def test_export_of_an_unknown_checkpoint_and_import_of_a_non_image_fail_in_one_l
     junk.write_bytes(b"not a tar")
     r = node.stasis("import", str(junk))
     assert r.returncode == 2 and "is not an OCI image archive" in r.stderr, r.stderr
+
+
+def test_a_node_without_a_kubernetes_api_has_no_drain_and_says_so(node: Node) -> None:
+    r = node.stasis("k8s", "drain")
+    assert (r.returncode, r.stderr.strip()) == (
+        2, "stasis: error: this node has no Kubernetes API to drain it in"), r.stderr

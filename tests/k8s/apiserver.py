@@ -2,6 +2,8 @@
 objects created, patched, listed and watched over real HTTP), in a process of its own, since no
 real API server can run on these machines. It is an emulator, not a cluster: nothing schedules
 pods or runs a kubelet; the tests write what the kubelet would (a pod's container statuses).
+An eviction (POST pods/NAME/eviction) deletes the pod as a real API server does (no disruption
+budgets here) and is written, one JSON line each, to evictions.jsonl in its working directory.
 
     python tests/k8s/apiserver.py     prints its URL, then serves until killed
 """
@@ -72,6 +74,21 @@ class ApiServer:
             raise AssertionError(f"{method} {path}: {e.code} {e.read()!r}") from None
         return answer
 
+    def evictions(self) -> list[dict[str, Any]]:
+        path = self.workdir / "evictions.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def exists(self, kind: str, name: str, namespace: str | None = None) -> bool:
+        try:
+            self.get(kind, name, namespace)
+        except AssertionError as e:
+            if ": 404 " in str(e):
+                return False
+            raise
+        return True
+
     def create(self, kind: str, obj: dict[str, Any]) -> None:
         self._call("POST", self._path(kind, obj["metadata"].get("namespace")), obj)
 
@@ -85,6 +102,7 @@ class ApiServer:
 
 async def _serve() -> None:
     import kmock
+    from aiohttp import web
     from kmock._internal import parsing
 
     # The official Python client asks for `watch=True`; a real API server takes any Go bool
@@ -97,7 +115,27 @@ async def _serve() -> None:
         return guess(k8s, method, query)
 
     parsing.guess_k8s = lenient
-    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+
+    class Emulator(kmock.KubernetesEmulator):
+        async def _handle(self, request: Any) -> Any:
+            if request.subresource != "eviction" or request.method != kmock.method.POST:
+                return await super()._handle(request)
+            key = (request.resource, request.namespace, request.name)
+            async with self._lock:
+                if key not in self._objects or self._objects[key].deleted:
+                    return web.json_response({"kind": "Status", "apiVersion": "v1",
+                                              "status": "Failure", "reason": "NotFound",
+                                              "code": 404}, status=404)
+                self._objects[key].delete()
+                await self._buses[request.resource].put(
+                    {"type": "DELETED", "object": self._objects[key].last.raw})
+            with open("evictions.jsonl", "a") as out:
+                out.write(json.dumps({"namespace": request.namespace, "pod": request.name,
+                                      "body": request.data}) + "\n")
+            return web.json_response({"kind": "Status", "apiVersion": "v1",
+                                      "status": "Success", "code": 201}, status=201)
+
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
         print(server.url, flush=True)
         await asyncio.Event().wait()
 
