@@ -202,7 +202,7 @@ class SlurmIntegration(Integration):
         settings = self.manager.settings
         guard = ConnectionGuard(settings.max_connections_per_uid, settings.request_timeout_s,
                                 raise_open_files_limit())
-        app = web.Application(middlewares=[guard.middleware, errors],
+        app = web.Application(middlewares=[errors, guard.middleware],
                               client_max_size=_REMOTE_MAX_BODY)
         app.add_routes(self.remote_routes())
         runner = web.AppRunner(app, access_log=None,
@@ -227,15 +227,17 @@ class SlurmIntegration(Integration):
         """Who asks `op` (blocking: munge): munge's uid and gid, once the credential decoded
         here and names this very request, node and cluster."""
         conf = remote.slurm_conf(self.manager.settings)
+        # An IPv4 peer of the dual-stack socket reads as ::ffff:a.b.c.d.
+        peer_address = (request.remote or "?").removeprefix("::ffff:")
         try:
             identity = remote.verify_credential(credential, conf.munge_socket)
             remote.check_payload(identity, remote.request_payload(op, self._node(),
                                                                   conf.cluster, **fields))
         except PermissionDeniedError as e:
-            log.warning("refused a remote Slurm %s from %s: %s", op, request.remote, e)
+            log.warning("refused a remote Slurm %s from %s: %s", op, peer_address, e)
             raise
         log.info("remote Slurm %s %s asked by uid %d from %s", op,
-                 " ".join(f"{k}={v}" for k, v in fields.items()), identity.uid, request.remote)
+                 " ".join(f"{k}={v}" for k, v in fields.items()), identity.uid, peer_address)
         return Caller(pid=-1, uid=identity.uid, gid=identity.gid)  # no process of this node
 
     def remote_routes(self) -> Sequence[web.RouteDef]:

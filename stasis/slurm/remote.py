@@ -56,10 +56,12 @@ _CONNECT_TIMEOUT_S = 10.0
 # unmunge's exit statuses (munge.h's munge_err_t) that mean "this credential is refused", as
 # opposed to munged failing.
 _SOCKET_ERROR = 6
-_REFUSED = {8: "not a valid credential", 9: "of an unknown version", 10: "bad cipher",
-            11: "bad MAC", 12: "bad compression", 13: "bad realm", 14: "invalid (forged, or "
-            "made with another munge key)", 15: "expired", 16: "made in the future (clocks "
-            "apart)", 17: "replayed (already used)", 18: "not for this decoder"}
+_REFUSED = {8: "it is not a credential munge can read", 9: "its version is unknown",
+            10: "its cipher is unknown", 11: "its MAC is unknown",
+            12: "its compression is unknown", 13: "its security realm is unknown",
+            14: "it is invalid (forged, or made with another munge key)", 15: "it expired",
+            16: "it was made in the future (the nodes' clocks differ)",
+            17: "it was replayed (already used)", 18: "it is not for this decoder"}
 _PAYLOAD_VERSION = 1
 
 
