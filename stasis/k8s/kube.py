@@ -76,6 +76,9 @@ def connect_daemon(kubeconfig: str) -> Any | None:
         if kubeconfig:
             log.warning("no Kubernetes API from %s: %s; no drain of this node", kubeconfig, e)
         return None
+    # Asked at every heartbeat: an API server that is away is one failure, not three retries
+    # (each a warning in the daemon's log).
+    cfg.retries = 0
     return client.CoreV1Api(client.ApiClient(cfg))
 
 

@@ -57,12 +57,16 @@ class ContainerJobs:
         return out
 
     def jobs(self) -> list[ReportedJob]:
+        # The control plane takes ids and owners of up to 100 characters (a kubelet's
+        # container ids have 64, namespaces at most 63); a longer one would cost the node
+        # its whole report.
         return [ReportedJob(job=info["container_id"], label=info["label"],
                             user=f"k8s:{info['namespace']}", state=status,
                             restored_from=info["restored_from"], started=info["registered"],
                             kind=KIND, partition=info["namespace"],
                             rss_bytes=_rss(pid))
-                for info, status, pid in self._live()]
+                for info, status, pid in self._live()
+                if len(info["container_id"]) <= 100 and len(info["namespace"]) <= 96]
 
     def checkpoint(self, job: str, leave_running: bool, reason: str) -> dict[str, object]:
         done: dict[str, object] = dict(self.containers.checkpoint(
