@@ -38,10 +38,13 @@ sys.exit(code)
 
 
 class Cluster:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nodes: int = 1, without_stasis: tuple[str, ...] = ()
+                 ) -> None:
         self.root = root
         self.work = root / "work"
         self.lay = local_cluster.Layout(root)
+        self.nodes = nodes
+        self.without_stasis = without_stasis
 
     @property
     def env(self) -> dict[str, str]:
@@ -50,10 +53,13 @@ class Cluster:
     def up(self) -> None:
         result = subprocess.run(
             [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
-             "--socket-group", TEST_USER], capture_output=True, text=True, timeout=120,
-            env={**os.environ, "STASIS_CONFIG": ""})
+             "--socket-group", TEST_USER, "--nodes", str(self.nodes),
+             *(f"--without-stasis={n}" for n in self.without_stasis)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "STASIS_CONFIG": ""})
         assert result.returncode == 0, result.stderr + result.stdout
-        assert json.loads(result.stdout)["slurm_conf"] == str(self.lay.slurm_conf)
+        answer = json.loads(result.stdout)
+        assert answer["slurm_conf"] == str(self.lay.slurm_conf)
+        assert answer["nodes"] == [f"n{i + 1}" for i in range(self.nodes)]
         self.work.mkdir(exist_ok=True)
         os.chmod(self.work, 0o777)
         (self.work / "counter.py").write_text(COUNTER)
@@ -123,6 +129,13 @@ class Cluster:
                ) -> subprocess.CompletedProcess[str]:
         return self.run(STASIS, *args, user=user, check=check)
 
+    def on(self, node: str, *cmd: str, user: str | None = None, check: bool = True
+           ) -> subprocess.CompletedProcess[str]:
+        """`cmd` run on `node` (its namespaces, its stasis config), as `user` if given."""
+        inner = ["runuser", "-u", user, "--", *cmd] if user else list(cmd)
+        return self.run(STASIS, "slurm", "local-cluster", "exec", "--dir", str(self.root), node,
+                        "--", *inner, check=check)
+
     def checkpoints(self, label: str | None = None, user: str | None = None
                     ) -> list[dict[str, Any]]:
         """Root's view; a label is looked up among root's own checkpoints unless `user`."""
@@ -150,11 +163,11 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def new_cluster(name: str) -> Cluster:
+def new_cluster(name: str, nodes: int = 1, without_stasis: tuple[str, ...] = ()) -> Cluster:
     ensure_test_user()
     root = Path(tempfile.mkdtemp(prefix=f"stasis-e2e-{name}-"))
     os.chmod(root, 0o755)
-    c = Cluster(root)
+    c = Cluster(root, nodes, without_stasis)
     c.up()
     return c
 
