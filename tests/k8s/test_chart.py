@@ -17,7 +17,7 @@ CUSTOM = {"config": {"clusterId": "c-42", "url": "https://cp.example", "authToke
           "image": {"repository": "registry.example/stasis", "tag": "9.9"},
           "store": {"url": "s3://ckpt/site", "compression": "zstd", "encrypt": True,
                     "encryptionKeySecret": "stasis-key"},
-          "nodeSelector": {"gpu": "true"}}
+          "nodeSelector": {"gpu": "true"}, "minIntervalSeconds": 300}
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -41,7 +41,7 @@ def test_the_chart_renders_lints_and_validates(values: dict[str, Any]) -> None:
                      "RuntimeClass", "Secret", "ServiceAccount"]
 
 
-def test_values_reach_the_manifests_and_the_token_only_the_secret() -> None:
+def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path) -> None:
     docs = {d["kind"]: d for d in render(CUSTOM)}
     assert docs["RuntimeClass"]["handler"] == "stasis"
     pod = docs["DaemonSet"]["spec"]["template"]["spec"]
@@ -66,6 +66,23 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret() -> None:
     assert 'store = "s3://ckpt/site"' in config and "encrypt = true" in config
     assert "s3cret" not in str(docs["ConfigMap"]) and "s3cret" not in str(docs["DaemonSet"])
     assert docs["Secret"]["stringData"]["authToken"] == "s3cret"
+    # The daemon joins the control plane the values name, and may drain its node.
+    assert 'controlplane_url = "https://cp.example"' in config
+    assert 'cluster_id = "c-42"' in config
+    assert env["STASIS_K8S_MIN_INTERVAL_S"]["value"] == "300"
+    rules = docs["ClusterRole"]["rules"]
+    assert {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]} in rules
+    assert any("nodes" in r["resources"] and "patch" in r["verbs"] for r in rules)
+    # The daemon reads that config file as it is (no setting it does not know).
+    import tomllib
+
+    from stasis.config import load_settings
+
+    toml = tmp_path / "config.toml"
+    toml.write_text(config)
+    settings = load_settings({"STASIS_CONFIG": str(toml)})
+    assert (settings.controlplane_url, settings.cluster_id) == ("https://cp.example", "c-42")
+    assert tomllib.loads(config)["store"] == "s3://ckpt/site"
     default_image = {d["kind"]: d for d in render({})}["DaemonSet"]["spec"]["template"][
         "spec"]["containers"][0]["image"]
     version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
