@@ -120,17 +120,17 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
 
 def _say_drained(report: DrainReport, timeout_s: int) -> None:
     node = report["node"]
-    output.say(f"node {node} drained in Slurm: no new job starts there")
+    output.plain(f"node {node} drained in Slurm: no new job starts there")
     for r in report["requeued"]:
-        output.say(f"Slurm job {r['job']}: checkpoint {r['checkpoint']}, requeued; it resumes "
-                   "from it on another node")
+        output.plain(f"Slurm job {r['job']}: checkpoint {r['checkpoint']}, requeued; it "
+                     "resumes from it where Slurm runs it next")
     for f in report["failed"]:
         output.warn(f"Slurm job {f} (not checkpointed; it keeps running)")
     if report["unprotected"]:
-        output.say(f"not under stasis, running until they end: Slurm job(s) "
-                   f"{', '.join(report['unprotected'])}")
+        output.plain(f"not under stasis, running until they end: Slurm job(s) "
+                     f"{', '.join(report['unprotected'])}")
     if report["empty"]:
-        output.say(f"node {node} is empty after {report['empty_after_s']:.1f} s")
+        output.plain(f"node {node} is empty after {report['empty_after_s']:.1f} s")
     else:
         output.warn(f"node {node} is not empty after {timeout_s} s: Slurm job(s) "
                     f"{', '.join(report['running'])} still run there")
