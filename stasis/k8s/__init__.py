@@ -12,6 +12,10 @@ stop signal is preceded by a checkpoint, and every other runc command goes to ru
     runtime.py       the `stasis-runc` wrapper the shim runs instead of runc
     containers.py    the daemon's side: checkpoint a container, prepare its restore, intervals
     integration.py   the daemon's /k8s/ routes
+    source.py        the containers as the control plane's jobs (kind "container"): listed,
+                     checkpointed, and the node's drain (cordon, checkpoints, evictions)
+    kube.py          the Kubernetes API calls of the agent and the daemon
+    agent.py         `stasis k8s agent`, the chart's DaemonSet: runtime, taint, cordon, pods
     shim.py          containerd's runtime entry and shim script, as a node gets them
     localnode.py     `stasis k8s local-node up|down`: a private containerd for tests and demos
 """
