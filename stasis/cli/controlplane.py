@@ -135,6 +135,8 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=migrate)
     p = sub.add_parser("drain", help="Move every job off NODE: on a Slurm cluster NODE is "
                                      "drained in Slurm and its jobs checkpointed and requeued; "
+                                     "on a Kubernetes cluster it is cordoned and its "
+                                     "containers checkpointed and their pods evicted; "
                                      "stasis's own jobs migrate to the other ready nodes. "
                                      "Done when the node reports none.")
     p.add_argument("node", metavar="NODE")
@@ -231,8 +233,11 @@ def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
                    help="Only jobs with this much resident memory" + (
                        "; 0 removes the filter." if editing else "."))
     if editing:
-        p.add_argument("--enable", action=argparse.BooleanOptionalAction, default=None,
-                       help="--disable: the policy stays, but runs no more until --enable.")
+        on_off = p.add_mutually_exclusive_group()
+        on_off.add_argument("--enable", dest="enable", action="store_const", const=True,
+                            default=None, help="Run the policy again.")
+        on_off.add_argument("--disable", dest="enable", action="store_const", const=False,
+                            help="Keep the policy, but run it no more until --enable.")
 
 
 _GLOBS = ("cluster", "node", "label", "user", "partition")
@@ -318,12 +323,17 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
         if not empty:
             time.sleep(0.5)
     done = {"node": args.node, "moved": moved, "requeued": requeued, "failed": failed,
-            "empty": empty}
+            "empty": empty, "handled": plan.get("handled") or []}
     if args.json:
         output.emit_json(done)
     else:
         for r in requeued:
-            output.say(f"Slurm job {r['job']} checkpointed ({r['checkpoint']}) and requeued")
+            if r.get("pod"):  # Kubernetes: the pod evicted, its controller makes it again
+                output.plain(f"container {r['job']} checkpointed ({r['checkpoint']}), pod "
+                             f"{r['pod']} evicted")
+            else:
+                output.plain(f"Slurm job {r['job']} checkpointed ({r['checkpoint']}) and "
+                             "requeued")
         for m in moved:
             output.say(f"job {m['from_job']} is job {m['job']} on {m['node']}")
         output.say(f"node {args.node} is " + ("empty" if empty else "not empty yet"))

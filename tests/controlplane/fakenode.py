@@ -1,0 +1,45 @@
+"""A node as the control plane sees it, spoken by the test over plain HTTP with its cluster's
+token: registers, heartbeats the jobs and scheduler state it is told to, leases and
+acknowledges commands. For the control plane's side of what a node reports (its drain plans,
+its scoping) where no real daemon could report it here (a Kubernetes node's pods)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.controlplane.conftest import ControlPlane
+
+
+class FakeNode:
+    def __init__(self, cp: ControlPlane, cluster: dict[str, str], name: str) -> None:
+        self.cp = cp
+        self.token = cluster["token"]
+        self.cluster_id = cluster["cluster_id"]
+        self.name = name
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        status, answer = self.cp.call(method, path, self.token, body)
+        assert status == 200, (status, answer)
+        return answer
+
+    def register(self) -> None:
+        self.call("POST", "/api/v1/nodes/register", {
+            "name": self.name, "cluster_id": self.cluster_id, "host": self.name,
+            "stasis_version": "0.test", "criu_version": "4.0", "check_ok": True})
+
+    def heartbeat(self, jobs: list[dict[str, Any]], scheduler_state: str | None = None
+                  ) -> None:
+        self.call("POST", f"/api/v1/nodes/{self.name}/heartbeat",
+                  {"jobs": [{"state": "running", "label": j["job"], "user": "alice", **j}
+                            for j in jobs],
+                   "scheduler_state": scheduler_state})
+
+    def lease(self) -> dict[str, Any] | None:
+        got: dict[str, Any] | None = self.call(
+            "POST", f"/api/v1/nodes/{self.name}/commands/lease", {})
+        return got
+
+    def ack(self, command_id: str, ok: bool, result: dict[str, Any]) -> dict[str, Any]:
+        done: dict[str, Any] = self.call("POST", f"/api/v1/commands/{command_id}/ack",
+                                         {"ok": ok, "result": result})
+        return done
