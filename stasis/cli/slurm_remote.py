@@ -32,9 +32,11 @@ def dump_slurm_job(settings: Settings, slurm_job: str, leave_running: bool,
     """`stasis dump --slurm-job JOBID`: through this node's daemon when the job is under it,
     else through the daemon of the node the job runs on."""
     scontrol.validate_slurm_job_id(slurm_job)
-    answer = _checkpoint_here(settings, slurm_job, leave_running)
-    if answer is None:
-        answer = _checkpoint_there(settings, slurm_job, leave_running)
+    here = _checkpoint_here(settings, slurm_job, leave_running)
+    if here is None or isinstance(here, DaemonAPIError):
+        answer = _checkpoint_there(settings, slurm_job, leave_running, here)
+    else:
+        answer = here
     if as_json:
         output.emit_json(answer)
         return
@@ -45,10 +47,10 @@ def dump_slurm_job(settings: Settings, slurm_job: str, leave_running: bool,
 
 
 def _checkpoint_here(settings: Settings, slurm_job: str, leave_running: bool
-                     ) -> SlurmCheckpointAnswer | None:
-    """The checkpoint from this node's daemon, or None when the job's workload is not running
-    under it (no daemon here, a login node; another node's job; a registration left by a run
-    that was requeued from here)."""
+                     ) -> SlurmCheckpointAnswer | DaemonAPIError | None:
+    """The checkpoint from this node's daemon; None when the job's workload is not running
+    under it (another node's job; a registration left by a run requeued from here), or the
+    error saying why no daemon answers here (a login node has none)."""
     with Client(settings.socket) as client:
         try:
             registered = client.slurm_job(slurm_job)
@@ -57,23 +59,24 @@ def _checkpoint_here(settings: Settings, slurm_job: str, leave_running: bool
         except DaemonAPIError as e:
             if e.status:
                 raise
-            return None  # no daemon answers here
+            return e
         if registered["state"] != "running":
             return None
         return client.slurm_checkpoint(slurm_job, leave_running=leave_running)
 
 
-def _checkpoint_there(settings: Settings, slurm_job: str, leave_running: bool
-                      ) -> SlurmCheckpointAnswer:
+def _checkpoint_there(settings: Settings, slurm_job: str, leave_running: bool,
+                      local: DaemonAPIError | None) -> SlurmCheckpointAnswer:
     info = scontrol.job_info(slurm_job)
     if info.state != "RUNNING" or not info.batch_host:
         raise UsageError(f"Slurm job {slurm_job} is not running ({info.state or 'no state'}); "
                          "only a running job can be checkpointed")
     here = remote.this_node(settings)
     if info.batch_host == here:
+        if local is not None:
+            raise local
         raise NotFoundError(f"Slurm job {slurm_job} runs on this node ({here}) but not under "
-                            "its stasis daemon (submitted without STASIS_ENABLE=1, or the "
-                            f"daemon at {settings.socket} is not running)")
+                            "its stasis daemon (was it submitted with STASIS_ENABLE=1?)")
     target = remote.remote_node(settings, info.batch_host,
                                 scontrol.node_address(info.batch_host))
     return remote.checkpoint(settings, target, slurm_job, leave_running)

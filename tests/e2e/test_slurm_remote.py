@@ -135,6 +135,10 @@ def test_another_user_is_refused_and_errors_are_one_line(remote: Remote) -> None
     c.wait_number(plain, 1)
     _one_line(c.stasis("dump", "--slurm-job", plain, check=False), 2,
               f"Slurm job {plain} runs on this node (n1) but not under its stasis daemon")
+    # On the job's node with no daemon answering: that is the error, not a remote call.
+    gone = c.run("env", f"STASIS_SOCKET={c.root}/gone.sock", STASIS, "dump", "--slurm-job", job,
+                 check=False)
+    _one_line(gone, 1, f"cannot reach the stasis daemon at {c.root}/gone.sock")
     c.run("scancel", job, plain)
     c.wait_state(job, ("CANCELLED",))
 
