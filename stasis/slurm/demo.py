@@ -1,5 +1,6 @@
-"""The preemption demo of `make demo`: a victim job is preempted, checkpointed, requeued and
-restored on a throwaway local Slurm cluster, and its counter goes on where it was."""
+"""The preemption demo of `make demo`: a victim job is preempted on one node of a throwaway
+two-node Slurm cluster, checkpointed, requeued and restored on the other node, and its counter
+goes on where it was."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ _PREEMPTOR = """\
 #SBATCH --job-name=preemptor
 #SBATCH --partition=high
 #SBATCH --cpus-per-task={cpus}
+#SBATCH --nodelist={node}
 #SBATCH --output={work}/preemptor-%j.out
-echo "preemptor: I needed the whole node"; sleep 3
+echo "preemptor: I needed the whole of $(hostname)"; sleep 30
 """
 
 
@@ -83,26 +85,31 @@ def run_preemption_demo(console: Any) -> None:
     cpus = 4
     d = _Demo(console, root)
     try:
-        d.say("[bold]Slurm preemption demo[/bold]: starting a throwaway cluster "
-              "(munge, slurmctld, slurmd, stasis daemon)")
-        cluster.up(root, cpus=cpus, grace_s=10)
+        d.say("[bold]Slurm preemption demo[/bold]: starting a throwaway two-node cluster "
+              "(munge, slurmctld; nodes n1 and n2, each with its slurmd and stasis daemon, "
+              "sharing a checkpoint store)")
+        cluster.up(root, cpus=cpus, grace_s=10, nodes=2)
         d.work.mkdir()
         (d.work / "counter.py").write_text(_COUNTER)
         (d.work / "victim.sh").write_text(_VICTIM.format(work=d.work))
-        (d.work / "preemptor.sh").write_text(_PREEMPTOR.format(work=d.work, cpus=cpus))
         d.say("victim.sh asks for stasis with one line: "
               "#SBATCH --export=STASIS_ENABLE=1,STASIS_CHECKPOINT=victim")
         victim = d.run("sbatch", "--parsable", "victim.sh").strip()
         d.say(f"submitted victim as job {victim} (partition low, preemptable)")
         d.wait("the victim to count", lambda: re.search(r"^5$", d.output(victim), re.M))
+        first = d.job(victim).get("BatchHost", "")
+        (d.work / "preemptor.sh").write_text(_PREEMPTOR.format(work=d.work, cpus=cpus,
+                                                               node=first))
         preemptor = d.run("sbatch", "--parsable", "preemptor.sh").strip()
-        d.say(f"submitted preemptor as job {preemptor} (partition high, the whole node)")
+        d.say(f"victim runs on {first}; submitted preemptor as job {preemptor} (partition high, "
+              f"the whole of {first})")
         d.wait("the checkpoint", lambda: "checkpoint" in d.output(victim) and "taken"
                in d.output(victim), 60)
         at = [ln for ln in d.output(victim).splitlines() if ln.isdigit()][-1]
-        d.say(f"victim checkpointed at counter {at} and requeued; preemptor runs")
+        d.say(f"victim checkpointed on {first} at counter {at} and requeued; preemptor runs")
         d.wait("the restore", lambda: "restored checkpoint" in d.output(victim), 90)
-        d.say("victim started again and was restored from its checkpoint")
+        second = d.job(victim).get("BatchHost", "")
+        d.say(f"victim started again on {second} and was restored from its checkpoint")
         d.wait("the victim to finish",
                lambda: d.job(victim).get("JobState") in ("COMPLETED", "FAILED"), 90)
         # What the demo claims, checked: one requeue, and no run after it ended (Slurm 24.11
@@ -118,6 +125,9 @@ def run_preemption_demo(console: Any) -> None:
                 f"demo: the victim did not resume exactly once: JobState={info.get('JobState')} "
                 f"Restarts={info.get('Restarts')}, counter {counted[:3]}...{counted[-3:]} "
                 f"({len(counted)} values); see {d.work}")
+        if second == first:
+            raise SlurmError(f"demo: the victim resumed on {second}, the node it was preempted "
+                             f"on, not on the other one; see {d.work}")
         d.say("[bold]victim's output file[/bold] (one file, appended across the requeue):")
         lines = out.splitlines()
         keep = {0, 1, len(lines) - 2, len(lines) - 1}
@@ -131,8 +141,8 @@ def run_preemption_demo(console: Any) -> None:
             console.print(f"  {lines[i]}", markup=False, highlight=False)
             shown = i
         d.say(f"victim: JobState={info.get('JobState')} ExitCode={info.get('ExitCode')} "
-              f"Restarts={info.get('Restarts')}; the counter went on from {at} "
-              "instead of starting again at 0")
+              f"Restarts={info.get('Restarts')}; the counter went on from {at} on {second} "
+              f"instead of starting again at 0 on {first}")
     finally:
         cluster.down(root)
         shutil.rmtree(root, ignore_errors=True)
