@@ -10,10 +10,11 @@
     D/etc/slurmdbd.conf         slurmdbd's config (0600: it holds the database password); slurmdbd
                                 reads it from beside SLURM_CONF
 
-The cluster `stasis-local`, the account `local` and the user root are added to the database
-before slurmctld starts, so slurmctld registers at once and every job is recorded. Other users
-get an association with `sacctmgr -i add user NAME Account=local` (see `add_user`); without one
-their jobs still run and are recorded (no AccountingStorageEnforce), with an empty Account.
+The cluster `stasis-local` is added to the database before slurmctld starts (which comes with
+root in the account `root`), so slurmctld registers at once and every job is recorded. Other
+users get an association with `sacctmgr -i add user NAME Account=ACCOUNT` (see `add_user`);
+without one their jobs still run and are recorded (no AccountingStorageEnforce), with an empty
+Account.
 The pids go into `started` as "mariadb" and "slurmdbd"; `cluster.down` stops them.
 """
 
@@ -154,7 +155,6 @@ PidFile={acct}/slurmdbd.pid
         raise SlurmError(f"slurmdbd did not listen on port {dbd_port} in "
                          f"{_START_TIMEOUT_S:.0f} s: {_tail(log)}")
     _add(lay, "cluster", CLUSTER)
-    add_user(lay, "root")
     return lines
 
 
