@@ -20,6 +20,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from selenium import webdriver
@@ -170,6 +171,21 @@ def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
                  10, "the policy listed")
         shot(driver, "policies")
         assert [p["name"] for p in cp.json("policies", "list")] == ["hourly"]
+        # Edited in place: its form, filled in; one field changed, the rest kept.
+        click_in_row(driver, '#policies tr[data-policy="hourly"]', "a.edit")
+        wait_for(lambda: driver.find_elements(By.ID, "edit-policy"), 10, "the edit form")
+        every = driver.find_element(By.CSS_SELECTOR, '#edit-policy input[name="every_s"]')
+        assert every.get_attribute("value") == "3600"
+        every.clear()
+        every.send_keys("7200")
+        driver.find_element(By.CSS_SELECTOR, '#edit-policy input[name="label"]').send_keys(
+            "web*")
+        shot(driver, "policy-edit")
+        driver.find_element(By.CSS_SELECTOR, "#edit-policy button").click()
+        shown(driver, "policy hourly saved")
+        (edited,) = cp.json("policies", "list")
+        assert (edited["every_s"], edited["filters"], edited["action"]) == (
+            7200, {"label": "web*"}, "checkpoint")
         driver.find_element(By.CSS_SELECTOR, ".logout button").click()
         wait_for(lambda: driver.current_url.endswith("/ui/login"), 10, "the log-in page")
         driver.get(cp.url + "/ui/jobs")
@@ -274,5 +290,82 @@ def test_dashboard_sessions_csrf_and_scoping(world_tmp: Path) -> None:
                                         if t["cluster_id"] == hpc["cluster_id"]))
         status, where, _ = viewer.call("GET", "/ui/")
         assert (status, where) == (303, "/ui/login")
+    finally:
+        cp.stop()
+
+
+def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
+    """The edit form: filled in with the policy, refused without the session's CSRF token or
+    from another origin, refused below the period floor (nothing changed), hostile values kept
+    as text and shown escaped; a webhook policy made by the form shows its hook token once."""
+    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
+                      str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"))
+    cp.start("--min-interval", "60")
+    try:
+        cp.json("policies", "add", "nightly", "--every", "1h", "--action", "checkpoint",
+                "--label", "train-*")
+        web = Browserless(cp)
+        csrf = web.login(cp.admin)
+        status, _, page = web.call("GET", "/ui/policies")
+        assert 'href="/ui/policies/nightly/edit"' in page and "at least 60" in page
+        status, _, form = web.call("GET", "/ui/policies/nightly/edit")
+        assert status == 200
+        assert 'name="every_s" value="3600"' in form and 'name="label" value="train-*"' in form
+        assert '<option value="checkpoint" selected>' in form
+        assert 'name="enabled" value="1" checked' in form
+
+        def fields(**changes: str) -> dict[str, str]:
+            base = {"trigger": "every", "every_s": "3600", "action": "checkpoint",
+                    "label": "train-*", "enabled": "1", "csrf": csrf}
+            return {k: v for k, v in {**base, **changes}.items() if v is not None}
+
+        def listed() -> dict[str, Any]:
+            (p,) = cp.json("policies", "list")
+            return {k: v for k, v in p.items() if k != "last_run"}
+
+        before = listed()
+        for form_fields, headers in ((fields(every_s="7200", csrf=""), {}),
+                                     (fields(every_s="7200", csrf="x" * 43), {}),
+                                     (fields(every_s="7200"), {"Origin": "http://evil.example"})):
+            status, _, body = web.call("POST", "/ui/policies/nightly/edit", form_fields,
+                                       headers)
+            assert status == 403, (status, body)
+        assert listed() == before
+        status, where, _ = web.call("POST", "/ui/policies/nightly/edit",
+                                    fields(every_s="7200", user="<script>alert(1)</script>"))
+        assert (status, where) == (303, "/ui/policies")
+        now = listed()
+        assert now["every_s"] == 7200
+        assert now["filters"] == {"label": "train-*", "user": "<script>alert(1)</script>"}
+        status, _, page = web.call("GET", "/ui/policies")
+        assert "policy nightly saved" in page
+        assert "user=&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<script>alert" not in page
+
+        # Refused: below the floor, a bad number; nothing changed, the reason shown escaped.
+        saved = listed()
+        for bad, said in (({"every_s": "30"}, "every 30 s is below this control plane&#39;s "
+                                               "floor of 60 s between runs"),
+                          ({"every_s": "1; DROP TABLE policies"},
+                           "every_s: a whole number, not &#39;1; DROP TABLE policies&#39;"),
+                          ({"threshold_pct": "<b>9</b>", "trigger": "memory"},
+                           "threshold_pct: a number, not &#39;&lt;b&gt;9&lt;/b&gt;&#39;")):
+            status, where, _ = web.call("POST", "/ui/policies/nightly/edit", fields(**bad))
+            assert (status, where) == (303, "/ui/policies")
+            status, _, page = web.call("GET", "/ui/policies")
+            assert said in page, page
+            assert listed() == saved
+        status, _, page = web.call("GET", "/ui/policies/%3Cscript%3Ex/edit")
+        assert status == 404 and "no policy &lt;script&gt;x" in page
+        # Made a webhook policy (every 0): its hook token, once.
+        status, _, _ = web.call("POST", "/ui/policies/nightly/edit",
+                                fields(every_s="0", enabled=None))
+        status, _, page = web.call("GET", "/ui/policies")
+        token = page.split("its hook token (shown once, it runs this policy only): ")[1][:55]
+        assert token.startswith("stasis_hook_"), page
+        assert "(hook token)" in page and ">disabled<" in page
+        assert cp.call("POST", "/api/v1/policies/nightly/run", token) == (
+            400, {"error": "policy nightly is disabled (`policies edit nightly --enable`)"})
+        status, _, page = web.call("GET", "/ui/policies")
+        assert token not in page  # shown once
     finally:
         cp.stop()
