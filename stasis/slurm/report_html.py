@@ -99,13 +99,14 @@ _PAGE = """<!doctype html>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>What time limits cost: {{ since }} to {{ until }}</title>
 <style>
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; padding: 0 1em; color: #222; }
+.wide { overflow-x: auto; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; }
 .cards { display: flex; flex-wrap: wrap; gap: 1em; }
 .card { border: 1px solid #ddd; border-radius: 6px; padding: .7em 1em; min-width: 11em; }
 .card strong { display: block; font-size: 1.6em; }
-table { border-collapse: collapse; font-size: .9em; }
-th, td { padding: .25em .6em; border-bottom: 1px solid #eee; text-align: right; }
+table { border-collapse: collapse; font-size: .85em; }
+th, td { padding: .25em .45em; border-bottom: 1px solid #eee; text-align: right; }
 th:nth-child(-n+3), td:nth-child(-n+3) { text-align: left; }
 .note { color: #555; font-size: .9em; max-width: 60em; }
 svg text { font-size: 12px; fill: #222; }
@@ -132,16 +133,16 @@ Node-hours are nodes &times; elapsed hours.</p>
 {{ bar_chart(partitions, "partitions", "top partitions") }}
 
 <h2>Trend by week</h2>
-<svg id="trend" width="{{ trend_w }}" height="200" role="img" aria-label="node-hours by cause per week">
+<div class="wide"><svg id="trend" width="{{ trend_w }}" height="200" role="img" aria-label="node-hours by cause per week">
 <line x1="48" y1="170" x2="{{ trend_w - 10 }}" y2="170" stroke="#888"/>
 <text x="0" y="24">{{ h(trend_top) }}</text><text x="0" y="170">0</text>
 {% for c in trend %}<rect x="{{ c.x }}" y="{{ '%.1f' % c.y }}" width="12" height="{{ '%.1f' % c.height }}" fill="{{ c.colour }}"><title>{{ c.title }}</title></rect>
 {% endfor %}{% for w in weeks %}<text x="{{ 50 + loop.index0 * group_w }}" y="188">{{ w }}</text>
-{% endfor %}</svg>
+{% endfor %}</svg></div>
 <p class="note">{% for attr, label, colour in categories %}<span style="color: {{ colour }}">&#9632;</span> {{ label }} &nbsp; {% endfor %}</p>
 
 <h2>Per user, account and partition</h2>
-<table id="groups"><tr><th>User</th><th>Account</th><th>Partition</th><th>Jobs</th><th>Node-hours</th>
+<div class="wide"><table id="groups"><tr><th>User</th><th>Account</th><th>Partition</th><th>Jobs</th><th>Node-hours</th>
 <th>TIMEOUT jobs</th><th>TIMEOUT node-h</th><th>TIMEOUT GPU-h</th><th>Resubmitted</th><th>Redone node-h</th>
 <th>Mem. over-requests</th><th>Blocked node-h</th><th>Preempted</th><th>Redone node-h</th><th>Kept node-h</th></tr>
 {% for g in groups %}<tr><td>{{ g.user }}</td><td>{{ g.account }}</td><td>{{ g.partition }}</td>
@@ -150,7 +151,7 @@ Node-hours are nodes &times; elapsed hours.</p>
 <td>{{ g.mem_overrequest_jobs }}</td><td>{{ h(g.mem_blocked_node_hours) }}</td><td>{{ g.preempted_jobs }}</td>
 <td>{{ h(g.preempt_redone_node_hours) }}</td><td>{{ h(g.kept_node_hours) }}</td></tr>
 {% else %}<tr><td colspan="15">No job ended in this period.</td></tr>{% endfor %}
-</table>
+</table></div>
 
 <h2>How these are counted</h2>
 <ul class="note">
