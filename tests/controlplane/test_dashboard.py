@@ -314,7 +314,7 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
         assert '<option value="checkpoint" selected>' in form
         assert 'name="enabled" value="1" checked' in form
 
-        def fields(**changes: str) -> dict[str, str]:
+        def fields(**changes: str | None) -> dict[str, str]:
             base = {"trigger": "every", "every_s": "3600", "action": "checkpoint",
                     "label": "train-*", "enabled": "1", "csrf": csrf}
             return {k: v for k, v in {**base, **changes}.items() if v is not None}
