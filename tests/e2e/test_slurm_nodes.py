@@ -114,3 +114,19 @@ def test_opted_in_job_on_a_node_without_stasis_runs_as_without(nodes: Cluster) -
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
     assert nodes.numbers(job) == list(range(12))
     assert "stasis:" not in nodes.output(job)
+
+
+def test_multi_node_job_is_refused_at_submission_with_the_reason(nodes: Cluster) -> None:
+    script = nodes.script("spread", "srun -l /bin/hostname", f"--output={nodes.work}/spread-%j.out")
+    refused = nodes.run("sbatch", "--parsable", "-N", "2", "--export=STASIS_ENABLE=1",
+                        str(script), user=TEST_USER, check=False)
+    assert refused.returncode != 0
+    assert "stasis cannot checkpoint a job that spans nodes" in refused.stderr
+    # Without stasis the same job runs on both nodes; opted in on one node it is kept there.
+    plain = nodes.sbatch(script, "-N", "2", "--exclude=n3", user=TEST_USER)
+    nodes.wait_state(plain, ("COMPLETED",), 60)
+    assert sorted(nodes.output(plain).split()) == ["0:", "1:", "n1", "n2"]
+    single = nodes.sbatch(script, "--export=STASIS_ENABLE=1,PATH=/usr/bin:/bin", "-n", "2",
+                          "--exclude=n3", user=TEST_USER)
+    nodes.wait_state(single, ("COMPLETED",), 60)
+    assert nodes.job(single)["NumNodes"] == "1"

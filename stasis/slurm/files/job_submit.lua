@@ -3,7 +3,9 @@
 -- STASIS_ENABLE=1 (or CEDANA_ENABLE=1) are made requeueable, so that a job stasis checkpointed
 -- comes back and resumes, and get a token in their AdminComment ("stasis-token=...") that tells
 -- their checkpoints apart from those of an unrelated job that later reuses the job id (job ids
--- restart when slurmctld starts clean). Every other job is left as it is. A site's own slurm_job_submit above
+-- restart when slurmctld starts clean). A job on several nodes cannot be checkpointed (yet): an
+-- opted-in job that asks for more than one node is refused with the reason, and one that does
+-- not is kept to one node. Every other job is left as it is. A site's own slurm_job_submit above
 -- still runs, after this.
 local stasis_site_job_submit = slurm_job_submit
 
@@ -19,8 +21,21 @@ local function stasis_opted_in(job_desc)
   return stasis_truthy(env["STASIS_ENABLE"]) or stasis_truthy(env["CEDANA_ENABLE"])
 end
 
+local function stasis_set_nodes(value)
+  return value ~= nil and value ~= slurm.NO_VAL and value ~= 0
+end
+
 function slurm_job_submit(job_desc, part_list, submit_uid)
   if stasis_opted_in(job_desc) then
+    local min_nodes, max_nodes = job_desc.min_nodes, job_desc.max_nodes
+    if (stasis_set_nodes(min_nodes) and min_nodes > 1) or
+       (stasis_set_nodes(max_nodes) and max_nodes > 1) then
+      slurm.log_user("stasis: this job asks for several nodes, and stasis cannot checkpoint a job " ..
+                     "that spans nodes yet (its tasks on each node would have to be frozen and " ..
+                     "restored together); submit it on one node (-N 1) or without STASIS_ENABLE=1")
+      return slurm.ERROR
+    end
+    job_desc.max_nodes = 1
     job_desc.requeue = 1
     local comment = job_desc.admin_comment
     if comment == nil or not string.find(comment, "stasis-token=", 1, true) then
