@@ -64,6 +64,12 @@ def connect_daemon(kubeconfig: str) -> Any | None:
     when given, else the pod's service account (the daemon runs in the agent's pod). Unlike
     `connect`, never an admin's ~/.kube/config: a daemon on a Slurm node must not cordon a
     node of whatever cluster root's kubeconfig names."""
+    import os
+
+    if not kubeconfig and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        # Not in a pod (the kubelet sets it in every pod): no need to import the client,
+        # which every daemon's start, on every node, would pay for.
+        return None
     from kubernetes import client, config
 
     cfg = client.Configuration()
