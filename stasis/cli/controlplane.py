@@ -171,7 +171,7 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
                                               _said_rows("name", "trigger", "every_s",
                                                          "action", "stop", "keep", "filters",
-                                                         "last_run")))
+                                                         "enabled", "hook", "last_run")))
     p = pol.add_parser("run", help="Run a policy now (what its webhook does).")
     p.add_argument("name")
     add_json(p)

@@ -111,7 +111,7 @@ def edit(registry: Registry, by: Principal, name: str, changes: dict[str, Any],
         merged = {**old["filters"], **{k: v for k, v in (changes.get("filters") or {}).items()}}
         new["filters"] = {k: str(v) for k, v in merged.items() if v not in (None, "")}
         # The floor is the one in force now; an untouched period set under an older one stays.
-        _check(new, min_interval_s if "every_s" in changes else 0)
+        _check(new, min_interval_s if {"every_s", "trigger"} & set(changes) else 0)
         token = new_hook_token() if _webhook(new) and not old["hook_sha256"] else None
         if token:
             new.update(hook_sha256=_sha(token), hook_created=_now())
