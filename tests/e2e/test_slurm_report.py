@@ -35,6 +35,10 @@ from stasis.slurm import accounting
 from tests.conftest import STASIS, TEST_USER, ensure_test_user
 from tests.e2e.conftest import COUNTER, Cluster, close_cluster, until
 
+# The module's jobs take ~2 min (the time-limit kill is checked only periodically), all of it
+# in the first test's fixture.
+pytestmark = pytest.mark.timeout(480)
+
 NODE = "n1"
 FIELDS = "JobIDRaw,State,ElapsedRaw,NNodes,TimelimitRaw,ReqMem,TRESUsageInTot,Start,End"
 ACCOUNTS = ("timeout", "resub", "mem", "preempt", "stasis")
