@@ -1,4 +1,5 @@
-"""`stasis slurm ...`: the Slurm integration's commands (install, uninstall, local-cluster)."""
+"""`stasis slurm ...`: the Slurm integration's commands (install, uninstall, local-cluster;
+drain in stasis/cli/slurm_remote.py, report in stasis/cli/slurm_report.py)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,6 @@ from stasis.cli import output
 from stasis.cli.args import add_json, int_range, subcommands
 from stasis.config import Settings
 from stasis.client import Client
-
-
-def dump_slurm_job(client: Client, slurm_job: str, leave_running: bool, as_json: bool) -> None:
-    """`stasis dump --slurm-job JOBID`: through the node daemon."""
-    from stasis.slurm.scontrol import validate_slurm_job_id
-
-    validate_slurm_job_id(slurm_job)
-    with client:
-        answer = client.slurm_checkpoint(slurm_job, leave_running=leave_running)
-    if as_json:
-        output.emit_json(answer)
-        return
-    then = "requeued; it resumes from it" if answer["requeued"] else "still running"
-    output.say(f"checkpoint {answer['checkpoint']} of Slurm job {slurm_job} "
-               f"(label {answer['label']}, {answer['size_bytes']} bytes, "
-               f"{answer['duration_s']:.2f} s); job {then}")
 
 
 def add_slurm(commands: Any) -> None:
@@ -215,4 +200,4 @@ def status(args: argparse.Namespace, settings: Settings) -> None:
         sys.exit(1)
 
 
-__all__ = ["add_slurm", "dump_slurm_job"]
+__all__ = ["add_slurm"]

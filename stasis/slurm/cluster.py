@@ -435,8 +435,9 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
                                                   hostname=hostname, accounting=acct_conf,
                                                   nodes=names, net=net))
         _make_site_key(lay)
+        remote_port = _free_port()  # one port cluster-wide: `dump --slurm-job`, `slurm drain`
         for node in names:
-            lay.config_of(node).write_text(_stasis_config(lay, node, socket_group))
+            lay.config_of(node).write_text(_stasis_config(lay, node, socket_group, remote_port))
         install.install(install.InstallOptions(
             roles=frozenset(install.ROLES), slurm_conf=lay.slurm_conf, lib_dir=lay.lib,
             # %n: the SPANK plugin reads the config of the node it runs on.
@@ -513,7 +514,7 @@ def _make_site_key(lay: Layout) -> None:
         os.close(fd)
 
 
-def _stasis_config(lay: Layout, node: str, socket_group: str) -> str:
+def _stasis_config(lay: Layout, node: str, socket_group: str, remote_port: int) -> str:
     several = len(lay.nodes()) > 1
     home = lay.node_dir(node) if several else lay.stasis
     return (f"socket = {_q(str(home / 'stasis.sock'))}\n"
@@ -523,7 +524,8 @@ def _stasis_config(lay: Layout, node: str, socket_group: str) -> str:
             f"site_key = {_q(str(lay.site_key))}\n"
             f"slurm_node_name = {_q(node)}\n"
             + (f"node_name = {_q(node)}\n" if several else "")
-            + f"slurm_conf = {_q(str(lay.slurm_conf))}\n")
+            + f"slurm_conf = {_q(str(lay.slurm_conf))}\n"
+            f"slurm_remote_port = {remote_port}\n")
 
 
 def _start_munge(lay: Layout) -> int:

@@ -5,6 +5,7 @@ interval, and an opted-in job on a node without stasis runs as it would without 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -51,10 +52,11 @@ def test_checkpointed_job_resumes_on_another_node(nodes: Cluster) -> None:
     first = _host(nodes, job)
     other = "n2" if first == "n1" else "n1"
     nodes.wait_number(job, 4)
-    # Its node goes into maintenance; the job's owner checkpoints it from that node (requeued).
+    # Its node goes into maintenance; the job's owner checkpoints it from the OTHER node: the
+    # request reaches the job's node (munge says who asks), which checkpoints and requeues it.
     nodes.run("scontrol", "update", f"NodeName={first}", "State=DRAIN", "Reason=e2e")
     try:
-        out = nodes.on(first, STASIS, "dump", "--slurm-job", job, user=TEST_USER).stdout
+        out = nodes.on(other, STASIS, "dump", "--slurm-job", job, user=TEST_USER).stdout
         assert "requeued" in out
         until(lambda: "stasis: restored checkpoint" in nodes.output(job), 90,
               f"job {job} restored")
@@ -130,3 +132,28 @@ def test_multi_node_job_is_refused_at_submission_with_the_reason(nodes: Cluster)
                           "--exclude=n3", user=TEST_USER)
     nodes.wait_state(single, ("COMPLETED",), 60)
     assert nodes.job(single)["NumNodes"] == "1"
+
+
+def test_drain_moves_protected_jobs_to_another_node(nodes: Cluster) -> None:
+    script = nodes.counter_script("drained", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=drained",
+                                  "--exclude=n3", stop=24, interval=0.5)
+    job = nodes.sbatch(script, user=TEST_USER)
+    nodes.wait_state(job, ("RUNNING",))
+    first = _host(nodes, job)
+    nodes.wait_number(job, 3)
+    # A user may not drain a node; root may, from any node.
+    refused = nodes.on("n2", STASIS, "slurm", "drain", first, user=TEST_USER, check=False)
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1
+    try:
+        answer = json.loads(nodes.on("n2" if first == "n1" else "n1", STASIS, "slurm", "drain",
+                                     first, "--reason", "kernel update", "--json").stdout)
+        assert [r["job"] for r in answer["requeued"]] == [job] and answer["empty"], answer
+        state = nodes.run("sinfo", "-h", "-n", first, "-o", "%T").stdout.strip()
+        assert "drain" in state, state
+        until(lambda: "stasis: restored checkpoint" in nodes.output(job), 90,
+              f"job {job} restored")
+        assert _host(nodes, job) != first
+        nodes.wait_state(job, ("COMPLETED",), 90)
+    finally:
+        _resume(nodes, first)
+    assert nodes.numbers(job) == list(range(24))
