@@ -9,11 +9,12 @@
 #   gcc                             to build the SPANK plugin at install time
 #   slurmdbd mariadb-server         accounting (`local-cluster up --accounting`, sacct and
 #                                   `stasis slurm report`); the local cluster starts private ones
+#   iproute2                        `ip`: the local cluster's nodes (network namespaces, a bridge)
 # The packages' postinst scripts start no daemon on a machine without systemd; the local cluster
 # (`stasis slurm local-cluster up`) starts private ones. Nothing is configured here.
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-basic-plugins gcc
-          slurmdbd mariadb-server)
+          slurmdbd mariadb-server iproute2)
 
 bash "$(dirname "$0")/apt-install.sh" install-slurm "${PACKAGES[@]}"
