@@ -10,13 +10,20 @@ internals (it uses their public entry points):
     taskinit    the root helper the SPANK plugin runs in the job's task: restore or fresh start
     launcher    the batch "shell" as Slurm sees it: runs or adopts the workload, forwards signals,
                 asks the node daemon for a checkpoint on SIGURG and periodically
-    cluster     `stasis slurm local-cluster`: a throwaway single-node cluster for demos and tests
+    cluster     `stasis slurm local-cluster`: a throwaway cluster of one node or several (each
+                node its own network, UTS and mount namespace) for demos and tests
+    accounting  the local cluster's slurmdbd and MariaDB (`local-cluster up --accounting`)
+    report, report_html  `stasis slurm report`: what time limits, over-requests and
+                preemptions cost, from sacct
+    remote      munge-authenticated requests to another node's daemon (`dump --slurm-job`,
+                `slurm drain`): credential, slurm.conf keys, client
     demo        the preemption demo of `make demo`
     scontrol    what Slurm says (job info, pidinfo, requeue), its failures as SlurmError
     labels      which checkpoints a job may resume from; the variables that opt a job in
     models      the /slurm routes' requests and answers, as the daemon validates them
     registrations  the daemon's side: jobs under stasis, checkpoint + requeue, retiring labels
-    integration the daemon plug-in: /slurm routes, the slurm_jobs table, housekeeping
+    integration the daemon plug-in: /slurm routes, the remote listener, the slurm_jobs table,
+                housekeeping
 
 It plugs into the daemon through stasis.daemon.integration and talks to it through
 stasis.client; nothing outside this package knows Slurm. It must not change how jobs that did
