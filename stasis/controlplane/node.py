@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from typing import Any
 
@@ -139,13 +139,30 @@ class ControlPlaneNode(Integration):
         return mine + [dict(j) for j in self.manager.reported_jobs()]
 
     def _scheduler_state(self) -> str | None:
+        """The state of this node in the first scheduler that knows it (Slurm says "" on a
+        Kubernetes node, and the other way round)."""
         for source in self.manager.job_sources():
             if source.state is not None:
                 try:
-                    return source.state()[:60] or None
+                    state = source.state()[:60]
                 except StasisError:
-                    return None
+                    continue
+                if state:
+                    return state
         return None
+
+    def _drains(self) -> list[Callable[[str], dict[str, object]]]:
+        """The drains of the schedulers that know this node."""
+        found = []
+        for source in self.manager.job_sources():
+            if source.drain is None or source.state is None:
+                continue
+            try:
+                if source.state():
+                    found.append(source.drain)
+            except StasisError:
+                continue
+        return found
 
     def beat(self) -> None:
         assert self.client is not None
@@ -267,8 +284,7 @@ class ControlPlaneNode(Integration):
                 result = {"error": str(e)}
         elif cmd["kind"] == "drain":
             try:
-                drained = [source.drain(reason) for source in self.manager.job_sources()
-                           if source.drain is not None]
+                drained = [drain(reason) for drain in self._drains()]
                 if not drained:
                     raise UsageError("no scheduler on this node to drain it in")
                 ok, result = True, {k: v for d in drained for k, v in d.items()}

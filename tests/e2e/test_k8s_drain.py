@@ -184,6 +184,33 @@ def test_a_drain_cordons_the_node_checkpoints_its_containers_and_evicts_their_po
             node.remove(cid)
 
 
+def test_the_control_plane_drains_a_kubernetes_node_through_its_daemon(
+        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    node, api, cp = cluster
+    label = f"cpdrain-{secrets.token_hex(3)}"
+    out = counting(node, "c-cpd", label)
+    pod(api, "worker-cp", {"main": "c-cpd"})
+    before = len(api.evictions())
+    try:
+        wait_for(lambda: any(n["name"] == NODE and n.get("scheduler_state") == "Ready"
+                             for n in cp.json("nodes")), 30, "the node's scheduler state")
+        wait_for(lambda: [j for j in cp.json("jobs") if j["job"] == "c-cpd"], 30,
+                 "the container in the control plane")
+        drained = cp.json("drain", NODE)
+        assert [j["job"] for j in drained["handled"]] == ["c-cpd"], drained
+        assert not drained.get("migrations") and not drained.get("moved"), drained
+        wait_for(lambda: len(api.evictions()) > before, 60, "the pod's eviction")
+        assert api.get("nodes", NODE)["spec"]["unschedulable"] is True
+        assert [(e["namespace"], e["pod"]) for e in api.evictions()[before:]] == \
+            [(NS, "worker-cp")]
+        wait_for(lambda: node.status("c-cpd") == "STOPPED", 30, "the container stopped")
+        (checkpoint,) = [c["id"] for c in cp.json("checkpoints") if c["label"] == label]
+        resumes(node, "c-cpd", label, checkpoint, numbers(out)[-1])
+    finally:
+        api.patch("nodes", NODE, {"spec": {"unschedulable": False}})
+        node.remove("c-cpd")
+
+
 def test_without_its_api_the_node_has_no_state_and_a_drain_fails_in_one_line(
         cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
     node, api, _ = cluster
