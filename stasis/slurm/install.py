@@ -6,7 +6,8 @@ Per role:
                that is missing is added); cli_filter.lua (srun/sbatch read it on every node)
   controller   job_submit.lua beside slurm.conf
   worker       the SPANK plugin built from its C source against <slurm/spank.h>, the launcher,
-               one `optional ...stasis_spank.so ...` line in plugstack.conf, the node daemon's
+               our srun for the steps of opted-in jobs (bin/srun: stasis.slurm.steps), one
+               `optional ...stasis_spank.so ...` line in plugstack.conf, the node daemon's
                systemd unit (enabled only where systemd runs)
 An existing job_submit.lua or cli_filter.lua is merged with, not replaced: our block is appended
 and wraps the site's own function. Every touched file's original bytes are recorded beside
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stasis.errors import SlurmError, UsageError
+from stasis.slurm import steps
 
 ROLES = ("controller", "worker", "login")
 RECORD_NAME = ".stasis-install.json"
@@ -214,6 +216,17 @@ def launcher_text(python: str) -> str:
             "from stasis.slurm.launcher import main\n\nmain()\n")
 
 
+def srun_text(python: str) -> str:
+    return (f"#!{python} -I\n"
+            '"""srun for the steps of jobs under stasis: those that stay on the node run in the '
+            'job\'s tree (see stasis.slurm.steps)."""\n'
+            "from stasis.slurm.steps import main\n\nmain()\n")
+
+
+def srun_path(lib_dir: Path) -> Path:
+    return steps.install_dir(lib_dir) / steps.SRUN_NAME
+
+
 def unit_text(opts: InstallOptions) -> str:
     stasis = Path(opts.python).parent / "stasis"
     env = [f"Environment=SLURM_CONF={opts.slurm_conf}"]
@@ -283,6 +296,7 @@ def plan(opts: InstallOptions) -> Plan:
         plugstack = Path(conf_value(conf_text.decode(), "PlugStackConfig") or etc / "plugstack.conf")
         text_change(plugstack, lambda t: merge_plugstack(t, plugstack_line(opts)))
         text_change(opts.lib_dir / LAUNCHER_NAME, lambda t: launcher_text(opts.python), 0o755)
+        text_change(srun_path(opts.lib_dir), lambda t: srun_text(opts.python), 0o755)
         c_path = opts.lib_dir / C_NAME
         text_change(c_path, lambda t: _asset(C_NAME))
         p.so_path, p.c_path = opts.lib_dir / SO_NAME, c_path
@@ -378,7 +392,7 @@ def install(opts: InstallOptions, out: IO[str] | None = sys.stdout, dry_run: boo
 
 def _revert_text(path: Path, data: bytes, original: bytes | None) -> bytes | None:
     """Take our edits out of a file changed since install (best effort)."""
-    if path.name == LAUNCHER_NAME or path.name in (C_NAME, SO_NAME, UNIT_NAME):
+    if path.name in (LAUNCHER_NAME, steps.SRUN_NAME, C_NAME, SO_NAME, UNIT_NAME):
         return None
     text = data.decode(errors="replace")
     if path.name.endswith(".lua"):
@@ -436,6 +450,11 @@ def uninstall(slurm_conf: Path = DEFAULT_SLURM_CONF, out: IO[str] | None = sys.s
             _write(path, target, entry.get("mode") or 0o644)
             os.chmod(path, entry.get("mode") or 0o644)
             _say(out, f"restored {path}\n")
+        if path.name == steps.SRUN_NAME and target is None:
+            try:
+                path.parent.rmdir()  # the directory install made for it, when left empty
+            except OSError:
+                pass
     if not dry_run:
         record_path.unlink()
         _say(out, "run `scontrol reconfigure` to apply\n")

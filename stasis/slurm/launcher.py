@@ -9,12 +9,16 @@ STASIS_SLURM_START:
     restored  adopt the restored namespace init (already our child: we are a subreaper)
     off       run the batch script as a plain child: stasis cannot protect this job
 
+A fresh workload gets our `srun` (<lib_dir>/bin, stasis.slurm.steps) first on its PATH, so that
+the steps that stay on this node run inside the tree (a restored one has its environment back).
 Then it waits for the workload and
     SIGURG (preemption, or the time limit ahead; SIGUSR1 too)  asks the node daemon for a
               checkpoint; the daemon publishes it, kills the workload and requeues the job
     SIGTERM/INT/HUP/CONT/USR2                      forwarded to the workload
     STASIS_INTERVAL=<s>                             a leave-running checkpoint every <s> seconds
-When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
+A checkpoint is not asked for while a step handed to Slurm's own srun runs (its tasks are outside
+the tree: the restored client would talk to a step that is gone): a line in the job's output says
+so, and the job goes on. When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
 retires the label's checkpoints if that code is 0.
 """
 
@@ -31,6 +35,7 @@ from typing import Any
 
 from stasis.client import Client
 from stasis.errors import StasisError
+from stasis.slurm import steps
 from stasis.slurm.labels import INTERVAL_VARS
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
@@ -53,8 +58,10 @@ def say(text: str) -> None:
 
 
 class Launcher:
-    def __init__(self, start: dict[str, Any], script: str, job_id: str) -> None:
+    def __init__(self, start: dict[str, Any], script: str, job_id: str,
+                 steps_dir: Path | None = None) -> None:
         self.start = start
+        self.steps_dir = steps_dir  # holds our srun
         self.script = script
         self.job_id = job_id
         self.mode: str = start.get("mode", "off")
@@ -68,7 +75,16 @@ class Launcher:
     # -- the workload --------------------------------------------------------------------------
 
     def _env(self) -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k not in _PRIVATE}
+        env = {k: v for k, v in os.environ.items() if k not in _PRIVATE}
+        if self.mode == "fresh" and self.steps_dir is not None and \
+                os.access(self.steps_dir / steps.SRUN_NAME, os.X_OK):
+            path = env.get("PATH", os.defpath)
+            real = steps.find_real_srun(path, str(self.steps_dir))
+            env["PATH"] = f"{self.steps_dir}{os.pathsep}{path}"
+            env[steps.STEPS_VAR] = self.job_id
+            if real:
+                env[steps.REAL_SRUN_VAR] = real
+        return env
 
     def spawn(self) -> None:
         if self.mode == "restored":
@@ -112,6 +128,22 @@ class Launcher:
             self.mode = "off"
             return
         self.interval_s = float(interval) if interval and _is_number(interval) else 0.0
+
+    def steps_outside(self, final: bool) -> bool:
+        """Whether a step handed to Slurm's srun runs now (then no checkpoint: said why)."""
+        try:
+            running = steps.real_srun_running(self.pid)
+        except OSError:
+            running = []
+        if not running:
+            return False
+        if final:
+            say(f"stasis: warning: no checkpoint: {steps.refusal(running)}; the job goes on "
+                "(if Slurm requeues it, it runs again from its last checkpoint, or from the "
+                "start)")
+        else:
+            say(f"stasis: periodic checkpoint skipped: {steps.refusal(running)}")
+        return True
 
     def checkpoint(self, final: bool) -> None:
         """Ask the daemon for a checkpoint; `final` stops the workload and requeues the job.
@@ -182,7 +214,8 @@ class Launcher:
                 for num in data:
                     self._on_signal(signal.Signals(num))
             if next_periodic is not None and time.monotonic() >= next_periodic:
-                self.checkpoint(final=False)
+                if not self.steps_outside(final=False):
+                    self.checkpoint(final=False)
                 next_periodic = time.monotonic() + interval
         _, status = os.waitpid(self.pid, 0)
         code = os.waitstatus_to_exitcode(status)
@@ -203,6 +236,8 @@ class Launcher:
             if self.mode == "off":
                 say(f"stasis: warning: {sig.name} (preemption or time limit ahead) but this job "
                     "is not protected: no checkpoint")
+                return
+            if self.steps_outside(final=True):
                 return
             say(f"stasis: {sig.name}: taking a checkpoint, then the job is requeued")
             self.checkpoint(final=True)
@@ -243,7 +278,10 @@ def main() -> None:
         sys.exit(1)
     if start.get("mode") == "off" and not start.get("messages"):
         say("stasis: warning: this job runs WITHOUT checkpoint protection")
-    sys.exit(Launcher(start, script, job_id).run())
+    # Installed as <lib_dir>/stasis-slurm-launch, our srun as <lib_dir>/bin/srun.
+    here = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else None
+    steps_dir = steps.install_dir(here) if here else None
+    sys.exit(Launcher(start, script, job_id, steps_dir).run())
 
 
 if __name__ == "__main__":

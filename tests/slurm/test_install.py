@@ -114,6 +114,9 @@ def test_install_keeps_existing_plugins_and_merges_lua(site: Path) -> None:
     so = site / "lib" / "stasis_spank.so"
     assert so.read_bytes()[:4] == b"\x7fELF"
     assert os.access(site / "lib" / "stasis-slurm-launch", os.X_OK)
+    # Our srun, alone in its directory (the launcher puts that first on a job's PATH).
+    assert [p.name for p in (site / "lib" / "bin").iterdir()] == ["srun"]
+    assert os.access(site / "lib" / "bin" / "srun", os.X_OK)
     unit = (site / "systemd" / "stasis.service").read_text()
     assert "KillMode=process" in unit and f"STASIS_CONFIG={site}/stasis.toml" in unit
 
@@ -139,6 +142,7 @@ def test_uninstall_restores_every_file_byte_for_byte(site: Path) -> None:
     cli(site, "uninstall")
     after = {k: v for k, v in snapshot(site).items()}
     assert after == before
+    assert not (site / "lib" / "bin").exists()  # the directory made for our srun went too
     assert {p: p.stat().st_mode for p in site.rglob("*") if p.is_file()} == modes
     assert "nothing to uninstall" in cli(site, "uninstall").stdout
 
@@ -152,6 +156,29 @@ def test_uninstall_after_a_later_edit_takes_out_only_our_edits(site: Path) -> No
     assert conf.read_text() == SLURM_CONF.format(etc=site / "etc") + \
         "# edited later by the admin\n"
     assert (site / "etc" / "job_submit.lua").read_text() == SITE_JOB_SUBMIT
+
+
+def test_our_srun_outside_a_protected_job_is_slurms_srun(site: Path, tmp_path: Path) -> None:
+    """Installed, it runs; outside an opted-in job's tree it execs the next srun on PATH (here
+    a stand-in that prints its arguments) with the arguments untouched, and says nothing."""
+    cli(site, "install", "--node-role", "worker")
+    fake = tmp_path / "slurm-bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/sh\necho "real srun: $*"\nexit 3\n')
+    os.chmod(fake / "srun", 0o755)
+    ours = site / "lib" / "bin"
+    env = {"PATH": f"{ours}:{fake}:/usr/bin:/bin", "SLURM_JOB_ID": "5"}
+    result = subprocess.run(["srun", "-n", "2", "--", "echo", "a b"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout == "real srun: -n 2 -- echo a b\n" and result.stderr == ""
+    assert result.returncode == 3
+    # Even told that it runs in job 5's tree: not in a PID namespace, so not ours to run.
+    result = subprocess.run(["srun", "true"], env={**env, "STASIS_SLURM_STEPS": "5"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout == "real srun: true\n" and result.returncode == 3
+    (ours / "srun").write_text((ours / "srun").read_text() + "# edited\n")
+    cli(site, "uninstall")
+    assert not ours.exists()
 
 
 def test_fresh_files_and_missing_keys(tmp_path: Path) -> None:
