@@ -61,6 +61,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          `checkpoints rekey`); ':'-separated, a list in the file  (none)
     STASIS_RUNC          the runc that containers run on (stasis-runc hands everything to it)
                          ("": /usr/sbin/runc, else the first on PATH)
+    STASIS_K8S_MIN_INTERVAL_S  floor on containers' checkpoint intervals (STASIS_INTERVAL,
+                         stasis.dev/interval): a shorter one is raised to it; 0 = none  (60)
     STASIS_K8S_STOP_TIMEOUT_S  seconds a container's checkpoint at its stop may take before
                          the container is stopped as usual without it  (20)
     STASIS_CONTAINERD_ADDRESS  containerd's socket, whose task events tell how containers
@@ -109,6 +111,7 @@ _ENV_KEYS = {
     "STASIS_RUNC": "runc",
     "STASIS_CONTAINERD_ADDRESS": "containerd_address",
     "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
+    "STASIS_K8S_MIN_INTERVAL_S": "k8s_min_interval_s",
     "STASIS_KUBECONFIG": "kubeconfig",
     "STASIS_K8S_CHECK_INTERVAL_S": "k8s_check_interval_s",
     # Cedana's spellings first: the STASIS_ ones, read after them, win.
@@ -221,6 +224,7 @@ class Settings(NamedTuple):
     # default) a checkpoint at the container's stop may use.
     runc: str = ""
     k8s_stop_timeout_s: int = 20
+    k8s_min_interval_s: int = 60
     containerd_address: str = "/run/containerd/containerd.sock"
     kubeconfig: str = ""
     k8s_check_interval_s: float = 10.0

@@ -15,7 +15,7 @@ Kubernetes API for its node and the pods on it:
   stasis.dev/checkpointed and stasis.dev/checkpoint-result;
 - interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
   leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again), never below
-  the daemon's floor (stasis.k8s.containers.min_interval_s).
+  the daemon's floor (the k8s_min_interval_s setting).
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
 """

@@ -7,7 +7,7 @@ runc.namespace_uid), so a label never reaches across namespaces; a restore also 
 namespace recorded in the manifest. Registrations are rows of the daemon's database (table
 `k8s_containers`): intervals and `stasis dump --container` survive a restart of the daemon.
 
-Intervals have a floor, the node admin's (`min_interval_s`): a pod's owner who asks for
+Intervals have a floor, the node admin's (`k8s_min_interval_s`): a pod's owner who asks for
 checkpoints every second (STASIS_INTERVAL, stasis.dev/interval) gets one every floor seconds,
 and a line in the container's log saying so. Checkpoints and restores are told to the
 manager's listeners (the control plane hears of them), with the seconds of work they hold.
@@ -27,7 +27,6 @@ import time
 from datetime import UTC, datetime
 from collections.abc import Iterator
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, \
@@ -88,27 +87,7 @@ _PLAN_TTL_S = 600.0
 
 # The floor on a container's checkpoint interval (seconds; 0 = none): a dump freezes the
 # container and writes its memory, which the node's other pods pay for too.
-DEFAULT_MIN_INTERVAL_S = 60
-MIN_INTERVAL_VARIABLE = "STASIS_K8S_MIN_INTERVAL_S"
-
-
-def min_interval_s(settings: Settings, environ: Mapping[str, str]) -> int:
-    """The node's floor: the `k8s_min_interval_s` setting where stasis.config has it, else
-    STASIS_K8S_MIN_INTERVAL_S from the daemon's environment (the chart sets it), else 60."""
-    configured = getattr(settings, "k8s_min_interval_s", None)
-    if isinstance(configured, int):
-        return configured
-    raw = environ.get(MIN_INTERVAL_VARIABLE, "")
-    if not raw:
-        return DEFAULT_MIN_INTERVAL_S
-    try:
-        floor = int(raw)
-        if floor < 0:
-            raise ValueError(raw)
-    except ValueError:
-        raise UsageError(f"bad setting {MIN_INTERVAL_VARIABLE}: {raw!r} is not a whole "
-                         "number of seconds") from None
-    return floor
+DEFAULT_MIN_INTERVAL_S = 60  # Settings.k8s_min_interval_s (STASIS_K8S_MIN_INTERVAL_S)
 
 
 def _root_only(caller: Caller) -> None:

@@ -38,7 +38,7 @@ from stasis.daemon.users import Caller
 from stasis.errors import PermissionDeniedError
 from stasis.k8s import kube
 from stasis.k8s.events import ExitFollower
-from stasis.k8s.containers import Containers, k8s_containers_table, min_interval_s
+from stasis.k8s.containers import Containers, k8s_containers_table
 from stasis.k8s.models import CheckpointRequest, DrainRequest, ExportRequest, ImportRequest, \
     IntervalRequest, NodeInfo, RegisterRequest, RestoreDoneRequest, RestoreRequest
 from stasis.k8s.source import ContainerJobs
@@ -52,7 +52,7 @@ class K8sIntegration(Integration):
         s = manager.settings
         # The daemon's entry point read the environment into its Settings; the floor's
         # variable is read here while stasis.config has no setting for it.
-        self.containers = Containers(manager, min_interval_s(s, os.environ))
+        self.containers = Containers(manager, s.k8s_min_interval_s)
         self.jobs = ContainerJobs(self.containers, s.node, kube.connect_daemon(s.kubeconfig))
         manager.add_job_source(self.jobs.source())
         self.events = ExitFollower(manager.settings.containerd_address,

@@ -3,8 +3,7 @@ installed as the node agent installs it (stasis.k8s.shim), and a stasis daemon f
 
     D/containerd/   config.toml, root, state, containerd.sock, containerd.log
     D/bin/          containerd-shim-stasis-v2, runc-wrapper/runc (first on containerd's PATH)
-    D/stasis/       config.toml, daemon socket, state, checkpoint store, daemon log;
-                    daemon.env: variables the daemon starts with (the interval floor)
+    D/stasis/       config.toml, daemon socket, state, checkpoint store, daemon log
     D/runtime/      with --bundle: stasis-runc and CRIU as the node agent puts them on a host
 
 Containers are started with `ctr -a D/containerd/containerd.sock -n stasis run --runtime
@@ -113,12 +112,8 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
         config += f"kubeconfig = {_q(str(Path(kubeconfig).absolute()))}\n"
     if node_name:
         config += f"node_name = {_q(node_name)}\n"
-    env_file = lay.stasis / "daemon.env"
-    env_file.unlink(missing_ok=True)
     if min_interval_s is not None:
-        from stasis.k8s.containers import MIN_INTERVAL_VARIABLE
-
-        env_file.write_text(f"{MIN_INTERVAL_VARIABLE}={int(min_interval_s)}\n")
+        config += f"k8s_min_interval_s = {int(min_interval_s)}\n"
     if bundle:
         from stasis.engine.criu import find_criu
         from stasis.k8s import hostbundle
@@ -144,17 +139,8 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
 
 
 def _env(lay: Layout) -> dict[str, str]:
-    env = {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-           "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
-    try:
-        lines = (lay.stasis / "daemon.env").read_text().splitlines()
-    except FileNotFoundError:
-        lines = []
-    for line in lines:
-        key, eq, value = line.partition("=")
-        if eq:
-            env[key] = value
-    return env
+    return {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
 
 
 def start_daemon(lay: Layout) -> None:
