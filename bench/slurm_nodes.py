@@ -234,11 +234,11 @@ def preemption(c: Cluster, method: str, export: str) -> dict[str, Any]:
 def node_failure(c: Cluster, method: str, export: str, interval_s: int) -> dict[str, Any]:
     job, out, node = _victim(c, f"fail-{method}", export)
     try:
-        if method == "stasis":
-            _wait("a periodic checkpoint", lambda: any("periodic checkpoint" in ln
-                                                       for ln in out.lines()), 60)
-            # Kill at a point within an interval that is not always the same.
-            time.sleep((time.time() % interval_s))
+        # Both jobs have run two intervals and a part of a third (not always the same) when
+        # their node dies.
+        target = int((2 * interval_s + time.time() % interval_s) / PERIOD_S)
+        _wait(f"progress {target}", lambda: any(_progress(ln) == target for ln in out.lines()),
+              120)
         c.node("kill-node", node)
         t0 = time.monotonic()
         cut, before = out.last_progress()
