@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -34,17 +33,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.procs import BenchError
+from bench.slurm_e2e import COUNTER, CPUS, PERIOD_S, _progress
 from stasis.poll import poll
 
-PERIOD_S = 0.5
-CPUS = 2
 GRACE_S = 10
-COUNTER = f"""\
-import time
-for i in range(100000):
-    print("progress", i, flush=True)
-    time.sleep({PERIOD_S})
-"""
 VICTIM = """\
 #!/bin/bash
 #SBATCH --job-name={name}
@@ -67,10 +60,6 @@ sleep 60
 """
 
 
-class BenchError(Exception):
-    pass
-
-
 T = TypeVar("T")
 
 
@@ -80,11 +69,6 @@ def _wait(what: str, pred: Callable[[], T | None], timeout_s: float, every: floa
     if not value:
         raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
     return value
-
-
-def _progress(line: str) -> int | None:
-    m = re.fullmatch(r"progress (\d+)", line.strip())
-    return int(m.group(1)) if m else None
 
 
 class Cluster:
