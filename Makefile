@@ -74,6 +74,7 @@ bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 	$(BIN)/python -m bench.labels $(BENCH_LABELS_ARGS)
 	$(BIN)/python -m bench.containers $(BENCH_CONTAINERS_ARGS)
+	$(BIN)/python -m bench.slurm_nodes $(BENCH_NODES_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)

@@ -14,6 +14,8 @@ and asserts nothing: the figures are for people and for the targets of issue 4. 
     case.py               one run of one case: all three methods
     snapshot.py           a committed stasis to measure (--stasis-ref), immune to edits meanwhile
     slurm_e2e.py          --slurm: progress redone per preemption on the local Slurm cluster
+    slurm_nodes.py        `python -m bench.slurm_nodes`: preemption and node failure on three
+                          local nodes, stasis against requeue from scratch
     report.py, plot.py    summary (median/min/max, ratios, targets), Markdown, PNG
 
 Nothing here is imported by stasis; the suite drives stasis only through its CLI, as a user would.
