@@ -71,6 +71,7 @@ class Launcher:
         # ...or left the requeue to Slurm, which makes it when this batch step ends (preempted)
         self.slurm_requeues = False
         self.interval_s = 0.0  # STASIS_INTERVAL: periodic leave-running checkpoints
+        self.refused: list[str] = []  # the outside steps a periodic checkpoint was skipped for
 
     # -- the workload --------------------------------------------------------------------------
 
@@ -136,13 +137,16 @@ class Launcher:
         except OSError:
             running = []
         if not running:
+            self.refused = []
             return False
         if final:
             say(f"stasis: warning: no checkpoint: {steps.refusal(running)}; the job goes on "
                 "(if Slurm requeues it, it runs again from its last checkpoint, or from the "
                 "start)")
         else:
-            say(f"stasis: periodic checkpoint skipped: {steps.refusal(running)}")
+            if running != self.refused:  # once per step, not at every interval
+                say(f"stasis: periodic checkpoint skipped: {steps.refusal(running)}")
+            self.refused = running
         return True
 
     def checkpoint(self, final: bool) -> None:

@@ -268,7 +268,9 @@ def plan(step: Step, env: dict[str, str], mpi_default: str | None = None) -> Pla
     inp = o.get("input")
     if inp is not None and inp != "none" and (inp == "all" or inp.isdigit()):
         raise Handoff(f"--input {inp}")
-    export = o.get("export", "ALL")
+    # As srun: SLURM_EXPORT_ENV (which sbatch --export=... leaves in the batch environment) is
+    # the default of --export.
+    export = o.get("export") or env.get("SLURM_EXPORT_ENV") or "ALL"
     kill = o.get("kill-on-bad-exit")
     return Plan(
         command=step.command, ntasks=ntasks, cpus_per_task=cpus_per_task,
@@ -436,7 +438,9 @@ def real_srun_running(pid: int) -> list[str]:
             continue
         if os.path.basename(exe.removesuffix(" (deleted)")) != SRUN_NAME:
             continue
-        found.append(" ".join(c.decode(errors="replace") for c in cmdline.split(b"\0") if c))
+        command = " ".join(c.decode(errors="replace") for c in cmdline.split(b"\0") if c)
+        if command not in found:  # srun forks a helper with the same command line
+            found.append(command)
     return found
 
 
@@ -483,10 +487,9 @@ def task_env(p: Plan, env: dict[str, str], step: int) -> dict[str, str]:
     if not export or "ALL" in export:
         out = dict(env)
     else:
-        # NONE or a list without ALL: only the job's SLURM_* variables and those named.
+        # NONE or a list without ALL: only the job's SLURM_* variables and those named (no
+        # PATH either, unless named: as srun, and then a bare command name is not found).
         out = {k: v for k, v in env.items() if k.startswith("SLURM")}
-        if "PATH" in env:
-            out.setdefault("PATH", env["PATH"])
     for item in export:
         name, eq, value = item.partition("=")
         if name in ("ALL", "NONE"):
@@ -616,7 +619,7 @@ class Runner:
                 os.chdir(self.p.chdir)
             env = {**base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
                    "SLURM_TASK_PID": str(os.getpid())}
-            os.execvpe(self.p.command[0], self.p.command, env)
+            _exec(self.p.command, env)
         except OSError as e:
             os.write(2, f"srun: error: execve(): {self.p.command[0]}: {e.strerror}\n".encode())
         except BaseException:
@@ -746,6 +749,25 @@ class Runner:
             code = max(code, c)
         missing = self.p.ntasks - len(self.status)
         return max(code, 1) if missing else code
+
+
+def _exec(argv: list[str], env: dict[str, str]) -> None:
+    """execve `argv`, a bare name looked up on the task's own PATH only (as slurmstepd: none
+    there, not found)."""
+    name = argv[0]
+    if "/" in name:
+        os.execve(name, argv, env)
+    error: OSError = FileNotFoundError(2, os.strerror(2))
+    for d in env.get("PATH", "").split(os.pathsep):
+        if not d:
+            continue
+        try:
+            os.execve(os.path.join(d, name), argv, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            error = e  # e.g. not executable: said unless found further on
+    raise error
 
 
 def _write_all(fd: int, data: bytes) -> None:
