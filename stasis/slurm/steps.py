@@ -21,7 +21,8 @@ first run did. `srun --stasis-steps` prints the records (JSON lines) from inside
 What we run mimics srun: each task gets the environment srun gives (SLURM_STEP_ID, SLURM_PROCID,
 SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS ...), the batch step's stdout/stderr (or -o/-e files,
 %j %s %t ... expanded), `-l` labels, `--kill-on-bad-exit`, signals forwarded, and srun's exit
-code: the highest of the tasks' (128+N for a task killed by signal N). Resource options that
+code: the highest of the tasks' (128+N for a task killed by signal N), `-t` (counting run time:
+not the time the job spent checkpointed). Resource options that
 Slurm would enforce per step (--mem, --cpu-bind, --exclusive, ...) are accepted and not
 enforced: the job's own limits apply. Steps running at once are not queued for CPUs.
 """
@@ -74,6 +75,7 @@ OPTIONS: dict[str, tuple[str, int]] = {
     "mpi": ("", REQUIRED),
     "jobid": ("", REQUIRED),
     "overcommit": ("O", NONE),
+    "time": ("t", REQUIRED),
     "unbuffered": ("u", NONE),
     # Accepted, not enforced (see the module docstring).
     "mem": ("", REQUIRED),
@@ -191,6 +193,7 @@ class Plan:
     export: str = "ALL"
     chdir: str | None = None
     kill_on_bad_exit: bool = False
+    time_limit_s: float | None = None
 
 
 def _count(value: str, what: str) -> int:
@@ -230,9 +233,11 @@ def plan(step: Step, env: dict[str, str], mpi_default: str | None = None) -> Pla
     ntasks = (_count(o["ntasks"], "--ntasks") if "ntasks" in o else
               _count(o["ntasks-per-node"], "--ntasks-per-node") if "ntasks-per-node" in o else
               _count(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or "1", "SLURM_NTASKS"))
+    if "ntasks-per-node" in o and ntasks > _count(o["ntasks-per-node"], "--ntasks-per-node"):
+        raise Handoff(f"{ntasks} tasks at {o['ntasks-per-node']} per node")
     if "nodes" in o:
-        low, _ = _node_range(o["nodes"])
-        if low > 1:
+        low, high = _node_range(o["nodes"])
+        if low > 1 or (high > 1 and job_nodes > 1):
             raise Handoff(f"the step asks for {o['nodes']} nodes")
         nodes = 1
     else:
@@ -272,11 +277,38 @@ def plan(step: Step, env: dict[str, str], mpi_default: str | None = None) -> Pla
     # the default of --export.
     export = o.get("export") or env.get("SLURM_EXPORT_ENV") or "ALL"
     kill = o.get("kill-on-bad-exit")
+    limit = time_limit_s(o["time"]) if "time" in o else None
     return Plan(
         command=step.command, ntasks=ntasks, cpus_per_task=cpus_per_task,
         label="label" in o, output=o.get("output"), error=o.get("error"), input=inp,
         append=mode.startswith("a"), name=o.get("job-name", ""), export=export,
-        chdir=o.get("chdir"), kill_on_bad_exit=kill is not None and kill != "0")
+        chdir=o.get("chdir"), kill_on_bad_exit=kill is not None and kill != "0",
+        time_limit_s=limit)
+
+
+def time_limit_s(text: str) -> float | None:
+    """Slurm's time formats (minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s) in seconds; None for no
+    limit (0, -1, INFINITE, UNLIMITED)."""
+    if text.upper() in ("INFINITE", "UNLIMITED", "-1", "0"):
+        return None
+    days, dash, rest = text.partition("-")
+    if not dash:
+        days, rest = "0", text
+    parts = rest.split(":")
+    if not (days.isdigit() and 1 <= len(parts) <= 3 and all(x.isdigit() for x in parts)):
+        raise Handoff(f"--time {text!r} is not a time", quiet=True)
+    values = [int(x) for x in parts]
+    if dash:  # d-h, d-h:m, d-h:m:s
+        values += [0] * (3 - len(values))
+        h, m, sec = values
+    elif len(values) == 1:  # minutes
+        h, m, sec = 0, values[0], 0
+    elif len(values) == 2:  # minutes:seconds
+        h, m, sec = 0, values[0], values[1]
+    else:
+        h, m, sec = values
+    total = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    return float(total) if total > 0 else None
 
 
 def _mpi_default() -> str:
@@ -459,6 +491,11 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, sign
 _PR_SET_PDEATHSIG = 1
 # After the tasks exited, what they left on a label pipe is read for at most this long.
 _DRAIN_S = 0.5
+# A step's run time is counted in steps of at most this: time the job spent checkpointed and
+# requeued (a jump of the clock when it is restored) is not run time.
+_TICK_S = 1.0
+# After the time limit's SIGTERM, SIGKILL this much later (Slurm's default KillWait).
+_KILL_WAIT_S = 30.0
 
 
 def expand(pattern: str, env: dict[str, str], step: int, task: int) -> str:
@@ -640,7 +677,22 @@ class Runner:
             self._kill_all(signal.SIGKILL)
         killed = False
         drain_until: float | None = None
+        ran_s, last = 0.0, time.monotonic()
+        term_at: float | None = None  # run time at which the time limit's SIGTERM went
         while True:
+            now = time.monotonic()
+            ran_s += min(max(0.0, now - last), 2 * _TICK_S)
+            last = now
+            limit = self.p.time_limit_s
+            if limit is not None and self.tasks:
+                if term_at is None and ran_s >= limit:
+                    job = self.env.get("SLURM_JOB_ID", "")
+                    os.write(self.err, f"srun: error: *** STEP {job}.{self.step} ON {self.node} "
+                             "CANCELLED DUE TO TIME LIMIT ***\n".encode())
+                    self._kill_all(signal.SIGTERM)
+                    term_at = ran_s
+                elif term_at is not None and ran_s >= term_at + _KILL_WAIT_S:
+                    self._kill_all(signal.SIGKILL)
             self._reap()
             if not killed and self.p.kill_on_bad_exit and any(
                     _status_code(s) != 0 for s in self.status.values()) and self.tasks:
@@ -657,6 +709,9 @@ class Runner:
                     break
             timeout_ms = None if drain_until is None else \
                 max(0, int((drain_until - time.monotonic()) * 1000))
+            if limit is not None and self.tasks:
+                timeout_ms = int(_TICK_S * 1000) if timeout_ms is None else \
+                    min(timeout_ms, int(_TICK_S * 1000))
             poller = select.poll()
             poller.register(wake_r, select.POLLIN)
             for fd in self.pipes:

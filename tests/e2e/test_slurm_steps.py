@@ -141,11 +141,19 @@ def free_port() -> int:
 def test_issue_script_resumes_mid_step_and_never_reruns_a_finished_one(cluster: Cluster
                                                                        ) -> None:
     """The reported job: `srun bash -c 'echo first'`, then an srun counter step, warned as
-    Slurm warns at preemption (URG to the batch step) at a count well past 0."""
+    Slurm warns at preemption (URG to the batch step) at a count well past 0. A step after
+    them gets the next step id, and the records of the steps survived with the job. The
+    counter step's time limit (20 s) is more than it runs (12 s), less than the wall time it
+    spans with the requeue here (about 25 s): the time the job was away does not count."""
     work = cluster.work
-    script = cluster.script(
-        "issue", f"srun bash -c 'echo first'\nsrun python3 -u {work}/counter.py 24 0.5 0",
-        "--export=ALL,STASIS_ENABLE=1", f"--output={work}/issue-%j.out")
+    body = "\n".join([
+        "srun bash -c 'echo first'",
+        f"srun -t 0:20 python3 -u {work}/counter.py 24 0.5 0",
+        "srun bash -c 'echo last step $SLURM_STEP_ID'",
+        "srun --stasis-steps",
+    ])
+    script = cluster.script("issue", body, "--export=ALL,STASIS_ENABLE=1",
+                            f"--output={work}/issue-%j.out")
     job = cluster.sbatch(script, user=TEST_USER)
     cluster.wait_number(job, 5)
     pids = cluster.pids(job)
@@ -162,7 +170,12 @@ def test_issue_script_resumes_mid_step_and_never_reruns_a_finished_one(cluster: 
     assert after(out, MARKER)[0] == at_dump + 1, out  # resumed where it was
     assert re.findall(r"^(\d+)$", out, re.M) == [str(i) for i in range(24)], out
     assert out.count("first\n") == 1, out  # the finished step did not run again
-    assert OUTSIDE not in out
+    assert out.count("last step 2\n") == 1, out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
+    assert [(r["step"], r["where"], r.get("exit")) for r in records] == [
+        (0, "stasis", 0), (1, "stasis", 0), (2, "stasis", 0)], out
+    assert records[0]["argv"] == ["bash", "-c", "echo first"]
+    assert OUTSIDE not in out and "TIME LIMIT" not in out
     info = cluster.job(job)
     assert info["Restarts"] == "1"
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0"
@@ -210,12 +223,12 @@ def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
 
 def test_step_handed_to_slurms_srun_refuses_checkpoints_and_the_job_goes_on(
         cluster: Cluster) -> None:
-    """A step with an option our srun leaves to Slurm (--time): the job says so; while it
+    """A step with an option our srun leaves to Slurm (--wait): the job says so; while it
     runs, the preemption warning and periodic checkpoints are refused with one line each (a
     restored client would talk to a step that is gone), and the job completes, never hangs."""
     work = cluster.work
     script = cluster.script(
-        "outside", f"srun --time=5 python3 -u {work}/counter.py 16 0.5 0\necho after-step",
+        "outside", f"srun --wait=60 python3 -u {work}/counter.py 16 0.5 0\necho after-step",
         "--export=ALL,STASIS_ENABLE=1,STASIS_INTERVAL=2", f"--output={work}/outside-%j.out")
     job = cluster.sbatch(script, user=TEST_USER)
     cluster.wait_number(job, 3)
@@ -224,9 +237,9 @@ def test_step_handed_to_slurms_srun_refuses_checkpoints_and_the_job_goes_on(
           "the refusal")
     cluster.wait_state(job, ("COMPLETED", "FAILED"), 90)
     out = cluster.output(job)
-    assert f"{OUTSIDE} (option --time is not handled by stasis)" in out, out
+    assert f"{OUTSIDE} (option --wait is not handled by stasis)" in out, out
     refusal = re.search(r"^stasis: warning: no checkpoint: a step runs outside stasis "
-                        r"\(srun --time=5 python3 -u \S+counter.py 16 0.5 0\)", out, re.M)
+                        r"\(srun --wait=60 python3 -u \S+counter.py 16 0.5 0\)", out, re.M)
     assert refusal, out
     assert "stasis: periodic checkpoint skipped: a step runs outside stasis" in out
     assert MARKER not in out and "SIGURG: taking a checkpoint" not in out

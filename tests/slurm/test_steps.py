@@ -59,7 +59,7 @@ def test_options_as_getopt_reads_them() -> None:
 @pytest.mark.parametrize("args, reason", [
     (["--pty", "bash"], "option --pty is not handled by stasis"),
     (["--gres=gpu:1", "x"], "option --gres is not handled by stasis"),
-    (["-t", "5", "x"], "option -t is not handled by stasis"),
+    (["--wait=5", "x"], "option --wait is not handled by stasis"),
     (["-ln2", "-W", "3", "x"], "option -W is not handled by stasis"),
     (["--ntask=2", "x"], "option --ntask is not handled by stasis"),  # no abbreviations
     (["--multi-prog", "conf"], "option --multi-prog is not handled by stasis"),
@@ -95,6 +95,21 @@ def test_steps_that_stay_on_this_node_are_ours() -> None:
     # --overcommit lets more tasks than CPUs run here, as Slurm would.
     assert planned("-O", "-n", "8", "true").ntasks == 8
     assert planned("--open-mode=append", "-x", "n2,n3", "true").append
+    assert planned("-N", "1-2", "--ntasks-per-node=2", "true").ntasks == 2
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("5", 300.0), ("1:30", 90.0), ("1:00:05", 3605.0), ("2-0", 172800.0),
+    ("1-1:01", 90060.0), ("1-0:0:7", 86407.0), ("0", None), ("UNLIMITED", None),
+    ("infinite", None), ("-1", None)])
+def test_time_limits_in_slurms_formats(text: str, seconds: float | None) -> None:
+    assert steps.time_limit_s(text) == seconds
+    assert planned("-t", text, "true").time_limit_s == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "1:2:3:4", "1-", "-5", "1h"])
+def test_bad_time_limits_are_left_to_slurms_srun(text: str) -> None:
+    assert handoff("--time", text, "true").quiet
 
 
 @pytest.mark.parametrize("args, env, reason", [
@@ -113,6 +128,8 @@ def test_steps_that_stay_on_this_node_are_ours() -> None:
     (["true"], {"SLURM_MPI_TYPE": "pmi2"}, "MPI plugin pmi2"),
     (["--jobid=7", "true"], {}, "the step runs in another job (7)"),
     (["-i", "0", "true"], {}, "--input 0"),
+    (["-n", "4", "--ntasks-per-node=2", "true"], {}, "4 tasks at 2 per node"),
+    (["-N", "1-2", "true"], {"SLURM_JOB_NUM_NODES": "2"}, "the step asks for 1-2 nodes"),
 ])
 def test_steps_that_leave_the_node_or_need_slurm_are_handed_over(
         args: list[str], env: dict[str, str], reason: str) -> None:
@@ -221,6 +238,45 @@ def test_labels_files_and_input(tmp_path: Path) -> None:
     assert sorted((tmp_path / "err-42.txt").read_text().split()) == ["e0", "e1"]
     code, _, _ = run_step(tmp_path, "--open-mode=append", "-o", "old-1.out", "echo", "more")
     assert (tmp_path / "old-1.out").read_text() == "one\nmore\n"
+
+
+def test_time_limit_ends_the_step(tmp_path: Path) -> None:
+    start = time.monotonic()
+    code, out, err = run_step(tmp_path, "-t", "0:1", "-n", "2", "bash", "-c",
+                              "trap 'echo term $SLURM_PROCID; exit 9' TERM; sleep 30 & wait",
+                              step=4)
+    assert 0.9 < time.monotonic() - start < 15
+    assert code == 9 and sorted(out.split("\n")) == ["", "term 0", "term 1"]
+    assert "*** STEP 42.4 ON n1 CANCELLED DUE TO TIME LIMIT ***" in err
+    assert run_step(tmp_path, "-t", "1", "true")[0] == 0
+
+
+def test_time_our_srun_was_stopped_is_not_run_time(tmp_path: Path) -> None:
+    """Frozen 4 s (as a checkpoint and a requeue freeze it, for longer), our srun counts at
+    most a tick of it: a 3 s limit still leaves the step running a while after it thaws."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from stasis.slurm import steps
+        env = {{**os.environ, **{ENV!r}}}
+        p = steps.plan(steps.parse(["-t", "0:3", "bash", "-c", "touch go; sleep 30"]), env,
+                       mpi_default="none")
+        sys.exit(steps.Runner(p, env, 0).run())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "go").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(4)
+        proc.send_signal(signal.SIGCONT)
+        thawed = time.monotonic()
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - thawed > 0.8
+    finally:
+        proc.kill()
 
 
 def test_kill_on_bad_exit_ends_the_other_tasks(tmp_path: Path) -> None:
