@@ -1,17 +1,25 @@
 """The launcher and the SPANK helper never wait forever on a daemon that does not answer
-(they call it with a bounded Client)."""
+(they call it with a bounded Client). A fresh workload finds our srun first on its PATH; no
+checkpoint is asked for while a step runs on Slurm's own srun."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from stasis.engine import proctree
 from stasis.errors import DaemonAPIError
 from stasis.client import Client
+from stasis.slurm import steps
+from stasis.slurm.launcher import Launcher
 
 
 def test_a_daemon_that_never_answers_is_given_up_on(tmp_path: Path) -> None:
@@ -45,3 +53,65 @@ def test_something_that_is_not_the_daemon(tmp_path: Path) -> None:
         threading.Thread(target=answer_garbage, daemon=True).start()
         with pytest.raises(DaemonAPIError, match="nothing answers"):
             Client(path, 5).request("GET", "/jobs")
+
+
+# -- srun steps -----------------------------------------------------------------------------------
+
+def _launcher(tmp_path: Path, mode: str) -> Launcher:
+    steps_dir = tmp_path / "lib" / "bin"
+    steps_dir.mkdir(parents=True, exist_ok=True)
+    (steps_dir / "srun").write_text("#!/bin/sh\n# stasis.slurm.steps\n")
+    os.chmod(steps_dir / "srun", 0o755)
+    return Launcher({"mode": mode, "label": "7"}, "/bin/true", "7", steps_dir)
+
+
+def test_a_fresh_workload_finds_our_srun_first(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "slurm" / "srun"
+    real.parent.mkdir()
+    real.write_text("#!/bin/sh\n")
+    os.chmod(real, 0o755)
+    monkeypatch.setenv("PATH", f"{real.parent}:/usr/bin")
+    monkeypatch.setenv("STASIS_SLURM_START", "{}")
+    env = _launcher(tmp_path, "fresh")._env()
+    assert env["PATH"] == f"{tmp_path}/lib/bin:{real.parent}:/usr/bin"
+    assert env[steps.STEPS_VAR] == "7" and env[steps.REAL_SRUN_VAR] == str(real)
+    assert "STASIS_SLURM_START" not in env
+    # Unprotected, the job runs as without stasis: Slurm's srun, nothing of ours.
+    off = _launcher(tmp_path, "off")._env()
+    assert off["PATH"] == f"{real.parent}:/usr/bin" and steps.STEPS_VAR not in off
+
+
+def test_no_checkpoint_while_slurms_srun_runs(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    shutil.copy("/bin/sleep", fake)
+    launcher = _launcher(tmp_path, "fresh")
+    tree = subprocess.Popen(["bash", "-c", f"{fake} 30 & wait"])
+    launcher.pid = tree.pid
+    try:
+        deadline = time.monotonic() + 20
+        while not steps.real_srun_running(tree.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # Periodic: skipped, said once for the step, not at every interval.
+        assert launcher.steps_outside(final=False) and launcher.steps_outside(final=False)
+        # The warning: refused, said every time, the job goes on.
+        assert launcher.steps_outside(final=True)
+        err = capsys.readouterr().err.splitlines()
+        assert err == [
+            f"stasis: periodic checkpoint skipped: a step runs outside stasis ({fake} 30): a "
+            "checkpoint now could not restore it; try again when the step has ended",
+            f"stasis: warning: no checkpoint: a step runs outside stasis ({fake} 30): a "
+            "checkpoint now could not restore it; try again when the step has ended; the job "
+            "goes on (if Slurm requeues it, it runs again from its last checkpoint, or from the "
+            "start)"]
+    finally:
+        for pid in reversed(proctree.tree(tree.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        tree.wait()
+    assert not launcher.steps_outside(final=False)
