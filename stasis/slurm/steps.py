@@ -21,10 +21,10 @@ first run did. `srun --stasis-steps` prints the records (JSON lines) from inside
 What we run mimics srun: each task gets the environment srun gives (SLURM_STEP_ID, SLURM_PROCID,
 SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS ...), the batch step's stdout/stderr (or -o/-e files,
 %j %s %t ... expanded), `-l` labels, `--kill-on-bad-exit`, signals forwarded, and srun's exit
-code: the highest of the tasks' (128+N for a task killed by signal N), `-t` (counting run time:
-not the time the job spent checkpointed). Resource options that
-Slurm would enforce per step (--mem, --cpu-bind, --exclusive, ...) are accepted and not
-enforced: the job's own limits apply. Steps running at once are not queued for CPUs.
+code: the highest of the tasks' (128+N for a task killed by signal N), and `-t` (counted in run
+time: not the time the job spent checkpointed and requeued). Resource options that Slurm would
+enforce per step (--mem, --cpu-bind, --exclusive, ...) are accepted and not enforced: the job's
+own limits apply. Steps running at once are not queued for CPUs.
 """
 
 from __future__ import annotations
@@ -113,9 +113,6 @@ class Step:
 
     command: list[str]
     options: dict[str, str] = field(default_factory=dict)  # long name -> value ("" for flags)
-
-    def get(self, name: str) -> str | None:
-        return self.options.get(name)
 
 
 def parse(args: list[str]) -> Step:
@@ -855,7 +852,9 @@ def in_our_tree(env: dict[str, str]) -> bool:
 
 def _exec_real(args: list[str], env: dict[str, str]) -> NoReturn:
     ours = str(Path(sys.argv[0]).resolve().parent) if sys.argv and sys.argv[0] else ""
-    real = env.get(REAL_SRUN_VAR) or find_real_srun(env.get("PATH", ""), ours)
+    real = env.get(REAL_SRUN_VAR, "")
+    if not os.access(real, os.X_OK):  # e.g. restored on a node that has it elsewhere
+        real = find_real_srun(env.get("PATH", ""), ours) or ""
     if not real:
         sys.stderr.write("srun: error: Slurm's srun is not installed on this node\n")
         sys.exit(1)
@@ -892,17 +891,29 @@ def main(argv: list[str] | None = None) -> None:
             raise Handoff(f"{OPT_OUT_VAR}=slurm")
         p = plan(parse(args), env)
     except Handoff as e:
-        if book:
-            book.start({"where": "slurm", "argv": args, "reason": e.reason})
+        _start(book, {"where": "slurm", "argv": args, "reason": e.reason})
         if not e.quiet:
             sys.stderr.write(f"stasis: this srun step runs outside stasis ({e.reason}): "
                              "no checkpoint can be taken while it runs\n")
         _exec_real(args, env)
-    step = book.start({"where": "stasis", "argv": args, "name": p.name}) if book else 0
+    step = _start(book, {"where": "stasis", "argv": args, "name": p.name})
     code = Runner(p, env, step).run()
     if book:
-        book.end(step, code)
+        try:
+            book.end(step, code)
+        except OSError as e:
+            sys.stderr.write(f"stasis: warning: step {step} not recorded: {e}\n")
     sys.exit(code)
+
+
+def _start(book: Book | None, record: dict[str, object]) -> int:
+    if book is None:
+        return 0
+    try:
+        return book.start(record)
+    except OSError as e:
+        sys.stderr.write(f"stasis: warning: no step record ({e}); this step's id is 0\n")
+        return 0
 
 
 def install_dir(lib_dir: Path) -> Path:
