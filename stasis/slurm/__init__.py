@@ -17,6 +17,8 @@ internals (it uses their public entry points):
                 preemptions cost, from sacct
     remote      munge-authenticated requests to another node's daemon (`dump --slurm-job`,
                 `slurm drain`): credential, slurm.conf keys, client
+    steps       our srun: steps that stay on the node run inside the job's tree; others go to
+                Slurm's srun and block checkpoints while they run
     demo        the preemption demo of `make demo`
     scontrol    what Slurm says (job info, pidinfo, requeue), its failures as SlurmError
     labels      which checkpoints a job may resume from; the variables that opt a job in

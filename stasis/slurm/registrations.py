@@ -35,7 +35,7 @@ from stasis.errors import (
     StasisError,
     UsageError,
 )
-from stasis.slurm import scontrol
+from stasis.slurm import scontrol, steps
 from stasis.slurm.labels import candidates, slurm_extra
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
@@ -305,6 +305,12 @@ class SlurmJobs:
         reg = self._load(job_id, caller)
         if reg["state"] == "checkpointed" or not proctree.alive(reg["pid"], reg["pid_start"]):
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
+        # A step on Slurm's own srun runs outside the tree: its restored client would wait for a
+        # step that is gone.
+        outside = steps.real_srun_running(reg["pid"])
+        if outside:
+            raise CheckpointError(f"Slurm job {job_id} is not checkpointed: "
+                                  f"{steps.refusal(outside)}")
         m = self.manager
         created = datetime.now(timezone.utc)
         info = CheckpointInfo(
