@@ -26,7 +26,7 @@ store.
                   socket, state, log)
     D/nodes/NAME/ several nodes: the node's slurmd spool, pid and log, its stasis daemon's
                   config.toml, socket, state and log
-    D/ns/         several nodes: their UTS and mount namespaces (bind-mounted files)
+    D/ns/NAME/    several nodes: the node's UTS and mount namespaces (bind-mounted files)
     D/lib/        the built SPANK plugin and the launcher
     D/cluster.json  pids of what `up` started, the nodes and their network
 """
@@ -302,23 +302,25 @@ def _ip(*args: str) -> None:
     _run(["ip", *args])
 
 
-def _ns_dir(lay: Layout) -> Path:
-    return lay.root / "ns"
+def _ns_dir(lay: Layout, node: str) -> Path:
+    return lay.root / "ns" / node
 
 
 def _uts_file(lay: Layout, node: str) -> Path:
-    return _ns_dir(lay) / f"{node}.uts"
+    return _ns_dir(lay, node) / "uts"
 
 
 def _mnt_file(lay: Layout, node: str) -> Path:
-    return _ns_dir(lay) / f"{node}.mnt"
+    return _ns_dir(lay, node) / "mnt"
 
 
-def _private_ns_dir(lay: Layout) -> None:
+def _private_ns_dir(lay: Layout, node: str) -> None:
     """Namespace files are bind mounts, and a mount namespace's only on a mount that does not
-    propagate (what `ip netns` does for /run/netns)."""
-    d = _ns_dir(lay)
-    d.mkdir(exist_ok=True)
+    propagate (what `ip netns` does for /run/netns); one such mount per node: in a mount
+    namespace that is not the machine's first (a container, a test root), binding a second
+    node's namespace beside the first's is refused (EINVAL)."""
+    d = _ns_dir(lay, node)
+    d.mkdir(parents=True, exist_ok=True)
     if _run(["mountpoint", "-q", str(d)], check=False).returncode != 0:
         _run(["mount", "--bind", str(d), str(d)])
     _run(["mount", "--make-private", str(d)])
@@ -327,7 +329,6 @@ def _private_ns_dir(lay: Layout) -> None:
 def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
     if not shutil.which("ip"):
         raise UsageError("`ip` is not installed (Debian package iproute2); several nodes need it")
-    _private_ns_dir(lay)
     _ip("link", "add", net.bridge, "type", "bridge")
     _ip("addr", "add", f"{net.host_addr}/24", "dev", net.bridge)
     _ip("link", "set", net.bridge, "up")
@@ -341,6 +342,7 @@ def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
         _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
+        _private_ns_dir(lay, node)
         uts, mnt = _uts_file(lay, node), _mnt_file(lay, node)
         uts.touch()
         mnt.touch()
@@ -356,8 +358,8 @@ def _net_down(lay: Layout, state: dict[str, Any]) -> None:
     for node in state.get("nodes", []):
         _run(["umount", str(_mnt_file(lay, node))], check=False)
         _run(["umount", str(_uts_file(lay, node))], check=False)
+        _run(["umount", str(_ns_dir(lay, node))], check=False)
         _run(["ip", "netns", "del", net.netns(node)], check=False)
-    _run(["umount", str(_ns_dir(lay))], check=False)
     _run(["ip", "link", "del", net.bridge], check=False)
 
 
