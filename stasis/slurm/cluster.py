@@ -128,6 +128,11 @@ class Layout:
             return self.node_config(node)
         return self.stasis / "config.toml"
 
+    def host_address(self) -> str:
+        """This machine's address as the nodes see it (the bridge's; 127.0.0.1 on one node)."""
+        state = _state(self)
+        return Net(int(state["net_id"])).host_addr if "net_id" in state else "127.0.0.1"
+
     def env(self) -> dict[str, str]:
         """What a client needs to talk to this cluster and its stasis daemon."""
         return {"SLURM_CONF": str(self.slurm_conf), "STASIS_CONFIG": str(self.stasis_config)}
