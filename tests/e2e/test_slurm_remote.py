@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from stasis.slurm import cluster as local_cluster
 from tests.conftest import TEST_USER, STASIS
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until, wait_gone
 
@@ -60,12 +59,10 @@ class Remote:
 @pytest.fixture(scope="module")
 def remote() -> Iterator[Remote]:
     c = new_cluster("remote")
-    port = _free_port()
-    # What the multi-node local cluster writes into each node's config.toml.
-    with open(c.lay.stasis_config, "a") as f:
-        f.write(f"slurm_remote_port = {port}\n")
-    local_cluster.stop_daemon(c.root)
-    local_cluster.start_daemon(c.root)
+    # The local cluster gives every node's daemon one remote port (its config.toml says which).
+    found = re.search(r"^slurm_remote_port = (\d+)$", c.lay.stasis_config.read_text(), re.M)
+    assert found, c.lay.stasis_config.read_text()
+    port = int(found.group(1))
     until(lambda: _connects(port), 30, "the remote listener")
     yield Remote(c, port)
     close_cluster(c)
