@@ -178,14 +178,18 @@ class LazyRestore:
         pid, job_dir = self._job
         if pid is None:
             return
+        # The reason goes down before the kill: the job's supervisor records its end as soon as
+        # the tree dies, and an end seen without killed.json would read as a plain exit.
+        if job_dir is not None:
+            tmp = job_dir / "killed.json.tmp"
+            tmp.write_text(json.dumps({"reason": reason}))
+            os.replace(tmp, job_dir / "killed.json")
         started = proctree.start_time(pid)
         tree = proctree.tree(pid)
         proctree.signal_tree(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and any(proctree.alive(p, None) for p in tree):
             time.sleep(0.005)
-        if job_dir is not None:
-            (job_dir / "killed.json").write_text(json.dumps({"reason": reason}))
         log.error("killed lazily restored job %s (pid %d%s): a page could not be had from the "
                   "store: %s", job_dir.name if job_dir else "?", pid,
                   "" if started else ", already gone", reason)

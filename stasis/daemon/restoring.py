@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -301,10 +302,12 @@ class Restorer:
         try:
             self.core.store.verify(manifest, only=_is_pages)
         except StasisError as e:
-            started = proctree.start_time(pid)
-            if started is not None:
+            # Why, before the kill: the supervisor records the end as soon as the tree dies.
+            tmp = job_dir / "killed.json.tmp"
+            tmp.write_text(json.dumps({"reason": str(e)}))
+            os.replace(tmp, job_dir / "killed.json")
+            if proctree.start_time(pid) is not None:
                 proctree.signal_tree(pid, signal.SIGKILL)
-            (job_dir / "killed.json").write_text(json.dumps({"reason": str(e)}))
             log.error("killed lazily restored job %s: %s", job_dir.name, e)
 
 

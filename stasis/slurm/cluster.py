@@ -259,7 +259,8 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
 KillWait=5
-MinJobAge=300
+# A job's record outlives the half hour a test suite may take to look at it again.
+MinJobAge=3600
 InactiveLimit=0
 Waittime=0
 ReturnToService=2
