@@ -39,6 +39,7 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import zlib
 from dataclasses import dataclass
@@ -201,10 +202,12 @@ def _check_path(path: Path) -> None:
 
 def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
                     accounting: str = "", nodes: list[str] | None = None,
-                    net: Net | None = None) -> str:
+                    net: Net | None = None, gpus: int = 0) -> str:
     """`accounting`: slurm.conf lines that replace the accounting_storage/none default.
-    `nodes` and `net`: several nodes, each at its address on `net`."""
+    `nodes` and `net`: several nodes, each at its address on `net`. `gpus`: GPUs per node as
+    Slurm counts them (generic resources without devices, gres.conf beside slurm.conf)."""
     s = lay.slurm
+    gres = f" Gres=gpu:{gpus}" if gpus else ""
     acct = accounting or "JobAcctGatherType=jobacct_gather/none\n" \
         "AccountingStorageType=accounting_storage/none"
     if net is None or not nodes or len(nodes) < 2:
@@ -212,7 +215,7 @@ def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
         slurmd = (f"SlurmdPidFile={s}/slurmd.pid\nSlurmdLogFile={s}/slurmd.log\n"
                   f"SlurmdSpoolDir={s}/spool")
         node_lines = (f"NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} "
-                      "RealMemory=1000 State=UNKNOWN")
+                      f"RealMemory=1000{gres} State=UNKNOWN")
         members = NODE
     else:
         ctld = f"{hostname}({net.host_addr})"
@@ -226,7 +229,7 @@ def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
                   "SlurmdTimeout=10")
         node_lines = "\n".join(
             f"NodeName={name} NodeHostname={name} NodeAddr={net.addr(i)} CPUs={cpus} "
-            "RealMemory=1000 State=UNKNOWN" for i, name in enumerate(nodes))
+            f"RealMemory=1000{gres} State=UNKNOWN" for i, name in enumerate(nodes))
         members = ",".join(nodes)
     title = "single-node" if not nodes or len(nodes) < 2 else f"{len(nodes)}-node"
     return f"""\
@@ -248,6 +251,7 @@ PlugStackConfig={lay.etc}/plugstack.conf
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 {acct}
+{"GresTypes=gpu" if gpus else ""}
 JobCompType=jobcomp/filetxt
 JobCompLoc={s}/jobcomp.txt
 SchedulerType=sched/backfill
@@ -383,8 +387,11 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
 
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
        warn_s: int = 60, accounting: bool = False, nodes: int = 1,
-       without_stasis: tuple[str, ...] = ()) -> Layout:
+       without_stasis: tuple[str, ...] = (), gpus: int = 0) -> Layout:
     """Start the cluster under `root` (created if needed); returns its layout.
+
+    `gpus`: GPUs each node offers to jobs (`--gres=gpu:N`), counted by Slurm and its accounting
+    (GPU-hours in `stasis slurm report`) but without devices: none of these machines has one.
 
     `without_stasis`: nodes that have no stasis at all (no SPANK plugin: their slurmd reads a
     slurm.conf of their own whose plugstack is empty; no daemon), as a node of a site that
@@ -393,6 +400,8 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes must be 1 to {MAX_NODES}")
+    if not 0 <= gpus <= 64:
+        raise UsageError("--gpus must be 0 to 64")
     root = root.absolute()
     _check_path(root)
     lay = Layout(root)
@@ -441,7 +450,8 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
             acct_conf = acct.start(lay, started)
         lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
                                                   hostname=hostname, accounting=acct_conf,
-                                                  nodes=names, net=net))
+                                                  nodes=names, net=net, gpus=gpus))
+        (lay.slurm_conf.parent / "gres.conf").write_text(_gres_conf(lay, gpus))
         _make_site_key(lay)
         remote_port = _free_port()  # one port cluster-wide: `dump --slurm-job`, `slurm drain`
         for node in names:
@@ -495,6 +505,22 @@ def _bare_conf(lay: Layout, node: str) -> Path:
     return lay.node_dir(node) / "slurm.conf"
 
 
+def _gres_conf(lay: Layout, gpus: int) -> str:
+    """gres.conf (read from slurm.conf's directory) for `gpus` stand-in GPUs per node. slurmd
+    counts a GPU only by its device file, and wants a character device: each is a node like
+    /dev/null's (1:3), which no job is given with task/none."""
+    if not gpus:
+        return ""
+    devices = lay.root / "gpus"
+    devices.mkdir(exist_ok=True)
+    for i in range(gpus):
+        dev = devices / f"gpu{i}"
+        if not dev.exists():
+            os.mknod(dev, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    last = f"[0-{gpus - 1}]" if gpus > 1 else "0"
+    return f"Name=gpu File={devices}/gpu{last}\n"
+
+
 def _write_bare_conf(lay: Layout, node: str) -> None:
     """The cluster's slurm.conf but for an empty plugstack: this node loads no stasis plugin.
     (slurmctld logs that its slurm.conf differs; nodes of real sites differ the same way.)"""
@@ -503,6 +529,9 @@ def _write_bare_conf(lay: Layout, node: str) -> None:
     lines = [f"PlugStackConfig={empty}" if line.startswith("PlugStackConfig=") else line
              for line in lay.slurm_conf.read_text().splitlines()]
     _bare_conf(lay, node).write_text("\n".join(lines) + "\n")
+    gres = lay.slurm_conf.parent / "gres.conf"
+    if gres.exists():
+        shutil.copyfile(gres, _bare_conf(lay, node).parent / "gres.conf")
 
 
 def _slurmd_pid_file(lay: Layout, node: str) -> Path:

@@ -316,7 +316,8 @@ def _mpi_default() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise Handoff(f"cannot ask Slurm for its MpiDefault ({e})") from None
     m = re.search(r"^MpiDefault\s*=\s*(\S+)", out, re.M)
-    return m.group(1) if m else "none"
+    # Slurm 24.11 prints MpiDefault=none as "(null)".
+    return m.group(1) if m and m.group(1) != "(null)" else "none"
 
 
 # -- the step's records, in the job's IPC namespace --------------------------------------------

@@ -24,6 +24,13 @@ from stasis.slurm.scontrol import parse_record
 from stasis.slurm import cluster as local_cluster
 from stasis.poll import poll
 from tests.conftest import STASIS, TEST_USER, ensure_test_user
+from tests.e2e import debian13
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The Debian 13 root takes minutes to build: it builds while the other tests run.
+    if any(item.path.name == "test_slurm_debian13.py" for item in session.items):
+        debian13.start_build()
 
 # A counter printing once per `interval` seconds up to `stop`, then exiting with `code`.
 COUNTER = """\

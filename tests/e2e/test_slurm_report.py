@@ -5,8 +5,8 @@ numbers are checked against values computed here, by hand, from sacct's own reco
 Each case runs under an account of its own, so each lands in a (user, account, partition) group
 of its own:
 
-    timeout   T1: --time=1, runs until Slurm kills it (TIMEOUT, ~80 s: limits are checked
-              periodically)
+    timeout   T1: --time=1 and 2 GPUs, runs until Slurm kills it (TIMEOUT, ~80 s: limits are
+              checked periodically)
     resub     T2: the same, and R: same name and directory, started after T2 (afterany)
     mem       M: asks for 800 MiB, uses ~100 MiB for 15 s (sampled every 5 s)
     preempt   P: requeueable, preempted by H; starts over (its counter restarts at 0)
@@ -40,7 +40,8 @@ from tests.e2e.conftest import COUNTER, Cluster, close_cluster, until
 pytestmark = pytest.mark.timeout(480)
 
 NODE = "n1"
-FIELDS = "JobIDRaw,State,ElapsedRaw,NNodes,TimelimitRaw,ReqMem,TRESUsageInTot,Start,End"
+FIELDS = ("JobIDRaw,State,ElapsedRaw,NNodes,TimelimitRaw,ReqMem,TRESUsageInTot,Start,End,"
+          "AllocTRES")
 ACCOUNTS = ("timeout", "resub", "mem", "preempt", "stasis")
 HOG = "import time; x = bytearray(100 * 1024 * 1024); time.sleep(15)"
 
@@ -49,7 +50,8 @@ class AccountingCluster(Cluster):
     def up(self) -> None:
         result = subprocess.run(
             [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
-             "--socket-group", TEST_USER, "--accounting"], capture_output=True, text=True,
+             "--socket-group", TEST_USER, "--accounting", "--gpus", "2"],
+            capture_output=True, text=True,
             timeout=180, env={**os.environ, "STASIS_CONFIG": ""})
         assert result.returncode == 0, result.stderr + result.stdout
         self.work.mkdir(exist_ok=True)
@@ -103,7 +105,8 @@ def run() -> Iterator[dict[str, Any]]:
                "--open-mode=append", body=counter)
         submit("S", "-A", "stasis", "-p", "low", "-c", "2", "-w", NODE,
                "--export=STASIS_ENABLE=1", body=counter)
-        submit("T1", "-A", "timeout", "-p", "high", "--time=1", body="exec sleep 600")
+        submit("T1", "-A", "timeout", "-p", "high", "--time=1", "--gres=gpu:2",
+               body="exec sleep 600")
         submit("T2", "-A", "resub", "-p", "high", "--time=1", "-J", "sim", body="exec sleep 600")
         jobs["R"] = c.sbatch(c.script("R", "sleep 3", out, "-A", "resub", "-p", "high",
                                       "-J", "sim", f"--dependency=afterany:{jobs['T2']}"),
@@ -159,8 +162,14 @@ def test_timeout(run: dict[str, Any], report: dict[str, Any]) -> None:
     assert g["timeout_node_hours"] == pytest.approx(node_hours(t1), abs=1e-12)
     over_s = int(t1["ElapsedRaw"]) - 60 * int(t1["TimelimitRaw"])
     assert g["timeout_overshoot_node_hours"] == pytest.approx(over_s / 3600, abs=1e-12)
-    assert g["timeout_gpu_hours"] == 0  # no GPUs on the local cluster's node
+    # Slurm's own count of the GPUs the job held (the local cluster's stand-in GPUs).
+    assert "gres/gpu=2" in t1["AllocTRES"].split(","), t1["AllocTRES"]
+    gpu_hours = 2 * int(t1["ElapsedRaw"]) / 3600
+    assert g["timeout_gpu_hours"] == pytest.approx(gpu_hours, abs=1e-12)
+    assert g["gpu_hours"] == pytest.approx(gpu_hours, abs=1e-12)
+    assert group(report, TEST_USER, "resub", "high")["timeout_gpu_hours"] == 0
     assert report["totals"]["timeout_jobs"] == 2
+    assert report["totals"]["timeout_gpu_hours"] == pytest.approx(gpu_hours, abs=1e-12)
 
 
 def test_resubmission_after_timeout(run: dict[str, Any], report: dict[str, Any]) -> None:
