@@ -89,7 +89,7 @@ def test_preempted_jobs_resume_once_on_slurm_24_11(cluster: RootCluster) -> None
     version = cluster.sh("sinfo --version").stdout.split()
     assert version[1].startswith("24.11."), version
     opt_in = "--export=ALL,STASIS_ENABLE=1,STASIS_CHECKPOINT={}"
-    counter = f"python3 -u {WORK}/counter.py 30 1 0"
+    counter = f"python3 -u {WORK}/counter.py 24 0.5 0"
     plain = cluster.sbatch("plain", f"exec {counter}", opt_in.format("plain"), "-p", "low",
                            "-c", "4")
     steps = cluster.sbatch("steps", "\n".join([
@@ -118,7 +118,7 @@ def test_preempted_jobs_resume_once_on_slurm_24_11(cluster: RootCluster) -> None
         resumed = [int(n) for n in re.findall(r"^(\d+)$", out[out.index(MARKER):], re.M)]
         assert at_dump >= 5 and resumed[0] == at_dump + 1, out  # went on, did not start over
         # Every value once, in order: no second run from 0.
-        assert cluster.numbers(name) == list(range(30)), out
+        assert cluster.numbers(name) == list(range(24)), out
         assert out.count("done\n") == 1, out
     steps_out = cluster.output("steps")
     assert steps_out.count("first step\n") == 1, steps_out  # the finished step did not rerun
