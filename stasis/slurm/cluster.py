@@ -352,13 +352,42 @@ def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
         _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        _private_ns_dir(lay, node)
-        uts, mnt = _uts_file(lay, node), _mnt_file(lay, node)
-        uts.touch()
-        mnt.touch()
-        _run(["unshare", f"--uts={uts}", f"--mount={mnt}", "--propagation", "private",
-              "sh", "-c", 'hostname "$0" && mount --bind "$1" "$2"', node,
-              str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool")])
+        _make_node_namespaces(lay, node)
+
+
+# Run in a node's new UTS and mount namespaces: its name, its spool, and none of the namespace
+# files it inherited bound in it (other nodes', other clusters', /run/netns). Recent kernels
+# (6.18) refuse to bind a mount namespace that holds another's file into the one that made it
+# (EINVAL), so the second node of a cluster could not be kept otherwise.
+_NODE_SETUP = """\
+hostname "$0" && mount --bind "$1" "$2" || exit 1
+awk '{for (i = 7; i <= NF; i++) if ($i == "-") { if ($(i + 1) == "nsfs") print $5; break }}' \
+    /proc/self/mountinfo | while read -r m; do umount -l "$m"; done
+echo ready
+exec sleep 600
+"""
+
+
+def _make_node_namespaces(lay: Layout, node: str) -> None:
+    """`node`'s UTS and mount namespaces, kept as files in its private namespace directory
+    (what `nsenter` enters): made by a short-lived holder process, then bound from /proc."""
+    _private_ns_dir(lay, node)
+    holder = subprocess.Popen(
+        ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", _NODE_SETUP,
+         node, str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool")],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":
+            holder.kill()
+            _, err = holder.communicate(timeout=10)
+            raise SlurmError(f"cannot make the namespaces of node {node}: {err.strip()}")
+        for kind, path in (("uts", _uts_file(lay, node)), ("mnt", _mnt_file(lay, node))):
+            path.touch()
+            _run(["mount", "--bind", f"/proc/{holder.pid}/ns/{kind}", str(path)])
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _net_down(lay: Layout, state: dict[str, Any]) -> None:
