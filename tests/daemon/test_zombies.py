@@ -117,7 +117,10 @@ def test_rejected_restores_and_a_killed_criu_leave_no_zombie(make_daemon: MakeDa
         rejected = d.cli("restore", cp, check=False)
         assert rejected.returncode == 1 and "is corrupt" in rejected.stderr, rejected.stderr
     _no_zombies(daemon_pid)
-    assert strays_of(daemon_pid) == []
+    # A restore's leftover stays; a short-lived CRIU of the daemon's own (a version query, say)
+    # may be seen once, on a slow machine.
+    if poll(lambda: not strays_of(daemon_pid), 5.0) is None:
+        raise AssertionError(f"strays of the daemon: {strays_of(daemon_pid)}")
 
     # kill -9 of CRIU half-way through a restore (once the restored tree exists).
     pages.write_bytes(intact)
