@@ -21,8 +21,7 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            that kills the job should the daemon die before all memory was back (instead of
            the kernel handing it zero pages: engine/lazylink.py). Spec "hold" (a full restore
            of compressed or encrypted images, decoded on their way in): the same, with the job
-           resumed only once all its memory is back. Spec "stream": CRIU reads every image
-           from the daemon's image streamer in the images directory (daemon/imagestream.py).
+           resumed only once all its memory is back.
            Before that, the spec's "expect" (the checkpoint's restore_facts) is compared with
            this node (engine/nodefacts.py): a difference that refuses answers
            IncompatibleNodeError.
