@@ -25,8 +25,6 @@ from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
-from stasis.daemon import imagestream
-from stasis.daemon.imagestream import ImageStream
 from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
 from stasis.engine.pageserver import PagemapError
@@ -150,23 +148,10 @@ class Restorer:
             if lazy and "pid" in started.answer:
                 threading.Thread(target=self._verify_pages_after, daemon=True,
                                  args=(manifest, started.job_dir, started.pid)).start()
-        elif not lazy and store.is_local(manifest.id) and imagestream.streamable(manifest):
-            # Compressed or encrypted images in a local store: decoded on their way into the
-            # tree's memory (CRIU's image streamer protocol), rather than written out in plain
-            # first and read again by CRIU.
-            streamed = ImageStream(store, manifest, settings.layout.scratch)
-            try:
-                streamed.prepare()
-                spec.update(images=str(streamed.images), lazy=False, stream=True)
-                started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
-            finally:
-                streamed.close()
-            if "pid" not in started.answer and streamed.failure is not None:
-                raise CorruptCheckpointError(f"restore of checkpoint {manifest.id} failed: "
-                                             f"{streamed.failure}")
         else:
-            # Lazily, or held until all is in when the images cannot be streamed: decoded on
-            # their way into the tree's memory (lazy-pages, from our page server).
+            # Compressed or encrypted images in a local store: decoded on their way into the
+            # tree's memory (lazy-pages, from our page server), the tree resumed once all is
+            # in, rather than written out in plain first and read again by CRIU.
             stream = not lazy and store.is_local(manifest.id)
             served, why_not = (self._serve_lazily(manifest, hold=stream), None) \
                 if lazy or stream else (None, None)

@@ -246,7 +246,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
             hold=spec.get("hold", False), on_lost=lambda why: _note_killed(job_dir, why),
             expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
-            criu_version=spec.get("criu_version"), stream=spec.get("stream", False))
+            criu_version=spec.get("criu_version"))
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return

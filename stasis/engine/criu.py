@@ -108,9 +108,6 @@ class RestoreOptions:
     hold: bool = False
     # Called with the reason before a tree is killed because its page server went away.
     on_lost: Callable[[str], None] | None = None
-    # The images come from an image streamer listening in `images_dir` (CRIU's --stream:
-    # each image a pipe, read front to back; stasis/daemon/imagestream.py serves them).
-    stream: bool = False
     tcp_established: bool = True
     file_locks: bool = True
     ext_unix_sk: bool = True
@@ -279,11 +276,6 @@ class CRIU:
             opts.work_dir_fd = work_fd
             opts.lazy_pages = True
         try:
-            if options.stream:
-                # The RPC has no field for it; a configuration file of one line does it.
-                conf = self.log_dir / (log_name.removesuffix(".log") + ".stream.conf")
-                conf.write_text("stream\n")
-                opts.config_file = str(conf)
             opts.rst_sibling = True
             opts.tcp_established = options.tcp_established
             opts.file_locks = options.file_locks

@@ -51,7 +51,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                  page_server: Path | None = None, hold: bool = False,
                  on_lost: Callable[[str], None] | None = None,
                  expect: wire.RestoreFacts | None = None, checkpoint: str = "",
-                 criu_version: str | None = None, stream: bool = False) -> RestoreResult:
+                 criu_version: str | None = None) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
@@ -59,8 +59,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
 
     `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions);
     `hold`: the tree resumes only once all of them are in (RestoreOptions.hold); `on_lost`:
-    told why before the tree is killed for a page server that went away. `stream`: CRIU reads
-    the images from the image streamer listening in `images` (RestoreOptions.stream).
+    told why before the tree is killed for a page server that went away.
 
     `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
     `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before
@@ -83,7 +82,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             inherit.append((old.lstrip("/"), fds[-1]))
         options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
                                  page_server=page_server, hold=hold, on_lost=on_lost,
-                                 owner=owner if owner.uid != 0 else None, stream=stream)
+                                 owner=owner if owner.uid != 0 else None)
         try:
             result = criu.restore(images, options, log_name)
             result.notes.extend(nodefacts.notes(found))
