@@ -7,10 +7,12 @@
 #                also the control plane's database in its PostgreSQL tests
 #   chromium, chromium-driver
 #                the control plane's dashboard, driven headless by Selenium in its tests
+#   debootstrap  the Debian 13 root (Slurm 24.11) that the Slurm tests build and run in
+#                (tests/e2e/debian_root.sh)
 # The tests start private servers as an ordinary user on loopback; nothing here is configured,
 # and on a machine without systemd the package's own cluster is not started.
 set -euo pipefail
 
-PACKAGES=(postgresql chromium chromium-driver)
+PACKAGES=(postgresql chromium chromium-driver debootstrap)
 
 bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"
