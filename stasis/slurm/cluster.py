@@ -312,36 +312,15 @@ def _ip(*args: str) -> None:
     _run(["ip", *args])
 
 
-def _ns_dir(lay: Layout, node: str) -> Path:
-    return lay.root / "ns" / node
-
-
-def _uts_file(lay: Layout, node: str) -> Path:
-    return _ns_dir(lay, node) / "uts"
-
-
-def _mnt_file(lay: Layout, node: str) -> Path:
-    return _ns_dir(lay, node) / "mnt"
-
-
-def _private_ns_dir(lay: Layout, node: str) -> None:
-    """Namespace files are bind mounts, and a mount namespace's only on a mount that does not
-    propagate (what `ip netns` does for /run/netns); one such mount per node: in a mount
-    namespace that is not the machine's first (a container, a test root), binding a second
-    node's namespace beside the first's is refused (EINVAL)."""
-    d = _ns_dir(lay, node)
-    d.mkdir(parents=True, exist_ok=True)
-    if _run(["mountpoint", "-q", str(d)], check=False).returncode != 0:
-        _run(["mount", "--bind", str(d), str(d)])
-    _run(["mount", "--make-private", str(d)])
-
-
-def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
+def _net_up(lay: Layout, net: Net, nodes: list[str]) -> dict[str, int]:
+    """The private network, and each node's namespaces: {node: pid of the process that holds
+    its UTS and mount namespaces}."""
     if not shutil.which("ip"):
         raise UsageError("`ip` is not installed (Debian package iproute2); several nodes need it")
     _ip("link", "add", net.bridge, "type", "bridge")
     _ip("addr", "add", f"{net.host_addr}/24", "dev", net.bridge)
     _ip("link", "set", net.bridge, "up")
+    holders: dict[str, int] = {}
     for i, node in enumerate(nodes):
         ns = net.netns(node)
         if net.netns_path(node).exists():
@@ -352,42 +331,38 @@ def _net_up(lay: Layout, net: Net, nodes: list[str]) -> None:
         _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        _make_node_namespaces(lay, node)
+        holders[node] = _make_node_namespaces(lay, node)
+    return holders
 
 
-# Run in a node's new UTS and mount namespaces: its name, its spool, and none of the namespace
-# files it inherited bound in it (other nodes', other clusters', /run/netns). Recent kernels
-# (6.18) refuse to bind a mount namespace that holds another's file into the one that made it
-# (EINVAL), so the second node of a cluster could not be kept otherwise.
+# Run in a node's new UTS and mount namespaces, as a process of its own that holds them for the
+# cluster's life (`nsenter -t` enters them). Not kept as namespace files: on kernel 6.18, inside
+# a mount namespace that is not the machine's first (a container, a test root), binding a mount
+# namespace's file was refused (EINVAL) depending on which namespaces had been made before.
 _NODE_SETUP = """\
+exec </dev/null >/dev/null 2>"$3.err"
 hostname "$0" && mount --bind "$1" "$2" || exit 1
-awk '{for (i = 7; i <= NF; i++) if ($i == "-") { if ($(i + 1) == "nsfs") print $5; break }}' \
-    /proc/self/mountinfo | while read -r m; do umount -l "$m"; done
-echo ready
-exec sleep 600
+echo $$ > "$3.tmp" && mv "$3.tmp" "$3"
+exec sleep infinity
 """
 
 
-def _make_node_namespaces(lay: Layout, node: str) -> None:
-    """`node`'s UTS and mount namespaces, kept as files in its private namespace directory
-    (what `nsenter` enters): made by a short-lived holder process, then bound from /proc."""
-    _private_ns_dir(lay, node)
-    holder = subprocess.Popen(
-        ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", _NODE_SETUP,
-         node, str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool")],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None
-        if holder.stdout.readline().strip() != "ready":
-            holder.kill()
-            _, err = holder.communicate(timeout=10)
-            raise SlurmError(f"cannot make the namespaces of node {node}: {err.strip()}")
-        for kind, path in (("uts", _uts_file(lay, node)), ("mnt", _mnt_file(lay, node))):
-            path.touch()
-            _run(["mount", "--bind", f"/proc/{holder.pid}/ns/{kind}", str(path)])
-    finally:
-        holder.kill()
-        holder.wait()
+def _make_node_namespaces(lay: Layout, node: str) -> int:
+    """Start the holder of `node`'s UTS and mount namespaces (its host name, its spool);
+    its pid."""
+    d = lay.root / "ns"
+    d.mkdir(exist_ok=True)
+    pid_file = d / f"{node}.holder"
+    pid_file.unlink(missing_ok=True)
+    _run(["setsid", "--fork", "unshare", "--uts", "--mount", "--propagation", "private",
+          "sh", "-c", _NODE_SETUP, node, str(lay.node_dir(node) / "spool"),
+          str(lay.slurm / "spool"), str(pid_file)])
+    found = poll(lambda: pid_file.exists() and pid_file.read_text().strip(), 20, 0.02)
+    if not found:
+        err = Path(f"{pid_file}.err")
+        why = err.read_text().strip() if err.exists() else "it did not start"
+        raise SlurmError(f"cannot make the namespaces of node {node}: {why}")
+    return int(found)
 
 
 def _net_down(lay: Layout, state: dict[str, Any]) -> None:
@@ -395,9 +370,12 @@ def _net_down(lay: Layout, state: dict[str, Any]) -> None:
         return
     net = Net(int(state["net_id"]))
     for node in state.get("nodes", []):
-        _run(["umount", str(_mnt_file(lay, node))], check=False)
-        _run(["umount", str(_uts_file(lay, node))], check=False)
-        _run(["umount", str(_ns_dir(lay, node))], check=False)
+        holder = state.get("holders", {}).get(node)
+        if holder and detached.alive(holder):
+            try:
+                os.kill(holder, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         _run(["ip", "netns", "del", net.netns(node)], check=False)
     _run(["ip", "link", "del", net.bridge], check=False)
 
@@ -408,8 +386,13 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
     if "net_id" not in state:
         return []
     net = Net(int(state["net_id"]))
-    return ["nsenter", f"--net={net.netns_path(node)}", f"--uts={_uts_file(lay, node)}",
-            f"--mount={_mnt_file(lay, node)}", "--"]
+    holder = state.get("holders", {}).get(node)
+    if not holder or not detached.alive(holder):
+        raise SlurmError(f"node {node} of the local cluster in {lay.root} has lost its "
+                         "namespaces (their holder process is gone): `local-cluster down`, "
+                         "then `up` again")
+    return ["nsenter", f"--net={net.netns_path(node)}", "-t", str(holder), "--uts", "--mount",
+            "--"]
 
 
 # -- up, down ----------------------------------------------------------------------------------
@@ -469,7 +452,8 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
             net = _pick_net(root)
             state["net_id"] = net.net_id
             _save_state(lay, state)
-            _net_up(lay, net, names)
+            state["holders"] = _net_up(lay, net, names)
+            _save_state(lay, state)
         started["munged"] = _start_munge(lay)
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
