@@ -331,7 +331,13 @@ def _net_up(lay: Layout, net: Net, nodes: list[str]) -> dict[str, int]:
         _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        holders[node] = _make_node_namespaces(lay, node)
+        try:
+            holders[node] = _make_node_namespaces(lay, node)
+        except BaseException:
+            # Not in the cluster's state yet: `down` would not find them.
+            for pid in holders.values():
+                os.kill(pid, signal.SIGKILL)
+            raise
     return holders
 
 
