@@ -46,7 +46,8 @@ from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
 from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
-from stasis.slurm import remote, scontrol
+from stasis.slurm import mirrors, remote, scontrol
+from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import Health
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
@@ -112,7 +113,8 @@ class SlurmIntegration(Integration):
 
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
-        self.jobs = SlurmJobs(manager)
+        self.mirrors = Mirrors(manager.settings, remote.this_node(manager.settings))
+        self.jobs = SlurmJobs(manager, self.mirrors)
         manager.add_job_source(JobSource("slurm", self._reported, self._checkpoint,
                                          self._drain, self._state))
         self._partitions: dict[str, str] = {}  # Slurm job id -> its partition, asked once
@@ -195,6 +197,7 @@ class SlurmIntegration(Integration):
         # Its cleanup (closing the listener) runs as the daemon's loop winds down.
         if self._listener is not None:
             self._listener.cancel()
+        self.mirrors.close()
 
     # -- the remote listener -------------------------------------------------------------------
 
@@ -267,7 +270,9 @@ class SlurmIntegration(Integration):
                 web.post("/slurm/remote/drain", drain)]
 
     def tasks(self) -> Sequence[Task]:
-        return [Task("forget ended Slurm workloads", _SWEEP_INTERVAL_S, self.jobs.sweep)]
+        return [Task("forget ended Slurm workloads", _SWEEP_INTERVAL_S, self.jobs.sweep),
+                Task("record srun steps in Slurm", mirrors.POLL_S,
+                     lambda: self.mirrors.poll(self.jobs.registrations.running()))]
 
     def routes(self) -> Sequence[web.RouteDef]:
         jobs = self.jobs

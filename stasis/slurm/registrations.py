@@ -37,6 +37,7 @@ from stasis.errors import (
 )
 from stasis.slurm import scontrol, steps
 from stasis.slurm.labels import candidates, slurm_extra
+from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
 from stasis.store import (
@@ -70,6 +71,10 @@ slurm_jobs_table = Table(
     Column("state", String(16), nullable=False),
     Column("registered", String(32), nullable=False),
 )
+
+# The job's last step's Slurm record must end before the job does (that ends it as cancelled):
+# its end waits that long at most for it.
+_MIRRORS_WAIT_S = 5.0
 
 
 def _slurm_requeues(job_id: str) -> bool:
@@ -190,8 +195,9 @@ def _of_kind(value: object, hint: Any) -> bool:
 
 
 class SlurmJobs:
-    def __init__(self, manager: JobManager) -> None:
+    def __init__(self, manager: JobManager, mirrors: Mirrors | None = None) -> None:
         self.manager = manager
+        self.mirrors = mirrors  # Slurm's records of the steps stasis runs (None: not kept)
         self.registrations = Registrations(manager.db)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -247,6 +253,8 @@ class SlurmJobs:
         manifest = self._restored_from(reg, req.restored_from)
         self.sweep()
         self.registrations.save(reg)
+        if self.mirrors is not None:
+            self.mirrors.begin(reg, fresh=req.restored_from is None)
         self._started(reg, manifest)
         return reg
 
@@ -331,6 +339,8 @@ class SlurmJobs:
         if not req.leave_running:
             self.registrations.set_state(job_id, "checkpointed")
             os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
+            if self.mirrors is not None:
+                self.mirrors.end(job_id)
             m.dump_settled(manifest.id)
             if _slurm_requeues(job_id):
                 answer["requeued"] = answer["slurm_requeues"] = True
@@ -361,5 +371,7 @@ class SlurmJobs:
                     retired.append(m.id)
                 except NotFoundError:
                     continue
+        if self.mirrors is not None:
+            self.mirrors.end(job_id, wait_s=_MIRRORS_WAIT_S)
         self.registrations.remove(job_id)
         return FinishAnswer(retired=retired)

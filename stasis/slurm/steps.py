@@ -30,6 +30,7 @@ own limits apply. Steps running at once are not queued for CPUs.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import re
@@ -327,6 +328,7 @@ _SIZE = 1 << 18
 _MAGIC = 0x5354_5331
 _HEADER = 16  # magic, next step id, bytes of records used, records dropped (u32 each)
 _IPC_CREAT, _IPC_NOWAIT = 0o1000, 0o4000
+_SHM_RDONLY = 0o10000
 _LOCK_WAIT_S = 5
 
 
@@ -343,7 +345,9 @@ class Book:
     """The job's step counter and records: a SysV segment plus a semaphore as its lock.
 
     The records are JSON lines: {"step", "where" (stasis|slurm), "argv", "name", "reason"} when
-    a step starts, {"step", "exit"} when one of ours ends."""
+    a step starts, {"step", "exit", "signal"} when one of ours ends (signal: what killed the task
+    that gave the exit code, 0 for none). The node daemon reads them from outside
+    (`read_records`): stasis.slurm.mirrors records each step in Slurm."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -407,28 +411,64 @@ class Book:
         """A new step: its id, with `record` kept under it."""
         return self._locked(lambda step: json.dumps({"step": step, **record}), new_step=True)
 
-    def end(self, step: int, exit_code: int) -> None:
-        self._locked(lambda _: json.dumps({"step": step, "exit": exit_code}), new_step=False)
+    def end(self, step: int, exit_code: int, sig: int = 0) -> None:
+        self._locked(lambda _: json.dumps({"step": step, "exit": exit_code, "signal": sig}),
+                     new_step=False)
 
     def records(self) -> list[dict[str, object]]:
         """Each step, in order, with its exit code folded in ("exit" absent: still running,
         or handed to Slurm's srun)."""
         address = self._attach()
         try:
-            head = (ctypes.c_uint32 * 4).from_address(address)
-            used = int(head[2]) if head[0] == _MAGIC else 0
-            data = ctypes.string_at(address + _HEADER, used)
+            data = _used(address)
         finally:
             self.libc.shmdt(address)
-        steps: dict[int, dict[str, object]] = {}
-        for line in data.splitlines():
+        return fold(data)
+
+
+def _used(address: int) -> bytes:
+    head = (ctypes.c_uint32 * 4).from_address(address)
+    used = min(int(head[2]), _SIZE - _HEADER) if head[0] == _MAGIC else 0
+    return ctypes.string_at(address + _HEADER, used)
+
+
+def fold(data: bytes) -> list[dict[str, object]]:
+    """The records of a book, a step each, in order, its end folded in ("exit" absent: still
+    running, or handed to Slurm's srun). A line cut short (read while written) is skipped."""
+    steps: dict[int, dict[str, object]] = {}
+    for line in data.splitlines():
+        try:
             rec = json.loads(line)
             n = int(rec["step"])
-            if "exit" in rec and n in steps:
-                steps[n]["exit"] = rec["exit"]
-            elif "exit" not in rec:
-                steps[n] = rec
-        return [steps[n] for n in sorted(steps)]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if "exit" in rec and n in steps:
+            steps[n]["exit"] = rec["exit"]
+            steps[n]["signal"] = rec.get("signal", 0)
+        elif "exit" not in rec:
+            steps[n] = rec
+    return [steps[n] for n in sorted(steps)]
+
+
+def read_records() -> list[dict[str, object]]:
+    """The book of the IPC namespace this thread is in, read without its lock and without
+    creating it (none yet: no step): for a reader outside the job (the node daemon)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+    libc.shmdt.argtypes = (ctypes.c_void_p,)
+    shm = libc.shmget(_KEY, 0, 0)
+    if shm < 0:
+        if ctypes.get_errno() == errno.ENOENT:
+            return []
+        raise OSError(ctypes.get_errno(), f"shmget: {os.strerror(ctypes.get_errno())}")
+    address = libc.shmat(shm, None, _SHM_RDONLY)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), f"shmat: {os.strerror(ctypes.get_errno())}")
+    try:
+        return fold(_used(int(address)))
+    finally:
+        libc.shmdt(address)
 
 
 # -- Slurm's own srun ---------------------------------------------------------------------------
@@ -579,6 +619,7 @@ class Runner:
         self.pipes: dict[int, tuple[int, int]] = {}  # read fd -> (task, fd written to)
         self.partial: dict[int, bytes] = {}
         self.opened: dict[str, int] = {}
+        self.signal = 0  # what killed the task that gave the exit code (0: it exited)
 
     def say(self, text: str) -> None:
         os.write(self.err, f"srun: {text}\n".encode())
@@ -799,6 +840,8 @@ class Runner:
             c = _status_code(status)
             if c != 0:
                 self.say(f"error: {self.node}: task {task}: {_describe(status)}")
+            if c > code:
+                self.signal = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
             code = max(code, c)
         missing = self.p.ntasks - len(self.status)
         return max(code, 1) if missing else code
@@ -897,11 +940,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.stderr.write(f"stasis: this srun step runs outside stasis ({e.reason}): "
                              "no checkpoint can be taken while it runs\n")
         _exec_real(args, env)
-    step = _start(book, {"where": "stasis", "argv": args, "name": p.name})
-    code = Runner(p, env, step).run()
+    # Slurm names a step after its program unless -J says otherwise.
+    step = _start(book, {"where": "stasis", "argv": args, "ntasks": p.ntasks,
+                         "name": p.name or os.path.basename(p.command[0])})
+    runner = Runner(p, env, step)
+    code = runner.run()
     if book:
         try:
-            book.end(step, code)
+            book.end(step, code, runner.signal)
         except OSError as e:
             sys.stderr.write(f"stasis: warning: step {step} not recorded: {e}\n")
     sys.exit(code)

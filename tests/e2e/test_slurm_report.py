@@ -10,7 +10,9 @@ of its own:
     resub     T2: the same, and R: same name and directory, started after T2 (afterany)
     mem       M: asks for 800 MiB, uses ~100 MiB for 15 s (sampled every 5 s)
     preempt   P: requeueable, preempted by H; starts over (its counter restarts at 0)
-    stasis    S: opted in to stasis, preempted by H; checkpointed and restored (counter goes on)
+    stasis    S: opted in to stasis, runs its work in srun steps (one named, one failing, then
+              the counter), preempted by H; checkpointed and restored (counter goes on); its
+              steps are in sacct as Slurm records steps
     (root, root, high) H: the preemptor
 """
 
@@ -104,7 +106,10 @@ def run() -> Iterator[dict[str, Any]]:
         submit("P", "-A", "preempt", "-p", "low", "-c", "2", "-w", NODE, "--requeue",
                "--open-mode=append", body=counter)
         submit("S", "-A", "stasis", "-p", "low", "-c", "2", "-w", NODE,
-               "--export=STASIS_ENABLE=1", body=counter)
+               "--export=ALL,STASIS_ENABLE=1",
+               body=f"srun -J first bash -c 'echo first'\n"
+                    f"srun bash -c 'exit 3' || echo failed as planned\n"
+                    f"srun python3 -u {w}/counter.py 25 1 0")
         submit("T1", "-A", "timeout", "-p", "high", "--time=1", "--gres=gpu:2",
                body="exec sleep 600")
         submit("T2", "-A", "resub", "-p", "high", "--time=1", "-J", "sim", body="exec sleep 600")
@@ -232,6 +237,28 @@ def test_preempted_with_stasis_is_kept(run: dict[str, Any], report: dict[str, An
     assert (g["jobs"], g["preempted_jobs"], g["protected_jobs"]) == (1, 1, 1)
     assert g["kept_node_hours"] == pytest.approx(node_hours(recs[0]), abs=1e-12)
     assert g["kept_node_hours"] > 0 and g["preempt_redone_node_hours"] == 0
+
+
+def test_steps_stasis_ran_are_in_sacct_as_slurm_records_steps(run: dict[str, Any]) -> None:
+    """S's steps ran inside its tree (our srun), yet sacct lists them run by run: the first run's
+    three (the counter's cut by the requeue), the restored run's one (the counter step, which
+    resumed: the steps that had ended are not run, nor listed, again)."""
+    c = run["cluster"]
+    out = c.run("sacct", "-a", "-D", "-n", "-P", "-j", run["jobs"]["S"], "-o",
+                "JobIDRaw,JobName,State,ExitCode,NTasks").stdout
+    runs: list[list[tuple[str, ...]]] = []
+    for line in out.splitlines():
+        job_step, name, state, code, ntasks = line.split("|")
+        if "." not in job_step:
+            runs.append([])
+        elif job_step.split(".")[1].isdigit():
+            runs[-1].append((job_step.split(".")[1], name, state.split()[0], code, ntasks))
+    assert len(runs) == 2, out
+    assert runs[0][:2] == [("0", "first", "COMPLETED", "0:0", "1"),
+                           ("1", "bash", "FAILED", "3:0", "1")], out
+    assert runs[0][2][:2] == ("2", "python3") and runs[0][2][2] == "CANCELLED", out
+    assert runs[1] == [("0", "python3", "COMPLETED", "0:0", "1")], out
+    assert "failed as planned" in c.output(run["jobs"]["S"])
 
 
 def test_totals_weeks_and_groups_agree(run: dict[str, Any], report: dict[str, Any]) -> None:
