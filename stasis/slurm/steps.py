@@ -16,7 +16,9 @@ namespaces, and:
 Step ids are the order of `srun` calls in the job (0, 1, ...: both kinds count), kept with a
 record per step (argv, where it ran, exit code) in a SysV segment of the job's own IPC
 namespace: CRIU checkpoints it with the job, so a restored job numbers its later steps as the
-first run did. `srun --stasis-steps` prints the records (JSON lines) from inside the job.
+first run did. `srun --stasis-steps` prints the records (JSON lines) from inside the job. The
+node daemon reads them from outside and records each of our steps in Slurm as well, for sacct
+(stasis.slurm.mirrors).
 
 What we run mimics srun: each task gets the environment srun gives (SLURM_STEP_ID, SLURM_PROCID,
 SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS ...), the batch step's stdout/stderr (or -o/-e files,
