@@ -4,7 +4,8 @@ from this checkout and `stasis slurm local-cluster up` starts that release's mun
 slurmd and a stasis daemon. The rest of tests/e2e runs on this machine's Slurm (22.05).
 
 Two opted-in jobs are preempted at once by a job of the high partition: one runs its counter
-directly, one in `srun` steps after a step that ends at once. Both are checkpointed, requeued
+directly, one in `srun` steps after a step that ends at once (its counter step listed by squeue
+as a step of the job). Both are checkpointed, requeued
 and restored: each counter goes on where it was, the finished step does not run again, and each
 job runs once more only (Restarts=1; on 24.11 the demo once ran its job a second time from 0).
 The root is built in the background as soon as the session starts (tests/e2e/conftest.py).
@@ -99,6 +100,10 @@ def test_preempted_jobs_resume_once_on_slurm_24_11(cluster: RootCluster) -> None
     ]), opt_in.format("steps"), "-p", "low", "-c", "4")
     until(lambda: len(cluster.numbers("plain")) >= 5 and len(cluster.numbers("steps")) >= 5,
           120, "both counters at 5")
+    # The counter step runs inside the tree, on stasis's srun, and is a Slurm step all the same
+    # (the node daemon's record of it: what sacct lists).
+    until(lambda: re.search(rf"^{steps}\.\d+ python3$", cluster.sh(
+        f"squeue -h -s -j {steps} -o '%i %j'").stdout, re.M), 30, "the counter step in squeue")
     high = cluster.sbatch("high", "sleep 3", "-p", "high", "-c", "8")
     until(lambda: MARKER in cluster.output("plain") and MARKER in cluster.output("steps"),
           180, "both jobs restored")
