@@ -58,6 +58,8 @@ _WAIT = ('trap "" TERM INT HUP; [ "$SLURM_PROCID" = 0 ] && echo started; '
          'if [ "${sig:-0}" -gt 0 ] 2>/dev/null; then trap - TERM INT HUP; kill -"$sig" $$; fi; '
          'exit "${code:-0}"')
 _NAME_MAX = 100
+# Steps of one job recorded at once, at most (each is an srun of the job's user).
+_MAX_OPEN = 64
 # A mirror that has not started after this long is left to start while the next one does.
 _START_WAIT_S = 10.0
 
@@ -111,6 +113,7 @@ class _Job:
     done: set[int] = field(default_factory=set)  # steps recorded (or never to be)
     open: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     told: list[subprocess.Popen[bytes]] = field(default_factory=list)  # mirrors told to end
+    full: bool = False  # _MAX_OPEN reached once (said in the log)
 
 
 class Mirrors:
@@ -186,8 +189,8 @@ class Mirrors:
                    gid=reg["gid"], user=reg["user"])
         if not fresh:
             # A daemon that restarted, or a restored job: what ended was recorded before.
-            job.done = {int(str(r["step"])) for r in self._read(reg["slurm_job"], job)
-                        if "exit" in r}
+            job.done = {_int(r.get("step"), -1, 0, 1 << 31)
+                        for r in self._read(reg["slurm_job"], job) if "exit" in r}
         self._jobs[reg["slurm_job"]] = job
         return job
 
@@ -199,14 +202,22 @@ class Mirrors:
             return []
 
     def _sync(self, job_id: str, job: _Job) -> None:
+        # The book is the job's memory, written by the user's processes: every value is checked.
         for rec in self._read(job_id, job):
-            step = int(str(rec["step"]))
-            if rec.get("where") != "stasis" or step in job.done:
+            step = _int(rec.get("step"), -1, 0, 1 << 31)
+            if rec.get("where") != "stasis" or step < 0 or step in job.done:
                 continue
             proc = job.open.get(step)
             if proc is None:
+                if len(job.open) >= _MAX_OPEN:
+                    if not job.full:
+                        log.warning("Slurm job %s: %d of its steps run at once: the others are "
+                                    "not recorded in Slurm", job_id, _MAX_OPEN)
+                        job.full = True
+                    job.done.add(step)
+                    continue
                 proc = self._start(job_id, job, step, str(rec.get("name") or "step"),
-                                   _ntasks(rec.get("ntasks")))
+                                   _int(rec.get("ntasks"), 1, 1, 4096))
                 if proc is None:
                     job.done.add(step)
                     continue
@@ -218,7 +229,8 @@ class Mirrors:
                 job.done.add(step)
                 continue
             if "exit" in rec:
-                code, sig = int(str(rec["exit"])), int(str(rec.get("signal") or 0))
+                code = _int(rec["exit"], 1, 0, 255)
+                sig = _int(rec.get("signal"), 0, 0, 64)
                 self._tell(proc, f"{code} {sig}\n".encode())
                 self._ending.append(proc)
                 job.told = [p for p in job.told if p.poll() is None] + [proc]
@@ -295,11 +307,11 @@ class Mirrors:
         self._ending = still
 
 
-def _ntasks(value: object) -> int:
-    try:
-        return max(1, min(int(str(value)), 4096))
-    except ValueError:
-        return 1
+def _int(value: object, default: int, lo: int, hi: int) -> int:
+    """`value` as an int within [lo, hi]; `default` if it is no int at all."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return default
+    return max(lo, min(value, hi))
 
 
 def _name(text: str) -> str:
