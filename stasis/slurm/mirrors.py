@@ -239,13 +239,14 @@ class Mirrors:
 
     def _start(self, job_id: str, job: _Job, step: int, name: str, ntasks: int
                ) -> subprocess.Popen[bytes] | None:
-        srun = shutil.which("srun", path="/usr/local/bin:/usr/bin:/bin")
+        # Found as the daemon finds scontrol: on its own PATH.
+        srun = shutil.which("srun")
         if srun is None:
             log.warning("Slurm job %s: no srun on this node: its step %d is not recorded in "
                         "Slurm", job_id, step)
             return None
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "USER": job.user, "LOGNAME": job.user,
-               "HOME": "/"}
+        env = {"PATH": f"{os.path.dirname(srun)}:/usr/local/bin:/usr/bin:/bin",
+               "USER": job.user, "LOGNAME": job.user, "HOME": "/"}
         if self.settings.slurm_conf:
             env["SLURM_CONF"] = self.settings.slurm_conf
         try:

@@ -343,6 +343,15 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+def _shm_libc() -> ctypes.CDLL:
+    """libc, with shmat and shmdt typed for 64-bit addresses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+    libc.shmdt.argtypes = (ctypes.c_void_p,)
+    return libc
+
+
 class Book:
     """The job's step counter and records: a SysV segment plus a semaphore as its lock.
 
@@ -352,10 +361,7 @@ class Book:
     (`read_records`): stasis.slurm.mirrors records each step in Slurm."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.shmat.restype = ctypes.c_void_p
-        libc.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
-        libc.shmdt.argtypes = (ctypes.c_void_p,)
+        libc = _shm_libc()
         libc.semtimedop.argtypes = (ctypes.c_int, ctypes.POINTER(_Sembuf), ctypes.c_size_t,
                                     ctypes.POINTER(_Timespec))
         self.libc = libc
@@ -455,10 +461,7 @@ def fold(data: bytes) -> list[dict[str, object]]:
 def read_records() -> list[dict[str, object]]:
     """The book of the IPC namespace this thread is in, read without its lock and without
     creating it (none yet: no step): for a reader outside the job (the node daemon)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.shmat.restype = ctypes.c_void_p
-    libc.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
-    libc.shmdt.argtypes = (ctypes.c_void_p,)
+    libc = _shm_libc()
     shm = libc.shmget(_KEY, 0, 0)
     if shm < 0:
         if ctypes.get_errno() == errno.ENOENT:
