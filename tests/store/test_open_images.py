@@ -39,7 +39,7 @@ def test_round_trip(
         assert {p.name for p in images_dir.iterdir()} >= set(images)
         for name, data in images.items():
             assert (images_dir / name).read_bytes() == data
-    if images_dir.is_relative_to(scratch):
+    if not images_dir.is_relative_to(tmp_path / "store"):  # not read in place
         assert not images_dir.exists()  # fetched copies are removed on exit
 
 
@@ -51,6 +51,27 @@ def test_local_uncompressed_is_used_in_place(local_store: Store, tmp_path: Path)
         assert images_dir == tmp_path / "store" / info.id
     assert not (tmp_path / "scratch").exists()
     assert images_dir.exists()
+
+
+def test_fetched_images_go_to_memory_when_it_holds_them(
+        local_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Images that must be decoded (or, on a remote store, fetched) for a restore are read back
+    at once: /dev/shm when memory holds them, the scratch on disk only when it does not."""
+    from stasis.store import store as store_module
+    info = make_info()
+    stage(local_store, info, SMALL_FILES)
+    local_store.publish(info, "lz4")
+    scratch = tmp_path / "scratch"
+    with local_store.open_images(info.id, scratch) as (_, images_dir):
+        assert images_dir.parent == store_module.MEMORY_SCRATCH and info.id in images_dir.name
+        assert os.stat(images_dir).st_mode & 0o777 == 0o700
+        assert (images_dir / "core-1.img").read_bytes() == SMALL_FILES["core-1.img"]
+    assert not images_dir.exists()
+    monkeypatch.setattr(store_module, "_memory_scratch", lambda size_bytes: None)
+    with local_store.open_images(info.id, scratch) as (_, images_dir):
+        assert images_dir.parent == scratch
+        assert (images_dir / "core-1.img").read_bytes() == SMALL_FILES["core-1.img"]
+    assert not images_dir.exists()
 
 
 def test_scratch_is_removed_when_the_body_fails(local_store: Store, tmp_path: Path) -> None:
