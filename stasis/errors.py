@@ -22,6 +22,9 @@
     │   └── SlurmJobNotFoundError   Slurm knows no such job (also a NotFoundError)
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
 
+Outside the tree, `ReaderGone`: a pipe's reader (CRIU reading streamed images) closed it before
+the end. Not a failure of ours, so nothing translates it: whoever fed the pipe decides.
+
 Foreign errors are translated at the edge (`raise StoreError(...) from e`); code that must decide
 what to do next branches on the class, never on message text. The CLI prints `str(error)` as one
 line and exits with `error.exit_code`.
@@ -146,3 +149,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
 def error_from_wire(kind: str, message: str) -> StasisError:
     """Rebuild an error the daemon sent as {"error": {"type": kind, "message": message}}."""
     return _BY_NAME.get(kind, StasisError)(message)
+
+
+class ReaderGone(Exception):
+    """The reader of a pipe we were writing closed its end (see the module docstring)."""

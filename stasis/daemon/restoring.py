@@ -26,6 +26,7 @@ from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
+from stasis.daemon.streamed import stream_restore
 from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
@@ -148,8 +149,22 @@ class Restorer:
             if lazy and "pid" in started.answer:
                 threading.Thread(target=self._verify_pages_after, daemon=True,
                                  args=(manifest, started.job_dir, started.pid)).start()
+        elif not lazy and store.is_local(manifest.id) and \
+                (streamed := stream_restore(store, manifest, settings.layout.scratch)):
+            # Compressed or encrypted images in a local store: decoded while CRIU reads them
+            # (its image streamer), rather than written out in plain first and read again; the
+            # tree resumes once every page file was served whole and checked.
+            try:
+                spec.update(images=str(streamed.images), lazy=False, stream=True, gate=True)
+                gate = Gate(streamed.check)
+                started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes,
+                                                  gate)
+            finally:
+                streamed.discard()
+            if gate.error is not None:
+                raise gate.error
         else:
-            # Compressed or encrypted images in a local store: decoded on their way into the
+            # Otherwise (pages this streamer cannot serve): decoded on their way into the
             # tree's memory (lazy-pages, from our page server), the tree resumed once all is
             # in, rather than written out in plain first and read again by CRIU.
             stream = not lazy and store.is_local(manifest.id)

@@ -244,7 +244,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
             notify=_resume_gate if spec.get("gate") else None,
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
-            hold=spec.get("hold", False), on_lost=lambda why: _note_killed(job_dir, why),
+            hold=spec.get("hold", False), stream=spec.get("stream", False),
+            on_lost=lambda why: _note_killed(job_dir, why),
             expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
             criu_version=spec.get("criu_version"))
     except OSError as e:

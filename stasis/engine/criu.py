@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from stasis.engine import rpc
+from stasis.engine import rpc, streamer
 from stasis.engine.criulog import first_error
 from stasis.engine.lazylink import PageServerLink, hold_until_complete
 from stasis.errors import CRIUError, CRIUNotFoundError
@@ -106,6 +106,9 @@ class RestoreOptions:
     # (a full restore whose pages are decoded on their way in, from `page_server`). A page
     # that does not come kills the stopped tree and fails the restore.
     hold: bool = False
+    # The images come from an image streamer listening in the images directory
+    # (engine/streamer.py), file by file through pipes, instead of from files there.
+    stream: bool = False
     # Called with the reason before a tree is killed because its page server went away.
     on_lost: Callable[[str], None] | None = None
     tcp_established: bool = True
@@ -275,6 +278,9 @@ class CRIU:
             fds.append(work_fd)
             opts.work_dir_fd = work_fd
             opts.lazy_pages = True
+        if options.stream:
+            # CRIU's RPC takes `stream` only from a config file (criu/cr-service.c).
+            opts.config_file = str(self._stream_config())
         try:
             opts.rst_sibling = True
             opts.tcp_established = options.tcp_established
@@ -297,6 +303,14 @@ class CRIU:
         if not resp.success:
             raise self._fail("restore", resp, log_path)
         return RestoreResult(pid=resp.restore.pid, duration_s=duration, log_path=log_path)
+
+    def _stream_config(self) -> Path:
+        path = self.log_dir / "stream.conf"
+        if not path.exists() or path.read_text() != streamer.CONFIG:
+            tmp = path.with_name(f".stream.conf.{os.getpid()}")
+            tmp.write_text(streamer.CONFIG)
+            os.replace(tmp, path)
+        return path
 
     def version(self) -> tuple[int, int, int]:
         pb = rpc.messages()

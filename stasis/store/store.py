@@ -42,6 +42,7 @@ from pydantic import ValidationError
 from stasis.errors import (
     CorruptCheckpointError,
     NotFoundError,
+    ReaderGone,
     StasisError,
     StoreError,
     UnreadableManifestError,
@@ -58,6 +59,7 @@ from stasis.store.compression import (
     DecompressionError,
     Reader,
     Streamed,
+    Writer,
     choose_compression,
     cpu_workers,
     unpack,
@@ -940,46 +942,16 @@ class Store:
             if target is not None and self._tree.local_dir(checkpoint_id) is None else None
 
         def check(entry: FileEntry) -> None:
-            try:
-                if ranges is not None and target is not None and entry.chunks is not None \
-                        and len(entry.chunks.stored_bytes) > 1:
-                    got = self._fetch_ranged(manifest, entry, target, cipher, ranges)
-                else:
-                    with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
-                        got = _unpack_to(src, target, entry, manifest.compression, cipher,
-                                         workers)
-            except ChunkError as e:
-                raise self._corrupt(checkpoint_id, entry.name, str(e)) from None
-            except DecompressionError as e:
-                raise self._corrupt(
-                    checkpoint_id, entry.name, f"cannot be decompressed ({e})"
-                ) from e
-            except FileNotFoundError:
-                raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
-            except OSError as e:
-                if target is not None and e.errno in _NO_SPACE:
-                    raise StoreError(
-                        f"no space left on {target.parent} while unpacking checkpoint "
-                        f"{checkpoint_id}: "
-                        "free space or restore with another scratch directory"
-                    ) from e
-                raise self._read_error(checkpoint_id, e) from e
-            except StasisError:
-                raise
-            except Exception as e:
-                raise self._read_error(checkpoint_id, e) from e
-            if got.size_bytes != entry.size_bytes:
-                # Decoding stops soon after the expected size, so "more" has no exact count.
-                found = (
-                    "more than"
-                    if got.size_bytes > entry.size_bytes
-                    else f"{got.size_bytes} bytes instead of"
-                )
-                raise self._corrupt(
-                    checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes"
-                )
-            if got.xxh3_128 != entry.xxh3_128:
-                raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
+            if ranges is not None and target is not None and entry.chunks is not None \
+                    and len(entry.chunks.stored_bytes) > 1:
+                self._checked(manifest, entry, target,
+                              lambda: self._fetch_ranged(manifest, entry, target, cipher, ranges))
+                return
+
+            def decode() -> Streamed:
+                with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
+                    return _unpack_to(src, target, entry, manifest.compression, cipher, workers)
+            self._checked(manifest, entry, target, decode)
 
         files = [f for f in manifest.files if only is None or only(f)]
         # Files on threads, and the chunks of each large one on threads of their own.
@@ -989,6 +961,74 @@ class Store:
         finally:
             if ranges is not None:
                 ranges.shutdown(wait=True, cancel_futures=True)
+
+    def stream_file(self, manifest: Manifest, name: str, dst: Writer) -> None:
+        """Decode image file `name` of `manifest` into `dst`, in order, every chunk checked
+        (tag or checksum) before it is written, the file's size and whole checksum after:
+        CorruptCheckpointError, never wrong bytes written. For a restore that reads its images
+        as they are decoded (CRIU's image streamer, stasis/daemon/streamed.py)."""
+        entry = next((f for f in manifest.files if f.name == name), None)
+        if entry is None:
+            raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
+        cipher = self._cipher(manifest)
+        try:
+            stored = self._tree.stored_size(manifest.id, entry.stored_name)
+        except FileNotFoundError:
+            raise self._corrupt(manifest.id, name, "is missing") from None
+        except Exception as e:
+            raise self._read_error(manifest.id, e) from e
+        if stored != entry.stored_size_bytes:
+            raise self._corrupt(manifest.id, name, f"has {stored} bytes stored instead of "
+                                f"{entry.stored_size_bytes} (truncated?)")
+
+        def decode() -> Streamed:
+            with self._tree.open_stored(manifest.id, entry.stored_name) as src:
+                if entry.chunks is None:
+                    return unpack(src, dst, manifest.compression, entry.size_bytes)
+                return unpack_chunked(src, dst, ChunkDecoder(
+                    entry.name, entry.size_bytes, entry.chunks,
+                    ChunkSpec(manifest.compression, cipher, entry.chunks.size_bytes)))
+        self._checked(manifest, entry, None, decode)
+
+    def _checked(self, manifest: Manifest, entry: FileEntry, target: Path | None,
+                 decode: Callable[[], Streamed]) -> None:
+        """Run `decode` of `entry` and hold what it got against the manifest; its failures as
+        one line each (CorruptCheckpointError, StoreError)."""
+        checkpoint_id = manifest.id
+        try:
+            got = decode()
+        except ChunkError as e:
+            raise self._corrupt(checkpoint_id, entry.name, str(e)) from None
+        except DecompressionError as e:
+            raise self._corrupt(
+                checkpoint_id, entry.name, f"cannot be decompressed ({e})"
+            ) from e
+        except FileNotFoundError:
+            raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
+        except OSError as e:
+            if target is not None and e.errno in _NO_SPACE:
+                raise StoreError(
+                    f"no space left on {target.parent} while unpacking checkpoint "
+                    f"{checkpoint_id}: "
+                    "free space or restore with another scratch directory"
+                ) from e
+            raise self._read_error(checkpoint_id, e) from e
+        except (StasisError, ReaderGone):
+            raise
+        except Exception as e:
+            raise self._read_error(checkpoint_id, e) from e
+        if got.size_bytes != entry.size_bytes:
+            # Decoding stops soon after the expected size, so "more" has no exact count.
+            found = (
+                "more than"
+                if got.size_bytes > entry.size_bytes
+                else f"{got.size_bytes} bytes instead of"
+            )
+            raise self._corrupt(
+                checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes"
+            )
+        if got.xxh3_128 != entry.xxh3_128:
+            raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
     def _fetch_ranged(self, manifest: Manifest, entry: FileEntry, target: Path,
                       cipher: ChunkCipher | None, pool: ThreadPoolExecutor) -> Streamed:

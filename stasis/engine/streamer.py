@@ -1,0 +1,220 @@
+"""CRIU's image-streamer protocol, serve side: a restore that reads its images from us, file by
+file through pipes, instead of from a directory. What lets a compressed or encrypted checkpoint
+be decoded while CRIU reads it, with no plain copy written first.
+
+What CRIU 4.2 speaks (criu/img-streamer.c, images/img-streamer.proto), asked for over RPC with
+`stream` in the request's config file: it connects to `streamer-serve.sock` in the images
+directory and, for each image it opens, sends a u32 (little-endian) length and a protobuf
+img_streamer_request_entry {filename = 1}; we answer img_streamer_reply_entry {exists = 1} the
+same way, and when it exists CRIU sends (SCM_RIGHTS) the write end of a pipe it reads the file
+from, in order, with read() (page images too: `--stream` reads pages sequentially). There is
+no error message: a file we cannot serve is a pipe closed early, on which CRIU fails. CRIU asks
+for every file before its post-restore notification and closes the connection at its end.
+
+The caller decides what each name holds (`Source`), and learns whether every file CRIU read was
+served whole (`wait`); a restore resumes its tree only then (the daemon's gate).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from stasis.errors import ReaderGone
+
+log = logging.getLogger("stasis.engine")
+
+SOCKET_NAME = "streamer-serve.sock"
+# What `stream` in CRIU's RPC config file turns on (criu/config.c).
+CONFIG = "stream\n"
+_F_SETPIPE_SZ = 1031  # <linux/fcntl.h>; fcntl does not name it on every Python
+# CRIU's pipe holds 64 KiB; 1 MiB (pipe-max-size) means 16x fewer wake-ups for its reads.
+_PIPE_BYTES = 1 << 20
+_MAX_NAME = 4096
+
+
+class PipeWriter:
+    """A Writer (compression.Writer) onto the pipe CRIU reads one image file from."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.written = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        while view:
+            try:
+                n = os.write(self.fd, view)
+            except BrokenPipeError:
+                raise ReaderGone() from None
+            view = view[n:]
+            self.written += n
+        return len(data)
+
+
+# What to send for a file name: None when there is no such file, else a function that writes it
+# whole into the writer (raising on anything it cannot serve: the pipe then closes early).
+Source = Callable[[str], Callable[[PipeWriter], None] | None]
+
+
+class ImageServer:
+    """Serves one restore's images to CRIU from `source`, on `directory`/streamer-serve.sock
+    (a directory only root may enter: whoever connects is the restore's CRIU)."""
+
+    def __init__(self, directory: Path, source: Source,
+                 accept_timeout_s: float = 60.0) -> None:
+        self._source = source
+        self._accept_timeout_s = accept_timeout_s
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._running = 0
+        self._served: set[str] = set()
+        self._closed = False  # CRIU's connection ended (or never came)
+        self.failure: str | None = None
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # Through /proc: sun_path holds 107 bytes, a state directory's path may be longer.
+            self._listener.bind(f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}")
+        finally:
+            os.close(dir_fd)
+        self._listener.listen(1)
+        threading.Thread(target=self._serve, name="stasis-streamer", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop accepting (a restore that did not start)."""
+        self._listener.close()
+        self._ended()
+
+    def wait(self, files: set[str]) -> str | None:
+        """Block until each of `files` was served whole, or a file failed, or CRIU went away;
+        None when all were served, else why not."""
+        with self._changed:
+            while True:
+                if self.failure is not None:
+                    return self.failure
+                if files <= self._served and self._running == 0:
+                    return None
+                if self._closed and self._running == 0:
+                    missing = sorted(files - self._served)
+                    return f"the restore ended before it read {', '.join(missing)}"
+                self._changed.wait()
+
+    def _ended(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _serve(self) -> None:
+        try:
+            self._listener.settimeout(self._accept_timeout_s)
+            conn, _ = self._listener.accept()
+        except OSError:
+            self._ended()
+            return
+        finally:
+            self._listener.close()
+        try:
+            with conn:
+                while True:
+                    name = _read_request(conn)
+                    if name is None:
+                        return
+                    send = self._source(name)
+                    conn.sendall(_message(b"\x08" + (b"\x01" if send else b"\x00")))
+                    if send is None:
+                        continue
+                    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+                    if len(fds) != 1:
+                        for fd in fds:
+                            os.close(fd)
+                        self._fail(f"CRIU sent no pipe for {name}")
+                        return
+                    with self._changed:
+                        self._running += 1
+                    threading.Thread(target=self._send, args=(name, send, fds[0]),
+                                     name="stasis-streamer-file", daemon=True).start()
+        except (OSError, ValueError) as e:
+            self._fail(f"the image streamer's connection with CRIU failed: {e}")
+        finally:
+            self._ended()
+
+    def _send(self, name: str, send: Callable[[PipeWriter], None], fd: int) -> None:
+        ok = False
+        try:
+            try:
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+            except OSError:
+                pass  # a smaller pipe only means more wake-ups
+            send(PipeWriter(fd))
+            ok = True
+        except ReaderGone:
+            # CRIU stopped reading: it failed (its own answer says why) or needed no more.
+            ok = True
+        except Exception as e:  # anything: the restore must not resume on a file cut short
+            self._fail(str(e) or f"{name}: {type(e).__name__}")
+        finally:
+            os.close(fd)
+            with self._changed:
+                self._running -= 1
+                if ok:
+                    self._served.add(name)
+                self._changed.notify_all()
+
+    def _fail(self, why: str) -> None:
+        with self._changed:
+            if self.failure is None:
+                self.failure = why
+            self._changed.notify_all()
+
+
+def _message(payload: bytes) -> bytes:
+    return struct.pack("<I", len(payload)) + payload
+
+
+def _read_request(conn: socket.socket) -> str | None:
+    """The file name of CRIU's next request; None when it closed the connection."""
+    head = _recv_exact(conn, 4)
+    if head is None:
+        return None
+    (size,) = struct.unpack("<I", head)
+    if size > _MAX_NAME + 8:
+        raise ValueError(f"a request of {size} bytes")
+    body = _recv_exact(conn, size)
+    if body is None or not body or body[0] != 0x0A:  # field 1, length-delimited
+        raise ValueError("a request without a file name")
+    length, at = _varint(body, 1)
+    name = body[at:at + length]
+    if len(name) != length:
+        raise ValueError("a cut-off request")
+    return name.decode("utf-8", "replace")
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    got = b""
+    while len(got) < n:
+        part = conn.recv(n - len(got))
+        if not part:
+            if got:
+                raise ValueError("a cut-off request")
+            return None
+        got += part
+    return got
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while at < len(data) and shift < 64:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+    raise ValueError("a malformed length")
