@@ -13,11 +13,6 @@ takes the server with it: the job's supervisor, which holds the other end of the
 lazy-pages reads, then kills the job before lazy-pages can end (engine/lazylink.py), so that
 it never reads zeros for what was missing; `killed.json` says so. A graceful stop waits for
 those restores to finish (`drain`).
-
-`hold`: the same server for a full restore of images CRIU cannot read in place (compressed or
-encrypted, in a local store): the tree stays stopped until all its memory is in, decoded on
-its way, and a page that cannot be had fails the restore (CorruptCheckpointError) instead of
-killing a running job.
 """
 
 from __future__ import annotations
@@ -67,9 +62,8 @@ class LazyRestore:
     to kill should a page not come."""
 
     def __init__(self, store: Store, manifest: Manifest, read: PageReader, scratch: Path,
-                 delay_s: float = 0.0, hold: bool = False) -> None:
+                 delay_s: float = 0.0) -> None:
         self.store = store
-        self._hold = hold  # a full restore: the tree resumes once all memory is in
         self.manifest = manifest
         self._read = read
         self._delay_s = delay_s
@@ -166,12 +160,6 @@ class LazyRestore:
 
     def _on_failure(self, reason: str) -> None:
         self.failure = reason
-        if self._hold:
-            # The tree stands stopped until all its memory is in: it is killed, and the
-            # restore fails, once lazy-pages ends for want of this page (engine/lazylink.py).
-            log.error("restore of checkpoint %s: a page could not be had from the store: %s",
-                      self.manifest.id, reason)
-            return
         # The tree is waiting for this very page: it runs no further until killed, so waiting
         # for its pid (the restore's answer is on its way) feeds it nothing.
         self._started.wait(300.0)

@@ -1,8 +1,9 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs (lazily: its pages right after,
 the job killed on a mismatch), and the network lock its restore lifts. A lazy restore from a
-store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py).
-A checkpoint that recorded what its restore depends on is compared with this node first
+store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py);
+a full restore of compressed or encrypted images in a local store is decoded while CRIU reads
+them (stasis/daemon/streamed.py). A checkpoint that recorded what its restore depends on is compared with this node first
 (engine/nodefacts.py), before anything is fetched or CRIU runs."""
 
 from __future__ import annotations
@@ -164,16 +165,11 @@ class Restorer:
             if gate.error is not None:
                 raise gate.error
         else:
-            # Otherwise (pages this streamer cannot serve): decoded on their way into the
-            # tree's memory (lazy-pages, from our page server), the tree resumed once all is
-            # in, rather than written out in plain first and read again by CRIU.
-            stream = not lazy and store.is_local(manifest.id)
-            served, why_not = (self._serve_lazily(manifest, hold=stream), None) \
-                if lazy or stream else (None, None)
+            served, why_not = (self._serve_lazily(manifest), None) if lazy else (None, None)
             if isinstance(served, str):
                 served, why_not = None, served
             if served is not None:
-                spec.update(images=str(served.images), lazy=True, hold=stream,
+                spec.update(images=str(served.images), lazy=True,
                             page_server=str(served.socket_path))
                 try:
                     started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
@@ -218,11 +214,10 @@ class Restorer:
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4),
                              elapsed_s=0.0)
 
-    def _serve_lazily(self, manifest: Manifest, hold: bool = False) -> LazyRestore | str | None:
+    def _serve_lazily(self, manifest: Manifest) -> LazyRestore | str | None:
         """The images of a lazy restore whose pages the daemon serves from the store (fetched,
         listening), or why that is not possible on this node (a note: restored in full), or
-        None when the checkpoint cannot be read by range (the usual note). `hold`: for a full
-        restore that resumes once all pages are in (LazyRestore)."""
+        None when the checkpoint cannot be read by range (the usual note)."""
         store, settings = self.core.store, self.core.settings
         read = page_reader(store, manifest)
         if read is None:
@@ -231,7 +226,7 @@ class Restorer:
             return ("lazy restore not possible: this kernel has no userfaultfd for CRIU's "
                     "lazy pages; restored in full")
         served = LazyRestore(store, manifest, read, settings.layout.scratch,
-                             delay_s=settings.test_page_delay_ms / 1000, hold=hold)
+                             delay_s=settings.test_page_delay_ms / 1000)
         try:
             served.prepare()
         except PagemapError as e:

@@ -244,7 +244,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
             notify=_resume_gate if spec.get("gate") else None,
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
-            hold=spec.get("hold", False), stream=spec.get("stream", False),
+            stream=spec.get("stream", False),
             on_lost=lambda why: _note_killed(job_dir, why),
             expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
             criu_version=spec.get("criu_version"))
@@ -256,7 +256,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         _error(type(e).__name__, str(e))
         return
     _answer({"pid": result.pid, "duration_s": result.duration_s,
-             "lazy": result.lazy_pages is not None and not spec.get("hold", False),
+             "lazy": result.lazy_pages is not None,
              "fallback": result.fallback_reason,
              "notes": result.notes})
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)

@@ -8,13 +8,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stasis.engine import rpc, streamer
 from stasis.engine.criulog import first_error
-from stasis.engine.lazylink import PageServerLink, hold_until_complete
+from stasis.engine.lazylink import PageServerLink
 from stasis.errors import CRIUError, CRIUNotFoundError
 from stasis.poll import poll
 
@@ -102,10 +102,6 @@ class RestoreOptions:
     # protocol, stasis/engine/pageserver.py): lazy-pages is handed a connection to it
     # (`--page-server --ps-socket`). None: lazy-pages reads them from the images.
     page_server: Path | None = None
-    # With `lazy`: keep the restored tree stopped until lazy-pages brought all its memory back
-    # (a full restore whose pages are decoded on their way in, from `page_server`). A page
-    # that does not come kills the stopped tree and fails the restore.
-    hold: bool = False
     # The images come from an image streamer listening in the images directory
     # (engine/streamer.py), file by file through pipes, instead of from files there.
     stream: bool = False
@@ -202,27 +198,14 @@ class CRIU:
         try:
             daemon, link = self._start_lazy_pages(images_dir, work, options.page_server,
                                                   options.on_lost)
-            failed: list[str] = []
-            run = options
-            if options.hold:
-                run = replace(options, notify=hold_until_complete(options.notify, daemon, link,
-                                                                  failed))
             try:
-                result = self._restore(images_dir, run, log_name, work)
-            except (CRIUError, OSError) as e:
+                result = self._restore(images_dir, options, log_name, work)
+            except (CRIUError, OSError):
                 daemon.kill()
                 daemon.wait()
                 if link is not None:
                     link.tree(None)
-                if failed:  # and CRIU was killed for it (lazylink.hold_until_complete)
-                    raise CRIUError(f"restore failed: {failed[0]}",
-                                    str(work / "lazy-pages.log")) from None
                 raise
-            if failed:
-                # CRIU let go of a tree we had killed while it stood stopped.
-                if link is not None:
-                    link.tree(None)
-                raise CRIUError(f"restore failed: {failed[0]}", str(work / "lazy-pages.log"))
             if link is not None:
                 link.tree(result.pid)
             result.lazy_pages = daemon

@@ -12,11 +12,6 @@ end tells us. We kill the tree first, and only then let lazy-pages go.
 The server says it is done, by one byte on the control connection, when it stopped serving
 for its own reasons (all pages sent, or it had the tree killed for a page it could not have).
 
-`hold_until_complete` wraps a restore's notify handler for a restore that must not resume
-before all its memory is back (a full restore whose pages are decoded on the way: compressed
-or encrypted images). At pre-resume the tree stands stopped (CRIU holds every task on its
-rt_sigreturn) and lazy-pages is already streaming; the handler waits for lazy-pages to finish,
-and kills the tree if it did not finish well.
 """
 
 from __future__ import annotations
@@ -138,63 +133,6 @@ def _alive(pid: int) -> bool:
         return proctree.alive(pid, None)
     except OSError:
         return False  # cannot tell: the wait is bounded anyway
-
-
-def hold_until_complete(inner: rpc.NotifyHandler | None, lazy_pages: subprocess.Popen[bytes],
-                        link: PageServerLink | None, failed: list[str]) -> rpc.NotifyHandler:
-    """A notify handler that, at pre-resume, waits until lazy-pages brought all memory back;
-    if it ended otherwise, the stopped tree is killed before CRIU lets it go, and the reason
-    is appended to `failed`. Every notification goes to `inner` too."""
-    root: list[int] = []
-
-    def handler(script: str, pid: int) -> bool:
-        ok = inner(script, pid) if inner is not None else True
-        if script == "post-restore" and pid:
-            root.append(pid)
-        if script != "pre-resume":
-            return ok
-        why = _wait_complete(lazy_pages, link)
-        if why is not None:
-            failed.append(why)
-            if root:
-                # Stopped by CRIU: a pending SIGKILL is handled before any of their own code.
-                # CRIU itself goes too: it would resume them whatever we answer (a failed
-                # pre-resume does not stop a restore), and the init of their PID namespace
-                # does not die while CRIU still traces it (seen: CRIU then waits for it forever).
-                tracer = _tracer(root[0])
-                proctree.signal_tree(root[0], signal.SIGKILL)
-                if tracer:
-                    os.kill(tracer, signal.SIGKILL)
-            return False
-        return ok
-
-    return handler
-
-
-def _tracer(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("TracerPid:"):
-                return int(line.split()[1]) or None
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _wait_complete(lazy_pages: subprocess.Popen[bytes], link: PageServerLink | None
-                   ) -> str | None:
-    while True:
-        try:
-            info = os.waitid(os.P_PID, lazy_pages.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return "criu lazy-pages was gone before the job's memory was back"
-        if info is not None:
-            if info.si_code == os.CLD_EXITED and info.si_status == 0:
-                return None
-            return f"criu lazy-pages ended ({_how(info)}) before the job's memory was back"
-        if link is not None and link.lost:
-            return link.lost
-        time.sleep(0.002)
 
 
 def _how(info: os.waitid_result) -> str:

@@ -48,7 +48,7 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
 def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
                  log_name: str, *, umask: int = 0o022, lazy: bool = False,
                  notify: rpc.NotifyHandler | None = None,
-                 page_server: Path | None = None, hold: bool = False, stream: bool = False,
+                 page_server: Path | None = None, stream: bool = False,
                  on_lost: Callable[[str], None] | None = None,
                  expect: wire.RestoreFacts | None = None, checkpoint: str = "",
                  criu_version: str | None = None) -> RestoreResult:
@@ -58,8 +58,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
 
     `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions);
-    `hold`: the tree resumes only once all of them are in (RestoreOptions.hold); `on_lost`:
-    told why before the tree is killed for a page server that went away. `stream`: `images`
+    `on_lost`: told why before the tree is killed for a page server that went away. `stream`: `images`
     holds an image streamer's socket that serves the images (engine/streamer.py).
 
     `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
@@ -82,7 +81,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             # CRIU names regular files in its images by their path without the leading '/'.
             inherit.append((old.lstrip("/"), fds[-1]))
         options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
-                                 page_server=page_server, hold=hold, stream=stream,
+                                 page_server=page_server, stream=stream,
                                  on_lost=on_lost,
                                  owner=owner if owner.uid != 0 else None)
         try:

@@ -17,12 +17,19 @@ served whole (`wait`); a restore resumes its tree only then (the daemon's gate).
 
 from __future__ import annotations
 
+import array
+import ctypes
+import errno
 import fcntl
 import logging
 import os
+import select
 import socket
 import struct
+import termios
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,29 +40,120 @@ log = logging.getLogger("stasis.engine")
 SOCKET_NAME = "streamer-serve.sock"
 # What `stream` in CRIU's RPC config file turns on (criu/config.c).
 CONFIG = "stream\n"
-_F_SETPIPE_SZ = 1031  # <linux/fcntl.h>; fcntl does not name it on every Python
+_F_SETPIPE_SZ = 1031  # <linux/fcntl.h>; fcntl does not name them on every Python
+_F_GETPIPE_SZ = 1032
 # CRIU's pipe holds 64 KiB; 1 MiB (pipe-max-size) means 16x fewer wake-ups for its reads.
 _PIPE_BYTES = 1 << 20
 _MAX_NAME = 4096
 
 
 class PipeWriter:
-    """A Writer (compression.Writer) onto the pipe CRIU reads one image file from."""
+    """A Writer (compression.Writer) onto the pipe CRIU reads one image file from.
+
+    bytes objects are not copied into the pipe: vmsplice(2) hands it their pages, which CRIU's
+    read() then copies once into the restored memory (measured: 0.13 s/GiB against 0.34 s/GiB
+    for write(2), on the core that also decodes). The pipe then refers to those pages until
+    CRIU has read them, so each object is kept alive until at least two pipes' worth of bytes
+    were handed over after it (the pipe cannot hold more than its size), and `drain` keeps the
+    last ones until CRIU read them all or closed its end: memory Python reused meanwhile would
+    be read into the job as if it were its own."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.written = 0
+        try:
+            self._pipe_bytes = fcntl.fcntl(fd, _F_GETPIPE_SZ)
+        except OSError:
+            self._pipe_bytes = _PIPE_BYTES
+        # What the pipe may still refer to: (object, self.written once it was all handed over).
+        self._held: deque[tuple[bytes, int]] = deque()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data).cast("B")
+        if isinstance(data, memoryview) and isinstance(data.obj, bytes) and data.contiguous \
+                and len(data) == len(data.obj):
+            data = data.obj
+        if isinstance(data, bytes) and _vmsplice is not None:
+            self._splice(data)
+        else:
+            self._copy(memoryview(data).cast("B"))
+        return len(data)
+
+    def _copy(self, view: memoryview) -> None:
         while view:
             try:
                 n = os.write(self.fd, view)
             except BrokenPipeError:
                 raise ReaderGone() from None
             view = view[n:]
+            self._advance(n)
+
+    def _splice(self, data: bytes) -> None:
+        assert _vmsplice is not None
+        base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+        assert base is not None
+        done = 0
+        while done < len(data):
+            iov = _Iovec(base + done, len(data) - done)
+            n = _vmsplice(self.fd, ctypes.byref(iov), 1, 0)
+            if n < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err == errno.EPIPE:
+                    raise ReaderGone()
+                raise OSError(err, f"vmsplice: {os.strerror(err)}")
+            done += n
             self.written += n
-        return len(data)
+        self._held.append((data, self.written))
+        self._release()
+
+    def _advance(self, n: int) -> None:
+        self.written += n
+        self._release()
+
+    def _release(self) -> None:
+        held = self._held
+        while held and self.written - held[0][1] >= 2 * self._pipe_bytes:
+            held.popleft()
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """Keep what the pipe still refers to until CRIU read it all, closed its end, or
+        `timeout_s` passed (then the restore is failing anyway)."""
+        if not self._held:
+            return
+        deadline = time.monotonic() + timeout_s
+        pending = array.array("i", [0])
+        while time.monotonic() < deadline:
+            try:
+                fcntl.ioctl(self.fd, termios.FIONREAD, pending)
+            except OSError:
+                break
+            if pending[0] == 0:
+                break
+            ready = select.poll()
+            ready.register(self.fd, select.POLLERR)
+            if ready.poll(0):  # no reader left: nobody will read what is in there
+                break
+            time.sleep(0.001)
+        self._held.clear()
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _libc_vmsplice() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).vmsplice
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_size_t, ctypes.c_uint]
+    return fn
+
+
+# ctypes releases the GIL for the call: decoding the next chunk goes on meanwhile.
+_vmsplice = _libc_vmsplice()
 
 
 # What to send for a file name: None when there is no such file, else a function that writes it
@@ -152,7 +250,11 @@ class ImageServer:
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
             except OSError:
                 pass  # a smaller pipe only means more wake-ups
-            send(PipeWriter(fd))
+            writer = PipeWriter(fd)
+            try:
+                send(writer)
+            finally:
+                writer.drain()
             ok = True
         except ReaderGone:
             # CRIU stopped reading: it failed (its own answer says why) or needed no more.
