@@ -13,6 +13,7 @@ the engine into the store, restores them, and follows them until they end.
     dumping      dump, dump --check, publishing, undoing dumps a killed daemon left
     restoring    restore by id or label, verification, the lazy path
     lazystore    lazy restore from a store: scratch images, the page server, killing on failure
+    streamed     full restore of compressed or encrypted images, decoded while CRIU reads them
     housekeeping pruning finished jobs and CRIU logs, freeing garbage checkpoints
     progress     bytes done while CRIU dumps or restores
     stopping     `stasis kill`: the signal, the grace period, SIGKILL

@@ -13,6 +13,7 @@ and a local directory.
     restoring the one way a job's tree is restored: its outputs and paths with its owner's rights
     netlock   CRIU's network lock: the firewall rules a dump leaves, lifting them
     pageserver CRIU's page-server protocol served from a page reader (lazy restore from a store)
+    streamer  CRIU's image-streamer protocol: images handed to a restore through pipes
     nodefacts what a restore depends on (CPU, kernel, CRIU, user, open files), recorded at
               dump time and compared with the restoring node before CRIU runs
 """
