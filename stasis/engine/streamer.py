@@ -23,6 +23,7 @@ import errno
 import fcntl
 import logging
 import os
+import queue
 import select
 import socket
 import struct
@@ -56,9 +57,13 @@ class PipeWriter:
     CRIU has read them, so each object is kept alive until at least two pipes' worth of bytes
     were handed over after it (the pipe cannot hold more than its size), and `drain` keeps the
     last ones until CRIU read them all or closed its end: memory Python reused meanwhile would
-    be read into the job as if it were its own."""
+    be read into the job as if it were its own.
 
-    def __init__(self, fd: int) -> None:
+    A thread of its own hands them over (vmsplice waits for CRIU without the GIL), so the
+    caller decodes up to `ahead` chunks further meanwhile instead of waiting on each: CRIU
+    never waits for a chunk that was slow to decode while the pipe held the one before."""
+
+    def __init__(self, fd: int, ahead: int = 4) -> None:
         self.fd = fd
         self.written = 0
         try:
@@ -67,16 +72,51 @@ class PipeWriter:
             self._pipe_bytes = _PIPE_BYTES
         # What the pipe may still refer to: (object, self.written once it was all handed over).
         self._held: deque[tuple[bytes, int]] = deque()
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=ahead)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stasis-streamer-pipe",
+                                        daemon=True)
+        self._thread.start()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._error is not None:
+            raise self._error
         if isinstance(data, memoryview) and isinstance(data.obj, bytes) and data.contiguous \
                 and len(data) == len(data.obj):
             data = data.obj
-        if isinstance(data, bytes) and _vmsplice is not None:
-            self._splice(data)
-        else:
-            self._copy(memoryview(data).cast("B"))
+        # Handed over later: only what nobody can change meanwhile (the caller may reuse a
+        # bytearray for the next chunk).
+        self._queue.put(data if isinstance(data, bytes) else bytes(data))
         return len(data)
+
+    def flush(self) -> None:
+        """Wait until everything written was handed to the pipe; raise what stopped that
+        (ReaderGone: CRIU closed its end)."""
+        self._stop()
+        if self._error is not None:
+            raise self._error
+
+    def _stop(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            if self._error is not None:
+                continue  # the caller hears of it at its next write
+            try:
+                if _vmsplice is not None:
+                    self._splice(data)
+                else:
+                    self._copy(memoryview(data))
+            except BaseException as e:
+                self._error = e
 
     def _copy(self, view: memoryview) -> None:
         while view:
@@ -85,7 +125,7 @@ class PipeWriter:
             except BrokenPipeError:
                 raise ReaderGone() from None
             view = view[n:]
-            self._advance(n)
+            self.written += n
 
     def _splice(self, data: bytes) -> None:
         assert _vmsplice is not None
@@ -105,20 +145,15 @@ class PipeWriter:
             done += n
             self.written += n
         self._held.append((data, self.written))
-        self._release()
-
-    def _advance(self, n: int) -> None:
-        self.written += n
-        self._release()
-
-    def _release(self) -> None:
         held = self._held
         while held and self.written - held[0][1] >= 2 * self._pipe_bytes:
             held.popleft()
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        """Keep what the pipe still refers to until CRIU read it all, closed its end, or
-        `timeout_s` passed (then the restore is failing anyway)."""
+        """Stop handing over, and keep what the pipe still refers to until CRIU read it all,
+        closed its end, or `timeout_s` passed (then the restore is failing anyway). Raises
+        nothing: for a `finally`."""
+        self._stop()
         if not self._held:
             return
         deadline = time.monotonic() + timeout_s
@@ -253,6 +288,7 @@ class ImageServer:
             writer = PipeWriter(fd)
             try:
                 send(writer)
+                writer.flush()
             finally:
                 writer.drain()
             ok = True
