@@ -14,6 +14,7 @@ import fsspec
 
 from stasis.store import CheckpointInfo, Manifest, Store, new_checkpoint_id
 from stasis.store.crypt import KeyFiles
+from stasis.store.manifest import Compression
 from stasis.store.store import MANIFEST_PURPOSE
 
 BASE_TIME = datetime(2026, 11, 30, 0, 15, 12, tzinfo=UTC)
@@ -99,3 +100,25 @@ def stored_file(store: Store, manifest: Manifest, name: str) -> Iterator[io.Byte
     buffer = io.BytesIO(stored_bytes(store, manifest, name))
     yield buffer
     fs.pipe_file(f"{root}/{manifest.id}/{entry.stored_name}", buffer.getvalue())
+
+
+def publish_images(store: Store, images: dict[str, bytes], compression: Compression = "none",
+                   encrypt: bool = False) -> Manifest:
+    """A checkpoint of `images` (name -> bytes) published into `store`, compressed and
+    encrypted as asked (the store needs a key file to encrypt: `encrypted_store`)."""
+    info = make_info()
+    stage(store, info, images)
+    key = store.new_data_key(info.id) if encrypt else None
+    return store.publish(info, compression, data_key=key)
+
+
+def damage_chunk(store: Store, manifest: Manifest, name: str, index: int) -> None:
+    """Flip one bit in the middle of chunk `index` of stored image `name`."""
+    entry = next(f for f in manifest.files if f.name == name)
+    assert entry.chunks is not None
+    at = entry.chunks.offsets[index] + entry.chunks.stored_bytes[index] // 2
+    with stored_file(store, manifest, name) as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))

@@ -12,7 +12,9 @@ from stasis.store import Manifest, Store
 from stasis.store.chunked import CHUNK_BYTES
 from stasis.store.compression import pack, stored_name
 from stasis.store.manifest import Compression, FileEntry
-from tests.store.helpers import encrypted_store, make_info, signed, stage, stored_file
+from tests.store.helpers import (
+    damage_chunk, encrypted_store, make_info, publish_images, signed,
+)
 
 # 3.5 chunks: random halves (they do not compress) and zero halves (they do).
 DATA = b"".join(os.urandom(CHUNK_BYTES // 2) + bytes(CHUNK_BYTES // 2) for _ in range(3)) + \
@@ -30,10 +32,8 @@ RANGES = [
 
 
 def _publish(store: Store, compression: Compression, encrypt: bool) -> Manifest:
-    info = make_info()
-    stage(store, info, {"pages-1.img": DATA, "core-1.img": b"core" * 10})
-    key = store.new_data_key(info.id) if encrypt else None
-    return store.publish(info, compression, data_key=key)
+    return publish_images(store, {"pages-1.img": DATA, "core-1.img": b"core" * 10},
+                          compression, encrypt)
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
@@ -56,14 +56,7 @@ def test_a_damaged_chunk_fails_only_the_ranges_in_it(store: Store, tmp_path: Pat
                                                      encrypt: bool) -> None:
     store = encrypted_store(store, tmp_path)
     manifest = _publish(store, compression, encrypt)
-    entry = next(f for f in manifest.files if f.name == "pages-1.img")
-    assert entry.chunks is not None
-    at = entry.chunks.offsets[1] + entry.chunks.stored_bytes[1] // 2  # inside chunk 1
-    with stored_file(store, manifest, "pages-1.img") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x01]))
+    damage_chunk(store, manifest, "pages-1.img", 1)
     with pytest.raises(CorruptCheckpointError, match="pages-1.img chunk 1 fails"):
         store.read_range(manifest, "pages-1.img", CHUNK_BYTES - 1, 2)
     # Its neighbours still read, and verify.

@@ -13,17 +13,15 @@ from stasis.errors import CorruptCheckpointError
 from stasis.store import Manifest, Store
 from stasis.store.chunked import CHUNK_BYTES
 from stasis.store.manifest import Compression
-from tests.store.helpers import encrypted_store, make_info, stage, stored_file
+from tests.store.helpers import damage_chunk, encrypted_store, publish_images
 
 DATA = b"".join(os.urandom(CHUNK_BYTES // 2) + bytes(CHUNK_BYTES // 2) for _ in range(3)) + \
     os.urandom(CHUNK_BYTES // 3)
 
 
 def _publish(store: Store, compression: Compression, encrypt: bool) -> Manifest:
-    info = make_info()
-    stage(store, info, {"pages-1.img": DATA, "core-1.img": b"core" * 10})
-    key = store.new_data_key(info.id) if encrypt else None
-    return store.publish(info, compression, data_key=key)
+    return publish_images(store, {"pages-1.img": DATA, "core-1.img": b"core" * 10},
+                          compression, encrypt)
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
@@ -48,14 +46,7 @@ def test_a_damaged_chunk_stops_the_stream_before_it(store: Store, tmp_path: Path
                                                     encrypt: bool) -> None:
     store = encrypted_store(store, tmp_path)
     manifest = _publish(store, compression, encrypt)
-    entry = next(f for f in manifest.files if f.name == "pages-1.img")
-    assert entry.chunks is not None
-    at = entry.chunks.offsets[2] + entry.chunks.stored_bytes[2] // 2  # inside chunk 2
-    with stored_file(store, manifest, "pages-1.img") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x01]))
+    damage_chunk(store, manifest, "pages-1.img", 2)
     out = io.BytesIO()
     with pytest.raises(CorruptCheckpointError, match="pages-1.img chunk 2"):
         store.stream_file(manifest, "pages-1.img", out)
