@@ -157,7 +157,7 @@ class Restorer:
             # tree resumes once every page file was served whole and checked.
             try:
                 spec.update(images=str(streamed.images), lazy=False, stream=True, gate=True)
-                gate = Gate(streamed.check)
+                gate = Gate(streamed.check, cancel=streamed.stop_waiting)
                 started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes,
                                                   gate)
             finally:

@@ -71,6 +71,12 @@ class StreamedRestore:
             raise StasisError(f"restore of checkpoint {self.manifest.id}: "
                               f"{self._server.failure}")
 
+    def stop_waiting(self) -> None:
+        """The restore answered before the gate was passed (it failed before CRIU read its
+        images, or CRIU never came): `check` returns."""
+        if self._server is not None:
+            self._server.close()
+
     def discard(self) -> None:
         """The restore is over (or never started): stop serving, remove the small images."""
         if self._server is not None:

@@ -99,19 +99,28 @@ class Supervisors:
         with self._lock:
             self._shims[shim.pid] = shim
         watcher = ReadWatcher(shim.pid, expected, progress) if progress else None
+        gating: threading.Thread | None = None
         try:
             try:
                 # The spec holds the job's --env values: through the pipe, never into a file.
                 shim.stdin.write(f"{job_dir}\n{json.dumps(spec)}\n".encode())
                 shim.stdin.flush()
                 if gate is not None:
-                    gate.open(shim.stdin, shim.pid)
+                    # Beside the answer, not before it: a restore that fails before it reaches
+                    # the gate answers at once, and the gate's check is told to give up.
+                    gating = threading.Thread(target=gate.open, args=(shim.stdin, shim.pid),
+                                              name="stasis-gate", daemon=True)
+                    gating.start()
                 else:
                     shim.stdin.close()
             except BrokenPipeError:
                 pass  # it died; the empty answer below says so
             line = shim.stdout.readline()
         finally:
+            if gating is not None:
+                assert gate is not None
+                gate.cancel()
+                gating.join()
             if watcher:
                 watcher.stop()
         shim.stdout.close()
@@ -198,9 +207,17 @@ class Gate:
     spin forever on a truncated image, so it cannot be trusted to reach the gate). The
     check's error is kept for the caller."""
 
-    def __init__(self, check: Callable[[], None]) -> None:
+    def __init__(self, check: Callable[[], None],
+                 cancel: Callable[[], None] | None = None) -> None:
         self.check = check
+        self._cancel = cancel
         self.error: StasisError | None = None
+
+    def cancel(self) -> None:
+        """The restore answered: a check still waiting for it may stop (its verdict no longer
+        matters: the tree resumed on "ok", or the restore failed before the gate)."""
+        if self._cancel is not None:
+            self._cancel()
 
     def open(self, pipe: IO[bytes], shim_pid: int) -> None:
         try:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 from stasis.engine import proctree
@@ -99,3 +100,23 @@ def test_a_page_that_fails_fails_the_restore_and_the_label_goes_back_one(
     wait_for(lambda: len(_digests(d, restored["job"])) == 2, 30, "digest")
     assert _digests(d, restored["job"])[1] == _digests(d, job["job"])[0]
     d.cli("kill", restored["job"])
+
+
+def test_a_restore_that_fails_before_criu_reads_answers_at_once(
+        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    # The supervisor cannot open the job's log (a directory stands there now): it fails before
+    # CRIU ever connects to the streamer, and the answer must not wait for a connection.
+    d = _encrypting_daemon(make_daemon, world_tmp)
+    job = d.run(*workload("memhold.py", 8))
+    wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
+    log = d.state_dir / "logs" / f"{job['job']}.log"
+    cp = d.json("dump", "--encrypt", job["job"])
+    log.unlink()
+    log.mkdir()
+    started = time.monotonic()
+    refused = d.cli("restore", cp["checkpoint"], check=False)
+    assert refused.returncode != 0
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "log" in lines[0], refused.stderr
+    assert time.monotonic() - started < 20
+    assert not list((d.state_dir / "scratch").glob("*-stream-*"))
