@@ -38,7 +38,6 @@ from stasis.engine.pageserver import (
     fill_sparse,
     process_pagemaps,
 )
-from stasis.errors import StoreError
 from stasis.store import Manifest, Store
 
 log = logging.getLogger("stasis.daemon")

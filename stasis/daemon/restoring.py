@@ -3,8 +3,8 @@ complete one), its images verified before the restored tree runs (lazily: its pa
 the job killed on a mismatch), and the network lock its restore lifts. A lazy restore from a
 store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py);
 a full restore of compressed or encrypted images in a local store is decoded while CRIU reads
-them (stasis/daemon/streamed.py). A checkpoint that recorded what its restore depends on is compared with this node first
-(engine/nodefacts.py), before anything is fetched or CRIU runs."""
+them (stasis/daemon/streamed.py). A checkpoint that recorded what its restore depends on is
+compared with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs."""
 
 from __future__ import annotations
 

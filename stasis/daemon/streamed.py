@@ -54,7 +54,8 @@ class StreamedRestore:
         if the checkpoint cannot be had; PagemapError if this path cannot serve it."""
         if any(f.chunks is None for f in self.manifest.files if f.name in self._pages):
             raise PagemapError("it was stored before images were chunked")
-        self.store.fetch_files(self.manifest, self.images, only=lambda f: f.name not in self._pages)
+        self.store.fetch_files(self.manifest, self.images,
+                               only=lambda f: f.name not in self._pages)
         pagemaps = process_pagemaps(self.images)
         if any(pm.in_parent() for pm in pagemaps.values()):
             raise PagemapError("its pages lean on a parent checkpoint")

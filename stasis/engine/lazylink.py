@@ -11,7 +11,6 @@ end tells us. We kill the tree first, and only then let lazy-pages go.
 
 The server says it is done, by one byte on the control connection, when it stopped serving
 for its own reasons (all pages sent, or it had the tree killed for a page it could not have).
-
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from stasis.engine import proctree, rpc
+from stasis.engine import proctree
 
 # What the server sends on the control connection when it stops serving of its own accord.
 DONE = b"."
@@ -133,9 +131,3 @@ def _alive(pid: int) -> bool:
         return proctree.alive(pid, None)
     except OSError:
         return False  # cannot tell: the wait is bounded anyway
-
-
-def _how(info: os.waitid_result) -> str:
-    if info.si_code == os.CLD_EXITED:
-        return f"exit status {info.si_status}"
-    return f"signal {info.si_status}"

@@ -58,8 +58,9 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
 
     `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions);
-    `on_lost`: told why before the tree is killed for a page server that went away. `stream`: `images`
-    holds an image streamer's socket that serves the images (engine/streamer.py).
+    `on_lost`: told why before the tree is killed for a page server that went away.
+    `stream`: `images` holds an image streamer's socket that serves the images
+    (engine/streamer.py).
 
     `expect`: what checkpoint `checkpoint` recorded of the node that dumped it (its manifest's
     `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before

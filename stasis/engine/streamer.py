@@ -21,7 +21,6 @@ import array
 import ctypes
 import errno
 import fcntl
-import logging
 import os
 import queue
 import select
@@ -35,8 +34,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stasis.errors import ReaderGone
-
-log = logging.getLogger("stasis.engine")
 
 SOCKET_NAME = "streamer-serve.sock"
 # What `stream` in CRIU's RPC config file turns on (criu/config.c).
@@ -221,7 +218,8 @@ class ImageServer:
         threading.Thread(target=self._serve, name="stasis-streamer", daemon=True).start()
 
     def close(self) -> None:
-        """Stop accepting (a restore that did not start)."""
+        """Stop accepting, and let `wait` return once no file is being sent (the restore is
+        over, or never reached us)."""
         self._listener.close()
         self._ended()
 

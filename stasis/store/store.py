@@ -925,18 +925,7 @@ class Store:
         cipher = self._cipher(manifest)
         # Cheap size checks first: a truncated image fails at once, not after hashing GiBs.
         for entry in manifest.files:
-            try:
-                stored = self._tree.stored_size(checkpoint_id, entry.stored_name)
-            except FileNotFoundError:
-                raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
-            except Exception as e:
-                raise self._read_error(checkpoint_id, e) from e
-            if stored != entry.stored_size_bytes:
-                raise self._corrupt(
-                    checkpoint_id,
-                    entry.name,
-                    f"has {stored} bytes stored instead of {entry.stored_size_bytes} (truncated?)",
-                )
+            self._check_stored_size(manifest, entry)
 
         ranges = ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="stasis-fetch") \
             if target is not None and self._tree.local_dir(checkpoint_id) is None else None
@@ -964,22 +953,15 @@ class Store:
 
     def stream_file(self, manifest: Manifest, name: str, dst: Writer) -> None:
         """Decode image file `name` of `manifest` into `dst`, in order, every chunk checked
-        (tag or checksum) before it is written, the file's size and whole checksum after:
-        CorruptCheckpointError, never wrong bytes written. For a restore that reads its images
+        (tag or checksum) before it is written, the file's size after (a whole-file checksum
+        only where its chunks have none of their own): CorruptCheckpointError, never wrong
+        bytes written. For a restore that reads its images
         as they are decoded (CRIU's image streamer, stasis/daemon/streamed.py)."""
         entry = next((f for f in manifest.files if f.name == name), None)
         if entry is None:
             raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
         cipher = self._cipher(manifest)
-        try:
-            stored = self._tree.stored_size(manifest.id, entry.stored_name)
-        except FileNotFoundError:
-            raise self._corrupt(manifest.id, name, "is missing") from None
-        except Exception as e:
-            raise self._read_error(manifest.id, e) from e
-        if stored != entry.stored_size_bytes:
-            raise self._corrupt(manifest.id, name, f"has {stored} bytes stored instead of "
-                                f"{entry.stored_size_bytes} (truncated?)")
+        self._check_stored_size(manifest, entry)
 
         def decode() -> Streamed:
             with self._tree.open_stored(manifest.id, entry.stored_name) as src:
@@ -990,6 +972,19 @@ class Store:
                     ChunkSpec(manifest.compression, cipher, entry.chunks.size_bytes)),
                     whole_sum=False)
         self._checked(manifest, entry, None, decode)
+
+    def _check_stored_size(self, manifest: Manifest, entry: FileEntry) -> None:
+        try:
+            stored = self._tree.stored_size(manifest.id, entry.stored_name)
+        except FileNotFoundError:
+            raise self._corrupt(manifest.id, entry.name, "is missing") from None
+        except Exception as e:
+            raise self._read_error(manifest.id, e) from e
+        if stored != entry.stored_size_bytes:
+            raise self._corrupt(
+                manifest.id, entry.name,
+                f"has {stored} bytes stored instead of {entry.stored_size_bytes} (truncated?)",
+            )
 
     def _checked(self, manifest: Manifest, entry: FileEntry, target: Path | None,
                  decode: Callable[[], Streamed]) -> None:

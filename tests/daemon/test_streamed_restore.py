@@ -7,14 +7,12 @@ kills a running job.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import time
 from pathlib import Path
 
-from stasis.engine import proctree
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_encryption import _key
 from tests.daemon.test_restore_state import workload_pid
