@@ -79,6 +79,10 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_AUTH_TOKEN    the cluster's token (a node) or the admin token (the CLI); never
                          logged  (""; CEDANA_AUTH_TOKEN)
     STASIS_CONTROLPLANE_HEARTBEAT_S  seconds between a node's heartbeats  (10)
+    STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP  let the node and the CLI send their token over plain
+                         http:// to a control plane that is not on this host's loopback (anyone
+                         on the network between reads it); without it such a URL is refused
+                         (false)
 
 An s3:// store takes its endpoint, region and credentials where AWS tools look for them
 (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the
@@ -122,6 +126,7 @@ _ENV_KEYS = {
     "STASIS_CLUSTER_ID": "cluster_id",
     "STASIS_AUTH_TOKEN": "auth_token",
     "STASIS_CONTROLPLANE_HEARTBEAT_S": "controlplane_heartbeat_s",
+    "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "controlplane_allow_plain_http",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
     "STASIS_STORE": "store",
@@ -233,6 +238,8 @@ class Settings(NamedTuple):
     cluster_id: str = ""
     auth_token: str = ""
     controlplane_heartbeat_s: float = 10.0
+    # Off: a token sent over plain HTTP off this host is anyone's on the path (issue 27).
+    controlplane_allow_plain_http: bool = False
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.
     s3_endpoint_url: str = ""

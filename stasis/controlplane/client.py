@@ -3,9 +3,11 @@ a call every few seconds needs no more)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -21,13 +23,37 @@ _BY_STATUS: dict[int, type[StasisError]] = {400: UsageError, 401: PermissionDeni
                                             413: UsageError}
 
 
+def loopback(host: str) -> bool:
+    """Whether `host` names this host's loopback: localhost, 127.0.0.0/8 or ::1. A name is
+    not resolved: only `localhost` itself counts (a resolver can be told anything)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_url(url: str, allow_plain_http: bool) -> None:
+    """Refuse (UsageError, one line) a control plane URL that would send a token in the clear
+    across a network: http:// to a host other than loopback, unless the site allows it."""
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"control plane URL {url!r} is not http:// or https://")
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if url.startswith("http://") and not loopback(host) and not allow_plain_http:
+        raise UsageError(f"refused control plane URL {url}: plain http:// to {host or '?'}, "
+                         "not this host's loopback, would send the token in the clear; use "
+                         "https://, or allow it with controlplane_allow_plain_http = true "
+                         "(STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP=1)")
+
+
 class ControlPlaneClient:
-    def __init__(self, url: str, token: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, token: str, timeout_s: float = 10.0,
+                 allow_plain_http: bool = False) -> None:
         if not url:
             raise UsageError("no control plane: set STASIS_CONTROLPLANE_URL (or "
                              "controlplane_url in the config)")
-        if not url.startswith(("http://", "https://")):
-            raise UsageError(f"control plane URL {url!r} is not http:// or https://")
+        check_url(url, allow_plain_http)
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s

@@ -77,8 +77,13 @@ class ControlPlaneNode(Integration):
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
         s = manager.settings
-        self.client = ControlPlaneClient(s.controlplane_url, s.auth_token, timeout_s=10) \
-            if s.controlplane_url else None
+        self.client: ControlPlaneClient | None = None
+        if s.controlplane_url:
+            try:
+                self.client = ControlPlaneClient(s.controlplane_url, s.auth_token, timeout_s=10,
+                                                 allow_plain_http=s.controlplane_allow_plain_http)
+            except UsageError as e:  # the node goes on protecting its jobs, unjoined
+                log.error("not joining the control plane: %s", e)
         self._beats = 0
         self._registered = False
         self._failing: str | None = None
