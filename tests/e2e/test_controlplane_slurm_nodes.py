@@ -33,7 +33,9 @@ def site() -> Iterator[tuple[Cluster, ControlPlane]]:
             config.write_text(config.read_text() + f'controlplane_url = "{url}"\n'
                               f'cluster_id = "{hpc["cluster_id"]}"\n'
                               f'auth_token = "{hpc["token"]}"\n'
-                              "controlplane_heartbeat_s = 0.5\n")
+                              "controlplane_heartbeat_s = 0.5\n"
+                              # the bridge is this test's own: plain HTTP, said so
+                              "controlplane_allow_plain_http = true\n")
             os.chmod(config, 0o600)  # it holds the cluster's token now
             local_cluster.stop_daemon(c.root, node)
             local_cluster.start_daemon(c.root, node)
