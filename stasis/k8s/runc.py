@@ -23,10 +23,15 @@ _POD_ANNOTATION = "io.kubernetes.cri.sandbox-name"
 _NAME_ANNOTATION = "io.kubernetes.cri.container-name"
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,1023}$")
-# The owner uid a namespace's checkpoints are stored under: a range no real user has, so that a
-# namespace never shares a label with a node user or with another namespace (which is also
-# checked by name on every restore).
-_NAMESPACE_UID_BASE = 0x40000000
+# The owner uid a namespace's checkpoints are stored under: above 2**32 - 1, the kernel's
+# largest uid_t, so that no account of any node (/etc/passwd, LDAP, subuid ranges, user
+# namespaces) can ever be it: no local user lists or restores a namespace's checkpoints through
+# the daemon's socket (SO_PEERCRED gives a 32-bit uid). A namespace never shares a label with
+# another either (also checked by name on every restore).
+NAMESPACE_UID_BASE = 1 << 32
+# Before this release namespaces had uids in [2**30, 2**31 - 1): real uids could be those. Kept only
+# to find a namespace's older checkpoints at restore (their namespace is checked by name).
+_LEGACY_UID_BASE = 0x40000000
 
 
 def validate_container_id(container_id: str) -> str:
@@ -43,8 +48,15 @@ def validate_abs_path(path: str, what: str) -> Path:
 
 
 def namespace_uid(namespace: str) -> int:
+    """The owner uid of namespace `namespace`'s checkpoints: never a kernel uid (>= 2**32)."""
     digest = hashlib.sha256(namespace.encode()).digest()
-    return _NAMESPACE_UID_BASE + int.from_bytes(digest[:4], "big") % 0x3FFFFFFF
+    return NAMESPACE_UID_BASE + int.from_bytes(digest[:4], "big") % 0x80000000
+
+
+def legacy_namespace_uid(namespace: str) -> int:
+    """The uid older stasis stored a namespace's checkpoints under (a real uid could be it)."""
+    digest = hashlib.sha256(namespace.encode()).digest()
+    return _LEGACY_UID_BASE + int.from_bytes(digest[:4], "big") % 0x3FFFFFFF
 
 
 @dataclass(frozen=True)
