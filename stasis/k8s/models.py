@@ -35,8 +35,9 @@ class RestoreDoneRequest(_Model):
 class CheckpointRequest(_Model):
     # stop: the container is being stopped; it is killed once the checkpoint is published
     # (and left running when the checkpoint fails). interval / manual / cordon (its node was
-    # cordoned, the agent asks): it goes on running.
-    reason: Literal["stop", "interval", "manual", "cordon"] = "manual"
+    # cordoned, the agent asks) / annotation (its pod's owner asked, through the agent; held to
+    # the node's floor on intervals): it goes on running.
+    reason: Literal["stop", "interval", "manual", "cordon", "annotation"] = "manual"
     runc_root: str = ""  # "" = where the container was registered
     timeout_s: float = 0  # 0 = the daemon's k8s_stop_timeout_s
 
