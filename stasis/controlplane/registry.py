@@ -21,6 +21,7 @@ from stasis.controlplane.schema import (
     clusters,
     commands,
     events,
+    node_credentials,
     nodes,
     policies,
     restores,
@@ -30,7 +31,15 @@ from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, Usa
 
 TOKEN_PREFIX = "stasis_"
 HOOK_PREFIX = TOKEN_PREFIX + "hook_"  # a policy's (stasis.controlplane.policies)
+NODE_PREFIX = TOKEN_PREFIX + "node_"  # a node's own credential (node_credentials)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+# What nodes may report as ids (job ids, users, labels): checked before they reach a form, a
+# path, a log or a command. Daemon job ids, Slurm ids (123, 123_4), container ids; users are
+# login names or "k8s:NAMESPACE"; labels are the store's (stasis.store.manifest).
+JOB_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
+USER = r"^[A-Za-z0-9._][A-Za-z0-9._:@-]{0,99}$"
+LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+CHECKPOINT_ID = r"^[A-Za-z0-9._-]{1,64}$"
 Kind = Literal["slurm", "kubernetes"]
 
 
@@ -42,18 +51,39 @@ class AuthError(PermissionDeniedError):
     http_status = 401
 
 
+class ConflictError(UsageError):
+    """The request is at odds with what the control plane holds: a node that joined already,
+    a lease no longer held, a command already answered."""
+
+    http_status = 409
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who a request comes from: the admin, or one cluster's nodes."""
+    """Who a request comes from: the admin, a cluster's token (which only joins nodes and
+    reads the cluster's view), or one node of a cluster (its own credential)."""
 
-    kind: Literal["admin", "cluster"]
+    kind: Literal["admin", "cluster", "node"]
     token_id: str
     cluster_id: str | None = None
+    node: str | None = None
 
     def admin_only(self) -> None:
         if self.kind != "admin":
             raise PermissionDeniedError("this needs the admin token; a cluster token may only "
-                                        "register and report its own nodes")
+                                        "join nodes, a node's credential only report and "
+                                        "carry out that node's commands")
+
+    def node_only(self, name: str, what: str) -> str:
+        """The node name of a node's own request about node `name`; refused for any other."""
+        if self.kind != "node" or self.node is None:
+            raise PermissionDeniedError(
+                f"{what} needs the node's own credential (it got one when it joined): a "
+                f"{self.kind} token may not act as node {name[:100]}")
+        if name != self.node:
+            raise PermissionDeniedError(f"this credential is node {self.node}'s: it may not "
+                                        f"act as node {name[:100]}")
+        return self.node
 
 
 def _now(timespec: str = "seconds") -> str:
@@ -72,7 +102,8 @@ def _sha(token: str) -> str:
 def new_token() -> str:
     while True:
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        if not token.startswith(HOOK_PREFIX):  # one in 2^30: it would read as a hook token
+        # one in 2^30: it would read as a hook token or a node credential
+        if not token.startswith((HOOK_PREFIX, NODE_PREFIX)):
             return token
 
 
@@ -143,6 +174,15 @@ class Registry:
         if not token.startswith(TOKEN_PREFIX):
             raise AuthError("no valid token: send `Authorization: Bearer stasis_...` "
                             "(STASIS_AUTH_TOKEN)")
+        if token.startswith(NODE_PREFIX):
+            with self.engine.begin() as conn:
+                cred = conn.execute(select(node_credentials).where(
+                    node_credentials.c.sha256 == _sha(token))).first()
+            if cred is None:
+                raise AuthError("unknown node credential (reset by an admin, or the control "
+                                "plane lost it): the node joins again with its cluster's token")
+            return Principal(kind="node", token_id="node:" + cred.node,
+                             cluster_id=cred.cluster_id, node=cred.node)
         if token.startswith(HOOK_PREFIX):
             with self.engine.begin() as conn:
                 hook = conn.execute(select(policies.c.name).where(
@@ -237,13 +277,18 @@ class Registry:
     # -- nodes --------------------------------------------------------------------------------
 
     def register_node(self, by: Principal, report: dict[str, Any]) -> dict[str, Any]:
-        if by.kind != "cluster" or by.cluster_id is None:
+        """A node's report of itself. With the cluster's token: the node joins, and gets its
+        own credential (`node_token`, shown once), unless its name has one already (refused:
+        an admin resets it). With that credential: the node's own report, again."""
+        if by.kind not in ("cluster", "node") or by.cluster_id is None:
             raise UsageError("nodes register with their cluster's token, not the admin's")
         if report.get("cluster_id") and report["cluster_id"] != by.cluster_id:
             raise PermissionDeniedError(f"this token belongs to cluster {by.cluster_id}, not "
-                                        f"{report['cluster_id']}: fix STASIS_CLUSTER_ID or "
-                                        "STASIS_AUTH_TOKEN")
+                                        f"{str(report['cluster_id'])[:40]}: fix "
+                                        "STASIS_CLUSTER_ID or STASIS_AUTH_TOKEN")
         name = validate_name(str(report["name"]), "node name")
+        if by.kind == "node":
+            by.node_only(name, "registering a joined node")
         row = {"host": str(report["host"])[:200],
                "stasis_version": str(report["stasis_version"])[:60],
                "criu_version": (str(report["criu_version"])[:60]
@@ -253,7 +298,23 @@ class Registry:
                "check_ok": bool(report["check_ok"]),
                "problems": json.dumps(list(report.get("problems") or [])[:50]),
                "last_heartbeat": int(time.time()), "jobs": int(report.get("jobs") or 0)}
+        credential = None
+        try:
+            credential = self._join(by, name, row)
+        except IntegrityError:  # another join of that name won the primary key meanwhile
+            raise ConflictError(self._joined(by.cluster_id, name, "just now")) from None
+        answer: dict[str, Any] = {"cluster_id": by.cluster_id, "name": name,
+                                  "registered": True}
+        if credential is not None:
+            answer["node_token"] = credential
+        return answer
+
+    def _join(self, by: Principal, name: str, row: dict[str, Any]) -> str | None:
+        assert by.cluster_id is not None
+        credential = None
         with self.engine.begin() as conn:
+            if by.kind == "cluster":
+                credential = self._issue_credential(conn, by.cluster_id, name)
             n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
                                                  nodes.c.name == name).values(**row)).rowcount
             if n:
@@ -265,13 +326,80 @@ class Registry:
                             f"node {name} joined (stasis {row['stasis_version']}, CRIU "
                             f"{row['criu_version']}, check "
                             f"{'ok' if row['check_ok'] else 'failing'})")
-        return {"cluster_id": by.cluster_id, "name": name, "registered": True}
+        return credential
+
+    def _issue_credential(self, conn: Any, cluster_id: str, name: str) -> str:
+        """A new credential for node `name`, which has none (the primary key holds that
+        against two joins at once)."""
+        token = NODE_PREFIX + secrets.token_urlsafe(32)
+        held = conn.execute(select(node_credentials.c.created).where(
+            node_credentials.c.cluster_id == cluster_id,
+            node_credentials.c.node == name)).first()
+        if held is not None:
+            raise ConflictError(self._joined(cluster_id, name, held.created))
+        conn.execute(insert(node_credentials).values(
+            cluster_id=cluster_id, node=name, sha256=_sha(token), created=_now()))
+        self._event(conn, cluster_id, name, "node-credential",
+                    f"node {name} got its own credential (joined with the cluster token)")
+        return token
+
+    def _joined(self, cluster_id: str, name: str, since: str) -> str:
+        return (f"node {name} of cluster {cluster_id} is already joined (it has had its own "
+                f"credential since {since}): a node speaks with the credential it keeps in "
+                f"its state dir; if that was lost, an admin runs `stasis controlplane nodes "
+                f"reset {name} --cluster {cluster_id}` and the node joins again")
+
+    def reset_node(self, by: Principal, name: str, cluster: str | None = None
+                   ) -> dict[str, Any]:
+        """Node `name`'s credential forgotten: the node (or whoever holds the cluster's token)
+        may join under that name again."""
+        by.admin_only()
+        validate_name(name, "node name")
+        cid = self._cluster_of_node(by, name, cluster)
+        with self.engine.begin() as conn:
+            n = conn.execute(node_credentials.delete().where(
+                node_credentials.c.cluster_id == cid,
+                node_credentials.c.node == name)).rowcount
+            if n:
+                self._event(conn, cid, name, "node-reset",
+                            f"node {name}'s credential was reset by an admin: it joins again "
+                            "with the cluster token")
+        return {"cluster_id": cid, "name": name, "reset": bool(n)}
+
+    def _cluster_id(self, cluster: str) -> str:
+        """A cluster given by id or by name."""
+        with self.engine.begin() as conn:
+            row = conn.execute(select(clusters.c.id).where(clusters.c.id == cluster)
+                               ).first() or conn.execute(select(clusters.c.id).where(
+                                   clusters.c.name == cluster)).first()
+        if row is None:
+            raise NotFoundError(f"no cluster {cluster[:100]}: `stasis controlplane clusters` "
+                                "lists them")
+        return str(row.id)
+
+    def _cluster_of_node(self, by: Principal, name: str, cluster: str | None) -> str:
+        if cluster is not None:
+            return self._cluster_id(cluster)
+        with self.engine.begin() as conn:
+            found = {str(r.cluster_id) for r in conn.execute(
+                select(nodes.c.cluster_id).where(nodes.c.name == name))} | {
+                str(r.cluster_id) for r in conn.execute(
+                    select(node_credentials.c.cluster_id).where(node_credentials.c.node == name))}
+        if by.kind != "admin":
+            found &= {str(by.cluster_id)}
+        if not found:
+            raise NotFoundError(f"no node {name}")
+        if len(found) > 1:
+            raise UsageError(f"node {name} is in several clusters ({', '.join(sorted(found))}):"
+                             " name its cluster (--cluster)")
+        return found.pop()
 
     def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]],
                   activity: list[dict[str, Any]] | None = None,
                   mem_total_bytes: int | None = None, scheduler_state: str | None = None
                   ) -> dict[str, Any]:
         validate_name(name, "node name")
+        by.node_only(name, "a heartbeat")
         running = sum(1 for j in jobs if j.get("state") in ("running", "restored"))
         with self.engine.begin() as conn:
             n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
@@ -460,17 +588,36 @@ class Registry:
 
     # -- commands -----------------------------------------------------------------------------
 
-    def queue(self, by: Principal, kind: str, job: str, args: dict[str, Any]
-              ) -> dict[str, Any]:
-        """A command for the node that last reported `job`."""
-        by.admin_only()
-        where = [j for j in self.list_jobs(by) if j.get("job") == job]
+    def find_job(self, by: Principal, job: str, cluster: str | None = None,
+                 node: str | None = None) -> dict[str, Any]:
+        """The one job `job` that a node reports, by (cluster, node, job): a job id that
+        several nodes report (two clusters, or a node repeating another's) is refused unless
+        its cluster and node are given, never taken by name order."""
+        if not re.fullmatch(JOB_ID, job):
+            raise UsageError(f"bad job id {job[:100]!r}: letters, digits, '.', '_', ':' and "
+                             "'-', at most 100")
+        cid = self._cluster_id(cluster) if cluster else None
+        where = [j for j in self.list_jobs(by) if j.get("job") == job and
+                 (cid is None or j["cluster_id"] == cid) and (node is None or j["node"] == node)]
         if not where:
-            raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
+            on = (f" in cluster {cluster}" if cluster else "") + \
+                (f" on node {node}" if node else "")
+            raise NotFoundError(f"no node reports a job {job}{on}: `stasis controlplane jobs` "
                                 "lists them")
-        return self.queue_for_node(where[0]["cluster_id"], where[0]["node"], kind,
+        if len(where) > 1:
+            seen = ", ".join(f"{j['cluster']}/{j['node']}" for j in where[:5])
+            raise ConflictError(f"job {job} is reported by {len(where)} nodes ({seen}): name "
+                                "its cluster and node (--cluster, --node)")
+        return where[0]
+
+    def queue(self, by: Principal, kind: str, job: str, args: dict[str, Any],
+              cluster: str | None = None, node: str | None = None) -> dict[str, Any]:
+        """A command for the node that reports `job` (cluster and node: see find_job)."""
+        by.admin_only()
+        found = self.find_job(by, job, cluster, node)
+        return self.queue_for_node(found["cluster_id"], found["node"], kind,
                                    {**args, "job": job,
-                                    "kind": where[0].get("kind") or "daemon"})
+                                    "kind": found.get("kind") or "daemon"})
 
     def queue_for_node(self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
                        ) -> dict[str, Any]:
@@ -483,16 +630,15 @@ class Registry:
         return self._command(row)
 
     def migrate_job(self, by: Principal, job: str, to: str,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None, cluster: str | None = None,
+                    node: str | None = None) -> dict[str, Any]:
         """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
-        on node `to` of the same cluster, through the store both share."""
+        on node `to` of the same cluster, through the store both share. The restore names
+        the job's label and owner as reported now, and the checkpoint command: the target
+        node restores only a checkpoint of that job, label and owner taken since (node.py)."""
         by.admin_only()
         validate_name(to, "node name")
-        where = [j for j in self.list_jobs(by) if j.get("job") == job]
-        if not where:
-            raise NotFoundError(f"no node reports a job {job}: `stasis controlplane jobs` "
-                                "lists them")
-        src = where[0]
+        src = self.find_job(by, job, cluster, node)
         if (src.get("kind") or "daemon") != "daemon":
             raise UsageError(f"{src['kind']} job {job} moves where its scheduler puts it: "
                              f"`stasis controlplane checkpoint {job} --stop` checkpoints and "
@@ -506,10 +652,13 @@ class Registry:
         return self.queue(by, "checkpoint", job, {"leave_running": False,
                                                   "then_restore_on": to,
                                                   "reason": f"migration to {to}",
-                                                  **(extra or {})})
+                                                  "label": src.get("label"),
+                                                  "user": src.get("user"),
+                                                  **(extra or {})},
+                          src["cluster_id"], src["node"])
 
     def drain(self, by: Principal, node: str, lost_after_s: float,
-              reason: str = "stasis drain") -> dict[str, Any]:
+              reason: str = "stasis drain", cluster: str | None = None) -> dict[str, Any]:
         """Every live job of `node` off it. Where the node reports a scheduler state (Slurm,
         Kubernetes), one `drain` command has its daemon empty it in the scheduler: a Slurm
         node drained and its Slurm jobs checkpointed and requeued, a Kubernetes node cordoned
@@ -520,12 +669,16 @@ class Registry:
         by.admin_only()
         validate_name(node, "node name")
         all_nodes = self.list_nodes(by, lost_after_s)
-        mine = [n for n in all_nodes if n["name"] == node]
+        cid = self._cluster_id(cluster) if cluster else None
+        mine = [n for n in all_nodes if n["name"] == node and
+                (cid is None or n["cluster_id"] == cid)]
         if not mine:
-            raise NotFoundError(f"no node {node}")
+            raise NotFoundError(f"no node {node}" + (f" in cluster {cluster}" if cluster else ""))
         if len(mine) > 1:
-            raise UsageError(f"node {node} is in several clusters; drain it by its cluster")
-        cluster = mine[0]["cluster_id"]
+            raise ConflictError(f"node {node} is in several clusters "
+                                f"({', '.join(n['cluster'] for n in mine)}): name its cluster "
+                                "(--cluster)")
+        cluster = str(mine[0]["cluster_id"])
         listed = [j for j in self.list_jobs(by) if j["node"] == node and
                   j["cluster_id"] == cluster]
         jobs = [j for j in listed if (j.get("kind") or "daemon") == "daemon"]
@@ -549,14 +702,17 @@ class Registry:
         for j in jobs:
             to = min(sorted(others), key=lambda n: others[n])
             others[to] += 1
-            moves.append(self.migrate_job(by, j["job"], to))
+            moves.append(self.migrate_job(by, j["job"], to, None, cluster, node))
         return {"node": node, "cluster_id": cluster, "migrations": moves, "drain": scheduler,
                 "handled": [{"job": j["job"], "kind": j["kind"], "label": j.get("label")}
                             for j in theirs]}
 
     def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
-        """The node's next command, leased to it for `lease_s` (None: nothing to do)."""
+        """The node's next command, leased to it for `lease_s` (None: nothing to do), with
+        the lease's id: renewing and acknowledging quote it. Only the node itself leases its
+        commands (its own credential)."""
         validate_name(node, "node name")
+        by.node_only(node, "leasing a node's commands")
         now = int(time.time())
         free = (commands.c.state == "queued") | (
             (commands.c.state == "leased") & (commands.c.lease_until < now))
@@ -567,37 +723,69 @@ class Registry:
                     .order_by(commands.c.created, commands.c.id).limit(1)).first()
                 if row is None:
                     return None
+                lease_id = "lease_" + secrets.token_hex(12)
                 n = conn.execute(update(commands).where(commands.c.id == row.id, free).values(
-                    state="leased", lease_until=now + int(lease_s),
+                    state="leased", lease_until=now + int(lease_s), lease_id=lease_id,
                     attempts=commands.c.attempts + 1)).rowcount
                 if n:
                     got = conn.execute(select(commands).where(commands.c.id == row.id)
                                        ).mappings().first()
-                    return self._command(dict(got)) if got is not None else None
+                    if got is None:
+                        return None
+                    return {**self._command(dict(got)), "lease_id": lease_id}
         return None
 
-    def renew(self, by: Principal, node: str, command_id: str, lease_s: float
-              ) -> dict[str, Any]:
+    def _held(self, conn: Any, by: Principal, node: str, command_id: str,
+              lease_id: str) -> dict[str, Any]:
+        """Command `command_id` of this node's, read for its lease holder: refused for
+        another node's command (403), and for a lease that is not the command's current one
+        (409). Its row (a done or failed one too: answered from its record)."""
+        row = conn.execute(select(commands).where(commands.c.id == command_id)
+                           ).mappings().first()
+        if row is None or row["cluster_id"] != by.cluster_id:
+            raise NotFoundError(f"no command {command_id[:40]} for this cluster")
+        if row["node"] != node:
+            raise PermissionDeniedError(f"command {command_id} is node {row['node']}'s, not "
+                                        f"{node}'s: only the node it is for carries it out")
+        if row["state"] in ("done", "failed"):
+            return dict(row)
+        if row["state"] != "leased" or not lease_id or row["lease_id"] != lease_id:
+            raise ConflictError(f"command {command_id} is not leased to node {node} under "
+                                f"lease {lease_id[:40] or '(none)'} (its lease ran out and it "
+                                "was leased again, or it was never leased): the node answers "
+                                "the lease it holds now")
+        return dict(row)
+
+    def renew(self, by: Principal, node: str, command_id: str, lease_s: float,
+              lease_id: str = "") -> dict[str, Any]:
         """The lease of a command `node` is still carrying out, extended to `lease_s` from now
-        (a long dump is not given out again while its node works on it)."""
+        (a long dump is not given out again while its node works on it): the node holding
+        the lease only, quoting it."""
         validate_name(node, "node name")
+        by.node_only(node, "renewing a command's lease")
         until = int(time.time()) + int(lease_s)
         with self.engine.begin() as conn:
+            row = self._held(conn, by, node, command_id, lease_id)
+            if row["state"] != "leased":
+                raise NotFoundError(f"command {command_id} was answered already "
+                                    f"({row['state']}): nothing to renew")
             n = conn.execute(update(commands).where(
-                commands.c.id == command_id, commands.c.cluster_id == by.cluster_id,
-                commands.c.node == node, commands.c.state == "leased").values(
-                lease_until=until)).rowcount
+                commands.c.id == command_id, commands.c.state == "leased",
+                commands.c.lease_id == lease_id).values(lease_until=until)).rowcount
         if not n:
-            raise NotFoundError(f"no command {command_id} leased to node {node}")
+            raise ConflictError(f"command {command_id} is no longer leased under {lease_id}")
         return {"id": command_id, "lease_until": until}
 
-    def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any]
-            ) -> dict[str, Any]:
+    def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any],
+            lease_id: str = "") -> dict[str, Any]:
+        """The result of a command, from the node holding its lease (quoting it). A command
+        moves only forward (queued -> leased -> done | failed): an answer to a done one is
+        given its record, never applied again."""
+        if by.kind != "node" or by.node is None:
+            by.node_only("?", "acknowledging a command")
+        assert by.node is not None
         with self.engine.begin() as conn:
-            row = conn.execute(select(commands).where(commands.c.id == command_id)
-                               ).mappings().first()
-            if row is None or row["cluster_id"] != by.cluster_id:
-                raise NotFoundError(f"no command {command_id} for this cluster")
+            row = self._held(conn, by, by.node, command_id, lease_id)
             if row["state"] in ("done", "failed"):
                 return self._command(dict(row))  # acknowledged twice: the first one stands
             args = json.loads(row["args"])
@@ -606,19 +794,28 @@ class Registry:
                     checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
                     checkpoints.c.cluster_id == row["cluster_id"]).values(deleted=time.time()))
             if ok and args.get("then_restore_on") and result.get("checkpoint"):
-                # The second half of a migration: the restore, on the target node.
+                # The second half of a migration: the restore, on the target node, of the
+                # checkpoint this command took, bound to the job, label and owner it was for.
+                ckpt = str(result["checkpoint"])
+                if not re.fullmatch(CHECKPOINT_ID, ckpt):
+                    raise UsageError(f"bad checkpoint id {ckpt[:64]!r} in the result")
                 nid = "cmd_" + secrets.token_hex(8)
                 conn.execute(insert(commands).values(
                     id=nid, cluster_id=row["cluster_id"], node=args["then_restore_on"],
-                    kind="restore", args=json.dumps({"checkpoint": result["checkpoint"],
-                                                     "migrated_from": command_id,
-                                                     "job": args["job"]}),
+                    kind="restore", args=json.dumps({
+                        "checkpoint": ckpt, "migrated_from": command_id, "job": args["job"],
+                        "label": args.get("label"), "user": args.get("user"),
+                        "from_node": row["node"], "since": row["created"]}),
                     state="queued", attempts=0, lease_until=None, result=None,
                     created=_stamp(), finished=None))
                 result = {**result, "next": nid}
-            conn.execute(update(commands).where(commands.c.id == command_id).values(
+            n = conn.execute(update(commands).where(
+                commands.c.id == command_id, commands.c.state == "leased",
+                commands.c.lease_id == lease_id).values(
                 state="done" if ok else "failed", result=json.dumps(result),
-                finished=_now(), lease_until=None))
+                finished=_now(), lease_until=None)).rowcount
+            if not n:  # answered meanwhile by a concurrent request: that one stands
+                raise ConflictError(f"command {command_id} was answered meanwhile")
             what = f"{row['kind']} {args.get('job') or args.get('label') or ''}".strip()
             self._event(conn, row["cluster_id"], row["node"],
                         "command-done" if ok else "command-failed",
@@ -666,7 +863,9 @@ class Registry:
 
     @staticmethod
     def _command(row: dict[str, Any]) -> dict[str, Any]:
-        return {**row, "args": json.loads(row["args"]),
+        # The lease id is the lease holder's alone: only the lease answer carries it.
+        return {**{k: v for k, v in row.items() if k != "lease_id"},
+                "args": json.loads(row["args"]),
                 "result": json.loads(row["result"]) if row.get("result") else None}
 
 

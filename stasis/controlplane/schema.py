@@ -77,6 +77,22 @@ commands = Table(
     Column("result", Text, nullable=True),  # JSON
     Column("created", String(40), nullable=False),
     Column("finished", String(40), nullable=True),
+    # The current (or last) lease's random id: only the node holding it renews or
+    # acknowledges the command, quoting it; a lease that ran out and was given again gets a
+    # new one, so a late answer to the old lease is refused.
+    Column("lease_id", String(40), nullable=True),
+)
+
+# Each node's own identity: a credential it got when it joined with its cluster's token
+# (only its SHA-256 kept), bound to (cluster, node name). From then on the node speaks with
+# it, and the cluster token only joins nodes that have none yet. An admin deletes a node's
+# row (`stasis controlplane nodes reset NAME`) to let the node join again.
+node_credentials = Table(
+    "node_credentials", metadata,
+    Column("cluster_id", String(40), ForeignKey("clusters.id"), primary_key=True),
+    Column("node", String(200), primary_key=True),
+    Column("sha256", String(64), nullable=False, unique=True),
+    Column("created", String(40), nullable=False),
 )
 
 # Policies: trigger -> filter -> action. The trigger: every `every_s` seconds (0: only when
