@@ -18,9 +18,18 @@ class ControlPlaneUnreachable(StasisError):
     """Nothing (or no HTTP) answers at the control plane's URL."""
 
 
-_BY_STATUS: dict[int, type[StasisError]] = {400: UsageError, 401: PermissionDeniedError,
+class Unauthorized(PermissionDeniedError):
+    """401: the token is unknown, revoked or expired (a node's credential reset by an admin)."""
+
+
+class Conflict(UsageError):
+    """409: at odds with what the control plane holds (a node joined already, a lease no
+    longer held, a job id that several nodes report)."""
+
+
+_BY_STATUS: dict[int, type[StasisError]] = {400: UsageError, 401: Unauthorized,
                                             403: PermissionDeniedError, 404: NotFoundError,
-                                            413: UsageError}
+                                            409: Conflict, 413: UsageError}
 
 
 def loopback(host: str) -> bool:
