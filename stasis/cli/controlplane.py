@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stasis.cli import output
 from stasis.cli.args import add_json, subcommands
 from stasis.config import Settings
 from stasis.errors import UsageError
+
+if TYPE_CHECKING:
+    from stasis.controlplane.client import ControlPlaneClient
 
 
 def add_controlplane(commands: Any) -> None:
@@ -28,6 +31,10 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("--key", type=Path, default=None, help="Its private key (PEM).")
     p.add_argument("--allow-plain-http", action="store_true",
                    help="Serve plain HTTP on a non-loopback address (tokens in the clear).")
+    p.add_argument("--behind-tls", action="store_true",
+                   help="A TLS-terminating proxy is in front: the dashboard's session cookie "
+                        "is Secure and the installers name https:// even though requests "
+                        "arrive here over plain HTTP.")
     p.add_argument("--lost-after", type=float, default=60.0, metavar="S",
                    help="A node silent this long is shown as lost (default: %(default)s).")
     p.add_argument("--command-lease", type=float, default=60.0, metavar="S",
@@ -47,6 +54,9 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("--url", required=True)
     p.add_argument("--cluster-id", required=True)
     p.add_argument("--node", default=None, help="This node's name (default: the host name).")
+    p.add_argument("--allow-plain-http", action="store_true",
+                   help="Accept an http:// URL off loopback (the token crosses the network in "
+                        "the clear); writes controlplane_allow_plain_http = true.")
     p.set_defaults(handler=join)
 
     clusters = subcommands(sub.add_parser("clusters", help="Clusters and their tokens."))
@@ -260,10 +270,9 @@ def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]
 
 
 def migrate(args: argparse.Namespace, settings: Settings) -> None:
-    from stasis.controlplane.client import ControlPlaneClient
     from stasis.errors import CheckpointError, RestoreError
 
-    client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
+    client = _client(settings)
     first = _finished(client, client.request("POST", "/api/v1/migrations",
                                              {"job": args.job, "to": args.to}), args.wait)
     if first["state"] == "failed":
@@ -287,10 +296,9 @@ def migrate(args: argparse.Namespace, settings: Settings) -> None:
 def drain(args: argparse.Namespace, settings: Settings) -> None:
     import time
 
-    from stasis.controlplane.client import ControlPlaneClient
     from stasis.errors import CheckpointError
 
-    client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
+    client = _client(settings)
     plan = client.request("POST", f"/api/v1/nodes/{_seg(args.node)}/drain",
                           {"reason": args.reason})
     moved, failed, requeued = [], [], []
@@ -343,10 +351,9 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
-    from stasis.controlplane.client import ControlPlaneClient
     from stasis.errors import CheckpointError
 
-    client = ControlPlaneClient(settings.controlplane_url, settings.auth_token)
+    client = _client(settings)
     cmd = _finished(client, client.request("POST", "/api/v1/commands", {
         "kind": "checkpoint", "job": args.job, "leave_running": not args.stop}), args.wait)
     if args.json:
@@ -384,12 +391,16 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, body: Any,
-          say: Any) -> None:
+def _client(settings: Settings) -> ControlPlaneClient:
     from stasis.controlplane.client import ControlPlaneClient
 
-    answer = ControlPlaneClient(settings.controlplane_url, settings.auth_token).request(
-        method, path, body)
+    return ControlPlaneClient(settings.controlplane_url, settings.auth_token,
+                              allow_plain_http=settings.controlplane_allow_plain_http)
+
+
+def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, body: Any,
+          say: Any) -> None:
+    answer = _client(settings).request(method, path, body)
     if args.json:
         output.emit_json(answer)
     else:
@@ -485,12 +496,15 @@ def _said_hook(d: dict[str, Any], settings: Settings) -> None:
 
 
 def join(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.controlplane.client import check_url
     from stasis.controlplane.installer import join as write
 
     if not settings.auth_token:
         raise UsageError("give the cluster's token in STASIS_AUTH_TOKEN (not on the command "
                          "line: other users see arguments)")
-    keys = write(args.config, args.url, args.cluster_id, settings.auth_token, args.node)
+    check_url(args.url, args.allow_plain_http or settings.controlplane_allow_plain_http)
+    keys = write(args.config, args.url, args.cluster_id, settings.auth_token, args.node,
+                 args.allow_plain_http)
     output.say(f"{args.config}: {', '.join(keys)} written; restart the node daemon to join")
 
 
@@ -507,6 +521,6 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
         asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
                         args.allow_plain_http, args.lost_after, args.command_lease,
                         int(args.session_ttl), settings.state_dir / "controlplane",
-                        int(args.min_interval)))
+                        int(args.min_interval), args.behind_tls))
     except KeyboardInterrupt:
         pass

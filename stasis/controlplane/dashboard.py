@@ -16,7 +16,8 @@ that refreshes each page's live part every few seconds, no build step.
     GET  /ui/savings                    node-hours kept by restores, per cluster and user, by day
 
 Every POST carries the session's CSRF token (a hidden field) and, when the browser sends one, an
-Origin of this host; the session cookie is HttpOnly and SameSite=Strict (and Secure over HTTPS).
+Origin of this host; the session cookie is HttpOnly and SameSite=Strict, and Secure over HTTPS
+or when `serve --behind-tls` says a TLS-terminating proxy is in front.
 Pages send a Content-Security-Policy that allows only this server's own script and style.
 """
 
@@ -103,7 +104,8 @@ def _share(f: dict[str, str], key: str) -> float | None:
 
 
 def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
-           min_interval_s: int = policies.MIN_INTERVAL_S) -> list[web.RouteDef]:
+           min_interval_s: int = policies.MIN_INTERVAL_S, behind_tls: bool = False
+           ) -> list[web.RouteDef]:
     env = _environment()
     flashes: dict[str, list[tuple[str, str]]] = {}
 
@@ -305,8 +307,10 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         except StasisError as e:
             return render("login.html", request, None, status=401, error=str(e))
         response = web.HTTPSeeOther("/ui/")
+        # Behind a TLS-terminating proxy the request arrives here over plain HTTP, but the
+        # browser speaks HTTPS: the cookie must still never go out over plain HTTP.
         response.set_cookie(COOKIE, sid, max_age=session_ttl_s, path="/ui", httponly=True,
-                            samesite="Strict", secure=request.secure)
+                            samesite="Strict", secure=request.secure or behind_tls)
         return headers(response)
 
     async def logout(request: web.Request) -> web.StreamResponse:

@@ -3,11 +3,16 @@
 controlplane join`, which the script runs to put the control plane's settings into the node
 daemon's config file.
 
-    curl -fsSL "$URL/install/slurm" -H "Authorization: Bearer $TOKEN" | sudo -E bash -s -- \\
+    (umask 077; printf 'Authorization: Bearer %s\\n' "$TOKEN" > /root/stasis-auth)
+    curl -fsSL -H @/root/stasis-auth "$URL/install/slurm" | sudo -E bash -s -- \\
         --node-role worker [any `stasis slurm install` option]
 
-The script installs stasis into a virtual environment (STASIS_PREFIX, default /opt/stasis) from
-that wheel (its dependencies from the node's package index), builds the jobs' init
+(the token in a header file, not on curl's command line, which every user of the node can read
+in /proc). The script refuses a plain http:// URL to a host off loopback unless
+STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP=1 (then the node's config allows it too). It installs
+stasis into a virtual environment (STASIS_PREFIX, default /opt/stasis) from that wheel, checked
+against the SHA-256 the control plane wrote into the script before pip sees it (its
+dependencies come from the node's package index, unpinned), builds the jobs' init
 (stasis-init) if it is missing, writes `controlplane_url`, `cluster_id`, `auth_token` and
 `node` into the daemon's config file (STASIS_CONFIG, default /etc/stasis/config.toml, 0600),
 runs `stasis slurm install` with the arguments it was given, restarts the daemon where systemd
@@ -20,6 +25,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shlex
 import tempfile
 import zipfile
@@ -86,31 +92,48 @@ def build_wheel(cache_dir: Path) -> Path:
     return dest
 
 
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _digest(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def slurm_script(url: str, cluster_id: str, cluster_name: str, token: str) -> str:
-    """The installer a node pipes into `sudo -E bash -s -- --node-role ROLE ...`."""
+def slurm_script(url: str, cluster_id: str, cluster_name: str, token: str,
+                 wheel_sha256: str) -> str:
+    """The installer a node pipes into `sudo -E bash -s -- --node-role ROLE ...`: it installs
+    only a wheel whose SHA-256 is `wheel_sha256`, and never puts `token` on a command line."""
     q = shlex.quote
-    return _SCRIPT.replace("@URL@", q(url)).replace("@CLUSTER_ID@", q(cluster_id)) \
-        .replace("@CLUSTER@", q(cluster_name)).replace("@TOKEN@", q(token)) \
-        .replace("@VERSION@", q(version())).replace("@WHEEL@", q(wheel_name()))
+    # One pass: a value holding another's @NAME@ must not be substituted again.
+    values = {"URL": url, "CLUSTER_ID": cluster_id, "CLUSTER": cluster_name, "TOKEN": token,
+              "VERSION": version(), "WHEEL": wheel_name(), "WHEEL_SHA256": wheel_sha256}
+    return re.sub(r"@([A-Z_0-9]+)@", lambda m: q(values[m.group(1)]), _SCRIPT)
 
 
 _SCRIPT = r"""#!/usr/bin/env bash
 # The stasis installer for a node of Slurm cluster @CLUSTER@, from its control plane:
-#   curl -fsSL "$URL/install/slurm" -H "Authorization: Bearer $TOKEN" | sudo -E bash -s -- \
+#   (umask 077; printf 'Authorization: Bearer %s\n' "$TOKEN" > /root/stasis-auth)
+#   curl -fsSL -H @/root/stasis-auth "$URL/install/slurm" | sudo -E bash -s -- \
 #       --node-role worker [--slurm-conf PATH] [any other `stasis slurm install` option]
 # STASIS_PREFIX: where stasis goes (a venv, default /opt/stasis); STASIS_CONFIG: the node
 # daemon's config file (default /etc/stasis/config.toml); STASIS_NODE_NAME: this node's name in
-# the control plane (default: the host name).
+# the control plane (default: the host name); STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP=1: accept a
+# plain http:// control plane off loopback (its token crosses the network in the clear).
+# The token is never put on a command line (other users read those in /proc): curl reads it
+# from a header file, `stasis controlplane join` from its environment.
 set -euo pipefail
+umask 077
 STASIS_INSTALL_TOKEN=@TOKEN@
 url=@URL@
 cluster_id=@CLUSTER_ID@
 want=@VERSION@
 wheel=@WHEEL@
+wheel_sha256=@WHEEL_SHA256@
 prefix="${STASIS_PREFIX:-/opt/stasis}"
 config="${STASIS_CONFIG:-/etc/stasis/config.toml}"
 node="${STASIS_NODE_NAME:-$(hostname)}"
@@ -121,6 +144,32 @@ fi
 if [ "$#" -eq 0 ]; then
     say "say what this node is: ... | sudo -E bash -s -- --node-role worker"; exit 2
 fi
+plain=()
+case "${STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP:-}" in
+    1|[Tt]rue|TRUE|[Yy]es|YES|[Oo]n|ON) plain=(--allow-plain-http) ;;
+esac
+case "$url" in
+    https://*) ;;
+    http://*)
+        host="${url#http://}"; host="${host%%/*}"; host="${host##*@}"; host="${host,,}"
+        case "$host" in
+            \[*) host="${host%%]*}]" ;;
+            *) host="${host%%:*}" ;;
+        esac
+        if ! [[ "$host" =~ ^(localhost|127\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}|\[::1\])$ ]] &&
+                [ "${#plain[@]}" -eq 0 ]; then
+            say "refused to install from $url: plain http:// to $host, not this host's" \
+                "loopback, sends the cluster's token in the clear (fetching this script just" \
+                "did: rotate it); use https://, or STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP=1 on a" \
+                "network you trust"
+            exit 2
+        fi ;;
+    *) say "refused control plane URL $url: not https:// or http://"; exit 2 ;;
+esac
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+# printf is bash's own: the token goes into the 0600 file without an exec of its own.
+printf 'Authorization: Bearer %s\n' "$STASIS_INSTALL_TOKEN" > "$tmp/auth"
 if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
     if command -v apt-get >/dev/null; then
         say "installing python3 and python3-venv"
@@ -136,11 +185,15 @@ if [ -x "$prefix/bin/python" ]; then
 fi
 if [ "$have" != "$want" ]; then
     say "installing stasis $want into $prefix"
+    curl -fsS -o "$tmp/$wheel" -H @"$tmp/auth" "$url/install/stasis.whl"
+    got="$(sha256sum "$tmp/$wheel")"; got="${got%% *}"
+    if [ "$got" != "$wheel_sha256" ]; then
+        say "refused $wheel: its sha256 $got is not $wheel_sha256, the one this installer" \
+            "names (changed on the way, or the control plane was upgraded meanwhile);" \
+            "nothing installed: fetch the installer again, over https://"
+        exit 3
+    fi
     [ -x "$prefix/bin/python" ] || python3 -m venv "$prefix"
-    tmp="$(mktemp -d)"
-    trap 'rm -rf "$tmp"' EXIT
-    curl -fsS -o "$tmp/$wheel" -H "Authorization: Bearer $STASIS_INSTALL_TOKEN" \
-        "$url/install/stasis.whl"
     "$prefix/bin/pip" install -q --disable-pip-version-check "$tmp/$wheel" >&2
 else
     say "stasis $want is installed in $prefix already"
@@ -158,7 +211,7 @@ print(pathlib.Path(stasis.__file__).parent / "daemon" / "stasis-init.c")')"
     fi
 fi
 STASIS_AUTH_TOKEN="$STASIS_INSTALL_TOKEN" "$prefix/bin/stasis" controlplane join \
-    --config "$config" --url "$url" --cluster-id "$cluster_id" --node "$node"
+    --config "$config" --url "$url" --cluster-id "$cluster_id" --node "$node" "${plain[@]}"
 args=("$@")
 case " $* " in *" --stasis-config "*) ;; *) args+=(--stasis-config "$config") ;; esac
 "$prefix/bin/stasis" slurm install "${args[@]}"
@@ -177,7 +230,8 @@ STASIS_CONFIG="$config" "$prefix/bin/stasis" check >&2 ||
 """
 
 
-def join(config: Path, url: str, cluster_id: str, token: str, node: str | None) -> list[str]:
+def join(config: Path, url: str, cluster_id: str, token: str, node: str | None,
+         allow_plain_http: bool = False) -> list[str]:
     """Put the control plane's settings into the daemon's config file `config` (created 0600;
     other keys kept); the keys written."""
     import tomllib
@@ -192,6 +246,8 @@ def join(config: Path, url: str, cluster_id: str, token: str, node: str | None) 
                               "auth_token": token}
     if node:
         new["node_name"] = node
+    if allow_plain_http:
+        new["controlplane_allow_plain_http"] = True
     values.update(new)
     lines = []
     for key, value in values.items():

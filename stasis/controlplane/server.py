@@ -240,12 +240,18 @@ def _limit(request: web.Request, default: int) -> int:
 
 def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         session_ttl_s: int = 8 * 3600, cache_dir: Path = Path("/var/lib/stasis/controlplane"),
-        min_interval_s: int = policies.MIN_INTERVAL_S) -> web.Application:
+        min_interval_s: int = policies.MIN_INTERVAL_S, behind_tls: bool = False
+        ) -> web.Application:
     from stasis.controlplane import dashboard
 
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
-    a.add_routes(dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s))
+    a.add_routes(dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s,
+                                  behind_tls))
+
+    def own_url(request: web.Request) -> str:
+        """This control plane's URL as the caller reached it (https:// behind a TLS proxy)."""
+        return f"{'https' if behind_tls else request.scheme}://{request.host}"
 
     def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
         return asyncio.to_thread(fn, *args)
@@ -390,7 +396,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         if cluster["kind"] != "kubernetes":
             raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
         token = request.headers["Authorization"].partition(" ")[2].strip()
-        url = f"{request.scheme}://{request.host}"
+        url = own_url(request)
         text = ("helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
                 f"  --set config.url={shlex.quote(url)} \\\n"
                 f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
@@ -405,7 +411,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         return who, request.headers["Authorization"].partition(" ")[2].strip()
 
     async def install_slurm(request: web.Request) -> web.StreamResponse:
-        from stasis.controlplane.installer import slurm_script
+        from stasis.controlplane.installer import build_wheel, sha256_of, slurm_script
 
         who, token = slurm_cluster(request)
         assert who.cluster_id is not None
@@ -413,8 +419,11 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         if cluster["kind"] != "slurm":
             raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster: "
                              "/install/kubernetes")
-        url = f"{request.scheme}://{request.host}"
-        return web.Response(text=slurm_script(url, who.cluster_id, cluster["name"], token),
+        # The script pins the wheel it will fetch by this hash: bytes changed on the way are
+        # refused by the node before pip sees them.
+        wheel_sha256 = await run(lambda: sha256_of(build_wheel(cache_dir)))
+        return web.Response(text=slurm_script(own_url(request), who.cluster_id,
+                                              cluster["name"], token, wheel_sha256),
                             content_type="text/x-shellscript")
 
     async def install_wheel(request: web.Request) -> web.StreamResponse:
@@ -507,15 +516,32 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def write_admin_token(token: str, path: Path | None) -> None:
-    """Shown once: into `path` (0600) when given, else on stdout."""
+def make_admin_token(registry: Registry, path: Path | None) -> None:
+    """The first start's admin token, shown once: into `path` when given, else on stdout.
+    The file is made new (0600), never a link followed or a file overwritten: it is opened
+    before the token exists, so a refusal loses nothing."""
     if path is None:
-        print(f"admin token (shown once, keep it): {token}", flush=True)
+        token = registry.bootstrap_admin()
+        if token is not None:
+            print(f"admin token (shown once, keep it): {token}", flush=True)
         return
+    if any(t["kind"] == "admin" and t["revoked"] is None for t in registry.list_tokens()):
+        return  # made at an earlier start
     import os
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except FileExistsError:
+        raise UsageError(f"refused --admin-token-file {path}: something is there already (a "
+                         "file or a link, not followed); remove it, or name a new path") from None
+    except OSError as e:
+        raise UsageError(f"cannot create --admin-token-file {path}: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
+        token = registry.bootstrap_admin()
+        if token is None:  # another start made one meanwhile
+            os.unlink(path)
+            return
         f.write(token + "\n")
     print(f"admin token written to {path} (0600)", flush=True)
 
@@ -524,7 +550,7 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
                 key: Path | None, allow_plain_http: bool, lost_after_s: float,
                 lease_s: float = 60.0, session_ttl_s: int = 8 * 3600,
                 cache_dir: Path = Path("/var/lib/stasis/controlplane"),
-                min_interval_s: int = policies.MIN_INTERVAL_S) -> None:
+                min_interval_s: int = policies.MIN_INTERVAL_S, behind_tls: bool = False) -> None:
     host, port = parse_listen(listen)
     context = None
     if cert is not None or key is not None:
@@ -539,11 +565,13 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
         raise UsageError(f"plain HTTP on {host} would send tokens in the clear: give --cert "
                          "and --key, listen on 127.0.0.1, or --allow-plain-http")
     registry = await asyncio.to_thread(Registry, db)
-    token = await asyncio.to_thread(registry.bootstrap_admin)
-    if token is not None:
-        write_admin_token(token, admin_token_file)
+    try:
+        await asyncio.to_thread(make_admin_token, registry, admin_token_file)
+    except BaseException:
+        registry.close()
+        raise
     runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir,
-                               min_interval_s), access_log=None)
+                               min_interval_s, behind_tls), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()
