@@ -9,12 +9,25 @@ Commands run one at a time in a worker thread of their own, never in the heartbe
 takes minutes does not silence the node (it would be shown lost), and every heartbeat renews
 the lease of the command under way, so it is not given out again while the node works on it.
 Registered again whenever the control plane no longer knows the node. The token is never logged.
+
+Identity: the cluster's token (`auth_token`) only joins. Joining answers with the node's own
+credential, kept in `<state_dir>/controlplane-node.json` (0600, root's, bound to the control
+plane's URL, the cluster and the node name); every later request carries that credential, and
+the control plane lets it lease, renew and acknowledge only this node's commands, quoting the
+lease. A credential the control plane no longer knows (an admin reset the node) is dropped and
+the node joins again with the cluster token.
+
+A restore command is carried out only as the second half of a migration, for the checkpoint
+that migration took: the checkpoint's signed manifest must name the migration's job, label and
+owner, and be no older than the migration's checkpoint command. Never an arbitrary id.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -39,18 +52,23 @@ from sqlalchemy import (
     select,
 )
 
-from stasis.controlplane.client import ControlPlaneClient
+from stasis.controlplane.client import ControlPlaneClient, Unauthorized
 from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
-from stasis.errors import NotFoundError, StasisError, UsageError
+from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
 log = logging.getLogger("stasis.daemon")
 _ROOT = Caller(pid=0, uid=0, gid=0)
 # Every this many heartbeats the node's check runs again and is reported (a register).
 _CHECK_EVERY = 30
 _ALIVE = ("running", "restored")
+CREDENTIAL_FILE = "controlplane-node.json"
+# A migration's checkpoint is taken after its command was queued; this much clock difference
+# between the control plane and the nodes is allowed.
+_CLOCK_SKEW_S = 300
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
 
 # What the node did (stasis.daemon.activity) until a heartbeat has carried it to the control
 # plane: kept here so that a control plane that is down for a while still hears of it all.
@@ -84,18 +102,96 @@ class ControlPlaneNode(Integration):
                                                  allow_plain_http=s.controlplane_allow_plain_http)
             except UsageError as e:  # the node goes on protecting its jobs, unjoined
                 log.error("not joining the control plane: %s", e)
+        self._credential_path = s.state_dir / CREDENTIAL_FILE
+        self._credential: str | None = None
+        if self.client is not None:
+            self._credential = self._load_credential()
+            if self._credential is not None:
+                self.client.token = self._credential
         self._beats = 0
         self._registered = False
         self._failing: str | None = None
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._current: str | None = None  # the command under way (its lease is renewed)
+        # The command under way and its lease id (the lease is renewed with it).
+        self._current: tuple[str, str] | None = None
         self._worker_failing: str | None = None
         self._unleased: str | None = None
         self._closing = False
 
     def tables(self) -> Sequence[Table]:
         return [done_table, outbox_table]
+
+    # -- the node's own credential ----------------------------------------------------------
+
+    def _bound_to(self) -> dict[str, str]:
+        s = self.manager.settings
+        assert self.client is not None
+        return {"url": self.client.url, "cluster_id": s.cluster_id, "node": s.node}
+
+    def _load_credential(self) -> str | None:
+        """The credential this node got when it joined, if it was for this control plane,
+        cluster and name; a file that is not root's alone is not trusted (and said so)."""
+        try:
+            fd = os.open(self._credential_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("control plane: cannot read %s (%s): joining with the cluster token",
+                        self._credential_path, e.strerror)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                log.warning("control plane: %s is not %d's alone (mode %o): ignored, joining "
+                            "with the cluster token", self._credential_path, os.geteuid(),
+                            st.st_mode & 0o777)
+                return None
+            try:
+                kept = json.loads(f.read(4096))
+            except ValueError:
+                return None
+        if not isinstance(kept, dict) or not isinstance(kept.get("token"), str) or \
+                {k: kept.get(k) for k in ("url", "cluster_id", "node")} != self._bound_to():
+            return None
+        return str(kept["token"])
+
+    def _keep_credential(self, token: str) -> None:
+        """Written new (0600, no link followed), then renamed over the old one."""
+        tmp = self._credential_path.with_name(f".{CREDENTIAL_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({**self._bound_to(), "token": token}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._credential_path)
+
+    def _forget_credential(self) -> None:
+        assert self.client is not None
+        self._credential = None
+        self.client.token = self.manager.settings.auth_token
+        try:
+            self._credential_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def _register(self) -> None:
+        """Joins with the cluster token (and keeps the credential it answers with), or
+        reports itself again with its credential."""
+        assert self.client is not None
+        joined = self.client.request("POST", "/api/v1/nodes/register", self.report())
+        token = joined.get("node_token") if isinstance(joined, dict) else None
+        if self._credential is None and isinstance(token, str):
+            self._keep_credential(token)
+            self._credential = token
+            self.client.token = token
+            log.info("got this node's own credential from the control plane (kept in %s)",
+                     self._credential_path)
 
     def prepare(self) -> None:
         if self.client is not None:
@@ -173,7 +269,7 @@ class ControlPlaneNode(Integration):
         assert self.client is not None
         try:
             if not self._registered or self._beats % _CHECK_EVERY == 0:
-                self.client.request("POST", "/api/v1/nodes/register", self.report())
+                self._register()
                 if not self._registered:
                     log.info("joined the control plane at %s as node %s", self.client.url,
                              self.manager.settings.node)
@@ -193,6 +289,16 @@ class ControlPlaneNode(Integration):
                 self._failing = None
         except NotFoundError:
             self._registered = False  # it forgot us: register at the next beat
+        except Unauthorized as e:
+            if self._credential is not None:
+                # Reset by an admin, or a control plane that lost it: join again.
+                log.info("control plane: this node's credential is no longer known (%s): "
+                         "joining again with the cluster token", e)
+                self._forget_credential()
+                self._registered = False
+            elif str(e) != self._failing:
+                log.warning("control plane: %s", e)
+                self._failing = str(e)
         except StasisError as e:
             if str(e) != self._failing:  # once per new problem, not every heartbeat
                 log.warning("control plane: %s", e)
@@ -208,15 +314,17 @@ class ControlPlaneNode(Integration):
             current = self._current
         if current is None:
             return
+        command_id, lease_id = current
         try:
             self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}/commands/"
-                                f"{current}/renew", {})
-        except NotFoundError:
+                                f"{command_id}/renew", {"lease_id": lease_id})
+        except UsageError:
             # Acknowledged meanwhile, or its lease ran out (the control plane was away): it
             # is answered from controlplane_done if it comes again.
-            if self._unleased != current:
-                log.info("control plane command %s is no longer leased to this node", current)
-                self._unleased = current
+            if self._unleased != command_id:
+                log.info("control plane command %s is no longer leased to this node",
+                         command_id)
+                self._unleased = command_id
 
     def _start_worker(self) -> None:
         if self._closing or (self._worker is not None and self._worker.is_alive()):
@@ -232,18 +340,21 @@ class ControlPlaneNode(Integration):
         lease = f"/api/v1/nodes/{self.manager.settings.node}/commands/lease"
         try:
             while not self._closing:
+                if self._credential is None:
+                    break  # not joined yet: the cluster token leases nothing
                 cmd = self.client.request("POST", lease, {})
                 if cmd is None:
                     break
+                lease_id = str(cmd.get("lease_id") or "")
                 with self._lock:
-                    self._current = cmd["id"]
+                    self._current = (cmd["id"], lease_id)
                 try:
                     ok, result = self._done(cmd["id"]) or self._carry_out(cmd)
                 finally:
                     with self._lock:
                         self._current = None
                 self.client.request("POST", f"/api/v1/commands/{cmd['id']}/ack",
-                                    {"ok": ok, "result": result})
+                                    {"lease_id": lease_id, "ok": ok, "result": result})
             self._worker_failing = None
         except NotFoundError:
             self._registered = False  # it forgot us: register at the next beat
@@ -297,8 +408,8 @@ class ControlPlaneNode(Integration):
                 result = {"error": str(e)}
         elif cmd["kind"] == "restore":
             try:
-                done = self.manager.restore(RestoreRequest(checkpoint=str(
-                    cmd["args"]["checkpoint"])), _ROOT)
+                ckpt = self._migrated_checkpoint(args)
+                done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT)
                 ok, result = True, {"job": done["job"], "checkpoint": done["checkpoint"]}
             except StasisError as e:
                 result = {"error": str(e)}
@@ -315,6 +426,38 @@ class ControlPlaneNode(Integration):
                                                    at=int(time.time())))
         return ok, result
 
+
+    def _migrated_checkpoint(self, args: dict[str, Any]) -> str:
+        """The checkpoint a restore command names, if it is the one its migration took: its
+        signed manifest names the migration's job, label and owner, and it is no older than
+        the migration's checkpoint command. Anything else is refused, nothing restored."""
+        from datetime import datetime, timedelta
+
+        ckpt, job = str(args.get("checkpoint") or ""), str(args.get("job") or "")
+        label, user = str(args.get("label") or ""), str(args.get("user") or "")
+        since = str(args.get("since") or "")
+        if not args.get("migrated_from") or not (ckpt and label and user and since) or \
+                not _ID.fullmatch(job):
+            raise PermissionDeniedError(
+                f"restore of checkpoint {ckpt[:64] or '(none)'} refused: this node restores "
+                "for the control plane only the checkpoint a migration took (`stasis "
+                "controlplane migrate`); a checkpoint by id is restored with `stasis restore` "
+                "on the node")
+        manifest = self.manager.store.get(ckpt)  # its signature checked, its id's form too
+        try:
+            earliest = datetime.fromisoformat(since) - timedelta(seconds=_CLOCK_SKEW_S)
+        except ValueError:
+            raise UsageError(f"bad migration time {since[:40]!r}") from None
+        theirs = (manifest.job, manifest.label, manifest.user)
+        if theirs != (job, label, user) or manifest.created < earliest:
+            raise PermissionDeniedError(
+                f"restore of checkpoint {ckpt} refused: it is not the one migration "
+                f"{str(args['migrated_from'])[:40]} took (that was of job {job}, label "
+                f"{label}, user {user}, taken since {since}; this one is of job "
+                f"{manifest.job[:100]}, label {manifest.label}, user {manifest.user[:100]}, "
+                f"taken {manifest.created.isoformat(timespec='seconds')}): migrate the job "
+                "again")
+        return ckpt
 
     def _completed(self, live: set[tuple[str, str]]) -> set[tuple[int, str]]:
         """(uid, label) whose newest job on this node exited 0, with none of that label running

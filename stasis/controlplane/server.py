@@ -6,20 +6,32 @@
     POST /api/v1/clusters/{id}/rotate      admin: a new cluster token, the old ones revoked
     GET  /api/v1/tokens                    admin: ids, kinds, clusters, revoked (never tokens)
     POST /api/v1/tokens/{id}/revoke        admin
-    POST /api/v1/nodes/register            cluster token: the node's versions and check
-    POST /api/v1/nodes/{name}/heartbeat    cluster token: {jobs: [its jobs]}
+    POST /api/v1/nodes/register            cluster token: a node joins (its versions and
+                                           check) and gets its own credential, `node_token`,
+                                           shown once; refused (409) for a name that has one.
+                                           The node's credential: its own report again
+    POST /api/v1/nodes/{name}/reset        admin: {cluster}: the node's credential forgotten,
+                                           so that the node joins again
+    POST /api/v1/nodes/{name}/heartbeat    the node's credential: {jobs: [its jobs]}
     GET  /api/v1/nodes                     admin: every node; a cluster token: its own
     GET  /api/v1/jobs                      the jobs the nodes last reported (same scoping)
-    POST /api/v1/commands                  admin: {kind: checkpoint, job, leave_running}
+    POST /api/v1/commands                  admin: {kind: checkpoint, job, leave_running,
+                                           cluster, node}: a job id several nodes report is
+                                           refused (409) unless cluster and node are given
     GET  /api/v1/commands[/{id}]           the commands and their results (same scoping)
-    POST /api/v1/nodes/{name}/commands/lease   cluster token: the node's next command or null
-    POST /api/v1/nodes/{name}/commands/{id}/renew   cluster token: the lease of a command the
-                                           node is still carrying out, extended
-    POST /api/v1/commands/{id}/ack         cluster token: {ok, result}
-    POST /api/v1/migrations                admin: {job, to}: checkpoint and stop it on its
+    POST /api/v1/nodes/{name}/commands/lease   the node's credential: its next command (with
+                                           its `lease_id`) or null
+    POST /api/v1/nodes/{name}/commands/{id}/renew   the node's credential: {lease_id}: the
+                                           lease of a command the node is still carrying
+                                           out, extended
+    POST /api/v1/commands/{id}/ack         the credential of the node holding the lease:
+                                           {lease_id, ok, result}
+    POST /api/v1/migrations                admin: {job, to, cluster, node}: checkpoint and
+                                           stop it on its
                                            node, then restore it on `to` (the checkpoint
                                            command's result names the restore's as `next`)
-    POST /api/v1/nodes/{name}/drain        admin: every live job of the node migrated to the
+    POST /api/v1/nodes/{name}/drain        admin: {reason, cluster}: every live job of the
+                                           node migrated to the
                                            other ready nodes of its cluster
     GET|POST /api/v1/policies, PATCH|DELETE /api/v1/policies/{name}   admin
                                            (stasis.controlplane.policies; PATCH: only the
@@ -54,13 +66,23 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stasis.controlplane import policies
-from stasis.controlplane.registry import HOOK_PREFIX, AuthError, Principal, Registry, safe_url
+from stasis.controlplane.registry import (
+    CHECKPOINT_ID,
+    HOOK_PREFIX,
+    JOB_ID,
+    LABEL,
+    USER,
+    AuthError,
+    Principal,
+    Registry,
+    safe_url,
+)
 from stasis.errors import StasisError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
@@ -82,27 +104,36 @@ class Rotation(_Model):
     expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
 
 
+# What nodes send is checked here, by charset and length, before it reaches a form, a path, a
+# log or a command (registry's patterns for ids). Free text (problems, hosts, versions) is
+# printable characters only.
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+_TEXT = r"^[^\x00-\x1f\x7f]*$"
+_WORD = r"^[A-Za-z0-9._:+ -]*$"
+
+
 class NodeReport(_Model):
-    name: str = Field(max_length=100)
-    cluster_id: str | None = Field(default=None, max_length=40)
-    host: str = Field(max_length=200)
-    stasis_version: str = Field(max_length=60)
-    criu_version: str | None = Field(default=None, max_length=60)
-    slurm_version: str | None = Field(default=None, max_length=60)
+    name: str = Field(pattern=_NAME)
+    cluster_id: str | None = Field(default=None, max_length=40, pattern=_NAME)
+    host: str = Field(max_length=200, pattern=_TEXT)
+    stasis_version: str = Field(max_length=60, pattern=_TEXT)
+    criu_version: str | None = Field(default=None, max_length=60, pattern=_TEXT)
+    slurm_version: str | None = Field(default=None, max_length=60, pattern=_TEXT)
     check_ok: bool
-    problems: list[str] = Field(default_factory=list, max_length=50)
+    problems: list[Annotated[str, Field(max_length=1000, pattern=_TEXT)]] = Field(
+        default_factory=list, max_length=50)
     jobs: int = Field(default=0, ge=0)
 
 
 class JobReport(_Model):
-    job: str = Field(max_length=100)
-    label: str | None = Field(default=None, max_length=200)
-    user: str | None = Field(default=None, max_length=100)
-    state: str = Field(max_length=40)
-    restored_from: str | None = Field(default=None, max_length=100)
-    started: str | None = Field(default=None, max_length=40)
-    kind: str = Field(default="daemon", max_length=20)  # daemon | slurm | ...
-    partition: str | None = Field(default=None, max_length=100)
+    job: str = Field(pattern=JOB_ID)
+    label: str | None = Field(default=None, pattern=LABEL)
+    user: str | None = Field(default=None, pattern=USER)
+    state: str = Field(max_length=40, pattern=_WORD)
+    restored_from: str | None = Field(default=None, pattern=CHECKPOINT_ID)
+    started: str | None = Field(default=None, max_length=40, pattern=_WORD)
+    kind: str = Field(default="daemon", max_length=20, pattern=_NAME)  # daemon | slurm | ...
+    partition: str | None = Field(default=None, max_length=100, pattern=_WORD)
     rss_bytes: int = Field(default=0, ge=0)
 
 
@@ -110,18 +141,18 @@ class ActivityReport(_Model):
     """A checkpoint or restore of the node (stasis.daemon.activity.Activity)."""
 
     kind: Literal["checkpoint", "restore"]
-    checkpoint: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    label: str = Field(max_length=200)
-    job: str = Field(max_length=100)
-    user: str = Field(max_length=100)
+    checkpoint: str = Field(pattern=CHECKPOINT_ID)
+    label: str = Field(pattern=LABEL)
+    job: str = Field(pattern=JOB_ID)
+    user: str = Field(pattern=USER)
     size_bytes: int = Field(ge=0)
     stored_size_bytes: int = Field(default=0, ge=0)
     work_s: float = Field(ge=0)
     duration_s: float = Field(ge=0)
     frozen_s: float = Field(default=0.0, ge=0)
     leave_running: bool = True
-    store: str = Field(default="", max_length=500)
-    reason: str = Field(default="", max_length=60)
+    store: str = Field(default="", max_length=500, pattern=_TEXT)
+    reason: str = Field(default="", max_length=60, pattern=_WORD)
     at: float = Field(gt=0)
 
 
@@ -129,23 +160,36 @@ class Heartbeat(_Model):
     jobs: list[JobReport] = Field(default_factory=list, max_length=10_000)
     activity: list[ActivityReport] = Field(default_factory=list, max_length=1000)
     mem_total_bytes: int | None = Field(default=None, ge=0)
-    scheduler_state: str | None = Field(default=None, max_length=60)
+    scheduler_state: str | None = Field(default=None, max_length=60, pattern=_WORD)
 
 
 class NewCommand(_Model):
     kind: Literal["checkpoint"]
-    job: str = Field(max_length=100)
+    job: str = Field(pattern=JOB_ID)
     leave_running: bool = True
+    cluster: str | None = Field(default=None, pattern=_NAME)  # its id or name
+    node: str | None = Field(default=None, pattern=_NAME)
 
 
 class Drain(_Model):
     reason: str = Field(default="stasis drain", max_length=60,
                         pattern=r"^[A-Za-z0-9 ._:-]*$")
+    cluster: str | None = Field(default=None, pattern=_NAME)
 
 
 class Migration(_Model):
-    job: str = Field(max_length=100)
-    to: str = Field(max_length=100)
+    job: str = Field(pattern=JOB_ID)
+    to: str = Field(pattern=_NAME)
+    cluster: str | None = Field(default=None, pattern=_NAME)
+    node: str | None = Field(default=None, pattern=_NAME)
+
+
+class NodeReset(_Model):
+    cluster: str | None = Field(default=None, pattern=_NAME)
+
+
+class Renewal(_Model):
+    lease_id: str = Field(default="", max_length=40)
 
 
 class NewPolicy(_Model):
@@ -187,6 +231,7 @@ class PolicyEdit(_Model):
 
 
 class Ack(_Model):
+    lease_id: str = Field(default="", max_length=40)
     ok: bool
     result: dict[str, Any] = Field(default_factory=dict)
 
@@ -291,8 +336,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
 
     async def heartbeat(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
-        if who.kind != "cluster":
-            raise UsageError("heartbeats come with a cluster token")
+        who.node_only(request.match_info["name"], "a heartbeat")
         body = await _body(request, Heartbeat)
         return web.json_response(await run(registry.heartbeat, who,
                                             request.match_info["name"],
@@ -312,22 +356,30 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who.admin_only()
         body = await _body(request, NewCommand)
         return web.json_response(await run(registry.queue, who, body.kind, body.job,
-                                            {"leave_running": body.leave_running}),
-                                 status=201)
+                                            {"leave_running": body.leave_running},
+                                            body.cluster, body.node), status=201)
 
     async def migrate(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         body = await _body(request, Migration)
-        return web.json_response(await run(registry.migrate_job, who, body.job, body.to),
-                                 status=201)
+        return web.json_response(await run(registry.migrate_job, who, body.job, body.to,
+                                            None, body.cluster, body.node), status=201)
 
     async def drain(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         body = await _body(request, Drain)
         return web.json_response(await run(registry.drain, who, request.match_info["name"],
-                                            lost_after_s, body.reason), status=201)
+                                            lost_after_s, body.reason, body.cluster),
+                                 status=201)
+
+    async def reset_node(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        body = await _body(request, NodeReset)
+        return web.json_response(await run(registry.reset_node, who,
+                                            request.match_info["name"], body.cluster))
 
     async def add_policy(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
@@ -444,25 +496,23 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
 
     async def lease(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
-        if who.kind != "cluster":
-            raise UsageError("commands are leased with a cluster token")
+        who.node_only(request.match_info["name"], "leasing a node's commands")
         return web.json_response(await run(registry.lease, who, request.match_info["name"],
                                             lease_s))
 
     async def renew(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
-        if who.kind != "cluster":
-            raise UsageError("command leases are renewed with a cluster token")
+        who.node_only(request.match_info["name"], "renewing a command's lease")
+        body = await _body(request, Renewal)
         return web.json_response(await run(registry.renew, who, request.match_info["name"],
-                                            request.match_info["id"], lease_s))
+                                            request.match_info["id"], lease_s, body.lease_id))
 
     async def ack(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
-        if who.kind != "cluster":
-            raise UsageError("commands are acknowledged with a cluster token")
+        who.node_only(who.node or "?", "acknowledging a command")
         body = await _body(request, Ack)
         return web.json_response(await run(registry.ack, who, request.match_info["id"],
-                                            body.ok, body.result))
+                                            body.ok, body.result, body.lease_id))
 
     a.add_routes([
         web.get("/api/v1/health", health),
@@ -473,6 +523,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.post("/api/v1/tokens/{id}/revoke", revoke),
         web.post("/api/v1/nodes/register", register),
         web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
+        web.post("/api/v1/nodes/{name}/reset", reset_node),
         web.get("/api/v1/nodes", list_nodes),
         web.get("/api/v1/jobs", list_jobs),
         web.post("/api/v1/commands", new_command),
