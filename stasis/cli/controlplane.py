@@ -100,6 +100,19 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/nodes", None, _said_rows(
         "cluster", "name", "state", "jobs", "stasis_version", "criu_version",
         "last_heartbeat_age_s")))
+    node_cmds = subcommands(p, dest="nodes_command", required=False)
+    p = node_cmds.add_parser("reset", help="Forget NODE's own credential, so that it joins "
+                                           "again with the cluster token (its state dir was "
+                                           "lost, or it is a new machine under that name).")
+    p.add_argument("name", metavar="NODE")
+    p.add_argument("--cluster", default=None, help="Its cluster's id or name (needed when "
+                                                   "several clusters have a node NODE).")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(
+        a, s, "POST", f"/api/v1/nodes/{_seg(a.name)}/reset", {"cluster": a.cluster},
+        lambda d: output.say(f"node {d['name']} " + (
+            "reset: it joins again with the cluster token" if d["reset"] else
+            "had no credential: it may join"))))
 
 
     p = sub.add_parser("jobs", help="The jobs the nodes report.")
@@ -128,6 +141,7 @@ def add_controlplane(commands: Any) -> None:
                                                          "attempts", "created", "finished")))
     p = sub.add_parser("checkpoint", help="A checkpoint of JOB, taken by its node's daemon.")
     p.add_argument("job", metavar="JOB")
+    _where(p)
     p.add_argument("--stop", action="store_true", help="Stop the job once it is checkpointed "
                                                        "(a Slurm job: and requeue it; "
                                                        "default: it goes on running).")
@@ -138,6 +152,7 @@ def add_controlplane(commands: Any) -> None:
     p = sub.add_parser("migrate", help="Move JOB to NODE: checkpointed and stopped on its "
                                        "node, restored on NODE from the store both share.")
     p.add_argument("job", metavar="JOB")
+    _where(p)
     p.add_argument("--to", required=True, metavar="NODE")
     p.add_argument("--wait", type=float, default=300.0, metavar="S",
                    help="Seconds to wait for each node (default: %(default)s).")
@@ -150,6 +165,8 @@ def add_controlplane(commands: Any) -> None:
                                      "stasis's own jobs migrate to the other ready nodes. "
                                      "Done when the node reports none.")
     p.add_argument("node", metavar="NODE")
+    p.add_argument("--cluster", default=None, help="Its cluster's id or name (needed when "
+                                                   "several clusters have a node NODE).")
     p.add_argument("--reason", default="stasis drain", help="Slurm's drain reason.")
     p.add_argument("--wait", type=float, default=600.0, metavar="S",
                    help="Seconds to wait for the nodes (default: %(default)s).")
@@ -253,6 +270,13 @@ def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
 _GLOBS = ("cluster", "node", "label", "user", "partition")
 
 
+def _where(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default=None, help="The job's cluster (id or name): needed "
+                                                   "when nodes of several report JOB.")
+    p.add_argument("--node", default=None, help="The job's node: needed when several nodes "
+                                                "report JOB.")
+
+
 def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
     """The command once its node acknowledged it."""
     import time
@@ -274,7 +298,9 @@ def migrate(args: argparse.Namespace, settings: Settings) -> None:
 
     client = _client(settings)
     first = _finished(client, client.request("POST", "/api/v1/migrations",
-                                             {"job": args.job, "to": args.to}), args.wait)
+                                             {"job": args.job, "to": args.to,
+                                              "cluster": args.cluster, "node": args.node}),
+                   args.wait)
     if first["state"] == "failed":
         raise CheckpointError(f"node {first['node']}: {first['result'].get('error')} (job "
                               f"{args.job} goes on there)")
@@ -300,7 +326,7 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
 
     client = _client(settings)
     plan = client.request("POST", f"/api/v1/nodes/{_seg(args.node)}/drain",
-                          {"reason": args.reason})
+                          {"reason": args.reason, "cluster": args.cluster})
     moved, failed, requeued = [], [], []
     if plan.get("drain"):
         drained = _finished(client, plan["drain"], args.wait)
@@ -355,7 +381,8 @@ def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
 
     client = _client(settings)
     cmd = _finished(client, client.request("POST", "/api/v1/commands", {
-        "kind": "checkpoint", "job": args.job, "leave_running": not args.stop}), args.wait)
+        "kind": "checkpoint", "job": args.job, "leave_running": not args.stop,
+        "cluster": args.cluster, "node": args.node}), args.wait)
     if args.json:
         output.emit_json(cmd)
     if cmd["state"] == "failed":
