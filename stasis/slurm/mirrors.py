@@ -29,6 +29,7 @@ start (or ended early) is said once in the daemon's log and not tried again.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import select
@@ -38,6 +39,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from stasis.config import Settings
@@ -48,6 +50,9 @@ from stasis.wire import Registration
 log = logging.getLogger("stasis.daemon")
 
 POLL_S = 1.0
+# A read of a book is a few system calls and at most 256 KiB parsed: one that takes this long
+# is stuck, and given up.
+READ_TIMEOUT_S = 5.0
 _CLONE_NEWIPC = 0x08000000
 # Says it started (so that the next mirror starts after it: Slurm numbers steps as they
 # start), then waits for "<exit code> <signal>" on its stdin. SIGTERM at preemption (slurmctld signals every
@@ -67,25 +72,44 @@ _START_WAIT_S = 10.0
 class BookReader:
     """Reads a job's step book from inside its IPC namespace, on one thread of its own (setns
     moves only the calling thread; no other work of the daemon ever runs in a job's
-    namespace)."""
+    namespace).
+
+    The book is the job user's memory: steps.read_records copies out at most the segment's
+    real size, through the kernel (a short or faulting mapping cannot kill the daemon), and
+    refuses a segment of another owner. A read that does not answer within READ_TIMEOUT_S is
+    given up (its thread left behind, a new one takes over): nothing a job does can hold the
+    daemon's mirroring, nor the requests that wait on it."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stasis-step-book")
+        self._pool = self._new_pool()
         self._own = os.open("/proc/self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
         self._libc = ctypes.CDLL(None, use_errno=True)
 
-    def read(self, ns_fd: int) -> list[dict[str, object]]:
-        return self._pool.submit(self._read, ns_fd).result()
+    @staticmethod
+    def _new_pool() -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="stasis-step-book")
+
+    def read(self, ns_fd: int, owner: int | None = None) -> list[dict[str, object]]:
+        """The records of the book in the IPC namespace `ns_fd`; `owner`: the uid that must own
+        the segment (steps.BookRefused otherwise)."""
+        future = self._pool.submit(self._read, ns_fd, owner)
+        try:
+            return future.result(timeout=READ_TIMEOUT_S)
+        except FutureTimeout:
+            stuck = self._pool
+            self._pool = self._new_pool()
+            stuck.shutdown(wait=False)
+            raise OSError(errno.ETIMEDOUT, f"no answer within {READ_TIMEOUT_S:g} s") from None
 
     def _setns(self, fd: int) -> None:
         if self._libc.setns(fd, _CLONE_NEWIPC) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"setns: {os.strerror(err)}")
 
-    def _read(self, ns_fd: int) -> list[dict[str, object]]:
+    def _read(self, ns_fd: int, owner: int | None) -> list[dict[str, object]]:
         self._setns(ns_fd)
         try:
-            return steps.read_records()
+            return steps.read_records(owner)
         finally:
             try:
                 self._setns(self._own)
@@ -93,9 +117,9 @@ class BookReader:
                 # This thread is stuck in a job's namespace: it must never read or run anything
                 # else. A new pool takes over.
                 log.error("cannot leave a job's IPC namespace; step mirroring restarts")
-                self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="stasis-step-book")
+                stuck = self._pool
+                self._pool = self._new_pool()
+                stuck.shutdown(wait=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -114,6 +138,7 @@ class _Job:
     open: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     told: list[subprocess.Popen[bytes]] = field(default_factory=list)  # mirrors told to end
     full: bool = False  # _MAX_OPEN reached once (said in the log)
+    refused: str = ""  # why its book was refused, as last said in the log
 
 
 class Mirrors:
@@ -196,10 +221,21 @@ class Mirrors:
 
     def _read(self, job_id: str, job: _Job) -> list[dict[str, object]]:
         try:
-            return self.reader.read(job.ns_fd)
+            records = self.reader.read(job.ns_fd, job.uid)
+        except steps.BookRefused as e:
+            if str(e) != job.refused:  # said once, not at every poll
+                log.warning("Slurm job %s: its step book is refused: %s; its steps are not "
+                            "recorded in Slurm (the job itself stays protected)", job_id, e)
+                job.refused = str(e)
+            return []
         except OSError as e:
             log.warning("Slurm job %s: cannot read its step book: %s", job_id, e)
             return []
+        except Exception:  # noqa: BLE001 - a bug on a job's bytes costs that read, no more
+            log.exception("Slurm job %s: reading its step book failed", job_id)
+            return []
+        job.refused = ""
+        return records
 
     def _sync(self, job_id: str, job: _Job) -> None:
         # The book is the job's memory, written by the user's processes: every value is checked.
