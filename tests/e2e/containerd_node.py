@@ -93,13 +93,14 @@ class Node:
                               env={**os.environ, "STASIS_CONFIG": self.info["stasis_config"]})
 
     def run(self, cid: str, script: str, env: dict[str, str] | None = None,
-            runtime: str | None = None) -> Path:
-        """Create and start a container (detached); its log file."""
+            runtime: str | None = None, options: list[str] | None = None) -> Path:
+        """Create and start a container (detached); its log file. `options`: more of `ctr
+        run`'s (--cap-add=CAP_X, --annotation=K=V: what a pod spec would give it)."""
         log = self.root / f"{cid}-{time.monotonic_ns()}.log"
         envs = [f"--env={k}={v}" for k, v in (env or {}).items()]
         r = self.ctr("run", "-d", f"--log-uri=file://{log}",
-                     f"--runtime={runtime or self.info['runtime']}", *envs, IMAGE, cid,
-                     "/bin/sh", "-c", script)
+                     f"--runtime={runtime or self.info['runtime']}", *envs, *(options or []),
+                     IMAGE, cid, "/bin/sh", "-c", script)
         assert r.returncode == 0, r.stderr
         return log
 
