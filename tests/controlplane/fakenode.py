@@ -1,7 +1,8 @@
-"""A node as the control plane sees it, spoken by the test over plain HTTP with its cluster's
-token: registers, heartbeats the jobs and scheduler state it is told to, leases and
-acknowledges commands. For the control plane's side of what a node reports (its drain plans,
-its scoping) where no real daemon could report it here (a Kubernetes node's pods)."""
+"""A node as the control plane sees it, spoken by the test over plain HTTP: joins with its
+cluster's token and from then on speaks with the credential the join answered with; heartbeats
+the jobs and scheduler state it is told to, leases commands and acknowledges them quoting the
+lease. For the control plane's side of what a node reports (its drain plans, its scoping) where
+no real daemon could report it here (a Kubernetes node's pods)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,24 @@ from tests.controlplane.conftest import ControlPlane
 class FakeNode:
     def __init__(self, cp: ControlPlane, cluster: dict[str, str], name: str) -> None:
         self.cp = cp
-        self.token = cluster["token"]
+        self.cluster_token = cluster["token"]
+        self.token = ""  # its own credential, once joined
         self.cluster_id = cluster["cluster_id"]
         self.name = name
+        self.leases: dict[str, str] = {}  # command id -> the lease id it holds
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
-        status, answer = self.cp.call(method, path, self.token, body)
+        status, answer = self.cp.call(method, path, self.token or self.cluster_token, body)
         assert status == 200, (status, answer)
         return answer
 
     def register(self) -> None:
-        self.call("POST", "/api/v1/nodes/register", {
+        joined = self.call("POST", "/api/v1/nodes/register", {
             "name": self.name, "cluster_id": self.cluster_id, "host": self.name,
             "stasis_version": "0.test", "criu_version": "4.0", "check_ok": True})
+        if not self.token:
+            # (a control plane without node credentials answers none: the cluster token)
+            self.token = joined.get("node_token", "")
 
     def heartbeat(self, jobs: list[dict[str, Any]], scheduler_state: str | None = None
                   ) -> None:
@@ -37,9 +43,12 @@ class FakeNode:
     def lease(self) -> dict[str, Any] | None:
         got: dict[str, Any] | None = self.call(
             "POST", f"/api/v1/nodes/{self.name}/commands/lease", {})
+        if got is not None:
+            self.leases[got["id"]] = got["lease_id"]
         return got
 
     def ack(self, command_id: str, ok: bool, result: dict[str, Any]) -> dict[str, Any]:
         done: dict[str, Any] = self.call("POST", f"/api/v1/commands/{command_id}/ack",
-                                         {"ok": ok, "result": result})
+                                         {"lease_id": self.leases.get(command_id, ""),
+                                          "ok": ok, "result": result})
         return done

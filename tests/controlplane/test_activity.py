@@ -13,7 +13,7 @@ from typing import Any
 from tests.conftest import new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.test_commands import scrape
-from tests.controlplane.test_node import node_env
+from tests.controlplane.test_node import node_credential, node_env
 
 
 def test_checkpoints_and_restores_reported_with_the_work_they_keep(
@@ -68,11 +68,11 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         report = {"kind": "restore", "checkpoint": stopped["checkpoint"], "label": "kept",
                   "job": restored["job"], "user": test_user.pw_name, "size_bytes": 1,
                   "work_s": 99.0, "duration_s": 0.1, "at": time.time()}
-        status, _ = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", cluster["token"],
+        status, _ = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", node_credential(d),
                             {"jobs": [], "activity": [report]})
         assert status == 200
         assert cp.json("savings")["node_hours"] == hours
-        status, body = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", cluster["token"],
+        status, body = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", node_credential(d),
                                {"jobs": [], "activity": [{**report, "checkpoint": "../x"}]})
         assert status == 400 and "checkpoint" in body["error"], body
         metrics = scrape(cp, cp.admin)

@@ -4,6 +4,7 @@ they stop, registered again when the control plane lost its database; the token 
 
 from __future__ import annotations
 
+import json
 import pwd
 import shutil
 import tempfile
@@ -22,6 +23,11 @@ def node_env(cp: ControlPlane, cluster: dict[str, str], name: str,
     return {"STASIS_CONTROLPLANE_URL": cp.url, "STASIS_CLUSTER_ID": cluster["cluster_id"],
             "STASIS_AUTH_TOKEN": cluster["token"], "STASIS_NODE_NAME": name,
             "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5"}
+
+
+def node_credential(d: Daemon) -> str:
+    """The credential the node got when it joined (kept in its state dir)."""
+    return str(json.loads((d.state_dir / "controlplane-node.json").read_text())["token"])
 
 
 def nodes(cp: ControlPlane) -> dict[str, dict[str, object]]:

@@ -77,17 +77,27 @@ def test_who_may_call_what(controlplane: ControlPlane) -> None:
     assert cp.call("POST", "/api/v1/clusters", a["token"], {"name": "x", "kind": "slurm"}
                    )[0] == 403
     assert cp.call("POST", f"/api/v1/clusters/{b['cluster_id']}/rotate", a["token"])[0] == 403
-    # A cluster's token sees and reports its own nodes only.
-    assert cp.call("POST", "/api/v1/nodes/register", a["token"], NODE)[0] == 200
-    assert cp.call("POST", "/api/v1/nodes/register", b["token"], {**NODE, "name": "m1"}
-                   )[0] == 200
+    # A cluster's token sees its own nodes only, and joins them: each gets its own credential.
+    status, n1 = cp.call("POST", "/api/v1/nodes/register", a["token"], NODE)
+    assert status == 200 and n1["node_token"].startswith("stasis_node_"), n1
+    status, m1 = cp.call("POST", "/api/v1/nodes/register", b["token"], {**NODE, "name": "m1"})
+    assert status == 200
     assert [n["name"] for n in cp.call("GET", "/api/v1/nodes", a["token"])[1]] == ["n1"]
     assert [n["name"] for n in cp.call("GET", "/api/v1/nodes", cp.admin)[1]] == ["n1", "m1"]
     status, err = cp.call("POST", "/api/v1/nodes/register", a["token"],
                           {**NODE, "cluster_id": b["cluster_id"]})
     assert status == 403 and f"belongs to cluster {a['cluster_id']}" in err["error"]
     status, err = cp.call("POST", "/api/v1/nodes/m1/heartbeat", a["token"], {"jobs": []})
-    assert status == 404 and "not registered in this cluster" in err["error"]
+    assert status == 403 and err["error"] == (
+        "a heartbeat needs the node's own credential (it got one when it joined): a cluster "
+        "token may not act as node m1"), err
+    status, err = cp.call("POST", "/api/v1/nodes/m1/heartbeat", n1["node_token"], {"jobs": []})
+    assert status == 403 and err["error"] == ("this credential is node n1's: it may not act "
+                                              "as node m1"), err
+    assert cp.call("POST", "/api/v1/nodes/n1/heartbeat", n1["node_token"], {"jobs": []}
+                   )[0] == 200
+    # Nor does a node credential do an admin's work.
+    assert cp.call("GET", "/api/v1/clusters", n1["node_token"])[0] == 403
     r = cp.cli("nodes", token="stasis_wrong")
     assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: unknown token")
 
@@ -209,6 +219,7 @@ def test_cluster_tokens_can_expire(controlplane: ControlPlane) -> None:
     assert listed["expires"] == hpc["expires"]
     fresh = cp.json("clusters", "rotate", hpc["cluster_id"])  # no expiry
     assert fresh["expires"] is None
-    assert cp.call("POST", "/api/v1/nodes/register", fresh["token"], report)[0] == 200
+    assert cp.call("POST", "/api/v1/nodes/register", fresh["token"],
+                   {**report, "name": "n2"})[0] == 200
     r = cp.cli("clusters", "add", "bad", "--kind", "slurm", "--expires-in", "soon")
     assert r.returncode == 2
