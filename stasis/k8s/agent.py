@@ -12,21 +12,30 @@ Kubernetes API for its node and the pods on it:
   under stasis on it (what was taken goes into the node's stasis.dev/cordon-checkpoints);
 - by hand: a new value of a pod's stasis.dev/checkpoint annotation (`stasis k8s checkpoint
   NS/POD` writes one) is a leave-running checkpoint of the pod's containers, answered in
-  stasis.dev/checkpointed and stasis.dev/checkpoint-result;
+  stasis.dev/checkpointed and stasis.dev/checkpoint-result. The answer on the pod is what says
+  a request was done: an agent started again skips every request answered there. The daemon
+  holds these requests to its floor (k8s_min_interval_s) after a container's last checkpoint:
+  a refusal is the container's answer;
 - interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
   leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again), never below
   the daemon's floor (the k8s_min_interval_s setting).
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
+
+What the agent remembers of pods is bounded (`MAX_PODS_REMEMBERED`, the oldest forgotten first)
+and forgotten when a pod is deleted: a tenant who makes pods or requests without end does not
+grow the memory of a process that runs as root on every node.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,34 @@ from stasis.k8s import kube
 from stasis.k8s.models import ContainerInfo
 
 log = logging.getLogger("stasis.k8s.agent")
+
+# Pods whose last answered request the agent keeps in memory (the pod's own annotation is what
+# counts; this only saves asking the daemon again for a pod whose answer could not be written).
+MAX_PODS_REMEMBERED = 4096
+
+
+class Recent(OrderedDict[str, str]):
+    """A map that keeps its `limit` most recently set keys."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: str, value: str) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+def pod_key(pod: Any) -> str:
+    meta = pod.metadata
+    return f"{meta.namespace}/{meta.name}/{getattr(meta, 'uid', None) or ''}"
+
+
+def _digest(token: str) -> str:
+    # A request's value is the tenant's string (up to an annotation's size): kept as a digest.
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -80,10 +117,15 @@ class Agent:
     _daemon: subprocess.Popen[bytes] | None = None
     _unschedulable: bool | None = None
     _node_obj: Any = None
-    _answered: set[str] = field(default_factory=set)
+    remember_pods: int = MAX_PODS_REMEMBERED
+    # pod -> the digest of its last request answered (bounded; the pod's annotation is the record).
+    _answered: Recent = field(init=False)
     # container id -> the interval the agent asked for it (the daemon may have raised it).
     _interval_set: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._answered = Recent(self.remember_pods)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -218,27 +260,41 @@ class Agent:
     def _watch_pods(self) -> None:
         for kind, pod in kube.watch(self.api, self.api.list_pod_for_all_namespaces, self.stop,
                                     field_selector=f"spec.nodeName={self.node}"):
-            if kind == "DELETED" or getattr(pod.spec, "node_name", None) != self.node:
+            if kind == "DELETED":
+                self.forget_pod(pod)
+                continue
+            if getattr(pod.spec, "node_name", None) != self.node:
                 continue
             try:
                 self.on_pod(pod)
             except StasisError as e:
                 log.warning("pod %s/%s: %s", pod.metadata.namespace, pod.metadata.name, e)
 
+    def forget_pod(self, pod: Any) -> None:
+        """A deleted pod: nothing of it is kept."""
+        self._answered.pop(pod_key(pod), None)
+        for cid in kube.container_ids(pod).values():
+            self._interval_set.pop(cid, None)
+
     def on_pod(self, pod: Any) -> None:
         ann = kube.annotations_of(pod)
         ids = kube.container_ids(pod)
         asked = ann.get(kube.CHECKPOINT_ANNOTATION)
+        # Answered: on the pod (what survives this agent), or by this agent when the answer
+        # could not be written there.
         wants_checkpoint = bool(asked) and asked != ann.get(kube.CHECKPOINTED_ANNOTATION) \
-            and asked not in self._answered
+            and self._answered.get(pod_key(pod)) != _digest(asked or "")
         if not wants_checkpoint and kube.INTERVAL_ANNOTATION not in ann \
                 and not set(self._interval_set).intersection(ids.values()):
             return  # the common case: nothing asked of this pod (no call to the daemon)
         ours = {c["container_id"]: c for c in self._containers()}
+        # Containers the daemon no longer has (their pods gone while the agent was away).
+        for cid in set(self._interval_set) - set(ours):
+            del self._interval_set[cid]
         self._intervals(pod, ann, ids, ours)
         if wants_checkpoint:
             assert asked is not None
-            self._answered.add(asked)
+            self._answered.put(pod_key(pod), _digest(asked))
             self._checkpoint_pod(pod, asked, ids, ours)
 
     def _checkpoint_pod(self, pod: Any, asked: str, ids: dict[str, str],
@@ -247,7 +303,8 @@ class Agent:
         result: dict[str, Any] = {"containers": {}}
         for container, cid in sorted(ids.items()):
             if cid in ours:
-                result["containers"][container] = self._checkpoint(cid, "manual")
+                # Held to the node's floor by the daemon: the pod's owner asks for it.
+                result["containers"][container] = self._checkpoint(cid, "annotation")
         if not result["containers"]:
             result["error"] = (f"no container of pod {name} is under stasis on node "
                                f"{self.node} (runtimeClassName: stasis and STASIS_CHECKPOINT "

@@ -3,19 +3,31 @@ prepare its restore from its label's newest good checkpoint, remember the opted-
 
 Only root may call these (the runtime wrapper runs as root in containerd's shim). A container's
 checkpoints are stored under its namespace (owner `k8s:<namespace>`, an owner uid of its own:
-runc.namespace_uid), so a label never reaches across namespaces; a restore also checks the
-namespace recorded in the manifest. Registrations are rows of the daemon's database (table
-`k8s_containers`): intervals and `stasis dump --container` survive a restart of the daemon.
+runc.namespace_uid, above every kernel uid, so no local user is ever their owner), so a label
+never reaches across namespaces; a restore also checks the namespace recorded in the manifest.
+Within a namespace, any container that opts in with the label may resume it: the namespace is
+the unit of trust, as it is for the namespace's Secrets. Registrations are rows of the daemon's
+database (table `k8s_containers`): intervals and `stasis dump --container` survive a restart of
+the daemon.
+
+A restore resumes the processes with the credentials CRIU recorded, so it is refused unless the
+new container runs with the identity the checkpoint's did: the same uid, gids, capabilities and
+user-namespace mappings in its OCI spec as the checkpoint's own copy of the spec (spec.dump, in
+its verified images). A pod spec that adds runAsUser: 0 or capabilities does not resume a label
+that an unprivileged container dumped, nor the reverse.
 
 Intervals have a floor, the node admin's (`k8s_min_interval_s`): a pod's owner who asks for
 checkpoints every second (STASIS_INTERVAL, stasis.dev/interval) gets one every floor seconds,
-and a line in the container's log saying so. Checkpoints and restores are told to the
-manager's listeners (the control plane hears of them), with the seconds of work they hold.
+and a line in the container's log saying so; one who asks by annotation (stasis.dev/checkpoint,
+reason "annotation") is refused until the floor has passed since the container's last
+checkpoint. Checkpoints and restores are told to the manager's listeners (the control plane
+hears of them), with the seconds of work they hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -59,8 +71,8 @@ from stasis.k8s.models import (
     RestorePlan,
     RestoreRequest,
 )
-from stasis.k8s.runc import Bundle, Runc, namespace_uid, read_bundle, real_runc, \
-    validate_abs_path, validate_container_id
+from stasis.k8s.runc import Bundle, Runc, legacy_namespace_uid, namespace_uid, read_bundle, \
+    real_runc, validate_abs_path, validate_container_id
 from stasis.store import CheckpointInfo, Manifest, new_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
@@ -88,6 +100,8 @@ _PLAN_TTL_S = 600.0
 # The floor on a container's checkpoint interval (seconds; 0 = none): a dump freezes the
 # container and writes its memory, which the node's other pods pay for too.
 DEFAULT_MIN_INTERVAL_S = 60  # Settings.k8s_min_interval_s (STASIS_K8S_MIN_INTERVAL_S)
+# A checkpoint's copy of its container's OCI spec is read whole; a real one is a few KiB.
+_SPEC_MAX_BYTES = 4 << 20
 
 
 def _root_only(caller: Caller) -> None:
@@ -244,6 +258,11 @@ class Containers:
             n = conn.execute(delete(k8s_containers_table).where(
                 k8s_containers_table.c.container_id == container_id)).rowcount
         self.manager.work.forget(container_id)
+        with self._locks_guard:
+            # One lock per container ever seen would grow with every pod of the node's life.
+            lock = self._locks.get(container_id)
+            if lock is not None and not lock.locked():
+                del self._locks[container_id]
         return Forgotten(container_id=container_id, forgotten=bool(n))
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -272,10 +291,28 @@ class Containers:
         if not lock.acquire(timeout=timeout if req.reason == "stop" else 0):
             raise UsageError(f"a checkpoint of container {container_id} is already being taken")
         try:
+            if req.reason == "annotation":
+                self._held_to_floor(container_id)
             return self._checkpoint(container_id, root, req.reason, timeout,
                                     row["registered"] if row else None, why or req.reason)
         finally:
             lock.release()
+
+    def _held_to_floor(self, container_id: str) -> None:
+        """A pod owner's request (by annotation) comes no sooner than the node's floor after
+        the container's last checkpoint, whatever took it: annotating a pod again and again
+        does not make the node freeze and dump it more often than its intervals may."""
+        floor = self.min_interval_s
+        row = self._row(container_id)  # read again under the container's lock
+        if floor <= 0 or row is None or row["last_checkpoint"] is None:
+            return
+        since = time.time() - (row["last_checkpoint_at"] or 0)
+        if since >= floor:
+            return
+        raise TooSoonError(
+            f"checkpoint of container {container_id} refused: its last one was {since:.0f} s "
+            f"ago and this node takes one at most every {floor} s (its admin's minimum, "
+            f"k8s_min_interval_s): ask again in {max(1, round(floor - since))} s")
 
     def _checkpoint(self, container_id: str, root: Path, reason: str, timeout_s: float,
                     registered: str | None, why: str) -> CheckpointAnswer:
@@ -460,6 +497,8 @@ class Containers:
             try:
                 _, images = stack.enter_context(
                     self.manager.store.open_images(manifest.id, self.manager.scratch))
+                # Before anything of it touches the new container's root.
+                same_identity(manifest.id, images / oci.SPEC_DUMP, bundle.path / "config.json")
                 work = Path(tempfile.mkdtemp(prefix=f"runc-restore-{manifest.id}-",
                                              dir=self.manager.criu_logs))
                 stack.callback(shutil.rmtree, work, True)
@@ -468,7 +507,9 @@ class Containers:
                     rootfs.apply(diff, bundle.rootfs)
             except StasisError as e:
                 stack.close()
-                notes.append(f"checkpoint {manifest.id} skipped: {e}")
+                said = str(e)
+                notes.append(said if said.startswith(f"checkpoint {manifest.id} ")
+                             else f"checkpoint {manifest.id} skipped: {said}")
                 log.warning("container %s: checkpoint %s skipped: %s", cid, manifest.id, e)
                 continue
             except BaseException:
@@ -497,6 +538,9 @@ class Containers:
         try:
             rest = [m for m in store.list(label, uid=bundle.uid)
                     if newest is None or m.id != newest.id]
+            # Taken before namespaces had uids above every kernel uid; their namespace is
+            # checked by name (_ours), as every candidate's is.
+            rest += store.list(label, uid=legacy_namespace_uid(bundle.namespace))
         except StasisError as e:
             notes.append(f"the checkpoints of label {label} cannot be listed: {e}")
             return
@@ -539,6 +583,84 @@ class Containers:
     def close(self) -> None:
         for cid in list(self._plans):
             self._drop_plan(cid)
+
+
+class TooSoonError(UsageError):
+    """A pod owner asked for a checkpoint sooner than the node's floor allows."""
+
+
+# What of a container's OCI spec says with which credentials its processes run.
+_CAP_SETS = ("bounding", "effective", "permitted", "inheritable", "ambient")
+
+
+def identity(spec: dict[str, Any]) -> dict[str, object]:
+    """The credentials an OCI spec gives its container's processes: user, groups,
+    capabilities, and the user namespace's mappings (a uid inside means another outside)."""
+    process = spec.get("process") if isinstance(spec.get("process"), dict) else {}
+    assert isinstance(process, dict)
+    user = process.get("user") if isinstance(process.get("user"), dict) else {}
+    caps = process.get("capabilities") if isinstance(process.get("capabilities"), dict) else {}
+    linux = spec.get("linux") if isinstance(spec.get("linux"), dict) else {}
+    assert isinstance(user, dict) and isinstance(caps, dict) and isinstance(linux, dict)
+
+    def names(value: object) -> list[str]:
+        return sorted({str(v) for v in value}) if isinstance(value, list) else []
+
+    def mappings(value: object) -> list[str]:
+        if not isinstance(value, list):
+            return []
+        return sorted(f"{m.get('containerID')}:{m.get('hostID')}:{m.get('size')}"
+                      for m in value if isinstance(m, dict))
+
+    found: dict[str, object] = {
+        "uid": user.get("uid", 0), "gid": user.get("gid", 0),
+        "additional gids": sorted({int(g) for g in user.get("additionalGids") or []
+                                   if isinstance(g, int)})}
+    for name in _CAP_SETS:
+        found[f"{name} capabilities"] = names(caps.get(name))
+    found["uid mappings"] = mappings(linux.get("uidMappings"))
+    found["gid mappings"] = mappings(linux.get("gidMappings"))
+    return found
+
+
+def _read_spec(path: Path, what: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_SPEC_MAX_BYTES + 1)
+        if len(data) > _SPEC_MAX_BYTES:
+            raise ValueError(f"larger than {_SPEC_MAX_BYTES} bytes")
+        spec = json.loads(data)
+        if not isinstance(spec, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ContainerError(f"{what} cannot be read ({path}: {e})") from None
+    return spec
+
+
+def same_identity(checkpoint_id: str, recorded: Path, config: Path) -> None:
+    """Refuse (one line) to resume checkpoint `checkpoint_id` into a container whose spec
+    (`config`) gives its processes other credentials than the checkpoint's own copy of its
+    spec (`recorded`): CRIU would give the restored processes the credentials they had."""
+    if not recorded.exists():
+        raise ContainerError(
+            f"checkpoint {checkpoint_id} refused: it has no copy of its container's spec "
+            f"({oci.SPEC_DUMP}), so nothing says with which user and capabilities it ran; "
+            "delete it (stasis checkpoints rm) or import it from an archive that has one")
+    was = identity(_read_spec(recorded, f"the spec of checkpoint {checkpoint_id}"))
+    now = identity(_read_spec(config, "the new container's spec"))
+    differ = [f"{k} {_show(was[k])} there, {_show(now[k])} here" for k in was if was[k] != now[k]]
+    if differ:
+        raise ContainerError(
+            f"checkpoint {checkpoint_id} refused: it was taken of a container with other "
+            f"credentials ({'; '.join(differ)}), which its processes would resume with; "
+            "resume it from a pod whose securityContext (runAsUser, runAsGroup, "
+            "supplementalGroups, capabilities, hostUsers) is the checkpointed one's")
+
+
+def _show(value: object) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]" if value else "none"
+    return str(value)
 
 
 def _resume(runc: Runc, container_id: str) -> bool:

@@ -257,3 +257,133 @@ def test_a_node_without_a_kubernetes_api_has_no_drain_and_says_so(node: Node) ->
     r = node.stasis("k8s", "drain")
     assert (r.returncode, r.stderr.strip()) == (
         2, "stasis: error: this node has no Kubernetes API to drain it in"), r.stderr
+
+
+def test_a_label_resumes_only_into_a_container_with_the_checkpointed_credentials(
+        node: Node) -> None:
+    """A restore gives the processes the credentials CRIU recorded: a container spec that adds
+    a capability does not resume a label dumped without it (it starts fresh), nor does one
+    without it resume the privileged one's checkpoint; the matching one still resumes."""
+    label = f"creds-{secrets.token_hex(3)}"
+    plain = counter(node, "c-creds", label, "plain")
+    wait_for(lambda: len(numbers(plain)) >= 5, 20, "the counter to count")
+    node.stop("c-creds")
+    before = numbers(plain)
+    node.remove("c-creds")
+    (first,) = [c["id"] for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+                if c["label"] == label]
+
+    # The same label from a spec with CAP_SYS_ADMIN added: refused, one line; fresh start.
+    extra = node.run("c-creds", COUNTER.replace("$0", "admin"), env={"STASIS_CHECKPOINT": label},
+                     options=["--cap-add=CAP_SYS_ADMIN"])
+    wait_for(lambda: len(numbers(extra)) >= 3, 20, "the fresh counter")
+    text = extra.read_text()
+    refusal = next(line for line in text.splitlines() if f"checkpoint {first} refused" in line)
+    assert refusal.startswith(f"stasis: checkpoint {first} refused: it was taken of a container "
+                              "with other credentials (bounding capabilities "), refusal
+    assert "CAP_SYS_ADMIN" in refusal and refusal.endswith(
+        "resume it from a pod whose securityContext (runAsUser, runAsGroup, "
+        "supplementalGroups, capabilities, hostUsers) is the checkpointed one's"), refusal
+    assert numbers(extra)[0] == 1  # not resumed
+    made = node.ctr("tasks", "exec", "--exec-id", "cat-admin", "c-creds", "/bin/cat",
+                    "/data/made")
+    assert made.stdout.strip() == "token-admin"  # its own layer, not the checkpoint's
+    node.stop("c-creds")  # its own checkpoint now: the label's newest, with CAP_SYS_ADMIN
+    node.remove("c-creds")
+
+    # The reverse: the plain spec skips the privileged newest and resumes its own.
+    again = counter(node, "c-creds", label, "plain-again")
+    wait_for(lambda: len(numbers(again)) >= 2, 20, "the resumed counter")
+    text = again.read_text()
+    assert "refused: it was taken of a container with other credentials" in text, text[:800]
+    assert f"restored from checkpoint {first}" in text
+    assert numbers(again)[0] == before[-1] + 1
+    node.stop("c-creds")
+    node.remove("c-creds")
+
+
+def test_within_a_namespace_any_pod_may_resume_a_label_and_none_of_another_namespace(
+        node: Node) -> None:
+    """The namespace is the unit of trust (as for its Secrets): a container of another pod of
+    the same namespace with the label resumes it; one of another namespace starts fresh."""
+    label = f"shared-{secrets.token_hex(3)}"
+
+    def in_namespace(ns: str, pod: str) -> list[str]:
+        return [f"--annotation=io.kubernetes.cri.sandbox-namespace={ns}",
+                f"--annotation=io.kubernetes.cri.sandbox-name={pod}"]
+
+    log = node.run("c-ns", COUNTER.replace("$0", "a"), env={"STASIS_CHECKPOINT": label},
+                   options=in_namespace("team-a", "trainer-1"))
+    wait_for(lambda: len(numbers(log)) >= 5, 20, "the counter to count")
+    node.stop("c-ns")
+    before = numbers(log)
+    node.remove("c-ns")
+    mine = [c for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+            if c["label"] == label]
+    assert [c["user"] for c in mine] == ["k8s:team-a"]
+
+    other = node.run("c-ns", COUNTER.replace("$0", "b"), env={"STASIS_CHECKPOINT": label},
+                     options=in_namespace("team-b", "trainer-1"))
+    wait_for(lambda: len(numbers(other)) >= 2, 20, "the other namespace's counter")
+    assert numbers(other)[0] == 1
+    assert f"no checkpoint of label {label} in namespace team-b yet" in other.read_text()
+    node.ctr("tasks", "kill", "-s", "SIGKILL", "c-ns")  # no checkpoint of team-b's taken
+    wait_for(lambda: node.status("c-ns") == "STOPPED", 10, "team-b's container to stop")
+    node.remove("c-ns")
+
+    same = node.run("c-ns", COUNTER.replace("$0", "a2"), env={"STASIS_CHECKPOINT": label},
+                    options=in_namespace("team-a", "trainer-2"))
+    wait_for(lambda: len(numbers(same)) >= 2, 20, "team-a's other pod's counter")
+    assert numbers(same)[0] == before[-1] + 1
+    node.stop("c-ns")
+    node.remove("c-ns")
+
+
+def test_no_local_user_is_the_owner_of_a_namespace_s_checkpoints(node: Node) -> None:
+    """A namespace's owner uid is above every kernel uid: a local user whose uid is the
+    nearest a kernel has (the owner uid's low 32 bits) can neither list nor restore them
+    through the daemon's socket."""
+    import pwd
+
+    from stasis.k8s.runc import namespace_uid
+    from tests.conftest import STASIS, TEST_USER, ensure_test_user
+
+    label = f"owner-{secrets.token_hex(3)}"
+    log = counter(node, "c-owner", label, "owner")
+    wait_for(lambda: len(numbers(log)) >= 3, 20, "the counter to count")
+    node.stop("c-owner")
+    node.remove("c-owner")
+    (ckpt,) = [c["id"] for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+               if c["label"] == label]
+
+    owner = namespace_uid("stasis")
+    assert owner > 2**32 - 1  # no account of any node can have it
+    assert owner not in {p.pw_uid for p in pwd.getpwall()}
+    uid = owner & 0xFFFFFFFF
+    ensure_test_user()
+    name = f"ns-{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--no-log-init", "--non-unique", "-u",
+                    str(uid), "-g", TEST_USER, "-s", "/bin/sh", name], check=True)
+    try:
+        # The attacker may talk to the daemon (the socket's group).
+        node.configure({"socket_group": TEST_USER})
+
+        def as_user(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["runuser", "-u", name, "--", "env",
+                                   f"STASIS_CONFIG={node.info['stasis_config']}", STASIS,
+                                   *args], capture_output=True, text=True, timeout=120)
+
+        listed = as_user("checkpoints", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [c for c in json.loads(listed.stdout) if c["label"] == label] == []
+        by_label = as_user("restore", "--label", label)
+        assert by_label.returncode != 0
+        assert by_label.stderr.strip() == f"stasis: error: no checkpoint with label {label}"
+        by_id = as_user("restore", ckpt)
+        assert by_id.returncode != 0 and "permission denied" in by_id.stderr, by_id.stderr
+        assert len(by_id.stderr.strip().splitlines()) == 1
+        # Still there, the namespace's own.
+        assert [c["id"] for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+                if c["label"] == label] == [ckpt]
+    finally:
+        subprocess.run(["userdel", name], check=False)

@@ -2,7 +2,9 @@
 runs on these machines) and a real node: containerd, runc and the stasis daemon of `stasis k8s
 local-node`, containers started through the stasis runtime. The tests play the cluster's part:
 they create the Node and Pod objects, write the pod's container statuses as the kubelet would,
-cordon the node, annotate pods."""
+cordon the node, annotate pods. The agent runs with exactly the permissions the chart's RBAC
+gives its service account (rendered from charts/stasis, enforced by the emulator): every call it
+makes must be allowed there."""
 
 from __future__ import annotations
 
@@ -23,41 +25,66 @@ from stasis.daemon import detached
 from tests.conftest import STASIS, wait_for
 from tests.e2e.containerd_node import Node
 from tests.k8s.apiserver import ApiServer
+from tests.k8s.chart_rbac import agent_rules
 
 NODE = "node-a"
 NS = "stasis"  # the containerd namespace of the local node: the containers' namespace
 COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
+FLOOR_S = 5  # the node's floor on checkpoint intervals, low for short tests
+AGENT_TOKEN = "stasis-agent-token"  # the chart's service account's, in the emulator
+
+
+class Cluster:
+    """The node, the API, the agent (a process of its own, started again at will)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.node = Node(root, min_interval_s=FLOOR_S)
+        self.api = ApiServer(root)
+        self.log = root / "agent.log"
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.kubeconfig = root / "none"
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.node, self.api, self.log))
+
+    def start_agent(self) -> None:
+        with self.log.open("a") as out:
+            self.agent = subprocess.Popen(
+                [STASIS, "k8s", "agent", "--node", NODE, "--kubeconfig", str(self.kubeconfig),
+                 "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "STASIS_CONFIG": self.node.info["stasis_config"],
+                     "STASIS_K8S_CHECK_INTERVAL_S": "0.5"})
+
+    def kill_agent(self) -> None:
+        if self.agent is not None:
+            self.agent.kill()
+            self.agent.wait(timeout=30)
+            self.agent = None
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[Node, ApiServer, Path]]:
-    root = Path(tempfile.mkdtemp(prefix="stasis-agent-"))
-    node = Node(root, min_interval_s=2)
-    api = ApiServer(root)
-    agent = None
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(Path(tempfile.mkdtemp(prefix="stasis-agent-")))
     try:
-        node.up()
-        api.start()
+        c.node.up()
+        c.api.start()
+        # The agent's service account may do what the chart's RBAC grants it, nothing more.
+        c.kubeconfig = c.api.authorize(AGENT_TOKEN, agent_rules())
         # As the kubelet registers a node with --register-with-taints: tainted until the
         # agent says otherwise; another taint the agent must leave alone.
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                             "spec": {"taints": [
-                                 {"key": "stasis.dev/not-ready", "effect": "NoSchedule"},
-                                 {"key": "other", "value": "x", "effect": "NoExecute"}]}})
-        log = root / "agent.log"
-        with log.open("w") as out:
-            agent = subprocess.Popen(
-                [STASIS, "k8s", "agent", "--node", NODE, "--kubeconfig", str(api.kubeconfig),
-                 "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "STASIS_CONFIG": node.info["stasis_config"],
-                     "STASIS_K8S_CHECK_INTERVAL_S": "0.5"})
-        yield node, api, log
+        c.api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+                               "spec": {"taints": [
+                                   {"key": "stasis.dev/not-ready", "effect": "NoSchedule"},
+                                   {"key": "other", "value": "x", "effect": "NoExecute"}]}})
+        c.start_agent()
+        yield c
     finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
-        api.stop()
-        node.down()
+        if c.agent is not None:
+            c.agent.terminate()
+            c.agent.wait(timeout=30)
+        c.api.stop()
+        c.node.down()
 
 
 def taints(api: ApiServer) -> list[str]:
@@ -69,12 +96,12 @@ def numbers(log: Path) -> list[int]:
 
 
 def pod(api: ApiServer, name: str, containers: dict[str, str],
-        annotations: dict[str, str] | None = None) -> None:
+        annotations: dict[str, str] | None = None, node: str = NODE) -> None:
     """A pod bound to the node, with the container statuses the kubelet would write."""
     api.create("pods", {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": NS, "annotations": annotations or {}},
-        "spec": {"nodeName": NODE, "runtimeClassName": "stasis",
+        "spec": {"nodeName": node, "runtimeClassName": "stasis",
                  "containers": [{"name": c, "image": "busybox"} for c in containers]},
         "status": {"phase": "Running", "containerStatuses": [
             {"name": c, "containerID": f"containerd://{cid}", "image": "busybox",
@@ -97,7 +124,7 @@ def registered(node: Node, cid: str) -> dict[str, Any] | None:
 
 
 def test_the_not_ready_taint_follows_the_node_s_stasis_and_other_taints_stay(
-        cluster: tuple[Node, ApiServer, Path]) -> None:
+        cluster: Cluster) -> None:
     node, api, log = cluster
     wait_for(lambda: taints(api) == ["other"], 30, f"the taint to come off ({log})")
     # The daemon dies: the node cannot checkpoint, so nothing new may land on it.
@@ -110,7 +137,7 @@ def test_the_not_ready_taint_follows_the_node_s_stasis_and_other_taints_stay(
 
 
 def test_cordoning_the_node_checkpoints_its_protected_containers_which_go_on(
-        cluster: tuple[Node, ApiServer, Path]) -> None:
+        cluster: Cluster) -> None:
     node, api, _ = cluster
     label = f"cordon-{secrets.token_hex(3)}"
     out = node.run("c-cordon", COUNTER, env={"STASIS_CHECKPOINT": label})
@@ -136,26 +163,24 @@ def test_cordoning_the_node_checkpoints_its_protected_containers_which_go_on(
 
 
 def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(
-        cluster: tuple[Node, ApiServer, Path]) -> None:
+        cluster: Cluster) -> None:
     node, api, _ = cluster
     label = f"byhand-{secrets.token_hex(3)}"
     out = node.run("c-byhand", COUNTER, env={"STASIS_CHECKPOINT": label})
     wait_for(lambda: registered(node, "c-byhand"), 20, "the container's registration")
     pod(api, "trainer", {"main": "c-byhand"})
     try:
-        r = subprocess.run([STASIS, "k8s", "checkpoint", f"{NS}/trainer", "--kubeconfig",
-                            str(api.kubeconfig), "--timeout", "60"],
-                           capture_output=True, text=True, timeout=90)
+        r = ask(api, "trainer")
         assert r.returncode == 0, r.stderr
         (ckpt,) = [c["id"] for c in checkpoints(node, label)]
         assert r.stdout.strip() == f"container main: checkpoint {ckpt} (label {label})"
         n = len(numbers(out))
         wait_for(lambda: len(numbers(out)) > n + 3, 20, "the counter to go on")
 
-        # Asked again: a second checkpoint (each new annotation value is a new request).
-        r = subprocess.run([STASIS, "k8s", "checkpoint", f"{NS}/trainer", "--kubeconfig",
-                            str(api.kubeconfig), "--json"],
-                           capture_output=True, text=True, timeout=90)
+        # Asked again once the node's floor has passed since: a second checkpoint (each new
+        # annotation value is a new request).
+        time.sleep(FLOOR_S)
+        r = ask(api, "trainer", "--json")
         assert r.returncode == 0, r.stderr
         assert len(checkpoints(node, label)) == 2
         assert json.loads(r.stdout)["containers"]["main"]["label"] == label
@@ -163,8 +188,122 @@ def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(
         node.remove("c-byhand")
 
 
+def ask(api: ApiServer, pod_name: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """`stasis k8s checkpoint NS/POD`, as a tenant runs it (the cluster's admin here)."""
+    return subprocess.run([STASIS, "k8s", "checkpoint", f"{NS}/{pod_name}", "--kubeconfig",
+                           str(api.kubeconfig), "--timeout", "60", *options],
+                          capture_output=True, text=True, timeout=90)
+
+
+def test_a_tenant_asking_again_and_again_gets_no_more_checkpoints_than_the_floor_allows(
+        cluster: Cluster) -> None:
+    node, api, _ = cluster
+    label = f"spam-{secrets.token_hex(3)}"
+    out = node.run("c-spam", COUNTER, env={"STASIS_CHECKPOINT": label})
+    wait_for(lambda: registered(node, "c-spam"), 20, "the container's registration")
+    pod(api, "spam", {"main": "c-spam"})
+    try:
+        first = ask(api, "spam")
+        assert first.returncode == 0, first.stderr
+        taken = time.monotonic()
+        # The tenant annotates the pod again and again, as fast as the agent answers.
+        answers: list[dict[str, str]] = []
+        while time.monotonic() < taken + FLOOR_S - 1.5 and len(answers) < 10:
+            token = f"again-{len(answers)}"
+            api.patch("pods", "spam", {"metadata": {"annotations": {
+                "stasis.dev/checkpoint": token}}}, namespace=NS)
+            ann: dict[str, str] = wait_for(
+                lambda: (a := api.get("pods", "spam", NS)["metadata"]["annotations"]).get(
+                    "stasis.dev/checkpointed") == token and a, 20, "the agent's answer")
+            answers.append(json.loads(ann["stasis.dev/checkpoint-result"])["containers"]["main"])
+        assert len(answers) >= 2 and all("error" in a for a in answers), answers
+        assert len(checkpoints(node, label)) == 1
+        # Each refusal is the pod's answer, one line that says why and what to do.
+        refused = answers[0]["error"]
+        assert re.fullmatch(r"checkpoint of container c-spam refused: its last one was \d+ s "
+                            rf"ago and this node takes one at most every {FLOOR_S} s \(its "
+                            r"admin's minimum, k8s_min_interval_s\): ask again in \d+ s",
+                            refused), refused
+        assert node.status("c-spam") == "RUNNING"
+        n = len(numbers(out))
+        wait_for(lambda: len(numbers(out)) > n + 3, 20, "the counter to go on")
+        # Once the floor has passed: taken again.
+        time.sleep(FLOOR_S)
+        again = ask(api, "spam")
+        assert again.returncode == 0, again.stderr
+        assert len(checkpoints(node, label)) == 2
+    finally:
+        node.remove("c-spam")
+
+
+def test_an_agent_started_again_does_not_run_answered_requests_again(cluster: Cluster) -> None:
+    node, api, log = cluster
+    label = f"again-{secrets.token_hex(3)}"
+    node.run("c-again", COUNTER, env={"STASIS_CHECKPOINT": label})
+    wait_for(lambda: registered(node, "c-again"), 20, "the container's registration")
+    pod(api, "again", {"main": "c-again"})
+    try:
+        r = ask(api, "again")
+        assert r.returncode == 0, r.stderr
+        assert len(checkpoints(node, label)) == 1
+        answered = api.get("pods", "again", NS)["metadata"]["annotations"]
+        # Past the floor: a request run again would be taken, not refused.
+        time.sleep(FLOOR_S)
+        cluster.kill_agent()  # no goodbye: as a node's OOM killer or a crash ends it
+        cluster.start_agent()
+        # A new request, made after the restart: answered only once the agent went through
+        # every pod it found at its start (a watch lists them first).
+        node.run("c-again2", COUNTER)
+        pod(api, "again2", {"main": "c-again2"})
+        r = ask(api, "again2")
+        assert r.returncode == 1 and "is under stasis" in r.stderr, r.stderr
+        assert len(checkpoints(node, label)) == 1
+        assert api.get("pods", "again", NS)["metadata"]["annotations"] == answered
+    finally:
+        node.remove("c-again")
+        node.remove("c-again2")
+    assert log.read_text().count(f"agent of node {NODE} running") >= 2
+
+
+def test_what_the_agent_remembers_of_pods_is_bounded(cluster: Cluster) -> None:
+    """A tenant who makes many pods, each with a request, does not grow the agent's memory:
+    the agent itself, in this process, against the same API and daemon."""
+    from stasis.config import load_settings
+    from stasis.k8s import kube
+    from stasis.k8s.agent import Agent
+
+    node, api, _ = cluster
+    # Pods of another node: the agent of this test's node leaves them to this one.
+    agent = Agent(settings=load_settings({"STASIS_CONFIG": node.info["stasis_config"]}),
+                  api=kube.connect(str(cluster.kubeconfig)), node="node-b", start_daemon=False,
+                  remember_pods=8)
+    names = [f"many-{i}" for i in range(30)]
+    for i, name in enumerate(names):
+        pod(api, name, {"main": f"c-many-{i}"}, node="node-b",
+            annotations={"stasis.dev/checkpoint": f"ask-{i}-" + "x" * 4000})
+    client = agent.api
+    for name in names:
+        agent.on_pod(client.read_namespaced_pod(name, NS))
+        assert len(agent._answered) <= 8
+    # Every one was answered on its pod all the same (nothing of it is under stasis).
+    for name in names:
+        ann = api.get("pods", name, NS)["metadata"]["annotations"]
+        assert ann["stasis.dev/checkpointed"] == ann["stasis.dev/checkpoint"]
+    # A pod forgotten by the agent and seen again is not asked again: its answer is on it.
+    def answers() -> int:
+        return sum(1 for r in api.requests() if r["verb"] == "patch" and r["name"] == names[0])
+
+    before = answers()
+    agent.on_pod(client.read_namespaced_pod(names[0], NS))
+    assert answers() == before == 1
+    # Deleted pods are forgotten at once.
+    for name in names[-8:]:
+        agent.forget_pod(client.read_namespaced_pod(name, NS))
+    assert len(agent._answered) == 0
+
+
 def test_a_pod_with_nothing_under_stasis_or_no_such_pod_is_one_clear_error(
-        cluster: tuple[Node, ApiServer, Path]) -> None:
+        cluster: Cluster) -> None:
     node, api, _ = cluster
     node.run("c-unprotected", COUNTER)
     pod(api, "web", {"nginx": "c-unprotected"})
@@ -188,7 +327,7 @@ def test_a_pod_with_nothing_under_stasis_or_no_such_pod_is_one_clear_error(
 
 
 def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interval(
-        cluster: tuple[Node, ApiServer, Path]) -> None:
+        cluster: Cluster) -> None:
     node, api, _ = cluster
     label = f"every-{secrets.token_hex(3)}"
     out = node.run("c-every", COUNTER, env={"STASIS_CHECKPOINT": label})  # no STASIS_INTERVAL
@@ -196,12 +335,12 @@ def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interv
     pod(api, "every", {"main": "c-every"}, annotations={"stasis.dev/interval": "1"})
     try:
         wait_for(lambda: len(checkpoints(node, label)) >= 2, 60, "two interval checkpoints")
-        # 1 s is below the node's floor (2 s here): raised, said once in the container's log
+        # 1 s is below the node's floor (FLOOR_S here): raised, said once in the container's log
         # (the pod's later events do not ask again).
-        assert (registered(node, "c-every") or {})["interval_s"] == 2
+        assert (registered(node, "c-every") or {})["interval_s"] == FLOOR_S
         api.patch("pods", "every", {"metadata": {"labels": {"touched": "yes"}}}, namespace=NS)
         time.sleep(1)
-        assert out.read_text().count("is below this node's minimum of 2 s") == 1
+        assert out.read_text().count(f"is below this node's minimum of {FLOOR_S} s") == 1
         # Taken off: the container's own (none) again.
         api.patch("pods", "every", {"metadata": {"annotations": {"stasis.dev/interval": None}}},
                   namespace=NS)
@@ -214,6 +353,30 @@ def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interv
         node.remove("c-every")
 
 
+def test_the_emulator_refuses_what_the_chart_does_not_grant(cluster: Cluster) -> None:
+    """The RBAC the tests rely on is enforced: the agent's token may not delete a pod or read
+    a Secret (a Forbidden answer, as kube-apiserver's)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from stasis.k8s import kube
+
+    node, api, _ = cluster
+    pod(api, "untouchable", {"main": "c-none"})
+    client = kube.connect(str(cluster.kubeconfig))
+    with pytest.raises(ApiException) as e:
+        client.delete_namespaced_pod("untouchable", NS)
+    assert e.value.status == 403
+    with pytest.raises(ApiException) as e:
+        client.list_namespaced_secret(NS)
+    assert e.value.status == 403
+    assert api.exists("pods", "untouchable", NS)
+    denied = api.requests(denied=True)
+    assert [(d["verb"], d["resource"]) for d in denied] == [("delete", "pods"),
+                                                            ("list", "secrets")]
+    # What the last test checks counts from here.
+    (api.workdir / "rbac-denied.jsonl").unlink()
+
+
 def test_an_agent_without_an_api_says_so_in_one_line() -> None:
     r = subprocess.run([STASIS, "k8s", "agent", "--node", NODE, "--kubeconfig",
                         "/nonexistent/kubeconfig", "--no-daemon"],
@@ -221,3 +384,12 @@ def test_an_agent_without_an_api_says_so_in_one_line() -> None:
     assert r.returncode == 1
     assert r.stderr.startswith("stasis: error: no Kubernetes API from /nonexistent/kubeconfig: ")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_every_call_of_the_agent_is_one_the_chart_s_rbac_allows(cluster: Cluster) -> None:
+    """Last of the module: what the agent did above, it did with the chart's permissions."""
+    _, api, _ = cluster
+    assert api.requests(denied=True) == []
+    done = {(r["verb"], r["resource"]) for r in api.requests()}
+    assert {("watch", "nodes"), ("watch", "pods"), ("patch", "nodes"),
+            ("patch", "pods")} <= done, done

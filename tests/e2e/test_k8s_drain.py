@@ -4,7 +4,9 @@ drain (cordon, stop checkpoints, evictions). A real node (containerd, runc and t
 of `stasis k8s local-node`) whose daemon has the Kubernetes API of kmock's emulator (no API
 server runs on these machines) and joins a real control plane. The tests play the cluster's
 part: they create the Node and Pod objects and, after an eviction, the pod its Deployment
-would make again (the container created again with the same label)."""
+would make again (the container created again with the same label). The daemon's Kubernetes
+API allows it exactly what the chart's RBAC grants the agent's service account (the daemon runs
+in the agent's pod)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.conftest import wait_for
 from tests.controlplane.conftest import ControlPlane
 from tests.e2e.containerd_node import Node
 from tests.k8s.apiserver import ApiServer
+from tests.k8s.chart_rbac import agent_rules
 
 NODE = "k8s-node-a"
 NS = "stasis"  # the containerd namespace of the local node: the containers' namespace
@@ -34,9 +37,10 @@ def cluster() -> Iterator[tuple[Node, ApiServer, ControlPlane]]:
     api = ApiServer(root)
     (root / "cp").mkdir()
     cp = ControlPlane(root / "cp", str(root / "cp" / "controlplane.db"))
-    node = Node(root / "node", kubeconfig=api.kubeconfig, node_name=NODE)
+    node = Node(root / "node", kubeconfig=root / "kubeconfig-stasis-agent", node_name=NODE)
     try:
         api.start()
+        assert api.authorize("stasis-agent", agent_rules()) == root / "kubeconfig-stasis-agent"
         api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
                              "spec": {},
                              "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
@@ -209,6 +213,15 @@ def test_the_control_plane_drains_a_kubernetes_node_through_its_daemon(
     finally:
         api.patch("nodes", NODE, {"spec": {"unschedulable": False}})
         node.remove("c-cpd")
+
+
+def test_the_daemon_s_drain_needed_nothing_the_chart_s_rbac_does_not_grant(
+        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    _, api, _ = cluster
+    assert api.requests(denied=True) == []
+    done = {(r["verb"], r["resource"]) for r in api.requests()}
+    assert {("get", "nodes"), ("patch", "nodes"), ("list", "pods"),
+            ("create", "pods/eviction")} <= done, done
 
 
 def test_without_its_api_the_node_has_no_state_and_a_drain_fails_in_one_line(

@@ -5,6 +5,14 @@ pods or runs a kubelet; the tests write what the kubelet would (a pod's containe
 An eviction (POST pods/NAME/eviction) deletes the pod as a real API server does (no disruption
 budgets here) and is written, one JSON line each, to evictions.jsonl in its working directory.
 
+RBAC, as a real API server authorizes: `ApiServer.authorize(token, rules)` (rbac.json in its
+working directory, read at every request) makes every request that bears that bearer token
+checked against those PolicyRules (apiGroups, resources with their subresources as
+"pods/eviction", verbs get/list/watch/create/update/patch/delete, resourceNames); a request
+they do not allow is answered 403 Forbidden, as kube-apiserver answers it, and written to
+rbac-denied.jsonl. Every request of that token is written to rbac-requests.jsonl. Requests
+without a token (the tests' own, as the cluster's admin) are allowed.
+
     python tests/k8s/apiserver.py     prints its URL, then serves until killed
 """
 
@@ -74,6 +82,24 @@ class ApiServer:
             raise AssertionError(f"{method} {path}: {e.code} {e.read()!r}") from None
         return answer
 
+    def authorize(self, token: str, rules: list[dict[str, Any]]) -> Path:
+        """Requests with bearer `token` get what `rules` allow and nothing else; a kubeconfig
+        that uses that token (as a service account's would)."""
+        tmp = self.workdir / "rbac.json.tmp"
+        tmp.write_text(json.dumps({"token": token, "rules": rules}))
+        tmp.replace(self.workdir / "rbac.json")
+        config = self.workdir / f"kubeconfig-{token}"
+        config.write_text(self.kubeconfig.read_text().replace("not-a-secret", token))
+        os.chmod(config, 0o600)
+        return config
+
+    def requests(self, denied: bool = False) -> list[dict[str, Any]]:
+        """The requests of the authorized token (only those refused: `denied`)."""
+        path = self.workdir / ("rbac-denied.jsonl" if denied else "rbac-requests.jsonl")
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
     def evictions(self) -> list[dict[str, Any]]:
         path = self.workdir / "evictions.jsonl"
         if not path.exists():
@@ -100,6 +126,75 @@ class ApiServer:
         self._call("PATCH", self._path(kind, namespace, name), body)
 
 
+_VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
+
+
+def _attributes(request: Any) -> dict[str, Any] | None:
+    """What RBAC authorizes of a request (as kube-apiserver's RequestInfo): None for a path
+    that is not a resource (discovery, /version: every authenticated user's)."""
+    resource = request.resource
+    if resource is None or resource.group is None:
+        return None
+    plural, name, namespace = resource.plural, request.name, request.namespace
+    if plural is None and namespace is not None:  # /api/v1/namespaces/NAME
+        plural, name, namespace = "namespaces", namespace, None
+    if plural is None:
+        return None
+    method = str(request.method.value if hasattr(request.method, "value") else request.method)
+    method = method.upper()
+    if method == "GET":
+        watch = str(request.params.get("watch", "")).lower() in ("1", "t", "true")
+        verb = "watch" if watch else "get" if name else "list"
+    elif method == "DELETE":
+        verb = "delete" if name else "deletecollection"
+    else:
+        verb = _VERBS.get(method, method.lower())
+    full = plural + (f"/{request.subresource}" if request.subresource else "")
+    return {"verb": verb, "apiGroup": resource.group, "resource": full, "name": name,
+            "namespace": namespace}
+
+
+def _allows(rule: dict[str, Any], attrs: dict[str, Any]) -> bool:
+    def has(key: str, value: str) -> bool:
+        return "*" in rule.get(key, []) or value in rule.get(key, [])
+
+    if not (has("apiGroups", attrs["apiGroup"]) and has("resources", attrs["resource"])
+            and has("verbs", attrs["verb"])):
+        return False
+    names = rule.get("resourceNames")
+    return not names or attrs["name"] in names
+
+
+def _forbidden(request: Any) -> dict[str, Any] | None:
+    """kube-apiserver's 403 Status for a request the authorized token may not make, else
+    None. Only requests with that token are checked."""
+    try:
+        policy = json.loads(Path("rbac.json").read_text())
+    except FileNotFoundError:
+        return None
+    header = request.headers.get("Authorization") or request.headers.get("authorization") or ""
+    if header != f"Bearer {policy['token']}":
+        return None
+    attrs = _attributes(request)
+    if attrs is None:
+        return None
+    allowed = any(_allows(rule, attrs) for rule in policy["rules"])
+    with open("rbac-requests.jsonl", "a") as out:
+        out.write(json.dumps({**attrs, "allowed": allowed}) + "\n")
+    if allowed:
+        return None
+    with open("rbac-denied.jsonl", "a") as out:
+        out.write(json.dumps(attrs) + "\n")
+    what = attrs["resource"] + (f' "{attrs["name"]}"' if attrs["name"] else "")
+    where = f' in the namespace "{attrs["namespace"]}"' if attrs["namespace"] else \
+        " at the cluster scope"
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+            "code": 403,
+            "message": f'{what} is forbidden: User "{policy["token"]}" cannot {attrs["verb"]} '
+                       f'resource "{attrs["resource"]}" in API group "{attrs["apiGroup"]}"'
+                       f"{where}"}
+
+
 async def _serve() -> None:
     import kmock
     from aiohttp import web
@@ -118,6 +213,9 @@ async def _serve() -> None:
 
     class Emulator(kmock.KubernetesEmulator):
         async def _handle(self, request: Any) -> Any:
+            refused = _forbidden(request)
+            if refused is not None:
+                return web.json_response(refused, status=403)
             if request.subresource != "eviction" or request.method != kmock.method.POST:
                 return await super()._handle(request)
             key = (request.resource, request.namespace, request.name)
