@@ -26,9 +26,9 @@ from stasis import wire
 from stasis.wire import DumpAnswer, DumpCheckAnswer
 from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
-from stasis.daemon.users import Caller
+from stasis.daemon.users import Caller, account
 from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
-from stasis.engine import nodefacts, proctree
+from stasis.engine import credentials, nodefacts, proctree
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
@@ -149,8 +149,12 @@ class Dumper:
             raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to check")
         try:
             found = obstacles.find(row.pid, viewer=row.uid)
+            beyond = [] if row.uid == 0 else credentials.tree_excess(
+                row.pid, row.uid, owner_groups(row.uid, row.gid))
         except OSError as e:
             raise StasisError(f"cannot look into job {job_id}: {e}") from e
+        if beyond:
+            found.obstacles.append(credentials.refusal(beyond, row.user, row.uid))
         return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
@@ -170,6 +174,10 @@ class Dumper:
         notes = [] if notes is None else notes
         if encrypt is None:
             encrypt = self.core.settings.encrypt
+        # Refused before CRIU freezes anything (and checked again on the frozen tree, below).
+        refused = beyond_owner(pid, info)
+        if refused:
+            raise CheckpointError(f"checkpoint of {what} refused, job still running: {refused}")
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
         data_key = self.core.store.new_data_key(info.id) if encrypt else None
         with self._dump_slot(f"pid {pid}", what):
@@ -225,10 +233,15 @@ class Dumper:
         # notification: it makes CRIU wait on this daemon (one stopped mid-dump would hold the
         # job frozen with it).
         opened = nodefacts.OpenFilesAtDump(pid)
+        # What the images record is the frozen tree's: its credentials are checked again there
+        # (a setuid program exec'd since the check above), at CRIU's post-dump for a dump that
+        # leaves the job running (a refusal aborts the dump), once CRIU left it stopped for one
+        # that stops it.
+        at_post_dump = _CredentialsAtPostDump(pid, info, opened)
         options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
                               criu_started=lambda criu_pid: self.core.journal.note_criu(
                                   info.id, criu_pid, proctree.start_time(criu_pid)),
-                              notify=opened if leave_running else None)
+                              notify=at_post_dump if leave_running else None)
         watcher = DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
@@ -242,6 +255,9 @@ class Dumper:
             if tail:
                 tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
+            if at_post_dump.refused:
+                raise CheckpointError(f"checkpoint of {what} refused, job still running: "
+                                      f"{at_post_dump.refused}") from e
             # CRIU names no process when one end of a connection is outside the job: we can.
             why = obstacles.explain(pid, viewer=info.uid)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: "
@@ -255,6 +271,12 @@ class Dumper:
         # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
         rules = [] if leave_running else netlock.rules_from_log(result.log_path)
         if not leave_running:
+            refused = beyond_owner(pid, info)  # stopped as CRIU left it: as its images say
+            if refused:
+                self._discard(info.id, fast)
+                self._resume(pid, rules, what)
+                raise CheckpointError(f"checkpoint of {what} refused, job still running: "
+                                      f"{refused}")
             opened("post-dump", pid)  # the tree stands stopped as CRIU left it
         info = self._with_facts(info, criu, opened.files)
         try:
@@ -363,6 +385,50 @@ class Dumper:
         self.core.store.discard(checkpoint_id)
         if fast is not None:
             shutil.rmtree(fast, ignore_errors=True)
+
+
+def owner_groups(uid: int, gid: int) -> list[int]:
+    """The groups a job's owner has: their primary `gid` and what the system lists for them."""
+    try:
+        return [gid, *account(uid).groups]
+    except UsageError:  # no such user here: only the job's own gid
+        return [gid]
+
+
+def beyond_owner(pid: int, info: CheckpointInfo) -> str | None:
+    """Why the tree under `pid` must not be checkpointed for `info`'s owner (one line), or None:
+    a thread holds credentials beyond theirs (engine/credentials.py). Root's trees are exempt;
+    a tree whose credentials cannot be read is refused."""
+    if info.uid == 0:
+        return None
+    try:
+        found = credentials.tree_excess(pid, info.uid, owner_groups(info.uid, info.gid))
+    except (OSError, ValueError) as e:
+        return f"cannot read the credentials of the job's processes ({e})"
+    return credentials.refusal(found, info.user, info.uid) if found else None
+
+
+class _CredentialsAtPostDump:
+    """A leave-running dump's notify handler: at CRIU's post-dump (the tree still frozen, as
+    its images record it) refuses a tree with credentials beyond its owner's (False aborts the
+    dump; `refused` says why), else lists its open files (nodefacts.OpenFilesAtDump)."""
+
+    def __init__(self, pid: int, info: CheckpointInfo,
+                 opened: nodefacts.OpenFilesAtDump) -> None:
+        self.pid = pid
+        self.info = info
+        self.opened = opened
+        self.refused: str | None = None
+
+    def __call__(self, script: str, pid: int) -> bool:
+        if script == "post-dump":
+            try:
+                self.refused = beyond_owner(self.pid, self.info)
+            except Exception as e:  # noqa: BLE001 - an exception here would be CRIU's error
+                self.refused = f"cannot read the credentials of the job's processes ({e})"
+            if self.refused:
+                return False
+        return self.opened(script, pid)
 
 
 def _is_job_id(text: str) -> bool:

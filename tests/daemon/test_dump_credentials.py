@@ -1,0 +1,143 @@
+"""A dump of a user's job refuses a tree holding credentials beyond its owner's (issue 27,
+item 5): CRIU (root) gives a restored tree back the credentials its images record, so a user
+who checkpoints a setuid-root program mid-run would get a root process back. The attacker is
+the unprivileged test user, through the daemon's socket; the setuid program is a root-owned
+copy of sleep with mode 4755 in a private directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stasis.engine import credentials, proctree
+from tests.conftest import Daemon, wait_for, workload
+
+
+@pytest.fixture(scope="module")
+def setuid_sleep(world_tmp: Path) -> Iterator[Path]:
+    where = Path(tempfile.mkdtemp(prefix="setuid-", dir=world_tmp))
+    os.chmod(where, 0o755)
+    path = where / "setuid-sleep"
+    shutil.copyfile(shutil.which("sleep") or "/bin/sleep", path)
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o4755)
+    yield path
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def _numbers(d: Daemon, job: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^(\d+)$", d.log_of(job), re.M)]
+
+
+def _pid_running(root: int, program: Path) -> int | None:
+    for pid in proctree.tree(root):
+        try:
+            if os.readlink(f"/proc/{pid}/exe") == str(program):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def _job(d: Daemon, setuid_sleep: Path, user: str | None) -> tuple[str, int]:
+    """A counting job that runs the setuid sleep in the background: (job id, the sleep's pid)."""
+    command = f"{setuid_sleep} 600 & exec {' '.join(workload('counter.py', 0.1))}"
+    job = d.run("sh", "-c", command, user=user)
+    wait_for(lambda: len(_numbers(d, job["job"])) >= 3, what="the counter")
+    sleeper = wait_for(lambda: _pid_running(job["pid"], setuid_sleep), what="the setuid sleep")
+    return job["job"], sleeper
+
+
+def test_a_users_job_running_a_setuid_program_is_not_checkpointed(
+        daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd) -> None:
+    user = test_user.pw_name
+    job, sleeper = _job(daemon, setuid_sleep, user)
+    status = Path(f"/proc/{sleeper}/status").read_text()
+    assert re.search(rf"^Uid:\s+{test_user.pw_uid}\s+0\s+0\s+0$", status, re.M), status
+    caps = re.search(r"^CapEff:\s+(\S+)$", status, re.M)
+    assert caps is not None
+    holds = (f"pid {sleeper} (setuid-sleep) holds effective, saved and fs uid 0 (root), "
+             f"permitted and effective capabilities {int(caps.group(1), 16):#x}: more "
+             f"than its owner {user} (uid {test_user.pw_uid}) has (a setuid program caught "
+             "mid-run?), and a restore would give it back; checkpoint again once that program "
+             "has ended")
+
+    for leave_running in (False, True):
+        result = daemon.cli("dump", *(["--leave-running"] if leave_running else []), job,
+                            user=user, check=False)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert result.stderr == (f"stasis: error: checkpoint of job {job} refused, job still "
+                                 f"running: {holds}\n")
+        # The job runs on, its counter moving; nothing was published.
+        seen = len(_numbers(daemon, job))
+        wait_for(lambda: len(_numbers(daemon, job)) >= seen + 3, what="more counting")
+        assert daemon.job(job)["state"] == "running"
+        assert [c for c in daemon.json("checkpoints", user=user) if c["job"] == job] == []
+        assert [c for c in daemon.json("checkpoints") if c["job"] == job] == []
+
+    # `dump --check` says it too.
+    check = daemon.cli("dump", "--check", job, user=user, check=False)
+    assert check.returncode == 1
+    assert f"- {holds}" in check.stdout.splitlines()
+    answer = json.loads(daemon.cli("dump", "--check", "--json", job, user=user,
+                                   check=False).stdout)
+    assert holds in answer["obstacles"]
+
+    # Once the setuid program has ended, the same job checkpoints.
+    os.kill(sleeper, 9)
+    wait_for(lambda: _pid_running(daemon.job(job)["pid"], setuid_sleep) is None,
+             what="the sleep to end")
+    cp = daemon.json("dump", "--leave-running", job, user=user)
+    assert [c["id"] for c in daemon.json("checkpoints", user=user) if c["job"] == job] == \
+        [cp["checkpoint"]]
+    daemon.cli("kill", job, user=user)
+
+
+def test_roots_job_running_the_same_is_checkpointed(daemon: Daemon, setuid_sleep: Path) -> None:
+    job, _ = _job(daemon, setuid_sleep, None)
+    assert "holds" not in daemon.cli("dump", "--check", job, check=False).stdout
+    cp = daemon.json("dump", "--leave-running", job)
+    assert cp["job"] == job
+    daemon.cli("kill", job)
+
+
+def test_capabilities_inside_the_users_own_user_namespace_are_theirs(
+        daemon: Daemon, test_user: pwd.struct_passwd) -> None:
+    """`unshare -r` gives a process every capability inside a user namespace its user owns:
+    confined there, nothing to refuse (whatever else CRIU thinks of user namespaces)."""
+    user = test_user.pw_name
+    job = daemon.run("unshare", "-r", "sleep", "600", user=user)
+    sleeper = wait_for(lambda: next((p for p in proctree.tree(job["pid"])
+                                     if Path(f"/proc/{p}/comm").read_text() == "sleep\n"),
+                                    None), what="the sleep")
+    status = Path(f"/proc/{sleeper}/status").read_text()
+    assert re.search(r"^CapEff:\s+0*[1-9a-f]", status, re.M), status  # it has capabilities
+    assert credentials.tree_excess(job["pid"], test_user.pw_uid, [test_user.pw_gid]) == []
+    # ...while the same thread, were its namespace not the user's, would be refused for them.
+    cred = credentials.read(sleeper, sleeper)
+    assert cred is not None and credentials.excess(cred, test_user.pw_uid, [test_user.pw_gid])
+    assert "holds" not in daemon.cli("dump", "--check", job["job"], user=user,
+                                     check=False).stdout
+    daemon.cli("kill", job["job"], user=user)
+
+
+def test_credentials_from_a_status_file() -> None:
+    status = (b"Name:\tx\nUid:\t1000\t1000\t0\t1000\nGid:\t1000\t1000\t1000\t1000\n"
+              b"Groups:\t27 1000 \nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n"
+              b"CapEff:\t0000000000000000\nCapBnd:\t000001ffffffffff\n"
+              b"CapAmb:\t0000000000000000\n")
+    cred = credentials.parse_status(status)
+    assert cred.uids == (1000, 1000, 0, 1000) and cred.groups == (27, 1000)
+    assert credentials.excess(cred, 1000, [1000, 27]) == ["saved uid 0 (root)"]
+    saved, group = credentials.excess(cred, 1000, [1000])
+    assert saved == "saved uid 0 (root)" and group.startswith("supplementary group 27 (")
+    with pytest.raises(ValueError):
+        credentials.parse_status(b"Name:\tx\nUid:\t1000\n")
