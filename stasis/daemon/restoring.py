@@ -1,19 +1,15 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
-complete one), its images verified before the restored tree runs (lazily: its pages right after,
-the job killed on a mismatch), and the network lock its restore lifts. A lazy restore from a
-store CRIU cannot read in place has its pages served by the daemon (stasis/daemon/lazystore.py);
-a full restore of compressed or encrypted images in a local store is decoded while CRIU reads
-them (stasis/daemon/streamed.py). A checkpoint that recorded what its restore depends on is
+complete one), its images verified before CRIU sees them, and the network lock its restore
+lifts. CRIU never reads the store: a lazy restore has its pages served by the daemon, each chunk
+checked as it is read (stasis/daemon/lazystore.py); a full restore from a local store is read,
+checked and decoded while CRIU reads it (stasis/daemon/streamed.py); anything else is fetched,
+checked, into a private directory first. A checkpoint that recorded what its restore depends on is
 compared with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -28,7 +24,7 @@ from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.daemon.streamed import stream_restore
-from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
+from stasis.engine import CRIU, Owner, find_criu, nodefacts
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
@@ -39,7 +35,7 @@ from stasis.errors import (
     StasisError,
     UsageError,
 )
-from stasis.store import FileEntry, Manifest, validate_checkpoint_id, validate_label
+from stasis.store import Manifest, validate_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
 
@@ -105,9 +101,10 @@ class Restorer:
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
-        in_place = store.images_in_place(manifest.id)
+        # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
+        store.require_cryptographic_sums(manifest)
         # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
-        expect = self._check_node(manifest, files=in_place is None)
+        expect = self._check_node(manifest, files=True)
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         logs = settings.layout.logs
@@ -131,30 +128,14 @@ class Restorer:
         }
         lazy = settings.lazy_restore if lazy is None else lazy
         notes: list[str] = []
-        if in_place is not None:
-            # CRIU reads the images where they are while we verify them; the restored tree is
-            # resumed only once they passed (the supervisor waits for our word at post-restore).
-            manifest, images = in_place
-            spec.update(images=str(images), lazy=lazy, gate=True)
-            checked = manifest
-            if lazy:
-                # A lazy job runs before its memory is back, so it cannot wait for the hash of
-                # GiBs of pages either: everything else (and every size) gates the resume, the
-                # page images are hashed right after, and a mismatch kills the job.
-                gate = Gate(lambda: store.verify(checked, only=lambda f: not _is_pages(f)))
-            else:
-                gate = Gate(lambda: store.verify(checked))
-            started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate)
-            if gate.error is not None:
-                raise gate.error
-            if lazy and "pid" in started.answer:
-                threading.Thread(target=self._verify_pages_after, daemon=True,
-                                 args=(manifest, started.job_dir, started.pid)).start()
-        elif not lazy and store.is_local(manifest.id) and \
+        # CRIU never reads the store itself: whoever can write it could change an image
+        # between its check and CRIU's read. Each path hands CRIU only bytes this process read
+        # and checked (BLAKE3 or AES-GCM against the signed manifest) or a private copy of them.
+        if not lazy and store.is_local(manifest.id) and \
                 (streamed := stream_restore(store, manifest, settings.layout.scratch)):
-            # Compressed or encrypted images in a local store: decoded while CRIU reads them
-            # (its image streamer), rather than written out in plain first and read again; the
-            # tree resumes once every page file was served whole and checked.
+            # Images in a local store: read, checked and decoded while CRIU reads them (its image
+            # streamer), rather than written out in plain first and read again; the tree
+            # resumes once every page file was served whole and checked.
             try:
                 spec.update(images=str(streamed.images), lazy=False, stream=True, gate=True)
                 gate = Gate(streamed.check, cancel=streamed.stop_waiting)
@@ -308,25 +289,9 @@ class Restorer:
                 log.warning("cannot note in the store that checkpoint %s was restored: %s",
                             manifest.id, e)
 
-    def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
-        try:
-            self.core.store.verify(manifest, only=_is_pages)
-        except StasisError as e:
-            # Why, before the kill: the supervisor records the end as soon as the tree dies.
-            tmp = job_dir / "killed.json.tmp"
-            tmp.write_text(json.dumps({"reason": str(e)}))
-            os.replace(tmp, job_dir / "killed.json")
-            if proctree.start_time(pid) is not None:
-                proctree.signal_tree(pid, signal.SIGKILL)
-            log.error("killed lazily restored job %s: %s", job_dir.name, e)
-
 
 def _why_not_lazy(manifest: Manifest, url: str) -> str:
     # Only checkpoints stored before images were chunked come here (page_reader).
     why = "the checkpoint was stored before images were chunked: its images were fetched"
     return (f"lazy restore not possible: {why} into scratch space that goes away after the "
             "restore; restored in full")
-
-
-def _is_pages(entry: FileEntry) -> bool:
-    return entry.name.startswith("pages-")

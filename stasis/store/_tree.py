@@ -241,7 +241,8 @@ def pack_staged(
             size_bytes=streamed.size_bytes,
             stored_name=stored,
             stored_size_bytes=streamed.stored_size_bytes,
-            xxh3_128=streamed.xxh3_128,
+            blake3=streamed.blake3 or None,
+            xxh3_128=streamed.xxh3_128 or None,
             chunks=table,
         )
 

@@ -4,8 +4,10 @@ A file of N bytes is cut into chunks of CHUNK_BYTES plain bytes (the last one sh
 compressed on its own (zstd frame or lz4 block, or left as it is), then, for an encrypted
 checkpoint, sealed with AES-256-GCM (crypt.py); the stored file is those chunks one after another,
 with no header. The manifest's `Chunks` table holds each chunk's stored size (hence its offset)
-and, unless encrypted, the xxh3-64 of its plain bytes, or when encrypted its seal (nonce and tag:
-a sealed chunk stores no more bytes than it seals): any range of the file can be fetched and
+and, unless encrypted, the BLAKE3 of its plain bytes, or when encrypted its seal (nonce and tag:
+a sealed chunk stores no more bytes than it seals); the manifest, signed, binds both. Checkpoints
+of formats 1 and 2 have xxh3-64 instead: still decoded, but xxh3 only detects damage (the store
+refuses to restore those unless encrypted, store.py): any range of the file can be fetched and
 verified by itself, which is what a lazy restore serving pages from the store needs, and whole
 files decode on several threads.
 
@@ -35,13 +37,16 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import hmac
+
+import blake3
 import lz4.block
 import xxhash
 import zstandard
 
 from stasis.store.compression import ZSTD_LEVEL, Reader, Streamed, Writer
 from stasis.store.crypt import TAG_BYTES, ChunkCipher, DecryptionError, join
-from stasis.store.manifest import Chunks, Compression
+from stasis.store.manifest import Chunks, Compression, file_digest
 
 CHUNK_BYTES = 1 << 20
 # Chunks handed to worker threads ahead of the one being written, per worker: enough to keep
@@ -108,11 +113,20 @@ def encode_chunk(spec: ChunkSpec, name: str, index: int, last: bool,
     return blob, None
 
 
+def chunk_hash(data: bytes | bytearray | memoryview) -> str:
+    """BLAKE3 of one chunk's plain bytes, in hex (the blake3 module lets go of the GIL)."""
+    return blake3.blake3(data).hexdigest()
+
+
 def decode_chunk(spec: ChunkSpec, name: str, index: int, last: bool, plain_bytes: int,
                  stored: bytes | bytearray | memoryview, xxh3_64: str | None,
-                 seal: bytes | None = None, joined: bool = False) -> bytes | memoryview:
-    """The plain bytes of one stored chunk, checked (tag, length, checksum); else ChunkError.
-    `joined`: `stored` is followed by the tag of `seal` already (crypt.join)."""
+                 seal: bytes | None = None, joined: bool = False,
+                 blake3_hex: str | None = None) -> bytes | memoryview:
+    """The plain bytes of one stored chunk, checked (tag, length, hash); else ChunkError.
+    `joined`: `stored` is followed by the tag of `seal` already (crypt.join).
+
+    `stored` must be this process's own copy (bytes read, never a mapping of a file another
+    can write): what is checked here is what the caller hands on."""
     blob: bytes | bytearray | memoryview = stored
     try:
         if spec.cipher is not None:
@@ -133,7 +147,12 @@ def decode_chunk(spec: ChunkSpec, name: str, index: int, last: bool, plain_bytes
         raise ChunkError(f"chunk {index} cannot be decompressed ({e})") from None
     if len(blob) != plain_bytes:
         raise ChunkError(f"chunk {index} holds {len(blob)} bytes instead of {plain_bytes}")
-    if xxh3_64 is not None and xxhash.xxh3_64_hexdigest(blob) != xxh3_64:
+    if blake3_hex is not None:
+        if not hmac.compare_digest(chunk_hash(blob), blake3_hex):
+            raise ChunkError(f"chunk {index} fails its checksum (its signed BLAKE3 hash)")
+    # Formats 1 and 2 only: xxh3 catches damage, not a forger (the store restores an unencrypted
+    # checkpoint of those formats only where it was told to trust them).
+    elif xxh3_64 is not None and xxhash.xxh3_64_hexdigest(blob) != xxh3_64:
         raise ChunkError(f"chunk {index} fails its checksum")
     return blob if not isinstance(blob, bytearray) else memoryview(blob)
 
@@ -157,7 +176,7 @@ class ChunkWriter:
         self.dst = dst
         self.workers = workers
         self.offset = 0  # plain bytes taken
-        self._whole = xxhash.xxh3_128()  # of the plain bytes, or of the stored ones if sealed
+        # BLAKE3 per chunk of plain bytes (None when sealed: each seal's tag vouches instead).
         self._sums: list[str] | None = None if spec.encrypted else []
         self._seals: list[str] | None = [] if spec.encrypted else None
         self._stored: list[int] = []
@@ -180,8 +199,9 @@ class ChunkWriter:
         self._ended = n < self.spec.chunk_bytes
         self.offset += n
         if self._sums is not None:
-            self._whole.update(chunk)
-            self._sums.append(xxhash.xxh3_64_hexdigest(chunk))
+            # Hashed here, as the follower reads what CRIU writes (tailhash.py): the pass the
+            # dump needs anyway, on the thread that already has the bytes in cache.
+            self._sums.append(chunk_hash(chunk))
         if self.dst is None:
             self._stored.append(n)
             self.stored_total += n
@@ -248,8 +268,6 @@ class ChunkWriter:
         blob, seal = encoded
         self.dst.write(blob)
         n = len(blob)
-        if self._sums is None:
-            self._whole.update(blob)
         if self._seals is not None:
             assert seal is not None
             self._seals.append(seal.hex())
@@ -267,9 +285,9 @@ class ChunkWriter:
         finally:
             self.close()
         table = Chunks(size_bytes=self.spec.chunk_bytes, stored_bytes=self._stored,
-                       xxh3_64=self._sums, seals=self._seals)
+                       blake3=self._sums, seals=self._seals)
         streamed = Streamed(size_bytes=self.offset, stored_size_bytes=sum(self._stored),
-                            xxh3_128=self._whole.hexdigest())
+                            xxh3_128="", blake3=file_digest(self.offset, table))
         return streamed, table
 
     def close(self) -> None:
@@ -348,10 +366,12 @@ class ChunkDecoder:
                joined: bool = False) -> bytes | memoryview:
         """Chunk `index` from its stored bytes (`joined`: followed by its tag, crypt.join)."""
         sums = self.chunks.xxh3_64
+        hashes = self.chunks.blake3
         seals = self.chunks.seals
         return decode_chunk(self.spec, self.name, index, index == self.count - 1,
                             self.plain_bytes(index), stored, sums[index] if sums else None,
-                            bytes.fromhex(seals[index]) if seals else None, joined)
+                            bytes.fromhex(seals[index]) if seals else None, joined,
+                            hashes[index] if hashes else None)
 
     def span(self, offset: int, length: int) -> tuple[int, int]:
         """The chunks [first, last] that plain bytes [offset, offset + length) lie in."""
@@ -359,16 +379,28 @@ class ChunkDecoder:
         return offset // step, (offset + length - 1) // step
 
 
+def needs_whole_sum(chunks: Chunks) -> bool:
+    """Whether only the whole file's checksum checks these chunks (a table of sizes alone)."""
+    return chunks.blake3 is None and chunks.seals is None and chunks.xxh3_64 is None
+
+
 def unpack_chunked(src: Reader, dst: Writer | None, decoder: ChunkDecoder,
                    workers: int = 1, whole_sum: bool = True) -> Streamed:
     """Decode every chunk of `src` (a stored file) into `dst` (None: only check them); the
-    returned checksum is of what `FileEntry.xxh3_128` covers. ChunkError on any bad chunk.
+    returned checksum is of what `FileEntry.xxh3_128` covers (formats 1 and 2). ChunkError on
+    any bad chunk.
 
     `whole_sum=False` skips that checksum (returned as ""): when every chunk has a tag or a
-    checksum of its own in the signed table, the chunks checked one by one, each at its index,
-    vouch for the whole as well, and a restore that decodes while CRIU reads saves the pass."""
-    if not whole_sum and not (decoder.spec.encrypted or decoder.chunks.xxh3_64):
+    hash of its own in the signed table, the chunks checked one by one, each at its index,
+    vouch for the whole as well, and a restore that decodes while CRIU reads saves the pass.
+    A format 3 table (BLAKE3 per chunk, the file's digest checked against it when the manifest
+    was read) never needs it."""
+    if needs_whole_sum(decoder.chunks):
         whole_sum = True  # nothing else vouches for these chunks
+    elif decoder.chunks.blake3 is not None or decoder.chunks.seals is not None:
+        # BLAKE3 per chunk (the file's digest checked against them), or an AES-GCM tag per
+        # chunk binding its index and whether it is the last: nothing for a whole sum to add.
+        whole_sum = False
     whole = xxhash.xxh3_128() if whole_sum else None
     size = 0
     stored_total = 0

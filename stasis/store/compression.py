@@ -42,11 +42,14 @@ class DecompressionError(Exception):
 
 @dataclass(frozen=True)
 class Streamed:
-    """What one pass over a file saw: sizes on both sides and the xxh3-128 checksum of the plain bytes."""
+    """What one pass over a file saw: sizes on both sides and its checksum: the xxh3-128 of the
+    plain bytes (formats 1 and 2; "" where not taken), or, for a chunked file written now, its
+    BLAKE3 digest (manifest.file_digest)."""
 
     size_bytes: int
     stored_size_bytes: int
     xxh3_128: str
+    blake3: str = ""
 
 
 class Reader(Protocol):

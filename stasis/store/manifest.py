@@ -9,6 +9,7 @@ reaches the filesystem: checkpoint ids, labels and image file names. Nothing her
 
 from __future__ import annotations
 
+import hmac
 import re
 import secrets
 from datetime import UTC, datetime
@@ -16,6 +17,7 @@ from functools import cached_property
 from itertools import accumulate
 from typing import Any, Literal
 
+import blake3 as _blake3
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stasis.errors import UsageError
@@ -31,8 +33,14 @@ MANIFEST_NAME = "manifest.json"
 # encrypted. A stasis that knows only format 1 would read those chunks as one stream and call the
 # checkpoint corrupt; with 2 it skips it as "written by a newer one" and leaves it alone. Format
 # 1 manifests (one zstd/lz4 stream or a plain file each, no chunk table) are still read.
-FORMAT: Literal[2] = 2
-FORMATS = (1, 2)
+# Format 3: images are bound to the signed manifest by BLAKE3 (per chunk, and per file over the
+# chunks' digests or seals) instead of xxh3, which a store writer can forge (a 1 KiB block of a
+# page image rewritten keeping every xxh3 in milliseconds). A stasis that knows only format 2
+# would otherwise miss the sums and refuse the checkpoint as garbage.
+FORMAT: Literal[3] = 3
+FORMATS = (1, 2, 3)
+# Formats whose images only xxh3 checks: restored only when encrypted (`has_cryptographic_sums`).
+LEGACY_FORMATS = (1, 2)
 
 ID_PATTERN = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$"
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -92,6 +100,10 @@ def _safe_file_name(name: str) -> str:
     return name
 
 
+# Bigger than any image, small enough for 8 bytes (file_digest).
+_MAX_BYTES = 1 << 62
+
+
 def _to_utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
@@ -103,11 +115,15 @@ class Chunks(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    size_bytes: int = Field(gt=0)
+    size_bytes: int = Field(gt=0, le=_MAX_BYTES)
     stored_bytes: list[int]  # per chunk, in order: its offset is the sum of those before it
-    # Per chunk, of its plain bytes: so that even a range of an unencrypted file verifies on
-    # its own. None when the checkpoint is encrypted: each chunk's AEAD tag checks it, and a
-    # checksum of plain bytes would let whoever reads the manifest confirm a guess of them.
+    # Per chunk, of its plain bytes, BLAKE3 (32 bytes, hex; format 3): so that even a range of
+    # an unencrypted file verifies on its own, against a forger too (the signature covers these).
+    # None when the checkpoint is encrypted: each chunk's AEAD tag checks it, and a hash of plain
+    # bytes would let whoever reads the manifest confirm a guess of them.
+    blake3: list[str] | None = None
+    # Formats 1 and 2: xxh3-64 per chunk. Read, never written: it detects damage, not a forger,
+    # so an unencrypted checkpoint that has only these is not restored (`has_cryptographic_sums`).
     xxh3_64: list[str] | None = None
     # Per chunk of an encrypted file, in hex: its AES-GCM nonce and tag (crypt.py). The stored
     # chunk is the bare ciphertext, as long as what it seals: an uncompressed image is sealed
@@ -128,6 +144,13 @@ class Chunks(BaseModel):
             raise ValueError("a chunk checksum is not 16 hex digits")
         return sums
 
+    @field_validator("blake3")
+    @classmethod
+    def _hashes(cls, hashes: list[str] | None) -> list[str] | None:
+        if hashes is not None and not all(_HASH_RE.fullmatch(h) for h in hashes):
+            raise ValueError("a chunk hash is not 64 hex digits")
+        return hashes
+
     @field_validator("seals")
     @classmethod
     def _seals(cls, seals: list[str] | None) -> list[str] | None:
@@ -142,6 +165,20 @@ class Chunks(BaseModel):
 
 
 _XXH64_RE = re.compile(r"^[0-9a-f]{16}$")
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def file_digest(size_bytes: int, chunks: Chunks) -> str:
+    """BLAKE3 over what binds a chunked file: its plain size, its chunk size and, in order,
+    each chunk's BLAKE3 (in the clear) or seal (encrypted), in hex. Equal digests mean equal
+    tables; with each chunk checked against its entry as it is read, the file's bytes."""
+    items = chunks.blake3 if chunks.blake3 is not None else (chunks.seals or [])
+    h = _blake3.blake3(b"stasis file v1\0")
+    h.update(size_bytes.to_bytes(8, "little") + chunks.size_bytes.to_bytes(8, "little")
+             + len(items).to_bytes(8, "little"))
+    for item in items:
+        h.update(bytes.fromhex(item))
+    return h.hexdigest()
 _SEAL_RE = re.compile(r"^[0-9a-f]{56}$")
 
 
@@ -161,21 +198,28 @@ class FileEntry(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str  # name CRIU gave it, e.g. "pages-1.img"
-    size_bytes: int = Field(ge=0)  # uncompressed
+    size_bytes: int = Field(ge=0, le=_MAX_BYTES)  # uncompressed
     stored_name: str  # name in the store, e.g. "pages-1.img.zst"
     stored_size_bytes: int = Field(ge=0)
-    # xxh3-128 of the uncompressed bytes: it guards against damage, and at ~16 GB/s it costs a
-    # dump or restore next to nothing. It is not a MAC: the signed manifest binds these
-    # checksums to the checkpoint, but xxh3 itself does not resist a deliberate forger.
-    # Of the bytes as stored when the checkpoint is encrypted (see Chunks.xxh3_64 for why).
-    xxh3_128: str = Field(pattern=r"^[0-9a-f]{32}$")
+    # Format 3: BLAKE3 over the file's chunk table (`file_digest`: its size, chunk size and each
+    # chunk's BLAKE3, or seal when encrypted), checked against the table whenever a manifest is
+    # read; each chunk is checked against its own entry as it is read. One pass over the bytes
+    # (the chunks'), not two, and the signature covers both.
+    blake3: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # Formats 1 and 2: xxh3-128 of the uncompressed bytes (of the stored ones when encrypted). Read,
+    # never written: it guards against damage only, a second preimage being practical.
+    xxh3_128: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
     chunks: Chunks | None = None  # None: format 1, one stream (or plain file) without a table
 
     _check_names = field_validator("name", "stored_name")(_safe_file_name)
 
     @model_validator(mode="after")
     def _table_fits(self) -> FileEntry:
+        if self.blake3 is None and self.xxh3_128 is None:
+            raise ValueError(f"{self.name}: no checksum")
         if self.chunks is None:
+            if self.blake3 is not None:
+                raise ValueError(f"{self.name}: a BLAKE3 digest without a chunk table")
             return self
         count = -(-self.size_bytes // self.chunks.size_bytes)
         if len(self.chunks.stored_bytes) != count:
@@ -184,12 +228,26 @@ class FileEntry(BaseModel):
         if self.chunks.xxh3_64 is not None and len(self.chunks.xxh3_64) != count:
             raise ValueError(f"{self.name}: {len(self.chunks.xxh3_64)} chunk checksums "
                              f"for {count} chunks")
+        if self.chunks.blake3 is not None and len(self.chunks.blake3) != count:
+            raise ValueError(f"{self.name}: {len(self.chunks.blake3)} chunk hashes "
+                             f"for {count} chunks")
         if self.chunks.seals is not None and len(self.chunks.seals) != count:
             raise ValueError(f"{self.name}: {len(self.chunks.seals)} chunk seals "
                              f"for {count} chunks")
         if sum(self.chunks.stored_bytes) != self.stored_size_bytes:
             raise ValueError(f"{self.name}: its chunks do not add up to its stored size")
+        if self.blake3 is not None:
+            if self.chunks.blake3 is None and self.chunks.seals is None:
+                raise ValueError(f"{self.name}: a BLAKE3 digest without chunk hashes or seals")
+            if not hmac.compare_digest(self.blake3, file_digest(self.size_bytes, self.chunks)):
+                raise ValueError(f"{self.name}: its BLAKE3 digest does not match its chunks")
         return self
+
+    @property
+    def cryptographic(self) -> bool:
+        """Every chunk is bound to the manifest by a BLAKE3 hash, checked against the file's."""
+        return self.blake3 is not None and self.chunks is not None and \
+            self.chunks.blake3 is not None
 
 
 class RecordedFile(BaseModel):
@@ -250,7 +308,7 @@ class Manifest(CheckpointInfo):
     """The content of `<store>/<id>/manifest.json`; its presence makes the checkpoint exist."""
 
     # Readers skip manifests of a format they do not know instead of misreading them.
-    format: Literal[1, 2] = FORMAT
+    format: Literal[1, 2, 3] = FORMAT
     size_bytes: int = Field(ge=0)  # total uncompressed image bytes
     stored_size_bytes: int = Field(ge=0)
     compression: Compression
@@ -259,6 +317,14 @@ class Manifest(CheckpointInfo):
     # HMAC-SHA256 over every other field (stasis/store/signing.py); None only before publishing:
     # a manifest read without one is refused.
     signature: Signature | None = None
+
+    @property
+    def has_cryptographic_sums(self) -> bool:
+        """Whether a forger without keys cannot change an image byte unseen: every file
+        hashed with BLAKE3 (format 3), or every chunk sealed with AES-GCM (encrypted)."""
+        if self.encryption is not None:
+            return True  # the validator below: every file has a chunk table with seals
+        return all(f.cryptographic for f in self.files)
 
     @model_validator(mode="after")
     def _names_unique(self) -> Manifest:
@@ -272,16 +338,23 @@ class Manifest(CheckpointInfo):
         if self.encryption is None and any(f.chunks is not None and f.chunks.seals is not None
                                            for f in self.files):
             raise ValueError("chunk seals in a checkpoint that is not encrypted")
+        if self.encryption is not None and any(f.chunks is not None and f.chunks.blake3
+                                               for f in self.files):
+            raise ValueError("hashes of plain chunks in an encrypted checkpoint")
+        if self.format >= 3 and any(f.blake3 is None for f in self.files):
+            raise ValueError("a format 3 file without its BLAKE3 digest")
         return self
 
     @classmethod
     def build(
         cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry],
-        encryption: Encryption | None = None,
+        encryption: Encryption | None = None, format: Literal[1, 2, 3] = FORMAT,
     ) -> Manifest:
-        """The manifest of a checkpoint described by `info` holding `files`."""
+        """The manifest of a checkpoint described by `info` holding `files` (`format`: an
+        older one, for tests of what older versions wrote)."""
         return cls(
             **info.model_dump(),
+            format=format,
             compression=compression,
             encryption=encryption,
             files=sorted(files, key=lambda f: f.name),

@@ -1,7 +1,7 @@
 """`Store`: the checkpoints any node sharing one directory or fsspec URL can list and restore.
 
 Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory), publishing
-(sizes, xxh3-128 checksums, compression, manifest.json written last), listing, verified fetching for
+(sizes, BLAKE3 hashes per chunk and per file, compression, manifest.json written last), listing, verified fetching for
 restore, deletion and retention per (owner, label). Every id and file name reaching the filesystem
 is validated first; every foreign error leaves as one readable StoreError line.
 
@@ -585,21 +585,19 @@ class Store:
 
     @contextmanager
     def open_images(self, checkpoint_id: str, scratch: Path) -> Iterator[tuple[Manifest, Path]]:
-        """Yield the manifest and a local directory of verified, uncompressed images for restore.
+        """Yield the manifest and a private local directory of verified, uncompressed images.
 
-        A local uncompressed checkpoint is verified in place and its own directory is yielded:
-        treat it as read-only and write CRIU's log elsewhere. Otherwise the images are fetched and
-        decompressed into a temporary directory under MEMORY_SCRATCH when memory holds them
-        (`_memory_scratch`), else under `scratch`, removed on exit. Any
-        missing, truncated or corrupt file raises CorruptCheckpointError before anything is
-        yielded.
+        The images are fetched and decoded into a fresh directory under MEMORY_SCRATCH when
+        memory holds them (`_memory_scratch`), else under `scratch`, removed on exit; every
+        byte written there was checked first (BLAKE3 or AES-GCM, against the signed manifest).
+        Never the checkpoint's own directory, even in a local store where CRIU could read it:
+        whoever can write the store could change a file between its check and CRIU's read (a
+        hard link would share that inode too). Any missing, truncated, forged or corrupt file
+        raises CorruptCheckpointError before anything is yielded; a checkpoint whose images
+        only xxh3 checks, UntrustedCheckpointError (`require_cryptographic_sums`).
         """
         manifest = self.get(checkpoint_id)
-        in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is not None and _plain(manifest):
-            self._verify(manifest, None)
-            yield manifest, in_place
-            return
+        self.require_cryptographic_sums(manifest)
         # Before anything is written: a missing key leaves no scratch behind.
         self._cipher(manifest)
         memory = _memory_scratch(manifest.size_bytes)
@@ -620,18 +618,19 @@ class Store:
         finally:
             shutil.rmtree(target, ignore_errors=True)
 
-    def images_in_place(self, checkpoint_id: str) -> tuple[Manifest, Path] | None:
-        """The manifest and the checkpoint's own directory, NOT yet verified, when CRIU can read
-        the images where they are (a local uncompressed store); else None (use open_images).
-
-        Lets a restore verify (`verify`) while CRIU already reads, gating the resume of the
-        restored tree on the result, instead of paying for both one after the other.
-        """
-        manifest = self.get(checkpoint_id)
-        in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is None or not _plain(manifest):
-            return None
-        return manifest, in_place
+    def require_cryptographic_sums(self, manifest: Manifest) -> None:
+        """UntrustedCheckpointError (one line) for a checkpoint whose images nothing but xxh3
+        checks (formats 1 and 2, not encrypted): a store writer can rewrite its images keeping
+        every xxh3 sum, and a restore runs as root. Re-dumping makes a format 3 checkpoint."""
+        if manifest.has_cryptographic_sums:
+            return
+        raise UntrustedCheckpointError(
+            f"checkpoint {manifest.id} is not restored: it predates cryptographic image hashes "
+            f"(format {manifest.format}, stored in the clear, checked by xxh3 only, which "
+            "whoever can write the store can forge); restore it with the stasis that made it "
+            "and dump the job again with this one, or delete it with "
+            f"`stasis checkpoints rm {manifest.id}`"
+        )
 
     def is_local(self, checkpoint_id: str) -> bool:
         """Whether the checkpoint's files are on a local filesystem (read by range cheaply)."""
@@ -745,6 +744,7 @@ class Store:
         UsageError for a range outside the file or an unknown file; StoreError for a
         checkpoint of format 1, whose files have no chunk table (restore those in full).
         """
+        self.require_cryptographic_sums(manifest)
         entry = next((f for f in manifest.files if f.name == name), None)
         if entry is None:
             raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
@@ -921,6 +921,7 @@ class Store:
         only: Callable[[FileEntry], bool] | None = None,
     ) -> None:
         """Check every file against the manifest, decoding it into `target` when one is given."""
+        self.require_cryptographic_sums(manifest)
         checkpoint_id = manifest.id
         cipher = self._cipher(manifest)
         # Cheap size checks first: a truncated image fails at once, not after hashing GiBs.
@@ -957,6 +958,7 @@ class Store:
         only where its chunks have none of their own): CorruptCheckpointError, never wrong
         bytes written. For a restore that reads its images
         as they are decoded (CRIU's image streamer, stasis/daemon/streamed.py)."""
+        self.require_cryptographic_sums(manifest)
         entry = next((f for f in manifest.files if f.name == name), None)
         if entry is None:
             raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
@@ -1023,7 +1025,8 @@ class Store:
             raise self._corrupt(
                 checkpoint_id, entry.name, f"holds {found} {entry.size_bytes} bytes"
             )
-        if got.xxh3_128 and got.xxh3_128 != entry.xxh3_128:  # "": its chunks vouched for it
+        # "": its chunks vouched for it (BLAKE3 or AES-GCM each); formats 1 and 2 only, else.
+        if got.xxh3_128 and got.xxh3_128 != entry.xxh3_128:
             raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
     def _fetch_ranged(self, manifest: Manifest, entry: FileEntry, target: Path,
@@ -1057,24 +1060,28 @@ class Store:
                     covered.append(piece if decoder.spec.encrypted else plain)
                 return covered
 
-            whole = xxhash.xxh3_128()
+            # Formats 1 and 2 only (xxh3: damage, not forgers); format 3 chunks carry BLAKE3.
+            whole = xxhash.xxh3_128() if entry.xxh3_128 is not None and \
+                chunks.blake3 is None else None
             ahead: deque[Future[list[bytes | memoryview]]] = deque()
             try:
                 for span in spans:
                     ahead.append(pool.submit(one, span))
                     if len(ahead) >= RANGES_IN_FLIGHT:
                         for piece in ahead.popleft().result():
-                            whole.update(piece)
+                            if whole is not None:
+                                whole.update(piece)
                 while ahead:
                     for piece in ahead.popleft().result():
-                        whole.update(piece)
+                        if whole is not None:
+                            whole.update(piece)
             finally:
                 for future in ahead:
                     future.cancel()
                 wait(ahead)
         # Each chunk decoded to exactly its plain size (decode checks): the file is whole.
         return Streamed(size_bytes=entry.size_bytes, stored_size_bytes=offsets[-1],
-                        xxh3_128=whole.hexdigest())
+                        xxh3_128=whole.hexdigest() if whole is not None else "")
 
     def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -1172,11 +1179,6 @@ def _memory_scratch(size_bytes: int) -> Path | None:
     return MEMORY_SCRATCH
 
 
-def _plain(manifest: Manifest) -> bool:
-    """Whether every stored file is its image as CRIU wrote it (readable in place)."""
-    return manifest.compression == "none" and manifest.encryption is None
-
-
 def _unpack_to(
     src: Reader, target: Path | None, entry: FileEntry, compression: Compression,
     cipher: ChunkCipher | None, workers: int,
@@ -1189,8 +1191,8 @@ def _unpack_to(
     decoder = ChunkDecoder(entry.name, entry.size_bytes, entry.chunks,
                            ChunkSpec(compression, cipher, entry.chunks.size_bytes))
     if target is None:
-        if decoder.spec.identity:
-            # A plain file: its whole checksum says all its chunks' do (and is ~2x faster).
+        if decoder.spec.identity and entry.chunks.blake3 is None:
+            # Formats 1 and 2, a plain file: its whole checksum says all its chunks' do.
             return unpack(src, None, "none", entry.size_bytes)
         return unpack_chunked(src, None, decoder, workers)
     with open(target / entry.name, "xb") as dst:

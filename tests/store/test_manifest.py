@@ -99,7 +99,7 @@ def test_manifest_round_trips_through_json_with_utc_time() -> None:
         stored_size_bytes=4,
         xxh3_128=SHA,
     )
-    manifest = Manifest.build(info, "zstd", [entry])
+    manifest = Manifest.build(info, "zstd", [entry], format=2)
     assert manifest.created == datetime(2026, 11, 30, 0, 0, tzinfo=UTC)
     assert manifest.created.utcoffset() == timedelta(0)
     assert (manifest.size_bytes, manifest.stored_size_bytes) == (10, 4)
@@ -110,12 +110,14 @@ def test_manifest_refuses_naive_times_duplicates_and_unknown_formats() -> None:
     entry = FileEntry(
         name="a.img", size_bytes=1, stored_name="a.img", stored_size_bytes=1, xxh3_128=SHA
     )
-    good = Manifest.build(make_info(), "none", [entry]).model_dump(mode="json")
+    good = Manifest.build(make_info(), "none", [entry], format=2).model_dump(mode="json")
     with pytest.raises(ValidationError):
         Manifest.model_validate({**good, "created": "2026-11-30T00:00:00"})
     with pytest.raises(ValidationError, match="duplicate"):
         Manifest.model_validate({**good, "files": [good["files"][0]] * 2})
     with pytest.raises(ValidationError):
+        Manifest.model_validate({**good, "format": 4})
+    with pytest.raises(ValidationError, match="BLAKE3"):  # format 3 hashes every file
         Manifest.model_validate({**good, "format": 3})
     with pytest.raises(ValidationError):
         Manifest.model_validate({**good, "id": "../x"})

@@ -12,6 +12,7 @@ import pytest
 
 from stasis.errors import CorruptCheckpointError, NotFoundError
 from stasis.store import Compression, Manifest, Store
+from stasis.store.manifest import file_digest
 
 from .helpers import SMALL_FILES, make_info, signed, stage
 
@@ -43,14 +44,23 @@ def test_round_trip(
         assert not images_dir.exists()  # fetched copies are removed on exit
 
 
-def test_local_uncompressed_is_used_in_place(local_store: Store, tmp_path: Path) -> None:
+def test_local_uncompressed_is_read_into_a_private_copy(local_store: Store,
+                                                        tmp_path: Path) -> None:
+    """Never the store's own directory: whoever can write the store could change an image
+    between its check and CRIU's read. A copy (not a hard link: the same inode) checked as it
+    is written, in a fresh root-only directory, removed after."""
     info = make_info()
     stage(local_store, info, SMALL_FILES)
     local_store.publish(info)
+    stored = tmp_path / "store" / info.id
     with local_store.open_images(info.id, tmp_path / "scratch") as (_, images_dir):
-        assert images_dir == tmp_path / "store" / info.id
-    assert not (tmp_path / "scratch").exists()
-    assert images_dir.exists()
+        assert images_dir != stored and stored not in images_dir.parents
+        assert os.stat(images_dir).st_mode & 0o777 == 0o700
+        for name, data in SMALL_FILES.items():
+            assert (images_dir / name).read_bytes() == data
+            assert os.stat(images_dir / name).st_ino != os.stat(stored / name).st_ino
+    assert not images_dir.exists()
+    assert stored.exists()
 
 
 def test_fetched_images_go_to_memory_when_it_holds_them(
@@ -146,10 +156,13 @@ def test_wrong_plain_size_is_caught(local_store: Store, tmp_path: Path) -> None:
     # Stored bytes intact, but they decode to more than the manifest says: never trust the codec.
     manifest = _publish(local_store, "zstd")
     entry = next(f for f in manifest.files if f.name == "core-1.img")
+    assert entry.chunks is not None
     lying = manifest.model_copy(
         update={
             "files": [
-                f if f is not entry else entry.model_copy(update={"size_bytes": 3})
+                # The file's digest covers its size: lie about that too, as a key holder could.
+                f if f is not entry else entry.model_copy(update={
+                    "size_bytes": 3, "blake3": file_digest(3, entry.chunks)})
                 for f in manifest.files
             ]
         }

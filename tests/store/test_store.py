@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import xxhash
 import os
 import stat
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from stasis.errors import NotFoundError, StoreError, UsageError
 from stasis.store import Store
 
-from .helpers import SMALL_FILES, make_info, stage
+from .helpers import SMALL_FILES, blake3_digest, make_info, stage
 
 
 def test_publish_then_get_list_latest(store: Store) -> None:
@@ -25,7 +24,7 @@ def test_publish_then_get_list_latest(store: Store) -> None:
     assert {f.name for f in manifest.files} == set(SMALL_FILES)
     assert manifest.size_bytes == sum(len(d) for d in SMALL_FILES.values())
     by_name = {f.name: f for f in manifest.files}
-    assert by_name["mm-1.img"].xxh3_128 == xxhash.xxh3_128(SMALL_FILES["mm-1.img"]).hexdigest()
+    assert by_name["mm-1.img"].blake3 == blake3_digest(SMALL_FILES["mm-1.img"])
     assert manifest.extra == {"slurm_job_id": "1234"}
     assert store.get(info.id) == manifest
     assert store.list() == [manifest]

@@ -8,13 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-import xxhash
 
 from stasis.store import Store
 from stasis.store.manifest import Compression, CompressionRequest, FileEntry, Manifest
 from stasis.store.chunked import CHUNK_BYTES, ChunkSpec, ChunkWriter
 from stasis.store.tailhash import Partial, TailHasher
-from tests.store.helpers import make_info, stage
+from tests.store.helpers import blake3_digest, make_info, stage
 
 
 def _write_slowly(path: Path, data: bytes, pieces: int) -> None:
@@ -54,8 +53,8 @@ def test_follows_files_as_they_grow(local_store: Store, random_20m: bytes) -> No
     assert hashed["pages-1.img"].offset > 0
 
     files = {f.name: f for f in manifest.files}
-    assert files["pages-1.img"].xxh3_128 == xxhash.xxh3_128(random_20m).hexdigest()
-    assert files["pages-2.img"].xxh3_128 == xxhash.xxh3_128(random_20m[:3 << 20]).hexdigest()
+    assert files["pages-1.img"].blake3 == blake3_digest(random_20m)
+    assert files["pages-2.img"].blake3 == blake3_digest(random_20m[:3 << 20])
     assert files["pages-1.img"].size_bytes == len(random_20m)
     local_store.verify(manifest)
 
@@ -66,7 +65,7 @@ def test_a_partial_hash_longer_than_the_file_is_ignored(local_store: Store) -> N
     bogus = ChunkWriter("pages-1.img", ChunkSpec("none"), None)
     bogus.add(b"y" * CHUNK_BYTES)
     manifest = local_store.publish(info, "none", hashed={"pages-1.img": Partial(bogus)})
-    assert manifest.files[0].xxh3_128 == xxhash.xxh3_128(b"x" * 1000).hexdigest()
+    assert manifest.files[0].blake3 == blake3_digest(b"x" * 1000)
 
 
 def test_only_where_it_saves_a_read(local_store: Store, memory_store: Store) -> None:
@@ -99,7 +98,7 @@ def test_compresses_while_written(local_store: Store, mostly_zero: bytes,
     assert manifest.compression == compression
     entries = {f.name: f for f in manifest.files}
     for name, data in files.items():
-        assert entries[name].xxh3_128 == xxhash.xxh3_128(data).hexdigest()
+        assert entries[name].blake3 == blake3_digest(data)
         assert entries[name].size_bytes == len(data)
     assert entries["pages-1.img"].stored_size_bytes * 5 < len(mostly_zero)
     local_store.verify(manifest)  # decompresses every file and checks it against the manifest
@@ -110,7 +109,7 @@ def test_auto_keeps_compressing_what_shrinks(local_store: Store, mostly_zero: by
         local_store, "auto", {"pages-1.img": mostly_zero})
     assert hashed["pages-1.img"].output is not None
     assert manifest.compression == "zstd"
-    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero).hexdigest()
+    assert _entry(manifest).blake3 == blake3_digest(mostly_zero)
     assert _entry(manifest).stored_size_bytes * 5 < len(mostly_zero)
     assert not packing_dir.exists()  # it became the checkpoint
     local_store.verify(manifest)
@@ -123,7 +122,7 @@ def test_auto_gives_up_on_what_does_not(local_store: Store, random_20m: bytes) -
     assert hashed["pages-1.img"].output is None
     assert hashed["pages-1.img"].offset > 0
     assert manifest.compression == "none"
-    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(random_20m).hexdigest()
+    assert _entry(manifest).blake3 == blake3_digest(random_20m)
     assert not packing_dir.exists()
     local_store.verify(manifest)
 
@@ -155,7 +154,7 @@ def test_a_packed_head_longer_than_the_file_is_redone(local_store: Store,
     os.truncate(staging / "pages-1.img", 4096)  # not what the follower saw
     manifest = local_store.publish(info, "zstd", hashed=hashed)
     assert _entry(manifest).size_bytes == 4096
-    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero[:4096]).hexdigest()
+    assert _entry(manifest).blake3 == blake3_digest(mostly_zero[:4096])
     local_store.verify(manifest)
 
 
@@ -176,5 +175,5 @@ def test_no_room_to_compress_alongside_is_no_error(local_store: Store,
     (staging / "pages-1.img").write_bytes(mostly_zero)
     (staging.parent / (info.id + ".publish")).unlink()
     manifest = local_store.publish(info, "zstd")
-    assert _entry(manifest).xxh3_128 == xxhash.xxh3_128(mostly_zero).hexdigest()
+    assert _entry(manifest).blake3 == blake3_digest(mostly_zero)
     local_store.verify(manifest)
