@@ -132,15 +132,16 @@ class ConfinedRoot:
         return self._walk(parts, flags)
 
     def _walk(self, parts: tuple[str, ...], flags: int) -> int:
-        """Without openat2: one component at a time, refusing symlinks instead of following
-        them, and never crossing into another mount."""
+        """Without openat2: one component at a time, each opened with O_NOFOLLOW (the last
+        too: a symlink anywhere is refused instead of followed), never into another mount."""
         fd = os.dup(self.fd)
         try:
             top = os.fstat(fd).st_dev
-            for p in parts[:-1]:
+            for i, p in enumerate(parts):
+                last = i == len(parts) - 1
+                how = (flags if last else os.O_RDONLY | os.O_DIRECTORY) | os.O_NOFOLLOW
                 try:
-                    nxt = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                                  | os.O_CLOEXEC, dir_fd=fd)
+                    nxt = os.open(p, how | os.O_CLOEXEC, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
                             os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode):
@@ -151,9 +152,11 @@ class ConfinedRoot:
                 fd = nxt
                 if os.fstat(fd).st_dev != top:
                     raise EscapeError(errno.EXDEV, f"{p!r} is another mount")
-            return os.open(parts[-1], flags | os.O_CLOEXEC, dir_fd=fd)
+            result, fd = fd, -1
+            return result
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def parent(self, parts: tuple[str, ...], make: bool = False) -> int:
         """An fd of the directory holding `parts[-1]`; with `make`, missing directories on the

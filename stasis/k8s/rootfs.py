@@ -360,7 +360,12 @@ def _short(e: BaseException) -> str:
 def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile,
          member: tarfile.TarInfo) -> None:
     name = entry.parts[-1]
-    parent = root.parent(entry.parts, make=entry.kind != "whiteout")
+    try:
+        parent = root.parent(entry.parts, make=entry.kind != "whiteout")
+    except (FileNotFoundError, NotADirectoryError):
+        if entry.kind == "whiteout":
+            return  # nothing there to delete
+        raise
     try:
         try:
             st: os.stat_result | None = os.stat(name, dir_fd=parent, follow_symlinks=False)

@@ -1,10 +1,12 @@
 """The writable layer of a container on real overlay mounts: captured, put back, and never
-written outside the container's root."""
+written outside the container's root; hostile images and layers played against the real
+`rootfs.apply` (the child the daemon starts), as root."""
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from stasis.errors import ContainerError
-from stasis.k8s import rootfs
+from stasis.k8s import confined, rootfs
+from tests.k8s.hostile import plant
 
 
 class Overlay:
@@ -65,6 +68,15 @@ def test_a_layer_comes_back_with_its_deletions_and_replaced_directories(
     subprocess.run(["rm", "-rf", str(m / "cache")], check=True)
     (m / "cache").mkdir()  # an opaque directory: nothing of the image's shows through
     (m / "cache" / "new").write_text("new\n")
+    # What else a container writes: links, a fifo, a setuid program, another owner.
+    (m / "data" / "rel").symlink_to("state")
+    (m / "data" / "abs").symlink_to("/etc/keep")
+    os.link(m / "data" / "state", m / "data" / "twin")
+    os.mkfifo(m / "data" / "pipe")
+    os.chmod(m / "data" / "pipe", 0o620)
+    (m / "data" / "suid").write_bytes(b"#!/bin/sh\n")
+    os.chmod(m / "data" / "suid", 0o4755)
+    os.chown(m / "data" / "state", 1234, 5678)
     assert rootfs.upper_dir(m) == first.upper
     diff = tmp_path / "diff.tar"
     assert rootfs.capture(m, diff) > 0
@@ -75,9 +87,17 @@ def test_a_layer_comes_back_with_its_deletions_and_replaced_directories(
     n = second.merged
     assert (n / "data" / "state").read_bytes() == b"\x00written\xff"
     assert (n / "data" / "state").stat().st_mode & 0o777 == 0o640
+    assert ((n / "data" / "state").stat().st_uid, (n / "data" / "state").stat().st_gid) == \
+        (1234, 5678)
     assert (n / "etc" / "keep").read_text() == "changed\n"
     assert not (n / "etc" / "gone").exists()
     assert sorted(os.listdir(n / "cache")) == ["new"]
+    assert os.readlink(n / "data" / "rel") == "state"
+    assert os.readlink(n / "data" / "abs") == "/etc/keep"
+    assert (n / "data" / "twin").stat().st_ino == (n / "data" / "state").stat().st_ino
+    assert stat.S_ISFIFO((n / "data" / "pipe").lstat().st_mode)
+    assert (n / "data" / "pipe").lstat().st_mode & 0o777 == 0o620
+    assert (n / "data" / "suid").stat().st_mode & 0o7777 == 0o4755
     assert (image / "etc" / "gone").exists()  # the image itself is untouched
 
 
@@ -105,3 +125,195 @@ def test_a_root_that_is_not_an_overlay_is_refused_in_one_line(tmp_path: Path) ->
     (tmp_path / "plain").mkdir()
     with pytest.raises(ContainerError, match="not an overlay mount"):
         rootfs.capture(tmp_path / "plain", tmp_path / "diff.tar")
+
+
+# -- hostile layers ------------------------------------------------------------------------
+
+def file_(name: str, data: bytes = b"x", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), mode
+    return info, data
+
+
+def entry(name: str, kind: bytes, linkname: str = "", major: int = 0, minor: int = 0,
+          pax: dict[str, str] | None = None) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.devmajor, info.devminor = kind, linkname, major, minor
+    info.mode = 0o755
+    if pax:
+        info.pax_headers = pax
+    return info, b""
+
+
+def layer(path: Path, *entries: tuple[tarfile.TarInfo, bytes]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in entries:
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return path
+
+
+def snapshot(top: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every path under `top` (not following links) with its mode, inode and contents."""
+    seen: dict[str, tuple[int, int, bytes]] = {}
+    for dirpath, dirs, files in os.walk(top):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            data = p.read_bytes() if stat.S_ISREG(st.st_mode) else (
+                os.readlink(p).encode() if stat.S_ISLNK(st.st_mode) else b"")
+            seen[str(p.relative_to(top))] = (st.st_mode, st.st_nlink, data)
+    return seen
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    """A directory standing for the node outside the container: what must never change."""
+    h = tmp_path / "host"
+    h.mkdir()
+    (h / "secret").write_text("the node's\n")
+    (h / "dir").mkdir()
+    (h / "dir" / "kept").write_text("the node's too\n")
+    return h
+
+
+def test_python_planted_in_the_image_never_runs_when_a_layer_fails_half_way(
+        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]) -> None:
+    """The chrooted child of before showed a traceback inside the tenant's root: it read the
+    planted stdlib's coding cookie and imported the planted codec, as root."""
+    marker = host / "marker"
+    plant(image, marker)
+    o = Overlay(tmp_path, image, "planted")
+    overlays.append(o)
+    before = snapshot(host)
+    # etc/keep is a file in the image: the second entry cannot be written.
+    diff = layer(tmp_path / "half.tar", file_("data/first", b"1"), file_("etc/keep/x", b"2"))
+    with pytest.raises(ContainerError) as e:
+        rootfs.apply(diff, o.merged)
+    assert "\n" not in str(e.value)
+    assert "etc/keep/x" in str(e.value) and "Not a directory" in str(e.value)
+    assert not marker.exists(), marker.read_text()
+    assert snapshot(host) == before
+
+
+HOSTILE = {
+    "absolute path": lambda h: [file_(f"{h}/planted")],
+    "dot-dot path": lambda h: [file_("../" * 12 + f"{h}/planted".lstrip("/"))],
+    "dot-dot inside": lambda h: [file_("data/../../planted")],
+    "hard link out by dot-dot": lambda h: [entry("stolen", tarfile.LNKTYPE,
+                                                 "../" * 12 + f"{h}/secret".lstrip("/"))],
+    "hard link to an absolute path": lambda h: [entry("stolen", tarfile.LNKTYPE,
+                                                      f"{h}/secret")],
+    "character device": lambda h: [entry("data/mem", tarfile.CHRTYPE, major=1, minor=1)],
+    "block device": lambda h: [entry("data/sda", tarfile.BLKTYPE, major=8, minor=0)],
+    "over-long name": lambda h: [file_("data/" + "a" * 300)],
+    "contiguous hole": lambda h: [entry("data/odd", b"V")],  # a GNU volume header
+}
+WHY = {"absolute path": "absolute", "dot-dot path": "'..'", "dot-dot inside": "'..'",
+       "hard link out by dot-dot": "points out of the root",
+       "hard link to an absolute path": "points out of the root",
+       "character device": "character device node (1:1)",
+       "block device": "block device node (8:0)", "over-long name": "longer than 255",
+       "contiguous hole": "tar type"}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_entry_is_refused_in_one_line_before_anything_is_written(
+        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay], kind: str) -> None:
+    o = Overlay(tmp_path, image, "hostile")
+    overlays.append(o)
+    before_host, before_root = snapshot(host), snapshot(o.merged)
+    diff = layer(tmp_path / "hostile.tar", file_("data/first", b"written first"),
+                 *HOSTILE[kind](str(host)))
+    with pytest.raises(ContainerError) as e:
+        rootfs.apply(diff, o.merged)
+    msg = str(e.value)
+    assert "\n" not in msg and "refused" in msg and WHY[kind] in msg, msg
+    assert "nothing was written" in msg and "older one" in msg
+    assert snapshot(host) == before_host
+    assert snapshot(o.merged) == before_root  # not even the first entry
+
+
+def test_a_truncated_layer_is_refused_before_anything_is_written(
+        tmp_path: Path, image: Path, overlays: list[Overlay]) -> None:
+    o = Overlay(tmp_path, image, "cut")
+    overlays.append(o)
+    whole = layer(tmp_path / "whole.tar", file_("data/first", b"1"),
+                  file_("data/big", os.urandom(1 << 20)))
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(whole.read_bytes()[:600 * 1024])
+    with pytest.raises(ContainerError, match="refused.*(past the end|not a readable tar)"):
+        rootfs.apply(cut, o.merged)
+    assert not (o.merged / "data").exists()
+
+
+def test_links_in_the_image_and_the_layer_resolve_inside_the_root(
+        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]) -> None:
+    """The image's /tmp is a symlink to a node directory and the layer writes under /tmp; it
+    deletes through the image's symlink, empties a directory holding a symlink out, and hard
+    links through its own symlink up: everything lands, or fails, inside the root."""
+    (image / "tmp").symlink_to(host / "dir")
+    (image / "hostlink").symlink_to(host)
+    (image / "holder").mkdir()
+    (image / "holder" / "out").symlink_to(host / "dir")
+    o = Overlay(tmp_path, image, "links")
+    overlays.append(o)
+    before = snapshot(host)
+    diff = layer(tmp_path / "links.tar",
+                 entry("tmp", tarfile.DIRTYPE),  # a directory where the image has a symlink
+                 file_("tmp/planted", b"tmp"),
+                 entry("esc", tarfile.SYMTYPE, str(host)),
+                 entry("up", tarfile.SYMTYPE, "../../../../../../../../.."),
+                 entry("hostlink/secret", tarfile.CHRTYPE),  # a whiteout through a symlink
+                 entry("holder", tarfile.DIRTYPE, pax={"STASIS.overlay.opaque": "y"}),
+                 entry("cache", tarfile.CHRTYPE),  # a whiteout of a whole directory
+                 entry("etc/passwd-link", tarfile.LNKTYPE, "up/" + f"{host}/secret".lstrip("/")))
+    with pytest.raises(ContainerError) as e:
+        rootfs.apply(diff, o.merged)
+    # The last entry's target resolves inside the root, where there is no such file.
+    assert "etc/passwd-link" in str(e.value) and "\n" not in str(e.value)
+    assert snapshot(host) == before
+    assert (o.merged / "tmp" / "planted").read_bytes() == b"tmp"
+    assert os.readlink(o.merged / "esc") == str(host)  # made as a symlink, never followed
+    assert os.readlink(o.merged / "hostlink") == str(host)
+    assert os.listdir(o.merged / "holder") == []
+    assert not (o.merged / "cache").exists()
+
+
+def test_writing_through_the_layer_s_own_symlink_stays_inside(
+        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]) -> None:
+    o = Overlay(tmp_path, image, "own")
+    overlays.append(o)
+    (o.merged / str(host).lstrip("/")).mkdir(parents=True)
+    before = snapshot(host)
+    diff = layer(tmp_path / "own.tar", entry("esc", tarfile.SYMTYPE, str(host)),
+                 file_("esc/secret", b"overwritten?"),
+                 entry("esc/dir", tarfile.CHRTYPE))  # a whiteout: delete host/dir?
+    rootfs.apply(diff, o.merged)
+    assert snapshot(host) == before
+    assert (o.merged / str(host).lstrip("/") / "secret").read_bytes() == b"overwritten?"
+
+
+def test_without_openat2_symlinks_on_the_way_are_refused(
+        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels before 5.6: the component walk refuses what openat2 would resolve inside."""
+    o = Overlay(tmp_path, image, "walk")
+    overlays.append(o)
+    monkeypatch.setattr(confined, "have_openat2", False)
+    before = snapshot(host)
+    diff = layer(tmp_path / "walk.tar", file_("data/ok", b"ok"), file_("link/planted", b"x"))
+    with open(diff, "rb") as f, pytest.raises(OSError, match="symlink"):
+        rootfs.apply_here(f, o.merged)
+    assert snapshot(host) == before
+    assert (o.merged / "data" / "ok").read_bytes() == b"ok"
+
+
+def test_a_layer_with_too_many_entries_is_refused(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rootfs, "MAX_ENTRIES", 10)
+    root = tmp_path / "root"
+    root.mkdir()
+    diff = layer(tmp_path / "many.tar", *(file_(f"f{i}") for i in range(11)))
+    with open(diff, "rb") as f, pytest.raises(rootfs.Refused, match="more than 10 entries"):
+        rootfs.apply_here(f, root)
+    assert os.listdir(root) == []
