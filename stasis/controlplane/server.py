@@ -110,6 +110,9 @@ class Rotation(_Model):
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 _TEXT = r"^[^\x00-\x1f\x7f]*$"
 _WORD = r"^[A-Za-z0-9._:+ -]*$"
+# A node's scheduler state: Slurm's (MIXED+DRAIN) or a Kubernetes node's as kubectl shows it
+# (Ready,SchedulingDisabled+DRAIN).
+_STATE = r"^[A-Za-z0-9._:+, -]*$"
 
 
 class NodeReport(_Model):
@@ -160,7 +163,7 @@ class Heartbeat(_Model):
     jobs: list[JobReport] = Field(default_factory=list, max_length=10_000)
     activity: list[ActivityReport] = Field(default_factory=list, max_length=1000)
     mem_total_bytes: int | None = Field(default=None, ge=0)
-    scheduler_state: str | None = Field(default=None, max_length=60, pattern=_WORD)
+    scheduler_state: str | None = Field(default=None, max_length=60, pattern=_STATE)
 
 
 class NewCommand(_Model):
