@@ -18,8 +18,11 @@ lease. A credential the control plane no longer knows (an admin reset the node) 
 the node joins again with the cluster token.
 
 A restore command is carried out only as the second half of a migration, for the checkpoint
-that migration took: the checkpoint's signed manifest must name the migration's job, label and
-owner, and be no older than the migration's checkpoint command. Never an arbitrary id.
+that migration took, never for an arbitrary id: the node that took it answers the checkpoint
+half with a seal, a MAC with its signing key (the site key) over (migration command, checkpoint,
+job, target node), which the target verifies with the keys it trusts for manifests; the
+checkpoint's signed manifest must also name the migration's job, label and owner. Whoever holds
+no such key (a stolen cluster token, a node joined with it) cannot make one.
 """
 
 from __future__ import annotations
@@ -65,9 +68,7 @@ _ROOT = Caller(pid=0, uid=0, gid=0)
 _CHECK_EVERY = 30
 _ALIVE = ("running", "restored")
 CREDENTIAL_FILE = "controlplane-node.json"
-# A migration's checkpoint is taken after its command was queued; this much clock difference
-# between the control plane and the nodes is allowed.
-_CLOCK_SKEW_S = 300
+SEAL_PURPOSE = "controlplane-migration"  # what a migration's seal MACs (never a manifest)
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
 
 # What the node did (stasis.daemon.activity) until a heartbeat has carried it to the control
@@ -396,6 +397,10 @@ class ControlPlaneNode(Integration):
                     answer = self.manager.job_source(kind).checkpoint(job, leave, reason)
                 ok, result = True, {k: answer[k] for k in ("checkpoint", "label", "size_bytes",
                                                            "requeued") if k in answer}
+                if kind == "daemon" and args.get("then_restore_on") and "checkpoint" in answer:
+                    result["seal"] = self.manager.store.keys.sign(SEAL_PURPOSE, _sealed(
+                        cmd["id"], str(answer["checkpoint"]), job,
+                        str(args["then_restore_on"]))).model_dump()
             except StasisError as e:
                 result = {"error": str(e)}
         elif cmd["kind"] == "drain":
@@ -428,35 +433,42 @@ class ControlPlaneNode(Integration):
 
 
     def _migrated_checkpoint(self, args: dict[str, Any]) -> str:
-        """The checkpoint a restore command names, if it is the one its migration took: its
-        signed manifest names the migration's job, label and owner, and it is no older than
-        the migration's checkpoint command. Anything else is refused, nothing restored."""
-        from datetime import datetime, timedelta
+        """The checkpoint a restore command names, if it is the one its migration took: sealed
+        for this node by the node that took it (a key this node trusts), and its signed
+        manifest names the migration's job, label and owner. Anything else is refused,
+        nothing restored."""
+        from pydantic import ValidationError
+
+        from stasis.store.signing import Signature, Verdict
 
         ckpt, job = str(args.get("checkpoint") or ""), str(args.get("job") or "")
         label, user = str(args.get("label") or ""), str(args.get("user") or "")
-        since = str(args.get("since") or "")
-        if not args.get("migrated_from") or not (ckpt and label and user and since) or \
-                not _ID.fullmatch(job):
-            raise PermissionDeniedError(
-                f"restore of checkpoint {ckpt[:64] or '(none)'} refused: this node restores "
-                "for the control plane only the checkpoint a migration took (`stasis "
-                "controlplane migrate`); a checkpoint by id is restored with `stasis restore` "
-                "on the node")
-        manifest = self.manager.store.get(ckpt)  # its signature checked, its id's form too
+        migration = str(args.get("migrated_from") or "")
+        refused = (f"restore of checkpoint {ckpt[:64] or '(none)'} refused: this node restores "
+                   "for the control plane only the checkpoint a migration took (`stasis "
+                   "controlplane migrate`)")
+        if not (migration and ckpt and label and user) or not _ID.fullmatch(job):
+            raise PermissionDeniedError(f"{refused}; a checkpoint by id is restored with "
+                                        "`stasis restore` on the node")
         try:
-            earliest = datetime.fromisoformat(since) - timedelta(seconds=_CLOCK_SKEW_S)
-        except ValueError:
-            raise UsageError(f"bad migration time {since[:40]!r}") from None
-        theirs = (manifest.job, manifest.label, manifest.user)
-        if theirs != (job, label, user) or manifest.created < earliest:
+            seal = Signature.model_validate(args.get("seal"))
+        except ValidationError:
+            raise PermissionDeniedError(f"{refused}, and this one comes without the seal of "
+                                        "the node that took it") from None
+        verdict = self.manager.store.keys.verify(SEAL_PURPOSE, _sealed(
+            migration, ckpt, job, self.manager.settings.node), seal)
+        if verdict is not Verdict.VALID:
             raise PermissionDeniedError(
-                f"restore of checkpoint {ckpt} refused: it is not the one migration "
-                f"{str(args['migrated_from'])[:40]} took (that was of job {job}, label "
-                f"{label}, user {user}, taken since {since}; this one is of job "
-                f"{manifest.job[:100]}, label {manifest.label}, user {manifest.user[:100]}, "
-                f"taken {manifest.created.isoformat(timespec='seconds')}): migrate the job "
-                "again")
+                f"{refused}: its seal (key {seal.key_id}) {verdict.value} for migration "
+                f"{migration[:40]} of job {job} to this node: give the nodes one site_key "
+                "(or each other's keys in trusted_keys), or migrate the job again")
+        manifest = self.manager.store.get(ckpt)  # its signature checked, its id's form too
+        theirs = (manifest.job, manifest.label, manifest.user)
+        if theirs != (job, label, user):
+            raise PermissionDeniedError(
+                f"{refused}: it is of job {manifest.job[:100]}, label {manifest.label}, user "
+                f"{manifest.user[:100]}, not of job {job}, label {label}, user {user}: "
+                "migrate the job again")
         return ckpt
 
     def _completed(self, live: set[tuple[str, str]]) -> set[tuple[int, str]]:
@@ -500,6 +512,12 @@ class ControlPlaneNode(Integration):
                 except Gone:
                     pass
         return deleted
+
+
+def _sealed(migration: str, checkpoint: str, job: str, to: str) -> dict[str, str]:
+    """What a migration's seal binds: its checkpoint command, the checkpoint it took, the job
+    and the node that is to restore it."""
+    return {"migration": migration, "checkpoint": checkpoint, "job": job, "to": to}
 
 
 def _newest_first(jobs: list[Any]) -> list[Any]:

@@ -634,8 +634,9 @@ class Registry:
                     node: str | None = None) -> dict[str, Any]:
         """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
         on node `to` of the same cluster, through the store both share. The restore names
-        the job's label and owner as reported now, and the checkpoint command: the target
-        node restores only a checkpoint of that job, label and owner taken since (node.py)."""
+        the job's label and owner as reported now, the checkpoint command, and the seal the
+        source node answered with: the target node restores only the checkpoint that command
+        took (stasis.controlplane.node)."""
         by.admin_only()
         validate_name(to, "node name")
         src = self.find_job(by, job, cluster, node)
@@ -805,7 +806,7 @@ class Registry:
                     kind="restore", args=json.dumps({
                         "checkpoint": ckpt, "migrated_from": command_id, "job": args["job"],
                         "label": args.get("label"), "user": args.get("user"),
-                        "from_node": row["node"], "since": row["created"]}),
+                        "from_node": row["node"], "seal": _seal_of(result)}),
                     state="queued", attempts=0, lease_until=None, result=None,
                     created=_stamp(), finished=None))
                 result = {**result, "next": nid}
@@ -867,6 +868,15 @@ class Registry:
         return {**{k: v for k, v in row.items() if k != "lease_id"},
                 "args": json.loads(row["args"]),
                 "result": json.loads(row["result"]) if row.get("result") else None}
+
+
+def _seal_of(result: dict[str, Any]) -> dict[str, str] | None:
+    """The seal a migration's checkpoint half answered with (the node that took it MACs what
+    it took; the restoring node checks it, stasis.controlplane.node), carried as it came."""
+    seal = result.get("seal")
+    if not isinstance(seal, dict):
+        return None
+    return {str(k)[:40]: str(v)[:100] for k, v in list(seal.items())[:4]}
 
 
 def _expiry(expires_in_s: int | None) -> int | None:
