@@ -170,7 +170,9 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 # printf is bash's own: the token goes into the 0600 file without an exec of its own.
 printf 'Authorization: Bearer %s\n' "$STASIS_INSTALL_TOKEN" > "$tmp/auth"
-if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+# Python runs isolated (-I) throughout: root must not import from the directory this was
+# started in, which may be anyone's.
+if ! command -v python3 >/dev/null || ! python3 -I -c 'import venv, ensurepip' 2>/dev/null; then
     if command -v apt-get >/dev/null; then
         say "installing python3 and python3-venv"
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3 python3-venv >&2
@@ -180,8 +182,8 @@ if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/d
 fi
 have=""
 if [ -x "$prefix/bin/python" ]; then
-    have="$("$prefix/bin/python" -c 'import importlib.metadata as m; print(m.version("stasis"))' \
-            2>/dev/null || true)"
+    have="$("$prefix/bin/python" -I -c \
+            'import importlib.metadata as m; print(m.version("stasis"))' 2>/dev/null || true)"
 fi
 if [ "$have" != "$want" ]; then
     say "installing stasis $want into $prefix"
@@ -193,14 +195,14 @@ if [ "$have" != "$want" ]; then
             "nothing installed: fetch the installer again, over https://"
         exit 3
     fi
-    [ -x "$prefix/bin/python" ] || python3 -m venv "$prefix"
+    [ -x "$prefix/bin/python" ] || python3 -I -m venv "$prefix"
     "$prefix/bin/pip" install -q --disable-pip-version-check "$tmp/$wheel" >&2
 else
     say "stasis $want is installed in $prefix already"
 fi
 init=/usr/local/libexec/stasis/stasis-init
 if [ ! -x "$init" ]; then
-    src="$("$prefix/bin/python" -c 'import stasis, pathlib
+    src="$("$prefix/bin/python" -I -c 'import stasis, pathlib
 print(pathlib.Path(stasis.__file__).parent / "daemon" / "stasis-init.c")')"
     if command -v gcc >/dev/null; then
         say "building the jobs' init $init"
@@ -210,7 +212,9 @@ print(pathlib.Path(stasis.__file__).parent / "daemon" / "stasis-init.c")')"
         say "warning: no gcc to build $init from $src: jobs cannot be protected until it is there"
     fi
 fi
-STASIS_AUTH_TOKEN="$STASIS_INSTALL_TOKEN" "$prefix/bin/stasis" controlplane join \
+# The config file may not exist yet: join writes it, and reads no settings but the token.
+STASIS_CONFIG=/dev/null STASIS_AUTH_TOKEN="$STASIS_INSTALL_TOKEN" "$prefix/bin/stasis" \
+    controlplane join \
     --config "$config" --url "$url" --cluster-id "$cluster_id" --node "$node" "${plain[@]}"
 args=("$@")
 case " $* " in *" --stasis-config "*) ;; *) args+=(--stasis-config "$config") ;; esac
