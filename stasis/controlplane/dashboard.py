@@ -24,11 +24,12 @@ Pages send a Content-Security-Policy that allows only this server's own script a
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import jinja2
 from aiohttp import web
@@ -70,11 +71,28 @@ def _age(seconds: float | None) -> str:
     return f"{s / 86400:.0f} d ago"
 
 
+# What may go into a form's URL as one path segment: characters with no meaning in a URL, and
+# never a dot segment ("..", which a browser resolves, even as "%2e%2e"): a job id a node made
+# up cannot aim an admin's click at another job's or another page's action.
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,199}")
+
+
+def _segment(value: object) -> bool:
+    return isinstance(value, str) and _SEGMENT.fullmatch(value) is not None
+
+
+def _seg(value: object) -> str:
+    """One path segment, every reserved character escaped ('/' too, unlike `urlencode`)."""
+    return quote(str(value), safe="")
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True)
     env.filters["age"] = _age
     env.filters["size"] = human_size
+    env.filters["seg"] = _seg
+    env.tests["segment"] = _segment
     return env
 
 
@@ -238,18 +256,27 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
 
     # -- actions ------------------------------------------------------------------------------
 
-    def checkpoint_now(s: Session, request: web.Request, f: dict[str, str]) -> str:
+    def job_of(request: web.Request, f: dict[str, str]) -> tuple[str, str | None, str | None]:
+        """The job a form acts on: its id, and the cluster and node whose row it was (a job
+        id is a node's to choose: two clusters may report the same one)."""
         job = request.match_info["job"]
+        if not _segment(job):
+            raise UsageError(f"job id {job[:100]!r} has characters a job id cannot have")
+        return job, f.get("cluster") or None, f.get("node") or None
+
+    def checkpoint_now(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        job, cluster, node = job_of(request, f)
         cmd = registry.queue(s.principal, "checkpoint", job, {"leave_running": True,
-                                                              "reason": "dashboard"})
+                                                              "reason": "dashboard"},
+                             cluster, node)
         return f"checkpoint of job {job} on node {cmd['node']} asked ({cmd['id']})"
 
     def migrate(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        job = request.match_info["job"]
+        job, cluster, node = job_of(request, f)
         to = f.get("to", "")
         if not to:
             raise UsageError("choose the node to migrate to")
-        cmd = registry.migrate_job(s.principal, job, to)
+        cmd = registry.migrate_job(s.principal, job, to, None, cluster, node)
         return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
 
     def add_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:

@@ -10,7 +10,9 @@ escaped, a cluster token sees only its cluster and cannot act."""
 
 from __future__ import annotations
 
+import html.parser
 import http.cookiejar
+import json
 import os
 import pwd
 import tempfile
@@ -260,7 +262,8 @@ def test_dashboard_sessions_csrf_and_scoping(world_tmp: Path) -> None:
                                 {"csrf": csrf})
         assert status == 303
         status, _, page = web.call("GET", "/ui/jobs")
-        assert "no node reports a job &lt;script&gt;x&#39; OR 1=1--" in page, page
+        assert ("job id &#34;&lt;script&gt;x&#39; OR 1=1--&#34; has characters a job id "
+                "cannot have") in page, page
         assert "<script>x" not in page
         status, _, _ = web.call("POST", "/ui/policies", {
             "name": "p2", "every_s": "1; DROP TABLE policies", "action": "checkpoint",
@@ -367,5 +370,96 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
             400, {"error": "policy nightly is disabled (`policies edit nightly --enable`)"})
         status, _, page = web.call("GET", "/ui/policies")
         assert token not in page  # shown once
+    finally:
+        cp.stop()
+
+
+class _Rows(html.parser.HTMLParser):
+    """The jobs table as a browser builds it: each row's job and node, the forms in it (their
+    action and fields), and every element id on the page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, Any]] = []
+        self.ids: list[str] = []
+        self._form: dict[str, Any] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if "id" in a:
+            self.ids.append(a["id"])
+        if tag == "tr" and "data-job" in a:
+            self.rows.append({"job": a["data-job"], "node": a.get("data-node"), "forms": []})
+        elif tag == "form" and self.rows:
+            self._form = {"action": a.get("action", ""), "fields": {}}
+            self.rows[-1]["forms"].append(self._form)
+        elif tag == "input" and self._form is not None and a.get("type") == "hidden":
+            self._form["fields"][a["name"]] = a.get("value", "")
+        elif tag == "option" and self._form is not None:
+            self._form["fields"].setdefault("to", a.get("value", ""))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "form":
+            self._form = None
+
+
+def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
+        world_tmp: Path) -> None:
+    """A node of one cluster reports job ids made to turn the admin's click on its row into an
+    action on another cluster's job ("../victim": the browser resolves the form's URL to
+    /ui/jobs/victim/checkpoint) or to break out of the page's HTML. The API refuses them; rows
+    that still hold them (written before the API checked) get no form, and show as text."""
+    from tests.controlplane.fakenode import FakeNode
+
+    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
+                      str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"))
+    cp.start()
+    try:
+        victims = cp.json("clusters", "add", "victims", "--kind", "slurm")
+        attackers = cp.json("clusters", "add", "attackers", "--kind", "slurm")
+        victim = FakeNode(cp, victims, "victim-node")
+        victim.register()
+        victim.heartbeat([{"job": "victimjob"}])
+        evil = FakeNode(cp, attackers, "evil-node")
+        evil.register()
+        evil2 = FakeNode(cp, attackers, "evil-node-2")  # a migration target for its rows
+        evil2.register()
+        evil2.heartbeat([])
+        hostile = ["../victimjob", "..", '"><b id="injected">x</b>', "a/b", "x?y#z"]
+        for job in hostile:
+            status, answer = cp.call("POST", "/api/v1/nodes/evil-node/heartbeat", evil.token,
+                                     {"jobs": [{"job": job, "state": "running"}]})
+            assert status == 400, (job, status, answer)
+        # Rows the API would refuse today, already in the database.
+        import sqlite3
+
+        with sqlite3.connect(cp.db) as db:
+            db.execute("UPDATE nodes SET job_list = ? WHERE name = 'evil-node'",
+                       (json.dumps([{"job": j, "state": "running", "label": "l", "user": "u"}
+                                    for j in hostile]),))
+        web = Browserless(cp)
+        csrf = web.login(cp.admin)
+        status, _, page = web.call("GET", "/ui/jobs")
+        assert status == 200
+        parsed = _Rows()
+        parsed.feed(page)
+        assert "injected" not in parsed.ids
+        assert "&#34;&gt;&lt;b id=&#34;injected&#34;&gt;x&lt;/b&gt;" in page
+        rows = {(r["node"], r["job"]): r for r in parsed.rows}
+        assert set(rows) == {("victim-node", "victimjob"), *(("evil-node", j) for j in hostile)}
+        assert rows["victim-node", "victimjob"]["forms"]  # the honest row keeps its button
+        # The admin clicks every button of the attacker's rows, as the browser would send it.
+        for (node, job), row in rows.items():
+            if node != "evil-node":
+                continue
+            for form in row["forms"]:
+                target = urllib.parse.urlsplit(urllib.parse.urljoin(cp.url + "/ui/jobs",
+                                                                    form["action"]))
+                assert target.path.startswith(
+                    "/ui/jobs/" + urllib.parse.quote(job, safe="") + "/"), (job, form)
+                web.call("POST", target.path + (f"?{target.query}" if target.query else ""),
+                         {**form["fields"], "csrf": csrf})
+        assert not [c for c in cp.json("actions") if c["node"] == "victim-node"]
+        assert victim.lease() is None  # nothing queued for the victim's node
     finally:
         cp.stop()
