@@ -576,8 +576,8 @@ def read_records(owner: int | None = None) -> list[dict[str, object]]:
     """The book of the IPC namespace this thread is in, read without its lock and without
     creating it (none yet: no step): for a reader outside the job (the node daemon).
 
-    Everything in it is the job user's: a segment not both owned and created by `owner` (a
-    uid; None: anyone) is refused (BookRefused), and so is a header claiming more than the
+    Everything in it is the job user's: a segment not owned by `owner` (a uid; None: anyone),
+    or created by another user than them or root (CRIU, restoring it), is refused (BookRefused), and so is a header claiming more than the
     segment holds; at most its real size (and a book's) is copied out, and only the copy is
     parsed."""
     libc = _shm_libc()
@@ -587,7 +587,8 @@ def read_records(owner: int | None = None) -> list[dict[str, object]]:
             return []
         raise OSError(ctypes.get_errno(), f"shmget: {os.strerror(ctypes.get_errno())}")
     st = segment_stat(libc, shm)
-    if owner is not None and (st.uid != owner or st.cuid != owner):
+    # A restored job's book was created by CRIU (root), which gave it back its owner.
+    if owner is not None and (st.uid != owner or st.cuid not in (owner, 0)):
         raise BookRefused(f"its segment is owned by uid {st.uid} and was created by uid "
                           f"{st.cuid}, not by the job's user (uid {owner})")
     return fold(parse_book(_segment_bytes(libc, shm, min(st.size_bytes, _SIZE))))

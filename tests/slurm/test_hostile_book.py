@@ -149,6 +149,21 @@ def test_a_segment_of_another_owner_is_refused(planter: Planter, reader: BookRea
         reader.read(planter.ns, planter.uid)
 
 
+def test_a_book_criu_restored_for_the_user_is_read(reader: BookReader,
+                                                   test_user: pwd.struct_passwd) -> None:
+    """CRIU (root) creates a restored job's segments and gives them their owner back: created
+    by root, owned by the job's user, the book is the job's."""
+    restorer = Planter("root")
+    try:
+        restorer.plant(BOOK, header(31) + b'{"step": 0, "where": "stasis"}\n')
+        with pytest.raises(steps.BookRefused, match="owned by uid 0"):
+            reader.read(restorer.ns, test_user.pw_uid)
+        assert restorer.ask(f"chown {test_user.pw_uid}").startswith("ok")
+        assert reader.read(restorer.ns, test_user.pw_uid) == [{"step": 0, "where": "stasis"}]
+    finally:
+        restorer.close()
+
+
 def test_ipc_stat_is_read_with_the_kernels_layout(planter: Planter) -> None:
     """What segment_stat finds (through our struct shmid_ds) is what /proc/sysvipc/shm says."""
     planter.plant(12345, b"")

@@ -1,0 +1,82 @@
+"""A Slurm job that attacks the node daemon through its step book (issue 27, item 3).
+
+The job of the unprivileged test user, opted in, plants in its own IPC namespace a one-page
+SysV segment under the book's key whose header claims 256 KiB of records
+(tests/workloads/hostile_book.py), then counts. The node daemon (root) reads every protected
+job's book each second: it must refuse that one, keep serving (the same process), and the job
+must stay protected: warned as Slurm warns at preemption, it is checkpointed, requeued and
+resumes its count.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from stasis.daemon import detached
+from tests.conftest import TEST_USER, WORKLOADS
+from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until, wait_gone
+
+MARKER = "stasis: restored checkpoint"
+REFUSED = "its step book is refused: its header claims 262128 bytes of records, the segment " \
+          "holds "
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = new_cluster("book")
+    shutil.copy(WORKLOADS / "hostile_book.py", c.work / "hostile_book.py")
+    yield c
+    close_cluster(c)
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^(\d+)$", text, re.M)]
+
+
+def test_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_protected(
+        cluster: Cluster) -> None:
+    home = cluster.lay.config_of("n1").parent
+    daemon_pid = detached.read_pid(home / "daemon.pid")
+    assert daemon_pid is not None and detached.alive(daemon_pid)
+    log = home / "daemon.log"
+
+    def daemon_log() -> str:
+        return log.read_text(errors="replace")
+
+    script = cluster.script(
+        "hostile", f"exec python3 -u {cluster.work}/hostile_book.py 0.5",
+        "--export=ALL,STASIS_ENABLE=1", f"--output={cluster.work}/hostile-%j.out")
+    job = cluster.sbatch(script, user=TEST_USER)
+    until(lambda: "planted " in cluster.output(job), 90, "the planted segment")
+    cluster.wait_number(job, 4)
+    # The daemon read the book (it polls every second), refused it, and is the same process.
+    until(lambda: f"Slurm job {job}: {REFUSED}" in daemon_log(), 30,
+          f"the refusal in the daemon's log: {daemon_log()[-2000:]}")
+    assert detached.alive(daemon_pid), daemon_log()[-3000:]
+    assert cluster.stasis("ps").returncode == 0
+    assert detached.read_pid(home / "daemon.pid") == daemon_pid
+
+    # Still protected: preempted (URG to the batch step), it is checkpointed and resumes.
+    pids = cluster.pids(job)
+    cluster.run("scancel", "--batch", "--signal=URG", job)
+    wait_gone(pids)
+    until(lambda: MARKER in cluster.output(job), 90, "the restore")
+    out = cluster.output(job)
+    at_dump = _numbers(out[:out.index(MARKER)])[-1]
+    until(lambda: len(_numbers(cluster.output(job).split(MARKER, 1)[1])) >= 3, 60,
+          "counting after the restore")
+    out = cluster.output(job)
+    assert _numbers(out.split(MARKER, 1)[1])[0] == at_dump + 1, out
+    assert "SIGURG: taking a checkpoint" in out
+    # The restored job's namespace holds the same segment: refused again, the daemon unharmed.
+    until(lambda: daemon_log().count(f"Slurm job {job}: {REFUSED}") >= 2, 30,
+          "the refusal after the restore")
+    assert detached.alive(daemon_pid) and cluster.stasis("ps").returncode == 0
+    assert detached.read_pid(home / "daemon.pid") == daemon_pid
+    cluster.run("scancel", job)
+    cluster.wait_state(job, ("CANCELLED", "COMPLETED", "FAILED"), 60)
+
