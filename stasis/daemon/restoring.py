@@ -33,6 +33,7 @@ from stasis.errors import (
     OwnerDeniedError,
     RestoreError,
     StasisError,
+    UntrustedCheckpointError,
     UsageError,
 )
 from stasis.store import Manifest, validate_checkpoint_id, validate_label
@@ -59,6 +60,7 @@ class Restorer:
             owner = owner_uid(caller, req.user)
             candidates = self.core.store.list(validate_label(req.label), uid=owner)
             if not candidates:
+                self._only_untrusted(req.label, owner, caller)
                 raise NotFoundError(self._no_label(req.label, owner, caller))
         else:
             raise UsageError("name a checkpoint id or --label")
@@ -85,6 +87,21 @@ class Restorer:
             return answer
         raise RestoreError("no usable checkpoint with label "
                            f"{req.label}: " + "; ".join(skipped))
+
+    def _only_untrusted(self, label: str, owner: int, caller: Caller) -> None:
+        """UntrustedCheckpointError when the label's only checkpoints are signed by keys this
+        node does not trust (another node's, another site's): naming them and the settings
+        that trust them beats "no checkpoint with label"."""
+        keys = self.core.store.untrusted_signers(label, uid=owner)
+        if not keys:
+            return
+        whose = "" if owner == caller.uid else f" of user {user_name(owner)}"
+        which = f"key {keys[0]}" if len(keys) == 1 else f"keys {', '.join(keys)}"
+        raise UntrustedCheckpointError(
+            f"no checkpoint with label {label}{whose} that this node trusts: those in store "
+            f"{self.core.store.url} are signed by {which}, which this node does not trust; if "
+            "another node of your site made them, add its key to trusted_keys (or give both "
+            "nodes one site_key) and restart the daemon")
 
     def _no_label(self, label: str, owner: int, caller: Caller) -> str:
         whose = "" if owner == caller.uid else f" of user {user_name(owner)}"

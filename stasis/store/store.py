@@ -127,10 +127,13 @@ class _UnreadableManifest(Exception):
 class _UntrustedManifest(Exception):
     """A well-formed manifest whose signature is missing, wrong or made with a key not trusted."""
 
-    def __init__(self, verdict: Verdict | None, key_id: str | None) -> None:
+    def __init__(self, verdict: Verdict | None, key_id: str | None,
+                 claims: Manifest | None = None) -> None:
         super().__init__(verdict.value if verdict else "not signed")
         self.verdict = verdict
         self.key_id = key_id
+        # What the manifest says of itself, unverified: a hint for an error message only.
+        self.claims = claims
 
 
 class Store:
@@ -564,6 +567,30 @@ class Store:
                 f"cannot read checkpoint {checkpoint_id} from {self.url}: {_reason(e)}"
             ) from e
 
+    def untrusted_signers(self, label: str, *, uid: int) -> builtins.list[str]:
+        """The ids of the keys, none of which this node trusts, that signed the checkpoints
+        claiming to be `uid`'s of `label`: why a restore by label found nothing (`list` skips
+        those). Their claims are unverified: a hint for that one line, never acted on."""
+        validate_label(label)
+        indexed = self._index_ready()
+        ids = [e.checkpoint_id for e in self._entries(label, uid)] if indexed else self._ids()
+
+        def one(checkpoint_id: str) -> str | None:
+            try:
+                self._load(checkpoint_id)
+            except _UntrustedManifest as e:
+                claims = e.claims
+                if e.verdict is Verdict.UNKNOWN_KEY and claims is not None \
+                        and claims.label == label and claims.uid == uid:
+                    return e.key_id
+            except Exception:  # garbage or unreadable: not a signer to name
+                return None
+            return None
+
+        workers = 1 if isinstance(self._tree, LocalTree) else 16
+        return sorted({k for k in in_parallel(one, ids, min(workers, max(1, len(ids))))
+                       if k is not None})
+
     def latest(self, label: str, *, uid: int) -> Manifest:
         """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none.
 
@@ -872,13 +899,13 @@ class Store:
         if manifest.id != checkpoint_id:
             raise _UnreadableManifest(f"it names checkpoint {manifest.id}")
         if manifest.signature is None:
-            raise _UntrustedManifest(None, None)
+            raise _UntrustedManifest(None, None, manifest)
         # Exactly what was read, not the model's view of it: a field this version ignores is
         # signed too, and a change to it is a change.
         del document["signature"]
         verdict = self.keys.verify(MANIFEST_PURPOSE, document, manifest.signature)
         if verdict is not Verdict.VALID:
-            raise _UntrustedManifest(verdict, manifest.signature.key_id)
+            raise _UntrustedManifest(verdict, manifest.signature.key_id, manifest)
         return manifest
 
     def _warn_once(self, checkpoint_id: str, why: str) -> None:

@@ -90,7 +90,13 @@ def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(
     key_id = node_a.json("checkpoints")[0]["signature"]["key_id"]
     assert f"signed by key {key_id}" in err
     assert node_b.json("ps") == []
-    _refused(node_b, "--label", "roaming", code=2, words=("no checkpoint with label roaming",))
+    # By label, through the CLI: not "no checkpoint", but whose key and what trusts it.
+    _refused(node_b, "--label", "roaming", code=1,
+             words=("no checkpoint with label roaming that this node trusts",
+                    f"signed by key {key_id}", "trusted_keys", "site_key"))
+    # Another user's label of the same name says nothing of that user's checkpoints.
+    _refused(node_b, "--label", "roaming", code=2, words=("no checkpoint with label roaming",),
+             user=TEST_USER)
     assert node_b.json("checkpoints") == []
     assert f"skipping checkpoint {checkpoint}" in (node_b.root / "daemon.log").read_text()
 
