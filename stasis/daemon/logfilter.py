@@ -4,11 +4,17 @@ client hammering the socket) is written a few times per interval, then counted, 
 Without it, a daemon out of file descriptors wrote 89 MB of tracebacks in 40 s. Messages are
 told apart by where they were logged and their format string (not their arguments), so "accept
 failed: <errno>" is one message whatever the errno.
+
+And one message is one line: much of what the daemon logs quotes what users chose (file names
+in CRIU's errors, a job's paths, its step book), and a newline in one would write a line of the
+user's making into root's log (a forged "job N checkpointed", say). Control characters in a
+message are written escaped (OneLineFilter); tracebacks stay as they are.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -59,8 +65,44 @@ class RepeatFilter(logging.Filter):
             del self._seen[next(iter(self._seen))]
 
 
+# C0 and C1 controls, DEL, and what Unicode takes as line ends.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group(0)
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c)
+    if named:
+        return named
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def one_line(text: str) -> str:
+    """`text` with its control characters written as escapes (\\n, \\x1b, ...)."""
+    return _CONTROL.sub(_escape, text)
+
+
+class OneLineFilter(logging.Filter):
+    """Writes every message on one line: its control characters escaped (see the module
+    docstring). A message that cannot be formatted is let through as it is, for logging's own
+    error report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - logging reports bad format strings itself
+            return True
+        if _CONTROL.search(text):
+            record.msg = one_line(text)
+            record.args = None
+        return True
+
+
 def quiet_repeats(burst: int = 5, interval_s: float = 60.0) -> None:
-    """Put a RepeatFilter on every handler of the root logger (where the daemon's log goes)."""
+    """Put a RepeatFilter and a OneLineFilter on every handler of the root logger (where the
+    daemon's log goes)."""
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RepeatFilter) for f in handler.filters):
             handler.addFilter(RepeatFilter(burst, interval_s))
+        if not any(isinstance(f, OneLineFilter) for f in handler.filters):
+            handler.addFilter(OneLineFilter())
