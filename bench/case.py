@@ -248,18 +248,25 @@ def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool,
 
 
 def run_once(case: Case, dest: Destination, daemon: StasisDaemon, work: Path, index: int,
-             verify: bool) -> dict[str, Any]:
-    """All three methods once. Odd runs measure stasis before CRIU, so drift hits both alike."""
+             verify: bool, baseline: StasisDaemon | None = None) -> dict[str, Any]:
+    """All methods once (`baseline`: a daemon of the baseline commit, a store of its own). The
+    order turns run by run, so that drift hits all alike."""
     result: dict[str, Any] = {"case": case.key(), "run": index}
     try:
         r = raw.s3_baseline(dest.filesystem(), dest.bucket, case.size_bytes) \
             if dest.s3 is not None else raw.copy_baseline(dest.scratch, case.size_bytes)
         result["raw"] = {**asdict(r), "write_gbps": r.size_bytes / r.write_s / 1e9,
                          "read_gbps": r.size_bytes / r.read_s / 1e9}
-        order = ("criu", "stasis") if index % 2 == 0 else ("stasis", "criu")
+        methods = ["criu", "stasis"] + (["baseline"] if baseline is not None else [])
+        turn = index % len(methods)
+        order = methods[turn:] + methods[:turn] if baseline is not None else \
+            (("criu", "stasis") if index % 2 == 0 else ("stasis", "criu"))
         for method in order:
             if method == "criu":
                 result["criu"] = measure_criu(case, dest, work, verify)
+            elif method == "baseline":
+                assert baseline is not None
+                result["baseline"] = measure_stasis(case, baseline, work, verify, dest)
             else:
                 result["stasis"] = measure_stasis(case, daemon, work, verify, dest)
     except (BenchError, OSError, ValueError, KeyError) as e:

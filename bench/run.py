@@ -25,7 +25,14 @@ from typing import Any
 
 from bench import procs, report, slurm_e2e
 from bench.case import Case, run_once
-from bench.dest import DESTS, GiB, available_bytes, bytes_needed, make_destination
+from bench.dest import (
+    DESTS,
+    Destination,
+    GiB,
+    available_bytes,
+    bytes_needed,
+    make_destination,
+)
 from bench.modes import DEFAULT_MODES, MODES, Mode, parse_modes
 from bench.plot import plot
 from bench.snapshot import snapshot
@@ -62,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    p.add_argument("--baseline-ref", metavar="REF",
+                   help="also measure this commit's stasis (its own daemon and store), case by "
+                        "case in the same run, and hold dump/restore/lazy against it (5%%)")
     p.add_argument("--stasis-ref", metavar="REF",
                    help="measure this commit of stasis (a snapshot) instead of the working tree")
     p.add_argument("--slurm", action="store_true",
@@ -135,6 +145,17 @@ def _brief(run: dict[str, Any]) -> str:
             f"criu {c['restore_s']:.3f}s raw {r['read_s']:.3f}s")
 
 
+def _baseline_daemon(stasis: str, dest: Destination, work_root: Path) -> StasisDaemon | None:
+    """A daemon of the baseline commit beside the measured one: same destination, a store of
+    its own (neither lists, nor refuses, the other's checkpoints). None where the destination
+    is reached by URL (remote, s3): measured against the working tree only."""
+    if dest.url is not None:
+        _log(f"no baseline on {dest.name}: only tmpfs and disk stores")
+        return None
+    store = dest.store.parent / "baseline-store" if dest.store is not None else None
+    return StasisDaemon(work_root / f"baseline-{dest.name}", store, stasis, None, dest.env)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
@@ -160,8 +181,13 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
         stasis = STASIS
         commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                                 capture_output=True, text=True).stdout.strip() + " (working tree)"
+    base_stasis = None
+    host = host_info(commit)
+    if args.baseline_ref:
+        base_stasis, host["baseline_commit"] = snapshot(args.baseline_ref,
+                                                        work_root / "baseline")
     document: dict[str, Any] = {
-        "started": started.isoformat(timespec="seconds"), "host": host_info(commit),
+        "started": started.isoformat(timespec="seconds"), "host": host,
         "args": {"sizes": args.size_list, "kinds": args.kind_list, "dests": args.dest_list,
                  "modes": [m.name for m in args.mode_list], "runs": args.runs,
                  "quick": args.quick},
@@ -193,8 +219,11 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
         dest = make_destination(dest_name, work_root, tmpfs_bytes)
         daemon = StasisDaemon(work_root / f"daemon-{dest_name}", dest.store, stasis, dest.url,
                               dest.env)
+        baseline = _baseline_daemon(base_stasis, dest, work_root) if base_stasis else None
         try:
             daemon.start()
+            if baseline is not None:
+                baseline.start()
             for size in args.size_list:
                 for kind in args.kind_list:
                     need, free = bytes_needed(size, dest_name), available_bytes()
@@ -211,13 +240,16 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
                     for i in range(args.runs):
                         for mode in modes:
                             case = Case(size, kind, dest_name, mode)
-                            run = run_once(case, dest, daemon, work, i, verify=i == 0)
+                            run = run_once(case, dest, daemon, work, i, verify=i == 0,
+                                           baseline=baseline)
                             document["runs"].append(run)
                             _log(f"{case.key()} run {i}: {_brief(run)}")
                         # Partial results survive an interrupted suite.
                         report.write_json(paths["json"], document)
         finally:
             daemon.stop()
+            if baseline is not None:
+                baseline.stop()
             dest.teardown()
     document["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     document["summary"] = report.summarise(document["runs"])
