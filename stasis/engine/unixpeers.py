@@ -39,6 +39,7 @@ _UNIX_DIAG_MSG = struct.Struct("=BBBBIII")
 _RTATTR = struct.Struct("=HH")
 _STREAMS = (socket.SOCK_STREAM, socket.SOCK_SEQPACKET)  # CRIU dumps neither half of these
 _COMMAND_CHARS = 200  # a command line in an error: enough to tell programs apart
+_CMDLINE_MAX = 4096
 _TYPES = {int(socket.SOCK_STREAM): "stream", int(socket.SOCK_SEQPACKET): "seqpacket"}
 
 
@@ -173,7 +174,8 @@ def command(pid: int, viewer: int | None = None) -> str:
                 with open(f"/proc/{pid}/comm") as f:
                     return f"{f.read().strip()}, user {_user(owner)}"
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().rstrip(b"\0").split(b"\0")
+            # The user's to make megabytes long: only what a line can show is read.
+            argv = f.read(_CMDLINE_MAX).rstrip(b"\0").split(b"\0")
         # The program's name, not its whole path: the line has the pid for the rest.
         argv[0] = os.path.basename(argv[0])
         text = " ".join(a.decode(errors="replace") for a in argv)

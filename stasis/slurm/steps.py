@@ -617,6 +617,9 @@ def _is_ours(path: str) -> bool:
         return False
 
 
+_CMDLINE_MAX = 4096
+
+
 def real_srun_running(pid: int) -> list[str]:
     """The command lines of Slurm's own srun processes among the descendants of `pid`: steps
     whose tasks run outside the tree, so a checkpoint now would restore a dead client."""
@@ -626,7 +629,10 @@ def real_srun_running(pid: int) -> list[str]:
     for p in proctree.tree(pid)[1:]:
         try:
             exe = os.readlink(f"/proc/{p}/exe")
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                # The daemon reads it too: a job's command line may be megabytes long, the
+                # refusal shows 120 characters of it.
+                cmdline = f.read(_CMDLINE_MAX)
         except OSError:
             continue
         if os.path.basename(exe.removesuffix(" (deleted)")) != SRUN_NAME:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stasis.engine import credentials, proctree
 from tests.conftest import Daemon, wait_for, workload
@@ -141,3 +143,20 @@ def test_credentials_from_a_status_file() -> None:
     assert saved == "saved uid 0 (root)" and group.startswith("supplementary group 27 (")
     with pytest.raises(ValueError):
         credentials.parse_status(b"Name:\tx\nUid:\t1000\n")
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(text=st.binary(max_size=300) | st.lists(
+    st.sampled_from([b"Name:\tx\x00\xff", b"State:\tZ (zombie)", b"Uid:\t1 2 3 4",
+                     b"Uid:\t-1 0 0 0", b"Uid:\t99999999999 0 0 0", b"Gid:\t1 2 3 4",
+                     b"Gid:\t5", b"Groups:\t", b"Groups:\t1 x", b"CapPrm:\tzz",
+                     b"CapEff:\t" + b"f" * 300, b"CapAmb:\t0"]), max_size=8).map(b"\n".join))
+def test_fuzz_status_files(text: bytes) -> None:
+    """A status file names what its process chose (Name): whatever it holds, the parser
+    returns credentials within range or ValueError, nothing else."""
+    try:
+        cred = credentials.parse_status(text)
+    except ValueError:
+        return
+    assert len(cred.uids) == len(cred.gids) == 4
+    assert all(0 <= v <= 0xFFFFFFFF for v in (*cred.uids, *cred.gids, *cred.groups))
