@@ -406,8 +406,8 @@ class _Rows(html.parser.HTMLParser):
 def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
         world_tmp: Path) -> None:
     """A node of one cluster reports job ids made to turn the admin's click on its row into an
-    action on another cluster's job ("../victim": the browser resolves the form's URL to
-    /ui/jobs/victim/checkpoint) or to break out of the page's HTML. The API refuses them; rows
+    action on another cluster's job ("x/../victimjob": the browser resolves the form's URL to
+    /ui/jobs/victimjob/checkpoint) or to break out of the page's HTML. The API refuses them; rows
     that still hold them (written before the API checked) get no form, and show as text."""
     from tests.controlplane.fakenode import FakeNode
 
@@ -425,7 +425,7 @@ def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
         evil2 = FakeNode(cp, attackers, "evil-node-2")  # a migration target for its rows
         evil2.register()
         evil2.heartbeat([])
-        hostile = ["../victimjob", "..", '"><b id="injected">x</b>', "a/b", "x?y#z"]
+        hostile = ["x/../victimjob", "..", "../victimjob", '"><b id="injected">x</b>', "a/b", "x?y#z"]
         for job in hostile:
             status, answer = cp.call("POST", "/api/v1/nodes/evil-node/heartbeat", evil.token,
                                      {"jobs": [{"job": job, "state": "running"}]})
@@ -449,17 +449,20 @@ def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
         assert set(rows) == {("victim-node", "victimjob"), *(("evil-node", j) for j in hostile)}
         assert rows["victim-node", "victimjob"]["forms"]  # the honest row keeps its button
         # The admin clicks every button of the attacker's rows, as the browser would send it.
+        aimed = []
         for (node, job), row in rows.items():
             if node != "evil-node":
                 continue
             for form in row["forms"]:
                 target = urllib.parse.urlsplit(urllib.parse.urljoin(cp.url + "/ui/jobs",
                                                                     form["action"]))
-                assert target.path.startswith(
-                    "/ui/jobs/" + urllib.parse.quote(job, safe="") + "/"), (job, form)
+                aimed.append((job, target.path))
                 web.call("POST", target.path + (f"?{target.query}" if target.query else ""),
                          {**form["fields"], "csrf": csrf})
         assert not [c for c in cp.json("actions") if c["node"] == "victim-node"]
         assert victim.lease() is None  # nothing queued for the victim's node
+        for job, path in aimed:
+            assert path.startswith("/ui/jobs/" + urllib.parse.quote(job, safe="") + "/"), \
+                (job, path)
     finally:
         cp.stop()
