@@ -139,6 +139,7 @@ class _Job:
     told: list[subprocess.Popen[bytes]] = field(default_factory=list)  # mirrors told to end
     full: bool = False  # _MAX_OPEN reached once (said in the log)
     refused: str = ""  # why its book was refused, as last said in the log
+    stuck: bool = False  # a read of its book hung: never read again (each leaves a thread)
 
 
 class Mirrors:
@@ -220,6 +221,8 @@ class Mirrors:
         return job
 
     def _read(self, job_id: str, job: _Job) -> list[dict[str, object]]:
+        if job.stuck:
+            return []
         try:
             records = self.reader.read(job.ns_fd, job.uid)
         except steps.BookRefused as e:
@@ -229,6 +232,11 @@ class Mirrors:
                 job.refused = str(e)
             return []
         except OSError as e:
+            if e.errno == errno.ETIMEDOUT:
+                job.stuck = True
+                log.warning("Slurm job %s: reading its step book hung (%s): it is not read "
+                            "again, its steps are not recorded in Slurm", job_id, e)
+                return []
             log.warning("Slurm job %s: cannot read its step book: %s", job_id, e)
             return []
         except Exception:  # noqa: BLE001 - a bug on a job's bytes costs that read, no more
