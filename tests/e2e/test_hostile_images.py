@@ -13,6 +13,7 @@ may change, and a refusal is one line in the container's log."""
 from __future__ import annotations
 
 import io
+import os
 import secrets
 import tarfile
 import tempfile
@@ -149,3 +150,30 @@ def test_planted_python_never_runs_when_the_layer_meets_the_hostile_image(
     assert "files: 'y\\nplanted\\n'" in text  # inside its own root
     assert_untouched(marker, host_dir)
     assert not any("Traceback" in line for line in text.splitlines())
+
+
+def test_a_hostile_checkpoint_archive_is_refused_in_one_line_through_stasis_import(
+        node: Node, host: tuple[Path, Path], tmp_path: Path) -> None:
+    """`stasis import` of archives made to escape or hang the root daemon: a layer naming an
+    image `checkpoint/../..` into a node directory, a diff with a device node, a fifo that
+    never gives a byte. Each is one line (exit 2), nothing is stored, the daemon answers."""
+    _, host_dir = host
+    from tests.k8s.test_oci_import import archive, layer_of, reg, special, tar_bytes
+
+    escape = "checkpoint/" + "../" * 12 + f"{host_dir}/planted".lstrip("/")
+    cases = {
+        "escape.tar": archive(tmp_path / "escape.tar", layer_of(reg(escape, b"pwned"))),
+        "device.tar": archive(tmp_path / "device.tar", layer_of(diff=tar_bytes(special(
+            "dev/sda", tarfile.BLKTYPE, major=8, minor=0)))),
+    }
+    fifo = tmp_path / "fifo.tar"
+    os.mkfifo(fifo)
+    cases["fifo.tar"] = fifo
+    before = node.stasis("checkpoints", "--json").stdout
+    for name, path in cases.items():
+        r = node.stasis("import", str(path), "--namespace", "tenant", "--label", "stolen")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (name, r.stderr)
+        assert "is not an OCI image archive stasis can import" in lines[0], lines[0]
+    assert node.stasis("checkpoints", "--json").stdout == before
+    assert_untouched(host[0], host_dir)
