@@ -357,8 +357,6 @@ def test_no_local_user_is_the_owner_of_a_namespace_s_checkpoints(node: Node) -> 
                if c["label"] == label]
 
     owner = namespace_uid("stasis")
-    assert owner > 2**32 - 1  # no account of any node can have it
-    assert owner not in {p.pw_uid for p in pwd.getpwall()}
     uid = owner & 0xFFFFFFFF
     ensure_test_user()
     name = f"ns-{secrets.token_hex(3)}"
@@ -387,3 +385,5 @@ def test_no_local_user_is_the_owner_of_a_namespace_s_checkpoints(node: Node) -> 
                 if c["label"] == label] == [ckpt]
     finally:
         subprocess.run(["userdel", name], check=False)
+    assert owner > 2**32 - 1  # no account of any node can have it
+    assert owner not in {p.pw_uid for p in pwd.getpwall()}
