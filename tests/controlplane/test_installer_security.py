@@ -120,8 +120,8 @@ def test_a_wheel_changed_on_the_way_is_refused_and_never_runs(cp: ControlPlane,
     hpc = cp.json("clusters", "add", "tamper", "--kind", "slurm")
     node = Node(Path(tempfile.mkdtemp(prefix="node-", dir=world_tmp)), hpc["token"])
     script = node.root / "install.sh"
-    r = subprocess.run(f"{_fetch(node, cp.url)} > {script}", shell=True, timeout=120)
-    assert r.returncode == 0
+    fetched = subprocess.run(f"{_fetch(node, cp.url)} > {script}", shell=True, timeout=120)
+    assert fetched.returncode == 0
     # The bytes the node will download are not the ones the script was served for: the
     # attacker's wheel runs code of theirs as soon as stasis is imported.
     (wheel,) = (cp.root / "controlplane").glob("stasis-*.whl")
