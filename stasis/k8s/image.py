@@ -12,8 +12,10 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,9 +63,12 @@ def _blob(path: Path) -> Blob:
 
 def write_image(root: Path, out: Path, ref: str, config: dict[str, Any],
                 annotations: dict[str, str]) -> str:
-    """An OCI image archive of `root` (one layer) named `ref`; its manifest's digest."""
-    work = out.with_name(f".{out.name}.parts")
-    work.mkdir(exist_ok=True)
+    """An OCI image archive of `root` (one layer) named `ref`; its manifest's digest.
+
+    The parts are written in a directory made new (mkdtemp: 0700, never one that was there,
+    which another user could have filled with symlinks where `out` is in a shared directory)
+    and the archive is renamed over `out` from there."""
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         layer, diff_id = pack_layer(root, work / "layer")
         cfg = {**config, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
@@ -80,7 +85,7 @@ def write_image(root: Path, out: Path, ref: str, config: dict[str, Any],
             "annotations": {"org.opencontainers.image.ref.name": ref}}]}
         index_blob = _write(work / "index.json", json.dumps(index).encode())
         layout = _write(work / "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
-        tmp = out.with_name(f".{out.name}.tmp")
+        tmp = work / "archive.tar"
         with tarfile.open(tmp, "w") as tar:
             tar.add(layout.path, "oci-layout")
             tar.add(index_blob.path, "index.json")
@@ -89,9 +94,7 @@ def write_image(root: Path, out: Path, ref: str, config: dict[str, Any],
         tmp.replace(out)
         return man_blob.digest
     finally:
-        for p in work.iterdir():
-            p.unlink()
-        work.rmdir()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _write(path: Path, data: bytes) -> Blob:

@@ -3,6 +3,9 @@ one layer holding `checkpoint/` (CRIU's images), `spec.dump` (the container's OC
 `config.dump`, `rootfs-diff.tar` (the writable layer, deletions listed in `deleted.files`
 instead of overlay whiteouts) and `stasis.json` (label and namespace), with the annotations
 those tools look for on the image manifest. `stasis export --oci` / `stasis import`.
+
+An archive to import is anyone's bytes: it is unpacked by a bounded child, never extracted as
+a tree (see "import" below), and its writable layer is checked as a restore will check it.
 """
 
 from __future__ import annotations
