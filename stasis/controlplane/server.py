@@ -452,10 +452,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
             raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
         token = request.headers["Authorization"].partition(" ")[2].strip()
         url = own_url(request)
-        text = ("helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
+        # The token reaches helm on its stdin, from bash's own printf: on no command line,
+        # which every user of the admin's machine can read.
+        text = (f"printf '%s' {shlex.quote(token)} |\n"
+                "  helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
                 f"  --set config.url={shlex.quote(url)} \\\n"
                 f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
-                f"  --set config.authToken={shlex.quote(token)}\n")
+                "  --set-file config.authToken=/dev/stdin\n")
         return web.Response(text=text, content_type="text/plain")
 
     def slurm_cluster(request: web.Request) -> tuple[Principal, str]:
