@@ -64,6 +64,12 @@ class Refused(Exception):
     """The layer holds something that is not put into a container's root; nothing written."""
 
 
+class PartlyWritten(ContainerError):
+    """Putting the layer back failed after it had begun (a write the root did not allow, no
+    space, a timeout): the root holds part of it, so another checkpoint's layer put on top
+    would not give that checkpoint's filesystem either; the root is best made afresh."""
+
+
 def upper_dir(rootfs: Path) -> Path | None:
     """The upper directory of the overlay mounted at `rootfs`, None when it is not an overlay."""
     target = str(rootfs)
@@ -205,7 +211,7 @@ def apply(diff: Path, rootfs: Path, timeout_s: float = 300.0) -> None:
                                 str(rootfs)], stdin=f, capture_output=True, text=True,
                                errors="replace", timeout=timeout_s, cwd="/")
     except subprocess.TimeoutExpired as e:
-        raise ContainerError(f"{what}: it took more than {timeout_s:.0f} s (the root may hold "
+        raise PartlyWritten(f"{what}: it took more than {timeout_s:.0f} s (the root may hold "
                              f"part of it); {_DO_INSTEAD}") from e
     except OSError as e:
         raise ContainerError(f"{what}: {e}") from e
@@ -215,7 +221,7 @@ def apply(diff: Path, rootfs: Path, timeout_s: float = 300.0) -> None:
     line = lines[-1] if lines else f"exit status {r.returncode}"
     if r.returncode == _REFUSED_EXIT:
         raise ContainerError(f"{what}: {line}; nothing was written; {_DO_INSTEAD}")
-    raise ContainerError(f"{what}: {line}; {_DO_INSTEAD}")
+    raise PartlyWritten(f"{what}: {line}; {_DO_INSTEAD}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import io
 import os
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -190,7 +191,7 @@ def test_python_planted_in_the_image_never_runs_when_a_layer_fails_half_way(
     before = snapshot(host)
     # etc/keep is a file in the image: the second entry cannot be written.
     diff = layer(tmp_path / "half.tar", file_("data/first", b"1"), file_("etc/keep/x", b"2"))
-    with pytest.raises(ContainerError) as e:
+    with pytest.raises(rootfs.PartlyWritten) as e:
         rootfs.apply(diff, o.merged)
     assert "\n" not in str(e.value)
     assert "etc/keep/x" in str(e.value) and "Not a directory" in str(e.value)
@@ -310,6 +311,22 @@ def test_without_openat2_symlinks_on_the_way_are_refused(
         rootfs.apply_here(f, o.merged)
     assert snapshot(host) == before
     assert (o.merged / "data" / "ok").read_bytes() == b"ok"
+
+
+def test_the_put_back_child_cannot_chroot_or_make_devices_even_if_led_to(tmp_path: Path) -> None:
+    """Defence in depth: the child keeps only the capabilities writing files as their owners
+    needs (and no_new_privs), so code it were tricked into running could not chroot out,
+    mknod, mount or trace."""
+    probe = ("from stasis.k8s import confined; import os\n"
+             "confined.keep_only_file_capabilities()\n"
+             "for call in (lambda: os.chroot('/'), lambda: os.mknod("
+             f"{str(tmp_path / 'mem')!r}, 0o20600, os.makedev(1, 1))):\n"
+             "    try:\n        call(); print('allowed')\n"
+             "    except PermissionError:\n        print('denied')\n")
+    r = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True,
+                       cwd="/")
+    assert r.stdout.split() == ["denied", "denied"], r.stderr
+    assert not (tmp_path / "mem").exists()
 
 
 def test_a_layer_with_too_many_entries_is_refused(tmp_path: Path,
