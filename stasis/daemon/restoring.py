@@ -1,10 +1,13 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
-complete one), its images verified before CRIU sees them, and the network lock its restore
-lifts. CRIU never reads the store: a lazy restore has its pages served by the daemon, each chunk
-checked as it is read (stasis/daemon/lazystore.py); a full restore from a local store is read,
-checked and decoded while CRIU reads it (stasis/daemon/streamed.py); anything else is fetched,
-checked, into a private directory first. A checkpoint that recorded what its restore depends on is
-compared with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs."""
+complete one), its images verified before the restored tree runs, and the network lock its
+restore lifts. CRIU reads a checkpoint where it is stored only for a full restore and only when
+nobody but root can change it (a root-only local directory), while the daemon hashes it, and the
+tree resumes once that passed. Otherwise CRIU gets only bytes the daemon read and checked: a
+lazy restore has its pages served by the daemon, each chunk checked as it is read
+(stasis/daemon/lazystore.py); a full restore from a local store is read, checked and decoded
+while CRIU reads it (stasis/daemon/streamed.py); anything else is fetched, checked, into a
+private directory first. A checkpoint that recorded what its restore depends on is compared
+with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs."""
 
 from __future__ import annotations
 
@@ -120,8 +123,12 @@ class Restorer:
         store, settings = self.core.store, self.core.settings
         # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
         store.require_cryptographic_sums(manifest)
+        lazy = settings.lazy_restore if lazy is None else lazy
+        # Never for a lazy restore: its tree runs before its pages are back, so they would be
+        # used before they were checked; served, each chunk is checked before lazy-pages has it.
+        in_place = None if lazy else store.images_in_place(manifest.id)
         # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
-        expect = self._check_node(manifest, files=True)
+        expect = self._check_node(manifest, files=in_place is None)
         acct = account(manifest.uid)
         job_id = secrets.token_hex(6)
         logs = settings.layout.logs
@@ -143,12 +150,22 @@ class Restorer:
             # Compared again there, files too.
             "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
         }
-        lazy = settings.lazy_restore if lazy is None else lazy
         notes: list[str] = []
-        # CRIU never reads the store itself: whoever can write it could change an image
-        # between its check and CRIU's read. Each path hands CRIU only bytes this process read
-        # and checked (BLAKE3 or AES-GCM against the signed manifest) or a private copy of them.
-        if not lazy and store.is_local(manifest.id) and \
+        # CRIU reads the store itself only where nobody but root can change it (a root-only
+        # local directory: store.images_in_place): elsewhere an image could change between its
+        # check and CRIU's read, so each other path hands CRIU only bytes this process read and
+        # checked (BLAKE3 or AES-GCM against the signed manifest), or a private copy of them.
+        if in_place is not None:
+            # CRIU reads the images where they are while we verify them; the restored tree is
+            # resumed only once they passed (the supervisor waits for our word at post-restore).
+            manifest, images = in_place
+            spec.update(images=str(images), lazy=False, gate=True)
+            checked = manifest
+            gate = Gate(lambda: store.verify(checked))
+            started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate)
+            if gate.error is not None:
+                raise gate.error
+        elif not lazy and store.is_local(manifest.id) and \
                 (streamed := stream_restore(store, manifest, settings.layout.scratch)):
             # Images in a local store: read, checked and decoded while CRIU reads them (its image
             # streamer), rather than written out in plain first and read again; the tree

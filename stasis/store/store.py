@@ -50,6 +50,7 @@ from stasis.errors import (
     UsageError,
 )
 from stasis.store._local import LocalTree
+from stasis.store._private import only_root_writes
 from stasis.store._remote import RemoteTree
 from stasis.store._s3 import SHARED_OPTIONS, S3Tree, describe
 from stasis.store.index import Entry, entry_name
@@ -645,6 +646,24 @@ class Store:
         finally:
             shutil.rmtree(target, ignore_errors=True)
 
+    def images_in_place(self, checkpoint_id: str) -> tuple[Manifest, Path] | None:
+        """The manifest and the checkpoint's own directory, NOT yet verified, when CRIU may read
+        the images where they are: a local uncompressed checkpoint that nobody but root can
+        change (`_private.only_root_writes`: root-owned and not writable by others, up to /,
+        on a local filesystem). Else None: use a path that hands CRIU only bytes it checked
+        (stasis/daemon/streamed.py, lazystore.py, or `open_images`).
+
+        Lets a restore verify (`verify`) while CRIU already reads, gating the resume of the
+        restored tree on the result: nobody can change a byte between the two reads.
+        """
+        manifest = self.get(checkpoint_id)
+        self.require_cryptographic_sums(manifest)
+        in_place = self._tree.local_dir(checkpoint_id)
+        if in_place is None or not _plain(manifest) or not only_root_writes(
+                in_place, [f.stored_name for f in manifest.files]):
+            return None
+        return manifest, in_place
+
     def require_cryptographic_sums(self, manifest: Manifest) -> None:
         """UntrustedCheckpointError (one line) for a checkpoint whose images nothing but xxh3
         checks (formats 1 and 2, not encrypted): a store writer can rewrite its images keeping
@@ -1204,6 +1223,11 @@ def _memory_scratch(size_bytes: int) -> Path | None:
     if free < size_bytes + margin or available < 3 * size_bytes + margin:
         return None
     return MEMORY_SCRATCH
+
+
+def _plain(manifest: Manifest) -> bool:
+    """Whether every stored file is its image as CRIU wrote it (readable in place)."""
+    return manifest.compression == "none" and manifest.encryption is None
 
 
 def _unpack_to(

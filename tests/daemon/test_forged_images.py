@@ -8,16 +8,19 @@ forged block writes "PWNED" into that buffer's page, as attacker-chosen code or 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
+import xxhash
+
+from stasis.store.signing import NODE_KEY, Keyring, read_key
+from stasis.store.store import MANIFEST_PURPOSE
 from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for
 from tests.s3server import S3Server
 from tests.store.xxh3forge import BLOCK, forge
-
-import xxhash
 
 MIB = 1 << 20
 PROGRAM = """
@@ -91,12 +94,18 @@ def _refused(d: Daemon, job: str, checkpoint: str, *args: str) -> None:
     assert not [j for j in d.json("ps") if j["state"] in ("running", "restored")]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["root-only", "shared"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
 def test_a_forged_page_image_in_a_local_store_is_refused(make_daemon: MakeDaemon,
-                                                         lazy: bool) -> None:
+                                                         lazy: bool, shared: bool) -> None:
+    """`shared`: others may write the checkpoint's directory, so CRIU must not read it in
+    place (streamed or served, each chunk checked as read); root-only: CRIU reads in place
+    while the daemon hashes, and the tree never resumes on a mismatch."""
     d = make_daemon()
     job, checkpoint = _dump(d, "forged")
     _forge_local(d, checkpoint)
+    if shared:
+        os.chmod(Path(d.store) / checkpoint, 0o777)
     _refused(d, job, checkpoint, *(["--lazy"] if lazy else []))
 
 
@@ -106,3 +115,42 @@ def test_a_forged_page_image_on_s3_is_refused(make_daemon: MakeDaemon, s3: S3Ser
     job, checkpoint = _dump(d, "forged")
     _forge_s3(s3, s3_bucket, checkpoint)
     _refused(d, job, checkpoint)
+
+
+def _as_format_2(d: Daemon, checkpoint: str) -> None:
+    """Rewrite the checkpoint's manifest as a stasis before BLAKE3 wrote it (xxh3 sums only),
+    signed with the node's own key: a genuine old checkpoint of this node."""
+    directory = Path(d.store) / checkpoint
+    document = json.loads((directory / "manifest.json").read_text())
+    document["format"] = 2
+    del document["signature"]
+    for entry in document["files"]:
+        data = (directory / entry["stored_name"]).read_bytes()
+        del entry["blake3"]
+        entry["xxh3_128"] = xxhash.xxh3_128_hexdigest(data)
+        table = entry["chunks"]
+        step = table["size_bytes"]
+        del table["blake3"]
+        table["xxh3_64"] = [xxhash.xxh3_64_hexdigest(data[i:i + step])
+                            for i in range(0, len(data), step)]
+    keys = Keyring(read_key(d.state_dir / "keys" / NODE_KEY, "node key"))
+    document["signature"] = keys.sign(MANIFEST_PURPOSE, document).model_dump()
+    (directory / "manifest.json").write_text(json.dumps(document))
+
+
+def test_an_old_unencrypted_checkpoint_is_listed_but_not_restored(
+        make_daemon: MakeDaemon) -> None:
+    d = make_daemon()
+    job, checkpoint = _dump(d, "legacy")
+    _as_format_2(d, checkpoint)
+    assert [c["id"] for c in d.json("checkpoints", "--label", "legacy", user=TEST_USER)] \
+        == [checkpoint]
+    for args in ((checkpoint,), ("--label", "legacy"), (checkpoint, "--lazy")):
+        result = d.cli("restore", *args, user=TEST_USER, check=False)
+        out = (result.stdout + result.stderr).strip()
+        assert result.returncode == 1 and len(out.splitlines()) == 1, out
+        for words in (f"checkpoint {checkpoint} is not restored",
+                      "predates cryptographic image hashes", "dump the job again"):
+            assert words in out, out
+    assert not [j for j in d.json("ps") if j["state"] in ("running", "restored")]
+    assert (Path(d.store) / checkpoint / "manifest.json").exists()  # nothing lost
