@@ -123,7 +123,9 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
     """Depth first, parents before their entries, names sorted; every entry looked at through
     its directory's fd without following it (the container wrote these names)."""
     links: dict[tuple[int, int], str] = {}
-    stack: list[tuple[int, str, list[str]]] = [(os.dup(top), "", sorted(os.listdir(top)))]
+    # Each directory's names sorted backwards, taken from the end.
+    stack: list[tuple[int, str, list[str]]] = [
+        (os.dup(top), "", sorted(os.listdir(top), reverse=True))]
     try:
         while stack:
             dirfd, prefix, names = stack[-1]
@@ -131,7 +133,7 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
                 os.close(dirfd)
                 stack.pop()
                 continue
-            name = names.pop(0)
+            name = names.pop()
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
             info = _info(prefix + name, st)
             if stat.S_ISDIR(st.st_mode):
@@ -143,7 +145,8 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
                     if _opaque(sub):
                         info.pax_headers = {_OPAQUE_PAX: "y"}
                     tar.addfile(info)
-                    stack.append((sub, f"{prefix}{name}/", sorted(os.listdir(sub))))
+                    stack.append((sub, f"{prefix}{name}/", sorted(os.listdir(sub),
+                                                                  reverse=True)))
                 except BaseException:
                     os.close(sub)
                     raise
@@ -153,7 +156,8 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
                     info.type, info.linkname, info.size = tarfile.LNKTYPE, links[key], 0
                     tar.addfile(info)
                     continue
-                links.setdefault(key, info.name)
+                if st.st_nlink > 1:
+                    links[key] = info.name
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                              dir_fd=dirfd)
                 with os.fdopen(fd, "rb") as f:
