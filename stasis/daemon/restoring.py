@@ -1,8 +1,9 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs, and the network lock its
-restore lifts. CRIU reads a checkpoint where it is stored only for a full restore and only when
-nobody but root can change it (a root-only local directory), while the daemon hashes it, and the
-tree resumes once that passed. Otherwise CRIU gets only bytes the daemon read and checked: a
+restore lifts. CRIU reads a checkpoint where it is stored only when nobody but root can change it
+(a root-only local directory), while the daemon hashes it (the tree resumes once that passed; a
+lazy one's pages right after it runs, the job killed on a mismatch: damage, since no forger can
+write there). Otherwise CRIU gets only bytes the daemon read and checked: a
 lazy restore has its pages served by the daemon, each chunk checked as it is read
 (stasis/daemon/lazystore.py); a full restore from a local store is read, checked and decoded
 while CRIU reads it (stasis/daemon/streamed.py); anything else is fetched, checked, into a
@@ -11,8 +12,12 @@ with this node first (engine/nodefacts.py), before anything is fetched or CRIU r
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -27,7 +32,7 @@ from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.daemon.streamed import stream_restore
-from stasis.engine import CRIU, Owner, find_criu, nodefacts
+from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
@@ -39,7 +44,7 @@ from stasis.errors import (
     UntrustedCheckpointError,
     UsageError,
 )
-from stasis.store import Manifest, validate_checkpoint_id, validate_label
+from stasis.store import FileEntry, Manifest, validate_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
 
@@ -124,9 +129,7 @@ class Restorer:
         # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
         store.require_cryptographic_sums(manifest)
         lazy = settings.lazy_restore if lazy is None else lazy
-        # Never for a lazy restore: its tree runs before its pages are back, so they would be
-        # used before they were checked; served, each chunk is checked before lazy-pages has it.
-        in_place = None if lazy else store.images_in_place(manifest.id)
+        in_place = store.images_in_place(manifest.id)
         # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
         expect = self._check_node(manifest, files=in_place is None)
         acct = account(manifest.uid)
@@ -159,12 +162,22 @@ class Restorer:
             # CRIU reads the images where they are while we verify them; the restored tree is
             # resumed only once they passed (the supervisor waits for our word at post-restore).
             manifest, images = in_place
-            spec.update(images=str(images), lazy=False, gate=True)
+            spec.update(images=str(images), lazy=lazy, gate=True)
             checked = manifest
-            gate = Gate(lambda: store.verify(checked))
+            if lazy:
+                # A lazy job runs before its memory is back, so it cannot wait for the hash of
+                # GiBs of pages either: everything else (and every size) gates the resume, the
+                # page images are hashed right after, and a mismatch kills the job. Nobody but
+                # root can write them here: that catches damage, there is no forger to stop.
+                gate = Gate(lambda: store.verify(checked, only=lambda f: not _is_pages(f)))
+            else:
+                gate = Gate(lambda: store.verify(checked))
             started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate)
             if gate.error is not None:
                 raise gate.error
+            if lazy and "pid" in started.answer:
+                threading.Thread(target=self._verify_pages_after, daemon=True,
+                                 args=(manifest, started.job_dir, started.pid)).start()
         elif not lazy and store.is_local(manifest.id) and \
                 (streamed := stream_restore(store, manifest, settings.layout.scratch)):
             # Images in a local store: read, checked and decoded while CRIU reads them (its image
@@ -323,9 +336,25 @@ class Restorer:
                 log.warning("cannot note in the store that checkpoint %s was restored: %s",
                             manifest.id, e)
 
+    def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
+        try:
+            self.core.store.verify(manifest, only=_is_pages)
+        except StasisError as e:
+            # Why, before the kill: the supervisor records the end as soon as the tree dies.
+            tmp = job_dir / "killed.json.tmp"
+            tmp.write_text(json.dumps({"reason": str(e)}))
+            os.replace(tmp, job_dir / "killed.json")
+            if proctree.start_time(pid) is not None:
+                proctree.signal_tree(pid, signal.SIGKILL)
+            log.error("killed lazily restored job %s: %s", job_dir.name, e)
+
 
 def _why_not_lazy(manifest: Manifest, url: str) -> str:
     # Only checkpoints stored before images were chunked come here (page_reader).
     why = "the checkpoint was stored before images were chunked: its images were fetched"
     return (f"lazy restore not possible: {why} into scratch space that goes away after the "
             "restore; restored in full")
+
+
+def _is_pages(entry: FileEntry) -> bool:
+    return entry.name.startswith("pages-")
