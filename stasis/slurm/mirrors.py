@@ -67,6 +67,11 @@ _NAME_MAX = 100
 _MAX_OPEN = 64
 # A mirror that has not started after this long is left to start while the next one does.
 _START_WAIT_S = 10.0
+# Mirrors of one job started in one poll, at most, and the time that may take: the rest wait
+# for the next poll. Each start waits on srun under the lock that every job's registration and
+# checkpoint takes: a book listing thousands of steps (its user's to write) must not hold it.
+_STARTS_PER_POLL = 8
+_START_BUDGET_S = 2.0
 
 
 class BookReader:
@@ -247,12 +252,15 @@ class Mirrors:
 
     def _sync(self, job_id: str, job: _Job) -> None:
         # The book is the job's memory, written by the user's processes: every value is checked.
+        starts, deadline = 0, time.monotonic() + _START_BUDGET_S
         for rec in self._read(job_id, job):
             step = _int(rec.get("step"), -1, 0, 1 << 31)
             if rec.get("where") != "stasis" or step < 0 or step in job.done:
                 continue
             proc = job.open.get(step)
             if proc is None:
+                if starts >= _STARTS_PER_POLL or time.monotonic() >= deadline:
+                    continue  # the next poll
                 if len(job.open) >= _MAX_OPEN:
                     if not job.full:
                         log.warning("Slurm job %s: %d of its steps run at once: the others are "
@@ -260,6 +268,7 @@ class Mirrors:
                         job.full = True
                     job.done.add(step)
                     continue
+                starts += 1
                 proc = self._start(job_id, job, step, str(rec.get("name") or "step"),
                                    _int(rec.get("ntasks"), 1, 1, 4096))
                 if proc is None:

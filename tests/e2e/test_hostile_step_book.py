@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,3 +81,31 @@ def test_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_
     cluster.run("scancel", job)
     cluster.wait_state(job, ("CANCELLED", "COMPLETED", "FAILED"), 60)
 
+
+
+def test_a_book_listing_hundreds_of_steps_does_not_hold_up_a_checkpoint(cluster: Cluster
+                                                                        ) -> None:
+    """A well-formed book of the job's user listing 300 ended steps: the daemon records each in
+    Slurm with an srun of its own, a few per poll, and the job's checkpoint (which waits for
+    the lock those starts hold) is taken as quickly as with no steps at all."""
+    home = cluster.lay.config_of("n1").parent
+    daemon_pid = detached.read_pid(home / "daemon.pid")
+    script = cluster.script(
+        "flood", f"exec python3 -u {cluster.work}/hostile_book.py 0.5 0 300",
+        "--export=ALL,STASIS_ENABLE=1", f"--output={cluster.work}/flood-%j.out")
+    job = cluster.sbatch(script, user=TEST_USER)
+    until(lambda: "planted " in cluster.output(job), 90, "the planted book")
+    cluster.wait_number(job, 6)  # the daemon has been starting mirrors for a few polls
+    pids = cluster.pids(job)
+    asked = time.monotonic()
+    cluster.run("scancel", "--batch", "--signal=URG", job)
+    until(lambda: re.search(r"^stasis: checkpoint \S+ taken", cluster.output(job), re.M), 60,
+          "the checkpoint")
+    took_s = time.monotonic() - asked
+    assert took_s < 20, f"the checkpoint took {took_s:.1f} s"
+    wait_gone(pids)
+    until(lambda: MARKER in cluster.output(job), 90, "the restore")
+    cluster.wait_number(job, _numbers(cluster.output(job).split(MARKER)[0])[-1] + 2)
+    assert detached.alive(daemon_pid) and cluster.stasis("ps").returncode == 0
+    cluster.run("scancel", job)
+    cluster.wait_state(job, ("CANCELLED", "COMPLETED", "FAILED"), 60)
