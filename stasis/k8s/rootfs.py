@@ -49,7 +49,7 @@ _OPAQUE_PAX = "STASIS.overlay.opaque"
 # Bounds on a layer, whatever it claims: a layer is at most this many entries, each name at
 # most PATH_MAX, each file's bytes inside the tar's real size (checked before writing).
 MAX_ENTRIES = 1_000_000
-MAX_DEPTH = 1024
+MAX_DEPTH = 256  # directories open at once while capturing; levels of a name
 _CHUNK = 1 << 20
 _MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "unchanged" to chown
 _MAX_TIME_S = 1 << 40

@@ -125,6 +125,26 @@ def test_a_layer_is_put_back_inside_the_root_even_through_an_absolute_symlink(
     assert not inside.exists() or inside.read_bytes() == b"should land in the container\n"
 
 
+def test_capture_never_follows_the_container_s_symlinks_and_bounds_depth(
+        tmp_path: Path, image: Path, overlays: list[Overlay],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    o = Overlay(tmp_path, image, "capture")
+    overlays.append(o)
+    (tmp_path / "node-dir" / "node-file").write_text("the node's\n")
+    (o.merged / "to-node").symlink_to(tmp_path / "node-dir")
+    (o.merged / "to-node-file").symlink_to(tmp_path / "node-dir" / "node-file")
+    diff = tmp_path / "diff.tar"
+    rootfs.capture(o.merged, diff)
+    with tarfile.open(diff) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert set(members) == {"to-node", "to-node-file"}
+    assert all(m.issym() for m in members.values())
+    monkeypatch.setattr(rootfs, "MAX_DEPTH", 3)
+    (o.merged / "a" / "b" / "c" / "d").mkdir(parents=True)
+    with pytest.raises(ContainerError, match="more than 3 directories deep"):
+        rootfs.capture(o.merged, diff)
+
+
 def test_a_root_that_is_not_an_overlay_is_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "plain").mkdir()
     with pytest.raises(ContainerError, match="not an overlay mount"):
