@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -262,23 +262,23 @@ def check(member: tarfile.TarInfo, end: int) -> Entry | None:
             raise Refused(f"entry {shown} has an impossible {name} {value!r}")
     if not isinstance(member.mtime, (int, float)) or not abs(member.mtime) < _MAX_TIME_S:
         raise Refused(f"entry {shown} has an impossible modification time")
-    common = {"parts": parts, "mode": member.mode & 0o7777, "uid": member.uid,
-              "gid": member.gid, "mtime_ns": int(member.mtime * 1_000_000_000)}
+    common = Entry(parts=parts, kind="", mode=member.mode & 0o7777, uid=member.uid,
+                   gid=member.gid, mtime_ns=int(member.mtime * 1_000_000_000))
     if member.issparse():
         raise Refused(f"entry {shown} is a sparse file (a layer holds plain files)")
     if member.isreg():
         if member.size < 0 or member.offset_data + member.size > end:
             raise Refused(f"entry {shown} claims {member.size} bytes past the end of the tar")
-        return Entry(kind="file", **common)  # type: ignore[arg-type]
+        return replace(common, kind="file")
     if member.isdir():
-        return Entry(kind="dir", opaque=member.pax_headers.get(_OPAQUE_PAX) == "y",
-                     **common)  # type: ignore[arg-type]
+        return replace(common, kind="dir",
+                       opaque=member.pax_headers.get(_OPAQUE_PAX) == "y")
     if member.issym():
         target = member.linkname
         if not target or "\x00" in target or len(os.fsencode(target)) > confined.PATH_MAX:
             raise Refused(f"symlink {shown} has an empty, NUL-holding or over-long target")
         # Never followed by this code; inside the container it means what it says there.
-        return Entry(kind="symlink", target=target, **common)  # type: ignore[arg-type]
+        return replace(common, kind="symlink", target=target)
     if member.islnk():
         try:
             link = confined.split(member.linkname)
@@ -287,13 +287,12 @@ def check(member: tarfile.TarInfo, end: int) -> Entry | None:
                           f"root ({e})") from None
         if not link or link == parts:
             raise Refused(f"hard link {shown} points at the root or at itself")
-        return Entry(kind="hardlink", link=link, **common)  # type: ignore[arg-type]
+        return replace(common, kind="hardlink", link=link)
     if member.ischr() and member.devmajor == 0 and member.devminor == 0:
-        return Entry(kind="whiteout", **common)  # type: ignore[arg-type]
+        return replace(common, kind="whiteout")
     if member.isfifo():
         # A named pipe gives no access to anything; setuid bits on one mean nothing.
-        common["mode"] = member.mode & 0o777
-        return Entry(kind="fifo", **common)  # type: ignore[arg-type]
+        return replace(common, kind="fifo", mode=member.mode & 0o777)
     if member.ischr() or member.isblk():
         kind = "character" if member.ischr() else "block"
         raise Refused(f"entry {shown} is a {kind} device node ({member.devmajor}:"
