@@ -127,7 +127,6 @@ _SCRIPT = r"""#!/usr/bin/env bash
 # The token is never put on a command line (other users read those in /proc): curl reads it
 # from a header file, `stasis controlplane join` from its environment.
 set -euo pipefail
-umask 077
 STASIS_INSTALL_TOKEN=@TOKEN@
 url=@URL@
 cluster_id=@CLUSTER_ID@
@@ -168,8 +167,9 @@ case "$url" in
 esac
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-# printf is bash's own: the token goes into the 0600 file without an exec of its own.
-printf 'Authorization: Bearer %s\n' "$STASIS_INSTALL_TOKEN" > "$tmp/auth"
+# printf is bash's own: the token goes into a 0600 file (in a 0700 directory) without an exec
+# of its own. Only here umask 077: what the rest installs, users' jobs must read.
+(umask 077; printf 'Authorization: Bearer %s\n' "$STASIS_INSTALL_TOKEN" > "$tmp/auth")
 # Python runs isolated (-I) throughout: root must not import from the directory this was
 # started in, which may be anyone's.
 if ! command -v python3 >/dev/null || ! python3 -I -c 'import venv, ensurepip' 2>/dev/null; then

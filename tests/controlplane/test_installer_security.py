@@ -113,6 +113,10 @@ def test_the_installer_never_puts_the_token_on_a_command_line(cp: ControlPlane,
     assert f'auth_token = "{hpc["token"]}"' in config and f'"{url}"' in config
     assert "controlplane_allow_plain_http = true" in config
     assert os.stat(node.config).st_mode & 0o777 == 0o600
+    # What users' jobs run and Slurm reads stays theirs to read (the token's file alone is
+    # made private).
+    assert os.stat(node.prefix / "bin" / "stasis").st_mode & 0o005 == 0o005
+    assert os.stat(node.slurm_conf).st_mode & 0o777 == 0o644
 
 
 def test_a_wheel_changed_on_the_way_is_refused_and_never_runs(cp: ControlPlane,
