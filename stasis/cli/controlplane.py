@@ -529,9 +529,10 @@ def join(args: argparse.Namespace, settings: Settings) -> None:
     if not settings.auth_token:
         raise UsageError("give the cluster's token in STASIS_AUTH_TOKEN (not on the command "
                          "line: other users see arguments)")
-    check_url(args.url, args.allow_plain_http or settings.controlplane_allow_plain_http)
-    keys = write(args.config, args.url, args.cluster_id, settings.auth_token, args.node,
-                 args.allow_plain_http)
+    # Allowed here (flag or setting): said in the file too, or the daemon refuses the URL.
+    plain = args.allow_plain_http or settings.controlplane_allow_plain_http
+    check_url(args.url, plain)
+    keys = write(args.config, args.url, args.cluster_id, settings.auth_token, args.node, plain)
     output.say(f"{args.config}: {', '.join(keys)} written; restart the node daemon to join")
 
 
