@@ -144,6 +144,11 @@ def test_join_refuses_plain_http_off_loopback_unless_told(world_tmp: Path) -> No
     written = config.read_text()
     assert "controlplane_allow_plain_http = true" in written
     assert 'controlplane_url = "http://192.0.2.77:8470"' in written
+    config.unlink()
+    env["STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP"] = "1"  # the setting says so instead
+    r = join("http://192.0.2.77:8470")
+    assert r.returncode == 0, r.stderr
+    assert "controlplane_allow_plain_http = true" in config.read_text()
     assert os.stat(config).st_mode & 0o777 == 0o600
 
 
