@@ -155,7 +155,6 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def checkpoint_pod(args: argparse.Namespace, settings: Settings) -> None:
-    import json
     import time
 
     from stasis.errors import ContainerError, NotFoundError, UsageError
@@ -178,17 +177,13 @@ def checkpoint_pod(args: argparse.Namespace, settings: Settings) -> None:
     token = kube.now_token()
     kube.annotate(api, "pod", pod, {kube.CHECKPOINT_ANNOTATION: token})
     deadline = time.monotonic() + args.timeout
-    while True:
-        pod = kube.call(f"read {what}", api.read_namespaced_pod, name, namespace)
-        ann = kube.annotations_of(pod)
-        if ann.get(kube.CHECKPOINTED_ANNOTATION) == token:
-            break
+    # The agent answers with an event on the pod (it may not write to pods).
+    while (result := kube.answer_of(api, namespace, name, token)) is None:
         if time.monotonic() > deadline:
             raise ContainerError(f"the stasis agent of node {node} did not answer within "
                               f"{args.timeout:.0f} s: is it running there (kubectl -n "
                               "stasis-system get pods -o wide)?")
         time.sleep(0.5)
-    result = json.loads(ann.get(kube.RESULT_ANNOTATION) or "{}")
     if args.json:
         output.emit_json(result)
     failed = [c for c, r in result.get("containers", {}).items() if "error" in r]

@@ -11,20 +11,22 @@ Kubernetes API for its node and the pods on it:
 - cordon: when the node becomes unschedulable, a leave-running checkpoint of every container
   under stasis on it (what was taken goes into the node's stasis.dev/cordon-checkpoints);
 - by hand: a new value of a pod's stasis.dev/checkpoint annotation (`stasis k8s checkpoint
-  NS/POD` writes one) is a leave-running checkpoint of the pod's containers, answered in
-  stasis.dev/checkpointed and stasis.dev/checkpoint-result. The answer on the pod is what says
-  a request was done: an agent started again skips every request answered there. The daemon
-  holds these requests to its floor (k8s_min_interval_s) after a container's last checkpoint:
-  a refusal is the container's answer;
+  NS/POD` writes one) is a leave-running checkpoint of the pod's containers, answered by an
+  event on the pod (reason StasisCheckpoint, the result in its annotations: kube.answer). The
+  agent never writes to pods (that right would be a right to change any pod's image). Which
+  requests it answered it keeps in the daemon's state directory (ANSWERED_FILE): an agent
+  started again skips them. The daemon holds these requests to its floor (k8s_min_interval_s)
+  after a container's last checkpoint: a refusal is the container's answer;
 - interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
   leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again), never below
   the daemon's floor (the k8s_min_interval_s setting).
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
 
-What the agent remembers of pods is bounded (`MAX_PODS_REMEMBERED`, the oldest forgotten first)
-and forgotten when a pod is deleted: a tenant who makes pods or requests without end does not
-grow the memory of a process that runs as root on every node.
+What the agent remembers of pods is bounded (`MAX_PODS_REMEMBERED`, the oldest forgotten first,
+in memory and in its file) and forgotten when a pod is deleted: a tenant who makes pods or
+requests without end does not grow the memory or the disk of a process that runs as root on
+every node.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -48,9 +51,11 @@ from stasis.k8s.models import ContainerInfo
 
 log = logging.getLogger("stasis.k8s.agent")
 
-# Pods whose last answered request the agent keeps in memory (the pod's own annotation is what
-# counts; this only saves asking the daemon again for a pod whose answer could not be written).
+# Pods whose last answered request the agent keeps (in memory and in ANSWERED_FILE).
 MAX_PODS_REMEMBERED = 4096
+# In the daemon's state directory (the host's, which outlives the agent's pod).
+ANSWERED_FILE = "k8s-agent-answered.json"
+_ANSWERED_MAX_BYTES = 4 << 20
 
 
 class Recent(OrderedDict[str, str]):
@@ -118,7 +123,7 @@ class Agent:
     _unschedulable: bool | None = None
     _node_obj: Any = None
     remember_pods: int = MAX_PODS_REMEMBERED
-    # pod -> the digest of its last request answered (bounded; the pod's annotation is the record).
+    # pod -> the digest of its last request answered (bounded; kept in ANSWERED_FILE too).
     _answered: Recent = field(init=False)
     # container id -> the interval the agent asked for it (the daemon may have raised it).
     _interval_set: dict[str, int] = field(default_factory=dict)
@@ -126,6 +131,26 @@ class Agent:
 
     def __post_init__(self) -> None:
         self._answered = Recent(self.remember_pods)
+        for key, digest in _read_answered(self.answered_file)[-self.remember_pods:]:
+            self._answered.put(key, digest)
+
+    @property
+    def answered_file(self) -> Path:
+        return self.settings.state_dir / ANSWERED_FILE
+
+    def _keep_answered(self) -> None:
+        """Written whole, atomically: at most `remember_pods` short lines."""
+        path = self.answered_file
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump({"pods": list(self._answered.items())}, out)
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("cannot keep the requests answered in %s: %s (an agent started "
+                        "again may run them again, held to the node's floor)", path, e)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -280,8 +305,8 @@ class Agent:
         ann = kube.annotations_of(pod)
         ids = kube.container_ids(pod)
         asked = ann.get(kube.CHECKPOINT_ANNOTATION)
-        # Answered: on the pod (what survives this agent), or by this agent when the answer
-        # could not be written there.
+        # Answered: by this agent or one before it on this node (ANSWERED_FILE), or by an
+        # agent of stasis 0.1.0 (in the pod's annotations).
         wants_checkpoint = bool(asked) and asked != ann.get(kube.CHECKPOINTED_ANNOTATION) \
             and self._answered.get(pod_key(pod)) != _digest(asked or "")
         if not wants_checkpoint and kube.INTERVAL_ANNOTATION not in ann \
@@ -294,7 +319,6 @@ class Agent:
         self._intervals(pod, ann, ids, ours)
         if wants_checkpoint:
             assert asked is not None
-            self._answered.put(pod_key(pod), _digest(asked))
             self._checkpoint_pod(pod, asked, ids, ours)
 
     def _checkpoint_pod(self, pod: Any, asked: str, ids: dict[str, str],
@@ -309,9 +333,10 @@ class Agent:
             result["error"] = (f"no container of pod {name} is under stasis on node "
                                f"{self.node} (runtimeClassName: stasis and STASIS_CHECKPOINT "
                                "on the container)")
-        log.info("pod %s: checkpoint asked (%s): %s", name, asked, json.dumps(result))
-        kube.annotate(self.api, "pod", pod, {kube.CHECKPOINTED_ANNOTATION: asked,
-                                             kube.RESULT_ANNOTATION: json.dumps(result)})
+        log.info("pod %s: checkpoint asked (%s): %s", name, asked[:80], json.dumps(result))
+        self._answered.put(pod_key(pod), _digest(asked))
+        self._keep_answered()
+        kube.answer(self.api, pod, asked, result, _said(result), self.node)
 
     def _intervals(self, pod: Any, ann: dict[str, str], ids: dict[str, str],
                    ours: dict[str, ContainerInfo]) -> None:
@@ -347,6 +372,40 @@ class Agent:
                       {"interval_s": seconds})
         log.info("container %s: checkpoint interval %s", container_id,
                  f"{seconds} s" if seconds is not None else "its own STASIS_INTERVAL")
+
+
+def _said(result: dict[str, Any]) -> str:
+    """The answer in words, as `kubectl describe pod` shows it: a line per container."""
+    if result.get("error"):
+        return str(result["error"])
+    return "; ".join(f"container {c}: " + (r["error"] if "error" in r else
+                                            f"checkpoint {r['checkpoint']} (label {r['label']})")
+                     for c, r in sorted(result["containers"].items()))
+
+
+def _read_answered(path: Path) -> list[tuple[str, str]]:
+    """What an earlier agent kept; nothing when it is missing, too large or not its own."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_size > _ANSWERED_MAX_BYTES:
+            log.warning("%s is not this agent's (owner %d, %d bytes): ignored", path,
+                        st.st_uid, st.st_size)
+            return []
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = json.loads(f.read(_ANSWERED_MAX_BYTES))
+        pods = data["pods"]
+        return [(str(k), str(v)) for k, v in pods if isinstance(k, str) and isinstance(v, str)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("cannot read the requests answered from %s: %s; ignored", path, e)
+        return []
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def install_runtime(where: HostInstall, settings: Settings) -> list[str]:

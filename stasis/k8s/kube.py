@@ -1,14 +1,16 @@
 """The Kubernetes API as the node agent, the daemon's drain and `stasis k8s checkpoint` use it
 (the official client): one node, the pods on it, their annotations, the node's taints and
-cordon, and evictions of pods.
+cordon, events on pods, and evictions of pods.
 
-Only plain GET, PATCH, watch of nodes and pods and the Eviction API: the calls every API server
-serves alike (the tests run them against kmock's emulator, since no API server runs on these
-machines).
+Only plain GET, PATCH, watch of nodes and pods, events created and the Eviction API: the calls
+every API server serves alike (the tests run them against kmock's emulator, since no API server
+runs on these machines). The agent never writes to a pod: a right to patch pods is a right to
+change any pod's image, cluster-wide, and the agent runs privileged on every node.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,11 +24,14 @@ log = logging.getLogger("stasis.k8s.agent")
 TAINT_KEY = "stasis.dev/not-ready"
 TAINT_EFFECT = "NoSchedule"
 # A new value asks the agent of the pod's node for a leave-running checkpoint of the pod's
-# containers under stasis; the agent answers with the same value in CHECKPOINTED and what
-# became of each container in RESULT (JSON).
+# containers under stasis; the agent answers with an event on the pod (reason ANSWER_REASON)
+# whose annotations carry the same value in CHECKPOINT_ANNOTATION and what became of each
+# container in RESULT (JSON). Agents of stasis 0.1.0 answered in the pod's own annotations
+# (CHECKPOINTED and RESULT): a request answered there is answered.
 CHECKPOINT_ANNOTATION = "stasis.dev/checkpoint"
 CHECKPOINTED_ANNOTATION = "stasis.dev/checkpointed"
 RESULT_ANNOTATION = "stasis.dev/checkpoint-result"
+ANSWER_REASON = "StasisCheckpoint"
 # Seconds between leave-running checkpoints of the pod's containers, over their own
 # STASIS_INTERVAL while the annotation is there.
 INTERVAL_ANNOTATION = "stasis.dev/interval"
@@ -178,6 +183,55 @@ def annotate(api: Any, kind: str, obj: Any, values: dict[str, str | None]) -> No
     else:
         call(f"annotate pod {obj.metadata.namespace}/{name}", api.patch_namespaced_pod, name,
              obj.metadata.namespace, body)
+
+
+def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
+           node: str) -> None:
+    """The agent's answer to a pod's request: an event on the pod (`kubectl describe pod`
+    shows it; `stasis k8s checkpoint` waits for it), with the request's value and the result
+    as annotations."""
+    import hashlib
+    from datetime import UTC, datetime
+
+    from kubernetes import client
+
+    meta = pod.metadata
+    now = datetime.now(UTC)
+    tag = hashlib.sha256(f"{meta.uid}/{asked}".encode()).hexdigest()[:16]
+    body = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(
+            name=f"{meta.name[:200]}.stasis-{tag}", namespace=meta.namespace,
+            annotations={CHECKPOINT_ANNOTATION: asked, RESULT_ANNOTATION: json.dumps(result)}),
+        involved_object=client.V1ObjectReference(
+            api_version="v1", kind="Pod", name=meta.name, namespace=meta.namespace,
+            uid=meta.uid),
+        reason=ANSWER_REASON, message=message[:1024],
+        type="Warning" if "error" in json.dumps(result) else "Normal",
+        source=client.V1EventSource(component="stasis-agent", host=node),
+        reporting_component="stasis.dev/agent", reporting_instance=node[:128],
+        first_timestamp=now, last_timestamp=now, count=1)
+    call(f"answer pod {meta.namespace}/{meta.name}", api.create_namespaced_event,
+         meta.namespace, body)
+
+
+def answer_of(api: Any, namespace: str, pod: str, asked: str) -> dict[str, Any] | None:
+    """The result the agent answered request `asked` of pod `pod` with, or None yet: from
+    its event, else (agents before 0.2) from the pod's annotations."""
+    found = call(f"list the events of pod {namespace}/{pod}", api.list_namespaced_event,
+                 namespace, field_selector=f"involvedObject.name={pod}")
+    for event in found.items:
+        ann = annotations_of(event)
+        # Selectors are the server's to apply; an emulator may not.
+        if event.involved_object.name == pod and event.reason == ANSWER_REASON and \
+                ann.get(CHECKPOINT_ANNOTATION) == asked:
+            answered: dict[str, Any] = json.loads(ann.get(RESULT_ANNOTATION) or "{}")
+            return answered
+    obj = call(f"read pod {namespace}/{pod}", api.read_namespaced_pod, pod, namespace)
+    ann = annotations_of(obj)
+    if ann.get(CHECKPOINTED_ANNOTATION) == asked:
+        legacy: dict[str, Any] = json.loads(ann.get(RESULT_ANNOTATION) or "{}")
+        return legacy
+    return None
 
 
 def now_token() -> str:

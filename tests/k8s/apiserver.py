@@ -211,7 +211,14 @@ async def _serve() -> None:
 
     parsing.guess_k8s = lenient
 
+    core = [kmock.resource("", "v1", plural) for plural in ("pods", "nodes", "events")]
+
     class Emulator(kmock.KubernetesEmulator):
+        def _get_resources(self) -> Any:
+            # An API server serves these before any object of them exists (an empty list,
+            # not kmock's 404 for a resource it has not seen).
+            return list({*super()._get_resources(), *core})
+
         async def _handle(self, request: Any) -> Any:
             refused = _forbidden(request)
             if refused is not None:
