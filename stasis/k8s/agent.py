@@ -392,14 +392,17 @@ def _read_answered(path: Path) -> list[tuple[str, str]]:
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_size > _ANSWERED_MAX_BYTES:
-            log.warning("%s is not this agent's (owner %d, %d bytes): ignored", path,
-                        st.st_uid, st.st_size)
+            log.warning("%s is not this agent's or too large (owner %d, %d bytes): ignored",
+                        path, st.st_uid, st.st_size)
             return []
         with os.fdopen(fd, "rb") as f:
             fd = -1
             data = json.loads(f.read(_ANSWERED_MAX_BYTES))
         pods = data["pods"]
-        return [(str(k), str(v)) for k, v in pods if isinstance(k, str) and isinstance(v, str)]
+        if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                   for p in pods):
+            raise ValueError("not a list of [pod, request digest] pairs")
+        return [(k, v) for k, v in pods]
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("cannot read the requests answered from %s: %s; ignored", path, e)
         return []

@@ -97,3 +97,52 @@ def test_a_failed_containerd_restart_is_one_clear_error(tmp_path: Path) -> None:
 def test_a_node_without_runc_is_told_so(tmp_path: Path) -> None:
     with pytest.raises(ContainerError, match="no runc on the node"):
         install_runtime(HostInstall(root=tmp_path), SETTINGS)
+
+
+def test_the_requests_answered_are_kept_bounded_and_read_back_only_from_the_agent_s_file(
+        tmp_path: Path) -> None:
+    """What tells an agent started again which requests were answered: at most
+    `remember_pods` entries, 0600, and read back only from a plain file of its own, of a
+    sane size (never through a link, never one another user wrote)."""
+    import json
+    import os
+
+    from stasis.k8s.agent import ANSWERED_FILE, Agent
+
+    settings = Settings(socket=tmp_path / "none.sock", state_dir=tmp_path)
+    path = tmp_path / ANSWERED_FILE
+    path.write_text(json.dumps({"pods": [[f"ns/p{i}/", f"d{i}"] for i in range(10)]}))
+    agent = Agent(settings=settings, api=None, node="n", start_daemon=False, remember_pods=4)
+    assert list(agent._answered.items()) == [(f"ns/p{i}/", f"d{i}") for i in range(6, 10)]
+    agent._answered.put("ns/new/", "dn")
+    agent._keep_answered()
+    assert json.loads(path.read_text())["pods"] == [[f"ns/p{i}/", f"d{i}"] for i in (7, 8, 9)] \
+        + [["ns/new/", "dn"]]
+    assert path.stat().st_mode & 0o777 == 0o600
+
+    def read_back() -> list[tuple[str, str]]:
+        return list(Agent(settings=settings, api=None, node="n", start_daemon=False)
+                    ._answered.items())
+
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(path.read_text())
+    path.unlink()
+    path.symlink_to(elsewhere)
+    assert read_back() == []
+    path.unlink()
+    path.write_text(elsewhere.read_text())
+    os.chown(path, 65534, 65534)
+    assert read_back() == []
+    os.chown(path, 0, 0)
+    assert len(read_back()) == 4
+    with path.open("a") as out:
+        out.write(" " * (5 << 20))
+    assert read_back() == []
+    path.write_text('{"pods": [["a", 1], "bc", ["x", "y"]]}')
+    assert read_back() == []  # not what an agent writes: all of it ignored
+    # A link planted where the agent writes its next copy is not followed.
+    victim = tmp_path / "victim"
+    victim.write_text("root's")
+    (tmp_path / (ANSWERED_FILE + ".tmp")).symlink_to(victim)
+    agent._keep_answered()
+    assert victim.read_text() == "root's"

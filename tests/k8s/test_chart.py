@@ -73,6 +73,14 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     rules = docs["ClusterRole"]["rules"]
     assert {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]} in rules
     assert any("nodes" in r["resources"] and "patch" in r["verbs"] for r in rules)
+    # Answers are events: no right to write to any pod (that is a right to change its image),
+    # none to read Secrets, no wildcard. (What is used of it: tests/e2e/test_k8s_agent.py.)
+    assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]} in rules
+    for r in rules:
+        assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], r
+        assert "secrets" not in r["resources"], r
+        if "pods" in r["resources"]:
+            assert set(r["verbs"]) <= {"get", "list", "watch"}, r
     # The daemon reads that config file as it is (no setting it does not know).
     import tomllib
 
