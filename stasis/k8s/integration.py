@@ -3,8 +3,10 @@
     GET  /k8s/containers                      the containers under stasis on this node
     POST /k8s/containers                      {runc_root, container_id, bundle[, restored_from]}:
                                               the wrapper registers a started container
-    POST /k8s/containers/{id}/checkpoint      {reason: stop|interval|manual|cordon[, runc_root,
-                                              timeout_s]}; stop kills it once published
+    POST /k8s/containers/{id}/checkpoint      {reason: stop|interval|manual|cordon|annotation
+                                              [, runc_root, timeout_s]}; stop kills it once
+                                              published; annotation (a pod owner's request) is
+                                              refused within the floor of the last one
     POST /k8s/containers/{id}/interval        {interval_s}: its leave-running checkpoints'
                                               interval (null = its STASIS_INTERVAL)
     POST /k8s/containers/{id}/forget          the container was deleted
