@@ -158,8 +158,8 @@ def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
         got = n.lease()
         assert got is not None and got["args"]["job"] == "j1" and got["args"]["policy"] == "all"
     # A drain of a node name two clusters have: refused unless the cluster is named.
-    status, said = cp.call("POST", "/api/v1/nodes/node-a/drain", cp.admin, {})
-    assert (status, said) == (409, {"error": "node node-a is in several clusters (aaa, hpc): "
+    status, refused = cp.call("POST", "/api/v1/nodes/node-a/drain", cp.admin, {})
+    assert (status, refused) == (409, {"error": "node node-a is in several clusters (aaa, hpc): "
                                              "name its cluster (--cluster)"})
 
 
