@@ -83,19 +83,25 @@ def test_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_
 
 
 
-def test_a_book_listing_hundreds_of_steps_does_not_hold_up_a_checkpoint(cluster: Cluster
-                                                                        ) -> None:
-    """A well-formed book of the job's user listing 300 ended steps: the daemon records each in
-    Slurm with an srun of its own, a few per poll, and the job's checkpoint (which waits for
-    the lock those starts hold) is taken as quickly as with no steps at all."""
+def test_a_book_listing_thousands_of_steps_holds_up_no_other_job(cluster: Cluster) -> None:
+    """A well-formed book of the job's user listing 4000 ended steps: the daemon records each
+    in Slurm with an srun of its own, a few per poll. Another job started meanwhile is
+    registered (and so protected) at once, and the hostile job itself is checkpointed as
+    quickly as any: neither waits behind thousands of sruns."""
     home = cluster.lay.config_of("n1").parent
     daemon_pid = detached.read_pid(home / "daemon.pid")
-    script = cluster.script(
-        "flood", f"exec python3 -u {cluster.work}/hostile_book.py 0.5 0 300",
+    flood = cluster.script(
+        "flood", f"exec python3 -u {cluster.work}/hostile_book.py 0.5 0 4000",
         "--export=ALL,STASIS_ENABLE=1", f"--output={cluster.work}/flood-%j.out")
-    job = cluster.sbatch(script, user=TEST_USER)
+    job = cluster.sbatch(flood, user=TEST_USER)
     until(lambda: "planted " in cluster.output(job), 90, "the planted book")
-    cluster.wait_number(job, 6)  # the daemon has been starting mirrors for a few polls
+    cluster.wait_number(job, 4)  # the daemon has been starting Slurm records for a while
+    other = cluster.sbatch(cluster.counter_script("other", "--export=ALL,STASIS_ENABLE=1",
+                                                  stop=600, interval=0.5))
+    cluster.wait_number(other, 2)
+    until(lambda: "is protected" in cluster.output(other) or "WITHOUT" in cluster.output(other),
+          60, "the other job's registration")
+    assert "WITHOUT checkpoint protection" not in cluster.output(other), cluster.output(other)
     pids = cluster.pids(job)
     asked = time.monotonic()
     cluster.run("scancel", "--batch", "--signal=URG", job)
@@ -105,7 +111,6 @@ def test_a_book_listing_hundreds_of_steps_does_not_hold_up_a_checkpoint(cluster:
     assert took_s < 20, f"the checkpoint took {took_s:.1f} s"
     wait_gone(pids)
     until(lambda: MARKER in cluster.output(job), 90, "the restore")
-    cluster.wait_number(job, _numbers(cluster.output(job).split(MARKER)[0])[-1] + 2)
     assert detached.alive(daemon_pid) and cluster.stasis("ps").returncode == 0
-    cluster.run("scancel", job)
+    cluster.run("scancel", job, other)
     cluster.wait_state(job, ("CANCELLED", "COMPLETED", "FAILED"), 60)
