@@ -160,3 +160,33 @@ def test_fuzz_status_files(text: bytes) -> None:
         return
     assert len(cred.uids) == len(cred.gids) == 4
     assert all(0 <= v <= 0xFFFFFFFF for v in (*cred.uids, *cred.gids, *cred.groups))
+
+
+def test_the_frozen_tree_is_checked_again_at_criu_post_dump(
+        daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd) -> None:
+    """The handler a leave-running dump gives CRIU: at post-dump (the tree frozen as its images
+    record it) a setuid program that started after the first check aborts the dump (False);
+    without one it lists the open files and lets CRIU go on. Real processes, CRIU not run."""
+    from stasis.daemon.dumping import _CredentialsAtPostDump
+    from stasis.engine.nodefacts import OpenFilesAtDump
+    from stasis.store import CheckpointInfo, new_checkpoint_id
+
+    user = test_user.pw_name
+    job, sleeper = _job(daemon, setuid_sleep, user)
+    pid = daemon.job(job)["pid"]
+    info = CheckpointInfo(id=new_checkpoint_id(), label="l", job=job, host="h",
+                          criu_version="4", command=["sh"], cwd="/", user=user,
+                          uid=test_user.pw_uid, gid=test_user.pw_gid)
+    opened = OpenFilesAtDump(pid)
+    handler = _CredentialsAtPostDump(pid, info, opened)
+    assert handler("pre-dump", pid) is True
+    assert handler("post-dump", pid) is False
+    assert handler.refused is not None and handler.refused.startswith(
+        f"pid {sleeper} (setuid-sleep) holds effective, saved and fs uid 0 (root)")
+    assert opened.files is None  # refused before anything else was looked at
+    os.kill(sleeper, 9)
+    wait_for(lambda: _pid_running(pid, setuid_sleep) is None, what="the sleep to end")
+    again = _CredentialsAtPostDump(pid, info, opened)
+    assert again("post-dump", pid) is True and again.refused is None
+    assert opened.files is not None
+    daemon.cli("kill", job, user=user)
