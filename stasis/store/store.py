@@ -1245,9 +1245,9 @@ def _unpack_to(
         if decoder.spec.identity and entry.chunks.blake3 is None:
             # Formats 1 and 2, a plain file: its whole checksum says all its chunks' do.
             return unpack(src, None, "none", entry.size_bytes)
-        return unpack_chunked(src, None, decoder, workers)
+        return unpack_chunked(src, None, decoder, workers, dst_copies=True)
     with open(target / entry.name, "xb") as dst:
-        return unpack_chunked(src, dst, decoder, workers)
+        return unpack_chunked(src, dst, decoder, workers, dst_copies=True)
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
