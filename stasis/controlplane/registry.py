@@ -481,10 +481,16 @@ class Registry:
             q = q.where(nodes.c.cluster_id == by.cluster_id)
         with self.engine.begin() as conn:
             rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
+            # Since when each node has its own credential (None: not joined with one yet,
+            # or reset by an admin).
+            since = {(c.cluster_id, c.node): c.created for c in conn.execute(
+                select(node_credentials.c.cluster_id, node_credentials.c.node,
+                       node_credentials.c.created))}
         now = time.time()
         out = []
         for r in rows:
             d = dict(r)
+            d["credential_since"] = since.get((d["cluster_id"], d["name"]))
             d["problems"] = json.loads(d["problems"])
             d.pop("job_list", None)
             age = now - d["last_heartbeat"]

@@ -170,9 +170,12 @@ def test_an_admin_reset_lets_a_node_join_again_and_its_old_credential_is_dead(
     a = FakeNode(cp, hpc, "node-a")
     a.register()
     old = a.token
+    (listed,) = cp.json("nodes")
+    assert listed["credential_since"] is not None
     r = cp.cli("nodes", "reset", "node-a")
     assert (r.returncode, r.stdout.strip()) == (
         0, "node node-a reset: it joins again with the cluster token"), r.stderr
+    assert cp.json("nodes")[0]["credential_since"] is None
     status, said = cp.call("POST", "/api/v1/nodes/node-a/heartbeat", old, {"jobs": []})
     assert status == 401 and said["error"].startswith("unknown node credential"), said
     again = FakeNode(cp, hpc, "node-a")
