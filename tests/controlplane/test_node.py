@@ -95,3 +95,40 @@ def test_a_node_registers_again_with_a_control_plane_that_lost_its_database(
     finally:
         d.stop()
         cp.stop()
+
+
+def test_a_node_that_lost_its_credential_is_refused_until_an_admin_resets_it(
+        world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
+    cp = ControlPlane(root, str(root / "cp.db"))
+    cp.start()
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    d = new_daemon(world_tmp, "node-l", env=node_env(cp, cluster, "node-l"))
+    try:
+        d.start()
+        kept = d.state_dir / "controlplane-node.json"
+        wait_for(kept.exists, 30, "the node to join and keep its credential")
+        first = node_credential(d)
+        # Its state dir is lost: with the cluster token alone it may not take the name back.
+        d.stop()
+        kept.unlink()
+        d.start()
+        said = (f"node node-l of cluster {cluster['cluster_id']} is already joined")
+        wait_for(lambda: said in (d.root / "daemon.log").read_text(), 30, "the refusal")
+        assert not kept.exists()
+        # An admin resets it: it joins again, with a new credential.
+        cp.json("nodes", "reset", "node-l", "--cluster", "hpc")
+        wait_for(kept.exists, 30, "the node to join again")
+        second = node_credential(d)
+        assert second != first
+        # Reset while it runs: its credential is refused, it joins again by itself.
+        cp.json("nodes", "reset", "node-l")
+        wait_for(lambda: kept.exists() and node_credential(d) not in (first, second), 30,
+                 "the node to join again after the reset")
+        log = (d.root / "daemon.log").read_text()
+        assert log.count(said) == 1  # said once, not every heartbeat
+        for token in (first, second, node_credential(d), cluster["token"]):
+            assert token not in log
+    finally:
+        d.stop()
+        cp.stop()
