@@ -32,6 +32,7 @@ import ctypes
 import errno
 import logging
 import os
+import pwd
 import select
 import shutil
 import signal
@@ -298,14 +299,17 @@ class Mirrors:
             log.warning("Slurm job %s: no srun on this node: its step %d is not recorded in "
                         "Slurm", job_id, step)
             return None
+        # The name and groups of the uid the job's launcher connected with (SO_PEERCRED), never
+        # of the name Slurm's record gave: a job name can forge fields of `scontrol -o` output.
+        try:
+            user = pwd.getpwuid(job.uid).pw_name
+            groups = os.getgrouplist(user, job.gid)
+        except (KeyError, OSError):
+            user, groups = str(job.uid), [job.gid]
         env = {"PATH": f"{os.path.dirname(srun)}:/usr/local/bin:/usr/bin:/bin",
-               "USER": job.user, "LOGNAME": job.user, "HOME": "/"}
+               "USER": user, "LOGNAME": user, "HOME": "/"}
         if self.settings.slurm_conf:
             env["SLURM_CONF"] = self.settings.slurm_conf
-        try:
-            groups = os.getgrouplist(job.user, job.gid)
-        except (KeyError, OSError):
-            groups = [job.gid]
         argv = [srun, f"--jobid={job_id}", "--overlap", "--nodes=1", f"--ntasks={ntasks}",
                 f"--nodelist={self.node}", f"--job-name={_name(name)}", "--quiet",
                 "--error=/dev/null", "/bin/sh", "-c", _WAIT]
