@@ -508,7 +508,7 @@ class Containers:
             except StasisError as e:
                 stack.close()
                 said = str(e)
-                notes.append(said if said.startswith(f"checkpoint {manifest.id} ")
+                notes.append(said if said.startswith(f"checkpoint {manifest.id} refused: ")
                              else f"checkpoint {manifest.id} skipped: {said}")
                 log.warning("container %s: checkpoint %s skipped: %s", cid, manifest.id, e)
                 continue
