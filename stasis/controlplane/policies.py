@@ -295,20 +295,21 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
 
 
 def _busy(registry: Registry, policy: str, since: float | None = None
-          ) -> set[tuple[str, str]]:
-    """(node, job or label) that still have a command of this policy under way (or, with
-    `since`, had one created since then)."""
+          ) -> set[tuple[str, str, str]]:
+    """(cluster, node, job or label) that still have a command of this policy under way (or,
+    with `since`, had one created since then): nodes of two clusters may share a name."""
     states: Any = commands.c.state.in_(("queued", "leased"))
     if since is not None:
         stamp = datetime.fromtimestamp(since, UTC).isoformat(timespec="microseconds")
         states = states | (commands.c.created >= stamp)
     with registry.engine.begin() as conn:
-        rows = conn.execute(select(commands.c.node, commands.c.args).where(states)).all()
+        rows = conn.execute(select(commands.c.cluster_id, commands.c.node, commands.c.args)
+                            .where(states)).all()
     out = set()
-    for node, args in rows:
+    for cluster_id, node, args in rows:
         a = json.loads(args)
         if a.get("policy") == policy:
-            out.add((node, str(a.get("job") or a.get("label"))))
+            out.add((cluster_id, node, str(a.get("job") or a.get("label"))))
     return out
 
 
@@ -322,7 +323,7 @@ def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
         if migrate else []
     for job in registry.list_jobs(_SYSTEM):
         if job.get("state") not in ("running", "restored") or \
-                not _matches(filters, job, now) or (job["node"], job["job"]) in busy or \
+                not _matches(filters, job, now) or (job["cluster_id"], job["node"], job["job"]) in busy or \
                 (only is not None and not only(job)):
             continue
         if migrate and (job.get("kind") or "daemon") == "daemon":
@@ -385,7 +386,8 @@ def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int 
     n = 0
     jobs = registry.list_jobs(_SYSTEM) if completed else []
     for node in registry.list_nodes(_SYSTEM, lost_after_s):
-        if node["state"] == "lost" or (node["name"], filters.get("label", "*")) in busy:
+        if node["state"] == "lost" or \
+                (node["cluster_id"], node["name"], filters.get("label", "*")) in busy:
             continue
         if not _matches({k: v for k, v in filters.items() if k in ("cluster", "node")},
                         {"cluster": node["cluster"], "node": node["name"]}):
