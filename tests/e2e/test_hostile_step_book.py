@@ -10,14 +10,20 @@ resumes its count.
 
 from __future__ import annotations
 
+import grp
+import os
+import pwd
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from stasis.daemon import detached
+from stasis.engine import proctree
 from tests.conftest import TEST_USER, WORKLOADS
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until, wait_gone
 
@@ -113,4 +119,61 @@ def test_a_book_listing_thousands_of_steps_holds_up_no_other_job(cluster: Cluste
     until(lambda: MARKER in cluster.output(job), 90, "the restore")
     assert detached.alive(daemon_pid) and cluster.stasis("ps").returncode == 0
     cluster.run("scancel", job, other)
+    cluster.wait_state(job, ("CANCELLED", "COMPLETED", "FAILED"), 60)
+
+
+VICTIM, VICTIMS = "stasis-victim", "stasis-victims"
+
+
+def _victim() -> pwd.struct_passwd:
+    """Another user, member of a group the test user is not in."""
+    if subprocess.run(["getent", "group", VICTIMS], capture_output=True).returncode != 0:
+        subprocess.run(["groupadd", VICTIMS], check=True)
+    try:
+        return pwd.getpwnam(VICTIM)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "-G", VICTIMS, VICTIM], check=True)
+        return pwd.getpwnam(VICTIM)
+
+
+def test_a_job_name_forging_its_user_gives_step_records_no_other_groups(cluster: Cluster
+                                                                        ) -> None:
+    """`scontrol show job -o` prints the job name as given, so a name holding
+    "UserId=<another user>(<own uid>)" reads as the real field. The Slurm records of the job's
+    steps are sruns the daemon starts with the identity of the uid the job's launcher connected
+    with: the test user's name and groups, never those of the user the job's name gave (whose
+    group the test user could then use, through their own srun)."""
+    user = pwd.getpwnam(TEST_USER)
+    victim = _victim()
+    victims_gid = grp.getgrnam(VICTIMS).gr_gid
+    assert victims_gid not in os.getgrouplist(TEST_USER, user.pw_gid)
+    home = cluster.lay.config_of("n1").parent
+    daemon_pid = detached.read_pid(home / "daemon.pid")
+    assert daemon_pid is not None
+    script = cluster.script("forged", "srun sleep 60", "--export=ALL,STASIS_ENABLE=1",
+                            f"--output={cluster.work}/forged-%j.out")
+    job = cluster.sbatch(script, "-J", f"x UserId={victim.pw_name}({user.pw_uid})",
+                         user=TEST_USER)
+
+    def mirror() -> int | None:
+        for pid in proctree.children(daemon_pid):
+            try:
+                if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "srun" and \
+                        f"--jobid={job}" in Path(f"/proc/{pid}/cmdline").read_text():
+                    return pid
+            except OSError:
+                continue
+        return None
+
+    srun = until(mirror, 60, f"the Slurm record of the job's step: {cluster.output(job)}")
+    status = Path(f"/proc/{srun}/status").read_text()
+    line = re.search(r"^Groups:(.*)$", status, re.M)
+    assert line is not None
+    groups = {int(g) for g in line.group(1).split()}
+    assert victims_gid not in groups, status
+    assert groups <= set(os.getgrouplist(TEST_USER, user.pw_gid)), status
+    env = Path(f"/proc/{srun}/environ").read_bytes().split(b"\0")
+    assert f"USER={TEST_USER}".encode() in env
+    cluster.run("scancel", job)
     cluster.wait_state(job, ("CANCELLED", "COMPLETED", "FAILED"), 60)
