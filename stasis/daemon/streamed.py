@@ -1,8 +1,11 @@
-"""Full restore of a compressed or encrypted checkpoint in a local store, decoded while CRIU reads
+"""Full restore of a checkpoint in a local store that CRIU may not read in place (compressed,
+encrypted, or in a directory others can write: store.images_in_place), decoded while CRIU reads
 it: CRIU restores with `--stream` from our image streamer (stasis/engine/streamer.py), which
-decodes each page file chunk by chunk into the pipe CRIU reads, every chunk checked (tag or
-checksum) before CRIU sees a byte of it. No plain copy is written first, and decoding runs on
-one core while CRIU fills the tree's memory on the other.
+decodes each page file chunk by chunk into the pipe CRIU reads, every chunk checked (its AES-GCM
+tag or its BLAKE3 hash in the signed manifest) before CRIU sees a byte of it. What is checked is
+the daemon's own copy of the chunk, the very bytes handed to the pipe: a store writer changing
+the file afterwards changes nothing CRIU gets. No plain copy is written first, and decoding runs
+on one core while CRIU fills the tree's memory on the other.
 
 The small images are fetched (decoded, verified) into a private directory first, as a lazy
 restore does; the page files are served straight from the store. The restored tree resumes only

@@ -323,3 +323,30 @@ def test_decrypted_images_go_to_memory_and_go(local_store: Store, tmp_path: Path
         assert os.stat(images).st_mode & 0o777 == 0o700
     assert not images.exists()
     assert os.listdir(tmp_path / "scratch") == []
+
+
+def test_an_encrypted_checkpoint_of_format_2_still_restores(local_store: Store,
+                                                            tmp_path: Path) -> None:
+    """Before BLAKE3 (format 2) an encrypted checkpoint's chunks were already each sealed with
+    AES-GCM under a key no store writer has: still restored, unlike a plain one of then."""
+    import json
+
+    import xxhash
+
+    from stasis.store.store import MANIFEST_PURPOSE
+
+    store = encrypted_store(local_store, tmp_path)
+    manifest = _publish(store, "zstd")
+    path = tmp_path / "store" / manifest.id / "manifest.json"
+    document = json.loads(path.read_text())
+    document["format"] = 2
+    del document["signature"]
+    for entry in document["files"]:
+        del entry["blake3"]
+        entry["xxh3_128"] = xxhash.xxh3_128_hexdigest(
+            stored_bytes(store, manifest, entry["name"]))
+    document["signature"] = store.keys.sign(MANIFEST_PURPOSE, document).model_dump()
+    path.write_text(json.dumps(document))
+    old = store.get(manifest.id)
+    assert old.format == 2 and old.has_cryptographic_sums
+    assert _restored(store, old, tmp_path / "scratch") == FILES
