@@ -4,7 +4,8 @@ Owns the codecs (none, zstd, lz4), the names stored files get, the `auto` decisi
 stored files of format-1 checkpoints (one zstd or lz4 stream per file, or the plain file):
 `unpack` reads them for restore, `pack` writes them (tests of old checkpoints). New checkpoints
 are stored in chunks (chunked.py). Both read a file exactly once while computing its checksum
-(xxh3-128). Images can be several GiB, so
+(xxh3-128: it detects damage only, a second preimage being practical; a format-1 checkpoint in the
+clear is therefore never restored, store.require_cryptographic_sums). Images can be several GiB, so
 nothing here holds a whole file in memory. Errors of the codecs surface as `DecompressionError`;
 OSError from the streams passes through untouched for the caller to translate.
 """

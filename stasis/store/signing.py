@@ -1,7 +1,8 @@
 """Who may have written a manifest: a keyed MAC (HMAC-SHA256) with a node or site key.
 
-A checkpoint's manifest says whose process it is (uid), what to run and the xxh3-128 checksum of
-every image file. Whoever can write the store (a shared directory, a bucket several nodes write)
+A checkpoint's manifest says whose process it is (uid), what to run and the BLAKE3 hash of every
+image chunk and file (format 3; AES-GCM seals when encrypted; formats 1 and 2 had xxh3 sums, which
+a forger can match, and are restored only when encrypted). The MAC covers them all. Whoever can write the store (a shared directory, a bucket several nodes write)
 could otherwise edit it and have root restore any process as any user. So every manifest is
 signed: HMAC-SHA256, with a key only root on the signing node holds, over a canonical
 serialisation of the whole manifest (every field but the signature itself, files and their
