@@ -7,6 +7,9 @@ client, no node), another node of the same cluster, and a node of another cluste
 
 from __future__ import annotations
 
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 from tests.controlplane.conftest import ControlPlane
@@ -203,3 +206,39 @@ def test_ids_from_nodes_are_checked_before_they_are_kept(controlplane: ControlPl
                            {**REPORT, "name": "node-a", "problems": ["bad\x1b[31m"]})
     assert status == 400, said
     assert cp.call("GET", "/api/v1/jobs", cp.admin)[1] == []
+
+
+def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
+        world_tmp: Path) -> None:
+    root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
+    cp = ControlPlane(root, str(root / "cp.db"))
+    cp.start("--command-lease", "1")
+    try:
+        hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+        a = FakeNode(cp, hpc, "node-a")
+        a.register()
+        a.heartbeat([{"job": "j1"}])
+        status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
+                              {"kind": "checkpoint", "job": "j1"})
+        assert status == 201
+        # Not answerable before it is leased: queued never jumps to done.
+        status, said = cp.call("POST", f"/api/v1/commands/{cmd['id']}/ack", a.token,
+                               {"lease_id": "", "ok": True, "result": {}})
+        assert status == 409 and "it was never leased" in said["error"], said
+        first = a.lease()
+        assert first is not None
+        time.sleep(2.1)  # its lease runs out: leased again, under a new id
+        second = a.lease()
+        assert second is not None and second["id"] == cmd["id"]
+        assert second["lease_id"] != first["lease_id"]
+        status, said = cp.call("POST", f"/api/v1/commands/{cmd['id']}/ack", a.token,
+                               {"lease_id": first["lease_id"], "ok": True,
+                                "result": {"checkpoint": "20261206T000000Z-000001"}})
+        assert status == 409 and said["error"].startswith(
+            f"command {cmd['id']} is not leased to node node-a under lease "
+            f"{first['lease_id']}"), said
+        done = a.ack(cmd["id"], True, {"checkpoint": "20261206T000000Z-000002"})
+        assert (done["state"], done["attempts"], done["result"]["checkpoint"]) == (
+            "done", 2, "20261206T000000Z-000002")
+    finally:
+        cp.stop()
