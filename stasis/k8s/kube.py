@@ -206,7 +206,8 @@ def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
             api_version="v1", kind="Pod", name=meta.name, namespace=meta.namespace,
             uid=meta.uid),
         reason=ANSWER_REASON, message=message[:1024],
-        type="Warning" if "error" in json.dumps(result) else "Normal",
+        type="Warning" if "error" in result or any(
+            "error" in r for r in (result.get("containers") or {}).values()) else "Normal",
         source=client.V1EventSource(component="stasis-agent", host=node),
         reporting_component="stasis.dev/agent", reporting_instance=node[:128],
         first_timestamp=now, last_timestamp=now, count=1)

@@ -222,6 +222,10 @@ def test_a_tenant_asking_again_and_again_gets_no_more_checkpoints_than_the_floor
                             rf"ago and this node takes one at most every {FLOOR_S} s \(its "
                             r"admin's minimum, k8s_min_interval_s\): ask again in \d+ s",
                             refused), refused
+        # As `kubectl describe pod` shows it: a warning event per refusal.
+        warned = [e for e in answer_events(api, "spam") if e["type"] == "Warning"]
+        assert [e["message"] for e in warned] == [f"container main: {a['error']}"
+                                                  for a in answers]
         assert node.status("c-spam") == "RUNNING"
         n = len(numbers(out))
         wait_for(lambda: len(numbers(out)) > n + 3, 20, "the counter to go on")
