@@ -122,10 +122,11 @@ def test_capabilities_inside_the_users_own_user_namespace_are_theirs(
                                     None), what="the sleep")
     status = Path(f"/proc/{sleeper}/status").read_text()
     assert re.search(r"^CapEff:\s+0*[1-9a-f]", status, re.M), status  # it has capabilities
-    assert credentials.tree_excess(job["pid"], test_user.pw_uid, [test_user.pw_gid]) == []
+    groups = os.getgrouplist(user, test_user.pw_gid)
+    assert credentials.tree_excess(job["pid"], test_user.pw_uid, groups) == []
     # ...while the same thread, were its namespace not the user's, would be refused for them.
     cred = credentials.read(sleeper, sleeper)
-    assert cred is not None and credentials.excess(cred, test_user.pw_uid, [test_user.pw_gid])
+    assert cred is not None and credentials.excess(cred, test_user.pw_uid, groups)
     assert "holds" not in daemon.cli("dump", "--check", job["job"], user=user,
                                      check=False).stdout
     daemon.cli("kill", job["job"], user=user)
