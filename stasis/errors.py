@@ -115,6 +115,12 @@ class ContainerError(StasisError):
     http_status = 502
 
 
+class ContainerRootDamagedError(ContainerError):
+    """A checkpoint's writable layer was put back in part only: the new container's root
+    holds some of it, so neither an older checkpoint nor a fresh start would run on a root
+    any image or checkpoint had. The container's create fails; its next one gets a new root."""
+
+
 class SlurmError(StasisError):
     http_status = 502  # a tool the daemon relies on failed, not the daemon itself
 
@@ -141,9 +147,16 @@ _BY_NAME: dict[str, type[StasisError]] = {
         CRIUNotFoundError, CheckpointError, RestoreError, OwnerDeniedError, StoreError, CorruptCheckpointError,
         IncompatibleNodeError,
         UnreadableManifestError, UntrustedCheckpointError, EncryptionKeyError, SlurmError,
-        SlurmJobNotFoundError, ContainerError,
+        SlurmJobNotFoundError, ContainerError, ContainerRootDamagedError,
     )
 }
+
+
+def wire_name(e: StasisError) -> str:
+    """The name an error travels under: its own class's, or the nearest one the other side
+    can rebuild (a module's private subclass goes as the public error it refines)."""
+    return next(c.__name__ for c in type(e).__mro__ if c.__name__ in _BY_NAME
+                and _BY_NAME[c.__name__] is c)
 
 
 def error_from_wire(kind: str, message: str) -> StasisError:

@@ -276,6 +276,19 @@ def test_error_shape() -> None:
     assert body["error"] == {"type": "NotFoundError", "message": "no job x"}
 
 
+def test_a_private_error_travels_as_the_public_one_it_refines() -> None:
+    """A half put-back container root (rootfs.PartlyWritten) must reach the runtime as what it
+    is, so that the create fails instead of starting fresh on that root."""
+    from stasis.daemon.http import error_body
+    from stasis.errors import ContainerRootDamagedError, error_from_wire
+    from stasis.k8s.rootfs import PartlyWritten
+
+    body = error_body(PartlyWritten("cannot put back the writable layer: disk full"))
+    assert body["error"]["type"] == "ContainerRootDamagedError"
+    back = error_from_wire(body["error"]["type"], body["error"]["message"])
+    assert type(back) is ContainerRootDamagedError
+
+
 def test_literals_are_the_daemons() -> None:
     assert json_kind(wire.JobState) == json_kind(daemon_models.JobState)
     compress = daemon_models.DumpRequest.model_fields["compress"].annotation

@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from stasis.daemon.users import Caller
-from stasis.errors import StasisError, UsageError
+from stasis.errors import StasisError, UsageError, wire_name
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -62,7 +62,7 @@ def _refuse_nul(data: Any) -> None:
 
 def error_body(e: StasisError) -> dict[str, Any]:
     """What every route answers for an error: {"error": {"type", "message"}} (one line)."""
-    return {"error": {"type": type(e).__name__, "message": str(e)}}
+    return {"error": {"type": wire_name(e), "message": str(e)}}
 
 
 def wire(model: BaseModel | Mapping[str, Any] | list[Any]) -> Any:

@@ -505,6 +505,11 @@ class Containers:
                 diff = images / rootfs.DIFF_NAME
                 if diff.exists():
                     rootfs.apply(diff, bundle.rootfs)
+            except rootfs.PartlyWritten:
+                # The root holds part of this layer now: an older checkpoint's layer on top
+                # of it would make a root no checkpoint had. The create fails instead.
+                stack.close()
+                raise
             except StasisError as e:
                 stack.close()
                 said = str(e)

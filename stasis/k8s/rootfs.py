@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from stasis.errors import ContainerError
+from stasis.errors import ContainerError, ContainerRootDamagedError
 from stasis.k8s import confined
 from stasis.k8s.confined import ConfinedRoot
 
@@ -64,7 +64,7 @@ class Refused(Exception):
     """The layer holds something that is not put into a container's root; nothing written."""
 
 
-class PartlyWritten(ContainerError):
+class PartlyWritten(ContainerRootDamagedError):
     """Putting the layer back failed after it had begun (a write the root did not allow, no
     space, a timeout): the root holds part of it, so another checkpoint's layer put on top
     would not give that checkpoint's filesystem either; the root is best made afresh."""

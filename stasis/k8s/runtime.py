@@ -146,7 +146,7 @@ def _state(runc: str, root: str, cid: str) -> dict[str, Any] | None:
 
 
 def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
-    from stasis.errors import StasisError
+    from stasis.errors import ContainerRootDamagedError, StasisError
     from stasis.k8s.runc import Runc
 
     bundle = Path(argv.option("--bundle", "-b") or os.getcwd())
@@ -159,6 +159,10 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     try:
         plan = client.request("POST", "/k8s/restores", {
             "runc_root": argv.root, "container_id": cid, "bundle": str(bundle)})
+    except ContainerRootDamagedError as e:
+        say(f"label {label}: {e}; this container does not start (its next create gets a "
+            "new root)")
+        return 1
     except StasisError as e:
         say(f"cannot ask for a checkpoint of label {label}: {e}; starting fresh")
         return None
