@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from stasis.engine import proctree
 
@@ -226,4 +227,118 @@ def _command(pid: int) -> str:
     return "".join(c if c.isprintable() else "?" for c in name.decode(errors="replace"))
 
 
-__all__ = ["Credentials", "Excess", "excess", "parse_status", "read", "refusal", "tree_excess"]
+
+
+# -- what a checkpoint's images would give back --------------------------------------------------
+
+# core-<tid>.img: CRIU's two magics, then one length-prefixed core_entry (images/core.proto):
+# core_entry.thread_core (5) -> thread_core_entry.creds (10) -> creds_entry (images/creds.proto).
+_CORE_IMAGE_MAX = 1 << 20  # a core image is a few KiB
+_THREAD_CORE, _CREDS = 5, 10
+_CRED_IDS = {1: ("real", "uid"), 3: ("effective", "uid"), 5: ("saved", "uid"),
+             7: ("fs", "uid"), 2: ("real", "gid"), 4: ("effective", "gid"),
+             6: ("saved", "gid"), 8: ("fs", "gid")}
+_CAP_PRM, _CAP_EFF, _GROUPS, _CAP_AMB = 10, 11, 14, 19
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ValueError("a varint runs past the end")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields(data: bytes) -> list[tuple[int, int | bytes]]:
+    """The (number, value) pairs of one protobuf message: ints for varints, bytes otherwise."""
+    out: list[tuple[int, int | bytes]] = []
+    at = 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _varint(data, at)
+            out.append((number, value))
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            if at + size > len(data):
+                raise ValueError("a fixed-size field runs past the end")
+            out.append((number, data[at:at + size]))
+            at += size
+        elif wire == 2:
+            size, at = _varint(data, at)
+            if at + size > len(data):
+                raise ValueError("a field runs past the end")
+            out.append((number, data[at:at + size]))
+            at += size
+        else:
+            raise ValueError(f"wire type {wire}")
+    return out
+
+
+def _repeated(fields: list[tuple[int, int | bytes]], number: int) -> list[int]:
+    values: list[int] = []
+    for n, v in fields:
+        if n != number:
+            continue
+        if isinstance(v, int):
+            values.append(v)
+        else:  # packed
+            at = 0
+            while at < len(v):
+                item, at = _varint(v, at)
+                values.append(item)
+    return values
+
+
+def image_credentials(data: bytes) -> Credentials | None:
+    """The credentials a core image records for its thread (None: it records none, as for a
+    zombie). ValueError for bytes that are no core image."""
+    if len(data) < 12:
+        raise ValueError("shorter than a core image")
+    size = int.from_bytes(data[8:12], "little")
+    if 12 + size > len(data):
+        raise ValueError("its entry runs past the end")
+    thread = [v for n, v in _fields(data[12:12 + size]) if n == _THREAD_CORE]
+    creds = [v for n, v in _fields(thread[-1]) if n == _CREDS] if thread and \
+        isinstance(thread[-1], bytes) else []
+    if not creds or not isinstance(creds[-1], bytes):
+        return None
+    fields = _fields(creds[-1])
+    ids = {n: v for n, v in fields if n in _CRED_IDS and isinstance(v, int)}
+    if len(ids) != len(_CRED_IDS):
+        raise ValueError("its credentials lack a uid or gid")
+
+    def caps(number: int) -> int:
+        return sum(word << (32 * i) for i, word in enumerate(_repeated(fields, number)))
+
+    return Credentials(uids=(ids[1], ids[3], ids[5], ids[7]),
+                       gids=(ids[2], ids[4], ids[6], ids[8]), groups=tuple(_repeated(fields, _GROUPS)), cap_permitted=caps(_CAP_PRM),
+                       cap_effective=caps(_CAP_EFF), cap_ambient=caps(_CAP_AMB))
+
+
+def images_excess(images: Path, uid: int, groups: Iterable[int]) -> list[str]:
+    """What the threads a checkpoint's images record hold beyond an owner with `uid` and
+    `groups`, one "thread <tid> holds ..." each: what a restore would give back. Capabilities
+    count whatever user namespace they were held in (the images do not say it here)."""
+    allowed = list(groups)
+    found = []
+    for path in sorted(images.glob("core-*.img")):
+        with open(path, "rb") as f:
+            data = f.read(_CORE_IMAGE_MAX)
+        cred = image_credentials(data)
+        if cred is None:
+            continue
+        holds = excess(cred, uid, allowed)
+        if holds:
+            found.append(f"thread {path.stem.removeprefix('core-')} holds {', '.join(holds)}")
+    return found
+
+
+__all__ = ["Credentials", "Excess", "excess", "image_credentials", "images_excess",
+           "parse_status", "read", "refusal", "tree_excess"]

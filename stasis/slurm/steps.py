@@ -577,9 +577,9 @@ def read_records(owner: int | None = None) -> list[dict[str, object]]:
     creating it (none yet: no step): for a reader outside the job (the node daemon).
 
     Everything in it is the job user's: a segment not owned by `owner` (a uid; None: anyone),
-    or created by another user than them or root (CRIU, restoring it), is refused (BookRefused), and so is a header claiming more than the
-    segment holds; at most its real size (and a book's) is copied out, and only the copy is
-    parsed."""
+    or created by another user than them or root (CRIU, restoring it), is refused
+    (BookRefused), and so is a header claiming more than the segment holds; at most its real
+    size (and a book's) is copied out, and only the copy is parsed."""
     libc = _shm_libc()
     shm = libc.shmget(_KEY, 0, 0)
     if shm < 0:

@@ -26,9 +26,9 @@ from typing import Any, cast
 
 from stasis import wire
 from stasis.config import Settings, load_settings
-from stasis.engine import CRIU, Owner, find_criu, nodefacts
+from stasis.engine import CRIU, Owner, credentials, find_criu, nodefacts
 from stasis.engine.restoring import restore_tree
-from stasis.errors import CorruptCheckpointError, SlurmError, StasisError
+from stasis.errors import CorruptCheckpointError, OwnerDeniedError, SlurmError, StasisError
 from stasis.client import Client
 from stasis.daemon.users import account
 from stasis.slurm import scontrol
@@ -87,6 +87,15 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
                           owner, skip=[*(old for old, _ in outputs),
                                        *rewritten_by_slurm(m, info.job_id)])
     with store.open_images(m.id, layout.scratch) as (_, images):
+        # CRIU (root) gives every thread the credentials its images record: none may hold more
+        # than the job's owner (a setuid program checkpointed mid-run by a stasis that did not
+        # refuse it yet).
+        beyond = credentials.images_excess(images, owner.uid, [gid, *owner.groups]) \
+            if owner.uid != 0 else []
+        if beyond:
+            raise OwnerDeniedError(
+                f"its images hold credentials beyond its owner {acct.name} (uid {acct.uid}): "
+                f"{'; '.join(beyond[:3])}; a restore would give them back")
         # The same restore as the daemon's (CRIU as root, every path of the job with its
         # owner's rights), here in the job's task so that the tree is the task's child.
         result = restore_tree(criu, images, owner, outputs,

@@ -191,3 +191,41 @@ def test_the_frozen_tree_is_checked_again_at_criu_post_dump(
     assert again("post-dump", pid) is True and again.refused is None
     assert opened.files is not None
     daemon.cli("kill", job, user=user)
+
+
+def test_images_of_a_setuid_program_say_what_a_restore_would_give_back(
+        daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd,
+        tmp_path: Path) -> None:
+    """What the daemon now refuses to take, taken with CRIU directly (the engine has no such
+    check): the core images record the setuid thread's root uids, which images_excess names
+    (what a restore of such a checkpoint, taken before this check, would give back)."""
+    from stasis.engine import CRIU, DumpOptions, find_criu
+
+    user = test_user.pw_name
+    job, sleeper = _job(daemon, setuid_sleep, user)
+    pid = daemon.job(job)["pid"]
+    images = tmp_path / "images"
+    images.mkdir()
+    CRIU(find_criu(), tmp_path / "logs").dump(pid, images, DumpOptions(leave_running=True),
+                                              "dump.log")
+    groups = os.getgrouplist(user, test_user.pw_gid)
+    found = credentials.images_excess(images, test_user.pw_uid, groups)
+    sleeper_ns = Path(f"/proc/{sleeper}/status").read_text()
+    ns_pid = re.search(r"^NSpid:.*\s(\d+)$", sleeper_ns, re.M)
+    assert ns_pid is not None
+    assert [line.split(" holds ")[0] for line in found] == [f"thread {ns_pid.group(1)}"], found
+    assert found[0].startswith(f"thread {ns_pid.group(1)} holds effective, saved and fs uid 0 "
+                               "(root), permitted and effective capabilities 0x")
+    cred = credentials.image_credentials((images / f"core-{ns_pid.group(1)}.img").read_bytes())
+    assert cred is not None and cred.uids == (test_user.pw_uid, 0, 0, 0)
+    daemon.cli("kill", job, user=user)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(data=st.binary(max_size=200))
+def test_fuzz_core_images(data: bytes) -> None:
+    try:
+        cred = credentials.image_credentials(data)
+    except ValueError:
+        return
+    assert cred is None or len(cred.uids) == 4
