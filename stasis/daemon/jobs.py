@@ -160,7 +160,8 @@ class JobManager:
             validate_label(label)
         if label is None and user is None and caller.is_root:
             return self.store.list()
-        return self.store.list(label, uid=owner_uid(caller, user))
+        return [m for m in self.store.list(label, uid=owner_uid(caller, user))
+                if caller.may_use_checkpoint(m.uid, m.user)]
 
     def rekey(self, caller: Caller) -> RekeyAnswer:
         """Re-wrap every checkpoint's data key that an old key file wraps with the current one
@@ -187,7 +188,7 @@ class JobManager:
                 ) from e
             log.warning("root deletes checkpoint %s: %s", checkpoint_id, e)
         else:
-            caller.require(manifest.uid, f"checkpoint {checkpoint_id}")
+            caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {checkpoint_id}")
         self.store.delete(checkpoint_id)
         self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
 

@@ -66,14 +66,15 @@ class Restorer:
             candidates = [self.core.store.get(validate_checkpoint_id(req.checkpoint))]
         elif req.label:
             owner = owner_uid(caller, req.user)
-            candidates = self.core.store.list(validate_label(req.label), uid=owner)
+            candidates = [m for m in self.core.store.list(validate_label(req.label), uid=owner)
+                          if caller.may_use_checkpoint(m.uid, m.user)]
             if not candidates:
                 self._only_untrusted(req.label, owner, caller)
                 raise NotFoundError(self._no_label(req.label, owner, caller))
         else:
             raise UsageError("name a checkpoint id or --label")
         for manifest in candidates:
-            caller.require(manifest.uid, f"checkpoint {manifest.id}")
+            caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {manifest.id}")
         skipped: list[str] = []
         for manifest in candidates:
             try:
@@ -295,7 +296,7 @@ class Restorer:
         """`stasis check --checkpoint`: every fact the checkpoint recorded against this node,
         its files looked at with its owner's rights (as a restore reopens them)."""
         manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
-        caller.require(manifest.uid, f"checkpoint {manifest.id}")
+        caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {manifest.id}")
         return self._report(manifest)
 
     def _report(self, manifest: Manifest) -> wire.CheckpointCheck:
