@@ -1,13 +1,17 @@
 """`Store`: the checkpoints any node sharing one directory or fsspec URL can list and restore.
 
 Owns the life cycle of a checkpoint: staging (CRIU dumps into a local directory), publishing
-(sizes, BLAKE3 hashes per chunk and per file, compression, manifest.json written last), listing, verified fetching for
-restore, deletion and retention per (owner, label). Every id and file name reaching the filesystem
+(sizes, BLAKE3 hashes per chunk and per file, compression, manifest.json written last), listing,
+verified fetching for restore, deletion and retention per (owner, label). Every id and file name reaching the filesystem
 is validated first; every foreign error leaves as one readable StoreError line.
 
 Every manifest is signed when published and verified whenever it is read (signing.py): a
 manifest without a signature, with one that does not verify, or signed by a key the store's
-keyring does not trust is never listed, never restored, never counted by retention.
+keyring does not trust is never listed, never restored, never counted by retention. What a
+restore hands CRIU is what was checked against it: its own copy of each chunk (streamed, served,
+or decoded into a private directory), or files in place only where nobody but root can change
+them (`images_in_place`). Unencrypted checkpoints of formats 1 and 2, which only xxh3 checks,
+are listed but not restored (`require_cryptographic_sums`).
 
     store = node_store(settings)                      # as the node's daemon and helpers see it
     staging = store.staging_dir(checkpoint_id)        # criu dump --images-dir staging
