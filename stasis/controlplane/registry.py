@@ -79,7 +79,8 @@ class Principal:
         if self.kind != "node" or self.node is None:
             raise PermissionDeniedError(
                 f"{what} needs the node's own credential (it got one when it joined): a "
-                f"{self.kind} token may not act as node {name[:100]}")
+                f"{self.kind} token may not act as " + (f"node {name[:100]}" if name != "?"
+                                                        else "a node"))
         if name != self.node:
             raise PermissionDeniedError(f"this credential is node {self.node}'s: it may not "
                                         f"act as node {name[:100]}")
