@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stasis import wire
-from stasis.engine import nodefacts, rpc
+from stasis.engine import credentials, nodefacts, rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
 from stasis.errors import CRIUError, OwnerDeniedError
 
@@ -67,6 +67,17 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     CRIU runs, when this node differs in a way the restore cannot cope with. The notes among
     the differences come back in `RestoreResult.notes`. `criu_version`: `criu`'s, when the
     caller knows it already."""
+    if owner.uid != 0:
+        # CRIU (root) gives back whatever credentials the images record: a user's tree must not
+        # come back holding more than its owner (a setuid program a dump of older stasis, or
+        # of a node this one trusts, let through).
+        held = credentials.images_excess(images, owner.uid, [owner.gid, *owner.groups])
+        if held:
+            raise OwnerDeniedError(
+                f"checkpoint {checkpoint or images} refused: {held[0]}"
+                f"{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}, more than its "
+                f"owner {_name(owner.uid)} has, and a restore would give that back; only root "
+                "may restore it")
     found: list[wire.CompatFact] = []
     if expect is not None:
         # The caller is single-threaded (a supervisor, a Slurm task's helper): the files are

@@ -229,3 +229,33 @@ def test_fuzz_core_images(data: bytes) -> None:
     except ValueError:
         return
     assert cred is None or len(cred.uids) == 4
+
+
+def test_images_holding_more_than_their_owner_are_not_restored_for_them(
+        daemon: Daemon, world_tmp: Path) -> None:
+    """The restore side: root's checkpoint whose manifest a trusted signer made say it is the
+    test user's (what an older stasis, which let a setuid tree through, or a node this one
+    trusts, could publish). Restoring it for the user would give them a root process (its
+    log is one they may write, so that nothing else stops the restore)."""
+    from tests.conftest import TEST_USER
+    from tests.daemon.test_bad_input import one_line_error
+    from tests.daemon.test_restore_facts import _manifest, _resign
+
+    log = Path(tempfile.mkdtemp(dir=world_tmp)) / "root-job.log"
+    os.chmod(log.parent, 0o777)
+    log.touch()
+    os.chmod(log, 0o666)
+    job = daemon.json("run", "--label", "creds-restore", "--log", str(log), "--",
+                      *workload("counter.py"))
+    wait_for(lambda: re.findall(r"^\d+$", log.read_text(), re.M), what="counting")
+    ckpt = daemon.json("dump", job["job"])["checkpoint"]
+    user = pwd.getpwnam(TEST_USER)
+    document = _manifest(daemon, ckpt)
+    document.update(user=TEST_USER, uid=user.pw_uid, gid=user.pw_gid)
+    _resign(daemon, ckpt, document)
+    running = [j["job"] for j in daemon.json("ps") if j["state"] == "running"]
+
+    line = one_line_error(daemon.cli("restore", ckpt, user=TEST_USER, check=False), 1,
+                          f"checkpoint {ckpt} refused", "uid 0 (root)", "only root")
+    assert "thread" in line
+    assert [j["job"] for j in daemon.json("ps") if j["state"] == "running"] == running
