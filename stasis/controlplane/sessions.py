@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import delete, insert, select
 
-from stasis.controlplane.registry import AuthError, Principal, Registry
+from stasis.controlplane.registry import HOOK_PREFIX, NODE_PREFIX, AuthError, Principal, Registry
 from stasis.controlplane.schema import sessions, tokens
+from stasis.errors import PermissionDeniedError
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,18 @@ def _sha(text: str) -> str:
 
 def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
     """Log in with `token`: the new session's id (for the cookie) and the session."""
-    who = registry.authenticate(token.strip())
+    token = token.strip()
+    # Refused by their prefix, before any look-up: a session keeps a row of `tokens`, which a
+    # node's credential or a hook token is not (its session would never resolve), and neither
+    # is a person's key to the site.
+    if token.startswith((NODE_PREFIX, HOOK_PREFIX)):
+        what = "a node's credential" if token.startswith(NODE_PREFIX) else "a policy's hook token"
+        raise PermissionDeniedError(f"{what} does not log in to the dashboard: log in with the "
+                                    "admin token or a cluster's token")
+    who = registry.authenticate(token)
+    if who.kind not in ("admin", "cluster"):
+        raise PermissionDeniedError(f"a {who.kind} credential does not log in to the dashboard: "
+                                    "log in with the admin token or a cluster's token")
     sid = secrets.token_urlsafe(32)
     csrf = secrets.token_urlsafe(32)
     now = int(time.time())

@@ -466,3 +466,38 @@ def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
                 (job, path)
     finally:
         cp.stop()
+
+
+def test_a_node_credential_or_hook_token_logs_in_to_no_dashboard(world_tmp: Path) -> None:
+    """A node's credential (or a webhook policy's token) at the log-in: refused in one line,
+    no cookie, no session row (before: a node's credential made a session that never
+    resolved, kept in the database until it expired)."""
+    import sqlite3
+
+    from tests.controlplane.fakenode import FakeNode
+
+    db = str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db")
+    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db)
+    cp.start()
+    try:
+        hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+        node = FakeNode(cp, hpc, "node-a")
+        node.register()
+        assert node.token.startswith("stasis_node_")
+        hook = cp.json("policies", "add", "hooked", "--on", "webhook", "--action", "checkpoint")
+        assert hook["hook_token"].startswith("stasis_hook_")
+        for token, what in ((node.token, "a node's credential"),
+                            (hook["hook_token"], "a policy's hook token")):
+            web = Browserless(cp)
+            status, where, page = web.call("POST", "/ui/login", {"token": token})
+            assert status == 401 and where == "", (status, where)
+            said = html.unescape(page.split('id="error">')[1].split("</p>")[0])
+            assert said == (f"{what} does not log in to the dashboard: log in with the admin "
+                            "token or a cluster's token"), said
+            assert not [c for c in web.jar if c.name == "stasis_session"]
+            with sqlite3.connect(db) as conn:
+                assert conn.execute("SELECT count(*) FROM sessions").fetchone() == (0,)
+        # The node's credential still works where it belongs.
+        node.heartbeat([])
+    finally:
+        cp.stop()
