@@ -95,3 +95,30 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
         "spec"]["containers"][0]["image"]
     version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert default_image == f"stasis/agent:{version}"
+
+
+@pytest.mark.parametrize("given", [True, False, None])
+def test_allow_plain_http_reaches_the_nodes_config(tmp_path: Path, given: bool | None) -> None:
+    """config.allowPlainHttp: the node's controlplane_allow_plain_http (default false), so an
+    http:// control plane off loopback is refused unless the chart's values allow it."""
+    from stasis.config import load_settings
+    from stasis.controlplane.client import ControlPlaneClient
+    from stasis.errors import UsageError
+
+    config: dict[str, Any] = {"clusterId": "c-42", "url": "http://cp.example:8000"}
+    if given is not None:
+        config["allowPlainHttp"] = given
+    assert lint(CHART, {"config": config}, strict=True, namespace="stasis-system")["errors"] == []
+    toml = tmp_path / "config.toml"
+    toml.write_text({d["kind"]: d for d in render({"config": config})}["ConfigMap"]["data"][
+        "config.toml"])
+    settings = load_settings({"STASIS_CONFIG": str(toml)})
+    assert settings.controlplane_allow_plain_http is bool(given)
+    # What the node does with it (stasis.controlplane.node builds its client this way).
+    if given:
+        ControlPlaneClient(settings.controlplane_url, "",
+                           allow_plain_http=settings.controlplane_allow_plain_http)
+    else:
+        with pytest.raises(UsageError, match="controlplane_allow_plain_http"):
+            ControlPlaneClient(settings.controlplane_url, "",
+                               allow_plain_http=settings.controlplane_allow_plain_http)
