@@ -22,7 +22,9 @@ that migration took, never for an arbitrary id: the node that took it answers th
 half with a seal, a MAC with its signing key (the site key) over (migration command, checkpoint,
 job, target node), which the target verifies with the keys it trusts for manifests; the
 checkpoint's signed manifest must also name the migration's job, label and owner. Whoever holds
-no such key (a stolen cluster token, a node joined with it) cannot make one.
+no such key (a stolen cluster token, a node joined with it) cannot make one. A seal is carried
+out once: the migrations this node restored are kept in its database (`controlplane_restored`),
+and a seal given again under another command id is refused, naming the job it became.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from dataclasses import asdict
 from sqlalchemy import (
     Boolean,
     Column,
+    Float,
     Integer,
     MetaData,
     String,
@@ -53,6 +56,7 @@ from sqlalchemy import (
     func,
     insert,
     select,
+    update,
 )
 
 from stasis.controlplane.client import ControlPlaneClient, Unauthorized
@@ -89,6 +93,23 @@ done_table = Table(
     Column("at", Integer, nullable=False),
 )
 
+# The migrations whose sealed restore half this node carried out (or began: `job` is None until
+# the restore is done), kept for good in the daemon's own database (root's, 0600): a seal
+# replayed under a new command id (a compromised control plane, a command copied) is answered
+# from here, never restored twice. Bounded: beyond _RESTORED_MAX the rows of the oldest
+# checkpoints go, and the newest creation time among them stays as the row _WATERMARK, under
+# which a seal is refused unseen (its checkpoint's signed manifest says when it was taken).
+restored_table = Table(
+    "controlplane_restored", MetaData(),
+    Column("migration", String(100), primary_key=True),
+    Column("checkpoint", String(100), nullable=False),
+    Column("job", String(100), nullable=True),
+    Column("created", Float, nullable=False),  # the checkpoint's, from its signed manifest
+    Column("at", Integer, nullable=False),
+)
+_RESTORED_MAX = 100_000
+_WATERMARK = "(forgotten before)"
+
 
 class ControlPlaneNode(Integration):
     name = "controlplane"
@@ -121,7 +142,7 @@ class ControlPlaneNode(Integration):
         self._closing = False
 
     def tables(self) -> Sequence[Table]:
-        return [done_table, outbox_table]
+        return [done_table, outbox_table, restored_table]
 
     # -- the node's own credential ----------------------------------------------------------
 
@@ -413,8 +434,15 @@ class ControlPlaneNode(Integration):
                 result = {"error": str(e)}
         elif cmd["kind"] == "restore":
             try:
-                ckpt = self._migrated_checkpoint(args)
-                done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT)
+                ckpt, created = self._migrated_checkpoint(args)
+                migration = str(args["migrated_from"])
+                self._claim_restore(migration, ckpt, created)
+                try:
+                    done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT)
+                except BaseException:
+                    self._unclaim_restore(migration)  # nothing restored: it may come again
+                    raise
+                self._restored(migration, str(done["job"]))
                 ok, result = True, {"job": done["job"], "checkpoint": done["checkpoint"]}
             except StasisError as e:
                 result = {"error": str(e)}
@@ -432,7 +460,57 @@ class ControlPlaneNode(Integration):
         return ok, result
 
 
-    def _migrated_checkpoint(self, args: dict[str, Any]) -> str:
+    def _claim_restore(self, migration: str, ckpt: str, created: float) -> None:
+        """Migration `migration`'s restore recorded before it starts; refused if it was
+        recorded before (a replayed seal), or is older than what this node still remembers."""
+        import time
+
+        refused = (f"restore of checkpoint {ckpt} for migration {migration} refused: a "
+                   "migration restores once")
+        with self.manager.db.transaction() as conn:
+            row = conn.execute(select(restored_table).where(
+                restored_table.c.migration == migration)).first()
+            if row is not None:
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row.at))
+                what = (f"this node already restored it as job {row.job} on {when}"
+                        if row.job else f"this node began restoring it on {when} (the daemon "
+                        "stopped meanwhile)")
+                raise PermissionDeniedError(f"{refused}, and {what}: migrate the job again to "
+                                            "move it")
+            mark = conn.execute(select(restored_table.c.created).where(
+                restored_table.c.migration == _WATERMARK)).scalar()
+            if mark is not None and created <= mark:
+                raise PermissionDeniedError(f"{refused}, and its checkpoint is older than what "
+                                            "this node remembers restoring: migrate the job "
+                                            "again")
+            conn.execute(insert(restored_table).values(migration=migration, checkpoint=ckpt,
+                                                       job=None, created=created,
+                                                       at=int(time.time())))
+            kept = conn.execute(select(func.count()).select_from(restored_table).where(
+                restored_table.c.migration != _WATERMARK)).scalar_one()
+            if kept > _RESTORED_MAX:
+                oldest = conn.execute(select(restored_table.c.migration,
+                                             restored_table.c.created)
+                                      .where(restored_table.c.migration != _WATERMARK)
+                                      .order_by(restored_table.c.created)
+                                      .limit(kept - _RESTORED_MAX)).all()
+                newest_gone = max([r.created for r in oldest] + [mark or 0.0])
+                conn.execute(delete(restored_table).where(restored_table.c.migration.in_(
+                    [r.migration for r in oldest] + [_WATERMARK])))
+                conn.execute(insert(restored_table).values(
+                    migration=_WATERMARK, checkpoint="", job=None, created=newest_gone,
+                    at=int(time.time())))
+
+    def _unclaim_restore(self, migration: str) -> None:
+        with self.manager.db.transaction() as conn:
+            conn.execute(delete(restored_table).where(restored_table.c.migration == migration))
+
+    def _restored(self, migration: str, job: str) -> None:
+        with self.manager.db.transaction() as conn:
+            conn.execute(update(restored_table).where(
+                restored_table.c.migration == migration).values(job=job[:100]))
+
+    def _migrated_checkpoint(self, args: dict[str, Any]) -> tuple[str, float]:
         """The checkpoint a restore command names, if it is the one its migration took: sealed
         for this node by the node that took it (a key this node trusts), and its signed
         manifest names the migration's job, label and owner. Anything else is refused,
@@ -447,7 +525,8 @@ class ControlPlaneNode(Integration):
         refused = (f"restore of checkpoint {ckpt[:64] or '(none)'} refused: this node restores "
                    "for the control plane only the checkpoint a migration took (`stasis "
                    "controlplane migrate`)")
-        if not (migration and ckpt and label and user) or not _ID.fullmatch(job):
+        if not (migration and ckpt and label and user) or not _ID.fullmatch(job) or \
+                not _ID.fullmatch(migration):
             raise PermissionDeniedError(f"{refused}; a checkpoint by id is restored with "
                                         "`stasis restore` on the node")
         try:
@@ -469,7 +548,7 @@ class ControlPlaneNode(Integration):
                 f"{refused}: it is of job {manifest.job[:100]}, label {manifest.label}, user "
                 f"{manifest.user[:100]}, not of job {job}, label {label}, user {user}: "
                 "migrate the job again")
-        return ckpt
+        return ckpt, manifest.created.timestamp()
 
     def _completed(self, live: set[tuple[str, str]]) -> set[tuple[int, str]]:
         """(uid, label) whose newest job on this node exited 0, with none of that label running

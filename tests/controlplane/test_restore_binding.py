@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, insert
+from sqlalchemy import create_engine, insert, select
 
 from stasis.controlplane.schema import commands
 from tests.conftest import new_daemon, wait_for, workload
@@ -107,6 +107,37 @@ def test_a_node_restores_only_the_checkpoint_its_migration_took(
         assert (moved["from_node"], moved["node"]) == ("node-a", "node-b")
         running = [j for j in b.json("ps") if j["state"] in ("running", "restored")]
         assert [j["job"] for j in running] == [moved["job"]]
+
+        # The migration's sealed restore half given again under a new command id (a
+        # compromised control plane, a copied command), also after node-b's daemon restarted:
+        # answered from what node-b keeps, never restored twice.
+        engine = create_engine(f"sqlite:///{root / 'cp.db'}")
+        with engine.begin() as conn:
+            sealed = conn.execute(select(commands.c.args).where(
+                commands.c.kind == "restore", commands.c.state == "done")).scalar_one()
+        jobs_before = sorted(j["job"] for j in b.json("ps"))
+        for replay in ("cmd_replayed", "cmd_replayed_after_restart"):
+            if replay.endswith("restart"):
+                b.stop()
+                b.start()
+                jobs_before = sorted(j["job"] for j in b.json("ps"))
+            with engine.begin() as conn:
+                conn.execute(insert(commands).values(
+                    id=replay, cluster_id=hpc["cluster_id"], node="node-b", kind="restore",
+                    args=sealed, state="queued", attempts=0,
+                    created="2026-01-01T00:00:00.000000+00:00"))
+            again = finished(cp, replay)
+            error = again["result"].get("error", "")
+            assert again["state"] == "failed" and error.startswith(
+                f"restore of checkpoint {json.loads(sealed)['checkpoint']} for migration "
+                f"{moved['commands'][0]} refused: a migration restores once, and this node "
+                f"already restored it as job {moved['job']} on "), again
+            assert error.endswith(": migrate the job again to move it") and "\n" not in error
+            assert sorted(j["job"] for j in b.json("ps")) == jobs_before
+        engine.dispose()
+        # Kept in the daemon's own database: root's alone.
+        db = b.state_dir / "jobs.db"
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600 and db.stat().st_uid == 0
     finally:
         for d in started:
             d.kill_all()
