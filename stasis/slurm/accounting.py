@@ -73,8 +73,11 @@ def _run(cmd: list[str], env: dict[str, str] | None = None,
 
 
 def _tail(path: Path) -> str:
+    """The last 1500 bytes of a log (read from its end: a log may be large)."""
     try:
-        return path.read_text(errors="replace")[-1500:]
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 1500))
+            return f.read(1500).decode(errors="replace")
     except OSError:
         return "(no log)"
 

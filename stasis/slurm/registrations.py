@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import signal
 import threading
 from datetime import datetime, timezone
@@ -88,9 +89,40 @@ def _slurm_requeues(job_id: str) -> bool:
         return False
 
 
+# What a workload's /proc files may give at most: its command line is the user's to make as long as
+# the kernel lets (up to the stack limit); a registration keeps its first 64 KiB.
+_PROC_READ_MAX = 64 * 1024
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    """The first _PROC_READ_MAX bytes of /proc/PID/NAME, never following a link."""
+    fd = os.open(f"/proc/{int(pid)}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        chunks: list[bytes] = []
+        left = _PROC_READ_MAX
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _user_name(uid: int) -> str:
+    """The account name of `uid` as this node knows it (never what Slurm prints: a job's name
+    can forge that)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def _status(pid: int) -> dict[str, str]:
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        text = _read_proc(pid, "status").decode(errors="replace")
     except OSError:
         raise UsageError(f"no process {pid}") from None
     fields = {}
@@ -231,19 +263,25 @@ class SlurmJobs:
         if scontrol.job_of_pid(caller.pid) != job_id:
             raise PermissionDeniedError(f"permission denied: the caller is not part of Slurm job "
                                         f"{job_id}")
-        info = scontrol.job_info(job_id)
+        try:
+            info = scontrol.job_info(job_id)
+        except SlurmError as e:
+            log.warning("Slurm job %s (uid %d) not registered: %s", job_id, caller.uid, e)
+            raise
+        # Slurm's uid must agree with the kernel's; the identity kept is the kernel's alone.
         if info.uid != caller.uid:
             raise PermissionDeniedError(f"permission denied: Slurm job {job_id} is not yours")
         if not req.explicit_label and req.label != job_id:
             raise UsageError("without an explicit label the label is the job id")
         try:
-            cmdline = Path(f"/proc/{req.pid}/cmdline").read_bytes().split(b"\0")
+            cmdline = _read_proc(req.pid, "cmdline").split(b"\0")
             command = [c.decode(errors="replace") for c in cmdline if c]
         except OSError:
             command = []
         reg = Registration(
             slurm_job=job_id, pid=req.pid, pid_start=proctree.start_time(req.pid),
-            launcher_pid=caller.pid, uid=caller.uid, gid=caller.gid, user=info.user,
+            launcher_pid=caller.pid, uid=caller.uid, gid=caller.gid,
+            user=_user_name(caller.uid),
             label=req.label, explicit_label=req.explicit_label, token=info.token,
             stdout=info.stdout, stderr=info.stderr or info.stdout, work_dir=info.work_dir,
             command=command or ["(slurm batch job)"],

@@ -49,7 +49,10 @@ def _tool(tool: str, *args: str) -> str:
 
 
 def parse_record(text: str) -> dict[str, str]:
-    """`Key=Value Key=Value ...` (one `scontrol -o` record); values may hold spaces."""
+    """`Key=Value Key=Value ...` (one `scontrol -o` record); values may hold spaces.
+
+    Lenient (the first of a repeated key wins): only for records whose values no user writes
+    (nodes). A job's record is read with parse_job_record."""
     text = text.strip()
     found = list(_KEY.finditer(text))
     fields: dict[str, str] = {}
@@ -57,6 +60,46 @@ def parse_record(text: str) -> dict[str, str]:
         end = found[i + 1].start() if i + 1 < len(found) else len(text)
         fields.setdefault(m.group(1), text[m.end():end].strip())
     return fields
+
+
+def parse_job_record(text: str) -> dict[str, str]:
+    """The fields of one `scontrol show job -o` record, or a SlurmError if a value forges some.
+
+    Slurm prints a job's name, comment, working directory and output paths raw, so a job named
+    `x UserId=0(root) StdOut=/etc/shadow` would read as root's. Slurm prints each key once, and the
+    name is always followed by UserId (after HetJobIdSet in a heterogeneous job; see
+    slurm_sprint_job_info): a name holding ` Key=` therefore makes the key after JobName another
+    one, or repeats UserId, and a key written into a later value repeats that key when the job has
+    it. Such a record is refused whole, never read in part. A key the job does not have (BatchHost
+    while pending) may still be forged in a later value: no identity is taken from this record
+    (the daemon takes the kernel's), and what is (paths, token) is only ever used with the
+    job owner's rights and among the owner's checkpoints."""
+    record = text.split("\n", 1)[0].strip()  # only the first record (an array prints several)
+    found = list(_KEY.finditer(record))
+    keys = [m.group(1) for m in found]
+    job = keys[0] if keys and keys[0] == "JobId" else None
+    what = f"scontrol's record of job {_value(record, found, 0)}" if job else "scontrol's record"
+    repeated = sorted({k[:40] for k in keys if keys.count(k) > 1})[:3]
+    if repeated:
+        raise SlurmError(f"{what} holds {', '.join(repeated)} twice: a value (its name, comment "
+                         "or a path) writes keys of its own; the job is refused (resubmit it "
+                         "with a name and paths without ' Key=')")
+    if "JobName" in keys:
+        at = keys.index("JobName")
+        after = keys[at + 1:at + 3]
+        # Only a heterogeneous job's record (HetJobId, before the name) has HetJobIdSet.
+        het = "HetJobId" in keys[:at] and after == ["HetJobIdSet", "UserId"]
+        if after[:1] != ["UserId"] and not het:
+            raise SlurmError(f"{what}: its name is followed by "
+                             f"{after[0][:40] if after else 'nothing'}"
+                             ", not UserId: the name writes keys of its own; the job is refused "
+                             "(resubmit it with a name without ' Key=' or line breaks)")
+    return {m.group(1): _value(record, found, i) for i, m in enumerate(found)}
+
+
+def _value(text: str, found: list[re.Match[str]], i: int) -> str:
+    end = found[i + 1].start() if i + 1 < len(found) else len(text)
+    return text[found[i].end():end].strip()
 
 
 @dataclass(frozen=True)
@@ -81,7 +124,7 @@ def job_info(job_id: str) -> JobInfo:
         text = scontrol("show", "job", "-o", job_id)
     except SlurmJobNotFoundError:
         raise SlurmJobNotFoundError(f"no Slurm job {job_id}") from None
-    fields = parse_record(text.splitlines()[0] if text.strip() else "")
+    fields = parse_job_record(text)
     if fields.get("JobId") != job_id:
         raise SlurmJobNotFoundError(f"no Slurm job {job_id}")
     m = _USER.match(fields.get("UserId", ""))
