@@ -66,14 +66,21 @@ def add_controlplane(commands: Any) -> None:
     p.add_argument("--kind", required=True, choices=["slurm", "kubernetes"])
     p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
                    help="The token stops working this long from now (default: never).")
+    p.add_argument("--approve-joins", action="store_true",
+                   help="A node that joins waits (pending: given no command, chosen as no "
+                        "target) until `stasis controlplane nodes approve NODE`: whoever "
+                        "steals the cluster token gets no work sent to a node of theirs.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/clusters",
                                               {"name": a.name, "kind": a.kind,
-                                               "expires_in_s": a.expires_in}, _said_cluster))
+                                               "expires_in_s": a.expires_in,
+                                               "approve_joins": a.approve_joins},
+                                              _said_cluster))
     p = clusters.add_parser("list", help="The clusters.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/clusters", None,
-                                              _said_rows("id", "name", "kind", "created")))
+                                              _said_rows("id", "name", "kind", "created",
+                                                         "approve_joins")))
     p = clusters.add_parser("rotate", help="A new token for a cluster; its old ones revoked.")
     p.add_argument("cluster_id", metavar="CLUSTER_ID")
     p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
@@ -95,10 +102,11 @@ def add_controlplane(commands: Any) -> None:
                                               f"/api/v1/tokens/{_seg(a.token_id)}/revoke", None,
                                               lambda d: output.say(f"revoked {d['token_id']}")))
 
-    p = sub.add_parser("nodes", help="The nodes: ready, not-ready or lost.")
+    p = sub.add_parser("nodes", help="The nodes: ready, not-ready, lost, or pending (joined, "
+                                     "waiting for an admin's approval).")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/nodes", None, _said_rows(
-        "cluster", "name", "state", "jobs", "stasis_version", "criu_version",
+        "cluster", "name", "state", "approved", "jobs", "stasis_version", "criu_version",
         "last_heartbeat_age_s")))
     node_cmds = subcommands(p, dest="nodes_command", required=False)
     p = node_cmds.add_parser("reset", help="Forget NODE's own credential, so that it joins "
@@ -113,6 +121,17 @@ def add_controlplane(commands: Any) -> None:
         lambda d: output.say(f"node {d['name']} " + (
             "reset: it joins again with the cluster token" if d["reset"] else
             "had no credential: it may join"))))
+    p = node_cmds.add_parser("approve", help="Approve NODE, pending since it joined a cluster "
+                                             "added with --approve-joins: from now on it is "
+                                             "given commands and chosen as a target.")
+    p.add_argument("name", metavar="NODE")
+    p.add_argument("--cluster", default=None, help="Its cluster's id or name (needed when "
+                                                   "several clusters have a node NODE).")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(
+        a, s, "POST", f"/api/v1/nodes/{_seg(a.name)}/approve", {"cluster": a.cluster},
+        lambda d: output.say(f"node {d['name']} " + (
+            "approved" if d["was_pending"] else "was approved already"))))
 
 
     p = sub.add_parser("jobs", help="The jobs the nodes report.")
@@ -436,7 +455,9 @@ def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, 
 
 def _said_cluster(d: dict[str, Any]) -> None:
     output.plain(f"cluster {d.get('name', d['cluster_id'])}: id {d['cluster_id']}\n"
-                 f"token (shown once): {d['token']}")
+                 f"token (shown once): {d['token']}" + (
+                     "\nnodes that join wait for `stasis controlplane nodes approve NODE`"
+                     if d.get("approve_joins") else ""))
 
 
 def _said_savings(d: dict[str, Any]) -> None:

@@ -319,10 +319,13 @@ def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
     busy = _busy(registry, policy, since)
     n = 0
     now = time.time()
-    ready = [x for x in registry.list_nodes(_SYSTEM, lost_after_s) if x["state"] == "ready"] \
-        if migrate else []
+    listed = registry.list_nodes(_SYSTEM, lost_after_s)
+    ready = [x for x in listed if x["state"] == "ready"] if migrate else []
+    # A pending node (joined, not approved by an admin) is given no command: its jobs wait.
+    pending = {(x["cluster_id"], x["name"]) for x in listed if x["state"] == "pending"}
     for job in registry.list_jobs(_SYSTEM):
-        if job.get("state") not in ("running", "restored") or \
+        if (job["cluster_id"], job["node"]) in pending or \
+                job.get("state") not in ("running", "restored") or \
                 not _matches(filters, job, now) or (job["cluster_id"], job["node"], job["job"]) in busy or \
                 (only is not None and not only(job)):
             continue
@@ -386,7 +389,7 @@ def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int 
     n = 0
     jobs = registry.list_jobs(_SYSTEM) if completed else []
     for node in registry.list_nodes(_SYSTEM, lost_after_s):
-        if node["state"] == "lost" or \
+        if node["state"] in ("lost", "pending") or \
                 (node["cluster_id"], node["name"], filters.get("label", "*")) in busy:
             continue
         if not _matches({k: v for k, v in filters.items() if k in ("cluster", "node")},

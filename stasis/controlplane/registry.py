@@ -241,8 +241,8 @@ class Registry:
 
     # -- clusters -----------------------------------------------------------------------------
 
-    def add_cluster(self, name: str, kind: str, expires_in_s: int | None = None
-                    ) -> dict[str, Any]:
+    def add_cluster(self, name: str, kind: str, expires_in_s: int | None = None,
+                    approve_joins: bool = False) -> dict[str, Any]:
         validate_name(name, "cluster name")
         if kind not in ("slurm", "kubernetes"):
             raise UsageError(f"bad cluster kind {kind!r}: slurm or kubernetes")
@@ -252,7 +252,8 @@ class Registry:
         try:
             with self.engine.begin() as conn:
                 conn.execute(insert(clusters).values(id=cid, name=name, kind=kind,
-                                                     created=_now()))
+                                                     created=_now(),
+                                                     approve_joins=approve_joins))
                 conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cid,
                                                    sha256=_sha(token), created=_now(),
                                                    revoked=None,
@@ -260,7 +261,7 @@ class Registry:
         except IntegrityError:
             raise UsageError(f"a cluster named {name!r} exists already") from None
         return {"cluster_id": cid, "name": name, "kind": kind, "token_id": tid, "token": token,
-                "expires": _expiry(expires_in_s)}
+                "expires": _expiry(expires_in_s), "approve_joins": approve_joins}
 
     def cluster(self, cluster_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:
@@ -305,7 +306,8 @@ class Registry:
         except IntegrityError:  # another join of that name won the primary key meanwhile
             raise ConflictError(self._joined(by.cluster_id, name, "just now")) from None
         answer: dict[str, Any] = {"cluster_id": by.cluster_id, "name": name,
-                                  "registered": True}
+                                  "registered": True,
+                                  "approved": self._approved(by.cluster_id, name)}
         if credential is not None:
             answer["node_token"] = credential
         return answer
@@ -316,6 +318,17 @@ class Registry:
         with self.engine.begin() as conn:
             if by.kind == "cluster":
                 credential = self._issue_credential(conn, by.cluster_id, name)
+                # Joined with the cluster's token (which a thief may hold too): where the
+                # cluster says so, pending until an admin approves it, also under a name that
+                # was approved before (its credential was reset).
+                pending = bool(conn.execute(select(clusters.c.approve_joins).where(
+                    clusters.c.id == by.cluster_id)).scalar())
+                row = {**row, "approved": not pending}
+                if pending:
+                    self._event(conn, by.cluster_id, name, "node-pending",
+                                f"node {name} joined and waits for an admin's approval: "
+                                f"`stasis controlplane nodes approve {name} --cluster "
+                                f"{by.cluster_id}`")
             n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
                                                  nodes.c.name == name).values(**row)).rowcount
             if n:
@@ -349,6 +362,39 @@ class Registry:
                 f"credential since {since}): a node speaks with the credential it keeps in "
                 f"its state dir; if that was lost, an admin runs `stasis controlplane nodes "
                 f"reset {name} --cluster {cluster_id}` and the node joins again")
+
+    def _approved(self, cluster_id: str, name: str) -> bool:
+        with self.engine.begin() as conn:
+            return bool(conn.execute(select(nodes.c.approved).where(
+                nodes.c.cluster_id == cluster_id, nodes.c.name == name)).scalar())
+
+    def approve_node(self, by: Principal, name: str, cluster: str | None = None
+                     ) -> dict[str, Any]:
+        """Node `name`, pending since it joined a cluster that approves joins, approved: it
+        is given commands and chosen as a target from now on."""
+        by.admin_only()
+        validate_name(name, "node name")
+        cid = self._cluster_of_node(by, name, cluster)
+        with self.engine.begin() as conn:
+            n = conn.execute(update(nodes).where(
+                nodes.c.cluster_id == cid, nodes.c.name == name,
+                nodes.c.approved.is_(False)).values(approved=True)).rowcount
+            if n:
+                self._event(conn, cid, name, "node-approved",
+                            f"node {name} was approved by an admin")
+            elif conn.execute(select(nodes.c.name).where(
+                    nodes.c.cluster_id == cid, nodes.c.name == name)).first() is None:
+                raise NotFoundError(f"no node {name} in cluster {cid}: it joins first")
+        return {"cluster_id": cid, "name": name, "approved": True, "was_pending": bool(n)}
+
+    def _refuse_pending(self, conn: Any, cluster_id: str, node: str) -> None:
+        approved = conn.execute(select(nodes.c.approved).where(
+            nodes.c.cluster_id == cluster_id, nodes.c.name == node)).scalar()
+        if approved is False:
+            raise ConflictError(f"node {node} of cluster {cluster_id} is pending: it joined "
+                                "and waits for an admin's approval before it takes commands "
+                                f"(`stasis controlplane nodes approve {node} --cluster "
+                                f"{cluster_id}`, once you know it is yours)")
 
     def reset_node(self, by: Principal, name: str, cluster: str | None = None
                    ) -> dict[str, Any]:
@@ -495,8 +541,8 @@ class Registry:
             d["problems"] = json.loads(d["problems"])
             d.pop("job_list", None)
             age = now - d["last_heartbeat"]
-            d["state"] = "lost" if age > lost_after_s else \
-                ("ready" if d["check_ok"] else "not-ready")
+            d["state"] = "pending" if not d["approved"] else "lost" if age > lost_after_s \
+                else ("ready" if d["check_ok"] else "not-ready")
             d["last_heartbeat_age_s"] = round(age, 1)
             out.append(d)
         return out
@@ -633,6 +679,7 @@ class Registry:
                "args": json.dumps(args), "state": "queued", "attempts": 0,
                "lease_until": None, "result": None, "created": _stamp(), "finished": None}
         with self.engine.begin() as conn:
+            self._refuse_pending(conn, cluster_id, node)
             conn.execute(insert(commands).values(**row))
         return self._command(row)
 
@@ -657,6 +704,9 @@ class Registry:
                   if n["cluster_id"] == src["cluster_id"] and n["name"] == to]
         if not target:
             raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
+        if target[0]["state"] == "pending":
+            with self.engine.begin() as conn:
+                self._refuse_pending(conn, src["cluster_id"], to)
         return self.queue(by, "checkpoint", job, {"leave_running": False,
                                                   "then_restore_on": to,
                                                   "reason": f"migration to {to}",
@@ -725,6 +775,10 @@ class Registry:
         free = (commands.c.state == "queued") | (
             (commands.c.state == "leased") & (commands.c.lease_until < now))
         with self.engine.begin() as conn:
+            if conn.execute(select(nodes.c.approved).where(
+                    nodes.c.cluster_id == by.cluster_id, nodes.c.name == node)
+                    ).scalar() is False:
+                return None  # pending: nothing for it until an admin approves it
             for _ in range(5):  # another leaser may win a row between select and update
                 row = conn.execute(select(commands.c.id).where(
                     commands.c.cluster_id == by.cluster_id, commands.c.node == node, free)
@@ -805,6 +859,8 @@ class Registry:
                 # The second half of a migration: the restore, on the target node, of the
                 # checkpoint this command took, bound to the job, label and owner it was for.
                 ckpt = str(result["checkpoint"])
+                # (its target made pending meanwhile: queued all the same, it waits in the
+                # queue, never leased, until an admin approves that node)
                 if not re.fullmatch(CHECKPOINT_ID, ckpt):
                     raise UsageError(f"bad checkpoint id {ckpt[:64]!r} in the result")
                 nid = "cmd_" + secrets.token_hex(8)

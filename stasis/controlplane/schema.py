@@ -16,6 +16,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    true,
 )
 
 metadata = MetaData()
@@ -26,6 +27,10 @@ clusters = Table(
     Column("name", String(200), nullable=False, unique=True),
     Column("kind", String(20), nullable=False),  # slurm | kubernetes
     Column("created", String(40), nullable=False),
+    # A node joined with the cluster's token waits for an admin's approval (`nodes approve`)
+    # before it is given commands or chosen as a target: a stolen cluster token joins no node
+    # that work is sent to.
+    Column("approve_joins", Boolean, nullable=False, server_default=false()),
 )
 
 # A token is shown once; only its SHA-256 is kept (tokens are 256 random bits: no salt or slow
@@ -58,6 +63,8 @@ nodes = Table(
     Column("mem_total_bytes", BigInteger, nullable=True),  # its memory (for memory triggers)
     Column("scheduler_state", String(60), nullable=True),  # Slurm's: IDLE, MIXED+DRAIN, ...
     Column("lost_since", Integer, nullable=True),  # when it was found silent (an event)
+    # False: joined in a cluster that approves joins, and not approved yet (state "pending").
+    Column("approved", Boolean, nullable=False, server_default=true()),
 )
 
 # Commands for a node, carried out once: a node leases the next one (for `lease_s`), does it,

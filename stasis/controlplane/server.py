@@ -98,6 +98,8 @@ class NewCluster(_Model):
     name: str = Field(max_length=100)
     kind: Literal["slurm", "kubernetes"]
     expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
+    # Its nodes wait for an admin's approval once joined (stasis.controlplane.registry).
+    approve_joins: bool = False
 
 
 class Rotation(_Model):
@@ -311,7 +313,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         _principal(request).admin_only()
         body = await _body(request, NewCluster)
         return web.json_response(await run(registry.add_cluster, body.name, body.kind,
-                                            body.expires_in_s), status=201)
+                                            body.expires_in_s, body.approve_joins),
+                                 status=201)
 
     async def list_clusters(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
@@ -382,6 +385,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who.admin_only()
         body = await _body(request, NodeReset)
         return web.json_response(await run(registry.reset_node, who,
+                                            request.match_info["name"], body.cluster))
+
+    async def approve_node(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        body = await _body(request, NodeReset)
+        return web.json_response(await run(registry.approve_node, who,
                                             request.match_info["name"], body.cluster))
 
     async def add_policy(request: web.Request) -> web.StreamResponse:
@@ -530,6 +540,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.post("/api/v1/nodes/register", register),
         web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
         web.post("/api/v1/nodes/{name}/reset", reset_node),
+        web.post("/api/v1/nodes/{name}/approve", approve_node),
         web.get("/api/v1/nodes", list_nodes),
         web.get("/api/v1/jobs", list_jobs),
         web.post("/api/v1/commands", new_command),

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import wait_for
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.fakenode import FakeNode
 
@@ -242,3 +243,80 @@ def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
             "done", 2, "20261206T000000Z-000002")
     finally:
         cp.stop()
+
+
+def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until_approved(
+        controlplane: ControlPlane) -> None:
+    """A cluster added with --approve-joins: a node joined with its (stolen) token is pending:
+    it may heartbeat, but is no migration, drain or policy target and leases no command, until
+    an admin approves it; then it is one like the others."""
+    from tests.controlplane.test_dashboard import Browserless
+
+    cp = controlplane
+    hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm", "--approve-joins")
+    assert hpc["approve_joins"] is True
+    a, b = FakeNode(cp, hpc, "node-a"), FakeNode(cp, hpc, "node-b")
+    for n in (a, b):
+        n.register()
+        assert cp.json("nodes", "approve", n.name)["was_pending"] is True
+    a.heartbeat([{"job": "j1"}, {"job": "j2"}])
+    b.heartbeat([])
+
+    # The thief joins a node of its own with the stolen cluster token.
+    evil = FakeNode(cp, hpc, "node-evil")
+    evil.register()
+    assert evil.token.startswith("stasis_node_")
+    evil.heartbeat([{"job": "j-evil"}])  # it may report
+    listed = {n["name"]: n for n in cp.json("nodes")}
+    assert (listed["node-evil"]["state"], listed["node-evil"]["approved"]) == ("pending", False)
+    assert events_of(cp, "node-pending")[-1]["node"] == "node-evil"
+
+    # No migration to it, no command for it.
+    status, said = cp.call("POST", "/api/v1/migrations", cp.admin, {"job": "j1",
+                                                                     "to": "node-evil"})
+    assert status == 409 and said["error"].startswith(
+        f"node node-evil of cluster {hpc['cluster_id']} is pending: it joined and waits for "
+        "an admin's approval") and "\n" not in said["error"], said
+    status, said = cp.call("POST", "/api/v1/commands", cp.admin,
+                           {"kind": "checkpoint", "job": "j-evil"})
+    assert status == 409 and "is pending" in said["error"], said
+    # A drain of node-a and a migrate policy send its jobs to node-b only.
+    cp.json("policies", "add", "move", "--every", "1", "--action", "migrate", "--node", "node-a")
+    wait_for(lambda: len([c for c in cp.json("actions") if c["args"].get("policy") == "move"])
+             >= 2, 20, "the policy to migrate a's jobs")
+    drained = cp.call("POST", "/api/v1/nodes/node-a/drain", cp.admin, {})[1]
+    targets = {c["args"].get("then_restore_on") for c in cp.json("actions")} - {None}
+    assert targets == {"node-b"}, (targets, drained)
+    cp.json("policies", "rm", "move")
+    assert evil.lease() is None  # nothing leased to it
+    assert not [c for c in cp.json("actions") if c["node"] == "node-evil"]
+
+    # The dashboard shows it pending, with what approves it.
+    web = Browserless(cp)
+    web.login(cp.admin)
+    page = web.call("GET", "/ui/")[2]
+    assert "pending: <code>stasis controlplane nodes approve node-evil --cluster hpc</code>" \
+        in page, page
+    assert "approved by an admin" in page
+
+    # Approved: a target like the others.
+    assert cp.json("nodes", "approve", "node-evil", "--cluster", "hpc")["was_pending"] is True
+    status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
+                          {"kind": "checkpoint", "job": "j-evil"})
+    assert status == 201, cmd
+    got = evil.lease()
+    assert got is not None and got["id"] == cmd["id"]
+    status, moved = cp.call("POST", "/api/v1/migrations", cp.admin, {"job": "j-evil",
+                                                                      "to": "node-b"})
+    assert status == 201, moved
+    assert {n["name"]: n["state"] for n in cp.json("nodes")}["node-evil"] == "ready"
+
+
+def test_without_approve_joins_nodes_are_approved_at_join(controlplane: ControlPlane) -> None:
+    cp = controlplane
+    hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    assert hpc["approve_joins"] is False
+    n = FakeNode(cp, hpc, "node-a")
+    n.register()
+    (listed,) = cp.json("nodes")
+    assert (listed["state"], listed["approved"]) == ("ready", True)
