@@ -90,6 +90,22 @@ def add_controlplane(commands: Any) -> None:
                                               f"/api/v1/clusters/{_seg(a.cluster_id)}/rotate",
                                               {"expires_in_s": a.expires_in}, _said_cluster))
 
+    p = clusters.add_parser("set", help="Change a cluster's settings (the nodes joined "
+                                        "already keep their approval).")
+    p.add_argument("cluster", metavar="CLUSTER", help="Its id or name.")
+    joins = p.add_mutually_exclusive_group(required=True)
+    joins.add_argument("--approve-joins", dest="approve_joins", action="store_const",
+                       const=True, help="Nodes that join wait for `nodes approve`.")
+    joins.add_argument("--no-approve-joins", dest="approve_joins", action="store_const",
+                       const=False, help="Nodes that join are approved at once.")
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(
+        a, s, "POST", f"/api/v1/clusters/{_seg(a.cluster)}/settings",
+        {"approve_joins": a.approve_joins},
+        lambda d: output.say(f"cluster {d['cluster_id']}: nodes that join " + (
+            "wait for an admin's approval" if d["approve_joins"] else
+            "are approved at once"))))
+
     toks = subcommands(sub.add_parser("tokens", help="Tokens (never shown again: ids only)."))
     p = toks.add_parser("list")
     add_json(p)

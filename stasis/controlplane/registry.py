@@ -263,6 +263,18 @@ class Registry:
         return {"cluster_id": cid, "name": name, "kind": kind, "token_id": tid, "token": token,
                 "expires": _expiry(expires_in_s), "approve_joins": approve_joins}
 
+    def set_approve_joins(self, by: Principal, cluster: str, on: bool) -> dict[str, Any]:
+        """Whether nodes joining cluster `cluster` (id or name) wait for an admin's approval;
+        the nodes joined already keep theirs."""
+        by.admin_only()
+        cid = self._cluster_id(cluster)
+        with self.engine.begin() as conn:
+            conn.execute(update(clusters).where(clusters.c.id == cid).values(approve_joins=on))
+            self._event(conn, cid, None, "cluster-settings",
+                        "nodes that join wait for an admin's approval" if on else
+                        "nodes that join are approved at once")
+        return {"cluster_id": cid, "approve_joins": on}
+
     def cluster(self, cluster_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:
             row = conn.execute(select(clusters).where(clusters.c.id == cluster_id)

@@ -102,6 +102,10 @@ class NewCluster(_Model):
     approve_joins: bool = False
 
 
+class ClusterSettings(_Model):
+    approve_joins: bool
+
+
 class Rotation(_Model):
     expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
 
@@ -320,6 +324,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         _principal(request).admin_only()
         return web.json_response(await run(registry.list_clusters))
 
+    async def cluster_settings(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        body = await _body(request, ClusterSettings)
+        return web.json_response(await run(registry.set_approve_joins, who,
+                                            request.match_info["id"], body.approve_joins))
+
     async def rotate(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
         body = await _body(request, Rotation)
@@ -535,6 +546,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.post("/api/v1/clusters", add_cluster),
         web.get("/api/v1/clusters", list_clusters),
         web.post("/api/v1/clusters/{id}/rotate", rotate),
+        web.post("/api/v1/clusters/{id}/settings", cluster_settings),
         web.get("/api/v1/tokens", list_tokens),
         web.post("/api/v1/tokens/{id}/revoke", revoke),
         web.post("/api/v1/nodes/register", register),

@@ -320,3 +320,10 @@ def test_without_approve_joins_nodes_are_approved_at_join(controlplane: ControlP
     n.register()
     (listed,) = cp.json("nodes")
     assert (listed["state"], listed["approved"]) == ("ready", True)
+    # Switched on later: the next node to join waits; node-a keeps its approval.
+    assert cp.json("clusters", "set", "hpc", "--approve-joins")["approve_joins"] is True
+    FakeNode(cp, hpc, "node-b").register()
+    assert {x["name"]: x["state"] for x in cp.json("nodes")} == {"node-a": "ready",
+                                                                "node-b": "pending"}
+    r = cp.cli("clusters", "set", "hpc", "--approve-joins", token=hpc["token"])
+    assert r.returncode != 0 and "this needs the admin token" in r.stderr, r.stderr
