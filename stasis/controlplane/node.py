@@ -133,6 +133,7 @@ class ControlPlaneNode(Integration):
         self._beats = 0
         self._registered = False
         self._failing: str | None = None
+        self._pending_said = False
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
         # The command under way and its lease id (the lease is renewed with it).
@@ -214,6 +215,13 @@ class ControlPlaneNode(Integration):
             self.client.token = token
             log.info("got this node's own credential from the control plane (kept in %s)",
                      self._credential_path)
+        pending = isinstance(joined, dict) and joined.get("approved") is False
+        if pending and not self._pending_said:
+            # said once while it stays pending: it heartbeats, but leases no command
+            log.warning("joined the control plane, pending: an admin approves this node "
+                        "(`stasis controlplane nodes approve %s`) before it is given commands",
+                        self.manager.settings.node)
+        self._pending_said = pending
 
     def prepare(self) -> None:
         if self.client is not None:

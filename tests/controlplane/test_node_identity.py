@@ -327,3 +327,42 @@ def test_without_approve_joins_nodes_are_approved_at_join(controlplane: ControlP
                                                                 "node-b": "pending"}
     r = cp.cli("clusters", "set", "hpc", "--approve-joins", token=hpc["token"])
     assert r.returncode != 0 and "this needs the admin token" in r.stderr, r.stderr
+
+
+def test_a_real_node_pending_approval_says_so_and_takes_commands_once_approved(
+        world_tmp: Path) -> None:
+    from tests.conftest import new_daemon, workload
+    from tests.controlplane.test_node import node_env
+
+    root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
+    cp = ControlPlane(root, str(root / "cp.db"))
+    cp.start()
+    hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm", "--approve-joins")
+    d = new_daemon(world_tmp, "node-p", env=node_env(cp, hpc, "node-p"))
+    d.start()
+    try:
+        job = d.run(*workload("counter.py"), label="c")["job"]
+        wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "its job reported")
+        assert {n["name"]: n["state"] for n in cp.json("nodes")} == {"node-p": "pending"}
+        log = d.root / "daemon.log"
+        assert log.read_text().count("joined the control plane, pending: an admin approves "
+                                     "this node (`stasis controlplane nodes approve "
+                                     "node-p`)") == 1
+        status, said = cp.call("POST", "/api/v1/commands", cp.admin,
+                               {"kind": "checkpoint", "job": job})
+        assert status == 409 and "is pending" in said["error"], said
+        cp.json("nodes", "approve", "node-p")
+        status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
+                              {"kind": "checkpoint", "job": job})
+        assert status == 201, cmd
+
+        def done() -> bool:
+            c = cp.call("GET", f"/api/v1/commands/{cmd['id']}", cp.admin)[1]
+            return bool(c["state"] == "done")
+
+        wait_for(done, 30, "the checkpoint once approved")
+        assert len(d.json("checkpoints")) == 1
+    finally:
+        d.kill_all()
+        d.stop()
+        cp.stop()
