@@ -34,8 +34,10 @@ def scontrol(*args: str) -> str:
 
 def _tool(tool: str, *args: str) -> str:
     try:
+        # errors="replace": a job's name may be any bytes; Slurm prints them as they are.
         result = subprocess.run([tool, *args], capture_output=True, text=True,
-                                timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                                errors="replace", timeout=_TIMEOUT_S,
+                                stdin=subprocess.DEVNULL)
     except FileNotFoundError as e:
         raise SlurmError(f"{tool} is not installed on this node") from e
     except subprocess.TimeoutExpired as e:
@@ -70,30 +72,38 @@ def parse_job_record(text: str) -> dict[str, str]:
     name is always followed by UserId (after HetJobIdSet in a heterogeneous job; see
     slurm_sprint_job_info): a name holding ` Key=` therefore makes the key after JobName another
     one, or repeats UserId, and a key written into a later value repeats that key when the job has
-    it. Such a record is refused whole, never read in part. A key the job does not have (BatchHost
+    it; a line break in a value could start a whole forged record, so the record must be one
+    line. Such a record is refused whole, never read in part. A key the job does not have (BatchHost
     while pending) may still be forged in a later value: no identity is taken from this record
     (the daemon takes the kernel's), and what is (paths, token) is only ever used with the
     job owner's rights and among the owner's checkpoints."""
-    record = text.split("\n", 1)[0].strip()  # only the first record (an array prints several)
+    record = text.strip()
     found = list(_KEY.finditer(record))
     keys = [m.group(1) for m in found]
     job = keys[0] if keys and keys[0] == "JobId" else None
     what = f"scontrol's record of job {_value(record, found, 0)}" if job else "scontrol's record"
+    if "\n" in record:
+        # A name may hold a line break and a whole record after it; an array's first task
+        # prints a line per task: neither can be told apart from the other, both are refused.
+        raise SlurmError(f"{what} spans more than one line (a line break in its name, comment "
+                         "or a path, or the first task of an array): the job is refused "
+                         "(resubmit it with a name and paths without line breaks)")
     repeated = sorted({k[:40] for k in keys if keys.count(k) > 1})[:3]
     if repeated:
         raise SlurmError(f"{what} holds {', '.join(repeated)} twice: a value (its name, comment "
                          "or a path) writes keys of its own; the job is refused (resubmit it "
                          "with a name and paths without ' Key=')")
-    if "JobName" in keys:
-        at = keys.index("JobName")
-        after = keys[at + 1:at + 3]
-        # Only a heterogeneous job's record (HetJobId, before the name) has HetJobIdSet.
-        het = "HetJobId" in keys[:at] and after == ["HetJobIdSet", "UserId"]
-        if after[:1] != ["UserId"] and not het:
-            raise SlurmError(f"{what}: its name is followed by "
-                             f"{after[0][:40] if after else 'nothing'}"
-                             ", not UserId: the name writes keys of its own; the job is refused "
-                             "(resubmit it with a name without ' Key=' or line breaks)")
+    if "JobName" not in keys:
+        raise SlurmError(f"{what} has no JobName: not a job's record as Slurm prints it")
+    at = keys.index("JobName")
+    after = keys[at + 1:at + 3]
+    # Only a heterogeneous job's record (HetJobId, before the name) has HetJobIdSet.
+    het = "HetJobId" in keys[:at] and after == ["HetJobIdSet", "UserId"]
+    if after[:1] != ["UserId"] and not het:
+        raise SlurmError(f"{what}: its name is followed by "
+                         f"{after[0][:40] if after else 'nothing'}"
+                         ", not UserId: the name writes keys of its own; the job is refused "
+                         "(resubmit it with a name without ' Key=' or line breaks)")
     return {m.group(1): _value(record, found, i) for i, m in enumerate(found)}
 
 

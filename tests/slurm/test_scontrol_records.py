@@ -34,6 +34,8 @@ FORGERIES = [
     "x UserId=root(0)", "x\tUserId=root(0)", "x\nUserId=root(0)", "x\rUserId=root(0)",
     "x StdOut=/etc/shadow", "x AdminComment=stasis-token=abc", "x BatchHost=n9",
     "x HetJobIdSet=1 UserId=root(0)", "x JobId=8", " UserId=root(0) GroupId=root(0)",
+    # A whole record in the name, the real one's rest made to look like a second record.
+    "x UserId=root(1001) StdOut=/etc/shadow\nJobId=8 JobName=y",
 ]
 
 
