@@ -8,6 +8,7 @@ import os
 import pwd
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,7 +31,11 @@ def long_argv() -> Iterator[subprocess.Popen[bytes]]:
 def test_a_long_command_line_is_read_up_to_the_cap(long_argv: subprocess.Popen[bytes]) -> None:
     full = len(b"".join(a.encode() + b"\0" for a in long_argv.args))  # type: ignore[union-attr]
     assert full > 4 * registrations._PROC_READ_MAX
-    data = registrations._read_proc(long_argv.pid, "cmdline")
+    deadline = time.monotonic() + 10
+    data = b""
+    while len(data) < registrations._PROC_READ_MAX and time.monotonic() < deadline:
+        time.sleep(0.02)  # until its execve is done (before, the parent's command line)
+        data = registrations._read_proc(long_argv.pid, "cmdline")
     assert len(data) == registrations._PROC_READ_MAX
     assert data.startswith(sys.executable.encode() + b"\0-c\0")
 
