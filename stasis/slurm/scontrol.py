@@ -83,11 +83,11 @@ def parse_job_record(text: str) -> dict[str, str]:
     job = keys[0] if keys and keys[0] == "JobId" else None
     what = f"scontrol's record of job {_value(record, found, 0)}" if job else "scontrol's record"
     if "\n" in record:
-        # A name may hold a line break and a whole record after it; an array's first task
-        # prints a line per task: neither can be told apart from the other, both are refused.
+        # A name may hold a line break and a whole record after it (job_info asks for an
+        # array's task alone, so that a line per task never comes here).
         raise SlurmError(f"{what} spans more than one line (a line break in its name, comment "
-                         "or a path, or the first task of an array): the job is refused "
-                         "(resubmit it with a name and paths without line breaks)")
+                         "or a path): the job is refused (resubmit it with a name and paths "
+                         "without line breaks)")
     repeated = sorted({k[:40] for k in keys if keys.count(k) > 1})[:3]
     if repeated:
         raise SlurmError(f"{what} holds {', '.join(repeated)} twice: a value (its name, comment "
@@ -132,6 +132,12 @@ def job_info(job_id: str) -> JobInfo:
     validate_slurm_job_id(job_id)
     try:
         text = scontrol("show", "job", "-o", job_id)
+        if "\n" in text.strip():
+            # The task of an array whose job id is the array's own: scontrol prints every task
+            # of the array. That task alone, by ARRAY_TASK (one line, or refused below).
+            task = _array_task(job_id)
+            if task is not None:
+                text = scontrol("show", "job", "-o", task)
     except SlurmJobNotFoundError:
         raise SlurmJobNotFoundError(f"no Slurm job {job_id}") from None
     fields = parse_job_record(text)
@@ -151,6 +157,18 @@ def job_info(job_id: str) -> JobInfo:
         partition=fields.get("Partition", ""),
         batch_host=fields.get("BatchHost", "") if fields.get("BatchHost") != "(null)" else "",
     )
+
+
+def _array_task(job_id: str) -> str | None:
+    """`ARRAY_TASK` of the array task whose job id is `job_id`, or None when it is none. From
+    squeue's numeric fields only (job id, array job id, task id): no user writes those."""
+    for line in _tool("squeue", "-h", "-r", "-t", "all", "-j", job_id,
+                      "-o", "%A %F %K").splitlines():
+        fields = line.split()
+        if (len(fields) == 3 and fields[0] == job_id and _JOB_ID.match(fields[1])
+                and _JOB_ID.match(fields[2])):
+            return f"{fields[1]}_{fields[2]}"
+    return None
 
 
 def job_of_pid(pid: int) -> str | None:

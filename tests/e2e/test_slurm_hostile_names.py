@@ -67,3 +67,30 @@ def test_a_job_named_with_forged_keys_is_refused_and_runs_as_itself(cluster: Clu
     assert cluster.checkpoints(label) == []
     everything = cluster.checkpoints() + cluster.checkpoints(user=TEST_USER)
     assert not [c for c in everything if c.get("job") == job or c.get("label") == label]
+
+
+def test_every_task_of_an_opted_in_array_is_protected(cluster: Cluster) -> None:
+    """scontrol prints every task of an array for the task whose job id is the array's own:
+    that task is read alone (as ARRAY_TASK, from squeue's numeric fields), not refused as a
+    record with a line break in it."""
+    label = f"array-{secrets.token_hex(3)}"
+    script = cluster.script(
+        "array", f"exec python3 -u {cluster.work}/counter.py 60 0.5 0",
+        f"--output={cluster.work}/array-%A_%a.out", "--array=0-1",
+        f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}")
+    array = cluster.sbatch(script, user=TEST_USER)
+    outs = [cluster.work / f"array-{array}_{task}.out" for task in (0, 1)]
+    until(lambda: all(o.exists() and "\n3\n" in o.read_text() for o in outs), 90,
+          f"both tasks of array {array} counting")
+    tasks = dict(line.split() for line in cluster.run(
+        "squeue", "-h", "-r", "-j", array, "-o", "%A %K").stdout.splitlines())
+    assert array in tasks, tasks  # the task that has the array's own job id
+    for job in tasks:
+        dump = cluster.stasis("dump", "--slurm-job", job, "--leave-running", user=TEST_USER,
+                              check=False)
+        assert dump.returncode == 0, dump.stderr
+    taken = {c["job"] for c in cluster.checkpoints(label, user=TEST_USER)}
+    assert len(taken) == 2, taken
+    for out in outs:
+        assert "WITHOUT checkpoint protection" not in out.read_text()
+    cluster.run("scancel", array)
