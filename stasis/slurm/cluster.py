@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -183,10 +184,36 @@ def node_names(count: int) -> list[str]:
     return [f"n{i + 1}" for i in range(count)]
 
 
+_TAKEN: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, below the kernel's ephemeral range: one the kernel handed out
+    for port 0 is free again the moment it is closed, and the next service or connection that
+    asks for port 0 (a test's S3 server, a client) may get it before slurmctld binds it (seen:
+    slurmctld "Address already in use", slurmd talking to someone else's server)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = secrets.randbelow(low - 10000) + 10000
+        if port in _TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
+    raise SlurmError(f"local cluster: no free port found between 10000 and {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return low if low > 11000 else 32768
 
 
 def _q(value: str) -> str:
