@@ -60,11 +60,16 @@ def test_bytearrays_and_views_are_copied_in() -> None:
     r, w = os.pipe()
     writer = PipeWriter(w)
     data = bytearray(os.urandom(10000))
+    expected = bytes(data[100:200]) + bytes(data[:5])
     writer.write(memoryview(data)[100:200])
     writer.write(data[:5])
+    data[:] = bytes(len(data))  # what the pipe was given must not change with the caller's
+    got = b""
+    while len(got) < 105:  # read before drain(): it waits for the reader (up to 60 s)
+        got += os.read(r, 1000)
     writer.drain()
     os.close(w)
-    assert os.read(r, 1000) == bytes(data[100:200]) + bytes(data[:5])
+    assert got == expected
     os.close(r)
 
 
