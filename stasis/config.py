@@ -154,6 +154,7 @@ _ENV_KEYS = {
     "STASIS_SLURM_REMOTE_ADDRESS": "slurm_remote_address",
     "SLURM_CONF": "slurm_conf",  # Slurm's own variable: which cluster scontrol talks to
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
+    "STASIS_TEST_FAULT_POINTS": "test_fault_points",
     "STASIS_KEEP_MAX_AGE_S": "keep_max_age_s",
     "STASIS_ENCRYPT": "encrypt",
     "STASIS_ENCRYPTION_KEY_FILE": "encryption_key_file",
@@ -224,6 +225,8 @@ class Settings(NamedTuple):
     old_encryption_key_files: tuple[str, ...] = ()
     # Tests only: see STASIS_TEST_PAGE_DELAY_MS.
     test_page_delay_ms: int = 0
+    # Tests only: where this process SIGKILLs itself (stasis/faults.py).
+    test_fault_points: tuple[str, ...] = ()
     keep_max_age_s: int = 0
     # Containers (stasis/k8s): the real runc, and the part of a pod's grace period (30 s by
     # default) a checkpoint at the container's stop may use.

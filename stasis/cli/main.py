@@ -490,7 +490,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
         first = argv[0] if argv else ""
         args = parser(first if first in COMMANDS else None).parse_args(argv)
         handler: Handler = args.handler
-        handler(args, load_settings())
+        settings = load_settings()
+        if settings.test_fault_points:
+            from stasis import faults
+
+            faults.arm(settings.test_fault_points)
+        handler(args, settings)
     except StasisError as e:
         output.fail(str(e))
         sys.exit(e.exit_code)
