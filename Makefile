@@ -64,7 +64,7 @@ lint: install
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=40 tests
 
 demo: install
 	$(BIN)/python -m stasis.demo
