@@ -122,6 +122,7 @@ class Dumper:
             id=checkpoint_id, label=label, job=row.id, host=self.core.hostname,
             created=created, criu_version=self.criu_version(criu), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
+            parent=row.checkpoint,
             extra={"work_s": self.core.work.at(row.id, row.created, created)},
         )
         what = f"job {job_id}"

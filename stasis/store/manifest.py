@@ -108,6 +108,18 @@ def _to_utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
+# The highest sequence number: 11 digits in an index entry's name (index.py).
+MAX_SEQ = 10**11 - 1
+
+
+def order_key(info: CheckpointInfo) -> tuple[int, datetime, str]:
+    """Sorts a series' checkpoints oldest first, without trusting any clock where it can: by
+    sequence number (a child's is above its parent's, a later publish's above what it listed),
+    then by the dumping node's clock between two published at once, then by id. Manifests from
+    before sequence numbers come first (0), among themselves by their clocks as before."""
+    return (info.seq or 0, info.created, info.id)
+
+
 class Chunks(BaseModel):
     """How one stored file is cut: chunks of `size_bytes` plain bytes (the last one shorter),
     each compressed and sealed on its own, stored one after another. What a reader needs to
@@ -297,7 +309,14 @@ class CheckpointInfo(BaseModel):
     uid: int
     gid: int
     log_path: str | None = None
-    extra: dict[str, Any] = {}  # room for later: parent checkpoint, gpu, slurm job id...
+    extra: dict[str, Any] = {}  # room for later: gpu, slurm job id...
+    # The checkpoint this one's job was restored from (None: a first run, or a manifest written
+    # before stasis recorded it). A checkpoint is newer than its parent whatever the clocks of
+    # the nodes that dumped them say (`order_key`).
+    parent: str | None = Field(default=None, pattern=ID_PATTERN)
+    # Place in its (owner, label) series, assigned by `Store.publish` (above the parent's and
+    # above every one it listed); None before stasis numbered them. Signed like the rest.
+    seq: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     # None in manifests written before stasis recorded them: those restore unchecked.
     restore_facts: RecordedFacts | None = None
 
