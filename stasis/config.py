@@ -148,6 +148,7 @@ _ENV_KEYS = {
     "STASIS_MAX_CONNECTIONS_PER_UID": "max_connections_per_uid",
     "STASIS_KILL_TIMEOUT_S": "kill_timeout_s",
     "STASIS_NETLOCK_TIMEOUT_S": "netlock_timeout_s",
+    "STASIS_DB_BUSY_TIMEOUT_S": "db_busy_timeout_s",
     "STASIS_NODE_NAME": "node_name",
     "STASIS_SLURM_NODE_NAME": "slurm_node_name",
     "STASIS_SLURM_REMOTE_PORT": "slurm_remote_port",
@@ -209,6 +210,9 @@ class Settings(NamedTuple):
     # A peer's TCP gives up on a silent connection after ~15 minutes (Linux: tcp_retries2=15);
     # a lock held longer only keeps that address/port pair blocked.
     netlock_timeout_s: int = 900
+    # How long a write to the daemon's job database waits for another process's lock before
+    # the daemon falls back (a dump still ends its job; the record is retried).
+    db_busy_timeout_s: float = 5.0
     node_name: str = ""  # "" = the host name (`Settings.node`)
     slurm_node_name: str = ""  # this node's NodeName in slurm.conf; "" = the short host name
     slurm_conf: str = ""  # "" = Slurm's default, /etc/slurm/slurm.conf
