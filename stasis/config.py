@@ -43,6 +43,9 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          (munge-authenticated), and the CLI sends them to; one port cluster-wide;
                          0 = off  (0; 6821, beside Slurm's own 6817-6819, is the suggested one)
     STASIS_SLURM_REMOTE_ADDRESS  the address that listener binds  ("": every address)
+    STASIS_STORE_WAIT_S  seconds a starting Slurm job waits for the store or the node daemon
+                         when it cannot tell whether it has a checkpoint; then it is requeued
+                         held, never started from the beginning  (300)
     STASIS_NETLOCK_TIMEOUT_S  seconds this node keeps CRIU's network lock (the firewall rules
                          that hold a stopped job's TCP peers waiting) for a checkpoint that is
                          neither restored nor deleted; 0 = until then  (900)
@@ -153,6 +156,7 @@ _ENV_KEYS = {
     "STASIS_SLURM_NODE_NAME": "slurm_node_name",
     "STASIS_SLURM_REMOTE_PORT": "slurm_remote_port",
     "STASIS_SLURM_REMOTE_ADDRESS": "slurm_remote_address",
+    "STASIS_STORE_WAIT_S": "store_wait_s",
     "SLURM_CONF": "slurm_conf",  # Slurm's own variable: which cluster scontrol talks to
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_TEST_FAULT_POINTS": "test_fault_points",
@@ -221,6 +225,8 @@ class Settings(NamedTuple):
     # laptop, the test suite's many daemons) must not open one.
     slurm_remote_port: int = 0
     slurm_remote_address: str = ""
+    # "Cannot tell" is never "no checkpoint": how long a starting job waits it out (issue 28).
+    store_wait_s: int = 300
     # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
     # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
     # and `stasis checkpoints rekey`.
