@@ -219,9 +219,11 @@ class Client:
         return cast("wire.SlurmCheckpointAnswer", self.request(
             "POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint", request))
 
-    def slurm_finish(self, slurm_job: str, exit_code: int) -> wire.FinishAnswer:
+    def slurm_finish(self, slurm_job: str, exit_code: int | None,
+                     stopped: bool = False) -> wire.FinishAnswer:
         return cast("wire.FinishAnswer", self.request(
-            "POST", f"/slurm/jobs/{_seg(slurm_job)}/finish", {"exit_code": exit_code}))
+            "POST", f"/slurm/jobs/{_seg(slurm_job)}/finish",
+            {"exit_code": exit_code, "stopped": stopped}))
 
 
 def _seg(value: str) -> str:

@@ -34,7 +34,7 @@ An error, on any route, is {"error": {"type": <a StasisError class>, "message": 
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 JobState = Literal["running", "restored", "checkpointed", "exited", "failed"]
 # What a dump is asked to do with its images; "auto" compresses only memory that shrinks.
@@ -301,8 +301,14 @@ class Registration(TypedDict):
     stderr: str
     work_dir: str
     command: list[str]
-    state: str  # running | checkpointed | requeue-failed
+    state: str  # running | stopping | checkpointed | requeued | requeue-failed
     registered: str
+    # Issue 28: what a stop asked for this run, so that its end retires nothing unless it was a
+    # genuine success, and a daemon that died mid-stop finishes it (absent: an older daemon).
+    stop_asked: NotRequired[bool]  # a stop (preemption, time limit, dump) was asked
+    final_failed: NotRequired[bool]  # ...and its checkpoint failed
+    stop_checkpoint: NotRequired[str | None]  # the checkpoint that stop is taking
+    restarts: NotRequired[int]  # Slurm's Restarts of the job when this run registered
 
 
 class SlurmCheckpointRequest(TypedDict, total=False):
@@ -322,8 +328,9 @@ class SlurmCheckpointAnswer(TypedDict):
     slurm_requeues: bool
 
 
-class FinishRequest(TypedDict):
-    exit_code: int
+class FinishRequest(TypedDict, total=False):
+    exit_code: int | None  # None (or absent): the launcher could not tell: not a success
+    stopped: bool  # the launcher was warned or signalled (preemption, time limit, scancel)
 
 
 class FinishAnswer(TypedDict):

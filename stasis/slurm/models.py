@@ -27,4 +27,6 @@ class CheckpointRequest(_Model):
 
 
 class FinishRequest(_Model):
-    exit_code: int
+    # Absent or null: the launcher could not tell how the workload ended; not a success.
+    exit_code: int | None = None
+    stopped: bool = False  # the launcher was warned or signalled (preemption, time limit, ...)
