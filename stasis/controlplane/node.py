@@ -59,12 +59,19 @@ from sqlalchemy import (
     update,
 )
 
+from stasis import faults
 from stasis.controlplane.client import ControlPlaneClient, Unauthorized
 from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
-from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
+from stasis.errors import (
+    NotFoundError,
+    PermissionDeniedError,
+    StasisError,
+    StoreError,
+    UsageError,
+)
 
 log = logging.getLogger("stasis.daemon")
 _ROOT = Caller(pid=0, uid=0, gid=0)
@@ -108,7 +115,21 @@ restored_table = Table(
     Column("at", Integer, nullable=False),
 )
 _RESTORED_MAX = 100_000
+
+# The intent of each command this node began carrying out, written before it acts and gone
+# with the command's record in controlplane_done: a command leased again after this daemon
+# died carrying it out is answered from what was done (the checkpoint already taken, the job
+# already restored) instead of being done again (a stopped job checkpointed twice fails "not
+# running", a migration restored twice runs twice).
+intent_table = Table(
+    "controlplane_intent", MetaData(),
+    Column("command_id", String(40), primary_key=True),
+    Column("kind", String(40), nullable=False),
+    Column("job", String(100), nullable=False),  # the job (checkpoint) or migration (restore)
+    Column("at", Float, nullable=False),  # time.time() before acting, this node's own clock
+)
 _WATERMARK = "(forgotten before)"
+_ALTERNATES = 3  # nodes beside the target a migration's checkpoint half seals for
 
 
 class ControlPlaneNode(Integration):
@@ -143,7 +164,7 @@ class ControlPlaneNode(Integration):
         self._closing = False
 
     def tables(self) -> Sequence[Table]:
-        return [done_table, outbox_table, restored_table]
+        return [done_table, outbox_table, restored_table, intent_table]
 
     # -- the node's own credential ----------------------------------------------------------
 
@@ -415,22 +436,44 @@ class ControlPlaneNode(Integration):
         args = cmd["args"]
         reason = str(args.get("reason") or (f"policy {args['policy']}"
                                             if args.get("policy") else "control plane"))[:60]
+        began = self._intend(cmd)
+        faults.point("cp.after-lease")
         if cmd["kind"] == "checkpoint":
             job, leave = str(args["job"]), bool(args.get("leave_running", True))
             kind = str(args.get("kind") or "daemon")
             try:
-                if kind == "daemon":
+                # Leased again after this daemon died carrying it out: the checkpoint it took
+                # then, if the job did not run on since (a stop asked: the job is gone).
+                # The store unreachable here is not "none taken": the command stays
+                # unanswered (StoreError) and comes back.
+                taken = self._taken_since(job, began) if began is not None and \
+                    kind == "daemon" else None
+                if taken is not None and (leave or not self._alive(job)):
+                    log.info("control plane command %s: checkpoint %s was taken before the "
+                             "daemon stopped: answered with it", cmd["id"], taken["checkpoint"])
+                    answer = taken
+                elif kind == "daemon":
                     answer = dict(self.manager.dump(job, DumpRequest(leave_running=leave,
                                                                      reason=reason), _ROOT))
                 else:  # a scheduler's job: stopped means requeued
                     answer = self.manager.job_source(kind).checkpoint(job, leave, reason)
+                faults.point("cp.after-checkpoint")
                 ok, result = True, {k: answer[k] for k in ("checkpoint", "label", "size_bytes",
                                                            "requeued") if k in answer}
                 if kind == "daemon" and args.get("then_restore_on") and "checkpoint" in answer:
-                    result["seal"] = self.manager.store.keys.sign(SEAL_PURPOSE, _sealed(
-                        cmd["id"], str(answer["checkpoint"]), job,
-                        str(args["then_restore_on"]))).model_dump()
+                    # One seal for the target, and one for each node the control plane may
+                    # re-target the restore to if the target fails or is lost.
+                    seals = {}
+                    for to in [str(args["then_restore_on"]),
+                               *[str(n) for n in list(args.get("or_on") or [])[:_ALTERNATES]]]:
+                        seals[to] = self.manager.store.keys.sign(SEAL_PURPOSE, _sealed(
+                            cmd["id"], str(answer["checkpoint"]), job, to)).model_dump()
+                    result["seal"] = seals[str(args["then_restore_on"])]
+                    if len(seals) > 1:
+                        result["seals"] = seals
             except StasisError as e:
+                if isinstance(e, StoreError) and began is not None:
+                    raise  # cannot tell what was done: answered when the store is back
                 result = {"error": str(e)}
         elif cmd["kind"] == "drain":
             try:
@@ -444,14 +487,22 @@ class ControlPlaneNode(Integration):
             try:
                 ckpt, created = self._migrated_checkpoint(args)
                 migration = str(args["migrated_from"])
-                self._claim_restore(migration, ckpt, created)
-                try:
-                    done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT)
-                except BaseException:
-                    self._unclaim_restore(migration)  # nothing restored: it may come again
-                    raise
-                self._restored(migration, str(done["job"]))
-                ok, result = True, {"job": done["job"], "checkpoint": done["checkpoint"]}
+                restored = self._resumed_restore(migration, ckpt) if began is not None \
+                    else None
+                if restored is None:
+                    self._claim_restore(migration, ckpt, created)
+                    try:
+                        done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT)
+                    except BaseException:
+                        self._unclaim_restore(migration)  # nothing restored: it may come again
+                        raise
+                    restored = str(done["job"])
+                    faults.point("cp.after-restore")
+                    self._restored(migration, restored)
+                ok, result = True, {"job": restored, "checkpoint": ckpt}
+            except PermissionDeniedError as e:
+                # Refused: no retry changes that (the control plane does not retry it).
+                result = {"error": str(e), "permanent": True}
             except StasisError as e:
                 result = {"error": str(e)}
         elif cmd["kind"] == "retain":
@@ -465,7 +516,62 @@ class ControlPlaneNode(Integration):
             conn.execute(insert(done_table).values(command_id=cmd["id"], ok=ok,
                                                    result=json.dumps(result),
                                                    at=int(time.time())))
+            conn.execute(delete(intent_table).where(intent_table.c.command_id == cmd["id"]))
         return ok, result
+
+    def _intend(self, cmd: dict[str, Any]) -> float | None:
+        """The intent to carry out `cmd`, written before acting; None when it is new, or when
+        this node began it before (then: when, by this node's clock)."""
+        import time
+
+        args = cmd["args"]
+        what = str(args.get("migrated_from") if cmd["kind"] == "restore" else
+                   args.get("job") or "")[:100]
+        with self.manager.db.transaction() as conn:
+            began = conn.execute(select(intent_table.c.at).where(
+                intent_table.c.command_id == cmd["id"])).scalar()
+            if began is None:
+                conn.execute(insert(intent_table).values(command_id=cmd["id"],
+                                                         kind=str(cmd["kind"])[:40], job=what,
+                                                         at=time.time()))
+                return None
+        log.info("control plane command %s (%s) was begun before the daemon stopped: what it "
+                 "did is looked up", cmd["id"], cmd["kind"])
+        return float(began)
+
+    def _alive(self, job: str) -> bool:
+        return any(j["job"] == job and j["state"] in _ALIVE for j in self.manager.jobs(_ROOT))
+
+    def _taken_since(self, job: str, began: float) -> dict[str, Any] | None:
+        """The newest checkpoint of `job` taken since `began` (this node's clock, as the
+        manifest's), as a dump's answer."""
+        mine = [m for m in self.manager.store.list()
+                if m.job == job and m.created.timestamp() >= began]
+        if not mine:
+            return None
+        m = max(mine, key=lambda m: m.created)
+        return {"checkpoint": m.id, "label": m.label, "size_bytes": m.size_bytes}
+
+    def _resumed_restore(self, migration: str, ckpt: str) -> str | None:
+        """A restore this node began for `migration` before its daemon died: the job it
+        became (its restore recorded it before resuming the tree; a tree resumed unrecorded
+        is adopted at start), kept as done. None: nothing was restored, it is done now."""
+        with self.manager.db.transaction() as conn:
+            row = conn.execute(select(restored_table).where(
+                restored_table.c.migration == migration)).first()
+        if row is None:
+            return None  # died before claiming it: nothing was restored
+        if row.job:
+            return str(row.job)
+        became = _newest_first([j for j in self.manager.jobs(_ROOT) if j["checkpoint"] == ckpt])
+        if became:
+            job = str(became[0]["job"])
+            self._restored(migration, job)
+            log.info("control plane: migration %s was restored as job %s before the daemon "
+                     "stopped: answered with it", migration, job)
+            return job
+        self._unclaim_restore(migration)  # claimed, nothing became of it: restored now
+        return None
 
 
     def _claim_restore(self, migration: str, ckpt: str, created: float) -> None:

@@ -1,0 +1,137 @@
+"""A migration's halves with the node daemon SIGKILLed at each named point of the control
+plane's node side (stasis/controlplane/node.py), started again: the command is leased again once
+its lease runs out and answered from the intent the node wrote before acting. The invariant: the
+migrated job runs exactly once, on the target, its counter going on from where it was; or the
+migration says failed, naming a checkpoint that is listed.
+
+Real daemons (two nodes sharing a store and a site key) and a real control plane (SQLite), with
+a short command lease so that a command held by a dead daemon comes back within seconds."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Daemon, new_daemon, wait_for, workload
+from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.test_node import node_env
+from tests.faults import kit
+
+LEASE_S = "3"
+
+
+class Cluster:
+    def __init__(self, cp: ControlPlane, a: Daemon, b: Daemon) -> None:
+        self.cp, self.a, self.b = cp, a, b
+
+
+@pytest.fixture(scope="module")
+def cluster(world_tmp: Path) -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="cp-faults-", dir=world_tmp))
+    key = root / "site.key"
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    cp = ControlPlane(root, str(root / "cp.db"))
+    # A node restarting is not lost (30 s); a command its dead daemon held comes back in 3 s.
+    cp.start("--command-lease", LEASE_S, "--lost-after", "30")
+    hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    store = Path(tempfile.mkdtemp(prefix="cp-faults-store-", dir=world_tmp))
+    nodes = [new_daemon(world_tmp, name, store=str(store),
+                        env={**node_env(cp, hpc, name), "STASIS_SITE_KEY": str(key)})
+             for name in ("node-a", "node-b")]
+    started: list[Daemon] = []
+    try:
+        for d in nodes:
+            d.start()
+            started.append(d)
+        wait_for(lambda: {n["name"] for n in cp.json("nodes")} == {"node-a", "node-b"}, 30,
+                 "both nodes to join")
+        yield Cluster(cp, *nodes)
+    finally:
+        for d in nodes:
+            if d.proc is not None and d.proc.poll() is None:
+                d.kill_all()
+                d.stop()
+        cp.stop()
+
+
+def final(cp: ControlPlane, command_id: str, timeout_s: float = 90) -> dict[str, Any]:
+    """The last command of the chain that starts at `command_id` (a migration's checkpoint
+    half, its restore half, the restore's retries and re-targets), once it is answered."""
+    def answered() -> dict[str, Any] | None:
+        nonlocal command_id
+        c: dict[str, Any] = cp.call("GET", f"/api/v1/commands/{command_id}", cp.admin)[1]
+        if c["state"] not in ("done", "failed"):
+            return None
+        nxt = (c.get("result") or {}).get("next")
+        if nxt:
+            command_id = str(nxt)
+            return None
+        return c
+
+    return wait_for(answered, timeout_s, f"the migration from {command_id} to end")
+
+
+def counted(d: Daemon, job: str) -> list[int]:
+    return [int(x) for x in d.log_of(job).split()]
+
+
+def assert_runs_once_counting_on(c: Cluster, label: str, job: str, before: int) -> None:
+    """`label` runs on node-b alone, once, and its counter goes on past `before` (the value
+    it had reached before the migration), without starting again."""
+    assert not kit.live_jobs(c.a, label), c.a.json("ps")
+    live = kit.live_jobs(c.b, label)
+    assert [j["job"] for j in live] == [job], live
+    kit.assert_nothing_frozen([j["pid"] for j in live])
+    wait_for(lambda: counted(c.b, job)[-1] > before + 3, 30, "the restored counter to go on")
+    numbers = counted(c.b, job)
+    # One counter, never started again nor run twice: 0, 1, 2... each once.
+    assert numbers == list(range(len(numbers))), numbers[-20:]
+
+
+def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
+                      user: str) -> tuple[dict[str, Any], int]:
+    job = c.a.run(*workload("counter.py"), label=label, user=user)["job"]
+    wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
+    wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
+    log = c.a.state_dir / "logs" / f"{job}.log"
+    kit.arm(killed, point)
+    status, first = c.cp.call("POST", "/api/v1/migrations", c.cp.admin,
+                              {"job": job, "to": "node-b"})
+    assert status == 201, first
+    kit.died(killed)
+    before = int(log.read_text().split()[-1])
+    kit.arm(killed)  # started again, disarmed
+    return final(c.cp, first["id"]), before
+
+
+@pytest.mark.parametrize("point", ["cp.after-lease", "cp.after-checkpoint"])
+def test_a_checkpoint_half_killed_goes_on_from_its_intent(
+        cluster: Cluster, point: str, test_user: pwd.struct_passwd) -> None:
+    """The source node dies after leasing (nothing done yet: it is done once started again)
+    or after its checkpoint was published (answered with that checkpoint: before, the command
+    was carried out again and failed "not running", and the job ran on neither node)."""
+    label = "cpf-" + point.split(".")[1]
+    last, before = migrate_killed_at(cluster, cluster.a, point, label, test_user.pw_name)
+    assert last["kind"] == "restore" and last["state"] == "done", last
+    assert_runs_once_counting_on(cluster, label, str(last["result"]["job"]), before)
+    cluster.b.kill_all()
+
+
+def test_a_restore_half_killed_after_restoring_answers_with_the_job_it_restored(
+        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
+    """The target node dies after its restore, before answering: leased again, it answers
+    with the job restored from that checkpoint, restoring nothing again (before: refused as a
+    replay, the migration failed while the job ran)."""
+    last, before = migrate_killed_at(cluster, cluster.b, "cp.after-restore", "cpf-restore",
+                                     test_user.pw_name)
+    assert last["kind"] == "restore" and last["state"] == "done", last
+    assert_runs_once_counting_on(cluster, "cpf-restore", str(last["result"]["job"]), before)
+    cluster.b.kill_all()
