@@ -5,6 +5,13 @@ checkpoint: fine for 20 on a disk, far too slow for 10,000 on S3. So every check
 empty index entry, `<root>/.index/<label>/<uid>/<entry>`, whose name sorts newest first as a plain
 string (object stores list keys in that order, so the newest is on the first page):
 
+    0<MAX_SEQ - seq, 11 digits>-<10**17 - created, in microseconds, 17 digits>-<checkpoint id>
+
+that is by sequence number first (manifest.order_key: a child above its parent, a later publish
+above what it saw), the dumping node's clock only between two published at once. Checkpoints
+published before sequence numbers have entries without one, which sort after every numbered
+one (a created date before 2286 makes their first digit a 9), among themselves by clock:
+
     <10**17 - created, in microseconds since the epoch, 17 digits>-<checkpoint id>
 
 The entry is written BEFORE the manifest and removed after it. So every published checkpoint has
@@ -23,13 +30,13 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from stasis.store.manifest import ID_PATTERN
+from stasis.store.manifest import ID_PATTERN, MAX_SEQ
 
 INDEX_DIR = ".index"
 FORMAT_FILE = "format"
 FORMAT = b"1\n"
 _SPAN_US = 10**17
-_ENTRY_RE = re.compile(r"^([0-9]{17})-(" + ID_PATTERN.strip("^$") + r")$")
+_ENTRY_RE = re.compile(r"^(?:0([0-9]{11})-)?([0-9]{17})-(" + ID_PATTERN.strip("^$") + r")$")
 
 
 @dataclass(frozen=True, order=True)
@@ -40,11 +47,13 @@ class Entry:
     uid: int
     checkpoint_id: str
     created: datetime
+    seq: int | None = None
 
 
-def entry_name(created: datetime, checkpoint_id: str) -> str:
+def entry_name(created: datetime, checkpoint_id: str, seq: int | None = None) -> str:
     micros = round(created.timestamp() * 1_000_000)
-    return f"{_SPAN_US - micros:017d}-{checkpoint_id}"
+    name = f"{_SPAN_US - micros:017d}-{checkpoint_id}"
+    return name if seq is None else f"0{MAX_SEQ - seq:011d}-{name}"
 
 
 def parse_entry(name: str, uid: int) -> Entry | None:
@@ -52,9 +61,12 @@ def parse_entry(name: str, uid: int) -> Entry | None:
     found = _ENTRY_RE.fullmatch(name)
     if found is None:
         return None
-    micros = _SPAN_US - int(found.group(1))
+    micros = _SPAN_US - int(found.group(2))
     created = datetime.fromtimestamp(micros / 1_000_000, UTC)
-    return Entry(name=name, uid=uid, checkpoint_id=found.group(2), created=created)
+    seq = MAX_SEQ - int(found.group(1)) if found.group(1) is not None else None
+    if seq is not None and seq < 1:
+        return None
+    return Entry(name=name, uid=uid, checkpoint_id=found.group(3), created=created, seq=seq)
 
 
 def parse_uid(name: str) -> int | None:

@@ -85,8 +85,10 @@ from stasis.store.manifest import (
     CheckpointInfo,
     Compression,
     CompressionRequest,
+    MAX_SEQ,
     FileEntry,
     Manifest,
+    order_key,
     validate_checkpoint_id,
     validate_label,
 )
@@ -234,14 +236,17 @@ class Store:
             raise UsageError(
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
-        entry = entry_name(info.created, info.id)
+        entry: str | None = None
         try:
+            info = info.model_copy(update={"seq": self._next_seq(info)})
+            entry = _entry_of(info)
             # Before the manifest: a published checkpoint always has its entry (index.py).
             self._tree.index_put(info.label, info.uid, entry)
             manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal,
                                           data_key=data_key)
         except BaseException as e:
-            self._forget_entry(info.label, info.uid, entry)
+            if entry is not None:
+                self._forget_entry(info.label, info.uid, entry)
             # The index entry can fail before the tree's publish starts (the server went
             # away while CRIU wrote): the staged images and their streams are consumed anyway.
             self._discard_quietly(info.id, source)
@@ -257,6 +262,25 @@ class Store:
                 "retention for label %s failed after publishing %s: %s", info.label, info.id, e
             )
         return manifest
+
+    def _next_seq(self, info: CheckpointInfo) -> int:
+        """`info`'s place in its (owner, label) series: one above the newest listed and above its
+        parent's. Two nodes publishing into one series at once may both take the same number;
+        neither can be the other's parent (a parent is published before its child's job starts),
+        so lineage still holds, and `order_key` tells the two apart by clock, then by id."""
+        highest = 0
+        try:
+            highest = self.latest(info.label, uid=info.uid).seq or 0
+        except NotFoundError:
+            pass
+        if info.parent is not None:
+            try:
+                parent = self.get(info.parent)
+            except (NotFoundError, UnreadableManifestError, UntrustedCheckpointError):
+                parent = None  # deleted or not ours to trust: nothing to be above
+            if parent is not None and parent.label == info.label and parent.uid == info.uid:
+                highest = max(highest, parent.seq or 0)
+        return min(highest + 1, MAX_SEQ)
 
     def remove_stale_staging(self, idle_s: float = STALE_STAGING_S) -> list[str]:
         """Remove what dumps that never finished (a daemon killed mid-dump, a node crash) left
@@ -393,7 +417,7 @@ class Store:
                 f"cannot delete checkpoint {checkpoint_id} from {self.url}: {self._why(e)}"
             ) from e
         if known is not None:
-            self._forget_entry(known.label, known.uid, entry_name(known.created, known.id))
+            self._forget_entry(known.label, known.uid, _entry_of(known))
 
     def mark_restored(self, checkpoint_id: str, host: str) -> None:
         """Say in the store that `checkpoint_id` was restored on `host`: the node that dumped it
@@ -547,7 +571,7 @@ class Store:
             if m is not None and (label is None or m.label == label)
             and (uid is None or m.uid == uid)
         ]
-        return sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
+        return _newest_first(manifests)
 
     def get(self, checkpoint_id: str) -> Manifest:
         """The manifest of `checkpoint_id`; NotFoundError if it is unknown or incomplete."""
@@ -737,8 +761,9 @@ class Store:
         except Exception as e:
             self._warn_once(entry.checkpoint_id, str(e))
             return None
-        # The entry is a hint; the signed manifest decides.
-        if manifest.label != label or manifest.uid != entry.uid:
+        # The entry is a hint; the signed manifest decides, also of its place in the order.
+        if manifest.label != label or manifest.uid != entry.uid or \
+                entry.name != _entry_of(manifest):
             return None
         return manifest
 
@@ -762,7 +787,7 @@ class Store:
             key = (manifest.label, manifest.uid)
             if key not in by_series:
                 by_series[key] = {e.name for e in self._entries(*key)}
-            name = entry_name(manifest.created, manifest.id)
+            name = _entry_of(manifest)
             if name not in by_series[key]:
                 try:
                     self._tree.index_put(manifest.label, manifest.uid, name)
@@ -1151,6 +1176,25 @@ class Store:
             )
         return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: "
                           f"{self._why(e)}")
+
+
+def _newest_first(manifests: list[Manifest]) -> list[Manifest]:
+    """`manifests` newest first: each (owner, label) series by `order_key` (lineage, then its
+    sequence, not clocks), the series among themselves by the dumping nodes' clocks (all a
+    listing of several series has: their numbers do not compare). Each series keeps the places
+    the clocks give its members and fills them in its own order."""
+    by_clock = sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
+    series: dict[tuple[str, int], list[Manifest]] = {}
+    for m in by_clock:
+        series.setdefault((m.label, m.uid), []).append(m)
+    ordered = {key: iter(sorted(members, key=order_key, reverse=True))
+               for key, members in series.items()}
+    return [next(ordered[(m.label, m.uid)]) for m in by_clock]
+
+
+def _entry_of(info: CheckpointInfo) -> str:
+    """The index entry of `info`: where its sequence number and clock place it (index.py)."""
+    return entry_name(info.created, info.id, info.seq)
 
 
 def _signed_part(manifest: Manifest) -> dict[str, object]:
