@@ -6,11 +6,16 @@ start time (so a recycled pid is never mistaken for the job) and the job's own d
 the job's supervisor writes the exit status even while no daemon runs. Of a job's --env it keeps
 the names only: the values may be secrets, and nothing needs them once the job started (a
 restore gets the environment back from the job's memory).
+
+Every failure of the database (locked by another process past the busy timeout, corrupt, a full
+disk) is raised as `JobDatabaseError`: one line naming the file and what to do, never
+SQLAlchemy's text (its SQL and parameters are no user's business).
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,10 +38,44 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from stasis import wire
+from stasis.errors import StasisError
 
 _metadata = MetaData()
+
+# How long a write waits for another process's lock (an admin's sqlite3, a backup) before it
+# fails: SQLite's own default is to fail at once.
+DEFAULT_BUSY_TIMEOUT_S = 5.0
+
+
+class JobDatabaseError(StasisError):
+    """The daemon's job database could not be read or written (locked, corrupt, disk full)."""
+
+    http_status = 503  # the daemon is unable now, not the request wrong
+
+    def __init__(self, message: str, corrupt: bool = False) -> None:
+        super().__init__(message)
+        self.corrupt = corrupt
+
+
+def _db_error(path: Path, e: BaseException) -> JobDatabaseError:
+    orig = getattr(e, "orig", None) or e
+    text = str(orig).splitlines()[0] if str(orig) else type(orig).__name__
+    lowered = text.lower()
+    if "locked" in lowered or "busy" in lowered:
+        return JobDatabaseError(
+            f"the daemon's job database {path} is locked by another process: the daemon "
+            "retries; if this lasts, end whatever holds it (fuser -v " f"{path})")
+    corrupt = isinstance(orig, sqlite3.DatabaseError) and (
+        "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered)
+    if corrupt:
+        return JobDatabaseError(
+            f"the daemon's job database {path} is corrupt ({text}): restart the daemon, which "
+            "moves it aside and rebuilds it from what runs on this node", corrupt=True)
+    return JobDatabaseError(f"the daemon's job database {path} failed: {text} (is the disk "
+                            "full or read-only?)")
 
 
 @dataclass
@@ -119,37 +158,54 @@ def _to_row(values: Any) -> JobRow:
 class JobDB:
     """Thread-safe access to the jobs table (the API runs blocking work in threads)."""
 
-    def __init__(self, path: Path) -> None:
-        self.engine: Engine = create_engine(f"sqlite:///{path}")
+    def __init__(self, path: Path, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> None:
+        self.path = path
+        self.engine: Engine = create_engine(f"sqlite:///{path}",
+                                            connect_args={"timeout": busy_timeout_s})
         event.listen(self.engine, "connect", _sqlite_pragmas)
-        _metadata.create_all(self.engine)
         self._lock = threading.Lock()
+        with self._guarded():
+            _metadata.create_all(self.engine)
+            # A file that is not a database passes create_all only once the tables exist.
+            with self.engine.connect() as conn:
+                check = conn.exec_driver_sql("PRAGMA quick_check").first()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(
+                    f"database disk image is malformed ({check[0] if check else 'no answer'})")
         self._forget_env_values()
+
+    @contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """SQLAlchemy's and sqlite3's errors as one readable JobDatabaseError."""
+        try:
+            yield
+        except (SQLAlchemyError, sqlite3.Error) as e:
+            raise _db_error(self.path, e) from e
 
     def _forget_env_values(self) -> None:
         """Rows written by an older stasis kept --env values: keep their names only (overwritten
         in the file too: secure_delete), then empty the WAL that held the old pages."""
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             old = select(jobs_table.c.id, jobs_table.c.env).where(jobs_table.c.env.like("{%"))
             for job_id, env in conn.execute(old).all():
                 names = json.loads(env)
                 if isinstance(names, dict):
                     conn.execute(update(jobs_table).where(jobs_table.c.id == job_id)
                                  .values(env=json.dumps(sorted(names))))
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._guarded(), self.engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # -- for integrations: tables of their own in the same database -----------------------
 
     def create_tables(self, tables: Sequence[Table]) -> None:
-        with self._lock:
+        with self._lock, self._guarded():
             for table in tables:
                 table.create(self.engine, checkfirst=True)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """One transaction, serialised with every other use of the database."""
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             yield conn
 
     # -- jobs ---------------------------------------------------------------------------------
@@ -158,21 +214,21 @@ class JobDB:
         data = {f.name: getattr(row, f.name) for f in fields(row)}
         for key in _JSON_COLUMNS:
             data[key] = json.dumps(data[key])
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             conn.execute(insert(jobs_table).values(**data))
 
     def get(self, job_id: str) -> JobRow | None:
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._guarded(), self.engine.connect() as conn:
             found = conn.execute(select(jobs_table).where(jobs_table.c.id == job_id)).first()
         return _to_row(found) if found else None
 
     def all(self) -> list[JobRow]:
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(select(jobs_table).order_by(jobs_table.c.created)).all()
         return [_to_row(r) for r in rows]
 
     def live(self) -> list[JobRow]:
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(
                 select(jobs_table).where(jobs_table.c.state.in_(("running", "restored")))
             ).all()
@@ -180,7 +236,7 @@ class JobDB:
 
     def finished(self) -> list[tuple[str, str, str, int | None]]:
         """(id, created, job_dir, shim_pid) of every job that is not live, newest first."""
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(
                 select(jobs_table.c.id, jobs_table.c.created, jobs_table.c.job_dir,
                        jobs_table.c.shim_pid)
@@ -192,7 +248,7 @@ class JobDB:
     def remove_finished(self, job_ids: list[str]) -> int:
         """Delete the rows of `job_ids` that are not live; return how many went."""
         removed = 0
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             # In chunks: SQLite limits the parameters of one statement.
             for start in range(0, len(job_ids), 500):
                 result = conn.execute(
@@ -204,12 +260,12 @@ class JobDB:
         return removed
 
     def set(self, job_id: str, **values: Any) -> None:
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(**values))
 
     def finish(self, job_id: str, state: str, exit_code: int | None) -> bool:
         """Move a live job to `state`; False when it was no longer live (someone else won)."""
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             result = conn.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id)
@@ -221,7 +277,7 @@ class JobDB:
     # -- network locks --------------------------------------------------------------------
 
     def add_netlock(self, row: NetLockRow) -> None:
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             conn.execute(delete(netlocks_table)
                          .where(netlocks_table.c.checkpoint == row.checkpoint))
             conn.execute(insert(netlocks_table).values(
@@ -229,13 +285,13 @@ class JobDB:
                 rules=json.dumps(row.rules)))
 
     def netlocks(self) -> list[NetLockRow]:
-        with self._lock, self.engine.connect() as conn:
+        with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(select(netlocks_table).order_by(netlocks_table.c.created)).all()
         return [NetLockRow(checkpoint=r.checkpoint, job=r.job, created=r.created,
                            rules=json.loads(r.rules)) for r in rows]
 
     def remove_netlock(self, checkpoint_id: str) -> bool:
-        with self._lock, self.engine.begin() as conn:
+        with self._lock, self._guarded(), self.engine.begin() as conn:
             result = conn.execute(delete(netlocks_table)
                                   .where(netlocks_table.c.checkpoint == checkpoint_id))
         return bool(result.rowcount)

@@ -17,9 +17,11 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from stasis import faults
 from stasis.daemon import staging
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
+from stasis.daemon.db import JobDatabaseError
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, validate_job_id
 from stasis import wire
@@ -53,6 +55,11 @@ class Dumper:
         # stop-dump would find the tree the first one stopped (see `_dump_slot`).
         self._busy: dict[str, str] = {}
         self._busy_lock = threading.Lock()
+        # Dumps whose tree was killed or resumed but whose record (the job's state, the network
+        # lock) the database refused: their journal entries stay until `settle_pending` wrote it.
+        # None: refused during a dump still under way (it settles itself, then hands it over).
+        self._unrecorded: dict[str, InFlightDump | None] = {}
+        self._unrecorded_lock = threading.Lock()
 
     @property
     def criu(self) -> CRIU:
@@ -130,9 +137,24 @@ class Dumper:
             row.pid, info, req.leave_running, req.compress, what, progress, notes,
             encrypt=req.encrypt, reason=req.reason)
         if not req.leave_running:
-            self.core.db.set(row.id, state="checkpointed")
-            os.kill(row.pid, signal.SIGKILL)  # the namespace init: the whole tree goes with it
+            # The checkpoint is published and a stop was asked: the job ends whether or not the
+            # database takes the record now (frozen until it does, it would be neither running
+            # nor saved). A refused record is written later (`settle_pending`), its journal
+            # entry kept meanwhile so that a daemon killed before then writes it at its start.
+            try:
+                self.core.db.set(row.id, state="checkpointed")
+            except JobDatabaseError as e:
+                log.warning("job %s: stopped after its checkpoint %s, but its state could not "
+                            "be recorded yet: %s", row.id, manifest.id, e)
+                notes.append("the job is stopped as asked, but the daemon's database could not "
+                             "record it yet; it is recorded as soon as it can be")
+                self._defer(manifest.id)
+            faults.point("dump.after-db")
+            # The namespace init: the whole tree goes with it.
+            _kill(row.pid)
             self.dump_settled(manifest.id)
+        else:
+            faults.point("dump.after-db")
         return DumpAnswer(
             checkpoint=manifest.id, label=manifest.label, job=row.id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
@@ -184,17 +206,20 @@ class Dumper:
         with self._dump_slot(f"pid {pid}", what):
             # Written down until settled: should the daemon die meanwhile, its next start
             # removes the staging and resumes the tree (`recover_dumps`).
-            self.core.journal.begin(InFlightDump(
+            entry = InFlightDump(
                 checkpoint=info.id, job=info.job, pid=pid, pid_start=proctree.start_time(pid),
-                leave_running=leave_running))
+                leave_running=leave_running)
+            self.core.journal.begin(entry)
             try:
                 done = self._checkpoint_tree(pid, info, leave_running, compress, what,
                                              progress, notes, data_key)
             except BaseException:
-                self.core.journal.end(info.id)
+                # Whatever failed where: the entry ends only with its tree running again (or
+                # killed, had the checkpoint been published with a stop asked).
+                self._undo(entry)
                 raise
             if leave_running:
-                self.core.journal.end(info.id)
+                self.dump_settled(info.id)
         manifest, result, _ = done
         self.core.activity.notify(Activity(
             kind="checkpoint", checkpoint=manifest.id, label=manifest.label, job=info.job,
@@ -207,8 +232,68 @@ class Dumper:
         return done
 
     def dump_settled(self, checkpoint_id: str) -> None:
-        """The tree a dump stopped was killed (or resumed): nothing is left to undo."""
+        """The tree a dump stopped was killed (or resumed): nothing is left to undo. Its entry
+        stays while a record of the dump waits for the database (`settle_pending`)."""
+        with self._unrecorded_lock:
+            deferred = checkpoint_id in self._unrecorded
+        if deferred:
+            entry = self.core.journal.entry(checkpoint_id)
+            if entry is not None:
+                self._settle_or_defer(entry)
+            else:
+                with self._unrecorded_lock:
+                    self._unrecorded.pop(checkpoint_id, None)
+            return
         self.core.journal.end(checkpoint_id)
+
+    def settle_pending(self) -> None:
+        """Write what the database refused of settled dumps (a periodic task of the daemon)."""
+        with self._unrecorded_lock:
+            waiting = list(self._unrecorded.items())
+        for _, entry in waiting:
+            if entry is not None:  # None: its dump is still under way and settles it itself
+                self._settle_or_defer(entry)
+
+    def unsettled(self) -> list[str]:
+        """Dumps whose record still waits for the database (the daemon is not ready)."""
+        with self._unrecorded_lock:
+            return sorted(self._unrecorded)
+
+    def _defer(self, checkpoint_id: str) -> None:
+        with self._unrecorded_lock:
+            self._unrecorded.setdefault(checkpoint_id, None)
+
+    def _settle_or_defer(self, entry: InFlightDump) -> None:
+        """`_settle` the entry; what the database refuses is retried by `settle_pending` (the
+        tree is killed or resumed before anything is written, so it never waits frozen)."""
+        try:
+            self._settle(entry)
+        except JobDatabaseError as e:
+            with self._unrecorded_lock:
+                new = self._unrecorded.get(entry.checkpoint) is None
+                self._unrecorded[entry.checkpoint] = entry
+            if new:
+                log.warning("job %s: the dump of checkpoint %s is settled (its tree not left "
+                            "stopped) but cannot be recorded yet; retried every second: %s",
+                            entry.job, entry.checkpoint, e)
+            return
+        with self._unrecorded_lock:
+            was = entry.checkpoint in self._unrecorded
+            self._unrecorded.pop(entry.checkpoint, None)
+        if was:
+            log.info("job %s: the dump of checkpoint %s is recorded now", entry.job,
+                     entry.checkpoint)
+
+    def _undo(self, entry: InFlightDump) -> None:
+        """A dump raised: what it left (staging, a stopped tree) goes, unless it published."""
+        current = self.core.journal.entry(entry.checkpoint) or entry
+        if not current.published:
+            try:
+                self.core.store.discard(entry.checkpoint)
+            except StasisError as e:
+                log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint,
+                            e)
+        self._settle_or_defer(current)
 
     def _checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
                          compress: CompressionRequest, what: str, progress: Progress | None,
@@ -250,6 +335,7 @@ class Dumper:
         # frozen part by ~25%.
         tail = self.core.store.follow(info.id, compress, data_key) if not leave_running \
             else None
+        faults.point("dump.before-criu")
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
@@ -267,6 +353,7 @@ class Dumper:
             if watcher:
                 watcher.stop()
             hashed = tail.finish() if tail else None
+        faults.point("dump.after-criu")  # a stop-dump's tree stands stopped here
         if tail is not None and tail.compression is not None:
             compress = tail.compression  # what `auto` settled on while following
         # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
@@ -288,7 +375,17 @@ class Dumper:
             if not leave_running:
                 self._resume(pid, rules, what)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: {e}") from e
-        self.core.netlocks.hold(info.id, info.job, rules)
+        # Before anything else is recorded: from here on a stop asked is carried out, whatever
+        # fails (recover_dumps, settle_pending).
+        self.core.journal.mark_published(info.id)
+        faults.point("dump.after-publish")
+        try:
+            self.core.netlocks.hold(info.id, info.job, rules)
+        except JobDatabaseError as e:
+            # The rules are in the firewall; the record that lifts them later is written once
+            # the database takes it (from CRIU's log, kept with the journal entry).
+            log.warning("checkpoint %s: its network lock cannot be recorded yet: %s", info.id, e)
+            self._defer(info.id)
         if asked == "auto" and manifest.compression == "none":
             why = "it is under 1 MiB" if manifest.size_bytes < (1 << 20) else \
                 "a sample of its memory did not shrink to half"
@@ -324,7 +421,7 @@ class Dumper:
                         "during it; its staging is removed", entry.job, entry.checkpoint)
             criu = entry.criu_pid
             if criu is None or not proctree.alive(criu, entry.criu_start):
-                self._settle(entry)
+                self._settle_or_defer(entry)
                 continue
             key = f"pid {entry.pid}"
             with self._busy_lock:
@@ -340,8 +437,9 @@ class Dumper:
             while proctree.alive(criu, entry.criu_start):
                 time.sleep(0.1)
             # It may have written more before it found its directory gone.
-            self.core.store.discard(entry.checkpoint)
-            self._settle(entry)
+            if not entry.published:
+                self.core.store.discard(entry.checkpoint)
+            self._settle_or_defer(entry)
         except Exception:  # a thread of its own: say so rather than die silently
             log.exception("cannot resume job %s after its interrupted dump", entry.job)
         finally:
@@ -349,30 +447,32 @@ class Dumper:
                 self._busy.pop(key, None)
 
     def _settle(self, entry: InFlightDump) -> None:
-        """Finish or undo the dump `entry` records, now that no CRIU holds its tree."""
+        """Finish or undo the dump `entry` records, now that no CRIU holds its tree: first the
+        tree (killed if its checkpoint was published with a stop asked, else resumed), then the
+        records; JobDatabaseError if the database refuses them (the entry stays)."""
         rules = [] if entry.leave_running else netlock.rules_from_log(
             self.core.settings.layout.criu_logs / f"dump-{entry.checkpoint}.log")
-        published = not entry.leave_running and self._published(entry.checkpoint)
-        if not proctree.alive(entry.pid, entry.pid_start):
-            if published:
-                self.core.netlocks.hold(entry.checkpoint, entry.job, rules)
-            else:
-                netlock.remove(rules)  # nothing left to protect
-            self.core.journal.end(entry.checkpoint)
-            return
-        row = self.core.db.get(entry.job) if _is_job_id(entry.job) else None
-        if row is not None and row.pid == entry.pid and published:
+        published = not entry.leave_running and (
+            entry.published or self._published(entry.checkpoint))
+        alive = proctree.alive(entry.pid, entry.pid_start)
+        ours = _is_job_id(entry.job)
+        if alive and published and ours:
             # The checkpoint made it: do the rest of what was asked (the job stops here), so
             # the job and its checkpoint never run side by side unasked.
-            self.core.netlocks.hold(entry.checkpoint, entry.job, rules)
-            self.core.db.set(row.id, state="checkpointed")
-            os.kill(entry.pid, signal.SIGKILL)
-            log.warning("job %s: its checkpoint %s was published before the daemon stopped; "
-                        "the job is stopped now, as asked", row.id, entry.checkpoint)
-        elif proctree.stopped(entry.pid):
+            _kill(entry.pid)
+            log.warning("job %s: its checkpoint %s was published before its dump was settled; "
+                        "the job is stopped now, as asked", entry.job, entry.checkpoint)
+        elif alive and proctree.stopped(entry.pid):
             self._resume(entry.pid, rules, f"job {entry.job}")
             log.warning("job %s: resumed; a daemon that stopped during its dump had left it "
                         "stopped", entry.job)
+        if published:
+            self.core.netlocks.hold(entry.checkpoint, entry.job, rules)
+            row = self.core.db.get(entry.job) if ours else None
+            if row is not None and row.pid == entry.pid and row.state != "checkpointed":
+                self.core.db.set(row.id, state="checkpointed")
+        elif not alive:
+            netlock.remove(rules)  # nothing left to protect
         self.core.journal.end(entry.checkpoint)
 
     def _published(self, checkpoint_id: str) -> bool:
@@ -430,6 +530,13 @@ class _CredentialsAtPostDump:
             if self.refused:
                 return False
         return self.opened(script, pid)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # gone already: what was wanted
 
 
 def _is_job_id(text: str) -> bool:

@@ -12,6 +12,10 @@ and its tree is resumed (see `JobManager.recover_dumps`).
 
 The files are not fsynced: they only matter after the daemon died, and its writes are in the
 page cache by then; a crash of the whole node takes the stopped jobs with it.
+
+An entry ends only once its tree was killed or resumed and what the dump did is recorded in the
+job database: one whose record failed (the database locked or corrupt) stays, and is settled
+again until it can be (`Dumper.settle_pending`); its tree is never left stopped meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class InFlightDump:
     leave_running: bool
     criu_pid: int | None = None
     criu_start: int | None = None
+    # Set once the checkpoint is in the store, before anything else is recorded: a daemon that
+    # starts then knows the stop asked is to be carried out (kill), not undone (resume),
+    # without asking a store that may be unreachable.
+    published: bool = False
 
 
 class DumpJournal:
@@ -68,6 +76,17 @@ class DumpJournal:
             if entry is not None:
                 entry.criu_pid, entry.criu_start = criu_pid, criu_start
                 self._write(entry)
+
+    def mark_published(self, checkpoint_id: str) -> None:
+        with self._lock:
+            entry = self._entries.get(checkpoint_id)
+            if entry is not None:
+                entry.published = True
+                self._write(entry)
+
+    def entry(self, checkpoint_id: str) -> InFlightDump | None:
+        with self._lock:
+            return self._entries.get(checkpoint_id)
 
     def end(self, checkpoint_id: str) -> None:
         with self._lock:

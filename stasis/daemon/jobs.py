@@ -279,6 +279,10 @@ class JobManager:
     def dump_settled(self, checkpoint_id: str) -> None:
         self._dumper.dump_settled(checkpoint_id)
 
+    def settle_pending(self) -> None:
+        """Record the dumps whose record the database refused (a periodic task)."""
+        self._dumper.settle_pending()
+
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
         return self._restorer.restore(req, caller, progress)

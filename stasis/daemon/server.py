@@ -75,6 +75,8 @@ def core_tasks(manager: JobManager) -> list[Task]:
 
     return [
         Task("follow jobs", POLL_INTERVAL_S, manager.poll),
+        # Dumps settled (their trees killed or resumed) whose record the database refused.
+        Task("record settled dumps", 1.0, manager.settle_pending),
         # What failed restores leave to us (we are their subreaper) must not stay zombies.
         Task("reap orphans", POLL_INTERVAL_S, manager.reaper.sweep),
         # CRIU's DROP rules of checkpoints deleted, restored elsewhere or held long enough.
@@ -119,7 +121,7 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
         with suppress(FileNotFoundError):
             os.chmod(f"{db_path}{name}", 0o600)
-    db = JobDB(db_path)
+    db = JobDB(db_path, settings.db_busy_timeout_s)
     manager = JobManager(settings, manager_store, db, job_umask=job_umask)
     manager.prepare()
     plugged = [cls(manager) for cls in integrations]
