@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from collections.abc import Sequence
 from contextlib import suppress
 
@@ -179,10 +180,14 @@ class SlurmIntegration(Integration):
         return [slurm_jobs_table]
 
     def prepare(self) -> None:
+        self.jobs.registrations.upgrade()
         moved = self.jobs.registrations.migrate(self.manager.settings.layout.legacy_slurm)
         if moved:
             log.info("moved %d Slurm registration(s) of an older daemon into its database",
                      moved)
+        # Stops a killed daemon left half done: finished in the background (scontrol, CRIU),
+        # so that the socket opens at once (the jobs' launchers wait for it).
+        threading.Thread(target=self.jobs.recover, name="slurm-recover", daemon=True).start()
         settings = self.manager.settings
         if settings.slurm_remote_port:
             sock = _listen(settings.slurm_remote_address, settings.slurm_remote_port)

@@ -8,6 +8,8 @@ STASIS_SLURM_START:
     fresh     fork the namespace init: setsid, exec tini -g -- <batch script>
     restored  adopt the restored namespace init (already our child: we are a subreaper)
     off       run the batch script as a plain child: stasis cannot protect this job
+    held      run nothing: the helper could not tell whether the job has a checkpoint (store
+              or node daemon unreachable) and requeued it held; Slurm kills us meanwhile
 
 A fresh workload gets our `srun` (<lib_dir>/bin, stasis.slurm.steps) first on its PATH, so that
 the steps that stay on this node run inside the tree (a restored one has its environment back).
@@ -19,7 +21,8 @@ Then it waits for the workload and
 A checkpoint is not asked for while a step handed to Slurm's own srun runs (its tasks are outside
 the tree: the restored client would talk to a step that is gone): a line in the job's output says
 so, and the job goes on. When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
-retires the label's checkpoints if that code is 0.
+retires the label's checkpoints only on a genuine success: exit 0, and no warning, stop signal
+or stop checkpoint (failed or not) in this run.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.client import Client
-from stasis.errors import StasisError
+from stasis.errors import DaemonAPIError, StasisError
 from stasis.slurm import steps
 from stasis.slurm.labels import INTERVAL_VARS
 
@@ -50,6 +53,12 @@ _REQUEUE_WAIT_S = 300
 
 # A daemon that does not answer these in time is as good as down (a checkpoint has no bound).
 _QUICK_S = 20.0
+# The daemon died during a stop checkpoint: how long to wait for it to come back and say
+# whether the checkpoint was taken (it then finishes the stop: kills the workload, requeues).
+_SETTLE_WAIT_S = 120.0
+# Signals that mean this run is being stopped (scancel, the grace time's end): its end is no
+# genuine success, whatever the workload's exit code.
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def say(text: str) -> None:
@@ -72,6 +81,8 @@ class Launcher:
         self.slurm_requeues = False
         self.interval_s = 0.0  # STASIS_INTERVAL: periodic leave-running checkpoints
         self.refused: list[str] = []  # the outside steps a periodic checkpoint was skipped for
+        self.stopped = False  # warned (preemption, time limit) or told to stop in this run
+        self.final_unknown = False  # the daemon went away while taking the stop checkpoint
 
     # -- the workload --------------------------------------------------------------------------
 
@@ -162,6 +173,8 @@ class Launcher:
                     self.job_id, leave_running=not final,
                     reason="preemption or time limit" if final else "periodic")
         except StasisError as e:
+            if final and isinstance(e, DaemonAPIError) and e.status == 0:
+                self.final_unknown = True  # it may have been taken: the daemon's restart says
             say(f"stasis: warning: checkpoint failed: {e}; the job goes on")
             return
         if final:
@@ -172,12 +185,12 @@ class Launcher:
         else:
             say(f"stasis: periodic checkpoint {answer['checkpoint']} taken")
 
-    def finish(self, code: int) -> None:
+    def finish(self, code: int | None) -> None:
         if self.mode == "off":
             return
         try:
             with self._client() as c:
-                answer = c.slurm_finish(self.job_id, code)
+                answer = c.slurm_finish(self.job_id, code, stopped=self.stopped)
             if answer["retired"]:
                 say(f"stasis: job completed; retired {len(answer['retired'])} checkpoint(s) of "
                     f"label {self.start['label']}")
@@ -185,13 +198,22 @@ class Launcher:
             say(f"stasis: warning: could not tell the node daemon that the job ended: {e}")
 
     def taken_by_daemon(self) -> bool:
-        """Whether the workload was stopped by a checkpoint someone else asked for."""
-        try:
-            with self._client() as c:
-                state = c.slurm_job(self.job_id)
-        except StasisError:
-            return False
-        return state["state"] == "checkpointed"
+        """Whether the workload was stopped by a checkpoint someone else asked for (or ours, when
+        the daemon died while taking it: then wait for it to come back and settle it)."""
+        deadline = time.monotonic() + (_SETTLE_WAIT_S if self.final_unknown else 0.0)
+        while True:
+            try:
+                with self._client() as c:
+                    state = c.slurm_job(self.job_id)["state"]
+            except DaemonAPIError as e:
+                state = "unknown" if e.status == 0 else "gone"
+            except StasisError:
+                state = "gone"
+            if state in ("checkpointed", "requeued"):
+                return True
+            if state not in ("unknown", "stopping") or time.monotonic() >= deadline:
+                return False
+            time.sleep(1.0)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -221,7 +243,13 @@ class Launcher:
                 if not self.steps_outside(final=False):
                     self.checkpoint(final=False)
                 next_periodic = time.monotonic() + interval
-        _, status = os.waitpid(self.pid, 0)
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:  # not ours to wait for: how it ended cannot be told
+            say("stasis: warning: cannot tell how the job's workload ended; its checkpoints "
+                "are kept")
+            self.finish(None)
+            return 1
         code = os.waitstatus_to_exitcode(status)
         code = code if code >= 0 else 128 - code
         if self.requeued or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
@@ -236,6 +264,8 @@ class Launcher:
         return code
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        if sig in WARNINGS or sig in _STOPPING:
+            self.stopped = True
         if sig in WARNINGS:
             if self.mode == "off":
                 say(f"stasis: warning: {sig.name} (preemption or time limit ahead) but this job "
@@ -279,6 +309,11 @@ def main() -> None:
         say(str(line))
     if not script:
         say("stasis: error: STASIS_SLURM_SCRIPT is not set; cannot find the batch script")
+        sys.exit(1)
+    if start.get("mode") == "held":
+        # The helper requeued the job held: nothing runs, so that nothing starts over; Slurm
+        # kills this batch step at once (the wait is a bound, should it not).
+        time.sleep(_REQUEUE_WAIT_S)
         sys.exit(1)
     if start.get("mode") == "off" and not start.get("messages"):
         say("stasis: warning: this job runs WITHOUT checkpoint protection")

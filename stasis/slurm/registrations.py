@@ -17,11 +17,16 @@ import os
 import pwd
 import signal
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, cast, get_args, get_origin, get_type_hints
 
-from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, update
+from sqlalchemy import (
+    Column, Integer, MetaData, String, Table, Text, delete, insert, inspect, select, text, update,
+)
+
+from stasis import faults
 
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.db import JobDB
@@ -71,7 +76,24 @@ slurm_jobs_table = Table(
     Column("command", Text, nullable=False),  # JSON list
     Column("state", String(16), nullable=False),
     Column("registered", String(32), nullable=False),
+    # Issue 28 (added to an older table by Registrations.upgrade):
+    Column("stop_asked", Integer, nullable=False, server_default="0"),
+    Column("final_failed", Integer, nullable=False, server_default="0"),
+    Column("stop_checkpoint", String(64), nullable=True),
+    Column("restarts", Integer, nullable=False, server_default="0"),
 )
+# Columns a table made by an older daemon lacks: (name, SQL type and default).
+_ADDED = (("stop_asked", "INTEGER NOT NULL DEFAULT 0"),
+          ("final_failed", "INTEGER NOT NULL DEFAULT 0"),
+          ("stop_checkpoint", "VARCHAR(64)"),
+          ("restarts", "INTEGER NOT NULL DEFAULT 0"))
+# A run whose workload is being stopped or was: not `running` any more, not ended either.
+_STOPPED = ("stopping", "checkpointed", "requeued")
+# How long a daemon back from a crash keeps trying to finish a stop it had begun (the tree may
+# still be held by the CRIU of the dead daemon; the grace time bounds it in any case).
+_RECOVER_TRIES = 10
+_RECOVER_PAUSE_S = 2.0
+_ROOT = Caller(pid=0, uid=0, gid=0)
 
 # The job's last step's Slurm record must end before the job does (that ends it as cancelled):
 # its end waits that long at most for it.
@@ -157,10 +179,25 @@ class Registrations:
                                 .where(slurm_jobs_table.c.state == "running")).all()
         return [_registration(r._mapping) for r in rows]
 
-    def set_state(self, job_id: str, state: str) -> None:
+    def set_state(self, job_id: str, state: str, **values: object) -> None:
         with self.db.transaction() as conn:
             conn.execute(update(slurm_jobs_table)
-                         .where(slurm_jobs_table.c.slurm_job == job_id).values(state=state))
+                         .where(slurm_jobs_table.c.slurm_job == job_id)
+                         .values(state=state, **values))
+
+    def in_state(self, *states: str) -> list[Registration]:
+        with self.db.transaction() as conn:
+            rows = conn.execute(select(slurm_jobs_table)
+                                .where(slurm_jobs_table.c.state.in_(states))).all()
+        return [_registration(r._mapping) for r in rows]
+
+    def upgrade(self) -> None:
+        """Add the columns an older daemon's table lacks (its rows: nothing asked yet)."""
+        with self.db.transaction() as conn:
+            have = {c["name"] for c in inspect(conn).get_columns("slurm_jobs")}
+            for name, kind in _ADDED:
+                if name not in have:
+                    conn.execute(text(f"ALTER TABLE slurm_jobs ADD COLUMN {name} {kind}"))
 
     def remove(self, job_id: str) -> None:
         with self.db.transaction() as conn:
@@ -194,6 +231,9 @@ def _registration(row: Any) -> Registration:
     data = dict(row)
     data["command"] = json.loads(data["command"])
     data["explicit_label"] = bool(data["explicit_label"])
+    data["stop_asked"] = bool(data.get("stop_asked"))
+    data["final_failed"] = bool(data.get("final_failed"))
+    data["restarts"] = int(data.get("restarts") or 0)
     return cast(Registration, data)
 
 
@@ -203,6 +243,9 @@ def _legacy(path: Path) -> Registration:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     data.setdefault("state", "running")
+    for key, value in (("stop_asked", False), ("final_failed", False),
+                       ("stop_checkpoint", None), ("restarts", 0)):
+        data.setdefault(key, value)
     hints = get_type_hints(Registration)
     for key, hint in hints.items():
         if key not in data:
@@ -286,6 +329,7 @@ class SlurmJobs:
             stdout=info.stdout, stderr=info.stderr or info.stdout, work_dir=info.work_dir,
             command=command or ["(slurm batch job)"],
             state="running", registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            stop_asked=False, final_failed=False, stop_checkpoint=None, restarts=info.restarts,
         )
         # Before anything is kept: another user's checkpoint is refused, not counted.
         manifest = self._restored_from(reg, req.restored_from)
@@ -349,7 +393,8 @@ class SlurmJobs:
     def _checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller
                     ) -> SlurmCheckpointAnswer:
         reg = self._load(job_id, caller)
-        if reg["state"] == "checkpointed" or not proctree.alive(reg["pid"], reg["pid_start"]):
+        if reg["state"] in ("checkpointed", "requeued") or \
+                not proctree.alive(reg["pid"], reg["pid_start"]):
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
         # A step on Slurm's own srun runs outside the tree: its restored client would wait for a
         # step that is gone.
@@ -368,31 +413,117 @@ class SlurmJobs:
                                  reg["stderr"]),
                    "work_s": m.work.at(job_id, reg["registered"], created)},
         )
-        manifest, result, _ = m.checkpoint_tree(reg["pid"], info, req.leave_running, "none",
-                                                f"Slurm job {job_id}", reason=req.reason)
+        if not req.leave_running:
+            # Written before anything is frozen: this run's end retires nothing now, and a
+            # daemon that dies from here on finishes the stop when it starts (`recover`).
+            self.registrations.set_state(job_id, "stopping", stop_asked=1,
+                                         stop_checkpoint=info.id)
+            faults.point("slurm.checkpoint-asked")
+        try:
+            manifest, result, _ = m.checkpoint_tree(reg["pid"], info, req.leave_running, "none",
+                                                    f"Slurm job {job_id}", reason=req.reason)
+        except BaseException:
+            if not req.leave_running:
+                self.registrations.set_state(job_id, "running", final_failed=1)
+            raise
         answer = SlurmCheckpointAnswer(
             checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
             size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
             requeued=False, slurm_requeues=False)
         if not req.leave_running:
-            self.registrations.set_state(job_id, "checkpointed")
-            os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
-            if self.mirrors is not None:
-                self.mirrors.end(job_id)
-            m.dump_settled(manifest.id)
-            if _slurm_requeues(job_id):
-                answer["requeued"] = answer["slurm_requeues"] = True
-                return answer
-            try:
-                scontrol.requeue(job_id)
-            except SlurmError as e:
-                self.registrations.set_state(job_id, "requeue-failed")
-                raise CheckpointError(
-                    f"checkpoint {manifest.id} of Slurm job {job_id} was taken but the job could "
-                    f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
-                    f"{reg['label']} to resume") from e
+            faults.point("slurm.after-publish")
+            self._stopped(reg, manifest.id)
+            faults.point("slurm.before-requeue")
             answer["requeued"] = True
+            answer["slurm_requeues"] = self._requeue(reg, manifest.id)
         return answer
+
+    def _stopped(self, reg: Registration, checkpoint: str) -> None:
+        """The stop checkpoint is published: the workload goes (it must never run beside it)."""
+        job_id = reg["slurm_job"]
+        self.registrations.set_state(job_id, "checkpointed")
+        if proctree.alive(reg["pid"], reg["pid_start"]):
+            os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
+        if self.mirrors is not None:
+            self.mirrors.end(job_id)
+        self.manager.dump_settled(checkpoint)
+
+    def _requeue(self, reg: Registration, checkpoint: str) -> bool:
+        """Requeue the job, unless Slurm does it itself (then True: the launcher must end)."""
+        job_id = reg["slurm_job"]
+        if _slurm_requeues(job_id):
+            self.registrations.set_state(job_id, "requeued")
+            return True
+        try:
+            scontrol.requeue(job_id)
+        except SlurmError as e:
+            self.registrations.set_state(job_id, "requeue-failed")
+            raise CheckpointError(
+                f"checkpoint {checkpoint} of Slurm job {job_id} was taken but the job could "
+                f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
+                f"{reg['label']} to resume") from e
+        self.registrations.set_state(job_id, "requeued")
+        return False
+
+    # -- a daemon back from a crash --------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Finish the stops a killed daemon left half done (at start, in a thread of its own):
+        published: the workload goes and the job is requeued; not published and the workload
+        still runs: the stop checkpoint is taken again (it was asked, and a preemption's grace
+        time may still allow it); otherwise the run goes on, its end retiring nothing."""
+        for reg in self.registrations.in_state("stopping", "checkpointed"):
+            try:
+                self._recover(reg)
+            except Exception:  # one job's trouble must not keep the others unsettled
+                log.exception("Slurm job %s: cannot finish the stop a stopped daemon had begun",
+                              reg["slurm_job"])
+
+    def _recover(self, reg: Registration) -> None:
+        job_id = reg["slurm_job"]
+        checkpoint = reg.get("stop_checkpoint")
+        if reg["state"] == "checkpointed" or (checkpoint and self._published(checkpoint)):
+            assert checkpoint is not None
+            log.warning("Slurm job %s: checkpoint %s was published before the daemon stopped; "
+                        "the job is stopped and requeued now, as asked", job_id, checkpoint)
+            self._stopped(reg, checkpoint)
+            if self._requeued_since(reg):
+                self.registrations.set_state(job_id, "requeued")
+            else:
+                self._requeue(reg, checkpoint)
+            return
+        for _ in range(_RECOVER_TRIES):
+            if not proctree.alive(reg["pid"], reg["pid_start"]):
+                break
+            try:
+                self.checkpoint(job_id, CheckpointRequest(
+                    leave_running=False, reason="stop asked before a daemon restart"), _ROOT)
+                log.warning("Slurm job %s: the stop checkpoint a stopped daemon had begun was "
+                            "taken again; the job is requeued", job_id)
+                return
+            except StasisError as e:
+                # The tree may still be held by the dead daemon's CRIU: wait and try again.
+                log.warning("Slurm job %s: the stop checkpoint asked before the daemon stopped "
+                            "cannot be taken yet: %s", job_id, e)
+                time.sleep(_RECOVER_PAUSE_S)
+        self.registrations.set_state(job_id, "running", final_failed=1)
+
+    def _published(self, checkpoint: str) -> bool:
+        try:
+            self.manager.store.get(validate_checkpoint_id(checkpoint))
+            return True
+        except StasisError:
+            return False
+
+    @staticmethod
+    def _requeued_since(reg: Registration) -> bool:
+        """Whether Slurm already requeued this run (a second requeue would run it twice)."""
+        try:
+            info = scontrol.job_info(reg["slurm_job"])
+        except SlurmError:
+            return False
+        return info.restarts > reg.get("restarts", 0) or info.state in (
+            "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 
     def finish(self, job_id: str, req: FinishRequest, caller: Caller) -> FinishAnswer:
         reg = self._load(job_id, caller)
@@ -400,7 +531,14 @@ class SlurmJobs:
             raise PermissionDeniedError("permission denied: only the job's launcher reports its "
                                         "end")
         retired: list[str] = []
-        if req.exit_code == 0:
+        # Retired only on a genuine success: an exit status (not a guess), 0, and nothing of
+        # this run asked to stop it; a job that traps SIGTERM and exits 0 after its stop
+        # checkpoint failed still needs the checkpoint before it.
+        stopped = req.stopped or reg.get("stop_asked", False) or reg.get("final_failed", False)
+        if req.exit_code is None or stopped:
+            log.info("Slurm job %s ended (exit %s%s): label %s kept", job_id, req.exit_code,
+                     ", a stop was asked" if stopped else "", reg["label"])
+        if req.exit_code == 0 and not stopped:
             store = self.manager.store
             for m in candidates(store, reg["label"], reg["explicit_label"], reg["uid"], job_id,
                                 reg["token"]):

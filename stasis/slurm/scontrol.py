@@ -126,6 +126,7 @@ class JobInfo:
     preempted: bool = False  # PreemptTime is set: a preemption's grace time is running
     partition: str = ""
     batch_host: str = ""  # the node its batch step runs on; "" while it runs nowhere
+    comment: str = ""  # Comment (the user's, or why stasis held the job)
 
 
 def job_info(job_id: str) -> JobInfo:
@@ -156,6 +157,7 @@ def job_info(job_id: str) -> JobInfo:
         preempted=fields.get("PreemptTime", "None") not in ("", "None", "Unknown"),
         partition=fields.get("Partition", ""),
         batch_host=fields.get("BatchHost", "") if fields.get("BatchHost") != "(null)" else "",
+        comment=fields.get("Comment", "") if fields.get("Comment") != "(null)" else "",
     )
 
 
@@ -206,6 +208,18 @@ def requeues_preempted_job_when_it_ends() -> bool:
 
 def requeue(job_id: str) -> None:
     scontrol("requeue", validate_slurm_job_id(job_id))
+
+
+def set_comment(job_id: str, comment: str) -> None:
+    """The job's Comment, which the user sees in `scontrol show job` and `squeue -o %k`."""
+    scontrol("update", f"JobId={validate_slurm_job_id(job_id)}", f"Comment={comment}")
+
+
+def requeue_held(job_id: str, why: str) -> None:
+    """Requeue the job held (it runs again once released: `scontrol release`), saying `why` in
+    its Comment first."""
+    set_comment(job_id, why)
+    scontrol("requeuehold", validate_slurm_job_id(job_id))
 
 
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -8,11 +8,20 @@ It decides how the job starts and prints one JSON object for the launcher:
                                          child and, once we exit, is the task's (a subreaper)
     {"mode": "fresh", ...}               exit 10: nothing to restore; the plugin unshares a PID
                                          namespace and the launcher starts the batch script
-    {"mode": "off", ...}                 exit 11: stasis cannot protect this job (daemon down,
-                                         bad label, ...): it runs exactly as without stasis
+    {"mode": "off", ...}                 exit 11: stasis cannot protect this job (daemon down
+                                         with nothing to resume, bad label, ...): it runs exactly
+                                         as without stasis
+    {"mode": "held", ...}                exit 11: stasis cannot tell whether the job has a
+                                         checkpoint (store unreachable; node daemon down while
+                                         one exists) after waiting `store_wait_s`: the job was
+                                         requeued held with the reason in its Comment; the
+                                         launcher runs nothing
 "messages" are lines for the job's output (why a checkpoint was skipped, what was restored).
 A corrupt or unrestorable newest checkpoint falls back to the one before it (up to three are
-tried); when none works the job starts fresh. The helper never makes the job fail.
+tried); when none works the job starts fresh. "Cannot tell" is never "no checkpoint" (issue 28):
+only a first run of a job labelled by its own id (which cannot have one), or a job submitted with
+STASIS_FRESH=1, starts from the beginning (or unprotected) when the store or the daemon cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ import json
 import os
 import re
 import sys
-from typing import Any, cast
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from stasis import wire
 from stasis.config import Settings, load_settings
@@ -42,6 +53,8 @@ UNPROTECTED = "this job runs WITHOUT checkpoint protection"
 # The newest few checkpoints are tried, newest first; a job must not wait on many failures.
 _MAX_TRIES = 3
 _TINI_CANDIDATES = ("/usr/bin/tini-static", "/usr/bin/tini", "/usr/local/bin/tini")
+_RETRY_S = 2.0  # between tries at the store or the daemon
+_HELD = "stasis: held"  # how the Comments this helper writes begin
 
 
 def find_tini(configured: str) -> str:
@@ -109,8 +122,48 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
     return result.pid
 
 
+T = TypeVar("T")
+
+
+def _retrying(deadline: float, attempt: Callable[[], T]) -> tuple[T | None, str]:
+    """`attempt()` until it works or `deadline` (monotonic) passes: (its value, "") or (None,
+    the last error)."""
+    while True:
+        try:
+            return attempt(), ""
+        except (StasisError, OSError) as e:
+            why = str(e) or type(e).__name__
+        if time.monotonic() + _RETRY_S > deadline:
+            return None, why
+        time.sleep(_RETRY_S)
+
+
+def _health(settings: Settings) -> bool:
+    with Client(settings.socket, 10.0) as client:
+        client.slurm_health()
+    return True
+
+
+def _hold(job_id: str, out: dict[str, Any], why: str, waited_s: int) -> tuple[int, dict[str, Any]]:
+    """Requeue the job held with `why` in its Comment; the launcher runs nothing."""
+    say: list[str] = out["messages"]
+    out["mode"] = "held"
+    comment = (f"{_HELD}: {why}; its checkpoint is kept; scontrol release {job_id} once it is "
+               "back, or resubmit with STASIS_FRESH=1 to start from the beginning")
+    try:
+        scontrol.requeue_held(job_id, comment)
+        say.append(f"stasis: error: {why} (waited {waited_s} s): not starting from the beginning; "
+                   f"the job is requeued held: `scontrol release {job_id}` once it is back, or "
+                   "resubmit with STASIS_FRESH=1 to start from the beginning")
+    except StasisError as e:
+        say.append(f"stasis: error: {why} (waited {waited_s} s), and the job could not be "
+                   f"requeued held ({e}): it fails without running, its checkpoints are kept; "
+                   "submit it again")
+    return EXIT_OFF, out
+
+
 def decide(job_id: str, uid: int, gid: int, label_arg: str,
-           settings: Settings | None = None) -> tuple[int, dict[str, Any]]:
+           settings: Settings | None = None, fresh: bool = False) -> tuple[int, dict[str, Any]]:
     out: dict[str, Any] = {"mode": "off", "messages": []}
     say: list[str] = out["messages"]
     try:
@@ -122,8 +175,6 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         return EXIT_OFF, out
     out.update(socket=str(settings.socket), label=label, explicit_label=explicit)
     try:
-        with Client(settings.socket, 10.0) as client:
-            client.slurm_health()
         out["tini"] = find_tini(settings.tini)
         info = scontrol.job_info(job_id)
     except StasisError as e:
@@ -133,13 +184,35 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         say.append(f"stasis: warning: Slurm says job {job_id} belongs to uid {info.uid}, "
                    f"not {uid}; {UNPROTECTED}")
         return EXIT_OFF, out
-    try:
+    # A job labelled by its own id that never ran before cannot have a checkpoint: nothing to
+    # wait for. Any other job may (a labelled job resumes another job's checkpoints).
+    first_run = not explicit and info.restarts == 0
+    wait_s = 0 if first_run or fresh else settings.store_wait_s
+    deadline = time.monotonic() + wait_s
+    daemon, daemon_error = _retrying(deadline, lambda: _health(settings))
+
+    def listing() -> list[Manifest]:
         # The node's keys (the daemon made them): only checkpoints signed by a trusted key.
-        store = node_store(settings)
-        found = candidates(store, label, explicit, uid, job_id, info.token)
-    except StasisError as e:
-        say.append(f"stasis: warning: cannot list checkpoints: {e}; starting from the beginning")
+        return candidates(node_store(settings), label, explicit, uid, job_id, info.token)
+
+    found, store_error = _retrying(deadline, listing)
+    if found is None:
+        if not (first_run or fresh):
+            return _hold(job_id, out, f"checkpoint store unreachable ({store_error})", wait_s)
+        say.append(f"stasis: warning: cannot list checkpoints: {store_error}; starting from the "
+                   "beginning (" + ("STASIS_FRESH=1" if fresh else "its first run") + ")")
         found = []
+    if not daemon:
+        if found and not fresh:
+            return _hold(job_id, out, f"the node daemon does not answer ({daemon_error})",
+                         wait_s)
+        say.append(f"stasis: warning: the node daemon does not answer ({daemon_error}); "
+                   f"{UNPROTECTED}")
+        _comment(job_id, f"{_HELD.split(':')[0]}: {UNPROTECTED} (node daemon down)")
+        return EXIT_OFF, out
+    if info.comment.startswith("stasis: "):
+        _comment(job_id, "")  # released after a hold: the reason is over
+    store = node_store(settings)
     if not found:
         if explicit:
             say.append(f"stasis: warning: no checkpoint with label {label} to resume from: "
@@ -168,15 +241,26 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     return EXIT_FRESH, out
 
 
+def _comment(job_id: str, text: str) -> None:
+    try:
+        scontrol.set_comment(job_id, text)
+    except StasisError:
+        pass  # only a note to the user; the job's output says it too
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stasis.slurm.taskinit")
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--uid", type=int, required=True)
     parser.add_argument("--gid", type=int, required=True)
     parser.add_argument("--label", default="")
+    # STASIS_FRESH in the job's environment (the plugin passes it): start from the beginning
+    # rather than wait or be held when stasis cannot tell whether a checkpoint exists.
+    parser.add_argument("--fresh", default="")
     args = parser.parse_args(argv)
+    fresh = args.fresh.strip().lower() in ("1", "true", "yes", "on")
     try:
-        code, out = decide(args.job_id, args.uid, args.gid, args.label)
+        code, out = decide(args.job_id, args.uid, args.gid, args.label, fresh=fresh)
     except Exception as e:  # the job must start whatever happened here
         code, out = EXIT_OFF, {"mode": "off", "messages": [
             f"stasis: warning: internal error ({type(e).__name__}: {e}); {UNPROTECTED}"]}

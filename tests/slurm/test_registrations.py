@@ -29,7 +29,8 @@ def registration(slurm_job: str, **kw: Any) -> Registration:
         user="stasis-test", label=f"lab-{slurm_job}", explicit_label=True, token="tok",
         stdout="/home/u/slurm-%j.out", stderr="/home/u/slurm-%j.err", work_dir="/home/u",
         command=["/bin/sh", "job.sh", "with space"], state="running",
-        registered="2026-01-01T00:00:00+00:00")
+        registered="2026-01-01T00:00:00+00:00", stop_asked=False, final_failed=False,
+        stop_checkpoint=None, restarts=0)
     return cast(Registration, {**reg, **kw})
 
 
@@ -214,3 +215,32 @@ def test_daemon_moves_registrations_at_start(world_tmp: Path,
     finally:
         workload.kill()
         workload.wait()
+
+
+def test_an_older_table_gets_the_stop_columns(tmp_path: Path) -> None:
+    """A daemon upgraded in place: its slurm_jobs table (made without the issue-28 columns)
+    gets them, its rows read as "nothing asked"."""
+    import sqlite3
+    path = tmp_path / "old.db"
+    con = sqlite3.connect(path)
+    cols = [c.name for c in slurm_jobs_table.columns
+            if c.name not in ("stop_asked", "final_failed", "stop_checkpoint", "restarts")]
+    con.execute(f"CREATE TABLE slurm_jobs ({', '.join(cols)})")
+    old = registration("301")
+    values = {**old, "command": json.dumps(old["command"]), "explicit_label": 1}
+    con.execute(f"INSERT INTO slurm_jobs ({', '.join(cols)}) VALUES "
+                f"({', '.join('?' for _ in cols)})", [values[c] for c in cols])
+    con.commit()
+    con.close()
+    d = JobDB(path)
+    try:
+        regs = Registrations(d)
+        regs.upgrade()
+        regs.upgrade()  # a second start: nothing to add
+        assert regs.get("301") == old
+        regs.set_state("301", "stopping", stop_asked=1, stop_checkpoint="x")
+        got = regs.get("301")
+        assert got is not None and got["stop_asked"] is True and got["state"] == "stopping"
+        assert [r["slurm_job"] for r in regs.in_state("stopping")] == ["301"]
+    finally:
+        d.engine.dispose()

@@ -132,7 +132,7 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
     uint32_t jobid = 0;
     uid_t uid = 0;
     gid_t gid = 0;
-    char label[256] = "", jobid_s[32], uid_s[32], gid_s[32], conf_here[1024];
+    char label[256] = "", fresh[16] = "", jobid_s[32], uid_s[32], gid_s[32], conf_here[1024];
     int fds[2];
 
     spank_get_item(sp, S_JOB_ID, &jobid);
@@ -141,6 +141,10 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
     if (spank_getenv(sp, "STASIS_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS &&
         spank_getenv(sp, "CEDANA_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS)
         label[0] = '\0';
+    /* STASIS_FRESH=1: start from the beginning rather than be held when stasis cannot tell
+     * whether the job has a checkpoint (the helper decides what the value means). */
+    if (spank_getenv(sp, "STASIS_FRESH", fresh, sizeof(fresh)) != ESPANK_SUCCESS)
+        fresh[0] = '\0';
     snprintf(jobid_s, sizeof(jobid_s), "%u", jobid);
     snprintf(uid_s, sizeof(uid_s), "%u", (unsigned)uid);
     snprintf(gid_s, sizeof(gid_s), "%u", (unsigned)gid);
@@ -183,7 +187,7 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
         envp[n++] = "LANG=C.UTF-8";
         envp[n] = NULL;
         char *argv[] = {python, "-I", "-m", "stasis.slurm.taskinit", "--job-id", jobid_s,
-                        "--uid", uid_s, "--gid", gid_s, "--label", label, NULL};
+                        "--uid", uid_s, "--gid", gid_s, "--label", label, "--fresh", fresh, NULL};
         execve(python, argv, envp);
         _exit(127);
     }
