@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
 import shutil
 import stat
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -254,6 +256,44 @@ class LocalTree:
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return self._check_root() and (self.root / checkpoint_id / name).is_file()
+
+    def note_times(self, checkpoint_id: str, prefix: str) -> dict[str, float]:
+        path = self.root / checkpoint_id
+        if not self._check_root():
+            raise FileNotFoundError(path)
+        with os.scandir(path) as entries:
+            return {e.name: e.stat(follow_symlinks=False).st_mtime for e in entries
+                    if e.name.startswith(prefix) and e.is_file(follow_symlinks=False)}
+
+    def remove_note(self, checkpoint_id: str, name: str) -> None:
+        try:
+            os.unlink(self.root / checkpoint_id / name)
+        except FileNotFoundError:
+            pass
+
+    def clock(self) -> float:
+        # The filesystem's clock (an NFS server's, or this kernel's): what stamps every file
+        # whose age is measured here.
+        self._ensure_root()
+        fd, name = tempfile.mkstemp(prefix=f".clock-{secrets.token_hex(4)}-",
+                                    dir=self.root / STAGING_NAME)
+        try:
+            os.write(fd, b"\0")
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            os.unlink(name)
+
+    def heartbeat(self, checkpoint_id: str) -> None:
+        # The staging directories are where gc (`remove_idle`) looks for a dump's last write.
+        for path in (self._staging_path(checkpoint_id), self._packing_path(checkpoint_id)):
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                pass
+
+    def end_heartbeat(self, checkpoint_id: str) -> None:
+        pass
 
     def newest_write(self, checkpoint_id: str) -> float | None:
         path = self.root / checkpoint_id

@@ -17,11 +17,14 @@ removed by `discard`.
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 import queue
+import secrets
 import shutil
 import threading
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
@@ -311,19 +314,58 @@ class RemoteTree:
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return bool(self.fs.exists(self._path(checkpoint_id, name)))
 
+    def note_times(self, checkpoint_id: str, prefix: str) -> dict[str, float]:
+        entries = self.fs.ls(self._path(checkpoint_id), detail=True)
+        found = {}
+        for entry in entries:
+            name = posixpath.basename(str(entry.get("name", "")).rstrip("/"))
+            stamp = _stamp(entry)
+            if name.startswith(prefix) and entry.get("type") != "directory" and stamp is not None:
+                found[name] = stamp
+        return found
+
+    def remove_note(self, checkpoint_id: str, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(checkpoint_id, name))
+        except FileNotFoundError:
+            pass
+
+    def clock(self) -> float:
+        # The server's clock: what stamps every object whose age is measured here.
+        path = self._path(CLOCK_DIR, f"{secrets.token_hex(8)}")
+        self.fs.pipe_file(path, b"\0")
+        try:
+            stamp = _stamp(self.fs.info(path))
+        finally:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+        if stamp is None:
+            raise OSError(f"{self.where} does not say when an object was written")
+        return stamp
+
+    def heartbeat(self, checkpoint_id: str) -> None:
+        # An object in the checkpoint's directory: gc (`newest_write`) sees it from any node,
+        # while the files of a multipart upload stay invisible until it completes.
+        try:
+            os.utime(self._staging_path(checkpoint_id))
+        except FileNotFoundError:
+            pass
+        self.fs.pipe_file(self._path(checkpoint_id, PUBLISHING_NOTE), b"{}")
+
+    def end_heartbeat(self, checkpoint_id: str) -> None:
+        try:
+            self.fs.rm_file(self._path(checkpoint_id, PUBLISHING_NOTE))
+        except FileNotFoundError:
+            pass
+
     def newest_write(self, checkpoint_id: str) -> float | None:
         try:
             entries = self.fs.ls(self._path(checkpoint_id), detail=True)
         except FileNotFoundError:
             return None
-        times = []
-        for entry in entries:
-            # Each backend names it its own way: S3 LastModified, local mtime, memory created.
-            stamp = entry.get("LastModified") or entry.get("mtime") or entry.get("created")
-            if hasattr(stamp, "timestamp"):
-                times.append(float(stamp.timestamp()))
-            elif isinstance(stamp, int | float):
-                times.append(float(stamp))
+        times = [t for entry in entries if (t := _stamp(entry)) is not None]
         return max(times) if times else None
 
     # -- the label index --------------------------------------------------------------------
@@ -369,3 +411,20 @@ class RemoteTree:
     def mark_index_ready(self) -> None:
         self._make_dir(self._path(INDEX_DIR))
         self.fs.pipe_file(self._path(INDEX_DIR, FORMAT_FILE), FORMAT)
+
+
+# A publish under way refreshes this object in its checkpoint's directory (`heartbeat`).
+PUBLISHING_NOTE = ".publishing"
+# Where `clock` writes the object it reads the server's time from.
+CLOCK_DIR = ".clock"
+
+
+def _stamp(entry: Mapping[str, Any]) -> float | None:
+    """When a listed object was written: each backend names it its own way (S3 LastModified,
+    local mtime, memory created)."""
+    stamp = entry.get("LastModified") or entry.get("mtime") or entry.get("created")
+    if isinstance(stamp, datetime):
+        return stamp.timestamp()
+    if isinstance(stamp, int | float):
+        return float(stamp)
+    return None

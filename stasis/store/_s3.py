@@ -31,6 +31,7 @@ from stasis.store._remote import RemoteTree
 from stasis.store.compression import Writer
 from stasis.store.tailhash import Opener, Output
 from stasis.store.index import INDEX_DIR
+from stasis.store.manifest import is_checkpoint_id
 
 # fsspec's S3 options that make it fit a store several nodes share (see the module docstring).
 # Timeouts and retries: a server that is gone must fail a dump in seconds, not minutes (botocore's
@@ -270,6 +271,12 @@ class S3Tree(RemoteTree):
                 return found
             marker = {"KeyMarker": page["NextKeyMarker"],
                       "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def checkpoint_of(self, key: str) -> str | None:
+        """The checkpoint whose file an object key (from `abandoned_uploads`) names."""
+        rest = key[len(self._key()) + 1:] if self.prefix else key
+        first = rest.split("/", 1)[0]
+        return first if is_checkpoint_id(first) else None
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key,

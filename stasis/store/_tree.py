@@ -109,6 +109,29 @@ class Tree(Protocol):
 
     def has_note(self, checkpoint_id: str, name: str) -> bool: ...
 
+    def note_times(self, checkpoint_id: str, prefix: str) -> dict[str, float]:
+        """The notes of a checkpoint whose names start with `prefix`, with when each was last
+        written by the store's clock (`clock`); FileNotFoundError if there is no checkpoint."""
+        ...
+
+    def remove_note(self, checkpoint_id: str, name: str) -> None:
+        """Remove a note; nothing happens when it is not there."""
+        ...
+
+    def clock(self) -> float:
+        """The store's own time (epoch seconds): when an object written now says it was
+        written. Ages of what is in the store are measured against it, never against this
+        node's clock, which may be off (issue 28)."""
+        ...
+
+    def heartbeat(self, checkpoint_id: str) -> None:
+        """Say, where any node's gc sees it, that the publish of `checkpoint_id` is alive."""
+        ...
+
+    def end_heartbeat(self, checkpoint_id: str) -> None:
+        """Remove what `heartbeat` left, once the publish ended either way."""
+        ...
+
     def open_stored(
         self, checkpoint_id: str, stored_name: str
     ) -> AbstractContextManager[Reader]: ...

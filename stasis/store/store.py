@@ -27,7 +27,9 @@ import errno
 import json
 import logging
 import os
+import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import fsspec
@@ -88,6 +91,7 @@ from stasis.store.manifest import (
     MAX_SEQ,
     FileEntry,
     Manifest,
+    is_checkpoint_id,
     order_key,
     validate_checkpoint_id,
     validate_label,
@@ -109,6 +113,17 @@ MANIFEST_PURPOSE = "manifest"
 RESTORED_NOTE = "restored.json"
 # Index entries `latest` reads in one go: S3's page.
 _FIRST_PAGE = 1000
+# Pins (`Store.pin`): notes beside a checkpoint's images, named so, refreshed by the pinning
+# process this often; one not refreshed for PIN_TTL_S (its node died) lapses. Ages are
+# measured by the store's clock (`Tree.clock`), so a node whose clock is off neither keeps a
+# dead pin forever nor takes a live one for dead.
+PIN_PREFIX = "pin-"
+PIN_REFRESH_S = 60.0
+PIN_TTL_S = 600.0
+# A publish refreshes its heartbeat (`Tree.heartbeat`) this often, from the dump's first upload
+# to its manifest: gc leaves alone what a publish refreshed within its `idle_s`, which must be
+# well above this.
+HEARTBEAT_S = 60.0
 
 
 @dataclass
@@ -178,6 +193,9 @@ class Store:
         # time, and each would otherwise read the key file and unwrap again.
         self._ciphers: dict[tuple[str, str], ChunkCipher] = {}
         self._ciphers_lock = threading.Lock()
+        # Heartbeats of the publishes under way in this process, by checkpoint id.
+        self._beats: dict[str, _Repeating] = {}
+        self._beats_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, keep={self.keep})"
@@ -198,6 +216,7 @@ class Store:
     def discard(self, checkpoint_id: str) -> None:
         """Remove the staging directory of a dump that failed; nothing happens if there is none."""
         validate_checkpoint_id(checkpoint_id)
+        self._end_beat(checkpoint_id)
         self._tree.discard(checkpoint_id)
 
     def new_data_key(self, checkpoint_id: str) -> DataKey:
@@ -237,6 +256,7 @@ class Store:
                 f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}"
             )
         entry: str | None = None
+        beat = self._beat(info.id)
         try:
             info = info.model_copy(update={"seq": self._next_seq(info)})
             entry = _entry_of(info)
@@ -245,6 +265,7 @@ class Store:
             manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal,
                                           data_key=data_key)
         except BaseException as e:
+            self._end_beat(info.id, beat)
             if entry is not None:
                 self._forget_entry(info.label, info.uid, entry)
             # The index entry can fail before the tree's publish starts (the server went
@@ -254,6 +275,7 @@ class Store:
                 raise
             # OSError, or the own types of fsspec backends
             raise self._write_error(info.id, e) from e
+        self._end_beat(info.id, beat)
         try:
             self._retain(info.label, info.uid, protect=info.id)
         except StasisError as e:
@@ -262,6 +284,27 @@ class Store:
                 "retention for label %s failed after publishing %s: %s", info.label, info.id, e
             )
         return manifest
+
+    def _beat(self, checkpoint_id: str) -> _Repeating:
+        """The heartbeat of the publish of `checkpoint_id`, started now unless `follow` did."""
+        with self._beats_lock:
+            beat = self._beats.get(checkpoint_id)
+            if beat is None:
+                beat = self._beats[checkpoint_id] = _Repeating(
+                    HEARTBEAT_S, lambda: self._tree.heartbeat(checkpoint_id),
+                    f"the publish of {checkpoint_id}")
+            return beat
+
+    def _end_beat(self, checkpoint_id: str, beat: _Repeating | None = None) -> None:
+        with self._beats_lock:
+            beat = self._beats.pop(checkpoint_id, beat)
+        if beat is None:
+            return
+        beat.stop()
+        try:
+            self._tree.end_heartbeat(checkpoint_id)
+        except Exception as e:  # a stale heartbeat is what a dead publish leaves: gc takes it
+            log.debug("cannot remove the heartbeat of %s: %s", checkpoint_id, e)
 
     def _next_seq(self, info: CheckpointInfo) -> int:
         """`info`'s place in its (owner, label) series: one above the newest listed and above its
@@ -288,7 +331,8 @@ class Store:
         (no manifest) but hold disk space. The age rule, not "everything", because a local store
         may be shared with other nodes whose dumps are running. Returns the names removed."""
         try:
-            return remove_idle(self._tree.staging_area(), idle_s, time.time())
+            area = self._tree.staging_area()
+            return remove_idle(area, idle_s, _clock_of(area))
         except OSError as e:
             raise StoreError(f"cannot clean the staging area of {self._tree.where}: {_reason(e)}") from e
 
@@ -373,6 +417,8 @@ class Store:
             # A shortcut only: publish uploads everything itself and reports what is wrong.
             log.debug("not uploading %s while CRIU writes: %s", checkpoint_id, e)
             return None
+        # Uploads begin now: gc must see them alive until publish or discard ends them.
+        self._beat(checkpoint_id)
         return TailHasher(self._tree.staged_path(checkpoint_id), compression=compression,
                           open_out=opener, copy_plain=True,
                           cipher=data_key.cipher if data_key is not None else None)
@@ -385,6 +431,7 @@ class Store:
             raise self._write_error(checkpoint_id, e) from e
 
     def _discard_quietly(self, checkpoint_id: str, source: Path | None) -> None:
+        self._end_beat(checkpoint_id)
         try:
             self._tree.discard(checkpoint_id)
         except Exception as e:  # what is left is a stale staging entry: gc removes it
@@ -448,6 +495,64 @@ class Store:
         except Exception as e:
             raise self._read_error(checkpoint_id, e) from e
 
+    @contextmanager
+    def pin(self, checkpoint_id: str, why: str) -> Iterator[None]:
+        """Keep `checkpoint_id` from retention (keep-N, the age limit, `expire`) for as long as
+        the block runs, on every node sharing the store: take it before reading anything a
+        restore needs. A pin is a note beside the images (`pin-*.json`: host, pid, why),
+        refreshed every PIN_REFRESH_S; a node that dies holding one lets it lapse PIN_TTL_S
+        later. NotFoundError when the checkpoint is gone (nothing to restore), StoreError when
+        the pin cannot be written. An explicit `delete` (root or the owner asked) still goes."""
+        validate_checkpoint_id(checkpoint_id)
+        name = f"{PIN_PREFIX}{secrets.token_hex(8)}.json"
+        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "why": why[:200]}).encode()
+
+        def put() -> None:
+            self._tree.put_note(checkpoint_id, name, data)
+
+        try:
+            put()
+        except FileNotFoundError:
+            raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
+        except Exception as e:
+            raise self._write_error(checkpoint_id, e) from e
+        refresh = _Repeating(PIN_REFRESH_S, put, f"the pin of {checkpoint_id} ({why})",
+                             at_once=False)
+        try:
+            yield
+        finally:
+            refresh.stop()
+            try:
+                self._tree.remove_note(checkpoint_id, name)
+            except Exception as e:  # it lapses PIN_TTL_S from its last refresh
+                log.warning("cannot remove the pin of checkpoint %s from %s: %s",
+                            checkpoint_id, self.url, self._why(e))
+
+    def pinned(self, checkpoint_id: str) -> bool:
+        """Whether some node holds a live pin on `checkpoint_id` (`pin`). True also when that
+        cannot be told (the store answers with an error): keeping one is the safe mistake."""
+        return checkpoint_id in self._pinned([checkpoint_id])
+
+    def _pinned(self, checkpoint_ids: builtins.list[str]) -> set[str]:
+        pinned: set[str] = set()
+        now: float | None = None
+        for checkpoint_id in checkpoint_ids:
+            try:
+                times = self._tree.note_times(checkpoint_id, PIN_PREFIX)
+                if times and now is None:
+                    now = self._tree.clock()
+            except FileNotFoundError:
+                continue  # gone already
+            except Exception as e:
+                log.warning("cannot tell whether checkpoint %s is pinned (%s): kept",
+                            checkpoint_id, self._why(e))
+                pinned.add(checkpoint_id)
+                continue
+            if now is not None and any(now - t < PIN_TTL_S for t in times.values()):
+                pinned.add(checkpoint_id)
+        return pinned
+
     def apply_retention(self, label: str, *, uid: int | None = None) -> list[str]:
         """Delete the checkpoints of `label` beyond the newest `keep` of owner `uid` (None: of
         each owner, counted apart); return the deleted ids."""
@@ -468,6 +573,12 @@ class Store:
             doomed += [m.id for m in series[1:] if m.created.timestamp() < cutoff
                        and m.id not in doomed]
         doomed = [d for d in doomed if d != protect]
+        # Checked right before deleting: a restore pins before it reads a byte.
+        pinned = self._pinned(doomed)
+        for checkpoint_id in sorted(pinned):
+            log.info("checkpoint %s of label %s is kept beyond retention for now: a restore "
+                     "pinned it", checkpoint_id, label)
+        doomed = [d for d in doomed if d not in pinned]
         deleted = []
         for checkpoint_id in doomed:
             try:
@@ -496,10 +607,14 @@ class Store:
         unfinished multipart uploads (S3), index entries leading nowhere; and add the index
         entries that are missing. Never touches a complete checkpoint."""
         report = GcReport(staging=self.remove_stale_staging(idle_s))
-        now = time.time()
         tree = self._tree
         try:
+            # Every age below by the store's clock, not this node's (which may be off by days).
+            now = tree.clock()
             ids = set(tree.ids())
+            # Publishes under way (their heartbeat, or their writes, are recent): not garbage,
+            # however old their multipart uploads are.
+            alive = _staged_ids(tree.staging_area())
             for checkpoint_id in sorted(ids):
                 try:
                     tree.read_manifest(checkpoint_id)
@@ -508,6 +623,7 @@ class Store:
                     pass
                 newest = tree.newest_write(checkpoint_id)
                 if newest is not None and now - newest < idle_s:
+                    alive.add(checkpoint_id)
                     continue  # a publish under way, maybe on another node
                 try:
                     tree.remove(checkpoint_id)
@@ -516,12 +632,16 @@ class Store:
                 ids.discard(checkpoint_id)
                 report.partial.append(checkpoint_id)
             if isinstance(tree, S3Tree):
-                for key, upload_id in tree.abandoned_uploads(idle_s):
+                for key, upload_id in tree.abandoned_uploads(
+                        idle_s, datetime.fromtimestamp(now, UTC)):
+                    if tree.checkpoint_of(key) in alive:
+                        continue  # its publish is alive, only slow: it ends the upload
                     tree.abort_upload(key, upload_id)
                     report.uploads.append(key)
             for label in tree.index_labels():
                 for entry in tree.index_list(label, None):
-                    if entry.checkpoint_id in ids or now - entry.created.timestamp() < idle_s:
+                    if entry.checkpoint_id in ids or entry.checkpoint_id in alive or \
+                            now - entry.created.timestamp() < idle_s:
                         continue
                     tree.index_remove(label, entry.uid, entry.name)
                     report.entries_removed += 1
@@ -1176,6 +1296,63 @@ class Store:
             )
         return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: "
                           f"{self._why(e)}")
+
+
+class _Repeating:
+    """Calls `fn` every `interval_s` on a thread of its own until `stop`; its failures are
+    logged (once each kind), never raised: a missed refresh is retried at the next."""
+
+    def __init__(self, interval_s: float, fn: Callable[[], None], what: str,
+                 at_once: bool = True) -> None:
+        self._at_once = at_once
+        self._stopped = threading.Event()
+        self._fn = fn
+        self._what = what
+        self._interval_s = interval_s
+        fn_thread = threading.Thread(target=self._run, name=f"refresh {what}", daemon=True)
+        self._thread = fn_thread
+        fn_thread.start()
+
+    def _run(self) -> None:
+        said: set[str] = set()
+        first = self._at_once
+        while first or not self._stopped.wait(self._interval_s):
+            first = False
+            try:
+                self._fn()
+            except Exception as e:
+                if type(e).__name__ not in said:
+                    said.add(type(e).__name__)
+                    log.warning("cannot refresh %s: %s", self._what, _reason(e))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
+def _clock_of(area: Path) -> float:
+    """The time by the clock that stamps the files of local directory `area` (a network
+    filesystem's server's, when a local store is shared); this node's when it cannot tell."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".clock-", dir=area)
+    except OSError:
+        return time.time()
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def _staged_ids(area: Path) -> set[str]:
+    """The checkpoints with a staging entry in `area`: dumps and publishes under way (gc has
+    just removed the idle ones)."""
+    try:
+        names = os.listdir(area)
+    except OSError:
+        return set()
+    return {n.removesuffix(".publish") for n in names
+            if is_checkpoint_id(n.removesuffix(".publish"))}
 
 
 def _newest_first(manifests: list[Manifest]) -> list[Manifest]:
