@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from typing import Literal, NotRequired, TypedDict
 
-JobState = Literal["running", "restored", "checkpointed", "exited", "failed"]
+# `restoring`: recorded before its restored tree resumes (the daemon makes it `restored`).
+JobState = Literal["running", "restored", "restoring", "checkpointed", "exited", "failed"]
 # What a dump is asked to do with its images; "auto" compresses only memory that shrinks.
 CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
 # What a stored checkpoint is compressed with (never "auto": that was decided at dump time).
