@@ -5,7 +5,8 @@ host's root as the pod mounts it) and starts the node's stasis daemon. Then it w
 Kubernetes API for its node and the pods on it:
 
 - readiness: every `k8s_check_interval_s` it asks the daemon for its check (CRIU, kernel,
-  store); while that fails the node carries the taint stasis.dev/not-ready:NoSchedule, which
+  store, its database); while that fails, or the daemon does not answer within twice the
+  interval (5 to 30 s), the node carries the taint stasis.dev/not-ready:NoSchedule, which
   comes off when it passes and goes back when it fails again (or the daemon dies; it is
   started again);
 - cordon: when the node becomes unschedulable, a leave-running checkpoint of every container
@@ -51,6 +52,9 @@ from stasis.k8s.models import ContainerInfo
 
 log = logging.getLogger("stasis.k8s.agent")
 
+# The least time the daemon's check may take before the node counts as not ready (a check
+# runs CRIU's and the store's; on a loaded node that takes a few seconds).
+_CHECK_TIMEOUT_MIN_S = 5.0
 # Pods whose last answered request the agent keeps (in memory and in ANSWERED_FILE).
 MAX_PODS_REMEMBERED = 4096
 # In the daemon's state directory (the host's, which outlives the agent's pod).
@@ -195,8 +199,12 @@ class Agent:
     # -- readiness and the taint -----------------------------------------------------------
 
     def check(self) -> tuple[bool, str]:
+        # A daemon that takes connections but answers none (hung, stopped, its database
+        # locked) is not ready either, and is found so within this bound, not the client's
+        # 30 s.
+        timeout = min(30.0, max(_CHECK_TIMEOUT_MIN_S, 2 * self.settings.k8s_check_interval_s))
         try:
-            with self._client() as c:
+            with self._client(timeout_s=timeout) as c:
                 report = c.check()
         except StasisError as e:
             return False, str(e)
@@ -207,8 +215,11 @@ class Agent:
 
     def _readiness(self) -> None:
         while not self.stop.is_set():
-            self._keep_daemon()
-            ok, why = self.check()
+            try:
+                self._keep_daemon()
+                ok, why = self.check()
+            except Exception as e:  # never let this thread die: the taint would stay as is
+                ok, why = False, f"the agent cannot check the daemon: {type(e).__name__}: {e}"
             with self._lock:
                 changed = ok != self.ready or why != self.why_not_ready
                 self.ready, self.why_not_ready = ok, why
@@ -217,7 +228,11 @@ class Agent:
                     log.info("node %s: stasis is ready", self.node)
                 else:
                     log.warning("node %s: stasis is not ready: %s", self.node, why)
-            self._taint()
+            try:
+                self._taint()
+            except Exception as e:
+                log.warning("node %s: cannot set its taint: %s: %s", self.node,
+                            type(e).__name__, e)
             self.stop.wait(self.settings.k8s_check_interval_s)
 
     def _taint(self, node: Any = None) -> None:
