@@ -328,6 +328,20 @@ def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]
     return cmd
 
 
+def _restored(client: Any, first: dict[str, Any], wait_s: float) -> dict[str, Any]:
+    """A migration's restore half once answered, following its retries and re-targets (a
+    failed restore names the one that follows it, `next`) to the last."""
+    then = _finished(client, client.request("GET", f"/api/v1/commands/{first['result']['next']}"),
+                     wait_s)
+    for _ in range(50):  # bounded by the control plane's retries; this bounds a hostile one
+        nxt = (then.get("result") or {}).get("next")
+        if then["state"] != "failed" or not nxt:
+            break
+        then = _finished(client, client.request("GET", f"/api/v1/commands/{_seg(str(nxt))}"),
+                         wait_s)
+    return then
+
+
 def migrate(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import CheckpointError, RestoreError
 
@@ -339,11 +353,12 @@ def migrate(args: argparse.Namespace, settings: Settings) -> None:
     if first["state"] == "failed":
         raise CheckpointError(f"node {first['node']}: {first['result'].get('error')} (job "
                               f"{args.job} goes on there)")
-    then = _finished(client, client.request("GET", f"/api/v1/commands/{first['result']['next']}"),
-                     args.wait)
+    then = _restored(client, first, args.wait)
     if then["state"] == "failed":
-        raise RestoreError(f"node {then['node']}: {then['result'].get('error')} (checkpoint "
-                           f"{first['result']['checkpoint']} is kept: restore it by hand)")
+        error = str(then["result"].get("error"))
+        ckpt = first["result"]["checkpoint"]
+        raise RestoreError(f"node {then['node']}: {error}" + (
+            "" if ckpt in error else f" (checkpoint {ckpt} is kept: restore it by hand)"))
     moved = {"job": then["result"]["job"], "node": then["node"],
              "checkpoint": first["result"]["checkpoint"], "from_job": args.job,
              "from_node": first["node"], "commands": [first["id"], then["id"]]}
@@ -376,8 +391,7 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
         if first["state"] == "failed":
             failed.append(f"{job}: {first['result'].get('error')}")
             continue
-        then = _finished(client, client.request(
-            "GET", f"/api/v1/commands/{first['result']['next']}"), args.wait)
+        then = _restored(client, first, args.wait)
         if then["state"] == "failed":
             failed.append(f"{job}: restore on {then['node']}: {then['result'].get('error')}")
             continue

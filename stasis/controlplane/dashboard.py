@@ -276,7 +276,7 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         to = f.get("to", "")
         if not to:
             raise UsageError("choose the node to migrate to")
-        cmd = registry.migrate_job(s.principal, job, to, None, cluster, node)
+        cmd = registry.migrate_job(s.principal, job, to, None, cluster, node, lost_after_s)
         return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
 
     def add_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:

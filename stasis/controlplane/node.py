@@ -152,6 +152,7 @@ class ControlPlaneNode(Integration):
             if self._credential is not None:
                 self.client.token = self._credential
         self._beats = 0
+        self._unready: list[str] = []  # the readiness problems last reported
         self._registered = False
         self._failing: str | None = None
         self._pending_said = False
@@ -276,12 +277,27 @@ class ControlPlaneNode(Integration):
 
         s = self.manager.settings
         check = run_check(s)
+        unready = self._readiness()
+        self._unready = unready
         return {"name": s.node, "cluster_id": s.cluster_id or None,
                 "host": socket.gethostname(), "stasis_version": version("stasis"),
                 "criu_version": check["criu_version"], "slurm_version": _slurm_version(),
-                "check_ok": check["ok"],
-                "problems": [f"{p['what']} ({p['fix']})" for p in check["problems"]],
+                "check_ok": check["ok"] and not unready,
+                "problems": (unready + [f"{p['what']} ({p['fix']})"
+                                        for p in check["problems"]])[:50],
                 "jobs": sum(1 for j in self._jobs() if j["state"] == "running")}
+
+    def _readiness(self) -> list[str]:
+        """Why the daemon cannot protect jobs now (its database unusable, its journal not
+        settled...), one line each; [] when it can. Reported as the node's problems, which
+        makes it not ready: no migration, drain or policy targets it."""
+        ask = getattr(self.manager, "readiness_problems", None)
+        if not callable(ask):
+            return []
+        try:
+            return [" ".join(str(p).split())[:1000] for p in ask()][:20]
+        except StasisError as e:
+            return [f"the daemon cannot tell whether it can protect jobs: {e}"]
 
     def _jobs(self) -> list[dict[str, Any]]:
         mine = [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
@@ -319,7 +335,9 @@ class ControlPlaneNode(Integration):
     def beat(self) -> None:
         assert self.client is not None
         try:
-            if not self._registered or self._beats % _CHECK_EVERY == 0:
+            # A change in readiness is reported at once (a register), not at the next check.
+            if not self._registered or self._beats % _CHECK_EVERY == 0 or \
+                    self._readiness() != self._unready:
                 self._register()
                 if not self._registered:
                     log.info("joined the control plane at %s as node %s", self.client.url,
@@ -566,6 +584,13 @@ class ControlPlaneNode(Integration):
         became = _newest_first([j for j in self.manager.jobs(_ROOT) if j["checkpoint"] == ckpt])
         if became:
             job = str(became[0]["job"])
+            if became[0]["state"] == "failed":
+                # Restored, then ended by a signal (or its restore's tree never resumed):
+                # not restored again behind anyone's back, nor called a success.
+                raise PermissionDeniedError(
+                    f"migration {migration}'s restore of checkpoint {ckpt} became job {job} "
+                    "here before the daemon stopped, and that job ended by a signal: "
+                    f"checkpoint {ckpt} is kept; restore it with `stasis restore {ckpt}`")
             self._restored(migration, job)
             log.info("control plane: migration %s was restored as job %s before the daemon "
                      "stopped: answered with it", migration, job)

@@ -338,7 +338,7 @@ def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
             to = min(others, key=lambda x: (int(x["jobs"]), x["name"]))
             to["jobs"] = int(to["jobs"]) + 1
             registry.migrate_job(_SYSTEM, job["job"], to["name"], {"policy": policy},
-                                 job["cluster_id"], job["node"])
+                                 job["cluster_id"], job["node"], lost_after_s)
         else:  # a scheduler's job moves by requeue
             registry.queue(_SYSTEM, "checkpoint", job["job"],
                            {"leave_running": not (stop or migrate), "policy": policy},

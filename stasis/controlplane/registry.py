@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 import time
@@ -41,10 +42,24 @@ USER = r"^[A-Za-z0-9._][A-Za-z0-9._:@-]{0,99}$"
 LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 CHECKPOINT_ID = r"^[A-Za-z0-9._-]{1,64}$"
 Kind = Literal["slurm", "kubernetes"]
+# A migration's restore half that fails is tried again on its node after a backoff (doubled at
+# each try, at most RETRY_BACKOFF_MAX_S), then on the other ready nodes its source sealed it
+# for (ALTERNATES at most), then reported failed naming the checkpoint it leaves.
+RESTORE_TRIES_PER_NODE = 2
+RETRY_BACKOFF_S = 1.0
+RETRY_BACKOFF_MAX_S = 60.0
+ALTERNATES = 3
+# A command leased this many times without an answer (its daemon dies carrying it out, each
+# time) is failed rather than given out for ever.
+MAX_LEASES = 5
 
 
 class ControlPlaneError(StasisError):
     """The control plane's database or API failed."""
+
+
+class _Raced(Exception):
+    """A command's row changed between reading and failing it."""
 
 
 class AuthError(PermissionDeniedError):
@@ -697,7 +712,8 @@ class Registry:
 
     def migrate_job(self, by: Principal, job: str, to: str,
                     extra: dict[str, Any] | None = None, cluster: str | None = None,
-                    node: str | None = None) -> dict[str, Any]:
+                    node: str | None = None, lost_after_s: float = float("inf")
+                    ) -> dict[str, Any]:
         """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
         on node `to` of the same cluster, through the store both share. The restore names
         the job's label and owner as reported now, the checkpoint command, and the seal the
@@ -712,15 +728,25 @@ class Registry:
                              "requeues it")
         if src["node"] == to:
             raise UsageError(f"job {job} runs on {to} already")
-        target = [n for n in self.list_nodes(by, float("inf"))
-                  if n["cluster_id"] == src["cluster_id"] and n["name"] == to]
+        peers = [n for n in self.list_nodes(by, lost_after_s)
+                 if n["cluster_id"] == src["cluster_id"]]
+        target = [n for n in peers if n["name"] == to]
         if not target:
             raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
         if target[0]["state"] == "pending":
             with self.engine.begin() as conn:
                 self._refuse_pending(conn, src["cluster_id"], to)
+        if target[0]["state"] != "ready":
+            raise ConflictError(_not_ready(target[0]) + ": it is no migration target; "
+                                "migrate to a ready node (`stasis controlplane nodes`)")
+        # Where the restore goes if the target fails it or is lost: the source seals for
+        # these too (stasis.controlplane.node), fewest jobs first.
+        alternates = [n["name"] for n in sorted(peers, key=lambda n: (int(n["jobs"]),
+                                                                      n["name"]))
+                      if n["state"] == "ready" and n["name"] not in (to, src["node"])]
         return self.queue(by, "checkpoint", job, {"leave_running": False,
                                                   "then_restore_on": to,
+                                                  "or_on": alternates[:ALTERNATES],
                                                   "reason": f"migration to {to}",
                                                   "label": src.get("label"),
                                                   "user": src.get("user"),
@@ -772,7 +798,8 @@ class Registry:
         for j in jobs:
             to = min(sorted(others), key=lambda n: others[n])
             others[to] += 1
-            moves.append(self.migrate_job(by, j["job"], to, None, cluster, node))
+            moves.append(self.migrate_job(by, j["job"], to, None, cluster, node,
+                                          lost_after_s))
         return {"node": node, "cluster_id": cluster, "migrations": moves, "drain": scheduler,
                 "handled": [{"job": j["job"], "kind": j["kind"], "label": j.get("label")}
                             for j in theirs]}
@@ -784,7 +811,9 @@ class Registry:
         validate_name(node, "node name")
         by.node_only(node, "leasing a node's commands")
         now = int(time.time())
-        free = (commands.c.state == "queued") | (
+        # A queued command's lease_until, if any, is when it may be leased (a retry's backoff).
+        free = ((commands.c.state == "queued") & (
+            commands.c.lease_until.is_(None) | (commands.c.lease_until <= now))) | (
             (commands.c.state == "leased") & (commands.c.lease_until < now))
         with self.engine.begin() as conn:
             if conn.execute(select(nodes.c.approved).where(
@@ -851,7 +880,7 @@ class Registry:
         return {"id": command_id, "lease_until": until}
 
     def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any],
-            lease_id: str = "") -> dict[str, Any]:
+            lease_id: str = "", lost_after_s: float = float("inf")) -> dict[str, Any]:
         """The result of a command, from the node holding its lease (quoting it). A command
         moves only forward (queued -> leased -> done | failed): an answer to a done one is
         given its record, never applied again."""
@@ -861,8 +890,20 @@ class Registry:
         with self.engine.begin() as conn:
             row = self._held(conn, by, by.node, command_id, lease_id)
             if row["state"] in ("done", "failed"):
+                if row["state"] == "failed" and ok and row["kind"] == "restore" and \
+                        result.get("job"):
+                    # Re-targeted while its node was away, restored there all the same.
+                    self._event(conn, row["cluster_id"], row["node"], "command-late",
+                                f"restore {command_id} was failed and re-targeted while node "
+                                f"{row['node']} was away, and that node restored it as job "
+                                f"{str(result['job'])[:100]} all the same: the job may run "
+                                "twice; kill one (`stasis controlplane jobs`)")
                 return self._command(dict(row))  # acknowledged twice: the first one stands
             args = json.loads(row["args"])
+            if not ok and row["kind"] == "restore":
+                result = {**result, **self._after_failed_restore(
+                    conn, dict(row), str(result.get("error") or "failed"),
+                    bool(result.get("permanent")), lost_after_s)}
             if ok and row["kind"] == "retain" and result.get("deleted"):
                 conn.execute(update(checkpoints).where(
                     checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
@@ -875,15 +916,17 @@ class Registry:
                 # queue, never leased, until an admin approves that node)
                 if not re.fullmatch(CHECKPOINT_ID, ckpt):
                     raise UsageError(f"bad checkpoint id {ckpt[:64]!r} in the result")
-                nid = "cmd_" + secrets.token_hex(8)
-                conn.execute(insert(commands).values(
-                    id=nid, cluster_id=row["cluster_id"], node=args["then_restore_on"],
-                    kind="restore", args=json.dumps({
-                        "checkpoint": ckpt, "migrated_from": command_id, "job": args["job"],
-                        "label": args.get("label"), "user": args.get("user"),
-                        "from_node": row["node"], "seal": _seal_of(result)}),
-                    state="queued", attempts=0, lease_until=None, result=None,
-                    created=_stamp(), finished=None))
+                seals: dict[str, Any] = result["seals"] if isinstance(result.get("seals"),
+                                                                      dict) else {}
+                alternates = [{"node": str(n), "seal": _seal_of({"seal": seals.get(n)})}
+                              for n in list(args.get("or_on") or [])[:ALTERNATES]
+                              if isinstance(seals.get(n), dict)]
+                nid = self._queue_restore(conn, row["cluster_id"], args["then_restore_on"], {
+                    "checkpoint": ckpt, "migrated_from": command_id, "job": args["job"],
+                    "label": args.get("label"), "user": args.get("user"),
+                    "from_node": row["node"], "seal": _seal_of(result),
+                    "alternates": alternates, "try": 1}, 0.0)
+                result = {k: v for k, v in result.items() if k != "seals"}
                 result = {**result, "next": nid}
             n = conn.execute(update(commands).where(
                 commands.c.id == command_id, commands.c.state == "leased",
@@ -901,6 +944,135 @@ class Registry:
             got = conn.execute(select(commands).where(commands.c.id == command_id)
                                ).mappings().first()
         return self._command(dict(got or row))
+
+    @staticmethod
+    def _queue_restore(conn: Any, cluster_id: str, node: str, args: dict[str, Any],
+                       delay_s: float) -> str:
+        nid = "cmd_" + secrets.token_hex(8)
+        conn.execute(insert(commands).values(
+            id=nid, cluster_id=cluster_id, node=node, kind="restore", args=json.dumps(args),
+            state="queued", attempts=0,
+            lease_until=math.ceil(time.time() + delay_s) if delay_s else None,
+            result=None, created=_stamp(), finished=None))
+        return nid
+
+    def _after_failed_restore(self, conn: Any, row: dict[str, Any], error: str,
+                              permanent: bool, lost_after_s: float,
+                              node_gone: bool = False) -> dict[str, Any]:
+        """What follows a migration's restore half `row` that failed with `error`: the same
+        restore on its node again after a backoff, else on the next alternate node that is
+        ready, as a new command (its id: `next` in the failed one's result); else the
+        failure, naming the checkpoint it leaves. A refusal (`permanent`) is not retried; a
+        node lost (`node_gone`) is not tried again."""
+        args = json.loads(row["args"])
+        error = " ".join(error.split())[:1000]
+        ckpt, tries = str(args.get("checkpoint")), int(args.get("try") or 1)
+        if not args.get("migrated_from"):
+            return {"error": error}  # not a migration's (refused by the node anyway)
+        tried = [*list(args.get("tried") or [])[:20], row["node"]]
+        follow: tuple[str, dict[str, Any], float, str] | None = None
+        if not permanent and not node_gone and tries < RESTORE_TRIES_PER_NODE:
+            delay = min(RETRY_BACKOFF_S * 2 ** (tries - 1), RETRY_BACKOFF_MAX_S)
+            follow = (row["node"], {**args, "try": tries + 1}, delay,
+                      f"tried again on node {row['node']} in {delay:.0f} s")
+        elif not permanent:
+            ready = self._ready_nodes(conn, row["cluster_id"], lost_after_s)
+            alternates = list(args.get("alternates") or [])
+            while alternates and follow is None:
+                alt = alternates.pop(0)
+                if alt.get("node") in ready and alt.get("node") not in tried:
+                    follow = (str(alt["node"]), {**args, "seal": alt.get("seal"), "try": 1,
+                                                 "alternates": alternates, "tried": tried},
+                              0.0, f"re-targeted to node {alt['node']}")
+        what = f"restore of checkpoint {ckpt} (migration {args['migrated_from']}, job " \
+            f"{args.get('job')}) on node {row['node']} failed: {error}"
+        if follow is None:
+            final = (f"{what}; checkpoint {ckpt} is kept and restored nowhere (tried on "
+                     f"{', '.join(tried)}): restore it with `stasis restore {ckpt}` on a node "
+                     "of the cluster, or migrate again")
+            self._event(conn, row["cluster_id"], row["node"], "migration-failed", final)
+            return {"error": final}
+        node, nargs, delay, how = follow
+        nid = self._queue_restore(conn, row["cluster_id"], node, nargs, delay)
+        self._event(conn, row["cluster_id"], row["node"], "migration-retry",
+                    f"{what}; {how} ({nid})")
+        return {"error": f"{what}; {how} ({nid})", "next": nid}
+
+    @staticmethod
+    def _ready_nodes(conn: Any, cluster_id: str, lost_after_s: float) -> set[str]:
+        now = time.time()
+        return {r.name for r in conn.execute(select(
+            nodes.c.name, nodes.c.last_heartbeat).where(
+            nodes.c.cluster_id == cluster_id, nodes.c.check_ok.is_(True),
+            nodes.c.approved.is_not(False))) if now - r.last_heartbeat <= lost_after_s}
+
+    def recover(self, lost_after_s: float) -> int:
+        """Commands that would otherwise hang, failed (and a migration's restore half
+        re-targeted): a restore queued for, or leased by, a node that is lost; any command
+        whose lease ran out on a lost node; any command leased MAX_LEASES times without an
+        answer. A queued command of a lost node that is not a restore waits for it (its job
+        is there). How many were failed."""
+        now = int(time.time())
+        failed = 0
+        with self.engine.begin() as conn:
+            silent = {(r.cluster_id, r.name): now - r.last_heartbeat for r in conn.execute(
+                select(nodes.c.cluster_id, nodes.c.name, nodes.c.last_heartbeat).where(
+                    nodes.c.last_heartbeat < now - lost_after_s))}
+            rows = [dict(r) for r in conn.execute(select(commands).where(
+                ((commands.c.state == "leased") & (commands.c.lease_until < now)) |
+                ((commands.c.state == "queued") & (commands.c.kind == "restore"))))
+                .mappings().all()]
+        for row in rows:
+            lost = silent.get((row["cluster_id"], row["node"]))
+            expired = row["state"] == "leased"
+            if lost is not None and (expired or row["kind"] == "restore"):
+                why = f"node {row['node']} was lost (silent {lost} s) " + (
+                    "while carrying it out" if expired else "before carrying it out")
+            elif expired and row["attempts"] >= MAX_LEASES:
+                why = (f"node {row['node']} leased it {row['attempts']} times without "
+                       "answering (its daemon died carrying it out each time: see its log)")
+            else:
+                continue
+            try:
+                self._fail_held(row, why, lost_after_s)
+            except _Raced:
+                continue  # answered or leased meanwhile: that stands
+            failed += 1
+        return failed
+
+    def _fail_held(self, row: dict[str, Any], why: str, lost_after_s: float) -> None:
+        with self.engine.begin() as conn:
+            if row["kind"] == "restore":
+                result = self._after_failed_restore(conn, row, why, False, lost_after_s,
+                                                    node_gone=True)
+            else:
+                result = {"error": why + self._newest_known(conn, row)}
+                self._event(conn, row["cluster_id"], row["node"], "command-failed",
+                            f"{row['kind']} ({row['id']}): {result['error']}")
+            n = conn.execute(update(commands).where(
+                commands.c.id == row["id"], commands.c.state == row["state"],
+                commands.c.attempts == row["attempts"]).values(
+                state="failed", result=json.dumps(result), finished=_now(),
+                lease_until=None)).rowcount
+            if not n:
+                raise _Raced()  # rolls back the restore queued in its place
+
+    @staticmethod
+    def _newest_known(conn: Any, row: dict[str, Any]) -> str:
+        """For a checkpoint command failed with its node: the newest checkpoint of the job's
+        label that its nodes reported, to restore by hand."""
+        args = json.loads(row["args"])
+        if not args.get("label"):
+            return ""
+        newest = conn.execute(select(checkpoints.c.id, checkpoints.c.node).where(
+            checkpoints.c.cluster_id == row["cluster_id"],
+            checkpoints.c.label == args["label"], checkpoints.c.user == args.get("user"),
+            checkpoints.c.deleted.is_(None)).order_by(checkpoints.c.created.desc()).limit(1)
+        ).first()
+        if newest is None:
+            return f"; no checkpoint of label {args['label']} is known here"
+        return (f"; the newest checkpoint of label {args['label']} known here is {newest.id} "
+                f"(node {newest.node}): `stasis restore {newest.id}` on a node restores it")
 
     def command(self, by: Principal, command_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:
@@ -943,6 +1115,14 @@ class Registry:
         return {**{k: v for k, v in row.items() if k != "lease_id"},
                 "args": json.loads(row["args"]),
                 "result": json.loads(row["result"]) if row.get("result") else None}
+
+
+def _not_ready(n: dict[str, Any]) -> str:
+    """One line: why node `n` (as list_nodes shows it) is not ready."""
+    if n["state"] == "lost":
+        return f"node {n['name']} is lost (silent {n['last_heartbeat_age_s']:.0f} s)"
+    why = "; ".join(str(p) for p in n.get("problems") or [])[:500] or "its check failed"
+    return f"node {n['name']} is not ready ({' '.join(why.split())})"
 
 
 def _seal_of(result: dict[str, Any]) -> dict[str, str] | None:

@@ -381,7 +381,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who.admin_only()
         body = await _body(request, Migration)
         return web.json_response(await run(registry.migrate_job, who, body.job, body.to,
-                                            None, body.cluster, body.node), status=201)
+                                            None, body.cluster, body.node, lost_after_s),
+                                 status=201)
 
     async def drain(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
@@ -539,7 +540,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who.node_only(who.node or "?", "acknowledging a command")
         body = await _body(request, Ack)
         return web.json_response(await run(registry.ack, who, request.match_info["id"],
-                                            body.ok, body.result, body.lease_id))
+                                            body.ok, body.result, body.lease_id,
+                                            lost_after_s))
 
     a.add_routes([
         web.get("/api/v1/health", health),
@@ -673,6 +675,8 @@ async def _run_policies(registry: Registry, lost_after_s: float) -> None:
     while True:
         try:
             await asyncio.to_thread(registry.note_lost, lost_after_s)
+            # commands a lost or dying node holds: failed, a restore re-targeted
+            await asyncio.to_thread(registry.recover, lost_after_s)
             queued = await asyncio.to_thread(policies.run_due, registry, lost_after_s)
             if queued:
                 log.info("policies queued %d command(s)", queued)

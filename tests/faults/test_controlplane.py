@@ -135,3 +135,27 @@ def test_a_restore_half_killed_after_restoring_answers_with_the_job_it_restored(
     assert last["kind"] == "restore" and last["state"] == "done", last
     assert_runs_once_counting_on(cluster, "cpf-restore", str(last["result"]["job"]), before)
     cluster.b.kill_all()
+
+
+def test_a_control_plane_killed_mid_migration_loses_nothing(
+        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
+    """The control plane SIGKILLed while its nodes carry out a migration, started again on its
+    database: the nodes' answers are taken (or their commands leased again and answered from
+    what they did), and the migration ends with the job running once on its target."""
+    c = cluster
+    job = c.a.run(*workload("counter.py"), label="cpf-cp", user=test_user.pw_name)["job"]
+    wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
+    wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
+    log = c.a.state_dir / "logs" / f"{job}.log"
+    status, first = c.cp.call("POST", "/api/v1/migrations", c.cp.admin,
+                              {"job": job, "to": "node-b"})
+    assert status == 201, first
+    assert c.cp.proc is not None
+    c.cp.proc.kill()
+    c.cp.proc.wait()
+    before = int(log.read_text().split()[-1])
+    c.cp.start("--command-lease", LEASE_S, "--lost-after", "30")
+    last = final(c.cp, first["id"])
+    assert last["kind"] == "restore" and last["state"] == "done", last
+    assert_runs_once_counting_on(c, "cpf-cp", str(last["result"]["job"]), before)
+    c.b.kill_all()
