@@ -239,6 +239,18 @@ class S3Tree(RemoteTree):
         except Exception:
             pass  # it only stays listed, as a checkpoint without a manifest
 
+    def end_heartbeat(self, checkpoint_id: str) -> None:
+        super().end_heartbeat(checkpoint_id)
+        # A publish that ended without files (a dump discarded): the "directory" the heartbeat
+        # made on a filer-based server goes too, as in `remove`.
+        try:
+            path = self._path(checkpoint_id)
+            if all(str(p).rstrip("/") == path for p in self.fs.ls(path)):
+                self.fs.call_s3("delete_object", Bucket=self.bucket,
+                                Key=self._key(checkpoint_id) + "/")
+        except FileNotFoundError:
+            pass
+
     def _put_manifest(self, checkpoint_id: str, data: bytes) -> None:
         self.fs.pipe_file(self._path(checkpoint_id, "manifest.json"), data)
 
