@@ -9,10 +9,12 @@
 #                the control plane's dashboard, driven headless by Selenium in its tests
 #   debootstrap  the Debian 13 root (Slurm 24.11) that the Slurm tests build and run in
 #                (tests/e2e/debian_root.sh)
+#   faketime     libfaketime: a second test daemon runs with its clock days ahead (LD_PRELOAD),
+#                to show a label's order does not follow the dumping nodes' clocks
 # The tests start private servers as an ordinary user on loopback; nothing here is configured,
 # and on a machine without systemd the package's own cluster is not started.
 set -euo pipefail
 
-PACKAGES=(postgresql chromium chromium-driver debootstrap)
+PACKAGES=(postgresql chromium chromium-driver debootstrap faketime)
 
 bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"
