@@ -139,6 +139,9 @@ def _url_for(db: str) -> str:
 class Registry:
     def __init__(self, db: str) -> None:
         self.url = _url_for(db)
+        # Nodes are judged lost (recover) by their silence since this control plane started:
+        # while it was down, nobody could be heard.
+        self.started = int(time.time())
         if "://" not in db:
             # Root's alone: it holds every cluster, node and token hash of the site.
             import os
@@ -967,15 +970,17 @@ class Registry:
         args = json.loads(row["args"])
         error = " ".join(error.split())[:1000]
         ckpt, tries = str(args.get("checkpoint")), int(args.get("try") or 1)
-        if not args.get("migrated_from"):
-            return {"error": error}  # not a migration's (refused by the node anyway)
+        if not args.get("migrated_from") or permanent:
+            # Not a migration's (refused by the node anyway), or refused: the node's own line
+            # says what and why, retrying changes nothing.
+            return {"error": error}
         tried = [*list(args.get("tried") or [])[:20], row["node"]]
         follow: tuple[str, dict[str, Any], float, str] | None = None
-        if not permanent and not node_gone and tries < RESTORE_TRIES_PER_NODE:
+        if not node_gone and tries < RESTORE_TRIES_PER_NODE:
             delay = min(RETRY_BACKOFF_S * 2 ** (tries - 1), RETRY_BACKOFF_MAX_S)
             follow = (row["node"], {**args, "try": tries + 1}, delay,
                       f"tried again on node {row['node']} in {delay:.0f} s")
-        elif not permanent:
+        else:
             ready = self._ready_nodes(conn, row["cluster_id"], lost_after_s)
             alternates = list(args.get("alternates") or [])
             while alternates and follow is None:
@@ -1017,7 +1022,8 @@ class Registry:
         with self.engine.begin() as conn:
             silent = {(r.cluster_id, r.name): now - r.last_heartbeat for r in conn.execute(
                 select(nodes.c.cluster_id, nodes.c.name, nodes.c.last_heartbeat).where(
-                    nodes.c.last_heartbeat < now - lost_after_s))}
+                    nodes.c.last_heartbeat < now - lost_after_s))
+                if now - max(r.last_heartbeat, self.started) > lost_after_s}
             rows = [dict(r) for r in conn.execute(select(commands).where(
                 ((commands.c.state == "leased") & (commands.c.lease_until < now)) |
                 ((commands.c.state == "queued") & (commands.c.kind == "restore"))))
