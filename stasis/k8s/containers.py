@@ -44,18 +44,22 @@ from typing import Any
 from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, \
     update
 
+from stasis import faults
 from stasis.config import Settings
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.errors import (
     ContainerError,
+    CorruptCheckpointError,
     NotFoundError,
     PermissionDeniedError,
     StasisError,
+    StoreError,
+    UntrustedCheckpointError,
     UsageError,
 )
-from stasis.k8s import oci, rootfs
+from stasis.k8s import freezes, oci, rootfs
 from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
@@ -71,8 +75,8 @@ from stasis.k8s.models import (
     RestorePlan,
     RestoreRequest,
 )
-from stasis.k8s.runc import Bundle, Runc, legacy_namespace_uid, namespace_uid, read_bundle, \
-    real_runc, validate_abs_path, validate_container_id
+from stasis.k8s.runc import STOP_MARKER, Bundle, Runc, legacy_namespace_uid, mark_stop_asked, \
+    namespace_uid, read_bundle, real_runc, validate_abs_path, validate_container_id
 from stasis.store import CheckpointInfo, Manifest, new_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
@@ -120,6 +124,10 @@ class Containers:
         # Restores under way: the images stay open (fetched, verified) until the wrapper's
         # `runc restore` is done with them.
         self._plans: dict[str, tuple[contextlib.ExitStack, float]] = {}
+        # Every `runc pause` is written down first (freezes.py); what a killed daemon left
+        # frozen is settled at the start (`settle_freezes`), and retried while runc fails.
+        self.freezes = freezes.FreezeJournal(manager.settings.state_dir / freezes.DIRECTORY)
+        self._unsettled: list[freezes.Freeze] = []
 
     # -- the registry ---------------------------------------------------------------------
 
@@ -326,6 +334,11 @@ class Containers:
         if bundle.label is None:
             raise UsageError(f"container {container_id} has no STASIS_CHECKPOINT")
         label = validate_label(bundle.label)
+        if reason == "stop":
+            # Whatever comes of this checkpoint, the container's end is no success to retire
+            # its label for (`ended`); the runtime said so too, unless the stop came here.
+            mark_stop_asked(bundle.path)
+        step = "stop" if reason == "stop" else "interval"  # the fault points' names
         started = time.monotonic()
         created = datetime.now(UTC)
         cid = new_checkpoint_id(created)
@@ -333,7 +346,16 @@ class Containers:
         data_key = store.new_data_key(cid) if m.settings.encrypt else None
         staging = store.staging_dir(cid)
         work = Path(tempfile.mkdtemp(prefix=f"runc-{cid}-", dir=m.criu_logs))
-        runc.run("pause", container_id, timeout_s=10)
+        freeze = freezes.Freeze(container_id=container_id, runc_root=str(root), checkpoint=cid,
+                                stop=reason == "stop")
+        try:
+            self.freezes.write(freeze)  # before the pause: a daemon killed after it thaws it
+            runc.run("pause", container_id, timeout_s=10)
+        except BaseException:
+            self._thawed(freeze, runc)
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        faults.point(f"k8s.{step}.after-pause")
         frozen = time.monotonic()
         paused = True
         try:
@@ -345,6 +367,7 @@ class Containers:
             except BaseException:
                 store.discard(cid)
                 raise
+            faults.point(f"k8s.{step}.after-dump")
             if reason != "stop":
                 paused = not _resume(runc, container_id)
             frozen_s = time.monotonic() - frozen
@@ -358,12 +381,17 @@ class Containers:
                        "work_s": m.work.at(container_id, registered or created, created)},
             )
             manifest = store.publish(info, "none", data_key=data_key)
+            freeze.published = True
+            if paused:
+                self.freezes.write(freeze)
         except BaseException:
             if paused:
                 _resume(runc, container_id)
+            self._thawed(freeze, runc)
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        faults.point(f"k8s.{step}.after-publish")
         stopped = False
         if reason == "stop":
             # Killed while still frozen: it never runs past its checkpoint.
@@ -372,8 +400,16 @@ class Containers:
                 stopped = True
             finally:
                 _resume(runc, container_id)
-        self._set(container_id, last_checkpoint=manifest.id,
-                  last_checkpoint_at=int(time.time()))
+                self._thawed(freeze, runc)
+        else:
+            self._thawed(freeze, runc)
+        try:
+            self._set(container_id, last_checkpoint=manifest.id,
+                      last_checkpoint_at=int(time.time()))
+        except Exception as e:  # the database: the checkpoint is published all the same
+            log.warning("container %s: checkpoint %s published, but the database did not "
+                        "record it (%s: %s); its next interval may come early",
+                        container_id, manifest.id, type(e).__name__, str(e)[:200])
         log.info("container %s (%s): checkpoint %s of label %s (%s, %.2f s)", container_id,
                  bundle.namespace, manifest.id, label, why, time.monotonic() - started)
         m.activity.notify(Activity(
@@ -406,11 +442,30 @@ class Containers:
                 log.warning("interval checkpoint of container %s failed: %s",
                             row["container_id"], e)
 
-    def ended(self, container_id: str, exit_status: int) -> list[str]:
-        """The container's init exited: 0 retires the label's checkpoints of its namespace
-        (the ids deleted), anything else keeps them for the next start."""
+    def ended(self, container_id: str, exit_status: int | None) -> list[str]:
+        """The container's init exited: a genuine success (0, and no stop was asked of it)
+        retires the label's checkpoints of its namespace (the ids deleted); anything else
+        keeps them for the next start. "Cannot tell" keeps them: an exit status unknown, or a
+        bundle gone that would say whether a stop was asked."""
         row = self._row(container_id)
-        if row is None or exit_status != 0:
+        if row is None:
+            return []
+        bundle = Path(row["bundle"])
+        kept = None
+        if exit_status is None:
+            kept = "its exit status is unknown"
+        elif exit_status != 0:
+            kept = "it failed"
+        elif os.path.lexists(bundle / STOP_MARKER):
+            # The app may end with 0 on SIGTERM: its work is not done, and the stop's
+            # checkpoint may have failed (the store unreachable) or never been asked.
+            kept = "a stop was asked of it: its work was cut short"
+        elif not bundle.is_dir():
+            kept = f"its bundle {bundle} is gone, which would say whether a stop was asked"
+        shown = "(status unknown)" if exit_status is None else str(exit_status)
+        if kept is not None:
+            log.info("container %s exited %s: label %s kept (%s)", container_id, shown,
+                     row["label"], kept)
             return []
         store = self.manager.store
         uid = namespace_uid(row["namespace"])
@@ -512,6 +567,10 @@ class Containers:
                 raise
             except StasisError as e:
                 stack.close()
+                if not _skippable(e):
+                    # The store cannot be read: an older checkpoint, or none, would be a
+                    # guess. The create fails and is tried again (stasis-runc).
+                    raise
                 said = str(e)
                 notes.append(said if said.startswith(f"checkpoint {manifest.id} refused: ")
                              else f"checkpoint {manifest.id} skipped: {said}")
@@ -521,6 +580,7 @@ class Containers:
                 stack.close()
                 raise
             self._plans[cid] = (stack, time.monotonic())
+            faults.point("k8s.restore.planned")
             return RestorePlan(checkpoint=manifest.id, label=label, images_dir=str(images),
                                work_dir=str(work), notes=notes)
         return RestorePlan(checkpoint=None, label=label, images_dir=None, work_dir=None,
@@ -547,8 +607,8 @@ class Containers:
             # checked by name (_ours), as every candidate's is.
             rest += store.list(label, uid=legacy_namespace_uid(bundle.namespace))
         except StasisError as e:
-            notes.append(f"the checkpoints of label {label} cannot be listed: {e}")
-            return
+            # "Cannot tell" is not "none": the create waits, then fails (stasis-runc).
+            raise StoreError(f"the checkpoints of label {label} cannot be listed: {e}") from e
         rest.sort(key=lambda m: m.created, reverse=True)
         for m in rest:
             if self._ours(m, bundle, notes):
@@ -578,6 +638,54 @@ class Containers:
             plan[0].close()
         return plan is not None
 
+    # -- freezes a killed daemon left --------------------------------------------------------
+
+    def _thawed(self, freeze: freezes.Freeze, runc: Runc) -> None:
+        """The end of a freeze this daemon took: its record goes, unless the container is
+        still paused (a resume failed), which the next settle retries."""
+        try:
+            status = runc.state(freeze.container_id).get("status")
+        except StasisError:
+            status = None
+        if status == "paused":
+            log.warning("container %s: still paused after its checkpoint; thawed later",
+                        freeze.container_id)
+            with self._locks_guard:
+                self._unsettled.append(freeze)
+            return
+        self.freezes.end(freeze.checkpoint)
+
+    def settle_freezes(self) -> None:
+        """At the daemon's start: every container a killed daemon left frozen is thawed (or
+        killed at its published stop checkpoint); staging of what was not published goes."""
+        self.freezes.prepare()
+        self._unsettled = self.freezes.open_entries()
+        self.retry_freezes()
+
+    def retry_freezes(self) -> None:
+        with self._locks_guard:
+            todo, self._unsettled = self._unsettled, []
+        left = []
+        for entry in todo:
+            lock = self._lock(entry.container_id)
+            # A checkpoint of it under way now has paused it for itself: not ours to thaw.
+            if not lock.acquire(blocking=False):
+                left.append(entry)
+                continue
+            try:
+                settled = freezes.settle(entry, self._runc(Path(entry.runc_root)))
+            finally:
+                lock.release()
+            if not settled:
+                left.append(entry)
+                continue
+            if not entry.published:
+                with contextlib.suppress(StasisError, OSError):
+                    self.manager.store.discard(entry.checkpoint)
+            self.freezes.end(entry.checkpoint)
+        with self._locks_guard:
+            self._unsettled += left
+
     def sweep(self) -> None:
         """Plans whose wrapper died before saying how the restore went."""
         now = time.monotonic()
@@ -588,6 +696,14 @@ class Containers:
     def close(self) -> None:
         for cid in list(self._plans):
             self._drop_plan(cid)
+
+
+def _skippable(e: StasisError) -> bool:
+    """A reason to try the label's checkpoint before this one: this one is bad or not this
+    container's (corrupt, untrusted, deleted meanwhile, other credentials), not a store that
+    cannot be read."""
+    return isinstance(e, CorruptCheckpointError | UntrustedCheckpointError | NotFoundError
+                      | ContainerError) or not isinstance(e, StoreError)
 
 
 class TooSoonError(UsageError):

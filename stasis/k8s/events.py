@@ -1,6 +1,7 @@
 """containerd's task events, followed for the one thing runc cannot tell: how a container
-ended. A container under stasis whose init exits 0 retires its label's checkpoints (as a Slurm
-job that completes does); any other end keeps them, so the next start resumes.
+ended. A container under stasis whose init exits 0, with no stop asked of it, retires its
+label's checkpoints (as a Slurm job that completes does); any other end keeps them, so the
+next start resumes.
 
 Read from `ctr events` (containerd's own client; its lines are `<time> <namespace> <topic>
 <json>`), restarted when it ends, in a thread of its own.
@@ -24,7 +25,7 @@ log = logging.getLogger("stasis.daemon")
 class TaskExit:
     namespace: str
     container_id: str
-    exit_status: int
+    exit_status: int | None  # None: unknown
 
 
 def parse_exit(line: str) -> TaskExit | None:
@@ -40,8 +41,13 @@ def parse_exit(line: str) -> TaskExit | None:
     cid = event.get("container_id")
     if not isinstance(cid, str) or event.get("id", cid) != cid:
         return None
-    return TaskExit(namespace=fields[-2], container_id=cid,
-                    exit_status=int(event.get("exit_status") or 0))
+    # containerd's JSON leaves a 0 out (protobuf's omitempty), so no exit_status in a whole
+    # exit record is 0; one without its exit time, or with a status that is not a number,
+    # says nothing: unknown, never 0 (a 0 retires the label).
+    status = event.get("exit_status", 0)
+    if "exited_at" not in event or not isinstance(status, int) or isinstance(status, bool):
+        status = None
+    return TaskExit(namespace=fields[-2], container_id=cid, exit_status=status)
 
 
 class ExitFollower:

@@ -63,13 +63,17 @@ class K8sIntegration(Integration):
 
     def prepare(self) -> None:
         self.events.start()
+        # Before any request: what a killed daemon left paused runs (or ends) again.
+        self.containers.settle_freezes()
 
     def tables(self) -> Sequence[Table]:
         return [k8s_containers_table]
 
     def tasks(self) -> Sequence[Task]:
         return [Task("interval checkpoints of containers", 1.0, self.containers.checkpoint_due),
-                Task("forget abandoned container restores", 60.0, self.containers.sweep)]
+                Task("forget abandoned container restores", 60.0, self.containers.sweep),
+                Task("thaw containers a killed daemon left paused", 10.0,
+                     self.containers.retry_freezes)]
 
     def close(self) -> None:
         self.events.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -32,6 +33,20 @@ NAMESPACE_UID_BASE = 1 << 32
 # Before this release namespaces had uids in [2**30, 2**31 - 1): real uids could be those. Kept only
 # to find a namespace's older checkpoints at restore (their namespace is checked by name).
 _LEGACY_UID_BASE = 0x40000000
+
+
+# In a container's bundle (containerd's directory, out of the container's reach): a stop was
+# asked of it (the kubelet's SIGTERM, or its SIGKILL at the grace period's end). Its end is then
+# never a success that retires its label, whatever its exit status (containers.ended).
+STOP_MARKER = "stasis-stop-asked"
+
+
+def mark_stop_asked(bundle: Path) -> None:
+    try:
+        fd = os.open(bundle / STOP_MARKER, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+    except OSError:
+        pass  # the bundle is gone: so is the container, and `ended` keeps its label then
 
 
 def validate_container_id(container_id: str) -> str:

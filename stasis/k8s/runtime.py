@@ -3,12 +3,21 @@ its PATH: stasis.k8s.shim). Every command goes to the real runc unchanged, excep
 container whose environment has STASIS_CHECKPOINT:
 
     create   restores the label's newest good checkpoint instead (`runc restore --detach`, the
-             writable layer put back first), or creates it fresh when there is none, the daemon
-             cannot be reached or the restore fails; what happened goes to the container's
-             stderr (its log), one line each, prefixed "stasis:"
+             writable layer put back first), or creates it fresh when there is none or the
+             restore fails; what happened goes to the container's stderr (its log), one line
+             each, prefixed "stasis:". When nobody can tell whether there is one (the daemon
+             or the store cannot be reached), it asks again for up to `store_wait_s` (at most
+             CREATE_WAIT_MAX_S), then fails the create, which the kubelet retries (the reason
+             in runc's log, which containerd puts into the error and the pod's event), unless
+             the container's STASIS_FRESH says otherwise:
+                 true            start fresh without looking for a checkpoint (the label's
+                                 checkpoints are kept; new ones are taken)
+                 if-unreachable  resume when one can be found, start fresh when nobody can tell
     start    of a restored container: nothing to do (it runs already); then registered
     kill     with SIGTERM (the kubelet's stop): the daemon checkpoints it first and kills it;
-             when that fails or takes too long, the signal goes to runc as usual
+             when that fails or takes too long, the signal goes to runc as usual. Any stop
+             signal (TERM, INT, QUIT, KILL) is noted in the bundle first: the container's end
+             is then no success that retires its label
     delete   the daemon forgets it
 
 A container without the variable never reaches the daemon.
@@ -28,6 +37,13 @@ if TYPE_CHECKING:
 # runc's global flags that take a value (`--root R` or `--root=R`).
 _VALUE_FLAGS = {"--log", "--log-format", "--root", "--criu", "--rootless"}
 _STOP_SIGNALS = {"15", "TERM", "SIGTERM"}
+# Signals that end a container (a kubelet's stop, its image's STOPSIGNAL, the grace's end).
+_ENDING_SIGNALS = _STOP_SIGNALS | {"2", "INT", "SIGINT", "3", "QUIT", "SIGQUIT", "9", "KILL",
+                                   "SIGKILL"}
+# The kubelet gives a CreateContainer 2 minutes (--runtime-request-timeout): a create that
+# waits longer is retried while it still runs.
+CREATE_WAIT_MAX_S = 90.0
+_FRESH_VARIABLE = "STASIS_FRESH"
 _MARKER = "stasis-restored"  # in the bundle: `start` has nothing to do
 _DEFAULT_RUNC_ROOT = "/run/runc"
 
@@ -93,18 +109,55 @@ def say(message: str) -> None:
         pass
 
 
-def _label_of(bundle: Path) -> str | None:
+def _env_of(bundle: Path) -> dict[str, str]:
     import json
 
     try:
         env = json.loads((bundle / "config.json").read_text())["process"].get("env") or []
+        return dict(str(item).partition("=")[::2] for item in env)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    for item in env:
-        name, _, value = item.partition("=")
-        if name in ("STASIS_CHECKPOINT", "CEDANA_CHECKPOINT") and value:
-            return str(value)
+        return {}
+
+
+def _label_of(bundle: Path) -> str | None:
+    env = _env_of(bundle)
+    for name in ("STASIS_CHECKPOINT", "CEDANA_CHECKPOINT"):
+        if env.get(name):
+            return env[name]
     return None
+
+
+def _fresh_of(bundle: Path) -> str:
+    """The container's STASIS_FRESH: "always", "if-unreachable", or "" (resume or wait)."""
+    value = _env_of(bundle).get(_FRESH_VARIABLE, "").strip().lower()
+    if value in ("1", "true", "yes", "always"):
+        return "always"
+    if value == "if-unreachable":
+        return value
+    if value not in ("", "0", "false", "no"):
+        say(f"{_FRESH_VARIABLE}={value!r} is not true, false or if-unreachable: ignored")
+    return ""
+
+
+def _runtime_error(argv: Argv, message: str) -> None:
+    """`message` as runc's own error in its log: containerd's shim reads the last one into the
+    create's error, which the kubelet puts into the pod's event."""
+    import json
+    from datetime import UTC, datetime
+
+    path = argv.globals.get("--log")
+    if not path:
+        return
+    line = json.dumps({"level": "error", "msg": message,
+                       "time": datetime.now(UTC).isoformat()})
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def main() -> None:
@@ -155,17 +208,40 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     if label is None or not pos:
         return None
     cid = pos[-1]
-    client = _client(settings, 600)
-    try:
-        plan = client.request("POST", "/k8s/restores", {
-            "runc_root": argv.root, "container_id": cid, "bundle": str(bundle)})
-    except ContainerRootDamagedError as e:
-        say(f"label {label}: {e}; this container does not start (its next create gets a "
-            "new root)")
-        return 1
-    except StasisError as e:
-        say(f"cannot ask for a checkpoint of label {label}: {e}; starting fresh")
+    fresh = _fresh_of(bundle)
+    if fresh == "always":
+        say(f"label {label}: starting fresh ({_FRESH_VARIABLE}=true; its checkpoints are "
+            "kept, not resumed)")
         return None
+    client = _client(settings, 600)
+    import time
+
+    deadline = time.monotonic() + min(float(settings.store_wait_s), CREATE_WAIT_MAX_S)
+    while True:
+        try:
+            plan = client.request("POST", "/k8s/restores", {
+                "runc_root": argv.root, "container_id": cid, "bundle": str(bundle)})
+            break
+        except ContainerRootDamagedError as e:
+            say(f"label {label}: {e}; this container does not start (its next create gets a "
+                "new root)")
+            return 1
+        except StasisError as e:
+            # "Cannot tell" is not "no checkpoint": a fresh start would lose the work its
+            # checkpoint holds, and later retention would delete that checkpoint.
+            if fresh == "if-unreachable":
+                say(f"cannot ask for a checkpoint of label {label}: {e}; starting fresh "
+                    f"({_FRESH_VARIABLE}=if-unreachable)")
+                return None
+            if time.monotonic() >= deadline:
+                message = (f"label {label}: cannot tell whether it has a checkpoint to resume "
+                           f"({e}); the container is not started fresh: its create fails and "
+                           f"is retried ({_FRESH_VARIABLE}=if-unreachable on the container "
+                           "starts it fresh instead)")
+                say(message)
+                _runtime_error(argv, "stasis: " + message)
+                return 1
+            time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
     for note in plan["notes"]:
         say(note)
     if plan["checkpoint"] is None:
@@ -255,13 +331,18 @@ def _kill(argv: Argv, runc: str, settings: Settings) -> int | None:
     if len(pos) < 1:
         return None
     cid, sig = pos[0], (pos[1] if len(pos) > 1 else "TERM").upper()
-    if sig not in _STOP_SIGNALS:
+    if sig not in _ENDING_SIGNALS:
         return None
     state = _state(runc, argv.root, cid)
     if state is None:
         return None
-    if state.get("status") not in ("running", "paused") or \
-            _label_of(Path(state.get("bundle", ""))) is None:
+    bundle = Path(state.get("bundle", ""))
+    if _label_of(bundle) is None:
+        return None
+    from stasis.k8s.runc import mark_stop_asked
+
+    mark_stop_asked(bundle)  # before anything: the daemon may be down, or die at the checkpoint
+    if sig not in _STOP_SIGNALS or state.get("status") not in ("running", "paused"):
         return None
     timeout = float(settings.k8s_stop_timeout_s)
     try:
