@@ -129,7 +129,10 @@ def test_without_a_daemon_a_container_starts_fresh_and_says_so(node: Node) -> No
     pid_file = Path(node.info["dir"]) / "stasis" / "daemon.pid"
     detached.stop(detached.read_pid(pid_file))
     try:
-        log = counter(node, "c-nod", label)
+        # Asked to (STASIS_FRESH=if-unreachable): without it, a create that cannot ask waits
+        # and fails (issue 28; tests/e2e/test_k8s_faults.py).
+        log = node.run("c-nod", COUNTER.replace("$0", "x"),
+                       env={"STASIS_CHECKPOINT": label, "STASIS_FRESH": "if-unreachable"})
         wait_for(lambda: len(numbers(log)) >= 2, 20, "the counter")
         text = log.read_text()
         assert "stasis: cannot ask for a checkpoint of label" in text and "starting fresh" in text
