@@ -17,6 +17,7 @@ from stasis.store.manifest import (
     RecordedFacts,
     is_checkpoint_id,
     new_checkpoint_id,
+    order_key,
     validate_checkpoint_id,
     validate_label,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "new_checkpoint_id",
     "node_keyring",
     "node_store",
+    "order_key",
     "validate_checkpoint_id",
     "validate_label",
 ]
