@@ -466,6 +466,16 @@ class Store:
         if known is not None:
             self._forget_entry(known.label, known.uid, _entry_of(known))
 
+    def delete_unless_pinned(self, checkpoint_id: str) -> bool:
+        """`delete` for a cleanup nobody asked for by id (retention, retiring a label, pruning):
+        False, and nothing deleted, while some node's restore pins the checkpoint (`pin`)."""
+        validate_checkpoint_id(checkpoint_id)
+        if self._pinned([checkpoint_id]):
+            log.info("checkpoint %s is kept for now: a restore pinned it", checkpoint_id)
+            return False
+        self.delete(checkpoint_id)
+        return True
+
     def mark_restored(self, checkpoint_id: str, host: str) -> None:
         """Say in the store that `checkpoint_id` was restored on `host`: the node that dumped it
         then lifts the network lock it holds for it (stasis/daemon/netlocks.py). Unsigned on

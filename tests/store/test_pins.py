@@ -83,3 +83,12 @@ def test_pinning_a_missing_checkpoint_says_so(store: Store) -> None:
     with pytest.raises(NotFoundError, match="no checkpoint 20261130T001512Z-000000"):
         with store.pin("20261130T001512Z-000000", "restore"):
             pass
+
+
+def test_a_cleanup_by_list_leaves_a_pinned_checkpoint(store: Store) -> None:
+    # What retiring a label or pruning does: delete what it listed, unless a restore pins it.
+    pinned, free = publish(store, 0), publish(store, 5)
+    with store.pin(pinned, "restore"):
+        assert [store.delete_unless_pinned(m.id) for m in store.list()] == [True, False]
+    assert [m.id for m in store.list()] == [pinned]
+    assert free not in {m.id for m in store.list()}
