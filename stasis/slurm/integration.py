@@ -6,8 +6,10 @@
     POST /slurm/jobs/{id}/checkpoint        {"leave_running": bool}; without leave_running the
                                             workload is killed once the checkpoint is published
                                             and the job is requeued (`scontrol requeue`)
-    POST /slurm/jobs/{id}/finish            {"exit_code": n}: the workload ended; 0 retires the
-                                            label's checkpoints (COMPLETED), anything else keeps them
+    POST /slurm/jobs/{id}/finish            {"exit_code": n, "stopped": bool}: the workload
+                                            ended; a genuine success (0, nothing stopped, no stop
+                                            asked or failed in the run) retires the label's
+                                            checkpoints, anything else (no exit_code too) keeps them
 
 Who calls is the socket's peer (SO_PEERCRED); see stasis.slurm.registrations for who may do what.
 

@@ -38,6 +38,7 @@ from stasis.errors import (
     NotFoundError,
     PermissionDeniedError,
     SlurmError,
+    SlurmJobNotFoundError,
     StasisError,
     UsageError,
 )
@@ -520,6 +521,8 @@ class SlurmJobs:
         """Whether Slurm already requeued this run (a second requeue would run it twice)."""
         try:
             info = scontrol.job_info(reg["slurm_job"])
+        except SlurmJobNotFoundError:
+            return True  # Slurm forgot the job (long ended): nothing to requeue any more
         except SlurmError:
             return False
         return info.restarts > reg.get("restarts", 0) or info.state in (
