@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pwd
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,12 @@ from tests.controlplane.test_node import node_env
 from tests.faults import kit
 
 LEASE_S = "3"
+LOST_AFTER_S = "8"
 
 
 class Cluster:
-    def __init__(self, cp: ControlPlane, a: Daemon, b: Daemon) -> None:
-        self.cp, self.a, self.b = cp, a, b
+    def __init__(self, cp: ControlPlane, a: Daemon, b: Daemon, c: Daemon) -> None:
+        self.cp, self.a, self.b, self.c = cp, a, b, c
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +41,20 @@ def cluster(world_tmp: Path) -> Iterator[Cluster]:
     os.write(fd, os.urandom(32))
     os.close(fd)
     cp = ControlPlane(root, str(root / "cp.db"))
-    # A node restarting is not lost (30 s); a command its dead daemon held comes back in 3 s.
-    cp.start("--command-lease", LEASE_S, "--lost-after", "30")
+    # A node restarting is not lost (8 s); a command its dead daemon held comes back in 3 s.
+    cp.start("--command-lease", LEASE_S, "--lost-after", LOST_AFTER_S)
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     store = Path(tempfile.mkdtemp(prefix="cp-faults-store-", dir=world_tmp))
     nodes = [new_daemon(world_tmp, name, store=str(store),
                         env={**node_env(cp, hpc, name), "STASIS_SITE_KEY": str(key)})
-             for name in ("node-a", "node-b")]
+             for name in ("node-a", "node-b", "node-c")]
     started: list[Daemon] = []
     try:
         for d in nodes:
             d.start()
             started.append(d)
-        wait_for(lambda: {n["name"] for n in cp.json("nodes")} == {"node-a", "node-b"}, 30,
-                 "both nodes to join")
+        wait_for(lambda: {n["name"] for n in cp.json("nodes")} ==
+                 {"node-a", "node-b", "node-c"}, 30, "the nodes to join")
         yield Cluster(cp, *nodes)
     finally:
         for d in nodes:
@@ -83,21 +85,26 @@ def counted(d: Daemon, job: str) -> list[int]:
     return [int(x) for x in d.log_of(job).split()]
 
 
-def assert_runs_once_counting_on(c: Cluster, label: str, job: str, before: int) -> None:
-    """`label` runs on node-b alone, once, and its counter goes on past `before` (the value
-    it had reached before the migration), without starting again."""
-    assert not kit.live_jobs(c.a, label), c.a.json("ps")
-    live = kit.live_jobs(c.b, label)
+def assert_runs_once_counting_on(c: Cluster, label: str, job: str, before: int,
+                                 on: str = "b") -> None:
+    """`label` runs on node `on` alone, once, and its counter goes on past `before` (the
+    value it had reached before the migration), without starting again."""
+    there = {"a": c.a, "b": c.b, "c": c.c}
+    for name, d in there.items():
+        if name != on and d.proc is not None:
+            assert not kit.live_jobs(d, label), d.json("ps")
+    d = there[on]
+    live = kit.live_jobs(d, label)
     assert [j["job"] for j in live] == [job], live
     kit.assert_nothing_frozen([j["pid"] for j in live])
-    wait_for(lambda: counted(c.b, job)[-1] > before + 3, 30, "the restored counter to go on")
-    numbers = counted(c.b, job)
+    wait_for(lambda: counted(d, job)[-1] > before + 3, 30, "the restored counter to go on")
+    numbers = counted(d, job)
     # One counter, never started again nor run twice: 0, 1, 2... each once.
     assert numbers == list(range(len(numbers))), numbers[-20:]
 
 
 def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
-                      user: str) -> tuple[dict[str, Any], int]:
+                      user: str, restart: bool = True) -> tuple[dict[str, Any], int]:
     job = c.a.run(*workload("counter.py"), label=label, user=user)["job"]
     wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
     wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
@@ -108,7 +115,8 @@ def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
     assert status == 201, first
     kit.died(killed)
     before = int(log.read_text().split()[-1])
-    kit.arm(killed)  # started again, disarmed
+    if restart:
+        kit.arm(killed)  # started again, disarmed
     return final(c.cp, first["id"]), before
 
 
@@ -154,8 +162,30 @@ def test_a_control_plane_killed_mid_migration_loses_nothing(
     c.cp.proc.kill()
     c.cp.proc.wait()
     before = int(log.read_text().split()[-1])
-    c.cp.start("--command-lease", LEASE_S, "--lost-after", "30")
+    c.cp.start("--command-lease", LEASE_S, "--lost-after", LOST_AFTER_S)
     last = final(c.cp, first["id"])
     assert last["kind"] == "restore" and last["state"] == "done", last
     assert_runs_once_counting_on(c, "cpf-cp", str(last["result"]["job"]), before)
     c.b.kill_all()
+
+
+def test_a_restore_half_whose_node_is_lost_is_retargeted(
+        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
+    """The target's daemon dies as it leases the restore and stays down: once its lease ran
+    out and it is lost, the restore goes to the third node, with the seal the source made for
+    it there, and the job runs there once, counting on."""
+    c = cluster
+    try:
+        last, before = migrate_killed_at(c, c.b, "cp.after-lease", "cpf-lost",
+                                         test_user.pw_name, restart=False)
+        assert last["kind"] == "restore" and last["state"] == "done", last
+        assert last["node"] == "node-c", last
+        assert_runs_once_counting_on(c, "cpf-lost", str(last["result"]["job"]), before, "c")
+        c.c.kill_all()
+    finally:
+        kit.arm(c.b)
+    # Back, node-b restores nothing of it: the command it held went elsewhere.
+    wait_for(lambda: {n["name"]: n["state"] for n in c.cp.json("nodes")}["node-b"] == "ready",
+             30, "node-b to report again")
+    time.sleep(float(LEASE_S))
+    assert not kit.live_jobs(c.b, "cpf-lost")
