@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import sqlite3
 import subprocess
 import tempfile
 import threading
@@ -338,6 +339,37 @@ def test_a_daemon_killed_while_planning_a_restore_resumes_the_container_once(
     wait_for(lambda: len(numbers(out)) >= 2, 20, "the resumed counter")
     assert numbers(out)[0] == before[-1] + 1
     assert len([p for p in tree_pids_of(token) if _is_shell(p)]) == 1
+    node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+    ended(node, cid)
+    node.remove(cid)
+
+
+def test_a_stop_whose_database_write_fails_after_the_publish_still_stops_the_container(
+        node: FaultNode) -> None:
+    """The daemon's database is write-locked by another process (an admin's sqlite3, a
+    backup) through the stop: the checkpoint is published, the container ends at it (not
+    frozen, not running on), the runtime hears of no failure, and the next start resumes."""
+    label, cid = f"dblock-{secrets.token_hex(3)}", "c-dblock"
+    log = started(node, cid, COUNTER, {"STASIS_CHECKPOINT": label})
+    holder = sqlite3.connect(node.lay.stasis / "state" / "jobs.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, held
+        r = node.ctr("tasks", "kill", "-s", "SIGTERM", cid, timeout_s=60)
+        assert r.returncode == 0, r.stderr
+        ended(node, cid)
+        assert node.frozen(cid) in (None, "stopped")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    (published,) = checkpoints(node, label)
+    assert "internal error" not in log.read_text()
+    assert f"checkpoint {published} published, but the database did not record it" \
+        in node.log()
+    before = numbers(log)
+    node.remove(cid)
+    again = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label})
+    wait_for(lambda: len(numbers(again)) >= 2, 20, "the resumed counter")
+    assert numbers(again)[0] == before[-1] + 1
     node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
     ended(node, cid)
     node.remove(cid)
