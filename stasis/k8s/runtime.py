@@ -166,6 +166,10 @@ def main() -> None:
     from stasis.k8s.runc import real_runc
 
     settings = load_settings()
+    if settings.test_fault_points:
+        from stasis import faults
+
+        faults.arm(settings.test_fault_points)
     runc = real_runc(settings.runc)
     command = argv.command
     if command in ("create", "start", "kill", "delete"):
@@ -259,6 +263,9 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     # The restored process takes runc's stdio in place of the pipes it had: those of this
     # process, which the shim gave the new container.
     rc = subprocess.run(restore, check=False).returncode
+    from stasis import faults
+
+    faults.point("k8s.create.after-restore")
     error = "" if rc == 0 else _restore_error(Path(plan["work_dir"]))
     try:
         client.request("POST", f"/k8s/restores/{cid}/done",

@@ -373,3 +373,31 @@ def test_a_stop_whose_database_write_fails_after_the_publish_still_stops_the_con
     node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
     ended(node, cid)
     node.remove(cid)
+
+
+def test_a_runtime_killed_right_after_its_restore_leaves_the_container_running_once(
+        node: FaultNode) -> None:
+    """stasis-runc SIGKILLed between `runc restore` and its answer to containerd: the create
+    fails (the kubelet creates again), and whatever runs of the checkpoint runs once."""
+    label, cid = f"rtkill-{secrets.token_hex(3)}", "c-rtkill"
+    token = secrets.token_hex(4)
+    log = started(node, cid, f": {token}; " + COUNTER, {"STASIS_CHECKPOINT": label})
+    node.stop(cid)
+    before = numbers(log)
+    node.remove(cid)
+    node.arm("k8s.create.after-restore")
+    r = _create(node, cid, {"STASIS_CHECKPOINT": label})
+    assert r.returncode != 0 and "exit status 137" in r.stderr, r.stderr
+    node.arm()
+    # containerd deleted what the killed create left: the restored tree did not survive it.
+    assert node.frozen(cid) is None
+    assert [p for p in tree_pids_of(token) if _is_shell(p)] == []
+    node.remove(cid)
+    again = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label})
+    wait_for(lambda: len(numbers(again)) >= 2, 20, "the resumed counter")
+    assert numbers(again)[0] == before[-1] + 1
+    assert len([p for p in tree_pids_of(token) if _is_shell(p)]) == 1, \
+        [p for p in tree_pids_of(token) if _is_shell(p)]
+    node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+    ended(node, cid)
+    node.remove(cid)
