@@ -32,6 +32,9 @@ class StallProxy(CutProxy):
         self.released = threading.Event()
         super().__init__(target)
 
+    def __enter__(self) -> StallProxy:
+        return self
+
     def release(self) -> None:
         self.released.set()
 
