@@ -295,9 +295,13 @@ class ControlPlaneNode(Integration):
         if not callable(ask):
             return []
         try:
-            return [" ".join(str(p).split())[:1000] for p in ask()][:20]
+            found = list(ask())[:20]
         except StasisError as e:
             return [f"the daemon cannot tell whether it can protect jobs: {e}"]
+        # Each a problem as `stasis check` has them (what, and how to fix it), said as it says
+        # the check's.
+        return [" ".join((f"{p['what']} ({p['fix']})" if isinstance(p, dict) else str(p))
+                         .split())[:1000] for p in found]
 
     def _jobs(self) -> list[dict[str, Any]]:
         mine = [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
