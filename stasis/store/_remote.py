@@ -333,7 +333,13 @@ class RemoteTree:
     def clock(self) -> float:
         # The server's clock: what stamps every object whose age is measured here.
         path = self._path(CLOCK_DIR, f"{secrets.token_hex(8)}")
-        self.fs.pipe_file(path, b"\0")
+        try:
+            self.fs.pipe_file(path, b"\0")
+        except FileNotFoundError:
+            # A filesystem backend (dir::file://) makes no parent directory of its own: without
+            # this, `_pinned` took the error for "checkpoint gone" and retention ignored pins.
+            self.fs.makedirs(self._path(CLOCK_DIR), exist_ok=True)
+            self.fs.pipe_file(path, b"\0")
         try:
             stamp = _stamp(self.fs.info(path))
         finally:
