@@ -102,6 +102,13 @@ class ControlPlane:
         return json.loads(r.stdout)
 
 
+# Every test of the control plane runs on both databases unless marked SQLITE_ONLY: one whose
+# outcome the database does not decide (it is computed in Python, or the same statements run on
+# PostgreSQL in a test kept on both). Migrations, leases, locking (FOR UPDATE), unique
+# constraints, time comparisons in SQL, aggregates and hostile bytes stored stay on both.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, world_tmp: Path) -> str:
     if request.param == "sqlite":

@@ -33,7 +33,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select
 
 from tests.conftest import wait_for, workload
-from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.test_commands import site_nodes
 
 ARTIFACTS = Path(os.environ.get("STASIS_TEST_ARTIFACTS")
@@ -95,6 +95,8 @@ def click_in_row(driver: WebDriver, row_css: str, button_css: str) -> None:
     raise AssertionError(f"could not click {button_css} in {row_css}")
 
 
+# SQLite only: the browser drives the API whose commands test_commands runs on both.
+@SQLITE_ONLY
 def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
         controlplane: ControlPlane, world_tmp: Path, site_key: Path, browser: WebDriver,
         test_user: pwd.struct_passwd) -> None:

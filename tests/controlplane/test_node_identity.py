@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import wait_for
-from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.fakenode import FakeNode
 
 REPORT = {"host": "evil", "stasis_version": "0.test", "check_ok": True}
@@ -24,6 +24,8 @@ def events_of(cp: ControlPlane, kind: str) -> list[dict[str, Any]]:
             if e["kind"] == kind]
 
 
+# SQLite only: who may take what is decided in Python (leases on both: test_commands).
+@SQLITE_ONLY
 def test_a_stolen_cluster_token_and_another_node_cannot_take_a_nodes_commands(
         controlplane: ControlPlane) -> None:
     cp = controlplane
@@ -112,6 +114,8 @@ def test_a_stolen_cluster_token_and_another_node_cannot_take_a_nodes_commands(
     assert (final["state"], final["attempts"], final["result"]) == ("done", 1, done["result"])
 
 
+# SQLite only: the cluster check is Python.
+@SQLITE_ONLY
 def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
         controlplane: ControlPlane) -> None:
     cp = controlplane
@@ -167,6 +171,8 @@ def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
                                              "name its cluster (--cluster)"})
 
 
+# SQLite only: credentials are hashes compared in Python.
+@SQLITE_ONLY
 def test_an_admin_reset_lets_a_node_join_again_and_its_old_credential_is_dead(
         controlplane: ControlPlane) -> None:
     cp = controlplane
@@ -245,6 +251,8 @@ def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
         cp.stop()
 
 
+# SQLite only: approval is a flag read and checked in Python.
+@SQLITE_ONLY
 def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until_approved(
         controlplane: ControlPlane) -> None:
     """A cluster added with --approve-joins: a node joined with its (stolen) token is pending:
@@ -312,6 +320,8 @@ def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until
     assert {n["name"]: n["state"] for n in cp.json("nodes")}["node-evil"] == "ready"
 
 
+# SQLite only: approval is a flag read and checked in Python.
+@SQLITE_ONLY
 def test_without_approve_joins_nodes_are_approved_at_join(controlplane: ControlPlane) -> None:
     cp = controlplane
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")

@@ -8,10 +8,13 @@ import time
 from pathlib import Path
 
 from tests.conftest import new_daemon, wait_for, workload
-from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.test_node import node_env
 
 
+# SQLite only: which jobs a policy picks and keeps is decided in Python; a policy's run on
+# PostgreSQL is test_commands' migrate policy.
+@SQLITE_ONLY
 def test_a_periodic_policy_checkpoints_what_it_picks_and_retention_keeps_the_newest(
         controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
     cp = controlplane
@@ -91,6 +94,8 @@ def test_a_periodic_policy_checkpoints_what_it_picks_and_retention_keeps_the_new
         d.stop()
 
 
+# SQLite only: the memory filter is Python; lost nodes on PostgreSQL: test_node.
+@SQLITE_ONLY
 def test_memory_trigger_filters_and_lost_nodes(
         controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
     """A job above a share of its node's memory is checkpointed (again only after the

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import STASIS
-from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 
 NODE = {"name": "n1", "host": "n1.example", "stasis_version": "0.1.0",
         "criu_version": "4.2.1", "check_ok": True, "problems": []}
@@ -66,6 +66,8 @@ def test_clusters_and_tokens_from_the_cli(controlplane: ControlPlane) -> None:
     assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no live token tok_nope")
 
 
+# SQLite only: roles and scopes are checked in Python.
+@SQLITE_ONLY
 def test_who_may_call_what(controlplane: ControlPlane) -> None:
     cp = controlplane
     a = cp.json("clusters", "add", "a", "--kind", "slurm")
@@ -177,6 +179,8 @@ def test_https_with_a_certificate(world_tmp: Path, monkeypatch: pytest.MonkeyPat
         cp.stop()
 
 
+# SQLite only: the installer's text is made in Python.
+@SQLITE_ONLY
 def test_the_kubernetes_installer_is_the_helm_command_with_the_cluster_s_values(
         controlplane: ControlPlane) -> None:
     import urllib.error
