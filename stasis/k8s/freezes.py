@@ -117,10 +117,35 @@ class FreezeJournal:
         return found
 
 
+def _still_dumping(entry: Freeze) -> int | None:
+    """The `runc checkpoint` the killed daemon started for `entry`, when it still runs (a
+    child outlives its parent's SIGKILL): thawed under it, the container would be frozen again
+    when CRIU ends (it leaves the cgroup as it found it)."""
+    want = f"runc-{entry.checkpoint}-"
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read(64 << 10).split(b"\0")
+        except OSError:
+            continue
+        if b"checkpoint" in argv and entry.container_id.encode() in argv and \
+                any(want.encode() in a for a in argv):
+            return int(name)
+    return None
+
+
 def settle(entry: Freeze, runc: Runc) -> bool:
     """Thaw (or, for a published stop, kill and thaw) the container of `entry`; True when
-    nothing of it is left frozen (also when the container is gone)."""
+    nothing of it is left frozen (also when the container is gone). False while the dead
+    daemon's `runc checkpoint` still runs, or runc fails: tried again later."""
     cid = entry.container_id
+    dumping = _still_dumping(entry)
+    if dumping is not None:
+        log.warning("container %s: the checkpoint %s of a killed daemon still runs (pid %d); "
+                    "thawed once it ends", cid, entry.checkpoint, dumping)
+        return False
     try:
         state = runc.state(cid)
     except ContainerError as e:
