@@ -55,6 +55,7 @@ _MAX_TRIES = 3
 _TINI_CANDIDATES = ("/usr/bin/tini-static", "/usr/bin/tini", "/usr/local/bin/tini")
 _RETRY_S = 2.0  # between tries at the store or the daemon
 _HELD = "stasis: held"  # how the Comments this helper writes begin
+_WHY_MAX = 200  # of an error's text in a job's Comment
 
 
 def find_tini(configured: str) -> str:
@@ -148,6 +149,7 @@ def _hold(job_id: str, out: dict[str, Any], why: str, waited_s: int) -> tuple[in
     """Requeue the job held with `why` in its Comment; the launcher runs nothing."""
     say: list[str] = out["messages"]
     out["mode"] = "held"
+    why = why if len(why) <= _WHY_MAX else why[:_WHY_MAX - 3] + "..."
     comment = (f"{_HELD}: {why}; its checkpoint is kept; scontrol release {job_id} once it is "
                "back, or resubmit with STASIS_FRESH=1 to start from the beginning")
     try:

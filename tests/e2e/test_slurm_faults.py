@@ -217,7 +217,7 @@ def test_daemon_killed_in_the_preemption_sequence(fc: Cluster, point: str) -> No
     name = "pre-" + point.split(".")[1]
     _config(fc, f"test_fault_points = [{point!r}]\n".replace("'", '"'))
     try:
-        job = trapper(fc, name, stop=50)
+        job = trapper(fc, name, stop=30)
         fc.wait_number(job, 3)
         fc.run("scancel", "-b", "-s", "URG", job)  # what Slurm sends at preemption
         until(lambda: not _daemon_alive(fc), 60, f"the daemon to die at {point}")
@@ -238,5 +238,5 @@ def test_daemon_killed_in_the_preemption_sequence(fc: Cluster, point: str) -> No
     # Runs once with its state, or resumed from its checkpoint: never from 0 again, never two
     # runs printing side by side.
     resumed_in_order(out)
-    assert sorted(set(numbers(out))) == list(range(50)), out
+    assert sorted(set(numbers(out))) == list(range(30)), out
     assert "\ndone\n" in out, out
