@@ -169,7 +169,12 @@ async def network_locks(request: web.Request) -> web.StreamResponse:
 
 
 async def check(request: web.Request) -> web.StreamResponse:
-    return answer(await asyncio.to_thread(run_check, request.app[MANAGER].settings))
+    manager = request.app[MANAGER]
+
+    def report() -> Any:
+        return run_check(manager.settings, manager.readiness_problems())
+
+    return answer(await asyncio.to_thread(report))
 
 
 def make_app(manager: JobManager, integrations: Sequence[Integration] = (),

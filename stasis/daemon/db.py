@@ -143,7 +143,8 @@ netlocks_table = Table("netlocks", _metadata, *_columns(NetLockRow, "checkpoint"
 
 
 _JSON_COLUMNS = _json_fields(JobRow)
-_LIVE = ("running", "restored")
+# `restoring`: recorded before its tree may resume; the poll makes it `restored` or removes it.
+_LIVE = ("running", "restored", "restoring")
 
 
 def _to_row(values: Any) -> JobRow:
@@ -195,6 +196,11 @@ class JobDB:
         with self._lock, self._guarded(), self.engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
+    def probe(self) -> None:
+        """One read: JobDatabaseError when the database cannot even be read."""
+        with self._lock, self._guarded(), self.engine.connect() as conn:
+            conn.execute(select(jobs_table.c.id).limit(1)).all()
+
     # -- for integrations: tables of their own in the same database -----------------------
 
     def create_tables(self, tables: Sequence[Table]) -> None:
@@ -230,7 +236,7 @@ class JobDB:
     def live(self) -> list[JobRow]:
         with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(
-                select(jobs_table).where(jobs_table.c.state.in_(("running", "restored")))
+                select(jobs_table).where(jobs_table.c.state.in_(_LIVE))
             ).all()
         return [_to_row(r) for r in rows]
 
@@ -259,6 +265,13 @@ class JobDB:
                 removed += result.rowcount
         return removed
 
+    def remove_unstarted(self, job_id: str) -> bool:
+        """Delete the row of a restore that never had a tree (still `restoring`)."""
+        with self._lock, self._guarded(), self.engine.begin() as conn:
+            result = conn.execute(delete(jobs_table).where(jobs_table.c.id == job_id)
+                                  .where(jobs_table.c.state == "restoring"))
+        return bool(result.rowcount)
+
     def set(self, job_id: str, **values: Any) -> None:
         with self._lock, self._guarded(), self.engine.begin() as conn:
             conn.execute(update(jobs_table).where(jobs_table.c.id == job_id).values(**values))
@@ -269,7 +282,7 @@ class JobDB:
             result = conn.execute(
                 update(jobs_table)
                 .where(jobs_table.c.id == job_id)
-                .where(jobs_table.c.state.in_(("running", "restored")))
+                .where(jobs_table.c.state.in_(_LIVE))
                 .values(state=state, exit_code=exit_code)
             )
         return bool(result.rowcount)

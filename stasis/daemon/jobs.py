@@ -24,7 +24,7 @@ import signal
 from stasis.config import Settings
 from stasis.daemon.activity import JobSource, JobWork, Listeners, ReportedJob
 from stasis.daemon.core import Core
-from stasis.daemon.db import JobDB, JobRow
+from stasis.daemon.db import JobDatabaseError, JobDB, JobRow
 from stasis.daemon.dumping import Dumper
 from stasis.daemon.housekeeping import Housekeeping
 from stasis.daemon.inflight import DumpJournal
@@ -32,8 +32,9 @@ from stasis.daemon.models import DumpRequest, RestoreRequest, RunRequest
 from stasis.daemon.netlocks import NetLocks
 from stasis.daemon.progress import Progress
 from stasis.daemon.reaper import Reaper
+from stasis.daemon.readiness import StoreProbe
 from stasis.daemon.restoring import Restorer
-from stasis.daemon.supervisor import Supervisors, create_log, find_init
+from stasis.daemon.supervisor import Supervisors, create_log, find_init, now
 from stasis.daemon.tracking import JobTracker, died_of
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
 from stasis.engine import CRIU, DumpResult, kdat
@@ -56,6 +57,7 @@ from stasis.store import (
 )
 from stasis.wire import (
     CheckpointCheck,
+    Problem,
     DumpAnswer,
     DumpCheckAnswer,
     GcAnswer,
@@ -95,6 +97,10 @@ class JobManager:
         self._dumper = Dumper(core, self._tracker)
         self._restorer = Restorer(core, self._supervisors, job_umask)
         self._housekeeping = Housekeeping(core)
+        self._unadopted: str | None = None  # why jobs without a row could not be adopted
+        self._store_probe = StoreProbe(store)
+        # What the start found wrong and could not mend (a corrupt database moved aside...).
+        self.startup_problems: list[Problem] = []
 
     def close(self) -> None:
         """Let the spare supervisor go (running jobs and their supervisors are not touched)."""
@@ -110,6 +116,9 @@ class JobManager:
         for d in (layout.jobs, layout.criu_logs, layout.scratch):
             d.mkdir(exist_ok=True)
             os.chmod(d, 0o700)
+        # Jobs that run without a row first: a dump the previous daemon left then settles
+        # against their rows (recorded checkpointed, not exited).
+        self.adopt_orphans()
         self._dumper.prepare()
         cache_problem = kdat.ensure_cache_dir()
         if cache_problem:
@@ -118,6 +127,17 @@ class JobManager:
             log.info("removed a stale %s.tmp left by a killed CRIU: CRIU caches its kernel "
                      "probes again", kdat.CACHE)
         self._supervisors.warm()
+
+    def adopt_orphans(self) -> None:
+        """Record the jobs that run without a row (see tracking.adopt_orphans); while the
+        database refuses, the daemon says it is not ready and tries again."""
+        try:
+            self._tracker.adopt_orphans(self.jobs_dir)
+        except JobDatabaseError as e:
+            self._unadopted = str(e)
+            log.warning("cannot look for jobs that run without a record yet: %s", e)
+        else:
+            self._unadopted = None
 
     @property
     def criu(self) -> CRIU:
@@ -246,7 +266,14 @@ class JobManager:
             "init": find_init(self.settings.init),
             "umask": self.job_umask,
         }
-        started = self._supervisors.start(job_id, spec)
+        # Its record without a pid, in its directory before it starts: a daemon killed before
+        # the row below is written adopts it at its next start (tracking.adopt_orphans).
+        job = JobRow(
+            id=job_id, pid=None, pid_start=None, shim_pid=None, state="running", label=label,
+            exit_code=None, command=req.command, cwd=req.cwd, env=sorted(req.env),
+            user=acct.name, uid=acct.uid, gid=acct.gid, log=log, checkpoint=None,
+            created=now(), job_dir="")
+        started = self._supervisors.start(job_id, spec, job=job)
         answer = started.answer
         if "error" in answer:
             raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
@@ -280,8 +307,47 @@ class JobManager:
         self._dumper.dump_settled(checkpoint_id)
 
     def settle_pending(self) -> None:
-        """Record the dumps whose record the database refused (a periodic task)."""
+        """Record the dumps whose record the database refused, adopt the jobs the start could
+        not (a periodic task)."""
         self._dumper.settle_pending()
+        if self._unadopted is not None:
+            self.adopt_orphans()
+
+    def readiness_problems(self) -> list[Problem]:
+        """Why this daemon cannot protect its jobs now (empty: it can): its database refuses
+        reads or writes, a dump's record or an orphan's adoption waits for it, the store does
+        not answer, its start rebuilt what it could not read. `stasis check` (the daemon's
+        /check), the control plane's node report and the Kubernetes agent's taint show it."""
+        problems = list(self.startup_problems)
+        try:
+            self.db.probe()
+        except JobDatabaseError as e:
+            problems.append(Problem(what=f"not ready: {e}",
+                                    fix="free or repair the job database; the daemon retries"))
+        waiting = self._dumper.unsettled()
+        if waiting:
+            problems.append(Problem(
+                what=f"not ready: {len(waiting)} dump(s) settled but not recorded yet "
+                     f"(checkpoint {waiting[0]}): the job database refuses writes",
+                fix="free the job database (see the daemon's log); the daemon retries"))
+        unadoptable = self._tracker.unadoptable
+        if unadoptable:
+            problems.append(Problem(
+                what=f"not ready: {len(unadoptable)} job(s) run without a record that can be "
+                     f"rebuilt (job {unadoptable[0]}): they are not protected",
+                fix="see the daemon's log; stop them, or let them finish"))
+        if self._unadopted is not None:
+            problems.append(Problem(
+                what="not ready: jobs that run without a record cannot be adopted yet: "
+                     + self._unadopted,
+                fix="free the job database; the daemon retries"))
+        store_problem = self._store_probe.problem()
+        if store_problem is not None:
+            problems.append(Problem(what=f"not ready: the checkpoint store {self.store.url} "
+                                         f"does not answer: {store_problem}",
+                                    fix="make the store reachable; checkpoints and restores "
+                                        "fail until it is"))
+        return problems
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:

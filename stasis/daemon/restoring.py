@@ -8,7 +8,14 @@ lazy restore has its pages served by the daemon, each chunk checked as it is rea
 (stasis/daemon/lazystore.py); a full restore from a local store is read, checked and decoded
 while CRIU reads it (stasis/daemon/streamed.py); anything else is fetched, checked, into a
 private directory first. A checkpoint that recorded what its restore depends on is compared
-with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs."""
+with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs.
+
+In every mode the restored job is recorded (`restoring`) before its supervisor hears of it, and
+its tree resumes only on the daemon's word at CRIU's post-restore (the supervisor's gate): a
+daemon killed before that word leaves no tree (CRIU kills it), one killed after it leaves a tree
+that its row and job directory name, which the next start adopts (`restored`): never an
+untracked orphan that a retry would restore a second time.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +26,19 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, cast
 
+from stasis import faults
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
+from stasis.daemon.db import JobDatabaseError, JobRow
 from stasis.daemon.models import RestoreRequest
 from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
-from stasis.daemon.supervisor import Gate, Supervisors, create_log
+from stasis.daemon.supervisor import Gate, Started, Supervisors, create_log, now
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
@@ -47,6 +58,7 @@ from stasis.errors import (
 from stasis.store import FileEntry, Manifest, validate_checkpoint_id, validate_label
 
 log = logging.getLogger("stasis.daemon")
+_log = log  # where a restore's `log` (the job's log file) hides the name
 
 
 class Restorer:
@@ -126,6 +138,45 @@ class Restorer:
 
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
                      lazy: bool | None) -> RestoreAnswer:
+        job_id = secrets.token_hex(6)
+        with ExitStack() as pinned:
+            self._pin(pinned, manifest, job_id)
+            try:
+                answer = self._restore_as(job_id, manifest, progress, lazy)
+            except BaseException:
+                self._forget(job_id)
+                raise
+            if answer["lazy"]:
+                # Its pages are read from the store until all its memory is back.
+                held = pinned.pop_all()
+                threading.Thread(target=self._unpin_when_memory_back, daemon=True,
+                                 name="stasis-pin", args=(held, job_id, answer["pid"])).start()
+        return answer
+
+    def _pin(self, stack: ExitStack, manifest: Manifest, job_id: str) -> None:
+        """Keep the checkpoint from retention and expiry (any node's) while it is restored."""
+        why = f"restored as job {job_id} on {self.core.hostname}"
+        try:
+            stack.enter_context(self.core.store.pin(manifest.id, why))
+        except NotFoundError as e:
+            # Deleted since it was listed: by label, an older one is better than none.
+            raise CorruptCheckpointError(f"checkpoint {manifest.id} is gone from the store "
+                                         f"({e})") from e
+        except StasisError as e:
+            # A store this node may read but not write (read-only credentials): restoring
+            # unpinned beats not restoring; retention elsewhere could then race it.
+            _log.warning("restoring checkpoint %s without a pin against retention: %s",
+                         manifest.id, e)
+
+    def _unpin_when_memory_back(self, pinned: ExitStack, job_id: str, pid: int) -> None:
+        job_dir = self.core.settings.layout.job_dir(job_id)
+        with pinned:
+            while not (job_dir / "memory.json").exists() and \
+                    not (job_dir / "exit.json").exists() and proctree.alive(pid, None):
+                time.sleep(1.0)
+
+    def _restore_as(self, job_id: str, manifest: Manifest, progress: Progress | None,
+                    lazy: bool | None) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
         # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
         store.require_cryptographic_sums(manifest)
@@ -134,7 +185,6 @@ class Restorer:
         # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
         expect = self._check_node(manifest, files=in_place is None)
         acct = account(manifest.uid)
-        job_id = secrets.token_hex(6)
         logs = settings.layout.logs
         log = manifest.log_path or str(logs / f"{job_id}.log")
         if Path(log).parent == logs and not Path(log).exists():
@@ -155,6 +205,18 @@ class Restorer:
             "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
         }
         notes: list[str] = []
+        job = JobRow(
+            id=job_id, pid=None, pid_start=None, shim_pid=None, state="restoring",
+            label=manifest.label, exit_code=None, command=manifest.command, cwd=manifest.cwd,
+            env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid, log=log,
+            checkpoint=manifest.id, created=now(), job_dir="")
+        mode = "fetched"
+
+        def record(row: JobRow) -> None:
+            # Before the supervisor has the spec: nothing restored yet, nothing to undo.
+            self.core.db.add(row)
+            faults.point(f"restore.{mode}.recorded")
+
         # CRIU reads the store itself only where nobody but root can change it (a root-only
         # local directory: store.images_in_place): elsewhere an image could change between its
         # check and CRIU's read, so each other path hands CRIU only bytes this process read and
@@ -163,6 +225,7 @@ class Restorer:
             # CRIU reads the images where they are while we verify them; the restored tree is
             # resumed only once they passed (the supervisor waits for our word at post-restore).
             manifest, images = in_place
+            mode = "inplace"
             spec.update(images=str(images), lazy=lazy, gate=True)
             checked = manifest
             if lazy:
@@ -170,10 +233,11 @@ class Restorer:
                 # GiBs of pages either: everything else (and every size) gates the resume, the
                 # page images are hashed right after, and a mismatch kills the job. Nobody but
                 # root can write them here: that catches damage, there is no forger to stop.
-                gate = Gate(lambda: store.verify(checked, only=lambda f: not _is_pages(f)))
+                gate = Gate(lambda: store.verify(checked, only=lambda f: not _is_pages(f)),
+                            point=f"restore.{mode}.before-resume")
             else:
-                gate = Gate(lambda: store.verify(checked))
-            started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate)
+                gate = Gate(lambda: store.verify(checked), point=f"restore.{mode}.before-resume")
+            started = self._start(job_id, spec, progress, manifest, gate, job, record)
             if gate.error is not None:
                 raise gate.error
             if lazy and "pid" in started.answer:
@@ -184,11 +248,12 @@ class Restorer:
             # Images in a local store: read, checked and decoded while CRIU reads them (its image
             # streamer), rather than written out in plain first and read again; the tree
             # resumes once every page file was served whole and checked.
+            mode = "streamed"
             try:
                 spec.update(images=str(streamed.images), lazy=False, stream=True, gate=True)
-                gate = Gate(streamed.check, cancel=streamed.stop_waiting)
-                started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes,
-                                                  gate)
+                gate = Gate(streamed.check, cancel=streamed.stop_waiting,
+                            point=f"restore.{mode}.before-resume")
+                started = self._start(job_id, spec, progress, manifest, gate, job, record)
             finally:
                 streamed.discard()
             if gate.error is not None:
@@ -198,10 +263,14 @@ class Restorer:
             if isinstance(served, str):
                 served, why_not = None, served
             if served is not None:
+                mode = "lazy"
                 spec.update(images=str(served.images), lazy=True,
-                            page_server=str(served.socket_path))
+                            page_server=str(served.socket_path), gate=True)
+                # The pages are checked as they are served: the gate is the daemon's word that
+                # the job is recorded, no more.
+                gate = Gate(lambda: None, point=f"restore.{mode}.before-resume")
                 try:
-                    started = self._supervisors.start(job_id, spec, progress, manifest.size_bytes)
+                    started = self._start(job_id, spec, progress, manifest, gate, job, record)
                 except BaseException:
                     served.discard()
                     raise
@@ -215,11 +284,13 @@ class Restorer:
                 with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
                     # Lazy pages read the images after the restore returns: not from a scratch
                     # copy that goes away when this block ends.
-                    spec.update(images=str(images), lazy=False)
+                    # Fetched and checked whole before CRIU reads them: the gate is the daemon's
+                    # word that the job is recorded (a daemon killed before it leaves no tree).
+                    spec.update(images=str(images), lazy=False, gate=True)
                     if lazy:
                         notes.append(why_not or _why_not_lazy(manifest, store.url))
-                    started = self._supervisors.start(job_id, spec, progress,
-                                                      manifest.size_bytes)
+                    gate = Gate(lambda: None, point=f"restore.{mode}.before-resume")
+                    started = self._start(job_id, spec, progress, manifest, gate, job, record)
         answer = started.answer
         if "error" in answer:
             if answer["error"]["type"] == IncompatibleNodeError.__name__:
@@ -229,19 +300,44 @@ class Restorer:
             raise kind(f"restore of checkpoint {manifest.id} failed: "
                        f"{answer['error']['message']}")
         pid = started.pid
-        self._restored(manifest)
+        faults.point(f"restore.{mode}.after-resume")
+        try:
+            self.core.db.set(job_id, state="restored", pid=pid,
+                             pid_start=proctree.start_time(pid))
+        except JobDatabaseError as e:
+            # Recorded `restoring` with its supervisor and directory: the daemon's poll makes it
+            # `restored` (from pid.json) once the database takes it.
+            _log.warning("job %s: restored, but not yet recorded as running: %s", job_id, e)
+            notes.append("the restored job is recorded as restoring until the daemon's "
+                         "database can be written")
+        try:
+            self._restored(manifest)
+        except JobDatabaseError as e:
+            _log.warning("checkpoint %s: its network lock stays recorded: %s", manifest.id, e)
         notes.extend(answer.get("notes") or [])  # what differs from the dumping node, safely
         if answer.get("fallback"):
             # The supervisor's CRIU could not restore lazily and restored in full.
             notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
-        self.core.db.add(started.row(
-            state="restored", label=manifest.label, command=manifest.command, cwd=manifest.cwd,
-            env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid, log=log,
-            checkpoint=manifest.id))
         return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id, skipped=[],
                              lazy=bool(answer.get("lazy")), notes=notes,
                              duration_s=round(float(answer.get("duration_s", 0.0)), 4),
                              elapsed_s=0.0)
+
+    def _start(self, job_id: str, spec: dict[str, Any], progress: Progress | None,
+               manifest: Manifest, gate: Gate, job: JobRow,
+               record: Callable[[JobRow], None]) -> Started:
+        return self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate,
+                                       job=job, record=record)
+
+    def _forget(self, job_id: str) -> None:
+        """A restore that failed was never a job: its `restoring` row goes (or, the database
+        refusing, the daemon's poll removes it: its supervisor is gone and it has no tree)."""
+        if (self.core.settings.layout.job_dir(job_id) / "pid.json").exists():
+            return  # it has a tree after all: the poll follows it
+        try:
+            self.core.db.remove_unstarted(job_id)
+        except JobDatabaseError as e:
+            log.warning("job %s: its failed restore's row stays for now: %s", job_id, e)
 
     def _serve_lazily(self, manifest: Manifest) -> LazyRestore | str | None:
         """The images of a lazy restore whose pages the daemon serves from the store (fetched,

@@ -23,7 +23,7 @@ from aiohttp import web
 from stasis.config import Settings
 from stasis.daemon.api import make_app
 from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_open_files_limit
-from stasis.daemon.db import JobDB
+from stasis.daemon.rebuild import open_job_db, recover_netlocks, salvage
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
@@ -121,12 +121,21 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
         with suppress(FileNotFoundError):
             os.chmod(f"{db_path}{name}", 0o600)
-    db = JobDB(db_path, settings.db_busy_timeout_s)
+    # A corrupt database is moved aside and rebuilt (daemon/rebuild.py), not fatal.
+    db, corrupt = open_job_db(db_path, settings.db_busy_timeout_s)
     manager = JobManager(settings, manager_store, db, job_umask=job_umask)
     manager.prepare()
     plugged = [cls(manager) for cls in integrations]
     for integration in plugged:
         db.create_tables(integration.tables())
+    if corrupt is not None:  # before the integrations read their tables
+        salvage(corrupt, db)
+        locks = recover_netlocks(db, manager_store, settings.layout.criu_logs,
+                                 settings.netlock_timeout_s)
+        if locks:
+            log.info("recorded again the network locks of %d checkpoint(s) from CRIU's logs",
+                     locks)
+    for integration in plugged:
         integration.prepare()
 
     sock_path = str(settings.socket)

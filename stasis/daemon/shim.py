@@ -27,6 +27,9 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            IncompatibleNodeError.
 
 The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
+Before it, the job's pid goes into `pid.json` in JOB_DIR, so that a daemon killed before it
+recorded the job finds and adopts it (beside `job.json`, the record the daemon wrote there before
+handing us the spec); a daemon gone by the time we answer changes nothing for the job.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import signal
 import stat
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,12 +61,30 @@ def _check(ret: int, what: str) -> None:
 
 
 def _answer(payload: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(payload) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(payload) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        # The daemon died waiting for it: the job is ours to supervise all the same (its next
+        # start finds it by pid.json, and exit.json must still be written when it ends).
+        pass
     # Nobody reads further: drop the pipe so the daemon's read ends, and write nothing more.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
+
+
+def _note_pid(job_dir: Path, pid: int) -> None:
+    """The job's tree, written before the daemon is answered: a daemon killed before it
+    recorded the job finds it here at its next start (and adopts it, never restores it again)."""
+    from stasis.engine import proctree
+
+    try:
+        tmp = job_dir / "pid.json.tmp"
+        tmp.write_text(json.dumps({"pid": pid, "pid_start": proctree.start_time(pid)}))
+        os.replace(tmp, job_dir / "pid.json")
+    except OSError:
+        pass  # a full disk: the daemon's answer still records it; only a crash would miss it
 
 
 def _error(kind: str, message: str) -> None:
@@ -214,19 +236,53 @@ def run(job_dir: Path, spec: dict[str, Any]) -> None:
         os.waitpid(pid, 0)
         _error("UsageError", f"cannot start {spec['command'][0]}: {failure.decode()}")
         return
+    _note_pid(job_dir, pid)
     _answer({"pid": pid})
     _wait_for(job_dir, pid)
 
 
-def _resume_gate(script: str, _pid: int) -> bool:
-    """The daemon verifies the images while CRIU restores: resume only on its "ok".
+class _ResumeGate:
+    """The daemon checks the images (and records the job) while CRIU restores: resume only on
+    its "ok".
 
     post-restore comes once all memory is in place and before the tasks run any of their own
     code; a failure there makes CRIU kill them (a failed pre-resume would not stop the resume).
+    The daemon's word is read as soon as it comes: should its pipe close without one (the
+    daemon died), the whole restore is killed at once, not at post-restore, which a lazy
+    restore whose page server died with the daemon would never reach.
     """
-    if script != "post-restore":
-        return True
-    return sys.stdin.buffer.readline().strip() == b"ok"
+
+    def __init__(self) -> None:
+        self._word: bytes | None = None
+        self._said = threading.Event()
+        threading.Thread(target=self._listen, name="stasis-gate", daemon=True).start()
+
+    def _listen(self) -> None:
+        try:
+            word = sys.stdin.buffer.readline().strip()
+        except OSError:
+            word = b""
+        self._word = word
+        self._said.set()
+        if word != b"ok":
+            _kill_children()
+
+    def __call__(self, script: str, _pid: int) -> bool:
+        if script != "post-restore":
+            return True
+        self._said.wait()
+        return self._word == b"ok"
+
+
+def _kill_children() -> None:
+    """SIGKILL every process under this one (a restore's CRIU, lazy-pages, restored tasks)."""
+    from stasis.engine import proctree
+
+    for pid in proctree.tree(os.getpid())[1:]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def restore(job_dir: Path, spec: dict[str, Any]) -> None:
@@ -242,7 +298,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             criu, Path(spec["images"]), Owner(spec["uid"], spec["gid"], spec["groups"]),
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
             umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
-            notify=_resume_gate if spec.get("gate") else None,
+            notify=_ResumeGate() if spec.get("gate") else None,
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
             stream=spec.get("stream", False),
             on_lost=lambda why: _note_killed(job_dir, why),
@@ -255,6 +311,7 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         _end_leftovers()
         _error(type(e).__name__, str(e))
         return
+    _note_pid(job_dir, result.pid)
     _answer({"pid": result.pid, "duration_s": result.duration_s,
              "lazy": result.lazy_pages is not None,
              "fallback": result.fallback_reason,
@@ -273,13 +330,7 @@ def _end_leftovers() -> None:
     """Kill and reap what a failed restore left: tasks CRIU had made before it gave up or was
     killed are our children (rst_sibling, and we are their subreaper). Left alone, they would
     run unverified and untracked, or stay zombies of the daemon once we exit."""
-    from stasis.engine import proctree
-
-    for pid in proctree.tree(os.getpid())[1:]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _kill_children()
     while True:
         try:
             os.waitpid(-1, 0)

@@ -1,6 +1,10 @@
 """A job's supervisor process (stasis.daemon.shim, the parent of the job): started ahead of
 need, handed the job's spec, asked for its answer, and the row that records the job it started;
 the gate a restored tree waits at; the job's log, created for its owner.
+
+What a job is (its row without pid) goes into `job.json` in its directory before its supervisor
+gets the spec, and the supervisor writes `pid.json` there before it answers: whatever dies
+where, a job that runs has both, and a daemon that starts adopts it (tracking.adopt_orphans).
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from stasis import faults
 from stasis.daemon.db import JobRow
 from stasis.daemon.progress import Progress, ReadWatcher
 from stasis.daemon.reaper import Reaper
@@ -70,7 +75,7 @@ class Started:
             id=self.job_id, pid=pid, pid_start=proctree.start_time(pid),
             shim_pid=self.answer["shim"], state=state, label=label, exit_code=None,
             command=command, cwd=cwd, env=env, user=user, uid=uid, gid=gid, log=log,
-            checkpoint=checkpoint, created=_now(), job_dir=str(self.job_dir),
+            checkpoint=checkpoint, created=now(), job_dir=str(self.job_dir),
         )
 
 
@@ -91,11 +96,25 @@ class Supervisors:
         self._spare.close()
 
     def start(self, job_id: str, spec: dict[str, Any], progress: Progress | None = None,
-              expected: int = 0, gate: Gate | None = None) -> Started:
+              expected: int = 0, gate: Gate | None = None, job: JobRow | None = None,
+              record: Callable[[JobRow], None] | None = None) -> Started:
+        """Have a supervisor start the job `spec` describes. `job` (its row, pid unknown) goes
+        into the job's directory and to `record` (the database) before the supervisor hears
+        of the job; should `record` raise, nothing was started."""
         job_dir = self._layout.job_dir(job_id)
         job_dir.mkdir(mode=0o700)
         shim = self._spare.take()
         assert shim.stdin is not None and shim.stdout is not None
+        if job is not None:
+            job.shim_pid, job.job_dir = shim.pid, str(job_dir)
+            try:
+                write_job_file(job_dir, job)
+                if record is not None:
+                    record(job)
+            except BaseException:
+                _dismiss(shim)
+                shutil.rmtree(job_dir, ignore_errors=True)
+                raise
         with self._lock:
             self._shims[shim.pid] = shim
         watcher = ReadWatcher(shim.pid, expected, progress) if progress else None
@@ -201,16 +220,24 @@ def _dismiss(spare: subprocess.Popen[bytes]) -> None:
     spare.wait()
 
 
+def write_job_file(job_dir: Path, job: JobRow) -> None:
+    """`job.json`: the job's record as its start left it, for a daemon that lost its row."""
+    tmp = job_dir / "job.json.tmp"
+    tmp.write_text(json.dumps(asdict(job)))
+    os.replace(tmp, job_dir / "job.json")
+
+
 class Gate:
     """Runs a check while the supervisor restores, then tells it (on its stdin) whether the
     restored tree may be resumed: b"ok", or b"no" and the whole restore is killed (CRIU can
     spin forever on a truncated image, so it cannot be trusted to reach the gate). The
-    check's error is kept for the caller."""
+    check's error is kept for the caller. `point`: the fault point just before the word."""
 
     def __init__(self, check: Callable[[], None],
-                 cancel: Callable[[], None] | None = None) -> None:
+                 cancel: Callable[[], None] | None = None, point: str = "") -> None:
         self.check = check
         self._cancel = cancel
+        self._point = point
         self.error: StasisError | None = None
 
     def cancel(self) -> None:
@@ -226,6 +253,8 @@ class Gate:
             self.error = e
             proctree.signal_tree(shim_pid, signal.SIGKILL)
             return
+        if self._point:
+            faults.point(self._point)
         try:
             pipe.write(b"ok\n")
             pipe.close()
@@ -233,5 +262,5 @@ class Gate:
             pass  # the restore failed before it asked: its own answer says why
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

@@ -1,5 +1,13 @@
 """Whose each job is and whether it still runs: the job table as the jobs' supervisors leave it
-(each writes its job's exit status into the job's directory, exit.json)."""
+(each writes its job's exit status into the job's directory, exit.json).
+
+A job's directory also holds `job.json` (its record, written before its supervisor started it)
+and `pid.json` (its tree, written by the supervisor before it answered): a `restoring` row
+becomes `restored` from them, and a job that runs without a row (a daemon killed between its
+start and its record, a database rebuilt) is adopted at the daemon's start (`adopt_orphans`).
+Adopted, not killed: its owner's work goes on and is listed, protected, and a restore asked
+again finds it running under its checkpoint rather than starting it a second time.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,9 @@ import json
 import logging
 import os
 import signal
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from stasis.daemon.db import JobDB, JobRow
 from stasis.daemon.models import validate_job_id
@@ -23,6 +33,8 @@ class JobTracker:
     def __init__(self, db: JobDB, supervisors: Supervisors) -> None:
         self.db = db
         self._supervisors = supervisors
+        # Jobs found running whose record could not be rebuilt (the daemon is not ready).
+        self.unadoptable: list[str] = []
 
     def row(self, job_id: str, caller: Caller) -> JobRow:
         row = self.db.get(validate_job_id(job_id))
@@ -64,6 +76,8 @@ class JobTracker:
                 log.warning("cannot tell whether job %s still runs: %s", row.id, e)
 
     def _follow(self, row: JobRow) -> None:
+        if row.state == "restoring" and self._settle_restoring(row):
+            return
         exit_file = Path(row.job_dir) / "exit.json"
         if exit_file.exists():
             try:
@@ -80,6 +94,97 @@ class JobTracker:
             if (Path(row.job_dir) / "exit.json").exists():
                 return  # it just did: read next time
             self.db.finish(row.id, "exited", None)
+
+
+    def _settle_restoring(self, row: JobRow) -> bool:
+        """A `restoring` row: `restored` once its tree runs (pid.json), removed when its
+        supervisor ended without one (the restore failed, or its daemon died before its word);
+        True when there is nothing more to look at now."""
+        job_dir = Path(row.job_dir)
+        if (job_dir / "exit.json").exists():
+            return False  # it ran and ended: recorded as any job's end
+        tree = read_pid_file(job_dir)
+        if tree is not None and proctree.alive(*tree):
+            self.db.set(row.id, state="restored", pid=tree[0], pid_start=tree[1])
+            log.info("job %s: restored (recorded from its supervisor's pid.json)", row.id)
+            return True
+        if row.shim_pid and proctree.alive(row.shim_pid, None):
+            return True  # still restoring
+        if tree is None and self.db.remove_unstarted(row.id):
+            log.warning("job %s: its restore of checkpoint %s ended without a job (failed, or "
+                        "its daemon stopped before the job could resume); nothing runs, the "
+                        "checkpoint is kept", row.id, row.checkpoint)
+            return True
+        return False
+
+    def adopt_orphans(self, jobs_dir: Path) -> list[str]:
+        """Record every job whose tree runs but whose row is missing (the daemon died between
+        starting it and recording it, or its database was rebuilt); the adopted ids."""
+        adopted: list[str] = []
+        unadoptable: list[str] = []
+        try:
+            names = sorted(os.listdir(jobs_dir))
+        except FileNotFoundError:
+            return []
+        for name in names:
+            job_dir = jobs_dir / name
+            if not _is_job_id(name) or self.db.get(name) is not None:
+                continue
+            tree = read_pid_file(job_dir)
+            if tree is None or (job_dir / "exit.json").exists() or not proctree.alive(*tree):
+                continue
+            row = _row_of(job_dir, name, tree)
+            if row is None:
+                log.error("job %s (pid %d) runs without a record this daemon can rebuild (no "
+                          "readable job.json in %s); it is left running, unlisted: stop it "
+                          "with kill -TERM %d if it is not wanted", name, tree[0], job_dir,
+                          tree[0])
+                unadoptable.append(name)
+                continue
+            self.db.add(row)
+            adopted.append(name)
+            log.warning("adopted job %s (pid %d, %s of user %s): it ran without a record in "
+                        "the job database (its daemon stopped before recording it, or the "
+                        "database was rebuilt)", name, tree[0], row.state, row.user)
+        self.unadoptable = unadoptable
+        return adopted
+
+
+def read_pid_file(job_dir: Path) -> tuple[int, int | None] | None:
+    """The (pid, start time) a job's supervisor wrote before answering, if it did."""
+    try:
+        data = json.loads((job_dir / "pid.json").read_text())
+        pid, start = data["pid"], data.get("pid_start")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(pid, int) or pid <= 1 or not (start is None or isinstance(start, int)):
+        return None
+    return pid, start
+
+
+def _row_of(job_dir: Path, job_id: str, tree: tuple[int, int | None]) -> JobRow | None:
+    """The row `job.json` recorded for a job now running as `tree`; None if unreadable."""
+    try:
+        data: dict[str, Any] = json.loads((job_dir / "job.json").read_text())
+        names = {f.name for f in fields(JobRow)}
+        if set(data) != names or data["id"] != job_id:
+            return None
+        row = JobRow(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    row.pid, row.pid_start = tree
+    row.job_dir = str(job_dir)
+    # A restore's record said `restoring`; its tree runs: `restored`.
+    row.state = "restored" if row.checkpoint else "running"
+    return row
+
+
+def _is_job_id(name: str) -> bool:
+    try:
+        validate_job_id(name)
+    except Exception:  # noqa: BLE001 - UsageError: not one of ours
+        return False
+    return True
 
 
 def died_of(row: JobRow, sig: signal.Signals) -> bool:

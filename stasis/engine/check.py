@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from stasis import wire
@@ -15,7 +16,10 @@ from stasis.engine.criu import CRIU, MIN_VERSION, find_criu
 from stasis.errors import StasisError
 
 
-def run_check(settings: Settings) -> wire.CheckReport:
+def run_check(settings: Settings, readiness: Sequence[wire.Problem] = ()) -> wire.CheckReport:
+    """What this node lacks to checkpoint and restore; `readiness`: what the running daemon
+    says keeps it from protecting its jobs now (JobManager.readiness_problems), each a problem
+    (the node is not ready: `ok` false, `stasis check` exits non-zero)."""
     report = wire.CheckReport(ok=True, criu_path=None, criu_version=None,
                               kernel=os.uname().release, features={}, notes=[], problems=[],
                               network_locks=[])
@@ -64,6 +68,7 @@ def run_check(settings: Settings) -> wire.CheckReport:
                                        fix="run `make install`"))
     if os.geteuid() == 0:
         report["network_locks"] = network_locks()
+    problems.extend(readiness)
     report["ok"] = not problems
     return report
 

@@ -4,8 +4,9 @@ left frozen, its checkpoint stays listed, and nobody reads SQLAlchemy's text."""
 
 from __future__ import annotations
 
+import json
+import os
 import sqlite3
-from pathlib import Path
 
 from stasis.engine import proctree
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
@@ -42,3 +43,58 @@ def test_stop_dump_while_the_database_is_locked(make_daemon: MakeDaemon, peer: P
     wait_for(lambda: d.job(job["job"])["state"] == "checkpointed", 20,
              "the job recorded checkpointed")
     assert not list((d.state_dir / "dumps").glob("*.json")), "the dump's journal entry stays"
+    _release_locks(d, job["label"])
+
+
+def _not_ready(d: Daemon) -> list[str]:
+    report = json.loads(d.cli("check", "--json", check=False).stdout)
+    return [p["what"] for p in report["problems"] if p["what"].startswith("not ready")]
+
+
+def _release_locks(d: Daemon, label: str) -> None:
+    """Delete the label's checkpoints: their network locks go with them (not left behind in
+    the firewall by a test daemon that stops)."""
+    for c in checkpoints(d, label):
+        d.cli("checkpoints", "rm", c["id"])
+
+
+def test_a_corrupt_database_is_moved_aside_and_rebuilt(make_daemon: MakeDaemon) -> None:
+    d = make_daemon()
+    running = d.run(*workload("counter.py", 0.05), label="survives")
+    done = d.run(*workload("counter.py", 0.05), label="kept")
+    wait_for(lambda: d.log_of(running["job"]).count("\n") >= 3, 20, "counting")
+    checkpoint = d.json("dump", done["job"])["checkpoint"]
+    d.stop()
+    db = d.state_dir / "jobs.db"
+    db.write_bytes(os.urandom(64 << 10))  # garbage, where SQLite expects its header
+    for extra in ("jobs.db-wal", "jobs.db-shm"):
+        (d.state_dir / extra).unlink(missing_ok=True)
+    d.start()  # before: "file is not a database", and the daemon did not come up
+    aside = [p.name for p in d.state_dir.glob("jobs.db.corrupt-*")]
+    assert len(aside) == 1, os.listdir(d.state_dir)
+    log = (d.root / "daemon.log").read_text()
+    assert f"moved aside as {d.state_dir / aside[0]}" in log, log[-2000:]
+    # The running job is listed again, with its tree, and is still the caller's to stop.
+    job = d.job(running["job"])
+    assert job["state"] == "running" and job["pid"] == running["pid"]
+    assert job["label"] == "survives"
+    assert [c["id"] for c in d.json("checkpoints", "--label", "kept")] == [checkpoint]
+    assert not _not_ready(d), _not_ready(d)
+    d.cli("kill", running["job"])
+    assert not proctree.alive(running["pid"], None)
+
+
+def test_not_ready_while_a_dump_waits_for_the_database(make_daemon: MakeDaemon,
+                                                        peer: Peer) -> None:
+    d = make_daemon(env={"STASIS_DB_BUSY_TIMEOUT_S": "1"})
+    job, _ = start(d, peer)
+    lock = _hold_write_lock(d)
+    try:
+        d.cli("dump", job["job"])
+        said = d.cli("check", check=False)
+        assert said.returncode != 0 and "not ready" in said.stdout + said.stderr, said
+    finally:
+        lock.rollback()
+        lock.close()
+    wait_for(lambda: not _not_ready(d), 20, "the daemon ready again")
+    _release_locks(d, job["label"])
