@@ -211,6 +211,15 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.engine.check import run_check
 
     report = run_check(settings)
+    try:
+        with Client(settings.socket, timeout_s=30) as client:
+            # What keeps the running daemon from protecting its jobs (its database, the store).
+            ready = client.check()
+        not_ready = [p for p in ready["problems"] if p["what"].startswith("not ready")]
+        report["problems"].extend(not_ready)
+        report["ok"] = report["ok"] and not not_ready
+    except StasisError as e:
+        report["notes"].append(f"cannot ask the daemon whether it is ready: {e}")
     if report["network_locks"]:
         try:
             with Client(settings.socket, timeout_s=10) as client:
