@@ -11,7 +11,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,10 @@ def points_for(action: str, points: dict[str, str]) -> list[str]:
              "kill-job": ("kill",),
              "migrate": ("dump", "checkpoint", "publish", "criu", "restore", "lease", "command",
                          "migrat", "cp.", "controlplane.")}[action]
-    fit = [p for p in points if any(w in p for w in words)]
-    return fit or list(points)
+    # A node's control-plane agent (cp.*) only acts on the control plane's commands.
+    mine = [p for p in points if action == "migrate" or not p.startswith("cp.")]
+    fit = [p for p in mine if any(w in p for w in words)]
+    return fit or mine or list(points)
 
 
 def counter_pids(marker: str) -> list[int]:
@@ -82,6 +85,7 @@ class Site:
         self._stall: threading.Timer | None = None
         self._stall_lock = threading.Lock()
         self._stalled = False
+        self.cp_armed = False
         # In every label, hence on every counter's command line: strays are found by it.
         self.marker = f"soak{os.getpid()}"
 
@@ -194,6 +198,17 @@ class Site:
             time.sleep(0.3)
         return False
 
+    def pending_commands(self) -> int:
+        """Commands the control plane still has queued or leased (-1: it does not answer)."""
+        try:
+            r = subprocess.run(self.cp_argv("actions", "--json"), env=self.cp_env(),
+                               capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return -1
+        if r.returncode != 0:
+            return -1
+        return sum(1 for a in json.loads(r.stdout) if a.get("state") in ("queued", "leased"))
+
     # -- faults ------------------------------------------------------------------------------
 
     def kill_daemon(self, node: str) -> bool:
@@ -235,6 +250,7 @@ class Site:
         self.cp.stop()
         # ControlPlane.start passes this process's environment on.
         os.environ["STASIS_TEST_FAULT_POINTS"] = ":".join(points)
+        self.cp_armed = bool(points)
         try:
             self.cp.start("--command-lease", "5")
         finally:
@@ -265,6 +281,44 @@ class Site:
                 t.cancel()
                 self._cont()
             self._stall = None
+
+    @contextmanager
+    def supervised(self, restart_after_s: float = 1.0) -> Iterator[list[str]]:
+        """While the body runs, start again whatever dies, `restart_after_s` after its death
+        (disarmed), as a service manager does (systemd's Restart=always): a node is down for
+        seconds, not for as long as a command waits on it. Yields the list of what it started."""
+        restarted: list[str] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            dead_since: dict[str, float] = {}
+            while not done.wait(0.2):
+                for name in [*self.nodes, "controlplane"]:
+                    died = (self.controlplane_died() if name == "controlplane"
+                            else self.daemon_died(name))
+                    if not died:
+                        dead_since.pop(name, None)
+                        continue
+                    since = dead_since.setdefault(name, time.monotonic())
+                    if time.monotonic() - since < restart_after_s:
+                        continue
+                    try:
+                        if name == "controlplane":
+                            self.restart_controlplane(points=[])
+                        else:
+                            self.restart_daemon(name, points=[])
+                        restarted.append(name)
+                    except (AssertionError, OSError) as e:  # tried again on the next round
+                        print(f"soak: could not start {name} again: {e}", flush=True)
+                    dead_since.pop(name, None)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        try:
+            yield restarted
+        finally:
+            done.set()
+            t.join()
 
     def heal(self) -> None:
         """Undo every fault: the store reachable, what died started again (disarmed)."""
