@@ -924,11 +924,13 @@ class Registry:
                 alternates = [{"node": str(n), "seal": _seal_of({"seal": seals.get(n)})}
                               for n in list(args.get("or_on") or [])[:ALTERNATES]
                               if isinstance(seals.get(n), dict)]
+                # (`try`, 1 when absent, counts the tries on its node; `alternates`: where the
+                # restore goes next, with the seal its source made for each)
                 nid = self._queue_restore(conn, row["cluster_id"], args["then_restore_on"], {
                     "checkpoint": ckpt, "migrated_from": command_id, "job": args["job"],
                     "label": args.get("label"), "user": args.get("user"),
                     "from_node": row["node"], "seal": _seal_of(result),
-                    "alternates": alternates, "try": 1}, 0.0)
+                    **({"alternates": alternates} if alternates else {})}, 0.0)
                 result = {k: v for k, v in result.items() if k != "seals"}
                 result = {**result, "next": nid}
             n = conn.execute(update(commands).where(
