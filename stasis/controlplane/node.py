@@ -129,6 +129,7 @@ intent_table = Table(
     Column("at", Float, nullable=False),  # time.time() before acting, this node's own clock
 )
 _WATERMARK = "(forgotten before)"
+_INTENT_KEPT_S = 7 * 86400
 _ALTERNATES = 3  # nodes beside the target a migration's checkpoint half seals for
 
 
@@ -553,6 +554,10 @@ class ControlPlaneNode(Integration):
             began = conn.execute(select(intent_table.c.at).where(
                 intent_table.c.command_id == cmd["id"])).scalar()
             if began is None:
+                # Those of commands the control plane gave up on (failed, re-targeted) while
+                # this node was away are never leased again: forgotten after a week.
+                conn.execute(delete(intent_table).where(
+                    intent_table.c.at < time.time() - _INTENT_KEPT_S))
                 conn.execute(insert(intent_table).values(command_id=cmd["id"],
                                                          kind=str(cmd["kind"])[:40], job=what,
                                                          at=time.time()))

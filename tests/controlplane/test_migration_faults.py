@@ -70,10 +70,13 @@ class Site:
         return done
 
 
-@pytest.fixture
-def site(world_tmp: Path) -> Iterator[Site]:
+@pytest.fixture(params=["sqlite"])
+def site(request: pytest.FixtureRequest, world_tmp: Path) -> Iterator[Site]:
+    """SQLite; PostgreSQL where a test asks (indirect): the retries' queries on both."""
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
-    cp = ControlPlane(root, str(root / "cp.db"))
+    db = str(root / "cp.db") if request.param == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    cp = ControlPlane(root, db)
     cp.start("--command-lease", "2", "--lost-after", "4")
     try:
         yield Site(cp, cp.json("clusters", "add", "hpc", "--kind", "slurm"))
@@ -97,6 +100,7 @@ def lease_when_due(site: Site, name: str, command_id: str, not_before_s: float
     return wait_for(leased, 30, f"{name} to lease {command_id}")
 
 
+@pytest.mark.parametrize("site", ["sqlite", "postgresql"], indirect=True)
 def test_a_failed_restore_is_retried_with_backoff_then_retargeted_then_fails_naming_it(
         site: Site) -> None:
     for name in ("src", "b", "c"):
@@ -151,6 +155,7 @@ def test_a_refused_restore_is_not_retried(site: Site) -> None:
     assert r["result"]["error"] == refused, r  # the node's own line, as it said it
 
 
+@pytest.mark.parametrize("site", ["sqlite", "postgresql"], indirect=True)
 def test_a_restore_held_by_a_lost_node_is_retargeted_after_its_lease(site: Site) -> None:
     for name in ("src", "b", "c"):
         site.node(name)

@@ -133,15 +133,18 @@ def test_a_checkpoint_half_killed_goes_on_from_its_intent(
     cluster.b.kill_all()
 
 
-def test_a_restore_half_killed_after_restoring_answers_with_the_job_it_restored(
-        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
-    """The target node dies after its restore, before answering: leased again, it answers
-    with the job restored from that checkpoint, restoring nothing again (before: refused as a
-    replay, the migration failed while the job ran)."""
-    last, before = migrate_killed_at(cluster, cluster.b, "cp.after-restore", "cpf-restore",
-                                     test_user.pw_name)
+@pytest.mark.parametrize("point", ["cp.after-lease", "cp.after-restore"])
+def test_a_restore_half_killed_is_carried_out_once(
+        cluster: Cluster, point: str, test_user: pwd.struct_passwd) -> None:
+    """The target node dies after leasing the restore (nothing done: restored once started
+    again), or after its restore, before answering: leased again, it answers with the job
+    restored from that checkpoint, restoring nothing again (before: refused as a replay, the
+    migration failed while the job ran)."""
+    label = "cpf-restore-" + point.split(".")[1]
+    last, before = migrate_killed_at(cluster, cluster.b, point, label, test_user.pw_name)
     assert last["kind"] == "restore" and last["state"] == "done", last
-    assert_runs_once_counting_on(cluster, "cpf-restore", str(last["result"]["job"]), before)
+    assert last["node"] == "node-b", last
+    assert_runs_once_counting_on(cluster, label, str(last["result"]["job"]), before)
     cluster.b.kill_all()
 
 
