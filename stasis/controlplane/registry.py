@@ -1038,7 +1038,8 @@ class Registry:
                     "while carrying it out" if expired else "before carrying it out")
             elif expired and row["attempts"] >= MAX_LEASES:
                 why = (f"node {row['node']} leased it {row['attempts']} times without "
-                       "answering (its daemon died carrying it out each time: see its log)")
+                       "answering (its daemon died carrying it out, or could not tell what "
+                       "it had done, each time: see its log)")
             else:
                 continue
             try:
