@@ -12,6 +12,9 @@ JobManager is what the API, the server and integrations call; the work is done b
     restoring     a checkpoint restored as a new job
     housekeeping  finished jobs' rows, CRIU's logs, corrupt checkpoints: pruned
     core          what dumping, restoring and housekeeping share (settings, store, database)
+    readiness     whether the store answers (`readiness_problems`: can this daemon protect
+                  its jobs now)
+    rebuild       a corrupt database moved aside and rebuilt at the start (server.py)
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from stasis.daemon.db import JobDB, JobRow
+from stasis.daemon.db import JobDatabaseError, JobDB, JobRow
 from stasis.daemon.models import validate_job_id
 from stasis.daemon.supervisor import Supervisors
 from stasis.daemon.users import Caller
@@ -74,6 +74,9 @@ class JobTracker:
                 self._follow(row)
             except OSError as e:
                 log.warning("cannot tell whether job %s still runs: %s", row.id, e)
+            except JobDatabaseError as e:
+                # Listing and the rest go on from what can be read; the next poll records it.
+                log.warning("cannot record how job %s is now: %s", row.id, e)
 
     def _follow(self, row: JobRow) -> None:
         if row.state == "restoring" and self._settle_restoring(row):

@@ -11,6 +11,7 @@ import sqlite3
 from stasis.engine import proctree
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_netlock import Peer, peer, start  # noqa: F401 - the fixture
+from tests.faults import kit
 from tests.faults.kit import checkpoints, stopped
 
 
@@ -98,3 +99,51 @@ def test_not_ready_while_a_dump_waits_for_the_database(make_daemon: MakeDaemon,
         lock.close()
     wait_for(lambda: not _not_ready(d), 20, "the daemon ready again")
     _release_locks(d, job["label"])
+
+
+def test_killed_after_publish_then_started_with_the_database_locked(
+        make_daemon: MakeDaemon) -> None:
+    """Whatever the database does at the next start, a published stop-dump's tree is not left
+    stopped: killed (the stop was asked), recorded once the database can be written."""
+    d = make_daemon(env={"STASIS_DB_BUSY_TIMEOUT_S": "1"})
+    job = d.run(*workload("counter.py", 0.05), label="locked-start")
+    wait_for(lambda: d.log_of(job["job"]).count("\n") >= 3, 20, "counting")
+    kit.arm(d, "dump.after-criu")
+    dump = kit.start_cli(d, "dump", job["job"])
+    kit.died(d)
+    dump.communicate(timeout=30)
+    assert stopped(job["pid"]), "CRIU did not leave the tree stopped"
+    # Not published, the tree stopped by CRIU, and the database locked at the next start.
+    lock = _hold_write_lock(d)
+    try:
+        kit.arm(d)
+        wait_for(lambda: not stopped(job["pid"]), 20, "the tree resumed")
+        assert proctree.alive(job["pid"], None), "an unpublished dump's job was killed"
+    finally:
+        lock.rollback()
+        lock.close()
+    wait_for(lambda: not list((d.state_dir / "dumps").glob("*.json")), 20, "the journal empty")
+    assert d.job(job["job"])["state"] == "running"
+    d.cli("kill", job["job"])
+
+
+def test_published_then_started_with_the_database_locked(make_daemon: MakeDaemon) -> None:
+    d = make_daemon(env={"STASIS_DB_BUSY_TIMEOUT_S": "1"})
+    job = d.run(*workload("counter.py", 0.05), label="locked-published")
+    wait_for(lambda: d.log_of(job["job"]).count("\n") >= 3, 20, "counting")
+    kit.arm(d, "dump.after-publish")
+    dump = kit.start_cli(d, "dump", job["job"])
+    kit.died(d)
+    dump.communicate(timeout=30)
+    assert stopped(job["pid"]), "the tree is not stopped at the point"
+    lock = _hold_write_lock(d)
+    try:
+        kit.arm(d)  # starts although the database refuses writes
+        wait_for(lambda: not proctree.alive(job["pid"], None), 20, "the stopped job killed")
+        assert _not_ready(d), "ready while the dump's record waits"
+    finally:
+        lock.rollback()
+        lock.close()
+    wait_for(lambda: d.job(job["job"])["state"] == "checkpointed", 20, "checkpointed")
+    wait_for(lambda: not list((d.state_dir / "dumps").glob("*.json")), 20, "the journal empty")
+    assert checkpoints(d, "locked-published")
