@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from pathlib import Path
 
 from stasis.engine import proctree
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
@@ -147,3 +148,16 @@ def test_published_then_started_with_the_database_locked(make_daemon: MakeDaemon
     wait_for(lambda: d.job(job["job"])["state"] == "checkpointed", 20, "checkpointed")
     wait_for(lambda: not list((d.state_dir / "dumps").glob("*.json")), 20, "the journal empty")
     assert checkpoints(d, "locked-published")
+
+
+def test_not_ready_while_the_store_does_not_answer(make_daemon: MakeDaemon,
+                                                   world_tmp: Path) -> None:
+    # An S3 endpoint where nothing listens: the daemon runs, but cannot protect a job.
+    d = make_daemon(store="s3://nowhere/x", env={
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1", "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "AWS_EC2_METADATA_DISABLED": "true"})
+    said = d.cli("check", check=False)
+    assert said.returncode != 0, said.stdout
+    problems = _not_ready(d)
+    assert any("checkpoint store" in p and "does not answer" in p for p in problems), problems
