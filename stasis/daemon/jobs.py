@@ -24,6 +24,7 @@ import os
 import secrets
 import signal
 
+from stasis import faults
 from stasis.config import Settings
 from stasis.daemon.activity import JobSource, JobWork, Listeners, ReportedJob
 from stasis.daemon.core import Core
@@ -281,6 +282,7 @@ class JobManager:
         if "error" in answer:
             raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
         pid = started.pid
+        faults.point("run.after-start")  # running, not yet recorded: adopted at the next start
         self.db.add(started.row(
             state="running", label=label, command=req.command, cwd=req.cwd,
             env=sorted(req.env), user=acct.name, uid=acct.uid, gid=acct.gid, log=log,

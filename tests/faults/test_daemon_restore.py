@@ -77,3 +77,22 @@ def test_daemon_killed_during_a_restore(make_daemon: MakeDaemon, world_tmp: Path
     assert len(_trees(label)) <= 2, f"the job runs twice: {_trees(label)}"
     for j in live:
         d.cli("kill", j["job"])
+
+
+def test_a_job_started_but_not_recorded_is_adopted(make_daemon: MakeDaemon) -> None:
+    """The daemon killed after the job's supervisor started it, before its row was written:
+    the next start adopts it from its directory (job.json, pid.json), listed and the owner's
+    to stop, its counter going on; nothing started twice."""
+    d = make_daemon()
+    label = f"fo-{os.urandom(3).hex()}"
+    kit.kill_at(d, "run.after-start", "run", "--label", label, "--",
+                *workload("counter.py", 0.05, 0, label))
+    live = kit.live_jobs(d, label)
+    assert len(live) == 1, d.json("ps")
+    job = live[0]
+    assert job["state"] == "running" and job["label"] == label
+    assert "adopted job" in (d.root / "daemon.log").read_text()
+    wait_for(lambda: len(counted(d, job["job"])) >= 5, 20, "the counter to go on")
+    assert len(_trees(label)) <= 2, f"the job runs twice: {_trees(label)}"
+    d.cli("kill", job["job"])
+    assert not kit.live_jobs(d, label)
