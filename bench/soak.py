@@ -299,14 +299,15 @@ class Soak:
                 t.join()
         elif c.fault == "fault-point":
             point = self.rng.choice(points_for(c.action, self.points))
-            server = self.points[point] == "controlplane"
+            server = self.points[point][0] == "controlplane"
+            arm = self.points[point][1]
             # A migration's points are on either node (the checkpoint half's, the restore half's).
             nodes = list(site.nodes) if c.action == "migrate" else [node]
             c.detail = point
             if server:
-                site.restart_controlplane(points=[point])
+                site.restart_controlplane(points=arm)
             for n in nodes if not server else []:
-                site.restart_daemon(n, points=[point])
+                site.restart_daemon(n, points=arm)
             try:
                 yield
             finally:
@@ -573,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         site.start()
         soak = Soak(site, rng, args.jobs, args.interval, args.settle, actions, faults)
-        points = [f"{p} ({where})" for p, where in soak.points.items()]
+        points = [f"{p} ({where})" for p, (where, _) in soak.points.items()]
         soak.in_turn = args.in_turn
         soak.setup()
         with csv_path.open("w", newline="") as f:

@@ -24,28 +24,44 @@ from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTER = Path(__file__).resolve().parent / "workloads" / "soak_counter.py"
-POINT = re.compile(r"""faults\.point\(\s*f?["']([A-Za-z0-9_.:-]+)["']""")
+# A point's name as the code spells it: faults.point("a.b"), or handed on (point=f"a.{mode}.b").
+POINT = re.compile(r"""(?:faults\.point\(|\bpoint=)\s*f?["']([A-Za-z0-9_.:{}-]+)["']""")
+PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 # Points on paths the soak does not take (no Slurm, no Kubernetes here).
 ELSEWHERE = ("slurm.", "k8s.", "runtime.")
 
 
-def fault_points(src: Path = ROOT / "stasis") -> dict[str, str]:
+def fault_points(src: Path = ROOT / "stasis") -> dict[str, tuple[str, list[str]]]:
     """The named fault points in the code as it is (stasis/faults.py), read from its source: each
     with the process it is in ("controlplane": the server; "daemon": a node's daemon, its
-    control-plane agent included)."""
-    found: dict[str, str] = {}
+    control-plane agent included) and the names to arm. A name made from a template
+    (restore.{mode}.recorded) is one point, "restore.*.recorded", armed in every mode: the step
+    is the same, and the soak does not choose the mode a restore takes."""
+    found: dict[str, tuple[str, list[str]]] = {}
     for path in sorted(src.rglob("*.py")):
         area = path.relative_to(src).parts[0]
         if area in ("slurm", "k8s"):
             continue
-        server = area == "controlplane" and path.name != "node.py"
-        for name in POINT.findall(path.read_text(errors="replace")):
-            if not name.startswith(ELSEWHERE):
-                found[name] = "controlplane" if server else "daemon"
+        where = "controlplane" if area == "controlplane" and path.name != "node.py" else "daemon"
+        text = path.read_text(errors="replace")
+        for template in POINT.findall(text):
+            names = [n for n in _expand(template, text) if not n.startswith(ELSEWHERE)]
+            if names:
+                found[PLACEHOLDER.sub("*", template)] = (where, names)
     return dict(sorted(found.items()))
 
 
-def points_for(action: str, points: dict[str, str]) -> list[str]:
+def _expand(template: str, text: str) -> list[str]:
+    """`template`'s names: each {var} replaced by every literal the file assigns to var
+    (restore.{mode}.recorded: mode = "fetched", "inplace", ...)."""
+    names = [template]
+    for var in PLACEHOLDER.findall(template):
+        values = sorted(set(re.findall(rf"\b{var}\s*=\s*[\"']([A-Za-z0-9_-]+)[\"']", text)))
+        names = [n.replace("{" + var + "}", v) for n in names for v in values]
+    return [n for n in names if "{" not in n]
+
+
+def points_for(action: str, points: dict[str, tuple[str, list[str]]]) -> list[str]:
     """The points `action` may reach, by their names (all of them when none names it)."""
     words = {"dump-leave": ("dump", "checkpoint", "publish", "criu", "freeze"),
              "dump-stop": ("dump", "checkpoint", "publish", "criu", "freeze", "stop"),
