@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pytest
 
@@ -31,6 +33,150 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # The Debian 13 root takes minutes to build: it builds while the other tests run.
     if any(item.path.name == "test_slurm_debian13.py" for item in session.items):
         debian13.start_build()
+    # So does the modules' early work (mostly waiting on Slurm's clocks), of chosen modules only.
+    chosen = [work for name, work in EARLY.items()
+              if name in {item.path.name for item in session.items}
+              and not session.config.option.collectonly]
+    if chosen:
+        ensure_test_user()  # here, not in the worker and a test at once (two useradds)
+    for work in chosen:
+        work.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    Early.ending = True  # what has not started yet never will
+    for work in EARLY.values():
+        work.abandon()
+
+
+R = TypeVar("R")
+
+
+class Early(Generic[R]):
+    """A module's work that is mostly waiting (jobs that run into their time limit, get
+    preempted, requeued...), on a cluster of its own: started when the session's tests are
+    known, so the other modules' tests run meanwhile; the module's fixture takes the result
+    (`take`) and cleans up (`close`). `make` cleans up after itself when it fails.
+
+    One worker runs the early work of every module, one after the other in the order the
+    modules added it, so that at most one such cluster starts or checkpoints at a time beside
+    the test running (grace periods are seconds). The worker is no daemon thread: a session
+    that ends (or is interrupted) meanwhile waits for the work under way, which then cleans up
+    after itself; work not begun is skipped."""
+
+    _lock = threading.Lock()
+    _queue: queue.Queue[Early[Any]] = queue.Queue()
+    _worker: threading.Thread | None = None
+    ending = False
+
+    def __init__(self, make: Callable[[dict[str, str]], R], close: Callable[[R], None]
+                 ) -> None:
+        self._make = make
+        self._close = close
+        self._queued = False
+        self._done = threading.Event()
+        self._value: R | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._environ: dict[str, str] = {}
+
+    def start(self) -> None:
+        with Early._lock:
+            if self._queued:
+                return
+            self._queued = True
+            # The environment before any test runs: `make` runs everything it starts with it,
+            # never with a variable a test running meanwhile has just set.
+            self._environ = dict(os.environ)
+            Early._queue.put(self)
+            if Early._worker is None:
+                Early._worker = threading.Thread(target=Early._work, name="stasis-early")
+                Early._worker.start()
+
+    @staticmethod
+    def _work() -> None:
+        while True:
+            with Early._lock:
+                try:
+                    work = Early._queue.get_nowait()
+                except queue.Empty:
+                    Early._worker = None
+                    return
+            work._run()
+
+    def _run(self) -> None:
+        try:
+            if Early.ending:
+                raise AssertionError("the session ended before this module's early work began")
+            self._value = self._make(self._environ)
+        except BaseException as e:  # handed to the module's fixture, which raises it
+            self._error = e
+        finally:
+            self._done.set()
+        if Early.ending:
+            self.close()  # the session ended meanwhile: no fixture will
+
+    def take(self, timeout_s: float) -> R:
+        """The result (waiting for it; queued now if the module was not chosen at
+        collection): `make`'s own error when it failed."""
+        self.start()
+        if not self._done.wait(timeout_s):
+            raise AssertionError(f"the module's early work did not end in {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+    def close(self) -> None:
+        with Early._lock:
+            if self._closed or self._value is None:
+                return
+            self._closed = True
+        self._close(self._value)
+
+    def abandon(self) -> None:
+        """At the session's end: clean up after work no module took (its tests failed first);
+        work under way cleans up after itself when it ends."""
+        if self._done.is_set():
+            self.close()
+
+
+# Keyed by the module's file name; each module adds its own at import (collection), conftest's
+# own first.
+EARLY: dict[str, Early[Any]] = {}
+
+S = TypeVar("S")
+
+
+def early_checks(module: str, setup: Callable[[dict[str, str]], S], close: Callable[[S], None],
+                 checks: list[Callable[[S], None]], timeout_s: float = 540
+                 ) -> Callable[[Callable[[S], None]], None]:
+    """A module whose checks are minutes of waiting on Slurm (requeues, restarts) on a cluster
+    of its own: they run early (Early), one after the other as they would in the module, on
+    what `setup` made (`close` undoes it). Each test of the module calls the returned function
+    with its check, which raises the check's own error, if any (an assertion, pytest's skip)."""
+    def run_all(environ: dict[str, str]) -> dict[str, BaseException | None]:
+        made = setup(environ)
+        try:
+            outcomes: dict[str, BaseException | None] = {}
+            for check in checks:
+                try:
+                    check(made)
+                    outcomes[check.__name__] = None
+                except BaseException as e:  # the test raises it
+                    outcomes[check.__name__] = e
+            return outcomes
+        finally:
+            close(made)
+
+    work = Early(run_all, lambda _: None)
+    EARLY[module] = work
+
+    def outcome(check: Callable[[S], None]) -> None:
+        error = work.take(timeout_s)[check.__name__]
+        if error is not None:
+            raise error
+    return outcome
 
 # A counter printing once per `interval` seconds up to `stop`, then exiting with `code`.
 COUNTER = """\
@@ -45,24 +191,32 @@ sys.exit(code)
 
 
 class Cluster:
-    def __init__(self, root: Path, nodes: int = 1, without_stasis: tuple[str, ...] = ()
-                 ) -> None:
+    def __init__(self, root: Path, nodes: int = 1, without_stasis: tuple[str, ...] = (),
+                 environ: dict[str, str] | None = None) -> None:
         self.root = root
         self.work = root / "work"
         self.lay = local_cluster.Layout(root)
         self.nodes = nodes
         self.without_stasis = without_stasis
+        # A cluster driven from a thread (Early) while other tests run takes the environment
+        # as it was before any test ran, never a variable a test has just set.
+        self.environ = environ
+
+    @property
+    def base_env(self) -> dict[str, str]:
+        return dict(os.environ if self.environ is None else self.environ)
 
     @property
     def env(self) -> dict[str, str]:
-        return {**os.environ, **self.lay.env()}
+        return {**self.base_env, **self.lay.env()}
 
     def up(self) -> None:
         result = subprocess.run(
             [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
              "--socket-group", TEST_USER, "--nodes", str(self.nodes),
              *(f"--without-stasis={n}" for n in self.without_stasis)],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "STASIS_CONFIG": ""})
+            capture_output=True, text=True, timeout=120,
+            env={**self.base_env, "STASIS_CONFIG": ""})
         assert result.returncode == 0, result.stderr + result.stdout
         answer = json.loads(result.stdout)
         assert answer["slurm_conf"] == str(self.lay.slurm_conf)
@@ -73,7 +227,7 @@ class Cluster:
 
     def down(self) -> None:
         subprocess.run([STASIS, "slurm", "local-cluster", "down", "--dir", str(self.root)],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=self.base_env)
 
     def run(self, *cmd: str, user: str | None = None, check: bool = True
             ) -> subprocess.CompletedProcess[str]:
@@ -170,11 +324,12 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def new_cluster(name: str, nodes: int = 1, without_stasis: tuple[str, ...] = ()) -> Cluster:
+def new_cluster(name: str, nodes: int = 1, without_stasis: tuple[str, ...] = (),
+                environ: dict[str, str] | None = None) -> Cluster:
     ensure_test_user()
     root = Path(tempfile.mkdtemp(prefix=f"stasis-e2e-{name}-"))
     os.chmod(root, 0o755)
-    c = Cluster(root, nodes, without_stasis)
+    c = Cluster(root, nodes, without_stasis, environ)
     c.up()
     return c
 
@@ -192,8 +347,64 @@ def cluster() -> Iterator[Cluster]:
     close_cluster(c)
 
 
+# Starting and stopping a cluster takes seconds each, more on a loaded machine: the modules whose
+# tests leave it as they found it (their jobs ended, the node up, the daemon running) share one,
+# made clean at each module's start. A module that restarts Slurm, reinstalls stasis or needs the first job
+# ids keeps `cluster`, a cluster of its own.
+@pytest.fixture(scope="session")
+def _shared_clusters() -> Iterator[list[Cluster]]:
+    made: list[Cluster] = []
+    yield made
+    for c in made:
+        close_cluster(c)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(_shared_clusters: list[Cluster]) -> Cluster:
+    """The session's single-node cluster, with no job left, its node idle and its daemon up;
+    one that cannot be made so (a module before broke it) is replaced by a new one."""
+    if _shared_clusters and not made_clean(_shared_clusters[-1]):
+        close_cluster(_shared_clusters.pop())
+    if not _shared_clusters:
+        _shared_clusters.append(new_cluster("shared"))
+    return _shared_clusters[-1]
+
+
+def made_clean(c: Cluster) -> bool:
+    """Cancel every job, resume a drained node, start a stopped daemon: True when the cluster
+    is then as new (no job, n1 idle, the daemon answering)."""
+    def jobs() -> list[str] | None:
+        r = c.run("squeue", "-h", "-t", "all", "-o", "%i %T", check=False)
+        if r.returncode != 0:
+            return None
+        return [line.split()[0] for line in r.stdout.splitlines()
+                if line.split()[1:] and line.split()[1] not in ENDED]
+
+    left = jobs()
+    if left is None:
+        return False
+    if left:
+        c.run("scancel", *left, check=False)
+    if poll(lambda: jobs() == [], 60, interval_s=0.5) is None:
+        return False
+    node = c.run("scontrol", "show", "node", NODE, check=False).stdout
+    if re.search(r"State=\S*(DRAIN|DOWN)", node):
+        c.run("scontrol", "update", f"NodeName={NODE}", "State=RESUME", check=False)
+    if poll(lambda: c.run("sinfo", "-h", "-n", NODE, "-o", "%T", check=False).stdout.strip()
+            == "idle", 60, interval_s=0.5) is None:
+        return False
+    local_cluster.start_daemon(c.root)  # nothing to do when it runs
+    return poll(lambda: c.stasis("ps", check=False).returncode == 0, 30, interval_s=0.5) \
+        is not None
+
+
+NODE = local_cluster.NODE
+ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL",
+         "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
 # The time-limit job needs minutes of wall time: it runs on a cluster of its own, submitted as
-# soon as the first module that wants it starts, and checked by test_time_limit.py at the end.
+# soon as the session's tests are known (Early), and checked by test_time_limit.py at the end.
 TIME_LIMIT_WORK_S = 170
 
 
@@ -204,14 +415,27 @@ class LongJob:
         self.started = started
 
 
+def _submit_long_job(environ: dict[str, str]) -> LongJob:
+    c = new_cluster("timelimit", environ=environ)
+    try:
+        script = c.counter_script("long", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=long",
+                                  "--time=1", stop=TIME_LIMIT_WORK_S, interval=1.0)
+        return LongJob(c, c.sbatch(script), time.monotonic())
+    except BaseException:
+        close_cluster(c)
+        raise
+
+
+LONG_JOB = Early(_submit_long_job, lambda job: close_cluster(job.cluster))
+EARLY["test_time_limit.py"] = LONG_JOB
+
+
 @pytest.fixture(scope="session")
 def time_limit_job() -> Iterator[LongJob]:
-    c = new_cluster("timelimit")
-    script = c.counter_script("long", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=long",
-                              "--time=1", stop=TIME_LIMIT_WORK_S, interval=1.0)
-    job = LongJob(c, c.sbatch(script), time.monotonic())
-    yield job
-    close_cluster(c)
+    try:
+        yield LONG_JOB.take(300)
+    finally:
+        LONG_JOB.close()
 
 
 def wait_gone(pids: list[int], timeout_s: float = 30) -> None:

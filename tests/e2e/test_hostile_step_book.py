@@ -17,7 +17,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,26 +26,29 @@ from stasis.daemon import detached
 from stasis.engine import proctree
 from stasis.slurm import mirrors
 from tests.conftest import TEST_USER, WORKLOADS
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until, wait_gone
+from tests.e2e.conftest import (Cluster, close_cluster, early_checks, new_cluster, until,
+                                 wait_gone)
 
 MARKER = "stasis: restored checkpoint"
+# The first test waits for every check (each of the others has its outcome at once).
+pytestmark = pytest.mark.timeout(600)
 REFUSED = "its step book is refused: its header claims 262128 bytes of records, the segment " \
           "holds "
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    c = new_cluster("book")
+# A cluster of its own, not the shared one: the daemon records thousands of steps of the
+# flooding book in Slurm, work another module's tests should not wait behind.
+def _setup(environ: dict[str, str]) -> Cluster:
+    c = new_cluster("book", environ=environ)
     shutil.copy(WORKLOADS / "hostile_book.py", c.work / "hostile_book.py")
-    yield c
-    close_cluster(c)
+    return c
 
 
 def _numbers(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"^(\d+)$", text, re.M)]
 
 
-def test_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_protected(
+def _a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_protected(
         cluster: Cluster) -> None:
     home = cluster.lay.config_of("n1").parent
     daemon_pid = detached.read_pid(home / "daemon.pid")
@@ -90,7 +93,7 @@ def test_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_
 
 
 
-def test_a_book_listing_thousands_of_steps_holds_up_no_other_job(cluster: Cluster) -> None:
+def _a_book_listing_thousands_of_steps_holds_up_no_other_job(cluster: Cluster) -> None:
     """A well-formed book of the job's user listing 4000 ended steps: the daemon records each
     in Slurm with an srun of its own, a few per poll. Another job started meanwhile is
     registered (and so protected) at once, and the hostile job itself is checkpointed as
@@ -138,7 +141,7 @@ def _victim() -> pwd.struct_passwd:
         return pwd.getpwnam(VICTIM)
 
 
-def test_a_job_name_forging_its_user_gives_step_records_no_other_groups(cluster: Cluster
+def _a_job_name_forging_its_user_gives_step_records_no_other_groups(cluster: Cluster
                                                                         ) -> None:
     """`scontrol show job -o` prints the job name as given, so a name holding
     "UserId=<another user>(<own uid>)" would read as the real field. Such a record is refused
@@ -184,3 +187,26 @@ def test_a_job_name_forging_its_user_gives_step_records_no_other_groups(cluster:
     cluster.run("scancel", job)
     until(lambda: cluster.run("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").stdout.strip()
           in ("CANCELLED", "COMPLETED", "FAILED"), 60, f"job {job} ended")
+
+
+CHECKS: list[Callable[[Cluster], None]] = [
+    _a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_protected,
+    _a_book_listing_thousands_of_steps_holds_up_no_other_job,
+    _a_job_name_forging_its_user_gives_step_records_no_other_groups,
+]
+# Minutes of waiting on Slurm (requeues, restores): the checks run early, on their cluster
+# (conftest.early_checks); each test raises its check's own error, if any.
+_outcome = early_checks("test_hostile_step_book.py", _setup, close_cluster, CHECKS)
+
+
+def test_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_protected(
+        ) -> None:
+    _outcome(_a_one_page_book_claiming_256_KiB_leaves_the_daemon_serving_and_the_job_protected)
+
+
+def test_a_book_listing_thousands_of_steps_holds_up_no_other_job() -> None:
+    _outcome(_a_book_listing_thousands_of_steps_holds_up_no_other_job)
+
+
+def test_a_job_name_forging_its_user_gives_step_records_no_other_groups() -> None:
+    _outcome(_a_job_name_forging_its_user_gives_step_records_no_other_groups)

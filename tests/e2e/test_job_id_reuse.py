@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e.conftest import Cluster
+import pytest
+
+from tests.e2e.conftest import Cluster, close_cluster, early_checks, new_cluster
 
 ENABLE = "--export=STASIS_ENABLE=1"
+# The test waits for its check, which runs early (below).
+pytestmark = pytest.mark.timeout(600)
 
 
-def test_reused_job_id_starts_fresh(cluster: Cluster) -> None:
+def _reused_job_id_starts_fresh(cluster: Cluster) -> None:
     script = cluster.counter_script("reuse", ENABLE, stop=400, interval=0.5)
     old = cluster.sbatch(script)
     cluster.wait_number(old, 3)
@@ -31,3 +35,13 @@ def test_reused_job_id_starts_fresh(cluster: Cluster) -> None:
     assert [c["id"] for c in cluster.checkpoints(old)] == [cp["checkpoint"]]  # untouched
     cluster.run("scancel", new)
     cluster.wait_state(new, ("CANCELLED",))
+
+
+# A cluster of its own (it restarts Slurm), and a minute of waiting on it: the check runs early
+# (conftest.early_checks); the test raises its error, if any.
+_outcome = early_checks("test_job_id_reuse.py", lambda env: new_cluster("reuse", environ=env),
+                        close_cluster, [_reused_job_id_starts_fresh])
+
+
+def test_reused_job_id_starts_fresh() -> None:
+    _outcome(_reused_job_id_starts_fresh)

@@ -10,8 +10,17 @@ import os
 import re
 import shutil
 
+import pytest
+
 from tests.conftest import TEST_USER, WORKLOADS
 from tests.e2e.conftest import Cluster, until, wait_gone
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The session's shared cluster (conftest): this module leaves it as it found it."""
+    return shared_cluster
+
 
 MARKER = "stasis: restored checkpoint"
 

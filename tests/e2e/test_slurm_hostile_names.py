@@ -18,6 +18,12 @@ from tests.conftest import TEST_USER
 from tests.e2e.conftest import Cluster, until
 
 
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The session's shared cluster (conftest): this module leaves it as it found it."""
+    return shared_cluster
+
+
 def _digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

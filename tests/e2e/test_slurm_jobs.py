@@ -16,14 +16,17 @@ import pytest
 from stasis.slurm import cluster as local_cluster
 from stasis.slurm import scontrol
 from tests.conftest import TEST_USER
-from tests.e2e.conftest import Cluster, LongJob, until, wait_gone
+from tests.e2e.conftest import (EARLY, Cluster, Early, close_cluster, new_cluster, until,
+                                 wait_gone)
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The session's shared cluster (conftest): this module leaves it as it found it."""
+    return shared_cluster
+
 
 ENABLE = "--export=STASIS_ENABLE=1"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _long_job_runs_meanwhile(time_limit_job: LongJob) -> None:
-    """Start the time-limit job's cluster now: it runs while this module's tests do."""
 
 
 def after(text: str, marker: str) -> list[int]:
@@ -37,10 +40,19 @@ def before(text: str, marker: str) -> list[int]:
     return [int(n) for n in re.findall(r"^(\d+)$", head, re.M)]
 
 
-@pytest.fixture(scope="module")
-def preempted(cluster: Cluster) -> dict[str, Any]:
+def _preempt(environ: dict[str, str]) -> dict[str, Any]:
     """A `victim` (opted in, label victim) and the same job without STASIS_ENABLE, both in the
-    preemptable `low` partition, preempted by a `preemptor` taking the whole node in `high`."""
+    preemptable `low` partition, preempted by a `preemptor` taking the whole node in `high`.
+    A minute of waiting on Slurm: on a cluster of its own (the preemptor takes the whole node),
+    started with the session (Early), which records what the tests check and is gone after."""
+    cluster = new_cluster("preempt", environ=environ)
+    try:
+        return _preempted_on(cluster)
+    finally:
+        close_cluster(cluster)
+
+
+def _preempted_on(cluster: Cluster) -> dict[str, Any]:
     victim = cluster.counter_script("victim", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=victim",
                                     stop=25)
     plain = cluster.counter_script("plain", "--open-mode=append", stop=25)
@@ -56,11 +68,20 @@ def preempted(cluster: Cluster) -> dict[str, Any]:
             "version": cluster.run("scontrol", "--version").stdout,
             "victim_job": cluster.job(v), "plain_job": cluster.job(p),
             "victim_out": cluster.output(v), "plain_out": cluster.output(p),
-            "preemptor_state": cluster.state(pre)}
+            "preemptor_state": cluster.state(pre), "victim_sacct": cluster.sacct(v),
+            "victim_checkpoints": cluster.checkpoints("victim")}
 
 
-def test_preempted_victim_resumes_from_its_checkpoint(cluster: Cluster,
-                                                      preempted: dict[str, Any]) -> None:
+PREEMPTED = Early(_preempt, lambda _: None)
+EARLY["test_slurm_jobs.py"] = PREEMPTED
+
+
+@pytest.fixture(scope="module")
+def preempted() -> dict[str, Any]:
+    return PREEMPTED.take(300)
+
+
+def test_preempted_victim_resumes_from_its_checkpoint(preempted: dict[str, Any]) -> None:
     out, job = preempted["victim_out"], preempted["victim_job"]
     assert preempted["preemptor_state"] == "COMPLETED"
     assert "SIGURG: taking a checkpoint" in out
@@ -73,9 +94,9 @@ def test_preempted_victim_resumes_from_its_checkpoint(cluster: Cluster,
     assert out.rstrip().splitlines()[-2] == "done"
     assert job["Restarts"] == "1"
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0"
-    assert ("COMPLETED", "0:0") in cluster.sacct(preempted["victim"])
+    assert ("COMPLETED", "0:0") in preempted["victim_sacct"]
     # Completed with exit 0: the label's checkpoints are retired.
-    assert cluster.checkpoints("victim") == []
+    assert preempted["victim_checkpoints"] == []
 
 
 def test_same_job_without_stasis_restarts_from_zero(preempted: dict[str, Any]) -> None:

@@ -12,15 +12,18 @@ import json
 import re
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 
 from tests.conftest import TEST_USER, STASIS
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until, wait_gone
+from tests.e2e.conftest import (Cluster, close_cluster, early_checks, new_cluster, until,
+                                 wait_gone)
 
 ENABLE = "--export=STASIS_ENABLE=1"
 RESTORED = "stasis: restored checkpoint"
+# The first test waits for every check (each of the others has its outcome at once).
+pytestmark = pytest.mark.timeout(600)
 
 
 def _free_port() -> int:
@@ -56,16 +59,22 @@ class Remote:
         return (self.cluster.lay.stasis / "daemon.log").read_text()
 
 
-@pytest.fixture(scope="module")
-def remote() -> Iterator[Remote]:
-    c = new_cluster("remote")
+def _remote(c: Cluster) -> Remote:
     # The local cluster gives every node's daemon one remote port (its config.toml says which).
     found = re.search(r"^slurm_remote_port = (\d+)$", c.lay.stasis_config.read_text(), re.M)
     assert found, c.lay.stasis_config.read_text()
     port = int(found.group(1))
     until(lambda: _connects(port), 30, "the remote listener")
-    yield Remote(c, port)
-    close_cluster(c)
+    return Remote(c, port)
+
+
+def _setup(environ: dict[str, str]) -> Remote:
+    c = new_cluster("remote", environ=environ)
+    try:
+        return _remote(c)
+    except BaseException:
+        close_cluster(c)
+        raise
 
 
 def _one_line(result: subprocess.CompletedProcess[str], code: int, text: str) -> str:
@@ -75,7 +84,7 @@ def _one_line(result: subprocess.CompletedProcess[str], code: int, text: str) ->
     return lines[0]
 
 
-def test_a_user_checkpoints_their_job_from_another_node_and_it_resumes(remote: Remote) -> None:
+def _a_user_checkpoints_their_job_from_another_node_and_it_resumes(remote: Remote) -> None:
     c = remote.cluster
     job = c.sbatch(c.counter_script("mine", ENABLE, stop=30, interval=0.5), user=TEST_USER)
     c.wait_number(job, 4)
@@ -100,7 +109,7 @@ def test_a_user_checkpoints_their_job_from_another_node_and_it_resumes(remote: R
     assert c.job(job)["Restarts"] == "1"
 
 
-def test_another_user_is_refused_and_errors_are_one_line(remote: Remote) -> None:
+def _another_user_is_refused_and_errors_are_one_line(remote: Remote) -> None:
     c = remote.cluster
     job = c.sbatch(c.counter_script("roots", ENABLE, stop=400, interval=0.5))
     c.wait_number(job, 2)
@@ -140,7 +149,7 @@ def test_another_user_is_refused_and_errors_are_one_line(remote: Remote) -> None
     c.wait_state(job, ("CANCELLED",))
 
 
-def test_drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty(
+def _drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty(
         remote: Remote) -> None:
     c = remote.cluster
     job = c.sbatch(c.counter_script("drained", ENABLE, stop=40, interval=0.5))
@@ -175,7 +184,7 @@ def test_drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty(
     assert c.numbers(job)[-1] > at_dump
 
 
-def test_drain_gives_up_waiting_after_its_timeout(remote: Remote) -> None:
+def _drain_gives_up_waiting_after_its_timeout(remote: Remote) -> None:
     c = remote.cluster
     plain = c.sbatch(c.script("long", "sleep 300"))
     c.wait_state(plain, ("RUNNING",))
@@ -190,3 +199,31 @@ def test_drain_gives_up_waiting_after_its_timeout(remote: Remote) -> None:
     finally:
         c.run("scancel", plain)
         c.run("scontrol", "update", "NodeName=n1", "State=RESUME")
+
+
+CHECKS: list[Callable[[Remote], None]] = [
+    _a_user_checkpoints_their_job_from_another_node_and_it_resumes,
+    _another_user_is_refused_and_errors_are_one_line,
+    _drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty,
+    _drain_gives_up_waiting_after_its_timeout,
+]
+# Minutes of waiting on Slurm (requeues, a drain): the checks run early, on a cluster of their
+# own (conftest.early_checks); each test raises its check's own error, if any.
+_outcome = early_checks("test_slurm_remote.py", _setup, lambda r: close_cluster(r.cluster),
+                        CHECKS)
+
+
+def test_a_user_checkpoints_their_job_from_another_node_and_it_resumes() -> None:
+    _outcome(_a_user_checkpoints_their_job_from_another_node_and_it_resumes)
+
+
+def test_another_user_is_refused_and_errors_are_one_line() -> None:
+    _outcome(_another_user_is_refused_and_errors_are_one_line)
+
+
+def test_drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty() -> None:
+    _outcome(_drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty)
+
+
+def test_drain_gives_up_waiting_after_its_timeout() -> None:
+    _outcome(_drain_gives_up_waiting_after_its_timeout)

@@ -35,11 +35,11 @@ import pytest
 
 from stasis.slurm import accounting
 from tests.conftest import STASIS, TEST_USER, ensure_test_user
-from tests.e2e.conftest import COUNTER, Cluster, close_cluster, until
+from tests.e2e.conftest import COUNTER, EARLY, Cluster, Early, close_cluster, until
 
-# The module's jobs take ~2 min (the time-limit kill is checked only periodically), all of it
-# in the first test's fixture.
-pytestmark = pytest.mark.timeout(480)
+# The module's jobs take ~2 min (the time-limit kill is checked only periodically): they start
+# with the session (EARLY), and the first test's fixture waits for what is left of them.
+pytestmark = pytest.mark.timeout(600)
 
 NODE = "n1"
 FIELDS = ("JobIDRaw,State,ElapsedRaw,NNodes,TimelimitRaw,ReqMem,TRESUsageInTot,Start,End,"
@@ -54,7 +54,7 @@ class AccountingCluster(Cluster):
             [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
              "--socket-group", TEST_USER, "--accounting", "--gpus", "2"],
             capture_output=True, text=True,
-            timeout=180, env={**os.environ, "STASIS_CONFIG": ""})
+            timeout=180, env={**self.base_env, "STASIS_CONFIG": ""})
         assert result.returncode == 0, result.stderr + result.stdout
         self.work.mkdir(exist_ok=True)
         os.chmod(self.work, 0o777)
@@ -83,14 +83,16 @@ TERMINAL = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "PREEMPTED", "OUT_OF_
             "NODE_FAIL")
 
 
-@pytest.fixture(scope="module")
-def run() -> Iterator[dict[str, Any]]:
+def _run_the_jobs(environ: dict[str, str]) -> dict[str, Any]:
+    """Every case's job run to its end and recorded (minutes, nearly all of them waiting on
+    Slurm's time-limit check): the module's early work (conftest.Early), so it runs while the
+    modules before it do."""
     ensure_test_user()
     root = Path(tempfile.mkdtemp(prefix="stasis-e2e-report-"))
     os.chmod(root, 0o755)
-    c = AccountingCluster(root)
-    c.up()
+    c = AccountingCluster(root, environ=environ)
     try:
+        c.up()
         began = datetime.now().replace(microsecond=0) - timedelta(seconds=2)
         for account in ACCOUNTS:
             accounting.add_user(c.lay, TEST_USER, account)
@@ -134,9 +136,22 @@ def run() -> Iterator[dict[str, Any]]:
 
         until(recorded, 60, "slurmdbd to record every job's end")
         ended = datetime.now().replace(microsecond=0) + timedelta(seconds=2)
-        yield {"cluster": c, "jobs": jobs, "began": began, "ended": ended}
-    finally:
+        return {"cluster": c, "jobs": jobs, "began": began, "ended": ended}
+    except BaseException:
         close_cluster(c)
+        raise
+
+
+JOBS = Early(_run_the_jobs, lambda run: close_cluster(run["cluster"]))
+EARLY["test_slurm_report.py"] = JOBS
+
+
+@pytest.fixture(scope="module")
+def run() -> Iterator[dict[str, Any]]:
+    try:
+        yield JOBS.take(570)
+    finally:
+        JOBS.close()
 
 
 def period(run: dict[str, Any]) -> list[str]:

@@ -9,8 +9,17 @@ import os
 import pwd
 import secrets
 
+import pytest
+
 from tests.conftest import TEST_USER
 from tests.e2e.conftest import Cluster, until
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The session's shared cluster (conftest): this module leaves it as it found it."""
+    return shared_cluster
+
 
 # Holds held.txt open read-write, then prints what it reads through that descriptor each second.
 _PROGRAM = """

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import re
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from stasis.slurm import registrations
 from tests.conftest import TEST_USER
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until, wait_gone
+from tests.e2e.conftest import Cluster, until, wait_gone
 
 MARKER = "stasis: restored checkpoint"
 OUTSIDE = "stasis: this srun step runs outside stasis"
@@ -113,11 +112,10 @@ for i in range(stop):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    c = new_cluster("steps")
-    (c.work / "ring.py").write_text(RING)
-    yield c
-    close_cluster(c)
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The session's shared cluster (conftest): this module leaves it as it found it."""
+    (shared_cluster.work / "ring.py").write_text(RING)
+    return shared_cluster
 
 
 def after(text: str, marker: str) -> list[int]:
@@ -188,7 +186,7 @@ def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
     with `stasis dump --slurm-job` by its user: after the requeue every task goes on from its
     tick, its token, its counter in the segment and its connection, none repeated or lost."""
     jobs: dict[int, str] = {}
-    stop = 40
+    stop = 60
     for n in (2, 4):
         script = cluster.script(
             f"ring{n}", f"srun -l -n {n} python3 -u {cluster.work}/ring.py {stop} "
@@ -198,13 +196,16 @@ def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
         jobs[n] = cluster.sbatch(script, user=TEST_USER)
     for n, job in jobs.items():
         until(lambda: len(ticks(cluster.output(job), n - 1)) >= 8, 90, f"ring of {n} at tick 8")
-    answers = {}
+    answers: dict[int, Any] = {}
+    pids: list[int] = []
+    # Both dumped before waiting for either's processes to end: on a loaded machine the second
+    # ring must not run out of ticks meanwhile.
     for n, job in jobs.items():
-        pids = cluster.pids(job)
+        pids += cluster.pids(job)
         answers[n] = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json",
                                                user=TEST_USER).stdout)
         assert answers[n]["requeued"] is True
-        wait_gone(pids)
+    wait_gone(pids)
     for n, job in jobs.items():
         until(lambda: MARKER in cluster.output(job), 90, f"the restore of the ring of {n}")
     for n, job in jobs.items():
