@@ -70,7 +70,7 @@ def stopped(pid: int) -> list[int]:
 
 
 def live_jobs(d: Daemon, label: str | None = None) -> list[dict[str, Any]]:
-    return [j for j in d.json("ps") if j["state"] in ("running", "restored")
+    return [j for j in d.json("ps") if j["state"] in ("restoring", "running", "restored")
             and (label is None or j["label"] == label)]
 
 
