@@ -310,6 +310,8 @@ class Registration(TypedDict):
     final_failed: NotRequired[bool]  # ...and its checkpoint failed
     stop_checkpoint: NotRequired[str | None]  # the checkpoint that stop is taking
     restarts: NotRequired[int]  # Slurm's Restarts of the job when this run registered
+    # The checkpoint this run was restored from (None: started fresh): its checkpoints' parent.
+    restored_from: NotRequired[str | None]
 
 
 class SlurmCheckpointRequest(TypedDict, total=False):
