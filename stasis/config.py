@@ -352,3 +352,19 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise UsageError(f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
                          "a TCP port (1..65535, or 0 for off)")
     return settings
+
+
+def fresh_if_unreachable(value: str) -> tuple[bool, str | None]:
+    """What a job's or a container's STASIS_FRESH asks (the same on Slurm and Kubernetes):
+    (True: start from the beginning when nobody can tell whether it has a checkpoint, i.e. the
+    store or the node daemon cannot be reached; a checkpoint that can be found is resumed all
+    the same, since a requeued job or a restarted container keeps its environment), and a
+    warning line for a value that means nothing (then ignored: wait, as when unset)."""
+    said = value.strip().lower()
+    if said in _TRUE or said == "if-unreachable":
+        return True, None
+    if said in _FALSE:
+        return False, None
+    return False, (f"STASIS_FRESH={value.strip()[:40]!r} is neither 1, true, yes or "
+                   "if-unreachable (start from the beginning when nobody can tell whether "
+                   "there is a checkpoint) nor 0 or false: ignored")
