@@ -456,9 +456,10 @@ class Dumper:
             entry.published or self._published(entry.checkpoint))
         alive = proctree.alive(entry.pid, entry.pid_start)
         ours = _is_job_id(entry.job)
-        if alive and published and ours:
+        if alive and published:
             # The checkpoint made it: do the rest of what was asked (the job stops here), so
-            # the job and its checkpoint never run side by side unasked.
+            # the job and its checkpoint never run side by side unasked. A Slurm job's too:
+            # its integration then requeues it (stasis/slurm/registrations.py `recover`).
             _kill(entry.pid)
             log.warning("job %s: its checkpoint %s was published before its dump was settled; "
                         "the job is stopped now, as asked", entry.job, entry.checkpoint)
