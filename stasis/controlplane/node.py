@@ -734,8 +734,9 @@ class ControlPlaneNode(Integration):
                     (keep is not None and seen[key] > keep) or
                     (cutoff is not None and m.created < cutoff))):
                 try:
-                    store.delete(m.id)
-                    deleted.append(m.id)
+                    # A restore that pinned it (a node resuming it now) keeps it.
+                    if store.delete_unless_pinned(m.id):
+                        deleted.append(m.id)
                 except Gone:
                     pass
         return deleted
