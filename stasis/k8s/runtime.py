@@ -9,10 +9,11 @@ container whose environment has STASIS_CHECKPOINT:
              or the store cannot be reached), it asks again for up to `store_wait_s` (at most
              CREATE_WAIT_MAX_S), then fails the create, which the kubelet retries (the reason
              in runc's log, which containerd puts into the error and the pod's event), unless
-             the container's STASIS_FRESH says otherwise:
-                 true            start fresh without looking for a checkpoint (the label's
-                                 checkpoints are kept; new ones are taken)
-                 if-unreachable  resume when one can be found, start fresh when nobody can tell
+             the container's STASIS_FRESH says otherwise: 1, true, yes or if-unreachable
+             start it fresh at once when nobody can tell (a checkpoint that can be found is
+             resumed all the same: a restarted container keeps its environment, so "always
+             fresh" would throw away every stop's checkpoint); the same values mean the same
+             for a Slurm job (stasis.config.fresh_if_unreachable)
     start    of a restored container: nothing to do (it runs already); then registered
     kill     with SIGTERM (the kubelet's stop): the daemon checkpoints it first and kills it;
              when that fails or takes too long, the signal goes to runc as usual. Any stop
@@ -127,16 +128,16 @@ def _label_of(bundle: Path) -> str | None:
     return None
 
 
-def _fresh_of(bundle: Path) -> str:
-    """The container's STASIS_FRESH: "always", "if-unreachable", or "" (resume or wait)."""
-    value = _env_of(bundle).get(_FRESH_VARIABLE, "").strip().lower()
-    if value in ("1", "true", "yes", "always"):
-        return "always"
-    if value == "if-unreachable":
-        return value
-    if value not in ("", "0", "false", "no"):
-        say(f"{_FRESH_VARIABLE}={value!r} is not true, false or if-unreachable: ignored")
-    return ""
+def _fresh_of(bundle: Path) -> bool:
+    """Whether the container's STASIS_FRESH asks to start it fresh when nobody can tell
+    whether it has a checkpoint (else: wait, then fail the create); a value that means nothing
+    is said in its log and ignored."""
+    from stasis.config import fresh_if_unreachable
+
+    fresh, warning = fresh_if_unreachable(_env_of(bundle).get(_FRESH_VARIABLE, ""))
+    if warning:
+        say(warning)
+    return fresh
 
 
 def _runtime_error(argv: Argv, message: str) -> None:
@@ -213,10 +214,6 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
         return None
     cid = pos[-1]
     fresh = _fresh_of(bundle)
-    if fresh == "always":
-        say(f"label {label}: starting fresh ({_FRESH_VARIABLE}=true; its checkpoints are "
-            "kept, not resumed)")
-        return None
     client = _client(settings, 600)
     import time
 
@@ -233,9 +230,9 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
         except StasisError as e:
             # "Cannot tell" is not "no checkpoint": a fresh start would lose the work its
             # checkpoint holds, and later retention would delete that checkpoint.
-            if fresh == "if-unreachable":
+            if fresh:
                 say(f"cannot ask for a checkpoint of label {label}: {e}; starting fresh "
-                    f"({_FRESH_VARIABLE}=if-unreachable)")
+                    f"(as its {_FRESH_VARIABLE} asks when nobody can tell)")
                 return None
             if time.monotonic() >= deadline:
                 message = (f"label {label}: cannot tell whether it has a checkpoint to resume "

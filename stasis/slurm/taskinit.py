@@ -20,8 +20,11 @@ It decides how the job starts and prints one JSON object for the launcher:
 A corrupt or unrestorable newest checkpoint falls back to the one before it (up to three are
 tried); when none works the job starts fresh. "Cannot tell" is never "no checkpoint" (issue 28):
 only a first run of a job labelled by its own id (which cannot have one), or a job submitted with
-STASIS_FRESH=1, starts from the beginning (or unprotected) when the store or the daemon cannot be
-reached.
+STASIS_FRESH=1 (or true, yes, if-unreachable: the same values as a container's, with the same
+meaning, stasis.config.fresh_if_unreachable), starts from the beginning (or unprotected) when the
+store or the daemon cannot be reached. A checkpoint that can be found is resumed whatever
+STASIS_FRESH says: a requeued job keeps its environment, and "always fresh" would throw away
+every preemption's checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from stasis import wire
-from stasis.config import Settings, load_settings
+from stasis.config import Settings, fresh_if_unreachable, load_settings
 from stasis.engine import CRIU, Owner, credentials, find_criu, nodefacts
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, OwnerDeniedError, SlurmError, StasisError
@@ -260,12 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     # rather than wait or be held when stasis cannot tell whether a checkpoint exists.
     parser.add_argument("--fresh", default="")
     args = parser.parse_args(argv)
-    fresh = args.fresh.strip().lower() in ("1", "true", "yes", "on")
+    fresh, warning = fresh_if_unreachable(args.fresh)
     try:
         code, out = decide(args.job_id, args.uid, args.gid, args.label, fresh=fresh)
     except Exception as e:  # the job must start whatever happened here
         code, out = EXIT_OFF, {"mode": "off", "messages": [
             f"stasis: warning: internal error ({type(e).__name__}: {e}); {UNPROTECTED}"]}
+    if warning:
+        out.setdefault("messages", []).insert(0, f"stasis: warning: {warning}")
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
     os._exit(code)
