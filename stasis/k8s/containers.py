@@ -77,7 +77,14 @@ from stasis.k8s.models import (
 )
 from stasis.k8s.runc import STOP_MARKER, Bundle, Runc, legacy_namespace_uid, mark_stop_asked, \
     namespace_uid, read_bundle, real_runc, validate_abs_path, validate_container_id
-from stasis.store import CheckpointInfo, Manifest, new_checkpoint_id, validate_label
+from stasis.store import (
+    CheckpointInfo,
+    Manifest,
+    is_checkpoint_id,
+    new_checkpoint_id,
+    order_key,
+    validate_label,
+)
 
 log = logging.getLogger("stasis.daemon")
 
@@ -106,6 +113,13 @@ _PLAN_TTL_S = 600.0
 DEFAULT_MIN_INTERVAL_S = 60  # Settings.k8s_min_interval_s (STASIS_K8S_MIN_INTERVAL_S)
 # A checkpoint's copy of its container's OCI spec is read whole; a real one is a few KiB.
 _SPEC_MAX_BYTES = 4 << 20
+
+
+def _parent(row: dict[str, Any] | None) -> str | None:
+    """The checkpoint a registered container was restored from, as its next checkpoint's
+    parent (None: started fresh, or not a checkpoint id the runtime could have been given)."""
+    restored = row.get("restored_from") if row else None
+    return restored if isinstance(restored, str) and is_checkpoint_id(restored) else None
 
 
 def _root_only(caller: Caller) -> None:
@@ -302,7 +316,8 @@ class Containers:
             if req.reason == "annotation":
                 self._held_to_floor(container_id)
             return self._checkpoint(container_id, root, req.reason, timeout,
-                                    row["registered"] if row else None, why or req.reason)
+                                    row["registered"] if row else None, why or req.reason,
+                                    _parent(row))
         except StasisError as e:
             if req.reason == "stop":
                 # The runtime stops it as usual: its label keeps the checkpoints it had.
@@ -328,7 +343,8 @@ class Containers:
             f"k8s_min_interval_s): ask again in {max(1, round(floor - since))} s")
 
     def _checkpoint(self, container_id: str, root: Path, reason: str, timeout_s: float,
-                    registered: str | None, why: str) -> CheckpointAnswer:
+                    registered: str | None, why: str, restored_from: str | None
+                    ) -> CheckpointAnswer:
         m = self.manager
         runc = self._runc(root)
         state = runc.state(container_id)
@@ -380,6 +396,8 @@ class Containers:
                 id=cid, label=label, job=f"container {container_id}", host=m.settings.node,
                 created=created, criu_version=m.criu_version(m.criu), command=bundle.args,
                 cwd=bundle.cwd, user=f"k8s:{bundle.namespace}", uid=bundle.uid, gid=bundle.uid,
+                # What this run was restored from: its checkpoints descend from that one.
+                parent=restored_from,
                 extra={"k8s": {"namespace": bundle.namespace, "pod": bundle.pod,
                                "container": bundle.name, "container_id": container_id,
                                "reason": reason, "runtime": "runc"},
@@ -479,8 +497,9 @@ class Containers:
             if (m.extra.get("k8s") or {}).get("namespace") != row["namespace"]:
                 continue
             try:
-                store.delete(m.id)
-                retired.append(m.id)
+                # A restore that pinned it (another node resuming it now) keeps it.
+                if store.delete_unless_pinned(m.id):
+                    retired.append(m.id)
             except NotFoundError:
                 continue
         log.info("container %s exited 0: label %s retired (%d checkpoint(s))", container_id,
@@ -614,7 +633,7 @@ class Containers:
         except StasisError as e:
             # "Cannot tell" is not "none": the create waits, then fails (stasis-runc).
             raise StoreError(f"the checkpoints of label {label} cannot be listed: {e}") from e
-        rest.sort(key=lambda m: m.created, reverse=True)
+        rest.sort(key=order_key, reverse=True)  # lineage, not the nodes' clocks
         for m in rest:
             if self._ours(m, bundle, notes):
                 yield m

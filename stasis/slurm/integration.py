@@ -129,7 +129,8 @@ class SlurmIntegration(Integration):
         for gone in set(self._partitions) - live:
             del self._partitions[gone]
         return [ReportedJob(job=r["slurm_job"], label=r["label"], user=r["user"],
-                            state="running", restored_from=None, started=r["registered"],
+                            state="running", restored_from=r.get("restored_from"),
+                            started=r["registered"],
                             kind="slurm", partition=self._partition(r["slurm_job"]),
                             rss_bytes=proctree.resident_bytes(r["pid"])
                             if proctree.alive(r["pid"], r["pid_start"]) else 0)
@@ -278,6 +279,8 @@ class SlurmIntegration(Integration):
 
     def tasks(self) -> Sequence[Task]:
         return [Task("forget ended Slurm workloads", _SWEEP_INTERVAL_S, self.jobs.sweep),
+                # States of stops carried out (trees killed) that the database refused.
+                Task("record Slurm stops", 1.0, self.jobs.record_pending),
                 Task("record srun steps in Slurm", mirrors.POLL_S,
                      lambda: self.mirrors.poll(self.jobs.registrations.running()))]
 

@@ -29,7 +29,7 @@ from sqlalchemy import (
 from stasis import faults
 
 from stasis.daemon.activity import Activity, work_of
-from stasis.daemon.db import JobDB
+from stasis.daemon.db import JobDatabaseError, JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
@@ -50,6 +50,7 @@ from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
 from stasis.store import (
     CheckpointInfo,
     Manifest,
+    is_checkpoint_id,
     new_checkpoint_id,
     validate_checkpoint_id,
     validate_label,
@@ -82,12 +83,14 @@ slurm_jobs_table = Table(
     Column("final_failed", Integer, nullable=False, server_default="0"),
     Column("stop_checkpoint", String(64), nullable=True),
     Column("restarts", Integer, nullable=False, server_default="0"),
+    Column("restored_from", String(64), nullable=True),
 )
 # Columns a table made by an older daemon lacks: (name, SQL type and default).
 _ADDED = (("stop_asked", "INTEGER NOT NULL DEFAULT 0"),
           ("final_failed", "INTEGER NOT NULL DEFAULT 0"),
           ("stop_checkpoint", "VARCHAR(64)"),
-          ("restarts", "INTEGER NOT NULL DEFAULT 0"))
+          ("restarts", "INTEGER NOT NULL DEFAULT 0"),
+          ("restored_from", "VARCHAR(64)"))
 # A run whose workload is being stopped or was: not `running` any more, not ended either.
 _STOPPED = ("stopping", "checkpointed", "requeued")
 # How long a daemon back from a crash keeps trying to finish a stop it had begun (the tree may
@@ -180,11 +183,14 @@ class Registrations:
                                 .where(slurm_jobs_table.c.state == "running")).all()
         return [_registration(r._mapping) for r in rows]
 
-    def set_state(self, job_id: str, state: str, **values: object) -> None:
+    def set_state(self, job_id: str, state: str, pid: int | None = None,
+                  **values: object) -> None:
+        """`pid`: only if the registration is still of the run whose workload that is."""
+        query = update(slurm_jobs_table).where(slurm_jobs_table.c.slurm_job == job_id)
+        if pid is not None:
+            query = query.where(slurm_jobs_table.c.pid == pid)
         with self.db.transaction() as conn:
-            conn.execute(update(slurm_jobs_table)
-                         .where(slurm_jobs_table.c.slurm_job == job_id)
-                         .values(state=state, **values))
+            conn.execute(query.values(state=state, **values))
 
     def in_state(self, *states: str) -> list[Registration]:
         with self.db.transaction() as conn:
@@ -245,7 +251,7 @@ def _legacy(path: Path) -> Registration:
         raise ValueError("not a JSON object")
     data.setdefault("state", "running")
     for key, value in (("stop_asked", False), ("final_failed", False),
-                       ("stop_checkpoint", None), ("restarts", 0)):
+                       ("stop_checkpoint", None), ("restarts", 0), ("restored_from", None)):
         data.setdefault(key, value)
     hints = get_type_hints(Registration)
     for key, hint in hints.items():
@@ -277,6 +283,11 @@ class SlurmJobs:
         self.registrations = Registrations(manager.db)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        # What the database refused of a stop carried out (the workload killed or resumed
+        # already): job -> (its workload's pid, state, values), written by `record_pending`.
+        # Until then the registration says `stopping`, which a daemon started again finishes.
+        self._pending: dict[str, tuple[int, str, dict[str, object]]] = {}
+        self._pending_lock = threading.Lock()
 
     def _load(self, job_id: str, caller: Caller) -> Registration:
         reg = self.registrations.get(scontrol.validate_slurm_job_id(job_id))
@@ -331,11 +342,21 @@ class SlurmJobs:
             command=command or ["(slurm batch job)"],
             state="running", registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             stop_asked=False, final_failed=False, stop_checkpoint=None, restarts=info.restarts,
+            restored_from=None,
         )
         # Before anything is kept: another user's checkpoint is refused, not counted.
         manifest = self._restored_from(reg, req.restored_from)
+        # Its checkpoints descend from it (their parent), even when the store could not be
+        # read just now; a forged id can only misplace the caller's own label (publish checks
+        # the parent's owner and label).
+        if manifest is not None:
+            reg["restored_from"] = manifest.id
+        elif req.restored_from is not None and is_checkpoint_id(req.restored_from):
+            reg["restored_from"] = req.restored_from
         self.sweep()
         self.registrations.save(reg)
+        with self._pending_lock:
+            self._pending.pop(job_id, None)  # of a run before this one: its row is replaced
         if self.mirrors is not None:
             self.mirrors.begin(reg, fresh=req.restored_from is None)
         self._started(reg, manifest)
@@ -374,8 +395,11 @@ class SlurmJobs:
 
     def sweep(self) -> None:
         """Forget registrations of workloads that ended without telling us (scancel, crash)."""
+        with self._pending_lock:
+            waiting = set(self._pending)  # stopped on purpose; their record is late
         for old in self.registrations.running():
-            if not proctree.alive(old["pid"], old["pid_start"]):
+            if old["slurm_job"] not in waiting and \
+                    not proctree.alive(old["pid"], old["pid_start"]):
                 self.registrations.remove(old["slurm_job"])
 
     def get(self, job_id: str, caller: Caller) -> Registration:
@@ -409,23 +433,25 @@ class SlurmJobs:
             id=new_checkpoint_id(created), label=reg["label"], job=job_id, host=m.settings.node,
             created=created, criu_version=m.criu_version(m.criu), command=reg["command"],
             cwd=reg["work_dir"] or "/", user=reg["user"], uid=reg["uid"], gid=reg["gid"],
-            log_path=reg["stdout"] or None,
+            log_path=reg["stdout"] or None, parent=reg.get("restored_from"),
             extra={**slurm_extra(job_id, reg["token"], reg["explicit_label"], reg["stdout"],
                                  reg["stderr"]),
                    "work_s": m.work.at(job_id, reg["registered"], created)},
         )
         if not req.leave_running:
             # Written before anything is frozen: this run's end retires nothing now, and a
-            # daemon that dies from here on finishes the stop when it starts (`recover`).
-            self.registrations.set_state(job_id, "stopping", stop_asked=1,
-                                         stop_checkpoint=info.id)
+            # daemon that dies from here on finishes the stop when it starts (`recover`). A
+            # database that refuses it does not cost the checkpoint (the freeze itself is
+            # journaled by checkpoint_tree): it is written as soon as it can be.
+            self._record(reg, "stopping", stop_asked=1, stop_checkpoint=info.id)
             faults.point("slurm.checkpoint-asked")
         try:
             manifest, result, _ = m.checkpoint_tree(reg["pid"], info, req.leave_running, "none",
                                                     f"Slurm job {job_id}", reason=req.reason)
         except BaseException:
             if not req.leave_running:
-                self.registrations.set_state(job_id, "running", final_failed=1)
+                # The tree runs on (checkpoint_tree resumed it): only the record may wait.
+                self._record(reg, "running", final_failed=1)
             raise
         answer = SlurmCheckpointAnswer(
             checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
@@ -440,9 +466,12 @@ class SlurmJobs:
         return answer
 
     def _stopped(self, reg: Registration, checkpoint: str) -> None:
-        """The stop checkpoint is published: the workload goes (it must never run beside it)."""
+        """The stop checkpoint is published: the workload goes (it must never run beside it),
+        whether or not the database takes the record now (frozen until it did, it would be
+        neither running nor requeued); a refused record is written later (`record_pending`),
+        and a daemon killed before then finds the registration `stopping` and finishes it."""
         job_id = reg["slurm_job"]
-        self.registrations.set_state(job_id, "checkpointed")
+        self._record(reg, "checkpointed")
         if proctree.alive(reg["pid"], reg["pid_start"]):
             os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
         if self.mirrors is not None:
@@ -453,18 +482,54 @@ class SlurmJobs:
         """Requeue the job, unless Slurm does it itself (then True: the launcher must end)."""
         job_id = reg["slurm_job"]
         if _slurm_requeues(job_id):
-            self.registrations.set_state(job_id, "requeued")
+            self._record(reg, "requeued")
             return True
         try:
             scontrol.requeue(job_id)
         except SlurmError as e:
-            self.registrations.set_state(job_id, "requeue-failed")
+            self._record(reg, "requeue-failed")
             raise CheckpointError(
                 f"checkpoint {checkpoint} of Slurm job {job_id} was taken but the job could "
                 f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
                 f"{reg['label']} to resume") from e
-        self.registrations.set_state(job_id, "requeued")
+        self._record(reg, "requeued")
         return False
+
+    def _record(self, reg: Registration, state: str, **values: object) -> None:
+        """Write the run's new state, or keep it for `record_pending` if the database refuses
+        it (locked, full): what was done to the workload is done either way."""
+        job_id = reg["slurm_job"]
+        with self._pending_lock:
+            earlier = self._pending.pop(job_id, None)
+        if earlier is not None:
+            values = {**earlier[2], **values}  # what was refused before, then this
+        try:
+            self.registrations.set_state(job_id, state, pid=reg["pid"], **values)
+            return
+        except JobDatabaseError as e:
+            log.warning("Slurm job %s: %s, but the daemon's database cannot record it yet "
+                        "(retried every second): %s", job_id, state, e)
+        with self._pending_lock:
+            self._pending[job_id] = (reg["pid"], state, values)
+
+    def record_pending(self) -> None:
+        """Write the states the database refused (a periodic task of the daemon)."""
+        with self._pending_lock:
+            waiting = list(self._pending.items())
+        for job_id, (pid, state, values) in waiting:
+            try:
+                self.registrations.set_state(job_id, state, pid=pid, **values)
+            except JobDatabaseError:
+                return  # the same for the others: next time
+            with self._pending_lock:
+                if self._pending.get(job_id) == (pid, state, values):
+                    del self._pending[job_id]
+            log.info("Slurm job %s: recorded %s now", job_id, state)
+
+    def unrecorded(self) -> list[str]:
+        """Slurm jobs whose state waits for the database."""
+        with self._pending_lock:
+            return sorted(self._pending)
 
     # -- a daemon back from a crash --------------------------------------------------------------
 
@@ -473,7 +538,16 @@ class SlurmJobs:
         published: the workload goes and the job is requeued; not published and the workload
         still runs: the stop checkpoint is taken again (it was asked, and a preemption's grace
         time may still allow it); otherwise the run goes on, its end retiring nothing."""
-        for reg in self.registrations.in_state("stopping", "checkpointed"):
+        while True:
+            try:
+                regs = self.registrations.in_state("stopping", "checkpointed")
+                break
+            except JobDatabaseError as e:
+                # A database that refuses reads now (locked) may take them in a moment; the
+                # trees themselves were settled already (killed when published, else resumed).
+                log.warning("Slurm stops a stopped daemon began: cannot read them yet: %s", e)
+                time.sleep(_RECOVER_PAUSE_S)
+        for reg in regs:
             try:
                 self._recover(reg)
             except Exception:  # one job's trouble must not keep the others unsettled
@@ -489,7 +563,7 @@ class SlurmJobs:
                         "the job is stopped and requeued now, as asked", job_id, checkpoint)
             self._stopped(reg, checkpoint)
             if self._requeued_since(reg):
-                self.registrations.set_state(job_id, "requeued")
+                self._record(reg, "requeued")
             else:
                 self._requeue(reg, checkpoint)
             return
@@ -507,7 +581,7 @@ class SlurmJobs:
                 log.warning("Slurm job %s: the stop checkpoint asked before the daemon stopped "
                             "cannot be taken yet: %s", job_id, e)
                 time.sleep(_RECOVER_PAUSE_S)
-        self.registrations.set_state(job_id, "running", final_failed=1)
+        self._record(reg, "running", final_failed=1)
 
     def _published(self, checkpoint: str) -> bool:
         try:
@@ -546,11 +620,14 @@ class SlurmJobs:
             for m in candidates(store, reg["label"], reg["explicit_label"], reg["uid"], job_id,
                                 reg["token"]):
                 try:
-                    store.delete(m.id)
-                    retired.append(m.id)
+                    # A restore that pinned it (another node resuming it now) keeps it.
+                    if store.delete_unless_pinned(m.id):
+                        retired.append(m.id)
                 except NotFoundError:
                     continue
         if self.mirrors is not None:
             self.mirrors.end(job_id, wait_s=_MIRRORS_WAIT_S)
         self.registrations.remove(job_id)
+        with self._pending_lock:
+            self._pending.pop(job_id, None)  # nothing left to record it in
         return FinishAnswer(retired=retired)

@@ -30,7 +30,7 @@ def registration(slurm_job: str, **kw: Any) -> Registration:
         stdout="/home/u/slurm-%j.out", stderr="/home/u/slurm-%j.err", work_dir="/home/u",
         command=["/bin/sh", "job.sh", "with space"], state="running",
         registered="2026-01-01T00:00:00+00:00", stop_asked=False, final_failed=False,
-        stop_checkpoint=None, restarts=0)
+        stop_checkpoint=None, restarts=0, restored_from=None)
     return cast(Registration, {**reg, **kw})
 
 
