@@ -401,3 +401,41 @@ def test_a_runtime_killed_right_after_its_restore_leaves_the_container_running_o
     node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
     ended(node, cid)
     node.remove(cid)
+
+
+# Counts until /data/go exists, then ends with 0 of its own accord (its work done).
+COUNTS_TILL_GO = ("i=0; while [ ! -e /data/go ]; do i=$((i+1)); echo n=$i; sleep 0.1; done; "
+                  "exit 0")
+
+
+def test_a_restored_containers_checkpoint_names_its_parent_and_retiring_keeps_a_pinned_one(
+        node: FaultNode) -> None:
+    """Lineage: the checkpoint of a container restored from P names P as its parent (the
+    label's order follows that, not the nodes' clocks). Retirement: the container's genuine
+    success retires its label, except a checkpoint a restore (on another node) pinned."""
+    label, cid = f"lineage-{secrets.token_hex(3)}", "c-lineage"
+    log = started(node, cid, COUNTS_TILL_GO, {"STASIS_CHECKPOINT": label})
+    node.stop(cid)
+    (stop,) = checkpoints(node, label)
+    before = numbers(log)
+    node.remove(cid)
+    again = node.run(cid, COUNTS_TILL_GO, env={"STASIS_CHECKPOINT": label})
+    wait_for(lambda: len(numbers(again)) >= 2, 20, "the resumed counter")
+    assert numbers(again)[0] == before[-1] + 1
+    child = dump(node, cid)
+    listed = {c["id"]: c for c in json.loads(node.stasis("checkpoints", "--json").stdout)}
+    assert listed[child]["parent"] == stop, listed[child]
+    assert listed[stop]["parent"] is None  # its run started fresh
+    # Another node restores `stop` now: its pin, as Store.pin writes it.
+    pin = node.store / stop / "pin-elsewhere.json"
+    pin.write_text(json.dumps({"host": "elsewhere", "pid": 1, "why": "restore"}))
+    try:
+        node.ctr("tasks", "exec", "--exec-id", "go", cid, "/bin/sh", "-c", "touch /data/go")
+        ended(node, cid)
+        wait_for(lambda: f"container {cid} exited 0: label {label} retired" in node.log(), 20,
+                 "the label retired")
+        assert checkpoints(node, label) == [stop], "a pinned checkpoint was retired"
+    finally:
+        pin.unlink()
+    node.stasis("checkpoints", "rm", stop)
+    node.remove(cid)

@@ -6,7 +6,10 @@
   a reason (never started from the beginning), and resumes from its checkpoint once released;
 - the node daemon SIGKILLed at each step of the preemption path (stasis/faults.py points
   slurm.*): the job runs on once with its state, or is requeued and resumes from a checkpoint;
-  never both, never neither, nothing frozen.
+  never both, never neither, nothing frozen;
+- the daemon's database write-locked by another process through a preemption: the stop is
+  carried out all the same (checkpoint, kill, requeue), its states written once the lock goes;
+  the resumed run's checkpoints name the one it resumed from as their parent.
 
 The store is the local cluster's shared directory; "unreachable" is that directory gone with a
 file in its place (a mount gone bad): every read of it fails, nothing looks empty.
@@ -14,8 +17,10 @@ file in its place (a mount gone bad): every read of it fails, nothing looks empt
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +29,7 @@ import pytest
 
 from stasis.client import Client
 from stasis.slurm import cluster as local_cluster
-from tests.e2e.conftest import Cluster, until
+from tests.e2e.conftest import Cluster, alive, until
 
 # A counter that ends cleanly (exit 0) on SIGTERM, as many applications do.
 TRAPPER = """\
@@ -240,3 +245,57 @@ def test_daemon_killed_in_the_preemption_sequence(fc: Cluster, point: str) -> No
     resumed_in_order(out)
     assert sorted(set(numbers(out))) == list(range(30)), out
     assert "\ndone\n" in out, out
+
+
+def _frozen(pids: list[int]) -> list[int]:
+    found = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state in ("T", "t"):
+            found.append(pid)
+    return found
+
+
+def test_a_preemption_while_the_database_is_locked_stops_requeues_and_resumes(
+        fc: Cluster) -> None:
+    """Another process (an admin's sqlite3, a backup) holds the daemon's database write lock
+    through a preemption: the stop checkpoint is taken, the job killed at it (never left
+    SIGSTOPped) and requeued, nobody reads SQLAlchemy's text; the run it resumes in names that
+    checkpoint as its checkpoints' parent (lineage, not clocks)."""
+    _config(fc, "db_busy_timeout_s = 1\n")
+    try:
+        job = trapper(fc, "dblocked", stop=40)
+        fc.wait_number(job, 3)
+        pids = fc.pids(job)
+        holder = sqlite3.connect(fc.lay.stasis / "state" / "jobs.db", isolation_level=None,
+                                 timeout=0)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            fc.run("scancel", "-b", "-s", "URG", job)  # what Slurm sends at preemption
+            until(lambda: ids(fc, "dblocked"), 60, "the stop checkpoint")
+            until(lambda: not [p for p in pids if alive(p)], 30, "the stopped job to end")
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        (stop,) = ids(fc, "dblocked")
+        until(lambda: "stasis: restored checkpoint" in fc.output(job), 120,
+              "the requeued job to resume")
+        assert not _frozen(fc.pids(job))
+        fc.wait_number(job, numbers(fc.output(job))[-1] + 1)
+        child = fc.stasis("dump", "--slurm-job", job, "--leave-running", "--json")
+        checkpoint = json.loads(child.stdout)["checkpoint"]
+        parents = {c["id"]: c.get("parent") for c in fc.checkpoints("dblocked")}
+        assert parents[checkpoint] == stop, parents
+        fc.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
+        out = fc.output(job)
+        assert "OperationalError" not in out and "sqlalchemy" not in out.lower(), out
+        assert fc.job(job)["JobState"] == "COMPLETED", out
+        resumed_in_order(out)
+        assert sorted(set(numbers(out))) == list(range(40)) and "\ndone\n" in out, out
+        assert not list((fc.lay.stasis / "state" / "dumps").glob("*.json")), \
+            "a dump's journal entry stays"
+    finally:
+        _config(fc)
