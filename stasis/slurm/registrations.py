@@ -526,11 +526,6 @@ class SlurmJobs:
                     del self._pending[job_id]
             log.info("Slurm job %s: recorded %s now", job_id, state)
 
-    def unrecorded(self) -> list[str]:
-        """Slurm jobs whose state waits for the database."""
-        with self._pending_lock:
-            return sorted(self._pending)
-
     # -- a daemon back from a crash --------------------------------------------------------------
 
     def recover(self) -> None:
@@ -612,6 +607,9 @@ class SlurmJobs:
         # this run asked to stop it; a job that traps SIGTERM and exits 0 after its stop
         # checkpoint failed still needs the checkpoint before it.
         stopped = req.stopped or reg.get("stop_asked", False) or reg.get("final_failed", False)
+        with self._pending_lock:
+            # Only a stop writes states the database may refuse: one waiting is a stop asked.
+            stopped = stopped or job_id in self._pending
         if req.exit_code is None or stopped:
             log.info("Slurm job %s ended (exit %s%s): label %s kept", job_id, req.exit_code,
                      ", a stop was asked" if stopped else "", reg["label"])
