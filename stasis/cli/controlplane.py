@@ -321,8 +321,13 @@ def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]
     deadline = time.monotonic() + wait_s
     while cmd["state"] not in ("done", "failed"):
         if time.monotonic() > deadline:
+            # Still queued or leased: the control plane will carry it out, retry or re-target
+            # it. A restore by hand meanwhile would run the job twice (seen in the soak).
             raise CheckpointError(f"node {cmd['node']} has not answered command {cmd['id']} "
-                                  f"within {wait_s:.0f} s (`stasis controlplane actions`)")
+                                  f"within {wait_s:.0f} s; it is still {cmd['state']} and the "
+                                  "control plane goes on with it (retried, re-targeted or "
+                                  "failed naming its checkpoint): do not restore the job by "
+                                  "hand meanwhile; follow it with `stasis controlplane actions`")
         time.sleep(0.3)
         cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
     return cmd
