@@ -225,7 +225,8 @@ def test_registration_rows_are_the_wires(tmp_path: Path) -> None:
         slurm_job="12", pid=40, pid_start=None, launcher_pid=39, uid=1, gid=2, user="u",
         label="l", explicit_label=False, token="t", stdout="/o", stderr="/e", work_dir="/w",
         command=["a", "b"], state="running", registered="2026-01-01T00:00:00+00:00",
-        stop_asked=False, final_failed=False, stop_checkpoint=None, restarts=0)
+        stop_asked=False, final_failed=False, stop_checkpoint=None, restarts=0,
+        restored_from=None)
     db = JobDB(tmp_path / "jobs.db")
     try:
         db.create_tables([slurm_jobs_table])

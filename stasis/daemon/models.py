@@ -14,7 +14,7 @@ from stasis.store import CompressionRequest
 
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
-JobState = Literal["running", "restored", "checkpointed", "exited", "failed"]
+JobState = Literal["running", "restored", "restoring", "checkpointed", "exited", "failed"]
 
 
 def validate_job_id(job_id: str) -> str:
