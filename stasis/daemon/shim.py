@@ -275,14 +275,35 @@ class _ResumeGate:
 
 
 def _kill_children() -> None:
-    """SIGKILL every process under this one (a restore's CRIU, lazy-pages, restored tasks)."""
+    """SIGKILL every process under this one (a restore's CRIU, lazy-pages, restored tasks).
+
+    Again and again until none is left (for up to 5 s): CRIU may be forking the restored tasks
+    while the first pass runs, and one forked after it would stand half-restored forever, its
+    restore never finished, keeping this supervisor and the job's `restoring` record alive (seen
+    under load). Orphans come back to this process, the subreaper, for the next pass."""
     from stasis.engine import proctree
 
-    for pid in proctree.tree(os.getpid())[1:]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    deadline = time.monotonic() + 5.0
+    while True:
+        found = [p for p in proctree.tree(os.getpid())[1:] if _alive_quietly(p)]
+        if not found or time.monotonic() > deadline:
+            return
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+
+
+def _alive_quietly(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie this supervisor has yet to reap)."""
+    from stasis.engine import proctree
+
+    try:
+        return proctree.alive(pid, None)
+    except OSError:
+        return True
 
 
 def restore(job_dir: Path, spec: dict[str, Any]) -> None:
