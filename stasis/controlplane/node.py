@@ -292,17 +292,13 @@ class ControlPlaneNode(Integration):
         """Why the daemon cannot protect jobs now (its database unusable, its journal not
         settled...), one line each; [] when it can. Reported as the node's problems, which
         makes it not ready: no migration, drain or policy targets it."""
-        ask = getattr(self.manager, "readiness_problems", None)
-        if not callable(ask):
-            return []
         try:
-            found = list(ask())[:20]
+            found = self.manager.readiness_problems()[:20]
         except StasisError as e:
             return [f"the daemon cannot tell whether it can protect jobs: {e}"]
         # Each a problem as `stasis check` has them (what, and how to fix it), said as it says
         # the check's.
-        return [" ".join((f"{p['what']} ({p['fix']})" if isinstance(p, dict) else str(p))
-                         .split())[:1000] for p in found]
+        return [" ".join(f"{p['what']} ({p['fix']})".split())[:1000] for p in found]
 
     def _jobs(self) -> list[dict[str, Any]]:
         mine = [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
