@@ -58,8 +58,11 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
 def test_progress_on_a_terminal_only(daemon: Daemon) -> None:
     job = daemon.run(*workload("memhold.py", 192))
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), 60, what="memory")
-    env_args = " ".join(f"{k}={v}" for k, v in daemon.env.items() if k.startswith("STASIS_"))
-    # `script` gives the command a pseudo-terminal, as a person at a shell would have.
+    # `script` gives the command a pseudo-terminal, as a person at a shell would have, and a
+    # terminal type that draws (under TERM=dumb, as a fresh root or a CI runner may have, rich
+    # rightly draws no bar).
+    env_args = " ".join(["TERM=xterm", *(f"{k}={v}" for k, v in daemon.env.items()
+                                         if k.startswith("STASIS_"))])
     tty = subprocess.run(
         ["script", "-qec", f"env {env_args} {STASIS} dump --leave-running {job['job']}",
          "/dev/null"], capture_output=True, text=True, timeout=120)
