@@ -9,12 +9,14 @@
 #                the control plane's dashboard, driven headless by Selenium in its tests
 #   debootstrap  the Debian 13 root (Slurm 24.11) that the Slurm tests build and run in
 #                (tests/e2e/debian_root.sh)
+#   strace       what an install puts on command lines (every exec's argv), in the installer's
+#                security tests
 #   faketime     libfaketime: a second test daemon runs with its clock days ahead (LD_PRELOAD),
 #                to show a label's order does not follow the dumping nodes' clocks
 # The tests start private servers as an ordinary user on loopback; nothing here is configured,
 # and on a machine without systemd the package's own cluster is not started.
 set -euo pipefail
 
-PACKAGES=(postgresql chromium chromium-driver debootstrap faketime)
+PACKAGES=(postgresql chromium chromium-driver debootstrap faketime strace)
 
 bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"
