@@ -258,7 +258,12 @@ class Store:
         entry: str | None = None
         beat = self._beat(info.id)
         try:
-            info = info.model_copy(update={"seq": self._next_seq(info)})
+            try:
+                info = info.model_copy(update={"seq": self._next_seq(info)})
+            except StoreError as e:
+                # Said as a failed write, as any failure of the publish is: the store went away
+                # while CRIU wrote, and this read was the first to find out.
+                raise StoreError(f"cannot write checkpoint {info.id} to {self.url}: {e}") from e
             entry = _entry_of(info)
             # Before the manifest: a published checkpoint always has its entry (index.py).
             self._tree.index_put(info.label, info.uid, entry)
