@@ -20,6 +20,7 @@ from stasis.engine import proctree
 from tests.conftest import STASIS, Daemon, ensure_test_user
 from tests.controlplane.conftest import ControlPlane
 from tests.faultproxy import CutProxy
+from tests.faults.kit import stopped
 from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,15 +356,7 @@ class Site:
 
     @staticmethod
     def frozen(pid: int) -> list[int]:
-        found = []
-        for p in proctree.tree(pid):
-            try:
-                text = Path(f"/proc/{p}/stat").read_text()
-            except OSError:
-                continue
-            if text.rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                found.append(p)
-        return found
+        return stopped(pid)
 
     def wait_unfrozen(self, pid: int, timeout_s: float) -> bool:
         """Whether the tree of `pid` still has a stopped process after `timeout_s`."""

@@ -16,19 +16,7 @@ from stasis.poll import poll
 from tests.conftest import STASIS, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_concurrent_dumps import tracer
 from tests.daemon.test_restore_state import last_number, numbers
-
-
-def stopped(pid: int) -> list[int]:
-    """The processes of the tree under `pid` in state T (stopped by a signal)."""
-    found = []
-    for p in proctree.tree(pid):
-        try:
-            text = Path(f"/proc/{p}/stat").read_text()
-        except OSError:
-            continue
-        if text.rsplit(")", 1)[1].split()[0] == "T":
-            found.append(p)
-    return found
+from tests.faults.kit import stopped
 
 
 def staging(d: Daemon) -> list[str]:
