@@ -192,6 +192,11 @@ class Client:
         return cast("wire.CheckpointCheck",
                     self.request("GET", f"/checkpoints/{_seg(checkpoint_id)}/check"))
 
+    def verify(self, checkpoint_id: str, **request: Unpack[wire.VerifyRequest]
+               ) -> wire.Verdict:
+        return cast("wire.Verdict", self.request(
+            "POST", f"/checkpoints/{_seg(checkpoint_id)}/verify", dict(request)))
+
     def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
         return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))
     def rekey(self) -> wire.RekeyAnswer:
