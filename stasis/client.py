@@ -192,10 +192,9 @@ class Client:
         return cast("wire.CheckpointCheck",
                     self.request("GET", f"/checkpoints/{_seg(checkpoint_id)}/check"))
 
-    def verify(self, checkpoint_id: str, **request: Unpack[wire.VerifyRequest]
-               ) -> wire.Verdict:
-        return cast("wire.Verdict", self.request(
-            "POST", f"/checkpoints/{_seg(checkpoint_id)}/verify", dict(request)))
+    def verify(self, checkpoint_id: str) -> wire.VerifyVerdict:
+        return cast("wire.VerifyVerdict", self.request(
+            "POST", f"/checkpoints/{_seg(checkpoint_id)}/verify", {}))
 
     def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
         return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))

@@ -167,11 +167,9 @@ class Checkpoint(TypedDict):
     size_bytes: int
     stored_size_bytes: int
     compression: Compression
-    # The newest verdict of `stasis verify` on it (absent: never verified).
-    verdict: NotRequired[Verdict]
 
 
-class Verdict(TypedDict):
+class VerifyVerdict(TypedDict):
     """What `stasis verify` found: the checkpoint restored in a sandbox (its whole tree came
     back, stopped before running an instruction, then removed), or why not. Signed in the
     store's catalog with the site key, like the manifest it speaks of."""
@@ -183,10 +181,6 @@ class Verdict(TypedDict):
     at: str  # UTC, ISO 8601
     duration_s: float
     processes: int  # processes that came back (ok) or were expected
-
-
-class VerifyRequest(TypedDict, total=False):
-    background: bool  # answer at once; the verdict lands in the catalog later (low priority)
 
 
 class Deleted(TypedDict):

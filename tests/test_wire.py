@@ -52,6 +52,7 @@ WIRE_ONLY = {
     "CheckpointCheck", "CompatFact",  # tests/daemon/test_api.py, test_restore_facts.py
     "RekeyAnswer",  # tests/daemon/test_encryption.py
     "Checkpoint",  # a part of the store's Manifest: test_checkpoint_is_part_of_the_manifest
+    "VerifyVerdict",  # tests/daemon/test_verify.py (the verify helper holds it to its store record)
     "CheckReport", "Problem", "NetworkLock",  # test_check_report_is_the_wires
     "Registration",  # test_registration_rows_are_the_wires
     "Health", "FinishAnswer", "SlurmCheckpointAnswer",  # mypy; Health: tests/test_client.py
