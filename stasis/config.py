@@ -22,6 +22,8 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged, for
                          stores whose local write path is slower than memory; "" = off  ("")
     STASIS_LAZY_RESTORE  restore lazily by default (userfaultfd; `restore --lazy`)  (false)
+    STASIS_NODE_LOCAL_LIMIT  bytes of node-local files (/tmp, /var/tmp, /dev/shm, $TMPDIR...)
+                         a job's checkpoint carries; a dump over it is refused  (268435456)
     STASIS_SITE_KEY      a key file every node of the site shares: checkpoints are signed with
                          it and trusted by every node that has it  ("": each node signs with
                          its own <state_dir>/keys/node.key)
@@ -144,6 +146,7 @@ _ENV_KEYS = {
     "STASIS_INIT": "init",
     "STASIS_STAGE_DIR": "stage_dir",
     "STASIS_LAZY_RESTORE": "lazy_restore",
+    "STASIS_NODE_LOCAL_LIMIT": "node_local_limit",
     "STASIS_SITE_KEY": "site_key",
     "STASIS_TRUSTED_KEYS": "trusted_keys",
     "STASIS_REMOVE_CORRUPT_AFTER_S": "remove_corrupt_after_s",
@@ -194,6 +197,9 @@ class Settings(NamedTuple):
     # cache faster than to tmpfs, and publishing fsyncs after the job resumed anyway.
     stage_dir: str = ""
     lazy_restore: bool = False
+    # The node-local files a job has open travel in its checkpoint (engine/nodelocal.py); 256 MiB
+    # holds JVM perf data, sockets' dirs, SQLite files, scratch files, not a whole dataset.
+    node_local_limit: int = 256 << 20
     # Manifests are signed (stasis/store/signing.py): with the site key when there is one, else
     # with the node's own key. Both are trusted, and so is every key file named here.
     site_key: str = ""
