@@ -75,6 +75,7 @@ from stasis.store.compression import (
 from stasis.config import Settings
 from stasis.store.crypt import ChunkCipher, DataKey, KeyFiles, new_data_key, open_data_key, rewrap
 from stasis.store.signing import (
+    Signature,
     Signer,
     Verdict,
     node_keyring,
@@ -111,6 +112,11 @@ RANGES_IN_FLIGHT = 8
 MANIFEST_PURPOSE = "manifest"
 # Beside a checkpoint's images: some node restored it (`Store.mark_restored`).
 RESTORED_NOTE = "restored.json"
+# Beside a checkpoint's images: the newest verdict of `stasis verify` on it, signed
+# (`Store.record_verdict`); what its signature is for, so that it verifies nothing else.
+VERDICT_NOTE = "verdict.json"
+VERDICT_PURPOSE = "verify-verdict"
+_VERDICT_MAX = 1 << 16  # a verdict is a few hundred bytes; what lies past this is not read
 # Index entries `latest` reads in one go: S3's page.
 _FIRST_PAGE = 1000
 # Pins (`Store.pin`): notes beside a checkpoint's images, named so, refreshed by the pinning
@@ -493,6 +499,54 @@ class Store:
             raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
         except Exception as e:
             raise self._write_error(checkpoint_id, e) from e
+
+    def record_verdict(self, manifest: Manifest, verdict: Mapping[str, object]) -> None:
+        """Write `verdict` (stasis.wire.VerifyVerdict) beside `manifest`'s images, replacing
+        the one before: signed with this node's signing key (the site key where there is one)
+        over the verdict and the manifest's own MAC, so that it neither stands for another
+        checkpoint nor can be written by whoever can merely write the store."""
+        document = {"verdict": dict(verdict), "manifest": _manifest_mac(manifest)}
+        signature = self.keys.sign(VERDICT_PURPOSE, document)
+        data = json.dumps({**document, "signature": signature.model_dump()}).encode()
+        try:
+            self._tree.put_note(manifest.id, VERDICT_NOTE, data)
+        except FileNotFoundError:
+            raise NotFoundError(f"no checkpoint {manifest.id} in store {self.url}") from None
+        except Exception as e:
+            raise self._write_error(manifest.id, e) from e
+
+    def verdict(self, manifest: Manifest) -> dict[str, object] | None:
+        """The newest verdict recorded on `manifest` (`record_verdict`), or None: none, or one
+        that is not signed by a key this node trusts, or not for this very manifest (a forged
+        or copied one is logged once and never shown)."""
+        try:
+            data = self._tree.read_stored_range(manifest.id, VERDICT_NOTE, 0, _VERDICT_MAX)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            log.warning("cannot read the verdict of checkpoint %s: %s", manifest.id, _reason(e))
+            return None
+        try:
+            raw = json.loads(data)
+            signature = Signature.model_validate(raw["signature"])
+            document = {"verdict": raw["verdict"], "manifest": raw["manifest"]}
+            good = isinstance(raw["verdict"], dict) and \
+                raw["verdict"].get("checkpoint") == manifest.id and \
+                raw["manifest"] == _manifest_mac(manifest) and \
+                self.keys.verify(VERDICT_PURPOSE, document, signature) is Verdict.VALID
+        except (ValueError, TypeError, KeyError, ValidationError):
+            good = False
+        if not good:
+            self._warn_verdict_once(manifest.id)
+            return None
+        return dict(raw["verdict"])
+
+    def _warn_verdict_once(self, checkpoint_id: str) -> None:
+        key = f"verdict:{checkpoint_id}"
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("ignoring the verdict of checkpoint %s in %s: it is not signed by a key "
+                        "this node trusts for this checkpoint", checkpoint_id, self.url)
 
     def was_restored(self, checkpoint_id: str) -> bool:
         """Whether some node said it restored `checkpoint_id` (see `mark_restored`)."""
@@ -1394,6 +1448,10 @@ def _signed_part(manifest: Manifest) -> dict[str, object]:
     reader gets back from the file and verifies."""
     signed: dict[str, object] = json.loads(manifest.model_dump_json(exclude={"signature"}))
     return signed
+
+
+def _manifest_mac(manifest: Manifest) -> str:
+    return manifest.signature.hmac_sha256 if manifest.signature is not None else ""
 
 
 def _open_tree(url: str, staging_root: Path, options: Mapping[str, object]) -> Tree:
