@@ -146,6 +146,8 @@ _ENV_KEYS = {
     "STASIS_INIT": "init",
     "STASIS_STAGE_DIR": "stage_dir",
     "STASIS_LAZY_RESTORE": "lazy_restore",
+    "STASIS_VERIFY_NEW_CHECKPOINTS": "verify_new_checkpoints",
+    "STASIS_VERIFY_TIMEOUT_S": "verify_timeout_s",
     "STASIS_NODE_LOCAL_LIMIT": "node_local_limit",
     "STASIS_SITE_KEY": "site_key",
     "STASIS_TRUSTED_KEYS": "trusted_keys",
@@ -197,6 +199,11 @@ class Settings(NamedTuple):
     # cache faster than to tmpfs, and publishing fsyncs after the job resumed anyway.
     stage_dir: str = ""
     lazy_restore: bool = False
+    # Each checkpoint this node publishes is verified (`stasis verify`: restored in a sandbox,
+    # stopped, removed) in the background at low priority; off: verified only when asked.
+    verify_new_checkpoints: bool = False
+    # How long one `stasis verify` may take (fetch, sandboxed restore, check) before it fails.
+    verify_timeout_s: float = 600.0
     # The node-local files a job has open travel in its checkpoint (engine/nodelocal.py); 256 MiB
     # holds JVM perf data, sockets' dirs, SQLite files, scratch files, not a whole dataset.
     node_local_limit: int = 256 << 20
