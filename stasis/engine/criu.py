@@ -113,6 +113,10 @@ class RestoreOptions:
     notify: rpc.NotifyHandler | None = None
     # None: paths are resolved with root's rights (only for root's own jobs).
     owner: Owner | None = None
+    # A sandboxed restore (`stasis verify`, engine/sandbox.py): the tree is left stopped before
+    # it runs an instruction, established TCP connections come back closed, and CRIU takes no
+    # network lock (no iptables or nft rule anywhere).
+    sandboxed: bool = False
 
 
 @dataclass
@@ -270,6 +274,10 @@ class CRIU:
             opts.file_locks = options.file_locks
             opts.ext_unix_sk = options.ext_unix_sk
             opts.notify_scripts = options.notify is not None
+            if options.sandboxed:
+                opts.leave_stopped = True
+                opts.tcp_close = True
+                opts.network_lock = pb.SKIP
             for key, fd in options.inherit_fds:
                 opts.inherit_fd.add(key=key, fd=fd)
             req = pb.criu_req(type=pb.RESTORE, opts=opts)
