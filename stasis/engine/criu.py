@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stasis.engine import rpc, streamer
+from stasis.engine import privatetmp, rpc, streamer
 from stasis.engine.criulog import first_error
 from stasis.engine.lazylink import PageServerLink
 from stasis.errors import CRIUError, CRIUNotFoundError
@@ -67,6 +67,9 @@ class DumpOptions:
     # Told CRIU's pid before the dump starts: whoever must know, should the caller die during
     # the dump, which CRIU may still hold the tree.
     criu_started: Callable[[int], None] | None = None
+    # The tree has a mount namespace of its own (`stasis run --private-tmp`): None: found out
+    # from /proc (engine/privatetmp.py).
+    own_mounts: bool | None = None
 
 
 @dataclass
@@ -113,6 +116,9 @@ class RestoreOptions:
     notify: rpc.NotifyHandler | None = None
     # None: paths are resolved with root's rights (only for root's own jobs).
     owner: Owner | None = None
+    # The images hold the tree's own mount namespace (engine/privatetmp.py): rebuilt on this
+    # node's root, each mount the node has bound from the same path here.
+    own_mounts: bool = False
     # A sandboxed restore (`stasis verify`, engine/sandbox.py): the tree is left stopped before
     # it runs an instruction, established TCP connections come back closed, and CRIU takes no
     # network lock (no iptables or nft rule anywhere).
@@ -180,6 +186,9 @@ class CRIU:
             opts.file_locks = options.file_locks
             opts.ext_unix_sk = options.ext_unix_sk
             opts.notify_scripts = options.notify is not None
+            own = options.own_mounts
+            if own if own is not None else privatetmp.own_mount_ns(pid):
+                privatetmp.dump_options(opts)
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify, options.criu_started).call(req)
@@ -280,6 +289,8 @@ class CRIU:
                 opts.network_lock = pb.SKIP
             for key, fd in options.inherit_fds:
                 opts.inherit_fd.add(key=key, fd=fd)
+            if options.own_mounts:
+                privatetmp.restore_options(opts)
             req = pb.criu_req(type=pb.RESTORE, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify).call(

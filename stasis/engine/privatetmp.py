@@ -1,0 +1,94 @@
+"""A job's private /tmp and /var/tmp (`stasis run --private-tmp`): what the job keeps there is
+its own, travels in its checkpoint, and is gone when the job ends for good.
+
+How: the job's supervisor (stasis/daemon/shim.py) gives the job a mount namespace of its own,
+a slave of the node's (mounts the node makes later, e.g. home directories, still reach it;
+nothing the job mounts reaches the node), with a fresh tmpfs on /tmp and one on /var/tmp, each
+at most `size_bytes` (the `node_local_limit` setting): the job's memory cgroup pays for it.
+
+Why a tmpfs in the job's namespace and not a directory of the daemon's bound there: CRIU dumps
+a tmpfs that only the dumped namespace mounts by itself (`tmpfs-dev-N.tar.gz.img`, an image
+like any other: hashed, signed, encrypted by the store) and rebuilds it on restore in a fresh
+tmpfs, on any node. No code of ours reads or writes the job's files as root, so none can be
+made to follow a link the job planted: the archive is made by tar from the real tree (a link
+is recorded as a link, never followed), by CRIU from images only root can write, and unpacked
+into an empty tmpfs. Every other mount of the namespace is one the node has too: CRIU declares
+it external (auto_ext_mnt) and binds it from the same path on restore. And the end comes for
+free: the kernel frees a tmpfs with the last process of its namespace, whether the job exited,
+was killed, or stopped after its checkpoint, and whatever happened to the daemon.
+
+What CRIU needs (seen, CRIU 4.2.1): every file the job has open must be opened inside the
+namespace (a descriptor opened before the unshare names a mount the namespace lacks: "Can't
+lookup mount=N"); restore needs `root` ("/": the node's own tree).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+# Where the job sees its own empty directories.
+MOUNTS = ("/tmp", "/var/tmp")
+# The tmpfs's source name, as mount tables show it (how tests and operators find them).
+SOURCE = "stasis-private-tmp"
+
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_MS_REC = 0x4000
+_MS_SLAVE = 1 << 19
+
+
+def enter(size_bytes: int) -> None:
+    """In the job's init, as root, before it opens any file: a mount namespace of its own with
+    an empty tmpfs on each of MOUNTS. OSError if the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    # Slave, not private: the node's later mounts still appear; the job's never leave.
+    _check(libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    options = f"size={int(size_bytes)},mode=1777".encode()
+    for path in MOUNTS:
+        _check(libc.mount(SOURCE.encode(), path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                          options), f"mount tmpfs on {path}")
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"private /tmp: {what}: {os.strerror(err)}")
+
+
+def own_mount_ns(pid: int) -> bool:
+    """Whether the process `pid` lives in another mount namespace than the caller's."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False  # gone, or not ours to look at: CRIU will say what is wrong
+
+
+def dump_options(opts: Any) -> None:
+    """CRIU's dump options for a tree in a mount namespace of its own: every mount the node
+    has as well is external (bound from the node's path again on restore), shared or slave
+    ones too; what only the namespace has (its private tmpfs's) CRIU dumps."""
+    opts.auto_ext_mnt = True
+    opts.ext_sharing = True
+    opts.ext_masters = True
+
+
+def restore_options(opts: Any) -> None:
+    """CRIU's restore options for images that hold the tree's own mount namespace."""
+    opts.auto_ext_mnt = True
+    opts.ext_sharing = True
+    opts.ext_masters = True
+    opts.root = "/"
+
+
+def under_private(path: str) -> str | None:
+    """Which of MOUNTS `path` (absolute) is in, or None: there the job sees its own directory,
+    not the node's."""
+    norm = os.path.normpath(path)
+    for mount in MOUNTS:
+        if norm == mount or norm.startswith(mount + "/"):
+            return mount
+    return None
