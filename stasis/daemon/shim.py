@@ -7,7 +7,9 @@ writes `exit.json` into the job's directory (atomically), whether or not a daemo
 
 Two modes, read from the spec: the line after JOB_DIR on stdin (as a spare; it may hold the
 job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
-  run      unshare a PID namespace and fork its init: an IPC namespace of its own (SysV shared
+  run      unshare a PID namespace and fork its init: with spec "private_tmp" (the size of
+           each tmpfs) a mount namespace of its own with an empty /tmp and /var/tmp
+           (engine/privatetmp.py), an IPC namespace of its own (SysV shared
            memory, semaphores and queues belong to the job, so CRIU can dump and restore them),
            setsid, drop to the job's user, stdin from /dev/null, stdout/stderr appended to the
            log, then exec stasis-init in front of the command (stasis-init.c: it forwards signals
@@ -122,6 +124,10 @@ def _exec_job(spec: dict[str, Any], status_w: int) -> None:
     returns."""
     try:
         os.umask(spec.get("umask", 0o022))  # the daemon's own (077) is not the job's business
+        if spec.get("private_tmp"):
+            # First: every file of the job must be opened inside its mount namespace.
+            from stasis.engine import privatetmp
+            privatetmp.enter(spec["private_tmp"])
         # While still root: a job cannot make its own (CRIU refuses nested IPC namespaces).
         _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
         os.setsid()
@@ -324,7 +330,8 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
             stream=spec.get("stream", False),
             on_lost=lambda why: _note_killed(job_dir, why),
             expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
-            criu_version=spec.get("criu_version"))
+            criu_version=spec.get("criu_version"),
+            own_mounts=bool(spec.get("private_tmp")))
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return

@@ -51,7 +51,8 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                  page_server: Path | None = None, stream: bool = False,
                  on_lost: Callable[[str], None] | None = None,
                  expect: wire.RestoreFacts | None = None, checkpoint: str = "",
-                 criu_version: str | None = None, sandboxed: bool = False) -> RestoreResult:
+                 criu_version: str | None = None, sandboxed: bool = False,
+                 own_mounts: bool = False) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
@@ -66,7 +67,9 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     `restore_facts`; None for checkpoints that predate them): IncompatibleNodeError, before
     CRIU runs, when this node differs in a way the restore cannot cope with. The notes among
     the differences come back in `RestoreResult.notes`. `criu_version`: `criu`'s, when the
-    caller knows it already. `sandboxed`: for `stasis verify` (RestoreOptions.sandboxed)."""
+    caller knows it already. `sandboxed`: for `stasis verify` (RestoreOptions.sandboxed).
+    `own_mounts`: the images hold the tree's own mount namespace (a private /tmp,
+    engine/privatetmp.py)."""
     if owner.uid != 0:
         # CRIU (root) gives back whatever credentials the images record: a user's tree must not
         # come back holding more than its owner (a setuid program a dump of older stasis, or
@@ -96,7 +99,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                                  page_server=page_server, stream=stream,
                                  on_lost=on_lost,
                                  owner=owner if owner.uid != 0 else None,
-                                 sandboxed=sandboxed)
+                                 sandboxed=sandboxed, own_mounts=own_mounts)
         try:
             result = criu.restore(images, options, log_name)
             result.notes.extend(nodefacts.notes(found))
