@@ -149,6 +149,7 @@ _ENV_KEYS = {
     "STASIS_VERIFY_NEW_CHECKPOINTS": "verify_new_checkpoints",
     "STASIS_VERIFY_TIMEOUT_S": "verify_timeout_s",
     "STASIS_NODE_LOCAL_LIMIT": "node_local_limit",
+    "STASIS_PRIVATE_TMP": "private_tmp",
     "STASIS_SITE_KEY": "site_key",
     "STASIS_TRUSTED_KEYS": "trusted_keys",
     "STASIS_REMOVE_CORRUPT_AFTER_S": "remove_corrupt_after_s",
@@ -207,6 +208,9 @@ class Settings(NamedTuple):
     # The node-local files a job has open travel in its checkpoint (engine/nodelocal.py); 256 MiB
     # holds JVM perf data, sockets' dirs, SQLite files, scratch files, not a whole dataset.
     node_local_limit: int = 256 << 20
+    # `stasis run` without --private-tmp/--no-private-tmp: the job gets its own /tmp and /var/tmp
+    # (tmpfs's of node_local_limit each, in its checkpoint, gone with it; engine/privatetmp.py).
+    private_tmp: bool = False
     # Manifests are signed (stasis/store/signing.py): with the site key when there is one, else
     # with the node's own key. Both are trusted, and so is every key file named here.
     site_key: str = ""
