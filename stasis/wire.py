@@ -58,6 +58,9 @@ class RunRequest(TypedDict, total=False):
     cwd: str  # absolute; required
     env: dict[str, str]
     user: str | None
+    # Its own /tmp and /var/tmp, in its checkpoint, gone with it; None: the daemon's setting
+    # (private_tmp).
+    private_tmp: bool | None
 
 
 class RunAnswer(TypedDict):
@@ -79,6 +82,7 @@ class Job(TypedDict):
     log: str
     checkpoint: str | None  # the checkpoint this job was restored from
     created: str
+    private_tmp: bool  # it sees its own /tmp and /var/tmp (stasis run --private-tmp)
 
 
 class KillRequest(TypedDict, total=False):

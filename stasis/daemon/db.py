@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, cast, get_args, get_origin, get_type_hints
 
 from sqlalchemy import (
+    Boolean,
     Column,
     Float,
     Integer,
@@ -101,12 +102,14 @@ class JobRow:
     checkpoint: str | None  # the checkpoint it was restored from
     created: str
     job_dir: str
+    private_tmp: bool = False  # its own /tmp and /var/tmp (engine/privatetmp.py)
 
     def wire(self) -> wire.Job:
         return wire.Job(
             job=self.id, pid=self.pid, state=cast(wire.JobState, self.state), label=self.label,
             exit_code=self.exit_code, command=self.command, user=self.user, uid=self.uid,
-            cwd=self.cwd, log=self.log, checkpoint=self.checkpoint, created=self.created)
+            cwd=self.cwd, log=self.log, checkpoint=self.checkpoint, created=self.created,
+            private_tmp=self.private_tmp)
 
 
 @dataclass
@@ -122,14 +125,17 @@ class NetLockRow:
 
 def _columns(row: type[Any], primary_key: str) -> list[Column[Any]]:
     """The table's columns, from the row's fields: lists are JSON text, `X | None` nullable."""
-    kinds: dict[Any, Any] = {int: Integer, str: Text, float: Float}
+    kinds: dict[Any, Any] = {int: Integer, str: Text, float: Float, bool: Boolean}
     columns: list[Column[Any]] = []
     for name, hint in get_type_hints(row).items():
         args = [a for a in get_args(hint) if a is not type(None)]
         nullable = type(None) in get_args(hint)
         base = args[0] if nullable and len(args) == 1 else hint
         kind = Text if get_origin(base) in (list, dict) else kinds[base]
-        columns.append(Column(name, kind, primary_key=name == primary_key, nullable=nullable))
+        # A flag added later (private_tmp): rows of an older database read as False.
+        default = "0" if base is bool else None
+        columns.append(Column(name, kind, primary_key=name == primary_key, nullable=nullable,
+                              server_default=default))
     return columns
 
 
@@ -145,6 +151,16 @@ netlocks_table = Table("netlocks", _metadata, *_columns(NetLockRow, "checkpoint"
 _JSON_COLUMNS = _json_fields(JobRow)
 # `restoring`: recorded before its tree may resume; the poll makes it `restored` or removes it.
 _LIVE = ("running", "restored", "restoring")
+
+
+def _add_flags(engine: Engine) -> None:
+    """The flag columns an older database lacks (create_all adds tables, not columns)."""
+    with engine.begin() as conn:
+        have = {r[1] for r in conn.exec_driver_sql("PRAGMA table_info(jobs)").all()}
+        for column in jobs_table.columns:
+            if column.name not in have and column.server_default is not None:
+                conn.exec_driver_sql(
+                    f"ALTER TABLE jobs ADD COLUMN {column.name} BOOLEAN NOT NULL DEFAULT 0")
 
 
 def _to_row(values: Any) -> JobRow:
@@ -167,6 +183,7 @@ class JobDB:
         self._lock = threading.Lock()
         with self._guarded():
             _metadata.create_all(self.engine)
+            _add_flags(self.engine)
             # A file that is not a database passes create_all only once the tables exist.
             with self.engine.connect() as conn:
                 check = conn.exec_driver_sql("PRAGMA quick_check").first()

@@ -34,6 +34,7 @@ class RunRequest(_Model):
     cwd: str
     env: dict[str, str] = {}
     user: str | None = None
+    private_tmp: bool | None = None  # None: the daemon's setting (private_tmp)
 
     @field_validator("cwd", "log")
     @classmethod
