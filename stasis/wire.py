@@ -130,6 +130,7 @@ class RestoreRequest(TypedDict, total=False):
     label: str | None
     user: str | None  # whose label (root only)
     lazy: bool | None
+    verified: bool  # by label: the newest with an ok verdict of `stasis verify`
 
 
 class RestoreAnswer(TypedDict):

@@ -112,10 +112,14 @@ def restore(args: argparse.Namespace, settings: Settings) -> None:
         raise UsageError("give either a CHECKPOINT id or --label, not both or neither")
     if args.user is not None and not args.label:
         raise UsageError("--user says whose --label to restore; a CHECKPOINT id needs none")
+    if args.verified and not args.label:
+        raise UsageError("--verified picks among a --label's checkpoints; for a CHECKPOINT id, "
+                         "run `stasis verify CHECKPOINT` first")
     with Client(settings.socket) as client, \
             output.progress_bar("restoring", not args.json) as progress:
         answer = client.restore(progress, checkpoint=args.checkpoint, label=args.label,
-                                user=args.user, lazy=args.lazy)
+                                user=args.user, lazy=args.lazy,
+                                **({"verified": True} if args.verified else {}))
     for skipped in answer.get("skipped", []):
         output.warn(f"skipped corrupt checkpoint {skipped}")
     _done(args, answer, f"job {answer['job']} restored from {answer['checkpoint']} "
@@ -170,11 +174,14 @@ def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
     if args.json:
         output.emit_json(found)
         return
+    from stasis.cli.verify import verdict_column
+
     rows = [{"checkpoint": m["id"], "label": m["label"], "user": m["user"], "job": m["job"],
              "created": m["created"], "size_bytes": m["size_bytes"],
-             "compression": m["compression"]} for m in found]
+             "compression": m["compression"], "verified": verdict_column(dict(m))}
+            for m in found]
     output.table(rows, ["checkpoint", "label", "user", "job", "created", "size_bytes",
-                        "compression"])
+                        "compression", "verified"])
 
 
 def kill(args: argparse.Namespace, settings: Settings) -> None:
@@ -347,6 +354,9 @@ def _add_restore(sub: Any) -> None:
     p.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None,
                    help="Run before all memory is back (userfaultfd); default: the daemon's "
                         "setting.")
+    p.add_argument("--verified", action="store_true",
+                   help="With --label: the newest checkpoint whose `stasis verify` verdict is "
+                        "ok.")
     add_json(p)
     p.set_defaults(handler=restore)
 
@@ -468,6 +478,12 @@ def _add_controlplane(sub: Any) -> None:
     add_controlplane(sub)
 
 
+def _add_verify(sub: Any) -> None:
+    from stasis.cli.verify import add_verify
+
+    add_verify(sub)
+
+
 def _add_slurm(sub: Any) -> None:
     from stasis.cli.slurm import add_slurm
 
@@ -479,6 +495,7 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
     "checkpoints": _add_checkpoints, "kill": _add_kill, "logs": _add_logs, "check": _add_check,
     "daemon": _add_daemon, "slurm": _add_slurm, "k8s": _add_k8s,
     "export": _add_export, "import": _add_import, "controlplane": _add_controlplane,
+    "verify": _add_verify,
 }
 
 

@@ -137,8 +137,17 @@ async def restore(request: web.Request) -> web.StreamResponse:
 async def list_checkpoints(request: web.Request) -> web.StreamResponse:
     label = request.query.get("label")
     user = request.query.get("user")
-    return answer(await asyncio.to_thread(request.app[MANAGER].checkpoints, label, peer(request),
-                                          user))
+    manager = request.app[MANAGER]
+    caller = peer(request)
+    # Each with its verdict of `stasis verify`, where one is recorded (daemon/verifying.py).
+    return answer(await asyncio.to_thread(
+        lambda: manager.verifier.verdicts(manager.checkpoints(label, caller, user))))
+
+
+async def verify_checkpoint(request: web.Request) -> web.StreamResponse:
+    checkpoint = request.match_info["checkpoint"]
+    return answer(await asyncio.to_thread(request.app[MANAGER].verify, checkpoint,
+                                          peer(request)))
 
 
 async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
@@ -194,6 +203,7 @@ def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
         web.get("/checkpoints", list_checkpoints),
         web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
         web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
+        web.post("/checkpoints/{checkpoint}/verify", verify_checkpoint),
         web.post("/checkpoints/gc", collect_garbage),
         web.post("/checkpoints/rekey", rekey),
         web.get("/check", check),

@@ -40,8 +40,9 @@ from stasis.daemon.readiness import StoreProbe
 from stasis.daemon.restoring import Restorer
 from stasis.daemon.supervisor import Supervisors, create_log, find_init, now
 from stasis.daemon.tracking import JobTracker, died_of
+from stasis.daemon.verifying import Verifier
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
-from stasis.engine import CRIU, DumpResult, kdat
+from stasis.engine import CRIU, DumpResult, kdat, privatetmp
 from stasis.errors import (
     NotFoundError,
     PermissionDeniedError,
@@ -70,6 +71,7 @@ from stasis.wire import (
     RekeyAnswer,
     RestoreAnswer,
     RunAnswer,
+    VerifyVerdict,
 )
 
 log = logging.getLogger("stasis.daemon")
@@ -100,6 +102,7 @@ class JobManager:
         self._tracker = JobTracker(db, self._supervisors)
         self._dumper = Dumper(core, self._tracker)
         self._restorer = Restorer(core, self._supervisors, job_umask)
+        self.verifier = Verifier(core, self._restorer.criu_version)
         self._housekeeping = Housekeeping(core)
         self._unadopted: str | None = None  # why jobs without a row could not be adopted
         self._store_probe = StoreProbe(store)
@@ -253,6 +256,9 @@ class JobManager:
         job_id = secrets.token_hex(6)
         label = validate_label(req.label) if req.label else job_id
         env = job_environment(acct, req.env)
+        private_tmp = self.settings.private_tmp if req.private_tmp is None else req.private_tmp
+        if private_tmp:
+            privatetmp.require_outside(req.cwd, req.log)
         if req.log:
             log = req.log
         else:
@@ -270,23 +276,27 @@ class JobManager:
             "init": find_init(self.settings.init),
             "umask": self.job_umask,
         }
+        if private_tmp:
+            spec["private_tmp"] = self.settings.node_local_limit  # each tmpfs's size
         # Its record without a pid, in its directory before it starts: a daemon killed before
         # the row below is written adopts it at its next start (tracking.adopt_orphans).
         job = JobRow(
             id=job_id, pid=None, pid_start=None, shim_pid=None, state="running", label=label,
             exit_code=None, command=req.command, cwd=req.cwd, env=sorted(req.env),
             user=acct.name, uid=acct.uid, gid=acct.gid, log=log, checkpoint=None,
-            created=now(), job_dir="")
+            created=now(), job_dir="", private_tmp=private_tmp)
         started = self._supervisors.start(job_id, spec, job=job)
         answer = started.answer
         if "error" in answer:
             raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
         pid = started.pid
         faults.point("run.after-start")  # running, not yet recorded: adopted at the next start
-        self.db.add(started.row(
+        row = started.row(
             state="running", label=label, command=req.command, cwd=req.cwd,
             env=sorted(req.env), user=acct.name, uid=acct.uid, gid=acct.gid, log=log,
-            checkpoint=None))
+            checkpoint=None)
+        row.private_tmp = private_tmp
+        self.db.add(row)
         return RunAnswer(job=job_id, pid=pid, label=label)
 
     # -- dump and restore ----------------------------------------------------------------------
@@ -357,6 +367,11 @@ class JobManager:
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None) -> RestoreAnswer:
         return self._restorer.restore(req, caller, progress)
+
+    def verify(self, checkpoint_id: str, caller: Caller) -> VerifyVerdict:
+        """`stasis verify`: the checkpoint restored in a sandbox, checked, removed; the verdict
+        (also a failed one) recorded in the store (daemon/verifying.py)."""
+        return self.verifier.verify(checkpoint_id, caller)
 
     # -- kill / follow -------------------------------------------------------------------------
 

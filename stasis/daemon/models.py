@@ -60,6 +60,8 @@ class RestoreRequest(_Model):
     # Whose label (name or uid; root only, for another user's): the caller's own by default.
     user: str | None = None
     lazy: bool | None = None  # None: the daemon's setting (lazy_restore)
+    # By label: only checkpoints whose recorded `stasis verify` verdict is ok (verifying.py).
+    verified: bool = False
 
 
 class GcRequest(_Model):

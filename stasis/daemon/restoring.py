@@ -43,7 +43,8 @@ from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.daemon.streamed import stream_restore
-from stasis.engine import CRIU, Owner, find_criu, nodefacts, proctree
+from stasis.daemon.verifying import verified_only
+from stasis.engine import CRIU, Owner, find_criu, nodefacts, privatetmp, proctree
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
@@ -73,6 +74,9 @@ class Restorer:
                 progress: Progress | None = None) -> RestoreAnswer:
         started = time.monotonic()
         if req.checkpoint:
+            if req.verified:
+                raise UsageError("--verified picks among a label's checkpoints; for a "
+                                 "checkpoint id, run `stasis verify CHECKPOINT` first")
             if req.user is not None:
                 raise UsageError("--user says whose label to restore; a checkpoint id needs none")
             candidates = [self.core.store.get(validate_checkpoint_id(req.checkpoint))]
@@ -83,6 +87,8 @@ class Restorer:
             if not candidates:
                 self._only_untrusted(req.label, owner, caller)
                 raise NotFoundError(self._no_label(req.label, owner, caller))
+            if req.verified:
+                candidates = verified_only(self.core.store, candidates, req.label)
         else:
             raise UsageError("name a checkpoint id or --label")
         for manifest in candidates:
@@ -204,12 +210,15 @@ class Restorer:
             # Compared again there, files too.
             "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
         }
+        private_tmp = manifest.extra.get(privatetmp.EXTRA_KEY) is True
+        if private_tmp:
+            spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
         notes: list[str] = []
         job = JobRow(
             id=job_id, pid=None, pid_start=None, shim_pid=None, state="restoring",
             label=manifest.label, exit_code=None, command=manifest.command, cwd=manifest.cwd,
             env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid, log=log,
-            checkpoint=manifest.id, created=now(), job_dir="")
+            checkpoint=manifest.id, created=now(), job_dir="", private_tmp=private_tmp)
         mode = "fetched"
 
         def record(row: JobRow) -> None:

@@ -1,0 +1,338 @@
+"""A checkpoint restored where it can do nothing: what `stasis verify` runs.
+
+`verify_images` starts `python -m stasis.engine.sandbox` (a fresh single-threaded process: a
+threaded daemon cannot unshare a mount namespace) at nice 19 and idle I/O priority. It:
+
+  - unshares its own mount namespace, makes every mount in it private (nothing propagates back
+    to the node) and mounts an empty tmpfs over /tmp, /var/tmp, /dev/shm and /run: node-local
+    files recreated for the restore, ghost files CRIU recreates there and unix sockets bound
+    there never touch the node's; the restore finds what a node that never ran the job has;
+  - unshares its own network namespace (only `lo`, up): no route out, and the restored sockets
+    are the namespace's; established TCP connections come back closed (CRIU `tcp_close`), and
+    CRIU takes no network lock (SKIP: no iptables or nft rule, here or on the node);
+  - restores the images with CRIU into the job's own PID namespace (jobs are PID-namespace
+    inits) with `leave_stopped`: CRIU stops every task before it returns to the job's code, so
+    not one instruction of the job runs;
+  - compares the tree that came back with the one the images record (pstree.img: every
+    process, by its pid inside the job's namespace), then SIGKILLs it (the namespace's init:
+    the kernel kills the rest) and reaps it. With the process gone, its namespaces and their
+    tmpfs mounts go too.
+
+The images and CRIU's log directory are handed over as open directories (the tmpfs over /tmp
+hides their paths). What a restore would write on the node outside those directories is
+avoided or stated: CRIU reopens the job's files without O_TRUNC or O_CREAT, with the owner's
+rights; the job's output log is re-pointed at a file in the private /tmp; a checkpoint holding
+a link-remapped file (a deleted file still linked elsewhere: CRIU removes that link once
+restored) is not restored here at all, its verdict says why. File locks are taken on the job's
+files for the moments the stopped tree lives (a job still running and holding them makes the
+verify fail, not wait: CRIU takes them without blocking). Ghost files (deleted files the job
+held open, recreated at their old path and removed by CRIU before the tree is stopped) outside
+the private directories appear on the node for the duration of the restore.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import platform
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stasis import wire
+from stasis.engine import proctree
+from stasis.engine.credentials import _fields
+
+# The node-local directories a sandbox gets its own empty tmpfs over (issue 29's list).
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+# Bytes of a sandbox's answer, at most (one JSON line).
+_ANSWER_MAX = 1 << 16
+# Processes a pstree image may list before it is taken for garbage.
+_PSTREE_MAX_BYTES = 64 << 20
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 0x4000, 1 << 18
+_PR_SET_CHILD_SUBREAPER = 36
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+_IOPRIO_CLASS_IDLE = 3
+# pstree.img: PstreeEntry{pid=1, ppid=2, pgid=3, sid=4, threads=5}
+_PSTREE_PID = 1
+# remap-fpath.img: RemapFilePathEntry{orig_id=1, remap_id=2, remap_type=3}; LINKED is 0, and
+# images of old CRIUs mark a ghost by this bit of remap_id instead of a type.
+_REMAP_TYPE, _REMAP_ID, _REMAP_GHOST_BIT = 3, 2, 1 << 31
+
+
+@dataclass(frozen=True)
+class SandboxVerdict:
+    ok: bool
+    reason: str  # "" when ok
+    processes: int  # that came back (ok) or that the images record
+    duration_s: float  # the restore's (CRIU's part)
+
+
+def verify_images(criu: str, images: Path, log_dir: Path, log_name: str, *,
+                  uid: int, gid: int, groups: list[int], image_log: str | None,
+                  expect: wire.RestoreFacts | None, checkpoint: str,
+                  criu_version: str | None, timeout_s: float) -> SandboxVerdict:
+    """Restore the images in `images` in a sandbox (see the module's docstring), as the tree
+    of owner `uid`, check it and remove it. Never raises for what the checkpoint does wrong:
+    the verdict says it; OSError only when the sandbox itself cannot be started."""
+    spec = {"criu": criu, "log_name": log_name, "uid": uid, "gid": gid, "groups": groups,
+            "image_log": image_log, "expect": expect, "checkpoint": checkpoint,
+            "criu_version": criu_version}
+    images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    log_fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    spec.update(images_fd=images_fd, log_fd=log_fd)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stasis.engine.sandbox"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=(images_fd, log_fd),
+            start_new_session=True)
+    finally:
+        os.close(images_fd)
+        os.close(log_fd)
+    try:
+        out, _ = proc.communicate(json.dumps(spec).encode(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_sandbox(proc)
+        return SandboxVerdict(False, f"the sandboxed restore did not finish within "
+                                     f"{timeout_s:g} s", 0, timeout_s)
+    finally:
+        if proc.poll() is None:
+            _kill_sandbox(proc)
+    try:
+        answer = json.loads(out[:_ANSWER_MAX].decode().splitlines()[0])
+        return SandboxVerdict(bool(answer["ok"]), str(answer["reason"]),
+                              int(answer["processes"]), float(answer["duration_s"]))
+    except (ValueError, IndexError, KeyError, TypeError):
+        return SandboxVerdict(False, f"the sandbox ended without a verdict (exit status "
+                                     f"{proc.returncode})", 0, 0.0)
+
+
+def _kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the sandbox and everything under it (CRIU, a half-restored or stopped tree),
+    again until nothing is left: a stopped tree would otherwise keep its namespaces forever."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        pids = [p for p in proctree.tree(proc.pid) if proctree.alive(p, None)]
+        if not pids:
+            break
+        for pid in reversed(pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+    proc.wait()
+
+
+# -- in the sandbox process -------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _lower_priority() -> None:
+    os.nice(19)
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is not None:
+        # ioprio_set(IOPRIO_WHO_PROCESS, self, IOPRIO_PRIO_VALUE(IDLE, 0)); CRIU inherits it.
+        _libc.syscall(number, 1, 0, _IOPRIO_CLASS_IDLE << 13)
+
+
+def _enter_namespaces() -> None:
+    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare(mount, network)")
+    # Nothing mounted here may reach the node, and nothing of the node's mounts changes.
+    _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    for d in PRIVATE_DIRS:
+        if not os.path.isdir(d) or os.path.islink(d):
+            continue
+        mode = b"mode=0755" if d == "/run" else b"mode=1777"
+        _check(_libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, mode),
+               f"mount tmpfs on {d}")
+    # Listening sockets bound to 127.0.0.1 come back; there is no other interface to reach.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(s, _SIOCGIFFLAGS, ifreq))[1]
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | _IFF_UP, b""))
+
+
+def _entries(data: bytes) -> list[bytes]:
+    """The messages of a CRIU image: past its 8-byte magic, each after a 32-bit size."""
+    at, out = 8, []
+    while at + 4 <= len(data):
+        size = int.from_bytes(data[at:at + 4], "little")
+        at += 4
+        if at + size > len(data):
+            raise ValueError("an entry runs past the end")
+        out.append(data[at:at + size])
+        at += size
+    return out
+
+
+def recorded_pids(images: Path) -> set[int]:
+    """The pids (inside the job's PID namespace) of every process the images record."""
+    with open(images / "pstree.img", "rb") as f:
+        data = f.read(_PSTREE_MAX_BYTES)
+    pids = set()
+    for entry in _entries(data):
+        pid = [v for n, v in _fields(entry) if n == _PSTREE_PID and isinstance(v, int)]
+        if not pid:
+            raise ValueError("a process without a pid")
+        pids.add(pid[-1])
+    if not pids:
+        raise ValueError("no process")
+    return pids
+
+
+def linked_remaps(images: Path) -> int:
+    """How many files the images hold as link remaps (a deleted file's extra hard link that
+    CRIU made at dump time and removes once it restored it)."""
+    try:
+        with open(images / "remap-fpath.img", "rb") as f:
+            data = f.read(_PSTREE_MAX_BYTES)
+    except FileNotFoundError:
+        return 0
+    count = 0
+    for entry in _entries(data):
+        fields = dict((n, v) for n, v in _fields(entry) if isinstance(v, int))
+        kind = fields.get(_REMAP_TYPE)
+        if kind == 0 or (kind is None and not fields.get(_REMAP_ID, 0) & _REMAP_GHOST_BIT):
+            count += 1
+    return count
+
+
+def _namespace_pid(pid: int) -> tuple[int, str] | None:
+    """(pid inside its innermost PID namespace, state letter) of a process, None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return int(fields["NSpid"].split()[-1]), fields["State"].strip()[:1]
+
+
+def _compare(root: int, expected: set[int]) -> str:
+    """"" when the tree under `root` is the one recorded (every process back, stopped)."""
+    found: dict[int, str] = {}
+    for pid in proctree.tree(root):
+        seen = _namespace_pid(pid)
+        if seen is not None:
+            found[seen[0]] = seen[1]
+    missing = sorted(expected - set(found))
+    extra = sorted(set(found) - expected)
+    running = sorted(p for p, state in found.items() if state not in ("T", "t"))
+    if missing:
+        return (f"{len(missing)} of the {len(expected)} processes the checkpoint records did "
+                f"not come back (pids {', '.join(map(str, missing[:5]))} in the job's "
+                "namespace)")
+    if extra:
+        return f"the restore made processes the checkpoint does not record (pids {extra[:5]})"
+    if running:
+        return f"restored processes were not stopped (pids {running[:5]})"
+    return ""
+
+
+def _end_tree(root: int | None) -> None:
+    """SIGKILL and reap everything under this process, until nothing is left."""
+    if root is not None:
+        try:
+            os.kill(root, signal.SIGKILL)  # the job's PID-namespace init: the kernel kills all
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = [p for p in proctree.tree(os.getpid())[1:] if proctree.alive(p, None)]
+        if not left or time.monotonic() > deadline:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
+    from stasis.engine.criu import CRIU, Owner
+    from stasis.engine.restoring import restore_tree
+    from stasis.errors import StasisError
+
+    images = Path(f"/proc/self/fd/{spec['images_fd']}")
+    log_dir = Path(f"/proc/self/fd/{spec['log_fd']}")
+    try:
+        expected = recorded_pids(images)
+        remaps = linked_remaps(images)
+    except (OSError, ValueError) as e:
+        return {"ok": False, "reason": f"its process tree image is unreadable: {e}",
+                "processes": 0, "duration_s": 0.0}
+    if remaps:
+        return {"ok": False, "processes": len(expected), "duration_s": 0.0,
+                "reason": f"not verified: it holds {remaps} link-remapped file(s) (deleted files "
+                          "still linked elsewhere), whose links a restore removes from the "
+                          "node: verifying would spend them"}
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    _enter_namespaces()
+    outputs = []
+    if spec["image_log"]:
+        # The job's output goes to a file of the private /tmp, not to its log on the node.
+        outputs.append((spec["image_log"], f"/tmp/.stasis-verify-{secrets.token_hex(4)}.log"))
+    owner = Owner(spec["uid"], spec["gid"], spec["groups"])
+    root = None
+    try:
+        try:
+            result = restore_tree(
+                CRIU(spec["criu"], log_dir), images, owner, outputs, spec["log_name"],
+                expect=spec["expect"], checkpoint=spec["checkpoint"],
+                criu_version=spec["criu_version"], sandboxed=True)
+        except StasisError as e:
+            return {"ok": False, "reason": str(e), "processes": len(expected),
+                    "duration_s": 0.0}
+        except OSError as e:
+            return {"ok": False, "reason": f"cannot open the job's output for the restore: {e}",
+                    "processes": len(expected), "duration_s": 0.0}
+        root = result.pid
+        problem = _compare(root, expected)
+        return {"ok": not problem, "reason": problem, "processes": len(expected),
+                "duration_s": round(result.duration_s, 4)}
+    finally:
+        _end_tree(root)
+
+
+def main() -> None:
+    os.umask(0o077)
+    spec = json.loads(sys.stdin.buffer.read())
+    try:
+        _lower_priority()
+        answer = _sandboxed(spec)
+    except Exception as e:  # the caller must get a verdict, whatever happened
+        _end_tree(None)
+        answer = {"ok": False, "reason": f"the sandbox failed: {type(e).__name__}: {e}",
+                  "processes": 0, "duration_s": 0.0}
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
