@@ -30,7 +30,7 @@ from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller, account
 from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
-from stasis.engine import credentials, nodefacts, proctree
+from stasis.engine import credentials, nodefacts, privatetmp, proctree
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
@@ -130,7 +130,9 @@ class Dumper:
             created=created, criu_version=self.criu_version(criu), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
             parent=row.checkpoint,
-            extra={"work_s": self.core.work.at(row.id, row.created, created)},
+            extra={"work_s": self.core.work.at(row.id, row.created, created),
+                   # Its restore rebuilds the job's own mounts (engine/privatetmp.py).
+                   **({privatetmp.EXTRA_KEY: True} if row.private_tmp else {})},
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(

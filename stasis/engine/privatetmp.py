@@ -28,6 +28,8 @@ import ctypes
 import os
 from typing import Any
 
+from stasis.errors import UsageError
+
 # Where the job sees its own empty directories.
 MOUNTS = ("/tmp", "/var/tmp")
 # The tmpfs's source name, as mount tables show it (how tests and operators find them).
@@ -92,3 +94,19 @@ def under_private(path: str) -> str | None:
         if norm == mount or norm.startswith(mount + "/"):
             return mount
     return None
+
+
+def require_outside(cwd: str, log: str | None) -> None:
+    """UsageError when the job's working directory or log is where its private /tmp hides the
+    node's: it would start in (or write to) its own empty directory instead."""
+    for what, path in (("working directory", cwd), ("log", log)):
+        mount = under_private(path) if path else None
+        if mount is not None:
+            raise UsageError(
+                f"--private-tmp refused: the job's {what} {path} is under {mount}, which the "
+                f"job sees as its own empty directory; give it a {what} outside {mount} "
+                f"(--cwd, --log), or run it without --private-tmp")
+
+
+# The checkpoint's manifest says so (`extra`, signed with it): its restore rebuilds the mounts.
+EXTRA_KEY = "private_tmp"
