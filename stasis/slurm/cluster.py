@@ -14,10 +14,13 @@ One node runs in this machine's own namespaces on 127.0.0.1. Several nodes are e
 their own: a network namespace with its own address on a private bridge (10.213.X.0/24, the
 bridge is this machine's .254 and slurmctld's address), a UTS namespace with the node's name as
 host name, and a mount namespace in which the node's own slurmd spool directory is at the one
-SlurmdSpoolDir path (node-local, as on real sites). Each node's slurmd and stasis daemon run
-inside them, so the jobs of a node, the CRIU that dumps them and the one that restores them all
-see that node. The rest of the file system is shared, as on a cluster with a shared home and
-store.
+SlurmdSpoolDir path (node-local, as on real sites) and /tmp, /var/tmp, /dev/shm and /run are
+fresh tmpfs of its own (modes 1777, /run 755), so that a job's node-local files stay on its node
+as on real hosts. Each node's slurmd and stasis daemon run inside them, so the jobs of a node,
+the CRIU that dumps them and the one that restores them all see that node. The rest of the file
+system is shared, as on a cluster with a shared home and store: the cluster's directory (bound
+back at its own path where it lies under a private directory, e.g. a test's /tmp/...), the home
+directories, the installed software, this Python and the stasis package.
 
     D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
     D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
@@ -42,6 +45,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,28 +372,84 @@ def _net_up(lay: Layout, net: Net, nodes: list[str]) -> dict[str, int]:
     return holders
 
 
+# What every node has of its own, as on real hosts: (directory, mode of its fresh tmpfs).
+PRIVATE_DIRS = (("/tmp", 0o1777), ("/var/tmp", 0o1777), ("/dev/shm", 0o1777), ("/run", 0o755))
+
 # Run in a node's new UTS and mount namespaces, as a process of its own that holds them for the
 # cluster's life (`nsenter -t` enters them). Not kept as namespace files: on kernel 6.18, inside
 # a mount namespace that is not the machine's first (a container, a test root), binding a mount
 # namespace's file was refused (EINVAL) depending on which namespaces had been made before.
+# argv: node, spool source, spool target, pid file, the private dirs as DIR:MODE (octal), then
+# the shared paths that must stay visible at their own path (the cluster's directory, this
+# Python, the stasis package: what a real site shares), each opened BEFORE the private tmpfs
+# covers it and bound back from that descriptor (a path would resolve into the new tmpfs).
 _NODE_SETUP = """\
-exec </dev/null >/dev/null 2>"$3.err"
-hostname "$0" && mount --bind "$1" "$2" || exit 1
-echo $$ > "$3.tmp" && mv "$3.tmp" "$3"
-exec sleep infinity
+import ctypes, os, sys
+node, spool, target, pid_file = sys.argv[1:5]
+private = [(d.rsplit(":", 1)[0], int(d.rsplit(":", 1)[1], 8)) for d in sys.argv[5].split(",")]
+shared = sys.argv[6:]
+# Nothing of the caller's pipes kept (it waits for their end), errors into the .err file.
+null = os.open("/dev/null", os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+os.dup2(os.open(pid_file + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+libc = ctypes.CDLL(None, use_errno=True)
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
+
+def mount(src, dst, fstype, flags, data):
+    if libc.mount(src.encode(), dst.encode(), fstype.encode() if fstype else None, flags,
+                  data.encode() if data else None) != 0:
+        e = ctypes.get_errno()
+        sys.exit(f"mount {src} on {dst}: {os.strerror(e)}")
+
+def under(path, d):
+    return path == d or path.startswith(d.rstrip("/") + "/")
+
+# A shared path under another shared path comes back with it.
+shared = [p for p in shared if not any(q != p and under(p, q) for q in shared)]
+for d, mode in private:
+    if not os.path.isdir(d):
+        continue
+    for p in shared:
+        if under(d, p):
+            sys.exit(f"{d} cannot be private to the node: it is in the shared {p}")
+    kept = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in shared
+            if under(p, d) and p != d and os.path.isdir(p)]
+    mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=%o" % mode)
+    for p, fd in kept:
+        os.makedirs(p, mode=0o755, exist_ok=True)
+        mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC, None)
+        os.close(fd)
+with open("/proc/sys/kernel/hostname", "w") as f:
+    f.write(node)
+mount(spool, target, None, MS_BIND, None)
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(pid_file + ".tmp", pid_file)
+os.dup2(null, 2)
+os.execvp("sleep", ["sleep", "infinity"])
 """
 
 
+def _shared_paths(lay: Layout) -> list[str]:
+    """What stays visible at its own path inside every node even where it lies under a private
+    directory (a cluster made in /tmp, a test root's venv in /tmp): the cluster's directory,
+    this Python and the stasis package."""
+    package = Path(__file__).resolve().parents[1]
+    return sorted({str(lay.root), sys.prefix, str(package.parent)})
+
+
 def _make_node_namespaces(lay: Layout, node: str) -> int:
-    """Start the holder of `node`'s UTS and mount namespaces (its host name, its spool);
-    its pid."""
+    """Start the holder of `node`'s UTS and mount namespaces (its host name, its spool, its
+    own /tmp, /var/tmp, /dev/shm and /run); its pid."""
     d = lay.root / "ns"
     d.mkdir(exist_ok=True)
     pid_file = d / f"{node}.holder"
     pid_file.unlink(missing_ok=True)
+    private = ",".join(f"{path}:{mode:o}" for path, mode in PRIVATE_DIRS)
     _run(["setsid", "--fork", "unshare", "--uts", "--mount", "--propagation", "private",
-          "sh", "-c", _NODE_SETUP, node, str(lay.node_dir(node) / "spool"),
-          str(lay.slurm / "spool"), str(pid_file)])
+          sys.executable, "-I", "-c", _NODE_SETUP, node, str(lay.node_dir(node) / "spool"),
+          str(lay.slurm / "spool"), str(pid_file), private, *_shared_paths(lay)])
     found = poll(lambda: pid_file.exists() and pid_file.read_text().strip(), 20, 0.02)
     if not found:
         err = Path(f"{pid_file}.err")
