@@ -42,6 +42,7 @@ def run(args: argparse.Namespace, settings: Settings) -> None:
         answer = client.run(
             command=command, label=args.label, cwd=os.path.abspath(args.cwd or os.getcwd()),
             log=os.path.abspath(args.log) if args.log else None, env=env_map, user=args.user,
+            private_tmp=args.private_tmp,
         )
     if args.json:
         output.emit_json(answer)
@@ -131,13 +132,15 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
         jobs = client.jobs()
     rows: list[dict[str, object]] = [
         {"job": j["job"], "pid": j["pid"], "state": j["state"], "label": j["label"],
-         "exit_code": j["exit_code"], "command": j["command"]} for j in jobs]
+         "exit_code": j["exit_code"], "command": j["command"],
+         "private_tmp": j.get("private_tmp", False)} for j in jobs]
     if args.json:
         output.emit_json(rows)
         return
     for r, j in zip(rows, jobs):
         r["command"] = " ".join(j["command"])
-    output.table(rows, ["job", "pid", "state", "label", "exit_code", "command"])
+        r["tmp"] = "private" if r.pop("private_tmp") else "node"
+    output.table(rows, ["job", "pid", "state", "label", "exit_code", "tmp", "command"])
 
 
 def checkpoints(args: argparse.Namespace, settings: Settings) -> None:
@@ -310,6 +313,10 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="Environment variable; repeat.")
     p.add_argument("--user", help="Run as this user (root only, unless it is yourself).")
+    p.add_argument("--private-tmp", action=argparse.BooleanOptionalAction, default=None,
+                   help="The job sees its own empty /tmp and /var/tmp (in memory, at most "
+                        "node_local_limit each), saved in its checkpoints and gone when it "
+                        "ends (default: the private_tmp setting).")
     add_json(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...")
     p.set_defaults(handler=run)

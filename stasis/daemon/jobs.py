@@ -257,12 +257,10 @@ class JobManager:
         label = validate_label(req.label) if req.label else job_id
         env = job_environment(acct, req.env)
         private_tmp = self.settings.private_tmp if req.private_tmp is None else req.private_tmp
+        log = req.log or str(self.settings.layout.logs / f"{job_id}.log")
         if private_tmp:
-            privatetmp.require_outside(req.cwd, req.log)
-        if req.log:
-            log = req.log
-        else:
-            log = str(self.settings.layout.logs / f"{job_id}.log")
+            privatetmp.require_outside(req.cwd, log)
+        if not req.log:
             create_log(log, acct)
         spec = {
             "mode": "run",
