@@ -111,6 +111,10 @@ class RestoreOptions:
     # Called with the reason before a tree is killed because its page server went away.
     on_lost: Callable[[str], None] | None = None
     tcp_established: bool = True
+    # Every connected TCP socket comes back closed (CRIU's tcp_close), or only those whose
+    # inodes `close_tcp` lists (CRIU patch 0005): connections that cannot move (netidentity).
+    tcp_close: bool = False
+    close_tcp: Sequence[int] = ()
     file_locks: bool = True
     ext_unix_sk: bool = True
     notify: rpc.NotifyHandler | None = None
@@ -283,6 +287,8 @@ class CRIU:
             opts.file_locks = options.file_locks
             opts.ext_unix_sk = options.ext_unix_sk
             opts.notify_scripts = options.notify is not None
+            if options.tcp_close:
+                opts.tcp_close = True
             if options.sandboxed:
                 opts.leave_stopped = True
                 opts.tcp_close = True
@@ -295,7 +301,9 @@ class CRIU:
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify).call(
                 req, pass_fds=[fd for _, fd in options.inherit_fds],
-                env=options.owner.environ() if options.owner else None,
+                env={**(options.owner.environ() if options.owner else {}),
+                     **({"CRIU_TCP_CLOSE": ",".join(map(str, options.close_tcp))}
+                        if options.close_tcp else {})} or None,
             )
             duration = time.monotonic() - start
         finally:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stasis import wire
-from stasis.engine import credentials, nodefacts, rpc
+from stasis.engine import credentials, netidentity, nodefacts, rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
 from stasis.errors import CRIUError, OwnerDeniedError
 
@@ -88,6 +88,10 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
         found = nodefacts.require(checkpoint or str(images), expect, criu, owner,
                                   skip=[old for old, _ in outputs],
                                   known_criu_version=criu_version)
+    # Its TCP connections on this node: kept, restored closed (a move), or refused (a socket
+    # bound to the old node's address). A sandbox has a network of its own: not its concern.
+    network = netidentity.Plan() if sandboxed else \
+        netidentity.plan(images, checkpoint or str(images))
     fds: list[int] = []
     try:
         inherit = []
@@ -99,10 +103,12 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                                  page_server=page_server, stream=stream,
                                  on_lost=on_lost,
                                  owner=owner if owner.uid != 0 else None,
-                                 sandboxed=sandboxed, own_mounts=own_mounts)
+                                 sandboxed=sandboxed, own_mounts=own_mounts,
+                                 tcp_close=network.all_closed,
+                                 close_tcp=[] if network.all_closed else network.close_inodes)
         try:
             result = criu.restore(images, options, log_name)
-            result.notes.extend(nodefacts.notes(found))
+            result.notes.extend([*nodefacts.notes(found), *network.notes])
             return result
         except CRIUError as e:
             # CRIU's words, read here at the edge: with the owner's rights, EACCES means a path
