@@ -155,7 +155,9 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/jobs", None, _said_rows(
         "cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s")))
     p = sub.add_parser("checkpoints", help="The checkpoints the nodes reported, newest "
-                                           "first: size, CRIU's time, frozen time, store.")
+                                           "first: size, CRIU's time, frozen time, and the "
+                                           "verdict of `stasis verify` (ok, failed: REASON, "
+                                           "not verified).")
     p.add_argument("--limit", type=int, default=500)
     p.add_argument("--deleted", action="store_true", help="Deleted ones too.")
     add_json(p)
@@ -163,7 +165,7 @@ def add_controlplane(commands: Any) -> None:
         a, s, "GET", f"/api/v1/checkpoints?limit={a.limit}" + ("&deleted=1" if a.deleted
                                                                 else ""),
         None, _said_rows("cluster", "node", "id", "job", "label", "user", "size_bytes",
-                         "duration_s", "frozen_s", "reason", "age_s")))
+                         "duration_s", "frozen_s", "reason", "age_s", "verified")))
     p = sub.add_parser("savings", help="Node-hours of work kept by restores instead of "
                                        "reruns, per cluster and per user.")
     add_json(p)
@@ -208,8 +210,9 @@ def add_controlplane(commands: Any) -> None:
     add_json(p)
     p.set_defaults(handler=drain)
     pol = subcommands(sub.add_parser("policies", help="Policies: every N seconds, a "
-                                                      "checkpoint of matching jobs or retention "
-                                                      "of their checkpoints."))
+                                                      "checkpoint of matching jobs, retention "
+                                                      "of their checkpoints, or a verify of "
+                                                      "the newest."))
     p = pol.add_parser("add", help="A new policy (a webhook one prints its hook token, once).")
     p.add_argument("name")
     _policy_options(p, editing=False)
@@ -271,7 +274,10 @@ def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
     p.add_argument("--above", type=float, default=None, metavar="PCT",
                    help="memory: the share of its node's memory that triggers.")
     p.add_argument("--action", required=not editing, default=None,
-                   choices=["checkpoint", "retain", "migrate"])
+                   choices=["checkpoint", "retain", "migrate", "verify"],
+                   help="verify: each matching label's newest checkpoint not verified yet is "
+                        "verified (`stasis verify`) by the node that took it, at low "
+                        "priority; filters: --cluster, --node, --label, --user.")
     flag: Any = argparse.BooleanOptionalAction if editing else "store_true"
     p.add_argument("--stop", action=flag, default=None if editing else False,
                    help="checkpoint: and stop the job (a Slurm job: requeue it).")

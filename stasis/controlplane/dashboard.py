@@ -8,7 +8,9 @@ that refreshes each page's live part every few seconds, no build step.
     GET  /ui/jobs                       jobs (protected, state, last checkpoint and its age);
     POST /ui/jobs/{job}/checkpoint      "Checkpoint now"
     POST /ui/jobs/{job}/migrate         "Migrate" to the node chosen
-    GET  /ui/checkpoints                size, CRIU's time, frozen time, where stored
+    GET  /ui/checkpoints                size, CRIU's time, frozen time, where stored, and
+                                        Verified: the verdict of `stasis verify` (ok, failed:
+                                        REASON, not verified; stasis.controlplane.verdicts)
     GET  /ui/policies, POST /ui/policies, POST /ui/policies/{name}/run|delete
     GET  /ui/policies/{name}/edit, POST /ui/policies/{name}/edit   a policy edited in place
                                         (the form holds all its fields: what it sends is it)

@@ -25,6 +25,12 @@ checkpoint's signed manifest must also name the migration's job, label and owner
 no such key (a stolen cluster token, a node joined with it) cannot make one. A seal is carried
 out once: the migrations this node restored are kept in its database (`controlplane_restored`),
 and a seal given again under another command id is refused, naming the job it became.
+
+A verify command (a `verify` policy's: stasis.controlplane.policies) names one checkpoint: the
+node answers with the verdict the store holds for it already (signed, a background
+verification's), else runs `stasis verify` on it in a thread of its own at the lowest CPU
+priority, between its other commands (one at a time, like them). The verdict goes back in the
+command's result and in the next heartbeat (`verdicts`), as its checkpoints do (`activity`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
-from typing import Any
+from typing import Any, TypeVar
 
 from dataclasses import asdict
 
@@ -81,6 +87,8 @@ _ALIVE = ("running", "restored")
 CREDENTIAL_FILE = "controlplane-node.json"
 SEAL_PURPOSE = "controlplane-migration"  # what a migration's seal MACs (never a manifest)
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
+_CHECKPOINT = r"[A-Za-z0-9._-]{1,64}"  # a checkpoint id, as the store has them
+_NICEST = 19  # the priority a verify runs at: any job's work goes first
 
 # What the node did (stasis.daemon.activity) until a heartbeat has carried it to the control
 # plane: kept here so that a control plane that is down for a while still hears of it all.
@@ -128,6 +136,7 @@ intent_table = Table(
     Column("job", String(100), nullable=False),  # the job (checkpoint) or migration (restore)
     Column("at", Float, nullable=False),  # time.time() before acting, this node's own clock
 )
+_T = TypeVar("_T")
 _WATERMARK = "(forgotten before)"
 _INTENT_KEPT_S = 7 * 86400
 _ALTERNATES = 3  # nodes beside the target a migration's checkpoint half seals for
@@ -262,6 +271,16 @@ class ControlPlaneNode(Integration):
                                 .limit(_PER_BEAT)).all()
         return [r.id for r in rows], [json.loads(r.body) for r in rows]
 
+    @staticmethod
+    def _report_of(outbox: list[dict[str, Any]]) -> dict[str, Any]:
+        """What a heartbeat carries of the outbox: checkpoints and restores as `activity`,
+        the verdicts of `stasis verify` as `verdicts` (only when there are some: a control
+        plane from before them refuses the key)."""
+        verdicts = [{k: v for k, v in a.items() if k != "kind"} for a in outbox
+                    if a.get("kind") == "verify"]
+        return {"activity": [a for a in outbox if a.get("kind") != "verify"],
+                **({"verdicts": verdicts} if verdicts else {})}
+
     def _sent(self, ids: list[int]) -> None:
         if ids:
             with self.manager.db.transaction() as conn:
@@ -345,9 +364,10 @@ class ControlPlaneNode(Integration):
                              self.manager.settings.node)
                 self._registered = True
             else:
-                ids, activity = self._outbox()
+                ids, outbox = self._outbox()
                 self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}"
-                                    "/heartbeat", {"jobs": self._jobs(), "activity": activity,
+                                    "/heartbeat", {"jobs": self._jobs(),
+                                                   **self._report_of(outbox),
                                                    "mem_total_bytes": _mem_total(),
                                                    "scheduler_state": self._scheduler_state()})
                 self._sent(ids)
@@ -529,14 +549,46 @@ class ControlPlaneNode(Integration):
                 ok, result = True, {"deleted": self._retain(cmd["args"])}
             except StasisError as e:
                 result = {"error": str(e)}
+        elif cmd["kind"] == "verify":
+            try:
+                verdict = self._verify(args)
+                ok = bool(verdict.get("ok"))
+                result = {"verdict": verdict} if ok else {
+                    "verdict": verdict, "error": f"checkpoint {verdict.get('checkpoint')} "
+                    f"does not restore: {verdict.get('reason') or 'no reason given'}"}
+            except StasisError as e:
+                result = {"error": str(e)}
         log.info("control plane command %s (%s): %s", cmd["id"], cmd["kind"],
                  "done" if ok else result["error"])
         with self.manager.db.transaction() as conn:
             conn.execute(insert(done_table).values(command_id=cmd["id"], ok=ok,
                                                    result=json.dumps(result),
                                                    at=int(time.time())))
+            if "verdict" in result:
+                # Reported in the heartbeats too, like the checkpoint it speaks of.
+                conn.execute(insert(outbox_table).values(body=json.dumps(
+                    {"kind": "verify", **result["verdict"]})))
             conn.execute(delete(intent_table).where(intent_table.c.command_id == cmd["id"]))
         return ok, result
+
+    def _verify(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The verdict on the checkpoint a verify command names: the one recorded (signed) in
+        the store already, if any (a background verification reached it), else the verdict
+        of `stasis verify` run now, in a thread of its own at the lowest CPU priority."""
+        ckpt = str(args.get("checkpoint") or "")
+        if not re.fullmatch(_CHECKPOINT, ckpt):
+            raise UsageError(f"verify refused: {ckpt[:64]!r} is not a checkpoint id")
+        store = self.manager.store
+        known = store.verdict(store.get(ckpt))  # the manifest's signature checked
+        if known is not None:
+            log.info("control plane: checkpoint %s was verified before (%s): answered with "
+                     "that verdict", ckpt, "ok" if known.get("ok") else "failed")
+            return dict(known)
+        verify = getattr(self.manager, "verify", None)
+        if verify is None:
+            raise UsageError(f"this node's daemon (stasis {version('stasis')}) cannot verify "
+                             "checkpoints: upgrade it")
+        return dict(_low_priority(lambda: verify(ckpt, _ROOT)))
 
     def _intend(self, cmd: dict[str, Any]) -> float | None:
         """The intent to carry out `cmd`, written before acting; None when it is new, or when
@@ -742,6 +794,31 @@ def _sealed(migration: str, checkpoint: str, job: str, to: str) -> dict[str, str
     """What a migration's seal binds: its checkpoint command, the checkpoint it took, the job
     and the node that is to restore it."""
     return {"migration": migration, "checkpoint": checkpoint, "job": job, "to": to}
+
+
+def _low_priority(work: Callable[[], _T]) -> _T:
+    """`work` carried out in a thread of its own at the lowest CPU priority, and waited for.
+    Linux nices threads one by one, and what a thread starts (CRIU) inherits its nice value;
+    the thread ends with the work, so the command worker is never left niced."""
+    done: list[_T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICEST)
+        except OSError as e:  # not worth failing a verify over
+            log.info("control plane: cannot lower the priority of a verify: %s", e.strerror)
+        try:
+            done.append(work())
+        except BaseException as e:  # raised again in the worker
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="controlplane verify", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _newest_first(jobs: list[Any]) -> list[Any]:

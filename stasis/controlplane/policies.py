@@ -15,7 +15,14 @@
              retain: on every matching node, each matching label keeps its newest `keep`
              checkpoints, and none older than `older_than_s` but its newest one, and with
              `completed` none of a label whose last job on that node completed (exit 0) and
-             that runs nowhere in the cluster (the node deletes them)
+             that runs nowhere in the cluster (the node deletes them);
+             verify: for each matching (cluster, user, label), its newest checkpoint not
+             verified yet and newer than its newest verified one, verified (`stasis verify`:
+             restored in a sandbox, then removed) by the node that took it, if that node is
+             ready; at low priority: a node leases a verify only when no other command waits,
+             and carries out one at a time (stasis.controlplane.node). The verdict is kept
+             with the checkpoint (stasis.controlplane.verdicts). Its filters are cluster, node
+             (the checkpoint's), label and user; a verify policy runs every N s or when called
 
 A policy's run queues ordinary node commands (stasis.controlplane.registry), marked with its
 name; a job that still has a command of the policy under way gets no second one.
@@ -48,15 +55,16 @@ from stasis.controlplane.registry import (
     Registry,
     validate_name,
 )
-from stasis.controlplane.schema import commands, nodes, policies
+from stasis.controlplane.schema import checkpoints, clusters, commands, nodes, policies
 from stasis.errors import NotFoundError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
-ACTIONS = ("checkpoint", "retain", "migrate")
+ACTIONS = ("checkpoint", "retain", "migrate", "verify")
 TRIGGERS = ("every", "memory", "drain")
 GLOB_FILTERS = ("cluster", "node", "label", "user", "partition")
 NUMBER_FILTERS = ("min_age_s", "min_rss_bytes")
 FILTERS = GLOB_FILTERS + NUMBER_FILTERS
+_VERIFY_FILTERS = ("cluster", "node", "label", "user")  # a checkpoint's
 _SYSTEM = Principal(kind="admin", token_id="policy")
 # The shortest period a policy may have unless the control plane is served with another floor
 # (`serve --min-interval`): a dump freezes its job, and one a few seconds apart leaves it little
@@ -174,8 +182,16 @@ def _check(p: dict[str, Any], min_interval_s: int) -> None:
             not p["completed"]:
         raise UsageError("retain needs keep >= 1 (the newest checkpoints each label keeps), "
                          "older_than_s or completed")
-    if trigger != "every" and action == "retain":
+    if trigger != "every" and action in ("retain", "verify"):
         raise UsageError(f"a {trigger} trigger takes the checkpoint or migrate action")
+    if action == "verify":
+        if p["stop"]:
+            raise UsageError("verify stops no job (it restores a checkpoint in a sandbox): "
+                             "leave out stop")
+        jobs_only = sorted(set(filters) - set(_VERIFY_FILTERS))
+        if jobs_only:
+            raise UsageError(f"filter {jobs_only[0]!r} picks jobs; verify picks checkpoints "
+                             f"by {', '.join(_VERIFY_FILTERS)}")
     if trigger == "memory" and (threshold_pct is None or not 0 < threshold_pct <= 100):
         raise UsageError("a memory trigger needs threshold_pct, above 0 and at most 100")
     unknown = sorted(set(filters) - set(FILTERS))
@@ -285,6 +301,8 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
     if p["action"] in ("checkpoint", "migrate"):
         queued = _checkpoint_jobs(registry, p["name"], filters, bool(p.get("stop")),
                                   migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
+    elif p["action"] == "verify":
+        queued = _verify(registry, p["name"], filters, lost_after_s)
     else:
         queued = _retain(registry, p["name"], filters, p["keep"], p.get("older_than_s"),
                          lost_after_s, bool(p.get("completed")))
@@ -406,5 +424,47 @@ def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int 
                                                  for j in jobs
                                                  if j["cluster_id"] == node["cluster_id"] and
                                                  j["node"] != node["name"]})})
+        n += 1
+    return n
+
+
+def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after_s: float
+            ) -> int:
+    """A verify command for each matching (cluster, user, label) whose newest checkpoint
+    not verified yet is newer than its newest verified one: sent to the node that took it,
+    if that node is ready; none for a label with a verify under way (of any policy). After a
+    failed verdict the next run takes the next older one, down to the newest that restores."""
+    ready = {(x["cluster_id"], x["name"]) for x in registry.list_nodes(_SYSTEM, lost_after_s)
+             if x["state"] == "ready"}
+    with registry.engine.begin() as conn:
+        names = {r.id: r.name for r in conn.execute(select(clusters.c.id, clusters.c.name))}
+        under_way = conn.execute(select(commands.c.cluster_id, commands.c.args).where(
+            commands.c.kind == "verify", commands.c.state.in_(("queued", "leased")))).all()
+        rows = conn.execute(select(
+            checkpoints.c.id, checkpoints.c.cluster_id, checkpoints.c.node, checkpoints.c.label,
+            checkpoints.c.user, checkpoints.c.verified_ok).where(
+            checkpoints.c.deleted.is_(None)).order_by(checkpoints.c.created.desc(),
+                                                      checkpoints.c.id)).all()
+    busy = {(cluster_id, str(a.get("user")), str(a.get("label")))
+            for cluster_id, a in ((c, json.loads(args)) for c, args in under_way)}
+    settled: set[tuple[str, str, str]] = set()  # labels with a verified or a picked one
+    n = 0
+    for r in rows:  # newest first
+        key = (r.cluster_id, r.user, r.label)
+        if key in settled:
+            continue
+        if r.verified_ok:
+            settled.add(key)  # it restores: nothing older is worth verifying
+            continue
+        if r.verified_ok is not None:
+            continue  # failed: an older one may restore
+        if not _matches(filters, {"cluster": names.get(r.cluster_id), "node": r.node,
+                                  "label": r.label, "user": r.user}):
+            continue
+        settled.add(key)
+        if (r.cluster_id, r.node) not in ready or key in busy:
+            continue
+        registry.queue_for_node(r.cluster_id, r.node, "verify", {
+            "checkpoint": r.id, "label": r.label, "user": r.user, "policy": policy})
         n += 1
     return n

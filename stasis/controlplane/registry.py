@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import Engine, and_, create_engine, func, insert, select, update
+from sqlalchemy import Engine, and_, case, create_engine, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from stasis.controlplane.schema import (
@@ -28,6 +28,8 @@ from stasis.controlplane.schema import (
     restores,
     tokens,
 )
+from stasis.controlplane import verdicts
+from stasis.controlplane.verdicts import CHECKPOINT_ID as CHECKPOINT_ID
 from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
 TOKEN_PREFIX = "stasis_"
@@ -40,7 +42,6 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 JOB_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
 USER = r"^[A-Za-z0-9._][A-Za-z0-9._:@-]{0,99}$"
 LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-CHECKPOINT_ID = r"^[A-Za-z0-9._-]{1,64}$"
 Kind = Literal["slurm", "kubernetes"]
 # A migration's restore half that fails is tried again on its node after a backoff (doubled at
 # each try, at most RETRY_BACKOFF_MAX_S), then on the other ready nodes its source sealed it
@@ -473,7 +474,8 @@ class Registry:
 
     def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]],
                   activity: list[dict[str, Any]] | None = None,
-                  mem_total_bytes: int | None = None, scheduler_state: str | None = None
+                  mem_total_bytes: int | None = None, scheduler_state: str | None = None,
+                  verdicts_heard: list[verdicts.VerdictReport] | None = None
                   ) -> dict[str, Any]:
         validate_name(name, "node name")
         by.node_only(name, "a heartbeat")
@@ -492,7 +494,27 @@ class Registry:
             self._back(conn, by.cluster_id, name)
             for a in activity or ():
                 self._record(conn, by.cluster_id, name, a)
+            for v in verdicts_heard or ():
+                self._verdict(conn, by.cluster_id, name, v)
         return {"name": name, "ok": True}
+
+    def _verdict(self, conn: Any, cluster_id: str, node: str, v: verdicts.VerdictReport
+                 ) -> bool:
+        """A verdict of `stasis verify` node `node` reports, kept with its checkpoint if that
+        is of the node's own cluster (stasis.controlplane.verdicts); whether it was."""
+        if verdicts.record(conn, cluster_id, node, v):
+            self._event(conn, cluster_id, node, "verify" if v.ok else "verify-failed",
+                        verdicts.event(v.checkpoint, node, v))
+            return True
+        theirs = conn.execute(select(checkpoints.c.cluster_id).where(
+            checkpoints.c.id == v.checkpoint)).scalar()
+        if theirs is not None and theirs != cluster_id:
+            # Said to the admin only (no cluster's view): the node is told nothing, so it
+            # learns nothing of another cluster's checkpoints.
+            self._event(conn, None, node, "verify-refused",
+                        f"node {node} of cluster {cluster_id} reported a verdict on checkpoint "
+                        f"{v.checkpoint}, which is cluster {theirs}'s: ignored")
+        return False
 
     def _back(self, conn: Any, cluster_id: str, name: str) -> None:
         """A node that was found lost and is heard of again: said once."""
@@ -627,7 +649,8 @@ class Registry:
             rows = conn.execute(q.order_by(checkpoints.c.created.desc(), checkpoints.c.id)
                                 .limit(limit)).mappings().all()
         now = time.time()
-        return [{**dict(r), "age_s": round(now - r["created"], 1)} for r in rows]
+        return [{**verdicts.shown(dict(r)), "age_s": round(now - r["created"], 1)}
+                for r in rows]
 
     def checkpoint_totals(self) -> list[dict[str, Any]]:
         """Per cluster: checkpoints reported (deleted ones too), their bytes and seconds."""
@@ -824,9 +847,12 @@ class Registry:
                     ).scalar() is False:
                 return None  # pending: nothing for it until an admin approves it
             for _ in range(5):  # another leaser may win a row between select and update
+                # A verify (low priority) only when nothing else waits: a checkpoint or a
+                # migration asked meanwhile goes first.
                 row = conn.execute(select(commands.c.id).where(
                     commands.c.cluster_id == by.cluster_id, commands.c.node == node, free)
-                    .order_by(commands.c.created, commands.c.id).limit(1)).first()
+                    .order_by(case((commands.c.kind == "verify", 1), else_=0),
+                              commands.c.created, commands.c.id).limit(1)).first()
                 if row is None:
                     return None
                 lease_id = "lease_" + secrets.token_hex(12)
@@ -907,6 +933,8 @@ class Registry:
                 result = {**result, **self._after_failed_restore(
                     conn, dict(row), str(result.get("error") or "failed"),
                     bool(result.get("permanent")), lost_after_s)}
+            if row["kind"] == "verify" and "verdict" in result:
+                self._verify_answered(conn, dict(row), args, result)
             if ok and row["kind"] == "retain" and result.get("deleted"):
                 conn.execute(update(checkpoints).where(
                     checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
@@ -949,6 +977,26 @@ class Registry:
             got = conn.execute(select(commands).where(commands.c.id == command_id)
                                ).mappings().first()
         return self._command(dict(got or row))
+
+    def _verify_answered(self, conn: Any, row: dict[str, Any], args: dict[str, Any],
+                         result: dict[str, Any]) -> None:
+        """The verdict a verify command's node answered with, kept with the checkpoint the
+        command named: a verdict on any other checkpoint is refused (the node answers the
+        command it was given)."""
+        from pydantic import ValidationError
+
+        try:
+            v = verdicts.VerdictReport.model_validate(result["verdict"])
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "verdict"
+            raise UsageError(f"bad verdict in the answer to command {row['id']}: {where}: "
+                             f"{first['msg']}") from None
+        if v.checkpoint != args.get("checkpoint"):
+            raise UsageError(f"command {row['id']} asked to verify checkpoint "
+                             f"{args.get('checkpoint')}, not {v.checkpoint}: answer with its "
+                             "verdict")
+        self._verdict(conn, row["cluster_id"], row["node"], v)
 
     @staticmethod
     def _queue_restore(conn: Any, cluster_id: str, node: str, args: dict[str, Any],
@@ -1073,15 +1121,27 @@ class Registry:
         args = json.loads(row["args"])
         if not args.get("label"):
             return ""
-        newest = conn.execute(select(checkpoints.c.id, checkpoints.c.node).where(
+        newest = conn.execute(select(checkpoints.c.id, checkpoints.c.node,
+                                     checkpoints.c.verified_ok).where(
             checkpoints.c.cluster_id == row["cluster_id"],
             checkpoints.c.label == args["label"], checkpoints.c.user == args.get("user"),
             checkpoints.c.deleted.is_(None)).order_by(checkpoints.c.created.desc()).limit(1)
         ).first()
         if newest is None:
             return f"; no checkpoint of label {args['label']} is known here"
-        return (f"; the newest checkpoint of label {args['label']} known here is {newest.id} "
-                f"(node {newest.node}): `stasis restore {newest.id}` on a node restores it")
+        said = (f"; the newest checkpoint of label {args['label']} known here is {newest.id} "
+                f"(node {newest.node}")
+        if newest.verified_ok:
+            return said + ", verified): `stasis restore {newest.id}` on a node restores it"
+        # An older one known to restore (`stasis verify`) is worth naming beside it.
+        good = conn.execute(select(checkpoints.c.id, checkpoints.c.node).where(
+            checkpoints.c.cluster_id == row["cluster_id"],
+            checkpoints.c.label == args["label"], checkpoints.c.user == args.get("user"),
+            checkpoints.c.deleted.is_(None), checkpoints.c.verified_ok.is_(True))
+            .order_by(checkpoints.c.created.desc()).limit(1)).first()
+        state = "not verified" if newest.verified_ok is None else "failed verification"
+        return (said + f", {state}): `stasis restore {newest.id}` on a node restores it" + (
+            f"; the newest verified one is {good.id} (node {good.node})" if good else ""))
 
     def command(self, by: Principal, command_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:

@@ -161,6 +161,14 @@ checkpoints = Table(
     Column("store", String(500), nullable=False),
     Column("created", Float, nullable=False),  # unix seconds
     Column("deleted", Float, nullable=True),
+    # The newest verdict of `stasis verify` a node of its cluster reported on it
+    # (stasis.controlplane.verdicts): all None while it was never verified.
+    Column("verified_ok", Boolean, nullable=True),
+    Column("verify_reason", Text, nullable=True),  # "" when ok; else what failed
+    Column("verified_by", String(200), nullable=True),  # the node that verified it
+    Column("verified_at", Float, nullable=True),  # unix seconds
+    Column("verify_duration_s", Float, nullable=True),
+    Column("verify_processes", Integer, nullable=True),
 )
 
 # Restores the nodes report: each keeps `work_s` seconds of work a rerun would have redone

@@ -12,7 +12,8 @@
                                            The node's credential: its own report again
     POST /api/v1/nodes/{name}/reset        admin: {cluster}: the node's credential forgotten,
                                            so that the node joins again
-    POST /api/v1/nodes/{name}/heartbeat    the node's credential: {jobs: [its jobs]}
+    POST /api/v1/nodes/{name}/heartbeat    the node's credential: {jobs: [its jobs],
+                                           activity, verdicts: [stasis verify's verdicts]}
     GET  /api/v1/nodes                     admin: every node; a cluster token: its own
     GET  /api/v1/jobs                      the jobs the nodes last reported (same scoping)
     POST /api/v1/commands                  admin: {kind: checkpoint, job, leave_running,
@@ -40,7 +41,10 @@
     GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
     GET  /api/v1/events[?limit=N]          what happened, oldest first (same scoping as nodes)
     GET  /api/v1/checkpoints[?limit=N&deleted=1]   the checkpoints the nodes reported, newest
-                                           first: size, CRIU's time, frozen time, store
+                                           first: size, CRIU's time, frozen time, store, and
+                                           the verdict of `stasis verify` (`verdict`: null or
+                                           {ok, reason, node, at, duration_s, processes};
+                                           `verified`: ok | failed: REASON | not verified)
     GET  /api/v1/savings                   node-hours of work kept by restores: in all, per
                                            cluster, user and day
     POST /api/v1/policies/{name}/run       admin, or that policy's own hook token
@@ -72,6 +76,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stasis.controlplane import policies
+from stasis.controlplane.verdicts import VerdictReport
 from stasis.controlplane.registry import (
     CHECKPOINT_ID,
     HOOK_PREFIX,
@@ -170,6 +175,8 @@ class Heartbeat(_Model):
     activity: list[ActivityReport] = Field(default_factory=list, max_length=1000)
     mem_total_bytes: int | None = Field(default=None, ge=0)
     scheduler_state: str | None = Field(default=None, max_length=60, pattern=_STATE)
+    # Verdicts of `stasis verify` the node reached (kept for its own cluster's checkpoints).
+    verdicts: list[VerdictReport] = Field(default_factory=list, max_length=1000)
 
 
 class NewCommand(_Model):
@@ -204,7 +211,7 @@ class Renewal(_Model):
 class NewPolicy(_Model):
     name: str = Field(max_length=100)
     every_s: int = Field(ge=0, le=366 * 86400)  # 0: only when its webhook is called
-    action: Literal["checkpoint", "retain", "migrate"]
+    action: Literal["checkpoint", "retain", "migrate", "verify"]
     filters: dict[str, str] = Field(default_factory=dict, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
     older_than_s: int | None = Field(default=None, ge=1)
@@ -219,7 +226,7 @@ class PolicyEdit(_Model):
     `filters` are merged in, an empty or null value removes one."""
 
     every_s: int | None = Field(default=None, ge=0, le=366 * 86400)
-    action: Literal["checkpoint", "retain", "migrate"] | None = None
+    action: Literal["checkpoint", "retain", "migrate", "verify"] | None = None
     filters: dict[str, str | None] | None = Field(default=None,
                                                   max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
@@ -359,7 +366,8 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
                                             request.match_info["name"],
                                             [j.model_dump() for j in body.jobs],
                                             [a.model_dump() for a in body.activity],
-                                            body.mem_total_bytes, body.scheduler_state))
+                                            body.mem_total_bytes, body.scheduler_state,
+                                            body.verdicts))
 
     async def list_nodes(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_nodes, _principal(request),

@@ -40,6 +40,16 @@ class FakeNode:
                             for j in jobs],
                    "scheduler_state": scheduler_state})
 
+    def beat(self, **body: Any) -> None:
+        """A heartbeat with what the test gives (activity, verdicts, jobs...)."""
+        self.call("POST", f"/api/v1/nodes/{self.name}/heartbeat", body)
+
+    def took(self, checkpoint: str, label: str, at: float, user: str = "alice") -> None:
+        """Reports a checkpoint it took (as its daemon's activity would)."""
+        self.beat(activity=[{"kind": "checkpoint", "checkpoint": checkpoint, "label": label,
+                             "job": f"job-{label}", "user": user, "size_bytes": 4096,
+                             "work_s": 1.0, "duration_s": 0.1, "at": at}])
+
     def lease(self) -> dict[str, Any] | None:
         got: dict[str, Any] | None = self.call(
             "POST", f"/api/v1/nodes/{self.name}/commands/lease", {})
