@@ -11,12 +11,17 @@
 #                (tests/e2e/debian_root.sh)
 #   strace       what an install puts on command lines (every exec's argv), in the installer's
 #                security tests
+#   default-jdk-headless
+#                OpenJDK: a JVM keeps /tmp/hsperfdata_<user>/<pid> mapped while it runs and
+#                removes it when it ends, the node-local file a checkpoint must carry (issue
+#                29); the JDK, not only the JRE, because the tests compile their small program
+#                (javac; `java File.java` needs the compiler too)
 #   faketime     libfaketime: a second test daemon runs with its clock days ahead (LD_PRELOAD),
 #                to show a label's order does not follow the dumping nodes' clocks
 # The tests start private servers as an ordinary user on loopback; nothing here is configured,
 # and on a machine without systemd the package's own cluster is not started.
 set -euo pipefail
 
-PACKAGES=(postgresql chromium chromium-driver debootstrap faketime strace)
+PACKAGES=(postgresql chromium chromium-driver debootstrap default-jdk-headless faketime strace)
 
 bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"
