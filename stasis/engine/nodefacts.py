@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Literal
 
 from stasis import __version__, wire
-from stasis.engine import proctree
+from stasis.engine import privatetmp, proctree
 from stasis.engine.criu import CRIU, Owner
 from stasis.errors import IncompatibleNodeError
 
@@ -173,8 +173,8 @@ def open_files(pid: int) -> list[wire.OpenFile]:
 
     Left out: what the tree's root has as stdout and stderr (the job's log, a Slurm job's
     output: a restore re-points those at files of its own), deleted files (CRIU keeps their
-    contents in the images), files under /proc and /sys, and anything that is not a regular
-    file."""
+    contents in the images), files under /proc and /sys, files on the tree's own mounts (a
+    private /tmp: in the images too), and anything that is not a regular file."""
     outputs: set[tuple[int, int]] = set()
     for std in (1, 2):
         try:
@@ -182,6 +182,8 @@ def open_files(pid: int) -> list[wire.OpenFile]:
         except OSError:
             continue
         outputs.add((st.st_dev, st.st_ino))
+    # A private /tmp's files travel in the images with its tmpfs (engine/privatetmp.py).
+    own = privatetmp.own_devices(pid)
     found: dict[str, wire.OpenFile] = {}
     for p in proctree.tree(pid):
         try:
@@ -189,7 +191,7 @@ def open_files(pid: int) -> list[wire.OpenFile]:
         except OSError:
             continue  # it ended meanwhile
         for fd in fds:
-            entry = _open_file(p, fd, outputs)
+            entry = _open_file(p, fd, outputs, own)
             if entry is None:
                 continue
             seen = found.get(entry["path"])
@@ -200,7 +202,8 @@ def open_files(pid: int) -> list[wire.OpenFile]:
     return [found[path] for path in sorted(found)]
 
 
-def _open_file(pid: int, fd: str, skip: set[tuple[int, int]]) -> wire.OpenFile | None:
+def _open_file(pid: int, fd: str, skip: set[tuple[int, int]],
+               own: frozenset[int] = frozenset()) -> wire.OpenFile | None:
     try:
         target = os.readlink(f"/proc/{pid}/fd/{fd}")
         st = os.stat(f"/proc/{pid}/fd/{fd}")
@@ -209,7 +212,7 @@ def _open_file(pid: int, fd: str, skip: set[tuple[int, int]]) -> wire.OpenFile |
         return None  # closed meanwhile
     if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or not target.startswith("/") \
             or target.endswith(" (deleted)") or target.startswith(_PSEUDO) \
-            or (st.st_dev, st.st_ino) in skip:
+            or (st.st_dev, st.st_ino) in skip or st.st_dev in own:
         return None
     access: Literal["read", "write", "append"]
     if flags & _O_ACCMODE == 0:

@@ -69,6 +69,30 @@ def own_mount_ns(pid: int) -> bool:
         return False  # gone, or not ours to look at: CRIU will say what is wrong
 
 
+def own_devices(pid: int) -> frozenset[int]:
+    """The filesystems (st_dev) mounted in `pid`'s mount namespace and nowhere in the caller's:
+    a job's private tmpfs's. CRIU carries their files in the images (tmpfs-dev-N.tar.gz.img),
+    so they are neither facts of the node nor node-local files to carry again, and their paths
+    mean nothing on the node. Empty when the process shares the caller's namespace."""
+    if not own_mount_ns(pid):
+        return frozenset()
+    try:
+        theirs = _devices(f"/proc/{pid}/mountinfo")
+        ours = _devices("/proc/self/mountinfo")
+    except OSError:
+        return frozenset()
+    return frozenset(theirs - ours)
+
+
+def _devices(mountinfo: str) -> set[int]:
+    found = set()
+    with open(mountinfo) as f:
+        for line in f:
+            major, _, minor = line.split()[2].partition(":")
+            found.add(os.makedev(int(major), int(minor)))
+    return found
+
+
 def dump_options(opts: Any) -> None:
     """CRIU's dump options for a tree in a mount namespace of its own: every mount the node
     has as well is external (bound from the node's path again on restore), shared or slave
