@@ -10,6 +10,7 @@
         dumps/          dumps in flight (stasis/daemon/inflight.py)
         keys/node.key   the node's signing key (stasis/store/signing.py)
         slurm/          Slurm registrations of an older daemon (moved into jobs.db at start)
+        slurm-held/<job>  Slurm jobs this node requeued held, and why (stasis/slurm/held.py)
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class StateLayout:
     @property
     def keys(self) -> Path:
         return self.root / "keys"
+
+    @property
+    def slurm_held(self) -> Path:
+        return self.root / "slurm-held"
 
     @property
     def legacy_slurm(self) -> Path:

@@ -49,7 +49,7 @@ from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
 from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
-from stasis.slurm import mirrors, remote, scontrol
+from stasis.slurm import held, mirrors, remote, scontrol
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import Health
@@ -282,7 +282,17 @@ class SlurmIntegration(Integration):
                 # States of stops carried out (trees killed) that the database refused.
                 Task("record Slurm stops", 1.0, self.jobs.record_pending),
                 Task("record srun steps in Slurm", mirrors.POLL_S,
-                     lambda: self.mirrors.poll(self.jobs.registrations.running()))]
+                     lambda: self.mirrors.poll(self.jobs.registrations.running())),
+                Task("release Slurm jobs held here", held.RECHECK_S, self._release_held)]
+
+    def _release_held(self) -> None:
+        def store_answers(label: str, uid: int) -> bool:
+            try:
+                self.manager.store.list(label, uid=uid)
+            except StasisError:
+                return False
+            return True
+        held.release_over(self.manager.settings.layout.slurm_held, store_answers)
 
     def routes(self) -> Sequence[web.RouteDef]:
         jobs = self.jobs

@@ -127,6 +127,7 @@ class JobInfo:
     partition: str = ""
     batch_host: str = ""  # the node its batch step runs on; "" while it runs nowhere
     comment: str = ""  # Comment (the user's, or why stasis held the job)
+    reason: str = ""  # Reason: why it is pending (JobHeldAdmin after `requeuehold`)
 
 
 def job_info(job_id: str) -> JobInfo:
@@ -158,7 +159,13 @@ def job_info(job_id: str) -> JobInfo:
         partition=fields.get("Partition", ""),
         batch_host=fields.get("BatchHost", "") if fields.get("BatchHost") != "(null)" else "",
         comment=fields.get("Comment", "") if fields.get("Comment") != "(null)" else "",
+        reason=fields.get("Reason", ""),
     )
+
+
+def release(job_id: str) -> None:
+    """Let a held job run again (`scontrol release`)."""
+    scontrol("release", validate_slurm_job_id(job_id))
 
 
 def _array_task(job_id: str) -> str | None:

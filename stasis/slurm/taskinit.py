@@ -40,12 +40,12 @@ from typing import Any, TypeVar, cast
 
 from stasis import wire
 from stasis.config import Settings, fresh_if_unreachable, load_settings
-from stasis.engine import CRIU, Owner, credentials, find_criu, nodefacts
+from stasis.engine import CRIU, Owner, credentials, find_criu, nodefacts, nodelocal
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, OwnerDeniedError, SlurmError, StasisError
 from stasis.client import Client
 from stasis.daemon.users import account
-from stasis.slurm import scontrol
+from stasis.slurm import held, scontrol
 from stasis.slurm.labels import candidates, resolve_label, slurm_of
 from stasis.store import Manifest, Store, node_store
 
@@ -102,7 +102,8 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         # start); its files with the owner's rights (this helper is single-threaded).
         nodefacts.require(m.id, cast("wire.RestoreFacts", m.restore_facts.model_dump()), criu,
                           owner, skip=[*(old for old, _ in outputs),
-                                       *rewritten_by_slurm(m, info.job_id)])
+                                       *rewritten_by_slurm(m, info.job_id)],
+                          travels=nodelocal.travelling(m.extra))
     with store.open_images(m.id, layout.scratch) as (_, images):
         # CRIU (root) gives every thread the credentials its images record: none may hold more
         # than the job's owner (a setuid program checkpointed mid-run by a stasis that did not
@@ -148,19 +149,27 @@ def _health(settings: Settings) -> bool:
     return True
 
 
-def _hold(job_id: str, out: dict[str, Any], why: str, waited_s: int) -> tuple[int, dict[str, Any]]:
-    """Requeue the job held with `why` in its Comment; the launcher runs nothing."""
+def _hold(job_id: str, out: dict[str, Any], why: str, waited_s: int,
+          settings: Settings, cause: held.Cause, label: str, info: scontrol.JobInfo
+          ) -> tuple[int, dict[str, Any]]:
+    """Requeue the job held with `why` in its Comment; the launcher runs nothing. This node's
+    daemon releases it once `cause` is over (stasis.slurm.held)."""
     say: list[str] = out["messages"]
     out["mode"] = "held"
     why = why if len(why) <= _WHY_MAX else why[:_WHY_MAX - 3] + "..."
-    comment = (f"{_HELD}: {why}; its checkpoint is kept; scontrol release {job_id} once it is "
-               "back, or resubmit with STASIS_FRESH=1 to start from the beginning")
+    comment = (f"{_HELD}: {why}; its checkpoint is kept; released when it is back (or "
+               f"scontrol release {job_id}), or resubmit with STASIS_FRESH=1 to start from the "
+               "beginning")
+    held_dir = settings.layout.slurm_held
     try:
+        held.note(held_dir, job_id, cause, label, info.uid, info.restarts)
         scontrol.requeue_held(job_id, comment)
         say.append(f"stasis: error: {why} (waited {waited_s} s): not starting from the beginning; "
-                   f"the job is requeued held: `scontrol release {job_id}` once it is back, or "
-                   "resubmit with STASIS_FRESH=1 to start from the beginning")
-    except StasisError as e:
+                   f"the job is requeued held and released once it is back (or `scontrol "
+                   f"release {job_id}`), or resubmit with STASIS_FRESH=1 to start from the "
+                   "beginning")
+    except (StasisError, OSError) as e:
+        held.forget(held_dir, job_id)
         say.append(f"stasis: error: {why} (waited {waited_s} s), and the job could not be "
                    f"requeued held ({e}): it fails without running, its checkpoints are kept; "
                    "submit it again")
@@ -203,14 +212,15 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     found, store_error = _retrying(deadline, listing)
     if found is None:
         if not (first_run or fresh):
-            return _hold(job_id, out, f"checkpoint store unreachable ({store_error})", wait_s)
+            return _hold(job_id, out, f"checkpoint store unreachable ({store_error})", wait_s,
+                         settings, "store", label, info)
         say.append(f"stasis: warning: cannot list checkpoints: {store_error}; starting from the "
                    "beginning (" + ("STASIS_FRESH=1" if fresh else "its first run") + ")")
         found = []
     if not daemon:
         if found and not fresh:
             return _hold(job_id, out, f"the node daemon does not answer ({daemon_error})",
-                         wait_s)
+                         wait_s, settings, "daemon", label, info)
         say.append(f"stasis: warning: the node daemon does not answer ({daemon_error}); "
                    f"{UNPROTECTED}")
         _comment(job_id, f"{_HELD.split(':')[0]}: {UNPROTECTED} (node daemon down)")

@@ -24,11 +24,13 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stasis.client import Client
 from stasis.slurm import cluster as local_cluster
+from stasis.slurm import held
 from tests.e2e.conftest import Cluster, alive, until
 
 # A counter that ends cleanly (exit 0) on SIGTERM, as many applications do.
@@ -164,9 +166,9 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
     finally:
         mend_store(fc)
     assert ids(fc, "unsure") == kept
-    fc.run("scontrol", "release", job)
+    # Nobody releases it: the node that held it does, once the store answers again.
     until(lambda: fc.output(job).count("stasis: restored checkpoint") == 1, 90,
-          "the released job to resume")
+          "the job to be released and to resume")
     fc.wait_number(job, numbers(fc.output(job))[-1] + 2)
     # The node daemon is down when it starts again: the same.
     local_cluster.stop_daemon(fc.root)
@@ -174,14 +176,29 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
         fc.run("scontrol", "requeue", job)
         _held(fc, job, "node daemon")
         assert numbers(fc.output(job)).count(0) == 1
+        time.sleep(held.RECHECK_S + 1)
+        assert fc.job(job).get("JobState") == "PENDING"
     finally:
         local_cluster.start_daemon(fc.root)
-    fc.run("scontrol", "release", job)
     until(lambda: fc.output(job).count("stasis: restored checkpoint") == 2, 90,
-          "the released job to resume again")
+          "the job to be released once its node daemon is back, and to resume again")
     fc.wait_number(job, numbers(fc.output(job))[-1] + 2)
     fc.run("scancel", job)
     resumed_in_order(fc.output(job))
+
+
+def test_a_user_cannot_have_the_daemon_release_a_job_held_by_someone_else(fc: Cluster,
+                                                                         test_user: Any) -> None:
+    """The daemon releases only what its node held (its own root-owned notes), never a job whose
+    Comment merely says so: an admin's hold stays an admin's hold."""
+    job = fc.sbatch(fc.counter_script("adminheld", stop=30), user=test_user.pw_name)
+    fc.run("scontrol", "hold", job)  # root: an admin's hold
+    fc.run("scontrol", "update", f"JobId={job}",
+           "Comment=stasis: held: checkpoint store unreachable", user=test_user.pw_name)
+    time.sleep(held.RECHECK_S * 2 + 1)
+    j = fc.job(job)
+    assert j.get("JobState") == "PENDING" and j.get("Priority") == "0", j
+    fc.run("scancel", job)
 
 
 def test_fresh_when_asked_even_if_the_store_is_unreachable(fc: Cluster) -> None:
