@@ -83,7 +83,7 @@ def _start(d: Daemon, user: str, cwd: Path, token: str, victim: Path,
     job = d.json("run", "--cwd", str(cwd), "--user", user, *flags, "--",
                  *workload("privatetmp.py", token, "/etc/shadow", victim), user=user)
     wait_for(lambda: _last(d, str(job["job"])) >= 3, what="the job counting")
-    return job, workload_pid(int(job["pid"]))  # type: ignore[call-overload]
+    return job, workload_pid(int(job["pid"]))
 
 
 def _digest(path: Path) -> str:
