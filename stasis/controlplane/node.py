@@ -29,8 +29,10 @@ and a seal given again under another command id is refused, naming the job it be
 A verify command (a `verify` policy's: stasis.controlplane.policies) names one checkpoint: the
 node answers with the verdict the store holds for it already (signed, a background
 verification's), else runs `stasis verify` on it in a thread of its own at the lowest CPU
-priority, between its other commands (one at a time, like them). The verdict goes back in the
-command's result and in the next heartbeat (`verdicts`), as its checkpoints do (`activity`).
+priority and idle I/O (stasis.daemon.verifying), between its other commands (one at a time,
+like them). The verdict goes back in the command's result; every verdict the node reaches (the
+background ones of `verify_new_checkpoints` too) goes in its heartbeats (`verdicts`), as its
+checkpoints do (`activity`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
-from typing import Any, TypeVar
+from typing import Any
 
 from dataclasses import asdict
 
@@ -65,7 +67,7 @@ from sqlalchemy import (
     update,
 )
 
-from stasis import faults
+from stasis import faults, wire
 from stasis.controlplane.client import ControlPlaneClient, Unauthorized
 from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
@@ -88,7 +90,6 @@ CREDENTIAL_FILE = "controlplane-node.json"
 SEAL_PURPOSE = "controlplane-migration"  # what a migration's seal MACs (never a manifest)
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,99}")
 _CHECKPOINT = r"[A-Za-z0-9._-]{1,64}"  # a checkpoint id, as the store has them
-_NICEST = 19  # the priority a verify runs at: any job's work goes first
 
 # What the node did (stasis.daemon.activity) until a heartbeat has carried it to the control
 # plane: kept here so that a control plane that is down for a while still hears of it all.
@@ -136,7 +137,6 @@ intent_table = Table(
     Column("job", String(100), nullable=False),  # the job (checkpoint) or migration (restore)
     Column("at", Float, nullable=False),  # time.time() before acting, this node's own clock
 )
-_T = TypeVar("_T")
 _WATERMARK = "(forgotten before)"
 _INTENT_KEPT_S = 7 * 86400
 _ALTERNATES = 3  # nodes beside the target a migration's checkpoint half seals for
@@ -258,10 +258,18 @@ class ControlPlaneNode(Integration):
     def prepare(self) -> None:
         if self.client is not None:
             self.manager.activity.add(self._heard)
+            # Every verdict this node reaches, a command's or a background one's.
+            self.manager.verifier.listeners.append(self._verdict_heard)
 
     def _heard(self, activity: Activity) -> None:
+        self._to_outbox(asdict(activity))
+
+    def _verdict_heard(self, verdict: wire.VerifyVerdict) -> None:
+        self._to_outbox({"kind": "verify", **verdict})
+
+    def _to_outbox(self, body: dict[str, Any]) -> None:
         with self.manager.db.transaction() as conn:
-            conn.execute(insert(outbox_table).values(body=json.dumps(asdict(activity))))
+            conn.execute(insert(outbox_table).values(body=json.dumps(body)))
             newest = conn.execute(select(func.max(outbox_table.c.id))).scalar() or 0
             conn.execute(delete(outbox_table).where(outbox_table.c.id <= newest - _OUTBOX_MAX))
 
@@ -564,17 +572,13 @@ class ControlPlaneNode(Integration):
             conn.execute(insert(done_table).values(command_id=cmd["id"], ok=ok,
                                                    result=json.dumps(result),
                                                    at=int(time.time())))
-            if "verdict" in result:
-                # Reported in the heartbeats too, like the checkpoint it speaks of.
-                conn.execute(insert(outbox_table).values(body=json.dumps(
-                    {"kind": "verify", **result["verdict"]})))
             conn.execute(delete(intent_table).where(intent_table.c.command_id == cmd["id"]))
         return ok, result
 
     def _verify(self, args: dict[str, Any]) -> dict[str, Any]:
         """The verdict on the checkpoint a verify command names: the one recorded (signed) in
         the store already, if any (a background verification reached it), else the verdict
-        of `stasis verify` run now, in a thread of its own at the lowest CPU priority."""
+        of `stasis verify` run now."""
         ckpt = str(args.get("checkpoint") or "")
         if not re.fullmatch(_CHECKPOINT, ckpt):
             raise UsageError(f"verify refused: {ckpt[:64]!r} is not a checkpoint id")
@@ -584,11 +588,8 @@ class ControlPlaneNode(Integration):
             log.info("control plane: checkpoint %s was verified before (%s): answered with "
                      "that verdict", ckpt, "ok" if known.get("ok") else "failed")
             return dict(known)
-        verify = getattr(self.manager, "verify", None)
-        if verify is None:
-            raise UsageError(f"this node's daemon (stasis {version('stasis')}) cannot verify "
-                             "checkpoints: upgrade it")
-        return dict(_low_priority(lambda: verify(ckpt, _ROOT)))
+        # (one at a time on the node, CRIU at nice 19 and idle I/O: stasis.daemon.verifying)
+        return dict(self.manager.verify(ckpt, _ROOT))
 
     def _intend(self, cmd: dict[str, Any]) -> float | None:
         """The intent to carry out `cmd`, written before acting; None when it is new, or when
@@ -794,31 +795,6 @@ def _sealed(migration: str, checkpoint: str, job: str, to: str) -> dict[str, str
     """What a migration's seal binds: its checkpoint command, the checkpoint it took, the job
     and the node that is to restore it."""
     return {"migration": migration, "checkpoint": checkpoint, "job": job, "to": to}
-
-
-def _low_priority(work: Callable[[], _T]) -> _T:
-    """`work` carried out in a thread of its own at the lowest CPU priority, and waited for.
-    Linux nices threads one by one, and what a thread starts (CRIU) inherits its nice value;
-    the thread ends with the work, so the command worker is never left niced."""
-    done: list[_T] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICEST)
-        except OSError as e:  # not worth failing a verify over
-            log.info("control plane: cannot lower the priority of a verify: %s", e.strerror)
-        try:
-            done.append(work())
-        except BaseException as e:  # raised again in the worker
-            failed.append(e)
-
-    thread = threading.Thread(target=run, name="controlplane verify", daemon=True)
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return done[0]
 
 
 def _newest_first(jobs: list[Any]) -> list[Any]:
