@@ -66,6 +66,9 @@ _PR_SET_CHILD_SUBREAPER = 36
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 _IOPRIO_CLASS_IDLE = 3
+# States of a restored task that runs nothing: stopped (or traced), or a zombie it recorded.
+_STOPPED = ("T", "t", "Z")
+_STOP_WAIT_S = 2.0
 # pstree.img: PstreeEntry{pid=1, ppid=2, pgid=3, sid=4, threads=5}
 _PSTREE_PID = 1
 # remap-fpath.img: RemapFilePathEntry{orig_id=1, remap_id=2, remap_type=3}; LINKED is 0, and
@@ -230,14 +233,23 @@ def _namespace_pid(pid: int) -> tuple[int, str] | None:
 
 def _compare(root: int, expected: set[int]) -> str:
     """"" when the tree under `root` is the one recorded (every process back, stopped)."""
-    found: dict[int, str] = {}
-    for pid in proctree.tree(root):
-        seen = _namespace_pid(pid)
-        if seen is not None:
-            found[seen[0]] = seen[1]
+    # CRIU queues SIGSTOP to each task while it still holds it under ptrace (stopped just past
+    # its sigreturn), then detaches: the task takes the stop on its way back to user space,
+    # before any instruction of the job, but /proc may show it running for that moment.
+    deadline = time.monotonic() + _STOP_WAIT_S
+    while True:
+        found: dict[int, str] = {}
+        for pid in proctree.tree(root):
+            seen = _namespace_pid(pid)
+            if seen is not None:
+                found[seen[0]] = seen[1]
+        if all(state in _STOPPED for state in found.values()) or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
     missing = sorted(expected - set(found))
     extra = sorted(set(found) - expected)
-    running = sorted(p for p, state in found.items() if state not in ("T", "t"))
+    running = sorted(p for p, state in found.items() if state not in _STOPPED)
     if missing:
         return (f"{len(missing)} of the {len(expected)} processes the checkpoint records did "
                 f"not come back (pids {', '.join(map(str, missing[:5]))} in the job's "

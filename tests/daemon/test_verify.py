@@ -1,0 +1,209 @@
+"""`stasis verify` (issue 29): a checkpoint restored in a sandbox with real CRIU, its tree checked
+and removed. Each test looks at state: the job's files by checksum, the processes, mounts and
+files under /tmp, CRIU's firewall rules, what the store's catalog holds, which job comes back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stasis import wire
+from stasis.store.store import VERDICT_NOTE
+from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for, workload
+from tests.daemon.test_bad_input import one_line_error
+from tests.daemon.test_restore_state import last_number
+from tests.test_wire import conforms
+
+PRIVATE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+
+
+@pytest.fixture
+def job_dir() -> Iterator[Path]:
+    """The job's own files, outside the directories a sandbox makes private (as a home or
+    project directory is): what verify must leave exactly as it was."""
+    path = Path(tempfile.mkdtemp(prefix="stasis-verify-", dir="/var/lib"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _files_job(d: Daemon, job_dir: Path, label: str) -> Any:
+    paths = [job_dir / n for n in ("read.dat", "append.dat", "rw.dat")]
+    for i, p in enumerate(paths):
+        p.write_bytes(os.urandom(4096 + i))
+    job = d.run(*workload("holdfiles.py", *paths), label=label)
+    wait_for(lambda: last_number(d, job["job"]) >= 3, what="the job counting")
+    return job
+
+
+def _checksums(job_dir: Path) -> dict[str, tuple[str, int]]:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(job_dir.iterdir())}
+
+
+def _ours(job_dir: Path) -> list[int]:
+    """The processes whose command line names the job's directory (the job's, or a restored
+    copy of it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(job_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def _mounts_on_private_dirs() -> list[str]:
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    # Exactly on them: other tests of the machine mount below /run (network namespaces).
+    return sorted(line.split()[4] for line in lines if line.split()[4] in PRIVATE)
+
+
+def _criu_rules() -> list[str]:
+    """CRIU's network-lock rules (its chains are named CRIU), in iptables and nft."""
+    rules = []
+    for cmd in (["iptables-save"], ["ip6tables-save"], ["nft", "list", "ruleset"]):
+        if shutil.which(cmd[0]):
+            out = subprocess.run(cmd, capture_output=True, text=True).stdout
+            rules += [line for line in out.splitlines() if "CRIU" in line.upper()]
+    return rules
+
+
+def _leftovers() -> list[str]:
+    return sorted(str(p) for d in PRIVATE for p in Path(d).glob(".stasis-verify-*"))
+
+
+def _verify(d: Daemon, checkpoint: str, user: str | None = None) -> Any:
+    result = d.cli("verify", "--json", checkpoint, user=user, check=False)
+    verdict = json.loads(result.stdout)
+    assert conforms(verdict, wire.VerifyVerdict), verdict
+    assert (result.returncode == 0) == verdict["ok"], result.stderr
+    return verdict
+
+
+def _listed(d: Daemon, checkpoint: str) -> Any:
+    return next(c for c in d.json("checkpoints") if c["id"] == checkpoint)
+
+
+def test_a_good_checkpoint_verifies_and_leaves_nothing(daemon: Daemon, job_dir: Path) -> None:
+    job = _files_job(daemon, job_dir, "verify-good")
+    cp = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
+    before = (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _criu_rules(),
+              _leftovers())
+    counted = last_number(daemon, job["job"])
+
+    verdict = _verify(daemon, cp)
+
+    assert verdict["ok"] and verdict["reason"] == "" and verdict["checkpoint"] == cp, verdict["reason"]
+    assert verdict["processes"] == 2  # stasis-init and the workload
+    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _criu_rules(),
+            _leftovers()) == before
+    # The job itself ran on, untouched; the verdict is in the catalog, shown by the list.
+    wait_for(lambda: last_number(daemon, job["job"]) > counted + 2, what="the job counting on")
+    assert daemon.job(job["job"])["state"] == "running"
+    assert _listed(daemon, cp)["verdict"] == verdict
+    table = daemon.cli("checkpoints", "--label", "verify-good").stdout
+    assert re.search(rf"^{cp} .* ok\s*$", table, re.M), table
+    daemon.cli("kill", job["job"])
+
+
+def test_a_checkpoint_whose_file_is_gone_fails_naming_it(daemon: Daemon, job_dir: Path) -> None:
+    job = _files_job(daemon, job_dir, "verify-gone")
+    cp = daemon.json("dump", job["job"])["checkpoint"]
+    (job_dir / "rw.dat").unlink()
+    before = (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _leftovers())
+
+    result = daemon.cli("verify", cp, check=False)
+    line = one_line_error(result, 1, f"checkpoint {cp} failed verification", "rw.dat")
+
+    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(),
+            _leftovers()) == before
+    assert not (job_dir / "rw.dat").exists()  # not recreated by the restore either
+    verdict = _listed(daemon, cp)["verdict"]
+    assert not verdict["ok"] and "rw.dat" in verdict["reason"], line
+    assert re.search(rf"^{cp} .* failed\s*$", daemon.cli("checkpoints").stdout, re.M)
+
+
+def test_damaged_images_fail_with_the_reason(daemon: Daemon) -> None:
+    job = daemon.run(*workload("counter.py", 0.1, 2), label="verify-damaged")
+    wait_for(lambda: last_number(daemon, job["job"]) >= 2, what="the counter")
+    cp = daemon.json("dump", job["job"])["checkpoint"]
+    stored = max((p for p in (Path(daemon.store) / cp).iterdir() if p.name.startswith("pages")),
+                 key=lambda p: p.stat().st_size)
+    with open(stored, "r+b") as f:
+        f.seek(stored.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    before = _ours(Path(daemon.store)), _mounts_on_private_dirs()
+
+    verdict = _verify(daemon, cp)
+
+    assert not verdict["ok"] and cp in verdict["reason"] and "pages" in verdict["reason"], verdict
+    assert (_ours(Path(daemon.store)), _mounts_on_private_dirs()) == before
+    assert _listed(daemon, cp)["verdict"]["ok"] is False
+
+
+def test_only_who_may_restore_it_verifies_it(daemon: Daemon) -> None:
+    job = daemon.run(*workload("counter.py"), label="verify-root-only")
+    cp = daemon.json("dump", job["job"])["checkpoint"]
+
+    result = daemon.cli("verify", cp, user=TEST_USER, check=False)
+
+    one_line_error(result, 2, cp)
+    assert not (Path(daemon.store) / cp / VERDICT_NOTE).exists()
+    assert "verdict" not in _listed(daemon, cp)
+
+
+def test_verified_restore_takes_the_newest_verified_and_no_forged_verdict(
+        daemon: Daemon) -> None:
+    job = daemon.run(*workload("counter.py"), label="verify-pick")
+    wait_for(lambda: last_number(daemon, job["job"]) >= 3, what="the counter")
+    older = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
+    assert _verify(daemon, older)["ok"]
+    newer = daemon.json("dump", job["job"])["checkpoint"]
+    store = Path(daemon.store)
+
+    # A writer of the store without the site key: a verdict of its own making, and the genuine
+    # verdict of the older checkpoint copied onto the newer one.
+    genuine = json.loads((store / older / VERDICT_NOTE).read_bytes())
+    forged = {**genuine, "verdict": {**genuine["verdict"], "checkpoint": newer}}
+    (store / newer / VERDICT_NOTE).write_text(json.dumps(forged))
+    assert "verdict" not in _listed(daemon, newer)
+    jobs = len(daemon.json("ps"))
+
+    restored = daemon.json("restore", "--label", "verify-pick", "--verified")
+
+    assert restored["checkpoint"] == older
+    assert len(daemon.json("ps")) == jobs + 1
+    daemon.cli("kill", restored["job"])
+
+    # Without any genuine ok verdict, nothing is restored: one line says why.
+    (store / older / VERDICT_NOTE).write_text(json.dumps(
+        {**genuine, "signature": {"key_id": "0" * 32, "hmac_sha256": "0" * 64}}))
+    result = daemon.cli("restore", "--label", "verify-pick", "--verified", check=False)
+    one_line_error(result, 2, "no verified checkpoint with label verify-pick", "stasis verify")
+    assert len(daemon.json("ps")) == jobs + 1
+    assert "verdict" not in _listed(daemon, older)
+
+
+def test_new_checkpoints_are_verified_in_the_background(make_daemon: MakeDaemon) -> None:
+    d = make_daemon(env={"STASIS_VERIFY_NEW_CHECKPOINTS": "true"})
+    job = d.run(*workload("counter.py"), label="verify-background")
+    cp = d.json("dump", job["job"])["checkpoint"]
+
+    verdict = wait_for(lambda: _listed(d, cp).get("verdict"), 60, "the background verdict")
+
+    assert verdict["ok"] and verdict["checkpoint"] == cp
+    assert d.json("restore", "--label", "verify-background", "--verified")["checkpoint"] == cp
