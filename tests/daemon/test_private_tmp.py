@@ -202,3 +202,34 @@ def test_a_cwd_or_log_under_the_private_tmp_is_refused(daemon_outside: Daemon,
     assert d.json("ps", user=user) == []
     assert not Path("/tmp/job.log").exists() and not Path("/var/tmp/job.log").exists()
     assert proctree.alive(d.proc.pid, None)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dump_flags,restore_flags", [
+    (["--compress", "zstd"], []),  # decoded through CRIU's image streamer
+    ([], ["--lazy"]),
+])
+def test_a_running_job_and_its_restore_each_have_their_own(
+        daemon_outside: Daemon, outside_tmp: Path, test_user: pwd.struct_passwd,
+        dump_flags: list[str], restore_flags: list[str]) -> None:
+    d, user = daemon_outside, test_user.pw_name
+    victim = outside_tmp / "victim"
+    victim.mkdir()
+    token = secrets.token_hex(4)
+    job, pid = _start(d, user, outside_tmp, token, victim, "--private-tmp")
+    cp = d.json("dump", str(job["job"]), "--leave-running", *dump_flags, user=user)
+    restored = d.json("restore", cp["checkpoint"], *restore_flags, user=user)
+    new_id = str(restored["job"])
+    new_pid = workload_pid(int(restored["pid"]))
+    # Both count on, each in its own /tmp (the restore's log is the job's: read their files).
+    held = [Path(f"/proc/{p}/root/tmp/{token}-held") for p in (pid, new_pid)]
+    at = [int(h.read_text()) for h in held]
+    wait_for(lambda: all(int(h.read_text()) > n + 3 for h, n in zip(held, at)),
+             what="both counting")
+    assert set(_tmpfs_of(pid)).isdisjoint(_tmpfs_of(new_pid))
+    assert Path(f"/proc/{new_pid}/root/var/tmp/{token}-b").read_text() == f"b-{token}"
+    # What one writes in its /tmp, the other does not see.
+    Path(f"/proc/{new_pid}/root/tmp/{token}-a").write_text("changed")
+    wait_for(lambda: "a=changed" in d.log_of(new_id), what="the restore reading its own file")
+    assert Path(f"/proc/{pid}/root/tmp/{token}-a").read_text() == f"a-{token}"
+    for j in (str(job["job"]), new_id):
+        d.cli("kill", j, user=user)
