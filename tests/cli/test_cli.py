@@ -40,8 +40,9 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
     wait_for(lambda: "hi from" in daemon.log_of(job["job"]), what="output")
     rows = daemon.json("ps")
     row = next(r for r in rows if r["job"] == job["job"])
-    assert set(row) == {"job", "pid", "state", "label", "exit_code", "command"}
+    assert set(row) == {"job", "pid", "state", "label", "exit_code", "command", "private_tmp"}
     assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
+    assert row["private_tmp"] is False
     cp = daemon.json("dump", job["job"])
     assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "elapsed_s",
                        "staged", "notes"}
