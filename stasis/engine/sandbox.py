@@ -40,6 +40,7 @@ import platform
 import secrets
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -59,6 +60,11 @@ _ANSWER_MAX = 1 << 16
 # Processes a pstree image may list before it is taken for garbage.
 _PSTREE_MAX_BYTES = 64 << 20
 
+# files.img: FileEntry{usk=16}; UnixSkEntry{name=11, name_dir=14}
+_FILE_USK, _USK_NAME, _USK_NAME_DIR = 16, 11, 14
+# Entries of a unix socket's directory a sandbox mirrors by bind mounts, at most.
+_SHADOW_MAX_ENTRIES = 4096
+_MS_BIND = 0x1000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 0x4000, 1 << 18
@@ -221,6 +227,90 @@ def linked_remaps(images: Path) -> int:
     return count
 
 
+def bound_unix_paths(images: Path) -> set[str]:
+    """The file-system addresses of the unix sockets the images record (bound, listening or
+    deleted since; abstract ones belong to the network namespace and are left out)."""
+    paths: set[str] = set()
+    for name, is_file_entry in (("files.img", True), ("unixsk.img", False)):
+        try:
+            with open(images / name, "rb") as f:
+                data = f.read(_PSTREE_MAX_BYTES)
+        except FileNotFoundError:
+            continue
+        for entry in _entries(data):
+            sockets = [v for n, v in _fields(entry) if n == _FILE_USK and isinstance(v, bytes)] \
+                if is_file_entry else [entry]
+            for usk in sockets:
+                fields = _fields(usk)
+                raw = next((v for n, v in fields if n == _USK_NAME and isinstance(v, bytes)), b"")
+                if not raw or raw.startswith(b"\0"):
+                    continue
+                raw = raw.split(b"\0", 1)[0]  # the kernel's address may end in a NUL
+                where = next((v for n, v in fields if n == _USK_NAME_DIR and
+                              isinstance(v, bytes)), b"/")
+                path = os.path.normpath(os.path.join("/", where.decode(errors="surrogateescape"),
+                                                     raw.decode(errors="surrogateescape")))
+                paths.add(path)
+    return paths
+
+
+def _private(path: str) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in PRIVATE_DIRS)
+
+
+def _shadow_socket_dirs(paths: set[str]) -> None:
+    """CRIU restores a bound unix socket by removing whatever is at its address and binding
+    anew: outside the private tmpfs, that would take a running job's listening socket off the
+    node (seen). So, in this mount namespace only, each such socket's directory becomes a tmpfs
+    holding bind mounts of everything else the directory holds (the job's other files reopen as
+    themselves, nothing is copied) and nothing at the sockets' addresses: CRIU binds there,
+    unseen by the node."""
+    by_dir: dict[str, set[str]] = {}
+    for path in paths:
+        if not _private(path):
+            by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    for directory in sorted(by_dir, key=len):  # parents first: a child is shadowed inside
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # not there: CRIU says so, nothing of the node is in the way
+        try:
+            st = os.fstat(fd)
+            entries = [e for e in os.listdir(fd) if e not in by_dir[directory]]
+            if len(entries) > _SHADOW_MAX_ENTRIES:
+                raise _NotVerifiable(
+                    f"not verified: its unix socket directory {directory} holds "
+                    f"{len(entries)} entries, more than a sandbox mirrors "
+                    f"({_SHADOW_MAX_ENTRIES})")
+            options = f"mode={st.st_mode & 0o7777:o},uid={st.st_uid},gid={st.st_gid}"
+            _check(_libc.mount(b"tmpfs", directory.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                               options.encode()), f"mount tmpfs on {directory}")
+            for name in entries:
+                _mirror(fd, directory, name)
+        finally:
+            os.close(fd)
+
+
+def _mirror(dir_fd: int, directory: str, name: str) -> None:
+    """Entry `name` of the original directory (open as `dir_fd`) into its tmpfs shadow."""
+    target = os.path.join(directory, name)
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(name, dir_fd=dir_fd), target)
+        return
+    if stat.S_ISDIR(st.st_mode):
+        os.mkdir(target, 0o700)
+    else:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    source = f"/proc/self/fd/{dir_fd}/{name}".encode()
+    _check(_libc.mount(source, target.encode(), None, _MS_BIND | _MS_REC, None),
+           f"bind {target}")
+
+
+class _NotVerifiable(Exception):
+    pass
+
+
 def _namespace_pid(pid: int) -> tuple[int, str] | None:
     """(pid inside its innermost PID namespace, state letter) of a process, None if gone."""
     try:
@@ -296,6 +386,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         expected = recorded_pids(images)
         remaps = linked_remaps(images)
+        sockets = bound_unix_paths(images)
     except (OSError, ValueError) as e:
         return {"ok": False, "reason": f"its process tree image is unreadable: {e}",
                 "processes": 0, "duration_s": 0.0}
@@ -306,6 +397,10 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
                           "node: verifying would spend them"}
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     _enter_namespaces()
+    try:
+        _shadow_socket_dirs(sockets)
+    except _NotVerifiable as e:
+        return {"ok": False, "reason": str(e), "processes": len(expected), "duration_s": 0.0}
     outputs = []
     if spec["image_log"]:
         # The job's output goes to a file of the private /tmp, not to its log on the node.

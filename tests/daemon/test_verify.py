@@ -207,3 +207,31 @@ def test_new_checkpoints_are_verified_in_the_background(make_daemon: MakeDaemon)
 
     assert verdict["ok"] and verdict["checkpoint"] == cp
     assert d.json("restore", "--label", "verify-background", "--verified")["checkpoint"] == cp
+
+
+def _echo(path: Path) -> bytes:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(path))
+        s.sendall(b"hello\n")
+        return s.recv(100)
+
+
+def test_a_running_jobs_unix_socket_outside_tmp_keeps_serving(daemon: Daemon,
+                                                              job_dir: Path) -> None:
+    sock = job_dir / "server.sock"
+    job = daemon.run(*workload("unixserver.py", sock), label="verify-unix")
+    wait_for(lambda: "listening" in daemon.log_of(job["job"]), what="the server")
+    cp = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
+    inode = sock.stat().st_ino
+
+    verdict = _verify(daemon, cp)
+
+    # CRIU rebinds a socket's address by removing what is there: here, only in the sandbox.
+    assert verdict["ok"], verdict["reason"]
+    assert sock.stat().st_ino == inode
+    assert _echo(sock) == b"hello\n"
+    assert sorted(p.name for p in job_dir.iterdir()) == ["server.sock"]
+    daemon.cli("kill", job["job"])
