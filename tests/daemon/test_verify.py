@@ -203,7 +203,7 @@ def test_new_checkpoints_are_verified_in_the_background(make_daemon: MakeDaemon)
     job = d.run(*workload("counter.py"), label="verify-background")
     cp = d.json("dump", job["job"])["checkpoint"]
 
-    verdict = wait_for(lambda: _listed(d, cp).get("verdict"), 60, "the background verdict")
+    verdict: Any = wait_for(lambda: _listed(d, cp).get("verdict"), 60, "the background verdict")
 
     assert verdict["ok"] and verdict["checkpoint"] == cp
     assert d.json("restore", "--label", "verify-background", "--verified")["checkpoint"] == cp
