@@ -135,8 +135,14 @@ def test_private_tmp_travels_in_the_checkpoint_and_ends_with_the_job(
     assert _digest(Path("/etc/shadow")) == shadow
     assert list(victim.iterdir()) == []
 
-    # Ended for good: its /tmp and /var/tmp are gone with it.
+    # Its own tmpfs's again, as they were: no set-uid program or device node works there.
     new_devs = _tmpfs_of(new_pid)
+    mounts = [line.split() for line in Path(f"/proc/{new_pid}/mountinfo").read_text()
+              .splitlines() if line.split()[2] in new_devs]
+    assert sorted(m[4] for m in mounts) == ["/tmp", "/var/tmp"]
+    assert all({"nosuid", "nodev"} <= set(m[5].split(",")) for m in mounts), mounts
+
+    # Ended for good: its /tmp and /var/tmp are gone with it.
     d.cli("kill", new_id, user=user)
     for dev in new_devs:
         wait_for(lambda: not _mounted_anywhere(dev), what=f"tmpfs {dev} gone")
