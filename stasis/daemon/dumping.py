@@ -130,9 +130,7 @@ class Dumper:
             created=created, criu_version=self.criu_version(criu), command=row.command,
             cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
             parent=row.checkpoint,
-            extra={"work_s": self.core.work.at(row.id, row.created, created),
-                   # Its restore rebuilds the job's own mounts (engine/privatetmp.py).
-                   **({privatetmp.EXTRA_KEY: True} if row.private_tmp else {})},
+            extra={"work_s": self.core.work.at(row.id, row.created, created)},
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(
@@ -197,6 +195,10 @@ class Dumper:
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
         """
         notes = [] if notes is None else notes
+        if privatetmp.own_mount_ns(pid):
+            # Its restore rebuilds the tree's own mounts (a private /tmp, a Slurm job
+            # container's): engine/privatetmp.py.
+            info = info.model_copy(update={"extra": {**info.extra, privatetmp.EXTRA_KEY: True}})
         if encrypt is None:
             encrypt = self.core.settings.encrypt
         # Refused before CRIU freezes anything (and checked again on the frozen tree, below).
