@@ -210,7 +210,7 @@ class Restorer:
             # Compared again there, files too.
             "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
         }
-        private_tmp = manifest.extra.get(privatetmp.EXTRA_KEY) is True
+        private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
         notes: list[str] = []

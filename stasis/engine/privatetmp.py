@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from stasis.errors import UsageError
@@ -132,5 +133,11 @@ def require_outside(cwd: str, log: str | None) -> None:
                 f"(--cwd, --log), or run it without --private-tmp")
 
 
-# The checkpoint's manifest says so (`extra`, signed with it): its restore rebuilds the mounts.
-EXTRA_KEY = "private_tmp"
+# The checkpoint's manifest says the tree had a mount namespace of its own (`extra`, signed with
+# it): its restore rebuilds the mounts.
+EXTRA_KEY = "own_mounts"
+
+
+def recorded(extra: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's manifest `extra` says its images hold the tree's own mounts."""
+    return extra.get(EXTRA_KEY) is True
