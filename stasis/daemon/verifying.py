@@ -2,10 +2,11 @@
 checked and removed, and the verdict recorded beside it in the store, signed with the node's
 signing key (the site key where there is one: stasis/store/store.py, `record_verdict`).
 
-Who may verify a checkpoint: whoever may restore it (its owner, root). Its images are fetched
-and checked against the signed manifest exactly as for a restore (`Store.open_images`, into a
-private scratch directory), then handed to the sandbox; a damaged image fails the verdict with
-the reason. Verifications run one at a time on a node, at nice 19 and idle I/O priority.
+Who may verify a checkpoint: whoever may restore it (its owner, root). Its images are checked
+against the signed manifest as for a restore: read where they lie when nobody but root can
+change them there (`Store.images_in_place`, hashed whole before CRIU reads them), else fetched,
+checked and decoded into a private scratch directory (`Store.open_images`); a damaged image
+fails the verdict with the reason. Verifications run one at a time on a node, at nice 19 and idle I/O priority.
 
 With `verify_new_checkpoints`, every checkpoint this node publishes is verified in the
 background (one worker thread, a short queue). `restore --verified` takes the newest checkpoint
@@ -96,8 +97,15 @@ class Verifier:
                 raise
             except StasisError as e:  # a store this node may read but not write
                 log.warning("verifying checkpoint %s without a pin: %s", manifest.id, e)
-            checked, images = stack.enter_context(
-                store.open_images(manifest.id, settings.layout.scratch))
+            in_place = store.images_in_place(manifest.id)
+            if in_place is not None:
+                # Nobody but root can change them there: checked whole first, then read by
+                # CRIU where they are, rather than copied (a restore's own fast path).
+                checked, images = in_place
+                store.verify(checked)
+            else:
+                checked, images = stack.enter_context(
+                    store.open_images(manifest.id, settings.layout.scratch))
             found = sandbox.verify_images(
                 find_criu(settings.criu), images, settings.layout.criu_logs,
                 f"verify-{manifest.id}-{secrets.token_hex(3)}.log",
