@@ -298,3 +298,37 @@ def test_server_bound_to_the_old_nodes_address_is_refused_in_one_line(two: Clust
         assert _ask(n1, port) == "hit 2 on n1"
     finally:
         _kill(two, "n1", answer["job"])
+
+
+def test_slurm_job_requeued_to_another_node_reconnects_to_its_peer(two: Cluster, peer: Peer
+                                                                    ) -> None:
+    script = two.script(
+        "slurmmover", f"exec python3 -u {two.work}/client.py {peer.address} {peer.port} "
+        f"{_port()}", f"--output={two.work}/slurmmover-%j.out",
+        "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=slurmmover")
+    job = two.sbatch(script, user=TEST_USER)
+    two.wait_state(job, ("RUNNING",))
+    first = two.job(job)["BatchHost"]
+    other = "n2" if first == "n1" else "n1"
+    out = Path(two.job(job)["StdOut"])
+    until(lambda: out.exists() and len(_rounds(out)) >= 5, 30, "five rounds")
+    # Its node goes into maintenance: the checkpoint requeues it, and it resumes on the other.
+    two.run("scontrol", "update", f"NodeName={first}", "State=DRAIN", "Reason=e2e")
+    try:
+        assert "requeued" in two.on(other, STASIS, "dump", "--slurm-job", job,
+                                    user=TEST_USER).stdout
+        until(lambda: "stasis: restored checkpoint" in out.read_text(), 90,
+              f"job {job} restored")
+        assert two.job(job)["BatchHost"] == other
+        until(lambda: sum(1 for r in _rounds(out) if r[3] == other) >= 3, 30,
+              f"three rounds on {other}")
+        rounds = _rounds(out)
+        assert [r[0] for r in rounds] == list(range(1, len(rounds) + 1))
+        assert all(r[1] == str(r[0]) for r in rounds), rounds
+        assert sum(1 for r in rounds if r[4] is not None) == 1, rounds
+        assert peer.sources[-1] == _addr(two, other)
+        until(lambda: _lock_rules(two, first) == [], 30, f"{first}'s lock rules lifted")
+        assert _lock_rules(two, other) == []
+    finally:
+        two.run("scancel", job, check=False)
+        two.run("scontrol", "update", f"NodeName={first}", "State=RESUME", check=False)
