@@ -80,6 +80,7 @@ bench: install
 	$(BIN)/python -m bench.containers $(BENCH_CONTAINERS_ARGS)
 	$(BIN)/python -m bench.slurm_nodes $(BENCH_NODES_ARGS)
 	$(BIN)/python -m bench.soak $(BENCH_SOAK_ARGS)
+	$(BIN)/python -m bench.verify $(BENCH_VERIFY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)
