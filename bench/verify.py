@@ -106,11 +106,11 @@ def _report(rows: list[dict[str, Any]]) -> str:
         small, large = rows[0], rows[-1]
         gib = (large["image_bytes"] - small["image_bytes"]) / GIB
         if gib > 0:
-            v = (large["verify_median_s"] - small["verify_median_s"]) / gib
-            r = (large["restore_median_s"] - small["restore_median_s"]) / gib
+            per_v = (large["verify_median_s"] - small["verify_median_s"]) / gib
+            per_r = (large["restore_median_s"] - small["restore_median_s"]) / gib
             lines += ["", f"Marginal cost between {small['size_mib']} and {large['size_mib']} "
-                          f"MiB: verify {v:.2f} s/GiB, restore {r:.2f} s/GiB"
-                          f"{f' (x{v / r:.2f})' if r > 0 else ''}."]
+                          f"MiB: verify {per_v:.2f} s/GiB, restore {per_r:.2f} s/GiB"
+                          f"{f' (x{per_v / per_r:.2f})' if per_r > 0 else ''}."]
     return "\n".join(lines) + "\n"
 
 
