@@ -30,7 +30,7 @@ from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller, account
 from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
-from stasis.engine import credentials, nodefacts, privatetmp, proctree
+from stasis.engine import credentials, nodefacts, nodelocal, privatetmp, proctree
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
@@ -202,7 +202,7 @@ class Dumper:
         if encrypt is None:
             encrypt = self.core.settings.encrypt
         # Refused before CRIU freezes anything (and checked again on the frozen tree, below).
-        refused = beyond_owner(pid, info)
+        refused = beyond_owner(pid, info) or self._node_local_refusal(pid, info)
         if refused:
             raise CheckpointError(f"checkpoint of {what} refused, job still running: {refused}")
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
@@ -234,6 +234,15 @@ class Dumper:
             frozen_s=round(result.duration_s, 4), leave_running=leave_running,
             store=self.core.store.url, reason=reason))
         return done
+
+    def _node_local_refusal(self, pid: int, info: CheckpointInfo) -> str | None:
+        """Why the tree's node-local files cannot travel with it (over node_local_limit), or
+        None: said at once, before CRIU freezes anything (and checked again as they are read)."""
+        try:
+            found = nodelocal.find(pid, info.uid)
+        except OSError as e:
+            return f"cannot read the job's node-local files ({e})"
+        return nodelocal.too_large(found, self.core.settings.node_local_limit)
 
     def dump_settled(self, checkpoint_id: str) -> None:
         """The tree a dump stopped was killed (or resumed): nothing is left to undo. Its entry
@@ -323,11 +332,13 @@ class Dumper:
         # notification: it makes CRIU wait on this daemon (one stopped mid-dump would hold the
         # job frozen with it).
         opened = nodefacts.OpenFilesAtDump(pid)
+        # Its node-local files go into the images at the same point (engine/nodelocal.py).
+        carried = nodelocal.AtDump(pid, info.uid, target, self.core.settings.node_local_limit)
         # What the images record is the frozen tree's: its credentials are checked again there
         # (a setuid program exec'd since the check above), at CRIU's post-dump for a dump that
         # leaves the job running (a refusal aborts the dump), once CRIU left it stopped for one
         # that stops it.
-        at_post_dump = _CredentialsAtPostDump(pid, info, opened)
+        at_post_dump = _CredentialsAtPostDump(pid, info, opened, carried)
         options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
                               criu_started=lambda criu_pid: self.core.journal.note_criu(
                                   info.id, criu_pid, proctree.start_time(criu_pid)),
@@ -346,9 +357,10 @@ class Dumper:
             if tail:
                 tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
-            if at_post_dump.refused:
+            refused = at_post_dump.refused or carried.refused
+            if refused:
                 raise CheckpointError(f"checkpoint of {what} refused, job still running: "
-                                      f"{at_post_dump.refused}") from e
+                                      f"{refused}") from e
             # CRIU names no process when one end of a connection is outside the job: we can.
             why = obstacles.explain(pid, viewer=info.uid)
             raise CheckpointError(f"checkpoint of {what} failed, job still running: "
@@ -363,7 +375,9 @@ class Dumper:
         # What CRIU's lock holds of the job's TCP connections until its checkpoint is restored.
         rules = [] if leave_running else netlock.rules_from_log(result.log_path)
         if not leave_running:
-            refused = beyond_owner(pid, info)  # stopped as CRIU left it: as its images say
+            # Stopped as CRIU left it: as its images say.
+            refused = beyond_owner(pid, info) or (
+                None if carried.collect() else carried.refused)
             if refused:
                 self._discard(info.id, fast)
                 self._resume(pid, rules, what)
@@ -371,6 +385,10 @@ class Dumper:
                                       f"{refused}")
             opened("post-dump", pid)  # the tree stands stopped as CRIU left it
         info = self._with_facts(info, criu, opened.files)
+        if carried.packed.paths:
+            # Signed with the manifest: a restore knows what it recreates before it fetches.
+            info = info.model_copy(update={"extra": {
+                **info.extra, nodelocal.MANIFEST_KEY: carried.packed.manifest_entry()}})
         try:
             manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed,
                                                data_key=data_key)
@@ -517,13 +535,17 @@ def beyond_owner(pid: int, info: CheckpointInfo) -> str | None:
 class _CredentialsAtPostDump:
     """A leave-running dump's notify handler: at CRIU's post-dump (the tree still frozen, as
     its images record it) refuses a tree with credentials beyond its owner's (False aborts the
-    dump; `refused` says why), else lists its open files (nodefacts.OpenFilesAtDump)."""
+    dump; `refused` says why), else lists its open files (nodefacts.OpenFilesAtDump) and
+    carries its node-local files into the images (False, and `carried.refused`, when they
+    cannot go)."""
 
     def __init__(self, pid: int, info: CheckpointInfo,
-                 opened: nodefacts.OpenFilesAtDump) -> None:
+                 opened: nodefacts.OpenFilesAtDump,
+                 carried: nodelocal.AtDump | None = None) -> None:
         self.pid = pid
         self.info = info
         self.opened = opened
+        self.carried = carried
         self.refused: str | None = None
 
     def __call__(self, script: str, pid: int) -> bool:
@@ -534,6 +556,13 @@ class _CredentialsAtPostDump:
                 self.refused = f"cannot read the credentials of the job's processes ({e})"
             if self.refused:
                 return False
+            if self.carried is not None:
+                try:
+                    if not self.carried.collect():
+                        return False
+                except Exception as e:  # noqa: BLE001 - an exception would be CRIU's error
+                    self.carried.refused = f"its node-local files cannot be carried ({e})"
+                    return False
         return self.opened(script, pid)
 
 

@@ -44,7 +44,7 @@ from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.daemon.streamed import stream_restore
 from stasis.daemon.verifying import verified_only
-from stasis.engine import CRIU, Owner, find_criu, nodefacts, privatetmp, proctree
+from stasis.engine import CRIU, Owner, find_criu, nodefacts, nodelocal, privatetmp, proctree
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
@@ -235,6 +235,9 @@ class Restorer:
             # resumed only once they passed (the supervisor waits for our word at post-restore).
             manifest, images = in_place
             mode = "inplace"
+            # The node-local files are written out before CRIU runs, before the gate's hash of
+            # the rest could catch damage: checked first (engine/nodelocal.py).
+            store.verify(manifest, only=_is_node_local)
             spec.update(images=str(images), lazy=lazy, gate=True)
             checked = manifest
             if lazy:
@@ -417,7 +420,8 @@ class Restorer:
             owner = Owner(manifest.uid, manifest.gid)  # nobody's here: the user fact says so
         files = nodefacts.stat_files_as(owner, [f["path"] for f in expect["files"] or ()])
         facts = nodefacts.compare(expect, nodefacts.node(self.criu_version()), files,
-                                  skip=[manifest.log_path] if manifest.log_path else [])
+                                  skip=[manifest.log_path] if manifest.log_path else [],
+                                  travels=nodelocal.travelling(manifest.extra))
         return wire.CheckpointCheck(
             checkpoint=manifest.id, node=node, recorded=True, facts=facts,
             restorable=all(f["verdict"] != "refuses" for f in facts))
@@ -460,6 +464,10 @@ def _why_not_lazy(manifest: Manifest, url: str) -> str:
     why = "the checkpoint was stored before images were chunked: its images were fetched"
     return (f"lazy restore not possible: {why} into scratch space that goes away after the "
             "restore; restored in full")
+
+
+def _is_node_local(entry: FileEntry) -> bool:
+    return entry.name == nodelocal.ARCHIVE_NAME
 
 
 def _is_pages(entry: FileEntry) -> bool:

@@ -338,10 +338,12 @@ def _version(text: str) -> tuple[int, ...] | None:
 
 
 def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileState] | None,
-            skip: Iterable[str] = ()) -> list[wire.CompatFact]:
+            skip: Iterable[str] = (), travels: Iterable[str] = ()) -> list[wire.CompatFact]:
     """Every recorded fact against this node. `files`: the recorded files' paths as a restore
     would find them (`stat_files`, with the owner's rights); None leaves files out. `skip`:
-    paths a restore re-points rather than reopens (the job's log)."""
+    paths a restore re-points rather than reopens (the job's log). `travels`: node-local files
+    the checkpoint carries (engine/nodelocal.py): missing, a restore makes them first; one the
+    job wrote that differs, the checkpoint's copy replaces."""
     out = [_arch(recorded, here), *_cpu(recorded, here), _criu(recorded, here)]
     out.append(_finding("kernel", recorded["kernel"], here.kernel) if recorded["kernel"] ==
                here.kernel else _finding(
@@ -355,12 +357,12 @@ def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileSta
                    f"{recorded['stasis_version']})"))
     out.append(_user(recorded))
     if files is not None:
-        skipped = set(skip)
+        skipped, carried = set(skip), set(travels)
         for entry in recorded["files"] or ():
             if entry["path"] not in skipped:
-                out.append(_file(entry, files.get(entry["path"],
-                                                  FileState(entry["path"], "not looked at")),
-                                 recorded["user"]))
+                now = files.get(entry["path"], FileState(entry["path"], "not looked at"))
+                made = _carried(entry, now) if entry["path"] in carried else None
+                out.append(made or _file(entry, now, recorded["user"]))
     if recorded["files"] is None:
         out.append(_finding("open files", "not recorded", "", "note",
                             "the dump could not list the job's open files: they are not "
@@ -489,6 +491,25 @@ def _file(entry: wire.OpenFile, now: FileState, user: str) -> wire.CompatFact:
     return _finding(fact, was, here)
 
 
+def _carried(entry: wire.OpenFile, now: FileState) -> wire.CompatFact | None:
+    """A node-local file the checkpoint carries: what its restore does with it, or None where
+    the usual comparison decides (it is there and the job only read it, or appends to it)."""
+    path = entry["path"]
+    fact = f"file {path}"
+    was = _describe(entry["size_bytes"], entry["mode"], entry["mtime_ns"])
+    if now.error == os.strerror(errno.ENOENT):
+        return _finding(fact, was, "missing, in the checkpoint", "note",
+                        f"{path} is not on this node: the restore recreates it from the "
+                        "checkpoint (a node-local file of the job's)")
+    if now.error is None and entry["access"] == "write" and (
+            now.size_bytes, now.mode, now.mtime_ns) != (
+            entry["size_bytes"], entry["mode"], entry["mtime_ns"]):
+        return _finding(fact, was, _describe(now.size_bytes, now.mode, now.mtime_ns), "note",
+                        f"{path} differs from the checkpoint's copy, which replaces it (the "
+                        "job's own node-local file; refused if another process has it open)")
+    return None
+
+
 def refusal(checkpoint_id: str, findings: Iterable[wire.CompatFact]) -> str | None:
     """The one line refusing a restore of `checkpoint_id` here, or None when nothing refuses."""
     whys = [f["why"] for f in findings if f["verdict"] == "refuses"]
@@ -500,8 +521,8 @@ def refusal(checkpoint_id: str, findings: Iterable[wire.CompatFact]) -> str | No
 
 
 def require(checkpoint_id: str, recorded: wire.RestoreFacts, criu: CRIU, owner: Owner,
-            skip: Iterable[str] = (), known_criu_version: str | None = None
-            ) -> list[wire.CompatFact]:
+            skip: Iterable[str] = (), known_criu_version: str | None = None,
+            travels: Iterable[str] = ()) -> list[wire.CompatFact]:
     """Compare before a restore, the files with `owner`'s rights (single-threaded callers):
     IncompatibleNodeError naming every difference that refuses, else the findings (notes).
     `known_criu_version`: `criu`'s, when the caller knows it (asking CRIU takes 5-20 ms)."""
@@ -509,7 +530,7 @@ def require(checkpoint_id: str, recorded: wire.RestoreFacts, criu: CRIU, owner: 
     paths = [f["path"] for f in recorded["files"] or ()]
     with owner_rights(owner):
         files = stat_files(paths)
-    findings = compare(recorded, here, files, skip)
+    findings = compare(recorded, here, files, skip, travels)
     refused = refusal(checkpoint_id, findings)
     if refused is not None:
         raise IncompatibleNodeError(refused)

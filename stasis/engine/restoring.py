@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stasis import wire
-from stasis.engine import credentials, netidentity, nodefacts, rpc
+from stasis.engine import credentials, netidentity, nodefacts, nodelocal, rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
-from stasis.errors import CRIUError, OwnerDeniedError
+from stasis.errors import CRIUError, IncompatibleNodeError, OwnerDeniedError
 
 
 def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
@@ -81,13 +81,29 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                 f"{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}, more than its "
                 f"owner {_name(owner.uid)} has, and a restore would give that back; only root "
                 "may restore it")
+    # The node-local files the checkpoint carries (engine/nodelocal.py): what this node lacks
+    # is decided here, before anything is written, and made before CRIU reopens it.
+    try:
+        carried = nodelocal.prepare(images / nodelocal.ARCHIVE_NAME, owner.uid)
+    except nodelocal.NodeLocalError as e:
+        raise IncompatibleNodeError(
+            f"cannot restore checkpoint {checkpoint or images} on this node: {e}; nothing "
+            "was restored") from e
     found: list[wire.CompatFact] = []
     if expect is not None:
         # The caller is single-threaded (a supervisor, a Slurm task's helper): the files are
         # looked at with the owner's rights, as CRIU will reopen them.
         found = nodefacts.require(checkpoint or str(images), expect, criu, owner,
                                   skip=[old for old, _ in outputs],
-                                  known_criu_version=criu_version)
+                                  known_criu_version=criu_version,
+                                  travels=carried.paths if carried else ())
+    made: list[str] = []
+    if carried is not None:
+        try:
+            made = carried.apply()
+        except nodelocal.NodeLocalError as e:
+            raise IncompatibleNodeError(
+                f"cannot restore checkpoint {checkpoint or images} on this node: {e}") from e
     # Its TCP connections on this node: kept, restored closed (a move), or refused (a socket
     # bound to the old node's address). A sandbox has a network of its own: not its concern.
     network = netidentity.Plan() if sandboxed else \
@@ -108,7 +124,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                                  close_tcp=[] if network.all_closed else network.close_inodes)
         try:
             result = criu.restore(images, options, log_name)
-            result.notes.extend([*nodefacts.notes(found), *network.notes])
+            result.notes.extend([*nodefacts.notes(found), *network.notes, *made])
             return result
         except CRIUError as e:
             # CRIU's words, read here at the edge: with the owner's rights, EACCES means a path

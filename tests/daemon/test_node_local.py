@@ -1,0 +1,250 @@
+"""A job's node-local files travel with its checkpoint (issue 29), on one node, through a real
+daemon and real CRIU: what the job keeps under /tmp or /dev/shm (a tempfile, a SQLite database,
+a FIFO, the directory of its unix socket, a JVM's hsperfdata file) is removed after its dump, as
+on a node that never ran it, and its restore brings it back: the job's count goes on, read back
+from the file. A job over node_local_limit is refused at once, still running; a symbolic link
+its user plants where the restore recreates a directory or a file refuses the restore, and root
+writes nothing where it points."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stasis.engine import nodelocal, proctree
+from tests.conftest import TEST_USER, WORKLOADS, Daemon, MakeDaemon, wait_for, workload
+from tests.daemon.test_bad_input import one_line_error
+
+
+def _counts(d: Daemon, job: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^count (\d+)$", d.log_of(job), re.M)]
+
+
+def _last(d: Daemon, job: str) -> int:
+    found = _counts(d, job)
+    return found[-1] if found else 0
+
+
+def _goes_on(d: Daemon, job: str, at_dump: int) -> None:
+    """The restored job counts on from where it was dumped: its state came back, files too."""
+    try:
+        wait_for(lambda: _last(d, job) >= at_dump + 5, what="counting on after the restore")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {d.log_of(job)[-1500:]}") from None
+    text = d.log_of(job)
+    assert "MISMATCH" not in text and "Traceback" not in text, text[-2000:]
+    values = _counts(d, job)
+    assert values == list(range(1, len(values) + 1)), values[-20:]
+
+
+@pytest.fixture
+def user_dir() -> Iterator[Path]:
+    """A fresh directory of the test user's under /tmp (as a job makes its own)."""
+    pw = pwd.getpwnam(TEST_USER)
+    path = Path(tempfile.mkdtemp(prefix="nl-", dir="/tmp"))
+    os.chown(path, pw.pw_uid, pw.pw_gid)
+    os.chmod(path, 0o750)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _as_user(*command: str) -> None:
+    subprocess.run(["runuser", "-u", TEST_USER, "--", *command], check=True)
+
+
+def _job(d: Daemon, kind: str, directory: Path, *more: object) -> Any:
+    job = d.run(*workload("keeplocal.py", kind, directory, *more), user=TEST_USER)
+    wait_for(lambda: _last(d, job["job"]) >= 3, what="counting")
+    return job
+
+
+def _stop_dump(d: Daemon, job: Any) -> tuple[str, int]:
+    checkpoint = d.json("dump", job["job"])["checkpoint"]
+    return checkpoint, _last(d, job["job"])
+
+
+@pytest.mark.parametrize("kind", ["tmp", "fifo"])
+def test_a_file_in_tmp_comes_back_with_the_job(daemon: Daemon, user_dir: Path,
+                                               kind: str) -> None:
+    job = _job(daemon, kind, user_dir)
+    kept = next(user_dir.iterdir())
+    checkpoint, at_dump = _stop_dump(daemon, job)
+    before = kept.lstat()  # the job stopped as dumped
+    # As on a node that never ran it: its directory is gone too.
+    shutil.rmtree(user_dir)
+    restored = daemon.json("restore", checkpoint)
+    now = kept.lstat()
+    assert (now.st_uid, now.st_gid, stat.S_IMODE(now.st_mode), stat.S_IFMT(now.st_mode)) == \
+        (before.st_uid, before.st_gid, stat.S_IMODE(before.st_mode), stat.S_IFMT(before.st_mode))
+    assert stat.S_IMODE(user_dir.stat().st_mode) == 0o750
+    assert user_dir.stat().st_uid == pwd.getpwnam(TEST_USER).pw_uid
+    if kind == "tmp":  # its time as dumped (the restored job has written it since)
+        carried = nodelocal.read_index(Path(daemon.store) / checkpoint / nodelocal.ARCHIVE_NAME)
+        assert [e.mtime_ns for e in carried if e.path == str(kept)] == [before.st_mtime_ns]
+    assert any("recreated" in n for n in restored["notes"]), restored["notes"]
+    _goes_on(daemon, restored["job"], at_dump)
+    daemon.cli("kill", restored["job"])
+
+
+def test_a_sqlite_database_in_dev_shm_comes_back(daemon: Daemon) -> None:
+    pw = pwd.getpwnam(TEST_USER)
+    shm = Path(tempfile.mkdtemp(prefix="nl-", dir="/dev/shm"))
+    os.chown(shm, pw.pw_uid, pw.pw_gid)
+    try:
+        job = _job(daemon, "shm", shm)
+        checkpoint, at_dump = _stop_dump(daemon, job)
+        db = next(shm.glob("*.db"))
+        assert {p.name for p in shm.iterdir()} == {db.name, f"{db.name}-wal", f"{db.name}-shm"}
+        for path in shm.iterdir():
+            path.unlink()
+        restored = daemon.json("restore", checkpoint)
+        assert db.stat().st_uid == pw.pw_uid
+        _goes_on(daemon, restored["job"], at_dump)
+        daemon.cli("kill", restored["job"])
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _ask(path: Path) -> int:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.settimeout(10)
+        c.connect(str(path))
+        line = c.makefile().readline()
+    return int(line.split()[1])
+
+
+def test_a_unix_socket_in_a_removed_directory_listens_again(daemon: Daemon,
+                                                            user_dir: Path) -> None:
+    job = _job(daemon, "sock", user_dir)
+    sock = user_dir / "sock"
+    asked = _ask(sock)
+    assert asked >= 3
+    checkpoint, at_dump = _stop_dump(daemon, job)
+    shutil.rmtree(user_dir)
+    restored = daemon.json("restore", checkpoint)
+    assert user_dir.stat().st_uid == pwd.getpwnam(TEST_USER).pw_uid
+    # The server's count in memory goes on: a client gets a number past the one before.
+    again = wait_for(lambda: _ask(sock), what="the restored server answering")
+    assert again >= at_dump >= asked, (asked, at_dump, again)
+    _goes_on(daemon, restored["job"], at_dump)
+    daemon.cli("kill", restored["job"])
+
+
+def test_a_job_over_the_limit_is_refused_at_once_and_keeps_running(
+        make_daemon: MakeDaemon, user_dir: Path) -> None:
+    d = make_daemon(env={"STASIS_NODE_LOCAL_LIMIT": str(64 << 10)})
+    job = _job(d, "big", user_dir, 200 << 10)
+    big = next(user_dir.glob("big-*"))
+    line = one_line_error(d.cli("dump", job["job"], check=False), 1,
+                          f"checkpoint of job {job['job']} refused, job still running",
+                          "node_local_limit", f"{big} (200.0 KiB)")
+    if "small-" in line:
+        assert line.index(str(big)) < line.index("small-")  # the largest first
+    was = _last(d, job["job"])
+    wait_for(lambda: _last(d, job["job"]) >= was + 3, what="the job counting on")
+    assert d.job(job["job"])["state"] == "running"
+    assert d.json("checkpoints") == []
+    d.cli("kill", job["job"])
+
+
+@pytest.mark.parametrize("where", ["directory", "file"])
+def test_a_planted_symlink_refuses_the_restore_and_root_writes_nothing_there(
+        daemon: Daemon, user_dir: Path, world_tmp: Path, where: str) -> None:
+    job = _job(daemon, "tmp", user_dir)
+    kept = next(user_dir.iterdir())
+    checkpoint, _ = _stop_dump(daemon, job)
+    # A directory only root may write, as /etc is: where the user wants root to write.
+    victim = Path(tempfile.mkdtemp(prefix="victim-", dir=world_tmp))
+    os.chmod(victim, 0o755)
+    _as_user("rm", "-rf", str(user_dir if where == "directory" else kept))
+    if where == "directory":
+        # /tmp is sticky: the user removes their own directory, and links its name.
+        _as_user("ln", "-s", str(victim), str(user_dir))
+        planted = user_dir
+    else:
+        _as_user("ln", "-s", str(victim / kept.name), str(kept))
+        planted = kept
+    line = one_line_error(daemon.cli("restore", checkpoint, check=False), 1,
+                          f"cannot restore checkpoint {checkpoint}",
+                          f"{planted} is a symbolic link")
+    assert list(victim.iterdir()) == [], line
+    assert not any(j["state"] in ("running", "restored") and j.get("checkpoint") == checkpoint
+                   for j in daemon.json("ps"))
+    # Taken away, the restore goes on as the checkpoint says.
+    os.unlink(planted)
+    restored = daemon.json("restore", checkpoint)
+    assert list(victim.iterdir()) == []
+    daemon.cli("kill", restored["job"])
+
+
+def test_a_file_of_the_jobs_own_that_differs_is_replaced_unless_in_use(
+        daemon: Daemon, user_dir: Path) -> None:
+    job = _job(daemon, "tmp", user_dir)
+    kept = next(user_dir.iterdir())
+    checkpoint, at_dump = _stop_dump(daemon, job)
+    # Changed after the dump (a --leave-running job that went on, then ended): the job's own.
+    _as_user("sh", "-c", f"printf 999999 > {kept}")
+    # Someone has it open: it is not only the job's, the restore says so and waits.
+    with open(kept) as held:
+        holder = subprocess.Popen(["sleep", "60"], stdin=held, user=TEST_USER)
+    try:
+        one_line_error(daemon.cli("restore", checkpoint, check=False), 1,
+                       f"{kept} differs from the checkpoint's copy and process")
+    finally:
+        holder.kill()
+        holder.wait()
+    restored = daemon.json("restore", checkpoint)
+    assert any("replaced by the checkpoint's copy" in n for n in restored["notes"]), \
+        restored["notes"]
+    _goes_on(daemon, restored["job"], at_dump)
+    daemon.cli("kill", restored["job"])
+
+
+def test_a_java_job_restores_after_leave_running_and_kill(daemon: Daemon,
+                                                          world_tmp: Path) -> None:
+    javac = shutil.which("javac")
+    if javac is None:
+        pytest.fail("javac is missing: run scripts/install-test-apps.sh (default-jdk-headless)")
+    classes = Path(tempfile.mkdtemp(prefix="java-", dir=world_tmp))
+    os.chmod(classes, 0o755)
+    subprocess.run([javac, "-d", str(classes), str(WORKLOADS / "Ticker.java")], check=True,
+                   timeout=120)
+    job = daemon.run("java", "-Xmx32m", "-XX:+UseSerialGC", "-Xshare:off",
+                     "-XX:TieredStopAtLevel=1", "-cp", str(classes), "Ticker")
+    wait_for(lambda: _last(daemon, job["job"]) >= 3, 30, what="the JVM counting")
+    floor = _last(daemon, job["job"])
+    checkpoint = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
+    # The JVM's perf data file, which it keeps mapped (as its pid in the job's namespace).
+    ours = sorted({line.split()[-1] for p in proctree.tree(job["pid"])
+                   for line in Path(f"/proc/{p}/maps").read_text().splitlines()
+                   if "/tmp/hsperfdata_root/" in line})
+    assert ours
+    # SIGTERM: the JVM removes its hsperfdata file on the way out.
+    daemon.cli("kill", job["job"])
+    wait_for(lambda: not os.path.exists(ours[0]), what="the JVM removing its perf data")
+    before = len(daemon.log_of(job["job"]))  # the restored job appends to the same log
+    restored = daemon.json("restore", checkpoint)
+    assert os.path.exists(ours[0])
+    carried = nodelocal.read_index(Path(daemon.store) / checkpoint / nodelocal.ARCHIVE_NAME)
+    assert ours[0] in [e.path for e in carried if e.kind == "file"]
+
+    def after() -> list[int]:
+        return [int(n) for n in re.findall(r"^count (\d+)$",
+                                           daemon.log_of(restored["job"])[before:], re.M)]
+    wait_for(lambda: len(after()) >= 5, 30, what="the JVM counting on")
+    values = after()
+    # On from the dump, not from 1.
+    assert values[0] > floor and values == list(range(values[0], values[0] + len(values))), \
+        (floor, values)
+    daemon.cli("kill", restored["job"])
