@@ -248,3 +248,27 @@ def test_a_java_job_restores_after_leave_running_and_kill(daemon: Daemon,
     assert values[0] > floor and values == list(range(values[0], values[0] + len(values))), \
         (floor, values)
     daemon.cli("kill", restored["job"])
+
+
+@pytest.mark.parametrize("mode", ["lazy-in-place", "streamed", "fetched", "lazy-served"])
+def test_every_restore_mode_recreates_the_files_first(make_daemon: MakeDaemon, world_tmp: Path,
+                                                      user_dir: Path, mode: str) -> None:
+    """In place (above), lazily in place, decoded while CRIU reads (a compressed checkpoint),
+    fetched from a store CRIU may not read, lazily with its pages served from such a store:
+    each has the archive before CRIU runs."""
+    store = None
+    if mode in ("fetched", "lazy-served"):
+        path = world_tmp / f"nl-store-{os.urandom(3).hex()}"
+        path.mkdir(mode=0o700)
+        store = f"dir::file://{path}"
+    d = make_daemon(store=store) if store else make_daemon()
+    job = _job(d, "tmp", user_dir)
+    compress = ["--compress", "zstd"] if mode == "streamed" else []
+    checkpoint = d.json("dump", *compress, job["job"])["checkpoint"]
+    at_dump = _last(d, job["job"])
+    shutil.rmtree(user_dir)
+    restored = d.json("restore", *(["--lazy"] if mode.startswith("lazy") else []), checkpoint)
+    assert any("recreated" in n for n in restored["notes"]), restored["notes"]
+    assert restored["lazy"] == mode.startswith("lazy"), restored
+    _goes_on(d, restored["job"], at_dump)
+    d.cli("kill", restored["job"])
