@@ -57,9 +57,10 @@ serve(srv)
 CLIENT = """\
 import os, socket, sys, time
 peer_host, peer_port, inner_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+inner_host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", inner_port))
+srv.bind(("127.0.0.1" if inner_host == "127.0.0.1" else "0.0.0.0", inner_port))
 srv.listen()
 if os.fork() == 0:
     conn, _ = srv.accept()
@@ -70,7 +71,7 @@ if os.fork() == 0:
         conn.sendall(f"{n}\\n".encode())
     os._exit(0)
 srv.close()
-inner = socket.create_connection(("127.0.0.1", inner_port))
+inner = socket.create_connection((inner_host, inner_port))
 inner_r = inner.makefile()
 def connect():
     c = socket.create_connection((peer_host, peer_port))
@@ -79,8 +80,11 @@ outer, outer_r = connect()
 i = 0
 while True:
     i += 1
-    inner.sendall(b"x\\n")
-    inside = inner_r.readline().strip() or "closed"
+    try:
+        inner.sendall(b"x\\n")
+        inside = inner_r.readline().strip() or "closed"
+    except OSError:
+        inside = "closed"
     try:
         outer.sendall(b"ping\\n")
         line = outer_r.readline()
@@ -251,6 +255,32 @@ def test_connection_to_a_peer_outside_the_job_is_closed_on_a_move_with_a_note(
         # reads in the store that the checkpoint was restored elsewhere.
         assert _lock_rules(two, "n2") == []
         until(lambda: _lock_rules(two, "n1") == [], 30, "n1's lock rules lifted")
+    finally:
+        _kill(two, "n2", answer["job"])
+
+
+def test_connection_inside_the_job_over_the_old_nodes_address_is_closed_with_a_note(
+        two: Cluster, peer: Peer) -> None:
+    n1 = _addr(two, "n1")
+    job, log = _run(two, "n1", "selfish", str(two.work / "client.py"), peer.address,
+                    str(peer.port), str(_port()), n1)
+    until(lambda: len(_rounds(log)) >= 5, 30, "five rounds on n1")
+    _dump(two, "n1", job)
+    before = _rounds(log)
+    answer = _restore(two, "n2", "selfish")
+    try:
+        notes = answer["notes"]
+        assert isinstance(notes, list) and len(notes) == 2, notes
+        assert notes[1].startswith("1 TCP connection between processes of the job was closed "
+                                   f"on the move: it runs over an address of the node that "
+                                   f"checkpointed it ({n1})"), notes
+        until(lambda: sum(1 for r in _rounds(log) if r[3] == "n2") >= 3, 30,
+              "three rounds on n2")
+        after = _rounds(log)[len(before):]
+        # Both of its ends were closed (the job's own server end read end-of-file); the
+        # connection to the outside peer was re-made, the job going on.
+        assert {r[1] for r in after} == {"closed"}, after
+        assert after[0][0] == before[-1][0] + 1
     finally:
         _kill(two, "n2", answer["job"])
 
