@@ -173,6 +173,7 @@ class ControlPlaneNode(Integration):
         self._worker_failing: str | None = None
         self._unleased: str | None = None
         self._closing = False
+        self._no_verdicts_said = False  # an older control plane refused them (said once)
 
     def tables(self) -> Sequence[Table]:
         return [done_table, outbox_table, restored_table, intent_table]
@@ -373,11 +374,23 @@ class ControlPlaneNode(Integration):
                 self._registered = True
             else:
                 ids, outbox = self._outbox()
-                self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}"
-                                    "/heartbeat", {"jobs": self._jobs(),
-                                                   **self._report_of(outbox),
-                                                   "mem_total_bytes": _mem_total(),
-                                                   "scheduler_state": self._scheduler_state()})
+                body = {"jobs": self._jobs(), **self._report_of(outbox),
+                        "mem_total_bytes": _mem_total(),
+                        "scheduler_state": self._scheduler_state()}
+                path = f"/api/v1/nodes/{self.manager.settings.node}/heartbeat"
+                try:
+                    self.client.request("POST", path, body)
+                except UsageError as e:
+                    if "verdicts" not in body or "verdicts" not in str(e):
+                        raise
+                    # A control plane older than verdicts refuses the key: the node is not
+                    # to look lost to it for that. Its verdicts are dropped, said once.
+                    if not self._no_verdicts_said:
+                        log.warning("control plane: it takes no verdicts of `stasis verify` "
+                                    "(%s): this node's are not reported to it", e)
+                        self._no_verdicts_said = True
+                    self.client.request("POST", path, {k: v for k, v in body.items()
+                                                       if k != "verdicts"})
                 self._sent(ids)
             self._beats += 1
             self._renew()
