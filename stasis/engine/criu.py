@@ -192,7 +192,7 @@ class CRIU:
             opts.notify_scripts = options.notify is not None
             own = options.own_mounts
             if own if own is not None else privatetmp.own_mount_ns(pid):
-                privatetmp.dump_options(opts)
+                privatetmp.dump_options(opts, pid)
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify, options.criu_started).call(req)

@@ -94,13 +94,24 @@ def _devices(mountinfo: str) -> set[int]:
     return found
 
 
-def dump_options(opts: Any) -> None:
+def _key(mount: str) -> str:
+    return "stasis" + mount.replace("/", "-")  # /var/tmp: stasis-var-tmp
+
+
+def dump_options(opts: Any, pid: int) -> None:
     """CRIU's dump options for a tree in a mount namespace of its own: every mount the node
     has as well is external (bound from the node's path again on restore), shared or slave
-    ones too; what only the namespace has (its private tmpfs's) CRIU dumps."""
+    ones too; what only the namespace has (its private tmpfs's) CRIU dumps.
+
+    A /tmp or /var/tmp bound from a directory of the node's (Slurm's job_container/tmpfs binds
+    BasePath/<jobid>/.<jobid>) is external under a key of ours instead: its restore binds the
+    restorer's own /tmp there (a requeued job's new one, on whatever node, under whatever job
+    id), not the old job's directory."""
     opts.auto_ext_mnt = True
     opts.ext_sharing = True
     opts.ext_masters = True
+    for mount in _bound_from_node(pid):
+        opts.external.append(f"mnt[{mount}]:{_key(mount)}")
 
 
 def restore_options(opts: Any) -> None:
@@ -109,6 +120,25 @@ def restore_options(opts: Any) -> None:
     opts.ext_sharing = True
     opts.ext_masters = True
     opts.root = "/"
+    for mount in MOUNTS:  # a key the images do not use is ignored
+        opts.ext_mnt.add(key=_key(mount), val=mount)
+
+
+def _bound_from_node(pid: int) -> list[str]:
+    """Which of MOUNTS are, in `pid`'s mount namespace, mounts of a filesystem the caller's
+    namespace has too (binds of a node's directory), not the namespace's own."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            table = [line.split() for line in f]
+        ours = _devices("/proc/self/mountinfo")
+    except (OSError, ValueError, IndexError):
+        return []
+    top: dict[str, int] = {}
+    for fields in table:
+        if len(fields) > 4 and fields[4] in MOUNTS:
+            major, _, minor = fields[2].partition(":")
+            top[fields[4]] = os.makedev(int(major), int(minor))  # the last one is on top
+    return sorted(m for m, dev in top.items() if dev in ours)
 
 
 def under_private(path: str) -> str | None:
