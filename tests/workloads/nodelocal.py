@@ -18,6 +18,7 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 kinds = sys.argv[1].split(",")
 tag = sys.argv[2]
@@ -80,7 +81,8 @@ class SqliteCount:
         return int(self.db.execute("SELECT n FROM c").fetchone()[0])
 
 
-makers = {"tmp": lambda: FileCount("/tmp"), "vartmp": lambda: FileCount("/var/tmp"),
+Store = FileCount | SocketCount | SqliteCount
+makers: dict[str, Callable[[], Store]] = {"tmp": lambda: FileCount("/tmp"), "vartmp": lambda: FileCount("/var/tmp"),
           "sock": SocketCount, "shm": SqliteCount}
 stores = {k: makers[k]() for k in kinds}
 print("ready", " ".join(f"{k}={s.f.name if isinstance(s, FileCount) else s.path}"
