@@ -40,6 +40,7 @@ _FILES_MAX = 64 << 20  # one entry per open file, ~100 bytes each
 _INETSK = 4  # fd_types.INETSK; file_entry.isk is field 4 too
 _IP_OPTS, _FREEBIND = 16, 2  # inet_sk_entry.ip_opts -> ip_opts_entry.freebind
 _TCP_LISTEN = 10
+_BOUND_PROTOS = (socket.IPPROTO_TCP, socket.IPPROTO_UDP, 136)  # 136: UDP-Lite
 _NAMED = 5  # connections named in a note, the rest counted
 
 
@@ -87,11 +88,11 @@ def plan(images: Path, checkpoint: str) -> Plan:
     """Decide, before CRIU runs, what happens to the inet sockets in `images` on this node.
     IncompatibleNodeError when one is bound to an address this node does not have."""
     found = sockets(images)
-    unbindable = [s for s in found if not s.connected_tcp and _specific(s.src)
-                  and not s.freebind and not _local(s.family, s.src)]
+    unbindable = [s for s in found if _binds(s) and not _local(s.family, s.src)]
     if unbindable:
         s = unbindable[0]
-        what = "listens on" if s.state == _TCP_LISTEN else "has a socket bound to"
+        what = "listens on" if s.state == _TCP_LISTEN else \
+            f"has a {'TCP' if s.proto == socket.IPPROTO_TCP else 'UDP'} socket bound to"
         more = f" (and {len(unbindable) - 1} more)" if len(unbindable) > 1 else ""
         raise IncompatibleNodeError(
             f"checkpoint {checkpoint} cannot be restored on {socket.gethostname()}: the job "
@@ -185,8 +186,16 @@ def _address(family: int, words: Sequence[int]) -> str:
     return str(ipaddress.IPv4Address(raw.ljust(4, b"\0")[:4]))
 
 
-def _specific(address: str) -> bool:
-    return not ipaddress.ip_address(address).is_unspecified
+def _binds(s: InetSocket) -> bool:
+    """Whether CRIU binds `s` to its own address on restore (sk-inet.c inet_bind()): a
+    listening or bound TCP or UDP socket not left to the TCP repair of its connection. An
+    IPv6 one it binds with IP_FREEBIND (bound, listening on nothing): only one the job itself
+    made so (an address that comes and goes) is let through."""
+    if s.connected_tcp or not s.sport or s.proto not in _BOUND_PROTOS:
+        return False
+    if ipaddress.ip_address(s.src).is_unspecified:
+        return False
+    return not (s.family == socket.AF_INET6 and s.freebind)
 
 
 def _local(family: int, address: str) -> bool:
