@@ -79,7 +79,7 @@ def rewritten_by_slurm(m: Manifest, job_id: str) -> list[str]:
 
 
 def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
-             ) -> int:
+             ) -> tuple[int, list[str]]:
     s: dict[str, Any] = m.extra.get("slurm", {})
     old_out = str(s.get("stdout") or m.log_path or "")
     old_err = str(s.get("stderr") or old_out)
@@ -127,7 +127,7 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
             store.mark_restored(m.id, settings.node)
         except StasisError:
             pass  # that node lifts it after netlock_timeout_s anyway
-    return result.pid
+    return result.pid, result.notes
 
 
 T = TypeVar("T")
@@ -241,7 +241,7 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         return EXIT_FRESH, out
     for m in found[:_MAX_TRIES]:
         try:
-            pid = _restore(settings, store, m, info, gid)
+            pid, notes = _restore(settings, store, m, info, gid)
         except CorruptCheckpointError as e:
             say.append(f"stasis: warning: skipping checkpoint {m.id}: {e}")
             continue
@@ -250,6 +250,7 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
             continue
         say.append(f"stasis: restored checkpoint {m.id} (label {label}, taken "
                    f"{m.created:%Y-%m-%dT%H:%M:%SZ} from job {m.job})")
+        say.extend(f"stasis: note: {note}" for note in notes)
         out.update(mode="restored", pid=pid, checkpoint=m.id)
         return EXIT_RESTORED, out
     else:
