@@ -350,6 +350,10 @@ def test_slurm_job_requeued_to_another_node_reconnects_to_its_peer(two: Cluster,
         until(lambda: "stasis: restored checkpoint" in out.read_text(), 90,
               f"job {job} restored")
         assert two.job(job)["BatchHost"] == other
+        # The job's output says which connection was closed.
+        assert re.search(r"^stasis: note: 1 TCP connection to a peer outside the job was "
+                         rf"closed on the move .*: {re.escape(peer.address)}:{peer.port}$",
+                         out.read_text(), re.M), out.read_text()
         until(lambda: sum(1 for r in _rounds(out) if r[3] == other) >= 3, 30,
               f"three rounds on {other}")
         rounds = _rounds(out)
