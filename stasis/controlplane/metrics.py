@@ -1,7 +1,7 @@
 """The control plane's Prometheus metrics (text exposition format 0.0.4), from its database:
 nodes by state, live jobs, commands by kind and state, checkpoints taken through it and their
 bytes; the checkpoints and restores the nodes report (counts, bytes, seconds, frozen seconds)
-and the node-hours of work restores kept (savings)."""
+the verdicts of `stasis verify` on them, and the node-hours of work restores kept (savings)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ def render(registry: Registry, by: Principal, lost_after_s: float) -> str:
     metric("stasis_checkpoint_frozen_seconds_total", "counter",
            "Seconds their jobs stood frozen for them.",
            {_labels(cluster=t["cluster"]): round(float(t["frozen"]), 4) for t in totals})
+    metric("stasis_checkpoints_verified", "gauge",
+           "Live checkpoints the nodes reported, by cluster and verdict of `stasis verify` "
+           "(ok, failed, none: not verified).",
+           {_labels(cluster=t["cluster"], verdict=t["verdict"]): int(t["count"])
+            for t in registry.verdict_totals()})
     saved = registry.savings(by)
     metric("stasis_restores_total", "counter", "Restores the nodes reported.",
            {"": saved["restores"]})

@@ -617,6 +617,8 @@ class Registry:
             ckpt = last.get((j["cluster_id"], j.get("user"), j.get("label")))
             j["last_checkpoint"] = ckpt["id"] if ckpt else None
             j["last_checkpoint_age_s"] = round(now - ckpt["created"], 1) if ckpt else None
+            # ok, failed: REASON, not verified (stasis.controlplane.verdicts)
+            j["last_checkpoint_verified"] = verdicts.shown(ckpt)["verified"] if ckpt else None
         return jobs
 
     def _last_checkpoints(self, by: Principal) -> dict[tuple[Any, ...], dict[str, Any]]:
@@ -629,7 +631,10 @@ class Registry:
             newest = newest.where(checkpoints.c.cluster_id == by.cluster_id)
         sub = newest.subquery()
         q = select(checkpoints.c.id, checkpoints.c.cluster_id, checkpoints.c.user,
-                   checkpoints.c.label, checkpoints.c.created).join(sub, and_(
+                   checkpoints.c.label, checkpoints.c.created, checkpoints.c.verified_ok,
+                   checkpoints.c.verify_reason, checkpoints.c.verified_by,
+                   checkpoints.c.verified_at, checkpoints.c.verify_duration_s,
+                   checkpoints.c.verify_processes).join(sub, and_(
             checkpoints.c.cluster_id == sub.c.cluster_id, checkpoints.c.user == sub.c.user,
             checkpoints.c.label == sub.c.label, checkpoints.c.created == sub.c.created))
         with self.engine.begin() as conn:
@@ -661,6 +666,19 @@ class Registry:
             clusters, clusters.c.id == checkpoints.c.cluster_id).group_by(clusters.c.name)
         with self.engine.begin() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
+
+    def verdict_totals(self) -> list[dict[str, Any]]:
+        """Per cluster: live checkpoints by their verdict (ok, failed, none)."""
+        q = select(clusters.c.name.label("cluster"), checkpoints.c.verified_ok,
+                   func.count().label("count")).join(
+            clusters, clusters.c.id == checkpoints.c.cluster_id).where(
+            checkpoints.c.deleted.is_(None)).group_by(clusters.c.name,
+                                                      checkpoints.c.verified_ok)
+        with self.engine.begin() as conn:
+            rows = conn.execute(q).all()
+        return [{"cluster": r.cluster, "count": r.count,
+                 "verdict": "none" if r.verified_ok is None else
+                 "ok" if r.verified_ok else "failed"} for r in rows]
 
     def savings(self, by: Principal) -> dict[str, Any]:
         """Node-hours of work kept by restores instead of reruns: in all, per cluster, per

@@ -14,6 +14,7 @@ from typing import Any
 
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.fakenode import FakeNode
+from tests.controlplane.test_commands import scrape
 from tests.controlplane.test_dashboard import Browserless
 
 
@@ -135,6 +136,14 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
     assert failed == [f"checkpoint c4 failed verification on node fa: {why}"]
     # c4 failed, c2 restores: train-a needs nothing more.
     assert cp.json("policies", "run", "v")["queued"] == 0
+    # The job's newest checkpoint is c4, which failed; the metrics count each verdict.
+    fa.heartbeat([{"job": "job-train-a", "label": "train-a"}])
+    (job,) = cp.json("jobs")
+    assert (job["last_checkpoint"], job["last_checkpoint_verified"]) == ("c4", f"failed: {why}")
+    metrics = scrape(cp, cp.admin)
+    for verdict_, count in (("ok", 1), ("failed", 1), ("none", 2)):
+        assert f'stasis_checkpoints_verified{{cluster="hpc",verdict="{verdict_}"}} {count}\n' \
+            in metrics, metrics
 
     web = Browserless(cp)
     web.login(cp.admin)

@@ -107,6 +107,11 @@ def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
         head = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#checkpoints th")]
         assert head[-1] == "Verified"
         shot(driver, "checkpoints-verified")
+        # The Jobs page says whether the running job's last checkpoint is known to restore.
+        driver.get(cp.url + "/ui/jobs")
+        row = f'#jobs tr[data-job="{good_job}"] span.verdict'
+        wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, row), 30, "the job's row")
+        assert driver.find_element(By.CSS_SELECTOR, row).text == "verified"
         a.cli("kill", good_job)
 
 
