@@ -31,7 +31,7 @@ from stasis.daemon.activity import Activity
 from stasis.daemon.core import Core
 from stasis.daemon.users import Caller, account
 from stasis.engine import find_criu, sandbox
-from stasis.errors import NotFoundError, StasisError
+from stasis.errors import NotFoundError, StasisError, UsageError
 from stasis.store import Manifest, Store, validate_checkpoint_id
 
 log = logging.getLogger("stasis.daemon")
@@ -58,6 +58,12 @@ class Verifier:
         """Verify a checkpoint the caller may restore; the verdict, also when it failed."""
         manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
         caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {manifest.id}")
+        runtime = _container_runtime(manifest)
+        if runtime:
+            raise UsageError(
+                f"checkpoint {manifest.id} is a container's (runtime {runtime}): stasis verify "
+                "restores process trees that stasis runs itself; restore the container on a "
+                "test node to know it comes back")
         return self.verify_manifest(manifest)
 
     def verify_manifest(self, manifest: Manifest) -> wire.VerifyVerdict:
@@ -137,7 +143,9 @@ class Verifier:
             except queue.Empty:
                 return
             try:
-                self.verify_manifest(self.core.store.get(checkpoint_id))
+                manifest = self.core.store.get(checkpoint_id)
+                if not _container_runtime(manifest):  # a container's is not for a sandbox
+                    self.verify_manifest(manifest)
             except StasisError as e:  # gone since, or the store does not answer
                 log.warning("background verification of checkpoint %s: %s", checkpoint_id, e)
 
@@ -157,6 +165,12 @@ class Verifier:
             return [one(m) for m in manifests]
         with ThreadPoolExecutor(min(8, len(manifests))) as pool:
             return list(pool.map(one, manifests))
+
+
+def _container_runtime(manifest: Manifest) -> str:
+    """The container runtime a checkpoint's images are for ("" for a stasis job's tree)."""
+    runtime = manifest.extra.get("runtime")
+    return runtime if isinstance(runtime, str) else ""
 
 
 def verified_only(store: Store, candidates: list[Manifest], label: str) -> list[Manifest]:

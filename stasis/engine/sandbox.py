@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stasis import wire
+from stasis import faults, wire
 from stasis.engine import proctree
 from stasis.engine.credentials import _fields
 
@@ -65,6 +65,9 @@ _FILE_USK, _USK_NAME, _USK_NAME_DIR = 16, 11, 14
 # Entries of a unix socket's directory a sandbox mirrors by bind mounts, at most.
 _SHADOW_MAX_ENTRIES = 4096
 _MS_BIND = 0x1000
+_CLONE_NEWPID = 0x20000000
+_PR_SET_PDEATHSIG = 1
+_MS_NOEXEC = 8
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 0x4000, 1 << 18
@@ -97,7 +100,7 @@ def verify_images(criu: str, images: Path, log_dir: Path, log_name: str, *,
     """Restore the images in `images` in a sandbox (see the module's docstring), as the tree
     of owner `uid`, check it and remove it. Never raises for what the checkpoint does wrong:
     the verdict says it; OSError only when the sandbox itself cannot be started."""
-    spec = {"criu": criu, "log_name": log_name, "uid": uid, "gid": gid, "groups": groups,
+    spec = {"faults": sorted(faults.armed()), "criu": criu, "log_name": log_name, "uid": uid, "gid": gid, "groups": groups,
             "image_log": image_log, "expect": expect, "checkpoint": checkpoint,
             "criu_version": criu_version}
     images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -166,9 +169,13 @@ def _lower_priority() -> None:
 
 
 def _enter_namespaces() -> None:
-    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare(mount, network)")
+    """In the sandbox's PID-namespace init, already in its own mount and network namespaces."""
     # Nothing mounted here may reach the node, and nothing of the node's mounts changes.
-    _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None),
+           "mount --make-rprivate /")
+    # CRIU and the comparison read /proc: this PID namespace's.
+    _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
+           "mount proc on /proc")
     for d in PRIVATE_DIRS:
         if not os.path.isdir(d) or os.path.islink(d):
             continue
@@ -420,6 +427,11 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
             return {"ok": False, "reason": f"cannot open the job's output for the restore: {e}",
                     "processes": len(expected), "duration_s": 0.0}
         root = result.pid
+        if "fault_fd" in spec:
+            # The outer process is SIGKILLed now (as a verify that timed out is): this init
+            # follows by PDEATHSIG, and the kernel takes the whole PID namespace with it.
+            os.write(spec["fault_fd"], b"x")
+            time.sleep(60)
         problem = _compare(root, expected)
         return {"ok": not problem, "reason": problem, "processes": len(expected),
                 "duration_s": round(result.duration_s, 4)}
@@ -428,17 +440,34 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    """The sandbox: this process unshares the namespaces and waits; its child, the init of a
+    PID namespace of its own, does the work. Everything the restore makes (CRIU, the job's
+    tree in its own nested PID namespace) lives in that namespace, so the kernel kills all of
+    it when its init ends, however it ends: killed by a fault, or by the parent's death
+    (PDEATHSIG) when the daemon gives up on a verify that hangs."""
     os.umask(0o077)
     spec = json.loads(sys.stdin.buffer.read())
-    try:
-        _lower_priority()
-        answer = _sandboxed(spec)
-    except Exception as e:  # the caller must get a verdict, whatever happened
-        _end_tree(None)
-        answer = {"ok": False, "reason": f"the sandbox failed: {type(e).__name__}: {e}",
-                  "processes": 0, "duration_s": 0.0}
-    sys.stdout.write(json.dumps(answer) + "\n")
-    sys.stdout.flush()
+    faults.arm(spec.get("faults") or ())
+    _lower_priority()
+    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID),
+           "unshare(mount, network, pid)")
+    fault = os.pipe() if "verify.sandbox.restored" in faults.armed() else None
+    if fault is not None:
+        spec["fault_fd"] = fault[1]
+    child = os.fork()
+    if child == 0:
+        try:
+            _check(_libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+            answer = _sandboxed(spec)
+        except Exception as e:  # the caller must get a verdict, whatever happened
+            _end_tree(None)
+            answer = {"ok": False, "reason": f"the sandbox failed: {type(e).__name__}: {e}",
+                      "processes": 0, "duration_s": 0.0}
+        os.write(1, (json.dumps(answer) + "\n").encode())
+        os._exit(0)
+    if fault is not None and os.read(fault[0], 1):
+        faults.point("verify.sandbox.restored")
+    os.waitpid(child, 0)
 
 
 if __name__ == "__main__":

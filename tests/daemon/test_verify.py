@@ -235,3 +235,42 @@ def test_a_running_jobs_unix_socket_outside_tmp_keeps_serving(daemon: Daemon,
     assert _echo(sock) == b"hello\n"
     assert sorted(p.name for p in job_dir.iterdir()) == ["server.sock"]
     daemon.cli("kill", job["job"])
+
+
+TICKS = """import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+n = 0
+while True:
+    os.write(fd, b"%d\\n" % n)
+    n += 1
+    time.sleep(0.01)
+"""
+
+
+def test_not_one_instruction_of_the_job_runs(daemon: Daemon, job_dir: Path) -> None:
+    ticks = job_dir / "ticks"  # the job writes a line to it every 10 ms, as long as it runs
+    job = daemon.run("python3", "-c", TICKS, str(ticks), label="verify-ticks")
+    wait_for(lambda: ticks.exists() and ticks.stat().st_size > 30, what="the job ticking")
+    cp = daemon.json("dump", job["job"])["checkpoint"]  # the job stops with it
+    before = _checksums(job_dir)
+
+    assert _verify(daemon, cp)["ok"]
+
+    assert _checksums(job_dir) == before and _ours(job_dir) == []
+
+
+def test_a_sandbox_killed_with_the_tree_restored_leaves_nothing(make_daemon: MakeDaemon,
+                                                                 job_dir: Path) -> None:
+    # SIGKILLed once CRIU restored the tree (stopped), before it is compared and killed.
+    d = make_daemon(env={"STASIS_TEST_FAULT_POINTS": "verify.sandbox.restored"})
+    job = _files_job(d, job_dir, "verify-cut")
+    cp = d.json("dump", job["job"])["checkpoint"]
+    before = (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _leftovers())
+
+    verdict = _verify(d, cp)
+
+    assert not verdict["ok"] and "without a verdict" in verdict["reason"], verdict
+    # The kernel ended the tree with the sandbox's PID namespace: nothing is left stopped.
+    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(),
+            _leftovers()) == before
+    assert d.json("restore", cp)["checkpoint"] == cp  # the daemon goes on
