@@ -1083,8 +1083,9 @@ class Registry:
         """Commands that would otherwise hang, failed (and a migration's restore half
         re-targeted): a restore queued for, or leased by, a node that is lost; any command
         whose lease ran out on a lost node; any command leased MAX_LEASES times without an
-        answer. A queued command of a lost node that is not a restore waits for it (its job
-        is there). How many were failed."""
+        answer; a verify queued for a lost node (the policy that asked it picks again when
+        the node is back, and meanwhile the label is not held up). A queued command of a lost
+        node that is neither waits for it (its job is there). How many were failed."""
         now = int(time.time())
         failed = 0
         with self.engine.begin() as conn:
@@ -1094,12 +1095,13 @@ class Registry:
                 if now - max(r.last_heartbeat, self.started) > lost_after_s}
             rows = [dict(r) for r in conn.execute(select(commands).where(
                 ((commands.c.state == "leased") & (commands.c.lease_until < now)) |
-                ((commands.c.state == "queued") & (commands.c.kind == "restore"))))
+                ((commands.c.state == "queued") &
+                 commands.c.kind.in_(("restore", "verify")))))
                 .mappings().all()]
         for row in rows:
             lost = silent.get((row["cluster_id"], row["node"]))
             expired = row["state"] == "leased"
-            if lost is not None and (expired or row["kind"] == "restore"):
+            if lost is not None and (expired or row["kind"] in ("restore", "verify")):
                 why = f"node {row['node']} was lost (silent {lost} s) " + (
                     "while carrying it out" if expired else "before carrying it out")
             elif expired and row["attempts"] >= MAX_LEASES:
@@ -1137,7 +1139,7 @@ class Registry:
         """For a checkpoint command failed with its node: the newest checkpoint of the job's
         label that its nodes reported, to restore by hand."""
         args = json.loads(row["args"])
-        if not args.get("label"):
+        if not args.get("label") or row["kind"] == "verify":
             return ""
         newest = conn.execute(select(checkpoints.c.id, checkpoints.c.node,
                                      checkpoints.c.verified_ok).where(

@@ -7,11 +7,13 @@ test_verify_node has a real daemon verify a real checkpoint."""
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import wait_for
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.fakenode import FakeNode
 from tests.controlplane.test_commands import scrape
@@ -207,3 +209,24 @@ def test_verdicts_survive_a_schema_from_before_them(db_url: str, world_tmp: Path
     assert "verified_ok" not in columns()
     _to(url, "head")
     assert "verified_ok" in columns()
+
+
+def test_a_verify_queued_for_a_lost_node_is_failed_and_asked_again_when_it_is_back(
+        controlplane: ControlPlane) -> None:
+    cp = controlplane
+    hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    fa = FakeNode(cp, hpc, "fa")
+    fa.register()
+    fa.took("c1", "train", time.time())
+    cp.json("policies", "add", "v", "--on", "webhook", "--action", "verify")
+    assert cp.json("policies", "run", "v")["queued"] == 1
+    # Silent past --lost-after (3 s): the queued verify fails, naming why.
+    wait_for(lambda: verify_commands(cp)[0]["state"] == "failed", 30, "the verify failed")
+    error = verify_commands(cp)[0]["result"]["error"]
+    assert re.fullmatch(r"node fa was lost \(silent \d+ s\) before carrying it out", error), \
+        error
+    assert cp.json("policies", "run", "v")["queued"] == 0  # not ready: nothing for it
+    fa.heartbeat([])
+    assert cp.json("policies", "run", "v")["queued"] == 1  # back: asked again
+    got = fa.lease()
+    assert got is not None and got["args"]["checkpoint"] == "c1"
