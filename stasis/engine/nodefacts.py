@@ -43,6 +43,10 @@ would meet after a restore that CRIU let through:
                                                   job itself may have written it after a
                                                   --leave-running dump, and carries on writing
 
+A node-local file the checkpoint carries (under /tmp, /dev/shm, $TMPDIR...: engine/nodelocal.py)
+is a note when it is missing (the restore makes it first) or when the job wrote it and it differs
+(the checkpoint's copy replaces it, unless another process has it open: that refuses then).
+
 There is no --force. Each refusal is a restore that CRIU would fail half-way (architecture,
 CRIU version, a file's size or mode) or that would hand the job a world other than the one it
 was dumped in (another user, an instruction it uses gone, an input rewritten): the fix is on the

@@ -63,13 +63,14 @@ _MAX_ENVIRON = 1 << 20
 _CHUNK = 1 << 20
 
 FIXED_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")
-# Where no $TMPDIR may point: the system's own files would "travel" (and be compared, and
-# perhaps replaced) as if they were the job's.
+# Where no $TMPDIR may point: the system's own files, or home directories (shared between the
+# nodes of a site), would "travel" (and be compared, and perhaps replaced) as if they were the
+# job's scratch files.
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/boot",
-           "/proc", "/sys", "/dev")
+           "/proc", "/sys", "/dev", "/home", "/root")
 # Top-level directories whose whole tree is not scratch space (below them, it may be).
-_NOT_SCRATCH = frozenset(("/home", "/root", "/var", "/run", "/opt", "/srv", "/mnt", "/media",
-                          "/snap", "/nix", "/run/user"))
+_NOT_SCRATCH = frozenset(("/var", "/run", "/opt", "/srv", "/mnt", "/media", "/snap", "/nix",
+                          "/run/user"))
 _FUSE_PREFIX = "fuse"
 _O_ACCMODE = 0o3
 
@@ -602,6 +603,11 @@ def _plan(entries: list[Entry], job_uid: int) -> _Plan:
             elif not stat.S_ISDIR(st.st_mode):
                 raise NodeLocalError(f"{e.path} is not a directory now (the job had a "
                                      "directory there): move it away")
+            elif st.st_uid != e.uid:
+                # Made by someone else before the restore (a name in /tmp taken first): what
+                # is recreated inside would be theirs to swap for something else.
+                raise NodeLocalError(f"{e.path} belongs to uid {st.st_uid} now, the job's "
+                                     f"directory there belonged to uid {e.uid}: move it away")
             continue
         if e.kind == "socket":
             continue  # CRIU binds it; its directories are made above

@@ -272,3 +272,23 @@ def test_every_restore_mode_recreates_the_files_first(make_daemon: MakeDaemon, w
     assert restored["lazy"] == mode.startswith("lazy"), restored
     _goes_on(d, restored["job"], at_dump)
     d.cli("kill", restored["job"])
+
+
+def test_a_directory_someone_else_made_first_refuses_the_restore(daemon: Daemon,
+                                                                  user_dir: Path) -> None:
+    job = _job(daemon, "tmp", user_dir)
+    kept = next(user_dir.iterdir())
+    checkpoint, at_dump = _stop_dump(daemon, job)
+    shutil.rmtree(user_dir)
+    # The name taken first, by another user (root here), open to all: what the restore made
+    # inside would be theirs to swap.
+    user_dir.mkdir()
+    os.chmod(user_dir, 0o777)
+    one_line_error(daemon.cli("restore", checkpoint, check=False), 1,
+                   f"{user_dir} belongs to uid 0 now, the job's directory there belonged to "
+                   f"uid {pwd.getpwnam(TEST_USER).pw_uid}")
+    assert list(user_dir.iterdir()) == [] and not kept.exists()
+    user_dir.rmdir()
+    restored = daemon.json("restore", checkpoint)
+    _goes_on(daemon, restored["job"], at_dump)
+    daemon.cli("kill", restored["job"])
