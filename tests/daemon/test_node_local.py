@@ -8,6 +8,7 @@ writes nothing where it points."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -25,6 +26,8 @@ import pytest
 from stasis.engine import nodelocal, proctree
 from tests.conftest import TEST_USER, WORKLOADS, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
+from tests.daemon.test_encryption import _key
+from tests.s3server import S3Server
 
 
 def _counts(d: Daemon, job: str) -> list[int]:
@@ -89,6 +92,11 @@ def test_a_file_in_tmp_comes_back_with_the_job(daemon: Daemon, user_dir: Path,
         (before.st_uid, before.st_gid, stat.S_IMODE(before.st_mode), stat.S_IFMT(before.st_mode))
     assert stat.S_IMODE(user_dir.stat().st_mode) == 0o750
     assert user_dir.stat().st_uid == pwd.getpwnam(TEST_USER).pw_uid
+    # One file of the images, hashed in the signed manifest like them; its paths listed there.
+    manifest = json.loads((Path(daemon.store) / checkpoint / "manifest.json").read_text())
+    assert [f["blake3"] is not None for f in manifest["files"]
+            if f["name"] == nodelocal.ARCHIVE_NAME] == [True]
+    assert manifest["extra"][nodelocal.MANIFEST_KEY]["paths"] == [str(kept)]
     if kind == "tmp":  # its time as dumped (the restored job has written it since)
         carried = nodelocal.read_index(Path(daemon.store) / checkpoint / nodelocal.ARCHIVE_NAME)
         assert [e.mtime_ns for e in carried if e.path == str(kept)] == [before.st_mtime_ns]
@@ -292,3 +300,24 @@ def test_a_directory_someone_else_made_first_refuses_the_restore(daemon: Daemon,
     restored = daemon.json("restore", checkpoint)
     _goes_on(daemon, restored["job"], at_dump)
     daemon.cli("kill", restored["job"])
+
+
+def test_an_encrypted_stop_dump_to_s3_carries_them(make_daemon: MakeDaemon, s3: S3Server,
+                                                   s3_bucket: str, world_tmp: Path,
+                                                   user_dir: Path) -> None:
+    """The stop-dump path the store follows while CRIU writes (its images uploaded and sealed
+    as they are written): the archive, written after CRIU, is uploaded, hashed and sealed with
+    them before the manifest; nothing else has it once the directory is gone."""
+    keys = world_tmp / f"keys-{os.urandom(3).hex()}"
+    keys.mkdir(mode=0o700)
+    _key(keys / "k.key", os.urandom(32))
+    d = make_daemon(store=f"s3://{s3_bucket}/nl",
+                    env={**s3.env(), "STASIS_ENCRYPTION_KEY_FILE": str(keys / "k.key")})
+    job = _job(d, "tmp", user_dir)
+    checkpoint = d.json("dump", "--encrypt", job["job"])["checkpoint"]
+    at_dump = _last(d, job["job"])
+    shutil.rmtree(user_dir)
+    restored = d.json("restore", checkpoint)
+    assert any("recreated" in n for n in restored["notes"]), restored["notes"]
+    _goes_on(d, restored["job"], at_dump)
+    d.cli("kill", restored["job"])
