@@ -416,6 +416,9 @@ for d, mode in private:
     kept = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in shared
             if under(p, d) and p != d and os.path.isdir(p)]
     mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=%o" % mode)
+    if d == "/run":  # what a booted Debian host has there (/var/lock points to it)
+        os.mkdir("/run/lock")
+        os.chmod("/run/lock", 0o1777)
     for p, fd in kept:
         os.makedirs(p, mode=0o755, exist_ok=True)
         mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC, None)
