@@ -25,6 +25,7 @@ which were verified before CRIU reads them; a malformed one only costs this rest
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import socket
 import subprocess
@@ -42,6 +43,8 @@ _IP_OPTS, _FREEBIND = 16, 2  # inet_sk_entry.ip_opts -> ip_opts_entry.freebind
 _TCP_LISTEN = 10
 _BOUND_PROTOS = (socket.IPPROTO_TCP, socket.IPPROTO_UDP, 136)  # 136: UDP-Lite
 _NAMED = 5  # connections named in a note, the rest counted
+_MARK = b"CRIU_TCP_CLOSE"  # in a criu binary built with patch 0005
+_CRIU_MAX = 64 << 20
 
 
 Conn = tuple[str, int, str, int]  # local address, port, peer address, port
@@ -84,9 +87,11 @@ class Plan:
         return [s.ino for s in self.close]
 
 
-def plan(images: Path, checkpoint: str) -> Plan:
+def plan(images: Path, checkpoint: str, criu_path: str | None = None) -> Plan:
     """Decide, before CRIU runs, what happens to the inet sockets in `images` on this node.
-    IncompatibleNodeError when one is bound to an address this node does not have."""
+    IncompatibleNodeError when one is bound to an address this node does not have. `criu_path`:
+    the criu binary, to tell whether it can close chosen connections (patch 0005); one that
+    cannot closes them all when any must be."""
     found = sockets(images)
     unbindable = [s for s in found if _binds(s) and not _local(s.family, s.src)]
     if unbindable:
@@ -102,7 +107,7 @@ def plan(images: Path, checkpoint: str) -> Plan:
     connected = [s for s in found if s.connected_tcp]
     if not connected:
         return Plan()
-    locked = _locked() if connected else set()
+    locked = _locked()
     ends = {s.conn for s in connected}
     result = Plan()
     outside: list[InetSocket] = []
@@ -131,7 +136,26 @@ def plan(images: Path, checkpoint: str) -> Plan:
             f"{'it runs' if pairs == 1 else 'they run'} over an address of the node that "
             f"checkpointed it ({_locals(inside)}), which this node does not have; connect over "
             "127.0.0.1 for connections that move with the job")
+    if result.close and not result.all_closed and criu_path and not closes_chosen(criu_path):
+        back = [s for s in connected if s not in result.close]
+        inner = sum(1 for s in back if (s.dst, s.dport, s.src, s.sport) in ends)
+        kept = len(back) - inner + (inner + 1) // 2  # both ends of one in the job: one
+        result.close, result.all_closed = list(connected), True
+        result.notes.append(
+            f"{_count(kept)} that could have come back {'was' if kept == 1 else 'were'} closed "
+            f"too: {criu_path} cannot close only some (it lacks stasis's CRIU patch 0005; "
+            "`make install` builds it)")
     return result
+
+
+@functools.cache
+def closes_chosen(criu_path: str) -> bool:
+    """Whether the criu binary knows CRIU_TCP_CLOSE (stasis's patch 0005)."""
+    try:
+        with open(criu_path, "rb") as f:
+            return _MARK in f.read(_CRIU_MAX)
+    except OSError:
+        return False
 
 
 def sockets(images: Path) -> list[InetSocket]:

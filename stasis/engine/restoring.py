@@ -107,7 +107,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     # Its TCP connections on this node: kept, restored closed (a move), or refused (a socket
     # bound to the old node's address). A sandbox has a network of its own: not its concern.
     network = netidentity.Plan() if sandboxed else \
-        netidentity.plan(images, checkpoint or str(images))
+        netidentity.plan(images, checkpoint or str(images), criu.path)
     fds: list[int] = []
     try:
         inherit = []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import STASIS, TEST_USER
+from tests.conftest import STASIS, TEST_USER, WORKLOADS
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
 
 # A server on 0.0.0.0:PORT and 127.0.0.1:PORT+1, answering each connection with its hit count
@@ -49,54 +49,6 @@ if host == "0.0.0.0":
     port -= 1
 print("listening", flush=True)
 serve(srv)
-"""
-
-# A connection to a peer outside the job (reconnecting when it is closed) beside one between two
-# processes of the job over loopback; each line: the round (the job's state), the in-job
-# peer's count, the outside peer's count, the host name.
-CLIENT = """\
-import os, socket, sys, time
-peer_host, peer_port, inner_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-inner_host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
-srv = socket.socket()
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1" if inner_host == "127.0.0.1" else "0.0.0.0", inner_port))
-srv.listen()
-if os.fork() == 0:
-    conn, _ = srv.accept()
-    srv.close()
-    n = 0
-    while conn.recv(64):
-        n += 1
-        conn.sendall(f"{n}\\n".encode())
-    os._exit(0)
-srv.close()
-inner = socket.create_connection((inner_host, inner_port))
-inner_r = inner.makefile()
-def connect():
-    c = socket.create_connection((peer_host, peer_port))
-    return c, c.makefile()
-outer, outer_r = connect()
-i = 0
-while True:
-    i += 1
-    try:
-        inner.sendall(b"x\\n")
-        inside = inner_r.readline().strip() or "closed"
-    except OSError:
-        inside = "closed"
-    try:
-        outer.sendall(b"ping\\n")
-        line = outer_r.readline()
-        if not line:
-            raise ConnectionError("end of file")
-    except OSError as e:
-        print(f"{i} inner {inside} reconnect after: {e}", flush=True)
-        outer.close()
-        outer, outer_r = connect()
-        continue
-    print(f"{i} inner {inside} peer {line.strip()} host {socket.gethostname()}", flush=True)
-    time.sleep(0.1)
 """
 
 LINE = re.compile(r"^(\d+) inner (\S+) (?:peer (\d+) host (\S+)|reconnect after: (.*))$", re.M)
@@ -143,7 +95,7 @@ class Peer:
 def two() -> Iterator[Cluster]:
     c = new_cluster("netid", nodes=2)
     (c.work / "server.py").write_text(SERVER)
-    (c.work / "client.py").write_text(CLIENT)
+    (c.work / "client.py").write_text((WORKLOADS / "tcpmixed.py").read_text())
     yield c
     close_cluster(c)
 

@@ -92,3 +92,18 @@ def test_connection_to_a_peer_outside_without_its_lock_here_is_closed(
         assert plan.notes == [
             "1 TCP connection to a peer outside the job was closed on the move (the job reads "
             f"end-of-file, as when a peer closes): 127.0.0.1:{peer}"]
+
+
+def test_only_the_outside_connection_is_closed_or_all_where_criu_cannot_choose(
+        tmp_path: Path, peer: int) -> None:
+    port = random.randrange(20000, 30000)
+    with _job(tmp_path, *workload("tcpmixed.py", "127.0.0.1", peer, port)) as (init, _):
+        images = _dump(tmp_path, init)
+        plan = netidentity.plan(images, "c", find_criu())
+        assert [(s.dst, s.dport) for s in plan.close] == [("127.0.0.1", peer)]
+        assert not plan.all_closed and len(plan.notes) == 1
+        # A criu without patch 0005 closes every connection rather than fail the restore.
+        plain = netidentity.plan(images, "c", "/bin/true")
+        assert plain.all_closed and len(plain.close) == 3
+        assert plain.notes[1].startswith("1 TCP connection that could have come back was "
+                                         "closed too: /bin/true cannot close only some")
