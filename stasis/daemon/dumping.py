@@ -178,6 +178,9 @@ class Dumper:
             raise StasisError(f"cannot look into job {job_id}: {e}") from e
         if beyond:
             found.obstacles.append(credentials.refusal(beyond, row.user, row.uid))
+        too_large = self._node_local_refusal(row.pid, row.uid)
+        if too_large:
+            found.obstacles.append(too_large)
         return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
 
     def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
@@ -202,7 +205,7 @@ class Dumper:
         if encrypt is None:
             encrypt = self.core.settings.encrypt
         # Refused before CRIU freezes anything (and checked again on the frozen tree, below).
-        refused = beyond_owner(pid, info) or self._node_local_refusal(pid, info)
+        refused = beyond_owner(pid, info) or self._node_local_refusal(pid, info.uid)
         if refused:
             raise CheckpointError(f"checkpoint of {what} refused, job still running: {refused}")
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
@@ -235,11 +238,11 @@ class Dumper:
             store=self.core.store.url, reason=reason))
         return done
 
-    def _node_local_refusal(self, pid: int, info: CheckpointInfo) -> str | None:
+    def _node_local_refusal(self, pid: int, uid: int) -> str | None:
         """Why the tree's node-local files cannot travel with it (over node_local_limit), or
         None: said at once, before CRIU freezes anything (and checked again as they are read)."""
         try:
-            found = nodelocal.find(pid, info.uid)
+            found = nodelocal.find(pid, uid)
         except OSError as e:
             return f"cannot read the job's node-local files ({e})"
         return nodelocal.too_large(found, self.core.settings.node_local_limit)

@@ -159,6 +159,9 @@ def test_a_job_over_the_limit_is_refused_at_once_and_keeps_running(
                           "node_local_limit", f"{big} (200.0 KiB)")
     if "small-" in line:
         assert line.index(str(big)) < line.index("small-")  # the largest first
+    # `dump --check` says the same, without dumping.
+    check = d.cli("dump", "--check", job["job"], check=False)
+    assert check.returncode == 1 and f"{big} (200.0 KiB)" in check.stdout, check.stdout
     was = _last(d, job["job"])
     wait_for(lambda: _last(d, job["job"]) >= was + 3, what="the job counting on")
     assert d.job(job["job"])["state"] == "running"
