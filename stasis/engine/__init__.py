@@ -16,6 +16,8 @@ and a local directory.
     streamer  CRIU's image-streamer protocol: images handed to a restore through pipes
     nodefacts what a restore depends on (CPU, kernel, CRIU, user, open files), recorded at
               dump time and compared with the restoring node before CRIU runs
+    nodelocal a job's node-local files (/tmp, /var/tmp, /dev/shm, $TMPDIR...) carried in its
+              images and recreated before CRIU restores, never following a link
 """
 
 from stasis.engine.criu import (
