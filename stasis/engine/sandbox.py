@@ -71,6 +71,7 @@ _MS_NOEXEC = 8
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 0x4000, 1 << 18
+_MS_SLAVE, _MS_SHARED = 1 << 19, 1 << 20
 _PR_SET_CHILD_SUBREAPER = 36
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
@@ -96,13 +97,15 @@ class SandboxVerdict:
 def verify_images(criu: str, images: Path, log_dir: Path, log_name: str, *,
                   uid: int, gid: int, groups: list[int], image_log: str | None,
                   expect: wire.RestoreFacts | None, checkpoint: str,
-                  criu_version: str | None, timeout_s: float) -> SandboxVerdict:
+                  criu_version: str | None, timeout_s: float,
+                  own_mounts: bool = False) -> SandboxVerdict:
     """Restore the images in `images` in a sandbox (see the module's docstring), as the tree
-    of owner `uid`, check it and remove it. Never raises for what the checkpoint does wrong:
+    of owner `uid`, check it and remove it (`own_mounts`: the images hold the tree's own mount
+    namespace, a job's private /tmp: engine/privatetmp.py). Never raises for what the checkpoint does wrong:
     the verdict says it; OSError only when the sandbox itself cannot be started."""
     spec = {"faults": sorted(faults.armed()), "criu": criu, "log_name": log_name, "uid": uid, "gid": gid, "groups": groups,
             "image_log": image_log, "expect": expect, "checkpoint": checkpoint,
-            "criu_version": criu_version}
+            "criu_version": criu_version, "own_mounts": own_mounts}
     images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     log_fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     spec.update(images_fd=images_fd, log_fd=log_fd)
@@ -168,11 +171,16 @@ def _lower_priority() -> None:
         _libc.syscall(number, 1, 0, _IOPRIO_CLASS_IDLE << 13)
 
 
-def _enter_namespaces() -> None:
-    """In the sandbox's PID-namespace init, already in its own mount and network namespaces."""
-    # Nothing mounted here may reach the node, and nothing of the node's mounts changes.
-    _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None),
-           "mount --make-rprivate /")
+def _enter_namespaces(own_mounts: bool) -> None:
+    """In the sandbox's PID-namespace init, already in its own mount and network namespaces.
+    `own_mounts`: the images hold the job's own mount namespace, whose mounts the node has too
+    are bound from the same paths on restore (engine/privatetmp.py)."""
+    # Nothing mounted here may reach the node, and nothing of the node's mounts changes:
+    # private, or (a job's own mount namespace to restore) slaves of the node's, which CRIU
+    # copies the job's mounts' propagation from, and which propagate nothing back.
+    _check(_libc.mount(b"none", b"/", None, _MS_REC | (_MS_SLAVE if own_mounts else _MS_PRIVATE),
+                       None), "mount --make-rprivate /")
+    nested = _nested_mount_points() if own_mounts else []
     # CRIU and the comparison read /proc: this PID namespace's.
     _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
            "mount proc on /proc")
@@ -182,11 +190,36 @@ def _enter_namespaces() -> None:
         mode = b"mode=0755" if d == "/run" else b"mode=1777"
         _check(_libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, mode),
                f"mount tmpfs on {d}")
+        if own_mounts:
+            # A peer group of this namespace alone, for the job's mounts below it to copy.
+            _check(_libc.mount(b"none", d.encode(), None, _MS_SHARED, None),
+                   f"mount --make-shared {d}")
+    # The job's namespace has the node's mounts below them too, which CRIU binds from the same
+    # paths: an empty directory (or file) at each, in the private tmpfs, not their content.
+    for point, is_dir in nested:
+        if is_dir:
+            os.makedirs(point, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(point), mode=0o755, exist_ok=True)
+            os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
     # Listening sockets bound to 127.0.0.1 come back; there is no other interface to reach.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         ifreq = struct.pack("16sH14s", b"lo", 0, b"")
         flags = struct.unpack("16sH14s", fcntl.ioctl(s, _SIOCGIFFLAGS, ifreq))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | _IFF_UP, b""))
+
+
+def _nested_mount_points() -> list[tuple[str, bool]]:
+    """The node's mount points below the private directories (path, whether a directory),
+    parents first."""
+    points = {}
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = line.split()[4].decode(errors="surrogateescape")
+            point = point.replace("\\040", " ").replace("\\011", "\t")
+            if any(point.startswith(d + "/") for d in PRIVATE_DIRS) and os.path.lexists(point):
+                points[point] = os.path.isdir(point) and not os.path.islink(point)
+    return sorted(points.items(), key=lambda p: (p[0].count("/"), p[0]))
 
 
 def _entries(data: bytes) -> list[bytes]:
@@ -403,7 +436,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
                           "still linked elsewhere), whose links a restore removes from the "
                           "node: verifying would spend them"}
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
-    _enter_namespaces()
+    _enter_namespaces(bool(spec.get("own_mounts")))
     try:
         _shadow_socket_dirs(sockets)
     except _NotVerifiable as e:
@@ -419,7 +452,8 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
             result = restore_tree(
                 CRIU(spec["criu"], log_dir), images, owner, outputs, spec["log_name"],
                 expect=spec["expect"], checkpoint=spec["checkpoint"],
-                criu_version=spec["criu_version"], sandboxed=True)
+                criu_version=spec["criu_version"], sandboxed=True,
+                own_mounts=bool(spec.get("own_mounts")))
         except StasisError as e:
             return {"ok": False, "reason": str(e), "processes": len(expected),
                     "duration_s": 0.0}

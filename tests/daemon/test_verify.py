@@ -274,3 +274,43 @@ def test_a_sandbox_killed_with_the_tree_restored_leaves_nothing(make_daemon: Mak
     assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(),
             _leftovers()) == before
     assert d.json("restore", cp)["checkpoint"] == cp  # the daemon goes on
+
+
+KEEP_TMP = """import os, sys, time
+f = open(sys.argv[1], "w+")
+f.write("kept on the node " * 100)
+f.flush()
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_node_local_file_travels_into_the_sandbox_only(daemon: Daemon) -> None:
+    # The job keeps a file open in the node's /tmp; its checkpoint carries it (nodelocal).
+    kept = Path(f"/tmp/stasis-verify-kept-{os.urandom(4).hex()}.txt")
+    job = daemon.run("python3", "-c", KEEP_TMP, str(kept), label="verify-nodelocal")
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="the job's file")
+    cp = daemon.json("dump", job["job"])["checkpoint"]
+    kept.unlink()  # as on a node that never ran it (or after the job removed it on its way out)
+
+    verdict = _verify(daemon, cp)
+
+    # Recreated from the checkpoint in the sandbox's own /tmp, never on the node.
+    assert verdict["ok"], verdict["reason"]
+    assert not kept.exists() and _ours(kept) == []
+
+
+def test_a_job_with_a_private_tmp_verifies(daemon: Daemon, job_dir: Path) -> None:
+    job = daemon.json("run", "--private-tmp", "--label", "verify-private-tmp", "--log",
+                      str(job_dir / "out.log"), "--", "python3", "-c", KEEP_TMP,
+                      "/tmp/private.txt")
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="the job's file")
+    cp = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
+    before = _mounts_on_private_dirs()
+
+    verdict = _verify(daemon, cp)
+
+    assert verdict["ok"], verdict["reason"]
+    assert not Path("/tmp/private.txt").exists() and _mounts_on_private_dirs() == before
+    daemon.cli("kill", job["job"])
