@@ -39,7 +39,7 @@ from stasis.errors import IncompatibleNodeError
 
 _FILES_MAX = 64 << 20  # one entry per open file, ~100 bytes each
 _INETSK = 4  # fd_types.INETSK; file_entry.isk is field 4 too
-_IP_OPTS, _FREEBIND = 16, 2  # inet_sk_entry.ip_opts -> ip_opts_entry.freebind
+_IP_OPTS, _FREEBIND = 16, 1  # inet_sk_entry.ip_opts -> ip_opts_entry.freebind
 _TCP_LISTEN = 10
 _BOUND_PROTOS = (socket.IPPROTO_TCP, socket.IPPROTO_UDP, 136)  # 136: UDP-Lite
 _NAMED = 5  # connections named in a note, the rest counted
