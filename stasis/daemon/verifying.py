@@ -30,7 +30,7 @@ from stasis import wire
 from stasis.daemon.activity import Activity
 from stasis.daemon.core import Core
 from stasis.daemon.users import Caller, account
-from stasis.engine import find_criu, privatetmp, sandbox
+from stasis.engine import find_criu, nodelocal, privatetmp, sandbox
 from stasis.errors import NotFoundError, StasisError, UsageError
 from stasis.store import Manifest, Store, validate_checkpoint_id
 
@@ -118,7 +118,8 @@ class Verifier:
                 uid=acct.uid, gid=acct.gid, groups=list(acct.groups),
                 image_log=checked.log_path, expect=expect, checkpoint=checked.id,
                 criu_version=self._criu_version(), timeout_s=settings.verify_timeout_s,
-                own_mounts=privatetmp.recorded(checked.extra))
+                own_mounts=privatetmp.recorded(checked.extra),
+                travelling=nodelocal.travelling(checked.extra))
         return found.ok, found.reason, found.processes
 
     # -- in the background -------------------------------------------------------------------

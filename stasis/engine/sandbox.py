@@ -45,6 +45,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,14 +99,16 @@ def verify_images(criu: str, images: Path, log_dir: Path, log_name: str, *,
                   uid: int, gid: int, groups: list[int], image_log: str | None,
                   expect: wire.RestoreFacts | None, checkpoint: str,
                   criu_version: str | None, timeout_s: float,
-                  own_mounts: bool = False) -> SandboxVerdict:
+                  own_mounts: bool = False, travelling: Sequence[str] = ()) -> SandboxVerdict:
     """Restore the images in `images` in a sandbox (see the module's docstring), as the tree
     of owner `uid`, check it and remove it (`own_mounts`: the images hold the tree's own mount
-    namespace, a job's private /tmp: engine/privatetmp.py). Never raises for what the checkpoint does wrong:
+    namespace, a job's private /tmp: engine/privatetmp.py; `travelling`: the node-local files
+    the checkpoint carries, engine/nodelocal.py, recreated only in the sandbox). Never raises for what the checkpoint does wrong:
     the verdict says it; OSError only when the sandbox itself cannot be started."""
     spec = {"faults": sorted(faults.armed()), "criu": criu, "log_name": log_name, "uid": uid, "gid": gid, "groups": groups,
             "image_log": image_log, "expect": expect, "checkpoint": checkpoint,
-            "criu_version": criu_version, "own_mounts": own_mounts}
+            "criu_version": criu_version, "own_mounts": own_mounts,
+            "travelling": list(travelling)}
     images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     log_fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     spec.update(images_fd=images_fd, log_fd=log_fd)
@@ -298,17 +301,36 @@ def _private(path: str) -> bool:
     return any(path == d or path.startswith(d + "/") for d in PRIVATE_DIRS)
 
 
-def _shadow_socket_dirs(paths: set[str]) -> None:
+def _shadow_plan(paths: Iterable[str]) -> dict[str, set[str]]:
+    """Which directories to shadow (`_shadow`), each with the names to leave out of it: the
+    unix socket addresses and node-local files of the job (`paths`) outside the private
+    directories. Where a path's directory is missing, its nearest existing ancestor is
+    shadowed, so that what the restore makes on the way is made in the sandbox."""
+    plan: dict[str, set[str]] = {}
+    for path in paths:
+        if _private(path):
+            continue
+        parent = os.path.dirname(path)
+        if os.path.isdir(parent):
+            plan.setdefault(parent, set()).add(os.path.basename(path))
+            continue
+        while parent != "/" and not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if parent == "/":
+            raise _NotVerifiable(f"not verified: {path} would be made in a directory the node "
+                                 "lacks, below / itself, which a sandbox does not shadow")
+        plan.setdefault(parent, set())
+    return plan
+
+
+def _shadow(by_dir: dict[str, set[str]]) -> None:
     """CRIU restores a bound unix socket by removing whatever is at its address and binding
     anew: outside the private tmpfs, that would take a running job's listening socket off the
-    node (seen). So, in this mount namespace only, each such socket's directory becomes a tmpfs
-    holding bind mounts of everything else the directory holds (the job's other files reopen as
-    themselves, nothing is copied) and nothing at the sockets' addresses: CRIU binds there,
-    unseen by the node."""
-    by_dir: dict[str, set[str]] = {}
-    for path in paths:
-        if not _private(path):
-            by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    node (seen); and the node-local files a checkpoint carries are recreated (or replaced) at
+    their paths before CRIU runs. So, in this mount namespace only, each such directory becomes
+    a tmpfs holding bind mounts of everything else the directory holds (the job's other files
+    reopen as themselves, nothing is copied) and nothing at those paths: what the restore makes
+    there the node never sees."""
     for directory in sorted(by_dir, key=len):  # parents first: a child is shadowed inside
         try:
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -319,7 +341,7 @@ def _shadow_socket_dirs(paths: set[str]) -> None:
             entries = [e for e in os.listdir(fd) if e not in by_dir[directory]]
             if len(entries) > _SHADOW_MAX_ENTRIES:
                 raise _NotVerifiable(
-                    f"not verified: its unix socket directory {directory} holds "
+                    f"not verified: its directory {directory} holds "
                     f"{len(entries)} entries, more than a sandbox mirrors "
                     f"({_SHADOW_MAX_ENTRIES})")
             options = f"mode={st.st_mode & 0o7777:o},uid={st.st_uid},gid={st.st_gid}"
@@ -438,7 +460,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     _enter_namespaces(bool(spec.get("own_mounts")))
     try:
-        _shadow_socket_dirs(sockets)
+        _shadow(_shadow_plan([*sockets, *spec.get("travelling", ())]))
     except _NotVerifiable as e:
         return {"ok": False, "reason": str(e), "processes": len(expected), "duration_s": 0.0}
     outputs = []

@@ -314,3 +314,29 @@ def test_a_job_with_a_private_tmp_verifies(daemon: Daemon, job_dir: Path) -> Non
     assert verdict["ok"], verdict["reason"]
     assert not Path("/tmp/private.txt").exists() and _mounts_on_private_dirs() == before
     daemon.cli("kill", job["job"])
+
+
+def test_node_local_files_outside_tmp_are_recreated_in_the_sandbox_only(
+        daemon: Daemon, job_dir: Path) -> None:
+    # $TMPDIR outside /tmp (a site's scratch directory): its files travel too (nodelocal), and
+    # a restore replaces one that differs; a verify must do that in the sandbox only.
+    tmpdir = job_dir / "scratch"
+    tmpdir.mkdir()
+    kept = tmpdir / "kept.txt"
+    job = d_run_env(daemon, {"TMPDIR": str(tmpdir)}, "python3", "-c", KEEP_TMP, str(kept))
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="the job's file")
+    cp = daemon.json("dump", job["job"])["checkpoint"]
+    assert str(kept) in json.dumps(_listed(daemon, cp)["extra"])  # it travels
+    kept.write_text("changed on the node since")
+    (tmpdir / "other.txt").write_text("the node's own")
+    before = _checksums(tmpdir)
+
+    verdict = _verify(daemon, cp)
+
+    assert verdict["ok"], verdict["reason"]
+    assert _checksums(tmpdir) == before and kept.read_text() == "changed on the node since"
+
+
+def d_run_env(d: Daemon, env: dict[str, str], *command: str) -> Any:
+    opts = [arg for k, v in env.items() for arg in ("--env", f"{k}={v}")]
+    return d.json("run", *opts, "--label", "verify-env", "--", *command)
