@@ -42,7 +42,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -792,11 +792,6 @@ def _make_fifo(e: Entry, dirs: Mapping[str, Entry]) -> None:
             os.close(fd)
     finally:
         os.close(dfd)
-
-
-def describe(entries: Iterable[Entry]) -> Iterator[str]:
-    for e in entries:
-        yield f"{e.kind} {e.path} uid {e.uid} mode {e.mode:04o} {e.size_bytes} bytes"
 
 
 class AtDump:

@@ -324,3 +324,39 @@ def test_an_encrypted_stop_dump_to_s3_carries_them(make_daemon: MakeDaemon, s3: 
     assert any("recreated" in n for n in restored["notes"]), restored["notes"]
     _goes_on(d, restored["job"], at_dump)
     d.cli("kill", restored["job"])
+
+
+def _archive(path: Path, index: bytes, blobs: bytes = b"") -> Path:
+    path.write_bytes(blobs + index + len(index).to_bytes(8, "big") + b"STASIS-NODE-LOCAL-1\n")
+    return path
+
+
+@pytest.mark.parametrize("index, why", [
+    (b'{"roots": ["/tmp"], "entries": [{"path": "/tmp/../etc/x", "kind": "file", "uid": 0,'
+     b' "gid": 0, "mode": 420}]}', "bad path"),
+    (b'{"roots": ["/tmp"], "entries": [{"path": "/etc/x", "kind": "file", "uid": 0,'
+     b' "gid": 0, "mode": 420}]}', "not under a node-local directory"),
+    (b'{"roots": ["/"], "entries": []}', "roots"),
+    (b'{"roots": ["/usr/lib"], "entries": []}', "roots"),
+    (b'{"roots": ["/tmp"], "entries": [{"path": "/tmp/stasis-nl-never-made", "kind": "file", "uid": 0,'
+     b' "gid": 0, "mode": 420, "size_bytes": 10, "offset": 5}]}', "extent"),
+    (b'{"roots": ["/tmp"], "entries": [{"path": "/tmp/stasis-nl-never-made", "kind": "device", "uid": 0,'
+     b' "gid": 0, "mode": 420}]}', "bad kind"),
+    (b"not json", "malformed"),
+])
+def test_a_malformed_archive_is_refused_before_anything_is_made(tmp_path: Path, index: bytes,
+                                                                why: str) -> None:
+    """Bytes from the store, parsed by root: whatever they say, nothing outside the node-local
+    directories, nothing past the archive's end; one line why."""
+    archive = _archive(tmp_path / nodelocal.ARCHIVE_NAME, index, b"0123456789")
+    with pytest.raises(nodelocal.NodeLocalError, match=why):
+        nodelocal.prepare(archive, 0)
+    assert not Path("/etc/x").exists() and not Path("/tmp/stasis-nl-never-made").exists()
+
+
+def test_a_truncated_or_foreign_archive_is_refused(tmp_path: Path) -> None:
+    for data in (b"", b"short", b"x" * 40, (1 << 40).to_bytes(8, "big") +
+                 b"STASIS-NODE-LOCAL-1\n"):
+        (tmp_path / "a").write_bytes(data)
+        with pytest.raises(nodelocal.NodeLocalError):
+            nodelocal.read_index(tmp_path / "a")
