@@ -30,7 +30,7 @@ from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller, account
 from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
-from stasis.engine import credentials, nodefacts, nodelocal, privatetmp, proctree
+from stasis.engine import boundtmp, credentials, nodefacts, nodelocal, privatetmp, proctree
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
@@ -336,7 +336,10 @@ class Dumper:
         # job frozen with it).
         opened = nodefacts.OpenFilesAtDump(pid)
         # Its node-local files go into the images at the same point (engine/nodelocal.py).
-        carried = nodelocal.AtDump(pid, info.uid, target, self.core.settings.node_local_limit)
+        # And a /tmp bound from a node's directory (a Slurm job container's), whole
+        # (engine/boundtmp.py).
+        carried = boundtmp.AtDump(pid, info.uid, target, self.core.settings.node_local_limit,
+                                  info.gid, owner_groups(info.uid, info.gid))
         # What the images record is the frozen tree's: its credentials are checked again there
         # (a setuid program exec'd since the check above), at CRIU's post-dump for a dump that
         # leaves the job running (a refusal aborts the dump), once CRIU left it stopped for one

@@ -94,7 +94,7 @@ def _devices(mountinfo: str) -> set[int]:
     return found
 
 
-def _key(mount: str) -> str:
+def key(mount: str) -> str:
     return "stasis" + mount.replace("/", "-")  # /var/tmp: stasis-var-tmp
 
 
@@ -110,8 +110,8 @@ def dump_options(opts: Any, pid: int) -> None:
     opts.auto_ext_mnt = True
     opts.ext_sharing = True
     opts.ext_masters = True
-    for mount in _bound_from_node(pid):
-        opts.external.append(f"mnt[{mount}]:{_key(mount)}")
+    for mount in bound_from_node(pid):
+        opts.external.append(f"mnt[{mount}]:{key(mount)}")
 
 
 def restore_options(opts: Any) -> None:
@@ -121,12 +121,15 @@ def restore_options(opts: Any) -> None:
     opts.ext_masters = True
     opts.root = "/"
     for mount in MOUNTS:  # a key the images do not use is ignored
-        opts.ext_mnt.add(key=_key(mount), val=mount)
+        opts.ext_mnt.add(key=key(mount), val=mount)
 
 
-def _bound_from_node(pid: int) -> list[str]:
+def bound_from_node(pid: int) -> list[str]:
     """Which of MOUNTS are, in `pid`'s mount namespace, mounts of a filesystem the caller's
-    namespace has too (binds of a node's directory), not the namespace's own."""
+    namespace has too (binds of a node's directory), not the namespace's own. Empty for a
+    process in the caller's namespace: the node's own /tmp is nobody's to carry."""
+    if not own_mount_ns(pid):
+        return []
     try:
         with open(f"/proc/{pid}/mountinfo") as f:
             table = [line.split() for line in f]
@@ -171,3 +174,44 @@ EXTRA_KEY = "own_mounts"
 def recorded(extra: Mapping[str, Any]) -> bool:
     """Whether a checkpoint's manifest `extra` says its images hold the tree's own mounts."""
     return extra.get(EXTRA_KEY) is True
+
+
+def reopen_in_namespace(fds: tuple[int, ...] = (0, 1, 2)) -> None:
+    """Reopen, by path, those of `fds` that were opened outside the caller's mount namespace
+    (slurmstepd opens a job's stdin and output before the task joins its job container): CRIU
+    cannot dump a descriptor whose mount the namespace lacks ("Can't lookup mount"). Runs with
+    the job's own rights; a descriptor whose path now names another file (hidden under the
+    job's private /tmp) is left as it is, and CRIU's dump says so."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            here = {line.split(" ", 1)[0] for line in f}
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            mnt_id = _fdinfo(fd, "mnt_id")
+            if mnt_id is None or mnt_id in here:
+                continue
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            was, now = os.fstat(fd), os.stat(path)
+            if (was.st_dev, was.st_ino) != (now.st_dev, now.st_ino):
+                continue
+            flags = int(_fdinfo(fd, "flags") or "0", 8)
+            mode = flags & os.O_ACCMODE
+            # Output is appended: a file written since the dump must not fail its restore.
+            extra = os.O_APPEND if mode != os.O_RDONLY and path != os.devnull else 0
+            new = os.open(path, mode | extra | os.O_NOCTTY)
+        except OSError:
+            continue
+        if new != fd:
+            os.dup2(new, fd)
+            os.close(new)
+
+
+def _fdinfo(fd: int, key: str) -> str | None:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name == key:
+                return value.strip()
+    return None

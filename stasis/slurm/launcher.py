@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.client import Client
+from stasis.engine import privatetmp
 from stasis.errors import DaemonAPIError, StasisError
 from stasis.slurm import steps
 from stasis.slurm.labels import INTERVAL_VARS
@@ -113,6 +114,8 @@ class Launcher:
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 if self.mode == "fresh":
                     os.setsid()  # inside the namespace: session ids stay in the dumped tree
+                    # A job container's job: its stdin and output opened where CRIU can dump them.
+                    privatetmp.reopen_in_namespace()
                 os.execve(argv[0], argv, self._env())
             except OSError as e:
                 os.write(2, f"stasis: cannot start {argv[0]}: {e}\n".encode())

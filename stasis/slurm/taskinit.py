@@ -40,7 +40,16 @@ from typing import Any, TypeVar, cast
 
 from stasis import wire
 from stasis.config import Settings, fresh_if_unreachable, load_settings
-from stasis.engine import CRIU, Owner, credentials, find_criu, nodefacts, nodelocal, privatetmp
+from stasis.engine import (
+    CRIU,
+    Owner,
+    boundtmp,
+    credentials,
+    find_criu,
+    nodefacts,
+    nodelocal,
+    privatetmp,
+)
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, OwnerDeniedError, SlurmError, StasisError
 from stasis.client import Client
@@ -117,7 +126,9 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         # The same restore as the daemon's (CRIU as root, every path of the job with its
         # owner's rights), here in the job's task so that the tree is the task's child.
         # A job in a mount namespace of its own (job_container/tmpfs): rebuilt in this task's,
-        # its /tmp bound from this run's private /tmp (engine/privatetmp.py).
+        # its /tmp bound from this run's private /tmp (engine/privatetmp.py), refilled first
+        # with what the checkpoint saved of the old one (engine/boundtmp.py).
+        boundtmp.unpack(images, owner.uid, gid, owner.groups)
         result = restore_tree(criu, images, owner, outputs,
                               f"restore-slurm-{info.job_id}-{m.id}.log",
                               own_mounts=privatetmp.recorded(m.extra))
