@@ -360,3 +360,26 @@ def test_a_truncated_or_foreign_archive_is_refused(tmp_path: Path) -> None:
         (tmp_path / "a").write_bytes(data)
         with pytest.raises(nodelocal.NodeLocalError):
             nodelocal.read_index(tmp_path / "a")
+
+
+def test_a_file_under_the_jobs_tmpdir_travels_too(daemon: Daemon) -> None:
+    """$TMPDIR (as a site's job prolog sets it to a per-job scratch directory) counts as
+    node-local, read from the job's own environment."""
+    pw = pwd.getpwnam(TEST_USER)
+    scratch = Path(tempfile.mkdtemp(prefix="nl-scratch-", dir="/var/lib"))
+    os.chmod(scratch, 0o755)
+    mine = scratch / "job"
+    mine.mkdir(mode=0o700)
+    os.chown(mine, pw.pw_uid, pw.pw_gid)
+    try:
+        job = daemon.json("run", "--user", TEST_USER, "--env", f"TMPDIR={mine}", "--",
+                          *workload("keeplocal.py", "tmp", mine))
+        wait_for(lambda: _last(daemon, job["job"]) >= 3, what="counting")
+        checkpoint, at_dump = _stop_dump(daemon, job)
+        shutil.rmtree(mine)
+        restored = daemon.json("restore", checkpoint)
+        assert mine.stat().st_uid == pw.pw_uid and stat.S_IMODE(mine.stat().st_mode) == 0o700
+        _goes_on(daemon, restored["job"], at_dump)
+        daemon.cli("kill", restored["job"])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
