@@ -186,6 +186,14 @@ def add_controlplane(commands: Any) -> None:
                    help="Seconds to wait for the node's answer (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=checkpoint)
+    p = sub.add_parser("verify", help="Have the node that took CHECKPOINT verify it (`stasis "
+                                      "verify`: restored in a sandbox, checked, removed); the "
+                                      "verdict is kept with it. Exit 1 when it fails.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--wait", type=float, default=600.0, metavar="S",
+                   help="Seconds to wait for the node's verdict (default: %(default)s).")
+    add_json(p)
+    p.set_defaults(handler=verify)
     p = sub.add_parser("migrate", help="Move JOB to NODE: checkpointed and stopped on its "
                                        "node, restored on NODE from the store both share.")
     p.add_argument("job", metavar="JOB")
@@ -451,6 +459,37 @@ def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
         r = cmd["result"]
         output.say(f"checkpoint {r['checkpoint']} of job {args.job} on node {cmd['node']} "
                    f"(label {r['label']})")
+
+
+def verify(args: argparse.Namespace, settings: Settings) -> None:
+    import time
+
+    from stasis.errors import RestoreError
+
+    client = _client(settings)
+    cmd = client.request("POST", f"/api/v1/checkpoints/{_seg(args.checkpoint)}/verify", None)
+    deadline = time.monotonic() + args.wait
+    while cmd["state"] not in ("done", "failed"):
+        if time.monotonic() > deadline:
+            raise RestoreError(f"node {cmd['node']} has not answered verify {cmd['id']} of "
+                               f"checkpoint {args.checkpoint} within {args.wait:.0f} s; it "
+                               f"is still {cmd['state']}: its verdict will show in `stasis "
+                               "controlplane checkpoints`")
+        time.sleep(0.3)
+        cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
+    verdict = (cmd["result"] or {}).get("verdict")
+    if args.json:
+        output.emit_json(cmd)
+    if not isinstance(verdict, dict):
+        raise RestoreError(f"node {cmd['node']} could not verify checkpoint {args.checkpoint}: "
+                           f"{(cmd['result'] or {}).get('error')}")
+    if not verdict.get("ok"):
+        raise RestoreError(f"checkpoint {args.checkpoint} failed verification on node "
+                           f"{cmd['node']}: {verdict.get('reason')}")
+    if not args.json:
+        output.say(f"checkpoint {args.checkpoint} verified on node {cmd['node']}: it restores "
+                   f"({verdict.get('processes')} process(es) in "
+                   f"{float(verdict.get('duration_s') or 0):.1f} s)")
 
 
 def _duration(text: str) -> int:

@@ -11,6 +11,7 @@ that refreshes each page's live part every few seconds, no build step.
     GET  /ui/checkpoints                size, CRIU's time, frozen time, where stored, and
                                         Verified: the verdict of `stasis verify` (ok, failed:
                                         REASON, not verified; stasis.controlplane.verdicts)
+    POST /ui/checkpoints/{id}/verify    "Verify" (by the node that took it)
     GET  /ui/policies, POST /ui/policies, POST /ui/policies/{name}/run|delete
     GET  /ui/policies/{name}/edit, POST /ui/policies/{name}/edit   a policy edited in place
                                         (the form holds all its fields: what it sends is it)
@@ -273,6 +274,12 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
                              cluster, node)
         return f"checkpoint of job {job} on node {cmd['node']} asked ({cmd['id']})"
 
+    def verify(s: Session, request: web.Request, f: dict[str, str]) -> str:
+        cmd = registry.verify_checkpoint(s.principal, request.match_info["checkpoint"],
+                                         lost_after_s)
+        return (f"verify of checkpoint {cmd['args']['checkpoint']} asked on node "
+                f"{cmd['node']} ({cmd['id']})")
+
     def migrate(s: Session, request: web.Request, f: dict[str, str]) -> str:
         job, cluster, node = job_of(request, f)
         to = f.get("to", "")
@@ -373,6 +380,7 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         web.post("/ui/jobs/{job}/checkpoint", action(checkpoint_now, "/ui/jobs")),
         web.post("/ui/jobs/{job}/migrate", action(migrate, "/ui/jobs")),
         web.get("/ui/checkpoints", page("checkpoints.html", checkpoints)),
+        web.post("/ui/checkpoints/{checkpoint}/verify", action(verify, "/ui/checkpoints")),
         web.get("/ui/policies", page("policies.html", policy_page)),
         web.post("/ui/policies", action(add_policy, "/ui/policies")),
         web.post("/ui/policies/{name}/run", action(run_policy, "/ui/policies")),

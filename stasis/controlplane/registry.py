@@ -743,6 +743,33 @@ class Registry:
                                    {**args, "job": job,
                                     "kind": found.get("kind") or "daemon"})
 
+    def verify_checkpoint(self, by: Principal, checkpoint_id: str, lost_after_s: float
+                          ) -> dict[str, Any]:
+        """A verify command (`stasis verify`) for checkpoint `checkpoint_id`, sent to the node
+        that took it, which must be ready: its verdict is kept with the checkpoint."""
+        by.admin_only()
+        if not re.fullmatch(CHECKPOINT_ID, checkpoint_id):
+            raise UsageError(f"bad checkpoint id {checkpoint_id[:64]!r}")
+        with self.engine.begin() as conn:
+            row = conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)
+                               ).mappings().first()
+        if row is None or row["deleted"] is not None:
+            raise NotFoundError(f"no checkpoint {checkpoint_id} known here" + (
+                " (deleted)" if row is not None else "") +
+                ": `stasis controlplane checkpoints` lists them")
+        node = [n for n in self.list_nodes(by, lost_after_s)
+                if n["cluster_id"] == row["cluster_id"] and n["name"] == row["node"]]
+        if not node:
+            raise NotFoundError(f"node {row['node']}, which took checkpoint {checkpoint_id}, "
+                                "is no longer known here: `stasis verify "
+                                f"{checkpoint_id}` on a node that shares its store")
+        if node[0]["state"] != "ready":
+            raise ConflictError(_not_ready(node[0]) + f": the node that took checkpoint "
+                                f"{checkpoint_id} verifies it; ask again once it is ready")
+        return self.queue_for_node(row["cluster_id"], row["node"], "verify", {
+            "checkpoint": checkpoint_id, "label": row["label"], "user": row["user"],
+            "reason": "asked"})
+
     def queue_for_node(self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
                        ) -> dict[str, Any]:
         cid = "cmd_" + secrets.token_hex(8)

@@ -45,6 +45,9 @@
                                            the verdict of `stasis verify` (`verdict`: null or
                                            {ok, reason, node, at, duration_s, processes};
                                            `verified`: ok | failed: REASON | not verified)
+    POST /api/v1/checkpoints/{id}/verify   admin: a verify command for it, to the node that
+                                           took it (its result: the verdict, also kept with
+                                           the checkpoint)
     GET  /api/v1/savings                   node-hours of work kept by restores: in all, per
                                            cluster, user and day
     POST /api/v1/policies/{name}/run       admin, or that policy's own hook token
@@ -384,6 +387,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
                                             {"leave_running": body.leave_running},
                                             body.cluster, body.node), status=201)
 
+    async def verify_checkpoint(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.admin_only()
+        return web.json_response(await run(registry.verify_checkpoint, who,
+                                            request.match_info["id"], lost_after_s),
+                                 status=201)
+
     async def migrate(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
@@ -576,6 +586,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.get("/metrics", metrics),
         web.get("/api/v1/events", list_events),
         web.get("/api/v1/checkpoints", list_checkpoints),
+        web.post("/api/v1/checkpoints/{id}/verify", verify_checkpoint),
         web.get("/api/v1/savings", savings),
         web.post("/api/v1/policies/{name}/run", run_policy),
         web.get("/install/kubernetes", install_kubernetes),

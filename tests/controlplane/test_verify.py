@@ -226,6 +226,18 @@ def test_a_verify_queued_for_a_lost_node_is_failed_and_asked_again_when_it_is_ba
     assert re.fullmatch(r"node fa was lost \(silent \d+ s\) before carrying it out", error), \
         error
     assert cp.json("policies", "run", "v")["queued"] == 0  # not ready: nothing for it
+    # Asked for one checkpoint by hand: refused in one line while its node is lost, for an
+    # unknown one, and for a cluster's token.
+    r = cp.cli("verify", "c1")
+    assert r.returncode == 2 and re.fullmatch(
+        r"stasis: error: node fa is lost \(silent \d+ s\): the node that took checkpoint c1 "
+        r"verifies it; ask again once it is ready", r.stderr.strip()), r.stderr
+    r = cp.cli("verify", "nope")
+    assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no checkpoint nope known "
+                                                   "here: `stasis controlplane checkpoints` "
+                                                   "lists them")
+    assert cp.call("POST", "/api/v1/checkpoints/c1/verify", hpc["token"])[0] == 403
+    assert len(verify_commands(cp)) == 1
     fa.heartbeat([])
     assert cp.json("policies", "run", "v")["queued"] == 1  # back: asked again
     got = fa.lease()

@@ -12,6 +12,7 @@ import pwd
 from pathlib import Path
 from typing import Any
 
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -86,6 +87,16 @@ def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
         assert a.job(good_job)["state"] == "running"
         # Each label's newest is verified: nothing more to do.
         assert cp.json("policies", "run", "known-good")["queued"] == 0
+        # One checkpoint verified by hand: the CLI waits for the verdict; a failed one is one
+        # line and exit 1.
+        r = cp.cli("verify", good)
+        assert r.returncode == 0 and r.stdout.startswith(
+            f"checkpoint {good} verified on node node-a: it restores (2 process(es) in "), r
+        r = cp.cli("verify", bad)
+        assert (r.returncode, r.stderr.strip()) == (
+            1, f"stasis: error: checkpoint {bad} failed verification on node node-a: {reason}")
+        newer = a.json("dump", "--leave-running", good_job)["checkpoint"]
+        wait_for(lambda: newer in listed(cp), 30, "the newer checkpoint reported")
 
         driver.get(cp.url + "/ui/login")
         driver.find_element(By.ID, "token").send_keys(cp.admin)
@@ -105,7 +116,19 @@ def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
         assert cell(good) == ("ok", "ok")
         assert cell(bad) == ("failed", f"failed: {reason}")
         head = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#checkpoints th")]
-        assert head[-1] == "Verified"
+        assert head[-2] == "Verified"
+        assert cell(newer) == ("none", "not verified")
+        for _ in range(5):  # the live refresh may replace the row under the click
+            try:
+                driver.find_element(By.CSS_SELECTOR, f'#checkpoints tr[data-checkpoint="{newer}"]'
+                                                     " button.verify").click()
+                break
+            except StaleElementReferenceException:
+                continue
+        wait_for(lambda: any(f"verify of checkpoint {newer} asked on node node-a" in e.text
+                             for e in driver.find_elements(By.CSS_SELECTOR, ".flash")), 10,
+                 "the message")
+        wait_for(lambda: cell(newer)[0] == "ok", 60, "the new verdict on the page")
         shot(driver, "checkpoints-verified")
         # The Jobs page says whether the running job's last checkpoint is known to restore.
         driver.get(cp.url + "/ui/jobs")
