@@ -84,7 +84,9 @@ _STOP_WAIT_S = 2.0
 _PSTREE_PID = 1
 # remap-fpath.img: RemapFilePathEntry{orig_id=1, remap_id=2, remap_type=3}; LINKED is 0, and
 # images of old CRIUs mark a ghost by this bit of remap_id instead of a type.
-_REMAP_TYPE, _REMAP_ID, _REMAP_GHOST_BIT = 3, 2, 1 << 31
+_REMAP_ORIG_ID, _REMAP_TYPE, _REMAP_ID, _REMAP_GHOST_BIT = 1, 3, 2, 1 << 31
+# files.img: FileEntry{reg=3}; RegFileEntry{id=1, name=6}
+_FILE_REG, _REG_ID, _REG_NAME = 3, 1, 6
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,36 @@ def bound_unix_paths(images: Path) -> set[str]:
     return paths
 
 
+def ghost_paths(images: Path) -> set[str]:
+    """The paths of the deleted files the job held open or mapped that the images carry as
+    ghosts: a restore recreates each beside its old path for a moment (NAME.cr.ID.ghost)."""
+    try:
+        with open(images / "remap-fpath.img", "rb") as f:
+            remaps = _entries(f.read(_PSTREE_MAX_BYTES))
+    except FileNotFoundError:
+        return set()
+    ghosts = set()
+    for entry in remaps:
+        fields = dict((n, v) for n, v in _fields(entry) if isinstance(v, int))
+        kind = fields.get(_REMAP_TYPE)
+        if kind == 1 or (kind is None and fields.get(_REMAP_ID, 0) & _REMAP_GHOST_BIT):
+            ghosts.add(fields.get(_REMAP_ORIG_ID, -1))
+    if not ghosts:
+        return set()
+    with open(images / "files.img", "rb") as f:
+        files = _entries(f.read(_PSTREE_MAX_BYTES))
+    paths = set()
+    for entry in files:
+        for reg in (v for n, v in _fields(entry) if n == _FILE_REG and isinstance(v, bytes)):
+            parts = _fields(reg)
+            ids = [v for n, v in parts if n == _REG_ID and isinstance(v, int)]
+            name = next((v for n, v in parts if n == _REG_NAME and isinstance(v, bytes)), b"")
+            if ids and ids[0] in ghosts and name:
+                paths.add(os.path.normpath(os.path.join(
+                    "/", name.decode(errors="surrogateescape"))))
+    return paths
+
+
 def _private(path: str) -> bool:
     return any(path == d or path.startswith(d + "/") for d in PRIVATE_DIRS)
 
@@ -326,7 +358,8 @@ def _shadow_plan(paths: Iterable[str]) -> dict[str, set[str]]:
 def _shadow(by_dir: dict[str, set[str]]) -> None:
     """CRIU restores a bound unix socket by removing whatever is at its address and binding
     anew: outside the private tmpfs, that would take a running job's listening socket off the
-    node (seen); and the node-local files a checkpoint carries are recreated (or replaced) at
+    node (seen); it recreates a deleted file the job held (a ghost) beside its old path for the
+    restore; and the node-local files a checkpoint carries are recreated (or replaced) at
     their paths before CRIU runs. So, in this mount namespace only, each such directory becomes
     a tmpfs holding bind mounts of everything else the directory holds (the job's other files
     reopen as themselves, nothing is copied) and nothing at those paths: what the restore makes
@@ -449,6 +482,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
         expected = recorded_pids(images)
         remaps = linked_remaps(images)
         sockets = bound_unix_paths(images)
+        ghosts = ghost_paths(images)
     except (OSError, ValueError) as e:
         return {"ok": False, "reason": f"its process tree image is unreadable: {e}",
                 "processes": 0, "duration_s": 0.0}
@@ -460,7 +494,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     _enter_namespaces(bool(spec.get("own_mounts")))
     try:
-        _shadow(_shadow_plan([*sockets, *spec.get("travelling", ())]))
+        _shadow(_shadow_plan([*sockets, *ghosts, *spec.get("travelling", ())]))
     except _NotVerifiable as e:
         return {"ok": False, "reason": str(e), "processes": len(expected), "duration_s": 0.0}
     outputs = []

@@ -340,3 +340,59 @@ def test_node_local_files_outside_tmp_are_recreated_in_the_sandbox_only(
 def d_run_env(d: Daemon, env: dict[str, str], *command: str) -> Any:
     opts = [arg for k, v in env.items() for arg in ("--env", f"{k}={v}")]
     return d.json("run", *opts, "--label", "verify-env", "--", *command)
+
+
+GHOST = """import os, sys, time
+f = open(sys.argv[1], "w+")
+f.write("deleted but held " * 100)
+f.flush()
+os.unlink(sys.argv[1])
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+class _Creations:
+    """What is created in a directory while it is watched (inotify, IN_CREATE | IN_MOVED_TO):
+    also what exists for a moment only."""
+
+    def __init__(self, path: Path) -> None:
+        import ctypes
+
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0
+        assert self._libc.inotify_add_watch(self.fd, str(path).encode(), 0x100 | 0x80) >= 0
+
+    def names(self) -> list[str]:
+        import struct
+
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        finally:
+            os.close(self.fd)
+        names, at = [], 0
+        while at + 16 <= len(data):
+            size = struct.unpack_from("iIII", data, at)[3]
+            names.append(data[at + 16:at + 16 + size].rstrip(b"\0").decode())
+            at += 16 + size
+        return names
+
+
+def test_a_deleted_file_the_job_holds_is_never_recreated_on_the_node(daemon: Daemon,
+                                                                      job_dir: Path) -> None:
+    held = job_dir / "deleted.dat"
+    job = daemon.run("python3", "-c", GHOST, str(held), label="verify-ghost")
+    wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="the job's deleted file")
+    cp = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
+    watched = _Creations(job_dir)
+
+    verdict = _verify(daemon, cp)
+
+    # CRIU recreates a ghost beside its old path for the restore: here, in the sandbox only.
+    assert verdict["ok"], verdict["reason"]
+    assert watched.names() == [] and list(job_dir.iterdir()) == []
+    daemon.cli("kill", job["job"])
