@@ -6,7 +6,8 @@ checkpoint instead, in one file of its images directory (`ARCHIVE_NAME`), hashed
 encrypted with the images by the store.
 
     find        the tree's node-local files: regular files it has open or mapped, FIFOs it has
-                open, the paths of unix sockets it has bound; with sizes, for the limit
+                open, the paths of unix sockets it has bound, its working directories; with
+                sizes, for the limit
     too_large   the one line refusing a dump over `node_local_limit`, largest files named
     pack        write them (their directories, owners, modes, mtimes and contents) into the
                 images directory, read through /proc/PID/fd/N and /proc/PID/map_files
@@ -84,7 +85,7 @@ class NodeLocalError(Exception):
 @dataclass
 class Found:
     """One node-local path of the tree: where to read it (`source`, a /proc link to the job's
-    own descriptor or mapping), what it was."""
+    own descriptor or mapping), what it was. A "dir" is a process's working directory."""
 
     path: str
     kind: Kind
@@ -216,6 +217,7 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
                               st.st_size if kind == "file" else 0, st.st_mtime_ns,
                               _writable(p, fd)))
         _add_mappings(found, p, prefixes, skip)
+        _add_cwd(found, p, prefixes)
     skipped = _skipped_devices(pid)
     return [f for _, f in sorted(found.items())
             if (uid == 0 or f.uid == uid) and f.dev not in skipped]
@@ -227,6 +229,19 @@ def _add(found: dict[str, Found], entry: Found) -> None:
         found[entry.path] = entry
     elif entry.written and not seen.written:
         seen.written = True
+
+
+def _add_cwd(found: dict[str, Found], pid: int, prefixes: list[str]) -> None:
+    """A working directory under a node-local root: CRIU needs it there to restore."""
+    try:
+        target = os.readlink(f"/proc/{pid}/cwd")
+        st = os.stat(f"/proc/{pid}/cwd")
+    except OSError:
+        return
+    if target.startswith("/") and not target.endswith(" (deleted)") and \
+            _under(target, prefixes) and stat.S_ISDIR(st.st_mode):
+        found.setdefault(target, Found(target, "dir", "", st.st_dev, st.st_ino, st.st_uid,
+                                       st.st_gid, stat.S_IMODE(st.st_mode), 0, 0))
 
 
 def _add_mappings(found: dict[str, Found], pid: int, prefixes: list[str],
@@ -350,7 +365,7 @@ def pack(found: list[Found], prefixes: list[str], images: Path, limit: int) -> P
     entries: list[Entry] = []
     dirs: dict[str, Entry] = {}
     for f in found:
-        for d in _parents(f.path):
+        for d in _parents(f.path) + ([f.path] if f.kind == "dir" else []):
             if d not in dirs:
                 dirs[d] = _dir_entry(d)
     entries.extend(dirs[d] for d in sorted(dirs, key=lambda d: (d.count("/"), d)))
@@ -360,6 +375,8 @@ def pack(found: list[Found], prefixes: list[str], images: Path, limit: int) -> P
     try:
         offset = 0
         for f in found:
+            if f.kind == "dir":
+                continue  # made with the others above
             entry = Entry(f.path, f.kind, f.uid, f.gid, f.mode, f.mtime_ns, written=f.written)
             if f.kind == "file":
                 entry.offset = offset

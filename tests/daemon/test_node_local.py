@@ -383,3 +383,18 @@ def test_a_file_under_the_jobs_tmpdir_travels_too(daemon: Daemon) -> None:
         daemon.cli("kill", restored["job"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_working_directory_in_tmp_comes_back(daemon: Daemon, user_dir: Path) -> None:
+    """CRIU restores a process in its working directory: one under /tmp is made again."""
+    cwd = user_dir / "work"
+    _as_user("mkdir", "-m", "0710", str(cwd))
+    job = daemon.run("sh", "-c", f'cd "{cwd}" && exec "$0" "$@"',
+                     *workload("keeplocal.py", "tmp", user_dir), user=TEST_USER)
+    wait_for(lambda: _last(daemon, job["job"]) >= 3, what="counting")
+    checkpoint, at_dump = _stop_dump(daemon, job)
+    shutil.rmtree(user_dir)
+    restored = daemon.json("restore", checkpoint)
+    assert stat.S_IMODE(cwd.stat().st_mode) == 0o710
+    _goes_on(daemon, restored["job"], at_dump)
+    daemon.cli("kill", restored["job"])
