@@ -50,6 +50,7 @@ class AtDump(nodelocal.AtDump):
             why = self._save(mount, room)
             if why is not None:
                 self.refused = why
+                (self.images / archive_name(mount)).unlink(missing_ok=True)
                 return False
             room -= (self.images / archive_name(mount)).stat().st_size
             self.saved.append(mount)

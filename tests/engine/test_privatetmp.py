@@ -1,14 +1,16 @@
 """A tree in a mount namespace of its own, as Slurm's job_container/tmpfs makes one (its /tmp a
 bind of a per-job directory of the node's, /dev/shm a tmpfs of its own), dumped and restored
 with real CRIU inside another such namespace, as a requeued job's task restores it: its /tmp is
-then the new one's, whatever directory that is bound from, and its /dev/shm comes back with its
-contents (engine/privatetmp.py).
+then the new one's, whatever directory that is bound from, refilled with what the old one held
+(engine/boundtmp.py), and its /dev/shm comes back with its contents (engine/privatetmp.py).
+What is saved and put back is read and written with the job user's rights only.
 
 Everything lives outside /tmp: the namespaces hide the node's /tmp."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from stasis.engine import CRIU, DumpOptions, find_criu, proctree
+from stasis.engine import CRIU, DumpOptions, boundtmp, find_criu, proctree
 from tests.conftest import wait_for
 
 JOB = """
@@ -27,6 +29,12 @@ import os, time
 os.setsid()
 with open("/dev/shm/x", "w") as f:
     f.write("shm-data")
+with open("/tmp/closed", "w") as f:
+    f.write("closed-data")
+os.makedirs("/tmp/d/e", exist_ok=True)
+with open("/tmp/d/e/f", "w") as f:
+    f.write("deep")
+os.symlink("/etc/shadow", "/tmp/link")
 count = open("/tmp/count", "w")
 n = 0
 while True:
@@ -41,17 +49,20 @@ CONTAINER = """
 set -e
 mount --make-rslave /
 mount --bind "$1" /tmp
-mount -t tmpfs -o size=1m stasis-test-shm /dev/shm
+mount -t tmpfs -o size=1m,mode=1777 stasis-test-shm /dev/shm
 shift
 exec </dev/null 2>>"$LOG"
 [ -n "$ANSWER" ] || exec >>"$LOG"
 exec "$@"
 """
 
+# A requeued job's task restoring it: its new /tmp refilled, then CRIU.
 RESTORER = """
-import json, os, sys, time
+import json, os, sys
 from pathlib import Path
-from stasis.engine import CRIU, RestoreOptions
+from stasis.engine import CRIU, RestoreOptions, boundtmp
+uid, gid = int(sys.argv[4]), int(sys.argv[5])
+boundtmp.unpack(Path(sys.argv[3]), uid, gid)
 criu = CRIU(sys.argv[1], Path(sys.argv[2]))
 result = criu.restore(Path(sys.argv[3]), RestoreOptions(own_mounts=True), "restore.log")
 print(json.dumps({"pid": result.pid}), flush=True)
@@ -62,6 +73,7 @@ os.waitpid(result.pid, 0)
 @pytest.fixture
 def scratch() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="stasis-tests-", dir="/var/lib"))
+    os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -83,46 +95,111 @@ def _count(path: Path) -> int:
     return int(text) if text.strip() else -1
 
 
-def test_a_job_containers_tree_restores_in_another_container(scratch: Path) -> None:
-    old_tmp, new_tmp = scratch / "job-5" / "tmp", scratch / "job-9" / "tmp"
-    for d in (old_tmp, new_tmp):
+def _job_dirs(scratch: Path, uid: int) -> tuple[Path, Path]:
+    """The old job's /tmp and the requeued one's, each its user's (0700), as Slurm makes them."""
+    dirs = scratch / "job-5" / "tmp", scratch / "job-9" / "tmp"
+    for d in dirs:
         d.mkdir(parents=True)
-        os.chmod(d, 0o1777)
+        os.chmod(d.parent, 0o755)
+        os.chown(d, uid, 0)
+        os.chmod(d, 0o700)
+    return dirs
+
+
+def _start(scratch: Path, old_tmp: Path, user: pwd.struct_passwd | None
+           ) -> tuple[subprocess.Popen[bytes], int]:
+    """The job in its container (as `user`, else root), counting; its namespace init."""
     script = scratch / "job.py"
     script.write_text(JOB)
+    as_user = [] if user is None else [
+        "setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
     job = _in_container(old_tmp, scratch / "job.log", "unshare", "--pid", "--fork", "--",
-                        "python3", str(script))
+                        *as_user, "/usr/bin/python3", str(script))
+    wait_for(lambda: (old_tmp / "count").exists() and _count(old_tmp / "count") > 3,
+             what="counting")
+    # `unshare --pid --fork` (the container's process by now) and its child, the init.
+    return job, next(iter(proctree.children(job.pid)))
+
+
+def _end(*procs: subprocess.Popen[bytes] | None) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proctree.signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_a_job_containers_tree_restores_in_another_container(
+        scratch: Path, test_user: pwd.struct_passwd) -> None:
+    uid, gid = test_user.pw_uid, test_user.pw_gid
+    old_tmp, new_tmp = _job_dirs(scratch, uid)
+    victim = scratch / "victim"  # root's: the requeued /tmp holds a link to it, planted
+    victim.mkdir()
+    (new_tmp / "d").symlink_to(victim)
+    os.lchown(new_tmp / "d", uid, gid)
+    job, init = _start(scratch, old_tmp, test_user)
     restorer = None
     try:
-        wait_for(lambda: (old_tmp / "count").exists() and _count(old_tmp / "count") > 3,
-                 what="counting")
-        # `unshare --pid --fork` (the container's process by now) and its child, the init.
-        init = next(iter(proctree.children(job.pid)))
         criu = CRIU(find_criu(), scratch / "logs")
         images = scratch / "images"
-        images.mkdir()
-        criu.dump(init, images, DumpOptions(), "dump.log")  # killed after the dump
-        job.wait(timeout=10)
+        images.mkdir(mode=0o700)
+        criu.dump(init, images, DumpOptions(leave_stopped=True), "dump.log")
+        # As the daemon does once CRIU left the tree stopped: its /tmp, whole, as its user.
+        saved = boundtmp.AtDump(init, uid, images, 1 << 20, gid)
+        assert saved.collect(), saved.refused
+        assert saved.saved == ["/tmp"]
+        _end(job)
         at = _count(old_tmp / "count")
         assert list(images.glob("tmpfs-dev-*.tar.gz.img"))  # /dev/shm, its own: in the images
-        # Its /tmp was the node's directory: bound again from the restorer's /tmp, which the
-        # node-local files (engine/nodelocal.py) refill; here by hand, then the old one goes.
-        shutil.copy2(old_tmp / "count", new_tmp / "count")
+        # Requeued elsewhere: the old directory is gone, the new one is another.
         shutil.rmtree(old_tmp.parent)
         restorer = _in_container(new_tmp, scratch / "restorer.log", sys.executable, "-c",
                                  RESTORER, criu.path, str(scratch / "logs"), str(images),
-                                 answer=True)
+                                 str(uid), str(gid), answer=True)
         assert restorer.stdout is not None
         line = restorer.stdout.readline()
-        assert line, (scratch / "restorer.log").read_text() + \
-            (scratch / "logs" / "restore.log").read_text()[-3000:]
+        assert line, (scratch / "restorer.log").read_text()
         wait_for(lambda: _count(new_tmp / "count") > at + 3, what="counting on in the new /tmp")
         pid = int(line.split(b":")[1].strip(b" }\n"))
         assert Path(f"/proc/{pid}/root/dev/shm/x").read_text() == "shm-data"
+        # The files it had closed came back too, its link as a link, all its user's.
+        assert (new_tmp / "closed").read_text() == "closed-data"
+        assert (new_tmp / "d" / "e" / "f").read_text() == "deep"
+        assert os.readlink(new_tmp / "link") == "/etc/shadow"
+        for path in (new_tmp / "closed", new_tmp / "d", new_tmp / "link"):
+            assert path.lstat().st_uid == uid, path
+        # The link planted where a directory came back was not followed.
+        assert not (new_tmp / "d").is_symlink() and list(victim.iterdir()) == []
     finally:
-        for proc in (job, restorer):
-            if proc is not None and proc.poll() is None:
-                proctree.signal_tree(proc.pid, signal.SIGKILL)
-                proc.wait()
-            if proc is not None and proc.stdout is not None:
-                proc.stdout.close()
+        _end(job, restorer)
+
+
+def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
+        scratch: Path, test_user: pwd.struct_passwd) -> None:
+    uid, gid = test_user.pw_uid, test_user.pw_gid
+    old_tmp, _ = _job_dirs(scratch, uid)
+    job, init = _start(scratch, old_tmp, test_user)
+    try:
+        images = scratch / "images"
+        images.mkdir(mode=0o700)
+        # A file of root's in the job's /tmp (a prolog's, or a hard link): root could read it,
+        # its user cannot, and the checkpoint is the user's.
+        secret = old_tmp / "root-only"
+        secret.write_text("root's secret")
+        os.chmod(secret, 0o600)
+        saved = boundtmp.AtDump(init, uid, images, 1 << 20, gid)
+        assert not saved.collect()
+        assert saved.refused and "with its owner's rights" in saved.refused \
+            and "root-only" in saved.refused, saved.refused
+        assert not (images / boundtmp.archive_name("/tmp")).exists()
+        secret.unlink()
+        (old_tmp / "big").write_bytes(os.urandom(64 << 10))
+        again = scratch / "images-again"
+        again.mkdir(mode=0o700)
+        small = boundtmp.AtDump(init, uid, again, 32 << 10, gid)
+        assert not small.collect()
+        assert small.refused and "node_local_limit" in small.refused, small.refused
+        assert not (again / boundtmp.archive_name("/tmp")).exists()
+    finally:
+        _end(job)
