@@ -25,7 +25,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,7 +278,6 @@ def requeued(site: Site) -> dict[str, Work]:
         # Each restored on n2, or given up on (the test of each says why).
         poll(lambda: all(_host(c, w.job) == "n2" and "stasis: restored checkpoint" in
                          c.output(w.job) for w in works.values()), MOVE_TIMEOUT_S, 1.0)
-        time.sleep(4 * INTERVAL_S)  # a few counts more on n2
     finally:
         c.run("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
     return works
@@ -303,7 +301,10 @@ def test_a_job_requeued_by_slurm_resumes_on_another_node_with_its_node_local_sta
         site: Site, requeued: dict[str, Work], name: str) -> None:
     w = requeued[name]
     try:
-        assert _slurm_outcome(site, w) is None, _slurm_outcome(site, w)
+        if name != "postgresql":  # (its check writes: once)
+            poll(lambda: _slurm_outcome(site, w) is None, 20, 0.5)  # a slow machine's counts
+        why = _slurm_outcome(site, w)
+        assert why is None, why
     finally:
         site.c.run("scancel", w.job, check=False)
 
@@ -362,8 +363,9 @@ def test_a_job_migrated_by_the_control_plane_resumes_on_another_node_with_its_no
         assert not moved.startswith("migrate failed"), moved
         jobs = {j["job"]: j["node"] for j in site.cp.json("jobs")}
         assert jobs.get(moved) == "n2", jobs
-        assert continued(Path(log).read_text(), w.before) is None, \
-            continued(Path(log).read_text(), w.before)
+        poll(lambda: continued(Path(log).read_text(), w.before) is None, 20, 0.5)
+        why = continued(Path(log).read_text(), w.before)
+        assert why is None, why
     finally:
         if not moved.startswith("migrate failed"):
             _as_user(site, "n2", "kill", moved, check=False)
