@@ -16,7 +16,9 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
+from stasis.nodehost import Node
 from stasis.poll import poll
+from tests import nodes
 from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,11 +51,18 @@ def ensure_test_user() -> pwd.struct_passwd:
 
 
 class Daemon:
-    """One `stasis daemon` with its own socket, state and store, plus a CLI wired to it."""
+    """One `stasis daemon` with its own socket, state and store, plus a CLI wired to it.
+
+    `separate`: the daemon, its jobs and the CRIU it runs are in a node of their own
+    (tests/nodes.py), named `name`, made at the first start and kept across restarts."""
 
     def __init__(self, root: Path, store: str | None = None, keep: int = 5,
-                 env: dict[str, str] | None = None, nofile: int | None = None) -> None:
+                 env: dict[str, str] | None = None, nofile: int | None = None,
+                 separate: bool = False, name: str = "node") -> None:
         self.root = root
+        self.separate = separate
+        self.name = name
+        self.node: Node | None = None
         # RLIMIT_NOFILE (soft and hard) to start the daemon under: a service manager's low one.
         self.nofile = nofile
         self.socket = root / "stasis.sock"
@@ -74,7 +83,14 @@ class Daemon:
     def start(self) -> None:
         self.log = open(self.root / "daemon.log", "ab")
         limit = ["prlimit", f"--nofile={self.nofile}:{self.nofile}", "--"] if self.nofile else []
-        self.proc = subprocess.Popen([*limit, STASIS, "daemon"], env=self.env, stdout=self.log,
+        inside: list[str] = []
+        if self.separate:
+            if self.node is None:
+                local = [Path(self.store)] if self.store.startswith("/") else []
+                self.node = nodes.make_node(self.name, self.root, self.root.parent, *local)
+            inside = self.node.prefix()
+        self.proc = subprocess.Popen([*inside, *limit, STASIS, "daemon"], env=self.env,
+                                     stdout=self.log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(self._answers, 20, "the daemon's socket")
 
@@ -169,9 +185,18 @@ def world_tmp() -> Iterator[Path]:
 
 
 def new_daemon(world_tmp: Path, name: str, **kwargs: Any) -> Daemon:
+    """A daemon in a directory of its own under `world_tmp`; `separate=True`: in a node of its
+    own named `name` (its own /tmp, /var/tmp, /dev/shm, /run, host name and address)."""
     root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=world_tmp))
     os.chmod(root, 0o755)
-    return Daemon(root, **kwargs)
+    return Daemon(root, name=name, **kwargs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _separate_nodes() -> Iterator[None]:
+    """Ends the session's separate nodes and their network (tests/nodes.py), if any was made."""
+    yield
+    nodes.close_all()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests import nodes
 from tests.conftest import STASIS, wait_for
 from tests.pgserver import PostgresServer
 from tests.s3server import free_ports
@@ -31,11 +32,19 @@ def postgres(world_tmp: Path) -> Iterator[PostgresServer]:
 
 
 class ControlPlane:
-    def __init__(self, root: Path, db: str) -> None:
+    """`host`: the address it listens on; nodes of their own (`new_daemon(separate=True)`) reach
+    it on `tests.nodes.site_address()` (plain http off loopback, allowed: a test's private
+    network)."""
+
+    def __init__(self, root: Path, db: str, host: str = "127.0.0.1") -> None:
         self.root = root
         self.db = db
+        self.host = host
         self.port = free_ports(1)[0]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
+        # What a node and the CLI need to talk to it (plain http off loopback is refused).
+        self.client_env = {} if host == "127.0.0.1" else {
+            "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "true"}
         self.token_file = root / "admin.token"
         self.log = root / "controlplane.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -45,7 +54,8 @@ class ControlPlane:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [STASIS, "controlplane", "serve", "--db", self.db, "--listen",
-                 f"127.0.0.1:{self.port}", "--admin-token-file", str(self.token_file),
+                 f"{self.host}:{self.port}", "--admin-token-file", str(self.token_file),
+                 *(["--allow-plain-http"] if self.client_env else []),
                  # Policies every second: the floor is lowered (a test may raise it again).
                  "--lost-after", "3", "--min-interval", "1", *extra],
                 stdout=out, stderr=subprocess.STDOUT,
@@ -91,7 +101,8 @@ class ControlPlane:
             return e.code, json.loads(e.read())
 
     def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "STASIS_CONFIG": "", "STASIS_CONTROLPLANE_URL": self.url,
+        env = {**os.environ, **self.client_env, "STASIS_CONFIG": "",
+               "STASIS_CONTROLPLANE_URL": self.url,
                "STASIS_AUTH_TOKEN": self.admin if token is None else token}
         return subprocess.run([STASIS, "controlplane", *args], capture_output=True, text=True,
                               timeout=60, env=env)
@@ -120,6 +131,18 @@ def db_url(request: pytest.FixtureRequest, world_tmp: Path) -> str:
 @pytest.fixture
 def controlplane(db_url: str, world_tmp: Path) -> Iterator[ControlPlane]:
     cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db_url)
+    cp.start()
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture
+def site_controlplane(db_url: str, world_tmp: Path) -> Iterator[ControlPlane]:
+    """The control plane on the network of the nodes of their own (tests/nodes.py)."""
+    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db_url,
+                      host=nodes.site_address())
     cp.start()
     try:
         yield cp

@@ -117,13 +117,14 @@ def test_a_command_whose_acknowledgement_is_lost_is_carried_out_once(
 
 
 @contextlib.contextmanager
-def site_nodes(cp: ControlPlane, world_tmp: Path, site_key: Path, *names: str
-               ) -> Iterator[dict[str, Daemon]]:
+def site_nodes(cp: ControlPlane, world_tmp: Path, site_key: Path, *names: str,
+               separate: bool = False) -> Iterator[dict[str, Daemon]]:
     """Daemons that are nodes of one cluster and one site: a store they share, a site key
-    they all sign and trust with."""
+    they all sign and trust with. `separate`: each a host of its own (tests/nodes.py; the
+    control plane must then listen on the nodes' network: the site_controlplane fixture)."""
     cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
-    daemons = {n: new_daemon(world_tmp, n, store=str(store), env={
+    daemons = {n: new_daemon(world_tmp, n, store=str(store), separate=separate, env={
         **node_env(cp, cluster, n), "STASIS_SITE_KEY": str(site_key)}) for n in names}
     started = []
     try:

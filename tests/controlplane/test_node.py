@@ -19,10 +19,10 @@ def node_env(cp: ControlPlane, cluster: dict[str, str], name: str,
     if spelling == "CEDANA":
         return {"CEDANA_URL": cp.url, "CEDANA_CLUSTER_ID": cluster["cluster_id"],
                 "CEDANA_AUTH_TOKEN": cluster["token"], "STASIS_NODE_NAME": name,
-                "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5"}
+                "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5", **cp.client_env}
     return {"STASIS_CONTROLPLANE_URL": cp.url, "STASIS_CLUSTER_ID": cluster["cluster_id"],
             "STASIS_AUTH_TOKEN": cluster["token"], "STASIS_NODE_NAME": name,
-            "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5"}
+            "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5", **cp.client_env}
 
 
 def node_credential(d: Daemon) -> str:

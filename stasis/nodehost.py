@@ -1,0 +1,228 @@
+"""Hosts of a site standing in on one machine: each node a process that holds its own UTS, mount
+and network namespaces for the node's life, which the node's services enter (`prefix`).
+
+In a node, as on a real host, /tmp, /var/tmp, /dev/shm and /run are fresh tmpfs of its own (1777,
+/run 755 with /run/lock 1777), its host name is its name, and it has an address of its own on a
+private bridge (`Net`: 10.213.X.0/24, this machine is .254 on it). What a real site shares stays
+shared: the rest of the file system (home directories, installed software) and the paths given
+as `shared` (a shared store, a test's scratch directory, this Python), bound back at their own
+path where they lie under a private directory. A pathname unix socket on a shared path reaches
+across nodes (its address is the file, not the network).
+
+Used by the multi-node test harnesses (tests/nodes.py: the control plane's test nodes) and meant
+for `stasis slurm local-cluster` and `stasis k8s local-node`: only root makes nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stasis.errors import StasisError
+from stasis.poll import poll
+
+# What every node has of its own, as on real hosts: (directory, mode of its fresh tmpfs).
+PRIVATE_DIRS = (("/tmp", 0o1777), ("/var/tmp", 0o1777), ("/dev/shm", 0o1777), ("/run", 0o755))
+
+_NET = "10.213"
+HOST_OCTET = 254
+
+
+@dataclass(frozen=True)
+class Net:
+    """A private network of nodes: a bridge on this machine, which is .254 on it."""
+    net_id: int  # the third octet; also names the bridge and the veths
+
+    @property
+    def bridge(self) -> str:
+        return f"stsb{self.net_id}"
+
+    @property
+    def host_addr(self) -> str:
+        return f"{_NET}.{self.net_id}.{HOST_OCTET}"
+
+    def addr(self, index: int) -> str:
+        return f"{_NET}.{self.net_id}.{index + 1}"
+
+    def netns(self, node: str) -> str:
+        return f"stasis-{self.net_id}-{node}"
+
+    def netns_path(self, node: str) -> Path:
+        return Path("/run/netns") / self.netns(node)
+
+    def veth(self, index: int) -> str:
+        return f"stsv{self.net_id}x{index + 1}"
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as e:
+        raise StasisError(f"{cmd[0]} is not installed (Debian packages iproute2, util-linux); "
+                            "nodes of their own need it") from e
+    if check and r.returncode != 0:
+        raise StasisError(f"{' '.join(cmd)} failed: {(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def claim_net(first: int, last: int) -> Net:
+    """Make the bridge of a network no one on this machine uses, among ids first..last (the
+    local Slurm clusters pick theirs from 20..219). Claimed by creating the bridge: two callers
+    racing for one id, one gets "exists" and tries the next."""
+    for net_id in range(first, last + 1):
+        net = Net(net_id)
+        if Path(f"/sys/class/net/{net.bridge}").exists():
+            continue
+        if _run(["ip", "link", "add", net.bridge, "type", "bridge"], check=False).returncode:
+            continue
+        try:
+            _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
+            _run(["ip", "link", "set", net.bridge, "up"])
+        except BaseException:
+            release_net(net)
+            raise
+        return net
+    raise StasisError(f"no free private network for nodes (ids {first}..{last} in use)")
+
+
+def release_net(net: Net) -> None:
+    _run(["ip", "link", "del", net.bridge], check=False)
+
+
+# Run in a node's new namespaces, as the process that holds them for the node's life (`nsenter
+# -t` enters them). Not kept as namespace files: on kernel 6.18, inside a mount namespace that is
+# not the machine's first (a container, a test root), binding a mount namespace's file was
+# refused (EINVAL) depending on which namespaces had been made before. argv[1]: JSON with the
+# node's name, the pid file, the private dirs [[DIR, MODE]], the shared paths that must stay
+# visible at their own path, each opened BEFORE the private tmpfs covers it and bound back from
+# that descriptor (a path would resolve into the new tmpfs), and binds [[SOURCE, TARGET]] made
+# last (a node's own directory at a path every node uses).
+_SETUP = """\
+import ctypes, json, os, sys
+spec = json.loads(sys.argv[1])
+pid_file = spec["pid_file"]
+# Nothing of the caller's pipes kept (it waits for their end), errors into the .err file.
+null = os.open("/dev/null", os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+os.dup2(os.open(pid_file + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+libc = ctypes.CDLL(None, use_errno=True)
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
+
+def mount(src, dst, fstype, flags, data):
+    if libc.mount(src.encode(), dst.encode(), fstype.encode() if fstype else None, flags,
+                  data.encode() if data else None) != 0:
+        e = ctypes.get_errno()
+        sys.exit(f"mount {src} on {dst}: {os.strerror(e)}")
+
+def under(path, d):
+    return path == d or path.startswith(d.rstrip("/") + "/")
+
+shared = spec["shared"]
+# A shared path under another shared path comes back with it.
+shared = [p for p in shared if not any(q != p and under(p, q) for q in shared)]
+for d, mode in spec["private"]:
+    if not os.path.isdir(d):
+        continue
+    for p in shared:
+        if under(d, p):
+            sys.exit(f"{d} cannot be private to the node: it is in the shared {p}")
+    kept = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in shared
+            if under(p, d) and p != d and os.path.isdir(p)]
+    mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=%o" % mode)
+    if d == "/run":  # what a booted Debian host has there (/var/lock points to it)
+        os.mkdir("/run/lock")
+        os.chmod("/run/lock", 0o1777)
+    for p, fd in kept:
+        os.makedirs(p, mode=0o755, exist_ok=True)
+        mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC, None)
+        os.close(fd)
+with open("/proc/sys/kernel/hostname", "w") as f:
+    f.write(spec["name"])
+for src, dst in spec["binds"]:
+    mount(src, dst, None, MS_BIND, None)
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(pid_file + ".tmp", pid_file)
+os.dup2(null, 2)
+os.execvp("sleep", ["sleep", "infinity"])
+"""
+
+
+def start_holder(name: str, pid_file: Path, shared: Sequence[str], *,
+                 binds: Sequence[tuple[str, str]] = (), net: bool = True) -> int:
+    """Start the process that holds `name`'s UTS and mount namespaces (and, with `net`, a new
+    network namespace with nothing but a loopback, down): its pid."""
+    pid_file.unlink(missing_ok=True)
+    spec = {"name": name, "pid_file": str(pid_file),
+            "private": [[d, mode] for d, mode in PRIVATE_DIRS],
+            "shared": sorted(set(shared)), "binds": [list(b) for b in binds]}
+    _run(["setsid", "--fork", "unshare", "--uts", "--mount", *(["--net"] if net else []),
+          "--propagation", "private", sys.executable, "-I", "-c", _SETUP, json.dumps(spec)])
+    found = poll(lambda: pid_file.exists() and pid_file.read_text().strip(), 20, 0.02)
+    if not found:
+        err = Path(f"{pid_file}.err")
+        why = err.read_text().strip() if err.exists() else "it did not start"
+        raise StasisError(f"cannot make the namespaces of node {name}: {why}")
+    return int(found)
+
+
+def prefix(holder: int, *, net: bool = True) -> list[str]:
+    """How to run a command inside the node whose namespaces `holder` holds."""
+    return ["nsenter", "-t", str(holder), "--uts", "--mount", *(["--net"] if net else []),
+            "--"]
+
+
+def attach(net: Net, holder: int, index: int) -> str:
+    """Give the node held by `holder` its address `index` on `net` (eth0, its end of a veth
+    whose other end is on the bridge) and its loopback; the address."""
+    inside = prefix(holder)
+    veth = net.veth(index)
+    _run(["ip", "link", "del", veth], check=False)  # one left by a node of an earlier run
+    _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
+          str(holder)])
+    _run(["ip", "link", "set", veth, "master", net.bridge, "up"])
+    _run([*inside, "ip", "addr", "add", f"{net.addr(index)}/24", "dev", "eth0"])
+    _run([*inside, "ip", "link", "set", "eth0", "up"])
+    _run([*inside, "ip", "link", "set", "lo", "up"])
+    return net.addr(index)
+
+
+def end_holder(holder: int) -> None:
+    """End a node's holder. Its namespaces go with the last process in them (its veth too)."""
+    try:
+        os.kill(holder, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node on a private network."""
+    name: str
+    holder: int
+    address: str
+
+    def prefix(self) -> list[str]:
+        return prefix(self.holder)
+
+    def close(self) -> None:
+        end_holder(self.holder)
+
+
+def make_node(net: Net, index: int, name: str, state_dir: Path, shared: Sequence[str]) -> Node:
+    """A node `name` with its own namespaces and address `index` on `net`; its holder's pid
+    file is kept in `state_dir`."""
+    holder = start_holder(name, state_dir / f"{name}.holder", shared)
+    try:
+        address = attach(net, holder, index)
+    except BaseException:
+        end_holder(holder)
+        raise
+    return Node(name, holder, address)
