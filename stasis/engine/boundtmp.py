@@ -59,15 +59,28 @@ class AtDump(nodelocal.AtDump):
     def _save(self, mount: str, room: int) -> str | None:
         """Archive the tree's `mount` into the images; None, or why it cannot travel."""
         path = self.images / archive_name(mount)
+        where = f"/proc/{self.pid}/root{mount}"
+        try:
+            # Its entries, not the directory itself: the new one's owner and mode are Slurm's.
+            names = os.listdir(where)
+        except OSError as e:
+            return f"its private {mount} cannot be read: {e.strerror}"
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600)
         tar = subprocess.Popen(
-            # posix: mtimes to the nanosecond, as the restore's file facts compare them.
+            # posix: mtimes to the nanosecond, as the restore's file facts compare them. The
+            # names come NUL-separated on stdin, taken as names (never as options).
             [_TAR, "--create", "--format=posix", "--one-file-system", "--numeric-owner",
-             "--sparse", "--file=-", "-C", f"/proc/{self.pid}/root{mount}", "."],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+             "--sparse", "--file=-", "-C", where, "--null", "--verbatim-files-from",
+             "--files-from=-"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             user=self.uid, group=self.gid, extra_groups=self.groups, close_fds=True)
-        assert tar.stdout is not None and tar.stderr is not None
+        assert tar.stdin is not None and tar.stdout is not None and tar.stderr is not None
+        try:
+            tar.stdin.write(b"".join(os.fsencode(n) + b"\0" for n in names))
+            tar.stdin.close()
+        except BrokenPipeError:
+            pass  # tar failed at once: its stderr says why
         size = 0
         try:
             while chunk := tar.stdout.read(_CHUNK):
@@ -96,31 +109,61 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def unpack(images: Path, uid: int, gid: int, groups: Sequence[int] = ()) -> list[str]:
+class Unpacked:
+    """What `unpack` put into the caller's /tmp, /var/tmp: `undo` takes it out again (with the
+    job user's rights) when the restore then fails, so that the job, run from the start
+    instead, finds the empty /tmp it would have had."""
+
+    def __init__(self, uid: int, gid: int, groups: Sequence[int]) -> None:
+        self.uid, self.gid, self.groups = uid, gid, list(groups)
+        self.made: list[str] = []
+
+    def undo(self) -> None:
+        if self.made:
+            subprocess.run(["rm", "-rf", "--", *self.made], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           user=self.uid, group=self.gid, extra_groups=self.groups,
+                           close_fds=True, timeout=600, check=False)
+        self.made = []
+
+
+def unpack(images: Path, uid: int, gid: int, groups: Sequence[int] = ()) -> Unpacked:
     """Before CRIU restores: each directory the checkpoint carries, unpacked into the same path
     of the caller's mount namespace (a requeued job's new private /tmp), with the job user's
-    rights. Returns the mounts filled; RestoreError, in one line, if one cannot be."""
-    filled = []
-    for mount in privatetmp.MOUNTS:
-        archive = images / archive_name(mount)
-        try:
-            src = os.open(archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise RestoreError(f"cannot read the saved {mount} of the job: {e.strerror}") from e
-        try:
-            done = subprocess.run(
-                [_TAR, "--extract", "--preserve-permissions", "--no-overwrite-dir",
-                 "--file=-", "-C", mount],
-                stdin=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                user=uid, group=gid, extra_groups=list(groups), close_fds=True, timeout=600)
-        finally:
-            os.close(src)
-        if done.returncode != 0:
-            lines = done.stderr.decode(errors="replace").strip().splitlines()
-            first = lines[0] if lines else f"tar exited with {done.returncode}"
-            raise RestoreError(f"cannot put the job's saved {mount} back with its owner's "
-                               f"rights: {first}")
-        filled.append(mount)
-    return filled
+    rights. RestoreError, in one line, if one cannot be (what was put back is taken out)."""
+    done = Unpacked(uid, gid, groups)
+    try:
+        for mount in privatetmp.MOUNTS:
+            _unpack_one(images, mount, done)
+    except BaseException:
+        done.undo()
+        raise
+    return done
+
+
+def _unpack_one(images: Path, mount: str, done: Unpacked) -> None:
+    archive = images / archive_name(mount)
+    try:
+        src = os.open(archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise RestoreError(f"cannot read the saved {mount} of the job: {e.strerror}") from e
+    try:
+        before = set(os.listdir(mount))
+        ran = subprocess.run(
+            [_TAR, "--extract", "--preserve-permissions", "--no-overwrite-dir", "--file=-",
+             "-C", mount],
+            stdin=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            user=done.uid, group=done.gid, extra_groups=done.groups, close_fds=True,
+            timeout=600)
+        done.made += [os.path.join(mount, n) for n in sorted(set(os.listdir(mount)) - before)]
+    except OSError as e:
+        raise RestoreError(f"cannot put the job's saved {mount} back: {e.strerror}") from e
+    finally:
+        os.close(src)
+    if ran.returncode != 0:
+        lines = ran.stderr.decode(errors="replace").strip().splitlines()
+        first = lines[0] if lines else f"tar exited with {ran.returncode}"
+        raise RestoreError(f"cannot put the job's saved {mount} back with its owner's "
+                           f"rights: {first}")

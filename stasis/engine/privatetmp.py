@@ -125,23 +125,49 @@ def restore_options(opts: Any) -> None:
 
 
 def bound_from_node(pid: int) -> list[str]:
-    """Which of MOUNTS are, in `pid`'s mount namespace, mounts of a filesystem the caller's
-    namespace has too (binds of a node's directory), not the namespace's own. Empty for a
-    process in the caller's namespace: the node's own /tmp is nobody's to carry."""
+    """Which of MOUNTS are, in `pid`'s mount namespace, a directory of the node's bound there
+    that is not what the node itself has there (Slurm's job_container/tmpfs binds
+    BasePath/<jobid>/.<jobid> on /tmp): the job's own, on a filesystem the node has too. Not
+    the namespace's own tmpfs's (CRIU carries those), nor the node's own /tmp seen from the
+    job (a node's /var/tmp the job shares). Empty for a process in the caller's namespace."""
     if not own_mount_ns(pid):
         return []
     try:
-        with open(f"/proc/{pid}/mountinfo") as f:
-            table = [line.split() for line in f]
-        ours = _devices("/proc/self/mountinfo")
+        theirs = _tops(f"/proc/{pid}/mountinfo")
+        ours = _tops("/proc/self/mountinfo")
+        node_devs = _devices("/proc/self/mountinfo")
     except (OSError, ValueError, IndexError):
         return []
-    top: dict[str, int] = {}
-    for fields in table:
-        if len(fields) > 4 and fields[4] in MOUNTS:
+    found = []
+    for mount in MOUNTS:
+        seen = theirs.get(mount)
+        if seen is None or seen[0] not in node_devs:
+            continue
+        if seen != _node_has(ours, mount):
+            found.append(mount)
+    return found
+
+
+def _node_has(tops: dict[str, tuple[int, str]], path: str) -> tuple[int, str] | None:
+    """What the node has at `path`: (filesystem, path within it) of the mount it lies in."""
+    holder = max((m for m in tops if path == m or path.startswith(m.rstrip("/") + "/")),
+                 key=len, default=None)
+    if holder is None:
+        return None
+    dev, root = tops[holder]
+    rest = path[len(holder.rstrip("/")):] if holder != path else ""
+    return dev, (root.rstrip("/") + rest) or "/"
+
+
+def _tops(mountinfo: str) -> dict[str, tuple[int, str]]:
+    """Each mount point's topmost mount: (its filesystem, its root within it)."""
+    tops: dict[str, tuple[int, str]] = {}
+    with open(mountinfo) as f:
+        for line in f:
+            fields = line.split()
             major, _, minor = fields[2].partition(":")
-            top[fields[4]] = os.makedev(int(major), int(minor))  # the last one is on top
-    return sorted(m for m, dev in top.items() if dev in ours)
+            tops[fields[4]] = (os.makedev(int(major), int(minor)), fields[3])
+    return tops
 
 
 def under_private(path: str) -> str | None:

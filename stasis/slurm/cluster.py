@@ -231,9 +231,14 @@ def _check_path(path: Path) -> None:
                          "'%'")
 
 
+# Slurm's job_container/tmpfs (`up(job_container=True)`); Contain: the job's namespace is made
+# at its allocation, before any step.
+JOB_CONTAINER = "JobContainerType=job_container/tmpfs\nPrologFlags=Contain"
+
+
 def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
                     accounting: str = "", nodes: list[str] | None = None,
-                    net: Net | None = None, gpus: int = 0) -> str:
+                    net: Net | None = None, gpus: int = 0, job_container: bool = False) -> str:
     """`accounting`: slurm.conf lines that replace the accounting_storage/none default.
     `nodes` and `net`: several nodes, each at its address on `net`. `gpus`: GPUs per node as
     Slurm counts them (generic resources without devices, gres.conf beside slurm.conf)."""
@@ -294,6 +299,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
 KillWait=5
+{JOB_CONTAINER if job_container else ""}
 # A job's record outlives the half hour a test suite may take to look at it again.
 MinJobAge=3600
 InactiveLimit=0
@@ -495,7 +501,8 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
 
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
        warn_s: int = 60, accounting: bool = False, nodes: int = 1,
-       without_stasis: tuple[str, ...] = (), gpus: int = 0) -> Layout:
+       without_stasis: tuple[str, ...] = (), gpus: int = 0,
+       job_container: bool = False) -> Layout:
     """Start the cluster under `root` (created if needed); returns its layout.
 
     `gpus`: GPUs each node offers to jobs (`--gres=gpu:N`), counted by Slurm and its accounting
@@ -503,7 +510,11 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
 
     `without_stasis`: nodes that have no stasis at all (no SPANK plugin: their slurmd reads a
     slurm.conf of their own whose plugstack is empty; no daemon), as a node of a site that
-    installed stasis on some nodes only."""
+    installed stasis on some nodes only.
+
+    `job_container`: each job in a mount namespace of its own with a private /tmp (a directory
+    under <root>/job-containers/<node>/<jobid>) and /dev/shm, as sites with Slurm's
+    job_container/tmpfs have it; <root> must then not be under /tmp (jobs would not see it)."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
     if not 1 <= nodes <= MAX_NODES:
@@ -512,6 +523,13 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
         raise UsageError("--gpus must be 0 to 64")
     root = root.absolute()
     _check_path(root)
+    if job_container and nodes > 1:
+        # Seen with Slurm 22.05: in the nodes' own mount namespaces job_container/tmpfs fails
+        # to make the job's ("_create_ns: ns base mount failed", "/tmp mount failed").
+        raise UsageError("--job-container works with one node only (--nodes 1)")
+    if job_container and str(root).startswith(("/tmp/", "/var/tmp/")):
+        raise UsageError(f"--job-container: {root} is under a directory each job sees as its "
+                         "own; give a --dir outside /tmp and /var/tmp")
     lay = Layout(root)
     if lay.state_file.exists() and status(root)["running"]:
         raise UsageError(f"a local cluster is already running in {root}; "
@@ -559,8 +577,14 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
             acct_conf = acct.start(lay, started)
         lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
                                                   hostname=hostname, accounting=acct_conf,
-                                                  nodes=names, net=net, gpus=gpus))
+                                                  nodes=names, net=net, gpus=gpus,
+                                                  job_container=job_container))
         (lay.slurm_conf.parent / "gres.conf").write_text(_gres_conf(lay, gpus))
+        if job_container:
+            base = lay.root / "job-containers"
+            base.mkdir(exist_ok=True)
+            (lay.etc / "job_container.conf").write_text(
+                f"AutoBasePath=true\nBasePath={base}\n")
         _make_site_key(lay)
         remote_port = _free_port()  # one port cluster-wide: `dump --slurm-job`, `slurm drain`
         for node in names:

@@ -128,10 +128,14 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         # A job in a mount namespace of its own (job_container/tmpfs): rebuilt in this task's,
         # its /tmp bound from this run's private /tmp (engine/privatetmp.py), refilled first
         # with what the checkpoint saved of the old one (engine/boundtmp.py).
-        boundtmp.unpack(images, owner.uid, gid, owner.groups)
-        result = restore_tree(criu, images, owner, outputs,
-                              f"restore-slurm-{info.job_id}-{m.id}.log",
-                              own_mounts=privatetmp.recorded(m.extra))
+        refilled = boundtmp.unpack(images, owner.uid, gid, owner.groups)
+        try:
+            result = restore_tree(criu, images, owner, outputs,
+                                  f"restore-slurm-{info.job_id}-{m.id}.log",
+                                  own_mounts=privatetmp.recorded(m.extra))
+        except BaseException:
+            refilled.undo()  # run from the start instead, it finds the /tmp it would have had
+            raise
     if m.host != settings.node:
         # The node that dumped it may lift CRIU's network lock for it now.
         try:

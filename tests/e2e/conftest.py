@@ -192,8 +192,9 @@ sys.exit(code)
 
 class Cluster:
     def __init__(self, root: Path, nodes: int = 1, without_stasis: tuple[str, ...] = (),
-                 environ: dict[str, str] | None = None) -> None:
+                 environ: dict[str, str] | None = None, job_container: bool = False) -> None:
         self.root = root
+        self.job_container = job_container
         self.work = root / "work"
         self.lay = local_cluster.Layout(root)
         self.nodes = nodes
@@ -214,7 +215,8 @@ class Cluster:
         result = subprocess.run(
             [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
              "--socket-group", TEST_USER, "--nodes", str(self.nodes),
-             *(f"--without-stasis={n}" for n in self.without_stasis)],
+             *(f"--without-stasis={n}" for n in self.without_stasis),
+             *(["--job-container"] if self.job_container else [])],
             capture_output=True, text=True, timeout=120,
             env={**self.base_env, "STASIS_CONFIG": ""})
         assert result.returncode == 0, result.stderr + result.stdout
@@ -325,11 +327,14 @@ def alive(pid: int) -> bool:
 
 
 def new_cluster(name: str, nodes: int = 1, without_stasis: tuple[str, ...] = (),
-                environ: dict[str, str] | None = None) -> Cluster:
+                environ: dict[str, str] | None = None, job_container: bool = False) -> Cluster:
+    """`job_container`: Slurm's job_container/tmpfs (the cluster then lives under /var/lib:
+    each job has a /tmp of its own)."""
     ensure_test_user()
-    root = Path(tempfile.mkdtemp(prefix=f"stasis-e2e-{name}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"stasis-e2e-{name}-",
+                                 dir="/var/lib" if job_container else None))
     os.chmod(root, 0o755)
-    c = Cluster(root, nodes, without_stasis, environ)
+    c = Cluster(root, nodes, without_stasis, environ, job_container)
     c.up()
     return c
 

@@ -1,0 +1,82 @@
+"""Slurm's job_container/tmpfs on a local cluster (one real slurmd node: the local cluster's
+nodes in namespaces of their own cannot run job containers): each job has a /tmp of its own (a
+directory of its node's bound in the job's mount namespace, removed when the job ends) and a
+/dev/shm of its own. A job checkpointed and requeued resumes in its new job container with both
+as they were: the files it had closed too, a link it planted as a link
+(stasis/engine/boundtmp.py, privatetmp.py; tests/engine/test_privatetmp.py restores into a
+container whose /tmp is another directory, as on another node)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import STASIS, TEST_USER
+from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
+
+JOB = """\
+import os, sys, time
+stop, marker = int(sys.argv[1]), "/tmp/marker-" + sys.argv[2]
+if not os.path.exists(marker):
+    with open(marker, "w") as f:
+        f.write("made-by-run-" + os.environ.get("SLURM_RESTART_COUNT", "0"))
+    os.makedirs("/tmp/d/e")
+    with open("/tmp/d/e/f", "w") as f:
+        f.write("deep")
+    os.symlink("/etc/shadow", "/tmp/link")
+    with open("/dev/shm/shm-file", "w") as f:
+        f.write("shm-data")
+for i in range(stop):
+    with open(marker) as m, open("/tmp/d/e/f") as d, open("/dev/shm/shm-file") as s:
+        print(i, m.read(), d.read(), s.read(), flush=True)
+    time.sleep(0.5)
+print("done", flush=True)
+"""
+LINE = re.compile(r"^(\d+) (\S+) (\S+) (\S+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def contained() -> Iterator[Cluster]:
+    c = new_cluster("jobcontainer", nodes=1, job_container=True)
+    yield c
+    close_cluster(c)
+
+
+def _lines(c: Cluster, job: str) -> list[tuple[int, str, str, str]]:
+    return [(int(n), m, d, s) for n, m, d, s in LINE.findall(c.output(job))]
+
+
+def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None:
+    c = contained
+    (c.work / "tmpjob.py").write_text(JOB)
+    token = secrets.token_hex(4)
+    script = c.script("tmpjob", f"exec /usr/bin/python3 -u {c.work}/tmpjob.py 24 {token}",
+                      f"--output={c.work}/tmpjob-%j.out",
+                      "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=tmpjob")
+    shadow = hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest()
+    job = c.sbatch(script, user=TEST_USER)
+    c.wait_state(job, ("RUNNING",))
+    until(lambda: len(_lines(c, job)) >= 4, 90, f"job {job} counting")
+    assert _lines(c, job)[-1][1:] == ("made-by-run-0", "deep", "shm-data")
+    # Its /tmp is its own: not its node's.
+    assert not Path(f"/tmp/marker-{token}").exists()
+    out = c.stasis("dump", "--slurm-job", job, user=TEST_USER).stdout
+    assert "requeued" in out
+    until(lambda: "stasis: restored checkpoint" in c.output(job), 90, f"job {job} restored")
+    # The link it planted came back as a link, in the new job container's directory.
+    links = list((c.root / "job-containers").rglob("link"))
+    assert links and all(os.readlink(p) == "/etc/shadow" for p in links), links
+    c.wait_state(job, ("COMPLETED",), 90)
+    lines = _lines(c, job)
+    # Each count once, in order: it went on from where it was, in its new container, and read
+    # the /tmp and /dev/shm it had made in the first (the job makes them only when missing).
+    assert [n for n, *_ in lines] == list(range(24)), c.output(job)
+    assert {(m, d, s) for _, m, d, s in lines} == {("made-by-run-0", "deep", "shm-data")}
+    assert "done" in c.output(job)
+    assert hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest() == shadow
