@@ -186,8 +186,10 @@ def open_files(pid: int) -> list[wire.OpenFile]:
         except OSError:
             continue
         outputs.add((st.st_dev, st.st_ino))
-    # A private /tmp's files travel in the images with its tmpfs (engine/privatetmp.py).
+    # A private /tmp's files travel in the images with its tmpfs (engine/privatetmp.py), a job
+    # container's /tmp whole beside them (engine/boundtmp.py).
     own = privatetmp.own_devices(pid)
+    whole = tuple(m + "/" for m in privatetmp.bound_from_node(pid))
     found: dict[str, wire.OpenFile] = {}
     for p in proctree.tree(pid):
         try:
@@ -196,7 +198,7 @@ def open_files(pid: int) -> list[wire.OpenFile]:
             continue  # it ended meanwhile
         for fd in fds:
             entry = _open_file(p, fd, outputs, own)
-            if entry is None:
+            if entry is None or entry["path"].startswith(whole):
                 continue
             seen = found.get(entry["path"])
             if seen is not None and seen["access"] != entry["access"]:

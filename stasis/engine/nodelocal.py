@@ -219,8 +219,11 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
         _add_mappings(found, p, prefixes, skip)
         _add_cwd(found, p, prefixes)
     skipped = _skipped_devices(pid)
+    # A job container's /tmp travels whole, its closed files too (engine/boundtmp.py).
+    whole = privatetmp.bound_from_node(pid)
     return [f for _, f in sorted(found.items())
-            if (uid == 0 or f.uid == uid) and f.dev not in skipped]
+            if (uid == 0 or f.uid == uid) and f.dev not in skipped
+            and not _under(f.path, whole)]
 
 
 def _add(found: dict[str, Found], entry: Found) -> None:

@@ -2,7 +2,7 @@
 nodes in namespaces of their own cannot run job containers): each job has a /tmp of its own (a
 directory of its node's bound in the job's mount namespace, removed when the job ends) and a
 /dev/shm of its own. A job checkpointed and requeued resumes in its new job container with both
-as they were: the files it had closed too, a link it planted as a link
+as they were: the files it held open or had closed, a link it planted as a link
 (stasis/engine/boundtmp.py, privatetmp.py; tests/engine/test_privatetmp.py restores into a
 container whose /tmp is another directory, as on another node)."""
 
@@ -32,7 +32,10 @@ if not os.path.exists(marker):
     os.symlink("/etc/shadow", "/tmp/link")
     with open("/dev/shm/shm-file", "w") as f:
         f.write("shm-data")
+held = open("/tmp/held", "a+")  # open all along, as a JVM's perf data file is
 for i in range(stop):
+    held.write(f"{i}\\n")
+    held.flush()
     with open(marker) as m, open("/tmp/d/e/f") as d, open("/dev/shm/shm-file") as s:
         print(i, m.read(), d.read(), s.read(), flush=True)
     time.sleep(0.5)
@@ -72,6 +75,10 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     # The link it planted came back as a link, in the new job container's directory.
     links = list((c.root / "job-containers").rglob("link"))
     assert links and all(os.readlink(p) == "/etc/shadow" for p in links), links
+    # And the file it holds open, with what it had written before the checkpoint.
+    held = [p for p in (c.root / "job-containers").rglob("held")]
+    until(lambda: held and held[0].read_text().split()[:3] == ["0", "1", "2"], 30,
+          "the held file back")
     c.wait_state(job, ("COMPLETED",), 90)
     lines = _lines(c, job)
     # Each count once, in order: it went on from where it was, in its new container, and read
