@@ -59,6 +59,14 @@ class Net:
     def veth(self, index: int) -> str:
         return f"stsv{self.net_id}x{index + 1}"
 
+    @property
+    def bridge_mac(self) -> str:
+        """A fixed (locally administered) address for the bridge: one left to the kernel
+        changes as ports join (it takes the lowest of theirs), and a node that learnt the old
+        one loses this machine (seen: a node's requests to the control plane timing out once a
+        third node joined)."""
+        return f"02:53:54:53:{self.net_id:02x}:fe"
+
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
@@ -79,7 +87,8 @@ def claim_net(first: int, last: int) -> Net:
         net = Net(net_id)
         if Path(f"/sys/class/net/{net.bridge}").exists():
             continue
-        if _run(["ip", "link", "add", net.bridge, "type", "bridge"], check=False).returncode:
+        if _run(["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type", "bridge"],
+                check=False).returncode:
             continue
         try:
             _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])

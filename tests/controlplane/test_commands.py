@@ -139,10 +139,10 @@ def site_nodes(cp: ControlPlane, world_tmp: Path, site_key: Path, *names: str,
 
 
 def test_a_job_migrated_to_another_node_continues_its_count_there(
-        controlplane: ControlPlane, world_tmp: Path, site_key: Path,
+        site_controlplane: ControlPlane, world_tmp: Path, site_key: Path,
         test_user: pwd.struct_passwd) -> None:
-    cp = controlplane
-    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b") as nodes:
+    cp = site_controlplane
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", separate=True) as nodes:
         a, b = nodes["node-a"], nodes["node-b"]
         job = a.run(*workload("counter.py"), label="cp-move", user=test_user.pw_name)["job"]
         wait_for(lambda: len(a.log_of(job).split()) >= 5, 30, "the counter to count")
@@ -173,10 +173,11 @@ def test_a_job_migrated_to_another_node_continues_its_count_there(
 
 
 def test_a_drain_moves_every_job_off_a_node_and_each_goes_on_elsewhere(
-        controlplane: ControlPlane, world_tmp: Path, site_key: Path,
+        site_controlplane: ControlPlane, world_tmp: Path, site_key: Path,
         test_user: pwd.struct_passwd) -> None:
-    cp = controlplane
-    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", "node-c") as daemons:
+    cp = site_controlplane
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", "node-c",
+                    separate=True) as daemons:
         a = daemons["node-a"]
         jobs = [a.run(*workload("counter.py"), label=f"drain-{i}")["job"] for i in range(2)]
         wait_for(lambda: sorted(j["job"] for j in cp.json("jobs")) == sorted(jobs), 30,
@@ -200,10 +201,10 @@ def test_a_drain_moves_every_job_off_a_node_and_each_goes_on_elsewhere(
 
 
 def test_a_migrate_policy_moves_the_jobs_it_picks_to_the_least_busy_node(
-        controlplane: ControlPlane, world_tmp: Path, site_key: Path,
+        site_controlplane: ControlPlane, world_tmp: Path, site_key: Path,
         test_user: pwd.struct_passwd) -> None:
-    cp = controlplane
-    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b") as nodes:
+    cp = site_controlplane
+    with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", separate=True) as nodes:
         a, b = nodes["node-a"], nodes["node-b"]
         job = a.run(*workload("counter.py"), label="pol-move")["job"]
         wait_for(lambda: len(a.log_of(job).split()) >= 3, 30, "the counter to count")
