@@ -124,8 +124,8 @@ class RestoreOptions:
     # node's root, each mount the node has bound from the same path here.
     own_mounts: bool = False
     # A sandboxed restore (`stasis verify`, engine/sandbox.py): the tree is left stopped before
-    # it runs an instruction, established TCP connections come back closed, and CRIU takes no
-    # network lock (no iptables or nft rule anywhere).
+    # it runs an instruction, established TCP connections come back closed, CRIU takes no
+    # network lock (no iptables or nft rule anywhere) and none of the job's file locks.
     sandboxed: bool = False
 
 
@@ -293,6 +293,10 @@ class CRIU:
                 opts.leave_stopped = True
                 opts.tcp_close = True
                 opts.network_lock = pb.SKIP
+                # Its file locks are not taken again: CRIU would wait on them while the job
+                # itself still holds them (seen: a verify hung), and a moment's hold could make
+                # the job's peers wait.
+                opts.file_locks = False
             for key, fd in options.inherit_fds:
                 opts.inherit_fd.add(key=key, fd=fd)
             if options.own_mounts:

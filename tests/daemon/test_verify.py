@@ -396,3 +396,40 @@ def test_a_deleted_file_the_job_holds_is_never_recreated_on_the_node(daemon: Dae
     assert verdict["ok"], verdict["reason"]
     assert watched.names() == [] and list(job_dir.iterdir()) == []
     daemon.cli("kill", job["job"])
+
+
+LOCKS = """import fcntl, sys, time
+a = open(sys.argv[1], "a+")
+fcntl.flock(a, fcntl.LOCK_EX)
+b = open(sys.argv[2], "a+")
+fcntl.lockf(b, fcntl.LOCK_EX)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_running_job_keeps_its_file_locks(make_daemon: MakeDaemon, job_dir: Path) -> None:
+    # A short limit: a sandbox that waited on the job's own locks would fail here, not hang.
+    d = make_daemon(env={"STASIS_VERIFY_TIMEOUT_S": "30"})
+    flocked, posix = job_dir / "flock.lock", job_dir / "posix.lock"
+    job = d.run("python3", "-c", LOCKS, str(flocked), str(posix), label="verify-locks")
+    wait_for(lambda: "ready" in d.log_of(job["job"]), what="the job's locks")
+    cp = d.json("dump", "--leave-running", job["job"])["checkpoint"]
+
+    verdict = _verify(d, cp)
+
+    assert verdict["ok"], verdict["reason"]
+    # The job holds them still: another process cannot take either.
+    probe = ("import fcntl, sys\n"
+             "try:\n"
+             "    fcntl.flock(open(sys.argv[1]), fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+             "except OSError: print('held')\n"
+             "try:\n"
+             "    fcntl.lockf(open(sys.argv[2], 'a'), fcntl.LOCK_EX | fcntl.LOCK_NB); "
+             "print('free')\n"
+             "except OSError: print('held')\n")
+    out = subprocess.run(["python3", "-c", probe, str(flocked), str(posix)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["held", "held"]
+    d.cli("kill", job["job"])
