@@ -40,6 +40,8 @@ log = logging.getLogger("stasis.daemon")
 # node publishing faster than it verifies must not pile up work).
 _QUEUE_MAX = 16
 _REASON_MAX = 1000
+# Verifications asked for through the API that may run or wait at once on a node.
+_ASKED_MAX = 3
 
 
 class Verifier:
@@ -47,6 +49,7 @@ class Verifier:
         self.core = core
         self._criu_version = criu_version
         self._one_at_a_time = threading.Lock()
+        self._asked = threading.BoundedSemaphore(_ASKED_MAX)
         self._queue: queue.Queue[str] = queue.Queue(_QUEUE_MAX)
         self._worker: threading.Thread | None = None
         # Told of every verdict (asked for or in the background), after it is recorded.
@@ -64,7 +67,16 @@ class Verifier:
                 f"checkpoint {manifest.id} is a container's (runtime {runtime}): stasis verify "
                 "restores process trees that stasis runs itself; restore the container on a "
                 "test node to know it comes back")
-        return self.verify_manifest(manifest)
+        # One runs at a time; a few more may wait. More would each hold one of the daemon's
+        # worker threads while waiting, which every user's requests share.
+        if not self._asked.acquire(blocking=False):
+            raise UsageError(
+                f"verify of checkpoint {manifest.id} refused: {_ASKED_MAX} verifications are "
+                "running or waiting on this node already (one runs at a time); try again later")
+        try:
+            return self.verify_manifest(manifest)
+        finally:
+            self._asked.release()
 
     def verify_manifest(self, manifest: Manifest) -> wire.VerifyVerdict:
         with self._one_at_a_time:

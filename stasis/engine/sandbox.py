@@ -553,7 +553,10 @@ def main() -> None:
             _end_tree(None)
             answer = {"ok": False, "reason": f"the sandbox failed: {type(e).__name__}: {e}",
                       "processes": 0, "duration_s": 0.0}
-        os.write(1, (json.dumps(answer) + "\n").encode())
+        try:
+            os.write(1, (json.dumps(answer) + "\n").encode())
+        except OSError:
+            pass  # the daemon stopped waiting: everything here ends with this process anyway
         os._exit(0)
     if fault is not None and os.read(fault[0], 1):
         faults.point("verify.sandbox.restored")
