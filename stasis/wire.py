@@ -16,9 +16,10 @@ request shapes here field by field; a checkpoint is the store's Manifest.
     POST   /jobs/{job}/dump                 DumpRequest          DumpAnswer (NDJSON stream)
     GET    /jobs/{job}/dump-check                                DumpCheckAnswer
     POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
-    GET    /checkpoints?label=&user=                             list[Checkpoint]
+    GET    /checkpoints?label=&user=                             list[Checkpoint] (+ verdict)
     DELETE /checkpoints/{checkpoint}                             Deleted
     GET    /checkpoints/{checkpoint}/check                       CheckpointCheck
+    POST   /checkpoints/{checkpoint}/verify                      VerifyVerdict
     POST   /checkpoints/gc                  GcRequest            GcAnswer (root only)
     POST   /checkpoints/rekey                                    RekeyAnswer (root only)
     GET    /check                                                CheckReport
