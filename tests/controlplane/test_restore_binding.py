@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import create_engine, insert, select
 
 from stasis.controlplane.schema import commands
+from tests import nodes
 from tests.conftest import new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.fakenode import FakeNode
@@ -36,15 +37,16 @@ def finished(cp: ControlPlane, command_id: str) -> dict[str, Any]:
 def test_a_node_restores_only_the_checkpoint_its_migration_took(
         world_tmp: Path, site_key: Path, test_user: pwd.struct_passwd) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
-    cp = ControlPlane(root, str(root / "cp.db"))
+    cp = ControlPlane(root, str(root / "cp.db"), host=nodes.site_address())
     cp.start()
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
     env = {"STASIS_SITE_KEY": str(site_key)}
-    a = new_daemon(world_tmp, "node-a", store=str(store), env={**node_env(cp, hpc, "node-a"),
-                                                               **env})
-    b = new_daemon(world_tmp, "node-b", store=str(store), env={**node_env(cp, hpc, "node-b"),
-                                                               **env})
+    # Hosts of their own (tests/nodes.py): the rogue speaks from this machine, off their nodes.
+    a = new_daemon(world_tmp, "node-a", store=str(store), separate=True,
+                   env={**node_env(cp, hpc, "node-a"), **env})
+    b = new_daemon(world_tmp, "node-b", store=str(store), separate=True,
+                   env={**node_env(cp, hpc, "node-b"), **env})
     started = []
     try:
         for d in (a, b):

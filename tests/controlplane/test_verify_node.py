@@ -46,10 +46,10 @@ def counted(d: Any, job: str) -> int:
 # SQLite only: the verdicts' SQL runs on both databases in test_verify.
 @SQLITE_ONLY
 def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
-        controlplane: ControlPlane, world_tmp: Path, site_key: Path, browser: WebDriver,
+        site_controlplane: ControlPlane, world_tmp: Path, site_key: Path, browser: WebDriver,
         test_user: pwd.struct_passwd) -> None:
-    cp, driver = controlplane, browser
-    with site_nodes(cp, world_tmp, site_key, "node-a") as nodes:
+    cp, driver = site_controlplane, browser
+    with site_nodes(cp, world_tmp, site_key, "node-a", separate=True) as nodes:
         a = nodes["node-a"]
         good_job = a.run(*workload("counter.py"), label="v-good", user=test_user.pw_name)["job"]
         bad_job = a.run(*workload("counter.py"), label="v-bad", user=test_user.pw_name)["job"]
@@ -140,11 +140,11 @@ def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
 
 @SQLITE_ONLY
 def test_a_node_reports_its_background_verdicts(
-        controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
-    cp = controlplane
+        site_controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    cp = site_controlplane
     cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-    d = new_daemon(world_tmp, "node-v", env={**node_env(cp, cluster, "node-v"),
-                                             "STASIS_VERIFY_NEW_CHECKPOINTS": "1"})
+    d = new_daemon(world_tmp, "node-v", separate=True,
+                   env={**node_env(cp, cluster, "node-v"), "STASIS_VERIFY_NEW_CHECKPOINTS": "1"})
     d.start()
     try:
         job = d.run(*workload("counter.py"), label="v-bg", user=test_user.pw_name)["job"]

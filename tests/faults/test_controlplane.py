@@ -4,8 +4,9 @@ its lease runs out and answered from the intent the node wrote before acting. Th
 migrated job runs exactly once, on the target, its counter going on from where it was; or the
 migration says failed, naming a checkpoint that is listed.
 
-Real daemons (two nodes sharing a store and a site key) and a real control plane (SQLite), with
-a short command lease so that a command held by a dead daemon comes back within seconds."""
+Real daemons (nodes of their own, tests/nodes.py, sharing a store and a site key) and a real
+control plane (SQLite), with a short command lease so that a command held by a dead daemon comes
+back within seconds."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests import nodes
 from tests.conftest import Daemon, new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
 from tests.controlplane.test_node import node_env
@@ -40,24 +42,25 @@ def cluster(world_tmp: Path) -> Iterator[Cluster]:
     fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, os.urandom(32))
     os.close(fd)
-    cp = ControlPlane(root, str(root / "cp.db"))
+    cp = ControlPlane(root, str(root / "cp.db"), host=nodes.site_address())
     # A node restarting is not lost (8 s); a command its dead daemon held comes back in 3 s.
     cp.start("--command-lease", LEASE_S, "--lost-after", LOST_AFTER_S)
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     store = Path(tempfile.mkdtemp(prefix="cp-faults-store-", dir=world_tmp))
-    nodes = [new_daemon(world_tmp, name, store=str(store),
-                        env={**node_env(cp, hpc, name), "STASIS_SITE_KEY": str(key)})
-             for name in ("node-a", "node-b", "node-c")]
+    # Each a host of its own (its /tmp, /dev/shm, /run, name and address), as real nodes are.
+    daemons = [new_daemon(world_tmp, name, store=str(store), separate=True,
+                          env={**node_env(cp, hpc, name), "STASIS_SITE_KEY": str(key)})
+               for name in ("node-a", "node-b", "node-c")]
     started: list[Daemon] = []
     try:
-        for d in nodes:
+        for d in daemons:
             d.start()
             started.append(d)
         wait_for(lambda: {n["name"] for n in cp.json("nodes")} ==
                  {"node-a", "node-b", "node-c"}, 30, "the nodes to join")
-        yield Cluster(cp, *nodes)
+        yield Cluster(cp, *daemons)
     finally:
-        for d in nodes:
+        for d in daemons:
             if d.proc is not None and d.proc.poll() is None:
                 d.kill_all()
                 d.stop()
