@@ -102,7 +102,13 @@ def start(lay: "Layout", started: dict[str, int]) -> str:
     os.chmod(acct, 0o755)
     db_port = _start_mariadb(lay, acct, started)
     password = secrets.token_hex(16)
-    _sql(acct, f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+    # The database exists before slurmdbd first connects: slurmdbd would otherwise create it
+    # itself, then reconnect on the MYSQL handle whose connect failed (unknown database), and
+    # with MariaDB Connector/C 3.4 (Debian 13) every result on that handle fails with 5027
+    # "Number of columns in result ... exceeds maximum allowed number of columns (=0)":
+    # slurmdbd 24.11 exits at its first query.
+    _sql(acct, f"CREATE DATABASE IF NOT EXISTS {_DB};"
+               f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
                f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
                f"GRANT ALL ON {_DB}.* TO 'slurm'@'127.0.0.1';")
     dbd_port = _free_port()
