@@ -97,6 +97,12 @@ def add_k8s(commands: Any) -> None:
     p.add_argument("--bundle", action="store_true",
                    help="Run stasis-runc and CRIU from a host bundle (DIR/runtime), as on a "
                         "node the agent installed, not from this venv.")
+    p.add_argument("--separate", action="store_true",
+                   help="A host of its own: containerd, the daemon and the containers in their "
+                        "own mount and UTS namespaces, with their own /tmp, /var/tmp, /dev/shm "
+                        "and /run (runc's state) and host name (--node-name, or DIR's name); "
+                        "the machine's network is kept. `--json` gives the node_prefix that "
+                        "runs a command inside it.")
     p.add_argument("--kubeconfig", default="",
                    help="The Kubernetes API the daemon drains this node in (default: none).")
     p.add_argument("--node-name", default="",
@@ -249,7 +255,7 @@ def up(args: argparse.Namespace, settings: Settings) -> None:
         raise UsageError(f"--min-interval {args.min_interval}: seconds, 0 or more")
     lay = localnode.up(args.root, store=args.store, bundle=args.bundle,
                        kubeconfig=args.kubeconfig, node_name=args.node_name,
-                       min_interval_s=args.min_interval)
+                       min_interval_s=args.min_interval, separate=args.separate)
     info = lay.describe()
     if args.json:
         output.emit_json(info)

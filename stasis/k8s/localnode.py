@@ -9,6 +9,14 @@ installed as the node agent installs it (stasis.k8s.shim), and a stasis daemon f
 Containers are started with `ctr -a D/containerd/containerd.sock -n stasis run --runtime
 io.containerd.stasis.v2 ...`. Nothing outside D is touched, except runc's state under
 /run/containerd/runc/<namespace> (the shim puts it there) and the mounts of running containers.
+
+With `separate` (`--separate`) the node is a host of its own (stasis.nodehost): containerd, the
+daemon, the shims, runc, CRIU and the containers run in the node's own mount and UTS namespaces,
+with fresh /tmp, /var/tmp, /dev/shm and /run (runc's state, CRIU's cache /run/stasis-criu), D,
+this Python and the stasis package bound back, and the node's name as host name; the machine's
+network and cgroups stay shared (container ids must still differ between two local nodes: their
+cgroups are the machine's). D/node.holder holds the pid of the process that keeps the namespaces;
+`node_prefix` runs a command inside them (`runc --root /run/containerd/runc/stasis ...`).
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stasis import nodehost
 from stasis.daemon import detached
 from stasis.errors import ContainerError, UsageError
 from stasis.k8s import shim
@@ -56,10 +66,33 @@ class Layout:
     def stasis_socket(self) -> Path:
         return self.stasis / "stasis.sock"
 
+    @property
+    def holder_file(self) -> Path:
+        """With --separate: the pid of the process holding the node's namespaces."""
+        return self.root / "node.holder"
+
     def describe(self) -> dict[str, Any]:
         return {"containerd_address": str(self.address), "runtime": shim.RUNTIME_TYPE,
                 "namespace": NAMESPACE, "stasis_socket": str(self.stasis_socket),
-                "stasis_config": str(self.stasis_config), "dir": str(self.root)}
+                "stasis_config": str(self.stasis_config), "dir": str(self.root),
+                "node_prefix": node_prefix(self)}
+
+
+def _holder(lay: Layout) -> int | None:
+    pid = detached.read_pid(lay.holder_file)
+    return pid if detached.alive(pid) else None
+
+
+def node_prefix(lay: Layout) -> list[str]:
+    """How to run a command inside the node (nothing unless it was made --separate)."""
+    if not lay.holder_file.exists():
+        return []
+    holder = _holder(lay)
+    if holder is None:
+        raise ContainerError(f"the local node in {lay.root} has lost its namespaces (their "
+                             "holder process is gone): `stasis k8s local-node down`, then `up` "
+                             "again")
+    return nodehost.prefix(holder, net=False)
 
 
 def _q(value: str) -> str:
@@ -85,11 +118,14 @@ def containerd_config(lay: Layout) -> str:
 
 
 def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
-       node_name: str = "", min_interval_s: int | None = None) -> Layout:
+       node_name: str = "", min_interval_s: int | None = None, separate: bool = False
+       ) -> Layout:
     """`bundle`: stasis-runc and CRIU run from a host bundle (stasis.k8s.hostbundle, in
     D/runtime), as on a node the agent installed, instead of from this venv. `kubeconfig` and
     `node_name`: the Kubernetes API and the node in it the daemon drains (none: no drain).
-    `min_interval_s`: the floor on containers' checkpoint intervals (default: the daemon's)."""
+    `min_interval_s`: the floor on containers' checkpoint intervals (default: the daemon's).
+    `separate`: a host of its own (the module's docstring), its host name `node_name` or D's
+    name."""
     if os.geteuid() != 0:
         raise UsageError("k8s local-node up must run as root (it starts containerd)")
     for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
@@ -125,10 +161,18 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
     shim.install(lay.bin, lay.stasis_config, wrapper=wrapper)
     (lay.containerd / "config.toml").write_text(containerd_config(lay))
     env = _env(lay)
+    stale = _holder(lay)
+    if stale is not None:  # namespaces of an earlier `up` whose node is gone
+        nodehost.end_holder(stale)
+    lay.holder_file.unlink(missing_ok=True)
     try:
+        if separate:
+            nodehost.start_holder(node_name or lay.root.name, lay.holder_file,
+                                  _shared_paths(lay, store), net=False)
         start_daemon(lay)
         clog = lay.containerd / "containerd.log"
-        pid = detached.start(["containerd", "--config", str(lay.containerd / "config.toml")],
+        pid = detached.start([*node_prefix(lay), "containerd", "--config",
+                              str(lay.containerd / "config.toml")],
                              lay.containerd / "containerd.pid", clog, env)
         detached.wait_listening(pid, lay.address, clog, 20,
                                 lambda why: ContainerError(f"containerd did not start: {why}"))
@@ -136,6 +180,17 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
         down(lay.root)
         raise
     return lay
+
+
+def _shared_paths(lay: Layout, store: str) -> list[str]:
+    """What stays visible inside a separate node where it lies under a private directory (a
+    node made in /tmp, a test root's venv in /tmp): D, a store given as a path, this Python and
+    the stasis package; what a real site shares with its nodes."""
+    package = Path(__file__).resolve().parents[1]
+    paths = {str(lay.root), sys.prefix, sys.base_prefix, str(package.parent)}
+    if store.startswith("/"):
+        paths.add(store)
+    return sorted(paths)
 
 
 def _env(lay: Layout) -> dict[str, str]:
@@ -146,8 +201,8 @@ def _env(lay: Layout) -> dict[str, str]:
 def start_daemon(lay: Layout) -> None:
     """Start the node's stasis daemon (again, after it was stopped)."""
     log = lay.stasis / "daemon.log"
-    pid = detached.start([*detached.stasis_command(), "daemon"], lay.stasis / "daemon.pid",
-                         log, _env(lay))
+    pid = detached.start([*node_prefix(lay), *detached.stasis_command(), "daemon"],
+                         lay.stasis / "daemon.pid", log, _env(lay))
     detached.wait_listening(pid, lay.stasis_socket, log, 20,
                             lambda why: ContainerError(f"the stasis daemon did not start: {why}"))
 
@@ -168,6 +223,12 @@ def down(root: Path) -> None:
             _ctr(lay, "containers", "delete", c)
     detached.stop(cpid)
     detached.stop(detached.read_pid(lay.stasis / "daemon.pid"))
+    holder = _holder(lay)
+    if holder is not None:
+        # The node's mounts (containers' root file systems), /run and /tmp go with it once
+        # the last process in its namespaces (a shim, a container) has ended.
+        nodehost.end_holder(holder)
+    lay.holder_file.unlink(missing_ok=True)
     _unmount_under(lay.root)
 
 

@@ -44,10 +44,14 @@ class Node:
     """The local node, driven with `ctr` the way the kubelet drives containerd's tasks."""
 
     def __init__(self, root: Path, bundle: bool = False, min_interval_s: int | None = None,
-                 kubeconfig: Path | None = None, node_name: str = "") -> None:
+                 kubeconfig: Path | None = None, node_name: str = "",
+                 separate: bool = False) -> None:
+        """`separate`: a host of its own (`local-node up --separate`): its /tmp, /var/tmp,
+        /dev/shm, /run (runc's state) and host name; `inside` runs a command there."""
         self.root = root
         self.bundle = bundle
         self.options = [*(["--bundle"] if bundle else []),
+                        *(["--separate"] if separate else []),
                         *([f"--min-interval={min_interval_s}"] if min_interval_s is not None
                           else []),
                         *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []),
@@ -86,6 +90,11 @@ class Node:
     def ctr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["ctr", "-a", self.info["containerd_address"], "-n",
                                self.info["namespace"], *args], capture_output=True, text=True,
+                              timeout=timeout_s)
+
+    def inside(self, *cmd: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+        """`cmd` run where the node's containerd runs (in its namespaces when separate)."""
+        return subprocess.run([*self.info["node_prefix"], *cmd], capture_output=True, text=True,
                               timeout=timeout_s)
 
     def stasis(self, *args: str) -> subprocess.CompletedProcess[str]:

@@ -42,7 +42,8 @@ class FaultNode(Node):
     """The node, with its config rewritten (not appended to) to arm fault points."""
 
     def __init__(self, root: Path) -> None:
-        super().__init__(root, min_interval_s=2)
+        # A host of its own: runc's state and CRIU's cache in its /run, as on a real node.
+        super().__init__(root, min_interval_s=2, separate=True)
         self.base = ""
         self.store = root / "stasis" / "store"
 
@@ -76,8 +77,8 @@ class FaultNode(Node):
 
     def frozen(self, cid: str) -> str | None:
         """runc's status of `cid` (containerd's shim does not know of a pause it did not do)."""
-        r = subprocess.run(["runc", "--root", f"/run/containerd/runc/{self.info['namespace']}",
-                            "state", cid], capture_output=True, text=True, timeout=30)
+        r = self.inside("runc", "--root", f"/run/containerd/runc/{self.info['namespace']}",
+                        "state", cid)
         return str(json.loads(r.stdout)["status"]) if r.returncode == 0 else None
 
     def log(self) -> str:
