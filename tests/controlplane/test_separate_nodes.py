@@ -2,11 +2,11 @@
 tests/nodes.py, stasis/nodehost.py): what one node keeps in /tmp, /var/tmp, /dev/shm and /run is
 seen neither on another node nor on the machine, each has its own host name, address and
 network; and a job the control plane migrates from one to the other carries the /tmp file it
-keeps open (the node-local files of stasis/engine/nodelocal.py) and goes on counting."""
+keeps open, its unix socket in /tmp and its SQLite database in /dev/shm (the node-local files of
+stasis/engine/nodelocal.py) and goes on counting."""
 
 from __future__ import annotations
 
-import glob
 import os
 import pwd
 import socket
@@ -102,7 +102,8 @@ def test_a_job_migrated_between_nodes_of_their_own_carries_its_tmp_file(
     tag = f"mv-{os.urandom(4).hex()}"
     with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", separate=True) as nodes:
         a, b = nodes["node-a"], nodes["node-b"]
-        job = a.run(*workload("nodelocal.py", "tmp", tag, 0.2), label=tag,
+        # A tempfile in /tmp and one in /var/tmp, a unix socket in /tmp and SQLite in /dev/shm.
+        job = a.run(*workload("nodelocal.py", "tmp,vartmp,sock,shm", tag, 0.2), label=tag,
                     user=test_user.pw_name)["job"]
 
         def counts(d: Daemon, j: str) -> list[int]:
@@ -110,10 +111,13 @@ def test_a_job_migrated_between_nodes_of_their_own_carries_its_tmp_file(
                     if line.startswith("count ")]
 
         wait_for(lambda: len(counts(a, job)) >= 3, 30, "the counter to count on A")
-        held = inside(a, "sh", "-c", f"ls /tmp/{tag}-*").stdout.split()
-        assert len(held) == 1, held
-        assert inside(b, "test", "-e", held[0]).returncode == 1
-        assert not glob.glob(f"/tmp/{tag}-*")
+        held = inside(a, "sh", "-c", f"ls -d /tmp/{tag}-* /var/tmp/{tag}-* /dev/shm/{tag}-*"
+                      ).stdout.split()
+        # The tempfiles, the socket's directory, the database with its -wal and -shm.
+        assert len(held) == 6, held
+        for path in held:
+            assert inside(b, "test", "-e", path).returncode == 1, path
+            assert not Path(path).exists(), path
         wait_for(lambda: job in [j["job"] for j in cp.json("jobs")], 30, "the job report")
         moved = cp.json("migrate", job, "--to", "node-b")
         assert (moved["from_node"], moved["node"]) == ("node-a", "node-b")
@@ -121,11 +125,13 @@ def test_a_job_migrated_between_nodes_of_their_own_carries_its_tmp_file(
         new = moved["job"]
         wait_for(lambda: len(counts(b, new)) >= len(before) + 3, 30, "the count on B")
         after = counts(b, new)
-        # The file's count and the memory's agreed on B (else MISMATCH): the file travelled.
+        # The files' counts, the socket server's and the memory's agreed on B (else MISMATCH):
+        # they travelled.
         assert after == list(range(1, len(after) + 1)), after[-10:]
         assert "MISMATCH" not in b.log_of(new)
-        assert inside(b, "cat", held[0]).returncode == 0
+        for path in held:
+            assert inside(b, "test", "-e", path).returncode == 0, path
         assert b.job(new)["state"] in ("running", "restored")
         assert b.proc is not None
         assert namespaces(b.job(new)["pid"])["net"] == namespaces(b.proc.pid)["net"]
-        assert not glob.glob(f"/tmp/{tag}-*")
+        assert not [p for p in held if Path(p).exists()]
