@@ -177,6 +177,7 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     for integration in plugged:
         integration.close()
     manager.close()
+    db.engine.dispose()  # its SQLite connections closed, not left to the garbage collector
     with suppress(FileNotFoundError):
         os.unlink(sock_path)
     log.info("stopped; jobs keep running")

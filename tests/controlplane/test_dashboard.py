@@ -21,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -435,7 +436,7 @@ def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
         # Rows the API would refuse today, already in the database.
         import sqlite3
 
-        with sqlite3.connect(cp.db) as db:
+        with closing(sqlite3.connect(cp.db)) as db, db:
             db.execute("UPDATE nodes SET job_list = ? WHERE name = 'evil-node'",
                        (json.dumps([{"job": j, "state": "running", "label": "l", "user": "u"}
                                     for j in hostile]),))
@@ -497,7 +498,7 @@ def test_a_node_credential_or_hook_token_logs_in_to_no_dashboard(world_tmp: Path
             assert said == (f"{what} does not log in to the dashboard: log in with the admin "
                             "token or a cluster's token"), said
             assert not [c for c in web.jar if c.name == "stasis_session"]
-            with sqlite3.connect(db) as conn:
+            with closing(sqlite3.connect(db)) as conn:
                 assert conn.execute("SELECT count(*) FROM sessions").fetchone() == (0,)
         # The node's credential still works where it belongs.
         node.heartbeat([])

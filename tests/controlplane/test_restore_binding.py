@@ -161,17 +161,20 @@ def test_the_record_of_restored_migrations_is_bounded_and_forgets_safely(
 
     monkeypatch.setattr(node, "_RESTORED_MAX", 3)
     db = JobDB(tmp_path / "jobs.db")
-    db.create_tables([node.restored_table])
-    me: Any = SimpleNamespace(manager=SimpleNamespace(db=db))
-    for i in range(5):
-        node.ControlPlaneNode._claim_restore(me, f"cmd_{i}", f"ckpt-{i}", 1000.0 + i)
-        node.ControlPlaneNode._restored(me, f"cmd_{i}", f"job-{i}")
-    with db.transaction() as conn:
-        kept = {r.migration for r in conn.execute(select(node.restored_table))}
-    assert kept == {"cmd_2", "cmd_3", "cmd_4", node._WATERMARK}
-    with pytest.raises(PermissionDeniedError, match="already restored it as job job-4"):
-        node.ControlPlaneNode._claim_restore(me, "cmd_4", "ckpt-4", 1004.0)
-    # cmd_0 was forgotten: its seal comes again, refused as older than what is remembered.
-    with pytest.raises(PermissionDeniedError, match="older than what this node remembers"):
-        node.ControlPlaneNode._claim_restore(me, "cmd_0", "ckpt-0", 1000.0)
-    node.ControlPlaneNode._claim_restore(me, "cmd_5", "ckpt-5", 1005.0)
+    try:
+        db.create_tables([node.restored_table])
+        me: Any = SimpleNamespace(manager=SimpleNamespace(db=db))
+        for i in range(5):
+            node.ControlPlaneNode._claim_restore(me, f"cmd_{i}", f"ckpt-{i}", 1000.0 + i)
+            node.ControlPlaneNode._restored(me, f"cmd_{i}", f"job-{i}")
+        with db.transaction() as conn:
+            kept = {r.migration for r in conn.execute(select(node.restored_table))}
+        assert kept == {"cmd_2", "cmd_3", "cmd_4", node._WATERMARK}
+        with pytest.raises(PermissionDeniedError, match="already restored it as job job-4"):
+            node.ControlPlaneNode._claim_restore(me, "cmd_4", "ckpt-4", 1004.0)
+        # cmd_0 was forgotten: its seal comes again, refused as older than what is remembered.
+        with pytest.raises(PermissionDeniedError, match="older than what this node remembers"):
+            node.ControlPlaneNode._claim_restore(me, "cmd_0", "ckpt-0", 1000.0)
+        node.ControlPlaneNode._claim_restore(me, "cmd_5", "ckpt-5", 1005.0)
+    finally:
+        db.engine.dispose()  # its SQLite connections closed, not left to the collector

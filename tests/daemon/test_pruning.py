@@ -8,6 +8,7 @@ import os
 import secrets
 import sqlite3
 import time
+from contextlib import closing
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def _finished_rows(d: Daemon, count: int, created: float) -> list[str]:
     """Add `count` rows of jobs that ended, created at `created` (with their job directories,
     as old as they are), straight into the daemon's table, as months of use would leave them."""
     ids = []
-    with sqlite3.connect(d.state_dir / "jobs.db") as db:
+    # closing(): sqlite3's own `with` commits but leaves the connection open.
+    with closing(sqlite3.connect(d.state_dir / "jobs.db")) as db, db:
         for i in range(count):
             job_id = secrets.token_hex(6)
             job_dir = d.state_dir / "jobs" / job_id
