@@ -230,12 +230,17 @@ def test_preempted_without_stasis_is_redone(run: dict[str, Any],
                                             report: dict[str, Any]) -> None:
     c = run["cluster"]
     recs = attempts(c, run["jobs"]["P"])
-    assert [r["State"] for r in recs] == ["PREEMPTED", "COMPLETED"], recs
+    # Preempted once or more: Slurm 24.11 (Debian 13) may start the requeued P again while H
+    # still waits for S's checkpoint (its grace time), and H then preempts it once more.
+    preempted = len(recs) - 1
+    assert preempted >= 1, recs
+    assert [r["State"] for r in recs] == ["PREEMPTED"] * preempted + ["COMPLETED"], recs
     numbers = c.numbers(run["jobs"]["P"])
-    assert numbers.count(0) == 2, numbers  # it started over
+    assert numbers.count(0) == preempted + 1, numbers  # it started over each time
     g = group(report, TEST_USER, "preempt", "low")
     assert (g["jobs"], g["preempted_jobs"], g["protected_jobs"]) == (1, 1, 0)
-    assert g["preempt_redone_node_hours"] == pytest.approx(node_hours(recs[0]), abs=1e-12)
+    assert g["preempt_redone_node_hours"] == pytest.approx(
+        sum(map(node_hours, recs[:-1])), abs=1e-12)
     assert g["preempt_redone_node_hours"] > 0 and g["kept_node_hours"] == 0
     assert g["node_hours"] == pytest.approx(sum(map(node_hours, recs)), abs=1e-12)
 
