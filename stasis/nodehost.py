@@ -191,16 +191,51 @@ def prefix(holder: int, *, net: bool = True) -> list[str]:
 def attach(net: Net, holder: int, index: int) -> str:
     """Give the node held by `holder` its address `index` on `net` (eth0, its end of a veth
     whose other end is on the bridge) and its loopback; the address."""
-    inside = prefix(holder)
     veth = net.veth(index)
     _run(["ip", "link", "del", veth], check=False)  # one left by a node of an earlier run
     _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
           str(holder)])
-    _run(["ip", "link", "set", veth, "master", net.bridge, "up"])
+    return _configure(net, holder, index)
+
+
+def _configure(net: Net, holder: int, index: int) -> str:
+    inside = prefix(holder)
+    _run(["ip", "link", "set", net.veth(index), "master", net.bridge, "up"])
     _run([*inside, "ip", "addr", "add", f"{net.addr(index)}/24", "dev", "eth0"])
     _run([*inside, "ip", "link", "set", "eth0", "up"])
     _run([*inside, "ip", "link", "set", "lo", "up"])
     return net.addr(index)
+
+
+def join_net(net: Net, holder: int) -> str:
+    """Give the node held by `holder` the first free address on `net`, a network that nodes
+    made apart from each other join and leave (`leave_net`); the first makes its bridge. An
+    address is claimed by creating its veth: two nodes racing, one gets "exists" and tries the
+    next."""
+    if not Path(f"/sys/class/net/{net.bridge}").exists():
+        made = _run(["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type",
+                     "bridge"], check=False)
+        if made.returncode == 0:
+            _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
+            _run(["ip", "link", "set", net.bridge, "up"])
+    for index in range(HOST_OCTET - 1):
+        veth = net.veth(index)
+        if Path(f"/sys/class/net/{veth}").exists():
+            continue
+        if _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
+                 str(holder)], check=False).returncode:
+            continue
+        return _configure(net, holder, index)
+    raise StasisError(f"no free address on {net.bridge} ({HOST_OCTET - 1} nodes on it?)")
+
+
+def leave_net(net: Net) -> None:
+    """Remove `net`'s bridge once no node is on it (a node's veth goes with its namespace,
+    which the kernel ends a moment after its last process)."""
+    ports = Path(f"/sys/class/net/{net.bridge}/brif")
+    if poll(lambda: not ports.exists() or not any(ports.iterdir()), 3, 0.05):
+        if ports.exists():
+            release_net(net)
 
 
 def end_holder(holder: int) -> None:

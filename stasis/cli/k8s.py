@@ -99,10 +99,10 @@ def add_k8s(commands: Any) -> None:
                         "node the agent installed, not from this venv.")
     p.add_argument("--separate", action="store_true",
                    help="A host of its own: containerd, the daemon and the containers in their "
-                        "own mount and UTS namespaces, with their own /tmp, /var/tmp, /dev/shm "
-                        "and /run (runc's state) and host name (--node-name, or DIR's name); "
-                        "the machine's network is kept. `--json` gives the node_prefix that "
-                        "runs a command inside it.")
+                        "own mount, UTS and network namespaces, with their own /tmp, /var/tmp, "
+                        "/dev/shm and /run (runc's state), host name (--node-name, or DIR's "
+                        "name) and address on a bridge of the local nodes (10.213.252.0/24). "
+                        "`--json` gives the node_prefix that runs a command inside it.")
     p.add_argument("--kubeconfig", default="",
                    help="The Kubernetes API the daemon drains this node in (default: none).")
     p.add_argument("--node-name", default="",

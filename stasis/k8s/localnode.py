@@ -13,19 +13,24 @@ io.containerd.stasis.v2 ...`. Nothing outside D is touched, except runc's state 
 With `separate` (`--separate`) the node is a host of its own (stasis.nodehost): containerd, the
 daemon, the shims, runc, CRIU and the containers run in the node's own mount and UTS namespaces,
 with fresh /tmp, /var/tmp, /dev/shm and /run (runc's state, CRIU's cache /run/stasis-criu), D,
-this Python and the stasis package bound back, and the node's name as host name; the machine's
-network and cgroups stay shared (container ids must still differ between two local nodes: their
-cgroups are the machine's). D/node.holder holds the pid of the process that keeps the namespaces;
-`node_prefix` runs a command inside them (`runc --root /run/containerd/runc/stasis ...`).
+this Python and the stasis package bound back, the node's name as host name, and a network
+namespace of its own with an address on the local nodes' bridge (`LOCAL_NET`: 10.213.252.0/24,
+this machine .254; made by the first such node, removed with the last). The machine's cgroups
+stay shared (container ids must still differ between two local nodes). D/node.holder holds the
+pid of the process that keeps the namespaces, D/node.address the node's address; `node_prefix`
+runs a command inside them (`runc --root /run/containerd/runc/stasis ...`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,9 @@ from stasis.errors import ContainerError, UsageError
 from stasis.k8s import shim
 
 NAMESPACE = "stasis"
+# The network separate local nodes share (the local Slurm clusters take theirs from 20..219,
+# test sessions' nodes 220..251).
+LOCAL_NET = nodehost.Net(252)
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,23 @@ class Layout:
         """With --separate: the pid of the process holding the node's namespaces."""
         return self.root / "node.holder"
 
+    @property
+    def address_file(self) -> Path:
+        """With --separate: the node's address on LOCAL_NET."""
+        return self.root / "node.address"
+
     def describe(self) -> dict[str, Any]:
         return {"containerd_address": str(self.address), "runtime": shim.RUNTIME_TYPE,
                 "namespace": NAMESPACE, "stasis_socket": str(self.stasis_socket),
                 "stasis_config": str(self.stasis_config), "dir": str(self.root),
-                "node_prefix": node_prefix(self)}
+                "node_prefix": node_prefix(self), "address": _address(self)}
+
+
+def _address(lay: Layout) -> str | None:
+    try:
+        return lay.address_file.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _holder(lay: Layout) -> int | None:
@@ -92,7 +112,7 @@ def node_prefix(lay: Layout) -> list[str]:
         raise ContainerError(f"the local node in {lay.root} has lost its namespaces (their "
                              "holder process is gone): `stasis k8s local-node down`, then `up` "
                              "again")
-    return nodehost.prefix(holder, net=False)
+    return nodehost.prefix(holder)
 
 
 def _q(value: str) -> str:
@@ -126,6 +146,8 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
     `min_interval_s`: the floor on containers' checkpoint intervals (default: the daemon's).
     `separate`: a host of its own (the module's docstring), its host name `node_name` or D's
     name."""
+    if separate and kubeconfig:
+        _check_reachable(Path(kubeconfig))
     if os.geteuid() != 0:
         raise UsageError("k8s local-node up must run as root (it starts containerd)")
     for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
@@ -165,10 +187,12 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
     if stale is not None:  # namespaces of an earlier `up` whose node is gone
         nodehost.end_holder(stale)
     lay.holder_file.unlink(missing_ok=True)
+    lay.address_file.unlink(missing_ok=True)
     try:
         if separate:
-            nodehost.start_holder(node_name or lay.root.name, lay.holder_file,
-                                  _shared_paths(lay, store), net=False)
+            holder = nodehost.start_holder(node_name or lay.root.name, lay.holder_file,
+                                           _shared_paths(lay, store))
+            lay.address_file.write_text(nodehost.join_net(LOCAL_NET, holder) + "\n")
         start_daemon(lay)
         clog = lay.containerd / "containerd.log"
         pid = detached.start([*node_prefix(lay), "containerd", "--config",
@@ -180,6 +204,29 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
         down(lay.root)
         raise
     return lay
+
+
+def _check_reachable(kubeconfig: Path) -> None:
+    """A separate node has a network of its own: an API on this machine's loopback is not on it."""
+    try:
+        text = kubeconfig.read_text()
+    except OSError as e:
+        raise UsageError(f"--kubeconfig {kubeconfig}: cannot read it ({e.strerror})") from e
+    for match in re.finditer(r"^\s*server:\s*['\"]?(\S+?)['\"]?\s*$", text, re.M):
+        host = urllib.parse.urlsplit(match.group(1)).hostname or ""
+        if host == "localhost" or _loopback(host):
+            raise UsageError(
+                f"--separate: the node has a network of its own, where the Kubernetes API at "
+                f"{match.group(1)} (this machine's loopback) cannot be reached; serve it on "
+                f"{LOCAL_NET.host_addr} (this machine on the nodes' network), or leave out "
+                "--separate")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _shared_paths(lay: Layout, store: str) -> list[str]:
@@ -225,10 +272,13 @@ def down(root: Path) -> None:
     detached.stop(detached.read_pid(lay.stasis / "daemon.pid"))
     holder = _holder(lay)
     if holder is not None:
-        # The node's mounts (containers' root file systems), /run and /tmp go with it once
-        # the last process in its namespaces (a shim, a container) has ended.
+        # The node's mounts (containers' root file systems), /run and /tmp, its network and
+        # address go with it once the last process in its namespaces has ended.
         nodehost.end_holder(holder)
+    if lay.holder_file.exists():
+        nodehost.leave_net(LOCAL_NET)
     lay.holder_file.unlink(missing_ok=True)
+    lay.address_file.unlink(missing_ok=True)
     _unmount_under(lay.root)
 
 
