@@ -169,6 +169,17 @@ def s3(world_tmp: Path) -> Iterator[S3Server]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def site_s3(world_tmp: Path) -> Iterator[S3Server]:
+    """An S3 server on the network of the nodes of their own (tests/nodes.py), for stores
+    they share."""
+    server = S3Server(Path(tempfile.mkdtemp(prefix="s3-site-", dir=world_tmp)),
+                      host=nodes.site_address())
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def s3_bucket(s3: S3Server) -> str:
     """A fresh bucket on the session's S3 server."""

@@ -55,8 +55,11 @@ def free_ports(n: int) -> list[int]:
 
 class S3Server:
     def __init__(self, root: Path, access_key: str = ACCESS_KEY,
-                 secret_key: str = SECRET_KEY) -> None:
+                 secret_key: str = SECRET_KEY, host: str = "127.0.0.1") -> None:
+        """`host`: the address it listens on (nodes of their own reach it on
+        tests.nodes.site_address())."""
         self.root = root
+        self.host = host
         self.access_key = access_key
         self.secret_key = secret_key
         self.proc: subprocess.Popen[bytes] | None = None
@@ -84,10 +87,10 @@ class S3Server:
                 f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
                 f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
             ]
-            self.endpoint = f"http://127.0.0.1:{s3}"
+            self.endpoint = f"http://{self.host}:{s3}"
         log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(
-            [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            [weed_binary(), "server", f"-dir={data}", f"-ip={self.host}", f"-ip.bind={self.host}",
              *self._ports, "-filer", "-s3", f"-s3.config={config}",
              # Every bucket is a collection with volumes of its own: room for hundreds.
              "-volume.max=2000", "-master.volumeSizeLimitMB=512",

@@ -16,6 +16,8 @@ from pathlib import Path
 from tests.conftest import Daemon, new_daemon, wait_for, workload
 from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.test_commands import site_nodes
+from tests.controlplane.test_node import node_env
+from tests.s3server import S3Server
 
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -135,3 +137,34 @@ def test_a_job_migrated_between_nodes_of_their_own_carries_its_tmp_file(
         assert b.proc is not None
         assert namespaces(b.job(new)["pid"])["net"] == namespaces(b.proc.pid)["net"]
         assert not [p for p in held if Path(p).exists()]
+
+
+@SQLITE_ONLY
+def test_nodes_of_their_own_share_an_s3_store_on_their_network(
+        site_controlplane: ControlPlane, site_s3: S3Server, world_tmp: Path, site_key: Path,
+        test_user: pwd.struct_passwd) -> None:
+    """The shared store a real site has: S3 reached over the nodes' network, not a path."""
+    cp = site_controlplane
+    cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
+    store = f"s3://{site_s3.make_bucket(f't-{os.urandom(6).hex()}')}/site"
+    a, b = (new_daemon(world_tmp, n, store=store, separate=True, env={
+        **node_env(cp, cluster, n), **site_s3.env(), "STASIS_SITE_KEY": str(site_key)})
+        for n in ("node-a", "node-b"))
+    started: list[Daemon] = []
+    try:
+        for d in (a, b):
+            d.start()
+            started.append(d)
+        job = a.run(*workload("counter.py"), label="s3-move", user=test_user.pw_name)["job"]
+        wait_for(lambda: len(a.log_of(job).split()) >= 3, 30, "the counter to count")
+        wait_for(lambda: job in [j["job"] for j in cp.json("jobs")], 30, "the job report")
+        moved = cp.json("migrate", job, "--to", "node-b")
+        before = [int(x) for x in a.log_of(job).split()]
+        wait_for(lambda: len(b.log_of(moved["job"]).split()) >= len(before) + 2, 30,
+                 "the count on B")
+        after = [int(x) for x in b.log_of(moved["job"]).split()]
+        assert after[len(before)] == before[-1] + 1
+    finally:
+        for d in started:
+            d.kill_all()
+            d.stop()
