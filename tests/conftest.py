@@ -223,7 +223,8 @@ class MakeDaemon(Protocol):
     """The `make_daemon` fixture: starts one more daemon, with `Daemon`'s keyword arguments."""
 
     def __call__(self, *, store: str | None = ..., keep: int = ...,
-                 env: dict[str, str] | None = ..., nofile: int | None = ...) -> Daemon: ...
+                 env: dict[str, str] | None = ..., nofile: int | None = ...,
+                 separate: bool = ...) -> Daemon: ...
 
 
 @pytest.fixture
