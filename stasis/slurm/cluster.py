@@ -11,13 +11,14 @@ partitions over all nodes: `low` (preemptable, PreemptMode=REQUEUE with a GraceT
 sbatch/squeue/scontrol/scancel talk to it.
 
 One node runs in this machine's own namespaces on 127.0.0.1. Several nodes are each a host of
-their own: a network namespace with its own address on a private bridge (10.213.X.0/24, the
-bridge is this machine's .254 and slurmctld's address), a UTS namespace with the node's name as
-host name, and a mount namespace in which the node's own slurmd spool directory is at the one
-SlurmdSpoolDir path (node-local, as on real sites) and /tmp, /var/tmp, /dev/shm and /run are
-fresh tmpfs of its own (modes 1777, /run 755), so that a job's node-local files stay on its node
-as on real hosts. Each node's slurmd and stasis daemon run inside them, so the jobs of a node,
-the CRIU that dumps them and the one that restores them all see that node. The rest of the file
+their own (stasis.nodehost): a network namespace with its own address on a private bridge
+(10.213.X.0/24, the bridge is this machine's .254 and slurmctld's address), a UTS namespace with
+the node's name as host name, and a mount namespace in which the node's own slurmd spool
+directory is at the one SlurmdSpoolDir path (node-local, as on real sites) and /tmp, /var/tmp,
+/dev/shm and /run are fresh tmpfs of its own (modes 1777, /run 755), so that a job's node-local
+files stay on its node as on real hosts. Each node's slurmd and stasis daemon run inside them,
+so the jobs of a node, the CRIU that dumps them and the one that restores them all see that
+node. The rest of the file
 system is shared, as on a cluster with a shared home and store: the cluster's directory (bound
 back at its own path where it lies under a private directory, e.g. a test's /tmp/...), the home
 directories, the installed software, this Python and the stasis package.
@@ -29,7 +30,7 @@ directories, the installed software, this Python and the stasis package.
                   socket, state, log)
     D/nodes/NAME/ several nodes: the node's slurmd spool, pid and log, its stasis daemon's
                   config.toml, socket, state and log
-    D/ns/NAME/    several nodes: the node's UTS and mount namespaces (bind-mounted files)
+    D/ns/NAME.holder  several nodes: the pid of the process that holds the node's namespaces
     D/lib/        the built SPANK plugin and the launcher
     D/cluster.json  pids of what `up` started, the nodes and their network
 """
@@ -46,21 +47,20 @@ import socket
 import stat
 import subprocess
 import sys
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stasis import nodehost
 from stasis.daemon import detached
 from stasis.errors import SlurmError, StasisError, UsageError
+from stasis.nodehost import Net
 from stasis.poll import poll
 from stasis.slurm import install
 
 NODE = "n1"
 MAX_NODES = 16
 _UP_TIMEOUT_S = 60.0
-_NET = "10.213"
-_HOST_OCTET = 254
 
 
 @dataclass(frozen=True)
@@ -142,32 +142,6 @@ class Layout:
     def env(self) -> dict[str, str]:
         """What a client needs to talk to this cluster and its stasis daemon."""
         return {"SLURM_CONF": str(self.slurm_conf), "STASIS_CONFIG": str(self.stasis_config)}
-
-
-@dataclass(frozen=True)
-class Net:
-    """The private network of a cluster of several nodes."""
-    net_id: int  # the third octet; also names the bridge and the namespaces
-
-    @property
-    def bridge(self) -> str:
-        return f"stsb{self.net_id}"
-
-    @property
-    def host_addr(self) -> str:
-        return f"{_NET}.{self.net_id}.{_HOST_OCTET}"
-
-    def addr(self, index: int) -> str:
-        return f"{_NET}.{self.net_id}.{index + 1}"
-
-    def netns(self, node: str) -> str:
-        return f"stasis-{self.net_id}-{node}"
-
-    def netns_path(self, node: str) -> Path:
-        return Path("/run/netns") / self.netns(node)
-
-    def veth(self, index: int) -> str:
-        return f"stsv{self.net_id}x{index + 1}"
 
 
 def _state(lay: Layout) -> dict[str, Any]:
@@ -319,6 +293,8 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, check: bool = True
     except FileNotFoundError as e:
         raise UsageError(f"{cmd[0]} is not installed; run `make install` "
                          "(scripts/install-slurm.sh)") from e
+    except subprocess.TimeoutExpired as e:
+        raise SlurmError(f"{' '.join(cmd)} did not answer in 60 s") from e
     if check and result.returncode != 0:
         raise SlurmError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
     return result
@@ -333,111 +309,13 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
         raise SlurmError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-# -- the network of several nodes --------------------------------------------------------------
+# -- several nodes, each a host of its own (stasis.nodehost) ----------------------------------
 
-def _pick_net(root: Path) -> Net:
-    """A /24 no other local cluster of this machine uses (its bridge would exist)."""
-    start = zlib.crc32(str(root).encode()) % 200
-    for i in range(200):
-        net = Net(20 + (start + i) % 200)
-        if not Path(f"/sys/class/net/{net.bridge}").exists():
-            return net
-    raise SlurmError("no free private network for the local cluster (200 in use?)")
+# The ids of the local clusters' networks (tests/nodes.py takes 220..251, k8s local nodes 252).
+_FIRST_NET, _LAST_NET = 20, 219
 
-
-def _ip(*args: str) -> None:
-    _run(["ip", *args])
-
-
-def _net_up(lay: Layout, net: Net, nodes: list[str]) -> dict[str, int]:
-    """The private network, and each node's namespaces: {node: pid of the process that holds
-    its UTS and mount namespaces}."""
-    if not shutil.which("ip"):
-        raise UsageError("`ip` is not installed (Debian package iproute2); several nodes need it")
-    _ip("link", "add", net.bridge, "type", "bridge")
-    _ip("addr", "add", f"{net.host_addr}/24", "dev", net.bridge)
-    _ip("link", "set", net.bridge, "up")
-    holders: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        ns = net.netns(node)
-        if net.netns_path(node).exists():
-            _run(["ip", "netns", "del", ns], check=False)
-        _ip("netns", "add", ns)
-        _ip("link", "add", net.veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("link", "set", net.veth(i), "master", net.bridge, "up")
-        _ip("-n", ns, "addr", "add", f"{net.addr(i)}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        try:
-            holders[node] = _make_node_namespaces(lay, node)
-        except BaseException:
-            # Not in the cluster's state yet: `down` would not find them.
-            for pid in holders.values():
-                os.kill(pid, signal.SIGKILL)
-            raise
-    return holders
-
-
-# What every node has of its own, as on real hosts: (directory, mode of its fresh tmpfs).
-PRIVATE_DIRS = (("/tmp", 0o1777), ("/var/tmp", 0o1777), ("/dev/shm", 0o1777), ("/run", 0o755))
-
-# Run in a node's new UTS and mount namespaces, as a process of its own that holds them for the
-# cluster's life (`nsenter -t` enters them). Not kept as namespace files: on kernel 6.18, inside
-# a mount namespace that is not the machine's first (a container, a test root), binding a mount
-# namespace's file was refused (EINVAL) depending on which namespaces had been made before.
-# argv: node, spool source, spool target, pid file, the private dirs as DIR:MODE (octal), then
-# the shared paths that must stay visible at their own path (the cluster's directory, this
-# Python, the stasis package: what a real site shares), each opened BEFORE the private tmpfs
-# covers it and bound back from that descriptor (a path would resolve into the new tmpfs).
-_NODE_SETUP = """\
-import ctypes, os, sys
-node, spool, target, pid_file = sys.argv[1:5]
-private = [(d.rsplit(":", 1)[0], int(d.rsplit(":", 1)[1], 8)) for d in sys.argv[5].split(",")]
-shared = sys.argv[6:]
-# Nothing of the caller's pipes kept (it waits for their end), errors into the .err file.
-null = os.open("/dev/null", os.O_RDWR)
-os.dup2(null, 0)
-os.dup2(null, 1)
-os.dup2(os.open(pid_file + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-libc = ctypes.CDLL(None, use_errno=True)
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
-
-def mount(src, dst, fstype, flags, data):
-    if libc.mount(src.encode(), dst.encode(), fstype.encode() if fstype else None, flags,
-                  data.encode() if data else None) != 0:
-        e = ctypes.get_errno()
-        sys.exit(f"mount {src} on {dst}: {os.strerror(e)}")
-
-def under(path, d):
-    return path == d or path.startswith(d.rstrip("/") + "/")
-
-# A shared path under another shared path comes back with it.
-shared = [p for p in shared if not any(q != p and under(p, q) for q in shared)]
-for d, mode in private:
-    if not os.path.isdir(d):
-        continue
-    for p in shared:
-        if under(d, p):
-            sys.exit(f"{d} cannot be private to the node: it is in the shared {p}")
-    kept = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in shared
-            if under(p, d) and p != d and os.path.isdir(p)]
-    mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=%o" % mode)
-    if d == "/run":  # what a booted Debian host has there (/var/lock points to it)
-        os.mkdir("/run/lock")
-        os.chmod("/run/lock", 0o1777)
-    for p, fd in kept:
-        os.makedirs(p, mode=0o755, exist_ok=True)
-        mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC, None)
-        os.close(fd)
-with open("/proc/sys/kernel/hostname", "w") as f:
-    f.write(node)
-mount(spool, target, None, MS_BIND, None)
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.rename(pid_file + ".tmp", pid_file)
-os.dup2(null, 2)
-os.execvp("sleep", ["sleep", "infinity"])
-"""
+# What every node has of its own (read by the tests).
+PRIVATE_DIRS = nodehost.PRIVATE_DIRS
 
 
 def _shared_paths(lay: Layout) -> list[str]:
@@ -448,38 +326,49 @@ def _shared_paths(lay: Layout) -> list[str]:
     return sorted({str(lay.root), sys.prefix, str(package.parent)})
 
 
-def _make_node_namespaces(lay: Layout, node: str) -> int:
-    """Start the holder of `node`'s UTS and mount namespaces (its host name, its spool, its
-    own /tmp, /var/tmp, /dev/shm and /run); its pid."""
-    d = lay.root / "ns"
-    d.mkdir(exist_ok=True)
-    pid_file = d / f"{node}.holder"
-    pid_file.unlink(missing_ok=True)
-    private = ",".join(f"{path}:{mode:o}" for path, mode in PRIVATE_DIRS)
-    _run(["setsid", "--fork", "unshare", "--uts", "--mount", "--propagation", "private",
-          sys.executable, "-I", "-c", _NODE_SETUP, node, str(lay.node_dir(node) / "spool"),
-          str(lay.slurm / "spool"), str(pid_file), private, *_shared_paths(lay)])
-    found = poll(lambda: pid_file.exists() and pid_file.read_text().strip(), 20, 0.02)
-    if not found:
-        err = Path(f"{pid_file}.err")
-        why = err.read_text().strip() if err.exists() else "it did not start"
-        raise SlurmError(f"cannot make the namespaces of node {node}: {why}")
-    return int(found)
+def _holder(state: dict[str, Any], node: str) -> int | None:
+    """The pid of the process that holds `node`'s namespaces, while it is that process (a pid
+    the kernel gave to another since is not: its network's processes are killed by it)."""
+    holder = state.get("holders", {}).get(node)
+    try:
+        held = bool(holder) and \
+            Path(f"/proc/{holder}/cmdline").read_bytes() == b"sleep\0infinity\0"
+    except OSError:
+        return None
+    return int(holder) if held else None
 
 
-def _net_down(lay: Layout, state: dict[str, Any]) -> None:
+def _nodes_up(lay: Layout, state: dict[str, Any]) -> Net:
+    """The private network and each node on it, with its own slurmd spool at the one
+    SlurmdSpoolDir path; each recorded in `state` as soon as it exists, so that `down` ends
+    what was made if a later step fails."""
+    net = nodehost.claim_net(_FIRST_NET, _LAST_NET)
+    state["net_id"] = net.net_id
+    holders: dict[str, int] = state.setdefault("holders", {})
+    _save_state(lay, state)
+    (lay.root / "ns").mkdir(exist_ok=True)
+    for i, node in enumerate(state["nodes"]):
+        holders[node] = nodehost.start_holder(
+            node, lay.root / "ns" / f"{node}.holder", _shared_paths(lay),
+            binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))])
+        _save_state(lay, state)
+        nodehost.attach(net, holders[node], i)
+    return net
+
+
+def _nodes_down(state: dict[str, Any]) -> None:
     if "net_id" not in state:
         return
     net = Net(int(state["net_id"]))
     for node in state.get("nodes", []):
-        holder = state.get("holders", {}).get(node)
-        if holder and detached.alive(holder):
-            try:
-                os.kill(holder, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _run(["ip", "netns", "del", net.netns(node)], check=False)
-    _run(["ip", "link", "del", net.bridge], check=False)
+        holder = _holder(state, node)
+        if holder:
+            nodehost.end_holder(holder)
+        # A cluster brought up before its holders held the nodes' networks named them in
+        # /run/netns.
+        if net.netns_path(node).exists():
+            _run(["ip", "netns", "del", net.netns(node)], check=False)
+    nodehost.release_net(net)
 
 
 def _node_prefix(lay: Layout, node: str) -> list[str]:
@@ -487,14 +376,12 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
     state = _state(lay)
     if "net_id" not in state:
         return []
-    net = Net(int(state["net_id"]))
-    holder = state.get("holders", {}).get(node)
-    if not holder or not detached.alive(holder):
+    holder = _holder(state, node)
+    if not holder:
         raise SlurmError(f"node {node} of the local cluster in {lay.root} has lost its "
                          "namespaces (their holder process is gone): `local-cluster down`, "
                          "then `up` again")
-    return ["nsenter", f"--net={net.netns_path(node)}", "-t", str(holder), "--uts", "--mount",
-            "--"]
+    return nodehost.prefix(holder)
 
 
 # -- up, down ----------------------------------------------------------------------------------
@@ -561,13 +448,7 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
     state: dict[str, Any] = {"pids": started, "nodes": names, "without_stasis": bare}
     _save_state(lay, state)
     try:
-        net = None
-        if nodes > 1:
-            net = _pick_net(root)
-            state["net_id"] = net.net_id
-            _save_state(lay, state)
-            state["holders"] = _net_up(lay, net, names)
-            _save_state(lay, state)
+        net = _nodes_up(lay, state) if nodes > 1 else None
         started["munged"] = _start_munge(lay)
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
@@ -778,7 +659,7 @@ def down(root: Path) -> None:
         detached.stop(pids.get(name))
     for node in state.get("nodes", []):
         _kill_node_processes(lay, state, node)
-    _net_down(lay, state)
+    _nodes_down(state)
     try:
         lay.state_file.unlink()
     except FileNotFoundError:
@@ -823,16 +704,30 @@ def _netns_inode(path: Path) -> int | None:
         return None
 
 
+def _node_netns(state: dict[str, Any], node: str) -> int | None:
+    """The inode of `node`'s network namespace: its holder's, or for a cluster brought up
+    before the holders held the nodes' networks (the holder is in this machine's), the one
+    named in /run/netns."""
+    holder = _holder(state, node)
+    if holder:
+        ino = _netns_inode(Path(f"/proc/{holder}/ns/net"))
+        if ino is not None and ino != _netns_inode(Path("/proc/self/ns/net")):
+            return ino
+    return _netns_inode(Net(int(state["net_id"])).netns_path(node))
+
+
 def _kill_node_processes(lay: Layout, state: dict[str, Any], node: str) -> list[int]:
-    """SIGKILL every process inside `node`'s network namespace (several nodes only)."""
+    """SIGKILL every process inside `node`'s network namespace (several nodes only) but its
+    holder: the node stays, to be started again."""
     if "net_id" not in state:
         return []
-    ino = _netns_inode(Net(int(state["net_id"])).netns_path(node))
+    ino = _node_netns(state, node)
     if ino is None:
         return []
+    holder = _holder(state, node)
     killed = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == holder:
             continue
         try:
             if os.stat(entry / "ns" / "net").st_ino != ino:
