@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import tempfile
 import urllib.error
@@ -47,6 +48,10 @@ class ControlPlane:
             "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "true"}
         self.token_file = root / "admin.token"
         self.log = root / "controlplane.log"
+        # A certificate (PEM) this process's own calls trust: not SSL_CERT_FILE set meanwhile,
+        # which urllib under Python 3.13 (Debian 13) no longer reads once it has made its
+        # default opener (its HTTPS context is made with it, at this process's first urlopen).
+        self.cafile: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self._last = "none"
 
@@ -94,8 +99,9 @@ class ControlPlane:
             headers["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers=headers)
+        context = ssl.create_default_context(cafile=str(self.cafile)) if self.cafile else None
         try:
-            with urllib.request.urlopen(req, timeout=20) as r:
+            with urllib.request.urlopen(req, timeout=20, context=context) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())

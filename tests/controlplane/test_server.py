@@ -161,8 +161,10 @@ def test_https_with_a_certificate(world_tmp: Path, monkeypatch: pytest.MonkeyPat
     assert r.returncode == 0, r.stderr
     cp = ControlPlane(root, str(root / "cp.db"))
     cp.url = cp.url.replace("http://", "https://")
-    # The tests' own HTTP client: trust the certificate as a user would (SSL_CERT_FILE).
+    # The CLI trusts the certificate as a user's would (SSL_CERT_FILE); this process's calls
+    # are given it (ControlPlane.cafile).
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    cp.cafile = cert
     try:
         cp.start("--cert", str(cert), "--key", str(key))
         added = cp.json("clusters", "add", "tls", "--kind", "kubernetes")

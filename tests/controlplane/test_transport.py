@@ -248,12 +248,11 @@ def test_the_dashboard_behind_a_tls_proxy_sends_secure_cookies(world_tmp: Path) 
     tls = ControlPlane(root, str(root / "cp.db"))
     tls.port = free_ports(1)[0]
     tls.url = f"https://127.0.0.1:{tls.port}"
-    os.environ["SSL_CERT_FILE"] = str(cert)  # the tests' own client trusts it, as a user would
+    tls.cafile = cert  # this process's own calls trust it
     try:
         tls.start("--cert", str(cert), "--key", str(key), "--listen", f"127.0.0.1:{tls.port}")
         context = ssl.create_default_context(cafile=str(cert))
         assert "secure" in _attributes(_login_cookie("127.0.0.1", tls.port, tls.admin,
                                                      context))
     finally:
-        del os.environ["SSL_CERT_FILE"]
         tls.stop()
