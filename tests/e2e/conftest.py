@@ -211,16 +211,29 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**self.base_env, **self.lay.env()}
 
+    def start(self, *args: str, timeout_s: float = 120) -> str:
+        """`local-cluster up --dir ROOT --json ARGS`, its answer. One that fails or does not
+        finish in time is taken down at once: what it started (daemons, the nodes' network)
+        does not outlive it (`up` stops it itself when it fails, but not when it is killed)."""
+        try:
+            result = subprocess.run(
+                [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
+                 *args], capture_output=True, text=True, timeout=timeout_s,
+                env={**self.base_env, "STASIS_CONFIG": ""})
+        except subprocess.TimeoutExpired as e:
+            self.down()
+            raise AssertionError(f"local-cluster up did not finish in {timeout_s:.0f} s: "
+                                 f"{e.stderr!r}") from None
+        if result.returncode != 0:
+            self.down()
+            raise AssertionError(f"local-cluster up failed: {result.stderr}{result.stdout}")
+        return result.stdout
+
     def up(self) -> None:
-        result = subprocess.run(
-            [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
-             "--socket-group", TEST_USER, "--nodes", str(self.nodes),
-             *(f"--without-stasis={n}" for n in self.without_stasis),
-             *(["--job-container"] if self.job_container else [])],
-            capture_output=True, text=True, timeout=120,
-            env={**self.base_env, "STASIS_CONFIG": ""})
-        assert result.returncode == 0, result.stderr + result.stdout
-        answer = json.loads(result.stdout)
+        answer = json.loads(self.start(
+            "--socket-group", TEST_USER, "--nodes", str(self.nodes),
+            *(f"--without-stasis={n}" for n in self.without_stasis),
+            *(["--job-container"] if self.job_container else [])))
         assert answer["slurm_conf"] == str(self.lay.slurm_conf)
         assert answer["nodes"] == [f"n{i + 1}" for i in range(self.nodes)]
         self.work.mkdir(exist_ok=True)

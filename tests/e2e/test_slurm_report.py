@@ -50,12 +50,7 @@ HOG = "import time; x = bytearray(100 * 1024 * 1024); time.sleep(15)"
 
 class AccountingCluster(Cluster):
     def up(self) -> None:
-        result = subprocess.run(
-            [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
-             "--socket-group", TEST_USER, "--accounting", "--gpus", "2"],
-            capture_output=True, text=True,
-            timeout=180, env={**self.base_env, "STASIS_CONFIG": ""})
-        assert result.returncode == 0, result.stderr + result.stdout
+        self.start("--socket-group", TEST_USER, "--accounting", "--gpus", "2", timeout_s=180)
         self.work.mkdir(exist_ok=True)
         os.chmod(self.work, 0o777)
         (self.work / "counter.py").write_text(COUNTER)
