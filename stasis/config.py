@@ -19,8 +19,9 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_CRIU          criu binary                          (first of /usr/local/sbin/criu, PATH)
     STASIS_TINI          tini binary (Slurm jobs' init)       (tini-static, tini on PATH)
     STASIS_INIT          stasis-init binary (jobs' init)      (/usr/local/libexec/stasis/)
-    STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged, for
-                         stores whose local write path is slower than memory; "" = off  ("")
+    STASIS_STAGE_DIR     node-local memory (tmpfs) where leave-running dumps are staged
+                         first; "auto" = a tmpfs the daemon mounts on /run/stasis-stage, used
+                         while the disk is behind; "" = never  ("auto")
     STASIS_LAZY_RESTORE  restore lazily by default (userfaultfd; `restore --lazy`)  (false)
     STASIS_NODE_LOCAL_LIMIT  bytes of node-local files (/tmp, /var/tmp, /dev/shm, $TMPDIR...)
                          a job's checkpoint carries; a dump over it is refused  (268435456)
@@ -196,9 +197,9 @@ class Settings(NamedTuple):
     criu: str = ""
     tini: str = ""
     init: str = ""
-    # Off by default: on the machines measured (bench/results), CRIU writes to the disk's page
-    # cache faster than to tmpfs, and publishing fsyncs after the job resumed anyway.
-    stage_dir: str = ""
+    # "auto": the page cache while the disk keeps up (as fast, no second copy), a tmpfs while
+    # it is behind (the job would stay frozen on writeback): daemon/staging.py, bench/freeze.py.
+    stage_dir: str = "auto"
     lazy_restore: bool = False
     # Each checkpoint this node publishes is verified (`stasis verify`: restored in a sandbox,
     # stopped, removed) in the background at low priority; off: verified only when asked.

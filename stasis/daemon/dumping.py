@@ -73,7 +73,13 @@ class Dumper:
 
     def prepare(self) -> None:
         """Clear what dumps that never finished left (at start, before any dump)."""
-        for name in staging.remove_leftovers(self.core.settings.stage_dir):
+        settings = self.core.settings
+        if settings.stage_dir == staging.AUTO:
+            unusable = staging.ensure_auto_root()
+            if unusable:
+                log.warning("%s", unusable)  # and each dump the disk makes wait says so
+        for name in staging.remove_leftovers(staging.stage_root(settings.stage_dir,
+                                                                settings.state_dir)):
             log.info("removed %s from the memory stage: a dump that never finished", name)
         self.core.journal.prepare()
         self.recover_dumps()
@@ -318,14 +324,19 @@ class Dumper:
         asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
-        # Leave-running dumps may go to node memory first, so the job is frozen only that long;
-        # a dump that stops the job goes straight to the store (one copy, not two).
+        # Leave-running dumps may go to node memory first, so the job is frozen only that long
+        # whatever the disk is doing; a dump that stops the job goes straight to the store (one
+        # copy, not two: the job is down until the images are durable anyway).
         fast = None
         if leave_running:
-            fast, unstaged = staging.stage(self.core.settings.stage_dir, info.id, expected)
+            fast, behind, unstaged = staging.choose(
+                self.core.settings.stage_dir, self.core.settings.state_dir, info.id, expected)
             if unstaged:
                 notes.append(f"not staged in memory ({unstaged}): the job stayed frozen while "
-                             "its images went to the store")
+                             "its images went to the store"
+                             + (f", which waited on the disk ({behind})" if behind else ""))
+            elif behind:
+                log.info("checkpoint %s staged in memory: %s", info.id, behind)
         target = fast or self.core.store.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
