@@ -81,6 +81,7 @@ bench: install
 	$(BIN)/python -m bench.slurm_nodes $(BENCH_NODES_ARGS)
 	$(BIN)/python -m bench.soak $(BENCH_SOAK_ARGS)
 	$(BIN)/python -m bench.verify $(BENCH_VERIFY_ARGS)
+	$(BIN)/python -m bench.freeze $(BENCH_FREEZE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)
