@@ -67,15 +67,22 @@ def ensure_auto_root(root: Path = AUTO_ROOT) -> str | None:
         return (f"{root} is not a directory owned by root: dumps are not staged in memory "
                 f"(remove it and restart the daemon)")
     # Two daemons starting at once would stack two mounts, the second hiding what the first
-    # stages: one checks and mounts at a time.
-    with open(f"{root}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # stages: one checks and mounts at a time (a lock on the directory, the one under the
+    # mount until it is mounted; a daemon that opens it after that finds the tmpfs).
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return f"cannot open {root} to stage dumps in memory: {e.strerror or e}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         if _fs_type(root) == "tmpfs":
             os.chmod(root, 0o700)
             return None
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "size=100%,mode=0700,nosuid,nodev,noexec",
              "stasis-stage", str(root)], capture_output=True, text=True)
+    finally:
+        os.close(fd)
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
         return f"cannot mount a tmpfs on {root} to stage dumps in memory: {why}"

@@ -6,9 +6,11 @@ cache as before."""
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,3 +132,32 @@ def test_staging_while_the_disk_is_behind_falls_back_when_memory_is_short(
         d.cli("kill", restored["job"])
     finally:
         subprocess.run(["umount", str(stage)], check=True)
+
+
+def test_the_stage_is_mounted_once_and_only_on_roots_directory(
+        tmp_path: Path, test_user: pwd.struct_passwd) -> None:
+    root = tmp_path / "stage"
+    answers: list[str | None] = []
+    starts = [threading.Thread(target=lambda: answers.append(staging.ensure_auto_root(root)))
+              for _ in range(4)]
+    try:
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join()
+        assert answers == [None] * 4
+        # Daemons starting at once: one tmpfs, not one hiding another's staged images.
+        mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                  if line.split()[4] == str(root)]
+        assert len(mounts) == 1 and _mount_type(root) == "tmpfs"
+        assert os.stat(root).st_mode & 0o777 == 0o700
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+    # A directory someone else made there is not staged in (root would write into it).
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, test_user.pw_uid, test_user.pw_gid)
+    assert staging.ensure_auto_root(theirs) == (
+        f"{theirs} is not a directory owned by root: dumps are not staged in memory "
+        "(remove it and restart the daemon)")
+    assert _mount_type(theirs) != "tmpfs"
