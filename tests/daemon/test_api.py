@@ -138,7 +138,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 19  # stasis/wire.py's table
+    assert len(routes) == 20  # stasis/wire.py's table
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/",
@@ -176,6 +176,9 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     killed = json_answer(req("POST", f"/jobs/{restored['job']}/kill", {"timeout_s": 0}))
     assert conforms(killed, wire.KillAnswer)
     assert killed["state"] == "exited" and killed["ended_by"] == "SIGKILL"
+    verdict = json_answer(req("POST", f"/checkpoints/{cp}/verify", {}))
+    assert conforms(verdict, wire.VerifyVerdict) and verdict["checkpoint"] == cp, verdict
+    assert verdict["ok"], verdict
     assert json_answer(req("DELETE", f"/checkpoints/{cp}")) == {"deleted": cp}
     assert json_answer(req("GET", "/checkpoints?label=api-sleep")) == []
 

@@ -49,12 +49,24 @@ def _as_user(user: pwd.struct_passwd, script: str) -> None:
 
 
 @pytest.fixture
-def paths(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Paths]:
-    home = Path(tempfile.mkdtemp(prefix="owner-", dir=world_tmp))
+def shared_fs() -> Iterator[Path]:
+    """Where the paths CRIU reopens live: not under /tmp, /var/tmp or /dev/shm, whose files a
+    checkpoint carries and a restore recreates itself (stasis/engine/nodelocal.py refuses a
+    planted link there before CRIU runs), but on a file system every node sees, where only
+    CRIU's reopening with the owner's rights stands between the user and root's files."""
+    path = Path(tempfile.mkdtemp(prefix="stasis-owner-tests-", dir="/srv"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def paths(shared_fs: Path, test_user: pwd.struct_passwd) -> Iterator[Paths]:
+    home = Path(tempfile.mkdtemp(prefix="owner-", dir=shared_fs))
     os.chmod(home, 0o755)
     os.chown(home, test_user.pw_uid, test_user.pw_gid)
     # Root's side: a directory nobody else may enter, as /root is.
-    vault = Path(tempfile.mkdtemp(prefix="root-only-", dir=world_tmp))
+    vault = Path(tempfile.mkdtemp(prefix="root-only-", dir=shared_fs))
     os.chmod(vault, 0o700)
     p = Paths(user=test_user, file=home / "data", mapped=home / "mapped",
               sock=home / "sockets" / "job.sock", cwd=home / "cwd",
