@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import pwd
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
@@ -21,6 +22,8 @@ from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.test_commands import site_nodes
 from tests.controlplane.test_dashboard import browser, shot  # noqa: F401 (a fixture)
 from tests.controlplane.test_node import node_env
+
+T = TypeVar("T")
 
 
 def listed(cp: ControlPlane) -> dict[str, dict[str, Any]]:
@@ -104,13 +107,25 @@ def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
         wait_for(lambda: driver.current_url.endswith("/ui/"), 10, "the nodes page")
         driver.get(cp.url + "/ui/checkpoints")
 
+        def steady(read: Callable[[], T]) -> T:
+            # The live refresh replaces the table every 2 s: an element found a moment ago may
+            # be gone by the time it is read; read it again.
+            for _ in range(20):
+                try:
+                    return read()
+                except StaleElementReferenceException:
+                    continue
+            raise AssertionError("the page kept changing under every read")
+
         def cell(checkpoint: str) -> tuple[str, str]:
-            found = driver.find_elements(By.CSS_SELECTOR,
-                                         f'#checkpoints tr[data-checkpoint="{checkpoint}"]')
-            if not found:
-                return "", ""
-            return (str(found[0].get_attribute("data-verified")),
-                    found[0].find_element(By.CSS_SELECTOR, "td.verdict").text)
+            def read() -> tuple[str, str]:
+                found = driver.find_elements(By.CSS_SELECTOR,
+                                             f'#checkpoints tr[data-checkpoint="{checkpoint}"]')
+                if not found:
+                    return "", ""
+                return (str(found[0].get_attribute("data-verified")),
+                        found[0].find_element(By.CSS_SELECTOR, "td.verdict").text)
+            return steady(read)
 
         wait_for(lambda: cell(good)[0] == "ok", 30, "the good verdict on the page")
         assert cell(good) == ("ok", "ok")
@@ -125,16 +140,16 @@ def test_a_node_verifies_for_the_control_plane_and_the_dashboard_shows_it(
                 break
             except StaleElementReferenceException:
                 continue
-        wait_for(lambda: any(f"verify of checkpoint {newer} asked on node node-a" in e.text
-                             for e in driver.find_elements(By.CSS_SELECTOR, ".flash")), 10,
-                 "the message")
+        wait_for(lambda: steady(lambda: any(
+            f"verify of checkpoint {newer} asked on node node-a" in e.text
+            for e in driver.find_elements(By.CSS_SELECTOR, ".flash"))), 10, "the message")
         wait_for(lambda: cell(newer)[0] == "ok", 60, "the new verdict on the page")
         shot(driver, "checkpoints-verified")
         # The Jobs page says whether the running job's last checkpoint is known to restore.
         driver.get(cp.url + "/ui/jobs")
         row = f'#jobs tr[data-job="{good_job}"] span.verdict'
         wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, row), 30, "the job's row")
-        assert driver.find_element(By.CSS_SELECTOR, row).text == "verified"
+        assert steady(lambda: driver.find_element(By.CSS_SELECTOR, row).text) == "verified"
         a.cli("kill", good_job)
 
 
