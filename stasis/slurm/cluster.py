@@ -47,6 +47,8 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -447,6 +449,7 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
     started: dict[str, int] = {}
     state: dict[str, Any] = {"pids": started, "nodes": names, "without_stasis": bare}
     _save_state(lay, state)
+    restore_signals = _terminate_as_error()
     try:
         net = _nodes_up(lay, state) if nodes > 1 else None
         started["munged"] = _start_munge(lay)
@@ -504,7 +507,31 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "sta
         _save_state(lay, state)
         down(root)
         raise
+    finally:
+        restore_signals()
     return lay
+
+
+def _terminate_as_error() -> Callable[[], None]:
+    """Until the returned function is called, SIGTERM and SIGHUP (a harness's timeout, a
+    closed terminal) end `up` as a failure does: what it started so far is stopped, not left
+    running. A second one is ignored while that is done. Returns what restores the handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    signals = (signal.SIGTERM, signal.SIGHUP)
+
+    def end(signum: int, _frame: object) -> None:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, end) for s in signals}
+
+    def restore() -> None:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+    return restore
 
 
 def _daemon_key(lay: Layout, node: str) -> str:
@@ -606,9 +633,13 @@ def _start_stasis(lay: Layout, node: str) -> int:
     env = {**_client_env(lay), "LANG": "C.UTF-8", "STASIS_CONFIG": str(config)}
     pid = detached.start([*_node_prefix(lay, node), *detached.stasis_command(), "daemon"],
                          home / "daemon.pid", log, env)
-    detached.wait_listening(pid, home / "stasis.sock", log, 20,
-                            lambda why: SlurmError(f"the stasis daemon of {node} did not start: "
-                                                   f"{why}"))
+    try:
+        detached.wait_listening(pid, home / "stasis.sock", log, 20,
+                                lambda why: SlurmError(f"the stasis daemon of {node} did not "
+                                                       f"start: {why}"))
+    except BaseException:
+        detached.stop(pid)  # not recorded yet by the caller: it would outlive a failed `up`
+        raise
     assert pid is not None
     return pid
 
@@ -648,13 +679,15 @@ def down(root: Path) -> None:
     state = _state(lay)
     pids: dict[str, int] = state.get("pids") or {}
     if detached.alive(pids.get("slurmctld")):
-        jobs = _jobs(lay)
-        if jobs:
-            _run(["scancel", *jobs], _client_env(lay), check=False)
-            try:
+        # Best effort: a controller that does not answer (its slurmdbd gone, say) must not
+        # keep the daemons below from being stopped.
+        try:
+            jobs = _jobs(lay)
+            if jobs:
+                _run(["scancel", *jobs], _client_env(lay), check=False)
                 _wait(lambda: not _jobs(lay), 30, "the jobs to end")
-            except StasisError:
-                pass
+        except StasisError:
+            pass
     for name in _stop_order(pids):
         detached.stop(pids.get(name))
     for node in state.get("nodes", []):
