@@ -150,8 +150,7 @@ PidFile={acct}/slurmdbd.pid
                                 f"{lines}\n")
     env = {"PATH": _PATH, "SLURM_CONF": str(lay.slurm_conf)}
     log = acct / "slurmdbd.log"
-    pid = detached.start(["slurmdbd", "-D"], acct / "slurmdbd.run.pid", acct / "slurmdbd.out",
-                         env)
+    pid = _start(["slurmdbd", "-D"], acct / "slurmdbd.run.pid", acct / "slurmdbd.out", env)
     started["slurmdbd"] = pid or 0
 
     def up() -> bool:
@@ -182,7 +181,7 @@ def _start_mariadb(lay: "Layout", acct: Path, started: dict[str, int]) -> int:
     port = _free_port()
     sock = _mysql_socket(acct)
     log = run / "mysqld.log"
-    pid = detached.start(
+    pid = _start(
         ["mariadbd", "--no-defaults", "--user=mysql", f"--datadir={data}", f"--socket={sock}",
          f"--pid-file={run}/mysqld.pid", f"--port={port}", "--bind-address=127.0.0.1",
          "--skip-name-resolve", "--innodb-buffer-pool-size=64M",
@@ -198,6 +197,17 @@ def _start_mariadb(lay: "Layout", acct: Path, started: dict[str, int]) -> int:
     if not poll(up, _START_TIMEOUT_S, 0.1):
         raise SlurmError(f"MariaDB did not listen in {_START_TIMEOUT_S:.0f} s: {_tail(log)}")
     return port
+
+
+def _start(argv: list[str], pid_file: Path, log: Path, env: dict[str, str]) -> int | None:
+    """detached.start, but a daemon whose start is cut short (`up` ended by a signal before
+    its pid came back) is stopped, not left running unrecorded."""
+    pid_file.unlink(missing_ok=True)  # what it names below is this start's
+    try:
+        return detached.start(argv, pid_file, log, env)
+    except BaseException:
+        detached.stop(detached.read_pid(pid_file))
+        raise
 
 
 def _mysql_socket(acct: Path) -> Path:

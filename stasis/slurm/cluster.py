@@ -631,14 +631,18 @@ def _start_stasis(lay: Layout, node: str) -> int:
     home = config.parent
     log = home / "daemon.log"
     env = {**_client_env(lay), "LANG": "C.UTF-8", "STASIS_CONFIG": str(config)}
-    pid = detached.start([*_node_prefix(lay, node), *detached.stasis_command(), "daemon"],
-                         home / "daemon.pid", log, env)
+    pid_file = home / "daemon.pid"
+    pid_file.unlink(missing_ok=True)  # what it names below is this start's daemon
     try:
+        pid = detached.start([*_node_prefix(lay, node), *detached.stasis_command(), "daemon"],
+                             pid_file, log, env)
         detached.wait_listening(pid, home / "stasis.sock", log, 20,
                                 lambda why: SlurmError(f"the stasis daemon of {node} did not "
                                                        f"start: {why}"))
     except BaseException:
-        detached.stop(pid)  # not recorded yet by the caller: it would outlive a failed `up`
+        # Not recorded yet by the caller (`up` failed or was ended meanwhile): stopped here,
+        # or it would outlive the cluster.
+        detached.stop(detached.read_pid(pid_file))
         raise
     assert pid is not None
     return pid
