@@ -9,11 +9,15 @@ import os
 import pwd
 import re
 import signal
+import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from stasis.daemon import staging
 from stasis.daemon.staging import DiskState, disk_behind
@@ -36,6 +40,20 @@ def _mount_type(path: Path) -> str:
                 and len(mount_point) >= len(best):
             best, fstype = mount_point, fields[fields.index("-") + 1]
     return fstype
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A scratch directory on a disk: /tmp may be a tmpfs (Debian 13's default, the fresh roots
+    the README's commands are tried in), where a writer makes no writeback and a directory is a
+    tmpfs already."""
+    for base in (Path("/var/tmp"), Path(__file__).resolve().parent):
+        if _mount_type(base) not in ("tmpfs", "ramfs", ""):
+            path = Path(tempfile.mkdtemp(prefix="stasis-disk-", dir=base))
+            yield path
+            shutil.rmtree(path, ignore_errors=True)
+            return
+    raise AssertionError("no disk-backed directory here (/var/tmp and the tests are on tmpfs)")
 
 
 @contextmanager
@@ -77,12 +95,12 @@ def test_the_disk_is_behind_by_its_write_rate_or_its_backlog() -> None:
 
 
 def test_leave_running_dump_is_staged_in_memory_while_the_disk_is_behind(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+        make_daemon: MakeDaemon, disk_dir: Path) -> None:
     d: Daemon = make_daemon()  # default settings: stage_dir = "auto"
     stage = Path(staging.stage_root(staging.AUTO, d.state_dir))
     job = d.run(*workload("memhold.py", 32))
     wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
-    with disk_writer(world_tmp):
+    with disk_writer(disk_dir):
         cp = d.json("dump", "--leave-running", job["job"])
         assert cp["staged"] is True, cp
         assert cp["notes"] == []
@@ -104,7 +122,7 @@ def test_leave_running_dump_is_staged_in_memory_while_the_disk_is_behind(
 
 
 def test_staging_while_the_disk_is_behind_falls_back_when_memory_is_short(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+        make_daemon: MakeDaemon, disk_dir: Path) -> None:
     d: Daemon = make_daemon()
     stage = Path(staging.stage_root(staging.AUTO, d.state_dir))
     stage.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -114,7 +132,7 @@ def test_staging_while_the_disk_is_behind_falls_back_when_memory_is_short(
     try:
         job = d.run(*workload("memhold.py", 32))
         wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
-        with disk_writer(world_tmp):
+        with disk_writer(disk_dir):
             result = d.cli("dump", "--leave-running", job["job"])
         # Said, not silent: why the job stayed frozen longer, and what it waited on.
         assert re.search(r"^note: not staged in memory \(the stage directory .* has \d+ MiB "
@@ -135,7 +153,8 @@ def test_staging_while_the_disk_is_behind_falls_back_when_memory_is_short(
 
 
 def test_the_stage_is_mounted_once_and_only_on_roots_directory(
-        tmp_path: Path, test_user: pwd.struct_passwd) -> None:
+        disk_dir: Path, test_user: pwd.struct_passwd) -> None:
+    tmp_path = disk_dir
     root = tmp_path / "stage"
     answers: list[str | None] = []
     starts = [threading.Thread(target=lambda: answers.append(staging.ensure_auto_root(root)))
