@@ -191,7 +191,9 @@ def test_a_user_cannot_have_the_daemon_release_a_job_held_by_someone_else(fc: Cl
                                                                          test_user: Any) -> None:
     """The daemon releases only what its node held (its own root-owned notes), never a job whose
     Comment merely says so: an admin's hold stays an admin's hold."""
-    job = fc.sbatch(fc.counter_script("adminheld", stop=30), user=test_user.pw_name)
+    # Not eligible before an hour: still pending when root holds it (a free node would start it).
+    job = fc.sbatch(fc.counter_script("adminheld", stop=30), "--begin=now+1hour",
+                    user=test_user.pw_name)
     fc.run("scontrol", "hold", job)  # root: an admin's hold
     fc.run("scontrol", "update", f"JobId={job}",
            "Comment=stasis: held: checkpoint store unreachable", user=test_user.pw_name)
