@@ -87,9 +87,14 @@ def release_over(held_dir: Path, store_answers: Callable[[str, int], bool]) -> l
             continue
         if info.restarts <= noted and info.state not in _ENDED:
             continue  # the requeue asked has not happened yet
+        if info.state in _ENDED or info.state in ("RUNNING", "SUSPENDED"):
+            forget(held_dir, name)  # cancelled, or released by hand and running again
+            continue
+        if info.state != "PENDING":
+            continue  # on its way to the hold (COMPLETING, REQUEUE_HOLD, ...)
         # JobHeldAdmin, JobHeldUser, job_requeued_in_held_state (requeuehold)
-        if info.state != "PENDING" or "held" not in info.reason.lower():
-            forget(held_dir, name)  # released by hand, cancelled, or running again
+        if "held" not in info.reason.lower():
+            forget(held_dir, name)  # released by hand, waiting for a node
             continue
         if entry.get("cause") == "store":
             label, uid = entry.get("label"), entry.get("uid")
