@@ -5,47 +5,20 @@ on the other node from that checkpoint, its count unbroken."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from stasis.slurm import cluster as local_cluster
 from tests.conftest import TEST_USER, wait_for
 from tests.controlplane.conftest import ControlPlane
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
+from tests.e2e.conftest import Cluster, until
+from tests.e2e.cpsite import joined_site
 
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[tuple[Cluster, ControlPlane]]:
-    c = new_cluster("cpnodes", nodes=2)
-    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=c.root)), "")
-    cp.db = str(cp.root / "controlplane.db")
-    try:
-        # The nodes reach this machine at the bridge's address, not at its loopback.
-        cp.start("--listen", f"0.0.0.0:{cp.port}", "--allow-plain-http")
-        hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-        url = f"http://{c.lay.host_address()}:{cp.port}"
-        for node in ("n1", "n2"):
-            config = c.lay.config_of(node)
-            config.write_text(config.read_text() + f'controlplane_url = "{url}"\n'
-                              f'cluster_id = "{hpc["cluster_id"]}"\n'
-                              f'auth_token = "{hpc["token"]}"\n'
-                              "controlplane_heartbeat_s = 0.5\n"
-                              # the bridge is this test's own: plain HTTP, said so
-                              "controlplane_allow_plain_http = true\n")
-            os.chmod(config, 0o600)  # it holds the cluster's token now
-            local_cluster.stop_daemon(c.root, node)
-            local_cluster.start_daemon(c.root, node)
-        wait_for(lambda: sorted(n["name"] for n in cp.json("nodes")
-                                if n["state"] == "ready" and n.get("scheduler_state"))
-                 == ["n1", "n2"], 60, "both nodes ready in the control plane")
-        yield c, cp
-    finally:
-        cp.stop()
-        close_cluster(c)
+    with joined_site("cpnodes", node_ready=True) as site:
+        yield site
 
 
 def test_a_drain_from_the_control_plane_moves_the_job_to_the_other_node(

@@ -35,7 +35,8 @@ from stasis.poll import poll
 from stasis.slurm import cluster as local_cluster
 from tests.conftest import STASIS, TEST_USER, WORKLOADS, wait_for
 from tests.controlplane.conftest import ControlPlane
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
+from tests.e2e.conftest import Cluster, until
+from tests.e2e.cpsite import joined_site
 
 INTERVAL_S = 0.5
 MOVE_TIMEOUT_S = 120
@@ -51,23 +52,8 @@ class Site:
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[Site]:
-    c = new_cluster("nodelocal", nodes=2)
-    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=c.root)), "")
-    cp.db = str(cp.root / "controlplane.db")
-    try:
-        cp.start("--listen", f"0.0.0.0:{cp.port}", "--allow-plain-http")
-        hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-        url = f"http://{c.lay.host_address()}:{cp.port}"
+    with joined_site("nodelocal") as (c, cp):
         for node in ("n1", "n2"):
-            config = c.lay.config_of(node)
-            config.write_text(config.read_text() + f'controlplane_url = "{url}"\n'
-                              f'cluster_id = "{hpc["cluster_id"]}"\n'
-                              f'auth_token = "{hpc["token"]}"\n'
-                              "controlplane_heartbeat_s = 0.5\n"
-                              "controlplane_allow_plain_http = true\n")
-            os.chmod(config, 0o600)
-            local_cluster.stop_daemon(c.root, node)
-            local_cluster.start_daemon(c.root, node)
             # What Debian's postgresql package makes on every node at boot (tmpfiles.d): the
             # server's socket directory, on the node's own /run.
             c.on(node, "install", "-d", "-o", TEST_USER, "-g", TEST_USER, "-m", "2775",
@@ -78,15 +64,9 @@ def site() -> Iterator[Site]:
                        check=True, capture_output=True, timeout=120)
         os.chmod(classes, 0o755)
         shutil.copy(WORKLOADS / "nodelocal.py", c.work / "nodelocal.py")
-        wait_for(lambda: sorted(n["name"] for n in cp.json("nodes")
-                                if n["state"] == "ready") == ["n1", "n2"], 60,
-                 "both nodes ready in the control plane")
         pg = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
         assert pg, "PostgreSQL is not installed (scripts/install-test-apps.sh)"
         yield Site(c, cp, Path(pg[-1]).parent, classes)
-    finally:
-        cp.stop()
-        close_cluster(c)
 
 
 def counts(text: str) -> list[int]:
