@@ -289,27 +289,7 @@ def _kill_children() -> None:
     under load). Orphans come back to this process, the subreaper, for the next pass."""
     from stasis.engine import proctree
 
-    deadline = time.monotonic() + 5.0
-    while True:
-        found = [p for p in proctree.tree(os.getpid())[1:] if _alive_quietly(p)]
-        if not found or time.monotonic() > deadline:
-            return
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.02)
-
-
-def _alive_quietly(pid: int) -> bool:
-    """Whether `pid` is a live process (not a zombie this supervisor has yet to reap)."""
-    from stasis.engine import proctree
-
-    try:
-        return proctree.alive(pid, None)
-    except OSError:
-        return True
+    proctree.kill_descendants()
 
 
 def restore(job_dir: Path, spec: dict[str, Any]) -> None:

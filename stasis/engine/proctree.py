@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -95,3 +96,27 @@ def stopped(pid: int) -> list[int]:
         if stat.rsplit(")", 1)[1].split()[0] == "T":
             found.append(p)
     return found
+
+
+def kill_descendants(timeout_s: float = 5.0) -> None:
+    """SIGKILL every process under this one, again and again until none is left (or
+    `timeout_s`): a process forking meanwhile (CRIU restoring a tree) would leave a child the
+    first pass missed. Orphans of a subreaper come back to it for the next pass; zombies are
+    the caller's to reap. A process whose /proc cannot be read counts as alive."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for pid in tree(os.getpid())[1:]:
+            try:
+                if alive(pid, None):
+                    left.append(pid)
+            except OSError:
+                left.append(pid)
+        if not left or time.monotonic() > deadline:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)

@@ -453,17 +453,7 @@ def _end_tree(root: int | None) -> None:
             os.kill(root, signal.SIGKILL)  # the job's PID-namespace init: the kernel kills all
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + 5.0
-    while True:
-        left = [p for p in proctree.tree(os.getpid())[1:] if proctree.alive(p, None)]
-        if not left or time.monotonic() > deadline:
-            break
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
+    proctree.kill_descendants()
     while True:
         try:
             os.waitpid(-1, 0)
