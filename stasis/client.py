@@ -73,10 +73,18 @@ class Client:
         self.close()
 
     def _unreachable(self, e: OSError) -> DaemonAPIError:
+        if isinstance(e, PermissionError) and self.socket_path.exists():
+            import grp  # only on this error path: every CLI call imports this module
+            try:
+                group = grp.getgrgid(self.socket_path.stat().st_gid).gr_name
+            except (KeyError, OSError):
+                group = "its group"
+            return DaemonAPIError(
+                f"permission denied on the stasis daemon's socket {self.socket_path}: this node "
+                f"opens it to the members of {group} only; ask its admin to add you (or to set "
+                'socket_group = "" for every local user)')
         if not self.socket_path.exists():
             why = "no socket there"
-        elif isinstance(e, PermissionError):
-            why = "permission denied on the socket (join its group)"
         elif isinstance(e, TimeoutError):
             why = "no answer in time"
         else:

@@ -185,7 +185,9 @@ class Settings(NamedTuple):
     socket: Path = Path("/run/stasis/stasis.sock")
     state_dir: Path = Path("/var/lib/stasis")
     store: str = ""
-    socket_group: str = "stasis"
+    # "" (default): every local user may talk to the daemon, each acting on their own jobs and
+    # checkpoints only (peer credentials). A group name restricts the socket to its members.
+    socket_group: str = ""
     keep: int = 5
     # What would grow without bound otherwise (the daemon prunes at its start, then hourly):
     # 5,000 rows made `stasis ps --json` take 244 ms; CRIU writes ~110 KB of log per dump.

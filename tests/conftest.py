@@ -74,7 +74,6 @@ class Daemon:
             "STASIS_STATE_DIR": str(self.state_dir),
             "STASIS_STORE": self.store,
             "STASIS_KEEP": str(keep),
-            "STASIS_SOCKET_GROUP": TEST_USER,
             "STASIS_CONFIG": "",
             **(env or {}),
         }

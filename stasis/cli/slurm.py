@@ -71,9 +71,9 @@ def add_slurm(commands: Any) -> None:
                         "(Slurm's job_container/tmpfs); --dir must not be under /tmp.")
     p.add_argument("--grace-s", type=int_range(1, 3600), default=10,
                    help="GraceTime of the preemptable `low` partition (default: %(default)s).")
-    p.add_argument("--socket-group", default="stasis",
-                   help="Group allowed on the stasis daemon's socket (job users must be in it; "
-                        "default: %(default)s).")
+    p.add_argument("--socket-group", default="",
+                   help="Restrict the stasis daemons' sockets to this group (default: every "
+                        "local user, each acting on their own jobs).")
     add_json(p, 'Print {"slurm_conf": PATH, "stasis_config": PATH, "nodes": [NAMES]}.')
     p.set_defaults(handler=up)
     p.add_argument("--accounting", action="store_true",

@@ -48,11 +48,18 @@ def _socket_in_use(path: str) -> bool:
     return True
 
 
-def _socket_gid(settings: Settings) -> int:
+def _socket_access(settings: Settings) -> tuple[int, int]:
+    """The socket's group and mode: every local user by default (each is authorized by their
+    peer credentials), or the members of `socket_group` only. A group that does not exist stops
+    the daemon: falling back to gid 0 would silently lock every user out."""
+    if not settings.socket_group:
+        return 0, 0o666
     try:
-        return grp.getgrnam(settings.socket_group).gr_gid
+        return grp.getgrnam(settings.socket_group).gr_gid, 0o660
     except KeyError:
-        return 0
+        raise UsageError(f"socket_group {settings.socket_group!r} does not exist: create it "
+                         f"(groupadd {settings.socket_group}) or set socket_group = \"\" to let "
+                         "every local user reach the daemon") from None
 
 
 def _make_dirs(path: Path) -> None:
@@ -100,6 +107,7 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     chooses them; the core knows none)."""
     if os.geteuid() != 0:
         raise UsageError("stasis daemon must run as root")
+    sock_gid, sock_mode = _socket_access(settings)  # before anything is made or opened
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     quiet_repeats()
     # A thread that dies (out of files, say) is logged through the same filter, not printed.
@@ -151,12 +159,12 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     runner = web.AppRunner(make_app(manager, plugged, [guard.middleware]), access_log=None,
                            keepalive_timeout=settings.request_timeout_s or 75.0)
     await runner.setup()
-    # No moment in which the socket is world-writable: it is created 0700 under our umask (077),
-    # then given to its group.
+    # No moment in which the socket is open wider than configured: it is created 0700 under our
+    # umask (077), then given to its group or to every user.
     site = GuardedUnixSite(runner, sock_path, guard)
     await site.start()
-    os.chown(sock_path, 0, _socket_gid(settings))
-    os.chmod(sock_path, 0o660)
+    os.chown(sock_path, 0, sock_gid)
+    os.chmod(sock_path, sock_mode)
     log.info("listening on %s, store %s; %d open files at most", sock_path, settings.store_url,
              open_files)
 

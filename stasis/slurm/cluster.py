@@ -388,7 +388,7 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
 
 # -- up, down ----------------------------------------------------------------------------------
 
-def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "stasis",
+def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
        warn_s: int = 60, accounting: bool = False, nodes: int = 1,
        without_stasis: tuple[str, ...] = (), gpus: int = 0,
        job_container: bool = False) -> Layout:
