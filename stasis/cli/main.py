@@ -510,6 +510,10 @@ def parser(only: str | None = None) -> Parser:
     """The `stasis` parser; with `only`, that command's alone. Each sub-parser costs ~1 ms here
     (argparse asks gettext for its messages), so a command builds just the one it runs."""
     top = Parser(prog="stasis", description="Checkpoint and restore running jobs.")
+    # Answered in main() before parsing (a command is required otherwise); here for --help.
+    top.add_argument("--version", action="store_true",
+                     help="Print stasis's version and exit (with --json: also CRIU's, "
+                          "Python's and the kernel's).")
     sub = subcommands(top)
     for name, add in COMMANDS.items():
         if only is None or name == only:
@@ -521,6 +525,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     try:
         argv = sys.argv[1:] if argv is None else argv
         first = argv[0] if argv else ""
+        if first == "--version" and set(argv[1:]) <= {"--json"}:
+            from stasis.cli.version import print_version
+
+            print_version("--json" in argv, load_settings())
+            sys.exit(0)
         args = parser(first if first in COMMANDS else None).parse_args(argv)
         handler: Handler = args.handler
         settings = load_settings()
