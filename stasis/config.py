@@ -71,6 +71,9 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          stasis.dev/interval): a shorter one is raised to it; 0 = none  (60)
     STASIS_K8S_STOP_TIMEOUT_S  seconds a container's checkpoint at its stop may take before
                          the container is stopped as usual without it  (20)
+    STASIS_K8S_RESTORE_ATTEMPTS  failed restores of one good checkpoint on a node (each
+                         fails the container's create, retried by the kubelet) before the
+                         label's previous checkpoint is tried; 0 = never give up  (3)
     STASIS_CONTAINERD_ADDRESS  containerd's socket, whose task events tell how containers
                          ended  (/run/containerd/containerd.sock)
     STASIS_KUBECONFIG    the kubeconfig file the node agent (`stasis k8s agent`) and
@@ -122,6 +125,7 @@ _ENV_KEYS = {
     "STASIS_CONTAINERD_ADDRESS": "containerd_address",
     "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
     "STASIS_K8S_MIN_INTERVAL_S": "k8s_min_interval_s",
+    "STASIS_K8S_RESTORE_ATTEMPTS": "k8s_restore_attempts",
     "STASIS_KUBECONFIG": "kubeconfig",
     "STASIS_K8S_CHECK_INTERVAL_S": "k8s_check_interval_s",
     # Cedana's spellings first: the STASIS_ ones, read after them, win.
@@ -263,6 +267,10 @@ class Settings(NamedTuple):
     runc: str = ""
     k8s_stop_timeout_s: int = 20
     k8s_min_interval_s: int = 60
+    # Failed `runc restore`s of one good checkpoint on a node (each fails the container's
+    # create, which the kubelet retries) before the label's previous checkpoint is tried
+    # instead; 0 = never give up on it (issue 28).
+    k8s_restore_attempts: int = 3
     containerd_address: str = "/run/containerd/containerd.sock"
     kubeconfig: str = ""
     k8s_check_interval_s: float = 10.0
