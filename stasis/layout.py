@@ -9,8 +9,10 @@
         staging/        dumps to a store that is not a local directory, until published
         dumps/          dumps in flight (stasis/daemon/inflight.py)
         keys/node.key   the node's signing key (stasis/store/signing.py)
+        stores/<hash>   the local stores this node has used, by id (stasis/store/marker.py)
         slurm/          Slurm registrations of an older daemon (moved into jobs.db at start)
         slurm-held/<job>  Slurm jobs this node requeued held, and why (stasis/slurm/held.py)
+        records/<table>/  integrations' rows kept to rebuild jobs.db (daemon/records.py)
 """
 
 from __future__ import annotations
@@ -58,8 +60,16 @@ class StateLayout:
         return self.root / "keys"
 
     @property
+    def known_stores(self) -> Path:
+        return self.root / "stores"
+
+    @property
     def slurm_held(self) -> Path:
         return self.root / "slurm-held"
+
+    @property
+    def records(self) -> Path:
+        return self.root / "records"
 
     @property
     def legacy_slurm(self) -> Path:

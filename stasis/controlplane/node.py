@@ -5,6 +5,9 @@ listens: it registers (host, versions, `stasis check`), then heartbeats every
 carried out, acknowledged. What it did is kept by command id in the daemon's database (table
 `controlplane_done`) before it is acknowledged, so a command leased again (the acknowledgement
 was lost: the connection dropped, the control plane restarted) is answered, not done twice.
+The intents, the answers not yet acknowledged and the migrations restored are kept as files
+too (stasis.daemon.records): a corrupt database is rebuilt with them (the outbox is not: it
+only informs).
 Commands run one at a time in a worker thread of their own, never in the heartbeat: a dump that
 takes minutes does not silence the node (it would be shown lost), and every heartbeat renews
 the lease of the command under way, so it is not given out again while the node works on it.
@@ -69,6 +72,7 @@ from sqlalchemy import (
 
 from stasis import faults, wire
 from stasis.controlplane.client import ControlPlaneClient, Unauthorized
+from stasis.daemon import records
 from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
@@ -107,6 +111,7 @@ done_table = Table(
     Column("ok", Boolean, nullable=False),
     Column("result", Text, nullable=False),
     Column("at", Integer, nullable=False),
+    info={records.KEY: records.UNTIL_DROPPED},  # its file until the control plane took it
 )
 
 # The migrations whose sealed restore half this node carried out (or began: `job` is None until
@@ -122,6 +127,7 @@ restored_table = Table(
     Column("job", String(100), nullable=True),
     Column("created", Float, nullable=False),  # the checkpoint's, from its signed manifest
     Column("at", Integer, nullable=False),
+    info={records.KEY: records.ALL},
 )
 _RESTORED_MAX = 100_000
 
@@ -136,6 +142,7 @@ intent_table = Table(
     Column("kind", String(40), nullable=False),
     Column("job", String(100), nullable=False),  # the job (checkpoint) or migration (restore)
     Column("at", Float, nullable=False),  # time.time() before acting, this node's own clock
+    info={records.KEY: records.ALL},
 )
 _WATERMARK = "(forgotten before)"
 _INTENT_KEPT_S = 7 * 86400
@@ -156,6 +163,7 @@ class ControlPlaneNode(Integration):
             except UsageError as e:  # the node goes on protecting its jobs, unjoined
                 log.error("not joining the control plane: %s", e)
         self._credential_path = s.state_dir / CREDENTIAL_FILE
+        self._records = records.Records(manager.db, s.layout.records)
         self._credential: str | None = None
         if self.client is not None:
             self._credential = self._load_credential()
@@ -464,8 +472,10 @@ class ControlPlaneNode(Integration):
                 finally:
                     with self._lock:
                         self._current = None
+                faults.point("cp.before-ack")
                 self.client.request("POST", f"/api/v1/commands/{cmd['id']}/ack",
                                     {"lease_id": lease_id, "ok": ok, "result": result})
+                self._records.drop(done_table, cmd["id"])  # taken: never leased again
             self._worker_failing = None
         except NotFoundError:
             self._registered = False  # it forgot us: register at the next beat
@@ -586,6 +596,8 @@ class ControlPlaneNode(Integration):
                                                    result=json.dumps(result),
                                                    at=int(time.time())))
             conn.execute(delete(intent_table).where(intent_table.c.command_id == cmd["id"]))
+        self._records.refresh(done_table, cmd["id"])
+        self._records.refresh(intent_table, cmd["id"])
         return ok, result
 
     def _verify(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -623,7 +635,9 @@ class ControlPlaneNode(Integration):
                 conn.execute(insert(intent_table).values(command_id=cmd["id"],
                                                          kind=str(cmd["kind"])[:40], job=what,
                                                          at=time.time()))
-                return None
+        if began is None:
+            self._records.refresh(intent_table, cmd["id"])  # kept before acting
+            return None
         log.info("control plane command %s (%s) was begun before the daemon stopped: what it "
                  "did is looked up", cmd["id"], cmd["kind"])
         return float(began)
@@ -677,6 +691,7 @@ class ControlPlaneNode(Integration):
 
         refused = (f"restore of checkpoint {ckpt} for migration {migration} refused: a "
                    "migration restores once")
+        gone: list[str] = []
         with self.manager.db.transaction() as conn:
             row = conn.execute(select(restored_table).where(
                 restored_table.c.migration == migration)).first()
@@ -710,15 +725,20 @@ class ControlPlaneNode(Integration):
                 conn.execute(insert(restored_table).values(
                     migration=_WATERMARK, checkpoint="", job=None, created=newest_gone,
                     at=int(time.time())))
+                gone = [r.migration for r in oldest] + [_WATERMARK]
+        for key in [migration, *gone]:
+            self._records.refresh(restored_table, key)
 
     def _unclaim_restore(self, migration: str) -> None:
         with self.manager.db.transaction() as conn:
             conn.execute(delete(restored_table).where(restored_table.c.migration == migration))
+        self._records.refresh(restored_table, migration)
 
     def _restored(self, migration: str, job: str) -> None:
         with self.manager.db.transaction() as conn:
             conn.execute(update(restored_table).where(
                 restored_table.c.migration == migration).values(job=job[:100]))
+        self._records.refresh(restored_table, migration)
 
     def _migrated_checkpoint(self, args: dict[str, Any]) -> tuple[str, float]:
         """The checkpoint a restore command names, if it is the one its migration took: sealed

@@ -9,10 +9,31 @@ itself keeps outside the database:
 - the dumps in flight: their journal (inflight.py) is a directory of its own, settled as always;
 - the network locks of recent stop-dumps: CRIU's dump logs name the rules it left, recorded again
   for their published checkpoints so that they are still lifted on time;
-- whatever rows of the old file can still be read (a file damaged in a few pages keeps most).
+- the integrations' rows whose loss would lose work or do it twice, each kept as a file too
+  (records.py, <state_dir>/records/), put back whole:
+    slurm_jobs             every registration (which Slurm jobs opted in, their label, the
+                           stop under way): a preempted job is still checkpointed, a requeued
+                           one still resumes, a stop a dead daemon began is still finished;
+    k8s_containers         every container registered (its runc root, bundle, label, interval,
+                           what it was restored from): intervals go on, its checkpoints keep
+                           their parent;
+    controlplane_intent    every command begun and not answered: leased again, it is looked
+                           up (the checkpoint taken, the job restored), not carried out again;
+    controlplane_restored  every migration restored here (and the watermark under which older
+                           seals are refused): a seal given again restores nothing;
+    controlplane_done      the answers the control plane has not taken yet (acknowledged, a
+                           command is never leased again: its file goes);
+- whatever rows of the old file can still be read (a file damaged in a few pages keeps most);
+  a row kept as a file replaces a salvaged row of the same key (whole, written after its last
+  commit, where the salvaged one comes from a damaged file).
 
-Finished jobs' history is what is lost. What cannot be rebuilt (a running job without a record
-in its directory) is logged and keeps the daemon reporting itself not ready.
+Deliberately not rebuilt (they only inform, nothing is done twice or lost without them):
+finished jobs' history, the control plane's outbox (checkpoints and verdicts not yet reported:
+the control plane hears of the checkpoints again from the store's listing in the node's
+heartbeats, not of those events), the answers the control plane already took, and Slurm's step
+records (mirrors: written again by the steps still running). What cannot be rebuilt (a running
+job without a record in its directory) is logged and keeps the daemon reporting itself not
+ready.
 """
 
 from __future__ import annotations
@@ -21,12 +42,14 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import inspect
+from sqlalchemy import Table, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
+from stasis.daemon import records
 from stasis.daemon.db import JobDatabaseError, JobDB, NetLockRow
 from stasis.engine import netlock
 from stasis.errors import StasisError
@@ -51,9 +74,9 @@ def open_job_db(path: Path, busy_timeout_s: float) -> tuple[JobDB, Path | None]:
         except FileNotFoundError:
             pass
     log.error("the job database %s is corrupt (%s): moved aside as %s and rebuilt from the "
-              "jobs running on this node, its dump journal and CRIU's logs; finished jobs' "
-              "history is not rebuilt. Keep %s for a post-mortem, or delete it",
-              path, reason, aside, aside.name)
+              "jobs running on this node, its dump journal, CRIU's logs and the integrations' "
+              "records; finished jobs' history is not rebuilt. Keep %s for a post-mortem, or "
+              "delete it", path, reason, aside, aside.name)
     return JobDB(path, busy_timeout_s), aside
 
 
@@ -123,3 +146,19 @@ def recover_netlocks(db: JobDB, store: Store, criu_logs: Path, timeout_s: int) -
                                   rules=[list(r.argv) for r in rules]))
         found += 1
     return found
+
+
+def integration_records(db: JobDB, root: Path, tables: Sequence[Table], rebuilt: bool) -> None:
+    """The integrations' kept rows (records.py): put back into a `rebuilt` database (after
+    `salvage`), then the files matched to the database's rows. A database that cannot be read
+    now (locked) leaves the files as they are: the next start matches them."""
+    try:
+        if rebuilt:
+            put = records.restore(db, root, tables)
+            if any(put.values()):
+                log.info("restored from %s: %s", root, ", ".join(
+                    f"{n} row(s) of {t}" for t, n in sorted(put.items()) if n))
+        records.sync(db, root, tables)
+    except (StasisError, OSError) as e:
+        log.warning("the integrations' records in %s are not matched to the database now: %s",
+                    root, e)

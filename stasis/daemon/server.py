@@ -23,7 +23,7 @@ from aiohttp import web
 from stasis.config import Settings
 from stasis.daemon.api import make_app
 from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_open_files_limit
-from stasis.daemon.rebuild import open_job_db, recover_netlocks, salvage
+from stasis.daemon.rebuild import integration_records, open_job_db, recover_netlocks, salvage
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
@@ -143,6 +143,10 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
         if locks:
             log.info("recorded again the network locks of %d checkpoint(s) from CRIU's logs",
                      locks)
+    # Their rows whose loss would lose work or do it twice, kept as files too: put back into
+    # a rebuilt database, and the files matched to a sound one.
+    integration_records(db, settings.layout.records, [t for i in plugged for t in i.tables()],
+                        rebuilt=corrupt is not None)
     for integration in plugged:
         integration.prepare()
 

@@ -8,7 +8,7 @@ never reaches across namespaces; a restore also checks the namespace recorded in
 Within a namespace, any container that opts in with the label may resume it: the namespace is
 the unit of trust, as it is for the namespace's Secrets. Registrations are rows of the daemon's
 database (table `k8s_containers`): intervals and `stasis dump --container` survive a restart of
-the daemon.
+the daemon, and a rebuild of a corrupt database (each row kept as a file too: daemon/records.py).
 
 A restore resumes the processes with the credentials CRIU recorded, so it is refused unless the
 new container runs with the identity the checkpoint's did: the same uid, gids, capabilities and
@@ -46,6 +46,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, i
 
 from stasis import faults
 from stasis.config import Settings
+from stasis.daemon import records
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
@@ -103,6 +104,7 @@ k8s_containers_table = Table(
     Column("last_checkpoint", String(32), nullable=True),
     Column("last_checkpoint_at", Integer, nullable=True),
     Column("registered", String(32), nullable=False),
+    info={records.KEY: records.ALL},
 )
 
 # A restore plan whose wrapper never said how it went is dropped after this long.
@@ -133,6 +135,7 @@ class Containers:
         self.manager = manager
         self.db = manager.db
         self.min_interval_s = min_interval
+        self.records = records.Records(manager.db, manager.settings.layout.records)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         # Restores under way: the images stay open (fetched, verified) until the wrapper's
@@ -165,6 +168,7 @@ class Containers:
             conn.execute(delete(k8s_containers_table).where(
                 k8s_containers_table.c.container_id == cid))
             conn.execute(insert(k8s_containers_table).values(**row))
+        self.records.refresh(k8s_containers_table, cid)
         return _info(row)
 
     def _restored(self, container_id: str, bundle: Bundle, checkpoint: str | None
@@ -249,6 +253,7 @@ class Containers:
         with self.db.transaction() as conn:
             conn.execute(update(k8s_containers_table).where(
                 k8s_containers_table.c.container_id == container_id).values(**values))
+        self.records.refresh(k8s_containers_table, container_id)
 
     def all(self, caller: Caller) -> list[ContainerInfo]:
         _root_only(caller)
@@ -279,6 +284,7 @@ class Containers:
         with self.db.transaction() as conn:
             n = conn.execute(delete(k8s_containers_table).where(
                 k8s_containers_table.c.container_id == container_id)).rowcount
+        self.records.refresh(k8s_containers_table, container_id)
         self.manager.work.forget(container_id)
         with self._locks_guard:
             # One lock per container ever seen would grow with every pod of the node's life.

@@ -6,7 +6,9 @@ caller's child, run as the caller's uid, be the init of a PID namespace, and `sc
 must put the caller in that Slurm job, which Slurm must say is the caller's. Afterwards a user may
 act only on their own jobs (root on all). Registrations are rows of the daemon's database
 (table `slurm_jobs`), so they survive a restart of the daemon; the JSON files an older daemon
-kept in <state_dir>/slurm/ are moved there at the first start.
+kept in <state_dir>/slurm/ are moved there at the first start. Each row is kept as a file too
+(stasis.daemon.records): a corrupt database is rebuilt with them, and a job registered before
+is still checkpointed at its preemption and restored at its requeue.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from sqlalchemy import (
 from stasis import faults
 
 from stasis.daemon.activity import Activity, work_of
+from stasis.daemon import records
 from stasis.daemon.db import JobDatabaseError, JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
@@ -84,6 +87,7 @@ slurm_jobs_table = Table(
     Column("stop_checkpoint", String(64), nullable=True),
     Column("restarts", Integer, nullable=False, server_default="0"),
     Column("restored_from", String(64), nullable=True),
+    info={records.KEY: records.ALL},
 )
 # Columns a table made by an older daemon lacks: (name, SQL type and default).
 _ADDED = (("stop_asked", "INTEGER NOT NULL DEFAULT 0"),
@@ -159,10 +163,16 @@ def _status(pid: int) -> dict[str, str]:
 
 
 class Registrations:
-    """The `slurm_jobs` table."""
+    """The `slurm_jobs` table, each row kept as a file under `records_root` too (None: not
+    kept, a test's table)."""
 
-    def __init__(self, db: JobDB) -> None:
+    def __init__(self, db: JobDB, records_root: Path | None = None) -> None:
         self.db = db
+        self._records = records.Records(db, records_root) if records_root else None
+
+    def _kept(self, job_id: str) -> None:
+        if self._records is not None:
+            self._records.refresh(slurm_jobs_table, job_id)
 
     def save(self, reg: Registration) -> None:
         values: dict[str, object] = {**reg, "command": json.dumps(reg["command"])}
@@ -170,6 +180,7 @@ class Registrations:
             conn.execute(delete(slurm_jobs_table)
                          .where(slurm_jobs_table.c.slurm_job == reg["slurm_job"]))
             conn.execute(insert(slurm_jobs_table).values(**values))
+        self._kept(reg["slurm_job"])
 
     def get(self, job_id: str) -> Registration | None:
         with self.db.transaction() as conn:
@@ -191,6 +202,7 @@ class Registrations:
             query = query.where(slurm_jobs_table.c.pid == pid)
         with self.db.transaction() as conn:
             conn.execute(query.values(state=state, **values))
+        self._kept(job_id)
 
     def in_state(self, *states: str) -> list[Registration]:
         with self.db.transaction() as conn:
@@ -209,6 +221,7 @@ class Registrations:
     def remove(self, job_id: str) -> None:
         with self.db.transaction() as conn:
             conn.execute(delete(slurm_jobs_table).where(slurm_jobs_table.c.slurm_job == job_id))
+        self._kept(job_id)
 
     def migrate(self, legacy: Path) -> int:
         """Move the registrations an older daemon kept as <legacy>/<job>.json into the table."""
@@ -280,7 +293,7 @@ class SlurmJobs:
     def __init__(self, manager: JobManager, mirrors: Mirrors | None = None) -> None:
         self.manager = manager
         self.mirrors = mirrors  # Slurm's records of the steps stasis runs (None: not kept)
-        self.registrations = Registrations(manager.db)
+        self.registrations = Registrations(manager.db, manager.settings.layout.records)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         # What the database refused of a stop carried out (the workload killed or resumed
