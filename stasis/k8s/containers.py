@@ -37,7 +37,8 @@ import tempfile
 import threading
 import time
 from datetime import UTC, datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ from stasis.errors import (
     UntrustedCheckpointError,
     UsageError,
 )
-from stasis.k8s import freezes, oci, rootfs
+from stasis.k8s import freezes, oci, restorefails, rootfs
 from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
@@ -72,6 +73,7 @@ from stasis.k8s.models import (
     ContainerRef,
     Forgotten,
     RegisterRequest,
+    RestoreDone,
     RestoreDoneRequest,
     RestorePlan,
     RestoreRequest,
@@ -117,6 +119,26 @@ DEFAULT_MIN_INTERVAL_S = 60  # Settings.k8s_min_interval_s (STASIS_K8S_MIN_INTER
 _SPEC_MAX_BYTES = 4 << 20
 
 
+@dataclass
+class _Plan:
+    """A restore under way: its images stay open (fetched, verified) until the wrapper's
+    `runc restore` is done with them."""
+
+    stack: contextlib.ExitStack
+    since: float
+    checkpoint: str
+    work: Path
+    label: str
+    namespace: str
+    pod: str | None
+
+
+# (namespace, pod, reason, message): a Warning event on the pod (set by the integration when
+# the node has a Kubernetes API).
+PodEvent = Callable[[str, str, str, str], None]
+RESTORE_FAILED_REASON = "StasisRestoreFailed"
+
+
 def _parent(row: dict[str, Any] | None) -> str | None:
     """The checkpoint a registered container was restored from, as its next checkpoint's
     parent (None: started fresh, or not a checkpoint id the runtime could have been given)."""
@@ -138,9 +160,12 @@ class Containers:
         self.records = records.Records(manager.db, manager.settings.layout.records)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        # Restores under way: the images stay open (fetched, verified) until the wrapper's
-        # `runc restore` is done with them.
-        self._plans: dict[str, tuple[contextlib.ExitStack, float]] = {}
+        self._plans: dict[str, _Plan] = {}
+        # A restore that fails on a good checkpoint is counted here, per checkpoint, so that
+        # the create fails (and is retried) a bounded number of times before it is given up.
+        self.failures = restorefails.RestoreFailures(
+            manager.settings.state_dir / restorefails.DIRECTORY)
+        self.pod_event: PodEvent | None = None
         # Every `runc pause` is written down first (freezes.py); what a killed daemon left
         # frozen is settled at the start (`settle_freezes`), and retried while runc fails.
         self.freezes = freezes.FreezeJournal(manager.settings.state_dir / freezes.DIRECTORY)
@@ -576,8 +601,22 @@ class Containers:
             raise UsageError(f"container {cid} has no STASIS_CHECKPOINT")
         label = validate_label(bundle.label)
         notes: list[str] = []
+        given_up: list[str] = []
+        limit = self.manager.settings.k8s_restore_attempts
         self._drop_plan(cid)
         for manifest in self._candidates(label, bundle, notes):
+            failed = self.failures.get(manifest.id)
+            if 0 < limit <= failed.attempts:
+                given_up.append(manifest.id)
+                notes.append(
+                    f"checkpoint {manifest.id} skipped: its restore failed {failed.attempts} "
+                    f"times on this node (last: {failed.error}); the label's previous "
+                    f"checkpoint is tried instead (to try this one again, fix the cause and "
+                    f"remove {self.failures.path(manifest.id)} on node "
+                    f"{self.manager.settings.node})")
+                log.warning("container %s: checkpoint %s skipped after %d failed restores",
+                            cid, manifest.id, failed.attempts)
+                continue
             stack = contextlib.ExitStack()
             try:
                 _, images = stack.enter_context(
@@ -609,13 +648,14 @@ class Containers:
             except BaseException:
                 stack.close()
                 raise
-            self._plans[cid] = (stack, time.monotonic())
+            self._plans[cid] = _Plan(stack, time.monotonic(), manifest.id, work, label,
+                                     bundle.namespace, bundle.pod)
             faults.point("k8s.restore.planned")
             return RestorePlan(checkpoint=manifest.id, label=label, images_dir=str(images),
-                               work_dir=str(work), notes=notes)
+                               work_dir=str(work), notes=notes, given_up=given_up)
         return RestorePlan(checkpoint=None, label=label, images_dir=None, work_dir=None,
                            notes=notes or [f"no checkpoint of label {label} in namespace "
-                                           f"{bundle.namespace} yet"])
+                                           f"{bundle.namespace} yet"], given_up=given_up)
 
     def _candidates(self, label: str, bundle: Bundle, notes: list[str]) -> Iterator[Manifest]:
         """The label's checkpoints of the container's namespace, newest first. The newest comes
@@ -654,18 +694,73 @@ class Containers:
         return True
 
     def restore_done(self, container_id: str, req: RestoreDoneRequest, caller: Caller
-                     ) -> Forgotten:
+                     ) -> RestoreDone:
+        """The wrapper's `runc restore` ended. A failure is counted against the checkpoint
+        (given up on this node at `k8s_restore_attempts`), its restore log kept, and told
+        to the pod as a Warning event; a success clears the count."""
         _root_only(caller)
         validate_container_id(container_id)
-        had = self._drop_plan(container_id)
-        if not req.ok:
-            log.warning("container %s: runc restore failed: %s", container_id, req.error)
-        return Forgotten(container_id=container_id, forgotten=had)
+        plan = self._plans.get(container_id)
+        # The daemon's own plan, else (a daemon restarted meanwhile) the wrapper's word.
+        checkpoint = plan.checkpoint if plan is not None else req.checkpoint
+        kept = ""
+        if not req.ok and plan is not None:
+            kept = self._keep_log(container_id, plan)
+        self._drop_plan(container_id)
+        limit = self.manager.settings.k8s_restore_attempts
+        answer = RestoreDone(container_id=container_id, checkpoint=None, attempts=0,
+                             limit=limit, log=kept, record="")
+        if not is_checkpoint_id(checkpoint):
+            if not req.ok:
+                log.warning("container %s: runc restore failed: %s", container_id, req.error)
+            return answer
+        answer["checkpoint"] = checkpoint
+        answer["record"] = str(self.failures.path(checkpoint))
+        if req.ok:
+            self.failures.forget(checkpoint)
+            return answer
+        failed = self.failures.failed(checkpoint, req.error, kept)
+        answer["attempts"] = failed.attempts
+        log.warning("container %s: runc restore of checkpoint %s failed (attempt %d of %s): "
+                    "%s; its log: %s", container_id, checkpoint, failed.attempts,
+                    limit or "unbounded", req.error, kept or "none")
+        if plan is not None and plan.pod and self.pod_event is not None:
+            self._tell_pod(plan, restorefails.message(
+                plan.label, checkpoint, req.error, failed.attempts, limit, kept,
+                str(self.failures.path(checkpoint)), self.manager.settings.node))
+        return answer
+
+    def _keep_log(self, container_id: str, plan: _Plan) -> str:
+        """The failed restore's log, kept beside CRIU's other logs (its work directory goes
+        with the plan): what the node's admin reads to find the cause."""
+        kept = self.manager.criu_logs / f"k8s-restore-{plan.checkpoint}-{container_id}.log"
+        try:
+            shutil.copyfile(plan.work / "restore.log", kept)
+        except OSError as e:
+            log.debug("container %s: no restore log kept: %s", container_id, e)
+            return ""
+        return str(kept)
+
+    def _tell_pod(self, plan: _Plan, message: str) -> None:
+        # The API may be slow or away: the wrapper's answer (the create's failure) does
+        # not wait for it.
+        tell = self.pod_event
+        pod = plan.pod
+        assert tell is not None and pod is not None
+
+        def post() -> None:
+            try:
+                tell(plan.namespace, pod, RESTORE_FAILED_REASON, message)
+            except Exception as e:
+                log.warning("pod %s/%s: no event for its failed restore: %s", plan.namespace,
+                            pod, e)
+
+        threading.Thread(target=post, name="restore failure event", daemon=True).start()
 
     def _drop_plan(self, container_id: str) -> bool:
         plan = self._plans.pop(container_id, None)
         if plan is not None:
-            plan[0].close()
+            plan.stack.close()
         return plan is not None
 
     # -- freezes a killed daemon left --------------------------------------------------------
@@ -719,9 +814,19 @@ class Containers:
     def sweep(self) -> None:
         """Plans whose wrapper died before saying how the restore went."""
         now = time.monotonic()
-        for cid, (_, since) in list(self._plans.items()):
-            if now - since > _PLAN_TTL_S:
+        for cid, plan in list(self._plans.items()):
+            if now - plan.since > _PLAN_TTL_S:
                 self._drop_plan(cid)
+        self.failures.prune(self._exists)
+
+    def _exists(self, checkpoint: str) -> bool:
+        try:
+            self.manager.store.get(checkpoint)
+        except NotFoundError:
+            return False
+        except StasisError:
+            return True  # cannot tell: kept
+        return True
 
     def close(self) -> None:
         for cid in list(self._plans):

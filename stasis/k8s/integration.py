@@ -57,6 +57,10 @@ class K8sIntegration(Integration):
         self.containers = Containers(manager, s.k8s_min_interval_s)
         self.jobs = ContainerJobs(self.containers, s.node, kube.connect_daemon(s.kubeconfig))
         manager.add_job_source(self.jobs.source())
+        if self.jobs.api is not None:
+            api, node = self.jobs.api, s.node
+            self.containers.pod_event = lambda namespace, pod, reason, message: kube.warn(
+                api, namespace, pod, reason, message, node)
         self.events = ExitFollower(manager.settings.containerd_address,
                                    lambda e: self.containers.ended(e.container_id,
                                                                    e.exit_status))

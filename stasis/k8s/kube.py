@@ -215,6 +215,28 @@ def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
          meta.namespace, body)
 
 
+def warn(api: Any, namespace: str, pod: str, reason: str, message: str, node: str) -> None:
+    """A Warning event on a pod (`kubectl describe pod`, `kubectl get events`), from the
+    node's stasis: what the kubelet's own event about the same failure cannot say."""
+    import secrets
+    from datetime import UTC, datetime
+
+    from kubernetes import client
+
+    now = datetime.now(UTC)
+    body = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(name=f"{pod[:200]}.stasis-{secrets.token_hex(8)}",
+                                     namespace=namespace),
+        involved_object=client.V1ObjectReference(api_version="v1", kind="Pod", name=pod,
+                                                 namespace=namespace),
+        reason=reason, message=message[:1024], type="Warning",
+        source=client.V1EventSource(component="stasis", host=node),
+        reporting_component="stasis.dev/node", reporting_instance=node[:128],
+        first_timestamp=now, last_timestamp=now, count=1)
+    call(f"tell pod {namespace}/{pod}", api.create_namespaced_event, namespace, body,
+         _request_timeout=_SHORT)
+
+
 def answer_of(api: Any, namespace: str, pod: str, asked: str) -> dict[str, Any] | None:
     """The result the agent answered request `asked` of pod `pod` with, or None yet: from
     its event, else (agents before 0.2) from the pod's annotations."""

@@ -30,6 +30,7 @@ class RestoreRequest(ContainerRef):
 class RestoreDoneRequest(_Model):
     ok: bool
     error: str = ""
+    checkpoint: str = ""  # the plan's; "" = the daemon's own plan says which
 
 
 class CheckpointRequest(_Model):
@@ -74,6 +75,9 @@ class RestorePlan(TypedDict):
     images_dir: str | None
     work_dir: str | None
     notes: list[str]  # what the container's log should say (skipped checkpoints, why fresh)
+    # Good checkpoints of the label given up on this node after failed restores: with none
+    # left to try, the container starts fresh only if its STASIS_FRESH asks.
+    given_up: list[str]
 
 
 class ContainerInfo(TypedDict):
@@ -87,6 +91,15 @@ class ContainerInfo(TypedDict):
     restored_from: str | None
     last_checkpoint: str | None
     registered: str
+
+
+class RestoreDone(TypedDict):
+    container_id: str
+    checkpoint: str | None
+    attempts: int  # failed restores of the checkpoint on this node so far
+    limit: int  # k8s_restore_attempts (0: never given up)
+    log: str  # where the failed restore's log was kept ("" = nowhere)
+    record: str  # the file that counts them (removed: its attempts start again)
 
 
 class Forgotten(TypedDict):

@@ -3,14 +3,21 @@ its PATH: stasis.k8s.shim). Every command goes to the real runc unchanged, excep
 container whose environment has STASIS_CHECKPOINT:
 
     create   restores the label's newest good checkpoint instead (`runc restore --detach`, the
-             writable layer put back first), or creates it fresh when there is none or the
-             restore fails; what happened goes to the container's stderr (its log), one line
-             each, prefixed "stasis:". When nobody can tell whether there is one (the daemon
+             writable layer put back first), or creates it fresh when there is none; what
+             happened goes to the container's stderr (its log), one line each, prefixed
+             "stasis:". A restore that fails on a good checkpoint (a port, file or mount it
+             needs taken or missing) never starts it fresh: the create fails, naming the
+             checkpoint (runc's log, so the kubelet's event and backoff; and an event of the
+             daemon's on the pod), and the checkpoint stays. After `k8s_restore_attempts`
+             failures of one checkpoint on the node, the label's previous one is tried; when
+             every one was given up, the create fails, unless STASIS_FRESH (below) says to
+             start fresh. When nobody can tell whether there is one (the daemon
              or the store cannot be reached), it asks again for up to `store_wait_s` (at most
              CREATE_WAIT_MAX_S), then fails the create, which the kubelet retries (the reason
              in runc's log, which containerd puts into the error and the pod's event), unless
              the container's STASIS_FRESH says otherwise: 1, true, yes or if-unreachable
-             start it fresh at once when nobody can tell (a checkpoint that can be found is
+             start it fresh at once when nobody can tell, or when none of its checkpoints
+             can be restored on this node (a checkpoint that can be found is
              resumed all the same: a restarted container keeps its environment, so "always
              fresh" would throw away every stop's checkpoint); the same values mean the same
              for a Slurm job (stasis.config.fresh_if_unreachable)
@@ -246,8 +253,23 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     for note in plan["notes"]:
         say(note)
     if plan["checkpoint"] is None:
-        say(f"label {label}: starting fresh")
-        return None
+        given_up = ", ".join(plan.get("given_up") or [])
+        if not given_up:
+            say(f"label {label}: starting fresh")
+            return None
+        if fresh:
+            say(f"label {label}: none of its checkpoints can be restored on this node "
+                f"({given_up} failed every attempt); starting fresh, as its "
+                f"{_FRESH_VARIABLE} asks")
+            return None
+        message = (f"label {label}: none of its checkpoints can be restored on this node: "
+                   f"checkpoint {given_up} failed every attempt (see the container's log and "
+                   "the pod's events). The container is not started fresh, and they are kept: "
+                   "fix the cause and remove their records on the node to try them again, "
+                   f"or set {_FRESH_VARIABLE}=1 on the container to start it fresh")
+        say(message)
+        _runtime_error(argv, "stasis: " + message)
+        return 1
     import subprocess
 
     r = Runc(runc, Path(argv.root), argv.globals.get("--criu") or _criu(settings))
@@ -264,28 +286,52 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
 
     faults.point("k8s.create.after-restore")
     error = "" if rc == 0 else _restore_error(Path(plan["work_dir"]))
+    checkpoint = str(plan["checkpoint"])
+    if rc != 0:
+        # Whatever the failed restore left goes before anyone hears of it.
+        subprocess.run([runc, "--root", argv.root, "delete", "--force", cid], check=False,
+                       capture_output=True)
+    done: dict[str, Any] | None = None
     try:
-        client.request("POST", f"/k8s/restores/{cid}/done",
-                       {"ok": rc == 0, "error": error})
-    except StasisError:
-        pass
+        done = client.request("POST", f"/k8s/restores/{cid}/done",
+                              {"ok": rc == 0, "error": error, "checkpoint": checkpoint})
+    except StasisError as e:
+        if rc != 0:
+            say(f"the stasis daemon did not hear of the failed restore ({e})")
     if rc == 0:
-        (bundle / _MARKER).write_text(plan["checkpoint"])
-        say(f"restored from checkpoint {plan['checkpoint']} (label {label})")
+        (bundle / _MARKER).write_text(checkpoint)
+        say(f"restored from checkpoint {checkpoint} (label {label})")
         return 0
-    say(f"restore of checkpoint {plan['checkpoint']} failed ({error}); starting fresh")
-    subprocess.run([runc, "--root", argv.root, "delete", "--force", cid], check=False,
-                   capture_output=True)
-    return None
+    # The checkpoint is good (verified): a fresh start would throw its work away, and the
+    # cause is often passing (a port or file taken, a mount not there yet).
+    from stasis.k8s import restorefails
+
+    message = restorefails.message(
+        label, checkpoint, error, int(done["attempts"]) if done else 0,
+        int(done["limit"]) if done else int(settings.k8s_restore_attempts),
+        str(done["log"]) if done else "", str(done["record"]) if done else "", settings.node)
+    say(message)
+    _runtime_error(argv, "stasis: " + message)
+    return 1
+
+
+# CRIU errors that every restore in a container logs and survives: never the cause.
+_BENIGN = ("RLIMIT_NOFILE",)
 
 
 def _restore_error(work: Path) -> str:
+    """The cause of a failed restore in its log: CRIU's first error that is not one it always
+    survives, without its timestamp and pid."""
+    import re
+
     try:
         lines = (work / "restore.log").read_text(errors="replace").splitlines()
     except OSError:
         return "runc restore failed"
-    errors = [line for line in lines if "Error" in line]
-    return (errors[0] if errors else lines[-1] if lines else "runc restore failed").strip()
+    errors = [line for line in lines if "Error" in line
+              and not any(b in line for b in _BENIGN)]
+    found = (errors[0] if errors else lines[-1] if lines else "runc restore failed").strip()
+    return re.sub(r"^\(\d+\.\d+\)\s+(\d+:\s+)?", "", found)[:300]
 
 
 def _criu(settings: Settings) -> str:
