@@ -6,6 +6,9 @@ Layout, all owned by root because images restore credentials as root:
     <root>/.staging/            0700; CRIU dumps into <id>/, compressed output goes to <id>.publish/
     <root>/<id>/                0700; image files 0600 and manifest.json
 
+<root>/.stasis-store       the store's id (marker.py): a store this node used that lacks it is
+                            unavailable (an unmounted mount point), never empty
+
 Staging inside the root keeps publishing a rename on one filesystem: an uncompressed dump is never
 copied. An uncompressed encrypted one is sealed in place (each chunk overwritten by its
 ciphertext, as long: tailhash.InPlaceOutput) and its files renamed to their stored names; a
@@ -22,11 +25,13 @@ has resumed, and costs it nothing.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import secrets
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -42,6 +47,7 @@ from stasis.store._tree import (
 )
 from stasis.store.compression import Reader, Writer, cpu_workers, stored_name
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
+from stasis.store.marker import MARKER_NAME, KnownStores, read_marker, write_marker
 from stasis.store.crypt import DataKey
 from stasis.store.tailhash import InPlaceOutput, Partial
 from stasis.store.manifest import (
@@ -55,19 +61,24 @@ from stasis.store.manifest import (
 STAGING_NAME = ".staging"
 _PUBLISH_SUFFIX = ".publish"
 
+log = logging.getLogger("stasis.store")
+
 
 class LocalTree:
-    def __init__(self, root: Path) -> None:
+    """`known`: where this node remembers the stores it has used (marker.py); None (a store
+    opened on its own, in tests and tools) remembers nothing, so cannot tell a store gone
+    missing from one never there."""
+
+    def __init__(self, root: Path, known: KnownStores | None = None) -> None:
         self.root = root
         self.where = str(root)
-        self._checked = False
+        self._known = known
 
     # -- the root ---------------------------------------------------------------------------
 
     def _check_root(self) -> bool:
-        """True when the root exists and is safe to trust; StoreError when it exists and is not."""
-        if self._checked:
-            return True
+        """True when the root exists and is safe to trust; StoreError when it exists and is not.
+        Asked every time: what is mounted there may change under a running daemon."""
         try:
             st = os.stat(self.root)
         except FileNotFoundError:
@@ -79,20 +90,78 @@ class LocalTree:
                 f"{st.st_mode & 0o7777:o}, owner uid {st.st_uid}): checkpoints restore as root, "
                 f"so `chown root {self.root}` and `chmod 755 {self.root}`"
             )
-        self._checked = True
         return True
 
+    def _present(self) -> bool:
+        """Whether a store is here: True when its marker is (given now to a store that holds
+        checkpoints from before markers), False when nothing of a store is here and this node
+        never used one here (an empty store, nothing to read). StoreError when this node used
+        a store here and its marker is gone: an unmounted filesystem or a missing directory
+        is "cannot tell", never "no checkpoints"."""
+        exists = self._check_root()
+        found = read_marker(self.root) if exists else None
+        if found is not None:
+            self._remember(found)
+            return True
+        known = self._known.get(self.root) if self._known is not None else None
+        if known is not None:
+            assert self._known is not None
+            raise StoreError(
+                f"checkpoint store {self.root} is "
+                + ("missing" if not exists else f"there without its marker {MARKER_NAME}")
+                + f" (this node has used store {known} there): is its filesystem mounted? Its "
+                f"checkpoints are not taken for gone; if the store was emptied or moved on "
+                f"purpose, `rm {self._known.entry(self.root)}` lets stasis start it anew")
+        if not exists or not self._holds_checkpoints():
+            return False
+        # Written by a stasis from before markers: it is a store, mark it as one.
+        try:
+            found = write_marker(self.root)
+        except OSError as e:
+            log.warning("cannot mark the checkpoint store %s as one (%s): if it goes missing "
+                        "later, it reads as empty", self.root, e)
+            return True
+        log.info("marked the checkpoint store %s (store %s)", self.root, found)
+        self._remember(found)
+        return True
+
+    def _holds_checkpoints(self) -> bool:
+        with os.scandir(self.root) as entries:
+            return any(entry.name == INDEX_DIR or is_checkpoint_id(entry.name)
+                       for entry in entries if entry.is_dir(follow_symlinks=False))
+
+    def _remember(self, store_id: str) -> None:
+        # Read each time, not cached: root may have removed it (to start a store anew).
+        if self._known is None:
+            return
+        before = self._known.get(self.root)
+        if before != store_id:
+            if before is not None:
+                log.warning("checkpoint store %s is store %s now, no longer store %s that this "
+                            "node used there before", self.root, store_id, before)
+            self._known.remember(self.root, store_id)
+
     def _ensure_root(self) -> None:
-        if not self._check_root():
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.root.chmod(0o755)
-            self._check_root()
+        """Make the root ready for writing: a store this node used must be there (else
+        StoreError: never a new store on the disk under an unmounted mount point); nothing
+        there, and this node never used one there: this write starts a new store."""
+        if not self._present():
+            if not self._check_root():
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.root.chmod(0o755)
+                self._check_root()
+            found = write_marker(self.root)
+            log.info("started the checkpoint store %s (store %s)", self.root, found)
+            self._remember(found)
+            # It holds no checkpoint: its label index is complete as it is.
+            _private_dir(self._index())
+            _write_atomically(self._index() / FORMAT_FILE, FORMAT)
         _private_dir(self.root / STAGING_NAME)
 
     # -- reading ----------------------------------------------------------------------------
 
     def ids(self) -> list[str]:
-        if not self._check_root():
+        if not self._present():
             return []
         found = []
         with os.scandir(self.root) as entries:
@@ -102,16 +171,18 @@ class LocalTree:
         return found
 
     def read_manifest(self, checkpoint_id: str) -> bytes:
-        if not self._check_root():
-            raise FileNotFoundError(self.root)
-        with _open_read(self.root / checkpoint_id / MANIFEST_NAME) as f:
-            return f.read(MAX_MANIFEST_BYTES)
+        try:
+            with _open_read(self.root / checkpoint_id / MANIFEST_NAME) as f:
+                return f.read(MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            self._present()  # no such checkpoint, or no store here that this node used
+            raise
 
     def manifest_mtime(self, checkpoint_id: str) -> float:
         return os.lstat(self.root / checkpoint_id / MANIFEST_NAME).st_mtime
 
     def exists(self, checkpoint_id: str) -> bool:
-        return self._check_root() and (self.root / checkpoint_id).is_dir()
+        return self._present() and (self.root / checkpoint_id).is_dir()
 
     def stored_size(self, checkpoint_id: str, stored_name: str) -> int:
         return _regular_size(self.root / checkpoint_id / stored_name)
@@ -216,7 +287,7 @@ class LocalTree:
 
     def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
         path = self.root / checkpoint_id
-        if not self._check_root() or not (path / MANIFEST_NAME).is_file():
+        if not self._present() or not (path / MANIFEST_NAME).is_file():
             raise FileNotFoundError(path / MANIFEST_NAME)
         _write_atomically(path / MANIFEST_NAME, data)
         _fsync_dir(path)
@@ -239,7 +310,7 @@ class LocalTree:
 
     def remove(self, checkpoint_id: str) -> None:
         path = self.root / checkpoint_id
-        if not self._check_root() or not path.is_dir():
+        if not self._present() or not path.is_dir():
             raise FileNotFoundError(path)
         try:
             os.unlink(path / MANIFEST_NAME)
@@ -250,16 +321,16 @@ class LocalTree:
 
     def put_note(self, checkpoint_id: str, name: str, data: bytes) -> None:
         path = self.root / checkpoint_id
-        if not self._check_root() or not path.is_dir():
+        if not self._present() or not path.is_dir():
             raise FileNotFoundError(path)
         _write_atomically(path / name, data)
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
-        return self._check_root() and (self.root / checkpoint_id / name).is_file()
+        return self._present() and (self.root / checkpoint_id / name).is_file()
 
     def note_times(self, checkpoint_id: str, prefix: str) -> dict[str, float]:
         path = self.root / checkpoint_id
-        if not self._check_root():
+        if not self._present():
             raise FileNotFoundError(path)
         with os.scandir(path) as entries:
             return {e.name: e.stat(follow_symlinks=False).st_mtime for e in entries
@@ -273,7 +344,9 @@ class LocalTree:
 
     def clock(self) -> float:
         # The filesystem's clock (an NFS server's, or this kernel's): what stamps every file
-        # whose age is measured here.
+        # whose age is measured here. Nothing here yet: nothing to age, and no store to start.
+        if not self._present():
+            return time.time()
         self._ensure_root()
         fd, name = tempfile.mkstemp(prefix=f".clock-{secrets.token_hex(4)}-",
                                     dir=self.root / STAGING_NAME)
@@ -335,7 +408,7 @@ class LocalTree:
                 break  # not empty (or another node filled it meanwhile)
 
     def index_list(self, label: str, uid: int | None, limit: int | None = None) -> list[Entry]:
-        if not self._check_root():
+        if not self._present():
             return []
         by_label = self._index() / label
         if uid is not None:
@@ -356,7 +429,7 @@ class LocalTree:
         return sorted(found)
 
     def index_labels(self) -> list[str]:
-        if not self._check_root():
+        if not self._present():
             return []
         try:
             return sorted(e for e in os.listdir(self._index()) if e != FORMAT_FILE)
@@ -364,9 +437,11 @@ class LocalTree:
             return []
 
     def index_ready(self) -> bool:
-        return self._check_root() and (self._index() / FORMAT_FILE).is_file()
+        return self._present() and (self._index() / FORMAT_FILE).is_file()
 
     def mark_index_ready(self) -> None:
+        if not self._present():
+            return  # no store here yet: its first publish starts one, and a later sweep marks
         self._ensure_root()
         _private_dir(self._index())
         _write_atomically(self._index() / FORMAT_FILE, FORMAT)

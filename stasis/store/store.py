@@ -61,6 +61,7 @@ from stasis.store._private import only_root_writes
 from stasis.store._remote import RemoteTree
 from stasis.store._s3 import SHARED_OPTIONS, S3Tree, describe
 from stasis.store.index import Entry, entry_name
+from stasis.store.marker import KnownStores
 from stasis.store._tree import Tree, in_parallel, manifest_bytes, remove_idle, staged_names
 from stasis.store.chunked import ChunkDecoder, ChunkError, ChunkSpec, unpack_chunked
 from stasis.store.compression import (
@@ -174,13 +175,16 @@ class Store:
     the node's (`signing.node_keyring`). Without it the store signs with a key that lives as long
     as this process and trusts nothing else: for tests and benchmarks of the store alone.
     `encryption`: the key files that encrypt new checkpoints (`new_data_key`) and open
-    encrypted ones; none by default.
+    encrypted ones; none by default. `known_stores`: where this node remembers the local
+    stores it has used (marker.py), so that one that goes missing (unmounted) is "cannot tell",
+    not empty; None remembers nothing.
     """
 
     def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
                  keys: Signer | None = None, max_age_s: float = 0,
                  options: Mapping[str, object] | None = None,
-                 encryption: KeyFiles | None = None) -> None:
+                 encryption: KeyFiles | None = None,
+                 known_stores: Path | None = None) -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
@@ -192,7 +196,8 @@ class Store:
         self.max_age_s = max_age_s
         self.keys: Signer = keys if keys is not None else process_keyring()
         self.encryption = encryption if encryption is not None else KeyFiles()
-        self._tree = _open_tree(url, staging_root, options or {})
+        self._tree = _open_tree(url, staging_root, options or {},
+                                KnownStores(known_stores) if known_stores is not None else None)
         # Checkpoints already warned about: a store with many bad ones must not flood the log.
         self._warned: set[str] = set()
         # Opened data keys, by (checkpoint, wrapped key): range reads come one page run at a
@@ -1454,9 +1459,10 @@ def _manifest_mac(manifest: Manifest) -> str:
     return manifest.signature.hmac_sha256 if manifest.signature is not None else ""
 
 
-def _open_tree(url: str, staging_root: Path, options: Mapping[str, object]) -> Tree:
+def _open_tree(url: str, staging_root: Path, options: Mapping[str, object],
+               known: KnownStores | None = None) -> Tree:
     if "://" not in url and "::" not in url:
-        return LocalTree(Path(url).absolute())
+        return LocalTree(Path(url).absolute(), known)
     s3 = url.startswith(("s3://", "s3a://"))
     if s3:
         options = {**SHARED_OPTIONS, **options}
@@ -1467,7 +1473,7 @@ def _open_tree(url: str, staging_root: Path, options: Mapping[str, object]) -> T
     except (ImportError, ValueError, TypeError) as e:
         raise UsageError(f"cannot use checkpoint store {url}: {_reason(e)}") from e
     if type(fs) is fsspec.implementations.local.LocalFileSystem:
-        return LocalTree(Path(root))
+        return LocalTree(Path(root), known)
     if s3:
         return S3Tree(fs, str(root), url, staging_root)
     return RemoteTree(fs, str(root), url, staging_root)
@@ -1600,4 +1606,5 @@ def node_store(settings: Settings, keys: Signer | None = None) -> Store:
                  keys=keys if keys is not None else node_keyring(settings),
                  max_age_s=settings.keep_max_age_s, options=store_options(settings),
                  encryption=KeyFiles(settings.encryption_key_file,
-                                     settings.old_encryption_key_files))
+                                     settings.old_encryption_key_files),
+                 known_stores=settings.layout.known_stores)

@@ -226,7 +226,8 @@ def test_local_store_stages_inside_itself_and_publishes_by_rename(
     assert stat.S_IMODE((root / info.id).stat().st_mode) == 0o700
     for path in (root / info.id).iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert sorted(p.name for p in root.iterdir()) == [".index", ".staging", info.id]
+    assert sorted(p.name for p in root.iterdir()) == [".index", ".staging", ".stasis-store",
+                                                      info.id]
     assert stat.S_IMODE((root / ".index").stat().st_mode) == 0o700
 
 
