@@ -106,12 +106,13 @@ class LocalTree:
         known = self._known.get(self.root) if self._known is not None else None
         if known is not None:
             assert self._known is not None
+            # "Mounted?" early: callers cut this line short (a Slurm job's Comment).
             raise StoreError(
-                f"checkpoint store {self.root} is "
-                + ("missing" if not exists else f"there without its marker {MARKER_NAME}")
-                + f" (this node has used store {known} there): is its filesystem mounted? Its "
-                f"checkpoints are not taken for gone; if the store was emptied or moved on "
-                f"purpose, `rm {self._known.entry(self.root)}` lets stasis start it anew")
+                f"checkpoint store {self.root} "
+                + ("is missing" if not exists else f"has no marker {MARKER_NAME}")
+                + f": is its filesystem mounted? This node used it (store {known}) and does "
+                f"not take its checkpoints for gone; if it was emptied or moved on purpose, "
+                f"`rm {self._known.entry(self.root)}` lets stasis start it anew")
         if not exists or not self._holds_checkpoints():
             return False
         # Written by a stasis from before markers: it is a store, mark it as one.

@@ -566,6 +566,8 @@ class Store:
         validate_checkpoint_id(checkpoint_id)
         try:
             return self._tree.exists(checkpoint_id)
+        except StasisError:
+            raise
         except Exception as e:
             raise self._read_error(checkpoint_id, e) from e
 
@@ -669,6 +671,8 @@ class Store:
         if self._index_ready():
             try:
                 labels = self._tree.index_labels()
+            except StasisError:
+                raise
             except Exception as e:
                 raise StoreError(f"cannot list the labels of {self.url}: {self._why(e)}") from e
         else:
@@ -928,6 +932,8 @@ class Store:
     def _index_ready(self) -> bool:
         try:
             return self._tree.index_ready()
+        except StasisError:
+            raise  # said whole already (a store gone from under its mount point)
         except Exception as e:
             raise StoreError(f"cannot read the index of {self.url}: {self._why(e)}") from e
 

@@ -80,7 +80,7 @@ def test_a_missing_store_directory_is_not_created_by_a_read_and_not_taken_for_em
     store = node_store(tmp_path)
     kept = publish(store)
     os.rename(tmp_path / "store", tmp_path / "away")
-    with pytest.raises(StoreError, match="is missing .*mounted"):
+    with pytest.raises(StoreError, match="is missing: is its filesystem mounted"):
         store.latest("train", uid=1000)
     with pytest.raises(StoreError, match="mounted"):
         store.publish(make_info(minutes=1))

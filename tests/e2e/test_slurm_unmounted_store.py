@@ -1,0 +1,95 @@
+"""A Slurm job requeued while its node's store is an empty mount point (the shared filesystem
+not mounted) is held, not started from the beginning, and resumes from its checkpoint once the
+filesystem is back (issue 28; stasis/store/marker.py).
+
+The store is the local cluster's shared directory; "not mounted" is a root-owned 0755 tmpfs
+mounted over it, as an NFS export missing from its mount point leaves an empty directory:
+every read of it succeeds, and finds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from stasis.slurm import cluster as local_cluster
+from tests.e2e.conftest import Cluster, until
+
+STORE_WAIT_S = 3
+
+
+@pytest.fixture
+def quick(shared_cluster: Cluster) -> Iterator[Cluster]:
+    """The shared cluster with a short store wait (a held job within seconds), then as before."""
+    c = shared_cluster
+    conf = c.lay.stasis_config
+    before = conf.read_text()
+    conf.write_text(before + f"store_wait_s = {STORE_WAIT_S}\n")
+    local_cluster.stop_daemon(c.root)
+    local_cluster.start_daemon(c.root)
+    try:
+        yield c
+    finally:
+        conf.write_text(before)
+        local_cluster.stop_daemon(c.root)
+        local_cluster.start_daemon(c.root)
+
+
+@contextmanager
+def unmounted(store: Path) -> Iterator[None]:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=4m", "stasis-unmounted",
+                    str(store)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(store)], check=True)
+
+
+def numbers(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^(\d+)$", text, re.M)]
+
+
+def test_a_job_requeued_while_its_store_is_not_mounted_is_held_then_resumes(
+        quick: Cluster) -> None:
+    c = quick
+    script = c.counter_script("unmounted", "--export=ALL,STASIS_ENABLE=1,"
+                              "STASIS_CHECKPOINT=unmounted", stop=600, interval=0.5)
+    job = c.sbatch(script)
+    try:
+        c.wait_number(job, 3)
+        c.stasis("dump", "--slurm-job", job, "--leave-running")
+        kept = [m["id"] for m in c.checkpoints("unmounted")]
+        assert len(kept) == 1
+        with unmounted(c.lay.store):
+            c.run("scontrol", "requeue", job)
+
+            def settled() -> dict[str, str] | None:
+                j = c.job(job)
+                if numbers(c.output(job)).count(0) > 1:
+                    return j  # started from the beginning: what must not happen
+                held = j.get("JobState") == "PENDING" and "stasis: held" in j.get("Comment", "")
+                return j if held else None
+
+            j = until(settled, 120, f"job {job} held or started again")
+            out = c.output(job)
+            assert numbers(out).count(0) == 1, f"the job started over:\n{out}"
+            assert "is its filesystem mounted?" in j.get("Comment", ""), j
+            # Nothing was written onto the disk under the mount point meanwhile.
+            assert os.listdir(c.lay.store) == []
+        assert [m["id"] for m in c.checkpoints("unmounted")] == kept
+        # Back: the node that held it releases it, and it resumes from its checkpoint.
+        until(lambda: "stasis: restored checkpoint" in c.output(job), 120,
+              "the job to be released and to resume")
+        last = numbers(c.output(job))[-1]
+        c.wait_number(job, last + 2)
+        counted = numbers(c.output(job))
+        assert counted.count(0) == 1, c.output(job)
+        assert counted[-1] > last
+    finally:
+        c.run("scancel", job, check=False)
