@@ -46,6 +46,10 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          (munge-authenticated), and the CLI sends them to; one port cluster-wide;
                          0 = off  (0; 6821, beside Slurm's own 6817-6819, is the suggested one)
     STASIS_SLURM_REMOTE_ADDRESS  the address that listener binds  ("": every address)
+    STASIS_STORE_ID      the id a local (shared directory) store must have, the one in its
+                         .stasis-store marker: a store without it (an empty mount point,
+                         also on a node that never used the store) or with another id is
+                         "cannot tell", never empty  ("": only the stores this node used)
     STASIS_STORE_WAIT_S  seconds a starting Slurm job waits for the store or the node daemon
                          when it cannot tell whether it has a checkpoint; then it is requeued
                          held, never started from the beginning  (300)
@@ -111,6 +115,7 @@ file's values win over the environment's.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -168,6 +173,7 @@ _ENV_KEYS = {
     "STASIS_SLURM_REMOTE_PORT": "slurm_remote_port",
     "STASIS_SLURM_REMOTE_ADDRESS": "slurm_remote_address",
     "STASIS_STORE_WAIT_S": "store_wait_s",
+    "STASIS_STORE_ID": "store_id",
     "SLURM_CONF": "slurm_conf",  # Slurm's own variable: which cluster scontrol talks to
     "STASIS_TEST_PAGE_DELAY_MS": "test_page_delay_ms",
     "STASIS_TEST_FAULT_POINTS": "test_fault_points",
@@ -251,6 +257,9 @@ class Settings(NamedTuple):
     slurm_remote_address: str = ""
     # "Cannot tell" is never "no checkpoint": how long a starting job waits it out (issue 28).
     store_wait_s: int = 300
+    # A node remembers the local stores it used (stasis/store/marker.py); a node that never
+    # used its store (new, reinstalled) needs this to tell an unmounted one from an empty one.
+    store_id: str = ""
     # Encryption at rest (stasis/store/crypt.py): the key file wraps a fresh data key per
     # checkpoint; rotating it means a new file here, the old one in old_encryption_key_files,
     # and `stasis checkpoints rekey`.
@@ -376,6 +385,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     if unknown:
         raise UsageError(f"bad setting {unknown[0]!r}: no such setting (see stasis/config.py)")
     settings = Settings(**{k: _convert(k, v, defaults[k]) for k, v in values.items()})  # type: ignore[arg-type]
+    if settings.store_id and not re.fullmatch(r"[0-9a-f]{32}", settings.store_id):
+        raise UsageError(f"bad setting 'store_id': {settings.store_id[:40]!r} is not a store "
+                         "id (32 hex digits, as in the store's .stasis-store file)")
     if settings.slurm_remote_port > 65535:
         raise UsageError(f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
                          "a TCP port (1..65535, or 0 for off)")

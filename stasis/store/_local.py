@@ -67,12 +67,14 @@ log = logging.getLogger("stasis.store")
 class LocalTree:
     """`known`: where this node remembers the stores it has used (marker.py); None (a store
     opened on its own, in tests and tools) remembers nothing, so cannot tell a store gone
-    missing from one never there."""
+    missing from one never there. `expected`: the id the store must have (the site's config
+    says it, for nodes that never used the store); "" for any."""
 
-    def __init__(self, root: Path, known: KnownStores | None = None) -> None:
+    def __init__(self, root: Path, known: KnownStores | None = None, expected: str = "") -> None:
         self.root = root
         self.where = str(root)
         self._known = known
+        self._expected = expected
 
     # -- the root ---------------------------------------------------------------------------
 
@@ -100,13 +102,20 @@ class LocalTree:
         is "cannot tell", never "no checkpoints"."""
         exists = self._check_root()
         found = read_marker(self.root) if exists else None
+        if self._expected and found != self._expected:
+            # "Mounted?" early: callers cut this line short (a Slurm job's Comment).
+            raise StoreError(
+                f"checkpoint store {self.root} "
+                + ("is missing" if not exists else f"has no marker {MARKER_NAME}"
+                   if found is None else f"is store {found}")
+                + f": is its filesystem mounted? The config's store_id says it is store "
+                f"{self._expected}")
         if found is not None:
             self._remember(found)
             return True
         known = self._known.get(self.root) if self._known is not None else None
         if known is not None:
             assert self._known is not None
-            # "Mounted?" early: callers cut this line short (a Slurm job's Comment).
             raise StoreError(
                 f"checkpoint store {self.root} "
                 + ("is missing" if not exists else f"has no marker {MARKER_NAME}")

@@ -177,14 +177,14 @@ class Store:
     `encryption`: the key files that encrypt new checkpoints (`new_data_key`) and open
     encrypted ones; none by default. `known_stores`: where this node remembers the local
     stores it has used (marker.py), so that one that goes missing (unmounted) is "cannot tell",
-    not empty; None remembers nothing.
+    not empty; None remembers nothing. `store_id`: the id a local store must have ("": any).
     """
 
     def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
                  keys: Signer | None = None, max_age_s: float = 0,
                  options: Mapping[str, object] | None = None,
                  encryption: KeyFiles | None = None,
-                 known_stores: Path | None = None) -> None:
+                 known_stores: Path | None = None, store_id: str = "") -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
@@ -197,7 +197,8 @@ class Store:
         self.keys: Signer = keys if keys is not None else process_keyring()
         self.encryption = encryption if encryption is not None else KeyFiles()
         self._tree = _open_tree(url, staging_root, options or {},
-                                KnownStores(known_stores) if known_stores is not None else None)
+                                KnownStores(known_stores) if known_stores is not None else None,
+                                store_id)
         # Checkpoints already warned about: a store with many bad ones must not flood the log.
         self._warned: set[str] = set()
         # Opened data keys, by (checkpoint, wrapped key): range reads come one page run at a
@@ -1466,9 +1467,9 @@ def _manifest_mac(manifest: Manifest) -> str:
 
 
 def _open_tree(url: str, staging_root: Path, options: Mapping[str, object],
-               known: KnownStores | None = None) -> Tree:
+               known: KnownStores | None = None, store_id: str = "") -> Tree:
     if "://" not in url and "::" not in url:
-        return LocalTree(Path(url).absolute(), known)
+        return LocalTree(Path(url).absolute(), known, store_id)
     s3 = url.startswith(("s3://", "s3a://"))
     if s3:
         options = {**SHARED_OPTIONS, **options}
@@ -1479,7 +1480,7 @@ def _open_tree(url: str, staging_root: Path, options: Mapping[str, object],
     except (ImportError, ValueError, TypeError) as e:
         raise UsageError(f"cannot use checkpoint store {url}: {_reason(e)}") from e
     if type(fs) is fsspec.implementations.local.LocalFileSystem:
-        return LocalTree(Path(root), known)
+        return LocalTree(Path(root), known, store_id)
     if s3:
         return S3Tree(fs, str(root), url, staging_root)
     return RemoteTree(fs, str(root), url, staging_root)
@@ -1613,4 +1614,4 @@ def node_store(settings: Settings, keys: Signer | None = None) -> Store:
                  max_age_s=settings.keep_max_age_s, options=store_options(settings),
                  encryption=KeyFiles(settings.encryption_key_file,
                                      settings.old_encryption_key_files),
-                 known_stores=settings.layout.known_stores)
+                 known_stores=settings.layout.known_stores, store_id=settings.store_id)

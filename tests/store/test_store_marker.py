@@ -174,3 +174,39 @@ def test_a_hostile_marker_is_refused_not_taken_for_a_store(tmp_path: Path) -> No
     os.symlink("/etc/hostname", tmp_path / "store" / MARKER_NAME)
     with pytest.raises(StoreError, match=MARKER_NAME):
         store.list()
+
+
+def test_a_node_that_never_used_the_store_tells_it_unmounted_by_the_configured_store_id(
+        tmp_path: Path) -> None:
+    store = node_store(tmp_path)
+    kept = publish(store)
+    store_id = read_marker(tmp_path / "store")
+    assert store_id is not None
+
+    def new_node(name: str, expected: str = "") -> Store:
+        # A node that never used the store: a state directory of its own.
+        return Store(str(tmp_path / "store"), staging_root=tmp_path / f"{name}-staging",
+                     keep=0, known_stores=tmp_path / name / "stores", store_id=expected)
+
+    assert [m.id for m in new_node("b", store_id).list()] == [kept]
+    with unmounted(tmp_path / "store"):
+        # Without the setting a node that never saw the store cannot tell: it reads empty.
+        assert new_node("c").list() == []
+        with pytest.raises(StoreError, match="mounted.*store_id says it is store " + store_id):
+            new_node("d", store_id).latest("train", uid=1000)
+        with pytest.raises(StoreError, match="mounted"):
+            new_node("e", store_id).staging_dir(make_info(minutes=3).id)
+        assert os.listdir(tmp_path / "store") == []
+    # Another store mounted there is not the one the site named.
+    with pytest.raises(StoreError, match=f"is store {store_id}: is its filesystem mounted"):
+        new_node("f", "0" * 32).list()
+
+
+def test_a_store_id_setting_that_is_not_one_is_refused_in_one_line() -> None:
+    from stasis.config import load_settings
+    from stasis.errors import UsageError
+
+    with pytest.raises(UsageError, match="bad setting 'store_id'.*32 hex digits"):
+        load_settings({"STASIS_CONFIG": "/dev/null", "STASIS_STORE_ID": "../../etc"})
+    good = "ab" * 16
+    assert load_settings({"STASIS_CONFIG": "/dev/null", "STASIS_STORE_ID": good}).store_id == good
