@@ -653,6 +653,14 @@ class Containers:
             faults.point("k8s.restore.planned")
             return RestorePlan(checkpoint=manifest.id, label=label, images_dir=str(images),
                                work_dir=str(work), notes=notes, given_up=given_up)
+        if given_up and bundle.pod:
+            records = " ".join(str(self.failures.path(c)) for c in given_up)
+            self._tell_pod(bundle.namespace, bundle.pod, (
+                f"label {label}: none of its checkpoints can be restored on node "
+                f"{self.manager.settings.node}: checkpoint {', '.join(given_up)} failed every "
+                "attempt. They are kept, and the container does not start unless its "
+                "STASIS_FRESH=1 asks to start it fresh; to try them again, fix the cause and "
+                f"remove {records} on the node"))
         return RestorePlan(checkpoint=None, label=label, images_dir=None, work_dir=None,
                            notes=notes or [f"no checkpoint of label {label} in namespace "
                                            f"{bundle.namespace} yet"], given_up=given_up)
@@ -724,8 +732,8 @@ class Containers:
         log.warning("container %s: runc restore of checkpoint %s failed (attempt %d of %s): "
                     "%s; its log: %s", container_id, checkpoint, failed.attempts,
                     limit or "unbounded", req.error, kept or "none")
-        if plan is not None and plan.pod and self.pod_event is not None:
-            self._tell_pod(plan, restorefails.message(
+        if plan is not None and plan.pod:
+            self._tell_pod(plan.namespace, plan.pod, restorefails.message(
                 plan.label, checkpoint, req.error, failed.attempts, limit, kept,
                 str(self.failures.path(checkpoint)), self.manager.settings.node))
         return answer
@@ -741,19 +749,19 @@ class Containers:
             return ""
         return str(kept)
 
-    def _tell_pod(self, plan: _Plan, message: str) -> None:
-        # The API may be slow or away: the wrapper's answer (the create's failure) does
-        # not wait for it.
+    def _tell_pod(self, namespace: str, pod: str, message: str) -> None:
+        """A Warning event on the pod, where the node has a Kubernetes API. The API may be
+        slow or away: the wrapper's answer (the create's failure) does not wait for it."""
         tell = self.pod_event
-        pod = plan.pod
-        assert tell is not None and pod is not None
+        if tell is None:
+            return
 
         def post() -> None:
             try:
-                tell(plan.namespace, pod, RESTORE_FAILED_REASON, message)
+                tell(namespace, pod, RESTORE_FAILED_REASON, message)
             except Exception as e:
-                log.warning("pod %s/%s: no event for its failed restore: %s", plan.namespace,
-                            pod, e)
+                log.warning("pod %s/%s: no event for its failed restore: %s", namespace, pod,
+                            e)
 
         threading.Thread(target=post, name="restore failure event", daemon=True).start()
 

@@ -221,6 +221,9 @@ def test_when_no_checkpoint_can_be_restored_only_stasis_fresh_starts_from_nothin
     assert numbers(failed) == []
     gone(node, cid)
     assert checkpoints(node, label) == [ckpt]
+    wait_for(lambda: [e for e in restore_failed(api, pod, ckpt)
+                      if "none of its checkpoints can be restored" in e["message"]], 20,
+             "the event that no checkpoint of the label can be restored")
     # The user's word: STASIS_FRESH starts it from nothing, and its log says why.
     r, fresh = create(node, cid, script, {**env, "STASIS_FRESH": "1"}, pod_options(vol, pod))
     assert r.returncode == 0, r.stderr
