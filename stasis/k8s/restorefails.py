@@ -104,8 +104,10 @@ def message(label: str, checkpoint: str, error: str, attempts: int, limit: int,
     else:
         then = (f"it is given up on this node now (remove {record} to try it again): the next "
                 "create tries the label's previous checkpoint")
+    counted = (f"attempt {attempts} of {limit or 'unbounded'} on node {node}" if attempts
+               else f"not counted on node {node} (the stasis daemon did not answer)")
     return (f"label {label}: restore of checkpoint {checkpoint} failed ({error}){where}; "
-            f"attempt {attempts} of {limit or 'unbounded'} on node {node}. The container is "
+            f"{counted}. The container is "
             "not started fresh and the checkpoint is kept: its create fails and is retried "
             f"(the cause may be a port, file or mount it needs that is taken or missing); "
             f"{then}" + ("; STASIS_FRESH=1 on the container starts it fresh when none of the "

@@ -65,6 +65,8 @@ def test_the_message_names_the_checkpoint_the_attempts_and_what_comes_next() -> 
     assert "given up on this node now (remove /rec to try it again)" in last
     never = restorefails.message("l", CKPT, "why", 7, 0, "", "/rec", "n1")
     assert "tried again at every create" in never and "STASIS_FRESH" not in never
+    unheard = restorefails.message("l", CKPT, "why", 0, 3, "", "", "n1")
+    assert "not counted on node n1" in unheard and "not started fresh" in unheard
 
 
 def test_the_cause_of_a_failed_restore_is_criu_s_first_real_error(tmp_path: Path) -> None:
