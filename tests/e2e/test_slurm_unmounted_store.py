@@ -80,6 +80,11 @@ def test_a_job_requeued_while_its_store_is_not_mounted_is_held_then_resumes(
             out = c.output(job)
             assert numbers(out).count(0) == 1, f"the job started over:\n{out}"
             assert "is its filesystem mounted?" in j.get("Comment", ""), j
+            # The node says it, where an admin looks: not ready, and no empty listing.
+            for asked in (("check",), ("checkpoints", "--label", "unmounted")):
+                r = c.stasis(*asked, check=False)
+                said = " ".join((r.stdout + r.stderr).split())  # `check` wraps its lines
+                assert r.returncode != 0 and "is its filesystem mounted?" in said, r
             # Nothing was written onto the disk under the mount point meanwhile.
             assert os.listdir(c.lay.store) == []
         assert [m["id"] for m in c.checkpoints("unmounted")] == kept
