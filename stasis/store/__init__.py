@@ -4,7 +4,8 @@ Owns where checkpoints live and what they contain: staging directories for dumps
 (hashing, compression, the manifest written last), listing, verified fetching for restore,
 deletion and retention per (owner, label). The store is the source of truth: any node that sees
 the same store can list and restore its checkpoints. It does not run CRIU (the engine does) and
-keeps no state outside the store itself.
+keeps no state outside the store itself, but for the ids of the local stores a node has used
+(marker.py): so that an unmounted one is "cannot tell", not empty.
 """
 
 from stasis.store.manifest import (
