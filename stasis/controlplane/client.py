@@ -68,7 +68,9 @@ class ControlPlaneClient:
         self.timeout_s = timeout_s
         self._ssl = ssl.create_default_context() if url.startswith("https://") else None
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
+    def request(self, method: str, path: str, body: Any = None,
+                timeout_s: float | None = None) -> Any:
+        """`timeout_s`: this request's own bound (the client's by default)."""
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if self.token:
@@ -76,7 +78,7 @@ class ControlPlaneClient:
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as r:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s, context=self._ssl) as r:
                 return json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             try:

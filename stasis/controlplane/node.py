@@ -29,6 +29,15 @@ no such key (a stolen cluster token, a node joined with it) cannot make one. A s
 out once: the migrations this node restored are kept in its database (`controlplane_restored`),
 and a seal given again under another command id is refused, naming the job it became.
 
+Fencing: a restore's tree is resumed only once the control plane committed it (the command's
+`fence`): restored and stopped at the daemon's gate (stasis.daemon.restoring), the node asks
+POST .../commands/{id}/commit quoting its lease, and resumes only on a yes; from then on the
+control plane never re-targets that restore. A node cut off past `--lost-after` whose restore
+was failed and re-targeted meanwhile is refused (fenced): its tree is killed unresumed, and the
+job runs once, where it was re-targeted. A control plane it cannot reach within
+_COMMIT_WITHIN_S is no yes either: the tree is killed, the checkpoint stays, and the restore is
+retried or re-targeted as any failed one.
+
 A verify command (a `verify` policy's: stasis.controlplane.policies) names one checkpoint: the
 node answers with the verdict the store holds for it already (signed, a background
 verification's), else runs `stasis verify` on it in a thread of its own at the lowest CPU
@@ -145,8 +154,21 @@ intent_table = Table(
     info={records.KEY: records.ALL},
 )
 _WATERMARK = "(forgotten before)"
+# How long a restored tree waits, stopped at its gate, for the control plane's commit (each try
+# bounded by _COMMIT_TRY_S); then it is killed unresumed.
+_COMMIT_WITHIN_S = 30.0
+_COMMIT_TRY_S = 5.0
 _INTENT_KEPT_S = 7 * 86400
 _ALTERNATES = 3  # nodes beside the target a migration's checkpoint half seals for
+
+
+class FencedError(PermissionDeniedError):
+    """The control plane refused a restore's commit: the command is no longer this node's (it
+    was failed and re-targeted while the node was cut off)."""
+
+
+class UnconfirmedError(StasisError):
+    """The control plane could not be asked for a restore's commit within the bound."""
 
 
 class ControlPlaneNode(Integration):
@@ -562,7 +584,11 @@ class ControlPlaneNode(Integration):
                 if restored is None:
                     self._claim_restore(migration, ckpt, created)
                     try:
-                        done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT)
+                        # Resumed only on the control plane's word that the command is still
+                        # this node's (not failed and re-targeted while it was cut off).
+                        fence = self._fence(cmd, ckpt) if args.get("fence") else None
+                        done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT,
+                                                    fence=fence)
                     except BaseException:
                         self._unclaim_restore(migration)  # nothing restored: it may come again
                         raise
@@ -641,6 +667,49 @@ class ControlPlaneNode(Integration):
         log.info("control plane command %s (%s) was begun before the daemon stopped: what it "
                  "did is looked up", cmd["id"], cmd["kind"])
         return float(began)
+
+    def _fence(self, cmd: dict[str, Any], ckpt: str) -> Callable[[], None]:
+        """The commit asked at the restore's gate, its tree restored and stopped: returns once
+        the control plane said the command is still this node's lease (it is then never
+        re-targeted); raises, and the tree is killed unresumed, when it refused (the command
+        was failed and re-targeted while this node was cut off: FencedError) or could not
+        be asked within _COMMIT_WITHIN_S (UnconfirmedError: the control plane retries or
+        re-targets the restore, as for any failed one)."""
+        import time
+
+        assert self.client is not None
+        client, node = self.client, self.manager.settings.node
+        path = f"/api/v1/nodes/{node}/commands/{cmd['id']}/commit"
+        body = {"lease_id": str(cmd.get("lease_id") or "")}
+        what = f"restore of checkpoint {ckpt} ({cmd['id']}) not resumed on node {node}"
+
+        def commit() -> None:
+            deadline = time.monotonic() + _COMMIT_WITHIN_S
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    client.request("POST", path, body, timeout_s=max(0.5, min(_COMMIT_TRY_S,
+                                                                              left)))
+                    return
+                except (UsageError, PermissionDeniedError, NotFoundError) as e:
+                    # The control plane's no: never asked again, never resumed.
+                    # (its line names the node, the command, the checkpoint and why)
+                    said = str(e) if "fenced" in str(e) else \
+                        f"{what}: the control plane refused its commit ({e})"
+                    log.warning("control plane: fenced: %s", said)
+                    raise FencedError(said) from None
+                except Exception as e:  # unreachable, a 5xx, a broken answer: asked again
+                    why = " ".join(str(e).split())[:300] or type(e).__name__
+                if time.monotonic() + 1.0 >= deadline:
+                    log.warning("control plane: %s: unconfirmed: %s", what, why)
+                    raise UnconfirmedError(
+                        f"{what}: the control plane could not confirm within "
+                        f"{_COMMIT_WITHIN_S:.0f} s that the restore is still this node's "
+                        f"({why}); its restored tree was killed, checkpoint {ckpt} is kept, "
+                        "and the control plane retries or re-targets the restore")
+                time.sleep(1.0)
+
+        return commit
 
     def _alive(self, job: str) -> bool:
         return any(j["job"] == job and j["state"] in _ALIVE for j in self.manager.jobs(_ROOT))

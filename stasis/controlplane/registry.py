@@ -953,6 +953,39 @@ class Registry:
             raise ConflictError(f"command {command_id} is no longer leased under {lease_id}")
         return {"id": command_id, "lease_until": until}
 
+    def commit(self, by: Principal, node: str, command_id: str, lease_s: float,
+               lease_id: str = "") -> dict[str, Any]:
+        """The fence of a restore's resume: node `node`, holding restore `command_id`'s lease
+        (quoting it), has the job's tree restored and stopped, and may resume it only on this
+        answer. Yes while the command is still its lease: the command is marked committed (in
+        its result, until answered), and from then on is never re-targeted (the job may run
+        there). Refused (409) once the command was failed (the node found lost and the restore
+        re-targeted, or given up): an event says the node was fenced, and the node kills its
+        tree. One transaction decides between this and a re-target (recover)."""
+        validate_name(node, "node name")
+        by.node_only(node, "committing a restore")
+        now = int(time.time())
+        with self.engine.begin() as conn:
+            row = self._held(conn, by, node, command_id, lease_id)
+            if row["kind"] != "restore":
+                raise UsageError(f"command {command_id} is a {row['kind']}: only a restore is "
+                                 "committed before its job resumes")
+            n = 0
+            if row["state"] == "leased":
+                n = conn.execute(update(commands).where(
+                    commands.c.id == command_id, commands.c.state == "leased",
+                    commands.c.lease_id == lease_id).values(
+                    result=json.dumps({"committed": _now()}),
+                    lease_until=now + int(lease_s))).rowcount
+            if n:
+                return {"id": command_id, "committed": True}
+            got = conn.execute(select(commands).where(commands.c.id == command_id)
+                               ).mappings().first()
+            done = dict(got or row)
+            why = _fenced(done, node)
+            self._event(conn, done["cluster_id"], node, "command-fenced", why)
+        raise ConflictError(why)
+
     def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any],
             lease_id: str = "", lost_after_s: float = float("inf")) -> dict[str, Any]:
         """The result of a command, from the node holding its lease (quoting it). A command
@@ -964,14 +997,8 @@ class Registry:
         with self.engine.begin() as conn:
             row = self._held(conn, by, by.node, command_id, lease_id)
             if row["state"] in ("done", "failed"):
-                if row["state"] == "failed" and ok and row["kind"] == "restore" and \
-                        result.get("job"):
-                    # Re-targeted while its node was away, restored there all the same.
-                    self._event(conn, row["cluster_id"], row["node"], "command-late",
-                                f"restore {command_id} was failed and re-targeted while node "
-                                f"{row['node']} was away, and that node restored it as job "
-                                f"{str(result['job'])[:100]} all the same: the job may run "
-                                "twice; kill one (`stasis controlplane jobs`)")
+                if row["state"] == "failed" and ok:
+                    self._late(conn, dict(row), result)
                 return self._command(dict(row))  # acknowledged twice: the first one stands
             args = json.loads(row["args"])
             if not ok and row["kind"] == "restore":
@@ -1023,6 +1050,36 @@ class Registry:
                                ).mappings().first()
         return self._command(dict(got or row))
 
+    def _late(self, conn: Any, row: dict[str, Any], result: dict[str, Any]) -> None:
+        """A node's success, heard after its command was failed (the node was lost): said."""
+        failed = json.loads(row["result"] or "{}")
+        if row["kind"] == "restore" and result.get("job"):
+            job = str(result["job"])[:100]
+            if failed.get("committed"):
+                # Committed before the node was lost: never re-targeted (recover).
+                self._event(conn, row["cluster_id"], row["node"], "command-late",
+                            f"restore {row['id']} was failed while node {row['node']} was "
+                            f"away, after that node had begun resuming it: it restored it as "
+                            f"job {job}, which runs there, once (it was not re-targeted)")
+            else:
+                # Only a node without fencing (an older stasis) resumes a restore that was
+                # not committed: the re-targeted one may run too.
+                self._event(conn, row["cluster_id"], row["node"], "command-late",
+                            f"restore {row['id']} was failed and re-targeted while node "
+                            f"{row['node']} was away, and that node restored it as job {job} "
+                            "all the same, uncommitted (a node older than fencing): the job "
+                            "may run twice; kill one (`stasis controlplane jobs`)")
+        elif row["kind"] == "checkpoint" and result.get("checkpoint"):
+            args = json.loads(row["args"])
+            stopped = not args.get("leave_running", True)
+            self._event(conn, row["cluster_id"], row["node"], "command-late",
+                        f"checkpoint {row['id']} of job {str(args.get('job'))[:100]} was "
+                        f"failed while node {row['node']} was away, and that node took "
+                        f"checkpoint {str(result['checkpoint'])[:64]} all the same" + (
+                            ", stopping the job: it runs nowhere now (no restore was queued); "
+                            f"`stasis restore {str(result['checkpoint'])[:64]}` on a node of "
+                            "the cluster resumes it" if stopped else ""))
+
     def _verify_answered(self, conn: Any, row: dict[str, Any], args: dict[str, Any],
                          result: dict[str, Any]) -> None:
         """The verdict a verify command's node answered with, kept with the checkpoint the
@@ -1047,6 +1104,9 @@ class Registry:
     def _queue_restore(conn: Any, cluster_id: str, node: str, args: dict[str, Any],
                        delay_s: float) -> str:
         nid = "cmd_" + secrets.token_hex(8)
+        # `fence`: the node commits before resuming (commit); a node older than fencing
+        # ignores it, and a node never asks a control plane that does not set it.
+        args = {**args, "fence": True}
         conn.execute(insert(commands).values(
             id=nid, cluster_id=cluster_id, node=node, kind="restore", args=json.dumps(args),
             state="queued", attempts=0,
@@ -1138,24 +1198,49 @@ class Registry:
             else:
                 continue
             try:
-                self._fail_held(row, why, lost_after_s)
+                self._fail_held(row, why, lost_after_s, lost is not None)
             except _Raced:
                 continue  # answered or leased meanwhile: that stands
             failed += 1
         return failed
 
-    def _fail_held(self, row: dict[str, Any], why: str, lost_after_s: float) -> None:
+    def _fail_held(self, row: dict[str, Any], why: str, lost_after_s: float,
+                   node_lost: bool = False) -> None:
+        committed = json.loads(row["result"] or "{}").get("committed") \
+            if row["state"] == "leased" else None
         with self.engine.begin() as conn:
-            if row["kind"] == "restore":
+            if committed:
+                # Its node may have resumed the job (commit): a re-target could run it twice.
+                args = json.loads(row["args"])
+                ckpt = str(args.get("checkpoint"))
+                result = {"committed": committed, "error": (
+                    f"{why}, after it had begun resuming checkpoint {ckpt} as job "
+                    f"{args.get('job')} there (committed {committed}): not re-targeted, so "
+                    f"that the job never runs twice; if node {row['node']} is gone for good, "
+                    f"checkpoint {ckpt} is kept: `stasis restore {ckpt}` on a node of the "
+                    "cluster")}
+                self._event(conn, row["cluster_id"], row["node"], "migration-failed",
+                            f"restore ({row['id']}): {result['error']}")
+            elif row["kind"] == "restore":
                 result = self._after_failed_restore(conn, row, why, False, lost_after_s,
                                                     node_gone=True)
             else:
-                result = {"error": why + self._newest_known(conn, row)}
+                # A lost node may only be cut off, its job running on: a restore by hand
+                # elsewhere would run it twice.
+                args = json.loads(row["args"])
+                caution = (f"; job {args['job']} may still run on node {row['node']} (cut off, "
+                           "not stopped): restore it elsewhere only once that node is known "
+                           "down") if node_lost and row["kind"] == "checkpoint" and \
+                    args.get("job") else ""
+                result = {"error": why + self._newest_known(conn, row) + caution}
                 self._event(conn, row["cluster_id"], row["node"], "command-failed",
                             f"{row['kind']} ({row['id']}): {result['error']}")
+            # Not if it was answered, leased again or committed since it was read.
             n = conn.execute(update(commands).where(
                 commands.c.id == row["id"], commands.c.state == row["state"],
-                commands.c.attempts == row["attempts"]).values(
+                commands.c.attempts == row["attempts"],
+                commands.c.result.is_(None) if row["result"] is None else
+                commands.c.result == row["result"]).values(
                 state="failed", result=json.dumps(result), finished=_now(),
                 lease_until=None)).rowcount
             if not n:
@@ -1239,6 +1324,24 @@ def _not_ready(n: dict[str, Any]) -> str:
         return f"node {n['name']} is lost (silent {n['last_heartbeat_age_s']:.0f} s)"
     why = "; ".join(str(p) for p in n.get("problems") or [])[:500] or "its check failed"
     return f"node {n['name']} is not ready ({' '.join(why.split())})"
+
+
+def _fenced(row: dict[str, Any], node: str) -> str:
+    """One line: why node `node` may not resume the restore of command `row` (no longer its
+    lease), and what became of it."""
+    args = json.loads(row["args"])
+    result = json.loads(row["result"] or "{}") if row["state"] != "leased" else {}
+    what = (f"node {node} fenced: restore {row['id']} of checkpoint {args.get('checkpoint')} "
+            f"(job {args.get('job')}) may not resume there: ")
+    if row["state"] == "leased":
+        return what + ("it is leased again under another lease; the node answers the lease "
+                       "it holds now")
+    if row["state"] == "done":
+        return what + "it was answered already"
+    nxt, error = result.get("next"), " ".join(str(result.get("error") or "").split())[:400]
+    return what + f"the control plane failed it while the node was away ({error})" + (
+        f", re-targeted as {nxt}" if nxt and str(nxt) not in error else "") + \
+        "; its restored tree is killed unresumed, so that the job runs once"
 
 
 def _seal_of(result: dict[str, Any]) -> dict[str, str] | None:

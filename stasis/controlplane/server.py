@@ -25,6 +25,9 @@
     POST /api/v1/nodes/{name}/commands/{id}/renew   the node's credential: {lease_id}: the
                                            lease of a command the node is still carrying
                                            out, extended
+    POST /api/v1/nodes/{name}/commands/{id}/commit   the node's credential: {lease_id}: the
+                                           restore it holds may resume its job (a fence:
+                                           409 once the command was failed, re-targeted)
     POST /api/v1/commands/{id}/ack         the credential of the node holding the lease:
                                            {lease_id, ok, result}
     POST /api/v1/migrations                admin: {job, to, cluster, node}: checkpoint and
@@ -553,6 +556,13 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         return web.json_response(await run(registry.renew, who, request.match_info["name"],
                                             request.match_info["id"], lease_s, body.lease_id))
 
+    async def commit(request: web.Request) -> web.StreamResponse:
+        who = _principal(request)
+        who.node_only(request.match_info["name"], "committing a restore")
+        body = await _body(request, Renewal)
+        return web.json_response(await run(registry.commit, who, request.match_info["name"],
+                                            request.match_info["id"], lease_s, body.lease_id))
+
     async def ack(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.node_only(who.node or "?", "acknowledging a command")
@@ -580,6 +590,7 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         web.get("/api/v1/commands/{id}", get_command),
         web.post("/api/v1/nodes/{name}/commands/lease", lease),
         web.post("/api/v1/nodes/{name}/commands/{id}/renew", renew),
+        web.post("/api/v1/nodes/{name}/commands/{id}/commit", commit),
         web.post("/api/v1/commands/{id}/ack", ack),
         web.post("/api/v1/migrations", migrate),
         web.post("/api/v1/nodes/{name}/drain", drain),

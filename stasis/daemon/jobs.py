@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+from collections.abc import Callable
 
 from stasis import faults
 from stasis.config import Settings
@@ -363,8 +364,10 @@ class JobManager:
         return problems
 
     def restore(self, req: RestoreRequest, caller: Caller,
-                progress: Progress | None = None) -> RestoreAnswer:
-        return self._restorer.restore(req, caller, progress)
+                progress: Progress | None = None,
+                fence: Callable[[], None] | None = None) -> RestoreAnswer:
+        """`fence`: asked at the gate, just before the restored tree resumes (restoring.py)."""
+        return self._restorer.restore(req, caller, progress, fence)
 
     def verify(self, checkpoint_id: str, caller: Caller) -> VerifyVerdict:
         """`stasis verify`: the checkpoint restored in a sandbox, checked, removed; the verdict

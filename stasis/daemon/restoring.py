@@ -71,7 +71,11 @@ class Restorer:
         self._criu_version: str | None = None  # asked once, as for dumps
 
     def restore(self, req: RestoreRequest, caller: Caller,
-                progress: Progress | None = None) -> RestoreAnswer:
+                progress: Progress | None = None,
+                fence: Callable[[], None] | None = None) -> RestoreAnswer:
+        """`fence`: called last at the gate, once the tree is restored and stopped, just before
+        it resumes; should it raise (StasisError), the tree is killed, never resumed, and the
+        restore fails with its error (a control plane's commit: stasis.controlplane.node)."""
         started = time.monotonic()
         if req.checkpoint:
             if req.verified:
@@ -96,7 +100,7 @@ class Restorer:
         skipped: list[str] = []
         for manifest in candidates:
             try:
-                answer = self._restore_one(manifest, progress, req.lazy)
+                answer = self._restore_one(manifest, progress, req.lazy, fence)
             except CorruptCheckpointError as e:
                 # By label, an older complete checkpoint is better than none.
                 skipped.append(f"{manifest.id}: {e}")
@@ -143,12 +147,13 @@ class Restorer:
         return text
 
     def _restore_one(self, manifest: Manifest, progress: Progress | None,
-                     lazy: bool | None) -> RestoreAnswer:
+                     lazy: bool | None, fence: Callable[[], None] | None = None
+                     ) -> RestoreAnswer:
         job_id = secrets.token_hex(6)
         with ExitStack() as pinned:
             self._pin(pinned, manifest, job_id)
             try:
-                answer = self._restore_as(job_id, manifest, progress, lazy)
+                answer = self._restore_as(job_id, manifest, progress, lazy, fence)
             except BaseException:
                 self._forget(job_id)
                 raise
@@ -182,7 +187,8 @@ class Restorer:
                 time.sleep(1.0)
 
     def _restore_as(self, job_id: str, manifest: Manifest, progress: Progress | None,
-                    lazy: bool | None) -> RestoreAnswer:
+                    lazy: bool | None, fence: Callable[[], None] | None = None
+                    ) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
         # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
         store.require_cryptographic_sums(manifest)
@@ -245,10 +251,12 @@ class Restorer:
                 # GiBs of pages either: everything else (and every size) gates the resume, the
                 # page images are hashed right after, and a mismatch kills the job. Nobody but
                 # root can write them here: that catches damage, there is no forger to stop.
-                gate = Gate(lambda: store.verify(checked, only=lambda f: not _is_pages(f)),
+                gate = Gate(_then(lambda: store.verify(checked, only=lambda f: not
+                                      _is_pages(f)), fence),
                             point=f"restore.{mode}.before-resume")
             else:
-                gate = Gate(lambda: store.verify(checked), point=f"restore.{mode}.before-resume")
+                gate = Gate(_then(lambda: store.verify(checked), fence),
+                            point=f"restore.{mode}.before-resume")
             started = self._start(job_id, spec, progress, manifest, gate, job, record)
             if gate.error is not None:
                 raise gate.error
@@ -263,7 +271,7 @@ class Restorer:
             mode = "streamed"
             try:
                 spec.update(images=str(streamed.images), lazy=False, stream=True, gate=True)
-                gate = Gate(streamed.check, cancel=streamed.stop_waiting,
+                gate = Gate(_then(streamed.check, fence), cancel=streamed.stop_waiting,
                             point=f"restore.{mode}.before-resume")
                 started = self._start(job_id, spec, progress, manifest, gate, job, record)
             finally:
@@ -280,7 +288,7 @@ class Restorer:
                             page_server=str(served.socket_path), gate=True)
                 # The pages are checked as they are served: the gate is the daemon's word that
                 # the job is recorded, no more.
-                gate = Gate(lambda: None, point=f"restore.{mode}.before-resume")
+                gate = Gate(_then(lambda: None, fence), point=f"restore.{mode}.before-resume")
                 try:
                     started = self._start(job_id, spec, progress, manifest, gate, job, record)
                 except BaseException:
@@ -301,8 +309,11 @@ class Restorer:
                     spec.update(images=str(images), lazy=False, gate=True)
                     if lazy:
                         notes.append(why_not or _why_not_lazy(manifest, store.url))
-                    gate = Gate(lambda: None, point=f"restore.{mode}.before-resume")
+                    gate = Gate(_then(lambda: None, fence),
+                                point=f"restore.{mode}.before-resume")
                     started = self._start(job_id, spec, progress, manifest, gate, job, record)
+        if gate.error is not None:
+            raise gate.error  # refused at the gate (its check, or the fence): killed unresumed
         answer = started.answer
         if "error" in answer:
             if answer["error"]["type"] == IncompatibleNodeError.__name__:
@@ -457,6 +468,18 @@ class Restorer:
             if proctree.start_time(pid) is not None:
                 proctree.signal_tree(pid, signal.SIGKILL)
             log.error("killed lazily restored job %s: %s", job_dir.name, e)
+
+
+def _then(check: Callable[[], None], fence: Callable[[], None] | None) -> Callable[[], None]:
+    """A gate's check, then the fence, last: once the fence said yes nothing else refuses."""
+    if fence is None:
+        return check
+
+    def both() -> None:
+        check()
+        fence()
+
+    return both
 
 
 def _why_not_lazy(manifest: Manifest, url: str) -> str:
