@@ -148,16 +148,25 @@ def recover_netlocks(db: JobDB, store: Store, criu_logs: Path, timeout_s: int) -
     return found
 
 
-def integration_records(db: JobDB, root: Path, tables: Sequence[Table], rebuilt: bool) -> None:
-    """The integrations' kept rows (records.py): put back into a `rebuilt` database (after
-    `salvage`), then the files matched to the database's rows. A database that cannot be read
-    now (locked) leaves the files as they are: the next start matches them."""
+
+def restore_records(db: JobDB, root: Path, tables: Sequence[Table]) -> None:
+    """The integrations' kept rows (records.py) put back into a database rebuilt (after
+    `salvage`, before the integrations read their tables)."""
     try:
-        if rebuilt:
-            put = records.restore(db, root, tables)
-            if any(put.values()):
-                log.info("restored from %s: %s", root, ", ".join(
-                    f"{n} row(s) of {t}" for t, n in sorted(put.items()) if n))
+        put = records.restore(db, root, tables)
+    except (StasisError, OSError) as e:
+        log.error("the integrations' records in %s could not be restored: %s", root, e)
+        return
+    if any(put.values()):
+        log.info("restored from %s: %s", root, ", ".join(
+            f"{n} row(s) of {t}" for t, n in sorted(put.items()) if n))
+
+
+def match_records(db: JobDB, root: Path, tables: Sequence[Table]) -> None:
+    """The integrations' files matched to their tables' rows, at every start (after the
+    integrations' own upgrades of their tables). A database that cannot be read now (locked)
+    leaves the files as they are: the next start matches them."""
+    try:
         records.sync(db, root, tables)
     except (StasisError, OSError) as e:
         log.warning("the integrations' records in %s are not matched to the database now: %s",

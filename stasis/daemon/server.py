@@ -23,7 +23,9 @@ from aiohttp import web
 from stasis.config import Settings
 from stasis.daemon.api import make_app
 from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_open_files_limit
-from stasis.daemon.rebuild import integration_records, open_job_db, recover_netlocks, salvage
+from stasis.daemon.rebuild import (
+    match_records, open_job_db, recover_netlocks, restore_records, salvage,
+)
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
@@ -134,8 +136,8 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     manager = JobManager(settings, manager_store, db, job_umask=job_umask)
     manager.prepare()
     plugged = [cls(manager) for cls in integrations]
-    for integration in plugged:
-        db.create_tables(integration.tables())
+    tables = [t for i in plugged for t in i.tables()]
+    db.create_tables(tables)
     if corrupt is not None:  # before the integrations read their tables
         salvage(corrupt, db)
         locks = recover_netlocks(db, manager_store, settings.layout.criu_logs,
@@ -143,12 +145,11 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
         if locks:
             log.info("recorded again the network locks of %d checkpoint(s) from CRIU's logs",
                      locks)
-    # Their rows whose loss would lose work or do it twice, kept as files too: put back into
-    # a rebuilt database, and the files matched to a sound one.
-    integration_records(db, settings.layout.records, [t for i in plugged for t in i.tables()],
-                        rebuilt=corrupt is not None)
+        # The integrations' rows whose loss would lose work or do it twice: kept as files.
+        restore_records(db, settings.layout.records, tables)
     for integration in plugged:
         integration.prepare()
+    match_records(db, settings.layout.records, tables)
 
     sock_path = str(settings.socket)
     _make_dirs(settings.socket.parent)
