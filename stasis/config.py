@@ -92,6 +92,11 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_AUTH_TOKEN    the cluster's token (a node) or the admin token (the CLI); never
                          logged  (""; CEDANA_AUTH_TOKEN)
     STASIS_CONTROLPLANE_HEARTBEAT_S  seconds between a node's heartbeats  (10)
+    STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S  how long a job a control plane's restore brought
+                         back waits, stopped, for the control plane to confirm the restore is
+                         still this node's before it resumes; past it the job is killed
+                         unresumed, its checkpoint kept, the restore retried or re-targeted
+                         (30)
     STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP  let the node and the CLI send their token over plain
                          http:// to a control plane that is not on this host's loopback (anyone
                          on the network between reads it); without it such a URL is refused
@@ -141,6 +146,7 @@ _ENV_KEYS = {
     "STASIS_CLUSTER_ID": "cluster_id",
     "STASIS_AUTH_TOKEN": "auth_token",
     "STASIS_CONTROLPLANE_HEARTBEAT_S": "controlplane_heartbeat_s",
+    "STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S": "controlplane_commit_timeout_s",
     "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "controlplane_allow_plain_http",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
@@ -288,6 +294,8 @@ class Settings(NamedTuple):
     cluster_id: str = ""
     auth_token: str = ""
     controlplane_heartbeat_s: float = 10.0
+    # A restore's fence (stasis.controlplane.node): the wait for the control plane's commit.
+    controlplane_commit_timeout_s: float = 30.0
     # Off: a token sent over plain HTTP off this host is anyone's on the path (issue 27).
     controlplane_allow_plain_http: bool = False
     # Only from the file: the environment has AWS's own variables for these (botocore reads
