@@ -35,7 +35,7 @@ POST .../commands/{id}/commit quoting its lease, and resumes only on a yes; from
 control plane never re-targets that restore. A node cut off past `--lost-after` whose restore
 was failed and re-targeted meanwhile is refused (fenced): its tree is killed unresumed, and the
 job runs once, where it was re-targeted. A control plane it cannot reach within
-_COMMIT_WITHIN_S is no yes either: the tree is killed, the checkpoint stays, and the restore is
+`controlplane_commit_timeout_s` is no yes either: the tree is killed, the checkpoint stays, and the restore is
 retried or re-targeted as any failed one.
 
 A verify command (a `verify` policy's: stasis.controlplane.policies) names one checkpoint: the
@@ -154,9 +154,7 @@ intent_table = Table(
     info={records.KEY: records.ALL},
 )
 _WATERMARK = "(forgotten before)"
-# How long a restored tree waits, stopped at its gate, for the control plane's commit (each try
-# bounded by _COMMIT_TRY_S); then it is killed unresumed.
-_COMMIT_WITHIN_S = 30.0
+# Each try of a restore's commit (the whole wait: controlplane_commit_timeout_s).
 _COMMIT_TRY_S = 5.0
 _INTENT_KEPT_S = 7 * 86400
 _ALTERNATES = 3  # nodes beside the target a migration's checkpoint half seals for
@@ -673,18 +671,19 @@ class ControlPlaneNode(Integration):
         the control plane said the command is still this node's lease (it is then never
         re-targeted); raises, and the tree is killed unresumed, when it refused (the command
         was failed and re-targeted while this node was cut off: FencedError) or could not
-        be asked within _COMMIT_WITHIN_S (UnconfirmedError: the control plane retries or
+        be asked within controlplane_commit_timeout_s (UnconfirmedError: the control plane retries or
         re-targets the restore, as for any failed one)."""
         import time
 
         assert self.client is not None
         client, node = self.client, self.manager.settings.node
+        within = self.manager.settings.controlplane_commit_timeout_s
         path = f"/api/v1/nodes/{node}/commands/{cmd['id']}/commit"
         body = {"lease_id": str(cmd.get("lease_id") or "")}
         what = f"restore of checkpoint {ckpt} ({cmd['id']}) not resumed on node {node}"
 
         def commit() -> None:
-            deadline = time.monotonic() + _COMMIT_WITHIN_S
+            deadline = time.monotonic() + within
             while True:
                 left = deadline - time.monotonic()
                 try:
@@ -704,7 +703,7 @@ class ControlPlaneNode(Integration):
                     log.warning("control plane: %s: unconfirmed: %s", what, why)
                     raise UnconfirmedError(
                         f"{what}: the control plane could not confirm within "
-                        f"{_COMMIT_WITHIN_S:.0f} s that the restore is still this node's "
+                        f"{within:.0f} s that the restore is still this node's "
                         f"({why}); its restored tree was killed, checkpoint {ckpt} is kept, "
                         "and the control plane retries or re-targets the restore")
                 time.sleep(1.0)

@@ -138,7 +138,11 @@ class Site:
 
 
 @pytest.fixture
-def site(world_tmp: Path, site_key: Path) -> Iterator[Site]:
+def site(request: pytest.FixtureRequest, world_tmp: Path, site_key: Path) -> Iterator[Site]:
+    """Nodes S (the job's), A (the target, behind the partition) and C; a test's parameter,
+    if any, is how long A waits for a commit (STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S): long
+    enough by default for the re-target to be over before A is connected again."""
+    commit_timeout_s = str(getattr(request, "param", "90"))
     root = Path(tempfile.mkdtemp(prefix="cp-fence-", dir=world_tmp))
     host = nodes.site_address()
     cp = ControlPlane(root, str(root / "cp.db"), host=host)
@@ -150,7 +154,8 @@ def site(world_tmp: Path, site_key: Path) -> Iterator[Site]:
     def node(name: str, url: str) -> Daemon:
         return new_daemon(world_tmp, name, store=str(store), separate=True, env={
             **node_env(cp, hpc, name), "STASIS_CONTROLPLANE_URL": url,
-            "STASIS_SITE_KEY": str(site_key)})
+            "STASIS_SITE_KEY": str(site_key),
+            "STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S": commit_timeout_s})
 
     daemons = [node("node-s", cp.url), node("node-a", link.url), node("node-c", cp.url)]
     started: list[Daemon] = []
@@ -186,50 +191,78 @@ def counted(d: Daemon, job: str) -> list[int]:
     return [int(x) for x in d.log_of(job).split()]
 
 
+class Moved:
+    """A migration from S to A, A cut off as it leased the restore."""
+
+    def __init__(self, site: Site, user: str) -> None:
+        cp, s = site.cp, site.s
+        self.label = "fence-" + os.urandom(3).hex()
+        # An interval no other test's counter has: its processes are told apart on the machine.
+        self.interval = f"0.1{int.from_bytes(os.urandom(3), 'big'):08d}"
+        job = s.run(*workload("counter.py", self.interval), label=self.label, user=user)["job"]
+        wait_for(lambda: len(s.log_of(job).split()) >= 3, 30, "the counter to count")
+        wait_for(lambda: job in [j["job"] for j in cp.json("jobs")], 30, "the job's report")
+        status, first = cp.call("POST", "/api/v1/migrations", cp.admin,
+                                {"job": job, "to": "node-a"})
+        assert status == 201, first
+        assert first["args"]["or_on"] == ["node-c"], first  # where a re-target goes
+        # Node A leases the restore and is cut off at once: its heartbeats, its renewals and
+        # its commit are held unanswered from then on.
+        wait_for(site.link.cut.is_set, 60, "node-a to lease the restore")
+
+        def restore_half() -> dict[str, Any] | None:
+            nxt = (command(cp, first["id"]).get("result") or {}).get("next")
+            return command(cp, nxt) if nxt else None
+
+        self.restore = wait_for(restore_half, 30, "the restore half")
+        assert self.restore["node"] == "node-a", self.restore
+
+    def retargeted(self, cp: ControlPlane) -> dict[str, Any]:
+        """A found lost, its restore failed and re-targeted to C, which answered it."""
+        def answered() -> dict[str, Any] | None:
+            r = command(cp, self.restore["id"])
+            nxt = (r.get("result") or {}).get("next") if r["state"] == "failed" else None
+            if not nxt:
+                return None
+            r_c = command(cp, str(nxt))
+            return r_c if r_c["state"] in ("done", "failed") else None
+
+        r_c = wait_for(answered, 90, "the restore to be re-targeted to node-c and answered")
+        assert (r_c["node"], r_c["state"]) == ("node-c", "done"), r_c
+        return r_c
+
+    def gone_from(self, d: Daemon) -> bool:
+        return not [j for j in d.json("ps") if j["label"] == self.label
+                    and j["state"] in ("restoring", "running", "restored")]
+
+    def runs_once_on(self, d: Daemon, job: str) -> None:
+        """The job runs on `d` alone, once: its counter goes on from where it was, each value
+        once, and no process of it runs anywhere else on the machine."""
+        live = running(d, self.label)
+        assert [j["job"] for j in live] == [job], live
+        kit.assert_nothing_frozen([j["pid"] for j in live])
+        before = counted(d, job)[-1]
+        wait_for(lambda: counted(d, job)[-1] > before + 3, 30, "the counter to go on")
+        numbers = counted(d, job)
+        assert numbers == list(range(len(numbers))), numbers[-20:]
+        counters = {p for p in kit.tree_pids_of(self.interval) if proctree.alive(p, None)}
+        assert counters and counters <= set(proctree.tree(live[0]["pid"])), counters
+
+
 def test_a_node_cut_off_while_restoring_is_fenced_and_the_job_runs_once(
         site: Site, test_user: pwd.struct_passwd) -> None:
-    cp, s, a, c = site.cp, site.s, site.a, site.c
-    label = "fence-" + os.urandom(3).hex()
-    # An interval no other test's counter has: its processes are told apart on the machine.
-    interval = f"0.1{int.from_bytes(os.urandom(3), 'big'):08d}"
-    job = s.run(*workload("counter.py", interval), label=label, user=test_user.pw_name)["job"]
-    wait_for(lambda: len(s.log_of(job).split()) >= 3, 30, "the counter to count")
-    wait_for(lambda: job in [j["job"] for j in cp.json("jobs")], 30, "the job's report")
-    status, first = cp.call("POST", "/api/v1/migrations", cp.admin,
-                            {"job": job, "to": "node-a"})
-    assert status == 201, first
-    assert first["args"]["or_on"] == ["node-c"], first  # where a re-target goes, sealed for
+    cp, a, c = site.cp, site.a, site.c
+    m = Moved(site, test_user.pw_name)
+    r_a = m.restore
+    moved = str(m.retargeted(cp)["result"]["job"])
+    assert [j["job"] for j in running(c, m.label)] == [moved]
 
-    # Node A leases the restore and is cut off at once: its heartbeats and its commit are held.
-    wait_for(site.link.cut.is_set, 60, "node-a to lease the restore")
-
-    def restore_of_a() -> dict[str, Any] | None:
-        nxt = (command(cp, first["id"]).get("result") or {}).get("next")
-        return command(cp, nxt) if nxt else None
-
-    r_a = wait_for(restore_of_a, 30, "the restore half")
-    assert r_a["node"] == "node-a", r_a
-
-    # A is found lost; its restore is failed and re-targeted to C, which restores the job.
-    def retargeted() -> dict[str, Any] | None:
-        r = command(cp, r_a["id"])
-        nxt = (r.get("result") or {}).get("next") if r["state"] == "failed" else None
-        if not nxt:
-            return None
-        r_c = command(cp, str(nxt))
-        return r_c if r_c["state"] in ("done", "failed") else None
-
-    r_c = wait_for(retargeted, 90, "the restore to be re-targeted to node-c and answered")
-    assert (r_c["node"], r_c["state"]) == ("node-c", "done"), r_c
-    moved = str(r_c["result"]["job"])
-    assert [j["job"] for j in running(c, label)] == [moved]
-
-    # Meanwhile node A's daemon went on with its restore, cut off: its tree must not run.
-    assert running(a, label) == [], a.json("ps")
+    # Meanwhile node A's daemon went on with its restore, cut off: its tree waits, stopped.
+    assert running(a, m.label) == [], a.json("ps")
     wait_for(lambda: site.link.asked(f"/commands/{r_a['id']}/commit"), 60,
              "node-a to ask the control plane to commit its restore")
-    assert running(a, label) == [], a.json("ps")
-    stopped = [j for j in a.json("ps") if j["label"] == label]
+    assert running(a, m.label) == [], a.json("ps")
+    stopped = [j for j in a.json("ps") if j["label"] == m.label]
     assert [j["state"] for j in stopped] == ["restoring"], stopped
 
     # Connected again: the commit is refused (the command was re-targeted), the node fenced.
@@ -241,27 +274,36 @@ def test_a_node_cut_off_while_restoring_is_fenced_and_the_job_runs_once(
 
     said = wait_for(fenced, 60, "the control plane to fence node-a")
     assert said[0]["node"] == "node-a" and "\n" not in said[0]["message"], said
+    assert "node node-a fenced" in said[0]["message"], said
     # A killed its restored tree, never resumed: nothing of the label lives there.
-    wait_for(lambda: not [j for j in a.json("ps") if j["label"] == label
-                          and j["state"] in ("restoring", "running", "restored")], 60,
-             "node-a to drop its fenced restore")
-    assert command(cp, r_a["id"])["state"] == "failed"
-    # A answered its command (fenced, failed) and restored nothing again.
-    wait_for(lambda: "fenced" in str(a.root.joinpath("daemon.log").read_text()), 30,
+    wait_for(lambda: m.gone_from(a), 60, "node-a to drop its fenced restore")
+    wait_for(lambda: "fenced" in a.root.joinpath("daemon.log").read_text(), 30,
              "node-a's log to say it was fenced")
-    assert running(a, label) == []
+    assert command(cp, r_a["id"])["state"] == "failed"
+    m.runs_once_on(c, moved)
+    assert m.gone_from(a)
 
-    # The job runs once, on C: its counter goes on from where it was, each value once.
-    live = running(c, label)
-    assert [j["job"] for j in live] == [moved], live
-    kit.assert_nothing_frozen([j["pid"] for j in live])
-    before = counted(c, moved)[-1]
-    wait_for(lambda: counted(c, moved)[-1] > before + 3, 30, "the counter to go on on C")
-    numbers = counted(c, moved)
-    assert numbers == list(range(len(numbers))), numbers[-20:]
-    # No tree of the counter other than C's job's runs on the machine.
-    counters = {p for p in kit.tree_pids_of(interval) if proctree.alive(p, None)}
-    assert counters and counters <= set(proctree.tree(live[0]["pid"])), counters
+
+@pytest.mark.parametrize("site", ["3"], indirect=True)
+def test_a_node_that_cannot_reach_the_control_plane_never_resumes(
+        site: Site, test_user: pwd.struct_passwd) -> None:
+    """Node A cut off for longer than its commit timeout (3 s): its restored tree is killed
+    unresumed while it is still cut off, its checkpoint kept; the re-targeted restore runs the
+    job on C, once; A connected again restores nothing."""
+    cp, a, c = site.cp, site.a, site.c
+    m = Moved(site, test_user.pw_name)
+    wait_for(lambda: site.link.asked(f"/commands/{m.restore['id']}/commit"), 60,
+             "node-a to ask the control plane to commit its restore")
+    wait_for(lambda: m.gone_from(a), 60, "node-a to kill its unconfirmed restore")
+    assert site.link.cut.is_set()  # decided alone, still cut off
+    log = a.root.joinpath("daemon.log").read_text()
+    assert "could not confirm within 3 s" in log and "checkpoint" in log, log[-2000:]
+    moved = str(m.retargeted(cp)["result"]["job"])
+    site.link.heal()
+    wait_for(lambda: {n["name"]: n["state"] for n in cp.json("nodes")}["node-a"] == "ready",
+             30, "node-a to report again")
+    m.runs_once_on(c, moved)
+    assert m.gone_from(a) and command(cp, m.restore["id"])["state"] == "failed"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
