@@ -18,7 +18,7 @@ import pytest
 
 from stasis.nodehost import Node
 from stasis.poll import poll
-from tests import nodes
+from tests import leftovers, nodes
 from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +27,15 @@ STASIS = str(Path(sys.executable).parent / "stasis")
 TEST_USER = "stasis-test"
 
 T = TypeVar("T")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    leftovers.start()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    leftovers.check(session)
 
 
 def workload(name: str, *args: object) -> list[str]:

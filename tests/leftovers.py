@@ -1,0 +1,90 @@
+"""`make test` leaves no process behind: every process the session starts carries a marker in
+its environment (or runs from the session's directories), and at the session's end any such
+process still alive is named, killed, and fails the run.
+
+A harness that does not stop what it started (a cluster brought up half-way, a daemon whose
+stop timed out) otherwise goes unnoticed until a later run finds its ports taken."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+MARK = "STASIS_TEST_SESSION"
+# What a fixture's teardown signalled may still be exiting.
+GRACE_S = float(os.environ.get("STASIS_TEST_LEFTOVER_GRACE_S", "20"))
+
+_before: set[int] = set()
+_token = ""
+
+
+def _pids() -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
+
+
+def start() -> None:
+    """Called once, before any test: what runs now is not ours."""
+    global _token
+    _token = os.urandom(8).hex()
+    os.environ[MARK] = _token
+    _before.update(_pids())
+
+
+def _ours(pid: int, dirs: list[str]) -> str | None:
+    """The command line of `pid` if this session started it and it is alive (not a zombie)."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        environ = (proc / "environ").read_bytes().split(b"\0")
+    except (OSError, IndexError):
+        return None  # gone meanwhile
+    if f"{MARK}={_token}".encode() in environ or any(d in cmdline for d in dirs):
+        return cmdline.strip() or f"[{pid}]"
+    return None
+
+
+def remaining(dirs: list[str]) -> dict[int, str]:
+    me = os.getpid()
+    found = {pid: _ours(pid, dirs) for pid in _pids() - _before if pid != me}
+    return {pid: cmd for pid, cmd in found.items() if cmd}
+
+
+def check(session: pytest.Session) -> None:
+    if not _token:
+        return
+    dirs = []
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None and factory._basetemp is not None:
+        dirs.append(str(factory._basetemp))
+    deadline = time.monotonic() + GRACE_S
+    # A process caught in the middle of an exec shows no environment for an instant: one
+    # scan could miss it.
+    left = remaining(dirs)
+    time.sleep(1.0)
+    left = remaining(dirs) or left
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = remaining(dirs)
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    lines = "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in sorted(left.items()))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    text = (f"{len(left)} process(es) started by the tests were still running at the end "
+            f"(now killed): a harness did not stop what it started\n{lines}")
+    if reporter is not None:
+        reporter.write_sep("=", "processes left behind", red=True)
+        reporter.write_line(text)
+    else:
+        print(text)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
