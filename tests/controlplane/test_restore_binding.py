@@ -163,13 +163,20 @@ def test_the_record_of_restored_migrations_is_bounded_and_forgets_safely(
     db = JobDB(tmp_path / "jobs.db")
     try:
         db.create_tables([node.restored_table])
-        me: Any = SimpleNamespace(manager=SimpleNamespace(db=db))
+        from stasis.daemon.records import Records, file_name
+
+        kept_as_files = tmp_path / "records"
+        me: Any = SimpleNamespace(manager=SimpleNamespace(db=db),
+                                  _records=Records(db, kept_as_files))
         for i in range(5):
             node.ControlPlaneNode._claim_restore(me, f"cmd_{i}", f"ckpt-{i}", 1000.0 + i)
             node.ControlPlaneNode._restored(me, f"cmd_{i}", f"job-{i}")
         with db.transaction() as conn:
             kept = {r.migration for r in conn.execute(select(node.restored_table))}
         assert kept == {"cmd_2", "cmd_3", "cmd_4", node._WATERMARK}
+        # Its files (for a rebuild of a corrupt database: stasis/daemon/records.py) follow.
+        assert {p.name for p in (kept_as_files / "controlplane_restored").iterdir()} == \
+            {file_name(k) for k in kept}
         with pytest.raises(PermissionDeniedError, match="already restored it as job job-4"):
             node.ControlPlaneNode._claim_restore(me, "cmd_4", "ckpt-4", 1004.0)
         # cmd_0 was forgotten: its seal comes again, refused as older than what is remembered.
