@@ -51,8 +51,12 @@ def add_controlplane(commands: Any) -> None:
                                     "(STASIS_AUTH_TOKEN) into a node daemon's config file "
                                     "(what the web installer runs).")
     p.add_argument("--config", type=Path, required=True, help="The config file (0600).")
-    p.add_argument("--url", required=True)
-    p.add_argument("--cluster-id", required=True)
+    p.add_argument("--url", required=True,
+                   help="The control plane's URL (https://HOST:PORT; written as "
+                        "controlplane_url).")
+    p.add_argument("--cluster-id", required=True,
+                   help="The id of the cluster this node joins (`clusters add` printed it; "
+                        "written as cluster_id).")
     p.add_argument("--node", default=None, help="This node's name (default: the host name).")
     p.add_argument("--allow-plain-http", action="store_true",
                    help="Accept an http:// URL off loopback (the token crosses the network in "
@@ -63,7 +67,8 @@ def add_controlplane(commands: Any) -> None:
     p = clusters.add_parser("add", help="Register a cluster: its id and token (what the Slurm "
                                         "installer and the Helm chart take).")
     p.add_argument("name")
-    p.add_argument("--kind", required=True, choices=["slurm", "kubernetes"])
+    p.add_argument("--kind", required=True, choices=["slurm", "kubernetes"],
+                   help="Its scheduler: which installer its token fetches.")
     p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
                    help="The token stops working this long from now (default: never).")
     p.add_argument("--approve-joins", action="store_true",
@@ -107,11 +112,13 @@ def add_controlplane(commands: Any) -> None:
             "are approved at once"))))
 
     toks = subcommands(sub.add_parser("tokens", help="Tokens (never shown again: ids only)."))
-    p = toks.add_parser("list")
+    p = toks.add_parser("list", help="Every token's id, kind, cluster, creation, revocation "
+                                     "and expiry (never the token itself).")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/tokens", None, _said_rows(
         "id", "kind", "cluster_id", "created", "revoked", "expires")))
-    p = toks.add_parser("revoke")
+    p = toks.add_parser("revoke", help="Revoke TOKEN_ID (an id from `tokens list`): it stops "
+                                       "working at once.")
     p.add_argument("token_id", metavar="TOKEN_ID")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
@@ -158,7 +165,8 @@ def add_controlplane(commands: Any) -> None:
                                            "first: size, CRIU's time, frozen time, and the "
                                            "verdict of `stasis verify` (ok, failed: REASON, "
                                            "not verified).")
-    p.add_argument("--limit", type=int, default=500)
+    p.add_argument("--limit", type=int, default=500,
+                   help="At most this many, newest first (default: %(default)s).")
     p.add_argument("--deleted", action="store_true", help="Deleted ones too.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(
@@ -198,7 +206,8 @@ def add_controlplane(commands: Any) -> None:
                                        "node, restored on NODE from the store both share.")
     p.add_argument("job", metavar="JOB")
     _where(p)
-    p.add_argument("--to", required=True, metavar="NODE")
+    p.add_argument("--to", required=True, metavar="NODE",
+                   help="The ready node of the job's cluster that restores it.")
     p.add_argument("--wait", type=float, default=300.0, metavar="S",
                    help="Seconds to wait for each node (default: %(default)s).")
     add_json(p)
@@ -239,7 +248,8 @@ def add_controlplane(commands: Any) -> None:
     p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
                                               f"/api/v1/policies/{_seg(a.name)}/rotate-hook",
                                               None, lambda d: _said_hook(d, s)))
-    p = pol.add_parser("list")
+    p = pol.add_parser("list", help="The policies: trigger, period, action, filters, whether "
+                                    "enabled, last run.")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
                                               _said_rows("name", "trigger", "every_s",
@@ -253,12 +263,13 @@ def add_controlplane(commands: Any) -> None:
                                               lambda d: output.say(f"policy {d['name']}: "
                                                                    f"{d['queued']} command(s)")))
     p = sub.add_parser("events", help="What happened: nodes joining, commands, policy runs.")
-    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--limit", type=int, default=200,
+                   help="At most this many, the latest (default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "GET", f"/api/v1/events?limit={a.limit}",
                                               None, _said_rows("at", "node", "kind",
                                                                "message")))
-    p = pol.add_parser("rm")
+    p = pol.add_parser("rm", help="Delete a policy (its hook token stops working).")
     p.add_argument("name")
     add_json(p)
     p.set_defaults(handler=lambda a, s: _call(a, s, "DELETE",

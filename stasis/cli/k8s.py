@@ -84,7 +84,9 @@ def add_k8s(commands: Any) -> None:
     p = sub.add_parser("drain", help="This node: cordon it, checkpoint its containers under "
                                      "stasis as at their stop, evict their pods (they start "
                                      "again elsewhere, restored).")
-    p.add_argument("--reason", default="stasis drain", help="(default: %(default)s)")
+    p.add_argument("--reason", default="stasis drain",
+                   help="Why: recorded as the reason of the containers' checkpoints "
+                        "(default: %(default)s).")
     add_json(p)
     p.set_defaults(handler=drain)
     local = sub.add_parser("local-node", help="A private containerd (own root, state and "
@@ -120,15 +122,17 @@ def add_k8s(commands: Any) -> None:
 
 def _node_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--containerd-config", type=Path, default=Path("/etc/containerd/config.toml"),
-                   help="(default: %(default)s)")
+                   help="containerd's config file, where the runtime entry goes (default: "
+                        "%(default)s).")
     p.add_argument("--bin-dir", type=Path, default=Path("/usr/local/bin"),
                    help="A directory on containerd's PATH (default: %(default)s).")
 
 
 def _kubeconfig_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kubeconfig", default=None,
-                   help="(default: STASIS_KUBECONFIG, else the pod's service account, else "
-                        "$KUBECONFIG or ~/.kube/config)")
+                   help="The kubeconfig file of the Kubernetes API to use (default: "
+                        "STASIS_KUBECONFIG, else the pod's service account, else $KUBECONFIG "
+                        "or ~/.kube/config).")
 
 
 def agent(args: argparse.Namespace, settings: Settings) -> None:
@@ -285,7 +289,8 @@ def add_import(commands: Any) -> None:
     p = commands.add_parser("import", help="Store the checkpoint of an OCI image archive (as "
                                            "`export` writes it) as a new checkpoint.")
     p.add_argument("archive", type=Path, metavar="FILE")
-    p.add_argument("--label", default="", help="(default: the archive's)")
+    p.add_argument("--label", default="", help="Label of the new checkpoint (default: the "
+                                                 "archive's).")
     p.add_argument("--namespace", default="", help="Namespace it belongs to (default: the "
                                                    "archive's).")
     add_json(p)

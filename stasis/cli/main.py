@@ -330,12 +330,15 @@ def _add_dump(sub: Any) -> None:
                    help="Keep the job running after the dump.")
     p.add_argument("--label", help="Label of this checkpoint (default: the job's label).")
     p.add_argument("--compress", choices=["zstd", "lz4", "auto", "none"], default="none",
-                   help="(default: none)")
+                   help="Compress the images while CRIU writes them; auto: zstd only where it "
+                        "pays (mostly-zero or text memory) (default: none).")
     p.add_argument("--incremental", action="store_true",
                    help="Only memory changed since the last dump, where the kernel tracks it.")
     p.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=None,
                    help="Encrypt the images (AES-256-GCM, with the daemon's "
-                        "encryption_key_file); default: the daemon's setting (encrypt).")
+                        "encryption_key_file); --no-encrypt stores this dump unencrypted even "
+                        "where the daemon encrypts every dump; default: the daemon's setting "
+                        "(encrypt).")
     p.add_argument("--check", action="store_true",
                    help="Dump nothing: report what would make the dump fail (a unix stream "
                         "connection to a process outside the job) and what a restore would "
@@ -359,8 +362,9 @@ def _add_restore(sub: Any) -> None:
     p.add_argument("--user", metavar="NAME|UID",
                    help="Whose --label (root only, for another user's; default: yours).")
     p.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None,
-                   help="Run before all memory is back (userfaultfd); default: the daemon's "
-                        "setting.")
+                   help="Run before all memory is back (userfaultfd); --no-lazy loads all "
+                        "memory first even where the daemon restores lazily by default; "
+                        "default: the daemon's setting (lazy_restore).")
     p.add_argument("--verified", action="store_true",
                    help="With --label: the newest checkpoint whose `stasis verify` verdict is "
                         "ok.")
