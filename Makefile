@@ -9,7 +9,7 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode init test demo bench lint clean image
+.PHONY: install system venv proto bytecode init test demo bench lint clean image docs
 
 install: system venv proto bytecode init
 
@@ -82,6 +82,10 @@ bench: install
 	$(BIN)/python -m bench.soak $(BENCH_SOAK_ARGS)
 	$(BIN)/python -m bench.verify $(BENCH_VERIFY_ARGS)
 	$(BIN)/python -m bench.freeze $(BENCH_FREEZE_ARGS)
+
+# docs/cli.md, generated from the CLI's parsers (tests/test_docs.py fails when it is stale).
+docs: venv
+	$(BIN)/python -m stasis.cli.reference > docs/cli.md.new && mv docs/cli.md.new docs/cli.md
 
 clean:
 	rm -rf $(VENV) $(PROTO_OUT)
