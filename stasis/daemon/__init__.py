@@ -20,7 +20,7 @@ the engine into the store, restores them, and follows them until they end.
     inflight     dumps in flight, written down
     staging      the node-memory stage of leave-running dumps
     reaper       reaping orphans the daemon (a subreaper) inherits
-    shim         the per-job supervisor process (parent of the job, writes its exit status)
+    jobsupervisor the per-job supervisor process (parent of the job, writes its exit status)
     db           the SQLite database: jobs, network locks, integrations' tables
     netlocks     CRIU's network locks this node holds for its checkpoints
     users        callers, accounts, job environments

@@ -1,4 +1,4 @@
-"""A job's supervisor process (stasis.daemon.shim, the parent of the job): started ahead of
+"""A job's supervisor process (stasis.daemon.jobsupervisor, the parent of the job): started ahead of
 need, handed the job's spec, asked for its answer, and the row that records the job it started;
 the gate a restored tree waits at; the job's log, created for its owner.
 
@@ -177,7 +177,7 @@ class _SpareSupervisor:
         # In a session of its own, like the orphans the reaper reaps: it must know this one.
         with self._reaper.spawning() as supervisors:
             spare = subprocess.Popen(
-                [sys.executable, "-m", "stasis.daemon.shim", "--spare"],
+                [sys.executable, "-m", "stasis.daemon.jobsupervisor", "--spare"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 start_new_session=True,  # the job must outlive a restart of the daemon

@@ -1,8 +1,8 @@
 """A job's private /tmp and /var/tmp (`stasis run --private-tmp`): what the job keeps there is
 its own, travels in its checkpoint, and is gone when the job ends for good.
 
-How: the job's supervisor (stasis/daemon/shim.py) gives the job a mount namespace of its own,
-a slave of the node's (mounts the node makes later, e.g. home directories, still reach it;
+How: the job's supervisor (stasis/daemon/jobsupervisor.py) gives the job a mount namespace of
+its own, a slave of the node's (mounts the node makes later, e.g. home directories, still reach it;
 nothing the job mounts reaches the node), with a fresh tmpfs on /tmp and one on /var/tmp, each
 at most `size_bytes` (the `node_local_limit` setting): the job's memory cgroup pays for it.
 

@@ -1,6 +1,6 @@
 """Restoring a job's tree as its owner would have it: the one path that prepares and runs CRIU's
-restore, for the daemon's job supervisor (stasis/daemon/shim.py) and for a Slurm job's task
-(stasis/slurm/taskinit.py) alike.
+restore, for the daemon's job supervisor (stasis/daemon/jobsupervisor.py) and for a Slurm job's
+task (stasis/slurm/taskinit.py) alike.
 
 CRIU runs as root. What the job writes its output to is reopened here with the owner's rights
 (the path may be the user's choice, and a log may have grown since the dump: CRIU would refuse

@@ -46,7 +46,7 @@ def strays_of(daemon_pid: int) -> list[tuple[int, str]]:
         except OSError:
             continue
         stat = _stat(pid)
-        if stat and stat[1] != "Z" and b"stasis.daemon.shim" not in argv:
+        if stat and stat[1] != "Z" and b"stasis.daemon.jobsupervisor" not in argv:
             found.append((pid, stat[0]))
     return found
 

@@ -1,8 +1,8 @@
-"""The supervisor of one job: `python -m stasis.daemon.shim JOB_DIR`.
+"""The supervisor of one job: `python -m stasis.daemon.jobsupervisor JOB_DIR`.
 
-The daemon starts one shim per job (with `--spare`: ahead of need, reading JOB_DIR from stdin),
-in a session of its own, so that a job outlives a restart of the daemon and its exit status is
-never lost: the shim is the job's parent, waits for it and
+The daemon starts one supervisor per job (with `--spare`: ahead of need, reading JOB_DIR from
+stdin), in a session of its own, so that a job outlives a restart of the daemon and its exit
+status is never lost: the supervisor is the job's parent, waits for it and
 writes `exit.json` into the job's directory (atomically), whether or not a daemon is listening.
 
 Two modes, read from the spec: the line after JOB_DIR on stdin (as a spare; it may hold the
@@ -15,7 +15,7 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            log, then exec stasis-init in front of the command (stasis-init.c: it forwards signals
            to the whole job, reaps, and lives as long as any process of the job does, so a
            program that daemonizes stays the job).
-  restore  CRIU restores the images as the shim's child (rst_sibling), with stdout/stderr re-pointed
+  restore  CRIU restores the images as the supervisor's child (rst_sibling), with stdout/stderr re-pointed
            at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
            files, cwd, mappings and socket addresses with those rights too (Owner).
            A lazy restore from a store has its lazy pages served by the daemon on a unix socket
