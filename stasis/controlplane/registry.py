@@ -1058,9 +1058,9 @@ class Registry:
             if failed.get("committed"):
                 # Committed before the node was lost: never re-targeted (recover).
                 self._event(conn, row["cluster_id"], row["node"], "command-late",
-                            f"restore {row['id']} was failed while node {row['node']} was "
-                            f"away, after that node had begun resuming it: it restored it as "
-                            f"job {job}, which runs there, once (it was not re-targeted)")
+                            f"restore {row['id']} was failed after node {row['node']} had "
+                            f"begun resuming it (committed): that node restored it as job "
+                            f"{job}, which runs there, once (it was not re-targeted)")
             else:
                 # Only a node without fencing (an older stasis) resumes a restore that was
                 # not committed: the re-targeted one may run too.
@@ -1074,7 +1074,7 @@ class Registry:
             stopped = not args.get("leave_running", True)
             self._event(conn, row["cluster_id"], row["node"], "command-late",
                         f"checkpoint {row['id']} of job {str(args.get('job'))[:100]} was "
-                        f"failed while node {row['node']} was away, and that node took "
+                        f"failed (node {row['node']} lost or silent), and that node took "
                         f"checkpoint {str(result['checkpoint'])[:64]} all the same" + (
                             ", stopping the job: it runs nowhere now (no restore was queued); "
                             f"`stasis restore {str(result['checkpoint'])[:64]}` on a node of "
@@ -1339,7 +1339,7 @@ def _fenced(row: dict[str, Any], node: str) -> str:
     if row["state"] == "done":
         return what + "it was answered already"
     nxt, error = result.get("next"), " ".join(str(result.get("error") or "").split())[:400]
-    return what + f"the control plane failed it while the node was away ({error})" + (
+    return what + f"the control plane failed it meanwhile ({error})" + (
         f", re-targeted as {nxt}" if nxt and str(nxt) not in error else "") + \
         "; its restored tree is killed unresumed, so that the job runs once"
 

@@ -371,3 +371,36 @@ def test_a_committed_restore_is_never_retargeted(fake_site: FakeSite) -> None:
     status, refused = site.cp.call("POST", path, site.nodes["b"].token,
                                    {"lease_id": got["lease_id"]})
     assert status == 409 and "node b fenced" in refused["error"], refused
+
+
+def test_a_checkpoint_half_whose_node_is_lost_queues_no_restore(fake_site: FakeSite) -> None:
+    """The source half of a migration held by a node found lost: failed, warning that the job
+    may still run there (a restore by hand elsewhere would run it twice); the node's late
+    answer (it took the checkpoint, stopping the job) queues no restore, and is said, naming
+    the checkpoint that resumes the job."""
+    site = fake_site
+    for name in ("src", "b"):
+        site.node(name)
+    site.beat()
+    first = site.migrate("b")
+    got = site.nodes["src"].lease()
+    assert got is not None and got["id"] == first["id"], got
+
+    def failed() -> dict[str, Any] | None:
+        site.beat("src")
+        c = site.command(first["id"])
+        return c if c["state"] == "failed" else None
+
+    c = wait_for(failed, 30, "the checkpoint half to fail with its node")
+    error = c["result"]["error"]
+    assert "node src was lost" in error and "job j-1 may still run on node src" in error, error
+    assert "\n" not in error
+    done = site.nodes["src"].ack(first["id"], True, {
+        "checkpoint": "20260101T000000Z-abcdef", "label": "j-1", "size_bytes": 1,
+        "seal": {"key_id": "0" * 32, "hmac_sha256": "0" * 64}})
+    assert done["state"] == "failed" and not (done["result"] or {}).get("next"), done
+    site.beat("src")
+    assert site.nodes["b"].lease() is None  # nothing to restore: the job does not run twice
+    said = [e["message"] for e in site.cp.json("events") if e["kind"] == "command-late"]
+    assert any("it runs nowhere now" in m and "stasis restore 20260101T000000Z-abcdef" in m
+               for m in said), said
