@@ -21,7 +21,9 @@ README_MAX_LINES = 220
 
 
 def markdown_files() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    """The docs, and the other markdown files they lead to."""
+    return [README, *sorted(DOCS.glob("*.md")), ROOT / "SECURITY.md", ROOT / "bench/README.md",
+            ROOT / "stasis/slurm/README.md"]
 
 
 # -- (a) settings ------------------------------------------------------------------------------
