@@ -73,6 +73,10 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
                          ("": /usr/sbin/runc, else the first on PATH)
     STASIS_K8S_MIN_INTERVAL_S  floor on containers' checkpoint intervals (STASIS_INTERVAL,
                          stasis.dev/interval): a shorter one is raised to it; 0 = none  (60)
+    STASIS_INTERVAL_MIN_S  floor on the interval `STASIS_INTERVAL=auto` chooses (Young/Daly,
+                         stasis/interval.py)  (300)
+    STASIS_INTERVAL_MAX_S  ceiling on it; also the interval of a job whose partition shows no
+                         interruption in Slurm's accounting  (86400)
     STASIS_K8S_STOP_TIMEOUT_S  seconds a container's checkpoint at its stop may take before
                          the container is stopped as usual without it  (20)
     STASIS_K8S_RESTORE_ATTEMPTS  failed restores of one good checkpoint on a node (each
@@ -135,6 +139,8 @@ _ENV_KEYS = {
     "STASIS_CONTAINERD_ADDRESS": "containerd_address",
     "STASIS_K8S_STOP_TIMEOUT_S": "k8s_stop_timeout_s",
     "STASIS_K8S_MIN_INTERVAL_S": "k8s_min_interval_s",
+    "STASIS_INTERVAL_MIN_S": "interval_min_s",
+    "STASIS_INTERVAL_MAX_S": "interval_max_s",
     "STASIS_K8S_RESTORE_ATTEMPTS": "k8s_restore_attempts",
     "STASIS_KUBECONFIG": "kubeconfig",
     "STASIS_K8S_CHECK_INTERVAL_S": "k8s_check_interval_s",
@@ -282,6 +288,11 @@ class Settings(NamedTuple):
     runc: str = ""
     k8s_stop_timeout_s: int = 20
     k8s_min_interval_s: int = 60
+    # `auto` intervals (stasis/interval.py): never more often than the floor (each checkpoint
+    # takes a dump slot and store space), never rarer than the ceiling (a rate of zero in the
+    # accounting window proves no rate of zero).
+    interval_min_s: float = 300.0
+    interval_max_s: float = 86400.0
     # Failed `runc restore`s of one good checkpoint on a node (each fails the container's
     # create, which the kubelet retries) before the label's previous checkpoint is tried
     # instead; 0 = never give up on it (issue 28).
