@@ -66,6 +66,8 @@ _WAIT = ('trap "" TERM INT HUP; [ "$SLURM_PROCID" = 0 ] && echo started; '
 _NAME_MAX = 100
 # Steps of one job recorded at once, at most (each is an srun of the job's user).
 _MAX_OPEN = 64
+# Tasks a step's record asks Slurm for, at most (the book says how many the step has).
+_MAX_TASKS = 4096
 # A mirror that has not started after this long is left to start while the next one does.
 _START_WAIT_S = 10.0
 # Mirrors of one job started in one poll, at most, and the time that may take: the rest wait
@@ -95,7 +97,7 @@ class BookReader:
     def _new_pool() -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="stasis-step-book")
 
-    def read(self, ns_fd: int, owner: int | None = None) -> list[dict[str, object]]:
+    def read(self, ns_fd: int, owner: int | None = None) -> list[steps.StepRecord]:
         """The records of the book in the IPC namespace `ns_fd`; `owner`: the uid that must own
         the segment (steps.BookRefused otherwise)."""
         future = self._pool.submit(self._read, ns_fd, owner)
@@ -112,7 +114,7 @@ class BookReader:
             err = ctypes.get_errno()
             raise OSError(err, f"setns: {os.strerror(err)}")
 
-    def _read(self, ns_fd: int, owner: int | None) -> list[dict[str, object]]:
+    def _read(self, ns_fd: int, owner: int | None) -> list[steps.StepRecord]:
         self._setns(ns_fd)
         try:
             return steps.read_records(owner)
@@ -221,12 +223,11 @@ class Mirrors:
                    gid=reg["gid"], user=reg["user"])
         if not fresh:
             # A daemon that restarted, or a restored job: what ended was recorded before.
-            job.done = {_int(r.get("step"), -1, 0, 1 << 31)
-                        for r in self._read(reg["slurm_job"], job) if "exit" in r}
+            job.done = {r["step"] for r in self._read(reg["slurm_job"], job) if "exit" in r}
         self._jobs[reg["slurm_job"]] = job
         return job
 
-    def _read(self, job_id: str, job: _Job) -> list[dict[str, object]]:
+    def _read(self, job_id: str, job: _Job) -> list[steps.StepRecord]:
         if job.stuck:
             return []
         try:
@@ -252,11 +253,12 @@ class Mirrors:
         return records
 
     def _sync(self, job_id: str, job: _Job) -> None:
-        # The book is the job's memory, written by the user's processes: every value is checked.
+        # The book is the job's memory, written by the user's processes: every value was checked
+        # as it was read (steps.parse_record).
         starts, deadline = 0, time.monotonic() + _START_BUDGET_S
         for rec in self._read(job_id, job):
-            step = _int(rec.get("step"), -1, 0, 1 << 31)
-            if rec.get("where") != "stasis" or step < 0 or step in job.done:
+            step = rec["step"]
+            if rec.get("where") != "stasis" or step in job.done:
                 continue
             proc = job.open.get(step)
             if proc is None:
@@ -270,8 +272,8 @@ class Mirrors:
                     job.done.add(step)
                     continue
                 starts += 1
-                proc = self._start(job_id, job, step, str(rec.get("name") or "step"),
-                                   _int(rec.get("ntasks"), 1, 1, 4096))
+                proc = self._start(job_id, job, step, rec.get("name") or "step",
+                                   min(rec.get("ntasks", 1), _MAX_TASKS))
                 if proc is None:
                     job.done.add(step)
                     continue
@@ -283,9 +285,7 @@ class Mirrors:
                 job.done.add(step)
                 continue
             if "exit" in rec:
-                code = _int(rec["exit"], 1, 0, 255)
-                sig = _int(rec.get("signal"), 0, 0, 64)
-                self._tell(proc, f"{code} {sig}\n".encode())
+                self._tell(proc, f"{rec['exit']} {rec.get('signal', 0)}\n".encode())
                 self._ending.append(proc)
                 job.told = [p for p in job.told if p.poll() is None] + [proc]
                 del job.open[step]
@@ -363,13 +363,6 @@ class Mirrors:
             elif proc.stdout is not None:
                 proc.stdout.close()
         self._ending = still
-
-
-def _int(value: object, default: int, lo: int, hi: int) -> int:
-    """`value` as an int within [lo, hi]; `default` if it is no int at all."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        return default
-    return max(lo, min(value, hi))
 
 
 def _name(text: str) -> str:

@@ -222,6 +222,27 @@ def test_fuzz_parse_book_and_fold(data: bytes, used: int | None) -> None:
         assert type(n) is int and 0 <= n < 1 << 31
 
 
+@settings(max_examples=300, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(body=_record())
+def test_fuzz_each_record_is_what_steprecord_says(body: bytes) -> None:
+    """Whatever the job's user writes, what the daemon gets back holds the types and bounds
+    StepRecord declares (the mirrors use the values as they come)."""
+    declared = steps.StepRecord.__required_keys__ | steps.StepRecord.__optional_keys__
+    for rec in steps.fold(body):
+        assert set(rec) <= declared
+        assert type(rec["step"]) is int and 0 <= rec["step"] < 1 << 31
+        assert rec.get("where", "stasis") in ("stasis", "slurm")
+        assert all(type(a) is str for a in rec.get("argv", []))
+        assert type(rec.get("name", "")) is str and type(rec.get("reason", "")) is str
+        assert type(rec.get("ntasks", 1)) is int and rec.get("ntasks", 1) >= 1
+        if "exit" in rec:
+            assert type(rec["exit"]) is int and 0 <= rec["exit"] <= 255
+            assert type(rec["signal"]) is int and 0 <= rec["signal"] <= 64
+        else:
+            assert "signal" not in rec
+
+
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(size=st.sampled_from([1, 15, 16, 17, 4095, 4096, 4097, 65536, BOOK - 1, BOOK, BOOK + 1,

@@ -12,6 +12,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal, Required, TypedDict, TypeGuard
 
 _KEY = 0x53544550  # "STEP"; the IPC namespace is the job's own, so no other job sees it
 _SIZE = 1 << 18
@@ -20,6 +21,74 @@ _HEADER = 16  # magic, next step id, bytes of records used, records dropped (u32
 _IPC_CREAT, _IPC_NOWAIT = 0o1000, 0o4000
 _SHM_RDONLY = 0o10000
 _LOCK_WAIT_S = 5
+_STEPS_MAX = 1 << 31  # a step id fits Slurm's (u32, less its special values)
+_EXIT_MAX = 255
+_SIGNAL_MAX = 64
+
+Where = Literal["stasis", "slurm"]  # who runs the step: us, in the job's tree, or Slurm's srun
+
+
+class _StepFacts(TypedDict, total=False):
+    name: str  # ours: Slurm's name for it (-J, else its program's)
+    ntasks: int  # ours
+    reason: str  # Slurm's: why it was handed to Slurm's srun
+
+
+class StepStart(_StepFacts):
+    """What our srun records as a step starts (under its step id)."""
+
+    where: Where
+    argv: list[str]  # srun's arguments
+
+
+class StepRecord(_StepFacts, total=False):
+    """A step as a book tells it (`fold`), its end folded in. Only `step` is sure to be there:
+    the book is the job user's to write, so a value of another type than this says is left out,
+    and exit and signal are bounded to what a task can have."""
+
+    step: Required[int]
+    where: Where
+    argv: list[str]
+    exit: int  # srun's exit code; absent: still running, or handed to Slurm's srun
+    signal: int  # what killed the task that gave the exit code, 0 for none
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_record(line: bytes) -> StepRecord | None:
+    """One line of a book as a record (its start or its end); None for a line that is none:
+    cut short (read while written), not JSON, not an object, or without a step id in range."""
+    try:
+        raw: Any = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested without end
+        return None
+    if not isinstance(raw, dict):
+        return None
+    step = raw.get("step")
+    if not _is_int(step) or not 0 <= step < _STEPS_MAX:
+        return None
+    rec = StepRecord(step=step)
+    where = raw.get("where")
+    if where == "stasis" or where == "slurm":
+        rec["where"] = where
+    argv = raw.get("argv")
+    if isinstance(argv, list) and all(isinstance(a, str) for a in argv):
+        rec["argv"] = argv
+    ntasks = raw.get("ntasks")
+    if _is_int(ntasks):
+        rec["ntasks"] = max(1, ntasks)
+    name, reason = raw.get("name"), raw.get("reason")
+    if isinstance(name, str):
+        rec["name"] = name
+    if isinstance(reason, str):
+        rec["reason"] = reason
+    if "exit" in raw:  # an end: whatever its code says, the step ended
+        code, sig = raw["exit"], raw.get("signal", 0)
+        rec["exit"] = max(0, min(code, _EXIT_MAX)) if _is_int(code) else 1
+        rec["signal"] = max(0, min(sig, _SIGNAL_MAX)) if _is_int(sig) else 0
+    return rec
 
 
 class _Sembuf(ctypes.Structure):
@@ -47,10 +116,10 @@ def _shm_libc() -> ctypes.CDLL:
 class Book:
     """The job's step counter and records: a SysV segment plus a semaphore as its lock.
 
-    The records are JSON lines: {"step", "where" (stasis|slurm), "argv", "name", "reason"} when
-    a step starts, {"step", "exit", "signal"} when one of ours ends (signal: what killed the task
-    that gave the exit code, 0 for none). The node daemon reads them from outside
-    (`read_records`): stasis.slurm.mirrors records each step in Slurm."""
+    The records are JSON lines: a StepStart under its "step" when a step starts, {"step",
+    "exit", "signal"} when one of ours ends (signal: what killed the task that gave the exit
+    code, 0 for none). The node daemon reads them from outside (`read_records`, as
+    StepRecords): stasis.slurm.mirrors records each step in Slurm."""
 
     def __init__(self) -> None:
         libc = _shm_libc()
@@ -107,7 +176,7 @@ class Book:
         ops = (_Sembuf * 1)(_Sembuf(0, -1, _IPC_NOWAIT))
         self.libc.semtimedop(self.sem, ops, 1, None)
 
-    def start(self, record: dict[str, object]) -> int:
+    def start(self, record: StepStart) -> int:
         """A new step: its id, with `record` kept under it."""
         return self._locked(lambda step: json.dumps({"step": step, **record}), new_step=True)
 
@@ -115,7 +184,7 @@ class Book:
         self._locked(lambda _: json.dumps({"step": step, "exit": exit_code, "signal": sig}),
                      new_step=False)
 
-    def records(self) -> list[dict[str, object]]:
+    def records(self) -> list[StepRecord]:
         """Each step, in order, with its exit code folded in ("exit" absent: still running,
         or handed to Slurm's srun)."""
         return fold(_used(self.libc, self.shm))
@@ -236,30 +305,25 @@ def _used(libc: ctypes.CDLL, shm: int) -> bytes:
     return parse_book(_segment_bytes(libc, shm, min(size, _SIZE)))
 
 
-def fold(data: bytes) -> list[dict[str, object]]:
+def fold(data: bytes) -> list[StepRecord]:
     """The records of a book, a step each, in order, its end folded in ("exit" absent: still
-    running, or handed to Slurm's srun). A line cut short (read while written) is skipped, and
-    so is any line that is not a record: the book is written by the job's user."""
-    steps: dict[int, dict[str, object]] = {}
+    running, or handed to Slurm's srun). A line that is no record (`parse_record`) is skipped:
+    the book is written by the job's user."""
+    steps: dict[int, StepRecord] = {}
     for line in data.splitlines():
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested without end
+        rec = parse_record(line)
+        if rec is None:
             continue
-        if not isinstance(rec, dict):
-            continue
-        n = rec.get("step")
-        if type(n) is not int or not 0 <= n < 1 << 31:
-            continue
-        if "exit" in rec and n in steps:
+        n = rec["step"]
+        if "exit" not in rec:
+            steps[n] = rec
+        elif n in steps:
             steps[n]["exit"] = rec["exit"]
             steps[n]["signal"] = rec.get("signal", 0)
-        elif "exit" not in rec:
-            steps[n] = rec
     return [steps[n] for n in sorted(steps)]
 
 
-def read_records(owner: int | None = None) -> list[dict[str, object]]:
+def read_records(owner: int | None = None) -> list[StepRecord]:
     """The book of the IPC namespace this thread is in, read without its lock and without
     creating it (none yet: no step): for a reader outside the job (the node daemon).
 

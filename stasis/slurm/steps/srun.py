@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from stasis.slurm.steps.book import Book
+from stasis.slurm.steps.book import Book, StepStart
 from stasis.slurm.steps.parse import Handoff, parse, plan
 from stasis.slurm.steps.realsrun import SRUN_NAME, find_real_srun
 from stasis.slurm.steps.runner import OUR_STEP_VAR, Runner
@@ -81,14 +81,14 @@ def main(argv: list[str] | None = None) -> None:
             raise Handoff(f"{OPT_OUT_VAR}=slurm")
         p = plan(parse(args), env)
     except Handoff as e:
-        _start(book, {"where": "slurm", "argv": args, "reason": e.reason})
+        _start(book, StepStart(where="slurm", argv=args, reason=e.reason))
         if not e.quiet:
             sys.stderr.write(f"stasis: this srun step runs outside stasis ({e.reason}): "
                              "no checkpoint can be taken while it runs\n")
         _exec_real(args, env)
     # Slurm names a step after its program unless -J says otherwise.
-    step = _start(book, {"where": "stasis", "argv": args, "ntasks": p.ntasks,
-                         "name": p.name or os.path.basename(p.command[0])})
+    step = _start(book, StepStart(where="stasis", argv=args, ntasks=p.ntasks,
+                                  name=p.name or os.path.basename(p.command[0])))
     runner = Runner(p, env, step)
     code = runner.run()
     if book:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code)
 
 
-def _start(book: Book | None, record: dict[str, object]) -> int:
+def _start(book: Book | None, record: StepStart) -> int:
     if book is None:
         return 0
     try:
