@@ -7,7 +7,7 @@ STASIS_CONFIG, else /etc/stasis/config.toml when it exists.
     STASIS_SOCKET        unix socket of the daemon            (/run/stasis/stasis.sock)
     STASIS_STATE_DIR     daemon state: database, job logs    (/var/lib/stasis)
     STASIS_STORE         checkpoint store: directory or fsspec URL  (<state_dir>/checkpoints)
-    STASIS_SOCKET_GROUP  group allowed to use the socket      (stasis, when that group exists)
+    STASIS_SOCKET_GROUP  restrict the socket to this group     ("": every local user)
     STASIS_KEEP          checkpoints kept per label, 0 = all  (5)
     STASIS_KEEP_FINISHED_JOBS       rows of finished jobs the job table keeps (the newest),
                          0 = all  (1000)
