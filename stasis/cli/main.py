@@ -229,7 +229,12 @@ def check(args: argparse.Namespace, settings: Settings) -> None:
         report["problems"].extend(not_ready)
         report["ok"] = report["ok"] and not not_ready
     except StasisError as e:
-        report["notes"].append(f"cannot ask the daemon whether it is ready: {e}")
+        # No daemon, no protection: a node whose daemon is down is not ready (the Kubernetes
+        # agent's readiness probe and a site's monitoring run this), whatever CRIU can do.
+        report["problems"].append({
+            "what": f"not ready: {e}",
+            "fix": "systemctl start stasis (or `stasis daemon` as root); its log: journalctl -u stasis"})
+        report["ok"] = False
     if report["network_locks"]:
         try:
             with Client(settings.socket, timeout_s=10) as client:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 from tests.conftest import STASIS, Daemon, wait_for, workload
 from tests.daemon.test_bad_input import one_line_error
@@ -91,3 +92,14 @@ def test_check_reports_a_ready_node(daemon: Daemon) -> None:
     assert any("incremental" in n for n in report["notes"])
     missing = daemon.cli("check", input_env={"STASIS_CRIU": "/nonexistent/criu"}, check=False)
     assert missing.returncode == 1 and "problem" in missing.stdout
+
+
+def test_check_says_not_ready_while_the_node_daemon_does_not_answer(daemon: Daemon,
+                                                                     tmp_path: Path) -> None:
+    # A readiness probe (the Kubernetes agent's) or a site's monitoring: no daemon, no
+    # protection, whatever CRIU can do.
+    gone = daemon.cli("check", input_env={"STASIS_SOCKET": str(tmp_path / "none.sock")},
+                      check=False)
+    assert gone.returncode == 1, gone.stdout
+    assert gone.stdout.rstrip().endswith("NOT READY")
+    assert "not ready: cannot reach the stasis daemon" in gone.stdout
