@@ -231,6 +231,15 @@ class Client:
         return cast("wire.SlurmCheckpointAnswer", self.request(
             "POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint", request))
 
+    def slurm_interval(self, slurm_job: str, requested: str) -> dict[str, Any]:
+        """How long job `slurm_job` waits for its next periodic checkpoint (`requested`:
+        "auto" or seconds), and why (stasis.slurm.intervals)."""
+        return cast("dict[str, Any]", self.request(
+            "POST", f"/slurm/jobs/{_seg(slurm_job)}/interval", {"requested": requested}))
+
+    def slurm_intervals(self) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", self.request("GET", "/slurm/intervals"))
+
     def slurm_finish(self, slurm_job: str, exit_code: int | None,
                      stopped: bool = False) -> wire.FinishAnswer:
         return cast("wire.FinishAnswer", self.request(

@@ -104,10 +104,12 @@ def add_slurm(commands: Any) -> None:
     p.set_defaults(handler=start_node)
 
     from stasis.cli.slurm_remote import add_remote
+    from stasis.cli.slurm_intervals import add_intervals
     from stasis.cli.slurm_report import add_report
 
     add_remote(sub)
     add_report(sub)
+    add_intervals(sub)
 
 
 def _conf_option(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,11 @@
     POST /slurm/jobs/{id}/checkpoint        {"leave_running": bool}; without leave_running the
                                             workload is killed once the checkpoint is published
                                             and the job is requeued (`scontrol requeue`)
+    POST /slurm/jobs/{id}/interval          {"requested": "auto" | "<seconds>"}: how long
+                                            to wait for the next periodic checkpoint, and why
+                                            (stasis.slurm.intervals)
+    GET  /slurm/intervals                   the jobs' current intervals (root: all, a user:
+                                            their own)
     POST /slurm/jobs/{id}/finish            {"exit_code": n, "stopped": bool}: the workload
                                             ended; a genuine success (0, nothing stopped, no stop
                                             asked or failed in the run) retires the label's
@@ -49,7 +54,8 @@ from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
 from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
-from stasis.slurm import held, mirrors, remote, scontrol
+from stasis.slurm import held, interruptions, mirrors, remote, scontrol
+from stasis.slurm.intervals import IntervalRequest, Intervals
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.wire import Health
@@ -121,6 +127,8 @@ class SlurmIntegration(Integration):
         manager.add_job_source(JobSource("slurm", self._reported, self._checkpoint,
                                          self._drain, self._state))
         self._partitions: dict[str, str] = {}  # Slurm job id -> its partition, asked once
+        self.intervals = Intervals(manager.settings)
+        manager.activity.add(self.intervals.heard)
         self._listener: asyncio.Task[None] | None = None
 
     def _reported(self) -> list[ReportedJob]:
@@ -283,7 +291,24 @@ class SlurmIntegration(Integration):
                 Task("record Slurm stops", 1.0, self.jobs.record_pending),
                 Task("record srun steps in Slurm", mirrors.POLL_S,
                      lambda: self.mirrors.poll(self.jobs.registrations.running())),
-                Task("release Slurm jobs held here", held.RECHECK_S, self._release_held)]
+                Task("release Slurm jobs held here", held.RECHECK_S, self._release_held),
+                *([Task("read interruption rates (sacct)", interruptions.REFRESH_S,
+                        self.intervals.rates.refresh)]
+                  if self.manager.settings.slurm_conf_present else []),
+                Task("forget intervals of ended Slurm jobs", _SWEEP_INTERVAL_S,
+                     self._forget_intervals)]
+
+    def _forget_intervals(self) -> None:
+        self.intervals.forget_except({r["slurm_job"] for r in self.jobs.registrations.running()})
+
+    def _interval(self, job_id: str, requested: str, caller: Caller) -> dict[str, object]:
+        """Blocking (scontrol, perhaps sacct): the owner's (or root's) ask for its job's
+        interval."""
+        reg = self.jobs.get(job_id, caller)
+        rss = proctree.resident_bytes(reg["pid"]) \
+            if proctree.alive(reg["pid"], reg["pid_start"]) else 0
+        return self.intervals.ask(reg["slurm_job"], requested, dict(reg),
+                                  self._partition(reg["slurm_job"]), rss)
 
     def _release_held(self) -> None:
         def store_answers(label: str, uid: int) -> bool:
@@ -313,6 +338,14 @@ class SlurmIntegration(Integration):
             return answer(await asyncio.to_thread(jobs.checkpoint, request.match_info["job"],
                                                   req, peer(request)))
 
+        async def interval(request: web.Request) -> web.StreamResponse:
+            req = await read_body(request, IntervalRequest)
+            return answer(await asyncio.to_thread(self._interval, request.match_info["job"],
+                                                  req.requested, peer(request)))
+
+        async def intervals(request: web.Request) -> web.StreamResponse:
+            return answer(self.intervals.listing(peer(request)))
+
         async def finish(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, FinishRequest)
             return answer(await asyncio.to_thread(jobs.finish, request.match_info["job"], req,
@@ -323,5 +356,7 @@ class SlurmIntegration(Integration):
             web.post("/slurm/jobs", register),
             web.get("/slurm/jobs/{job}", get_job),
             web.post("/slurm/jobs/{job}/checkpoint", checkpoint),
+            web.post("/slurm/jobs/{job}/interval", interval),
+            web.get("/slurm/intervals", intervals),
             web.post("/slurm/jobs/{job}/finish", finish),
         ]

@@ -18,6 +18,8 @@ Then it waits for the workload and
               checkpoint; the daemon publishes it, kills the workload and requeues the job
     SIGTERM/INT/HUP/CONT/USR2                      forwarded to the workload
     STASIS_INTERVAL=<s>                             a leave-running checkpoint every <s> seconds
+    STASIS_INTERVAL=auto                            ...every Young/Daly interval the daemon
+              chooses (stasis.slurm.intervals), asked again after each checkpoint
 A checkpoint is not asked for while a step handed to Slurm's own srun runs (its tasks are outside
 the tree: the restored client would talk to a step that is gone): a line in the job's output says
 so, and the job goes on. When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
@@ -52,6 +54,10 @@ _PRIVATE = ("STASIS_SLURM_START", "STASIS_SLURM_SCRIPT")
 _REQUEUE_WAIT_S = 300
 
 
+# STASIS_INTERVAL=auto and the daemon cannot say (an older daemon, or down): asked again then.
+_AUTO_FALLBACK_S = 3600.0
+
+
 # A daemon that does not answer these in time is as good as down (a checkpoint has no bound).
 _QUICK_S = 20.0
 # The daemon died during a stop checkpoint: how long to wait for it to come back and say
@@ -81,6 +87,7 @@ class Launcher:
         # ...or left the requeue to Slurm, which makes it when this batch step ends (preempted)
         self.slurm_requeues = False
         self.interval_s = 0.0  # STASIS_INTERVAL: periodic leave-running checkpoints
+        self.auto = False  # STASIS_INTERVAL=auto: the daemon chooses interval_s
         self.refused: list[str] = []  # the outside steps a periodic checkpoint was skipped for
         self.stopped = False  # warned (preemption, time limit) or told to stop in this run
         self.final_unknown = False  # the daemon went away while taking the stop checkpoint
@@ -142,7 +149,32 @@ class Launcher:
                 "it runs WITHOUT checkpoint protection")
             self.mode = "off"
             return
-        self.interval_s = float(interval) if interval and _is_number(interval) else 0.0
+        if interval.strip().lower() == "auto":
+            self.auto = True
+            self.interval_s = _AUTO_FALLBACK_S
+        else:
+            self.interval_s = float(interval) if interval and _is_number(interval) else 0.0
+        self.ask_interval()
+
+    def ask_interval(self) -> None:
+        """Tell the daemon the job's interval (shown by `stasis slurm intervals`); with `auto`,
+        take the one it chooses (said in the job's output when it changes)."""
+        if not self.interval_s:
+            return
+        requested = "auto" if self.auto else f"{self.interval_s:.6f}".rstrip("0").rstrip(".")
+        try:
+            with self._client() as c:
+                answer = c.slurm_interval(self.job_id, requested)
+            chosen = float(answer["interval_s"])
+        except (StasisError, KeyError, TypeError, ValueError) as e:
+            if self.auto:
+                say(f"stasis: warning: the node daemon chose no checkpoint interval ({e}); "
+                    f"the next periodic checkpoint comes in {self.interval_s:.0f} s")
+            return
+        if self.auto and chosen > 0:
+            if round(chosen, 1) != round(self.interval_s, 1):
+                say(f"stasis: checkpoint interval {chosen:.1f} s ({answer.get('why', '')})")
+            self.interval_s = chosen
 
     def steps_outside(self, final: bool) -> bool:
         """Whether a step handed to Slurm's srun runs now (then no checkpoint: said why)."""
@@ -228,8 +260,8 @@ class Launcher:
         self.spawn()
         self.register()
         pidfd = os.pidfd_open(self.pid)
-        interval = self.interval_s if self.mode != "off" else 0.0
-        next_periodic = time.monotonic() + interval if interval > 0 else None
+        periodic = self.interval_s > 0 and self.mode != "off"
+        next_periodic = time.monotonic() + self.interval_s if periodic else None
         while True:
             timeout = None if next_periodic is None else max(0.0, next_periodic - time.monotonic())
             ready, _, _ = select.select([rfd, pidfd], [], [], timeout)
@@ -245,7 +277,9 @@ class Launcher:
             if next_periodic is not None and time.monotonic() >= next_periodic:
                 if not self.steps_outside(final=False):
                     self.checkpoint(final=False)
-                next_periodic = time.monotonic() + interval
+                    if not self.requeued:
+                        self.ask_interval()  # auto: re-estimated from this checkpoint's cost
+                next_periodic = time.monotonic() + self.interval_s
         try:
             _, status = os.waitpid(self.pid, 0)
         except ChildProcessError:  # not ours to wait for: how it ended cannot be told
