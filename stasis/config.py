@@ -168,6 +168,7 @@ _ENV_KEYS = {
     "STASIS_INIT": "init",
     "STASIS_STAGE_DIR": "stage_dir",
     "STASIS_LAZY_RESTORE": "lazy_restore",
+    "STASIS_LAZY_DRAIN_TIMEOUT_S": "lazy_drain_timeout_s",
     "STASIS_VERIFY_NEW_CHECKPOINTS": "verify_new_checkpoints",
     "STASIS_VERIFY_TIMEOUT_S": "verify_timeout_s",
     "STASIS_NODE_LOCAL_LIMIT": "node_local_limit",
@@ -225,6 +226,9 @@ class Settings(NamedTuple):
     # it is behind (the job would stay frozen on writeback): daemon/staging.py, bench/freeze.py.
     stage_dir: str = "auto"
     lazy_restore: bool = False
+    # A graceful stop (SIGTERM) waits this long for lazily restored jobs to have all their
+    # memory back: the pages come from the daemon, which takes its page server with it.
+    lazy_drain_timeout_s: float = 60.0
     # Each checkpoint this node publishes is verified (`stasis verify`: restored in a sandbox,
     # stopped, removed) in the background at low priority; off: verified only when asked.
     verify_new_checkpoints: bool = False

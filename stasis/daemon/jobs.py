@@ -110,6 +110,11 @@ class JobManager:
         # What the start found wrong and could not mend (a corrupt database moved aside...).
         self.startup_problems: list[Problem] = []
 
+    def drain_lazy(self, timeout_s: float) -> int:
+        """At a graceful stop: wait for lazily restored jobs to have their memory back
+        (Restorer.drain); how many still are not."""
+        return self._restorer.drain(timeout_s)
+
     def close(self) -> None:
         """Let the spare supervisor go (running jobs and their supervisors are not touched)."""
         self._supervisors.close()

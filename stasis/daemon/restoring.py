@@ -69,6 +69,9 @@ class Restorer:
         self._supervisors = supervisors
         self._uffd: bool | None = None  # whether CRIU can restore lazily here (asked once)
         self._criu_version: str | None = None  # asked once, as for dumps
+        # Lazy restores whose pages this process still serves: a graceful stop waits for them.
+        self._serving: set[LazyRestore] = set()
+        self._serving_lock = threading.Lock()
 
     def restore(self, req: RestoreRequest, caller: Caller,
                 progress: Progress | None = None,
@@ -383,7 +386,21 @@ class Restorer:
         except BaseException:
             served.discard()
             raise
+        with self._serving_lock:
+            self._serving = {s for s in self._serving if not s.done.is_set()} | {served}
         return served
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait, at most `timeout_s`, for the lazy restores this daemon serves pages to to have
+        all their memory back: a daemon that stops takes its page server with it, and the
+        job's supervisor then kills the job rather than let it read zeros. How many are still
+        being served when the time is up (they are killed with the daemon)."""
+        deadline = time.monotonic() + timeout_s
+        with self._serving_lock:
+            serving = list(self._serving)
+        for served in serving:
+            served.done.wait(max(0.0, deadline - time.monotonic()))
+        return sum(not s.done.is_set() for s in serving)
 
     def _check_node(self, manifest: Manifest, files: bool) -> wire.RestoreFacts | None:
         """Refuse (IncompatibleNodeError) what differs from the node that dumped `manifest` in

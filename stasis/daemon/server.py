@@ -187,6 +187,12 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
         with suppress(asyncio.CancelledError):
             await task
     await runner.cleanup()
+    # Lazily restored jobs live on pages this process serves: stopping now would kill them.
+    left = await asyncio.to_thread(manager.drain_lazy, settings.lazy_drain_timeout_s)
+    if left:
+        log.warning("stopping with %d lazy restore(s) still fetching pages after %s s "
+                    "(lazy_drain_timeout_s): their jobs are killed, their checkpoints stay",
+                    left, settings.lazy_drain_timeout_s)
     for integration in plugged:
         integration.close()
     manager.close()

@@ -243,6 +243,8 @@ def unit_text(opts: InstallOptions) -> str:
         "Restart=on-failure",
         "# Jobs outlive a restart of the daemon: stop only the daemon's own process.",
         "KillMode=process",
+        "# A stop waits for lazy restores' pages (lazy_drain_timeout_s, 60 s) before the daemon ends.",
+        "TimeoutStopSec=120",
         "",
         "[Install]",
         "WantedBy=multi-user.target",

@@ -137,3 +137,35 @@ def test_a_daemon_killed_mid_lazy_restore_takes_the_job_with_it(make_daemon: Mak
     assert re.findall(r"^digest (\w+)$", log, re.M) == original
     d.start()
     assert d.job(restored["job"])["state"] == "failed"
+
+
+def test_a_graceful_stop_waits_for_a_lazy_restore_s_pages(make_daemon: MakeDaemon,
+                                                          world_tmp: Path) -> None:
+    """`systemctl restart stasis` mid lazy restore: the daemon stops answering, serves the
+    remaining pages, then ends; the job lives on with all of its memory (before, the stop took
+    the page server with it and the job was killed)."""
+    store = world_tmp / "lazy-daemon-drained"
+    d = make_daemon(store=f"dir::file://{store}",
+                    env={"STASIS_TEST_PAGE_DELAY_MS": "50", "STASIS_LAZY_DRAIN_TIMEOUT_S": "15"})
+    job = d.run(*workload("memhold.py", 64))
+    wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
+    cp = d.json("dump", job["job"])
+    original = _digests(d, job["job"])
+    restored = d.json("restore", "--lazy", cp["checkpoint"])
+    assert restored["lazy"] is True
+    root = workload_pid(restored["pid"])
+    memory = d.state_dir / "jobs" / restored["job"] / "memory.json"
+    assert not memory.exists()  # pages still to come: 64 MiB at 50 ms an answer
+    d.stop()  # SIGTERM, waits for the daemon to end
+    assert memory.exists() and json.loads(memory.read_text())["ok"] is True
+    assert proctree.alive(root, None)
+    os.kill(root, signal.SIGUSR1)
+    # The restored job writes on the original's log (read here: the daemon is down).
+    log = d.state_dir / "logs" / f"{job['job']}.log"
+    wait_for(lambda: len(re.findall(r"^digest (\w+)$", log.read_text(), re.M)) == 2, 30,
+             "digest")
+    assert re.findall(r"^digest (\w+)$", log.read_text(), re.M) == original * 2
+    assert not (d.state_dir / "jobs" / restored["job"] / "killed.json").exists()
+    d.start()
+    assert d.job(restored["job"])["state"] == "restored"
+    d.cli("kill", restored["job"])
