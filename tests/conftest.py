@@ -83,6 +83,8 @@ class Daemon:
             "STASIS_STATE_DIR": str(self.state_dir),
             "STASIS_STORE": self.store,
             "STASIS_KEEP": str(keep),
+            # Within stop()'s wait, should a test stop a daemon mid lazy restore.
+            "STASIS_LAZY_DRAIN_TIMEOUT_S": "10",
             "STASIS_CONFIG": "",
             **(env or {}),
         }
