@@ -40,6 +40,7 @@ from stasis.daemon.reaper import Reaper
 from stasis.daemon.readiness import StoreProbe
 from stasis.daemon.restoring import Restorer
 from stasis.daemon.supervisor import Supervisors, create_log, find_init, now
+from stasis.daemon.supervisorwire import RunSpec
 from stasis.daemon.tracking import JobTracker, died_of
 from stasis.daemon.verifying import Verifier
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
@@ -268,18 +269,9 @@ class JobManager:
             privatetmp.require_outside(req.cwd, log)
         if not req.log:
             create_log(log, acct)
-        spec = {
-            "mode": "run",
-            "command": req.command,
-            "cwd": req.cwd,
-            "env": env,
-            "uid": acct.uid,
-            "gid": acct.gid,
-            "groups": acct.groups,
-            "log": log,
-            "init": find_init(self.settings.init),
-            "umask": self.job_umask,
-        }
+        spec = RunSpec(mode="run", command=req.command, cwd=req.cwd, env=env, uid=acct.uid,
+                       gid=acct.gid, groups=acct.groups, log=log,
+                       init=find_init(self.settings.init), umask=self.job_umask)
         if private_tmp:
             spec["private_tmp"] = self.settings.node_local_limit  # each tmpfs's size
         # Its record without a pid, in its directory before it starts: a daemon killed before
@@ -289,11 +281,11 @@ class JobManager:
             exit_code=None, command=req.command, cwd=req.cwd, env=sorted(req.env),
             user=acct.name, uid=acct.uid, gid=acct.gid, log=log, checkpoint=None,
             created=now(), job_dir="", private_tmp=private_tmp)
-        started = self._supervisors.start(job_id, spec, job=job)
+        started = self._supervisors.run(job_id, spec, job)
         answer = started.answer
         if "error" in answer:
             raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
-        pid = started.pid
+        pid = answer["pid"]
         faults.point("run.after-start")  # running, not yet recorded: adopted at the next start
         row = started.row(
             state="running", label=label, command=req.command, cwd=req.cwd,

@@ -15,9 +15,9 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            log, then exec stasis-init in front of the command (stasis-init.c: it forwards signals
            to the whole job, reaps, and lives as long as any process of the job does, so a
            program that daemonizes stays the job).
-  restore  CRIU restores the images as the supervisor's child (rst_sibling), with stdout/stderr re-pointed
-           at the job's log (inherit_fd), opened with the job user's rights; CRIU opens the job's
-           files, cwd, mappings and socket addresses with those rights too (Owner).
+  restore  CRIU restores the images as the supervisor's child (rst_sibling), with stdout/stderr
+           re-pointed at the job's log (inherit_fd), opened with the job user's rights; CRIU opens
+           the job's files, cwd, mappings and socket addresses with those rights too (Owner).
            A lazy restore from a store has its lazy pages served by the daemon on a unix socket
            (spec "page_server"), which this process connects lazy-pages to, through a link
            that kills the job should the daemon die before all memory was back (instead of
@@ -28,10 +28,11 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            this node (engine/nodefacts.py): a difference that refuses answers
            IncompatibleNodeError.
 
-The first line on stdout is the daemon's answer: {"pid": N} or {"error": {"type", "message"}}.
-Before it, the job's pid goes into `pid.json` in JOB_DIR, so that a daemon killed before it
-recorded the job finds and adopts it (beside `job.json`, the record the daemon wrote there before
-handing us the spec); a daemon gone by the time we answer changes nothing for the job.
+The first line on stdout is the daemon's answer: {"pid": N, ...} or {"error": {"type", "message"}}.
+Before it, the job's pid goes into `pid.json` in JOB_DIR, so that a daemon killed before it recorded
+the job finds and adopts it (beside `job.json`, the record the daemon wrote there before handing us
+the spec); a daemon gone by the time we answer changes nothing for the job. The spec, the answer and
+the files: stasis/daemon/supervisorwire.py.
 """
 
 from __future__ import annotations
@@ -40,14 +41,30 @@ import ctypes
 import errno
 import json
 import os
-import signal
 import stat
 import struct
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+
+from stasis.daemon.supervisorwire import (
+    EXIT_FILE,
+    MEMORY_FILE,
+    PID_FILE,
+    ExitFile,
+    Failed,
+    MemoryFile,
+    PidFile,
+    Ran,
+    Restored,
+    RestoreSpec,
+    RunSpec,
+    Spec,
+    note_killed,
+    write,
+)
+from stasis.wire import WireError
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWIPC = 0x08000000
@@ -62,7 +79,7 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _answer(payload: dict[str, Any]) -> None:
+def _answer(payload: Ran | Restored | Failed) -> None:
     try:
         sys.stdout.write(json.dumps(payload) + "\n")
         sys.stdout.flush()
@@ -82,23 +99,19 @@ def _note_pid(job_dir: Path, pid: int) -> None:
     from stasis.engine import proctree
 
     try:
-        tmp = job_dir / "pid.json.tmp"
-        tmp.write_text(json.dumps({"pid": pid, "pid_start": proctree.start_time(pid)}))
-        os.replace(tmp, job_dir / "pid.json")
+        write(job_dir, PID_FILE, PidFile(pid=pid, pid_start=proctree.start_time(pid)))
     except OSError:
         pass  # a full disk: the daemon's answer still records it; only a crash would miss it
 
 
 def _error(kind: str, message: str) -> None:
-    _answer({"error": {"type": kind, "message": message}})
+    _answer(Failed(error=WireError(type=kind, message=message)))
 
 
 def _write_exit(job_dir: Path, status: int) -> None:
     code = os.waitstatus_to_exitcode(status)
-    data = {"exit_code": code if code >= 0 else 128 - code, "signal": -code if code < 0 else None}
-    tmp = job_dir / "exit.json.tmp"
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, job_dir / "exit.json")
+    write(job_dir, EXIT_FILE, ExitFile(exit_code=code if code >= 0 else 128 - code,
+                                       signal=-code if code < 0 else None))
 
 
 def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
@@ -111,23 +124,24 @@ def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
         except ChildProcessError:
             return
         if got == lazy_pages:
-            data = {"all_memory_s": round(time.monotonic() - started, 4),
-                    "ok": os.waitstatus_to_exitcode(status) == 0}
-            (job_dir / "memory.json").write_text(json.dumps(data))
+            write(job_dir, MEMORY_FILE,
+                  MemoryFile(all_memory_s=round(time.monotonic() - started, 4),
+                             ok=os.waitstatus_to_exitcode(status) == 0))
         if got == pid:
             _write_exit(job_dir, status)
             return
 
 
-def _exec_job(spec: dict[str, Any], status_w: int) -> None:
+def _exec_job(spec: RunSpec, status_w: int) -> None:
     """In the namespace init (a fresh child): become the job, then exec stasis-init. Never
     returns."""
     try:
-        os.umask(spec.get("umask", 0o022))  # the daemon's own (077) is not the job's business
-        if spec.get("private_tmp"):
+        os.umask(spec["umask"])  # the daemon's own (077) is not the job's business
+        tmp_bytes = spec.get("private_tmp")
+        if tmp_bytes:
             # First: every file of the job must be opened inside its mount namespace.
             from stasis.engine import privatetmp
-            privatetmp.enter(spec["private_tmp"])
+            privatetmp.enter(tmp_bytes)
         # While still root: a job cannot make its own (CRIU refuses nested IPC namespaces).
         _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
         os.setsid()
@@ -227,7 +241,7 @@ def _interpreter(path: str) -> str | None:
     return None
 
 
-def run(job_dir: Path, spec: dict[str, Any]) -> None:
+def run(job_dir: Path, spec: RunSpec) -> None:
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
     status_r, status_w = os.pipe2(os.O_CLOEXEC)
@@ -243,7 +257,7 @@ def run(job_dir: Path, spec: dict[str, Any]) -> None:
         _error("UsageError", f"cannot start {spec['command'][0]}: {failure.decode()}")
         return
     _note_pid(job_dir, pid)
-    _answer({"pid": pid})
+    _answer(Ran(pid=pid))
     _wait_for(job_dir, pid)
 
 
@@ -292,7 +306,7 @@ def _kill_children() -> None:
     proctree.kill_descendants()
 
 
-def restore(job_dir: Path, spec: dict[str, Any]) -> None:
+def restore(job_dir: Path, spec: RestoreSpec) -> None:
     from stasis.engine.criu import CRIU, Owner
     from stasis.engine.restoring import restore_tree
     from stasis.errors import StasisError
@@ -304,13 +318,13 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         result = restore_tree(
             criu, Path(spec["images"]), Owner(spec["uid"], spec["gid"], spec["groups"]),
             [(spec["image_log"], spec["log"])], spec["criu_log_name"],
-            umask=spec.get("umask", 0o022), lazy=spec.get("lazy", False),
-            notify=_ResumeGate() if spec.get("gate") else None,
+            umask=spec["umask"], lazy=spec["lazy"],
+            notify=_ResumeGate() if spec["gate"] else None,
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
             stream=spec.get("stream", False),
-            on_lost=lambda why: _note_killed(job_dir, why),
-            expect=spec.get("expect"), checkpoint=spec.get("checkpoint", ""),
-            criu_version=spec.get("criu_version"),
+            on_lost=lambda why: note_killed(job_dir, why),
+            expect=spec["expect"], checkpoint=spec["checkpoint"],
+            criu_version=spec["criu_version"],
             own_mounts=bool(spec.get("private_tmp")))
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
@@ -320,18 +334,10 @@ def restore(job_dir: Path, spec: dict[str, Any]) -> None:
         _error(type(e).__name__, str(e))
         return
     _note_pid(job_dir, result.pid)
-    _answer({"pid": result.pid, "duration_s": result.duration_s,
-             "lazy": result.lazy_pages is not None,
-             "fallback": result.fallback_reason,
-             "notes": result.notes})
+    _answer(Restored(pid=result.pid, duration_s=result.duration_s,
+                     lazy=result.lazy_pages is not None, fallback=result.fallback_reason,
+                     notes=result.notes))
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
-
-
-def _note_killed(job_dir: Path, reason: str) -> None:
-    """Why the job is about to be killed (the daemon reads it with exit.json: state failed)."""
-    tmp = job_dir / "killed.json.tmp"
-    tmp.write_text(json.dumps({"reason": reason}))
-    os.replace(tmp, job_dir / "killed.json")
 
 
 def _end_leftovers() -> None:
@@ -346,7 +352,7 @@ def _end_leftovers() -> None:
             return
 
 
-def _wait_for_job() -> tuple[Path, dict[str, Any]] | None:
+def _wait_for_job() -> tuple[Path, Spec] | None:
     """As a spare: import now what a restore needs, then wait for our job's directory and spec."""
     import importlib
 
@@ -364,6 +370,7 @@ def main() -> None:
     # Its files (exit.json, CRIU's restore log) are root's alone, whatever umask the daemon had
     # at the moment it started us (it narrows it briefly to create its socket).
     os.umask(0o077)
+    spec: Spec
     if sys.argv[1:] == ["--spare"]:
         waited = _wait_for_job()
         if waited is None:

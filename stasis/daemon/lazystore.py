@@ -17,7 +17,6 @@ those restores to finish (`drain`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from stasis.daemon.supervisorwire import note_killed
 from stasis.engine import proctree
 from stasis.engine.lazylink import DONE
 from stasis.engine.pageserver import (
@@ -168,9 +168,7 @@ class LazyRestore:
         # The reason goes down before the kill: the job's supervisor records its end as soon as
         # the tree dies, and an end seen without killed.json would read as a plain exit.
         if job_dir is not None:
-            tmp = job_dir / "killed.json.tmp"
-            tmp.write_text(json.dumps({"reason": reason}))
-            os.replace(tmp, job_dir / "killed.json")
+            note_killed(job_dir, reason)
         started = proctree.start_time(pid)
         tree = proctree.tree(pid)
         proctree.signal_tree(pid, signal.SIGKILL)

@@ -19,9 +19,7 @@ untracked orphan that a retry would restore a second time.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
 import signal
 import threading
@@ -29,7 +27,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from stasis import faults
 from stasis.daemon.activity import Activity, work_of
@@ -39,6 +37,15 @@ from stasis.daemon.models import RestoreRequest
 from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
 from stasis.daemon.supervisor import Gate, Started, Supervisors, create_log, now
+from stasis.daemon.supervisorwire import (
+    EXIT_FILE,
+    MEMORY_FILE,
+    PID_FILE,
+    Images,
+    Restored,
+    RestoreJob,
+    note_killed,
+)
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis import wire
 from stasis.daemon.lazystore import LazyRestore, page_reader
@@ -185,8 +192,8 @@ class Restorer:
     def _unpin_when_memory_back(self, pinned: ExitStack, job_id: str, pid: int) -> None:
         job_dir = self.core.settings.layout.job_dir(job_id)
         with pinned:
-            while not (job_dir / "memory.json").exists() and \
-                    not (job_dir / "exit.json").exists() and proctree.alive(pid, None):
+            while not (job_dir / MEMORY_FILE).exists() and \
+                    not (job_dir / EXIT_FILE).exists() and proctree.alive(pid, None):
                 time.sleep(1.0)
 
     def _restore_as(self, job_id: str, manifest: Manifest, progress: Progress | None,
@@ -205,20 +212,13 @@ class Restorer:
         if Path(log).parent == logs and not Path(log).exists():
             # Restored on another node: our logs directory is not the user's to create files in.
             create_log(log, acct)
-        spec: dict[str, Any] = {
-            "mode": "restore",
-            "uid": acct.uid,
-            "gid": acct.gid,
-            "groups": acct.groups,
-            "log": log,
-            "image_log": manifest.log_path or log,
-            "criu": find_criu(settings.criu),
-            "criu_log_dir": str(settings.layout.criu_logs),
-            "criu_log_name": f"restore-{job_id}.log",
-            "umask": self.job_umask,  # for a log the supervisor creates as the user
+        spec = RestoreJob(
+            mode="restore", uid=acct.uid, gid=acct.gid, groups=acct.groups, log=log,
+            image_log=manifest.log_path or log, criu=find_criu(settings.criu),
+            criu_log_dir=str(settings.layout.criu_logs), criu_log_name=f"restore-{job_id}.log",
+            umask=self.job_umask,  # for a log the supervisor creates as the user
             # Compared again there, files too.
-            "expect": expect, "checkpoint": manifest.id, "criu_version": self.criu_version(),
-        }
+            expect=expect, checkpoint=manifest.id, criu_version=self.criu_version())
         private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
@@ -247,7 +247,7 @@ class Restorer:
             # The node-local files are written out before CRIU runs, before the gate's hash of
             # the rest could catch damage: checked first (engine/nodelocal.py).
             store.verify(manifest, only=_is_node_local)
-            spec.update(images=str(images), lazy=lazy, gate=True)
+            source = Images(images=str(images), lazy=lazy, gate=True)
             checked = manifest
             if lazy:
                 # A lazy job runs before its memory is back, so it cannot wait for the hash of
@@ -260,7 +260,7 @@ class Restorer:
             else:
                 gate = Gate(_then(lambda: store.verify(checked), fence),
                             point=f"restore.{mode}.before-resume")
-            started = self._start(job_id, spec, progress, manifest, gate, job, record)
+            started = self._start(job_id, spec, source, progress, manifest, gate, job, record)
             if gate.error is not None:
                 raise gate.error
             if lazy and "pid" in started.answer:
@@ -273,10 +273,10 @@ class Restorer:
             # resumes once every page file was served whole and checked.
             mode = "streamed"
             try:
-                spec.update(images=str(streamed.images), lazy=False, stream=True, gate=True)
+                source = Images(images=str(streamed.images), lazy=False, stream=True, gate=True)
                 gate = Gate(_then(streamed.check, fence), cancel=streamed.stop_waiting,
                             point=f"restore.{mode}.before-resume")
-                started = self._start(job_id, spec, progress, manifest, gate, job, record)
+                started = self._start(job_id, spec, source, progress, manifest, gate, job, record)
             finally:
                 streamed.discard()
             if gate.error is not None:
@@ -287,13 +287,14 @@ class Restorer:
                 served, why_not = None, served
             if served is not None:
                 mode = "lazy"
-                spec.update(images=str(served.images), lazy=True,
-                            page_server=str(served.socket_path), gate=True)
+                source = Images(images=str(served.images), lazy=True,
+                                page_server=str(served.socket_path), gate=True)
                 # The pages are checked as they are served: the gate is the daemon's word that
                 # the job is recorded, no more.
                 gate = Gate(_then(lambda: None, fence), point=f"restore.{mode}.before-resume")
                 try:
-                    started = self._start(job_id, spec, progress, manifest, gate, job, record)
+                    started = self._start(job_id, spec, source, progress, manifest, gate, job,
+                                          record)
                 except BaseException:
                     served.discard()
                     raise
@@ -309,12 +310,13 @@ class Restorer:
                     # copy that goes away when this block ends.
                     # Fetched and checked whole before CRIU reads them: the gate is the daemon's
                     # word that the job is recorded (a daemon killed before it leaves no tree).
-                    spec.update(images=str(images), lazy=False, gate=True)
+                    source = Images(images=str(images), lazy=False, gate=True)
                     if lazy:
                         notes.append(why_not or _why_not_lazy(manifest, store.url))
                     gate = Gate(_then(lambda: None, fence),
                                 point=f"restore.{mode}.before-resume")
-                    started = self._start(job_id, spec, progress, manifest, gate, job, record)
+                    started = self._start(job_id, spec, source, progress, manifest, gate, job,
+                                          record)
         if gate.error is not None:
             raise gate.error  # refused at the gate (its check, or the fence): killed unresumed
         answer = started.answer
@@ -340,25 +342,25 @@ class Restorer:
             self._restored(manifest)
         except JobDatabaseError as e:
             _log.warning("checkpoint %s: its network lock stays recorded: %s", manifest.id, e)
-        notes.extend(answer.get("notes") or [])  # what differs from the dumping node, safely
-        if answer.get("fallback"):
+        notes.extend(answer["notes"])  # what differs from the dumping node, safely
+        if answer["fallback"]:
             # The supervisor's CRIU could not restore lazily and restored in full.
             notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
         return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id, skipped=[],
-                             lazy=bool(answer.get("lazy")), notes=notes,
-                             duration_s=round(float(answer.get("duration_s", 0.0)), 4),
+                             lazy=answer["lazy"], notes=notes,
+                             duration_s=round(answer["duration_s"], 4),
                              elapsed_s=0.0)
 
-    def _start(self, job_id: str, spec: dict[str, Any], progress: Progress | None,
+    def _start(self, job_id: str, spec: RestoreJob, source: Images, progress: Progress | None,
                manifest: Manifest, gate: Gate, job: JobRow,
-               record: Callable[[JobRow], None]) -> Started:
-        return self._supervisors.start(job_id, spec, progress, manifest.size_bytes, gate,
-                                       job=job, record=record)
+               record: Callable[[JobRow], None]) -> Started[Restored]:
+        return self._supervisors.restore(job_id, spec, source, job, record, gate, progress,
+                                         manifest.size_bytes)
 
     def _forget(self, job_id: str) -> None:
         """A restore that failed was never a job: its `restoring` row goes (or, the database
         refusing, the daemon's poll removes it: its supervisor is gone and it has no tree)."""
-        if (self.core.settings.layout.job_dir(job_id) / "pid.json").exists():
+        if (self.core.settings.layout.job_dir(job_id) / PID_FILE).exists():
             return  # it has a tree after all: the poll follows it
         try:
             self.core.db.remove_unstarted(job_id)
@@ -479,9 +481,7 @@ class Restorer:
             self.core.store.verify(manifest, only=_is_pages)
         except StasisError as e:
             # Why, before the kill: the supervisor records the end as soon as the tree dies.
-            tmp = job_dir / "killed.json.tmp"
-            tmp.write_text(json.dumps({"reason": str(e)}))
-            os.replace(tmp, job_dir / "killed.json")
+            note_killed(job_dir, str(e))
             if proctree.start_time(pid) is not None:
                 proctree.signal_tree(pid, signal.SIGKILL)
             log.error("killed lazily restored job %s: %s", job_dir.name, e)

@@ -5,6 +5,7 @@ the gate a restored tree waits at; the job's log, created for its owner.
 What a job is (its row without pid) goes into `job.json` in its directory before its supervisor
 gets the spec, and the supervisor writes `pid.json` there before it answers: whatever dies
 where, a job that runs has both, and a daemon that starts adopts it (tracking.adopt_orphans).
+The spec, the answer and the files: stasis/daemon/supervisorwire.py.
 """
 
 from __future__ import annotations
@@ -20,16 +21,27 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Generic, TypeVar
 
 from stasis import faults
 from stasis.daemon.db import JobRow
 from stasis.daemon.progress import Progress, ReadWatcher
 from stasis.daemon.reaper import Reaper
+from stasis.daemon.supervisorwire import (
+    Failed,
+    Images,
+    Ran,
+    Restored,
+    RestoreJob,
+    RestoreSpec,
+    RunSpec,
+    Spec,
+)
 from stasis.daemon.users import Account
 from stasis.engine import proctree
 from stasis.errors import StasisError, UsageError
 from stasis.layout import StateLayout
+from stasis.wire import WireError
 
 # `make install` puts stasis-init (stasis/daemon/stasis-init.c) here, where every job's user may
 # run it, and builds it next to the venv's python.
@@ -55,17 +67,25 @@ def create_log(path: str, acct: Account) -> None:
     os.close(fd)
 
 
+# What a supervisor answers when it started the job: Ran for a run, Restored for a restore.
+A = TypeVar("A", Ran, Restored)
+
+
 @dataclass(frozen=True)
-class Started:
-    """What a job's supervisor answered: the job it started ("pid"), or an "error"."""
+class Started(Generic[A]):
+    """What a job's supervisor answered: the job it started, or why not (Failed)."""
 
     job_id: str
     job_dir: Path
-    answer: dict[str, Any]
+    supervisor_pid: int
+    answer: A | Failed
 
     @property
     def pid(self) -> int:
-        return int(self.answer["pid"])
+        """The job's; only for an answer that is not Failed."""
+        if "error" in self.answer:
+            raise ValueError(f"job {self.job_id} did not start: {self.answer['error']}")
+        return self.answer["pid"]
 
     def row(self, *, state: str, label: str, command: list[str], cwd: str, env: list[str],
             user: str, uid: int, gid: int, log: str, checkpoint: str | None) -> JobRow:
@@ -73,7 +93,7 @@ class Started:
         pid = self.pid
         return JobRow(
             id=self.job_id, pid=pid, pid_start=proctree.start_time(pid),
-            shim_pid=self.answer["shim"], state=state, label=label, exit_code=None,
+            shim_pid=self.supervisor_pid, state=state, label=label, exit_code=None,
             command=command, cwd=cwd, env=env, user=user, uid=uid, gid=gid, log=log,
             checkpoint=checkpoint, created=now(), job_dir=str(self.job_dir),
         )
@@ -84,7 +104,7 @@ class Supervisors:
 
     def __init__(self, layout: StateLayout, reaper: Reaper) -> None:
         self._layout = layout
-        self._shims: dict[int, subprocess.Popen[bytes]] = {}
+        self._running: dict[int, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
         self._spare = _SpareSupervisor(reaper)
 
@@ -95,46 +115,57 @@ class Supervisors:
         """Let the spare go (running jobs and their supervisors are not touched)."""
         self._spare.close()
 
-    def start(self, job_id: str, spec: dict[str, Any], progress: Progress | None = None,
-              expected: int = 0, gate: Gate | None = None, job: JobRow | None = None,
-              record: Callable[[JobRow], None] | None = None) -> Started:
-        """Have a supervisor start the job `spec` describes. `job` (its row, pid unknown) goes
-        into the job's directory and to `record` (the database) before the supervisor hears
-        of the job; should `record` raise, nothing was started."""
+    def run(self, job_id: str, spec: RunSpec, job: JobRow) -> Started[Ran]:
+        """Have a supervisor start the job `spec` describes."""
+        return self._start(job_id, spec, job)
+
+    def restore(self, job_id: str, restoring: RestoreJob, images: Images, job: JobRow,
+                record: Callable[[JobRow], None], gate: Gate,
+                progress: Progress | None = None, expected: int = 0) -> Started[Restored]:
+        """Have a supervisor restore `images` as the job `restoring` describes; the job resumes
+        once `gate` says so. `progress`: told the bytes CRIU read, of `expected`."""
+        spec: RestoreSpec = {**restoring, **images}
+        return self._start(job_id, spec, job, record, gate, progress, expected)
+
+    def _start(self, job_id: str, spec: Spec, job: JobRow,
+               record: Callable[[JobRow], None] | None = None, gate: Gate | None = None,
+               progress: Progress | None = None, expected: int = 0) -> Started[Any]:
+        """`job` (its row, pid unknown) goes into the job's directory and to `record` (the
+        database) before the supervisor hears of the job; should `record` raise, nothing was
+        started."""
         job_dir = self._layout.job_dir(job_id)
         job_dir.mkdir(mode=0o700)
-        shim = self._spare.take()
-        assert shim.stdin is not None and shim.stdout is not None
-        if job is not None:
-            job.shim_pid, job.job_dir = shim.pid, str(job_dir)
-            try:
-                write_job_file(job_dir, job)
-                if record is not None:
-                    record(job)
-            except BaseException:
-                _dismiss(shim)
-                shutil.rmtree(job_dir, ignore_errors=True)
-                raise
+        proc = self._spare.take()
+        assert proc.stdin is not None and proc.stdout is not None
+        job.shim_pid, job.job_dir = proc.pid, str(job_dir)
+        try:
+            write_job_file(job_dir, job)
+            if record is not None:
+                record(job)
+        except BaseException:
+            _dismiss(proc)
+            shutil.rmtree(job_dir, ignore_errors=True)
+            raise
         with self._lock:
-            self._shims[shim.pid] = shim
-        watcher = ReadWatcher(shim.pid, expected, progress) if progress else None
+            self._running[proc.pid] = proc
+        watcher = ReadWatcher(proc.pid, expected, progress) if progress else None
         gating: threading.Thread | None = None
         try:
             try:
                 # The spec holds the job's --env values: through the pipe, never into a file.
-                shim.stdin.write(f"{job_dir}\n{json.dumps(spec)}\n".encode())
-                shim.stdin.flush()
+                proc.stdin.write(f"{job_dir}\n{json.dumps(spec)}\n".encode())
+                proc.stdin.flush()
                 if gate is not None:
                     # Beside the answer, not before it: a restore that fails before it reaches
                     # the gate answers at once, and the gate's check is told to give up.
-                    gating = threading.Thread(target=gate.open, args=(shim.stdin, shim.pid),
+                    gating = threading.Thread(target=gate.open, args=(proc.stdin, proc.pid),
                                               name="stasis-gate", daemon=True)
                     gating.start()
                 else:
-                    shim.stdin.close()
+                    proc.stdin.close()
             except BrokenPipeError:
                 pass  # it died; the empty answer below says so
-            line = shim.stdout.readline()
+            line = proc.stdout.readline()
         finally:
             if gating is not None:
                 assert gate is not None
@@ -142,20 +173,19 @@ class Supervisors:
                 gating.join()
             if watcher:
                 watcher.stop()
-        shim.stdout.close()
+        proc.stdout.close()
         if not line:
-            return Started(job_id, job_dir,
-                           {"error": {"type": "StasisError", "message": "job supervisor died"}})
-        answer: dict[str, Any] = json.loads(line)
-        answer["shim"] = shim.pid
-        return Started(job_id, job_dir, answer)
+            died = Failed(error=WireError(type="StasisError", message="job supervisor died"))
+            return Started(job_id, job_dir, proc.pid, died)
+        # The line of a process this daemon started, of its own version: as supervisorwire says.
+        return Started(job_id, job_dir, proc.pid, json.loads(line))
 
     def reap(self) -> None:
         """Forget the supervisors that exited (their jobs ended)."""
         with self._lock:
-            for pid, shim in list(self._shims.items()):
-                if shim.poll() is not None:
-                    del self._shims[pid]
+            for pid, proc in list(self._running.items()):
+                if proc.poll() is not None:
+                    del self._running[pid]
 
 
 class _SpareSupervisor:
@@ -187,11 +217,11 @@ class _SpareSupervisor:
 
     def take(self) -> subprocess.Popen[bytes]:
         with self._lock:
-            shim, self._next = self._next, None
-        if shim is None or shim.poll() is not None:
-            shim = self._start()
+            spare, self._next = self._next, None
+        if spare is None or spare.poll() is not None:
+            spare = self._start()
         self.warm()
-        return shim
+        return spare
 
     def warm(self) -> None:
         """Have a spare ready (in the background): the first job need not wait for one."""
@@ -246,12 +276,12 @@ class Gate:
         if self._cancel is not None:
             self._cancel()
 
-    def open(self, pipe: IO[bytes], shim_pid: int) -> None:
+    def open(self, pipe: IO[bytes], supervisor_pid: int) -> None:
         try:
             self.check()
         except StasisError as e:
             self.error = e
-            proctree.signal_tree(shim_pid, signal.SIGKILL)
+            proctree.signal_tree(supervisor_pid, signal.SIGKILL)
             return
         if self._point:
             faults.point(self._point)

@@ -22,6 +22,7 @@ from typing import Any
 from stasis.daemon.db import JobDatabaseError, JobDB, JobRow
 from stasis.daemon.models import validate_job_id
 from stasis.daemon.supervisor import Supervisors
+from stasis.daemon.supervisorwire import EXIT_FILE, KILLED_FILE, read_exit, read_pid
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
 from stasis.errors import NotFoundError
@@ -59,7 +60,7 @@ class JobTracker:
     def has_ended(self, row: JobRow) -> bool:
         """Whether the job's supervisor recorded its end (or both are gone). A stat and a /proc
         read or two: cheap enough to ask from the event loop every few ms."""
-        if (Path(row.job_dir) / "exit.json").exists():
+        if (Path(row.job_dir) / EXIT_FILE).exists():
             return True
         return not (row.pid and proctree.alive(row.pid, row.pid_start)) and \
             not (row.shim_pid and proctree.alive(row.shim_pid, None))
@@ -81,20 +82,18 @@ class JobTracker:
     def _follow(self, row: JobRow) -> None:
         if row.state == "restoring" and self._settle_restoring(row):
             return
-        exit_file = Path(row.job_dir) / "exit.json"
-        if exit_file.exists():
-            try:
-                code = json.loads(exit_file.read_text())["exit_code"]
-            except (ValueError, KeyError):
-                code = None  # written, but garbled: the job did end
+        job_dir = Path(row.job_dir)
+        if (job_dir / EXIT_FILE).exists():
+            ended = read_exit(job_dir)
+            code = ended["exit_code"] if ended else None  # None: garbled, but the job did end
             # Killed by the daemon because its memory could not be had (a lazy restore whose
             # pages did not verify or did not come): killed.json says why.
-            killed = (Path(row.job_dir) / "killed.json").exists()
+            killed = (job_dir / KILLED_FILE).exists()
             self.db.finish(row.id, "failed" if killed else "exited", code)
         elif row.pid is None or not proctree.alive(row.pid, row.pid_start):
             if row.shim_pid and proctree.alive(row.shim_pid, None):
                 return  # the supervisor is about to write the status
-            if (Path(row.job_dir) / "exit.json").exists():
+            if (job_dir / EXIT_FILE).exists():
                 return  # it just did: read next time
             self.db.finish(row.id, "exited", None)
 
@@ -104,7 +103,7 @@ class JobTracker:
         supervisor ended without one (the restore failed, or its daemon died before its word);
         True when there is nothing more to look at now."""
         job_dir = Path(row.job_dir)
-        if (job_dir / "exit.json").exists():
+        if (job_dir / EXIT_FILE).exists():
             return False  # it ran and ended: recorded as any job's end
         tree = read_pid_file(job_dir)
         if tree is not None and proctree.alive(*tree):
@@ -134,7 +133,7 @@ class JobTracker:
             if not _is_job_id(name) or self.db.get(name) is not None:
                 continue
             tree = read_pid_file(job_dir)
-            if tree is None or (job_dir / "exit.json").exists() or not proctree.alive(*tree):
+            if tree is None or (job_dir / EXIT_FILE).exists() or not proctree.alive(*tree):
                 continue
             row = _row_of(job_dir, name, tree)
             if row is None:
@@ -155,14 +154,8 @@ class JobTracker:
 
 def read_pid_file(job_dir: Path) -> tuple[int, int | None] | None:
     """The (pid, start time) a job's supervisor wrote before answering, if it did."""
-    try:
-        data = json.loads((job_dir / "pid.json").read_text())
-        pid, start = data["pid"], data.get("pid_start")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(pid, int) or pid <= 1 or not (start is None or isinstance(start, int)):
-        return None
-    return pid, start
+    tree = read_pid(job_dir)
+    return None if tree is None else (tree["pid"], tree["pid_start"])
 
 
 def _row_of(job_dir: Path, job_id: str, tree: tuple[int, int | None]) -> JobRow | None:
@@ -194,9 +187,9 @@ def died_of(row: JobRow, sig: signal.Signals) -> bool:
     """Whether the job's init was ended by `sig`, as its supervisor recorded. No record (the
     supervisor vanished with the job): taken as yes, `sig` being the last thing sent."""
     try:
-        return bool(json.loads((Path(row.job_dir) / "exit.json").read_text())
-                    .get("signal") == sig)
+        ended = read_exit(Path(row.job_dir))
     except FileNotFoundError:
         return True
-    except (OSError, ValueError, AttributeError):
+    except OSError:
         return False
+    return ended is not None and ended["signal"] == sig
