@@ -73,6 +73,16 @@ def add_k8s(commands: Any) -> None:
     p.add_argument("--no-daemon", action="store_true",
                    help="Use the daemon already running on STASIS_SOCKET; start none.")
     p.set_defaults(handler=agent)
+    p = sub.add_parser("uninstall-nodes", help="The chart's pre-delete hook: ask the agent of "
+                                               "every node to take stasis off it (runtime "
+                                               "entry, shim, bundle, taint) and wait for them.")
+    p.add_argument("--namespace", required=True, help="The release's namespace.")
+    p.add_argument("--selector", required=True,
+                   help="The labels of the release's agent pods, as KEY=VALUE,KEY=VALUE.")
+    _kubeconfig_option(p)
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="Seconds to wait for the agents' answers (default: %(default)s).")
+    p.set_defaults(handler=uninstall_nodes)
     p = sub.add_parser("checkpoint", help="A leave-running checkpoint of a pod's containers, "
                                           "taken by the agent of the pod's node.")
     p.add_argument("pod", metavar="NAMESPACE/POD")
@@ -126,6 +136,9 @@ def _node_options(p: argparse.ArgumentParser) -> None:
                         "%(default)s).")
     p.add_argument("--bin-dir", type=Path, default=Path("/usr/local/bin"),
                    help="A directory on containerd's PATH (default: %(default)s).")
+    p.add_argument("--containerd-config-version", type=int, choices=(0, 2, 3), default=0,
+                   help="containerd's config version: 2 (containerd 1.x), 3 (2.x), 0: the "
+                        "file's own, 2 for a new file (default: %(default)s).")
 
 
 def _kubeconfig_option(p: argparse.ArgumentParser) -> None:
@@ -151,7 +164,8 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
         install = HostInstall(root=args.host_root, containerd_config=args.containerd_config,
                               bin_dir=args.bin_dir, bundle=args.bundle_dir,
                               runtime_config=args.runtime_config,
-                              restart_containerd=tuple(shlex.split(args.restart_containerd)))
+                              restart_containerd=tuple(shlex.split(args.restart_containerd)),
+                              containerd_config_version=args.containerd_config_version)
     key, _, effect = args.taint.partition(":")
     if not key or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
         raise UsageError(f"--taint {args.taint!r} is not KEY:NoSchedule|PreferNoSchedule|"
@@ -162,6 +176,20 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     node.run()
+
+
+def uninstall_nodes(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.k8s import kube
+    from stasis.k8s.uninstall import uninstall_nodes as ask
+
+    api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
+    answers = ask(api, args.namespace, args.selector, args.timeout)
+    for node, answer in sorted(answers.items()):
+        done = "gone" if answer.get("gone") else "; ".join(answer.get("removed") or []) \
+            or "nothing was left"
+        output.say(f"node {node}: stasis taken off ({done})")
+    if not answers:
+        output.say("no node runs a stasis agent of this release: nothing to take off")
 
 
 def checkpoint_pod(args: argparse.Namespace, settings: Settings) -> None:
@@ -232,7 +260,8 @@ def install_runtime(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.k8s import shim
 
     for change in shim.install_node(args.containerd_config, args.bin_dir,
-                                    args.stasis_config.absolute(), dry_run=args.dry_run):
+                                    args.stasis_config.absolute(), dry_run=args.dry_run,
+                                    config_version=args.containerd_config_version):
         output.say(("would " if args.dry_run else "") + change)
     if not args.dry_run:
         output.say("restart containerd to load it (systemctl restart containerd)")

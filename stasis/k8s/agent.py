@@ -24,6 +24,13 @@ Kubernetes API for its node and the pods on it:
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
 
+Uninstall: the chart's pre-delete hook (`stasis k8s uninstall-nodes`, stasis.k8s.uninstall)
+writes a new value into its node's stasis.dev/uninstall annotation; the agent then takes the
+runtime off the host (containerd's runtime entry, given back byte for byte, the shim, the
+bundle; containerd restarted), takes its taint off the node and puts it on no more, and
+answers in stasis.dev/uninstalled. A SIGTERM alone (a rolling update, a node drained) leaves
+the runtime where it is: the pods that use it go on being protected while the agent is away.
+
 What the agent remembers of pods is bounded (`MAX_PODS_REMEMBERED`, the oldest forgotten first,
 in memory and in its file) and forgotten when a pod is deleted: a tenant who makes pods or
 requests without end does not grow the memory or the disk of a process that runs as root on
@@ -49,6 +56,7 @@ from stasis.config import Settings
 from stasis.errors import ContainerError, StasisError
 from stasis.k8s import kube
 from stasis.k8s.models import ContainerInfo
+from stasis.k8s.uninstall import UNINSTALL_ANNOTATION, UNINSTALLED_ANNOTATION, answered_request
 
 log = logging.getLogger("stasis.k8s.agent")
 
@@ -99,6 +107,8 @@ class HostInstall:
     # What the host's stasis-runc reads: the daemon's socket, the bundle's CRIU, the runc.
     runtime_config: Path = Path("/etc/stasis/runtime.toml")
     restart_containerd: tuple[str, ...] = ()
+    # 2 or 3 (containerd 2.x); 0: the config file's own `version` (stasis.k8s.shim).
+    containerd_config_version: int = 0
 
     def on_host(self, path: Path) -> Path:
         return self.root / path.relative_to("/")
@@ -132,6 +142,9 @@ class Agent:
     # container id -> the interval the agent asked for it (the daemon may have raised it).
     _interval_set: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set once the node's uninstall was asked: the taint is never put back, nothing installed.
+    uninstalling: bool = False
+    _taint_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._answered = Recent(self.remember_pods)
@@ -160,7 +173,7 @@ class Agent:
 
     def run(self) -> None:
         """Until `stop` is set (SIGTERM)."""
-        if self.install is not None:
+        if self.install is not None and not self._uninstall_pending():
             install_runtime(self.install, self.settings)
         threads = [threading.Thread(target=self._readiness, name="readiness", daemon=True),
                    threading.Thread(target=self._watch_node, name="node", daemon=True),
@@ -238,13 +251,66 @@ class Agent:
     def _taint(self, node: Any = None) -> None:
         if self.ready is None:
             return
+        with self._taint_lock:
+            if self.uninstalling:
+                return
+            try:
+                node = node or kube.call(f"read node {self.node}", self.api.read_node,
+                                         self.node)
+                if kube.set_taint(self.api, node, not self.ready, *self.taint):
+                    log.info("node %s: taint %s %s", self.node, self.taint[0],
+                             "removed" if self.ready else "put on")
+            except kube.KubeError as e:
+                log.warning("node %s: cannot set its taint: %s", self.node, e)
+
+    # -- uninstall -------------------------------------------------------------------------
+
+    def _uninstall_pending(self) -> bool:
+        """Whether the node's uninstall was asked and not answered yet (an agent started
+        while the chart's hook waits must not install the runtime first)."""
         try:
-            node = node or kube.call(f"read node {self.node}", self.api.read_node, self.node)
-            if kube.set_taint(self.api, node, not self.ready, *self.taint):
-                log.info("node %s: taint %s %s", self.node, self.taint[0],
-                         "removed" if self.ready else "put on")
+            node = kube.call(f"read node {self.node}", self.api.read_node, self.node)
         except kube.KubeError as e:
-            log.warning("node %s: cannot set its taint: %s", self.node, e)
+            log.warning("node %s: cannot read it: %s", self.node, e)
+            return False
+        return self._uninstall_asked(node) is not None
+
+    @staticmethod
+    def _uninstall_asked(node: Any) -> str | None:
+        ann = kube.annotations_of(node)
+        asked = ann.get(UNINSTALL_ANNOTATION)
+        if not asked or answered_request(ann.get(UNINSTALLED_ANNOTATION)) == asked:
+            return None
+        return asked
+
+    def on_uninstall(self, asked: str) -> dict[str, Any]:
+        """The chart is being uninstalled: the runtime off the host, the taint off the node,
+        the answer on the node (stasis.dev/uninstalled)."""
+        log.info("node %s: uninstall asked (%s): taking stasis off the node", self.node, asked)
+        with self._taint_lock:
+            self.uninstalling = True
+        result: dict[str, Any] = {"request": asked}
+        errors = []
+        if self.install is not None:
+            try:
+                result["removed"] = remove_runtime(self.install)
+            except (StasisError, OSError, subprocess.SubprocessError) as e:
+                errors.append(f"cannot take the runtime off the host: {e}")
+        try:
+            node = kube.call(f"read node {self.node}", self.api.read_node, self.node)
+            if kube.set_taint(self.api, node, False, *self.taint):
+                log.info("node %s: taint %s removed", self.node, self.taint[0])
+        except kube.KubeError as e:
+            errors.append(f"cannot take the taint {self.taint[0]} off: {e}")
+        if errors:
+            result["error"] = "; ".join(errors)
+            log.warning("node %s: uninstall: %s", self.node, result["error"])
+        try:
+            kube.annotate(self.api, "node", node_ref(self.node),
+                          {UNINSTALLED_ANNOTATION: json.dumps(result)})
+        except kube.KubeError as e:
+            log.warning("node %s: cannot answer the uninstall: %s", self.node, e)
+        return result
 
     # -- the node: taint kept, cordon ------------------------------------------------------
 
@@ -253,6 +319,10 @@ class Agent:
                                      field_selector=f"metadata.name={self.node}"):
             if node.metadata.name != self.node or kind == "DELETED":
                 continue
+            asked = self._uninstall_asked(node)
+            if asked is not None and not self.uninstalling:
+                threading.Thread(target=self.on_uninstall, args=(asked,), name="uninstall",
+                                 daemon=True).start()
             self._taint(node)
             cordoned = bool(node.spec.unschedulable)
             was, self._unschedulable = self._unschedulable, cordoned
@@ -426,6 +496,13 @@ def _read_answered(path: Path) -> list[tuple[str, str]]:
             os.close(fd)
 
 
+def node_ref(name: str) -> Any:
+    """Enough of a node object for kube.annotate."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(metadata=SimpleNamespace(name=name))
+
+
 def install_runtime(where: HostInstall, settings: Settings) -> list[str]:
     """The stasis runtime on the host; containerd restarted when its config was changed."""
     from stasis.engine.criu import find_criu
@@ -447,14 +524,52 @@ def install_runtime(where: HostInstall, settings: Settings) -> list[str]:
     changes += shim.install_node(where.on_host(where.containerd_config),
                                  where.on_host(where.bin_dir), where.runtime_config,
                                  wrapper=str(where.bundle / "bin" / "stasis-runc"),
-                                 node_runc=runc, seen_as=where.bin_dir)
+                                 node_runc=runc, seen_as=where.bin_dir,
+                                 config_version=where.containerd_config_version)
     for change in changes:
         log.info("host: %s", change)
-    if where.restart_containerd and any("runtime entry" in c for c in changes):
-        done = subprocess.run(list(where.restart_containerd), capture_output=True, text=True,
-                              timeout=120, check=False)
-        if done.returncode != 0:
-            raise ContainerError(f"restarting containerd ({' '.join(where.restart_containerd)}) "
-                                 f"failed: {done.stderr.strip() or done.returncode}")
-        log.info("host: containerd restarted")
+    _restart_containerd(where, changes)
     return changes
+
+
+def remove_runtime(where: HostInstall) -> list[str]:
+    """What install_runtime put on the host, taken off: containerd's config as it was before
+    (byte for byte; containerd restarted), the shim, the bundle, the runtime's config. The
+    daemon's state (<state_dir>: its database, the node key, a local store) stays."""
+    import shutil
+
+    from stasis.k8s import shim
+
+    changes = shim.uninstall_node(where.on_host(where.containerd_config),
+                                  where.on_host(where.bin_dir))
+    bundle = where.on_host(where.bundle)
+    for leftover in (bundle.with_name(bundle.name + ".new"),
+                     bundle.with_name(bundle.name + ".old")):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if bundle.is_dir() and not bundle.is_symlink():
+        shutil.rmtree(bundle)
+        changes.append(f"remove {where.bundle}")
+    config = where.on_host(where.runtime_config)
+    if config.exists() or config.is_symlink():
+        config.unlink()
+        changes.append(f"remove {where.runtime_config}")
+        try:
+            config.parent.rmdir()  # /etc/stasis, when nothing else is in it
+        except OSError:
+            pass
+    for change in changes:
+        log.info("host: %s", change)
+    _restart_containerd(where, changes)
+    return changes
+
+
+def _restart_containerd(where: HostInstall, changes: list[str]) -> None:
+    if not where.restart_containerd or not any("runtime entry" in c for c in changes):
+        return
+    done = subprocess.run(list(where.restart_containerd), capture_output=True, text=True,
+                          timeout=120, check=False)
+    if done.returncode != 0:
+        raise ContainerError(f"restarting containerd ({' '.join(where.restart_containerd)}) "
+                             f"failed: {done.stderr.strip() or done.returncode}")
+    changes.append("restart containerd")
+    log.info("host: containerd restarted")
