@@ -21,6 +21,7 @@ the engine into the store, restores them, and follows them until they end.
     staging      the node-memory stage of leave-running dumps
     reaper       reaping orphans the daemon (a subreaper) inherits
     jobsupervisor the per-job supervisor process (parent of the job, writes its exit status)
+    supervisorwire what passes between the daemon and a job's supervisor: spec, answer, files
     db           the SQLite database: jobs, network locks, integrations' tables
     netlocks     CRIU's network locks this node holds for its checkpoints
     users        callers, accounts, job environments
