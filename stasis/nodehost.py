@@ -152,10 +152,21 @@ for d, mode in spec["private"]:
         os.makedirs(p, mode=0o755, exist_ok=True)
         mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC, None)
         os.close(fd)
-with open("/proc/sys/kernel/hostname", "w") as f:
-    f.write(spec["name"])
+if spec.get("hostname", True):
+    with open("/proc/sys/kernel/hostname", "w") as f:
+        f.write(spec["name"])
 for src, dst in spec["binds"]:
     mount(src, dst, None, MS_BIND, None)
+# A cgroup subtree of the node's own: joined first (a cgroup namespace's root is its maker's
+# cgroup), then the hierarchies mounted afresh, their roots that subtree.
+for procs in spec.get("cgroups", []):
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))
+if spec.get("cgroups") and libc.unshare(0x02000000) != 0:  # CLONE_NEWCGROUP
+    sys.exit("unshare(CLONE_NEWCGROUP): " + os.strerror(ctypes.get_errno()))
+for fstype, opts, target in spec.get("cgroup_mounts", []):
+    os.makedirs(target, exist_ok=True)
+    mount(fstype, target, fstype, MS_NOSUID | MS_NODEV | 8, opts)  # 8: MS_NOEXEC
 with open(pid_file + ".tmp", "w") as f:
     f.write(str(os.getpid()))
 os.rename(pid_file + ".tmp", pid_file)
@@ -165,15 +176,26 @@ os.execvp("sleep", ["sleep", "infinity"])
 
 
 def start_holder(name: str, pid_file: Path, shared: Sequence[str], *,
-                 binds: Sequence[tuple[str, str]] = (), net: bool = True) -> int:
+                 binds: Sequence[tuple[str, str]] = (), net: bool = True,
+                 cgroups: Sequence[str] = (),
+                 cgroup_mounts: Sequence[tuple[str, str, str]] = (),
+                 host: bool = True) -> int:
     """Start the process that holds `name`'s UTS and mount namespaces (and, with `net`, a new
-    network namespace with nothing but a loopback, down): its pid."""
+    network namespace with nothing but a loopback, down): its pid.
+
+    `cgroups`: cgroup.procs files it joins before it makes a cgroup namespace of its own, in
+    which it mounts `cgroup_mounts` (fstype, options, target), in order. `host=False`: only
+    that, the machine's host name and directories kept (the mount namespace follows the
+    machine's mounts), for services that are this machine but for their cgroups."""
     pid_file.unlink(missing_ok=True)
     spec = {"name": name, "pid_file": str(pid_file),
-            "private": [[d, mode] for d, mode in PRIVATE_DIRS],
-            "shared": sorted(set(shared)), "binds": [list(b) for b in binds]}
-    _run(["setsid", "--fork", "unshare", "--uts", "--mount", *(["--net"] if net else []),
-          "--propagation", "private", sys.executable, "-I", "-c", _SETUP, json.dumps(spec)])
+            "private": [[d, mode] for d, mode in PRIVATE_DIRS] if host else [],
+            "shared": sorted(set(shared)), "binds": [list(b) for b in binds],
+            "hostname": host, "cgroups": list(cgroups),
+            "cgroup_mounts": [list(m) for m in cgroup_mounts]}
+    _run(["setsid", "--fork", "unshare", *(["--uts"] if host else []), "--mount",
+          *(["--net"] if net else []), "--propagation", "private" if host else "slave",
+          sys.executable, "-I", "-c", _SETUP, json.dumps(spec)])
     found = poll(lambda: pid_file.exists() and pid_file.read_text().strip(), 20, 0.02)
     if not found:
         err = Path(f"{pid_file}.err")
@@ -182,10 +204,12 @@ def start_holder(name: str, pid_file: Path, shared: Sequence[str], *,
     return int(found)
 
 
-def prefix(holder: int, *, net: bool = True) -> list[str]:
-    """How to run a command inside the node whose namespaces `holder` holds."""
-    return ["nsenter", "-t", str(holder), "--uts", "--mount", *(["--net"] if net else []),
-            "--"]
+def prefix(holder: int, *, net: bool = True, cgroup: bool = False, host: bool = True
+           ) -> list[str]:
+    """How to run a command inside the node whose namespaces `holder` holds (`cgroup`: its
+    cgroup namespace too; `host=False`: a holder of only a mount and a cgroup namespace)."""
+    return ["nsenter", "-t", str(holder), *(["--uts"] if host else []), "--mount",
+            *(["--net"] if net else []), *(["--cgroup"] if cgroup else []), "--"]
 
 
 def attach(net: Net, holder: int, index: int) -> str:

@@ -69,6 +69,11 @@ def add_slurm(commands: Any) -> None:
     p.add_argument("--job-container", action="store_true",
                    help="Each job in a mount namespace with a private /tmp and /dev/shm "
                         "(Slurm's job_container/tmpfs); --dir must not be under /tmp.")
+    p.add_argument("--cgroup", action="store_true",
+                   help="Slurm as sites run it: proctrack/cgroup and task/cgroup with "
+                        "ConstrainRAMSpace (--mem is a hard limit), each node's slurmd in a "
+                        "cgroup subtree of its own (cgroup/v2 where the machine has it, else "
+                        "v1).")
     p.add_argument("--grace-s", type=int_range(1, 3600), default=10,
                    help="GraceTime of the preemptable `low` partition (default: %(default)s).")
     p.add_argument("--socket-group", default="",
@@ -147,7 +152,7 @@ def up(args: argparse.Namespace, settings: Settings) -> None:
     lay = cluster.up(args.root, cpus=args.cpus, grace_s=args.grace_s,
                      socket_group=args.socket_group, accounting=args.accounting,
                      nodes=args.nodes, without_stasis=tuple(args.without_stasis),
-                     gpus=args.gpus, job_container=args.job_container)
+                     gpus=args.gpus, job_container=args.job_container, cgroup=args.cgroup)
     if args.json:
         output.emit_json({"slurm_conf": str(lay.slurm_conf),
                           "stasis_config": str(lay.stasis_config), "nodes": lay.nodes()})

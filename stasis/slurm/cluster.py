@@ -58,7 +58,7 @@ from stasis.daemon import detached
 from stasis.errors import SlurmError, StasisError, UsageError
 from stasis.nodehost import Net
 from stasis.poll import poll
-from stasis.slurm import install
+from stasis.slurm import cluster_cgroup, install
 
 NODE = "n1"
 MAX_NODES = 16
@@ -214,20 +214,27 @@ JOB_CONTAINER = "JobContainerType=job_container/tmpfs\nPrologFlags=Contain"
 
 def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
                     accounting: str = "", nodes: list[str] | None = None,
-                    net: Net | None = None, gpus: int = 0, job_container: bool = False) -> str:
+                    net: Net | None = None, gpus: int = 0, job_container: bool = False,
+                    cgroup: bool = False) -> str:
     """`accounting`: slurm.conf lines that replace the accounting_storage/none default.
     `nodes` and `net`: several nodes, each at its address on `net`. `gpus`: GPUs per node as
-    Slurm counts them (generic resources without devices, gres.conf beside slurm.conf)."""
+    Slurm counts them (generic resources without devices, gres.conf beside slurm.conf).
+    `cgroup`: proctrack/cgroup and task/cgroup (cgroup.conf beside slurm.conf) instead of
+    proctrack/linuxproc and task/none."""
     s = lay.slurm
     gres = f" Gres=gpu:{gpus}" if gpus else ""
     acct = accounting or "JobAcctGatherType=jobacct_gather/none\n" \
         "AccountingStorageType=accounting_storage/none"
+    # cgroup: --mem is a limit only where memory is a consumable resource; a job that asks
+    # for none gets DefMemPerCPU.
+    memory = 4000 if cgroup else 1000
+    select = "CR_Core_Memory\nDefMemPerCPU=500" if cgroup else "CR_Core"
     if net is None or not nodes or len(nodes) < 2:
         ctld = f"{hostname}(127.0.0.1)"
         slurmd = (f"SlurmdPidFile={s}/slurmd.pid\nSlurmdLogFile={s}/slurmd.log\n"
                   f"SlurmdSpoolDir={s}/spool")
         node_lines = (f"NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} "
-                      f"RealMemory=1000{gres} State=UNKNOWN")
+                      f"RealMemory={memory}{gres} State=UNKNOWN")
         members = NODE
     else:
         ctld = f"{hostname}({net.host_addr})"
@@ -241,7 +248,7 @@ def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
                   "SlurmdTimeout=10")
         node_lines = "\n".join(
             f"NodeName={name} NodeHostname={name} NodeAddr={net.addr(i)} CPUs={cpus} "
-            f"RealMemory=1000{gres} State=UNKNOWN" for i, name in enumerate(nodes))
+            f"RealMemory={memory}{gres} State=UNKNOWN" for i, name in enumerate(nodes))
         members = ",".join(nodes)
     title = "single-node" if not nodes or len(nodes) < 2 else f"{len(nodes)}-node"
     return f"""\
@@ -260,8 +267,8 @@ SlurmctldPidFile={s}/slurmctld.pid
 SlurmctldLogFile={s}/slurmctld.log
 {slurmd}
 PlugStackConfig={lay.etc}/plugstack.conf
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType=proctrack/{"cgroup" if cgroup else "linuxproc"}
+TaskPlugin=task/{"cgroup" if cgroup else "none"}
 {acct}
 {"GresTypes=gpu" if gpus else ""}
 JobCompType=jobcomp/filetxt
@@ -269,7 +276,7 @@ JobCompLoc={s}/jobcomp.txt
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+SelectTypeParameters={select}
 SlurmdParameters=config_overrides
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
@@ -352,10 +359,52 @@ def _nodes_up(lay: Layout, state: dict[str, Any]) -> Net:
     for i, node in enumerate(state["nodes"]):
         holders[node] = nodehost.start_holder(
             node, lay.root / "ns" / f"{node}.holder", _shared_paths(lay),
-            binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))])
+            binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))],
+            **_cgroup_holder(state, node))
         _save_state(lay, state)
         nodehost.attach(net, holders[node], i)
     return net
+
+
+def _cgroup_holder(state: dict[str, Any], node: str) -> dict[str, Any]:
+    """What `node`'s holder needs for a cgroup subtree of its own (--cgroup), else nothing."""
+    if "cgroup" not in state:
+        return {}
+    m = cluster_cgroup.machine()
+    return {"cgroups": cluster_cgroup.make_node(m, state["cgroup"]["base"], node),
+            "cgroup_mounts": cluster_cgroup.node_mounts(m)}
+
+
+def _cgroup_node_up(lay: Layout, state: dict[str, Any]) -> None:
+    """One node with --cgroup: a holder of a mount and a cgroup namespace only (the node is
+    this machine otherwise), so that its slurmd's cgroups are the cluster's own."""
+    (lay.root / "ns").mkdir(exist_ok=True)
+    holders: dict[str, int] = state.setdefault("holders", {})
+    holders[NODE] = nodehost.start_holder(NODE, lay.root / "ns" / f"{NODE}.holder", [],
+                                          net=False, host=False,
+                                          **_cgroup_holder(state, NODE))
+    _save_state(lay, state)
+
+
+def _cgroup_down(state: dict[str, Any]) -> None:
+    """End the one node's holder and what is left in the cluster's cgroups (processes of its
+    jobs that outlived slurmd: each is in a cgroup of this cluster's), then remove them."""
+    if "cgroup" not in state:
+        return
+    if "net_id" not in state:
+        holder = _holder(state, NODE)
+        if holder:
+            nodehost.end_holder(holder)
+    base = state["cgroup"]["base"]
+    for h in cluster_cgroup.hierarchies():
+        top = Path(h.mountpoint) / base
+        for procs in top.glob("**/cgroup.procs") if top.is_dir() else ():
+            for pid in procs.read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+    cluster_cgroup.remove(base)
 
 
 def _nodes_down(state: dict[str, Any]) -> None:
@@ -376,14 +425,20 @@ def _nodes_down(state: dict[str, Any]) -> None:
 def _node_prefix(lay: Layout, node: str) -> list[str]:
     """How to run a command inside `node` (nothing on a one-node cluster)."""
     state = _state(lay)
-    if "net_id" not in state:
+    several, cgroup = "net_id" in state, "cgroup" in state
+    if not several and not cgroup:
         return []
     holder = _holder(state, node)
     if not holder:
         raise SlurmError(f"node {node} of the local cluster in {lay.root} has lost its "
                          "namespaces (their holder process is gone): `local-cluster down`, "
                          "then `up` again")
-    return nodehost.prefix(holder)
+    inside = nodehost.prefix(holder, net=several, cgroup=cgroup, host=several)
+    if not cgroup:
+        return inside
+    # One node with --cgroup: this machine's namespaces but for its mounts and cgroups.
+    join = cluster_cgroup.join_prefix(cluster_cgroup.machine(), state["cgroup"]["base"], node)
+    return [*join, *inside]
 
 
 # -- up, down ----------------------------------------------------------------------------------
@@ -391,7 +446,7 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
 def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
        warn_s: int = 60, accounting: bool = False, nodes: int = 1,
        without_stasis: tuple[str, ...] = (), gpus: int = 0,
-       job_container: bool = False) -> Layout:
+       job_container: bool = False, cgroup: bool = False) -> Layout:
     """Start the cluster under `root` (created if needed); returns its layout.
 
     `gpus`: GPUs each node offers to jobs (`--gres=gpu:N`), counted by Slurm and its accounting
@@ -403,7 +458,11 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
 
     `job_container`: each job in a mount namespace of its own with a private /tmp (a directory
     under <root>/job-containers/<node>/<jobid>) and /dev/shm, as sites with Slurm's
-    job_container/tmpfs have it; <root> must then not be under /tmp (jobs would not see it)."""
+    job_container/tmpfs have it; <root> must then not be under /tmp (jobs would not see it).
+
+    `cgroup`: Slurm as sites run it, proctrack/cgroup and task/cgroup with ConstrainRAMSpace
+    (--mem is a hard limit), each node's slurmd in a cgroup subtree of its own
+    (stasis.slurm.cluster_cgroup)."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
     if not 1 <= nodes <= MAX_NODES:
@@ -419,6 +478,7 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
     if job_container and str(root).startswith(("/tmp/", "/var/tmp/")):
         raise UsageError(f"--job-container: {root} is under a directory each job sees as its "
                          "own; give a --dir outside /tmp and /var/tmp")
+    machine = cluster_cgroup.machine() if cgroup else None
     lay = Layout(root)
     if lay.state_file.exists() and status(root)["running"]:
         raise UsageError(f"a local cluster is already running in {root}; "
@@ -448,10 +508,17 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
         os.chmod(d, 0o755)
     started: dict[str, int] = {}
     state: dict[str, Any] = {"pids": started, "nodes": names, "without_stasis": bare}
+    if machine is not None:
+        state["cgroup"] = {"version": machine.version, "base": cluster_cgroup.base_name(root)}
+        (lay.etc / "cgroup.conf").write_text(cluster_cgroup.cgroup_conf(machine))
+    else:
+        (lay.etc / "cgroup.conf").unlink(missing_ok=True)
     _save_state(lay, state)
     restore_signals = _terminate_as_error()
     try:
         net = _nodes_up(lay, state) if nodes > 1 else None
+        if machine is not None and nodes == 1:
+            _cgroup_node_up(lay, state)
         started["munged"] = _start_munge(lay)
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
@@ -462,7 +529,8 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
         lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
                                                   hostname=hostname, accounting=acct_conf,
                                                   nodes=names, net=net, gpus=gpus,
-                                                  job_container=job_container))
+                                                  job_container=job_container,
+                                                  cgroup=machine is not None))
         (lay.slurm_conf.parent / "gres.conf").write_text(_gres_conf(lay, gpus))
         if job_container:
             base = lay.root / "job-containers"
@@ -570,9 +638,9 @@ def _write_bare_conf(lay: Layout, node: str) -> None:
     lines = [f"PlugStackConfig={empty}" if line.startswith("PlugStackConfig=") else line
              for line in lay.slurm_conf.read_text().splitlines()]
     _bare_conf(lay, node).write_text("\n".join(lines) + "\n")
-    gres = lay.slurm_conf.parent / "gres.conf"
-    if gres.exists():
-        shutil.copyfile(gres, _bare_conf(lay, node).parent / "gres.conf")
+    for name in ("gres.conf", "cgroup.conf"):  # read from slurm.conf's directory
+        if (lay.slurm_conf.parent / name).exists():
+            shutil.copyfile(lay.slurm_conf.parent / name, _bare_conf(lay, node).parent / name)
 
 
 def _slurmd_pid_file(lay: Layout, node: str) -> Path:
@@ -697,6 +765,7 @@ def down(root: Path) -> None:
     for node in state.get("nodes", []):
         _kill_node_processes(lay, state, node)
     _nodes_down(state)
+    _cgroup_down(state)
     try:
         lay.state_file.unlink()
     except FileNotFoundError:
