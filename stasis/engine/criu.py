@@ -127,6 +127,12 @@ class RestoreOptions:
     # it runs an instruction, established TCP connections come back closed, CRIU takes no
     # network lock (no iptables or nft rule anywhere) and none of the job's file locks.
     sandboxed: bool = False
+    # The tree comes back in the caller's cgroups (CRIU's manage_cgroups_mode IGNORE), not in
+    # those its images name: a Slurm job's task restores it into its own step's cgroups, where
+    # the job's memory limit holds and proctrack/cgroup finds it to signal and kill. CRIU's
+    # default would put it back into the dumped job's cgroup paths, making them again where
+    # they are gone (a job resumed under a new id: outside its limit, out of scancel's reach).
+    caller_cgroups: bool = False
 
 
 @dataclass
@@ -299,6 +305,8 @@ class CRIU:
                 opts.file_locks = False
             for key, fd in options.inherit_fds:
                 opts.inherit_fd.add(key=key, fd=fd)
+            if options.caller_cgroups:
+                opts.manage_cgroups_mode = pb.IGNORE
             if options.own_mounts:
                 privatetmp.restore_options(opts)
             req = pb.criu_req(type=pb.RESTORE, opts=opts)

@@ -52,7 +52,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                  on_lost: Callable[[str], None] | None = None,
                  expect: wire.RestoreFacts | None = None, checkpoint: str = "",
                  criu_version: str | None = None, sandboxed: bool = False,
-                 own_mounts: bool = False) -> RestoreResult:
+                 own_mounts: bool = False, caller_cgroups: bool = False) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
@@ -69,7 +69,8 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     the differences come back in `RestoreResult.notes`. `criu_version`: `criu`'s, when the
     caller knows it already. `sandboxed`: for `stasis verify` (RestoreOptions.sandboxed).
     `own_mounts`: the images hold the tree's own mount namespace (a private /tmp,
-    engine/privatetmp.py)."""
+    engine/privatetmp.py). `caller_cgroups`: the tree comes back in the caller's cgroups
+    (RestoreOptions.caller_cgroups)."""
     if owner.uid != 0:
         # CRIU (root) gives back whatever credentials the images record: a user's tree must not
         # come back holding more than its owner (a setuid program a dump of older stasis, or
@@ -120,6 +121,7 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                                  on_lost=on_lost,
                                  owner=owner if owner.uid != 0 else None,
                                  sandboxed=sandboxed, own_mounts=own_mounts,
+                                 caller_cgroups=caller_cgroups,
                                  tcp_close=network.all_closed,
                                  close_tcp=[] if network.all_closed else network.close_inodes)
         try:

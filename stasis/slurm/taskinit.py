@@ -130,9 +130,12 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         # with what the checkpoint saved of the old one (engine/boundtmp.py).
         refilled = boundtmp.unpack(images, owner.uid, gid, owner.groups)
         try:
+            # Into this task's own cgroups (slurmstepd put it in the step's before this
+            # helper ran): the job's memory limit holds, scancel and the time limit reach it.
             result = restore_tree(criu, images, owner, outputs,
                                   f"restore-slurm-{info.job_id}-{m.id}.log",
-                                  own_mounts=privatetmp.recorded(m.extra))
+                                  own_mounts=privatetmp.recorded(m.extra),
+                                  caller_cgroups=True)
         except BaseException:
             refilled.undo()  # run from the start instead, it finds the /tmp it would have had
             raise
