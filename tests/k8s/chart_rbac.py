@@ -1,6 +1,7 @@
-"""The Kubernetes permissions the chart (charts/stasis) gives the node agent's service account:
-the rules of every ClusterRole bound to it, rendered from the chart's own templates, for
-tests/k8s/apiserver.py to enforce."""
+"""The Kubernetes permissions the chart (charts/stasis) gives its service accounts: the rules
+of every ClusterRole bound to one, rendered from the chart's own templates, for
+tests/k8s/apiserver.py to enforce. `agent_rules`: the node agent's; `hook_rules`: the
+pre-delete hook's (stasis k8s uninstall-nodes)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 from tests.k8s.test_chart import render
 
 
-def agent_rules(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def rules_of(account_name: str, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     docs = render(values or {})
-    accounts = [d for d in docs if d["kind"] == "ServiceAccount"]
+    accounts = [d for d in docs if d["kind"] == "ServiceAccount"
+                and d["metadata"]["name"] == account_name]
     assert len(accounts) == 1, accounts
     account = accounts[0]["metadata"]
     roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
@@ -25,3 +27,11 @@ def agent_rules(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     assert not any(d["kind"] in ("Role", "RoleBinding") for d in docs)
     assert rules
     return rules
+
+
+def agent_rules(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    return rules_of("stasis-agent", values)
+
+
+def hook_rules(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    return rules_of("stasis-uninstall", values)
