@@ -145,6 +145,7 @@ class Agent:
     # Set once the node's uninstall was asked: the taint is never put back, nothing installed.
     uninstalling: bool = False
     _taint_lock: threading.Lock = field(default_factory=threading.Lock)
+    _uninstall_seen: str = ""  # the last request taken up (each new one is answered)
 
     def __post_init__(self) -> None:
         self._answered = Recent(self.remember_pods)
@@ -320,7 +321,8 @@ class Agent:
             if node.metadata.name != self.node or kind == "DELETED":
                 continue
             asked = self._uninstall_asked(node)
-            if asked is not None and not self.uninstalling:
+            if asked is not None and asked != self._uninstall_seen:
+                self._uninstall_seen = asked
                 threading.Thread(target=self.on_uninstall, args=(asked,), name="uninstall",
                                  daemon=True).start()
             self._taint(node)

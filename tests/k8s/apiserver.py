@@ -6,7 +6,8 @@ An eviction (POST pods/NAME/eviction) deletes the pod as a real API server does 
 budgets here) and is written, one JSON line each, to evictions.jsonl in its working directory.
 
 RBAC, as a real API server authorizes: `ApiServer.authorize(token, rules)` (rbac.json in its
-working directory, read at every request) makes every request that bears that bearer token
+working directory, read at every request; one entry per token, so that several service
+accounts can each have theirs) makes every request that bears that bearer token
 checked against those PolicyRules (apiGroups, resources with their subresources as
 "pods/eviction", verbs get/list/watch/create/update/patch/delete, resourceNames); a request
 they do not allow is answered 403 Forbidden, as kube-apiserver answers it, and written to
@@ -86,19 +87,25 @@ class ApiServer:
         """Requests with bearer `token` get what `rules` allow and nothing else; a kubeconfig
         that uses that token (as a service account's would)."""
         tmp = self.workdir / "rbac.json.tmp"
-        tmp.write_text(json.dumps({"token": token, "rules": rules}))
-        tmp.replace(self.workdir / "rbac.json")
+        path = self.workdir / "rbac.json"
+        tokens = json.loads(path.read_text())["tokens"] if path.exists() else {}
+        tokens[token] = rules
+        tmp.write_text(json.dumps({"tokens": tokens}))
+        tmp.replace(path)
         config = self.workdir / f"kubeconfig-{token}"
         config.write_text(self.kubeconfig.read_text().replace("not-a-secret", token))
         os.chmod(config, 0o600)
         return config
 
-    def requests(self, denied: bool = False) -> list[dict[str, Any]]:
-        """The requests of the authorized token (only those refused: `denied`)."""
+    def requests(self, denied: bool = False, token: str | None = None
+                 ) -> list[dict[str, Any]]:
+        """The requests of the authorized tokens (only those refused: `denied`; only those of
+        `token`)."""
         path = self.workdir / ("rbac-denied.jsonl" if denied else "rbac-requests.jsonl")
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        found = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in found if token is None or r["token"] == token]
 
     def evictions(self) -> list[dict[str, Any]]:
         path = self.workdir / "evictions.jsonl"
@@ -173,12 +180,14 @@ def _forbidden(request: Any) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     header = request.headers.get("Authorization") or request.headers.get("authorization") or ""
-    if header != f"Bearer {policy['token']}":
+    token = header.removeprefix("Bearer ")
+    if token not in policy["tokens"]:
         return None
     attrs = _attributes(request)
     if attrs is None:
         return None
-    allowed = any(_allows(rule, attrs) for rule in policy["rules"])
+    allowed = any(_allows(rule, attrs) for rule in policy["tokens"][token])
+    attrs["token"] = token
     with open("rbac-requests.jsonl", "a") as out:
         out.write(json.dumps({**attrs, "allowed": allowed}) + "\n")
     if allowed:
@@ -190,7 +199,7 @@ def _forbidden(request: Any) -> dict[str, Any] | None:
         " at the cluster scope"
     return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
             "code": 403,
-            "message": f'{what} is forbidden: User "{policy["token"]}" cannot {attrs["verb"]} '
+            "message": f'{what} is forbidden: User "{token}" cannot {attrs["verb"]} '
                        f'resource "{attrs["resource"]}" in API group "{attrs["apiGroup"]}"'
                        f"{where}"}
 
