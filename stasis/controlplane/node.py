@@ -80,6 +80,7 @@ from sqlalchemy import (
 )
 
 from stasis import faults, wire
+from stasis.atomicfile import write_atomically
 from stasis.controlplane.client import ControlPlaneClient, Unauthorized
 from stasis.daemon import records
 from stasis.daemon.activity import Activity
@@ -242,18 +243,8 @@ class ControlPlaneNode(Integration):
 
     def _keep_credential(self, token: str) -> None:
         """Written new (0600, no link followed), then renamed over the old one."""
-        tmp = self._credential_path.with_name(f".{CREDENTIAL_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**self._bound_to(), "token": token}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._credential_path)
+        write_atomically(self._credential_path,
+                         json.dumps({**self._bound_to(), "token": token}).encode())
 
     def _forget_credential(self) -> None:
         assert self.client is not None

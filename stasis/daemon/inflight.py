@@ -26,6 +26,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stasis.atomicfile import write_atomically
 from stasis.store import is_checkpoint_id
 
 
@@ -59,10 +60,10 @@ class DumpJournal:
 
     def _write(self, entry: InFlightDump) -> None:
         # Atomically: a reader never sees half of it.
-        path = self._path(entry.checkpoint)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(entry)))
-        os.replace(tmp, path)
+        # Not synced to disk: it guards against the daemon's death, and a node that crashes
+        # takes its frozen trees with it (and a fsync here would wait on a busy disk).
+        write_atomically(self._path(entry.checkpoint), json.dumps(asdict(entry)).encode(),
+                         durable=False)
 
     def begin(self, entry: InFlightDump) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ from typing import Any
 from sqlalchemy import Table, select
 from sqlalchemy.exc import SQLAlchemyError
 
+from stasis.atomicfile import fsync_dir, write_atomically
 from stasis.daemon.db import JobDB
 from stasis.errors import StasisError
 
@@ -75,26 +76,7 @@ def _dir(root: Path, table: Table) -> Path:
 
 def _write(path: Path, body: bytes, durable: bool = True) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
-    try:
-        os.write(fd, body)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if durable:
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomically(path, body, durable=durable)
 
 
 def _body(table: Table, key: str, row: Mapping[Any, Any]) -> bytes:
@@ -150,7 +132,7 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         return
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _files(directory: Path) -> list[Path]:

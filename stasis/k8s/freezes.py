@@ -29,6 +29,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stasis.atomicfile import write_atomically
 from stasis.errors import ContainerError, StasisError
 from stasis.k8s.runc import Runc, validate_abs_path, validate_container_id
 from stasis.store import is_checkpoint_id
@@ -63,18 +64,11 @@ class FreezeJournal:
     def write(self, entry: Freeze) -> None:
         """Atomically, and on disk before the step it announces (fsync: a node's crash
         takes the frozen container with it, but a daemon's kill -9 does not)."""
-        path = self._path(entry.checkpoint)
-        tmp = path.with_suffix(".tmp")
         with self._lock:
             try:
                 self.prepare()
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-                try:
-                    os.write(fd, json.dumps(asdict(entry)).encode())
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)
+                write_atomically(self._path(entry.checkpoint),
+                                 json.dumps(asdict(entry)).encode())
             except OSError as e:
                 # Unrecorded, a freeze could outlive a daemon killed during it: none is taken.
                 raise ContainerError(

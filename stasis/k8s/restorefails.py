@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from stasis.atomicfile import write_atomically
 from stasis.store import is_checkpoint_id
 
 DIRECTORY = "k8s-restore-failures"
@@ -63,16 +63,9 @@ class RestoreFailures:
         done = Failures(checkpoint, now.attempts + 1, " ".join(error.split())[:_ERROR_CHARS],
                         log)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"attempts": done.attempts, "error": done.error, "log": done.log,
-                           "at": datetime.now(UTC).isoformat(timespec="seconds")}, f)
-            os.replace(tmp, self.path(checkpoint))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.path(checkpoint), json.dumps(
+            {"attempts": done.attempts, "error": done.error, "log": done.log,
+             "at": datetime.now(UTC).isoformat(timespec="seconds")}).encode(), durable=False)
         return done
 
     def forget(self, checkpoint: str) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from stasis.atomicfile import write_atomically
 from stasis.errors import SlurmJobNotFoundError, StasisError
 from stasis.slurm import scontrol
 
@@ -41,10 +42,9 @@ def note(held_dir: Path, job_id: str, cause: Cause, label: str, uid: int, restar
     daemon that finds it releases the job once `cause` is over."""
     scontrol.validate_slurm_job_id(job_id)
     held_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = held_dir / f".{job_id}.tmp"
-    tmp.write_text(json.dumps({"job": job_id, "cause": cause, "label": label, "uid": uid,
-                               "restarts": restarts}))
-    tmp.replace(held_dir / job_id)
+    write_atomically(held_dir / job_id, json.dumps(
+        {"job": job_id, "cause": cause, "label": label, "uid": uid, "restarts": restarts}
+    ).encode(), durable=False)
 
 
 def forget(held_dir: Path, job_id: str) -> None:

@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from stasis.atomicfile import fsync_dir, write_atomically
 from stasis.errors import StoreError
 from stasis.store._tree import (
     MAX_MANIFEST_BYTES,
@@ -165,7 +166,7 @@ class LocalTree:
             self._remember(found)
             # It holds no checkpoint: its label index is complete as it is.
             _private_dir(self._index())
-            _write_atomically(self._index() / FORMAT_FILE, FORMAT)
+            write_atomically(self._index() / FORMAT_FILE, FORMAT)
         _private_dir(self.root / STAGING_NAME)
 
     # -- reading ----------------------------------------------------------------------------
@@ -283,11 +284,10 @@ class LocalTree:
             manifest = seal(Manifest.build(
                 info, compression, entries,
                 data_key.encryption if data_key is not None else None))
-            _write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))
-            _fsync_dir(out)
+            write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))  # out synced too
             os.rename(out, final)
             moved = True
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(final if moved else out, ignore_errors=True)
             raise
@@ -299,8 +299,7 @@ class LocalTree:
         path = self.root / checkpoint_id
         if not self._present() or not (path / MANIFEST_NAME).is_file():
             raise FileNotFoundError(path / MANIFEST_NAME)
-        _write_atomically(path / MANIFEST_NAME, data)
-        _fsync_dir(path)
+        write_atomically(path / MANIFEST_NAME, data)
 
     def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
                           end: int) -> bytes:
@@ -324,7 +323,7 @@ class LocalTree:
             raise FileNotFoundError(path)
         try:
             os.unlink(path / MANIFEST_NAME)
-            _fsync_dir(path)
+            fsync_dir(path)
         except FileNotFoundError:
             pass  # half-deleted before: finish the job
         shutil.rmtree(path)
@@ -333,7 +332,7 @@ class LocalTree:
         path = self.root / checkpoint_id
         if not self._present() or not path.is_dir():
             raise FileNotFoundError(path)
-        _write_atomically(path / name, data)
+        write_atomically(path / name, data)
 
     def has_note(self, checkpoint_id: str, name: str) -> bool:
         return self._present() and (self.root / checkpoint_id / name).is_file()
@@ -403,7 +402,7 @@ class LocalTree:
         fd = os.open(owner / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.close(fd)
         # The entry must outlive a crash that the manifest written after it survives.
-        _fsync_dir(owner)
+        fsync_dir(owner)
 
     def index_remove(self, label: str, uid: int, name: str) -> None:
         owner = self._index() / label / str(uid)
@@ -454,7 +453,7 @@ class LocalTree:
             return  # no store here yet: its first publish starts one, and a later sweep marks
         self._ensure_root()
         _private_dir(self._index())
-        _write_atomically(self._index() / FORMAT_FILE, FORMAT)
+        write_atomically(self._index() / FORMAT_FILE, FORMAT)
 
 
 def _private_dir(path: Path) -> None:
@@ -491,33 +490,8 @@ def _regular_size(path: Path) -> int:
     return st.st_size
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

@@ -30,6 +30,7 @@ import re
 import secrets
 from pathlib import Path
 
+from stasis.atomicfile import create_once, write_atomically
 from stasis.errors import StoreError
 
 log = logging.getLogger("stasis.store")
@@ -68,27 +69,7 @@ def read_marker(root: Path) -> str | None:
 def write_marker(root: Path) -> str:
     """Give `root` a marker (atomically: a reader sees none or a whole one), unless another
     process just did; return the id the store has now."""
-    tmp = root / f".{MARKER_NAME}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-    try:
-        os.write(fd, f"stasis-store {new_store_id()}\n".encode())
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        try:
-            # link, not rename: two nodes initialising the same store at once agree on one id.
-            os.link(tmp, root / MARKER_NAME)
-        except FileExistsError:
-            pass
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(tmp)
-    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    create_once(root / MARKER_NAME, f"stasis-store {new_store_id()}\n".encode(), mode=0o644)
     found = read_marker(root)
     if found is None:
         raise StoreError(f"the marker {root / MARKER_NAME} vanished as it was written")
@@ -133,22 +114,10 @@ class KnownStores:
         """Record `store_id` at `root`; a failure is logged: the store still works, this node
         only cannot tell later that it went missing."""
         path = self.entry(root)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         0o600)
-            try:
-                os.write(fd, json.dumps({"path": str(root), "store_id": store_id}).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
+            write_atomically(path, json.dumps({"path": str(root), "store_id": store_id}).encode())
         except OSError as e:
             log.warning("cannot record at %s that this node uses the store %s (%s): if it "
                         "goes missing later, this node cannot tell it from an empty one",
                         path, root, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stasis.atomicfile import create_once
 from stasis.config import Settings
 from stasis.errors import UsageError
 
@@ -223,22 +224,5 @@ def _create_node_key(keys_dir: Path, path: Path) -> None:
     os.chmod(keys_dir, 0o700)
     if os.path.lexists(path):
         return
-    tmp = keys_dir / f".{NODE_KEY}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            os.write(fd, secrets.token_bytes(KEY_BYTES))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # not rename: two daemons starting at once keep the first key
-        except FileExistsError:
-            pass
-        dir_fd = os.open(keys_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        os.unlink(tmp)
+    # Not replaced if two daemons start at once: the first key stands for both.
+    create_once(path, secrets.token_bytes(KEY_BYTES))
