@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Generic, TypeVar
 
 from stasis import faults
+from stasis.atomicfile import write_atomically
 from stasis.daemon.db import JobRow
 from stasis.daemon.progress import Progress, ReadWatcher
 from stasis.daemon.reaper import Reaper
@@ -252,9 +253,7 @@ def _dismiss(spare: subprocess.Popen[bytes]) -> None:
 
 def write_job_file(job_dir: Path, job: JobRow) -> None:
     """`job.json`: the job's record as its start left it, for a daemon that lost its row."""
-    tmp = job_dir / "job.json.tmp"
-    tmp.write_text(json.dumps(asdict(job)))
-    os.replace(tmp, job_dir / "job.json")
+    write_atomically(job_dir / "job.json", json.dumps(asdict(job)).encode(), durable=False)
 
 
 class Gate:

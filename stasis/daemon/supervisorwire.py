@@ -22,10 +22,10 @@ answer pass only between a daemon and the supervisors it started, of its own ver
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Literal, NotRequired, TypedDict, final
 
+from stasis.atomicfile import write_atomically
 from stasis.wire import RestoreFacts, WireError
 
 PID_FILE = "pid.json"
@@ -133,10 +133,10 @@ class KilledFile(TypedDict):
 
 
 def write(job_dir: Path, name: str, data: PidFile | ExitFile | MemoryFile | KilledFile) -> None:
-    """One of the files, whole or not at all (a reader never sees half of one)."""
-    tmp = job_dir / f"{name}.tmp"
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, job_dir / name)
+    """One of the files, whole or not at all (a reader never sees half of one). Not synced to
+    the disk: pid.json is written while the restore's answer waits, and after a node's crash
+    there is no job left to follow."""
+    write_atomically(job_dir / name, json.dumps(data).encode(), durable=False)
 
 
 def note_killed(job_dir: Path, reason: str) -> None:
