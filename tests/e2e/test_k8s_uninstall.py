@@ -42,8 +42,9 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
     restart = tmp_path / "restart-containerd"
     # containerd "restarts": its own parser reads the config the agent left (a config it
     # cannot read fails the agent, as a real restart would fail containerd).
-    restart.write_text(f"#!/bin/sh\nn=$(ls {dumps} | wc -l)\n"
-                       f"exec containerd --config {config} config dump > {dumps}/$n.toml\n")
+    restart.write_text(f"#!/bin/sh\nset -e\nn=$(ls {dumps} | wc -l)\n"
+                       f"containerd --config {config} config dump > {tmp_path}/dump.tmp\n"
+                       f"mv {tmp_path}/dump.tmp {dumps}/$n.toml\n")
     restart.chmod(0o755)
     # The agent's own config: no daemon answers there, so the node stays not ready.
     agent_config = tmp_path / "stasis.toml"
