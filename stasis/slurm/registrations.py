@@ -35,7 +35,7 @@ from stasis.daemon import records
 from stasis.daemon.db import JobDatabaseError, JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
-from stasis.engine import proctree
+from stasis.engine import cgroupjoin, proctree
 from stasis.errors import (
     CheckpointError,
     NotFoundError,
@@ -341,6 +341,12 @@ class SlurmJobs:
             raise PermissionDeniedError(f"permission denied: Slurm job {job_id} is not yours")
         if not req.explicit_label and req.label != job_id:
             raise UsageError("without an explicit label the label is the job id")
+        try:
+            # A restored tree is where its restorer ran, before slurmstepd placed the task:
+            # into the step's cgroups with the launcher (engine/cgroupjoin.py).
+            cgroupjoin.join(caller.pid, req.pid)
+        except OSError as e:
+            log.warning("Slurm job %s: its tree stays outside the step's cgroups: %s", job_id, e)
         try:
             cmdline = _read_proc(req.pid, "cmdline").split(b"\0")
             command = [c.decode(errors="replace") for c in cmdline if c]
