@@ -15,7 +15,7 @@ import pytest
 
 from stasis.slurm import cluster as local_cluster
 from stasis.slurm import scontrol
-from tests.conftest import TEST_USER
+from tests.conftest import STASIS, TEST_USER
 from tests.e2e.conftest import (EARLY, Cluster, Early, close_cluster, new_cluster, until,
                                  wait_gone)
 
@@ -159,6 +159,20 @@ def test_other_users_cannot_checkpoint_a_job_or_use_its_label(cluster: Cluster) 
     assert result.returncode == 2 and "permission denied" in result.stderr
     bad = cluster.stasis("dump", "--slurm-job", "../1", check=False)
     assert bad.returncode == 2 and "not a Slurm job id" in bad.stderr
+    # Nor set its checkpoint interval (the route its own srun launcher asks), nor see it.
+    ask = cluster.run(str(Path(STASIS).parent / "python"), "-c",
+                      "import sys\n"
+                      "from stasis.client import Client\n"
+                      "from stasis.config import load_settings\n"
+                      "from stasis.errors import StasisError\n"
+                      "try:\n"
+                      f"    Client(load_settings().socket).slurm_interval({job!r}, '1')\n"
+                      "except StasisError as e:\n"
+                      "    sys.exit(str(e))\n", user=TEST_USER, check=False)
+    assert ask.returncode == 1 and "permission denied" in ask.stderr, ask
+    listed = json.loads(cluster.stasis("slurm", "intervals", "--json", user=TEST_USER).stdout)
+    assert job not in [e["slurm_job"] for e in listed]
+    assert "stasis: checkpoint interval" not in cluster.output(job)
     assert cluster.state(job) == "RUNNING"
     cluster.stasis("dump", "--slurm-job", job, "--leave-running")
     # Another user's job with the same label: labels are per owner, so it starts from its own
