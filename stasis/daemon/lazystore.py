@@ -23,9 +23,11 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import tempfile
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from stasis.daemon.supervisorwire import note_killed
@@ -44,6 +46,14 @@ log = logging.getLogger("stasis.daemon")
 
 _PAGES = re.compile(r"^pages-[0-9]+\.img$")
 SOCKET_NAME = "page-server.sock"
+# How long a page that cannot be had waits for the restore's answer before it ends the restore.
+_ANSWER_S = 1.0
+
+
+def _peer_pid(conn: socket.socket) -> int | None:
+    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                     struct.calcsize("3i")))
+    return pid if pid > 0 else None
 
 
 def page_reader(store: Store, manifest: Manifest) -> PageReader | None:
@@ -74,6 +84,7 @@ class LazyRestore:
         self._server: PageServer | None = None
         self._job: tuple[int | None, Path | None] = (None, None)
         self._started = threading.Event()
+        self._restoring: int | None = None
         self.done = threading.Event()
         self.failure: str | None = None
 
@@ -116,6 +127,7 @@ class LazyRestore:
         try:
             self._listener.settimeout(60.0)  # the supervisor connects at the restore's start
             conn, _ = self._listener.accept()
+            self._restoring = _peer_pid(conn)  # the job's supervisor, under which CRIU runs
         except OSError:
             self._finish()
             return
@@ -160,8 +172,12 @@ class LazyRestore:
     def _on_failure(self, reason: str) -> None:
         self.failure = reason
         # The tree is waiting for this very page: it runs no further until killed, so waiting
-        # for its pid (the restore's answer is on its way) feeds it nothing.
-        self._started.wait(300.0)
+        # for its pid (the restore's answer is on its way) feeds it nothing. Unless the one
+        # waiting is CRIU's own restorer (it touches the tasks' memory before they resume: a
+        # Python 3.13 job's rseq area, say): then no answer comes until the restore is ended.
+        if not self._started.wait(_ANSWER_S):
+            self._end_restore()
+            self._started.wait(60.0)  # its answer, a failure, follows
         pid, job_dir = self._job
         if pid is None:
             return
@@ -178,6 +194,18 @@ class LazyRestore:
         log.error("killed lazily restored job %s (pid %d%s): a page could not be had from the "
                   "store: %s", job_dir.name if job_dir else "?", pid,
                   "" if started else ", already gone", reason)
+
+    def _end_restore(self) -> None:
+        """Kill everything under the job's supervisor (CRIU, lazy-pages, the tasks being
+        restored): the restore fails, naming the page that could not be had."""
+        if self._restoring is None:
+            return
+        under = proctree.tree(self._restoring)[1:]
+        for pid in under:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        log.error("ended a lazy restore of %s under supervisor %d: a page could not be had "
+                  "from the store", self.manifest.id, self._restoring)
 
     def _finish(self) -> None:
         shutil.rmtree(self.images, ignore_errors=True)
