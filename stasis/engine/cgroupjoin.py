@@ -42,7 +42,8 @@ def _mounts() -> dict[str, _Mount]:
                            and not o.startswith(("release_agent=", "cpuset_v2_mode")))
         else:
             continue
-        found.setdefault(key, _Mount(fields[3], fields[4]))
+        # The last mount of a hierarchy is the one on top (a node's own over the machine's).
+        found[key] = _Mount(fields[3], fields[4])
     return found
 
 
