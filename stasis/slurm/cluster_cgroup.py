@@ -167,12 +167,14 @@ def remove(base: str, m: Machine | None = None, timeout_s: float = 10.0) -> list
 
 def cgroup_conf(m: Machine) -> str:
     """cgroup.conf beside slurm.conf. Slurm 22.05 reads CgroupPlugin (cgroup/v1, cgroup/v2 or
-    autodetect); IgnoreSystemd (22.05.8+ and later releases) lets cgroup/v2 make its own
-    scope where no systemd or dbus runs, as in a node's namespaces."""
+    autodetect). cgroup/v2 asks systemd (over dbus) for slurmd's scope unless IgnoreSystemd
+    (documented from 22.05.8 on), with which CgroupAutomount enables the controllers itself:
+    there is no systemd in a node's namespaces. (Not run here: these machines have no memory
+    controller on cgroup v2.)"""
     lines = [
         "# Written by `stasis slurm local-cluster up --cgroup`.",
         f"CgroupPlugin=cgroup/{m.version}",
-        "CgroupAutomount=no",
+        f"CgroupAutomount={'yes' if m.version == 'v2' else 'no'}",
         f"CgroupMountpoint={CGROUP_ROOT}",
         "ConstrainCores=no",
         "ConstrainDevices=no",
