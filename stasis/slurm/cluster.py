@@ -23,6 +23,10 @@ system is shared, as on a cluster with a shared home and store: the cluster's di
 back at its own path where it lies under a private directory, e.g. a test's /tmp/...), the home
 directories, the installed software, this Python and the stasis package.
 
+With --cgroup, Slurm runs proctrack/cgroup and task/cgroup (--mem a hard limit), and each node
+(the one node too) has a cgroup subtree and cgroup namespace of its own
+(stasis.slurm.cluster_cgroup).
+
     D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
     D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
     D/slurm/      StateSaveLocation, slurmctld's pid and log (and slurmd's on one node)
@@ -30,7 +34,8 @@ directories, the installed software, this Python and the stasis package.
                   socket, state, log)
     D/nodes/NAME/ several nodes: the node's slurmd spool, pid and log, its stasis daemon's
                   config.toml, socket, state and log
-    D/ns/NAME.holder  several nodes: the pid of the process that holds the node's namespaces
+    D/ns/NAME.holder  several nodes, or --cgroup: the pid of the process that holds the node's
+                  namespaces (with --cgroup one node has a holder of its mounts and cgroups only)
     D/lib/        the built SPANK plugin and the launcher
     D/cluster.json  pids of what `up` started, the nodes and their network
 """
