@@ -156,7 +156,8 @@ def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
     restore = cp.call("GET", f"/api/v1/commands/{done['result']['next']}", cp.admin)[1]
     assert restore["node"] == "node-b" and restore["args"] == {
         "checkpoint": "20261206T000000Z-abcdef", "migrated_from": cmd["id"], "job": "j1",
-        "label": "sim", "user": "alice", "from_node": "node-a", "seal": None}
+        "label": "sim", "user": "alice", "from_node": "node-a", "seal": None,
+        "fence": True}  # the node commits before it resumes (issue 28's fencing)
     assert thief.lease() is None and a.lease() is None
 
     # Policies address the jobs they pick by (cluster, node, job) too: each its own node.

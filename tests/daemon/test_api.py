@@ -138,7 +138,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 20  # stasis/wire.py's table
+    assert len(routes) == 22  # stasis/wire.py's table
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/",
@@ -202,6 +202,9 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
                  "NotFoundError")
     assert_error(req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/finish", {"exit_code": 0}), 404,
                  "NotFoundError")
+    assert_error(req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/interval", {"requested": "auto"}),
+                 404, "NotFoundError")
+    assert isinstance(json_answer(req("GET", "/slurm/intervals")), list)
 
     assert req.seen == routes, routes - req.seen
 
