@@ -25,7 +25,10 @@ def start_build() -> None:
     if _build is None:
         with open(LOG, "wb") as log:
             # Niced: the other tests run meanwhile, some of them timing a grace period.
-            _build = subprocess.Popen(["nice", "-n", "10", "bash", str(SCRIPT), "build",
+            # One build of the root at a time: two test sessions on a machine (a developer's
+            # and a helper's) once had one remove the venv the other was installing into.
+            _build = subprocess.Popen(["flock", str(ROOT.with_name(ROOT.name + ".lock")),
+                                       "nice", "-n", "10", "bash", str(SCRIPT), "build",
                                        str(ROOT), str(CHECKOUT)],
                                       stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
