@@ -14,7 +14,7 @@ import os
 import pwd
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,12 @@ def assert_runs_once_counting_on(c: Cluster, label: str, job: str, before: int,
 
 
 def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
-                      user: str, restart: bool = True) -> tuple[dict[str, Any], int]:
+                      user: str, restart: bool = True,
+                      while_down: Callable[[Daemon], None] | None = None
+                      ) -> tuple[dict[str, Any], int]:
+    """Migrate a counting job from node-a to node-b, `killed` dying at `point` (`while_down`
+    done to it meanwhile), then started again unless not to `restart`. The migration's last
+    command once answered, and the value the counter had reached before."""
     job = c.a.run(*workload("counter.py"), label=label, user=user)["job"]
     wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
     wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
@@ -118,6 +123,8 @@ def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
     assert status == 201, first
     kit.died(killed)
     before = int(log.read_text().split()[-1])
+    if while_down is not None:
+        while_down(killed)
     if restart:
         kit.arm(killed)  # started again, disarmed
     return final(c.cp, first["id"]), before

@@ -24,6 +24,7 @@ from tests.faults.test_controlplane import (  # noqa: F401 - the fixture
     assert_runs_once_counting_on,
     cluster,
     final,
+    migrate_killed_at,
 )
 
 
@@ -40,25 +41,16 @@ def rebuilt(d: Daemon) -> bool:
 
 def migrate_killed_and_corrupted(c: Cluster, killed: Daemon, point: str, label: str,
                                  user: str) -> tuple[dict[str, Any], int]:
-    """Migrate a counting job from node-a to node-b, `killed` dying at `point`; its database
-    corrupted while it is down, then started again (and rebuilt). The migration's last
-    command once answered, and the value the counter had reached before."""
-    job = c.a.run(*workload("counter.py"), label=label, user=user)["job"]
-    wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
-    wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
-    log = c.a.state_dir / "logs" / f"{job}.log"
-    kit.arm(killed, point)
-    status, first = c.cp.call("POST", "/api/v1/migrations", c.cp.admin,
-                              {"job": job, "to": "node-b"})
-    assert status == 201, first
-    kit.died(killed)
-    before = int(log.read_text().split()[-1])
-    for old in killed.state_dir.glob("jobs.db.corrupt-*"):
-        old.unlink()  # an earlier test's
-    corrupt(killed)
-    kit.arm(killed)  # started again, disarmed: the database is rebuilt
+    """migrate_killed_at, `killed`'s database corrupted while it is down: started again, the
+    database is rebuilt."""
+    def corrupted(d: Daemon) -> None:
+        for old in d.state_dir.glob("jobs.db.corrupt-*"):
+            old.unlink()  # an earlier test's
+        corrupt(d)
+
+    last, before = migrate_killed_at(c, killed, point, label, user, while_down=corrupted)
     assert rebuilt(killed), os.listdir(killed.state_dir)
-    return final(c.cp, first["id"]), before
+    return last, before
 
 
 @pytest.mark.parametrize("point", ["cp.after-restore", "cp.before-ack"])
