@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 
-from stasis.config import Settings
 from tests.conftest import wait_for
 from tests.e2e.containerd_node import IMAGE, Node
 from tests.k8s.apiserver import ApiServer
@@ -51,8 +50,7 @@ def cluster() -> Iterator[tuple[Node, ApiServer]]:
                              "spec": {},
                              "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
         node.up()
-        if "k8s_restore_attempts" in Settings._fields:
-            node.configure({"k8s_restore_attempts": ATTEMPTS})
+        node.configure({"k8s_restore_attempts": ATTEMPTS})
         yield node, api
     finally:
         api.stop()
