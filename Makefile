@@ -9,7 +9,7 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode init test demo bench lint clean image docs
+.PHONY: install system venv proto bytecode init test demo bench lint format clean image docs
 
 install: system venv proto bytecode init
 
@@ -60,8 +60,14 @@ image: install
 	bash scripts/build-image.sh
 
 lint: install
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+format: venv
+	$(BIN)/ruff format --quiet .
+	$(BIN)/ruff check --fix --quiet .
 
 test: lint
 	$(BIN)/pytest -q --durations=40 tests

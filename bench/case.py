@@ -34,8 +34,12 @@ class Case:
     mode: Mode
 
     def key(self) -> dict[str, Any]:
-        return {"size_bytes": self.size_bytes, "kind": self.kind, "dest": self.dest,
-                "mode": self.mode.name}
+        return {
+            "size_bytes": self.size_bytes,
+            "kind": self.kind,
+            "dest": self.dest,
+            "mode": self.mode.name,
+        }
 
     def ready_timeout_s(self) -> float:
         # Filling runs at ~0.3 GB/s at worst (float32 on a busy VM).
@@ -67,8 +71,9 @@ def _ready(tail: LogTail, case: Case) -> Ready:
     return Ready(digest, float(took))
 
 
-def _memory_back(pid: int, tail: LogTail, ready: Ready, restore_start: float,
-                 timeout_s: float) -> tuple[str, float]:
+def _memory_back(
+    pid: int, tail: LogTail, ready: Ready, restore_start: float, timeout_s: float
+) -> tuple[str, float]:
     """Ask the restored workload for its digest: (digest, seconds from restore start until all
     memory was back). Hashing touches every page, so with lazy pages the answer also marks the
     moment the last page arrived; the hashing itself (as timed before the dump) is subtracted."""
@@ -100,14 +105,20 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _figures(dump_s: float, st: DumpStats, image_bytes: int, restore_s: float,
-             rst: RestoreStats | None) -> dict[str, Any]:
+def _figures(
+    dump_s: float, st: DumpStats, image_bytes: int, restore_s: float, rst: RestoreStats | None
+) -> dict[str, Any]:
     written = st.pages_written * PAGE
     return {
-        "dump_s": dump_s, "frozen_s": st.frozen_s, "freezing_s": st.freezing_s,
-        "memdump_s": st.memdump_s, "memwrite_s": st.memwrite_s,
-        "pages_written": st.pages_written, "pages_lazy": st.pages_lazy,
-        "bytes_written": written, "image_bytes": image_bytes,
+        "dump_s": dump_s,
+        "frozen_s": st.frozen_s,
+        "freezing_s": st.freezing_s,
+        "memdump_s": st.memdump_s,
+        "memwrite_s": st.memwrite_s,
+        "pages_written": st.pages_written,
+        "pages_lazy": st.pages_lazy,
+        "bytes_written": written,
+        "image_bytes": image_bytes,
         "dump_gbps": written / dump_s / 1e9 if dump_s > 0 else None,
         "restore_s": restore_s,
         "criu_restore_time_s": rst.restore_s if rst else None,
@@ -115,8 +126,16 @@ def _figures(dump_s: float, st: DumpStats, image_bytes: int, restore_s: float,
     }
 
 
-def _finish_restore(fig: dict[str, Any], lazy: bool, pid: int, tail: LogTail, ready: Ready,
-                    restore_start: float, verify: bool, case: Case) -> None:
+def _finish_restore(
+    fig: dict[str, Any],
+    lazy: bool,
+    pid: int,
+    tail: LogTail,
+    ready: Ready,
+    restore_start: float,
+    verify: bool,
+    case: Case,
+) -> None:
     """`lazy`: the restore returned before all memory was back (asked for, and not fallen back)."""
     fig["memory_s"] = fig["restore_s"]  # a full restore returns with all memory back
     fig["verified"] = None
@@ -131,8 +150,9 @@ def _finish_restore(fig: dict[str, Any], lazy: bool, pid: int, tail: LogTail, re
 
 def _stored_bytes(dest: Destination, checkpoint: str) -> int:
     fs = dest.filesystem()
-    return sum(int(e["size"]) for e in fs.ls(f"{dest.url}/{checkpoint}".removeprefix("s3://"),
-                                             detail=True))
+    return sum(
+        int(e["size"]) for e in fs.ls(f"{dest.url}/{checkpoint}".removeprefix("s3://"), detail=True)
+    )
 
 
 def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dict[str, Any]:
@@ -177,8 +197,11 @@ def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dic
         r = criu_cli.restore(images, cwork)
         assert r.pid is not None
         restored = r.pid
-        rst = read_restore_stats(cwork / "stats-restore") if (cwork / "stats-restore").exists() \
+        rst = (
+            read_restore_stats(cwork / "stats-restore")
+            if (cwork / "stats-restore").exists()
             else None
+        )
         fig = _figures(d.wall_s, st, image_bytes, r.wall_s, rst)
         fig["dump_sync_s"] = d.wall_s + sync_s
         if dest.s3 is not None:
@@ -198,8 +221,9 @@ def measure_criu(case: Case, dest: Destination, work: Path, verify: bool) -> dic
         clear_dir(dest.scratch)
 
 
-def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool,
-                   dest: Destination | None = None) -> dict[str, Any]:
+def measure_stasis(
+    case: Case, daemon: StasisDaemon, work: Path, verify: bool, dest: Destination | None = None
+) -> dict[str, Any]:
     log = _fresh(work / "stasis-workload.log")
     job = daemon.run(workload_command(case), log)["job"]
     jobs = [job]
@@ -214,8 +238,11 @@ def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool,
         st = read_dump_stats(daemon.criu_work / "stats-dump")
         if case.mode.leave_running:
             daemon.kill(job)
-        image_bytes = _stored_bytes(dest, str(checkpoint)) if dest is not None and dest.s3 \
+        image_bytes = (
+            _stored_bytes(dest, str(checkpoint))
+            if dest is not None and dest.s3
             else dir_bytes(daemon.store_root / str(checkpoint))
+        )
         _fresh(daemon.criu_work / "stats-restore")
         os.sync()
         start = time.monotonic()
@@ -247,20 +274,36 @@ def measure_stasis(case: Case, daemon: StasisDaemon, work: Path, verify: bool,
             clear_dir(daemon.criu_work)  # verbose CRIU logs add up over a suite
 
 
-def run_once(case: Case, dest: Destination, daemon: StasisDaemon, work: Path, index: int,
-             verify: bool, baseline: StasisDaemon | None = None) -> dict[str, Any]:
+def run_once(
+    case: Case,
+    dest: Destination,
+    daemon: StasisDaemon,
+    work: Path,
+    index: int,
+    verify: bool,
+    baseline: StasisDaemon | None = None,
+) -> dict[str, Any]:
     """All methods once (`baseline`: a daemon of the baseline commit, a store of its own). The
     order turns run by run, so that drift hits all alike."""
     result: dict[str, Any] = {"case": case.key(), "run": index}
     try:
-        r = raw.s3_baseline(dest.filesystem(), dest.bucket, case.size_bytes) \
-            if dest.s3 is not None else raw.copy_baseline(dest.scratch, case.size_bytes)
-        result["raw"] = {**asdict(r), "write_gbps": r.size_bytes / r.write_s / 1e9,
-                         "read_gbps": r.size_bytes / r.read_s / 1e9}
+        r = (
+            raw.s3_baseline(dest.filesystem(), dest.bucket, case.size_bytes)
+            if dest.s3 is not None
+            else raw.copy_baseline(dest.scratch, case.size_bytes)
+        )
+        result["raw"] = {
+            **asdict(r),
+            "write_gbps": r.size_bytes / r.write_s / 1e9,
+            "read_gbps": r.size_bytes / r.read_s / 1e9,
+        }
         methods = ["criu", "stasis"] + (["baseline"] if baseline is not None else [])
         turn = index % len(methods)
-        order = methods[turn:] + methods[:turn] if baseline is not None else \
-            (("criu", "stasis") if index % 2 == 0 else ("stasis", "criu"))
+        order = (
+            methods[turn:] + methods[:turn]
+            if baseline is not None
+            else (("criu", "stasis") if index % 2 == 0 else ("stasis", "criu"))
+        )
         for method in order:
             if method == "criu":
                 result["criu"] = measure_criu(case, dest, work, verify)

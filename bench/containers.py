@@ -32,8 +32,10 @@ READY = "ready"
 def _script(mib: int) -> str:
     # base64 of 3/4 of the size: the variable holds about MEMORY MiB.
     raw = mib * 1024 * 1024 * 3 // 4
-    return (f"x=$(head -c {raw} /dev/urandom | base64); echo {READY}; i=0; "
-            "while :; do i=$((i+1)); echo n=$i; sleep 0.2; done")
+    return (
+        f"x=$(head -c {raw} /dev/urandom | base64); echo {READY}; i=0; "
+        "while :; do i=$((i+1)); echo n=$i; sleep 0.2; done"
+    )
 
 
 def _wait_log(log: Path, text: str, timeout_s: float = 120) -> None:
@@ -109,26 +111,36 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.runs):
                 runs["stasis"].append(_stasis_run(node, mib))
                 runs["ctr"].append(_ctr_run(node, mib))
-                print(f"{mib} MiB run {i}: stasis {runs['stasis'][-1]} ctr {runs['ctr'][-1]}",
-                      file=sys.stderr)
-            med = {who: {k: statistics.median(r[k] for r in rs) for k in ("stop_s", "start_s")}
-                   for who, rs in runs.items()}
+                print(
+                    f"{mib} MiB run {i}: stasis {runs['stasis'][-1]} ctr {runs['ctr'][-1]}",
+                    file=sys.stderr,
+                )
+            med = {
+                who: {k: statistics.median(r[k] for r in rs) for k in ("stop_s", "start_s")}
+                for who, rs in runs.items()
+            }
             rows.append({"memory_mib": mib, "runs": runs, "median": med})
     finally:
         node.down()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stamp}-containers.json").write_text(json.dumps(rows, indent=2))
-    lines = [f"# containers: stasis runtime against ctr checkpoint/restore ({stamp})", "",
-             f"Image {IMAGE}; {args.runs} runs per size; medians in seconds.", "",
-             "| memory | stasis stop-to-checkpointed | ctr checkpoint + kill | ratio "
-             "| stasis create-to-running | ctr restore --live | ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# containers: stasis runtime against ctr checkpoint/restore ({stamp})",
+        "",
+        f"Image {IMAGE}; {args.runs} runs per size; medians in seconds.",
+        "",
+        "| memory | stasis stop-to-checkpointed | ctr checkpoint + kill | ratio "
+        "| stasis create-to-running | ctr restore --live | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         s, c = row["median"]["stasis"], row["median"]["ctr"]
-        lines.append(f"| {row['memory_mib']} MiB | {s['stop_s']:.3f} | {c['stop_s']:.3f} | "
-                     f"{s['stop_s'] / c['stop_s']:.2f} | {s['start_s']:.3f} | "
-                     f"{c['start_s']:.3f} | {s['start_s'] / c['start_s']:.2f} |")
+        lines.append(
+            f"| {row['memory_mib']} MiB | {s['stop_s']:.3f} | {c['stop_s']:.3f} | "
+            f"{s['stop_s'] / c['stop_s']:.2f} | {s['start_s']:.3f} | "
+            f"{c['start_s']:.3f} | {s['start_s'] / c['start_s']:.2f} |"
+        )
     (args.out / f"{stamp}-containers.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -23,8 +23,9 @@ def _run(args: list[str], what: str, log: Path) -> float:
     start = time.monotonic()
     try:
         # A hung baseline must fail its case, not the suite (seen: `criu restore` spinning).
-        done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+        done = subprocess.run(
+            args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         raise BenchError(f"{what} did not finish in {TIMEOUT_S} s; see {log}") from None
     wall = time.monotonic() - start
@@ -49,7 +50,18 @@ def restore(images: Path, work: Path) -> CliResult:
     """Restore detached (-d): the command returns once the tree runs again."""
     pidfile = work / "restore.pid"
     pidfile.unlink(missing_ok=True)
-    args = [CRIU, "restore", "-D", str(images), "-W", str(work), "-o", "restore.log", "-d",
-            "--pidfile", str(pidfile)]
+    args = [
+        CRIU,
+        "restore",
+        "-D",
+        str(images),
+        "-W",
+        str(work),
+        "-o",
+        "restore.log",
+        "-d",
+        "--pidfile",
+        str(pidfile),
+    ]
     wall = _run(args, "criu restore", work / "restore.log")
     return CliResult(wall, int(pidfile.read_text().strip()))

@@ -60,8 +60,18 @@ def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
         mnt.mkdir(exist_ok=True)
         # A tmpfs takes memory only for what is in it; the size cap is a guard against runaway.
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={tmpfs_bytes},mode=0755", "stasis-bench",
-             str(mnt)], capture_output=True, text=True)
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={tmpfs_bytes},mode=0755",
+                "stasis-bench",
+                str(mnt),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise BenchError(f"cannot mount a tmpfs at {mnt}: {done.stderr.strip()}")
         scratch = mnt / "scratch"
@@ -75,8 +85,16 @@ def make_destination(name: str, root: Path, tmpfs_bytes: int) -> Destination:
             server = S3Server(base / "s3")
             server.start()
             bucket = server.make_bucket("stasis-bench")
-            return Destination(name, scratch, store, mounted=mnt, url=f"s3://{bucket}/ckpt",
-                               env=server.env(), s3=server, bucket=bucket)
+            return Destination(
+                name,
+                scratch,
+                store,
+                mounted=mnt,
+                url=f"s3://{bucket}/ckpt",
+                env=server.env(),
+                s3=server,
+                bucket=bucket,
+            )
         url = f"dir::file://{store}" if name == "remote" else None
         return Destination(name, scratch, store, mounted=mnt, url=url)
     raise ValueError(f"unknown destination {name!r}; known: {', '.join(DESTS)}")

@@ -39,16 +39,31 @@ def _manifests(store: Store, n: int) -> list[Manifest]:
     made = []
     for i in range(n):
         created = base + timedelta(seconds=i)
-        info = CheckpointInfo(id=new_checkpoint_id(created), label=f"label-{i % (n // PER_LABEL)}",
-                              job="0123456789ab", host="bench", created=created,
-                              criu_version="4.2", command=["python3", "train.py"], cwd="/",
-                              user="bench", uid=1000, gid=1000)
-        entry = FileEntry(name="pages-1.img", size_bytes=4096, stored_name="pages-1.img",
-                          stored_size_bytes=4096, xxh3_128="0" * 32)
+        info = CheckpointInfo(
+            id=new_checkpoint_id(created),
+            label=f"label-{i % (n // PER_LABEL)}",
+            job="0123456789ab",
+            host="bench",
+            created=created,
+            criu_version="4.2",
+            command=["python3", "train.py"],
+            cwd="/",
+            user="bench",
+            uid=1000,
+            gid=1000,
+        )
+        entry = FileEntry(
+            name="pages-1.img",
+            size_bytes=4096,
+            stored_name="pages-1.img",
+            stored_size_bytes=4096,
+            xxh3_128="0" * 32,
+        )
         manifest = Manifest.build(info, "none", [entry])
         body = json.loads(manifest.model_dump_json(exclude={"signature"}))
-        made.append(manifest.model_copy(
-            update={"signature": store.keys.sign(MANIFEST_PURPOSE, body)}))
+        made.append(
+            manifest.model_copy(update={"signature": store.keys.sign(MANIFEST_PURPOSE, body)})
+        )
     return made
 
 
@@ -69,7 +84,7 @@ def _fill_s3(fs: Any, prefix: str, store: Store, n: int) -> None:
         objects[f"{prefix}/{INDEX_DIR}/{m.label}/{m.uid}/{entry_name(m.created, m.id)}"] = b""
     items = list(objects.items())
     for start in range(0, len(items), 2000):
-        fs.pipe(dict(items[start:start + 2000]))
+        fs.pipe(dict(items[start : start + 2000]))
     store.ensure_index()
 
 
@@ -87,16 +102,36 @@ def _measure(where: str, store: Store, scan: Store, n: int, runs: int) -> list[d
     expected = store.latest(label, uid=1000).id
     assert scan.latest(label, uid=1000).id == expected
     rows = []
-    for what, fn in (("latest", lambda: store.latest(label, uid=1000)),
-                     ("list --label", lambda: store.list(label, uid=1000))):
+    for what, fn in (
+        ("latest", lambda: store.latest(label, uid=1000)),
+        ("list --label", lambda: store.list(label, uid=1000)),
+    ):
         med, lo, hi = _median(fn, runs)
-        rows.append({"store": where, "checkpoints": n, "lookup": what, "method": "index",
-                     "median_s": med, "min_s": lo, "max_s": hi})
+        rows.append(
+            {
+                "store": where,
+                "checkpoints": n,
+                "lookup": what,
+                "method": "index",
+                "median_s": med,
+                "min_s": lo,
+                "max_s": hi,
+            }
+        )
     # Reading every manifest: what the index replaces. Once at 10,000 on S3 (tens of seconds).
     scan_runs = 1 if n >= 10000 else max(1, runs // 4)
     med, lo, hi = _median(lambda: scan.latest(label, uid=1000), scan_runs)
-    rows.append({"store": where, "checkpoints": n, "lookup": "latest", "method": "every manifest",
-                 "median_s": med, "min_s": lo, "max_s": hi})
+    rows.append(
+        {
+            "store": where,
+            "checkpoints": n,
+            "lookup": "latest",
+            "method": "every manifest",
+            "median_s": med,
+            "min_s": lo,
+            "max_s": hi,
+        }
+    )
     return rows
 
 
@@ -111,8 +146,11 @@ def run(sizes: tuple[int, ...], runs: int, out: Path) -> Path:
         print(f"local {n}: {rows[-3]['median_s'] * 1000:.1f} ms", file=sys.stderr)
     with S3Server(work / "s3") as s3:
         fs = s3.filesystem()
-        options = {"key": s3.access_key, "secret": s3.secret_key,
-                   "client_kwargs": {"endpoint_url": s3.endpoint, "region_name": REGION}}
+        options = {
+            "key": s3.access_key,
+            "secret": s3.secret_key,
+            "client_kwargs": {"endpoint_url": s3.endpoint, "region_name": REGION},
+        }
         for n in sizes:
             bucket = s3.make_bucket(f"labels-{n}")
             url = f"s3://{bucket}/ckpt"
@@ -122,8 +160,9 @@ def run(sizes: tuple[int, ...], runs: int, out: Path) -> Path:
             print(f"s3 {n}: {rows[-3]['median_s'] * 1000:.1f} ms", file=sys.stderr)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stamp}-labels.json").write_text(json.dumps({"rows": rows, "targets_s": TARGETS_S},
-                                                         indent=2))
+    (out / f"{stamp}-labels.json").write_text(
+        json.dumps({"rows": rows, "targets_s": TARGETS_S}, indent=2)
+    )
     md = out / f"{stamp}-labels.md"
     md.write_text(_report(rows))
     return md
@@ -136,25 +175,35 @@ def _scan_store(url: str, store: Store, options: dict[str, Any]) -> Store:
 
 
 def _report(rows: list[dict[str, Any]]) -> str:
-    lines = ["# Restore by label: store time per lookup (median of runs, min-max)", "",
-             "| store | checkpoints | lookup | method | median ms | min-max ms | target |",
-             "|---|---:|---|---|---:|---|---|"]
+    lines = [
+        "# Restore by label: store time per lookup (median of runs, min-max)",
+        "",
+        "| store | checkpoints | lookup | method | median ms | min-max ms | target |",
+        "|---|---:|---|---|---:|---|---|",
+    ]
     for r in rows:
         target = ""
         if r["method"] == "index" and r["lookup"] == "latest":
             limit = TARGETS_S[r["store"]]
             target = f"< {limit * 1000:.0f} ms: {'met' if r['median_s'] < limit else 'MISSED'}"
-        lines.append(f"| {r['store']} | {r['checkpoints']:,} | {r['lookup']} | {r['method']} | "
-                     f"{r['median_s'] * 1000:.1f} | {r['min_s'] * 1000:.1f}-"
-                     f"{r['max_s'] * 1000:.1f} | {target} |")
-    by = {(r["store"], r["checkpoints"], r["method"]): r["median_s"] for r in rows
-          if r["lookup"] == "latest"}
+        lines.append(
+            f"| {r['store']} | {r['checkpoints']:,} | {r['lookup']} | {r['method']} | "
+            f"{r['median_s'] * 1000:.1f} | {r['min_s'] * 1000:.1f}-"
+            f"{r['max_s'] * 1000:.1f} | {target} |"
+        )
+    by = {
+        (r["store"], r["checkpoints"], r["method"]): r["median_s"]
+        for r in rows
+        if r["lookup"] == "latest"
+    }
     lines += ["", "Index against reading every manifest (latest), same run:", ""]
     for (where, n, method), med in by.items():
         if method == "index":
             scan = by[(where, n, "every manifest")]
-            lines.append(f"- {where}, {n:,}: {scan / med:.0f}x faster ({med * 1000:.1f} ms "
-                         f"vs {scan * 1000:.0f} ms)")
+            lines.append(
+                f"- {where}, {n:,}: {scan / med:.0f}x faster ({med * 1000:.1f} ms "
+                f"vs {scan * 1000:.0f} ms)"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -89,7 +89,11 @@ def start_namespaced(command: list[str], log: Path, cwd: Path) -> Namespaced:
     try:
         proc = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--", "setsid", find_tini(), "-g", "--", *command],
-            stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, cwd=cwd, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=fd,
+            cwd=cwd,
+            start_new_session=True,
         )
     finally:
         os.close(fd)

@@ -65,7 +65,7 @@ def copy_baseline(directory: Path, size: int) -> RawResult:
     with open(path, "rb", buffering=0) as f:
         got: int = 0
         while got < size:
-            n = f.readinto(view[got:got + BLOCK]) or 0
+            n = f.readinto(view[got : got + BLOCK]) or 0
             if not n:  # None never happens on a blocking file; 0 is an early end
                 break
             got += n

@@ -15,16 +15,39 @@ from typing import Any
 GiB = 1 << 30
 # (method, figure) pairs summarised per case; ratios are taken between medians.
 FIGURES = (
-    ("raw", "write_s"), ("raw", "read_s"), ("raw", "write_gbps"), ("raw", "read_gbps"),
-    *((m, f) for m in ("stasis", "criu") for f in (
-        "dump_s", "frozen_s", "memdump_s", "memwrite_s", "bytes_written", "image_bytes",
-        "dump_gbps", "restore_s", "memory_s", "criu_restore_time_s")),
-    ("stasis", "daemon_dump_s"), ("stasis", "daemon_restore_s"), ("stasis", "cli_floor_s"),
-    ("stasis", "api_dump_s"), ("stasis", "api_restore_s"), ("criu", "dump_sync_s"),
-    ("criu", "dump_upload_s"), ("criu", "download_restore_s"),  # s3 only
+    ("raw", "write_s"),
+    ("raw", "read_s"),
+    ("raw", "write_gbps"),
+    ("raw", "read_gbps"),
+    *(
+        (m, f)
+        for m in ("stasis", "criu")
+        for f in (
+            "dump_s",
+            "frozen_s",
+            "memdump_s",
+            "memwrite_s",
+            "bytes_written",
+            "image_bytes",
+            "dump_gbps",
+            "restore_s",
+            "memory_s",
+            "criu_restore_time_s",
+        )
+    ),
+    ("stasis", "daemon_dump_s"),
+    ("stasis", "daemon_restore_s"),
+    ("stasis", "cli_floor_s"),
+    ("stasis", "api_dump_s"),
+    ("stasis", "api_restore_s"),
+    ("criu", "dump_sync_s"),
+    ("criu", "dump_upload_s"),
+    ("criu", "download_restore_s"),  # s3 only
     # `--baseline-ref REF`: the same stasis calls against a committed stasis, in the same run.
-    *(("baseline", f) for f in ("dump_s", "restore_s", "memory_s", "api_dump_s",
-                                "api_restore_s", "frozen_s")),
+    *(
+        ("baseline", f)
+        for f in ("dump_s", "restore_s", "memory_s", "api_dump_s", "api_restore_s", "frozen_s")
+    ),
 )
 RATIOS = (  # name, numerator, denominator
     ("dump_s stasis/criu", ("stasis", "dump_s"), ("criu", "dump_s")),
@@ -53,8 +76,12 @@ CASE_KEYS = ("size_bytes", "kind", "dest", "mode")
 
 
 def spread(values: list[float]) -> dict[str, float | int]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def _case_id(case: dict[str, Any]) -> tuple[Any, ...]:
@@ -70,8 +97,11 @@ def summarise(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = [r for r in case_runs if "error" not in r]
         figures: dict[str, dict[str, float | int]] = {}
         for method, fig in FIGURES:
-            values = [r[method][fig] for r in ok
-                      if method in r and isinstance(r[method].get(fig), (int, float))]
+            values = [
+                r[method][fig]
+                for r in ok
+                if method in r and isinstance(r[method].get(fig), (int, float))
+            ]
             if values:
                 figures[f"{method}.{fig}"] = spread([float(v) for v in values])
         ratios = {}
@@ -79,14 +109,22 @@ def summarise(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             num, den = figures.get(f"{nm}.{nf}"), figures.get(f"{dm}.{df}")
             if num and den and den["median"]:
                 ratios[name] = num["median"] / den["median"]
-        verified = [r[m]["verified"] for r in ok for m in ("stasis", "criu", "baseline")
-                    if m in r and r[m].get("verified") is not None]
-        out.append({
-            "case": dict(zip(CASE_KEYS, key)), "runs_ok": len(ok),
-            "errors": [r["error"] for r in case_runs if "error" in r],
-            "verified": all(verified) if verified else None,
-            "figures": figures, "ratios": ratios,
-        })
+        verified = [
+            r[m]["verified"]
+            for r in ok
+            for m in ("stasis", "criu", "baseline")
+            if m in r and r[m].get("verified") is not None
+        ]
+        out.append(
+            {
+                "case": dict(zip(CASE_KEYS, key)),
+                "runs_ok": len(ok),
+                "errors": [r["error"] for r in case_runs if "error" in r],
+                "verified": all(verified) if verified else None,
+                "figures": figures,
+                "ratios": ratios,
+            }
+        )
     return out
 
 
@@ -111,11 +149,16 @@ def baseline_targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ours, base = _median(s, f"stasis.{fig}"), _median(s, f"baseline.{fig}")
             if ours is None or base is None:
                 continue
-            out.append({
-                "target": f"{fig} within {BASELINE_SLACK:g}x (or 20 ms) of the baseline commit",
-                "case": s["case"], "stasis": ours, "baseline": base, "ratio": ours / base,
-                "met": ours <= base * BASELINE_SLACK or ours - base <= 0.02,
-            })
+            out.append(
+                {
+                    "target": f"{fig} within {BASELINE_SLACK:g}x (or 20 ms) of the baseline commit",
+                    "case": s["case"],
+                    "stasis": ours,
+                    "baseline": base,
+                    "ratio": ours / base,
+                    "met": ours <= base * BASELINE_SLACK or ours - base <= 0.02,
+                }
+            )
     return out
 
 
@@ -125,35 +168,62 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for s in (s for s in summaries if s["case"]["dest"] != "s3"):  # s3: see _s3_targets
         # Held against the criu command: the `stasis` command (Python start-up included), and
         # the daemon's API (what the Slurm plugin and any other caller wait for).
-        for fig, ours_name, how in (("dump_s", "dump_s", "command"),
-                                    ("restore_s", "restore_s", "command"),
-                                    ("dump_s", "api_dump_s", "API"),
-                                    ("restore_s", "api_restore_s", "API")):
+        for fig, ours_name, how in (
+            ("dump_s", "dump_s", "command"),
+            ("restore_s", "restore_s", "command"),
+            ("dump_s", "api_dump_s", "API"),
+            ("restore_s", "api_restore_s", "API"),
+        ):
             ours, theirs = _median(s, f"stasis.{ours_name}"), _median(s, f"criu.{fig}")
             if ours is None or theirs is None:
                 continue
-            out.append({
-                "target": f"{fig} ({how}) within 5% or 50 ms of criu CLI", "case": s["case"],
-                "stasis": ours, "criu": theirs, "over_s": ours - theirs,
-                "met": ours <= theirs * 1.05 or ours - theirs <= 0.05,
-            })
+            out.append(
+                {
+                    "target": f"{fig} ({how}) within 5% or 50 ms of criu CLI",
+                    "case": s["case"],
+                    "stasis": ours,
+                    "criu": theirs,
+                    "over_s": ours - theirs,
+                    "met": ours <= theirs * 1.05 or ours - theirs <= 0.05,
+                }
+            )
     for kind in ("random", "float32", "zero"):
         disk = _find(summaries, size_bytes=GiB, kind=kind, dest="disk", mode="leave-running")
         tmpfs = _find(summaries, size_bytes=GiB, kind=kind, dest="tmpfs", mode="leave-running")
         if disk and tmpfs:
             d, t = _median(disk, "stasis.frozen_s"), _median(tmpfs, "stasis.frozen_s")
             if d is not None and t:
-                out.append({"target": "leave-running 1 GiB frozen time disk <= 1.2x tmpfs",
-                            "case": {"kind": kind}, "disk": d, "tmpfs": t, "ratio": d / t,
-                            "met": d <= 1.2 * t})
-    lazy = [s for s in summaries if s["case"]["mode"] == "lazy" and s["case"]["size_bytes"] == 4 * GiB]
+                out.append(
+                    {
+                        "target": "leave-running 1 GiB frozen time disk <= 1.2x tmpfs",
+                        "case": {"kind": kind},
+                        "disk": d,
+                        "tmpfs": t,
+                        "ratio": d / t,
+                        "met": d <= 1.2 * t,
+                    }
+                )
+    lazy = [
+        s for s in summaries if s["case"]["mode"] == "lazy" and s["case"]["size_bytes"] == 4 * GiB
+    ]
     for s in lazy:
         r = _median(s, "stasis.restore_s")
-        out.append({"target": "lazy restore of 4 GiB runs again in < 0.3 s", "case": s["case"],
-                    "stasis": r, "met": r is not None and r < 0.3})
+        out.append(
+            {
+                "target": "lazy restore of 4 GiB runs again in < 0.3 s",
+                "case": s["case"],
+                "stasis": r,
+                "met": r is not None and r < 0.3,
+            }
+        )
     if not lazy:
-        out.append({"target": "lazy restore of 4 GiB runs again in < 0.3 s", "met": None,
-                    "why": "no lazy-mode 4 GiB case measured"})
+        out.append(
+            {
+                "target": "lazy restore of 4 GiB runs again in < 0.3 s",
+                "met": None,
+                "why": "no lazy-mode 4 GiB case measured",
+            }
+        )
     auto_seen = False
     for s in (s for s in summaries if s["case"]["mode"] == "auto"):
         auto_seen = True
@@ -163,17 +233,30 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if s["case"]["kind"] == "zero" and s["case"]["size_bytes"] == GiB:
             a, b = _median(s, "stasis.image_bytes"), _median(base, "stasis.image_bytes")
             if a and b:
-                out.append({"target": "compression auto: mostly-zero 1 GiB image >= 5x smaller",
-                            "case": s["case"], "ratio": b / a, "met": b / a >= 5})
+                out.append(
+                    {
+                        "target": "compression auto: mostly-zero 1 GiB image >= 5x smaller",
+                        "case": s["case"],
+                        "ratio": b / a,
+                        "met": b / a >= 5,
+                    }
+                )
         if s["case"]["kind"] == "random":
             a, b = _median(s, "stasis.dump_s"), _median(base, "stasis.dump_s")
             if a and b:
-                out.append({"target": "compression auto: random dump <= 1.05x uncompressed",
-                            "case": s["case"], "ratio": a / b, "met": a <= 1.05 * b})
+                out.append(
+                    {
+                        "target": "compression auto: random dump <= 1.05x uncompressed",
+                        "case": s["case"],
+                        "ratio": a / b,
+                        "met": a <= 1.05 * b,
+                    }
+                )
     if not auto_seen:
         out.append({"target": "compression auto", "met": None, "why": "no auto-mode case measured"})
-    encrypted = [s for s in summaries if s["case"]["mode"] == "encrypt"
-                 and s["case"]["size_bytes"] == GiB]
+    encrypted = [
+        s for s in summaries if s["case"]["mode"] == "encrypt" and s["case"]["size_bytes"] == GiB
+    ]
     for s in encrypted:
         base = _find(summaries, **{**s["case"], "mode": "default"})
         if base is None:
@@ -181,12 +264,24 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for fig in ("dump_s", "restore_s"):
             a, b = _median(s, f"stasis.{fig}"), _median(base, f"stasis.{fig}")
             if a and b:
-                out.append({"target": f"encryption: 1 GiB {fig} <= 1.10x unencrypted",
-                            "case": s["case"], "encrypted": a, "plain": b, "ratio": a / b,
-                            "met": a <= 1.10 * b})
+                out.append(
+                    {
+                        "target": f"encryption: 1 GiB {fig} <= 1.10x unencrypted",
+                        "case": s["case"],
+                        "encrypted": a,
+                        "plain": b,
+                        "ratio": a / b,
+                        "met": a <= 1.10 * b,
+                    }
+                )
     if not encrypted:
-        out.append({"target": "encryption: 1 GiB dump and restore <= 1.10x unencrypted",
-                    "met": None, "why": "no encrypt-mode 1 GiB case measured"})
+        out.append(
+            {
+                "target": "encryption: 1 GiB dump and restore <= 1.10x unencrypted",
+                "met": None,
+                "why": "no encrypt-mode 1 GiB case measured",
+            }
+        )
     # Issue 11: a compressed or encrypted 1 GiB checkpoint runs again within 1.2x of a plain
     # one's restore (decoded while CRIU reads, not before).
     for s in summaries:
@@ -196,9 +291,17 @@ def targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         a = _median(s, "stasis.restore_s")
         b = _median(base, "stasis.restore_s") if base is not None else None
         if a and b:
-            out.append({"target": f"{s['case']['mode']}: 1 GiB restore_s <= 1.2x uncompressed "
-                        "unencrypted", "case": s["case"], "encoded": a, "plain": b,
-                        "ratio": a / b, "met": a <= 1.2 * b})
+            out.append(
+                {
+                    "target": f"{s['case']['mode']}: 1 GiB restore_s <= 1.2x uncompressed "
+                    "unencrypted",
+                    "case": s["case"],
+                    "encoded": a,
+                    "plain": b,
+                    "ratio": a / b,
+                    "met": a <= 1.2 * b,
+                }
+            )
     out += _s3_targets(summaries)
     return out
 
@@ -212,27 +315,59 @@ def _s3_targets(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         dump, upload = _median(s, "stasis.dump_s"), _median(s, "raw.write_s")
         criu_up = _median(s, "criu.dump_upload_s")
         if dump and upload:
-            out.append({"target": "dump to S3 within 1.2x of s3fs uploading the same bytes",
-                        "case": s["case"], "stasis": dump, "raw": upload,
-                        "ratio": dump / upload, "met": dump <= 1.2 * upload})
+            out.append(
+                {
+                    "target": "dump to S3 within 1.2x of s3fs uploading the same bytes",
+                    "case": s["case"],
+                    "stasis": dump,
+                    "raw": upload,
+                    "ratio": dump / upload,
+                    "met": dump <= 1.2 * upload,
+                }
+            )
         if dump and criu_up:
-            out.append({"target": "dump to S3 faster than criu dump + upload", "case": s["case"],
-                        "stasis": dump, "criu": criu_up, "met": dump < criu_up})
+            out.append(
+                {
+                    "target": "dump to S3 faster than criu dump + upload",
+                    "case": s["case"],
+                    "stasis": dump,
+                    "criu": criu_up,
+                    "met": dump < criu_up,
+                }
+            )
         restore, criu_down = _median(s, "stasis.restore_s"), _median(s, "criu.download_restore_s")
         if restore and criu_down:
-            out.append({"target": "restore from S3 within 1.2x of download + criu restore",
-                        "case": s["case"], "stasis": restore, "criu": criu_down,
-                        "ratio": restore / criu_down, "met": restore <= 1.2 * criu_down})
+            out.append(
+                {
+                    "target": "restore from S3 within 1.2x of download + criu restore",
+                    "case": s["case"],
+                    "stasis": restore,
+                    "criu": criu_down,
+                    "ratio": restore / criu_down,
+                    "met": restore <= 1.2 * criu_down,
+                }
+            )
     for s in (s for s in on_s3 if s["case"]["mode"] == "lazy"):
         limit = {GiB: 1.0, 4 * GiB: 1.5}.get(s["case"]["size_bytes"])
         runs_again = _median(s, "stasis.restore_s")
         if limit is not None and runs_again is not None:
-            out.append({"target": f"lazy from S3: {_size(s['case']['size_bytes'])} runs again "
-                                  f"in < {limit:g} s", "case": s["case"], "stasis": runs_again,
-                        "met": runs_again < limit})
+            out.append(
+                {
+                    "target": f"lazy from S3: {_size(s['case']['size_bytes'])} runs again "
+                    f"in < {limit:g} s",
+                    "case": s["case"],
+                    "stasis": runs_again,
+                    "met": runs_again < limit,
+                }
+            )
     if not on_s3:
-        out.append({"target": "S3 dump, restore and lazy restore", "met": None,
-                    "why": "no s3-destination case measured (--dest s3)"})
+        out.append(
+            {
+                "target": "S3 dump, restore and lazy restore",
+                "met": None,
+                "why": "no s3-destination case measured (--dest s3)",
+            }
+        )
     return out
 
 
@@ -248,8 +383,10 @@ def _cell(s: dict[str, Any], name: str, scale: float = 1.0, digits: int = 3) -> 
     fig = s["figures"].get(name)
     if not fig:
         return "-"
-    return (f"{fig['median'] * scale:.{digits}f} "
-            f"({fig['min'] * scale:.{digits}f}-{fig['max'] * scale:.{digits}f})")
+    return (
+        f"{fig['median'] * scale:.{digits}f} "
+        f"({fig['min'] * scale:.{digits}f}-{fig['max'] * scale:.{digits}f})"
+    )
 
 
 def _num(value: float | None) -> str:
@@ -287,7 +424,8 @@ def markdown(document: dict[str, Any]) -> str:
             f"{_cell(s, 'stasis.frozen_s')} | {_cell(s, 'criu.frozen_s')} | "
             f"{_cell(s, 'stasis.dump_gbps', digits=2)} | {_ratio(s, 'dump_s stasis/criu')} | "
             f"{_ratio(s, 'dump_s stasis/raw')} | {_ratio(s, 'frozen_s stasis/criu')} | "
-            f"{_cell(s, 'stasis.image_bytes', 1e-6, 0)} |")
+            f"{_cell(s, 'stasis.image_bytes', 1e-6, 0)} |"
+        )
     lines += [
         "",
         "## Restore",
@@ -303,7 +441,8 @@ def markdown(document: dict[str, Any]) -> str:
             f"{_cell(s, 'stasis.restore_s')} | {_cell(s, 'criu.restore_s')} | "
             f"{_cell(s, 'raw.read_s')} | {_cell(s, 'stasis.memory_s')} | "
             f"{_ratio(s, 'restore_s stasis/criu')} | {_ratio(s, 'restore_s stasis/raw')} | "
-            f"{_ratio(s, 'restore_s criu/raw')} | {s['verified']} |")
+            f"{_ratio(s, 'restore_s criu/raw')} | {s['verified']} |"
+        )
     if any(f.startswith("baseline.") for s in summaries for f in s["figures"]):
         lines += [
             "",
@@ -322,7 +461,8 @@ def markdown(document: dict[str, Any]) -> str:
                 f"{_ratio(s, 'dump_s stasis/baseline')} | {_cell(s, 'stasis.restore_s')} | "
                 f"{_cell(s, 'baseline.restore_s')} | {_ratio(s, 'restore_s stasis/baseline')} | "
                 f"{_cell(s, 'stasis.memory_s')} | {_cell(s, 'baseline.memory_s')} | "
-                f"{_ratio(s, 'memory_s stasis/baseline')} |")
+                f"{_ratio(s, 'memory_s stasis/baseline')} |"
+            )
     lines += [
         "",
         "## Where stasis' time goes (medians, seconds)",
@@ -350,16 +490,26 @@ def markdown(document: dict[str, Any]) -> str:
             cells += [_num(wall), _num(api), _num(criu), _num(rest)]
             if op == "dump":
                 cells.append(_num(_median(s, "criu.dump_sync_s")))
-        lines.append(f"| {_size(c['size_bytes'])} | {c['kind']} | {c['dest']} | {c['mode']} | "
-                     f"{_num(floor)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Targets (issue 4)", "", "| target | case | figures | verdict |",
-              "|---|---|---|---|"]
+        lines.append(
+            f"| {_size(c['size_bytes'])} | {c['kind']} | {c['dest']} | {c['mode']} | "
+            f"{_num(floor)} | " + " | ".join(cells) + " |"
+        )
+    lines += [
+        "",
+        "## Targets (issue 4)",
+        "",
+        "| target | case | figures | verdict |",
+        "|---|---|---|---|",
+    ]
     for t in document["targets"]:
         verdict = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
         case = t.get("case", {})
         where = " ".join(_size(v) if k == "size_bytes" else str(v) for k, v in case.items())
-        detail = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                           for k, v in t.items() if k not in ("target", "met", "case"))
+        detail = ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in t.items()
+            if k not in ("target", "met", "case")
+        )
         lines.append(f"| {t['target']} | {where} | {detail} | {verdict} |")
     if not summaries:  # a --slurm run: no case tables, nothing to hold targets against
         lines = lines[:3]
@@ -372,9 +522,11 @@ def markdown(document: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"- {method}: failed: {r['error']}")
             else:
-                lines.append(f"- {method}: progress {r['progress_before']} before the preemption, "
-                             f"{r['progress_after']} after the restart: {r['redone_s']:.1f} s of "
-                             f"progress redone, {r['down_s']:.1f} s without output")
+                lines.append(
+                    f"- {method}: progress {r['progress_before']} before the preemption, "
+                    f"{r['progress_after']} after the restart: {r['redone_s']:.1f} s of "
+                    f"progress redone, {r['down_s']:.1f} s without output"
+                )
     if document["skipped"] or any(s["errors"] for s in summaries):
         lines += ["", "## Skipped and failed", ""]
         lines += [f"- skipped {json.dumps(k['case'])}: {k['why']}" for k in document["skipped"]]
@@ -412,8 +564,12 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path)
-    p.add_argument("--combine", type=Path, metavar="PNG",
-                   help="instead, draw one PNG of all the given results files")
+    p.add_argument(
+        "--combine",
+        type=Path,
+        metavar="PNG",
+        help="instead, draw one PNG of all the given results files",
+    )
     args = p.parse_args()
     if args.combine:
         combine(args.combine, args.results)

@@ -55,31 +55,50 @@ def _list(text: str, known: tuple[str, ...], what: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in items if t not in known]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad)}; known: {', '.join(known)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {', '.join(bad)}; known: {', '.join(known)}"
+        )
     return items
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="256 MiB, random, tmpfs, default mode, one run (the smoke test)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="256 MiB, random, tmpfs, default mode, one run (the smoke test)",
+    )
     p.add_argument("--sizes", default="256M,1G")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--dest", default="tmpfs,disk")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
-    p.add_argument("--baseline-ref", metavar="REF",
-                   help="also measure this commit's stasis (its own daemon and store), case by "
-                        "case in the same run, and hold dump/restore/lazy against it (5%%)")
-    p.add_argument("--stasis-ref", metavar="REF",
-                   help="measure this commit of stasis (a snapshot) instead of the working tree")
-    p.add_argument("--slurm", action="store_true",
-                   help="only the end-to-end Slurm figure (work redone per preemption)")
+    p.add_argument(
+        "--baseline-ref",
+        metavar="REF",
+        help="also measure this commit's stasis (its own daemon and store), case by "
+        "case in the same run, and hold dump/restore/lazy against it (5%%)",
+    )
+    p.add_argument(
+        "--stasis-ref",
+        metavar="REF",
+        help="measure this commit of stasis (a snapshot) instead of the working tree",
+    )
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="only the end-to-end Slurm figure (work redone per preemption)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.kinds, args.dest, args.runs, args.modes = (
-            "256M", "random", "tmpfs", 1, "default")
+            "256M",
+            "random",
+            "tmpfs",
+            1,
+            "default",
+        )
     try:
         args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
         args.kind_list = _list(args.kinds, KINDS, "kind")
@@ -97,7 +116,9 @@ def host_info(commit: str) -> dict[str, Any]:
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) * 1024
     return {
-        "kernel": platform.release(), "cpus": os.cpu_count(), "mem_total_bytes": total,
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "mem_total_bytes": total,
         "criu": "criu " + (criu.stdout.split()[1] if criu.stdout.split()[1:] else "?"),
         "stasis_commit": commit or "?",
         "python": sys.version.split()[0],
@@ -105,8 +126,9 @@ def host_info(commit: str) -> dict[str, Any]:
 
 
 def _help(stasis: str, subcommand: str, cwd: Path) -> str:
-    return subprocess.run([stasis, *subcommand.split(), "--help"], capture_output=True,
-                          text=True, cwd=cwd).stdout
+    return subprocess.run(
+        [stasis, *subcommand.split(), "--help"], capture_output=True, text=True, cwd=cwd
+    ).stdout
 
 
 def unavailable(mode: Mode, stasis: str, cwd: Path) -> str | None:
@@ -128,7 +150,7 @@ def warm_up(size: int) -> None:
         buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         block = b"\1" * (1 << 20)
         for off in range(0, size - len(block) + 1, len(block)):
-            buf[off:off + len(block)] = block
+            buf[off : off + len(block)] = block
         buf.close()
 
 
@@ -140,9 +162,11 @@ def _brief(run: dict[str, Any]) -> str:
     if "error" in run:
         return f"FAILED: {run['error']}"
     s, c, r = run["stasis"], run["criu"], run["raw"]
-    return (f"dump stasis {s['dump_s']:.3f}s (frozen {s['frozen_s']:.3f}) criu {c['dump_s']:.3f}s "
-            f"raw {r['write_s']:.3f}s | restore stasis {s['restore_s']:.3f}s "
-            f"criu {c['restore_s']:.3f}s raw {r['read_s']:.3f}s")
+    return (
+        f"dump stasis {s['dump_s']:.3f}s (frozen {s['frozen_s']:.3f}) criu {c['dump_s']:.3f}s "
+        f"raw {r['write_s']:.3f}s | restore stasis {s['restore_s']:.3f}s "
+        f"criu {c['restore_s']:.3f}s raw {r['read_s']:.3f}s"
+    )
 
 
 def _baseline_daemon(stasis: str, dest: Destination, work_root: Path) -> StasisDaemon | None:
@@ -173,27 +197,49 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work_root, ignore_errors=True)
 
 
-def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
-           work_root: Path) -> int:
+def _suite(
+    args: argparse.Namespace, started: datetime, paths: dict[str, Path], work_root: Path
+) -> int:
     if args.stasis_ref:
         stasis, commit = snapshot(args.stasis_ref, work_root / "snapshot")
     else:
         stasis = STASIS
-        commit = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                                capture_output=True, text=True).stdout.strip() + " (working tree)"
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            + " (working tree)"
+        )
     base_stasis = None
     host = host_info(commit)
     if args.baseline_ref:
-        base_stasis, host["baseline_commit"] = snapshot(args.baseline_ref,
-                                                        work_root / "baseline")
+        base_stasis, host["baseline_commit"] = snapshot(args.baseline_ref, work_root / "baseline")
     document: dict[str, Any] = {
-        "started": started.isoformat(timespec="seconds"), "host": host,
-        "args": {"sizes": args.size_list, "kinds": args.kind_list, "dests": args.dest_list,
-                 "modes": [m.name for m in args.mode_list], "runs": args.runs,
-                 "quick": args.quick},
-        "modes": {m.name: {"dump_args": m.dump_args, "restore_args": m.restore_args,
-                           "lazy": m.lazy, "help": m.help} for m in args.mode_list},
-        "runs": [], "skipped": [], "summary": [], "targets": [],
+        "started": started.isoformat(timespec="seconds"),
+        "host": host,
+        "args": {
+            "sizes": args.size_list,
+            "kinds": args.kind_list,
+            "dests": args.dest_list,
+            "modes": [m.name for m in args.mode_list],
+            "runs": args.runs,
+            "quick": args.quick,
+        },
+        "modes": {
+            m.name: {
+                "dump_args": m.dump_args,
+                "restore_args": m.restore_args,
+                "lazy": m.lazy,
+                "help": m.help,
+            }
+            for m in args.mode_list
+        },
+        "runs": [],
+        "skipped": [],
+        "summary": [],
+        "targets": [],
     }
     if args.slurm:
         document["slurm"] = slurm_e2e.measure(stasis)
@@ -217,8 +263,9 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
     work.mkdir()
     for dest_name in args.dest_list:
         dest = make_destination(dest_name, work_root, tmpfs_bytes)
-        daemon = StasisDaemon(work_root / f"daemon-{dest_name}", dest.store, stasis, dest.url,
-                              dest.env)
+        daemon = StasisDaemon(
+            work_root / f"daemon-{dest_name}", dest.store, stasis, dest.url, dest.env
+        )
         baseline = _baseline_daemon(base_stasis, dest, work_root) if base_stasis else None
         try:
             daemon.start()
@@ -228,8 +275,10 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
                 for kind in args.kind_list:
                     need, free = bytes_needed(size, dest_name), available_bytes()
                     if free < need:
-                        why = (f"needs {need / GiB:.1f} GiB of free memory, "
-                               f"{free / GiB:.1f} GiB available")
+                        why = (
+                            f"needs {need / GiB:.1f} GiB of free memory, "
+                            f"{free / GiB:.1f} GiB available"
+                        )
                         for mode in modes:
                             key = Case(size, kind, dest_name, mode).key()
                             document["skipped"].append({"case": key, "why": why})
@@ -240,8 +289,9 @@ def _suite(args: argparse.Namespace, started: datetime, paths: dict[str, Path],
                     for i in range(args.runs):
                         for mode in modes:
                             case = Case(size, kind, dest_name, mode)
-                            run = run_once(case, dest, daemon, work, i, verify=i == 0,
-                                           baseline=baseline)
+                            run = run_once(
+                                case, dest, daemon, work, i, verify=i == 0, baseline=baseline
+                            )
                             document["runs"].append(run)
                             _log(f"{case.key()} run {i}: {_brief(run)}")
                         # Partial results survive an interrupted suite.

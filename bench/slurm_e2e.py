@@ -64,26 +64,52 @@ class _Cluster:
 
     def up(self) -> None:
         done = subprocess.run(
-            [self.stasis, "slurm", "local-cluster", "up", "--dir", str(self.root), "--cpus",
-             str(CPUS), "--grace-s", "10", "--socket-group", "root", "--json"],
-            capture_output=True, text=True, timeout=180, cwd=self.root.parent,
-            env={**os.environ, "STASIS_CONFIG": ""})
+            [
+                self.stasis,
+                "slurm",
+                "local-cluster",
+                "up",
+                "--dir",
+                str(self.root),
+                "--cpus",
+                str(CPUS),
+                "--grace-s",
+                "10",
+                "--socket-group",
+                "root",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=self.root.parent,
+            env={**os.environ, "STASIS_CONFIG": ""},
+        )
         if done.returncode != 0:
             raise BenchError(f"local-cluster up failed: {(done.stderr or done.stdout)[-400:]}")
         answer = json.loads(done.stdout)
-        self.env = {**os.environ, "SLURM_CONF": answer["slurm_conf"],
-                    "STASIS_CONFIG": answer["stasis_config"]}
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": answer["slurm_conf"],
+            "STASIS_CONFIG": answer["stasis_config"],
+        }
         self.env.pop("STASIS_ENABLE", None)
         self.work.mkdir(exist_ok=True)
         (self.work / "counter.py").write_text(COUNTER)
 
     def down(self) -> None:
-        subprocess.run([self.stasis, "slurm", "local-cluster", "down", "--dir", str(self.root)],
-                       capture_output=True, text=True, timeout=120, cwd=self.root.parent)
+        subprocess.run(
+            [self.stasis, "slurm", "local-cluster", "down", "--dir", str(self.root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=self.root.parent,
+        )
 
     def run(self, *cmd: str) -> str:
-        done = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True,
-                              timeout=60, cwd=self.work)
+        done = subprocess.run(
+            list(cmd), env=self.env, capture_output=True, text=True, timeout=60, cwd=self.work
+        )
         if done.returncode != 0:
             raise BenchError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-300:]}")
         return done.stdout
@@ -134,8 +160,11 @@ def _one(c: _Cluster, method: str) -> dict[str, Any]:
         return lines
 
     try:
-        _wait("the victim to make 20 steps of progress",
-              lambda: any(_progress(ln) == 20 for ln in poll()), 120)
+        _wait(
+            "the victim to make 20 steps of progress",
+            lambda: any(_progress(ln) == 20 for ln in poll()),
+            120,
+        )
         before = len(poll())
         c.sbatch("preemptor", PREEMPTOR.format(work=c.work))
 
@@ -145,10 +174,12 @@ def _one(c: _Cluster, method: str) -> dict[str, Any]:
             for i in range(before - 1, len(lines)):
                 value = _progress(lines[i])
                 marker = "restored" in lines[i] and value is None
-                if (marker or (value is not None and last is not None and value <= last)) \
-                        and i >= before:
-                    after = next((j for j in range(i, len(lines))
-                                  if _progress(lines[j]) is not None), None)
+                if (
+                    marker or (value is not None and last is not None and value <= last)
+                ) and i >= before:
+                    after = next(
+                        (j for j in range(i, len(lines)) if _progress(lines[j]) is not None), None
+                    )
                     return (i, after) if after is not None else None
                 if value is not None:
                     last = value
@@ -164,10 +195,12 @@ def _one(c: _Cluster, method: str) -> dict[str, Any]:
         p_before, p_after = _progress(lines[last_before]), _progress(lines[after])
         assert p_before is not None and p_after is not None
         return {
-            "job": job, "progress_before": p_before, "progress_after": p_after,
+            "job": job,
+            "progress_before": p_before,
+            "progress_after": p_after,
             "redone_s": max(0, p_before + 1 - p_after) * PERIOD_S,
             "down_s": seen[after] - seen[last_before],
-            "lines": [ln for ln in lines[max(0, last_before - 2):after + 2]],
+            "lines": [ln for ln in lines[max(0, last_before - 2) : after + 2]],
         }
     finally:
         c.run("scancel", job)
@@ -177,8 +210,10 @@ def measure(stasis: str) -> dict[str, Any]:
     """Both methods on a fresh local cluster; {"available": False, "why": ...} when impossible."""
     help_text = subprocess.run([stasis, "slurm", "--help"], capture_output=True, text=True).stdout
     if "local-cluster" not in help_text:
-        return {"available": False,
-                "why": "not available yet: `stasis slurm` has no local-cluster command"}
+        return {
+            "available": False,
+            "why": "not available yet: `stasis slurm` has no local-cluster command",
+        }
     root = Path(tempfile.mkdtemp(prefix="stasis-bench-slurm-", dir="/var/tmp"))
     os.chmod(root, 0o755)
     c = _Cluster(stasis, root / "cluster")

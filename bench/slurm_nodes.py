@@ -63,8 +63,7 @@ sleep 60
 T = TypeVar("T")
 
 
-def _wait(what: str, pred: Callable[[], T | None], timeout_s: float, every: float = 0.05
-          ) -> T:
+def _wait(what: str, pred: Callable[[], T | None], timeout_s: float, every: float = 0.05) -> T:
     value = poll(pred, timeout_s, interval_s=every)
     if not value:
         raise BenchError(f"timed out after {timeout_s:.0f} s waiting for {what}")
@@ -78,26 +77,52 @@ class Cluster:
 
     def up(self) -> None:
         done = subprocess.run(
-            [self.stasis, "slurm", "local-cluster", "up", "--dir", str(self.root), "--nodes",
-             "3", "--cpus", str(CPUS), "--grace-s", str(GRACE_S), "--socket-group", "root",
-             "--json"], capture_output=True, text=True, timeout=180,
-            env={**os.environ, "STASIS_CONFIG": ""})
+            [
+                self.stasis,
+                "slurm",
+                "local-cluster",
+                "up",
+                "--dir",
+                str(self.root),
+                "--nodes",
+                "3",
+                "--cpus",
+                str(CPUS),
+                "--grace-s",
+                str(GRACE_S),
+                "--socket-group",
+                "root",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "STASIS_CONFIG": ""},
+        )
         if done.returncode != 0:
             raise BenchError(f"local-cluster up failed: {(done.stderr or done.stdout)[-400:]}")
         answer = json.loads(done.stdout)
-        self.env = {**os.environ, "SLURM_CONF": answer["slurm_conf"],
-                    "STASIS_CONFIG": answer["stasis_config"]}
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": answer["slurm_conf"],
+            "STASIS_CONFIG": answer["stasis_config"],
+        }
         self.env.pop("STASIS_ENABLE", None)
         self.work.mkdir(exist_ok=True)
         (self.work / "counter.py").write_text(COUNTER)
 
     def down(self) -> None:
-        subprocess.run([self.stasis, "slurm", "local-cluster", "down", "--dir", str(self.root)],
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [self.stasis, "slurm", "local-cluster", "down", "--dir", str(self.root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def run(self, *cmd: str, check: bool = True) -> str:
-        done = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True,
-                              timeout=60, cwd=self.work)
+        done = subprocess.run(
+            list(cmd), env=self.env, capture_output=True, text=True, timeout=60, cwd=self.work
+        )
         if check and done.returncode != 0:
             raise BenchError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-300:]}")
         return done.stdout
@@ -120,8 +145,13 @@ class Cluster:
 
     def resume(self, node: str) -> None:
         self.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
-        _wait(f"{node} back", lambda: self.run("sinfo", "-h", "-n", node, "-o", "%T").strip()
-              .rstrip("*") in ("idle", "mixed", "allocated"), 120, 0.5)
+        _wait(
+            f"{node} back",
+            lambda: self.run("sinfo", "-h", "-n", node, "-o", "%T").strip().rstrip("*")
+            in ("idle", "mixed", "allocated"),
+            120,
+            0.5,
+        )
 
     def idle(self) -> None:
         for job in self.run("squeue", "-h", "-o", "%i").split():
@@ -166,20 +196,19 @@ class Output:
 def _victim(c: Cluster, name: str, export: str) -> tuple[str, Output, str]:
     job = c.sbatch(name, VICTIM.format(name=name, work=c.work, export=export))
     out = Output(c.work / f"{name}-{job}.out")
-    _wait(f"{name} to make progress", lambda: any(_progress(ln) == 12 for ln in out.lines()),
-          120)
+    _wait(f"{name} to make progress", lambda: any(_progress(ln) == 12 for ln in out.lines()), 120)
     state, node = c.where(job)
     if state != "RUNNING":
         raise BenchError(f"{name} is {state}")
     return job, out, node
 
 
-def _started_elsewhere(c: Cluster, job: str, node: str, out: Output
-                       ) -> tuple[float, str]:
+def _started_elsewhere(c: Cluster, job: str, node: str, out: Output) -> tuple[float, str]:
     def running() -> tuple[float, str] | None:
         out.lines()
         state, where = c.where(job)
         return (time.monotonic(), where) if state == "RUNNING" and where != node else None
+
     return _wait("the requeued job to run on another node", running, 240)
 
 
@@ -192,6 +221,7 @@ def preemption(c: Cluster, method: str, export: str) -> dict[str, Any]:
         _wait("the node to be free", lambda: not c.node_busy_with(node, job) or None, 120)
         freed = time.monotonic() - t0
         started, elsewhere = _started_elsewhere(c, job, node, out)
+
         # The first progress line of the new run: after the restore's line (stasis), or the
         # first one that does not go on from the line before it (from scratch).
         def restarted() -> tuple[int, int] | None:
@@ -205,12 +235,19 @@ def preemption(c: Cluster, method: str, export: str) -> dict[str, Any]:
                     return i, value
                 last = value
             return None
+
         after = _wait("progress again", restarted, 120)
-        before = max(v for ln in out.lines()[:after[0]] if (v := _progress(ln)) is not None)
-        return {"job": job, "from": node, "to": elsewhere, "node_free_s": round(freed, 3),
-                "start_to_work_s": round(out.seen[after[0]] - started, 3),
-                "progress_before": before, "progress_after": after[1],
-                "redone_s": max(0, before + 1 - after[1]) * PERIOD_S}
+        before = max(v for ln in out.lines()[: after[0]] if (v := _progress(ln)) is not None)
+        return {
+            "job": job,
+            "from": node,
+            "to": elsewhere,
+            "node_free_s": round(freed, 3),
+            "start_to_work_s": round(out.seen[after[0]] - started, 3),
+            "progress_before": before,
+            "progress_after": after[1],
+            "redone_s": max(0, before + 1 - after[1]) * PERIOD_S,
+        }
     finally:
         c.idle()
 
@@ -221,17 +258,20 @@ def node_failure(c: Cluster, method: str, export: str, interval_s: int) -> dict[
         # Both jobs have run two intervals and a part of a third (not always the same) when
         # their node dies.
         target = int((2 * interval_s + time.time() % interval_s) / PERIOD_S)
-        _wait(f"progress {target}", lambda: any(_progress(ln) == target for ln in out.lines()),
-              120)
+        _wait(f"progress {target}", lambda: any(_progress(ln) == target for ln in out.lines()), 120)
         c.node("kill-node", node)
         t0 = time.monotonic()
         cut, before = out.last_progress()
         _started_elsewhere(c, job, node, out)
         after = _wait("progress again", lambda: out.progress_after(cut), 120)
-        return {"job": job, "from": node, "progress_before": before,
-                "progress_after": after[1],
-                "lost_s": max(0, before + 1 - after[1]) * PERIOD_S,
-                "kill_to_work_s": round(out.seen[after[0]] - t0, 3)}
+        return {
+            "job": job,
+            "from": node,
+            "progress_before": before,
+            "progress_after": after[1],
+            "lost_s": max(0, before + 1 - after[1]) * PERIOD_S,
+            "kill_to_work_s": round(out.seen[after[0]] - t0, 3),
+        }
     finally:
         c.node("start-node", node)
         c.resume(node)
@@ -244,14 +284,21 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def measure(stasis: str, runs: int, interval_s: int) -> dict[str, Any]:
-    methods = {"stasis": f"#SBATCH --export=STASIS_ENABLE=1,STASIS_INTERVAL={interval_s}",
-               "requeue": "#SBATCH --export=NONE"}
+    methods = {
+        "stasis": f"#SBATCH --export=STASIS_ENABLE=1,STASIS_INTERVAL={interval_s}",
+        "requeue": "#SBATCH --export=NONE",
+    }
     root = Path(tempfile.mkdtemp(prefix="stasis-bench-nodes-", dir="/var/tmp"))
     os.chmod(root, 0o755)
     c = Cluster(stasis, root / "cluster")
-    result: dict[str, Any] = {"period_s": PERIOD_S, "interval_s": interval_s,
-                              "grace_s": GRACE_S, "runs": runs, "preemption": {},
-                              "node_failure": {}}
+    result: dict[str, Any] = {
+        "period_s": PERIOD_S,
+        "interval_s": interval_s,
+        "grace_s": GRACE_S,
+        "runs": runs,
+        "preemption": {},
+        "node_failure": {},
+    }
     try:
         c.up()
         for method, export in methods.items():
@@ -260,16 +307,22 @@ def measure(stasis: str, runs: int, interval_s: int) -> dict[str, Any]:
             for _ in range(runs):
                 for rows, kind in ((pre, "preemption"), (fail, "node failure")):
                     try:
-                        rows.append(preemption(c, method, export) if kind == "preemption"
-                                    else node_failure(c, method, export, interval_s))
+                        rows.append(
+                            preemption(c, method, export)
+                            if kind == "preemption"
+                            else node_failure(c, method, export, interval_s)
+                        )
                     except BenchError as e:
                         rows.append({"error": f"{kind}, {method}: {e}"})
                         c.idle()
             result["preemption"][method] = {
-                "runs": pre, **{k: _median(pre, k) for k in
-                                ("node_free_s", "start_to_work_s", "redone_s")}}
+                "runs": pre,
+                **{k: _median(pre, k) for k in ("node_free_s", "start_to_work_s", "redone_s")},
+            }
             result["node_failure"][method] = {
-                "runs": fail, **{k: _median(fail, k) for k in ("lost_s", "kill_to_work_s")}}
+                "runs": fail,
+                **{k: _median(fail, k) for k in ("lost_s", "kill_to_work_s")},
+            }
     finally:
         c.down()
         shutil.rmtree(root, ignore_errors=True)
@@ -306,8 +359,13 @@ def markdown(r: dict[str, Any], when: str) -> str:
         f"{cell(f['requeue'], 'kill_to_work_s')} |",
         "",
     ]
-    errors = [row["error"] for part in (p, f) for m in part.values() for row in m["runs"]
-              if "error" in row]
+    errors = [
+        row["error"]
+        for part in (p, f)
+        for m in part.values()
+        for row in m["runs"]
+        if "error" in row
+    ]
     if errors:
         lines += ["Errors:", *(f"- {e}" for e in errors), ""]
     return "\n".join(lines)
@@ -316,8 +374,12 @@ def markdown(r: dict[str, Any], when: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.slurm_nodes")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--interval", type=int, default=10,
-                        help="STASIS_INTERVAL of the stasis job (default: %(default)s)")
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=10,
+        help="STASIS_INTERVAL of the stasis job (default: %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--stasis", default=str(Path(sys.executable).parent / "stasis"))
     args = parser.parse_args()

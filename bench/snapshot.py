@@ -21,15 +21,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def snapshot(ref: str, into: Path) -> tuple[str, str]:
     """Build the snapshot under `into`; return (its `stasis` command, the commit measured)."""
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     src = into / "src"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "stasis"],
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "stasis"], capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    shutil.copytree(ROOT / "stasis" / "engine" / "_proto", src / "stasis" / "engine" / "_proto",
-                    dirs_exist_ok=True)
+    shutil.copytree(
+        ROOT / "stasis" / "engine" / "_proto",
+        src / "stasis" / "engine" / "_proto",
+        dirs_exist_ok=True,
+    )
     # Compiled now: with PYTHONDONTWRITEBYTECODE set (as on these machines) every CLI call and
     # every job supervisor would compile stasis again, ~30 ms that no installed copy pays.
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(src / "stasis")], check=True)
@@ -39,7 +47,9 @@ def snapshot(ref: str, into: Path) -> tuple[str, str]:
     project_site = Path(sysconfig.get_paths()["purelib"])
     (purelib / "stasis_snapshot.pth").write_text(f"{src}\n{project_site}\n")
     stasis = venv / "bin" / "stasis"
-    stasis.write_text(f"#!{venv / 'bin' / 'python'}\n"
-                      "import sys\nfrom stasis.cli.main import main\nsys.exit(main())\n")
+    stasis.write_text(
+        f"#!{venv / 'bin' / 'python'}\n"
+        "import sys\nfrom stasis.cli.main import main\nsys.exit(main())\n"
+    )
     os.chmod(stasis, 0o755)
     return str(stasis), commit

@@ -95,23 +95,50 @@ class Cycle:
     notes: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
-        return {"cycle": self.cycle, "action": self.action, "fault": self.fault,
-                "detail": self.detail, "label": self.label, "node": self.node,
-                "action_ok": int(self.action_ok), "fault_hit": int(self.fault_hit),
-                "action_s": round(self.action_s, 3), "recovery_s": round(self.recovery_s, 3),
-                "lost_s": round(self.lost_s, 2), "lost_labels": self.lost_labels,
-                "twice": self.twice, "frozen": self.frozen, "orphans": self.orphans,
-                "unusable": self.unusable, "manual": self.manual, "notes": " | ".join(self.notes)}
+        return {
+            "cycle": self.cycle,
+            "action": self.action,
+            "fault": self.fault,
+            "detail": self.detail,
+            "label": self.label,
+            "node": self.node,
+            "action_ok": int(self.action_ok),
+            "fault_hit": int(self.fault_hit),
+            "action_s": round(self.action_s, 3),
+            "recovery_s": round(self.recovery_s, 3),
+            "lost_s": round(self.lost_s, 2),
+            "lost_labels": self.lost_labels,
+            "twice": self.twice,
+            "frozen": self.frozen,
+            "orphans": self.orphans,
+            "unusable": self.unusable,
+            "manual": self.manual,
+            "notes": " | ".join(self.notes),
+        }
 
     @property
     def lost(self) -> bool:
-        return bool(self.lost_s > 0 or self.lost_labels or self.twice or self.frozen
-                    or self.orphans or self.unusable)
+        return bool(
+            self.lost_s > 0
+            or self.lost_labels
+            or self.twice
+            or self.frozen
+            or self.orphans
+            or self.unusable
+        )
 
 
 class Soak:
-    def __init__(self, site: Site, rng: random.Random, jobs: int, interval: float,
-                 settle_s: float, actions: list[str], faults: list[str]) -> None:
+    def __init__(
+        self,
+        site: Site,
+        rng: random.Random,
+        jobs: int,
+        interval: float,
+        settle_s: float,
+        actions: list[str],
+        faults: list[str],
+    ) -> None:
         self.site = site
         self.rng = rng
         self.interval = interval
@@ -122,8 +149,10 @@ class Soak:
         if site.proxy is None:  # a local store has no network to cut or stall
             self.faults = [f for f in self.faults if not f.startswith("store-")]
         if not self.faults:
-            raise SystemExit("no fault left to inject (fault points: none in stasis/; "
-                             "store faults: need --store s3)")
+            raise SystemExit(
+                "no fault left to inject (fault points: none in stasis/; "
+                "store faults: need --store s3)"
+            )
         self.marker = site.marker
         self.in_turn = False
         self.sabotaged = 0
@@ -197,8 +226,11 @@ class Soak:
 
     def cycle(self, n: int) -> Cycle:
         if self.in_turn:
-            c = Cycle(n, self.actions[(n - 1) % len(self.actions)],
-                      self.faults[(n - 1) % len(self.faults)])
+            c = Cycle(
+                n,
+                self.actions[(n - 1) % len(self.actions)],
+                self.faults[(n - 1) % len(self.faults)],
+            )
         else:
             c = Cycle(n, self.rng.choice(self.actions), self.rng.choice(self.faults))
         label = self.labels[self.rng.choice(sorted(self.labels))]
@@ -243,9 +275,13 @@ class Soak:
         c.node = on
         started = time.monotonic()
         with self.fault(c, on), self.site.supervised() as restarted:
-            done = subprocess.run(cmd, env=self.site.cli_env(on) if c.action != "migrate"
-                                  else self.site.cp_env(), capture_output=True, text=True,
-                                  timeout=180)
+            done = subprocess.run(
+                cmd,
+                env=self.site.cli_env(on) if c.action != "migrate" else self.site.cp_env(),
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
         c.action_s = time.monotonic() - started
         if restarted:
             c.fault_hit = True
@@ -256,8 +292,14 @@ class Soak:
         elif c.action in ("dump-leave", "dump-stop", "migrate"):
             label.floor = max(label.floor, before)  # a checkpoint holding at least `before`
         # A job stopped on purpose (its checkpoint taken, or killed) is the operator's to restore.
-        self.recover(c, t0, stopped={label.name} if c.action_ok and c.action in (
-            "dump-stop", "kill-job") else set(), new_checkpoint=(label, listed, before))
+        self.recover(
+            c,
+            t0,
+            stopped={label.name}
+            if c.action_ok and c.action in ("dump-stop", "kill-job")
+            else set(),
+            new_checkpoint=(label, listed, before),
+        )
         return c
 
     def sabotage(self, c: Cycle, label: Label, node: str, job: str, t0: float) -> Cycle:
@@ -276,9 +318,14 @@ class Soak:
             for pid in self.marker_pids(label.name):
                 os.kill(pid, signal.SIGSTOP)
         else:  # a second copy of the counter, outside any job
-            self.strays.append(subprocess.Popen(
-                ["python3", "-u", str(COUNTER), str(self.interval), label.name],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+            self.strays.append(
+                subprocess.Popen(
+                    ["python3", "-u", str(COUNTER), str(self.interval), label.name],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         self.recover(c, t0, stopped=stopped)
         for p in self.strays:
             p.poll()  # reaped once recovery killed it
@@ -344,8 +391,7 @@ class Soak:
         else:  # controlplane-restart
             delay = self.rng.uniform(0.0, 1.0)
             c.detail = f"control plane SIGKILLed after {delay:.2f} s"
-            t = threading.Timer(delay, lambda: c.__setattr__("fault_hit",
-                                                             site.kill_controlplane()))
+            t = threading.Timer(delay, lambda: c.__setattr__("fault_hit", site.kill_controlplane()))
             t.start()
             try:
                 yield
@@ -366,8 +412,13 @@ class Soak:
         label.jobs.add((node, json.loads(r.stdout)["job"]))
         return True
 
-    def recover(self, c: Cycle, t0: float, stopped: set[str] | None = None,
-                new_checkpoint: tuple[Label, set[str], int] | None = None) -> None:
+    def recover(
+        self,
+        c: Cycle,
+        t0: float,
+        stopped: set[str] | None = None,
+        new_checkpoint: tuple[Label, set[str], int] | None = None,
+    ) -> None:
         started = time.monotonic()
         site = self.site
         site.heal()
@@ -377,10 +428,13 @@ class Soak:
         while time.monotonic() < deadline:
             # An operator waits for the control plane's pending commands (a migration's
             # restore half) before restoring by hand: else both would run.
-            if all(len(self.live(name)) == 1 for name in self.labels
-                   if name not in (stopped or set())) or (
-                    c.action == "migrate" and site.pending_commands() == 0
-                    and all(len(self.live(name)) <= 1 for name in self.labels)):
+            if all(
+                len(self.live(name)) == 1 for name in self.labels if name not in (stopped or set())
+            ) or (
+                c.action == "migrate"
+                and site.pending_commands() == 0
+                and all(len(self.live(name)) <= 1 for name in self.labels)
+            ):
                 break
             time.sleep(0.5)
         if new_checkpoint is not None:
@@ -389,8 +443,9 @@ class Soak:
             if now - listed and before > acted.floor:
                 acted.floor = before
                 if not c.action_ok:
-                    c.notes.append(f"{acted.name}: a checkpoint was listed though "
-                                   f"{c.action} failed")
+                    c.notes.append(
+                        f"{acted.name}: a checkpoint was listed though " f"{c.action} failed"
+                    )
         for label in self.labels.values():
             live = self.live(label.name)
             for node, j in live:
@@ -403,8 +458,10 @@ class Soak:
             stray = [p for p in pids if p not in tracked]
             if len(live) > 1:
                 c.twice += 1
-                c.notes.append(f"{label.name} runs {len(live)} times: "
-                               f"{[(n, j['job'], j['state']) for n, j in live]}")
+                c.notes.append(
+                    f"{label.name} runs {len(live)} times: "
+                    f"{[(n, j['job'], j['state']) for n, j in live]}"
+                )
                 keep = max(live, key=lambda nj: self.value(nj[0], nj[1]["job"]))
                 for node, j in live:
                     if j is not keep[1]:
@@ -415,8 +472,11 @@ class Soak:
                 c.notes.append(f"{label.name}: counter pids {stray} outside any live job")
                 for p in stray:
                     site.kill_pid(p)
-            frozen = [int(j["pid"]) for _, j in live if j.get("pid")
-                      and site.wait_unfrozen(int(j["pid"]), 10.0)]
+            frozen = [
+                int(j["pid"])
+                for _, j in live
+                if j.get("pid") and site.wait_unfrozen(int(j["pid"]), 10.0)
+            ]
             if frozen:
                 c.frozen += 1
                 c.notes.append(f"{label.name}: job stopped (state T) 10 s after recovery")
@@ -454,8 +514,9 @@ class Soak:
                 time.sleep(0.2)
             # Every count printed since the cycle began, on any node, in the order printed (a
             # log that travelled with a migration repeats the lines it carries: once each).
-            printed = sorted({(t, v) for n, job in label.jobs for v, t in self.counts(n, job)
-                              if t > t0})
+            printed = sorted(
+                {(t, v) for n, job in label.jobs for v, t in self.counts(n, job) if t > t0}
+            )
             if not printed:
                 c.notes.append(f"{label.name}: no count since the cycle began")
                 continue
@@ -468,8 +529,10 @@ class Soak:
                 prev = v
             if resumed is not None and resumed < label.floor:
                 c.lost_s += (label.floor - resumed) * self.interval
-                c.notes.append(f"{label.name}: resumed from {resumed}, newest checkpoint holds "
-                               f">= {label.floor}")
+                c.notes.append(
+                    f"{label.name}: resumed from {resumed}, newest checkpoint holds "
+                    f">= {label.floor}"
+                )
             label.last = self.value(node, j["job"])
             # Jobs that ended long ago have nothing more to say: only the live one is read next.
             label.jobs = {(node, j["job"])}
@@ -479,27 +542,37 @@ def median(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f}" if xs else "-"
 
 
-def report(cycles: list[Cycle], args: argparse.Namespace, points: list[str], took_s: float,
-           stamp: str) -> str:
-    lines = [f"# Soak: {len(cycles)} cycles of random faults, two nodes and the control plane "
-             f"({stamp})", "",
-             f"seed {args.seed}, {args.jobs} counter jobs (a count every {args.interval:g} s), "
-             f"store {args.store}, settle {args.settle:g} s; {os.cpu_count()} CPUs; "
-             f"{took_s / 60:.1f} min. Fault points in the code: "
-             f"{', '.join(points) if points else 'none'}.", "",
-             "Work lost: seconds of counting below what the newest checkpoint held; a label with "
-             "neither job nor checkpoint; a label running twice; a counter alive outside any "
-             "job; a job left stopped (T); a listed checkpoint that would not restore. "
-             "Target: 0 everywhere. A loss is counted in the cycle whose check finds it, which "
-             "may not be the cycle whose fault caused it (a command carried out late). Restored "
-             "by hand (not a loss): labels no job ran once the site had settled, though no "
-             "action had stopped them (the soak restored them by label).", ""]
+def report(
+    cycles: list[Cycle], args: argparse.Namespace, points: list[str], took_s: float, stamp: str
+) -> str:
+    lines = [
+        f"# Soak: {len(cycles)} cycles of random faults, two nodes and the control plane "
+        f"({stamp})",
+        "",
+        f"seed {args.seed}, {args.jobs} counter jobs (a count every {args.interval:g} s), "
+        f"store {args.store}, settle {args.settle:g} s; {os.cpu_count()} CPUs; "
+        f"{took_s / 60:.1f} min. Fault points in the code: "
+        f"{', '.join(points) if points else 'none'}.",
+        "",
+        "Work lost: seconds of counting below what the newest checkpoint held; a label with "
+        "neither job nor checkpoint; a label running twice; a counter alive outside any "
+        "job; a job left stopped (T); a listed checkpoint that would not restore. "
+        "Target: 0 everywhere. A loss is counted in the cycle whose check finds it, which "
+        "may not be the cycle whose fault caused it (a command carried out late). Restored "
+        "by hand (not a loss): labels no job ran once the site had settled, though no "
+        "action had stopped them (the soak restored them by label).",
+        "",
+    ]
 
     def table(key: str, title: str) -> None:
-        lines.extend([f"| {title} | cycles | fault hit | action ok | cycles losing work | "
-                      "work lost s | lost labels | twice | orphans | frozen | unusable | "
-                      "restored by hand | action s (median) | recovery s (median) |",
-                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"])
+        lines.extend(
+            [
+                f"| {title} | cycles | fault hit | action ok | cycles losing work | "
+                "work lost s | lost labels | twice | orphans | frozen | unusable | "
+                "restored by hand | action s (median) | recovery s (median) |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+        )
         groups: dict[str, list[Cycle]] = {}
         for c in cycles:
             groups.setdefault(getattr(c, key), []).append(c)
@@ -511,7 +584,8 @@ def report(cycles: list[Cycle], args: argparse.Namespace, points: list[str], too
                 f"{sum(c.lost_s for c in cs):.1f} | {sum(c.lost_labels for c in cs)} | "
                 f"{sum(c.twice for c in cs)} | {sum(c.orphans for c in cs)} | "
                 f"{sum(c.frozen for c in cs)} | {sum(c.unusable for c in cs)} | "
-                f"{sum(c.manual for c in cs)} | {median([c.action_s for c in cs])} | {median([c.recovery_s for c in cs])} |")
+                f"{sum(c.manual for c in cs)} | {median([c.action_s for c in cs])} | {median([c.recovery_s for c in cs])} |"
+            )
         lines.append("")
 
     table("fault", "fault")
@@ -522,12 +596,15 @@ def report(cycles: list[Cycle], args: argparse.Namespace, points: list[str], too
         lines.append("")
         by_n = {c.cycle: c for c in cycles}
         for c in losing:
-            lines.append(f"- {c.cycle}: {c.action} + {c.fault} ({c.detail}): "
-                         + "; ".join(c.notes)[:600])
+            lines.append(
+                f"- {c.cycle}: {c.action} + {c.fault} ({c.detail}): " + "; ".join(c.notes)[:600]
+            )
             prev = by_n.get(c.cycle - 1)
             if prev is not None:
-                lines.append(f"  (cycle {prev.cycle} before it: {prev.action} + {prev.fault} "
-                             f"({prev.detail}): " + "; ".join(prev.notes)[:300] + ")")
+                lines.append(
+                    f"  (cycle {prev.cycle} before it: {prev.action} + {prev.fault} "
+                    f"({prev.detail}): " + "; ".join(prev.notes)[:300] + ")"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -538,15 +615,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
     p.add_argument("--jobs", type=int, default=3, help="counter jobs, one label each")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between counts")
-    p.add_argument("--settle", type=float, default=15.0,
-                   help="seconds the site has to put itself right after each cycle")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=15.0,
+        help="seconds the site has to put itself right after each cycle",
+    )
     p.add_argument("--store", choices=("s3", "local"), default="s3")
     p.add_argument("--actions", default=",".join(ACTIONS))
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help="also: sabotage (work lost on purpose, to check the soak counts it)")
-    p.add_argument("--in-turn", action="store_true",
-                   help="take --actions and --faults in turn (cycle N: the Nth of each, wrapping) "
-                        "instead of at random")
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="also: sabotage (work lost on purpose, to check the soak counts it)",
+    )
+    p.add_argument(
+        "--in-turn",
+        action="store_true",
+        help="take --actions and --faults in turn (cycle N: the Nth of each, wrapping) "
+        "instead of at random",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -557,8 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     faults = [f for f in args.faults.split(",") if f]
     for x in [*actions, *faults]:
         if x not in (*ACTIONS, *FAULTS, "sabotage"):
-            raise SystemExit(f"unknown action or fault {x!r}: actions {', '.join(ACTIONS)}; "
-                             f"faults {', '.join(FAULTS)}")
+            raise SystemExit(
+                f"unknown action or fault {x!r}: actions {', '.join(ACTIONS)}; "
+                f"faults {', '.join(FAULTS)}"
+            )
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     os.chmod(root, 0o755)
@@ -585,8 +674,11 @@ def main(argv: list[str] | None = None) -> int:
                 cycles.append(c)
                 w.writerow(c.row())
                 f.flush()
-                print(f"{n:4d} {c.action:13s} {c.fault:20s} {'LOST' if c.lost else 'ok':4s} "
-                      f"{c.detail} {'; '.join(c.notes)[:300]}", flush=True)
+                print(
+                    f"{n:4d} {c.action:13s} {c.fault:20s} {'LOST' if c.lost else 'ok':4s} "
+                    f"{c.detail} {'; '.join(c.notes)[:300]}",
+                    flush=True,
+                )
     except Exception as e:  # the cycles done so far are still reported
         error = f"stopped after {len(cycles)} cycles: {type(e).__name__}: {e}"
         print(f"soak: {error}", file=sys.stderr)

@@ -64,12 +64,24 @@ def _expand(template: str, text: str) -> list[str]:
 
 def points_for(action: str, points: dict[str, tuple[str, list[str]]]) -> list[str]:
     """The points `action` may reach, by their names (all of them when none names it)."""
-    words = {"dump-leave": ("dump", "checkpoint", "publish", "criu", "freeze"),
-             "dump-stop": ("dump", "checkpoint", "publish", "criu", "freeze", "stop"),
-             "restore-label": ("restore",),
-             "kill-job": ("kill",),
-             "migrate": ("dump", "checkpoint", "publish", "criu", "restore", "lease", "command",
-                         "migrat", "cp.", "controlplane.")}[action]
+    words = {
+        "dump-leave": ("dump", "checkpoint", "publish", "criu", "freeze"),
+        "dump-stop": ("dump", "checkpoint", "publish", "criu", "freeze", "stop"),
+        "restore-label": ("restore",),
+        "kill-job": ("kill",),
+        "migrate": (
+            "dump",
+            "checkpoint",
+            "publish",
+            "criu",
+            "restore",
+            "lease",
+            "command",
+            "migrat",
+            "cp.",
+            "controlplane.",
+        ),
+    }[action]
     # A node's control-plane agent (cp.*) only acts on the control plane's commands.
     mine = [p for p in points if action == "migrate" or not p.startswith("cp.")]
     fit = [p for p in mine if any(w in p for w in words)]
@@ -85,8 +97,11 @@ def counter_pids(marker: str) -> list[int]:
                 argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if len(argv) > 2 and argv[-2 if argv[-1] == b"" else -1].startswith(
-                    marker.encode()) and any(a.endswith(b"soak_counter.py") for a in argv):
+            if (
+                len(argv) > 2
+                and argv[-2 if argv[-1] == b"" else -1].startswith(marker.encode())
+                and any(a.endswith(b"soak_counter.py") for a in argv)
+            ):
                 found.append(int(name))
     return found
 
@@ -133,11 +148,21 @@ class Site:
             node_root = self.root / name
             node_root.mkdir()
             os.chmod(node_root, 0o755)
-            d = Daemon(node_root, store=store, keep=3, env={
-                **env, "STASIS_CONTROLPLANE_URL": self.cp.url,
-                "STASIS_CLUSTER_ID": cluster["cluster_id"], "STASIS_AUTH_TOKEN": cluster["token"],
-                "STASIS_NODE_NAME": name, "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5",
-                "STASIS_SITE_KEY": str(key), "STASIS_TEST_FAULT_POINTS": ""})
+            d = Daemon(
+                node_root,
+                store=store,
+                keep=3,
+                env={
+                    **env,
+                    "STASIS_CONTROLPLANE_URL": self.cp.url,
+                    "STASIS_CLUSTER_ID": cluster["cluster_id"],
+                    "STASIS_AUTH_TOKEN": cluster["token"],
+                    "STASIS_NODE_NAME": name,
+                    "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5",
+                    "STASIS_SITE_KEY": str(key),
+                    "STASIS_TEST_FAULT_POINTS": "",
+                },
+            )
             d.start()
             self.nodes[name] = d
 
@@ -168,14 +193,21 @@ class Site:
     def cli_argv(self, node: str, *args: str) -> list[str]:
         return [STASIS, *args]
 
-    def cli(self, node: str, *args: str, timeout_s: float = 120
-            ) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, node: str, *args: str, timeout_s: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run([STASIS, *args], env=self.cli_env(node), capture_output=True,
-                                  text=True, timeout=timeout_s)
+            return subprocess.run(
+                [STASIS, *args],
+                env=self.cli_env(node),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess([STASIS, *args], 124, "",
-                                               f"timed out after {timeout_s} s")
+            return subprocess.CompletedProcess(
+                [STASIS, *args], 124, "", f"timed out after {timeout_s} s"
+            )
 
     def json(self, node: str, *args: str) -> Any:
         r = self.cli(node, args[0], "--json", *args[1:], timeout_s=30)
@@ -192,15 +224,30 @@ class Site:
         return list(self.json(node, "checkpoints", "--label", label) or [])
 
     def run_job(self, node: str, label: str, interval: float) -> str:
-        r = self.cli(node, "run", "--json", "--label", label, "--", "python3", "-u",
-                     str(COUNTER), str(interval), label)
+        r = self.cli(
+            node,
+            "run",
+            "--json",
+            "--label",
+            label,
+            "--",
+            "python3",
+            "-u",
+            str(COUNTER),
+            str(interval),
+            label,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"stasis run on {node} failed: {r.stderr}")
         return str(json.loads(r.stdout)["job"])
 
     def cp_env(self) -> dict[str, str]:
-        return {**os.environ, "STASIS_CONFIG": "", "STASIS_CONTROLPLANE_URL": self.cp.url,
-                "STASIS_AUTH_TOKEN": self.cp.admin}
+        return {
+            **os.environ,
+            "STASIS_CONFIG": "",
+            "STASIS_CONTROLPLANE_URL": self.cp.url,
+            "STASIS_AUTH_TOKEN": self.cp.admin,
+        }
 
     def cp_argv(self, *args: str) -> list[str]:
         return [STASIS, "controlplane", *args]
@@ -208,8 +255,13 @@ class Site:
     def wait_reported(self, job: str, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            r = subprocess.run(self.cp_argv("jobs", "--json"), env=self.cp_env(),
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                self.cp_argv("jobs", "--json"),
+                env=self.cp_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if r.returncode == 0 and job in {j["job"] for j in json.loads(r.stdout)}:
                 return True
             time.sleep(0.3)
@@ -218,8 +270,13 @@ class Site:
     def pending_commands(self) -> int:
         """Commands the control plane still has queued or leased (-1: it does not answer)."""
         try:
-            r = subprocess.run(self.cp_argv("actions", "--json"), env=self.cp_env(),
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                self.cp_argv("actions", "--json"),
+                env=self.cp_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except subprocess.TimeoutExpired:
             return -1
         if r.returncode != 0:
@@ -311,8 +368,11 @@ class Site:
             dead_since: dict[str, float] = {}
             while not done.wait(0.2):
                 for name in [*self.nodes, "controlplane"]:
-                    died = (self.controlplane_died() if name == "controlplane"
-                            else self.daemon_died(name))
+                    died = (
+                        self.controlplane_died()
+                        if name == "controlplane"
+                        else self.daemon_died(name)
+                    )
                     if not died:
                         dead_since.pop(name, None)
                         continue

@@ -28,8 +28,14 @@ class Timed:
 
 
 class StasisDaemon:
-    def __init__(self, root: Path, store: Path | None, stasis: str = STASIS,
-                 url: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        store: Path | None,
+        stasis: str = STASIS,
+        url: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`store` None: the default store, <state_dir>/checkpoints, on the disk under `root`.
 
         `stasis` is the command to run (a snapshot's, see bench.snapshot). Everything runs with
@@ -67,9 +73,14 @@ class StasisDaemon:
             os.write(fd, os.urandom(32))
             os.close(fd)
         with open(self.root / "daemon.log", "ab") as log:
-            self.proc = subprocess.Popen([self.stasis, "daemon"], env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.root)
+            self.proc = subprocess.Popen(
+                [self.stasis, "daemon"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.root,
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -90,11 +101,20 @@ class StasisDaemon:
         self.proc = None
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([self.stasis, *args], env=self.env, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=1800, cwd=self.root)
+        done = subprocess.run(
+            [self.stasis, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=1800,
+            cwd=self.root,
+        )
         if check and done.returncode != 0:
-            raise BenchError(f"stasis {' '.join(args)} failed ({done.returncode}): "
-                             f"{(done.stderr or done.stdout).strip()[-400:]}")
+            raise BenchError(
+                f"stasis {' '.join(args)} failed ({done.returncode}): "
+                f"{(done.stderr or done.stdout).strip()[-400:]}"
+            )
         return done
 
     def timed_json(self, *args: str) -> Timed:
@@ -113,8 +133,9 @@ class StasisDaemon:
     # -- the steps the bench takes ---------------------------------------------------------
 
     def run(self, command: list[str], log: Path) -> dict[str, Any]:
-        answer: dict[str, Any] = self.timed_json("run", "--json", "--log", str(log), "--",
-                                                 *command).answer
+        answer: dict[str, Any] = self.timed_json(
+            "run", "--json", "--log", str(log), "--", *command
+        ).answer
         return answer
 
     def dump(self, job: str, args: tuple[str, ...]) -> Timed:

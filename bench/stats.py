@@ -17,13 +17,26 @@ STATS_MAGIC = 0x57093306
 
 # Field numbers of dump_stats_entry / restore_stats_entry in CRIU's images/stats.proto.
 DUMP_FIELDS = {
-    1: "freezing_time", 2: "frozen_time", 3: "memdump_time", 4: "memwrite_time",
-    5: "pages_scanned", 6: "pages_skipped_parent", 7: "pages_written", 8: "irmap_resolve",
-    9: "pages_lazy", 10: "page_pipes", 11: "page_pipe_bufs", 12: "shpages_scanned",
-    13: "shpages_skipped_parent", 14: "shpages_written",
+    1: "freezing_time",
+    2: "frozen_time",
+    3: "memdump_time",
+    4: "memwrite_time",
+    5: "pages_scanned",
+    6: "pages_skipped_parent",
+    7: "pages_written",
+    8: "irmap_resolve",
+    9: "pages_lazy",
+    10: "page_pipes",
+    11: "page_pipe_bufs",
+    12: "shpages_scanned",
+    13: "shpages_skipped_parent",
+    14: "shpages_written",
 }
 RESTORE_FIELDS = {
-    1: "pages_compared", 2: "pages_skipped_cow", 3: "forking_time", 4: "restore_time",
+    1: "pages_compared",
+    2: "pages_skipped_cow",
+    3: "forking_time",
+    4: "restore_time",
     5: "pages_restored",
 }
 
@@ -80,7 +93,7 @@ def parse_message(data: bytes) -> dict[int, int | bytes]:
             length, pos = _varint(data, pos)
             if pos + length > len(data):
                 raise StatsFormatError("truncated field")
-            fields[number] = data[pos:pos + length]
+            fields[number] = data[pos : pos + length]
             pos += length
         elif wire in (1, 5):  # fixed64 / fixed32: not in stats.proto, skipped to stay lenient
             pos += 8 if wire == 1 else 4
@@ -96,7 +109,7 @@ def stats_entry(image: bytes) -> dict[int, int | bytes]:
     magic, kind, length = struct.unpack_from("<III", image)
     if magic != IMG_SERVICE_MAGIC or kind != STATS_MAGIC:
         raise StatsFormatError(f"not a CRIU stats image (magics {magic:#x} {kind:#x})")
-    body = image[12:12 + length]
+    body = image[12 : 12 + length]
     if len(body) != length:
         raise StatsFormatError("truncated entry")
     return parse_message(body)
@@ -111,9 +124,12 @@ def _named(raw: int | bytes | None, names: dict[int, str]) -> dict[str, int]:
 def read_dump_stats(path: Path) -> DumpStats:
     f = _named(stats_entry(path.read_bytes()).get(1), DUMP_FIELDS)
     return DumpStats(
-        freezing_s=f.get("freezing_time", 0) / 1e6, frozen_s=f.get("frozen_time", 0) / 1e6,
-        memdump_s=f.get("memdump_time", 0) / 1e6, memwrite_s=f.get("memwrite_time", 0) / 1e6,
-        pages_scanned=f.get("pages_scanned", 0), pages_written=f.get("pages_written", 0),
+        freezing_s=f.get("freezing_time", 0) / 1e6,
+        frozen_s=f.get("frozen_time", 0) / 1e6,
+        memdump_s=f.get("memdump_time", 0) / 1e6,
+        memwrite_s=f.get("memwrite_time", 0) / 1e6,
+        pages_scanned=f.get("pages_scanned", 0),
+        pages_written=f.get("pages_written", 0),
         pages_lazy=f.get("pages_lazy", 0),
     )
 
@@ -121,6 +137,7 @@ def read_dump_stats(path: Path) -> DumpStats:
 def read_restore_stats(path: Path) -> RestoreStats:
     f = _named(stats_entry(path.read_bytes()).get(2), RESTORE_FIELDS)
     return RestoreStats(
-        forking_s=f.get("forking_time", 0) / 1e6, restore_s=f.get("restore_time", 0) / 1e6,
+        forking_s=f.get("forking_time", 0) / 1e6,
+        restore_s=f.get("restore_time", 0) / 1e6,
         pages_restored=f.get("pages_restored", 0),
     )

@@ -40,8 +40,19 @@ def _wait_ready(log: Path, timeout_s: float = 300) -> None:
 def _one_size(d: StasisDaemon, work: Path, mib: int, runs: int) -> dict[str, Any]:
     log = work / f"memhold-{mib}.log"
     # Its working directory outside /tmp: a sandbox's /tmp is empty, as a fresh node's is.
-    job = d.timed_json("run", "--json", "--cwd", "/", "--log", str(log), "--", "python3",
-                       str(MEMHOLD), "random", str(mib << 20)).answer
+    job = d.timed_json(
+        "run",
+        "--json",
+        "--cwd",
+        "/",
+        "--log",
+        str(log),
+        "--",
+        "python3",
+        str(MEMHOLD),
+        "random",
+        str(mib << 20),
+    ).answer
     _wait_ready(log)
     cp = d.dump(job["job"], ("--leave-running",)).answer
     d.kill(job["job"])
@@ -62,12 +73,18 @@ def _one_size(d: StasisDaemon, work: Path, mib: int, runs: int) -> dict[str, Any
                 d.kill(timed.answer["job"])
     d.remove_checkpoint(checkpoint)
     verify_med, restore_med = statistics.median(verify_s), statistics.median(restore_s)
-    return {"size_mib": mib, "image_bytes": size, "runs": runs,
-            "verify_s": verify_s, "restore_s": restore_s,
-            "verify_median_s": verify_med, "restore_median_s": restore_med,
-            "verify_s_per_gib": verify_med / (size / GIB),
-            "restore_s_per_gib": restore_med / (size / GIB),
-            "ratio": verify_med / restore_med}
+    return {
+        "size_mib": mib,
+        "image_bytes": size,
+        "runs": runs,
+        "verify_s": verify_s,
+        "restore_s": restore_s,
+        "verify_median_s": verify_med,
+        "restore_median_s": restore_med,
+        "verify_s_per_gib": verify_med / (size / GIB),
+        "restore_s_per_gib": restore_med / (size / GIB),
+        "ratio": verify_med / restore_med,
+    }
 
 
 def run(sizes: list[int], runs: int, out: Path) -> Path:
@@ -79,8 +96,11 @@ def run(sizes: list[int], runs: int, out: Path) -> Path:
         for mib in sizes:
             rows.append(_one_size(d, work, mib, runs))
             r = rows[-1]
-            print(f"{mib} MiB: verify {r['verify_median_s']:.3f} s, restore "
-                  f"{r['restore_median_s']:.3f} s (x{r['ratio']:.2f})", file=sys.stderr)
+            print(
+                f"{mib} MiB: verify {r['verify_median_s']:.3f} s, restore "
+                f"{r['restore_median_s']:.3f} s (x{r['ratio']:.2f})",
+                file=sys.stderr,
+            )
     finally:
         d.stop()
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -92,15 +112,21 @@ def run(sizes: list[int], runs: int, out: Path) -> Path:
 
 
 def _report(rows: list[dict[str, Any]]) -> str:
-    lines = ["# stasis verify against stasis restore of the same checkpoint "
-             "(wall time of the command, median of runs)", "",
-             "| memory | images | runs | verify s | restore s | verify s/GiB | restore s/GiB "
-             "| verify / restore |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# stasis verify against stasis restore of the same checkpoint "
+        "(wall time of the command, median of runs)",
+        "",
+        "| memory | images | runs | verify s | restore s | verify s/GiB | restore s/GiB "
+        "| verify / restore |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['size_mib']} MiB | {r['image_bytes'] / GIB:.2f} GiB | {r['runs']} | "
-                     f"{r['verify_median_s']:.3f} | {r['restore_median_s']:.3f} | "
-                     f"{r['verify_s_per_gib']:.2f} | {r['restore_s_per_gib']:.2f} | "
-                     f"{r['ratio']:.2f} |")
+        lines.append(
+            f"| {r['size_mib']} MiB | {r['image_bytes'] / GIB:.2f} GiB | {r['runs']} | "
+            f"{r['verify_median_s']:.3f} | {r['restore_median_s']:.3f} | "
+            f"{r['verify_s_per_gib']:.2f} | {r['restore_s_per_gib']:.2f} | "
+            f"{r['ratio']:.2f} |"
+        )
     if len(rows) >= 2:
         # What one more GiB costs, beyond the fixed part (CLI, CRIU start, the sandbox's set-up).
         small, large = rows[0], rows[-1]
@@ -108,9 +134,12 @@ def _report(rows: list[dict[str, Any]]) -> str:
         if gib > 0:
             per_v = (large["verify_median_s"] - small["verify_median_s"]) / gib
             per_r = (large["restore_median_s"] - small["restore_median_s"]) / gib
-            lines += ["", f"Marginal cost between {small['size_mib']} and {large['size_mib']} "
-                          f"MiB: verify {per_v:.2f} s/GiB, restore {per_r:.2f} s/GiB"
-                          f"{f' (x{per_v / per_r:.2f})' if per_r > 0 else ''}."]
+            lines += [
+                "",
+                f"Marginal cost between {small['size_mib']} and {large['size_mib']} "
+                f"MiB: verify {per_v:.2f} s/GiB, restore {per_r:.2f} s/GiB"
+                f"{f' (x{per_v / per_r:.2f})' if per_r > 0 else ''}.",
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
-from pathlib import Path
 from io import BufferedReader
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack, cast
 from urllib.parse import quote, urlencode
 
@@ -75,6 +75,7 @@ class Client:
     def _unreachable(self, e: OSError) -> DaemonAPIError:
         if isinstance(e, PermissionError) and self.socket_path.exists():
             import grp  # only on this error path: every CLI call imports this module
+
             try:
                 group = grp.getgrgid(self.socket_path.stat().st_gid).gr_name
             except (KeyError, OSError):
@@ -82,7 +83,8 @@ class Client:
             return DaemonAPIError(
                 f"permission denied on the stasis daemon's socket {self.socket_path}: this node "
                 f"opens it to the members of {group} only; ask its admin to add you (or to set "
-                'socket_group = "" for every local user)')
+                'socket_group = "" for every local user)'
+            )
         if not self.socket_path.exists():
             why = "no socket there"
         elif isinstance(e, TimeoutError):
@@ -122,8 +124,9 @@ class Client:
             sock.close()
             raise self._unreachable(e) from e
 
-    def request(self, method: str, path: str, body: Any = None,
-                params: dict[str, str] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None
+    ) -> Any:
         if params:
             path = f"{path}?{urlencode(params)}"
         resp = self._send(method, path, body)
@@ -136,8 +139,9 @@ class Client:
             raise _error(data, resp.status)
         return data
 
-    def stream(self, path: str, body: Any,
-               progress: Callable[[int, int], None] | None = None) -> Any:
+    def stream(
+        self, path: str, body: Any, progress: Callable[[int, int], None] | None = None
+    ) -> Any:
         """POST and read NDJSON: progress lines go to `progress`, the last line is the answer."""
         resp = self._send("POST", path, body)
         try:
@@ -174,38 +178,49 @@ class Client:
     def kill(self, job_id: str, **request: Unpack[wire.KillRequest]) -> wire.KillAnswer:
         return cast("wire.KillAnswer", self.request("POST", f"/jobs/{_seg(job_id)}/kill", request))
 
-    def dump(self, job_id: str, progress: Callable[[int, int], None] | None = None,
-             **request: Unpack[wire.DumpRequest]) -> wire.DumpAnswer:
+    def dump(
+        self,
+        job_id: str,
+        progress: Callable[[int, int], None] | None = None,
+        **request: Unpack[wire.DumpRequest],
+    ) -> wire.DumpAnswer:
         return cast("wire.DumpAnswer", self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress))
 
     def dump_check(self, job_id: str) -> wire.DumpCheckAnswer:
-        return cast("wire.DumpCheckAnswer",
-                    self.request("GET", f"/jobs/{_seg(job_id)}/dump-check"))
+        return cast("wire.DumpCheckAnswer", self.request("GET", f"/jobs/{_seg(job_id)}/dump-check"))
 
-    def restore(self, progress: Callable[[int, int], None] | None = None,
-                **request: Unpack[wire.RestoreRequest]) -> wire.RestoreAnswer:
+    def restore(
+        self,
+        progress: Callable[[int, int], None] | None = None,
+        **request: Unpack[wire.RestoreRequest],
+    ) -> wire.RestoreAnswer:
         return cast("wire.RestoreAnswer", self.stream("/restore", request, progress))
 
-    def checkpoints(self, label: str | None = None, user: str | None = None
-                    ) -> list[wire.Checkpoint]:
+    def checkpoints(
+        self, label: str | None = None, user: str | None = None
+    ) -> list[wire.Checkpoint]:
         params = {k: v for k, v in (("label", label), ("user", user)) if v is not None}
-        return cast("list[wire.Checkpoint]",
-                    self.request("GET", "/checkpoints", params=params or None))
+        return cast(
+            "list[wire.Checkpoint]", self.request("GET", "/checkpoints", params=params or None)
+        )
 
     def delete_checkpoint(self, checkpoint_id: str) -> wire.Deleted:
-        return cast("wire.Deleted",
-                    self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
+        return cast("wire.Deleted", self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
 
     def check_checkpoint(self, checkpoint_id: str) -> wire.CheckpointCheck:
-        return cast("wire.CheckpointCheck",
-                    self.request("GET", f"/checkpoints/{_seg(checkpoint_id)}/check"))
+        return cast(
+            "wire.CheckpointCheck", self.request("GET", f"/checkpoints/{_seg(checkpoint_id)}/check")
+        )
 
     def verify(self, checkpoint_id: str) -> wire.VerifyVerdict:
-        return cast("wire.VerifyVerdict", self.request(
-            "POST", f"/checkpoints/{_seg(checkpoint_id)}/verify", {}))
+        return cast(
+            "wire.VerifyVerdict",
+            self.request("POST", f"/checkpoints/{_seg(checkpoint_id)}/verify", {}),
+        )
 
     def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
         return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))
+
     def rekey(self) -> wire.RekeyAnswer:
         return cast("wire.RekeyAnswer", self.request("POST", "/checkpoints/rekey"))
 
@@ -226,25 +241,38 @@ class Client:
     def slurm_job(self, slurm_job: str) -> wire.Registration:
         return cast("wire.Registration", self.request("GET", f"/slurm/jobs/{_seg(slurm_job)}"))
 
-    def slurm_checkpoint(self, slurm_job: str, **request: Unpack[wire.SlurmCheckpointRequest]
-                         ) -> wire.SlurmCheckpointAnswer:
-        return cast("wire.SlurmCheckpointAnswer", self.request(
-            "POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint", request))
+    def slurm_checkpoint(
+        self, slurm_job: str, **request: Unpack[wire.SlurmCheckpointRequest]
+    ) -> wire.SlurmCheckpointAnswer:
+        return cast(
+            "wire.SlurmCheckpointAnswer",
+            self.request("POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint", request),
+        )
 
     def slurm_interval(self, slurm_job: str, requested: str) -> dict[str, Any]:
         """How long job `slurm_job` waits for its next periodic checkpoint (`requested`:
         "auto" or seconds), and why (stasis.slurm.intervals)."""
-        return cast("dict[str, Any]", self.request(
-            "POST", f"/slurm/jobs/{_seg(slurm_job)}/interval", {"requested": requested}))
+        return cast(
+            "dict[str, Any]",
+            self.request(
+                "POST", f"/slurm/jobs/{_seg(slurm_job)}/interval", {"requested": requested}
+            ),
+        )
 
     def slurm_intervals(self) -> list[dict[str, Any]]:
         return cast("list[dict[str, Any]]", self.request("GET", "/slurm/intervals"))
 
-    def slurm_finish(self, slurm_job: str, exit_code: int | None,
-                     stopped: bool = False) -> wire.FinishAnswer:
-        return cast("wire.FinishAnswer", self.request(
-            "POST", f"/slurm/jobs/{_seg(slurm_job)}/finish",
-            {"exit_code": exit_code, "stopped": stopped}))
+    def slurm_finish(
+        self, slurm_job: str, exit_code: int | None, stopped: bool = False
+    ) -> wire.FinishAnswer:
+        return cast(
+            "wire.FinishAnswer",
+            self.request(
+                "POST",
+                f"/slurm/jobs/{_seg(slurm_job)}/finish",
+                {"exit_code": exit_code, "stopped": stopped},
+            ),
+        )
 
 
 def _seg(value: str) -> str:

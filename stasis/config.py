@@ -325,7 +325,8 @@ class Settings(NamedTuple):
         # Settings end up in tracebacks and debug output; the secret must not.
         shown = self._replace(
             s3_secret_access_key="***" if self.s3_secret_access_key else "",
-            auth_token="***" if self.auth_token else "")
+            auth_token="***" if self.auth_token else "",
+        )
         fields = ", ".join(f"{k}={v!r}" for k, v in zip(self._fields, tuple(shown)))
         return f"Settings({fields})"
 
@@ -409,11 +410,15 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise UsageError(f"bad setting {unknown[0]!r}: no such setting (see stasis/config.py)")
     settings = Settings(**{k: _convert(k, v, defaults[k]) for k, v in values.items()})  # type: ignore[arg-type]
     if settings.store_id and not re.fullmatch(r"[0-9a-f]{32}", settings.store_id):
-        raise UsageError(f"bad setting 'store_id': {settings.store_id[:40]!r} is not a store "
-                         "id (32 hex digits, as in the store's .stasis-store file)")
+        raise UsageError(
+            f"bad setting 'store_id': {settings.store_id[:40]!r} is not a store "
+            "id (32 hex digits, as in the store's .stasis-store file)"
+        )
     if settings.slurm_remote_port > 65535:
-        raise UsageError(f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
-                         "a TCP port (1..65535, or 0 for off)")
+        raise UsageError(
+            f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
+            "a TCP port (1..65535, or 0 for off)"
+        )
     return settings
 
 
@@ -428,6 +433,8 @@ def fresh_if_unreachable(value: str) -> tuple[bool, str | None]:
         return True, None
     if said in _FALSE:
         return False, None
-    return False, (f"STASIS_FRESH={value.strip()[:40]!r} is neither 1, true, yes or "
-                   "if-unreachable (start from the beginning when nobody can tell whether "
-                   "there is a checkpoint) nor 0 or false: ignored")
+    return False, (
+        f"STASIS_FRESH={value.strip()[:40]!r} is neither 1, true, yes or "
+        "if-unreachable (start from the beginning when nobody can tell whether "
+        "there is a checkpoint) nor 0 or false: ignored"
+    )

@@ -49,20 +49,38 @@ def checkpoint_demo() -> None:
         "STASIS_STORE": str(root / "store"),
         "STASIS_CONFIG": "",
     }
-    daemon = subprocess.Popen([STASIS, "daemon"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=open(root / "daemon.log", "ab"))
+    daemon = subprocess.Popen(
+        [STASIS, "daemon"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "daemon.log", "ab"),
+    )
     log = root / "job.log"
     try:
         _wait(lambda: (root / "stasis.sock").exists())
         console.rule("[bold]stasis demo: checkpoint, kill, restore")
-        job = _stasis(env, "run", "--json", "--label", "demo", "--log", str(log), "--",
-                      sys.executable, "-u", "-m", "stasis.demo_job")
+        job = _stasis(
+            env,
+            "run",
+            "--json",
+            "--label",
+            "demo",
+            "--log",
+            str(log),
+            "--",
+            sys.executable,
+            "-u",
+            "-m",
+            "stasis.demo_job",
+        )
         console.print(f"started job {job['job']} (pid {job['pid']}), output in {log}")
         _wait(lambda: len(_lines(log)) >= 5)
         cp = _stasis(env, "dump", "--json", job["job"])
         before = _lines(log)
-        console.print(f"checkpointed into {cp['checkpoint']}: {cp['size_bytes'] >> 20} MiB in "
-                      f"{cp['duration_s']:.2f} s; the job is gone:")
+        console.print(
+            f"checkpointed into {cp['checkpoint']}: {cp['size_bytes'] >> 20} MiB in "
+            f"{cp['duration_s']:.2f} s; the job is gone:"
+        )
         console.print(_stasis(env, "ps"))
         console.print("last lines before the checkpoint:")
         for line in before[-3:]:
@@ -70,7 +88,7 @@ def checkpoint_demo() -> None:
         restored = _stasis(env, "restore", "--json", "--label", "demo")
         console.print(f"restored as job {restored['job']} (pid {restored['pid']})")
         _wait(lambda: len(_lines(log)) >= len(before) + 4)
-        after = _lines(log)[len(before):]
+        after = _lines(log)[len(before) :]
         console.print("first lines after the restore (same counter, same memory digest):")
         for line in after[:4]:
             console.print(f"  {line}")
@@ -79,8 +97,10 @@ def checkpoint_demo() -> None:
         digest_ok = before[-1].split()[-1] == after[0].split()[-1]
         if first_count != last_count + 1 or not digest_ok:
             raise SystemExit("demo failed: the job did not continue from its checkpoint")
-        console.print(f"[green]the counter went on from {last_count} to {first_count}, "
-                      "and the memory digest is unchanged[/green]")
+        console.print(
+            f"[green]the counter went on from {last_count} to {first_count}, "
+            "and the memory digest is unchanged[/green]"
+        )
         _stasis(env, "kill", restored["job"])
     finally:
         daemon.terminate()

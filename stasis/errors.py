@@ -143,11 +143,25 @@ class DaemonAPIError(StasisError):
 _BY_NAME: dict[str, type[StasisError]] = {
     cls.__name__: cls
     for cls in (
-        StasisError, UsageError, NotFoundError, PermissionDeniedError, CRIUError,
-        CRIUNotFoundError, CheckpointError, RestoreError, OwnerDeniedError, StoreError, CorruptCheckpointError,
+        StasisError,
+        UsageError,
+        NotFoundError,
+        PermissionDeniedError,
+        CRIUError,
+        CRIUNotFoundError,
+        CheckpointError,
+        RestoreError,
+        OwnerDeniedError,
+        StoreError,
+        CorruptCheckpointError,
         IncompatibleNodeError,
-        UnreadableManifestError, UntrustedCheckpointError, EncryptionKeyError, SlurmError,
-        SlurmJobNotFoundError, ContainerError, ContainerRootDamagedError,
+        UnreadableManifestError,
+        UntrustedCheckpointError,
+        EncryptionKeyError,
+        SlurmError,
+        SlurmJobNotFoundError,
+        ContainerError,
+        ContainerRootDamagedError,
     )
 }
 
@@ -155,8 +169,9 @@ _BY_NAME: dict[str, type[StasisError]] = {
 def wire_name(e: StasisError) -> str:
     """The name an error travels under: its own class's, or the nearest one the other side
     can rebuild (a module's private subclass goes as the public error it refines)."""
-    return next(c.__name__ for c in type(e).__mro__ if c.__name__ in _BY_NAME
-                and _BY_NAME[c.__name__] is c)
+    return next(
+        c.__name__ for c in type(e).__mro__ if c.__name__ in _BY_NAME and _BY_NAME[c.__name__] is c
+    )
 
 
 def error_from_wire(kind: str, message: str) -> StasisError:

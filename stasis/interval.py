@@ -35,14 +35,21 @@ class Choice:
     def why(self) -> str:
         """One line: cost, rate, raw value, bound."""
         if self.mtbi_s is None:
-            return (f"no interruption seen: the ceiling, {_s(self.interval_s)} "
-                    f"(checkpoint cost {_s(self.cost_s)})")
+            return (
+                f"no interruption seen: the ceiling, {_s(self.interval_s)} "
+                f"(checkpoint cost {_s(self.cost_s)})"
+            )
         assert self.raw_s is not None
-        text = (f"checkpoint cost {_s(self.cost_s)}, mean time between interruptions "
-                f"{_s(self.mtbi_s)}: Young/Daly {_s(self.raw_s)}")
+        text = (
+            f"checkpoint cost {_s(self.cost_s)}, mean time between interruptions "
+            f"{_s(self.mtbi_s)}: Young/Daly {_s(self.raw_s)}"
+        )
         if self.bound:
-            text += f", raised to the floor {_s(self.interval_s)}" if self.bound == "floor" \
+            text += (
+                f", raised to the floor {_s(self.interval_s)}"
+                if self.bound == "floor"
                 else f", lowered to the ceiling {_s(self.interval_s)}"
+            )
         return text
 
     def as_dict(self) -> dict[str, object]:
@@ -81,8 +88,7 @@ def choose(cost_s: float, mtbi: float | None, floor_s: float, ceiling_s: float) 
     cost_s = max(0.0, cost_s)
     ceiling_s = max(floor_s, ceiling_s)
     if mtbi is None or math.isinf(mtbi):
-        return Choice(interval_s=ceiling_s, cost_s=cost_s, mtbi_s=None, raw_s=None,
-                      bound="ceiling")
+        return Choice(interval_s=ceiling_s, cost_s=cost_s, mtbi_s=None, raw_s=None, bound="ceiling")
     raw = daly(cost_s, mtbi)
     if raw < floor_s:
         return Choice(floor_s, cost_s, mtbi, raw, "floor")

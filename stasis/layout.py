@@ -1,18 +1,18 @@
 """Every path under the state directory, named once.
 
-    <state_dir>/
-        jobs.db         the daemon's SQLite database: jobs, network locks, integrations' tables
-        logs/           job logs (users traverse to theirs)
-        jobs/<id>/      a job's own directory: its supervisor writes exit.json there
-        criu-logs/      CRIU's logs, one per dump or restore
-        scratch/        checkpoints unpacked or fetched for a restore
-        staging/        dumps to a store that is not a local directory, until published
-        dumps/          dumps in flight (stasis/daemon/inflight.py)
-        keys/node.key   the node's signing key (stasis/store/signing.py)
-        stores/<hash>   the local stores this node has used, by id (stasis/store/marker.py)
-        slurm/          Slurm registrations of an older daemon (moved into jobs.db at start)
-        slurm-held/<job>  Slurm jobs this node requeued held, and why (stasis/slurm/held.py)
-        records/<table>/  integrations' rows kept to rebuild jobs.db (daemon/records.py)
+<state_dir>/
+    jobs.db         the daemon's SQLite database: jobs, network locks, integrations' tables
+    logs/           job logs (users traverse to theirs)
+    jobs/<id>/      a job's own directory: its supervisor writes exit.json there
+    criu-logs/      CRIU's logs, one per dump or restore
+    scratch/        checkpoints unpacked or fetched for a restore
+    staging/        dumps to a store that is not a local directory, until published
+    dumps/          dumps in flight (stasis/daemon/inflight.py)
+    keys/node.key   the node's signing key (stasis/store/signing.py)
+    stores/<hash>   the local stores this node has used, by id (stasis/store/marker.py)
+    slurm/          Slurm registrations of an older daemon (moved into jobs.db at start)
+    slurm-held/<job>  Slurm jobs this node requeued held, and why (stasis/slurm/held.py)
+    records/<table>/  integrations' rows kept to rebuild jobs.db (daemon/records.py)
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ HOST_OCTET = 254
 @dataclass(frozen=True)
 class Net:
     """A private network of nodes: a bridge on this machine, which is .254 on it."""
+
     net_id: int  # the third octet; also names the bridge and the veths
 
     @property
@@ -72,8 +73,10 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except FileNotFoundError as e:
-        raise StasisError(f"{cmd[0]} is not installed (Debian packages iproute2, util-linux); "
-                            "nodes of their own need it") from e
+        raise StasisError(
+            f"{cmd[0]} is not installed (Debian packages iproute2, util-linux); "
+            "nodes of their own need it"
+        ) from e
     if check and r.returncode != 0:
         raise StasisError(f"{' '.join(cmd)} failed: {(r.stderr or r.stdout).strip()}")
     return r
@@ -87,8 +90,10 @@ def claim_net(first: int, last: int) -> Net:
         net = Net(net_id)
         if Path(f"/sys/class/net/{net.bridge}").exists():
             continue
-        if _run(["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type", "bridge"],
-                check=False).returncode:
+        if _run(
+            ["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type", "bridge"],
+            check=False,
+        ).returncode:
             continue
         try:
             _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
@@ -175,11 +180,17 @@ os.execvp("sleep", ["sleep", "infinity"])
 """
 
 
-def start_holder(name: str, pid_file: Path, shared: Sequence[str], *,
-                 binds: Sequence[tuple[str, str]] = (), net: bool = True,
-                 cgroups: Sequence[str] = (),
-                 cgroup_mounts: Sequence[tuple[str, str, str]] = (),
-                 host: bool = True) -> int:
+def start_holder(
+    name: str,
+    pid_file: Path,
+    shared: Sequence[str],
+    *,
+    binds: Sequence[tuple[str, str]] = (),
+    net: bool = True,
+    cgroups: Sequence[str] = (),
+    cgroup_mounts: Sequence[tuple[str, str, str]] = (),
+    host: bool = True,
+) -> int:
     """Start the process that holds `name`'s UTS and mount namespaces (and, with `net`, a new
     network namespace with nothing but a loopback, down): its pid.
 
@@ -188,14 +199,33 @@ def start_holder(name: str, pid_file: Path, shared: Sequence[str], *,
     that, the machine's host name and directories kept (the mount namespace follows the
     machine's mounts), for services that are this machine but for their cgroups."""
     pid_file.unlink(missing_ok=True)
-    spec = {"name": name, "pid_file": str(pid_file),
-            "private": [[d, mode] for d, mode in PRIVATE_DIRS] if host else [],
-            "shared": sorted(set(shared)), "binds": [list(b) for b in binds],
-            "hostname": host, "cgroups": list(cgroups),
-            "cgroup_mounts": [list(m) for m in cgroup_mounts]}
-    _run(["setsid", "--fork", "unshare", *(["--uts"] if host else []), "--mount",
-          *(["--net"] if net else []), "--propagation", "private" if host else "slave",
-          sys.executable, "-I", "-c", _SETUP, json.dumps(spec)])
+    spec = {
+        "name": name,
+        "pid_file": str(pid_file),
+        "private": [[d, mode] for d, mode in PRIVATE_DIRS] if host else [],
+        "shared": sorted(set(shared)),
+        "binds": [list(b) for b in binds],
+        "hostname": host,
+        "cgroups": list(cgroups),
+        "cgroup_mounts": [list(m) for m in cgroup_mounts],
+    }
+    _run(
+        [
+            "setsid",
+            "--fork",
+            "unshare",
+            *(["--uts"] if host else []),
+            "--mount",
+            *(["--net"] if net else []),
+            "--propagation",
+            "private" if host else "slave",
+            sys.executable,
+            "-I",
+            "-c",
+            _SETUP,
+            json.dumps(spec),
+        ]
+    )
     found = poll(lambda: pid_file.exists() and pid_file.read_text().strip(), 20, 0.02)
     if not found:
         err = Path(f"{pid_file}.err")
@@ -204,12 +234,19 @@ def start_holder(name: str, pid_file: Path, shared: Sequence[str], *,
     return int(found)
 
 
-def prefix(holder: int, *, net: bool = True, cgroup: bool = False, host: bool = True
-           ) -> list[str]:
+def prefix(holder: int, *, net: bool = True, cgroup: bool = False, host: bool = True) -> list[str]:
     """How to run a command inside the node whose namespaces `holder` holds (`cgroup`: its
     cgroup namespace too; `host=False`: a holder of only a mount and a cgroup namespace)."""
-    return ["nsenter", "-t", str(holder), *(["--uts"] if host else []), "--mount",
-            *(["--net"] if net else []), *(["--cgroup"] if cgroup else []), "--"]
+    return [
+        "nsenter",
+        "-t",
+        str(holder),
+        *(["--uts"] if host else []),
+        "--mount",
+        *(["--net"] if net else []),
+        *(["--cgroup"] if cgroup else []),
+        "--",
+    ]
 
 
 def attach(net: Net, holder: int, index: int) -> str:
@@ -217,8 +254,7 @@ def attach(net: Net, holder: int, index: int) -> str:
     whose other end is on the bridge) and its loopback; the address."""
     veth = net.veth(index)
     _run(["ip", "link", "del", veth], check=False)  # one left by a node of an earlier run
-    _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
-          str(holder)])
+    _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(holder)])
     return _configure(net, holder, index)
 
 
@@ -237,8 +273,10 @@ def join_net(net: Net, holder: int) -> str:
     address is claimed by creating its veth: two nodes racing, one gets "exists" and tries the
     next."""
     if not Path(f"/sys/class/net/{net.bridge}").exists():
-        made = _run(["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type",
-                     "bridge"], check=False)
+        made = _run(
+            ["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type", "bridge"],
+            check=False,
+        )
         if made.returncode == 0:
             _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
             _run(["ip", "link", "set", net.bridge, "up"])
@@ -246,8 +284,22 @@ def join_net(net: Net, holder: int) -> str:
         veth = net.veth(index)
         if Path(f"/sys/class/net/{veth}").exists():
             continue
-        if _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
-                 str(holder)], check=False).returncode:
+        if _run(
+            [
+                "ip",
+                "link",
+                "add",
+                veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                str(holder),
+            ],
+            check=False,
+        ).returncode:
             continue
         return _configure(net, holder, index)
     raise StasisError(f"no free address on {net.bridge} ({HOST_OCTET - 1} nodes on it?)")
@@ -273,6 +325,7 @@ def end_holder(holder: int) -> None:
 @dataclass(frozen=True)
 class Node:
     """One node on a private network."""
+
     name: str
     holder: int
     address: str

@@ -52,6 +52,7 @@ class WireError(TypedDict):
 
 # -- jobs ------------------------------------------------------------------------------------
 
+
 class RunRequest(TypedDict, total=False):
     command: list[str]  # required; every other field may be left out
     label: str | None
@@ -154,6 +155,7 @@ class Progress(TypedDict):
 
 # -- checkpoints -----------------------------------------------------------------------------
 
+
 class Checkpoint(TypedDict):
     """A checkpoint's manifest, as the store keeps it (stasis.store.manifest.Manifest); the
     fields a client reads (the manifest also lists its files and its signature)."""
@@ -196,6 +198,7 @@ class Deleted(TypedDict):
 # What a restore depends on (stasis.engine.nodefacts): recorded in the manifest at dump time as
 # `restore_facts` (stasis.store.manifest.RecordedFacts holds the same shape), compared before
 # CRIU restores, and shown by `stasis check --checkpoint ID`.
+
 
 class OpenFile(TypedDict):
     """A regular file the job had open when it was dumped: CRIU reopens it by path."""
@@ -258,6 +261,8 @@ class GcAnswer(TypedDict):
     expired: list[str]  # checkpoints beyond keep or older than keep_max_age_s
     index_entries_removed: int
     index_entries_added: int
+
+
 class RekeyAnswer(TypedDict):
     """`checkpoints rekey`: checkpoints whose data key was re-wrapped with the current key file,
     how many were on it already, and how many are wrapped by a key this node has not got."""
@@ -268,6 +273,7 @@ class RekeyAnswer(TypedDict):
 
 
 # -- the node --------------------------------------------------------------------------------
+
 
 class Problem(TypedDict):
     what: str
@@ -294,6 +300,7 @@ class CheckReport(TypedDict):
 
 
 # -- Slurm (stasis.slurm) ----------------------------------------------------------------------
+
 
 class Health(TypedDict):
     ok: bool

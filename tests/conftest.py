@@ -43,8 +43,9 @@ def workload(name: str, *args: object) -> list[str]:
     return ["python3", "-u", str(WORKLOADS / name), *map(str, args)]
 
 
-def wait_for(predicate: Callable[[], T | None], timeout_s: float = 15.0,
-             what: str = "condition") -> T:
+def wait_for(
+    predicate: Callable[[], T | None], timeout_s: float = 15.0, what: str = "condition"
+) -> T:
     value = poll(predicate, timeout_s)
     if not value:
         raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
@@ -65,9 +66,16 @@ class Daemon:
     `separate`: the daemon, its jobs and the CRIU it runs are in a node of their own
     (tests/nodes.py), named `name`, made at the first start and kept across restarts."""
 
-    def __init__(self, root: Path, store: str | None = None, keep: int = 5,
-                 env: dict[str, str] | None = None, nofile: int | None = None,
-                 separate: bool = False, name: str = "node") -> None:
+    def __init__(
+        self,
+        root: Path,
+        store: str | None = None,
+        keep: int = 5,
+        env: dict[str, str] | None = None,
+        nofile: int | None = None,
+        separate: bool = False,
+        name: str = "node",
+    ) -> None:
         self.root = root
         self.separate = separate
         self.name = name
@@ -99,9 +107,13 @@ class Daemon:
                 local = [Path(self.store)] if self.store.startswith("/") else []
                 self.node = nodes.make_node(self.name, self.root, self.root.parent, *local)
             inside = self.node.prefix()
-        self.proc = subprocess.Popen([*inside, *limit, STASIS, "daemon"], env=self.env,
-                                     stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [*inside, *limit, STASIS, "daemon"],
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         wait_for(self._answers, 20, "the daemon's socket")
 
     def _answers(self) -> bool:
@@ -125,17 +137,32 @@ class Daemon:
             self.proc = None
             self.log.close()
 
-    def cli(self, *args: str, user: str | None = None, check: bool = True,
-            input_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self,
+        *args: str,
+        user: str | None = None,
+        check: bool = True,
+        input_env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [STASIS, *args]
         if user:
-            cmd = ["runuser", "-u", user, "--", "env",
-                   *(f"{k}={v}" for k, v in self.env.items() if k.startswith("STASIS_")), *cmd]
-        result = subprocess.run(cmd, env={**self.env, **(input_env or {})}, capture_output=True,
-                                text=True, timeout=300)
+            cmd = [
+                "runuser",
+                "-u",
+                user,
+                "--",
+                "env",
+                *(f"{k}={v}" for k, v in self.env.items() if k.startswith("STASIS_")),
+                *cmd,
+            ]
+        result = subprocess.run(
+            cmd, env={**self.env, **(input_env or {})}, capture_output=True, text=True, timeout=300
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"stasis {' '.join(args)} failed ({result.returncode}): "
-                                 f"{result.stderr}{result.stdout}")
+            raise AssertionError(
+                f"stasis {' '.join(args)} failed ({result.returncode}): "
+                f"{result.stderr}{result.stdout}"
+            )
         return result
 
     def json(self, *args: str, user: str | None = None) -> Any:
@@ -191,8 +218,9 @@ def s3(world_tmp: Path) -> Iterator[S3Server]:
 def site_s3(world_tmp: Path) -> Iterator[S3Server]:
     """An S3 server on the network of the nodes of their own (tests/nodes.py), for stores
     they share."""
-    server = S3Server(Path(tempfile.mkdtemp(prefix="s3-site-", dir=world_tmp)),
-                      host=nodes.site_address())
+    server = S3Server(
+        Path(tempfile.mkdtemp(prefix="s3-site-", dir=world_tmp)), host=nodes.site_address()
+    )
     server.start()
     yield server
     server.stop()
@@ -240,9 +268,15 @@ def daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Daemon]:
 class MakeDaemon(Protocol):
     """The `make_daemon` fixture: starts one more daemon, with `Daemon`'s keyword arguments."""
 
-    def __call__(self, *, store: str | None = ..., keep: int = ...,
-                 env: dict[str, str] | None = ..., nofile: int | None = ...,
-                 separate: bool = ...) -> Daemon: ...
+    def __call__(
+        self,
+        *,
+        store: str | None = ...,
+        keep: int = ...,
+        env: dict[str, str] | None = ...,
+        nofile: int | None = ...,
+        separate: bool = ...,
+    ) -> Daemon: ...
 
 
 @pytest.fixture

@@ -58,10 +58,12 @@ class CutProxy:
                 continue
             with self._lock:
                 self._conns += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, "upload"),
-                             daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, "download"),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(client, server, "upload"), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(server, client, "download"), daemon=True
+            ).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         try:
@@ -108,6 +110,7 @@ class CutProxy:
     def __enter__(self) -> CutProxy:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

@@ -80,8 +80,10 @@ def check(session: pytest.Session) -> None:
             pass
     lines = "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in sorted(left.items()))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    text = (f"{len(left)} process(es) started by the tests were still running at the end "
-            f"(now killed): a harness did not stop what it started\n{lines}")
+    text = (
+        f"{len(left)} process(es) started by the tests were still running at the end "
+        f"(now killed): a harness did not stop what it started\n{lines}"
+    )
     if reporter is not None:
         reporter.write_sep("=", "processes left behind", red=True)
         reporter.write_line(text)

@@ -44,8 +44,15 @@ def site_address() -> str:
 
 def shared_paths(*more: Path) -> list[str]:
     base = Path(tempfile.gettempdir())
-    return sorted({str(base / f"pytest-of-{getpass.getuser()}"), str(ROOT), sys.prefix,
-                   sys.base_prefix, *(str(p) for p in more)})
+    return sorted(
+        {
+            str(base / f"pytest-of-{getpass.getuser()}"),
+            str(ROOT),
+            sys.prefix,
+            sys.base_prefix,
+            *(str(p) for p in more),
+        }
+    )
 
 
 def make_node(name: str, state_dir: Path, *shared: Path) -> nodehost.Node:

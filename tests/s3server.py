@@ -54,8 +54,13 @@ def free_ports(n: int) -> list[int]:
 
 
 class S3Server:
-    def __init__(self, root: Path, access_key: str = ACCESS_KEY,
-                 secret_key: str = SECRET_KEY, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        root: Path,
+        access_key: str = ACCESS_KEY,
+        secret_key: str = SECRET_KEY,
+        host: str = "127.0.0.1",
+    ) -> None:
         """`host`: the address it listens on (nodes of their own reach it on
         tests.nodes.site_address())."""
         self.root = root
@@ -71,34 +76,61 @@ class S3Server:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "stasis",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-        }]}))
+        config.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "stasis",
+                            "credentials": [
+                                {"accessKey": self.access_key, "secretKey": self.secret_key}
+                            ],
+                            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                        }
+                    ]
+                }
+            )
+        )
         if not self.port:
             # Kept across a restart (`stop` then `start`): clients hold the endpoint.
-            master, volume, filer, filer_grpc, s3, s3_grpc, master_grpc, volume_grpc = \
-                free_ports(8)
+            master, volume, filer, filer_grpc, s3, s3_grpc, master_grpc, volume_grpc = free_ports(8)
             self.port = s3
             self._ports = [
-                f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-                f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-                f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+                f"-master.port={master}",
+                f"-master.port.grpc={master_grpc}",
+                f"-volume.port={volume}",
+                f"-volume.port.grpc={volume_grpc}",
+                f"-filer.port={filer}",
+                f"-filer.port.grpc={filer_grpc}",
+                f"-s3.port={s3}",
+                f"-s3.port.grpc={s3_grpc}",
             ]
             self.endpoint = f"http://{self.host}:{s3}"
         log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(
-            [weed_binary(), "server", f"-dir={data}", f"-ip={self.host}", f"-ip.bind={self.host}",
-             *self._ports, "-filer", "-s3", f"-s3.config={config}",
-             # Every bucket is a collection with volumes of its own: room for hundreds.
-             "-volume.max=2000", "-master.volumeSizeLimitMB=512",
-             # Side servers on fixed default ports would collide between two servers; a
-             # bucket made by a PUT is not what AWS does.
-             "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
-             "-master.telemetry=false"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                weed_binary(),
+                "server",
+                f"-dir={data}",
+                f"-ip={self.host}",
+                f"-ip.bind={self.host}",
+                *self._ports,
+                "-filer",
+                "-s3",
+                f"-s3.config={config}",
+                # Every bucket is a collection with volumes of its own: room for hundreds.
+                "-volume.max=2000",
+                "-master.volumeSizeLimitMB=512",
+                # Side servers on fixed default ports would collide between two servers; a
+                # bucket made by a PUT is not what AWS does.
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-s3.autoCreateBucket=false",
+                "-master.telemetry=false",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
         log.close()
@@ -112,8 +144,10 @@ class S3Server:
             time.sleep(0.25)
         self.stop()
         tail = (self.root / "weed.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"S3 gateway not ready after {timeout_s} s (last probe: "
-                           f"{self._last_error}); {self.root}/weed.log ends:\n{tail}")
+        raise RuntimeError(
+            f"S3 gateway not ready after {timeout_s} s (last probe: "
+            f"{self._last_error}); {self.root}/weed.log ends:\n{tail}"
+        )
 
     def _ready(self) -> bool:
         # Ready means it can store: a bucket made and listed with our key.
@@ -134,9 +168,11 @@ class S3Server:
         import s3fs
 
         options: dict[str, Any] = {
-            "key": self.access_key, "secret": self.secret_key,
+            "key": self.access_key,
+            "secret": self.secret_key,
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": REGION},
-            "skip_instance_cache": True, "use_listings_cache": False,
+            "skip_instance_cache": True,
+            "use_listings_cache": False,
         }
         options.update(overrides)
         return s3fs.S3FileSystem(**options)
@@ -177,8 +213,9 @@ class S3Server:
         self.start()
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 

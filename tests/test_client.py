@@ -53,8 +53,9 @@ def client(daemon: Daemon) -> Iterator[Client]:
 
 
 def test_job_lifecycle_through_the_client(client: Client) -> None:
-    ran = client.run(command=workload("counter.py"), cwd="/", label="client-counter",
-                     env={"COUNTER_NOTE": "x"})
+    ran = client.run(
+        command=workload("counter.py"), cwd="/", label="client-counter", env={"COUNTER_NOTE": "x"}
+    )
     assert is_wire(ran, wire.RunAnswer)
     assert ran["label"] == "client-counter" and re.fullmatch(r"[0-9a-f]{12}", ran["job"])
     assert proctree.alive(ran["pid"], None)
@@ -77,8 +78,9 @@ def test_job_lifecycle_through_the_client(client: Client) -> None:
     log = job["log"]
     wait_for(lambda: last_number(log) >= 3, what="counting")
     seen: list[tuple[int, int]] = []
-    dumped = client.dump(job_id, progress=lambda done, total: seen.append((done, total)),
-                         leave_running=True)
+    dumped = client.dump(
+        job_id, progress=lambda done, total: seen.append((done, total)), leave_running=True
+    )
     mark = last_number(log)
     assert is_wire(dumped, wire.DumpAnswer)
     assert dumped["job"] == job_id and dumped["label"] == "client-counter"
@@ -117,7 +119,7 @@ def test_job_lifecycle_through_the_client(client: Client) -> None:
     assert new["state"] == "restored" and new["checkpoint"] == cp_id
     assert new["pid"] == restored["pid"] and new["log"] == log
     wait_for(lambda: len(numbers(log)) > len(before) + 3, what="the restored job counting")
-    after = numbers(log)[len(before):]
+    after = numbers(log)[len(before) :]
     # It goes on from the checkpoint (at most `mark`), behind where the original got, not at 0.
     assert 1 <= after[0] <= mark + 1 < before[-1]
     assert after[:4] == list(range(after[0], after[0] + 4))
@@ -151,11 +153,14 @@ def test_errors_come_back_as_their_classes(client: Client) -> None:
             call()
         return caught.value
 
-    for call in (lambda: client.job(UNKNOWN_JOB), lambda: client.kill(UNKNOWN_JOB),
-                 lambda: client.dump_check(UNKNOWN_JOB),
-                 lambda: client.dump(UNKNOWN_JOB),  # the NDJSON stream's error line
-                 lambda: client.restore(label="client-no-such-label"),
-                 lambda: client.delete_checkpoint("20000101T000000Z-000000")):
+    for call in (
+        lambda: client.job(UNKNOWN_JOB),
+        lambda: client.kill(UNKNOWN_JOB),
+        lambda: client.dump_check(UNKNOWN_JOB),
+        lambda: client.dump(UNKNOWN_JOB),  # the NDJSON stream's error line
+        lambda: client.restore(label="client-no-such-label"),
+        lambda: client.delete_checkpoint("20000101T000000Z-000000"),
+    ):
         e = error_of(call)
         assert type(e) is NotFoundError, (type(e), e)
     bad = error_of(lambda: client.job("not-a-job"))
@@ -182,9 +187,25 @@ def test_network_locks_are_roots(daemon: Daemon, test_user: pwd.struct_passwd) -
         "print(json.dumps(out))\n"
     )
     result = subprocess.run(
-        ["runuser", "-u", TEST_USER, "--", "env", f"PYTHONPATH={ROOT}",
-         f"STASIS_SOCKET={daemon.socket}", sys.executable, "-c", code, str(daemon.socket)],
-        capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+        [
+            "runuser",
+            "-u",
+            TEST_USER,
+            "--",
+            "env",
+            f"PYTHONPATH={ROOT}",
+            f"STASIS_SOCKET={daemon.socket}",
+            sys.executable,
+            "-c",
+            code,
+            str(daemon.socket),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=True,
+    )
     out = json.loads(result.stdout)
     # It reached the daemon (its own jobs: none of root's), and was refused the locks.
     assert out["jobs"] == 0
@@ -209,15 +230,15 @@ def test_slurm_routes_refuse(client: Client) -> None:
 
     # Our own pid is not our child: refused before Slurm is ever asked.
     with pytest.raises(PermissionDeniedError) as denied:
-        client.slurm_register(slurm_job=UNKNOWN_SLURM_JOB, pid=os.getpid(),
-                              label=UNKNOWN_SLURM_JOB)
+        client.slurm_register(slurm_job=UNKNOWN_SLURM_JOB, pid=os.getpid(), label=UNKNOWN_SLURM_JOB)
     assert "not a child of the caller" in str(denied.value)
     # A child of ours passes that check and is refused for the next one (no PID namespace).
     child = subprocess.Popen(["sleep", "30"])
     try:
         with pytest.raises(UsageError) as not_init:
-            client.slurm_register(slurm_job=UNKNOWN_SLURM_JOB, pid=child.pid,
-                                  label=UNKNOWN_SLURM_JOB)
+            client.slurm_register(
+                slurm_job=UNKNOWN_SLURM_JOB, pid=child.pid, label=UNKNOWN_SLURM_JOB
+            )
         assert "not the init of a PID namespace" in str(not_init.value)
     finally:
         child.kill()

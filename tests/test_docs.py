@@ -22,11 +22,17 @@ README_MAX_LINES = 220
 
 def markdown_files() -> list[Path]:
     """The docs, and the other markdown files they lead to."""
-    return [README, *sorted(DOCS.glob("*.md")), ROOT / "SECURITY.md", ROOT / "bench/README.md",
-            ROOT / "stasis/slurm/README.md"]
+    return [
+        README,
+        *sorted(DOCS.glob("*.md")),
+        ROOT / "SECURITY.md",
+        ROOT / "bench/README.md",
+        ROOT / "stasis/slurm/README.md",
+    ]
 
 
 # -- (a) settings ------------------------------------------------------------------------------
+
 
 def config_rows(text: str) -> dict[str, tuple[set[str], str]]:
     """setting -> (its environment variables, its default cell), from every table of
@@ -64,17 +70,24 @@ def check_settings(text: str) -> list[str]:
             continue
         envs, default_cell = rows[key]
         if envs != env_of.get(key, set()):
-            wrong.append(f"setting {key}: docs/configuration.md names the variables "
-                         f"{sorted(envs)}, stasis/config.py reads {sorted(env_of.get(key, ()))}")
+            wrong.append(
+                f"setting {key}: docs/configuration.md names the variables "
+                f"{sorted(envs)}, stasis/config.py reads {sorted(env_of.get(key, ()))}"
+            )
         default = defaults[key]
         if isinstance(default, bool | int | float):
             shown = re.match(r"`([^`]*)`", default_cell)
             said = shown.group(1) if shown else default_cell
-            ok = (said == str(default).lower() if isinstance(default, bool)
-                  else re.fullmatch(r"[0-9.]+", said) is not None and float(said) == default)
+            ok = (
+                said == str(default).lower()
+                if isinstance(default, bool)
+                else re.fullmatch(r"[0-9.]+", said) is not None and float(said) == default
+            )
             if not ok:
-                wrong.append(f"setting {key}: docs/configuration.md says the default is "
-                             f"{said!r}, stasis/config.py has {default!r}")
+                wrong.append(
+                    f"setting {key}: docs/configuration.md says the default is "
+                    f"{said!r}, stasis/config.py has {default!r}"
+                )
     for key in rows:
         if key not in defaults:
             wrong.append(f"docs/configuration.md documents {key}, which is no setting")
@@ -89,26 +102,40 @@ def test_the_settings_check_fails_when_it_should() -> None:
     text = (DOCS / "configuration.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| `keep` |"))
     assert any("keep has no row" in w for w in check_settings(text.replace(row + "\n", "")))
-    assert any("no setting" in w for w in check_settings(
-        text.replace(row, row + "\n" + row.replace("`keep`", "`keep_forever`", 1))))
-    assert any("default is '7'" in w for w in check_settings(
-        text.replace(row, row.replace("| `5` |", "| `7` |"))))
-    assert any("names the variables" in w for w in check_settings(
-        text.replace(row, row.replace("`STASIS_KEEP`", "`STASIS_KEPT`"))))
+    assert any(
+        "no setting" in w
+        for w in check_settings(
+            text.replace(row, row + "\n" + row.replace("`keep`", "`keep_forever`", 1))
+        )
+    )
+    assert any(
+        "default is '7'" in w
+        for w in check_settings(text.replace(row, row.replace("| `5` |", "| `7` |")))
+    )
+    assert any(
+        "names the variables" in w
+        for w in check_settings(text.replace(row, row.replace("`STASIS_KEEP`", "`STASIS_KEPT`")))
+    )
 
 
 # -- (b) the CLI reference ---------------------------------------------------------------------
 
+
 def test_the_cli_reference_is_what_the_parsers_say() -> None:
-    assert (DOCS / "cli.md").read_text() == reference.render(), (
-        "docs/cli.md is stale: run `make docs`")
+    assert (
+        DOCS / "cli.md"
+    ).read_text() == reference.render(), "docs/cli.md is stale: run `make docs`"
 
 
 def test_every_flag_has_help_that_says_what_it_does() -> None:
-    missing = [f"{' '.join(path)} {a.option_strings[0]}"
-               for path, p, _ in reference.commands() for a in p._actions
-               if a.option_strings and not isinstance(a, argparse._HelpAction)
-               and not says_something(reference.expand(a, p.prog))]
+    missing = [
+        f"{' '.join(path)} {a.option_strings[0]}"
+        for path, p, _ in reference.commands()
+        for a in p._actions
+        if a.option_strings
+        and not isinstance(a, argparse._HelpAction)
+        and not says_something(reference.expand(a, p.prog))
+    ]
     assert missing == []
     assert not says_something("(default: none)") and says_something("Keep it (default: 1).")
 
@@ -120,9 +147,12 @@ def says_something(help_text: str) -> bool:
 
 def test_the_reference_names_the_flags_the_issue_found_undocumented() -> None:
     text = (DOCS / "cli.md").read_text()
-    for command, flag in [("stasis dump", "--no-encrypt"), ("stasis restore", "--no-lazy"),
-                          ("stasis slurm install", "--warn-s"),
-                          ("stasis controlplane join", "--cluster-id")]:
+    for command, flag in [
+        ("stasis dump", "--no-encrypt"),
+        ("stasis restore", "--no-lazy"),
+        ("stasis slurm install", "--warn-s"),
+        ("stasis controlplane join", "--cluster-id"),
+    ]:
         section = text.split(f"`{command}`\n", 1)[1].split("\n#", 1)[0]
         assert flag in section, f"{flag} is not in the reference of {command}"
 
@@ -181,8 +211,12 @@ def check_command(words: list[str], top: argparse.ArgumentParser) -> str | None:
         known = {n: c[n] for c in subs for n in names if n in c}
         unknown = [n for n in names if n not in known]
         if unknown:
-            required = any(a.required for p in level for a in p._actions
-                           if isinstance(a, argparse._SubParsersAction))
+            required = any(
+                a.required
+                for p in level
+                for a in p._actions
+                if isinstance(a, argparse._SubParsersAction)
+            )
             if required or not known:
                 return f"`{' '.join(path)}` has no subcommand {unknown[0]}"
         level = list(known.values())
@@ -207,8 +241,11 @@ def documented_commands(text: str) -> list[list[str]]:
     for line in lines:
         for segment in re.split(r";|&&|\|\||\$\(|\(|\|\s", line):
             words = segment.split()
-            while words and (words[0] in ("sudo", "env", "exec") or "=" in words[0]
-                             and not words[0].startswith("-")):
+            while words and (
+                words[0] in ("sudo", "env", "exec")
+                or "=" in words[0]
+                and not words[0].startswith("-")
+            ):
                 words = words[1:]
             if words and (words[0] == "stasis" or words[0].endswith("/stasis")):
                 commands.append(words[1:])
@@ -231,20 +268,27 @@ def test_every_documented_command_exists() -> None:
 
 def test_the_command_check_fails_when_it_should() -> None:
     top = parser()
-    text = "```sh\nstasis controlplane tokens lists\n(cd x; stasis dump --no-such-flag 1)\n" \
-           "stasis slurm install --node-role worker [--warn-s 60|--drop]\n```\n" \
-           "and `stasis checkpoint ID` in prose\n"
+    text = (
+        "```sh\nstasis controlplane tokens lists\n(cd x; stasis dump --no-such-flag 1)\n"
+        "stasis slurm install --node-role worker [--warn-s 60|--drop]\n```\n"
+        "and `stasis checkpoint ID` in prose\n"
+    )
     found = [check_command(w, top) for w in documented_commands(text)]
-    assert found == ["`stasis controlplane tokens` has no subcommand lists",
-                     "`stasis dump` has no flag --no-such-flag",
-                     "`stasis slurm install` has no flag --drop",
-                     "`stasis` has no subcommand checkpoint"]
-    ok = "```sh\n.venv/bin/stasis controlplane nodes|jobs --json  # a comment\n" \
-         "stasis checkpoints --label train rm CHECKPOINT\nstasis run -- stasis nothing\n```\n"
+    assert found == [
+        "`stasis controlplane tokens` has no subcommand lists",
+        "`stasis dump` has no flag --no-such-flag",
+        "`stasis slurm install` has no flag --drop",
+        "`stasis` has no subcommand checkpoint",
+    ]
+    ok = (
+        "```sh\n.venv/bin/stasis controlplane nodes|jobs --json  # a comment\n"
+        "stasis checkpoints --label train rm CHECKPOINT\nstasis run -- stasis nothing\n```\n"
+    )
     assert [check_command(w, top) for w in documented_commands(ok)] == [None, None, None]
 
 
 # -- (d) every subcommand in its parent's --help -------------------------------------------------
+
 
 def hidden_subcommands(top: argparse.ArgumentParser) -> list[str]:
     hidden = []
@@ -273,6 +317,7 @@ def test_the_help_check_fails_when_it_should() -> None:
 
 
 # -- (e) links ---------------------------------------------------------------------------------
+
 
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading."""
@@ -307,20 +352,36 @@ def test_every_relative_link_leads_somewhere() -> None:
 def test_the_link_check_fails_when_it_should(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     (tmp_path / "there.md").write_text("# A heading: `here`\n")
-    page.write_text("[a](there.md#a-heading-here) [b](gone.md) [c](there.md#nowhere) "
-                    "[d](https://example.org/x)\n")
-    assert broken_links(page, tmp_path) == ["page.md: gone.md: no such file",
-                                            "page.md: there.md#nowhere: no such heading"]
+    page.write_text(
+        "[a](there.md#a-heading-here) [b](gone.md) [c](there.md#nowhere) "
+        "[d](https://example.org/x)\n"
+    )
+    assert broken_links(page, tmp_path) == [
+        "page.md: gone.md: no such file",
+        "page.md: there.md#nowhere: no such heading",
+    ]
 
 
 # -- (f) a README an admin reads -------------------------------------------------------------------
+
 
 def test_the_readme_is_short() -> None:
     lines = README.read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/"
 
 
-@pytest.mark.parametrize("section", ["## The two commands", "## Status", "## Requirements",
-                                     "GPU", "multi-node", "x86-64", "Debian 12", "Debian 13"])
+@pytest.mark.parametrize(
+    "section",
+    [
+        "## The two commands",
+        "## Status",
+        "## Requirements",
+        "GPU",
+        "multi-node",
+        "x86-64",
+        "Debian 12",
+        "Debian 13",
+    ],
+)
 def test_the_readme_says_what_works_and_what_does_not(section: str) -> None:
     assert section.lower() in README.read_text().lower()

@@ -30,19 +30,37 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("STASIS_TEST_SESSION", None)
     env["STASIS_TEST_LEFTOVER_GRACE_S"] = "2"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
-    result = _session(tmp_path, f"""
+    result = _session(
+        tmp_path,
+        f"""
         import subprocess
         def test_leaks():
             p = subprocess.Popen(["setsid", "sleep", "1000"], start_new_session=True)
             open({str(pidfile)!r}, "w").write(str(p.pid))
-        """)
+        """,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "processes left behind" in result.stdout and "sleep 1000" in result.stdout
     pid = int(pidfile.read_text())
@@ -56,12 +74,15 @@ def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> N
 
 
 def test_a_run_that_stops_what_it_started_passes(tmp_path: Path) -> None:
-    result = _session(tmp_path, """
+    result = _session(
+        tmp_path,
+        """
         import subprocess
         def test_tidy():
             p = subprocess.Popen(["sleep", "1000"])
             p.terminate()
             p.wait()
-        """)
+        """,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "left behind" not in result.stdout

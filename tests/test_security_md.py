@@ -14,8 +14,7 @@ TEXT = (ROOT / "SECURITY.md").read_text()
 
 def _tests_in(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
-    return {n.name for n in ast.walk(tree)
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
 
 
 def test_every_test_security_md_names_exists() -> None:

@@ -21,8 +21,7 @@ HYBRID = """\
 
 
 def test_hierarchies_are_those_under_sys_fs_cgroup_by_what_identifies_them() -> None:
-    found = {h.mountpoint: (h.fstype, h.options)
-             for h in cluster_cgroup.hierarchies(HYBRID)}
+    found = {h.mountpoint: (h.fstype, h.options) for h in cluster_cgroup.hierarchies(HYBRID)}
     assert found == {
         "/sys/fs/cgroup/memory": ("cgroup", "memory"),
         "/sys/fs/cgroup/freezer": ("cgroup", "freezer"),
@@ -40,8 +39,9 @@ def test_node_mounts_cover_the_machines_and_cgroup_conf_names_the_version() -> N
     conf = cluster_cgroup.cgroup_conf(m)
     assert "CgroupPlugin=cgroup/v1\n" in conf and "ConstrainRAMSpace=yes\n" in conf
     assert "IgnoreSystemd" not in conf
-    v2 = cluster_cgroup.Machine("v2", (cluster_cgroup.Hierarchy("/sys/fs/cgroup", "cgroup2",
-                                                                  "nsdelegate"),))
+    v2 = cluster_cgroup.Machine(
+        "v2", (cluster_cgroup.Hierarchy("/sys/fs/cgroup", "cgroup2", "nsdelegate"),)
+    )
     assert cluster_cgroup.node_mounts(v2) == [("cgroup2", "nsdelegate", "/sys/fs/cgroup")]
     assert "IgnoreSystemd=yes\n" in cluster_cgroup.cgroup_conf(v2)
 

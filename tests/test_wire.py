@@ -49,15 +49,26 @@ WIRE_ONLY = {
     "Progress",  # the dump and restore streams (tests/daemon/test_api.py)
     "Deleted",  # tests/test_client.py
     "GcAnswer",  # tests/daemon/test_gc.py
-    "CheckpointCheck", "CompatFact",  # tests/daemon/test_api.py, test_restore_facts.py
+    "CheckpointCheck",
+    "CompatFact",  # tests/daemon/test_api.py, test_restore_facts.py
     "RekeyAnswer",  # tests/daemon/test_encryption.py
     "Checkpoint",  # a part of the store's Manifest: test_checkpoint_is_part_of_the_manifest
     "VerifyVerdict",  # tests/daemon/test_verify.py (the verify helper holds it to its store record)
-    "CheckReport", "Problem", "NetworkLock",  # test_check_report_is_the_wires
+    "CheckReport",
+    "Problem",
+    "NetworkLock",  # test_check_report_is_the_wires
     "Registration",  # test_registration_rows_are_the_wires
-    "Health", "FinishAnswer", "SlurmCheckpointAnswer",  # mypy; Health: tests/test_client.py
-    "RunAnswer", "Job", "KillAnswer", "DumpAnswer", "DumpCheckAnswer", "RestoreAnswer",
-    "RestoreFacts", "OpenFile",  # the manifest's restore_facts: test_restore_facts_are_recorded
+    "Health",
+    "FinishAnswer",
+    "SlurmCheckpointAnswer",  # mypy; Health: tests/test_client.py
+    "RunAnswer",
+    "Job",
+    "KillAnswer",
+    "DumpAnswer",
+    "DumpCheckAnswer",
+    "RestoreAnswer",
+    "RestoreFacts",
+    "OpenFile",  # the manifest's restore_facts: test_restore_facts_are_recorded
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]
@@ -96,12 +107,25 @@ def json_kind(annotation: Any) -> Any:
         if issubclass(annotation, (datetime.datetime, pydantic.AwareDatetime)):
             return "str"
         if issubclass(annotation, BaseModel):
-            return ("object", tuple(sorted(
-                (name, json_kind(f.annotation)) for name, f in annotation.model_fields.items())))
+            return (
+                "object",
+                tuple(
+                    sorted(
+                        (name, json_kind(f.annotation))
+                        for name, f in annotation.model_fields.items()
+                    )
+                ),
+            )
         if typing.is_typeddict(annotation):
-            return ("object", tuple(sorted(
-                (name, json_kind(hint))
-                for name, hint in typing.get_type_hints(annotation).items())))
+            return (
+                "object",
+                tuple(
+                    sorted(
+                        (name, json_kind(hint))
+                        for name, hint in typing.get_type_hints(annotation).items()
+                    )
+                ),
+            )
     raise AssertionError(f"no JSON kind for {annotation!r}: teach json_kind about it")
 
 
@@ -121,11 +145,15 @@ def conforms(value: Any, annotation: Any) -> bool:
         return isinstance(value, list) and all(conforms(v, args[0]) for v in value)
     if origin is dict:
         return isinstance(value, dict) and all(
-            conforms(k, args[0]) and conforms(v, args[1]) for k, v in value.items())
+            conforms(k, args[0]) and conforms(v, args[1]) for k, v in value.items()
+        )
     if typing.is_typeddict(annotation):
         hints = typing.get_type_hints(annotation)
-        return isinstance(value, dict) and set(value) == set(hints) and all(
-            conforms(value[k], hints[k]) for k in hints)
+        return (
+            isinstance(value, dict)
+            and set(value) == set(hints)
+            and all(conforms(value[k], hints[k]) for k in hints)
+        )
     if annotation is bool:
         return isinstance(value, bool)
     if annotation is int:
@@ -140,8 +168,7 @@ def conforms(value: Any, annotation: Any) -> bool:
 def comment_required(td: type) -> set[str]:
     """The fields wire.py's comments call required in a total=False TypedDict."""
     source = inspect.getsource(td)
-    return {m.group(1) for m in re.finditer(r"^\s+(\w+):[^#\n]*#[^\n]*\brequired\b", source,
-                                            re.M)}
+    return {m.group(1) for m in re.finditer(r"^\s+(\w+):[^#\n]*#[^\n]*\brequired\b", source, re.M)}
 
 
 def model_required(model: type[BaseModel]) -> set[str]:
@@ -172,8 +199,9 @@ def test_same_json_types(td: type, model: type[BaseModel]) -> None:
         assert json_kind(hints[name]) == json_kind(field.annotation), name
 
 
-@pytest.mark.parametrize(("td", "model"), REQUEST_PAIRS,
-                         ids=[td.__name__ for td, _ in REQUEST_PAIRS])
+@pytest.mark.parametrize(
+    ("td", "model"), REQUEST_PAIRS, ids=[td.__name__ for td, _ in REQUEST_PAIRS]
+)
 def test_required_keys_of_requests(td: type, model: type[BaseModel]) -> None:
     required: frozenset[str] = td.__required_keys__  # type: ignore[attr-defined]
     if td.__total__:  # type: ignore[attr-defined]
@@ -223,11 +251,28 @@ def test_registration_rows_are_the_wires(tmp_path: Path) -> None:
     nullable = {c.name for c in slurm_jobs_table.columns if c.nullable}
     assert nullable == {name for name, hint in hints.items() if conforms(None, hint)}
     reg = wire.Registration(
-        slurm_job="12", pid=40, pid_start=None, launcher_pid=39, uid=1, gid=2, user="u",
-        label="l", explicit_label=False, token="t", stdout="/o", stderr="/e", work_dir="/w",
-        command=["a", "b"], state="running", registered="2026-01-01T00:00:00+00:00",
-        stop_asked=False, final_failed=False, stop_checkpoint=None, restarts=0,
-        restored_from=None)
+        slurm_job="12",
+        pid=40,
+        pid_start=None,
+        launcher_pid=39,
+        uid=1,
+        gid=2,
+        user="u",
+        label="l",
+        explicit_label=False,
+        token="t",
+        stdout="/o",
+        stderr="/e",
+        work_dir="/w",
+        command=["a", "b"],
+        state="running",
+        registered="2026-01-01T00:00:00+00:00",
+        stop_asked=False,
+        final_failed=False,
+        stop_checkpoint=None,
+        restarts=0,
+        restored_from=None,
+    )
     db = JobDB(tmp_path / "jobs.db")
     try:
         db.create_tables([slurm_jobs_table])
@@ -262,8 +307,11 @@ def test_restore_facts_are_recorded_as_the_wire_has_them() -> None:
 
 
 def test_every_wire_shape_is_held_to_something() -> None:
-    shapes = {name for name, value in vars(wire).items()
-              if isinstance(value, type) and typing.is_typeddict(value)}
+    shapes = {
+        name
+        for name, value in vars(wire).items()
+        if isinstance(value, type) and typing.is_typeddict(value)
+    }
     paired = {td.__name__ for td, _ in REQUEST_PAIRS}
     assert shapes == paired | WIRE_ONLY, shapes ^ (paired | WIRE_ONLY)
     # Every request the daemon reads is validated by a model: none is only a typed dict.
@@ -304,8 +352,14 @@ def test_literals_are_the_daemons() -> None:
 
 def _modules_after(statement: str) -> set[str]:
     code = f"{statement}; import sys, json; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+        timeout=60,
+    )
     return set(json.loads(out.stdout))
 
 

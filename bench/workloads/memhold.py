@@ -26,7 +26,7 @@ def fill_random(buf: mmap.mmap, size: int) -> None:
         import numpy as np
     except ImportError:  # 4x slower, same bytes quality
         for off in range(0, size, CHUNK):
-            buf[off:off + min(CHUNK, size - off)] = os.urandom(min(CHUNK, size - off))
+            buf[off : off + min(CHUNK, size - off)] = os.urandom(min(CHUNK, size - off))
         return
     # SFC64 raw output: incompressible and ~4x faster than os.urandom, so 4 GiB starts in seconds.
     gen = np.random.SFC64(int.from_bytes(os.urandom(8), "little"))
@@ -34,7 +34,7 @@ def fill_random(buf: mmap.mmap, size: int) -> None:
     for off in range(0, size, CHUNK):
         n = min(CHUNK, size - off)
         raw = gen.random_raw((n + 7) // 8).view(np.uint8)
-        view[off:off + n] = raw[:n]
+        view[off : off + n] = raw[:n]
 
 
 def fill_float32(buf: mmap.mmap, size: int) -> None:
@@ -44,11 +44,11 @@ def fill_float32(buf: mmap.mmap, size: int) -> None:
     rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
     floats = np.frombuffer(buf, dtype=np.float32, count=size // 4)
     for off in range(0, floats.size, CHUNK // 4):
-        part = floats[off:off + CHUNK // 4]
+        part = floats[off : off + CHUNK // 4]
         rng.standard_normal(dtype=np.float32, out=part)
         part *= 0.02
     if size % 4:
-        buf[size - size % 4:size] = os.urandom(size % 4)
+        buf[size - size % 4 : size] = os.urandom(size % 4)
 
 
 def fill_zero(buf: mmap.mmap, size: int) -> None:
@@ -65,7 +65,7 @@ def digest(buf: mmap.mmap, size: int) -> tuple[str, float]:
     crc = 0
     view = memoryview(buf)
     for off in range(0, size, CHUNK):
-        crc = zlib.crc32(view[off:off + CHUNK], crc)
+        crc = zlib.crc32(view[off : off + CHUNK], crc)
     view.release()
     return f"{crc:08x}", time.monotonic() - start
 

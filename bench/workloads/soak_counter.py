@@ -8,6 +8,7 @@ value counted after it, minus one, is where the job resumed from, whichever node
 MARKER (the soak's label for the job) is only there to be found in /proc/PID/cmdline: a second
 copy of the job running outside the daemon's records shows up by it.
 """
+
 import itertools
 import sys
 import time

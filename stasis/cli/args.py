@@ -15,8 +15,9 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def subcommands(parser: argparse.ArgumentParser, dest: str = "command",
-                required: bool = True) -> Any:
+def subcommands(
+    parser: argparse.ArgumentParser, dest: str = "command", required: bool = True
+) -> Any:
     """The sub-command parsers of `parser`, built as `Parser`s too."""
     sub = parser.add_subparsers(dest=dest, metavar="COMMAND", parser_class=Parser)
     sub.required = required

@@ -17,324 +17,700 @@ if TYPE_CHECKING:
 
 
 def add_controlplane(commands: Any) -> None:
-    top = commands.add_parser("controlplane", help="The control plane: serve it, or administer "
-                                                   "the one at STASIS_CONTROLPLANE_URL.")
+    top = commands.add_parser(
+        "controlplane",
+        help="The control plane: serve it, or administer " "the one at STASIS_CONTROLPLANE_URL.",
+    )
     sub = subcommands(top)
     p = sub.add_parser("serve", help="Run the control plane.")
-    p.add_argument("--db", default="", help="SQLAlchemy URL (postgresql+psycopg://...) or a "
-                                            "SQLite file (default: STATE_DIR/controlplane.db).")
+    p.add_argument(
+        "--db",
+        default="",
+        help="SQLAlchemy URL (postgresql+psycopg://...) or a "
+        "SQLite file (default: STATE_DIR/controlplane.db).",
+    )
     p.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default: %(default)s)")
-    p.add_argument("--admin-token-file", type=Path, default=None,
-                   help="Where the admin token made at the first start goes (0600; default: "
-                        "printed once).")
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="Where the admin token made at the first start goes (0600; default: " "printed once).",
+    )
     p.add_argument("--cert", type=Path, default=None, help="TLS certificate (PEM): HTTPS.")
     p.add_argument("--key", type=Path, default=None, help="Its private key (PEM).")
-    p.add_argument("--allow-plain-http", action="store_true",
-                   help="Serve plain HTTP on a non-loopback address (tokens in the clear).")
-    p.add_argument("--behind-tls", action="store_true",
-                   help="A TLS-terminating proxy is in front: the dashboard's session cookie "
-                        "is Secure and the installers name https:// even though requests "
-                        "arrive here over plain HTTP.")
-    p.add_argument("--lost-after", type=float, default=60.0, metavar="S",
-                   help="A node silent this long is shown as lost (default: %(default)s).")
-    p.add_argument("--command-lease", type=float, default=60.0, metavar="S",
-                   help="Seconds a node holds a command before it is given out again "
-                        "(default: %(default)s).")
-    p.add_argument("--session-ttl", type=_duration, default=8 * 3600, metavar="N[s|m|h|d]",
-                   help="How long a dashboard log-in lasts (default: 8h).")
-    p.add_argument("--min-interval", type=_duration, default=60, metavar="N[s|m|h|d]",
-                   help="The shortest period a policy may have: a shorter --every is refused "
-                        "(default: 60s).")
+    p.add_argument(
+        "--allow-plain-http",
+        action="store_true",
+        help="Serve plain HTTP on a non-loopback address (tokens in the clear).",
+    )
+    p.add_argument(
+        "--behind-tls",
+        action="store_true",
+        help="A TLS-terminating proxy is in front: the dashboard's session cookie "
+        "is Secure and the installers name https:// even though requests "
+        "arrive here over plain HTTP.",
+    )
+    p.add_argument(
+        "--lost-after",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="A node silent this long is shown as lost (default: %(default)s).",
+    )
+    p.add_argument(
+        "--command-lease",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="Seconds a node holds a command before it is given out again "
+        "(default: %(default)s).",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=_duration,
+        default=8 * 3600,
+        metavar="N[s|m|h|d]",
+        help="How long a dashboard log-in lasts (default: 8h).",
+    )
+    p.add_argument(
+        "--min-interval",
+        type=_duration,
+        default=60,
+        metavar="N[s|m|h|d]",
+        help="The shortest period a policy may have: a shorter --every is refused "
+        "(default: 60s).",
+    )
     p.set_defaults(handler=serve)
 
-    p = sub.add_parser("join", help="Put a control plane's url, cluster id and token "
-                                    "(STASIS_AUTH_TOKEN) into a node daemon's config file "
-                                    "(what the web installer runs).")
+    p = sub.add_parser(
+        "join",
+        help="Put a control plane's url, cluster id and token "
+        "(STASIS_AUTH_TOKEN) into a node daemon's config file "
+        "(what the web installer runs).",
+    )
     p.add_argument("--config", type=Path, required=True, help="The config file (0600).")
-    p.add_argument("--url", required=True,
-                   help="The control plane's URL (https://HOST:PORT; written as "
-                        "controlplane_url).")
-    p.add_argument("--cluster-id", required=True,
-                   help="The id of the cluster this node joins (`clusters add` printed it; "
-                        "written as cluster_id).")
+    p.add_argument(
+        "--url",
+        required=True,
+        help="The control plane's URL (https://HOST:PORT; written as " "controlplane_url).",
+    )
+    p.add_argument(
+        "--cluster-id",
+        required=True,
+        help="The id of the cluster this node joins (`clusters add` printed it; "
+        "written as cluster_id).",
+    )
     p.add_argument("--node", default=None, help="This node's name (default: the host name).")
-    p.add_argument("--allow-plain-http", action="store_true",
-                   help="Accept an http:// URL off loopback (the token crosses the network in "
-                        "the clear); writes controlplane_allow_plain_http = true.")
+    p.add_argument(
+        "--allow-plain-http",
+        action="store_true",
+        help="Accept an http:// URL off loopback (the token crosses the network in "
+        "the clear); writes controlplane_allow_plain_http = true.",
+    )
     p.set_defaults(handler=join)
 
     clusters = subcommands(sub.add_parser("clusters", help="Clusters and their tokens."))
-    p = clusters.add_parser("add", help="Register a cluster: its id and token (what the Slurm "
-                                        "installer and the Helm chart take).")
+    p = clusters.add_parser(
+        "add",
+        help="Register a cluster: its id and token (what the Slurm "
+        "installer and the Helm chart take).",
+    )
     p.add_argument("name")
-    p.add_argument("--kind", required=True, choices=["slurm", "kubernetes"],
-                   help="Its scheduler: which installer its token fetches.")
-    p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
-                   help="The token stops working this long from now (default: never).")
-    p.add_argument("--approve-joins", action="store_true",
-                   help="A node that joins waits (pending: given no command, chosen as no "
-                        "target) until `stasis controlplane nodes approve NODE`: whoever "
-                        "steals the cluster token gets no work sent to a node of theirs.")
+    p.add_argument(
+        "--kind",
+        required=True,
+        choices=["slurm", "kubernetes"],
+        help="Its scheduler: which installer its token fetches.",
+    )
+    p.add_argument(
+        "--expires-in",
+        type=_duration,
+        default=None,
+        metavar="N[s|m|h|d]",
+        help="The token stops working this long from now (default: never).",
+    )
+    p.add_argument(
+        "--approve-joins",
+        action="store_true",
+        help="A node that joins waits (pending: given no command, chosen as no "
+        "target) until `stasis controlplane nodes approve NODE`: whoever "
+        "steals the cluster token gets no work sent to a node of theirs.",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "POST", "/api/v1/clusters",
-                                              {"name": a.name, "kind": a.kind,
-                                               "expires_in_s": a.expires_in,
-                                               "approve_joins": a.approve_joins},
-                                              _said_cluster))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            "/api/v1/clusters",
+            {
+                "name": a.name,
+                "kind": a.kind,
+                "expires_in_s": a.expires_in,
+                "approve_joins": a.approve_joins,
+            },
+            _said_cluster,
+        )
+    )
     p = clusters.add_parser("list", help="The clusters.")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/clusters", None,
-                                              _said_rows("id", "name", "kind", "created",
-                                                         "approve_joins")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            "/api/v1/clusters",
+            None,
+            _said_rows("id", "name", "kind", "created", "approve_joins"),
+        )
+    )
     p = clusters.add_parser("rotate", help="A new token for a cluster; its old ones revoked.")
     p.add_argument("cluster_id", metavar="CLUSTER_ID")
-    p.add_argument("--expires-in", type=_duration, default=None, metavar="N[s|m|h|d]",
-                   help="The new token stops working this long from now (default: never).")
+    p.add_argument(
+        "--expires-in",
+        type=_duration,
+        default=None,
+        metavar="N[s|m|h|d]",
+        help="The new token stops working this long from now (default: never).",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
-                                              f"/api/v1/clusters/{_seg(a.cluster_id)}/rotate",
-                                              {"expires_in_s": a.expires_in}, _said_cluster))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/clusters/{_seg(a.cluster_id)}/rotate",
+            {"expires_in_s": a.expires_in},
+            _said_cluster,
+        )
+    )
 
-    p = clusters.add_parser("set", help="Change a cluster's settings (the nodes joined "
-                                        "already keep their approval).")
+    p = clusters.add_parser(
+        "set", help="Change a cluster's settings (the nodes joined " "already keep their approval)."
+    )
     p.add_argument("cluster", metavar="CLUSTER", help="Its id or name.")
     joins = p.add_mutually_exclusive_group(required=True)
-    joins.add_argument("--approve-joins", dest="approve_joins", action="store_const",
-                       const=True, help="Nodes that join wait for `nodes approve`.")
-    joins.add_argument("--no-approve-joins", dest="approve_joins", action="store_const",
-                       const=False, help="Nodes that join are approved at once.")
+    joins.add_argument(
+        "--approve-joins",
+        dest="approve_joins",
+        action="store_const",
+        const=True,
+        help="Nodes that join wait for `nodes approve`.",
+    )
+    joins.add_argument(
+        "--no-approve-joins",
+        dest="approve_joins",
+        action="store_const",
+        const=False,
+        help="Nodes that join are approved at once.",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(
-        a, s, "POST", f"/api/v1/clusters/{_seg(a.cluster)}/settings",
-        {"approve_joins": a.approve_joins},
-        lambda d: output.say(f"cluster {d['cluster_id']}: nodes that join " + (
-            "wait for an admin's approval" if d["approve_joins"] else
-            "are approved at once"))))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/clusters/{_seg(a.cluster)}/settings",
+            {"approve_joins": a.approve_joins},
+            lambda d: output.say(
+                f"cluster {d['cluster_id']}: nodes that join "
+                + ("wait for an admin's approval" if d["approve_joins"] else "are approved at once")
+            ),
+        )
+    )
 
     toks = subcommands(sub.add_parser("tokens", help="Tokens (never shown again: ids only)."))
-    p = toks.add_parser("list", help="Every token's id, kind, cluster, creation, revocation "
-                                     "and expiry (never the token itself).")
+    p = toks.add_parser(
+        "list",
+        help="Every token's id, kind, cluster, creation, revocation "
+        "and expiry (never the token itself).",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/tokens", None, _said_rows(
-        "id", "kind", "cluster_id", "created", "revoked", "expires")))
-    p = toks.add_parser("revoke", help="Revoke TOKEN_ID (an id from `tokens list`): it stops "
-                                       "working at once.")
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            "/api/v1/tokens",
+            None,
+            _said_rows("id", "kind", "cluster_id", "created", "revoked", "expires"),
+        )
+    )
+    p = toks.add_parser(
+        "revoke", help="Revoke TOKEN_ID (an id from `tokens list`): it stops " "working at once."
+    )
     p.add_argument("token_id", metavar="TOKEN_ID")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
-                                              f"/api/v1/tokens/{_seg(a.token_id)}/revoke", None,
-                                              lambda d: output.say(f"revoked {d['token_id']}")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/tokens/{_seg(a.token_id)}/revoke",
+            None,
+            lambda d: output.say(f"revoked {d['token_id']}"),
+        )
+    )
 
-    p = sub.add_parser("nodes", help="The nodes: ready, not-ready, lost, or pending (joined, "
-                                     "waiting for an admin's approval).")
+    p = sub.add_parser(
+        "nodes",
+        help="The nodes: ready, not-ready, lost, or pending (joined, "
+        "waiting for an admin's approval).",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/nodes", None, _said_rows(
-        "cluster", "name", "state", "approved", "jobs", "stasis_version", "criu_version",
-        "last_heartbeat_age_s")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            "/api/v1/nodes",
+            None,
+            _said_rows(
+                "cluster",
+                "name",
+                "state",
+                "approved",
+                "jobs",
+                "stasis_version",
+                "criu_version",
+                "last_heartbeat_age_s",
+            ),
+        )
+    )
     node_cmds = subcommands(p, dest="nodes_command", required=False)
-    p = node_cmds.add_parser("reset", help="Forget NODE's own credential, so that it joins "
-                                           "again with the cluster token (its state dir was "
-                                           "lost, or it is a new machine under that name).")
+    p = node_cmds.add_parser(
+        "reset",
+        help="Forget NODE's own credential, so that it joins "
+        "again with the cluster token (its state dir was "
+        "lost, or it is a new machine under that name).",
+    )
     p.add_argument("name", metavar="NODE")
-    p.add_argument("--cluster", default=None, help="Its cluster's id or name (needed when "
-                                                   "several clusters have a node NODE).")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(
-        a, s, "POST", f"/api/v1/nodes/{_seg(a.name)}/reset", {"cluster": a.cluster},
-        lambda d: output.say(f"node {d['name']} " + (
-            "reset: it joins again with the cluster token" if d["reset"] else
-            "had no credential: it may join"))))
-    p = node_cmds.add_parser("approve", help="Approve NODE, pending since it joined a cluster "
-                                             "added with --approve-joins: from now on it is "
-                                             "given commands and chosen as a target.")
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/nodes/{_seg(a.name)}/reset",
+            {"cluster": a.cluster},
+            lambda d: output.say(
+                f"node {d['name']} "
+                + (
+                    "reset: it joins again with the cluster token"
+                    if d["reset"]
+                    else "had no credential: it may join"
+                )
+            ),
+        )
+    )
+    p = node_cmds.add_parser(
+        "approve",
+        help="Approve NODE, pending since it joined a cluster "
+        "added with --approve-joins: from now on it is "
+        "given commands and chosen as a target.",
+    )
     p.add_argument("name", metavar="NODE")
-    p.add_argument("--cluster", default=None, help="Its cluster's id or name (needed when "
-                                                   "several clusters have a node NODE).")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(
-        a, s, "POST", f"/api/v1/nodes/{_seg(a.name)}/approve", {"cluster": a.cluster},
-        lambda d: output.say(f"node {d['name']} " + (
-            "approved" if d["was_pending"] else "was approved already"))))
-
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/nodes/{_seg(a.name)}/approve",
+            {"cluster": a.cluster},
+            lambda d: output.say(
+                f"node {d['name']} " + ("approved" if d["was_pending"] else "was approved already")
+            ),
+        )
+    )
 
     p = sub.add_parser("jobs", help="The jobs the nodes report.")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/jobs", None, _said_rows(
-        "cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s")))
-    p = sub.add_parser("checkpoints", help="The checkpoints the nodes reported, newest "
-                                           "first: size, CRIU's time, frozen time, and the "
-                                           "verdict of `stasis verify` (ok, failed: REASON, "
-                                           "not verified).")
-    p.add_argument("--limit", type=int, default=500,
-                   help="At most this many, newest first (default: %(default)s).")
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            "/api/v1/jobs",
+            None,
+            _said_rows("cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s"),
+        )
+    )
+    p = sub.add_parser(
+        "checkpoints",
+        help="The checkpoints the nodes reported, newest "
+        "first: size, CRIU's time, frozen time, and the "
+        "verdict of `stasis verify` (ok, failed: REASON, "
+        "not verified).",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=500,
+        help="At most this many, newest first (default: %(default)s).",
+    )
     p.add_argument("--deleted", action="store_true", help="Deleted ones too.")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(
-        a, s, "GET", f"/api/v1/checkpoints?limit={a.limit}" + ("&deleted=1" if a.deleted
-                                                                else ""),
-        None, _said_rows("cluster", "node", "id", "job", "label", "user", "size_bytes",
-                         "duration_s", "frozen_s", "reason", "age_s", "verified")))
-    p = sub.add_parser("savings", help="Node-hours of work kept by restores instead of "
-                                       "reruns, per cluster and per user.")
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            f"/api/v1/checkpoints?limit={a.limit}" + ("&deleted=1" if a.deleted else ""),
+            None,
+            _said_rows(
+                "cluster",
+                "node",
+                "id",
+                "job",
+                "label",
+                "user",
+                "size_bytes",
+                "duration_s",
+                "frozen_s",
+                "reason",
+                "age_s",
+                "verified",
+            ),
+        )
+    )
+    p = sub.add_parser(
+        "savings",
+        help="Node-hours of work kept by restores instead of " "reruns, per cluster and per user.",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/savings", None,
-                                              _said_savings))
+    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/savings", None, _said_savings))
     p = sub.add_parser("actions", help="The commands sent to nodes, and how they went.")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/commands", None,
-                                              _said_rows("id", "kind", "node", "state",
-                                                         "attempts", "created", "finished")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            "/api/v1/commands",
+            None,
+            _said_rows("id", "kind", "node", "state", "attempts", "created", "finished"),
+        )
+    )
     p = sub.add_parser("checkpoint", help="A checkpoint of JOB, taken by its node's daemon.")
     p.add_argument("job", metavar="JOB")
     _where(p)
-    p.add_argument("--stop", action="store_true", help="Stop the job once it is checkpointed "
-                                                       "(a Slurm job: and requeue it; "
-                                                       "default: it goes on running).")
-    p.add_argument("--wait", type=float, default=300.0, metavar="S",
-                   help="Seconds to wait for the node's answer (default: %(default)s).")
+    p.add_argument(
+        "--stop",
+        action="store_true",
+        help="Stop the job once it is checkpointed "
+        "(a Slurm job: and requeue it; "
+        "default: it goes on running).",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="Seconds to wait for the node's answer (default: %(default)s).",
+    )
     add_json(p)
     p.set_defaults(handler=checkpoint)
-    p = sub.add_parser("verify", help="Have the node that took CHECKPOINT verify it (`stasis "
-                                      "verify`: restored in a sandbox, checked, removed); the "
-                                      "verdict is kept with it. Exit 1 when it fails.")
+    p = sub.add_parser(
+        "verify",
+        help="Have the node that took CHECKPOINT verify it (`stasis "
+        "verify`: restored in a sandbox, checked, removed); the "
+        "verdict is kept with it. Exit 1 when it fails.",
+    )
     p.add_argument("checkpoint", metavar="CHECKPOINT")
-    p.add_argument("--wait", type=float, default=600.0, metavar="S",
-                   help="Seconds to wait for the node's verdict (default: %(default)s).")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="Seconds to wait for the node's verdict (default: %(default)s).",
+    )
     add_json(p)
     p.set_defaults(handler=verify)
-    p = sub.add_parser("migrate", help="Move JOB to NODE: checkpointed and stopped on its "
-                                       "node, restored on NODE from the store both share.")
+    p = sub.add_parser(
+        "migrate",
+        help="Move JOB to NODE: checkpointed and stopped on its "
+        "node, restored on NODE from the store both share.",
+    )
     p.add_argument("job", metavar="JOB")
     _where(p)
-    p.add_argument("--to", required=True, metavar="NODE",
-                   help="The ready node of the job's cluster that restores it.")
-    p.add_argument("--wait", type=float, default=300.0, metavar="S",
-                   help="Seconds to wait for each node (default: %(default)s).")
+    p.add_argument(
+        "--to",
+        required=True,
+        metavar="NODE",
+        help="The ready node of the job's cluster that restores it.",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="Seconds to wait for each node (default: %(default)s).",
+    )
     add_json(p)
     p.set_defaults(handler=migrate)
-    p = sub.add_parser("drain", help="Move every job off NODE: on a Slurm cluster NODE is "
-                                     "drained in Slurm and its jobs checkpointed and requeued; "
-                                     "on a Kubernetes cluster it is cordoned and its "
-                                     "containers checkpointed and their pods evicted; "
-                                     "stasis's own jobs migrate to the other ready nodes. "
-                                     "Done when the node reports none.")
+    p = sub.add_parser(
+        "drain",
+        help="Move every job off NODE: on a Slurm cluster NODE is "
+        "drained in Slurm and its jobs checkpointed and requeued; "
+        "on a Kubernetes cluster it is cordoned and its "
+        "containers checkpointed and their pods evicted; "
+        "stasis's own jobs migrate to the other ready nodes. "
+        "Done when the node reports none.",
+    )
     p.add_argument("node", metavar="NODE")
-    p.add_argument("--cluster", default=None, help="Its cluster's id or name (needed when "
-                                                   "several clusters have a node NODE).")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
+    )
     p.add_argument("--reason", default="stasis drain", help="Slurm's drain reason.")
-    p.add_argument("--wait", type=float, default=600.0, metavar="S",
-                   help="Seconds to wait for the nodes (default: %(default)s).")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="Seconds to wait for the nodes (default: %(default)s).",
+    )
     add_json(p)
     p.set_defaults(handler=drain)
-    pol = subcommands(sub.add_parser("policies", help="Policies: every N seconds, a "
-                                                      "checkpoint of matching jobs, retention "
-                                                      "of their checkpoints, or a verify of "
-                                                      "the newest."))
+    pol = subcommands(
+        sub.add_parser(
+            "policies",
+            help="Policies: every N seconds, a "
+            "checkpoint of matching jobs, retention "
+            "of their checkpoints, or a verify of "
+            "the newest.",
+        )
+    )
     p = pol.add_parser("add", help="A new policy (a webhook one prints its hook token, once).")
     p.add_argument("name")
     _policy_options(p, editing=False)
     add_json(p)
     p.set_defaults(handler=add_policy)
-    p = pol.add_parser("edit", help="Change a policy in place: only the options given change "
-                                    "(a filter given as '' is removed).")
+    p = pol.add_parser(
+        "edit",
+        help="Change a policy in place: only the options given change "
+        "(a filter given as '' is removed).",
+    )
     p.add_argument("name")
     _policy_options(p, editing=True)
     add_json(p)
     p.set_defaults(handler=edit_policy)
-    p = pol.add_parser("rotate-hook", help="A new hook token for a policy (printed once); the "
-                                           "old one stops working.")
+    p = pol.add_parser(
+        "rotate-hook",
+        help="A new hook token for a policy (printed once); the " "old one stops working.",
+    )
     p.add_argument("name")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
-                                              f"/api/v1/policies/{_seg(a.name)}/rotate-hook",
-                                              None, lambda d: _said_hook(d, s)))
-    p = pol.add_parser("list", help="The policies: trigger, period, action, filters, whether "
-                                    "enabled, last run.")
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/policies/{_seg(a.name)}/rotate-hook",
+            None,
+            lambda d: _said_hook(d, s),
+        )
+    )
+    p = pol.add_parser(
+        "list", help="The policies: trigger, period, action, filters, whether " "enabled, last run."
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/policies", None,
-                                              _said_rows("name", "trigger", "every_s",
-                                                         "action", "stop", "keep", "filters",
-                                                         "enabled", "hook", "last_run")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            "/api/v1/policies",
+            None,
+            _said_rows(
+                "name",
+                "trigger",
+                "every_s",
+                "action",
+                "stop",
+                "keep",
+                "filters",
+                "enabled",
+                "hook",
+                "last_run",
+            ),
+        )
+    )
     p = pol.add_parser("run", help="Run a policy now (what its webhook does).")
     p.add_argument("name")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "POST",
-                                              f"/api/v1/policies/{_seg(a.name)}/run", None,
-                                              lambda d: output.say(f"policy {d['name']}: "
-                                                                   f"{d['queued']} command(s)")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "POST",
+            f"/api/v1/policies/{_seg(a.name)}/run",
+            None,
+            lambda d: output.say(f"policy {d['name']}: " f"{d['queued']} command(s)"),
+        )
+    )
     p = sub.add_parser("events", help="What happened: nodes joining, commands, policy runs.")
-    p.add_argument("--limit", type=int, default=200,
-                   help="At most this many, the latest (default: %(default)s).")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=200,
+        help="At most this many, the latest (default: %(default)s).",
+    )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", f"/api/v1/events?limit={a.limit}",
-                                              None, _said_rows("at", "node", "kind",
-                                                               "message")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "GET",
+            f"/api/v1/events?limit={a.limit}",
+            None,
+            _said_rows("at", "node", "kind", "message"),
+        )
+    )
     p = pol.add_parser("rm", help="Delete a policy (its hook token stops working).")
     p.add_argument("name")
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "DELETE",
-                                              f"/api/v1/policies/{_seg(a.name)}", None,
-                                              lambda d: output.say(f"policy {d['name']} "
-                                                                   "removed")))
+    p.set_defaults(
+        handler=lambda a, s: _call(
+            a,
+            s,
+            "DELETE",
+            f"/api/v1/policies/{_seg(a.name)}",
+            None,
+            lambda d: output.say(f"policy {d['name']} " "removed"),
+        )
+    )
 
 
 def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
     """The options of `policies add`, and of `policies edit` where none has a default (what is
     not given does not change)."""
-    p.add_argument("--every", type=_duration, metavar="N[s|m|h|d]",
-                   help="Run every N, at least the control plane's floor (serve "
-                        "--min-interval, 60 s by default); with --on memory: act on a job "
-                        "again only N later." + (" 0: only when called." if editing else ""))
-    p.add_argument("--on", choices=["webhook", "memory", "drain"],
-                   help="webhook: run only when called (`policies run NAME`, POST "
-                        "/api/v1/policies/NAME/run, with the admin token or the policy's hook "
-                        "token); memory: a job above --above PCT of its node's memory; drain: "
-                        "the jobs of a node its scheduler drains or holds for maintenance.")
-    p.add_argument("--above", type=float, default=None, metavar="PCT",
-                   help="memory: the share of its node's memory that triggers.")
-    p.add_argument("--action", required=not editing, default=None,
-                   choices=["checkpoint", "retain", "migrate", "verify"],
-                   help="verify: each matching label's newest checkpoint not verified yet is "
-                        "verified (`stasis verify`) by the node that took it, at low "
-                        "priority; filters: --cluster, --node, --label, --user.")
+    p.add_argument(
+        "--every",
+        type=_duration,
+        metavar="N[s|m|h|d]",
+        help="Run every N, at least the control plane's floor (serve "
+        "--min-interval, 60 s by default); with --on memory: act on a job "
+        "again only N later." + (" 0: only when called." if editing else ""),
+    )
+    p.add_argument(
+        "--on",
+        choices=["webhook", "memory", "drain"],
+        help="webhook: run only when called (`policies run NAME`, POST "
+        "/api/v1/policies/NAME/run, with the admin token or the policy's hook "
+        "token); memory: a job above --above PCT of its node's memory; drain: "
+        "the jobs of a node its scheduler drains or holds for maintenance.",
+    )
+    p.add_argument(
+        "--above",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="memory: the share of its node's memory that triggers.",
+    )
+    p.add_argument(
+        "--action",
+        required=not editing,
+        default=None,
+        choices=["checkpoint", "retain", "migrate", "verify"],
+        help="verify: each matching label's newest checkpoint not verified yet is "
+        "verified (`stasis verify`) by the node that took it, at low "
+        "priority; filters: --cluster, --node, --label, --user.",
+    )
     flag: Any = argparse.BooleanOptionalAction if editing else "store_true"
-    p.add_argument("--stop", action=flag, default=None if editing else False,
-                   help="checkpoint: and stop the job (a Slurm job: requeue it).")
-    p.add_argument("--keep", type=int, default=None,
-                   help="retain: the newest checkpoints each label keeps" +
-                        (" (0: no such limit)." if editing else "."))
-    p.add_argument("--completed", action=flag, default=None if editing else False,
-                   help="retain: delete every checkpoint of a label whose job completed "
-                        "(exit 0) and that runs nowhere.")
-    p.add_argument("--older-than", type=_duration, default=None, metavar="N[s|m|h|d]",
-                   help="retain: delete checkpoints older than this (a label's newest stays)"
-                        + ("; 0: no such limit." if editing else "."))
+    p.add_argument(
+        "--stop",
+        action=flag,
+        default=None if editing else False,
+        help="checkpoint: and stop the job (a Slurm job: requeue it).",
+    )
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        help="retain: the newest checkpoints each label keeps"
+        + (" (0: no such limit)." if editing else "."),
+    )
+    p.add_argument(
+        "--completed",
+        action=flag,
+        default=None if editing else False,
+        help="retain: delete every checkpoint of a label whose job completed "
+        "(exit 0) and that runs nowhere.",
+    )
+    p.add_argument(
+        "--older-than",
+        type=_duration,
+        default=None,
+        metavar="N[s|m|h|d]",
+        help="retain: delete checkpoints older than this (a label's newest stays)"
+        + ("; 0: no such limit." if editing else "."),
+    )
     for f in _GLOBS:
-        p.add_argument(f"--{f}", default=None if editing else "",
-                       help=f"Only this {f} (a glob; partition: Kubernetes' namespace too)"
-                            + ("; '' removes the filter." if editing else "."))
-    p.add_argument("--min-age", type=_duration, default=None, metavar="N[s|m|h|d]",
-                   help="Only jobs that have run this long" + ("; 0 removes the filter."
-                                                              if editing else "."))
-    p.add_argument("--min-size", type=_size, default=None, metavar="N[K|M|G]",
-                   help="Only jobs with this much resident memory" + (
-                       "; 0 removes the filter." if editing else "."))
+        p.add_argument(
+            f"--{f}",
+            default=None if editing else "",
+            help=f"Only this {f} (a glob; partition: Kubernetes' namespace too)"
+            + ("; '' removes the filter." if editing else "."),
+        )
+    p.add_argument(
+        "--min-age",
+        type=_duration,
+        default=None,
+        metavar="N[s|m|h|d]",
+        help="Only jobs that have run this long" + ("; 0 removes the filter." if editing else "."),
+    )
+    p.add_argument(
+        "--min-size",
+        type=_size,
+        default=None,
+        metavar="N[K|M|G]",
+        help="Only jobs with this much resident memory"
+        + ("; 0 removes the filter." if editing else "."),
+    )
     if editing:
         on_off = p.add_mutually_exclusive_group()
-        on_off.add_argument("--enable", dest="enable", action="store_const", const=True,
-                            default=None, help="Run the policy again.")
-        on_off.add_argument("--disable", dest="enable", action="store_const", const=False,
-                            help="Keep the policy, but run it no more until --enable.")
+        on_off.add_argument(
+            "--enable",
+            dest="enable",
+            action="store_const",
+            const=True,
+            default=None,
+            help="Run the policy again.",
+        )
+        on_off.add_argument(
+            "--disable",
+            dest="enable",
+            action="store_const",
+            const=False,
+            help="Keep the policy, but run it no more until --enable.",
+        )
 
 
 _GLOBS = ("cluster", "node", "label", "user", "partition")
 
 
 def _where(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=None, help="The job's cluster (id or name): needed "
-                                                   "when nodes of several report JOB.")
-    p.add_argument("--node", default=None, help="The job's node: needed when several nodes "
-                                                "report JOB.")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="The job's cluster (id or name): needed " "when nodes of several report JOB.",
+    )
+    p.add_argument(
+        "--node", default=None, help="The job's node: needed when several nodes " "report JOB."
+    )
 
 
 def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
@@ -348,11 +724,13 @@ def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]
         if time.monotonic() > deadline:
             # Still queued or leased: the control plane will carry it out, retry or re-target
             # it. A restore by hand meanwhile would run the job twice (seen in the soak).
-            raise CheckpointError(f"node {cmd['node']} has not answered command {cmd['id']} "
-                                  f"within {wait_s:.0f} s; it is still {cmd['state']} and the "
-                                  "control plane goes on with it (retried, re-targeted or "
-                                  "failed naming its checkpoint): do not restore the job by "
-                                  "hand meanwhile; follow it with `stasis controlplane actions`")
+            raise CheckpointError(
+                f"node {cmd['node']} has not answered command {cmd['id']} "
+                f"within {wait_s:.0f} s; it is still {cmd['state']} and the "
+                "control plane goes on with it (retried, re-targeted or "
+                "failed naming its checkpoint): do not restore the job by "
+                "hand meanwhile; follow it with `stasis controlplane actions`"
+            )
         time.sleep(0.3)
         cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
     return cmd
@@ -361,14 +739,16 @@ def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]
 def _restored(client: Any, first: dict[str, Any], wait_s: float) -> dict[str, Any]:
     """A migration's restore half once answered, following its retries and re-targets (a
     failed restore names the one that follows it, `next`) to the last."""
-    then = _finished(client, client.request("GET", f"/api/v1/commands/{first['result']['next']}"),
-                     wait_s)
+    then = _finished(
+        client, client.request("GET", f"/api/v1/commands/{first['result']['next']}"), wait_s
+    )
     for _ in range(50):  # bounded by the control plane's retries; this bounds a hostile one
         nxt = (then.get("result") or {}).get("next")
         if then["state"] != "failed" or not nxt:
             break
-        then = _finished(client, client.request("GET", f"/api/v1/commands/{_seg(str(nxt))}"),
-                         wait_s)
+        then = _finished(
+            client, client.request("GET", f"/api/v1/commands/{_seg(str(nxt))}"), wait_s
+        )
     return then
 
 
@@ -376,27 +756,43 @@ def migrate(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import CheckpointError, RestoreError
 
     client = _client(settings)
-    first = _finished(client, client.request("POST", "/api/v1/migrations",
-                                             {"job": args.job, "to": args.to,
-                                              "cluster": args.cluster, "node": args.node}),
-                   args.wait)
+    first = _finished(
+        client,
+        client.request(
+            "POST",
+            "/api/v1/migrations",
+            {"job": args.job, "to": args.to, "cluster": args.cluster, "node": args.node},
+        ),
+        args.wait,
+    )
     if first["state"] == "failed":
-        raise CheckpointError(f"node {first['node']}: {first['result'].get('error')} (job "
-                              f"{args.job} goes on there)")
+        raise CheckpointError(
+            f"node {first['node']}: {first['result'].get('error')} (job "
+            f"{args.job} goes on there)"
+        )
     then = _restored(client, first, args.wait)
     if then["state"] == "failed":
         error = str(then["result"].get("error"))
         ckpt = first["result"]["checkpoint"]
-        raise RestoreError(f"node {then['node']}: {error}" + (
-            "" if ckpt in error else f" (checkpoint {ckpt} is kept: restore it by hand)"))
-    moved = {"job": then["result"]["job"], "node": then["node"],
-             "checkpoint": first["result"]["checkpoint"], "from_job": args.job,
-             "from_node": first["node"], "commands": [first["id"], then["id"]]}
+        raise RestoreError(
+            f"node {then['node']}: {error}"
+            + ("" if ckpt in error else f" (checkpoint {ckpt} is kept: restore it by hand)")
+        )
+    moved = {
+        "job": then["result"]["job"],
+        "node": then["node"],
+        "checkpoint": first["result"]["checkpoint"],
+        "from_job": args.job,
+        "from_node": first["node"],
+        "commands": [first["id"], then["id"]],
+    }
     if args.json:
         output.emit_json(moved)
     else:
-        output.say(f"job {args.job} on {moved['from_node']} is job {moved['job']} on "
-                   f"{moved['node']} (checkpoint {moved['checkpoint']})")
+        output.say(
+            f"job {args.job} on {moved['from_node']} is job {moved['job']} on "
+            f"{moved['node']} (checkpoint {moved['checkpoint']})"
+        )
 
 
 def drain(args: argparse.Namespace, settings: Settings) -> None:
@@ -405,8 +801,11 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import CheckpointError
 
     client = _client(settings)
-    plan = client.request("POST", f"/api/v1/nodes/{_seg(args.node)}/drain",
-                          {"reason": args.reason, "cluster": args.cluster})
+    plan = client.request(
+        "POST",
+        f"/api/v1/nodes/{_seg(args.node)}/drain",
+        {"reason": args.reason, "cluster": args.cluster},
+    )
     moved, failed, requeued = [], [], []
     if plan.get("drain"):
         drained = _finished(client, plan["drain"], args.wait)
@@ -425,51 +824,82 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
         if then["state"] == "failed":
             failed.append(f"{job}: restore on {then['node']}: {then['result'].get('error')}")
             continue
-        moved.append({"from_job": job, "job": then["result"]["job"], "node": then["node"],
-                      "checkpoint": first["result"]["checkpoint"]})
+        moved.append(
+            {
+                "from_job": job,
+                "job": then["result"]["job"],
+                "node": then["node"],
+                "checkpoint": first["result"]["checkpoint"],
+            }
+        )
     deadline = time.monotonic() + args.wait
     empty = False
     while not empty and not failed and time.monotonic() < deadline:
         jobs = client.request("GET", "/api/v1/jobs")
-        empty = not any(j["node"] == args.node and j["cluster_id"] == plan["cluster_id"]
-                        for j in jobs)
+        empty = not any(
+            j["node"] == args.node and j["cluster_id"] == plan["cluster_id"] for j in jobs
+        )
         if not empty:
             time.sleep(0.5)
-    done = {"node": args.node, "moved": moved, "requeued": requeued, "failed": failed,
-            "empty": empty, "handled": plan.get("handled") or []}
+    done = {
+        "node": args.node,
+        "moved": moved,
+        "requeued": requeued,
+        "failed": failed,
+        "empty": empty,
+        "handled": plan.get("handled") or [],
+    }
     if args.json:
         output.emit_json(done)
     else:
         for r in requeued:
             if r.get("pod"):  # Kubernetes: the pod evicted, its controller makes it again
-                output.plain(f"container {r['job']} checkpointed ({r['checkpoint']}), pod "
-                             f"{r['pod']} evicted")
+                output.plain(
+                    f"container {r['job']} checkpointed ({r['checkpoint']}), pod "
+                    f"{r['pod']} evicted"
+                )
             else:
-                output.plain(f"Slurm job {r['job']} checkpointed ({r['checkpoint']}) and "
-                             "requeued")
+                output.plain(
+                    f"Slurm job {r['job']} checkpointed ({r['checkpoint']}) and " "requeued"
+                )
         for m in moved:
             output.say(f"job {m['from_job']} is job {m['job']} on {m['node']}")
         output.say(f"node {args.node} is " + ("empty" if empty else "not empty yet"))
     if failed:
-        raise CheckpointError(f"{len(failed)} job(s) could not be moved off {args.node}: "
-                              + "; ".join(failed))
+        raise CheckpointError(
+            f"{len(failed)} job(s) could not be moved off {args.node}: " + "; ".join(failed)
+        )
 
 
 def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import CheckpointError
 
     client = _client(settings)
-    cmd = _finished(client, client.request("POST", "/api/v1/commands", {
-        "kind": "checkpoint", "job": args.job, "leave_running": not args.stop,
-        "cluster": args.cluster, "node": args.node}), args.wait)
+    cmd = _finished(
+        client,
+        client.request(
+            "POST",
+            "/api/v1/commands",
+            {
+                "kind": "checkpoint",
+                "job": args.job,
+                "leave_running": not args.stop,
+                "cluster": args.cluster,
+                "node": args.node,
+            },
+        ),
+        args.wait,
+    )
     if args.json:
         output.emit_json(cmd)
     if cmd["state"] == "failed":
         raise CheckpointError(f"node {cmd['node']}: {cmd['result'].get('error')}")
     if not args.json:
         r = cmd["result"]
-        output.say(f"checkpoint {r['checkpoint']} of job {args.job} on node {cmd['node']} "
-                   f"(label {r['label']})")
+        output.say(
+            f"checkpoint {r['checkpoint']} of job {args.job} on node {cmd['node']} "
+            f"(label {r['label']})"
+        )
 
 
 def verify(args: argparse.Namespace, settings: Settings) -> None:
@@ -482,25 +912,33 @@ def verify(args: argparse.Namespace, settings: Settings) -> None:
     deadline = time.monotonic() + args.wait
     while cmd["state"] not in ("done", "failed"):
         if time.monotonic() > deadline:
-            raise RestoreError(f"node {cmd['node']} has not answered verify {cmd['id']} of "
-                               f"checkpoint {args.checkpoint} within {args.wait:.0f} s; it "
-                               f"is still {cmd['state']}: its verdict will show in `stasis "
-                               "controlplane checkpoints`")
+            raise RestoreError(
+                f"node {cmd['node']} has not answered verify {cmd['id']} of "
+                f"checkpoint {args.checkpoint} within {args.wait:.0f} s; it "
+                f"is still {cmd['state']}: its verdict will show in `stasis "
+                "controlplane checkpoints`"
+            )
         time.sleep(0.3)
         cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
     verdict = (cmd["result"] or {}).get("verdict")
     if args.json:
         output.emit_json(cmd)
     if not isinstance(verdict, dict):
-        raise RestoreError(f"node {cmd['node']} could not verify checkpoint {args.checkpoint}: "
-                           f"{(cmd['result'] or {}).get('error')}")
+        raise RestoreError(
+            f"node {cmd['node']} could not verify checkpoint {args.checkpoint}: "
+            f"{(cmd['result'] or {}).get('error')}"
+        )
     if not verdict.get("ok"):
-        raise RestoreError(f"checkpoint {args.checkpoint} failed verification on node "
-                           f"{cmd['node']}: {verdict.get('reason')}")
+        raise RestoreError(
+            f"checkpoint {args.checkpoint} failed verification on node "
+            f"{cmd['node']}: {verdict.get('reason')}"
+        )
     if not args.json:
-        output.say(f"checkpoint {args.checkpoint} verified on node {cmd['node']}: it restores "
-                   f"({verdict.get('processes')} process(es) in "
-                   f"{float(verdict.get('duration_s') or 0):.1f} s)")
+        output.say(
+            f"checkpoint {args.checkpoint} verified on node {cmd['node']}: it restores "
+            f"({verdict.get('processes')} process(es) in "
+            f"{float(verdict.get('duration_s') or 0):.1f} s)"
+        )
 
 
 def _duration(text: str) -> int:
@@ -531,12 +969,16 @@ def _seg(value: str) -> str:
 def _client(settings: Settings) -> ControlPlaneClient:
     from stasis.controlplane.client import ControlPlaneClient
 
-    return ControlPlaneClient(settings.controlplane_url, settings.auth_token,
-                              allow_plain_http=settings.controlplane_allow_plain_http)
+    return ControlPlaneClient(
+        settings.controlplane_url,
+        settings.auth_token,
+        allow_plain_http=settings.controlplane_allow_plain_http,
+    )
 
 
-def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, body: Any,
-          say: Any) -> None:
+def _call(
+    args: argparse.Namespace, settings: Settings, method: str, path: str, body: Any, say: Any
+) -> None:
     answer = _client(settings).request(method, path, body)
     if args.json:
         output.emit_json(answer)
@@ -545,10 +987,15 @@ def _call(args: argparse.Namespace, settings: Settings, method: str, path: str, 
 
 
 def _said_cluster(d: dict[str, Any]) -> None:
-    output.plain(f"cluster {d.get('name', d['cluster_id'])}: id {d['cluster_id']}\n"
-                 f"token (shown once): {d['token']}" + (
-                     "\nnodes that join wait for `stasis controlplane nodes approve NODE`"
-                     if d.get("approve_joins") else ""))
+    output.plain(
+        f"cluster {d.get('name', d['cluster_id'])}: id {d['cluster_id']}\n"
+        f"token (shown once): {d['token']}"
+        + (
+            "\nnodes that join wait for `stasis controlplane nodes approve NODE`"
+            if d.get("approve_joins")
+            else ""
+        )
+    )
 
 
 def _said_savings(d: dict[str, Any]) -> None:
@@ -573,17 +1020,33 @@ def add_policy(args: argparse.Namespace, settings: Settings) -> None:
     if a.every is None and a.on is None:
         raise UsageError("say when: --every N or --on webhook|memory|drain")
     if a.on in ("webhook", "drain") and a.every is not None:
-        raise UsageError(f"--every with --on {a.on}: a {a.on} policy runs when it is called "
-                         "or triggered, not every N")
-    _call(a, settings, "POST", "/api/v1/policies", {
-        "name": a.name, "every_s": a.every or 0, "action": a.action, "keep": a.keep,
-        "older_than_s": a.older_than, "stop": a.stop, "completed": a.completed,
-        "trigger": a.on if a.on in ("memory", "drain") else "every",
-        "threshold_pct": a.above,
-        "filters": {**{f: getattr(a, f) for f in _GLOBS if getattr(a, f)},
-                    **({"min_age_s": str(a.min_age)} if a.min_age else {}),
-                    **({"min_rss_bytes": str(a.min_size)} if a.min_size else {})}},
-        lambda d: _said_policy(d, "added", settings))
+        raise UsageError(
+            f"--every with --on {a.on}: a {a.on} policy runs when it is called "
+            "or triggered, not every N"
+        )
+    _call(
+        a,
+        settings,
+        "POST",
+        "/api/v1/policies",
+        {
+            "name": a.name,
+            "every_s": a.every or 0,
+            "action": a.action,
+            "keep": a.keep,
+            "older_than_s": a.older_than,
+            "stop": a.stop,
+            "completed": a.completed,
+            "trigger": a.on if a.on in ("memory", "drain") else "every",
+            "threshold_pct": a.above,
+            "filters": {
+                **{f: getattr(a, f) for f in _GLOBS if getattr(a, f)},
+                **({"min_age_s": str(a.min_age)} if a.min_age else {}),
+                **({"min_rss_bytes": str(a.min_size)} if a.min_size else {}),
+            },
+        },
+        lambda d: _said_policy(d, "added", settings),
+    )
 
 
 def edit_policy(args: argparse.Namespace, settings: Settings) -> None:
@@ -591,14 +1054,21 @@ def edit_policy(args: argparse.Namespace, settings: Settings) -> None:
     body: dict[str, Any] = {}
     if a.on is not None:
         if a.on in ("webhook", "drain") and a.every is not None:
-            raise UsageError(f"--every with --on {a.on}: a {a.on} policy runs when it is "
-                             "called or triggered, not every N")
+            raise UsageError(
+                f"--every with --on {a.on}: a {a.on} policy runs when it is "
+                "called or triggered, not every N"
+            )
         body["trigger"] = "every" if a.on == "webhook" else a.on
         if a.on in ("webhook", "drain"):
             body["every_s"] = 0
-    for key, value in (("every_s", a.every), ("threshold_pct", a.above),
-                       ("action", a.action), ("stop", a.stop), ("completed", a.completed),
-                       ("enabled", a.enable)):
+    for key, value in (
+        ("every_s", a.every),
+        ("threshold_pct", a.above),
+        ("action", a.action),
+        ("stop", a.stop),
+        ("completed", a.completed),
+        ("enabled", a.enable),
+    ):
         if value is not None:
             body[key] = value
     for key, value in (("keep", a.keep), ("older_than_s", a.older_than)):
@@ -612,10 +1082,18 @@ def edit_policy(args: argparse.Namespace, settings: Settings) -> None:
     if filters:
         body["filters"] = filters
     if not body:
-        raise UsageError(f"nothing to change in policy {a.name}: give what changes (--every, "
-                         "--on, --action, a filter, ...; `policies edit -h`)")
-    _call(a, settings, "PATCH", f"/api/v1/policies/{_seg(a.name)}", body,
-          lambda d: _said_policy(d, "saved", settings))
+        raise UsageError(
+            f"nothing to change in policy {a.name}: give what changes (--every, "
+            "--on, --action, a filter, ...; `policies edit -h`)"
+        )
+    _call(
+        a,
+        settings,
+        "PATCH",
+        f"/api/v1/policies/{_seg(a.name)}",
+        body,
+        lambda d: _said_policy(d, "saved", settings),
+    )
 
 
 def _said_policy(d: dict[str, Any], done: str, settings: Settings) -> None:
@@ -628,10 +1106,12 @@ def _said_hook(d: dict[str, Any], settings: Settings) -> None:
     import shlex
 
     url = f"{settings.controlplane_url.rstrip('/')}/api/v1/policies/{_seg(d['name'])}/run"
-    output.plain(f"hook token (shown once; it runs policy {d['name']} only): "
-                 f"{d['hook_token']}\n"
-                 f"  curl -fsS -X POST -H {shlex.quote('Authorization: Bearer ' + d['hook_token'])}"
-                 f" {shlex.quote(url)}")
+    output.plain(
+        f"hook token (shown once; it runs policy {d['name']} only): "
+        f"{d['hook_token']}\n"
+        f"  curl -fsS -X POST -H {shlex.quote('Authorization: Bearer ' + d['hook_token'])}"
+        f" {shlex.quote(url)}"
+    )
 
 
 def join(args: argparse.Namespace, settings: Settings) -> None:
@@ -639,8 +1119,10 @@ def join(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.controlplane.installer import join as write
 
     if not settings.auth_token:
-        raise UsageError("give the cluster's token in STASIS_AUTH_TOKEN (not on the command "
-                         "line: other users see arguments)")
+        raise UsageError(
+            "give the cluster's token in STASIS_AUTH_TOKEN (not on the command "
+            "line: other users see arguments)"
+        )
     # Allowed here (flag or setting): said in the file too, or the daemon refuses the URL.
     plain = args.allow_plain_http or settings.controlplane_allow_plain_http
     check_url(args.url, plain)
@@ -654,13 +1136,26 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
 
     from stasis.controlplane.server import serve as run
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s stasis-controlplane %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s stasis-controlplane %(levelname)s %(message)s"
+    )
     db = args.db or str(settings.state_dir / "controlplane.db")
     try:
-        asyncio.run(run(db, args.listen, args.admin_token_file, args.cert, args.key,
-                        args.allow_plain_http, args.lost_after, args.command_lease,
-                        int(args.session_ttl), settings.state_dir / "controlplane",
-                        int(args.min_interval), args.behind_tls))
+        asyncio.run(
+            run(
+                db,
+                args.listen,
+                args.admin_token_file,
+                args.cert,
+                args.key,
+                args.allow_plain_http,
+                args.lost_after,
+                args.command_lease,
+                int(args.session_ttl),
+                settings.state_dir / "controlplane",
+                int(args.min_interval),
+                args.behind_tls,
+            )
+        )
     except KeyboardInterrupt:
         pass

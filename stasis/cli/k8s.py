@@ -15,137 +15,240 @@ from stasis.config import Settings
 TAINT = "stasis.dev/not-ready:NoSchedule"  # stasis.k8s.kube's default, without importing it
 
 
-def dump_container(client: Client, container_id: str, leave_running: bool,
-                   as_json: bool) -> None:
+def dump_container(client: Client, container_id: str, leave_running: bool, as_json: bool) -> None:
     """`stasis dump --container ID`: a checkpoint of a container under stasis on this node;
     it is stopped (killed once the checkpoint is published) unless --leave-running."""
     from stasis.k8s.runc import validate_container_id
 
     validate_container_id(container_id)
     with client:
-        answer = client.request("POST", f"/k8s/containers/{container_id}/checkpoint",
-                                {"reason": "manual" if leave_running else "stop"})
+        answer = client.request(
+            "POST",
+            f"/k8s/containers/{container_id}/checkpoint",
+            {"reason": "manual" if leave_running else "stop"},
+        )
     if as_json:
         output.emit_json(answer)
         return
-    then = "stopped; it resumes from it when created again" if answer["stopped"] \
-        else "still running"
-    output.say(f"checkpoint {answer['checkpoint']} of container {container_id} "
-               f"(label {answer['label']}, namespace {answer['namespace']}, "
-               f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s); container {then}")
+    then = (
+        "stopped; it resumes from it when created again" if answer["stopped"] else "still running"
+    )
+    output.say(
+        f"checkpoint {answer['checkpoint']} of container {container_id} "
+        f"(label {answer['label']}, namespace {answer['namespace']}, "
+        f"{answer['size_bytes']} bytes, {answer['duration_s']:.2f} s); container {then}"
+    )
 
 
 def add_k8s(commands: Any) -> None:
-    top = commands.add_parser("k8s", help="Kubernetes integration: a private containerd with "
-                                          "the stasis runtime.")
+    top = commands.add_parser(
+        "k8s", help="Kubernetes integration: a private containerd with " "the stasis runtime."
+    )
     sub = subcommands(top)
-    p = sub.add_parser("install-runtime", help="Put the stasis runtime on this node (as the node "
-                                               "agent does); then restart containerd.")
+    p = sub.add_parser(
+        "install-runtime",
+        help="Put the stasis runtime on this node (as the node "
+        "agent does); then restart containerd.",
+    )
     _node_options(p)
-    p.add_argument("--stasis-config", type=Path, default=Path("/etc/stasis/config.toml"),
-                   help="The daemon's config the runtime reads (default: %(default)s).")
+    p.add_argument(
+        "--stasis-config",
+        type=Path,
+        default=Path("/etc/stasis/config.toml"),
+        help="The daemon's config the runtime reads (default: %(default)s).",
+    )
     p.add_argument("--dry-run", action="store_true", help="Print the changes; change nothing.")
     p.set_defaults(handler=install_runtime)
-    p = sub.add_parser("uninstall-runtime", help="Take the stasis runtime off this node again "
-                                                 "(containerd's config byte for byte).")
+    p = sub.add_parser(
+        "uninstall-runtime",
+        help="Take the stasis runtime off this node again " "(containerd's config byte for byte).",
+    )
     _node_options(p)
     p.set_defaults(handler=uninstall_runtime)
-    p = sub.add_parser("agent", help="The node agent (the chart's DaemonSet): runtime on the "
-                                     "host, the daemon, the not-ready taint, cordon, by-hand "
-                                     "and interval checkpoints of pods.")
-    p.add_argument("--node", default="", help="This node's name in the API (default: "
-                                              "STASIS_NODE_NAME, else the host name).")
+    p = sub.add_parser(
+        "agent",
+        help="The node agent (the chart's DaemonSet): runtime on the "
+        "host, the daemon, the not-ready taint, cordon, by-hand "
+        "and interval checkpoints of pods.",
+    )
+    p.add_argument(
+        "--node",
+        default="",
+        help="This node's name in the API (default: " "STASIS_NODE_NAME, else the host name).",
+    )
     _kubeconfig_option(p)
-    p.add_argument("--host-root", type=Path, default=None,
-                   help="Where the host's root is mounted: install the runtime there "
-                        "(default: install nothing).")
+    p.add_argument(
+        "--host-root",
+        type=Path,
+        default=None,
+        help="Where the host's root is mounted: install the runtime there "
+        "(default: install nothing).",
+    )
     _node_options(p)
-    p.add_argument("--bundle-dir", type=Path, default=Path("/usr/local/lib/stasis"),
-                   help="Host directory of stasis-runc and CRIU (default: %(default)s).")
-    p.add_argument("--runtime-config", type=Path, default=Path("/etc/stasis/runtime.toml"),
-                   help="Host file the runtime reads (default: %(default)s).")
-    p.add_argument("--taint", default=f"{TAINT}",
-                   help="KEY:EFFECT kept on the node while stasis is not ready there "
-                        "(default: %(default)s).")
-    p.add_argument("--restart-containerd", default="",
-                   help="Command that restarts the host's containerd once the runtime entry "
-                        "was added, e.g. 'nsenter -t 1 -m -- systemctl restart containerd'.")
-    p.add_argument("--no-daemon", action="store_true",
-                   help="Use the daemon already running on STASIS_SOCKET; start none.")
+    p.add_argument(
+        "--bundle-dir",
+        type=Path,
+        default=Path("/usr/local/lib/stasis"),
+        help="Host directory of stasis-runc and CRIU (default: %(default)s).",
+    )
+    p.add_argument(
+        "--runtime-config",
+        type=Path,
+        default=Path("/etc/stasis/runtime.toml"),
+        help="Host file the runtime reads (default: %(default)s).",
+    )
+    p.add_argument(
+        "--taint",
+        default=f"{TAINT}",
+        help="KEY:EFFECT kept on the node while stasis is not ready there "
+        "(default: %(default)s).",
+    )
+    p.add_argument(
+        "--restart-containerd",
+        default="",
+        help="Command that restarts the host's containerd once the runtime entry "
+        "was added, e.g. 'nsenter -t 1 -m -- systemctl restart containerd'.",
+    )
+    p.add_argument(
+        "--no-daemon",
+        action="store_true",
+        help="Use the daemon already running on STASIS_SOCKET; start none.",
+    )
     p.set_defaults(handler=agent)
-    p = sub.add_parser("uninstall-nodes", help="The chart's pre-delete hook: ask the agent of "
-                                               "every node to take stasis off it (runtime "
-                                               "entry, shim, bundle, taint) and wait for them.")
+    p = sub.add_parser(
+        "uninstall-nodes",
+        help="The chart's pre-delete hook: ask the agent of "
+        "every node to take stasis off it (runtime "
+        "entry, shim, bundle, taint) and wait for them.",
+    )
     p.add_argument("--namespace", required=True, help="The release's namespace.")
-    p.add_argument("--selector", required=True,
-                   help="The labels of the release's agent pods, as KEY=VALUE,KEY=VALUE.")
+    p.add_argument(
+        "--selector",
+        required=True,
+        help="The labels of the release's agent pods, as KEY=VALUE,KEY=VALUE.",
+    )
     _kubeconfig_option(p)
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="Seconds to wait for the agents' answers (default: %(default)s).")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="Seconds to wait for the agents' answers (default: %(default)s).",
+    )
     p.set_defaults(handler=uninstall_nodes)
-    p = sub.add_parser("checkpoint", help="A leave-running checkpoint of a pod's containers, "
-                                          "taken by the agent of the pod's node.")
+    p = sub.add_parser(
+        "checkpoint",
+        help="A leave-running checkpoint of a pod's containers, "
+        "taken by the agent of the pod's node.",
+    )
     p.add_argument("pod", metavar="NAMESPACE/POD")
     _kubeconfig_option(p)
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="Seconds to wait for the agent's answer (default: %(default)s).")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="Seconds to wait for the agent's answer (default: %(default)s).",
+    )
     add_json(p)
     p.set_defaults(handler=checkpoint_pod)
-    p = sub.add_parser("drain", help="This node: cordon it, checkpoint its containers under "
-                                     "stasis as at their stop, evict their pods (they start "
-                                     "again elsewhere, restored).")
-    p.add_argument("--reason", default="stasis drain",
-                   help="Why: recorded as the reason of the containers' checkpoints "
-                        "(default: %(default)s).")
+    p = sub.add_parser(
+        "drain",
+        help="This node: cordon it, checkpoint its containers under "
+        "stasis as at their stop, evict their pods (they start "
+        "again elsewhere, restored).",
+    )
+    p.add_argument(
+        "--reason",
+        default="stasis drain",
+        help="Why: recorded as the reason of the containers' checkpoints "
+        "(default: %(default)s).",
+    )
     add_json(p)
     p.set_defaults(handler=drain)
-    local = sub.add_parser("local-node", help="A private containerd (own root, state and "
-                                              "socket) with the stasis runtime, and a daemon.")
+    local = sub.add_parser(
+        "local-node",
+        help="A private containerd (own root, state and "
+        "socket) with the stasis runtime, and a daemon.",
+    )
     lsub = subcommands(local)
-    p = lsub.add_parser("up", help="Start it; `ctr -a ADDRESS -n NAMESPACE run --runtime "
-                                   "RUNTIME ...` then runs containers through stasis.")
+    p = lsub.add_parser(
+        "up",
+        help="Start it; `ctr -a ADDRESS -n NAMESPACE run --runtime "
+        "RUNTIME ...` then runs containers through stasis.",
+    )
     _dir_option(p)
     p.add_argument("--store", default="", help="Checkpoint store (default: DIR/stasis/store).")
-    p.add_argument("--bundle", action="store_true",
-                   help="Run stasis-runc and CRIU from a host bundle (DIR/runtime), as on a "
-                        "node the agent installed, not from this venv.")
-    p.add_argument("--separate", action="store_true",
-                   help="A host of its own: containerd, the daemon and the containers in their "
-                        "own mount, UTS and network namespaces, with their own /tmp, /var/tmp, "
-                        "/dev/shm and /run (runc's state), host name (--node-name, or DIR's "
-                        "name) and address on a bridge of the local nodes (10.213.252.0/24). "
-                        "`--json` gives the node_prefix that runs a command inside it.")
-    p.add_argument("--kubeconfig", default="",
-                   help="The Kubernetes API the daemon drains this node in (default: none).")
-    p.add_argument("--node-name", default="",
-                   help="This node's name in that API (default: the host name).")
-    p.add_argument("--min-interval", type=int, default=None, metavar="SECONDS",
-                   help="Floor on containers' checkpoint intervals (default: the daemon's, "
-                        "60).")
+    p.add_argument(
+        "--bundle",
+        action="store_true",
+        help="Run stasis-runc and CRIU from a host bundle (DIR/runtime), as on a "
+        "node the agent installed, not from this venv.",
+    )
+    p.add_argument(
+        "--separate",
+        action="store_true",
+        help="A host of its own: containerd, the daemon and the containers in their "
+        "own mount, UTS and network namespaces, with their own /tmp, /var/tmp, "
+        "/dev/shm and /run (runc's state), host name (--node-name, or DIR's "
+        "name) and address on a bridge of the local nodes (10.213.252.0/24). "
+        "`--json` gives the node_prefix that runs a command inside it.",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        default="",
+        help="The Kubernetes API the daemon drains this node in (default: none).",
+    )
+    p.add_argument(
+        "--node-name", default="", help="This node's name in that API (default: the host name)."
+    )
+    p.add_argument(
+        "--min-interval",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="Floor on containers' checkpoint intervals (default: the daemon's, " "60).",
+    )
     add_json(p, 'Print {"containerd_address": PATH, "runtime": NAME, "namespace": NS, ...}.')
     p.set_defaults(handler=up)
-    p = lsub.add_parser("down", help="Kill its containers, stop containerd and the daemon "
-                                     "(the directory and its logs stay).")
+    p = lsub.add_parser(
+        "down",
+        help="Kill its containers, stop containerd and the daemon "
+        "(the directory and its logs stay).",
+    )
     _dir_option(p)
     p.set_defaults(handler=down)
 
 
 def _node_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--containerd-config", type=Path, default=Path("/etc/containerd/config.toml"),
-                   help="containerd's config file, where the runtime entry goes (default: "
-                        "%(default)s).")
-    p.add_argument("--bin-dir", type=Path, default=Path("/usr/local/bin"),
-                   help="A directory on containerd's PATH (default: %(default)s).")
-    p.add_argument("--containerd-config-version", type=int, choices=(0, 2, 3), default=0,
-                   help="containerd's config version: 2 (containerd 1.x), 3 (2.x), 0: the "
-                        "file's own, 2 for a new file (default: %(default)s).")
+    p.add_argument(
+        "--containerd-config",
+        type=Path,
+        default=Path("/etc/containerd/config.toml"),
+        help="containerd's config file, where the runtime entry goes (default: " "%(default)s).",
+    )
+    p.add_argument(
+        "--bin-dir",
+        type=Path,
+        default=Path("/usr/local/bin"),
+        help="A directory on containerd's PATH (default: %(default)s).",
+    )
+    p.add_argument(
+        "--containerd-config-version",
+        type=int,
+        choices=(0, 2, 3),
+        default=0,
+        help="containerd's config version: 2 (containerd 1.x), 3 (2.x), 0: the "
+        "file's own, 2 for a new file (default: %(default)s).",
+    )
 
 
 def _kubeconfig_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kubeconfig", default=None,
-                   help="The kubeconfig file of the Kubernetes API to use (default: "
-                        "STASIS_KUBECONFIG, else the pod's service account, else $KUBECONFIG "
-                        "or ~/.kube/config).")
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="The kubeconfig file of the Kubernetes API to use (default: "
+        "STASIS_KUBECONFIG, else the pod's service account, else $KUBECONFIG "
+        "or ~/.kube/config).",
+    )
 
 
 def agent(args: argparse.Namespace, settings: Settings) -> None:
@@ -157,22 +260,34 @@ def agent(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.k8s import kube
     from stasis.k8s.agent import Agent, HostInstall
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s stasis-agent %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s stasis-agent %(levelname)s %(message)s"
+    )
     install = None
     if args.host_root is not None:
-        install = HostInstall(root=args.host_root, containerd_config=args.containerd_config,
-                              bin_dir=args.bin_dir, bundle=args.bundle_dir,
-                              runtime_config=args.runtime_config,
-                              restart_containerd=tuple(shlex.split(args.restart_containerd)),
-                              containerd_config_version=args.containerd_config_version)
+        install = HostInstall(
+            root=args.host_root,
+            containerd_config=args.containerd_config,
+            bin_dir=args.bin_dir,
+            bundle=args.bundle_dir,
+            runtime_config=args.runtime_config,
+            restart_containerd=tuple(shlex.split(args.restart_containerd)),
+            containerd_config_version=args.containerd_config_version,
+        )
     key, _, effect = args.taint.partition(":")
     if not key or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
-        raise UsageError(f"--taint {args.taint!r} is not KEY:NoSchedule|PreferNoSchedule|"
-                         "NoExecute")
+        raise UsageError(
+            f"--taint {args.taint!r} is not KEY:NoSchedule|PreferNoSchedule|" "NoExecute"
+        )
     api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
-    node = Agent(settings=settings, api=api, node=args.node or settings.node, install=install,
-                 start_daemon=not args.no_daemon, taint=(key, effect))
+    node = Agent(
+        settings=settings,
+        api=api,
+        node=args.node or settings.node,
+        install=install,
+        start_daemon=not args.no_daemon,
+        taint=(key, effect),
+    )
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     node.run()
@@ -185,8 +300,11 @@ def uninstall_nodes(args: argparse.Namespace, settings: Settings) -> None:
     api = kube.connect(args.kubeconfig if args.kubeconfig is not None else settings.kubeconfig)
     answers = ask(api, args.namespace, args.selector, args.timeout)
     for node, answer in sorted(answers.items()):
-        done = "gone" if answer.get("gone") else "; ".join(answer.get("removed") or []) \
-            or "nothing was left"
+        done = (
+            "gone"
+            if answer.get("gone")
+            else "; ".join(answer.get("removed") or []) or "nothing was left"
+        )
         output.say(f"node {node}: stasis taken off ({done})")
     if not answers:
         output.say("no node runs a stasis agent of this release: nothing to take off")
@@ -218,9 +336,11 @@ def checkpoint_pod(args: argparse.Namespace, settings: Settings) -> None:
     # The agent answers with an event on the pod (it may not write to pods).
     while (result := kube.answer_of(api, namespace, name, token)) is None:
         if time.monotonic() > deadline:
-            raise ContainerError(f"the stasis agent of node {node} did not answer within "
-                              f"{args.timeout:.0f} s: is it running there (kubectl -n "
-                              "stasis-system get pods -o wide)?")
+            raise ContainerError(
+                f"the stasis agent of node {node} did not answer within "
+                f"{args.timeout:.0f} s: is it running there (kubectl -n "
+                "stasis-system get pods -o wide)?"
+            )
         time.sleep(0.5)
     if args.json:
         output.emit_json(result)
@@ -247,21 +367,29 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     else:
         output.say(f"node {done['k8s_node']} cordoned")
         for r in done["requeued"]:
-            output.say(f"container {r['job']}: checkpoint {r['checkpoint']} (label "
-                       f"{r['label']}), pod {r['pod']} evicted")
+            output.say(
+                f"container {r['job']}: checkpoint {r['checkpoint']} (label "
+                f"{r['label']}), pod {r['pod']} evicted"
+            )
         for f in done["failed"]:
             output.warn(f)
     if done["failed"]:
-        raise ContainerError(f"{len(done['failed'])} container(s) or pod(s) of node "
-                             f"{done['k8s_node']} were not moved off it")
+        raise ContainerError(
+            f"{len(done['failed'])} container(s) or pod(s) of node "
+            f"{done['k8s_node']} were not moved off it"
+        )
 
 
 def install_runtime(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.k8s import shim
 
-    for change in shim.install_node(args.containerd_config, args.bin_dir,
-                                    args.stasis_config.absolute(), dry_run=args.dry_run,
-                                    config_version=args.containerd_config_version):
+    for change in shim.install_node(
+        args.containerd_config,
+        args.bin_dir,
+        args.stasis_config.absolute(),
+        dry_run=args.dry_run,
+        config_version=args.containerd_config_version,
+    ):
         output.say(("would " if args.dry_run else "") + change)
     if not args.dry_run:
         output.say("restart containerd to load it (systemctl restart containerd)")
@@ -275,26 +403,38 @@ def uninstall_runtime(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _dir_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", dest="root", type=Path, default=Path("/tmp/stasis-local-node"),
-                   help="The node's private directory (default: %(default)s).")
+    p.add_argument(
+        "--dir",
+        dest="root",
+        type=Path,
+        default=Path("/tmp/stasis-local-node"),
+        help="The node's private directory (default: %(default)s).",
+    )
 
 
 def up(args: argparse.Namespace, settings: Settings) -> None:
-    from stasis.k8s import localnode
-
     from stasis.errors import UsageError
+    from stasis.k8s import localnode
 
     if args.min_interval is not None and args.min_interval < 0:
         raise UsageError(f"--min-interval {args.min_interval}: seconds, 0 or more")
-    lay = localnode.up(args.root, store=args.store, bundle=args.bundle,
-                       kubeconfig=args.kubeconfig, node_name=args.node_name,
-                       min_interval_s=args.min_interval, separate=args.separate)
+    lay = localnode.up(
+        args.root,
+        store=args.store,
+        bundle=args.bundle,
+        kubeconfig=args.kubeconfig,
+        node_name=args.node_name,
+        min_interval_s=args.min_interval,
+        separate=args.separate,
+    )
     info = lay.describe()
     if args.json:
         output.emit_json(info)
     else:
-        output.say(f"local node up in {lay.root}\n  ctr -a {info['containerd_address']} -n "
-                   f"{info['namespace']} run --runtime {info['runtime']} IMAGE ID ...")
+        output.say(
+            f"local node up in {lay.root}\n  ctr -a {info['containerd_address']} -n "
+            f"{info['namespace']} run --runtime {info['runtime']} IMAGE ID ..."
+        )
 
 
 def down(args: argparse.Namespace, settings: Settings) -> None:
@@ -305,23 +445,36 @@ def down(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def add_export(commands: Any) -> None:
-    p = commands.add_parser("export", help="Write CHECKPOINT as an OCI image archive (the "
-                                           "checkpoint image layout of CRI-O and Podman).")
+    p = commands.add_parser(
+        "export",
+        help="Write CHECKPOINT as an OCI image archive (the "
+        "checkpoint image layout of CRI-O and Podman).",
+    )
     p.add_argument("checkpoint", metavar="CHECKPOINT")
-    p.add_argument("--oci", required=True, type=Path, metavar="FILE",
-                   help="The archive to write (skopeo copy oci-archive:FILE ... pushes it).")
+    p.add_argument(
+        "--oci",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="The archive to write (skopeo copy oci-archive:FILE ... pushes it).",
+    )
     add_json(p)
     p.set_defaults(handler=export)
 
 
 def add_import(commands: Any) -> None:
-    p = commands.add_parser("import", help="Store the checkpoint of an OCI image archive (as "
-                                           "`export` writes it) as a new checkpoint.")
+    p = commands.add_parser(
+        "import",
+        help="Store the checkpoint of an OCI image archive (as "
+        "`export` writes it) as a new checkpoint.",
+    )
     p.add_argument("archive", type=Path, metavar="FILE")
-    p.add_argument("--label", default="", help="Label of the new checkpoint (default: the "
-                                                 "archive's).")
-    p.add_argument("--namespace", default="", help="Namespace it belongs to (default: the "
-                                                   "archive's).")
+    p.add_argument(
+        "--label", default="", help="Label of the new checkpoint (default: the " "archive's)."
+    )
+    p.add_argument(
+        "--namespace", default="", help="Namespace it belongs to (default: the " "archive's)."
+    )
     add_json(p)
     p.set_defaults(handler=import_)
 
@@ -331,22 +484,33 @@ def export(args: argparse.Namespace, settings: Settings) -> None:
 
     validate_checkpoint_id(args.checkpoint)
     with Client(settings.socket) as client:
-        answer = client.request("POST", f"/k8s/checkpoints/{args.checkpoint}/export",
-                                {"path": str(args.oci.absolute())})
+        answer = client.request(
+            "POST", f"/k8s/checkpoints/{args.checkpoint}/export", {"path": str(args.oci.absolute())}
+        )
     if args.json:
         output.emit_json(answer)
     else:
-        output.say(f"checkpoint {args.checkpoint} written to {answer['path']} "
-                   f"({answer['size_bytes']} bytes, manifest {answer['digest']})")
+        output.say(
+            f"checkpoint {args.checkpoint} written to {answer['path']} "
+            f"({answer['size_bytes']} bytes, manifest {answer['digest']})"
+        )
 
 
 def import_(args: argparse.Namespace, settings: Settings) -> None:
     with Client(settings.socket) as client:
-        answer = client.request("POST", "/k8s/checkpoints/import",
-                                {"path": str(args.archive.absolute()), "label": args.label,
-                                 "namespace": args.namespace})
+        answer = client.request(
+            "POST",
+            "/k8s/checkpoints/import",
+            {
+                "path": str(args.archive.absolute()),
+                "label": args.label,
+                "namespace": args.namespace,
+            },
+        )
     if args.json:
         output.emit_json(answer)
     else:
-        output.say(f"checkpoint {answer['checkpoint']} (label {answer['label']}, namespace "
-                   f"{answer['namespace']}) imported from {args.archive}")
+        output.say(
+            f"checkpoint {answer['checkpoint']} (label {answer['label']}, namespace "
+            f"{answer['namespace']}) imported from {args.archive}"
+        )

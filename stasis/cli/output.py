@@ -87,8 +87,13 @@ def progress_bar(what: str, enabled: bool) -> Iterator[Callable[[int, int], None
     )
 
     with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(), console=console(), transient=True,
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console(),
+        transient=True,
     ) as bar:
         task = bar.add_task(what, total=None)
 

@@ -31,8 +31,9 @@ def _subparsers(p: argparse.ArgumentParser) -> argparse._SubParsersAction | None
     return None
 
 
-def commands(p: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ("stasis",)
-             ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
+def commands(
+    p: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ("stasis",)
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
     """Every command, depth first in the order they were added: (its words, its parser, the
     one line its parent's --help shows for it; "" for the top and for a hidden one)."""
     p = parser() if p is None else p
@@ -51,8 +52,11 @@ def expand(action: argparse.Action, prog: str) -> str:
     """The action's help with its %(default)s etc. filled in, as argparse does."""
     text = action.help or ""
     # Older Pythons append this to BooleanOptionalAction's help by themselves; newer do not.
-    text = text.removesuffix(" (default: %(default)s)") if isinstance(
-        action, argparse.BooleanOptionalAction) else text
+    text = (
+        text.removesuffix(" (default: %(default)s)")
+        if isinstance(action, argparse.BooleanOptionalAction)
+        else text
+    )
     params = dict(vars(action), prog=prog)
     for name in list(params):
         if params[name] is argparse.SUPPRESS:
@@ -105,14 +109,19 @@ def render() -> str:
         if description:
             out.append(f"\n{description}\n")
         sub = _subparsers(p)
-        rows = [a for a in p._actions
-                if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
+        rows = [
+            a
+            for a in p._actions
+            if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+        ]
         if rows:
             out.append("\n| argument | what it does |\n|---|---|\n")
             for action in rows:
                 required = " (required)" if action.required and action.option_strings else ""
-                out.append(f"| `{_cell(_argument(action))}`{required} | "
-                           f"{_cell(expand(action, p.prog) or 'see above')} |\n")
+                out.append(
+                    f"| `{_cell(_argument(action))}`{required} | "
+                    f"{_cell(expand(action, p.prog) or 'see above')} |\n"
+                )
         if sub is not None:
             names = ", ".join(f"`{n}`" for n in sub.choices)
             optional = "" if sub.required else " (optional)"

@@ -10,96 +10,163 @@ from typing import Any
 
 from stasis.cli import output
 from stasis.cli.args import add_json, int_range, subcommands
-from stasis.config import Settings
 from stasis.client import Client
+from stasis.config import Settings
 
 
 def add_slurm(commands: Any) -> None:
     """`stasis slurm install|uninstall|local-cluster ...` under the `stasis` parser."""
-    top = commands.add_parser("slurm", help="Slurm integration: plugin installer and a "
-                                            "throwaway local cluster.")
+    top = commands.add_parser(
+        "slurm", help="Slurm integration: plugin installer and a " "throwaway local cluster."
+    )
     sub = subcommands(top)
 
-    p = sub.add_parser("install", help="Install the plugin set on this node (idempotent; "
-                                       "`scontrol reconfigure` applies it).")
-    p.add_argument("--node-role", dest="roles", action="append", required=True,
-                   choices=["controller", "worker", "login"],
-                   help="What this node is; repeat for a node with several roles.")
+    p = sub.add_parser(
+        "install",
+        help="Install the plugin set on this node (idempotent; "
+        "`scontrol reconfigure` applies it).",
+    )
+    p.add_argument(
+        "--node-role",
+        dest="roles",
+        action="append",
+        required=True,
+        choices=["controller", "worker", "login"],
+        help="What this node is; repeat for a node with several roles.",
+    )
     _conf_option(p)
-    p.add_argument("--lib-dir", type=Path, default=Path("/usr/local/lib/stasis"),
-                   help="Where the SPANK plugin and the launcher go (worker; default: "
-                        "%(default)s).")
-    p.add_argument("--stasis-config", type=Path,
-                   help="The node daemon's config file (default: its own default).")
-    p.add_argument("--systemd-dir", type=Path, default=Path("/etc/systemd/system"),
-                   help="Where the daemon's unit file goes (worker; default: %(default)s).")
+    p.add_argument(
+        "--lib-dir",
+        type=Path,
+        default=Path("/usr/local/lib/stasis"),
+        help="Where the SPANK plugin and the launcher go (worker; default: " "%(default)s).",
+    )
+    p.add_argument(
+        "--stasis-config",
+        type=Path,
+        help="The node daemon's config file (default: its own default).",
+    )
+    p.add_argument(
+        "--systemd-dir",
+        type=Path,
+        default=Path("/etc/systemd/system"),
+        help="Where the daemon's unit file goes (worker; default: %(default)s).",
+    )
     p.add_argument("--no-systemd", action="store_true", help="Write no systemd unit.")
-    p.add_argument("--warn-s", type=int_range(5, 3600), default=60,
-                   help="Seconds before the time limit the job is told to checkpoint (at most "
-                        "a sixth of its time limit; default: %(default)s).")
-    p.add_argument("--dry-run", action="store_true",
-                   help="Print the exact changes; change nothing.")
+    p.add_argument(
+        "--warn-s",
+        type=int_range(5, 3600),
+        default=60,
+        help="Seconds before the time limit the job is told to checkpoint (at most "
+        "a sixth of its time limit; default: %(default)s).",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="Print the exact changes; change nothing."
+    )
     p.set_defaults(handler=install)
 
-    p = sub.add_parser("uninstall", help="Restore every file the installer touched, byte for "
-                                         "byte.")
+    p = sub.add_parser(
+        "uninstall", help="Restore every file the installer touched, byte for " "byte."
+    )
     _conf_option(p)
-    p.add_argument("--dry-run", action="store_true",
-                   help="Print what would be restored; change nothing.")
+    p.add_argument(
+        "--dry-run", action="store_true", help="Print what would be restored; change nothing."
+    )
     p.set_defaults(handler=uninstall)
 
-    local = sub.add_parser("local-cluster", help="A throwaway cluster on this machine (munge, "
-                                                 "slurmctld, slurmd and a stasis daemon per "
-                                                 "node).")
+    local = sub.add_parser(
+        "local-cluster",
+        help="A throwaway cluster on this machine (munge, "
+        "slurmctld, slurmd and a stasis daemon per "
+        "node).",
+    )
     lsub = subcommands(local)
-    p = lsub.add_parser("up", help="Start the cluster; then SLURM_CONF=<dir>/etc/slurm.conf "
-                                   "sbatch ... talks to it.")
+    p = lsub.add_parser(
+        "up",
+        help="Start the cluster; then SLURM_CONF=<dir>/etc/slurm.conf " "sbatch ... talks to it.",
+    )
     _dir_option(p)
-    p.add_argument("--nodes", type=int_range(1, 16), default=1,
-                   help="Nodes n1..nN; several are each a host of their own (a network and a "
-                        "UTS namespace, an address on a private bridge), sharing the store "
-                        "(default: %(default)s).")
-    p.add_argument("--without-stasis", action="append", default=[], metavar="NODE",
-                   help="A node with no stasis at all (no plugin, no daemon); repeatable.")
-    p.add_argument("--cpus", type=int_range(1, 256), default=8,
-                   help="CPUs of each node (default: %(default)s)")
-    p.add_argument("--gpus", type=int_range(0, 64), default=0,
-                   help="GPUs of each node as Slurm counts them (`--gres=gpu:N`, GPU-hours in "
-                        "accounting); without devices (default: %(default)s).")
-    p.add_argument("--job-container", action="store_true",
-                   help="Each job in a mount namespace with a private /tmp and /dev/shm "
-                        "(Slurm's job_container/tmpfs); --dir must not be under /tmp.")
-    p.add_argument("--cgroup", action="store_true",
-                   help="Slurm as sites run it: proctrack/cgroup and task/cgroup with "
-                        "ConstrainRAMSpace (--mem is a hard limit), each node's slurmd in a "
-                        "cgroup subtree of its own (cgroup/v2 where the machine has it, else "
-                        "v1).")
-    p.add_argument("--grace-s", type=int_range(1, 3600), default=10,
-                   help="GraceTime of the preemptable `low` partition (default: %(default)s).")
-    p.add_argument("--socket-group", default="",
-                   help="Restrict the stasis daemons' sockets to this group (default: every "
-                        "local user, each acting on their own jobs).")
+    p.add_argument(
+        "--nodes",
+        type=int_range(1, 16),
+        default=1,
+        help="Nodes n1..nN; several are each a host of their own (a network and a "
+        "UTS namespace, an address on a private bridge), sharing the store "
+        "(default: %(default)s).",
+    )
+    p.add_argument(
+        "--without-stasis",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="A node with no stasis at all (no plugin, no daemon); repeatable.",
+    )
+    p.add_argument(
+        "--cpus", type=int_range(1, 256), default=8, help="CPUs of each node (default: %(default)s)"
+    )
+    p.add_argument(
+        "--gpus",
+        type=int_range(0, 64),
+        default=0,
+        help="GPUs of each node as Slurm counts them (`--gres=gpu:N`, GPU-hours in "
+        "accounting); without devices (default: %(default)s).",
+    )
+    p.add_argument(
+        "--job-container",
+        action="store_true",
+        help="Each job in a mount namespace with a private /tmp and /dev/shm "
+        "(Slurm's job_container/tmpfs); --dir must not be under /tmp.",
+    )
+    p.add_argument(
+        "--cgroup",
+        action="store_true",
+        help="Slurm as sites run it: proctrack/cgroup and task/cgroup with "
+        "ConstrainRAMSpace (--mem is a hard limit), each node's slurmd in a "
+        "cgroup subtree of its own (cgroup/v2 where the machine has it, else "
+        "v1).",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=int_range(1, 3600),
+        default=10,
+        help="GraceTime of the preemptable `low` partition (default: %(default)s).",
+    )
+    p.add_argument(
+        "--socket-group",
+        default="",
+        help="Restrict the stasis daemons' sockets to this group (default: every "
+        "local user, each acting on their own jobs).",
+    )
     add_json(p, 'Print {"slurm_conf": PATH, "stasis_config": PATH, "nodes": [NAMES]}.')
     p.set_defaults(handler=up)
-    p.add_argument("--accounting", action="store_true",
-                   help="Also start slurmdbd with a private MariaDB (sacct, `stasis slurm "
-                        "report`).")
-    p = lsub.add_parser("down", help="Cancel its jobs and stop its daemons (the directory and "
-                                     "its logs stay).")
+    p.add_argument(
+        "--accounting",
+        action="store_true",
+        help="Also start slurmdbd with a private MariaDB (sacct, `stasis slurm " "report`).",
+    )
+    p = lsub.add_parser(
+        "down", help="Cancel its jobs and stop its daemons (the directory and " "its logs stay)."
+    )
     _dir_option(p)
     p.set_defaults(handler=down)
     p = lsub.add_parser("status", help="Which of its daemons run.")
     _dir_option(p)
     add_json(p)
     p.set_defaults(handler=status)
-    p = lsub.add_parser("exec", help="Run a command on a node: inside its namespaces, with its "
-                                     "stasis config and the cluster's SLURM_CONF.")
+    p = lsub.add_parser(
+        "exec",
+        help="Run a command on a node: inside its namespaces, with its "
+        "stasis config and the cluster's SLURM_CONF.",
+    )
     _dir_option(p)
     p.add_argument("node", help="The node (n1, n2, ...).")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     p.set_defaults(handler=exec_on)
-    p = lsub.add_parser("kill-node", help="The node fails: its slurmd, stasis daemon and job "
-                                          "processes killed without warning.")
+    p = lsub.add_parser(
+        "kill-node",
+        help="The node fails: its slurmd, stasis daemon and job "
+        "processes killed without warning.",
+    )
     _dir_option(p)
     p.add_argument("node")
     p.set_defaults(handler=kill_node)
@@ -108,8 +175,8 @@ def add_slurm(commands: Any) -> None:
     p.add_argument("node")
     p.set_defaults(handler=start_node)
 
-    from stasis.cli.slurm_remote import add_remote
     from stasis.cli.slurm_intervals import add_intervals
+    from stasis.cli.slurm_remote import add_remote
     from stasis.cli.slurm_report import add_report
 
     add_remote(sub)
@@ -118,26 +185,39 @@ def add_slurm(commands: Any) -> None:
 
 
 def _conf_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slurm-conf", type=Path, default=Path("/etc/slurm/slurm.conf"),
-                   help="The cluster's slurm.conf (the lua scripts go beside it; default: "
-                        "%(default)s).")
+    p.add_argument(
+        "--slurm-conf",
+        type=Path,
+        default=Path("/etc/slurm/slurm.conf"),
+        help="The cluster's slurm.conf (the lua scripts go beside it; default: " "%(default)s).",
+    )
 
 
 def _dir_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", dest="root", type=Path, default=Path("/tmp/stasis-local-cluster"),
-                   help="The cluster's private directory (default: %(default)s).")
+    p.add_argument(
+        "--dir",
+        dest="root",
+        type=Path,
+        default=Path("/tmp/stasis-local-cluster"),
+        help="The cluster's private directory (default: %(default)s).",
+    )
 
 
 def install(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.slurm import install as inst
 
-    inst.install(inst.InstallOptions(
-        roles=frozenset(args.roles), slurm_conf=args.slurm_conf.absolute(),
-        lib_dir=args.lib_dir.absolute(),
-        stasis_config=args.stasis_config.absolute() if args.stasis_config else None,
-        systemd_dir=None if args.no_systemd else args.systemd_dir.absolute(),
-        warn_s=args.warn_s,
-    ), out=sys.stdout, dry_run=args.dry_run)
+    inst.install(
+        inst.InstallOptions(
+            roles=frozenset(args.roles),
+            slurm_conf=args.slurm_conf.absolute(),
+            lib_dir=args.lib_dir.absolute(),
+            stasis_config=args.stasis_config.absolute() if args.stasis_config else None,
+            systemd_dir=None if args.no_systemd else args.systemd_dir.absolute(),
+            warn_s=args.warn_s,
+        ),
+        out=sys.stdout,
+        dry_run=args.dry_run,
+    )
 
 
 def uninstall(args: argparse.Namespace, settings: Settings) -> None:
@@ -149,19 +229,36 @@ def uninstall(args: argparse.Namespace, settings: Settings) -> None:
 def up(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.slurm import cluster
 
-    lay = cluster.up(args.root, cpus=args.cpus, grace_s=args.grace_s,
-                     socket_group=args.socket_group, accounting=args.accounting,
-                     nodes=args.nodes, without_stasis=tuple(args.without_stasis),
-                     gpus=args.gpus, job_container=args.job_container, cgroup=args.cgroup)
+    lay = cluster.up(
+        args.root,
+        cpus=args.cpus,
+        grace_s=args.grace_s,
+        socket_group=args.socket_group,
+        accounting=args.accounting,
+        nodes=args.nodes,
+        without_stasis=tuple(args.without_stasis),
+        gpus=args.gpus,
+        job_container=args.job_container,
+        cgroup=args.cgroup,
+    )
     if args.json:
-        output.emit_json({"slurm_conf": str(lay.slurm_conf),
-                          "stasis_config": str(lay.stasis_config), "nodes": lay.nodes()})
+        output.emit_json(
+            {
+                "slurm_conf": str(lay.slurm_conf),
+                "stasis_config": str(lay.stasis_config),
+                "nodes": lay.nodes(),
+            }
+        )
     else:
-        output.say(f"local cluster up in {lay.root}: node(s) {', '.join(lay.nodes())}\n"
-                   f"  export SLURM_CONF={lay.slurm_conf} STASIS_CONFIG={lay.stasis_config}")
+        output.say(
+            f"local cluster up in {lay.root}: node(s) {', '.join(lay.nodes())}\n"
+            f"  export SLURM_CONF={lay.slurm_conf} STASIS_CONFIG={lay.stasis_config}"
+        )
         if len(lay.nodes()) > 1:
-            output.say(f"  on a node: stasis slurm local-cluster exec --dir {lay.root} "
-                       f"{lay.nodes()[1]} -- CMD ...")
+            output.say(
+                f"  on a node: stasis slurm local-cluster exec --dir {lay.root} "
+                f"{lay.nodes()[1]} -- CMD ..."
+            )
 
 
 def down(args: argparse.Namespace, settings: Settings) -> None:

@@ -14,8 +14,11 @@ from stasis.config import Settings
 
 
 def add_intervals(sub: Any) -> None:
-    p = sub.add_parser("intervals", help="Each Slurm job's periodic checkpoint interval on this "
-                                         "node, and why (root: every job; a user: their own).")
+    p = sub.add_parser(
+        "intervals",
+        help="Each Slurm job's periodic checkpoint interval on this "
+        "node, and why (root: every job; a user: their own).",
+    )
     add_json(p)
     p.set_defaults(handler=intervals)
 
@@ -26,7 +29,17 @@ def intervals(args: argparse.Namespace, settings: Settings) -> None:
     if args.json:
         output.emit_json(found)
         return
-    output.table([{"job": e["slurm_job"], "user": e["user"], "partition": e["partition"],
-                   "asked": e["requested"], "interval_s": f"{e['interval_s']:.1f}",
-                   "why": e["why"]} for e in found],
-                 ["job", "user", "partition", "asked", "interval_s", "why"])
+    output.table(
+        [
+            {
+                "job": e["slurm_job"],
+                "user": e["user"],
+                "partition": e["partition"],
+                "asked": e["requested"],
+                "interval_s": f"{e['interval_s']:.1f}",
+                "why": e["why"],
+            }
+            for e in found
+        ],
+        ["job", "user", "partition", "asked", "interval_s", "why"],
+    )

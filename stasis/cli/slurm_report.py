@@ -25,22 +25,33 @@ if TYPE_CHECKING:
 def add_report(sub: Any) -> None:
     """`stasis slurm report ...` under `stasis slurm`."""
     p = sub.add_parser(
-        "report", help="What time limits, memory over-requests and preemptions cost, per user, "
-                       "account and partition, from Slurm's accounting (sacct).")
-    p.add_argument("--since", metavar="DATE",
-                   help="Start of the period: YYYY-MM-DD or an ISO datetime, local time "
-                        "(default: 30 days before --until, at midnight).")
-    p.add_argument("--until", metavar="DATE",
-                   help="End of the period, excluded (default: now).")
-    p.add_argument("--window-h", type=_hours, default=24.0, metavar="HOURS",
-                   help="A job of the same user, name and directory starting this soon after a "
-                        "TIMEOUT is its resubmission (default: %(default)g).")
+        "report",
+        help="What time limits, memory over-requests and preemptions cost, per user, "
+        "account and partition, from Slurm's accounting (sacct).",
+    )
+    p.add_argument(
+        "--since",
+        metavar="DATE",
+        help="Start of the period: YYYY-MM-DD or an ISO datetime, local time "
+        "(default: 30 days before --until, at midnight).",
+    )
+    p.add_argument("--until", metavar="DATE", help="End of the period, excluded (default: now).")
+    p.add_argument(
+        "--window-h",
+        type=_hours,
+        default=24.0,
+        metavar="HOURS",
+        help="A job of the same user, name and directory starting this soon after a "
+        "TIMEOUT is its resubmission (default: %(default)g).",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="Print one JSON value.")
-    fmt.add_argument("--csv", action="store_true",
-                     help="Print CSV: one row per user, account and partition.")
-    fmt.add_argument("--html", type=Path, metavar="FILE",
-                     help="Write a self-contained page with charts to FILE.")
+    fmt.add_argument(
+        "--csv", action="store_true", help="Print CSV: one row per user, account and partition."
+    )
+    fmt.add_argument(
+        "--html", type=Path, metavar="FILE", help="Write a self-contained page with charts to FILE."
+    )
     p.set_defaults(handler=report)
 
 
@@ -75,8 +86,10 @@ def report(args: argparse.Namespace, settings: Settings) -> None:
             target.write_text(report_html.render(result))
         except OSError as e:
             raise StasisError(f"cannot write {args.html}: {e.strerror}") from e
-        output.plain(f"wrote {args.html}: {result.totals.jobs} jobs, "
-                     f"{since.isoformat(sep=' ')} to {until.isoformat(sep=' ')}")
+        output.plain(
+            f"wrote {args.html}: {result.totals.jobs} jobs, "
+            f"{since.isoformat(sep=' ')} to {until.isoformat(sep=' ')}"
+        )
     else:
         show(result)
 
@@ -99,28 +112,50 @@ def _h(value: float) -> str:
 
 def show(result: "Report") -> None:
     t = result.totals
-    output.plain(f"Slurm jobs that ended {result.since.isoformat(sep=' ')} to "
-                 f"{result.until.isoformat(sep=' ')}: {t.jobs}, {_h(t.node_hours)} node-hours")
-    output.plain(f"  TIMEOUT: {t.timeout_jobs} jobs, {_h(t.timeout_node_hours)} node-hours, "
-                 f"{_h(t.timeout_gpu_hours)} GPU-hours ({_h(t.timeout_overshoot_node_hours)} "
-                 "past the limit)")
-    output.plain(f"  resubmitted after a TIMEOUT: {t.resubmitted_jobs} jobs, "
-                 f"{_h(t.resubmit_redone_node_hours)} node-hours redone")
-    output.plain(f"  memory: {t.mem_overrequest_jobs} of {t.mem_measured_jobs} measured jobs "
-                 f"used under half their request, {_h(t.mem_blocked_node_hours)} node-hours "
-                 "blocked")
-    output.plain(f"  preempted or requeued: {t.preempted_jobs} jobs, "
-                 f"{_h(t.preempt_redone_node_hours)} node-hours redone; stasis kept "
-                 f"{_h(t.kept_node_hours)} node-hours of {t.protected_jobs} protected jobs")
+    output.plain(
+        f"Slurm jobs that ended {result.since.isoformat(sep=' ')} to "
+        f"{result.until.isoformat(sep=' ')}: {t.jobs}, {_h(t.node_hours)} node-hours"
+    )
+    output.plain(
+        f"  TIMEOUT: {t.timeout_jobs} jobs, {_h(t.timeout_node_hours)} node-hours, "
+        f"{_h(t.timeout_gpu_hours)} GPU-hours ({_h(t.timeout_overshoot_node_hours)} "
+        "past the limit)"
+    )
+    output.plain(
+        f"  resubmitted after a TIMEOUT: {t.resubmitted_jobs} jobs, "
+        f"{_h(t.resubmit_redone_node_hours)} node-hours redone"
+    )
+    output.plain(
+        f"  memory: {t.mem_overrequest_jobs} of {t.mem_measured_jobs} measured jobs "
+        f"used under half their request, {_h(t.mem_blocked_node_hours)} node-hours "
+        "blocked"
+    )
+    output.plain(
+        f"  preempted or requeued: {t.preempted_jobs} jobs, "
+        f"{_h(t.preempt_redone_node_hours)} node-hours redone; stasis kept "
+        f"{_h(t.kept_node_hours)} node-hours of {t.protected_jobs} protected jobs"
+    )
     if not result.groups:
         return
-    rows = [{"user": u, "account": a, "partition": p, "jobs": c.jobs,
-             "node-h": _h(c.node_hours), "timeout": c.timeout_jobs,
-             "timeout node-h": _h(c.timeout_node_hours), "GPU-h": _h(c.timeout_gpu_hours),
-             "resubmitted": c.resubmitted_jobs, "redone": _h(c.resubmit_redone_node_hours),
-             "mem over": c.mem_overrequest_jobs, "blocked": _h(c.mem_blocked_node_hours),
-             "preempted": c.preempted_jobs, "preempt redone": _h(c.preempt_redone_node_hours),
-             "kept": _h(c.kept_node_hours)}
-            for (u, a, p), c in sorted(result.groups.items())]
+    rows = [
+        {
+            "user": u,
+            "account": a,
+            "partition": p,
+            "jobs": c.jobs,
+            "node-h": _h(c.node_hours),
+            "timeout": c.timeout_jobs,
+            "timeout node-h": _h(c.timeout_node_hours),
+            "GPU-h": _h(c.timeout_gpu_hours),
+            "resubmitted": c.resubmitted_jobs,
+            "redone": _h(c.resubmit_redone_node_hours),
+            "mem over": c.mem_overrequest_jobs,
+            "blocked": _h(c.mem_blocked_node_hours),
+            "preempted": c.preempted_jobs,
+            "preempt redone": _h(c.preempt_redone_node_hours),
+            "kept": _h(c.kept_node_hours),
+        }
+        for (u, a, p), c in sorted(result.groups.items())
+    ]
     output.plain("")
     output.table(rows, list(rows[0]))

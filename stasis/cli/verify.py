@@ -19,18 +19,24 @@ def verify(args: argparse.Namespace, settings: Settings) -> None:
     if args.json:
         output.emit_json(verdict)
     if not verdict["ok"]:
-        raise RestoreError(f"checkpoint {verdict['checkpoint']} failed verification: "
-                           f"{verdict['reason']}")
+        raise RestoreError(
+            f"checkpoint {verdict['checkpoint']} failed verification: " f"{verdict['reason']}"
+        )
     if not args.json:
-        output.say(f"checkpoint {verdict['checkpoint']} verified: its {verdict['processes']} "
-                   f"process(es) restored in a sandbox on {verdict['node']} "
-                   f"({verdict['duration_s']:g} s)")
+        output.say(
+            f"checkpoint {verdict['checkpoint']} verified: its {verdict['processes']} "
+            f"process(es) restored in a sandbox on {verdict['node']} "
+            f"({verdict['duration_s']:g} s)"
+        )
 
 
 def add_verify(sub: Any) -> None:
-    p = sub.add_parser("verify", help="Restore CHECKPOINT in a sandbox (stopped, no network, "
-                                      "removed after) to know it will come back; records the "
-                                      "verdict in the store.")
+    p = sub.add_parser(
+        "verify",
+        help="Restore CHECKPOINT in a sandbox (stopped, no network, "
+        "removed after) to know it will come back; records the "
+        "verdict in the store.",
+    )
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     add_json(p)
     p.set_defaults(handler=verify)

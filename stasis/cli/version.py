@@ -20,8 +20,7 @@ def _criu(settings: Settings) -> tuple[str | None, str | None]:
     except CRIUNotFoundError:
         return None, None
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return path, None
     found = re.search(r"Version:\s*(\S+)", out)
@@ -33,5 +32,12 @@ def print_version(as_json: bool, settings: Settings) -> None:
         output.plain(f"stasis {__version__}")
         return
     criu_path, criu_version = _criu(settings)
-    output.emit_json({"stasis": __version__, "python": platform.python_version(),
-                      "criu": criu_version, "criu_path": criu_path, "kernel": platform.release()})
+    output.emit_json(
+        {
+            "stasis": __version__,
+            "python": platform.python_version(),
+            "criu": criu_version,
+            "criu_path": criu_path,
+            "kernel": platform.release(),
+        }
+    )

@@ -47,17 +47,23 @@ HERE = Path(__file__).parent
 _STATIC = {"style.css": "text/css", "live.js": "text/javascript"}
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
-                               "img-src 'self'; connect-src 'self'; form-action 'self'; "
-                               "frame-ancestors 'none'; base-uri 'none'",
+    "img-src 'self'; connect-src 'self'; form-action 'self'; "
+    "frame-ancestors 'none'; base-uri 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
     # Not no-referrer: with it browsers send `Origin: null` on the forms' own POSTs.
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-_PAGES = [("/ui/", "Nodes"), ("/ui/jobs", "Jobs"), ("/ui/checkpoints", "Checkpoints"),
-          ("/ui/policies", "Policies"), ("/ui/actions", "Actions"), ("/ui/events", "Events"),
-          ("/ui/savings", "Savings")]
+_PAGES = [
+    ("/ui/", "Nodes"),
+    ("/ui/jobs", "Jobs"),
+    ("/ui/checkpoints", "Checkpoints"),
+    ("/ui/policies", "Policies"),
+    ("/ui/actions", "Actions"),
+    ("/ui/events", "Events"),
+    ("/ui/savings", "Savings"),
+]
 _MAX_FLASH = 5
 
 
@@ -90,8 +96,7 @@ def _seg(value: object) -> str:
 
 
 def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
-                             autoescape=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
     env.filters["age"] = _age
     env.filters["size"] = human_size
     env.filters["seg"] = _seg
@@ -118,15 +123,18 @@ def _share(f: dict[str, str], key: str) -> float | None:
     if not raw:
         return None
     whole, _, part = raw.partition(".")
-    if not (raw.isascii() and whole.isdigit() and (not part or part.isdigit())) or \
-            len(raw) > 20:
+    if not (raw.isascii() and whole.isdigit() and (not part or part.isdigit())) or len(raw) > 20:
         raise UsageError(f"{key}: a number, not {raw[:40]!r}")
     return float(raw)
 
 
-def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
-           min_interval_s: int = policies.MIN_INTERVAL_S, behind_tls: bool = False
-           ) -> list[web.RouteDef]:
+def routes(
+    registry: Registry,
+    lost_after_s: float,
+    session_ttl_s: int,
+    min_interval_s: int = policies.MIN_INTERVAL_S,
+    behind_tls: bool = False,
+) -> list[web.RouteDef]:
     env = _environment()
     flashes: dict[str, list[tuple[str, str]]] = {}
 
@@ -152,12 +160,17 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
     def to_login() -> web.StreamResponse:
         return headers(web.HTTPSeeOther("/ui/login"))
 
-    def render(name: str, request: web.Request, session: Session | None, status: int = 200,
-               **values: Any) -> web.StreamResponse:
+    def render(
+        name: str, request: web.Request, session: Session | None, status: int = 200, **values: Any
+    ) -> web.StreamResponse:
         template = env.get_template(name)
-        values.update(pages=_PAGES, path=request.path, session=session,
-                      now=time.strftime("%H:%M:%S", time.gmtime()),
-                      flashes=flashes.pop(session.key, []) if session else [])
+        values.update(
+            pages=_PAGES,
+            path=request.path,
+            session=session,
+            now=time.strftime("%H:%M:%S", time.gmtime()),
+            flashes=flashes.pop(session.key, []) if session else [],
+        )
         if request.headers.get("X-Stasis-Fragment") == "1" and "live" in template.blocks:
             ctx = template.new_context(values)
             text = "".join(template.blocks["live"](ctx))
@@ -177,6 +190,7 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
             except StasisError as e:
                 return render(name, request, session, status=e.http_status, error=str(e))
             return render(name, request, session, error=None, **values)
+
         return handler
 
     async def form_of(request: web.Request) -> tuple[Session, dict[str, str]] | web.StreamResponse:
@@ -190,12 +204,16 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         data = await request.post()
         fields = {k: v for k, v in data.items() if isinstance(v, str)}
         if not session.csrf_ok(fields.get("csrf", "")):
-            return headers(web.Response(status=403, text="the form's CSRF token is missing or "
-                                                         "wrong: reload the page"))
+            return headers(
+                web.Response(
+                    status=403, text="the form's CSRF token is missing or " "wrong: reload the page"
+                )
+            )
         return session, fields
 
-    def action(do: Callable[[Session, web.Request, dict[str, str]], str], back: str
-               ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    def action(
+        do: Callable[[Session, web.Request, dict[str, str]], str], back: str
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
             got = await form_of(request)
             if isinstance(got, web.StreamResponse):
@@ -206,31 +224,41 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
             except StasisError as e:
                 flash(session, "error", str(e))
             return headers(web.HTTPSeeOther(back))
+
         return handler
 
     # -- pages --------------------------------------------------------------------------------
 
     def nodes(s: Session) -> dict[str, Any]:
         who = s.principal
-        clusters = registry.list_clusters() if who.kind == "admin" else \
-            [registry.cluster(who.cluster_id)] if who.cluster_id else []
+        clusters = (
+            registry.list_clusters()
+            if who.kind == "admin"
+            else [registry.cluster(who.cluster_id)]
+            if who.cluster_id
+            else []
+        )
         return {"clusters": clusters, "nodes": registry.list_nodes(who, lost_after_s)}
 
     def jobs(s: Session) -> dict[str, Any]:
         listed = registry.list_jobs(s.principal)
-        ready = [n for n in registry.list_nodes(s.principal, lost_after_s)
-                 if n["state"] == "ready"]
+        ready = [n for n in registry.list_nodes(s.principal, lost_after_s) if n["state"] == "ready"]
         for j in listed:
-            j["targets"] = [n["name"] for n in ready
-                            if n["cluster_id"] == j["cluster_id"] and n["name"] != j["node"]]
+            j["targets"] = [
+                n["name"]
+                for n in ready
+                if n["cluster_id"] == j["cluster_id"] and n["name"] != j["node"]
+            ]
         return {"jobs": listed}
 
     def checkpoints(s: Session) -> dict[str, Any]:
         return {"checkpoints": registry.list_checkpoints(s.principal, 300)}
 
     def policy_page(s: Session) -> dict[str, Any]:
-        return {"policies": policies.listed(registry, s.principal),
-                "min_interval_s": min_interval_s}
+        return {
+            "policies": policies.listed(registry, s.principal),
+            "min_interval_s": min_interval_s,
+        }
 
     async def policy_edit_page(request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
@@ -239,8 +267,7 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
             found = [p for p in policies.listed(registry, s.principal) if p["name"] == name]
             if not found:
                 raise NotFoundError(f"no policy {name}")
-            return {"p": found[0], "filters": policies.FILTERS,
-                    "min_interval_s": min_interval_s}
+            return {"p": found[0], "filters": policies.FILTERS, "min_interval_s": min_interval_s}
 
         return await page("policy_edit.html", one)(request)
 
@@ -269,16 +296,24 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
 
     def checkpoint_now(s: Session, request: web.Request, f: dict[str, str]) -> str:
         job, cluster, node = job_of(request, f)
-        cmd = registry.queue(s.principal, "checkpoint", job, {"leave_running": True,
-                                                              "reason": "dashboard"},
-                             cluster, node)
+        cmd = registry.queue(
+            s.principal,
+            "checkpoint",
+            job,
+            {"leave_running": True, "reason": "dashboard"},
+            cluster,
+            node,
+        )
         return f"checkpoint of job {job} on node {cmd['node']} asked ({cmd['id']})"
 
     def verify(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        cmd = registry.verify_checkpoint(s.principal, request.match_info["checkpoint"],
-                                         lost_after_s)
-        return (f"verify of checkpoint {cmd['args']['checkpoint']} asked on node "
-                f"{cmd['node']} ({cmd['id']})")
+        cmd = registry.verify_checkpoint(
+            s.principal, request.match_info["checkpoint"], lost_after_s
+        )
+        return (
+            f"verify of checkpoint {cmd['args']['checkpoint']} asked on node "
+            f"{cmd['node']} ({cmd['id']})"
+        )
 
     def migrate(s: Session, request: web.Request, f: dict[str, str]) -> str:
         job, cluster, node = job_of(request, f)
@@ -289,36 +324,51 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
 
     def add_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        p = policies.add(registry, s.principal, f.get("name", ""), _number(f, "every_s") or 0,
-                         f.get("action", ""),
-                         {k: f[k] for k in policies.FILTERS if f.get(k)}, _number(f, "keep"),
-                         _number(f, "older_than_s"), f.get("trigger") or "every",
-                         _share(f, "threshold_pct"), f.get("stop") == "1",
-                         min_interval_s=min_interval_s)
+        p = policies.add(
+            registry,
+            s.principal,
+            f.get("name", ""),
+            _number(f, "every_s") or 0,
+            f.get("action", ""),
+            {k: f[k] for k in policies.FILTERS if f.get(k)},
+            _number(f, "keep"),
+            _number(f, "older_than_s"),
+            f.get("trigger") or "every",
+            _share(f, "threshold_pct"),
+            f.get("stop") == "1",
+            min_interval_s=min_interval_s,
+        )
         if p.get("hook_token"):
-            return (f"policy {p['name']} added; its hook token (shown once, it runs this "
-                    f"policy only): {p['hook_token']}")
+            return (
+                f"policy {p['name']} added; its hook token (shown once, it runs this "
+                f"policy only): {p['hook_token']}"
+            )
         return f"policy {p['name']} added"
 
     def edit_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
         name = request.match_info["name"]
         changes: dict[str, Any] = {
-            "every_s": _number(f, "every_s") or 0, "action": f.get("action", ""),
-            "trigger": f.get("trigger") or "every", "keep": _number(f, "keep"),
+            "every_s": _number(f, "every_s") or 0,
+            "action": f.get("action", ""),
+            "trigger": f.get("trigger") or "every",
+            "keep": _number(f, "keep"),
             "older_than_s": _number(f, "older_than_s"),
             "threshold_pct": _share(f, "threshold_pct"),
-            "stop": f.get("stop") == "1", "completed": f.get("completed") == "1",
+            "stop": f.get("stop") == "1",
+            "completed": f.get("completed") == "1",
             "enabled": f.get("enabled") == "1",
-            "filters": {k: f.get(k, "").strip() for k in policies.FILTERS}}
+            "filters": {k: f.get(k, "").strip() for k in policies.FILTERS},
+        }
         p = policies.edit(registry, s.principal, name, changes, min_interval_s)
         if p.get("hook_token"):
-            return (f"policy {name} saved; its hook token (shown once, it runs this policy "
-                    f"only): {p['hook_token']}")
+            return (
+                f"policy {name} saved; its hook token (shown once, it runs this policy "
+                f"only): {p['hook_token']}"
+            )
         return f"policy {name} saved"
 
     def run_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        done = policies.run_now(registry, s.principal, request.match_info["name"],
-                                lost_after_s)
+        done = policies.run_now(registry, s.principal, request.match_info["name"], lost_after_s)
         return f"policy {done['name']} ran: {done['queued']} command(s)"
 
     def remove_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
@@ -345,8 +395,15 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         response = web.HTTPSeeOther("/ui/")
         # Behind a TLS-terminating proxy the request arrives here over plain HTTP, but the
         # browser speaks HTTPS: the cookie must still never go out over plain HTTP.
-        response.set_cookie(COOKIE, sid, max_age=session_ttl_s, path="/ui", httponly=True,
-                            samesite="Strict", secure=request.secure or behind_tls)
+        response.set_cookie(
+            COOKIE,
+            sid,
+            max_age=session_ttl_s,
+            path="/ui",
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure or behind_tls,
+        )
         return headers(response)
 
     async def logout(request: web.Request) -> web.StreamResponse:
@@ -362,8 +419,9 @@ def routes(registry: Registry, lost_after_s: float, session_ttl_s: int,
         name = request.match_info["name"]
         if name not in _STATIC:
             raise web.HTTPNotFound()
-        return headers(web.Response(body=(HERE / "static" / name).read_bytes(),
-                                    content_type=_STATIC[name]))
+        return headers(
+            web.Response(body=(HERE / "static" / name).read_bytes(), content_type=_STATIC[name])
+        )
 
     async def root(request: web.Request) -> web.StreamResponse:
         return headers(web.HTTPSeeOther("/ui/"))

@@ -70,8 +70,13 @@ def build_wheel(cache_dir: Path) -> Path:
     if not meta:
         raise UsageError("this stasis has no package metadata to build a wheel from")
     entries.append((f"{info}/METADATA", meta.encode()))
-    entries.append((f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: stasis\n"
-                                     b"Root-Is-Purelib: true\nTag: py3-none-any\n"))
+    entries.append(
+        (
+            f"{info}/WHEEL",
+            b"Wheel-Version: 1.0\nGenerator: stasis\n"
+            b"Root-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+    )
     points = dist.read_text("entry_points.txt")
     if points:
         entries.append((f"{info}/entry_points.txt", points.encode()))
@@ -83,8 +88,11 @@ def build_wheel(cache_dir: Path) -> Path:
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
             for name, data in entries:
-                z.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data,
-                           zipfile.ZIP_DEFLATED)
+                z.writestr(
+                    zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)),
+                    data,
+                    zipfile.ZIP_DEFLATED,
+                )
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -104,14 +112,22 @@ def _digest(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def slurm_script(url: str, cluster_id: str, cluster_name: str, token: str,
-                 wheel_sha256: str) -> str:
+def slurm_script(
+    url: str, cluster_id: str, cluster_name: str, token: str, wheel_sha256: str
+) -> str:
     """The installer a node pipes into `sudo -E bash -s -- --node-role ROLE ...`: it installs
     only a wheel whose SHA-256 is `wheel_sha256`, and never puts `token` on a command line."""
     q = shlex.quote
     # One pass: a value holding another's @NAME@ must not be substituted again.
-    values = {"URL": url, "CLUSTER_ID": cluster_id, "CLUSTER": cluster_name, "TOKEN": token,
-              "VERSION": version(), "WHEEL": wheel_name(), "WHEEL_SHA256": wheel_sha256}
+    values = {
+        "URL": url,
+        "CLUSTER_ID": cluster_id,
+        "CLUSTER": cluster_name,
+        "TOKEN": token,
+        "VERSION": version(),
+        "WHEEL": wheel_name(),
+        "WHEEL_SHA256": wheel_sha256,
+    }
     return re.sub(r"@([A-Z_0-9]+)@", lambda m: q(values[m.group(1)]), _SCRIPT)
 
 
@@ -234,8 +250,14 @@ STASIS_CONFIG="$config" "$prefix/bin/stasis" check >&2 ||
 """
 
 
-def join(config: Path, url: str, cluster_id: str, token: str, node: str | None,
-         allow_plain_http: bool = False) -> list[str]:
+def join(
+    config: Path,
+    url: str,
+    cluster_id: str,
+    token: str,
+    node: str | None,
+    allow_plain_http: bool = False,
+) -> list[str]:
     """Put the control plane's settings into the daemon's config file `config` (created 0600;
     other keys kept); the keys written."""
     import tomllib
@@ -246,8 +268,11 @@ def join(config: Path, url: str, cluster_id: str, token: str, node: str | None,
             values = tomllib.loads(config.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UsageError(f"cannot read the config file {config}: {e}") from None
-    new: dict[str, object] = {"controlplane_url": url, "cluster_id": cluster_id,
-                              "auth_token": token}
+    new: dict[str, object] = {
+        "controlplane_url": url,
+        "cluster_id": cluster_id,
+        "auth_token": token,
+    }
     if node:
         new["node_name"] = node
     if allow_plain_http:
@@ -256,8 +281,10 @@ def join(config: Path, url: str, cluster_id: str, token: str, node: str | None,
     lines = []
     for key, value in values.items():
         if isinstance(value, dict):
-            raise UsageError(f"config file {config} has a table [{key}]: add the control "
-                             "plane's settings to it by hand")
+            raise UsageError(
+                f"config file {config} has a table [{key}]: add the control "
+                "plane's settings to it by hand"
+            )
         lines.append(f"{key} = {_toml(value)}")
     config.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=config.parent, prefix=".config-")

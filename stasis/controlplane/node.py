@@ -58,10 +58,9 @@ import socket
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from importlib.metadata import version
 from typing import Any
-
-from dataclasses import asdict
 
 from sqlalchemy import (
     Boolean,
@@ -108,7 +107,8 @@ _CHECKPOINT = r"[A-Za-z0-9._-]{1,64}"  # a checkpoint id, as the store has them
 # What the node did (stasis.daemon.activity) until a heartbeat has carried it to the control
 # plane: kept here so that a control plane that is down for a while still hears of it all.
 outbox_table = Table(
-    "controlplane_outbox", MetaData(),
+    "controlplane_outbox",
+    MetaData(),
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("body", Text, nullable=False),  # JSON of an Activity
 )
@@ -116,7 +116,8 @@ _OUTBOX_MAX = 10_000  # beyond that the oldest are dropped: a control plane gone
 _PER_BEAT = 500
 
 done_table = Table(
-    "controlplane_done", MetaData(),
+    "controlplane_done",
+    MetaData(),
     Column("command_id", String(40), primary_key=True),
     Column("ok", Boolean, nullable=False),
     Column("result", Text, nullable=False),
@@ -131,7 +132,8 @@ done_table = Table(
 # checkpoints go, and the newest creation time among them stays as the row _WATERMARK, under
 # which a seal is refused unseen (its checkpoint's signed manifest says when it was taken).
 restored_table = Table(
-    "controlplane_restored", MetaData(),
+    "controlplane_restored",
+    MetaData(),
     Column("migration", String(100), primary_key=True),
     Column("checkpoint", String(100), nullable=False),
     Column("job", String(100), nullable=True),
@@ -147,7 +149,8 @@ _RESTORED_MAX = 100_000
 # already restored) instead of being done again (a stopped job checkpointed twice fails "not
 # running", a migration restored twice runs twice).
 intent_table = Table(
-    "controlplane_intent", MetaData(),
+    "controlplane_intent",
+    MetaData(),
     Column("command_id", String(40), primary_key=True),
     Column("kind", String(40), nullable=False),
     Column("job", String(100), nullable=False),  # the job (checkpoint) or migration (restore)
@@ -179,8 +182,12 @@ class ControlPlaneNode(Integration):
         self.client: ControlPlaneClient | None = None
         if s.controlplane_url:
             try:
-                self.client = ControlPlaneClient(s.controlplane_url, s.auth_token, timeout_s=10,
-                                                 allow_plain_http=s.controlplane_allow_plain_http)
+                self.client = ControlPlaneClient(
+                    s.controlplane_url,
+                    s.auth_token,
+                    timeout_s=10,
+                    allow_plain_http=s.controlplane_allow_plain_http,
+                )
             except UsageError as e:  # the node goes on protecting its jobs, unjoined
                 log.error("not joining the control plane: %s", e)
         self._credential_path = s.state_dir / CREDENTIAL_FILE
@@ -222,29 +229,40 @@ class ControlPlaneNode(Integration):
         except FileNotFoundError:
             return None
         except OSError as e:
-            log.warning("control plane: cannot read %s (%s): joining with the cluster token",
-                        self._credential_path, e.strerror)
+            log.warning(
+                "control plane: cannot read %s (%s): joining with the cluster token",
+                self._credential_path,
+                e.strerror,
+            )
             return None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                log.warning("control plane: %s is not %d's alone (mode %o): ignored, joining "
-                            "with the cluster token", self._credential_path, os.geteuid(),
-                            st.st_mode & 0o777)
+                log.warning(
+                    "control plane: %s is not %d's alone (mode %o): ignored, joining "
+                    "with the cluster token",
+                    self._credential_path,
+                    os.geteuid(),
+                    st.st_mode & 0o777,
+                )
                 return None
             try:
                 kept = json.loads(f.read(4096))
             except ValueError:
                 return None
-        if not isinstance(kept, dict) or not isinstance(kept.get("token"), str) or \
-                {k: kept.get(k) for k in ("url", "cluster_id", "node")} != self._bound_to():
+        if (
+            not isinstance(kept, dict)
+            or not isinstance(kept.get("token"), str)
+            or {k: kept.get(k) for k in ("url", "cluster_id", "node")} != self._bound_to()
+        ):
             return None
         return str(kept["token"])
 
     def _keep_credential(self, token: str) -> None:
         """Written new (0600, no link followed), then renamed over the old one."""
-        write_atomically(self._credential_path,
-                         json.dumps({**self._bound_to(), "token": token}).encode())
+        write_atomically(
+            self._credential_path, json.dumps({**self._bound_to(), "token": token}).encode()
+        )
 
     def _forget_credential(self) -> None:
         assert self.client is not None
@@ -265,14 +283,18 @@ class ControlPlaneNode(Integration):
             self._keep_credential(token)
             self._credential = token
             self.client.token = token
-            log.info("got this node's own credential from the control plane (kept in %s)",
-                     self._credential_path)
+            log.info(
+                "got this node's own credential from the control plane (kept in %s)",
+                self._credential_path,
+            )
         pending = isinstance(joined, dict) and joined.get("approved") is False
         if pending and not self._pending_said:
             # said once while it stays pending: it heartbeats, but leases no command
-            log.warning("joined the control plane, pending: an admin approves this node "
-                        "(`stasis controlplane nodes approve %s`) before it is given commands",
-                        self.manager.settings.node)
+            log.warning(
+                "joined the control plane, pending: an admin approves this node "
+                "(`stasis controlplane nodes approve %s`) before it is given commands",
+                self.manager.settings.node,
+            )
         self._pending_said = pending
 
     def prepare(self) -> None:
@@ -295,8 +317,9 @@ class ControlPlaneNode(Integration):
 
     def _outbox(self) -> tuple[list[int], list[dict[str, Any]]]:
         with self.manager.db.transaction() as conn:
-            rows = conn.execute(select(outbox_table).order_by(outbox_table.c.id)
-                                .limit(_PER_BEAT)).all()
+            rows = conn.execute(
+                select(outbox_table).order_by(outbox_table.c.id).limit(_PER_BEAT)
+            ).all()
         return [r.id for r in rows], [json.loads(r.body) for r in rows]
 
     @staticmethod
@@ -304,10 +327,13 @@ class ControlPlaneNode(Integration):
         """What a heartbeat carries of the outbox: checkpoints and restores as `activity`,
         the verdicts of `stasis verify` as `verdicts` (only when there are some: a control
         plane from before them refuses the key)."""
-        verdicts = [{k: v for k, v in a.items() if k != "kind"} for a in outbox
-                    if a.get("kind") == "verify"]
-        return {"activity": [a for a in outbox if a.get("kind") != "verify"],
-                **({"verdicts": verdicts} if verdicts else {})}
+        verdicts = [
+            {k: v for k, v in a.items() if k != "kind"} for a in outbox if a.get("kind") == "verify"
+        ]
+        return {
+            "activity": [a for a in outbox if a.get("kind") != "verify"],
+            **({"verdicts": verdicts} if verdicts else {}),
+        }
 
     def _sent(self, ids: list[int]) -> None:
         if ids:
@@ -317,8 +343,13 @@ class ControlPlaneNode(Integration):
     def tasks(self) -> Sequence[Task]:
         if self.client is None:
             return ()
-        return [Task("report to the control plane", self.manager.settings.controlplane_heartbeat_s,
-                     self.beat)]
+        return [
+            Task(
+                "report to the control plane",
+                self.manager.settings.controlplane_heartbeat_s,
+                self.beat,
+            )
+        ]
 
     def report(self) -> dict[str, Any]:
         from stasis.engine.check import run_check
@@ -327,13 +358,17 @@ class ControlPlaneNode(Integration):
         check = run_check(s)
         unready = self._readiness()
         self._unready = unready
-        return {"name": s.node, "cluster_id": s.cluster_id or None,
-                "host": socket.gethostname(), "stasis_version": version("stasis"),
-                "criu_version": check["criu_version"], "slurm_version": _slurm_version(),
-                "check_ok": check["ok"] and not unready,
-                "problems": (unready + [f"{p['what']} ({p['fix']})"
-                                        for p in check["problems"]])[:50],
-                "jobs": sum(1 for j in self._jobs() if j["state"] == "running")}
+        return {
+            "name": s.node,
+            "cluster_id": s.cluster_id or None,
+            "host": socket.gethostname(),
+            "stasis_version": version("stasis"),
+            "criu_version": check["criu_version"],
+            "slurm_version": _slurm_version(),
+            "check_ok": check["ok"] and not unready,
+            "problems": (unready + [f"{p['what']} ({p['fix']})" for p in check["problems"]])[:50],
+            "jobs": sum(1 for j in self._jobs() if j["state"] == "running"),
+        }
 
     def _readiness(self) -> list[str]:
         """Why the daemon cannot protect jobs now (its database unusable, its journal not
@@ -348,10 +383,21 @@ class ControlPlaneNode(Integration):
         return [" ".join(f"{p['what']} ({p['fix']})".split())[:1000] for p in found]
 
     def _jobs(self) -> list[dict[str, Any]]:
-        mine = [{"job": j["job"], "label": j["label"], "user": j["user"], "state": j["state"],
-                 "restored_from": j["checkpoint"], "started": j["created"], "kind": "daemon",
-                 "partition": None, "rss_bytes": _rss(j["pid"])}
-                for j in self.manager.jobs(_ROOT) if j["state"] in _ALIVE]
+        mine = [
+            {
+                "job": j["job"],
+                "label": j["label"],
+                "user": j["user"],
+                "state": j["state"],
+                "restored_from": j["checkpoint"],
+                "started": j["created"],
+                "kind": "daemon",
+                "partition": None,
+                "rss_bytes": _rss(j["pid"]),
+            }
+            for j in self.manager.jobs(_ROOT)
+            if j["state"] in _ALIVE
+        ]
         return mine + [dict(j) for j in self.manager.reported_jobs()]
 
     def _scheduler_state(self) -> str | None:
@@ -384,18 +430,27 @@ class ControlPlaneNode(Integration):
         assert self.client is not None
         try:
             # A change in readiness is reported at once (a register), not at the next check.
-            if not self._registered or self._beats % _CHECK_EVERY == 0 or \
-                    self._readiness() != self._unready:
+            if (
+                not self._registered
+                or self._beats % _CHECK_EVERY == 0
+                or self._readiness() != self._unready
+            ):
                 self._register()
                 if not self._registered:
-                    log.info("joined the control plane at %s as node %s", self.client.url,
-                             self.manager.settings.node)
+                    log.info(
+                        "joined the control plane at %s as node %s",
+                        self.client.url,
+                        self.manager.settings.node,
+                    )
                 self._registered = True
             else:
                 ids, outbox = self._outbox()
-                body = {"jobs": self._jobs(), **self._report_of(outbox),
-                        "mem_total_bytes": _mem_total(),
-                        "scheduler_state": self._scheduler_state()}
+                body = {
+                    "jobs": self._jobs(),
+                    **self._report_of(outbox),
+                    "mem_total_bytes": _mem_total(),
+                    "scheduler_state": self._scheduler_state(),
+                }
                 path = f"/api/v1/nodes/{self.manager.settings.node}/heartbeat"
                 try:
                     self.client.request("POST", path, body)
@@ -405,11 +460,15 @@ class ControlPlaneNode(Integration):
                     # A control plane older than verdicts refuses the key: the node is not
                     # to look lost to it for that. Its verdicts are dropped, said once.
                     if not self._no_verdicts_said:
-                        log.warning("control plane: it takes no verdicts of `stasis verify` "
-                                    "(%s): this node's are not reported to it", e)
+                        log.warning(
+                            "control plane: it takes no verdicts of `stasis verify` "
+                            "(%s): this node's are not reported to it",
+                            e,
+                        )
                         self._no_verdicts_said = True
-                    self.client.request("POST", path, {k: v for k, v in body.items()
-                                                       if k != "verdicts"})
+                    self.client.request(
+                        "POST", path, {k: v for k, v in body.items() if k != "verdicts"}
+                    )
                 self._sent(ids)
             self._beats += 1
             self._renew()
@@ -422,8 +481,11 @@ class ControlPlaneNode(Integration):
         except Unauthorized as e:
             if self._credential is not None:
                 # Reset by an admin, or a control plane that lost it: join again.
-                log.info("control plane: this node's credential is no longer known (%s): "
-                         "joining again with the cluster token", e)
+                log.info(
+                    "control plane: this node's credential is no longer known (%s): "
+                    "joining again with the cluster token",
+                    e,
+                )
                 self._forget_credential()
                 self._registered = False
             elif str(e) != self._failing:
@@ -433,7 +495,6 @@ class ControlPlaneNode(Integration):
             if str(e) != self._failing:  # once per new problem, not every heartbeat
                 log.warning("control plane: %s", e)
                 self._failing = str(e)
-
 
     def close(self) -> None:
         self._closing = True  # the command under way ends; no other is leased
@@ -446,21 +507,24 @@ class ControlPlaneNode(Integration):
             return
         command_id, lease_id = current
         try:
-            self.client.request("POST", f"/api/v1/nodes/{self.manager.settings.node}/commands/"
-                                f"{command_id}/renew", {"lease_id": lease_id})
+            self.client.request(
+                "POST",
+                f"/api/v1/nodes/{self.manager.settings.node}/commands/" f"{command_id}/renew",
+                {"lease_id": lease_id},
+            )
         except UsageError:
             # Acknowledged meanwhile, or its lease ran out (the control plane was away): it
             # is answered from controlplane_done if it comes again.
             if self._unleased != command_id:
-                log.info("control plane command %s is no longer leased to this node",
-                         command_id)
+                log.info("control plane command %s is no longer leased to this node", command_id)
                 self._unleased = command_id
 
     def _start_worker(self) -> None:
         if self._closing or (self._worker is not None and self._worker.is_alive()):
             return
-        self._worker = threading.Thread(target=self._commands, name="controlplane commands",
-                                        daemon=True)
+        self._worker = threading.Thread(
+            target=self._commands, name="controlplane commands", daemon=True
+        )
         self._worker.start()
 
     def _commands(self) -> None:
@@ -484,8 +548,11 @@ class ControlPlaneNode(Integration):
                     with self._lock:
                         self._current = None
                 faults.point("cp.before-ack")
-                self.client.request("POST", f"/api/v1/commands/{cmd['id']}/ack",
-                                    {"lease_id": lease_id, "ok": ok, "result": result})
+                self.client.request(
+                    "POST",
+                    f"/api/v1/commands/{cmd['id']}/ack",
+                    {"lease_id": lease_id, "ok": ok, "result": result},
+                )
                 self._records.drop(done_table, cmd["id"])  # taken: never leased again
             self._worker_failing = None
         except NotFoundError:
@@ -499,12 +566,12 @@ class ControlPlaneNode(Integration):
 
     def _done(self, command_id: str) -> tuple[bool, dict[str, Any]] | None:
         with self.manager.db.transaction() as conn:
-            row = conn.execute(select(done_table).where(
-                done_table.c.command_id == command_id)).first()
+            row = conn.execute(
+                select(done_table).where(done_table.c.command_id == command_id)
+            ).first()
         if row is None:
             return None
-        log.info("control plane command %s was carried out already: answered again",
-                 command_id)
+        log.info("control plane command %s was carried out already: answered again", command_id)
         return bool(row.ok), json.loads(row.result)
 
     def _carry_out(self, cmd: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
@@ -515,8 +582,10 @@ class ControlPlaneNode(Integration):
         ok = False
         result: dict[str, Any] = {"error": f"unknown command {cmd['kind']!r}"}
         args = cmd["args"]
-        reason = str(args.get("reason") or (f"policy {args['policy']}"
-                                            if args.get("policy") else "control plane"))[:60]
+        reason = str(
+            args.get("reason")
+            or (f"policy {args['policy']}" if args.get("policy") else "control plane")
+        )[:60]
         began = self._intend(cmd)
         faults.point("cp.after-lease")
         if cmd["kind"] == "checkpoint":
@@ -527,28 +596,47 @@ class ControlPlaneNode(Integration):
                 # then, if the job did not run on since (a stop asked: the job is gone).
                 # The store unreachable here is not "none taken": the command stays
                 # unanswered (StoreError) and comes back.
-                taken = self._taken_since(job, began) if began is not None and \
-                    kind == "daemon" else None
+                taken = (
+                    self._taken_since(job, began)
+                    if began is not None and kind == "daemon"
+                    else None
+                )
                 if taken is not None and (leave or not self._alive(job)):
-                    log.info("control plane command %s: checkpoint %s was taken before the "
-                             "daemon stopped: answered with it", cmd["id"], taken["checkpoint"])
+                    log.info(
+                        "control plane command %s: checkpoint %s was taken before the "
+                        "daemon stopped: answered with it",
+                        cmd["id"],
+                        taken["checkpoint"],
+                    )
                     answer = taken
                 elif kind == "daemon":
-                    answer = dict(self.manager.dump(job, DumpRequest(leave_running=leave,
-                                                                     reason=reason), _ROOT))
+                    answer = dict(
+                        self.manager.dump(
+                            job, DumpRequest(leave_running=leave, reason=reason), _ROOT
+                        )
+                    )
                 else:  # a scheduler's job: stopped means requeued
                     answer = self.manager.job_source(kind).checkpoint(job, leave, reason)
                 faults.point("cp.after-checkpoint")
-                ok, result = True, {k: answer[k] for k in ("checkpoint", "label", "size_bytes",
-                                                           "requeued") if k in answer}
+                ok, result = (
+                    True,
+                    {
+                        k: answer[k]
+                        for k in ("checkpoint", "label", "size_bytes", "requeued")
+                        if k in answer
+                    },
+                )
                 if kind == "daemon" and args.get("then_restore_on") and "checkpoint" in answer:
                     # One seal for the target, and one for each node the control plane may
                     # re-target the restore to if the target fails or is lost.
                     seals = {}
-                    for to in [str(args["then_restore_on"]),
-                               *[str(n) for n in list(args.get("or_on") or [])[:_ALTERNATES]]]:
-                        seals[to] = self.manager.store.keys.sign(SEAL_PURPOSE, _sealed(
-                            cmd["id"], str(answer["checkpoint"]), job, to)).model_dump()
+                    for to in [
+                        str(args["then_restore_on"]),
+                        *[str(n) for n in list(args.get("or_on") or [])[:_ALTERNATES]],
+                    ]:
+                        seals[to] = self.manager.store.keys.sign(
+                            SEAL_PURPOSE, _sealed(cmd["id"], str(answer["checkpoint"]), job, to)
+                        ).model_dump()
                     result["seal"] = seals[str(args["then_restore_on"])]
                     if len(seals) > 1:
                         result["seals"] = seals
@@ -568,16 +656,16 @@ class ControlPlaneNode(Integration):
             try:
                 ckpt, created = self._migrated_checkpoint(args)
                 migration = str(args["migrated_from"])
-                restored = self._resumed_restore(migration, ckpt) if began is not None \
-                    else None
+                restored = self._resumed_restore(migration, ckpt) if began is not None else None
                 if restored is None:
                     self._claim_restore(migration, ckpt, created)
                     try:
                         # Resumed only on the control plane's word that the command is still
                         # this node's (not failed and re-targeted while it was cut off).
                         fence = self._fence(cmd, ckpt) if args.get("fence") else None
-                        done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT,
-                                                    fence=fence)
+                        done = self.manager.restore(
+                            RestoreRequest(checkpoint=ckpt), _ROOT, fence=fence
+                        )
                     except BaseException:
                         self._unclaim_restore(migration)  # nothing restored: it may come again
                         raise
@@ -599,17 +687,29 @@ class ControlPlaneNode(Integration):
             try:
                 verdict = self._verify(args)
                 ok = bool(verdict.get("ok"))
-                result = {"verdict": verdict} if ok else {
-                    "verdict": verdict, "error": f"checkpoint {verdict.get('checkpoint')} "
-                    f"does not restore: {verdict.get('reason') or 'no reason given'}"}
+                result = (
+                    {"verdict": verdict}
+                    if ok
+                    else {
+                        "verdict": verdict,
+                        "error": f"checkpoint {verdict.get('checkpoint')} "
+                        f"does not restore: {verdict.get('reason') or 'no reason given'}",
+                    }
+                )
             except StasisError as e:
                 result = {"error": str(e)}
-        log.info("control plane command %s (%s): %s", cmd["id"], cmd["kind"],
-                 "done" if ok else result["error"])
+        log.info(
+            "control plane command %s (%s): %s",
+            cmd["id"],
+            cmd["kind"],
+            "done" if ok else result["error"],
+        )
         with self.manager.db.transaction() as conn:
-            conn.execute(insert(done_table).values(command_id=cmd["id"], ok=ok,
-                                                   result=json.dumps(result),
-                                                   at=int(time.time())))
+            conn.execute(
+                insert(done_table).values(
+                    command_id=cmd["id"], ok=ok, result=json.dumps(result), at=int(time.time())
+                )
+            )
             conn.execute(delete(intent_table).where(intent_table.c.command_id == cmd["id"]))
         self._records.refresh(done_table, cmd["id"])
         self._records.refresh(intent_table, cmd["id"])
@@ -625,8 +725,12 @@ class ControlPlaneNode(Integration):
         store = self.manager.store
         known = store.verdict(store.get(ckpt))  # the manifest's signature checked
         if known is not None:
-            log.info("control plane: checkpoint %s was verified before (%s): answered with "
-                     "that verdict", ckpt, "ok" if known.get("ok") else "failed")
+            log.info(
+                "control plane: checkpoint %s was verified before (%s): answered with "
+                "that verdict",
+                ckpt,
+                "ok" if known.get("ok") else "failed",
+            )
             return dict(known)
         # (one at a time on the node, CRIU at nice 19 and idle I/O: stasis.daemon.verifying)
         return dict(self.manager.verify(ckpt, _ROOT))
@@ -637,24 +741,33 @@ class ControlPlaneNode(Integration):
         import time
 
         args = cmd["args"]
-        what = str(args.get("migrated_from") if cmd["kind"] == "restore" else
-                   args.get("job") or "")[:100]
+        what = str(
+            args.get("migrated_from") if cmd["kind"] == "restore" else args.get("job") or ""
+        )[:100]
         with self.manager.db.transaction() as conn:
-            began = conn.execute(select(intent_table.c.at).where(
-                intent_table.c.command_id == cmd["id"])).scalar()
+            began = conn.execute(
+                select(intent_table.c.at).where(intent_table.c.command_id == cmd["id"])
+            ).scalar()
             if began is None:
                 # Those of commands the control plane gave up on (failed, re-targeted) while
                 # this node was away are never leased again: forgotten after a week.
-                conn.execute(delete(intent_table).where(
-                    intent_table.c.at < time.time() - _INTENT_KEPT_S))
-                conn.execute(insert(intent_table).values(command_id=cmd["id"],
-                                                         kind=str(cmd["kind"])[:40], job=what,
-                                                         at=time.time()))
+                conn.execute(
+                    delete(intent_table).where(intent_table.c.at < time.time() - _INTENT_KEPT_S)
+                )
+                conn.execute(
+                    insert(intent_table).values(
+                        command_id=cmd["id"], kind=str(cmd["kind"])[:40], job=what, at=time.time()
+                    )
+                )
         if began is None:
             self._records.refresh(intent_table, cmd["id"])  # kept before acting
             return None
-        log.info("control plane command %s (%s) was begun before the daemon stopped: what it "
-                 "did is looked up", cmd["id"], cmd["kind"])
+        log.info(
+            "control plane command %s (%s) was begun before the daemon stopped: what it "
+            "did is looked up",
+            cmd["id"],
+            cmd["kind"],
+        )
         return float(began)
 
     def _fence(self, cmd: dict[str, Any], ckpt: str) -> Callable[[], None]:
@@ -678,14 +791,16 @@ class ControlPlaneNode(Integration):
             while True:
                 left = deadline - time.monotonic()
                 try:
-                    client.request("POST", path, body, timeout_s=max(0.5, min(_COMMIT_TRY_S,
-                                                                              left)))
+                    client.request("POST", path, body, timeout_s=max(0.5, min(_COMMIT_TRY_S, left)))
                     return
                 except (UsageError, PermissionDeniedError, NotFoundError) as e:
                     # The control plane's no: never asked again, never resumed.
                     # (its line names the node, the command, the checkpoint and why)
-                    said = str(e) if "fenced" in str(e) else \
-                        f"{what}: the control plane refused its commit ({e})"
+                    said = (
+                        str(e)
+                        if "fenced" in str(e)
+                        else f"{what}: the control plane refused its commit ({e})"
+                    )
                     log.warning("control plane: fenced: %s", said)
                     raise FencedError(said) from None
                 except Exception as e:  # unreachable, a 5xx, a broken answer: asked again
@@ -696,7 +811,8 @@ class ControlPlaneNode(Integration):
                         f"{what}: the control plane could not confirm within "
                         f"{within:.0f} s that the restore is still this node's "
                         f"({why}); its restored tree was killed, checkpoint {ckpt} is kept, "
-                        "and the control plane retries or re-targets the restore")
+                        "and the control plane retries or re-targets the restore"
+                    )
                 time.sleep(1.0)
 
         return commit
@@ -707,8 +823,9 @@ class ControlPlaneNode(Integration):
     def _taken_since(self, job: str, began: float) -> dict[str, Any] | None:
         """The newest checkpoint of `job` taken since `began` (this node's clock, as the
         manifest's), as a dump's answer."""
-        mine = [m for m in self.manager.store.list()
-                if m.job == job and m.created.timestamp() >= began]
+        mine = [
+            m for m in self.manager.store.list() if m.job == job and m.created.timestamp() >= began
+        ]
         if not mine:
             return None
         m = max(mine, key=lambda m: m.created)
@@ -719,8 +836,9 @@ class ControlPlaneNode(Integration):
         became (its restore recorded it before resuming the tree; a tree resumed unrecorded
         is adopted at start), kept as done. None: nothing was restored, it is done now."""
         with self.manager.db.transaction() as conn:
-            row = conn.execute(select(restored_table).where(
-                restored_table.c.migration == migration)).first()
+            row = conn.execute(
+                select(restored_table).where(restored_table.c.migration == migration)
+            ).first()
         if row is None:
             return None  # died before claiming it: nothing was restored
         if row.job:
@@ -734,56 +852,88 @@ class ControlPlaneNode(Integration):
                 raise PermissionDeniedError(
                     f"migration {migration}'s restore of checkpoint {ckpt} became job {job} "
                     "here before the daemon stopped, and that job ended by a signal: "
-                    f"checkpoint {ckpt} is kept; restore it with `stasis restore {ckpt}`")
+                    f"checkpoint {ckpt} is kept; restore it with `stasis restore {ckpt}`"
+                )
             self._restored(migration, job)
-            log.info("control plane: migration %s was restored as job %s before the daemon "
-                     "stopped: answered with it", migration, job)
+            log.info(
+                "control plane: migration %s was restored as job %s before the daemon "
+                "stopped: answered with it",
+                migration,
+                job,
+            )
             return job
         self._unclaim_restore(migration)  # claimed, nothing became of it: restored now
         return None
-
 
     def _claim_restore(self, migration: str, ckpt: str, created: float) -> None:
         """Migration `migration`'s restore recorded before it starts; refused if it was
         recorded before (a replayed seal), or is older than what this node still remembers."""
         import time
 
-        refused = (f"restore of checkpoint {ckpt} for migration {migration} refused: a "
-                   "migration restores once")
+        refused = (
+            f"restore of checkpoint {ckpt} for migration {migration} refused: a "
+            "migration restores once"
+        )
         gone: list[str] = []
         with self.manager.db.transaction() as conn:
-            row = conn.execute(select(restored_table).where(
-                restored_table.c.migration == migration)).first()
+            row = conn.execute(
+                select(restored_table).where(restored_table.c.migration == migration)
+            ).first()
             if row is not None:
                 when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row.at))
-                what = (f"this node already restored it as job {row.job} on {when}"
-                        if row.job else f"this node began restoring it on {when} (the daemon "
-                        "stopped meanwhile)")
-                raise PermissionDeniedError(f"{refused}, and {what}: migrate the job again to "
-                                            "move it")
-            mark = conn.execute(select(restored_table.c.created).where(
-                restored_table.c.migration == _WATERMARK)).scalar()
+                what = (
+                    f"this node already restored it as job {row.job} on {when}"
+                    if row.job
+                    else f"this node began restoring it on {when} (the daemon " "stopped meanwhile)"
+                )
+                raise PermissionDeniedError(
+                    f"{refused}, and {what}: migrate the job again to " "move it"
+                )
+            mark = conn.execute(
+                select(restored_table.c.created).where(restored_table.c.migration == _WATERMARK)
+            ).scalar()
             if mark is not None and created <= mark:
-                raise PermissionDeniedError(f"{refused}, and its checkpoint is older than what "
-                                            "this node remembers restoring: migrate the job "
-                                            "again")
-            conn.execute(insert(restored_table).values(migration=migration, checkpoint=ckpt,
-                                                       job=None, created=created,
-                                                       at=int(time.time())))
-            kept = conn.execute(select(func.count()).select_from(restored_table).where(
-                restored_table.c.migration != _WATERMARK)).scalar_one()
+                raise PermissionDeniedError(
+                    f"{refused}, and its checkpoint is older than what "
+                    "this node remembers restoring: migrate the job "
+                    "again"
+                )
+            conn.execute(
+                insert(restored_table).values(
+                    migration=migration,
+                    checkpoint=ckpt,
+                    job=None,
+                    created=created,
+                    at=int(time.time()),
+                )
+            )
+            kept = conn.execute(
+                select(func.count())
+                .select_from(restored_table)
+                .where(restored_table.c.migration != _WATERMARK)
+            ).scalar_one()
             if kept > _RESTORED_MAX:
-                oldest = conn.execute(select(restored_table.c.migration,
-                                             restored_table.c.created)
-                                      .where(restored_table.c.migration != _WATERMARK)
-                                      .order_by(restored_table.c.created)
-                                      .limit(kept - _RESTORED_MAX)).all()
+                oldest = conn.execute(
+                    select(restored_table.c.migration, restored_table.c.created)
+                    .where(restored_table.c.migration != _WATERMARK)
+                    .order_by(restored_table.c.created)
+                    .limit(kept - _RESTORED_MAX)
+                ).all()
                 newest_gone = max([r.created for r in oldest] + [mark or 0.0])
-                conn.execute(delete(restored_table).where(restored_table.c.migration.in_(
-                    [r.migration for r in oldest] + [_WATERMARK])))
-                conn.execute(insert(restored_table).values(
-                    migration=_WATERMARK, checkpoint="", job=None, created=newest_gone,
-                    at=int(time.time())))
+                conn.execute(
+                    delete(restored_table).where(
+                        restored_table.c.migration.in_([r.migration for r in oldest] + [_WATERMARK])
+                    )
+                )
+                conn.execute(
+                    insert(restored_table).values(
+                        migration=_WATERMARK,
+                        checkpoint="",
+                        job=None,
+                        created=newest_gone,
+                        at=int(time.time()),
+                    )
+                )
                 gone = [r.migration for r in oldest] + [_WATERMARK]
         for key in [migration, *gone]:
             self._records.refresh(restored_table, key)
@@ -795,8 +945,11 @@ class ControlPlaneNode(Integration):
 
     def _restored(self, migration: str, job: str) -> None:
         with self.manager.db.transaction() as conn:
-            conn.execute(update(restored_table).where(
-                restored_table.c.migration == migration).values(job=job[:100]))
+            conn.execute(
+                update(restored_table)
+                .where(restored_table.c.migration == migration)
+                .values(job=job[:100])
+            )
         self._records.refresh(restored_table, migration)
 
     def _migrated_checkpoint(self, args: dict[str, Any]) -> tuple[str, float]:
@@ -811,32 +964,42 @@ class ControlPlaneNode(Integration):
         ckpt, job = str(args.get("checkpoint") or ""), str(args.get("job") or "")
         label, user = str(args.get("label") or ""), str(args.get("user") or "")
         migration = str(args.get("migrated_from") or "")
-        refused = (f"restore of checkpoint {ckpt[:64] or '(none)'} refused: this node restores "
-                   "for the control plane only the checkpoint a migration took (`stasis "
-                   "controlplane migrate`)")
-        if not (migration and ckpt and label and user) or not _ID.fullmatch(job) or \
-                not _ID.fullmatch(migration):
-            raise PermissionDeniedError(f"{refused}; a checkpoint by id is restored with "
-                                        "`stasis restore` on the node")
+        refused = (
+            f"restore of checkpoint {ckpt[:64] or '(none)'} refused: this node restores "
+            "for the control plane only the checkpoint a migration took (`stasis "
+            "controlplane migrate`)"
+        )
+        if (
+            not (migration and ckpt and label and user)
+            or not _ID.fullmatch(job)
+            or not _ID.fullmatch(migration)
+        ):
+            raise PermissionDeniedError(
+                f"{refused}; a checkpoint by id is restored with " "`stasis restore` on the node"
+            )
         try:
             seal = Signature.model_validate(args.get("seal"))
         except ValidationError:
-            raise PermissionDeniedError(f"{refused}, and this one comes without the seal of "
-                                        "the node that took it") from None
-        verdict = self.manager.store.keys.verify(SEAL_PURPOSE, _sealed(
-            migration, ckpt, job, self.manager.settings.node), seal)
+            raise PermissionDeniedError(
+                f"{refused}, and this one comes without the seal of " "the node that took it"
+            ) from None
+        verdict = self.manager.store.keys.verify(
+            SEAL_PURPOSE, _sealed(migration, ckpt, job, self.manager.settings.node), seal
+        )
         if verdict is not Verdict.VALID:
             raise PermissionDeniedError(
                 f"{refused}: its seal (key {seal.key_id}) {verdict.value} for migration "
                 f"{migration[:40]} of job {job} to this node: give the nodes one site_key "
-                "(or each other's keys in trusted_keys), or migrate the job again")
+                "(or each other's keys in trusted_keys), or migrate the job again"
+            )
         manifest = self.manager.store.get(ckpt)  # its signature checked, its id's form too
         theirs = (manifest.job, manifest.label, manifest.user)
         if theirs != (job, label, user):
             raise PermissionDeniedError(
                 f"{refused}: it is of job {manifest.job[:100]}, label {manifest.label}, user "
                 f"{manifest.user[:100]}, not of job {job}, label {label}, user {user}: "
-                "migrate the job again")
+                "migrate the job again"
+            )
         return ckpt, manifest.created.timestamp()
 
     def _completed(self, live: set[tuple[str, str]]) -> set[tuple[int, str]]:
@@ -845,9 +1008,13 @@ class ControlPlaneNode(Integration):
         newest: dict[tuple[int, str], Any] = {}
         for j in _newest_first(self.manager.jobs(_ROOT)):
             newest.setdefault((j["uid"], j["label"]), j)
-        return {key for key, j in newest.items()
-                if j["state"] == "exited" and j["exit_code"] == 0 and
-                (j["user"], j["label"]) not in live}
+        return {
+            key
+            for key, j in newest.items()
+            if j["state"] == "exited"
+            and j["exit_code"] == 0
+            and (j["user"], j["label"]) not in live
+        }
 
     def _retain(self, args: dict[str, Any]) -> list[str]:
         """Each matching (owner, label) keeps its newest `keep` checkpoints, and none older
@@ -859,10 +1026,16 @@ class ControlPlaneNode(Integration):
 
         pattern, user = str(args.get("label") or "*"), args.get("user")
         keep = int(args["keep"]) if args.get("keep") else None
-        finished = self._completed({(str(u), str(lb)) for u, lb in args.get("live") or ()}) \
-            if args.get("completed") else set()
-        cutoff = (datetime.now(UTC) - timedelta(seconds=int(args["older_than_s"]))
-                  if args.get("older_than_s") else None)
+        finished = (
+            self._completed({(str(u), str(lb)) for u, lb in args.get("live") or ()})
+            if args.get("completed")
+            else set()
+        )
+        cutoff = (
+            datetime.now(UTC) - timedelta(seconds=int(args["older_than_s"]))
+            if args.get("older_than_s")
+            else None
+        )
         seen: dict[tuple[int, str], int] = {}
         deleted = []
         store = self.manager.store
@@ -871,9 +1044,13 @@ class ControlPlaneNode(Integration):
                 continue
             key = (m.uid, m.label)
             seen[key] = seen.get(key, 0) + 1
-            if key in finished or (seen[key] > 1 and (
-                    (keep is not None and seen[key] > keep) or
-                    (cutoff is not None and m.created < cutoff))):
+            if key in finished or (
+                seen[key] > 1
+                and (
+                    (keep is not None and seen[key] > keep)
+                    or (cutoff is not None and m.created < cutoff)
+                )
+            ):
                 try:
                     # A restore that pinned it (a node resuming it now) keeps it.
                     if store.delete_unless_pinned(m.id):
@@ -917,8 +1094,9 @@ def _slurm_version() -> str | None:
     if sinfo is None:
         return None
     try:
-        out = subprocess.run([sinfo, "--version"], capture_output=True, text=True, timeout=5,
-                             check=False).stdout.split()
+        out = subprocess.run(
+            [sinfo, "--version"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out[-1] if out else None

@@ -70,28 +70,62 @@ _SYSTEM = Principal(kind="admin", token_id="policy")
 # (`serve --min-interval`): a dump freezes its job, and one a few seconds apart leaves it little
 # time to run.
 MIN_INTERVAL_S = 60
-EDITABLE = ("every_s", "action", "filters", "keep", "older_than_s", "trigger", "threshold_pct",
-            "stop", "completed", "enabled")
+EDITABLE = (
+    "every_s",
+    "action",
+    "filters",
+    "keep",
+    "older_than_s",
+    "trigger",
+    "threshold_pct",
+    "stop",
+    "completed",
+    "enabled",
+)
 _MEMORY_COOLDOWN_S = 60
 _HELD = ("DRAIN", "MAINT")  # in Slurm's node state: the node is being emptied
 
 
-def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
-        filters: dict[str, str], keep: int | None, older_than_s: int | None = None,
-        trigger: str = "every", threshold_pct: float | None = None, stop: bool = False,
-        completed: bool = False, min_interval_s: int = MIN_INTERVAL_S) -> dict[str, Any]:
+def add(
+    registry: Registry,
+    by: Principal,
+    name: str,
+    every_s: int,
+    action: str,
+    filters: dict[str, str],
+    keep: int | None,
+    older_than_s: int | None = None,
+    trigger: str = "every",
+    threshold_pct: float | None = None,
+    stop: bool = False,
+    completed: bool = False,
+    min_interval_s: int = MIN_INTERVAL_S,
+) -> dict[str, Any]:
     """A new policy; a webhook one (every_s 0) with its hook token, shown this once."""
     by.admin_only()
     validate_name(name, "policy name")
-    row = {"name": name, "every_s": every_s, "action": action,
-           "filters": {k: str(v) for k, v in filters.items() if v},
-           "keep": keep, "older_than_s": older_than_s, "trigger": trigger,
-           "threshold_pct": threshold_pct, "stop": stop, "completed": completed}
+    row = {
+        "name": name,
+        "every_s": every_s,
+        "action": action,
+        "filters": {k: str(v) for k, v in filters.items() if v},
+        "keep": keep,
+        "older_than_s": older_than_s,
+        "trigger": trigger,
+        "threshold_pct": threshold_pct,
+        "stop": stop,
+        "completed": completed,
+    }
     _check(row, min_interval_s)
     token = new_hook_token() if _webhook(row) else None
-    row.update(filters=json.dumps(row["filters"]), enabled=True, last_run=0, created=_now(),
-               hook_sha256=_sha(token) if token else None,
-               hook_created=_now() if token else None)
+    row.update(
+        filters=json.dumps(row["filters"]),
+        enabled=True,
+        last_run=0,
+        created=_now(),
+        hook_sha256=_sha(token) if token else None,
+        hook_created=_now() if token else None,
+    )
     try:
         with registry.engine.begin() as conn:
             conn.execute(insert(policies).values(**row))
@@ -100,8 +134,13 @@ def add(registry: Registry, by: Principal, name: str, every_s: int, action: str,
     return {**_shown(row), **({"hook_token": token} if token else {})}
 
 
-def edit(registry: Registry, by: Principal, name: str, changes: dict[str, Any],
-         min_interval_s: int = MIN_INTERVAL_S) -> dict[str, Any]:
+def edit(
+    registry: Registry,
+    by: Principal,
+    name: str,
+    changes: dict[str, Any],
+    min_interval_s: int = MIN_INTERVAL_S,
+) -> dict[str, Any]:
     """Only what `changes` names changes (its `filters` are merged in, an empty value removes
     one); the result is checked as a new policy would be, and nothing changes if it fails.
     A policy that becomes a webhook one without a hook token gets one, shown this once."""
@@ -110,8 +149,11 @@ def edit(registry: Registry, by: Principal, name: str, changes: dict[str, Any],
     if unknown:
         raise UsageError(f"cannot edit {unknown[0]!r} of a policy: {', '.join(EDITABLE)}")
     with registry.engine.begin() as conn:
-        found = conn.execute(select(policies).where(policies.c.name == name)
-                             .with_for_update()).mappings().first()
+        found = (
+            conn.execute(select(policies).where(policies.c.name == name).with_for_update())
+            .mappings()
+            .first()
+        )
         if found is None:
             raise NotFoundError(f"no policy {name}")
         old = {**dict(found), "filters": json.loads(found["filters"])}
@@ -123,17 +165,25 @@ def edit(registry: Registry, by: Principal, name: str, changes: dict[str, Any],
         token = new_hook_token() if _webhook(new) and not old["hook_sha256"] else None
         if token:
             new.update(hook_sha256=_sha(token), hook_created=_now())
-        said = [f"{k} {_said(old[k])} -> {_said(new[k])}" for k in EDITABLE
-                if old[k] != new[k]]
-        conn.execute(update(policies).where(policies.c.name == name).values(
-            **{k: new[k] for k in EDITABLE if k != "filters"}, filters=json.dumps(
-                new["filters"]), hook_sha256=new["hook_sha256"],
-            hook_created=new["hook_created"]))
+        said = [f"{k} {_said(old[k])} -> {_said(new[k])}" for k in EDITABLE if old[k] != new[k]]
+        conn.execute(
+            update(policies)
+            .where(policies.c.name == name)
+            .values(
+                **{k: new[k] for k in EDITABLE if k != "filters"},
+                filters=json.dumps(new["filters"]),
+                hook_sha256=new["hook_sha256"],
+                hook_created=new["hook_created"],
+            )
+        )
         if said:
-            registry._event(conn, None, None, "policy-edited",
-                            f"policy {name} edited: {'; '.join(said)}")
-    return {**_shown({**new, "filters": json.dumps(new["filters"])}),
-            **({"hook_token": token} if token else {})}
+            registry._event(
+                conn, None, None, "policy-edited", f"policy {name} edited: {'; '.join(said)}"
+            )
+    return {
+        **_shown({**new, "filters": json.dumps(new["filters"])}),
+        **({"hook_token": token} if token else {}),
+    }
 
 
 def rotate_hook(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
@@ -141,8 +191,11 @@ def rotate_hook(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
     by.admin_only()
     token = new_hook_token()
     with registry.engine.begin() as conn:
-        n = conn.execute(update(policies).where(policies.c.name == name).values(
-            hook_sha256=_sha(token), hook_created=_now())).rowcount
+        n = conn.execute(
+            update(policies)
+            .where(policies.c.name == name)
+            .values(hook_sha256=_sha(token), hook_created=_now())
+        ).rowcount
     if not n:
         raise NotFoundError(f"no policy {name}")
     return {"name": name, "hook_token": token}
@@ -176,22 +229,33 @@ def _check(p: dict[str, Any], min_interval_s: int) -> None:
         raise UsageError("every_s is seconds between runs, or 0 (only when called)")
     if 0 < every_s < min_interval_s and trigger != "drain":
         # A checkpoint every few seconds freezes the jobs it picks most of the time.
-        raise UsageError(f"every {every_s} s is below this control plane's floor of "
-                         f"{min_interval_s} s between runs (serve --min-interval)")
-    if action == "retain" and (keep is None or keep < 1) and not p["older_than_s"] and \
-            not p["completed"]:
-        raise UsageError("retain needs keep >= 1 (the newest checkpoints each label keeps), "
-                         "older_than_s or completed")
+        raise UsageError(
+            f"every {every_s} s is below this control plane's floor of "
+            f"{min_interval_s} s between runs (serve --min-interval)"
+        )
+    if (
+        action == "retain"
+        and (keep is None or keep < 1)
+        and not p["older_than_s"]
+        and not p["completed"]
+    ):
+        raise UsageError(
+            "retain needs keep >= 1 (the newest checkpoints each label keeps), "
+            "older_than_s or completed"
+        )
     if trigger != "every" and action in ("retain", "verify"):
         raise UsageError(f"a {trigger} trigger takes the checkpoint or migrate action")
     if action == "verify":
         if p["stop"]:
-            raise UsageError("verify stops no job (it restores a checkpoint in a sandbox): "
-                             "leave out stop")
+            raise UsageError(
+                "verify stops no job (it restores a checkpoint in a sandbox): " "leave out stop"
+            )
         jobs_only = sorted(set(filters) - set(_VERIFY_FILTERS))
         if jobs_only:
-            raise UsageError(f"filter {jobs_only[0]!r} picks jobs; verify picks checkpoints "
-                             f"by {', '.join(_VERIFY_FILTERS)}")
+            raise UsageError(
+                f"filter {jobs_only[0]!r} picks jobs; verify picks checkpoints "
+                f"by {', '.join(_VERIFY_FILTERS)}"
+            )
     if trigger == "memory" and (threshold_pct is None or not 0 < threshold_pct <= 100):
         raise UsageError("a memory trigger needs threshold_pct, above 0 and at most 100")
     unknown = sorted(set(filters) - set(FILTERS))
@@ -251,17 +315,24 @@ def run_due(registry: Registry, lost_after_s: float) -> int:
     looked at; how many commands were queued."""
     now = int(time.time())
     with registry.engine.begin() as conn:
-        rows = [dict(r) for r in conn.execute(select(policies).where(
-            policies.c.enabled.is_(True))).mappings().all()]
-    due = [r for r in rows if r["trigger"] == "every" and r["every_s"] > 0 and
-           now - r["last_run"] >= r["every_s"]]
+        rows = [
+            dict(r)
+            for r in conn.execute(select(policies).where(policies.c.enabled.is_(True)))
+            .mappings()
+            .all()
+        ]
+    due = [
+        r
+        for r in rows
+        if r["trigger"] == "every" and r["every_s"] > 0 and now - r["last_run"] >= r["every_s"]
+    ]
     watching = [r for r in rows if r["trigger"] in ("memory", "drain")]
-    return sum(_run(registry, p, lost_after_s, "every") for p in due) + \
-        sum(_watch(registry, p, lost_after_s) for p in watching)
+    return sum(_run(registry, p, lost_after_s, "every") for p in due) + sum(
+        _watch(registry, p, lost_after_s) for p in watching
+    )
 
 
-def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float
-            ) -> dict[str, Any]:
+def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float) -> dict[str, Any]:
     """The policy's webhook: run it at once, whatever its period."""
     by.admin_only()
     with registry.engine.begin() as conn:
@@ -271,23 +342,26 @@ def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float
     return _called(registry, dict(row), lost_after_s)
 
 
-def run_hook(registry: Registry, token: str, name: str, lost_after_s: float
-             ) -> dict[str, Any]:
+def run_hook(registry: Registry, token: str, name: str, lost_after_s: float) -> dict[str, Any]:
     """The policy's webhook called with its own hook token (which runs no other policy)."""
     with registry.engine.begin() as conn:
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
     # One answer whether the policy is missing or the token is another's: a hook token's
     # holder learns nothing of the other policies.
-    if row is None or not row["hook_sha256"] or \
-            not hmac.compare_digest(row["hook_sha256"], _sha(token)):
+    if (
+        row is None
+        or not row["hook_sha256"]
+        or not hmac.compare_digest(row["hook_sha256"], _sha(token))
+    ):
         raise AuthError(f"not the hook token of policy {name}")
     return _called(registry, dict(row), lost_after_s)
 
 
 def _called(registry: Registry, p: dict[str, Any], lost_after_s: float) -> dict[str, Any]:
     if not p["enabled"]:
-        raise UsageError(f"policy {p['name']} is disabled (`policies edit {p['name']} "
-                         "--enable`)")
+        raise UsageError(
+            f"policy {p['name']} is disabled (`policies edit {p['name']} " "--enable`)"
+        )
     return {"name": p["name"], "queued": _run(registry, p, lost_after_s, "webhook")}
 
 
@@ -295,25 +369,39 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
     if p.get("trigger") in ("memory", "drain"):
         return _watch(registry, p, lost_after_s)  # called: what meets its trigger now
     with registry.engine.begin() as conn:
-        conn.execute(update(policies).where(policies.c.name == p["name"])
-                     .values(last_run=int(time.time())))
+        conn.execute(
+            update(policies).where(policies.c.name == p["name"]).values(last_run=int(time.time()))
+        )
     filters = json.loads(p["filters"])
     if p["action"] in ("checkpoint", "migrate"):
-        queued = _checkpoint_jobs(registry, p["name"], filters, bool(p.get("stop")),
-                                  migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
+        queued = _checkpoint_jobs(
+            registry,
+            p["name"],
+            filters,
+            bool(p.get("stop")),
+            migrate=p["action"] == "migrate",
+            lost_after_s=lost_after_s,
+        )
     elif p["action"] == "verify":
         queued = _verify(registry, p["name"], filters, lost_after_s)
     else:
-        queued = _retain(registry, p["name"], filters, p["keep"], p.get("older_than_s"),
-                         lost_after_s, bool(p.get("completed")))
+        queued = _retain(
+            registry,
+            p["name"],
+            filters,
+            p["keep"],
+            p.get("older_than_s"),
+            lost_after_s,
+            bool(p.get("completed")),
+        )
     if queued:
-        registry.event(None, None, "policy-run",
-                       f"policy {p['name']} ({why}): {queued} command(s) queued")
+        registry.event(
+            None, None, "policy-run", f"policy {p['name']} ({why}): {queued} command(s) queued"
+        )
     return queued
 
 
-def _busy(registry: Registry, policy: str, since: float | None = None
-          ) -> set[tuple[str, str, str]]:
+def _busy(registry: Registry, policy: str, since: float | None = None) -> set[tuple[str, str, str]]:
     """(cluster, node, job or label) that still have a command of this policy under way (or,
     with `since`, had one created since then): nodes of two clusters may share a name."""
     states: Any = commands.c.state.in_(("queued", "leased"))
@@ -321,8 +409,9 @@ def _busy(registry: Registry, policy: str, since: float | None = None
         stamp = datetime.fromtimestamp(since, UTC).isoformat(timespec="microseconds")
         states = states | (commands.c.created >= stamp)
     with registry.engine.begin() as conn:
-        rows = conn.execute(select(commands.c.cluster_id, commands.c.node, commands.c.args)
-                            .where(states)).all()
+        rows = conn.execute(
+            select(commands.c.cluster_id, commands.c.node, commands.c.args).where(states)
+        ).all()
     out = set()
     for cluster_id, node, args in rows:
         a = json.loads(args)
@@ -331,9 +420,16 @@ def _busy(registry: Registry, policy: str, since: float | None = None
     return out
 
 
-def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
-                     stop: bool = False, only: Any = None, since: float | None = None,
-                     migrate: bool = False, lost_after_s: float = float("inf")) -> int:
+def _checkpoint_jobs(
+    registry: Registry,
+    policy: str,
+    filters: dict[str, str],
+    stop: bool = False,
+    only: Any = None,
+    since: float | None = None,
+    migrate: bool = False,
+    lost_after_s: float = float("inf"),
+) -> int:
     busy = _busy(registry, policy, since)
     n = 0
     now = time.time()
@@ -342,25 +438,43 @@ def _checkpoint_jobs(registry: Registry, policy: str, filters: dict[str, str],
     # A pending node (joined, not approved by an admin) is given no command: its jobs wait.
     pending = {(x["cluster_id"], x["name"]) for x in listed if x["state"] == "pending"}
     for job in registry.list_jobs(_SYSTEM):
-        if (job["cluster_id"], job["node"]) in pending or \
-                job.get("state") not in ("running", "restored") or \
-                not _matches(filters, job, now) or (job["cluster_id"], job["node"], job["job"]) in busy or \
-                (only is not None and not only(job)):
+        if (
+            (job["cluster_id"], job["node"]) in pending
+            or job.get("state") not in ("running", "restored")
+            or not _matches(filters, job, now)
+            or (job["cluster_id"], job["node"], job["job"]) in busy
+            or (only is not None and not only(job))
+        ):
             continue
         if migrate and (job.get("kind") or "daemon") == "daemon":
             # To the ready node of its cluster with the fewest jobs; none: it stays.
-            others = [x for x in ready if x["cluster_id"] == job["cluster_id"] and
-                      x["name"] != job["node"]]
+            others = [
+                x
+                for x in ready
+                if x["cluster_id"] == job["cluster_id"] and x["name"] != job["node"]
+            ]
             if not others:
                 continue
             to = min(others, key=lambda x: (int(x["jobs"]), x["name"]))
             to["jobs"] = int(to["jobs"]) + 1
-            registry.migrate_job(_SYSTEM, job["job"], to["name"], {"policy": policy},
-                                 job["cluster_id"], job["node"], lost_after_s)
+            registry.migrate_job(
+                _SYSTEM,
+                job["job"],
+                to["name"],
+                {"policy": policy},
+                job["cluster_id"],
+                job["node"],
+                lost_after_s,
+            )
         else:  # a scheduler's job moves by requeue
-            registry.queue(_SYSTEM, "checkpoint", job["job"],
-                           {"leave_running": not (stop or migrate), "policy": policy},
-                           job["cluster_id"], job["node"])
+            registry.queue(
+                _SYSTEM,
+                "checkpoint",
+                job["job"],
+                {"leave_running": not (stop or migrate), "policy": policy},
+                job["cluster_id"],
+                job["node"],
+            )
         n += 1
     return n
 
@@ -369,84 +483,149 @@ def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
     """A memory or drain policy: the jobs that meet its trigger now."""
     filters = json.loads(p["filters"])
     with registry.engine.begin() as conn:
-        state = {(r.cluster_id, r.name): (r.mem_total_bytes, r.scheduler_state or "")
-                 for r in conn.execute(select(nodes.c.cluster_id, nodes.c.name,
-                                              nodes.c.mem_total_bytes,
-                                              nodes.c.scheduler_state)).all()}
+        state = {
+            (r.cluster_id, r.name): (r.mem_total_bytes, r.scheduler_state or "")
+            for r in conn.execute(
+                select(
+                    nodes.c.cluster_id,
+                    nodes.c.name,
+                    nodes.c.mem_total_bytes,
+                    nodes.c.scheduler_state,
+                )
+            ).all()
+        }
     if p["trigger"] == "memory":
+
         def over(job: dict[str, Any]) -> bool:
             total = state.get((job["cluster_id"], job["node"]), (None, ""))[0]
-            return bool(total) and 100.0 * int(job.get("rss_bytes") or 0) / total >= \
-                float(p["threshold_pct"])
+            return bool(total) and 100.0 * int(job.get("rss_bytes") or 0) / total >= float(
+                p["threshold_pct"]
+            )
 
         cooldown = p["every_s"] or _MEMORY_COOLDOWN_S
-        queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], over,
-                                  since=time.time() - cooldown,
-                                  migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
+        queued = _checkpoint_jobs(
+            registry,
+            p["name"],
+            filters,
+            p["stop"],
+            over,
+            since=time.time() - cooldown,
+            migrate=p["action"] == "migrate",
+            lost_after_s=lost_after_s,
+        )
         why = f"memory above {p['threshold_pct']:g}%"
     else:
+
         def held(job: dict[str, Any]) -> bool:
             s = state.get((job["cluster_id"], job["node"]), (None, ""))[1].upper()
             return any(word in s for word in _HELD)
 
-        queued = _checkpoint_jobs(registry, p["name"], filters, p["stop"], held, since=0,
-                                  migrate=p["action"] == "migrate", lost_after_s=lost_after_s)
+        queued = _checkpoint_jobs(
+            registry,
+            p["name"],
+            filters,
+            p["stop"],
+            held,
+            since=0,
+            migrate=p["action"] == "migrate",
+            lost_after_s=lost_after_s,
+        )
         why = "node drained or in maintenance"
     if queued:
         with registry.engine.begin() as conn:
-            conn.execute(update(policies).where(policies.c.name == p["name"])
-                         .values(last_run=int(time.time())))
-        registry.event(None, None, "policy-run",
-                       f"policy {p['name']} ({why}): {queued} command(s) queued")
+            conn.execute(
+                update(policies)
+                .where(policies.c.name == p["name"])
+                .values(last_run=int(time.time()))
+            )
+        registry.event(
+            None, None, "policy-run", f"policy {p['name']} ({why}): {queued} command(s) queued"
+        )
     return queued
 
 
-def _retain(registry: Registry, policy: str, filters: dict[str, str], keep: int | None,
-            older_than_s: int | None, lost_after_s: float, completed: bool = False) -> int:
+def _retain(
+    registry: Registry,
+    policy: str,
+    filters: dict[str, str],
+    keep: int | None,
+    older_than_s: int | None,
+    lost_after_s: float,
+    completed: bool = False,
+) -> int:
     busy = _busy(registry, policy)
     n = 0
     jobs = registry.list_jobs(_SYSTEM) if completed else []
     for node in registry.list_nodes(_SYSTEM, lost_after_s):
-        if node["state"] in ("lost", "pending") or \
-                (node["cluster_id"], node["name"], filters.get("label", "*")) in busy:
+        if (
+            node["state"] in ("lost", "pending")
+            or (node["cluster_id"], node["name"], filters.get("label", "*")) in busy
+        ):
             continue
-        if not _matches({k: v for k, v in filters.items() if k in ("cluster", "node")},
-                        {"cluster": node["cluster"], "node": node["name"]}):
+        if not _matches(
+            {k: v for k, v in filters.items() if k in ("cluster", "node")},
+            {"cluster": node["cluster"], "node": node["name"]},
+        ):
             continue
-        registry.queue_for_node(node["cluster_id"], node["name"], "retain",
-                                {"label": filters.get("label", "*"),
-                                 "user": filters.get("user"), "keep": keep,
-                                 "older_than_s": older_than_s, "policy": policy,
-                                 "completed": completed,
-                                 # what runs on another node of the cluster is not
-                                 # completed (the node knows its own jobs best)
-                                 "live": sorted({(str(j.get("user")), str(j.get("label")))
-                                                 for j in jobs
-                                                 if j["cluster_id"] == node["cluster_id"] and
-                                                 j["node"] != node["name"]})})
+        registry.queue_for_node(
+            node["cluster_id"],
+            node["name"],
+            "retain",
+            {
+                "label": filters.get("label", "*"),
+                "user": filters.get("user"),
+                "keep": keep,
+                "older_than_s": older_than_s,
+                "policy": policy,
+                "completed": completed,
+                # what runs on another node of the cluster is not
+                # completed (the node knows its own jobs best)
+                "live": sorted(
+                    {
+                        (str(j.get("user")), str(j.get("label")))
+                        for j in jobs
+                        if j["cluster_id"] == node["cluster_id"] and j["node"] != node["name"]
+                    }
+                ),
+            },
+        )
         n += 1
     return n
 
 
-def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after_s: float
-            ) -> int:
+def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after_s: float) -> int:
     """A verify command for each matching (cluster, user, label) whose newest checkpoint
     not verified yet is newer than its newest verified one: sent to the node that took it,
     if that node is ready; none for a label with a verify under way (of any policy). After a
     failed verdict the next run takes the next older one, down to the newest that restores."""
-    ready = {(x["cluster_id"], x["name"]) for x in registry.list_nodes(_SYSTEM, lost_after_s)
-             if x["state"] == "ready"}
+    ready = {
+        (x["cluster_id"], x["name"])
+        for x in registry.list_nodes(_SYSTEM, lost_after_s)
+        if x["state"] == "ready"
+    }
     with registry.engine.begin() as conn:
         names = {r.id: r.name for r in conn.execute(select(clusters.c.id, clusters.c.name))}
-        under_way = conn.execute(select(commands.c.cluster_id, commands.c.args).where(
-            commands.c.kind == "verify", commands.c.state.in_(("queued", "leased")))).all()
-        rows = conn.execute(select(
-            checkpoints.c.id, checkpoints.c.cluster_id, checkpoints.c.node, checkpoints.c.label,
-            checkpoints.c.user, checkpoints.c.verified_ok).where(
-            checkpoints.c.deleted.is_(None)).order_by(checkpoints.c.created.desc(),
-                                                      checkpoints.c.id)).all()
-    busy = {(cluster_id, str(a.get("user")), str(a.get("label")))
-            for cluster_id, a in ((c, json.loads(args)) for c, args in under_way)}
+        under_way = conn.execute(
+            select(commands.c.cluster_id, commands.c.args).where(
+                commands.c.kind == "verify", commands.c.state.in_(("queued", "leased"))
+            )
+        ).all()
+        rows = conn.execute(
+            select(
+                checkpoints.c.id,
+                checkpoints.c.cluster_id,
+                checkpoints.c.node,
+                checkpoints.c.label,
+                checkpoints.c.user,
+                checkpoints.c.verified_ok,
+            )
+            .where(checkpoints.c.deleted.is_(None))
+            .order_by(checkpoints.c.created.desc(), checkpoints.c.id)
+        ).all()
+    busy = {
+        (cluster_id, str(a.get("user")), str(a.get("label")))
+        for cluster_id, a in ((c, json.loads(args)) for c, args in under_way)
+    }
     settled: set[tuple[str, str, str]] = set()  # labels with a verified or a picked one
     n = 0
     for r in rows:  # newest first
@@ -458,13 +637,19 @@ def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after
             continue
         if r.verified_ok is not None:
             continue  # failed: an older one may restore
-        if not _matches(filters, {"cluster": names.get(r.cluster_id), "node": r.node,
-                                  "label": r.label, "user": r.user}):
+        if not _matches(
+            filters,
+            {"cluster": names.get(r.cluster_id), "node": r.node, "label": r.label, "user": r.user},
+        ):
             continue
         settled.add(key)
         if (r.cluster_id, r.node) not in ready or key in busy:
             continue
-        registry.queue_for_node(r.cluster_id, r.node, "verify", {
-            "checkpoint": r.id, "label": r.label, "user": r.user, "policy": policy})
+        registry.queue_for_node(
+            r.cluster_id,
+            r.node,
+            "verify",
+            {"checkpoint": r.id, "label": r.label, "user": r.user, "policy": policy},
+        )
         n += 1
     return n

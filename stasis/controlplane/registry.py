@@ -17,6 +17,7 @@ from typing import Any, Literal
 from sqlalchemy import Engine, and_, case, create_engine, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
+from stasis.controlplane import verdicts
 from stasis.controlplane.schema import (
     checkpoints,
     clusters,
@@ -28,7 +29,6 @@ from stasis.controlplane.schema import (
     restores,
     tokens,
 )
-from stasis.controlplane import verdicts
 from stasis.controlplane.verdicts import CHECKPOINT_ID as CHECKPOINT_ID
 from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
 
@@ -86,20 +86,24 @@ class Principal:
 
     def admin_only(self) -> None:
         if self.kind != "admin":
-            raise PermissionDeniedError("this needs the admin token; a cluster token may only "
-                                        "join nodes, a node's credential only report and "
-                                        "carry out that node's commands")
+            raise PermissionDeniedError(
+                "this needs the admin token; a cluster token may only "
+                "join nodes, a node's credential only report and "
+                "carry out that node's commands"
+            )
 
     def node_only(self, name: str, what: str) -> str:
         """The node name of a node's own request about node `name`; refused for any other."""
         if self.kind != "node" or self.node is None:
             raise PermissionDeniedError(
                 f"{what} needs the node's own credential (it got one when it joined): a "
-                f"{self.kind} token may not act as " + (f"node {name[:100]}" if name != "?"
-                                                        else "a node"))
+                f"{self.kind} token may not act as "
+                + (f"node {name[:100]}" if name != "?" else "a node")
+            )
         if name != self.node:
-            raise PermissionDeniedError(f"this credential is node {self.node}'s: it may not "
-                                        f"act as node {name[:100]}")
+            raise PermissionDeniedError(
+                f"this credential is node {self.node}'s: it may not " f"act as node {name[:100]}"
+            )
         return self.node
 
 
@@ -151,15 +155,18 @@ class Registry:
                 os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
                 os.chmod(db, 0o600)
             except OSError as e:
-                raise ControlPlaneError(f"cannot create the control plane's database {db}: "
-                                        f"{e.strerror}") from None
+                raise ControlPlaneError(
+                    f"cannot create the control plane's database {db}: " f"{e.strerror}"
+                ) from None
         try:
             self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
             self.migrate()
         except (OperationalError, SQLAlchemyError) as e:
-            raise ControlPlaneError(f"cannot open the control plane's database "
-                                    f"{safe_url(self.url)}: {e.__class__.__name__}: "
-                                    f"{str(e).splitlines()[0]}") from None
+            raise ControlPlaneError(
+                f"cannot open the control plane's database "
+                f"{safe_url(self.url)}: {e.__class__.__name__}: "
+                f"{str(e).splitlines()[0]}"
+            ) from None
 
     def migrate(self) -> None:
         """The schema brought to the newest revision (Alembic), whatever it was."""
@@ -180,38 +187,57 @@ class Registry:
     def bootstrap_admin(self) -> str | None:
         """A new admin token when there is none (the control plane's first start), else None."""
         with self.engine.begin() as conn:
-            live = conn.execute(select(tokens.c.id).where(
-                tokens.c.kind == "admin", tokens.c.revoked.is_(None))).first()
+            live = conn.execute(
+                select(tokens.c.id).where(tokens.c.kind == "admin", tokens.c.revoked.is_(None))
+            ).first()
             if live is not None:
                 return None
             token = new_token()
-            conn.execute(insert(tokens).values(id="tok_" + secrets.token_hex(6), kind="admin",
-                                               cluster_id=None, sha256=_sha(token),
-                                               created=_now(), revoked=None))
+            conn.execute(
+                insert(tokens).values(
+                    id="tok_" + secrets.token_hex(6),
+                    kind="admin",
+                    cluster_id=None,
+                    sha256=_sha(token),
+                    created=_now(),
+                    revoked=None,
+                )
+            )
             return token
 
     def authenticate(self, token: str) -> Principal:
         if not token.startswith(TOKEN_PREFIX):
-            raise AuthError("no valid token: send `Authorization: Bearer stasis_...` "
-                            "(STASIS_AUTH_TOKEN)")
+            raise AuthError(
+                "no valid token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
+            )
         if token.startswith(NODE_PREFIX):
             with self.engine.begin() as conn:
-                cred = conn.execute(select(node_credentials).where(
-                    node_credentials.c.sha256 == _sha(token))).first()
+                cred = conn.execute(
+                    select(node_credentials).where(node_credentials.c.sha256 == _sha(token))
+                ).first()
             if cred is None:
-                raise AuthError("unknown node credential (reset by an admin, or the control "
-                                "plane lost it): the node joins again with its cluster's token")
-            return Principal(kind="node", token_id="node:" + cred.node,
-                             cluster_id=cred.cluster_id, node=cred.node)
+                raise AuthError(
+                    "unknown node credential (reset by an admin, or the control "
+                    "plane lost it): the node joins again with its cluster's token"
+                )
+            return Principal(
+                kind="node",
+                token_id="node:" + cred.node,
+                cluster_id=cred.cluster_id,
+                node=cred.node,
+            )
         if token.startswith(HOOK_PREFIX):
             with self.engine.begin() as conn:
-                hook = conn.execute(select(policies.c.name).where(
-                    policies.c.hook_sha256 == _sha(token))).first()
+                hook = conn.execute(
+                    select(policies.c.name).where(policies.c.hook_sha256 == _sha(token))
+                ).first()
             if hook is None:
                 raise AuthError("unknown token")
-            raise PermissionDeniedError(f"this is the hook token of policy {hook.name}: it "
-                                        f"runs that policy only (POST /api/v1/policies/"
-                                        f"{hook.name}/run)")
+            raise PermissionDeniedError(
+                f"this is the hook token of policy {hook.name}: it "
+                f"runs that policy only (POST /api/v1/policies/"
+                f"{hook.name}/run)"
+            )
         with self.engine.begin() as conn:
             row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
         if row is None:
@@ -220,24 +246,39 @@ class Registry:
             raise AuthError(f"token {row.id} was revoked on {row.revoked}")
         if row.expires is not None and time.time() >= row.expires:
             when = datetime.fromtimestamp(row.expires, UTC).isoformat(timespec="seconds")
-            raise AuthError(f"token {row.id} expired on {when}: `stasis controlplane "
-                            "clusters rotate` gives a new one")
+            raise AuthError(
+                f"token {row.id} expired on {when}: `stasis controlplane "
+                "clusters rotate` gives a new one"
+            )
         return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
 
     def list_tokens(self) -> list[dict[str, Any]]:
         with self.engine.begin() as conn:
-            rows = conn.execute(select(tokens.c.id, tokens.c.kind, tokens.c.cluster_id,
-                                       tokens.c.created, tokens.c.revoked, tokens.c.expires)
-                                .order_by(tokens.c.created, tokens.c.id)).mappings().all()
+            rows = (
+                conn.execute(
+                    select(
+                        tokens.c.id,
+                        tokens.c.kind,
+                        tokens.c.cluster_id,
+                        tokens.c.created,
+                        tokens.c.revoked,
+                        tokens.c.expires,
+                    ).order_by(tokens.c.created, tokens.c.id)
+                )
+                .mappings()
+                .all()
+            )
         return [dict(r) for r in rows]
 
     def revoke(self, token_id: str, by: Principal) -> dict[str, Any]:
         if token_id == by.token_id:
             raise UsageError("an admin token cannot revoke itself (create another first)")
         with self.engine.begin() as conn:
-            n = conn.execute(update(tokens).where(tokens.c.id == token_id,
-                                                  tokens.c.revoked.is_(None))
-                             .values(revoked=_now())).rowcount
+            n = conn.execute(
+                update(tokens)
+                .where(tokens.c.id == token_id, tokens.c.revoked.is_(None))
+                .values(revoked=_now())
+            ).rowcount
         if not n:
             raise NotFoundError(f"no live token {token_id}")
         return {"token_id": token_id, "revoked": True}
@@ -248,20 +289,35 @@ class Registry:
         self.cluster(cluster_id)
         token = new_token()
         with self.engine.begin() as conn:
-            conn.execute(update(tokens).where(tokens.c.cluster_id == cluster_id,
-                                              tokens.c.revoked.is_(None))
-                         .values(revoked=_now()))
+            conn.execute(
+                update(tokens)
+                .where(tokens.c.cluster_id == cluster_id, tokens.c.revoked.is_(None))
+                .values(revoked=_now())
+            )
             tid = "tok_" + secrets.token_hex(6)
-            conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cluster_id,
-                                               sha256=_sha(token), created=_now(),
-                                               revoked=None, expires=_expiry(expires_in_s)))
-        return {"cluster_id": cluster_id, "token_id": tid, "token": token,
-                "expires": _expiry(expires_in_s)}
+            conn.execute(
+                insert(tokens).values(
+                    id=tid,
+                    kind="cluster",
+                    cluster_id=cluster_id,
+                    sha256=_sha(token),
+                    created=_now(),
+                    revoked=None,
+                    expires=_expiry(expires_in_s),
+                )
+            )
+        return {
+            "cluster_id": cluster_id,
+            "token_id": tid,
+            "token": token,
+            "expires": _expiry(expires_in_s),
+        }
 
     # -- clusters -----------------------------------------------------------------------------
 
-    def add_cluster(self, name: str, kind: str, expires_in_s: int | None = None,
-                    approve_joins: bool = False) -> dict[str, Any]:
+    def add_cluster(
+        self, name: str, kind: str, expires_in_s: int | None = None, approve_joins: bool = False
+    ) -> dict[str, Any]:
         validate_name(name, "cluster name")
         if kind not in ("slurm", "kubernetes"):
             raise UsageError(f"bad cluster kind {kind!r}: slurm or kubernetes")
@@ -270,17 +326,33 @@ class Registry:
         tid = "tok_" + secrets.token_hex(6)
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(clusters).values(id=cid, name=name, kind=kind,
-                                                     created=_now(),
-                                                     approve_joins=approve_joins))
-                conn.execute(insert(tokens).values(id=tid, kind="cluster", cluster_id=cid,
-                                                   sha256=_sha(token), created=_now(),
-                                                   revoked=None,
-                                                   expires=_expiry(expires_in_s)))
+                conn.execute(
+                    insert(clusters).values(
+                        id=cid, name=name, kind=kind, created=_now(), approve_joins=approve_joins
+                    )
+                )
+                conn.execute(
+                    insert(tokens).values(
+                        id=tid,
+                        kind="cluster",
+                        cluster_id=cid,
+                        sha256=_sha(token),
+                        created=_now(),
+                        revoked=None,
+                        expires=_expiry(expires_in_s),
+                    )
+                )
         except IntegrityError:
             raise UsageError(f"a cluster named {name!r} exists already") from None
-        return {"cluster_id": cid, "name": name, "kind": kind, "token_id": tid, "token": token,
-                "expires": _expiry(expires_in_s), "approve_joins": approve_joins}
+        return {
+            "cluster_id": cid,
+            "name": name,
+            "kind": kind,
+            "token_id": tid,
+            "token": token,
+            "expires": _expiry(expires_in_s),
+            "approve_joins": approve_joins,
+        }
 
     def set_approve_joins(self, by: Principal, cluster: str, on: bool) -> dict[str, Any]:
         """Whether nodes joining cluster `cluster` (id or name) wait for an admin's approval;
@@ -289,15 +361,22 @@ class Registry:
         cid = self._cluster_id(cluster)
         with self.engine.begin() as conn:
             conn.execute(update(clusters).where(clusters.c.id == cid).values(approve_joins=on))
-            self._event(conn, cid, None, "cluster-settings",
-                        "nodes that join wait for an admin's approval" if on else
-                        "nodes that join are approved at once")
+            self._event(
+                conn,
+                cid,
+                None,
+                "cluster-settings",
+                "nodes that join wait for an admin's approval"
+                if on
+                else "nodes that join are approved at once",
+            )
         return {"cluster_id": cid, "approve_joins": on}
 
     def cluster(self, cluster_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:
-            row = conn.execute(select(clusters).where(clusters.c.id == cluster_id)
-                               ).mappings().first()
+            row = (
+                conn.execute(select(clusters).where(clusters.c.id == cluster_id)).mappings().first()
+            )
         if row is None:
             raise NotFoundError(f"no cluster {cluster_id}")
         return dict(row)
@@ -316,29 +395,39 @@ class Registry:
         if by.kind not in ("cluster", "node") or by.cluster_id is None:
             raise UsageError("nodes register with their cluster's token, not the admin's")
         if report.get("cluster_id") and report["cluster_id"] != by.cluster_id:
-            raise PermissionDeniedError(f"this token belongs to cluster {by.cluster_id}, not "
-                                        f"{str(report['cluster_id'])[:40]}: fix "
-                                        "STASIS_CLUSTER_ID or STASIS_AUTH_TOKEN")
+            raise PermissionDeniedError(
+                f"this token belongs to cluster {by.cluster_id}, not "
+                f"{str(report['cluster_id'])[:40]}: fix "
+                "STASIS_CLUSTER_ID or STASIS_AUTH_TOKEN"
+            )
         name = validate_name(str(report["name"]), "node name")
         if by.kind == "node":
             by.node_only(name, "registering a joined node")
-        row = {"host": str(report["host"])[:200],
-               "stasis_version": str(report["stasis_version"])[:60],
-               "criu_version": (str(report["criu_version"])[:60]
-                                if report.get("criu_version") else None),
-               "slurm_version": (str(report["slurm_version"])[:60]
-                                 if report.get("slurm_version") else None),
-               "check_ok": bool(report["check_ok"]),
-               "problems": json.dumps(list(report.get("problems") or [])[:50]),
-               "last_heartbeat": int(time.time()), "jobs": int(report.get("jobs") or 0)}
+        row = {
+            "host": str(report["host"])[:200],
+            "stasis_version": str(report["stasis_version"])[:60],
+            "criu_version": (
+                str(report["criu_version"])[:60] if report.get("criu_version") else None
+            ),
+            "slurm_version": (
+                str(report["slurm_version"])[:60] if report.get("slurm_version") else None
+            ),
+            "check_ok": bool(report["check_ok"]),
+            "problems": json.dumps(list(report.get("problems") or [])[:50]),
+            "last_heartbeat": int(time.time()),
+            "jobs": int(report.get("jobs") or 0),
+        }
         credential = None
         try:
             credential = self._join(by, name, row)
         except IntegrityError:  # another join of that name won the primary key meanwhile
             raise ConflictError(self._joined(by.cluster_id, name, "just now")) from None
-        answer: dict[str, Any] = {"cluster_id": by.cluster_id, "name": name,
-                                  "registered": True,
-                                  "approved": self._approved(by.cluster_id, name)}
+        answer: dict[str, Any] = {
+            "cluster_id": by.cluster_id,
+            "name": name,
+            "registered": True,
+            "approved": self._approved(by.cluster_id, name),
+        }
         if credential is not None:
             answer["node_token"] = credential
         return answer
@@ -352,144 +441,215 @@ class Registry:
                 # Joined with the cluster's token (which a thief may hold too): where the
                 # cluster says so, pending until an admin approves it, also under a name that
                 # was approved before (its credential was reset).
-                pending = bool(conn.execute(select(clusters.c.approve_joins).where(
-                    clusters.c.id == by.cluster_id)).scalar())
+                pending = bool(
+                    conn.execute(
+                        select(clusters.c.approve_joins).where(clusters.c.id == by.cluster_id)
+                    ).scalar()
+                )
                 row = {**row, "approved": not pending}
                 if pending:
-                    self._event(conn, by.cluster_id, name, "node-pending",
-                                f"node {name} joined and waits for an admin's approval: "
-                                f"`stasis controlplane nodes approve {name} --cluster "
-                                f"{by.cluster_id}`")
-            n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
-                                                 nodes.c.name == name).values(**row)).rowcount
+                    self._event(
+                        conn,
+                        by.cluster_id,
+                        name,
+                        "node-pending",
+                        f"node {name} joined and waits for an admin's approval: "
+                        f"`stasis controlplane nodes approve {name} --cluster "
+                        f"{by.cluster_id}`",
+                    )
+            n = conn.execute(
+                update(nodes)
+                .where(nodes.c.cluster_id == by.cluster_id, nodes.c.name == name)
+                .values(**row)
+            ).rowcount
             if n:
                 self._back(conn, by.cluster_id, name)
             else:
-                conn.execute(insert(nodes).values(cluster_id=by.cluster_id, name=name,
-                                                  registered=_now(), **row))
-                self._event(conn, by.cluster_id, name, "node-joined",
-                            f"node {name} joined (stasis {row['stasis_version']}, CRIU "
-                            f"{row['criu_version']}, check "
-                            f"{'ok' if row['check_ok'] else 'failing'})")
+                conn.execute(
+                    insert(nodes).values(
+                        cluster_id=by.cluster_id, name=name, registered=_now(), **row
+                    )
+                )
+                self._event(
+                    conn,
+                    by.cluster_id,
+                    name,
+                    "node-joined",
+                    f"node {name} joined (stasis {row['stasis_version']}, CRIU "
+                    f"{row['criu_version']}, check "
+                    f"{'ok' if row['check_ok'] else 'failing'})",
+                )
         return credential
 
     def _issue_credential(self, conn: Any, cluster_id: str, name: str) -> str:
         """A new credential for node `name`, which has none (the primary key holds that
         against two joins at once)."""
         token = NODE_PREFIX + secrets.token_urlsafe(32)
-        held = conn.execute(select(node_credentials.c.created).where(
-            node_credentials.c.cluster_id == cluster_id,
-            node_credentials.c.node == name)).first()
+        held = conn.execute(
+            select(node_credentials.c.created).where(
+                node_credentials.c.cluster_id == cluster_id, node_credentials.c.node == name
+            )
+        ).first()
         if held is not None:
             raise ConflictError(self._joined(cluster_id, name, held.created))
-        conn.execute(insert(node_credentials).values(
-            cluster_id=cluster_id, node=name, sha256=_sha(token), created=_now()))
-        self._event(conn, cluster_id, name, "node-credential",
-                    f"node {name} got its own credential (joined with the cluster token)")
+        conn.execute(
+            insert(node_credentials).values(
+                cluster_id=cluster_id, node=name, sha256=_sha(token), created=_now()
+            )
+        )
+        self._event(
+            conn,
+            cluster_id,
+            name,
+            "node-credential",
+            f"node {name} got its own credential (joined with the cluster token)",
+        )
         return token
 
     def _joined(self, cluster_id: str, name: str, since: str) -> str:
-        return (f"node {name} of cluster {cluster_id} is already joined (it has had its own "
-                f"credential since {since}): a node speaks with the credential it keeps in "
-                f"its state dir; if that was lost, an admin runs `stasis controlplane nodes "
-                f"reset {name} --cluster {cluster_id}` and the node joins again")
+        return (
+            f"node {name} of cluster {cluster_id} is already joined (it has had its own "
+            f"credential since {since}): a node speaks with the credential it keeps in "
+            f"its state dir; if that was lost, an admin runs `stasis controlplane nodes "
+            f"reset {name} --cluster {cluster_id}` and the node joins again"
+        )
 
     def _approved(self, cluster_id: str, name: str) -> bool:
         with self.engine.begin() as conn:
-            return bool(conn.execute(select(nodes.c.approved).where(
-                nodes.c.cluster_id == cluster_id, nodes.c.name == name)).scalar())
+            return bool(
+                conn.execute(
+                    select(nodes.c.approved).where(
+                        nodes.c.cluster_id == cluster_id, nodes.c.name == name
+                    )
+                ).scalar()
+            )
 
-    def approve_node(self, by: Principal, name: str, cluster: str | None = None
-                     ) -> dict[str, Any]:
+    def approve_node(self, by: Principal, name: str, cluster: str | None = None) -> dict[str, Any]:
         """Node `name`, pending since it joined a cluster that approves joins, approved: it
         is given commands and chosen as a target from now on."""
         by.admin_only()
         validate_name(name, "node name")
         cid = self._cluster_of_node(by, name, cluster)
         with self.engine.begin() as conn:
-            n = conn.execute(update(nodes).where(
-                nodes.c.cluster_id == cid, nodes.c.name == name,
-                nodes.c.approved.is_(False)).values(approved=True)).rowcount
+            n = conn.execute(
+                update(nodes)
+                .where(nodes.c.cluster_id == cid, nodes.c.name == name, nodes.c.approved.is_(False))
+                .values(approved=True)
+            ).rowcount
             if n:
-                self._event(conn, cid, name, "node-approved",
-                            f"node {name} was approved by an admin")
-            elif conn.execute(select(nodes.c.name).where(
-                    nodes.c.cluster_id == cid, nodes.c.name == name)).first() is None:
+                self._event(
+                    conn, cid, name, "node-approved", f"node {name} was approved by an admin"
+                )
+            elif (
+                conn.execute(
+                    select(nodes.c.name).where(nodes.c.cluster_id == cid, nodes.c.name == name)
+                ).first()
+                is None
+            ):
                 raise NotFoundError(f"no node {name} in cluster {cid}: it joins first")
         return {"cluster_id": cid, "name": name, "approved": True, "was_pending": bool(n)}
 
     def _refuse_pending(self, conn: Any, cluster_id: str, node: str) -> None:
-        approved = conn.execute(select(nodes.c.approved).where(
-            nodes.c.cluster_id == cluster_id, nodes.c.name == node)).scalar()
+        approved = conn.execute(
+            select(nodes.c.approved).where(nodes.c.cluster_id == cluster_id, nodes.c.name == node)
+        ).scalar()
         if approved is False:
-            raise ConflictError(f"node {node} of cluster {cluster_id} is pending: it joined "
-                                "and waits for an admin's approval before it takes commands "
-                                f"(`stasis controlplane nodes approve {node} --cluster "
-                                f"{cluster_id}`, once you know it is yours)")
+            raise ConflictError(
+                f"node {node} of cluster {cluster_id} is pending: it joined "
+                "and waits for an admin's approval before it takes commands "
+                f"(`stasis controlplane nodes approve {node} --cluster "
+                f"{cluster_id}`, once you know it is yours)"
+            )
 
-    def reset_node(self, by: Principal, name: str, cluster: str | None = None
-                   ) -> dict[str, Any]:
+    def reset_node(self, by: Principal, name: str, cluster: str | None = None) -> dict[str, Any]:
         """Node `name`'s credential forgotten: the node (or whoever holds the cluster's token)
         may join under that name again."""
         by.admin_only()
         validate_name(name, "node name")
         cid = self._cluster_of_node(by, name, cluster)
         with self.engine.begin() as conn:
-            n = conn.execute(node_credentials.delete().where(
-                node_credentials.c.cluster_id == cid,
-                node_credentials.c.node == name)).rowcount
+            n = conn.execute(
+                node_credentials.delete().where(
+                    node_credentials.c.cluster_id == cid, node_credentials.c.node == name
+                )
+            ).rowcount
             if n:
-                self._event(conn, cid, name, "node-reset",
-                            f"node {name}'s credential was reset by an admin: it joins again "
-                            "with the cluster token")
+                self._event(
+                    conn,
+                    cid,
+                    name,
+                    "node-reset",
+                    f"node {name}'s credential was reset by an admin: it joins again "
+                    "with the cluster token",
+                )
         return {"cluster_id": cid, "name": name, "reset": bool(n)}
 
     def _cluster_id(self, cluster: str) -> str:
         """A cluster given by id or by name."""
         with self.engine.begin() as conn:
-            row = conn.execute(select(clusters.c.id).where(clusters.c.id == cluster)
-                               ).first() or conn.execute(select(clusters.c.id).where(
-                                   clusters.c.name == cluster)).first()
+            row = (
+                conn.execute(select(clusters.c.id).where(clusters.c.id == cluster)).first()
+                or conn.execute(select(clusters.c.id).where(clusters.c.name == cluster)).first()
+            )
         if row is None:
-            raise NotFoundError(f"no cluster {cluster[:100]}: `stasis controlplane clusters` "
-                                "lists them")
+            raise NotFoundError(
+                f"no cluster {cluster[:100]}: `stasis controlplane clusters` " "lists them"
+            )
         return str(row.id)
 
     def _cluster_of_node(self, by: Principal, name: str, cluster: str | None) -> str:
         if cluster is not None:
             return self._cluster_id(cluster)
         with self.engine.begin() as conn:
-            found = {str(r.cluster_id) for r in conn.execute(
-                select(nodes.c.cluster_id).where(nodes.c.name == name))} | {
-                str(r.cluster_id) for r in conn.execute(
-                    select(node_credentials.c.cluster_id).where(node_credentials.c.node == name))}
+            found = {
+                str(r.cluster_id)
+                for r in conn.execute(select(nodes.c.cluster_id).where(nodes.c.name == name))
+            } | {
+                str(r.cluster_id)
+                for r in conn.execute(
+                    select(node_credentials.c.cluster_id).where(node_credentials.c.node == name)
+                )
+            }
         if by.kind != "admin":
             found &= {str(by.cluster_id)}
         if not found:
             raise NotFoundError(f"no node {name}")
         if len(found) > 1:
-            raise UsageError(f"node {name} is in several clusters ({', '.join(sorted(found))}):"
-                             " name its cluster (--cluster)")
+            raise UsageError(
+                f"node {name} is in several clusters ({', '.join(sorted(found))}):"
+                " name its cluster (--cluster)"
+            )
         return found.pop()
 
-    def heartbeat(self, by: Principal, name: str, jobs: list[dict[str, Any]],
-                  activity: list[dict[str, Any]] | None = None,
-                  mem_total_bytes: int | None = None, scheduler_state: str | None = None,
-                  verdicts_heard: list[verdicts.VerdictReport] | None = None
-                  ) -> dict[str, Any]:
+    def heartbeat(
+        self,
+        by: Principal,
+        name: str,
+        jobs: list[dict[str, Any]],
+        activity: list[dict[str, Any]] | None = None,
+        mem_total_bytes: int | None = None,
+        scheduler_state: str | None = None,
+        verdicts_heard: list[verdicts.VerdictReport] | None = None,
+    ) -> dict[str, Any]:
         validate_name(name, "node name")
         by.node_only(name, "a heartbeat")
         running = sum(1 for j in jobs if j.get("state") in ("running", "restored"))
         with self.engine.begin() as conn:
-            n = conn.execute(update(nodes).where(nodes.c.cluster_id == by.cluster_id,
-                                                 nodes.c.name == name)
-                             .values(last_heartbeat=int(time.time()), jobs=running,
-                                     job_list=json.dumps(jobs),
-                                     mem_total_bytes=mem_total_bytes,
-                                     scheduler_state=scheduler_state)).rowcount
+            n = conn.execute(
+                update(nodes)
+                .where(nodes.c.cluster_id == by.cluster_id, nodes.c.name == name)
+                .values(
+                    last_heartbeat=int(time.time()),
+                    jobs=running,
+                    job_list=json.dumps(jobs),
+                    mem_total_bytes=mem_total_bytes,
+                    scheduler_state=scheduler_state,
+                )
+            ).rowcount
             if not n:
-                raise NotFoundError(f"node {name} is not registered in this cluster: register "
-                                    "first")
+                raise NotFoundError(
+                    f"node {name} is not registered in this cluster: register " "first"
+                )
             assert by.cluster_id is not None
             self._back(conn, by.cluster_id, name)
             for a in activity or ():
@@ -498,29 +658,45 @@ class Registry:
                 self._verdict(conn, by.cluster_id, name, v)
         return {"name": name, "ok": True}
 
-    def _verdict(self, conn: Any, cluster_id: str, node: str, v: verdicts.VerdictReport
-                 ) -> bool:
+    def _verdict(self, conn: Any, cluster_id: str, node: str, v: verdicts.VerdictReport) -> bool:
         """A verdict of `stasis verify` node `node` reports, kept with its checkpoint if that
         is of the node's own cluster (stasis.controlplane.verdicts); whether it was."""
         if verdicts.record(conn, cluster_id, node, v):
-            self._event(conn, cluster_id, node, "verify" if v.ok else "verify-failed",
-                        verdicts.event(v.checkpoint, node, v))
+            self._event(
+                conn,
+                cluster_id,
+                node,
+                "verify" if v.ok else "verify-failed",
+                verdicts.event(v.checkpoint, node, v),
+            )
             return True
-        theirs = conn.execute(select(checkpoints.c.cluster_id).where(
-            checkpoints.c.id == v.checkpoint)).scalar()
+        theirs = conn.execute(
+            select(checkpoints.c.cluster_id).where(checkpoints.c.id == v.checkpoint)
+        ).scalar()
         if theirs is not None and theirs != cluster_id:
             # Said to the admin only (no cluster's view): the node is told nothing, so it
             # learns nothing of another cluster's checkpoints.
-            self._event(conn, None, node, "verify-refused",
-                        f"node {node} of cluster {cluster_id} reported a verdict on checkpoint "
-                        f"{v.checkpoint}, which is cluster {theirs}'s: ignored")
+            self._event(
+                conn,
+                None,
+                node,
+                "verify-refused",
+                f"node {node} of cluster {cluster_id} reported a verdict on checkpoint "
+                f"{v.checkpoint}, which is cluster {theirs}'s: ignored",
+            )
         return False
 
     def _back(self, conn: Any, cluster_id: str, name: str) -> None:
         """A node that was found lost and is heard of again: said once."""
-        n = conn.execute(update(nodes).where(
-            nodes.c.cluster_id == cluster_id, nodes.c.name == name,
-            nodes.c.lost_since.is_not(None)).values(lost_since=None)).rowcount
+        n = conn.execute(
+            update(nodes)
+            .where(
+                nodes.c.cluster_id == cluster_id,
+                nodes.c.name == name,
+                nodes.c.lost_since.is_not(None),
+            )
+            .values(lost_since=None)
+        ).rowcount
         if n:
             self._event(conn, cluster_id, name, "node-back", f"node {name} reports again")
 
@@ -529,62 +705,124 @@ class Registry:
         each; their names."""
         now = int(time.time())
         with self.engine.begin() as conn:
-            rows = conn.execute(select(nodes.c.cluster_id, nodes.c.name, nodes.c.jobs,
-                                       nodes.c.last_heartbeat).where(
-                nodes.c.lost_since.is_(None),
-                nodes.c.last_heartbeat < now - lost_after_s)).all()
+            rows = conn.execute(
+                select(
+                    nodes.c.cluster_id, nodes.c.name, nodes.c.jobs, nodes.c.last_heartbeat
+                ).where(nodes.c.lost_since.is_(None), nodes.c.last_heartbeat < now - lost_after_s)
+            ).all()
             for r in rows:
-                conn.execute(update(nodes).where(nodes.c.cluster_id == r.cluster_id,
-                                                 nodes.c.name == r.name).values(lost_since=now))
-                self._event(conn, r.cluster_id, r.name, "node-lost",
-                            f"node {r.name} is lost: silent for {now - r.last_heartbeat} s "
-                            f"with {r.jobs} job(s)")
+                conn.execute(
+                    update(nodes)
+                    .where(nodes.c.cluster_id == r.cluster_id, nodes.c.name == r.name)
+                    .values(lost_since=now)
+                )
+                self._event(
+                    conn,
+                    r.cluster_id,
+                    r.name,
+                    "node-lost",
+                    f"node {r.name} is lost: silent for {now - r.last_heartbeat} s "
+                    f"with {r.jobs} job(s)",
+                )
         return [r.name for r in rows]
 
     def _record(self, conn: Any, cluster_id: str, node: str, a: dict[str, Any]) -> None:
         """One checkpoint or restore a node reports; a report sent again changes nothing."""
         if a["kind"] == "checkpoint":
-            if conn.execute(select(checkpoints.c.id).where(
-                    checkpoints.c.id == a["checkpoint"])).first() is not None:
+            if (
+                conn.execute(
+                    select(checkpoints.c.id).where(checkpoints.c.id == a["checkpoint"])
+                ).first()
+                is not None
+            ):
                 return
-            conn.execute(insert(checkpoints).values(
-                id=a["checkpoint"], cluster_id=cluster_id, node=node, job=a["job"],
-                label=a["label"], user=a["user"], size_bytes=a["size_bytes"],
-                stored_size_bytes=a["stored_size_bytes"], duration_s=a["duration_s"],
-                frozen_s=a["frozen_s"], work_s=a["work_s"], leave_running=a["leave_running"],
-                reason=a["reason"], store=a["store"], created=a["at"], deleted=None))
-            self._event(conn, cluster_id, node, "checkpoint",
-                        f"checkpoint {a['checkpoint']} of job {a['job']} (label {a['label']}, "
-                        f"user {a['user']}, {a['reason']}): {human_size(a['size_bytes'])} in "
-                        f"{a['duration_s']:.2f} s, "
-                        + ("job went on" if a["leave_running"] else "job stopped"))
+            conn.execute(
+                insert(checkpoints).values(
+                    id=a["checkpoint"],
+                    cluster_id=cluster_id,
+                    node=node,
+                    job=a["job"],
+                    label=a["label"],
+                    user=a["user"],
+                    size_bytes=a["size_bytes"],
+                    stored_size_bytes=a["stored_size_bytes"],
+                    duration_s=a["duration_s"],
+                    frozen_s=a["frozen_s"],
+                    work_s=a["work_s"],
+                    leave_running=a["leave_running"],
+                    reason=a["reason"],
+                    store=a["store"],
+                    created=a["at"],
+                    deleted=None,
+                )
+            )
+            self._event(
+                conn,
+                cluster_id,
+                node,
+                "checkpoint",
+                f"checkpoint {a['checkpoint']} of job {a['job']} (label {a['label']}, "
+                f"user {a['user']}, {a['reason']}): {human_size(a['size_bytes'])} in "
+                f"{a['duration_s']:.2f} s, "
+                + ("job went on" if a["leave_running"] else "job stopped"),
+            )
             return
-        if conn.execute(select(restores.c.id).where(
-                restores.c.cluster_id == cluster_id, restores.c.node == node,
-                restores.c.job == a["job"], restores.c.checkpoint == a["checkpoint"])
-                ).first() is not None:
+        if (
+            conn.execute(
+                select(restores.c.id).where(
+                    restores.c.cluster_id == cluster_id,
+                    restores.c.node == node,
+                    restores.c.job == a["job"],
+                    restores.c.checkpoint == a["checkpoint"],
+                )
+            ).first()
+            is not None
+        ):
             return
-        conn.execute(insert(restores).values(
-            cluster_id=cluster_id, node=node, checkpoint=a["checkpoint"], job=a["job"],
-            label=a["label"], user=a["user"], work_s=a["work_s"], duration_s=a["duration_s"],
-            reason=a["reason"], at=a["at"]))
-        self._event(conn, cluster_id, node, "restore",
-                    f"job {a['job']} (label {a['label']}, user {a['user']}) restored from "
-                    f"checkpoint {a['checkpoint']}: {a['work_s'] / 3600:.3f} node-hours of "
-                    "work kept")
+        conn.execute(
+            insert(restores).values(
+                cluster_id=cluster_id,
+                node=node,
+                checkpoint=a["checkpoint"],
+                job=a["job"],
+                label=a["label"],
+                user=a["user"],
+                work_s=a["work_s"],
+                duration_s=a["duration_s"],
+                reason=a["reason"],
+                at=a["at"],
+            )
+        )
+        self._event(
+            conn,
+            cluster_id,
+            node,
+            "restore",
+            f"job {a['job']} (label {a['label']}, user {a['user']}) restored from "
+            f"checkpoint {a['checkpoint']}: {a['work_s'] / 3600:.3f} node-hours of "
+            "work kept",
+        )
 
     def list_nodes(self, by: Principal, lost_after_s: float) -> list[dict[str, Any]]:
         q = select(nodes, clusters.c.name.label("cluster")).join(
-            clusters, clusters.c.id == nodes.c.cluster_id)
+            clusters, clusters.c.id == nodes.c.cluster_id
+        )
         if by.kind != "admin":
             q = q.where(nodes.c.cluster_id == by.cluster_id)
         with self.engine.begin() as conn:
             rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
             # Since when each node has its own credential (None: not joined with one yet,
             # or reset by an admin).
-            since = {(c.cluster_id, c.node): c.created for c in conn.execute(
-                select(node_credentials.c.cluster_id, node_credentials.c.node,
-                       node_credentials.c.created))}
+            since = {
+                (c.cluster_id, c.node): c.created
+                for c in conn.execute(
+                    select(
+                        node_credentials.c.cluster_id,
+                        node_credentials.c.node,
+                        node_credentials.c.created,
+                    )
+                )
+            }
         now = time.time()
         out = []
         for r in rows:
@@ -593,24 +831,31 @@ class Registry:
             d["problems"] = json.loads(d["problems"])
             d.pop("job_list", None)
             age = now - d["last_heartbeat"]
-            d["state"] = "pending" if not d["approved"] else "lost" if age > lost_after_s \
+            d["state"] = (
+                "pending"
+                if not d["approved"]
+                else "lost"
+                if age > lost_after_s
                 else ("ready" if d["check_ok"] else "not-ready")
+            )
             d["last_heartbeat_age_s"] = round(age, 1)
             out.append(d)
         return out
 
-
     def list_jobs(self, by: Principal) -> list[dict[str, Any]]:
         """Every job the nodes last reported, with its node and cluster."""
-        q = select(nodes.c.cluster_id, nodes.c.name, nodes.c.job_list,
-                   clusters.c.name.label("cluster")).join(clusters,
-                                                          clusters.c.id == nodes.c.cluster_id)
+        q = select(
+            nodes.c.cluster_id, nodes.c.name, nodes.c.job_list, clusters.c.name.label("cluster")
+        ).join(clusters, clusters.c.id == nodes.c.cluster_id)
         if by.kind != "admin":
             q = q.where(nodes.c.cluster_id == by.cluster_id)
         with self.engine.begin() as conn:
             rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
-        jobs = [{**j, "node": r["name"], "cluster": r["cluster"],
-                 "cluster_id": r["cluster_id"]} for r in rows for j in json.loads(r["job_list"])]
+        jobs = [
+            {**j, "node": r["name"], "cluster": r["cluster"], "cluster_id": r["cluster_id"]}
+            for r in rows
+            for j in json.loads(r["job_list"])
+        ]
         last = self._last_checkpoints(by)
         now = time.time()
         for j in jobs:
@@ -623,70 +868,116 @@ class Registry:
 
     def _last_checkpoints(self, by: Principal) -> dict[tuple[Any, ...], dict[str, Any]]:
         """The newest live checkpoint of each (cluster, user, label)."""
-        newest = select(checkpoints.c.cluster_id, checkpoints.c.user, checkpoints.c.label,
-                        func.max(checkpoints.c.created).label("created")).where(
-            checkpoints.c.deleted.is_(None)).group_by(
-            checkpoints.c.cluster_id, checkpoints.c.user, checkpoints.c.label)
+        newest = (
+            select(
+                checkpoints.c.cluster_id,
+                checkpoints.c.user,
+                checkpoints.c.label,
+                func.max(checkpoints.c.created).label("created"),
+            )
+            .where(checkpoints.c.deleted.is_(None))
+            .group_by(checkpoints.c.cluster_id, checkpoints.c.user, checkpoints.c.label)
+        )
         if by.kind != "admin":
             newest = newest.where(checkpoints.c.cluster_id == by.cluster_id)
         sub = newest.subquery()
-        q = select(checkpoints.c.id, checkpoints.c.cluster_id, checkpoints.c.user,
-                   checkpoints.c.label, checkpoints.c.created, checkpoints.c.verified_ok,
-                   checkpoints.c.verify_reason, checkpoints.c.verified_by,
-                   checkpoints.c.verified_at, checkpoints.c.verify_duration_s,
-                   checkpoints.c.verify_processes).join(sub, and_(
-            checkpoints.c.cluster_id == sub.c.cluster_id, checkpoints.c.user == sub.c.user,
-            checkpoints.c.label == sub.c.label, checkpoints.c.created == sub.c.created))
+        q = select(
+            checkpoints.c.id,
+            checkpoints.c.cluster_id,
+            checkpoints.c.user,
+            checkpoints.c.label,
+            checkpoints.c.created,
+            checkpoints.c.verified_ok,
+            checkpoints.c.verify_reason,
+            checkpoints.c.verified_by,
+            checkpoints.c.verified_at,
+            checkpoints.c.verify_duration_s,
+            checkpoints.c.verify_processes,
+        ).join(
+            sub,
+            and_(
+                checkpoints.c.cluster_id == sub.c.cluster_id,
+                checkpoints.c.user == sub.c.user,
+                checkpoints.c.label == sub.c.label,
+                checkpoints.c.created == sub.c.created,
+            ),
+        )
         with self.engine.begin() as conn:
             rows = conn.execute(q).mappings().all()
         return {(r["cluster_id"], r["user"], r["label"]): dict(r) for r in rows}
 
-    def list_checkpoints(self, by: Principal, limit: int = 500,
-                         deleted: bool = False) -> list[dict[str, Any]]:
+    def list_checkpoints(
+        self, by: Principal, limit: int = 500, deleted: bool = False
+    ) -> list[dict[str, Any]]:
         """The checkpoints the nodes reported, newest first (deleted ones only if asked)."""
         q = select(checkpoints, clusters.c.name.label("cluster")).join(
-            clusters, clusters.c.id == checkpoints.c.cluster_id)
+            clusters, clusters.c.id == checkpoints.c.cluster_id
+        )
         if by.kind != "admin":
             q = q.where(checkpoints.c.cluster_id == by.cluster_id)
         if not deleted:
             q = q.where(checkpoints.c.deleted.is_(None))
         with self.engine.begin() as conn:
-            rows = conn.execute(q.order_by(checkpoints.c.created.desc(), checkpoints.c.id)
-                                .limit(limit)).mappings().all()
+            rows = (
+                conn.execute(
+                    q.order_by(checkpoints.c.created.desc(), checkpoints.c.id).limit(limit)
+                )
+                .mappings()
+                .all()
+            )
         now = time.time()
-        return [{**verdicts.shown(dict(r)), "age_s": round(now - r["created"], 1)}
-                for r in rows]
+        return [{**verdicts.shown(dict(r)), "age_s": round(now - r["created"], 1)} for r in rows]
 
     def checkpoint_totals(self) -> list[dict[str, Any]]:
         """Per cluster: checkpoints reported (deleted ones too), their bytes and seconds."""
-        q = select(clusters.c.name.label("cluster"), func.count().label("count"),
-                   func.coalesce(func.sum(checkpoints.c.size_bytes), 0).label("bytes"),
-                   func.coalesce(func.sum(checkpoints.c.duration_s), 0).label("seconds"),
-                   func.coalesce(func.sum(checkpoints.c.frozen_s), 0).label("frozen")).join(
-            clusters, clusters.c.id == checkpoints.c.cluster_id).group_by(clusters.c.name)
+        q = (
+            select(
+                clusters.c.name.label("cluster"),
+                func.count().label("count"),
+                func.coalesce(func.sum(checkpoints.c.size_bytes), 0).label("bytes"),
+                func.coalesce(func.sum(checkpoints.c.duration_s), 0).label("seconds"),
+                func.coalesce(func.sum(checkpoints.c.frozen_s), 0).label("frozen"),
+            )
+            .join(clusters, clusters.c.id == checkpoints.c.cluster_id)
+            .group_by(clusters.c.name)
+        )
         with self.engine.begin() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
 
     def verdict_totals(self) -> list[dict[str, Any]]:
         """Per cluster: live checkpoints by their verdict (ok, failed, none)."""
-        q = select(clusters.c.name.label("cluster"), checkpoints.c.verified_ok,
-                   func.count().label("count")).join(
-            clusters, clusters.c.id == checkpoints.c.cluster_id).where(
-            checkpoints.c.deleted.is_(None)).group_by(clusters.c.name,
-                                                      checkpoints.c.verified_ok)
+        q = (
+            select(
+                clusters.c.name.label("cluster"),
+                checkpoints.c.verified_ok,
+                func.count().label("count"),
+            )
+            .join(clusters, clusters.c.id == checkpoints.c.cluster_id)
+            .where(checkpoints.c.deleted.is_(None))
+            .group_by(clusters.c.name, checkpoints.c.verified_ok)
+        )
         with self.engine.begin() as conn:
             rows = conn.execute(q).all()
-        return [{"cluster": r.cluster, "count": r.count,
-                 "verdict": "none" if r.verified_ok is None else
-                 "ok" if r.verified_ok else "failed"} for r in rows]
+        return [
+            {
+                "cluster": r.cluster,
+                "count": r.count,
+                "verdict": "none" if r.verified_ok is None else "ok" if r.verified_ok else "failed",
+            }
+            for r in rows
+        ]
 
     def savings(self, by: Principal) -> dict[str, Any]:
         """Node-hours of work kept by restores instead of reruns: in all, per cluster, per
         user, per day (UTC). A restore keeps the seconds of work its checkpoint held; every
         job counts as one node (the nodes report single-node jobs)."""
-        q = select(restores.c.cluster_id, clusters.c.name.label("cluster"), restores.c.user,
-                   restores.c.work_s, restores.c.at).join(
-            clusters, clusters.c.id == restores.c.cluster_id)
+        q = select(
+            restores.c.cluster_id,
+            clusters.c.name.label("cluster"),
+            restores.c.user,
+            restores.c.work_s,
+            restores.c.at,
+        ).join(clusters, clusters.c.id == restores.c.cluster_id)
         if by.kind != "admin":
             q = q.where(restores.c.cluster_id == by.cluster_id)
         with self.engine.begin() as conn:
@@ -702,89 +993,153 @@ class Registry:
             per_day[day] = per_day.get(day, 0.0) + hours
 
         def listed(d: dict[str, float], key: str) -> list[dict[str, Any]]:
-            return [{key: k, "node_hours": round(v, 4)} for k, v in
-                    sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
+            return [
+                {key: k, "node_hours": round(v, 4)}
+                for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))
+            ]
 
-        return {"node_hours": round(sum(per_cluster.values()), 4), "restores": len(rows),
-                "clusters": listed(per_cluster, "cluster"), "users": listed(per_user, "user"),
-                "days": [{"day": k, "node_hours": round(v, 4)} for k, v in
-                         sorted(per_day.items())]}
+        return {
+            "node_hours": round(sum(per_cluster.values()), 4),
+            "restores": len(rows),
+            "clusters": listed(per_cluster, "cluster"),
+            "users": listed(per_user, "user"),
+            "days": [{"day": k, "node_hours": round(v, 4)} for k, v in sorted(per_day.items())],
+        }
 
     # -- commands -----------------------------------------------------------------------------
 
-    def find_job(self, by: Principal, job: str, cluster: str | None = None,
-                 node: str | None = None) -> dict[str, Any]:
+    def find_job(
+        self, by: Principal, job: str, cluster: str | None = None, node: str | None = None
+    ) -> dict[str, Any]:
         """The one job `job` that a node reports, by (cluster, node, job): a job id that
         several nodes report (two clusters, or a node repeating another's) is refused unless
         its cluster and node are given, never taken by name order."""
         if not re.fullmatch(JOB_ID, job):
-            raise UsageError(f"bad job id {job[:100]!r}: letters, digits, '.', '_', ':' and "
-                             "'-', at most 100")
+            raise UsageError(
+                f"bad job id {job[:100]!r}: letters, digits, '.', '_', ':' and " "'-', at most 100"
+            )
         cid = self._cluster_id(cluster) if cluster else None
-        where = [j for j in self.list_jobs(by) if j.get("job") == job and
-                 (cid is None or j["cluster_id"] == cid) and (node is None or j["node"] == node)]
+        where = [
+            j
+            for j in self.list_jobs(by)
+            if j.get("job") == job
+            and (cid is None or j["cluster_id"] == cid)
+            and (node is None or j["node"] == node)
+        ]
         if not where:
-            on = (f" in cluster {cluster}" if cluster else "") + \
-                (f" on node {node}" if node else "")
-            raise NotFoundError(f"no node reports a job {job}{on}: `stasis controlplane jobs` "
-                                "lists them")
+            on = (f" in cluster {cluster}" if cluster else "") + (
+                f" on node {node}" if node else ""
+            )
+            raise NotFoundError(
+                f"no node reports a job {job}{on}: `stasis controlplane jobs` " "lists them"
+            )
         if len(where) > 1:
             seen = ", ".join(f"{j['cluster']}/{j['node']}" for j in where[:5])
-            raise ConflictError(f"job {job} is reported by {len(where)} nodes ({seen}): name "
-                                "its cluster and node (--cluster, --node)")
+            raise ConflictError(
+                f"job {job} is reported by {len(where)} nodes ({seen}): name "
+                "its cluster and node (--cluster, --node)"
+            )
         return where[0]
 
-    def queue(self, by: Principal, kind: str, job: str, args: dict[str, Any],
-              cluster: str | None = None, node: str | None = None) -> dict[str, Any]:
+    def queue(
+        self,
+        by: Principal,
+        kind: str,
+        job: str,
+        args: dict[str, Any],
+        cluster: str | None = None,
+        node: str | None = None,
+    ) -> dict[str, Any]:
         """A command for the node that reports `job` (cluster and node: see find_job)."""
         by.admin_only()
         found = self.find_job(by, job, cluster, node)
-        return self.queue_for_node(found["cluster_id"], found["node"], kind,
-                                   {**args, "job": job,
-                                    "kind": found.get("kind") or "daemon"})
+        return self.queue_for_node(
+            found["cluster_id"],
+            found["node"],
+            kind,
+            {**args, "job": job, "kind": found.get("kind") or "daemon"},
+        )
 
-    def verify_checkpoint(self, by: Principal, checkpoint_id: str, lost_after_s: float
-                          ) -> dict[str, Any]:
+    def verify_checkpoint(
+        self, by: Principal, checkpoint_id: str, lost_after_s: float
+    ) -> dict[str, Any]:
         """A verify command (`stasis verify`) for checkpoint `checkpoint_id`, sent to the node
         that took it, which must be ready: its verdict is kept with the checkpoint."""
         by.admin_only()
         if not re.fullmatch(CHECKPOINT_ID, checkpoint_id):
             raise UsageError(f"bad checkpoint id {checkpoint_id[:64]!r}")
         with self.engine.begin() as conn:
-            row = conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id)
-                               ).mappings().first()
+            row = (
+                conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id))
+                .mappings()
+                .first()
+            )
         if row is None or row["deleted"] is not None:
-            raise NotFoundError(f"no checkpoint {checkpoint_id} known here" + (
-                " (deleted)" if row is not None else "") +
-                ": `stasis controlplane checkpoints` lists them")
-        node = [n for n in self.list_nodes(by, lost_after_s)
-                if n["cluster_id"] == row["cluster_id"] and n["name"] == row["node"]]
+            raise NotFoundError(
+                f"no checkpoint {checkpoint_id} known here"
+                + (" (deleted)" if row is not None else "")
+                + ": `stasis controlplane checkpoints` lists them"
+            )
+        node = [
+            n
+            for n in self.list_nodes(by, lost_after_s)
+            if n["cluster_id"] == row["cluster_id"] and n["name"] == row["node"]
+        ]
         if not node:
-            raise NotFoundError(f"node {row['node']}, which took checkpoint {checkpoint_id}, "
-                                "is no longer known here: `stasis verify "
-                                f"{checkpoint_id}` on a node that shares its store")
+            raise NotFoundError(
+                f"node {row['node']}, which took checkpoint {checkpoint_id}, "
+                "is no longer known here: `stasis verify "
+                f"{checkpoint_id}` on a node that shares its store"
+            )
         if node[0]["state"] != "ready":
-            raise ConflictError(_not_ready(node[0]) + f": the node that took checkpoint "
-                                f"{checkpoint_id} verifies it; ask again once it is ready")
-        return self.queue_for_node(row["cluster_id"], row["node"], "verify", {
-            "checkpoint": checkpoint_id, "label": row["label"], "user": row["user"],
-            "reason": "asked"})
+            raise ConflictError(
+                _not_ready(node[0]) + f": the node that took checkpoint "
+                f"{checkpoint_id} verifies it; ask again once it is ready"
+            )
+        return self.queue_for_node(
+            row["cluster_id"],
+            row["node"],
+            "verify",
+            {
+                "checkpoint": checkpoint_id,
+                "label": row["label"],
+                "user": row["user"],
+                "reason": "asked",
+            },
+        )
 
-    def queue_for_node(self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
-                       ) -> dict[str, Any]:
+    def queue_for_node(
+        self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
+    ) -> dict[str, Any]:
         cid = "cmd_" + secrets.token_hex(8)
-        row = {"id": cid, "cluster_id": cluster_id, "node": node, "kind": kind,
-               "args": json.dumps(args), "state": "queued", "attempts": 0,
-               "lease_until": None, "result": None, "created": _stamp(), "finished": None}
+        row = {
+            "id": cid,
+            "cluster_id": cluster_id,
+            "node": node,
+            "kind": kind,
+            "args": json.dumps(args),
+            "state": "queued",
+            "attempts": 0,
+            "lease_until": None,
+            "result": None,
+            "created": _stamp(),
+            "finished": None,
+        }
         with self.engine.begin() as conn:
             self._refuse_pending(conn, cluster_id, node)
             conn.execute(insert(commands).values(**row))
         return self._command(row)
 
-    def migrate_job(self, by: Principal, job: str, to: str,
-                    extra: dict[str, Any] | None = None, cluster: str | None = None,
-                    node: str | None = None, lost_after_s: float = float("inf")
-                    ) -> dict[str, Any]:
+    def migrate_job(
+        self,
+        by: Principal,
+        job: str,
+        to: str,
+        extra: dict[str, Any] | None = None,
+        cluster: str | None = None,
+        node: str | None = None,
+        lost_after_s: float = float("inf"),
+    ) -> dict[str, Any]:
         """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
         on node `to` of the same cluster, through the store both share. The restore names
         the job's label and owner as reported now, the checkpoint command, and the seal the
@@ -794,13 +1149,16 @@ class Registry:
         validate_name(to, "node name")
         src = self.find_job(by, job, cluster, node)
         if (src.get("kind") or "daemon") != "daemon":
-            raise UsageError(f"{src['kind']} job {job} moves where its scheduler puts it: "
-                             f"`stasis controlplane checkpoint {job} --stop` checkpoints and "
-                             "requeues it")
+            raise UsageError(
+                f"{src['kind']} job {job} moves where its scheduler puts it: "
+                f"`stasis controlplane checkpoint {job} --stop` checkpoints and "
+                "requeues it"
+            )
         if src["node"] == to:
             raise UsageError(f"job {job} runs on {to} already")
-        peers = [n for n in self.list_nodes(by, lost_after_s)
-                 if n["cluster_id"] == src["cluster_id"]]
+        peers = [
+            n for n in self.list_nodes(by, lost_after_s) if n["cluster_id"] == src["cluster_id"]
+        ]
         target = [n for n in peers if n["name"] == to]
         if not target:
             raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
@@ -808,24 +1166,42 @@ class Registry:
             with self.engine.begin() as conn:
                 self._refuse_pending(conn, src["cluster_id"], to)
         if target[0]["state"] != "ready":
-            raise ConflictError(_not_ready(target[0]) + ": it is no migration target; "
-                                "migrate to a ready node (`stasis controlplane nodes`)")
+            raise ConflictError(
+                _not_ready(target[0]) + ": it is no migration target; "
+                "migrate to a ready node (`stasis controlplane nodes`)"
+            )
         # Where the restore goes if the target fails it or is lost: the source seals for
         # these too (stasis.controlplane.node), fewest jobs first.
-        alternates = [n["name"] for n in sorted(peers, key=lambda n: (int(n["jobs"]),
-                                                                      n["name"]))
-                      if n["state"] == "ready" and n["name"] not in (to, src["node"])]
-        return self.queue(by, "checkpoint", job, {"leave_running": False,
-                                                  "then_restore_on": to,
-                                                  "or_on": alternates[:ALTERNATES],
-                                                  "reason": f"migration to {to}",
-                                                  "label": src.get("label"),
-                                                  "user": src.get("user"),
-                                                  **(extra or {})},
-                          src["cluster_id"], src["node"])
+        alternates = [
+            n["name"]
+            for n in sorted(peers, key=lambda n: (int(n["jobs"]), n["name"]))
+            if n["state"] == "ready" and n["name"] not in (to, src["node"])
+        ]
+        return self.queue(
+            by,
+            "checkpoint",
+            job,
+            {
+                "leave_running": False,
+                "then_restore_on": to,
+                "or_on": alternates[:ALTERNATES],
+                "reason": f"migration to {to}",
+                "label": src.get("label"),
+                "user": src.get("user"),
+                **(extra or {}),
+            },
+            src["cluster_id"],
+            src["node"],
+        )
 
-    def drain(self, by: Principal, node: str, lost_after_s: float,
-              reason: str = "stasis drain", cluster: str | None = None) -> dict[str, Any]:
+    def drain(
+        self,
+        by: Principal,
+        node: str,
+        lost_after_s: float,
+        reason: str = "stasis drain",
+        cluster: str | None = None,
+    ) -> dict[str, Any]:
         """Every live job of `node` off it. Where the node reports a scheduler state (Slurm,
         Kubernetes), one `drain` command has its daemon empty it in the scheduler: a Slurm
         node drained and its Slurm jobs checkpointed and requeued, a Kubernetes node cordoned
@@ -837,43 +1213,63 @@ class Registry:
         validate_name(node, "node name")
         all_nodes = self.list_nodes(by, lost_after_s)
         cid = self._cluster_id(cluster) if cluster else None
-        mine = [n for n in all_nodes if n["name"] == node and
-                (cid is None or n["cluster_id"] == cid)]
+        mine = [
+            n for n in all_nodes if n["name"] == node and (cid is None or n["cluster_id"] == cid)
+        ]
         if not mine:
             raise NotFoundError(f"no node {node}" + (f" in cluster {cluster}" if cluster else ""))
         if len(mine) > 1:
-            raise ConflictError(f"node {node} is in several clusters "
-                                f"({', '.join(n['cluster'] for n in mine)}): name its cluster "
-                                "(--cluster)")
+            raise ConflictError(
+                f"node {node} is in several clusters "
+                f"({', '.join(n['cluster'] for n in mine)}): name its cluster "
+                "(--cluster)"
+            )
         cluster = str(mine[0]["cluster_id"])
-        listed = [j for j in self.list_jobs(by) if j["node"] == node and
-                  j["cluster_id"] == cluster]
+        listed = [j for j in self.list_jobs(by) if j["node"] == node and j["cluster_id"] == cluster]
         jobs = [j for j in listed if (j.get("kind") or "daemon") == "daemon"]
         theirs = [j for j in listed if (j.get("kind") or "daemon") != "daemon"]
         # Only where the node said its scheduler knows it (a node that runs stasis's own jobs
         # only reports no scheduler state).
-        by_scheduler = self.cluster(cluster)["kind"] in ("slurm", "kubernetes") and \
-            mine[0]["state"] != "lost" and bool(mine[0].get("scheduler_state"))
+        by_scheduler = (
+            self.cluster(cluster)["kind"] in ("slurm", "kubernetes")
+            and mine[0]["state"] != "lost"
+            and bool(mine[0].get("scheduler_state"))
+        )
         if theirs and not by_scheduler:
             why = "is lost" if mine[0]["state"] == "lost" else "reports no scheduler state"
-            raise UsageError(f"node {node} {why}: its {len(theirs)} {theirs[0]['kind']} "
-                             "job(s) cannot be drained in their scheduler from here")
-        others = {n["name"]: int(n["jobs"]) for n in all_nodes
-                  if n["cluster_id"] == cluster and n["name"] != node and n["state"] == "ready"}
+            raise UsageError(
+                f"node {node} {why}: its {len(theirs)} {theirs[0]['kind']} "
+                "job(s) cannot be drained in their scheduler from here"
+            )
+        others = {
+            n["name"]: int(n["jobs"])
+            for n in all_nodes
+            if n["cluster_id"] == cluster and n["name"] != node and n["state"] == "ready"
+        }
         if jobs and not others:
-            raise UsageError(f"no other ready node in cluster {mine[0]['cluster']} to take the "
-                             f"{len(jobs)} job(s) of {node}")
-        scheduler = self.queue_for_node(cluster, node, "drain", {"reason": reason}) \
-            if by_scheduler else None
+            raise UsageError(
+                f"no other ready node in cluster {mine[0]['cluster']} to take the "
+                f"{len(jobs)} job(s) of {node}"
+            )
+        scheduler = (
+            self.queue_for_node(cluster, node, "drain", {"reason": reason})
+            if by_scheduler
+            else None
+        )
         moves = []
         for j in jobs:
             to = min(sorted(others), key=lambda n: others[n])
             others[to] += 1
-            moves.append(self.migrate_job(by, j["job"], to, None, cluster, node,
-                                          lost_after_s))
-        return {"node": node, "cluster_id": cluster, "migrations": moves, "drain": scheduler,
-                "handled": [{"job": j["job"], "kind": j["kind"], "label": j.get("label")}
-                            for j in theirs]}
+            moves.append(self.migrate_job(by, j["job"], to, None, cluster, node, lost_after_s))
+        return {
+            "node": node,
+            "cluster_id": cluster,
+            "migrations": moves,
+            "drain": scheduler,
+            "handled": [
+                {"job": j["job"], "kind": j["kind"], "label": j.get("label")} for j in theirs
+            ],
+        }
 
     def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
         """The node's next command, leased to it for `lease_s` (None: nothing to do), with
@@ -883,58 +1279,85 @@ class Registry:
         by.node_only(node, "leasing a node's commands")
         now = int(time.time())
         # A queued command's lease_until, if any, is when it may be leased (a retry's backoff).
-        free = ((commands.c.state == "queued") & (
-            commands.c.lease_until.is_(None) | (commands.c.lease_until <= now))) | (
-            (commands.c.state == "leased") & (commands.c.lease_until < now))
+        free = (
+            (commands.c.state == "queued")
+            & (commands.c.lease_until.is_(None) | (commands.c.lease_until <= now))
+        ) | ((commands.c.state == "leased") & (commands.c.lease_until < now))
         with self.engine.begin() as conn:
-            if conn.execute(select(nodes.c.approved).where(
-                    nodes.c.cluster_id == by.cluster_id, nodes.c.name == node)
-                    ).scalar() is False:
+            if (
+                conn.execute(
+                    select(nodes.c.approved).where(
+                        nodes.c.cluster_id == by.cluster_id, nodes.c.name == node
+                    )
+                ).scalar()
+                is False
+            ):
                 return None  # pending: nothing for it until an admin approves it
             for _ in range(5):  # another leaser may win a row between select and update
                 # A verify (low priority) only when nothing else waits: a checkpoint or a
                 # migration asked meanwhile goes first.
-                row = conn.execute(select(commands.c.id).where(
-                    commands.c.cluster_id == by.cluster_id, commands.c.node == node, free)
-                    .order_by(case((commands.c.kind == "verify", 1), else_=0),
-                              commands.c.created, commands.c.id).limit(1)).first()
+                row = conn.execute(
+                    select(commands.c.id)
+                    .where(commands.c.cluster_id == by.cluster_id, commands.c.node == node, free)
+                    .order_by(
+                        case((commands.c.kind == "verify", 1), else_=0),
+                        commands.c.created,
+                        commands.c.id,
+                    )
+                    .limit(1)
+                ).first()
                 if row is None:
                     return None
                 lease_id = "lease_" + secrets.token_hex(12)
-                n = conn.execute(update(commands).where(commands.c.id == row.id, free).values(
-                    state="leased", lease_until=now + int(lease_s), lease_id=lease_id,
-                    attempts=commands.c.attempts + 1)).rowcount
+                n = conn.execute(
+                    update(commands)
+                    .where(commands.c.id == row.id, free)
+                    .values(
+                        state="leased",
+                        lease_until=now + int(lease_s),
+                        lease_id=lease_id,
+                        attempts=commands.c.attempts + 1,
+                    )
+                ).rowcount
                 if n:
-                    got = conn.execute(select(commands).where(commands.c.id == row.id)
-                                       ).mappings().first()
+                    got = (
+                        conn.execute(select(commands).where(commands.c.id == row.id))
+                        .mappings()
+                        .first()
+                    )
                     if got is None:
                         return None
                     return {**self._command(dict(got)), "lease_id": lease_id}
         return None
 
-    def _held(self, conn: Any, by: Principal, node: str, command_id: str,
-              lease_id: str) -> dict[str, Any]:
+    def _held(
+        self, conn: Any, by: Principal, node: str, command_id: str, lease_id: str
+    ) -> dict[str, Any]:
         """Command `command_id` of this node's, read for its lease holder: refused for
         another node's command (403), and for a lease that is not the command's current one
         (409). Its row (a done or failed one too: answered from its record)."""
-        row = conn.execute(select(commands).where(commands.c.id == command_id)
-                           ).mappings().first()
+        row = conn.execute(select(commands).where(commands.c.id == command_id)).mappings().first()
         if row is None or row["cluster_id"] != by.cluster_id:
             raise NotFoundError(f"no command {command_id[:40]} for this cluster")
         if row["node"] != node:
-            raise PermissionDeniedError(f"command {command_id} is node {row['node']}'s, not "
-                                        f"{node}'s: only the node it is for carries it out")
+            raise PermissionDeniedError(
+                f"command {command_id} is node {row['node']}'s, not "
+                f"{node}'s: only the node it is for carries it out"
+            )
         if row["state"] in ("done", "failed"):
             return dict(row)
         if row["state"] != "leased" or not lease_id or row["lease_id"] != lease_id:
-            raise ConflictError(f"command {command_id} is not leased to node {node} under "
-                                f"lease {lease_id[:40] or '(none)'} (its lease ran out and it "
-                                "was leased again, or it was never leased): the node answers "
-                                "the lease it holds now")
+            raise ConflictError(
+                f"command {command_id} is not leased to node {node} under "
+                f"lease {lease_id[:40] or '(none)'} (its lease ran out and it "
+                "was leased again, or it was never leased): the node answers "
+                "the lease it holds now"
+            )
         return dict(row)
 
-    def renew(self, by: Principal, node: str, command_id: str, lease_s: float,
-              lease_id: str = "") -> dict[str, Any]:
+    def renew(
+        self, by: Principal, node: str, command_id: str, lease_s: float, lease_id: str = ""
+    ) -> dict[str, Any]:
         """The lease of a command `node` is still carrying out, extended to `lease_s` from now
         (a long dump is not given out again while its node works on it): the node holding
         the lease only, quoting it."""
@@ -944,17 +1367,26 @@ class Registry:
         with self.engine.begin() as conn:
             row = self._held(conn, by, node, command_id, lease_id)
             if row["state"] != "leased":
-                raise NotFoundError(f"command {command_id} was answered already "
-                                    f"({row['state']}): nothing to renew")
-            n = conn.execute(update(commands).where(
-                commands.c.id == command_id, commands.c.state == "leased",
-                commands.c.lease_id == lease_id).values(lease_until=until)).rowcount
+                raise NotFoundError(
+                    f"command {command_id} was answered already "
+                    f"({row['state']}): nothing to renew"
+                )
+            n = conn.execute(
+                update(commands)
+                .where(
+                    commands.c.id == command_id,
+                    commands.c.state == "leased",
+                    commands.c.lease_id == lease_id,
+                )
+                .values(lease_until=until)
+            ).rowcount
         if not n:
             raise ConflictError(f"command {command_id} is no longer leased under {lease_id}")
         return {"id": command_id, "lease_until": until}
 
-    def commit(self, by: Principal, node: str, command_id: str, lease_s: float,
-               lease_id: str = "") -> dict[str, Any]:
+    def commit(
+        self, by: Principal, node: str, command_id: str, lease_s: float, lease_id: str = ""
+    ) -> dict[str, Any]:
         """The fence of a restore's resume: node `node`, holding restore `command_id`'s lease
         (quoting it), has the job's tree restored and stopped, and may resume it only on this
         answer. Yes while the command is still its lease: the command is marked committed (in
@@ -968,26 +1400,42 @@ class Registry:
         with self.engine.begin() as conn:
             row = self._held(conn, by, node, command_id, lease_id)
             if row["kind"] != "restore":
-                raise UsageError(f"command {command_id} is a {row['kind']}: only a restore is "
-                                 "committed before its job resumes")
+                raise UsageError(
+                    f"command {command_id} is a {row['kind']}: only a restore is "
+                    "committed before its job resumes"
+                )
             n = 0
             if row["state"] == "leased":
-                n = conn.execute(update(commands).where(
-                    commands.c.id == command_id, commands.c.state == "leased",
-                    commands.c.lease_id == lease_id).values(
-                    result=json.dumps({"committed": _now()}),
-                    lease_until=now + int(lease_s))).rowcount
+                n = conn.execute(
+                    update(commands)
+                    .where(
+                        commands.c.id == command_id,
+                        commands.c.state == "leased",
+                        commands.c.lease_id == lease_id,
+                    )
+                    .values(
+                        result=json.dumps({"committed": _now()}), lease_until=now + int(lease_s)
+                    )
+                ).rowcount
             if n:
                 return {"id": command_id, "committed": True}
-            got = conn.execute(select(commands).where(commands.c.id == command_id)
-                               ).mappings().first()
+            got = (
+                conn.execute(select(commands).where(commands.c.id == command_id)).mappings().first()
+            )
             done = dict(got or row)
             why = _fenced(done, node)
             self._event(conn, done["cluster_id"], node, "command-fenced", why)
         raise ConflictError(why)
 
-    def ack(self, by: Principal, command_id: str, ok: bool, result: dict[str, Any],
-            lease_id: str = "", lost_after_s: float = float("inf")) -> dict[str, Any]:
+    def ack(
+        self,
+        by: Principal,
+        command_id: str,
+        ok: bool,
+        result: dict[str, Any],
+        lease_id: str = "",
+        lost_after_s: float = float("inf"),
+    ) -> dict[str, Any]:
         """The result of a command, from the node holding its lease (quoting it). A command
         moves only forward (queued -> leased -> done | failed): an answer to a done one is
         given its record, never applied again."""
@@ -1002,15 +1450,27 @@ class Registry:
                 return self._command(dict(row))  # acknowledged twice: the first one stands
             args = json.loads(row["args"])
             if not ok and row["kind"] == "restore":
-                result = {**result, **self._after_failed_restore(
-                    conn, dict(row), str(result.get("error") or "failed"),
-                    bool(result.get("permanent")), lost_after_s)}
+                result = {
+                    **result,
+                    **self._after_failed_restore(
+                        conn,
+                        dict(row),
+                        str(result.get("error") or "failed"),
+                        bool(result.get("permanent")),
+                        lost_after_s,
+                    ),
+                }
             if row["kind"] == "verify" and "verdict" in result:
                 self._verify_answered(conn, dict(row), args, result)
             if ok and row["kind"] == "retain" and result.get("deleted"):
-                conn.execute(update(checkpoints).where(
-                    checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
-                    checkpoints.c.cluster_id == row["cluster_id"]).values(deleted=time.time()))
+                conn.execute(
+                    update(checkpoints)
+                    .where(
+                        checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
+                        checkpoints.c.cluster_id == row["cluster_id"],
+                    )
+                    .values(deleted=time.time())
+                )
             if ok and args.get("then_restore_on") and result.get("checkpoint"):
                 # The second half of a migration: the restore, on the target node, of the
                 # checkpoint this command took, bound to the job, label and owner it was for.
@@ -1019,35 +1479,66 @@ class Registry:
                 # queue, never leased, until an admin approves that node)
                 if not re.fullmatch(CHECKPOINT_ID, ckpt):
                     raise UsageError(f"bad checkpoint id {ckpt[:64]!r} in the result")
-                seals: dict[str, Any] = result["seals"] if isinstance(result.get("seals"),
-                                                                      dict) else {}
-                alternates = [{"node": str(n), "seal": _seal_of({"seal": seals.get(n)})}
-                              for n in list(args.get("or_on") or [])[:ALTERNATES]
-                              if isinstance(seals.get(n), dict)]
+                seals: dict[str, Any] = (
+                    result["seals"] if isinstance(result.get("seals"), dict) else {}
+                )
+                alternates = [
+                    {"node": str(n), "seal": _seal_of({"seal": seals.get(n)})}
+                    for n in list(args.get("or_on") or [])[:ALTERNATES]
+                    if isinstance(seals.get(n), dict)
+                ]
                 # (`try`, 1 when absent, counts the tries on its node; `alternates`: where the
                 # restore goes next, with the seal its source made for each)
-                nid = self._queue_restore(conn, row["cluster_id"], args["then_restore_on"], {
-                    "checkpoint": ckpt, "migrated_from": command_id, "job": args["job"],
-                    "label": args.get("label"), "user": args.get("user"),
-                    "from_node": row["node"], "seal": _seal_of(result),
-                    **({"alternates": alternates} if alternates else {})}, 0.0)
+                nid = self._queue_restore(
+                    conn,
+                    row["cluster_id"],
+                    args["then_restore_on"],
+                    {
+                        "checkpoint": ckpt,
+                        "migrated_from": command_id,
+                        "job": args["job"],
+                        "label": args.get("label"),
+                        "user": args.get("user"),
+                        "from_node": row["node"],
+                        "seal": _seal_of(result),
+                        **({"alternates": alternates} if alternates else {}),
+                    },
+                    0.0,
+                )
                 result = {k: v for k, v in result.items() if k != "seals"}
                 result = {**result, "next": nid}
-            n = conn.execute(update(commands).where(
-                commands.c.id == command_id, commands.c.state == "leased",
-                commands.c.lease_id == lease_id).values(
-                state="done" if ok else "failed", result=json.dumps(result),
-                finished=_now(), lease_until=None)).rowcount
+            n = conn.execute(
+                update(commands)
+                .where(
+                    commands.c.id == command_id,
+                    commands.c.state == "leased",
+                    commands.c.lease_id == lease_id,
+                )
+                .values(
+                    state="done" if ok else "failed",
+                    result=json.dumps(result),
+                    finished=_now(),
+                    lease_until=None,
+                )
+            ).rowcount
             if not n:  # answered meanwhile by a concurrent request: that one stands
                 raise ConflictError(f"command {command_id} was answered meanwhile")
             what = f"{row['kind']} {args.get('job') or args.get('label') or ''}".strip()
-            self._event(conn, row["cluster_id"], row["node"],
-                        "command-done" if ok else "command-failed",
-                        f"{what} ({command_id}): " + (
-                            json.dumps({k: v for k, v in result.items() if k != "next"})
-                            if ok else str(result.get("error"))))
-            got = conn.execute(select(commands).where(commands.c.id == command_id)
-                               ).mappings().first()
+            self._event(
+                conn,
+                row["cluster_id"],
+                row["node"],
+                "command-done" if ok else "command-failed",
+                f"{what} ({command_id}): "
+                + (
+                    json.dumps({k: v for k, v in result.items() if k != "next"})
+                    if ok
+                    else str(result.get("error"))
+                ),
+            )
+            got = (
+                conn.execute(select(commands).where(commands.c.id == command_id)).mappings().first()
+            )
         return self._command(dict(got or row))
 
     def _late(self, conn: Any, row: dict[str, Any], result: dict[str, Any]) -> None:
@@ -1057,31 +1548,51 @@ class Registry:
             job = str(result["job"])[:100]
             if failed.get("committed"):
                 # Committed before the node was lost: never re-targeted (recover).
-                self._event(conn, row["cluster_id"], row["node"], "command-late",
-                            f"restore {row['id']} was failed after node {row['node']} had "
-                            f"begun resuming it (committed): that node restored it as job "
-                            f"{job}, which runs there, once (it was not re-targeted)")
+                self._event(
+                    conn,
+                    row["cluster_id"],
+                    row["node"],
+                    "command-late",
+                    f"restore {row['id']} was failed after node {row['node']} had "
+                    f"begun resuming it (committed): that node restored it as job "
+                    f"{job}, which runs there, once (it was not re-targeted)",
+                )
             else:
                 # Only a node without fencing (an older stasis) resumes a restore that was
                 # not committed: the re-targeted one may run too.
-                self._event(conn, row["cluster_id"], row["node"], "command-late",
-                            f"restore {row['id']} was failed and re-targeted while node "
-                            f"{row['node']} was away, and that node restored it as job {job} "
-                            "all the same, uncommitted (a node older than fencing): the job "
-                            "may run twice; kill one (`stasis controlplane jobs`)")
+                self._event(
+                    conn,
+                    row["cluster_id"],
+                    row["node"],
+                    "command-late",
+                    f"restore {row['id']} was failed and re-targeted while node "
+                    f"{row['node']} was away, and that node restored it as job {job} "
+                    "all the same, uncommitted (a node older than fencing): the job "
+                    "may run twice; kill one (`stasis controlplane jobs`)",
+                )
         elif row["kind"] == "checkpoint" and result.get("checkpoint"):
             args = json.loads(row["args"])
             stopped = not args.get("leave_running", True)
-            self._event(conn, row["cluster_id"], row["node"], "command-late",
-                        f"checkpoint {row['id']} of job {str(args.get('job'))[:100]} was "
-                        f"failed (node {row['node']} lost or silent), and that node took "
-                        f"checkpoint {str(result['checkpoint'])[:64]} all the same" + (
-                            ", stopping the job: it runs nowhere now (no restore was queued); "
-                            f"`stasis restore {str(result['checkpoint'])[:64]}` on a node of "
-                            "the cluster resumes it" if stopped else ""))
+            self._event(
+                conn,
+                row["cluster_id"],
+                row["node"],
+                "command-late",
+                f"checkpoint {row['id']} of job {str(args.get('job'))[:100]} was "
+                f"failed (node {row['node']} lost or silent), and that node took "
+                f"checkpoint {str(result['checkpoint'])[:64]} all the same"
+                + (
+                    ", stopping the job: it runs nowhere now (no restore was queued); "
+                    f"`stasis restore {str(result['checkpoint'])[:64]}` on a node of "
+                    "the cluster resumes it"
+                    if stopped
+                    else ""
+                ),
+            )
 
-    def _verify_answered(self, conn: Any, row: dict[str, Any], args: dict[str, Any],
-                         result: dict[str, Any]) -> None:
+    def _verify_answered(
+        self, conn: Any, row: dict[str, Any], args: dict[str, Any], result: dict[str, Any]
+    ) -> None:
         """The verdict a verify command's node answered with, kept with the checkpoint the
         command named: a verdict on any other checkpoint is refused (the node answers the
         command it was given)."""
@@ -1092,31 +1603,51 @@ class Registry:
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "verdict"
-            raise UsageError(f"bad verdict in the answer to command {row['id']}: {where}: "
-                             f"{first['msg']}") from None
+            raise UsageError(
+                f"bad verdict in the answer to command {row['id']}: {where}: " f"{first['msg']}"
+            ) from None
         if v.checkpoint != args.get("checkpoint"):
-            raise UsageError(f"command {row['id']} asked to verify checkpoint "
-                             f"{args.get('checkpoint')}, not {v.checkpoint}: answer with its "
-                             "verdict")
+            raise UsageError(
+                f"command {row['id']} asked to verify checkpoint "
+                f"{args.get('checkpoint')}, not {v.checkpoint}: answer with its "
+                "verdict"
+            )
         self._verdict(conn, row["cluster_id"], row["node"], v)
 
     @staticmethod
-    def _queue_restore(conn: Any, cluster_id: str, node: str, args: dict[str, Any],
-                       delay_s: float) -> str:
+    def _queue_restore(
+        conn: Any, cluster_id: str, node: str, args: dict[str, Any], delay_s: float
+    ) -> str:
         nid = "cmd_" + secrets.token_hex(8)
         # `fence`: the node commits before resuming (commit); a node older than fencing
         # ignores it, and a node never asks a control plane that does not set it.
         args = {**args, "fence": True}
-        conn.execute(insert(commands).values(
-            id=nid, cluster_id=cluster_id, node=node, kind="restore", args=json.dumps(args),
-            state="queued", attempts=0,
-            lease_until=math.ceil(time.time() + delay_s) if delay_s else None,
-            result=None, created=_stamp(), finished=None))
+        conn.execute(
+            insert(commands).values(
+                id=nid,
+                cluster_id=cluster_id,
+                node=node,
+                kind="restore",
+                args=json.dumps(args),
+                state="queued",
+                attempts=0,
+                lease_until=math.ceil(time.time() + delay_s) if delay_s else None,
+                result=None,
+                created=_stamp(),
+                finished=None,
+            )
+        )
         return nid
 
-    def _after_failed_restore(self, conn: Any, row: dict[str, Any], error: str,
-                              permanent: bool, lost_after_s: float,
-                              node_gone: bool = False) -> dict[str, Any]:
+    def _after_failed_restore(
+        self,
+        conn: Any,
+        row: dict[str, Any],
+        error: str,
+        permanent: bool,
+        lost_after_s: float,
+        node_gone: bool = False,
+    ) -> dict[str, Any]:
         """What follows a migration's restore half `row` that failed with `error`: the same
         restore on its node again after a backoff, else on the next alternate node that is
         ready, as a new command (its id: `next` in the failed one's result); else the
@@ -1133,38 +1664,63 @@ class Registry:
         follow: tuple[str, dict[str, Any], float, str] | None = None
         if not node_gone and tries < RESTORE_TRIES_PER_NODE:
             delay = min(RETRY_BACKOFF_S * 2 ** (tries - 1), RETRY_BACKOFF_MAX_S)
-            follow = (row["node"], {**args, "try": tries + 1}, delay,
-                      f"tried again on node {row['node']} in {delay:.0f} s")
+            follow = (
+                row["node"],
+                {**args, "try": tries + 1},
+                delay,
+                f"tried again on node {row['node']} in {delay:.0f} s",
+            )
         else:
             ready = self._ready_nodes(conn, row["cluster_id"], lost_after_s)
             alternates = list(args.get("alternates") or [])
             while alternates and follow is None:
                 alt = alternates.pop(0)
                 if alt.get("node") in ready and alt.get("node") not in tried:
-                    follow = (str(alt["node"]), {**args, "seal": alt.get("seal"), "try": 1,
-                                                 "alternates": alternates, "tried": tried},
-                              0.0, f"re-targeted to node {alt['node']}")
-        what = f"restore of checkpoint {ckpt} (migration {args['migrated_from']}, job " \
+                    follow = (
+                        str(alt["node"]),
+                        {
+                            **args,
+                            "seal": alt.get("seal"),
+                            "try": 1,
+                            "alternates": alternates,
+                            "tried": tried,
+                        },
+                        0.0,
+                        f"re-targeted to node {alt['node']}",
+                    )
+        what = (
+            f"restore of checkpoint {ckpt} (migration {args['migrated_from']}, job "
             f"{args.get('job')}) on node {row['node']} failed: {error}"
+        )
         if follow is None:
-            final = (f"{what}; checkpoint {ckpt} is kept and restored nowhere (tried on "
-                     f"{', '.join(tried)}): restore it with `stasis restore {ckpt}` on a node "
-                     "of the cluster, or migrate again")
+            final = (
+                f"{what}; checkpoint {ckpt} is kept and restored nowhere (tried on "
+                f"{', '.join(tried)}): restore it with `stasis restore {ckpt}` on a node "
+                "of the cluster, or migrate again"
+            )
             self._event(conn, row["cluster_id"], row["node"], "migration-failed", final)
             return {"error": final}
         node, nargs, delay, how = follow
         nid = self._queue_restore(conn, row["cluster_id"], node, nargs, delay)
-        self._event(conn, row["cluster_id"], row["node"], "migration-retry",
-                    f"{what}; {how} ({nid})")
+        self._event(
+            conn, row["cluster_id"], row["node"], "migration-retry", f"{what}; {how} ({nid})"
+        )
         return {"error": f"{what}; {how} ({nid})", "next": nid}
 
     @staticmethod
     def _ready_nodes(conn: Any, cluster_id: str, lost_after_s: float) -> set[str]:
         now = time.time()
-        return {r.name for r in conn.execute(select(
-            nodes.c.name, nodes.c.last_heartbeat).where(
-            nodes.c.cluster_id == cluster_id, nodes.c.check_ok.is_(True),
-            nodes.c.approved.is_not(False))) if now - r.last_heartbeat <= lost_after_s}
+        return {
+            r.name
+            for r in conn.execute(
+                select(nodes.c.name, nodes.c.last_heartbeat).where(
+                    nodes.c.cluster_id == cluster_id,
+                    nodes.c.check_ok.is_(True),
+                    nodes.c.approved.is_not(False),
+                )
+            )
+            if now - r.last_heartbeat <= lost_after_s
+        }
 
     def recover(self, lost_after_s: float) -> int:
         """Commands that would otherwise hang, failed (and a migration's restore half
@@ -1176,25 +1732,42 @@ class Registry:
         now = int(time.time())
         failed = 0
         with self.engine.begin() as conn:
-            silent = {(r.cluster_id, r.name): now - r.last_heartbeat for r in conn.execute(
-                select(nodes.c.cluster_id, nodes.c.name, nodes.c.last_heartbeat).where(
-                    nodes.c.last_heartbeat < now - lost_after_s))
-                if now - max(r.last_heartbeat, self.started) > lost_after_s}
-            rows = [dict(r) for r in conn.execute(select(commands).where(
-                ((commands.c.state == "leased") & (commands.c.lease_until < now)) |
-                ((commands.c.state == "queued") &
-                 commands.c.kind.in_(("restore", "verify")))))
-                .mappings().all()]
+            silent = {
+                (r.cluster_id, r.name): now - r.last_heartbeat
+                for r in conn.execute(
+                    select(nodes.c.cluster_id, nodes.c.name, nodes.c.last_heartbeat).where(
+                        nodes.c.last_heartbeat < now - lost_after_s
+                    )
+                )
+                if now - max(r.last_heartbeat, self.started) > lost_after_s
+            }
+            rows = [
+                dict(r)
+                for r in conn.execute(
+                    select(commands).where(
+                        ((commands.c.state == "leased") & (commands.c.lease_until < now))
+                        | (
+                            (commands.c.state == "queued")
+                            & commands.c.kind.in_(("restore", "verify"))
+                        )
+                    )
+                )
+                .mappings()
+                .all()
+            ]
         for row in rows:
             lost = silent.get((row["cluster_id"], row["node"]))
             expired = row["state"] == "leased"
             if lost is not None and (expired or row["kind"] in ("restore", "verify")):
                 why = f"node {row['node']} was lost (silent {lost} s) " + (
-                    "while carrying it out" if expired else "before carrying it out")
+                    "while carrying it out" if expired else "before carrying it out"
+                )
             elif expired and row["attempts"] >= MAX_LEASES:
-                why = (f"node {row['node']} leased it {row['attempts']} times without "
-                       "answering (its daemon died carrying it out, or could not tell what "
-                       "it had done, each time: see its log)")
+                why = (
+                    f"node {row['node']} leased it {row['attempts']} times without "
+                    "answering (its daemon died carrying it out, or could not tell what "
+                    "it had done, each time: see its log)"
+                )
             else:
                 continue
             try:
@@ -1204,45 +1777,74 @@ class Registry:
             failed += 1
         return failed
 
-    def _fail_held(self, row: dict[str, Any], why: str, lost_after_s: float,
-                   node_lost: bool = False) -> None:
-        committed = json.loads(row["result"] or "{}").get("committed") \
-            if row["state"] == "leased" else None
+    def _fail_held(
+        self, row: dict[str, Any], why: str, lost_after_s: float, node_lost: bool = False
+    ) -> None:
+        committed = (
+            json.loads(row["result"] or "{}").get("committed") if row["state"] == "leased" else None
+        )
         with self.engine.begin() as conn:
             if committed:
                 # Its node may have resumed the job (commit): a re-target could run it twice.
                 args = json.loads(row["args"])
                 ckpt = str(args.get("checkpoint"))
-                result = {"committed": committed, "error": (
-                    f"{why}, after it had begun resuming checkpoint {ckpt} as job "
-                    f"{args.get('job')} there (committed {committed}): not re-targeted, so "
-                    f"that the job never runs twice; if node {row['node']} is gone for good, "
-                    f"checkpoint {ckpt} is kept: `stasis restore {ckpt}` on a node of the "
-                    "cluster")}
-                self._event(conn, row["cluster_id"], row["node"], "migration-failed",
-                            f"restore ({row['id']}): {result['error']}")
+                result = {
+                    "committed": committed,
+                    "error": (
+                        f"{why}, after it had begun resuming checkpoint {ckpt} as job "
+                        f"{args.get('job')} there (committed {committed}): not re-targeted, so "
+                        f"that the job never runs twice; if node {row['node']} is gone for good, "
+                        f"checkpoint {ckpt} is kept: `stasis restore {ckpt}` on a node of the "
+                        "cluster"
+                    ),
+                }
+                self._event(
+                    conn,
+                    row["cluster_id"],
+                    row["node"],
+                    "migration-failed",
+                    f"restore ({row['id']}): {result['error']}",
+                )
             elif row["kind"] == "restore":
-                result = self._after_failed_restore(conn, row, why, False, lost_after_s,
-                                                    node_gone=True)
+                result = self._after_failed_restore(
+                    conn, row, why, False, lost_after_s, node_gone=True
+                )
             else:
                 # A lost node may only be cut off, its job running on: a restore by hand
                 # elsewhere would run it twice.
                 args = json.loads(row["args"])
-                caution = (f"; job {args['job']} may still run on node {row['node']} (cut off, "
-                           "not stopped): restore it elsewhere only once that node is known "
-                           "down") if node_lost and row["kind"] == "checkpoint" and \
-                    args.get("job") else ""
+                caution = (
+                    (
+                        f"; job {args['job']} may still run on node {row['node']} (cut off, "
+                        "not stopped): restore it elsewhere only once that node is known "
+                        "down"
+                    )
+                    if node_lost and row["kind"] == "checkpoint" and args.get("job")
+                    else ""
+                )
                 result = {"error": why + self._newest_known(conn, row) + caution}
-                self._event(conn, row["cluster_id"], row["node"], "command-failed",
-                            f"{row['kind']} ({row['id']}): {result['error']}")
+                self._event(
+                    conn,
+                    row["cluster_id"],
+                    row["node"],
+                    "command-failed",
+                    f"{row['kind']} ({row['id']}): {result['error']}",
+                )
             # Not if it was answered, leased again or committed since it was read.
-            n = conn.execute(update(commands).where(
-                commands.c.id == row["id"], commands.c.state == row["state"],
-                commands.c.attempts == row["attempts"],
-                commands.c.result.is_(None) if row["result"] is None else
-                commands.c.result == row["result"]).values(
-                state="failed", result=json.dumps(result), finished=_now(),
-                lease_until=None)).rowcount
+            n = conn.execute(
+                update(commands)
+                .where(
+                    commands.c.id == row["id"],
+                    commands.c.state == row["state"],
+                    commands.c.attempts == row["attempts"],
+                    commands.c.result.is_(None)
+                    if row["result"] is None
+                    else commands.c.result == row["result"],
+                )
+                .values(
+                    state="failed", result=json.dumps(result), finished=_now(), lease_until=None
+                )
+            ).rowcount
             if not n:
                 raise _Raced()  # rolls back the restore queued in its place
 
@@ -1253,32 +1855,50 @@ class Registry:
         args = json.loads(row["args"])
         if not args.get("label") or row["kind"] == "verify":
             return ""
-        newest = conn.execute(select(checkpoints.c.id, checkpoints.c.node,
-                                     checkpoints.c.verified_ok).where(
-            checkpoints.c.cluster_id == row["cluster_id"],
-            checkpoints.c.label == args["label"], checkpoints.c.user == args.get("user"),
-            checkpoints.c.deleted.is_(None)).order_by(checkpoints.c.created.desc()).limit(1)
+        newest = conn.execute(
+            select(checkpoints.c.id, checkpoints.c.node, checkpoints.c.verified_ok)
+            .where(
+                checkpoints.c.cluster_id == row["cluster_id"],
+                checkpoints.c.label == args["label"],
+                checkpoints.c.user == args.get("user"),
+                checkpoints.c.deleted.is_(None),
+            )
+            .order_by(checkpoints.c.created.desc())
+            .limit(1)
         ).first()
         if newest is None:
             return f"; no checkpoint of label {args['label']} is known here"
-        said = (f"; the newest checkpoint of label {args['label']} known here is {newest.id} "
-                f"(node {newest.node}")
+        said = (
+            f"; the newest checkpoint of label {args['label']} known here is {newest.id} "
+            f"(node {newest.node}"
+        )
         if newest.verified_ok:
             return said + ", verified): `stasis restore {newest.id}` on a node restores it"
         # An older one known to restore (`stasis verify`) is worth naming beside it.
-        good = conn.execute(select(checkpoints.c.id, checkpoints.c.node).where(
-            checkpoints.c.cluster_id == row["cluster_id"],
-            checkpoints.c.label == args["label"], checkpoints.c.user == args.get("user"),
-            checkpoints.c.deleted.is_(None), checkpoints.c.verified_ok.is_(True))
-            .order_by(checkpoints.c.created.desc()).limit(1)).first()
+        good = conn.execute(
+            select(checkpoints.c.id, checkpoints.c.node)
+            .where(
+                checkpoints.c.cluster_id == row["cluster_id"],
+                checkpoints.c.label == args["label"],
+                checkpoints.c.user == args.get("user"),
+                checkpoints.c.deleted.is_(None),
+                checkpoints.c.verified_ok.is_(True),
+            )
+            .order_by(checkpoints.c.created.desc())
+            .limit(1)
+        ).first()
         state = "not verified" if newest.verified_ok is None else "failed verification"
-        return (said + f", {state}): `stasis restore {newest.id}` on a node restores it" + (
-            f"; the newest verified one is {good.id} (node {good.node})" if good else ""))
+        return (
+            said
+            + f", {state}): `stasis restore {newest.id}` on a node restores it"
+            + (f"; the newest verified one is {good.id} (node {good.node})" if good else "")
+        )
 
     def command(self, by: Principal, command_id: str) -> dict[str, Any]:
         with self.engine.begin() as conn:
-            row = conn.execute(select(commands).where(commands.c.id == command_id)
-                               ).mappings().first()
+            row = (
+                conn.execute(select(commands).where(commands.c.id == command_id)).mappings().first()
+            )
         if row is None or (by.kind != "admin" and row["cluster_id"] != by.cluster_id):
             raise NotFoundError(f"no command {command_id}")
         return self._command(dict(row))
@@ -1293,10 +1913,14 @@ class Registry:
     # -- events -------------------------------------------------------------------------------
 
     @staticmethod
-    def _event(conn: Any, cluster_id: str | None, node: str | None, kind: str,
-               message: str) -> None:
-        conn.execute(insert(events).values(at=_stamp(), cluster_id=cluster_id, node=node,
-                                           kind=kind, message=message[:2000]))
+    def _event(
+        conn: Any, cluster_id: str | None, node: str | None, kind: str, message: str
+    ) -> None:
+        conn.execute(
+            insert(events).values(
+                at=_stamp(), cluster_id=cluster_id, node=node, kind=kind, message=message[:2000]
+            )
+        )
 
     def event(self, cluster_id: str | None, node: str | None, kind: str, message: str) -> None:
         with self.engine.begin() as conn:
@@ -1313,9 +1937,11 @@ class Registry:
     @staticmethod
     def _command(row: dict[str, Any]) -> dict[str, Any]:
         # The lease id is the lease holder's alone: only the lease answer carries it.
-        return {**{k: v for k, v in row.items() if k != "lease_id"},
-                "args": json.loads(row["args"]),
-                "result": json.loads(row["result"]) if row.get("result") else None}
+        return {
+            **{k: v for k, v in row.items() if k != "lease_id"},
+            "args": json.loads(row["args"]),
+            "result": json.loads(row["result"]) if row.get("result") else None,
+        }
 
 
 def _not_ready(n: dict[str, Any]) -> str:
@@ -1331,17 +1957,23 @@ def _fenced(row: dict[str, Any], node: str) -> str:
     lease), and what became of it."""
     args = json.loads(row["args"])
     result = json.loads(row["result"] or "{}") if row["state"] != "leased" else {}
-    what = (f"node {node} fenced: restore {row['id']} of checkpoint {args.get('checkpoint')} "
-            f"(job {args.get('job')}) may not resume there: ")
+    what = (
+        f"node {node} fenced: restore {row['id']} of checkpoint {args.get('checkpoint')} "
+        f"(job {args.get('job')}) may not resume there: "
+    )
     if row["state"] == "leased":
-        return what + ("it is leased again under another lease; the node answers the lease "
-                       "it holds now")
+        return what + (
+            "it is leased again under another lease; the node answers the lease " "it holds now"
+        )
     if row["state"] == "done":
         return what + "it was answered already"
     nxt, error = result.get("next"), " ".join(str(result.get("error") or "").split())[:400]
-    return what + f"the control plane failed it meanwhile ({error})" + (
-        f", re-targeted as {nxt}" if nxt and str(nxt) not in error else "") + \
-        "; its restored tree is killed unresumed, so that the job runs once"
+    return (
+        what
+        + f"the control plane failed it meanwhile ({error})"
+        + (f", re-targeted as {nxt}" if nxt and str(nxt) not in error else "")
+        + "; its restored tree is killed unresumed, so that the job runs once"
+    )
 
 
 def _seal_of(result: dict[str, Any]) -> dict[str, str] | None:

@@ -22,7 +22,8 @@ from sqlalchemy import (
 metadata = MetaData()
 
 clusters = Table(
-    "clusters", metadata,
+    "clusters",
+    metadata,
     Column("id", String(40), primary_key=True),
     Column("name", String(200), nullable=False, unique=True),
     Column("kind", String(20), nullable=False),  # slurm | kubernetes
@@ -36,7 +37,8 @@ clusters = Table(
 # A token is shown once; only its SHA-256 is kept (tokens are 256 random bits: no salt or slow
 # hash needed to keep them from being guessed back).
 tokens = Table(
-    "tokens", metadata,
+    "tokens",
+    metadata,
     Column("id", String(40), primary_key=True),
     Column("kind", String(20), nullable=False),  # admin | cluster
     Column("cluster_id", String(40), ForeignKey("clusters.id"), nullable=True),
@@ -47,7 +49,8 @@ tokens = Table(
 )
 
 nodes = Table(
-    "nodes", metadata,
+    "nodes",
+    metadata,
     Column("cluster_id", String(40), ForeignKey("clusters.id"), primary_key=True),
     Column("name", String(200), primary_key=True),
     Column("host", String(200), nullable=False),
@@ -72,7 +75,8 @@ nodes = Table(
 # node or the connection died) is leased again, and the node, which keeps what it did by
 # command id, answers with the same result instead of doing it twice.
 commands = Table(
-    "commands", metadata,
+    "commands",
+    metadata,
     Column("id", String(40), primary_key=True),
     Column("cluster_id", String(40), ForeignKey("clusters.id"), nullable=False),
     Column("node", String(200), nullable=False),
@@ -95,7 +99,8 @@ commands = Table(
 # it, and the cluster token only joins nodes that have none yet. An admin deletes a node's
 # row (`stasis controlplane nodes reset NAME`) to let the node join again.
 node_credentials = Table(
-    "node_credentials", metadata,
+    "node_credentials",
+    metadata,
     Column("cluster_id", String(40), ForeignKey("clusters.id"), primary_key=True),
     Column("node", String(200), primary_key=True),
     Column("sha256", String(64), nullable=False, unique=True),
@@ -107,7 +112,8 @@ node_credentials = Table(
 # filter: cluster, node, label (a glob), user; the actions: a leave-running checkpoint of every
 # matching job, or retention of each matching label's newest `keep` checkpoints on each node.
 policies = Table(
-    "policies", metadata,
+    "policies",
+    metadata,
     Column("name", String(100), primary_key=True),
     Column("every_s", Integer, nullable=False),
     Column("action", String(40), nullable=False),  # checkpoint | retain
@@ -132,7 +138,8 @@ policies = Table(
 
 # What happened, newest last: nodes joining, commands done or failed, policies run.
 events = Table(
-    "events", metadata,
+    "events",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("at", String(40), nullable=False),
     Column("cluster_id", String(40), nullable=True),
@@ -144,7 +151,8 @@ events = Table(
 # The checkpoints the nodes report (stasis.daemon.activity), deleted ones kept with the time:
 # what each cost (size, CRIU's time, how long the job stood frozen) and the work it holds.
 checkpoints = Table(
-    "checkpoints", metadata,
+    "checkpoints",
+    metadata,
     Column("id", String(64), primary_key=True),
     Column("cluster_id", String(40), nullable=False),
     Column("node", String(200), nullable=False),
@@ -174,7 +182,8 @@ checkpoints = Table(
 # Restores the nodes report: each keeps `work_s` seconds of work a rerun would have redone
 # (the savings). Once per (node, job, checkpoint): a report sent twice counts once.
 restores = Table(
-    "restores", metadata,
+    "restores",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("cluster_id", String(40), nullable=False),
     Column("node", String(200), nullable=False),
@@ -192,7 +201,8 @@ restores = Table(
 # Dashboard log-ins: a session id (its SHA-256 kept) for the token that logged in, with the
 # token every form of that session must carry back (CSRF); gone at `expires` or at log-out.
 sessions = Table(
-    "sessions", metadata,
+    "sessions",
+    metadata,
     Column("sha256", String(64), primary_key=True),
     Column("token_id", String(40), nullable=False),
     Column("csrf", String(64), nullable=False),

@@ -82,7 +82,6 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stasis.controlplane import policies
-from stasis.controlplane.verdicts import VerdictReport
 from stasis.controlplane.registry import (
     CHECKPOINT_ID,
     HOOK_PREFIX,
@@ -94,6 +93,7 @@ from stasis.controlplane.registry import (
     Registry,
     safe_url,
 )
+from stasis.controlplane.verdicts import VerdictReport
 from stasis.errors import StasisError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
@@ -141,7 +141,8 @@ class NodeReport(_Model):
     slurm_version: str | None = Field(default=None, max_length=60, pattern=_TEXT)
     check_ok: bool
     problems: list[Annotated[str, Field(max_length=1000, pattern=_TEXT)]] = Field(
-        default_factory=list, max_length=50)
+        default_factory=list, max_length=50
+    )
     jobs: int = Field(default=0, ge=0)
 
 
@@ -194,8 +195,7 @@ class NewCommand(_Model):
 
 
 class Drain(_Model):
-    reason: str = Field(default="stasis drain", max_length=60,
-                        pattern=r"^[A-Za-z0-9 ._:-]*$")
+    reason: str = Field(default="stasis drain", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
     cluster: str | None = Field(default=None, pattern=_NAME)
 
 
@@ -233,8 +233,7 @@ class PolicyEdit(_Model):
 
     every_s: int | None = Field(default=None, ge=0, le=366 * 86400)
     action: Literal["checkpoint", "retain", "migrate", "verify"] | None = None
-    filters: dict[str, str | None] | None = Field(default=None,
-                                                  max_length=len(policies.FILTERS))
+    filters: dict[str, str | None] | None = Field(default=None, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
     older_than_s: int | None = Field(default=None, ge=1)
     trigger: Literal["every", "memory", "drain"] | None = None
@@ -270,19 +269,16 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        return web.json_response({"error": f"bad request: {where}: {first['msg']}"},
-                                 status=400)
+        return web.json_response({"error": f"bad request: {where}: {first['msg']}"}, status=400)
     except web.HTTPRequestEntityTooLarge:
-        return web.json_response({"error": f"request body over {MAX_BODY_BYTES} bytes"},
-                                 status=413)
+        return web.json_response({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status=413)
 
 
 def _bearer(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise AuthError("no token: send `Authorization: Bearer stasis_...` "
-                        "(STASIS_AUTH_TOKEN)")
+        raise AuthError("no token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)")
     return token.strip()
 
 
@@ -305,16 +301,22 @@ def _limit(request: web.Request, default: int) -> int:
     return int(raw)
 
 
-def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
-        session_ttl_s: int = 8 * 3600, cache_dir: Path = Path("/var/lib/stasis/controlplane"),
-        min_interval_s: int = policies.MIN_INTERVAL_S, behind_tls: bool = False
-        ) -> web.Application:
+def app(
+    registry: Registry,
+    lost_after_s: float,
+    lease_s: float = 60.0,
+    session_ttl_s: int = 8 * 3600,
+    cache_dir: Path = Path("/var/lib/stasis/controlplane"),
+    min_interval_s: int = policies.MIN_INTERVAL_S,
+    behind_tls: bool = False,
+) -> web.Application:
     from stasis.controlplane import dashboard
 
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
-    a.add_routes(dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s,
-                                  behind_tls))
+    a.add_routes(
+        dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls)
+    )
 
     def own_url(request: web.Request) -> str:
         """This control plane's URL as the caller reached it (https:// behind a TLS proxy)."""
@@ -329,9 +331,12 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
     async def add_cluster(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
         body = await _body(request, NewCluster)
-        return web.json_response(await run(registry.add_cluster, body.name, body.kind,
-                                            body.expires_in_s, body.approve_joins),
-                                 status=201)
+        return web.json_response(
+            await run(
+                registry.add_cluster, body.name, body.kind, body.expires_in_s, body.approve_joins
+            ),
+            status=201,
+        )
 
     async def list_clusters(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
@@ -341,14 +346,16 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who = _principal(request)
         who.admin_only()
         body = await _body(request, ClusterSettings)
-        return web.json_response(await run(registry.set_approve_joins, who,
-                                            request.match_info["id"], body.approve_joins))
+        return web.json_response(
+            await run(registry.set_approve_joins, who, request.match_info["id"], body.approve_joins)
+        )
 
     async def rotate(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
         body = await _body(request, Rotation)
-        return web.json_response(await run(registry.rotate, request.match_info["id"],
-                                            body.expires_in_s))
+        return web.json_response(
+            await run(registry.rotate, request.match_info["id"], body.expires_in_s)
+        )
 
     async def list_tokens(request: web.Request) -> web.StreamResponse:
         _principal(request).admin_only()
@@ -368,16 +375,21 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who = _principal(request)
         who.node_only(request.match_info["name"], "a heartbeat")
         body = await _body(request, Heartbeat)
-        return web.json_response(await run(registry.heartbeat, who,
-                                            request.match_info["name"],
-                                            [j.model_dump() for j in body.jobs],
-                                            [a.model_dump() for a in body.activity],
-                                            body.mem_total_bytes, body.scheduler_state,
-                                            body.verdicts))
+        return web.json_response(
+            await run(
+                registry.heartbeat,
+                who,
+                request.match_info["name"],
+                [j.model_dump() for j in body.jobs],
+                [a.model_dump() for a in body.activity],
+                body.mem_total_bytes,
+                body.scheduler_state,
+                body.verdicts,
+            )
+        )
 
     async def list_nodes(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.list_nodes, _principal(request),
-                                            lost_after_s))
+        return web.json_response(await run(registry.list_nodes, _principal(request), lost_after_s))
 
     async def list_jobs(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_jobs, _principal(request)))
@@ -386,83 +398,144 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         who = _principal(request)
         who.admin_only()
         body = await _body(request, NewCommand)
-        return web.json_response(await run(registry.queue, who, body.kind, body.job,
-                                            {"leave_running": body.leave_running},
-                                            body.cluster, body.node), status=201)
+        return web.json_response(
+            await run(
+                registry.queue,
+                who,
+                body.kind,
+                body.job,
+                {"leave_running": body.leave_running},
+                body.cluster,
+                body.node,
+            ),
+            status=201,
+        )
 
     async def verify_checkpoint(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
-        return web.json_response(await run(registry.verify_checkpoint, who,
-                                            request.match_info["id"], lost_after_s),
-                                 status=201)
+        return web.json_response(
+            await run(registry.verify_checkpoint, who, request.match_info["id"], lost_after_s),
+            status=201,
+        )
 
     async def migrate(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         body = await _body(request, Migration)
-        return web.json_response(await run(registry.migrate_job, who, body.job, body.to,
-                                            None, body.cluster, body.node, lost_after_s),
-                                 status=201)
+        return web.json_response(
+            await run(
+                registry.migrate_job,
+                who,
+                body.job,
+                body.to,
+                None,
+                body.cluster,
+                body.node,
+                lost_after_s,
+            ),
+            status=201,
+        )
 
     async def drain(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         body = await _body(request, Drain)
-        return web.json_response(await run(registry.drain, who, request.match_info["name"],
-                                            lost_after_s, body.reason, body.cluster),
-                                 status=201)
+        return web.json_response(
+            await run(
+                registry.drain,
+                who,
+                request.match_info["name"],
+                lost_after_s,
+                body.reason,
+                body.cluster,
+            ),
+            status=201,
+        )
 
     async def reset_node(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         body = await _body(request, NodeReset)
-        return web.json_response(await run(registry.reset_node, who,
-                                            request.match_info["name"], body.cluster))
+        return web.json_response(
+            await run(registry.reset_node, who, request.match_info["name"], body.cluster)
+        )
 
     async def approve_node(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         body = await _body(request, NodeReset)
-        return web.json_response(await run(registry.approve_node, who,
-                                            request.match_info["name"], body.cluster))
+        return web.json_response(
+            await run(registry.approve_node, who, request.match_info["name"], body.cluster)
+        )
 
     async def add_policy(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         b = await _body(request, NewPolicy)
-        return web.json_response(await run(policies.add, registry, who, b.name, b.every_s,
-                                            b.action, b.filters, b.keep, b.older_than_s,
-                                            b.trigger, b.threshold_pct, b.stop,
-                                            b.completed, min_interval_s),
-                                 status=201)
+        return web.json_response(
+            await run(
+                policies.add,
+                registry,
+                who,
+                b.name,
+                b.every_s,
+                b.action,
+                b.filters,
+                b.keep,
+                b.older_than_s,
+                b.trigger,
+                b.threshold_pct,
+                b.stop,
+                b.completed,
+                min_interval_s,
+            ),
+            status=201,
+        )
 
     async def edit_policy(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.admin_only()
         b = await _body(request, PolicyEdit)
-        return web.json_response(await run(policies.edit, registry, who,
-                                            request.match_info["name"], b.changes(),
-                                            min_interval_s))
+        return web.json_response(
+            await run(
+                policies.edit,
+                registry,
+                who,
+                request.match_info["name"],
+                b.changes(),
+                min_interval_s,
+            )
+        )
 
     async def rotate_hook(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(policies.rotate_hook, registry,
-                                            _principal(request), request.match_info["name"]))
+        return web.json_response(
+            await run(
+                policies.rotate_hook, registry, _principal(request), request.match_info["name"]
+            )
+        )
 
     async def list_policies(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(policies.listed, registry, _principal(request)))
 
     async def remove_policy(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(policies.remove, registry, _principal(request),
-                                            request.match_info["name"]))
+        return web.json_response(
+            await run(policies.remove, registry, _principal(request), request.match_info["name"])
+        )
 
     async def list_events(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.list_events, _principal(request),
-                                            _limit(request, 200)))
+        return web.json_response(
+            await run(registry.list_events, _principal(request), _limit(request, 200))
+        )
 
     async def list_checkpoints(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.list_checkpoints, _principal(request),
-                                            _limit(request, 500),
-                                            request.query.get("deleted") == "1"))
+        return web.json_response(
+            await run(
+                registry.list_checkpoints,
+                _principal(request),
+                _limit(request, 500),
+                request.query.get("deleted") == "1",
+            )
+        )
 
     async def savings(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.savings, _principal(request)))
@@ -471,25 +544,32 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         name = request.match_info["name"]
         token = _bearer(request)
         if token.startswith(HOOK_PREFIX):  # the policy's own hook token: this policy only
-            return web.json_response(await run(policies.run_hook, registry, token, name,
-                                                lost_after_s))
-        return web.json_response(await run(policies.run_now, registry, _principal(request),
-                                            name, lost_after_s))
+            return web.json_response(
+                await run(policies.run_hook, registry, token, name, lost_after_s)
+            )
+        return web.json_response(
+            await run(policies.run_now, registry, _principal(request), name, lost_after_s)
+        )
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         from stasis.controlplane.metrics import render
 
         text = await run(render, registry, _principal(request), lost_after_s)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return web.Response(
+            text=text,
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
     async def install_kubernetes(request: web.Request) -> web.StreamResponse:
         import shlex
 
         who = _principal(request)
         if who.kind != "cluster" or who.cluster_id is None:
-            raise UsageError("ask with the cluster's token (`clusters add NAME --kind "
-                             "kubernetes` printed it)")
+            raise UsageError(
+                "ask with the cluster's token (`clusters add NAME --kind " "kubernetes` printed it)"
+            )
         cluster = await run(registry.cluster, who.cluster_id)
         if cluster["kind"] != "kubernetes":
             raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
@@ -497,18 +577,21 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         url = own_url(request)
         # The token reaches helm on its stdin, from bash's own printf: on no command line,
         # which every user of the admin's machine can read.
-        text = (f"printf '%s' {shlex.quote(token)} |\n"
-                "  helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
-                f"  --set config.url={shlex.quote(url)} \\\n"
-                f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
-                "  --set-file config.authToken=/dev/stdin\n")
+        text = (
+            f"printf '%s' {shlex.quote(token)} |\n"
+            "  helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
+            f"  --set config.url={shlex.quote(url)} \\\n"
+            f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
+            "  --set-file config.authToken=/dev/stdin\n"
+        )
         return web.Response(text=text, content_type="text/plain")
 
     def slurm_cluster(request: web.Request) -> tuple[Principal, str]:
         who = _principal(request)
         if who.kind != "cluster" or who.cluster_id is None:
-            raise UsageError("ask with the cluster's token (`clusters add NAME --kind slurm` "
-                             "printed it)")
+            raise UsageError(
+                "ask with the cluster's token (`clusters add NAME --kind slurm` " "printed it)"
+            )
         return who, request.headers["Authorization"].partition(" ")[2].strip()
 
     async def install_slurm(request: web.Request) -> web.StreamResponse:
@@ -518,97 +601,131 @@ def app(registry: Registry, lost_after_s: float, lease_s: float = 60.0,
         assert who.cluster_id is not None
         cluster = await run(registry.cluster, who.cluster_id)
         if cluster["kind"] != "slurm":
-            raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster: "
-                             "/install/kubernetes")
+            raise UsageError(
+                f"cluster {cluster['name']} is a {cluster['kind']} cluster: " "/install/kubernetes"
+            )
         # The script pins the wheel it will fetch by this hash: bytes changed on the way are
         # refused by the node before pip sees them.
         wheel_sha256 = await run(lambda: sha256_of(build_wheel(cache_dir)))
-        return web.Response(text=slurm_script(own_url(request), who.cluster_id,
-                                              cluster["name"], token, wheel_sha256),
-                            content_type="text/x-shellscript")
+        return web.Response(
+            text=slurm_script(
+                own_url(request), who.cluster_id, cluster["name"], token, wheel_sha256
+            ),
+            content_type="text/x-shellscript",
+        )
 
     async def install_wheel(request: web.Request) -> web.StreamResponse:
         from stasis.controlplane.installer import build_wheel
 
         slurm_cluster(request)
         path = await run(build_wheel, cache_dir)
-        return web.Response(body=path.read_bytes(), content_type="application/octet-stream",
-                            headers={"Content-Disposition":
-                                     f'attachment; filename="{path.name}"'})
+        return web.Response(
+            body=path.read_bytes(),
+            content_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{path.name}"'},
+        )
 
     async def list_commands(request: web.Request) -> web.StreamResponse:
         return web.json_response(await run(registry.list_commands, _principal(request)))
 
     async def get_command(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.command, _principal(request),
-                                            request.match_info["id"]))
+        return web.json_response(
+            await run(registry.command, _principal(request), request.match_info["id"])
+        )
 
     async def lease(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.node_only(request.match_info["name"], "leasing a node's commands")
-        return web.json_response(await run(registry.lease, who, request.match_info["name"],
-                                            lease_s))
+        return web.json_response(
+            await run(registry.lease, who, request.match_info["name"], lease_s)
+        )
 
     async def renew(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.node_only(request.match_info["name"], "renewing a command's lease")
         body = await _body(request, Renewal)
-        return web.json_response(await run(registry.renew, who, request.match_info["name"],
-                                            request.match_info["id"], lease_s, body.lease_id))
+        return web.json_response(
+            await run(
+                registry.renew,
+                who,
+                request.match_info["name"],
+                request.match_info["id"],
+                lease_s,
+                body.lease_id,
+            )
+        )
 
     async def commit(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.node_only(request.match_info["name"], "committing a restore")
         body = await _body(request, Renewal)
-        return web.json_response(await run(registry.commit, who, request.match_info["name"],
-                                            request.match_info["id"], lease_s, body.lease_id))
+        return web.json_response(
+            await run(
+                registry.commit,
+                who,
+                request.match_info["name"],
+                request.match_info["id"],
+                lease_s,
+                body.lease_id,
+            )
+        )
 
     async def ack(request: web.Request) -> web.StreamResponse:
         who = _principal(request)
         who.node_only(who.node or "?", "acknowledging a command")
         body = await _body(request, Ack)
-        return web.json_response(await run(registry.ack, who, request.match_info["id"],
-                                            body.ok, body.result, body.lease_id,
-                                            lost_after_s))
+        return web.json_response(
+            await run(
+                registry.ack,
+                who,
+                request.match_info["id"],
+                body.ok,
+                body.result,
+                body.lease_id,
+                lost_after_s,
+            )
+        )
 
-    a.add_routes([
-        web.get("/api/v1/health", health),
-        web.post("/api/v1/clusters", add_cluster),
-        web.get("/api/v1/clusters", list_clusters),
-        web.post("/api/v1/clusters/{id}/rotate", rotate),
-        web.post("/api/v1/clusters/{id}/settings", cluster_settings),
-        web.get("/api/v1/tokens", list_tokens),
-        web.post("/api/v1/tokens/{id}/revoke", revoke),
-        web.post("/api/v1/nodes/register", register),
-        web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
-        web.post("/api/v1/nodes/{name}/reset", reset_node),
-        web.post("/api/v1/nodes/{name}/approve", approve_node),
-        web.get("/api/v1/nodes", list_nodes),
-        web.get("/api/v1/jobs", list_jobs),
-        web.post("/api/v1/commands", new_command),
-        web.get("/api/v1/commands", list_commands),
-        web.get("/api/v1/commands/{id}", get_command),
-        web.post("/api/v1/nodes/{name}/commands/lease", lease),
-        web.post("/api/v1/nodes/{name}/commands/{id}/renew", renew),
-        web.post("/api/v1/nodes/{name}/commands/{id}/commit", commit),
-        web.post("/api/v1/commands/{id}/ack", ack),
-        web.post("/api/v1/migrations", migrate),
-        web.post("/api/v1/nodes/{name}/drain", drain),
-        web.get("/metrics", metrics),
-        web.get("/api/v1/events", list_events),
-        web.get("/api/v1/checkpoints", list_checkpoints),
-        web.post("/api/v1/checkpoints/{id}/verify", verify_checkpoint),
-        web.get("/api/v1/savings", savings),
-        web.post("/api/v1/policies/{name}/run", run_policy),
-        web.get("/install/kubernetes", install_kubernetes),
-        web.get("/install/slurm", install_slurm),
-        web.get("/install/stasis.whl", install_wheel),
-        web.get("/api/v1/policies", list_policies),
-        web.post("/api/v1/policies", add_policy),
-        web.patch("/api/v1/policies/{name}", edit_policy),
-        web.delete("/api/v1/policies/{name}", remove_policy),
-        web.post("/api/v1/policies/{name}/rotate-hook", rotate_hook),
-    ])
+    a.add_routes(
+        [
+            web.get("/api/v1/health", health),
+            web.post("/api/v1/clusters", add_cluster),
+            web.get("/api/v1/clusters", list_clusters),
+            web.post("/api/v1/clusters/{id}/rotate", rotate),
+            web.post("/api/v1/clusters/{id}/settings", cluster_settings),
+            web.get("/api/v1/tokens", list_tokens),
+            web.post("/api/v1/tokens/{id}/revoke", revoke),
+            web.post("/api/v1/nodes/register", register),
+            web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
+            web.post("/api/v1/nodes/{name}/reset", reset_node),
+            web.post("/api/v1/nodes/{name}/approve", approve_node),
+            web.get("/api/v1/nodes", list_nodes),
+            web.get("/api/v1/jobs", list_jobs),
+            web.post("/api/v1/commands", new_command),
+            web.get("/api/v1/commands", list_commands),
+            web.get("/api/v1/commands/{id}", get_command),
+            web.post("/api/v1/nodes/{name}/commands/lease", lease),
+            web.post("/api/v1/nodes/{name}/commands/{id}/renew", renew),
+            web.post("/api/v1/nodes/{name}/commands/{id}/commit", commit),
+            web.post("/api/v1/commands/{id}/ack", ack),
+            web.post("/api/v1/migrations", migrate),
+            web.post("/api/v1/nodes/{name}/drain", drain),
+            web.get("/metrics", metrics),
+            web.get("/api/v1/events", list_events),
+            web.get("/api/v1/checkpoints", list_checkpoints),
+            web.post("/api/v1/checkpoints/{id}/verify", verify_checkpoint),
+            web.get("/api/v1/savings", savings),
+            web.post("/api/v1/policies/{name}/run", run_policy),
+            web.get("/install/kubernetes", install_kubernetes),
+            web.get("/install/slurm", install_slurm),
+            web.get("/install/stasis.whl", install_wheel),
+            web.get("/api/v1/policies", list_policies),
+            web.post("/api/v1/policies", add_policy),
+            web.patch("/api/v1/policies/{name}", edit_policy),
+            web.delete("/api/v1/policies/{name}", remove_policy),
+            web.post("/api/v1/policies/{name}/rotate-hook", rotate_hook),
+        ]
+    )
     return a
 
 
@@ -642,11 +759,14 @@ def make_admin_token(registry: Registry, path: Path | None) -> None:
     import os
 
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
     except FileExistsError:
-        raise UsageError(f"refused --admin-token-file {path}: something is there already (a "
-                         "file or a link, not followed); remove it, or name a new path") from None
+        raise UsageError(
+            f"refused --admin-token-file {path}: something is there already (a "
+            "file or a link, not followed); remove it, or name a new path"
+        ) from None
     except OSError as e:
         raise UsageError(f"cannot create --admin-token-file {path}: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
@@ -658,11 +778,20 @@ def make_admin_token(registry: Registry, path: Path | None) -> None:
     print(f"admin token written to {path} (0600)", flush=True)
 
 
-async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path | None,
-                key: Path | None, allow_plain_http: bool, lost_after_s: float,
-                lease_s: float = 60.0, session_ttl_s: int = 8 * 3600,
-                cache_dir: Path = Path("/var/lib/stasis/controlplane"),
-                min_interval_s: int = policies.MIN_INTERVAL_S, behind_tls: bool = False) -> None:
+async def serve(
+    db: str,
+    listen: str,
+    admin_token_file: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    allow_plain_http: bool,
+    lost_after_s: float,
+    lease_s: float = 60.0,
+    session_ttl_s: int = 8 * 3600,
+    cache_dir: Path = Path("/var/lib/stasis/controlplane"),
+    min_interval_s: int = policies.MIN_INTERVAL_S,
+    behind_tls: bool = False,
+) -> None:
     host, port = parse_listen(listen)
     context = None
     if cert is not None or key is not None:
@@ -674,22 +803,31 @@ async def serve(db: str, listen: str, admin_token_file: Path | None, cert: Path 
         except (OSError, ssl.SSLError) as e:
             raise UsageError(f"cannot load the certificate {cert} / key {key}: {e}") from None
     elif not _loopback(host) and not allow_plain_http:
-        raise UsageError(f"plain HTTP on {host} would send tokens in the clear: give --cert "
-                         "and --key, listen on 127.0.0.1, or --allow-plain-http")
+        raise UsageError(
+            f"plain HTTP on {host} would send tokens in the clear: give --cert "
+            "and --key, listen on 127.0.0.1, or --allow-plain-http"
+        )
     registry = await asyncio.to_thread(Registry, db)
     try:
         await asyncio.to_thread(make_admin_token, registry, admin_token_file)
     except BaseException:
         registry.close()
         raise
-    runner = web.AppRunner(app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir,
-                               min_interval_s, behind_tls), access_log=None)
+    runner = web.AppRunner(
+        app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir, min_interval_s, behind_tls),
+        access_log=None,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()
     scheme = "https" if context else "http"
-    log.info("control plane on %s://%s:%d (database %s)", scheme, host, port,
-             json.dumps(safe_url(registry.url)))
+    log.info(
+        "control plane on %s://%s:%d (database %s)",
+        scheme,
+        host,
+        port,
+        json.dumps(safe_url(registry.url)),
+    )
     print(f"listening on {scheme}://{host}:{port}", flush=True)
     runs = asyncio.create_task(_run_policies(registry, lost_after_s))
     try:
@@ -716,5 +854,3 @@ async def _run_policies(registry: Registry, lost_after_s: float) -> None:
                 log.warning("running the policies failed: %s: %s", type(e).__name__, e)
                 failing = str(e)
         await asyncio.sleep(1.0)
-
-

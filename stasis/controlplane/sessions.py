@@ -41,19 +41,26 @@ def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
     # is a person's key to the site.
     if token.startswith((NODE_PREFIX, HOOK_PREFIX)):
         what = "a node's credential" if token.startswith(NODE_PREFIX) else "a policy's hook token"
-        raise PermissionDeniedError(f"{what} does not log in to the dashboard: log in with the "
-                                    "admin token or a cluster's token")
+        raise PermissionDeniedError(
+            f"{what} does not log in to the dashboard: log in with the "
+            "admin token or a cluster's token"
+        )
     who = registry.authenticate(token)
     if who.kind not in ("admin", "cluster"):
-        raise PermissionDeniedError(f"a {who.kind} credential does not log in to the dashboard: "
-                                    "log in with the admin token or a cluster's token")
+        raise PermissionDeniedError(
+            f"a {who.kind} credential does not log in to the dashboard: "
+            "log in with the admin token or a cluster's token"
+        )
     sid = secrets.token_urlsafe(32)
     csrf = secrets.token_urlsafe(32)
     now = int(time.time())
     with registry.engine.begin() as conn:
         conn.execute(delete(sessions).where(sessions.c.expires < now))
-        conn.execute(insert(sessions).values(sha256=_sha(sid), token_id=who.token_id,
-                                             csrf=csrf, expires=now + ttl_s))
+        conn.execute(
+            insert(sessions).values(
+                sha256=_sha(sid), token_id=who.token_id, csrf=csrf, expires=now + ttl_s
+            )
+        )
     return sid, Session(who, csrf, _sha(sid), now + ttl_s)
 
 
@@ -63,21 +70,37 @@ def find(registry: Registry, sid: str) -> Session:
         raise AuthError("not logged in")
     key = _sha(sid)
     with registry.engine.begin() as conn:
-        row = conn.execute(select(sessions.c.token_id, sessions.c.csrf, sessions.c.expires,
-                                  tokens.c.kind, tokens.c.cluster_id, tokens.c.revoked,
-                                  tokens.c.expires.label("token_expires"))
-                           .join(tokens, tokens.c.id == sessions.c.token_id)
-                           .where(sessions.c.sha256 == key)).first()
+        row = conn.execute(
+            select(
+                sessions.c.token_id,
+                sessions.c.csrf,
+                sessions.c.expires,
+                tokens.c.kind,
+                tokens.c.cluster_id,
+                tokens.c.revoked,
+                tokens.c.expires.label("token_expires"),
+            )
+            .join(tokens, tokens.c.id == sessions.c.token_id)
+            .where(sessions.c.sha256 == key)
+        ).first()
         if row is None:
             raise AuthError("not logged in")
         token_gone = row.revoked is not None or (
-            row.token_expires is not None and row.token_expires <= time.time())
+            row.token_expires is not None and row.token_expires <= time.time()
+        )
         if row.expires < time.time() or token_gone:
             conn.execute(delete(sessions).where(sessions.c.sha256 == key))
-            raise AuthError("the session's token was revoked or expired" if token_gone
-                            else "the session expired")
-    return Session(Principal(kind=row.kind, token_id=row.token_id, cluster_id=row.cluster_id),
-                   row.csrf, key, int(row.expires))
+            raise AuthError(
+                "the session's token was revoked or expired"
+                if token_gone
+                else "the session expired"
+            )
+    return Session(
+        Principal(kind=row.kind, token_id=row.token_id, cluster_id=row.cluster_id),
+        row.csrf,
+        key,
+        int(row.expires),
+    )
 
 
 def end(registry: Registry, session: Session) -> None:

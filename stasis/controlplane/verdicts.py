@@ -28,8 +28,14 @@ from stasis.controlplane.schema import checkpoints
 CHECKPOINT_ID = r"^[A-Za-z0-9._-]{1,64}$"
 _TEXT = r"^[^\x00-\x1f\x7f]*$"
 REASON_MAX = 1000
-_COLUMNS = ("verified_ok", "verify_reason", "verified_by", "verified_at", "verify_duration_s",
-            "verify_processes")
+_COLUMNS = (
+    "verified_ok",
+    "verify_reason",
+    "verified_by",
+    "verified_at",
+    "verify_duration_s",
+    "verify_processes",
+)
 
 
 def _one_line(value: object) -> object:
@@ -46,7 +52,8 @@ class VerdictReport(BaseModel):
     checkpoint: str = Field(pattern=CHECKPOINT_ID)
     ok: bool
     reason: Annotated[str, BeforeValidator(_one_line)] = Field(
-        default="", max_length=REASON_MAX, pattern=_TEXT)
+        default="", max_length=REASON_MAX, pattern=_TEXT
+    )
     node: str = Field(default="", max_length=200, pattern=_TEXT)  # the host, as it says
     at: AwareDatetime
     duration_s: float = Field(default=0.0, ge=0, le=366 * 86400)
@@ -57,13 +64,23 @@ def record(conn: Any, cluster_id: str, node: str, v: VerdictReport) -> bool:
     """Verdict `v`, reported by node `node` of cluster `cluster_id`, kept with its checkpoint
     if that checkpoint is of that cluster and holds no newer verdict; whether it was."""
     at = v.at.timestamp()
-    n: int = conn.execute(update(checkpoints).where(
-        checkpoints.c.id == v.checkpoint, checkpoints.c.cluster_id == cluster_id,
-        checkpoints.c.verified_at.is_(None) | (checkpoints.c.verified_at < at)).values(
-        verified_ok=v.ok, verify_reason="" if v.ok else (v.reason or "no reason given"),
-        # The node that spoke (its credential says so), not the host name it wrote.
-        verified_by=node[:200], verified_at=at, verify_duration_s=v.duration_s,
-        verify_processes=v.processes)).rowcount
+    n: int = conn.execute(
+        update(checkpoints)
+        .where(
+            checkpoints.c.id == v.checkpoint,
+            checkpoints.c.cluster_id == cluster_id,
+            checkpoints.c.verified_at.is_(None) | (checkpoints.c.verified_at < at),
+        )
+        .values(
+            verified_ok=v.ok,
+            verify_reason="" if v.ok else (v.reason or "no reason given"),
+            # The node that spoke (its credential says so), not the host name it wrote.
+            verified_by=node[:200],
+            verified_at=at,
+            verify_duration_s=v.duration_s,
+            verify_processes=v.processes,
+        )
+    ).rowcount
     return bool(n)
 
 
@@ -83,19 +100,27 @@ def shown(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if k not in _COLUMNS}
     verdict: VerifyShown | None = None
     if row.get("verified_ok") is not None:
-        verdict = {"ok": bool(row["verified_ok"]), "reason": row["verify_reason"] or "",
-                   "node": row["verified_by"],
-                   "at": datetime.fromtimestamp(float(row["verified_at"]), UTC).isoformat(
-                       timespec="seconds"),
-                   "duration_s": row["verify_duration_s"],
-                   "processes": row["verify_processes"]}
+        verdict = {
+            "ok": bool(row["verified_ok"]),
+            "reason": row["verify_reason"] or "",
+            "node": row["verified_by"],
+            "at": datetime.fromtimestamp(float(row["verified_at"]), UTC).isoformat(
+                timespec="seconds"
+            ),
+            "duration_s": row["verify_duration_s"],
+            "processes": row["verify_processes"],
+        }
     return {**out, "verdict": verdict, "verified": said(verdict)}
 
 
 def event(checkpoint: str, node: str, v: VerdictReport) -> str:
     """The event a new verdict makes."""
     if v.ok:
-        return (f"checkpoint {checkpoint} verified on node {node}: it restores "
-                f"({v.processes} process(es) came back in {v.duration_s:.2f} s)")
-    return (f"checkpoint {checkpoint} failed verification on node {node}: "
-            f"{v.reason or 'no reason given'}")
+        return (
+            f"checkpoint {checkpoint} verified on node {node}: it restores "
+            f"({v.processes} process(es) came back in {v.duration_s:.2f} s)"
+        )
+    return (
+        f"checkpoint {checkpoint} failed verification on node {node}: "
+        f"{v.reason or 'no reason given'}"
+    )

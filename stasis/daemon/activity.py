@@ -26,7 +26,8 @@ from stasis.daemon.db import JobDB
 log = logging.getLogger("stasis.daemon")
 
 job_work_table = Table(
-    "job_work", MetaData(),
+    "job_work",
+    MetaData(),
     Column("job", String(64), primary_key=True),  # a daemon job id or a Slurm job id
     Column("checkpoint", String(64), nullable=False),  # what it was restored from
     Column("work_s", Float, nullable=False),  # the seconds that checkpoint held
@@ -99,8 +100,13 @@ class Listeners:
             try:
                 listener(activity)
             except Exception as e:  # a listener's trouble is its own
-                log.warning("reporting %s %s failed: %s: %s", activity.kind,
-                            activity.checkpoint, type(e).__name__, e)
+                log.warning(
+                    "reporting %s %s failed: %s: %s",
+                    activity.kind,
+                    activity.checkpoint,
+                    type(e).__name__,
+                    e,
+                )
 
 
 class JobWork:
@@ -112,11 +118,15 @@ class JobWork:
 
     def started_from(self, job: str, checkpoint: str, work_s: float) -> None:
         with self.db.transaction() as conn:
-            n = conn.execute(update(job_work_table).where(job_work_table.c.job == job).values(
-                checkpoint=checkpoint, work_s=work_s)).rowcount
+            n = conn.execute(
+                update(job_work_table)
+                .where(job_work_table.c.job == job)
+                .values(checkpoint=checkpoint, work_s=work_s)
+            ).rowcount
             if not n:
-                conn.execute(insert(job_work_table).values(job=job, checkpoint=checkpoint,
-                                                           work_s=work_s))
+                conn.execute(
+                    insert(job_work_table).values(job=job, checkpoint=checkpoint, work_s=work_s)
+                )
 
     def forget(self, job: str) -> None:
         """`job` starts from nothing (a Slurm job run again from its start)."""
@@ -126,8 +136,9 @@ class JobWork:
     def at(self, job: str, started: str | datetime, now: datetime) -> float:
         """The seconds of work `job` holds at `now`, having (re)started at `started`."""
         with self.db.transaction() as conn:
-            base = conn.execute(select(job_work_table.c.work_s).where(
-                job_work_table.c.job == job)).scalar()
+            base = conn.execute(
+                select(job_work_table.c.work_s).where(job_work_table.c.job == job)
+            ).scalar()
         begun = datetime.fromisoformat(started) if isinstance(started, str) else started
         if begun.tzinfo is None:
             begun = begun.replace(tzinfo=now.tzinfo)

@@ -69,8 +69,9 @@ async def list_jobs(request: web.Request) -> web.StreamResponse:
 
 
 async def get_job(request: web.Request) -> web.StreamResponse:
-    return answer(await asyncio.to_thread(request.app[MANAGER].get, request.match_info["job"],
-                                          peer(request)))
+    return answer(
+        await asyncio.to_thread(request.app[MANAGER].get, request.match_info["job"], peer(request))
+    )
 
 
 async def kill_job(request: web.Request) -> web.StreamResponse:
@@ -79,13 +80,16 @@ async def kill_job(request: web.Request) -> web.StreamResponse:
 
 
 async def dump_check(request: web.Request) -> web.StreamResponse:
-    return answer(await asyncio.to_thread(request.app[MANAGER].dump_check,
-                                          request.match_info["job"], peer(request)))
+    return answer(
+        await asyncio.to_thread(
+            request.app[MANAGER].dump_check, request.match_info["job"], peer(request)
+        )
+    )
 
 
-async def _stream(request: web.Request,
-                  work: Callable[[Callable[[int, int], None]], Mapping[str, Any]]
-                  ) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, work: Callable[[Callable[[int, int], None]], Mapping[str, Any]]
+) -> web.StreamResponse:
     """Run `work` in a thread, streaming its progress, then its result or error, as NDJSON."""
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
@@ -140,14 +144,16 @@ async def list_checkpoints(request: web.Request) -> web.StreamResponse:
     manager = request.app[MANAGER]
     caller = peer(request)
     # Each with its verdict of `stasis verify`, where one is recorded (daemon/verifying.py).
-    return answer(await asyncio.to_thread(
-        lambda: manager.verifier.verdicts(manager.checkpoints(label, caller, user))))
+    return answer(
+        await asyncio.to_thread(
+            lambda: manager.verifier.verdicts(manager.checkpoints(label, caller, user))
+        )
+    )
 
 
 async def verify_checkpoint(request: web.Request) -> web.StreamResponse:
     checkpoint = request.match_info["checkpoint"]
-    return answer(await asyncio.to_thread(request.app[MANAGER].verify, checkpoint,
-                                          peer(request)))
+    return answer(await asyncio.to_thread(request.app[MANAGER].verify, checkpoint, peer(request)))
 
 
 async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
@@ -158,14 +164,18 @@ async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
 
 async def check_checkpoint(request: web.Request) -> web.StreamResponse:
     checkpoint = request.match_info["checkpoint"]
-    return answer(await asyncio.to_thread(request.app[MANAGER].check_checkpoint, checkpoint,
-                                          peer(request)))
+    return answer(
+        await asyncio.to_thread(request.app[MANAGER].check_checkpoint, checkpoint, peer(request))
+    )
 
 
 async def collect_garbage(request: web.Request) -> web.StreamResponse:
     req = await read_body(request, GcRequest)
-    return answer(await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request),
-                                          req.idle_s))
+    return answer(
+        await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request), req.idle_s)
+    )
+
+
 async def rekey(request: web.Request) -> web.StreamResponse:
     return answer(await asyncio.to_thread(request.app[MANAGER].rekey, peer(request)))
 
@@ -186,29 +196,32 @@ async def check(request: web.Request) -> web.StreamResponse:
     return answer(await asyncio.to_thread(report))
 
 
-def make_app(manager: JobManager, integrations: Sequence[Integration] = (),
-             middlewares: Sequence[Any] = ()) -> web.Application:
+def make_app(
+    manager: JobManager, integrations: Sequence[Integration] = (), middlewares: Sequence[Any] = ()
+) -> web.Application:
     """The API, with the routes of `integrations`; `middlewares` run inside the error handler
     (their refusals are JSON too)."""
     app = web.Application(middlewares=[errors, *middlewares])
     app[MANAGER] = manager
-    app.add_routes([
-        web.post("/jobs", run_job),
-        web.get("/jobs", list_jobs),
-        web.get("/jobs/{job}", get_job),
-        web.post("/jobs/{job}/kill", kill_job),
-        web.post("/jobs/{job}/dump", dump_job),
-        web.get("/jobs/{job}/dump-check", dump_check),
-        web.post("/restore", restore),
-        web.get("/checkpoints", list_checkpoints),
-        web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
-        web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
-        web.post("/checkpoints/{checkpoint}/verify", verify_checkpoint),
-        web.post("/checkpoints/gc", collect_garbage),
-        web.post("/checkpoints/rekey", rekey),
-        web.get("/check", check),
-        web.get("/network-locks", network_locks),
-    ])
+    app.add_routes(
+        [
+            web.post("/jobs", run_job),
+            web.get("/jobs", list_jobs),
+            web.get("/jobs/{job}", get_job),
+            web.post("/jobs/{job}/kill", kill_job),
+            web.post("/jobs/{job}/dump", dump_job),
+            web.get("/jobs/{job}/dump-check", dump_check),
+            web.post("/restore", restore),
+            web.get("/checkpoints", list_checkpoints),
+            web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
+            web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
+            web.post("/checkpoints/{checkpoint}/verify", verify_checkpoint),
+            web.post("/checkpoints/gc", collect_garbage),
+            web.post("/checkpoints/rekey", rekey),
+            web.get("/check", check),
+            web.get("/network-locks", network_locks),
+        ]
+    )
     for integration in integrations:
         integration.check_routes()
         app.add_routes(integration.routes())

@@ -28,8 +28,10 @@ from aiohttp.typedefs import Handler
 log = logging.getLogger("stasis.daemon")
 
 # The 503 a refused connection gets: the client reads it as any other error of the daemon.
-_BUSY_HEAD = b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n" \
-             b"Connection: close\r\n\r\n"
+_BUSY_HEAD = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\n\r\n"
+)
 
 
 def _peer_uid(transport: asyncio.BaseTransport) -> int:
@@ -71,11 +73,12 @@ class ConnectionGuard:
         if uid != 0:
             held = self._open.get(uid, 0)
             if self.per_uid and held >= self.per_uid:
-                return (f"too many connections to the stasis daemon from uid {uid} "
-                        f"({held} open, max_connections_per_uid); retry when some ended")
+                return (
+                    f"too many connections to the stasis daemon from uid {uid} "
+                    f"({held} open, max_connections_per_uid); retry when some ended"
+                )
             if self._users >= self.users_total:
-                return ("the stasis daemon is at its limit of connections from users; "
-                        "retry later")
+                return "the stasis daemon is at its limit of connections from users; " "retry later"
             self._users += 1
         self._open[uid] = self._open.get(uid, 0) + 1
         return None
@@ -92,7 +95,8 @@ class ConnectionGuard:
     def _arm(self, transport: asyncio.BaseTransport) -> None:
         if self.timeout_s:
             self._waiting[transport] = asyncio.get_running_loop().call_later(
-                self.timeout_s, _cut_off, transport, "headers")
+                self.timeout_s, _cut_off, transport, "headers"
+            )
 
     def _disarm(self, transport: asyncio.BaseTransport | None) -> None:
         timer = self._waiting.pop(transport, None) if transport is not None else None
@@ -113,8 +117,9 @@ class ConnectionGuard:
                 except asyncio.TimeoutError:
                     if request.transport is not None:
                         _cut_off(request.transport, "body")
-                    raise web.HTTPRequestTimeout(text="the request's body did not arrive in "
-                                                      "time (request_timeout_s)") from None
+                    raise web.HTTPRequestTimeout(
+                        text="the request's body did not arrive in " "time (request_timeout_s)"
+                    ) from None
             return await handler(request)
 
         return receive_in_time
@@ -179,8 +184,9 @@ class _Guarded(asyncio.Protocol):
 class GuardedUnixSite(web.UnixSite):
     """aiohttp's UnixSite, with every connection going through a ConnectionGuard."""
 
-    def __init__(self, runner: web.BaseRunner, path: str, guard: ConnectionGuard,
-                 backlog: int = 128) -> None:
+    def __init__(
+        self, runner: web.BaseRunner, path: str, guard: ConnectionGuard, backlog: int = 128
+    ) -> None:
         super().__init__(runner, path, backlog=backlog)
         self._guard = guard
 
@@ -189,5 +195,6 @@ class GuardedUnixSite(web.UnixSite):
         server = self._runner.server
         assert server is not None
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(self._guard.wrap(server), self._path,
-                                                     backlog=self._backlog)
+        self._server = await loop.create_unix_server(
+            self._guard.wrap(server), self._path, backlog=self._backlog
+        )

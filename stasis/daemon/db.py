@@ -68,15 +68,21 @@ def _db_error(path: Path, e: BaseException) -> JobDatabaseError:
     if "locked" in lowered or "busy" in lowered:
         return JobDatabaseError(
             f"the daemon's job database {path} is locked by another process: the daemon "
-            "retries; if this lasts, end whatever holds it (fuser -v " f"{path})")
+            "retries; if this lasts, end whatever holds it (fuser -v "
+            f"{path})"
+        )
     corrupt = isinstance(orig, sqlite3.DatabaseError) and (
-        "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered)
+        "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered
+    )
     if corrupt:
         return JobDatabaseError(
             f"the daemon's job database {path} is corrupt ({text}): restart the daemon, which "
-            "moves it aside and rebuilds it from what runs on this node", corrupt=True)
-    return JobDatabaseError(f"the daemon's job database {path} failed: {text} (is the disk "
-                            "full or read-only?)")
+            "moves it aside and rebuilds it from what runs on this node",
+            corrupt=True,
+        )
+    return JobDatabaseError(
+        f"the daemon's job database {path} failed: {text} (is the disk " "full or read-only?)"
+    )
 
 
 @dataclass
@@ -106,10 +112,20 @@ class JobRow:
 
     def wire(self) -> wire.Job:
         return wire.Job(
-            job=self.id, pid=self.pid, state=cast(wire.JobState, self.state), label=self.label,
-            exit_code=self.exit_code, command=self.command, user=self.user, uid=self.uid,
-            cwd=self.cwd, log=self.log, checkpoint=self.checkpoint, created=self.created,
-            private_tmp=self.private_tmp)
+            job=self.id,
+            pid=self.pid,
+            state=cast(wire.JobState, self.state),
+            label=self.label,
+            exit_code=self.exit_code,
+            command=self.command,
+            user=self.user,
+            uid=self.uid,
+            cwd=self.cwd,
+            log=self.log,
+            checkpoint=self.checkpoint,
+            created=self.created,
+            private_tmp=self.private_tmp,
+        )
 
 
 @dataclass
@@ -134,14 +150,22 @@ def _columns(row: type[Any], primary_key: str) -> list[Column[Any]]:
         kind = Text if get_origin(base) in (list, dict) else kinds[base]
         # A flag added later (private_tmp): rows of an older database read as False.
         default = "0" if base is bool else None
-        columns.append(Column(name, kind, primary_key=name == primary_key, nullable=nullable,
-                              server_default=default))
+        columns.append(
+            Column(
+                name,
+                kind,
+                primary_key=name == primary_key,
+                nullable=nullable,
+                server_default=default,
+            )
+        )
     return columns
 
 
 def _json_fields(row: type[Any]) -> tuple[str, ...]:
-    return tuple(name for name, hint in get_type_hints(row).items()
-                 if get_origin(hint) in (list, dict))
+    return tuple(
+        name for name, hint in get_type_hints(row).items() if get_origin(hint) in (list, dict)
+    )
 
 
 jobs_table = Table("jobs", _metadata, *_columns(JobRow, "id"))
@@ -160,7 +184,8 @@ def _add_flags(engine: Engine) -> None:
         for column in jobs_table.columns:
             if column.name not in have and column.server_default is not None:
                 conn.exec_driver_sql(
-                    f"ALTER TABLE jobs ADD COLUMN {column.name} BOOLEAN NOT NULL DEFAULT 0")
+                    f"ALTER TABLE jobs ADD COLUMN {column.name} BOOLEAN NOT NULL DEFAULT 0"
+                )
 
 
 def _to_row(values: Any) -> JobRow:
@@ -177,8 +202,9 @@ class JobDB:
 
     def __init__(self, path: Path, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> None:
         self.path = path
-        self.engine: Engine = create_engine(f"sqlite:///{path}",
-                                            connect_args={"timeout": busy_timeout_s})
+        self.engine: Engine = create_engine(
+            f"sqlite:///{path}", connect_args={"timeout": busy_timeout_s}
+        )
         event.listen(self.engine, "connect", _sqlite_pragmas)
         self._lock = threading.Lock()
         with self._guarded():
@@ -189,7 +215,8 @@ class JobDB:
                 check = conn.exec_driver_sql("PRAGMA quick_check").first()
             if check is None or check[0] != "ok":
                 raise sqlite3.DatabaseError(
-                    f"database disk image is malformed ({check[0] if check else 'no answer'})")
+                    f"database disk image is malformed ({check[0] if check else 'no answer'})"
+                )
         self._forget_env_values()
 
     @contextmanager
@@ -208,8 +235,11 @@ class JobDB:
             for job_id, env in conn.execute(old).all():
                 names = json.loads(env)
                 if isinstance(names, dict):
-                    conn.execute(update(jobs_table).where(jobs_table.c.id == job_id)
-                                 .values(env=json.dumps(sorted(names))))
+                    conn.execute(
+                        update(jobs_table)
+                        .where(jobs_table.c.id == job_id)
+                        .values(env=json.dumps(sorted(names)))
+                    )
         with self._lock, self._guarded(), self.engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
@@ -252,17 +282,19 @@ class JobDB:
 
     def live(self) -> list[JobRow]:
         with self._lock, self._guarded(), self.engine.connect() as conn:
-            rows = conn.execute(
-                select(jobs_table).where(jobs_table.c.state.in_(_LIVE))
-            ).all()
+            rows = conn.execute(select(jobs_table).where(jobs_table.c.state.in_(_LIVE))).all()
         return [_to_row(r) for r in rows]
 
     def finished(self) -> list[tuple[str, str, str, int | None]]:
         """(id, created, job_dir, shim_pid) of every job that is not live, newest first."""
         with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(
-                select(jobs_table.c.id, jobs_table.c.created, jobs_table.c.job_dir,
-                       jobs_table.c.shim_pid)
+                select(
+                    jobs_table.c.id,
+                    jobs_table.c.created,
+                    jobs_table.c.job_dir,
+                    jobs_table.c.shim_pid,
+                )
                 .where(jobs_table.c.state.not_in(_LIVE))
                 .order_by(jobs_table.c.created.desc())
             ).all()
@@ -276,7 +308,7 @@ class JobDB:
             for start in range(0, len(job_ids), 500):
                 result = conn.execute(
                     delete(jobs_table)
-                    .where(jobs_table.c.id.in_(job_ids[start:start + 500]))
+                    .where(jobs_table.c.id.in_(job_ids[start : start + 500]))
                     .where(jobs_table.c.state.not_in(_LIVE))
                 )
                 removed += result.rowcount
@@ -285,8 +317,11 @@ class JobDB:
     def remove_unstarted(self, job_id: str) -> bool:
         """Delete the row of a restore that never had a tree (still `restoring`)."""
         with self._lock, self._guarded(), self.engine.begin() as conn:
-            result = conn.execute(delete(jobs_table).where(jobs_table.c.id == job_id)
-                                  .where(jobs_table.c.state == "restoring"))
+            result = conn.execute(
+                delete(jobs_table)
+                .where(jobs_table.c.id == job_id)
+                .where(jobs_table.c.state == "restoring")
+            )
         return bool(result.rowcount)
 
     def set(self, job_id: str, **values: Any) -> None:
@@ -308,22 +343,33 @@ class JobDB:
 
     def add_netlock(self, row: NetLockRow) -> None:
         with self._lock, self._guarded(), self.engine.begin() as conn:
-            conn.execute(delete(netlocks_table)
-                         .where(netlocks_table.c.checkpoint == row.checkpoint))
-            conn.execute(insert(netlocks_table).values(
-                checkpoint=row.checkpoint, job=row.job, created=row.created,
-                rules=json.dumps(row.rules)))
+            conn.execute(
+                delete(netlocks_table).where(netlocks_table.c.checkpoint == row.checkpoint)
+            )
+            conn.execute(
+                insert(netlocks_table).values(
+                    checkpoint=row.checkpoint,
+                    job=row.job,
+                    created=row.created,
+                    rules=json.dumps(row.rules),
+                )
+            )
 
     def netlocks(self) -> list[NetLockRow]:
         with self._lock, self._guarded(), self.engine.connect() as conn:
             rows = conn.execute(select(netlocks_table).order_by(netlocks_table.c.created)).all()
-        return [NetLockRow(checkpoint=r.checkpoint, job=r.job, created=r.created,
-                           rules=json.loads(r.rules)) for r in rows]
+        return [
+            NetLockRow(
+                checkpoint=r.checkpoint, job=r.job, created=r.created, rules=json.loads(r.rules)
+            )
+            for r in rows
+        ]
 
     def remove_netlock(self, checkpoint_id: str) -> bool:
         with self._lock, self._guarded(), self.engine.begin() as conn:
-            result = conn.execute(delete(netlocks_table)
-                                  .where(netlocks_table.c.checkpoint == checkpoint_id))
+            result = conn.execute(
+                delete(netlocks_table).where(netlocks_table.c.checkpoint == checkpoint_id)
+            )
         return bool(result.rowcount)
 
 

@@ -41,16 +41,28 @@ def start(argv: list[str], pid_file: Path, log: Path, env: Mapping[str, str]) ->
     """Start `argv` detached, its output appended to `log`; its pid once the file says it."""
     pid_file.unlink(missing_ok=True)
     subprocess.run(
-        ["setsid", "-f", "sh", "-c", 'echo $$ > "$0"; exec "$@" >>"$STASIS_DETACHED_LOG" 2>&1 '
-         "</dev/null", str(pid_file), *argv],
-        env={**env, "STASIS_DETACHED_LOG": str(log)}, check=True, timeout=30)
+        [
+            "setsid",
+            "-f",
+            "sh",
+            "-c",
+            'echo $$ > "$0"; exec "$@" >>"$STASIS_DETACHED_LOG" 2>&1 ' "</dev/null",
+            str(pid_file),
+            *argv,
+        ],
+        env={**env, "STASIS_DETACHED_LOG": str(log)},
+        check=True,
+        timeout=30,
+    )
     poll(lambda: read_pid(pid_file) is not None, 10, 0.05)
     return read_pid(pid_file)
 
 
-def wait_listening(pid: int | None, socket: Path, log: Path, timeout_s: float,
-                   fail: Callable[[str], Exception]) -> None:
+def wait_listening(
+    pid: int | None, socket: Path, log: Path, timeout_s: float, fail: Callable[[str], Exception]
+) -> None:
     """Until the daemon `pid` has its socket; `fail(reason)` is raised when it exits first."""
+
     def listening() -> bool:
         if not alive(pid):
             raise fail("it exited at start: " + log.read_text(errors="replace")[-2000:])

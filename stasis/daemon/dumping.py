@@ -17,20 +17,30 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from stasis import faults
+from stasis import faults, wire
 from stasis.daemon import staging
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDatabaseError
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, validate_job_id
-from stasis import wire
-from stasis.wire import DumpAnswer, DumpCheckAnswer
 from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller, account
-from stasis.engine import CRIU, DumpOptions, DumpResult, find_criu, netlock, obstacles
-from stasis.engine import boundtmp, credentials, nodefacts, nodelocal, privatetmp, proctree
+from stasis.engine import (
+    CRIU,
+    DumpOptions,
+    DumpResult,
+    boundtmp,
+    credentials,
+    find_criu,
+    netlock,
+    nodefacts,
+    nodelocal,
+    obstacles,
+    privatetmp,
+    proctree,
+)
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
     CheckpointInfo,
@@ -41,6 +51,7 @@ from stasis.store import (
     new_checkpoint_id,
     validate_label,
 )
+from stasis.wire import DumpAnswer, DumpCheckAnswer
 
 log = logging.getLogger("stasis.daemon")
 
@@ -78,8 +89,9 @@ class Dumper:
             unusable = staging.ensure_auto_root()
             if unusable:
                 log.warning("%s", unusable)  # and each dump the disk makes wait says so
-        for name in staging.remove_leftovers(staging.stage_root(settings.stage_dir,
-                                                                settings.state_dir)):
+        for name in staging.remove_leftovers(
+            staging.stage_root(settings.stage_dir, settings.state_dir)
+        ):
             log.info("removed %s from the memory stage: a dump that never finished", name)
         self.core.journal.prepare()
         self.recover_dumps()
@@ -89,8 +101,9 @@ class Dumper:
         except StasisError as e:
             log.warning("%s", e)  # the daemon still works; the space stays taken
 
-    def dump(self, job_id: str, req: DumpRequest, caller: Caller,
-             progress: Progress | None = None) -> DumpAnswer:
+    def dump(
+        self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None = None
+    ) -> DumpAnswer:
         started = time.monotonic()
         row = self._tracker.row(job_id, caller)
         # Held until the job is recorded checkpointed and killed: a second request in between
@@ -99,8 +112,9 @@ class Dumper:
             return self._dump(job_id, req, caller, progress, started)
 
     @contextmanager
-    def _dump_slot(self, key: str, what: str,
-                   why: str = "being checkpointed already; wait for it") -> Iterator[None]:
+    def _dump_slot(
+        self, key: str, what: str, why: str = "being checkpointed already; wait for it"
+    ) -> Iterator[None]:
         """Hold `key` (a job, or a process tree by its pid) for one dump. Whoever asks for it
         meanwhile gets a CheckpointError at once: "<what> is <why the holder gave>"."""
         with self._busy_lock:
@@ -114,8 +128,14 @@ class Dumper:
             with self._busy_lock:
                 del self._busy[key]
 
-    def _dump(self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None,
-              started: float) -> DumpAnswer:
+    def _dump(
+        self,
+        job_id: str,
+        req: DumpRequest,
+        caller: Caller,
+        progress: Progress | None,
+        started: float,
+    ) -> DumpAnswer:
         self._tracker.poll()
         row = self._tracker.row(job_id, caller)
         if row.state not in ("running", "restored") or row.pid is None:
@@ -127,21 +147,40 @@ class Dumper:
         notes: list[str] = []
         if req.incremental and not criu.features().mem_track:
             # Without soft-dirty tracking CRIU refuses pre-dumps: a full dump is the honest answer.
-            notes.append("incremental dump not possible: this kernel does not track dirty "
-                         "memory (no soft-dirty); took a full dump")
+            notes.append(
+                "incremental dump not possible: this kernel does not track dirty "
+                "memory (no soft-dirty); took a full dump"
+            )
         created = datetime.now(timezone.utc)
         checkpoint_id = new_checkpoint_id(created)
         info = CheckpointInfo(
-            id=checkpoint_id, label=label, job=row.id, host=self.core.hostname,
-            created=created, criu_version=self.criu_version(criu), command=row.command,
-            cwd=row.cwd, user=row.user, uid=row.uid, gid=row.gid, log_path=row.log,
+            id=checkpoint_id,
+            label=label,
+            job=row.id,
+            host=self.core.hostname,
+            created=created,
+            criu_version=self.criu_version(criu),
+            command=row.command,
+            cwd=row.cwd,
+            user=row.user,
+            uid=row.uid,
+            gid=row.gid,
+            log_path=row.log,
             parent=row.checkpoint,
             extra={"work_s": self.core.work.at(row.id, row.created, created)},
         )
         what = f"job {job_id}"
         manifest, result, staged = self.checkpoint_tree(
-            row.pid, info, req.leave_running, req.compress, what, progress, notes,
-            encrypt=req.encrypt, reason=req.reason)
+            row.pid,
+            info,
+            req.leave_running,
+            req.compress,
+            what,
+            progress,
+            notes,
+            encrypt=req.encrypt,
+            reason=req.reason,
+        )
         if not req.leave_running:
             # The checkpoint is published and a stop was asked: the job ends whether or not the
             # database takes the record now (frozen until it does, it would be neither running
@@ -150,10 +189,17 @@ class Dumper:
             try:
                 self.core.db.set(row.id, state="checkpointed")
             except JobDatabaseError as e:
-                log.warning("job %s: stopped after its checkpoint %s, but its state could not "
-                            "be recorded yet: %s", row.id, manifest.id, e)
-                notes.append("the job is stopped as asked, but the daemon's database could not "
-                             "record it yet; it is recorded as soon as it can be")
+                log.warning(
+                    "job %s: stopped after its checkpoint %s, but its state could not "
+                    "be recorded yet: %s",
+                    row.id,
+                    manifest.id,
+                    e,
+                )
+                notes.append(
+                    "the job is stopped as asked, but the daemon's database could not "
+                    "record it yet; it is recorded as soon as it can be"
+                )
                 self._defer(manifest.id)
             faults.point("dump.after-db")
             # The namespace init: the whole tree goes with it.
@@ -162,9 +208,14 @@ class Dumper:
         else:
             faults.point("dump.after-db")
         return DumpAnswer(
-            checkpoint=manifest.id, label=manifest.label, job=row.id,
-            size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            staged=staged, notes=notes, elapsed_s=round(time.monotonic() - started, 4),
+            checkpoint=manifest.id,
+            label=manifest.label,
+            job=row.id,
+            size_bytes=manifest.size_bytes,
+            duration_s=round(result.duration_s, 4),
+            staged=staged,
+            notes=notes,
+            elapsed_s=round(time.monotonic() - started, 4),
         )
 
     def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
@@ -173,13 +224,19 @@ class Dumper:
         row = self._tracker.row(job_id, caller)
         self._tracker.poll()
         row = self._tracker.row(job_id, caller)
-        if row.state not in ("running", "restored") or row.pid is None \
-                or not proctree.alive(row.pid, row.pid_start):
+        if (
+            row.state not in ("running", "restored")
+            or row.pid is None
+            or not proctree.alive(row.pid, row.pid_start)
+        ):
             raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to check")
         try:
             found = obstacles.find(row.pid, viewer=row.uid)
-            beyond = [] if row.uid == 0 else credentials.tree_excess(
-                row.pid, row.uid, owner_groups(row.uid, row.gid))
+            beyond = (
+                []
+                if row.uid == 0
+                else credentials.tree_excess(row.pid, row.uid, owner_groups(row.uid, row.gid))
+            )
         except OSError as e:
             raise StasisError(f"cannot look into job {job_id}: {e}") from e
         if beyond:
@@ -189,11 +246,19 @@ class Dumper:
             found.obstacles.append(too_large)
         return DumpCheckAnswer(job=row.id, obstacles=found.obstacles, notes=found.notes)
 
-    def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
-                        compress: CompressionRequest, what: str,
-                        progress: Progress | None = None, notes: list[str] | None = None,
-                        *, encrypt: bool | None = None, reason: str = "asked",
-                        ) -> tuple[Manifest, DumpResult, bool]:
+    def checkpoint_tree(
+        self,
+        pid: int,
+        info: CheckpointInfo,
+        leave_running: bool,
+        compress: CompressionRequest,
+        what: str,
+        progress: Progress | None = None,
+        notes: list[str] | None = None,
+        *,
+        encrypt: bool | None = None,
+        reason: str = "asked",
+    ) -> tuple[Manifest, DumpResult, bool]:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`; `encrypt` its
         images (None: the `encrypt` setting).
 
@@ -220,12 +285,17 @@ class Dumper:
             # Written down until settled: should the daemon die meanwhile, its next start
             # removes the staging and resumes the tree (`recover_dumps`).
             entry = InFlightDump(
-                checkpoint=info.id, job=info.job, pid=pid, pid_start=proctree.start_time(pid),
-                leave_running=leave_running)
+                checkpoint=info.id,
+                job=info.job,
+                pid=pid,
+                pid_start=proctree.start_time(pid),
+                leave_running=leave_running,
+            )
             self.core.journal.begin(entry)
             try:
-                done = self._checkpoint_tree(pid, info, leave_running, compress, what,
-                                             progress, notes, data_key)
+                done = self._checkpoint_tree(
+                    pid, info, leave_running, compress, what, progress, notes, data_key
+                )
             except BaseException:
                 # Whatever failed where: the entry ends only with its tree running again (or
                 # killed, had the checkpoint been published with a stop asked).
@@ -234,14 +304,24 @@ class Dumper:
             if leave_running:
                 self.dump_settled(info.id)
         manifest, result, _ = done
-        self.core.activity.notify(Activity(
-            kind="checkpoint", checkpoint=manifest.id, label=manifest.label, job=info.job,
-            user=info.user, size_bytes=manifest.size_bytes,
-            stored_size_bytes=manifest.stored_size_bytes, work_s=work_of(info.extra),
-            duration_s=round(result.duration_s, 4),
-            # CRIU holds the tree frozen while it dumps; a dump that stops the job ends it.
-            frozen_s=round(result.duration_s, 4), leave_running=leave_running,
-            store=self.core.store.url, reason=reason))
+        self.core.activity.notify(
+            Activity(
+                kind="checkpoint",
+                checkpoint=manifest.id,
+                label=manifest.label,
+                job=info.job,
+                user=info.user,
+                size_bytes=manifest.size_bytes,
+                stored_size_bytes=manifest.stored_size_bytes,
+                work_s=work_of(info.extra),
+                duration_s=round(result.duration_s, 4),
+                # CRIU holds the tree frozen while it dumps; a dump that stops the job ends it.
+                frozen_s=round(result.duration_s, 4),
+                leave_running=leave_running,
+                store=self.core.store.url,
+                reason=reason,
+            )
+        )
         return done
 
     def _node_local_refusal(self, pid: int, uid: int) -> str | None:
@@ -295,16 +375,21 @@ class Dumper:
                 new = self._unrecorded.get(entry.checkpoint) is None
                 self._unrecorded[entry.checkpoint] = entry
             if new:
-                log.warning("job %s: the dump of checkpoint %s is settled (its tree not left "
-                            "stopped) but cannot be recorded yet; retried every second: %s",
-                            entry.job, entry.checkpoint, e)
+                log.warning(
+                    "job %s: the dump of checkpoint %s is settled (its tree not left "
+                    "stopped) but cannot be recorded yet; retried every second: %s",
+                    entry.job,
+                    entry.checkpoint,
+                    e,
+                )
             return
         with self._unrecorded_lock:
             was = entry.checkpoint in self._unrecorded
             self._unrecorded.pop(entry.checkpoint, None)
         if was:
-            log.info("job %s: the dump of checkpoint %s is recorded now", entry.job,
-                     entry.checkpoint)
+            log.info(
+                "job %s: the dump of checkpoint %s is recorded now", entry.job, entry.checkpoint
+            )
 
     def _undo(self, entry: InFlightDump) -> None:
         """A dump raised: what it left (staging, a stopped tree) goes, unless it published."""
@@ -313,14 +398,20 @@ class Dumper:
             try:
                 self.core.store.discard(entry.checkpoint)
             except StasisError as e:
-                log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint,
-                            e)
+                log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
         self._settle_or_defer(current)
 
-    def _checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
-                         compress: CompressionRequest, what: str, progress: Progress | None,
-                         notes: list[str], data_key: DataKey | None,
-                         ) -> tuple[Manifest, DumpResult, bool]:
+    def _checkpoint_tree(
+        self,
+        pid: int,
+        info: CheckpointInfo,
+        leave_running: bool,
+        compress: CompressionRequest,
+        what: str,
+        progress: Progress | None,
+        notes: list[str],
+        data_key: DataKey | None,
+    ) -> tuple[Manifest, DumpResult, bool]:
         asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
@@ -330,11 +421,14 @@ class Dumper:
         fast = None
         if leave_running:
             fast, behind, unstaged = staging.choose(
-                self.core.settings.stage_dir, self.core.settings.state_dir, info.id, expected)
+                self.core.settings.stage_dir, self.core.settings.state_dir, info.id, expected
+            )
             if unstaged:
-                notes.append(f"not staged in memory ({unstaged}): the job stayed frozen while "
-                             "its images went to the store"
-                             + (f", which waited on the disk ({behind})" if behind else ""))
+                notes.append(
+                    f"not staged in memory ({unstaged}): the job stayed frozen while "
+                    "its images went to the store"
+                    + (f", which waited on the disk ({behind})" if behind else "")
+                )
             elif behind:
                 log.info("checkpoint %s staged in memory: %s", info.id, behind)
         target = fast or self.core.store.staging_dir(info.id)
@@ -349,24 +443,33 @@ class Dumper:
         # Its node-local files go into the images at the same point (engine/nodelocal.py).
         # And a /tmp bound from a node's directory (a Slurm job container's), whole
         # (engine/boundtmp.py).
-        carried = boundtmp.AtDump(pid, info.uid, target, self.core.settings.node_local_limit,
-                                  info.gid, owner_groups(info.uid, info.gid))
+        carried = boundtmp.AtDump(
+            pid,
+            info.uid,
+            target,
+            self.core.settings.node_local_limit,
+            info.gid,
+            owner_groups(info.uid, info.gid),
+        )
         # What the images record is the frozen tree's: its credentials are checked again there
         # (a setuid program exec'd since the check above), at CRIU's post-dump for a dump that
         # leaves the job running (a refusal aborts the dump), once CRIU left it stopped for one
         # that stops it.
         at_post_dump = _CredentialsAtPostDump(pid, info, opened, carried)
-        options = DumpOptions(leave_running=leave_running, leave_stopped=not leave_running,
-                              criu_started=lambda criu_pid: self.core.journal.note_criu(
-                                  info.id, criu_pid, proctree.start_time(criu_pid)),
-                              notify=at_post_dump if leave_running else None)
+        options = DumpOptions(
+            leave_running=leave_running,
+            leave_stopped=not leave_running,
+            criu_started=lambda criu_pid: self.core.journal.note_criu(
+                info.id, criu_pid, proctree.start_time(criu_pid)
+            ),
+            notify=at_post_dump if leave_running else None,
+        )
         watcher = DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
         # all that after the job resumed instead: on these 2 CPUs the hashing slowed CRIU's
         # frozen part by ~25%.
-        tail = self.core.store.follow(info.id, compress, data_key) if not leave_running \
-            else None
+        tail = self.core.store.follow(info.id, compress, data_key) if not leave_running else None
         faults.point("dump.before-criu")
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
@@ -376,12 +479,15 @@ class Dumper:
             self._discard(info.id, fast)
             refused = at_post_dump.refused or carried.refused
             if refused:
-                raise CheckpointError(f"checkpoint of {what} refused, job still running: "
-                                      f"{refused}") from e
+                raise CheckpointError(
+                    f"checkpoint of {what} refused, job still running: " f"{refused}"
+                ) from e
             # CRIU names no process when one end of a connection is outside the job: we can.
             why = obstacles.explain(pid, viewer=info.uid)
-            raise CheckpointError(f"checkpoint of {what} failed, job still running: "
-                                  + (f"{why} (CRIU: {e})" if why else str(e))) from e
+            raise CheckpointError(
+                f"checkpoint of {what} failed, job still running: "
+                + (f"{why} (CRIU: {e})" if why else str(e))
+            ) from e
         finally:
             if watcher:
                 watcher.stop()
@@ -393,22 +499,26 @@ class Dumper:
         rules = [] if leave_running else netlock.rules_from_log(result.log_path)
         if not leave_running:
             # Stopped as CRIU left it: as its images say.
-            refused = beyond_owner(pid, info) or (
-                None if carried.collect() else carried.refused)
+            refused = beyond_owner(pid, info) or (None if carried.collect() else carried.refused)
             if refused:
                 self._discard(info.id, fast)
                 self._resume(pid, rules, what)
-                raise CheckpointError(f"checkpoint of {what} refused, job still running: "
-                                      f"{refused}")
+                raise CheckpointError(
+                    f"checkpoint of {what} refused, job still running: " f"{refused}"
+                )
             opened("post-dump", pid)  # the tree stands stopped as CRIU left it
         info = self._with_facts(info, criu, opened.files)
         if carried.packed.paths:
             # Signed with the manifest: a restore knows what it recreates before it fetches.
-            info = info.model_copy(update={"extra": {
-                **info.extra, nodelocal.MANIFEST_KEY: carried.packed.manifest_entry()}})
+            info = info.model_copy(
+                update={
+                    "extra": {**info.extra, nodelocal.MANIFEST_KEY: carried.packed.manifest_entry()}
+                }
+            )
         try:
-            manifest = self.core.store.publish(info, compress, source=fast, hashed=hashed,
-                                               data_key=data_key)
+            manifest = self.core.store.publish(
+                info, compress, source=fast, hashed=hashed, data_key=data_key
+            )
         except StasisError as e:
             self._discard(info.id, fast)
             if not leave_running:
@@ -426,13 +536,17 @@ class Dumper:
             log.warning("checkpoint %s: its network lock cannot be recorded yet: %s", info.id, e)
             self._defer(info.id)
         if asked == "auto" and manifest.compression == "none":
-            why = "it is under 1 MiB" if manifest.size_bytes < (1 << 20) else \
-                "a sample of its memory did not shrink to half"
+            why = (
+                "it is under 1 MiB"
+                if manifest.size_bytes < (1 << 20)
+                else "a sample of its memory did not shrink to half"
+            )
             notes.append(f"--compress auto stored the checkpoint uncompressed: {why}")
         return manifest, result, fast is not None
 
-    def _with_facts(self, info: CheckpointInfo, criu: CRIU,
-                    files: list[wire.OpenFile] | None) -> CheckpointInfo:
+    def _with_facts(
+        self, info: CheckpointInfo, criu: CRIU, files: list[wire.OpenFile] | None
+    ) -> CheckpointInfo:
         """`info` with what a restore of it depends on (compared before CRIU restores it)."""
         here = nodefacts.node(self.criu_version(criu))
         facts = nodefacts.record(here, info.user, info.uid, files)
@@ -456,23 +570,34 @@ class Dumper:
                 self.core.store.discard(entry.checkpoint)
             except StasisError as e:
                 log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
-            log.warning("the dump of job %s (checkpoint %s) never finished: the daemon stopped "
-                        "during it; its staging is removed", entry.job, entry.checkpoint)
+            log.warning(
+                "the dump of job %s (checkpoint %s) never finished: the daemon stopped "
+                "during it; its staging is removed",
+                entry.job,
+                entry.checkpoint,
+            )
             criu = entry.criu_pid
             if criu is None or not proctree.alive(criu, entry.criu_start):
                 self._settle_or_defer(entry)
                 continue
             key = f"pid {entry.pid}"
             with self._busy_lock:
-                self._busy[key] = ("being resumed: a daemon that stopped during its dump left "
-                                   "it to CRIU; wait for it")
-            threading.Thread(target=self._settle_after_criu, args=(entry, criu, key),
-                             daemon=True).start()
+                self._busy[key] = (
+                    "being resumed: a daemon that stopped during its dump left "
+                    "it to CRIU; wait for it"
+                )
+            threading.Thread(
+                target=self._settle_after_criu, args=(entry, criu, key), daemon=True
+            ).start()
 
     def _settle_after_criu(self, entry: InFlightDump, criu: int, key: str) -> None:
         try:
-            log.warning("job %s: waiting for CRIU (pid %d), still dumping it for a daemon that "
-                        "stopped, before resuming it", entry.job, criu)
+            log.warning(
+                "job %s: waiting for CRIU (pid %d), still dumping it for a daemon that "
+                "stopped, before resuming it",
+                entry.job,
+                criu,
+            )
             while proctree.alive(criu, entry.criu_start):
                 time.sleep(0.1)
             # It may have written more before it found its directory gone.
@@ -489,10 +614,16 @@ class Dumper:
         """Finish or undo the dump `entry` records, now that no CRIU holds its tree: first the
         tree (killed if its checkpoint was published with a stop asked, else resumed), then the
         records; JobDatabaseError if the database refuses them (the entry stays)."""
-        rules = [] if entry.leave_running else netlock.rules_from_log(
-            self.core.settings.layout.criu_logs / f"dump-{entry.checkpoint}.log")
+        rules = (
+            []
+            if entry.leave_running
+            else netlock.rules_from_log(
+                self.core.settings.layout.criu_logs / f"dump-{entry.checkpoint}.log"
+            )
+        )
         published = not entry.leave_running and (
-            entry.published or self._published(entry.checkpoint))
+            entry.published or self._published(entry.checkpoint)
+        )
         alive = proctree.alive(entry.pid, entry.pid_start)
         ours = _is_job_id(entry.job)
         if alive and published:
@@ -500,12 +631,18 @@ class Dumper:
             # the job and its checkpoint never run side by side unasked. A Slurm job's too:
             # its integration then requeues it (stasis/slurm/registrations.py `recover`).
             _kill(entry.pid)
-            log.warning("job %s: its checkpoint %s was published before its dump was settled; "
-                        "the job is stopped now, as asked", entry.job, entry.checkpoint)
+            log.warning(
+                "job %s: its checkpoint %s was published before its dump was settled; "
+                "the job is stopped now, as asked",
+                entry.job,
+                entry.checkpoint,
+            )
         elif alive and proctree.stopped(entry.pid):
             self._resume(entry.pid, rules, f"job {entry.job}")
-            log.warning("job %s: resumed; a daemon that stopped during its dump had left it "
-                        "stopped", entry.job)
+            log.warning(
+                "job %s: resumed; a daemon that stopped during its dump had left it " "stopped",
+                entry.job,
+            )
         if published:
             self.core.netlocks.hold(entry.checkpoint, entry.job, rules)
             row = self.core.db.get(entry.job) if ours else None
@@ -556,9 +693,13 @@ class _CredentialsAtPostDump:
     carries its node-local files into the images (False, and `carried.refused`, when they
     cannot go)."""
 
-    def __init__(self, pid: int, info: CheckpointInfo,
-                 opened: nodefacts.OpenFilesAtDump,
-                 carried: nodelocal.AtDump | None = None) -> None:
+    def __init__(
+        self,
+        pid: int,
+        info: CheckpointInfo,
+        opened: nodefacts.OpenFilesAtDump,
+        carried: nodelocal.AtDump | None = None,
+    ) -> None:
         self.pid = pid
         self.info = info
         self.opened = opened

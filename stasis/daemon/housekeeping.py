@@ -42,8 +42,11 @@ class Housekeeping:
             try:
                 expired = store.expire()
                 if expired:
-                    log.info("deleted %d checkpoint(s) older than %d s", len(expired),
-                             self.core.settings.keep_max_age_s)
+                    log.info(
+                        "deleted %d checkpoint(s) older than %d s",
+                        len(expired),
+                        self.core.settings.keep_max_age_s,
+                    )
             except StasisError as e:
                 log.warning("cannot delete old checkpoints: %s", e)
         if self.core.settings.remove_corrupt_after_s == 0:
@@ -76,8 +79,9 @@ class Housekeeping:
         for index, (job_id, created, job_dir, shim_pid) in enumerate(self.core.db.finished()):
             if shim_pid and proctree.alive(shim_pid, None):
                 continue  # its supervisor may still write the exit status into its directory
-            if (keep and index >= keep) or (max_age_s and now - _ended(created, job_dir)
-                                             > max_age_s):
+            if (keep and index >= keep) or (
+                max_age_s and now - _ended(created, job_dir) > max_age_s
+            ):
                 doomed.append((job_id, job_dir))
         # Directories first: a row whose directory is gone is pruned again next time, a
         # directory whose row is gone would stay forever.
@@ -99,7 +103,8 @@ class Housekeeping:
                 # Logs, and lazy restores' work directories (their lazy-pages log); not CRIU's
                 # stats-dump and stats-restore, which each run overwrites.
                 if not entry.name.endswith(".log") and not (
-                        entry.name.startswith("restore-") and entry.is_dir(follow_symlinks=False)):
+                    entry.name.startswith("restore-") and entry.is_dir(follow_symlinks=False)
+                ):
                     continue
                 try:
                     entries.append((entry.stat(follow_symlinks=False).st_mtime, entry))

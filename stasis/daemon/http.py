@@ -50,14 +50,18 @@ def _refuse_nul(data: Any) -> None:
             for key, value in item.items():
                 path = f"{where}.{key}" if where else str(key)
                 if "\0" in key:
-                    raise UsageError(f"bad request: a name in {where or 'the request'} contains "
-                                     "a NUL character (\\0); no name can hold one")
+                    raise UsageError(
+                        f"bad request: a name in {where or 'the request'} contains "
+                        "a NUL character (\\0); no name can hold one"
+                    )
                 todo.append((path, value))
         elif isinstance(item, list):
             todo.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(item))
         elif isinstance(item, str) and "\0" in item:
-            raise UsageError(f"bad request: {where or 'request'} contains a NUL character "
-                             "(\\0); no argument, path or variable can hold one")
+            raise UsageError(
+                f"bad request: {where or 'request'} contains a NUL character "
+                "(\\0); no argument, path or variable can hold one"
+            )
 
 
 def error_body(e: StasisError) -> dict[str, Any]:

@@ -62,8 +62,9 @@ class DumpJournal:
         # Atomically: a reader never sees half of it.
         # Not synced to disk: it guards against the daemon's death, and a node that crashes
         # takes its frozen trees with it (and a fsync here would wait on a busy disk).
-        write_atomically(self._path(entry.checkpoint), json.dumps(asdict(entry)).encode(),
-                         durable=False)
+        write_atomically(
+            self._path(entry.checkpoint), json.dumps(asdict(entry)).encode(), durable=False
+        )
 
     def begin(self, entry: InFlightDump) -> None:
         with self._lock:

@@ -66,8 +66,9 @@ class Integration:
         """Every route of an integration lives under /<name>/: integrations never collide."""
         for route in self.routes():
             if not route.path.startswith(f"/{self.name}/"):
-                raise ValueError(f"integration {self.name}: route {route.path} is not under "
-                                 f"/{self.name}/")
+                raise ValueError(
+                    f"integration {self.name}: route {route.path} is not under " f"/{self.name}/"
+                )
 
 
 __all__ = ["Integration", "Task"]

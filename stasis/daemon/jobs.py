@@ -36,14 +36,14 @@ from stasis.daemon.inflight import DumpJournal
 from stasis.daemon.models import DumpRequest, RestoreRequest, RunRequest
 from stasis.daemon.netlocks import NetLocks
 from stasis.daemon.progress import Progress
-from stasis.daemon.reaper import Reaper
 from stasis.daemon.readiness import StoreProbe
+from stasis.daemon.reaper import Reaper
 from stasis.daemon.restoring import Restorer
 from stasis.daemon.supervisor import Supervisors, create_log, find_init, now
 from stasis.daemon.supervisorwire import RunSpec
 from stasis.daemon.tracking import JobTracker, died_of
-from stasis.daemon.verifying import Verifier
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
+from stasis.daemon.verifying import Verifier
 from stasis.engine import CRIU, DumpResult, kdat, privatetmp
 from stasis.errors import (
     NotFoundError,
@@ -64,12 +64,12 @@ from stasis.store import (
 )
 from stasis.wire import (
     CheckpointCheck,
-    Problem,
     DumpAnswer,
     DumpCheckAnswer,
     GcAnswer,
     Job,
     KillAnswer,
+    Problem,
     RekeyAnswer,
     RestoreAnswer,
     RunAnswer,
@@ -80,8 +80,7 @@ log = logging.getLogger("stasis.daemon")
 
 
 class JobManager:
-    def __init__(self, settings: Settings, store: Store, db: JobDB,
-                 job_umask: int = 0o022) -> None:
+    def __init__(self, settings: Settings, store: Store, db: JobDB, job_umask: int = 0o022) -> None:
         self.settings = settings
         self.job_umask = job_umask  # new jobs get it; the daemon's own files are private
         self.store = store
@@ -98,8 +97,16 @@ class JobManager:
         self.activity = Listeners()  # integrations hear of checkpoints and restores here
         self._job_sources: dict[str, JobSource] = {}
         self.work = JobWork(db)
-        core = Core(settings, store, db, self.netlocks, self.journal, settings.node,
-                    self.activity, self.work)
+        core = Core(
+            settings,
+            store,
+            db,
+            self.netlocks,
+            self.journal,
+            settings.node,
+            self.activity,
+            self.work,
+        )
         self._supervisors = Supervisors(layout, self.reaper)
         self._tracker = JobTracker(db, self._supervisors)
         self._dumper = Dumper(core, self._tracker)
@@ -138,8 +145,11 @@ class JobManager:
         if cache_problem:
             log.warning("%s", cache_problem)
         if kdat.clear_stale_tmp():
-            log.info("removed a stale %s.tmp left by a killed CRIU: CRIU caches its kernel "
-                     "probes again", kdat.CACHE)
+            log.info(
+                "removed a stale %s.tmp left by a killed CRIU: CRIU caches its kernel "
+                "probes again",
+                kdat.CACHE,
+            )
         self._supervisors.warm()
 
     def adopt_orphans(self) -> None:
@@ -186,16 +196,20 @@ class JobManager:
     def job_sources(self) -> list[JobSource]:
         return list(self._job_sources.values())
 
-    def checkpoints(self, label: str | None, caller: Caller,
-                    user: str | None = None) -> list[Manifest]:
+    def checkpoints(
+        self, label: str | None, caller: Caller, user: str | None = None
+    ) -> list[Manifest]:
         """The caller's checkpoints (of `label`). A label is looked up among one owner's: the
         caller's, or whose `user` names (root only). Without either, root sees every owner's."""
         if label is not None:
             validate_label(label)
         if label is None and user is None and caller.is_root:
             return self.store.list()
-        return [m for m in self.store.list(label, uid=owner_uid(caller, user))
-                if caller.may_use_checkpoint(m.uid, m.user)]
+        return [
+            m
+            for m in self.store.list(label, uid=owner_uid(caller, user))
+            if caller.may_use_checkpoint(m.uid, m.user)
+        ]
 
     def rekey(self, caller: Caller) -> RekeyAnswer:
         """Re-wrap every checkpoint's data key that an old key file wraps with the current one
@@ -203,10 +217,14 @@ class JobManager:
         if not caller.is_root:
             raise PermissionDeniedError("permission denied: only root may rekey checkpoints")
         done = self.store.rekey()
-        log.info("rekeyed %d checkpoints (%d already on the current key, %d on a key this node "
-                 "has not got)", len(done.rekeyed), done.current, done.unknown_key)
-        return RekeyAnswer(rekeyed=done.rekeyed, current=done.current,
-                           unknown_key=done.unknown_key)
+        log.info(
+            "rekeyed %d checkpoints (%d already on the current key, %d on a key this node "
+            "has not got)",
+            len(done.rekeyed),
+            done.current,
+            done.unknown_key,
+        )
+        return RekeyAnswer(rekeyed=done.rekeyed, current=done.current, unknown_key=done.unknown_key)
 
     def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
         try:
@@ -235,18 +253,29 @@ class JobManager:
         """`stasis checkpoints gc`: what dead dumps and nodes left in the store, and retention
         over every label. Root only: it judges every user's leftovers."""
         if not caller.is_root:
-            raise PermissionDeniedError("permission denied: only root may collect the garbage "
-                                        "of the store")
+            raise PermissionDeniedError(
+                "permission denied: only root may collect the garbage " "of the store"
+            )
         report = self.store.gc(idle_s)
         expired = self.store.expire()
-        log.info("gc of %s: removed %d staging dir(s), %d partial checkpoint(s), %d upload(s), "
-                 "%d index entr(ies); expired %d checkpoint(s)", self.store.url,
-                 len(report.staging), len(report.partial), len(report.uploads),
-                 report.entries_removed, len(expired))
-        return GcAnswer(staging=report.staging, partial=report.partial,
-                             uploads=report.uploads, expired=expired,
-                             index_entries_removed=report.entries_removed,
-                             index_entries_added=report.entries_added)
+        log.info(
+            "gc of %s: removed %d staging dir(s), %d partial checkpoint(s), %d upload(s), "
+            "%d index entr(ies); expired %d checkpoint(s)",
+            self.store.url,
+            len(report.staging),
+            len(report.partial),
+            len(report.uploads),
+            report.entries_removed,
+            len(expired),
+        )
+        return GcAnswer(
+            staging=report.staging,
+            partial=report.partial,
+            uploads=report.uploads,
+            expired=expired,
+            index_entries_removed=report.entries_removed,
+            index_entries_added=report.entries_added,
+        )
 
     # -- housekeeping --------------------------------------------------------------------------
 
@@ -269,18 +298,42 @@ class JobManager:
             privatetmp.require_outside(req.cwd, log)
         if not req.log:
             create_log(log, acct)
-        spec = RunSpec(mode="run", command=req.command, cwd=req.cwd, env=env, uid=acct.uid,
-                       gid=acct.gid, groups=acct.groups, log=log,
-                       init=find_init(self.settings.init), umask=self.job_umask)
+        spec = RunSpec(
+            mode="run",
+            command=req.command,
+            cwd=req.cwd,
+            env=env,
+            uid=acct.uid,
+            gid=acct.gid,
+            groups=acct.groups,
+            log=log,
+            init=find_init(self.settings.init),
+            umask=self.job_umask,
+        )
         if private_tmp:
             spec["private_tmp"] = self.settings.node_local_limit  # each tmpfs's size
         # Its record without a pid, in its directory before it starts: a daemon killed before
         # the row below is written adopts it at its next start (tracking.adopt_orphans).
         job = JobRow(
-            id=job_id, pid=None, pid_start=None, shim_pid=None, state="running", label=label,
-            exit_code=None, command=req.command, cwd=req.cwd, env=sorted(req.env),
-            user=acct.name, uid=acct.uid, gid=acct.gid, log=log, checkpoint=None,
-            created=now(), job_dir="", private_tmp=private_tmp)
+            id=job_id,
+            pid=None,
+            pid_start=None,
+            shim_pid=None,
+            state="running",
+            label=label,
+            exit_code=None,
+            command=req.command,
+            cwd=req.cwd,
+            env=sorted(req.env),
+            user=acct.name,
+            uid=acct.uid,
+            gid=acct.gid,
+            log=log,
+            checkpoint=None,
+            created=now(),
+            job_dir="",
+            private_tmp=private_tmp,
+        )
         started = self._supervisors.run(job_id, spec, job)
         answer = started.answer
         if "error" in answer:
@@ -288,31 +341,57 @@ class JobManager:
         pid = answer["pid"]
         faults.point("run.after-start")  # running, not yet recorded: adopted at the next start
         row = started.row(
-            state="running", label=label, command=req.command, cwd=req.cwd,
-            env=sorted(req.env), user=acct.name, uid=acct.uid, gid=acct.gid, log=log,
-            checkpoint=None)
+            state="running",
+            label=label,
+            command=req.command,
+            cwd=req.cwd,
+            env=sorted(req.env),
+            user=acct.name,
+            uid=acct.uid,
+            gid=acct.gid,
+            log=log,
+            checkpoint=None,
+        )
         row.private_tmp = private_tmp
         self.db.add(row)
         return RunAnswer(job=job_id, pid=pid, label=label)
 
     # -- dump and restore ----------------------------------------------------------------------
 
-    def dump(self, job_id: str, req: DumpRequest, caller: Caller,
-             progress: Progress | None = None) -> DumpAnswer:
+    def dump(
+        self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None = None
+    ) -> DumpAnswer:
         return self._dumper.dump(job_id, req, caller, progress)
 
     def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
         return self._dumper.dump_check(job_id, caller)
 
-    def checkpoint_tree(self, pid: int, info: CheckpointInfo, leave_running: bool,
-                        compress: CompressionRequest, what: str,
-                        progress: Progress | None = None, notes: list[str] | None = None,
-                        *, encrypt: bool | None = None, reason: str = "asked",
-                        ) -> tuple[Manifest, DumpResult, bool]:
+    def checkpoint_tree(
+        self,
+        pid: int,
+        info: CheckpointInfo,
+        leave_running: bool,
+        compress: CompressionRequest,
+        what: str,
+        progress: Progress | None = None,
+        notes: list[str] | None = None,
+        *,
+        encrypt: bool | None = None,
+        reason: str = "asked",
+    ) -> tuple[Manifest, DumpResult, bool]:
         """See `Dumper.checkpoint_tree`: unless `leave_running`, the caller records the tree
         stopped, kills it, then calls `dump_settled`."""
-        return self._dumper.checkpoint_tree(pid, info, leave_running, compress, what,
-                                            progress, notes, encrypt=encrypt, reason=reason)
+        return self._dumper.checkpoint_tree(
+            pid,
+            info,
+            leave_running,
+            compress,
+            what,
+            progress,
+            notes,
+            encrypt=encrypt,
+            reason=reason,
+        )
 
     def dump_settled(self, checkpoint_id: str) -> None:
         self._dumper.dump_settled(checkpoint_id)
@@ -333,36 +412,56 @@ class JobManager:
         try:
             self.db.probe()
         except JobDatabaseError as e:
-            problems.append(Problem(what=f"not ready: {e}",
-                                    fix="free or repair the job database; the daemon retries"))
+            problems.append(
+                Problem(
+                    what=f"not ready: {e}",
+                    fix="free or repair the job database; the daemon retries",
+                )
+            )
         waiting = self._dumper.unsettled()
         if waiting:
-            problems.append(Problem(
-                what=f"not ready: {len(waiting)} dump(s) settled but not recorded yet "
-                     f"(checkpoint {waiting[0]}): the job database refuses writes",
-                fix="free the job database (see the daemon's log); the daemon retries"))
+            problems.append(
+                Problem(
+                    what=f"not ready: {len(waiting)} dump(s) settled but not recorded yet "
+                    f"(checkpoint {waiting[0]}): the job database refuses writes",
+                    fix="free the job database (see the daemon's log); the daemon retries",
+                )
+            )
         unadoptable = self._tracker.unadoptable
         if unadoptable:
-            problems.append(Problem(
-                what=f"not ready: {len(unadoptable)} job(s) run without a record that can be "
-                     f"rebuilt (job {unadoptable[0]}): they are not protected",
-                fix="see the daemon's log; stop them, or let them finish"))
+            problems.append(
+                Problem(
+                    what=f"not ready: {len(unadoptable)} job(s) run without a record that can be "
+                    f"rebuilt (job {unadoptable[0]}): they are not protected",
+                    fix="see the daemon's log; stop them, or let them finish",
+                )
+            )
         if self._unadopted is not None:
-            problems.append(Problem(
-                what="not ready: jobs that run without a record cannot be adopted yet: "
-                     + self._unadopted,
-                fix="free the job database; the daemon retries"))
+            problems.append(
+                Problem(
+                    what="not ready: jobs that run without a record cannot be adopted yet: "
+                    + self._unadopted,
+                    fix="free the job database; the daemon retries",
+                )
+            )
         store_problem = self._store_probe.problem()
         if store_problem is not None:
-            problems.append(Problem(what=f"not ready: the checkpoint store {self.store.url} "
-                                         f"does not answer: {store_problem}",
-                                    fix="make the store reachable; checkpoints and restores "
-                                        "fail until it is"))
+            problems.append(
+                Problem(
+                    what=f"not ready: the checkpoint store {self.store.url} "
+                    f"does not answer: {store_problem}",
+                    fix="make the store reachable; checkpoints and restores " "fail until it is",
+                )
+            )
         return problems
 
-    def restore(self, req: RestoreRequest, caller: Caller,
-                progress: Progress | None = None,
-                fence: Callable[[], None] | None = None) -> RestoreAnswer:
+    def restore(
+        self,
+        req: RestoreRequest,
+        caller: Caller,
+        progress: Progress | None = None,
+        fence: Callable[[], None] | None = None,
+    ) -> RestoreAnswer:
         """`fence`: asked at the gate, just before the restored tree resumes (restoring.py)."""
         return self._restorer.restore(req, caller, progress, fence)
 
@@ -388,8 +487,15 @@ class JobManager:
     def has_ended(self, row: JobRow) -> bool:
         return self._tracker.has_ended(row)
 
-    def kill_answer(self, job_id: str, caller: Caller, asked: signal.Signals, sent: bool,
-                    killed: bool, timeout_s: float) -> KillAnswer:
+    def kill_answer(
+        self,
+        job_id: str,
+        caller: Caller,
+        asked: signal.Signals,
+        sent: bool,
+        killed: bool,
+        timeout_s: float,
+    ) -> KillAnswer:
         """How `stasis kill` went: `asked` was `sent` (not: the job was not running), then
         SIGKILL if `killed`. SIGKILL ended the job only if its init died of it: a job that ended
         on `asked` just as SIGKILL went out ended by `asked`."""
@@ -400,10 +506,17 @@ class JobManager:
             if row.state in ("running", "restored"):
                 raise StasisError(
                     f"job {job_id} is still running after SIGKILL: a process of it is stuck in "
-                    f"the kernel (state D in /proc/{row.pid}/stat); try again later")
+                    f"the kernel (state D in /proc/{row.pid}/stat); try again later"
+                )
             ended_by = "SIGKILL" if killed and died_of(row, signal.SIGKILL) else asked.name
-        return KillAnswer(job=row.id, state=row.wire()["state"], ended_by=ended_by,
-                          exit_code=row.exit_code, signal=asked.name, timeout_s=timeout_s)
+        return KillAnswer(
+            job=row.id,
+            state=row.wire()["state"],
+            ended_by=ended_by,
+            exit_code=row.exit_code,
+            signal=asked.name,
+            timeout_s=timeout_s,
+        )
 
     def poll(self) -> None:
         self._tracker.poll()

@@ -110,12 +110,14 @@ def _error(kind: str, message: str) -> None:
 
 def _write_exit(job_dir: Path, status: int) -> None:
     code = os.waitstatus_to_exitcode(status)
-    write(job_dir, EXIT_FILE, ExitFile(exit_code=code if code >= 0 else 128 - code,
-                                       signal=-code if code < 0 else None))
+    write(
+        job_dir,
+        EXIT_FILE,
+        ExitFile(exit_code=code if code >= 0 else 128 - code, signal=-code if code < 0 else None),
+    )
 
 
-def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
-              started: float = 0.0) -> None:
+def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None, started: float = 0.0) -> None:
     """Reap everything (we are a subreaper) until `pid` itself ends; record its status, and
     when all memory of a lazily restored job was back (its lazy-pages process ended)."""
     while True:
@@ -124,9 +126,14 @@ def _wait_for(job_dir: Path, pid: int, lazy_pages: int | None = None,
         except ChildProcessError:
             return
         if got == lazy_pages:
-            write(job_dir, MEMORY_FILE,
-                  MemoryFile(all_memory_s=round(time.monotonic() - started, 4),
-                             ok=os.waitstatus_to_exitcode(status) == 0))
+            write(
+                job_dir,
+                MEMORY_FILE,
+                MemoryFile(
+                    all_memory_s=round(time.monotonic() - started, 4),
+                    ok=os.waitstatus_to_exitcode(status) == 0,
+                ),
+            )
         if got == pid:
             _write_exit(job_dir, status)
             return
@@ -141,6 +148,7 @@ def _exec_job(spec: RunSpec, status_w: int) -> None:
         if tmp_bytes:
             # First: every file of the job must be opened inside its mount namespace.
             from stasis.engine import privatetmp
+
             privatetmp.enter(tmp_bytes)
         # While still root: a job cannot make its own (CRIU refuses nested IPC namespaces).
         _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
@@ -218,10 +226,10 @@ def _interpreter(path: str) -> str | None:
                 return None
             bits64, order = head[4] == 2, "<" if head[5] == 1 else ">"
             if bits64:
-                phoff, = struct.unpack_from(order + "Q", head, 32)
+                (phoff,) = struct.unpack_from(order + "Q", head, 32)
                 phentsize, phnum = struct.unpack_from(order + "HH", head, 54)
             else:
-                phoff, = struct.unpack_from(order + "I", head, 28)
+                (phoff,) = struct.unpack_from(order + "I", head, 28)
                 phentsize, phnum = struct.unpack_from(order + "HH", head, 42)
             for i in range(min(phnum, 64)):
                 f.seek(phoff + i * phentsize)
@@ -229,11 +237,11 @@ def _interpreter(path: str) -> str | None:
                 if len(ph) < 16 or struct.unpack_from(order + "I", ph, 0)[0] != 3:  # PT_INTERP
                     continue
                 if bits64:
-                    offset, = struct.unpack_from(order + "Q", ph, 8)
-                    size, = struct.unpack_from(order + "Q", ph, 32)
+                    (offset,) = struct.unpack_from(order + "Q", ph, 8)
+                    (size,) = struct.unpack_from(order + "Q", ph, 32)
                 else:
-                    offset, = struct.unpack_from(order + "I", ph, 4)
-                    size, = struct.unpack_from(order + "I", ph, 16)
+                    (offset,) = struct.unpack_from(order + "I", ph, 4)
+                    (size,) = struct.unpack_from(order + "I", ph, 16)
                 f.seek(offset)
                 return f.read(min(size, 4096)).split(b"\0", 1)[0].decode(errors="replace")
     except (OSError, struct.error):
@@ -316,16 +324,22 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
     started = time.monotonic()
     try:
         result = restore_tree(
-            criu, Path(spec["images"]), Owner(spec["uid"], spec["gid"], spec["groups"]),
-            [(spec["image_log"], spec["log"])], spec["criu_log_name"],
-            umask=spec["umask"], lazy=spec["lazy"],
+            criu,
+            Path(spec["images"]),
+            Owner(spec["uid"], spec["gid"], spec["groups"]),
+            [(spec["image_log"], spec["log"])],
+            spec["criu_log_name"],
+            umask=spec["umask"],
+            lazy=spec["lazy"],
             notify=_ResumeGate() if spec["gate"] else None,
             page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
             stream=spec.get("stream", False),
             on_lost=lambda why: note_killed(job_dir, why),
-            expect=spec["expect"], checkpoint=spec["checkpoint"],
+            expect=spec["expect"],
+            checkpoint=spec["checkpoint"],
             criu_version=spec["criu_version"],
-            own_mounts=bool(spec.get("private_tmp")))
+            own_mounts=bool(spec.get("private_tmp")),
+        )
     except OSError as e:
         _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
         return
@@ -334,9 +348,15 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
         _error(type(e).__name__, str(e))
         return
     _note_pid(job_dir, result.pid)
-    _answer(Restored(pid=result.pid, duration_s=result.duration_s,
-                     lazy=result.lazy_pages is not None, fallback=result.fallback_reason,
-                     notes=result.notes))
+    _answer(
+        Restored(
+            pid=result.pid,
+            duration_s=result.duration_s,
+            lazy=result.lazy_pages is not None,
+            fallback=result.fallback_reason,
+            notes=result.notes,
+        )
+    )
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
 
 

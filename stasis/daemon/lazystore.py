@@ -34,8 +34,8 @@ from stasis.daemon.supervisorwire import note_killed
 from stasis.engine import proctree
 from stasis.engine.lazylink import DONE
 from stasis.engine.pageserver import (
-    PageReader,
     PagemapError,
+    PageReader,
     PageServer,
     fill_sparse,
     process_pagemaps,
@@ -51,8 +51,9 @@ _ANSWER_S = 1.0
 
 
 def _peer_pid(conn: socket.socket) -> int | None:
-    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                     struct.calcsize("3i")))
+    pid, _, _ = struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
     return pid if pid > 0 else None
 
 
@@ -70,8 +71,14 @@ class LazyRestore:
     """One lazy restore served from the store: its scratch images, its page server, and what
     to kill should a page not come."""
 
-    def __init__(self, store: Store, manifest: Manifest, read: PageReader, scratch: Path,
-                 delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        manifest: Manifest,
+        read: PageReader,
+        scratch: Path,
+        delay_s: float = 0.0,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self._read = read
@@ -105,8 +112,7 @@ class LazyRestore:
             pm = by_file.get(entry.name)
             # Page files no task's pagemap names (shared memory's) are read whole by the restore.
             ranges = pm.eager_ranges() if pm else [(0, entry.size_bytes)]
-            fill_sparse(self.images / entry.name, entry.size_bytes, ranges, self._read,
-                        entry.name)
+            fill_sparse(self.images / entry.name, entry.size_bytes, ranges, self._read, entry.name)
         self._sizes = sizes
         self._listen()
 
@@ -148,8 +154,14 @@ class LazyRestore:
             conn.close()
             self._finish()
             return
-        self._server = PageServer(socket.socket(fileno=fds[0]), self.images, self._sizes,
-                                  self._read, self._on_failure, delay_s=self._delay_s)
+        self._server = PageServer(
+            socket.socket(fileno=fds[0]),
+            self.images,
+            self._sizes,
+            self._read,
+            self._on_failure,
+            delay_s=self._delay_s,
+        )
         try:
             self._server.serve()
         finally:
@@ -191,9 +203,14 @@ class LazyRestore:
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and any(proctree.alive(p, None) for p in tree):
             time.sleep(0.005)
-        log.error("killed lazily restored job %s (pid %d%s): a page could not be had from the "
-                  "store: %s", job_dir.name if job_dir else "?", pid,
-                  "" if started else ", already gone", reason)
+        log.error(
+            "killed lazily restored job %s (pid %d%s): a page could not be had from the "
+            "store: %s",
+            job_dir.name if job_dir else "?",
+            pid,
+            "" if started else ", already gone",
+            reason,
+        )
 
     def _end_restore(self) -> None:
         """Kill everything under the job's supervisor (CRIU, lazy-pages, the tasks being
@@ -204,8 +221,12 @@ class LazyRestore:
         for pid in under:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        log.error("ended a lazy restore of %s under supervisor %d: a page could not be had "
-                  "from the store", self.manifest.id, self._restoring)
+        log.error(
+            "ended a lazy restore of %s under supervisor %d: a page could not be had "
+            "from the store",
+            self.manifest.id,
+            self._restoring,
+        )
 
     def _finish(self) -> None:
         shutil.rmtree(self.images, ignore_errors=True)

@@ -27,8 +27,9 @@ class RepeatFilter(logging.Filter):
     """Lets each message through `burst` times per `interval_s`; the next one to pass after
     that says how many were dropped meanwhile."""
 
-    def __init__(self, burst: int = 5, interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, burst: int = 5, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
         self.burst = burst
         self.interval_s = interval_s

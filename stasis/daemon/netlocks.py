@@ -47,8 +47,14 @@ class NetLocks:
             if argvs & {tuple(argv) for argv in row.rules}:
                 self.db.remove_netlock(row.checkpoint)
         if rules:
-            self.db.add_netlock(NetLockRow(checkpoint=checkpoint_id, job=job, created=time.time(),
-                                           rules=[list(r.argv) for r in rules]))
+            self.db.add_netlock(
+                NetLockRow(
+                    checkpoint=checkpoint_id,
+                    job=job,
+                    created=time.time(),
+                    rules=[list(r.argv) for r in rules],
+                )
+            )
 
     def lifted_by_restore(self, checkpoint_id: str) -> None:
         """CRIU restored `checkpoint_id` on this node and took its rules out."""
@@ -63,12 +69,21 @@ class NetLocks:
         problems = netlock.remove(LockRule(tuple(argv)) for argv in row.rules)
         if problems:
             # Kept: the next sweep tries again (iptables busy, say).
-            log.warning("cannot lift the network lock of checkpoint %s (%s): %s",
-                        row.checkpoint, why, "; ".join(problems))
+            log.warning(
+                "cannot lift the network lock of checkpoint %s (%s): %s",
+                row.checkpoint,
+                why,
+                "; ".join(problems),
+            )
             return
         self.db.remove_netlock(row.checkpoint)
-        log.info("lifted the network lock of checkpoint %s (job %s; %d rule(s)): %s",
-                 row.checkpoint, row.job, len(row.rules), why)
+        log.info(
+            "lifted the network lock of checkpoint %s (job %s; %d rule(s)): %s",
+            row.checkpoint,
+            row.job,
+            len(row.rules),
+            why,
+        )
 
     def sweep(self) -> None:
         now = time.time()
@@ -86,8 +101,11 @@ class NetLocks:
             if self.store.was_restored(row.checkpoint):
                 return "the checkpoint was restored on another node"
         except StasisError as e:
-            log.warning("cannot tell whether checkpoint %s still needs its network lock: %s",
-                        row.checkpoint, e)
+            log.warning(
+                "cannot tell whether checkpoint %s still needs its network lock: %s",
+                row.checkpoint,
+                e,
+            )
         return None
 
     def present(self) -> list[wire.NetworkLock]:
@@ -95,12 +113,20 @@ class NetLocks:
         rows = self.db.netlocks()
         found = []
         for lock in network_locks():
-            held = next((row for row in rows for argv in row.rules
-                         if netlock.matches(lock["rule"], LockRule(tuple(argv)))), None)
+            held = next(
+                (
+                    row
+                    for row in rows
+                    for argv in row.rules
+                    if netlock.matches(lock["rule"], LockRule(tuple(argv)))
+                ),
+                None,
+            )
             if held is not None:
                 lock["checkpoint"], lock["job"] = held.checkpoint, held.job
                 if self.timeout_s:
                     lock["release_at"] = datetime.fromtimestamp(
-                        held.created + self.timeout_s, timezone.utc).isoformat(timespec="seconds")
+                        held.created + self.timeout_s, timezone.utc
+                    ).isoformat(timespec="seconds")
             found.append(lock)
         return found

@@ -29,8 +29,9 @@ class StoreProbe:
                 return f"a read of it has not answered for over {PROBE_TIMEOUT_S:g} s"
             self._done = threading.Event()
             done = self._done
-            self._running = threading.Thread(target=self._probe, args=(done,),
-                                             name="stasis-store-probe", daemon=True)
+            self._running = threading.Thread(
+                target=self._probe, args=(done,), name="stasis-store-probe", daemon=True
+            )
             self._running.start()
         if not done.wait(PROBE_TIMEOUT_S):
             return f"a read of it did not answer within {PROBE_TIMEOUT_S:g} s"

@@ -73,10 +73,16 @@ def open_job_db(path: Path, busy_timeout_s: float) -> tuple[JobDB, Path | None]:
             os.rename(f"{path}{suffix}", f"{aside}{suffix}")
         except FileNotFoundError:
             pass
-    log.error("the job database %s is corrupt (%s): moved aside as %s and rebuilt from the "
-              "jobs running on this node, its dump journal, CRIU's logs and the integrations' "
-              "records; finished jobs' history is not rebuilt. Keep %s for a post-mortem, or "
-              "delete it", path, reason, aside, aside.name)
+    log.error(
+        "the job database %s is corrupt (%s): moved aside as %s and rebuilt from the "
+        "jobs running on this node, its dump journal, CRIU's logs and the integrations' "
+        "records; finished jobs' history is not rebuilt. Keep %s for a post-mortem, or "
+        "delete it",
+        path,
+        reason,
+        aside,
+        aside.name,
+    )
     return JobDB(path, busy_timeout_s), aside
 
 
@@ -142,11 +148,13 @@ def recover_netlocks(db: JobDB, store: Store, criu_logs: Path, timeout_s: int) -
                 continue
         except StasisError:
             continue  # cannot tell: the rules stay listed unmatched by `stasis check`
-        db.add_netlock(NetLockRow(checkpoint=checkpoint, job="", created=mtime,
-                                  rules=[list(r.argv) for r in rules]))
+        db.add_netlock(
+            NetLockRow(
+                checkpoint=checkpoint, job="", created=mtime, rules=[list(r.argv) for r in rules]
+            )
+        )
         found += 1
     return found
-
 
 
 def restore_records(db: JobDB, root: Path, tables: Sequence[Table]) -> None:
@@ -158,8 +166,11 @@ def restore_records(db: JobDB, root: Path, tables: Sequence[Table]) -> None:
         log.error("the integrations' records in %s could not be restored: %s", root, e)
         return
     if any(put.values()):
-        log.info("restored from %s: %s", root, ", ".join(
-            f"{n} row(s) of {t}" for t, n in sorted(put.items()) if n))
+        log.info(
+            "restored from %s: %s",
+            root,
+            ", ".join(f"{n} row(s) of {t}" for t, n in sorted(put.items()) if n),
+        )
 
 
 def match_records(db: JobDB, root: Path, tables: Sequence[Table]) -> None:
@@ -169,5 +180,6 @@ def match_records(db: JobDB, root: Path, tables: Sequence[Table]) -> None:
     try:
         records.sync(db, root, tables)
     except (StasisError, OSError) as e:
-        log.warning("the integrations' records in %s are not matched to the database now: %s",
-                    root, e)
+        log.warning(
+            "the integrations' records in %s are not matched to the database now: %s", root, e
+        )

@@ -121,9 +121,14 @@ class Records:
     def _failed(self, table: Table, key: str, e: BaseException) -> None:
         said = f"{table.name}: {e}"
         if said != self._failing:  # once per cause, not once per row
-            log.warning("cannot keep the record of %s %s in %s (%s): the database has it, but a "
-                        "rebuild of a corrupt database would miss it", table.name, key,
-                        self.root, e)
+            log.warning(
+                "cannot keep the record of %s %s in %s (%s): the database has it, but a "
+                "rebuild of a corrupt database would miss it",
+                table.name,
+                key,
+                self.root,
+                e,
+            )
             self._failing = said
 
 
@@ -137,8 +142,11 @@ def _unlink(path: Path) -> None:
 
 def _files(directory: Path) -> list[Path]:
     try:
-        return [p for p in directory.iterdir()
-                if p.name.endswith(".json") and not p.name.startswith(".")]
+        return [
+            p
+            for p in directory.iterdir()
+            if p.name.endswith(".json") and not p.name.startswith(".")
+        ]
     except FileNotFoundError:
         return []
 
@@ -158,12 +166,18 @@ def _rows(root: Path, table: Table) -> Iterator[tuple[Path, dict[str, Any]]]:
     for path in sorted(_files(_dir(root, table))):
         try:
             data = _read(path)
-            if not isinstance(data, dict) or data.get("table") != table.name or \
-                    not isinstance(data.get("row"), dict) or not isinstance(data.get("key"), str):
+            if (
+                not isinstance(data, dict)
+                or data.get("table") != table.name
+                or not isinstance(data.get("row"), dict)
+                or not isinstance(data.get("key"), str)
+            ):
                 raise ValueError("not a record of this table")
             row = {k: v for k, v in data["row"].items() if k in columns}
-            if str(row.get(_key_column(table))) != data["key"] or \
-                    file_name(data["key"]) != path.name:
+            if (
+                str(row.get(_key_column(table))) != data["key"]
+                or file_name(data["key"]) != path.name
+            ):
                 raise ValueError("filed under another key")
         except (OSError, ValueError) as e:
             log.warning("record %s skipped: %s", path, e)
@@ -210,15 +224,14 @@ def sync(db: JobDB, root: Path, tables: Iterable[Table]) -> None:
                 continue
             column = table.c[_key_column(table)]
             with db.transaction() as conn:
-                keys = {file_name(str(k)): str(k)
-                        for k in conn.execute(select(column)).scalars()}
+                keys = {file_name(str(k)): str(k) for k in conn.execute(select(column)).scalars()}
             directory = _dir(root, table)
             present = set()
             for path in _files(directory):
                 try:
                     stale = path.name not in keys or (
-                        kind == UNTIL_DROPPED and now - path.stat().st_mtime
-                        > _UNTIL_DROPPED_KEPT_S)
+                        kind == UNTIL_DROPPED and now - path.stat().st_mtime > _UNTIL_DROPPED_KEPT_S
+                    )
                     if stale:
                         path.unlink()
                     else:

@@ -29,13 +29,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import cast
 
-from stasis import faults
+from stasis import faults, wire
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDatabaseError, JobRow
+from stasis.daemon.lazystore import LazyRestore, page_reader
 from stasis.daemon.models import RestoreRequest
-from stasis.wire import RestoreAnswer
 from stasis.daemon.progress import Progress
+from stasis.daemon.streamed import stream_restore
 from stasis.daemon.supervisor import Gate, Started, Supervisors, create_log, now
 from stasis.daemon.supervisorwire import (
     EXIT_FILE,
@@ -47,9 +48,6 @@ from stasis.daemon.supervisorwire import (
     note_killed,
 )
 from stasis.daemon.users import Caller, account, owner_uid, user_name
-from stasis import wire
-from stasis.daemon.lazystore import LazyRestore, page_reader
-from stasis.daemon.streamed import stream_restore
 from stasis.daemon.verifying import verified_only
 from stasis.engine import CRIU, Owner, find_criu, nodefacts, nodelocal, privatetmp, proctree
 from stasis.engine.pageserver import PagemapError
@@ -64,6 +62,7 @@ from stasis.errors import (
     UsageError,
 )
 from stasis.store import FileEntry, Manifest, validate_checkpoint_id, validate_label
+from stasis.wire import RestoreAnswer
 
 log = logging.getLogger("stasis.daemon")
 _log = log  # where a restore's `log` (the job's log file) hides the name
@@ -80,24 +79,33 @@ class Restorer:
         self._serving: set[LazyRestore] = set()
         self._serving_lock = threading.Lock()
 
-    def restore(self, req: RestoreRequest, caller: Caller,
-                progress: Progress | None = None,
-                fence: Callable[[], None] | None = None) -> RestoreAnswer:
+    def restore(
+        self,
+        req: RestoreRequest,
+        caller: Caller,
+        progress: Progress | None = None,
+        fence: Callable[[], None] | None = None,
+    ) -> RestoreAnswer:
         """`fence`: called last at the gate, once the tree is restored and stopped, just before
         it resumes; should it raise (StasisError), the tree is killed, never resumed, and the
         restore fails with its error (a control plane's commit: stasis.controlplane.node)."""
         started = time.monotonic()
         if req.checkpoint:
             if req.verified:
-                raise UsageError("--verified picks among a label's checkpoints; for a "
-                                 "checkpoint id, run `stasis verify CHECKPOINT` first")
+                raise UsageError(
+                    "--verified picks among a label's checkpoints; for a "
+                    "checkpoint id, run `stasis verify CHECKPOINT` first"
+                )
             if req.user is not None:
                 raise UsageError("--user says whose label to restore; a checkpoint id needs none")
             candidates = [self.core.store.get(validate_checkpoint_id(req.checkpoint))]
         elif req.label:
             owner = owner_uid(caller, req.user)
-            candidates = [m for m in self.core.store.list(validate_label(req.label), uid=owner)
-                          if caller.may_use_checkpoint(m.uid, m.user)]
+            candidates = [
+                m
+                for m in self.core.store.list(validate_label(req.label), uid=owner)
+                if caller.may_use_checkpoint(m.uid, m.user)
+            ]
             if not candidates:
                 self._only_untrusted(req.label, owner, caller)
                 raise NotFoundError(self._no_label(req.label, owner, caller))
@@ -121,13 +129,21 @@ class Restorer:
             answer["elapsed_s"] = round(time.monotonic() - started, 4)
             work_s = work_of(manifest.extra)
             self.core.work.started_from(answer["job"], manifest.id, work_s)
-            self.core.activity.notify(Activity(
-                kind="restore", checkpoint=manifest.id, label=manifest.label,
-                job=answer["job"], user=manifest.user, size_bytes=manifest.size_bytes,
-                work_s=work_s, duration_s=answer["duration_s"], store=self.core.store.url))
+            self.core.activity.notify(
+                Activity(
+                    kind="restore",
+                    checkpoint=manifest.id,
+                    label=manifest.label,
+                    job=answer["job"],
+                    user=manifest.user,
+                    size_bytes=manifest.size_bytes,
+                    work_s=work_s,
+                    duration_s=answer["duration_s"],
+                    store=self.core.store.url,
+                )
+            )
             return answer
-        raise RestoreError("no usable checkpoint with label "
-                           f"{req.label}: " + "; ".join(skipped))
+        raise RestoreError("no usable checkpoint with label " f"{req.label}: " + "; ".join(skipped))
 
     def _only_untrusted(self, label: str, owner: int, caller: Caller) -> None:
         """UntrustedCheckpointError when the label's only checkpoints are signed by keys this
@@ -142,7 +158,8 @@ class Restorer:
             f"no checkpoint with label {label}{whose} that this node trusts: those in store "
             f"{self.core.store.url} are signed by {which}, which this node does not trust; if "
             "another node of your site made them, add its key to trusted_keys (or give both "
-            "nodes one site_key) and restart the daemon")
+            "nodes one site_key) and restart the daemon"
+        )
 
     def _no_label(self, label: str, owner: int, caller: Caller) -> str:
         whose = "" if owner == caller.uid else f" of user {user_name(owner)}"
@@ -152,13 +169,19 @@ class Restorer:
             # learn which labels other users have).
             others = sorted({user_name(m.uid) for m in self.core.store.list(label)})
             if others:
-                text += f"; {', '.join(others)} {'has' if len(others) == 1 else 'have'} " \
-                        f"checkpoints with that label: add --user {others[0]}"
+                text += (
+                    f"; {', '.join(others)} {'has' if len(others) == 1 else 'have'} "
+                    f"checkpoints with that label: add --user {others[0]}"
+                )
         return text
 
-    def _restore_one(self, manifest: Manifest, progress: Progress | None,
-                     lazy: bool | None, fence: Callable[[], None] | None = None
-                     ) -> RestoreAnswer:
+    def _restore_one(
+        self,
+        manifest: Manifest,
+        progress: Progress | None,
+        lazy: bool | None,
+        fence: Callable[[], None] | None = None,
+    ) -> RestoreAnswer:
         job_id = secrets.token_hex(6)
         with ExitStack() as pinned:
             self._pin(pinned, manifest, job_id)
@@ -170,8 +193,12 @@ class Restorer:
             if answer["lazy"]:
                 # Its pages are read from the store until all its memory is back.
                 held = pinned.pop_all()
-                threading.Thread(target=self._unpin_when_memory_back, daemon=True,
-                                 name="stasis-pin", args=(held, job_id, answer["pid"])).start()
+                threading.Thread(
+                    target=self._unpin_when_memory_back,
+                    daemon=True,
+                    name="stasis-pin",
+                    args=(held, job_id, answer["pid"]),
+                ).start()
         return answer
 
     def _pin(self, stack: ExitStack, manifest: Manifest, job_id: str) -> None:
@@ -181,24 +208,34 @@ class Restorer:
             stack.enter_context(self.core.store.pin(manifest.id, why))
         except NotFoundError as e:
             # Deleted since it was listed: by label, an older one is better than none.
-            raise CorruptCheckpointError(f"checkpoint {manifest.id} is gone from the store "
-                                         f"({e})") from e
+            raise CorruptCheckpointError(
+                f"checkpoint {manifest.id} is gone from the store " f"({e})"
+            ) from e
         except StasisError as e:
             # A store this node may read but not write (read-only credentials): restoring
             # unpinned beats not restoring; retention elsewhere could then race it.
-            _log.warning("restoring checkpoint %s without a pin against retention: %s",
-                         manifest.id, e)
+            _log.warning(
+                "restoring checkpoint %s without a pin against retention: %s", manifest.id, e
+            )
 
     def _unpin_when_memory_back(self, pinned: ExitStack, job_id: str, pid: int) -> None:
         job_dir = self.core.settings.layout.job_dir(job_id)
         with pinned:
-            while not (job_dir / MEMORY_FILE).exists() and \
-                    not (job_dir / EXIT_FILE).exists() and proctree.alive(pid, None):
+            while (
+                not (job_dir / MEMORY_FILE).exists()
+                and not (job_dir / EXIT_FILE).exists()
+                and proctree.alive(pid, None)
+            ):
                 time.sleep(1.0)
 
-    def _restore_as(self, job_id: str, manifest: Manifest, progress: Progress | None,
-                    lazy: bool | None, fence: Callable[[], None] | None = None
-                    ) -> RestoreAnswer:
+    def _restore_as(
+        self,
+        job_id: str,
+        manifest: Manifest,
+        progress: Progress | None,
+        lazy: bool | None,
+        fence: Callable[[], None] | None = None,
+    ) -> RestoreAnswer:
         store, settings = self.core.store, self.core.settings
         # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
         store.require_cryptographic_sums(manifest)
@@ -213,21 +250,45 @@ class Restorer:
             # Restored on another node: our logs directory is not the user's to create files in.
             create_log(log, acct)
         spec = RestoreJob(
-            mode="restore", uid=acct.uid, gid=acct.gid, groups=acct.groups, log=log,
-            image_log=manifest.log_path or log, criu=find_criu(settings.criu),
-            criu_log_dir=str(settings.layout.criu_logs), criu_log_name=f"restore-{job_id}.log",
+            mode="restore",
+            uid=acct.uid,
+            gid=acct.gid,
+            groups=acct.groups,
+            log=log,
+            image_log=manifest.log_path or log,
+            criu=find_criu(settings.criu),
+            criu_log_dir=str(settings.layout.criu_logs),
+            criu_log_name=f"restore-{job_id}.log",
             umask=self.job_umask,  # for a log the supervisor creates as the user
             # Compared again there, files too.
-            expect=expect, checkpoint=manifest.id, criu_version=self.criu_version())
+            expect=expect,
+            checkpoint=manifest.id,
+            criu_version=self.criu_version(),
+        )
         private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
         notes: list[str] = []
         job = JobRow(
-            id=job_id, pid=None, pid_start=None, shim_pid=None, state="restoring",
-            label=manifest.label, exit_code=None, command=manifest.command, cwd=manifest.cwd,
-            env=[], user=manifest.user, uid=manifest.uid, gid=manifest.gid, log=log,
-            checkpoint=manifest.id, created=now(), job_dir="", private_tmp=private_tmp)
+            id=job_id,
+            pid=None,
+            pid_start=None,
+            shim_pid=None,
+            state="restoring",
+            label=manifest.label,
+            exit_code=None,
+            command=manifest.command,
+            cwd=manifest.cwd,
+            env=[],
+            user=manifest.user,
+            uid=manifest.uid,
+            gid=manifest.gid,
+            log=log,
+            checkpoint=manifest.id,
+            created=now(),
+            job_dir="",
+            private_tmp=private_tmp,
+        )
         mode = "fetched"
 
         def record(row: JobRow) -> None:
@@ -254,28 +315,40 @@ class Restorer:
                 # GiBs of pages either: everything else (and every size) gates the resume, the
                 # page images are hashed right after, and a mismatch kills the job. Nobody but
                 # root can write them here: that catches damage, there is no forger to stop.
-                gate = Gate(_then(lambda: store.verify(checked, only=lambda f: not
-                                      _is_pages(f)), fence),
-                            point=f"restore.{mode}.before-resume")
+                gate = Gate(
+                    _then(lambda: store.verify(checked, only=lambda f: not _is_pages(f)), fence),
+                    point=f"restore.{mode}.before-resume",
+                )
             else:
-                gate = Gate(_then(lambda: store.verify(checked), fence),
-                            point=f"restore.{mode}.before-resume")
+                gate = Gate(
+                    _then(lambda: store.verify(checked), fence),
+                    point=f"restore.{mode}.before-resume",
+                )
             started = self._start(job_id, spec, source, progress, manifest, gate, job, record)
             if gate.error is not None:
                 raise gate.error
             if lazy and "pid" in started.answer:
-                threading.Thread(target=self._verify_pages_after, daemon=True,
-                                 args=(manifest, started.job_dir, started.pid)).start()
-        elif not lazy and store.is_local(manifest.id) and \
-                (streamed := stream_restore(store, manifest, settings.layout.scratch)):
+                threading.Thread(
+                    target=self._verify_pages_after,
+                    daemon=True,
+                    args=(manifest, started.job_dir, started.pid),
+                ).start()
+        elif (
+            not lazy
+            and store.is_local(manifest.id)
+            and (streamed := stream_restore(store, manifest, settings.layout.scratch))
+        ):
             # Images in a local store: read, checked and decoded while CRIU reads them (its image
             # streamer), rather than written out in plain first and read again; the tree
             # resumes once every page file was served whole and checked.
             mode = "streamed"
             try:
                 source = Images(images=str(streamed.images), lazy=False, stream=True, gate=True)
-                gate = Gate(_then(streamed.check, fence), cancel=streamed.stop_waiting,
-                            point=f"restore.{mode}.before-resume")
+                gate = Gate(
+                    _then(streamed.check, fence),
+                    cancel=streamed.stop_waiting,
+                    point=f"restore.{mode}.before-resume",
+                )
                 started = self._start(job_id, spec, source, progress, manifest, gate, job, record)
             finally:
                 streamed.discard()
@@ -287,14 +360,19 @@ class Restorer:
                 served, why_not = None, served
             if served is not None:
                 mode = "lazy"
-                source = Images(images=str(served.images), lazy=True,
-                                page_server=str(served.socket_path), gate=True)
+                source = Images(
+                    images=str(served.images),
+                    lazy=True,
+                    page_server=str(served.socket_path),
+                    gate=True,
+                )
                 # The pages are checked as they are served: the gate is the daemon's word that
                 # the job is recorded, no more.
                 gate = Gate(_then(lambda: None, fence), point=f"restore.{mode}.before-resume")
                 try:
-                    started = self._start(job_id, spec, source, progress, manifest, gate, job,
-                                          record)
+                    started = self._start(
+                        job_id, spec, source, progress, manifest, gate, job, record
+                    )
                 except BaseException:
                     served.discard()
                     raise
@@ -313,31 +391,36 @@ class Restorer:
                     source = Images(images=str(images), lazy=False, gate=True)
                     if lazy:
                         notes.append(why_not or _why_not_lazy(manifest, store.url))
-                    gate = Gate(_then(lambda: None, fence),
-                                point=f"restore.{mode}.before-resume")
-                    started = self._start(job_id, spec, source, progress, manifest, gate, job,
-                                          record)
+                    gate = Gate(_then(lambda: None, fence), point=f"restore.{mode}.before-resume")
+                    started = self._start(
+                        job_id, spec, source, progress, manifest, gate, job, record
+                    )
         if gate.error is not None:
             raise gate.error  # refused at the gate (its check, or the fence): killed unresumed
         answer = started.answer
         if "error" in answer:
             if answer["error"]["type"] == IncompatibleNodeError.__name__:
                 raise IncompatibleNodeError(answer["error"]["message"])
-            kind = OwnerDeniedError if answer["error"]["type"] == OwnerDeniedError.__name__ \
+            kind = (
+                OwnerDeniedError
+                if answer["error"]["type"] == OwnerDeniedError.__name__
                 else RestoreError
-            raise kind(f"restore of checkpoint {manifest.id} failed: "
-                       f"{answer['error']['message']}")
+            )
+            raise kind(
+                f"restore of checkpoint {manifest.id} failed: " f"{answer['error']['message']}"
+            )
         pid = started.pid
         faults.point(f"restore.{mode}.after-resume")
         try:
-            self.core.db.set(job_id, state="restored", pid=pid,
-                             pid_start=proctree.start_time(pid))
+            self.core.db.set(job_id, state="restored", pid=pid, pid_start=proctree.start_time(pid))
         except JobDatabaseError as e:
             # Recorded `restoring` with its supervisor and directory: the daemon's poll makes it
             # `restored` (from pid.json) once the database takes it.
             _log.warning("job %s: restored, but not yet recorded as running: %s", job_id, e)
-            notes.append("the restored job is recorded as restoring until the daemon's "
-                         "database can be written")
+            notes.append(
+                "the restored job is recorded as restoring until the daemon's "
+                "database can be written"
+            )
         try:
             self._restored(manifest)
         except JobDatabaseError as e:
@@ -346,16 +429,31 @@ class Restorer:
         if answer["fallback"]:
             # The supervisor's CRIU could not restore lazily and restored in full.
             notes.append(f"lazy restore failed, restored in full: {answer['fallback']}")
-        return RestoreAnswer(job=job_id, pid=pid, checkpoint=manifest.id, skipped=[],
-                             lazy=answer["lazy"], notes=notes,
-                             duration_s=round(answer["duration_s"], 4),
-                             elapsed_s=0.0)
+        return RestoreAnswer(
+            job=job_id,
+            pid=pid,
+            checkpoint=manifest.id,
+            skipped=[],
+            lazy=answer["lazy"],
+            notes=notes,
+            duration_s=round(answer["duration_s"], 4),
+            elapsed_s=0.0,
+        )
 
-    def _start(self, job_id: str, spec: RestoreJob, source: Images, progress: Progress | None,
-               manifest: Manifest, gate: Gate, job: JobRow,
-               record: Callable[[JobRow], None]) -> Started[Restored]:
-        return self._supervisors.restore(job_id, spec, source, job, record, gate, progress,
-                                         manifest.size_bytes)
+    def _start(
+        self,
+        job_id: str,
+        spec: RestoreJob,
+        source: Images,
+        progress: Progress | None,
+        manifest: Manifest,
+        gate: Gate,
+        job: JobRow,
+        record: Callable[[JobRow], None],
+    ) -> Started[Restored]:
+        return self._supervisors.restore(
+            job_id, spec, source, job, record, gate, progress, manifest.size_bytes
+        )
 
     def _forget(self, job_id: str) -> None:
         """A restore that failed was never a job: its `restoring` row goes (or, the database
@@ -376,10 +474,17 @@ class Restorer:
         if read is None:
             return None
         if not self._has_uffd():
-            return ("lazy restore not possible: this kernel has no userfaultfd for CRIU's "
-                    "lazy pages; restored in full")
-        served = LazyRestore(store, manifest, read, settings.layout.scratch,
-                             delay_s=settings.test_page_delay_ms / 1000)
+            return (
+                "lazy restore not possible: this kernel has no userfaultfd for CRIU's "
+                "lazy pages; restored in full"
+            )
+        served = LazyRestore(
+            store,
+            manifest,
+            read,
+            settings.layout.scratch,
+            delay_s=settings.test_page_delay_ms / 1000,
+        )
         try:
             served.prepare()
         except PagemapError as e:
@@ -427,7 +532,8 @@ class Restorer:
         if self._criu_version is None:
             settings = self.core.settings
             self._criu_version = nodefacts.criu_version(
-                CRIU(find_criu(settings.criu), settings.layout.criu_logs))
+                CRIU(find_criu(settings.criu), settings.layout.criu_logs)
+            )
         return self._criu_version
 
     def compare(self, checkpoint_id: str, caller: Caller) -> wire.CheckpointCheck:
@@ -440,8 +546,9 @@ class Restorer:
     def _report(self, manifest: Manifest) -> wire.CheckpointCheck:
         node = self.core.hostname
         if manifest.restore_facts is None:
-            return wire.CheckpointCheck(checkpoint=manifest.id, node=node, recorded=False,
-                                        restorable=True, facts=[])
+            return wire.CheckpointCheck(
+                checkpoint=manifest.id, node=node, recorded=False, restorable=True, facts=[]
+            )
         expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
         try:
             acct = account(manifest.uid)
@@ -449,12 +556,20 @@ class Restorer:
         except UsageError:
             owner = Owner(manifest.uid, manifest.gid)  # nobody's here: the user fact says so
         files = nodefacts.stat_files_as(owner, [f["path"] for f in expect["files"] or ()])
-        facts = nodefacts.compare(expect, nodefacts.node(self.criu_version()), files,
-                                  skip=[manifest.log_path] if manifest.log_path else [],
-                                  travels=nodelocal.travelling(manifest.extra))
+        facts = nodefacts.compare(
+            expect,
+            nodefacts.node(self.criu_version()),
+            files,
+            skip=[manifest.log_path] if manifest.log_path else [],
+            travels=nodelocal.travelling(manifest.extra),
+        )
         return wire.CheckpointCheck(
-            checkpoint=manifest.id, node=node, recorded=True, facts=facts,
-            restorable=all(f["verdict"] != "refuses" for f in facts))
+            checkpoint=manifest.id,
+            node=node,
+            recorded=True,
+            facts=facts,
+            restorable=all(f["verdict"] != "refuses" for f in facts),
+        )
 
     def _has_uffd(self) -> bool:
         if self._uffd is None:
@@ -473,8 +588,9 @@ class Restorer:
             try:
                 self.core.store.mark_restored(manifest.id, self.core.hostname)
             except StasisError as e:
-                log.warning("cannot note in the store that checkpoint %s was restored: %s",
-                            manifest.id, e)
+                log.warning(
+                    "cannot note in the store that checkpoint %s was restored: %s", manifest.id, e
+                )
 
     def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
         try:
@@ -502,8 +618,10 @@ def _then(check: Callable[[], None], fence: Callable[[], None] | None) -> Callab
 def _why_not_lazy(manifest: Manifest, url: str) -> str:
     # Only checkpoints stored before images were chunked come here (page_reader).
     why = "the checkpoint was stored before images were chunked: its images were fetched"
-    return (f"lazy restore not possible: {why} into scratch space that goes away after the "
-            "restore; restored in full")
+    return (
+        f"lazy restore not possible: {why} into scratch space that goes away after the "
+        "restore; restored in full"
+    )
 
 
 def _is_node_local(entry: FileEntry) -> bool:

@@ -23,13 +23,17 @@ from aiohttp import web
 from stasis.config import Settings
 from stasis.daemon.api import make_app
 from stasis.daemon.connections import ConnectionGuard, GuardedUnixSite, raise_open_files_limit
-from stasis.daemon.rebuild import (
-    match_records, open_job_db, recover_netlocks, restore_records, salvage,
-)
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.logfilter import quiet_repeats
 from stasis.daemon.netlocks import SWEEP_INTERVAL_S as NETLOCK_SWEEP_INTERVAL_S
+from stasis.daemon.rebuild import (
+    match_records,
+    open_job_db,
+    recover_netlocks,
+    restore_records,
+    salvage,
+)
 from stasis.errors import UsageError
 from stasis.store import node_keyring, node_store
 
@@ -59,9 +63,11 @@ def _socket_access(settings: Settings) -> tuple[int, int]:
     try:
         return grp.getgrnam(settings.socket_group).gr_gid, 0o660
     except KeyError:
-        raise UsageError(f"socket_group {settings.socket_group!r} does not exist: create it "
-                         f"(groupadd {settings.socket_group}) or set socket_group = \"\" to let "
-                         "every local user reach the daemon") from None
+        raise UsageError(
+            f"socket_group {settings.socket_group!r} does not exist: create it "
+            f"(groupadd {settings.socket_group}) or set socket_group = \"\" to let "
+            "every local user reach the daemon"
+        ) from None
 
 
 def _make_dirs(path: Path) -> None:
@@ -114,8 +120,8 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     quiet_repeats()
     # A thread that dies (out of files, say) is logged through the same filter, not printed.
     threading.excepthook = lambda a: log.error(
-        "thread %s failed", a.thread.name if a.thread else "?",
-        exc_info=a.exc_value)
+        "thread %s failed", a.thread.name if a.thread else "?", exc_info=a.exc_value
+    )
     open_files = raise_open_files_limit()
     # Everything the daemon writes (job table and its WAL, staging, CRIU logs) is root's alone
     # unless it says otherwise (the socket, the job logs, the directories users traverse); the
@@ -124,8 +130,9 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     _make_dirs(settings.state_dir)
     # Made at the first start, kept forever: every checkpoint this node signs depends on it.
     keys = node_keyring(settings, create=True)
-    log.info("signing checkpoints with key %s; trusting %d key(s)", keys.key_id,
-             len(keys.trusted_ids))
+    log.info(
+        "signing checkpoints with key %s; trusting %d key(s)", keys.key_id, len(keys.trusted_ids)
+    )
     manager_store = node_store(settings, keys)
     db_path = settings.layout.db
     for name in ("", "-wal", "-shm"):  # made 0644 by an older daemon: SQLite keeps the mode
@@ -140,11 +147,11 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     db.create_tables(tables)
     if corrupt is not None:  # before the integrations read their tables
         salvage(corrupt, db)
-        locks = recover_netlocks(db, manager_store, settings.layout.criu_logs,
-                                 settings.netlock_timeout_s)
+        locks = recover_netlocks(
+            db, manager_store, settings.layout.criu_logs, settings.netlock_timeout_s
+        )
         if locks:
-            log.info("recorded again the network locks of %d checkpoint(s) from CRIU's logs",
-                     locks)
+            log.info("recorded again the network locks of %d checkpoint(s) from CRIU's logs", locks)
         # The integrations' rows whose loss would lose work or do it twice: kept as files.
         restore_records(db, settings.layout.records, tables)
     for integration in plugged:
@@ -158,11 +165,15 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
             raise UsageError(f"a daemon is already listening on {sock_path}")
         settings.socket.unlink()
 
-    guard = ConnectionGuard(settings.max_connections_per_uid, settings.request_timeout_s,
-                            open_files)
+    guard = ConnectionGuard(
+        settings.max_connections_per_uid, settings.request_timeout_s, open_files
+    )
     # An HTTP/1.1 client's next request on a kept-alive connection has as long as a first one.
-    runner = web.AppRunner(make_app(manager, plugged, [guard.middleware]), access_log=None,
-                           keepalive_timeout=settings.request_timeout_s or 75.0)
+    runner = web.AppRunner(
+        make_app(manager, plugged, [guard.middleware]),
+        access_log=None,
+        keepalive_timeout=settings.request_timeout_s or 75.0,
+    )
     await runner.setup()
     # No moment in which the socket is open wider than configured: it is created 0700 under our
     # umask (077), then given to its group or to every user.
@@ -170,8 +181,12 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     await site.start()
     os.chown(sock_path, 0, sock_gid)
     os.chmod(sock_path, sock_mode)
-    log.info("listening on %s, store %s; %d open files at most", sock_path, settings.store_url,
-             open_files)
+    log.info(
+        "listening on %s, store %s; %d open files at most",
+        sock_path,
+        settings.store_url,
+        open_files,
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -190,9 +205,12 @@ async def serve(settings: Settings, integrations: Sequence[type[Integration]] = 
     # Lazily restored jobs live on pages this process serves: stopping now would kill them.
     left = await asyncio.to_thread(manager.drain_lazy, settings.lazy_drain_timeout_s)
     if left:
-        log.warning("stopping with %d lazy restore(s) still fetching pages after %s s "
-                    "(lazy_drain_timeout_s): their jobs are killed, their checkpoints stay",
-                    left, settings.lazy_drain_timeout_s)
+        log.warning(
+            "stopping with %d lazy restore(s) still fetching pages after %s s "
+            "(lazy_drain_timeout_s): their jobs are killed, their checkpoints stay",
+            left,
+            settings.lazy_drain_timeout_s,
+        )
     for integration in plugged:
         integration.close()
     manager.close()

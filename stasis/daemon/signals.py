@@ -21,8 +21,9 @@ def parse_signal(text: str | int) -> signal.Signals:
         name = word.upper()
         return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
     except (KeyError, ValueError):
-        raise UsageError(f"{word!r} is not a signal: give a name (TERM, INT, HUP, USR1, ...) "
-                         "or a number") from None
+        raise UsageError(
+            f"{word!r} is not a signal: give a name (TERM, INT, HUP, USR1, ...) " "or a number"
+        ) from None
 
 
 __all__ = ["parse_signal"]

@@ -67,8 +67,10 @@ def ensure_auto_root(root: Path = AUTO_ROOT) -> str | None:
     except OSError as e:
         return f"cannot create {root} to stage dumps in memory: {e.strerror or e}"
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
-        return (f"{root} is not a directory owned by root: dumps are not staged in memory "
-                f"(remove it and restart the daemon)")
+        return (
+            f"{root} is not a directory owned by root: dumps are not staged in memory "
+            f"(remove it and restart the daemon)"
+        )
     # Two daemons starting at once would stack two mounts, the second hiding what the first
     # stages: one checks and mounts at a time (a lock on the directory, the one under the
     # mount until it is mounted; a daemon that opens it after that finds the tmpfs).
@@ -82,8 +84,18 @@ def ensure_auto_root(root: Path = AUTO_ROOT) -> str | None:
             os.chmod(root, 0o700)
             return None
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=100%,mode=0700,nosuid,nodev,noexec",
-             "stasis-stage", str(root)], capture_output=True, text=True)
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=100%,mode=0700,nosuid,nodev,noexec",
+                "stasis-stage",
+                str(root),
+            ],
+            capture_output=True,
+            text=True,
+        )
     finally:
         os.close(fd)
     if done.returncode != 0:
@@ -119,8 +131,13 @@ def _vmstat() -> dict[str, int]:
     out = {}
     for line in Path("/proc/vmstat").read_text().splitlines():
         key, _, value = line.partition(" ")
-        if key in ("nr_dirty", "nr_writeback", "nr_dirty_background_threshold", "nr_dirtied",
-                   "nr_written"):
+        if key in (
+            "nr_dirty",
+            "nr_writeback",
+            "nr_dirty_background_threshold",
+            "nr_dirtied",
+            "nr_written",
+        ):
             out[key] = int(value)
     return out
 
@@ -134,26 +151,32 @@ def disk_state(sample_s: float = SAMPLE_S) -> DiskState:
         backlog=(last.get("nr_dirty", 0) + last.get("nr_writeback", 0)) * page,
         background=last.get("nr_dirty_background_threshold", 0) * page,
         dirtied_per_s=(last.get("nr_dirtied", 0) - first.get("nr_dirtied", 0)) * page / dt,
-        written_per_s=(last.get("nr_written", 0) - first.get("nr_written", 0)) * page / dt)
+        written_per_s=(last.get("nr_written", 0) - first.get("nr_written", 0)) * page / dt,
+    )
 
 
 def disk_behind(state: DiskState, expected_bytes: int) -> str | None:
     """Why writing `expected_bytes` through the page cache now would wait on the disk, or None
     when it would not (the page cache stays under the background threshold, nobody writes)."""
     if state.dirtied_per_s > BUSY_BYTES_PER_S or state.written_per_s > BUSY_BYTES_PER_S:
-        return (f"the node is writing {_mib(max(state.dirtied_per_s, state.written_per_s))}/s "
-                f"to disk")
+        return (
+            f"the node is writing {_mib(max(state.dirtied_per_s, state.written_per_s))}/s "
+            f"to disk"
+        )
     writing_s = _WRITE_START_S + expected_bytes / _WRITE_BYTES_PER_S
     after = state.backlog + expected_bytes + state.dirtied_per_s * writing_s
     if state.background and after > state.background:
-        return (f"{_mib(state.backlog)} wait to be written to disk, and the dump's "
-                f"{_mib(expected_bytes)} would take that past the kernel's writeback threshold "
-                f"({_mib(state.background)})")
+        return (
+            f"{_mib(state.backlog)} wait to be written to disk, and the dump's "
+            f"{_mib(expected_bytes)} would take that past the kernel's writeback threshold "
+            f"({_mib(state.background)})"
+        )
     return None
 
 
-def choose(setting: str, state_dir: Path, checkpoint_id: str,
-           expected_bytes: int) -> tuple[Path | None, str | None, str | None]:
+def choose(
+    setting: str, state_dir: Path, checkpoint_id: str, expected_bytes: int
+) -> tuple[Path | None, str | None, str | None]:
     """Where a leave-running dump's images go: (the memory stage or None for the store, why
     the disk was passed by, why memory was refused). `setting` is stage_dir: AUTO stages only
     when `disk_behind` says so; a directory stages always; "" never."""
@@ -198,12 +221,16 @@ def stage(root: str, checkpoint_id: str, expected_bytes: int) -> tuple[Path | No
     need = int(expected_bytes * 1.1) + (16 << 20)
     free = fs.f_bavail * fs.f_frsize
     if free < need:
-        return None, (f"the stage directory {root} has {_mib(free)} free, the dump needs about "
-                      f"{_mib(need)}")
+        return None, (
+            f"the stage directory {root} has {_mib(free)} free, the dump needs about "
+            f"{_mib(need)}"
+        )
     available = mem_available()
     if available < need + HEADROOM_BYTES:
-        return None, (f"the node has {_mib(available)} of memory available, the dump needs "
-                      f"about {_mib(need)} plus {_mib(HEADROOM_BYTES)} to spare")
+        return None, (
+            f"the node has {_mib(available)} of memory available, the dump needs "
+            f"about {_mib(need)} plus {_mib(HEADROOM_BYTES)} to spare"
+        )
     path = base / checkpoint_id
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(mode=0o700)

@@ -57,8 +57,7 @@ class StreamedRestore:
         if the checkpoint cannot be had; PagemapError if this path cannot serve it."""
         if any(f.chunks is None for f in self.manifest.files if f.name in self._pages):
             raise PagemapError("it was stored before images were chunked")
-        self.store.fetch_files(self.manifest, self.images,
-                               only=lambda f: f.name not in self._pages)
+        self.store.fetch_files(self.manifest, self.images, only=lambda f: f.name not in self._pages)
         pagemaps = process_pagemaps(self.images)
         if any(pm.in_parent() for pm in pagemaps.values()):
             raise PagemapError("its pages lean on a parent checkpoint")
@@ -72,8 +71,9 @@ class StreamedRestore:
         if self.error is not None:
             raise self.error
         if self._server.failure is not None:
-            raise StasisError(f"restore of checkpoint {self.manifest.id}: "
-                              f"{self._server.failure}")
+            raise StasisError(
+                f"restore of checkpoint {self.manifest.id}: " f"{self._server.failure}"
+            )
 
     def stop_waiting(self) -> None:
         """The restore answered before the gate was passed (it failed before CRIU read its
@@ -124,8 +124,7 @@ def _send_file(path: Path, out: PipeWriter) -> None:
             sent += n
 
 
-def stream_restore(store: Store, manifest: Manifest, scratch: Path
-                   ) -> StreamedRestore | None:
+def stream_restore(store: Store, manifest: Manifest, scratch: Path) -> StreamedRestore | None:
     """A prepared streamed restore of `manifest`, or None when this path cannot serve it (the
     caller restores it another way). StasisError when the checkpoint cannot be had."""
     streamed = StreamedRestore(store, manifest, scratch)

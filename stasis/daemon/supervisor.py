@@ -50,9 +50,15 @@ _INIT_CANDIDATES = ("/usr/local/libexec/stasis/stasis-init",)
 
 
 def find_init(configured: str) -> str:
-    candidates = (configured,) if configured else (
-        *_INIT_CANDIDATES, str(Path(sys.executable).parent / "stasis-init"),
-        shutil.which("stasis-init") or "")
+    candidates = (
+        (configured,)
+        if configured
+        else (
+            *_INIT_CANDIDATES,
+            str(Path(sys.executable).parent / "stasis-init"),
+            shutil.which("stasis-init") or "",
+        )
+    )
     for path in candidates:
         if path and os.access(path, os.X_OK):
             return path
@@ -88,15 +94,40 @@ class Started(Generic[A]):
             raise ValueError(f"job {self.job_id} did not start: {self.answer['error']}")
         return self.answer["pid"]
 
-    def row(self, *, state: str, label: str, command: list[str], cwd: str, env: list[str],
-            user: str, uid: int, gid: int, log: str, checkpoint: str | None) -> JobRow:
+    def row(
+        self,
+        *,
+        state: str,
+        label: str,
+        command: list[str],
+        cwd: str,
+        env: list[str],
+        user: str,
+        uid: int,
+        gid: int,
+        log: str,
+        checkpoint: str | None,
+    ) -> JobRow:
         """The job's record, as it starts: running (or restored), with its supervisor."""
         pid = self.pid
         return JobRow(
-            id=self.job_id, pid=pid, pid_start=proctree.start_time(pid),
-            shim_pid=self.supervisor_pid, state=state, label=label, exit_code=None,
-            command=command, cwd=cwd, env=env, user=user, uid=uid, gid=gid, log=log,
-            checkpoint=checkpoint, created=now(), job_dir=str(self.job_dir),
+            id=self.job_id,
+            pid=pid,
+            pid_start=proctree.start_time(pid),
+            shim_pid=self.supervisor_pid,
+            state=state,
+            label=label,
+            exit_code=None,
+            command=command,
+            cwd=cwd,
+            env=env,
+            user=user,
+            uid=uid,
+            gid=gid,
+            log=log,
+            checkpoint=checkpoint,
+            created=now(),
+            job_dir=str(self.job_dir),
         )
 
 
@@ -120,17 +151,32 @@ class Supervisors:
         """Have a supervisor start the job `spec` describes."""
         return self._start(job_id, spec, job)
 
-    def restore(self, job_id: str, restoring: RestoreJob, images: Images, job: JobRow,
-                record: Callable[[JobRow], None], gate: Gate,
-                progress: Progress | None = None, expected: int = 0) -> Started[Restored]:
+    def restore(
+        self,
+        job_id: str,
+        restoring: RestoreJob,
+        images: Images,
+        job: JobRow,
+        record: Callable[[JobRow], None],
+        gate: Gate,
+        progress: Progress | None = None,
+        expected: int = 0,
+    ) -> Started[Restored]:
         """Have a supervisor restore `images` as the job `restoring` describes; the job resumes
         once `gate` says so. `progress`: told the bytes CRIU read, of `expected`."""
         spec: RestoreSpec = {**restoring, **images}
         return self._start(job_id, spec, job, record, gate, progress, expected)
 
-    def _start(self, job_id: str, spec: Spec, job: JobRow,
-               record: Callable[[JobRow], None] | None = None, gate: Gate | None = None,
-               progress: Progress | None = None, expected: int = 0) -> Started[Any]:
+    def _start(
+        self,
+        job_id: str,
+        spec: Spec,
+        job: JobRow,
+        record: Callable[[JobRow], None] | None = None,
+        gate: Gate | None = None,
+        progress: Progress | None = None,
+        expected: int = 0,
+    ) -> Started[Any]:
         """`job` (its row, pid unknown) goes into the job's directory and to `record` (the
         database) before the supervisor hears of the job; should `record` raise, nothing was
         started."""
@@ -159,8 +205,12 @@ class Supervisors:
                 if gate is not None:
                     # Beside the answer, not before it: a restore that fails before it reaches
                     # the gate answers at once, and the gate's check is told to give up.
-                    gating = threading.Thread(target=gate.open, args=(proc.stdin, proc.pid),
-                                              name="stasis-gate", daemon=True)
+                    gating = threading.Thread(
+                        target=gate.open,
+                        args=(proc.stdin, proc.pid),
+                        name="stasis-gate",
+                        daemon=True,
+                    )
                     gating.start()
                 else:
                     proc.stdin.close()
@@ -262,8 +312,9 @@ class Gate:
     spin forever on a truncated image, so it cannot be trusted to reach the gate). The
     check's error is kept for the caller. `point`: the fault point just before the word."""
 
-    def __init__(self, check: Callable[[], None],
-                 cancel: Callable[[], None] | None = None, point: str = "") -> None:
+    def __init__(
+        self, check: Callable[[], None], cancel: Callable[[], None] | None = None, point: str = ""
+    ) -> None:
         self.check = check
         self._cancel = cancel
         self._point = point

@@ -36,6 +36,7 @@ KILLED_FILE = "killed.json"
 
 # -- the spec -----------------------------------------------------------------------------------
 
+
 class JobOwner(TypedDict):
     """Whose the job is and where its output goes, for a run and a restore alike."""
 
@@ -92,6 +93,7 @@ Spec = RunSpec | RestoreSpec
 
 # -- the answer ---------------------------------------------------------------------------------
 
+
 @final
 class Ran(TypedDict):
     pid: int  # the job's init, in its PID namespace's parent's numbering
@@ -112,6 +114,7 @@ class Failed(TypedDict):
 
 
 # -- the files in the job's directory -----------------------------------------------------------
+
 
 class PidFile(TypedDict):
     pid: int

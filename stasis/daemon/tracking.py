@@ -62,8 +62,9 @@ class JobTracker:
         read or two: cheap enough to ask from the event loop every few ms."""
         if (Path(row.job_dir) / EXIT_FILE).exists():
             return True
-        return not (row.pid and proctree.alive(row.pid, row.pid_start)) and \
-            not (row.shim_pid and proctree.alive(row.shim_pid, None))
+        return not (row.pid and proctree.alive(row.pid, row.pid_start)) and not (
+            row.shim_pid and proctree.alive(row.shim_pid, None)
+        )
 
     def poll(self) -> None:
         """Record the end of every job whose supervisor wrote its exit status (or vanished)."""
@@ -97,7 +98,6 @@ class JobTracker:
                 return  # it just did: read next time
             self.db.finish(row.id, "exited", None)
 
-
     def _settle_restoring(self, row: JobRow) -> bool:
         """A `restoring` row: `restored` once its tree runs (pid.json), removed when its
         supervisor ended without one (the restore failed, or its daemon died before its word);
@@ -113,9 +113,13 @@ class JobTracker:
         if row.shim_pid and proctree.alive(row.shim_pid, None):
             return True  # still restoring
         if tree is None and self.db.remove_unstarted(row.id):
-            log.warning("job %s: its restore of checkpoint %s ended without a job (failed, or "
-                        "its daemon stopped before the job could resume); nothing runs, the "
-                        "checkpoint is kept", row.id, row.checkpoint)
+            log.warning(
+                "job %s: its restore of checkpoint %s ended without a job (failed, or "
+                "its daemon stopped before the job could resume); nothing runs, the "
+                "checkpoint is kept",
+                row.id,
+                row.checkpoint,
+            )
             return True
         return False
 
@@ -137,17 +141,28 @@ class JobTracker:
                 continue
             row = _row_of(job_dir, name, tree)
             if row is None:
-                log.error("job %s (pid %d) runs without a record this daemon can rebuild (no "
-                          "readable job.json in %s); it is left running, unlisted: stop it "
-                          "with kill -TERM %d if it is not wanted", name, tree[0], job_dir,
-                          tree[0])
+                log.error(
+                    "job %s (pid %d) runs without a record this daemon can rebuild (no "
+                    "readable job.json in %s); it is left running, unlisted: stop it "
+                    "with kill -TERM %d if it is not wanted",
+                    name,
+                    tree[0],
+                    job_dir,
+                    tree[0],
+                )
                 unadoptable.append(name)
                 continue
             self.db.add(row)
             adopted.append(name)
-            log.warning("adopted job %s (pid %d, %s of user %s): it ran without a record in "
-                        "the job database (its daemon stopped before recording it, or the "
-                        "database was rebuilt)", name, tree[0], row.state, row.user)
+            log.warning(
+                "adopted job %s (pid %d, %s of user %s): it ran without a record in "
+                "the job database (its daemon stopped before recording it, or the "
+                "database was rebuilt)",
+                name,
+                tree[0],
+                row.state,
+                row.user,
+            )
         self.unadoptable = unadoptable
         return adopted
 

@@ -66,13 +66,15 @@ class Verifier:
             raise UsageError(
                 f"checkpoint {manifest.id} is a container's (runtime {runtime}): stasis verify "
                 "restores process trees that stasis runs itself; restore the container on a "
-                "test node to know it comes back")
+                "test node to know it comes back"
+            )
         # One runs at a time; a few more may wait. More would each hold one of the daemon's
         # worker threads while waiting, which every user's requests share.
         if not self._asked.acquire(blocking=False):
             raise UsageError(
                 f"verify of checkpoint {manifest.id} refused: {_ASKED_MAX} verifications are "
-                "running or waiting on this node already (one runs at a time); try again later")
+                "running or waiting on this node already (one runs at a time); try again later"
+            )
         try:
             return self.verify_manifest(manifest)
         finally:
@@ -86,14 +88,23 @@ class Verifier:
             except StasisError as e:
                 ok, reason, processes = False, str(e), 0
             verdict = wire.VerifyVerdict(
-                checkpoint=manifest.id, ok=ok, reason=" ".join(reason.split())[:_REASON_MAX],
-                node=self.core.hostname, at=datetime.now(UTC).isoformat(timespec="seconds"),
-                duration_s=round(time.monotonic() - started, 3), processes=processes)
+                checkpoint=manifest.id,
+                ok=ok,
+                reason=" ".join(reason.split())[:_REASON_MAX],
+                node=self.core.hostname,
+                at=datetime.now(UTC).isoformat(timespec="seconds"),
+                duration_s=round(time.monotonic() - started, 3),
+                processes=processes,
+            )
         try:
             self.core.store.record_verdict(manifest, cast("dict[str, object]", verdict))
         except StasisError as e:
-            log.warning("checkpoint %s verified (%s), but its verdict is not recorded: %s",
-                        manifest.id, "ok" if ok else "failed", e)
+            log.warning(
+                "checkpoint %s verified (%s), but its verdict is not recorded: %s",
+                manifest.id,
+                "ok" if ok else "failed",
+                e,
+            )
         log.info("verified checkpoint %s: %s", manifest.id, "ok" if ok else f"failed: {reason}")
         for listener in list(self.listeners):
             try:
@@ -106,8 +117,11 @@ class Verifier:
         store, settings = self.core.store, self.core.settings
         store.require_cryptographic_sums(manifest)
         acct = account(manifest.uid)  # a user this node has not got: the verdict says so
-        expect = cast("wire.RestoreFacts", manifest.restore_facts.model_dump()) \
-            if manifest.restore_facts is not None else None
+        expect = (
+            cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
+            if manifest.restore_facts is not None
+            else None
+        )
         with ExitStack() as stack:
             try:
                 stack.enter_context(store.pin(manifest.id, f"verified on {self.core.hostname}"))
@@ -123,15 +137,24 @@ class Verifier:
                 store.verify(checked)
             else:
                 checked, images = stack.enter_context(
-                    store.open_images(manifest.id, settings.layout.scratch))
+                    store.open_images(manifest.id, settings.layout.scratch)
+                )
             found = sandbox.verify_images(
-                find_criu(settings.criu), images, settings.layout.criu_logs,
+                find_criu(settings.criu),
+                images,
+                settings.layout.criu_logs,
                 f"verify-{manifest.id}-{secrets.token_hex(3)}.log",
-                uid=acct.uid, gid=acct.gid, groups=list(acct.groups),
-                image_log=checked.log_path, expect=expect, checkpoint=checked.id,
-                criu_version=self._criu_version(), timeout_s=settings.verify_timeout_s,
+                uid=acct.uid,
+                gid=acct.gid,
+                groups=list(acct.groups),
+                image_log=checked.log_path,
+                expect=expect,
+                checkpoint=checked.id,
+                criu_version=self._criu_version(),
+                timeout_s=settings.verify_timeout_s,
                 own_mounts=privatetmp.recorded(checked.extra),
-                travelling=nodelocal.travelling(checked.extra))
+                travelling=nodelocal.travelling(checked.extra),
+            )
         return found.ok, found.reason, found.processes
 
     # -- in the background -------------------------------------------------------------------
@@ -142,12 +165,14 @@ class Verifier:
         try:
             self._queue.put_nowait(activity.checkpoint)
         except queue.Full:
-            log.warning("checkpoint %s is not verified in the background: %d are waiting",
-                        activity.checkpoint, _QUEUE_MAX)
+            log.warning(
+                "checkpoint %s is not verified in the background: %d are waiting",
+                activity.checkpoint,
+                _QUEUE_MAX,
+            )
             return
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="stasis-verify",
-                                            daemon=True)
+            self._worker = threading.Thread(target=self._work, name="stasis-verify", daemon=True)
             self._worker.start()
 
     def _work(self) -> None:
@@ -168,6 +193,7 @@ class Verifier:
     def verdicts(self, manifests: list[Manifest]) -> list[dict[str, Any]]:
         """`manifests` as the checkpoint list answers them, each with its verdict (`verdict`,
         absent when none is recorded that this node trusts)."""
+
         def one(m: Manifest) -> dict[str, Any]:
             row: dict[str, Any] = m.model_dump(mode="json")
             found = self.core.store.verdict(m)
@@ -195,5 +221,6 @@ def verified_only(store: Store, candidates: list[Manifest], label: str) -> list[
         raise NotFoundError(
             f"no verified checkpoint with label {label}: none of its {len(candidates)} "
             f"checkpoint(s) has an ok verdict; run `stasis verify CHECKPOINT` on one (see "
-            f"`stasis checkpoints --label {label}`), or restore without --verified")
+            f"`stasis checkpoints --label {label}`), or restore without --verified"
+        )
     return ok

@@ -30,4 +30,12 @@ from stasis.engine.criu import (
     find_criu,
 )
 
-__all__ = ["CRIU", "DumpOptions", "DumpResult", "Owner", "RestoreOptions", "RestoreResult", "find_criu"]
+__all__ = [
+    "CRIU",
+    "DumpOptions",
+    "DumpResult",
+    "Owner",
+    "RestoreOptions",
+    "RestoreResult",
+    "find_criu",
+]

@@ -35,8 +35,9 @@ class AtDump(nodelocal.AtDump):
     /var/tmp bound from a node's directory, whole, at the same point of the dump (the tree
     frozen or stopped as its images record it)."""
 
-    def __init__(self, pid: int, uid: int, images: Path, limit: int, gid: int = 0,
-                 groups: Sequence[int] = ()) -> None:
+    def __init__(
+        self, pid: int, uid: int, images: Path, limit: int, gid: int = 0, groups: Sequence[int] = ()
+    ) -> None:
         super().__init__(pid, uid, images, limit)
         self.gid = gid
         self.groups = list(groups)
@@ -65,16 +66,34 @@ class AtDump(nodelocal.AtDump):
             names = os.listdir(where)
         except OSError as e:
             return f"its private {mount} cannot be read: {e.strerror}"
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600)
+        out = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
         tar = subprocess.Popen(
             # posix: mtimes to the nanosecond, as the restore's file facts compare them. The
             # names come NUL-separated on stdin, taken as names (never as options).
-            [_TAR, "--create", "--format=posix", "--one-file-system", "--numeric-owner",
-             "--sparse", "--file=-", "-C", where, "--null", "--verbatim-files-from",
-             "--files-from=-"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            user=self.uid, group=self.gid, extra_groups=self.groups, close_fds=True)
+            [
+                _TAR,
+                "--create",
+                "--format=posix",
+                "--one-file-system",
+                "--numeric-owner",
+                "--sparse",
+                "--file=-",
+                "-C",
+                where,
+                "--null",
+                "--verbatim-files-from",
+                "--files-from=-",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            user=self.uid,
+            group=self.gid,
+            extra_groups=self.groups,
+            close_fds=True,
+        )
         assert tar.stdin is not None and tar.stdout is not None and tar.stderr is not None
         try:
             tar.stdin.write(b"".join(os.fsencode(n) + b"\0" for n in names))
@@ -87,9 +106,11 @@ class AtDump(nodelocal.AtDump):
                 size += len(chunk)
                 if size > room:
                     tar.kill()
-                    return (f"its private {mount} holds more than node_local_limit leaves for "
-                            f"it ({room} bytes): remove what it need not keep there, or raise "
-                            "node_local_limit")
+                    return (
+                        f"its private {mount} holds more than node_local_limit leaves for "
+                        f"it ({room} bytes): remove what it need not keep there, or raise "
+                        "node_local_limit"
+                    )
                 _write_all(out, chunk)
         finally:
             os.close(out)
@@ -106,7 +127,7 @@ class AtDump(nodelocal.AtDump):
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 class Unpacked:
@@ -120,10 +141,18 @@ class Unpacked:
 
     def undo(self) -> None:
         if self.made:
-            subprocess.run(["rm", "-rf", "--", *self.made], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           user=self.uid, group=self.gid, extra_groups=self.groups,
-                           close_fds=True, timeout=600, check=False)
+            subprocess.run(
+                ["rm", "-rf", "--", *self.made],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                user=self.uid,
+                group=self.gid,
+                extra_groups=self.groups,
+                close_fds=True,
+                timeout=600,
+                check=False,
+            )
         self.made = []
 
 
@@ -152,11 +181,24 @@ def _unpack_one(images: Path, mount: str, done: Unpacked) -> None:
     try:
         before = set(os.listdir(mount))
         ran = subprocess.run(
-            [_TAR, "--extract", "--preserve-permissions", "--no-overwrite-dir", "--file=-",
-             "-C", mount],
-            stdin=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            user=done.uid, group=done.gid, extra_groups=done.groups, close_fds=True,
-            timeout=600)
+            [
+                _TAR,
+                "--extract",
+                "--preserve-permissions",
+                "--no-overwrite-dir",
+                "--file=-",
+                "-C",
+                mount,
+            ],
+            stdin=src,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            user=done.uid,
+            group=done.gid,
+            extra_groups=done.groups,
+            close_fds=True,
+            timeout=600,
+        )
         done.made += [os.path.join(mount, n) for n in sorted(set(os.listdir(mount)) - before)]
     except OSError as e:
         raise RestoreError(f"cannot put the job's saved {mount} back: {e.strerror}") from e
@@ -165,5 +207,6 @@ def _unpack_one(images: Path, mount: str, done: Unpacked) -> None:
     if ran.returncode != 0:
         lines = ran.stderr.decode(errors="replace").strip().splitlines()
         first = lines[0] if lines else f"tar exited with {ran.returncode}"
-        raise RestoreError(f"cannot put the job's saved {mount} back with its owner's "
-                           f"rights: {first}")
+        raise RestoreError(
+            f"cannot put the job's saved {mount} back with its owner's " f"rights: {first}"
+        )

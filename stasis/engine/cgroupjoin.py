@@ -37,9 +37,12 @@ def _mounts() -> dict[str, _Mount]:
             key = ""
         elif tail[0] == "cgroup":
             opts = tail[2].split(",")
-            key = ",".join(o for o in opts if o not in ("rw", "ro", "clone_children",
-                                                         "noprefix", "xattr")
-                           and not o.startswith(("release_agent=", "cpuset_v2_mode")))
+            key = ",".join(
+                o
+                for o in opts
+                if o not in ("rw", "ro", "clone_children", "noprefix", "xattr")
+                and not o.startswith(("release_agent=", "cpuset_v2_mode"))
+            )
         else:
             continue
         # The last mount of a hierarchy is the one on top (a node's own over the machine's).
@@ -69,7 +72,7 @@ def _directory(mount: _Mount, path: str) -> Path | None:
     root = mount.root.rstrip("/")
     if root and path != root and not path.startswith(root + "/"):
         return None
-    return Path(mount.point + path[len(root):])
+    return Path(mount.point + path[len(root) :])
 
 
 def join(reference: int, top: int, rounds: int = 5) -> int:

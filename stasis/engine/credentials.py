@@ -69,10 +69,15 @@ def parse_status(text: bytes) -> Credentials:
         return int(fields.get(key, b"0"), 16)
 
     try:
-        return Credentials(uids=ids(b"Uid", 4)[:4], gids=ids(b"Gid", 4)[:4],
-                           groups=ids(b"Groups", 0), cap_permitted=caps(b"CapPrm"),
-                           cap_effective=caps(b"CapEff"), cap_ambient=caps(b"CapAmb"),
-                           zombie=fields.get(b"State", b"")[:1] in (b"Z", b"X"))
+        return Credentials(
+            uids=ids(b"Uid", 4)[:4],
+            gids=ids(b"Gid", 4)[:4],
+            groups=ids(b"Groups", 0),
+            cap_permitted=caps(b"CapPrm"),
+            cap_effective=caps(b"CapEff"),
+            cap_ambient=caps(b"CapAmb"),
+            zombie=fields.get(b"State", b"")[:1] in (b"Z", b"X"),
+        )
     except KeyError as e:
         raise ValueError(f"no {e.args[0].decode(errors='replace')} line") from None
 
@@ -122,8 +127,9 @@ def _caps_confined(pid: int, tid: int, owner: int) -> bool:
         os.close(fd)
 
 
-def excess(cred: Credentials, uid: int, groups: Iterable[int], caps_confined: bool = False
-           ) -> list[str]:
+def excess(
+    cred: Credentials, uid: int, groups: Iterable[int], caps_confined: bool = False
+) -> list[str]:
     """What `cred` holds beyond an owner with `uid` and `groups` (their primary one included),
     each said in a few words; empty: nothing."""
     allowed = set(groups)
@@ -140,13 +146,19 @@ def excess(cred: Credentials, uid: int, groups: Iterable[int], caps_confined: bo
     found += [f"{_and(kinds)} gid {value} ({_group(value)})" for value, kinds in by_value.items()]
     extra = [g for g in cred.groups if g not in allowed]
     if extra:
-        found.append("supplementary group" + ("s " if len(extra) > 1 else " ")
-                     + ", ".join(f"{g} ({_group(g)})" for g in extra[:4])
-                     + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
+        found.append(
+            "supplementary group"
+            + ("s " if len(extra) > 1 else " ")
+            + ", ".join(f"{g} ({_group(g)})" for g in extra[:4])
+            + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        )
     if not caps_confined:
         by_value = {}
-        for name, value in (("permitted", cred.cap_permitted),
-                            ("effective", cred.cap_effective), ("ambient", cred.cap_ambient)):
+        for name, value in (
+            ("permitted", cred.cap_permitted),
+            ("effective", cred.cap_effective),
+            ("ambient", cred.cap_ambient),
+        ):
             if value:
                 by_value.setdefault(value, []).append(name)
         found += [f"{_and(names)} capabilities {value:#x}" for value, names in by_value.items()]
@@ -191,9 +203,11 @@ def refusal(found: list[Excess], user: str, uid: int) -> str:
     to do instead."""
     shown = "; ".join(e.describe() for e in found[:_SHOWN])
     more = f" (and {len(found) - _SHOWN} more processes)" if len(found) > _SHOWN else ""
-    return (f"{shown}{more}: more than its owner {user} (uid {uid}) has (a setuid program "
-            "caught mid-run?), and a restore would give it back; checkpoint again once that "
-            "program has ended")
+    return (
+        f"{shown}{more}: more than its owner {user} (uid {uid}) has (a setuid program "
+        "caught mid-run?), and a restore would give it back; checkpoint again once that "
+        "program has ended"
+    )
 
 
 def _and(words: list[str]) -> str:
@@ -227,17 +241,22 @@ def _command(pid: int) -> str:
     return "".join(c if c.isprintable() else "?" for c in name.decode(errors="replace"))
 
 
-
-
 # -- what a checkpoint's images would give back --------------------------------------------------
 
 # core-<tid>.img: CRIU's two magics, then one length-prefixed core_entry (images/core.proto):
 # core_entry.thread_core (5) -> thread_core_entry.creds (10) -> creds_entry (images/creds.proto).
 _CORE_IMAGE_MAX = 1 << 20  # a core image is a few KiB
 _THREAD_CORE, _CREDS = 5, 10
-_CRED_IDS = {1: ("real", "uid"), 3: ("effective", "uid"), 5: ("saved", "uid"),
-             7: ("fs", "uid"), 2: ("real", "gid"), 4: ("effective", "gid"),
-             6: ("saved", "gid"), 8: ("fs", "gid")}
+_CRED_IDS = {
+    1: ("real", "uid"),
+    3: ("effective", "uid"),
+    5: ("saved", "uid"),
+    7: ("fs", "uid"),
+    2: ("real", "gid"),
+    4: ("effective", "gid"),
+    6: ("saved", "gid"),
+    8: ("fs", "gid"),
+}
 _CAP_PRM, _CAP_EFF, _GROUPS, _CAP_AMB = 10, 11, 14, 19
 
 
@@ -268,13 +287,13 @@ def _fields(data: bytes) -> list[tuple[int, int | bytes]]:
             size = 8 if wire == 1 else 4
             if at + size > len(data):
                 raise ValueError("a fixed-size field runs past the end")
-            out.append((number, data[at:at + size]))
+            out.append((number, data[at : at + size]))
             at += size
         elif wire == 2:
             size, at = _varint(data, at)
             if at + size > len(data):
                 raise ValueError("a field runs past the end")
-            out.append((number, data[at:at + size]))
+            out.append((number, data[at : at + size]))
             at += size
         else:
             raise ValueError(f"wire type {wire}")
@@ -304,9 +323,12 @@ def image_credentials(data: bytes) -> Credentials | None:
     size = int.from_bytes(data[8:12], "little")
     if 12 + size > len(data):
         raise ValueError("its entry runs past the end")
-    thread = [v for n, v in _fields(data[12:12 + size]) if n == _THREAD_CORE]
-    creds = [v for n, v in _fields(thread[-1]) if n == _CREDS] if thread and \
-        isinstance(thread[-1], bytes) else []
+    thread = [v for n, v in _fields(data[12 : 12 + size]) if n == _THREAD_CORE]
+    creds = (
+        [v for n, v in _fields(thread[-1]) if n == _CREDS]
+        if thread and isinstance(thread[-1], bytes)
+        else []
+    )
     if not creds or not isinstance(creds[-1], bytes):
         return None
     fields = _fields(creds[-1])
@@ -317,9 +339,14 @@ def image_credentials(data: bytes) -> Credentials | None:
     def caps(number: int) -> int:
         return sum(word << (32 * i) for i, word in enumerate(_repeated(fields, number)))
 
-    return Credentials(uids=(ids[1], ids[3], ids[5], ids[7]),
-                       gids=(ids[2], ids[4], ids[6], ids[8]), groups=tuple(_repeated(fields, _GROUPS)), cap_permitted=caps(_CAP_PRM),
-                       cap_effective=caps(_CAP_EFF), cap_ambient=caps(_CAP_AMB))
+    return Credentials(
+        uids=(ids[1], ids[3], ids[5], ids[7]),
+        gids=(ids[2], ids[4], ids[6], ids[8]),
+        groups=tuple(_repeated(fields, _GROUPS)),
+        cap_permitted=caps(_CAP_PRM),
+        cap_effective=caps(_CAP_EFF),
+        cap_ambient=caps(_CAP_AMB),
+    )
 
 
 def images_excess(images: Path, uid: int, groups: Iterable[int]) -> list[str]:
@@ -340,5 +367,14 @@ def images_excess(images: Path, uid: int, groups: Iterable[int]) -> list[str]:
     return found
 
 
-__all__ = ["Credentials", "Excess", "excess", "image_credentials", "images_excess",
-           "parse_status", "read", "refusal", "tree_excess"]
+__all__ = [
+    "Credentials",
+    "Excess",
+    "excess",
+    "image_credentials",
+    "images_excess",
+    "parse_status",
+    "read",
+    "refusal",
+    "tree_excess",
+]

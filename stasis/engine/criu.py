@@ -219,8 +219,9 @@ class CRIU:
         work = self.log_dir / log_name.removesuffix(".log")
         work.mkdir(parents=True, exist_ok=True)
         try:
-            daemon, link = self._start_lazy_pages(images_dir, work, options.page_server,
-                                                  options.on_lost)
+            daemon, link = self._start_lazy_pages(
+                images_dir, work, options.page_server, options.on_lost
+            )
             try:
                 result = self._restore(images_dir, options, log_name, work)
             except (CRIUError, OSError):
@@ -242,9 +243,13 @@ class CRIU:
             result.fallback_reason = str(e)
             return result
 
-    def _start_lazy_pages(self, images_dir: Path, work: Path, page_server: Path | None = None,
-                          on_lost: Callable[[str], None] | None = None
-                          ) -> tuple[subprocess.Popen[bytes], PageServerLink | None]:
+    def _start_lazy_pages(
+        self,
+        images_dir: Path,
+        work: Path,
+        page_server: Path | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> tuple[subprocess.Popen[bytes], PageServerLink | None]:
         socket_path = work / "lazy-pages.socket"
         socket_path.unlink(missing_ok=True)
         extra: list[str] = []
@@ -255,9 +260,21 @@ class CRIU:
         daemon = None
         try:
             daemon = subprocess.Popen(
-                [self.path, "lazy-pages", "-D", str(images_dir), "-W", str(work),
-                 "-v4", "-o", "lazy-pages.log", *extra],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    self.path,
+                    "lazy-pages",
+                    "-D",
+                    str(images_dir),
+                    "-W",
+                    str(work),
+                    "-v4",
+                    "-o",
+                    "lazy-pages.log",
+                    *extra,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
                 pass_fds=[link.lazy_pages_fd] if link is not None else [],
             )
         finally:
@@ -274,8 +291,9 @@ class CRIU:
             raise CRIUError("criu lazy-pages did not start", str(work / "lazy-pages.log"))
         return daemon, link
 
-    def _restore(self, images_dir: Path, options: RestoreOptions, log_name: str,
-                 lazy_work: Path | None) -> RestoreResult:
+    def _restore(
+        self, images_dir: Path, options: RestoreOptions, log_name: str, lazy_work: Path | None
+    ) -> RestoreResult:
         pb = rpc.messages()
         opts, fds = self._opts(pb, images_dir, log_name)
         if lazy_work is not None:
@@ -312,10 +330,17 @@ class CRIU:
             req = pb.criu_req(type=pb.RESTORE, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify).call(
-                req, pass_fds=[fd for _, fd in options.inherit_fds],
-                env={**(options.owner.environ() if options.owner else {}),
-                     **({"CRIU_TCP_CLOSE": ",".join(map(str, options.close_tcp))}
-                        if options.close_tcp else {})} or None,
+                req,
+                pass_fds=[fd for _, fd in options.inherit_fds],
+                env={
+                    **(options.owner.environ() if options.owner else {}),
+                    **(
+                        {"CRIU_TCP_CLOSE": ",".join(map(str, options.close_tcp))}
+                        if options.close_tcp
+                        else {}
+                    ),
+                }
+                or None,
             )
             duration = time.monotonic() - start
         finally:

@@ -29,9 +29,11 @@ _STALE_S = 60.0
 def cache_note(cache_dir: Path = CACHE_DIR) -> str | None:
     """Why CRIU cannot cache its kernel probes here, or None when it can."""
     if not _is_tmpfs(cache_dir):
-        return (f"{cache_dir} is not a tmpfs: CRIU cannot cache its kernel probes "
-                f"({CACHE.name}) and redoes them in every dump and restore (~50 ms each); "
-                f"the stasis daemon mounts one there when it starts")
+        return (
+            f"{cache_dir} is not a tmpfs: CRIU cannot cache its kernel probes "
+            f"({CACHE.name}) and redoes them in every dump and restore (~50 ms each); "
+            f"the stasis daemon mounts one there when it starts"
+        )
     return None
 
 
@@ -50,15 +52,26 @@ def ensure_cache_dir(cache_dir: Path = CACHE_DIR) -> str | None:
     st = os.lstat(cache_dir)
     # CRIU (root) trusts what it reads there: anything not made by root is left alone.
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
-        return (f"{cache_dir} is not a directory owned by root: CRIU's probe cache is off "
-                f"(remove it and restart the daemon)")
+        return (
+            f"{cache_dir} is not a directory owned by root: CRIU's probe cache is off "
+            f"(remove it and restart the daemon)"
+        )
     if _is_tmpfs(cache_dir):
         os.chmod(cache_dir, 0o700)
         return None
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700,nosuid,nodev,noexec",
-         "stasis-criu", str(cache_dir)],
-        capture_output=True, text=True)
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            "size=1m,mode=0700,nosuid,nodev,noexec",
+            "stasis-criu",
+            str(cache_dir),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
         return f"cannot mount a tmpfs on {cache_dir} for CRIU's probe cache: {why}"

@@ -37,8 +37,9 @@ class PageServerLink:
     runs, `tree` once the restore answered. `on_lost(reason)` is called before a tree is
     killed because the server went away."""
 
-    def __init__(self, connect: socket.socket,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, connect: socket.socket, on_lost: Callable[[str], None] | None = None
+    ) -> None:
         self._ctrl = connect
         self._on_lost = on_lost
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -96,14 +96,18 @@ def plan(images: Path, checkpoint: str, criu_path: str | None = None) -> Plan:
     unbindable = [s for s in found if _binds(s) and not _local(s.family, s.src)]
     if unbindable:
         s = unbindable[0]
-        what = "listens on" if s.state == _TCP_LISTEN else \
-            f"has a {'TCP' if s.proto == socket.IPPROTO_TCP else 'UDP'} socket bound to"
+        what = (
+            "listens on"
+            if s.state == _TCP_LISTEN
+            else f"has a {'TCP' if s.proto == socket.IPPROTO_TCP else 'UDP'} socket bound to"
+        )
         more = f" (and {len(unbindable) - 1} more)" if len(unbindable) > 1 else ""
         raise IncompatibleNodeError(
             f"checkpoint {checkpoint} cannot be restored on {socket.gethostname()}: the job "
             f"{what} {_endpoint(s.src, s.sport)}{more}, an address of the node that checkpointed "
             "it which this node does not have; restore it on a node with that address, or "
-            "have the job listen on 0.0.0.0 (all addresses) so that it can move")
+            "have the job listen on 0.0.0.0 (all addresses) so that it can move"
+        )
     connected = [s for s in found if s.connected_tcp]
     if not connected:
         return Plan()
@@ -127,7 +131,8 @@ def plan(images: Path, checkpoint: str, criu_path: str | None = None) -> Plan:
             f"{_count(len(outside))} to "
             f"{'a peer' if len(outside) == 1 else 'peers'} outside the job "
             f"{'was' if len(outside) == 1 else 'were'} closed on the move (the job reads "
-            f"end-of-file, as when a peer closes): {_peers(outside)}")
+            f"end-of-file, as when a peer closes): {_peers(outside)}"
+        )
     if inside:
         pairs = len(inside) // 2 or 1
         result.notes.append(
@@ -135,7 +140,8 @@ def plan(images: Path, checkpoint: str, criu_path: str | None = None) -> Plan:
             f"{'was' if pairs == 1 else 'were'} closed on the move: "
             f"{'it runs' if pairs == 1 else 'they run'} over an address of the node that "
             f"checkpointed it ({_locals(inside)}), which this node does not have; connect over "
-            "127.0.0.1 for connections that move with the job")
+            "127.0.0.1 for connections that move with the job"
+        )
     if result.close and not result.all_closed and criu_path and not closes_chosen(criu_path):
         back = [s for s in connected if s not in result.close]
         inner = sum(1 for s in back if (s.dst, s.dport, s.src, s.sport) in ends)
@@ -144,7 +150,8 @@ def plan(images: Path, checkpoint: str, criu_path: str | None = None) -> Plan:
         result.notes.append(
             f"{_count(kept)} that could have come back {'was' if kept == 1 else 'were'} closed "
             f"too: {criu_path} cannot close only some (it lacks stasis's CRIU patch 0005; "
-            "`make install` builds it)")
+            "`make install` builds it)"
+        )
     return result
 
 
@@ -176,11 +183,11 @@ def _parse(data: bytes) -> Iterable[InetSocket]:
     # Two magics, then entries: a u32 (little-endian) size and a file_entry each.
     at = 8
     while at + 4 <= len(data):
-        size = int.from_bytes(data[at:at + 4], "little")
+        size = int.from_bytes(data[at : at + 4], "little")
         at += 4
         if at + size > len(data):
             raise ValueError("an entry runs past the end")
-        entry = _fields(data[at:at + size])
+        entry = _fields(data[at : at + size])
         at += size
         kind = next((v for n, v in entry if n == 1 and isinstance(v, int)), None)
         isk = next((v for n, v in entry if n == _INETSK and isinstance(v, bytes)), None)
@@ -194,10 +201,17 @@ def _inet(data: bytes) -> InetSocket:
     family = ints.get(3, 0)
     opts = next((v for n, v in fields if n == _IP_OPTS and isinstance(v, bytes)), b"")
     freebind = any(n == _FREEBIND and v for n, v in _fields(opts))
-    return InetSocket(ino=ints.get(2, 0), family=family, proto=ints.get(5, 0),
-                      state=ints.get(6, 0), src=_address(family, _repeated(fields, 11)),
-                      sport=ints.get(7, 0), dst=_address(family, _repeated(fields, 12)),
-                      dport=ints.get(8, 0), freebind=freebind)
+    return InetSocket(
+        ino=ints.get(2, 0),
+        family=family,
+        proto=ints.get(5, 0),
+        state=ints.get(6, 0),
+        src=_address(family, _repeated(fields, 11)),
+        sport=ints.get(7, 0),
+        dst=_address(family, _repeated(fields, 12)),
+        dport=ints.get(8, 0),
+        freebind=freebind,
+    )
 
 
 def _address(family: int, words: Sequence[int]) -> str:

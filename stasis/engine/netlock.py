@@ -112,9 +112,30 @@ def _criu_shaped(argv: tuple[str, ...]) -> bool:
         del words[1]
     if len(words) != 22 or words[0] not in _TOOLS:
         return False
-    shape = [words[0], "-t", "filter", "", "", "--protocol", "tcp", "-m", "mark", "!", "--mark",
-             "0xC114", "--source", "", "--sport", "", "--destination", "", "--dport", "", "-j",
-             "DROP"]
+    shape = [
+        words[0],
+        "-t",
+        "filter",
+        "",
+        "",
+        "--protocol",
+        "tcp",
+        "-m",
+        "mark",
+        "!",
+        "--mark",
+        "0xC114",
+        "--source",
+        "",
+        "--sport",
+        "",
+        "--destination",
+        "",
+        "--dport",
+        "",
+        "-j",
+        "DROP",
+    ]
     if any(want and got != want for got, want in zip(words, shape)):
         return False
     if words[3] not in (*_LOCK_FLAGS, "-D") or words[4] not in ("INPUT", "OUTPUT"):
@@ -139,8 +160,10 @@ def remove(rules: Iterable[LockRule]) -> list[str]:
             problems.append(f"cannot run {rule.argv[0]}: {e}")
             continue
         if done.returncode != 0 and not _already_gone(done.stderr):
-            problems.append(f"{shlex.join(rule.delete_argv())}: "
-                            f"{done.stderr.strip() or f'exit {done.returncode}'}")
+            problems.append(
+                f"{shlex.join(rule.delete_argv())}: "
+                f"{done.stderr.strip() or f'exit {done.returncode}'}"
+            )
     return problems
 
 
@@ -190,11 +213,11 @@ def _repair_off(pid: int, locked: set[tuple[str, int, str, int]]) -> list[str]:
     return problems
 
 
-def _repair_off_socket(sock: socket.socket, locked: set[tuple[str, int, str, int]],
-                       pid: int) -> list[str]:
+def _repair_off_socket(
+    sock: socket.socket, locked: set[tuple[str, int, str, int]], pid: int
+) -> list[str]:
     try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or \
-                sock.type != socket.SOCK_STREAM:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
             return []
         local, peer = sock.getsockname(), sock.getpeername()
     except OSError:
@@ -204,8 +227,10 @@ def _repair_off_socket(sock: socket.socket, locked: set[tuple[str, int, str, int
     try:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, _TCP_REPAIR_OFF)
     except OSError as e:
-        return [f"cannot take the connection {local[0]}:{local[1]} - {peer[0]}:{peer[1]} of "
-                f"pid {pid} out of repair mode: {e.strerror}"]
+        return [
+            f"cannot take the connection {local[0]}:{local[1]} - {peer[0]}:{peer[1]} of "
+            f"pid {pid} out of repair mode: {e.strerror}"
+        ]
     return []
 
 
@@ -219,8 +244,9 @@ def present() -> list[str]:
     found: list[str] = []
     for tool in ("iptables-save", "ip6tables-save"):
         try:
-            done = subprocess.run([tool, "-t", "filter"], capture_output=True, text=True,
-                                  timeout=30)
+            done = subprocess.run(
+                [tool, "-t", "filter"], capture_output=True, text=True, timeout=30
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         for line in done.stdout.splitlines():
@@ -245,8 +271,12 @@ def matches(saved: str, rule: LockRule) -> bool:
         return None
 
     src, dst = rule._value("--source", "-s"), rule._value("--destination", "-d")
-    return (value("-s", "--source"), value("--sport"), value("-d", "--destination"),
-            value("--dport")) == (src, rule._value("--sport"), dst, rule._value("--dport"))
+    return (
+        value("-s", "--source"),
+        value("--sport"),
+        value("-d", "--destination"),
+        value("--dport"),
+    ) == (src, rule._value("--sport"), dst, rule._value("--dport"))
 
 
 def remove_command(saved: str) -> str:

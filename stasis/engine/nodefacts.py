@@ -85,7 +85,8 @@ from stasis.errors import IncompatibleNodeError
 
 # x86 flags (as /proc/cpuinfo spells them) that name instructions or state a program may use in
 # user mode: a program that found one at its start may execute it at any time after.
-X86_INSTRUCTION_FLAGS = frozenset("""
+X86_INSTRUCTION_FLAGS = frozenset(
+    """
     fpu tsc cx8 sep cmov clflush mmx fxsr sse sse2 syscall mmxext rdtscp lm 3dnowext 3dnow
     pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand
     lahf_lm abm sse4a misalignsse 3dnowprefetch xop lwp fma4 tbm mwaitx
@@ -97,7 +98,8 @@ X86_INSTRUCTION_FLAGS = frozenset("""
     amx_tile amx_int8 avx_vnni avx512_bf16 cmpccxadd amx_fp16 avx_ifma avx_vnni_int8
     avx_ne_convert amx_complex avx_vnni_int16 prefetchiti sha512 sm3 sm4 user_shstk
     clzero rdpru
-""".split())
+""".split()
+)
 
 # Files of the kernel's, not the job's: their sizes and times say nothing of what it read.
 _PSEUDO = ("/proc/", "/sys/")
@@ -144,8 +146,11 @@ def cpu() -> tuple[str, tuple[str, ...]]:
         flags = fields.get("flags", fields.get("Features"))
         if flags is None:
             continue
-        model = model or fields.get("model name") or " ".join(
-            fields[k] for k in ("CPU implementer", "CPU part") if k in fields)
+        model = (
+            model
+            or fields.get("model name")
+            or " ".join(fields[k] for k in ("CPU implementer", "CPU part") if k in fields)
+        )
         mine = set(flags.split())
         common = mine if common is None else common & mine
     return model, tuple(sorted(common or ()))
@@ -155,21 +160,33 @@ def node(criu_version: str) -> Node:
     """This node's facts; `criu_version` as CRIU reports it ("4.2.1")."""
     model, flags = cpu()
     uname = os.uname()
-    return Node(arch=uname.machine, cpu_model=model, cpu_flags=flags, kernel=uname.release,
-                criu_version=criu_version, stasis_version=__version__)
+    return Node(
+        arch=uname.machine,
+        cpu_model=model,
+        cpu_flags=flags,
+        kernel=uname.release,
+        criu_version=criu_version,
+        stasis_version=__version__,
+    )
 
 
 def criu_version(criu: CRIU) -> str:
     return ".".join(str(p) for p in criu.version())
 
 
-def record(here: Node, user: str, uid: int, files: list[wire.OpenFile] | None
-           ) -> wire.RestoreFacts:
+def record(here: Node, user: str, uid: int, files: list[wire.OpenFile] | None) -> wire.RestoreFacts:
     """What the manifest of a checkpoint dumped here, of `user`'s tree, records."""
     return wire.RestoreFacts(
-        arch=here.arch, cpu_model=here.cpu_model, cpu_flags=list(here.cpu_flags),
-        kernel=here.kernel, criu_version=here.criu_version, stasis_version=here.stasis_version,
-        user=user, uid=uid, files=files)
+        arch=here.arch,
+        cpu_model=here.cpu_model,
+        cpu_flags=list(here.cpu_flags),
+        kernel=here.kernel,
+        criu_version=here.criu_version,
+        stasis_version=here.stasis_version,
+        user=user,
+        uid=uid,
+        files=files,
+    )
 
 
 def open_files(pid: int) -> list[wire.OpenFile]:
@@ -208,17 +225,24 @@ def open_files(pid: int) -> list[wire.OpenFile]:
     return [found[path] for path in sorted(found)]
 
 
-def _open_file(pid: int, fd: str, skip: set[tuple[int, int]],
-               own: frozenset[int] = frozenset()) -> wire.OpenFile | None:
+def _open_file(
+    pid: int, fd: str, skip: set[tuple[int, int]], own: frozenset[int] = frozenset()
+) -> wire.OpenFile | None:
     try:
         target = os.readlink(f"/proc/{pid}/fd/{fd}")
         st = os.stat(f"/proc/{pid}/fd/{fd}")
         flags = _fd_flags(pid, fd)
     except (OSError, ValueError):
         return None  # closed meanwhile
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or not target.startswith("/") \
-            or target.endswith(" (deleted)") or target.startswith(_PSEUDO) \
-            or (st.st_dev, st.st_ino) in skip or st.st_dev in own:
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or st.st_nlink == 0
+        or not target.startswith("/")
+        or target.endswith(" (deleted)")
+        or target.startswith(_PSEUDO)
+        or (st.st_dev, st.st_ino) in skip
+        or st.st_dev in own
+    ):
         return None
     access: Literal["read", "write", "append"]
     if flags & _O_ACCMODE == 0:
@@ -227,8 +251,13 @@ def _open_file(pid: int, fd: str, skip: set[tuple[int, int]],
         access = "append"
     else:
         access = "write"
-    return wire.OpenFile(path=target, size_bytes=st.st_size, mtime_ns=st.st_mtime_ns,
-                         mode=stat.S_IMODE(st.st_mode), access=access)
+    return wire.OpenFile(
+        path=target,
+        size_bytes=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        mode=stat.S_IMODE(st.st_mode),
+        access=access,
+    )
 
 
 def _fd_flags(pid: int, fd: str) -> int:
@@ -259,6 +288,7 @@ class OpenFilesAtDump:
 
 # -- the restoring node's side ---------------------------------------------------------------
 
+
 def stat_files(paths: Iterable[str]) -> dict[str, FileState]:
     """Each path as this process finds it now (with its own rights)."""
     return {path: _stat(path) for path in paths}
@@ -269,8 +299,13 @@ def _stat(path: str) -> FileState:
         st = os.stat(path)
     except OSError as e:
         return FileState(path, error=e.strerror or str(e))
-    return FileState(path, regular=stat.S_ISREG(st.st_mode), size_bytes=st.st_size,
-                     mtime_ns=st.st_mtime_ns, mode=stat.S_IMODE(st.st_mode))
+    return FileState(
+        path,
+        regular=stat.S_ISREG(st.st_mode),
+        size_bytes=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        mode=stat.S_IMODE(st.st_mode),
+    )
 
 
 @contextmanager
@@ -318,21 +353,34 @@ def stat_files_as(owner: Owner, paths: Sequence[str]) -> dict[str, FileState]:
         return stat_files(paths)
     try:
         done = subprocess.run(
-            [sys.executable, "-I", "-c", _STAT_AS], input=json.dumps(list(paths)),
-            capture_output=True, text=True, timeout=60, user=owner.uid, group=owner.gid,
-            extra_groups=list(owner.groups), cwd="/")
+            [sys.executable, "-I", "-c", _STAT_AS],
+            input=json.dumps(list(paths)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            user=owner.uid,
+            group=owner.gid,
+            extra_groups=list(owner.groups),
+            cwd="/",
+        )
         states = json.loads(done.stdout)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         why = f"cannot look at it as uid {owner.uid}: {e}"
         return {path: FileState(path, error=why) for path in paths}
-    return {path: FileState(path, **states[path]) if path in states
-            else FileState(path, error="not looked at") for path in paths}
+    return {
+        path: FileState(path, **states[path])
+        if path in states
+        else FileState(path, error="not looked at")
+        for path in paths
+    }
 
 
 # -- comparing -------------------------------------------------------------------------------
 
-def _finding(what: str, recorded: str, here: str, verdict: wire.Verdict = "ok",
-             why: str = "") -> wire.CompatFact:
+
+def _finding(
+    what: str, recorded: str, here: str, verdict: wire.Verdict = "ok", why: str = ""
+) -> wire.CompatFact:
     return wire.CompatFact(what=what, recorded=recorded, here=here, verdict=verdict, why=why)
 
 
@@ -343,24 +391,43 @@ def _version(text: str) -> tuple[int, ...] | None:
         return None
 
 
-def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileState] | None,
-            skip: Iterable[str] = (), travels: Iterable[str] = ()) -> list[wire.CompatFact]:
+def compare(
+    recorded: wire.RestoreFacts,
+    here: Node,
+    files: Mapping[str, FileState] | None,
+    skip: Iterable[str] = (),
+    travels: Iterable[str] = (),
+) -> list[wire.CompatFact]:
     """Every recorded fact against this node. `files`: the recorded files' paths as a restore
     would find them (`stat_files`, with the owner's rights); None leaves files out. `skip`:
     paths a restore re-points rather than reopens (the job's log). `travels`: node-local files
     the checkpoint carries (engine/nodelocal.py): missing, a restore makes them first; one the
     job wrote that differs, the checkpoint's copy replaces."""
     out = [_arch(recorded, here), *_cpu(recorded, here), _criu(recorded, here)]
-    out.append(_finding("kernel", recorded["kernel"], here.kernel) if recorded["kernel"] ==
-               here.kernel else _finding(
-                   "kernel", recorded["kernel"], here.kernel, "note",
-                   f"another kernel ({here.kernel}; dumped on {recorded['kernel']}): CRIU "
-                   "copes, and names any kernel feature the job used that this one lacks"))
-    out.append(_finding("stasis", recorded["stasis_version"], here.stasis_version)
-               if recorded["stasis_version"] == here.stasis_version else _finding(
-                   "stasis", recorded["stasis_version"], here.stasis_version, "note",
-                   f"another stasis version ({here.stasis_version}; dumped by "
-                   f"{recorded['stasis_version']})"))
+    out.append(
+        _finding("kernel", recorded["kernel"], here.kernel)
+        if recorded["kernel"] == here.kernel
+        else _finding(
+            "kernel",
+            recorded["kernel"],
+            here.kernel,
+            "note",
+            f"another kernel ({here.kernel}; dumped on {recorded['kernel']}): CRIU "
+            "copes, and names any kernel feature the job used that this one lacks",
+        )
+    )
+    out.append(
+        _finding("stasis", recorded["stasis_version"], here.stasis_version)
+        if recorded["stasis_version"] == here.stasis_version
+        else _finding(
+            "stasis",
+            recorded["stasis_version"],
+            here.stasis_version,
+            "note",
+            f"another stasis version ({here.stasis_version}; dumped by "
+            f"{recorded['stasis_version']})",
+        )
+    )
     out.append(_user(recorded))
     if files is not None:
         skipped, carried = set(skip), set(travels)
@@ -370,18 +437,30 @@ def compare(recorded: wire.RestoreFacts, here: Node, files: Mapping[str, FileSta
                 made = _carried(entry, now) if entry["path"] in carried else None
                 out.append(made or _file(entry, now, recorded["user"]))
     if recorded["files"] is None:
-        out.append(_finding("open files", "not recorded", "", "note",
-                            "the dump could not list the job's open files: they are not "
-                            "compared (CRIU still checks their sizes)"))
+        out.append(
+            _finding(
+                "open files",
+                "not recorded",
+                "",
+                "note",
+                "the dump could not list the job's open files: they are not "
+                "compared (CRIU still checks their sizes)",
+            )
+        )
     return out
 
 
 def _arch(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFact:
     if recorded["arch"] == here.arch:
         return _finding("architecture", recorded["arch"], here.arch)
-    return _finding("architecture", recorded["arch"], here.arch, "refuses",
-                    f"this node is {here.arch}, the checkpoint was dumped on {recorded['arch']}: "
-                    f"CRIU restores a process only on the architecture it ran on")
+    return _finding(
+        "architecture",
+        recorded["arch"],
+        here.arch,
+        "refuses",
+        f"this node is {here.arch}, the checkpoint was dumped on {recorded['arch']}: "
+        f"CRIU restores a process only on the architecture it ran on",
+    )
 
 
 def _cpu(recorded: wire.RestoreFacts, here: Node) -> list[wire.CompatFact]:
@@ -395,21 +474,40 @@ def _cpu(recorded: wire.RestoreFacts, here: Node) -> list[wire.CompatFact]:
     out = []
     them = "it" if len(isa) == 1 else "them"
     if isa:
-        out.append(_finding(
-            "CPU flags", n_rec, f"{n_here}, lacking {', '.join(isa)}", "refuses",
-            f"this CPU lacks {', '.join(isa)} (the dumping node's had {them}: the job may use "
-            f"{them} and would die of SIGILL); restore it on a node whose CPU has {them}"))
+        out.append(
+            _finding(
+                "CPU flags",
+                n_rec,
+                f"{n_here}, lacking {', '.join(isa)}",
+                "refuses",
+                f"this CPU lacks {', '.join(isa)} (the dumping node's had {them}: the job may use "
+                f"{them} and would die of SIGILL); restore it on a node whose CPU has {them}",
+            )
+        )
     else:
         out.append(_finding("CPU flags", n_rec, n_here))
     if other:
-        out.append(_finding(
-            "CPU flags (machine)", ", ".join(other), "missing", "note",
-            f"this CPU lacks {', '.join(other)}: flags of the machine or the kernel "
-            "(virtualization, mitigations, timers, performance hints), not instructions a "
-            "program runs"))
+        out.append(
+            _finding(
+                "CPU flags (machine)",
+                ", ".join(other),
+                "missing",
+                "note",
+                f"this CPU lacks {', '.join(other)}: flags of the machine or the kernel "
+                "(virtualization, mitigations, timers, performance hints), not instructions a "
+                "program runs",
+            )
+        )
     if recorded["cpu_model"] != here.cpu_model:
-        out.append(_finding("CPU model", recorded["cpu_model"], here.cpu_model, "note",
-                            "another CPU model: what matters is its flags"))
+        out.append(
+            _finding(
+                "CPU model",
+                recorded["cpu_model"],
+                here.cpu_model,
+                "note",
+                "another CPU model: what matters is its flags",
+            )
+        )
     return out
 
 
@@ -419,9 +517,14 @@ def _criu(recorded: wire.RestoreFacts, here: Node) -> wire.CompatFact:
         return _finding("CRIU", was, now)
     older = _version(now), _version(was)
     if older[0] is not None and older[1] is not None and older[0] < older[1]:
-        return _finding("CRIU", was, now, "refuses",
-                        f"CRIU {now} here is older than CRIU {was}, which dumped it (its images "
-                        f"may hold what an older CRIU cannot read): install CRIU {was} or newer")
+        return _finding(
+            "CRIU",
+            was,
+            now,
+            "refuses",
+            f"CRIU {now} here is older than CRIU {was}, which dumped it (its images "
+            f"may hold what an older CRIU cannot read): install CRIU {was} or newer",
+        )
     return _finding("CRIU", was, now, "note", f"another CRIU ({now}; dumped with {was})")
 
 
@@ -436,13 +539,23 @@ def _user(recorded: wire.RestoreFacts) -> wire.CompatFact:
         except KeyError:
             other = None
         held = f", and uid {uid} is {other}'s" if other else ""
-        return _finding("user", was, "missing", "refuses",
-                        f"user {name} does not exist on this node{held}: the job would run "
-                        f"as a uid that is not {name}'s; create {name} with uid {uid}")
+        return _finding(
+            "user",
+            was,
+            "missing",
+            "refuses",
+            f"user {name} does not exist on this node{held}: the job would run "
+            f"as a uid that is not {name}'s; create {name} with uid {uid}",
+        )
     if entry.pw_uid != uid:
-        return _finding("user", was, f"{name} (uid {entry.pw_uid})", "refuses",
-                        f"user {name} is uid {entry.pw_uid} on this node, was uid {uid}: the "
-                        f"job would come back as uid {uid}, which is not {name} here")
+        return _finding(
+            "user",
+            was,
+            f"{name} (uid {entry.pw_uid})",
+            "refuses",
+            f"user {name} is uid {entry.pw_uid} on this node, was uid {uid}: the "
+            f"job would come back as uid {uid}, which is not {name} here",
+        )
     return _finding("user", was, was)
 
 
@@ -459,41 +572,80 @@ def _file(entry: wire.OpenFile, now: FileState, user: str) -> wire.CompatFact:
     fact = f"file {path}"
     was = _describe(entry["size_bytes"], entry["mode"], entry["mtime_ns"])
     if now.error == os.strerror(errno.EACCES):
-        return _finding(fact, was, now.error, "refuses",
-                        f"{path}: {now.error} (a restore reopens the job's files with the "
-                        f"rights of its owner, {user}, who may not open it now)")
+        return _finding(
+            fact,
+            was,
+            now.error,
+            "refuses",
+            f"{path}: {now.error} (a restore reopens the job's files with the "
+            f"rights of its owner, {user}, who may not open it now)",
+        )
     if now.error is not None:
-        return _finding(fact, was, now.error, "refuses",
-                        f"{path} cannot be opened here ({now.error}); the job had it open: put "
-                        "it back")
+        return _finding(
+            fact,
+            was,
+            now.error,
+            "refuses",
+            f"{path} cannot be opened here ({now.error}); the job had it open: put " "it back",
+        )
     if not now.regular:
-        return _finding(fact, was, "not a regular file", "refuses",
-                        f"{path} is no longer a regular file; the job had it open: put it back")
+        return _finding(
+            fact,
+            was,
+            "not a regular file",
+            "refuses",
+            f"{path} is no longer a regular file; the job had it open: put it back",
+        )
     here = _describe(now.size_bytes, now.mode, now.mtime_ns)
     if now.size_bytes != entry["size_bytes"]:
         if entry["access"] == "append":
-            return _finding(fact, was, here, "note",
-                            f"{path} is {now.size_bytes} bytes, was {entry['size_bytes']} when "
-                            "dumped; the job only appends to it, and goes on appending")
-        return _finding(fact, was, here, "refuses",
-                        f"{path} is {now.size_bytes} bytes, was {entry['size_bytes']} when "
-                        "dumped (CRIU refuses to reopen a file whose size changed): put it back "
-                        "as it was")
+            return _finding(
+                fact,
+                was,
+                here,
+                "note",
+                f"{path} is {now.size_bytes} bytes, was {entry['size_bytes']} when "
+                "dumped; the job only appends to it, and goes on appending",
+            )
+        return _finding(
+            fact,
+            was,
+            here,
+            "refuses",
+            f"{path} is {now.size_bytes} bytes, was {entry['size_bytes']} when "
+            "dumped (CRIU refuses to reopen a file whose size changed): put it back "
+            "as it was",
+        )
     if now.mode != entry["mode"]:
-        return _finding(fact, was, here, "refuses",
-                        f"{path} has mode {now.mode:04o}, was {entry['mode']:04o} when dumped "
-                        f"(CRIU refuses it): chmod it back to {entry['mode']:04o}")
+        return _finding(
+            fact,
+            was,
+            here,
+            "refuses",
+            f"{path} has mode {now.mode:04o}, was {entry['mode']:04o} when dumped "
+            f"(CRIU refuses it): chmod it back to {entry['mode']:04o}",
+        )
     if now.mtime_ns != entry["mtime_ns"]:
         if entry["access"] == "read":
-            return _finding(fact, was, here, "refuses",
-                            f"{path} was modified since the dump ({_when(now.mtime_ns)}, was "
-                            f"{_when(entry['mtime_ns'])}; same size): the job, which read it, "
-                            "would go on reading other contents; put the dumped version back "
-                            "(same contents? `touch -d` it to its old time)")
-        return _finding(fact, was, here, "note",
-                        f"{path} was modified since the dump (same size): the job had it open "
-                        "for writing and may have written it itself after a --leave-running "
-                        "dump")
+            return _finding(
+                fact,
+                was,
+                here,
+                "refuses",
+                f"{path} was modified since the dump ({_when(now.mtime_ns)}, was "
+                f"{_when(entry['mtime_ns'])}; same size): the job, which read it, "
+                "would go on reading other contents; put the dumped version back "
+                "(same contents? `touch -d` it to its old time)",
+            )
+        return _finding(
+            fact,
+            was,
+            here,
+            "note",
+            f"{path} was modified since the dump (same size): the job had it open "
+            "for writing and may have written it itself after a --leave-running "
+            "dump",
+        )
     return _finding(fact, was, here)
 
 
@@ -504,15 +656,28 @@ def _carried(entry: wire.OpenFile, now: FileState) -> wire.CompatFact | None:
     fact = f"file {path}"
     was = _describe(entry["size_bytes"], entry["mode"], entry["mtime_ns"])
     if now.error == os.strerror(errno.ENOENT):
-        return _finding(fact, was, "missing, in the checkpoint", "note",
-                        f"{path} is not on this node: the restore recreates it from the "
-                        "checkpoint (a node-local file of the job's)")
-    if now.error is None and entry["access"] == "write" and (
-            now.size_bytes, now.mode, now.mtime_ns) != (
-            entry["size_bytes"], entry["mode"], entry["mtime_ns"]):
-        return _finding(fact, was, _describe(now.size_bytes, now.mode, now.mtime_ns), "note",
-                        f"{path} differs from the checkpoint's copy, which replaces it (the "
-                        "job's own node-local file; refused if another process has it open)")
+        return _finding(
+            fact,
+            was,
+            "missing, in the checkpoint",
+            "note",
+            f"{path} is not on this node: the restore recreates it from the "
+            "checkpoint (a node-local file of the job's)",
+        )
+    if (
+        now.error is None
+        and entry["access"] == "write"
+        and (now.size_bytes, now.mode, now.mtime_ns)
+        != (entry["size_bytes"], entry["mode"], entry["mtime_ns"])
+    ):
+        return _finding(
+            fact,
+            was,
+            _describe(now.size_bytes, now.mode, now.mtime_ns),
+            "note",
+            f"{path} differs from the checkpoint's copy, which replaces it (the "
+            "job's own node-local file; refused if another process has it open)",
+        )
     return None
 
 
@@ -521,14 +686,23 @@ def refusal(checkpoint_id: str, findings: Iterable[wire.CompatFact]) -> str | No
     whys = [f["why"] for f in findings if f["verdict"] == "refuses"]
     if not whys:
         return None
-    return (f"cannot restore checkpoint {checkpoint_id} on this node: " + "; ".join(whys)
-            + f"; nothing was restored (`stasis check --checkpoint {checkpoint_id}` compares "
-            "every fact)")
+    return (
+        f"cannot restore checkpoint {checkpoint_id} on this node: "
+        + "; ".join(whys)
+        + f"; nothing was restored (`stasis check --checkpoint {checkpoint_id}` compares "
+        "every fact)"
+    )
 
 
-def require(checkpoint_id: str, recorded: wire.RestoreFacts, criu: CRIU, owner: Owner,
-            skip: Iterable[str] = (), known_criu_version: str | None = None,
-            travels: Iterable[str] = ()) -> list[wire.CompatFact]:
+def require(
+    checkpoint_id: str,
+    recorded: wire.RestoreFacts,
+    criu: CRIU,
+    owner: Owner,
+    skip: Iterable[str] = (),
+    known_criu_version: str | None = None,
+    travels: Iterable[str] = (),
+) -> list[wire.CompatFact]:
     """Compare before a restore, the files with `owner`'s rights (single-threaded callers):
     IncompatibleNodeError naming every difference that refuses, else the findings (notes).
     `known_criu_version`: `criu`'s, when the caller knows it (asking CRIU takes 5-20 ms)."""

@@ -67,11 +67,26 @@ FIXED_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")
 # Where no $TMPDIR may point: the system's own files, or home directories (shared between the
 # nodes of a site), would "travel" (and be compared, and perhaps replaced) as if they were the
 # job's scratch files.
-_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/boot",
-           "/proc", "/sys", "/dev", "/home", "/root")
+_SYSTEM = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc",
+    "/boot",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/home",
+    "/root",
+)
 # Top-level directories whose whole tree is not scratch space (below them, it may be).
-_NOT_SCRATCH = frozenset(("/var", "/run", "/opt", "/srv", "/mnt", "/media", "/snap", "/nix",
-                          "/run/user"))
+_NOT_SCRATCH = frozenset(
+    ("/var", "/run", "/opt", "/srv", "/mnt", "/media", "/snap", "/nix", "/run/user")
+)
 _FUSE_PREFIX = "fuse"
 _O_ACCMODE = 0o3
 
@@ -129,6 +144,7 @@ class Packed:
 
 # -- finding -----------------------------------------------------------------------------------
 
+
 def roots(pid: int, uid: int) -> list[str]:
     """The node-local roots of the tree under `pid` (its owner `uid`): the fixed ones, the
     user's runtime directory, and its root process's $TMPDIR and $XDG_RUNTIME_DIR where they
@@ -159,8 +175,14 @@ def _environ(pid: int) -> dict[str, str]:
 def _sane_root(path: str) -> bool:
     """Whether a $TMPDIR-like value may name node-local files: absolute, normal, and not the
     system's directories (the user's whole home, /usr...): those are not scratch space."""
-    if not path.startswith("/") or len(path) > _MAX_PATH or "\0" in path or path == "/" \
-            or os.path.normpath(path) != path or path.startswith("//"):
+    if (
+        not path.startswith("/")
+        or len(path) > _MAX_PATH
+        or "\0" in path
+        or path == "/"
+        or os.path.normpath(path) != path
+        or path.startswith("//")
+    ):
         return False
     if path == "/dev/shm" or path.startswith("/dev/shm/"):
         return True
@@ -199,11 +221,25 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
                     sockets = _unix_paths(p)
                 path = sockets.get(st.st_ino)
                 if path and _under(path, prefixes) and path not in found:
-                    found[path] = Found(path, "socket", link, st.st_dev, st.st_ino, st.st_uid,
-                                        st.st_gid, stat.S_IMODE(st.st_mode), 0, 0)
+                    found[path] = Found(
+                        path,
+                        "socket",
+                        link,
+                        st.st_dev,
+                        st.st_ino,
+                        st.st_uid,
+                        st.st_gid,
+                        stat.S_IMODE(st.st_mode),
+                        0,
+                        0,
+                    )
                 continue
-            if not target.startswith("/") or target.endswith(" (deleted)") or \
-                    not _under(target, prefixes) or st.st_nlink == 0:
+            if (
+                not target.startswith("/")
+                or target.endswith(" (deleted)")
+                or not _under(target, prefixes)
+                or st.st_nlink == 0
+            ):
                 continue
             kind: Kind
             if stat.S_ISREG(st.st_mode):
@@ -212,18 +248,32 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
                 kind = "fifo"
             else:
                 continue
-            _add(found, Found(target, kind, link, st.st_dev, st.st_ino, st.st_uid, st.st_gid,
-                              stat.S_IMODE(st.st_mode),
-                              st.st_size if kind == "file" else 0, st.st_mtime_ns,
-                              _writable(p, fd)))
+            _add(
+                found,
+                Found(
+                    target,
+                    kind,
+                    link,
+                    st.st_dev,
+                    st.st_ino,
+                    st.st_uid,
+                    st.st_gid,
+                    stat.S_IMODE(st.st_mode),
+                    st.st_size if kind == "file" else 0,
+                    st.st_mtime_ns,
+                    _writable(p, fd),
+                ),
+            )
         _add_mappings(found, p, prefixes, skip)
         _add_cwd(found, p, prefixes)
     skipped = _skipped_devices(pid)
     # A job container's /tmp travels whole, its closed files too (engine/boundtmp.py).
     whole = privatetmp.bound_from_node(pid)
-    return [f for _, f in sorted(found.items())
-            if (uid == 0 or f.uid == uid) and f.dev not in skipped
-            and not _under(f.path, whole)]
+    return [
+        f
+        for _, f in sorted(found.items())
+        if (uid == 0 or f.uid == uid) and f.dev not in skipped and not _under(f.path, whole)
+    ]
 
 
 def _add(found: dict[str, Found], entry: Found) -> None:
@@ -241,14 +291,32 @@ def _add_cwd(found: dict[str, Found], pid: int, prefixes: list[str]) -> None:
         st = os.stat(f"/proc/{pid}/cwd")
     except OSError:
         return
-    if target.startswith("/") and not target.endswith(" (deleted)") and \
-            _under(target, prefixes) and stat.S_ISDIR(st.st_mode):
-        found.setdefault(target, Found(target, "dir", "", st.st_dev, st.st_ino, st.st_uid,
-                                       st.st_gid, stat.S_IMODE(st.st_mode), 0, 0))
+    if (
+        target.startswith("/")
+        and not target.endswith(" (deleted)")
+        and _under(target, prefixes)
+        and stat.S_ISDIR(st.st_mode)
+    ):
+        found.setdefault(
+            target,
+            Found(
+                target,
+                "dir",
+                "",
+                st.st_dev,
+                st.st_ino,
+                st.st_uid,
+                st.st_gid,
+                stat.S_IMODE(st.st_mode),
+                0,
+                0,
+            ),
+        )
 
 
-def _add_mappings(found: dict[str, Found], pid: int, prefixes: list[str],
-                  skip: set[tuple[int, int]]) -> None:
+def _add_mappings(
+    found: dict[str, Found], pid: int, prefixes: list[str], skip: set[tuple[int, int]]
+) -> None:
     perms: dict[str, str] = {}
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -266,14 +334,32 @@ def _add_mappings(found: dict[str, Found], pid: int, prefixes: list[str],
             st = os.stat(link)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink == 0 or not target.startswith("/") \
-                or target.endswith(" (deleted)") or not _under(target, prefixes) \
-                or (st.st_dev, st.st_ino) in skip:
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_nlink == 0
+            or not target.startswith("/")
+            or target.endswith(" (deleted)")
+            or not _under(target, prefixes)
+            or (st.st_dev, st.st_ino) in skip
+        ):
             continue
         p = perms.get(name, "")
-        _add(found, Found(target, "file", link, st.st_dev, st.st_ino, st.st_uid, st.st_gid,
-                          stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns,
-                          written=p[1:2] == "w" and p[3:4] == "s"))
+        _add(
+            found,
+            Found(
+                target,
+                "file",
+                link,
+                st.st_dev,
+                st.st_ino,
+                st.st_uid,
+                st.st_gid,
+                stat.S_IMODE(st.st_mode),
+                st.st_size,
+                st.st_mtime_ns,
+                written=p[1:2] == "w" and p[3:4] == "s",
+            ),
+        )
 
 
 def _writable(pid: int, fd: str) -> bool:
@@ -325,8 +411,7 @@ def _skipped_devices(pid: int) -> set[int]:
             for line in f:
                 left, _, right = line.partition(" - ")
                 fstype, _, rest = right.partition(" ")
-                if fstype.startswith(_FUSE_PREFIX) or \
-                        rest.split(" ", 1)[0] == privatetmp.SOURCE:
+                if fstype.startswith(_FUSE_PREFIX) or rest.split(" ", 1)[0] == privatetmp.SOURCE:
                     major, _, minor = left.split()[2].partition(":")
                     out.add(os.makedev(int(major), int(minor)))
     except (OSError, ValueError, IndexError):
@@ -345,9 +430,11 @@ def too_large(found: list[Found], limit: int) -> str | None:
         return None
     largest = sorted((f for f in found if f.kind == "file"), key=lambda f: -f.size_bytes)[:3]
     named = ", ".join(f"{f.path} ({_size(f.size_bytes)})" for f in largest)
-    return (f"its node-local files hold {_size(total)}, over node_local_limit "
-            f"({_size(limit)}), largest {named}; move them out of /tmp, /var/tmp, /dev/shm and "
-            "$TMPDIR (to a directory every node shares), or raise node_local_limit")
+    return (
+        f"its node-local files hold {_size(total)}, over node_local_limit "
+        f"({_size(limit)}), largest {named}; move them out of /tmp, /var/tmp, /dev/shm and "
+        "$TMPDIR (to a directory every node shares), or raise node_local_limit"
+    )
 
 
 def _size(n: int) -> str:
@@ -358,6 +445,7 @@ def _size(n: int) -> str:
 
 
 # -- packing -----------------------------------------------------------------------------------
+
 
 def pack(found: list[Found], prefixes: list[str], images: Path, limit: int) -> Packed:
     """Write the archive of `found` (under `prefixes`) into `images` (nothing when there is
@@ -372,8 +460,11 @@ def pack(found: list[Found], prefixes: list[str], images: Path, limit: int) -> P
             if d not in dirs:
                 dirs[d] = _dir_entry(d)
     entries.extend(dirs[d] for d in sorted(dirs, key=lambda d: (d.count("/"), d)))
-    fd = os.open(images / ARCHIVE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                 | os.O_NOFOLLOW, 0o600)
+    fd = os.open(
+        images / ARCHIVE_NAME,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+        0o600,
+    )
     packed = Packed()
     try:
         offset = 0
@@ -387,8 +478,7 @@ def pack(found: list[Found], prefixes: list[str], images: Path, limit: int) -> P
                 offset += entry.size_bytes
             entries.append(entry)
             packed.paths.append(f.path)
-        index = json.dumps({"roots": prefixes,
-                            "entries": [e.__dict__ for e in entries]}).encode()
+        index = json.dumps({"roots": prefixes, "entries": [e.__dict__ for e in entries]}).encode()
         _write_all(fd, index)
         _write_all(fd, len(index).to_bytes(8, "big") + _MAGIC)
         os.fsync(fd)
@@ -451,7 +541,7 @@ def _copy(f: Found, out: int, room: int) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def travelling(extra: Mapping[str, Any]) -> list[str]:
@@ -464,6 +554,7 @@ def travelling(extra: Mapping[str, Any]) -> list[str]:
 
 
 # -- reading an archive back -------------------------------------------------------------------
+
 
 def read_index(archive: Path) -> list[Entry]:
     """The entries of `archive`, checked (NodeLocalError): bounded sizes, absolute normal paths,
@@ -493,7 +584,8 @@ def read_index(archive: Path) -> list[Entry]:
         if not isinstance(items, list) or len(items) > _MAX_ENTRIES:
             raise ValueError("entries")
         if not isinstance(prefixes, list) or not all(
-                isinstance(r, str) and _allowed_root(r) for r in prefixes):
+            isinstance(r, str) and _allowed_root(r) for r in prefixes
+        ):
             raise ValueError("roots")
         entries = [_entry(item, blobs) for item in items]
         for entry in entries:
@@ -505,20 +597,36 @@ def read_index(archive: Path) -> list[Entry]:
 
 
 def _allowed_root(path: str) -> bool:
-    return path in FIXED_ROOTS or re.fullmatch(r"/run/user/[0-9]{1,10}", path) is not None \
+    return (
+        path in FIXED_ROOTS
+        or re.fullmatch(r"/run/user/[0-9]{1,10}", path) is not None
         or _sane_root(path)
+    )
 
 
 def _entry(item: Any, blobs: int) -> Entry:
     if not isinstance(item, dict):
         raise ValueError("an entry is not an object")
-    e = Entry(path=item["path"], kind=item["kind"], uid=item["uid"], gid=item["gid"],
-              mode=item["mode"], mtime_ns=item.get("mtime_ns", 0),
-              size_bytes=item.get("size_bytes", 0), offset=item.get("offset", 0),
-              written=item.get("written", False))
-    if not isinstance(e.path, str) or not e.path.startswith("/") or e.path == "/" or \
-            len(e.path) > _MAX_PATH or "\0" in e.path or os.path.normpath(e.path) != e.path \
-            or e.path.startswith("//"):
+    e = Entry(
+        path=item["path"],
+        kind=item["kind"],
+        uid=item["uid"],
+        gid=item["gid"],
+        mode=item["mode"],
+        mtime_ns=item.get("mtime_ns", 0),
+        size_bytes=item.get("size_bytes", 0),
+        offset=item.get("offset", 0),
+        written=item.get("written", False),
+    )
+    if (
+        not isinstance(e.path, str)
+        or not e.path.startswith("/")
+        or e.path == "/"
+        or len(e.path) > _MAX_PATH
+        or "\0" in e.path
+        or os.path.normpath(e.path) != e.path
+        or e.path.startswith("//")
+    ):
         raise ValueError(f"bad path {str(e.path)[:80]!r}")
     if e.kind not in ("dir", "file", "fifo", "socket"):
         raise ValueError(f"bad kind for {e.path}")
@@ -526,8 +634,7 @@ def _entry(item: Any, blobs: int) -> Entry:
         value = getattr(e, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"bad {name} for {e.path}")
-    if e.uid >= 1 << 32 or e.gid >= 1 << 32 or e.mode > 0o7777 or \
-            e.offset + e.size_bytes > blobs:
+    if e.uid >= 1 << 32 or e.gid >= 1 << 32 or e.mode > 0o7777 or e.offset + e.size_bytes > blobs:
         raise ValueError(f"bad owner, mode or extent for {e.path}")
     if not isinstance(e.written, bool):
         raise ValueError(f"bad written for {e.path}")
@@ -535,6 +642,7 @@ def _entry(item: Any, blobs: int) -> Entry:
 
 
 # -- recreating --------------------------------------------------------------------------------
+
 
 @dataclass
 class _Plan:
@@ -561,14 +669,20 @@ class Recreation:
         try:
             made = _apply(plan, self.archive, self.entries)
         except OSError as e:
-            raise NodeLocalError(f"cannot recreate {e.filename or 'a node-local file'}: "
-                                 f"{e.strerror}") from e
+            raise NodeLocalError(
+                f"cannot recreate {e.filename or 'a node-local file'}: " f"{e.strerror}"
+            ) from e
         notes = []
         if made or plan.dirs:
-            notes.append(f"recreated {made} node-local file(s) and {len(plan.dirs)} "
-                         "directory(ies) from the checkpoint")
-        notes.extend(f"{e.path} differed and was replaced by the checkpoint's copy (the job's "
-                     "own file, open by nobody)" for e in plan.replace)
+            notes.append(
+                f"recreated {made} node-local file(s) and {len(plan.dirs)} "
+                "directory(ies) from the checkpoint"
+            )
+        notes.extend(
+            f"{e.path} differed and was replaced by the checkpoint's copy (the job's "
+            "own file, open by nobody)"
+            for e in plan.replace
+        )
         return notes
 
 
@@ -621,13 +735,17 @@ def _plan(entries: list[Entry], job_uid: int) -> _Plan:
             if st is None:
                 plan.dirs.append(e)
             elif not stat.S_ISDIR(st.st_mode):
-                raise NodeLocalError(f"{e.path} is not a directory now (the job had a "
-                                     "directory there): move it away")
+                raise NodeLocalError(
+                    f"{e.path} is not a directory now (the job had a "
+                    "directory there): move it away"
+                )
             elif st.st_uid != e.uid:
                 # Made by someone else before the restore (a name in /tmp taken first): what
                 # is recreated inside would be theirs to swap for something else.
-                raise NodeLocalError(f"{e.path} belongs to uid {st.st_uid} now, the job's "
-                                     f"directory there belonged to uid {e.uid}: move it away")
+                raise NodeLocalError(
+                    f"{e.path} belongs to uid {st.st_uid} now, the job's "
+                    f"directory there belonged to uid {e.uid}: move it away"
+                )
             continue
         if e.kind == "socket":
             continue  # CRIU binds it; its directories are made above
@@ -636,8 +754,9 @@ def _plan(entries: list[Entry], job_uid: int) -> _Plan:
             (plan.files if e.kind == "file" else plan.fifos).append(e)
         elif e.kind == "fifo":
             if not stat.S_ISFIFO(st.st_mode):
-                raise NodeLocalError(f"{e.path} is not a FIFO now (the job had one there): "
-                                     "move it away")
+                raise NodeLocalError(
+                    f"{e.path} is not a FIFO now (the job had one there): " "move it away"
+                )
         elif not _same(e, st):
             why = _why_not_replaced(e, st, job_uid)
             if why is None:
@@ -648,9 +767,14 @@ def _plan(entries: list[Entry], job_uid: int) -> _Plan:
 
 
 def _same(e: Entry, st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_size == e.size_bytes and \
-        stat.S_IMODE(st.st_mode) == e.mode and st.st_mtime_ns == e.mtime_ns and \
-        st.st_uid == e.uid and st.st_gid == e.gid
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == e.size_bytes
+        and stat.S_IMODE(st.st_mode) == e.mode
+        and st.st_mtime_ns == e.mtime_ns
+        and st.st_uid == e.uid
+        and st.st_gid == e.gid
+    )
 
 
 def _why_not_replaced(e: Entry, st: os.stat_result, job_uid: int) -> str | None:
@@ -662,15 +786,21 @@ def _why_not_replaced(e: Entry, st: os.stat_result, job_uid: int) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return f"{e.path} is not a regular file now (the job had one there): move it away"
     if not mine:
-        return (f"{e.path} differs from the checkpoint's copy and is not the job's own "
-                f"(owner uid {st.st_uid}): move it away to have the checkpoint's copy restored")
+        return (
+            f"{e.path} differs from the checkpoint's copy and is not the job's own "
+            f"(owner uid {st.st_uid}): move it away to have the checkpoint's copy restored"
+        )
     if st.st_nlink != 1:
-        return (f"{e.path} differs from the checkpoint's copy and has other links: move it "
-                "away to have the checkpoint's copy restored")
+        return (
+            f"{e.path} differs from the checkpoint's copy and has other links: move it "
+            "away to have the checkpoint's copy restored"
+        )
     user = _in_use(st.st_dev, st.st_ino)
     if user is not None:
-        return (f"{e.path} differs from the checkpoint's copy and process {user} has it open: "
-                "end that process (another copy of the job?) or move the file away")
+        return (
+            f"{e.path} differs from the checkpoint's copy and process {user} has it open: "
+            "end that process (another copy of the job?) or move the file away"
+        )
     return None
 
 
@@ -709,8 +839,10 @@ def _probe(path: str, dirs: Mapping[str, Entry]) -> os.stat_result | None:
     finally:
         os.close(fd)
     if stat.S_ISLNK(st.st_mode):
-        raise NodeLocalError(f"{path} is a symbolic link now (the job had a "
-                             f"{dirs[path].kind if path in dirs else 'file'} there): remove it")
+        raise NodeLocalError(
+            f"{path} is a symbolic link now (the job had a "
+            f"{dirs[path].kind if path in dirs else 'file'} there): remove it"
+        )
     return st
 
 
@@ -726,18 +858,23 @@ def _walk(path: str, create: Mapping[str, Entry] | None) -> int:
                 continue
             sofar += "/" + part
             try:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=fd)
+                nxt = os.open(
+                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                )
             except FileNotFoundError:
                 if create is None or sofar not in create:
                     raise
                 nxt = _make_dir(fd, part, create[sofar])
             except OSError as e:
                 if _is_link(fd, part):
-                    raise NodeLocalError(f"{sofar} is a symbolic link now (the job had a "
-                                         "directory there): remove it") from e
-                raise NodeLocalError(f"{sofar} is not a directory now (the job had one "
-                                     f"there): move it away ({e.strerror})") from e
+                    raise NodeLocalError(
+                        f"{sofar} is a symbolic link now (the job had a "
+                        "directory there): remove it"
+                    ) from e
+                raise NodeLocalError(
+                    f"{sofar} is not a directory now (the job had one "
+                    f"there): move it away ({e.strerror})"
+                ) from e
             os.close(fd)
             fd = nxt
         return fd
@@ -756,8 +893,7 @@ def _is_link(dirfd: int, name: str) -> bool:
 def _make_dir(parent: int, name: str, e: Entry) -> int:
     os.mkdir(name, 0o700, dir_fd=parent)
     # Opened without following: a link put there since mkdir fails here.
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 dir_fd=parent)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     try:
         os.fchown(fd, e.uid, e.gid)
         os.fchmod(fd, e.mode)
@@ -774,8 +910,12 @@ def _make_file(e: Entry, archive: int, dirs: Mapping[str, Entry], replace: bool)
         # Replaced through a new name and a rename: whatever that name is now (a link to
         # another file), only the directory entry changes.
         tmp = f".{name[:200]}.stasis-{os.urandom(6).hex()}" if replace else name
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=dfd)
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dfd,
+        )
         try:
             done = 0
             while done < e.size_bytes:
@@ -801,8 +941,7 @@ def _make_fifo(e: Entry, dirs: Mapping[str, Entry]) -> None:
     try:
         os.mkfifo(name, 0o600, dir_fd=dfd)
         # O_RDWR does not wait for a peer; O_NOFOLLOW: what we made, not a link put there.
-        fd = os.open(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=dfd)
+        fd = os.open(name, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         try:
             if not stat.S_ISFIFO(os.fstat(fd).st_mode):
                 raise NodeLocalError(f"{e.path} was replaced while it was made")

@@ -38,8 +38,10 @@ class Findings:
 def find(root: int, viewer: int | None = None) -> Findings:
     """Everything this module knows to look for in the tree under `root`, told to `viewer` (a
     uid: other users' processes are named, their arguments not shown)."""
-    return Findings(obstacles=[p.describe() for p in unixpeers.external_peers(root, viewer)],
-                    notes=[_note(pid, call, viewer) for pid, call in timed_waits(root)])
+    return Findings(
+        obstacles=[p.describe() for p in unixpeers.external_peers(root, viewer)],
+        notes=[_note(pid, call, viewer) for pid, call in timed_waits(root)],
+    )
 
 
 def explain(root: int, viewer: int | None = None) -> str | None:
@@ -94,9 +96,11 @@ def _interrupted(path: str, calls: dict[int, str]) -> str | None:
 
 
 def _note(pid: int, call: str, viewer: int | None) -> str:
-    return (f"pid {pid} ({unixpeers.command(pid, viewer)}) waits in {call} with a timeout, which CRIU "
-            "cannot restart: after a restore that call returns early with EINTR (most programs "
-            "retry; one that takes EINTR as fatal dies then)")
+    return (
+        f"pid {pid} ({unixpeers.command(pid, viewer)}) waits in {call} with a timeout, which CRIU "
+        "cannot restart: after a restore that call returns early with EINTR (most programs "
+        "retry; one that takes EINTR as fatal dies then)"
+    )
 
 
 __all__ = ["Findings", "explain", "find", "timed_waits"]

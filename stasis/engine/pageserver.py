@@ -166,7 +166,7 @@ def _messages(data: bytes) -> Iterator[bytes]:
         pos += 4
         if pos + size > len(data):
             raise PagemapError("truncated pagemap image")
-        yield data[pos:pos + size]
+        yield data[pos : pos + size]
         pos += size
 
 
@@ -190,12 +190,16 @@ def parse_pagemap(data: bytes) -> Pagemap:
         flags = f[4] if 4 in f else (PE_PARENT if f.get(3) else PE_PRESENT)
         if f.get(3):
             flags |= PE_PARENT
-        entries.append(PagemapEntry(vaddr=f.get(1, 0), nr_pages=nr_pages, flags=flags,
-                                    offset=offset))
+        entries.append(
+            PagemapEntry(vaddr=f.get(1, 0), nr_pages=nr_pages, flags=flags, offset=offset)
+        )
         if flags & PE_PRESENT:
             offset += nr_pages * PAGE_SIZE
-    return Pagemap(pages_file=f"pages-{pages_id}.img", entries=tuple(entries),
-                   starts=tuple(e.vaddr for e in entries))
+    return Pagemap(
+        pages_file=f"pages-{pages_id}.img",
+        entries=tuple(entries),
+        starts=tuple(e.vaddr for e in entries),
+    )
 
 
 def process_pagemaps(images: Path) -> dict[int, Pagemap]:
@@ -229,7 +233,7 @@ def _slice(views: list[memoryview], lo: int, hi: int) -> list[memoryview]:
     for view in views:
         end = at + len(view)
         if end > lo and at < hi:
-            out.append(view[max(lo - at, 0):min(hi, end) - at])
+            out.append(view[max(lo - at, 0) : min(hi, end) - at])
         at = end
         if at >= hi:
             break
@@ -246,8 +250,9 @@ class _ReadAhead:
         self._sizes = sizes
         self._block = block
         self._ahead = ahead
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(ahead, 4)),
-                                        thread_name_prefix="stasis-pages")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(ahead, 4)), thread_name_prefix="stasis-pages"
+        )
         self._blocks: dict[tuple[str, int], Future[list[memoryview]]] = {}
         self._lock = threading.Lock()
 
@@ -260,8 +265,9 @@ class _ReadAhead:
         with self._lock:
             fut = self._blocks.get(key)
             if fut is None:
-                fut = self._pool.submit(self._read_views, name, start,
-                                        min(self._block, size - start))
+                fut = self._pool.submit(
+                    self._read_views, name, start, min(self._block, size - start)
+                )
                 self._blocks[key] = fut
                 # Bounded: blocks served long ago go (a page is asked for once, then it is in).
                 while len(self._blocks) > 4 * self._ahead + 8:
@@ -301,9 +307,18 @@ class PageServer:
     socket makes the kernel hand the tree zero pages. `delay_s` (tests only) holds each answer
     back, to make the window before all pages arrived deterministic."""
 
-    def __init__(self, sock: socket.socket, images: Path, sizes: dict[str, int],
-                 read: PageReader, on_failure: Callable[[str], None], *,
-                 block_bytes: int = 4 << 20, ahead: int = 4, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        images: Path,
+        sizes: dict[str, int],
+        read: PageReader,
+        on_failure: Callable[[str], None],
+        *,
+        block_bytes: int = 4 << 20,
+        ahead: int = 4,
+        delay_s: float = 0.0,
+    ) -> None:
         self.sock = sock
         # A unix socket queues ~200 KiB by default: each 4 MiB answer would go over in steps,
         # lazy-pages and this server taking turns. Room for whole answers lets both run at once.
@@ -321,8 +336,7 @@ class PageServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve, name="stasis-page-server",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.serve, name="stasis-page-server", daemon=True)
         self._thread.start()
 
     def join(self, timeout_s: float | None = None) -> None:
@@ -406,21 +420,31 @@ def _reason(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def fill_sparse(path: Path, size: int, ranges: list[tuple[int, int]], read: PageReader,
-                name: str, workers: int = 4) -> None:
+def fill_sparse(
+    path: Path,
+    size: int,
+    ranges: list[tuple[int, int]],
+    read: PageReader,
+    name: str,
+    workers: int = 4,
+) -> None:
     """Write `size` bytes' worth of file at `path` holding only `ranges` of image `name` (the
     rest a hole): the pages a lazy restore reads itself, at their offsets."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
-        pieces = [(off + done, min(8 << 20, length - done))
-                  for off, length in ranges for done in range(0, length, 8 << 20)]
+        pieces = [
+            (off + done, min(8 << 20, length - done))
+            for off, length in ranges
+            for done in range(0, length, 8 << 20)
+        ]
 
         def one(piece: tuple[int, int]) -> None:
             views = _views(read(name, piece[0], piece[1]))
             if sum(len(v) for v in views) != piece[1]:
-                raise PagemapError(f"{name}: got {sum(len(v) for v in views)} bytes of "
-                                   f"{piece[1]}")
+                raise PagemapError(
+                    f"{name}: got {sum(len(v) for v in views)} bytes of " f"{piece[1]}"
+                )
             at = piece[0]
             for view in views:
                 while view:

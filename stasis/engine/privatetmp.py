@@ -52,8 +52,10 @@ def enter(size_bytes: int) -> None:
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
     options = f"size={int(size_bytes)},mode=1777".encode()
     for path in MOUNTS:
-        _check(libc.mount(SOURCE.encode(), path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                          options), f"mount tmpfs on {path}")
+        _check(
+            libc.mount(SOURCE.encode(), path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options),
+            f"mount tmpfs on {path}",
+        )
 
 
 def _check(ret: int, what: str) -> None:
@@ -150,12 +152,15 @@ def bound_from_node(pid: int) -> list[str]:
 
 def _node_has(tops: dict[str, tuple[int, str]], path: str) -> tuple[int, str] | None:
     """What the node has at `path`: (filesystem, path within it) of the mount it lies in."""
-    holder = max((m for m in tops if path == m or path.startswith(m.rstrip("/") + "/")),
-                 key=len, default=None)
+    holder = max(
+        (m for m in tops if path == m or path.startswith(m.rstrip("/") + "/")),
+        key=len,
+        default=None,
+    )
     if holder is None:
         return None
     dev, root = tops[holder]
-    rest = path[len(holder.rstrip("/")):] if holder != path else ""
+    rest = path[len(holder.rstrip("/")) :] if holder != path else ""
     return dev, (root.rstrip("/") + rest) or "/"
 
 
@@ -189,7 +194,8 @@ def require_outside(cwd: str, log: str | None) -> None:
             raise UsageError(
                 f"--private-tmp refused: the job's {what} {path} is under {mount}, which the "
                 f"job sees as its own empty directory; give it a {what} outside {mount} "
-                f"(--cwd, --log), or run it without --private-tmp")
+                f"(--cwd, --log), or run it without --private-tmp"
+            )
 
 
 # The checkpoint's manifest says the tree had a mount namespace of its own (`extra`, signed with

@@ -36,8 +36,9 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
     os.seteuid(owner.uid)
     old_umask = os.umask(umask)
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOCTTY | os.O_CLOEXEC,
-                       0o644)
+        return os.open(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOCTTY | os.O_CLOEXEC, 0o644
+        )
     finally:
         os.umask(old_umask)
         os.seteuid(0)
@@ -45,14 +46,26 @@ def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
         os.setgroups(saved)
 
 
-def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple[str, str]],
-                 log_name: str, *, umask: int = 0o022, lazy: bool = False,
-                 notify: rpc.NotifyHandler | None = None,
-                 page_server: Path | None = None, stream: bool = False,
-                 on_lost: Callable[[str], None] | None = None,
-                 expect: wire.RestoreFacts | None = None, checkpoint: str = "",
-                 criu_version: str | None = None, sandboxed: bool = False,
-                 own_mounts: bool = False, caller_cgroups: bool = False) -> RestoreResult:
+def restore_tree(
+    criu: CRIU,
+    images: Path,
+    owner: Owner,
+    outputs: Sequence[tuple[str, str]],
+    log_name: str,
+    *,
+    umask: int = 0o022,
+    lazy: bool = False,
+    notify: rpc.NotifyHandler | None = None,
+    page_server: Path | None = None,
+    stream: bool = False,
+    on_lost: Callable[[str], None] | None = None,
+    expect: wire.RestoreFacts | None = None,
+    checkpoint: str = "",
+    criu_version: str | None = None,
+    sandboxed: bool = False,
+    own_mounts: bool = False,
+    caller_cgroups: bool = False,
+) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
@@ -81,7 +94,8 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
                 f"checkpoint {checkpoint or images} refused: {held[0]}"
                 f"{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}, more than its "
                 f"owner {_name(owner.uid)} has, and a restore would give that back; only root "
-                "may restore it")
+                "may restore it"
+            )
     # The node-local files the checkpoint carries (engine/nodelocal.py): what this node lacks
     # is decided here, before anything is written, and made before CRIU reopens it.
     try:
@@ -89,26 +103,36 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
     except nodelocal.NodeLocalError as e:
         raise IncompatibleNodeError(
             f"cannot restore checkpoint {checkpoint or images} on this node: {e}; nothing "
-            "was restored") from e
+            "was restored"
+        ) from e
     found: list[wire.CompatFact] = []
     if expect is not None:
         # The caller is single-threaded (a supervisor, a Slurm task's helper): the files are
         # looked at with the owner's rights, as CRIU will reopen them.
-        found = nodefacts.require(checkpoint or str(images), expect, criu, owner,
-                                  skip=[old for old, _ in outputs],
-                                  known_criu_version=criu_version,
-                                  travels=carried.paths if carried else ())
+        found = nodefacts.require(
+            checkpoint or str(images),
+            expect,
+            criu,
+            owner,
+            skip=[old for old, _ in outputs],
+            known_criu_version=criu_version,
+            travels=carried.paths if carried else (),
+        )
     made: list[str] = []
     if carried is not None:
         try:
             made = carried.apply()
         except nodelocal.NodeLocalError as e:
             raise IncompatibleNodeError(
-                f"cannot restore checkpoint {checkpoint or images} on this node: {e}") from e
+                f"cannot restore checkpoint {checkpoint or images} on this node: {e}"
+            ) from e
     # Its TCP connections on this node: kept, restored closed (a move), or refused (a socket
     # bound to the old node's address). A sandbox has a network of its own: not its concern.
-    network = netidentity.Plan() if sandboxed else \
-        netidentity.plan(images, checkpoint or str(images), criu.path)
+    network = (
+        netidentity.Plan()
+        if sandboxed
+        else netidentity.plan(images, checkpoint or str(images), criu.path)
+    )
     fds: list[int] = []
     try:
         inherit = []
@@ -116,14 +140,20 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             fds.append(open_as(new, owner, umask))
             # CRIU names regular files in its images by their path without the leading '/'.
             inherit.append((old.lstrip("/"), fds[-1]))
-        options = RestoreOptions(inherit_fds=inherit, lazy=lazy, notify=notify,
-                                 page_server=page_server, stream=stream,
-                                 on_lost=on_lost,
-                                 owner=owner if owner.uid != 0 else None,
-                                 sandboxed=sandboxed, own_mounts=own_mounts,
-                                 caller_cgroups=caller_cgroups,
-                                 tcp_close=network.all_closed,
-                                 close_tcp=[] if network.all_closed else network.close_inodes)
+        options = RestoreOptions(
+            inherit_fds=inherit,
+            lazy=lazy,
+            notify=notify,
+            page_server=page_server,
+            stream=stream,
+            on_lost=on_lost,
+            owner=owner if owner.uid != 0 else None,
+            sandboxed=sandboxed,
+            own_mounts=own_mounts,
+            caller_cgroups=caller_cgroups,
+            tcp_close=network.all_closed,
+            close_tcp=[] if network.all_closed else network.close_inodes,
+        )
         try:
             result = criu.restore(images, options, log_name)
             result.notes.extend([*nodefacts.notes(found), *network.notes, *made])
@@ -134,7 +164,8 @@ def restore_tree(criu: CRIU, images: Path, owner: Owner, outputs: Sequence[tuple
             if owner.uid != 0 and os.strerror(errno.EACCES) in str(e):
                 raise OwnerDeniedError(
                     f"{e} (a restore reopens the job's paths with the rights of its owner, "
-                    f"{_name(owner.uid)}, who may not open that path now)") from e
+                    f"{_name(owner.uid)}, who may not open that path now)"
+                ) from e
             raise
     finally:
         for fd in fds:

@@ -43,16 +43,21 @@ def messages() -> Any:
 class Session:
     """Runs requests against a fresh `criu swrk` process each, answering NOTIFY messages."""
 
-    def __init__(self, criu_path: str, notify: NotifyHandler | None = None,
-                 started: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        criu_path: str,
+        notify: NotifyHandler | None = None,
+        started: Callable[[int], None] | None = None,
+    ) -> None:
         self.criu_path = criu_path
         self.notify = notify
         # Told the pid of each CRIU process as soon as it runs (before the request is sent).
         self.started = started
         self.criu_pid: int | None = None
 
-    def call(self, request: Any, pass_fds: Sequence[int] = (),
-             env: Mapping[str, str] | None = None) -> Any:
+    def call(
+        self, request: Any, pass_fds: Sequence[int] = (), env: Mapping[str, str] | None = None
+    ) -> Any:
         """Send `request` (a criu_req) and return the final criu_resp.
 
         `pass_fds` are inherited by the swrk process (inherit_fd needs them there); `env` is added

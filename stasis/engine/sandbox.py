@@ -97,28 +97,54 @@ class SandboxVerdict:
     duration_s: float  # the restore's (CRIU's part)
 
 
-def verify_images(criu: str, images: Path, log_dir: Path, log_name: str, *,
-                  uid: int, gid: int, groups: list[int], image_log: str | None,
-                  expect: wire.RestoreFacts | None, checkpoint: str,
-                  criu_version: str | None, timeout_s: float,
-                  own_mounts: bool = False, travelling: Sequence[str] = ()) -> SandboxVerdict:
+def verify_images(
+    criu: str,
+    images: Path,
+    log_dir: Path,
+    log_name: str,
+    *,
+    uid: int,
+    gid: int,
+    groups: list[int],
+    image_log: str | None,
+    expect: wire.RestoreFacts | None,
+    checkpoint: str,
+    criu_version: str | None,
+    timeout_s: float,
+    own_mounts: bool = False,
+    travelling: Sequence[str] = (),
+) -> SandboxVerdict:
     """Restore the images in `images` in a sandbox (see the module's docstring), as the tree
     of owner `uid`, check it and remove it (`own_mounts`: the images hold the tree's own mount
     namespace, a job's private /tmp: engine/privatetmp.py; `travelling`: the node-local files
     the checkpoint carries, engine/nodelocal.py, recreated only in the sandbox). Never raises for what the checkpoint does wrong:
     the verdict says it; OSError only when the sandbox itself cannot be started."""
-    spec = {"faults": sorted(faults.armed()), "criu": criu, "log_name": log_name, "uid": uid, "gid": gid, "groups": groups,
-            "image_log": image_log, "expect": expect, "checkpoint": checkpoint,
-            "criu_version": criu_version, "own_mounts": own_mounts,
-            "travelling": list(travelling)}
+    spec = {
+        "faults": sorted(faults.armed()),
+        "criu": criu,
+        "log_name": log_name,
+        "uid": uid,
+        "gid": gid,
+        "groups": groups,
+        "image_log": image_log,
+        "expect": expect,
+        "checkpoint": checkpoint,
+        "criu_version": criu_version,
+        "own_mounts": own_mounts,
+        "travelling": list(travelling),
+    }
     images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     log_fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     spec.update(images_fd=images_fd, log_fd=log_fd)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stasis.engine.sandbox"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=(images_fd, log_fd),
-            start_new_session=True)
+            [sys.executable, "-m", "stasis.engine.sandbox"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(images_fd, log_fd),
+            start_new_session=True,
+        )
     finally:
         os.close(images_fd)
         os.close(log_fd)
@@ -126,18 +152,27 @@ def verify_images(criu: str, images: Path, log_dir: Path, log_name: str, *,
         out, _ = proc.communicate(json.dumps(spec).encode(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_sandbox(proc)
-        return SandboxVerdict(False, f"the sandboxed restore did not finish within "
-                                     f"{timeout_s:g} s", 0, timeout_s)
+        return SandboxVerdict(
+            False, f"the sandboxed restore did not finish within " f"{timeout_s:g} s", 0, timeout_s
+        )
     finally:
         if proc.poll() is None:
             _kill_sandbox(proc)
     try:
         answer = json.loads(out[:_ANSWER_MAX].decode().splitlines()[0])
-        return SandboxVerdict(bool(answer["ok"]), str(answer["reason"]),
-                              int(answer["processes"]), float(answer["duration_s"]))
+        return SandboxVerdict(
+            bool(answer["ok"]),
+            str(answer["reason"]),
+            int(answer["processes"]),
+            float(answer["duration_s"]),
+        )
     except (ValueError, IndexError, KeyError, TypeError):
-        return SandboxVerdict(False, f"the sandbox ended without a verdict (exit status "
-                                     f"{proc.returncode})", 0, 0.0)
+        return SandboxVerdict(
+            False,
+            f"the sandbox ended without a verdict (exit status " f"{proc.returncode})",
+            0,
+            0.0,
+        )
 
 
 def _kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
@@ -183,22 +218,31 @@ def _enter_namespaces(own_mounts: bool) -> None:
     # Nothing mounted here may reach the node, and nothing of the node's mounts changes:
     # private, or (a job's own mount namespace to restore) slaves of the node's, which CRIU
     # copies the job's mounts' propagation from, and which propagate nothing back.
-    _check(_libc.mount(b"none", b"/", None, _MS_REC | (_MS_SLAVE if own_mounts else _MS_PRIVATE),
-                       None), "mount --make-rprivate /")
+    _check(
+        _libc.mount(
+            b"none", b"/", None, _MS_REC | (_MS_SLAVE if own_mounts else _MS_PRIVATE), None
+        ),
+        "mount --make-rprivate /",
+    )
     nested = _nested_mount_points() if own_mounts else []
     # CRIU and the comparison read /proc: this PID namespace's.
-    _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
-           "mount proc on /proc")
+    _check(
+        _libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
+        "mount proc on /proc",
+    )
     for d in PRIVATE_DIRS:
         if not os.path.isdir(d) or os.path.islink(d):
             continue
         mode = b"mode=0755" if d == "/run" else b"mode=1777"
-        _check(_libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, mode),
-               f"mount tmpfs on {d}")
+        _check(
+            _libc.mount(b"tmpfs", d.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, mode),
+            f"mount tmpfs on {d}",
+        )
         if own_mounts:
             # A peer group of this namespace alone, for the job's mounts below it to copy.
-            _check(_libc.mount(b"none", d.encode(), None, _MS_SHARED, None),
-                   f"mount --make-shared {d}")
+            _check(
+                _libc.mount(b"none", d.encode(), None, _MS_SHARED, None), f"mount --make-shared {d}"
+            )
     # The job's namespace has the node's mounts below them too, which CRIU binds from the same
     # paths: an empty directory (or file) at each, in the private tmpfs, not their content.
     for point, is_dir in nested:
@@ -231,11 +275,11 @@ def _entries(data: bytes) -> list[bytes]:
     """The messages of a CRIU image: past its 8-byte magic, each after a 32-bit size."""
     at, out = 8, []
     while at + 4 <= len(data):
-        size = int.from_bytes(data[at:at + 4], "little")
+        size = int.from_bytes(data[at : at + 4], "little")
         at += 4
         if at + size > len(data):
             raise ValueError("an entry runs past the end")
-        out.append(data[at:at + size])
+        out.append(data[at : at + size])
         at += size
     return out
 
@@ -283,18 +327,27 @@ def bound_unix_paths(images: Path) -> set[str]:
         except FileNotFoundError:
             continue
         for entry in _entries(data):
-            sockets = [v for n, v in _fields(entry) if n == _FILE_USK and isinstance(v, bytes)] \
-                if is_file_entry else [entry]
+            sockets = (
+                [v for n, v in _fields(entry) if n == _FILE_USK and isinstance(v, bytes)]
+                if is_file_entry
+                else [entry]
+            )
             for usk in sockets:
                 fields = _fields(usk)
                 raw = next((v for n, v in fields if n == _USK_NAME and isinstance(v, bytes)), b"")
                 if not raw or raw.startswith(b"\0"):
                     continue
                 raw = raw.split(b"\0", 1)[0]  # the kernel's address may end in a NUL
-                where = next((v for n, v in fields if n == _USK_NAME_DIR and
-                              isinstance(v, bytes)), b"/")
-                path = os.path.normpath(os.path.join("/", where.decode(errors="surrogateescape"),
-                                                     raw.decode(errors="surrogateescape")))
+                where = next(
+                    (v for n, v in fields if n == _USK_NAME_DIR and isinstance(v, bytes)), b"/"
+                )
+                path = os.path.normpath(
+                    os.path.join(
+                        "/",
+                        where.decode(errors="surrogateescape"),
+                        raw.decode(errors="surrogateescape"),
+                    )
+                )
                 paths.add(path)
     return paths
 
@@ -324,8 +377,9 @@ def ghost_paths(images: Path) -> set[str]:
             ids = [v for n, v in parts if n == _REG_ID and isinstance(v, int)]
             name = next((v for n, v in parts if n == _REG_NAME and isinstance(v, bytes)), b"")
             if ids and ids[0] in ghosts and name:
-                paths.add(os.path.normpath(os.path.join(
-                    "/", name.decode(errors="surrogateescape"))))
+                paths.add(
+                    os.path.normpath(os.path.join("/", name.decode(errors="surrogateescape")))
+                )
     return paths
 
 
@@ -349,8 +403,10 @@ def _shadow_plan(paths: Iterable[str]) -> dict[str, set[str]]:
         while parent != "/" and not os.path.lexists(parent):
             parent = os.path.dirname(parent)
         if parent == "/":
-            raise _NotVerifiable(f"not verified: {path} would be made in a directory the node "
-                                 "lacks, below / itself, which a sandbox does not shadow")
+            raise _NotVerifiable(
+                f"not verified: {path} would be made in a directory the node "
+                "lacks, below / itself, which a sandbox does not shadow"
+            )
         plan.setdefault(parent, set())
     return plan
 
@@ -376,10 +432,15 @@ def _shadow(by_dir: dict[str, set[str]]) -> None:
                 raise _NotVerifiable(
                     f"not verified: its directory {directory} holds "
                     f"{len(entries)} entries, more than a sandbox mirrors "
-                    f"({_SHADOW_MAX_ENTRIES})")
+                    f"({_SHADOW_MAX_ENTRIES})"
+                )
             options = f"mode={st.st_mode & 0o7777:o},uid={st.st_uid},gid={st.st_gid}"
-            _check(_libc.mount(b"tmpfs", directory.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                               options.encode()), f"mount tmpfs on {directory}")
+            _check(
+                _libc.mount(
+                    b"tmpfs", directory.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()
+                ),
+                f"mount tmpfs on {directory}",
+            )
             for name in entries:
                 _mirror(fd, directory, name)
         finally:
@@ -398,8 +459,7 @@ def _mirror(dir_fd: int, directory: str, name: str) -> None:
     else:
         os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
     source = f"/proc/self/fd/{dir_fd}/{name}".encode()
-    _check(_libc.mount(source, target.encode(), None, _MS_BIND | _MS_REC, None),
-           f"bind {target}")
+    _check(_libc.mount(source, target.encode(), None, _MS_BIND | _MS_REC, None), f"bind {target}")
 
 
 class _NotVerifiable(Exception):
@@ -417,7 +477,7 @@ def _namespace_pid(pid: int) -> tuple[int, str] | None:
 
 
 def _compare(root: int, expected: set[int]) -> str:
-    """"" when the tree under `root` is the one recorded (every process back, stopped)."""
+    """ "" when the tree under `root` is the one recorded (every process back, stopped)."""
     # CRIU queues SIGSTOP to each task while it still holds it under ptrace (stopped just past
     # its sigreturn), then detaches: the task takes the stop on its way back to user space,
     # before any instruction of the job, but /proc may show it running for that moment.
@@ -428,17 +488,18 @@ def _compare(root: int, expected: set[int]) -> str:
             seen = _namespace_pid(pid)
             if seen is not None:
                 found[seen[0]] = seen[1]
-        if all(state in _STOPPED for state in found.values()) or \
-                time.monotonic() > deadline:
+        if all(state in _STOPPED for state in found.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.005)
     missing = sorted(expected - set(found))
     extra = sorted(set(found) - expected)
     running = sorted(p for p, state in found.items() if state not in _STOPPED)
     if missing:
-        return (f"{len(missing)} of the {len(expected)} processes the checkpoint records did "
-                f"not come back (pids {', '.join(map(str, missing[:5]))} in the job's "
-                "namespace)")
+        return (
+            f"{len(missing)} of the {len(expected)} processes the checkpoint records did "
+            f"not come back (pids {', '.join(map(str, missing[:5]))} in the job's "
+            "namespace)"
+        )
     if extra:
         return f"the restore made processes the checkpoint does not record (pids {extra[:5]})"
     if running:
@@ -474,13 +535,21 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
         sockets = bound_unix_paths(images)
         ghosts = ghost_paths(images)
     except (OSError, ValueError) as e:
-        return {"ok": False, "reason": f"its process tree image is unreadable: {e}",
-                "processes": 0, "duration_s": 0.0}
+        return {
+            "ok": False,
+            "reason": f"its process tree image is unreadable: {e}",
+            "processes": 0,
+            "duration_s": 0.0,
+        }
     if remaps:
-        return {"ok": False, "processes": len(expected), "duration_s": 0.0,
-                "reason": f"not verified: it holds {remaps} link-remapped file(s) (deleted files "
-                          "still linked elsewhere), whose links a restore removes from the "
-                          "node: verifying would spend them"}
+        return {
+            "ok": False,
+            "processes": len(expected),
+            "duration_s": 0.0,
+            "reason": f"not verified: it holds {remaps} link-remapped file(s) (deleted files "
+            "still linked elsewhere), whose links a restore removes from the "
+            "node: verifying would spend them",
+        }
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     _enter_namespaces(bool(spec.get("own_mounts")))
     try:
@@ -496,16 +565,26 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         try:
             result = restore_tree(
-                CRIU(spec["criu"], log_dir), images, owner, outputs, spec["log_name"],
-                expect=spec["expect"], checkpoint=spec["checkpoint"],
-                criu_version=spec["criu_version"], sandboxed=True,
-                own_mounts=bool(spec.get("own_mounts")))
+                CRIU(spec["criu"], log_dir),
+                images,
+                owner,
+                outputs,
+                spec["log_name"],
+                expect=spec["expect"],
+                checkpoint=spec["checkpoint"],
+                criu_version=spec["criu_version"],
+                sandboxed=True,
+                own_mounts=bool(spec.get("own_mounts")),
+            )
         except StasisError as e:
-            return {"ok": False, "reason": str(e), "processes": len(expected),
-                    "duration_s": 0.0}
+            return {"ok": False, "reason": str(e), "processes": len(expected), "duration_s": 0.0}
         except OSError as e:
-            return {"ok": False, "reason": f"cannot open the job's output for the restore: {e}",
-                    "processes": len(expected), "duration_s": 0.0}
+            return {
+                "ok": False,
+                "reason": f"cannot open the job's output for the restore: {e}",
+                "processes": len(expected),
+                "duration_s": 0.0,
+            }
         root = result.pid
         if "fault_fd" in spec:
             # The outer process is SIGKILLed now (as a verify that timed out is): this init
@@ -513,8 +592,12 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
             os.write(spec["fault_fd"], b"x")
             time.sleep(60)
         problem = _compare(root, expected)
-        return {"ok": not problem, "reason": problem, "processes": len(expected),
-                "duration_s": round(result.duration_s, 4)}
+        return {
+            "ok": not problem,
+            "reason": problem,
+            "processes": len(expected),
+            "duration_s": round(result.duration_s, 4),
+        }
     finally:
         _end_tree(root)
 
@@ -529,8 +612,9 @@ def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
     faults.arm(spec.get("faults") or ())
     _lower_priority()
-    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID),
-           "unshare(mount, network, pid)")
+    _check(
+        _libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID), "unshare(mount, network, pid)"
+    )
     fault = os.pipe() if "verify.sandbox.restored" in faults.armed() else None
     if fault is not None:
         spec["fault_fd"] = fault[1]
@@ -541,8 +625,12 @@ def main() -> None:
             answer = _sandboxed(spec)
         except Exception as e:  # the caller must get a verdict, whatever happened
             _end_tree(None)
-            answer = {"ok": False, "reason": f"the sandbox failed: {type(e).__name__}: {e}",
-                      "processes": 0, "duration_s": 0.0}
+            answer = {
+                "ok": False,
+                "reason": f"the sandbox failed: {type(e).__name__}: {e}",
+                "processes": 0,
+                "duration_s": 0.0,
+            }
         try:
             os.write(1, (json.dumps(answer) + "\n").encode())
         except OSError:

@@ -72,15 +72,18 @@ class PipeWriter:
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=ahead)
         self._error: BaseException | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="stasis-streamer-pipe",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="stasis-streamer-pipe", daemon=True)
         self._thread.start()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if self._error is not None:
             raise self._error
-        if isinstance(data, memoryview) and isinstance(data.obj, bytes) and data.contiguous \
-                and len(data) == len(data.obj):
+        if (
+            isinstance(data, memoryview)
+            and isinstance(data.obj, bytes)
+            and data.contiguous
+            and len(data) == len(data.obj)
+        ):
             data = data.obj
         # Handed over later: only what nobody can change meanwhile (the caller may reuse a
         # bytearray for the next chunk).
@@ -197,8 +200,7 @@ class ImageServer:
     """Serves one restore's images to CRIU from `source`, on `directory`/streamer-serve.sock
     (a directory only root may enter: whoever connects is the restore's CRIU)."""
 
-    def __init__(self, directory: Path, source: Source,
-                 accept_timeout_s: float = 60.0) -> None:
+    def __init__(self, directory: Path, source: Source, accept_timeout_s: float = 60.0) -> None:
         self._source = source
         self._accept_timeout_s = accept_timeout_s
         self._lock = threading.Lock()
@@ -269,8 +271,12 @@ class ImageServer:
                         return
                     with self._changed:
                         self._running += 1
-                    threading.Thread(target=self._send, args=(name, send, fds[0]),
-                                     name="stasis-streamer-file", daemon=True).start()
+                    threading.Thread(
+                        target=self._send,
+                        args=(name, send, fds[0]),
+                        name="stasis-streamer-file",
+                        daemon=True,
+                    ).start()
         except (OSError, ValueError) as e:
             self._fail(f"the image streamer's connection with CRIU failed: {e}")
         finally:
@@ -326,7 +332,7 @@ def _read_request(conn: socket.socket) -> str | None:
     if body is None or not body or body[0] != 0x0A:  # field 1, length-delimited
         raise ValueError("a request without a file name")
     length, at = _varint(body, 1)
-    name = body[at:at + length]
+    name = body[at : at + length]
     if len(name) != length:
         raise ValueError("a cut-off request")
     return name.decode("utf-8", "replace")

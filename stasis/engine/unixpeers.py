@@ -74,30 +74,41 @@ class ExternalPeer:
     holders: tuple[Process, ...]  # the outside processes holding the far end (may be none seen)
 
     def describe(self) -> str:
-        outside = " and ".join(str(p) for p in self.holders) or \
-            "a socket no process outside holds open (in flight, or in another namespace)"
+        outside = (
+            " and ".join(str(p) for p in self.holders)
+            or "a socket no process outside holds open (in flight, or in another namespace)"
+        )
         limit = f"CRIU cannot dump one end of a unix {self.kind} connection"
         if self.served_inside:
-            return (f"{outside}, outside the job, is connected to the job's socket "
-                    f"{self.address} (served by {self.inside}): {limit}; disconnect or stop "
-                    "that client before the dump, or run it inside the job")
+            return (
+                f"{outside}, outside the job, is connected to the job's socket "
+                f"{self.address} (served by {self.inside}): {limit}; disconnect or stop "
+                "that client before the dump, or run it inside the job"
+            )
         if self.served_inside is False:
-            return (f"{self.inside} is connected to {self.address}, served by {outside} "
-                    f"outside the job: {limit}; have the job close that connection before the "
-                    "dump, or run that server inside the job")
-        return (f"{self.inside} shares an unnamed unix {self.kind} connection (a socketpair) "
-                f"with {outside}, outside the job: {limit}; close it on one side before the "
-                "dump, or run that process inside the job")
+            return (
+                f"{self.inside} is connected to {self.address}, served by {outside} "
+                f"outside the job: {limit}; have the job close that connection before the "
+                "dump, or run that server inside the job"
+            )
+        return (
+            f"{self.inside} shares an unnamed unix {self.kind} connection (a socketpair) "
+            f"with {outside}, outside the job: {limit}; close it on one side before the "
+            "dump, or run that process inside the job"
+        )
 
 
 def unix_sockets() -> dict[int, UnixSocket]:
     """Every unix socket of this network namespace, by inode, with its peer and address."""
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                       NETLINK_SOCK_DIAG) as nl:
-        req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0,
-                                  UDIAG_SHOW_NAME | UDIAG_SHOW_PEER, 0, 0)
-        hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), SOCK_DIAG_BY_FAMILY,
-                             NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    with socket.socket(
+        socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG
+    ) as nl:
+        req = _UNIX_DIAG_REQ.pack(
+            socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME | UDIAG_SHOW_PEER, 0, 0
+        )
+        hdr = _NLMSGHDR.pack(
+            _NLMSGHDR.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0
+        )
         nl.sendto(hdr + req, (0, 0))
         found: dict[int, UnixSocket] = {}
         while True:
@@ -120,7 +131,7 @@ def _messages(data: bytes) -> Iterator[tuple[int, bytes]]:
         length, kind, _flags, _seq, _pid = _NLMSGHDR.unpack_from(data, offset)
         if length < _NLMSGHDR.size:
             return
-        yield kind, data[offset + _NLMSGHDR.size:offset + length]
+        yield kind, data[offset + _NLMSGHDR.size : offset + length]
         offset += (length + 3) & ~3
 
 
@@ -133,13 +144,16 @@ def _parse(payload: bytes) -> UnixSocket:
         length, attr = _RTATTR.unpack_from(payload, offset)
         if length < _RTATTR.size:
             break
-        value = payload[offset + _RTATTR.size:offset + length]
+        value = payload[offset + _RTATTR.size : offset + length]
         if attr == UNIX_DIAG_PEER and len(value) >= 4:
             peer = struct.unpack_from("=I", value)[0]
         elif attr == UNIX_DIAG_NAME and value:
             # An abstract address starts with a NUL; `ss` shows it as '@'.
-            name = ("@" + value[1:].decode(errors="replace")) if value[0] == 0 \
+            name = (
+                ("@" + value[1:].decode(errors="replace"))
+                if value[0] == 0
                 else value.decode(errors="replace").rstrip("\0")
+            )
         offset += (length + 3) & ~3
     return UnixSocket(inode=inode, type=kind, peer=peer, name=name)
 
@@ -184,7 +198,7 @@ def command(pid: int, viewer: int | None = None) -> str:
                 text = f.read().strip()
     except OSError:
         return "?"
-    return text if len(text) <= _COMMAND_CHARS else text[:_COMMAND_CHARS - 3] + "..."
+    return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 3] + "..."
 
 
 def _user(uid: int) -> str:
@@ -222,9 +236,14 @@ def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
     if not mine:
         return []
     sockets = unix_sockets()
-    crossing = [(sockets[i], pid) for i, pid in mine.items()
-                if i in sockets and sockets[i].type in _STREAMS and sockets[i].peer
-                and sockets[i].peer not in mine]
+    crossing = [
+        (sockets[i], pid)
+        for i, pid in mine.items()
+        if i in sockets
+        and sockets[i].type in _STREAMS
+        and sockets[i].peer
+        and sockets[i].peer not in mine
+    ]
     if not crossing:
         return []
     far = holders((sk.peer for sk, _ in crossing), skip=set(tree))
@@ -232,12 +251,15 @@ def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
     for sk, pid in sorted(crossing, key=lambda c: (c[1], c[0].inode)):
         other = sockets.get(sk.peer)
         outside_name = other.name if other else None
-        peers.append(ExternalPeer(
-            inside=Process(pid, command(pid, viewer)), kind=_TYPES[sk.type],
-            address=sk.name or outside_name,
-            served_inside=True if sk.name else False if outside_name else None,
-            holders=tuple(Process(p, command(p, viewer)) for p in sorted(far.get(sk.peer, []))),
-        ))
+        peers.append(
+            ExternalPeer(
+                inside=Process(pid, command(pid, viewer)),
+                kind=_TYPES[sk.type],
+                address=sk.name or outside_name,
+                served_inside=True if sk.name else False if outside_name else None,
+                holders=tuple(Process(p, command(p, viewer)) for p in sorted(far.get(sk.peer, []))),
+            )
+        )
     return peers
 
 

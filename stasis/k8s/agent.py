@@ -114,12 +114,18 @@ class HostInstall:
         return self.root / path.relative_to("/")
 
     def node_runc(self) -> str:
-        for candidate in ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc",
-                          "/usr/local/bin/runc"):
+        for candidate in (
+            "/usr/sbin/runc",
+            "/usr/bin/runc",
+            "/usr/local/sbin/runc",
+            "/usr/local/bin/runc",
+        ):
             if self.on_host(Path(candidate)).exists():
                 return candidate
-        raise ContainerError(f"no runc on the node (looked in {self.root}/usr/sbin, "
-                             "/usr/bin, /usr/local/sbin, /usr/local/bin)")
+        raise ContainerError(
+            f"no runc on the node (looked in {self.root}/usr/sbin, "
+            "/usr/bin, /usr/local/sbin, /usr/local/bin)"
+        )
 
 
 @dataclass
@@ -149,7 +155,7 @@ class Agent:
 
     def __post_init__(self) -> None:
         self._answered = Recent(self.remember_pods)
-        for key, digest in _read_answered(self.answered_file)[-self.remember_pods:]:
+        for key, digest in _read_answered(self.answered_file)[-self.remember_pods :]:
             self._answered.put(key, digest)
 
     @property
@@ -167,8 +173,12 @@ class Agent:
                 json.dump({"pods": list(self._answered.items())}, out)
             tmp.replace(path)
         except OSError as e:
-            log.warning("cannot keep the requests answered in %s: %s (an agent started "
-                        "again may run them again, held to the node's floor)", path, e)
+            log.warning(
+                "cannot keep the requests answered in %s: %s (an agent started "
+                "again may run them again, held to the node's floor)",
+                path,
+                e,
+            )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -176,9 +186,11 @@ class Agent:
         """Until `stop` is set (SIGTERM)."""
         if self.install is not None and not self._uninstall_pending():
             install_runtime(self.install, self.settings)
-        threads = [threading.Thread(target=self._readiness, name="readiness", daemon=True),
-                   threading.Thread(target=self._watch_node, name="node", daemon=True),
-                   threading.Thread(target=self._watch_pods, name="pods", daemon=True)]
+        threads = [
+            threading.Thread(target=self._readiness, name="readiness", daemon=True),
+            threading.Thread(target=self._watch_node, name="node", daemon=True),
+            threading.Thread(target=self._watch_pods, name="pods", daemon=True),
+        ]
         for t in threads:
             t.start()
         log.info("agent of node %s running", self.node)
@@ -196,8 +208,7 @@ class Agent:
         if self._daemon is not None and self._daemon.poll() is None:
             return
         if self._daemon is not None:
-            log.warning("the stasis daemon exited (%s); starting it again",
-                        self._daemon.returncode)
+            log.warning("the stasis daemon exited (%s); starting it again", self._daemon.returncode)
         from stasis.daemon.detached import stasis_command
 
         self._daemon = subprocess.Popen([*stasis_command(), "daemon"])
@@ -245,8 +256,7 @@ class Agent:
             try:
                 self._taint()
             except Exception as e:
-                log.warning("node %s: cannot set its taint: %s: %s", self.node,
-                            type(e).__name__, e)
+                log.warning("node %s: cannot set its taint: %s: %s", self.node, type(e).__name__, e)
             self.stop.wait(self.settings.k8s_check_interval_s)
 
     def _taint(self, node: Any = None) -> None:
@@ -256,11 +266,14 @@ class Agent:
             if self.uninstalling:
                 return
             try:
-                node = node or kube.call(f"read node {self.node}", self.api.read_node,
-                                         self.node)
+                node = node or kube.call(f"read node {self.node}", self.api.read_node, self.node)
                 if kube.set_taint(self.api, node, not self.ready, *self.taint):
-                    log.info("node %s: taint %s %s", self.node, self.taint[0],
-                             "removed" if self.ready else "put on")
+                    log.info(
+                        "node %s: taint %s %s",
+                        self.node,
+                        self.taint[0],
+                        "removed" if self.ready else "put on",
+                    )
             except kube.KubeError as e:
                 log.warning("node %s: cannot set its taint: %s", self.node, e)
 
@@ -307,8 +320,9 @@ class Agent:
             result["error"] = "; ".join(errors)
             log.warning("node %s: uninstall: %s", self.node, result["error"])
         try:
-            kube.annotate(self.api, "node", node_ref(self.node),
-                          {UNINSTALLED_ANNOTATION: json.dumps(result)})
+            kube.annotate(
+                self.api, "node", node_ref(self.node), {UNINSTALLED_ANNOTATION: json.dumps(result)}
+            )
         except kube.KubeError as e:
             log.warning("node %s: cannot answer the uninstall: %s", self.node, e)
         return result
@@ -316,23 +330,26 @@ class Agent:
     # -- the node: taint kept, cordon ------------------------------------------------------
 
     def _watch_node(self) -> None:
-        for kind, node in kube.watch(self.api, self.api.list_node, self.stop,
-                                     field_selector=f"metadata.name={self.node}"):
+        for kind, node in kube.watch(
+            self.api, self.api.list_node, self.stop, field_selector=f"metadata.name={self.node}"
+        ):
             if node.metadata.name != self.node or kind == "DELETED":
                 continue
             asked = self._uninstall_asked(node)
             if asked is not None and asked != self._uninstall_seen:
                 self._uninstall_seen = asked
-                threading.Thread(target=self.on_uninstall, args=(asked,), name="uninstall",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self.on_uninstall, args=(asked,), name="uninstall", daemon=True
+                ).start()
             self._taint(node)
             cordoned = bool(node.spec.unschedulable)
             was, self._unschedulable = self._unschedulable, cordoned
             # Only a change is a cordon: a node found cordoned at the agent's start was
             # cordoned before (its containers' stops still checkpoint them).
             if was is False and cordoned:
-                threading.Thread(target=self.on_cordon, args=(node,), name="cordon",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self.on_cordon, args=(node,), name="cordon", daemon=True
+                ).start()
 
     def on_cordon(self, node: Any) -> dict[str, Any]:
         log.info("node %s cordoned: checkpointing its containers under stasis", self.node)
@@ -344,8 +361,7 @@ class Agent:
             results["error"] = str(e)
         for c in containers:
             results[c["container_id"]] = self._checkpoint(c["container_id"], "cordon")
-        done = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "containers": results}
+        done = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "containers": results}
         try:
             kube.annotate(self.api, "node", node, {kube.CORDON_ANNOTATION: json.dumps(done)})
         except kube.KubeError as e:
@@ -360,8 +376,9 @@ class Agent:
     def _checkpoint(self, container_id: str, reason: str) -> dict[str, Any]:
         try:
             with self._client(timeout_s=None) as c:
-                a = c.request("POST", f"/k8s/containers/{container_id}/checkpoint",
-                              {"reason": reason})
+                a = c.request(
+                    "POST", f"/k8s/containers/{container_id}/checkpoint", {"reason": reason}
+                )
         except StasisError as e:
             log.warning("checkpoint of container %s (%s) failed: %s", container_id, reason, e)
             return {"error": str(e)}
@@ -370,8 +387,12 @@ class Agent:
     # -- pods: by hand, intervals ----------------------------------------------------------
 
     def _watch_pods(self) -> None:
-        for kind, pod in kube.watch(self.api, self.api.list_pod_for_all_namespaces, self.stop,
-                                    field_selector=f"spec.nodeName={self.node}"):
+        for kind, pod in kube.watch(
+            self.api,
+            self.api.list_pod_for_all_namespaces,
+            self.stop,
+            field_selector=f"spec.nodeName={self.node}",
+        ):
             if kind == "DELETED":
                 self.forget_pod(pod)
                 continue
@@ -394,10 +415,16 @@ class Agent:
         asked = ann.get(kube.CHECKPOINT_ANNOTATION)
         # Answered: by this agent or one before it on this node (ANSWERED_FILE), or by an
         # agent of stasis 0.1.0 (in the pod's annotations).
-        wants_checkpoint = bool(asked) and asked != ann.get(kube.CHECKPOINTED_ANNOTATION) \
+        wants_checkpoint = (
+            bool(asked)
+            and asked != ann.get(kube.CHECKPOINTED_ANNOTATION)
             and self._answered.get(pod_key(pod)) != _digest(asked or "")
-        if not wants_checkpoint and kube.INTERVAL_ANNOTATION not in ann \
-                and not set(self._interval_set).intersection(ids.values()):
+        )
+        if (
+            not wants_checkpoint
+            and kube.INTERVAL_ANNOTATION not in ann
+            and not set(self._interval_set).intersection(ids.values())
+        ):
             return  # the common case: nothing asked of this pod (no call to the daemon)
         ours = {c["container_id"]: c for c in self._containers()}
         # Containers the daemon no longer has (their pods gone while the agent was away).
@@ -408,8 +435,9 @@ class Agent:
             assert asked is not None
             self._checkpoint_pod(pod, asked, ids, ours)
 
-    def _checkpoint_pod(self, pod: Any, asked: str, ids: dict[str, str],
-                        ours: dict[str, ContainerInfo]) -> None:
+    def _checkpoint_pod(
+        self, pod: Any, asked: str, ids: dict[str, str], ours: dict[str, ContainerInfo]
+    ) -> None:
         name = f"{pod.metadata.namespace}/{pod.metadata.name}"
         result: dict[str, Any] = {"containers": {}}
         for container, cid in sorted(ids.items()):
@@ -417,16 +445,19 @@ class Agent:
                 # Held to the node's floor by the daemon: the pod's owner asks for it.
                 result["containers"][container] = self._checkpoint(cid, "annotation")
         if not result["containers"]:
-            result["error"] = (f"no container of pod {name} is under stasis on node "
-                               f"{self.node} (runtimeClassName: stasis and STASIS_CHECKPOINT "
-                               "on the container)")
+            result["error"] = (
+                f"no container of pod {name} is under stasis on node "
+                f"{self.node} (runtimeClassName: stasis and STASIS_CHECKPOINT "
+                "on the container)"
+            )
         log.info("pod %s: checkpoint asked (%s): %s", name, asked[:80], json.dumps(result))
         self._answered.put(pod_key(pod), _digest(asked))
         self._keep_answered()
         kube.answer(self.api, pod, asked, result, _said(result), self.node)
 
-    def _intervals(self, pod: Any, ann: dict[str, str], ids: dict[str, str],
-                   ours: dict[str, ContainerInfo]) -> None:
+    def _intervals(
+        self, pod: Any, ann: dict[str, str], ids: dict[str, str], ours: dict[str, ContainerInfo]
+    ) -> None:
         raw = ann.get(kube.INTERVAL_ANNOTATION)
         wanted: int | None = None
         if raw is not None:
@@ -435,9 +466,13 @@ class Agent:
                 if wanted < 0:
                     raise ValueError(raw)
             except ValueError:
-                log.warning("pod %s/%s: %s=%r is not a whole number of seconds; ignored",
-                            pod.metadata.namespace, pod.metadata.name,
-                            kube.INTERVAL_ANNOTATION, raw)
+                log.warning(
+                    "pod %s/%s: %s=%r is not a whole number of seconds; ignored",
+                    pod.metadata.namespace,
+                    pod.metadata.name,
+                    kube.INTERVAL_ANNOTATION,
+                    raw,
+                )
                 return
         for cid in ids.values():
             info = ours.get(cid)
@@ -445,8 +480,11 @@ class Agent:
                 continue
             # Asked once per value: the daemon raises an interval below its floor, so the
             # container's may differ from the annotation's for good.
-            if wanted is not None and self._interval_set.get(cid) != wanted and \
-                    (cid in self._interval_set or info["interval_s"] != wanted):
+            if (
+                wanted is not None
+                and self._interval_set.get(cid) != wanted
+                and (cid in self._interval_set or info["interval_s"] != wanted)
+            ):
                 self._set_interval(cid, wanted)
                 self._interval_set[cid] = wanted
             elif wanted is None and cid in self._interval_set:
@@ -455,19 +493,23 @@ class Agent:
 
     def _set_interval(self, container_id: str, seconds: int | None) -> None:
         with self._client() as c:
-            c.request("POST", f"/k8s/containers/{container_id}/interval",
-                      {"interval_s": seconds})
-        log.info("container %s: checkpoint interval %s", container_id,
-                 f"{seconds} s" if seconds is not None else "its own STASIS_INTERVAL")
+            c.request("POST", f"/k8s/containers/{container_id}/interval", {"interval_s": seconds})
+        log.info(
+            "container %s: checkpoint interval %s",
+            container_id,
+            f"{seconds} s" if seconds is not None else "its own STASIS_INTERVAL",
+        )
 
 
 def _said(result: dict[str, Any]) -> str:
     """The answer in words, as `kubectl describe pod` shows it: a line per container."""
     if result.get("error"):
         return str(result["error"])
-    return "; ".join(f"container {c}: " + (r["error"] if "error" in r else
-                                            f"checkpoint {r['checkpoint']} (label {r['label']})")
-                     for c, r in sorted(result["containers"].items()))
+    return "; ".join(
+        f"container {c}: "
+        + (r["error"] if "error" in r else f"checkpoint {r['checkpoint']} (label {r['label']})")
+        for c, r in sorted(result["containers"].items())
+    )
 
 
 def _read_answered(path: Path) -> list[tuple[str, str]]:
@@ -479,15 +521,20 @@ def _read_answered(path: Path) -> list[tuple[str, str]]:
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_size > _ANSWERED_MAX_BYTES:
-            log.warning("%s is not this agent's or too large (owner %d, %d bytes): ignored",
-                        path, st.st_uid, st.st_size)
+            log.warning(
+                "%s is not this agent's or too large (owner %d, %d bytes): ignored",
+                path,
+                st.st_uid,
+                st.st_size,
+            )
             return []
         with os.fdopen(fd, "rb") as f:
             fd = -1
             data = json.loads(f.read(_ANSWERED_MAX_BYTES))
         pods = data["pods"]
-        if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
-                   for p in pods):
+        if not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pods
+        ):
             raise ValueError("not a list of [pod, request digest] pairs")
         return [(k, v) for k, v in pods]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -512,22 +559,29 @@ def install_runtime(where: HostInstall, settings: Settings) -> list[str]:
 
     runc = where.node_runc()
     changes = []
-    if hostbundle.install(where.on_host(where.bundle), Path(find_criu(settings.criu)),
-                          seen_as=where.bundle):
+    if hostbundle.install(
+        where.on_host(where.bundle), Path(find_criu(settings.criu)), seen_as=where.bundle
+    ):
         changes.append(f"install stasis-runc and CRIU into {where.bundle}")
     config = where.on_host(where.runtime_config)
     config.parent.mkdir(parents=True, exist_ok=True)
     q = json.dumps  # TOML basic strings
     tmp = config.with_name(config.name + ".tmp")
-    tmp.write_text(f"socket = {q(str(settings.socket))}\n"
-                   f"criu = {q(str(where.bundle / 'bin' / 'criu'))}\n"
-                   f"runc = {q(runc)}\n")
+    tmp.write_text(
+        f"socket = {q(str(settings.socket))}\n"
+        f"criu = {q(str(where.bundle / 'bin' / 'criu'))}\n"
+        f"runc = {q(runc)}\n"
+    )
     tmp.replace(config)
-    changes += shim.install_node(where.on_host(where.containerd_config),
-                                 where.on_host(where.bin_dir), where.runtime_config,
-                                 wrapper=str(where.bundle / "bin" / "stasis-runc"),
-                                 node_runc=runc, seen_as=where.bin_dir,
-                                 config_version=where.containerd_config_version)
+    changes += shim.install_node(
+        where.on_host(where.containerd_config),
+        where.on_host(where.bin_dir),
+        where.runtime_config,
+        wrapper=str(where.bundle / "bin" / "stasis-runc"),
+        node_runc=runc,
+        seen_as=where.bin_dir,
+        config_version=where.containerd_config_version,
+    )
     for change in changes:
         log.info("host: %s", change)
     _restart_containerd(where, changes)
@@ -542,11 +596,14 @@ def remove_runtime(where: HostInstall) -> list[str]:
 
     from stasis.k8s import shim
 
-    changes = shim.uninstall_node(where.on_host(where.containerd_config),
-                                  where.on_host(where.bin_dir))
+    changes = shim.uninstall_node(
+        where.on_host(where.containerd_config), where.on_host(where.bin_dir)
+    )
     bundle = where.on_host(where.bundle)
-    for leftover in (bundle.with_name(bundle.name + ".new"),
-                     bundle.with_name(bundle.name + ".old")):
+    for leftover in (
+        bundle.with_name(bundle.name + ".new"),
+        bundle.with_name(bundle.name + ".old"),
+    ):
         shutil.rmtree(leftover, ignore_errors=True)
     if bundle.is_dir() and not bundle.is_symlink():
         shutil.rmtree(bundle)
@@ -568,10 +625,13 @@ def remove_runtime(where: HostInstall) -> list[str]:
 def _restart_containerd(where: HostInstall, changes: list[str]) -> None:
     if not where.restart_containerd or not any("runtime entry" in c for c in changes):
         return
-    done = subprocess.run(list(where.restart_containerd), capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+        list(where.restart_containerd), capture_output=True, text=True, timeout=120, check=False
+    )
     if done.returncode != 0:
-        raise ContainerError(f"restarting containerd ({' '.join(where.restart_containerd)}) "
-                             f"failed: {done.stderr.strip() or done.returncode}")
+        raise ContainerError(
+            f"restarting containerd ({' '.join(where.restart_containerd)}) "
+            f"failed: {done.stderr.strip() or done.returncode}"
+        )
     changes.append("restart containerd")
     log.info("host: containerd restarted")

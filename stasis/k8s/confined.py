@@ -21,8 +21,7 @@ import os
 import stat
 from types import TracebackType
 
-__all__ = ["ConfinedRoot", "EscapeError", "keep_only_file_capabilities", "link_fd",
-           "split"]
+__all__ = ["ConfinedRoot", "EscapeError", "keep_only_file_capabilities", "link_fd", "split"]
 
 _SYS_OPENAT2 = 437  # the same number on every architecture (added after the tables merged)
 RESOLVE_NO_XDEV = 0x01
@@ -37,14 +36,12 @@ PATH_MAX = 4096
 
 
 class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                         ctypes.c_int]
+_libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
 _libc.linkat.restype = ctypes.c_int
 # None until the first call says whether this kernel has openat2; tests set it to False to
 # exercise the component walk.
@@ -79,9 +76,15 @@ def _openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
     raw = os.fsencode(path)
     while True:
         # Every argument typed: syscall(2) is variadic, and the kernel reads whole longs.
-        fd = int(_libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dirfd),
-                               ctypes.c_char_p(raw), ctypes.byref(how),
-                               ctypes.c_size_t(ctypes.sizeof(how))))
+        fd = int(
+            _libc.syscall(
+                ctypes.c_long(_SYS_OPENAT2),
+                ctypes.c_long(dirfd),
+                ctypes.c_char_p(raw),
+                ctypes.byref(how),
+                ctypes.c_size_t(ctypes.sizeof(how)),
+            )
+        )
         if fd >= 0:
             have_openat2 = True
             return fd
@@ -113,8 +116,9 @@ class ConfinedRoot:
     def __enter__(self) -> ConfinedRoot:
         return self
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def open(self, parts: tuple[str, ...], flags: int) -> int:
@@ -144,9 +148,13 @@ class ConfinedRoot:
                     nxt = os.open(p, how | os.O_CLOEXEC, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
-                            os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode):
-                        raise EscapeError(errno.ELOOP, f"{p!r} is a symlink (this kernel has "
-                                          "no openat2 to follow it inside the tree)") from e
+                        os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode
+                    ):
+                        raise EscapeError(
+                            errno.ELOOP,
+                            f"{p!r} is a symlink (this kernel has "
+                            "no openat2 to follow it inside the tree)",
+                        ) from e
                     raise
                 os.close(fd)
                 fd = nxt
@@ -207,8 +215,11 @@ class _CapHeader(ctypes.Structure):
 
 
 class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
 
 
 def keep_only_file_capabilities() -> None:
@@ -227,6 +238,14 @@ def keep_only_file_capabilities() -> None:
     if _libc.capset(ctypes.byref(header), data) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"capset failed: {os.strerror(err)}")
-    if _libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+    if (
+        _libc.prctl(
+            ctypes.c_int(_PR_SET_NO_NEW_PRIVS),
+            ctypes.c_ulong(1),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
+        != 0
+    ):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")

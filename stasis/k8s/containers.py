@@ -36,14 +36,24 @@ import stat
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Column, Integer, MetaData, String, Table, Text, delete, insert, select, \
-    update
+from sqlalchemy import (
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    delete,
+    insert,
+    select,
+    update,
+)
 
 from stasis import faults
 from stasis.config import Settings
@@ -66,20 +76,30 @@ from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
     ContainerInfo,
+    ContainerRef,
     ExportAnswer,
     ExportRequest,
+    Forgotten,
     ImportRequest,
     IntervalRequest,
-    ContainerRef,
-    Forgotten,
     RegisterRequest,
     RestoreDone,
     RestoreDoneRequest,
     RestorePlan,
     RestoreRequest,
 )
-from stasis.k8s.runc import STOP_MARKER, Bundle, Runc, legacy_namespace_uid, mark_stop_asked, \
-    namespace_uid, read_bundle, real_runc, validate_abs_path, validate_container_id
+from stasis.k8s.runc import (
+    STOP_MARKER,
+    Bundle,
+    Runc,
+    legacy_namespace_uid,
+    mark_stop_asked,
+    namespace_uid,
+    read_bundle,
+    real_runc,
+    validate_abs_path,
+    validate_container_id,
+)
 from stasis.store import (
     CheckpointInfo,
     Manifest,
@@ -148,8 +168,9 @@ def _parent(row: dict[str, Any] | None) -> str | None:
 
 def _root_only(caller: Caller) -> None:
     if not caller.is_root:
-        raise PermissionDeniedError("permission denied: only root (the container runtime) acts "
-                                    "on containers")
+        raise PermissionDeniedError(
+            "permission denied: only root (the container runtime) acts " "on containers"
+        )
 
 
 class Containers:
@@ -164,7 +185,8 @@ class Containers:
         # A restore that fails on a good checkpoint is counted here, per checkpoint, so that
         # the create fails (and is retried) a bounded number of times before it is given up.
         self.failures = restorefails.RestoreFailures(
-            manager.settings.state_dir / restorefails.DIRECTORY)
+            manager.settings.state_dir / restorefails.DIRECTORY
+        )
         self.pod_event: PodEvent | None = None
         # Every `runc pause` is written down first (freezes.py); what a killed daemon left
         # frozen is settled at the start (`settle_freezes`), and retried while runc fails.
@@ -182,22 +204,30 @@ class Containers:
             raise UsageError(f"container {cid} has no STASIS_CHECKPOINT: nothing to protect")
         validate_label(bundle.label)
         restored = self._restored(cid, bundle, req.restored_from)
-        row = {"container_id": cid, "runc_root": str(root), "bundle": str(bundle.path),
-               "label": bundle.label, "namespace": bundle.namespace, "pod": bundle.pod,
-               "interval_s": self._floored(bundle.interval_s, root, cid),
-               "restored_from": restored.id if restored else req.restored_from,
-               "last_checkpoint": None,
-               "last_checkpoint_at": int(time.time()),
-               "registered": datetime.now(UTC).isoformat(timespec="seconds")}
+        row = {
+            "container_id": cid,
+            "runc_root": str(root),
+            "bundle": str(bundle.path),
+            "label": bundle.label,
+            "namespace": bundle.namespace,
+            "pod": bundle.pod,
+            "interval_s": self._floored(bundle.interval_s, root, cid),
+            "restored_from": restored.id if restored else req.restored_from,
+            "last_checkpoint": None,
+            "last_checkpoint_at": int(time.time()),
+            "registered": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
         with self.db.transaction() as conn:
-            conn.execute(delete(k8s_containers_table).where(
-                k8s_containers_table.c.container_id == cid))
+            conn.execute(
+                delete(k8s_containers_table).where(k8s_containers_table.c.container_id == cid)
+            )
             conn.execute(insert(k8s_containers_table).values(**row))
         self.records.refresh(k8s_containers_table, cid)
         return _info(row)
 
-    def _restored(self, container_id: str, bundle: Bundle, checkpoint: str | None
-                  ) -> Manifest | None:
+    def _restored(
+        self, container_id: str, bundle: Bundle, checkpoint: str | None
+    ) -> Manifest | None:
         """The container's work counts from the checkpoint it was restored from (or from
         nothing); a restore is told to the listeners."""
         m = self.manager
@@ -207,16 +237,30 @@ class Containers:
         try:
             manifest = m.store.get(checkpoint)
         except StasisError as e:
-            log.warning("container %s: cannot read checkpoint %s it was restored from: %s",
-                        container_id, checkpoint, e)
+            log.warning(
+                "container %s: cannot read checkpoint %s it was restored from: %s",
+                container_id,
+                checkpoint,
+                e,
+            )
             m.work.forget(container_id)
             return None
         work_s = work_of(manifest.extra)
         m.work.started_from(container_id, manifest.id, work_s)
-        m.activity.notify(Activity(
-            kind="restore", checkpoint=manifest.id, label=manifest.label, job=container_id,
-            user=f"k8s:{bundle.namespace}", size_bytes=manifest.size_bytes, work_s=work_s,
-            duration_s=0.0, store=m.store.url, reason="container created again"))
+        m.activity.notify(
+            Activity(
+                kind="restore",
+                checkpoint=manifest.id,
+                label=manifest.label,
+                job=container_id,
+                user=f"k8s:{bundle.namespace}",
+                size_bytes=manifest.size_bytes,
+                work_s=work_s,
+                duration_s=0.0,
+                store=m.store.url,
+                reason="container created again",
+            )
+        )
         return manifest
 
     def _floored(self, interval_s: int, runc_root: Path, container_id: str) -> int:
@@ -225,12 +269,19 @@ class Containers:
         floor = self.min_interval_s
         if not 0 < interval_s < floor:
             return interval_s
-        log.info("container %s: checkpoint interval %d s raised to the node's minimum, %d s",
-                 container_id, interval_s, floor)
-        self._tell(runc_root, container_id,
-                   f"checkpoint interval {interval_s} s (STASIS_INTERVAL or the pod's "
-                   f"stasis.dev/interval) is below this node's minimum of {floor} s: "
-                   f"checkpoints every {floor} s")
+        log.info(
+            "container %s: checkpoint interval %d s raised to the node's minimum, %d s",
+            container_id,
+            interval_s,
+            floor,
+        )
+        self._tell(
+            runc_root,
+            container_id,
+            f"checkpoint interval {interval_s} s (STASIS_INTERVAL or the pod's "
+            f"stasis.dev/interval) is below this node's minimum of {floor} s: "
+            f"checkpoints every {floor} s",
+        )
         return floor
 
     def _tell(self, runc_root: Path, container_id: str, message: str) -> bool:
@@ -270,14 +321,24 @@ class Containers:
 
     def _row(self, container_id: str) -> dict[str, Any] | None:
         with self.db.transaction() as conn:
-            r = conn.execute(select(k8s_containers_table).where(
-                k8s_containers_table.c.container_id == container_id)).mappings().first()
+            r = (
+                conn.execute(
+                    select(k8s_containers_table).where(
+                        k8s_containers_table.c.container_id == container_id
+                    )
+                )
+                .mappings()
+                .first()
+            )
         return dict(r) if r is not None else None
 
     def _set(self, container_id: str, **values: Any) -> None:
         with self.db.transaction() as conn:
-            conn.execute(update(k8s_containers_table).where(
-                k8s_containers_table.c.container_id == container_id).values(**values))
+            conn.execute(
+                update(k8s_containers_table)
+                .where(k8s_containers_table.c.container_id == container_id)
+                .values(**values)
+            )
         self.records.refresh(k8s_containers_table, container_id)
 
     def all(self, caller: Caller) -> list[ContainerInfo]:
@@ -286,8 +347,9 @@ class Containers:
             rows = conn.execute(select(k8s_containers_table)).mappings().all()
         return [_info(dict(r)) for r in rows]
 
-    def set_interval(self, container_id: str, req: IntervalRequest, caller: Caller
-                     ) -> ContainerInfo:
+    def set_interval(
+        self, container_id: str, req: IntervalRequest, caller: Caller
+    ) -> ContainerInfo:
         _root_only(caller)
         validate_container_id(container_id)
         row = self._row(container_id)
@@ -307,8 +369,11 @@ class Containers:
         validate_container_id(container_id)
         self._drop_plan(container_id)
         with self.db.transaction() as conn:
-            n = conn.execute(delete(k8s_containers_table).where(
-                k8s_containers_table.c.container_id == container_id)).rowcount
+            n = conn.execute(
+                delete(k8s_containers_table).where(
+                    k8s_containers_table.c.container_id == container_id
+                )
+            ).rowcount
         self.records.refresh(k8s_containers_table, container_id)
         self.manager.work.forget(container_id)
         with self._locks_guard:
@@ -324,8 +389,9 @@ class Containers:
         with self._locks_guard:
             return self._locks.setdefault(container_id, threading.Lock())
 
-    def checkpoint(self, container_id: str, req: CheckpointRequest, caller: Caller,
-                   why: str = "") -> CheckpointAnswer:
+    def checkpoint(
+        self, container_id: str, req: CheckpointRequest, caller: Caller, why: str = ""
+    ) -> CheckpointAnswer:
         """`why`: what the checkpoint is for, in words (the control plane's reason); else
         the request's reason."""
         _root_only(caller)
@@ -346,9 +412,15 @@ class Containers:
         try:
             if req.reason == "annotation":
                 self._held_to_floor(container_id)
-            return self._checkpoint(container_id, root, req.reason, timeout,
-                                    row["registered"] if row else None, why or req.reason,
-                                    _parent(row))
+            return self._checkpoint(
+                container_id,
+                root,
+                req.reason,
+                timeout,
+                row["registered"] if row else None,
+                why or req.reason,
+                _parent(row),
+            )
         except StasisError as e:
             if req.reason == "stop":
                 # The runtime stops it as usual: its label keeps the checkpoints it had.
@@ -371,17 +443,27 @@ class Containers:
         raise TooSoonError(
             f"checkpoint of container {container_id} refused: its last one was {since:.0f} s "
             f"ago and this node takes one at most every {floor} s (its admin's minimum, "
-            f"k8s_min_interval_s): ask again in {max(1, round(floor - since))} s")
+            f"k8s_min_interval_s): ask again in {max(1, round(floor - since))} s"
+        )
 
-    def _checkpoint(self, container_id: str, root: Path, reason: str, timeout_s: float,
-                    registered: str | None, why: str, restored_from: str | None
-                    ) -> CheckpointAnswer:
+    def _checkpoint(
+        self,
+        container_id: str,
+        root: Path,
+        reason: str,
+        timeout_s: float,
+        registered: str | None,
+        why: str,
+        restored_from: str | None,
+    ) -> CheckpointAnswer:
         m = self.manager
         runc = self._runc(root)
         state = runc.state(container_id)
         if state.get("status") not in ("running", "paused"):
-            raise UsageError(f"container {container_id} is {state.get('status')}: only a "
-                             "running container can be checkpointed")
+            raise UsageError(
+                f"container {container_id} is {state.get('status')}: only a "
+                "running container can be checkpointed"
+            )
         bundle = read_bundle(Path(str(state.get("bundle"))), container_id)
         if bundle.label is None:
             raise UsageError(f"container {container_id} has no STASIS_CHECKPOINT")
@@ -398,8 +480,9 @@ class Containers:
         data_key = store.new_data_key(cid) if m.settings.encrypt else None
         staging = store.staging_dir(cid)
         work = Path(tempfile.mkdtemp(prefix=f"runc-{cid}-", dir=m.criu_logs))
-        freeze = freezes.Freeze(container_id=container_id, runc_root=str(root), checkpoint=cid,
-                                stop=reason == "stop")
+        freeze = freezes.Freeze(
+            container_id=container_id, runc_root=str(root), checkpoint=cid, stop=reason == "stop"
+        )
         try:
             self.freezes.write(freeze)  # before the pause: a daemon killed after it thaws it
             runc.run("pause", container_id, timeout_s=10)
@@ -424,15 +507,30 @@ class Containers:
                 paused = not _resume(runc, container_id)
             frozen_s = time.monotonic() - frozen
             info = CheckpointInfo(
-                id=cid, label=label, job=f"container {container_id}", host=m.settings.node,
-                created=created, criu_version=m.criu_version(m.criu), command=bundle.args,
-                cwd=bundle.cwd, user=f"k8s:{bundle.namespace}", uid=bundle.uid, gid=bundle.uid,
+                id=cid,
+                label=label,
+                job=f"container {container_id}",
+                host=m.settings.node,
+                created=created,
+                criu_version=m.criu_version(m.criu),
+                command=bundle.args,
+                cwd=bundle.cwd,
+                user=f"k8s:{bundle.namespace}",
+                uid=bundle.uid,
+                gid=bundle.uid,
                 # What this run was restored from: its checkpoints descend from that one.
                 parent=restored_from,
-                extra={"k8s": {"namespace": bundle.namespace, "pod": bundle.pod,
-                               "container": bundle.name, "container_id": container_id,
-                               "reason": reason, "runtime": "runc"},
-                       "work_s": m.work.at(container_id, registered or created, created)},
+                extra={
+                    "k8s": {
+                        "namespace": bundle.namespace,
+                        "pod": bundle.pod,
+                        "container": bundle.name,
+                        "container_id": container_id,
+                        "reason": reason,
+                        "runtime": "runc",
+                    },
+                    "work_s": m.work.at(container_id, registered or created, created),
+                },
             )
             manifest = store.publish(info, "none", data_key=data_key)
             freeze.published = True
@@ -458,43 +556,80 @@ class Containers:
         else:
             self._thawed(freeze, runc)
         try:
-            self._set(container_id, last_checkpoint=manifest.id,
-                      last_checkpoint_at=int(time.time()))
+            self._set(
+                container_id, last_checkpoint=manifest.id, last_checkpoint_at=int(time.time())
+            )
         except Exception as e:  # the database: the checkpoint is published all the same
-            log.warning("container %s: checkpoint %s published, but the database did not "
-                        "record it (%s: %s); its next interval may come early",
-                        container_id, manifest.id, type(e).__name__, str(e)[:200])
-        log.info("container %s (%s): checkpoint %s of label %s (%s, %.2f s)", container_id,
-                 bundle.namespace, manifest.id, label, why, time.monotonic() - started)
-        m.activity.notify(Activity(
-            kind="checkpoint", checkpoint=manifest.id, label=label, job=container_id,
-            user=info.user, size_bytes=manifest.size_bytes,
-            stored_size_bytes=manifest.stored_size_bytes, work_s=work_of(info.extra),
-            duration_s=round(time.monotonic() - started, 4), frozen_s=round(frozen_s, 4),
-            leave_running=not stopped, store=m.store.url, reason=why[:60]))
-        return CheckpointAnswer(checkpoint=manifest.id, label=label, container_id=container_id,
-                                namespace=bundle.namespace, size_bytes=manifest.size_bytes,
-                                duration_s=round(time.monotonic() - started, 4),
-                                stopped=stopped)
+            log.warning(
+                "container %s: checkpoint %s published, but the database did not "
+                "record it (%s: %s); its next interval may come early",
+                container_id,
+                manifest.id,
+                type(e).__name__,
+                str(e)[:200],
+            )
+        log.info(
+            "container %s (%s): checkpoint %s of label %s (%s, %.2f s)",
+            container_id,
+            bundle.namespace,
+            manifest.id,
+            label,
+            why,
+            time.monotonic() - started,
+        )
+        m.activity.notify(
+            Activity(
+                kind="checkpoint",
+                checkpoint=manifest.id,
+                label=label,
+                job=container_id,
+                user=info.user,
+                size_bytes=manifest.size_bytes,
+                stored_size_bytes=manifest.stored_size_bytes,
+                work_s=work_of(info.extra),
+                duration_s=round(time.monotonic() - started, 4),
+                frozen_s=round(frozen_s, 4),
+                leave_running=not stopped,
+                store=m.store.url,
+                reason=why[:60],
+            )
+        )
+        return CheckpointAnswer(
+            checkpoint=manifest.id,
+            label=label,
+            container_id=container_id,
+            namespace=bundle.namespace,
+            size_bytes=manifest.size_bytes,
+            duration_s=round(time.monotonic() - started, 4),
+            stopped=stopped,
+        )
 
     def checkpoint_due(self) -> None:
         """Every container with STASIS_INTERVAL whose last checkpoint is that old: another."""
         now = time.time()
         with self.db.transaction() as conn:
-            rows = conn.execute(select(k8s_containers_table).where(
-                k8s_containers_table.c.interval_s > 0)).mappings().all()
+            rows = (
+                conn.execute(
+                    select(k8s_containers_table).where(k8s_containers_table.c.interval_s > 0)
+                )
+                .mappings()
+                .all()
+            )
         for row in rows:
             # A row kept from before the floor was raised is held to it too.
-            if now - (row["last_checkpoint_at"] or 0) < max(row["interval_s"],
-                                                            self.min_interval_s):
+            if now - (row["last_checkpoint_at"] or 0) < max(row["interval_s"], self.min_interval_s):
                 continue
             try:
-                self.checkpoint(row["container_id"], CheckpointRequest(reason="interval"),
-                                Caller(pid=0, uid=0, gid=0))
+                self.checkpoint(
+                    row["container_id"],
+                    CheckpointRequest(reason="interval"),
+                    Caller(pid=0, uid=0, gid=0),
+                )
             except StasisError as e:
                 self._set(row["container_id"], last_checkpoint_at=int(now))
-                log.warning("interval checkpoint of container %s failed: %s",
-                            row["container_id"], e)
+                log.warning(
+                    "interval checkpoint of container %s failed: %s", row["container_id"], e
+                )
 
     def ended(self, container_id: str, exit_status: int | None) -> list[str]:
         """The container's init exited: a genuine success (0, and no stop was asked of it)
@@ -518,8 +653,13 @@ class Containers:
             kept = f"its bundle {bundle} is gone, which would say whether a stop was asked"
         shown = "(status unknown)" if exit_status is None else str(exit_status)
         if kept is not None:
-            log.info("container %s exited %s: label %s kept (%s)", container_id, shown,
-                     row["label"], kept)
+            log.info(
+                "container %s exited %s: label %s kept (%s)",
+                container_id,
+                shown,
+                row["label"],
+                kept,
+            )
             return []
         store = self.manager.store
         uid = namespace_uid(row["namespace"])
@@ -533,8 +673,12 @@ class Containers:
                     retired.append(m.id)
             except NotFoundError:
                 continue
-        log.info("container %s exited 0: label %s retired (%d checkpoint(s))", container_id,
-                 row["label"], len(retired))
+        log.info(
+            "container %s exited 0: label %s retired (%d checkpoint(s))",
+            container_id,
+            row["label"],
+            len(retired),
+        )
         return retired
 
     # -- OCI images ------------------------------------------------------------------------
@@ -547,14 +691,22 @@ class Containers:
         store = self.manager.store
         with store.open_images(checkpoint_id, self.manager.scratch) as (manifest, images):
             k8s = manifest.extra.get("k8s") or {}
-            meta = {"label": manifest.label, "checkpoint": manifest.id,
-                    "namespace": k8s.get("namespace", ""), "name": k8s.get("container"),
-                    "container_id": k8s.get("container_id", ""), "user": manifest.user,
-                    "created": manifest.created.isoformat(), "command": manifest.command,
-                    "cwd": manifest.cwd, "criu_version": manifest.criu_version}
+            meta = {
+                "label": manifest.label,
+                "checkpoint": manifest.id,
+                "namespace": k8s.get("namespace", ""),
+                "name": k8s.get("container"),
+                "container_id": k8s.get("container_id", ""),
+                "user": manifest.user,
+                "created": manifest.created.isoformat(),
+                "command": manifest.command,
+                "cwd": manifest.cwd,
+                "criu_version": manifest.criu_version,
+            }
             done = oci.export_checkpoint(images, [f.name for f in manifest.files], meta, out)
-        return ExportAnswer(checkpoint=checkpoint_id, path=str(out), digest=done.digest,
-                            size_bytes=done.size_bytes)
+        return ExportAnswer(
+            checkpoint=checkpoint_id, path=str(out), digest=done.digest, size_bytes=done.size_bytes
+        )
 
     def import_(self, req: ImportRequest, caller: Caller) -> CheckpointAnswer:
         _root_only(caller)
@@ -575,18 +727,37 @@ class Containers:
             raise UsageError(f"{archive} names no namespace: give --namespace")
         uid = namespace_uid(namespace)
         info = CheckpointInfo(
-            id=cid, label=label, job=f"imported {archive.name}", host=m.settings.node,
-            created=created, criu_version=str(meta.get("criu_version") or "unknown"),
-            command=list(meta.get("command") or []), cwd=str(meta.get("cwd") or "/"),
-            user=f"k8s:{namespace}", uid=uid, gid=uid,
-            extra={"k8s": {"namespace": namespace, "container": meta.get("name"),
-                           "reason": "import", "runtime": "runc",
-                           "imported_from": meta.get("checkpoint")}})
+            id=cid,
+            label=label,
+            job=f"imported {archive.name}",
+            host=m.settings.node,
+            created=created,
+            criu_version=str(meta.get("criu_version") or "unknown"),
+            command=list(meta.get("command") or []),
+            cwd=str(meta.get("cwd") or "/"),
+            user=f"k8s:{namespace}",
+            uid=uid,
+            gid=uid,
+            extra={
+                "k8s": {
+                    "namespace": namespace,
+                    "container": meta.get("name"),
+                    "reason": "import",
+                    "runtime": "runc",
+                    "imported_from": meta.get("checkpoint"),
+                }
+            },
+        )
         manifest = m.store.publish(info, "none")
-        return CheckpointAnswer(checkpoint=manifest.id, label=label, container_id="",
-                                namespace=namespace, size_bytes=manifest.size_bytes,
-                                duration_s=round((datetime.now(UTC) - created)
-                                                 .total_seconds(), 4), stopped=False)
+        return CheckpointAnswer(
+            checkpoint=manifest.id,
+            label=label,
+            container_id="",
+            namespace=namespace,
+            size_bytes=manifest.size_bytes,
+            duration_s=round((datetime.now(UTC) - created).total_seconds(), 4),
+            stopped=False,
+        )
 
     # -- restores -------------------------------------------------------------------------
 
@@ -613,18 +784,27 @@ class Containers:
                     f"times on this node (last: {failed.error}); the label's previous "
                     f"checkpoint is tried instead (to try this one again, fix the cause and "
                     f"remove {self.failures.path(manifest.id)} on node "
-                    f"{self.manager.settings.node})")
-                log.warning("container %s: checkpoint %s skipped after %d failed restores",
-                            cid, manifest.id, failed.attempts)
+                    f"{self.manager.settings.node})"
+                )
+                log.warning(
+                    "container %s: checkpoint %s skipped after %d failed restores",
+                    cid,
+                    manifest.id,
+                    failed.attempts,
+                )
                 continue
             stack = contextlib.ExitStack()
             try:
                 _, images = stack.enter_context(
-                    self.manager.store.open_images(manifest.id, self.manager.scratch))
+                    self.manager.store.open_images(manifest.id, self.manager.scratch)
+                )
                 # Before anything of it touches the new container's root.
                 same_identity(manifest.id, images / oci.SPEC_DUMP, bundle.path / "config.json")
-                work = Path(tempfile.mkdtemp(prefix=f"runc-restore-{manifest.id}-",
-                                             dir=self.manager.criu_logs))
+                work = Path(
+                    tempfile.mkdtemp(
+                        prefix=f"runc-restore-{manifest.id}-", dir=self.manager.criu_logs
+                    )
+                )
                 stack.callback(shutil.rmtree, work, True)
                 diff = images / rootfs.DIFF_NAME
                 if diff.exists():
@@ -641,29 +821,50 @@ class Containers:
                     # guess. The create fails and is tried again (stasis-runc).
                     raise
                 said = str(e)
-                notes.append(said if said.startswith(f"checkpoint {manifest.id} refused: ")
-                             else f"checkpoint {manifest.id} skipped: {said}")
+                notes.append(
+                    said
+                    if said.startswith(f"checkpoint {manifest.id} refused: ")
+                    else f"checkpoint {manifest.id} skipped: {said}"
+                )
                 log.warning("container %s: checkpoint %s skipped: %s", cid, manifest.id, e)
                 continue
             except BaseException:
                 stack.close()
                 raise
-            self._plans[cid] = _Plan(stack, time.monotonic(), manifest.id, work, label,
-                                     bundle.namespace, bundle.pod)
+            self._plans[cid] = _Plan(
+                stack, time.monotonic(), manifest.id, work, label, bundle.namespace, bundle.pod
+            )
             faults.point("k8s.restore.planned")
-            return RestorePlan(checkpoint=manifest.id, label=label, images_dir=str(images),
-                               work_dir=str(work), notes=notes, given_up=given_up)
+            return RestorePlan(
+                checkpoint=manifest.id,
+                label=label,
+                images_dir=str(images),
+                work_dir=str(work),
+                notes=notes,
+                given_up=given_up,
+            )
         if given_up and bundle.pod:
             records = " ".join(str(self.failures.path(c)) for c in given_up)
-            self._tell_pod(bundle.namespace, bundle.pod, (
-                f"label {label}: none of its checkpoints can be restored on node "
-                f"{self.manager.settings.node}: checkpoint {', '.join(given_up)} failed every "
-                "attempt. They are kept, and the container does not start unless its "
-                "STASIS_FRESH=1 asks to start it fresh; to try them again, fix the cause and "
-                f"remove {records} on the node"))
-        return RestorePlan(checkpoint=None, label=label, images_dir=None, work_dir=None,
-                           notes=notes or [f"no checkpoint of label {label} in namespace "
-                                           f"{bundle.namespace} yet"], given_up=given_up)
+            self._tell_pod(
+                bundle.namespace,
+                bundle.pod,
+                (
+                    f"label {label}: none of its checkpoints can be restored on node "
+                    f"{self.manager.settings.node}: checkpoint {', '.join(given_up)} failed every "
+                    "attempt. They are kept, and the container does not start unless its "
+                    "STASIS_FRESH=1 asks to start it fresh; to try them again, fix the cause and "
+                    f"remove {records} on the node"
+                ),
+            )
+        return RestorePlan(
+            checkpoint=None,
+            label=label,
+            images_dir=None,
+            work_dir=None,
+            notes=notes
+            or [f"no checkpoint of label {label} in namespace " f"{bundle.namespace} yet"],
+            given_up=given_up,
+        )
 
     def _candidates(self, label: str, bundle: Bundle, notes: list[str]) -> Iterator[Manifest]:
         """The label's checkpoints of the container's namespace, newest first. The newest comes
@@ -679,8 +880,9 @@ class Containers:
         if newest is not None and self._ours(newest, bundle, notes):
             yield newest
         try:
-            rest = [m for m in store.list(label, uid=bundle.uid)
-                    if newest is None or m.id != newest.id]
+            rest = [
+                m for m in store.list(label, uid=bundle.uid) if newest is None or m.id != newest.id
+            ]
             # Taken before namespaces had uids above every kernel uid; their namespace is
             # checked by name (_ours), as every candidate's is.
             rest += store.list(label, uid=legacy_namespace_uid(bundle.namespace))
@@ -696,13 +898,15 @@ class Containers:
     def _ours(m: Manifest, bundle: Bundle, notes: list[str]) -> bool:
         ns = (m.extra.get("k8s") or {}).get("namespace")
         if ns != bundle.namespace:
-            notes.append(f"checkpoint {m.id} belongs to namespace {ns}, not "
-                         f"{bundle.namespace}: refused")
+            notes.append(
+                f"checkpoint {m.id} belongs to namespace {ns}, not " f"{bundle.namespace}: refused"
+            )
             return False
         return True
 
-    def restore_done(self, container_id: str, req: RestoreDoneRequest, caller: Caller
-                     ) -> RestoreDone:
+    def restore_done(
+        self, container_id: str, req: RestoreDoneRequest, caller: Caller
+    ) -> RestoreDone:
         """The wrapper's `runc restore` ended. A failure is counted against the checkpoint
         (given up on this node at `k8s_restore_attempts`), its restore log kept, and told
         to the pod as a Warning event; a success clears the count."""
@@ -716,8 +920,9 @@ class Containers:
             kept = self._keep_log(container_id, plan)
         self._drop_plan(container_id)
         limit = self.manager.settings.k8s_restore_attempts
-        answer = RestoreDone(container_id=container_id, checkpoint=None, attempts=0,
-                             limit=limit, log=kept, record="")
+        answer = RestoreDone(
+            container_id=container_id, checkpoint=None, attempts=0, limit=limit, log=kept, record=""
+        )
         if not is_checkpoint_id(checkpoint):
             if not req.ok:
                 log.warning("container %s: runc restore failed: %s", container_id, req.error)
@@ -729,13 +934,31 @@ class Containers:
             return answer
         failed = self.failures.failed(checkpoint, req.error, kept)
         answer["attempts"] = failed.attempts
-        log.warning("container %s: runc restore of checkpoint %s failed (attempt %d of %s): "
-                    "%s; its log: %s", container_id, checkpoint, failed.attempts,
-                    limit or "unbounded", req.error, kept or "none")
+        log.warning(
+            "container %s: runc restore of checkpoint %s failed (attempt %d of %s): "
+            "%s; its log: %s",
+            container_id,
+            checkpoint,
+            failed.attempts,
+            limit or "unbounded",
+            req.error,
+            kept or "none",
+        )
         if plan is not None and plan.pod:
-            self._tell_pod(plan.namespace, plan.pod, restorefails.message(
-                plan.label, checkpoint, req.error, failed.attempts, limit, kept,
-                str(self.failures.path(checkpoint)), self.manager.settings.node))
+            self._tell_pod(
+                plan.namespace,
+                plan.pod,
+                restorefails.message(
+                    plan.label,
+                    checkpoint,
+                    req.error,
+                    failed.attempts,
+                    limit,
+                    kept,
+                    str(self.failures.path(checkpoint)),
+                    self.manager.settings.node,
+                ),
+            )
         return answer
 
     def _keep_log(self, container_id: str, plan: _Plan) -> str:
@@ -760,8 +983,7 @@ class Containers:
             try:
                 tell(namespace, pod, RESTORE_FAILED_REASON, message)
             except Exception as e:
-                log.warning("pod %s/%s: no event for its failed restore: %s", namespace, pod,
-                            e)
+                log.warning("pod %s/%s: no event for its failed restore: %s", namespace, pod, e)
 
         threading.Thread(target=post, name="restore failure event", daemon=True).start()
 
@@ -781,8 +1003,9 @@ class Containers:
         except StasisError:
             status = None
         if status == "paused":
-            log.warning("container %s: still paused after its checkpoint; thawed later",
-                        freeze.container_id)
+            log.warning(
+                "container %s: still paused after its checkpoint; thawed later", freeze.container_id
+            )
             with self._locks_guard:
                 self._unsettled.append(freeze)
             return
@@ -845,8 +1068,9 @@ def _skippable(e: StasisError) -> bool:
     """A reason to try the label's checkpoint before this one: this one is bad or not this
     container's (corrupt, untrusted, deleted meanwhile, other credentials), not a store that
     cannot be read."""
-    return isinstance(e, CorruptCheckpointError | UntrustedCheckpointError | NotFoundError
-                      | ContainerError) or not isinstance(e, StoreError)
+    return isinstance(
+        e, CorruptCheckpointError | UntrustedCheckpointError | NotFoundError | ContainerError
+    ) or not isinstance(e, StoreError)
 
 
 class TooSoonError(UsageError):
@@ -873,13 +1097,19 @@ def identity(spec: dict[str, Any]) -> dict[str, object]:
     def mappings(value: object) -> list[str]:
         if not isinstance(value, list):
             return []
-        return sorted(f"{m.get('containerID')}:{m.get('hostID')}:{m.get('size')}"
-                      for m in value if isinstance(m, dict))
+        return sorted(
+            f"{m.get('containerID')}:{m.get('hostID')}:{m.get('size')}"
+            for m in value
+            if isinstance(m, dict)
+        )
 
     found: dict[str, object] = {
-        "uid": user.get("uid", 0), "gid": user.get("gid", 0),
-        "additional gids": sorted({int(g) for g in user.get("additionalGids") or []
-                                   if isinstance(g, int)})}
+        "uid": user.get("uid", 0),
+        "gid": user.get("gid", 0),
+        "additional gids": sorted(
+            {int(g) for g in user.get("additionalGids") or [] if isinstance(g, int)}
+        ),
+    }
     for name in _CAP_SETS:
         found[f"{name} capabilities"] = names(caps.get(name))
     found["uid mappings"] = mappings(linux.get("uidMappings"))
@@ -909,7 +1139,8 @@ def same_identity(checkpoint_id: str, recorded: Path, config: Path) -> None:
         raise ContainerError(
             f"checkpoint {checkpoint_id} refused: it has no copy of its container's spec "
             f"({oci.SPEC_DUMP}), so nothing says with which user and capabilities it ran; "
-            "delete it (stasis checkpoints rm) or import it from an archive that has one")
+            "delete it (stasis checkpoints rm) or import it from an archive that has one"
+        )
     was = identity(_read_spec(recorded, f"the spec of checkpoint {checkpoint_id}"))
     now = identity(_read_spec(config, "the new container's spec"))
     differ = [f"{k} {_show(was[k])} there, {_show(now[k])} here" for k in was if was[k] != now[k]]
@@ -918,7 +1149,8 @@ def same_identity(checkpoint_id: str, recorded: Path, config: Path) -> None:
             f"checkpoint {checkpoint_id} refused: it was taken of a container with other "
             f"credentials ({'; '.join(differ)}), which its processes would resume with; "
             "resume it from a pod whose securityContext (runAsUser, runAsGroup, "
-            "supplementalGroups, capabilities, hostUsers) is the checkpointed one's")
+            "supplementalGroups, capabilities, hostUsers) is the checkpointed one's"
+        )
 
 
 def _show(value: object) -> str:
@@ -937,8 +1169,15 @@ def _resume(runc: Runc, container_id: str) -> bool:
 
 
 def _info(row: dict[str, Any]) -> ContainerInfo:
-    return ContainerInfo(container_id=row["container_id"], runc_root=row["runc_root"],
-                         bundle=row["bundle"], label=row["label"], namespace=row["namespace"],
-                         pod=row["pod"], interval_s=row["interval_s"],
-                         restored_from=row["restored_from"],
-                         last_checkpoint=row["last_checkpoint"], registered=row["registered"])
+    return ContainerInfo(
+        container_id=row["container_id"],
+        runc_root=row["runc_root"],
+        bundle=row["bundle"],
+        label=row["label"],
+        namespace=row["namespace"],
+        pod=row["pod"],
+        interval_s=row["interval_s"],
+        restored_from=row["restored_from"],
+        last_checkpoint=row["last_checkpoint"],
+        registered=row["registered"],
+    )

@@ -56,8 +56,7 @@ class ExitFollower:
         self.on_exit = on_exit
         self._stop = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
-        self._thread = threading.Thread(target=self._run, name="containerd events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="containerd events", daemon=True)
 
     def start(self) -> None:
         if shutil.which("ctr") is None:
@@ -72,9 +71,12 @@ class ExitFollower:
                 self._stop.wait(5.0)
                 continue
             try:
-                self._proc = subprocess.Popen(["ctr", "-a", self.address, "events"],
-                                              stdout=subprocess.PIPE,
-                                              stderr=subprocess.DEVNULL, text=True)
+                self._proc = subprocess.Popen(
+                    ["ctr", "-a", self.address, "events"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
                 assert self._proc.stdout is not None
                 for line in self._proc.stdout:
                     ended = parse_exit(line)
@@ -82,8 +84,7 @@ class ExitFollower:
                         try:
                             self.on_exit(ended)
                         except Exception:
-                            log.exception("handling the end of container %s",
-                                          ended.container_id)
+                            log.exception("handling the end of container %s", ended.container_id)
                 self._proc.wait()
             except OSError as e:
                 log.warning("cannot follow containerd's events at %s: %s", self.address, e)

@@ -67,14 +67,14 @@ class FreezeJournal:
         with self._lock:
             try:
                 self.prepare()
-                write_atomically(self._path(entry.checkpoint),
-                                 json.dumps(asdict(entry)).encode())
+                write_atomically(self._path(entry.checkpoint), json.dumps(asdict(entry)).encode())
             except OSError as e:
                 # Unrecorded, a freeze could outlive a daemon killed during it: none is taken.
                 raise ContainerError(
                     f"checkpoint of container {entry.container_id} not taken: cannot record "
                     f"its freeze in {self.directory} ({e.strerror or e}); free space there "
-                    "(the daemon's state_dir)") from None
+                    "(the daemon's state_dir)"
+                ) from None
 
     def end(self, checkpoint_id: str) -> None:
         with self._lock:
@@ -100,8 +100,7 @@ class FreezeJournal:
                 entry = Freeze(**data)
                 validate_container_id(entry.container_id)
                 validate_abs_path(entry.runc_root, "runc root")
-                if not is_checkpoint_id(entry.checkpoint) or \
-                        name != f"{entry.checkpoint}.json":
+                if not is_checkpoint_id(entry.checkpoint) or name != f"{entry.checkpoint}.json":
                     raise ValueError("not an entry of this journal")
             except (OSError, ValueError, TypeError, StasisError) as e:
                 log.warning("dropping unreadable freeze record %s: %s", path, e)
@@ -124,8 +123,11 @@ def _still_dumping(entry: Freeze) -> int | None:
                 argv = f.read(64 << 10).split(b"\0")
         except OSError:
             continue
-        if b"checkpoint" in argv and entry.container_id.encode() in argv and \
-                any(want.encode() in a for a in argv):
+        if (
+            b"checkpoint" in argv
+            and entry.container_id.encode() in argv
+            and any(want.encode() in a for a in argv)
+        ):
             return int(name)
     return None
 
@@ -137,8 +139,13 @@ def settle(entry: Freeze, runc: Runc) -> bool:
     cid = entry.container_id
     dumping = _still_dumping(entry)
     if dumping is not None:
-        log.warning("container %s: the checkpoint %s of a killed daemon still runs (pid %d); "
-                    "thawed once it ends", cid, entry.checkpoint, dumping)
+        log.warning(
+            "container %s: the checkpoint %s of a killed daemon still runs (pid %d); "
+            "thawed once it ends",
+            cid,
+            entry.checkpoint,
+            dumping,
+        )
         return False
     try:
         state = runc.state(cid)
@@ -153,16 +160,27 @@ def settle(entry: Freeze, runc: Runc) -> bool:
     try:
         if entry.stop and entry.published:
             runc.run("kill", cid, str(int(signal.SIGKILL)), timeout_s=10)
-            log.warning("container %s: killed at its stop checkpoint %s, which the daemon "
-                        "published before it died", cid, entry.checkpoint)
+            log.warning(
+                "container %s: killed at its stop checkpoint %s, which the daemon "
+                "published before it died",
+                cid,
+                entry.checkpoint,
+            )
         if status != "running":
             runc.run("resume", cid, timeout_s=10)
-            log.warning("container %s: thawed; the daemon died during its checkpoint %s "
-                        "(%s)", cid, entry.checkpoint,
-                        "published" if entry.published else "not published")
+            log.warning(
+                "container %s: thawed; the daemon died during its checkpoint %s " "(%s)",
+                cid,
+                entry.checkpoint,
+                "published" if entry.published else "not published",
+            )
     except ContainerError as e:
-        log.warning("container %s: cannot settle its checkpoint %s: %s (tried again)", cid,
-                    entry.checkpoint, e)
+        log.warning(
+            "container %s: cannot settle its checkpoint %s: %s (tried again)",
+            cid,
+            entry.checkpoint,
+            e,
+        )
         return False
     return True
 

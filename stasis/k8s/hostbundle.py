@@ -77,8 +77,10 @@ def _stamp(criu: Path) -> str:
     from importlib.metadata import version
 
     st = criu.stat()
-    return (f"stasis {version('stasis')} python {sys.version.split()[0]} {sys.executable} "
-            f"criu {st.st_size} {int(st.st_mtime)}\n")
+    return (
+        f"stasis {version('stasis')} python {sys.version.split()[0]} {sys.executable} "
+        f"criu {st.st_size} {int(st.st_mtime)}\n"
+    )
 
 
 def install(dest: Path, criu: Path, seen_as: Path | None = None) -> bool:
@@ -95,9 +97,14 @@ def install(dest: Path, criu: Path, seen_as: Path | None = None) -> bool:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     pyname = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    shutil.copytree(stdlib, tmp / "python" / "lib" / pyname, symlinks=True,
-                    ignore=shutil.ignore_patterns("test", "idlelib", "tkinter", "turtledemo",
-                                                  "site-packages", "dist-packages"))
+    shutil.copytree(
+        stdlib,
+        tmp / "python" / "lib" / pyname,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            "test", "idlelib", "tkinter", "turtledemo", "site-packages", "dist-packages"
+        ),
+    )
     (tmp / "python" / "bin").mkdir()
     shutil.copy2(python, tmp / "python" / "bin" / pyname)
     for rel in _runtime_files():
@@ -109,25 +116,31 @@ def install(dest: Path, criu: Path, seen_as: Path | None = None) -> bool:
     # The package itself, also when this is an editable install (a checkout).
     import stasis
 
-    shutil.copytree(Path(stasis.__file__).parent, tmp / "site-packages" / "stasis",
-                    symlinks=True)
+    shutil.copytree(Path(stasis.__file__).parent, tmp / "site-packages" / "stasis", symlinks=True)
     (tmp / "sbin").mkdir()
     shutil.copy2(criu, tmp / "sbin" / "criu")
-    objects = [python, criu, *(tmp / "python").rglob("*.so"), *(tmp / "site-packages").rglob(
-        "*.so*")]
+    objects = [
+        python,
+        criu,
+        *(tmp / "python").rglob("*.so"),
+        *(tmp / "site-packages").rglob("*.so*"),
+    ]
     (tmp / "lib").mkdir()
     libs = _ldd([p for p in objects if p.is_file()])
     if not any(lib.name == LOADER for lib in libs):
-        raise ContainerError(f"no {LOADER} among the libraries of {python}: only x86-64 "
-                             "glibc nodes are supported")
+        raise ContainerError(
+            f"no {LOADER} among the libraries of {python}: only x86-64 " "glibc nodes are supported"
+        )
     for lib in libs:
         shutil.copy2(lib.resolve(), tmp / "lib" / lib.name)
     # Python finds the packages (and runs their .pth files, as in a venv) through its
     # sitecustomize; Debian's own is a link into /etc, which the host may not have.
     custom = tmp / "python" / "lib" / pyname / "sitecustomize.py"
     custom.unlink(missing_ok=True)
-    custom.write_text("# Written by stasis (stasis/k8s/hostbundle.py).\nimport site\n"
-                      f"site.addsitedir({str((seen_as or dest) / 'site-packages')!r})\n")
+    custom.write_text(
+        "# Written by stasis (stasis/k8s/hostbundle.py).\nimport site\n"
+        f"site.addsitedir({str((seen_as or dest) / 'site-packages')!r})\n"
+    )
     _write_wrappers(tmp, seen_as or dest, pyname)
     (tmp / "STAMP").write_text(stamp)
     old = dest.with_name(dest.name + ".old")

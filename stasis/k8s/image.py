@@ -38,9 +38,21 @@ def pack_layer(root: Path, out: Path) -> tuple[Blob, str]:
     """`root` as a gzip'd tar (GNU tar: owners, modes, hard links, capabilities and xattrs as
     they are); the blob and the uncompressed tar's digest (the config's diff_id)."""
     raw = hashlib.sha256()
-    tar = subprocess.Popen(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*",
-                            "--sort=name", "-C", str(root), "-cf", "-", "."],
-                           stdout=subprocess.PIPE)
+    tar = subprocess.Popen(
+        [
+            "tar",
+            "--numeric-owner",
+            "--xattrs",
+            "--xattrs-include=*",
+            "--sort=name",
+            "-C",
+            str(root),
+            "-cf",
+            "-",
+            ".",
+        ],
+        stdout=subprocess.PIPE,
+    )
     assert tar.stdout is not None
     with out.open("wb") as f:
         # mtime=0 and no name: the same tree gives the same bytes.
@@ -61,8 +73,9 @@ def _blob(path: Path) -> Blob:
     return Blob(path, "sha256:" + h.hexdigest(), path.stat().st_size)
 
 
-def write_image(root: Path, out: Path, ref: str, config: dict[str, Any],
-                annotations: dict[str, str]) -> str:
+def write_image(
+    root: Path, out: Path, ref: str, config: dict[str, Any], annotations: dict[str, str]
+) -> str:
     """An OCI image archive of `root` (one layer) named `ref`; its manifest's digest.
 
     The parts are written in a directory made new (mkdtemp: 0700, never one that was there,
@@ -73,16 +86,25 @@ def write_image(root: Path, out: Path, ref: str, config: dict[str, Any],
         layer, diff_id = pack_layer(root, work / "layer")
         cfg = {**config, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}
         cfg_blob = _write(work / "config", json.dumps(cfg, sort_keys=True).encode())
-        manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE,
-                    "config": {"mediaType": CONFIG_TYPE, "digest": cfg_blob.digest,
-                               "size": cfg_blob.size},
-                    "layers": [{"mediaType": GZIP_LAYER_TYPE, "digest": layer.digest,
-                                "size": layer.size}],
-                    "annotations": annotations}
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_TYPE,
+            "config": {"mediaType": CONFIG_TYPE, "digest": cfg_blob.digest, "size": cfg_blob.size},
+            "layers": [{"mediaType": GZIP_LAYER_TYPE, "digest": layer.digest, "size": layer.size}],
+            "annotations": annotations,
+        }
         man_blob = _write(work / "manifest", json.dumps(manifest, sort_keys=True).encode())
-        index = {"schemaVersion": 2, "manifests": [{
-            "mediaType": MANIFEST_TYPE, "digest": man_blob.digest, "size": man_blob.size,
-            "annotations": {"org.opencontainers.image.ref.name": ref}}]}
+        index = {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    "mediaType": MANIFEST_TYPE,
+                    "digest": man_blob.digest,
+                    "size": man_blob.size,
+                    "annotations": {"org.opencontainers.image.ref.name": ref},
+                }
+            ],
+        }
         index_blob = _write(work / "index.json", json.dumps(index).encode())
         layout = _write(work / "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
         tmp = work / "archive.tar"
@@ -104,15 +126,21 @@ def _write(path: Path, data: bytes) -> Blob:
 
 def agent_config(version: str) -> dict[str, Any]:
     return {
-        "architecture": "amd64", "os": "linux",
+        "architecture": "amd64",
+        "os": "linux",
         "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "config": {
-            "Env": ["PATH=/opt/stasis/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:"
-                    "/usr/bin:/sbin:/bin", "LANG=C.UTF-8"],
+            "Env": [
+                "PATH=/opt/stasis/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:"
+                "/usr/bin:/sbin:/bin",
+                "LANG=C.UTF-8",
+            ],
             "Entrypoint": ["/opt/stasis/venv/bin/stasis"],
             "Cmd": ["k8s", "agent"],
-            "Labels": {"org.opencontainers.image.title": "stasis node agent",
-                       "org.opencontainers.image.version": version},
+            "Labels": {
+                "org.opencontainers.image.title": "stasis node agent",
+                "org.opencontainers.image.version": version,
+            },
         },
     }
 
@@ -124,9 +152,13 @@ def main() -> None:
     p.add_argument("ref")
     p.add_argument("--version", required=True)
     a = p.parse_args()
-    digest = write_image(a.root, a.out.absolute(), a.ref, agent_config(a.version),
-                         {"org.opencontainers.image.version": a.version,
-                          "org.opencontainers.image.ref.name": a.ref})
+    digest = write_image(
+        a.root,
+        a.out.absolute(),
+        a.ref,
+        agent_config(a.version),
+        {"org.opencontainers.image.version": a.version, "org.opencontainers.image.ref.name": a.ref},
+    )
     os.chmod(a.out, 0o644)
     print(f"{a.out}: {a.ref} ({digest}, {a.out.stat().st_size} bytes)")
 

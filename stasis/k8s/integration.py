@@ -39,10 +39,19 @@ from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.errors import PermissionDeniedError
 from stasis.k8s import kube
-from stasis.k8s.events import ExitFollower
 from stasis.k8s.containers import Containers, k8s_containers_table
-from stasis.k8s.models import CheckpointRequest, DrainRequest, ExportRequest, ImportRequest, \
-    IntervalRequest, NodeInfo, RegisterRequest, RestoreDoneRequest, RestoreRequest
+from stasis.k8s.events import ExitFollower
+from stasis.k8s.models import (
+    CheckpointRequest,
+    DrainRequest,
+    ExportRequest,
+    ImportRequest,
+    IntervalRequest,
+    NodeInfo,
+    RegisterRequest,
+    RestoreDoneRequest,
+    RestoreRequest,
+)
 from stasis.k8s.source import ContainerJobs
 
 
@@ -60,10 +69,12 @@ class K8sIntegration(Integration):
         if self.jobs.api is not None:
             api, node = self.jobs.api, s.node
             self.containers.pod_event = lambda namespace, pod, reason, message: kube.warn(
-                api, namespace, pod, reason, message, node)
-        self.events = ExitFollower(manager.settings.containerd_address,
-                                   lambda e: self.containers.ended(e.container_id,
-                                                                   e.exit_status))
+                api, namespace, pod, reason, message, node
+            )
+        self.events = ExitFollower(
+            manager.settings.containerd_address,
+            lambda e: self.containers.ended(e.container_id, e.exit_status),
+        )
 
     def prepare(self) -> None:
         self.events.start()
@@ -74,10 +85,13 @@ class K8sIntegration(Integration):
         return [k8s_containers_table]
 
     def tasks(self) -> Sequence[Task]:
-        return [Task("interval checkpoints of containers", 1.0, self.containers.checkpoint_due),
-                Task("forget abandoned container restores", 60.0, self.containers.sweep),
-                Task("thaw containers a killed daemon left paused", 10.0,
-                     self.containers.retry_freezes)]
+        return [
+            Task("interval checkpoints of containers", 1.0, self.containers.checkpoint_due),
+            Task("forget abandoned container restores", 60.0, self.containers.sweep),
+            Task(
+                "thaw containers a killed daemon left paused", 10.0, self.containers.retry_freezes
+            ),
+        ]
 
     def close(self) -> None:
         self.events.close()
@@ -95,17 +109,22 @@ class K8sIntegration(Integration):
 
         async def checkpoint(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, CheckpointRequest)
-            return answer(await asyncio.to_thread(c.checkpoint, request.match_info["id"], req,
-                                                  peer(request)))
+            return answer(
+                await asyncio.to_thread(c.checkpoint, request.match_info["id"], req, peer(request))
+            )
 
         async def interval(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, IntervalRequest)
-            return answer(await asyncio.to_thread(c.set_interval, request.match_info["id"],
-                                                  req, peer(request)))
+            return answer(
+                await asyncio.to_thread(
+                    c.set_interval, request.match_info["id"], req, peer(request)
+                )
+            )
 
         async def forget(request: web.Request) -> web.StreamResponse:
-            return answer(await asyncio.to_thread(c.forget, request.match_info["id"],
-                                                  peer(request)))
+            return answer(
+                await asyncio.to_thread(c.forget, request.match_info["id"], peer(request))
+            )
 
         async def plan_restore(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, RestoreRequest)
@@ -113,13 +132,17 @@ class K8sIntegration(Integration):
 
         async def restore_done(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, RestoreDoneRequest)
-            return answer(await asyncio.to_thread(c.restore_done, request.match_info["id"], req,
-                                                  peer(request)))
+            return answer(
+                await asyncio.to_thread(
+                    c.restore_done, request.match_info["id"], req, peer(request)
+                )
+            )
 
         async def export(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, ExportRequest)
-            return answer(await asyncio.to_thread(c.export, request.match_info["id"], req,
-                                                  peer(request)))
+            return answer(
+                await asyncio.to_thread(c.export, request.match_info["id"], req, peer(request))
+            )
 
         async def import_(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, ImportRequest)
@@ -127,9 +150,13 @@ class K8sIntegration(Integration):
 
         async def node(request: web.Request) -> web.StreamResponse:
             _root_only(peer(request))
-            return answer(NodeInfo(node=self.jobs.node,
-                                   state=await asyncio.to_thread(self.jobs.state),
-                                   api=self.jobs.api is not None))
+            return answer(
+                NodeInfo(
+                    node=self.jobs.node,
+                    state=await asyncio.to_thread(self.jobs.state),
+                    api=self.jobs.api is not None,
+                )
+            )
 
         async def drain(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, DrainRequest)

@@ -59,8 +59,9 @@ def connect(kubeconfig: str) -> Any:
                 config.load_kube_config(client_configuration=cfg)
     except (config.ConfigException, OSError) as e:
         where = kubeconfig or "the pod's service account or ~/.kube/config"
-        raise KubeError(f"no Kubernetes API from {where}: {e}; give --kubeconfig "
-                        "(or STASIS_KUBECONFIG)") from None
+        raise KubeError(
+            f"no Kubernetes API from {where}: {e}; give --kubeconfig " "(or STASIS_KUBECONFIG)"
+        ) from None
     return client.CoreV1Api(client.ApiClient(cfg))
 
 
@@ -106,8 +107,9 @@ def call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise KubeError(f"{what}: the API server cannot be reached: {e}") from None
 
 
-def watch(api: Any, list_fn: Callable[..., Any], stop: threading.Event,
-          **selectors: Any) -> Iterator[tuple[str, Any]]:
+def watch(
+    api: Any, list_fn: Callable[..., Any], stop: threading.Event, **selectors: Any
+) -> Iterator[tuple[str, Any]]:
     """(event type, object) of `list_fn`'s objects, forever: every object as ADDED first,
     then their changes; a dropped or timed-out watch is started again (after a pause when it
     failed), so a consumer sees every object again then and must be idempotent."""
@@ -121,8 +123,9 @@ def watch(api: Any, list_fn: Callable[..., Any], stop: threading.Event,
         try:
             # The read timeout ends a watch whose server went quiet or away; the server's
             # own timeout ends a healthy one now and then, as clients are expected to.
-            for event in w.stream(list_fn, timeout_seconds=300, _request_timeout=(10, 330),
-                                  **selectors):
+            for event in w.stream(
+                list_fn, timeout_seconds=300, _request_timeout=(10, 330), **selectors
+            ):
                 pause = 1.0
                 if event.get("type") == "ERROR":
                     raise KubeError(f"watch error: {event.get('raw_object')}")
@@ -130,8 +133,7 @@ def watch(api: Any, list_fn: Callable[..., Any], stop: threading.Event,
                 if stop.is_set():
                     return
         except (ApiException, HTTPError, OSError, KubeError, ValueError) as e:
-            log.warning("watch of %s failed (%s); again in %.0f s", selectors or "all", e,
-                        pause)
+            log.warning("watch of %s failed (%s); again in %.0f s", selectors or "all", e, pause)
             stop.wait(pause)
             pause = min(pause * 2, 30.0)
         finally:
@@ -146,15 +148,16 @@ def container_ids(pod: Any) -> dict[str, str]:
     """container name -> runtime container id, of a pod's containers that have started
     (containerd://ID in the kubelet's status)."""
     ids = {}
-    for status in (getattr(pod.status, "container_statuses", None) or []):
+    for status in getattr(pod.status, "container_statuses", None) or []:
         cid = status.container_id or ""
         if "://" in cid:
             ids[status.name] = cid.split("://", 1)[1]
     return ids
 
 
-def set_taint(api: Any, node: Any, present: bool, key: str = TAINT_KEY,
-              effect: str = TAINT_EFFECT) -> bool:
+def set_taint(
+    api: Any, node: Any, present: bool, key: str = TAINT_KEY, effect: str = TAINT_EFFECT
+) -> bool:
     """Put the not-ready taint on the node or take it off; whether the node was changed."""
     taints = list(getattr(node.spec, "taints", None) or [])
     has = any(t.key == key for t in taints)
@@ -170,8 +173,12 @@ def set_taint(api: Any, node: Any, present: bool, key: str = TAINT_KEY,
         # Optimistic concurrency: a taint someone else put on meanwhile is not dropped; the
         # conflict (409) is retried from the next look at the node.
         body["metadata"] = {"resourceVersion": rv}
-    call(f"{'taint' if present else 'untaint'} node {node.metadata.name}", api.patch_node,
-         node.metadata.name, body)
+    call(
+        f"{'taint' if present else 'untaint'} node {node.metadata.name}",
+        api.patch_node,
+        node.metadata.name,
+        body,
+    )
     return True
 
 
@@ -181,12 +188,16 @@ def annotate(api: Any, kind: str, obj: Any, values: dict[str, str | None]) -> No
     if kind == "node":
         call(f"annotate node {name}", api.patch_node, name, body)
     else:
-        call(f"annotate pod {obj.metadata.namespace}/{name}", api.patch_namespaced_pod, name,
-             obj.metadata.namespace, body)
+        call(
+            f"annotate pod {obj.metadata.namespace}/{name}",
+            api.patch_namespaced_pod,
+            name,
+            obj.metadata.namespace,
+            body,
+        )
 
 
-def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
-           node: str) -> None:
+def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str, node: str) -> None:
     """The agent's answer to a pod's request: an event on the pod (`kubectl describe pod`
     shows it; `stasis k8s checkpoint` waits for it), with the request's value and the result
     as annotations."""
@@ -200,19 +211,31 @@ def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
     tag = hashlib.sha256(f"{meta.uid}/{asked}".encode()).hexdigest()[:16]
     body = client.CoreV1Event(
         metadata=client.V1ObjectMeta(
-            name=f"{meta.name[:200]}.stasis-{tag}", namespace=meta.namespace,
-            annotations={CHECKPOINT_ANNOTATION: asked, RESULT_ANNOTATION: json.dumps(result)}),
+            name=f"{meta.name[:200]}.stasis-{tag}",
+            namespace=meta.namespace,
+            annotations={CHECKPOINT_ANNOTATION: asked, RESULT_ANNOTATION: json.dumps(result)},
+        ),
         involved_object=client.V1ObjectReference(
-            api_version="v1", kind="Pod", name=meta.name, namespace=meta.namespace,
-            uid=meta.uid),
-        reason=ANSWER_REASON, message=message[:1024],
-        type="Warning" if "error" in result or any(
-            "error" in r for r in (result.get("containers") or {}).values()) else "Normal",
+            api_version="v1", kind="Pod", name=meta.name, namespace=meta.namespace, uid=meta.uid
+        ),
+        reason=ANSWER_REASON,
+        message=message[:1024],
+        type="Warning"
+        if "error" in result or any("error" in r for r in (result.get("containers") or {}).values())
+        else "Normal",
         source=client.V1EventSource(component="stasis-agent", host=node),
-        reporting_component="stasis.dev/agent", reporting_instance=node[:128],
-        first_timestamp=now, last_timestamp=now, count=1)
-    call(f"answer pod {meta.namespace}/{meta.name}", api.create_namespaced_event,
-         meta.namespace, body)
+        reporting_component="stasis.dev/agent",
+        reporting_instance=node[:128],
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+    )
+    call(
+        f"answer pod {meta.namespace}/{meta.name}",
+        api.create_namespaced_event,
+        meta.namespace,
+        body,
+    )
 
 
 def warn(api: Any, namespace: str, pod: str, reason: str, message: str, node: str) -> None:
@@ -225,28 +248,48 @@ def warn(api: Any, namespace: str, pod: str, reason: str, message: str, node: st
 
     now = datetime.now(UTC)
     body = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(name=f"{pod[:200]}.stasis-{secrets.token_hex(8)}",
-                                     namespace=namespace),
-        involved_object=client.V1ObjectReference(api_version="v1", kind="Pod", name=pod,
-                                                 namespace=namespace),
-        reason=reason, message=message[:1024], type="Warning",
+        metadata=client.V1ObjectMeta(
+            name=f"{pod[:200]}.stasis-{secrets.token_hex(8)}", namespace=namespace
+        ),
+        involved_object=client.V1ObjectReference(
+            api_version="v1", kind="Pod", name=pod, namespace=namespace
+        ),
+        reason=reason,
+        message=message[:1024],
+        type="Warning",
         source=client.V1EventSource(component="stasis", host=node),
-        reporting_component="stasis.dev/node", reporting_instance=node[:128],
-        first_timestamp=now, last_timestamp=now, count=1)
-    call(f"tell pod {namespace}/{pod}", api.create_namespaced_event, namespace, body,
-         _request_timeout=_SHORT)
+        reporting_component="stasis.dev/node",
+        reporting_instance=node[:128],
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+    )
+    call(
+        f"tell pod {namespace}/{pod}",
+        api.create_namespaced_event,
+        namespace,
+        body,
+        _request_timeout=_SHORT,
+    )
 
 
 def answer_of(api: Any, namespace: str, pod: str, asked: str) -> dict[str, Any] | None:
     """The result the agent answered request `asked` of pod `pod` with, or None yet: from
     its event, else (agents before 0.2) from the pod's annotations."""
-    found = call(f"list the events of pod {namespace}/{pod}", api.list_namespaced_event,
-                 namespace, field_selector=f"involvedObject.name={pod}")
+    found = call(
+        f"list the events of pod {namespace}/{pod}",
+        api.list_namespaced_event,
+        namespace,
+        field_selector=f"involvedObject.name={pod}",
+    )
     for event in found.items:
         ann = annotations_of(event)
         # Selectors are the server's to apply; an emulator may not.
-        if event.involved_object.name == pod and event.reason == ANSWER_REASON and \
-                ann.get(CHECKPOINT_ANNOTATION) == asked:
+        if (
+            event.involved_object.name == pod
+            and event.reason == ANSWER_REASON
+            and ann.get(CHECKPOINT_ANNOTATION) == asked
+        ):
             answered: dict[str, Any] = json.loads(ann.get(RESULT_ANNOTATION) or "{}")
             return answered
     obj = call(f"read pod {namespace}/{pod}", api.read_namespaced_pod, pod, namespace)
@@ -285,15 +328,24 @@ def cordon(api: Any, node: str) -> bool:
     obj = call(f"read node {node}", api.read_node, node, _request_timeout=_SHORT)
     if obj.spec is not None and obj.spec.unschedulable:
         return False
-    call(f"cordon node {node}", api.patch_node, node, {"spec": {"unschedulable": True}},
-         _request_timeout=_SHORT)
+    call(
+        f"cordon node {node}",
+        api.patch_node,
+        node,
+        {"spec": {"unschedulable": True}},
+        _request_timeout=_SHORT,
+    )
     return True
 
 
 def pods_of_containers(api: Any, node: str) -> dict[str, tuple[str, str]]:
     """runtime container id -> (namespace, pod) of the pods bound to `node`."""
-    found = call(f"list the pods of node {node}", api.list_pod_for_all_namespaces,
-                 field_selector=f"spec.nodeName={node}", _request_timeout=_SHORT)
+    found = call(
+        f"list the pods of node {node}",
+        api.list_pod_for_all_namespaces,
+        field_selector=f"spec.nodeName={node}",
+        _request_timeout=_SHORT,
+    )
     out: dict[str, tuple[str, str]] = {}
     for pod in found.items:
         # Selectors are the server's to apply; an emulator may not.
@@ -309,7 +361,17 @@ def evict(api: Any, namespace: str, pod: str) -> None:
     KubeError) and its controller (Deployment, StatefulSet, ...) makes a new one elsewhere."""
     from kubernetes import client
 
-    body = client.V1Eviction(api_version="policy/v1", kind="Eviction",
-                             metadata=client.V1ObjectMeta(name=pod, namespace=namespace))
-    call(f"evict pod {namespace}/{pod}", api.create_namespaced_pod_eviction, pod, namespace,
-         body, _preload_content=False, _request_timeout=_SHORT)
+    body = client.V1Eviction(
+        api_version="policy/v1",
+        kind="Eviction",
+        metadata=client.V1ObjectMeta(name=pod, namespace=namespace),
+    )
+    call(
+        f"evict pod {namespace}/{pod}",
+        api.create_namespaced_pod_eviction,
+        pod,
+        namespace,
+        body,
+        _preload_content=False,
+        _request_timeout=_SHORT,
+    )

@@ -85,10 +85,16 @@ class Layout:
         return self.root / "node.address"
 
     def describe(self) -> dict[str, Any]:
-        return {"containerd_address": str(self.address), "runtime": shim.RUNTIME_TYPE,
-                "namespace": NAMESPACE, "stasis_socket": str(self.stasis_socket),
-                "stasis_config": str(self.stasis_config), "dir": str(self.root),
-                "node_prefix": node_prefix(self), "address": _address(self)}
+        return {
+            "containerd_address": str(self.address),
+            "runtime": shim.RUNTIME_TYPE,
+            "namespace": NAMESPACE,
+            "stasis_socket": str(self.stasis_socket),
+            "stasis_config": str(self.stasis_config),
+            "dir": str(self.root),
+            "node_prefix": node_prefix(self),
+            "address": _address(self),
+        }
 
 
 def _address(lay: Layout) -> str | None:
@@ -109,9 +115,11 @@ def node_prefix(lay: Layout) -> list[str]:
         return []
     holder = _holder(lay)
     if holder is None:
-        raise ContainerError(f"the local node in {lay.root} has lost its namespaces (their "
-                             "holder process is gone): `stasis k8s local-node down`, then `up` "
-                             "again")
+        raise ContainerError(
+            f"the local node in {lay.root} has lost its namespaces (their "
+            "holder process is gone): `stasis k8s local-node down`, then `up` "
+            "again"
+        )
     return nodehost.prefix(holder)
 
 
@@ -132,14 +140,19 @@ def containerd_config(lay: Layout) -> str:
         "[ttrpc]\n"
         f"  address = {_q(str(lay.address) + '.ttrpc')}\n"
         "[debug]\n"
-        f"  address = {_q(str(c / 'debug.sock'))}\n"
-        + shim.cri_runtime_entry()
+        f"  address = {_q(str(c / 'debug.sock'))}\n" + shim.cri_runtime_entry()
     )
 
 
-def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
-       node_name: str = "", min_interval_s: int | None = None, separate: bool = False
-       ) -> Layout:
+def up(
+    root: Path,
+    store: str = "",
+    bundle: bool = False,
+    kubeconfig: str = "",
+    node_name: str = "",
+    min_interval_s: int | None = None,
+    separate: bool = False,
+) -> Layout:
     """`bundle`: stasis-runc and CRIU run from a host bundle (stasis.k8s.hostbundle, in
     D/runtime), as on a node the agent installed, instead of from this venv. `kubeconfig` and
     `node_name`: the Kubernetes API and the node in it the daemon drains (none: no drain).
@@ -152,20 +165,24 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
         raise UsageError("k8s local-node up must run as root (it starts containerd)")
     for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
         if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin:/usr/local/bin"):
-            raise UsageError(f"{tool} is not installed; run `make install` "
-                             "(scripts/install-containers.sh)")
+            raise UsageError(
+                f"{tool} is not installed; run `make install` " "(scripts/install-containers.sh)"
+            )
     lay = Layout(root.absolute())
     if detached.alive(detached.read_pid(lay.containerd / "containerd.pid")):
-        raise UsageError(f"a local node is already running in {lay.root}; "
-                         "`stasis k8s local-node down` first")
+        raise UsageError(
+            f"a local node is already running in {lay.root}; " "`stasis k8s local-node down` first"
+        )
     for d in (lay.root, lay.containerd, lay.bin, lay.stasis):
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
     wrapper = None
-    config = (f"socket = {_q(str(lay.stasis_socket))}\n"
-              f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
-              f"store = {_q(store or str(lay.stasis / 'store'))}\n"
-              f"containerd_address = {_q(str(lay.address))}\n")
+    config = (
+        f"socket = {_q(str(lay.stasis_socket))}\n"
+        f"state_dir = {_q(str(lay.stasis / 'state'))}\n"
+        f"store = {_q(store or str(lay.stasis / 'store'))}\n"
+        f"containerd_address = {_q(str(lay.address))}\n"
+    )
     if kubeconfig:
         config += f"kubeconfig = {_q(str(Path(kubeconfig).absolute()))}\n"
     if node_name:
@@ -190,16 +207,25 @@ def up(root: Path, store: str = "", bundle: bool = False, kubeconfig: str = "",
     lay.address_file.unlink(missing_ok=True)
     try:
         if separate:
-            holder = nodehost.start_holder(node_name or lay.root.name, lay.holder_file,
-                                           _shared_paths(lay, store))
+            holder = nodehost.start_holder(
+                node_name or lay.root.name, lay.holder_file, _shared_paths(lay, store)
+            )
             lay.address_file.write_text(nodehost.join_net(LOCAL_NET, holder) + "\n")
         start_daemon(lay)
         clog = lay.containerd / "containerd.log"
-        pid = detached.start([*node_prefix(lay), "containerd", "--config",
-                              str(lay.containerd / "config.toml")],
-                             lay.containerd / "containerd.pid", clog, env)
-        detached.wait_listening(pid, lay.address, clog, 20,
-                                lambda why: ContainerError(f"containerd did not start: {why}"))
+        pid = detached.start(
+            [*node_prefix(lay), "containerd", "--config", str(lay.containerd / "config.toml")],
+            lay.containerd / "containerd.pid",
+            clog,
+            env,
+        )
+        detached.wait_listening(
+            pid,
+            lay.address,
+            clog,
+            20,
+            lambda why: ContainerError(f"containerd did not start: {why}"),
+        )
     except BaseException:
         down(lay.root)
         raise
@@ -219,7 +245,8 @@ def _check_reachable(kubeconfig: Path) -> None:
                 f"--separate: the node has a network of its own, where the Kubernetes API at "
                 f"{match.group(1)} (this machine's loopback) cannot be reached; serve it on "
                 f"{LOCAL_NET.host_addr} (this machine on the nodes' network), or leave out "
-                "--separate")
+                "--separate"
+            )
 
 
 def _loopback(host: str) -> bool:
@@ -241,22 +268,39 @@ def _shared_paths(lay: Layout, store: str) -> list[str]:
 
 
 def _env(lay: Layout) -> dict[str, str]:
-    return {"PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-            "LANG": "C.UTF-8", "STASIS_CONFIG": str(lay.stasis_config)}
+    return {
+        "PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        "LANG": "C.UTF-8",
+        "STASIS_CONFIG": str(lay.stasis_config),
+    }
 
 
 def start_daemon(lay: Layout) -> None:
     """Start the node's stasis daemon (again, after it was stopped)."""
     log = lay.stasis / "daemon.log"
-    pid = detached.start([*node_prefix(lay), *detached.stasis_command(), "daemon"],
-                         lay.stasis / "daemon.pid", log, _env(lay))
-    detached.wait_listening(pid, lay.stasis_socket, log, 20,
-                            lambda why: ContainerError(f"the stasis daemon did not start: {why}"))
+    pid = detached.start(
+        [*node_prefix(lay), *detached.stasis_command(), "daemon"],
+        lay.stasis / "daemon.pid",
+        log,
+        _env(lay),
+    )
+    detached.wait_listening(
+        pid,
+        lay.stasis_socket,
+        log,
+        20,
+        lambda why: ContainerError(f"the stasis daemon did not start: {why}"),
+    )
 
 
 def _ctr(lay: Layout, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ctr", "-a", str(lay.address), "-n", NAMESPACE, *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["ctr", "-a", str(lay.address), "-n", NAMESPACE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def down(root: Path) -> None:

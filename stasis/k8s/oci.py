@@ -32,16 +32,19 @@ MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
 LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar"
 # CRI-O's (and Podman's) names for a checkpoint image's metadata.
-NAME_ANNOTATIONS = ("io.kubernetes.cri-o.annotations.checkpoint.name",
-                    "org.criu.checkpoint.container.name")
+NAME_ANNOTATIONS = (
+    "io.kubernetes.cri-o.annotations.checkpoint.name",
+    "org.criu.checkpoint.container.name",
+)
 STASIS_JSON = "stasis.json"
 SPEC_DUMP = "spec.dump"
 _RW_DIFF = "rootfs-diff.tar"
 _DELETED = "deleted.files"
 
 
-def write_archive(out: Path, layers: list[bytes], config: dict[str, Any],
-                  annotations: dict[str, str], ref: str) -> str:
+def write_archive(
+    out: Path, layers: list[bytes], config: dict[str, Any], annotations: dict[str, str], ref: str
+) -> str:
     """Write an OCI image archive (a tar of an OCI layout); the manifest's digest."""
     blobs: dict[str, bytes] = {}
 
@@ -50,21 +53,37 @@ def write_archive(out: Path, layers: list[bytes], config: dict[str, Any],
         blobs[digest] = data
         return digest, len(data)
 
-    config = {**config, "rootfs": {"type": "layers", "diff_ids": [
-        "sha256:" + hashlib.sha256(layer).hexdigest() for layer in layers]}}
+    config = {
+        **config,
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": ["sha256:" + hashlib.sha256(layer).hexdigest() for layer in layers],
+        },
+    }
     config_digest, config_size = blob(json.dumps(config, sort_keys=True).encode())
     layer_refs = []
     for layer in layers:
         digest, size = blob(layer)
         layer_refs.append({"mediaType": LAYER_TYPE, "digest": digest, "size": size})
-    manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE,
-                "config": {"mediaType": CONFIG_TYPE, "digest": config_digest,
-                           "size": config_size},
-                "layers": layer_refs, "annotations": annotations}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_TYPE,
+        "config": {"mediaType": CONFIG_TYPE, "digest": config_digest, "size": config_size},
+        "layers": layer_refs,
+        "annotations": annotations,
+    }
     manifest_digest, manifest_size = blob(json.dumps(manifest, sort_keys=True).encode())
-    index = {"schemaVersion": 2, "manifests": [{
-        "mediaType": MANIFEST_TYPE, "digest": manifest_digest, "size": manifest_size,
-        "annotations": {"org.opencontainers.image.ref.name": ref}}]}
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": MANIFEST_TYPE,
+                "digest": manifest_digest,
+                "size": manifest_size,
+                "annotations": {"org.opencontainers.image.ref.name": ref},
+            }
+        ],
+    }
     tmp = out.with_name(f".{out.name}.tmp")
     # Root's alone: a checkpoint image holds the container's memory in the clear.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -89,8 +108,7 @@ class Exported:
     size_bytes: int
 
 
-def export_checkpoint(images: Path, names: list[str], meta: dict[str, Any], out: Path
-                      ) -> Exported:
+def export_checkpoint(images: Path, names: list[str], meta: dict[str, Any], out: Path) -> Exported:
     """`images`: a directory of a checkpoint's verified plain images, `names` (the rest of
     the directory is the store's); `meta`: label, namespace, ids..."""
     layer = io.BytesIO()
@@ -106,20 +124,39 @@ def export_checkpoint(images: Path, names: list[str], meta: dict[str, Any], out:
             else:
                 tar.add(path, arcname=f"checkpoint/{name}")
         created = meta.get("created") or datetime.now(UTC).isoformat()
-        _add_bytes(tar, "config.dump", json.dumps({
-            "id": meta.get("container_id", ""), "name": meta.get("name") or meta["label"],
-            "rootfsImageName": meta.get("image", ""), "createdTime": created,
-            "checkpointedTime": created, "runtime": "runc", "engine": "stasis"}).encode())
+        _add_bytes(
+            tar,
+            "config.dump",
+            json.dumps(
+                {
+                    "id": meta.get("container_id", ""),
+                    "name": meta.get("name") or meta["label"],
+                    "rootfsImageName": meta.get("image", ""),
+                    "createdTime": created,
+                    "checkpointedTime": created,
+                    "runtime": "runc",
+                    "engine": "stasis",
+                }
+            ).encode(),
+        )
         _add_bytes(tar, STASIS_JSON, json.dumps(meta).encode())
     annotations = {key: str(meta.get("name") or meta["label"]) for key in NAME_ANNOTATIONS}
-    annotations.update({"io.kubernetes.cri-o.annotations.checkpoint.namespace":
-                        str(meta.get("namespace", "")),
-                        "org.criu.checkpoint.engine.name": "stasis",
-                        "dev.stasis.checkpoint.label": str(meta["label"]),
-                        "dev.stasis.checkpoint.id": str(meta.get("checkpoint", ""))})
+    annotations.update(
+        {
+            "io.kubernetes.cri-o.annotations.checkpoint.namespace": str(meta.get("namespace", "")),
+            "org.criu.checkpoint.engine.name": "stasis",
+            "dev.stasis.checkpoint.label": str(meta["label"]),
+            "dev.stasis.checkpoint.id": str(meta.get("checkpoint", "")),
+        }
+    )
     data = layer.getvalue()
-    digest = write_archive(out, [data], {"architecture": "amd64", "os": "linux"}, annotations,
-                           f"checkpoint-{meta['label']}")
+    digest = write_archive(
+        out,
+        [data],
+        {"architecture": "amd64", "os": "linux"},
+        annotations,
+        f"checkpoint-{meta['label']}",
+    )
     return Exported(digest=digest, size_bytes=out.stat().st_size)
 
 
@@ -128,8 +165,10 @@ def _to_deleted_files(diff: Path) -> tuple[bytes, list[str]]:
     without the whiteouts, and their paths as a list."""
     out = io.BytesIO()
     deleted: list[str] = []
-    with tarfile.open(diff) as src, tarfile.open(fileobj=out, mode="w",
-                                                 format=tarfile.PAX_FORMAT) as dst:
+    with (
+        tarfile.open(diff) as src,
+        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
         for m in src:
             if m.ischr() and m.devmajor == 0 and m.devminor == 0:
                 deleted.append("/" + m.name.lstrip("./"))
@@ -150,11 +189,23 @@ MAX_ARCHIVE_ENTRIES = 10_000
 MAX_LAYER_ENTRIES = 100_000
 MAX_JSON_BYTES = 1 << 20
 MAX_DELETED_BYTES = 64 << 20
-_GZIP_TYPES = ("application/vnd.oci.image.layer.v1.tar+gzip",
-               "application/vnd.docker.image.rootfs.diff.tar.gzip")
+_GZIP_TYPES = (
+    "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip",
+)
 _TAR_TYPES = (LAYER_TYPE, "application/vnd.docker.image.rootfs.diff.tar")
-_META_STRINGS = ("label", "namespace", "name", "checkpoint", "container_id", "user", "created",
-                 "cwd", "criu_version", "image")
+_META_STRINGS = (
+    "label",
+    "namespace",
+    "name",
+    "checkpoint",
+    "container_id",
+    "user",
+    "created",
+    "cwd",
+    "criu_version",
+    "image",
+)
 _RAW_DIFF = ".rootfs-diff.import"
 _CHILD_MEMORY_BYTES = 1 << 31
 _BAD_EXIT, _FAILED_EXIT = 3, 4
@@ -171,12 +222,18 @@ def import_archive(archive: Path, into: Path, timeout_s: float = 1800.0) -> dict
     UsageError, one line, when the archive is not one (nothing kept: the caller discards
     `into`)."""
     try:
-        r = subprocess.run([sys.executable, "-I", "-m", "stasis.k8s.oci", "import", str(archive),
-                            str(into)], capture_output=True, text=True, errors="replace",
-                           timeout=timeout_s, cwd="/")
+        r = subprocess.run(
+            [sys.executable, "-I", "-m", "stasis.k8s.oci", "import", str(archive), str(into)],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            cwd="/",
+        )
     except subprocess.TimeoutExpired as e:
-        raise UsageError(f"cannot import {archive}: unpacking it took more than "
-                         f"{timeout_s:.0f} s") from e
+        raise UsageError(
+            f"cannot import {archive}: unpacking it took more than " f"{timeout_s:.0f} s"
+        ) from e
     except OSError as e:
         raise UsageError(f"cannot import {archive}: {e}") from e
     if r.returncode == 0:
@@ -188,9 +245,11 @@ def import_archive(archive: Path, into: Path, timeout_s: float = 1800.0) -> dict
     lines = (r.stderr or r.stdout).strip().splitlines()
     line = lines[-1] if lines else f"exit status {r.returncode}"
     if r.returncode == _BAD_EXIT:
-        raise UsageError(f"{archive} is not an OCI image archive stasis can import: {line} "
-                         "(give an uncompressed archive of one checkpoint image, as `stasis "
-                         "export --oci`, CRI-O or Podman write it)")
+        raise UsageError(
+            f"{archive} is not an OCI image archive stasis can import: {line} "
+            "(give an uncompressed archive of one checkpoint image, as `stasis "
+            "export --oci`, CRI-O or Podman write it)"
+        )
     raise UsageError(f"cannot import {archive}: {line}")
 
 
@@ -267,8 +326,7 @@ def _blob(blobs: dict[str, tuple[int, int]], name: str) -> tuple[int, int]:
     return blobs[name]
 
 
-def _json(fd: int, blobs: dict[str, tuple[int, int]], name: str, digest: str | None = None
-          ) -> Any:
+def _json(fd: int, blobs: dict[str, tuple[int, int]], name: str, digest: str | None = None) -> Any:
     offset, size = _blob(blobs, name)
     if size > MAX_JSON_BYTES:
         raise BadArchive(f"its {name} is {size} bytes, more than {MAX_JSON_BYTES}")
@@ -324,8 +382,7 @@ class _Verified:
             raise BadArchive("its layer does not match its digest")
 
 
-def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path
-                  ) -> dict[str, bytes]:
+def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path) -> dict[str, bytes]:
     """Images into `into`; the small files stasis reads (stasis.json, deleted.files) returned,
     and _RAW_DIFF as a key when the layer had a rootfs-diff.tar (written beside the images)."""
     free = os.statvfs(into)
@@ -341,8 +398,9 @@ def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path
                 return kept
             total += max(m.size, 0)
             if total > room:
-                raise BadArchive(f"its layer unpacks to more than the {room} bytes free in "
-                                 f"{into}")
+                raise BadArchive(
+                    f"its layer unpacks to more than the {room} bytes free in " f"{into}"
+                )
             if not m.isreg():
                 continue
             try:
@@ -352,8 +410,9 @@ def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path
             if len(parts) == 2 and parts[0] == "checkpoint":
                 name = parts[1]
                 if not is_safe_file_name(name) or name in (SPEC_DUMP, _RW_DIFF, _RAW_DIFF):
-                    raise BadArchive(f"its layer's entry {m.name[:100]!r} is not a name "
-                                     "CRIU gives an image")
+                    raise BadArchive(
+                        f"its layer's entry {m.name[:100]!r} is not a name " "CRIU gives an image"
+                    )
                 _write(tar, m, into_fd, name)
             elif parts == (SPEC_DUMP,):
                 _write(tar, m, into_fd, SPEC_DUMP)
@@ -363,8 +422,9 @@ def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path
             elif parts in ((STASIS_JSON,), (_DELETED,)):
                 limit = MAX_JSON_BYTES if parts == (STASIS_JSON,) else MAX_DELETED_BYTES
                 if m.size > limit or parts[0] in kept:
-                    raise BadArchive(f"its {parts[0]} is larger than {limit} bytes or twice "
-                                     "in it")
+                    raise BadArchive(
+                        f"its {parts[0]} is larger than {limit} bytes or twice " "in it"
+                    )
                 src = tar.extractfile(m)
                 kept[parts[0]] = src.read(m.size) if src is not None else b""
             # Anything else (config.dump, CRI-O's other files) is not used, never written.
@@ -377,8 +437,12 @@ def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path
 
 def _write(tar: tarfile.TarFile, m: tarfile.TarInfo, into_fd: int, name: str) -> None:
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=into_fd)
+        fd = os.open(
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=into_fd,
+        )
     except FileExistsError:
         raise BadArchive(f"its layer holds {m.name[:100]!r} twice") from None
     with os.fdopen(fd, "wb") as out:
@@ -410,12 +474,18 @@ def _rebuild_diff(into_fd: int, into: Path, deleted: list[str]) -> None:
     """CRI-O's diff (deletions listed apart) as ours (whiteouts), checked entry by entry as a
     restore will check it: a diff that a restore would refuse is refused now."""
     fd = os.open(_RAW_DIFF, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=into_fd)
-    out = os.open(_RW_DIFF, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                  0o600, dir_fd=into_fd)
+    out = os.open(
+        _RW_DIFF,
+        os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=into_fd,
+    )
     with os.fdopen(fd, "rb") as src_f, os.fdopen(out, "w+b") as dst_f:
         try:
-            with tarfile.open(fileobj=src_f, mode="r:") as src, \
-                    tarfile.open(fileobj=dst_f, mode="w", format=tarfile.PAX_FORMAT) as dst:
+            with (
+                tarfile.open(fileobj=src_f, mode="r:") as src,
+                tarfile.open(fileobj=dst_f, mode="w", format=tarfile.PAX_FORMAT) as dst,
+            ):
                 for _ in range(MAX_LAYER_ENTRIES + 1):
                     m = src.next()
                     src.members.clear()  # type: ignore[attr-defined]
@@ -447,8 +517,7 @@ def _meta(raw: bytes | None) -> dict[str, Any]:
     except (ValueError, RecursionError) as e:
         raise BadArchive(f"its {STASIS_JSON} is not JSON: {_short(e)}") from None
     obj = _object(obj, f"its {STASIS_JSON}")
-    meta: dict[str, Any] = {k: obj[k][:4096] for k in _META_STRINGS
-                            if isinstance(obj.get(k), str)}
+    meta: dict[str, Any] = {k: obj[k][:4096] for k in _META_STRINGS if isinstance(obj.get(k), str)}
     command = obj.get("command")
     if isinstance(command, list) and all(isinstance(a, str) for a in command):
         meta["command"] = [a[:65536] for a in command[:4096]]
@@ -457,8 +526,11 @@ def _meta(raw: bytes | None) -> dict[str, Any]:
 
 def _blob_name(digest: str) -> str:
     algo, _, hexdigest = digest.partition(":")
-    if algo != "sha256" or len(hexdigest) != 64 or not all(c in "0123456789abcdef"
-                                                           for c in hexdigest):
+    if (
+        algo != "sha256"
+        or len(hexdigest) != 64
+        or not all(c in "0123456789abcdef" for c in hexdigest)
+    ):
         raise BadArchive(f"unexpected digest {digest[:100]!r}")
     return f"blobs/sha256/{hexdigest}"
 

@@ -49,8 +49,12 @@ class RestoreFailures:
         try:
             with open(self.path(checkpoint), "rb") as f:
                 data = json.loads(f.read(_MAX_BYTES))
-            return Failures(checkpoint, int(data["attempts"]), str(data.get("error", "")),
-                            str(data.get("log", "")))
+            return Failures(
+                checkpoint,
+                int(data["attempts"]),
+                str(data.get("error", "")),
+                str(data.get("log", "")),
+            )
         except FileNotFoundError:
             return Failures(checkpoint, 0, "", "")
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -60,12 +64,20 @@ class RestoreFailures:
     def failed(self, checkpoint: str, error: str, log: str) -> Failures:
         """One more failed restore of `checkpoint`: its record, counted."""
         now = self.get(checkpoint)
-        done = Failures(checkpoint, now.attempts + 1, " ".join(error.split())[:_ERROR_CHARS],
-                        log)
+        done = Failures(checkpoint, now.attempts + 1, " ".join(error.split())[:_ERROR_CHARS], log)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_atomically(self.path(checkpoint), json.dumps(
-            {"attempts": done.attempts, "error": done.error, "log": done.log,
-             "at": datetime.now(UTC).isoformat(timespec="seconds")}).encode(), durable=False)
+        write_atomically(
+            self.path(checkpoint),
+            json.dumps(
+                {
+                    "attempts": done.attempts,
+                    "error": done.error,
+                    "log": done.log,
+                    "at": datetime.now(UTC).isoformat(timespec="seconds"),
+                }
+            ).encode(),
+            durable=False,
+        )
         return done
 
     def forget(self, checkpoint: str) -> None:
@@ -84,24 +96,46 @@ class RestoreFailures:
                 self.forget(checkpoint)
 
 
-def message(label: str, checkpoint: str, error: str, attempts: int, limit: int,
-            kept_log: str, record: str, node: str) -> str:
+def message(
+    label: str,
+    checkpoint: str,
+    error: str,
+    attempts: int,
+    limit: int,
+    kept_log: str,
+    record: str,
+    node: str,
+) -> str:
     """What a failed restore of a good checkpoint tells the pod's owner (its create's error,
     its event): what failed, that nothing was lost, and what happens and can be done next."""
     where = f"; restore log on node {node}: {kept_log}" if kept_log else ""
     if limit <= 0:
         then = "it is tried again at every create"
     elif attempts < limit:
-        then = (f"after {limit} failed attempts on this node the label's previous checkpoint "
-                "is tried")
+        then = (
+            f"after {limit} failed attempts on this node the label's previous checkpoint "
+            "is tried"
+        )
     else:
-        then = (f"it is given up on this node now (remove {record} to try it again): the next "
-                "create tries the label's previous checkpoint")
-    counted = (f"attempt {attempts} of {limit or 'unbounded'} on node {node}" if attempts
-               else f"not counted on node {node} (the stasis daemon did not answer)")
-    return (f"label {label}: restore of checkpoint {checkpoint} failed ({error}){where}; "
-            f"{counted}. The container is "
-            "not started fresh and the checkpoint is kept: its create fails and is retried "
-            f"(the cause may be a port, file or mount it needs that is taken or missing); "
-            f"{then}" + ("; STASIS_FRESH=1 on the container starts it fresh when none of the "
-                         "label's checkpoints can be restored" if limit > 0 else ""))
+        then = (
+            f"it is given up on this node now (remove {record} to try it again): the next "
+            "create tries the label's previous checkpoint"
+        )
+    counted = (
+        f"attempt {attempts} of {limit or 'unbounded'} on node {node}"
+        if attempts
+        else f"not counted on node {node} (the stasis daemon did not answer)"
+    )
+    return (
+        f"label {label}: restore of checkpoint {checkpoint} failed ({error}){where}; "
+        f"{counted}. The container is "
+        "not started fresh and the checkpoint is kept: its create fails and is retried "
+        f"(the cause may be a port, file or mount it needs that is taken or missing); "
+        f"{then}"
+        + (
+            "; STASIS_FRESH=1 on the container starts it fresh when none of the "
+            "label's checkpoints can be restored"
+            if limit > 0
+            else ""
+        )
+    )

@@ -56,8 +56,9 @@ _MAX_TIME_S = 1 << 40
 # The child's address space: a tar header that claims gigabytes fails there, not in the daemon.
 _CHILD_MEMORY_BYTES = 1 << 31
 _REFUSED_EXIT, _FAILED_EXIT = 3, 4
-_DO_INSTEAD = ("start the container without this checkpoint (another label) or restore an "
-               "older one")
+_DO_INSTEAD = (
+    "start the container without this checkpoint (another label) or restore an " "older one"
+)
 
 
 class Refused(Exception):
@@ -93,11 +94,16 @@ def upper_dir(rootfs: Path) -> Path | None:
 
 
 def _unescape(text: str) -> str:
-    return text.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
+    return (
+        text.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
         .replace("\\134", "\\")
+    )
 
 
 # -- capture ------------------------------------------------------------------------------
+
 
 def capture(rootfs: Path, out: Path) -> int:
     """Write the writable layer of the container rooted at `rootfs` to `out`; its size.
@@ -105,8 +111,10 @@ def capture(rootfs: Path, out: Path) -> int:
     ContainerError when the root is not an overlay (its writable layer cannot be told apart)."""
     upper = upper_dir(rootfs)
     if upper is None:
-        raise ContainerError(f"the root of the container ({rootfs}) is not an overlay mount: its "
-                             "writable layer cannot be captured (use the overlayfs snapshotter)")
+        raise ContainerError(
+            f"the root of the container ({rootfs}) is not an overlay mount: its "
+            "writable layer cannot be captured (use the overlayfs snapshotter)"
+        )
     try:
         top = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -125,7 +133,8 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
     links: dict[tuple[int, int], str] = {}
     # Each directory's names sorted backwards, taken from the end.
     stack: list[tuple[int, str, list[str]]] = [
-        (os.dup(top), "", sorted(os.listdir(top), reverse=True))]
+        (os.dup(top), "", sorted(os.listdir(top), reverse=True))
+    ]
     try:
         while stack:
             dirfd, prefix, names = stack[-1]
@@ -139,14 +148,14 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
             if stat.S_ISDIR(st.st_mode):
                 if len(stack) >= MAX_DEPTH:
                     raise ValueError(f"{prefix + name} is more than {MAX_DEPTH} directories deep")
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=dirfd)
+                sub = os.open(
+                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd
+                )
                 try:
                     if _opaque(sub):
                         info.pax_headers = {_OPAQUE_PAX: "y"}
                     tar.addfile(info)
-                    stack.append((sub, f"{prefix}{name}/", sorted(os.listdir(sub),
-                                                                  reverse=True)))
+                    stack.append((sub, f"{prefix}{name}/", sorted(os.listdir(sub), reverse=True)))
                 except BaseException:
                     os.close(sub)
                     raise
@@ -158,8 +167,9 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
                     continue
                 if st.st_nlink > 1:
                     links[key] = info.name
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=dirfd)
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd
+                )
                 with os.fdopen(fd, "rb") as f:
                     if os.fstat(f.fileno()).st_ino != st.st_ino:
                         raise ValueError(f"{info.name} changed while it was read")
@@ -167,8 +177,7 @@ def _capture_dir(tar: tarfile.TarFile, top: int) -> None:
             elif stat.S_ISLNK(st.st_mode):
                 info.linkname = os.readlink(name, dir_fd=dirfd)
                 tar.addfile(info)
-            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or \
-                    stat.S_ISFIFO(st.st_mode):
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
                 tar.addfile(info)  # a whiteout (0:0) among them; put back decides the rest
             # Sockets are not kept (tar has no type for them; nothing listens after a restore).
     finally:
@@ -204,6 +213,7 @@ def _opaque(dirfd: int) -> bool:
 
 # -- put back -----------------------------------------------------------------------------
 
+
 def apply(diff: Path, rootfs: Path, timeout_s: float = 300.0) -> None:
     """Put the layer captured in `diff` into the container root `rootfs` (in a child that
     never chroots; see the module's docstring). ContainerError, one line, when it cannot."""
@@ -211,12 +221,20 @@ def apply(diff: Path, rootfs: Path, timeout_s: float = 300.0) -> None:
     try:
         with diff.open("rb") as f:
             # -I: no PYTHON* variables, no user site, not the current directory on sys.path.
-            r = subprocess.run([sys.executable, "-I", "-m", "stasis.k8s.rootfs", "apply",
-                                str(rootfs)], stdin=f, capture_output=True, text=True,
-                               errors="replace", timeout=timeout_s, cwd="/")
+            r = subprocess.run(
+                [sys.executable, "-I", "-m", "stasis.k8s.rootfs", "apply", str(rootfs)],
+                stdin=f,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=timeout_s,
+                cwd="/",
+            )
     except subprocess.TimeoutExpired as e:
-        raise PartlyWritten(f"{what}: it took more than {timeout_s:.0f} s (the root may hold "
-                             f"part of it); {_DO_INSTEAD}") from e
+        raise PartlyWritten(
+            f"{what}: it took more than {timeout_s:.0f} s (the root may hold "
+            f"part of it); {_DO_INSTEAD}"
+        ) from e
     except OSError as e:
         raise ContainerError(f"{what}: {e}") from e
     if r.returncode == 0:
@@ -262,8 +280,14 @@ def check(member: tarfile.TarInfo, end: int) -> Entry | None:
             raise Refused(f"entry {shown} has an impossible {name} {value!r}")
     if not isinstance(member.mtime, (int, float)) or not abs(member.mtime) < _MAX_TIME_S:
         raise Refused(f"entry {shown} has an impossible modification time")
-    common = Entry(parts=parts, kind="", mode=member.mode & 0o7777, uid=member.uid,
-                   gid=member.gid, mtime_ns=int(member.mtime * 1_000_000_000))
+    common = Entry(
+        parts=parts,
+        kind="",
+        mode=member.mode & 0o7777,
+        uid=member.uid,
+        gid=member.gid,
+        mtime_ns=int(member.mtime * 1_000_000_000),
+    )
     if member.issparse():
         raise Refused(f"entry {shown} is a sparse file (a layer holds plain files)")
     if member.isreg():
@@ -271,8 +295,7 @@ def check(member: tarfile.TarInfo, end: int) -> Entry | None:
             raise Refused(f"entry {shown} claims {member.size} bytes past the end of the tar")
         return replace(common, kind="file")
     if member.isdir():
-        return replace(common, kind="dir",
-                       opaque=member.pax_headers.get(_OPAQUE_PAX) == "y")
+        return replace(common, kind="dir", opaque=member.pax_headers.get(_OPAQUE_PAX) == "y")
     if member.issym():
         target = member.linkname
         if not target or "\x00" in target or len(os.fsencode(target)) > confined.PATH_MAX:
@@ -283,8 +306,9 @@ def check(member: tarfile.TarInfo, end: int) -> Entry | None:
         try:
             link = confined.split(member.linkname)
         except ValueError as e:
-            raise Refused(f"hard link {shown} -> {member.linkname[:200]!r} points out of the "
-                          f"root ({e})") from None
+            raise Refused(
+                f"hard link {shown} -> {member.linkname[:200]!r} points out of the " f"root ({e})"
+            ) from None
         if not link or link == parts:
             raise Refused(f"hard link {shown} points at the root or at itself")
         return replace(common, kind="hardlink", link=link)
@@ -295,11 +319,14 @@ def check(member: tarfile.TarInfo, end: int) -> Entry | None:
         return replace(common, kind="fifo", mode=member.mode & 0o777)
     if member.ischr() or member.isblk():
         kind = "character" if member.ischr() else "block"
-        raise Refused(f"entry {shown} is a {kind} device node ({member.devmajor}:"
-                      f"{member.devminor}): a container's writable layer never gets device "
-                      "nodes put back (its runtime makes /dev)")
-    raise Refused(f"entry {shown} is of tar type {member.type!r}, which a writable layer "
-                  "does not hold")
+        raise Refused(
+            f"entry {shown} is a {kind} device node ({member.devmajor}:"
+            f"{member.devminor}): a container's writable layer never gets device "
+            "nodes put back (its runtime makes /dev)"
+        )
+    raise Refused(
+        f"entry {shown} is of tar type {member.type!r}, which a writable layer " "does not hold"
+    )
 
 
 class Layer:
@@ -314,8 +341,9 @@ class Layer:
     def _walk(self) -> Iterator[tuple[Entry, tarfile.TarFile, tarfile.TarInfo]]:
         self.f.seek(0)
         try:
-            tar = tarfile.open(fileobj=self.f, mode="r:", encoding="utf-8",
-                               errors="surrogateescape")
+            tar = tarfile.open(
+                fileobj=self.f, mode="r:", encoding="utf-8", errors="surrogateescape"
+            )
         except Exception as e:  # whatever the bytes make tarfile raise: not a layer
             raise Refused(f"the layer is not a readable tar ({_short(e)})") from None
         count = 0
@@ -323,8 +351,9 @@ class Layer:
             try:
                 member = tar.next()
             except Exception as e:
-                raise Refused(f"the layer is not a readable tar after {count} entries "
-                              f"({_short(e)})") from None
+                raise Refused(
+                    f"the layer is not a readable tar after {count} entries " f"({_short(e)})"
+                ) from None
             # Nothing keeps the members read so far: a million entries cost one at a time.
             tar.members.clear()  # type: ignore[attr-defined]  # (typeshed lacks it)
             if member is None:
@@ -346,8 +375,11 @@ class Layer:
             try:
                 _put(root, entry, tar, member)
             except OSError as e:
-                raise OSError(e.errno, f"cannot write {'/'.join(entry.parts)[:200]!r} in the "
-                              f"root: {e.strerror or e}") from None
+                raise OSError(
+                    e.errno,
+                    f"cannot write {'/'.join(entry.parts)[:200]!r} in the "
+                    f"root: {e.strerror or e}",
+                ) from None
             if entry.kind == "dir":
                 dirs.append((entry.parts, entry.mtime_ns))
         # Last: writing their entries changed the directories' times.
@@ -366,8 +398,7 @@ def _short(e: BaseException) -> str:
     return (str(e) or type(e).__name__).splitlines()[0][:200]
 
 
-def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile,
-         member: tarfile.TarInfo) -> None:
+def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
     name = entry.parts[-1]
     try:
         parent = root.parent(entry.parts, make=entry.kind != "whiteout")
@@ -389,8 +420,9 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile,
                 st = None
             if st is None:
                 os.mkdir(name, 0o700, dir_fd=parent)
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=parent)
+            fd = os.open(
+                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent
+            )
             try:
                 _owner_mode(fd, entry)
             finally:
@@ -402,8 +434,9 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile,
             try:
                 tst = os.fstat(target)
                 if not (stat.S_ISREG(tst.st_mode) or stat.S_ISLNK(tst.st_mode)):
-                    raise OSError(errno.EPERM, "a hard link may only point at a file or a "
-                                  "symlink")
+                    raise OSError(
+                        errno.EPERM, "a hard link may only point at a file or a " "symlink"
+                    )
                 if st is not None and (st.st_dev, st.st_ino) == (tst.st_dev, tst.st_ino):
                     return  # already that file
                 _remove(parent, name, st)
@@ -415,20 +448,26 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile,
         if entry.kind == "symlink":
             os.symlink(entry.target, name, dir_fd=parent)
             os.chown(name, entry.uid, entry.gid, dir_fd=parent, follow_symlinks=False)
-            os.utime(name, ns=(entry.mtime_ns, entry.mtime_ns), dir_fd=parent,
-                     follow_symlinks=False)
+            os.utime(
+                name, ns=(entry.mtime_ns, entry.mtime_ns), dir_fd=parent, follow_symlinks=False
+            )
         elif entry.kind == "fifo":
             os.mkfifo(name, 0o600, dir_fd=parent)
-            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=parent)
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent
+            )
             try:
                 _owner_mode(fd, entry)
             finally:
                 os.close(fd)
         else:
             # O_EXCL after the unlink: never written through a link or into another's inode.
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600, dir_fd=parent)
+            fd = os.open(
+                name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=parent,
+            )
             try:
                 src = tar.extractfile(member)
                 left = member.size
@@ -448,7 +487,7 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile,
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _owner_mode(fd: int, entry: Entry) -> None:
@@ -469,6 +508,7 @@ def _remove(parent: int, name: str, st: os.stat_result | None) -> None:
 
 
 # -- the child ----------------------------------------------------------------------------
+
 
 def apply_here(f: BinaryIO, root: Path) -> None:
     """Check every entry of the layer `f`, then write it into `root`. Refused when it holds
@@ -496,8 +536,10 @@ def _main(argv: list[str]) -> int:
         print(f"{e.strerror or e} (the root may hold part of the layer)", file=sys.stderr)
         return _FAILED_EXIT
     except Exception as e:  # a bug of ours: still one line, and only this restore fails
-        print(f"{type(e).__name__}: {_short(e)} (the root may hold part of the layer)",
-              file=sys.stderr)
+        print(
+            f"{type(e).__name__}: {_short(e)} (the root may hold part of the layer)",
+            file=sys.stderr,
+        )
         return _FAILED_EXIT
     return 0
 

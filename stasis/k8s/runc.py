@@ -98,8 +98,9 @@ def read_bundle(path: Path, container_id: str) -> Bundle:
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ContainerError(f"cannot read the bundle of container {container_id} "
-                             f"({path}/config.json): {e}") from e
+        raise ContainerError(
+            f"cannot read the bundle of container {container_id} " f"({path}/config.json): {e}"
+        ) from e
     process = config.get("process") or {}
     env = dict(item.split("=", 1) for item in process.get("env") or [] if "=" in item)
     label = next((env[v] for v in LABEL_VARIABLES if env.get(v)), None)
@@ -112,10 +113,16 @@ def read_bundle(path: Path, container_id: str) -> Bundle:
     namespace = annotations.get(_NS_ANNOTATION) or path.parent.name
     root = Path((config.get("root") or {}).get("path") or "rootfs")
     return Bundle(
-        path=path, container_id=container_id, label=label, namespace=namespace,
-        pod=annotations.get(_POD_ANNOTATION), name=annotations.get(_NAME_ANNOTATION),
-        interval_s=max(0, interval), args=list(process.get("args") or []),
-        cwd=process.get("cwd") or "/", rootfs=root if root.is_absolute() else path / root,
+        path=path,
+        container_id=container_id,
+        label=label,
+        namespace=namespace,
+        pod=annotations.get(_POD_ANNOTATION),
+        name=annotations.get(_NAME_ANNOTATION),
+        interval_s=max(0, interval),
+        args=list(process.get("args") or []),
+        cwd=process.get("cwd") or "/",
+        rootfs=root if root.is_absolute() else path / root,
     )
 
 
@@ -128,8 +135,10 @@ def real_runc(configured: str) -> str:
             return candidate
     found = shutil.which("runc")
     if not found:
-        raise ContainerError("runc is not installed: install it (apt-get install runc) or set "
-                             "`runc` in the stasis config")
+        raise ContainerError(
+            "runc is not installed: install it (apt-get install runc) or set "
+            "`runc` in the stasis config"
+        )
     return found
 
 
@@ -146,8 +155,13 @@ class Runc:
 
     def run(self, *args: str, timeout_s: float = 60.0) -> str:
         try:
-            r = subprocess.run(self.argv(*args), capture_output=True, text=True,
-                               timeout=timeout_s, stdin=subprocess.DEVNULL)
+            r = subprocess.run(
+                self.argv(*args),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired as e:
             raise ContainerError(f"runc {args[0]} did not finish in {timeout_s:.0f} s") from e
         except OSError as e:
@@ -166,14 +180,37 @@ class Runc:
 
     def checkpoint(self, container_id: str, images: Path, work: Path, timeout_s: float) -> None:
         """Dump the container, which stays as it was (paused: `pause` it first)."""
-        self.run("checkpoint", "--leave-running", "--image-path", str(images), "--work-path",
-                 str(work), container_id, timeout_s=timeout_s)
+        self.run(
+            "checkpoint",
+            "--leave-running",
+            "--image-path",
+            str(images),
+            "--work-path",
+            str(work),
+            container_id,
+            timeout_s=timeout_s,
+        )
 
-    def restore_argv(self, container_id: str, bundle: Path, images: Path, work: Path,
-                     pid_file: str | None, console_socket: str | None,
-                     no_pivot: bool) -> list[str]:
-        args = ["restore", "--detach", "--image-path", str(images), "--work-path", str(work),
-                "--bundle", str(bundle)]
+    def restore_argv(
+        self,
+        container_id: str,
+        bundle: Path,
+        images: Path,
+        work: Path,
+        pid_file: str | None,
+        console_socket: str | None,
+        no_pivot: bool,
+    ) -> list[str]:
+        args = [
+            "restore",
+            "--detach",
+            "--image-path",
+            str(images),
+            "--work-path",
+            str(work),
+            "--bundle",
+            str(bundle),
+        ]
         if pid_file:
             args += ["--pid-file", pid_file]
         if console_socket:

@@ -46,8 +46,17 @@ if TYPE_CHECKING:
 _VALUE_FLAGS = {"--log", "--log-format", "--root", "--criu", "--rootless"}
 _STOP_SIGNALS = {"15", "TERM", "SIGTERM"}
 # Signals that end a container (a kubelet's stop, its image's STOPSIGNAL, the grace's end).
-_ENDING_SIGNALS = _STOP_SIGNALS | {"2", "INT", "SIGINT", "3", "QUIT", "SIGQUIT", "9", "KILL",
-                                   "SIGKILL"}
+_ENDING_SIGNALS = _STOP_SIGNALS | {
+    "2",
+    "INT",
+    "SIGINT",
+    "3",
+    "QUIT",
+    "SIGQUIT",
+    "9",
+    "KILL",
+    "SIGKILL",
+}
 # The kubelet gives a CreateContainer 2 minutes (--runtime-request-timeout): a create that
 # waits longer is retried while it still runs.
 CREATE_WAIT_MAX_S = 90.0
@@ -68,7 +77,7 @@ class Argv:
         while i < len(argv):
             a = argv[i]
             if not a.startswith("-"):
-                self.command, self.args = a, argv[i + 1:]
+                self.command, self.args = a, argv[i + 1 :]
                 break
             name, eq, value = a.partition("=")
             if name in _VALUE_FLAGS:
@@ -88,7 +97,7 @@ class Argv:
                 if a == n and i + 1 < len(self.args):
                     return self.args[i + 1]
                 if a.startswith(n + "="):
-                    return a[len(n) + 1:]
+                    return a[len(n) + 1 :]
         return None
 
     def flag(self, *names: str) -> bool:
@@ -97,8 +106,19 @@ class Argv:
     def positionals(self) -> list[str]:
         out: list[str] = []
         skip = False
-        takes_value = {"--bundle", "-b", "--console-socket", "--pid-file", "--preserve-fds",
-                       "--signal", "-s", "--process", "-p", "--format", "-f"}
+        takes_value = {
+            "--bundle",
+            "-b",
+            "--console-socket",
+            "--pid-file",
+            "--preserve-fds",
+            "--signal",
+            "-s",
+            "--process",
+            "-p",
+            "--format",
+            "-f",
+        }
         for a in self.args:
             if skip:
                 skip = False
@@ -156,8 +176,7 @@ def _runtime_error(argv: Argv, message: str) -> None:
     path = argv.globals.get("--log")
     if not path:
         return
-    line = json.dumps({"level": "error", "msg": message,
-                       "time": datetime.now(UTC).isoformat()})
+    line = json.dumps({"level": "error", "msg": message, "time": datetime.now(UTC).isoformat()})
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -202,8 +221,9 @@ def _state(runc: str, root: str, cid: str) -> dict[str, Any] | None:
     import subprocess
 
     try:
-        r = subprocess.run([runc, "--root", root, "state", cid], capture_output=True, text=True,
-                           check=True)
+        r = subprocess.run(
+            [runc, "--root", root, "state", cid], capture_output=True, text=True, check=True
+        )
         state: dict[str, Any] = json.loads(r.stdout)
         return state
     except (subprocess.CalledProcessError, ValueError, OSError):
@@ -227,25 +247,34 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     deadline = time.monotonic() + min(float(settings.store_wait_s), CREATE_WAIT_MAX_S)
     while True:
         try:
-            plan = client.request("POST", "/k8s/restores", {
-                "runc_root": argv.root, "container_id": cid, "bundle": str(bundle)})
+            plan = client.request(
+                "POST",
+                "/k8s/restores",
+                {"runc_root": argv.root, "container_id": cid, "bundle": str(bundle)},
+            )
             break
         except ContainerRootDamagedError as e:
-            say(f"label {label}: {e}; this container does not start (its next create gets a "
-                "new root)")
+            say(
+                f"label {label}: {e}; this container does not start (its next create gets a "
+                "new root)"
+            )
             return 1
         except StasisError as e:
             # "Cannot tell" is not "no checkpoint": a fresh start would lose the work its
             # checkpoint holds, and later retention would delete that checkpoint.
             if fresh:
-                say(f"cannot ask for a checkpoint of label {label}: {e}; starting fresh "
-                    f"(as its {_FRESH_VARIABLE} asks when nobody can tell)")
+                say(
+                    f"cannot ask for a checkpoint of label {label}: {e}; starting fresh "
+                    f"(as its {_FRESH_VARIABLE} asks when nobody can tell)"
+                )
                 return None
             if time.monotonic() >= deadline:
-                message = (f"label {label}: cannot tell whether it has a checkpoint to resume "
-                           f"({e}); the container is not started fresh: its create fails and "
-                           f"is retried ({_FRESH_VARIABLE}=if-unreachable on the container "
-                           "starts it fresh instead)")
+                message = (
+                    f"label {label}: cannot tell whether it has a checkpoint to resume "
+                    f"({e}); the container is not started fresh: its create fails and "
+                    f"is retried ({_FRESH_VARIABLE}=if-unreachable on the container "
+                    "starts it fresh instead)"
+                )
                 say(message)
                 _runtime_error(argv, "stasis: " + message)
                 return 1
@@ -258,24 +287,34 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
             say(f"label {label}: starting fresh")
             return None
         if fresh:
-            say(f"label {label}: none of its checkpoints can be restored on this node "
+            say(
+                f"label {label}: none of its checkpoints can be restored on this node "
                 f"({given_up} failed every attempt); starting fresh, as its "
-                f"{_FRESH_VARIABLE} asks")
+                f"{_FRESH_VARIABLE} asks"
+            )
             return None
-        message = (f"label {label}: none of its checkpoints can be restored on this node: "
-                   f"checkpoint {given_up} failed every attempt (see the container's log and "
-                   "the pod's events). The container is not started fresh, and they are kept: "
-                   "fix the cause and remove their records on the node to try them again, "
-                   f"or set {_FRESH_VARIABLE}=1 on the container to start it fresh")
+        message = (
+            f"label {label}: none of its checkpoints can be restored on this node: "
+            f"checkpoint {given_up} failed every attempt (see the container's log and "
+            "the pod's events). The container is not started fresh, and they are kept: "
+            "fix the cause and remove their records on the node to try them again, "
+            f"or set {_FRESH_VARIABLE}=1 on the container to start it fresh"
+        )
         say(message)
         _runtime_error(argv, "stasis: " + message)
         return 1
     import subprocess
 
     r = Runc(runc, Path(argv.root), argv.globals.get("--criu") or _criu(settings))
-    restore = r.restore_argv(cid, bundle, Path(plan["images_dir"]), Path(plan["work_dir"]),
-                             argv.option("--pid-file"), argv.option("--console-socket"),
-                             argv.flag("--no-pivot"))
+    restore = r.restore_argv(
+        cid,
+        bundle,
+        Path(plan["images_dir"]),
+        Path(plan["work_dir"]),
+        argv.option("--pid-file"),
+        argv.option("--console-socket"),
+        argv.flag("--no-pivot"),
+    )
     for flag in ("--log", "--log-format"):
         if flag in argv.globals:
             restore[1:1] = [flag, argv.globals[flag]]
@@ -289,12 +328,16 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     checkpoint = str(plan["checkpoint"])
     if rc != 0:
         # Whatever the failed restore left goes before anyone hears of it.
-        subprocess.run([runc, "--root", argv.root, "delete", "--force", cid], check=False,
-                       capture_output=True)
+        subprocess.run(
+            [runc, "--root", argv.root, "delete", "--force", cid], check=False, capture_output=True
+        )
     done: dict[str, Any] | None = None
     try:
-        done = client.request("POST", f"/k8s/restores/{cid}/done",
-                              {"ok": rc == 0, "error": error, "checkpoint": checkpoint})
+        done = client.request(
+            "POST",
+            f"/k8s/restores/{cid}/done",
+            {"ok": rc == 0, "error": error, "checkpoint": checkpoint},
+        )
     except StasisError as e:
         if rc != 0:
             say(f"the stasis daemon did not hear of the failed restore ({e})")
@@ -307,9 +350,15 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     from stasis.k8s import restorefails
 
     message = restorefails.message(
-        label, checkpoint, error, int(done["attempts"]) if done else 0,
+        label,
+        checkpoint,
+        error,
+        int(done["attempts"]) if done else 0,
         int(done["limit"]) if done else int(settings.k8s_restore_attempts),
-        str(done["log"]) if done else "", str(done["record"]) if done else "", settings.node)
+        str(done["log"]) if done else "",
+        str(done["record"]) if done else "",
+        settings.node,
+    )
     say(message)
     _runtime_error(argv, "stasis: " + message)
     return 1
@@ -328,8 +377,7 @@ def _restore_error(work: Path) -> str:
         lines = (work / "restore.log").read_text(errors="replace").splitlines()
     except OSError:
         return "runc restore failed"
-    errors = [line for line in lines if "Error" in line
-              and not any(b in line for b in _BENIGN)]
+    errors = [line for line in lines if "Error" in line and not any(b in line for b in _BENIGN)]
     found = (errors[0] if errors else lines[-1] if lines else "runc restore failed").strip()
     return re.sub(r"^\(\d+\.\d+\)\s+(\d+:\s+)?", "", found)[:300]
 
@@ -366,9 +414,16 @@ def _start(argv: Argv, runc: str, settings: Settings) -> int | None:
         if rc != 0:
             return rc
     try:
-        _client(settings, 30).request("POST", "/k8s/containers", {
-            "runc_root": argv.root, "container_id": cid, "bundle": str(bundle),
-            "restored_from": restored})
+        _client(settings, 30).request(
+            "POST",
+            "/k8s/containers",
+            {
+                "runc_root": argv.root,
+                "container_id": cid,
+                "bundle": str(bundle),
+                "restored_from": restored,
+            },
+        )
     except StasisError as e:
         say(f"container {cid} runs unprotected (the stasis daemon did not take it: {e})")
     return rc
@@ -397,8 +452,10 @@ def _kill(argv: Argv, runc: str, settings: Settings) -> int | None:
     timeout = float(settings.k8s_stop_timeout_s)
     try:
         done = _client(settings, timeout + 10).request(
-            "POST", f"/k8s/containers/{cid}/checkpoint",
-            {"reason": "stop", "runc_root": argv.root, "timeout_s": timeout})
+            "POST",
+            f"/k8s/containers/{cid}/checkpoint",
+            {"reason": "stop", "runc_root": argv.root, "timeout_s": timeout},
+        )
     except StasisError as e:
         say(f"no checkpoint of container {cid} at its stop ({e}): stopping it as usual")
         return None
@@ -412,8 +469,7 @@ def _delete(argv: Argv, runc: str, settings: Settings) -> int | None:
     state = _state(runc, argv.root, pos[-1]) if pos else None
     if state is not None and _label_of(Path(state.get("bundle", ""))) is not None:
         try:
-            _client(settings, 10).request(
-                "POST", f"/k8s/containers/{pos[-1]}/forget", {})
+            _client(settings, 10).request("POST", f"/k8s/containers/{pos[-1]}/forget", {})
         except StasisError:
             pass
     return None

@@ -52,8 +52,9 @@ def _runc_shim() -> str:
             return candidate
     found = shutil.which("containerd-shim-runc-v2")
     if not found:
-        raise ContainerError("containerd-shim-runc-v2 is not installed: apt-get install "
-                             "containerd")
+        raise ContainerError(
+            "containerd-shim-runc-v2 is not installed: apt-get install " "containerd"
+        )
     return found
 
 
@@ -86,8 +87,13 @@ def _dispatcher(real_runc: str, wrapper: str) -> str:
     )
 
 
-def install(bin_dir: Path, stasis_config: Path, wrapper: str | None = None,
-            node_runc: str | None = None, seen_as: Path | None = None) -> Path:
+def install(
+    bin_dir: Path,
+    stasis_config: Path,
+    wrapper: str | None = None,
+    node_runc: str | None = None,
+    seen_as: Path | None = None,
+) -> Path:
     """Write the shim and the runc wrapper into `bin_dir`; the shim's path. `wrapper`: the
     stasis-runc the node runs (default: this venv's); `node_runc`: the node's real runc (default:
     the config's, else the first found here); `seen_as`: the path the node knows `bin_dir`
@@ -98,12 +104,16 @@ def install(bin_dir: Path, stasis_config: Path, wrapper: str | None = None,
     wrapper_dir = bin_dir / "runc-wrapper"
     wrapper_dir.mkdir(parents=True, exist_ok=True)
     runc = wrapper_dir / "runc"
-    settings = load_settings({"STASIS_CONFIG": str(stasis_config)}) if stasis_config.exists() \
-        else None
+    settings = (
+        load_settings({"STASIS_CONFIG": str(stasis_config)}) if stasis_config.exists() else None
+    )
     tmp_runc = runc.with_name("runc.tmp")
     tmp_runc.unlink(missing_ok=True)
-    tmp_runc.write_text(_dispatcher(node_runc or real_runc(settings.runc if settings else ""),
-                                    wrapper or _wrapper()))
+    tmp_runc.write_text(
+        _dispatcher(
+            node_runc or real_runc(settings.runc if settings else ""), wrapper or _wrapper()
+        )
+    )
     tmp_runc.chmod(0o755)
     tmp_runc.replace(runc)
     shim = bin_dir / SHIM_NAME
@@ -134,10 +144,16 @@ def is_template(path: Path) -> bool:
     return path.name.endswith(".tmpl")
 
 
-def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
-                 dry_run: bool = False, wrapper: str | None = None,
-                 node_runc: str | None = None, seen_as: Path | None = None,
-                 config_version: int = 0) -> list[str]:
+def install_node(
+    containerd_config: Path,
+    bin_dir: Path,
+    stasis_config: Path,
+    dry_run: bool = False,
+    wrapper: str | None = None,
+    node_runc: str | None = None,
+    seen_as: Path | None = None,
+    config_version: int = 0,
+) -> list[str]:
     """Put the stasis runtime on this node as the node agent does: the shim and runc wrapper
     in `bin_dir` (on containerd's PATH), the CRI runtime entry at the end of containerd's
     config (a marked block, so that uninstall gives the file back byte for byte). What was
@@ -149,8 +165,10 @@ def install_node(containerd_config: Path, bin_dir: Path, stasis_config: Path,
     version = 0
     if _BEGIN not in text:
         version = config_version_of(containerd_config, text, config_version)
-        changes.append(f"append the runtime entry `{HANDLER}` (containerd config version "
-                       f"{version}) to {containerd_config}")
+        changes.append(
+            f"append the runtime entry `{HANDLER}` (containerd config version "
+            f"{version}) to {containerd_config}"
+        )
     if dry_run:
         return changes
     install(bin_dir, stasis_config, wrapper, node_runc, seen_as)
@@ -182,12 +200,13 @@ def config_version_of(path: Path, text: str, wanted: int = 0) -> int:
     import tomllib
 
     if wanted not in (0, 2, 3):
-        raise ContainerError(f"containerd config version {wanted}: stasis writes 2 "
-                             "(containerd 1.x, also read by 2.x) or 3 (containerd 2.x)")
+        raise ContainerError(
+            f"containerd config version {wanted}: stasis writes 2 "
+            "(containerd 1.x, also read by 2.x) or 3 (containerd 2.x)"
+        )
     template = is_template(path)
     # A template's Go actions are not TOML; what k3s puts there is its own config.
-    body = "\n".join(line for line in text.splitlines() if "{{" not in line) if template \
-        else text
+    body = "\n".join(line for line in text.splitlines() if "{{" not in line) if template else text
     try:
         data = tomllib.loads(body)
     except tomllib.TOMLDecodeError as e:
@@ -205,18 +224,26 @@ def config_version_of(path: Path, text: str, wanted: int = 0) -> int:
             raise ContainerError(
                 f"{path} is a version {found} containerd config, not {wanted}: set the "
                 f"config version to {found} (the chart's containerd.configVersion, "
-                f"--containerd-config-version), or leave it to the file (0)")
+                f"--containerd-config-version), or leave it to the file (0)"
+            )
         version = int(found)
     else:
         raise ContainerError(
             f"{path} is a version {found} containerd config: stasis writes versions 2 and 3; "
             "migrate it (`containerd config migrate`) or add the runtime entry by hand: "
-            + cri_runtime_entry().replace("\n", " "))
-    runtimes = (data.get("plugins", {}).get(CRI_PLUGIN[version], {})
-                .get("containerd", {}).get("runtimes", {}))
+            + cri_runtime_entry().replace("\n", " ")
+        )
+    runtimes = (
+        data.get("plugins", {})
+        .get(CRI_PLUGIN[version], {})
+        .get("containerd", {})
+        .get("runtimes", {})
+    )
     if HANDLER in runtimes:
-        raise ContainerError(f"{path} already has a runtime `{HANDLER}` that stasis did not "
-                             "write: remove it, then install again")
+        raise ContainerError(
+            f"{path} already has a runtime `{HANDLER}` that stasis did not "
+            "write: remove it, then install again"
+        )
     return version
 
 

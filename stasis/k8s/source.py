@@ -60,18 +60,31 @@ class ContainerJobs:
         # The control plane takes ids and owners of up to 100 characters (a kubelet's
         # container ids have 64, namespaces at most 63); a longer one would cost the node
         # its whole report.
-        return [ReportedJob(job=info["container_id"], label=info["label"],
-                            user=f"k8s:{info['namespace']}", state=status,
-                            restored_from=info["restored_from"], started=info["registered"],
-                            kind=KIND, partition=info["namespace"],
-                            rss_bytes=_rss(pid))
-                for info, status, pid in self._live()
-                if len(info["container_id"]) <= 100 and len(info["namespace"]) <= 96]
+        return [
+            ReportedJob(
+                job=info["container_id"],
+                label=info["label"],
+                user=f"k8s:{info['namespace']}",
+                state=status,
+                restored_from=info["restored_from"],
+                started=info["registered"],
+                kind=KIND,
+                partition=info["namespace"],
+                rss_bytes=_rss(pid),
+            )
+            for info, status, pid in self._live()
+            if len(info["container_id"]) <= 100 and len(info["namespace"]) <= 96
+        ]
 
     def checkpoint(self, job: str, leave_running: bool, reason: str) -> dict[str, object]:
-        done: dict[str, object] = dict(self.containers.checkpoint(
-            job, CheckpointRequest(reason="manual" if leave_running else "stop"), _ROOT,
-            why=reason))
+        done: dict[str, object] = dict(
+            self.containers.checkpoint(
+                job,
+                CheckpointRequest(reason="manual" if leave_running else "stop"),
+                _ROOT,
+                why=reason,
+            )
+        )
         if not leave_running:
             pods = self._pods({job})
             if job in pods:
@@ -81,7 +94,8 @@ class ContainerJobs:
                     raise ContainerError(
                         f"checkpoint {done['checkpoint']} of container {job} was taken but its "
                         f"pod could not be evicted ({e}); the kubelet starts the container "
-                        "again on this node, restored from it") from None
+                        "again on this node, restored from it"
+                    ) from None
                 done["evicted"] = "/".join(pods[job])
             # Evicted: its controller makes it again, restored; else the kubelet restarts it
             # here (restartPolicy), restored all the same.
@@ -125,10 +139,10 @@ class ContainerJobs:
         for info, _, _ in self._live():
             cid = info["container_id"]
             try:
-                done = self.containers.checkpoint(cid, CheckpointRequest(reason="stop"),
-                                                  _ROOT, why=reason)
-                taken[cid] = {"job": cid, "checkpoint": done["checkpoint"],
-                              "label": done["label"]}
+                done = self.containers.checkpoint(
+                    cid, CheckpointRequest(reason="stop"), _ROOT, why=reason
+                )
+                taken[cid] = {"job": cid, "checkpoint": done["checkpoint"], "label": done["label"]}
             except StasisError as e:
                 failed.append(f"{cid}: {e}")
         try:
@@ -139,8 +153,10 @@ class ContainerJobs:
         evicted: list[str] = []
         for cid, item in taken.items():
             if cid not in pods:
-                failed.append(f"{cid}: checkpoint {item['checkpoint']} taken, but no pod on "
-                              f"node {self.node} has this container: not evicted")
+                failed.append(
+                    f"{cid}: checkpoint {item['checkpoint']} taken, but no pod on "
+                    f"node {self.node} has this container: not evicted"
+                )
                 continue
             pod = "/".join(pods[cid])
             requeued.append({**item, "pod": pod})
@@ -151,11 +167,15 @@ class ContainerJobs:
                 evicted.append(pod)
             except kube.KubeError as e:
                 failed.append(f"{cid}: checkpoint {item['checkpoint']} taken: {e}")
-        log.info("Kubernetes node %s drained (%s): %d container(s) checkpointed, %d pod(s) "
-                 "evicted%s", self.node, reason, len(taken), len(evicted),
-                 f", {len(failed)} failed" if failed else "")
-        return {"k8s_node": self.node, "requeued": requeued, "evicted": evicted,
-                "failed": failed}
+        log.info(
+            "Kubernetes node %s drained (%s): %d container(s) checkpointed, %d pod(s) " "evicted%s",
+            self.node,
+            reason,
+            len(taken),
+            len(evicted),
+            f", {len(failed)} failed" if failed else "",
+        )
+        return {"k8s_node": self.node, "requeued": requeued, "evicted": evicted, "failed": failed}
 
 
 def _rss(pid: int) -> int:

@@ -40,8 +40,12 @@ def _labels(selector: str) -> dict[str, str]:
 
 def agent_nodes(api: Any, namespace: str, selector: str) -> list[str]:
     """The nodes where an agent pod of the release runs (or is meant to)."""
-    pods = kube.call(f"list the agent's pods in {namespace}", api.list_namespaced_pod,
-                     namespace, label_selector=selector)
+    pods = kube.call(
+        f"list the agent's pods in {namespace}",
+        api.list_namespaced_pod,
+        namespace,
+        label_selector=selector,
+    )
     wanted = _labels(selector)
     nodes = set()
     for pod in pods.items:
@@ -52,16 +56,21 @@ def agent_nodes(api: Any, namespace: str, selector: str) -> list[str]:
     return sorted(nodes)
 
 
-def uninstall_nodes(api: Any, namespace: str, selector: str, timeout_s: float,
-                    poll_s: float = 1.0) -> dict[str, dict[str, Any]]:
+def uninstall_nodes(
+    api: Any, namespace: str, selector: str, timeout_s: float, poll_s: float = 1.0
+) -> dict[str, dict[str, Any]]:
     """Ask the agent of every node with one (`selector`: its pods' labels) to take stasis
     off its node, and wait for their answers: node -> answer. ContainerError (one line) when
     a node did not answer in time or failed."""
     nodes = agent_nodes(api, namespace, selector)
     request = f"{namespace}/{kube.now_token()}"
     for node in nodes:
-        kube.call(f"annotate node {node}", api.patch_node, node,
-                  {"metadata": {"annotations": {UNINSTALL_ANNOTATION: request}}})
+        kube.call(
+            f"annotate node {node}",
+            api.patch_node,
+            node,
+            {"metadata": {"annotations": {UNINSTALL_ANNOTATION: request}}},
+        )
     answers: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     while True:
@@ -83,11 +92,13 @@ def uninstall_nodes(api: Any, namespace: str, selector: str, timeout_s: float,
     failed = [f"{n}: {a['error']}" for n, a in sorted(answers.items()) if a.get("error")]
     silent = [n for n in nodes if n not in answers]
     if silent:
-        failed.append(f"{', '.join(silent)}: no answer from the stasis agent within "
-                      f"{timeout_s:.0f} s")
+        failed.append(
+            f"{', '.join(silent)}: no answer from the stasis agent within " f"{timeout_s:.0f} s"
+        )
     if failed:
         raise ContainerError(
             "stasis is still on some nodes (" + "; ".join(failed) + "): on each, run "
             "`stasis k8s uninstall-runtime` as root and remove /usr/local/lib/stasis, or "
-            "uninstall anyway with `helm uninstall --no-hooks`")
+            "uninstall anyway with `helm uninstall --no-hooks`"
+        )
     return answers

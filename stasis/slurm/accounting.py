@@ -57,14 +57,15 @@ def _answers(port: int) -> bool:
         return False
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None,
-         input_text: str | None = None) -> str:
+def _run(cmd: list[str], env: dict[str, str] | None = None, input_text: str | None = None) -> str:
     try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60,
-                                input=input_text)
+        result = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=60, input=input_text
+        )
     except FileNotFoundError as e:
-        raise UsageError(f"{cmd[0]} is not installed; run `make install` "
-                         "(scripts/install-slurm.sh)") from e
+        raise UsageError(
+            f"{cmd[0]} is not installed; run `make install` " "(scripts/install-slurm.sh)"
+        ) from e
     except subprocess.TimeoutExpired as e:
         raise SlurmError(f"{cmd[0]} did not answer in 60 s") from e
     if result.returncode != 0:
@@ -95,8 +96,9 @@ def start(lay: "Layout", started: dict[str, int]) -> str:
     returns the slurm.conf lines that make slurmctld use them."""
     for tool in ("mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "sacctmgr"):
         if not shutil.which(tool, path=_PATH):
-            raise UsageError(f"{tool} is not installed; run `make install` "
-                             "(scripts/install-slurm.sh)")
+            raise UsageError(
+                f"{tool} is not installed; run `make install` " "(scripts/install-slurm.sh)"
+            )
     acct = directory(lay)
     acct.mkdir(parents=True, exist_ok=True)
     os.chmod(acct, 0o755)
@@ -107,10 +109,13 @@ def start(lay: "Layout", started: dict[str, int]) -> str:
     # with MariaDB Connector/C 3.4 (Debian 13) every result on that handle fails with 5027
     # "Number of columns in result ... exceeds maximum allowed number of columns (=0)":
     # slurmdbd 24.11 exits at its first query.
-    _sql(acct, f"CREATE DATABASE IF NOT EXISTS {_DB};"
-               f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
-               f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
-               f"GRANT ALL ON {_DB}.* TO 'slurm'@'127.0.0.1';")
+    _sql(
+        acct,
+        f"CREATE DATABASE IF NOT EXISTS {_DB};"
+        f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+        f"GRANT ALL ON {_DB}.* TO 'slurm'@'127.0.0.1';",
+    )
     dbd_port = _free_port()
     munge_sock = lay.munge / "munge.sock"
     conf = lay.etc / "slurmdbd.conf"
@@ -134,20 +139,24 @@ StorageLoc={_DB}
 LogFile={acct}/slurmdbd.log
 PidFile={acct}/slurmdbd.pid
 """)
-    lines = (f"AccountingStorageType=accounting_storage/slurmdbd\n"
-             f"AccountingStorageHost=127.0.0.1\n"
-             f"AccountingStoragePort={dbd_port}\n"
-             # Clients (sacct, sacctmgr) take the munge socket from this key, not AuthInfo.
-             f"AccountingStoragePass={munge_sock}\n"
-             f"AccountingStorageTRES=gres/gpu\n"
-             f"AccountingStoreFlags=job_script,job_env\n"
-             f"JobAcctGatherType=jobacct_gather/linux\n"
-             f"JobAcctGatherFrequency=task=5")
+    lines = (
+        f"AccountingStorageType=accounting_storage/slurmdbd\n"
+        f"AccountingStorageHost=127.0.0.1\n"
+        f"AccountingStoragePort={dbd_port}\n"
+        # Clients (sacct, sacctmgr) take the munge socket from this key, not AuthInfo.
+        f"AccountingStoragePass={munge_sock}\n"
+        f"AccountingStorageTRES=gres/gpu\n"
+        f"AccountingStoreFlags=job_script,job_env\n"
+        f"JobAcctGatherType=jobacct_gather/linux\n"
+        f"JobAcctGatherFrequency=task=5"
+    )
     # sacctmgr needs a slurm.conf naming the cluster and slurmdbd before slurmctld's exists.
-    client_conf(lay).write_text(f"ClusterName={CLUSTER}\n"
-                                f"SlurmctldHost=localhost(127.0.0.1)\n"
-                                f"AuthType=auth/munge\nAuthInfo=socket={munge_sock}\n"
-                                f"{lines}\n")
+    client_conf(lay).write_text(
+        f"ClusterName={CLUSTER}\n"
+        f"SlurmctldHost=localhost(127.0.0.1)\n"
+        f"AuthType=auth/munge\nAuthInfo=socket={munge_sock}\n"
+        f"{lines}\n"
+    )
     env = {"PATH": _PATH, "SLURM_CONF": str(lay.slurm_conf)}
     log = acct / "slurmdbd.log"
     pid = _start(["slurmdbd", "-D"], acct / "slurmdbd.run.pid", acct / "slurmdbd.out", env)
@@ -155,13 +164,16 @@ PidFile={acct}/slurmdbd.pid
 
     def up() -> bool:
         if not detached.alive(pid):
-            raise SlurmError("slurmdbd exited at start: " + _tail(log)
-                             + _tail(acct / "slurmdbd.out"))
+            raise SlurmError(
+                "slurmdbd exited at start: " + _tail(log) + _tail(acct / "slurmdbd.out")
+            )
         return _answers(dbd_port)
 
     if not poll(up, _START_TIMEOUT_S, 0.1):
-        raise SlurmError(f"slurmdbd did not listen on port {dbd_port} in "
-                         f"{_START_TIMEOUT_S:.0f} s: {_tail(log)}")
+        raise SlurmError(
+            f"slurmdbd did not listen on port {dbd_port} in "
+            f"{_START_TIMEOUT_S:.0f} s: {_tail(log)}"
+        )
     _add(lay, "cluster", CLUSTER)
     return lines
 
@@ -176,17 +188,38 @@ def _start_mariadb(lay: "Layout", acct: Path, started: dict[str, int]) -> int:
         shutil.rmtree(data, ignore_errors=True)
         data.mkdir()
         os.chown(data, mysql.pw_uid, mysql.pw_gid)
-        _run(["mariadb-install-db", "--no-defaults", "--user=mysql", f"--datadir={data}",
-              "--auth-root-authentication-method=socket", "--skip-test-db"])
+        _run(
+            [
+                "mariadb-install-db",
+                "--no-defaults",
+                "--user=mysql",
+                f"--datadir={data}",
+                "--auth-root-authentication-method=socket",
+                "--skip-test-db",
+            ]
+        )
     port = _free_port()
     sock = _mysql_socket(acct)
     log = run / "mysqld.log"
     pid = _start(
-        ["mariadbd", "--no-defaults", "--user=mysql", f"--datadir={data}", f"--socket={sock}",
-         f"--pid-file={run}/mysqld.pid", f"--port={port}", "--bind-address=127.0.0.1",
-         "--skip-name-resolve", "--innodb-buffer-pool-size=64M",
-         "--innodb-lock-wait-timeout=900", f"--log-error={log}"],
-        acct / "mariadb.run.pid", acct / "mariadb.out", {"PATH": _PATH})
+        [
+            "mariadbd",
+            "--no-defaults",
+            "--user=mysql",
+            f"--datadir={data}",
+            f"--socket={sock}",
+            f"--pid-file={run}/mysqld.pid",
+            f"--port={port}",
+            "--bind-address=127.0.0.1",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-lock-wait-timeout=900",
+            f"--log-error={log}",
+        ],
+        acct / "mariadb.run.pid",
+        acct / "mariadb.out",
+        {"PATH": _PATH},
+    )
     started["mariadb"] = pid or 0
 
     def up() -> bool:
@@ -215,14 +248,16 @@ def _mysql_socket(acct: Path) -> Path:
 
 
 def _sql(acct: Path, statements: str) -> None:
-    _run(["mariadb", "--no-defaults", f"--socket={_mysql_socket(acct)}", "-u", "root"],
-         {"PATH": _PATH}, input_text=statements)
+    _run(
+        ["mariadb", "--no-defaults", f"--socket={_mysql_socket(acct)}", "-u", "root"],
+        {"PATH": _PATH},
+        input_text=statements,
+    )
 
 
 def _sacctmgr(lay: "Layout", *args: str) -> str:
     # Not lay.slurm_conf: at start it is not written yet, or an earlier `up`'s (other ports).
-    return _run(["sacctmgr", "-i", *args],
-                {"PATH": _PATH, "SLURM_CONF": str(client_conf(lay))})
+    return _run(["sacctmgr", "-i", *args], {"PATH": _PATH, "SLURM_CONF": str(client_conf(lay))})
 
 
 def _add(lay: "Layout", *args: str) -> None:

@@ -208,8 +208,9 @@ def _q(value: str) -> str:
 
 def _check_path(path: Path) -> None:
     if any(c.isspace() for c in str(path)) or "#" in str(path) or "%" in str(path):
-        raise UsageError(f"{path}: Slurm's config files cannot hold paths with spaces, '#' or "
-                         "'%'")
+        raise UsageError(
+            f"{path}: Slurm's config files cannot hold paths with spaces, '#' or " "'%'"
+        )
 
 
 # Slurm's job_container/tmpfs (`up(job_container=True)`); Contain: the job's namespace is made
@@ -217,10 +218,19 @@ def _check_path(path: Path) -> None:
 JOB_CONTAINER = "JobContainerType=job_container/tmpfs\nPrologFlags=Contain"
 
 
-def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
-                    accounting: str = "", nodes: list[str] | None = None,
-                    net: Net | None = None, gpus: int = 0, job_container: bool = False,
-                    cgroup: bool = False) -> str:
+def slurm_conf_text(
+    lay: Layout,
+    *,
+    cpus: int,
+    grace_s: int,
+    hostname: str,
+    accounting: str = "",
+    nodes: list[str] | None = None,
+    net: Net | None = None,
+    gpus: int = 0,
+    job_container: bool = False,
+    cgroup: bool = False,
+) -> str:
     """`accounting`: slurm.conf lines that replace the accounting_storage/none default.
     `nodes` and `net`: several nodes, each at its address on `net`. `gpus`: GPUs per node as
     Slurm counts them (generic resources without devices, gres.conf beside slurm.conf).
@@ -228,18 +238,24 @@ def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
     proctrack/linuxproc and task/none."""
     s = lay.slurm
     gres = f" Gres=gpu:{gpus}" if gpus else ""
-    acct = accounting or "JobAcctGatherType=jobacct_gather/none\n" \
-        "AccountingStorageType=accounting_storage/none"
+    acct = (
+        accounting
+        or "JobAcctGatherType=jobacct_gather/none\n" "AccountingStorageType=accounting_storage/none"
+    )
     # cgroup: --mem is a limit only where memory is a consumable resource; a job that asks
     # for none gets DefMemPerCPU.
     memory = 4000 if cgroup else 1000
     select = "CR_Core_Memory\nDefMemPerCPU=500" if cgroup else "CR_Core"
     if net is None or not nodes or len(nodes) < 2:
         ctld = f"{hostname}(127.0.0.1)"
-        slurmd = (f"SlurmdPidFile={s}/slurmd.pid\nSlurmdLogFile={s}/slurmd.log\n"
-                  f"SlurmdSpoolDir={s}/spool")
-        node_lines = (f"NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} "
-                      f"RealMemory={memory}{gres} State=UNKNOWN")
+        slurmd = (
+            f"SlurmdPidFile={s}/slurmd.pid\nSlurmdLogFile={s}/slurmd.log\n"
+            f"SlurmdSpoolDir={s}/spool"
+        )
+        node_lines = (
+            f"NodeName={NODE} NodeHostname={hostname} NodeAddr=127.0.0.1 CPUs={cpus} "
+            f"RealMemory={memory}{gres} State=UNKNOWN"
+        )
         members = NODE
     else:
         ctld = f"{hostname}({net.host_addr})"
@@ -247,13 +263,17 @@ def slurm_conf_text(lay: Layout, *, cpus: int, grace_s: int, hostname: str,
         n = lay.root / "nodes" / "%n"
         # One spool path on every node, as on real sites (a job reading its batch script has
         # it open there): each node's mount namespace binds its own directory over it.
-        slurmd = (f"SlurmdPidFile={n}/slurmd.pid\nSlurmdLogFile={n}/slurmd.log\n"
-                  f"SlurmdSpoolDir={s}/spool\n"
-                  # A node killed without warning is DOWN (and its jobs requeued) this soon.
-                  "SlurmdTimeout=10")
+        slurmd = (
+            f"SlurmdPidFile={n}/slurmd.pid\nSlurmdLogFile={n}/slurmd.log\n"
+            f"SlurmdSpoolDir={s}/spool\n"
+            # A node killed without warning is DOWN (and its jobs requeued) this soon.
+            "SlurmdTimeout=10"
+        )
         node_lines = "\n".join(
             f"NodeName={name} NodeHostname={name} NodeAddr={net.addr(i)} CPUs={cpus} "
-            f"RealMemory={memory}{gres} State=UNKNOWN" for i, name in enumerate(nodes))
+            f"RealMemory={memory}{gres} State=UNKNOWN"
+            for i, name in enumerate(nodes)
+        )
         members = ",".join(nodes)
     title = "single-node" if not nodes or len(nodes) < 2 else f"{len(nodes)}-node"
     return f"""\
@@ -300,13 +320,15 @@ PartitionName=high Nodes={members} Default=NO MaxTime=INFINITE State=UP Priority
 """
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None, check: bool = True
-         ) -> subprocess.CompletedProcess[str]:
+def _run(
+    cmd: list[str], env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     try:
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     except FileNotFoundError as e:
-        raise UsageError(f"{cmd[0]} is not installed; run `make install` "
-                         "(scripts/install-slurm.sh)") from e
+        raise UsageError(
+            f"{cmd[0]} is not installed; run `make install` " "(scripts/install-slurm.sh)"
+        ) from e
     except subprocess.TimeoutExpired as e:
         raise SlurmError(f"{' '.join(cmd)} did not answer in 60 s") from e
     if check and result.returncode != 0:
@@ -345,8 +367,7 @@ def _holder(state: dict[str, Any], node: str) -> int | None:
     the kernel gave to another since is not: its network's processes are killed by it)."""
     holder = state.get("holders", {}).get(node)
     try:
-        held = bool(holder) and \
-            Path(f"/proc/{holder}/cmdline").read_bytes() == b"sleep\0infinity\0"
+        held = bool(holder) and Path(f"/proc/{holder}/cmdline").read_bytes() == b"sleep\0infinity\0"
     except OSError:
         return None
     return int(holder) if held else None
@@ -363,9 +384,12 @@ def _nodes_up(lay: Layout, state: dict[str, Any]) -> Net:
     (lay.root / "ns").mkdir(exist_ok=True)
     for i, node in enumerate(state["nodes"]):
         holders[node] = nodehost.start_holder(
-            node, lay.root / "ns" / f"{node}.holder", _shared_paths(lay),
+            node,
+            lay.root / "ns" / f"{node}.holder",
+            _shared_paths(lay),
             binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))],
-            **_cgroup_holder(state, node))
+            **_cgroup_holder(state, node),
+        )
         _save_state(lay, state)
         nodehost.attach(net, holders[node], i)
     return net
@@ -376,8 +400,10 @@ def _cgroup_holder(state: dict[str, Any], node: str) -> dict[str, Any]:
     if "cgroup" not in state:
         return {}
     m = cluster_cgroup.machine()
-    return {"cgroups": cluster_cgroup.make_node(m, state["cgroup"]["base"], node),
-            "cgroup_mounts": cluster_cgroup.node_mounts(m)}
+    return {
+        "cgroups": cluster_cgroup.make_node(m, state["cgroup"]["base"], node),
+        "cgroup_mounts": cluster_cgroup.node_mounts(m),
+    }
 
 
 def _cgroup_node_up(lay: Layout, state: dict[str, Any]) -> None:
@@ -385,9 +411,14 @@ def _cgroup_node_up(lay: Layout, state: dict[str, Any]) -> None:
     this machine otherwise), so that its slurmd's cgroups are the cluster's own."""
     (lay.root / "ns").mkdir(exist_ok=True)
     holders: dict[str, int] = state.setdefault("holders", {})
-    holders[NODE] = nodehost.start_holder(NODE, lay.root / "ns" / f"{NODE}.holder", [],
-                                          net=False, host=False,
-                                          **_cgroup_holder(state, NODE))
+    holders[NODE] = nodehost.start_holder(
+        NODE,
+        lay.root / "ns" / f"{NODE}.holder",
+        [],
+        net=False,
+        host=False,
+        **_cgroup_holder(state, NODE),
+    )
     _save_state(lay, state)
 
 
@@ -435,9 +466,11 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
         return []
     holder = _holder(state, node)
     if not holder:
-        raise SlurmError(f"node {node} of the local cluster in {lay.root} has lost its "
-                         "namespaces (their holder process is gone): `local-cluster down`, "
-                         "then `up` again")
+        raise SlurmError(
+            f"node {node} of the local cluster in {lay.root} has lost its "
+            "namespaces (their holder process is gone): `local-cluster down`, "
+            "then `up` again"
+        )
     inside = nodehost.prefix(holder, net=several, cgroup=cgroup, host=several)
     if not cgroup:
         return inside
@@ -448,10 +481,21 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
 
 # -- up, down ----------------------------------------------------------------------------------
 
-def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
-       warn_s: int = 60, accounting: bool = False, nodes: int = 1,
-       without_stasis: tuple[str, ...] = (), gpus: int = 0,
-       job_container: bool = False, cgroup: bool = False) -> Layout:
+
+def up(
+    root: Path,
+    *,
+    cpus: int = 8,
+    grace_s: int = 10,
+    socket_group: str = "",
+    warn_s: int = 60,
+    accounting: bool = False,
+    nodes: int = 1,
+    without_stasis: tuple[str, ...] = (),
+    gpus: int = 0,
+    job_container: bool = False,
+    cgroup: bool = False,
+) -> Layout:
     """Start the cluster under `root` (created if needed); returns its layout.
 
     `gpus`: GPUs each node offers to jobs (`--gres=gpu:N`), counted by Slurm and its accounting
@@ -481,17 +525,22 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
         # to make the job's ("_create_ns: ns base mount failed", "/tmp mount failed").
         raise UsageError("--job-container works with one node only (--nodes 1)")
     if job_container and str(root).startswith(("/tmp/", "/var/tmp/")):
-        raise UsageError(f"--job-container: {root} is under a directory each job sees as its "
-                         "own; give a --dir outside /tmp and /var/tmp")
+        raise UsageError(
+            f"--job-container: {root} is under a directory each job sees as its "
+            "own; give a --dir outside /tmp and /var/tmp"
+        )
     machine = cluster_cgroup.machine() if cgroup else None
     lay = Layout(root)
     if lay.state_file.exists() and status(root)["running"]:
-        raise UsageError(f"a local cluster is already running in {root}; "
-                         "`stasis slurm local-cluster down` first")
+        raise UsageError(
+            f"a local cluster is already running in {root}; "
+            "`stasis slurm local-cluster down` first"
+        )
     for tool in ("munged", "slurmctld", "slurmd", "sinfo"):
         if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
-            raise UsageError(f"{tool} is not installed; run `make install` "
-                             "(scripts/install-slurm.sh)")
+            raise UsageError(
+                f"{tool} is not installed; run `make install` " "(scripts/install-slurm.sh)"
+            )
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o755)
     # A clean controller state: job ids start at 1 again (jobs of an earlier `up` are gone).
@@ -502,8 +551,9 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
         raise UsageError("--without-stasis needs several nodes (--nodes N)")
     for node in bare:
         if node not in names:
-            raise UsageError(f"--without-stasis {node}: no such node (nodes: "
-                             f"{', '.join(names)})")
+            raise UsageError(
+                f"--without-stasis {node}: no such node (nodes: " f"{', '.join(names)})"
+            )
     if len(bare) == len(names):
         raise UsageError("at least one node must have stasis")
     dirs = [lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib]
@@ -531,27 +581,41 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
             from stasis.slurm import accounting as acct
 
             acct_conf = acct.start(lay, started)
-        lay.slurm_conf.write_text(slurm_conf_text(lay, cpus=cpus, grace_s=grace_s,
-                                                  hostname=hostname, accounting=acct_conf,
-                                                  nodes=names, net=net, gpus=gpus,
-                                                  job_container=job_container,
-                                                  cgroup=machine is not None))
+        lay.slurm_conf.write_text(
+            slurm_conf_text(
+                lay,
+                cpus=cpus,
+                grace_s=grace_s,
+                hostname=hostname,
+                accounting=acct_conf,
+                nodes=names,
+                net=net,
+                gpus=gpus,
+                job_container=job_container,
+                cgroup=machine is not None,
+            )
+        )
         (lay.slurm_conf.parent / "gres.conf").write_text(_gres_conf(lay, gpus))
         if job_container:
             base = lay.root / "job-containers"
             base.mkdir(exist_ok=True)
-            (lay.etc / "job_container.conf").write_text(
-                f"AutoBasePath=true\nBasePath={base}\n")
+            (lay.etc / "job_container.conf").write_text(f"AutoBasePath=true\nBasePath={base}\n")
         _make_site_key(lay)
         remote_port = _free_port()  # one port cluster-wide: `dump --slurm-job`, `slurm drain`
         for node in names:
             lay.config_of(node).write_text(_stasis_config(lay, node, socket_group, remote_port))
-        install.install(install.InstallOptions(
-            roles=frozenset(install.ROLES), slurm_conf=lay.slurm_conf, lib_dir=lay.lib,
-            # %n: the SPANK plugin reads the config of the node it runs on.
-            stasis_config=lay.config_of("%n") if nodes > 1 else lay.config_of(NODE),
-            systemd_dir=None, warn_s=warn_s,
-        ), out=None)
+        install.install(
+            install.InstallOptions(
+                roles=frozenset(install.ROLES),
+                slurm_conf=lay.slurm_conf,
+                lib_dir=lay.lib,
+                # %n: the SPANK plugin reads the config of the node it runs on.
+                stasis_config=lay.config_of("%n") if nodes > 1 else lay.config_of(NODE),
+                systemd_dir=None,
+                warn_s=warn_s,
+            ),
+            out=None,
+        )
         for node in bare:
             _write_bare_conf(lay, node)
         _save_state(lay, state)
@@ -562,7 +626,9 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
             _save_state(lay, state)
         env = _client_env(lay)
         _run(["slurmctld", "-f", str(lay.slurm_conf), "-c"], env)
-        _wait(lambda: detached.alive(detached.read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld")
+        _wait(
+            lambda: detached.alive(detached.read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld"
+        )
         started["slurmctld"] = detached.read_pid(lay.slurm / "slurmctld.pid") or 0
         _save_state(lay, state)
         for node in names:
@@ -572,8 +638,7 @@ def up(root: Path, *, cpus: int = 8, grace_s: int = 10, socket_group: str = "",
         def idle() -> bool:
             r = _run(["sinfo", "-h", "-N", "-o", "%N %T"], env, check=False)
             seen = dict(line.split()[:2] for line in r.stdout.splitlines() if line.split())
-            return r.returncode == 0 and all(seen.get(n, "").rstrip("*") == "idle"
-                                             for n in names)
+            return r.returncode == 0 and all(seen.get(n, "").rstrip("*") == "idle" for n in names)
 
         _wait(idle, _UP_TIMEOUT_S, f"node(s) {', '.join(names)} to be idle")
     except BaseException:
@@ -640,8 +705,10 @@ def _write_bare_conf(lay: Layout, node: str) -> None:
     (slurmctld logs that its slurm.conf differs; nodes of real sites differ the same way.)"""
     empty = lay.node_dir(node) / "plugstack.conf"
     empty.write_text("# no stasis on this node\n")
-    lines = [f"PlugStackConfig={empty}" if line.startswith("PlugStackConfig=") else line
-             for line in lay.slurm_conf.read_text().splitlines()]
+    lines = [
+        f"PlugStackConfig={empty}" if line.startswith("PlugStackConfig=") else line
+        for line in lay.slurm_conf.read_text().splitlines()
+    ]
     _bare_conf(lay, node).write_text("\n".join(lines) + "\n")
     for name in ("gres.conf", "cgroup.conf"):  # read from slurm.conf's directory
         if (lay.slurm_conf.parent / name).exists():
@@ -668,15 +735,17 @@ def _make_site_key(lay: Layout) -> None:
 def _stasis_config(lay: Layout, node: str, socket_group: str, remote_port: int) -> str:
     several = len(lay.nodes()) > 1
     home = lay.node_dir(node) if several else lay.stasis
-    return (f"socket = {_q(str(home / 'stasis.sock'))}\n"
-            f"state_dir = {_q(str(home / 'state'))}\n"
-            f"store = {_q(str(lay.store))}\n"
-            f"socket_group = {_q(socket_group)}\n"
-            f"site_key = {_q(str(lay.site_key))}\n"
-            f"slurm_node_name = {_q(node)}\n"
-            + (f"node_name = {_q(node)}\n" if several else "")
-            + f"slurm_conf = {_q(str(lay.slurm_conf))}\n"
-            f"slurm_remote_port = {remote_port}\n")
+    return (
+        f"socket = {_q(str(home / 'stasis.sock'))}\n"
+        f"state_dir = {_q(str(home / 'state'))}\n"
+        f"store = {_q(str(lay.store))}\n"
+        f"socket_group = {_q(socket_group)}\n"
+        f"site_key = {_q(str(lay.site_key))}\n"
+        f"slurm_node_name = {_q(node)}\n"
+        + (f"node_name = {_q(node)}\n" if several else "")
+        + f"slurm_conf = {_q(str(lay.slurm_conf))}\n"
+        f"slurm_remote_port = {remote_port}\n"
+    )
 
 
 def _start_munge(lay: Layout) -> int:
@@ -690,11 +759,26 @@ def _start_munge(lay: Layout) -> int:
     os.chown(key, munge_user.pw_uid, munge_user.pw_gid)
     os.chmod(key, 0o400)
     m = lay.munge
-    _run(["runuser", "-u", "munge", "--", "munged", f"--socket={m}/munge.sock",
-          f"--key-file={key}", f"--log-file={m}/munged.log", f"--pid-file={m}/munged.pid",
-          f"--seed-file={m}/munged.seed", "--force"])
-    _wait(lambda: (m / "munge.sock").exists() and detached.alive(detached.read_pid(m / "munged.pid")), 10,
-          "munged")
+    _run(
+        [
+            "runuser",
+            "-u",
+            "munge",
+            "--",
+            "munged",
+            f"--socket={m}/munge.sock",
+            f"--key-file={key}",
+            f"--log-file={m}/munged.log",
+            f"--pid-file={m}/munged.pid",
+            f"--seed-file={m}/munged.seed",
+            "--force",
+        ]
+    )
+    _wait(
+        lambda: (m / "munge.sock").exists() and detached.alive(detached.read_pid(m / "munged.pid")),
+        10,
+        "munged",
+    )
     return detached.read_pid(m / "munged.pid") or 0
 
 
@@ -707,11 +791,16 @@ def _start_stasis(lay: Layout, node: str) -> int:
     pid_file = home / "daemon.pid"
     pid_file.unlink(missing_ok=True)  # what it names below is this start's daemon
     try:
-        pid = detached.start([*_node_prefix(lay, node), *detached.stasis_command(), "daemon"],
-                             pid_file, log, env)
-        detached.wait_listening(pid, home / "stasis.sock", log, 20,
-                                lambda why: SlurmError(f"the stasis daemon of {node} did not "
-                                                       f"start: {why}"))
+        pid = detached.start(
+            [*_node_prefix(lay, node), *detached.stasis_command(), "daemon"], pid_file, log, env
+        )
+        detached.wait_listening(
+            pid,
+            home / "stasis.sock",
+            log,
+            20,
+            lambda why: SlurmError(f"the stasis daemon of {node} did not " f"start: {why}"),
+        )
     except BaseException:
         # Not recorded yet by the caller (`up` failed or was ended meanwhile): stopped here,
         # or it would outlive the cluster.
@@ -734,6 +823,7 @@ def _start_slurmd(lay: Layout, node: str) -> int:
 
 def _stop_order(pids: dict[str, int]) -> list[str]:
     """Nodes first, then the controller, the stasis daemons, accounting, munge last."""
+
     def rank(name: str) -> int:
         if name.startswith("slurmdbd"):
             return 3
@@ -741,6 +831,7 @@ def _stop_order(pids: dict[str, int]) -> list[str]:
             if name.startswith(prefix):
                 return i
         return 9 if name == "munged" else 4
+
     return sorted(pids, key=rank)
 
 
@@ -802,10 +893,13 @@ def start_daemon(root: Path, node: str = NODE) -> None:
 
 # -- what happens to nodes ---------------------------------------------------------------------
 
+
 def _check_node(lay: Layout, node: str) -> None:
     if node not in lay.nodes():
-        raise UsageError(f"no node {node!r} in the local cluster in {lay.root} "
-                         f"(nodes: {', '.join(lay.nodes())})")
+        raise UsageError(
+            f"no node {node!r} in the local cluster in {lay.root} "
+            f"(nodes: {', '.join(lay.nodes())})"
+        )
 
 
 def _netns_inode(path: Path) -> int | None:
@@ -870,8 +964,9 @@ def start_node(root: Path, node: str) -> None:
     _check_node(lay, node)
     state = _state(lay)
     pids = state.setdefault("pids", {})
-    if node not in state.get("without_stasis", []) and \
-            not detached.alive(pids.get(_daemon_key(lay, node))):
+    if node not in state.get("without_stasis", []) and not detached.alive(
+        pids.get(_daemon_key(lay, node))
+    ):
         pids[_daemon_key(lay, node)] = _start_stasis(lay, node)
     if not detached.alive(pids.get(_slurmd_key(lay, node))):
         pids[_slurmd_key(lay, node)] = _start_slurmd(lay, node)
@@ -882,8 +977,11 @@ def exec_argv(root: Path, node: str, argv: list[str]) -> tuple[list[str], dict[s
     """How to run `argv` on `node`: inside its namespaces, with its stasis config."""
     lay = Layout(root.absolute())
     _check_node(lay, node)
-    env = {**os.environ, "SLURM_CONF": str(lay.slurm_conf),
-           "STASIS_CONFIG": str(lay.config_of(node))}
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(lay.slurm_conf),
+        "STASIS_CONFIG": str(lay.config_of(node)),
+    }
     return [*_node_prefix(lay, node), *argv], env
 
 
@@ -893,6 +991,11 @@ def status(root: Path) -> dict[str, Any]:
     daemons = {name: detached.alive(pids.get(name)) for name in sorted(pids)}
     if not pids:
         daemons = {name: False for name in ("munged", "slurmctld", "slurmd", "stasis")}
-    return {"dir": str(lay.root), "slurm_conf": str(lay.slurm_conf),
-            "stasis_config": str(lay.stasis_config), "nodes": lay.nodes(), "daemons": daemons,
-            "running": all(daemons.values())}
+    return {
+        "dir": str(lay.root),
+        "slurm_conf": str(lay.slurm_conf),
+        "stasis_config": str(lay.stasis_config),
+        "nodes": lay.nodes(),
+        "daemons": daemons,
+        "running": all(daemons.values()),
+    }

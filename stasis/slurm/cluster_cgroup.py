@@ -73,10 +73,12 @@ def machine() -> Machine:
     v1 = {o for h in found if h.fstype == "cgroup" for o in h.options.split(",")}
     if {"memory", "freezer"} <= v1:
         return Machine("v1", tuple(found))
-    raise UsageError("--cgroup: this machine offers no memory cgroup controller to Slurm "
-                     f"(neither a cgroup2 mount at {CGROUP_ROOT} with `memory` in "
-                     "cgroup.controllers nor cgroup v1 memory and freezer hierarchies); "
-                     "run the cluster without --cgroup")
+    raise UsageError(
+        "--cgroup: this machine offers no memory cgroup controller to Slurm "
+        f"(neither a cgroup2 mount at {CGROUP_ROOT} with `memory` in "
+        "cgroup.controllers nor cgroup v1 memory and freezer hierarchies); "
+        "run the cluster without --cgroup"
+    )
 
 
 def base_name(root: Path) -> str:
@@ -118,8 +120,12 @@ def join_prefix(m: Machine, base: str, node: str) -> list[str]:
     cgroups of every controller Slurm does not use). From outside the namespace: cgroup v2
     lets no process inside it move one in from outside its root."""
     procs = [str(d / "cgroup.procs") for d in node_dirs(m, base, node)]
-    return ["sh", "-c", 'for f in ' + " ".join(procs) + '; do echo $$ > "$f" || exit 125; '
-            'done; exec "$@"', "sh"]
+    return [
+        "sh",
+        "-c",
+        'for f in ' + " ".join(procs) + '; do echo $$ > "$f" || exit 125; ' 'done; exec "$@"',
+        "sh",
+    ]
 
 
 def node_mounts(m: Machine) -> list[tuple[str, str, str]]:
@@ -128,8 +134,10 @@ def node_mounts(m: Machine) -> list[tuple[str, str, str]]:
     if m.version == "v2":
         h = m.hierarchies[0]
         return [("cgroup2", h.options, CGROUP_ROOT)]
-    return [("tmpfs", "mode=755", CGROUP_ROOT),
-            *((h.fstype, h.options, h.mountpoint) for h in m.hierarchies)]
+    return [
+        ("tmpfs", "mode=755", CGROUP_ROOT),
+        *((h.fstype, h.options, h.mountpoint) for h in m.hierarchies),
+    ]
 
 
 def remove(base: str, m: Machine | None = None, timeout_s: float = 10.0) -> list[str]:

@@ -32,19 +32,31 @@ log = logging.getLogger("stasis.slurm")
 Cause = Literal["store", "daemon"]
 RECHECK_S = 5.0  # how often the daemon looks (a directory listing while nothing is held)
 _MAX_ENTRY = 4096
-_ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-          "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+_ENDED = (
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+)
 
 
-def note(held_dir: Path, job_id: str, cause: Cause, label: str, uid: int, restarts: int
-         ) -> None:
+def note(held_dir: Path, job_id: str, cause: Cause, label: str, uid: int, restarts: int) -> None:
     """Written (atomically) before the job is requeued held, in its run number `restarts`: a
     daemon that finds it releases the job once `cause` is over."""
     scontrol.validate_slurm_job_id(job_id)
     held_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_atomically(held_dir / job_id, json.dumps(
-        {"job": job_id, "cause": cause, "label": label, "uid": uid, "restarts": restarts}
-    ).encode(), durable=False)
+    write_atomically(
+        held_dir / job_id,
+        json.dumps(
+            {"job": job_id, "cause": cause, "label": label, "uid": uid, "restarts": restarts}
+        ).encode(),
+        durable=False,
+    )
 
 
 def forget(held_dir: Path, job_id: str) -> None:
@@ -98,8 +110,7 @@ def release_over(held_dir: Path, store_answers: Callable[[str, int], bool]) -> l
             continue
         if entry.get("cause") == "store":
             label, uid = entry.get("label"), entry.get("uid")
-            if not (isinstance(label, str) and isinstance(uid, int)
-                    and store_answers(label, uid)):
+            if not (isinstance(label, str) and isinstance(uid, int) and store_answers(label, uid)):
                 continue
         try:
             scontrol.set_comment(name, "")

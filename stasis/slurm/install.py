@@ -75,10 +75,15 @@ class Change:
         a = (self.before or b"").decode(errors="replace").splitlines(keepends=True)
         b = (self.after or b"").decode(errors="replace").splitlines(keepends=True)
         lines = difflib.unified_diff(
-            a, b, fromfile=str(self.path) if self.before is not None else "/dev/null",
-            tofile=str(self.path) if self.after is not None else "/dev/null")
-        return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                       for line in lines)
+            a,
+            b,
+            fromfile=str(self.path) if self.before is not None else "/dev/null",
+            tofile=str(self.path) if self.after is not None else "/dev/null",
+        )
+        return "".join(
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+            for line in lines
+        )
 
 
 @dataclass
@@ -108,11 +113,13 @@ def _sha(data: bytes | None) -> str | None:
 def _check_plain(path: Path | str, what: str) -> None:
     text = str(path)
     if any(c.isspace() for c in text) or "#" in text or not text.startswith("/"):
-        raise UsageError(f"{what} {text!r}: Slurm's config files need an absolute path without "
-                         "spaces or '#'")
+        raise UsageError(
+            f"{what} {text!r}: Slurm's config files need an absolute path without " "spaces or '#'"
+        )
 
 
 # -- slurm.conf ---------------------------------------------------------------------------------
+
 
 def _key_re(key: str) -> re.Pattern[str]:
     return re.compile(rf"^(\s*{key}\s*=\s*)([^\s#]*)(.*)$", re.IGNORECASE)
@@ -141,7 +148,7 @@ def add_to_list(text: str, key: str, item: str, aliases: tuple[str, ...] = ()) -
         if item in items or any(a in items for a in aliases):
             return text
         value = ",".join([*items, item])
-        lines[i] = m.group(1) + value + m.group(3) + line[len(body):]
+        lines[i] = m.group(1) + value + m.group(3) + line[len(body) :]
         return "".join(lines)
     if text and not text.endswith("\n"):
         text += "\n"
@@ -156,6 +163,7 @@ def edit_slurm_conf(text: str) -> str:
 
 # -- lua blocks, plugstack line -----------------------------------------------------------------
 
+
 def merge_block(text: str | None, block: str) -> str:
     """`text` with our marked block appended, or the block already there replaced by `block`."""
     if text is None or not text.strip():
@@ -163,7 +171,7 @@ def merge_block(text: str | None, block: str) -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start >= 0 and end > start:
         end += len(END)
-        if text[end:end + 1] == "\n":
+        if text[end : end + 1] == "\n":
             end += 1
         return text[:start] + block + text[end:]
     sep = "" if text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
@@ -175,7 +183,7 @@ def remove_block(text: str) -> str:
     if start < 0 or end < start:
         return text
     end += len(END)
-    if text[end:end + 1] == "\n":
+    if text[end : end + 1] == "\n":
         end += 1
     head = text[:start]
     if head.endswith("\n\n"):
@@ -184,8 +192,11 @@ def remove_block(text: str) -> str:
 
 
 def plugstack_line(opts: InstallOptions) -> str:
-    parts = [f"optional {opts.lib_dir / SO_NAME}", f"python={opts.python}",
-             f"launcher={opts.lib_dir / LAUNCHER_NAME}"]
+    parts = [
+        f"optional {opts.lib_dir / SO_NAME}",
+        f"python={opts.python}",
+        f"launcher={opts.lib_dir / LAUNCHER_NAME}",
+    ]
     if opts.stasis_config:
         parts.append(f"conf={opts.stasis_config}")
     parts.append(f"slurm_conf={opts.slurm_conf}")
@@ -210,17 +221,21 @@ def merge_plugstack(text: str | None, line: str) -> str:
 
 
 def launcher_text(python: str) -> str:
-    return (f"#!{python} -I\n"
-            '"""The batch step\'s first process for jobs under stasis (see '
-            'stasis.slurm.launcher)."""\n'
-            "from stasis.slurm.launcher import main\n\nmain()\n")
+    return (
+        f"#!{python} -I\n"
+        '"""The batch step\'s first process for jobs under stasis (see '
+        'stasis.slurm.launcher)."""\n'
+        "from stasis.slurm.launcher import main\n\nmain()\n"
+    )
 
 
 def srun_text(python: str) -> str:
-    return (f"#!{python} -I\n"
-            '"""srun for the steps of jobs under stasis: those that stay on the node run in the '
-            'job\'s tree (see stasis.slurm.steps)."""\n'
-            "from stasis.slurm.steps import main\n\nmain()\n")
+    return (
+        f"#!{python} -I\n"
+        '"""srun for the steps of jobs under stasis: those that stay on the node run in the '
+        'job\'s tree (see stasis.slurm.steps)."""\n'
+        "from stasis.slurm.steps import main\n\nmain()\n"
+    )
 
 
 def srun_path(lib_dir: Path) -> Path:
@@ -232,27 +247,30 @@ def unit_text(opts: InstallOptions) -> str:
     env = [f"Environment=SLURM_CONF={opts.slurm_conf}"]
     if opts.stasis_config:
         env.append(f"Environment=STASIS_CONFIG={opts.stasis_config}")
-    return "\n".join([
-        "[Unit]",
-        "Description=stasis node daemon: checkpoint and restore of Slurm jobs",
-        "After=network.target",
-        "",
-        "[Service]",
-        f"ExecStart={stasis} daemon",
-        *env,
-        "Restart=on-failure",
-        "# Jobs outlive a restart of the daemon: stop only the daemon's own process.",
-        "KillMode=process",
-        "# A stop waits for lazy restores' pages (lazy_drain_timeout_s, 60 s) before the daemon ends.",
-        "TimeoutStopSec=120",
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-        "",
-    ])
+    return "\n".join(
+        [
+            "[Unit]",
+            "Description=stasis node daemon: checkpoint and restore of Slurm jobs",
+            "After=network.target",
+            "",
+            "[Service]",
+            f"ExecStart={stasis} daemon",
+            *env,
+            "Restart=on-failure",
+            "# Jobs outlive a restart of the daemon: stop only the daemon's own process.",
+            "KillMode=process",
+            "# A stop waits for lazy restores' pages (lazy_drain_timeout_s, 60 s) before the daemon ends.",
+            "TimeoutStopSec=120",
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
 
 
 # -- plan, apply, uninstall ---------------------------------------------------------------------
+
 
 def _record_path(slurm_conf: Path) -> Path:
     return slurm_conf.parent / RECORD_NAME
@@ -271,8 +289,9 @@ def _load_record(slurm_conf: Path) -> dict[str, Any]:
 def plan(opts: InstallOptions) -> Plan:
     bad = set(opts.roles) - set(ROLES)
     if bad or not opts.roles:
-        raise UsageError(f"unknown node role {', '.join(sorted(bad)) or '(none)'}: "
-                         f"use {', '.join(ROLES)}")
+        raise UsageError(
+            f"unknown node role {', '.join(sorted(bad)) or '(none)'}: " f"use {', '.join(ROLES)}"
+        )
     conf_text = _read(opts.slurm_conf)
     if conf_text is None:
         raise UsageError(f"{opts.slurm_conf} does not exist; point --slurm-conf at slurm.conf")
@@ -290,12 +309,17 @@ def plan(opts: InstallOptions) -> Plan:
     if "controller" in opts.roles:
         text_change(etc / "job_submit.lua", lambda t: merge_block(t, _asset("job_submit.lua")))
     if "worker" in opts.roles:
-        for path, what in ((opts.lib_dir, "--lib-dir"), (Path(opts.python), "python"),
-                           (opts.slurm_conf, "--slurm-conf")):
+        for path, what in (
+            (opts.lib_dir, "--lib-dir"),
+            (Path(opts.python), "python"),
+            (opts.slurm_conf, "--slurm-conf"),
+        ):
             _check_plain(path, what)
         if opts.stasis_config:
             _check_plain(opts.stasis_config, "stasis config")
-        plugstack = Path(conf_value(conf_text.decode(), "PlugStackConfig") or etc / "plugstack.conf")
+        plugstack = Path(
+            conf_value(conf_text.decode(), "PlugStackConfig") or etc / "plugstack.conf"
+        )
         text_change(plugstack, lambda t: merge_plugstack(t, plugstack_line(opts)))
         text_change(opts.lib_dir / LAUNCHER_NAME, lambda t: launcher_text(opts.python), 0o755)
         text_change(srun_path(opts.lib_dir), lambda t: srun_text(opts.python), 0o755)
@@ -328,8 +352,11 @@ def build_so(c_path: Path, so_path: Path) -> None:
     if not Path("/usr/include/slurm/spank.h").exists():
         raise UsageError("<slurm/spank.h> is missing: apt-get install libslurm-dev")
     tmp = so_path.with_name(f".{so_path.name}.stasis-tmp")
-    result = subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp),
-                             str(c_path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [gcc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(c_path)],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise SlurmError(f"building the SPANK plugin failed: {result.stderr.strip()}")
     os.chmod(tmp, 0o755)
@@ -345,8 +372,7 @@ def _say(out: IO[str] | None, text: str) -> None:
         out.write(text)
 
 
-def install(opts: InstallOptions, out: IO[str] | None = sys.stdout, dry_run: bool = False
-            ) -> Plan:
+def install(opts: InstallOptions, out: IO[str] | None = sys.stdout, dry_run: bool = False) -> Plan:
     p = plan(opts)
     changed = [c for c in p.changes if c.changed]
     if dry_run:
@@ -364,10 +390,10 @@ def install(opts: InstallOptions, out: IO[str] | None = sys.stdout, dry_run: boo
     for c in changed:
         key = str(c.path)
         if key not in files:
-            files[key] = {"original": base64.b64encode(c.before).decode()
-                          if c.before is not None else None,
-                          "mode": (c.path.stat().st_mode & 0o7777) if c.before is not None
-                          else None}
+            files[key] = {
+                "original": base64.b64encode(c.before).decode() if c.before is not None else None,
+                "mode": (c.path.stat().st_mode & 0o7777) if c.before is not None else None,
+            }
         assert c.after is not None
         _write(c.path, c.after, c.mode)
         _say(out, f"updated {c.path}\n")
@@ -405,8 +431,11 @@ def _revert_text(path: Path, data: bytes, original: bytes | None) -> bytes | Non
     if original is not None:
         # Lines we changed go back to what they were; lines we added go away.
         orig_text = original.decode(errors="replace")
-        for key, item in (("JobSubmitPlugins", "lua"), ("CliFilterPlugins", "lua"),
-                          ("SlurmctldParameters", "preempt_send_user_signal")):
+        for key, item in (
+            ("JobSubmitPlugins", "lua"),
+            ("CliFilterPlugins", "lua"),
+            ("SlurmctldParameters", "preempt_send_user_signal"),
+        ):
             was = conf_value(orig_text, key)
             pattern = _key_re(key)
             out_lines = []
@@ -415,14 +444,15 @@ def _revert_text(path: Path, data: bytes, original: bytes | None) -> bytes | Non
                 if m and was is None and m.group(2) == item:
                     continue
                 if m and was is not None:
-                    ln = m.group(1) + was + m.group(3) + ln[len(ln.rstrip("\n")):]
+                    ln = m.group(1) + was + m.group(3) + ln[len(ln.rstrip("\n")) :]
                 out_lines.append(ln)
             text = "".join(out_lines)
     return text.encode()
 
 
-def uninstall(slurm_conf: Path = DEFAULT_SLURM_CONF, out: IO[str] | None = sys.stdout,
-              dry_run: bool = False) -> None:
+def uninstall(
+    slurm_conf: Path = DEFAULT_SLURM_CONF, out: IO[str] | None = sys.stdout, dry_run: bool = False
+) -> None:
     record_path = _record_path(slurm_conf)
     if not record_path.exists():
         _say(out, f"nothing to uninstall: no {record_path}\n")
@@ -434,8 +464,9 @@ def uninstall(slurm_conf: Path = DEFAULT_SLURM_CONF, out: IO[str] | None = sys.s
     for name, entry in files.items():
         path = Path(name)
         current = _read(path)
-        original = (base64.b64decode(entry["original"]) if entry.get("original") is not None
-                    else None)
+        original = (
+            base64.b64decode(entry["original"]) if entry.get("original") is not None else None
+        )
         if current is None or _sha(current) == entry.get("installed_sha256"):
             target = original
         else:

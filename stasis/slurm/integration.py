@@ -58,8 +58,8 @@ from stasis.slurm import held, interruptions, mirrors, remote, scontrol
 from stasis.slurm.intervals import IntervalRequest, Intervals
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
-from stasis.wire import Health
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
+from stasis.wire import Health
 
 log = logging.getLogger("stasis.daemon")
 _ROOT = Caller(pid=0, uid=0, gid=0)  # what the control plane asks is the node admin's doing
@@ -87,8 +87,7 @@ class RemoteDrainRequest(BaseModel):
 class _GuardedSockSite(web.SockSite):
     """aiohttp's SockSite, with every connection going through a ConnectionGuard."""
 
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket,
-                 guard: ConnectionGuard) -> None:
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, guard: ConnectionGuard) -> None:
         super().__init__(runner, sock)
         self._guard = guard
 
@@ -97,24 +96,27 @@ class _GuardedSockSite(web.SockSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            self._guard.wrap(server), sock=self._sock, backlog=self._backlog)
+            self._guard.wrap(server), sock=self._sock, backlog=self._backlog
+        )
 
 
 def _listen(address: str, port: int) -> socket.socket:
     """The remote listener's socket, bound now: a port taken is the daemon's start failing."""
     try:
         if address:
-            family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)[0][0]
+            family = socket.getaddrinfo(
+                address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0][0]
             return socket.create_server((address, port), family=family)
         if socket.has_dualstack_ipv6():
-            return socket.create_server(("", port), family=socket.AF_INET6,
-                                        dualstack_ipv6=True)
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
         return socket.create_server(("", port))
     except OSError as e:
-        raise UsageError(f"cannot listen for remote Slurm commands on "
-                         f"{address or '*'}:{port} (slurm_remote_port): "
-                         f"{e.strerror or e}") from None
+        raise UsageError(
+            f"cannot listen for remote Slurm commands on "
+            f"{address or '*'}:{port} (slurm_remote_port): "
+            f"{e.strerror or e}"
+        ) from None
 
 
 class SlurmIntegration(Integration):
@@ -124,8 +126,9 @@ class SlurmIntegration(Integration):
         super().__init__(manager)
         self.mirrors = Mirrors(manager.settings, remote.this_node(manager.settings))
         self.jobs = SlurmJobs(manager, self.mirrors)
-        manager.add_job_source(JobSource("slurm", self._reported, self._checkpoint,
-                                         self._drain, self._state))
+        manager.add_job_source(
+            JobSource("slurm", self._reported, self._checkpoint, self._drain, self._state)
+        )
         self._partitions: dict[str, str] = {}  # Slurm job id -> its partition, asked once
         self.intervals = Intervals(manager.settings)
         manager.activity.add(self.intervals.heard)
@@ -136,13 +139,22 @@ class SlurmIntegration(Integration):
         live = {r["slurm_job"] for r in running}
         for gone in set(self._partitions) - live:
             del self._partitions[gone]
-        return [ReportedJob(job=r["slurm_job"], label=r["label"], user=r["user"],
-                            state="running", restored_from=r.get("restored_from"),
-                            started=r["registered"],
-                            kind="slurm", partition=self._partition(r["slurm_job"]),
-                            rss_bytes=proctree.resident_bytes(r["pid"])
-                            if proctree.alive(r["pid"], r["pid_start"]) else 0)
-                for r in running]
+        return [
+            ReportedJob(
+                job=r["slurm_job"],
+                label=r["label"],
+                user=r["user"],
+                state="running",
+                restored_from=r.get("restored_from"),
+                started=r["registered"],
+                kind="slurm",
+                partition=self._partition(r["slurm_job"]),
+                rss_bytes=proctree.resident_bytes(r["pid"])
+                if proctree.alive(r["pid"], r["pid_start"])
+                else 0,
+            )
+            for r in running
+        ]
 
     def _partition(self, job_id: str) -> str | None:
         if job_id not in self._partitions:
@@ -154,8 +166,9 @@ class SlurmIntegration(Integration):
 
     def _checkpoint(self, job_id: str, leave_running: bool, reason: str) -> dict[str, object]:
         """For the control plane: a checkpoint of Slurm job `job_id` (stopped: requeued)."""
-        done = self.jobs.checkpoint(job_id, CheckpointRequest(leave_running=leave_running,
-                                                              reason=reason), _ROOT)
+        done = self.jobs.checkpoint(
+            job_id, CheckpointRequest(leave_running=leave_running, reason=reason), _ROOT
+        )
         return dict(done)
 
     def _node(self) -> str:
@@ -178,13 +191,19 @@ class SlurmIntegration(Integration):
         requeued, failed = [], []
         for r in self.jobs.registrations.running():
             try:
-                done = self.jobs.checkpoint(r["slurm_job"], CheckpointRequest(
-                    leave_running=False, reason=reason), _ROOT)
+                done = self.jobs.checkpoint(
+                    r["slurm_job"], CheckpointRequest(leave_running=False, reason=reason), _ROOT
+                )
                 requeued.append({"job": r["slurm_job"], "checkpoint": done["checkpoint"]})
             except StasisError as e:
                 failed.append(f"{r['slurm_job']}: {e}")
-        log.info("Slurm node %s drained (%s): %d job(s) checkpointed and requeued%s", node,
-                 reason, len(requeued), f", {len(failed)} failed" if failed else "")
+        log.info(
+            "Slurm node %s drained (%s): %d job(s) checkpointed and requeued%s",
+            node,
+            reason,
+            len(requeued),
+            f", {len(failed)} failed" if failed else "",
+        )
         return {"slurm_node": node, "requeued": requeued, "failed": failed}
 
     def tables(self) -> Sequence[Table]:
@@ -194,8 +213,7 @@ class SlurmIntegration(Integration):
         self.jobs.registrations.upgrade()
         moved = self.jobs.registrations.migrate(self.manager.settings.layout.legacy_slurm)
         if moved:
-            log.info("moved %d Slurm registration(s) of an older daemon into its database",
-                     moved)
+            log.info("moved %d Slurm registration(s) of an older daemon into its database", moved)
         # Stops a killed daemon left half done: finished in the background (scontrol, CRIU),
         # so that the socket opens at once (the jobs' launchers wait for it).
         threading.Thread(target=self.jobs.recover, name="slurm-recover", daemon=True).start()
@@ -219,30 +237,40 @@ class SlurmIntegration(Integration):
 
     async def _serve_remote(self, sock: socket.socket) -> None:
         settings = self.manager.settings
-        guard = ConnectionGuard(settings.max_connections_per_uid, settings.request_timeout_s,
-                                raise_open_files_limit())
-        app = web.Application(middlewares=[errors, guard.middleware],
-                              client_max_size=_REMOTE_MAX_BODY)
+        guard = ConnectionGuard(
+            settings.max_connections_per_uid, settings.request_timeout_s, raise_open_files_limit()
+        )
+        app = web.Application(
+            middlewares=[errors, guard.middleware], client_max_size=_REMOTE_MAX_BODY
+        )
         app.add_routes(self.remote_routes())
-        runner = web.AppRunner(app, access_log=None,
-                               keepalive_timeout=settings.request_timeout_s or 75.0)
+        runner = web.AppRunner(
+            app, access_log=None, keepalive_timeout=settings.request_timeout_s or 75.0
+        )
         try:
             await runner.setup()
             await _GuardedSockSite(runner, sock, guard).start()
             host, port = sock.getsockname()[:2]
-            log.info("listening for remote Slurm commands on %s port %d (munge identifies "
-                     "the caller)", host or "*", port)
+            log.info(
+                "listening for remote Slurm commands on %s port %d (munge identifies "
+                "the caller)",
+                host or "*",
+                port,
+            )
             await asyncio.Event().wait()  # until cancelled by close()
         except Exception:
-            log.exception("the remote listener for Slurm commands failed; only the local "
-                          "socket serves them")
+            log.exception(
+                "the remote listener for Slurm commands failed; only the local "
+                "socket serves them"
+            )
         finally:
             await runner.cleanup()
             with suppress(OSError):
                 sock.close()
 
-    def _remote_caller(self, request: web.Request, credential: str, op: str,
-                       fields: dict[str, object]) -> Caller:
+    def _remote_caller(
+        self, request: web.Request, credential: str, op: str, fields: dict[str, object]
+    ) -> Caller:
         """Who asks `op` (blocking: munge): munge's uid and gid, once the credential decoded
         here and names this very request, node and cluster."""
         conf = remote.slurm_conf(self.manager.settings)
@@ -250,13 +278,19 @@ class SlurmIntegration(Integration):
         peer_address = (request.remote or "?").removeprefix("::ffff:")
         try:
             identity = remote.verify_credential(credential, conf.munge_socket)
-            remote.check_payload(identity, remote.request_payload(op, self._node(),
-                                                                  conf.cluster, **fields))
+            remote.check_payload(
+                identity, remote.request_payload(op, self._node(), conf.cluster, **fields)
+            )
         except PermissionDeniedError as e:
             log.warning("refused a remote Slurm %s from %s: %s", op, peer_address, e)
             raise
-        log.info("remote Slurm %s %s asked by uid %d from %s", op,
-                 " ".join(f"{k}={v}" for k, v in fields.items()), identity.uid, peer_address)
+        log.info(
+            "remote Slurm %s %s asked by uid %d from %s",
+            op,
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+            identity.uid,
+            peer_address,
+        )
         return Caller(pid=-1, uid=identity.uid, gid=identity.gid)  # no process of this node
 
     def remote_routes(self) -> Sequence[web.RouteDef]:
@@ -267,36 +301,61 @@ class SlurmIntegration(Integration):
             job_id = scontrol.validate_slurm_job_id(request.match_info["job"])
             req = await read_body(request, RemoteCheckpointRequest)
             caller = await asyncio.to_thread(
-                self._remote_caller, request, req.credential, "checkpoint",
-                {"job": job_id, "leave_running": req.leave_running, "reason": req.reason})
-            return answer(await asyncio.to_thread(
-                jobs.checkpoint, job_id,
-                CheckpointRequest(leave_running=req.leave_running, reason=req.reason), caller))
+                self._remote_caller,
+                request,
+                req.credential,
+                "checkpoint",
+                {"job": job_id, "leave_running": req.leave_running, "reason": req.reason},
+            )
+            return answer(
+                await asyncio.to_thread(
+                    jobs.checkpoint,
+                    job_id,
+                    CheckpointRequest(leave_running=req.leave_running, reason=req.reason),
+                    caller,
+                )
+            )
 
         async def drain(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, RemoteDrainRequest)
-            caller = await asyncio.to_thread(self._remote_caller, request, req.credential,
-                                             "drain", {"reason": req.reason})
+            caller = await asyncio.to_thread(
+                self._remote_caller, request, req.credential, "drain", {"reason": req.reason}
+            )
             if not caller.is_root:
-                raise PermissionDeniedError(f"permission denied: only root drains a node "
-                                            f"(uid {caller.uid} asked)")
+                raise PermissionDeniedError(
+                    f"permission denied: only root drains a node " f"(uid {caller.uid} asked)"
+                )
             return answer(await asyncio.to_thread(self._drain, req.reason))
 
-        return [web.post("/slurm/remote/jobs/{job}/checkpoint", checkpoint),
-                web.post("/slurm/remote/drain", drain)]
+        return [
+            web.post("/slurm/remote/jobs/{job}/checkpoint", checkpoint),
+            web.post("/slurm/remote/drain", drain),
+        ]
 
     def tasks(self) -> Sequence[Task]:
-        return [Task("forget ended Slurm workloads", _SWEEP_INTERVAL_S, self.jobs.sweep),
-                # States of stops carried out (trees killed) that the database refused.
-                Task("record Slurm stops", 1.0, self.jobs.record_pending),
-                Task("record srun steps in Slurm", mirrors.POLL_S,
-                     lambda: self.mirrors.poll(self.jobs.registrations.running())),
-                Task("release Slurm jobs held here", held.RECHECK_S, self._release_held),
-                *([Task("read interruption rates (sacct)", interruptions.REFRESH_S,
-                        self.intervals.rates.refresh)]
-                  if self.manager.settings.slurm_conf_present else []),
-                Task("forget intervals of ended Slurm jobs", _SWEEP_INTERVAL_S,
-                     self._forget_intervals)]
+        return [
+            Task("forget ended Slurm workloads", _SWEEP_INTERVAL_S, self.jobs.sweep),
+            # States of stops carried out (trees killed) that the database refused.
+            Task("record Slurm stops", 1.0, self.jobs.record_pending),
+            Task(
+                "record srun steps in Slurm",
+                mirrors.POLL_S,
+                lambda: self.mirrors.poll(self.jobs.registrations.running()),
+            ),
+            Task("release Slurm jobs held here", held.RECHECK_S, self._release_held),
+            *(
+                [
+                    Task(
+                        "read interruption rates (sacct)",
+                        interruptions.REFRESH_S,
+                        self.intervals.rates.refresh,
+                    )
+                ]
+                if self.manager.settings.slurm_conf_present
+                else []
+            ),
+            Task("forget intervals of ended Slurm jobs", _SWEEP_INTERVAL_S, self._forget_intervals),
+        ]
 
     def _forget_intervals(self) -> None:
         self.intervals.forget_except({r["slurm_job"] for r in self.jobs.registrations.running()})
@@ -305,10 +364,14 @@ class SlurmIntegration(Integration):
         """Blocking (scontrol, perhaps sacct): the owner's (or root's) ask for its job's
         interval."""
         reg = self.jobs.get(job_id, caller)
-        rss = proctree.resident_bytes(reg["pid"]) \
-            if proctree.alive(reg["pid"], reg["pid_start"]) else 0
-        return self.intervals.ask(reg["slurm_job"], requested, dict(reg),
-                                  self._partition(reg["slurm_job"]), rss)
+        rss = (
+            proctree.resident_bytes(reg["pid"])
+            if proctree.alive(reg["pid"], reg["pid_start"])
+            else 0
+        )
+        return self.intervals.ask(
+            reg["slurm_job"], requested, dict(reg), self._partition(reg["slurm_job"]), rss
+        )
 
     def _release_held(self) -> None:
         def store_answers(label: str, uid: int) -> bool:
@@ -317,6 +380,7 @@ class SlurmIntegration(Integration):
             except StasisError:
                 return False
             return True
+
         held.release_over(self.manager.settings.layout.slurm_held, store_answers)
 
     def routes(self) -> Sequence[web.RouteDef]:
@@ -330,26 +394,34 @@ class SlurmIntegration(Integration):
             return answer(await asyncio.to_thread(jobs.register, req, peer(request)))
 
         async def get_job(request: web.Request) -> web.StreamResponse:
-            return answer(await asyncio.to_thread(jobs.get, request.match_info["job"],
-                                                  peer(request)))
+            return answer(
+                await asyncio.to_thread(jobs.get, request.match_info["job"], peer(request))
+            )
 
         async def checkpoint(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, CheckpointRequest)
-            return answer(await asyncio.to_thread(jobs.checkpoint, request.match_info["job"],
-                                                  req, peer(request)))
+            return answer(
+                await asyncio.to_thread(
+                    jobs.checkpoint, request.match_info["job"], req, peer(request)
+                )
+            )
 
         async def interval(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, IntervalRequest)
-            return answer(await asyncio.to_thread(self._interval, request.match_info["job"],
-                                                  req.requested, peer(request)))
+            return answer(
+                await asyncio.to_thread(
+                    self._interval, request.match_info["job"], req.requested, peer(request)
+                )
+            )
 
         async def intervals(request: web.Request) -> web.StreamResponse:
             return answer(self.intervals.listing(peer(request)))
 
         async def finish(request: web.Request) -> web.StreamResponse:
             req = await read_body(request, FinishRequest)
-            return answer(await asyncio.to_thread(jobs.finish, request.match_info["job"], req,
-                                                  peer(request)))
+            return answer(
+                await asyncio.to_thread(jobs.finish, request.match_info["job"], req, peer(request))
+            )
 
         return [
             web.get("/slurm/health", health),

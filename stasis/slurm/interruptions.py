@@ -53,8 +53,9 @@ class PartitionRate:
         return {**asdict(self), "rate_per_node_hour": self.rate_per_node_hour}
 
 
-def rates(records: Iterable[report.Record], since: datetime, until: datetime
-          ) -> dict[str, PartitionRate]:
+def rates(
+    records: Iterable[report.Record], since: datetime, until: datetime
+) -> dict[str, PartitionRate]:
     """Per partition: interruptions that ended in [since, until), node-hours run in it."""
     out: dict[str, PartitionRate] = {}
     fmt = "%Y-%m-%dT%H:%M:%S"
@@ -63,8 +64,10 @@ def rates(records: Iterable[report.Record], since: datetime, until: datetime
             continue  # never ran: exposed to nothing
         end = r.end or until  # still running
         ran_s = (min(end, until) - max(r.start, since)).total_seconds()
-        p = out.setdefault(r.partition, PartitionRate(r.partition, since=since.strftime(fmt),
-                                                      until=until.strftime(fmt)))
+        p = out.setdefault(
+            r.partition,
+            PartitionRate(r.partition, since=since.strftime(fmt), until=until.strftime(fmt)),
+        )
         if ran_s > 0:
             p.node_hours += r.nnodes * ran_s / 3600
         if r.state in INTERRUPTION_STATES and r.end is not None and since <= r.end < until:
@@ -96,8 +99,11 @@ class RateCache:
         except StasisError as e:
             with self._lock:
                 if self._error != str(e):
-                    log.warning("interruption rates for STASIS_INTERVAL=auto: %s (the last "
-                                "rates read are used; none: the ceiling)", e)
+                    log.warning(
+                        "interruption rates for STASIS_INTERVAL=auto: %s (the last "
+                        "rates read are used; none: the ceiling)",
+                        e,
+                    )
                 self._error = str(e)
             return
         self.put(found)

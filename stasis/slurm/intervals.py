@@ -66,19 +66,38 @@ class Intervals:
             if activity.job in self._jobs:
                 self._costs[activity.job] = activity.frozen_s
 
-    def ask(self, job_id: str, requested: str, reg: dict[str, Any], partition: str | None,
-            rss_bytes: int) -> dict[str, Any]:
+    def ask(
+        self,
+        job_id: str,
+        requested: str,
+        reg: dict[str, Any],
+        partition: str | None,
+        rss_bytes: int,
+    ) -> dict[str, Any]:
         """The interval job `job_id` (registration `reg`) waits before its next periodic
         checkpoint, and why."""
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        entry: dict[str, Any] = {"slurm_job": job_id, "user": reg["user"], "uid": reg["uid"],
-                                 "label": reg["label"], "partition": partition or "",
-                                 "requested": requested, "at": now}
+        entry: dict[str, Any] = {
+            "slurm_job": job_id,
+            "user": reg["user"],
+            "uid": reg["uid"],
+            "label": reg["label"],
+            "partition": partition or "",
+            "requested": requested,
+            "at": now,
+        }
         if requested != "auto":
             seconds = float(requested)
-            entry.update(interval_s=seconds, why=f"asked: STASIS_INTERVAL={requested}",
-                         cost_s=None, cost_measured=False, mtbi_s=None, raw_s=None, bound="",
-                         rate=None)
+            entry.update(
+                interval_s=seconds,
+                why=f"asked: STASIS_INTERVAL={requested}",
+                cost_s=None,
+                cost_measured=False,
+                mtbi_s=None,
+                raw_s=None,
+                bound="",
+                rate=None,
+            )
             return self._keep(job_id, entry)
         with self._lock:
             measured = self._costs.get(job_id)
@@ -92,12 +111,20 @@ class Intervals:
         if rate is None:
             why += f" (no interruption rate: {error})"
         elif rate.interruptions:
-            why += (f"; partition {rate.partition}: {rate.interruptions} interruption(s) in "
-                    f"{rate.node_hours:.2f} node-hours since {rate.since}")
-        entry.update(interval_s=choice.interval_s, why="auto: " + why, cost_s=choice.cost_s,
-                     cost_measured=measured is not None, mtbi_s=choice.mtbi_s,
-                     raw_s=choice.raw_s, bound=choice.bound,
-                     rate=rate.as_dict() if rate is not None else None)
+            why += (
+                f"; partition {rate.partition}: {rate.interruptions} interruption(s) in "
+                f"{rate.node_hours:.2f} node-hours since {rate.since}"
+            )
+        entry.update(
+            interval_s=choice.interval_s,
+            why="auto: " + why,
+            cost_s=choice.cost_s,
+            cost_measured=measured is not None,
+            mtbi_s=choice.mtbi_s,
+            raw_s=choice.raw_s,
+            bound=choice.bound,
+            rate=rate.as_dict() if rate is not None else None,
+        )
         return self._keep(job_id, entry)
 
     def _rate(self, partition: str) -> tuple[Any, str]:
@@ -131,5 +158,7 @@ class Intervals:
     def listing(self, caller: Caller) -> list[dict[str, Any]]:
         with self._lock:
             found = [dict(e) for e in self._jobs.values()]
-        return sorted((e for e in found if caller.is_root or e["uid"] == caller.uid),
-                      key=lambda e: e["slurm_job"])
+        return sorted(
+            (e for e in found if caller.is_root or e["uid"] == caller.uid),
+            key=lambda e: e["slurm_job"],
+        )

@@ -29,11 +29,19 @@ def resolve_label(explicit: str, job_id: str) -> tuple[str, bool]:
     return validate_label(job_id), False
 
 
-def slurm_extra(job_id: str, token: str, explicit: bool, stdout: str, stderr: str
-                ) -> dict[str, Any]:
+def slurm_extra(
+    job_id: str, token: str, explicit: bool, stdout: str, stderr: str
+) -> dict[str, Any]:
     """What a checkpoint of a Slurm job records of it (the manifest's `extra`)."""
-    return {"slurm": {"job_id": job_id, "token": token, "explicit_label": explicit,
-                      "stdout": stdout, "stderr": stderr}}
+    return {
+        "slurm": {
+            "job_id": job_id,
+            "token": token,
+            "explicit_label": explicit,
+            "stdout": stdout,
+            "stderr": stderr,
+        }
+    }
 
 
 def slurm_of(m: Manifest) -> dict[str, Any]:
@@ -41,8 +49,9 @@ def slurm_of(m: Manifest) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def candidates(store: Store, label: str, explicit: bool, uid: int, job_id: str, token: str
-               ) -> list[Manifest]:
+def candidates(
+    store: Store, label: str, explicit: bool, uid: int, job_id: str, token: str
+) -> list[Manifest]:
     """Checkpoints this job (of user `uid`) may resume from, newest first."""
     found = []
     for m in store.list(label, uid=uid):

@@ -74,8 +74,9 @@ def say(text: str) -> None:
 
 
 class Launcher:
-    def __init__(self, start: dict[str, Any], script: str, job_id: str,
-                 steps_dir: Path | None = None) -> None:
+    def __init__(
+        self, start: dict[str, Any], script: str, job_id: str, steps_dir: Path | None = None
+    ) -> None:
         self.start = start
         self.steps_dir = steps_dir  # holds our srun
         self.script = script
@@ -96,8 +97,11 @@ class Launcher:
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _PRIVATE}
-        if self.mode == "fresh" and self.steps_dir is not None and \
-                os.access(self.steps_dir / steps.SRUN_NAME, os.X_OK):
+        if (
+            self.mode == "fresh"
+            and self.steps_dir is not None
+            and os.access(self.steps_dir / steps.SRUN_NAME, os.X_OK)
+        ):
             path = env.get("PATH", os.defpath)
             real = steps.find_real_srun(path, str(self.steps_dir))
             env["PATH"] = f"{self.steps_dir}{os.pathsep}{path}"
@@ -141,12 +145,18 @@ class Launcher:
         interval = _env_first(INTERVAL_VARS)
         try:
             with self._client() as c:
-                c.slurm_register(slurm_job=self.job_id, pid=self.pid, label=self.start["label"],
-                                 explicit_label=bool(self.start.get("explicit_label")),
-                                 restored_from=self.start.get("checkpoint"))
+                c.slurm_register(
+                    slurm_job=self.job_id,
+                    pid=self.pid,
+                    label=self.start["label"],
+                    explicit_label=bool(self.start.get("explicit_label")),
+                    restored_from=self.start.get("checkpoint"),
+                )
         except StasisError as e:
-            say(f"stasis: warning: the node daemon did not take this job ({e}); "
-                "it runs WITHOUT checkpoint protection")
+            say(
+                f"stasis: warning: the node daemon did not take this job ({e}); "
+                "it runs WITHOUT checkpoint protection"
+            )
             self.mode = "off"
             return
         if interval.strip().lower() == "auto":
@@ -168,8 +178,10 @@ class Launcher:
             chosen = float(answer["interval_s"])
         except (StasisError, KeyError, TypeError, ValueError) as e:
             if self.auto:
-                say(f"stasis: warning: the node daemon chose no checkpoint interval ({e}); "
-                    f"the next periodic checkpoint comes in {self.interval_s:.0f} s")
+                say(
+                    f"stasis: warning: the node daemon chose no checkpoint interval ({e}); "
+                    f"the next periodic checkpoint comes in {self.interval_s:.0f} s"
+                )
             return
         if self.auto and chosen > 0:
             if round(chosen, 1) != round(self.interval_s, 1):
@@ -186,9 +198,11 @@ class Launcher:
             self.refused = []
             return False
         if final:
-            say(f"stasis: warning: no checkpoint: {steps.refusal(running)}; the job goes on "
+            say(
+                f"stasis: warning: no checkpoint: {steps.refusal(running)}; the job goes on "
                 "(if Slurm requeues it, it runs again from its last checkpoint, or from the "
-                "start)")
+                "start)"
+            )
         else:
             if running != self.refused:  # once per step, not at every interval
                 say(f"stasis: periodic checkpoint skipped: {steps.refusal(running)}")
@@ -205,8 +219,10 @@ class Launcher:
         try:
             with self._client(None) as c:
                 answer = c.slurm_checkpoint(
-                    self.job_id, leave_running=not final,
-                    reason="preemption or time limit" if final else "periodic")
+                    self.job_id,
+                    leave_running=not final,
+                    reason="preemption or time limit" if final else "periodic",
+                )
         except StasisError as e:
             if final and isinstance(e, DaemonAPIError) and e.status == 0:
                 self.final_unknown = True  # it may have been taken: the daemon's restart says
@@ -215,8 +231,10 @@ class Launcher:
         if final:
             self.requeued = True
             self.slurm_requeues = answer["slurm_requeues"]
-            say(f"stasis: checkpoint {answer['checkpoint']} taken ({answer['size_bytes']} bytes, "
-                f"{answer['duration_s']:.2f} s); the job is requeued and resumes from it")
+            say(
+                f"stasis: checkpoint {answer['checkpoint']} taken ({answer['size_bytes']} bytes, "
+                f"{answer['duration_s']:.2f} s); the job is requeued and resumes from it"
+            )
         else:
             say(f"stasis: periodic checkpoint {answer['checkpoint']} taken")
 
@@ -227,8 +245,10 @@ class Launcher:
             with self._client() as c:
                 answer = c.slurm_finish(self.job_id, code, stopped=self.stopped)
             if answer["retired"]:
-                say(f"stasis: job completed; retired {len(answer['retired'])} checkpoint(s) of "
-                    f"label {self.start['label']}")
+                say(
+                    f"stasis: job completed; retired {len(answer['retired'])} checkpoint(s) of "
+                    f"label {self.start['label']}"
+                )
         except StasisError as e:
             say(f"stasis: warning: could not tell the node daemon that the job ended: {e}")
 
@@ -283,14 +303,20 @@ class Launcher:
         try:
             _, status = os.waitpid(self.pid, 0)
         except ChildProcessError:  # not ours to wait for: how it ended cannot be told
-            say("stasis: warning: cannot tell how the job's workload ended; its checkpoints "
-                "are kept")
+            say(
+                "stasis: warning: cannot tell how the job's workload ended; its checkpoints "
+                "are kept"
+            )
             self.finish(None)
             return 1
         code = os.waitstatus_to_exitcode(status)
         code = code if code >= 0 else 128 - code
-        if self.requeued or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-                             and self.mode != "off" and self.taken_by_daemon()):
+        if self.requeued or (
+            os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) == signal.SIGKILL
+            and self.mode != "off"
+            and self.taken_by_daemon()
+        ):
             if self.slurm_requeues:
                 # End now, within the grace time: that is what makes Slurm requeue it, once.
                 return 0
@@ -305,8 +331,10 @@ class Launcher:
             self.stopped = True
         if sig in WARNINGS:
             if self.mode == "off":
-                say(f"stasis: warning: {sig.name} (preemption or time limit ahead) but this job "
-                    "is not protected: no checkpoint")
+                say(
+                    f"stasis: warning: {sig.name} (preemption or time limit ahead) but this job "
+                    "is not protected: no checkpoint"
+                )
                 return
             if self.steps_outside(final=True):
                 return

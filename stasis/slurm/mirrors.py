@@ -59,10 +59,12 @@ _CLONE_NEWIPC = 0x08000000
 # start), then waits for "<exit code> <signal>" on its stdin. SIGTERM at preemption (slurmctld signals every
 # step when the grace time starts) is ignored: the mirror ends with the real step, which is
 # checkpointed, not terminated. Stdin closed without a line (the daemon stopped): unknown, 1.
-_WAIT = ('trap "" TERM INT HUP; [ "$SLURM_PROCID" = 0 ] && echo started; '
-         'read code sig || exit 1; '
-         'if [ "${sig:-0}" -gt 0 ] 2>/dev/null; then trap - TERM INT HUP; kill -"$sig" $$; fi; '
-         'exit "${code:-0}"')
+_WAIT = (
+    'trap "" TERM INT HUP; [ "$SLURM_PROCID" = 0 ] && echo started; '
+    'read code sig || exit 1; '
+    'if [ "${sig:-0}" -gt 0 ] 2>/dev/null; then trap - TERM INT HUP; kill -"$sig" $$; fi; '
+    'exit "${code:-0}"'
+)
 _NAME_MAX = 100
 # Steps of one job recorded at once, at most (each is an srun of the job's user).
 _MAX_OPEN = 64
@@ -219,8 +221,14 @@ class Mirrors:
         if not proctree.alive(pid, reg["pid_start"]):  # the pid was another process's
             os.close(ns_fd)
             return None
-        job = _Job(pid=pid, pid_start=reg["pid_start"], ns_fd=ns_fd, uid=reg["uid"],
-                   gid=reg["gid"], user=reg["user"])
+        job = _Job(
+            pid=pid,
+            pid_start=reg["pid_start"],
+            ns_fd=ns_fd,
+            uid=reg["uid"],
+            gid=reg["gid"],
+            user=reg["user"],
+        )
         if not fresh:
             # A daemon that restarted, or a restored job: what ended was recorded before.
             job.done = {r["step"] for r in self._read(reg["slurm_job"], job) if "exit" in r}
@@ -234,15 +242,23 @@ class Mirrors:
             records = self.reader.read(job.ns_fd, job.uid)
         except steps.BookRefused as e:
             if str(e) != job.refused:  # said once, not at every poll
-                log.warning("Slurm job %s: its step book is refused: %s; its steps are not "
-                            "recorded in Slurm (the job itself stays protected)", job_id, e)
+                log.warning(
+                    "Slurm job %s: its step book is refused: %s; its steps are not "
+                    "recorded in Slurm (the job itself stays protected)",
+                    job_id,
+                    e,
+                )
                 job.refused = str(e)
             return []
         except OSError as e:
             if e.errno == errno.ETIMEDOUT:
                 job.stuck = True
-                log.warning("Slurm job %s: reading its step book hung (%s): it is not read "
-                            "again, its steps are not recorded in Slurm", job_id, e)
+                log.warning(
+                    "Slurm job %s: reading its step book hung (%s): it is not read "
+                    "again, its steps are not recorded in Slurm",
+                    job_id,
+                    e,
+                )
                 return []
             log.warning("Slurm job %s: cannot read its step book: %s", job_id, e)
             return []
@@ -266,21 +282,34 @@ class Mirrors:
                     continue  # the next poll
                 if len(job.open) >= _MAX_OPEN:
                     if not job.full:
-                        log.warning("Slurm job %s: %d of its steps run at once: the others are "
-                                    "not recorded in Slurm", job_id, _MAX_OPEN)
+                        log.warning(
+                            "Slurm job %s: %d of its steps run at once: the others are "
+                            "not recorded in Slurm",
+                            job_id,
+                            _MAX_OPEN,
+                        )
                         job.full = True
                     job.done.add(step)
                     continue
                 starts += 1
-                proc = self._start(job_id, job, step, rec.get("name") or "step",
-                                   min(rec.get("ntasks", 1), _MAX_TASKS))
+                proc = self._start(
+                    job_id,
+                    job,
+                    step,
+                    rec.get("name") or "step",
+                    min(rec.get("ntasks", 1), _MAX_TASKS),
+                )
                 if proc is None:
                     job.done.add(step)
                     continue
                 job.open[step] = proc
             elif proc.poll() is not None:
-                log.warning("Slurm job %s: the Slurm record of step %d ended early (srun exit "
-                            "%s)", job_id, step, proc.returncode)
+                log.warning(
+                    "Slurm job %s: the Slurm record of step %d ended early (srun exit " "%s)",
+                    job_id,
+                    step,
+                    proc.returncode,
+                )
                 del job.open[step]
                 job.done.add(step)
                 continue
@@ -291,13 +320,17 @@ class Mirrors:
                 del job.open[step]
                 job.done.add(step)
 
-    def _start(self, job_id: str, job: _Job, step: int, name: str, ntasks: int
-               ) -> subprocess.Popen[bytes] | None:
+    def _start(
+        self, job_id: str, job: _Job, step: int, name: str, ntasks: int
+    ) -> subprocess.Popen[bytes] | None:
         # Found as the daemon finds scontrol: on its own PATH.
         srun = shutil.which("srun")
         if srun is None:
-            log.warning("Slurm job %s: no srun on this node: its step %d is not recorded in "
-                        "Slurm", job_id, step)
+            log.warning(
+                "Slurm job %s: no srun on this node: its step %d is not recorded in " "Slurm",
+                job_id,
+                step,
+            )
             return None
         # The name and groups of the uid the job's launcher connected with (SO_PEERCRED), never
         # of the name Slurm's record gave: a job name can forge fields of `scontrol -o` output.
@@ -306,28 +339,56 @@ class Mirrors:
             groups = os.getgrouplist(user, job.gid)
         except (KeyError, OSError):
             user, groups = str(job.uid), [job.gid]
-        env = {"PATH": f"{os.path.dirname(srun)}:/usr/local/bin:/usr/bin:/bin",
-               "USER": user, "LOGNAME": user, "HOME": "/"}
+        env = {
+            "PATH": f"{os.path.dirname(srun)}:/usr/local/bin:/usr/bin:/bin",
+            "USER": user,
+            "LOGNAME": user,
+            "HOME": "/",
+        }
         if self.settings.slurm_conf:
             env["SLURM_CONF"] = self.settings.slurm_conf
-        argv = [srun, f"--jobid={job_id}", "--overlap", "--nodes=1", f"--ntasks={ntasks}",
-                f"--nodelist={self.node}", f"--job-name={_name(name)}", "--quiet",
-                "--error=/dev/null", "/bin/sh", "-c", _WAIT]
+        argv = [
+            srun,
+            f"--jobid={job_id}",
+            "--overlap",
+            "--nodes=1",
+            f"--ntasks={ntasks}",
+            f"--nodelist={self.node}",
+            f"--job-name={_name(name)}",
+            "--quiet",
+            "--error=/dev/null",
+            "/bin/sh",
+            "-c",
+            _WAIT,
+        ]
         try:
             # In the daemon's session: the reaper leaves it to this Popen.
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, env=env, cwd="/",
-                                    user=job.uid, group=job.gid, extra_groups=groups)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                cwd="/",
+                user=job.uid,
+                group=job.gid,
+                extra_groups=groups,
+            )
         except OSError as e:
-            log.warning("Slurm job %s: cannot start the Slurm record of step %d: %s", job_id,
-                        step, e)
+            log.warning(
+                "Slurm job %s: cannot start the Slurm record of step %d: %s", job_id, step, e
+            )
             return None
         assert proc.stdout is not None
         # Left open until it is reaped: srun must never write into a closed pipe.
         ready, _, _ = select.select([proc.stdout], [], [], _START_WAIT_S)
         if not ready:
-            log.warning("Slurm job %s: the Slurm record of step %d has not started after "
-                        "%.0f s", job_id, step, _START_WAIT_S)
+            log.warning(
+                "Slurm job %s: the Slurm record of step %d has not started after " "%.0f s",
+                job_id,
+                step,
+                _START_WAIT_S,
+            )
         return proc
 
     @staticmethod

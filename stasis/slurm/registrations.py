@@ -25,13 +25,23 @@ from pathlib import Path
 from typing import Any, cast, get_args, get_origin, get_type_hints
 
 from sqlalchemy import (
-    Column, Integer, MetaData, String, Table, Text, delete, insert, inspect, select, text, update,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    delete,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
 )
 
 from stasis import faults
-
-from stasis.daemon.activity import Activity, work_of
 from stasis.daemon import records
+from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.db import JobDatabaseError, JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
@@ -49,7 +59,6 @@ from stasis.slurm import scontrol, steps
 from stasis.slurm.labels import candidates, slurm_extra
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
-from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
 from stasis.store import (
     CheckpointInfo,
     Manifest,
@@ -58,6 +67,7 @@ from stasis.store import (
     validate_checkpoint_id,
     validate_label,
 )
+from stasis.wire import FinishAnswer, Registration, SlurmCheckpointAnswer
 
 log = logging.getLogger("stasis.daemon")
 
@@ -90,11 +100,13 @@ slurm_jobs_table = Table(
     info={records.KEY: records.ALL},
 )
 # Columns a table made by an older daemon lacks: (name, SQL type and default).
-_ADDED = (("stop_asked", "INTEGER NOT NULL DEFAULT 0"),
-          ("final_failed", "INTEGER NOT NULL DEFAULT 0"),
-          ("stop_checkpoint", "VARCHAR(64)"),
-          ("restarts", "INTEGER NOT NULL DEFAULT 0"),
-          ("restored_from", "VARCHAR(64)"))
+_ADDED = (
+    ("stop_asked", "INTEGER NOT NULL DEFAULT 0"),
+    ("final_failed", "INTEGER NOT NULL DEFAULT 0"),
+    ("stop_checkpoint", "VARCHAR(64)"),
+    ("restarts", "INTEGER NOT NULL DEFAULT 0"),
+    ("restored_from", "VARCHAR(64)"),
+)
 # A run whose workload is being stopped or was: not `running` any more, not ended either.
 _STOPPED = ("stopping", "checkpointed", "requeued")
 # How long a daemon back from a crash keeps trying to finish a stop it had begun (the tree may
@@ -113,8 +125,9 @@ def _slurm_requeues(job_id: str) -> bool:
     on a Slurm that does so (scontrol.requeues_preempted_job_when_it_ends); a requeue of ours as
     well would make it run twice. When Slurm cannot tell, we requeue."""
     try:
-        return scontrol.job_info(job_id).preempted and \
-            scontrol.requeues_preempted_job_when_it_ends()
+        return (
+            scontrol.job_info(job_id).preempted and scontrol.requeues_preempted_job_when_it_ends()
+        )
     except SlurmError:
         return False
 
@@ -177,25 +190,27 @@ class Registrations:
     def save(self, reg: Registration) -> None:
         values: dict[str, object] = {**reg, "command": json.dumps(reg["command"])}
         with self.db.transaction() as conn:
-            conn.execute(delete(slurm_jobs_table)
-                         .where(slurm_jobs_table.c.slurm_job == reg["slurm_job"]))
+            conn.execute(
+                delete(slurm_jobs_table).where(slurm_jobs_table.c.slurm_job == reg["slurm_job"])
+            )
             conn.execute(insert(slurm_jobs_table).values(**values))
         self._kept(reg["slurm_job"])
 
     def get(self, job_id: str) -> Registration | None:
         with self.db.transaction() as conn:
-            row = conn.execute(select(slurm_jobs_table)
-                               .where(slurm_jobs_table.c.slurm_job == job_id)).first()
+            row = conn.execute(
+                select(slurm_jobs_table).where(slurm_jobs_table.c.slurm_job == job_id)
+            ).first()
         return _registration(row._mapping) if row else None
 
     def running(self) -> list[Registration]:
         with self.db.transaction() as conn:
-            rows = conn.execute(select(slurm_jobs_table)
-                                .where(slurm_jobs_table.c.state == "running")).all()
+            rows = conn.execute(
+                select(slurm_jobs_table).where(slurm_jobs_table.c.state == "running")
+            ).all()
         return [_registration(r._mapping) for r in rows]
 
-    def set_state(self, job_id: str, state: str, pid: int | None = None,
-                  **values: object) -> None:
+    def set_state(self, job_id: str, state: str, pid: int | None = None, **values: object) -> None:
         """`pid`: only if the registration is still of the run whose workload that is."""
         query = update(slurm_jobs_table).where(slurm_jobs_table.c.slurm_job == job_id)
         if pid is not None:
@@ -206,8 +221,9 @@ class Registrations:
 
     def in_state(self, *states: str) -> list[Registration]:
         with self.db.transaction() as conn:
-            rows = conn.execute(select(slurm_jobs_table)
-                                .where(slurm_jobs_table.c.state.in_(states))).all()
+            rows = conn.execute(
+                select(slurm_jobs_table).where(slurm_jobs_table.c.state.in_(states))
+            ).all()
         return [_registration(r._mapping) for r in rows]
 
     def upgrade(self) -> None:
@@ -263,8 +279,13 @@ def _legacy(path: Path) -> Registration:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     data.setdefault("state", "running")
-    for key, value in (("stop_asked", False), ("final_failed", False),
-                       ("stop_checkpoint", None), ("restarts", 0), ("restored_from", None)):
+    for key, value in (
+        ("stop_asked", False),
+        ("final_failed", False),
+        ("stop_checkpoint", None),
+        ("restarts", 0),
+        ("restored_from", None),
+    ):
         data.setdefault(key, value)
     hints = get_type_hints(Registration)
     for key, hint in hints.items():
@@ -320,17 +341,20 @@ class SlurmJobs:
         validate_label(req.label)
         st = _status(req.pid)
         if int(st.get("PPid", "-1")) != caller.pid:
-            raise PermissionDeniedError(f"permission denied: process {req.pid} is not yours "
-                                        "(not a child of the caller)")
+            raise PermissionDeniedError(
+                f"permission denied: process {req.pid} is not yours " "(not a child of the caller)"
+            )
         if int(st.get("Uid", "-1").split()[0]) != caller.uid:
-            raise PermissionDeniedError(f"permission denied: process {req.pid} runs as another "
-                                        "user")
+            raise PermissionDeniedError(
+                f"permission denied: process {req.pid} runs as another " "user"
+            )
         nspid = st.get("NSpid", "").split()
         if len(nspid) < 2 or nspid[-1] != "1":
             raise UsageError(f"process {req.pid} is not the init of a PID namespace")
         if scontrol.job_of_pid(caller.pid) != job_id:
-            raise PermissionDeniedError(f"permission denied: the caller is not part of Slurm job "
-                                        f"{job_id}")
+            raise PermissionDeniedError(
+                f"permission denied: the caller is not part of Slurm job " f"{job_id}"
+            )
         try:
             info = scontrol.job_info(job_id)
         except SlurmError as e:
@@ -353,14 +377,26 @@ class SlurmJobs:
         except OSError:
             command = []
         reg = Registration(
-            slurm_job=job_id, pid=req.pid, pid_start=proctree.start_time(req.pid),
-            launcher_pid=caller.pid, uid=caller.uid, gid=caller.gid,
+            slurm_job=job_id,
+            pid=req.pid,
+            pid_start=proctree.start_time(req.pid),
+            launcher_pid=caller.pid,
+            uid=caller.uid,
+            gid=caller.gid,
             user=_user_name(caller.uid),
-            label=req.label, explicit_label=req.explicit_label, token=info.token,
-            stdout=info.stdout, stderr=info.stderr or info.stdout, work_dir=info.work_dir,
+            label=req.label,
+            explicit_label=req.explicit_label,
+            token=info.token,
+            stdout=info.stdout,
+            stderr=info.stderr or info.stdout,
+            work_dir=info.work_dir,
             command=command or ["(slurm batch job)"],
-            state="running", registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            stop_asked=False, final_failed=False, stop_checkpoint=None, restarts=info.restarts,
+            state="running",
+            registered=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            stop_asked=False,
+            final_failed=False,
+            stop_checkpoint=None,
+            restarts=info.restarts,
             restored_from=None,
         )
         # Before anything is kept: another user's checkpoint is refused, not counted.
@@ -389,12 +425,17 @@ class SlurmJobs:
         try:
             manifest = self.manager.store.get(validate_checkpoint_id(checkpoint))
         except StasisError as e:
-            log.warning("Slurm job %s: cannot read checkpoint %s it was restored from: %s",
-                        reg["slurm_job"], checkpoint, e)
+            log.warning(
+                "Slurm job %s: cannot read checkpoint %s it was restored from: %s",
+                reg["slurm_job"],
+                checkpoint,
+                e,
+            )
             return None
         if manifest.uid != reg["uid"]:
-            raise PermissionDeniedError(f"permission denied: checkpoint {manifest.id} is not "
-                                        "yours")
+            raise PermissionDeniedError(
+                f"permission denied: checkpoint {manifest.id} is not " "yours"
+            )
         return manifest
 
     def _started(self, reg: Registration, manifest: Manifest | None) -> None:
@@ -407,25 +448,35 @@ class SlurmJobs:
             return
         work_s = work_of(manifest.extra)
         m.work.started_from(job_id, manifest.id, work_s)
-        m.activity.notify(Activity(
-            kind="restore", checkpoint=manifest.id, label=manifest.label, job=job_id,
-            user=reg["user"], size_bytes=manifest.size_bytes, work_s=work_s, duration_s=0.0,
-            store=m.store.url, reason="Slurm requeue"))
+        m.activity.notify(
+            Activity(
+                kind="restore",
+                checkpoint=manifest.id,
+                label=manifest.label,
+                job=job_id,
+                user=reg["user"],
+                size_bytes=manifest.size_bytes,
+                work_s=work_s,
+                duration_s=0.0,
+                store=m.store.url,
+                reason="Slurm requeue",
+            )
+        )
 
     def sweep(self) -> None:
         """Forget registrations of workloads that ended without telling us (scancel, crash)."""
         with self._pending_lock:
             waiting = set(self._pending)  # stopped on purpose; their record is late
         for old in self.registrations.running():
-            if old["slurm_job"] not in waiting and \
-                    not proctree.alive(old["pid"], old["pid_start"]):
+            if old["slurm_job"] not in waiting and not proctree.alive(old["pid"], old["pid_start"]):
                 self.registrations.remove(old["slurm_job"])
 
     def get(self, job_id: str, caller: Caller) -> Registration:
         return self._load(job_id, caller)
 
-    def checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller
-                   ) -> SlurmCheckpointAnswer:
+    def checkpoint(
+        self, job_id: str, req: CheckpointRequest, caller: Caller
+    ) -> SlurmCheckpointAnswer:
         lock = self._lock(job_id)
         if not lock.acquire(blocking=False):
             raise UsageError(f"a checkpoint of Slurm job {job_id} is already being taken")
@@ -434,28 +485,43 @@ class SlurmJobs:
         finally:
             lock.release()
 
-    def _checkpoint(self, job_id: str, req: CheckpointRequest, caller: Caller
-                    ) -> SlurmCheckpointAnswer:
+    def _checkpoint(
+        self, job_id: str, req: CheckpointRequest, caller: Caller
+    ) -> SlurmCheckpointAnswer:
         reg = self._load(job_id, caller)
-        if reg["state"] in ("checkpointed", "requeued") or \
-                not proctree.alive(reg["pid"], reg["pid_start"]):
+        if reg["state"] in ("checkpointed", "requeued") or not proctree.alive(
+            reg["pid"], reg["pid_start"]
+        ):
             raise UsageError(f"Slurm job {job_id} has no running workload on this node")
         # A step on Slurm's own srun runs outside the tree: its restored client would wait for a
         # step that is gone.
         outside = steps.real_srun_running(reg["pid"])
         if outside:
-            raise CheckpointError(f"Slurm job {job_id} is not checkpointed: "
-                                  f"{steps.refusal(outside)}")
+            raise CheckpointError(
+                f"Slurm job {job_id} is not checkpointed: " f"{steps.refusal(outside)}"
+            )
         m = self.manager
         created = datetime.now(timezone.utc)
         info = CheckpointInfo(
-            id=new_checkpoint_id(created), label=reg["label"], job=job_id, host=m.settings.node,
-            created=created, criu_version=m.criu_version(m.criu), command=reg["command"],
-            cwd=reg["work_dir"] or "/", user=reg["user"], uid=reg["uid"], gid=reg["gid"],
-            log_path=reg["stdout"] or None, parent=reg.get("restored_from"),
-            extra={**slurm_extra(job_id, reg["token"], reg["explicit_label"], reg["stdout"],
-                                 reg["stderr"]),
-                   "work_s": m.work.at(job_id, reg["registered"], created)},
+            id=new_checkpoint_id(created),
+            label=reg["label"],
+            job=job_id,
+            host=m.settings.node,
+            created=created,
+            criu_version=m.criu_version(m.criu),
+            command=reg["command"],
+            cwd=reg["work_dir"] or "/",
+            user=reg["user"],
+            uid=reg["uid"],
+            gid=reg["gid"],
+            log_path=reg["stdout"] or None,
+            parent=reg.get("restored_from"),
+            extra={
+                **slurm_extra(
+                    job_id, reg["token"], reg["explicit_label"], reg["stdout"], reg["stderr"]
+                ),
+                "work_s": m.work.at(job_id, reg["registered"], created),
+            },
         )
         if not req.leave_running:
             # Written before anything is frozen: this run's end retires nothing now, and a
@@ -465,17 +531,28 @@ class SlurmJobs:
             self._record(reg, "stopping", stop_asked=1, stop_checkpoint=info.id)
             faults.point("slurm.checkpoint-asked")
         try:
-            manifest, result, _ = m.checkpoint_tree(reg["pid"], info, req.leave_running, "none",
-                                                    f"Slurm job {job_id}", reason=req.reason)
+            manifest, result, _ = m.checkpoint_tree(
+                reg["pid"],
+                info,
+                req.leave_running,
+                "none",
+                f"Slurm job {job_id}",
+                reason=req.reason,
+            )
         except BaseException:
             if not req.leave_running:
                 # The tree runs on (checkpoint_tree resumed it): only the record may wait.
                 self._record(reg, "running", final_failed=1)
             raise
         answer = SlurmCheckpointAnswer(
-            checkpoint=manifest.id, label=manifest.label, slurm_job=job_id,
-            size_bytes=manifest.size_bytes, duration_s=round(result.duration_s, 4),
-            requeued=False, slurm_requeues=False)
+            checkpoint=manifest.id,
+            label=manifest.label,
+            slurm_job=job_id,
+            size_bytes=manifest.size_bytes,
+            duration_s=round(result.duration_s, 4),
+            requeued=False,
+            slurm_requeues=False,
+        )
         if not req.leave_running:
             faults.point("slurm.after-publish")
             self._stopped(reg, manifest.id)
@@ -510,7 +587,8 @@ class SlurmJobs:
             raise CheckpointError(
                 f"checkpoint {checkpoint} of Slurm job {job_id} was taken but the job could "
                 f"not be requeued ({e}); submit it again with STASIS_CHECKPOINT="
-                f"{reg['label']} to resume") from e
+                f"{reg['label']} to resume"
+            ) from e
         self._record(reg, "requeued")
         return False
 
@@ -526,8 +604,13 @@ class SlurmJobs:
             self.registrations.set_state(job_id, state, pid=reg["pid"], **values)
             return
         except JobDatabaseError as e:
-            log.warning("Slurm job %s: %s, but the daemon's database cannot record it yet "
-                        "(retried every second): %s", job_id, state, e)
+            log.warning(
+                "Slurm job %s: %s, but the daemon's database cannot record it yet "
+                "(retried every second): %s",
+                job_id,
+                state,
+                e,
+            )
         with self._pending_lock:
             self._pending[job_id] = (reg["pid"], state, values)
 
@@ -565,16 +648,22 @@ class SlurmJobs:
             try:
                 self._recover(reg)
             except Exception:  # one job's trouble must not keep the others unsettled
-                log.exception("Slurm job %s: cannot finish the stop a stopped daemon had begun",
-                              reg["slurm_job"])
+                log.exception(
+                    "Slurm job %s: cannot finish the stop a stopped daemon had begun",
+                    reg["slurm_job"],
+                )
 
     def _recover(self, reg: Registration) -> None:
         job_id = reg["slurm_job"]
         checkpoint = reg.get("stop_checkpoint")
         if reg["state"] == "checkpointed" or (checkpoint and self._published(checkpoint)):
             assert checkpoint is not None
-            log.warning("Slurm job %s: checkpoint %s was published before the daemon stopped; "
-                        "the job is stopped and requeued now, as asked", job_id, checkpoint)
+            log.warning(
+                "Slurm job %s: checkpoint %s was published before the daemon stopped; "
+                "the job is stopped and requeued now, as asked",
+                job_id,
+                checkpoint,
+            )
             self._stopped(reg, checkpoint)
             if self._requeued_since(reg):
                 self._record(reg, "requeued")
@@ -585,15 +674,27 @@ class SlurmJobs:
             if not proctree.alive(reg["pid"], reg["pid_start"]):
                 break
             try:
-                self.checkpoint(job_id, CheckpointRequest(
-                    leave_running=False, reason="stop asked before a daemon restart"), _ROOT)
-                log.warning("Slurm job %s: the stop checkpoint a stopped daemon had begun was "
-                            "taken again; the job is requeued", job_id)
+                self.checkpoint(
+                    job_id,
+                    CheckpointRequest(
+                        leave_running=False, reason="stop asked before a daemon restart"
+                    ),
+                    _ROOT,
+                )
+                log.warning(
+                    "Slurm job %s: the stop checkpoint a stopped daemon had begun was "
+                    "taken again; the job is requeued",
+                    job_id,
+                )
                 return
             except StasisError as e:
                 # The tree may still be held by the dead daemon's CRIU: wait and try again.
-                log.warning("Slurm job %s: the stop checkpoint asked before the daemon stopped "
-                            "cannot be taken yet: %s", job_id, e)
+                log.warning(
+                    "Slurm job %s: the stop checkpoint asked before the daemon stopped "
+                    "cannot be taken yet: %s",
+                    job_id,
+                    e,
+                )
                 time.sleep(_RECOVER_PAUSE_S)
         self._record(reg, "running", final_failed=1)
 
@@ -614,13 +715,18 @@ class SlurmJobs:
         except SlurmError:
             return False
         return info.restarts > reg.get("restarts", 0) or info.state in (
-            "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+            "PENDING",
+            "REQUEUED",
+            "REQUEUE_HOLD",
+            "REQUEUE_FED",
+        )
 
     def finish(self, job_id: str, req: FinishRequest, caller: Caller) -> FinishAnswer:
         reg = self._load(job_id, caller)
         if not caller.is_root and caller.pid != reg["launcher_pid"]:
-            raise PermissionDeniedError("permission denied: only the job's launcher reports its "
-                                        "end")
+            raise PermissionDeniedError(
+                "permission denied: only the job's launcher reports its " "end"
+            )
         retired: list[str] = []
         # Retired only on a genuine success: an exit status (not a guess), 0, and nothing of
         # this run asked to stop it; a job that traps SIGTERM and exits 0 after its stop
@@ -630,12 +736,18 @@ class SlurmJobs:
             # Only a stop writes states the database may refuse: one waiting is a stop asked.
             stopped = stopped or job_id in self._pending
         if req.exit_code is None or stopped:
-            log.info("Slurm job %s ended (exit %s%s): label %s kept", job_id, req.exit_code,
-                     ", a stop was asked" if stopped else "", reg["label"])
+            log.info(
+                "Slurm job %s ended (exit %s%s): label %s kept",
+                job_id,
+                req.exit_code,
+                ", a stop was asked" if stopped else "",
+                reg["label"],
+            )
         if req.exit_code == 0 and not stopped:
             store = self.manager.store
-            for m in candidates(store, reg["label"], reg["explicit_label"], reg["uid"], job_id,
-                                reg["token"]):
+            for m in candidates(
+                store, reg["label"], reg["explicit_label"], reg["uid"], job_id, reg["token"]
+            ):
                 try:
                     # A restore that pinned it (another node resuming it now) keeps it.
                     if store.delete_unless_pinned(m.id):

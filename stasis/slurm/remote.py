@@ -56,12 +56,19 @@ _CONNECT_TIMEOUT_S = 10.0
 # unmunge's exit statuses (munge.h's munge_err_t) that mean "this credential is refused", as
 # opposed to munged failing.
 _SOCKET_ERROR = 6
-_REFUSED = {8: "it is not a credential munge can read", 9: "its version is unknown",
-            10: "its cipher is unknown", 11: "its MAC is unknown",
-            12: "its compression is unknown", 13: "its security realm is unknown",
-            14: "it is invalid (forged, or made with another munge key)", 15: "it expired",
-            16: "it was made in the future (the nodes' clocks differ)",
-            17: "it was replayed (already used)", 18: "it is not for this decoder"}
+_REFUSED = {
+    8: "it is not a credential munge can read",
+    9: "its version is unknown",
+    10: "its cipher is unknown",
+    11: "its MAC is unknown",
+    12: "its compression is unknown",
+    13: "its security realm is unknown",
+    14: "it is invalid (forged, or made with another munge key)",
+    15: "it expired",
+    16: "it was made in the future (the nodes' clocks differ)",
+    17: "it was replayed (already used)",
+    18: "it is not for this decoder",
+}
 _PAYLOAD_VERSION = 1
 
 
@@ -79,6 +86,7 @@ class DrainAnswer(TypedDict):
 
 
 # -- slurm.conf --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SlurmConf:
@@ -119,17 +127,23 @@ def this_node(settings: Settings) -> str:
 
 # -- munge -------------------------------------------------------------------------------------
 
-def _munge(tool: str, munge_socket: str | None, args: list[str], data: bytes
-           ) -> subprocess.CompletedProcess[bytes]:
+
+def _munge(
+    tool: str, munge_socket: str | None, args: list[str], data: bytes
+) -> subprocess.CompletedProcess[bytes]:
     argv = [tool, *(["--socket", munge_socket] if munge_socket else []), *args]
     try:
         return subprocess.run(argv, input=data, capture_output=True, timeout=_MUNGE_TIMEOUT_S)
     except FileNotFoundError:
-        raise SlurmError(f"{tool} is not installed on this node (munge identifies the caller "
-                         "of remote Slurm commands)") from None
+        raise SlurmError(
+            f"{tool} is not installed on this node (munge identifies the caller "
+            "of remote Slurm commands)"
+        ) from None
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{tool} did not answer in {_MUNGE_TIMEOUT_S:.0f} s (munged "
-                         f"at {munge_socket or 'its default socket'})") from None
+        raise SlurmError(
+            f"{tool} did not answer in {_MUNGE_TIMEOUT_S:.0f} s (munged "
+            f"at {munge_socket or 'its default socket'})"
+        ) from None
 
 
 def _why(result: subprocess.CompletedProcess[bytes]) -> str:
@@ -160,13 +174,17 @@ class Identity:
 def verify_credential(credential: str, munge_socket: str | None) -> Identity:
     """Decode `credential` with munged: a PermissionDeniedError when munge refuses it (replayed,
     expired, forged...), a SlurmError when munged cannot be asked."""
-    if not isinstance(credential, str) or len(credential) > MAX_CREDENTIAL_CHARS or \
-            not _CREDENTIAL.fullmatch(credential):
+    if (
+        not isinstance(credential, str)
+        or len(credential) > MAX_CREDENTIAL_CHARS
+        or not _CREDENTIAL.fullmatch(credential)
+    ):
         raise PermissionDeniedError("permission denied: not a munge credential")
     result = _munge("unmunge", munge_socket, ["--numeric"], credential.encode() + b"\n")
     if result.returncode in _REFUSED:
-        raise PermissionDeniedError(f"permission denied: munge credential refused: "
-                                    f"{_REFUSED[result.returncode]}")
+        raise PermissionDeniedError(
+            f"permission denied: munge credential refused: " f"{_REFUSED[result.returncode]}"
+        )
     if result.returncode != 0:
         where = munge_socket or "its default socket"
         if result.returncode == _SOCKET_ERROR:
@@ -180,6 +198,7 @@ def verify_credential(credential: str, munge_socket: str | None) -> Identity:
 
 
 # -- what a credential asks --------------------------------------------------------------------
+
 
 def request_payload(op: str, node: str, cluster: str, **fields: object) -> dict[str, object]:
     """The request a credential stands for: the operation, its target node and cluster, and
@@ -199,13 +218,15 @@ def check_payload(identity: Identity, expected: dict[str, object]) -> None:
     except ValueError:
         said = None
     if not isinstance(said, dict):
-        raise PermissionDeniedError("permission denied: the munge credential carries no "
-                                    "stasis request")
+        raise PermissionDeniedError(
+            "permission denied: the munge credential carries no " "stasis request"
+        )
     for key in ("v", "op", "cluster", "node", *sorted(set(expected) | set(said))):
         if said.get(key) != expected.get(key):
             raise PermissionDeniedError(
                 f"permission denied: the munge credential was made for another request "
-                f"({key} {_show(said.get(key))}, not {_show(expected.get(key))})")
+                f"({key} {_show(said.get(key))}, not {_show(expected.get(key))})"
+            )
 
 
 def _show(value: object) -> str:
@@ -213,6 +234,7 @@ def _show(value: object) -> str:
 
 
 # -- the client --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RemoteNode:
@@ -238,14 +260,16 @@ class RemoteNode:
                 conn.connect()
                 assert conn.sock is not None
                 conn.sock.settimeout(self.timeout_s)
-                conn.request("POST", path, body=payload,
-                             headers={"Content-Type": "application/json"})
+                conn.request(
+                    "POST", path, body=payload, headers={"Content-Type": "application/json"}
+                )
                 resp = conn.getresponse()
                 status, raw = resp.status, resp.read()
             except (OSError, http.client.HTTPException) as e:
                 raise DaemonAPIError(
                     f"cannot reach the stasis daemon of {self.where} ({_reason(e)}); is it "
-                    f"running there with slurm_remote_port = {self.port}?") from None
+                    f"running there with slurm_remote_port = {self.port}?"
+                ) from None
         finally:
             conn.close()
         try:
@@ -274,30 +298,40 @@ def _error(data: Any, status: int, where: str) -> StasisError:
         err = data["error"]
         return error_from_wire(str(err["type"]), f"{err['message']} ({where})")
     except (KeyError, TypeError):
-        return DaemonAPIError(f"unexpected answer from the stasis daemon of {where}: "
-                              f"HTTP {status}", status)
+        return DaemonAPIError(
+            f"unexpected answer from the stasis daemon of {where}: " f"HTTP {status}", status
+        )
 
 
-def remote_node(settings: Settings, node: str, address: str,
-                timeout_s: float | None = None) -> RemoteNode:
+def remote_node(
+    settings: Settings, node: str, address: str, timeout_s: float | None = None
+) -> RemoteNode:
     if not settings.slurm_remote_port:
         raise UsageError(
             f"Slurm node {node} is another node, and remote Slurm commands are off here: set "
             "slurm_remote_port (STASIS_SLURM_REMOTE_PORT) to the port the nodes' stasis "
-            "daemons listen on")
-    return RemoteNode(node=node, address=address, port=settings.slurm_remote_port,
-                      timeout_s=timeout_s)
+            "daemons listen on"
+        )
+    return RemoteNode(
+        node=node, address=address, port=settings.slurm_remote_port, timeout_s=timeout_s
+    )
 
 
-def checkpoint(settings: Settings, target: RemoteNode, job_id: str, leave_running: bool,
-               reason: str = "asked") -> wire.SlurmCheckpointAnswer:
+def checkpoint(
+    settings: Settings, target: RemoteNode, job_id: str, leave_running: bool, reason: str = "asked"
+) -> wire.SlurmCheckpointAnswer:
     """Checkpoint Slurm job `job_id` on `target` as the calling user (stopped: requeued)."""
     conf = slurm_conf(settings)
     fields: dict[str, object] = {"leave_running": leave_running, "reason": reason}
-    credential = make_credential(encode_payload(request_payload(
-        "checkpoint", target.node, conf.cluster, job=job_id, **fields)), conf.munge_socket)
-    answer = target.call(f"/slurm/remote/jobs/{job_id}/checkpoint",
-                         {"credential": credential, **fields})
+    credential = make_credential(
+        encode_payload(
+            request_payload("checkpoint", target.node, conf.cluster, job=job_id, **fields)
+        ),
+        conf.munge_socket,
+    )
+    answer = target.call(
+        f"/slurm/remote/jobs/{job_id}/checkpoint", {"credential": credential, **fields}
+    )
     return cast("wire.SlurmCheckpointAnswer", answer)
 
 
@@ -305,12 +339,30 @@ def drain(settings: Settings, target: RemoteNode, reason: str) -> DrainAnswer:
     """Have `target` drain itself: Slurm's DRAIN, then every protected job checkpointed and
     requeued (root only: the target checks munge's uid)."""
     conf = slurm_conf(settings)
-    credential = make_credential(encode_payload(request_payload(
-        "drain", target.node, conf.cluster, reason=reason)), conf.munge_socket)
-    return cast(DrainAnswer, target.call("/slurm/remote/drain",
-                                         {"credential": credential, "reason": reason}))
+    credential = make_credential(
+        encode_payload(request_payload("drain", target.node, conf.cluster, reason=reason)),
+        conf.munge_socket,
+    )
+    return cast(
+        DrainAnswer,
+        target.call("/slurm/remote/drain", {"credential": credential, "reason": reason}),
+    )
 
 
-__all__ = ["DrainAnswer", "Identity", "RemoteNode", "SlurmConf", "check_payload", "checkpoint",
-           "drain", "encode_payload", "make_credential", "parse_slurm_conf", "remote_node",
-           "request_payload", "slurm_conf", "this_node", "verify_credential"]
+__all__ = [
+    "DrainAnswer",
+    "Identity",
+    "RemoteNode",
+    "SlurmConf",
+    "check_payload",
+    "checkpoint",
+    "drain",
+    "encode_payload",
+    "make_credential",
+    "parse_slurm_conf",
+    "remote_node",
+    "request_payload",
+    "slurm_conf",
+    "this_node",
+    "verify_credential",
+]

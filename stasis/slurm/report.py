@@ -36,9 +36,26 @@ from datetime import date, datetime, timedelta
 
 from stasis.errors import SlurmError, UsageError
 
-FIELDS = ("JobIDRaw", "User", "Account", "Partition", "JobName", "WorkDir", "State", "Submit",
-          "Start", "End", "ElapsedRaw", "TimelimitRaw", "NNodes", "AllocTRES", "ReqMem",
-          "MaxRSS", "TRESUsageInTot", "AdminComment")
+FIELDS = (
+    "JobIDRaw",
+    "User",
+    "Account",
+    "Partition",
+    "JobName",
+    "WorkDir",
+    "State",
+    "Submit",
+    "Start",
+    "End",
+    "ElapsedRaw",
+    "TimelimitRaw",
+    "NNodes",
+    "AllocTRES",
+    "ReqMem",
+    "MaxRSS",
+    "TRESUsageInTot",
+    "AdminComment",
+)
 # A separator no job name or path holds in practice (`|`, sacct's own, may appear in both).
 SEP = "\x1f"
 # Earlier attempts of a requeued job end in one of these (`sacct -D`).
@@ -164,8 +181,10 @@ class Report:
 
     def group_rows(self) -> list[dict[str, str | float | int]]:
         """One flat row per (user, account, partition), sorted: GROUP_COLUMNS."""
-        return [{"user": u, "account": a, "partition": p, **c.as_dict()}
-                for (u, a, p), c in sorted(self.groups.items())]
+        return [
+            {"user": u, "account": a, "partition": p, **c.as_dict()}
+            for (u, a, p), c in sorted(self.groups.items())
+        ]
 
     def top(self, key: str, n: int = 10) -> list[tuple[str, Costs]]:
         """Users or partitions (`key`), by lost node-hours, then node-hours."""
@@ -173,8 +192,9 @@ class Report:
         merged: dict[str, Costs] = defaultdict(Costs)
         for k, c in self.groups.items():
             merged[k[index]].add(c)
-        ranked = sorted(merged.items(), key=lambda kv: (-kv[1].lost_node_hours,
-                                                        -kv[1].node_hours, kv[0]))
+        ranked = sorted(
+            merged.items(), key=lambda kv: (-kv[1].lost_node_hours, -kv[1].node_hours, kv[0])
+        )
         return ranked[:n]
 
 
@@ -187,23 +207,30 @@ def parse_date(text: str, what: str) -> datetime:
     try:
         value = datetime.fromisoformat(text.strip())
     except ValueError:
-        raise UsageError(f"{what} {text!r} is not a date (YYYY-MM-DD or an ISO datetime such "
-                         "as 2024-05-01T08:00)") from None
+        raise UsageError(
+            f"{what} {text!r} is not a date (YYYY-MM-DD or an ISO datetime such "
+            "as 2024-05-01T08:00)"
+        ) from None
     if value.tzinfo is not None:
         value = value.astimezone().replace(tzinfo=None)
     return value
 
 
-def period(since: str | None, until: str | None, now: datetime | None = None,
-           default_days: int = 30) -> tuple[datetime, datetime]:
+def period(
+    since: str | None, until: str | None, now: datetime | None = None, default_days: int = 30
+) -> tuple[datetime, datetime]:
     """The report's [since, until): by default the last `default_days` days up to now."""
     now = (now or datetime.now()).replace(microsecond=0)
     end = parse_date(until, "--until") if until else now
-    start = parse_date(since, "--since") if since else \
-        datetime.combine((end - timedelta(days=default_days)).date(), datetime.min.time())
+    start = (
+        parse_date(since, "--since")
+        if since
+        else datetime.combine((end - timedelta(days=default_days)).date(), datetime.min.time())
+    )
     if end <= start:
-        raise UsageError(f"--until {end.isoformat(sep=' ')} is not after --since "
-                         f"{start.isoformat(sep=' ')}")
+        raise UsageError(
+            f"--until {end.isoformat(sep=' ')} is not after --since " f"{start.isoformat(sep=' ')}"
+        )
     return start, end
 
 
@@ -259,11 +286,13 @@ def parse_sacct(text: str) -> list[Record]:
             continue
         parts = line.split(SEP)
         if len(parts) < len(FIELDS):
-            raise SlurmError(f"sacct printed a line with {len(parts)} fields, expected "
-                             f"{len(FIELDS)}: {line[:200]!r}")
+            raise SlurmError(
+                f"sacct printed a line with {len(parts)} fields, expected "
+                f"{len(FIELDS)}: {line[:200]!r}"
+            )
         # The last field (AdminComment) may hold the separator itself: join what is left.
-        row = dict(zip(FIELDS, parts[:len(FIELDS) - 1]))
-        row[FIELDS[-1]] = SEP.join(parts[len(FIELDS) - 1:])
+        row = dict(zip(FIELDS, parts[: len(FIELDS) - 1]))
+        row[FIELDS[-1]] = SEP.join(parts[len(FIELDS) - 1 :])
         job_id = row["JobIDRaw"]
         if "." in job_id:
             if records and job_id.split(".", 1)[0] == records[-1].job_id:
@@ -276,15 +305,27 @@ def parse_sacct(text: str) -> list[Record]:
         if req is None and "mem" in alloc:
             req = size_bytes(alloc["mem"])
         limit = row["TimelimitRaw"]
-        records.append(Record(
-            job_id=job_id, user=row["User"], account=row["Account"],
-            partition=row["Partition"], name=row["JobName"], workdir=row["WorkDir"],
-            state=(row["State"].split() or [""])[0], submit=_time(row["Submit"]),
-            start=_time(row["Start"]), end=_time(row["End"]),
-            elapsed_s=_int(row["ElapsedRaw"]),
-            timelimit_min=int(limit) if limit.isdigit() else None, nnodes=nnodes,
-            gpus=_int(alloc.get("gres/gpu", "0")), req_mem_bytes=req or None,
-            peak_mem_bytes=None, protected=PROTECTED_MARK in row["AdminComment"]))
+        records.append(
+            Record(
+                job_id=job_id,
+                user=row["User"],
+                account=row["Account"],
+                partition=row["Partition"],
+                name=row["JobName"],
+                workdir=row["WorkDir"],
+                state=(row["State"].split() or [""])[0],
+                submit=_time(row["Submit"]),
+                start=_time(row["Start"]),
+                end=_time(row["End"]),
+                elapsed_s=_int(row["ElapsedRaw"]),
+                timelimit_min=int(limit) if limit.isdigit() else None,
+                nnodes=nnodes,
+                gpus=_int(alloc.get("gres/gpu", "0")),
+                req_mem_bytes=req or None,
+                peak_mem_bytes=None,
+                protected=PROTECTED_MARK in row["AdminComment"],
+            )
+        )
     return records
 
 
@@ -309,8 +350,12 @@ def jobs(records: Iterable[Record]) -> list[Job]:
         current: Job | None = None
         for r in recs:
             prev = current.last if current else None
-            if current and prev and prev.state in REQUEUE_STATES and \
-                    (prev.user, prev.name) == (r.user, r.name):
+            if (
+                current
+                and prev
+                and prev.state in REQUEUE_STATES
+                and (prev.user, prev.name) == (r.user, r.name)
+            ):
                 current.attempts.append(r)
             else:
                 current = Job([r])
@@ -387,8 +432,9 @@ def job_costs(job: Job, resubmit_of: Job | None) -> Costs:
     return c
 
 
-def compute(records: Iterable[Record], since: datetime, until: datetime,
-            window_s: int = 24 * 3600) -> Report:
+def compute(
+    records: Iterable[Record], since: datetime, until: datetime, window_s: int = 24 * 3600
+) -> Report:
     """The report of the jobs whose last record ended in [since, until). `records` may reach
     back before `since` (the TIMEOUT jobs a resubmission in the period follows)."""
     report = Report(since=since, until=until, window_s=window_s)
@@ -412,21 +458,36 @@ def compute(records: Iterable[Record], since: datetime, until: datetime,
 
 def sacct_args(since: datetime, until: datetime) -> list[str]:
     fmt = "%Y-%m-%dT%H:%M:%S"
-    return ["sacct", "-a", "-D", "-n", "-P", "--noconvert", f"--delimiter={SEP}",
-            "-S", since.strftime(fmt), "-E", until.strftime(fmt), "-o", ",".join(FIELDS)]
+    return [
+        "sacct",
+        "-a",
+        "-D",
+        "-n",
+        "-P",
+        "--noconvert",
+        f"--delimiter={SEP}",
+        "-S",
+        since.strftime(fmt),
+        "-E",
+        until.strftime(fmt),
+        "-o",
+        ",".join(FIELDS),
+    ]
 
 
 def query(since: datetime, until: datetime) -> str:
     """sacct's records of [since, until) (SLURM_CONF picks the cluster)."""
     args = sacct_args(since, until)
     try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT_S,
-                                stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            args, capture_output=True, text=True, timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError as e:
         raise SlurmError("sacct is not installed (Slurm's client tools)") from e
     except subprocess.TimeoutExpired as e:
-        raise SlurmError(f"sacct did not answer in {_TIMEOUT_S} s (slurmdbd busy or "
-                         "unreachable?)") from e
+        raise SlurmError(
+            f"sacct did not answer in {_TIMEOUT_S} s (slurmdbd busy or " "unreachable?)"
+        ) from e
     if result.returncode != 0:
         lines = [ln.strip() for ln in result.stderr.splitlines() if ln.strip()]
         why = lines[-1] if lines else f"exit status {result.returncode}"

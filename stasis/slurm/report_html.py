@@ -57,8 +57,10 @@ def hours(value: float) -> str:
 
 def _bars(items: list[tuple[str, float, str]]) -> list[Bar]:
     top = max((v for _, v, _ in items), default=0.0) or 1.0
-    return [Bar(label, value, max(1.0 if value else 0.0, _BAR_W * value / top), colour, 24 * i)
-            for i, (label, value, colour) in enumerate(items)]
+    return [
+        Bar(label, value, max(1.0 if value else 0.0, _BAR_W * value / top), colour, 24 * i)
+        for i, (label, value, colour) in enumerate(items)
+    ]
 
 
 def _weeks(report: Report) -> list[tuple[str, Costs]]:
@@ -89,8 +91,15 @@ def _trend(weeks: list[tuple[str, Costs]]) -> tuple[list[Column], float, int]:
         for j, (attr, label, colour) in enumerate(CATEGORIES):
             value = float(getattr(c, attr))
             h = 150 * value / scale
-            cols.append(Column(x=50 + i * group_w + j * 14, y=170 - h, height=h,
-                               colour=colour, title=f"{week}: {label}: {hours(value)}"))
+            cols.append(
+                Column(
+                    x=50 + i * group_w + j * 14,
+                    y=170 - h,
+                    height=h,
+                    colour=colour,
+                    title=f"{week}: {label}: {hours(value)}",
+                )
+            )
     return cols, top, 50 + len(weeks) * group_w + 10
 
 
@@ -186,24 +195,46 @@ def render(report: Report, now: datetime | None = None) -> str:
     def bar_chart(bars: list[Bar], id: str, label: str) -> object:
         from markupsafe import Markup
 
-        return Markup(chart.render(bars=bars, id=id, label=label, h=hours,
-                                   width=_LABEL_W + _BAR_W + 90, label_w=_LABEL_W))
+        return Markup(
+            chart.render(
+                bars=bars,
+                id=id,
+                label=label,
+                h=hours,
+                width=_LABEL_W + _BAR_W + 90,
+                label_w=_LABEL_W,
+            )
+        )
 
     totals = report.totals
-    where = _bars([(label, float(getattr(totals, attr)), colour)
-                   for attr, label, colour in CATEGORIES])
-    users = _bars([(u, c.lost_node_hours, "#d1495b") for u, c in report.top("user")
-                   if c.lost_node_hours])
-    partitions = _bars([(p, c.lost_node_hours, "#8d6a9f") for p, c in report.top("partition")
-                        if c.lost_node_hours])
+    where = _bars(
+        [(label, float(getattr(totals, attr)), colour) for attr, label, colour in CATEGORIES]
+    )
+    users = _bars(
+        [(u, c.lost_node_hours, "#d1495b") for u, c in report.top("user") if c.lost_node_hours]
+    )
+    partitions = _bars(
+        [(p, c.lost_node_hours, "#8d6a9f") for p, c in report.top("partition") if c.lost_node_hours]
+    )
     weeks = _weeks(report)
     trend, trend_top, trend_w = _trend(weeks)
     data = report.as_dict()
     return env.from_string(_PAGE).render(
         since=report.since.isoformat(sep=" ", timespec="minutes"),
         until=report.until.isoformat(sep=" ", timespec="minutes"),
-        totals=totals, h=hours, bar_chart=bar_chart, where=where, users=users,
-        partitions=partitions, trend=trend, trend_top=trend_top, trend_w=trend_w,
-        weeks=[w for w, _ in weeks], group_w=14 * len(CATEGORIES) + 16,
-        categories=CATEGORIES, groups=data["groups"], window_h=f"{report.window_s / 3600:g}",
-        made=(now or datetime.now()).isoformat(sep=" ", timespec="seconds"))
+        totals=totals,
+        h=hours,
+        bar_chart=bar_chart,
+        where=where,
+        users=users,
+        partitions=partitions,
+        trend=trend,
+        trend_top=trend_top,
+        trend_w=trend_w,
+        weeks=[w for w, _ in weeks],
+        group_w=14 * len(CATEGORIES) + 16,
+        categories=CATEGORIES,
+        groups=data["groups"],
+        window_h=f"{report.window_s / 3600:g}",
+        made=(now or datetime.now()).isoformat(sep=" ", timespec="seconds"),
+    )

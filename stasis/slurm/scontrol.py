@@ -35,9 +35,14 @@ def scontrol(*args: str) -> str:
 def _tool(tool: str, *args: str) -> str:
     try:
         # errors="replace": a job's name may be any bytes; Slurm prints them as they are.
-        result = subprocess.run([tool, *args], capture_output=True, text=True,
-                                errors="replace", timeout=_TIMEOUT_S,
-                                stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            [tool, *args],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except FileNotFoundError as e:
         raise SlurmError(f"{tool} is not installed on this node") from e
     except subprocess.TimeoutExpired as e:
@@ -60,7 +65,7 @@ def parse_record(text: str) -> dict[str, str]:
     fields: dict[str, str] = {}
     for i, m in enumerate(found):
         end = found[i + 1].start() if i + 1 < len(found) else len(text)
-        fields.setdefault(m.group(1), text[m.end():end].strip())
+        fields.setdefault(m.group(1), text[m.end() : end].strip())
     return fields
 
 
@@ -85,31 +90,37 @@ def parse_job_record(text: str) -> dict[str, str]:
     if "\n" in record:
         # A name may hold a line break and a whole record after it (job_info asks for an
         # array's task alone, so that a line per task never comes here).
-        raise SlurmError(f"{what} spans more than one line (a line break in its name, comment "
-                         "or a path): the job is refused (resubmit it with a name and paths "
-                         "without line breaks)")
+        raise SlurmError(
+            f"{what} spans more than one line (a line break in its name, comment "
+            "or a path): the job is refused (resubmit it with a name and paths "
+            "without line breaks)"
+        )
     repeated = sorted({k[:40] for k in keys if keys.count(k) > 1})[:3]
     if repeated:
-        raise SlurmError(f"{what} holds {', '.join(repeated)} twice: a value (its name, comment "
-                         "or a path) writes keys of its own; the job is refused (resubmit it "
-                         "with a name and paths without ' Key=')")
+        raise SlurmError(
+            f"{what} holds {', '.join(repeated)} twice: a value (its name, comment "
+            "or a path) writes keys of its own; the job is refused (resubmit it "
+            "with a name and paths without ' Key=')"
+        )
     if "JobName" not in keys:
         raise SlurmError(f"{what} has no JobName: not a job's record as Slurm prints it")
     at = keys.index("JobName")
-    after = keys[at + 1:at + 3]
+    after = keys[at + 1 : at + 3]
     # Only a heterogeneous job's record (HetJobId, before the name) has HetJobIdSet.
     het = "HetJobId" in keys[:at] and after == ["HetJobIdSet", "UserId"]
     if after[:1] != ["UserId"] and not het:
-        raise SlurmError(f"{what}: its name is followed by "
-                         f"{after[0][:40] if after else 'nothing'}"
-                         ", not UserId: the name writes keys of its own; the job is refused "
-                         "(resubmit it with a name without ' Key=' or line breaks)")
+        raise SlurmError(
+            f"{what}: its name is followed by "
+            f"{after[0][:40] if after else 'nothing'}"
+            ", not UserId: the name writes keys of its own; the job is refused "
+            "(resubmit it with a name without ' Key=' or line breaks)"
+        )
     return {m.group(1): _value(record, found, i) for i, m in enumerate(found)}
 
 
 def _value(text: str, found: list[re.Match[str]], i: int) -> str:
     end = found[i + 1].start() if i + 1 < len(found) else len(text)
-    return text[found[i].end():end].strip()
+    return text[found[i].end() : end].strip()
 
 
 @dataclass(frozen=True)
@@ -151,10 +162,15 @@ def job_info(job_id: str) -> JobInfo:
     token = _TOKEN.search(fields.get("AdminComment", ""))
     restarts = fields.get("Restarts", "0")
     return JobInfo(
-        job_id=job_id, user=m.group(1), uid=int(m.group(2)),
-        state=fields.get("JobState", ""), restarts=int(restarts) if restarts.isdigit() else 0,
-        stdout=fields.get("StdOut", ""), stderr=fields.get("StdErr", ""),
-        token=token.group(1) if token else "", work_dir=fields.get("WorkDir", ""),
+        job_id=job_id,
+        user=m.group(1),
+        uid=int(m.group(2)),
+        state=fields.get("JobState", ""),
+        restarts=int(restarts) if restarts.isdigit() else 0,
+        stdout=fields.get("StdOut", ""),
+        stderr=fields.get("StdErr", ""),
+        token=token.group(1) if token else "",
+        work_dir=fields.get("WorkDir", ""),
         preempted=fields.get("PreemptTime", "None") not in ("", "None", "Unknown"),
         partition=fields.get("Partition", ""),
         batch_host=fields.get("BatchHost", "") if fields.get("BatchHost") != "(null)" else "",
@@ -171,11 +187,16 @@ def release(job_id: str) -> None:
 def _array_task(job_id: str) -> str | None:
     """`ARRAY_TASK` of the array task whose job id is `job_id`, or None when it is none. From
     squeue's numeric fields only (job id, array job id, task id): no user writes those."""
-    for line in _tool("squeue", "-h", "-r", "-t", "all", "-j", job_id,
-                      "-o", "%A %F %K").splitlines():
+    for line in _tool(
+        "squeue", "-h", "-r", "-t", "all", "-j", job_id, "-o", "%A %F %K"
+    ).splitlines():
         fields = line.split()
-        if (len(fields) == 3 and fields[0] == job_id and _JOB_ID.match(fields[1])
-                and _JOB_ID.match(fields[2])):
+        if (
+            len(fields) == 3
+            and fields[0] == job_id
+            and _JOB_ID.match(fields[1])
+            and _JOB_ID.match(fields[2])
+        ):
             return f"{fields[1]}_{fields[2]}"
     return None
 

@@ -39,7 +39,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from stasis import wire
+from stasis.client import Client
 from stasis.config import Settings, fresh_if_unreachable, load_settings
+from stasis.daemon.users import account
 from stasis.engine import (
     CRIU,
     Owner,
@@ -52,8 +54,6 @@ from stasis.engine import (
 )
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, OwnerDeniedError, SlurmError, StasisError
-from stasis.client import Client
-from stasis.daemon.users import account
 from stasis.slurm import held, scontrol
 from stasis.slurm.labels import candidates, resolve_label, slurm_of
 from stasis.store import Manifest, Store, node_store
@@ -71,7 +71,7 @@ _WHY_MAX = 200  # of an error's text in a job's Comment
 
 
 def find_tini(configured: str) -> str:
-    for path in ((configured,) if configured else _TINI_CANDIDATES):
+    for path in (configured,) if configured else _TINI_CANDIDATES:
         if os.access(path, os.X_OK):
             return path
     raise SlurmError("tini is not installed on this node (Debian package tini)")
@@ -87,8 +87,9 @@ def rewritten_by_slurm(m: Manifest, job_id: str) -> list[str]:
     return [f.path for f in m.restore_facts.files or () if script.search(f.path)]
 
 
-def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
-             ) -> tuple[int, list[str]]:
+def _restore(
+    settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
+) -> tuple[int, list[str]]:
     s: dict[str, Any] = m.extra.get("slurm", {})
     old_out = str(s.get("stdout") or m.log_path or "")
     old_err = str(s.get("stderr") or old_out)
@@ -109,20 +110,28 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         # As the daemon does: a node that cannot restore it says why before anything is
         # fetched (the caller then tries the next older checkpoint, or runs the job from the
         # start); its files with the owner's rights (this helper is single-threaded).
-        nodefacts.require(m.id, cast("wire.RestoreFacts", m.restore_facts.model_dump()), criu,
-                          owner, skip=[*(old for old, _ in outputs),
-                                       *rewritten_by_slurm(m, info.job_id)],
-                          travels=nodelocal.travelling(m.extra))
+        nodefacts.require(
+            m.id,
+            cast("wire.RestoreFacts", m.restore_facts.model_dump()),
+            criu,
+            owner,
+            skip=[*(old for old, _ in outputs), *rewritten_by_slurm(m, info.job_id)],
+            travels=nodelocal.travelling(m.extra),
+        )
     with store.open_images(m.id, layout.scratch) as (_, images):
         # CRIU (root) gives every thread the credentials its images record: none may hold more
         # than the job's owner (a setuid program checkpointed mid-run by a stasis that did not
         # refuse it yet).
-        beyond = credentials.images_excess(images, owner.uid, [gid, *owner.groups]) \
-            if owner.uid != 0 else []
+        beyond = (
+            credentials.images_excess(images, owner.uid, [gid, *owner.groups])
+            if owner.uid != 0
+            else []
+        )
         if beyond:
             raise OwnerDeniedError(
                 f"its images hold credentials beyond its owner {acct.name} (uid {acct.uid}): "
-                f"{'; '.join(beyond[:3])}; a restore would give them back")
+                f"{'; '.join(beyond[:3])}; a restore would give them back"
+            )
         # The same restore as the daemon's (CRIU as root, every path of the job with its
         # owner's rights), here in the job's task so that the tree is the task's child.
         # A job in a mount namespace of its own (job_container/tmpfs): rebuilt in this task's,
@@ -132,10 +141,15 @@ def _restore(settings: Settings, store: Store, m: Manifest, info: scontrol.JobIn
         try:
             # Into this task's own cgroups (slurmstepd put it in the step's before this
             # helper ran): the job's memory limit holds, scancel and the time limit reach it.
-            result = restore_tree(criu, images, owner, outputs,
-                                  f"restore-slurm-{info.job_id}-{m.id}.log",
-                                  own_mounts=privatetmp.recorded(m.extra),
-                                  caller_cgroups=True)
+            result = restore_tree(
+                criu,
+                images,
+                owner,
+                outputs,
+                f"restore-slurm-{info.job_id}-{m.id}.log",
+                own_mounts=privatetmp.recorded(m.extra),
+                caller_cgroups=True,
+            )
         except BaseException:
             refilled.undo()  # run from the start instead, it finds the /tmp it would have had
             raise
@@ -170,35 +184,54 @@ def _health(settings: Settings) -> bool:
     return True
 
 
-def _hold(job_id: str, out: dict[str, Any], why: str, waited_s: int,
-          settings: Settings, cause: held.Cause, label: str, info: scontrol.JobInfo
-          ) -> tuple[int, dict[str, Any]]:
+def _hold(
+    job_id: str,
+    out: dict[str, Any],
+    why: str,
+    waited_s: int,
+    settings: Settings,
+    cause: held.Cause,
+    label: str,
+    info: scontrol.JobInfo,
+) -> tuple[int, dict[str, Any]]:
     """Requeue the job held with `why` in its Comment; the launcher runs nothing. This node's
     daemon releases it once `cause` is over (stasis.slurm.held)."""
     say: list[str] = out["messages"]
     out["mode"] = "held"
-    why = why if len(why) <= _WHY_MAX else why[:_WHY_MAX - 3] + "..."
-    comment = (f"{_HELD}: {why}; its checkpoint is kept; released when it is back (or "
-               f"scontrol release {job_id}), or resubmit with STASIS_FRESH=1 to start from the "
-               "beginning")
+    why = why if len(why) <= _WHY_MAX else why[: _WHY_MAX - 3] + "..."
+    comment = (
+        f"{_HELD}: {why}; its checkpoint is kept; released when it is back (or "
+        f"scontrol release {job_id}), or resubmit with STASIS_FRESH=1 to start from the "
+        "beginning"
+    )
     held_dir = settings.layout.slurm_held
     try:
         held.note(held_dir, job_id, cause, label, info.uid, info.restarts)
         scontrol.requeue_held(job_id, comment)
-        say.append(f"stasis: error: {why} (waited {waited_s} s): not starting from the beginning; "
-                   f"the job is requeued held and released once it is back (or `scontrol "
-                   f"release {job_id}`), or resubmit with STASIS_FRESH=1 to start from the "
-                   "beginning")
+        say.append(
+            f"stasis: error: {why} (waited {waited_s} s): not starting from the beginning; "
+            f"the job is requeued held and released once it is back (or `scontrol "
+            f"release {job_id}`), or resubmit with STASIS_FRESH=1 to start from the "
+            "beginning"
+        )
     except (StasisError, OSError) as e:
         held.forget(held_dir, job_id)
-        say.append(f"stasis: error: {why} (waited {waited_s} s), and the job could not be "
-                   f"requeued held ({e}): it fails without running, its checkpoints are kept; "
-                   "submit it again")
+        say.append(
+            f"stasis: error: {why} (waited {waited_s} s), and the job could not be "
+            f"requeued held ({e}): it fails without running, its checkpoints are kept; "
+            "submit it again"
+        )
     return EXIT_OFF, out
 
 
-def decide(job_id: str, uid: int, gid: int, label_arg: str,
-           settings: Settings | None = None, fresh: bool = False) -> tuple[int, dict[str, Any]]:
+def decide(
+    job_id: str,
+    uid: int,
+    gid: int,
+    label_arg: str,
+    settings: Settings | None = None,
+    fresh: bool = False,
+) -> tuple[int, dict[str, Any]]:
     out: dict[str, Any] = {"mode": "off", "messages": []}
     say: list[str] = out["messages"]
     try:
@@ -216,8 +249,10 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         say.append(f"stasis: warning: {e}; {UNPROTECTED}")
         return EXIT_OFF, out
     if info.uid != uid:
-        say.append(f"stasis: warning: Slurm says job {job_id} belongs to uid {info.uid}, "
-                   f"not {uid}; {UNPROTECTED}")
+        say.append(
+            f"stasis: warning: Slurm says job {job_id} belongs to uid {info.uid}, "
+            f"not {uid}; {UNPROTECTED}"
+        )
         return EXIT_OFF, out
     # A job labelled by its own id that never ran before cannot have a checkpoint: nothing to
     # wait for. Any other job may (a labelled job resumes another job's checkpoints).
@@ -233,17 +268,36 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     found, store_error = _retrying(deadline, listing)
     if found is None:
         if not (first_run or fresh):
-            return _hold(job_id, out, f"checkpoint store unreachable ({store_error})", wait_s,
-                         settings, "store", label, info)
-        say.append(f"stasis: warning: cannot list checkpoints: {store_error}; starting from the "
-                   "beginning (" + ("STASIS_FRESH=1" if fresh else "its first run") + ")")
+            return _hold(
+                job_id,
+                out,
+                f"checkpoint store unreachable ({store_error})",
+                wait_s,
+                settings,
+                "store",
+                label,
+                info,
+            )
+        say.append(
+            f"stasis: warning: cannot list checkpoints: {store_error}; starting from the "
+            "beginning (" + ("STASIS_FRESH=1" if fresh else "its first run") + ")"
+        )
         found = []
     if not daemon:
         if found and not fresh:
-            return _hold(job_id, out, f"the node daemon does not answer ({daemon_error})",
-                         wait_s, settings, "daemon", label, info)
-        say.append(f"stasis: warning: the node daemon does not answer ({daemon_error}); "
-                   f"{UNPROTECTED}")
+            return _hold(
+                job_id,
+                out,
+                f"the node daemon does not answer ({daemon_error})",
+                wait_s,
+                settings,
+                "daemon",
+                label,
+                info,
+            )
+        say.append(
+            f"stasis: warning: the node daemon does not answer ({daemon_error}); " f"{UNPROTECTED}"
+        )
         _comment(job_id, f"{_HELD.split(':')[0]}: {UNPROTECTED} (node daemon down)")
         return EXIT_OFF, out
     if info.comment.startswith("stasis: "):
@@ -251,8 +305,10 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
     store = node_store(settings)
     if not found:
         if explicit:
-            say.append(f"stasis: warning: no checkpoint with label {label} to resume from: "
-                       "the job runs from the start")
+            say.append(
+                f"stasis: warning: no checkpoint with label {label} to resume from: "
+                "the job runs from the start"
+            )
         else:
             say.append(f"stasis: job {job_id} is protected (label {label})")
         out["mode"] = "fresh"
@@ -266,14 +322,18 @@ def decide(job_id: str, uid: int, gid: int, label_arg: str,
         except (StasisError, OSError) as e:
             say.append(f"stasis: warning: restoring checkpoint {m.id} failed: {e}")
             continue
-        say.append(f"stasis: restored checkpoint {m.id} (label {label}, taken "
-                   f"{m.created:%Y-%m-%dT%H:%M:%SZ} from job {m.job})")
+        say.append(
+            f"stasis: restored checkpoint {m.id} (label {label}, taken "
+            f"{m.created:%Y-%m-%dT%H:%M:%SZ} from job {m.job})"
+        )
         say.extend(f"stasis: note: {note}" for note in notes)
         out.update(mode="restored", pid=pid, checkpoint=m.id)
         return EXIT_RESTORED, out
     else:
-        say.append(f"stasis: warning: no usable checkpoint with label {label}: "
-                   "the job runs from the start")
+        say.append(
+            f"stasis: warning: no usable checkpoint with label {label}: "
+            "the job runs from the start"
+        )
     out["mode"] = "fresh"
     return EXIT_FRESH, out
 
@@ -299,8 +359,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code, out = decide(args.job_id, args.uid, args.gid, args.label, fresh=fresh)
     except Exception as e:  # the job must start whatever happened here
-        code, out = EXIT_OFF, {"mode": "off", "messages": [
-            f"stasis: warning: internal error ({type(e).__name__}: {e}); {UNPROTECTED}"]}
+        code, out = (
+            EXIT_OFF,
+            {
+                "mode": "off",
+                "messages": [
+                    f"stasis: warning: internal error ({type(e).__name__}: {e}); {UNPROTECTED}"
+                ],
+            },
+        )
     if warning:
         out.setdefault("messages", []).insert(0, f"stasis: warning: {warning}")
     sys.stdout.write(json.dumps(out) + "\n")

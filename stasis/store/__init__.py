@@ -8,6 +8,7 @@ keeps no state outside the store itself, but for the ids of the local stores a n
 (marker.py): so that an unmounted one is "cannot tell", not empty.
 """
 
+from stasis.store.crypt import DataKey, KeyFiles
 from stasis.store.manifest import (
     COMPRESSIONS,
     CheckpointInfo,
@@ -22,7 +23,6 @@ from stasis.store.manifest import (
     validate_checkpoint_id,
     validate_label,
 )
-from stasis.store.crypt import DataKey, KeyFiles
 from stasis.store.signing import Keyring, Signature, Signer, node_keyring
 from stasis.store.store import Store, node_store
 

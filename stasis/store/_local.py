@@ -47,10 +47,8 @@ from stasis.store._tree import (
     staged_names,
 )
 from stasis.store.compression import Reader, Writer, cpu_workers, stored_name
-from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
-from stasis.store.marker import MARKER_NAME, KnownStores, read_marker, write_marker
 from stasis.store.crypt import DataKey
-from stasis.store.tailhash import InPlaceOutput, Partial
+from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -58,6 +56,8 @@ from stasis.store.manifest import (
     Manifest,
     is_checkpoint_id,
 )
+from stasis.store.marker import MARKER_NAME, KnownStores, read_marker, write_marker
+from stasis.store.tailhash import InPlaceOutput, Partial
 
 STAGING_NAME = ".staging"
 _PUBLISH_SUFFIX = ".publish"
@@ -107,10 +107,16 @@ class LocalTree:
             # "Mounted?" early: callers cut this line short (a Slurm job's Comment).
             raise StoreError(
                 f"checkpoint store {self.root} "
-                + ("is missing" if not exists else f"has no marker {MARKER_NAME}"
-                   if found is None else f"is store {found}")
+                + (
+                    "is missing"
+                    if not exists
+                    else f"has no marker {MARKER_NAME}"
+                    if found is None
+                    else f"is store {found}"
+                )
                 + f": is its filesystem mounted? The config's store_id says it is store "
-                f"{self._expected}")
+                f"{self._expected}"
+            )
         if found is not None:
             self._remember(found)
             return True
@@ -122,15 +128,20 @@ class LocalTree:
                 + ("is missing" if not exists else f"has no marker {MARKER_NAME}")
                 + f": is its filesystem mounted? This node used it (store {known}) and does "
                 f"not take its checkpoints for gone; if it was emptied or moved on purpose, "
-                f"`rm {self._known.entry(self.root)}` lets stasis start it anew")
+                f"`rm {self._known.entry(self.root)}` lets stasis start it anew"
+            )
         if not exists or not self._holds_checkpoints():
             return False
         # Written by a stasis from before markers: it is a store, mark it as one.
         try:
             found = write_marker(self.root)
         except OSError as e:
-            log.warning("cannot mark the checkpoint store %s as one (%s): if it goes missing "
-                        "later, it reads as empty", self.root, e)
+            log.warning(
+                "cannot mark the checkpoint store %s as one (%s): if it goes missing "
+                "later, it reads as empty",
+                self.root,
+                e,
+            )
             return True
         log.info("marked the checkpoint store %s (store %s)", self.root, found)
         self._remember(found)
@@ -138,8 +149,11 @@ class LocalTree:
 
     def _holds_checkpoints(self) -> bool:
         with os.scandir(self.root) as entries:
-            return any(entry.name == INDEX_DIR or is_checkpoint_id(entry.name)
-                       for entry in entries if entry.is_dir(follow_symlinks=False))
+            return any(
+                entry.name == INDEX_DIR or is_checkpoint_id(entry.name)
+                for entry in entries
+                if entry.is_dir(follow_symlinks=False)
+            )
 
     def _remember(self, store_id: str) -> None:
         # Read each time, not cached: root may have removed it (to start a store anew).
@@ -148,8 +162,13 @@ class LocalTree:
         before = self._known.get(self.root)
         if before != store_id:
             if before is not None:
-                log.warning("checkpoint store %s is store %s now, no longer store %s that this "
-                            "node used there before", self.root, store_id, before)
+                log.warning(
+                    "checkpoint store %s is store %s now, no longer store %s that this "
+                    "node used there before",
+                    self.root,
+                    store_id,
+                    before,
+                )
             self._known.remember(self.root, store_id)
 
     def _ensure_root(self) -> None:
@@ -236,7 +255,10 @@ class LocalTree:
         shutil.rmtree(self._packing_path(checkpoint_id), ignore_errors=True)
 
     def publish(
-        self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
+        self,
+        info: CheckpointInfo,
+        compression: Compression,
+        source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
@@ -256,9 +278,14 @@ class LocalTree:
             if in_place and data_key is not None:
                 # Sealed where they are: the plain bytes never stay beside the ciphertext.
                 plain_of = {stored_name(n, "none", True): n for n in names}
-                entries = pack_staged(staging, names, compression,
-                                      lambda stored: _sealing(staging / plain_of[stored]),
-                                      hashed, data_key)
+                entries = pack_staged(
+                    staging,
+                    names,
+                    compression,
+                    lambda stored: _sealing(staging / plain_of[stored]),
+                    hashed,
+                    data_key,
+                )
                 for entry in entries:
                     os.rename(staging / entry.name, staging / entry.stored_name)
                     os.chmod(staging / entry.stored_name, 0o600)
@@ -277,13 +304,20 @@ class LocalTree:
                     shutil.rmtree(out, ignore_errors=True)
                 out.parent.mkdir(mode=0o700, exist_ok=True)
                 out.mkdir(mode=0o700, exist_ok=True)
-                entries = pack_staged(staging, names, compression, lambda n: _create(out / n),
-                                      hashed, data_key)
-            in_parallel(_fsync_file, [out / e.stored_name for e in entries],
-                        cpu_workers(len(entries)))
-            manifest = seal(Manifest.build(
-                info, compression, entries,
-                data_key.encryption if data_key is not None else None))
+                entries = pack_staged(
+                    staging, names, compression, lambda n: _create(out / n), hashed, data_key
+                )
+            in_parallel(
+                _fsync_file, [out / e.stored_name for e in entries], cpu_workers(len(entries))
+            )
+            manifest = seal(
+                Manifest.build(
+                    info,
+                    compression,
+                    entries,
+                    data_key.encryption if data_key is not None else None,
+                )
+            )
             write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))  # out synced too
             os.rename(out, final)
             moved = True
@@ -301,10 +335,12 @@ class LocalTree:
             raise FileNotFoundError(path / MANIFEST_NAME)
         write_atomically(path / MANIFEST_NAME, data)
 
-    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
-                          end: int) -> bytes:
-        fd = os.open(self.root / checkpoint_id / stored_name,
-                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    def read_stored_range(
+        self, checkpoint_id: str, stored_name: str, start: int, end: int
+    ) -> bytes:
+        fd = os.open(
+            self.root / checkpoint_id / stored_name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        )
         try:
             parts = []
             while start < end:
@@ -342,8 +378,11 @@ class LocalTree:
         if not self._present():
             raise FileNotFoundError(path)
         with os.scandir(path) as entries:
-            return {e.name: e.stat(follow_symlinks=False).st_mtime for e in entries
-                    if e.name.startswith(prefix) and e.is_file(follow_symlinks=False)}
+            return {
+                e.name: e.stat(follow_symlinks=False).st_mtime
+                for e in entries
+                if e.name.startswith(prefix) and e.is_file(follow_symlinks=False)
+            }
 
     def remove_note(self, checkpoint_id: str, name: str) -> None:
         try:
@@ -357,8 +396,9 @@ class LocalTree:
         if not self._present():
             return time.time()
         self._ensure_root()
-        fd, name = tempfile.mkstemp(prefix=f".clock-{secrets.token_hex(4)}-",
-                                    dir=self.root / STAGING_NAME)
+        fd, name = tempfile.mkstemp(
+            prefix=f".clock-{secrets.token_hex(4)}-", dir=self.root / STAGING_NAME
+        )
         try:
             os.write(fd, b"\0")
             return os.fstat(fd).st_mtime
@@ -424,8 +464,11 @@ class LocalTree:
             owners = [(uid, by_label / str(uid))]
         else:
             try:
-                owners = [(u, by_label / e) for e in os.listdir(by_label)
-                          if (u := parse_uid(e)) is not None]
+                owners = [
+                    (u, by_label / e)
+                    for e in os.listdir(by_label)
+                    if (u := parse_uid(e)) is not None
+                ]
             except FileNotFoundError:
                 return []
         found = []

@@ -63,8 +63,9 @@ def _filesystem_type(path: Path) -> str | None:
                 after = line.split(" - ", 1)[1].split()
                 if not after:
                     continue
-                if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) \
-                        and len(point) >= best:
+                if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(
+                    point
+                ) >= best:
                     best, kind = len(point), after[0]
     except OSError:
         return None
@@ -75,8 +76,8 @@ def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as octal (\\040...)."""
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])

@@ -24,16 +24,15 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable, Mapping
-from datetime import datetime
 from contextlib import AbstractContextManager
+from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
 from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
 from stasis.store.compression import Reader, Writer
-from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.crypt import DataKey
-from stasis.store.tailhash import Opener, Output, Partial
+from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
 from stasis.store.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
@@ -41,7 +40,7 @@ from stasis.store.manifest import (
     Manifest,
     is_checkpoint_id,
 )
-
+from stasis.store.tailhash import Opener, Output, Partial
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +149,12 @@ class RemoteTree:
 
     def read_manifest(self, checkpoint_id: str) -> bytes:
         # One ranged GET: opening a file first would cost a HEAD request more on object stores.
-        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, MANIFEST_NAME),
-                                            start=0, end=MAX_MANIFEST_BYTES))
+        return cast(
+            bytes,
+            self.fs.cat_file(
+                self._path(checkpoint_id, MANIFEST_NAME), start=0, end=MAX_MANIFEST_BYTES
+            ),
+        )
 
     def manifest_mtime(self, checkpoint_id: str) -> float:
         # fsspec's own: a datetime, or NotImplementedError where the backend keeps no time.
@@ -225,7 +228,10 @@ class RemoteTree:
             return self._streams.pop(checkpoint_id, [])
 
     def publish(
-        self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
+        self,
+        info: CheckpointInfo,
+        compression: Compression,
+        source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
@@ -249,12 +255,21 @@ class RemoteTree:
             started = True
             self._make_dir(target)
             entries = pack_staged(
-                staging, names, compression, lambda n: self._open_write(self._path(info.id, n)),
-                streamed, data_key=data_key,
+                staging,
+                names,
+                compression,
+                lambda n: self._open_write(self._path(info.id, n)),
+                streamed,
+                data_key=data_key,
             )
-            manifest = seal(Manifest.build(
-                info, compression, entries,
-                data_key.encryption if data_key is not None else None))
+            manifest = seal(
+                Manifest.build(
+                    info,
+                    compression,
+                    entries,
+                    data_key.encryption if data_key is not None else None,
+                )
+            )
             self._put_manifest(info.id, manifest_bytes(manifest))
         except BaseException:
             # Uploads still open (a file that failed, or others cut short) are aborted first.
@@ -285,10 +300,12 @@ class RemoteTree:
             raise FileNotFoundError(final)
         self._put_manifest(checkpoint_id, data)
 
-    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
-                          end: int) -> bytes:
-        return cast(bytes, self.fs.cat_file(self._path(checkpoint_id, stored_name),
-                                            start=start, end=end))
+    def read_stored_range(
+        self, checkpoint_id: str, stored_name: str, start: int, end: int
+    ) -> bytes:
+        return cast(
+            bytes, self.fs.cat_file(self._path(checkpoint_id, stored_name), start=start, end=end)
+        )
 
     def _remove_quietly(self, target: str) -> None:
         try:
@@ -397,12 +414,18 @@ class RemoteTree:
         if uid is not None:
             owners = [uid]
         else:
-            owners = [u for n in self._names(self._path(INDEX_DIR, label))
-                      if (u := parse_uid(n)) is not None]
+            owners = [
+                u
+                for n in self._names(self._path(INDEX_DIR, label))
+                if (u := parse_uid(n)) is not None
+            ]
         found = []
         for owner in owners:
-            found += [e for n in self._owner_entries(label, owner, limit)
-                      if (e := parse_entry(n, owner)) is not None]
+            found += [
+                e
+                for n in self._owner_entries(label, owner, limit)
+                if (e := parse_entry(n, owner)) is not None
+            ]
         return sorted(found)
 
     def _owner_entries(self, label: str, uid: int, limit: int | None) -> list[str]:

@@ -29,17 +29,16 @@ from typing import Any, cast
 from stasis.errors import StoreError
 from stasis.store._remote import RemoteTree
 from stasis.store.compression import Writer
-from stasis.store.tailhash import Opener, Output
 from stasis.store.index import INDEX_DIR
 from stasis.store.manifest import is_checkpoint_id
+from stasis.store.tailhash import Opener, Output
 
 # fsspec's S3 options that make it fit a store several nodes share (see the module docstring).
 # Timeouts and retries: a server that is gone must fail a dump in seconds, not minutes (botocore's
 # defaults retried a refused connection for over two minutes).
 SHARED_OPTIONS: dict[str, Any] = {
     "use_listings_cache": False,
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
-                      "retries": {"max_attempts": 1}},
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 1}},
 }
 
 
@@ -98,16 +97,23 @@ class MultipartOutput:
             raise
 
     def _create(self) -> str:
-        out = self._tree.fs.call_s3("create_multipart_upload", Bucket=self._tree.bucket,
-                                    Key=self.key)
+        out = self._tree.fs.call_s3(
+            "create_multipart_upload", Bucket=self._tree.bucket, Key=self.key
+        )
         return str(out["UploadId"])
 
     def _put_part(self, number: int, body: bytes) -> dict[str, Any]:
         try:
             assert self._upload is not None
             upload_id = self._upload.result()
-            out = self._tree.fs.call_s3("upload_part", Bucket=self._tree.bucket, Key=self.key,
-                                        UploadId=upload_id, PartNumber=number, Body=body)
+            out = self._tree.fs.call_s3(
+                "upload_part",
+                Bucket=self._tree.bucket,
+                Key=self.key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+            )
             return {"PartNumber": number, "ETag": out["ETag"]}
         finally:
             self._tree.uploads()[1].release()
@@ -125,8 +131,13 @@ class MultipartOutput:
                     self._send()
                 upload_id = self._upload.result()
                 parts = [part.result() for part in self._parts]
-                fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=self.key,
-                           UploadId=upload_id, MultipartUpload={"Parts": parts})
+                fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=self.key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
             self._completed = True
         except BaseException:
             self._abort()
@@ -157,8 +168,12 @@ class MultipartOutput:
             return
         upload, self._upload = self._upload, None
         try:
-            self._tree.fs.call_s3("abort_multipart_upload", Bucket=self._tree.bucket,
-                                  Key=self.key, UploadId=upload.result())
+            self._tree.fs.call_s3(
+                "abort_multipart_upload",
+                Bucket=self._tree.bucket,
+                Key=self.key,
+                UploadId=upload.result(),
+            )
         except Exception:
             pass
 
@@ -180,8 +195,9 @@ class S3Tree(RemoteTree):
         with self._pool_lock:
             if self._pool is None:
                 # One more than the slots: the creation of an upload never waits behind parts.
-                self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT + 1,
-                                                thread_name_prefix="stasis-s3-upload")
+                self._pool = ThreadPoolExecutor(
+                    PARTS_IN_FLIGHT + 1, thread_name_prefix="stasis-s3-upload"
+                )
             return self._pool, self._slots
 
     def stream_opener(self, checkpoint_id: str) -> Opener:
@@ -246,8 +262,9 @@ class S3Tree(RemoteTree):
         try:
             path = self._path(checkpoint_id)
             if all(str(p).rstrip("/") == path for p in self.fs.ls(path)):
-                self.fs.call_s3("delete_object", Bucket=self.bucket,
-                                Key=self._key(checkpoint_id) + "/")
+                self.fs.call_s3(
+                    "delete_object", Bucket=self.bucket, Key=self._key(checkpoint_id) + "/"
+                )
         except FileNotFoundError:
             pass
 
@@ -258,41 +275,48 @@ class S3Tree(RemoteTree):
         if limit is None:
             return super()._owner_entries(label, uid, limit)
         prefix = self._key(INDEX_DIR, label, str(uid)) + "/"
-        page = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=prefix,
-                               MaxKeys=max(limit, 1))
+        page = self.fs.call_s3(
+            "list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=max(limit, 1)
+        )
         return [posixpath.basename(item["Key"]) for item in page.get("Contents", [])]
 
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
-    def abandoned_uploads(self, idle_s: float, now: datetime | None = None
-                          ) -> list[tuple[str, str]]:
+    def abandoned_uploads(
+        self, idle_s: float, now: datetime | None = None
+    ) -> list[tuple[str, str]]:
         """Multipart uploads under this store's prefix started more than `idle_s` ago:
         (key, upload id) pairs. A dump's uploads finish within its publish."""
         now = now or datetime.now(UTC)
         found = []
         marker: dict[str, str] = {}
         while True:
-            page = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket,
-                                   Prefix=self._key() + "/" if self.prefix else "", **marker)
+            page = self.fs.call_s3(
+                "list_multipart_uploads",
+                Bucket=self.bucket,
+                Prefix=self._key() + "/" if self.prefix else "",
+                **marker,
+            )
             for upload in page.get("Uploads", []):
                 started = upload["Initiated"]
                 if (now - started).total_seconds() >= idle_s:
                     found.append((upload["Key"], upload["UploadId"]))
             if not page.get("IsTruncated"):
                 return found
-            marker = {"KeyMarker": page["NextKeyMarker"],
-                      "UploadIdMarker": page["NextUploadIdMarker"]}
+            marker = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
 
     def checkpoint_of(self, key: str) -> str | None:
         """The checkpoint whose file an object key (from `abandoned_uploads`) names."""
-        rest = key[len(self._key()) + 1:] if self.prefix else key
+        rest = key[len(self._key()) + 1 :] if self.prefix else key
         first = rest.split("/", 1)[0]
         return first if is_checkpoint_id(first) else None
 
     def abort_upload(self, key: str, upload_id: str) -> None:
-        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key,
-                        UploadId=upload_id)
+        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
 
 
 @contextmanager
@@ -309,16 +333,26 @@ def describe(e: BaseException, where: str) -> str | None:
     """A line saying what an s3fs/botocore error means for a user, or None to use its own."""
     text = str(e)
     if isinstance(e, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
-        return (f"access to {where} denied ({text.splitlines()[0] if text else 'no reason'}): "
-                "check the S3 credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or s3_access_key_id and s3_secret_access_key in the config file)")
+        return (
+            f"access to {where} denied ({text.splitlines()[0] if text else 'no reason'}): "
+            "check the S3 credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or s3_access_key_id and s3_secret_access_key in the config file)"
+        )
     if "bucket does not exist" in text or "NoSuchBucket" in text:
-        return (f"the bucket of {where} does not exist: create it, or point STASIS_STORE "
-                "at one that does")
+        return (
+            f"the bucket of {where} does not exist: create it, or point STASIS_STORE "
+            "at one that does"
+        )
     name = type(e).__name__
-    if "EndpointConnectionError" in name or "ConnectTimeout" in name or \
-            "Could not connect" in text or "Connect timeout" in text or \
-            "Connection was closed" in text:
-        return (f"cannot reach the S3 server of {where} ({text.splitlines()[0]}): is it up, "
-                "and is the endpoint (AWS_ENDPOINT_URL or s3_endpoint_url) right?")
+    if (
+        "EndpointConnectionError" in name
+        or "ConnectTimeout" in name
+        or "Could not connect" in text
+        or "Connect timeout" in text
+        or "Connection was closed" in text
+    ):
+        return (
+            f"cannot reach the S3 server of {where} ({text.splitlines()[0]}): is it up, "
+            "and is the endpoint (AWS_ENDPOINT_URL or s3_endpoint_url) right?"
+        )
     return None

@@ -21,6 +21,7 @@ from stasis.errors import StoreError
 from stasis.store.chunked import ChunkSpec, ChunkWriter
 from stasis.store.compression import Reader, Streamed, Writer, cpu_workers, stored_name
 from stasis.store.crypt import DataKey
+from stasis.store.index import Entry
 from stasis.store.manifest import (
     CheckpointInfo,
     Chunks,
@@ -30,7 +31,6 @@ from stasis.store.manifest import (
     is_checkpoint_id,
     is_safe_file_name,
 )
-from stasis.store.index import Entry
 from stasis.store.tailhash import Partial
 
 # A manifest lists files, not data: anything this large is garbage, and is not read whole.
@@ -70,7 +70,10 @@ class Tree(Protocol):
         ...
 
     def publish(
-        self, info: CheckpointInfo, compression: Compression, source: Path | None = None,
+        self,
+        info: CheckpointInfo,
+        compression: Compression,
+        source: Path | None = None,
         hashed: Mapping[str, Partial] | None = None,
         *,
         seal: Callable[[Manifest], Manifest],
@@ -93,8 +96,9 @@ class Tree(Protocol):
         or the new one, never a part); FileNotFoundError when there is no such checkpoint."""
         ...
 
-    def read_stored_range(self, checkpoint_id: str, stored_name: str, start: int,
-                          end: int) -> bytes:
+    def read_stored_range(
+        self, checkpoint_id: str, stored_name: str, start: int, end: int
+    ) -> bytes:
         """Bytes [start, end) of a stored file (fewer only where the file is shorter)."""
         ...
 
@@ -233,14 +237,17 @@ def pack_staged(
         partial = (hashed or {}).get(name)
         # Unbuffered: the chunk loops read with readinto into their own buffers.
         with open(staging / name, "rb", buffering=0) as src:
-            if partial is not None and not _continues(partial, spec, stored, src,
-                                                      open_dst is not None):
+            if partial is not None and not _continues(
+                partial, spec, stored, src, open_dst is not None
+            ):
                 partial.discard()
                 if partial.spoiled:
                     # Its first chunks are ciphertext whose seals are gone: sealing the file
                     # again would store garbage that opens fine.
-                    raise StoreError(f"{name} was sealed in part while CRIU wrote it and "
-                                     "that could not be finished; dump again")
+                    raise StoreError(
+                        f"{name} was sealed in part while CRIU wrote it and "
+                        "that could not be finished; dump again"
+                    )
                 partial = None
             if partial is not None:
                 src.seek(partial.offset)
@@ -286,15 +293,17 @@ def _complete(writer: ChunkWriter, src: Reader) -> tuple[Streamed, Chunks]:
     return writer.finish()
 
 
-def _continues(partial: Partial, spec: ChunkSpec, stored: str, src: Reader,
-               copies: bool = False) -> bool:
+def _continues(
+    partial: Partial, spec: ChunkSpec, stored: str, src: Reader, copies: bool = False
+) -> bool:
     """Whether publish can go on from what a follower took of this file (`copies`: publish
     writes even plain files to a destination, which a follower may have streamed them to)."""
     writer = partial.writer
     if writer.spec != spec:
         return False  # encoded for another codec (or key) than the one published
     if (partial.output is None) != spec.identity and not (
-            copies and spec.identity and partial.output is not None):
+        copies and spec.identity and partial.output is not None
+    ):
         return False
     if partial.output is not None and partial.stored_name != stored:
         return False

@@ -28,6 +28,7 @@ Failures of a chunk raise `ChunkError`, whose message names the chunk.
 
 from __future__ import annotations
 
+import hmac
 import io
 import mmap
 import os
@@ -37,8 +38,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-
-import hmac
 
 import blake3
 import lz4.block
@@ -99,8 +98,9 @@ def _zstd_decompressor() -> zstandard.ZstdDecompressor:
 Encoded = tuple[bytes | memoryview, bytes | None]
 
 
-def encode_chunk(spec: ChunkSpec, name: str, index: int, last: bool,
-                 data: bytes | memoryview) -> Encoded:
+def encode_chunk(
+    spec: ChunkSpec, name: str, index: int, last: bool, data: bytes | memoryview
+) -> Encoded:
     """One chunk as stored, and its seal for the chunk table when encrypted."""
     blob: bytes | memoryview
     if spec.compression == "zstd":
@@ -119,10 +119,18 @@ def chunk_hash(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def decode_chunk(spec: ChunkSpec, name: str, index: int, last: bool, plain_bytes: int,
-                 stored: bytes | bytearray | memoryview, xxh3_64: str | None,
-                 seal: bytes | None = None, joined: bool = False,
-                 blake3_hex: str | None = None) -> bytes | memoryview:
+def decode_chunk(
+    spec: ChunkSpec,
+    name: str,
+    index: int,
+    last: bool,
+    plain_bytes: int,
+    stored: bytes | bytearray | memoryview,
+    xxh3_64: str | None,
+    seal: bytes | None = None,
+    joined: bool = False,
+    blake3_hex: str | None = None,
+) -> bytes | memoryview:
     """The plain bytes of one stored chunk, checked (tag, length, hash); else ChunkError.
     `joined`: `stored` is followed by the tag of `seal` already (crypt.join).
 
@@ -133,8 +141,7 @@ def decode_chunk(spec: ChunkSpec, name: str, index: int, last: bool, plain_bytes
         if spec.cipher is not None:
             if seal is None:
                 raise DecryptionError(f"chunk {index} has no seal")
-            blob = spec.cipher.open(name, index, last, blob if joined else join(blob, seal),
-                                    seal)
+            blob = spec.cipher.open(name, index, last, blob if joined else join(blob, seal), seal)
         if spec.compression == "zstd":
             # The frame says how much it holds: refused before anything that large is made.
             if zstandard.frame_content_size(blob) != plain_bytes:
@@ -246,7 +253,7 @@ class ChunkWriter:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
             with memoryview(mapped) as view:
                 for offset in range(start, end, step):
-                    with view[offset:min(offset + step, end)] as chunk:
+                    with view[offset : min(offset + step, end)] as chunk:
                         self.add(chunk)
         src.seek(end)
         return True
@@ -257,10 +264,10 @@ class ChunkWriter:
             self._emit(encode_chunk(self.spec, self.name, index, last, data))
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max(2, self.workers),
-                                            thread_name_prefix="stasis-chunks")
-        self._ahead.append(self._pool.submit(encode_chunk, self.spec, self.name, index, last,
-                                             data))
+            self._pool = ThreadPoolExecutor(
+                max(2, self.workers), thread_name_prefix="stasis-chunks"
+            )
+        self._ahead.append(self._pool.submit(encode_chunk, self.spec, self.name, index, last, data))
         while len(self._ahead) > _AHEAD_PER_WORKER * max(1, self.workers):
             self._emit(self._ahead.popleft().result())
 
@@ -285,10 +292,18 @@ class ChunkWriter:
                 self._emit(self._ahead.popleft().result())
         finally:
             self.close()
-        table = Chunks(size_bytes=self.spec.chunk_bytes, stored_bytes=self._stored,
-                       blake3=self._sums, seals=self._seals)
-        streamed = Streamed(size_bytes=self.offset, stored_size_bytes=sum(self._stored),
-                            xxh3_128="", blake3=file_digest(self.offset, table))
+        table = Chunks(
+            size_bytes=self.spec.chunk_bytes,
+            stored_bytes=self._stored,
+            blake3=self._sums,
+            seals=self._seals,
+        )
+        streamed = Streamed(
+            size_bytes=self.offset,
+            stored_size_bytes=sum(self._stored),
+            xxh3_128="",
+            blake3=file_digest(self.offset, table),
+        )
         return streamed, table
 
     def close(self) -> None:
@@ -363,16 +378,25 @@ class ChunkDecoder:
     def plain_bytes(self, index: int) -> int:
         return min(self.chunks.size_bytes, self.size_bytes - index * self.chunks.size_bytes)
 
-    def decode(self, index: int, stored: bytes | bytearray | memoryview,
-               joined: bool = False) -> bytes | memoryview:
+    def decode(
+        self, index: int, stored: bytes | bytearray | memoryview, joined: bool = False
+    ) -> bytes | memoryview:
         """Chunk `index` from its stored bytes (`joined`: followed by its tag, crypt.join)."""
         sums = self.chunks.xxh3_64
         hashes = self.chunks.blake3
         seals = self.chunks.seals
-        return decode_chunk(self.spec, self.name, index, index == self.count - 1,
-                            self.plain_bytes(index), stored, sums[index] if sums else None,
-                            bytes.fromhex(seals[index]) if seals else None, joined,
-                            hashes[index] if hashes else None)
+        return decode_chunk(
+            self.spec,
+            self.name,
+            index,
+            index == self.count - 1,
+            self.plain_bytes(index),
+            stored,
+            sums[index] if sums else None,
+            bytes.fromhex(seals[index]) if seals else None,
+            joined,
+            hashes[index] if hashes else None,
+        )
 
     def span(self, offset: int, length: int) -> tuple[int, int]:
         """The chunks [first, last] that plain bytes [offset, offset + length) lie in."""
@@ -400,8 +424,9 @@ def _unpack_plain(src: Reader, dst: Writer | None, decoder: ChunkDecoder) -> Str
         if got != n:
             raise ChunkError(f"ends in chunk {index} ({size + got} bytes stored: truncated?)")
         if n != decoder.plain_bytes(index):
-            raise ChunkError(f"chunk {index} holds {n} bytes instead of "
-                             f"{decoder.plain_bytes(index)}")
+            raise ChunkError(
+                f"chunk {index} holds {n} bytes instead of " f"{decoder.plain_bytes(index)}"
+            )
         if not hmac.compare_digest(chunk_hash(view), hashes[index]):
             raise ChunkError(f"chunk {index} fails its checksum (its signed BLAKE3 hash)")
         if dst is not None:
@@ -412,9 +437,14 @@ def _unpack_plain(src: Reader, dst: Writer | None, decoder: ChunkDecoder) -> Str
     return Streamed(size_bytes=size, stored_size_bytes=size, xxh3_128="")
 
 
-def unpack_chunked(src: Reader, dst: Writer | None, decoder: ChunkDecoder,
-                   workers: int = 1, whole_sum: bool = True,
-                   dst_copies: bool = False) -> Streamed:
+def unpack_chunked(
+    src: Reader,
+    dst: Writer | None,
+    decoder: ChunkDecoder,
+    workers: int = 1,
+    whole_sum: bool = True,
+    dst_copies: bool = False,
+) -> Streamed:
     """Decode every chunk of `src` (a stored file) into `dst` (None: only check them); the
     returned checksum is of what `FileEntry.xxh3_128` covers (formats 1 and 2). ChunkError on
     any bad chunk.
@@ -427,8 +457,7 @@ def unpack_chunked(src: Reader, dst: Writer | None, decoder: ChunkDecoder,
 
     `dst_copies`: `dst` is done with what it was given once `write` returns (a file, not a pipe
     that keeps spliced pages): a plain file is then read through one reused buffer."""
-    if decoder.spec.identity and decoder.chunks.blake3 is not None and \
-            (dst is None or dst_copies):
+    if decoder.spec.identity and decoder.chunks.blake3 is not None and (dst is None or dst_copies):
         return _unpack_plain(src, dst, decoder)
     if needs_whole_sum(decoder.chunks):
         whole_sum = True  # nothing else vouches for these chunks
@@ -447,8 +476,7 @@ def unpack_chunked(src: Reader, dst: Writer | None, decoder: ChunkDecoder,
     if reuse:
         workers = 1
     buffer = bytearray(decoder.chunks.size_bytes + TAG_BYTES) if reuse else None
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="stasis-chunks") if workers > 1 \
-        else None
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="stasis-chunks") if workers > 1 else None
     ahead: deque[Future[bytes | memoryview]] = deque()
 
     def emit(plain: bytes | memoryview) -> None:
@@ -467,17 +495,18 @@ def unpack_chunked(src: Reader, dst: Writer | None, decoder: ChunkDecoder,
                 # Read with room for the tag after it: AES-GCM opens ciphertext and tag in
                 # one buffer, and joining them afterwards would copy every MiB once more.
                 if buffer is not None and n <= decoder.chunks.size_bytes:
-                    stored = memoryview(buffer)[:n + TAG_BYTES]
+                    stored = memoryview(buffer)[: n + TAG_BYTES]
                 else:
                     stored = bytearray(n + TAG_BYTES)
                 got = _read_into(src, memoryview(stored)[:n])
-                stored[n:] = bytes.fromhex(seals[index][-2 * TAG_BYTES:])
+                stored[n:] = bytes.fromhex(seals[index][-2 * TAG_BYTES :])
             else:
                 stored = _read_exact(src, n)
                 got = len(stored)
             if got != n:
-                raise ChunkError(f"ends in chunk {index} ({stored_total + got} bytes "
-                                 "stored: truncated?)")
+                raise ChunkError(
+                    f"ends in chunk {index} ({stored_total + got} bytes " "stored: truncated?)"
+                )
             stored_total += n
             if whole is not None and decoder.spec.encrypted:
                 whole.update(memoryview(stored)[:n])
@@ -494,5 +523,8 @@ def unpack_chunked(src: Reader, dst: Writer | None, decoder: ChunkDecoder,
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-    return Streamed(size_bytes=size, stored_size_bytes=stored_total,
-                    xxh3_128=whole.hexdigest() if whole is not None else "")
+    return Streamed(
+        size_bytes=size,
+        stored_size_bytes=stored_total,
+        xxh3_128=whole.hexdigest() if whole is not None else "",
+    )

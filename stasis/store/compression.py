@@ -130,14 +130,18 @@ def _hash_mapped(src: Reader, sha: xxhash.xxh3_128) -> int | None:
         mapped.madvise(mmap.MADV_SEQUENTIAL)
         with memoryview(mapped) as view:
             for offset in range(start, end, _MAPPED_CHUNK):
-                with view[offset:min(offset + _MAPPED_CHUNK, end)] as chunk:
+                with view[offset : min(offset + _MAPPED_CHUNK, end)] as chunk:
                     sha.update(chunk)
     src.seek(end)
     return end - start
 
 
-def pack(src: Reader, dst: Writer | None, compression: Compression,
-         hashed: tuple[int, xxhash.xxh3_128] | None = None) -> Streamed:
+def pack(
+    src: Reader,
+    dst: Writer | None,
+    compression: Compression,
+    hashed: tuple[int, xxhash.xxh3_128] | None = None,
+) -> Streamed:
     """Read `src` once: hash it and write it, compressed as asked, to `dst`.
 
     With `dst=None` (only valid for "none") the bytes are hashed and nowhere written: that is the

@@ -78,14 +78,18 @@ def read_key_file(path: str) -> Key:
     """The key in `path`: 32 bytes raw, or base64 of them. UsageError (one line, no key bytes)
     when it is missing, not root's alone, or not a key."""
     data = read_secret_file(
-        Path(path), "encryption key file", _MAX_KEY_FILE_BYTES,
-        f"make one with `head -c {KEY_BYTES} /dev/urandom > {path} && chmod 600 {path}`")
+        Path(path),
+        "encryption key file",
+        _MAX_KEY_FILE_BYTES,
+        f"make one with `head -c {KEY_BYTES} /dev/urandom > {path} && chmod 600 {path}`",
+    )
     secret = _decode_key(data)
     if secret is None:
         raise UsageError(
             f"encryption key file {path} holds no key ({len(data)} bytes; a key is {KEY_BYTES} "
             f"random bytes, raw or base64): make one with "
-            f"`head -c {KEY_BYTES} /dev/urandom > {path}`")
+            f"`head -c {KEY_BYTES} /dev/urandom > {path}`"
+        )
     return Key(path=path, key_id=encryption_key_id(secret), secret=secret)
 
 
@@ -123,7 +127,8 @@ class KeyFiles:
                 "encryption asked for, but no key is configured: set encryption_key_file "
                 "(STASIS_ENCRYPTION_KEY_FILE) to a root-only file of 32 random bytes, e.g. "
                 "`head -c 32 /dev/urandom > /etc/stasis/encryption.key && "
-                "chmod 600 /etc/stasis/encryption.key`, and restart the daemon")
+                "chmod 600 /etc/stasis/encryption.key`, and restart the daemon"
+            )
         return read_key_file(self.current_path)
 
     def all(self) -> list[Key]:
@@ -153,8 +158,9 @@ def unwrap(key: Key, checkpoint_id: str, encryption: Encryption) -> bytes:
     checkpoint (or the manifest's wrapped key was changed)."""
     try:
         blob = base64.b64decode(encryption.wrapped_key, validate=True)
-        data_key = AESGCM(key.secret).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
-                                              _wrap_ad(key.key_id, checkpoint_id))
+        data_key = AESGCM(key.secret).decrypt(
+            blob[:NONCE_BYTES], blob[NONCE_BYTES:], _wrap_ad(key.key_id, checkpoint_id)
+        )
     except (InvalidTag, binascii.Error, ValueError) as e:
         raise DecryptionError("the wrapped data key does not open with this key") from e
     if len(data_key) != KEY_BYTES:
@@ -173,19 +179,26 @@ class ChunkCipher:
         return "ChunkCipher(...)"
 
     def _ad(self, name: str, index: int, last: bool) -> bytes:
-        return (_CHUNK_DOMAIN + self._checkpoint + name.encode() + b"\0"
-                + struct.pack(">QB", index, 1 if last else 0))
+        return (
+            _CHUNK_DOMAIN
+            + self._checkpoint
+            + name.encode()
+            + b"\0"
+            + struct.pack(">QB", index, 1 if last else 0)
+        )
 
-    def seal(self, name: str, index: int, last: bool, data: bytes | memoryview
-             ) -> tuple[memoryview, bytes]:
+    def seal(
+        self, name: str, index: int, last: bool, data: bytes | memoryview
+    ) -> tuple[memoryview, bytes]:
         """The sealed chunk as (ciphertext, seal): the ciphertext is as long as `data` and is
         what is stored; the seal (nonce and tag) goes to the chunk table."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         sealed = memoryview(self._aead.encrypt(nonce, data, self._ad(name, index, last)))
         return sealed[:-TAG_BYTES], nonce + bytes(sealed[-TAG_BYTES:])
 
-    def open(self, name: str, index: int, last: bool, joined: bytes | bytearray | memoryview,
-             seal: bytes) -> bytes:
+    def open(
+        self, name: str, index: int, last: bool, joined: bytes | bytearray | memoryview, seal: bytes
+    ) -> bytes:
         """The plain bytes of a chunk; `joined` is its ciphertext followed by the tag of `seal`
         (see `join`: a reader that reads into a buffer one tag longer saves a copy)."""
         if len(seal) != SEAL_BYTES or len(joined) < TAG_BYTES:
@@ -200,8 +213,8 @@ def join(ciphertext: bytes | memoryview, seal: bytes) -> bytearray:
     """A stored chunk and the tag of its seal, one after the other, as `ChunkCipher.open` takes
     them."""
     joined = bytearray(len(ciphertext) + TAG_BYTES)
-    joined[:len(ciphertext)] = ciphertext
-    joined[len(ciphertext):] = seal[NONCE_BYTES:]
+    joined[: len(ciphertext)] = ciphertext
+    joined[len(ciphertext) :] = seal[NONCE_BYTES:]
     return joined
 
 
@@ -225,19 +238,24 @@ def open_data_key(keys: KeyFiles, encryption: Encryption, checkpoint_id: str) ->
     key = keys.find(encryption.key_id)
     if key is None:
         have = [k.key_id for k in keys.all()]
-        configured = (f"this node's key files have id{'s' if len(have) > 1 else ''} "
-                      f"{', '.join(have)}" if have else "this node has no encryption_key_file")
+        configured = (
+            f"this node's key files have id{'s' if len(have) > 1 else ''} " f"{', '.join(have)}"
+            if have
+            else "this node has no encryption_key_file"
+        )
         raise EncryptionKeyError(
             f"checkpoint {checkpoint_id} is encrypted with key {encryption.key_id} and "
             f"{configured}: set encryption_key_file (or old_encryption_key_files) to the key "
-            f"file with id {encryption.key_id} (and restart the daemon)")
+            f"file with id {encryption.key_id} (and restart the daemon)"
+        )
     try:
         return ChunkCipher(unwrap(key, checkpoint_id, encryption), checkpoint_id)
     except DecryptionError:
         raise EncryptionKeyError(
             f"checkpoint {checkpoint_id} is encrypted with key {encryption.key_id}, but its "
             f"wrapped data key does not open with the key file of that id ({key.path}): the "
-            "manifest was damaged; the checkpoint cannot be restored") from None
+            "manifest was damaged; the checkpoint cannot be restored"
+        ) from None
 
 
 def rewrap(old: Key, new: Key, checkpoint_id: str, encryption: Encryption) -> Encryption:

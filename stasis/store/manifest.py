@@ -186,11 +186,16 @@ def file_digest(size_bytes: int, chunks: Chunks) -> str:
     tables; with each chunk checked against its entry as it is read, the file's bytes."""
     items = chunks.blake3 if chunks.blake3 is not None else (chunks.seals or [])
     h = _blake3.blake3(b"stasis file v1\0")
-    h.update(size_bytes.to_bytes(8, "little") + chunks.size_bytes.to_bytes(8, "little")
-             + len(items).to_bytes(8, "little"))
+    h.update(
+        size_bytes.to_bytes(8, "little")
+        + chunks.size_bytes.to_bytes(8, "little")
+        + len(items).to_bytes(8, "little")
+    )
     for item in items:
         h.update(bytes.fromhex(item))
     return h.hexdigest()
+
+
 _SEAL_RE = re.compile(r"^[0-9a-f]{56}$")
 
 
@@ -235,17 +240,22 @@ class FileEntry(BaseModel):
             return self
         count = -(-self.size_bytes // self.chunks.size_bytes)
         if len(self.chunks.stored_bytes) != count:
-            raise ValueError(f"{self.name}: {len(self.chunks.stored_bytes)} chunks for "
-                             f"{self.size_bytes} bytes, not {count}")
+            raise ValueError(
+                f"{self.name}: {len(self.chunks.stored_bytes)} chunks for "
+                f"{self.size_bytes} bytes, not {count}"
+            )
         if self.chunks.xxh3_64 is not None and len(self.chunks.xxh3_64) != count:
-            raise ValueError(f"{self.name}: {len(self.chunks.xxh3_64)} chunk checksums "
-                             f"for {count} chunks")
+            raise ValueError(
+                f"{self.name}: {len(self.chunks.xxh3_64)} chunk checksums " f"for {count} chunks"
+            )
         if self.chunks.blake3 is not None and len(self.chunks.blake3) != count:
-            raise ValueError(f"{self.name}: {len(self.chunks.blake3)} chunk hashes "
-                             f"for {count} chunks")
+            raise ValueError(
+                f"{self.name}: {len(self.chunks.blake3)} chunk hashes " f"for {count} chunks"
+            )
         if self.chunks.seals is not None and len(self.chunks.seals) != count:
-            raise ValueError(f"{self.name}: {len(self.chunks.seals)} chunk seals "
-                             f"for {count} chunks")
+            raise ValueError(
+                f"{self.name}: {len(self.chunks.seals)} chunk seals " f"for {count} chunks"
+            )
         if sum(self.chunks.stored_bytes) != self.stored_size_bytes:
             raise ValueError(f"{self.name}: its chunks do not add up to its stored size")
         if self.blake3 is not None:
@@ -258,8 +268,9 @@ class FileEntry(BaseModel):
     @property
     def cryptographic(self) -> bool:
         """Every chunk is bound to the manifest by a BLAKE3 hash, checked against the file's."""
-        return self.blake3 is not None and self.chunks is not None and \
-            self.chunks.blake3 is not None
+        return (
+            self.blake3 is not None and self.chunks is not None and self.chunks.blake3 is not None
+        )
 
 
 class RecordedFile(BaseModel):
@@ -351,14 +362,17 @@ class Manifest(CheckpointInfo):
             names = [getattr(f, attr) for f in self.files]
             if len(set(names)) != len(names):
                 raise ValueError(f"duplicate file {attr} in manifest")
-        if self.encryption is not None and any(f.chunks is None or f.chunks.seals is None
-                                               for f in self.files):
+        if self.encryption is not None and any(
+            f.chunks is None or f.chunks.seals is None for f in self.files
+        ):
             raise ValueError("an encrypted checkpoint without chunk seals")
-        if self.encryption is None and any(f.chunks is not None and f.chunks.seals is not None
-                                           for f in self.files):
+        if self.encryption is None and any(
+            f.chunks is not None and f.chunks.seals is not None for f in self.files
+        ):
             raise ValueError("chunk seals in a checkpoint that is not encrypted")
-        if self.encryption is not None and any(f.chunks is not None and f.chunks.blake3
-                                               for f in self.files):
+        if self.encryption is not None and any(
+            f.chunks is not None and f.chunks.blake3 for f in self.files
+        ):
             raise ValueError("hashes of plain chunks in an encrypted checkpoint")
         if self.format >= 3 and any(f.blake3 is None for f in self.files):
             raise ValueError("a format 3 file without its BLAKE3 digest")
@@ -366,8 +380,12 @@ class Manifest(CheckpointInfo):
 
     @classmethod
     def build(
-        cls, info: CheckpointInfo, compression: Compression, files: list[FileEntry],
-        encryption: Encryption | None = None, format: Literal[1, 2, 3] = FORMAT,
+        cls,
+        info: CheckpointInfo,
+        compression: Compression,
+        files: list[FileEntry],
+        encryption: Encryption | None = None,
+        format: Literal[1, 2, 3] = FORMAT,
     ) -> Manifest:
         """The manifest of a checkpoint described by `info` holding `files` (`format`: an
         older one, for tests of what older versions wrote)."""

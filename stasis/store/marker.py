@@ -53,16 +53,20 @@ def read_marker(root: Path) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise StoreError(f"cannot read the marker {root / MARKER_NAME} of the checkpoint store: "
-                         f"{e.strerror or e}") from e
+        raise StoreError(
+            f"cannot read the marker {root / MARKER_NAME} of the checkpoint store: "
+            f"{e.strerror or e}"
+        ) from e
     try:
         data = os.read(fd, _MAX_BYTES)
     finally:
         os.close(fd)
     found = _MARKER_RE.match(data)
     if found is None:
-        raise StoreError(f"the marker {root / MARKER_NAME} of the checkpoint store is not one "
-                         f"stasis wrote: check the store, and remove that file if it is not")
+        raise StoreError(
+            f"the marker {root / MARKER_NAME} of the checkpoint store is not one "
+            f"stasis wrote: check the store, and remove that file if it is not"
+        )
     return found.group(1).decode()
 
 
@@ -104,8 +108,11 @@ class KnownStores:
             return None
         finally:
             os.close(fd)
-        if not isinstance(data, dict) or data.get("path") != str(root) \
-                or not isinstance(data.get("store_id"), str):
+        if (
+            not isinstance(data, dict)
+            or data.get("path") != str(root)
+            or not isinstance(data.get("store_id"), str)
+        ):
             return None
         store_id: str = data["store_id"]
         return store_id
@@ -118,6 +125,10 @@ class KnownStores:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_atomically(path, json.dumps({"path": str(root), "store_id": store_id}).encode())
         except OSError as e:
-            log.warning("cannot record at %s that this node uses the store %s (%s): if it "
-                        "goes missing later, this node cannot tell it from an empty one",
-                        path, root, e)
+            log.warning(
+                "cannot record at %s that this node uses the store %s (%s): if it "
+                "goes missing later, this node cannot tell it from an empty one",
+                path,
+                root,
+                e,
+            )

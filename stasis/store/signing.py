@@ -75,8 +75,9 @@ class Signer(Protocol):
 
     def sign(self, purpose: str, document: Mapping[str, Any]) -> Signature: ...
 
-    def verify(self, purpose: str, document: Mapping[str, Any], signature: Signature
-               ) -> Verdict: ...
+    def verify(
+        self, purpose: str, document: Mapping[str, Any], signature: Signature
+    ) -> Verdict: ...
 
 
 def key_id(key: bytes) -> str:
@@ -87,8 +88,9 @@ def key_id(key: bytes) -> str:
 def canonical(document: Mapping[str, Any]) -> bytes:
     """One byte string per JSON value, whoever wrote it and however it was indented: sorted
     keys, no spaces, ASCII only (escapes stay escapes, so nothing fails to encode)."""
-    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=True).encode("ascii")
+    return json.dumps(
+        document, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True
+    ).encode("ascii")
 
 
 def _payload(purpose: str, document: Mapping[str, Any]) -> bytes:
@@ -126,8 +128,7 @@ class Keyring:
         mac = hmac.new(self._signing_key, _payload(purpose, document), hashlib.sha256)
         return Signature(key_id=self._key_id, hmac_sha256=mac.hexdigest())
 
-    def verify(self, purpose: str, document: Mapping[str, Any], signature: Signature
-               ) -> Verdict:
+    def verify(self, purpose: str, document: Mapping[str, Any], signature: Signature) -> Verdict:
         key = self._trusted.get(signature.key_id)
         if key is None:
             return Verdict.UNKNOWN_KEY
@@ -153,8 +154,9 @@ def node_keyring(settings: Settings, create: bool = False) -> Keyring:
     return load_keyring(settings.layout.keys, settings.site_key, settings.trusted_keys, create)
 
 
-def load_keyring(keys_dir: Path, site_key: str, trusted_keys: Sequence[str],
-                 create: bool) -> Keyring:
+def load_keyring(
+    keys_dir: Path, site_key: str, trusted_keys: Sequence[str], create: bool
+) -> Keyring:
     node_path = keys_dir / NODE_KEY
     if create:
         _create_node_key(keys_dir, node_path)
@@ -187,8 +189,9 @@ def read_secret_file(path: Path, what: str, max_bytes: int, missing_hint: str = 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise UsageError(f"{what} {path} does not exist"
-                         + (f": {missing_hint}" if missing_hint else "")) from None
+        raise UsageError(
+            f"{what} {path} does not exist" + (f": {missing_hint}" if missing_hint else "")
+        ) from None
     except OSError as e:
         raise UsageError(f"cannot read {what} {path}: {e.strerror}") from e
     try:

@@ -46,6 +46,7 @@ import fsspec.implementations.local
 import xxhash
 from pydantic import ValidationError
 
+from stasis.config import Settings
 from stasis.errors import (
     CorruptCheckpointError,
     NotFoundError,
@@ -60,8 +61,6 @@ from stasis.store._local import LocalTree
 from stasis.store._private import only_root_writes
 from stasis.store._remote import RemoteTree
 from stasis.store._s3 import SHARED_OPTIONS, S3Tree, describe
-from stasis.store.index import Entry, entry_name
-from stasis.store.marker import KnownStores
 from stasis.store._tree import Tree, in_parallel, manifest_bytes, remove_idle, staged_names
 from stasis.store.chunked import ChunkDecoder, ChunkError, ChunkSpec, unpack_chunked
 from stasis.store.compression import (
@@ -73,8 +72,23 @@ from stasis.store.compression import (
     cpu_workers,
     unpack,
 )
-from stasis.config import Settings
 from stasis.store.crypt import ChunkCipher, DataKey, KeyFiles, new_data_key, open_data_key, rewrap
+from stasis.store.index import Entry, entry_name
+from stasis.store.manifest import (
+    COMPRESSIONS,
+    FORMATS,
+    MAX_SEQ,
+    CheckpointInfo,
+    Compression,
+    CompressionRequest,
+    FileEntry,
+    Manifest,
+    is_checkpoint_id,
+    order_key,
+    validate_checkpoint_id,
+    validate_label,
+)
+from stasis.store.marker import KnownStores
 from stasis.store.signing import (
     Signature,
     Signer,
@@ -84,20 +98,6 @@ from stasis.store.signing import (
     read_secret_file,
 )
 from stasis.store.tailhash import Partial, TailHasher, local_opener
-from stasis.store.manifest import (
-    COMPRESSIONS,
-    FORMATS,
-    CheckpointInfo,
-    Compression,
-    CompressionRequest,
-    MAX_SEQ,
-    FileEntry,
-    Manifest,
-    is_checkpoint_id,
-    order_key,
-    validate_checkpoint_id,
-    validate_label,
-)
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,9 @@ class _UnreadableManifest(Exception):
 class _UntrustedManifest(Exception):
     """A well-formed manifest whose signature is missing, wrong or made with a key not trusted."""
 
-    def __init__(self, verdict: Verdict | None, key_id: str | None,
-                 claims: Manifest | None = None) -> None:
+    def __init__(
+        self, verdict: Verdict | None, key_id: str | None, claims: Manifest | None = None
+    ) -> None:
         super().__init__(verdict.value if verdict else "not signed")
         self.verdict = verdict
         self.key_id = key_id
@@ -180,11 +181,19 @@ class Store:
     not empty; None remembers nothing. `store_id`: the id a local store must have ("": any).
     """
 
-    def __init__(self, url: str, *, staging_root: Path, keep: int = 5,
-                 keys: Signer | None = None, max_age_s: float = 0,
-                 options: Mapping[str, object] | None = None,
-                 encryption: KeyFiles | None = None,
-                 known_stores: Path | None = None, store_id: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        staging_root: Path,
+        keep: int = 5,
+        keys: Signer | None = None,
+        max_age_s: float = 0,
+        options: Mapping[str, object] | None = None,
+        encryption: KeyFiles | None = None,
+        known_stores: Path | None = None,
+        store_id: str = "",
+    ) -> None:
         if keep < 0:
             raise UsageError(f"keep must be 0 (keep all) or more, not {keep}")
         if not url:
@@ -196,9 +205,13 @@ class Store:
         self.max_age_s = max_age_s
         self.keys: Signer = keys if keys is not None else process_keyring()
         self.encryption = encryption if encryption is not None else KeyFiles()
-        self._tree = _open_tree(url, staging_root, options or {},
-                                KnownStores(known_stores) if known_stores is not None else None,
-                                store_id)
+        self._tree = _open_tree(
+            url,
+            staging_root,
+            options or {},
+            KnownStores(known_stores) if known_stores is not None else None,
+            store_id,
+        )
         # Checkpoints already warned about: a store with many bad ones must not flood the log.
         self._warned: set[str] = set()
         # Opened data keys, by (checkpoint, wrapped key): range reads come one page run at a
@@ -279,8 +292,9 @@ class Store:
             entry = _entry_of(info)
             # Before the manifest: a published checkpoint always has its entry (index.py).
             self._tree.index_put(info.label, info.uid, entry)
-            manifest = self._tree.publish(info, compression, source, hashed, seal=self._seal,
-                                          data_key=data_key)
+            manifest = self._tree.publish(
+                info, compression, source, hashed, seal=self._seal, data_key=data_key
+            )
         except BaseException as e:
             self._end_beat(info.id, beat)
             if entry is not None:
@@ -308,8 +322,10 @@ class Store:
             beat = self._beats.get(checkpoint_id)
             if beat is None:
                 beat = self._beats[checkpoint_id] = _Repeating(
-                    HEARTBEAT_S, lambda: self._tree.heartbeat(checkpoint_id),
-                    f"the publish of {checkpoint_id}")
+                    HEARTBEAT_S,
+                    lambda: self._tree.heartbeat(checkpoint_id),
+                    f"the publish of {checkpoint_id}",
+                )
             return beat
 
     def _end_beat(self, checkpoint_id: str, beat: _Repeating | None = None) -> None:
@@ -351,7 +367,9 @@ class Store:
             area = self._tree.staging_area()
             return remove_idle(area, idle_s, _clock_of(area))
         except OSError as e:
-            raise StoreError(f"cannot clean the staging area of {self._tree.where}: {_reason(e)}") from e
+            raise StoreError(
+                f"cannot clean the staging area of {self._tree.where}: {_reason(e)}"
+            ) from e
 
     def remove_unreadable(self, older_than_s: float) -> list[str]:
         """Delete the checkpoints whose manifest.json is garbage and was written more than
@@ -385,13 +403,19 @@ class Store:
                 self.delete(checkpoint_id)
             except NotFoundError:
                 continue  # another node got there first
-            log.info("removed checkpoint %s from %s: its manifest has been unreadable for "
-                     "%d s (%s)", checkpoint_id, self.url, age_s, why)
+            log.info(
+                "removed checkpoint %s from %s: its manifest has been unreadable for " "%d s (%s)",
+                checkpoint_id,
+                self.url,
+                age_s,
+                why,
+            )
             removed.append(checkpoint_id)
         return removed
 
-    def follow(self, checkpoint_id: str, compression: CompressionRequest,
-               data_key: DataKey | None = None) -> TailHasher | None:
+    def follow(
+        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None = None
+    ) -> TailHasher | None:
         """Start hashing the images of `checkpoint_id` while CRIU writes them into `staging_dir`:
         writing them back to disk (uncompressed), or compressing them into the files the store
         keeps (zstd, lz4, auto; sealed with `data_key`), where the store is local; else None.
@@ -419,12 +443,18 @@ class Store:
             # Following is a shortcut: publish does all of it and reports a real disk problem.
             log.debug("not compressing %s while CRIU writes: %s", checkpoint_id, e)
             return None
-        return TailHasher(staged, writeback=True, compression=compression,
-                          open_out=local_opener(pack_into, writeback=True),
-                          cipher=cipher, seal_in_place=True)
+        return TailHasher(
+            staged,
+            writeback=True,
+            compression=compression,
+            open_out=local_opener(pack_into, writeback=True),
+            cipher=cipher,
+            seal_in_place=True,
+        )
 
-    def _stream(self, checkpoint_id: str, compression: CompressionRequest,
-                data_key: DataKey | None) -> TailHasher | None:
+    def _stream(
+        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+    ) -> TailHasher | None:
         """`follow` for a remote store: every image (compressed or not, sealed or not) is
         uploaded while CRIU writes it; publish sends the tails and the manifest."""
         assert isinstance(self._tree, RemoteTree)
@@ -436,9 +466,13 @@ class Store:
             return None
         # Uploads begin now: gc must see them alive until publish or discard ends them.
         self._beat(checkpoint_id)
-        return TailHasher(self._tree.staged_path(checkpoint_id), compression=compression,
-                          open_out=opener, copy_plain=True,
-                          cipher=data_key.cipher if data_key is not None else None)
+        return TailHasher(
+            self._tree.staged_path(checkpoint_id),
+            compression=compression,
+            open_out=opener,
+            copy_plain=True,
+            cipher=data_key.cipher if data_key is not None else None,
+        )
 
     def _choose(self, checkpoint_id: str, source: Path | None) -> Compression:
         staged = source or self._tree.staged_path(checkpoint_id)
@@ -536,10 +570,12 @@ class Store:
             raw = json.loads(data)
             signature = Signature.model_validate(raw["signature"])
             document = {"verdict": raw["verdict"], "manifest": raw["manifest"]}
-            good = isinstance(raw["verdict"], dict) and \
-                raw["verdict"].get("checkpoint") == manifest.id and \
-                raw["manifest"] == _manifest_mac(manifest) and \
-                self.keys.verify(VERDICT_PURPOSE, document, signature) is Verdict.VALID
+            good = (
+                isinstance(raw["verdict"], dict)
+                and raw["verdict"].get("checkpoint") == manifest.id
+                and raw["manifest"] == _manifest_mac(manifest)
+                and self.keys.verify(VERDICT_PURPOSE, document, signature) is Verdict.VALID
+            )
         except (ValueError, TypeError, KeyError, ValidationError):
             good = False
         if not good:
@@ -551,8 +587,12 @@ class Store:
         key = f"verdict:{checkpoint_id}"
         if key not in self._warned:
             self._warned.add(key)
-            log.warning("ignoring the verdict of checkpoint %s in %s: it is not signed by a key "
-                        "this node trusts for this checkpoint", checkpoint_id, self.url)
+            log.warning(
+                "ignoring the verdict of checkpoint %s in %s: it is not signed by a key "
+                "this node trusts for this checkpoint",
+                checkpoint_id,
+                self.url,
+            )
 
     def was_restored(self, checkpoint_id: str) -> bool:
         """Whether some node said it restored `checkpoint_id` (see `mark_restored`)."""
@@ -582,8 +622,9 @@ class Store:
         the pin cannot be written. An explicit `delete` (root or the owner asked) still goes."""
         validate_checkpoint_id(checkpoint_id)
         name = f"{PIN_PREFIX}{secrets.token_hex(8)}.json"
-        data = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                           "why": why[:200]}).encode()
+        data = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "why": why[:200]}
+        ).encode()
 
         def put() -> None:
             self._tree.put_note(checkpoint_id, name, data)
@@ -594,8 +635,9 @@ class Store:
             raise NotFoundError(f"no checkpoint {checkpoint_id} in store {self.url}") from None
         except Exception as e:
             raise self._write_error(checkpoint_id, e) from e
-        refresh = _Repeating(PIN_REFRESH_S, put, f"the pin of {checkpoint_id} ({why})",
-                             at_once=False)
+        refresh = _Repeating(
+            PIN_REFRESH_S, put, f"the pin of {checkpoint_id} ({why})", at_once=False
+        )
         try:
             yield
         finally:
@@ -603,8 +645,12 @@ class Store:
             try:
                 self._tree.remove_note(checkpoint_id, name)
             except Exception as e:  # it lapses PIN_TTL_S from its last refresh
-                log.warning("cannot remove the pin of checkpoint %s from %s: %s",
-                            checkpoint_id, self.url, self._why(e))
+                log.warning(
+                    "cannot remove the pin of checkpoint %s from %s: %s",
+                    checkpoint_id,
+                    self.url,
+                    self._why(e),
+                )
 
     def pinned(self, checkpoint_id: str) -> bool:
         """Whether some node holds a live pin on `checkpoint_id` (`pin`). True also when that
@@ -622,8 +668,11 @@ class Store:
             except FileNotFoundError:
                 continue  # gone already
             except Exception as e:
-                log.warning("cannot tell whether checkpoint %s is pinned (%s): kept",
-                            checkpoint_id, self._why(e))
+                log.warning(
+                    "cannot tell whether checkpoint %s is pinned (%s): kept",
+                    checkpoint_id,
+                    self._why(e),
+                )
                 pinned.add(checkpoint_id)
                 continue
             if now is not None and any(now - t < PIN_TTL_S for t in times.values()):
@@ -643,18 +692,23 @@ class Store:
         if self.keep == 0 and self.max_age_s == 0:
             return []
         series = self.list(label, uid=uid)
-        doomed = [m.id for m in series[self.keep:]] if self.keep else []
+        doomed = [m.id for m in series[self.keep :]] if self.keep else []
         if self.max_age_s:
             # The newest always stays: it is what the next restore of the label resumes from.
             cutoff = time.time() - self.max_age_s
-            doomed += [m.id for m in series[1:] if m.created.timestamp() < cutoff
-                       and m.id not in doomed]
+            doomed += [
+                m.id for m in series[1:] if m.created.timestamp() < cutoff and m.id not in doomed
+            ]
         doomed = [d for d in doomed if d != protect]
         # Checked right before deleting: a restore pins before it reads a byte.
         pinned = self._pinned(doomed)
         for checkpoint_id in sorted(pinned):
-            log.info("checkpoint %s of label %s is kept beyond retention for now: a restore "
-                     "pinned it", checkpoint_id, label)
+            log.info(
+                "checkpoint %s of label %s is kept beyond retention for now: a restore "
+                "pinned it",
+                checkpoint_id,
+                label,
+            )
         doomed = [d for d in doomed if d not in pinned]
         deleted = []
         for checkpoint_id in doomed:
@@ -712,15 +766,19 @@ class Store:
                 report.partial.append(checkpoint_id)
             if isinstance(tree, S3Tree):
                 for key, upload_id in tree.abandoned_uploads(
-                        idle_s, datetime.fromtimestamp(now, UTC)):
+                    idle_s, datetime.fromtimestamp(now, UTC)
+                ):
                     if tree.checkpoint_of(key) in alive:
                         continue  # its publish is alive, only slow: it ends the upload
                     tree.abort_upload(key, upload_id)
                     report.uploads.append(key)
             for label in tree.index_labels():
                 for entry in tree.index_list(label, None):
-                    if entry.checkpoint_id in ids or entry.checkpoint_id in alive or \
-                            now - entry.created.timestamp() < idle_s:
+                    if (
+                        entry.checkpoint_id in ids
+                        or entry.checkpoint_id in alive
+                        or now - entry.created.timestamp() < idle_s
+                    ):
                         continue
                     tree.index_remove(label, entry.uid, entry.name)
                     report.entries_removed += 1
@@ -749,6 +807,7 @@ class Store:
             validate_label(label)
         indexed = label is not None and self._index_ready()
         ids = [e.checkpoint_id for e in self._entries(label, uid)] if indexed else self._ids()
+
         def one(checkpoint_id: str) -> Manifest | None:
             try:
                 return self._load(checkpoint_id)
@@ -766,8 +825,10 @@ class Store:
         # A remote store answers each read after a round trip: several at once.
         workers = 1 if isinstance(self._tree, LocalTree) else 16
         manifests = [
-            m for m in in_parallel(one, ids, min(workers, len(ids)))
-            if m is not None and (label is None or m.label == label)
+            m
+            for m in in_parallel(one, ids, min(workers, len(ids)))
+            if m is not None
+            and (label is None or m.label == label)
             and (uid is None or m.uid == uid)
         ]
         return _newest_first(manifests)
@@ -808,16 +869,21 @@ class Store:
                 self._load(checkpoint_id)
             except _UntrustedManifest as e:
                 claims = e.claims
-                if e.verdict is Verdict.UNKNOWN_KEY and claims is not None \
-                        and claims.label == label and claims.uid == uid:
+                if (
+                    e.verdict is Verdict.UNKNOWN_KEY
+                    and claims is not None
+                    and claims.label == label
+                    and claims.uid == uid
+                ):
                     return e.key_id
             except Exception:  # garbage or unreadable: not a signer to name
                 return None
             return None
 
         workers = 1 if isinstance(self._tree, LocalTree) else 16
-        return sorted({k for k in in_parallel(one, ids, min(workers, max(1, len(ids))))
-                       if k is not None})
+        return sorted(
+            {k for k in in_parallel(one, ids, min(workers, max(1, len(ids)))) if k is not None}
+        )
 
     def latest(self, label: str, *, uid: int) -> Manifest:
         """The newest checkpoint of `label` owned by `uid`; NotFoundError if it has none.
@@ -859,9 +925,11 @@ class Store:
         try:
             scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
             # mkdtemp: a fresh 0700 directory of a random name, also in a sticky shared one.
-            target = Path(tempfile.mkdtemp(prefix=f"stasis-restore-{checkpoint_id}-",
-                                           dir=memory)) if memory is not None else \
-                Path(tempfile.mkdtemp(prefix=f"{checkpoint_id}-", dir=scratch))
+            target = (
+                Path(tempfile.mkdtemp(prefix=f"stasis-restore-{checkpoint_id}-", dir=memory))
+                if memory is not None
+                else Path(tempfile.mkdtemp(prefix=f"{checkpoint_id}-", dir=scratch))
+            )
         except OSError as e:
             raise StoreError(
                 f"cannot create a directory under {scratch} to restore {checkpoint_id}: "
@@ -886,8 +954,11 @@ class Store:
         manifest = self.get(checkpoint_id)
         self.require_cryptographic_sums(manifest)
         in_place = self._tree.local_dir(checkpoint_id)
-        if in_place is None or not _plain(manifest) or not only_root_writes(
-                in_place, [f.stored_name for f in manifest.files]):
+        if (
+            in_place is None
+            or not _plain(manifest)
+            or not only_root_writes(in_place, [f.stored_name for f in manifest.files])
+        ):
             return None
         return manifest, in_place
 
@@ -917,9 +988,7 @@ class Store:
         rest itself (the page server of a lazy restore, stasis/daemon/lazystore.py)."""
         self._verify(manifest, target, only)
 
-    def verify(
-        self, manifest: Manifest, only: Callable[[FileEntry], bool] | None = None
-    ) -> None:
+    def verify(self, manifest: Manifest, only: Callable[[FileEntry], bool] | None = None) -> None:
         """Check a checkpoint's files where they are (decoding what is stored compressed or
         sealed, keeping nothing); CorruptCheckpointError if one fails, EncryptionKeyError when
         it is encrypted with a key this node does not have.
@@ -938,8 +1007,9 @@ class Store:
         except Exception as e:
             raise StoreError(f"cannot read the index of {self.url}: {self._why(e)}") from e
 
-    def _entries(self, label: str | None, uid: int | None,
-                 limit: int | None = None) -> builtins.list[Entry]:
+    def _entries(
+        self, label: str | None, uid: int | None, limit: int | None = None
+    ) -> builtins.list[Entry]:
         assert label is not None
         try:
             return self._tree.index_list(label, uid, limit)
@@ -963,8 +1033,11 @@ class Store:
             self._warn_once(entry.checkpoint_id, str(e))
             return None
         # The entry is a hint; the signed manifest decides, also of its place in the order.
-        if manifest.label != label or manifest.uid != entry.uid or \
-                entry.name != _entry_of(manifest):
+        if (
+            manifest.label != label
+            or manifest.uid != entry.uid
+            or entry.name != _entry_of(manifest)
+        ):
             return None
         return manifest
 
@@ -1005,13 +1078,15 @@ class Store:
             if said is not None:
                 return said
         return _reason(e)
+
     def read_range(self, manifest: Manifest, name: str, offset: int, length: int) -> bytes:
         """`read_range_views`, joined into one bytes object."""
         views = self.read_range_views(manifest, name, offset, length)
         return bytes(views[0]) if len(views) == 1 else b"".join(views)
 
-    def read_range_views(self, manifest: Manifest, name: str, offset: int,
-                         length: int) -> builtins.list[memoryview]:
+    def read_range_views(
+        self, manifest: Manifest, name: str, offset: int, length: int
+    ) -> builtins.list[memoryview]:
         """Plain bytes [offset, offset + length) of image file `name` of `manifest` (one that
         `get` returned: its signature is what vouches for the chunk table), fetching only the
         chunks they lie in and verifying each (its tag when encrypted, else its checksum): a
@@ -1025,17 +1100,24 @@ class Store:
         if entry is None:
             raise UsageError(f"checkpoint {manifest.id} has no image file {name!r}")
         if offset < 0 or length < 0 or offset + length > entry.size_bytes:
-            raise UsageError(f"bytes {offset}..{offset + length} are not within {name} of "
-                             f"checkpoint {manifest.id} ({entry.size_bytes} bytes)")
+            raise UsageError(
+                f"bytes {offset}..{offset + length} are not within {name} of "
+                f"checkpoint {manifest.id} ({entry.size_bytes} bytes)"
+            )
         if length == 0:
             return []
         if entry.chunks is None:
-            raise StoreError(f"checkpoint {manifest.id} was stored before images were "
-                             f"chunked: {name} has no chunk table for range reads; restore it "
-                             "in full")
-        decoder = ChunkDecoder(name, entry.size_bytes, entry.chunks,
-                               ChunkSpec(manifest.compression, self._cipher(manifest),
-                                         entry.chunks.size_bytes))
+            raise StoreError(
+                f"checkpoint {manifest.id} was stored before images were "
+                f"chunked: {name} has no chunk table for range reads; restore it "
+                "in full"
+            )
+        decoder = ChunkDecoder(
+            name,
+            entry.size_bytes,
+            entry.chunks,
+            ChunkSpec(manifest.compression, self._cipher(manifest), entry.chunks.size_bytes),
+        )
         first, last = decoder.span(offset, length)
         offsets = entry.chunks.offsets
         start, end = offsets[first], offsets[last + 1]
@@ -1046,21 +1128,26 @@ class Store:
         except Exception as e:
             raise self._read_error(manifest.id, e) from e
         if len(stored) != end - start:
-            raise self._corrupt(manifest.id, name, f"ends at byte {start + len(stored)} of "
-                                f"{entry.stored_size_bytes} stored (truncated?)")
+            raise self._corrupt(
+                manifest.id,
+                name,
+                f"ends at byte {start + len(stored)} of "
+                f"{entry.stored_size_bytes} stored (truncated?)",
+            )
         view = memoryview(stored)
         pieces = []
         try:
             for index in range(first, last + 1):
-                pieces.append(decoder.decode(
-                    index, view[offsets[index] - start:offsets[index + 1] - start]))
+                pieces.append(
+                    decoder.decode(index, view[offsets[index] - start : offsets[index + 1] - start])
+                )
         except ChunkError as e:
             raise self._corrupt(manifest.id, name, str(e)) from None
         # Views, not copies: a lazy restore sends these straight to lazy-pages (sendmsg), and
         # each copy of a GiB costs ~0.2 s of fresh memory on these machines.
         views, skip, left = [], offset - first * entry.chunks.size_bytes, length
         for piece in pieces:
-            view = memoryview(piece)[skip:skip + left]
+            view = memoryview(piece)[skip : skip + left]
             views.append(view)
             left -= len(view)
             skip = 0
@@ -1084,18 +1171,25 @@ class Store:
             old = keys.get(enc.key_id)
             if old is None:
                 result.unknown_key += 1
-                log.warning("cannot rekey checkpoint %s: its key %s is not among the key files",
-                            manifest.id, enc.key_id)
+                log.warning(
+                    "cannot rekey checkpoint %s: its key %s is not among the key files",
+                    manifest.id,
+                    enc.key_id,
+                )
                 continue
             try:
                 wrapped = rewrap(old, current, manifest.id, enc)
             except Exception:
                 result.unknown_key += 1
-                log.warning("cannot rekey checkpoint %s: its wrapped data key does not open "
-                            "with key %s", manifest.id, enc.key_id)
+                log.warning(
+                    "cannot rekey checkpoint %s: its wrapped data key does not open " "with key %s",
+                    manifest.id,
+                    enc.key_id,
+                )
                 continue
-            updated = self._seal(manifest.model_copy(update={"encryption": wrapped,
-                                                             "signature": None}))
+            updated = self._seal(
+                manifest.model_copy(update={"encryption": wrapped, "signature": None})
+            )
             try:
                 self._tree.write_manifest(manifest.id, manifest_bytes(updated))
             except FileNotFoundError:
@@ -1140,7 +1234,9 @@ class Store:
         if document.get("format", 1) not in FORMATS:
             raise _UnreadableManifest(
                 f"format {document.get('format')!r}, which this stasis does not know "
-                "(written by a newer one?)", known_format=False)
+                "(written by a newer one?)",
+                known_format=False,
+            )
         try:
             manifest = Manifest.model_validate(document)
         except (ValidationError, ValueError) as e:
@@ -1180,11 +1276,15 @@ class Store:
                 f"the daemon, else {rm}"
             )
         if e.verdict is None:
-            what = ("is not signed: it was written by a stasis that did not sign manifests, or "
-                    "by someone else who can write the store")
+            what = (
+                "is not signed: it was written by a stasis that did not sign manifests, or "
+                "by someone else who can write the store"
+            )
         else:
-            what = ("does not match its signature: it was changed after it was signed "
-                    "(tampering or damage)")
+            what = (
+                "does not match its signature: it was changed after it was signed "
+                "(tampering or damage)"
+            )
         return UntrustedCheckpointError(
             f"checkpoint {checkpoint_id} is not trusted and is not restored: its manifest {what}; "
             f"{rm}"
@@ -1204,19 +1304,31 @@ class Store:
         for entry in manifest.files:
             self._check_stored_size(manifest, entry)
 
-        ranges = ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="stasis-fetch") \
-            if target is not None and self._tree.local_dir(checkpoint_id) is None else None
+        ranges = (
+            ThreadPoolExecutor(RANGES_IN_FLIGHT, thread_name_prefix="stasis-fetch")
+            if target is not None and self._tree.local_dir(checkpoint_id) is None
+            else None
+        )
 
         def check(entry: FileEntry) -> None:
-            if ranges is not None and target is not None and entry.chunks is not None \
-                    and len(entry.chunks.stored_bytes) > 1:
-                self._checked(manifest, entry, target,
-                              lambda: self._fetch_ranged(manifest, entry, target, cipher, ranges))
+            if (
+                ranges is not None
+                and target is not None
+                and entry.chunks is not None
+                and len(entry.chunks.stored_bytes) > 1
+            ):
+                self._checked(
+                    manifest,
+                    entry,
+                    target,
+                    lambda: self._fetch_ranged(manifest, entry, target, cipher, ranges),
+                )
                 return
 
             def decode() -> Streamed:
                 with self._tree.open_stored(checkpoint_id, entry.stored_name) as src:
                     return _unpack_to(src, target, entry, manifest.compression, cipher, workers)
+
             self._checked(manifest, entry, target, decode)
 
         files = [f for f in manifest.files if only is None or only(f)]
@@ -1245,10 +1357,18 @@ class Store:
             with self._tree.open_stored(manifest.id, entry.stored_name) as src:
                 if entry.chunks is None:
                     return unpack(src, dst, manifest.compression, entry.size_bytes)
-                return unpack_chunked(src, dst, ChunkDecoder(
-                    entry.name, entry.size_bytes, entry.chunks,
-                    ChunkSpec(manifest.compression, cipher, entry.chunks.size_bytes)),
-                    whole_sum=False)
+                return unpack_chunked(
+                    src,
+                    dst,
+                    ChunkDecoder(
+                        entry.name,
+                        entry.size_bytes,
+                        entry.chunks,
+                        ChunkSpec(manifest.compression, cipher, entry.chunks.size_bytes),
+                    ),
+                    whole_sum=False,
+                )
+
         self._checked(manifest, entry, None, decode)
 
     def _check_stored_size(self, manifest: Manifest, entry: FileEntry) -> None:
@@ -1260,12 +1380,18 @@ class Store:
             raise self._read_error(manifest.id, e) from e
         if stored != entry.stored_size_bytes:
             raise self._corrupt(
-                manifest.id, entry.name,
+                manifest.id,
+                entry.name,
                 f"has {stored} bytes stored instead of {entry.stored_size_bytes} (truncated?)",
             )
 
-    def _checked(self, manifest: Manifest, entry: FileEntry, target: Path | None,
-                 decode: Callable[[], Streamed]) -> None:
+    def _checked(
+        self,
+        manifest: Manifest,
+        entry: FileEntry,
+        target: Path | None,
+        decode: Callable[[], Streamed],
+    ) -> None:
         """Run `decode` of `entry` and hold what it got against the manifest; its failures as
         one line each (CorruptCheckpointError, StoreError)."""
         checkpoint_id = manifest.id
@@ -1274,9 +1400,7 @@ class Store:
         except ChunkError as e:
             raise self._corrupt(checkpoint_id, entry.name, str(e)) from None
         except DecompressionError as e:
-            raise self._corrupt(
-                checkpoint_id, entry.name, f"cannot be decompressed ({e})"
-            ) from e
+            raise self._corrupt(checkpoint_id, entry.name, f"cannot be decompressed ({e})") from e
         except FileNotFoundError:
             raise self._corrupt(checkpoint_id, entry.name, "is missing") from None
         except OSError as e:
@@ -1305,18 +1429,30 @@ class Store:
         if got.xxh3_128 and got.xxh3_128 != entry.xxh3_128:
             raise self._corrupt(checkpoint_id, entry.name, "fails its checksum")
 
-    def _fetch_ranged(self, manifest: Manifest, entry: FileEntry, target: Path,
-                      cipher: ChunkCipher | None, pool: ThreadPoolExecutor) -> Streamed:
+    def _fetch_ranged(
+        self,
+        manifest: Manifest,
+        entry: FileEntry,
+        target: Path,
+        cipher: ChunkCipher | None,
+        pool: ThreadPoolExecutor,
+    ) -> Streamed:
         """Decode a chunked file into `target` from ranged reads of several chunks each, up to
         RANGES_IN_FLIGHT at once on `pool`, each chunk checked and written at its offset; the
         whole file's checksum is still taken in order (ChunkError on any bad chunk)."""
         chunks = entry.chunks
         assert chunks is not None
-        decoder = ChunkDecoder(entry.name, entry.size_bytes, chunks,
-                               ChunkSpec(manifest.compression, cipher, chunks.size_bytes))
+        decoder = ChunkDecoder(
+            entry.name,
+            entry.size_bytes,
+            chunks,
+            ChunkSpec(manifest.compression, cipher, chunks.size_bytes),
+        )
         offsets = chunks.offsets
-        spans = [(first, min(first + RANGE_CHUNKS, decoder.count))
-                 for first in range(0, decoder.count, RANGE_CHUNKS)]
+        spans = [
+            (first, min(first + RANGE_CHUNKS, decoder.count))
+            for first in range(0, decoder.count, RANGE_CHUNKS)
+        ]
         with open(target / entry.name, "xb") as dst:
             fd = dst.fileno()
 
@@ -1325,20 +1461,23 @@ class Store:
                 start, end = offsets[first], offsets[end_index]
                 stored = self._tree.read_stored_range(manifest.id, entry.stored_name, start, end)
                 if len(stored) != end - start:
-                    raise ChunkError(f"ends in chunk {first} or after ({start + len(stored)} "
-                                     "bytes stored: truncated?)")
+                    raise ChunkError(
+                        f"ends in chunk {first} or after ({start + len(stored)} "
+                        "bytes stored: truncated?)"
+                    )
                 view = memoryview(stored)
                 covered: list[bytes | memoryview] = []
                 for index in range(first, end_index):
-                    piece = view[offsets[index] - start:offsets[index + 1] - start]
+                    piece = view[offsets[index] - start : offsets[index + 1] - start]
                     plain = decoder.decode(index, piece)
                     _pwrite_all(fd, plain, index * chunks.size_bytes)
                     covered.append(piece if decoder.spec.encrypted else plain)
                 return covered
 
             # Formats 1 and 2 only (xxh3: damage, not forgers); format 3 chunks carry BLAKE3.
-            whole = xxhash.xxh3_128() if entry.xxh3_128 is not None and \
-                chunks.blake3 is None else None
+            whole = (
+                xxhash.xxh3_128() if entry.xxh3_128 is not None and chunks.blake3 is None else None
+            )
             ahead: deque[Future[list[bytes | memoryview]]] = deque()
             try:
                 for span in spans:
@@ -1356,8 +1495,11 @@ class Store:
                     future.cancel()
                 wait(ahead)
         # Each chunk decoded to exactly its plain size (decode checks): the file is whole.
-        return Streamed(size_bytes=entry.size_bytes, stored_size_bytes=offsets[-1],
-                        xxh3_128=whole.hexdigest() if whole is not None else "")
+        return Streamed(
+            size_bytes=entry.size_bytes,
+            stored_size_bytes=offsets[-1],
+            xxh3_128=whole.hexdigest() if whole is not None else "",
+        )
 
     def _corrupt(self, checkpoint_id: str, file: str, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -1366,8 +1508,9 @@ class Store:
         )
 
     def _read_error(self, checkpoint_id: str, e: Exception) -> StoreError:
-        return StoreError(f"cannot read checkpoint {checkpoint_id} from {self.url}: "
-                          f"{self._why(e)}")
+        return StoreError(
+            f"cannot read checkpoint {checkpoint_id} from {self.url}: " f"{self._why(e)}"
+        )
 
     def _write_error(self, checkpoint_id: str, e: Exception) -> StoreError:
         if _errno_in_chain(e) in _NO_SPACE:
@@ -1375,16 +1518,18 @@ class Store:
                 f"no space left on {self.url} while writing checkpoint {checkpoint_id}: "
                 "free space or point STASIS_STORE elsewhere"
             )
-        return StoreError(f"cannot write checkpoint {checkpoint_id} to {self.url}: "
-                          f"{self._why(e)}")
+        return StoreError(
+            f"cannot write checkpoint {checkpoint_id} to {self.url}: " f"{self._why(e)}"
+        )
 
 
 class _Repeating:
     """Calls `fn` every `interval_s` on a thread of its own until `stop`; its failures are
     logged (once each kind), never raised: a missed refresh is retried at the next."""
 
-    def __init__(self, interval_s: float, fn: Callable[[], None], what: str,
-                 at_once: bool = True) -> None:
+    def __init__(
+        self, interval_s: float, fn: Callable[[], None], what: str, at_once: bool = True
+    ) -> None:
         self._at_once = at_once
         self._stopped = threading.Event()
         self._fn = fn
@@ -1432,8 +1577,9 @@ def _staged_ids(area: Path) -> set[str]:
         names = os.listdir(area)
     except OSError:
         return set()
-    return {n.removesuffix(".publish") for n in names
-            if is_checkpoint_id(n.removesuffix(".publish"))}
+    return {
+        n.removesuffix(".publish") for n in names if is_checkpoint_id(n.removesuffix(".publish"))
+    }
 
 
 def _newest_first(manifests: list[Manifest]) -> list[Manifest]:
@@ -1445,8 +1591,9 @@ def _newest_first(manifests: list[Manifest]) -> list[Manifest]:
     series: dict[tuple[str, int], list[Manifest]] = {}
     for m in by_clock:
         series.setdefault((m.label, m.uid), []).append(m)
-    ordered = {key: iter(sorted(members, key=order_key, reverse=True))
-               for key, members in series.items()}
+    ordered = {
+        key: iter(sorted(members, key=order_key, reverse=True)) for key, members in series.items()
+    }
     return [next(ordered[(m.label, m.uid)]) for m in by_clock]
 
 
@@ -1466,8 +1613,13 @@ def _manifest_mac(manifest: Manifest) -> str:
     return manifest.signature.hmac_sha256 if manifest.signature is not None else ""
 
 
-def _open_tree(url: str, staging_root: Path, options: Mapping[str, object],
-               known: KnownStores | None = None, store_id: str = "") -> Tree:
+def _open_tree(
+    url: str,
+    staging_root: Path,
+    options: Mapping[str, object],
+    known: KnownStores | None = None,
+    store_id: str = "",
+) -> Tree:
     if "://" not in url and "::" not in url:
         return LocalTree(Path(url).absolute(), known, store_id)
     s3 = url.startswith(("s3://", "s3a://"))
@@ -1508,8 +1660,9 @@ def store_options(settings: Settings) -> dict[str, object]:
 
 def _read_secret(path: Path) -> str:
     # An S3 secret key is some 40 characters; 4 KiB is far more than any.
-    return read_secret_file(path, "s3_secret_access_key_file", 4096).decode(
-        errors="replace").strip()
+    return (
+        read_secret_file(path, "s3_secret_access_key_file", 4096).decode(errors="replace").strip()
+    )
 
 
 # Where fetched or decoded images go for a full restore when memory allows: they are read
@@ -1525,8 +1678,9 @@ def _memory_scratch(size_bytes: int) -> Path | None:
     try:
         st = os.statvfs(MEMORY_SCRATCH)
         with open("/proc/meminfo", "rb") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f
-                             if line.startswith(b"MemAvailable:"))
+            available = next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")
+            )
     except (OSError, StopIteration, ValueError, IndexError):
         return None
     free = st.f_bavail * st.f_frsize
@@ -1542,16 +1696,24 @@ def _plain(manifest: Manifest) -> bool:
 
 
 def _unpack_to(
-    src: Reader, target: Path | None, entry: FileEntry, compression: Compression,
-    cipher: ChunkCipher | None, workers: int,
+    src: Reader,
+    target: Path | None,
+    entry: FileEntry,
+    compression: Compression,
+    cipher: ChunkCipher | None,
+    workers: int,
 ) -> Streamed:
     if entry.chunks is None:  # format 1: one stream per file
         if target is None:
             return unpack(src, None, compression, entry.size_bytes)
         with open(target / entry.name, "xb") as dst:
             return unpack(src, dst, compression, entry.size_bytes)
-    decoder = ChunkDecoder(entry.name, entry.size_bytes, entry.chunks,
-                           ChunkSpec(compression, cipher, entry.chunks.size_bytes))
+    decoder = ChunkDecoder(
+        entry.name,
+        entry.size_bytes,
+        entry.chunks,
+        ChunkSpec(compression, cipher, entry.chunks.size_bytes),
+    )
     if target is None:
         if decoder.spec.identity and entry.chunks.blake3 is None:
             # Formats 1 and 2, a plain file: its whole checksum says all its chunks' do.
@@ -1609,9 +1771,14 @@ def node_store(settings: Settings, keys: Signer | None = None) -> Store:
     """The store as this node's daemon (and its helpers) use it: the configured URL, staging
     under the state directory, the node's keyring (`keys`: the one the daemon made at its
     start; else read from the state directory)."""
-    return Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
-                 keys=keys if keys is not None else node_keyring(settings),
-                 max_age_s=settings.keep_max_age_s, options=store_options(settings),
-                 encryption=KeyFiles(settings.encryption_key_file,
-                                     settings.old_encryption_key_files),
-                 known_stores=settings.layout.known_stores, store_id=settings.store_id)
+    return Store(
+        settings.store_url,
+        staging_root=settings.layout.staging,
+        keep=settings.keep,
+        keys=keys if keys is not None else node_keyring(settings),
+        max_age_s=settings.keep_max_age_s,
+        options=store_options(settings),
+        encryption=KeyFiles(settings.encryption_key_file, settings.old_encryption_key_files),
+        known_stores=settings.layout.known_stores,
+        store_id=settings.store_id,
+    )

@@ -174,10 +174,17 @@ class TailHasher:
     them elsewhere, S3 say, uploads them while CRIU writes).
     """
 
-    def __init__(self, directory: Path, writeback: bool = False,
-                 compression: CompressionRequest = "none", open_out: Opener | None = None,
-                 cipher: ChunkCipher | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 seal_in_place: bool = False, copy_plain: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        writeback: bool = False,
+        compression: CompressionRequest = "none",
+        open_out: Opener | None = None,
+        cipher: ChunkCipher | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        seal_in_place: bool = False,
+        copy_plain: bool = False,
+    ) -> None:
         self.directory = directory
         self._copy_plain = copy_plain and open_out is not None
         self._stop = threading.Event()
@@ -197,8 +204,9 @@ class TailHasher:
         # Partials that were dropped after sealing part of their file in place: publish must
         # see them, and refuse.
         self._spoiled: dict[str, Partial] = {}
-        if open_out is None and (self._codec != "none" or (cipher is not None
-                                                           and not self._in_place)):
+        if open_out is None and (
+            self._codec != "none" or (cipher is not None and not self._in_place)
+        ):
             raise ValueError("encoding images while CRIU writes them needs open_out")
         self._thread = threading.Thread(target=self._run, name="stasis-tailhash", daemon=True)
         self._thread.start()
@@ -218,8 +226,10 @@ class TailHasher:
                 self._drop_all()  # too little seen: publish decides from the files
             else:
                 self.compression = self._codec
-        partials = {**self._spoiled,
-                    **{name: partial for name, (fd, partial) in self._files.items()}}
+        partials = {
+            **self._spoiled,
+            **{name: partial for name, (fd, partial) in self._files.items()},
+        }
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
@@ -275,7 +285,7 @@ class TailHasher:
                 if n <= 0:
                     break
                 for at in range(0, n, self._chunk):
-                    partial.writer.add(view[at:at + self._chunk], last=False)
+                    partial.writer.add(view[at : at + self._chunk], last=False)
                 self._raw += n
                 progressed = True
                 if self._auto and self.compression is None and self._shrinks() is False:

@@ -16,9 +16,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="CRIU and tmpfs mounts need root")
 def test_freeze_bench_writes_both_loads(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.freeze", "--size-mib", "32", "--runs",
-                           "1", "--writer-lead-s", "0.5", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.freeze",
+            "--size-mib",
+            "32",
+            "--runs",
+            "1",
+            "--writer-lead-s",
+            "0.5",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     [result] = tmp_path.glob("*-freeze.json")
     doc = json.loads(result.read_text())

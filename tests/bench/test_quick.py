@@ -18,8 +18,13 @@ MiB = 1 << 20
 @pytest.mark.skipif(os.geteuid() != 0, reason="CRIU and tmpfs mounts need root")
 def test_quick_mode_writes_sane_results(tmp_path: Path) -> None:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - start
     assert done.returncode == 0, done.stderr
     assert took < 60, f"--quick took {took:.0f} s"

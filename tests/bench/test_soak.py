@@ -23,10 +23,31 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_short_soak_counts_each_kind_of_loss(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.soak", "--cycles", "4", "--seed", "28", "--jobs", "2",
-         "--in-turn", "--actions", "dump-leave", "--settle", "5",
-         "--faults", "sabotage,sabotage,sabotage,daemon-kill", "--out", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "bench.soak",
+            "--cycles",
+            "4",
+            "--seed",
+            "28",
+            "--jobs",
+            "2",
+            "--in-turn",
+            "--actions",
+            "dump-leave",
+            "--settle",
+            "5",
+            "--faults",
+            "sabotage,sabotage,sabotage,daemon-kill",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=170)
     took = time.monotonic() - start
     assert proc.returncode == 0, err[-3000:] + out[-3000:]
@@ -34,8 +55,10 @@ def test_short_soak_counts_each_kind_of_loss(tmp_path: Path) -> None:
     with table.open() as f:
         rows = list(csv.DictReader(f))
     assert [(r["action"], r["fault"], r["detail"]) for r in rows[:3]] == [
-        ("sabotage", "sabotage", "lose"), ("sabotage", "sabotage", "freeze"),
-        ("sabotage", "sabotage", "stray")], rows
+        ("sabotage", "sabotage", "lose"),
+        ("sabotage", "sabotage", "freeze"),
+        ("sabotage", "sabotage", "stray"),
+    ], rows
     lose, freeze, stray, real = rows
     # Each loss counted where it happened, and only that one.
     assert (int(lose["lost_labels"]), float(lose["lost_s"]) > 0) == (1, True), lose
@@ -49,6 +72,8 @@ def test_short_soak_counts_each_kind_of_loss(tmp_path: Path) -> None:
     assert "| daemon-kill | 1 |" in summary, summary
     # Nothing of the site outlives the soak: no counter it started still runs (its labels
     # begin with soak<its pid>).
-    assert f" soak{proc.pid}-" not in subprocess.run(["ps", "-eo", "args"], capture_output=True,
-                                                     text=True).stdout
+    assert (
+        f" soak{proc.pid}-"
+        not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    )
     assert took < 120, f"the short soak took {took:.0f} s"

@@ -35,8 +35,17 @@ def test_everything_after_the_command_is_the_commands(daemon: Daemon) -> None:
 
 
 def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
-    job = daemon.json("run", "--label", "shapes", "--env", "GREETING=hi", "--",
-                      "sh", "-c", 'echo "$GREETING from $PWD"; sleep 30')
+    job = daemon.json(
+        "run",
+        "--label",
+        "shapes",
+        "--env",
+        "GREETING=hi",
+        "--",
+        "sh",
+        "-c",
+        'echo "$GREETING from $PWD"; sleep 30',
+    )
     assert set(job) == {"job", "pid", "label"} and job["label"] == "shapes"
     wait_for(lambda: "hi from" in daemon.log_of(job["job"]), what="output")
     rows = daemon.json("ps")
@@ -45,8 +54,16 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
     assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
     assert row["private_tmp"] is False
     cp = daemon.json("dump", job["job"])
-    assert set(cp) == {"checkpoint", "label", "job", "size_bytes", "duration_s", "elapsed_s",
-                       "staged", "notes"}
+    assert set(cp) == {
+        "checkpoint",
+        "label",
+        "job",
+        "size_bytes",
+        "duration_s",
+        "elapsed_s",
+        "staged",
+        "notes",
+    }
     assert 0 < cp["duration_s"] <= cp["elapsed_s"]  # CRIU's part of the daemon's whole answer
     listed = daemon.json("checkpoints", "--label", "shapes")
     assert [c["id"] for c in listed] == [cp["checkpoint"]]
@@ -63,11 +80,20 @@ def test_progress_on_a_terminal_only(daemon: Daemon) -> None:
     # `script` gives the command a pseudo-terminal, as a person at a shell would have, and a
     # terminal type that draws (under TERM=dumb, as a fresh root or a CI runner may have, rich
     # rightly draws no bar).
-    env_args = " ".join(["TERM=xterm", *(f"{k}={v}" for k, v in daemon.env.items()
-                                         if k.startswith("STASIS_"))])
+    env_args = " ".join(
+        ["TERM=xterm", *(f"{k}={v}" for k, v in daemon.env.items() if k.startswith("STASIS_"))]
+    )
     tty = subprocess.run(
-        ["script", "-qec", f"env {env_args} {STASIS} dump --leave-running {job['job']}",
-         "/dev/null"], capture_output=True, text=True, timeout=120)
+        [
+            "script",
+            "-qec",
+            f"env {env_args} {STASIS} dump --leave-running {job['job']}",
+            "/dev/null",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert tty.returncode == 0, tty.stdout
     assert "dumping" in tty.stdout and "MB" in tty.stdout  # bytes, rate and time left drawn
     piped = daemon.cli("dump", "--leave-running", "--json", job["job"])
@@ -76,11 +102,15 @@ def test_progress_on_a_terminal_only(daemon: Daemon) -> None:
     daemon.cli("kill", job["job"])
     tty = subprocess.run(
         ["script", "-qec", f"env {env_args} {STASIS} restore {cp['checkpoint']}", "/dev/null"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert tty.returncode == 0, tty.stdout
     assert "restoring" in tty.stdout and "MB" in tty.stdout
-    restored = next(j for j in daemon.json("ps") if j["state"] == "restored"
-                    and j["label"] == job["label"])
+    restored = next(
+        j for j in daemon.json("ps") if j["state"] == "restored" and j["label"] == job["label"]
+    )
     daemon.cli("kill", restored["job"])
 
 
@@ -94,12 +124,14 @@ def test_check_reports_a_ready_node(daemon: Daemon) -> None:
     assert missing.returncode == 1 and "problem" in missing.stdout
 
 
-def test_check_says_not_ready_while_the_node_daemon_does_not_answer(daemon: Daemon,
-                                                                     tmp_path: Path) -> None:
+def test_check_says_not_ready_while_the_node_daemon_does_not_answer(
+    daemon: Daemon, tmp_path: Path
+) -> None:
     # A readiness probe (the Kubernetes agent's) or a site's monitoring: no daemon, no
     # protection, whatever CRIU can do.
-    gone = daemon.cli("check", input_env={"STASIS_SOCKET": str(tmp_path / "none.sock")},
-                      check=False)
+    gone = daemon.cli(
+        "check", input_env={"STASIS_SOCKET": str(tmp_path / "none.sock")}, check=False
+    )
     assert gone.returncode == 1, gone.stdout
     assert gone.stdout.rstrip().endswith("NOT READY")
     assert "not ready: cannot reach the stasis daemon" in gone.stdout

@@ -20,13 +20,25 @@ def test_version_is_the_packages() -> None:
 
 
 def test_version_json_names_criu_python_and_kernel_for_any_user() -> None:
-    out = subprocess.run(["runuser", "-u", "stasis-test", "--", STASIS, "--version", "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["runuser", "-u", "stasis-test", "--", STASIS, "--version", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     info = json.loads(out.stdout)
-    criu = subprocess.run([info["criu_path"], "--version"], capture_output=True, text=True,
-                          check=True).stdout
+    criu = subprocess.run(
+        [info["criu_path"], "--version"], capture_output=True, text=True, check=True
+    ).stdout
     assert f"Version: {info['criu']}" in criu
-    python = subprocess.run([str(Path(STASIS).parent / "python"), "-c",
-                             "import platform; print(platform.python_version())"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    python = subprocess.run(
+        [
+            str(Path(STASIS).parent / "python"),
+            "-c",
+            "import platform; print(platform.python_version())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert (info["python"], info["kernel"]) == (python, os.uname().release)

@@ -44,8 +44,9 @@ class ControlPlane:
         self.port = free_ports(1)[0]
         self.url = f"http://{host}:{self.port}"
         # What a node and the CLI need to talk to it (plain http off loopback is refused).
-        self.client_env = {} if host == "127.0.0.1" else {
-            "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "true"}
+        self.client_env = (
+            {} if host == "127.0.0.1" else {"STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "true"}
+        )
         self.token_file = root / "admin.token"
         self.log = root / "controlplane.log"
         # A certificate (PEM) this process's own calls trust: not SSL_CERT_FILE set meanwhile,
@@ -58,18 +59,35 @@ class ControlPlane:
     def start(self, *extra: str) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [STASIS, "controlplane", "serve", "--db", self.db, "--listen",
-                 f"{self.host}:{self.port}", "--admin-token-file", str(self.token_file),
-                 *(["--allow-plain-http"] if self.client_env else []),
-                 # Policies every second: the floor is lowered (a test may raise it again).
-                 "--lost-after", "3", "--min-interval", "1", *extra],
-                stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "STASIS_CONFIG": "", "STASIS_STATE_DIR": str(self.root)})
+                [
+                    STASIS,
+                    "controlplane",
+                    "serve",
+                    "--db",
+                    self.db,
+                    "--listen",
+                    f"{self.host}:{self.port}",
+                    "--admin-token-file",
+                    str(self.token_file),
+                    *(["--allow-plain-http"] if self.client_env else []),
+                    # Policies every second: the floor is lowered (a test may raise it again).
+                    "--lost-after",
+                    "3",
+                    "--min-interval",
+                    "1",
+                    *extra,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "STASIS_CONFIG": "", "STASIS_STATE_DIR": str(self.root)},
+            )
         try:
             wait_for(self._healthy, 30, "the control plane")
         except AssertionError as e:
-            raise AssertionError(f"{e}; {self.log} ends: {self.log.read_text()[-2000:]}"
-                                 f"; last health check: {self._last}") from None
+            raise AssertionError(
+                f"{e}; {self.log} ends: {self.log.read_text()[-2000:]}"
+                f"; last health check: {self._last}"
+            ) from None
 
     def _healthy(self) -> bool:
         assert self.proc is not None
@@ -90,15 +108,19 @@ class ControlPlane:
     def admin(self) -> str:
         return self.token_file.read_text().strip()
 
-    def call(self, method: str, path: str, token: str | None = None, body: Any = None,
-             raw: bytes | None = None) -> tuple[int, Any]:
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None
-                                            else None)
+    def call(
+        self,
+        method: str,
+        path: str,
+        token: str | None = None,
+        body: Any = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         headers = {"Content-Type": "application/json"}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers=headers)
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         context = ssl.create_default_context(cafile=str(self.cafile)) if self.cafile else None
         try:
             with urllib.request.urlopen(req, timeout=20, context=context) as r:
@@ -107,11 +129,16 @@ class ControlPlane:
             return e.code, json.loads(e.read())
 
     def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, **self.client_env, "STASIS_CONFIG": "",
-               "STASIS_CONTROLPLANE_URL": self.url,
-               "STASIS_AUTH_TOKEN": self.admin if token is None else token}
-        return subprocess.run([STASIS, "controlplane", *args], capture_output=True, text=True,
-                              timeout=60, env=env)
+        env = {
+            **os.environ,
+            **self.client_env,
+            "STASIS_CONFIG": "",
+            "STASIS_CONTROLPLANE_URL": self.url,
+            "STASIS_AUTH_TOKEN": self.admin if token is None else token,
+        }
+        return subprocess.run(
+            [STASIS, "controlplane", *args], capture_output=True, text=True, timeout=60, env=env
+        )
 
     def json(self, *args: str, token: str | None = None) -> Any:
         r = self.cli(*args, "--json", token=token)
@@ -147,8 +174,9 @@ def controlplane(db_url: str, world_tmp: Path) -> Iterator[ControlPlane]:
 @pytest.fixture
 def site_controlplane(db_url: str, world_tmp: Path) -> Iterator[ControlPlane]:
     """The control plane on the network of the nodes of their own (tests/nodes.py)."""
-    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db_url,
-                      host=nodes.site_address())
+    cp = ControlPlane(
+        Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db_url, host=nodes.site_address()
+    )
     cp.start()
     try:
         yield cp

@@ -26,19 +26,33 @@ class FakeNode:
         return answer
 
     def register(self) -> None:
-        joined = self.call("POST", "/api/v1/nodes/register", {
-            "name": self.name, "cluster_id": self.cluster_id, "host": self.name,
-            "stasis_version": "0.test", "criu_version": "4.0", "check_ok": True})
+        joined = self.call(
+            "POST",
+            "/api/v1/nodes/register",
+            {
+                "name": self.name,
+                "cluster_id": self.cluster_id,
+                "host": self.name,
+                "stasis_version": "0.test",
+                "criu_version": "4.0",
+                "check_ok": True,
+            },
+        )
         if not self.token:
             # (a control plane without node credentials answers none: the cluster token)
             self.token = joined.get("node_token", "")
 
-    def heartbeat(self, jobs: list[dict[str, Any]], scheduler_state: str | None = None
-                  ) -> None:
-        self.call("POST", f"/api/v1/nodes/{self.name}/heartbeat",
-                  {"jobs": [{"state": "running", "label": j["job"], "user": "alice", **j}
-                            for j in jobs],
-                   "scheduler_state": scheduler_state})
+    def heartbeat(self, jobs: list[dict[str, Any]], scheduler_state: str | None = None) -> None:
+        self.call(
+            "POST",
+            f"/api/v1/nodes/{self.name}/heartbeat",
+            {
+                "jobs": [
+                    {"state": "running", "label": j["job"], "user": "alice", **j} for j in jobs
+                ],
+                "scheduler_state": scheduler_state,
+            },
+        )
 
     def beat(self, **body: Any) -> None:
         """A heartbeat with what the test gives (activity, verdicts, jobs...)."""
@@ -46,19 +60,34 @@ class FakeNode:
 
     def took(self, checkpoint: str, label: str, at: float, user: str = "alice") -> None:
         """Reports a checkpoint it took (as its daemon's activity would)."""
-        self.beat(activity=[{"kind": "checkpoint", "checkpoint": checkpoint, "label": label,
-                             "job": f"job-{label}", "user": user, "size_bytes": 4096,
-                             "work_s": 1.0, "duration_s": 0.1, "at": at}])
+        self.beat(
+            activity=[
+                {
+                    "kind": "checkpoint",
+                    "checkpoint": checkpoint,
+                    "label": label,
+                    "job": f"job-{label}",
+                    "user": user,
+                    "size_bytes": 4096,
+                    "work_s": 1.0,
+                    "duration_s": 0.1,
+                    "at": at,
+                }
+            ]
+        )
 
     def lease(self) -> dict[str, Any] | None:
         got: dict[str, Any] | None = self.call(
-            "POST", f"/api/v1/nodes/{self.name}/commands/lease", {})
+            "POST", f"/api/v1/nodes/{self.name}/commands/lease", {}
+        )
         if got is not None:
             self.leases[got["id"]] = got["lease_id"]
         return got
 
     def ack(self, command_id: str, ok: bool, result: dict[str, Any]) -> dict[str, Any]:
-        done: dict[str, Any] = self.call("POST", f"/api/v1/commands/{command_id}/ack",
-                                         {"lease_id": self.leases.get(command_id, ""),
-                                          "ok": ok, "result": result})
+        done: dict[str, Any] = self.call(
+            "POST",
+            f"/api/v1/commands/{command_id}/ack",
+            {"lease_id": self.leases.get(command_id, ""), "ok": ok, "result": result},
+        )
         return done

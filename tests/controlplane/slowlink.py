@@ -31,10 +31,8 @@ class SlowLink:
                 return
             with self._lock:
                 self._conns += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True),
-                             daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False),
-                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _wait_for_room(self, n: int) -> None:
         with self._lock:
@@ -71,6 +69,7 @@ class SlowLink:
     def __enter__(self) -> SlowLink:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

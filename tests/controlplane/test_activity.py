@@ -17,7 +17,8 @@ from tests.controlplane.test_node import node_credential, node_env
 
 
 def test_checkpoints_and_restores_reported_with_the_work_they_keep(
-        controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     cp = controlplane
     cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     d = new_daemon(world_tmp, "node-r", env=node_env(cp, cluster, "node-r"))
@@ -26,11 +27,18 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         job = d.run(*workload("counter.py"), label="kept", user=test_user.pw_name)["job"]
         time.sleep(2.0)  # work the checkpoint will hold
         first = d.json("dump", job, "--leave-running")
-        ckpts: list[Any] = wait_for(lambda: cp.json("checkpoints") or None, 20,
-                                    "the checkpoint report")
+        ckpts: list[Any] = wait_for(
+            lambda: cp.json("checkpoints") or None, 20, "the checkpoint report"
+        )
         (c,) = ckpts
         assert (c["id"], c["job"], c["label"], c["user"], c["node"], c["cluster"]) == (
-            first["checkpoint"], job, "kept", test_user.pw_name, "node-r", "hpc")
+            first["checkpoint"],
+            job,
+            "kept",
+            test_user.pw_name,
+            "node-r",
+            "hpc",
+        )
         assert c["size_bytes"] == first["size_bytes"] > 0
         assert c["duration_s"] == first["duration_s"] and c["frozen_s"] > 0
         assert c["leave_running"] is True and c["reason"] == "asked"
@@ -43,8 +51,9 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         stopped = d.json("dump", job)  # stops it
         wait_for(lambda: len(cp.json("checkpoints")) == 2, 20, "the second report")
         restored = d.json("restore", stopped["checkpoint"])
-        saved: dict[str, Any] = wait_for(lambda: (s := cp.json("savings"))["restores"] and s, 20,
-                         "the restore report")
+        saved: dict[str, Any] = wait_for(
+            lambda: (s := cp.json("savings"))["restores"] and s, 20, "the restore report"
+        )
         (stop_ckpt,) = [x for x in cp.json("checkpoints") if x["id"] == stopped["checkpoint"]]
         assert stop_ckpt["leave_running"] is False and stop_ckpt["work_s"] > c["work_s"]
         hours = round(stop_ckpt["work_s"] / 3600, 4)
@@ -65,15 +74,31 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         assert third["work_s"] > stop_ckpt["work_s"] + 0.9, (third, stop_ckpt)
 
         # The same report twice (a heartbeat whose answer was lost) changes nothing.
-        report = {"kind": "restore", "checkpoint": stopped["checkpoint"], "label": "kept",
-                  "job": restored["job"], "user": test_user.pw_name, "size_bytes": 1,
-                  "work_s": 99.0, "duration_s": 0.1, "at": time.time()}
-        status, _ = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", node_credential(d),
-                            {"jobs": [], "activity": [report]})
+        report = {
+            "kind": "restore",
+            "checkpoint": stopped["checkpoint"],
+            "label": "kept",
+            "job": restored["job"],
+            "user": test_user.pw_name,
+            "size_bytes": 1,
+            "work_s": 99.0,
+            "duration_s": 0.1,
+            "at": time.time(),
+        }
+        status, _ = cp.call(
+            "POST",
+            "/api/v1/nodes/node-r/heartbeat",
+            node_credential(d),
+            {"jobs": [], "activity": [report]},
+        )
         assert status == 200
         assert cp.json("savings")["node_hours"] == hours
-        status, body = cp.call("POST", "/api/v1/nodes/node-r/heartbeat", node_credential(d),
-                               {"jobs": [], "activity": [{**report, "checkpoint": "../x"}]})
+        status, body = cp.call(
+            "POST",
+            "/api/v1/nodes/node-r/heartbeat",
+            node_credential(d),
+            {"jobs": [], "activity": [{**report, "checkpoint": "../x"}]},
+        )
         assert status == 400 and "checkpoint" in body["error"], body
         metrics = scrape(cp, cp.admin)
         assert 'stasis_reported_checkpoints_total{cluster="hpc"} 3\n' in metrics, metrics

@@ -37,8 +37,13 @@ from tests.conftest import wait_for, workload
 from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.test_commands import site_nodes
 
-ARTIFACTS = Path(os.environ.get("STASIS_TEST_ARTIFACTS")
-                 or Path(__file__).resolve().parents[2] / "build" / "test-artifacts") / "dashboard"
+ARTIFACTS = (
+    Path(
+        os.environ.get("STASIS_TEST_ARTIFACTS")
+        or Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
+    )
+    / "dashboard"
+)
 
 
 @pytest.fixture
@@ -46,10 +51,19 @@ def browser(world_tmp: Path) -> Iterator[WebDriver]:
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
     # Root in a container: no sandbox; the rest keeps chromium off the (closed) network.
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--window-size=1400,900",
-                 f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-', dir=world_tmp)}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,900",
+        f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-', dir=world_tmp)}",
+    ):
         opts.add_argument(flag)
     driver = webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver"))
     driver.set_page_load_timeout(30)
@@ -68,9 +82,13 @@ def rows(driver: WebDriver, css: str) -> list[dict[str, str]]:
     """The data-* attributes of the rows `css` finds, read again if the page refreshed them."""
     for _ in range(5):
         try:
-            return [{k: str(e.get_attribute(f"data-{k}") or "")
-                     for k in ("job", "node", "label", "checkpoint", "state")}
-                    for e in driver.find_elements(By.CSS_SELECTOR, css)]
+            return [
+                {
+                    k: str(e.get_attribute(f"data-{k}") or "")
+                    for k in ("job", "node", "label", "checkpoint", "state")
+                }
+                for e in driver.find_elements(By.CSS_SELECTOR, css)
+            ]
         except StaleElementReferenceException:
             continue
     return []
@@ -78,11 +96,13 @@ def rows(driver: WebDriver, css: str) -> list[dict[str, str]]:
 
 def shown(driver: WebDriver, text: str) -> None:
     """`text` in a message of the page the last click led to (once it has loaded)."""
+
     def found() -> bool:
         try:
             return any(text in e.text for e in driver.find_elements(By.CSS_SELECTOR, ".flash"))
         except StaleElementReferenceException:
             return False
+
     wait_for(found, 10, f"the message {text!r}")
 
 
@@ -99,8 +119,12 @@ def click_in_row(driver: WebDriver, row_css: str, button_css: str) -> None:
 # SQLite only: the browser drives the API whose commands test_commands runs on both.
 @SQLITE_ONLY
 def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
-        controlplane: ControlPlane, world_tmp: Path, site_key: Path, browser: WebDriver,
-        test_user: pwd.struct_passwd) -> None:
+    controlplane: ControlPlane,
+    world_tmp: Path,
+    site_key: Path,
+    browser: WebDriver,
+    test_user: pwd.struct_passwd,
+) -> None:
     cp, driver = controlplane, browser
     with site_nodes(cp, world_tmp, site_key, "node-a", "node-b") as nodes:
         a, b = nodes["node-a"], nodes["node-b"]
@@ -115,8 +139,12 @@ def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
         driver.find_element(By.ID, "token").send_keys(cp.admin)
         driver.find_element(By.ID, "login").click()
         wait_for(lambda: driver.current_url.endswith("/ui/"), 10, "the nodes page")
-        wait_for(lambda: {r["node"] for r in rows(driver, "#nodes tr[data-node]")} ==
-                 {"node-a", "node-b"}, 30, "both nodes on the page")
+        wait_for(
+            lambda: {r["node"] for r in rows(driver, "#nodes tr[data-node]")}
+            == {"node-a", "node-b"},
+            30,
+            "both nodes on the page",
+        )
         shot(driver, "nodes")
 
         driver.get(cp.url + "/ui/jobs")
@@ -128,21 +156,29 @@ def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
         shown(driver, f"checkpoint of job {job} on node node-a asked")
 
         driver.get(cp.url + "/ui/checkpoints")
-        ckpts = wait_for(lambda: rows(driver, f'#checkpoints tr[data-job="{job}"]'), 30,
-                         "the checkpoint to appear (live refresh)")
+        ckpts = wait_for(
+            lambda: rows(driver, f'#checkpoints tr[data-job="{job}"]'),
+            30,
+            "the checkpoint to appear (live refresh)",
+        )
         assert [c["id"] for c in a.json("checkpoints")] == [ckpts[0]["checkpoint"]]
         assert "dashboard" in driver.find_element(By.ID, "checkpoints").text  # its reason
         shot(driver, "checkpoints")
 
         driver.get(cp.url + "/ui/jobs")
         wait_for(lambda: rows(driver, mine), 30, "the job again")
-        Select(driver.find_element(By.CSS_SELECTOR, f"{mine} select.to")).select_by_value(
-            "node-b")
+        Select(driver.find_element(By.CSS_SELECTOR, f"{mine} select.to")).select_by_value("node-b")
         click_in_row(driver, mine, "button.migrate")
         shown(driver, f"job {job} is being moved from node-a to node-b")
-        moved = wait_for(lambda: [r for r in rows(driver, "#jobs tr[data-job]")
-                                  if r["label"] == "web" and r["node"] == "node-b"], 60,
-                         "the job running on node-b (live refresh)")
+        moved = wait_for(
+            lambda: [
+                r
+                for r in rows(driver, "#jobs tr[data-job]")
+                if r["label"] == "web" and r["node"] == "node-b"
+            ],
+            60,
+            "the job running on node-b (live refresh)",
+        )
         shot(driver, "jobs-migrated")
         new = moved[0]["job"]
         assert new != job and a.job(job)["state"] == "checkpointed"
@@ -152,12 +188,19 @@ def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
         assert after[len(before)] == before[-1] + 1  # went on, not from 0
 
         driver.get(cp.url + "/ui/actions")
-        wait_for(lambda: sorted(r["state"] for r in rows(driver, "#actions tr[data-command]"))
-                 == ["done"] * 3, 30, f"the three commands done: {cp.json('actions')}")
+        wait_for(
+            lambda: sorted(r["state"] for r in rows(driver, "#actions tr[data-command]"))
+            == ["done"] * 3,
+            30,
+            f"the three commands done: {cp.json('actions')}",
+        )
         shot(driver, "actions")
         driver.get(cp.url + "/ui/savings")
-        wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#chart rect"), 30,
-                 "the restore in the savings")
+        wait_for(
+            lambda: driver.find_elements(By.CSS_SELECTOR, "#chart rect"),
+            30,
+            "the restore in the savings",
+        )
         assert "1 restore(s)" in driver.find_element(By.ID, "total").text
         shot(driver, "savings")
         driver.get(cp.url + "/ui/events")
@@ -171,9 +214,12 @@ def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in driver.page_source
         driver.find_element(By.NAME, "name").send_keys("hourly")
         driver.find_element(By.CSS_SELECTOR, "#new-policy button").click()
-        wait_for(lambda: rows(driver, '#policies tr[data-policy="hourly"]') or
-                 driver.find_elements(By.CSS_SELECTOR, '#policies tr[data-policy="hourly"]'),
-                 10, "the policy listed")
+        wait_for(
+            lambda: rows(driver, '#policies tr[data-policy="hourly"]')
+            or driver.find_elements(By.CSS_SELECTOR, '#policies tr[data-policy="hourly"]'),
+            10,
+            "the policy listed",
+        )
         shot(driver, "policies")
         assert [p["name"] for p in cp.json("policies", "list")] == ["hourly"]
         # Edited in place: its form, filled in; one field changed, the rest kept.
@@ -183,14 +229,16 @@ def test_the_dashboard_checkpoints_and_migrates_a_job_from_the_browser(
         assert every.get_attribute("value") == "3600"
         every.clear()
         every.send_keys("7200")
-        driver.find_element(By.CSS_SELECTOR, '#edit-policy input[name="label"]').send_keys(
-            "web*")
+        driver.find_element(By.CSS_SELECTOR, '#edit-policy input[name="label"]').send_keys("web*")
         shot(driver, "policy-edit")
         driver.find_element(By.CSS_SELECTOR, "#edit-policy button").click()
         shown(driver, "policy hourly saved")
         (edited,) = cp.json("policies", "list")
         assert (edited["every_s"], edited["filters"], edited["action"]) == (
-            7200, {"label": "web*"}, "checkpoint")
+            7200,
+            {"label": "web*"},
+            "checkpoint",
+        )
         driver.find_element(By.CSS_SELECTOR, ".logout button").click()
         wait_for(lambda: driver.current_url.endswith("/ui/login"), 10, "the log-in page")
         driver.get(cp.url + "/ui/jobs")
@@ -203,14 +251,21 @@ class Browserless:
     def __init__(self, cp: ControlPlane) -> None:
         self.cp = cp
         self.jar = http.cookiejar.CookieJar()
-        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.jar),
-                                                  _NoRedirect())
+        self.opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(self.jar), _NoRedirect()
+        )
 
-    def call(self, method: str, path: str, form: dict[str, str] | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, str, str]:
+    def call(
+        self,
+        method: str,
+        path: str,
+        form: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, str, str]:
         data = urllib.parse.urlencode(form).encode() if form is not None else None
-        req = urllib.request.Request(self.cp.url + path, data=data, method=method,
-                                     headers=headers or {})
+        req = urllib.request.Request(
+            self.cp.url + path, data=data, method=method, headers=headers or {}
+        )
         try:
             with self.opener.open(req, timeout=20) as r:
                 return r.status, r.headers.get("Location", ""), r.read().decode()
@@ -231,8 +286,10 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def test_dashboard_sessions_csrf_and_scoping(world_tmp: Path) -> None:
-    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
-                      str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"))
+    cp = ControlPlane(
+        Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
+        str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"),
+    )
     cp.start("--session-ttl", "3s")
     try:
         web = Browserless(cp)
@@ -248,29 +305,44 @@ def test_dashboard_sessions_csrf_and_scoping(world_tmp: Path) -> None:
             assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
             assert r.headers["X-Frame-Options"] == "DENY"
         # A form without the CSRF token, with a wrong one, or from another origin: refused.
-        for form, headers in (({"name": "p1", "every_s": "60", "action": "checkpoint"}, {}),
-                              ({"name": "p1", "every_s": "60", "action": "checkpoint",
-                                "csrf": "x" * 43}, {}),
-                              ({"name": "p1", "every_s": "60", "action": "checkpoint",
-                                "csrf": csrf}, {"Origin": "http://evil.example"})):
+        for form, headers in (
+            ({"name": "p1", "every_s": "60", "action": "checkpoint"}, {}),
+            ({"name": "p1", "every_s": "60", "action": "checkpoint", "csrf": "x" * 43}, {}),
+            (
+                {"name": "p1", "every_s": "60", "action": "checkpoint", "csrf": csrf},
+                {"Origin": "http://evil.example"},
+            ),
+        ):
             status, _, body = web.call("POST", "/ui/policies", form, headers)
             assert status == 403, (status, body)
         assert cp.json("policies", "list") == []
-        status, where, _ = web.call("POST", "/ui/policies", {
-            "name": "p1", "every_s": "60", "action": "checkpoint", "csrf": csrf})
+        status, where, _ = web.call(
+            "POST",
+            "/ui/policies",
+            {"name": "p1", "every_s": "60", "action": "checkpoint", "csrf": csrf},
+        )
         assert (status, where) == (303, "/ui/policies")
         assert [p["name"] for p in cp.json("policies", "list")] == ["p1"]
         # Hostile input in a path and a field: an error shown escaped, nothing done.
-        status, _, _ = web.call("POST", "/ui/jobs/%3Cscript%3Ex'%20OR%201=1--/checkpoint",
-                                {"csrf": csrf})
+        status, _, _ = web.call(
+            "POST", "/ui/jobs/%3Cscript%3Ex'%20OR%201=1--/checkpoint", {"csrf": csrf}
+        )
         assert status == 303
         status, _, page = web.call("GET", "/ui/jobs")
-        assert ("job id &#34;&lt;script&gt;x&#39; OR 1=1--&#34; has characters a job id "
-                "cannot have") in page, page
+        assert (
+            "job id &#34;&lt;script&gt;x&#39; OR 1=1--&#34; has characters a job id " "cannot have"
+        ) in page, page
         assert "<script>x" not in page
-        status, _, _ = web.call("POST", "/ui/policies", {
-            "name": "p2", "every_s": "1; DROP TABLE policies", "action": "checkpoint",
-            "csrf": csrf})
+        status, _, _ = web.call(
+            "POST",
+            "/ui/policies",
+            {
+                "name": "p2",
+                "every_s": "1; DROP TABLE policies",
+                "action": "checkpoint",
+                "csrf": csrf,
+            },
+        )
         status, _, page = web.call("GET", "/ui/policies")
         assert "every_s: a whole number, not &#39;1; DROP TABLE policies&#39;" in page
         assert [p["name"] for p in cp.json("policies", "list")] == ["p1"]
@@ -292,8 +364,13 @@ def test_dashboard_sessions_csrf_and_scoping(world_tmp: Path) -> None:
         status, _, _ = viewer.call("POST", "/ui/policies/p1/delete", {"csrf": csrf})
         assert status == 303 and [p["name"] for p in cp.json("policies", "list")] == ["p1"]
         # Revoking the token ends its sessions.
-        cp.json("tokens", "revoke", next(t["id"] for t in cp.json("tokens", "list")
-                                        if t["cluster_id"] == hpc["cluster_id"]))
+        cp.json(
+            "tokens",
+            "revoke",
+            next(
+                t["id"] for t in cp.json("tokens", "list") if t["cluster_id"] == hpc["cluster_id"]
+            ),
+        )
         status, where, _ = viewer.call("GET", "/ui/")
         assert (status, where) == (303, "/ui/login")
     finally:
@@ -304,12 +381,23 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
     """The edit form: filled in with the policy, refused without the session's CSRF token or
     from another origin, refused below the period floor (nothing changed), hostile values kept
     as text and shown escaped; a webhook policy made by the form shows its hook token once."""
-    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
-                      str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"))
+    cp = ControlPlane(
+        Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
+        str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"),
+    )
     cp.start("--min-interval", "60")
     try:
-        cp.json("policies", "add", "nightly", "--every", "1h", "--action", "checkpoint",
-                "--label", "train-*")
+        cp.json(
+            "policies",
+            "add",
+            "nightly",
+            "--every",
+            "1h",
+            "--action",
+            "checkpoint",
+            "--label",
+            "train-*",
+        )
         web = Browserless(cp)
         csrf = web.login(cp.admin)
         status, _, page = web.call("GET", "/ui/policies")
@@ -321,8 +409,14 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
         assert 'name="enabled" value="1" checked' in form
 
         def fields(**changes: str | None) -> dict[str, str]:
-            base = {"trigger": "every", "every_s": "3600", "action": "checkpoint",
-                    "label": "train-*", "enabled": "1", "csrf": csrf}
+            base = {
+                "trigger": "every",
+                "every_s": "3600",
+                "action": "checkpoint",
+                "label": "train-*",
+                "enabled": "1",
+                "csrf": csrf,
+            }
             return {k: v for k, v in {**base, **changes}.items() if v is not None}
 
         def listed() -> dict[str, Any]:
@@ -330,15 +424,19 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
             return {k: v for k, v in p.items() if k != "last_run"}
 
         before = listed()
-        for form_fields, headers in ((fields(every_s="7200", csrf=""), {}),
-                                     (fields(every_s="7200", csrf="x" * 43), {}),
-                                     (fields(every_s="7200"), {"Origin": "http://evil.example"})):
-            status, _, body = web.call("POST", "/ui/policies/nightly/edit", form_fields,
-                                       headers)
+        for form_fields, headers in (
+            (fields(every_s="7200", csrf=""), {}),
+            (fields(every_s="7200", csrf="x" * 43), {}),
+            (fields(every_s="7200"), {"Origin": "http://evil.example"}),
+        ):
+            status, _, body = web.call("POST", "/ui/policies/nightly/edit", form_fields, headers)
             assert status == 403, (status, body)
         assert listed() == before
-        status, where, _ = web.call("POST", "/ui/policies/nightly/edit",
-                                    fields(every_s="7200", user="<script>alert(1)</script>"))
+        status, where, _ = web.call(
+            "POST",
+            "/ui/policies/nightly/edit",
+            fields(every_s="7200", user="<script>alert(1)</script>"),
+        )
         assert (status, where) == (303, "/ui/policies")
         now = listed()
         assert now["every_s"] == 7200
@@ -349,12 +447,20 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
 
         # Refused: below the floor, a bad number; nothing changed, the reason shown escaped.
         saved = listed()
-        for bad, said in (({"every_s": "30"}, "every 30 s is below this control plane&#39;s "
-                                               "floor of 60 s between runs"),
-                          ({"every_s": "1; DROP TABLE policies"},
-                           "every_s: a whole number, not &#39;1; DROP TABLE policies&#39;"),
-                          ({"threshold_pct": "<b>9</b>", "trigger": "memory"},
-                           "threshold_pct: a number, not &#39;&lt;b&gt;9&lt;/b&gt;&#39;")):
+        for bad, said in (
+            (
+                {"every_s": "30"},
+                "every 30 s is below this control plane&#39;s " "floor of 60 s between runs",
+            ),
+            (
+                {"every_s": "1; DROP TABLE policies"},
+                "every_s: a whole number, not &#39;1; DROP TABLE policies&#39;",
+            ),
+            (
+                {"threshold_pct": "<b>9</b>", "trigger": "memory"},
+                "threshold_pct: a number, not &#39;&lt;b&gt;9&lt;/b&gt;&#39;",
+            ),
+        ):
             status, where, _ = web.call("POST", "/ui/policies/nightly/edit", fields(**bad))
             assert (status, where) == (303, "/ui/policies")
             status, _, page = web.call("GET", "/ui/policies")
@@ -363,14 +469,17 @@ def test_dashboard_edits_a_policy_in_place(world_tmp: Path) -> None:
         status, _, page = web.call("GET", "/ui/policies/%3Cscript%3Ex/edit")
         assert status == 404 and "no policy &lt;script&gt;x" in page
         # Made a webhook policy (every 0): its hook token, once.
-        status, _, _ = web.call("POST", "/ui/policies/nightly/edit",
-                                fields(every_s="0", enabled=None))
+        status, _, _ = web.call(
+            "POST", "/ui/policies/nightly/edit", fields(every_s="0", enabled=None)
+        )
         status, _, page = web.call("GET", "/ui/policies")
         token = page.split("its hook token (shown once, it runs this policy only): ")[1][:55]
         assert token.startswith("stasis_hook_"), page
         assert "(hook token)" in page and ">disabled<" in page
         assert cp.call("POST", "/api/v1/policies/nightly/run", token) == (
-            400, {"error": "policy nightly is disabled (`policies edit nightly --enable`)"})
+            400,
+            {"error": "policy nightly is disabled (`policies edit nightly --enable`)"},
+        )
         status, _, page = web.call("GET", "/ui/policies")
         assert token not in page  # shown once
     finally:
@@ -406,16 +515,17 @@ class _Rows(html.parser.HTMLParser):
             self._form = None
 
 
-def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
-        world_tmp: Path) -> None:
+def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(world_tmp: Path) -> None:
     """A node of one cluster reports job ids made to turn the admin's click on its row into an
     action on another cluster's job ("x/../victimjob": the browser resolves the form's URL to
     /ui/jobs/victimjob/checkpoint) or to break out of the page's HTML. The API refuses them; rows
     that still hold them (written before the API checked) get no form, and show as text."""
     from tests.controlplane.fakenode import FakeNode
 
-    cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
-                      str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"))
+    cp = ControlPlane(
+        Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)),
+        str(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)) / "cp.db"),
+    )
     cp.start()
     try:
         victims = cp.json("clusters", "add", "victims", "--kind", "slurm")
@@ -428,18 +538,34 @@ def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
         evil2 = FakeNode(cp, attackers, "evil-node-2")  # a migration target for its rows
         evil2.register()
         evil2.heartbeat([])
-        hostile = ["x/../victimjob", "..", "../victimjob", '"><b id="injected">x</b>', "a/b", "x?y#z"]
+        hostile = [
+            "x/../victimjob",
+            "..",
+            "../victimjob",
+            '"><b id="injected">x</b>',
+            "a/b",
+            "x?y#z",
+        ]
         for job in hostile:
-            status, answer = cp.call("POST", "/api/v1/nodes/evil-node/heartbeat", evil.token,
-                                     {"jobs": [{"job": job, "state": "running"}]})
+            status, answer = cp.call(
+                "POST",
+                "/api/v1/nodes/evil-node/heartbeat",
+                evil.token,
+                {"jobs": [{"job": job, "state": "running"}]},
+            )
             assert status == 400, (job, status, answer)
         # Rows the API would refuse today, already in the database.
         import sqlite3
 
         with closing(sqlite3.connect(cp.db)) as db, db:
-            db.execute("UPDATE nodes SET job_list = ? WHERE name = 'evil-node'",
-                       (json.dumps([{"job": j, "state": "running", "label": "l", "user": "u"}
-                                    for j in hostile]),))
+            db.execute(
+                "UPDATE nodes SET job_list = ? WHERE name = 'evil-node'",
+                (
+                    json.dumps(
+                        [{"job": j, "state": "running", "label": "l", "user": "u"} for j in hostile]
+                    ),
+                ),
+            )
         web = Browserless(cp)
         csrf = web.login(cp.admin)
         status, _, page = web.call("GET", "/ui/jobs")
@@ -457,16 +583,22 @@ def test_a_hostile_job_id_from_a_node_aims_no_dashboard_form_elsewhere(
             if node != "evil-node":
                 continue
             for form in row["forms"]:
-                target = urllib.parse.urlsplit(urllib.parse.urljoin(cp.url + "/ui/jobs",
-                                                                    form["action"]))
+                target = urllib.parse.urlsplit(
+                    urllib.parse.urljoin(cp.url + "/ui/jobs", form["action"])
+                )
                 aimed.append((job, target.path))
-                web.call("POST", target.path + (f"?{target.query}" if target.query else ""),
-                         {**form["fields"], "csrf": csrf})
+                web.call(
+                    "POST",
+                    target.path + (f"?{target.query}" if target.query else ""),
+                    {**form["fields"], "csrf": csrf},
+                )
         assert not [c for c in cp.json("actions") if c["node"] == "victim-node"]
         assert victim.lease() is None  # nothing queued for the victim's node
         for job, path in aimed:
-            assert path.startswith("/ui/jobs/" + urllib.parse.quote(job, safe="") + "/"), \
-                (job, path)
+            assert path.startswith("/ui/jobs/" + urllib.parse.quote(job, safe="") + "/"), (
+                job,
+                path,
+            )
     finally:
         cp.stop()
 
@@ -489,14 +621,18 @@ def test_a_node_credential_or_hook_token_logs_in_to_no_dashboard(world_tmp: Path
         assert node.token.startswith("stasis_node_")
         hook = cp.json("policies", "add", "hooked", "--on", "webhook", "--action", "checkpoint")
         assert hook["hook_token"].startswith("stasis_hook_")
-        for token, what in ((node.token, "a node's credential"),
-                            (hook["hook_token"], "a policy's hook token")):
+        for token, what in (
+            (node.token, "a node's credential"),
+            (hook["hook_token"], "a policy's hook token"),
+        ):
             web = Browserless(cp)
             status, where, page = web.call("POST", "/ui/login", {"token": token})
             assert status == 401 and where == "", (status, where)
             said = html.unescape(page.split('id="error">')[1].split("</p>")[0])
-            assert said == (f"{what} does not log in to the dashboard: log in with the admin "
-                            "token or a cluster's token"), said
+            assert said == (
+                f"{what} does not log in to the dashboard: log in with the admin "
+                "token or a cluster's token"
+            ), said
             assert not [c for c in web.jar if c.name == "stasis_session"]
             with closing(sqlite3.connect(db)) as conn:
                 assert conn.execute("SELECT count(*) FROM sessions").fetchone() == (0,)

@@ -19,14 +19,17 @@ def drain(cp: ControlPlane, node: str) -> tuple[int, Any]:
 
 
 def test_a_kubernetes_node_is_drained_by_its_daemon_and_its_own_jobs_migrate(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     cp = controlplane
     kube = cp.json("clusters", "add", "kube", "--kind", "kubernetes")
     a, b, c = (FakeNode(cp, kube, n) for n in ("kn-a", "kn-b", "kn-c"))
     for n in (a, b, c):
         n.register()
-    a.heartbeat([{"job": "ctr-1", "kind": "container", "partition": "ml"},
-                 {"job": "d1"}], scheduler_state="Ready")
+    a.heartbeat(
+        [{"job": "ctr-1", "kind": "container", "partition": "ml"}, {"job": "d1"}],
+        scheduler_state="Ready",
+    )
     b.heartbeat([], scheduler_state="Ready")
     c.heartbeat([{"job": "ctr-2", "kind": "container"}])  # no Kubernetes API: no state
 
@@ -40,9 +43,15 @@ def test_a_kubernetes_node_is_drained_by_its_daemon_and_its_own_jobs_migrate(
     # The node leases the drain first, then the migration's checkpoint; nothing for ctr-1.
     first = a.lease()
     assert first is not None and first["id"] == plan["drain"]["id"]
-    done = a.ack(first["id"], True, {"requeued": [{"job": "ctr-1", "checkpoint": "ck1",
-                                                   "label": "ctr-1", "pod": "ml/p-1"}],
-                                     "evicted": ["ml/p-1"], "failed": []})
+    done = a.ack(
+        first["id"],
+        True,
+        {
+            "requeued": [{"job": "ctr-1", "checkpoint": "ck1", "label": "ctr-1", "pod": "ml/p-1"}],
+            "evicted": ["ml/p-1"],
+            "failed": [],
+        },
+    )
     assert done["state"] == "done"
     second = a.lease()
     assert second is not None and second["id"] == moved["id"]
@@ -52,15 +61,24 @@ def test_a_kubernetes_node_is_drained_by_its_daemon_and_its_own_jobs_migrate(
 
     # A node that reports no scheduler state: its containers cannot be drained from here.
     status, said = drain(cp, "kn-c")
-    assert (status, said) == (400, {"error": "node kn-c reports no scheduler state: its 1 "
-                                             "container job(s) cannot be drained in their "
-                                             "scheduler from here"})
+    assert (status, said) == (
+        400,
+        {
+            "error": "node kn-c reports no scheduler state: its 1 "
+            "container job(s) cannot be drained in their "
+            "scheduler from here"
+        },
+    )
     assert c.lease() is None  # nothing queued
     # A node with none of the scheduler's jobs and no state: nothing for its daemon to do.
     c.heartbeat([])
     status, plan = drain(cp, "kn-c")
-    assert status == 201 and plan["drain"] is None and plan["handled"] == [] and \
-        plan["migrations"] == []
+    assert (
+        status == 201
+        and plan["drain"] is None
+        and plan["handled"] == []
+        and plan["migrations"] == []
+    )
 
 
 def test_a_slurm_node_is_drained_as_before(controlplane: ControlPlane) -> None:
@@ -69,8 +87,10 @@ def test_a_slurm_node_is_drained_as_before(controlplane: ControlPlane) -> None:
     a, b = FakeNode(cp, hpc, "sn-a"), FakeNode(cp, hpc, "sn-b")
     for n in (a, b):
         n.register()
-    a.heartbeat([{"job": "1234", "kind": "slurm", "partition": "debug"}, {"job": "d1"}],
-                scheduler_state="MIXED")
+    a.heartbeat(
+        [{"job": "1234", "kind": "slurm", "partition": "debug"}, {"job": "d1"}],
+        scheduler_state="MIXED",
+    )
     b.heartbeat([{"job": "d2"}])  # stasis's own jobs only: no Slurm state
     status, plan = drain(cp, "sn-a")
     assert status == 201 and plan["drain"]["node"] == "sn-a"
@@ -81,6 +101,8 @@ def test_a_slurm_node_is_drained_as_before(controlplane: ControlPlane) -> None:
     solo.register()
     solo.heartbeat([{"job": "1235", "kind": "slurm"}, {"job": "d3"}], scheduler_state="IDLE")
     status, said = drain(cp, "solo")
-    assert (status, said) == (400, {"error": "no other ready node in cluster lab to take the "
-                                             "1 job(s) of solo"})
+    assert (status, said) == (
+        400,
+        {"error": "no other ready node in cluster lab to take the " "1 job(s) of solo"},
+    )
     assert solo.lease() is None

@@ -83,8 +83,9 @@ class Partition:
             except OSError:
                 return
             with server:
-                back = threading.Thread(target=self._pump, args=(server, client, bytearray()),
-                                        daemon=True)
+                back = threading.Thread(
+                    target=self._pump, args=(server, client, bytearray()), daemon=True
+                )
                 back.start()
                 self._pump(client, server, None)
                 back.join()
@@ -132,8 +133,7 @@ class Partition:
 
 
 class Site:
-    def __init__(self, cp: ControlPlane, link: Partition, s: Daemon, a: Daemon,
-                 c: Daemon) -> None:
+    def __init__(self, cp: ControlPlane, link: Partition, s: Daemon, a: Daemon, c: Daemon) -> None:
         self.cp, self.link, self.s, self.a, self.c = cp, link, s, a, c
 
 
@@ -152,10 +152,18 @@ def site(request: pytest.FixtureRequest, world_tmp: Path, site_key: Path) -> Ite
     store = Path(tempfile.mkdtemp(prefix="cp-fence-store-", dir=world_tmp))
 
     def node(name: str, url: str) -> Daemon:
-        return new_daemon(world_tmp, name, store=str(store), separate=True, env={
-            **node_env(cp, hpc, name), "STASIS_CONTROLPLANE_URL": url,
-            "STASIS_SITE_KEY": str(site_key),
-            "STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S": commit_timeout_s})
+        return new_daemon(
+            world_tmp,
+            name,
+            store=str(store),
+            separate=True,
+            env={
+                **node_env(cp, hpc, name),
+                "STASIS_CONTROLPLANE_URL": url,
+                "STASIS_SITE_KEY": str(site_key),
+                "STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S": commit_timeout_s,
+            },
+        )
 
     daemons = [node("node-s", cp.url), node("node-a", link.url), node("node-c", cp.url)]
     started: list[Daemon] = []
@@ -163,8 +171,12 @@ def site(request: pytest.FixtureRequest, world_tmp: Path, site_key: Path) -> Ite
         for d in daemons:
             d.start()
             started.append(d)
-        wait_for(lambda: {n["name"]: n["state"] for n in cp.json("nodes")} == dict.fromkeys(
-            ("node-s", "node-a", "node-c"), "ready"), 60, "the nodes to join")
+        wait_for(
+            lambda: {n["name"]: n["state"] for n in cp.json("nodes")}
+            == dict.fromkeys(("node-s", "node-a", "node-c"), "ready"),
+            60,
+            "the nodes to join",
+        )
         yield Site(cp, link, *daemons)
     finally:
         link.close()
@@ -183,8 +195,9 @@ def command(cp: ControlPlane, command_id: str) -> dict[str, Any]:
 def running(d: Daemon, label: str) -> list[dict[str, Any]]:
     """The jobs of `label` whose tree runs on `d` (a restore's tree still at its gate is
     `restoring`: stopped, not running)."""
-    return [j for j in d.json("ps") if j["state"] in ("running", "restored")
-            and j["label"] == label]
+    return [
+        j for j in d.json("ps") if j["state"] in ("running", "restored") and j["label"] == label
+    ]
 
 
 def counted(d: Daemon, job: str) -> list[int]:
@@ -202,8 +215,9 @@ class Moved:
         job = s.run(*workload("counter.py", self.interval), label=self.label, user=user)["job"]
         wait_for(lambda: len(s.log_of(job).split()) >= 3, 30, "the counter to count")
         wait_for(lambda: job in [j["job"] for j in cp.json("jobs")], 30, "the job's report")
-        status, first = cp.call("POST", "/api/v1/migrations", cp.admin,
-                                {"job": job, "to": "node-a"})
+        status, first = cp.call(
+            "POST", "/api/v1/migrations", cp.admin, {"job": job, "to": "node-a"}
+        )
         assert status == 201, first
         assert first["args"]["or_on"] == ["node-c"], first  # where a re-target goes
         # Node A leases the restore and is cut off at once: its heartbeats, its renewals and
@@ -219,6 +233,7 @@ class Moved:
 
     def retargeted(self, cp: ControlPlane) -> dict[str, Any]:
         """A found lost, its restore failed and re-targeted to C, which answered it."""
+
         def answered() -> dict[str, Any] | None:
             r = command(cp, self.restore["id"])
             nxt = (r.get("result") or {}).get("next") if r["state"] == "failed" else None
@@ -232,8 +247,11 @@ class Moved:
         return r_c
 
     def gone_from(self, d: Daemon) -> bool:
-        return not [j for j in d.json("ps") if j["label"] == self.label
-                    and j["state"] in ("restoring", "running", "restored")]
+        return not [
+            j
+            for j in d.json("ps")
+            if j["label"] == self.label and j["state"] in ("restoring", "running", "restored")
+        ]
 
     def runs_once_on(self, d: Daemon, job: str) -> None:
         """The job runs on `d` alone, once: its counter goes on from where it was, each value
@@ -250,7 +268,8 @@ class Moved:
 
 
 def test_a_node_cut_off_while_restoring_is_fenced_and_the_job_runs_once(
-        site: Site, test_user: pwd.struct_passwd) -> None:
+    site: Site, test_user: pwd.struct_passwd
+) -> None:
     cp, a, c = site.cp, site.a, site.c
     m = Moved(site, test_user.pw_name)
     r_a = m.restore
@@ -259,8 +278,11 @@ def test_a_node_cut_off_while_restoring_is_fenced_and_the_job_runs_once(
 
     # Meanwhile node A's daemon went on with its restore, cut off: its tree waits, stopped.
     assert running(a, m.label) == [], a.json("ps")
-    wait_for(lambda: site.link.asked(f"/commands/{r_a['id']}/commit"), 60,
-             "node-a to ask the control plane to commit its restore")
+    wait_for(
+        lambda: site.link.asked(f"/commands/{r_a['id']}/commit"),
+        60,
+        "node-a to ask the control plane to commit its restore",
+    )
     assert running(a, m.label) == [], a.json("ps")
     stopped = [j for j in a.json("ps") if j["label"] == m.label]
     assert [j["state"] for j in stopped] == ["restoring"], stopped
@@ -269,16 +291,22 @@ def test_a_node_cut_off_while_restoring_is_fenced_and_the_job_runs_once(
     site.link.heal()
 
     def fenced() -> list[dict[str, Any]]:
-        return [e for e in cp.json("events") if e["kind"] == "command-fenced"
-                and r_a["id"] in e["message"]]
+        return [
+            e
+            for e in cp.json("events")
+            if e["kind"] == "command-fenced" and r_a["id"] in e["message"]
+        ]
 
     said = wait_for(fenced, 60, "the control plane to fence node-a")
     assert said[0]["node"] == "node-a" and "\n" not in said[0]["message"], said
     assert "node node-a fenced" in said[0]["message"], said
     # A killed its restored tree, never resumed: nothing of the label lives there.
     wait_for(lambda: m.gone_from(a), 60, "node-a to drop its fenced restore")
-    wait_for(lambda: "fenced" in a.root.joinpath("daemon.log").read_text(), 30,
-             "node-a's log to say it was fenced")
+    wait_for(
+        lambda: "fenced" in a.root.joinpath("daemon.log").read_text(),
+        30,
+        "node-a's log to say it was fenced",
+    )
     assert command(cp, r_a["id"])["state"] == "failed"
     m.runs_once_on(c, moved)
     assert m.gone_from(a)
@@ -286,22 +314,29 @@ def test_a_node_cut_off_while_restoring_is_fenced_and_the_job_runs_once(
 
 @pytest.mark.parametrize("site", ["3"], indirect=True)
 def test_a_node_that_cannot_reach_the_control_plane_never_resumes(
-        site: Site, test_user: pwd.struct_passwd) -> None:
+    site: Site, test_user: pwd.struct_passwd
+) -> None:
     """Node A cut off for longer than its commit timeout (3 s): its restored tree is killed
     unresumed while it is still cut off, its checkpoint kept; the re-targeted restore runs the
     job on C, once; A connected again restores nothing."""
     cp, a, c = site.cp, site.a, site.c
     m = Moved(site, test_user.pw_name)
-    wait_for(lambda: site.link.asked(f"/commands/{m.restore['id']}/commit"), 60,
-             "node-a to ask the control plane to commit its restore")
+    wait_for(
+        lambda: site.link.asked(f"/commands/{m.restore['id']}/commit"),
+        60,
+        "node-a to ask the control plane to commit its restore",
+    )
     wait_for(lambda: m.gone_from(a), 60, "node-a to kill its unconfirmed restore")
     assert site.link.cut.is_set()  # decided alone, still cut off
     log = a.root.joinpath("daemon.log").read_text()
     assert "could not confirm within 3 s" in log and "checkpoint" in log, log[-2000:]
     moved = str(m.retargeted(cp)["result"]["job"])
     site.link.heal()
-    wait_for(lambda: {n["name"]: n["state"] for n in cp.json("nodes")}["node-a"] == "ready",
-             30, "node-a to report again")
+    wait_for(
+        lambda: {n["name"]: n["state"] for n in cp.json("nodes")}["node-a"] == "ready",
+        30,
+        "node-a to report again",
+    )
     m.runs_once_on(c, moved)
     assert m.gone_from(a) and command(cp, m.restore["id"])["state"] == "failed"
 
@@ -312,8 +347,11 @@ def fake_site(request: pytest.FixtureRequest, world_tmp: Path) -> Iterator[FakeS
     test_migration_faults): the commit and a re-target decided in one transaction, on both
     databases."""
     root = Path(tempfile.mkdtemp(prefix="cp-fence-", dir=world_tmp))
-    db = str(root / "cp.db") if request.param == "sqlite" else \
-        request.getfixturevalue("postgres").new_database()
+    db = (
+        str(root / "cp.db")
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres").new_database()
+    )
     cp = ControlPlane(root, db)
     cp.start("--command-lease", LEASE_S, "--lost-after", LOST_AFTER_S)
     try:
@@ -335,17 +373,22 @@ def test_a_committed_restore_is_never_retargeted(fake_site: FakeSite) -> None:
     assert got["args"]["fence"] is True, got  # the node is to commit before resuming
     path = f"/api/v1/nodes/b/commands/{got['id']}/commit"
     # Not another node's credential, nor a lease the node does not hold.
-    status, refused = site.cp.call("POST", f"/api/v1/nodes/c/commands/{got['id']}/commit",
-                                   site.nodes["c"].token, {"lease_id": got["lease_id"]})
+    status, refused = site.cp.call(
+        "POST",
+        f"/api/v1/nodes/c/commands/{got['id']}/commit",
+        site.nodes["c"].token,
+        {"lease_id": got["lease_id"]},
+    )
     assert status == 403 and "node b's, not c's" in refused["error"], refused
-    status, refused = site.cp.call("POST", path, site.nodes["c"].token,
-                                   {"lease_id": got["lease_id"]})
+    status, refused = site.cp.call(
+        "POST", path, site.nodes["c"].token, {"lease_id": got["lease_id"]}
+    )
     assert status == 403, refused
-    status, refused = site.cp.call("POST", path, site.nodes["b"].token,
-                                   {"lease_id": "lease_" + "0" * 24})
+    status, refused = site.cp.call(
+        "POST", path, site.nodes["b"].token, {"lease_id": "lease_" + "0" * 24}
+    )
     assert status == 409 and "not leased to node b" in refused["error"], refused
-    status, ok = site.cp.call("POST", path, site.nodes["b"].token,
-                              {"lease_id": got["lease_id"]})
+    status, ok = site.cp.call("POST", path, site.nodes["b"].token, {"lease_id": got["lease_id"]})
     assert (status, ok) == (200, {"id": got["id"], "committed": True}), ok
 
     # b goes silent: lost once its lease ran out; the restore fails, re-targeted nowhere.
@@ -360,16 +403,19 @@ def test_a_committed_restore_is_never_retargeted(fake_site: FakeSite) -> None:
     assert "stasis restore 20260101T000000Z-abcdef" in error and "\n" not in error, error
     assert site.nodes["c"].lease() is None
     # b back with its answer: the job it restored is the one run, said so.
-    status, late = site.cp.call("POST", f"/api/v1/commands/{got['id']}/ack",
-                                site.nodes["b"].token,
-                                {"lease_id": got["lease_id"], "ok": True,
-                                 "result": {"job": "j-2", "checkpoint": "x"}})
+    status, late = site.cp.call(
+        "POST",
+        f"/api/v1/commands/{got['id']}/ack",
+        site.nodes["b"].token,
+        {"lease_id": got["lease_id"], "ok": True, "result": {"job": "j-2", "checkpoint": "x"}},
+    )
     assert status == 200 and late["state"] == "failed", late
     said = [e["message"] for e in site.cp.json("events") if e["kind"] == "command-late"]
     assert any("job j-2, which runs there, once" in m for m in said), said
     # A commit asked again now is refused, and said.
-    status, refused = site.cp.call("POST", path, site.nodes["b"].token,
-                                   {"lease_id": got["lease_id"]})
+    status, refused = site.cp.call(
+        "POST", path, site.nodes["b"].token, {"lease_id": got["lease_id"]}
+    )
     assert status == 409 and "node b fenced" in refused["error"], refused
 
 
@@ -395,12 +441,20 @@ def test_a_checkpoint_half_whose_node_is_lost_queues_no_restore(fake_site: FakeS
     error = c["result"]["error"]
     assert "node src was lost" in error and "job j-1 may still run on node src" in error, error
     assert "\n" not in error
-    done = site.nodes["src"].ack(first["id"], True, {
-        "checkpoint": "20260101T000000Z-abcdef", "label": "j-1", "size_bytes": 1,
-        "seal": {"key_id": "0" * 32, "hmac_sha256": "0" * 64}})
+    done = site.nodes["src"].ack(
+        first["id"],
+        True,
+        {
+            "checkpoint": "20260101T000000Z-abcdef",
+            "label": "j-1",
+            "size_bytes": 1,
+            "seal": {"key_id": "0" * 32, "hmac_sha256": "0" * 64},
+        },
+    )
     assert done["state"] == "failed" and not (done["result"] or {}).get("next"), done
     site.beat("src")
     assert site.nodes["b"].lease() is None  # nothing to restore: the job does not run twice
     said = [e["message"] for e in site.cp.json("events") if e["kind"] == "command-late"]
-    assert any("it runs nowhere now" in m and "stasis restore 20260101T000000Z-abcdef" in m
-               for m in said), said
+    assert any(
+        "it runs nowhere now" in m and "stasis restore 20260101T000000Z-abcdef" in m for m in said
+    ), said

@@ -48,13 +48,30 @@ class Node:
         deps = root / "deps"
         deps.mkdir()
         for entry in SITE.iterdir():
-            if not entry.name.startswith(("stasis", "__editable__", "pip", "_distutils_hack",
-                                          "setuptools", "pkg_resources")) \
-                    and entry.suffix != ".pth":
+            if (
+                not entry.name.startswith(
+                    (
+                        "stasis",
+                        "__editable__",
+                        "pip",
+                        "_distutils_hack",
+                        "setuptools",
+                        "pkg_resources",
+                    )
+                )
+                and entry.suffix != ".pth"
+            ):
                 (deps / entry.name).symlink_to(entry)
-        site = subprocess.run([str(self.prefix / "bin" / "python"), "-c",
-                               "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        site = subprocess.run(
+            [
+                str(self.prefix / "bin" / "python"),
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         Path(site, "_test_deps.pth").write_text(f"{deps}\n")
         self.auth = root / "auth"
         self.auth.write_text(f"Authorization: Bearer {token}\n")
@@ -63,22 +80,53 @@ class Node:
         self.slurm_conf.write_text("ClusterName=test\nSlurmctldHost=localhost\n")
 
     def env(self, **extra: str) -> dict[str, str]:
-        return {"PATH": os.environ["PATH"], "HOME": str(self.root),
-                "STASIS_PREFIX": str(self.prefix), "STASIS_CONFIG": str(self.config),
-                "STASIS_NODE_NAME": "node-1", "STASIS_STATE_DIR": str(self.root / "state"),
-                **extra}
+        return {
+            "PATH": os.environ["PATH"],
+            "HOME": str(self.root),
+            "STASIS_PREFIX": str(self.prefix),
+            "STASIS_CONFIG": str(self.config),
+            "STASIS_NODE_NAME": "node-1",
+            "STASIS_STATE_DIR": str(self.root / "state"),
+            **extra,
+        }
 
     def args(self) -> list[str]:
-        return ["--node-role", "login", "--slurm-conf", str(self.slurm_conf), "--lib-dir",
-                str(self.root / "lib"), "--no-systemd"]
+        return [
+            "--node-role",
+            "login",
+            "--slurm-conf",
+            str(self.slurm_conf),
+            "--lib-dir",
+            str(self.root / "lib"),
+            "--no-systemd",
+        ]
 
-    def traced(self, command: str, cwd: Path | None = None, **env: str
-               ) -> tuple[subprocess.CompletedProcess[str], str]:
+    def traced(
+        self, command: str, cwd: Path | None = None, **env: str
+    ) -> tuple[subprocess.CompletedProcess[str], str]:
         """`command` (bash) with the argv of every process it starts traced."""
         trace = self.root / "execs.trace"
-        r = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve", "-s", "65536", "-o",
-                            str(trace), "bash", "-c", command], capture_output=True, text=True,
-                           timeout=300, env=self.env(**env), cwd=cwd or self.root)
+        r = subprocess.run(
+            [
+                "strace",
+                "-f",
+                "-qq",
+                "-e",
+                "trace=execve",
+                "-s",
+                "65536",
+                "-o",
+                str(trace),
+                "bash",
+                "-c",
+                command,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=self.env(**env),
+            cwd=cwd or self.root,
+        )
         return r, trace.read_text()
 
 
@@ -87,8 +135,9 @@ def _fetch(node: Node, url: str) -> str:
     return f'curl -fsSL -H @{node.auth} "{url}/install/slurm"'
 
 
-def test_the_installer_never_puts_the_token_on_a_command_line(cp: ControlPlane,
-                                                              world_tmp: Path) -> None:
+def test_the_installer_never_puts_the_token_on_a_command_line(
+    cp: ControlPlane, world_tmp: Path
+) -> None:
     hpc = cp.json("clusters", "add", "argv", "--kind", "slurm")
     node = Node(Path(tempfile.mkdtemp(prefix="node-", dir=world_tmp)), hpc["token"])
     url = f"http://{outside_address()}:{cp.port}"
@@ -98,8 +147,11 @@ def test_the_installer_never_puts_the_token_on_a_command_line(cp: ControlPlane,
     for module in ("venv.py", "importlib.py", "pathlib.py", "stasis/__init__.py"):
         (cwd / module).parent.mkdir(parents=True, exist_ok=True)
         (cwd / module).write_text(f"open({str(node.marker)!r}, 'a').write({module!r})\n")
-    r, execs = node.traced(f"{_fetch(node, url)} | bash -s -- {' '.join(node.args())}",
-                           cwd, STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP="1")
+    r, execs = node.traced(
+        f"{_fetch(node, url)} | bash -s -- {' '.join(node.args())}",
+        cwd,
+        STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP="1",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert not node.marker.exists(), node.marker.read_text()
     assert hpc["token"] not in execs, [x for x in execs.splitlines() if hpc["token"] in x]
@@ -119,8 +171,9 @@ def test_the_installer_never_puts_the_token_on_a_command_line(cp: ControlPlane,
     assert os.stat(node.slurm_conf).st_mode & 0o777 == 0o644
 
 
-def test_a_wheel_changed_on_the_way_is_refused_and_never_runs(cp: ControlPlane,
-                                                             world_tmp: Path) -> None:
+def test_a_wheel_changed_on_the_way_is_refused_and_never_runs(
+    cp: ControlPlane, world_tmp: Path
+) -> None:
     hpc = cp.json("clusters", "add", "tamper", "--kind", "slurm")
     node = Node(Path(tempfile.mkdtemp(prefix="node-", dir=world_tmp)), hpc["token"])
     script = node.root / "install.sh"
@@ -139,8 +192,13 @@ def test_a_wheel_changed_on_the_way_is_refused_and_never_runs(cp: ControlPlane,
             dst.writestr(item, data)
     os.replace(hostile, wheel)
     try:
-        r = subprocess.run(["bash", str(script), *node.args()], capture_output=True,
-                           text=True, timeout=300, env=node.env())
+        r = subprocess.run(
+            ["bash", str(script), *node.args()],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=node.env(),
+        )
     finally:
         wheel.write_bytes(honest)
     assert r.returncode == 3, r.stdout + r.stderr
@@ -151,17 +209,21 @@ def test_a_wheel_changed_on_the_way_is_refused_and_never_runs(cp: ControlPlane,
     assert not (node.prefix / "bin" / "stasis").exists() and not node.config.exists()
 
 
-def test_plain_http_off_loopback_is_refused_before_any_download(cp: ControlPlane,
-                                                                world_tmp: Path) -> None:
+def test_plain_http_off_loopback_is_refused_before_any_download(
+    cp: ControlPlane, world_tmp: Path
+) -> None:
     hpc = cp.json("clusters", "add", "plain", "--kind", "slurm")
     node = Node(Path(tempfile.mkdtemp(prefix="node-", dir=world_tmp)), hpc["token"])
     host = outside_address()
-    r, execs = node.traced(f"{_fetch(node, f'http://{host}:{cp.port}')} | "
-                           f"bash -s -- {' '.join(node.args())}")
+    r, execs = node.traced(
+        f"{_fetch(node, f'http://{host}:{cp.port}')} | " f"bash -s -- {' '.join(node.args())}"
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(f"stasis-install: refused to install from http://{host}:{cp.port}: "
-                           f"plain http:// to {host}, not this host's loopback"), line
+    assert line.startswith(
+        f"stasis-install: refused to install from http://{host}:{cp.port}: "
+        f"plain http:// to {host}, not this host's loopback"
+    ), line
     assert "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP=1" in line and "rotate it" in line
     assert execs.count('execve("/usr/bin/curl"') == 1  # the fetch of the script, no more
     assert not (node.prefix / "bin" / "stasis").exists() and not node.config.exists()

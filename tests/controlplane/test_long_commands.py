@@ -22,24 +22,32 @@ LEASE_S = 2
 
 
 def test_a_long_dump_does_not_silence_its_node_and_runs_once(
-        world_tmp: Path, s3: S3Server, s3_bucket: str, site_key: Path,
-        test_user: pwd.struct_passwd) -> None:
+    world_tmp: Path, s3: S3Server, s3_bucket: str, site_key: Path, test_user: pwd.struct_passwd
+) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
     cp = ControlPlane(root, str(root / "cp.db"))
     cp.start("--lost-after", str(LOST_AFTER_S), "--command-lease", str(LEASE_S))
     cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     # 24 MiB of random bytes (they do not compress) at 3 MiB/s: about 8 s of upload.
     link = SlowLink(("127.0.0.1", int(s3.endpoint.rsplit(":", 1)[1])), 3 << 20)
-    d = new_daemon(world_tmp, "node-slow", store=f"s3://{s3_bucket}/site", env={
-        **s3.env(AWS_ENDPOINT_URL=link.endpoint), **node_env(cp, cluster, "node-slow"),
-        "STASIS_SITE_KEY": str(site_key)})
+    d = new_daemon(
+        world_tmp,
+        "node-slow",
+        store=f"s3://{s3_bucket}/site",
+        env={
+            **s3.env(AWS_ENDPOINT_URL=link.endpoint),
+            **node_env(cp, cluster, "node-slow"),
+            "STASIS_SITE_KEY": str(site_key),
+        },
+    )
     d.start()
     try:
         job = d.run(*workload("memhold.py", 24), label="slow")["job"]
         wait_for(lambda: "ready" in d.log_of(job), 30, "the job to fill its memory")
         wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job report")
-        status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
-                              {"kind": "checkpoint", "job": job})
+        status, cmd = cp.call(
+            "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": job}
+        )
         assert status == 201
 
         def command() -> dict[str, Any]:
@@ -71,11 +79,16 @@ def test_a_long_dump_does_not_silence_its_node_and_runs_once(
         assert d.job(job)["state"] == "running"
         assert not [e for e in cp.json("events") if e["kind"] == "node-lost"]
         # The node takes its next command as before.
-        status, again = cp.call("POST", "/api/v1/commands", cp.admin,
-                                {"kind": "checkpoint", "job": job})
+        status, again = cp.call(
+            "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": job}
+        )
         assert status == 201
-        wait_for(lambda: cp.call("GET", f"/api/v1/commands/{again['id']}", cp.admin)[1]
-                 ["state"] == "done", 60, "the second checkpoint")
+        wait_for(
+            lambda: cp.call("GET", f"/api/v1/commands/{again['id']}", cp.admin)[1]["state"]
+            == "done",
+            60,
+            "the second checkpoint",
+        )
     finally:
         d.kill_all()
         d.stop()

@@ -31,12 +31,21 @@ class Site:
         self.cp, self.cluster = cp, cluster
         self.nodes: dict[str, FakeNode] = {}
 
-    def node(self, name: str, check_ok: bool = True, problems: tuple[str, ...] = ()
-             ) -> FakeNode:
+    def node(self, name: str, check_ok: bool = True, problems: tuple[str, ...] = ()) -> FakeNode:
         n = FakeNode(self.cp, self.cluster, name)
-        joined = n.call("POST", "/api/v1/nodes/register", {
-            "name": name, "cluster_id": n.cluster_id, "host": name, "stasis_version": "0.test",
-            "criu_version": "4.0", "check_ok": check_ok, "problems": list(problems)})
+        joined = n.call(
+            "POST",
+            "/api/v1/nodes/register",
+            {
+                "name": name,
+                "cluster_id": n.cluster_id,
+                "host": name,
+                "stasis_version": "0.test",
+                "criu_version": "4.0",
+                "check_ok": check_ok,
+                "problems": list(problems),
+            },
+        )
         n.token = joined["node_token"]
         self.nodes[name] = n
         return n
@@ -52,8 +61,9 @@ class Site:
         return dict(c)
 
     def migrate(self, to: str) -> dict[str, Any]:
-        status, first = self.cp.call("POST", "/api/v1/migrations", self.cp.admin,
-                                     {"job": "j-1", "to": to})
+        status, first = self.cp.call(
+            "POST", "/api/v1/migrations", self.cp.admin, {"job": "j-1", "to": to}
+        )
         assert status == 201, first
         return dict(first)
 
@@ -63,9 +73,17 @@ class Site:
         assert got is not None and got["id"] == first["id"], got
         targets = [got["args"]["then_restore_on"], *got["args"].get("or_on", [])]
         seals = {t: seal(i + 1) for i, t in enumerate(targets)}
-        done = self.nodes["src"].ack(first["id"], True, {
-            "checkpoint": "20260101T000000Z-abcdef", "label": "j-1", "size_bytes": 1,
-            "seal": seals[targets[0]], "seals": seals})
+        done = self.nodes["src"].ack(
+            first["id"],
+            True,
+            {
+                "checkpoint": "20260101T000000Z-abcdef",
+                "label": "j-1",
+                "size_bytes": 1,
+                "seal": seals[targets[0]],
+                "seals": seals,
+            },
+        )
         assert done["state"] == "done", done
         return done
 
@@ -74,8 +92,11 @@ class Site:
 def site(request: pytest.FixtureRequest, world_tmp: Path) -> Iterator[Site]:
     """SQLite; PostgreSQL where a test asks (indirect): the retries' queries on both."""
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
-    db = str(root / "cp.db") if request.param == "sqlite" else \
-        request.getfixturevalue("postgres").new_database()
+    db = (
+        str(root / "cp.db")
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres").new_database()
+    )
     cp = ControlPlane(root, db)
     cp.start("--command-lease", "2", "--lost-after", "4")
     try:
@@ -84,8 +105,7 @@ def site(request: pytest.FixtureRequest, world_tmp: Path) -> Iterator[Site]:
         cp.stop()
 
 
-def lease_when_due(site: Site, name: str, command_id: str, not_before_s: float
-                   ) -> dict[str, Any]:
+def lease_when_due(site: Site, name: str, command_id: str, not_before_s: float) -> dict[str, Any]:
     """Leased by `name` (heartbeating all), not earlier than `not_before_s` from now."""
     start = time.monotonic()
 
@@ -102,7 +122,8 @@ def lease_when_due(site: Site, name: str, command_id: str, not_before_s: float
 
 @pytest.mark.parametrize("site", ["sqlite", "postgresql"], indirect=True)
 def test_a_failed_restore_is_retried_with_backoff_then_retargeted_then_fails_naming_it(
-        site: Site) -> None:
+    site: Site,
+) -> None:
     for name in ("src", "b", "c"):
         site.node(name)
     site.beat()
@@ -147,8 +168,10 @@ def test_a_refused_restore_is_not_retried(site: Site) -> None:
     site.beat()
     done = site.checkpointed(site.migrate("b"))
     got = lease_when_due(site, "b", done["result"]["next"], 0)
-    refused = ("restore of checkpoint 20260101T000000Z-abcdef refused: its seal is signed by "
-               "a key this node does not trust")
+    refused = (
+        "restore of checkpoint 20260101T000000Z-abcdef refused: its seal is signed by "
+        "a key this node does not trust"
+    )
     site.nodes["b"].ack(got["id"], False, {"error": refused, "permanent": True})
     r = site.command(got["id"])
     assert r["state"] == "failed" and not r["result"].get("next"), r
@@ -162,6 +185,7 @@ def test_a_restore_held_by_a_lost_node_is_retargeted_after_its_lease(site: Site)
     site.beat()
     done = site.checkpointed(site.migrate("b"))
     got = lease_when_due(site, "b", done["result"]["next"], 0)
+
     # b goes silent holding the lease: once its lease ran out and it is lost, c gets it.
     def moved() -> dict[str, Any] | None:
         site.beat("b")
@@ -175,10 +199,12 @@ def test_a_restore_held_by_a_lost_node_is_retargeted_after_its_lease(site: Site)
     site.nodes["c"].ack(again["id"], True, {"job": "j-2", "checkpoint": "x"})
     assert site.command(again["id"])["state"] == "done"
     # b back late with its answer: refused, the re-targeted restore stands
-    status, late = site.cp.call("POST", f"/api/v1/commands/{got['id']}/ack",
-                                site.nodes["b"].token,
-                                {"lease_id": got["lease_id"], "ok": True,
-                                 "result": {"job": "j-3"}})
+    status, late = site.cp.call(
+        "POST",
+        f"/api/v1/commands/{got['id']}/ack",
+        site.nodes["b"].token,
+        {"lease_id": got["lease_id"], "ok": True, "result": {"job": "j-3"}},
+    )
     assert site.command(got["id"])["state"] == "failed", late
 
 
@@ -187,8 +213,9 @@ def test_a_not_ready_node_is_no_migration_target(site: Site) -> None:
     site.node("sick", check_ok=False, problems=("the job database is unreadable (restore it)",))
     site.node("c")
     site.beat()
-    status, refused = site.cp.call("POST", "/api/v1/migrations", site.cp.admin,
-                                   {"job": "j-1", "to": "sick"})
+    status, refused = site.cp.call(
+        "POST", "/api/v1/migrations", site.cp.admin, {"job": "j-1", "to": "sick"}
+    )
     assert status == 409, refused
     error = refused["error"]
     assert "node sick is not ready" in error and "job database is unreadable" in error, error
@@ -210,16 +237,19 @@ def test_a_control_plane_killed_mid_migration_loses_nothing(site: Site) -> None:
     cp.proc.wait()
     cp.start("--command-lease", "2", "--lost-after", "4")
     # The node's answer to the lease it holds is taken after the restart.
-    done = site.nodes["src"].ack(first["id"], True, {
-        "checkpoint": "20260101T000000Z-abcdef", "label": "j-1", "size_bytes": 1,
-        "seal": seal(1)})
+    done = site.nodes["src"].ack(
+        first["id"],
+        True,
+        {"checkpoint": "20260101T000000Z-abcdef", "label": "j-1", "size_bytes": 1, "seal": seal(1)},
+    )
     assert done["state"] == "done" and done["result"]["next"], done
     cp.proc.send_signal(signal.SIGKILL)
     cp.proc.wait()
     cp.start("--command-lease", "2", "--lost-after", "4")
     got = lease_when_due(site, "b", done["result"]["next"], 0)
-    assert got["args"]["seal"] == seal(1) and got["args"]["checkpoint"] == \
-        "20260101T000000Z-abcdef", got
+    assert (
+        got["args"]["seal"] == seal(1) and got["args"]["checkpoint"] == "20260101T000000Z-abcdef"
+    ), got
 
 
 def test_a_command_leased_again_and_again_unanswered_fails(site: Site) -> None:
@@ -229,8 +259,9 @@ def test_a_command_leased_again_and_again_unanswered_fails(site: Site) -> None:
 
     site.node("src")
     site.beat()
-    status, cmd = site.cp.call("POST", "/api/v1/commands", site.cp.admin,
-                               {"kind": "checkpoint", "job": "j-1"})
+    status, cmd = site.cp.call(
+        "POST", "/api/v1/commands", site.cp.admin, {"kind": "checkpoint", "job": "j-1"}
+    )
     assert status == 201, cmd
     for _ in range(MAX_LEASES):
         lease_when_due(site, "src", cmd["id"], 0)  # never answered

@@ -17,8 +17,9 @@ from tests.controlplane.conftest import ControlPlane
 
 def _to(url: str, revision: str, down: bool = False) -> None:
     cfg = Config()
-    cfg.set_main_option("script_location",
-                        str(Path(stasis.controlplane.__file__).parent / "migrations"))
+    cfg.set_main_option(
+        "script_location", str(Path(stasis.controlplane.__file__).parent / "migrations")
+    )
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
@@ -42,10 +43,13 @@ def test_hook_tokens_come_to_a_database_made_before_them(db_url: str, world_tmp:
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO policies (name, every_s, action, filters, keep, older_than_s, "
-                "enabled, last_run, created) VALUES ('old-hook', 0, 'checkpoint', '{}', NULL, "
-                "NULL, true, 0, '2026-01-01T00:00:00+00:00')"))
+            conn.execute(
+                text(
+                    "INSERT INTO policies (name, every_s, action, filters, keep, older_than_s, "
+                    "enabled, last_run, created) VALUES ('old-hook', 0, 'checkpoint', '{}', NULL, "
+                    "NULL, true, 0, '2026-01-01T00:00:00+00:00')"
+                )
+            )
     finally:
         engine.dispose()
     assert "hook_sha256" not in _columns(url)
@@ -55,11 +59,17 @@ def test_hook_tokens_come_to_a_database_made_before_them(db_url: str, world_tmp:
     try:
         (old,) = cp.json("policies", "list")
         assert (old["name"], old["trigger"], old["hook"], old["stop"]) == (
-            "old-hook", "every", False, False)
+            "old-hook",
+            "every",
+            False,
+            False,
+        )
         assert cp.json("policies", "run", "old-hook") == {"name": "old-hook", "queued": 0}
         token = cp.json("policies", "rotate-hook", "old-hook")["hook_token"]
         assert cp.call("POST", "/api/v1/policies/old-hook/run", token) == (
-            200, {"name": "old-hook", "queued": 0})
+            200,
+            {"name": "old-hook", "queued": 0},
+        )
     finally:
         cp.stop()
     _to(url, "0007", down=True)

@@ -14,15 +14,26 @@ from tests.conftest import Daemon, new_daemon, wait_for, workload
 from tests.controlplane.conftest import ControlPlane
 
 
-def node_env(cp: ControlPlane, cluster: dict[str, str], name: str,
-             spelling: str = "STASIS") -> dict[str, str]:
+def node_env(
+    cp: ControlPlane, cluster: dict[str, str], name: str, spelling: str = "STASIS"
+) -> dict[str, str]:
     if spelling == "CEDANA":
-        return {"CEDANA_URL": cp.url, "CEDANA_CLUSTER_ID": cluster["cluster_id"],
-                "CEDANA_AUTH_TOKEN": cluster["token"], "STASIS_NODE_NAME": name,
-                "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5", **cp.client_env}
-    return {"STASIS_CONTROLPLANE_URL": cp.url, "STASIS_CLUSTER_ID": cluster["cluster_id"],
-            "STASIS_AUTH_TOKEN": cluster["token"], "STASIS_NODE_NAME": name,
-            "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5", **cp.client_env}
+        return {
+            "CEDANA_URL": cp.url,
+            "CEDANA_CLUSTER_ID": cluster["cluster_id"],
+            "CEDANA_AUTH_TOKEN": cluster["token"],
+            "STASIS_NODE_NAME": name,
+            "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5",
+            **cp.client_env,
+        }
+    return {
+        "STASIS_CONTROLPLANE_URL": cp.url,
+        "STASIS_CLUSTER_ID": cluster["cluster_id"],
+        "STASIS_AUTH_TOKEN": cluster["token"],
+        "STASIS_NODE_NAME": name,
+        "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5",
+        **cp.client_env,
+    }
 
 
 def node_credential(d: Daemon) -> str:
@@ -35,7 +46,8 @@ def nodes(cp: ControlPlane) -> dict[str, dict[str, object]]:
 
 
 def test_nodes_join_report_their_jobs_and_are_lost_when_they_stop(
-        controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    controlplane: ControlPlane, world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     cp = controlplane
     cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     a = new_daemon(world_tmp, "node-a", env=node_env(cp, cluster, "node-a"))
@@ -70,7 +82,8 @@ def test_nodes_join_report_their_jobs_and_are_lost_when_they_stop(
 
 
 def test_a_node_registers_again_with_a_control_plane_that_lost_its_database(
-        world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
     cp = ControlPlane(root, str(root / "cp.db"))
     cp.start()
@@ -98,7 +111,8 @@ def test_a_node_registers_again_with_a_control_plane_that_lost_its_database(
 
 
 def test_a_node_that_lost_its_credential_is_refused_until_an_admin_resets_it(
-        world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
     cp = ControlPlane(root, str(root / "cp.db"))
     cp.start()
@@ -113,7 +127,7 @@ def test_a_node_that_lost_its_credential_is_refused_until_an_admin_resets_it(
         d.stop()
         kept.unlink()
         d.start()
-        said = (f"node node-l of cluster {cluster['cluster_id']} is already joined")
+        said = f"node node-l of cluster {cluster['cluster_id']} is already joined"
         wait_for(lambda: said in (d.root / "daemon.log").read_text(), 30, "the refusal")
         assert not kept.exists()
         # An admin resets it: it joins again, with a new credential.
@@ -123,8 +137,11 @@ def test_a_node_that_lost_its_credential_is_refused_until_an_admin_resets_it(
         assert second != first
         # Reset while it runs: its credential is refused, it joins again by itself.
         cp.json("nodes", "reset", "node-l")
-        wait_for(lambda: kept.exists() and node_credential(d) not in (first, second), 30,
-                 "the node to join again after the reset")
+        wait_for(
+            lambda: kept.exists() and node_credential(d) not in (first, second),
+            30,
+            "the node to join again after the reset",
+        )
         log = (d.root / "daemon.log").read_text()
         assert log.count(said) == 1  # said once, not every heartbeat
         for token in (first, second, node_credential(d), cluster["token"]):

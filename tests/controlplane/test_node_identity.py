@@ -20,14 +20,16 @@ REPORT = {"host": "evil", "stasis_version": "0.test", "check_ok": True}
 
 
 def events_of(cp: ControlPlane, kind: str) -> list[dict[str, Any]]:
-    return [e for e in cp.call("GET", "/api/v1/events?limit=1000", cp.admin)[1]
-            if e["kind"] == kind]
+    return [
+        e for e in cp.call("GET", "/api/v1/events?limit=1000", cp.admin)[1] if e["kind"] == kind
+    ]
 
 
 # SQLite only: who may take what is decided in Python (leases on both: test_commands).
 @SQLITE_ONLY
 def test_a_stolen_cluster_token_and_another_node_cannot_take_a_nodes_commands(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     cp = controlplane
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     a, b = FakeNode(cp, hpc, "node-a"), FakeNode(cp, hpc, "node-b")
@@ -40,31 +42,43 @@ def test_a_stolen_cluster_token_and_another_node_cannot_take_a_nodes_commands(
 
     # Joining under a name that already has a credential: refused, in one line.
     status, said = cp.call("POST", "/api/v1/nodes/register", stolen, {**REPORT, "name": "node-a"})
-    assert status == 409 and said["error"].startswith(
-        f"node node-a of cluster {hpc['cluster_id']} is already joined") and \
-        "`stasis controlplane nodes reset node-a --cluster " in said["error"], said
+    assert (
+        status == 409
+        and said["error"].startswith(
+            f"node node-a of cluster {hpc['cluster_id']} is already joined"
+        )
+        and "`stasis controlplane nodes reset node-a --cluster " in said["error"]
+    ), said
     assert "\n" not in said["error"]
 
-    status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
-                          {"kind": "checkpoint", "job": "j1"})
+    status, cmd = cp.call("POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": "j1"})
     assert status == 201 and cmd["node"] == "node-a" and "lease_id" not in cmd, cmd
     cid = cmd["id"]
     lease_a = "/api/v1/nodes/node-a/commands/lease"
 
     # The stolen token: no lease, no heartbeat as the node, no renewal, no acknowledgement.
     for method, path, body in (
-            ("POST", lease_a, {}),
-            ("POST", "/api/v1/nodes/node-a/heartbeat", {"jobs": []}),
-            ("POST", f"/api/v1/nodes/node-a/commands/{cid}/renew", {"lease_id": "x"}),
-            ("POST", f"/api/v1/commands/{cid}/ack", {"lease_id": "x", "ok": True,
-                                                      "result": {"checkpoint": "forged"}})):
+        ("POST", lease_a, {}),
+        ("POST", "/api/v1/nodes/node-a/heartbeat", {"jobs": []}),
+        ("POST", f"/api/v1/nodes/node-a/commands/{cid}/renew", {"lease_id": "x"}),
+        (
+            "POST",
+            f"/api/v1/commands/{cid}/ack",
+            {"lease_id": "x", "ok": True, "result": {"checkpoint": "forged"}},
+        ),
+    ):
         status, said = cp.call(method, path, stolen, body)
-        assert status == 403 and "needs the node's own credential" in said["error"], \
-            (path, status, said)
+        assert status == 403 and "needs the node's own credential" in said["error"], (
+            path,
+            status,
+            said,
+        )
     # Another node of the cluster: not node-a's lease, nor its command.
     status, said = cp.call("POST", lease_a, b.token, {})
-    assert (status, said) == (403, {"error": "this credential is node node-b's: it may not "
-                                             "act as node node-a"})
+    assert (status, said) == (
+        403,
+        {"error": "this credential is node node-b's: it may not " "act as node node-a"},
+    )
     assert b.lease() is None  # nothing of its own
 
     got = a.lease()
@@ -74,42 +88,72 @@ def test_a_stolen_cluster_token_and_another_node_cannot_take_a_nodes_commands(
     assert all("lease_id" not in c for c in cp.call("GET", "/api/v1/commands", stolen)[1])
     assert "lease_id" not in cp.call("GET", f"/api/v1/commands/{cid}", cp.admin)[1]
     # node-b, even quoting node-a's lease: refused.
-    for path, body in ((f"/api/v1/nodes/node-b/commands/{cid}/renew", {"lease_id": lease_id}),
-                       (f"/api/v1/commands/{cid}/ack", {"lease_id": lease_id, "ok": True,
-                                                         "result": {"checkpoint": "forged"}})):
+    for path, body in (
+        (f"/api/v1/nodes/node-b/commands/{cid}/renew", {"lease_id": lease_id}),
+        (
+            f"/api/v1/commands/{cid}/ack",
+            {"lease_id": lease_id, "ok": True, "result": {"checkpoint": "forged"}},
+        ),
+    ):
         status, said = cp.call("POST", path, b.token, body)
-        assert (status, said) == (403, {"error": f"command {cid} is node node-a's, not "
-                                                  "node-b's: only the node it is for carries "
-                                                  "it out"}), (path, said)
+        assert (status, said) == (
+            403,
+            {
+                "error": f"command {cid} is node node-a's, not "
+                "node-b's: only the node it is for carries "
+                "it out"
+            },
+        ), (path, said)
     # node-a itself, with a lease it does not hold: refused (409).
-    for path, body in ((f"/api/v1/nodes/node-a/commands/{cid}/renew", {"lease_id": "lease_x"}),
-                       (f"/api/v1/commands/{cid}/ack", {"lease_id": "lease_x", "ok": False,
-                                                         "result": {"error": "no"}})):
+    for path, body in (
+        (f"/api/v1/nodes/node-a/commands/{cid}/renew", {"lease_id": "lease_x"}),
+        (
+            f"/api/v1/commands/{cid}/ack",
+            {"lease_id": "lease_x", "ok": False, "result": {"error": "no"}},
+        ),
+    ):
         status, said = cp.call("POST", path, a.token, body)
         assert status == 409 and said["error"].startswith(
-            f"command {cid} is not leased to node node-a under lease lease_x"), said
+            f"command {cid} is not leased to node node-a under lease lease_x"
+        ), said
     # A node of another cluster: it does not even see the command.
     evil = FakeNode(cp, cp.json("clusters", "add", "evil", "--kind", "slurm"), "x")
     evil.register()
-    status, said = cp.call("POST", f"/api/v1/commands/{cid}/ack", evil.token,
-                           {"lease_id": lease_id, "ok": True, "result": {"checkpoint": "f"}})
+    status, said = cp.call(
+        "POST",
+        f"/api/v1/commands/{cid}/ack",
+        evil.token,
+        {"lease_id": lease_id, "ok": True, "result": {"checkpoint": "f"}},
+    )
     assert (status, said) == (404, {"error": f"no command {cid} for this cluster"})
 
     # The legitimate node renews and acknowledges, quoting its lease: carried out once.
-    assert cp.call("POST", f"/api/v1/nodes/node-a/commands/{cid}/renew", a.token,
-                   {"lease_id": lease_id})[0] == 200
+    assert (
+        cp.call(
+            "POST", f"/api/v1/nodes/node-a/commands/{cid}/renew", a.token, {"lease_id": lease_id}
+        )[0]
+        == 200
+    )
     done = a.ack(cid, True, {"checkpoint": "20261206T000000Z-abcdef", "label": "j1"})
     assert (done["state"], done["attempts"], done["result"]["checkpoint"]) == (
-        "done", 1, "20261206T000000Z-abcdef")
+        "done",
+        1,
+        "20261206T000000Z-abcdef",
+    )
     # Answered again (a lost answer): from its record, never applied again; not by others.
     again = a.ack(cid, False, {"error": "changed my mind"})
     assert (again["state"], again["result"]) == ("done", done["result"])
-    status, _ = cp.call("POST", f"/api/v1/commands/{cid}/ack", b.token,
-                        {"lease_id": lease_id, "ok": False, "result": {}})
+    status, _ = cp.call(
+        "POST",
+        f"/api/v1/commands/{cid}/ack",
+        b.token,
+        {"lease_id": lease_id, "ok": False, "result": {}},
+    )
     assert status == 403
     assert a.lease() is None  # done: never leased again
     assert [e["message"] for e in events_of(cp, "command-done")] == [
-        f'checkpoint j1 ({cid}): {{"checkpoint": "20261206T000000Z-abcdef", "label": "j1"}}']
+        f'checkpoint j1 ({cid}): {{"checkpoint": "20261206T000000Z-abcdef", "label": "j1"}}'
+    ]
     final = cp.call("GET", f"/api/v1/commands/{cid}", cp.admin)[1]
     assert (final["state"], final["attempts"], final["result"]) == ("done", 1, done["result"])
 
@@ -117,7 +161,8 @@ def test_a_stolen_cluster_token_and_another_node_cannot_take_a_nodes_commands(
 # SQLite only: the cluster check is Python.
 @SQLITE_ONLY
 def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     cp = controlplane
     # "aaa" sorts before "hpc": by name order its report would have won.
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
@@ -130,10 +175,14 @@ def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
     b.heartbeat([])
     thief.heartbeat([{"job": "j1", "label": "sim", "user": "alice"}])
 
-    said = ("job j1 is reported by 2 nodes (aaa/node-a, hpc/node-a): name its cluster and "
-            "node (--cluster, --node)")
-    for path, body in (("/api/v1/commands", {"kind": "checkpoint", "job": "j1"}),
-                       ("/api/v1/migrations", {"job": "j1", "to": "node-b"})):
+    said = (
+        "job j1 is reported by 2 nodes (aaa/node-a, hpc/node-a): name its cluster and "
+        "node (--cluster, --node)"
+    )
+    for path, body in (
+        ("/api/v1/commands", {"kind": "checkpoint", "job": "j1"}),
+        ("/api/v1/migrations", {"job": "j1", "to": "node-b"}),
+    ):
         assert cp.call("POST", path, cp.admin, body) == (409, {"error": said}), path
     r = cp.cli("checkpoint", "j1", "--wait", "1")
     assert (r.returncode, r.stderr.strip()) == (2, f"stasis: error: {said}")
@@ -141,23 +190,40 @@ def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
     assert thief.lease() is None
 
     # Named by its cluster (id or name) and node, it goes to its node only.
-    status, cmd = cp.call("POST", "/api/v1/migrations", cp.admin,
-                          {"job": "j1", "to": "node-b", "cluster": "hpc", "node": "node-a"})
+    status, cmd = cp.call(
+        "POST",
+        "/api/v1/migrations",
+        cp.admin,
+        {"job": "j1", "to": "node-b", "cluster": "hpc", "node": "node-a"},
+    )
     assert status == 201 and (cmd["cluster_id"], cmd["node"]) == (hpc["cluster_id"], "node-a")
     assert thief.lease() is None
     got = a.lease()
     assert got is not None and got["id"] == cmd["id"]
     # The thief's node credential cannot answer it either (not even as "node-a").
-    status, _ = cp.call("POST", f"/api/v1/commands/{cmd['id']}/ack", thief.token,
-                        {"lease_id": got["lease_id"], "ok": True,
-                         "result": {"checkpoint": "20261206T000000Z-000000"}})
+    status, _ = cp.call(
+        "POST",
+        f"/api/v1/commands/{cmd['id']}/ack",
+        thief.token,
+        {
+            "lease_id": got["lease_id"],
+            "ok": True,
+            "result": {"checkpoint": "20261206T000000Z-000000"},
+        },
+    )
     assert status == 404
     done = a.ack(cmd["id"], True, {"checkpoint": "20261206T000000Z-abcdef"})
     restore = cp.call("GET", f"/api/v1/commands/{done['result']['next']}", cp.admin)[1]
     assert restore["node"] == "node-b" and restore["args"] == {
-        "checkpoint": "20261206T000000Z-abcdef", "migrated_from": cmd["id"], "job": "j1",
-        "label": "sim", "user": "alice", "from_node": "node-a", "seal": None,
-        "fence": True}  # the node commits before it resumes (issue 28's fencing)
+        "checkpoint": "20261206T000000Z-abcdef",
+        "migrated_from": cmd["id"],
+        "job": "j1",
+        "label": "sim",
+        "user": "alice",
+        "from_node": "node-a",
+        "seal": None,
+        "fence": True,
+    }  # the node commits before it resumes (issue 28's fencing)
     assert thief.lease() is None and a.lease() is None
 
     # Policies address the jobs they pick by (cluster, node, job) too: each its own node.
@@ -168,14 +234,17 @@ def test_a_job_id_reported_from_another_cluster_cannot_divert_its_commands(
         assert got is not None and got["args"]["job"] == "j1" and got["args"]["policy"] == "all"
     # A drain of a node name two clusters have: refused unless the cluster is named.
     status, refused = cp.call("POST", "/api/v1/nodes/node-a/drain", cp.admin, {})
-    assert (status, refused) == (409, {"error": "node node-a is in several clusters (aaa, hpc): "
-                                             "name its cluster (--cluster)"})
+    assert (status, refused) == (
+        409,
+        {"error": "node node-a is in several clusters (aaa, hpc): " "name its cluster (--cluster)"},
+    )
 
 
 # SQLite only: credentials are hashes compared in Python.
 @SQLITE_ONLY
 def test_an_admin_reset_lets_a_node_join_again_and_its_old_credential_is_dead(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     cp = controlplane
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     a = FakeNode(cp, hpc, "node-a")
@@ -185,7 +254,9 @@ def test_an_admin_reset_lets_a_node_join_again_and_its_old_credential_is_dead(
     assert listed["credential_since"] is not None
     r = cp.cli("nodes", "reset", "node-a")
     assert (r.returncode, r.stdout.strip()) == (
-        0, "node node-a reset: it joins again with the cluster token"), r.stderr
+        0,
+        "node node-a reset: it joins again with the cluster token",
+    ), r.stderr
     assert cp.json("nodes")[0]["credential_since"] is None
     status, said = cp.call("POST", "/api/v1/nodes/node-a/heartbeat", old, {"jobs": []})
     assert status == 401 and said["error"].startswith("unknown node credential"), said
@@ -204,20 +275,32 @@ def test_ids_from_nodes_are_checked_before_they_are_kept(controlplane: ControlPl
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     a = FakeNode(cp, hpc, "node-a")
     a.register()
-    for job in ({"job": "../../etc/passwd"}, {"job": "j1", "label": "<script>"},
-                {"job": "j1", "user": "a b"}, {"job": "j\n1"}, {"job": "x" * 101},
-                {"job": "j1", "restored_from": "../x"}):
-        status, said = cp.call("POST", "/api/v1/nodes/node-a/heartbeat", a.token,
-                               {"jobs": [{"state": "running", **job}]})
+    for job in (
+        {"job": "../../etc/passwd"},
+        {"job": "j1", "label": "<script>"},
+        {"job": "j1", "user": "a b"},
+        {"job": "j\n1"},
+        {"job": "x" * 101},
+        {"job": "j1", "restored_from": "../x"},
+    ):
+        status, said = cp.call(
+            "POST",
+            "/api/v1/nodes/node-a/heartbeat",
+            a.token,
+            {"jobs": [{"state": "running", **job}]},
+        )
         assert status == 400 and said["error"].startswith("bad request: jobs.0."), (job, said)
-    status, said = cp.call("POST", "/api/v1/nodes/register", a.token,
-                           {**REPORT, "name": "node-a", "problems": ["bad\x1b[31m"]})
+    status, said = cp.call(
+        "POST",
+        "/api/v1/nodes/register",
+        a.token,
+        {**REPORT, "name": "node-a", "problems": ["bad\x1b[31m"]},
+    )
     assert status == 400, said
     assert cp.call("GET", "/api/v1/jobs", cp.admin)[1] == []
 
 
-def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
-        world_tmp: Path) -> None:
+def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(world_tmp: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
     cp = ControlPlane(root, str(root / "cp.db"))
     cp.start("--command-lease", "1")
@@ -226,12 +309,17 @@ def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
         a = FakeNode(cp, hpc, "node-a")
         a.register()
         a.heartbeat([{"job": "j1"}])
-        status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
-                              {"kind": "checkpoint", "job": "j1"})
+        status, cmd = cp.call(
+            "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": "j1"}
+        )
         assert status == 201
         # Not answerable before it is leased: queued never jumps to done.
-        status, said = cp.call("POST", f"/api/v1/commands/{cmd['id']}/ack", a.token,
-                               {"lease_id": "", "ok": True, "result": {}})
+        status, said = cp.call(
+            "POST",
+            f"/api/v1/commands/{cmd['id']}/ack",
+            a.token,
+            {"lease_id": "", "ok": True, "result": {}},
+        )
         assert status == 409 and "it was never leased" in said["error"], said
         first = a.lease()
         assert first is not None
@@ -239,15 +327,25 @@ def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
         second = a.lease()
         assert second is not None and second["id"] == cmd["id"]
         assert second["lease_id"] != first["lease_id"]
-        status, said = cp.call("POST", f"/api/v1/commands/{cmd['id']}/ack", a.token,
-                               {"lease_id": first["lease_id"], "ok": True,
-                                "result": {"checkpoint": "20261206T000000Z-000001"}})
+        status, said = cp.call(
+            "POST",
+            f"/api/v1/commands/{cmd['id']}/ack",
+            a.token,
+            {
+                "lease_id": first["lease_id"],
+                "ok": True,
+                "result": {"checkpoint": "20261206T000000Z-000001"},
+            },
+        )
         assert status == 409 and said["error"].startswith(
-            f"command {cmd['id']} is not leased to node node-a under lease "
-            f"{first['lease_id']}"), said
+            f"command {cmd['id']} is not leased to node node-a under lease " f"{first['lease_id']}"
+        ), said
         done = a.ack(cmd["id"], True, {"checkpoint": "20261206T000000Z-000002"})
         assert (done["state"], done["attempts"], done["result"]["checkpoint"]) == (
-            "done", 2, "20261206T000000Z-000002")
+            "done",
+            2,
+            "20261206T000000Z-000002",
+        )
     finally:
         cp.stop()
 
@@ -255,7 +353,8 @@ def test_a_lease_that_ran_out_and_was_given_again_cannot_be_answered(
 # SQLite only: approval is a flag read and checked in Python.
 @SQLITE_ONLY
 def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until_approved(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     """A cluster added with --approve-joins: a node joined with its (stolen) token is pending:
     it may heartbeat, but is no migration, drain or policy target and leases no command, until
     an admin approves it; then it is one like the others."""
@@ -281,18 +380,26 @@ def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until
     assert events_of(cp, "node-pending")[-1]["node"] == "node-evil"
 
     # No migration to it, no command for it.
-    status, said = cp.call("POST", "/api/v1/migrations", cp.admin, {"job": "j1",
-                                                                     "to": "node-evil"})
-    assert status == 409 and said["error"].startswith(
-        f"node node-evil of cluster {hpc['cluster_id']} is pending: it joined and waits for "
-        "an admin's approval") and "\n" not in said["error"], said
-    status, said = cp.call("POST", "/api/v1/commands", cp.admin,
-                           {"kind": "checkpoint", "job": "j-evil"})
+    status, said = cp.call("POST", "/api/v1/migrations", cp.admin, {"job": "j1", "to": "node-evil"})
+    assert (
+        status == 409
+        and said["error"].startswith(
+            f"node node-evil of cluster {hpc['cluster_id']} is pending: it joined and waits for "
+            "an admin's approval"
+        )
+        and "\n" not in said["error"]
+    ), said
+    status, said = cp.call(
+        "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": "j-evil"}
+    )
     assert status == 409 and "is pending" in said["error"], said
     # A drain of node-a and a migrate policy send its jobs to node-b only.
     cp.json("policies", "add", "move", "--every", "1", "--action", "migrate", "--node", "node-a")
-    wait_for(lambda: len([c for c in cp.json("actions") if c["args"].get("policy") == "move"])
-             >= 2, 20, "the policy to migrate a's jobs")
+    wait_for(
+        lambda: len([c for c in cp.json("actions") if c["args"].get("policy") == "move"]) >= 2,
+        20,
+        "the policy to migrate a's jobs",
+    )
     drained = cp.call("POST", "/api/v1/nodes/node-a/drain", cp.admin, {})[1]
     targets = {c["args"].get("then_restore_on") for c in cp.json("actions")} - {None}
     assert targets == {"node-b"}, (targets, drained)
@@ -304,19 +411,22 @@ def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until
     web = Browserless(cp)
     web.login(cp.admin)
     page = web.call("GET", "/ui/")[2]
-    assert "pending: <code>stasis controlplane nodes approve node-evil --cluster hpc</code>" \
-        in page, page
+    assert (
+        "pending: <code>stasis controlplane nodes approve node-evil --cluster hpc</code>" in page
+    ), page
     assert "approved by an admin" in page
 
     # Approved: a target like the others.
     assert cp.json("nodes", "approve", "node-evil", "--cluster", "hpc")["was_pending"] is True
-    status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
-                          {"kind": "checkpoint", "job": "j-evil"})
+    status, cmd = cp.call(
+        "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": "j-evil"}
+    )
     assert status == 201, cmd
     got = evil.lease()
     assert got is not None and got["id"] == cmd["id"]
-    status, moved = cp.call("POST", "/api/v1/migrations", cp.admin, {"job": "j-evil",
-                                                                      "to": "node-b"})
+    status, moved = cp.call(
+        "POST", "/api/v1/migrations", cp.admin, {"job": "j-evil", "to": "node-b"}
+    )
     assert status == 201, moved
     assert {n["name"]: n["state"] for n in cp.json("nodes")}["node-evil"] == "ready"
 
@@ -334,14 +444,17 @@ def test_without_approve_joins_nodes_are_approved_at_join(controlplane: ControlP
     # Switched on later: the next node to join waits; node-a keeps its approval.
     assert cp.json("clusters", "set", "hpc", "--approve-joins")["approve_joins"] is True
     FakeNode(cp, hpc, "node-b").register()
-    assert {x["name"]: x["state"] for x in cp.json("nodes")} == {"node-a": "ready",
-                                                                "node-b": "pending"}
+    assert {x["name"]: x["state"] for x in cp.json("nodes")} == {
+        "node-a": "ready",
+        "node-b": "pending",
+    }
     r = cp.cli("clusters", "set", "hpc", "--approve-joins", token=hpc["token"])
     assert r.returncode != 0 and "this needs the admin token" in r.stderr, r.stderr
 
 
 def test_a_real_node_pending_approval_says_so_and_takes_commands_once_approved(
-        world_tmp: Path) -> None:
+    world_tmp: Path,
+) -> None:
     from tests.conftest import new_daemon, workload
     from tests.controlplane.test_node import node_env
 
@@ -356,15 +469,22 @@ def test_a_real_node_pending_approval_says_so_and_takes_commands_once_approved(
         wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "its job reported")
         assert {n["name"]: n["state"] for n in cp.json("nodes")} == {"node-p": "pending"}
         log = d.root / "daemon.log"
-        assert log.read_text().count("joined the control plane, pending: an admin approves "
-                                     "this node (`stasis controlplane nodes approve "
-                                     "node-p`)") == 1
-        status, said = cp.call("POST", "/api/v1/commands", cp.admin,
-                               {"kind": "checkpoint", "job": job})
+        assert (
+            log.read_text().count(
+                "joined the control plane, pending: an admin approves "
+                "this node (`stasis controlplane nodes approve "
+                "node-p`)"
+            )
+            == 1
+        )
+        status, said = cp.call(
+            "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": job}
+        )
         assert status == 409 and "is pending" in said["error"], said
         cp.json("nodes", "approve", "node-p")
-        status, cmd = cp.call("POST", "/api/v1/commands", cp.admin,
-                              {"kind": "checkpoint", "job": job})
+        status, cmd = cp.call(
+            "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": job}
+        )
         assert status == 201, cmd
 
         def done() -> bool:

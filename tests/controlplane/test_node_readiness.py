@@ -16,7 +16,8 @@ from tests.controlplane.test_node import node_env, nodes
 
 
 def test_a_node_that_cannot_protect_jobs_is_not_ready_and_no_migration_target(
-        world_tmp: Path) -> None:
+    world_tmp: Path,
+) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
     cp = ControlPlane(root, str(root / "cp.db"))
     cp.start("--lost-after", "30")
@@ -37,17 +38,18 @@ def test_a_node_that_cannot_protect_jobs_is_not_ready_and_no_migration_target(
         n = wait_for(not_ready, 30, "node-r to join, not ready")
         assert any("writable by other users" in p for p in n["problems"]), n  # type: ignore
         src.heartbeat([{"job": "j-1"}])
-        status, refused = cp.call("POST", "/api/v1/migrations", cp.admin,
-                                  {"job": "j-1", "to": "node-r"})
-        assert status == 409 and refused["error"].startswith("node node-r is not ready ("), \
-            refused
+        status, refused = cp.call(
+            "POST", "/api/v1/migrations", cp.admin, {"job": "j-1", "to": "node-r"}
+        )
+        assert status == 409 and refused["error"].startswith("node node-r is not ready ("), refused
         assert "writable by other users" in refused["error"] and "\n" not in refused["error"]
 
         os.chmod(store, 0o755)
         wait_for(lambda: nodes(cp)["node-r"]["state"] == "ready", 30, "node-r ready again")
         src.heartbeat([{"job": "j-1"}])
-        status, moved = cp.call("POST", "/api/v1/migrations", cp.admin,
-                                {"job": "j-1", "to": "node-r"})
+        status, moved = cp.call(
+            "POST", "/api/v1/migrations", cp.admin, {"job": "j-1", "to": "node-r"}
+        )
         assert status == 201, moved
     finally:
         d.stop()

@@ -35,7 +35,8 @@ def finished(cp: ControlPlane, command_id: str) -> dict[str, Any]:
 
 
 def test_a_node_restores_only_the_checkpoint_its_migration_took(
-        world_tmp: Path, site_key: Path, test_user: pwd.struct_passwd) -> None:
+    world_tmp: Path, site_key: Path, test_user: pwd.struct_passwd
+) -> None:
     root = Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp))
     cp = ControlPlane(root, str(root / "cp.db"), host=nodes.site_address())
     cp.start()
@@ -43,10 +44,20 @@ def test_a_node_restores_only_the_checkpoint_its_migration_took(
     store = Path(tempfile.mkdtemp(prefix="shared-store-", dir=world_tmp))
     env = {"STASIS_SITE_KEY": str(site_key)}
     # Hosts of their own (tests/nodes.py): the rogue speaks from this machine, off their nodes.
-    a = new_daemon(world_tmp, "node-a", store=str(store), separate=True,
-                   env={**node_env(cp, hpc, "node-a"), **env})
-    b = new_daemon(world_tmp, "node-b", store=str(store), separate=True,
-                   env={**node_env(cp, hpc, "node-b"), **env})
+    a = new_daemon(
+        world_tmp,
+        "node-a",
+        store=str(store),
+        separate=True,
+        env={**node_env(cp, hpc, "node-a"), **env},
+    )
+    b = new_daemon(
+        world_tmp,
+        "node-b",
+        store=str(store),
+        separate=True,
+        env={**node_env(cp, hpc, "node-b"), **env},
+    )
     started = []
     try:
         for d in (a, b):
@@ -69,35 +80,50 @@ def test_a_node_restores_only_the_checkpoint_its_migration_took(
         rogue = FakeNode(cp, hpc, "node-r")
         rogue.register()
         rogue.heartbeat([{"job": "j-rogue", "label": "mine", "user": "alice"}])
-        status, cmd = cp.call("POST", "/api/v1/migrations", cp.admin,
-                              {"job": "j-rogue", "to": "node-b"})
+        status, cmd = cp.call(
+            "POST", "/api/v1/migrations", cp.admin, {"job": "j-rogue", "to": "node-b"}
+        )
         assert status == 201, cmd
         got = rogue.lease()
         assert got is not None and got["id"] == cmd["id"]
         # It answers with the victim's checkpoint; with its job, label and owner too.
-        forged = {"checkpoint": ckpt, "label": "victim",
-                  "seal": {"key_id": "0" * 32, "hmac_sha256": "0" * 64}}
+        forged = {
+            "checkpoint": ckpt,
+            "label": "victim",
+            "seal": {"key_id": "0" * 32, "hmac_sha256": "0" * 64},
+        }
         done = rogue.ack(cmd["id"], True, forged)
         restore = finished(cp, done["result"]["next"])
         assert restore["node"] == "node-b" and restore["state"] == "failed", restore
         error = restore["result"]["error"]
-        assert error.startswith(f"restore of checkpoint {ckpt} refused: this node restores for "
-                                "the control plane only the checkpoint a migration took"), error
+        assert error.startswith(
+            f"restore of checkpoint {ckpt} refused: this node restores for "
+            "the control plane only the checkpoint a migration took"
+        ), error
         assert "\n" not in error and "signed by a key this node does not trust" in error, error
 
         # A restore command put straight into the database: by id alone, no migration.
         engine = create_engine(f"sqlite:///{root / 'cp.db'}")
         with engine.begin() as conn:
-            conn.execute(insert(commands).values(
-                id="cmd_injected", cluster_id=hpc["cluster_id"], node="node-b", kind="restore",
-                args=json.dumps({"checkpoint": ckpt}), state="queued", attempts=0,
-                created="2026-01-01T00:00:00.000000+00:00"))
+            conn.execute(
+                insert(commands).values(
+                    id="cmd_injected",
+                    cluster_id=hpc["cluster_id"],
+                    node="node-b",
+                    kind="restore",
+                    args=json.dumps({"checkpoint": ckpt}),
+                    state="queued",
+                    attempts=0,
+                    created="2026-01-01T00:00:00.000000+00:00",
+                )
+            )
         engine.dispose()
         injected = finished(cp, "cmd_injected")
         assert injected["state"] == "failed" and injected["result"]["error"] == (
             f"restore of checkpoint {ckpt} refused: this node restores for the control plane "
             "only the checkpoint a migration took (`stasis controlplane migrate`); a "
-            "checkpoint by id is restored with `stasis restore` on the node"), injected
+            "checkpoint by id is restored with `stasis restore` on the node"
+        ), injected
         # Nothing restored: node-b runs no job it did not run before.
         assert sorted(j["job"] for j in b.json("ps")) == jobs_before
         assert not [j for j in b.json("ps") if j["state"] in ("running", "restored")]
@@ -116,8 +142,11 @@ def test_a_node_restores_only_the_checkpoint_its_migration_took(
         # answered from what node-b keeps, never restored twice.
         engine = create_engine(f"sqlite:///{root / 'cp.db'}")
         with engine.begin() as conn:
-            sealed = conn.execute(select(commands.c.args).where(
-                commands.c.kind == "restore", commands.c.state == "done")).scalar_one()
+            sealed = conn.execute(
+                select(commands.c.args).where(
+                    commands.c.kind == "restore", commands.c.state == "done"
+                )
+            ).scalar_one()
         jobs_before = sorted(j["job"] for j in b.json("ps"))
         for replay in ("cmd_replayed", "cmd_replayed_after_restart"):
             if replay.endswith("restart"):
@@ -125,16 +154,25 @@ def test_a_node_restores_only_the_checkpoint_its_migration_took(
                 b.start()
                 jobs_before = sorted(j["job"] for j in b.json("ps"))
             with engine.begin() as conn:
-                conn.execute(insert(commands).values(
-                    id=replay, cluster_id=hpc["cluster_id"], node="node-b", kind="restore",
-                    args=sealed, state="queued", attempts=0,
-                    created="2026-01-01T00:00:00.000000+00:00"))
+                conn.execute(
+                    insert(commands).values(
+                        id=replay,
+                        cluster_id=hpc["cluster_id"],
+                        node="node-b",
+                        kind="restore",
+                        args=sealed,
+                        state="queued",
+                        attempts=0,
+                        created="2026-01-01T00:00:00.000000+00:00",
+                    )
+                )
             again = finished(cp, replay)
             error = again["result"].get("error", "")
             assert again["state"] == "failed" and error.startswith(
                 f"restore of checkpoint {json.loads(sealed)['checkpoint']} for migration "
                 f"{moved['commands'][0]} refused: a migration restores once, and this node "
-                f"already restored it as job {moved['job']} on "), again
+                f"already restored it as job {moved['job']} on "
+            ), again
             assert error.endswith(": migrate the job again to move it") and "\n" not in error
             assert sorted(j["job"] for j in b.json("ps")) == jobs_before
         engine.dispose()
@@ -149,7 +187,8 @@ def test_a_node_restores_only_the_checkpoint_its_migration_took(
 
 
 def test_the_record_of_restored_migrations_is_bounded_and_forgets_safely(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Beyond its bound the rows of the oldest checkpoints go; a seal of a checkpoint as old as
     those (which may have been restored) is refused unseen, a newer one still goes through,
     and a replay of one kept is refused naming its job."""
@@ -166,8 +205,9 @@ def test_the_record_of_restored_migrations_is_bounded_and_forgets_safely(
         from stasis.daemon.records import Records, file_name
 
         kept_as_files = tmp_path / "records"
-        me: Any = SimpleNamespace(manager=SimpleNamespace(db=db),
-                                  _records=Records(db, kept_as_files))
+        me: Any = SimpleNamespace(
+            manager=SimpleNamespace(db=db), _records=Records(db, kept_as_files)
+        )
         for i in range(5):
             node.ControlPlaneNode._claim_restore(me, f"cmd_{i}", f"ckpt-{i}", 1000.0 + i)
             node.ControlPlaneNode._restored(me, f"cmd_{i}", f"job-{i}")
@@ -175,8 +215,9 @@ def test_the_record_of_restored_migrations_is_bounded_and_forgets_safely(
             kept = {r.migration for r in conn.execute(select(node.restored_table))}
         assert kept == {"cmd_2", "cmd_3", "cmd_4", node._WATERMARK}
         # Its files (for a rebuild of a corrupt database: stasis/daemon/records.py) follow.
-        assert {p.name for p in (kept_as_files / "controlplane_restored").iterdir()} == \
-            {file_name(k) for k in kept}
+        assert {p.name for p in (kept_as_files / "controlplane_restored").iterdir()} == {
+            file_name(k) for k in kept
+        }
         with pytest.raises(PermissionDeniedError, match="already restored it as job job-4"):
             node.ControlPlaneNode._claim_restore(me, "cmd_4", "ckpt-4", 1004.0)
         # cmd_0 was forgotten: its seal comes again, refused as older than what is remembered.

@@ -32,8 +32,9 @@ def namespaces(pid: int) -> dict[str, str]:
     return {ns: os.readlink(f"/proc/{pid}/ns/{ns}") for ns in ("mnt", "uts", "net")}
 
 
-def test_a_node_of_its_own_shows_nothing_of_another(world_tmp: Path,
-                                                    test_user: pwd.struct_passwd) -> None:
+def test_a_node_of_its_own_shows_nothing_of_another(
+    world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     a = new_daemon(world_tmp, "node-a", separate=True)
     b = new_daemon(world_tmp, "node-b", separate=True)
     started: list[Daemon] = []
@@ -54,7 +55,9 @@ def test_a_node_of_its_own_shows_nothing_of_another(world_tmp: Path,
         # Their own host names, addresses and networks; the job is in its node's.
         here = socket.gethostname()
         assert (inside(a, "hostname").stdout, inside(b, "hostname").stdout) == (
-            "node-a\n", "node-b\n") and here not in ("node-a", "node-b")
+            "node-a\n",
+            "node-b\n",
+        ) and here not in ("node-a", "node-b")
         assert a.node.address != b.node.address
         assert f"inet {a.node.address}/24" in inside(a, "ip", "-4", "addr", "show", "eth0").stdout
         assert inside(a, "ip", "-4", "addr", "show", "eth0").returncode == 0
@@ -65,17 +68,28 @@ def test_a_node_of_its_own_shows_nothing_of_another(world_tmp: Path,
         assert namespaces(a.job(job)["pid"])["net"] == daemon_ns[0]["net"]
         # Node A's loopback is its own: a listener there is not on B's nor on the machine's;
         # A is reached at its address.
-        server = subprocess.Popen([*a.node.prefix(), "python3", "-c",
-                                   "import socket,time; s=socket.socket(); "
-                                   "s.bind(('0.0.0.0', 0)); s.listen(); "
-                                   "print(s.getsockname()[1], flush=True); time.sleep(60)"],
-                                  stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            [
+                *a.node.prefix(),
+                "python3",
+                "-c",
+                "import socket,time; s=socket.socket(); "
+                "s.bind(('0.0.0.0', 0)); s.listen(); "
+                "print(s.getsockname()[1], flush=True); time.sleep(60)",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout is not None
             port = int(server.stdout.readline())
+
             def probe(host: str) -> str:
-                return (f"import socket; s=socket.socket(); s.settimeout(2); "
-                        f"print(s.connect_ex(('{host}', {port})))")
+                return (
+                    f"import socket; s=socket.socket(); s.settimeout(2); "
+                    f"print(s.connect_ex(('{host}', {port})))"
+                )
+
             assert inside(a, "python3", "-c", probe("127.0.0.1")).stdout.strip() == "0"
             assert inside(b, "python3", "-c", probe("127.0.0.1")).stdout.strip() != "0"
             with socket.socket() as s:
@@ -98,23 +112,30 @@ def test_a_node_of_its_own_shows_nothing_of_another(world_tmp: Path,
 
 @SQLITE_ONLY
 def test_a_job_migrated_between_nodes_of_their_own_carries_its_tmp_file(
-        site_controlplane: ControlPlane, world_tmp: Path, site_key: Path,
-        test_user: pwd.struct_passwd) -> None:
+    site_controlplane: ControlPlane, world_tmp: Path, site_key: Path, test_user: pwd.struct_passwd
+) -> None:
     cp = site_controlplane
     tag = f"mv-{os.urandom(4).hex()}"
     with site_nodes(cp, world_tmp, site_key, "node-a", "node-b", separate=True) as nodes:
         a, b = nodes["node-a"], nodes["node-b"]
         # A tempfile in /tmp and one in /var/tmp, a unix socket in /tmp and SQLite in /dev/shm.
-        job = a.run(*workload("nodelocal.py", "tmp,vartmp,sock,shm", tag, 0.2), label=tag,
-                    user=test_user.pw_name)["job"]
+        job = a.run(
+            *workload("nodelocal.py", "tmp,vartmp,sock,shm", tag, 0.2),
+            label=tag,
+            user=test_user.pw_name,
+        )["job"]
 
         def counts(d: Daemon, j: str) -> list[int]:
-            return [int(line.split()[1]) for line in d.log_of(j).splitlines()
-                    if line.startswith("count ")]
+            return [
+                int(line.split()[1])
+                for line in d.log_of(j).splitlines()
+                if line.startswith("count ")
+            ]
 
         wait_for(lambda: len(counts(a, job)) >= 3, 30, "the counter to count on A")
-        held = inside(a, "sh", "-c", f"ls -d /tmp/{tag}-* /var/tmp/{tag}-* /dev/shm/{tag}-*"
-                      ).stdout.split()
+        held = inside(
+            a, "sh", "-c", f"ls -d /tmp/{tag}-* /var/tmp/{tag}-* /dev/shm/{tag}-*"
+        ).stdout.split()
         # The tempfiles, the socket's directory, the database with its -wal and -shm.
         assert len(held) == 6, held
         for path in held:
@@ -141,15 +162,26 @@ def test_a_job_migrated_between_nodes_of_their_own_carries_its_tmp_file(
 
 @SQLITE_ONLY
 def test_nodes_of_their_own_share_an_s3_store_on_their_network(
-        site_controlplane: ControlPlane, site_s3: S3Server, world_tmp: Path, site_key: Path,
-        test_user: pwd.struct_passwd) -> None:
+    site_controlplane: ControlPlane,
+    site_s3: S3Server,
+    world_tmp: Path,
+    site_key: Path,
+    test_user: pwd.struct_passwd,
+) -> None:
     """The shared store a real site has: S3 reached over the nodes' network, not a path."""
     cp = site_controlplane
     cluster = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     store = f"s3://{site_s3.make_bucket(f't-{os.urandom(6).hex()}')}/site"
-    a, b = (new_daemon(world_tmp, n, store=store, separate=True, env={
-        **node_env(cp, cluster, n), **site_s3.env(), "STASIS_SITE_KEY": str(site_key)})
-        for n in ("node-a", "node-b"))
+    a, b = (
+        new_daemon(
+            world_tmp,
+            n,
+            store=store,
+            separate=True,
+            env={**node_env(cp, cluster, n), **site_s3.env(), "STASIS_SITE_KEY": str(site_key)},
+        )
+        for n in ("node-a", "node-b")
+    )
     started: list[Daemon] = []
     try:
         for d in (a, b):
@@ -160,8 +192,9 @@ def test_nodes_of_their_own_share_an_s3_store_on_their_network(
         wait_for(lambda: job in [j["job"] for j in cp.json("jobs")], 30, "the job report")
         moved = cp.json("migrate", job, "--to", "node-b")
         before = [int(x) for x in a.log_of(job).split()]
-        wait_for(lambda: len(b.log_of(moved["job"]).split()) >= len(before) + 2, 30,
-                 "the count on B")
+        wait_for(
+            lambda: len(b.log_of(moved["job"]).split()) >= len(before) + 2, 30, "the count on B"
+        )
         after = [int(x) for x in b.log_of(moved["job"]).split()]
         assert after[len(before)] == before[-1] + 1
     finally:

@@ -73,13 +73,21 @@ class Eavesdropper:
 
 
 def test_a_node_refuses_plain_http_off_loopback_and_joins_when_the_site_allows_it(
-        world_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     host = outside_address()
     ear = Eavesdropper(host)
-    refused = new_daemon(world_tmp, "node-plain", env={
-        "STASIS_CONTROLPLANE_URL": ear.url, "STASIS_CLUSTER_ID": "cl_0123456789",
-        "STASIS_AUTH_TOKEN": SECRET, "STASIS_NODE_NAME": "node-plain",
-        "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.2"})
+    refused = new_daemon(
+        world_tmp,
+        "node-plain",
+        env={
+            "STASIS_CONTROLPLANE_URL": ear.url,
+            "STASIS_CLUSTER_ID": "cl_0123456789",
+            "STASIS_AUTH_TOKEN": SECRET,
+            "STASIS_NODE_NAME": "node-plain",
+            "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.2",
+        },
+    )
     try:
         refused.start()
         time.sleep(2.0)  # ten heartbeats' time: a joining node would have sent its token
@@ -91,10 +99,18 @@ def test_a_node_refuses_plain_http_off_loopback_and_joins_when_the_site_allows_i
         assert SECRET not in log
         refused.cli("ps")  # the node still serves its users, unjoined
         # The admin CLI, which sends the admin token, refuses the same URL.
-        r = subprocess.run([STASIS, "controlplane", "nodes"], capture_output=True, text=True,
-                           timeout=60, env={**os.environ, "STASIS_CONFIG": "",
-                                            "STASIS_CONTROLPLANE_URL": ear.url,
-                                            "STASIS_AUTH_TOKEN": SECRET})
+        r = subprocess.run(
+            [STASIS, "controlplane", "nodes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                **os.environ,
+                "STASIS_CONFIG": "",
+                "STASIS_CONTROLPLANE_URL": ear.url,
+                "STASIS_AUTH_TOKEN": SECRET,
+            },
+        )
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "refused control plane URL" in r.stderr
         assert ear.connections == 0
@@ -107,15 +123,25 @@ def test_a_node_refuses_plain_http_off_loopback_and_joins_when_the_site_allows_i
     cp.db = str(cp.root / "cp.db")
     cp.start("--listen", f"0.0.0.0:{cp.port}", "--allow-plain-http")
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-    allowed = new_daemon(world_tmp, "node-allowed", env={
-        "STASIS_CONTROLPLANE_URL": f"http://{host}:{cp.port}",
-        "STASIS_CLUSTER_ID": hpc["cluster_id"], "STASIS_AUTH_TOKEN": hpc["token"],
-        "STASIS_NODE_NAME": "node-allowed", "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5",
-        "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "1"})
+    allowed = new_daemon(
+        world_tmp,
+        "node-allowed",
+        env={
+            "STASIS_CONTROLPLANE_URL": f"http://{host}:{cp.port}",
+            "STASIS_CLUSTER_ID": hpc["cluster_id"],
+            "STASIS_AUTH_TOKEN": hpc["token"],
+            "STASIS_NODE_NAME": "node-allowed",
+            "STASIS_CONTROLPLANE_HEARTBEAT_S": "0.5",
+            "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "1",
+        },
+    )
     try:
         allowed.start()
-        wait_for(lambda: [n["name"] for n in cp.json("nodes")] == ["node-allowed"], 30,
-                 "the allowed node to join")
+        wait_for(
+            lambda: [n["name"] for n in cp.json("nodes")] == ["node-allowed"],
+            30,
+            "the allowed node to join",
+        )
     finally:
         allowed.stop()
         cp.stop()
@@ -126,16 +152,37 @@ def test_join_refuses_plain_http_off_loopback_unless_told(world_tmp: Path) -> No
     env = {**os.environ, "STASIS_CONFIG": "", "STASIS_AUTH_TOKEN": SECRET}
 
     def join(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([STASIS, "controlplane", "join", "--config", str(config),
-                               "--url", url, "--cluster-id", "cl_1", "--node", "n1", *extra],
-                              capture_output=True, text=True, timeout=60, env=env)
+        return subprocess.run(
+            [
+                STASIS,
+                "controlplane",
+                "join",
+                "--config",
+                str(config),
+                "--url",
+                url,
+                "--cluster-id",
+                "cl_1",
+                "--node",
+                "n1",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
 
     r = join("http://192.0.2.77:8470")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "refused control plane URL http://192.0.2.77:8470" in r.stderr
     assert not config.exists()
-    for url in ("http://127.0.0.1:8470", "http://[::1]:8470", "http://localhost:8470",
-                "https://cp.example:8470"):
+    for url in (
+        "http://127.0.0.1:8470",
+        "http://[::1]:8470",
+        "http://localhost:8470",
+        "https://cp.example:8470",
+    ):
         r = join(url)
         assert r.returncode == 0, (url, r.stderr)
         assert "allow_plain_http" not in config.read_text()
@@ -154,13 +201,25 @@ def test_join_refuses_plain_http_off_loopback_unless_told(world_tmp: Path) -> No
 
 def _serve(cp: ControlPlane, token_file: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [STASIS, "controlplane", "serve", "--db", cp.db, "--listen", f"127.0.0.1:{cp.port}",
-         "--admin-token-file", str(token_file)], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "STASIS_CONFIG": "", "STASIS_STATE_DIR": str(cp.root)})
+        [
+            STASIS,
+            "controlplane",
+            "serve",
+            "--db",
+            cp.db,
+            "--listen",
+            f"127.0.0.1:{cp.port}",
+            "--admin-token-file",
+            str(token_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STASIS_CONFIG": "", "STASIS_STATE_DIR": str(cp.root)},
+    )
 
 
-def test_a_planted_admin_token_file_is_refused_and_the_token_is_not_lost(
-        world_tmp: Path) -> None:
+def test_a_planted_admin_token_file_is_refused_and_the_token_is_not_lost(world_tmp: Path) -> None:
     cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), "")
     cp.db = str(cp.root / "cp.db")
     victim = world_tmp / "victim"
@@ -176,9 +235,11 @@ def test_a_planted_admin_token_file_is_refused_and_the_token_is_not_lost(
         r = _serve(cp, path)
         assert r.returncode == 2, (path, r.stdout, r.stderr)
         # The log lines of the start (its migrations) before it, then the one refusal.
-        assert r.stderr.strip().splitlines()[-1] == (f"stasis: error: refused --admin-token-file {path}: "
-                                    "something is there already (a file or a link, not "
-                                    "followed); remove it, or name a new path"), r.stderr
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"stasis: error: refused --admin-token-file {path}: "
+            "something is there already (a file or a link, not "
+            "followed); remove it, or name a new path"
+        ), r.stderr
         assert "stasis_" not in r.stdout + r.stderr
     assert victim.read_text() == "root's own file\n" and os.stat(victim).st_mode & 0o777 == 0o644
     assert not (world_tmp / "created-through-the-link").exists()
@@ -197,14 +258,19 @@ def test_a_planted_admin_token_file_is_refused_and_the_token_is_not_lost(
         cp.stop()
 
 
-def _login_cookie(host: str, port: int, token: str,
-                  context: ssl.SSLContext | None = None) -> str:
+def _login_cookie(host: str, port: int, token: str, context: ssl.SSLContext | None = None) -> str:
     conn: http.client.HTTPConnection = (
-        http.client.HTTPSConnection(host, port, context=context, timeout=20) if context
-        else http.client.HTTPConnection(host, port, timeout=20))
+        http.client.HTTPSConnection(host, port, context=context, timeout=20)
+        if context
+        else http.client.HTTPConnection(host, port, timeout=20)
+    )
     body = urllib.parse.urlencode({"token": token})
-    conn.request("POST", "/ui/login", body=body,
-                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    conn.request(
+        "POST",
+        "/ui/login",
+        body=body,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     r = conn.getresponse()
     assert r.status == 303, (r.status, r.read())
     cookie = r.getheader("Set-Cookie") or ""
@@ -231,8 +297,9 @@ def test_the_dashboard_behind_a_tls_proxy_sends_secure_cookies(world_tmp: Path) 
         assert {"secure", "httponly", "samesite"} <= _attributes(cookie), cookie
         # The installers name the URL the nodes reach: the proxy's https://.
         slurm = cp.json("clusters", "add", "hpc", "--kind", "slurm")
-        req = urllib.request.Request(cp.url + "/install/slurm",
-                                     headers={"Authorization": f"Bearer {slurm['token']}"})
+        req = urllib.request.Request(
+            cp.url + "/install/slurm", headers={"Authorization": f"Bearer {slurm['token']}"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             script = r.read().decode()
         assert f"\nurl=https://127.0.0.1:{cp.port}\n" in script
@@ -241,9 +308,28 @@ def test_the_dashboard_behind_a_tls_proxy_sends_secure_cookies(world_tmp: Path) 
 
     # Over HTTPS itself.
     cert, key = root / "cert.pem", root / "key.pem"
-    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
-                        "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(key), "-out", str(cert)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     tls = ControlPlane(root, str(root / "cp.db"))
     tls.port = free_ports(1)[0]
@@ -252,7 +338,6 @@ def test_the_dashboard_behind_a_tls_proxy_sends_secure_cookies(world_tmp: Path) 
     try:
         tls.start("--cert", str(cert), "--key", str(key), "--listen", f"127.0.0.1:{tls.port}")
         context = ssl.create_default_context(cafile=str(cert))
-        assert "secure" in _attributes(_login_cookie("127.0.0.1", tls.port, tls.admin,
-                                                     context))
+        assert "secure" in _attributes(_login_cookie("127.0.0.1", tls.port, tls.admin, context))
     finally:
         tls.stop()

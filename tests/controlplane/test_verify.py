@@ -25,8 +25,15 @@ def _iso(t: float) -> str:
 
 
 def verdict(checkpoint: str, ok: bool, at: float, reason: str = "") -> dict[str, Any]:
-    return {"checkpoint": checkpoint, "ok": ok, "reason": reason, "node": "host",
-            "at": _iso(at), "duration_s": 0.5, "processes": 2 if ok else 0}
+    return {
+        "checkpoint": checkpoint,
+        "ok": ok,
+        "reason": reason,
+        "node": "host",
+        "at": _iso(at),
+        "duration_s": 0.5,
+        "processes": 2 if ok else 0,
+    }
 
 
 def checkpoints(cp: ControlPlane, token: str | None = None) -> dict[str, dict[str, Any]]:
@@ -40,7 +47,8 @@ def verify_commands(cp: ControlPlane) -> list[dict[str, Any]]:
 
 
 def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     cp = controlplane
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     other = cp.json("clusters", "add", "other", "--kind", "slurm")
@@ -55,19 +63,25 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
 
     # Validation: one line each, nothing added.
     for args, said in (
-            (("--on", "memory", "--above", "50"),
-             "a memory trigger takes the checkpoint or migrate action"),
-            (("--on", "webhook", "--stop"),
-             "verify stops no job (it restores a checkpoint in a sandbox): leave out stop"),
-            (("--on", "webhook", "--min-size", "1M"),
-             "filter 'min_rss_bytes' picks jobs; verify picks checkpoints by cluster, node, "
-             "label, user")):
+        (
+            ("--on", "memory", "--above", "50"),
+            "a memory trigger takes the checkpoint or migrate action",
+        ),
+        (
+            ("--on", "webhook", "--stop"),
+            "verify stops no job (it restores a checkpoint in a sandbox): leave out stop",
+        ),
+        (
+            ("--on", "webhook", "--min-size", "1M"),
+            "filter 'min_rss_bytes' picks jobs; verify picks checkpoints by cluster, node, "
+            "label, user",
+        ),
+    ):
         r = cp.cli("policies", "add", "v", "--action", "verify", *args)
         assert (r.returncode, r.stderr.strip()) == (2, f"stasis: error: {said}"), r.stderr
     assert cp.json("policies", "list") == []
 
-    cp.json("policies", "add", "v", "--on", "webhook", "--action", "verify", "--label",
-            "train-*")
+    cp.json("policies", "add", "v", "--on", "webhook", "--action", "verify", "--label", "train-*")
     assert cp.json("policies", "run", "v") == {"name": "v", "queued": 2}
     queued = {c["node"]: c for c in verify_commands(cp)}
     assert {n: c["args"]["checkpoint"] for n, c in queued.items()} == {"fa": "c2", "fb": "cb1"}
@@ -76,8 +90,9 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
 
     # Low priority: a checkpoint asked after the verify is leased before it.
     fa.heartbeat([{"job": "j1"}])
-    status, asked = cp.call("POST", "/api/v1/commands", cp.admin,
-                            {"kind": "checkpoint", "job": "j1"})
+    status, asked = cp.call(
+        "POST", "/api/v1/commands", cp.admin, {"kind": "checkpoint", "job": "j1"}
+    )
     assert status == 201, asked
     first = fa.lease()
     assert first is not None and first["id"] == asked["id"]
@@ -90,18 +105,32 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
     fb.beat(verdicts=[verdict("c1", True, now)])
     theirs = fb.lease()
     assert theirs is not None and theirs["args"]["checkpoint"] == "cb1"
-    status, answer = cp.call("POST", f"/api/v1/commands/{theirs['id']}/ack", fb.token, {
-        "lease_id": fb.leases[theirs["id"]], "ok": True,
-        "result": {"verdict": verdict("c2", True, now)}})
-    assert (status, answer) == (400, {"error": f"command {theirs['id']} asked to verify "
-                                               "checkpoint cb1, not c2: answer with its "
-                                               "verdict"})
+    status, answer = cp.call(
+        "POST",
+        f"/api/v1/commands/{theirs['id']}/ack",
+        fb.token,
+        {
+            "lease_id": fb.leases[theirs["id"]],
+            "ok": True,
+            "result": {"verdict": verdict("c2", True, now)},
+        },
+    )
+    assert (status, answer) == (
+        400,
+        {
+            "error": f"command {theirs['id']} asked to verify "
+            "checkpoint cb1, not c2: answer with its "
+            "verdict"
+        },
+    )
     seen = checkpoints(cp)
     assert (seen["c1"]["verdict"], seen["c2"]["verdict"]) == (None, None)
     assert seen["c1"]["verified"] == "not verified"
     refused = [e["message"] for e in cp.json("events") if e["kind"] == "verify-refused"]
-    assert refused == [f"node fb of cluster {other['cluster_id']} reported a verdict on "
-                       f"checkpoint c1, which is cluster {hpc['cluster_id']}'s: ignored"]
+    assert refused == [
+        f"node fb of cluster {other['cluster_id']} reported a verdict on "
+        f"checkpoint c1, which is cluster {hpc['cluster_id']}'s: ignored"
+    ]
     # ... and is told nothing of it (not in its cluster's view).
     status, events = cp.call("GET", "/api/v1/events", other["token"])
     assert status == 200 and all("c1" not in e["message"] for e in events)
@@ -125,8 +154,14 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
     got = fa.lease()
     assert got is not None and got["args"]["checkpoint"] == "c4"
     why = "process 7 did not come back: <b>CRIU</b> said 'No such file' on tmp/x"
-    fa.ack(got["id"], False, {"verdict": verdict("c4", False, now + 1, why),
-                              "error": f"checkpoint c4 does not restore: {why}"})
+    fa.ack(
+        got["id"],
+        False,
+        {
+            "verdict": verdict("c4", False, now + 1, why),
+            "error": f"checkpoint c4 does not restore: {why}",
+        },
+    )
     c4 = checkpoints(cp)["c4"]
     assert (c4["verified"], c4["verdict"]["ok"]) == (f"failed: {why}", False)
     assert cp.json("actions")[-1]["state"] == "failed"
@@ -144,8 +179,10 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
     assert (job["last_checkpoint"], job["last_checkpoint_verified"]) == ("c4", f"failed: {why}")
     metrics = scrape(cp, cp.admin)
     for verdict_, count in (("ok", 1), ("failed", 1), ("none", 2)):
-        assert f'stasis_checkpoints_verified{{cluster="hpc",verdict="{verdict_}"}} {count}\n' \
-            in metrics, metrics
+        assert (
+            f'stasis_checkpoints_verified{{cluster="hpc",verdict="{verdict_}"}} {count}\n'
+            in metrics
+        ), metrics
 
     web = Browserless(cp)
     web.login(cp.admin)
@@ -153,14 +190,20 @@ def test_a_verify_policy_queues_the_newest_unverified_and_keeps_the_verdicts(
     assert status == 200
     row = page.split('data-checkpoint="c4"')[1].split("</tr>")[0]
     assert 'data-verified="failed"' in row
-    assert ("failed: process 7 did not come back: &lt;b&gt;CRIU&lt;/b&gt; said &#39;No such "
-            "file&#39; on tmp/x") in row and "<b>CRIU" not in page
+    assert (
+        "failed: process 7 did not come back: &lt;b&gt;CRIU&lt;/b&gt; said &#39;No such "
+        "file&#39; on tmp/x"
+    ) in row and "<b>CRIU" not in page
     assert 'data-verified="ok"' in page.split('data-checkpoint="c2"')[1].split("</tr>")[0]
     assert "not verified" in page.split('data-checkpoint="c3"')[1].split("</tr>")[0]
 
     # Hostile bytes in a verdict: refused whole, nothing kept.
-    status, answer = cp.call("POST", "/api/v1/nodes/fa/heartbeat", fa.token, {
-        "verdicts": [verdict("c3", True, now, "a\x00b")]})
+    status, answer = cp.call(
+        "POST",
+        "/api/v1/nodes/fa/heartbeat",
+        fa.token,
+        {"verdicts": [verdict("c3", True, now, "a\x00b")]},
+    )
     assert status == 400 and answer["error"].startswith("bad request: verdicts.0.reason")
     assert checkpoints(cp)["c3"]["verdict"] is None
 
@@ -179,14 +222,20 @@ def test_verdicts_survive_a_schema_from_before_them(db_url: str, world_tmp: Path
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO clusters (id, name, kind, created) VALUES ('cl_1', 'hpc', "
-                "'slurm', '2026-01-01T00:00:00+00:00')"))
-            conn.execute(text(
-                "INSERT INTO checkpoints (id, cluster_id, node, job, label, \"user\", "
-                "size_bytes, stored_size_bytes, duration_s, frozen_s, work_s, leave_running, "
-                "reason, store, created) VALUES ('old1', 'cl_1', 'n1', 'j', 'l', 'u', 1, 1, "
-                "0.1, 0.1, 1, true, 'asked', '/s', 1000)"))
+            conn.execute(
+                text(
+                    "INSERT INTO clusters (id, name, kind, created) VALUES ('cl_1', 'hpc', "
+                    "'slurm', '2026-01-01T00:00:00+00:00')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO checkpoints (id, cluster_id, node, job, label, \"user\", "
+                    "size_bytes, stored_size_bytes, duration_s, frozen_s, work_s, leave_running, "
+                    "reason, store, created) VALUES ('old1', 'cl_1', 'n1', 'j', 'l', 'u', 1, 1, "
+                    "0.1, 0.1, 1, true, 'asked', '/s', 1000)"
+                )
+            )
     finally:
         engine.dispose()
     cp = ControlPlane(Path(tempfile.mkdtemp(prefix="cp-", dir=world_tmp)), db_url)
@@ -212,7 +261,8 @@ def test_verdicts_survive_a_schema_from_before_them(db_url: str, world_tmp: Path
 
 
 def test_a_verify_queued_for_a_lost_node_is_failed_and_asked_again_when_it_is_back(
-        controlplane: ControlPlane) -> None:
+    controlplane: ControlPlane,
+) -> None:
     cp = controlplane
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     fa = FakeNode(cp, hpc, "fa")
@@ -223,19 +273,23 @@ def test_a_verify_queued_for_a_lost_node_is_failed_and_asked_again_when_it_is_ba
     # Silent past --lost-after (3 s): the queued verify fails, naming why.
     wait_for(lambda: verify_commands(cp)[0]["state"] == "failed", 30, "the verify failed")
     error = verify_commands(cp)[0]["result"]["error"]
-    assert re.fullmatch(r"node fa was lost \(silent \d+ s\) before carrying it out", error), \
-        error
+    assert re.fullmatch(r"node fa was lost \(silent \d+ s\) before carrying it out", error), error
     assert cp.json("policies", "run", "v")["queued"] == 0  # not ready: nothing for it
     # Asked for one checkpoint by hand: refused in one line while its node is lost, for an
     # unknown one, and for a cluster's token.
     r = cp.cli("verify", "c1")
     assert r.returncode == 2 and re.fullmatch(
         r"stasis: error: node fa is lost \(silent \d+ s\): the node that took checkpoint c1 "
-        r"verifies it; ask again once it is ready", r.stderr.strip()), r.stderr
+        r"verifies it; ask again once it is ready",
+        r.stderr.strip(),
+    ), r.stderr
     r = cp.cli("verify", "nope")
-    assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: no checkpoint nope known "
-                                                   "here: `stasis controlplane checkpoints` "
-                                                   "lists them")
+    assert (r.returncode, r.stderr.strip()) == (
+        2,
+        "stasis: error: no checkpoint nope known "
+        "here: `stasis controlplane checkpoints` "
+        "lists them",
+    )
     assert cp.call("POST", "/api/v1/checkpoints/c1/verify", hpc["token"])[0] == 403
     assert len(verify_commands(cp)) == 1
     fa.heartbeat([])

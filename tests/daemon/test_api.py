@@ -55,8 +55,7 @@ class Answer(typing.NamedTuple):
         return [json.loads(line) for line in self.raw.splitlines() if line.strip()]
 
 
-def call(sock: Path, method: str, path: str, body: Any = None, raw: bytes | None = None
-         ) -> Answer:
+def call(sock: Path, method: str, path: str, body: Any = None, raw: bytes | None = None) -> Answer:
     conn = UnixHTTPConnection(sock)
     try:
         payload = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -89,8 +88,12 @@ def manager(tmp_path: Path) -> Iterator[JobManager]:
     """A real JobManager on a private state directory (no daemon): to build the app's routes."""
     settings = Settings(state_dir=tmp_path / "state", store=str(tmp_path / "store"))
     settings.state_dir.mkdir()
-    store = Store(settings.store_url, staging_root=settings.layout.staging, keep=settings.keep,
-                  keys=node_keyring(settings, create=True))
+    store = Store(
+        settings.store_url,
+        staging_root=settings.layout.staging,
+        keep=settings.keep,
+        keys=node_keyring(settings, create=True),
+    )
     db = JobDB(settings.layout.db)
     m = JobManager(settings, store, db)
     yield m
@@ -99,8 +102,11 @@ def manager(tmp_path: Path) -> Iterator[JobManager]:
 
 
 def app_routes(app: web.Application) -> set[tuple[str, str]]:
-    return {(r.method, r.resource.canonical) for r in app.router.routes()
-            if r.method != "HEAD" and r.resource is not None}
+    return {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.method != "HEAD" and r.resource is not None
+    }
 
 
 class Recorder:
@@ -108,15 +114,19 @@ class Recorder:
 
     def __init__(self, sock: Path, routes: set[tuple[str, str]]) -> None:
         self.sock = sock
-        self.patterns = {(m, t): re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", t) + "$")
-                         for m, t in routes}
+        self.patterns = {
+            (m, t): re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", t) + "$") for m, t in routes
+        }
         self.seen: set[tuple[str, str]] = set()
 
     def __call__(self, method: str, path: str, body: Any = None) -> Answer:
         answer = call(self.sock, method, path, body)
         bare = path.split("?")[0]
-        self.seen |= {route for route, pattern in self.patterns.items()
-                      if route[0] == method and pattern.match(bare)}
+        self.seen |= {
+            route
+            for route, pattern in self.patterns.items()
+            if route[0] == method and pattern.match(bare)
+        }
         return answer
 
 
@@ -141,14 +151,16 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert len(routes) == 22  # stasis/wire.py's table
     req = Recorder(daemon.socket, routes)
 
-    ran = json_answer(req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/",
-                                            "label": "api-sleep"}))
+    ran = json_answer(
+        req("POST", "/jobs", {"command": ["sleep", "600"], "cwd": "/", "label": "api-sleep"})
+    )
     assert conforms(ran, wire.RunAnswer) and ran["label"] == "api-sleep"
     job_id = ran["job"]
     listed = json_answer(req("GET", "/jobs"))
     assert job_id in [j["job"] for j in listed]
     job = json_answer(req("GET", f"/jobs/{job_id}"))
     assert conforms(job, wire.Job) and job["state"] == "running"
+
     # sleep's timed wait is what a restore cuts short: said, not an obstacle (once sleep got
     # there: on a loaded machine the job may still be starting at the first look).
     def noted() -> Any:
@@ -195,43 +207,74 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
 
     assert json_answer(req("GET", "/slurm/health")) == {"ok": True}
     assert "not a child" in assert_error(
-        req("POST", "/slurm/jobs", {"slurm_job": UNKNOWN_SLURM_JOB, "pid": os.getpid(),
-                                    "label": UNKNOWN_SLURM_JOB}), 403, "PermissionDeniedError")
+        req(
+            "POST",
+            "/slurm/jobs",
+            {"slurm_job": UNKNOWN_SLURM_JOB, "pid": os.getpid(), "label": UNKNOWN_SLURM_JOB},
+        ),
+        403,
+        "PermissionDeniedError",
+    )
     assert_error(req("GET", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}"), 404, "NotFoundError")
-    assert_error(req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/checkpoint", {}), 404,
-                 "NotFoundError")
-    assert_error(req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/finish", {"exit_code": 0}), 404,
-                 "NotFoundError")
-    assert_error(req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/interval", {"requested": "auto"}),
-                 404, "NotFoundError")
+    assert_error(
+        req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/checkpoint", {}), 404, "NotFoundError"
+    )
+    assert_error(
+        req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/finish", {"exit_code": 0}),
+        404,
+        "NotFoundError",
+    )
+    assert_error(
+        req("POST", f"/slurm/jobs/{UNKNOWN_SLURM_JOB}/interval", {"requested": "auto"}),
+        404,
+        "NotFoundError",
+    )
     assert isinstance(json_answer(req("GET", "/slurm/intervals")), list)
 
     assert req.seen == routes, routes - req.seen
 
 
 def test_unknown_route_is_a_json_404(daemon: Daemon) -> None:
-    for method, path in (("GET", "/nope"), ("POST", "/jobs/0123456789ab/nope"),
-                         ("GET", "/slurm"), ("GET", "/slurm/nope"), ("GET", "/")):
+    for method, path in (
+        ("GET", "/nope"),
+        ("POST", "/jobs/0123456789ab/nope"),
+        ("GET", "/slurm"),
+        ("GET", "/slurm/nope"),
+        ("GET", "/"),
+    ):
         message = assert_error(call(daemon.socket, method, path), 404, "UsageError")
         assert "404" in message, message
 
 
 def test_wrong_method_is_a_json_405(daemon: Daemon) -> None:
-    for method, path in (("DELETE", "/jobs"), ("PUT", "/check"), ("GET", "/restore"),
-                         ("POST", "/network-locks"), ("GET", "/slurm/jobs"),
-                         ("DELETE", "/slurm/health"), ("GET", "/jobs/0123456789ab/kill")):
+    for method, path in (
+        ("DELETE", "/jobs"),
+        ("PUT", "/check"),
+        ("GET", "/restore"),
+        ("POST", "/network-locks"),
+        ("GET", "/slurm/jobs"),
+        ("DELETE", "/slurm/health"),
+        ("GET", "/jobs/0123456789ab/kill"),
+    ):
         message = assert_error(call(daemon.socket, method, path), 405, "UsageError")
         assert "405" in message, message
 
 
 def test_bad_bodies_and_stream_errors(daemon: Daemon) -> None:
-    assert "not JSON" in assert_error(call(daemon.socket, "POST", "/jobs", raw=b"{nope"), 400,
-                                      "UsageError")
-    assert_error(call(daemon.socket, "POST", "/jobs", {"command": ["true"], "cwd": "/",
-                                                      "extra": 1}), 400, "UsageError")
+    assert "not JSON" in assert_error(
+        call(daemon.socket, "POST", "/jobs", raw=b"{nope"), 400, "UsageError"
+    )
+    assert_error(
+        call(daemon.socket, "POST", "/jobs", {"command": ["true"], "cwd": "/", "extra": 1}),
+        400,
+        "UsageError",
+    )
     # (An empty finish report is valid since issue 28: no exit status, which retires nothing.)
-    assert_error(call(daemon.socket, "POST", "/slurm/jobs/1/finish", {"exit_code": "zero"}), 400,
-                 "UsageError")
+    assert_error(
+        call(daemon.socket, "POST", "/slurm/jobs/1/finish", {"exit_code": "zero"}),
+        400,
+        "UsageError",
+    )
     # A dump that cannot start: the stream has begun, its one line is the error.
     answer = call(daemon.socket, "POST", "/jobs/000000000000/dump", {})
     assert answer.status == 200 and answer.content_type.startswith("application/x-ndjson")

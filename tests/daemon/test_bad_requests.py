@@ -21,8 +21,11 @@ def raw(d: Daemon, method: str, path: str, body: bytes) -> tuple[int, bytes, byt
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(20)
         s.connect(str(d.socket))
-        s.sendall(f"{method} {path} HTTP/1.0\r\nHost: stasis\r\nContent-Type: application/json"
-                  f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.sendall(
+            f"{method} {path} HTTP/1.0\r\nHost: stasis\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -49,16 +52,20 @@ def _job_rows(d: Daemon) -> int:
     return len(d.json("ps"))
 
 
-@pytest.mark.parametrize("fields", [
-    {"command": ["sleep\0", "30"]},
-    {"command": ["sleep", "3\x000"]},
-    {"env": {"API_TOKEN": "a\0b"}},
-    {"env": {"API\0TOKEN": "ab"}},
-    {"cwd": "/t\0mp"},
-    {"label": "train\0x"},
-    {"log": "/tmp/x\0.log"},
-    {"user": "ro\0ot"},
-], ids=["command", "argument", "env-value", "env-name", "cwd", "label", "log", "user"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"command": ["sleep\0", "30"]},
+        {"command": ["sleep", "3\x000"]},
+        {"env": {"API_TOKEN": "a\0b"}},
+        {"env": {"API\0TOKEN": "ab"}},
+        {"cwd": "/t\0mp"},
+        {"label": "train\0x"},
+        {"log": "/tmp/x\0.log"},
+        {"user": "ro\0ot"},
+    ],
+    ids=["command", "argument", "env-value", "env-name", "cwd", "label", "log", "user"],
+)
 def test_nul_is_refused_and_nothing_starts(daemon: Daemon, fields: dict[str, Any]) -> None:
     rows = _job_rows(daemon)
     jobs_dirs = len(list((daemon.state_dir / "jobs").iterdir()))
@@ -72,12 +79,19 @@ def test_nul_in_other_routes(daemon: Daemon) -> None:
     refused(daemon, "POST", "/slurm/jobs", json.dumps({"job_id": "1\0"}).encode(), 400, "NUL")
 
 
-@pytest.mark.parametrize("body", [
-    b"[" * 100_000 + b"]" * 100_000,
-    b'{"command": ' + b"[" * 100_000 + b"]" * 100_000 + b', "cwd": "/"}',
-    b'{"command": ["true"], "cwd": "/", "env": ' + b'{"a": ' * 50_000 + b"1" + b"}" * 50_000
-    + b"}",
-], ids=["array", "in-a-field", "objects"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"command": ' + b"[" * 100_000 + b"]" * 100_000 + b', "cwd": "/"}',
+        b'{"command": ["true"], "cwd": "/", "env": '
+        + b'{"a": ' * 50_000
+        + b"1"
+        + b"}" * 50_000
+        + b"}",
+    ],
+    ids=["array", "in-a-field", "objects"],
+)
 def test_deeply_nested_json_is_a_bad_request(daemon: Daemon, body: bytes) -> None:
     rows = _job_rows(daemon)
     refused(daemon, "POST", "/jobs", body, 400, "nested too deeply")
@@ -101,15 +115,17 @@ def test_oversized_body_is_refused(daemon: Daemon) -> None:
     daemon.cli("ps")  # and nothing else is disturbed
 
 
-def _no_new_job(d: Daemon, *args: str, words: tuple[str, ...] = (), user: str | None = None
-                ) -> None:
+def _no_new_job(
+    d: Daemon, *args: str, words: tuple[str, ...] = (), user: str | None = None
+) -> None:
     rows = _job_rows(d)
     one_line_error(d.cli("run", "--", *args, check=False, user=user), 2, "cannot start", *words)
     assert _job_rows(d) == rows
 
 
-def test_commands_that_cannot_start_are_errors_not_jobs(daemon: Daemon, world_tmp: Path,
-                                                        test_user: pwd.struct_passwd) -> None:
+def test_commands_that_cannot_start_are_errors_not_jobs(
+    daemon: Daemon, world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     _no_new_job(daemon, "no-such-program-on-any-path", words=("no-such-program-on-any-path",))
     _no_new_job(daemon, str(world_tmp), words=("directory",))
     plain = world_tmp / "plain.txt"

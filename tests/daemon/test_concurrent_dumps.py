@@ -17,8 +17,7 @@ def tracer(pid: int) -> int:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
-    return int(next(line.split()[1] for line in text.splitlines()
-                    if line.startswith("TracerPid:")))
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("TracerPid:")))
 
 
 def test_second_stop_dump_is_refused_while_the_first_runs(make_daemon: MakeDaemon) -> None:
@@ -26,9 +25,17 @@ def test_second_stop_dump_is_refused_while_the_first_runs(make_daemon: MakeDaemo
     job = d.run(*workload("memhold.py", 128), label="twice")
     wait_for(lambda: "ready" in d.log_of(job["job"]), 30, "128 MiB allocated")
     first: dict[str, subprocess.CompletedProcess[str]] = {}
-    thread = threading.Thread(target=lambda: first.update(r=subprocess.run(
-        [STASIS, "dump", "--json", job["job"]], env=d.env, capture_output=True, text=True,
-        timeout=120)))
+    thread = threading.Thread(
+        target=lambda: first.update(
+            r=subprocess.run(
+                [STASIS, "dump", "--json", job["job"]],
+                env=d.env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        )
+    )
     thread.start()
     # The first dump holds the tree (CRIU ptraces it): now the second one asks.
     wait_for(lambda: tracer(job["pid"]) or not thread.is_alive(), 30, "the first dump's CRIU")
@@ -37,8 +44,9 @@ def test_second_stop_dump_is_refused_while_the_first_runs(make_daemon: MakeDaemo
     thread.join()
 
     assert second.returncode != 0
-    assert second.stderr.strip() == (f"stasis: error: job {job['job']} is being checkpointed "
-                                      "already; wait for it")
+    assert second.stderr.strip() == (
+        f"stasis: error: job {job['job']} is being checkpointed " "already; wait for it"
+    )
     assert first["r"].returncode == 0, first["r"].stderr
     assert [c["label"] for c in d.json("checkpoints")] == ["twice"]
     assert d.job(job["job"])["state"] == "checkpointed"

@@ -72,8 +72,9 @@ print(json.dumps({"opened": len(socks), "refused": refused,
 
 
 class Holder:
-    def __init__(self, d: Daemon, n: int, mode: str, hold_s: float,
-                 user: str | None = None) -> None:
+    def __init__(
+        self, d: Daemon, n: int, mode: str, hold_s: float, user: str | None = None
+    ) -> None:
         cmd = ["python3", "-c", HOLDER, str(d.socket), str(n), mode, str(hold_s)]
         if user:
             cmd = ["runuser", "-u", user, "--", *cmd]
@@ -90,8 +91,9 @@ class Holder:
 
 def _ps(d: Daemon) -> list[Any]:
     """Root's `stasis ps`, which must answer promptly."""
-    result = subprocess.run([STASIS, "ps", "--json"], env=d.env, capture_output=True,
-                            text=True, timeout=10)
+    result = subprocess.run(
+        [STASIS, "ps", "--json"], env=d.env, capture_output=True, text=True, timeout=10
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)  # type: ignore[no-any-return]
 
@@ -104,11 +106,13 @@ def _daemon_log(d: Daemon) -> Path:
     return d.root / "daemon.log"
 
 
-def test_one_users_half_sent_requests_lock_nobody_out(make_daemon: MakeDaemon,
-                                                      test_user: pwd.struct_passwd) -> None:
+def test_one_users_half_sent_requests_lock_nobody_out(
+    make_daemon: MakeDaemon, test_user: pwd.struct_passwd
+) -> None:
     # 128 open files in all, as a (low) service manager's limit; the user tries for 200.
-    d: Daemon = make_daemon(nofile=128, env={"STASIS_MAX_CONNECTIONS_PER_UID": "16",
-                                             "STASIS_REQUEST_TIMEOUT_S": "30"})
+    d: Daemon = make_daemon(
+        nofile=128, env={"STASIS_MAX_CONNECTIONS_PER_UID": "16", "STASIS_REQUEST_TIMEOUT_S": "30"}
+    )
     job = d.run(*workload("counter.py"))
     wait_for(lambda: last_number(d, job["job"]) >= 2, what="counting")
     holder = Holder(d, 200, "headers", hold_s=4, user=test_user.pw_name)
@@ -119,8 +123,12 @@ def test_one_users_half_sent_requests_lock_nobody_out(make_daemon: MakeDaemon,
         assert _state(d, job["job"]) == "running"
         time.sleep(0.3)
     # The user themselves is told why, in one line.
-    one_line_error(d.cli("ps", user=test_user.pw_name, check=False), 1, "too many connections",
-                   "max_connections_per_uid")
+    one_line_error(
+        d.cli("ps", user=test_user.pw_name, check=False),
+        1,
+        "too many connections",
+        "max_connections_per_uid",
+    )
     report = holder.report()
     # Only the user's share stayed open; the daemon closed the rest at once.
     assert report["opened"] + report["refused"] == 200
@@ -153,8 +161,10 @@ def test_root_exhausting_the_daemon_does_not_end_its_jobs(make_daemon: MakeDaemo
 def test_slow_requests_are_cut_off(make_daemon: MakeDaemon, test_user: pwd.struct_passwd) -> None:
     d: Daemon = make_daemon(env={"STASIS_REQUEST_TIMEOUT_S": "1"})
     user = test_user.pw_name
-    holders = {mode: Holder(d, 3, mode, hold_s=5, user=user)
-               for mode in ("nothing", "headers", "trickle", "body")}
+    holders = {
+        mode: Holder(d, 3, mode, hold_s=5, user=user)
+        for mode in ("nothing", "headers", "trickle", "body")
+    }
     for mode, holder in holders.items():
         report = holder.report()
         assert len(report["closed_after_s"]) == 3, (mode, report)

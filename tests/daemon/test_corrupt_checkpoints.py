@@ -20,8 +20,9 @@ def _manifest(d: Daemon, checkpoint: str) -> Path:
 def _dumps(d: Daemon, count: int, user: str | None = None) -> list[str]:
     job = d.json("run", "--", *workload("counter.py"), user=user)
     wait_for(lambda: last_number(d, job["job"]) >= 1, what="counting")
-    ids = [d.json("dump", job["job"], "--leave-running", user=user)["checkpoint"]
-           for _ in range(count)]
+    ids = [
+        d.json("dump", job["job"], "--leave-running", user=user)["checkpoint"] for _ in range(count)
+    ]
     d.cli("kill", job["job"], user=user)
     return ids
 
@@ -44,13 +45,21 @@ def test_only_root_deletes_a_checkpoint_nobody_can_tell_the_owner_of(daemon: Dae
     _tamper(daemon, untrusted)
     for checkpoint in (garbage, untrusted):
         # The user is told why, and is not sent to a command that cannot work for them.
-        err = one_line_error(daemon.cli("checkpoints", "rm", checkpoint, user=TEST_USER,
-                                        check=False), 2, "permission denied", "only root")
+        err = one_line_error(
+            daemon.cli("checkpoints", "rm", checkpoint, user=TEST_USER, check=False),
+            2,
+            "permission denied",
+            "only root",
+        )
         assert "stasis checkpoints rm" not in err
         assert _manifest(daemon, checkpoint).exists()
-    err = one_line_error(daemon.cli("restore", garbage, user=TEST_USER, check=False), 1,
-                         "manifest.json is unreadable", "nobody can tell whose it is",
-                         "root can delete it")
+    err = one_line_error(
+        daemon.cli("restore", garbage, user=TEST_USER, check=False),
+        1,
+        "manifest.json is unreadable",
+        "nobody can tell whose it is",
+        "root can delete it",
+    )
     for checkpoint in (garbage, untrusted):
         daemon.cli("checkpoints", "rm", checkpoint)
         assert not (Path(daemon.store) / checkpoint).exists()

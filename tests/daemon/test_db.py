@@ -17,12 +17,28 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select
 from stasis.daemon.db import JobDB, JobRow, NetLockRow
 
 
-def row(job_id: str, state: str = "running", created: str = "2026-01-01T00:00:00.000+00:00",
-        **kw: Any) -> JobRow:
-    base = JobRow(id=job_id, pid=100, pid_start=12345, shim_pid=99, state=state, label="lab",
-                  exit_code=None, command=["python3", "-u", "x.py"], cwd="/", env=["A", "B"],
-                  user="root", uid=0, gid=0, log="/tmp/x.log", checkpoint=None, created=created,
-                  job_dir=f"/state/jobs/{job_id}")
+def row(
+    job_id: str, state: str = "running", created: str = "2026-01-01T00:00:00.000+00:00", **kw: Any
+) -> JobRow:
+    base = JobRow(
+        id=job_id,
+        pid=100,
+        pid_start=12345,
+        shim_pid=99,
+        state=state,
+        label="lab",
+        exit_code=None,
+        command=["python3", "-u", "x.py"],
+        cwd="/",
+        env=["A", "B"],
+        user="root",
+        uid=0,
+        gid=0,
+        log="/tmp/x.log",
+        checkpoint=None,
+        created=created,
+        job_dir=f"/state/jobs/{job_id}",
+    )
     return replace(base, **kw)
 
 
@@ -52,11 +68,22 @@ def test_add_get_all(db: JobDB, tmp_path: Path) -> None:
 
 
 def test_live_finished_and_remove_finished(db: JobDB) -> None:
-    states = {"00000000000a": "running", "00000000000b": "restored",
-              "00000000000c": "exited", "00000000000d": "checkpointed", "00000000000e": "exited"}
+    states = {
+        "00000000000a": "running",
+        "00000000000b": "restored",
+        "00000000000c": "exited",
+        "00000000000d": "checkpointed",
+        "00000000000e": "exited",
+    }
     for i, (job_id, state) in enumerate(states.items()):
-        db.add(row(job_id, state, created=f"2026-01-0{i + 1}T00:00:00.000+00:00",
-                   shim_pid=None if job_id == "00000000000e" else 7))
+        db.add(
+            row(
+                job_id,
+                state,
+                created=f"2026-01-0{i + 1}T00:00:00.000+00:00",
+                shim_pid=None if job_id == "00000000000e" else 7,
+            )
+        )
     assert {r.id for r in db.live()} == {"00000000000a", "00000000000b"}
     assert db.finished() == [  # newest first
         ("00000000000e", "2026-01-05T00:00:00.000+00:00", "/state/jobs/00000000000e", None),
@@ -64,8 +91,7 @@ def test_live_finished_and_remove_finished(db: JobDB) -> None:
         ("00000000000c", "2026-01-03T00:00:00.000+00:00", "/state/jobs/00000000000c", 7),
     ]
     # Live rows are never removed, whatever is asked; unknown ids count for nothing.
-    assert db.remove_finished(["00000000000a", "00000000000c", "00000000000d", "ffffffffffff"]) \
-        == 2
+    assert db.remove_finished(["00000000000a", "00000000000c", "00000000000d", "ffffffffffff"]) == 2
     assert [r.id for r in db.all()] == ["00000000000a", "00000000000b", "00000000000e"]
     assert db.remove_finished([]) == 0
 
@@ -118,10 +144,15 @@ def test_finish_has_one_winner(db: JobDB) -> None:
 
 def test_netlocks(db: JobDB) -> None:
     assert db.netlocks() == []
-    late = NetLockRow(checkpoint="cp-b", job="job-b", created=200.0,
-                      rules=[["iptables", "-D", "INPUT", "x"]])
-    early = NetLockRow(checkpoint="cp-a", job="job-a", created=100.0,
-                       rules=[["iptables", "-D", "OUTPUT", "y"], ["ip6tables", "-D", "z"]])
+    late = NetLockRow(
+        checkpoint="cp-b", job="job-b", created=200.0, rules=[["iptables", "-D", "INPUT", "x"]]
+    )
+    early = NetLockRow(
+        checkpoint="cp-a",
+        job="job-a",
+        created=100.0,
+        rules=[["iptables", "-D", "OUTPUT", "y"], ["ip6tables", "-D", "z"]],
+    )
     db.add_netlock(late)
     db.add_netlock(early)
     assert db.netlocks() == [early, late]  # ordered by created
@@ -136,8 +167,12 @@ def test_netlocks(db: JobDB) -> None:
 
 
 def test_an_integrations_table(db: JobDB, tmp_path: Path) -> None:
-    extra = Table("extra_things", MetaData(), Column("key", String(8), primary_key=True),
-                  Column("n", Integer, nullable=False))
+    extra = Table(
+        "extra_things",
+        MetaData(),
+        Column("key", String(8), primary_key=True),
+        Column("n", Integer, nullable=False),
+    )
     db.create_tables([extra])
     db.create_tables([extra])  # again, as at every start: kept as it is
     with db.transaction() as conn:
@@ -168,8 +203,9 @@ def test_files_are_private_under_the_daemons_umask(tmp_path: Path) -> None:
     try:
         db = JobDB(path)
         db.add(row("000000000001"))
-        modes = {name: stat.S_IMODE(os.stat(f"{path}{name}").st_mode)
-                 for name in ("", "-wal", "-shm")}
+        modes = {
+            name: stat.S_IMODE(os.stat(f"{path}{name}").st_mode) for name in ("", "-wal", "-shm")
+        }
         assert db.get("000000000001") is not None
         db.engine.dispose()
     finally:

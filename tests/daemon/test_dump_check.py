@@ -41,9 +41,12 @@ def _echoes(d: Daemon, job: str) -> list[int]:
     return [int(n) for n in re.findall(r"^echo (\d+)$", d.log_of(job), re.M)]
 
 
-def test_job_connected_to_a_server_outside(daemon: Daemon, sockdir: Path,
-                                           outside: list[subprocess.Popen[str]],
-                                           test_user: pwd.struct_passwd) -> None:
+def test_job_connected_to_a_server_outside(
+    daemon: Daemon,
+    sockdir: Path,
+    outside: list[subprocess.Popen[str]],
+    test_user: pwd.struct_passwd,
+) -> None:
     user = test_user.pw_name
     path = sockdir / "db.sock"
     server = subprocess.Popen(workload("unixserver.py", path), stdout=subprocess.PIPE, text=True)
@@ -61,16 +64,18 @@ def test_job_connected_to_a_server_outside(daemon: Daemon, sockdir: Path,
     assert len(lines) == 2 and lines[1].startswith("- pid ")
     assert f"is connected to {path}, served by {server_says} outside the job" in lines[1]
     assert "run that server inside the job" in lines[1]
-    as_json = json.loads(daemon.cli("dump", "--check", "--json", job["job"], user=user,
-                                    check=False).stdout)
+    as_json = json.loads(
+        daemon.cli("dump", "--check", "--json", job["job"], user=user, check=False).stdout
+    )
     assert as_json["job"] == job["job"] and as_json["obstacles"] == [lines[1][2:]]
 
     # The real dump fails too, and its one-line error names the same process and what to do.
     result = daemon.cli("dump", job["job"], user=user, check=False)
     assert result.returncode == 1
     error = result.stderr.strip()
-    assert "\n" not in error and error.startswith(f"stasis: error: checkpoint of job "
-                                                  f"{job['job']} failed, job still running: pid ")
+    assert "\n" not in error and error.startswith(
+        f"stasis: error: checkpoint of job " f"{job['job']} failed, job still running: pid "
+    )
     assert f"served by {server_says} outside the job" in error
     assert "Can't dump half of stream unix connection" in error  # CRIU's own words, kept
     # ...and the job runs on, still talking to the server.
@@ -80,24 +85,34 @@ def test_job_connected_to_a_server_outside(daemon: Daemon, sockdir: Path,
     assert [c for c in daemon.json("checkpoints", user=user) if c["job"] == job["job"]] == []
 
 
-def test_client_outside_connected_to_a_job(daemon: Daemon, sockdir: Path,
-                                           outside: list[subprocess.Popen[str]],
-                                           test_user: pwd.struct_passwd) -> None:
+def test_client_outside_connected_to_a_job(
+    daemon: Daemon,
+    sockdir: Path,
+    outside: list[subprocess.Popen[str]],
+    test_user: pwd.struct_passwd,
+) -> None:
     user = test_user.pw_name
     path = sockdir / "mux.sock"
     job = daemon.run(*workload("unixserver.py", path), user=user)
     wait_for(lambda: "listening" in daemon.log_of(job["job"]), what="listening")
     # The owner's own client (a terminal attached to their server, say): shown in full.
-    client = subprocess.Popen(workload("unixclient.py", path), stdout=subprocess.PIPE, text=True,
-                              user=test_user.pw_uid, group=test_user.pw_gid, extra_groups=[])
+    client = subprocess.Popen(
+        workload("unixclient.py", path),
+        stdout=subprocess.PIPE,
+        text=True,
+        user=test_user.pw_uid,
+        group=test_user.pw_gid,
+        extra_groups=[],
+    )
     outside.append(client)
     assert client.stdout is not None and client.stdout.readline() == "echo 0\n"
 
     check = daemon.cli("dump", "--check", job["job"], user=user, check=False)
     assert check.returncode == 1
-    assert (f"- pid {client.pid} (python3 -u {workload('unixclient.py', path)[2]} {path}), "
-            f"outside the job, is connected to the job's socket {path} (served by pid ") \
-        in check.stdout
+    assert (
+        f"- pid {client.pid} (python3 -u {workload('unixclient.py', path)[2]} {path}), "
+        f"outside the job, is connected to the job's socket {path} (served by pid "
+    ) in check.stdout
     assert "disconnect or stop that client before the dump" in check.stdout
 
     # Done as it says: with the client gone, nothing is in the way and the dump works.
@@ -114,8 +129,9 @@ def test_client_outside_connected_to_a_job(daemon: Daemon, sockdir: Path,
     daemon.cli("kill", restored["job"], user=user)
 
 
-def test_timed_waits_a_restore_cuts_short_are_noted(daemon: Daemon,
-                                                    test_user: pwd.struct_passwd) -> None:
+def test_timed_waits_a_restore_cuts_short_are_noted(
+    daemon: Daemon, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job = daemon.run("sh", "-c", "sleep 60", user=user)
     sleeper = wait_for(lambda: _pid_of(job["pid"], b"sleep"), what="the sleep")
@@ -129,8 +145,9 @@ def test_timed_waits_a_restore_cuts_short_are_noted(daemon: Daemon,
     # CRIU agrees: its dump log warns about that very process.
     cp = daemon.json("dump", "--leave-running", job["job"], user=user)
     criu_log = (daemon.state_dir / "criu-logs" / f"dump-{cp['checkpoint']}.log").read_text()
-    assert re.findall(r"Will restore (\d+) with interrupted system call", criu_log) == \
-        [str(sleeper)]
+    assert re.findall(r"Will restore (\d+) with interrupted system call", criu_log) == [
+        str(sleeper)
+    ]
     daemon.cli("kill", job["job"], user=user)
 
 
@@ -139,8 +156,10 @@ def test_check_of_a_job_that_is_not_running(daemon: Daemon) -> None:
     wait_for(lambda: daemon.job(job["job"])["state"] == "exited", what="exit")
     result = daemon.cli("dump", "--check", job["job"], check=False)
     assert result.returncode == 2
-    assert result.stderr == f"stasis: error: job {job['job']} is not running (state exited); " \
-                            "nothing to check\n"
+    assert (
+        result.stderr == f"stasis: error: job {job['job']} is not running (state exited); "
+        "nothing to check\n"
+    )
 
 
 def _pid_of(root: int, name: bytes) -> int | None:

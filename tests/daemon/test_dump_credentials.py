@@ -59,25 +59,30 @@ def _job(d: Daemon, setuid_sleep: Path, user: str | None) -> tuple[str, int]:
 
 
 def test_a_users_job_running_a_setuid_program_is_not_checkpointed(
-        daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd) -> None:
+    daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job, sleeper = _job(daemon, setuid_sleep, user)
     status = Path(f"/proc/{sleeper}/status").read_text()
     assert re.search(rf"^Uid:\s+{test_user.pw_uid}\s+0\s+0\s+0$", status, re.M), status
     caps = re.search(r"^CapEff:\s+(\S+)$", status, re.M)
     assert caps is not None
-    holds = (f"pid {sleeper} (setuid-sleep) holds effective, saved and fs uid 0 (root), "
-             f"permitted and effective capabilities {int(caps.group(1), 16):#x}: more "
-             f"than its owner {user} (uid {test_user.pw_uid}) has (a setuid program caught "
-             "mid-run?), and a restore would give it back; checkpoint again once that program "
-             "has ended")
+    holds = (
+        f"pid {sleeper} (setuid-sleep) holds effective, saved and fs uid 0 (root), "
+        f"permitted and effective capabilities {int(caps.group(1), 16):#x}: more "
+        f"than its owner {user} (uid {test_user.pw_uid}) has (a setuid program caught "
+        "mid-run?), and a restore would give it back; checkpoint again once that program "
+        "has ended"
+    )
 
     for leave_running in (False, True):
-        result = daemon.cli("dump", *(["--leave-running"] if leave_running else []), job,
-                            user=user, check=False)
+        result = daemon.cli(
+            "dump", *(["--leave-running"] if leave_running else []), job, user=user, check=False
+        )
         assert result.returncode == 1, result.stdout + result.stderr
-        assert result.stderr == (f"stasis: error: checkpoint of job {job} refused, job still "
-                                 f"running: {holds}\n")
+        assert result.stderr == (
+            f"stasis: error: checkpoint of job {job} refused, job still " f"running: {holds}\n"
+        )
         # The job runs on, its counter moving; nothing was published.
         seen = len(_numbers(daemon, job))
         wait_for(lambda: len(_numbers(daemon, job)) >= seen + 3, what="more counting")
@@ -89,17 +94,18 @@ def test_a_users_job_running_a_setuid_program_is_not_checkpointed(
     check = daemon.cli("dump", "--check", job, user=user, check=False)
     assert check.returncode == 1
     assert f"- {holds}" in check.stdout.splitlines()
-    answer = json.loads(daemon.cli("dump", "--check", "--json", job, user=user,
-                                   check=False).stdout)
+    answer = json.loads(daemon.cli("dump", "--check", "--json", job, user=user, check=False).stdout)
     assert holds in answer["obstacles"]
 
     # Once the setuid program has ended, the same job checkpoints.
     os.kill(sleeper, 9)
-    wait_for(lambda: _pid_running(daemon.job(job)["pid"], setuid_sleep) is None,
-             what="the sleep to end")
+    wait_for(
+        lambda: _pid_running(daemon.job(job)["pid"], setuid_sleep) is None, what="the sleep to end"
+    )
     cp = daemon.json("dump", "--leave-running", job, user=user)
-    assert [c["id"] for c in daemon.json("checkpoints", user=user) if c["job"] == job] == \
-        [cp["checkpoint"]]
+    assert [c["id"] for c in daemon.json("checkpoints", user=user) if c["job"] == job] == [
+        cp["checkpoint"]
+    ]
     daemon.cli("kill", job, user=user)
 
 
@@ -112,14 +118,23 @@ def test_roots_job_running_the_same_is_checkpointed(daemon: Daemon, setuid_sleep
 
 
 def test_capabilities_inside_the_users_own_user_namespace_are_theirs(
-        daemon: Daemon, test_user: pwd.struct_passwd) -> None:
+    daemon: Daemon, test_user: pwd.struct_passwd
+) -> None:
     """`unshare -r` gives a process every capability inside a user namespace its user owns:
     confined there, nothing to refuse (whatever else CRIU thinks of user namespaces)."""
     user = test_user.pw_name
     job = daemon.run("unshare", "-r", "sleep", "600", user=user)
-    sleeper = wait_for(lambda: next((p for p in proctree.tree(job["pid"])
-                                     if Path(f"/proc/{p}/comm").read_text() == "sleep\n"),
-                                    None), what="the sleep")
+    sleeper = wait_for(
+        lambda: next(
+            (
+                p
+                for p in proctree.tree(job["pid"])
+                if Path(f"/proc/{p}/comm").read_text() == "sleep\n"
+            ),
+            None,
+        ),
+        what="the sleep",
+    )
     status = Path(f"/proc/{sleeper}/status").read_text()
     assert re.search(r"^CapEff:\s+0*[1-9a-f]", status, re.M), status  # it has capabilities
     groups = os.getgrouplist(user, test_user.pw_gid)
@@ -127,16 +142,17 @@ def test_capabilities_inside_the_users_own_user_namespace_are_theirs(
     # ...while the same thread, were its namespace not the user's, would be refused for them.
     cred = credentials.read(sleeper, sleeper)
     assert cred is not None and credentials.excess(cred, test_user.pw_uid, groups)
-    assert "holds" not in daemon.cli("dump", "--check", job["job"], user=user,
-                                     check=False).stdout
+    assert "holds" not in daemon.cli("dump", "--check", job["job"], user=user, check=False).stdout
     daemon.cli("kill", job["job"], user=user)
 
 
 def test_credentials_from_a_status_file() -> None:
-    status = (b"Name:\tx\nUid:\t1000\t1000\t0\t1000\nGid:\t1000\t1000\t1000\t1000\n"
-              b"Groups:\t27 1000 \nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n"
-              b"CapEff:\t0000000000000000\nCapBnd:\t000001ffffffffff\n"
-              b"CapAmb:\t0000000000000000\n")
+    status = (
+        b"Name:\tx\nUid:\t1000\t1000\t0\t1000\nGid:\t1000\t1000\t1000\t1000\n"
+        b"Groups:\t27 1000 \nCapInh:\t0000000000000000\nCapPrm:\t0000000000000000\n"
+        b"CapEff:\t0000000000000000\nCapBnd:\t000001ffffffffff\n"
+        b"CapAmb:\t0000000000000000\n"
+    )
     cred = credentials.parse_status(status)
     assert cred.uids == (1000, 1000, 0, 1000) and cred.groups == (27, 1000)
     assert credentials.excess(cred, 1000, [1000, 27]) == ["saved uid 0 (root)"]
@@ -147,11 +163,28 @@ def test_credentials_from_a_status_file() -> None:
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(text=st.binary(max_size=300) | st.lists(
-    st.sampled_from([b"Name:\tx\x00\xff", b"State:\tZ (zombie)", b"Uid:\t1 2 3 4",
-                     b"Uid:\t-1 0 0 0", b"Uid:\t99999999999 0 0 0", b"Gid:\t1 2 3 4",
-                     b"Gid:\t5", b"Groups:\t", b"Groups:\t1 x", b"CapPrm:\tzz",
-                     b"CapEff:\t" + b"f" * 300, b"CapAmb:\t0"]), max_size=8).map(b"\n".join))
+@given(
+    text=st.binary(max_size=300)
+    | st.lists(
+        st.sampled_from(
+            [
+                b"Name:\tx\x00\xff",
+                b"State:\tZ (zombie)",
+                b"Uid:\t1 2 3 4",
+                b"Uid:\t-1 0 0 0",
+                b"Uid:\t99999999999 0 0 0",
+                b"Gid:\t1 2 3 4",
+                b"Gid:\t5",
+                b"Groups:\t",
+                b"Groups:\t1 x",
+                b"CapPrm:\tzz",
+                b"CapEff:\t" + b"f" * 300,
+                b"CapAmb:\t0",
+            ]
+        ),
+        max_size=8,
+    ).map(b"\n".join)
+)
 def test_fuzz_status_files(text: bytes) -> None:
     """A status file names what its process chose (Name): whatever it holds, the parser
     returns credentials within range or ValueError, nothing else."""
@@ -164,7 +197,8 @@ def test_fuzz_status_files(text: bytes) -> None:
 
 
 def test_the_frozen_tree_is_checked_again_at_criu_post_dump(
-        daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd) -> None:
+    daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd
+) -> None:
     """The handler a leave-running dump gives CRIU: at post-dump (the tree frozen as its images
     record it) a setuid program that started after the first check aborts the dump (False);
     without one it lists the open files and lets CRIU go on. Real processes, CRIU not run."""
@@ -175,15 +209,25 @@ def test_the_frozen_tree_is_checked_again_at_criu_post_dump(
     user = test_user.pw_name
     job, sleeper = _job(daemon, setuid_sleep, user)
     pid = daemon.job(job)["pid"]
-    info = CheckpointInfo(id=new_checkpoint_id(), label="l", job=job, host="h",
-                          criu_version="4", command=["sh"], cwd="/", user=user,
-                          uid=test_user.pw_uid, gid=test_user.pw_gid)
+    info = CheckpointInfo(
+        id=new_checkpoint_id(),
+        label="l",
+        job=job,
+        host="h",
+        criu_version="4",
+        command=["sh"],
+        cwd="/",
+        user=user,
+        uid=test_user.pw_uid,
+        gid=test_user.pw_gid,
+    )
     opened = OpenFilesAtDump(pid)
     handler = _CredentialsAtPostDump(pid, info, opened)
     assert handler("pre-dump", pid) is True
     assert handler("post-dump", pid) is False
     assert handler.refused is not None and handler.refused.startswith(
-        f"pid {sleeper} (setuid-sleep) holds effective, saved and fs uid 0 (root)")
+        f"pid {sleeper} (setuid-sleep) holds effective, saved and fs uid 0 (root)"
+    )
     assert opened.files is None  # refused before anything else was looked at
     os.kill(sleeper, 9)
     wait_for(lambda: _pid_running(pid, setuid_sleep) is None, what="the sleep to end")
@@ -194,8 +238,8 @@ def test_the_frozen_tree_is_checked_again_at_criu_post_dump(
 
 
 def test_images_of_a_setuid_program_say_what_a_restore_would_give_back(
-        daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd,
-        tmp_path: Path) -> None:
+    daemon: Daemon, setuid_sleep: Path, test_user: pwd.struct_passwd, tmp_path: Path
+) -> None:
     """What the daemon now refuses to take, taken with CRIU directly (the engine has no such
     check): the core images record the setuid thread's root uids, which images_excess names
     (what a restore of such a checkpoint, taken before this check, would give back)."""
@@ -206,16 +250,19 @@ def test_images_of_a_setuid_program_say_what_a_restore_would_give_back(
     pid = daemon.job(job)["pid"]
     images = tmp_path / "images"
     images.mkdir()
-    CRIU(find_criu(), tmp_path / "logs").dump(pid, images, DumpOptions(leave_running=True),
-                                              "dump.log")
+    CRIU(find_criu(), tmp_path / "logs").dump(
+        pid, images, DumpOptions(leave_running=True), "dump.log"
+    )
     groups = os.getgrouplist(user, test_user.pw_gid)
     found = credentials.images_excess(images, test_user.pw_uid, groups)
     sleeper_ns = Path(f"/proc/{sleeper}/status").read_text()
     ns_pid = re.search(r"^NSpid:.*\s(\d+)$", sleeper_ns, re.M)
     assert ns_pid is not None
     assert [line.split(" holds ")[0] for line in found] == [f"thread {ns_pid.group(1)}"], found
-    assert found[0].startswith(f"thread {ns_pid.group(1)} holds effective, saved and fs uid 0 "
-                               "(root), permitted and effective capabilities 0x")
+    assert found[0].startswith(
+        f"thread {ns_pid.group(1)} holds effective, saved and fs uid 0 "
+        "(root), permitted and effective capabilities 0x"
+    )
     cred = credentials.image_credentials((images / f"core-{ns_pid.group(1)}.img").read_bytes())
     assert cred is not None and cred.uids == (test_user.pw_uid, 0, 0, 0)
     daemon.cli("kill", job, user=user)
@@ -232,7 +279,8 @@ def test_fuzz_core_images(data: bytes) -> None:
 
 
 def test_images_holding_more_than_their_owner_are_not_restored_for_them(
-        daemon: Daemon, world_tmp: Path) -> None:
+    daemon: Daemon, world_tmp: Path
+) -> None:
     """The restore side: root's checkpoint whose manifest a trusted signer made say it is the
     test user's (what an older stasis, which let a setuid tree through, or a node this one
     trusts, could publish). Restoring it for the user would give them a root process (its
@@ -245,8 +293,9 @@ def test_images_holding_more_than_their_owner_are_not_restored_for_them(
     os.chmod(log.parent, 0o777)
     log.touch()
     os.chmod(log, 0o666)
-    job = daemon.json("run", "--label", "creds-restore", "--log", str(log), "--",
-                      *workload("counter.py"))
+    job = daemon.json(
+        "run", "--label", "creds-restore", "--log", str(log), "--", *workload("counter.py")
+    )
     wait_for(lambda: re.findall(r"^\d+$", log.read_text(), re.M), what="counting")
     ckpt = daemon.json("dump", job["job"])["checkpoint"]
     user = pwd.getpwnam(TEST_USER)
@@ -255,7 +304,12 @@ def test_images_holding_more_than_their_owner_are_not_restored_for_them(
     _resign(daemon, ckpt, document)
     running = [j["job"] for j in daemon.json("ps") if j["state"] == "running"]
 
-    line = one_line_error(daemon.cli("restore", ckpt, user=TEST_USER, check=False), 1,
-                          f"checkpoint {ckpt} refused", "uid 0 (root)", "only root")
+    line = one_line_error(
+        daemon.cli("restore", ckpt, user=TEST_USER, check=False),
+        1,
+        f"checkpoint {ckpt} refused",
+        "uid 0 (root)",
+        "only root",
+    )
     assert "thread" in line
     assert [j["job"] for j in daemon.json("ps") if j["state"] == "running"] == running

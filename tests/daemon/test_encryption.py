@@ -9,11 +9,11 @@ import os
 import pwd
 from pathlib import Path
 
+from stasis import wire
 from stasis.store.crypt import encryption_key_id
 from tests.conftest import Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_restore_state import last_number, numbers
 from tests.test_client import is_wire
-from stasis import wire
 
 
 def _key(path: Path, secret: bytes) -> bytes:
@@ -30,14 +30,19 @@ def _error_line(result: object) -> str:
     return lines[0]
 
 
-def test_encrypted_dump_restore_and_rotation(make_daemon: MakeDaemon, world_tmp: Path,
-                                             test_user: pwd.struct_passwd) -> None:
+def test_encrypted_dump_restore_and_rotation(
+    make_daemon: MakeDaemon, world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     keys = world_tmp / f"keys-{os.urandom(3).hex()}"
     keys.mkdir(mode=0o700)
     first = _key(keys / "current.key", os.urandom(32))
     unrelated = _key(keys / "old.key", os.urandom(32))
-    d: Daemon = make_daemon(env={"STASIS_ENCRYPTION_KEY_FILE": str(keys / "current.key"),
-                                 "STASIS_OLD_ENCRYPTION_KEY_FILES": str(keys / "old.key")})
+    d: Daemon = make_daemon(
+        env={
+            "STASIS_ENCRYPTION_KEY_FILE": str(keys / "current.key"),
+            "STASIS_OLD_ENCRYPTION_KEY_FILES": str(keys / "old.key"),
+        }
+    )
     job = d.run(*workload("counter.py"), label="secret")
     wait_for(lambda: last_number(d, job["job"]) >= 3, what="counting")
     cp = d.json("dump", "--encrypt", job["job"])
@@ -67,13 +72,13 @@ def test_encrypted_dump_restore_and_rotation(make_daemon: MakeDaemon, world_tmp:
     done = d.json("checkpoints", "rekey")
     assert done == {"rekeyed": [cp["checkpoint"]], "current": 0, "unknown_key": 0}
     assert is_wire(done, wire.RekeyAnswer)
-    assert images == {p.name: p.read_bytes() for p in checkpoint.iterdir()
-                      if p.name != "manifest.json"}
+    assert images == {
+        p.name: p.read_bytes() for p in checkpoint.iterdir() if p.name != "manifest.json"
+    }
     _key(keys / "old.key", unrelated)  # the first key gone for good
 
     restored = d.json("restore", cp["checkpoint"])
-    wait_for(lambda: len(numbers(d.log_of(restored["job"]))) > len(before) + 2,
-             what="counting on")
+    wait_for(lambda: len(numbers(d.log_of(restored["job"]))) > len(before) + 2, what="counting on")
     # It goes on from where it was, not from the start.
     assert numbers(d.log_of(restored["job"]))[len(before)] == before[-1] + 1
     d.cli("kill", restored["job"])
@@ -81,8 +86,10 @@ def test_encrypted_dump_restore_and_rotation(make_daemon: MakeDaemon, world_tmp:
     lazy = d.json("restore", "--lazy", cp["checkpoint"])
     assert lazy["lazy"] is True and lazy["notes"] == []
     # The same log: this second restore goes on from the same number once more, never from 0.
-    wait_for(lambda: numbers(d.log_of(lazy["job"])).count(before[-1] + 2) == 2,
-             what="counting on, lazily")
+    wait_for(
+        lambda: numbers(d.log_of(lazy["job"])).count(before[-1] + 2) == 2,
+        what="counting on, lazily",
+    )
     values = numbers(d.log_of(lazy["job"]))
     assert values.count(before[-1] + 1) == 2 and values.count(0) == 1
     d.cli("kill", lazy["job"])

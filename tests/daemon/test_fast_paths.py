@@ -39,16 +39,21 @@ def test_leave_running_dump_is_staged_in_memory(make_daemon: MakeDaemon, world_t
 def test_staging_falls_back_when_memory_is_short(make_daemon: MakeDaemon, world_tmp: Path) -> None:
     stage = world_tmp / "stage-small"
     stage.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(stage)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(stage)], check=True
+    )
     try:
         d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
         job = d.run(*workload("memhold.py", 32))
         wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
         result = d.cli("dump", "--leave-running", job["job"])
         # Said, not silent: in text mode on stderr, why the job stayed frozen longer.
-        assert re.search(r"^note: not staged in memory \(the stage directory .* has \d+ MiB "
-                         r"free, the dump needs about \d+ MiB\)", result.stderr, re.M), result.stderr
+        assert re.search(
+            r"^note: not staged in memory \(the stage directory .* has \d+ MiB "
+            r"free, the dump needs about \d+ MiB\)",
+            result.stderr,
+            re.M,
+        ), result.stderr
         checkpoint = re.search(r"^checkpoint (\S+) \(", result.stdout, re.M)
         assert checkpoint is not None
         cp = next(c for c in d.json("checkpoints") if c["id"] == checkpoint[1])
@@ -73,8 +78,10 @@ def test_compress_auto_picks_by_content(daemon: Daemon) -> None:
     n = daemon.json("dump", "--compress", "auto", noise["job"])
     assert z["notes"] == []
     # Asked to compress, stored as is: the answer says so and why.
-    assert n["notes"] == ["--compress auto stored the checkpoint uncompressed: a sample of its "
-                          "memory did not shrink to half"]
+    assert n["notes"] == [
+        "--compress auto stored the checkpoint uncompressed: a sample of its "
+        "memory did not shrink to half"
+    ]
     listed = {c["id"]: c for c in daemon.json("checkpoints")}
     assert listed[z["checkpoint"]]["compression"] == "zstd"
     assert listed[z["checkpoint"]]["stored_size_bytes"] * 5 <= z["size_bytes"]
@@ -125,8 +132,10 @@ def test_incremental_falls_back_to_full_without_soft_dirty(daemon: Daemon) -> No
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
     result = daemon.cli("dump", "--incremental", "--leave-running", "--json", job["job"])
     cp = __import__("json").loads(result.stdout)
-    assert cp["notes"] == ["incremental dump not possible: this kernel does not track dirty "
-                           "memory (no soft-dirty); took a full dump"]
+    assert cp["notes"] == [
+        "incremental dump not possible: this kernel does not track dirty "
+        "memory (no soft-dirty); took a full dump"
+    ]
     assert f"note: {cp['notes'][0]}\n" in result.stderr
     assert cp["size_bytes"] >= 8 << 20  # a full, restorable dump
     daemon.cli("kill", job["job"])
@@ -141,8 +150,9 @@ def test_lazy_restore_of_corrupt_pages_is_killed(daemon: Daemon) -> None:
     job = daemon.run(*workload("memhold.py", 16))
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="ready")
     cp = daemon.json("dump", job["job"])
-    pages = max((Path(daemon.store) / cp["checkpoint"]).glob("pages-*.img"),
-                key=lambda p: p.stat().st_size)
+    pages = max(
+        (Path(daemon.store) / cp["checkpoint"]).glob("pages-*.img"), key=lambda p: p.stat().st_size
+    )
     data = bytearray(pages.read_bytes())
     data[len(data) // 2] ^= 0xFF
     pages.write_bytes(data)
@@ -156,8 +166,9 @@ def test_lazy_restore_of_corrupt_pages_is_killed(daemon: Daemon) -> None:
     assert result.returncode == 1 and "corrupt" in result.stderr
 
 
-def test_a_restarted_daemon_clears_what_unfinished_dumps_left(make_daemon: MakeDaemon,
-                                                              world_tmp: Path) -> None:
+def test_a_restarted_daemon_clears_what_unfinished_dumps_left(
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     stage = world_tmp / "stage-leftovers"
     d: Daemon = make_daemon(env={"STASIS_STAGE_DIR": str(stage)})
     job = d.run(*workload("counter.py"))

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import xxhash
 
 from stasis.store.signing import NODE_KEY, Keyring, read_key
@@ -46,7 +45,7 @@ def forged(data: bytes) -> bytes | None:
     at = data.find(b"SAFE" * 512)
     while at >= 0:
         offset = -(-at // BLOCK) * BLOCK
-        if data[offset:offset + BLOCK] == b"SAFE" * (BLOCK // 4):
+        if data[offset : offset + BLOCK] == b"SAFE" * (BLOCK // 4):
             try:
                 out = forge(data, offset, PAYLOAD)
             except ValueError:  # the last block of a chunk: the next one will do
@@ -96,8 +95,9 @@ def _refused(d: Daemon, job: str, checkpoint: str, *args: str) -> None:
 
 @pytest.mark.parametrize("shared", [False, True], ids=["root-only", "shared"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["full", "lazy"])
-def test_a_forged_page_image_in_a_local_store_is_refused(make_daemon: MakeDaemon,
-                                                         lazy: bool, shared: bool) -> None:
+def test_a_forged_page_image_in_a_local_store_is_refused(
+    make_daemon: MakeDaemon, lazy: bool, shared: bool
+) -> None:
     """`shared`: others may write the checkpoint's directory, so CRIU must not read it in
     place (streamed or served, each chunk checked as read); root-only: CRIU reads in place
     while the daemon hashes, and the tree never resumes on a mismatch."""
@@ -117,17 +117,22 @@ def _killed(d: Daemon, checkpoint: str) -> None:
     they are hashed just after the tree runs. Only root writes there, so a mismatch is damage
     (this test, as root, plays it): the job is killed and the daemon says why."""
     restored = d.json("restore", "--lazy", checkpoint, user=TEST_USER)
-    wait_for(lambda: not [j for j in d.json("ps")
-                          if j["job"] == restored["job"] and j["state"] in ("running",
-                                                                           "restored")],
-             what="the damaged job killed")
+    wait_for(
+        lambda: not [
+            j
+            for j in d.json("ps")
+            if j["job"] == restored["job"] and j["state"] in ("running", "restored")
+        ],
+        what="the damaged job killed",
+    )
     log = (d.root / "daemon.log").read_text()
     assert f"killed lazily restored job {restored['job']}" in log
     assert "pages-" in log and "fails its checksum" in log
 
 
-def test_a_forged_page_image_on_s3_is_refused(make_daemon: MakeDaemon, s3: S3Server,
-                                              s3_bucket: str) -> None:
+def test_a_forged_page_image_on_s3_is_refused(
+    make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str
+) -> None:
     d = make_daemon(store=f"s3://{s3_bucket}/site", env=s3.env())
     job, checkpoint = _dump(d, "forged")
     _forge_s3(s3, s3_bucket, checkpoint)
@@ -148,26 +153,30 @@ def _as_format_2(d: Daemon, checkpoint: str) -> None:
         table = entry["chunks"]
         step = table["size_bytes"]
         del table["blake3"]
-        table["xxh3_64"] = [xxhash.xxh3_64_hexdigest(data[i:i + step])
-                            for i in range(0, len(data), step)]
+        table["xxh3_64"] = [
+            xxhash.xxh3_64_hexdigest(data[i : i + step]) for i in range(0, len(data), step)
+        ]
     keys = Keyring(read_key(d.state_dir / "keys" / NODE_KEY, "node key"))
     document["signature"] = keys.sign(MANIFEST_PURPOSE, document).model_dump()
     (directory / "manifest.json").write_text(json.dumps(document))
 
 
-def test_an_old_unencrypted_checkpoint_is_listed_but_not_restored(
-        make_daemon: MakeDaemon) -> None:
+def test_an_old_unencrypted_checkpoint_is_listed_but_not_restored(make_daemon: MakeDaemon) -> None:
     d = make_daemon()
     job, checkpoint = _dump(d, "legacy")
     _as_format_2(d, checkpoint)
-    assert [c["id"] for c in d.json("checkpoints", "--label", "legacy", user=TEST_USER)] \
-        == [checkpoint]
+    assert [c["id"] for c in d.json("checkpoints", "--label", "legacy", user=TEST_USER)] == [
+        checkpoint
+    ]
     for args in ((checkpoint,), ("--label", "legacy"), (checkpoint, "--lazy")):
         result = d.cli("restore", *args, user=TEST_USER, check=False)
         out = (result.stdout + result.stderr).strip()
         assert result.returncode == 1 and len(out.splitlines()) == 1, out
-        for words in (f"checkpoint {checkpoint} is not restored",
-                      "predates cryptographic image hashes", "dump the job again"):
+        for words in (
+            f"checkpoint {checkpoint} is not restored",
+            "predates cryptographic image hashes",
+            "dump the job again",
+        ):
             assert words in out, out
     assert not [j for j in d.json("ps") if j["state"] in ("running", "restored")]
     assert (Path(d.store) / checkpoint / "manifest.json").exists()  # nothing lost

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -36,8 +36,9 @@ def _mount_type(path: Path) -> str:
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         mount_point = fields[4]
-        if (str(path) == mount_point or str(path).startswith(mount_point.rstrip("/") + "/")) \
-                and len(mount_point) >= len(best):
+        if (
+            str(path) == mount_point or str(path).startswith(mount_point.rstrip("/") + "/")
+        ) and len(mount_point) >= len(best):
             best, fstype = mount_point, fields[fields.index("-") + 1]
     return fstype
 
@@ -62,11 +63,24 @@ def disk_writer(where: Path) -> Iterator[None]:
     results would), until the node's state says so; killed, and its file gone, afterwards (its
     dirty pages go with the file, never written back)."""
     target = where / "writer.bin"
-    proc = subprocess.Popen(["dd", "if=/dev/zero", f"of={target}", "bs=1M", "count=8192",
-                             "conv=notrunc", "status=none"], stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "dd",
+            "if=/dev/zero",
+            f"of={target}",
+            "bs=1M",
+            "count=8192",
+            "conv=notrunc",
+            "status=none",
+        ],
+        stdin=subprocess.DEVNULL,
+    )
     try:
-        wait_for(lambda: disk_behind(staging.disk_state(), 32 * MIB), timeout_s=10,
-                 what="the disk writer to put the node behind")
+        wait_for(
+            lambda: disk_behind(staging.disk_state(), 32 * MIB),
+            timeout_s=10,
+            what="the disk writer to put the node behind",
+        )
         yield
     finally:
         proc.kill()
@@ -75,8 +89,9 @@ def disk_writer(where: Path) -> Iterator[None]:
 
 
 def test_the_disk_is_behind_by_its_write_rate_or_its_backlog() -> None:
-    quiet = DiskState(backlog=8 * MIB, background=2 * GIB, dirtied_per_s=0.5 * MIB,
-                      written_per_s=MIB)
+    quiet = DiskState(
+        backlog=8 * MIB, background=2 * GIB, dirtied_per_s=0.5 * MIB, written_per_s=MIB
+    )
     assert disk_behind(quiet, GIB) is None  # the page cache takes it as fast as a tmpfs
     # Numbers seen on this machine with `dd` writing beside the dump (bench/freeze.py).
     writer = quiet._replace(backlog=1400 * MIB, dirtied_per_s=210 * MIB)
@@ -87,7 +102,8 @@ def test_the_disk_is_behind_by_its_write_rate_or_its_backlog() -> None:
     backlog = quiet._replace(backlog=1500 * MIB)
     assert disk_behind(backlog, 600 * MIB) == (
         "1500 MiB wait to be written to disk, and the dump's 600 MiB would take that past the "
-        "kernel's writeback threshold (2048 MiB)")
+        "kernel's writeback threshold (2048 MiB)"
+    )
     assert disk_behind(quiet, 3 * GIB) is not None  # a dump larger than the threshold itself
     # The node's own state reads as numbers the kernel gave (its threshold is never 0).
     here = staging.disk_state()
@@ -95,7 +111,8 @@ def test_the_disk_is_behind_by_its_write_rate_or_its_backlog() -> None:
 
 
 def test_leave_running_dump_is_staged_in_memory_while_the_disk_is_behind(
-        make_daemon: MakeDaemon, disk_dir: Path) -> None:
+    make_daemon: MakeDaemon, disk_dir: Path
+) -> None:
     d: Daemon = make_daemon()  # default settings: stage_dir = "auto"
     stage = Path(staging.stage_root(staging.AUTO, d.state_dir))
     job = d.run(*workload("memhold.py", 32))
@@ -122,23 +139,28 @@ def test_leave_running_dump_is_staged_in_memory_while_the_disk_is_behind(
 
 
 def test_staging_while_the_disk_is_behind_falls_back_when_memory_is_short(
-        make_daemon: MakeDaemon, disk_dir: Path) -> None:
+    make_daemon: MakeDaemon, disk_dir: Path
+) -> None:
     d: Daemon = make_daemon()
     stage = Path(staging.stage_root(staging.AUTO, d.state_dir))
     stage.mkdir(mode=0o700, parents=True, exist_ok=True)
     # This daemon's part of the stage holds 4 MiB: too little for the job's 32.
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(stage)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(stage)], check=True
+    )
     try:
         job = d.run(*workload("memhold.py", 32))
         wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
         with disk_writer(disk_dir):
             result = d.cli("dump", "--leave-running", job["job"])
         # Said, not silent: why the job stayed frozen longer, and what it waited on.
-        assert re.search(r"^note: not staged in memory \(the stage directory .* has \d+ MiB "
-                         r"free, the dump needs about \d+ MiB\): the job stayed frozen while "
-                         r"its images went to the store, which waited on the disk \(.+\)$",
-                         result.stderr, re.M), result.stderr
+        assert re.search(
+            r"^note: not staged in memory \(the stage directory .* has \d+ MiB "
+            r"free, the dump needs about \d+ MiB\): the job stayed frozen while "
+            r"its images went to the store, which waited on the disk \(.+\)$",
+            result.stderr,
+            re.M,
+        ), result.stderr
         assert list(stage.iterdir()) == []  # nothing of it was staged
         checkpoint = re.search(r"^checkpoint (\S+) \(", result.stdout, re.M)
         assert checkpoint is not None
@@ -153,12 +175,15 @@ def test_staging_while_the_disk_is_behind_falls_back_when_memory_is_short(
 
 
 def test_the_stage_is_mounted_once_and_only_on_roots_directory(
-        disk_dir: Path, test_user: pwd.struct_passwd) -> None:
+    disk_dir: Path, test_user: pwd.struct_passwd
+) -> None:
     tmp_path = disk_dir
     root = tmp_path / "stage"
     answers: list[str | None] = []
-    starts = [threading.Thread(target=lambda: answers.append(staging.ensure_auto_root(root)))
-              for _ in range(4)]
+    starts = [
+        threading.Thread(target=lambda: answers.append(staging.ensure_auto_root(root)))
+        for _ in range(4)
+    ]
     try:
         for t in starts:
             t.start()
@@ -166,8 +191,11 @@ def test_the_stage_is_mounted_once_and_only_on_roots_directory(
             t.join()
         assert answers == [None] * 4
         # Daemons starting at once: one tmpfs, not one hiding another's staged images.
-        mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-                  if line.split()[4] == str(root)]
+        mounts = [
+            line
+            for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4] == str(root)
+        ]
         assert len(mounts) == 1 and _mount_type(root) == "tmpfs"
         assert os.stat(root).st_mode & 0o777 == 0o700
     finally:
@@ -178,5 +206,6 @@ def test_the_stage_is_mounted_once_and_only_on_roots_directory(
     os.chown(theirs, test_user.pw_uid, test_user.pw_gid)
     assert staging.ensure_auto_root(theirs) == (
         f"{theirs} is not a directory owned by root: dumps are not staged in memory "
-        "(remove it and restart the daemon)")
+        "(remove it and restart the daemon)"
+    )
     assert _mount_type(theirs) != "tmpfs"

@@ -38,13 +38,20 @@ def _gone(pid: object) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
-def test_term_ends_a_graceful_job_cleanly(daemon: Daemon, markers: Path,
-                                          test_user: pwd.struct_passwd) -> None:
+def test_term_ends_a_graceful_job_cleanly(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job = _start(daemon, "graceful", markers / "term", user)
     answer = daemon.json("kill", str(job["job"]), "--timeout", "20", user=user)
-    assert answer == {"job": job["job"], "state": "exited", "ended_by": "SIGTERM",
-                      "exit_code": 0, "signal": "SIGTERM", "timeout_s": 20.0}
+    assert answer == {
+        "job": job["job"],
+        "state": "exited",
+        "ended_by": "SIGTERM",
+        "exit_code": 0,
+        "signal": "SIGTERM",
+        "timeout_s": 20.0,
+    }
     # It ran its shutdown: the marker is there and the log says so; nothing of it is left.
     assert (markers / "term").read_text() == "clean shutdown on SIGTERM\n"
     assert "stopped" in daemon.log_of(str(job["job"]))
@@ -52,8 +59,9 @@ def test_term_ends_a_graceful_job_cleanly(daemon: Daemon, markers: Path,
     assert daemon.job(str(job["job"]))["exit_code"] == 0
 
 
-def test_other_signals_by_name_or_number_in_text_mode(daemon: Daemon, markers: Path,
-                                                      test_user: pwd.struct_passwd) -> None:
+def test_other_signals_by_name_or_number_in_text_mode(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     for given, name in (("INT", "SIGINT"), ("sighup", "SIGHUP"), ("2", "SIGINT")):
         marker = markers / f"sig-{given}"
@@ -63,28 +71,34 @@ def test_other_signals_by_name_or_number_in_text_mode(daemon: Daemon, markers: P
         assert marker.read_text() == f"clean shutdown on {name}\n"
 
 
-def test_sigkill_after_the_timeout_when_term_is_ignored(daemon: Daemon, markers: Path,
-                                                        test_user: pwd.struct_passwd) -> None:
+def test_sigkill_after_the_timeout_when_term_is_ignored(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job = _start(daemon, "stubborn", markers / "stubborn", user)
     started = time.monotonic()
     out = daemon.cli("kill", str(job["job"]), "--timeout", "0.5", user=user).stdout
     took = time.monotonic() - started
-    assert out.strip() == (f"job {job['job']} ended by SIGKILL: SIGTERM did not end it within "
-                           "0.5 s, exit code 137")
+    assert out.strip() == (
+        f"job {job['job']} ended by SIGKILL: SIGTERM did not end it within " "0.5 s, exit code 137"
+    )
     assert 0.5 <= took < 5
     assert _gone(job["pid"]) and not (markers / "stubborn").exists()
     row = daemon.job(str(job["job"]))
     assert (row["state"], row["exit_code"]) == ("exited", 137)
 
 
-def test_timeout_zero_is_sigkill_at_once(daemon: Daemon, markers: Path,
-                                         test_user: pwd.struct_passwd) -> None:
+def test_timeout_zero_is_sigkill_at_once(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job = _start(daemon, "graceful", markers / "zero", user)
     answer = daemon.json("kill", str(job["job"]), "--timeout", "0", user=user)
-    assert (answer["ended_by"], answer["signal"], answer["exit_code"]) == \
-        ("SIGKILL", "SIGKILL", 137)
+    assert (answer["ended_by"], answer["signal"], answer["exit_code"]) == (
+        "SIGKILL",
+        "SIGKILL",
+        137,
+    )
     assert not (markers / "zero").exists()  # it had no chance to shut down
     # A job that is not running any more: said so, nothing sent.
     again = daemon.json("kill", str(job["job"]), user=user)
@@ -93,8 +107,9 @@ def test_timeout_zero_is_sigkill_at_once(daemon: Daemon, markers: Path,
     assert out.strip() == f"job {job['job']} was not running (exited, exit code 137)"
 
 
-def test_every_process_of_the_job_gets_the_signal(daemon: Daemon, markers: Path,
-                                                  test_user: pwd.struct_passwd) -> None:
+def test_every_process_of_the_job_gets_the_signal(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     # Two servers in one job, one of them in a session of its own (as a daemon would be).
     user = test_user.pw_name
     a, b = markers / "a", markers / "b"
@@ -106,8 +121,9 @@ def test_every_process_of_the_job_gets_the_signal(daemon: Daemon, markers: Path,
     assert a.read_text() == b.read_text() == "clean shutdown on SIGTERM\n"
 
 
-def test_a_restored_job_stops_gracefully_too(daemon: Daemon, markers: Path,
-                                             test_user: pwd.struct_passwd) -> None:
+def test_a_restored_job_stops_gracefully_too(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job = _start(daemon, "graceful", markers / "restored", user)
     cp = daemon.json("dump", str(job["job"]), user=user)
@@ -117,14 +133,19 @@ def test_a_restored_job_stops_gracefully_too(daemon: Daemon, markers: Path,
     assert (markers / "restored").read_text() == "clean shutdown on SIGTERM\n"
 
 
-def test_the_daemon_serves_others_while_a_kill_waits(daemon: Daemon, markers: Path,
-                                                     test_user: pwd.struct_passwd) -> None:
+def test_the_daemon_serves_others_while_a_kill_waits(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     jobs = [_start(daemon, "stubborn", markers / f"wait-{i}", user) for i in range(8)]
     # More waiting kills than the daemon has worker threads (6 on 2 CPUs): they must not hold
     # them, or nobody else gets an answer until they are over.
-    kills = [threading.Thread(target=daemon.cli, args=("kill", str(j["job"]), "--timeout", "4"),
-                              kwargs={"user": user}) for j in jobs]
+    kills = [
+        threading.Thread(
+            target=daemon.cli, args=("kill", str(j["job"]), "--timeout", "4"), kwargs={"user": user}
+        )
+        for j in jobs
+    ]
     for t in kills:
         t.start()
     time.sleep(1)
@@ -137,15 +158,19 @@ def test_the_daemon_serves_others_while_a_kill_waits(daemon: Daemon, markers: Pa
     assert all(daemon.job(str(j["job"]))["exit_code"] == 137 for j in jobs)
 
 
-def test_bad_signal_or_timeout_is_one_line_and_the_job_runs_on(daemon: Daemon, markers: Path,
-                                                               test_user: pwd.struct_passwd
-                                                               ) -> None:
+def test_bad_signal_or_timeout_is_one_line_and_the_job_runs_on(
+    daemon: Daemon, markers: Path, test_user: pwd.struct_passwd
+) -> None:
     user = test_user.pw_name
     job = _start(daemon, "graceful", markers / "bad", user)
-    one_line_error(daemon.cli("kill", str(job["job"]), "--signal", "NOPE", user=user,
-                              check=False), 2, "'NOPE' is not a signal")
-    one_line_error(daemon.cli("kill", str(job["job"]), "--timeout", "-1", user=user,
-                              check=False), 2, "0..3600")
+    one_line_error(
+        daemon.cli("kill", str(job["job"]), "--signal", "NOPE", user=user, check=False),
+        2,
+        "'NOPE' is not a signal",
+    )
+    one_line_error(
+        daemon.cli("kill", str(job["job"]), "--timeout", "-1", user=user, check=False), 2, "0..3600"
+    )
     # The daemon checks too, for callers of its API other than this CLI.
     with pytest.raises(UsageError, match="not a signal"):
         Client(daemon.socket).kill(str(job["job"]), signal="SIGNOPE")

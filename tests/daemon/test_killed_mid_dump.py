@@ -30,11 +30,15 @@ def counted(d: Daemon, job: dict[str, Any]) -> int:
     return found[-1] if found else -1
 
 
-def _start_dump_and_catch_criu(d: Daemon, job: dict[str, Any]
-                               ) -> tuple[subprocess.Popen[str], int]:
+def _start_dump_and_catch_criu(d: Daemon, job: dict[str, Any]) -> tuple[subprocess.Popen[str], int]:
     wait_for(lambda: last_number(d, job["job"]) >= 2, 30, "counting")
-    dump = subprocess.Popen([STASIS, "dump", job["job"]], env=d.env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    dump = subprocess.Popen(
+        [STASIS, "dump", job["job"]],
+        env=d.env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     criu = poll(lambda: tracer(job["pid"]), 30, 0.001)  # CRIU holds the tree from here on
     assert criu, "no CRIU dumping the job"
     return dump, criu
@@ -99,8 +103,9 @@ def test_killed_while_criu_dumps(make_daemon: MakeDaemon) -> None:
     finally:
         os.kill(criu, signal.SIGCONT)
     wait_for(lambda: not proctree.alive(criu, None), 30, "CRIU to end")
-    wait_for(lambda: stopped(job["pid"]) == [] and tracer(job["pid"]) == 0, 10,
-             "the job to be resumed")
+    wait_for(
+        lambda: stopped(job["pid"]) == [] and tracer(job["pid"]) == 0, 10, "the job to be resumed"
+    )
     _runs_on(d, job)
     assert staging(d) == []
     assert d.json("checkpoints") == []
@@ -120,8 +125,13 @@ def test_killed_after_publishing_finishes_the_dump(make_daemon: MakeDaemon) -> N
     # that window is too short to hit with a kill).
     d.stop()
     proctree.signal_tree(job["pid"], signal.SIGSTOP)
-    record = {"checkpoint": cp, "job": job["job"], "pid": job["pid"],
-              "pid_start": proctree.start_time(job["pid"]), "leave_running": False}
+    record = {
+        "checkpoint": cp,
+        "job": job["job"],
+        "pid": job["pid"],
+        "pid_start": proctree.start_time(job["pid"]),
+        "leave_running": False,
+    }
     (d.state_dir / "dumps").mkdir(mode=0o700, exist_ok=True)
     (d.state_dir / "dumps" / f"{cp}.json").write_text(json.dumps(record))
     d.start()

@@ -35,13 +35,14 @@ def _ids(d: Daemon, *args: str, user: str | None = None) -> list[str]:
     return [c["id"] for c in d.json("checkpoints", *args, user=user)]
 
 
-def _resumes(d: Daemon, original: Any, before: list[int], restored: Any,
-             user: str | None = None) -> None:
+def _resumes(
+    d: Daemon, original: Any, before: list[int], restored: Any, user: str | None = None
+) -> None:
     """`restored` continues `original`'s counter (which had printed `before` when it was
     killed) in `original`'s own log, as its owner."""
     wait_for(lambda: len(numbers(d.log_of(restored["job"]))) > len(before) + 2, what="more")
     after = numbers(d.log_of(restored["job"]))
-    assert after[:len(before)] == before  # the original's own log goes on
+    assert after[: len(before)] == before  # the original's own log goes on
     # The restored counter starts again from a value the original had reached, not from 0.
     assert 2 <= after[len(before)] <= before[-1] + 1
     uid = pwd.getpwnam(user or "root").pw_uid
@@ -84,7 +85,8 @@ def test_a_label_squatted_by_another_user_does_not_stop_the_owner(daemon: Daemon
 
 
 def test_root_restores_its_own_label_unless_it_names_the_user(
-        daemon: Daemon, test_user: pwd.struct_passwd) -> None:
+    daemon: Daemon, test_user: pwd.struct_passwd
+) -> None:
     # Before: root's `restore --label L` took the newest of anyone's, here the user's process.
     label = _label()
     mine = _counter(daemon, label)
@@ -110,10 +112,17 @@ def test_root_restores_its_own_label_unless_it_names_the_user(
     daemon.cli("kill", as_theirs["job"])
 
     # The user may not name root, neither to restore nor to look.
-    one_line_error(daemon.cli("restore", "--label", label, "--user", "root", user=TEST_USER,
-                              check=False), 2, "permission denied", "--user root")
-    one_line_error(daemon.cli("checkpoints", "--user", "0", user=TEST_USER, check=False), 2,
-                   "permission denied")
+    one_line_error(
+        daemon.cli("restore", "--label", label, "--user", "root", user=TEST_USER, check=False),
+        2,
+        "permission denied",
+        "--user root",
+    )
+    one_line_error(
+        daemon.cli("checkpoints", "--user", "0", user=TEST_USER, check=False),
+        2,
+        "permission denied",
+    )
     # Root's listing without a label still shows every owner's; the user's only their own.
     everyone = _ids(daemon)
     assert root_cp in everyone and their_cp in everyone
@@ -125,13 +134,20 @@ def test_root_is_told_whose_label_it_is(daemon: Daemon) -> None:
     theirs = _counter(daemon, label, TEST_USER)
     _dump(daemon, theirs, TEST_USER)
     daemon.cli("kill", theirs["job"], user=TEST_USER)
-    err = one_line_error(daemon.cli("restore", "--label", label, check=False), 2,
-                         f"no checkpoint with label {label}", f"--user {TEST_USER}")
+    err = one_line_error(
+        daemon.cli("restore", "--label", label, check=False),
+        2,
+        f"no checkpoint with label {label}",
+        f"--user {TEST_USER}",
+    )
     assert "restored" not in err
     # The user is never told about root's labels.
     mine = _counter(daemon, label + "-root")
     _dump(daemon, mine)
     daemon.cli("kill", mine["job"])
-    err = one_line_error(daemon.cli("restore", "--label", label + "-root", user=TEST_USER,
-                                    check=False), 2, "no checkpoint with label")
+    err = one_line_error(
+        daemon.cli("restore", "--label", label + "-root", user=TEST_USER, check=False),
+        2,
+        "no checkpoint with label",
+    )
     assert "root" not in err.replace(label + "-root", "")

@@ -62,8 +62,7 @@ def test_lazy_restore_from_a_remote_store(make_daemon: MakeDaemon, world_tmp: Pa
         d.cli("kill", r["job"])
 
 
-def test_a_page_that_cannot_be_had_kills_the_job(make_daemon: MakeDaemon,
-                                                 world_tmp: Path) -> None:
+def test_a_page_that_cannot_be_had_kills_the_job(make_daemon: MakeDaemon, world_tmp: Path) -> None:
     store = world_tmp / "lazy-remote-gone"
     # Each answer held back 50 ms: lazy-pages asks for 64 KiB, then 64 KiB more each time up to
     # 4 MiB, so 64 MiB take some 45 answers (over 2 s) to come.
@@ -84,12 +83,16 @@ def test_a_page_that_cannot_be_had_kills_the_job(make_daemon: MakeDaemon,
     # Never fed wrong memory: it died without printing a digest of what it held.
     assert _digests(d, restored["job"]) == [_digests(d, job["job"])[0]]
     assert d.job(restored["job"])["state"] == "failed"
-    assert re.search(f"killed lazily restored job {restored['job']} .*: a page could not be had "
-                     "from the store: .*pages-", (d.root / "daemon.log").read_text())
+    assert re.search(
+        f"killed lazily restored job {restored['job']} .*: a page could not be had "
+        "from the store: .*pages-",
+        (d.root / "daemon.log").read_text(),
+    )
 
 
-def test_lazy_restore_from_s3(make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str,
-                              site_key: Path) -> None:
+def test_lazy_restore_from_s3(
+    make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str, site_key: Path
+) -> None:
     env = {**s3.env(), "STASIS_SITE_KEY": str(site_key)}
     node_a = make_daemon(store=f"s3://{s3_bucket}/site", env=env)
     node_b = make_daemon(store=f"s3://{s3_bucket}/site", env=env)
@@ -107,8 +110,9 @@ def test_lazy_restore_from_s3(make_daemon: MakeDaemon, s3: S3Server, s3_bucket: 
     node_b.cli("kill", restored["job"])
 
 
-def test_a_daemon_killed_mid_lazy_restore_takes_the_job_with_it(make_daemon: MakeDaemon,
-                                                                 world_tmp: Path) -> None:
+def test_a_daemon_killed_mid_lazy_restore_takes_the_job_with_it(
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     """The daemon serves a lazy restore's pages: when it dies (kill -9) before all are back, the
     job is killed by its supervisor, which holds the other end of the page server's socket, before
     lazy-pages could let the kernel map zero pages where its memory was."""
@@ -139,14 +143,17 @@ def test_a_daemon_killed_mid_lazy_restore_takes_the_job_with_it(make_daemon: Mak
     assert d.job(restored["job"])["state"] == "failed"
 
 
-def test_a_graceful_stop_waits_for_a_lazy_restore_s_pages(make_daemon: MakeDaemon,
-                                                          world_tmp: Path) -> None:
+def test_a_graceful_stop_waits_for_a_lazy_restore_s_pages(
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     """`systemctl restart stasis` mid lazy restore: the daemon stops answering, serves the
     remaining pages, then ends; the job lives on with all of its memory (before, the stop took
     the page server with it and the job was killed)."""
     store = world_tmp / "lazy-daemon-drained"
-    d = make_daemon(store=f"dir::file://{store}",
-                    env={"STASIS_TEST_PAGE_DELAY_MS": "50", "STASIS_LAZY_DRAIN_TIMEOUT_S": "15"})
+    d = make_daemon(
+        store=f"dir::file://{store}",
+        env={"STASIS_TEST_PAGE_DELAY_MS": "50", "STASIS_LAZY_DRAIN_TIMEOUT_S": "15"},
+    )
     job = d.run(*workload("memhold.py", 64))
     wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
     cp = d.json("dump", job["job"])
@@ -162,8 +169,7 @@ def test_a_graceful_stop_waits_for_a_lazy_restore_s_pages(make_daemon: MakeDaemo
     os.kill(root, signal.SIGUSR1)
     # The restored job writes on the original's log (read here: the daemon is down).
     log = d.state_dir / "logs" / f"{job['job']}.log"
-    wait_for(lambda: len(re.findall(r"^digest (\w+)$", log.read_text(), re.M)) == 2, 30,
-             "digest")
+    wait_for(lambda: len(re.findall(r"^digest (\w+)$", log.read_text(), re.M)) == 2, 30, "digest")
     assert re.findall(r"^digest (\w+)$", log.read_text(), re.M) == original * 2
     assert not (d.state_dir / "jobs" / restored["job"] / "killed.json").exists()
     d.start()

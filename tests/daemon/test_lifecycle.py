@@ -39,6 +39,7 @@ def test_daemon_restart_keeps_track_of_jobs(make_daemon: MakeDaemon) -> None:
     log = d.state_dir / "logs" / f"{job['job']}.log"
     wait_for(lambda: numbers(log.read_text())[-1] >= 10, what="counting while no daemon runs")
     import time
+
     time.sleep(1.6)  # the short job ends while no daemon is there
     d.start()
     listed = {j["job"]: j for j in d.json("ps")}
@@ -93,16 +94,21 @@ def test_a_spare_supervisor_waits_and_leaves_with_the_daemon(make_daemon: MakeDa
     wait_for(lambda: last_number(d, job["job"]) >= 1, what="counting")
     # The spare became the job's supervisor (the workload's parent); a new one waits.
     assert _parent(job["pid"]) == spare
-    both = wait_for(lambda: _spares(daemon_pid) if len(_spares(daemon_pid)) == 2 else [],
-                    what="a new spare")
+    both = wait_for(
+        lambda: _spares(daemon_pid) if len(_spares(daemon_pid)) == 2 else [], what="a new spare"
+    )
     [new_spare] = set(both) - {spare}
     d.stop()
-    wait_for(lambda: not os.path.exists(f"/proc/{new_spare}"),
-             what="the idle spare to leave with the daemon")
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{new_spare}"),
+        what="the idle spare to leave with the daemon",
+    )
     log = d.state_dir / "logs" / f"{job['job']}.log"
     at_stop = numbers(log.read_text())[-1]
-    wait_for(lambda: numbers(log.read_text())[-1] >= at_stop + 2,
-             what="the job to go on without the daemon")
+    wait_for(
+        lambda: numbers(log.read_text())[-1] >= at_stop + 2,
+        what="the job to go on without the daemon",
+    )
     assert os.path.exists(f"/proc/{spare}")  # its supervisor too
     os.kill(job["pid"], signal.SIGKILL)
 

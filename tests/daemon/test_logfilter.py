@@ -59,19 +59,23 @@ def one_line_log() -> tuple[logging.Logger, io.StringIO]:
 
 
 def test_a_forged_line_in_a_quoted_name_stays_in_its_own_line(
-        one_line_log: tuple[logging.Logger, io.StringIO]) -> None:
+    one_line_log: tuple[logging.Logger, io.StringIO],
+) -> None:
     log, out = one_line_log
     name = "/home/u/x\n2026-12-06 01:00:00,000 stasis INFO job 1 checkpointed\x1b[2K"
     log.warning("cannot dump %s: %s", "job 3", FileNotFoundError(2, "No such file", name))
     lines = out.getvalue().splitlines()
     assert len(lines) == 1
-    assert lines[0].endswith("x\\n2026-12-06 01:00:00,000 stasis INFO job 1 checkpointed"
-                             "\\x1b[2K'")
+    assert lines[0].endswith(
+        "x\\n2026-12-06 01:00:00,000 stasis INFO job 1 checkpointed" "\\x1b[2K'"
+    )
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(fmt=st.text(max_size=40).map(lambda t: t.replace("%", "%%")),
-       args=st.lists(st.text() | st.binary() | st.integers() | st.floats(), max_size=3))
+@given(
+    fmt=st.text(max_size=40).map(lambda t: t.replace("%", "%%")),
+    args=st.lists(st.text() | st.binary() | st.integers() | st.floats(), max_size=3),
+)
 def test_fuzz_every_message_is_one_line(fmt: str, args: list[object]) -> None:
     out = io.StringIO()
     handler = logging.StreamHandler(out)

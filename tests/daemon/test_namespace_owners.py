@@ -13,8 +13,7 @@ from tests.daemon.test_restore_state import last_number
 
 
 def test_a_namespace_s_checkpoint_under_a_local_users_uid_is_roots_alone(daemon: Daemon) -> None:
-    job = daemon.json("run", "--label", "ns-legacy", "--", *workload("counter.py"),
-                      user=TEST_USER)
+    job = daemon.json("run", "--label", "ns-legacy", "--", *workload("counter.py"), user=TEST_USER)
     wait_for(lambda: last_number(daemon, job["job"]) >= 3, what="counting")
     ckpt = daemon.json("dump", job["job"], user=TEST_USER)["checkpoint"]
     # What an older stasis published for namespace "team" whose owner uid was this user's.
@@ -24,11 +23,17 @@ def test_a_namespace_s_checkpoint_under_a_local_users_uid_is_roots_alone(daemon:
 
     assert [c for c in daemon.json("checkpoints", user=TEST_USER) if c["id"] == ckpt] == []
     assert daemon.json("checkpoints", "--label", "ns-legacy", user=TEST_USER) == []
-    one_line_error(daemon.cli("restore", "--label", "ns-legacy", user=TEST_USER, check=False),
-                   2, "no checkpoint with label ns-legacy")
+    one_line_error(
+        daemon.cli("restore", "--label", "ns-legacy", user=TEST_USER, check=False),
+        2,
+        "no checkpoint with label ns-legacy",
+    )
     for args in (("restore", ckpt), ("check", "--checkpoint", ckpt), ("checkpoints", "rm", ckpt)):
-        one_line_error(daemon.cli(*args, user=TEST_USER, check=False), 2,
-                       f"checkpoint {ckpt} belongs to another user")
+        one_line_error(
+            daemon.cli(*args, user=TEST_USER, check=False),
+            2,
+            f"checkpoint {ckpt} belongs to another user",
+        )
     jobs = [j for j in daemon.json("ps") if j["state"] == "running"]
     assert jobs == []  # nothing restored
     # Still there, and root's to handle.

@@ -77,11 +77,15 @@ def peer() -> Iterator[Peer]:
 
 def lock_rules(job_port: int) -> list[str]:
     """The CRIU lock rules in the firewall for the connection of the job's port."""
-    saved = subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True,
-                           check=True).stdout
+    saved = subprocess.run(
+        ["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True
+    ).stdout
     ports = (f"--sport {job_port} ", f"--dport {job_port} ")
-    return [line for line in saved.splitlines()
-            if "0xc114" in line and any(p in line + " " for p in ports)]
+    return [
+        line
+        for line in saved.splitlines()
+        if "0xc114" in line and any(p in line + " " for p in ports)
+    ]
 
 
 def start(d: Daemon, peer: Peer, hold_mib: int = 0) -> tuple[Any, int]:
@@ -108,8 +112,11 @@ def test_deleting_the_checkpoint_lifts_its_lock(daemon: Daemon, peer: Peer) -> N
     assert len(lock_rules(job_port)) == 2
     assert peer.probe(1.0) == "silence"
     report = daemon.json("check")
-    held = [lock for lock in report["network_locks"] if f"--sport {job_port}" in lock["rule"]
-            or f"--dport {job_port}" in lock["rule"]]
+    held = [
+        lock
+        for lock in report["network_locks"]
+        if f"--sport {job_port}" in lock["rule"] or f"--dport {job_port}" in lock["rule"]
+    ]
     assert len(held) == 2 and {lock["checkpoint"] for lock in held} == {checkpoint}
     assert all(lock["release_at"] and lock["job"] == job["job"] for lock in held)
     text = daemon.cli("check", check=False).stdout
@@ -119,8 +126,9 @@ def test_deleting_the_checkpoint_lifts_its_lock(daemon: Daemon, peer: Peer) -> N
     assert reset_within(peer, 20), "the peer still hangs after the checkpoint went"
 
 
-def test_lock_goes_after_the_timeout_even_across_a_daemon_restart(make_daemon: MakeDaemon,
-                                                                  peer: Peer) -> None:
+def test_lock_goes_after_the_timeout_even_across_a_daemon_restart(
+    make_daemon: MakeDaemon, peer: Peer
+) -> None:
     d: Daemon = make_daemon(env={"STASIS_NETLOCK_TIMEOUT_S": "8"})
     job, job_port = start(d, peer)
     d.json("dump", job["job"])
@@ -134,8 +142,7 @@ def test_lock_goes_after_the_timeout_even_across_a_daemon_restart(make_daemon: M
     assert reset_within(peer, 20)
 
 
-def test_restoring_here_lets_criu_lift_the_lock_and_forgets_it(daemon: Daemon,
-                                                               peer: Peer) -> None:
+def test_restoring_here_lets_criu_lift_the_lock_and_forgets_it(daemon: Daemon, peer: Peer) -> None:
     job, job_port = start(daemon, peer)
     checkpoint = daemon.json("dump", job["job"])["checkpoint"]
     assert len(lock_rules(job_port)) == 2
@@ -144,37 +151,46 @@ def test_restoring_here_lets_criu_lift_the_lock_and_forgets_it(daemon: Daemon,
     wait_for(lambda: peer.pongs > before + 3, what="the restored job talking again")
     assert lock_rules(job_port) == []
     # Nothing held any more: deleting the checkpoint now removes no rule of anyone's.
-    assert [lock for lock in daemon.json("check")["network_locks"]
-            if f"{job_port}" in lock["rule"]] == []
+    assert [
+        lock for lock in daemon.json("check")["network_locks"] if f"{job_port}" in lock["rule"]
+    ] == []
     daemon.cli("kill", restored["job"])
 
 
-def test_restored_on_another_node_lifts_the_lock_on_the_first(make_daemon: MakeDaemon,
-                                                               site_key: Path,
-                                                               peer: Peer) -> None:
-    node_a: Daemon = make_daemon(env={"STASIS_SITE_KEY": str(site_key),
-                                      "STASIS_NODE_NAME": "node-a"})
-    node_b: Daemon = make_daemon(store=node_a.store, env={"STASIS_SITE_KEY": str(site_key),
-                                                          "STASIS_NODE_NAME": "node-b"})
+def test_restored_on_another_node_lifts_the_lock_on_the_first(
+    make_daemon: MakeDaemon, site_key: Path, peer: Peer
+) -> None:
+    node_a: Daemon = make_daemon(
+        env={"STASIS_SITE_KEY": str(site_key), "STASIS_NODE_NAME": "node-a"}
+    )
+    node_b: Daemon = make_daemon(
+        store=node_a.store, env={"STASIS_SITE_KEY": str(site_key), "STASIS_NODE_NAME": "node-b"}
+    )
     job, job_port = start(node_a, peer)
     checkpoint = node_a.json("dump", job["job"])["checkpoint"]
     restored = node_b.json("restore", checkpoint)
     # Both nodes share this machine's firewall, so node B's CRIU lifts the rules; node A
     # must learn from the store that its lock is done with, and drop it.
-    wait_for(lambda: "the checkpoint was restored on another node" in
-             (node_a.root / "daemon.log").read_text(), 20, "node A to drop its lock")
+    wait_for(
+        lambda: "the checkpoint was restored on another node"
+        in (node_a.root / "daemon.log").read_text(),
+        20,
+        "node A to drop its lock",
+    )
     assert (Path(node_a.store) / checkpoint / "restored.json").exists()
     node_b.cli("kill", restored["job"])
 
 
-def test_failed_dump_leaves_the_jobs_connections_working(make_daemon: MakeDaemon,
-                                                         world_tmp: Path, peer: Peer) -> None:
+def test_failed_dump_leaves_the_jobs_connections_working(
+    make_daemon: MakeDaemon, world_tmp: Path, peer: Peer
+) -> None:
     # CRIU succeeds (its images go to local staging), then the upload to the store fails: the
     # job was stopped with its connection locked, and must come back with it working.
     mnt = world_tmp / f"full-store-{os.getpid()}"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=755", "tmpfs", str(mnt)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=755", "tmpfs", str(mnt)], check=True
+    )
     try:
         d: Daemon = make_daemon(store=f"dir::file://{mnt}")
         job, job_port = start(d, peer, hold_mib=16)

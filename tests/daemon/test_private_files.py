@@ -23,8 +23,9 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
 
 
-def test_env_values_are_not_kept_and_state_is_private(make_daemon: MakeDaemon,
-                                                      test_user: pwd.struct_passwd) -> None:
+def test_env_values_are_not_kept_and_state_is_private(
+    make_daemon: MakeDaemon, test_user: pwd.struct_passwd
+) -> None:
     d: Daemon = make_daemon()
     user = test_user.pw_name
     secret = f"tok-{secrets.token_hex(8)}"
@@ -39,8 +40,11 @@ def test_env_values_are_not_kept_and_state_is_private(make_daemon: MakeDaemon,
     # CRIU brings the environment back from the job's memory: the daemon need not keep it.
     assert f"API_TOKEN={secret}" in _environ(workload_pid(restored["pid"]))
 
-    for listing in (d.cli("ps", "--json").stdout, d.cli("ps").stdout,
-                    d.cli("ps", "--json", user=user).stdout):
+    for listing in (
+        d.cli("ps", "--json").stdout,
+        d.cli("ps").stdout,
+        d.cli("ps", "--json", user=user).stdout,
+    ):
         assert secret not in listing
     state = d.state_dir
     for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
@@ -60,23 +64,28 @@ def test_env_values_are_not_kept_and_state_is_private(make_daemon: MakeDaemon,
             assert stat.S_IMODE(st.st_mode) & 0o077 == 0, (path, oct(st.st_mode))
     # And a real ordinary user cannot read the table, its WAL or its shared memory.
     for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
-        read = subprocess.run(["runuser", "-u", user, "--", "cat", str(state / name)],
-                              capture_output=True)
+        read = subprocess.run(
+            ["runuser", "-u", user, "--", "cat", str(state / name)], capture_output=True
+        )
         assert read.returncode != 0 and read.stdout == b"", name
     d.cli("kill", restored["job"], user=user)
 
 
-def test_job_keeps_the_umask_it_had(make_daemon: MakeDaemon, world_tmp: Path,
-                                    test_user: pwd.struct_passwd) -> None:
+def test_job_keeps_the_umask_it_had(
+    make_daemon: MakeDaemon, world_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     # The daemon's own files are private; the files a job makes are the job's business.
     d: Daemon = make_daemon()
     out = world_tmp / f"made-{secrets.token_hex(3)}"
     out.mkdir()
     os.chown(out, test_user.pw_uid, test_user.pw_gid)
-    job = d.json("run", "--cwd", str(out), "--", "sh", "-c", "umask; touch made",
-                 user=test_user.pw_name)
-    wait_for(lambda: (out / "made").exists() and d.job(job["job"])["state"] == "exited",
-             what="the job's file")
+    job = d.json(
+        "run", "--cwd", str(out), "--", "sh", "-c", "umask; touch made", user=test_user.pw_name
+    )
+    wait_for(
+        lambda: (out / "made").exists() and d.job(job["job"])["state"] == "exited",
+        what="the job's file",
+    )
     started_with = os.umask(0)  # the daemon's, inherited from this process
     os.umask(started_with)
     assert d.log_of(job["job"]).strip() == f"{started_with:04o}"
@@ -93,7 +102,8 @@ def test_env_values_an_older_daemon_kept_are_forgotten(tmp_path: Path) -> None:
         conn.exec_driver_sql(
             "INSERT INTO jobs (id, state, label, command, cwd, env, user, uid, gid, log, created, "
             "job_dir) VALUES ('0123456789ab', 'exited', 'l', '[\"true\"]', '/', "
-            "'{\"API_TOKEN\": \"old-secret-value\"}', 'root', 0, 0, '/x', 'now', '/y')")
+            "'{\"API_TOKEN\": \"old-secret-value\"}', 'root', 0, 0, '/x', 'now', '/y')"
+        )
     db.engine.dispose()
     db = JobDB(path)
     row = db.get("0123456789ab")

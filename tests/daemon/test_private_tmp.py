@@ -78,10 +78,20 @@ def _mounted_anywhere(dev: str) -> list[int]:
     return found
 
 
-def _start(d: Daemon, user: str, cwd: Path, token: str, victim: Path,
-           *flags: str) -> tuple[dict[str, object], int]:
-    job = d.json("run", "--cwd", str(cwd), "--user", user, *flags, "--",
-                 *workload("privatetmp.py", token, "/etc/shadow", victim), user=user)
+def _start(
+    d: Daemon, user: str, cwd: Path, token: str, victim: Path, *flags: str
+) -> tuple[dict[str, object], int]:
+    job = d.json(
+        "run",
+        "--cwd",
+        str(cwd),
+        "--user",
+        user,
+        *flags,
+        "--",
+        *workload("privatetmp.py", token, "/etc/shadow", victim),
+        user=user,
+    )
     wait_for(lambda: _last(d, str(job["job"])) >= 3, what="the job counting")
     return job, workload_pid(int(job["pid"]))
 
@@ -91,7 +101,8 @@ def _digest(path: Path) -> str:
 
 
 def test_private_tmp_travels_in_the_checkpoint_and_ends_with_the_job(
-        daemon_outside: Daemon, outside_tmp: Path, test_user: pwd.struct_passwd) -> None:
+    daemon_outside: Daemon, outside_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     d, user = daemon_outside, test_user.pw_name
     victim = outside_tmp / "victim"  # root's, what the job's links point at
     victim.mkdir()
@@ -127,9 +138,11 @@ def test_private_tmp_travels_in_the_checkpoint_and_ends_with_the_job(
 
     # The links the job planted came back as links, its own, and nothing went through them.
     root = Path(f"/proc/{new_pid}/root/tmp")
-    for link, target in ((f"{token}-link-file", "/etc/shadow"),
-                         (f"{token}-link-dir", str(victim)),
-                         (f"{token}-sub/deeper/link-dir", str(victim))):
+    for link, target in (
+        (f"{token}-link-file", "/etc/shadow"),
+        (f"{token}-link-dir", str(victim)),
+        (f"{token}-sub/deeper/link-dir", str(victim)),
+    ):
         assert (root / link).is_symlink() and os.readlink(root / link) == target, link
         assert (root / link).lstat().st_uid == test_user.pw_uid, link
     assert _digest(Path("/etc/shadow")) == shadow
@@ -137,8 +150,11 @@ def test_private_tmp_travels_in_the_checkpoint_and_ends_with_the_job(
 
     # Its own tmpfs's again, as they were: no set-uid program or device node works there.
     new_devs = _tmpfs_of(new_pid)
-    mounts = [line.split() for line in Path(f"/proc/{new_pid}/mountinfo").read_text()
-              .splitlines() if line.split()[2] in new_devs]
+    mounts = [
+        line.split()
+        for line in Path(f"/proc/{new_pid}/mountinfo").read_text().splitlines()
+        if line.split()[2] in new_devs
+    ]
     assert sorted(m[4] for m in mounts) == ["/tmp", "/var/tmp"]
     assert all({"nosuid", "nodev"} <= set(m[5].split(",")) for m in mounts), mounts
 
@@ -148,8 +164,9 @@ def test_private_tmp_travels_in_the_checkpoint_and_ends_with_the_job(
         wait_for(lambda: not _mounted_anywhere(dev), what=f"tmpfs {dev} gone")
 
 
-def test_two_jobs_do_not_see_each_others_tmp(daemon_outside: Daemon, outside_tmp: Path,
-                                             test_user: pwd.struct_passwd) -> None:
+def test_two_jobs_do_not_see_each_others_tmp(
+    daemon_outside: Daemon, outside_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     d, user = daemon_outside, test_user.pw_name
     victim = outside_tmp / "victim"
     victim.mkdir()
@@ -165,8 +182,9 @@ def test_two_jobs_do_not_see_each_others_tmp(daemon_outside: Daemon, outside_tmp
         d.cli("kill", str(job["job"]), user=user)
 
 
-def test_the_setting_is_the_default_and_the_flag_wins(outside_tmp: Path,
-                                                       test_user: pwd.struct_passwd) -> None:
+def test_the_setting_is_the_default_and_the_flag_wins(
+    outside_tmp: Path, test_user: pwd.struct_passwd
+) -> None:
     d = new_daemon(outside_tmp, "daemon", env={"STASIS_PRIVATE_TMP": "true"})
     d.start()
     try:
@@ -185,8 +203,13 @@ def test_the_setting_is_the_default_and_the_flag_wins(outside_tmp: Path,
             assert Path(f"/tmp/{shared}-a").exists()  # the node's /tmp, as without stasis
         finally:
             d.cli("kill", str(job["job"]), user=user)
-            for leftover in (f"/tmp/{shared}-a", f"/var/tmp/{shared}-b", f"/tmp/{shared}-held",
-                             f"/tmp/{shared}-link-file", f"/tmp/{shared}-link-dir"):
+            for leftover in (
+                f"/tmp/{shared}-a",
+                f"/var/tmp/{shared}-b",
+                f"/tmp/{shared}-held",
+                f"/tmp/{shared}-link-file",
+                f"/tmp/{shared}-link-dir",
+            ):
                 Path(leftover).unlink(missing_ok=True)
             shutil.rmtree(f"/tmp/{shared}-sub", ignore_errors=True)
     finally:
@@ -194,8 +217,9 @@ def test_the_setting_is_the_default_and_the_flag_wins(outside_tmp: Path,
         d.stop()
 
 
-def test_a_cwd_or_log_under_the_private_tmp_is_refused(daemon_outside: Daemon,
-                                                       test_user: pwd.struct_passwd) -> None:
+def test_a_cwd_or_log_under_the_private_tmp_is_refused(
+    daemon_outside: Daemon, test_user: pwd.struct_passwd
+) -> None:
     d, user = daemon_outside, test_user.pw_name
     for flags in (["--cwd", "/tmp"], ["--cwd", "/"], ["--log", "/var/tmp/x/../job.log"]):
         if flags[1] == "/":
@@ -210,13 +234,20 @@ def test_a_cwd_or_log_under_the_private_tmp_is_refused(daemon_outside: Daemon,
     assert proctree.alive(d.proc.pid, None)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("dump_flags,restore_flags", [
-    (["--compress", "zstd"], []),  # decoded through CRIU's image streamer
-    ([], ["--lazy"]),
-])
+@pytest.mark.parametrize(
+    "dump_flags,restore_flags",
+    [
+        (["--compress", "zstd"], []),  # decoded through CRIU's image streamer
+        ([], ["--lazy"]),
+    ],
+)
 def test_a_running_job_and_its_restore_each_have_their_own(
-        daemon_outside: Daemon, outside_tmp: Path, test_user: pwd.struct_passwd,
-        dump_flags: list[str], restore_flags: list[str]) -> None:
+    daemon_outside: Daemon,
+    outside_tmp: Path,
+    test_user: pwd.struct_passwd,
+    dump_flags: list[str],
+    restore_flags: list[str],
+) -> None:
     d, user = daemon_outside, test_user.pw_name
     victim = outside_tmp / "victim"
     victim.mkdir()
@@ -229,8 +260,9 @@ def test_a_running_job_and_its_restore_each_have_their_own(
     # Both count on, each in its own /tmp (the restore's log is the job's: read their files).
     held = [Path(f"/proc/{p}/root/tmp/{token}-held") for p in (pid, new_pid)]
     at = [int(h.read_text()) for h in held]
-    wait_for(lambda: all(int(h.read_text()) > n + 3 for h, n in zip(held, at)),
-             what="both counting")
+    wait_for(
+        lambda: all(int(h.read_text()) > n + 3 for h, n in zip(held, at)), what="both counting"
+    )
     assert set(_tmpfs_of(pid)).isdisjoint(_tmpfs_of(new_pid))
     assert Path(f"/proc/{new_pid}/root/var/tmp/{token}-b").read_text() == f"b-{token}"
     # What one writes in its /tmp, the other does not see.

@@ -45,7 +45,8 @@ def _finished_rows(d: Daemon, count: int, created: float) -> list[str]:
                 "command, cwd, env, user, uid, gid, log, checkpoint, created, job_dir) VALUES "
                 "(?, NULL, NULL, NULL, 'exited', ?, 0, '[\"true\"]', '/', '{}', 'root', 0, 0, "
                 "?, NULL, ?, ?)",
-                (job_id, job_id, f"/tmp/{job_id}.log", _iso(created + i), str(job_dir)))
+                (job_id, job_id, f"/tmp/{job_id}.log", _iso(created + i), str(job_dir)),
+            )
             ids.append(job_id)
     return ids
 
@@ -61,10 +62,14 @@ def _criu_logs(d: Daemon, count: int, at: float) -> list[str]:
 
 
 def test_old_rows_and_criu_logs_are_pruned_live_ones_stay(make_daemon: MakeDaemon) -> None:
-    d: Daemon = make_daemon(env={
-        "STASIS_KEEP_FINISHED_JOBS": "20", "STASIS_FINISHED_JOBS_MAX_AGE_S": str(3 * DAY_S),
-        "STASIS_KEEP_CRIU_LOGS": "10", "STASIS_CRIU_LOGS_MAX_AGE_S": str(DAY_S),
-    })
+    d: Daemon = make_daemon(
+        env={
+            "STASIS_KEEP_FINISHED_JOBS": "20",
+            "STASIS_FINISHED_JOBS_MAX_AGE_S": str(3 * DAY_S),
+            "STASIS_KEEP_CRIU_LOGS": "10",
+            "STASIS_CRIU_LOGS_MAX_AGE_S": str(DAY_S),
+        }
+    )
     running = d.run(*workload("counter.py"))
     wait_for(lambda: last_number(d, running["job"]) >= 2, what="counting")
     cp = d.json("dump", running["job"], "--leave-running")["checkpoint"]
@@ -94,8 +99,9 @@ def test_old_rows_and_criu_logs_are_pruned_live_ones_stay(make_daemon: MakeDaemo
 
     def logs() -> list[str]:
         # Not CRIU's stats-dump and stats-restore: overwritten by each run, never pruned.
-        return sorted(n for n in os.listdir(d.state_dir / "criu-logs")
-                      if not n.startswith("stats-"))
+        return sorted(
+            n for n in os.listdir(d.state_dir / "criu-logs") if not n.startswith("stats-")
+        )
 
     # The ten newest (the real dump's log and nine of the recent ones), and the live job's.
     expected = sorted([dump_log, *recent_logs[-9:], live_log.name])

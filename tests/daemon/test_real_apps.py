@@ -30,13 +30,18 @@ def _ns(pid: int, kind: str) -> str:
 
 def _shm_segments(pid: int) -> list[str]:
     """The SysV shared memory segments of the IPC namespace `pid` lives in."""
-    out = subprocess.run(["nsenter", "-t", str(pid), "-i", "cat", "/proc/sysvipc/shm"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nsenter", "-t", str(pid), "-i", "cat", "/proc/sysvipc/shm"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.splitlines()[1:]
 
 
-def test_sysv_shared_memory_survives_a_restore(daemon: Daemon,
-                                               test_user: pwd.struct_passwd) -> None:
+def test_sysv_shared_memory_survives_a_restore(
+    daemon: Daemon, test_user: pwd.struct_passwd
+) -> None:
     job = daemon.json("run", "--", *workload("sysvshm.py"), user=test_user.pw_name)
     wait_for(lambda: len(numbers(daemon.log_of(job["job"]), "shm ")) >= 5, what="shm counting")
     # The job's segment lives in an IPC namespace of its own, not the host's.
@@ -45,8 +50,10 @@ def test_sysv_shared_memory_survives_a_restore(daemon: Daemon,
     cp = daemon.json("dump", job["job"], user=test_user.pw_name)
     at_dump = numbers(daemon.log_of(job["job"]), "shm ")[-1]
     restored = daemon.json("restore", cp["checkpoint"], user=test_user.pw_name)
-    wait_for(lambda: numbers(daemon.log_of(restored["job"]), "shm ")[-1] >= at_dump + 5,
-             what="shm counting on")
+    wait_for(
+        lambda: numbers(daemon.log_of(restored["job"]), "shm ")[-1] >= at_dump + 5,
+        what="shm counting on",
+    )
     values = numbers(daemon.log_of(restored["job"]), "shm ")
     # One log for both runs: the count went on through the segment, never back to 0.
     assert values == sorted(values) and values.count(0) <= 1
@@ -55,13 +62,19 @@ def test_sysv_shared_memory_survives_a_restore(daemon: Daemon,
     daemon.cli("kill", restored["job"], user=test_user.pw_name)
 
 
-def test_job_lives_while_any_of_its_processes_does(daemon: Daemon,
-                                                   test_user: pwd.struct_passwd) -> None:
+def test_job_lives_while_any_of_its_processes_does(
+    daemon: Daemon, test_user: pwd.struct_passwd
+) -> None:
     # The command exits at once, leaving a process in a session of its own (as a daemon does):
     # that process is still the job.
-    job = daemon.json("run", "--", "sh", "-c",
-                      "setsid sh -c 'sleep 2; echo background-done' & echo started",
-                      user=test_user.pw_name)
+    job = daemon.json(
+        "run",
+        "--",
+        "sh",
+        "-c",
+        "setsid sh -c 'sleep 2; echo background-done' & echo started",
+        user=test_user.pw_name,
+    )
     wait_for(lambda: "started" in daemon.log_of(job["job"]), what="the command")
 
     def cmdline(pid: int) -> bytes:
@@ -84,6 +97,7 @@ def test_job_lives_while_any_of_its_processes_does(daemon: Daemon,
 
 # -- PostgreSQL: daemonizes (pg_ctl start), several processes, SysV shared memory -------------
 
+
 def _pg_bin() -> Path:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     assert found, "PostgreSQL is not installed (make install runs scripts/install-test-apps.sh)"
@@ -105,19 +119,52 @@ class Postgres:
         self.port = _free_port()
 
     def as_user(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["runuser", "-u", self.user.pw_name, "--", *cmd], cwd=self.root,
-                              capture_output=True, text=True, check=check, timeout=60)
+        return subprocess.run(
+            ["runuser", "-u", self.user.pw_name, "--", *cmd],
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=60,
+        )
 
     def start_command(self) -> list[str]:
-        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
-                   "-c shared_memory_type=sysv -c dynamic_shared_memory_type=sysv "
-                   "-c shared_buffers=8MB -c max_connections=10 -c fsync=off")
-        return [str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "pg.log"),
-                "-w", "-o", options, "start"]
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
+            "-c shared_memory_type=sysv -c dynamic_shared_memory_type=sysv "
+            "-c shared_buffers=8MB -c max_connections=10 -c fsync=off"
+        )
+        return [
+            str(self.bin / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "pg.log"),
+            "-w",
+            "-o",
+            options,
+            "start",
+        ]
 
     def sql(self, query: str) -> str:
-        r = self.as_user(str(self.bin / "psql"), "-X", "-A", "-t", "-h", "127.0.0.1", "-p",
-                         str(self.port), "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-c", query)
+        r = self.as_user(
+            str(self.bin / "psql"),
+            "-X",
+            "-A",
+            "-t",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-c",
+            query,
+        )
         return r.stdout.strip()
 
 
@@ -126,8 +173,9 @@ def postgres(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[Postgres
     root = Path(tempfile.mkdtemp(prefix="pg-", dir=world_tmp))
     shutil.chown(root, test_user.pw_uid, test_user.pw_gid)
     pg = Postgres(root, test_user)
-    pg.as_user(str(pg.bin / "initdb"), "-D", str(pg.data), "-A", "trust", "-U", "postgres",
-               "--no-sync")
+    pg.as_user(
+        str(pg.bin / "initdb"), "-D", str(pg.data), "-A", "trust", "-U", "postgres", "--no-sync"
+    )
     yield pg
     shutil.rmtree(root, ignore_errors=True)
 
@@ -144,7 +192,8 @@ def _postmaster(pg: Postgres, job_pid: int) -> int:
 
 
 def test_postgres_daemonized_with_sysv_shm_restores_with_its_data(
-        daemon: Daemon, postgres: Postgres) -> None:
+    daemon: Daemon, postgres: Postgres
+) -> None:
     pg = postgres
     job = daemon.json("run", "--", *pg.start_command(), user=pg.user.pw_name)
     wait_for(lambda: "server started" in daemon.log_of(job["job"]), 60, what="pg_ctl start")
@@ -163,8 +212,7 @@ def test_postgres_daemonized_with_sysv_shm_restores_with_its_data(
     restored = daemon.json("restore", cp["checkpoint"], user=pg.user.pw_name)
     assert _shm_segments(_postmaster(pg, restored["pid"]))
     # Its data, and new work: a write, then a read that sees it.
-    assert pg.sql("SELECT count(*), sum(n), md5(string_agg(word, ',' ORDER BY n)) FROM t") \
-        == before
+    assert pg.sql("SELECT count(*), sum(n), md5(string_agg(word, ',' ORDER BY n)) FROM t") == before
     pg.sql("INSERT INTO t SELECT g, md5(g::text) FROM generate_series(1001, 1500) g")
     assert pg.sql("SELECT count(*) FROM t") == "1500"
     assert re.fullmatch(r"\d+", pg.sql("SELECT pg_backend_pid()"))

@@ -19,12 +19,21 @@ from stasis.daemon import records
 from stasis.daemon.db import JobDB
 
 _md = MetaData()
-kept = Table("kept_rows", _md, Column("id", String(40), primary_key=True),
-             Column("state", String(16), nullable=False), Column("n", Integer, nullable=True),
-             info={records.KEY: records.ALL})
-answers = Table("answer_rows", _md, Column("id", String(40), primary_key=True),
-                Column("result", String(100), nullable=False),
-                info={records.KEY: records.UNTIL_DROPPED})
+kept = Table(
+    "kept_rows",
+    _md,
+    Column("id", String(40), primary_key=True),
+    Column("state", String(16), nullable=False),
+    Column("n", Integer, nullable=True),
+    info={records.KEY: records.ALL},
+)
+answers = Table(
+    "answer_rows",
+    _md,
+    Column("id", String(40), primary_key=True),
+    Column("result", String(100), nullable=False),
+    info={records.KEY: records.UNTIL_DROPPED},
+)
 plain = Table("plain_rows", _md, Column("id", Integer, primary_key=True))
 TABLES = [kept, answers, plain]
 
@@ -71,8 +80,9 @@ def test_a_refresh_keeps_the_file_to_the_row(db: JobDB, tmp_path: Path) -> None:
     assert not files(root, kept)
 
 
-def test_a_rebuilt_database_gets_the_rows_back_over_salvaged_ones(db: JobDB, tmp_path: Path
-                                                                    ) -> None:
+def test_a_rebuilt_database_gets_the_rows_back_over_salvaged_ones(
+    db: JobDB, tmp_path: Path
+) -> None:
     root = tmp_path / "records"
     kept_files = records.Records(db, root)
     put(db, kept, id="j1", state="stopping", n=None)
@@ -85,8 +95,10 @@ def test_a_rebuilt_database_gets_the_rows_back_over_salvaged_ones(db: JobDB, tmp
         put(fresh, kept, id="j1", state="running", n=5)  # salvaged: an older page
         put(fresh, kept, id="j2", state="running", n=2)  # salvaged only: kept
         assert records.restore(fresh, root, TABLES) == {"kept_rows": 1, "answer_rows": 1}
-        assert rows(fresh, kept) == [{"id": "j1", "state": "stopping", "n": None},
-                                     {"id": "j2", "state": "running", "n": 2}]
+        assert rows(fresh, kept) == [
+            {"id": "j1", "state": "stopping", "n": None},
+            {"id": "j2", "state": "running", "n": 2},
+        ]
         assert rows(fresh, answers) == [{"id": "c1", "result": "{}"}]
     finally:
         fresh.engine.dispose()
@@ -97,16 +109,20 @@ def test_files_not_of_their_table_are_skipped(db: JobDB, tmp_path: Path) -> None
     d = root / kept.name
     d.mkdir(parents=True)
     (d / "torn.json").write_text('{"table": "kept_rows", "key": "x", "row": {"id"')
-    (d / records.file_name("y")).write_text(json.dumps(
-        {"table": "kept_rows", "key": "z", "row": {"id": "z", "state": "running"}}))
-    (d / records.file_name("w")).write_text(json.dumps(
-        {"table": "answer_rows", "key": "w", "row": {"id": "w", "state": "running"}}))
-    (d / records.file_name("v")).write_text(json.dumps(
-        {"table": "kept_rows", "key": "v", "row": {"id": "v"}}))  # no state: refused by SQL
+    (d / records.file_name("y")).write_text(
+        json.dumps({"table": "kept_rows", "key": "z", "row": {"id": "z", "state": "running"}})
+    )
+    (d / records.file_name("w")).write_text(
+        json.dumps({"table": "answer_rows", "key": "w", "row": {"id": "w", "state": "running"}})
+    )
+    (d / records.file_name("v")).write_text(
+        json.dumps({"table": "kept_rows", "key": "v", "row": {"id": "v"}})
+    )  # no state: refused by SQL
     os.symlink("/etc/passwd", d / records.file_name("u"))
     good = {"id": "t", "state": "running", "n": 3, "gone_column": 1}
-    (d / records.file_name("t")).write_text(json.dumps(
-        {"table": "kept_rows", "key": "t", "row": good}))
+    (d / records.file_name("t")).write_text(
+        json.dumps({"table": "kept_rows", "key": "t", "row": good})
+    )
     assert records.restore(db, root, TABLES) == {"kept_rows": 1, "answer_rows": 0}
     assert rows(db, kept) == [{"id": "t", "state": "running", "n": 3}]
 

@@ -31,14 +31,14 @@ MINE = b"users-own-bytes!".ljust(64, b"-")
 @dataclass
 class Paths:
     user: pwd.struct_passwd
-    file: Path      # held open O_RDWR
-    mapped: Path    # mapped MAP_SHARED
-    sock: Path      # a listening unix socket's address
-    cwd: Path       # the job's working directory
-    secret: Path    # root-only, same size and mode as `file`
+    file: Path  # held open O_RDWR
+    mapped: Path  # mapped MAP_SHARED
+    sock: Path  # a listening unix socket's address
+    cwd: Path  # the job's working directory
+    secret: Path  # root-only, same size and mode as `file`
     secret_map: Path
     root_sock: Path  # a root-only socket file, in a root-only directory
-    root_cwd: Path   # a root-only directory
+    root_cwd: Path  # a root-only directory
 
     def command(self) -> list[str]:
         return workload("holdpaths.py", self.file, self.mapped, self.sock, self.cwd)
@@ -68,12 +68,23 @@ def paths(shared_fs: Path, test_user: pwd.struct_passwd) -> Iterator[Paths]:
     # Root's side: a directory nobody else may enter, as /root is.
     vault = Path(tempfile.mkdtemp(prefix="root-only-", dir=shared_fs))
     os.chmod(vault, 0o700)
-    p = Paths(user=test_user, file=home / "data", mapped=home / "mapped",
-              sock=home / "sockets" / "job.sock", cwd=home / "cwd",
-              secret=vault / "secret", secret_map=vault / "secret-map",
-              root_sock=vault / "sockets" / "job.sock", root_cwd=vault / "cwd")
-    for path, data in ((p.file, MINE), (p.mapped, MINE), (p.secret, SECRET),
-                       (p.secret_map, SECRET)):
+    p = Paths(
+        user=test_user,
+        file=home / "data",
+        mapped=home / "mapped",
+        sock=home / "sockets" / "job.sock",
+        cwd=home / "cwd",
+        secret=vault / "secret",
+        secret_map=vault / "secret-map",
+        root_sock=vault / "sockets" / "job.sock",
+        root_cwd=vault / "cwd",
+    )
+    for path, data in (
+        (p.file, MINE),
+        (p.mapped, MINE),
+        (p.secret, SECRET),
+        (p.secret_map, SECRET),
+    ):
         path.write_bytes(data)
         os.chmod(path, 0o600)
     for d in (p.sock.parent, p.cwd, p.root_sock.parent, p.root_cwd):
@@ -131,8 +142,9 @@ def test_plain_round_trip_reopens_everything(daemon: Daemon, paths: Paths) -> No
     checkpoint, job = _dumped(daemon, paths)
     at_dump = _ticks(daemon, job)[-1]
     restored = daemon.json("restore", checkpoint, user=paths.user.pw_name)
-    wait_for(lambda: _ticks(daemon, restored["job"])[-1] >= at_dump + 3,
-             what="the restored job ticking")
+    wait_for(
+        lambda: _ticks(daemon, restored["job"])[-1] >= at_dump + 3, what="the restored job ticking"
+    )
     # One log for both: the restored job went on from where it was, not from 0.
     ticks = _ticks(daemon, restored["job"])
     assert ticks == list(range(len(ticks)))
@@ -174,19 +186,19 @@ def test_socket_dir_swapped_for_symlink_to_root_dir(daemon: Daemon, paths: Paths
     # the symlink, that was root's own socket in a directory the user cannot even enter.
     checkpoint, _ = _dumped(daemon, paths)
     inode = paths.root_sock.stat().st_ino
-    _as_user(paths.user, f"rm -r {paths.sock.parent}; ln -s {paths.root_sock.parent} "
-                         f"{paths.sock.parent}")
+    _as_user(
+        paths.user,
+        f"rm -r {paths.sock.parent}; ln -s {paths.root_sock.parent} " f"{paths.sock.parent}",
+    )
     _refused(daemon, paths, checkpoint)
     _root_files_intact(paths)
     assert paths.root_sock.stat().st_ino == inode
 
 
-
 PROJECT_GROUP = "stasis-test-proj"
 
 
-def test_log_reopened_with_the_owners_groups(daemon: Daemon, paths: Paths,
-                                             world_tmp: Path) -> None:
+def test_log_reopened_with_the_owners_groups(daemon: Daemon, paths: Paths, world_tmp: Path) -> None:
     # The supervisor (root) reopens the job's log with the owner's uid and all of the owner's
     # groups: a log in a project directory the owner reaches only through a supplementary group
     # must come back, and root's own groups must never count.

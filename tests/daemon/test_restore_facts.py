@@ -34,8 +34,7 @@ def _files(tmp: Path) -> tuple[Path, Path, Path]:
     return read, append, rw
 
 
-def _holding(d: Daemon, files: tuple[Path, Path, Path], label: str,
-             user: str | None = None) -> Any:
+def _holding(d: Daemon, files: tuple[Path, Path, Path], label: str, user: str | None = None) -> Any:
     job = d.json("run", "--label", label, "--", *workload("holdfiles.py", *files), user=user)
     wait_for(lambda: last_number(d, job["job"]) >= 3, what="counting")
     return job
@@ -55,8 +54,7 @@ def _resign(d: Daemon, checkpoint: str, document: dict[str, Any]) -> None:
     document.pop("signature", None)
     keys = load_keyring(d.state_dir / "keys", "", [], False)
     signature = keys.sign(MANIFEST_PURPOSE, document)
-    document["signature"] = {"key_id": signature.key_id,
-                             "hmac_sha256": signature.hmac_sha256}
+    document["signature"] = {"key_id": signature.key_id, "hmac_sha256": signature.hmac_sha256}
     _manifest_path(d, checkpoint).write_text(json.dumps(document))
 
 
@@ -75,8 +73,9 @@ def _cpuinfo() -> tuple[str, list[str]]:
 
 
 def _criu_version() -> str:
-    out = subprocess.run(["/usr/local/sbin/criu", "--version"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["/usr/local/sbin/criu", "--version"], capture_output=True, text=True, check=True
+    ).stdout
     found = re.search(r"Version: (\S+)", out)
     assert found is not None, out
     return found.group(1)
@@ -84,8 +83,12 @@ def _criu_version() -> str:
 
 def _refused(d: Daemon, checkpoint: str, *words: str) -> str:
     jobs_before = d.json("ps")
-    line = one_line_error(d.cli("restore", checkpoint, check=False), 1,
-                          f"cannot restore checkpoint {checkpoint} on this node", *words)
+    line = one_line_error(
+        d.cli("restore", checkpoint, check=False),
+        1,
+        f"cannot restore checkpoint {checkpoint} on this node",
+        *words,
+    )
     assert d.json("ps") == jobs_before  # nothing restored, nothing left running
     assert checkpoint in [c["id"] for c in d.json("checkpoints")]  # and the checkpoint stays
     return line
@@ -115,13 +118,23 @@ def test_a_dump_records_what_its_restore_depends_on(daemon: Daemon, tmp_path: Pa
 
     def entry(path: Path, access: str) -> dict[str, Any]:
         st = path.stat()
-        return {"path": str(path), "size_bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-                "mode": st.st_mode & 0o7777, "access": access}
+        return {
+            "path": str(path),
+            "size_bytes": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "mode": st.st_mode & 0o7777,
+            "access": access,
+        }
 
     assert facts == {
-        "arch": os.uname().machine, "cpu_model": model, "cpu_flags": flags,
-        "kernel": os.uname().release, "criu_version": _criu_version(),
-        "stasis_version": __version__, "user": "root", "uid": 0,
+        "arch": os.uname().machine,
+        "cpu_model": model,
+        "cpu_flags": flags,
+        "kernel": os.uname().release,
+        "criu_version": _criu_version(),
+        "stasis_version": __version__,
+        "user": "root",
+        "uid": 0,
         # Sorted by path; the job's log (its stdout and stderr) is not there: a restore
         # re-points it rather than reopening it.
         "files": [entry(read, "read"), entry(append, "append"), entry(rw, "write")],
@@ -130,7 +143,8 @@ def test_a_dump_records_what_its_restore_depends_on(daemon: Daemon, tmp_path: Pa
 
 
 def test_a_changed_input_refuses_the_restore_until_it_is_put_back(
-        daemon: Daemon, tmp_path: Path) -> None:
+    daemon: Daemon, tmp_path: Path
+) -> None:
     read, append, rw = files = _files(tmp_path)
     job = _holding(daemon, files, "changed-input")
     checkpoint = daemon.json("dump", job["job"])["checkpoint"]
@@ -149,13 +163,13 @@ def test_a_changed_input_refuses_the_restore_until_it_is_put_back(
         f.write(b"appended after the dump")
     os.utime(read, ns=(dumped.st_atime_ns, dumped.st_mtime_ns))
     restored = daemon.json("restore", checkpoint)
-    assert any(f"{append} is " in n and "goes on appending" in n for n in restored["notes"]), \
-        restored["notes"]
+    assert any(
+        f"{append} is " in n and "goes on appending" in n for n in restored["notes"]
+    ), restored["notes"]
     _continues(daemon, restored, at_dump)
 
 
-def test_a_cpu_flag_this_node_lacks_refuses_and_a_machine_flag_is_a_note(
-        daemon: Daemon) -> None:
+def test_a_cpu_flag_this_node_lacks_refuses_and_a_machine_flag_is_a_note(daemon: Daemon) -> None:
     job = daemon.json("run", "--label", "cpuflags", "--", *workload("counter.py"))
     wait_for(lambda: last_number(daemon, job["job"]) >= 3, what="counting")
     checkpoint = daemon.json("dump", job["job"])["checkpoint"]
@@ -171,8 +185,12 @@ def test_a_cpu_flag_this_node_lacks_refuses_and_a_machine_flag_is_a_note(
     line = _refused(daemon, checkpoint, f"this CPU lacks {lacking[0]}, {lacking[1]}")
     assert "SIGILL" in line
     # By label too: it is not skipped for an older one (that is not what was asked for).
-    one_line_error(daemon.cli("restore", "--label", "cpuflags", check=False), 1,
-                   f"cannot restore checkpoint {checkpoint}", f"this CPU lacks {lacking[0]}")
+    one_line_error(
+        daemon.cli("restore", "--label", "cpuflags", check=False),
+        1,
+        f"cannot restore checkpoint {checkpoint}",
+        f"this CPU lacks {lacking[0]}",
+    )
     check = daemon.cli("check", "--checkpoint", checkpoint, check=False)
     assert check.returncode == 1, check.stderr
     assert f"refuses: this CPU lacks {lacking[0]}, {lacking[1]}" in check.stdout
@@ -187,7 +205,8 @@ def test_a_cpu_flag_this_node_lacks_refuses_and_a_machine_flag_is_a_note(
 
 
 def test_check_compares_the_owners_checkpoint_and_nobody_elses(
-        daemon: Daemon, world_tmp: Path) -> None:
+    daemon: Daemon, world_tmp: Path
+) -> None:
     tmp = world_tmp / "check-owner"
     tmp.mkdir()
     os.chmod(tmp, 0o777)
@@ -203,8 +222,16 @@ def test_check_compares_the_owners_checkpoint_and_nobody_elses(
     assert report["restorable"] is True
     verdicts = {f["what"]: f["verdict"] for f in report["facts"]}
     assert verdicts == {
-        "architecture": "ok", "CPU flags": "ok", "CRIU": "ok", "kernel": "ok", "stasis": "ok",
-        "user": "ok", f"file {read}": "ok", f"file {append}": "ok", f"file {rw}": "ok"}
+        "architecture": "ok",
+        "CPU flags": "ok",
+        "CRIU": "ok",
+        "kernel": "ok",
+        "stasis": "ok",
+        "user": "ok",
+        f"file {read}": "ok",
+        f"file {append}": "ok",
+        f"file {rw}": "ok",
+    }
     user = next(f for f in report["facts"] if f["what"] == "user")
     assert user["recorded"] == user["here"] == f"{TEST_USER} (uid {pwd.getpwnam(TEST_USER).pw_uid})"
     table = daemon.cli("check", "--checkpoint", checkpoint, user=TEST_USER).stdout
@@ -227,8 +254,12 @@ def test_check_compares_the_owners_checkpoint_and_nobody_elses(
     job_root = daemon.json("run", "--", *workload("counter.py"))
     wait_for(lambda: last_number(daemon, job_root["job"]) >= 1, what="counting")
     roots = daemon.json("dump", job_root["job"])["checkpoint"]
-    one_line_error(daemon.cli("check", "--checkpoint", roots, user=TEST_USER, check=False), 2,
-                   "permission denied", f"checkpoint {roots} belongs to another user")
+    one_line_error(
+        daemon.cli("check", "--checkpoint", roots, user=TEST_USER, check=False),
+        2,
+        "permission denied",
+        f"checkpoint {roots} belongs to another user",
+    )
     daemon.cli("checkpoints", "rm", checkpoint)
     daemon.cli("checkpoints", "rm", roots)
 
@@ -245,8 +276,13 @@ def test_a_checkpoint_that_records_nothing_restores_as_before(daemon: Daemon) ->
     out = daemon.cli("check", "--checkpoint", checkpoint).stdout
     assert f"checkpoint {checkpoint} records nothing to compare" in out
     report = daemon.json("check", "--checkpoint", checkpoint)
-    assert report == {"checkpoint": checkpoint, "node": report["node"], "recorded": False,
-                      "restorable": True, "facts": []}
+    assert report == {
+        "checkpoint": checkpoint,
+        "node": report["node"],
+        "recorded": False,
+        "restorable": True,
+        "facts": [],
+    }
     assert report["node"]  # this node's name
     restored = daemon.json("restore", checkpoint)
     assert restored["notes"] == []
@@ -254,7 +290,8 @@ def test_a_checkpoint_that_records_nothing_restores_as_before(daemon: Daemon) ->
 
 
 def test_from_a_store_it_fetches_from_a_changed_file_refuses_before_anything_is_fetched(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     store = world_tmp / f"fetched-store-{os.urandom(3).hex()}"
     store.mkdir(mode=0o700)
     d = make_daemon(store=f"dir::file://{store}")
@@ -276,9 +313,12 @@ def test_from_a_store_it_fetches_from_a_changed_file_refuses_before_anything_is_
     aside.mkdir()
     for path in pages:
         path.rename(aside / path.name)
-    line = one_line_error(d.cli("restore", checkpoint, user=TEST_USER, check=False), 1,
-                          f"cannot restore checkpoint {checkpoint} on this node",
-                          f"{rw} is 50 bytes, was 100 when dumped")
+    line = one_line_error(
+        d.cli("restore", checkpoint, user=TEST_USER, check=False),
+        1,
+        f"cannot restore checkpoint {checkpoint} on this node",
+        f"{rw} is 50 bytes, was 100 when dumped",
+    )
     assert "pages-" not in line
     for path in pages:
         (aside / path.name).rename(path)

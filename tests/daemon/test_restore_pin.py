@@ -10,11 +10,11 @@ from tests.conftest import MakeDaemon, wait_for, workload
 
 
 def test_retention_spares_a_checkpoint_whose_lazy_restore_reads_it(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     store = world_tmp / f"pinned-{os.urandom(4).hex()}"
     # Each page answer held back 200 ms: 64 MiB take some 45 answers (~9 s) to come back.
-    d = make_daemon(store=f"dir::file://{store}", keep=1,
-                    env={"STASIS_TEST_PAGE_DELAY_MS": "200"})
+    d = make_daemon(store=f"dir::file://{store}", keep=1, env={"STASIS_TEST_PAGE_DELAY_MS": "200"})
     job = d.run(*workload("memhold.py", 64), label="pinned")
     wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
     first = d.json("dump", job["job"])["checkpoint"]

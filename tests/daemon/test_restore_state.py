@@ -22,8 +22,7 @@ def last_number(daemon: Daemon, job: str, prefix: str = "") -> int:
 
 def workload_pid(init_pid: int) -> int:
     """The workload's pid: the child of the job's init."""
-    return wait_for(lambda: next(iter(proctree.children(init_pid)), None),
-                    what="workload process")
+    return wait_for(lambda: next(iter(proctree.children(init_pid)), None), what="workload process")
 
 
 def test_counter_resumes_from_checkpointed_value(daemon: Daemon) -> None:
@@ -45,7 +44,7 @@ def test_counter_resumes_from_checkpointed_value(daemon: Daemon) -> None:
     values = numbers(new_log())
     # One log, one sequence: what came after the restore continues the dump's value, no restart.
     assert daemon.job(restored["job"])["state"] == "restored"
-    after = values[values.index(at_dump) + 1:]
+    after = values[values.index(at_dump) + 1 :]
     assert after[:5] == list(range(at_dump + 1, at_dump + 6))
     assert values.count(0) == 1
 
@@ -58,8 +57,11 @@ def test_memory_digest_survives(daemon: Daemon) -> None:
     assert cp["size_bytes"] >= 256 << 20
     restored = daemon.json("restore", cp["checkpoint"])
     os.kill(workload_pid(restored["pid"]), signal.SIGUSR1)
-    wait_for(lambda: len(re.findall(r"^digest", daemon.log_of(restored["job"]), re.M)) == 2,
-             30, "digest after restore")
+    wait_for(
+        lambda: len(re.findall(r"^digest", daemon.log_of(restored["job"]), re.M)) == 2,
+        30,
+        "digest after restore",
+    )
     digests = re.findall(r"^digest (\w+)$", daemon.log_of(restored["job"]), re.M)
     assert digests == [before, before]
     daemon.cli("kill", restored["job"])
@@ -85,8 +87,10 @@ def test_multithreaded_process(daemon: Daemon) -> None:
     cp = daemon.json("dump", job["job"])
     at_dump = last_number(daemon, job["job"], r"threads 5 total ")
     restored = daemon.json("restore", cp["checkpoint"])
-    wait_for(lambda: last_number(daemon, restored["job"], r"threads 5 total ") >= at_dump + 40,
-             what="all threads counting after restore")
+    wait_for(
+        lambda: last_number(daemon, restored["job"], r"threads 5 total ") >= at_dump + 40,
+        what="all threads counting after restore",
+    )
     tail = numbers(daemon.log_of(restored["job"]), r"threads 5 total ")
     first_after = tail[tail.index(at_dump) + 1]
     assert at_dump < first_after < at_dump + 40  # continued from the total, not from 0
@@ -122,8 +126,10 @@ def test_established_tcp_connection(daemon: Daemon) -> None:
     cp = daemon.json("dump", job["job"])
     at_dump = last_number(daemon, job["job"], "pong ")
     restored = daemon.json("restore", cp["checkpoint"])
-    wait_for(lambda: last_number(daemon, restored["job"], "pong ") >= at_dump + 5,
-             what="pongs over the restored connection")
+    wait_for(
+        lambda: last_number(daemon, restored["job"], "pong ") >= at_dump + 5,
+        what="pongs over the restored connection",
+    )
     pongs = numbers(daemon.log_of(restored["job"]), "pong ")
     assert pongs == list(range(1, len(pongs) + 1))  # same connection, the server's count went on
     daemon.cli("kill", restored["job"])
@@ -187,5 +193,3 @@ def test_compressed_checkpoints_restore(daemon: Daemon) -> None:
         wait_for(lambda: daemon.log_of(restored["job"]).count("digest") >= 2, what="digest")
         assert re.findall(r"^digest (\w+)$", daemon.log_of(restored["job"]), re.M)[-1] == digest
         daemon.cli("kill", restored["job"])
-
-

@@ -28,7 +28,8 @@ def _continues(d: Daemon, restored: Any, at_dump: int) -> None:
 
 
 def test_a_job_moves_between_nodes_through_s3_by_id_and_by_label(
-        make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str, site_key: Path) -> None:
+    make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str, site_key: Path
+) -> None:
     url = f"s3://{s3_bucket}/site"
     env = {**s3.env(), "STASIS_SITE_KEY": str(site_key)}
     node_a = make_daemon(store=url, env=env)
@@ -36,8 +37,9 @@ def test_a_job_moves_between_nodes_through_s3_by_id_and_by_label(
     job = _counter(node_a, "roam")
     first = node_a.json("dump", job["job"])["checkpoint"]
     at_first = last_number(node_a, job["job"])
-    assert [c["id"] for c in node_b.json("checkpoints", "--label", "roam", user=TEST_USER)] \
-        == [first]
+    assert [c["id"] for c in node_b.json("checkpoints", "--label", "roam", user=TEST_USER)] == [
+        first
+    ]
 
     on_b = node_b.json("restore", "--label", "roam", user=TEST_USER)
     assert on_b["checkpoint"] == first
@@ -48,15 +50,18 @@ def test_a_job_moves_between_nodes_through_s3_by_id_and_by_label(
 
     back_on_a = node_a.json("restore", second, user=TEST_USER)
     _continues(node_a, back_on_a, at_second)
-    assert [c["id"] for c in node_a.json("checkpoints", "--label", "roam", user=TEST_USER)] \
-        == [second, first]
+    assert [c["id"] for c in node_a.json("checkpoints", "--label", "roam", user=TEST_USER)] == [
+        second,
+        first,
+    ]
     node_a.cli("kill", back_on_a["job"])
     # The bucket holds checkpoints and the index, no key material.
     assert s3.secret_key not in (node_a.root / "daemon.log").read_text()
 
 
-def test_credentials_from_the_config_file(make_daemon: MakeDaemon, s3: S3Server,
-                                          s3_bucket: str, world_tmp: Path) -> None:
+def test_credentials_from_the_config_file(
+    make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str, world_tmp: Path
+) -> None:
     secret = world_tmp / f"s3-secret-{os.urandom(4).hex()}"
     secret.write_text(s3.secret_key + "\n")
     secret.chmod(0o600)
@@ -66,12 +71,14 @@ def test_credentials_from_the_config_file(make_daemon: MakeDaemon, s3: S3Server,
         f's3_endpoint_url = "{s3.endpoint}"\n'
         f's3_region = "{REGION}"\n'
         f's3_access_key_id = "{s3.access_key}"\n'
-        f's3_secret_access_key_file = "{secret}"\n')
+        f's3_secret_access_key_file = "{secret}"\n'
+    )
     config.chmod(0o644)  # users' commands read it too: the secret is elsewhere
     nowhere = {k: "/dev/null" for k in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")}
-    node = make_daemon(store=f"s3://{s3_bucket}/cfg",
-                       env={"STASIS_CONFIG": str(config), "AWS_EC2_METADATA_DISABLED": "true",
-                            **nowhere})
+    node = make_daemon(
+        store=f"s3://{s3_bucket}/cfg",
+        env={"STASIS_CONFIG": str(config), "AWS_EC2_METADATA_DISABLED": "true", **nowhere},
+    )
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
         assert name not in node.env
     job = _counter(node, "cfg")
@@ -82,12 +89,16 @@ def test_credentials_from_the_config_file(make_daemon: MakeDaemon, s3: S3Server,
 
 
 def test_a_refused_key_or_a_missing_bucket_fails_the_dump_and_the_job_runs_on(
-        make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str) -> None:
-    wrong = make_daemon(store=f"s3://{s3_bucket}/w",
-                        env=s3.env(AWS_SECRET_ACCESS_KEY="not-the-secret"))
+    make_daemon: MakeDaemon, s3: S3Server, s3_bucket: str
+) -> None:
+    wrong = make_daemon(
+        store=f"s3://{s3_bucket}/w", env=s3.env(AWS_SECRET_ACCESS_KEY="not-the-secret")
+    )
     no_bucket = make_daemon(store="s3://no-such-bucket-for-stasis/w", env=s3.env())
-    cases = [(wrong, ("access to", "denied", "check the S3 credentials")),
-             (no_bucket, ("bucket no-such-bucket-for-stasis", "does not exist: create it"))]
+    cases = [
+        (wrong, ("access to", "denied", "check the S3 credentials")),
+        (no_bucket, ("bucket no-such-bucket-for-stasis", "does not exist: create it")),
+    ]
     for node, words in cases:
         job = _counter(node, "doomed")
         for mode in ([], ["--leave-running"]):

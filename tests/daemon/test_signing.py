@@ -34,8 +34,9 @@ def _counter(d: Daemon, label: str, user: str | None = None) -> Any:
     return job
 
 
-def _refused(d: Daemon, *args: str, code: int, words: tuple[str, ...],
-             user: str | None = None) -> None:
+def _refused(
+    d: Daemon, *args: str, code: int, words: tuple[str, ...], user: str | None = None
+) -> None:
     jobs_before = d.json("ps")
     one_line_error(d.cli("restore", *args, user=user, check=False), code, *words)
     assert d.json("ps") == jobs_before  # nothing restored
@@ -48,13 +49,26 @@ def test_a_manifest_made_to_say_root_or_another_label_is_refused(daemon: Daemon)
     daemon.cli("kill", job["job"], user=TEST_USER)
     # Someone who can write the store makes the first say it is root's process...
     _edit(daemon, as_root, uid=0, user="root", gid=0)
-    _refused(daemon, as_root, code=1,
-             words=(f"checkpoint {as_root} is not trusted", "changed after it was signed",
-                    f"stasis checkpoints rm {as_root}"))
+    _refused(
+        daemon,
+        as_root,
+        code=1,
+        words=(
+            f"checkpoint {as_root} is not trusted",
+            "changed after it was signed",
+            f"stasis checkpoints rm {as_root}",
+        ),
+    )
     # ...and moves the second under another label of the user's, for them to restore.
     _edit(daemon, relabeled, label="stolen")
-    _refused(daemon, "--label", "stolen", code=2, words=("no checkpoint with label stolen",),
-             user=TEST_USER)
+    _refused(
+        daemon,
+        "--label",
+        "stolen",
+        code=2,
+        words=("no checkpoint with label stolen",),
+        user=TEST_USER,
+    )
     listed = [c["id"] for c in daemon.json("checkpoints")]
     assert as_root not in listed and relabeled not in listed
     assert daemon.json("checkpoints", "--label", "signed-victim", user=TEST_USER) == []
@@ -78,25 +92,45 @@ def _continues(d: Daemon, job: Any, restored: Any, at_dump: int) -> None:
 
 
 def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(
-        make_daemon: MakeDaemon) -> None:
+    make_daemon: MakeDaemon,
+) -> None:
     node_a: Daemon = make_daemon()
     node_b: Daemon = make_daemon(store=node_a.store)  # its own state dir and key, one store
     job = _counter(node_a, "roaming")
     checkpoint = node_a.json("dump", job["job"])["checkpoint"]
     at_dump = last_number(node_a, job["job"])
 
-    err = one_line_error(node_b.cli("restore", checkpoint, check=False), 1,
-                         f"checkpoint {checkpoint} is not trusted", "trusted_keys")
+    err = one_line_error(
+        node_b.cli("restore", checkpoint, check=False),
+        1,
+        f"checkpoint {checkpoint} is not trusted",
+        "trusted_keys",
+    )
     key_id = node_a.json("checkpoints")[0]["signature"]["key_id"]
     assert f"signed by key {key_id}" in err
     assert node_b.json("ps") == []
     # By label, through the CLI: not "no checkpoint", but whose key and what trusts it.
-    _refused(node_b, "--label", "roaming", code=1,
-             words=("no checkpoint with label roaming that this node trusts",
-                    f"signed by key {key_id}", "trusted_keys", "site_key"))
+    _refused(
+        node_b,
+        "--label",
+        "roaming",
+        code=1,
+        words=(
+            "no checkpoint with label roaming that this node trusts",
+            f"signed by key {key_id}",
+            "trusted_keys",
+            "site_key",
+        ),
+    )
     # Another user's label of the same name says nothing of that user's checkpoints.
-    _refused(node_b, "--label", "roaming", code=2, words=("no checkpoint with label roaming",),
-             user=TEST_USER)
+    _refused(
+        node_b,
+        "--label",
+        "roaming",
+        code=2,
+        words=("no checkpoint with label roaming",),
+        user=TEST_USER,
+    )
     assert node_b.json("checkpoints") == []
     assert f"skipping checkpoint {checkpoint}" in (node_b.root / "daemon.log").read_text()
 
@@ -115,8 +149,7 @@ def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(
         assert key.read_bytes().hex() not in (d.root / "daemon.log").read_text()
 
 
-def test_nodes_sharing_a_site_key_trust_each_other(make_daemon: MakeDaemon,
-                                                    site_key: Path) -> None:
+def test_nodes_sharing_a_site_key_trust_each_other(make_daemon: MakeDaemon, site_key: Path) -> None:
     node_a: Daemon = make_daemon(env={"STASIS_SITE_KEY": str(site_key)})
     node_b: Daemon = make_daemon(store=node_a.store, env={"STASIS_SITE_KEY": str(site_key)})
     job = _counter(node_a, "site")

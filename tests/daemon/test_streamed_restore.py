@@ -45,7 +45,8 @@ def _encrypting_daemon(make_daemon: MakeDaemon, world_tmp: Path, **env: str) -> 
 
 
 def test_encrypted_and_compressed_restores_are_decoded_while_criu_reads(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     d = _encrypting_daemon(make_daemon, world_tmp)
     for how in (("--encrypt",), ("--compress", "zstd")):
         job = d.run(*workload("memhold.py", 32))
@@ -69,14 +70,16 @@ def test_encrypted_and_compressed_restores_are_decoded_while_criu_reads(
 
 
 def test_a_page_that_fails_fails_the_restore_and_the_label_goes_back_one(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     d = _encrypting_daemon(make_daemon, world_tmp)
     job = d.run(*workload("memhold.py", 16), label="streamed")
     wait_for(lambda: "ready" in d.log_of(job["job"]), what="ready")
     older = d.json("dump", "--encrypt", "--leave-running", job["job"])
     newer = d.json("dump", "--encrypt", job["job"])
-    pages = max((Path(d.store) / newer["checkpoint"]).glob("pages-*.img*"),
-                key=lambda p: p.stat().st_size)
+    pages = max(
+        (Path(d.store) / newer["checkpoint"]).glob("pages-*.img*"), key=lambda p: p.stat().st_size
+    )
     data = bytearray(pages.read_bytes())
     data[len(data) // 2] ^= 0xFF  # in a page the restore leaves to lazy-pages
     pages.write_bytes(data)
@@ -101,7 +104,8 @@ def test_a_page_that_fails_fails_the_restore_and_the_label_goes_back_one(
 
 
 def test_a_restore_that_fails_before_criu_reads_answers_at_once(
-        make_daemon: MakeDaemon, world_tmp: Path) -> None:
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     # The supervisor cannot open the job's log (a directory stands there now): it fails before
     # CRIU ever connects to the streamer, and the answer must not wait for a connection.
     d = _encrypting_daemon(make_daemon, world_tmp)

@@ -47,8 +47,10 @@ def _files_job(d: Daemon, job_dir: Path, label: str) -> Any:
 
 
 def _checksums(job_dir: Path) -> dict[str, tuple[str, int]]:
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(job_dir.iterdir())}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(job_dir.iterdir())
+    }
 
 
 def _ours(job_dir: Path) -> list[int]:
@@ -99,16 +101,28 @@ def _listed(d: Daemon, checkpoint: str) -> Any:
 def test_a_good_checkpoint_verifies_and_leaves_nothing(daemon: Daemon, job_dir: Path) -> None:
     job = _files_job(daemon, job_dir, "verify-good")
     cp = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
-    before = (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _criu_rules(),
-              _leftovers())
+    before = (
+        _checksums(job_dir),
+        _ours(job_dir),
+        _mounts_on_private_dirs(),
+        _criu_rules(),
+        _leftovers(),
+    )
     counted = last_number(daemon, job["job"])
 
     verdict = _verify(daemon, cp)
 
-    assert verdict["ok"] and verdict["reason"] == "" and verdict["checkpoint"] == cp, verdict["reason"]
+    assert verdict["ok"] and verdict["reason"] == "" and verdict["checkpoint"] == cp, verdict[
+        "reason"
+    ]
     assert verdict["processes"] == 2  # stasis-init and the workload
-    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _criu_rules(),
-            _leftovers()) == before
+    assert (
+        _checksums(job_dir),
+        _ours(job_dir),
+        _mounts_on_private_dirs(),
+        _criu_rules(),
+        _leftovers(),
+    ) == before
     # The job itself ran on, untouched; the verdict is in the catalog, shown by the list.
     wait_for(lambda: last_number(daemon, job["job"]) > counted + 2, what="the job counting on")
     assert daemon.job(job["job"])["state"] == "running"
@@ -127,8 +141,7 @@ def test_a_checkpoint_whose_file_is_gone_fails_naming_it(daemon: Daemon, job_dir
     result = daemon.cli("verify", cp, check=False)
     line = one_line_error(result, 1, f"checkpoint {cp} failed verification", "rw.dat")
 
-    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(),
-            _leftovers()) == before
+    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _leftovers()) == before
     assert not (job_dir / "rw.dat").exists()  # not recreated by the restore either
     verdict = _listed(daemon, cp)["verdict"]
     assert not verdict["ok"] and "rw.dat" in verdict["reason"], line
@@ -139,8 +152,10 @@ def test_damaged_images_fail_with_the_reason(daemon: Daemon) -> None:
     job = daemon.run(*workload("counter.py", 0.1, 2), label="verify-damaged")
     wait_for(lambda: last_number(daemon, job["job"]) >= 2, what="the counter")
     cp = daemon.json("dump", job["job"])["checkpoint"]
-    stored = max((p for p in (Path(daemon.store) / cp).iterdir() if p.name.startswith("pages")),
-                 key=lambda p: p.stat().st_size)
+    stored = max(
+        (p for p in (Path(daemon.store) / cp).iterdir() if p.name.startswith("pages")),
+        key=lambda p: p.stat().st_size,
+    )
     with open(stored, "r+b") as f:
         f.seek(stored.stat().st_size // 2)
         byte = f.read(1)
@@ -166,8 +181,7 @@ def test_only_who_may_restore_it_verifies_it(daemon: Daemon) -> None:
     assert "verdict" not in _listed(daemon, cp)
 
 
-def test_verified_restore_takes_the_newest_verified_and_no_forged_verdict(
-        daemon: Daemon) -> None:
+def test_verified_restore_takes_the_newest_verified_and_no_forged_verdict(daemon: Daemon) -> None:
     job = daemon.run(*workload("counter.py"), label="verify-pick")
     wait_for(lambda: last_number(daemon, job["job"]) >= 3, what="the counter")
     older = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
@@ -190,8 +204,9 @@ def test_verified_restore_takes_the_newest_verified_and_no_forged_verdict(
     daemon.cli("kill", restored["job"])
 
     # Without any genuine ok verdict, nothing is restored: one line says why.
-    (store / older / VERDICT_NOTE).write_text(json.dumps(
-        {**genuine, "signature": {"key_id": "0" * 32, "hmac_sha256": "0" * 64}}))
+    (store / older / VERDICT_NOTE).write_text(
+        json.dumps({**genuine, "signature": {"key_id": "0" * 32, "hmac_sha256": "0" * 64}})
+    )
     result = daemon.cli("restore", "--label", "verify-pick", "--verified", check=False)
     one_line_error(result, 2, "no verified checkpoint with label verify-pick", "stasis verify")
     assert len(daemon.json("ps")) == jobs + 1
@@ -219,8 +234,9 @@ def _echo(path: Path) -> bytes:
         return s.recv(100)
 
 
-def test_a_running_jobs_unix_socket_outside_tmp_keeps_serving(daemon: Daemon,
-                                                              job_dir: Path) -> None:
+def test_a_running_jobs_unix_socket_outside_tmp_keeps_serving(
+    daemon: Daemon, job_dir: Path
+) -> None:
     sock = job_dir / "server.sock"
     job = daemon.run(*workload("unixserver.py", sock), label="verify-unix")
     wait_for(lambda: "listening" in daemon.log_of(job["job"]), what="the server")
@@ -259,8 +275,9 @@ def test_not_one_instruction_of_the_job_runs(daemon: Daemon, job_dir: Path) -> N
     assert _checksums(job_dir) == before and _ours(job_dir) == []
 
 
-def test_a_sandbox_killed_with_the_tree_restored_leaves_nothing(make_daemon: MakeDaemon,
-                                                                 job_dir: Path) -> None:
+def test_a_sandbox_killed_with_the_tree_restored_leaves_nothing(
+    make_daemon: MakeDaemon, job_dir: Path
+) -> None:
     # SIGKILLed once CRIU restored the tree (stopped), before it is compared and killed.
     d = make_daemon(env={"STASIS_TEST_FAULT_POINTS": "verify.sandbox.restored"})
     job = _files_job(d, job_dir, "verify-cut")
@@ -271,8 +288,7 @@ def test_a_sandbox_killed_with_the_tree_restored_leaves_nothing(make_daemon: Mak
 
     assert not verdict["ok"] and "without a verdict" in verdict["reason"], verdict
     # The kernel ended the tree with the sandbox's PID namespace: nothing is left stopped.
-    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(),
-            _leftovers()) == before
+    assert (_checksums(job_dir), _ours(job_dir), _mounts_on_private_dirs(), _leftovers()) == before
     assert d.json("restore", cp)["checkpoint"] == cp  # the daemon goes on
 
 
@@ -302,9 +318,19 @@ def test_a_node_local_file_travels_into_the_sandbox_only(daemon: Daemon) -> None
 
 
 def test_a_job_with_a_private_tmp_verifies(daemon: Daemon, job_dir: Path) -> None:
-    job = daemon.json("run", "--private-tmp", "--label", "verify-private-tmp", "--log",
-                      str(job_dir / "out.log"), "--", "python3", "-c", KEEP_TMP,
-                      "/tmp/private.txt")
+    job = daemon.json(
+        "run",
+        "--private-tmp",
+        "--label",
+        "verify-private-tmp",
+        "--log",
+        str(job_dir / "out.log"),
+        "--",
+        "python3",
+        "-c",
+        KEEP_TMP,
+        "/tmp/private.txt",
+    )
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="the job's file")
     cp = daemon.json("dump", "--leave-running", job["job"])["checkpoint"]
     before = _mounts_on_private_dirs()
@@ -317,7 +343,8 @@ def test_a_job_with_a_private_tmp_verifies(daemon: Daemon, job_dir: Path) -> Non
 
 
 def test_node_local_files_outside_tmp_are_recreated_in_the_sandbox_only(
-        daemon: Daemon, job_dir: Path) -> None:
+    daemon: Daemon, job_dir: Path
+) -> None:
     # $TMPDIR outside /tmp (a site's scratch directory): its files travel too (nodelocal), and
     # a restore replaces one that differs; a verify must do that in the sandbox only.
     tmpdir = job_dir / "scratch"
@@ -377,13 +404,14 @@ class _Creations:
         names, at = [], 0
         while at + 16 <= len(data):
             size = struct.unpack_from("iIII", data, at)[3]
-            names.append(data[at + 16:at + 16 + size].rstrip(b"\0").decode())
+            names.append(data[at + 16 : at + 16 + size].rstrip(b"\0").decode())
             at += 16 + size
         return names
 
 
-def test_a_deleted_file_the_job_holds_is_never_recreated_on_the_node(daemon: Daemon,
-                                                                      job_dir: Path) -> None:
+def test_a_deleted_file_the_job_holds_is_never_recreated_on_the_node(
+    daemon: Daemon, job_dir: Path
+) -> None:
     held = job_dir / "deleted.dat"
     job = daemon.run("python3", "-c", GHOST, str(held), label="verify-ghost")
     wait_for(lambda: "ready" in daemon.log_of(job["job"]), what="the job's deleted file")
@@ -421,15 +449,21 @@ def test_a_running_job_keeps_its_file_locks(make_daemon: MakeDaemon, job_dir: Pa
 
     assert verdict["ok"], verdict["reason"]
     # The job holds them still: another process cannot take either.
-    probe = ("import fcntl, sys\n"
-             "try:\n"
-             "    fcntl.flock(open(sys.argv[1]), fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
-             "except OSError: print('held')\n"
-             "try:\n"
-             "    fcntl.lockf(open(sys.argv[2], 'a'), fcntl.LOCK_EX | fcntl.LOCK_NB); "
-             "print('free')\n"
-             "except OSError: print('held')\n")
-    out = subprocess.run(["python3", "-c", probe, str(flocked), str(posix)],
-                         capture_output=True, text=True, check=True).stdout.split()
+    probe = (
+        "import fcntl, sys\n"
+        "try:\n"
+        "    fcntl.flock(open(sys.argv[1]), fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+        "except OSError: print('held')\n"
+        "try:\n"
+        "    fcntl.lockf(open(sys.argv[2], 'a'), fcntl.LOCK_EX | fcntl.LOCK_NB); "
+        "print('free')\n"
+        "except OSError: print('held')\n"
+    )
+    out = subprocess.run(
+        ["python3", "-c", probe, str(flocked), str(posix)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out == ["held", "held"]
     d.cli("kill", job["job"])

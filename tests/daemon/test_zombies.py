@@ -7,8 +7,8 @@ import os
 import signal
 import subprocess
 import threading
-from subprocess import CompletedProcess
 from pathlib import Path
+from subprocess import CompletedProcess
 
 from stasis.engine import proctree
 from stasis.poll import poll
@@ -22,7 +22,7 @@ def _stat(pid: int) -> tuple[str, str, int] | None:
     except OSError:
         return None
     fields = text.rsplit(")", 1)[1].split()
-    return text[text.index("(") + 1:text.rindex(")")], fields[0], int(fields[1])
+    return text[text.index("(") + 1 : text.rindex(")")], fields[0], int(fields[1])
 
 
 def zombies_of(parent: int) -> list[tuple[int, str]]:
@@ -68,17 +68,24 @@ def _criu_restoring(daemon_pid: int) -> int | None:
     return None
 
 
-def _restore_killing_criu(d: Daemon, cp: str, daemon_pid: int,
-                          retried: list[str]) -> CompletedProcess[str] | None:
+def _restore_killing_criu(
+    d: Daemon, cp: str, daemon_pid: int, retried: list[str]
+) -> CompletedProcess[str] | None:
     """The answer to a restore of `cp` whose CRIU got SIGKILLed once the restored tree existed;
     None when the restore was done before that (a loaded machine runs a 64 MiB restore before
     this test's process gets the CPU back): its job is killed and added to `retried`."""
     result: dict[str, CompletedProcess[str]] = {}
-    thread = threading.Thread(target=lambda: result.update(r=subprocess.run(
-        [STASIS, "restore", cp], env=d.env, capture_output=True, text=True, timeout=30)))
+    thread = threading.Thread(
+        target=lambda: result.update(
+            r=subprocess.run(
+                [STASIS, "restore", cp], env=d.env, capture_output=True, text=True, timeout=30
+            )
+        )
+    )
     thread.start()
-    found = poll(lambda: _criu_restoring(daemon_pid) or ("done" if not thread.is_alive() else 0),
-                 30, 0.002)
+    found = poll(
+        lambda: _criu_restoring(daemon_pid) or ("done" if not thread.is_alive() else 0), 30, 0.002
+    )
     criu = found if isinstance(found, int) else None
     stat = _stat(criu) if criu is not None else None
     if criu is not None and stat is not None:

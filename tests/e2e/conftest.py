@@ -22,9 +22,9 @@ from typing import Any, Generic, TypeVar
 
 import pytest
 
-from stasis.slurm.scontrol import parse_record
-from stasis.slurm import cluster as local_cluster
 from stasis.poll import poll
+from stasis.slurm import cluster as local_cluster
+from stasis.slurm.scontrol import parse_record
 from tests.conftest import STASIS, TEST_USER, ensure_test_user
 from tests.e2e import debian13
 
@@ -34,9 +34,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any(item.path.name == "test_slurm_debian13.py" for item in session.items):
         debian13.start_build()
     # So does the modules' early work (mostly waiting on Slurm's clocks), of chosen modules only.
-    chosen = [work for name, work in EARLY.items()
-              if name in {item.path.name for item in session.items}
-              and not session.config.option.collectonly]
+    chosen = [
+        work
+        for name, work in EARLY.items()
+        if name in {item.path.name for item in session.items}
+        and not session.config.option.collectonly
+    ]
     if chosen:
         ensure_test_user()  # here, not in the worker and a test at once (two useradds)
     for work in chosen:
@@ -69,8 +72,7 @@ class Early(Generic[R]):
     _worker: threading.Thread | None = None
     ending = False
 
-    def __init__(self, make: Callable[[dict[str, str]], R], close: Callable[[R], None]
-                 ) -> None:
+    def __init__(self, make: Callable[[dict[str, str]], R], close: Callable[[R], None]) -> None:
         self._make = make
         self._close = close
         self._queued = False
@@ -148,13 +150,18 @@ EARLY: dict[str, Early[Any]] = {}
 S = TypeVar("S")
 
 
-def early_checks(module: str, setup: Callable[[dict[str, str]], S], close: Callable[[S], None],
-                 checks: list[Callable[[S], None]], timeout_s: float = 540
-                 ) -> Callable[[Callable[[S], None]], None]:
+def early_checks(
+    module: str,
+    setup: Callable[[dict[str, str]], S],
+    close: Callable[[S], None],
+    checks: list[Callable[[S], None]],
+    timeout_s: float = 540,
+) -> Callable[[Callable[[S], None]], None]:
     """A module whose checks are minutes of waiting on Slurm (requeues, restarts) on a cluster
     of its own: they run early (Early), one after the other as they would in the module, on
     what `setup` made (`close` undoes it). Each test of the module calls the returned function
     with its check, which raises the check's own error, if any (an assertion, pytest's skip)."""
+
     def run_all(environ: dict[str, str]) -> dict[str, BaseException | None]:
         made = setup(environ)
         try:
@@ -176,7 +183,9 @@ def early_checks(module: str, setup: Callable[[dict[str, str]], S], close: Calla
         error = work.take(timeout_s)[check.__name__]
         if error is not None:
             raise error
+
     return outcome
+
 
 # A counter printing once per `interval` seconds up to `stop`, then exiting with `code`.
 COUNTER = """\
@@ -191,8 +200,14 @@ sys.exit(code)
 
 
 class Cluster:
-    def __init__(self, root: Path, nodes: int = 1, without_stasis: tuple[str, ...] = (),
-                 environ: dict[str, str] | None = None, job_container: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        nodes: int = 1,
+        without_stasis: tuple[str, ...] = (),
+        environ: dict[str, str] | None = None,
+        job_container: bool = False,
+    ) -> None:
         self.root = root
         self.job_container = job_container
         self.work = root / "work"
@@ -217,23 +232,33 @@ class Cluster:
         does not outlive it (`up` stops it itself when it fails, but not when it is killed)."""
         try:
             result = subprocess.run(
-                [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json",
-                 *args], capture_output=True, text=True, timeout=timeout_s,
-                env={**self.base_env, "STASIS_CONFIG": ""})
+                [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json", *args],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env={**self.base_env, "STASIS_CONFIG": ""},
+            )
         except subprocess.TimeoutExpired as e:
             self.down()
-            raise AssertionError(f"local-cluster up did not finish in {timeout_s:.0f} s: "
-                                 f"{e.stderr!r}") from None
+            raise AssertionError(
+                f"local-cluster up did not finish in {timeout_s:.0f} s: " f"{e.stderr!r}"
+            ) from None
         if result.returncode != 0:
             self.down()
             raise AssertionError(f"local-cluster up failed: {result.stderr}{result.stdout}")
         return result.stdout
 
     def up(self) -> None:
-        answer = json.loads(self.start(
-            "--socket-group", TEST_USER, "--nodes", str(self.nodes),
-            *(f"--without-stasis={n}" for n in self.without_stasis),
-            *(["--job-container"] if self.job_container else [])))
+        answer = json.loads(
+            self.start(
+                "--socket-group",
+                TEST_USER,
+                "--nodes",
+                str(self.nodes),
+                *(f"--without-stasis={n}" for n in self.without_stasis),
+                *(["--job-container"] if self.job_container else []),
+            )
+        )
         assert answer["slurm_conf"] == str(self.lay.slurm_conf)
         assert answer["nodes"] == [f"n{i + 1}" for i in range(self.nodes)]
         self.work.mkdir(exist_ok=True)
@@ -241,20 +266,35 @@ class Cluster:
         (self.work / "counter.py").write_text(COUNTER)
 
     def down(self) -> None:
-        subprocess.run([STASIS, "slurm", "local-cluster", "down", "--dir", str(self.root)],
-                       capture_output=True, text=True, timeout=120, env=self.base_env)
+        subprocess.run(
+            [STASIS, "slurm", "local-cluster", "down", "--dir", str(self.root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.base_env,
+        )
 
-    def run(self, *cmd: str, user: str | None = None, check: bool = True
-            ) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *cmd: str, user: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         argv = list(cmd)
         if user:
-            argv = ["runuser", "-u", user, "--", "env", *(f"{k}={v}" for k, v in
-                                                         self.lay.env().items()), *argv]
-        result = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=120,
-                                cwd=self.work)
+            argv = [
+                "runuser",
+                "-u",
+                user,
+                "--",
+                "env",
+                *(f"{k}={v}" for k, v in self.lay.env().items()),
+                *argv,
+            ]
+        result = subprocess.run(
+            argv, env=self.env, capture_output=True, text=True, timeout=120, cwd=self.work
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}): "
-                                 f"{result.stderr}{result.stdout}")
+            raise AssertionError(
+                f"{' '.join(cmd)} failed ({result.returncode}): " f"{result.stderr}{result.stdout}"
+            )
         return result
 
     def script(self, name: str, body: str, *sbatch: str) -> Path:
@@ -265,11 +305,15 @@ class Cluster:
         os.chmod(path, 0o755)
         return path
 
-    def counter_script(self, name: str, *sbatch: str, stop: int = 30, interval: float = 1.0,
-                       code: int = 0) -> Path:
+    def counter_script(
+        self, name: str, *sbatch: str, stop: int = 30, interval: float = 1.0, code: int = 0
+    ) -> Path:
         return self.script(
-            name, f"exec python3 -u {self.work}/counter.py {stop} {interval} {code}",
-            f"--output={self.work}/{name}-%j.out", *sbatch)
+            name,
+            f"exec python3 -u {self.work}/counter.py {stop} {interval} {code}",
+            f"--output={self.work}/{name}-%j.out",
+            *sbatch,
+        )
 
     def sbatch(self, script: Path, *args: str, user: str | None = None) -> str:
         out = self.run("sbatch", "--parsable", *args, str(script), user=user).stdout
@@ -282,8 +326,13 @@ class Cluster:
         return self.job(job_id).get("JobState", "")
 
     def wait_state(self, job_id: str, states: tuple[str, ...], timeout_s: float = 90) -> str:
-        return str(until(lambda: (s := self.state(job_id)) in states and s,
-                         timeout_s, f"job {job_id} in {states}"))
+        return str(
+            until(
+                lambda: (s := self.state(job_id)) in states and s,
+                timeout_s,
+                f"job {job_id} in {states}",
+            )
+        )
 
     def output(self, job_id: str) -> str:
         path = self.job(job_id)["StdOut"]
@@ -299,24 +348,42 @@ class Cluster:
         def reached() -> int | None:
             nums = self.numbers(job_id)
             return nums[-1] if nums and nums[-1] >= at_least else None
+
         return int(until(reached, timeout_s, f"job {job_id}'s counter at {at_least}"))
 
-    def stasis(self, *args: str, user: str | None = None, check: bool = True
-               ) -> subprocess.CompletedProcess[str]:
+    def stasis(
+        self, *args: str, user: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         return self.run(STASIS, *args, user=user, check=check)
 
-    def on(self, node: str, *cmd: str, user: str | None = None, check: bool = True
-           ) -> subprocess.CompletedProcess[str]:
+    def on(
+        self, node: str, *cmd: str, user: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         """`cmd` run on `node` (its namespaces, its stasis config), as `user` if given."""
         inner = ["runuser", "-u", user, "--", *cmd] if user else list(cmd)
-        return self.run(STASIS, "slurm", "local-cluster", "exec", "--dir", str(self.root), node,
-                        "--", *inner, check=check)
+        return self.run(
+            STASIS,
+            "slurm",
+            "local-cluster",
+            "exec",
+            "--dir",
+            str(self.root),
+            node,
+            "--",
+            *inner,
+            check=check,
+        )
 
-    def checkpoints(self, label: str | None = None, user: str | None = None
-                    ) -> list[dict[str, Any]]:
+    def checkpoints(
+        self, label: str | None = None, user: str | None = None
+    ) -> list[dict[str, Any]]:
         """Root's view; a label is looked up among root's own checkpoints unless `user`."""
-        args = ["checkpoints", "--json", *(["--label", label] if label else []),
-                *(["--user", user] if user else [])]
+        args = [
+            "checkpoints",
+            "--json",
+            *(["--label", label] if label else []),
+            *(["--user", user] if user else []),
+        ]
         found: list[dict[str, Any]] = json.loads(self.stasis(*args).stdout)
         return found
 
@@ -327,8 +394,11 @@ class Cluster:
 
     def pids(self, job_id: str) -> list[int]:
         result = self.run("scontrol", "listpids", job_id, check=False)
-        return [int(line.split()[0]) for line in result.stdout.splitlines()[1:]
-                if line.split() and line.split()[0].isdigit()]
+        return [
+            int(line.split()[0])
+            for line in result.stdout.splitlines()[1:]
+            if line.split() and line.split()[0].isdigit()
+        ]
 
 
 def alive(pid: int) -> bool:
@@ -339,13 +409,19 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def new_cluster(name: str, nodes: int = 1, without_stasis: tuple[str, ...] = (),
-                environ: dict[str, str] | None = None, job_container: bool = False) -> Cluster:
+def new_cluster(
+    name: str,
+    nodes: int = 1,
+    without_stasis: tuple[str, ...] = (),
+    environ: dict[str, str] | None = None,
+    job_container: bool = False,
+) -> Cluster:
     """`job_container`: Slurm's job_container/tmpfs (the cluster then lives under /var/lib:
     each job has a /tmp of its own)."""
     ensure_test_user()
-    root = Path(tempfile.mkdtemp(prefix=f"stasis-e2e-{name}-",
-                                 dir="/var/lib" if job_container else None))
+    root = Path(
+        tempfile.mkdtemp(prefix=f"stasis-e2e-{name}-", dir="/var/lib" if job_container else None)
+    )
     os.chmod(root, 0o755)
     c = Cluster(root, nodes, without_stasis, environ, job_container)
     c.up()
@@ -391,12 +467,16 @@ def shared_cluster(_shared_clusters: list[Cluster]) -> Cluster:
 def made_clean(c: Cluster) -> bool:
     """Cancel every job, resume a drained node, start a stopped daemon: True when the cluster
     is then as new (no job, n1 idle, the daemon answering)."""
+
     def jobs() -> list[str] | None:
         r = c.run("squeue", "-h", "-t", "all", "-o", "%i %T", check=False)
         if r.returncode != 0:
             return None
-        return [line.split()[0] for line in r.stdout.splitlines()
-                if line.split()[1:] and line.split()[1] not in ENDED]
+        return [
+            line.split()[0]
+            for line in r.stdout.splitlines()
+            if line.split()[1:] and line.split()[1] not in ENDED
+        ]
 
     left = jobs()
     if left is None:
@@ -408,17 +488,32 @@ def made_clean(c: Cluster) -> bool:
     node = c.run("scontrol", "show", "node", NODE, check=False).stdout
     if re.search(r"State=\S*(DRAIN|DOWN)", node):
         c.run("scontrol", "update", f"NodeName={NODE}", "State=RESUME", check=False)
-    if poll(lambda: c.run("sinfo", "-h", "-n", NODE, "-o", "%T", check=False).stdout.strip()
-            == "idle", 60, interval_s=0.5) is None:
+    if (
+        poll(
+            lambda: c.run("sinfo", "-h", "-n", NODE, "-o", "%T", check=False).stdout.strip()
+            == "idle",
+            60,
+            interval_s=0.5,
+        )
+        is None
+    ):
         return False
     local_cluster.start_daemon(c.root)  # nothing to do when it runs
-    return poll(lambda: c.stasis("ps", check=False).returncode == 0, 30, interval_s=0.5) \
-        is not None
+    return poll(lambda: c.stasis("ps", check=False).returncode == 0, 30, interval_s=0.5) is not None
 
 
 NODE = local_cluster.NODE
-ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL",
-         "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+ENDED = (
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "PREEMPTED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 # The time-limit job needs minutes of wall time: it runs on a cluster of its own, submitted as
@@ -436,8 +531,13 @@ class LongJob:
 def _submit_long_job(environ: dict[str, str]) -> LongJob:
     c = new_cluster("timelimit", environ=environ)
     try:
-        script = c.counter_script("long", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=long",
-                                  "--time=1", stop=TIME_LIMIT_WORK_S, interval=1.0)
+        script = c.counter_script(
+            "long",
+            "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=long",
+            "--time=1",
+            stop=TIME_LIMIT_WORK_S,
+            interval=1.0,
+        )
         return LongJob(c, c.sbatch(script), time.monotonic())
     except BaseException:
         close_cluster(c)

@@ -17,8 +17,7 @@ from tests.conftest import STASIS
 
 IMAGE = "stasis.test/busybox:1"
 BUSYBOX = "/usr/bin/busybox"
-APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true", "head",
-           "base64")
+APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true", "head", "base64")
 
 
 def busybox_archive(out: Path) -> Path:
@@ -34,36 +33,54 @@ def busybox_archive(out: Path) -> Path:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             tar.addfile(info)
-    oci.write_archive(out, [layer.getvalue()], {
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]}}, {}, IMAGE)
+    oci.write_archive(
+        out,
+        [layer.getvalue()],
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
+        },
+        {},
+        IMAGE,
+    )
     return out
 
 
 class Node:
     """The local node, driven with `ctr` the way the kubelet drives containerd's tasks."""
 
-    def __init__(self, root: Path, bundle: bool = False, min_interval_s: int | None = None,
-                 kubeconfig: Path | None = None, node_name: str = "",
-                 separate: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        bundle: bool = False,
+        min_interval_s: int | None = None,
+        kubeconfig: Path | None = None,
+        node_name: str = "",
+        separate: bool = False,
+    ) -> None:
         """`separate`: a host of its own (`local-node up --separate`): its /tmp, /var/tmp,
         /dev/shm, /run (runc's state) and host name; `inside` runs a command there."""
         self.root = root
         self.bundle = bundle
-        self.options = [*(["--bundle"] if bundle else []),
-                        *(["--separate"] if separate else []),
-                        *([f"--min-interval={min_interval_s}"] if min_interval_s is not None
-                          else []),
-                        *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []),
-                        *([f"--node-name={node_name}"] if node_name else [])]
+        self.options = [
+            *(["--bundle"] if bundle else []),
+            *(["--separate"] if separate else []),
+            *([f"--min-interval={min_interval_s}"] if min_interval_s is not None else []),
+            *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []),
+            *([f"--node-name={node_name}"] if node_name else []),
+        ]
         self.lay = localnode.Layout(root)
         self.info: dict[str, Any] = {}
 
     def up(self) -> None:
-        r = subprocess.run([STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json",
-                            *self.options],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "STASIS_CONFIG": ""})
+        r = subprocess.run(
+            [STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json", *self.options],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "STASIS_CONFIG": ""},
+        )
         assert r.returncode == 0, r.stderr + r.stdout
         self.info = json.loads(r.stdout)
         archive = busybox_archive(self.root / "busybox.tar")
@@ -71,8 +88,12 @@ class Node:
         assert r.returncode == 0, r.stderr
 
     def down(self) -> None:
-        subprocess.run([STASIS, "k8s", "local-node", "down", "--dir", str(self.root)],
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [STASIS, "k8s", "local-node", "down", "--dir", str(self.root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def restart_daemon(self) -> None:
         localnode.start_daemon(self.lay)
@@ -88,28 +109,53 @@ class Node:
         self.restart_daemon()
 
     def ctr(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ctr", "-a", self.info["containerd_address"], "-n",
-                               self.info["namespace"], *args], capture_output=True, text=True,
-                              timeout=timeout_s)
+        return subprocess.run(
+            ["ctr", "-a", self.info["containerd_address"], "-n", self.info["namespace"], *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
     def inside(self, *cmd: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
         """`cmd` run where the node's containerd runs (in its namespaces when separate)."""
-        return subprocess.run([*self.info["node_prefix"], *cmd], capture_output=True, text=True,
-                              timeout=timeout_s)
+        return subprocess.run(
+            [*self.info["node_prefix"], *cmd], capture_output=True, text=True, timeout=timeout_s
+        )
 
     def stasis(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([STASIS, *args], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "STASIS_CONFIG": self.info["stasis_config"]})
+        return subprocess.run(
+            [STASIS, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "STASIS_CONFIG": self.info["stasis_config"]},
+        )
 
-    def run(self, cid: str, script: str, env: dict[str, str] | None = None,
-            runtime: str | None = None, options: list[str] | None = None) -> Path:
+    def run(
+        self,
+        cid: str,
+        script: str,
+        env: dict[str, str] | None = None,
+        runtime: str | None = None,
+        options: list[str] | None = None,
+    ) -> Path:
         """Create and start a container (detached); its log file. `options`: more of `ctr
         run`'s (--cap-add=CAP_X, --annotation=K=V: what a pod spec would give it)."""
         log = self.root / f"{cid}-{time.monotonic_ns()}.log"
         envs = [f"--env={k}={v}" for k, v in (env or {}).items()]
-        r = self.ctr("run", "-d", f"--log-uri=file://{log}",
-                     f"--runtime={runtime or self.info['runtime']}", *envs, *(options or []),
-                     IMAGE, cid, "/bin/sh", "-c", script)
+        r = self.ctr(
+            "run",
+            "-d",
+            f"--log-uri=file://{log}",
+            f"--runtime={runtime or self.info['runtime']}",
+            *envs,
+            *(options or []),
+            IMAGE,
+            cid,
+            "/bin/sh",
+            "-c",
+            script,
+        )
         assert r.returncode == 0, r.stderr
         return log
 
@@ -133,10 +179,25 @@ class Node:
         self.ctr("tasks", "delete", "-f", cid)
         self.ctr("containers", "delete", cid)
 
-    def run_attached(self, cid: str, script: str, env: dict[str, str] | None = None,
-                     runtime: str | None = None, timeout_s: float = 60
-                     ) -> subprocess.CompletedProcess[str]:
+    def run_attached(
+        self,
+        cid: str,
+        script: str,
+        env: dict[str, str] | None = None,
+        runtime: str | None = None,
+        timeout_s: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
         """`ctr run --rm` in the foreground: its exit code and output are the container's."""
         envs = [f"--env={k}={v}" for k, v in (env or {}).items()]
-        return self.ctr("run", "--rm", f"--runtime={runtime or self.info['runtime']}", *envs,
-                        IMAGE, cid, "/bin/sh", "-c", script, timeout_s=timeout_s)
+        return self.ctr(
+            "run",
+            "--rm",
+            f"--runtime={runtime or self.info['runtime']}",
+            *envs,
+            IMAGE,
+            cid,
+            "/bin/sh",
+            "-c",
+            script,
+            timeout_s=timeout_s,
+        )

@@ -28,19 +28,27 @@ def joined_site(name: str, node_ready: bool = False) -> Iterator[tuple[Cluster, 
         url = f"http://{c.lay.host_address()}:{cp.port}"
         for node in ("n1", "n2"):
             config = c.lay.config_of(node)
-            config.write_text(config.read_text() + f'controlplane_url = "{url}"\n'
-                              f'cluster_id = "{hpc["cluster_id"]}"\n'
-                              f'auth_token = "{hpc["token"]}"\n'
-                              "controlplane_heartbeat_s = 0.5\n"
-                              # the bridge is this test's own: plain HTTP, said so
-                              "controlplane_allow_plain_http = true\n")
+            config.write_text(
+                config.read_text() + f'controlplane_url = "{url}"\n'
+                f'cluster_id = "{hpc["cluster_id"]}"\n'
+                f'auth_token = "{hpc["token"]}"\n'
+                "controlplane_heartbeat_s = 0.5\n"
+                # the bridge is this test's own: plain HTTP, said so
+                "controlplane_allow_plain_http = true\n"
+            )
             os.chmod(config, 0o600)  # it holds the cluster's token now
             local_cluster.stop_daemon(c.root, node)
             local_cluster.start_daemon(c.root, node)
-        wait_for(lambda: sorted(n["name"] for n in cp.json("nodes")
-                                if n["state"] == "ready"
-                                and (n.get("scheduler_state") or not node_ready))
-                 == ["n1", "n2"], 60, "both nodes ready in the control plane")
+        wait_for(
+            lambda: sorted(
+                n["name"]
+                for n in cp.json("nodes")
+                if n["state"] == "ready" and (n.get("scheduler_state") or not node_ready)
+            )
+            == ["n1", "n2"],
+            60,
+            "both nodes ready in the control plane",
+        )
         yield c, cp
     finally:
         cp.stop()

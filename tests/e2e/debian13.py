@@ -27,11 +27,24 @@ def start_build() -> None:
             # Niced: the other tests run meanwhile, some of them timing a grace period.
             # One build of the root at a time: two test sessions on a machine (a developer's
             # and a helper's) once had one remove the venv the other was installing into.
-            _build = subprocess.Popen(["flock", str(ROOT.with_name(ROOT.name + ".lock")),
-                                       "nice", "-n", "10", "bash", str(SCRIPT), "build",
-                                       str(ROOT), str(CHECKOUT)],
-                                      stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+            _build = subprocess.Popen(
+                [
+                    "flock",
+                    str(ROOT.with_name(ROOT.name + ".lock")),
+                    "nice",
+                    "-n",
+                    "10",
+                    "bash",
+                    str(SCRIPT),
+                    "build",
+                    str(ROOT),
+                    str(CHECKOUT),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
 
 def root() -> Path:
@@ -42,8 +55,9 @@ def root() -> Path:
         code = _build.wait(BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         _build.kill()
-        raise AssertionError(f"the Debian 13 root was not built in {BUILD_TIMEOUT_S} s: "
-                             f"{_tail()}") from None
+        raise AssertionError(
+            f"the Debian 13 root was not built in {BUILD_TIMEOUT_S} s: " f"{_tail()}"
+        ) from None
     if code != 0:
         raise AssertionError(f"building the Debian 13 root failed ({code}): {_tail()}")
     return ROOT
@@ -51,8 +65,13 @@ def root() -> Path:
 
 def enter(root: Path, cmd: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     """`cmd` (a shell command line) run as root inside `root`."""
-    return subprocess.run(["bash", str(SCRIPT), "enter", str(root), cmd], capture_output=True,
-                          text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "enter", str(root), cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _tail() -> str:

@@ -42,8 +42,12 @@ class Cluster:
     agent_log: Path
 
     def ctr_b(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ctr", "-a", str(self.b.address), "-n", "k8s.io", *args],
-                              capture_output=True, text=True, timeout=timeout_s)
+        return subprocess.run(
+            ["ctr", "-a", str(self.b.address), "-n", "k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
 
 def version() -> str:
@@ -58,12 +62,16 @@ def cluster() -> Iterator[Cluster]:
     os.chmod(root, 0o755)
     # A node's root is a shared mount (systemd makes it one; HostToContainer needs it): the
     # rootfs mounts node B's containerd makes must reach the agent. This machine's is private.
-    for cmd in (["mount", "--bind", str(root), str(root)], ["mount", "--make-rshared",
-                                                            str(root)]):
+    for cmd in (["mount", "--bind", str(root), str(root)], ["mount", "--make-rshared", str(root)]):
         subprocess.run(cmd, check=True)
     archive = root / "agent.oci.tar"
-    built = subprocess.run(["bash", str(REPO / "scripts" / "build-image.sh"), str(archive)],
-                           capture_output=True, text=True, timeout=900, cwd=REPO)
+    built = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build-image.sh"), str(archive)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     infra = Node(root / "a")
     b = localnode.Layout(root / "b")
@@ -71,45 +79,85 @@ def cluster() -> Iterator[Cluster]:
         d.mkdir(parents=True)
     # Node B's containerd config as a node has it before stasis: no runtime entry yet.
     (b.containerd / "config.toml").write_text(
-        localnode.containerd_config(b).replace(shim.cri_runtime_entry(), ""))
+        localnode.containerd_config(b).replace(shim.cri_runtime_entry(), "")
+    )
     (b.stasis / "agent.toml").write_text(
         f'socket = "{b.stasis_socket}"\nstate_dir = "{b.stasis / "state"}"\n'
         f'store = "{b.stasis / "store"}"\ncontainerd_address = "{b.address}"\n'
-        "k8s_check_interval_s = 0.5\n")
+        "k8s_check_interval_s = 0.5\n"
+    )
     api = ApiServer(root)
     log = root / "agent.log"
     agent = f"agent-{secrets.token_hex(3)}"  # runc's state of a namespace is machine-wide
     try:
         infra.up()
         api.start()
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                             "spec": {"taints": [{"key": "stasis.dev/not-ready",
-                                                  "effect": "NoSchedule"}]}})
+        api.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": NODE},
+                "spec": {"taints": [{"key": "stasis.dev/not-ready", "effect": "NoSchedule"}]},
+            },
+        )
         r = infra.ctr("images", "import", str(archive), timeout_s=300)
         assert r.returncode == 0, r.stderr
-        mounts = [f"type=bind,src={src},dst={dst},options=rbind:{mode}" for src, dst, mode in (
-            ("/", "/host", "rslave"), (root, root, "rslave"),
-            ("/run/containerd", "/run/containerd", "rslave"),
-            ("/sys/fs/cgroup", "/sys/fs/cgroup", "rw"))]
+        mounts = [
+            f"type=bind,src={src},dst={dst},options=rbind:{mode}"
+            for src, dst, mode in (
+                ("/", "/host", "rslave"),
+                (root, root, "rslave"),
+                ("/run/containerd", "/run/containerd", "rslave"),
+                ("/sys/fs/cgroup", "/sys/fs/cgroup", "rw"),
+            )
+        ]
         r = infra.ctr(
             # The host's PIDs (hostPID) are this process's: PID 1's may be closed to us here.
-            "run", "-d", "--privileged", "--net-host", "--with-ns",
+            "run",
+            "-d",
+            "--privileged",
+            "--net-host",
+            "--with-ns",
             f"pid:/proc/{os.getpid()}/ns/pid",
-            f"--log-uri=file://{log}", *[f"--mount={m}" for m in mounts],
+            f"--log-uri=file://{log}",
+            *[f"--mount={m}" for m in mounts],
             f"--env=STASIS_CONFIG={b.stasis / 'agent.toml'}",
-            f"stasis/agent:{version()}", "agent",
-            "stasis", "k8s", "agent", "--node", NODE, "--kubeconfig", str(api.kubeconfig),
-            "--host-root", "/host", "--containerd-config", str(b.containerd / "config.toml"),
-            "--bin-dir", str(b.bin), "--bundle-dir", str(b.root / "runtime"),
-            "--runtime-config", str(b.stasis / "runtime.toml"))
+            f"stasis/agent:{version()}",
+            "agent",
+            "stasis",
+            "k8s",
+            "agent",
+            "--node",
+            NODE,
+            "--kubeconfig",
+            str(api.kubeconfig),
+            "--host-root",
+            "/host",
+            "--containerd-config",
+            str(b.containerd / "config.toml"),
+            "--bin-dir",
+            str(b.bin),
+            "--bundle-dir",
+            str(b.root / "runtime"),
+            "--runtime-config",
+            str(b.stasis / "runtime.toml"),
+        )
         assert r.returncode == 0, r.stderr
-        wait_for(lambda: shim.HANDLER in (b.containerd / "config.toml").read_text(), 120,
-                 f"the agent to install the runtime ({log})")
+        wait_for(
+            lambda: shim.HANDLER in (b.containerd / "config.toml").read_text(),
+            120,
+            f"the agent to install the runtime ({log})",
+        )
         wait_for(lambda: b.stasis_socket.exists(), 60, "the agent's daemon")
         env = {"PATH": f"{b.bin}:" + os.environ["PATH"], "LANG": "C.UTF-8"}
         clog = b.containerd / "containerd.log"
-        pid = detached.start(["containerd", "--config", str(b.containerd / "config.toml")],
-                             b.containerd / "containerd.pid", clog, env)
+        pid = detached.start(
+            ["containerd", "--config", str(b.containerd / "config.toml")],
+            b.containerd / "containerd.pid",
+            clog,
+            env,
+        )
         detached.wait_listening(pid, b.address, clog, 20, AssertionError)
         c = Cluster(infra, b, api, log)
         r = c.ctr_b("images", "import", str(busybox_archive(root / "busybox.tar")))
@@ -119,8 +167,11 @@ def cluster() -> Iterator[Cluster]:
         cpid = detached.read_pid(b.containerd / "containerd.pid")
         if detached.alive(cpid):
             for args in (["tasks", "delete", "-f", CID], ["containers", "delete", CID]):
-                subprocess.run(["ctr", "-a", str(b.address), "-n", "k8s.io", *args],
-                               capture_output=True, timeout=60)
+                subprocess.run(
+                    ["ctr", "-a", str(b.address), "-n", "k8s.io", *args],
+                    capture_output=True,
+                    timeout=60,
+                )
         detached.stop(cpid)
         infra.ctr("tasks", "kill", "-s", "SIGTERM", agent)
         wait_for(lambda: infra.status(agent) in ("STOPPED", None), 40, "the agent to stop")
@@ -135,11 +186,13 @@ def numbers(log: Path) -> list[int]:
     return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
 
 
-def test_the_agent_from_its_image_makes_a_node_whose_containers_resume(cluster: Cluster
-                                                                         ) -> None:
+def test_the_agent_from_its_image_makes_a_node_whose_containers_resume(cluster: Cluster) -> None:
     c = cluster
-    wait_for(lambda: not c.api.get("nodes", NODE)["spec"].get("taints"), 60,
-             f"the agent to untaint the node ({c.agent_log})")
+    wait_for(
+        lambda: not c.api.get("nodes", NODE)["spec"].get("taints"),
+        60,
+        f"the agent to untaint the node ({c.agent_log})",
+    )
     runtime = c.b.root / "runtime"
     assert f"exec {runtime}/bin/stasis-runc" in (c.b.bin / "runc-wrapper" / "runc").read_text()
     # The bundle's Python is the image's, not this machine's venv.
@@ -149,9 +202,18 @@ def test_the_agent_from_its_image_makes_a_node_whose_containers_resume(cluster: 
 
     def start() -> Path:
         log = c.b.root / f"counter-{secrets.token_hex(3)}.log"
-        r = c.ctr_b("run", "-d", f"--log-uri=file://{log}", f"--runtime={shim.RUNTIME_TYPE}",
-                    f"--env=STASIS_CHECKPOINT={label}", IMAGE, CID, "/bin/sh", "-c",
-                    COUNTER)
+        r = c.ctr_b(
+            "run",
+            "-d",
+            f"--log-uri=file://{log}",
+            f"--runtime={shim.RUNTIME_TYPE}",
+            f"--env=STASIS_CHECKPOINT={label}",
+            IMAGE,
+            CID,
+            "/bin/sh",
+            "-c",
+            COUNTER,
+        )
         assert r.returncode == 0, r.stderr
         return log
 
@@ -165,9 +227,13 @@ def test_the_agent_from_its_image_makes_a_node_whose_containers_resume(cluster: 
 
     wait_for(stopped, 40, "the container to stop")
     before = numbers(log)
-    listed = subprocess.run([str(Path(sys.executable).parent / "stasis"), "checkpoints",
-                             "--json"], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "STASIS_CONFIG": str(c.b.stasis / "agent.toml")})
+    listed = subprocess.run(
+        [str(Path(sys.executable).parent / "stasis"), "checkpoints", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STASIS_CONFIG": str(c.b.stasis / "agent.toml")},
+    )
     assert [x["label"] for x in json.loads(listed.stdout)] == [label], listed.stderr
     c.ctr_b("tasks", "delete", "-f", CID)
     c.ctr_b("containers", "delete", CID)

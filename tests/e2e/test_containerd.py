@@ -21,8 +21,7 @@ from tests.conftest import wait_for
 from tests.e2e.containerd_node import Node
 
 # Counts in memory (never re-read from disk), writes a token into its own filesystem once.
-COUNTER = ("echo token-$0 > /data/made; i=0; while :; do i=$((i+1)); echo n=$i; "
-           "sleep 0.1; done")
+COUNTER = "echo token-$0 > /data/made; i=0; while :; do i=$((i+1)); echo n=$i; " "sleep 0.1; done"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,8 @@ def counter(node: Node, cid: str, label: str, token: str = "x") -> Path:
 
 
 def test_a_stopped_container_created_again_continues_its_count_and_keeps_its_files(
-        node: Node) -> None:
+    node: Node,
+) -> None:
     label, token = f"count-{secrets.token_hex(3)}", secrets.token_hex(4)
     log = counter(node, "c-count", label, token)
     wait_for(lambda: len(numbers(log)) >= 8, 20, "the counter to count")
@@ -82,11 +82,15 @@ def test_a_container_without_the_variable_is_runc_s_alone(node: Node) -> None:
     script = "echo out; echo err >&2; echo hi > /tmp/f; cat /tmp/f; exit 7"
     ours = node.run_attached("c-plain", script)
     plain = node.run_attached("c-plain-runc", script, runtime="io.containerd.runc.v2")
-    assert (ours.returncode, ours.stdout, ours.stderr) == \
-        (plain.returncode, plain.stdout, plain.stderr) == (7, "out\nhi\n", "err\n")
+    assert (
+        (ours.returncode, ours.stdout, ours.stderr)
+        == (plain.returncode, plain.stdout, plain.stderr)
+        == (7, "out\nhi\n", "err\n")
+    )
     # Its stop signal reaches it (no checkpoint is taken): TERM ends it as with runc.
-    log = node.run("c-plain-term", "trap 'echo got-term; exit 3' TERM; "
-                   "while :; do sleep 0.1; done")
+    log = node.run(
+        "c-plain-term", "trap 'echo got-term; exit 3' TERM; " "while :; do sleep 0.1; done"
+    )
     wait_for(lambda: node.status("c-plain-term") == "RUNNING", 10, "the container to run")
     node.stop("c-plain-term")
     wait_for(lambda: "got-term" in log.read_text(), 10, "the trap to run")
@@ -105,8 +109,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(node: Node) 
     newest = numbers(log)[-1]
     node.remove("c-fb")
     store = Path(node.info["dir"]) / "stasis" / "store"
-    ids = sorted(p.name for p in store.iterdir() if p.name[:1].isdigit()
-                 and label in (p / "manifest.json").read_text())
+    ids = sorted(
+        p.name
+        for p in store.iterdir()
+        if p.name[:1].isdigit() and label in (p / "manifest.json").read_text()
+    )
     assert len(ids) == 2
     pages = max((store / ids[-1]).glob("pages-*.img"), key=lambda p: p.stat().st_size)
     data = bytearray(pages.read_bytes())
@@ -131,8 +138,11 @@ def test_without_a_daemon_a_container_starts_fresh_and_says_so(node: Node) -> No
     try:
         # Asked to (STASIS_FRESH=if-unreachable): without it, a create that cannot ask waits
         # and fails (issue 28; tests/e2e/test_k8s_faults.py).
-        log = node.run("c-nod", COUNTER.replace("$0", "x"),
-                       env={"STASIS_CHECKPOINT": label, "STASIS_FRESH": "if-unreachable"})
+        log = node.run(
+            "c-nod",
+            COUNTER.replace("$0", "x"),
+            env={"STASIS_CHECKPOINT": label, "STASIS_FRESH": "if-unreachable"},
+        )
         wait_for(lambda: len(numbers(log)) >= 2, 20, "the counter")
         text = log.read_text()
         assert "stasis: cannot ask for a checkpoint of label" in text and "starting fresh" in text
@@ -146,18 +156,24 @@ def test_without_a_daemon_a_container_starts_fresh_and_says_so(node: Node) -> No
 
 
 def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_floor(
-        node: Node) -> None:
+    node: Node,
+) -> None:
     label = f"interval-{secrets.token_hex(3)}"
-    log = node.run("c-int", COUNTER.replace("$0", "i"),
-                   env={"STASIS_CHECKPOINT": label, "STASIS_INTERVAL": "1"})
+    log = node.run(
+        "c-int",
+        COUNTER.replace("$0", "i"),
+        env={"STASIS_CHECKPOINT": label, "STASIS_INTERVAL": "1"},
+    )
 
     def checkpoints() -> list[dict[str, object]]:
         listed = json.loads(node.stasis("checkpoints", "--json").stdout)
         return [c for c in listed if c["label"] == label]
 
     # Asked for 1 s, below the node's floor (2 s): raised, and the container's log says so.
-    floored = ("stasis: checkpoint interval 1 s (STASIS_INTERVAL or the pod's "
-               "stasis.dev/interval) is below this node's minimum of 2 s: checkpoints every 2 s")
+    floored = (
+        "stasis: checkpoint interval 1 s (STASIS_INTERVAL or the pod's "
+        "stasis.dev/interval) is below this node's minimum of 2 s: checkpoints every 2 s"
+    )
     wait_for(lambda: floored in log.read_text(), 20, "the floor's line in the container's log")
     (row,) = [c for c in registered(node) if c["container_id"] == "c-int"]
     assert row["interval_s"] == 2
@@ -165,7 +181,7 @@ def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_
     created = sorted(str(c["created"]) for c in checkpoints())
     from datetime import datetime
 
-    gap = (datetime.fromisoformat(created[1]) - datetime.fromisoformat(created[0]))
+    gap = datetime.fromisoformat(created[1]) - datetime.fromisoformat(created[0])
     assert gap.total_seconds() >= 1.5, created
     assert node.status("c-int") == "RUNNING"
     counted = len(numbers(log))
@@ -174,8 +190,7 @@ def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_
     node.remove("c-int")
 
 
-def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(
-        node: Node) -> None:
+def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(node: Node) -> None:
     label = f"done-{secrets.token_hex(3)}"
 
     def checkpoints() -> list[dict[str, object]]:
@@ -186,8 +201,7 @@ def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(
     node.run("c-done", "while [ ! -e /data/go ]; do sleep 0.1; done; exit $(cat /data/go)", env)
     wait_for(lambda: node.status("c-done") == "RUNNING", 10, "the container to run")
     assert node.stasis("dump", "--container", "c-done", "--leave-running").returncode == 0
-    node.ctr("tasks", "exec", "--exec-id", "fail", "c-done", "/bin/sh", "-c",
-             "echo 3 > /data/go")
+    node.ctr("tasks", "exec", "--exec-id", "fail", "c-done", "/bin/sh", "-c", "echo 3 > /data/go")
     wait_for(lambda: node.status("c-done") == "STOPPED", 10, "the container to exit 3")
     node.remove("c-done")
     assert len(checkpoints()) == 1  # a failure keeps them: the next start resumes
@@ -200,15 +214,17 @@ def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(
 
 
 def test_a_checkpoint_exported_as_an_oci_image_and_imported_again_restores(
-        node: Node, tmp_path: Path) -> None:
+    node: Node, tmp_path: Path
+) -> None:
     label = f"oci-{secrets.token_hex(3)}"
     log = counter(node, "c-oci", label, "oci")
     wait_for(lambda: len(numbers(log)) >= 5, 20, "the counter")
     node.stop("c-oci")
     before = numbers(log)
     node.remove("c-oci")
-    listed = [c for c in json.loads(node.stasis("checkpoints", "--json").stdout)
-              if c["label"] == label]
+    listed = [
+        c for c in json.loads(node.stasis("checkpoints", "--json").stdout) if c["label"] == label
+    ]
     assert len(listed) == 1
     archive = tmp_path / "checkpoint.tar"
     exported = node.stasis("export", listed[0]["id"], "--oci", str(archive), "--json")
@@ -216,8 +232,12 @@ def test_a_checkpoint_exported_as_an_oci_image_and_imported_again_restores(
     assert archive.stat().st_mode & 0o777 == 0o600  # the container's memory, in the clear
 
     # A real OCI tool reads it, with the annotations CRI-O and Podman look for.
-    inspect = subprocess.run(["skopeo", "inspect", "--raw", f"oci-archive:{archive}"],
-                             capture_output=True, text=True, timeout=60)
+    inspect = subprocess.run(
+        ["skopeo", "inspect", "--raw", f"oci-archive:{archive}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert inspect.returncode == 0, inspect.stderr
     manifest = json.loads(inspect.stdout)
     assert manifest["annotations"]["io.kubernetes.cri-o.annotations.checkpoint.name"] == label
@@ -228,8 +248,13 @@ def test_a_checkpoint_exported_as_an_oci_image_and_imported_again_restores(
         assert layer is not None
         with tarfile.open(fileobj=io.BytesIO(layer.read())) as inner:
             names = inner.getnames()
-    assert {"spec.dump", "config.dump", "rootfs-diff.tar", "deleted.files",
-            "checkpoint/inventory.img"} <= set(names)
+    assert {
+        "spec.dump",
+        "config.dump",
+        "rootfs-diff.tar",
+        "deleted.files",
+        "checkpoint/inventory.img",
+    } <= set(names)
 
     # Gone from the store; imported back; a new container resumes from it.
     assert node.stasis("checkpoints", "rm", listed[0]["id"]).returncode == 0
@@ -246,7 +271,8 @@ def test_a_checkpoint_exported_as_an_oci_image_and_imported_again_restores(
 
 
 def test_export_of_an_unknown_checkpoint_and_import_of_a_non_image_fail_in_one_line(
-        node: Node, tmp_path: Path) -> None:
+    node: Node, tmp_path: Path
+) -> None:
     r = node.stasis("export", "20200101T000000Z-abcdef", "--oci", str(tmp_path / "x.tar"))
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "x.tar").exists()
@@ -259,11 +285,14 @@ def test_export_of_an_unknown_checkpoint_and_import_of_a_non_image_fail_in_one_l
 def test_a_node_without_a_kubernetes_api_has_no_drain_and_says_so(node: Node) -> None:
     r = node.stasis("k8s", "drain")
     assert (r.returncode, r.stderr.strip()) == (
-        2, "stasis: error: this node has no Kubernetes API to drain it in"), r.stderr
+        2,
+        "stasis: error: this node has no Kubernetes API to drain it in",
+    ), r.stderr
 
 
 def test_a_label_resumes_only_into_a_container_with_the_checkpointed_credentials(
-        node: Node) -> None:
+    node: Node,
+) -> None:
     """A restore gives the processes the credentials CRIU recorded: a container spec that adds
     a capability does not resume a label dumped without it (it starts fresh), nor does one
     without it resume the privileged one's checkpoint; the matching one still resumes."""
@@ -273,23 +302,32 @@ def test_a_label_resumes_only_into_a_container_with_the_checkpointed_credentials
     node.stop("c-creds")
     before = numbers(plain)
     node.remove("c-creds")
-    (first,) = [c["id"] for c in json.loads(node.stasis("checkpoints", "--json").stdout)
-                if c["label"] == label]
+    (first,) = [
+        c["id"]
+        for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+        if c["label"] == label
+    ]
 
     # The same label from a spec with CAP_SYS_ADMIN added: refused, one line; fresh start.
-    extra = node.run("c-creds", COUNTER.replace("$0", "admin"), env={"STASIS_CHECKPOINT": label},
-                     options=["--cap-add=CAP_SYS_ADMIN"])
+    extra = node.run(
+        "c-creds",
+        COUNTER.replace("$0", "admin"),
+        env={"STASIS_CHECKPOINT": label},
+        options=["--cap-add=CAP_SYS_ADMIN"],
+    )
     wait_for(lambda: len(numbers(extra)) >= 3, 20, "the fresh counter")
     text = extra.read_text()
     refusal = next(line for line in text.splitlines() if f"checkpoint {first} refused" in line)
-    assert refusal.startswith(f"stasis: checkpoint {first} refused: it was taken of a container "
-                              "with other credentials (bounding capabilities "), refusal
+    assert refusal.startswith(
+        f"stasis: checkpoint {first} refused: it was taken of a container "
+        "with other credentials (bounding capabilities "
+    ), refusal
     assert "CAP_SYS_ADMIN" in refusal and refusal.endswith(
         "resume it from a pod whose securityContext (runAsUser, runAsGroup, "
-        "supplementalGroups, capabilities, hostUsers) is the checkpointed one's"), refusal
+        "supplementalGroups, capabilities, hostUsers) is the checkpointed one's"
+    ), refusal
     assert numbers(extra)[0] == 1  # not resumed
-    made = node.ctr("tasks", "exec", "--exec-id", "cat-admin", "c-creds", "/bin/cat",
-                    "/data/made")
+    made = node.ctr("tasks", "exec", "--exec-id", "cat-admin", "c-creds", "/bin/cat", "/data/made")
     assert made.stdout.strip() == "token-admin"  # its own layer, not the checkpoint's
     node.stop("c-creds")  # its own checkpoint now: the label's newest, with CAP_SYS_ADMIN
     node.remove("c-creds")
@@ -306,27 +344,39 @@ def test_a_label_resumes_only_into_a_container_with_the_checkpointed_credentials
 
 
 def test_within_a_namespace_any_pod_may_resume_a_label_and_none_of_another_namespace(
-        node: Node) -> None:
+    node: Node,
+) -> None:
     """The namespace is the unit of trust (as for its Secrets): a container of another pod of
     the same namespace with the label resumes it; one of another namespace starts fresh."""
     label = f"shared-{secrets.token_hex(3)}"
 
     def in_namespace(ns: str, pod: str) -> list[str]:
-        return [f"--annotation=io.kubernetes.cri.sandbox-namespace={ns}",
-                f"--annotation=io.kubernetes.cri.sandbox-name={pod}"]
+        return [
+            f"--annotation=io.kubernetes.cri.sandbox-namespace={ns}",
+            f"--annotation=io.kubernetes.cri.sandbox-name={pod}",
+        ]
 
-    log = node.run("c-ns", COUNTER.replace("$0", "a"), env={"STASIS_CHECKPOINT": label},
-                   options=in_namespace("team-a", "trainer-1"))
+    log = node.run(
+        "c-ns",
+        COUNTER.replace("$0", "a"),
+        env={"STASIS_CHECKPOINT": label},
+        options=in_namespace("team-a", "trainer-1"),
+    )
     wait_for(lambda: len(numbers(log)) >= 5, 20, "the counter to count")
     node.stop("c-ns")
     before = numbers(log)
     node.remove("c-ns")
-    mine = [c for c in json.loads(node.stasis("checkpoints", "--json").stdout)
-            if c["label"] == label]
+    mine = [
+        c for c in json.loads(node.stasis("checkpoints", "--json").stdout) if c["label"] == label
+    ]
     assert [c["user"] for c in mine] == ["k8s:team-a"]
 
-    other = node.run("c-ns", COUNTER.replace("$0", "b"), env={"STASIS_CHECKPOINT": label},
-                     options=in_namespace("team-b", "trainer-1"))
+    other = node.run(
+        "c-ns",
+        COUNTER.replace("$0", "b"),
+        env={"STASIS_CHECKPOINT": label},
+        options=in_namespace("team-b", "trainer-1"),
+    )
     wait_for(lambda: len(numbers(other)) >= 2, 20, "the other namespace's counter")
     assert numbers(other)[0] == 1
     assert f"no checkpoint of label {label} in namespace team-b yet" in other.read_text()
@@ -334,8 +384,12 @@ def test_within_a_namespace_any_pod_may_resume_a_label_and_none_of_another_names
     wait_for(lambda: node.status("c-ns") == "STOPPED", 10, "team-b's container to stop")
     node.remove("c-ns")
 
-    same = node.run("c-ns", COUNTER.replace("$0", "a2"), env={"STASIS_CHECKPOINT": label},
-                    options=in_namespace("team-a", "trainer-2"))
+    same = node.run(
+        "c-ns",
+        COUNTER.replace("$0", "a2"),
+        env={"STASIS_CHECKPOINT": label},
+        options=in_namespace("team-a", "trainer-2"),
+    )
     wait_for(lambda: len(numbers(same)) >= 2, 20, "team-a's other pod's counter")
     assert numbers(same)[0] == before[-1] + 1
     node.stop("c-ns")
@@ -356,23 +410,52 @@ def test_no_local_user_is_the_owner_of_a_namespace_s_checkpoints(node: Node) -> 
     wait_for(lambda: len(numbers(log)) >= 3, 20, "the counter to count")
     node.stop("c-owner")
     node.remove("c-owner")
-    (ckpt,) = [c["id"] for c in json.loads(node.stasis("checkpoints", "--json").stdout)
-               if c["label"] == label]
+    (ckpt,) = [
+        c["id"]
+        for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+        if c["label"] == label
+    ]
 
     owner = namespace_uid("stasis")
     uid = owner & 0xFFFFFFFF
     ensure_test_user()
     name = f"ns-{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "--no-create-home", "--no-log-init", "--non-unique", "-u",
-                    str(uid), "-g", TEST_USER, "-s", "/bin/sh", name], check=True)
+    subprocess.run(
+        [
+            "useradd",
+            "--no-create-home",
+            "--no-log-init",
+            "--non-unique",
+            "-u",
+            str(uid),
+            "-g",
+            TEST_USER,
+            "-s",
+            "/bin/sh",
+            name,
+        ],
+        check=True,
+    )
     try:
         # The attacker may talk to the daemon (the socket's group).
         node.configure({"socket_group": TEST_USER})
 
         def as_user(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(["runuser", "-u", name, "--", "env",
-                                   f"STASIS_CONFIG={node.info['stasis_config']}", STASIS,
-                                   *args], capture_output=True, text=True, timeout=120)
+            return subprocess.run(
+                [
+                    "runuser",
+                    "-u",
+                    name,
+                    "--",
+                    "env",
+                    f"STASIS_CONFIG={node.info['stasis_config']}",
+                    STASIS,
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
 
         listed = as_user("checkpoints", "--json")
         assert listed.returncode == 0, listed.stderr
@@ -384,8 +467,11 @@ def test_no_local_user_is_the_owner_of_a_namespace_s_checkpoints(node: Node) -> 
         assert by_id.returncode != 0 and "permission denied" in by_id.stderr, by_id.stderr
         assert len(by_id.stderr.strip().splitlines()) == 1
         # Still there, the namespace's own.
-        assert [c["id"] for c in json.loads(node.stasis("checkpoints", "--json").stdout)
-                if c["label"] == label] == [ckpt]
+        assert [
+            c["id"]
+            for c in json.loads(node.stasis("checkpoints", "--json").stdout)
+            if c["label"] == label
+        ] == [ckpt]
     finally:
         subprocess.run(["userdel", name], check=False)
     assert owner > 2**32 - 1  # no account of any node can have it

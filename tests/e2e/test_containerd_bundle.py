@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.containerd_node import Node
-from tests.e2e.test_containerd import \
-    test_a_stopped_container_created_again_continues_its_count_and_keeps_its_files as _resumes
+from tests.e2e.test_containerd import (
+    test_a_stopped_container_created_again_continues_its_count_and_keeps_its_files as _resumes,
+)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ def controlplane_of(cluster: Cluster) -> Iterator[ControlPlane]:
 
 
 def test_the_web_installer_joins_a_slurm_node_and_shows_its_preemption(
-        cluster: Cluster, controlplane_of: ControlPlane) -> None:
+    cluster: Cluster, controlplane_of: ControlPlane
+) -> None:
     cp = controlplane_of
     root = cp.root
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
@@ -52,14 +53,27 @@ def test_the_web_installer_joins_a_slurm_node_and_shows_its_preemption(
 
     prefix = root / "opt-stasis"
     install = subprocess.run(
-        ["bash", "-c", 'curl -fsSL "$URL/install/slurm" -H "Authorization: Bearer $TOKEN" '
-                       '| bash -s -- --node-role controller --node-role worker '
-                       '--node-role login --slurm-conf "$SLURM_CONF" --lib-dir "$LIB" '
-                       '--no-systemd'],
-        capture_output=True, text=True, timeout=600,
-        env={**cluster.env, "URL": cp.url, "TOKEN": hpc["token"], "LIB": str(lay.lib),
-             "STASIS_PREFIX": str(prefix), "STASIS_CONFIG": str(lay.stasis_config),
-             "STASIS_NODE_NAME": "slurm-node"})
+        [
+            "bash",
+            "-c",
+            'curl -fsSL "$URL/install/slurm" -H "Authorization: Bearer $TOKEN" '
+            '| bash -s -- --node-role controller --node-role worker '
+            '--node-role login --slurm-conf "$SLURM_CONF" --lib-dir "$LIB" '
+            '--no-systemd',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **cluster.env,
+            "URL": cp.url,
+            "TOKEN": hpc["token"],
+            "LIB": str(lay.lib),
+            "STASIS_PREFIX": str(prefix),
+            "STASIS_CONFIG": str(lay.stasis_config),
+            "STASIS_NODE_NAME": "slurm-node",
+        },
+    )
     said = install.stderr + install.stdout
     assert install.returncode == 0, said
     assert "installing stasis" in said and "controlplane_url" in said, said
@@ -73,21 +87,32 @@ def test_the_web_installer_joins_a_slurm_node_and_shows_its_preemption(
     cluster.run("scontrol", "reconfigure")
     local_cluster.stop_daemon(cluster.root)
     local_cluster.start_daemon(cluster.root)
-    wait_for(lambda: [n["name"] for n in cp.json("nodes")] == ["slurm-node"], 30,
-             "the node in the control plane")
+    wait_for(
+        lambda: [n["name"] for n in cp.json("nodes")] == ["slurm-node"],
+        30,
+        "the node in the control plane",
+    )
     (node,) = cp.json("nodes")
     assert node["slurm_version"] and node["cluster"] == "hpc"
 
     victim = cluster.counter_script(
-        "cpvictim", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpvictim", stop=40,
-        interval=0.5)
-    preemptor = cluster.script("cppreemptor", "sleep 1", "--partition=high",
-                               "--cpus-per-task=8",
-                               f"--output={cluster.work}/cppreemptor-%j.out")
+        "cpvictim", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpvictim", stop=40, interval=0.5
+    )
+    preemptor = cluster.script(
+        "cppreemptor",
+        "sleep 1",
+        "--partition=high",
+        "--cpus-per-task=8",
+        f"--output={cluster.work}/cppreemptor-%j.out",
+    )
     v = cluster.sbatch(victim)
     cluster.wait_number(v, 4)
-    wait_for(lambda: [(j["job"], j["kind"], j["label"]) for j in cp.json("jobs")] ==
-             [(v, "slurm", "cpvictim")], 30, "the Slurm job in the control plane")
+    wait_for(
+        lambda: [(j["job"], j["kind"], j["label"]) for j in cp.json("jobs")]
+        == [(v, "slurm", "cpvictim")],
+        30,
+        "the Slurm job in the control plane",
+    )
     cluster.sbatch(preemptor)
     cluster.wait_state(v, ("COMPLETED", "FAILED", "CANCELLED"), 150)
     out = cluster.output(v)
@@ -99,9 +124,13 @@ def test_the_web_installer_joins_a_slurm_node_and_shows_its_preemption(
         kinds = [e["kind"] for e in events]
         return events if "checkpoint" in kinds and "restore" in kinds else None
 
-    events = wait_for(reported, 30, "the checkpoint and the restore in the control plane: "
-                      f"{cp.json('events')}; daemon log: "
-                      f"{(lay.stasis / 'daemon.log').read_text()[-3000:]}")
+    events = wait_for(
+        reported,
+        30,
+        "the checkpoint and the restore in the control plane: "
+        f"{cp.json('events')}; daemon log: "
+        f"{(lay.stasis / 'daemon.log').read_text()[-3000:]}",
+    )
     (ckpt,) = [e for e in events if e["kind"] == "checkpoint"]
     assert f"of job {v} (label cpvictim" in ckpt["message"]
     assert "preemption or time limit" in ckpt["message"], ckpt
@@ -119,13 +148,16 @@ def _resume_node(cluster: Cluster) -> None:
 
 
 def test_the_control_plane_checkpoints_drains_and_triggers_on_slurm(
-        cluster: Cluster, controlplane_of: ControlPlane) -> None:
+    cluster: Cluster, controlplane_of: ControlPlane
+) -> None:
     cp = controlplane_of
     if not cp.json("nodes"):
         pytest.fail("the node did not join (the installer test failed first)")
-    job = cluster.sbatch(cluster.counter_script(
-        "cpdrain", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpdrain", stop=120,
-        interval=0.5))
+    job = cluster.sbatch(
+        cluster.counter_script(
+            "cpdrain", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpdrain", stop=120, interval=0.5
+        )
+    )
     cluster.wait_number(job, 3)
     wait_for(lambda: [j["job"] for j in cp.json("jobs")] == [job], 30, "the job reported")
     (reported,) = cp.json("jobs")
@@ -147,30 +179,48 @@ def test_the_control_plane_checkpoints_drains_and_triggers_on_slurm(
         cluster.wait_state(job, ("PENDING",), 60)  # requeued, and the only node takes no job
     except AssertionError:
         raise AssertionError(cluster.run("scontrol", "show", "job", job).stdout + node)
-    wait_for(lambda: "DRAIN" in (cp.json("nodes")[0]["scheduler_state"] or ""), 30,
-             "the node's Slurm state in the control plane")
+    wait_for(
+        lambda: "DRAIN" in (cp.json("nodes")[0]["scheduler_state"] or ""),
+        30,
+        "the node's Slurm state in the control plane",
+    )
     _resume_node(cluster)
     cluster.wait_number(job, at_dump + 3, 90)
     nums = cluster.numbers(job)
-    assert nums[:nums.index(at_dump) + 2] == list(range(at_dump + 2)), nums  # went on
+    assert nums[: nums.index(at_dump) + 2] == list(range(at_dump + 2)), nums  # went on
     assert f"restored checkpoint {requeued['checkpoint']}" in cluster.output(job)
 
     # The admin drains the node in Slurm: a drain-triggered policy requeues its jobs.
-    wait_for(lambda: "DRAIN" not in (cp.json("nodes")[0]["scheduler_state"] or "DRAIN"), 30,
-             "the node's Slurm state back to normal in the control plane")
+    wait_for(
+        lambda: "DRAIN" not in (cp.json("nodes")[0]["scheduler_state"] or "DRAIN"),
+        30,
+        "the node's Slurm state back to normal in the control plane",
+    )
     cp.json("policies", "add", "maint", "--on", "drain", "--action", "checkpoint", "--stop")
     cluster.run("scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=maintenance")
     try:
         try:
             cluster.wait_state(job, ("PENDING",), 60)
         except AssertionError:
-            raise AssertionError(f"{cp.json('nodes')} {cp.json('jobs')} {cp.json('actions')} "
-                                 f"{cp.json('policies', 'list')}") from None
-        wait_for(lambda: any(e["kind"] == "policy-run" and "node drained" in e["message"]
-                             for e in cp.json("events")), 20, "the policy's run")
-        (ckpt,) = wait_for(lambda: [c for c in cp.json("checkpoints", "--deleted")
-                                    if c["reason"] == "policy maint"], 30,
-                           "the policy's checkpoint reported")
+            raise AssertionError(
+                f"{cp.json('nodes')} {cp.json('jobs')} {cp.json('actions')} "
+                f"{cp.json('policies', 'list')}"
+            ) from None
+        wait_for(
+            lambda: any(
+                e["kind"] == "policy-run" and "node drained" in e["message"]
+                for e in cp.json("events")
+            ),
+            20,
+            "the policy's run",
+        )
+        (ckpt,) = wait_for(
+            lambda: [
+                c for c in cp.json("checkpoints", "--deleted") if c["reason"] == "policy maint"
+            ],
+            30,
+            "the policy's checkpoint reported",
+        )
         assert ckpt["job"] == job and ckpt["leave_running"] is False
         at_second = cluster.numbers(job)[-1]
     finally:

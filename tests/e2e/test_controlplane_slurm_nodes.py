@@ -22,16 +22,21 @@ def site() -> Iterator[tuple[Cluster, ControlPlane]]:
 
 
 def test_a_drain_from_the_control_plane_moves_the_job_to_the_other_node(
-        site: tuple[Cluster, ControlPlane]) -> None:
+    site: tuple[Cluster, ControlPlane],
+) -> None:
     c, cp = site
-    script = c.counter_script("cpmove", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpmove",
-                              stop=30, interval=0.5)
+    script = c.counter_script(
+        "cpmove", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=cpmove", stop=30, interval=0.5
+    )
     job = c.sbatch(script, user=TEST_USER)
     c.wait_state(job, ("RUNNING",))
     first = c.job(job)["BatchHost"]
     c.wait_number(job, 4)
-    wait_for(lambda: any(j["job"] == job and j["node"] == first for j in cp.json("jobs")), 30,
-             "the job in the control plane")
+    wait_for(
+        lambda: any(j["job"] == job and j["node"] == first for j in cp.json("jobs")),
+        30,
+        "the job in the control plane",
+    )
     try:
         drained = cp.json("drain", first, "--reason", "kernel update")
         assert drained["empty"] and not drained["failed"], drained
@@ -39,8 +44,11 @@ def test_a_drain_from_the_control_plane_moves_the_job_to_the_other_node(
         until(lambda: "stasis: restored checkpoint" in c.output(job), 90, f"{job} restored")
         assert c.job(job)["BatchHost"] != first
         # The control plane sees it running on the other node.
-        wait_for(lambda: any(j["job"] == job and j["node"] != first for j in cp.json("jobs")),
-                 30, "the job on the other node in the control plane")
+        wait_for(
+            lambda: any(j["job"] == job and j["node"] != first for j in cp.json("jobs")),
+            30,
+            "the job on the other node in the control plane",
+        )
         c.wait_state(job, ("COMPLETED",), 90)
     finally:
         c.run("scontrol", "update", f"NodeName={first}", "State=RESUME", check=False)

@@ -53,9 +53,17 @@ def hostile_archive(out: Path, marker: Path, host_dir: Path) -> Path:
         info.size = 6
         tar.addfile(info, io.BytesIO(b"a file"))
         add_planted(tar, marker)
-    oci.write_archive(out, [layer.getvalue()], {
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]}}, {}, HOSTILE_IMAGE)
+    oci.write_archive(
+        out,
+        [layer.getvalue()],
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
+        },
+        {},
+        HOSTILE_IMAGE,
+    )
     return out
 
 
@@ -96,18 +104,31 @@ def checkpointed(node: Node, cid: str, label: str, writes: str) -> None:
 def created_again(node: Node, cid: str, label: str) -> str:
     """The same label in a container of the hostile image: its log once it runs."""
     log = node.root / f"{cid}-hostile.log"
-    r = node.ctr("run", "-d", f"--log-uri=file://{log}", f"--runtime={node.info['runtime']}",
-                 f"--env=STASIS_CHECKPOINT={label}", HOSTILE_IMAGE, cid, "/bin/sh", "-c",
-                 COUNTER)
+    r = node.ctr(
+        "run",
+        "-d",
+        f"--log-uri=file://{log}",
+        f"--runtime={node.info['runtime']}",
+        f"--env=STASIS_CHECKPOINT={label}",
+        HOSTILE_IMAGE,
+        cid,
+        "/bin/sh",
+        "-c",
+        COUNTER,
+    )
     assert r.returncode == 0, r.stderr
-    wait_for(lambda: log.exists() and ("starting fresh" in log.read_text()
-                                       or "restored from" in log.read_text()), 30,
-             "the second container to start")
+    wait_for(
+        lambda: log.exists()
+        and ("starting fresh" in log.read_text() or "restored from" in log.read_text()),
+        30,
+        "the second container to start",
+    )
     text = log.read_text()
     if "restored from" in text:
         # What the layer wrote, as the restored container sees it.
-        seen = node.ctr("tasks", "exec", "--exec-id", "cat-layer", cid, "/bin/cat",
-                        "/data/x/y", "/tmp/planted")
+        seen = node.ctr(
+            "tasks", "exec", "--exec-id", "cat-layer", cid, "/bin/cat", "/data/x/y", "/tmp/planted"
+        )
         text += f"files: {seen.stdout!r}"
     node.stop(cid, grace_s=5)
     node.remove(cid)
@@ -121,12 +142,17 @@ def assert_untouched(marker: Path, host_dir: Path) -> None:
 
 
 def test_a_layer_with_a_device_node_is_refused_in_one_line_and_the_container_starts_fresh(
-        node: Node, host: tuple[Path, Path]) -> None:
+    node: Node, host: tuple[Path, Path]
+) -> None:
     marker, host_dir = host
     label = f"hostile-dev-{secrets.token_hex(3)}"
-    checkpointed(node, "c-hostile-dev", label,
-                 "busybox mknod /data/sda b 8 0 && mkdir -p /data/x && echo y > /data/x/y "
-                 "&& echo planted > /tmp/planted")
+    checkpointed(
+        node,
+        "c-hostile-dev",
+        label,
+        "busybox mknod /data/sda b 8 0 && mkdir -p /data/x && echo y > /data/x/y "
+        "&& echo planted > /tmp/planted",
+    )
     text = created_again(node, "c-hostile-dev", label)
     refusals = [line for line in text.splitlines() if "refused" in line]
     assert len(refusals) == 1, text[:2000]
@@ -137,14 +163,19 @@ def test_a_layer_with_a_device_node_is_refused_in_one_line_and_the_container_sta
 
 
 def test_planted_python_never_runs_when_the_layer_meets_the_hostile_image(
-        node: Node, host: tuple[Path, Path]) -> None:
+    node: Node, host: tuple[Path, Path]
+) -> None:
     """The layer's data/x/y meets the image's file data/x (the put-back of before failed half
     way there and showed a traceback inside the tenant's root), and its tmp/ meets the image's
     symlink to the node: the layer goes into the root, nothing planted runs."""
     marker, host_dir = host
     label = f"hostile-py-{secrets.token_hex(3)}"
-    checkpointed(node, "c-hostile-py", label,
-                 "mkdir -p /data/x && echo y > /data/x/y && echo planted > /tmp/planted")
+    checkpointed(
+        node,
+        "c-hostile-py",
+        label,
+        "mkdir -p /data/x && echo y > /data/x/y && echo planted > /tmp/planted",
+    )
     text = created_again(node, "c-hostile-py", label)
     assert "restored from checkpoint" in text, text[:2000]
     assert "files: 'y\\nplanted\\n'" in text  # inside its own root
@@ -153,7 +184,8 @@ def test_planted_python_never_runs_when_the_layer_meets_the_hostile_image(
 
 
 def test_a_hostile_checkpoint_archive_is_refused_in_one_line_through_stasis_import(
-        node: Node, host: tuple[Path, Path], tmp_path: Path) -> None:
+    node: Node, host: tuple[Path, Path], tmp_path: Path
+) -> None:
     """`stasis import` of archives made to escape or hang the root daemon: a layer naming an
     image `checkpoint/../..` into a node directory, a diff with a device node, a fifo that
     never gives a byte. Each is one line (exit 2), nothing is stored, the daemon answers."""
@@ -163,8 +195,10 @@ def test_a_hostile_checkpoint_archive_is_refused_in_one_line_through_stasis_impo
     escape = "checkpoint/" + "../" * 12 + f"{host_dir}/planted".lstrip("/")
     cases = {
         "escape.tar": archive(tmp_path / "escape.tar", layer_of(reg(escape, b"pwned"))),
-        "device.tar": archive(tmp_path / "device.tar", layer_of(diff=tar_bytes(special(
-            "dev/sda", tarfile.BLKTYPE, major=8, minor=0)))),
+        "device.tar": archive(
+            tmp_path / "device.tar",
+            layer_of(diff=tar_bytes(special("dev/sda", tarfile.BLKTYPE, major=8, minor=0))),
+        ),
     }
     fifo = tmp_path / "fifo.tar"
     os.mkfifo(fifo)

@@ -25,9 +25,23 @@ def test_uninstall_and_install_apply_with_scontrol_reconfigure(cluster: Cluster)
     assert "stasis" not in cluster.output(plain)  # exactly as without stasis
     assert cluster.numbers(plain) == [0, 1]
 
-    cluster.stasis("slurm", "install", "--node-role", "controller", "--node-role", "worker",
-                   "--node-role", "login", "--slurm-conf", str(lay.slurm_conf), "--lib-dir",
-                   str(lay.lib), "--stasis-config", str(lay.stasis_config), "--no-systemd")
+    cluster.stasis(
+        "slurm",
+        "install",
+        "--node-role",
+        "controller",
+        "--node-role",
+        "worker",
+        "--node-role",
+        "login",
+        "--slurm-conf",
+        str(lay.slurm_conf),
+        "--lib-dir",
+        str(lay.lib),
+        "--stasis-config",
+        str(lay.stasis_config),
+        "--no-systemd",
+    )
     assert lay.slurm_conf.read_text() == installed
     cluster.run("scontrol", "reconfigure")
     job = cluster.sbatch(cluster.counter_script("after", ENABLE, stop=2, interval=0.1))

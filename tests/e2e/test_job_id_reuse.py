@@ -18,8 +18,7 @@ def _reused_job_id_starts_fresh(cluster: Cluster) -> None:
     script = cluster.counter_script("reuse", ENABLE, stop=400, interval=0.5)
     old = cluster.sbatch(script)
     cluster.wait_number(old, 3)
-    cp = json.loads(cluster.stasis("dump", "--slurm-job", old, "--leave-running",
-                                   "--json").stdout)
+    cp = json.loads(cluster.stasis("dump", "--slurm-job", old, "--leave-running", "--json").stdout)
     assert cp["label"] == old
     cluster.run("scancel", old)
     cluster.wait_state(old, ("CANCELLED",))
@@ -39,8 +38,12 @@ def _reused_job_id_starts_fresh(cluster: Cluster) -> None:
 
 # A cluster of its own (it restarts Slurm), and a minute of waiting on it: the check runs early
 # (conftest.early_checks); the test raises its error, if any.
-_outcome = early_checks("test_job_id_reuse.py", lambda env: new_cluster("reuse", environ=env),
-                        close_cluster, [_reused_job_id_starts_fresh])
+_outcome = early_checks(
+    "test_job_id_reuse.py",
+    lambda env: new_cluster("reuse", environ=env),
+    close_cluster,
+    [_reused_job_id_starts_fresh],
+)
 
 
 def test_reused_job_id_starts_fresh() -> None:

@@ -51,10 +51,24 @@ class Cluster:
     def start_agent(self) -> None:
         with self.log.open("a") as out:
             self.agent = subprocess.Popen(
-                [STASIS, "k8s", "agent", "--node", NODE, "--kubeconfig", str(self.kubeconfig),
-                 "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "STASIS_CONFIG": self.node.info["stasis_config"],
-                     "STASIS_K8S_CHECK_INTERVAL_S": "0.5"})
+                [
+                    STASIS,
+                    "k8s",
+                    "agent",
+                    "--node",
+                    NODE,
+                    "--kubeconfig",
+                    str(self.kubeconfig),
+                    "--no-daemon",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={
+                    **os.environ,
+                    "STASIS_CONFIG": self.node.info["stasis_config"],
+                    "STASIS_K8S_CHECK_INTERVAL_S": "0.5",
+                },
+            )
 
     def kill_agent(self) -> None:
         if self.agent is not None:
@@ -73,10 +87,20 @@ def cluster() -> Iterator[Cluster]:
         c.kubeconfig = c.api.authorize(AGENT_TOKEN, agent_rules())
         # As the kubelet registers a node with --register-with-taints: tainted until the
         # agent says otherwise; another taint the agent must leave alone.
-        c.api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                               "spec": {"taints": [
-                                   {"key": "stasis.dev/not-ready", "effect": "NoSchedule"},
-                                   {"key": "other", "value": "x", "effect": "NoExecute"}]}})
+        c.api.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": NODE},
+                "spec": {
+                    "taints": [
+                        {"key": "stasis.dev/not-ready", "effect": "NoSchedule"},
+                        {"key": "other", "value": "x", "effect": "NoExecute"},
+                    ]
+                },
+            },
+        )
         c.start_agent()
         yield c
     finally:
@@ -95,18 +119,41 @@ def numbers(log: Path) -> list[int]:
     return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
 
 
-def pod(api: ApiServer, name: str, containers: dict[str, str],
-        annotations: dict[str, str] | None = None, node: str = NODE) -> None:
+def pod(
+    api: ApiServer,
+    name: str,
+    containers: dict[str, str],
+    annotations: dict[str, str] | None = None,
+    node: str = NODE,
+) -> None:
     """A pod bound to the node, with the container statuses the kubelet would write."""
-    api.create("pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": NS, "annotations": annotations or {}},
-        "spec": {"nodeName": node, "runtimeClassName": "stasis",
-                 "containers": [{"name": c, "image": "busybox"} for c in containers]},
-        "status": {"phase": "Running", "containerStatuses": [
-            {"name": c, "containerID": f"containerd://{cid}", "image": "busybox",
-             "imageID": "", "ready": True, "restartCount": 0}
-            for c, cid in containers.items()]}})
+    api.create(
+        "pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "annotations": annotations or {}},
+            "spec": {
+                "nodeName": node,
+                "runtimeClassName": "stasis",
+                "containers": [{"name": c, "image": "busybox"} for c in containers],
+            },
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": c,
+                        "containerID": f"containerd://{cid}",
+                        "image": "busybox",
+                        "imageID": "",
+                        "ready": True,
+                        "restartCount": 0,
+                    }
+                    for c, cid in containers.items()
+                ],
+            },
+        },
+    )
 
 
 def checkpoints(node: Node, label: str) -> list[dict[str, Any]]:
@@ -124,20 +171,25 @@ def registered(node: Node, cid: str) -> dict[str, Any] | None:
 
 
 def test_the_not_ready_taint_follows_the_node_s_stasis_and_other_taints_stay(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     node, api, log = cluster
     wait_for(lambda: taints(api) == ["other"], 30, f"the taint to come off ({log})")
     # The daemon dies: the node cannot checkpoint, so nothing new may land on it.
     detached.stop(detached.read_pid(node.lay.stasis / "daemon.pid"))
-    wait_for(lambda: sorted(taints(api)) == ["other", "stasis.dev/not-ready"], 30,
-             "the taint to come back")
+    wait_for(
+        lambda: sorted(taints(api)) == ["other", "stasis.dev/not-ready"],
+        30,
+        "the taint to come back",
+    )
     assert "stasis is not ready: cannot reach the stasis daemon" in log.read_text()
     node.restart_daemon()
     wait_for(lambda: taints(api) == ["other"], 30, "the taint to come off again")
 
 
 def test_cordoning_the_node_checkpoints_its_protected_containers_which_go_on(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     node, api, _ = cluster
     label = f"cordon-{secrets.token_hex(3)}"
     out = node.run("c-cordon", COUNTER, env={"STASIS_CHECKPOINT": label})
@@ -146,8 +198,13 @@ def test_cordoning_the_node_checkpoints_its_protected_containers_which_go_on(
     wait_for(lambda: len(numbers(out)) >= 3, 20, "the counter to count")
     api.patch("nodes", NODE, {"spec": {"unschedulable": True}})
     try:
-        done: str = wait_for(lambda: api.get("nodes", NODE)["metadata"].get("annotations", {})
-                        .get("stasis.dev/cordon-checkpoints"), 60, "the cordon checkpoints")
+        done: str = wait_for(
+            lambda: api.get("nodes", NODE)["metadata"]
+            .get("annotations", {})
+            .get("stasis.dev/cordon-checkpoints"),
+            60,
+            "the cordon checkpoints",
+        )
         taken = json.loads(done)["containers"]
         assert list(taken) == ["c-cordon"], taken
         assert [c["id"] for c in checkpoints(node, label)] == [taken["c-cordon"]["checkpoint"]]
@@ -162,8 +219,7 @@ def test_cordoning_the_node_checkpoints_its_protected_containers_which_go_on(
             node.remove(c)
 
 
-def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(
-        cluster: Cluster) -> None:
+def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(cluster: Cluster) -> None:
     node, api, _ = cluster
     label = f"byhand-{secrets.token_hex(3)}"
     out = node.run("c-byhand", COUNTER, env={"STASIS_CHECKPOINT": label})
@@ -190,13 +246,27 @@ def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(
 
 def ask(api: ApiServer, pod_name: str, *options: str) -> subprocess.CompletedProcess[str]:
     """`stasis k8s checkpoint NS/POD`, as a tenant runs it (the cluster's admin here)."""
-    return subprocess.run([STASIS, "k8s", "checkpoint", f"{NS}/{pod_name}", "--kubeconfig",
-                           str(api.kubeconfig), "--timeout", "60", *options],
-                          capture_output=True, text=True, timeout=90)
+    return subprocess.run(
+        [
+            STASIS,
+            "k8s",
+            "checkpoint",
+            f"{NS}/{pod_name}",
+            "--kubeconfig",
+            str(api.kubeconfig),
+            "--timeout",
+            "60",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
 
 
 def test_a_tenant_asking_again_and_again_gets_no_more_checkpoints_than_the_floor_allows(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     node, api, _ = cluster
     label = f"spam-{secrets.token_hex(3)}"
     out = node.run("c-spam", COUNTER, env={"STASIS_CHECKPOINT": label})
@@ -210,22 +280,27 @@ def test_a_tenant_asking_again_and_again_gets_no_more_checkpoints_than_the_floor
         answers: list[dict[str, str]] = []
         while time.monotonic() < taken + FLOOR_S - 1.5 and len(answers) < 10:
             token = f"again-{len(answers)}"
-            api.patch("pods", "spam", {"metadata": {"annotations": {
-                "stasis.dev/checkpoint": token}}}, namespace=NS)
+            api.patch(
+                "pods",
+                "spam",
+                {"metadata": {"annotations": {"stasis.dev/checkpoint": token}}},
+                namespace=NS,
+            )
             result = wait_for(lambda: answer(api, "spam", token), 20, "the agent's answer")
             answers.append(result["containers"]["main"])
         assert len(answers) >= 2 and all("error" in a for a in answers), answers
         assert len(checkpoints(node, label)) == 1
         # Each refusal is the pod's answer, one line that says why and what to do.
         refused = answers[0]["error"]
-        assert re.fullmatch(r"checkpoint of container c-spam refused: its last one was \d+ s "
-                            rf"ago and this node takes one at most every {FLOOR_S} s \(its "
-                            r"admin's minimum, k8s_min_interval_s\): ask again in \d+ s",
-                            refused), refused
+        assert re.fullmatch(
+            r"checkpoint of container c-spam refused: its last one was \d+ s "
+            rf"ago and this node takes one at most every {FLOOR_S} s \(its "
+            r"admin's minimum, k8s_min_interval_s\): ask again in \d+ s",
+            refused,
+        ), refused
         # As `kubectl describe pod` shows it: a warning event per refusal.
         warned = [e for e in answer_events(api, "spam") if e["type"] == "Warning"]
-        assert [e["message"] for e in warned] == [f"container main: {a['error']}"
-                                                  for a in answers]
+        assert [e["message"] for e in warned] == [f"container main: {a['error']}" for a in answers]
         assert node.status("c-spam") == "RUNNING"
         n = len(numbers(out))
         wait_for(lambda: len(numbers(out)) > n + 3, 20, "the counter to go on")
@@ -247,8 +322,11 @@ def answer(api: ApiServer, pod_name: str, token: str) -> dict[str, Any] | None:
 
 def answer_events(api: ApiServer, pod_name: str) -> list[dict[str, Any]]:
     found = api._call("GET", f"/api/v1/namespaces/{NS}/events")["items"]
-    return [e for e in found if e["involvedObject"]["name"] == pod_name
-            and e["reason"] == "StasisCheckpoint"]
+    return [
+        e
+        for e in found
+        if e["involvedObject"]["name"] == pod_name and e["reason"] == "StasisCheckpoint"
+    ]
 
 
 def test_an_agent_started_again_does_not_run_answered_requests_again(cluster: Cluster) -> None:
@@ -263,7 +341,8 @@ def test_an_agent_started_again_does_not_run_answered_requests_again(cluster: Cl
         assert len(checkpoints(node, label)) == 1
         (event,) = answer_events(api, "again")
         assert event["type"] == "Normal" and event["message"] == (
-            f"container main: checkpoint {checkpoints(node, label)[0]['id']} (label {label})")
+            f"container main: checkpoint {checkpoints(node, label)[0]['id']} (label {label})"
+        )
         # Past the floor: a request run again would be taken, not refused.
         time.sleep(FLOOR_S)
         cluster.kill_agent()  # no goodbye: as a node's OOM killer or a crash ends it
@@ -278,7 +357,8 @@ def test_an_agent_started_again_does_not_run_answered_requests_again(cluster: Cl
         assert len(answer_events(api, "again")) == 1
         # The agent wrote nothing to the pod (it may not).
         assert set(api.get("pods", "again", NS)["metadata"]["annotations"]) == {
-            "stasis.dev/checkpoint"}
+            "stasis.dev/checkpoint"
+        }
     finally:
         node.remove("c-again")
         node.remove("c-again2")
@@ -295,16 +375,26 @@ def test_what_the_agent_remembers_of_pods_is_bounded(cluster: Cluster, tmp_path:
     node, api, _ = cluster
     # Pods of another node: the agent of this test's node leaves them to this one.
     # Its own state directory: the record of answered requests is the node agent's.
-    settings = load_settings({"STASIS_CONFIG": node.info["stasis_config"],
-                              "STASIS_STATE_DIR": str(tmp_path)})
+    settings = load_settings(
+        {"STASIS_CONFIG": node.info["stasis_config"], "STASIS_STATE_DIR": str(tmp_path)}
+    )
     assert settings.socket == node.lay.stasis_socket
-    agent = Agent(settings=settings,
-                  api=kube.connect(str(cluster.kubeconfig)), node="node-b", start_daemon=False,
-                  remember_pods=8)
+    agent = Agent(
+        settings=settings,
+        api=kube.connect(str(cluster.kubeconfig)),
+        node="node-b",
+        start_daemon=False,
+        remember_pods=8,
+    )
     names = [f"many-{i}" for i in range(30)]
     for i, name in enumerate(names):
-        pod(api, name, {"main": f"c-many-{i}"}, node="node-b",
-            annotations={"stasis.dev/checkpoint": f"ask-{i}-" + "x" * 4000})
+        pod(
+            api,
+            name,
+            {"main": f"c-many-{i}"},
+            node="node-b",
+            annotations={"stasis.dev/checkpoint": f"ask-{i}-" + "x" * 4000},
+        )
     client = agent.api
     for name in names:
         agent.on_pod(client.read_namespaced_pod(name, NS))
@@ -323,31 +413,55 @@ def test_what_the_agent_remembers_of_pods_is_bounded(cluster: Cluster, tmp_path:
 
 
 def test_a_pod_with_nothing_under_stasis_or_no_such_pod_is_one_clear_error(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     node, api, _ = cluster
     node.run("c-unprotected", COUNTER)
     pod(api, "web", {"nginx": "c-unprotected"})
     try:
-        r = subprocess.run([STASIS, "k8s", "checkpoint", f"{NS}/web", "--kubeconfig",
-                            str(api.kubeconfig), "--timeout", "60"],
-                           capture_output=True, text=True, timeout=90)
+        r = subprocess.run(
+            [
+                STASIS,
+                "k8s",
+                "checkpoint",
+                f"{NS}/web",
+                "--kubeconfig",
+                str(api.kubeconfig),
+                "--timeout",
+                "60",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert r.returncode == 1
-        assert r.stderr.strip() == (f"stasis: error: no container of pod {NS}/web is under "
-                                    f"stasis on node {NODE} (runtimeClassName: stasis and "
-                                    "STASIS_CHECKPOINT on the container)")
+        assert r.stderr.strip() == (
+            f"stasis: error: no container of pod {NS}/web is under "
+            f"stasis on node {NODE} (runtimeClassName: stasis and "
+            "STASIS_CHECKPOINT on the container)"
+        )
         assert node.status("c-unprotected") == "RUNNING"
     finally:
         node.remove("c-unprotected")
-    r = subprocess.run([STASIS, "k8s", "checkpoint", f"{NS}/nope", "--kubeconfig",
-                        str(api.kubeconfig)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [STASIS, "k8s", "checkpoint", f"{NS}/nope", "--kubeconfig", str(api.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (r.returncode, r.stderr.strip()) == (2, f"stasis: error: no pod {NS}/nope")
-    r = subprocess.run([STASIS, "k8s", "checkpoint", "nope", "--kubeconfig",
-                        str(api.kubeconfig)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [STASIS, "k8s", "checkpoint", "nope", "--kubeconfig", str(api.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (r.returncode, r.stderr.strip()) == (2, "stasis: error: 'nope' is not NAMESPACE/POD")
 
 
 def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interval(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     node, api, _ = cluster
     label = f"every-{secrets.token_hex(3)}"
     out = node.run("c-every", COUNTER, env={"STASIS_CHECKPOINT": label})  # no STASIS_INTERVAL
@@ -362,10 +476,17 @@ def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interv
         time.sleep(1)
         assert out.read_text().count(f"is below this node's minimum of {FLOOR_S} s") == 1
         # Taken off: the container's own (none) again.
-        api.patch("pods", "every", {"metadata": {"annotations": {"stasis.dev/interval": None}}},
-                  namespace=NS)
-        wait_for(lambda: (registered(node, "c-every") or {}).get("interval_s") == 0, 30,
-                 "the interval to be the container's own again")
+        api.patch(
+            "pods",
+            "every",
+            {"metadata": {"annotations": {"stasis.dev/interval": None}}},
+            namespace=NS,
+        )
+        wait_for(
+            lambda: (registered(node, "c-every") or {}).get("interval_s") == 0,
+            30,
+            "the interval to be the container's own again",
+        )
         n = len(checkpoints(node, label))
         time.sleep(3)
         assert len(checkpoints(node, label)) == n
@@ -391,16 +512,27 @@ def test_the_emulator_refuses_what_the_chart_does_not_grant(cluster: Cluster) ->
     assert e.value.status == 403
     assert api.exists("pods", "untouchable", NS)
     denied = api.requests(denied=True)
-    assert [(d["verb"], d["resource"]) for d in denied] == [("delete", "pods"),
-                                                            ("list", "secrets")]
+    assert [(d["verb"], d["resource"]) for d in denied] == [("delete", "pods"), ("list", "secrets")]
     # What the last test checks counts from here.
     (api.workdir / "rbac-denied.jsonl").unlink()
 
 
 def test_an_agent_without_an_api_says_so_in_one_line() -> None:
-    r = subprocess.run([STASIS, "k8s", "agent", "--node", NODE, "--kubeconfig",
-                        "/nonexistent/kubeconfig", "--no-daemon"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            STASIS,
+            "k8s",
+            "agent",
+            "--node",
+            NODE,
+            "--kubeconfig",
+            "/nonexistent/kubeconfig",
+            "--no-daemon",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert r.stderr.startswith("stasis: error: no Kubernetes API from /nonexistent/kubeconfig: ")
     assert len(r.stderr.strip().splitlines()) == 1
@@ -411,8 +543,17 @@ def test_every_call_of_the_agent_is_one_the_chart_s_rbac_allows(cluster: Cluster
     _, api, _ = cluster
     assert api.requests(denied=True) == []
     done = {(r["verb"], r["resource"]) for r in api.requests()}
-    assert {("watch", "nodes"), ("watch", "pods"), ("patch", "nodes"),
-            ("create", "events")} <= done, done
+    assert {
+        ("watch", "nodes"),
+        ("watch", "pods"),
+        ("patch", "nodes"),
+        ("create", "events"),
+    } <= done, done
     # Nothing written to a pod (but the test above's attempts).
-    assert not [r for r in api.requests() if r["resource"].startswith("pods")
-                and r["verb"] not in ("get", "list", "watch") and r["name"] != "untouchable"]
+    assert not [
+        r
+        for r in api.requests()
+        if r["resource"].startswith("pods")
+        and r["verb"] not in ("get", "list", "watch")
+        and r["name"] != "untouchable"
+    ]

@@ -41,14 +41,27 @@ def cluster() -> Iterator[tuple[Node, ApiServer, ControlPlane]]:
     try:
         api.start()
         assert api.authorize("stasis-agent", agent_rules()) == root / "kubeconfig-stasis-agent"
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                             "spec": {},
-                             "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        api.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": NODE},
+                "spec": {},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+            },
+        )
         node.up()
         cp.start()
         kube = cp.json("clusters", "add", "kube", "--kind", "kubernetes")
-        node.configure({"controlplane_url": cp.url, "cluster_id": kube["cluster_id"],
-                        "auth_token": kube["token"], "controlplane_heartbeat_s": 0.5})
+        node.configure(
+            {
+                "controlplane_url": cp.url,
+                "cluster_id": kube["cluster_id"],
+                "auth_token": kube["token"],
+                "controlplane_heartbeat_s": 0.5,
+            }
+        )
         yield node, api, cp
     finally:
         cp.stop()
@@ -62,14 +75,33 @@ def numbers(log: Path) -> list[int]:
 
 def pod(api: ApiServer, name: str, containers: dict[str, str]) -> None:
     """A pod bound to the node, with the container statuses the kubelet would write."""
-    api.create("pods", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS},
-        "spec": {"nodeName": NODE, "runtimeClassName": "stasis",
-                 "containers": [{"name": c, "image": "busybox"} for c in containers]},
-        "status": {"phase": "Running", "containerStatuses": [
-            {"name": c, "containerID": f"containerd://{cid}", "image": "busybox",
-             "imageID": "", "ready": True, "restartCount": 0}
-            for c, cid in containers.items()]}})
+    api.create(
+        "pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {
+                "nodeName": NODE,
+                "runtimeClassName": "stasis",
+                "containers": [{"name": c, "image": "busybox"} for c in containers],
+            },
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": c,
+                        "containerID": f"containerd://{cid}",
+                        "image": "busybox",
+                        "imageID": "",
+                        "ready": True,
+                        "restartCount": 0,
+                    }
+                    for c, cid in containers.items()
+                ],
+            },
+        },
+    )
 
 
 def daemon(node: Node, method: str, path: str, body: Any = None) -> Any:
@@ -100,16 +132,26 @@ def resumes(node: Node, cid: str, label: str, checkpoint: str, last: int) -> Non
 
 
 def test_the_control_plane_sees_a_container_and_checkpoints_it_through_its_node(
-        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    cluster: tuple[Node, ApiServer, ControlPlane],
+) -> None:
     node, api, cp = cluster
     label = f"cp-{secrets.token_hex(3)}"
     out = counting(node, "c-cp", label)
     pod(api, "trainer", {"main": "c-cp"})
     try:
-        (job,) = wait_for(lambda: [j for j in cp.json("jobs") if j["job"] == "c-cp"], 30,
-                          "the container among the control plane's jobs")
-        assert (job["kind"], job["label"], job["user"], job["partition"], job["node"],
-                job["state"]) == ("container", label, f"k8s:{NS}", NS, NODE, "running")
+        (job,) = wait_for(
+            lambda: [j for j in cp.json("jobs") if j["job"] == "c-cp"],
+            30,
+            "the container among the control plane's jobs",
+        )
+        assert (
+            job["kind"],
+            job["label"],
+            job["user"],
+            job["partition"],
+            job["node"],
+            job["state"],
+        ) == ("container", label, f"k8s:{NS}", NS, NODE, "running")
         assert job["rss_bytes"] > 0
 
         # Leave-running: it counts on.
@@ -146,7 +188,8 @@ def _reported(cp: ControlPlane, ids: set[str]) -> dict[str, dict[str, Any]]:
 
 
 def test_a_drain_cordons_the_node_checkpoints_its_containers_and_evicts_their_pods(
-        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    cluster: tuple[Node, ApiServer, ControlPlane],
+) -> None:
     node, api, _ = cluster
     labels = {cid: f"drain-{secrets.token_hex(3)}" for cid in ("c-d1", "c-d2")}
     outs = {cid: counting(node, cid, label) for cid, label in labels.items()}
@@ -156,8 +199,7 @@ def test_a_drain_cordons_the_node_checkpoints_its_containers_and_evicts_their_po
     pod(api, "web", {"nginx": "c-plain"})
     before = len(api.evictions())
     try:
-        assert daemon(node, "GET", "/k8s/node") == {"node": NODE, "state": "Ready",
-                                                    "api": True}
+        assert daemon(node, "GET", "/k8s/node") == {"node": NODE, "state": "Ready", "api": True}
         r = node.stasis("k8s", "drain", "--reason", "kernel update", "--json")
         assert r.returncode == 0, r.stderr
         drained = json.loads(r.stdout)
@@ -170,8 +212,10 @@ def test_a_drain_cordons_the_node_checkpoints_its_containers_and_evicts_their_po
         # In the API: the node cordoned, both pods evicted (and gone), the other pod stays.
         assert api.get("nodes", NODE)["spec"]["unschedulable"] is True
         evicted = api.evictions()[before:]
-        assert sorted((e["namespace"], e["pod"]) for e in evicted) == \
-            [(NS, "worker-1"), (NS, "worker-2")]
+        assert sorted((e["namespace"], e["pod"]) for e in evicted) == [
+            (NS, "worker-1"),
+            (NS, "worker-2"),
+        ]
         assert all(e["body"]["kind"] == "Eviction" for e in evicted)
         assert not api.exists("pods", "worker-1", NS) and api.exists("pods", "web", NS)
         assert daemon(node, "GET", "/k8s/node")["state"] == "Ready,SchedulingDisabled+DRAIN"
@@ -189,24 +233,32 @@ def test_a_drain_cordons_the_node_checkpoints_its_containers_and_evicts_their_po
 
 
 def test_the_control_plane_drains_a_kubernetes_node_through_its_daemon(
-        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    cluster: tuple[Node, ApiServer, ControlPlane],
+) -> None:
     node, api, cp = cluster
     label = f"cpdrain-{secrets.token_hex(3)}"
     out = counting(node, "c-cpd", label)
     pod(api, "worker-cp", {"main": "c-cpd"})
     before = len(api.evictions())
     try:
-        wait_for(lambda: any(n["name"] == NODE and n.get("scheduler_state") == "Ready"
-                             for n in cp.json("nodes")), 30, "the node's scheduler state")
-        wait_for(lambda: [j for j in cp.json("jobs") if j["job"] == "c-cpd"], 30,
-                 "the container in the control plane")
+        wait_for(
+            lambda: any(
+                n["name"] == NODE and n.get("scheduler_state") == "Ready" for n in cp.json("nodes")
+            ),
+            30,
+            "the node's scheduler state",
+        )
+        wait_for(
+            lambda: [j for j in cp.json("jobs") if j["job"] == "c-cpd"],
+            30,
+            "the container in the control plane",
+        )
         drained = cp.json("drain", NODE)
         assert [j["job"] for j in drained["handled"]] == ["c-cpd"], drained
         assert not drained.get("migrations") and not drained.get("moved"), drained
         wait_for(lambda: len(api.evictions()) > before, 60, "the pod's eviction")
         assert api.get("nodes", NODE)["spec"]["unschedulable"] is True
-        assert [(e["namespace"], e["pod"]) for e in api.evictions()[before:]] == \
-            [(NS, "worker-cp")]
+        assert [(e["namespace"], e["pod"]) for e in api.evictions()[before:]] == [(NS, "worker-cp")]
         wait_for(lambda: node.status("c-cpd") == "STOPPED", 30, "the container stopped")
         (checkpoint,) = [c["id"] for c in cp.json("checkpoints") if c["label"] == label]
         resumes(node, "c-cpd", label, checkpoint, numbers(out)[-1])
@@ -216,21 +268,28 @@ def test_the_control_plane_drains_a_kubernetes_node_through_its_daemon(
 
 
 def test_the_daemon_s_drain_needed_nothing_the_chart_s_rbac_does_not_grant(
-        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    cluster: tuple[Node, ApiServer, ControlPlane],
+) -> None:
     _, api, _ = cluster
     assert api.requests(denied=True) == []
     done = {(r["verb"], r["resource"]) for r in api.requests()}
-    assert {("get", "nodes"), ("patch", "nodes"), ("list", "pods"),
-            ("create", "pods/eviction")} <= done, done
+    assert {
+        ("get", "nodes"),
+        ("patch", "nodes"),
+        ("list", "pods"),
+        ("create", "pods/eviction"),
+    } <= done, done
 
 
 def test_without_its_api_the_node_has_no_state_and_a_drain_fails_in_one_line(
-        cluster: tuple[Node, ApiServer, ControlPlane]) -> None:
+    cluster: tuple[Node, ApiServer, ControlPlane],
+) -> None:
     node, api, _ = cluster
     api.stop()  # the last test of the module: the API server is gone
     assert daemon(node, "GET", "/k8s/node") == {"node": NODE, "state": "", "api": True}
     r = node.stasis("k8s", "drain")
     assert r.returncode == 1, r.stderr
-    assert r.stderr.startswith(f"stasis: error: read node {NODE}: the API server cannot be "
-                               "reached: "), r.stderr
+    assert r.stderr.startswith(
+        f"stasis: error: read node {NODE}: the API server cannot be " "reached: "
+    ), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

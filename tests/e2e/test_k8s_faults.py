@@ -27,14 +27,15 @@ import pytest
 from stasis.config import Settings
 from stasis.daemon import detached
 from stasis.k8s.runc import namespace_uid
-from tests.conftest import STASIS as STASIS_CLI, wait_for
+from tests.conftest import STASIS as STASIS_CLI
+from tests.conftest import wait_for
 from tests.e2e.containerd_node import Node
 from tests.faults.kit import tree_pids_of
 
 # Counts in memory (never re-read from disk); $0 is a token that names its processes.
 COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
 # The same, but SIGTERM ends it with 0 once /data/go exists (a clean exit the app chose).
-TRAPS_TERM = ("trap 'while [ ! -e /data/go ]; do sleep 0.1; done; exit 0' TERM; " + COUNTER)
+TRAPS_TERM = "trap 'while [ ! -e /data/go ]; do sleep 0.1; done; exit 0' TERM; " + COUNTER
 STORE_WAIT_S = 8  # how long a create waits for a store or daemon it cannot ask (short here)
 
 
@@ -50,8 +51,10 @@ class FaultNode(Node):
     def up(self) -> None:
         # A store of its own size (and mode: root's alone, as the store demands).
         self.store.mkdir(parents=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs",
-                        str(self.store)], check=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs", str(self.store)],
+            check=True,
+        )
         super().up()
         self.base = self.lay.stasis_config.read_text()
         self.arm()
@@ -77,8 +80,9 @@ class FaultNode(Node):
 
     def frozen(self, cid: str) -> str | None:
         """runc's status of `cid` (containerd's shim does not know of a pause it did not do)."""
-        r = self.inside("runc", "--root", f"/run/containerd/runc/{self.info['namespace']}",
-                        "state", cid)
+        r = self.inside(
+            "runc", "--root", f"/run/containerd/runc/{self.info['namespace']}", "state", cid
+        )
         return str(json.loads(r.stdout)["status"]) if r.returncode == 0 else None
 
     def log(self) -> str:
@@ -125,8 +129,11 @@ def heard(node: FaultNode, cid: str, label: str) -> None:
     """Give the daemon time to hear of the container's end (it may have missed the event when
     the container ended while it started: then there is nothing to wait for)."""
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and f"container {cid} exited" not in node.log() \
-            and checkpoints(node, label):
+    while (
+        time.monotonic() < deadline
+        and f"container {cid} exited" not in node.log()
+        and checkpoints(node, label)
+    ):
         time.sleep(0.3)
 
 
@@ -138,7 +145,8 @@ def fill(path: Path) -> Path:
 
 
 def test_a_container_that_exits_0_after_its_stop_checkpoint_failed_keeps_its_label(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """The store is full when the pod is deleted: no stop checkpoint. The app traps SIGTERM and
     exits 0: that is no success to retire the label for (the next start resumes)."""
     label, cid = f"full-{secrets.token_hex(3)}", "c-full"
@@ -158,16 +166,21 @@ def test_a_container_that_exits_0_after_its_stop_checkpoint_failed_keeps_its_lab
 
 
 def test_a_leave_running_checkpoint_cut_by_a_daemon_kill_leaves_the_container_running(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """An interval's, a cordon's or a by-hand checkpoint (one path: leave-running) whose
     daemon dies with the container paused. (With an interval, the next interval's checkpoint
     would thaw it by chance; by hand, nothing would.)"""
     label, cid = f"intkill-{secrets.token_hex(3)}", "c-intkill"
     log = started(node, cid, COUNTER, {"STASIS_CHECKPOINT": label})
     node.arm("k8s.interval.after-dump")
-    by_hand = subprocess.Popen([STASIS_CLI, "dump", "--container", cid, "--leave-running"],
-                               env={**os.environ, "STASIS_CONFIG": node.info["stasis_config"]},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    by_hand = subprocess.Popen(
+        [STASIS_CLI, "dump", "--container", cid, "--leave-running"],
+        env={**os.environ, "STASIS_CONFIG": node.info["stasis_config"]},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     node.died()
     _, err = by_hand.communicate(timeout=30)
     assert by_hand.returncode != 0 and "cannot reach the stasis daemon" in err, err
@@ -181,7 +194,8 @@ def test_a_leave_running_checkpoint_cut_by_a_daemon_kill_leaves_the_container_ru
 
 
 def test_a_stop_checkpoint_cut_before_its_publish_resumes_and_keeps_the_label(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """Killed with the container frozen and nothing published: the daemon started again
     thaws it, the stop's SIGTERM ends it (with 0: it trapped it), the label keeps its
     checkpoint, and the next start resumes from it."""
@@ -207,7 +221,8 @@ def test_a_stop_checkpoint_cut_before_its_publish_resumes_and_keeps_the_label(
 
 
 def test_a_stop_checkpoint_cut_after_its_publish_ends_the_container_at_its_checkpoint(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """Killed after the publish, the container still frozen: the daemon started again ends it
     (it never runs past its checkpoint), and the next start resumes exactly there, once."""
     label, cid = f"stoppub-{secrets.token_hex(3)}", "c-stoppub"
@@ -250,13 +265,24 @@ def _stopped_with_checkpoint(node: FaultNode, cid: str, label: str) -> tuple[str
 def _create(node: Node, cid: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     log = node.root / f"{cid}-{time.monotonic_ns()}.log"
     envs = [f"--env={k}={v}" for k, v in env.items()]
-    return node.ctr("run", "-d", f"--log-uri=file://{log}", f"--runtime={node.info['runtime']}",
-                    *envs, "stasis.test/busybox:1", cid, "/bin/sh", "-c", COUNTER,
-                    timeout_s=120)
+    return node.ctr(
+        "run",
+        "-d",
+        f"--log-uri=file://{log}",
+        f"--runtime={node.info['runtime']}",
+        *envs,
+        "stasis.test/busybox:1",
+        cid,
+        "/bin/sh",
+        "-c",
+        COUNTER,
+        timeout_s=120,
+    )
 
 
 def test_without_a_daemon_a_create_waits_then_fails_unless_the_pod_asked_to_start_fresh(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     label, cid = f"nod-{secrets.token_hex(3)}", "c-nod"
     ckpt, before = _stopped_with_checkpoint(node, cid, label)
     detached.stop(node.pid)
@@ -269,8 +295,9 @@ def test_without_a_daemon_a_create_waits_then_fails_unless_the_pod_asked_to_star
         assert node.status(cid) in (None, "STOPPED")
         node.remove(cid)
         # Asked to start fresh when stasis cannot tell: it does, and says so.
-        fresh = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label,
-                                            "STASIS_FRESH": "if-unreachable"})
+        fresh = node.run(
+            cid, COUNTER, env={"STASIS_CHECKPOINT": label, "STASIS_FRESH": "if-unreachable"}
+        )
         wait_for(lambda: len(numbers(fresh)) >= 2, 20, "the fresh counter")
         assert numbers(fresh)[0] == 1 and "starting fresh" in fresh.read_text()
         node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
@@ -291,8 +318,7 @@ def test_without_a_daemon_a_create_waits_then_fails_unless_the_pod_asked_to_star
     node.remove(cid)
 
 
-def test_a_store_that_cannot_be_read_at_create_fails_it_naming_the_store(
-        node: FaultNode) -> None:
+def test_a_store_that_cannot_be_read_at_create_fails_it_naming_the_store(node: FaultNode) -> None:
     label, cid = f"unread-{secrets.token_hex(3)}", "c-unread"
     ckpt, before = _stopped_with_checkpoint(node, cid, label)
     # The label's index cannot be listed (an I/O error of the store, played by a file
@@ -319,7 +345,8 @@ def test_a_store_that_cannot_be_read_at_create_fails_it_naming_the_store(
 
 
 def test_a_daemon_killed_while_planning_a_restore_resumes_the_container_once(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     label, cid = f"plan-{secrets.token_hex(3)}", "c-plan"
     token = secrets.token_hex(4)
     log = started(node, cid, f": {token}; " + COUNTER, {"STASIS_CHECKPOINT": label})
@@ -329,10 +356,27 @@ def test_a_daemon_killed_while_planning_a_restore_resumes_the_container_once(
     node.arm("k8s.restore.planned")
     out = node.root / f"{cid}.log"
     create = subprocess.Popen(
-        ["ctr", "-a", node.info["containerd_address"], "-n", node.info["namespace"], "run",
-         "-d", f"--log-uri=file://{out}", f"--runtime={node.info['runtime']}",
-         f"--env=STASIS_CHECKPOINT={label}", "stasis.test/busybox:1", cid, "/bin/sh", "-c",
-         COUNTER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            "ctr",
+            "-a",
+            node.info["containerd_address"],
+            "-n",
+            node.info["namespace"],
+            "run",
+            "-d",
+            f"--log-uri=file://{out}",
+            f"--runtime={node.info['runtime']}",
+            f"--env=STASIS_CHECKPOINT={label}",
+            "stasis.test/busybox:1",
+            cid,
+            "/bin/sh",
+            "-c",
+            COUNTER,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     node.died()
     node.arm()  # back within the create's wait
     _, err = create.communicate(timeout=120)
@@ -346,7 +390,8 @@ def test_a_daemon_killed_while_planning_a_restore_resumes_the_container_once(
 
 
 def test_a_stop_whose_database_write_fails_after_the_publish_still_stops_the_container(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """The daemon's database is write-locked by another process (an admin's sqlite3, a
     backup) through the stop: the checkpoint is published, the container ends at it (not
     frozen, not running on), the runtime hears of no failure, and the next start resumes."""
@@ -364,8 +409,7 @@ def test_a_stop_whose_database_write_fails_after_the_publish_still_stops_the_con
         holder.close()
     (published,) = checkpoints(node, label)
     assert "internal error" not in log.read_text()
-    assert f"checkpoint {published} published, but the database did not record it" \
-        in node.log()
+    assert f"checkpoint {published} published, but the database did not record it" in node.log()
     before = numbers(log)
     node.remove(cid)
     again = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label})
@@ -377,7 +421,8 @@ def test_a_stop_whose_database_write_fails_after_the_publish_still_stops_the_con
 
 
 def test_a_runtime_killed_right_after_its_restore_leaves_the_container_running_once(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """stasis-runc SIGKILLed between `runc restore` and its answer to containerd: the create
     fails (the kubelet creates again), and whatever runs of the checkpoint runs once."""
     label, cid = f"rtkill-{secrets.token_hex(3)}", "c-rtkill"
@@ -397,20 +442,23 @@ def test_a_runtime_killed_right_after_its_restore_leaves_the_container_running_o
     again = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label})
     wait_for(lambda: len(numbers(again)) >= 2, 20, "the resumed counter")
     assert numbers(again)[0] == before[-1] + 1
-    assert len([p for p in tree_pids_of(token) if _is_shell(p)]) == 1, \
-        [p for p in tree_pids_of(token) if _is_shell(p)]
+    assert len([p for p in tree_pids_of(token) if _is_shell(p)]) == 1, [
+        p for p in tree_pids_of(token) if _is_shell(p)
+    ]
     node.ctr("tasks", "kill", "-s", "SIGKILL", cid)
     ended(node, cid)
     node.remove(cid)
 
 
 # Counts until /data/go exists, then ends with 0 of its own accord (its work done).
-COUNTS_TILL_GO = ("i=0; while [ ! -e /data/go ]; do i=$((i+1)); echo n=$i; sleep 0.1; done; "
-                  "exit 0")
+COUNTS_TILL_GO = (
+    "i=0; while [ ! -e /data/go ]; do i=$((i+1)); echo n=$i; sleep 0.1; done; " "exit 0"
+)
 
 
 def test_a_restored_containers_checkpoint_names_its_parent_and_retiring_keeps_a_pinned_one(
-        node: FaultNode) -> None:
+    node: FaultNode,
+) -> None:
     """Lineage: the checkpoint of a container restored from P names P as its parent (the
     label's order follows that, not the nodes' clocks). Retirement: the container's genuine
     success retires its label, except a checkpoint a restore (on another node) pinned."""
@@ -433,8 +481,11 @@ def test_a_restored_containers_checkpoint_names_its_parent_and_retiring_keeps_a_
     try:
         node.ctr("tasks", "exec", "--exec-id", "go", cid, "/bin/sh", "-c", "touch /data/go")
         ended(node, cid)
-        wait_for(lambda: f"container {cid} exited 0: label {label} retired" in node.log(), 20,
-                 "the label retired")
+        wait_for(
+            lambda: f"container {cid} exited 0: label {label} retired" in node.log(),
+            20,
+            "the label retired",
+        )
         assert checkpoints(node, label) == [stop], "a pinned checkpoint was retired"
     finally:
         pin.unlink()

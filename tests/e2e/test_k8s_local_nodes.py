@@ -26,8 +26,9 @@ def nodes() -> Iterator[tuple[Node, Node]]:
     made: list[Node] = []
     try:
         for name in ("kn-a", "kn-b"):
-            n = Node(Path(tempfile.mkdtemp(prefix=f"stasis-{name}-")), node_name=name,
-                     separate=True)
+            n = Node(
+                Path(tempfile.mkdtemp(prefix=f"stasis-{name}-")), node_name=name, separate=True
+            )
             made.append(n)
             n.up()
         yield made[0], made[1]
@@ -52,24 +53,31 @@ def test_two_local_nodes_see_nothing_of_each_other(nodes: tuple[Node, Node]) -> 
             assert a.inside("sh", "-c", f"echo x > {d}/{tag}").returncode == 0
             assert b.inside("test", "-e", f"{d}/{tag}").returncode == 1, d
             assert not Path(d, tag).exists(), d
-        assert (a.inside("hostname").stdout, b.inside("hostname").stdout) == ("kn-a\n",
-                                                                              "kn-b\n")
+        assert (a.inside("hostname").stdout, b.inside("hostname").stdout) == ("kn-a\n", "kn-b\n")
         # Their own networks: A's loopback is A's; B reaches A at its address.
         assert a.info["address"] != b.info["address"]
-        assert f"inet {a.info['address']}/24" in a.inside("ip", "-4", "addr", "show",
-                                                          "eth0").stdout
-        server = subprocess.Popen([*a.info["node_prefix"], "python3", "-c",
-                                   "import socket,time; s=socket.socket(); "
-                                   "s.bind(('0.0.0.0', 0)); s.listen(); "
-                                   "print(s.getsockname()[1], flush=True); time.sleep(60)"],
-                                  stdout=subprocess.PIPE, text=True)
+        assert f"inet {a.info['address']}/24" in a.inside("ip", "-4", "addr", "show", "eth0").stdout
+        server = subprocess.Popen(
+            [
+                *a.info["node_prefix"],
+                "python3",
+                "-c",
+                "import socket,time; s=socket.socket(); "
+                "s.bind(('0.0.0.0', 0)); s.listen(); "
+                "print(s.getsockname()[1], flush=True); time.sleep(60)",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout is not None
             port = int(server.stdout.readline())
 
             def reach(n: Node, host: str) -> bool:
-                probe = (f"import socket; s=socket.socket(); s.settimeout(2); "
-                         f"print(s.connect_ex(('{host}', {port})))")
+                probe = (
+                    f"import socket; s=socket.socket(); s.settimeout(2); "
+                    f"print(s.connect_ex(('{host}', {port})))"
+                )
                 return n.inside("python3", "-c", probe).stdout.strip() == "0"
 
             assert reach(a, "127.0.0.1") and not reach(b, "127.0.0.1")
@@ -99,8 +107,9 @@ def test_down_ends_the_node_s_namespaces() -> None:
     # The last local node gone, their bridge too (kn-a and kn-b went with the first test).
     assert not Path(f"/sys/class/net/{localnode.LOCAL_NET.bridge}").exists()
     # Nothing left in its mount namespace (a zombie holder has no namespaces left to name).
-    wait_for(lambda: not any(_in_ns(pid, mnt) for pid in _pids()), 10,
-             "the node's processes to end")
+    wait_for(
+        lambda: not any(_in_ns(pid, mnt) for pid in _pids()), 10, "the node's processes to end"
+    )
 
 
 def _pids() -> list[int]:
@@ -116,15 +125,33 @@ def _in_ns(pid: int, mnt: str) -> bool:
 
 def test_a_separate_node_refuses_an_api_on_the_machine_s_loopback(tmp_path: Path) -> None:
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text("apiVersion: v1\nclusters:\n- cluster:\n    server: "
-                          "https://127.0.0.1:6443\n  name: c\n")
+    kubeconfig.write_text(
+        "apiVersion: v1\nclusters:\n- cluster:\n    server: " "https://127.0.0.1:6443\n  name: c\n"
+    )
     root = tmp_path / "node"
-    r = subprocess.run([STASIS, "k8s", "local-node", "up", "--dir", str(root), "--separate",
-                        f"--kubeconfig={kubeconfig}"], capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "STASIS_CONFIG": ""})
-    assert (r.returncode, r.stderr) == (2, (
-        "stasis: error: --separate: the node has a network of its own, where the Kubernetes "
-        "API at https://127.0.0.1:6443 (this machine's loopback) cannot be reached; serve it "
-        f"on {localnode.LOCAL_NET.host_addr} (this machine on the nodes' network), or leave "
-        "out --separate\n")), r.stderr
+    r = subprocess.run(
+        [
+            STASIS,
+            "k8s",
+            "local-node",
+            "up",
+            "--dir",
+            str(root),
+            "--separate",
+            f"--kubeconfig={kubeconfig}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STASIS_CONFIG": ""},
+    )
+    assert (r.returncode, r.stderr) == (
+        2,
+        (
+            "stasis: error: --separate: the node has a network of its own, where the Kubernetes "
+            "API at https://127.0.0.1:6443 (this machine's loopback) cannot be reached; serve it "
+            f"on {localnode.LOCAL_NET.host_addr} (this machine on the nodes' network), or leave "
+            "out --separate\n"
+        ),
+    ), r.stderr
     assert not root.exists()  # nothing made

@@ -40,15 +40,23 @@ COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
 def cluster() -> Iterator[tuple[Node, ApiServer]]:
     root = Path(tempfile.mkdtemp(prefix="stasis-k8s-restorefail-"))
     api = ApiServer(root)
-    node = Node(root / "node", min_interval_s=2,
-                kubeconfig=root / "kubeconfig-stasis-agent", node_name=NODE)
+    node = Node(
+        root / "node", min_interval_s=2, kubeconfig=root / "kubeconfig-stasis-agent", node_name=NODE
+    )
     try:
         api.start()
         # The daemon's calls are the chart's service account's, with the chart's RBAC.
         assert api.authorize("stasis-agent", agent_rules()) == root / "kubeconfig-stasis-agent"
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                             "spec": {},
-                             "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        api.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": NODE},
+                "spec": {},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+            },
+        )
         node.up()
         node.configure({"k8s_restore_attempts": ATTEMPTS})
         yield node, api
@@ -77,19 +85,34 @@ def volume(node: Node, name: str) -> Path:
 
 def pod_options(vol: Path, pod: str) -> list[str]:
     """What the kubelet would give the container: the volume, and the pod's CRI annotations."""
-    return [f"--mount=type=bind,src={vol},dst=/vol,options=rbind:rw",
-            f"--annotation=io.kubernetes.cri.sandbox-name={pod}",
-            f"--annotation=io.kubernetes.cri.sandbox-namespace={NS}"]
+    return [
+        f"--mount=type=bind,src={vol},dst=/vol,options=rbind:rw",
+        f"--annotation=io.kubernetes.cri.sandbox-name={pod}",
+        f"--annotation=io.kubernetes.cri.sandbox-namespace={NS}",
+    ]
 
 
-def create(node: Node, cid: str, script: str, env: dict[str, str], options: list[str]
-           ) -> tuple[subprocess.CompletedProcess[str], Path]:
+def create(
+    node: Node, cid: str, script: str, env: dict[str, str], options: list[str]
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     """`ctr run -d` as the kubelet's CreateContainer+StartContainer: its answer, and the log."""
     log = node.root / f"{cid}-{time.monotonic_ns()}.log"
     log.touch()
     envs = [f"--env={k}={v}" for k, v in env.items()]
-    r = node.ctr("run", "-d", f"--log-uri=file://{log}", f"--runtime={node.info['runtime']}",
-                 *envs, *options, IMAGE, cid, "/bin/sh", "-c", script, timeout_s=120)
+    r = node.ctr(
+        "run",
+        "-d",
+        f"--log-uri=file://{log}",
+        f"--runtime={node.info['runtime']}",
+        *envs,
+        *options,
+        IMAGE,
+        cid,
+        "/bin/sh",
+        "-c",
+        script,
+        timeout_s=120,
+    )
     return r, log
 
 
@@ -99,8 +122,11 @@ def events(api: ApiServer, pod: str) -> list[dict[str, Any]]:
 
 
 def restore_failed(api: ApiServer, pod: str, checkpoint: str) -> list[dict[str, Any]]:
-    return [e for e in events(api, pod) if e.get("reason") == "StasisRestoreFailed"
-            and checkpoint in e.get("message", "")]
+    return [
+        e
+        for e in events(api, pod)
+        if e.get("reason") == "StasisRestoreFailed" and checkpoint in e.get("message", "")
+    ]
 
 
 def gone(node: Node, cid: str) -> None:
@@ -116,7 +142,8 @@ def kill(node: Node, cid: str) -> None:
 
 
 def test_a_restore_that_fails_on_a_good_checkpoint_fails_the_create_and_resumes_later(
-        cluster: tuple[Node, ApiServer]) -> None:
+    cluster: tuple[Node, ApiServer],
+) -> None:
     node, api = cluster
     label, cid, pod = f"rf-{secrets.token_hex(3)}", "c-rf", "pod-rf"
     vol = volume(node, f"vol-{label}")
@@ -155,13 +182,16 @@ def test_a_restore_that_fails_on_a_good_checkpoint_fails_the_create_and_resumes_
 
 
 def test_a_checkpoint_that_fails_every_attempt_gives_way_to_the_previous_one(
-        cluster: tuple[Node, ApiServer]) -> None:
+    cluster: tuple[Node, ApiServer],
+) -> None:
     node, api = cluster
     label, cid, pod = f"rfprev-{secrets.token_hex(3)}", "c-rfprev", "pod-rfprev"
     vol = volume(node, f"vol-{label}")
     # Opens the file only from n=40 on: its first checkpoint (before) does not hold it.
-    script = ("i=0; while :; do i=$((i+1)); echo n=$i; [ $i = 40 ] && exec 3</vol/held; "
-              "sleep 0.1; done")
+    script = (
+        "i=0; while :; do i=$((i+1)); echo n=$i; [ $i = 40 ] && exec 3</vol/held; "
+        "sleep 0.1; done"
+    )
     env = {"STASIS_CHECKPOINT": label}
     r, log = create(node, cid, script, env, pod_options(vol, pod))
     assert r.returncode == 0, r.stderr
@@ -194,7 +224,8 @@ def test_a_checkpoint_that_fails_every_attempt_gives_way_to_the_previous_one(
 
 
 def test_when_no_checkpoint_can_be_restored_only_stasis_fresh_starts_from_nothing(
-        cluster: tuple[Node, ApiServer]) -> None:
+    cluster: tuple[Node, ApiServer],
+) -> None:
     node, api = cluster
     label, cid, pod = f"rfnone-{secrets.token_hex(3)}", "c-rfnone", "pod-rfnone"
     vol = volume(node, f"vol-{label}")
@@ -219,9 +250,15 @@ def test_when_no_checkpoint_can_be_restored_only_stasis_fresh_starts_from_nothin
     assert numbers(failed) == []
     gone(node, cid)
     assert checkpoints(node, label) == [ckpt]
-    wait_for(lambda: [e for e in restore_failed(api, pod, ckpt)
-                      if "none of its checkpoints can be restored" in e["message"]], 20,
-             "the event that no checkpoint of the label can be restored")
+    wait_for(
+        lambda: [
+            e
+            for e in restore_failed(api, pod, ckpt)
+            if "none of its checkpoints can be restored" in e["message"]
+        ],
+        20,
+        "the event that no checkpoint of the label can be restored",
+    )
     # The user's word: STASIS_FRESH starts it from nothing, and its log says why.
     r, fresh = create(node, cid, script, {**env, "STASIS_FRESH": "1"}, pod_options(vol, pod))
     assert r.returncode == 0, r.stderr

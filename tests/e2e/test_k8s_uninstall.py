@@ -26,12 +26,14 @@ RELEASE_NS = "stasis-system"
 
 
 def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_does_not(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     host = tmp_path / "host"
     config = host / "etc" / "containerd" / "config.toml"
     config.parent.mkdir(parents=True)
-    original = subprocess.run(["containerd", "config", "default"], capture_output=True,
-                              check=True).stdout
+    original = subprocess.run(
+        ["containerd", "config", "default"], capture_output=True, check=True
+    ).stdout
     config.write_bytes(original)
     runc = host / "usr" / "sbin" / "runc"
     runc.parent.mkdir(parents=True)
@@ -42,9 +44,11 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
     restart = tmp_path / "restart-containerd"
     # containerd "restarts": its own parser reads the config the agent left (a config it
     # cannot read fails the agent, as a real restart would fail containerd).
-    restart.write_text(f"#!/bin/sh\nset -e\nn=$(ls {dumps} | wc -l)\n"
-                       f"containerd --config {config} config dump > {tmp_path}/dump.tmp\n"
-                       f"mv {tmp_path}/dump.tmp {dumps}/$n.toml\n")
+    restart.write_text(
+        f"#!/bin/sh\nset -e\nn=$(ls {dumps} | wc -l)\n"
+        f"containerd --config {config} config dump > {tmp_path}/dump.tmp\n"
+        f"mv {tmp_path}/dump.tmp {dumps}/$n.toml\n"
+    )
     restart.chmod(0o755)
     # The agent's own config: no daemon answers there, so the node stays not ready.
     agent_config = tmp_path / "stasis.toml"
@@ -55,51 +59,96 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
     log = tmp_path / "agent.log"
     # The arguments the chart gives the agent, with the host root and restart of this test.
     args = {d["kind"]: d for d in render({})}["DaemonSet"]["spec"]["template"]["spec"][
-        "containers"][0]["args"]
+        "containers"
+    ][0]["args"]
     args = [a for a in args if not a.startswith(("--host-root", "--restart-containerd"))]
 
     def start_agent() -> subprocess.Popen[bytes]:
         with log.open("ab") as out:
             return subprocess.Popen(
-                [STASIS, *args, "--host-root", str(host), "--restart-containerd", str(restart),
-                 "--node", NODE, "--kubeconfig", str(agent_kubeconfig), "--no-daemon"],
-                stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "STASIS_CONFIG": str(agent_config),
-                     "STASIS_K8S_CHECK_INTERVAL_S": "0.3"})
+                [
+                    STASIS,
+                    *args,
+                    "--host-root",
+                    str(host),
+                    "--restart-containerd",
+                    str(restart),
+                    "--node",
+                    NODE,
+                    "--kubeconfig",
+                    str(agent_kubeconfig),
+                    "--no-daemon",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={
+                    **os.environ,
+                    "STASIS_CONFIG": str(agent_config),
+                    "STASIS_K8S_CHECK_INTERVAL_S": "0.3",
+                },
+            )
 
     def taints() -> list[str]:
         return [t["key"] for t in api.get("nodes", NODE)["spec"].get("taints") or []]
 
     def agent_pod(name: str, node: str) -> None:
-        api.create("pods", {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": RELEASE_NS, "labels": {
-                "app.kubernetes.io/name": "stasis", "app.kubernetes.io/instance": "stasis"}},
-            "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "x"}]}})
+        api.create(
+            "pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": RELEASE_NS,
+                    "labels": {
+                        "app.kubernetes.io/name": "stasis",
+                        "app.kubernetes.io/instance": "stasis",
+                    },
+                },
+                "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "x"}]},
+            },
+        )
 
     def hook(timeout_s: float) -> subprocess.CompletedProcess[str]:
         job = {d["kind"]: d for d in render({})}["Job"]["spec"]["template"]["spec"]
         hook_args = [a for a in job["containers"][0]["args"] if not a.startswith("--timeout")]
-        return subprocess.run([STASIS, *hook_args, f"--timeout={timeout_s}",
-                               "--kubeconfig", str(hook_kubeconfig)],
-                              capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "STASIS_CONFIG": "/dev/null"})
+        return subprocess.run(
+            [STASIS, *hook_args, f"--timeout={timeout_s}", "--kubeconfig", str(hook_kubeconfig)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "STASIS_CONFIG": "/dev/null"},
+        )
 
     bundle = host / "usr" / "local" / "lib" / "stasis"
     shim = host / "usr" / "local" / "bin" / "containerd-shim-stasis-v2"
     try:
         agent_kubeconfig = api.authorize("stasis-agent-token", agent_rules())
         hook_kubeconfig = api.authorize("stasis-uninstall-token", hook_rules())
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                             "spec": {"taints": [
-                                 {"key": NOT_READY, "effect": "NoSchedule"},
-                                 {"key": "other", "value": "x", "effect": "NoExecute"}]}})
+        api.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": NODE},
+                "spec": {
+                    "taints": [
+                        {"key": NOT_READY, "effect": "NoSchedule"},
+                        {"key": "other", "value": "x", "effect": "NoExecute"},
+                    ]
+                },
+            },
+        )
         agent_pod("stasis-agent-u", NODE)
         agent = start_agent()
         wait_for(lambda: (dumps / "0.toml").exists(), 180, f"the runtime installed ({log})")
         dumped = tomllib.loads((dumps / "0.toml").read_text())
-        assert dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"][
-            "stasis"]["runtime_type"] == "io.containerd.stasis.v2"
+        assert (
+            dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["stasis"][
+                "runtime_type"
+            ]
+            == "io.containerd.stasis.v2"
+        )
         assert (bundle / "bin" / "stasis-runc").exists() and shim.exists()
 
         # A rolling update: the agent's pod gets SIGTERM and a new one starts. Nothing of
@@ -109,8 +158,9 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
         installed = config.read_bytes()
         assert installed != original and bundle.exists() and shim.exists()
         agent = start_agent()
-        wait_for(lambda: "running" in log.read_text().split("agent of node")[-1], 60,
-                 "the new agent")
+        wait_for(
+            lambda: "running" in log.read_text().split("agent of node")[-1], 60, "the new agent"
+        )
         assert config.read_bytes() == installed and taints() == [NOT_READY, "other"]
 
         # helm uninstall: the hook asks, the agent takes stasis off and answers.
@@ -123,8 +173,9 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
         assert not (host / "etc" / "stasis").exists()
         # containerd restarted once more, and its parser finds no stasis runtime now.
         last = tomllib.loads((dumps / "1.toml").read_text())
-        assert "stasis" not in last["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][
-            "runtimes"]
+        assert (
+            "stasis" not in last["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+        )
         assert taints() == ["other"]
         # Its daemon still does not answer: the taint is not put back.
         time.sleep(1.5)
@@ -132,8 +183,10 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
 
         # A node whose agent never answers fails the hook in one line naming it.
         agent_pod("stasis-agent-v", "node-v")
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-v"},
-                             "spec": {}})
+        api.create(
+            "nodes",
+            {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-v"}, "spec": {}},
+        )
         failed = hook(2)
         assert failed.returncode != 0
         lines = failed.stderr.strip().splitlines()
@@ -143,8 +196,9 @@ def test_uninstall_takes_the_runtime_entry_bundle_and_taint_off_and_a_sigterm_do
 
         # Both did only what the chart's RBAC grants them.
         assert api.requests(denied=True) == []
-        hook_calls = {(r["verb"], r["resource"]) for r in
-                      api.requests(token="stasis-uninstall-token")}
+        hook_calls = {
+            (r["verb"], r["resource"]) for r in api.requests(token="stasis-uninstall-token")
+        }
         assert hook_calls == {("list", "pods"), ("patch", "nodes"), ("get", "nodes")}
     finally:
         if agent is not None:

@@ -53,14 +53,30 @@ def test_up_ended_half_way_stops_what_it_started() -> None:
     root = Path(tempfile.mkdtemp(prefix="stasis-e2e-halfway-"))
     os.chmod(root, 0o755)
     up = subprocess.Popen(
-        [STASIS, "slurm", "local-cluster", "up", "--dir", str(root), "--json",
-         "--socket-group", TEST_USER, "--accounting"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "STASIS_CONFIG": ""})
+        [
+            STASIS,
+            "slurm",
+            "local-cluster",
+            "up",
+            "--dir",
+            str(root),
+            "--json",
+            "--socket-group",
+            TEST_USER,
+            "--accounting",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "STASIS_CONFIG": ""},
+    )
     try:
         # Half way: munged, MariaDB and slurmdbd run, slurmctld not yet.
-        wait_for(lambda: "slurmdbd" in pids_recorded(root) or up.poll() is not None, 120,
-                 "up to start slurmdbd")
+        wait_for(
+            lambda: "slurmdbd" in pids_recorded(root) or up.poll() is not None,
+            120,
+            "up to start slurmdbd",
+        )
         assert up.poll() is None, up.communicate()
         started = pids_recorded(root)
         assert {"munged", "mariadb", "slurmdbd"} <= set(started), started
@@ -75,6 +91,9 @@ def test_up_ended_half_way_stops_what_it_started() -> None:
         if up.poll() is None:
             up.kill()
             up.wait()
-        subprocess.run([STASIS, "slurm", "local-cluster", "down", "--dir", str(root)],
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [STASIS, "slurm", "local-cluster", "down", "--dir", str(root)],
+            capture_output=True,
+            timeout=120,
+        )
         shutil.rmtree(root, ignore_errors=True)

@@ -117,8 +117,21 @@ def _port() -> int:
 
 def _run(c: Cluster, node: str, label: str, *argv: str) -> tuple[str, Path]:
     log = c.work / f"{label}.log"
-    out = c.on(node, STASIS, "run", "--label", label, "--log", str(log), "--json", "--",
-               "python3", "-u", *argv, user=TEST_USER).stdout
+    out = c.on(
+        node,
+        STASIS,
+        "run",
+        "--label",
+        label,
+        "--log",
+        str(log),
+        "--json",
+        "--",
+        "python3",
+        "-u",
+        *argv,
+        user=TEST_USER,
+    ).stdout
     return str(json.loads(out)["job"]), log
 
 
@@ -128,7 +141,8 @@ def _dump(c: Cluster, node: str, job: str) -> None:
 
 def _restore(c: Cluster, node: str, label: str) -> dict[str, object]:
     answer: dict[str, object] = json.loads(
-        c.on(node, STASIS, "restore", "--label", label, "--json", user=TEST_USER).stdout)
+        c.on(node, STASIS, "restore", "--label", label, "--json", user=TEST_USER).stdout
+    )
     return answer
 
 
@@ -142,8 +156,10 @@ def _lock_rules(c: Cluster, node: str) -> list[str]:
 
 
 def _rounds(log: Path) -> list[tuple[int, str, str | None, str | None, str | None]]:
-    return [(int(m[0]), m[1], m[2] or None, m[3] or None, m[4] or None)
-            for m in LINE.findall(log.read_text())]
+    return [
+        (int(m[0]), m[1], m[2] or None, m[3] or None, m[4] or None)
+        for m in LINE.findall(log.read_text())
+    ]
 
 
 def _ask(address: str, port: int) -> str:
@@ -151,8 +167,7 @@ def _ask(address: str, port: int) -> str:
         return s.makefile().readline().strip()
 
 
-def test_server_on_all_addresses_listens_on_the_new_node_with_its_host_name(two: Cluster
-                                                                               ) -> None:
+def test_server_on_all_addresses_listens_on_the_new_node_with_its_host_name(two: Cluster) -> None:
     port = _port()
     job, log = _run(two, "n1", "listener", str(two.work / "server.py"), "0.0.0.0", str(port))
     n1, n2 = _addr(two, "n1"), _addr(two, "n2")
@@ -166,8 +181,13 @@ def test_server_on_all_addresses_listens_on_the_new_node_with_its_host_name(two:
         # going on, and the host name it sees is the new node's: jobs have no UTS namespace of
         # their own.
         assert _ask(n2, port) == "hit 2 on n2"
-        inside = two.on("n2", "python3", "-c", "import socket; s = socket.create_connection("
-                        f"('127.0.0.1', {port + 1})); print(s.makefile().readline().strip())")
+        inside = two.on(
+            "n2",
+            "python3",
+            "-c",
+            "import socket; s = socket.create_connection("
+            f"('127.0.0.1', {port + 1})); print(s.makefile().readline().strip())",
+        )
         assert inside.stdout.strip() == "hit 3 on n2"
         with pytest.raises(OSError):
             _ask(n1, port)  # nothing listens on the old node any more
@@ -176,9 +196,11 @@ def test_server_on_all_addresses_listens_on_the_new_node_with_its_host_name(two:
 
 
 def test_connection_to_a_peer_outside_the_job_is_closed_on_a_move_with_a_note(
-        two: Cluster, peer: Peer) -> None:
-    job, log = _run(two, "n1", "mover", str(two.work / "client.py"), peer.address,
-                    str(peer.port), str(_port()))
+    two: Cluster, peer: Peer
+) -> None:
+    job, log = _run(
+        two, "n1", "mover", str(two.work / "client.py"), peer.address, str(peer.port), str(_port())
+    )
     until(lambda: len(_rounds(log)) >= 5, 30, "five rounds on n1")
     _dump(two, "n1", job)
     before = _rounds(log)
@@ -188,13 +210,13 @@ def test_connection_to_a_peer_outside_the_job_is_closed_on_a_move_with_a_note(
     try:
         notes = answer["notes"]
         assert isinstance(notes, list) and len(notes) == 1, notes
-        assert notes[0].startswith("1 TCP connection to a peer outside the job was closed on "
-                                   "the move"), notes
+        assert notes[0].startswith(
+            "1 TCP connection to a peer outside the job was closed on " "the move"
+        ), notes
         assert f"{peer.address}:{peer.port}" in notes[0], notes
-        until(lambda: sum(1 for r in _rounds(log) if r[3] == "n2") >= 5, 30,
-              "five rounds on n2")
+        until(lambda: sum(1 for r in _rounds(log) if r[3] == "n2") >= 5, 30, "five rounds on n2")
         rounds = _rounds(log)
-        after = rounds[len(before):]
+        after = rounds[len(before) :]
         # It read end-of-file (or EPIPE) on the closed connection once, reconnected from n2's
         # address, and went on from where it was: its rounds and the in-job connection's count
         # continue (that connection, over loopback, came back as it was).
@@ -212,10 +234,19 @@ def test_connection_to_a_peer_outside_the_job_is_closed_on_a_move_with_a_note(
 
 
 def test_connection_inside_the_job_over_the_old_nodes_address_is_closed_with_a_note(
-        two: Cluster, peer: Peer) -> None:
+    two: Cluster, peer: Peer
+) -> None:
     n1 = _addr(two, "n1")
-    job, log = _run(two, "n1", "selfish", str(two.work / "client.py"), peer.address,
-                    str(peer.port), str(_port()), n1)
+    job, log = _run(
+        two,
+        "n1",
+        "selfish",
+        str(two.work / "client.py"),
+        peer.address,
+        str(peer.port),
+        str(_port()),
+        n1,
+    )
     until(lambda: len(_rounds(log)) >= 5, 30, "five rounds on n1")
     _dump(two, "n1", job)
     before = _rounds(log)
@@ -223,12 +254,13 @@ def test_connection_inside_the_job_over_the_old_nodes_address_is_closed_with_a_n
     try:
         notes = answer["notes"]
         assert isinstance(notes, list) and len(notes) == 2, notes
-        assert notes[1].startswith("1 TCP connection between processes of the job was closed "
-                                   f"on the move: it runs over an address of the node that "
-                                   f"checkpointed it ({n1})"), notes
-        until(lambda: sum(1 for r in _rounds(log) if r[3] == "n2") >= 3, 30,
-              "three rounds on n2")
-        after = _rounds(log)[len(before):]
+        assert notes[1].startswith(
+            "1 TCP connection between processes of the job was closed "
+            f"on the move: it runs over an address of the node that "
+            f"checkpointed it ({n1})"
+        ), notes
+        until(lambda: sum(1 for r in _rounds(log) if r[3] == "n2") >= 3, 30, "three rounds on n2")
+        after = _rounds(log)[len(before) :]
         # Both of its ends were closed (the job's own server end read end-of-file); the
         # connection to the outside peer was re-made, the job going on.
         assert {r[1] for r in after} == {"closed"}, after
@@ -238,8 +270,9 @@ def test_connection_inside_the_job_over_the_old_nodes_address_is_closed_with_a_n
 
 
 def test_connection_is_kept_on_the_node_that_dumped_it(two: Cluster, peer: Peer) -> None:
-    job, log = _run(two, "n1", "stayer", str(two.work / "client.py"), peer.address,
-                    str(peer.port), str(_port()))
+    job, log = _run(
+        two, "n1", "stayer", str(two.work / "client.py"), peer.address, str(peer.port), str(_port())
+    )
     until(lambda: len(_rounds(log)) >= 5, 30, "five rounds")
     earlier = set(_lock_rules(two, "n1"))
     _dump(two, "n1", job)
@@ -250,7 +283,7 @@ def test_connection_is_kept_on_the_node_that_dumped_it(two: Cluster, peer: Peer)
     try:
         assert answer["notes"] == [], answer
         until(lambda: len(_rounds(log)) >= len(before) + 5, 30, "five more rounds")
-        after = _rounds(log)[len(before):]
+        after = _rounds(log)[len(before) :]
         # The same connection: no reconnect, the peer's count goes on where it was.
         assert all(r[4] is None for r in after), after
         assert int(after[0][2] or 0) == int(before[-1][2] or 0) + 1, (before[-1], after[0])
@@ -282,12 +315,15 @@ def test_server_bound_to_the_old_nodes_address_is_refused_in_one_line(two: Clust
         _kill(two, "n1", answer["job"])
 
 
-def test_slurm_job_requeued_to_another_node_reconnects_to_its_peer(two: Cluster, peer: Peer
-                                                                    ) -> None:
+def test_slurm_job_requeued_to_another_node_reconnects_to_its_peer(
+    two: Cluster, peer: Peer
+) -> None:
     script = two.script(
-        "slurmmover", f"exec python3 -u {two.work}/client.py {peer.address} {peer.port} "
-        f"{_port()}", f"--output={two.work}/slurmmover-%j.out",
-        "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=slurmmover")
+        "slurmmover",
+        f"exec python3 -u {two.work}/client.py {peer.address} {peer.port} " f"{_port()}",
+        f"--output={two.work}/slurmmover-%j.out",
+        "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=slurmmover",
+    )
     job = two.sbatch(script, user=TEST_USER)
     two.wait_state(job, ("RUNNING",))
     first = two.job(job)["BatchHost"]
@@ -297,17 +333,23 @@ def test_slurm_job_requeued_to_another_node_reconnects_to_its_peer(two: Cluster,
     # Its node goes into maintenance: the checkpoint requeues it, and it resumes on the other.
     two.run("scontrol", "update", f"NodeName={first}", "State=DRAIN", "Reason=e2e")
     try:
-        assert "requeued" in two.on(other, STASIS, "dump", "--slurm-job", job,
-                                    user=TEST_USER).stdout
-        until(lambda: "stasis: restored checkpoint" in out.read_text(), 90,
-              f"job {job} restored")
+        assert (
+            "requeued" in two.on(other, STASIS, "dump", "--slurm-job", job, user=TEST_USER).stdout
+        )
+        until(lambda: "stasis: restored checkpoint" in out.read_text(), 90, f"job {job} restored")
         assert two.job(job)["BatchHost"] == other
         # The job's output says which connection was closed.
-        assert re.search(r"^stasis: note: 1 TCP connection to a peer outside the job was "
-                         rf"closed on the move .*: {re.escape(peer.address)}:{peer.port}$",
-                         out.read_text(), re.M), out.read_text()
-        until(lambda: sum(1 for r in _rounds(out) if r[3] == other) >= 3, 30,
-              f"three rounds on {other}")
+        assert re.search(
+            r"^stasis: note: 1 TCP connection to a peer outside the job was "
+            rf"closed on the move .*: {re.escape(peer.address)}:{peer.port}$",
+            out.read_text(),
+            re.M,
+        ), out.read_text()
+        until(
+            lambda: sum(1 for r in _rounds(out) if r[3] == other) >= 3,
+            30,
+            f"three rounds on {other}",
+        )
         rounds = _rounds(out)
         assert [r[0] for r in rounds] == list(range(1, len(rounds) + 1))
         assert all(r[1] == str(r[0]) for r in rounds), rounds

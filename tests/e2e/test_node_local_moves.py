@@ -56,12 +56,26 @@ def site() -> Iterator[Site]:
         for node in ("n1", "n2"):
             # What Debian's postgresql package makes on every node at boot (tmpfiles.d): the
             # server's socket directory, on the node's own /run.
-            c.on(node, "install", "-d", "-o", TEST_USER, "-g", TEST_USER, "-m", "2775",
-                 "/run/postgresql")
+            c.on(
+                node,
+                "install",
+                "-d",
+                "-o",
+                TEST_USER,
+                "-g",
+                TEST_USER,
+                "-m",
+                "2775",
+                "/run/postgresql",
+            )
         classes = c.work / "java"
         classes.mkdir()
-        subprocess.run(["javac", "-d", str(classes), str(WORKLOADS / "Counter.java")],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            ["javac", "-d", str(classes), str(WORKLOADS / "Counter.java")],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         os.chmod(classes, 0o755)
         shutil.copy(WORKLOADS / "nodelocal.py", c.work / "nodelocal.py")
         pg = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
@@ -77,7 +91,7 @@ def continued(text: str, before: int) -> str | None:
     """Why the counts in `text` do not go on unbroken past `before` (None when they do)."""
     seen = counts(text)
     if "MISMATCH" in text:
-        return "its stores disagreed: " + text[text.index("MISMATCH"):][:200]
+        return "its stores disagreed: " + text[text.index("MISMATCH") :][:200]
     if not seen or seen[-1] < before + 3:
         return f"it counted no further than {seen[-1:] or 'nothing'} (had {before})"
     if seen != list(range(1, seen[-1] + 1)):
@@ -87,6 +101,7 @@ def continued(text: str, before: int) -> str | None:
 
 # -- the nodes share nothing but the site's shared files ----------------------------------------
 
+
 def test_each_node_has_its_own_tmp_var_tmp_dev_shm_run_host_name_and_address(site: Site) -> None:
     c = site.c
     mark = f"stasis-sep-{os.urandom(4).hex()}"
@@ -95,8 +110,9 @@ def test_each_node_has_its_own_tmp_var_tmp_dev_shm_run_host_name_and_address(sit
     try:
         assert c.on("n1", "ls", *made).returncode == 0
         gone = c.on("n2", "ls", *made, check=False)
-        assert gone.returncode != 0 and gone.stderr.count("No such file") == len(made), \
+        assert gone.returncode != 0 and gone.stderr.count("No such file") == len(made), (
             gone.stdout + gone.stderr
+        )
         assert not [p for p in made if os.path.lexists(p)]  # nor on this machine
         # The private directories are fresh tmpfs with the modes of a booted host.
         for d, mode in local_cluster.PRIVATE_DIRS:
@@ -109,18 +125,20 @@ def test_each_node_has_its_own_tmp_var_tmp_dev_shm_run_host_name_and_address(sit
     shared = c.work / f"{mark}.shared"
     c.on("n1", "touch", str(shared))
     assert shared.exists() and c.on("n2", "ls", str(shared)).returncode == 0
-    assert {n: c.on(n, "hostname").stdout.strip() for n in ("n1", "n2")} == \
-        {"n1": "n1", "n2": "n2"}
-    addrs = {n: c.on(n, "ip", "-4", "-o", "addr", "show", "eth0").stdout.split()[3]
-             for n in ("n1", "n2")}
+    assert {n: c.on(n, "hostname").stdout.strip() for n in ("n1", "n2")} == {"n1": "n1", "n2": "n2"}
+    addrs = {
+        n: c.on(n, "ip", "-4", "-o", "addr", "show", "eth0").stdout.split()[3] for n in ("n1", "n2")
+    }
     assert addrs["n1"] != addrs["n2"]
 
 
 # -- the workloads ----------------------------------------------------------------------------
 
+
 @dataclass
 class Work:
     """One workload: its command, and after the move, why its state did not come along."""
+
     name: str
     command: list[str]
     job: str = ""
@@ -131,27 +149,61 @@ class Work:
 
 
 def _python(site: Site, kinds: str, tag: str) -> list[str]:
-    return ["/usr/bin/python3", "-u", str(site.c.work / "nodelocal.py"), kinds, tag,
-            str(INTERVAL_S)]
+    return [
+        "/usr/bin/python3",
+        "-u",
+        str(site.c.work / "nodelocal.py"),
+        kinds,
+        tag,
+        str(INTERVAL_S),
+    ]
 
 
 def _java(site: Site) -> list[str]:
-    return ["/usr/bin/java", "-Xmx48m", "-Xss512k", "-XX:+UseSerialGC",
-            "-XX:TieredStopAtLevel=1", "-cp", str(site.java_classes), "Counter",
-            str(INTERVAL_S)]
+    return [
+        "/usr/bin/java",
+        "-Xmx48m",
+        "-Xss512k",
+        "-XX:+UseSerialGC",
+        "-XX:TieredStopAtLevel=1",
+        "-cp",
+        str(site.java_classes),
+        "Counter",
+        str(INTERVAL_S),
+    ]
 
 
 def _psql(site: Site, node: str, port: int, query: str) -> str:
-    r = site.c.on(node, str(site.pg_bin / "psql"), "-X", "-A", "-t", "-h", "/run/postgresql",
-                  "-p", str(port), "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1",
-                  "-c", query, user=TEST_USER, check=False)
+    r = site.c.on(
+        node,
+        str(site.pg_bin / "psql"),
+        "-X",
+        "-A",
+        "-t",
+        "-h",
+        "/run/postgresql",
+        "-p",
+        str(port),
+        "-U",
+        "postgres",
+        "-d",
+        "postgres",
+        "-v",
+        "ON_ERROR_STOP=1",
+        "-c",
+        query,
+        user=TEST_USER,
+        check=False,
+    )
     if r.returncode != 0:
         raise AssertionError(f"psql on {node}: {r.stderr.strip()}")
     return r.stdout.strip()
 
 
-PG_STATE = ("SELECT pg_postmaster_start_time(), "
-            "(SELECT md5(string_agg(word, ',' ORDER BY n)) FROM t), nextval('s')")
+PG_STATE = (
+    "SELECT pg_postmaster_start_time(), "
+    "(SELECT md5(string_agg(word, ',' ORDER BY n)) FROM t), nextval('s')"
+)
 
 
 def _pg_state(site: Site, node: str, port: int) -> tuple[str, str, int]:
@@ -161,17 +213,51 @@ def _pg_state(site: Site, node: str, port: int) -> tuple[str, str, int]:
 
 def _postgres(site: Site, tag: str) -> tuple[list[str], int]:
     data = site.c.work / f"pg-{tag}"
-    r = subprocess.run(["runuser", "-u", TEST_USER, "--", str(site.pg_bin / "initdb"), "-D",
-                        str(data), "-A", "trust", "-U", "postgres", "--no-sync"],
-                       capture_output=True, text=True, timeout=120, cwd=site.c.work)
+    r = subprocess.run(
+        [
+            "runuser",
+            "-u",
+            TEST_USER,
+            "--",
+            str(site.pg_bin / "initdb"),
+            "-D",
+            str(data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=site.c.work,
+    )
     assert r.returncode == 0, r.stderr
     port = 20000 + int.from_bytes(os.urandom(2), "big") % 20000
     # Its only socket in /run/postgresql (no TCP), shared memory SysV (in the job's own IPC
     # namespace), as small as PostgreSQL goes.
-    return [str(site.pg_bin / "postgres"), "-D", str(data), "-k", "/run/postgresql",
-            "-p", str(port), "-c", "listen_addresses=", "-c", "shared_memory_type=sysv",
-            "-c", "dynamic_shared_memory_type=sysv", "-c", "shared_buffers=8MB",
-            "-c", "max_connections=10", "-c", "fsync=off"], port
+    return [
+        str(site.pg_bin / "postgres"),
+        "-D",
+        str(data),
+        "-k",
+        "/run/postgresql",
+        "-p",
+        str(port),
+        "-c",
+        "listen_addresses=",
+        "-c",
+        "shared_memory_type=sysv",
+        "-c",
+        "dynamic_shared_memory_type=sysv",
+        "-c",
+        "shared_buffers=8MB",
+        "-c",
+        "max_connections=10",
+        "-c",
+        "fsync=off",
+    ], port
 
 
 def _pg_ready(site: Site, w: Work, node: str) -> bool:
@@ -183,8 +269,12 @@ def _pg_ready(site: Site, w: Work, node: str) -> bool:
 
 
 def _pg_fill(site: Site, w: Work, node: str) -> None:
-    _psql(site, node, w.pg_port, "INSERT INTO t SELECT g, md5(g::text) "
-          "FROM generate_series(1, 500) g")
+    _psql(
+        site,
+        node,
+        w.pg_port,
+        "INSERT INTO t SELECT g, md5(g::text) " "FROM generate_series(1, 500) g",
+    )
     _psql(site, node, w.pg_port, "CREATE SEQUENCE s")
     for _ in range(3):
         _psql(site, node, w.pg_port, "SELECT nextval('s')")
@@ -211,6 +301,7 @@ def _pg_moved(site: Site, w: Work, node: str) -> str | None:
 
 # -- by Slurm: n1 drained, its jobs checkpointed, requeued and restored on n2 -------------------
 
+
 def _host(c: Cluster, job: str) -> str:
     return c.job(job).get("BatchHost", "")
 
@@ -232,9 +323,12 @@ def requeued(site: Site) -> dict[str, Work]:
     c.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=nodelocal-first")
     try:
         for w in works.values():
-            script = c.script(f"{tag}-{w.name}", "exec " + " ".join(w.command),
-                              f"--output={c.work}/{tag}-{w.name}-%j.out",
-                              f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={tag}-{w.name}")
+            script = c.script(
+                f"{tag}-{w.name}",
+                "exec " + " ".join(w.command),
+                f"--output={c.work}/{tag}-{w.name}-%j.out",
+                f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={tag}-{w.name}",
+            )
             w.job = c.sbatch(script, user=TEST_USER)
         for w in works.values():
             c.wait_state(w.job, ("RUNNING",), 60)
@@ -248,16 +342,24 @@ def requeued(site: Site) -> dict[str, Work]:
         if w is not pg:
             until(lambda: len(counts(c.output(w.job))) >= 3, 60, f"{w.name} counting on n1")
     try:
-        drained = json.loads(c.on("n2", STASIS, "slurm", "drain", "n1", "--reason",
-                                  "nodelocal", "--json").stdout)
-        assert sorted(r["job"] for r in drained["requeued"]) == \
-            sorted(w.job for w in works.values()), drained
+        drained = json.loads(
+            c.on("n2", STASIS, "slurm", "drain", "n1", "--reason", "nodelocal", "--json").stdout
+        )
+        assert sorted(r["job"] for r in drained["requeued"]) == sorted(
+            w.job for w in works.values()
+        ), drained
         for w in works.values():
             w.before = max(counts(c.output(w.job)), default=0)
 
         # Each restored on n2, or given up on (the test of each says why).
-        poll(lambda: all(_host(c, w.job) == "n2" and "stasis: restored checkpoint" in
-                         c.output(w.job) for w in works.values()), MOVE_TIMEOUT_S, 1.0)
+        poll(
+            lambda: all(
+                _host(c, w.job) == "n2" and "stasis: restored checkpoint" in c.output(w.job)
+                for w in works.values()
+            ),
+            MOVE_TIMEOUT_S,
+            1.0,
+        )
     finally:
         c.run("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
     return works
@@ -268,17 +370,21 @@ def _slurm_outcome(site: Site, w: Work) -> str | None:
     out = c.output(w.job)
     if _host(c, w.job) != "n2" or "stasis: restored checkpoint" not in out:
         lines = [line for line in out.splitlines() if line.startswith("stasis")]
-        return (f"job {w.job} on {_host(c, w.job)!r} ({c.state(w.job)}) was not restored on n2:"
-                f" {lines[-3:]}")
+        return (
+            f"job {w.job} on {_host(c, w.job)!r} ({c.state(w.job)}) was not restored on n2:"
+            f" {lines[-3:]}"
+        )
     if w.name == "postgresql":
         return _pg_moved(site, w, "n2")
     return continued(out, w.before)
 
 
-@pytest.mark.parametrize("name", ["tempfile", "unix-socket", "sqlite-dev-shm", "postgresql",
-                                  "java"])
+@pytest.mark.parametrize(
+    "name", ["tempfile", "unix-socket", "sqlite-dev-shm", "postgresql", "java"]
+)
 def test_a_job_requeued_by_slurm_resumes_on_another_node_with_its_node_local_state(
-        site: Site, requeued: dict[str, Work], name: str) -> None:
+    site: Site, requeued: dict[str, Work], name: str
+) -> None:
     w = requeued[name]
     try:
         if name != "postgresql":  # (its check writes: once)
@@ -291,13 +397,22 @@ def test_a_job_requeued_by_slurm_resumes_on_another_node_with_its_node_local_sta
 
 # -- by the control plane: `stasis controlplane migrate JOB --to n2` ---------------------------
 
-def _as_user(site: Site, node: str, *args: str, check: bool = True
-             ) -> subprocess.CompletedProcess[str]:
+
+def _as_user(
+    site: Site, node: str, *args: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     """`stasis ARGS` as the test user on `node`: through the node daemon's socket (the node's
     config holds the control plane's token: root's only)."""
-    return site.c.on(node, "env", "STASIS_CONFIG=",
-                     f"STASIS_SOCKET={site.c.lay.node_socket(node)}", STASIS, *args,
-                     user=TEST_USER, check=check)
+    return site.c.on(
+        node,
+        "env",
+        "STASIS_CONFIG=",
+        f"STASIS_SOCKET={site.c.lay.node_socket(node)}",
+        STASIS,
+        *args,
+        user=TEST_USER,
+        check=check,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -306,20 +421,39 @@ def migrated(site: Site) -> dict[str, Work]:
     daemon, then migrated to n2 by the control plane: each job's outcome (its log's path)."""
     c, cp = site.c, site.cp
     tag = f"mg{os.urandom(3).hex()}"
-    works = {"java": Work("java", _java(site)),
-             "all-kinds": Work("all-kinds", _python(site, "tmp,vartmp,sock,shm", tag))}
+    works = {
+        "java": Work("java", _java(site)),
+        "all-kinds": Work("all-kinds", _python(site, "tmp,vartmp,sock,shm", tag)),
+    }
     for w in works.values():
         log = c.work / f"{tag}-{w.name}.log"
-        ran = json.loads(_as_user(site, "n1", "run", "--json", "--label", f"{tag}-{w.name}",
-                                  "--cwd", str(c.work), "--log", str(log), "--",
-                                  *w.command).stdout)
+        ran = json.loads(
+            _as_user(
+                site,
+                "n1",
+                "run",
+                "--json",
+                "--label",
+                f"{tag}-{w.name}",
+                "--cwd",
+                str(c.work),
+                "--log",
+                str(log),
+                "--",
+                *w.command,
+            ).stdout
+        )
         w.job = ran["job"]
         w.notes.append(str(log))
     for w in works.values():
-        until(lambda: len(counts(Path(w.notes[0]).read_text())) >= 3, 60,
-              f"{w.name} counting on n1")
-    wait_for(lambda: {w.job for w in works.values()} <= {j["job"] for j in cp.json("jobs")},
-             30, "the jobs in the control plane")
+        until(
+            lambda: len(counts(Path(w.notes[0]).read_text())) >= 3, 60, f"{w.name} counting on n1"
+        )
+    wait_for(
+        lambda: {w.job for w in works.values()} <= {j["job"] for j in cp.json("jobs")},
+        30,
+        "the jobs in the control plane",
+    )
     for w in works.values():
         moved = cp.cli("migrate", w.job, "--to", "n2", "--json")
         w.before = max(counts(Path(w.notes[0]).read_text()), default=0)
@@ -328,15 +462,22 @@ def migrated(site: Site) -> dict[str, Work]:
             continue
         answer = json.loads(moved.stdout)
         w.notes.append(answer["job"])
-    poll(lambda: all(continued(Path(w.notes[0]).read_text(), w.before) is None
-                     for w in works.values() if len(w.notes) == 2 and
-                     not w.notes[1].startswith("migrate failed")), 30, 1.0)
+    poll(
+        lambda: all(
+            continued(Path(w.notes[0]).read_text(), w.before) is None
+            for w in works.values()
+            if len(w.notes) == 2 and not w.notes[1].startswith("migrate failed")
+        ),
+        30,
+        1.0,
+    )
     return works
 
 
 @pytest.mark.parametrize("name", ["java", "all-kinds"])
 def test_a_job_migrated_by_the_control_plane_resumes_on_another_node_with_its_node_local_state(
-        site: Site, migrated: dict[str, Work], name: str) -> None:
+    site: Site, migrated: dict[str, Work], name: str
+) -> None:
     w = migrated[name]
     log, moved = w.notes[0], w.notes[1]
     try:

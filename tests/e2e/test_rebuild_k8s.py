@@ -36,8 +36,9 @@ def test_a_registered_container_keeps_its_intervals_after_a_rebuild(node: FaultN
     node.restart_daemon()
     assert list(state.glob("jobs.db.corrupt-*")), "the database was not rebuilt"
     had = set(checkpoints(node, label))
-    wait_for(lambda: set(checkpoints(node, label)) - had, 30,
-             "an interval checkpoint after the rebuild")
+    wait_for(
+        lambda: set(checkpoints(node, label)) - had, 30, "an interval checkpoint after the rebuild"
+    )
     # By hand too, by the container's id alone (its runc root is the registration's).
     by_hand = node.stasis("dump", "--container", cid, "--leave-running", "--json")
     assert by_hand.returncode == 0, by_hand.stderr

@@ -18,11 +18,13 @@ from tests.e2e.test_slurm_faults import numbers, resumed_in_order
 
 
 def test_a_registered_slurm_job_is_checkpointed_at_its_preemption_after_a_rebuild(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     c = cluster
     label = "rebuilt-slurm"
-    script = c.counter_script(label, f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}",
-                              stop=40, interval=0.5)
+    script = c.counter_script(
+        label, f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}", stop=40, interval=0.5
+    )
     job = c.sbatch(script)
     c.wait_number(job, 3)
     with Client(c.lay.stasis_socket, 20.0) as client:
@@ -39,8 +41,7 @@ def test_a_registered_slurm_job_is_checkpointed_at_its_preemption_after_a_rebuil
     reached = c.wait_number(job, 6)
     c.run("scancel", "-b", "-s", "URG", job)  # what Slurm sends at preemption
     until(lambda: c.checkpoints(label), 60, "the preemption's checkpoint")
-    until(lambda: "stasis: restored checkpoint" in c.output(job), 120,
-          "the requeued job to resume")
+    until(lambda: "stasis: restored checkpoint" in c.output(job), 120, "the requeued job to resume")
     c.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
     out = c.output(job)
     assert c.job(job)["JobState"] == "COMPLETED", out

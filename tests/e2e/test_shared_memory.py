@@ -31,21 +31,27 @@ def _shm_values(text: str) -> list[int]:
 
 def test_shared_memory_job_resumes_with_its_segment(cluster: Cluster) -> None:
     shutil.copy(WORKLOADS / "sysvshm.py", cluster.work / "sysvshm.py")
-    script = cluster.script("shm", f"exec python3 -u {cluster.work}/sysvshm.py 0.2",
-                            f"--output={cluster.work}/shm-%j.out", "--export=STASIS_ENABLE=1")
+    script = cluster.script(
+        "shm",
+        f"exec python3 -u {cluster.work}/sysvshm.py 0.2",
+        f"--output={cluster.work}/shm-%j.out",
+        "--export=STASIS_ENABLE=1",
+    )
     job = cluster.sbatch(script, user=TEST_USER)
     until(lambda: len(_shm_values(cluster.output(job))) >= 5, 90, "the job counting in shm")
     pids = cluster.pids(job)
     host_ipc = os.readlink("/proc/self/ns/ipc")
     assert any(os.readlink(f"/proc/{p}/ns/ipc") != host_ipc for p in pids)
-    answer = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json",
-                                       user=TEST_USER).stdout)
+    answer = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json", user=TEST_USER).stdout)
     assert answer["requeued"] is True
     wait_gone(pids)
     until(lambda: MARKER in cluster.output(job), 90, "the restore")
     at_dump = _shm_values(cluster.output(job).split(MARKER)[0])[-1]
-    until(lambda: _shm_values(cluster.output(job).split(MARKER)[1])[-1:] >= [at_dump + 5], 60,
-          "the restored job counting on")
+    until(
+        lambda: _shm_values(cluster.output(job).split(MARKER)[1])[-1:] >= [at_dump + 5],
+        60,
+        "the restored job counting on",
+    )
     after = _shm_values(cluster.output(job).split(MARKER)[1])
     # Read through the segment: the count went on from the checkpointed value, never from 0.
     assert after[0] >= at_dump and after == sorted(after), cluster.output(job)

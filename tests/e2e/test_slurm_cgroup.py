@@ -76,9 +76,12 @@ def _setup(environ: dict[str, str]) -> Made:
 
 def _job_script(c: Cluster, name: str, *sbatch: str, noterm: bool = False) -> Path:
     trigger = c.work / f"{name}.grow"
-    return c.script(name, f"exec python3 -u {c.work}/workload.py 2000 {trigger}"
-                          f"{' noterm' if noterm else ''}",
-                    f"--output={c.work}/{name}-%j.out", *sbatch)
+    return c.script(
+        name,
+        f"exec python3 -u {c.work}/workload.py 2000 {trigger}" f"{' noterm' if noterm else ''}",
+        f"--output={c.work}/{name}-%j.out",
+        *sbatch,
+    )
 
 
 def _cgroup(pid: int, controller: str) -> str:
@@ -101,17 +104,24 @@ def _cmdline(pid: int) -> str:
 def _task_pid(c: Cluster, job: str) -> int:
     """The batch step's task (LOCALID 0): slurmstepd put it in the step's cgroup."""
     out = c.run("scontrol", "listpids", job).stdout
-    return next(int(f[0]) for f in (line.split() for line in out.splitlines()[1:])
-                if len(f) >= 4 and f[2] == "batch" and f[3] == "0")
+    return next(
+        int(f[0])
+        for f in (line.split() for line in out.splitlines()[1:])
+        if len(f) >= 4 and f[2] == "batch" and f[3] == "0"
+    )
 
 
 def _workload(c: Cluster, job: str, name: str) -> int:
     """The restored workload's pid on the node, found among ALL of this machine's processes
     (not only those Slurm lists: where it is is what is checked)."""
     script = f"{c.work}/workload.py"
-    found = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-             and script in _cmdline(int(p.name))
-             and f"{name}.grow" in _cmdline(int(p.name))]
+    found = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and script in _cmdline(int(p.name))
+        and f"{name}.grow" in _cmdline(int(p.name))
+    ]
     assert len(found) == 1, found
     return found[0]
 
@@ -121,19 +131,23 @@ def _in_its_step(c: Cluster, job: str, pid: int) -> None:
     path for proctrack): the same as the step's task, and Slurm lists it."""
     # Moved there when the launcher registers, a moment after the restore says so.
     if not poll(lambda: pid in c.pids(job), 20, 0.5):
-        raise AssertionError(f"Slurm does not list process {pid} ({_cmdline(pid)}) in job {job}: "
-                             f"it lists {c.pids(job)}; the process is in "
-                             f"{Path(f'/proc/{pid}/cgroup').read_text()!r}; output: "
-                             f"{c.output(job)[-600:]}")
+        raise AssertionError(
+            f"Slurm does not list process {pid} ({_cmdline(pid)}) in job {job}: "
+            f"it lists {c.pids(job)}; the process is in "
+            f"{Path(f'/proc/{pid}/cgroup').read_text()!r}; output: "
+            f"{c.output(job)[-600:]}"
+        )
     task = _task_pid(c, job)
     for controller in ("memory", "freezer"):
         assert _cgroup(pid, controller) == _cgroup(task, controller), (controller, pid, task)
-        assert re.search(rf"/job_{job}/step_batch(/|$)", _cgroup(pid, controller)), \
-            _cgroup(pid, controller)
+        assert re.search(rf"/job_{job}/step_batch(/|$)", _cgroup(pid, controller)), _cgroup(
+            pid, controller
+        )
 
 
-def _resume_under_new_id(c: Cluster, name: str, first_mem: str, mem: str, *sbatch: str,
-                         noterm: bool = False) -> tuple[str, int]:
+def _resume_under_new_id(
+    c: Cluster, name: str, first_mem: str, mem: str, *sbatch: str, noterm: bool = False
+) -> tuple[str, int]:
     """A labelled job checkpointed (left running) and cancelled, then the same script again:
     the new job (its id, --mem `mem`) resumes the checkpoint. (new job id, value at the dump)"""
     label = f"{name}-{secrets.token_hex(3)}"
@@ -155,19 +169,33 @@ def _resume_under_new_id(c: Cluster, name: str, first_mem: str, mem: str, *sbatc
 
 def _preempted_job_resumes_in_its_step_cgroup(m: Made) -> None:
     c = m.cluster
-    victim = c.sbatch(_job_script(c, "victim", "--export=STASIS_ENABLE=1", "--mem=200M"),
-                      user=TEST_USER)
+    victim = c.sbatch(
+        _job_script(c, "victim", "--export=STASIS_ENABLE=1", "--mem=200M"), user=TEST_USER
+    )
     c.wait_number(victim, 4)
-    preemptor = c.script("preemptor", "sleep 1", "--partition=high", "--cpus-per-task=8",
-                         "--mem=100M", f"--output={c.work}/preemptor-%j.out")
+    preemptor = c.script(
+        "preemptor",
+        "sleep 1",
+        "--partition=high",
+        "--cpus-per-task=8",
+        "--mem=100M",
+        f"--output={c.work}/preemptor-%j.out",
+    )
     c.sbatch(preemptor)
     until(lambda: RESTORED in c.output(victim), 150, "the victim's restore")
     out = c.output(victim)
     assert "SIGURG: taking a checkpoint" in out, out
-    at_dump = [int(n) for n in re.findall(r"^(\d+)$", out[:out.index(RESTORED)], re.M)][-1]
-    resumed = until(lambda: [int(n) for n in re.findall(
-        r"^(\d+)$", c.output(victim)[c.output(victim).index(RESTORED):], re.M)], 30,
-        "the victim's counter after the restore")
+    at_dump = [int(n) for n in re.findall(r"^(\d+)$", out[: out.index(RESTORED)], re.M)][-1]
+    resumed = until(
+        lambda: [
+            int(n)
+            for n in re.findall(
+                r"^(\d+)$", c.output(victim)[c.output(victim).index(RESTORED) :], re.M
+            )
+        ],
+        30,
+        "the victim's counter after the restore",
+    )
     assert resumed[0] == at_dump + 1, out
     assert c.job(victim)["Restarts"] == "1"
     _in_its_step(c, victim, _workload(c, victim, "victim"))
@@ -180,8 +208,9 @@ def _restored_under_a_new_id_it_is_in_the_new_jobs_step_cgroup(m: Made) -> None:
     # The time-limit job first: it then runs into its limit while the next checks run.
     # --signal=URG@1 (not B:, which the stasis launcher would hear and checkpoint on): a
     # warning no process of the batch step gets, so the limit ends it as Slurm would.
-    m.timed, _ = _resume_under_new_id(c, "timed", "300M", "200M", "--time=1",
-                                      "--signal=URG@1", "--partition=high", noterm=True)
+    m.timed, _ = _resume_under_new_id(
+        c, "timed", "300M", "200M", "--time=1", "--signal=URG@1", "--partition=high", noterm=True
+    )
     timed = _workload(c, m.timed, "timed")
     _in_its_step(c, m.timed, timed)
     m.timed_pids = c.pids(m.timed)
@@ -228,13 +257,14 @@ def _time_limit_ends_a_restored_job(m: Made) -> None:
     wait_gone([pid, *m.timed_pids])
 
 
-CHECKS: list[Callable[[Made], None]] = [_preempted_job_resumes_in_its_step_cgroup,
-          _restored_under_a_new_id_it_is_in_the_new_jobs_step_cgroup,
-          _memory_limit_holds_after_a_restore,
-          _scancel_ends_a_restored_job,
-          _time_limit_ends_a_restored_job]
-_outcome = early_checks("test_slurm_cgroup.py", _setup, lambda m: close_cluster(m.cluster),
-                        CHECKS)
+CHECKS: list[Callable[[Made], None]] = [
+    _preempted_job_resumes_in_its_step_cgroup,
+    _restored_under_a_new_id_it_is_in_the_new_jobs_step_cgroup,
+    _memory_limit_holds_after_a_restore,
+    _scancel_ends_a_restored_job,
+    _time_limit_ends_a_restored_job,
+]
+_outcome = early_checks("test_slurm_cgroup.py", _setup, lambda m: close_cluster(m.cluster), CHECKS)
 
 
 def test_preempted_job_resumes_in_its_step_cgroup() -> None:

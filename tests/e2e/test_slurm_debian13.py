@@ -42,12 +42,15 @@ class RootCluster:
     def host(self, path: str) -> Path:
         return self.root / path.lstrip("/")
 
-    def sh(self, cmd: str, check: bool = True, timeout_s: float = 180
-           ) -> subprocess.CompletedProcess[str]:
+    def sh(
+        self, cmd: str, check: bool = True, timeout_s: float = 180
+    ) -> subprocess.CompletedProcess[str]:
         result = debian13.enter(self.root, f"cd {WORK} && env {self.env} {cmd}", timeout_s)
         if check and result.returncode != 0:
-            raise AssertionError(f"{cmd} failed in the Debian 13 root ({result.returncode}): "
-                                 f"{result.stderr}{result.stdout}")
+            raise AssertionError(
+                f"{cmd} failed in the Debian 13 root ({result.returncode}): "
+                f"{result.stderr}{result.stdout}"
+            )
         return result
 
     def job(self, job_id: str) -> dict[str, str]:
@@ -63,8 +66,13 @@ class RootCluster:
         return [int(n) for n in re.findall(r"^(\d+)$", self.output(name), re.M)]
 
     def sbatch(self, name: str, body: str, *opts: str) -> str:
-        lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
-                 f"#SBATCH --output={WORK}/{name}.out", body, ""]
+        lines = [
+            "#!/bin/bash",
+            *(f"#SBATCH {o}" for o in opts),
+            f"#SBATCH --output={WORK}/{name}.out",
+            body,
+            "",
+        ]
         self.host(f"{WORK}/{name}.sh").write_text("\n".join(lines))
         return self.sh(f"sbatch --parsable {WORK}/{name}.sh").stdout.strip().split(";")[0]
 
@@ -77,8 +85,11 @@ def cluster() -> Iterator[RootCluster]:
         subprocess.run(["rm", "-rf", str(c.host(d))], check=True)
         c.host(d).mkdir(parents=True)
     c.host(f"{WORK}/counter.py").write_text(COUNTER)
-    up = debian13.enter(root, f"stasis slurm local-cluster up --dir {CLUSTER} --json "
-                              "--socket-group root --cpus 8", 240)
+    up = debian13.enter(
+        root,
+        f"stasis slurm local-cluster up --dir {CLUSTER} --json " "--socket-group root --cpus 8",
+        240,
+    )
     assert up.returncode == 0, up.stderr + up.stdout
     try:
         yield c
@@ -91,26 +102,52 @@ def test_preempted_jobs_resume_once_on_slurm_24_11(cluster: RootCluster) -> None
     assert version[1].startswith("24.11."), version
     opt_in = "--export=ALL,STASIS_ENABLE=1,STASIS_CHECKPOINT={}"
     counter = f"python3 -u {WORK}/counter.py 24 0.5 0"
-    plain = cluster.sbatch("plain", f"exec {counter}", opt_in.format("plain"), "-p", "low",
-                           "-c", "4")
-    steps = cluster.sbatch("steps", "\n".join([
-        "srun bash -c 'echo first step'",
-        f"srun {counter}",
-        "echo script went on",
-    ]), opt_in.format("steps"), "-p", "low", "-c", "4")
-    until(lambda: len(cluster.numbers("plain")) >= 5 and len(cluster.numbers("steps")) >= 5,
-          120, "both counters at 5")
+    plain = cluster.sbatch(
+        "plain", f"exec {counter}", opt_in.format("plain"), "-p", "low", "-c", "4"
+    )
+    steps = cluster.sbatch(
+        "steps",
+        "\n".join(
+            [
+                "srun bash -c 'echo first step'",
+                f"srun {counter}",
+                "echo script went on",
+            ]
+        ),
+        opt_in.format("steps"),
+        "-p",
+        "low",
+        "-c",
+        "4",
+    )
+    until(
+        lambda: len(cluster.numbers("plain")) >= 5 and len(cluster.numbers("steps")) >= 5,
+        120,
+        "both counters at 5",
+    )
     # The counter step runs inside the tree, on stasis's srun, and is a Slurm step all the same
     # (the node daemon's record of it: what sacct lists).
-    until(lambda: re.search(rf"^{steps}\.\d+ python3$", cluster.sh(
-        f"squeue -h -s -j {steps} -o '%i %j'").stdout, re.M), 30, "the counter step in squeue")
+    until(
+        lambda: re.search(
+            rf"^{steps}\.\d+ python3$",
+            cluster.sh(f"squeue -h -s -j {steps} -o '%i %j'").stdout,
+            re.M,
+        ),
+        30,
+        "the counter step in squeue",
+    )
     high = cluster.sbatch("high", "sleep 3", "-p", "high", "-c", "8")
-    until(lambda: MARKER in cluster.output("plain") and MARKER in cluster.output("steps"),
-          180, "both jobs restored")
+    until(
+        lambda: MARKER in cluster.output("plain") and MARKER in cluster.output("steps"),
+        180,
+        "both jobs restored",
+    )
 
     def ended() -> bool:
-        return all(cluster.job(j)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED")
-                   for j in (plain, steps))
+        return all(
+            cluster.job(j)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED")
+            for j in (plain, steps)
+        )
 
     until(ended, 120, "both jobs to end")
     assert cluster.job(high)["JobState"] == "COMPLETED"
@@ -119,8 +156,8 @@ def test_preempted_jobs_resume_once_on_slurm_24_11(cluster: RootCluster) -> None
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
         assert info["Restarts"] == "1", out
         assert out.count(MARKER) == 1, out
-        at_dump = [int(n) for n in re.findall(r"^(\d+)$", out[:out.index(MARKER)], re.M)][-1]
-        resumed = [int(n) for n in re.findall(r"^(\d+)$", out[out.index(MARKER):], re.M)]
+        at_dump = [int(n) for n in re.findall(r"^(\d+)$", out[: out.index(MARKER)], re.M)][-1]
+        resumed = [int(n) for n in re.findall(r"^(\d+)$", out[out.index(MARKER) :], re.M)]
         assert at_dump >= 5 and resumed[0] == at_dump + 1, out  # went on, did not start over
         # Every value once, in order: no second run from 0.
         assert cluster.numbers(name) == list(range(24)), out
@@ -136,5 +173,6 @@ def test_the_root_is_debian_13(cluster: RootCluster) -> None:
     assert cluster.host("/etc/debian_version").read_text().startswith("13")
     check = cluster.sh("stasis check", check=False)
     assert "criu" in (check.stdout + check.stderr).lower(), check.stdout + check.stderr
-    assert shlex.split(cluster.sh("dpkg-query -W -f '${Version}' slurmd").stdout)[0] \
-        .startswith("24.11")
+    assert shlex.split(cluster.sh("dpkg-query -W -f '${Version}' slurmd").stdout)[0].startswith(
+        "24.11"
+    )

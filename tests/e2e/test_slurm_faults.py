@@ -85,9 +85,12 @@ def ids(c: Cluster, label: str) -> list[str]:
 
 
 def trapper(c: Cluster, name: str, stop: int = 60) -> str:
-    script = c.script(name, f"exec python3 -u {c.work}/trapper.py {stop} 0.5",
-                      f"--output={c.work}/{name}-%j.out",
-                      f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={name}")
+    script = c.script(
+        name,
+        f"exec python3 -u {c.work}/trapper.py {stop} 0.5",
+        f"--output={c.work}/{name}-%j.out",
+        f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={name}",
+    )
     return c.sbatch(script)
 
 
@@ -147,6 +150,7 @@ def _held(c: Cluster, job: str, why: str) -> dict[str, str]:
     def held() -> dict[str, str] | None:
         j = c.job(job)
         return j if j.get("JobState") == "PENDING" and why in j.get("Comment", "") else None
+
     return until(held, 90, f"job {job} requeued held ({why})")
 
 
@@ -167,8 +171,11 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
         mend_store(fc)
     assert ids(fc, "unsure") == kept
     # Nobody releases it: the node that held it does, once the store answers again.
-    until(lambda: fc.output(job).count("stasis: restored checkpoint") == 1, 90,
-          "the job to be released and to resume")
+    until(
+        lambda: fc.output(job).count("stasis: restored checkpoint") == 1,
+        90,
+        "the job to be released and to resume",
+    )
     fc.wait_number(job, numbers(fc.output(job))[-1] + 2)
     # The node daemon is down when it starts again: the same.
     local_cluster.stop_daemon(fc.root)
@@ -180,23 +187,33 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
         assert fc.job(job).get("JobState") == "PENDING"
     finally:
         local_cluster.start_daemon(fc.root)
-    until(lambda: fc.output(job).count("stasis: restored checkpoint") == 2, 90,
-          "the job to be released once its node daemon is back, and to resume again")
+    until(
+        lambda: fc.output(job).count("stasis: restored checkpoint") == 2,
+        90,
+        "the job to be released once its node daemon is back, and to resume again",
+    )
     fc.wait_number(job, numbers(fc.output(job))[-1] + 2)
     fc.run("scancel", job)
     resumed_in_order(fc.output(job))
 
 
-def test_a_user_cannot_have_the_daemon_release_a_job_held_by_someone_else(fc: Cluster,
-                                                                         test_user: Any) -> None:
+def test_a_user_cannot_have_the_daemon_release_a_job_held_by_someone_else(
+    fc: Cluster, test_user: Any
+) -> None:
     """The daemon releases only what its node held (its own root-owned notes), never a job whose
     Comment merely says so: an admin's hold stays an admin's hold."""
     # Not eligible before an hour: still pending when root holds it (a free node would start it).
-    job = fc.sbatch(fc.counter_script("adminheld", stop=30), "--begin=now+1hour",
-                    user=test_user.pw_name)
+    job = fc.sbatch(
+        fc.counter_script("adminheld", stop=30), "--begin=now+1hour", user=test_user.pw_name
+    )
     fc.run("scontrol", "hold", job)  # root: an admin's hold
-    fc.run("scontrol", "update", f"JobId={job}",
-           "Comment=stasis: held: checkpoint store unreachable", user=test_user.pw_name)
+    fc.run(
+        "scontrol",
+        "update",
+        f"JobId={job}",
+        "Comment=stasis: held: checkpoint store unreachable",
+        user=test_user.pw_name,
+    )
     time.sleep(held.RECHECK_S * 2 + 1)
     j = fc.job(job)
     assert j.get("JobState") == "PENDING" and j.get("Priority") == "0", j
@@ -205,9 +222,12 @@ def test_a_user_cannot_have_the_daemon_release_a_job_held_by_someone_else(fc: Cl
 
 def test_fresh_when_asked_even_if_the_store_is_unreachable(fc: Cluster) -> None:
     """STASIS_FRESH=1: the user accepts a start from the beginning when stasis cannot tell."""
-    script = fc.script("freshly", f"exec python3 -u {fc.work}/trapper.py 60 0.5",
-                       f"--output={fc.work}/freshly-%j.out",
-                       "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=freshly,STASIS_FRESH=1")
+    script = fc.script(
+        "freshly",
+        f"exec python3 -u {fc.work}/trapper.py 60 0.5",
+        f"--output={fc.work}/freshly-%j.out",
+        "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=freshly,STASIS_FRESH=1",
+    )
     cut_store(fc)
     try:
         job = fc.sbatch(script)
@@ -221,9 +241,12 @@ def test_fresh_when_asked_even_if_the_store_is_unreachable(fc: Cluster) -> None:
 def test_daemon_down_with_nothing_to_resume_runs_unprotected_and_says_so(fc: Cluster) -> None:
     """Nothing to lose (the store lists no checkpoint of the label): after the wait the job runs,
     unprotected, and says so in its output and its Comment."""
-    script = fc.script("bare", f"exec python3 -u {fc.work}/trapper.py 60 0.5",
-                       f"--output={fc.work}/bare-%j.out",
-                       "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=bare")
+    script = fc.script(
+        "bare",
+        f"exec python3 -u {fc.work}/trapper.py 60 0.5",
+        f"--output={fc.work}/bare-%j.out",
+        "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=bare",
+    )
     local_cluster.stop_daemon(fc.root)
     try:
         job = fc.sbatch(script)
@@ -235,8 +258,9 @@ def test_daemon_down_with_nothing_to_resume_runs_unprotected_and_says_so(fc: Clu
         fc.run("scancel", job, check=False)
 
 
-@pytest.mark.parametrize("point", ["slurm.checkpoint-asked", "slurm.after-publish",
-                                   "slurm.before-requeue"])
+@pytest.mark.parametrize(
+    "point", ["slurm.checkpoint-asked", "slurm.after-publish", "slurm.before-requeue"]
+)
 def test_daemon_killed_in_the_preemption_sequence(fc: Cluster, point: str) -> None:
     name = "pre-" + point.split(".")[1]
     _config(fc, f"test_fault_points = [{point!r}]\n".replace("'", '"'))
@@ -278,8 +302,7 @@ def _frozen(pids: list[int]) -> list[int]:
     return found
 
 
-def test_a_preemption_while_the_database_is_locked_stops_requeues_and_resumes(
-        fc: Cluster) -> None:
+def test_a_preemption_while_the_database_is_locked_stops_requeues_and_resumes(fc: Cluster) -> None:
     """Another process (an admin's sqlite3, a backup) holds the daemon's database write lock
     through a preemption: the stop checkpoint is taken, the job killed at it (never left
     SIGSTOPped) and requeued, nobody reads SQLAlchemy's text; the run it resumes in names that
@@ -289,8 +312,9 @@ def test_a_preemption_while_the_database_is_locked_stops_requeues_and_resumes(
         job = trapper(fc, "dblocked", stop=40)
         fc.wait_number(job, 3)
         pids = fc.pids(job)
-        holder = sqlite3.connect(fc.lay.stasis / "state" / "jobs.db", isolation_level=None,
-                                 timeout=0)
+        holder = sqlite3.connect(
+            fc.lay.stasis / "state" / "jobs.db", isolation_level=None, timeout=0
+        )
         try:
             holder.execute("BEGIN IMMEDIATE")
             fc.run("scancel", "-b", "-s", "URG", job)  # what Slurm sends at preemption
@@ -300,8 +324,11 @@ def test_a_preemption_while_the_database_is_locked_stops_requeues_and_resumes(
             holder.execute("ROLLBACK")
             holder.close()
         (stop,) = ids(fc, "dblocked")
-        until(lambda: "stasis: restored checkpoint" in fc.output(job), 120,
-              "the requeued job to resume")
+        until(
+            lambda: "stasis: restored checkpoint" in fc.output(job),
+            120,
+            "the requeued job to resume",
+        )
         assert not _frozen(fc.pids(job))
         fc.wait_number(job, numbers(fc.output(job))[-1] + 1)
         child = fc.stasis("dump", "--slurm-job", job, "--leave-running", "--json")
@@ -314,7 +341,8 @@ def test_a_preemption_while_the_database_is_locked_stops_requeues_and_resumes(
         assert fc.job(job)["JobState"] == "COMPLETED", out
         resumed_in_order(out)
         assert sorted(set(numbers(out))) == list(range(40)) and "\ndone\n" in out, out
-        assert not list((fc.lay.stasis / "state" / "dumps").glob("*.json")), \
-            "a dump's journal entry stays"
+        assert not list(
+            (fc.lay.stasis / "state" / "dumps").glob("*.json")
+        ), "a dump's journal entry stays"
     finally:
         _config(fc)

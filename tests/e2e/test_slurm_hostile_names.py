@@ -32,36 +32,45 @@ def _digest(path: str) -> str:
 NAMES = {
     "keys": "x UserId=root({uid}) StdOut={out} WorkDir=/root AdminComment=stasis-token=abc",
     "record": "x UserId=root({uid}) GroupId=root(0) JobState=RUNNING StdOut={out} "
-              "StdErr={out} WorkDir=/root AdminComment=stasis-token=abc\nJobId=99 JobName=y",
+    "StdErr={out} WorkDir=/root AdminComment=stasis-token=abc\nJobId=99 JobName=y",
 }
 
 
 @pytest.mark.parametrize("forgery", sorted(NAMES))
-def test_a_job_named_with_forged_keys_is_refused_and_runs_as_itself(cluster: Cluster,
-                                                                    forgery: str) -> None:
+def test_a_job_named_with_forged_keys_is_refused_and_runs_as_itself(
+    cluster: Cluster, forgery: str
+) -> None:
     uid = pwd.getpwnam(TEST_USER).pw_uid
     label = f"hostile-{secrets.token_hex(3)}"
     forged_out = cluster.work / f"forged-{label}.out"
     name = NAMES[forgery].format(uid=uid, out=forged_out)
     shadow = _digest("/etc/shadow")
     script = cluster.script(
-        "hostile", f"exec python3 -u {cluster.work}/counter.py 16 0.5 0",
+        "hostile",
+        f"exec python3 -u {cluster.work}/counter.py 16 0.5 0",
         f"--output={cluster.work}/hostile-%j.out",
-        f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}")
+        f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}",
+    )
     job = cluster.sbatch(script, "-J", name, user=TEST_USER)
     real_out = cluster.work / f"hostile-{job}.out"  # where Slurm really writes it
 
     def counted() -> bool:
         return real_out.exists() and "\n3\n" in real_out.read_text()
+
     until(counted, 90, f"job {job}'s counter in {real_out}")
     # Its owner asks for a checkpoint: refused in one line, the record read by no one.
-    dump = cluster.stasis("dump", "--slurm-job", job, "--leave-running", user=TEST_USER,
-                          check=False)
+    dump = cluster.stasis(
+        "dump", "--slurm-job", job, "--leave-running", user=TEST_USER, check=False
+    )
     assert dump.returncode != 0, dump.stdout
     assert dump.stderr.count("\n") == 1 and "the job is refused" in dump.stderr, dump.stderr
     # (Not cluster.state: the test's own reading of scontrol would take the forged JobState.)
-    until(lambda: cluster.run("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").stdout.strip()
-          == "COMPLETED", 90, f"job {job} completed")
+    until(
+        lambda: cluster.run("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").stdout.strip()
+        == "COMPLETED",
+        90,
+        f"job {job} completed",
+    )
     out = real_out.read_text()
     assert re.findall(r"^(\d+)$", out, re.M) == [str(i) for i in range(16)], out
     refusals = [line for line in out.splitlines() if "the job is refused" in line]
@@ -81,19 +90,30 @@ def test_every_task_of_an_opted_in_array_is_protected(cluster: Cluster) -> None:
     record with a line break in it."""
     label = f"array-{secrets.token_hex(3)}"
     script = cluster.script(
-        "array", f"exec python3 -u {cluster.work}/counter.py 60 0.5 0",
-        f"--output={cluster.work}/array-%A_%a.out", "--array=0-1",
-        f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}")
+        "array",
+        f"exec python3 -u {cluster.work}/counter.py 60 0.5 0",
+        f"--output={cluster.work}/array-%A_%a.out",
+        "--array=0-1",
+        f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}",
+    )
     array = cluster.sbatch(script, user=TEST_USER)
     outs = [cluster.work / f"array-{array}_{task}.out" for task in (0, 1)]
-    until(lambda: all(o.exists() and "\n3\n" in o.read_text() for o in outs), 90,
-          f"both tasks of array {array} counting")
-    tasks = dict(line.split() for line in cluster.run(
-        "squeue", "-h", "-r", "-j", array, "-o", "%A %K").stdout.splitlines())
+    until(
+        lambda: all(o.exists() and "\n3\n" in o.read_text() for o in outs),
+        90,
+        f"both tasks of array {array} counting",
+    )
+    tasks = dict(
+        line.split()
+        for line in cluster.run(
+            "squeue", "-h", "-r", "-j", array, "-o", "%A %K"
+        ).stdout.splitlines()
+    )
     assert array in tasks, tasks  # the task that has the array's own job id
     for job in tasks:
-        dump = cluster.stasis("dump", "--slurm-job", job, "--leave-running", user=TEST_USER,
-                              check=False)
+        dump = cluster.stasis(
+            "dump", "--slurm-job", job, "--leave-running", user=TEST_USER, check=False
+        )
         assert dump.returncode == 0, dump.stderr
     taken = {c["job"] for c in cluster.checkpoints(label, user=TEST_USER)}
     assert len(taken) == 2, taken

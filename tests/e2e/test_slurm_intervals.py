@@ -39,6 +39,7 @@ class AccountingCluster(Cluster):
         self.work.mkdir(exist_ok=True)
         os.chmod(self.work, 0o777)
         from tests.e2e.conftest import COUNTER
+
         (self.work / "counter.py").write_text(COUNTER)
 
 
@@ -57,10 +58,14 @@ def c() -> Iterator[Cluster]:
 
 
 def attempts(c: Cluster, job: str) -> list[dict[str, str]]:
-    out = c.run("sacct", "-a", "-D", "-n", "-P", "-j", job, "-X", "-o",
-                "JobIDRaw,State,End,Partition").stdout
-    return [dict(zip(("id", "state", "end", "partition"), line.split("|")))
-            for line in out.splitlines() if line]
+    out = c.run(
+        "sacct", "-a", "-D", "-n", "-P", "-j", job, "-X", "-o", "JobIDRaw,State,End,Partition"
+    ).stdout
+    return [
+        dict(zip(("id", "state", "end", "partition"), line.split("|")))
+        for line in out.splitlines()
+        if line
+    ]
 
 
 def intervals(c: Cluster) -> dict[str, dict[str, Any]]:
@@ -75,19 +80,38 @@ def created(m: dict[str, Any]) -> datetime:
 def test_auto_interval_shorter_where_preemptions_are(c: Cluster) -> None:
     w = c.work
     # -- the history: one preemption in `low` -------------------------------------------------
-    plain = c.sbatch(c.script("plain", f"exec python3 -u {w}/counter.py 600 1 0",
-                              f"--output={w}/plain-%j.out", "-p", "low", "--requeue"),
-                     user=TEST_USER)
+    plain = c.sbatch(
+        c.script(
+            "plain",
+            f"exec python3 -u {w}/counter.py 600 1 0",
+            f"--output={w}/plain-%j.out",
+            "-p",
+            "low",
+            "--requeue",
+        ),
+        user=TEST_USER,
+    )
     c.wait_number(plain, 2)
-    preemptor = c.sbatch(c.script("preemptor", "sleep 1", f"--output={w}/pre-%j.out",
-                                  "-p", "high", "--exclusive"))
-    until(lambda: any(a["state"] == "PREEMPTED" and a["end"] not in ("", "Unknown")
-                      for a in attempts(c, plain)), 90, "slurmdbd to record the preemption")
+    preemptor = c.sbatch(
+        c.script("preemptor", "sleep 1", f"--output={w}/pre-%j.out", "-p", "high", "--exclusive")
+    )
+    until(
+        lambda: any(
+            a["state"] == "PREEMPTED" and a["end"] not in ("", "Unknown")
+            for a in attempts(c, plain)
+        ),
+        90,
+        "slurmdbd to record the preemption",
+    )
     c.run("scancel", plain)
     until(lambda: not c.run("squeue", "-h", "-o", "%i").stdout.strip(), 60, "the queue empty")
-    until(lambda: all(a["end"] not in ("", "Unknown")
-                      for j in (plain, preemptor) for a in attempts(c, j)), 60,
-          "slurmdbd to record every end")
+    until(
+        lambda: all(
+            a["end"] not in ("", "Unknown") for j in (plain, preemptor) for a in attempts(c, j)
+        ),
+        60,
+        "slurmdbd to record every end",
+    )
     preempted = sum(a["state"] == "PREEMPTED" for a in attempts(c, plain))
     assert preempted >= 1
     assert [a["state"] for a in attempts(c, preemptor)] == ["COMPLETED"]
@@ -95,20 +119,32 @@ def test_auto_interval_shorter_where_preemptions_are(c: Cluster) -> None:
     # -- the daemon with a short floor and ceiling (it reads the rates as it starts) ----------
     local_cluster.stop_daemon(c.root)
     config = c.lay.config_of(NODE)
-    config.write_text(config.read_text()
-                      + f"interval_min_s = {FLOOR_S}\ninterval_max_s = {CEILING_S}\n")
+    config.write_text(
+        config.read_text() + f"interval_min_s = {FLOOR_S}\ninterval_max_s = {CEILING_S}\n"
+    )
     local_cluster.start_daemon(c.root)
 
     def auto_job(name: str, partition: str) -> str:
-        return c.sbatch(c.script(
-            name, f"exec python3 -u {w}/counter.py 600 0.5 0", f"--output={w}/{name}-%j.out",
-            "-p", partition, f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={name},"
-                             "STASIS_INTERVAL=auto"), user=TEST_USER)
+        return c.sbatch(
+            c.script(
+                name,
+                f"exec python3 -u {w}/counter.py 600 0.5 0",
+                f"--output={w}/{name}-%j.out",
+                "-p",
+                partition,
+                f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={name}," "STASIS_INTERVAL=auto",
+            ),
+            user=TEST_USER,
+        )
 
     low = auto_job("auto-low", "low")
     high = auto_job("auto-high", "high")
-    until(lambda: len(c.checkpoints("auto-low", user=TEST_USER)) >= 3, 90,
-          "three periodic checkpoints of the job in low")
+    until(
+        lambda: len(c.checkpoints("auto-low", user=TEST_USER)) >= 3,
+        90,
+        "three periodic checkpoints of the job in low",
+    )
+
     def both() -> dict[str, dict[str, Any]] | None:
         f = intervals(c)
         return f if low in f and high in f and f[low]["cost_measured"] else None
@@ -140,10 +176,14 @@ def test_auto_interval_shorter_where_preemptions_are(c: Cluster) -> None:
     # its last periodic checkpoint, not from 0.
     c.run("scontrol", "requeue", low)
     until(lambda: "stasis: restored checkpoint" in c.output(low), 90, "the restore")
+
     def counted() -> list[int]:
         o = c.output(low)
-        return [int(n) for n in o[o.index("stasis: restored checkpoint"):].split("\n")
-                if n.strip().isdigit()]
+        return [
+            int(n)
+            for n in o[o.index("stasis: restored checkpoint") :].split("\n")
+            if n.strip().isdigit()
+        ]
 
     resumed = until(counted, 30, "the counter after the restore")
     assert resumed[0] > 2, resumed

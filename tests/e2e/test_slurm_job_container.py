@@ -59,9 +59,12 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     c = contained
     (c.work / "tmpjob.py").write_text(JOB)
     token = secrets.token_hex(4)
-    script = c.script("tmpjob", f"exec /usr/bin/python3 -u {c.work}/tmpjob.py 24 {token}",
-                      f"--output={c.work}/tmpjob-%j.out",
-                      "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=tmpjob")
+    script = c.script(
+        "tmpjob",
+        f"exec /usr/bin/python3 -u {c.work}/tmpjob.py 24 {token}",
+        f"--output={c.work}/tmpjob-%j.out",
+        "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=tmpjob",
+    )
     shadow = hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest()
     job = c.sbatch(script, user=TEST_USER)
     c.wait_state(job, ("RUNNING",))
@@ -77,8 +80,11 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     assert links and all(os.readlink(p) == "/etc/shadow" for p in links), links
     # And the file it holds open, with what it had written before the checkpoint.
     held = [p for p in (c.root / "job-containers").rglob("held")]
-    until(lambda: held and held[0].read_text().split()[:3] == ["0", "1", "2"], 30,
-          "the held file back")
+    until(
+        lambda: held and held[0].read_text().split()[:3] == ["0", "1", "2"],
+        30,
+        "the held file back",
+    )
     c.wait_state(job, ("COMPLETED",), 90)
     lines = _lines(c, job)
     # Each count once, in order: it went on from where it was, in its new container, and read

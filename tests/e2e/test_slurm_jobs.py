@@ -16,8 +16,7 @@ import pytest
 from stasis.slurm import cluster as local_cluster
 from stasis.slurm import scontrol
 from tests.conftest import STASIS, TEST_USER
-from tests.e2e.conftest import (EARLY, Cluster, Early, close_cluster, new_cluster, until,
-                                 wait_gone)
+from tests.e2e.conftest import EARLY, Cluster, Early, close_cluster, new_cluster, until, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +30,12 @@ ENABLE = "--export=STASIS_ENABLE=1"
 
 def after(text: str, marker: str) -> list[int]:
     """The counter values printed after the line holding `marker`."""
-    tail = text[text.index(marker):]
+    tail = text[text.index(marker) :]
     return [int(n) for n in re.findall(r"^(\d+)$", tail, re.M)]
 
 
 def before(text: str, marker: str) -> list[int]:
-    head = text[:text.index(marker)]
+    head = text[: text.index(marker)]
     return [int(n) for n in re.findall(r"^(\d+)$", head, re.M)]
 
 
@@ -53,23 +52,36 @@ def _preempt(environ: dict[str, str]) -> dict[str, Any]:
 
 
 def _preempted_on(cluster: Cluster) -> dict[str, Any]:
-    victim = cluster.counter_script("victim", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=victim",
-                                    stop=25)
+    victim = cluster.counter_script(
+        "victim", "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=victim", stop=25
+    )
     plain = cluster.counter_script("plain", "--open-mode=append", stop=25)
-    preemptor = cluster.script("preemptor", "echo preemptor; sleep 2", "--partition=high",
-                               "--cpus-per-task=8", f"--output={cluster.work}/preemptor-%j.out")
+    preemptor = cluster.script(
+        "preemptor",
+        "echo preemptor; sleep 2",
+        "--partition=high",
+        "--cpus-per-task=8",
+        f"--output={cluster.work}/preemptor-%j.out",
+    )
     v, p = cluster.sbatch(victim), cluster.sbatch(plain)
     cluster.wait_number(v, 5)
     cluster.wait_number(p, 5)
     pre = cluster.sbatch(preemptor)
     cluster.wait_state(v, ("COMPLETED", "FAILED", "CANCELLED"), 150)
     cluster.wait_state(p, ("COMPLETED", "FAILED", "CANCELLED"), 90)
-    return {"victim": v, "plain": p, "preemptor": pre,
-            "version": cluster.run("scontrol", "--version").stdout,
-            "victim_job": cluster.job(v), "plain_job": cluster.job(p),
-            "victim_out": cluster.output(v), "plain_out": cluster.output(p),
-            "preemptor_state": cluster.state(pre), "victim_sacct": cluster.sacct(v),
-            "victim_checkpoints": cluster.checkpoints("victim")}
+    return {
+        "victim": v,
+        "plain": p,
+        "preemptor": pre,
+        "version": cluster.run("scontrol", "--version").stdout,
+        "victim_job": cluster.job(v),
+        "plain_job": cluster.job(p),
+        "victim_out": cluster.output(v),
+        "plain_out": cluster.output(p),
+        "preemptor_state": cluster.state(pre),
+        "victim_sacct": cluster.sacct(v),
+        "victim_checkpoints": cluster.checkpoints("victim"),
+    }
 
 
 PREEMPTED = Early(_preempt, lambda _: None)
@@ -106,7 +118,7 @@ def test_same_job_without_stasis_restarts_from_zero(preempted: dict[str, Any]) -
     # job once more when that run ends: a third run, Slurm's own doing, with or without stasis.
     runs = 3 if _slurm(preempted) >= (24, 11) else 2
     assert numbers.count(0) == runs, out
-    second = numbers[numbers.index(0, 1):]
+    second = numbers[numbers.index(0, 1) :]
     assert second == list(range(25)) * (runs - 1)
     assert "stasis" not in out
     assert job["Restarts"] == str(runs - 1) and job["JobState"] == "COMPLETED"
@@ -124,8 +136,7 @@ def test_non_root_job_manual_dump_resumes_and_keeps_its_exit_code(cluster: Clust
     before_pids = cluster.pids(job)
     inner_before = _namespace_pids(before_pids)
     assert inner_before[0] == 1  # tini, the namespace's init: host pid 1 is always taken
-    answer = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json",
-                                       user=TEST_USER).stdout)
+    answer = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json", user=TEST_USER).stdout)
     assert answer["requeued"] is True and answer["label"] == job
     wait_gone(before_pids)
     until(lambda: "stasis: restored checkpoint" in cluster.output(job), 90, "the restore")
@@ -160,15 +171,20 @@ def test_other_users_cannot_checkpoint_a_job_or_use_its_label(cluster: Cluster) 
     bad = cluster.stasis("dump", "--slurm-job", "../1", check=False)
     assert bad.returncode == 2 and "not a Slurm job id" in bad.stderr
     # Nor set its checkpoint interval (the route its own srun launcher asks), nor see it.
-    ask = cluster.run(str(Path(STASIS).parent / "python"), "-c",
-                      "import sys\n"
-                      "from stasis.client import Client\n"
-                      "from stasis.config import load_settings\n"
-                      "from stasis.errors import StasisError\n"
-                      "try:\n"
-                      f"    Client(load_settings().socket).slurm_interval({job!r}, '1')\n"
-                      "except StasisError as e:\n"
-                      "    sys.exit(str(e))\n", user=TEST_USER, check=False)
+    ask = cluster.run(
+        str(Path(STASIS).parent / "python"),
+        "-c",
+        "import sys\n"
+        "from stasis.client import Client\n"
+        "from stasis.config import load_settings\n"
+        "from stasis.errors import StasisError\n"
+        "try:\n"
+        f"    Client(load_settings().socket).slurm_interval({job!r}, '1')\n"
+        "except StasisError as e:\n"
+        "    sys.exit(str(e))\n",
+        user=TEST_USER,
+        check=False,
+    )
     assert ask.returncode == 1 and "permission denied" in ask.stderr, ask
     listed = json.loads(cluster.stasis("slurm", "intervals", "--json", user=TEST_USER).stdout)
     assert job not in [e["slurm_job"] for e in listed]
@@ -178,8 +194,9 @@ def test_other_users_cannot_checkpoint_a_job_or_use_its_label(cluster: Cluster) 
     # Another user's job with the same label: labels are per owner, so it starts from its own
     # (empty) series, protected, never restores root's checkpoint, and completing with exit 0
     # retires only its own checkpoints of the label, not root's.
-    theirs = cluster.sbatch(cluster.counter_script("theirs", opt, stop=3, interval=0.2),
-                            user=TEST_USER)
+    theirs = cluster.sbatch(
+        cluster.counter_script("theirs", opt, stop=3, interval=0.2), user=TEST_USER
+    )
     cluster.wait_state(theirs, ("COMPLETED",))
     out = cluster.output(theirs)
     assert "restored" not in out and cluster.numbers(theirs) == [0, 1, 2]
@@ -192,9 +209,11 @@ def test_other_users_cannot_checkpoint_a_job_or_use_its_label(cluster: Cluster) 
 
 
 def test_periodic_checkpoint_then_requeue_resumes_and_scancel_leaves_nothing(
-        cluster: Cluster) -> None:
-    script = cluster.counter_script("periodic", "--export=STASIS_ENABLE=1,STASIS_INTERVAL=3",
-                                    stop=400, interval=0.5)
+    cluster: Cluster,
+) -> None:
+    script = cluster.counter_script(
+        "periodic", "--export=STASIS_ENABLE=1,STASIS_INTERVAL=3", stop=400, interval=0.5
+    )
     job = cluster.sbatch(script)
     until(lambda: len(cluster.checkpoints(job)) >= 2, 60, "two periodic checkpoints")
     out = cluster.output(job)
@@ -206,8 +225,11 @@ def test_periodic_checkpoint_then_requeue_resumes_and_scancel_leaves_nothing(
     out = cluster.output(job)
     assert f"stasis: restored checkpoint {latest}" in out
     last_before = before(out, "stasis: restored checkpoint")[-1]
-    resumed = until(lambda: after(cluster.output(job), "stasis: restored checkpoint"), 30,
-                    "counter after the restore")
+    resumed = until(
+        lambda: after(cluster.output(job), "stasis: restored checkpoint"),
+        30,
+        "counter after the restore",
+    )
     # Resumed from the last periodic checkpoint: not from 0, not past where it was killed.
     assert 0 < resumed[0] <= last_before + 1
     assert cluster.job(job)["Restarts"] == "1"
@@ -222,12 +244,14 @@ def test_periodic_checkpoint_then_requeue_resumes_and_scancel_leaves_nothing(
 
 def test_label_lifecycle_resume_under_new_id_then_retire(cluster: Cluster) -> None:
     label = f"life-{secrets.token_hex(3)}"
-    script = cluster.counter_script("life", f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}",
-                                    stop=16, interval=0.5)
+    script = cluster.counter_script(
+        "life", f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}", stop=16, interval=0.5
+    )
     first = cluster.sbatch(script)
     cluster.wait_number(first, 4)
-    cp = json.loads(cluster.stasis("dump", "--slurm-job", first, "--leave-running",
-                                   "--json").stdout)
+    cp = json.loads(
+        cluster.stasis("dump", "--slurm-job", first, "--leave-running", "--json").stdout
+    )
     assert cp["requeued"] is False
     cluster.run("scancel", first)
     cluster.wait_state(first, ("CANCELLED",))
@@ -258,9 +282,11 @@ def test_label_lifecycle_resume_under_new_id_then_retire(cluster: Cluster) -> No
 def test_unknown_label_runs_from_the_start_with_a_warning(cluster: Cluster) -> None:
     # Cedana's variable names work too; srun steps inside an opted-in job still work.
     script = cluster.script(
-        "unknown", f"srun /bin/echo step-ok\nexec python3 -u {cluster.work}/counter.py 3 0.2 0",
+        "unknown",
+        f"srun /bin/echo step-ok\nexec python3 -u {cluster.work}/counter.py 3 0.2 0",
         "--export=CEDANA_ENABLE=1,CEDANA_CHECKPOINT=never-seen-label",
-        f"--output={cluster.work}/unknown-%j.out")
+        f"--output={cluster.work}/unknown-%j.out",
+    )
     job = cluster.sbatch(script)
     cluster.wait_state(job, ("COMPLETED",))
     out = cluster.output(job)
@@ -273,15 +299,18 @@ def test_unknown_label_runs_from_the_start_with_a_warning(cluster: Cluster) -> N
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(cluster: Cluster) -> None:
     label = f"corrupt-{secrets.token_hex(3)}"
     script = cluster.counter_script(
-        "corrupt", f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}", stop=400, interval=0.5)
+        "corrupt", f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}", stop=400, interval=0.5
+    )
     first = cluster.sbatch(script)
     cluster.wait_number(first, 3)
-    older = json.loads(cluster.stasis("dump", "--slurm-job", first, "--leave-running",
-                                      "--json").stdout)["checkpoint"]
+    older = json.loads(
+        cluster.stasis("dump", "--slurm-job", first, "--leave-running", "--json").stdout
+    )["checkpoint"]
     older_max = cluster.numbers(first)[-1]
     cluster.wait_number(first, older_max + 8)
-    newer = json.loads(cluster.stasis("dump", "--slurm-job", first, "--leave-running",
-                                      "--json").stdout)["checkpoint"]
+    newer = json.loads(
+        cluster.stasis("dump", "--slurm-job", first, "--leave-running", "--json").stdout
+    )["checkpoint"]
     cluster.run("scancel", first)
     cluster.wait_state(first, ("CANCELLED",))
     pages = max((cluster.lay.store / newer).glob("pages-*.img"), key=lambda p: p.stat().st_size)
@@ -292,8 +321,11 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(cluster: Cluster) 
     second = cluster.sbatch(script)
     until(lambda: "stasis: restored checkpoint" in cluster.output(second), 60, "the restore")
     cluster.wait_number(second, 1)
-    out = until(lambda: o if (o := cluster.output(second)) and after(o, "restored checkpoint")
-                else "", 30, "output after the restore")
+    out = until(
+        lambda: o if (o := cluster.output(second)) and after(o, "restored checkpoint") else "",
+        30,
+        "output after the restore",
+    )
     assert f"skipping checkpoint {newer}" in out and "corrupt" in out and pages.name in out
     assert f"stasis: restored checkpoint {older}" in out
     # The second job's own output holds only the restored counter: its first value is where the
@@ -353,4 +385,3 @@ def _cmdline(pid: int) -> str:
 
 def _processes_running(pattern: str) -> bool:
     return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0
-

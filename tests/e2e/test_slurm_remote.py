@@ -16,9 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import TEST_USER, STASIS
-from tests.e2e.conftest import (Cluster, close_cluster, early_checks, new_cluster, until,
-                                 wait_gone)
+from tests.conftest import STASIS, TEST_USER
+from tests.e2e.conftest import Cluster, close_cluster, early_checks, new_cluster, until, wait_gone
 
 ENABLE = "--export=STASIS_ENABLE=1"
 RESTORED = "stasis: restored checkpoint"
@@ -47,13 +46,18 @@ class Remote:
         self.cluster = cluster
         self.port = port
 
-    def login(self, *args: str, user: str | None = None, env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess[str]:
+    def login(
+        self, *args: str, user: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """`stasis ARGS` where no daemon runs and the node is not n1."""
-        values = {"STASIS_SOCKET": str(self.cluster.root / "no-daemon-here.sock"),
-                  "STASIS_SLURM_NODE_NAME": "login", **(env or {})}
-        return self.cluster.run("env", *(f"{k}={v}" for k, v in values.items()), STASIS,
-                                *args, user=user, check=False)
+        values = {
+            "STASIS_SOCKET": str(self.cluster.root / "no-daemon-here.sock"),
+            "STASIS_SLURM_NODE_NAME": "login",
+            **(env or {}),
+        }
+        return self.cluster.run(
+            "env", *(f"{k}={v}" for k, v in values.items()), STASIS, *args, user=user, check=False
+        )
 
     def daemon_log(self) -> str:
         return (self.cluster.lay.stasis / "daemon.log").read_text()
@@ -93,16 +97,17 @@ def _a_user_checkpoints_their_job_from_another_node_and_it_resumes(remote: Remot
     assert answer.returncode == 0, answer.stderr
     done = json.loads(answer.stdout)
     assert done["slurm_job"] == job and done["requeued"] is True, done
-    uid = int(subprocess.run(["id", "-u", TEST_USER], capture_output=True, text=True
-                             ).stdout)
-    assert re.search(rf"remote Slurm checkpoint job={job} .* asked by uid {uid} from "
-                     r"127\.0\.0\.1", remote.daemon_log()), remote.daemon_log()
+    uid = int(subprocess.run(["id", "-u", TEST_USER], capture_output=True, text=True).stdout)
+    assert re.search(
+        rf"remote Slurm checkpoint job={job} .* asked by uid {uid} from " r"127\.0\.0\.1",
+        remote.daemon_log(),
+    ), remote.daemon_log()
     wait_gone(pids)
     until(lambda: RESTORED in c.output(job), 90, "the restore")
     c.wait_state(job, ("COMPLETED",), 120)
     out = c.output(job)
-    at_dump = [int(n) for n in re.findall(r"^(\d+)$", out[:out.index(RESTORED)], re.M)]
-    went_on = [int(n) for n in re.findall(r"^(\d+)$", out[out.index(RESTORED):], re.M)]
+    at_dump = [int(n) for n in re.findall(r"^(\d+)$", out[: out.index(RESTORED)], re.M)]
+    went_on = [int(n) for n in re.findall(r"^(\d+)$", out[out.index(RESTORED) :], re.M)]
     assert went_on[0] == at_dump[-1] + 1, out  # from the checkpoint, not from 0
     assert re.findall(r"^(\d+)$", out, re.M) == [str(i) for i in range(30)], out
     assert f"{RESTORED} {done['checkpoint']}" in out
@@ -125,44 +130,56 @@ def _another_user_is_refused_and_errors_are_one_line(remote: Remote) -> None:
     _one_line(remote.login("dump", "--slurm-job", "99999"), 2, "no Slurm job 99999")
     _one_line(remote.login("dump", "--slurm-job", "../1"), 2, "not a Slurm job id")
     held = c.sbatch(c.counter_script("held", ENABLE, stop=3), "--hold")
-    _one_line(remote.login("dump", "--slurm-job", held), 2,
-              f"Slurm job {held} is not running (PENDING)")
+    _one_line(
+        remote.login("dump", "--slurm-job", held), 2, f"Slurm job {held} is not running (PENDING)"
+    )
     c.run("scancel", held)
     nowhere = _free_port()
-    _one_line(remote.login("dump", "--slurm-job", job,
-                           env={"STASIS_SLURM_REMOTE_PORT": str(nowhere)}), 1,
-              f"cannot reach the stasis daemon of node n1 at 127.0.0.1:{nowhere} (connection "
-              "refused)")
-    _one_line(remote.login("dump", "--slurm-job", job, env={"STASIS_SLURM_REMOTE_PORT": "0"}),
-              2, "remote Slurm commands are off here")
+    _one_line(
+        remote.login("dump", "--slurm-job", job, env={"STASIS_SLURM_REMOTE_PORT": str(nowhere)}),
+        1,
+        f"cannot reach the stasis daemon of node n1 at 127.0.0.1:{nowhere} (connection " "refused)",
+    )
+    _one_line(
+        remote.login("dump", "--slurm-job", job, env={"STASIS_SLURM_REMOTE_PORT": "0"}),
+        2,
+        "remote Slurm commands are off here",
+    )
     _one_line(remote.login("slurm", "drain", "n9"), 2, "no Slurm node n9")
     # On the job's own node, a job not under stasis: said so, nothing sent anywhere.
     plain = c.sbatch(c.counter_script("plain", stop=400, interval=0.5))
     c.wait_number(plain, 1)
-    _one_line(c.stasis("dump", "--slurm-job", plain, check=False), 2,
-              f"Slurm job {plain} runs on this node (n1) but not under its stasis daemon")
+    _one_line(
+        c.stasis("dump", "--slurm-job", plain, check=False),
+        2,
+        f"Slurm job {plain} runs on this node (n1) but not under its stasis daemon",
+    )
     # On the job's node with no daemon answering: that is the error, not a remote call.
-    gone = c.run("env", f"STASIS_SOCKET={c.root}/gone.sock", STASIS, "dump", "--slurm-job", job,
-                 check=False)
+    gone = c.run(
+        "env", f"STASIS_SOCKET={c.root}/gone.sock", STASIS, "dump", "--slurm-job", job, check=False
+    )
     _one_line(gone, 1, f"cannot reach the stasis daemon at {c.root}/gone.sock")
     c.run("scancel", job, plain)
     c.wait_state(job, ("CANCELLED",))
 
 
-def _drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty(
-        remote: Remote) -> None:
+def _drain_requeues_protected_jobs_and_waits_for_the_node_to_be_empty(remote: Remote) -> None:
     c = remote.cluster
     job = c.sbatch(c.counter_script("drained", ENABLE, stop=40, interval=0.5))
     plain = c.sbatch(c.script("unprotected", "sleep 8"))
     c.wait_number(job, 3)
     c.wait_state(plain, ("RUNNING",))
     # Only root drains; the node says so (munge's uid), and nothing changed.
-    _one_line(remote.login("slurm", "drain", "n1", user=TEST_USER), 2,
-              "permission denied: only root drains a node")
+    _one_line(
+        remote.login("slurm", "drain", "n1", user=TEST_USER),
+        2,
+        "permission denied: only root drains a node",
+    )
     assert "DRAIN" not in c.run("scontrol", "show", "node", "n1").stdout
 
-    result = remote.login("slurm", "drain", "n1", "--reason", "kernel update", "--json",
-                          "--timeout", "60")
+    result = remote.login(
+        "slurm", "drain", "n1", "--reason", "kernel update", "--json", "--timeout", "60"
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     report = json.loads(result.stdout)
     assert [r["job"] for r in report["requeued"]] == [job], report
@@ -191,10 +208,12 @@ def _drain_gives_up_waiting_after_its_timeout(remote: Remote) -> None:
     try:
         result = remote.login("slurm", "drain", "n1", "--timeout", "1")
         assert result.returncode == 1, result.stderr + result.stdout
-        assert f"not under stasis, running until they end: Slurm job(s) {plain}" in \
-            result.stdout, result.stdout
-        assert f"node n1 is not empty after 1 s: Slurm job(s) {plain} still run there" in \
-            result.stderr, result.stderr
+        assert (
+            f"not under stasis, running until they end: Slurm job(s) {plain}" in result.stdout
+        ), result.stdout
+        assert (
+            f"node n1 is not empty after 1 s: Slurm job(s) {plain} still run there" in result.stderr
+        ), result.stderr
         assert c.state(plain) == "RUNNING"
     finally:
         c.run("scancel", plain)
@@ -209,8 +228,7 @@ CHECKS: list[Callable[[Remote], None]] = [
 ]
 # Minutes of waiting on Slurm (requeues, a drain): the checks run early, on a cluster of their
 # own (conftest.early_checks); each test raises its check's own error, if any.
-_outcome = early_checks("test_slurm_remote.py", _setup, lambda r: close_cluster(r.cluster),
-                        CHECKS)
+_outcome = early_checks("test_slurm_remote.py", _setup, lambda r: close_cluster(r.cluster), CHECKS)
 
 
 def test_a_user_checkpoints_their_job_from_another_node_and_it_resumes() -> None:

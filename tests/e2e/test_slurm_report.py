@@ -42,8 +42,9 @@ from tests.e2e.conftest import COUNTER, EARLY, Cluster, Early, close_cluster, un
 pytestmark = pytest.mark.timeout(600)
 
 NODE = "n1"
-FIELDS = ("JobIDRaw,State,ElapsedRaw,NNodes,TimelimitRaw,ReqMem,TRESUsageInTot,Start,End,"
-          "AllocTRES")
+FIELDS = (
+    "JobIDRaw,State,ElapsedRaw,NNodes,TimelimitRaw,ReqMem,TRESUsageInTot,Start,End," "AllocTRES"
+)
 ACCOUNTS = ("timeout", "resub", "mem", "preempt", "stasis")
 HOG = "import time; x = bytearray(100 * 1024 * 1024); time.sleep(15)"
 
@@ -74,8 +75,15 @@ def node_hours(r: dict[str, str]) -> float:
     return int(r["NNodes"]) * int(r["ElapsedRaw"]) / 3600
 
 
-TERMINAL = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "PREEMPTED", "OUT_OF_MEMORY",
-            "NODE_FAIL")
+TERMINAL = (
+    "COMPLETED",
+    "TIMEOUT",
+    "FAILED",
+    "CANCELLED",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+)
 
 
 def _run_the_jobs(environ: dict[str, str]) -> dict[str, Any]:
@@ -100,32 +108,69 @@ def _run_the_jobs(environ: dict[str, str]) -> dict[str, Any]:
             jobs[key] = c.sbatch(script, user=TEST_USER if key != "H" else None)
 
         counter = f"exec python3 -u {w}/counter.py 25 1 0"
-        submit("P", "-A", "preempt", "-p", "low", "-c", "2", "-w", NODE, "--requeue",
-               "--open-mode=append", body=counter)
-        submit("S", "-A", "stasis", "-p", "low", "-c", "2", "-w", NODE,
-               "--export=ALL,STASIS_ENABLE=1",
-               body=f"srun -J first bash -c 'echo first'\n"
-                    f"srun bash -c 'exit 3' || echo failed as planned\n"
-                    f"srun python3 -u {w}/counter.py 25 1 0")
-        submit("T1", "-A", "timeout", "-p", "high", "--time=1", "--gres=gpu:2",
-               body="exec sleep 600")
+        submit(
+            "P",
+            "-A",
+            "preempt",
+            "-p",
+            "low",
+            "-c",
+            "2",
+            "-w",
+            NODE,
+            "--requeue",
+            "--open-mode=append",
+            body=counter,
+        )
+        submit(
+            "S",
+            "-A",
+            "stasis",
+            "-p",
+            "low",
+            "-c",
+            "2",
+            "-w",
+            NODE,
+            "--export=ALL,STASIS_ENABLE=1",
+            body=f"srun -J first bash -c 'echo first'\n"
+            f"srun bash -c 'exit 3' || echo failed as planned\n"
+            f"srun python3 -u {w}/counter.py 25 1 0",
+        )
+        submit(
+            "T1", "-A", "timeout", "-p", "high", "--time=1", "--gres=gpu:2", body="exec sleep 600"
+        )
         submit("T2", "-A", "resub", "-p", "high", "--time=1", "-J", "sim", body="exec sleep 600")
-        jobs["R"] = c.sbatch(c.script("R", "sleep 3", out, "-A", "resub", "-p", "high",
-                                      "-J", "sim", f"--dependency=afterany:{jobs['T2']}"),
-                             user=TEST_USER)
+        jobs["R"] = c.sbatch(
+            c.script(
+                "R",
+                "sleep 3",
+                out,
+                "-A",
+                "resub",
+                "-p",
+                "high",
+                "-J",
+                "sim",
+                f"--dependency=afterany:{jobs['T2']}",
+            ),
+            user=TEST_USER,
+        )
         submit("M", "-A", "mem", "-p", "high", "--mem=800", body=f"exec python3 -c '{HOG}'")
         c.wait_number(jobs["P"], 4)
         c.wait_number(jobs["S"], 4)
         # 5 CPUs on n1: only both low jobs (2 + 2) and the one free CPU make room.
         submit("H", "-p", "high", "-c", "5", "-w", NODE, body="sleep 3")
-        until(lambda: not c.run("squeue", "-h", "-o", "%i").stdout.strip(), 240,
-              "every job to end")
+        until(lambda: not c.run("squeue", "-h", "-o", "%i").stdout.strip(), 240, "every job to end")
 
         def recorded() -> bool:
             for key, job in jobs.items():
                 last = attempts(c, job)[-1:]
-                if not last or last[0]["State"].split()[0] not in TERMINAL or \
-                        last[0]["End"] in ("", "Unknown"):
+                if (
+                    not last
+                    or last[0]["State"].split()[0] not in TERMINAL
+                    or last[0]["End"] in ("", "Unknown")
+                ):
                     return False
             return True
 
@@ -161,8 +206,11 @@ def report(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def group(report: dict[str, Any], user: str, account: str, partition: str) -> dict[str, Any]:
-    found = [g for g in report["groups"]
-             if (g["user"], g["account"], g["partition"]) == (user, account, partition)]
+    found = [
+        g
+        for g in report["groups"]
+        if (g["user"], g["account"], g["partition"]) == (user, account, partition)
+    ]
     assert len(found) == 1, report["groups"]
     one: dict[str, Any] = found[0]
     return one
@@ -198,7 +246,8 @@ def test_resubmission_after_timeout(run: dict[str, Any], report: dict[str, Any])
     assert g["timeout_node_hours"] == pytest.approx(node_hours(t2), abs=1e-12)
     # R redoes at most what T2 ran, and at most what R itself ran: here R's 3 s.
     assert g["resubmit_redone_node_hours"] == pytest.approx(
-        min(node_hours(r), node_hours(t2)), abs=1e-12)
+        min(node_hours(r), node_hours(t2)), abs=1e-12
+    )
     assert g["resubmit_redone_node_hours"] > 0
     assert g["node_hours"] == pytest.approx(node_hours(t2) + node_hours(r), abs=1e-12)
 
@@ -207,8 +256,13 @@ def test_memory_over_request(run: dict[str, Any], report: dict[str, Any]) -> Non
     c = run["cluster"]
     recs = records(c, run["jobs"]["M"])
     [job] = [r for r in recs if "." not in r["JobIDRaw"]]
-    peaks = [int(m.group(1)) for r in recs if "." in r["JobIDRaw"]
-             for m in [re.search(r"(?:^|,)mem=(\d+)(?:,|$)", r["TRESUsageInTot"])] if m]
+    peaks = [
+        int(m.group(1))
+        for r in recs
+        if "." in r["JobIDRaw"]
+        for m in [re.search(r"(?:^|,)mem=(\d+)(?:,|$)", r["TRESUsageInTot"])]
+        if m
+    ]
     peak = max(peaks)
     requested = 800 * 1024 * 1024
     assert job["ReqMem"] == "800M"
@@ -217,12 +271,12 @@ def test_memory_over_request(run: dict[str, Any], report: dict[str, Any]) -> Non
     assert (g["mem_measured_jobs"], g["mem_overrequest_jobs"]) == (1, 1)
     assert (g["mem_requested_bytes"], g["mem_peak_bytes"]) == (requested, peak)
     assert g["mem_blocked_node_hours"] == pytest.approx(
-        node_hours(job) * (requested - peak) / requested, abs=1e-12)
+        node_hours(job) * (requested - peak) / requested, abs=1e-12
+    )
     assert g["mem_blocked_node_hours"] > 0
 
 
-def test_preempted_without_stasis_is_redone(run: dict[str, Any],
-                                            report: dict[str, Any]) -> None:
+def test_preempted_without_stasis_is_redone(run: dict[str, Any], report: dict[str, Any]) -> None:
     c = run["cluster"]
     recs = attempts(c, run["jobs"]["P"])
     # Preempted once or more: Slurm 24.11 (Debian 13) may start the requeued P again while H
@@ -235,7 +289,8 @@ def test_preempted_without_stasis_is_redone(run: dict[str, Any],
     g = group(report, TEST_USER, "preempt", "low")
     assert (g["jobs"], g["preempted_jobs"], g["protected_jobs"]) == (1, 1, 0)
     assert g["preempt_redone_node_hours"] == pytest.approx(
-        sum(map(node_hours, recs[:-1])), abs=1e-12)
+        sum(map(node_hours, recs[:-1])), abs=1e-12
+    )
     assert g["preempt_redone_node_hours"] > 0 and g["kept_node_hours"] == 0
     assert g["node_hours"] == pytest.approx(sum(map(node_hours, recs)), abs=1e-12)
 
@@ -259,8 +314,17 @@ def test_steps_stasis_ran_are_in_sacct_as_slurm_records_steps(run: dict[str, Any
     three (the counter's cut by the requeue), the restored run's one (the counter step, which
     resumed: the steps that had ended are not run, nor listed, again)."""
     c = run["cluster"]
-    out = c.run("sacct", "-a", "-D", "-n", "-P", "-j", run["jobs"]["S"], "-o",
-                "JobIDRaw,JobName,State,ExitCode,NTasks").stdout
+    out = c.run(
+        "sacct",
+        "-a",
+        "-D",
+        "-n",
+        "-P",
+        "-j",
+        run["jobs"]["S"],
+        "-o",
+        "JobIDRaw,JobName,State,ExitCode,NTasks",
+    ).stdout
     runs: list[list[tuple[str, ...]]] = []
     for line in out.splitlines():
         job_step, name, state, code, ntasks = line.split("|")
@@ -269,8 +333,10 @@ def test_steps_stasis_ran_are_in_sacct_as_slurm_records_steps(run: dict[str, Any
         elif job_step.split(".")[1].isdigit():
             runs[-1].append((job_step.split(".")[1], name, state.split()[0], code, ntasks))
     assert len(runs) == 2, out
-    assert runs[0][:2] == [("0", "first", "COMPLETED", "0:0", "1"),
-                           ("1", "bash", "FAILED", "3:0", "1")], out
+    assert runs[0][:2] == [
+        ("0", "first", "COMPLETED", "0:0", "1"),
+        ("1", "bash", "FAILED", "3:0", "1"),
+    ], out
     assert runs[0][2][:2] == ("2", "python3") and runs[0][2][2] == "CANCELLED", out
     assert runs[1] == [("0", "python3", "COMPLETED", "0:0", "1")], out
     assert "failed as planned" in c.output(run["jobs"]["S"])
@@ -291,8 +357,9 @@ def test_totals_weeks_and_groups_agree(run: dict[str, Any], report: dict[str, An
 def test_csv_and_table_say_the_same(run: dict[str, Any], report: dict[str, Any]) -> None:
     c = run["cluster"]
     rows = list(csv.DictReader(io.StringIO(c.report(*period(run), "--csv").stdout)))
-    assert [(r["user"], r["account"], r["partition"]) for r in rows] == \
-        [(g["user"], g["account"], g["partition"]) for g in report["groups"]]
+    assert [(r["user"], r["account"], r["partition"]) for r in rows] == [
+        (g["user"], g["account"], g["partition"]) for g in report["groups"]
+    ]
     for r, g in zip(rows, report["groups"]):
         assert float(r["timeout_node_hours"]) == pytest.approx(g["timeout_node_hours"])
         assert int(r["preempted_jobs"]) == g["preempted_jobs"]
@@ -317,21 +384,28 @@ def test_html_page(run: dict[str, Any], tmp_path: Path) -> None:
 def test_period_outside_the_jobs_is_empty(run: dict[str, Any]) -> None:
     c = run["cluster"]
     before = run["began"] - timedelta(days=2)
-    data = json.loads(c.report("--since", before.date().isoformat(), "--until",
-                               run["began"].isoformat(), "--json").stdout)
+    data = json.loads(
+        c.report(
+            "--since", before.date().isoformat(), "--until", run["began"].isoformat(), "--json"
+        ).stdout
+    )
     assert data["totals"]["jobs"] == 0 and data["groups"] == []
     # An --until of its own: `ended` is 2 s ahead of the jobs' end, and on a fast machine this
     # test runs before the clock gets there (the default --until, now, was then before --since).
     after = run["ended"] + timedelta(hours=1)
-    data = json.loads(c.report("--since", run["ended"].isoformat(), "--until", after.isoformat(),
-                               "--json").stdout)
+    data = json.loads(
+        c.report("--since", run["ended"].isoformat(), "--until", after.isoformat(), "--json").stdout
+    )
     assert data["totals"]["jobs"] == 0
 
 
 def test_bad_dates_are_one_line(run: dict[str, Any]) -> None:
     c = run["cluster"]
-    for args in (["--since", "yesterday"], ["--until", "2024-02-30"],
-                 ["--since", "2024-05-02", "--until", "2024-05-01"]):
+    for args in (
+        ["--since", "yesterday"],
+        ["--until", "2024-02-30"],
+        ["--since", "2024-05-02", "--until", "2024-05-01"],
+    ):
         result = c.report(*args, check=False)
         assert result.returncode == 2, result
         assert result.stdout == "" and len(result.stderr.splitlines()) == 1, result.stderr
@@ -340,16 +414,18 @@ def test_bad_dates_are_one_line(run: dict[str, Any]) -> None:
 
 def test_unreachable_slurmdbd_is_one_line(run: dict[str, Any], tmp_path: Path) -> None:
     c = run["cluster"]
-    conf = re.sub(r"(?m)^AccountingStoragePort=\d+$", "AccountingStoragePort=1",
-                  c.lay.slurm_conf.read_text())
+    conf = re.sub(
+        r"(?m)^AccountingStoragePort=\d+$", "AccountingStoragePort=1", c.lay.slurm_conf.read_text()
+    )
     assert "AccountingStoragePort=1\n" in conf
     (tmp_path / "slurm.conf").write_text(conf)
     started = time.monotonic()
     result = c.run(STASIS, "slurm", "report", check=False)  # the real one answers
     assert result.returncode == 0, result.stderr
     env = {**c.env, "SLURM_CONF": str(tmp_path / "slurm.conf")}
-    result = subprocess.run([STASIS, "slurm", "report"], env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [STASIS, "slurm", "report"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1, result
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert "cannot read Slurm's accounting" in result.stderr

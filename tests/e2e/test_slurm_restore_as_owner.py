@@ -32,8 +32,7 @@ for i in range(600):
 """
 
 
-def test_a_file_swapped_for_a_symlink_to_roots_file_is_not_opened_as_root(
-        cluster: Cluster) -> None:
+def test_a_file_swapped_for_a_symlink_to_roots_file_is_not_opened_as_root(cluster: Cluster) -> None:
     user = pwd.getpwnam(TEST_USER)
     token = secrets.token_hex(4)
     secret_dir = cluster.work / f"root-only-{token}"
@@ -49,8 +48,12 @@ def test_a_file_swapped_for_a_symlink_to_roots_file_is_not_opened_as_root(
     os.chown(held, user.pw_uid, user.pw_gid)
     program = own / "holder.py"
     program.write_text(_PROGRAM)
-    script = cluster.script(f"holder-{token}", f"exec python3 -u {program} {held}",
-                            "--export=STASIS_ENABLE=1", f"--output={own}/out-%j.txt")
+    script = cluster.script(
+        f"holder-{token}",
+        f"exec python3 -u {program} {held}",
+        "--export=STASIS_ENABLE=1",
+        f"--output={own}/out-%j.txt",
+    )
     job = cluster.sbatch(script, user=TEST_USER)
     until(lambda: "read: mine" in cluster.output(job), 90, "the job reading its file")
     cluster.stasis("dump", "--slurm-job", job, "--leave-running", user=TEST_USER)
@@ -59,8 +62,11 @@ def test_a_file_swapped_for_a_symlink_to_roots_file_is_not_opened_as_root(
     os.symlink(secret, held)
     os.lchown(held, user.pw_uid, user.pw_gid)
     cluster.run("scontrol", "requeue", job)
-    until(lambda: "the job runs from the start" in cluster.output(job), 120,
-          "the requeued job to give up on its checkpoint")
+    until(
+        lambda: "the job runs from the start" in cluster.output(job),
+        120,
+        "the requeued job to give up on its checkpoint",
+    )
     # Its fresh start opens held.txt as the user too, which fails: the job ends.
     cluster.wait_state(job, ("FAILED", "COMPLETED", "CANCELLED"), 60)
     out = cluster.output(job)

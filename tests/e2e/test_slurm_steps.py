@@ -119,11 +119,11 @@ def cluster(shared_cluster: Cluster) -> Cluster:
 
 
 def after(text: str, marker: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^(\d+)$", text[text.index(marker):], re.M)]
+    return [int(n) for n in re.findall(r"^(\d+)$", text[text.index(marker) :], re.M)]
 
 
 def before(text: str, marker: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^(\d+)$", text[:text.index(marker)], re.M)]
+    return [int(n) for n in re.findall(r"^(\d+)$", text[: text.index(marker)], re.M)]
 
 
 def ticks(text: str, task: int) -> list[int]:
@@ -136,22 +136,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_issue_script_resumes_mid_step_and_never_reruns_a_finished_one(cluster: Cluster
-                                                                       ) -> None:
+def test_issue_script_resumes_mid_step_and_never_reruns_a_finished_one(cluster: Cluster) -> None:
     """The reported job: `srun bash -c 'echo first'`, then an srun counter step, warned as
     Slurm warns at preemption (URG to the batch step) at a count well past 0. A step after
     them gets the next step id, and the records of the steps survived with the job. The
     counter step's time limit (20 s) is more than it runs (12 s), less than the wall time it
     spans with the requeue here (about 25 s): the time the job was away does not count."""
     work = cluster.work
-    body = "\n".join([
-        "srun bash -c 'echo first'",
-        f"srun -t 0:20 python3 -u {work}/counter.py 24 0.5 0",
-        "srun bash -c 'echo last step $SLURM_STEP_ID'",
-        "srun --stasis-steps",
-    ])
-    script = cluster.script("issue", body, "--export=ALL,STASIS_ENABLE=1",
-                            f"--output={work}/issue-%j.out")
+    body = "\n".join(
+        [
+            "srun bash -c 'echo first'",
+            f"srun -t 0:20 python3 -u {work}/counter.py 24 0.5 0",
+            "srun bash -c 'echo last step $SLURM_STEP_ID'",
+            "srun --stasis-steps",
+        ]
+    )
+    script = cluster.script(
+        "issue", body, "--export=ALL,STASIS_ENABLE=1", f"--output={work}/issue-%j.out"
+    )
     job = cluster.sbatch(script, user=TEST_USER)
     cluster.wait_number(job, 5)
     pids = cluster.pids(job)
@@ -171,7 +173,10 @@ def test_issue_script_resumes_mid_step_and_never_reruns_a_finished_one(cluster: 
     assert out.count("last step 2\n") == 1, out
     records = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
     assert [(r["step"], r["where"], r.get("exit")) for r in records] == [
-        (0, "stasis", 0), (1, "stasis", 0), (2, "stasis", 0)], out
+        (0, "stasis", 0),
+        (1, "stasis", 0),
+        (2, "stasis", 0),
+    ], out
     assert records[0]["argv"] == ["bash", "-c", "echo first"]
     assert OUTSIDE not in out and "TIME LIMIT" not in out
     info = cluster.job(job)
@@ -181,7 +186,8 @@ def test_issue_script_resumes_mid_step_and_never_reruns_a_finished_one(cluster: 
 
 
 def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """`srun -l -n 2` and `srun -l -n 4` steps (two jobs at once), each checkpointed mid-run
     with `stasis dump --slurm-job` by its user: after the requeue every task goes on from its
     tick, its token, its counter in the segment and its connection, none repeated or lost."""
@@ -189,10 +195,13 @@ def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
     stop = 60
     for n in (2, 4):
         script = cluster.script(
-            f"ring{n}", f"srun -l -n {n} python3 -u {cluster.work}/ring.py {stop} "
+            f"ring{n}",
+            f"srun -l -n {n} python3 -u {cluster.work}/ring.py {stop} "
             f"{free_port()} 0.2 {cluster.work}",
-            "--export=ALL,STASIS_ENABLE=1", f"--ntasks={n}",
-            f"--output={cluster.work}/ring{n}-%j.out")
+            "--export=ALL,STASIS_ENABLE=1",
+            f"--ntasks={n}",
+            f"--output={cluster.work}/ring{n}-%j.out",
+        )
         jobs[n] = cluster.sbatch(script, user=TEST_USER)
     for n, job in jobs.items():
         until(lambda: len(ticks(cluster.output(job), n - 1)) >= 8, 90, f"ring of {n} at tick 8")
@@ -202,8 +211,9 @@ def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
     # ring must not run out of ticks meanwhile.
     for n, job in jobs.items():
         pids += cluster.pids(job)
-        answers[n] = json.loads(cluster.stasis("dump", "--slurm-job", job, "--json",
-                                               user=TEST_USER).stdout)
+        answers[n] = json.loads(
+            cluster.stasis("dump", "--slurm-job", job, "--json", user=TEST_USER).stdout
+        )
         assert answers[n]["requeued"] is True
     wait_gone(pids)
     for n, job in jobs.items():
@@ -223,24 +233,35 @@ def test_multi_task_steps_resume_together_with_pipes_shared_memory_and_tcp(
 
 
 def test_step_handed_to_slurms_srun_refuses_checkpoints_and_the_job_goes_on(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     """A step with an option our srun leaves to Slurm (--wait): the job says so; while it
     runs, the preemption warning and periodic checkpoints are refused with one line each (a
     restored client would talk to a step that is gone), and the job completes, never hangs."""
     work = cluster.work
     script = cluster.script(
-        "outside", f"srun --wait=60 python3 -u {work}/counter.py 16 0.5 0\necho after-step",
-        "--export=ALL,STASIS_ENABLE=1,STASIS_INTERVAL=2", f"--output={work}/outside-%j.out")
+        "outside",
+        f"srun --wait=60 python3 -u {work}/counter.py 16 0.5 0\necho after-step",
+        "--export=ALL,STASIS_ENABLE=1,STASIS_INTERVAL=2",
+        f"--output={work}/outside-%j.out",
+    )
     job = cluster.sbatch(script, user=TEST_USER)
     cluster.wait_number(job, 3)
     cluster.run("scancel", "--batch", "--signal=URG", job)
-    until(lambda: "no checkpoint: a step runs outside stasis" in cluster.output(job), 30,
-          "the refusal")
+    until(
+        lambda: "no checkpoint: a step runs outside stasis" in cluster.output(job),
+        30,
+        "the refusal",
+    )
     cluster.wait_state(job, ("COMPLETED", "FAILED"), 90)
     out = cluster.output(job)
     assert f"{OUTSIDE} (option --wait is not handled by stasis)" in out, out
-    refusal = re.search(r"^stasis: warning: no checkpoint: a step runs outside stasis "
-                        r"\(srun --wait=60 python3 -u \S+counter.py 16 0.5 0\)", out, re.M)
+    refusal = re.search(
+        r"^stasis: warning: no checkpoint: a step runs outside stasis "
+        r"\(srun --wait=60 python3 -u \S+counter.py 16 0.5 0\)",
+        out,
+        re.M,
+    )
     assert refusal, out
     assert "stasis: periodic checkpoint skipped: a step runs outside stasis" in out
     assert MARKER not in out and "SIGURG: taking a checkpoint" not in out
@@ -262,8 +283,11 @@ def test_manual_dump_is_refused_while_a_step_runs_outside(cluster: Cluster) -> N
         pytest.skip("registrations._checkpoint does not call steps.real_srun_running yet")
     work = cluster.work
     script = cluster.script(
-        "outside-dump", f"STASIS_SRUN=slurm srun python3 -u {work}/counter.py 12 0.5 0",
-        "--export=ALL,STASIS_ENABLE=1", f"--output={work}/outside-dump-%j.out")
+        "outside-dump",
+        f"STASIS_SRUN=slurm srun python3 -u {work}/counter.py 12 0.5 0",
+        "--export=ALL,STASIS_ENABLE=1",
+        f"--output={work}/outside-dump-%j.out",
+    )
     job = cluster.sbatch(script, user=TEST_USER)
     cluster.wait_number(job, 2)
     dump = cluster.stasis("dump", "--slurm-job", job, user=TEST_USER, check=False)
@@ -284,20 +308,29 @@ def test_step_environment_exit_codes_labels_and_files(cluster: Cluster) -> None:
     srun's exit code (the highest task's; 128+N for a signal), -l labels, -o per-task files;
     a script ending with a failing step ends the job with that code."""
     work = cluster.work
-    body = "\n".join([
-        "srun -n 2 bash -c 'echo env $SLURM_STEP_ID $SLURM_PROCID $SLURM_LOCALID "
-        "$SLURM_NODEID $SLURM_NTASKS $SLURM_STEP_NUM_TASKS $SLURM_STEP_NUM_NODES "
-        "$SLURM_STEP_NODELIST ${SLURM_CPUS_PER_TASK:-unset}' | sort",
-        "srun -n 2 bash -c 'exit $((SLURM_PROCID * 3 + 2))'; echo step-exit $?",
-        "srun bash -c 'kill -TERM $$'; echo signal-exit $?",
-        f"srun -l -n 2 -o {work}/task-%j-%s-%t.out bash -c 'echo task $SLURM_PROCID'",
-        "srun -n 2 -c 2 -l bash -c 'echo cpus $SLURM_STEP_ID $SLURM_CPUS_PER_TASK'",
-        "srun --stasis-steps",
-        "srun bash -c 'exit 7'",
-    ])
-    job = cluster.sbatch(cluster.script("codes", body, "--export=ALL,STASIS_ENABLE=1",
-                                        "--ntasks=4", f"--output={work}/codes-%j.out"),
-                         user=TEST_USER)
+    body = "\n".join(
+        [
+            "srun -n 2 bash -c 'echo env $SLURM_STEP_ID $SLURM_PROCID $SLURM_LOCALID "
+            "$SLURM_NODEID $SLURM_NTASKS $SLURM_STEP_NUM_TASKS $SLURM_STEP_NUM_NODES "
+            "$SLURM_STEP_NODELIST ${SLURM_CPUS_PER_TASK:-unset}' | sort",
+            "srun -n 2 bash -c 'exit $((SLURM_PROCID * 3 + 2))'; echo step-exit $?",
+            "srun bash -c 'kill -TERM $$'; echo signal-exit $?",
+            f"srun -l -n 2 -o {work}/task-%j-%s-%t.out bash -c 'echo task $SLURM_PROCID'",
+            "srun -n 2 -c 2 -l bash -c 'echo cpus $SLURM_STEP_ID $SLURM_CPUS_PER_TASK'",
+            "srun --stasis-steps",
+            "srun bash -c 'exit 7'",
+        ]
+    )
+    job = cluster.sbatch(
+        cluster.script(
+            "codes",
+            body,
+            "--export=ALL,STASIS_ENABLE=1",
+            "--ntasks=4",
+            f"--output={work}/codes-%j.out",
+        ),
+        user=TEST_USER,
+    )
     cluster.wait_state(job, ("COMPLETED", "FAILED"), 90)
     out = cluster.output(job)
     assert "env 0 0 0 0 2 2 1 n1 unset\nenv 0 1 1 0 2 2 1 n1 unset\n" in out, out
@@ -308,8 +341,12 @@ def test_step_environment_exit_codes_labels_and_files(cluster: Cluster) -> None:
     assert "0: cpus 4 2\n" in out and "1: cpus 4 2\n" in out
     records = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
     assert [(r["step"], r["where"], r.get("exit")) for r in records] == [
-        (0, "stasis", 0), (1, "stasis", 5), (2, "stasis", 143), (3, "stasis", 0),
-        (4, "stasis", 0)]
+        (0, "stasis", 0),
+        (1, "stasis", 5),
+        (2, "stasis", 143),
+        (3, "stasis", 0),
+        (4, "stasis", 0),
+    ]
     assert records[1]["argv"] == ["-n", "2", "bash", "-c", "exit $((SLURM_PROCID * 3 + 2))"]
     assert OUTSIDE not in out
     info = cluster.job(job)

@@ -43,8 +43,10 @@ def quick(shared_cluster: Cluster) -> Iterator[Cluster]:
 
 @contextmanager
 def unmounted(store: Path) -> Iterator[None]:
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=4m", "stasis-unmounted",
-                    str(store)], check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "mode=0755,size=4m", "stasis-unmounted", str(store)],
+        check=True,
+    )
     try:
         yield
     finally:
@@ -55,11 +57,14 @@ def numbers(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"^(\d+)$", text, re.M)]
 
 
-def test_a_job_requeued_while_its_store_is_not_mounted_is_held_then_resumes(
-        quick: Cluster) -> None:
+def test_a_job_requeued_while_its_store_is_not_mounted_is_held_then_resumes(quick: Cluster) -> None:
     c = quick
-    script = c.counter_script("unmounted", "--export=ALL,STASIS_ENABLE=1,"
-                              "STASIS_CHECKPOINT=unmounted", stop=600, interval=0.5)
+    script = c.counter_script(
+        "unmounted",
+        "--export=ALL,STASIS_ENABLE=1," "STASIS_CHECKPOINT=unmounted",
+        stop=600,
+        interval=0.5,
+    )
     job = c.sbatch(script)
     try:
         c.wait_number(job, 3)
@@ -89,8 +94,11 @@ def test_a_job_requeued_while_its_store_is_not_mounted_is_held_then_resumes(
             assert os.listdir(c.lay.store) == []
         assert [m["id"] for m in c.checkpoints("unmounted")] == kept
         # Back: the node that held it releases it, and it resumes from its checkpoint.
-        until(lambda: "stasis: restored checkpoint" in c.output(job), 120,
-              "the job to be released and to resume")
+        until(
+            lambda: "stasis: restored checkpoint" in c.output(job),
+            120,
+            "the job to be released and to resume",
+        )
         last = numbers(c.output(job))[-1]
         c.wait_number(job, last + 2)
         counted = numbers(c.output(job))

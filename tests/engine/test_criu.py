@@ -27,12 +27,22 @@ def counter(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     log = tmp_path / "out.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--", "setsid", "tini", "-g", "--",
-             *workload("counter.py")],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--",
+                "setsid",
+                "tini",
+                "-g",
+                "--",
+                *workload("counter.py"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
         )
-    init = wait_for(lambda: next(iter(proctree.children(proc.pid)), None),
-                    what="namespace init")
+    init = wait_for(lambda: next(iter(proctree.children(proc.pid)), None), what="namespace init")
     wait_for(lambda: len(_numbers(log)) >= 3, what="counting")
     yield init, log
     proctree.signal_tree(init, signal.SIGKILL)
@@ -70,8 +80,9 @@ def test_first_error_skips_harmless_lines(tmp_path: Path) -> None:
     assert first_error(tmp_path / "missing.log") is None
 
 
-def test_notify_hooks_run_and_can_abort(criu: CRIU, counter: tuple[int, Path],
-                                        tmp_path: Path) -> None:
+def test_notify_hooks_run_and_can_abort(
+    criu: CRIU, counter: tuple[int, Path], tmp_path: Path
+) -> None:
     init, log = counter
     seen: list[str] = []
 
@@ -104,8 +115,7 @@ def test_notify_hooks_run_and_can_abort(criu: CRIU, counter: tuple[int, Path],
     try:
         result = criu.restore(
             images,
-            RestoreOptions(inherit_fds=[(str(log).lstrip("/"), out.fileno())],
-                           notify=record),
+            RestoreOptions(inherit_fds=[(str(log).lstrip("/"), out.fileno())], notify=record),
             "restore.log",
         )
     finally:

@@ -23,10 +23,13 @@ from tests.conftest import wait_for, workload
 def _job(tmp_path: Path, *argv: str) -> Iterator[tuple[int, Path]]:
     log = tmp_path / "out.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen(["unshare", "--pid", "--fork", "--", "setsid", "tini", "-g",
-                                 "--", *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-    init = wait_for(lambda: next(iter(proctree.children(proc.pid)), None),
-                    what="namespace init")
+        proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--", "setsid", "tini", "-g", "--", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    init = wait_for(lambda: next(iter(proctree.children(proc.pid)), None), what="namespace init")
     wait_for(lambda: log.read_text().count("\n") >= 3, what="three lines")
     try:
         yield init, log
@@ -39,8 +42,9 @@ def _dump(tmp_path: Path, init: int) -> Path:
     images = tmp_path / "img"
     images.mkdir()
     # Left running: CRIU lifts its network lock again, as after a restore elsewhere.
-    CRIU(find_criu(), tmp_path / "logs").dump(init, images, DumpOptions(leave_running=True),
-                                               "dump.log")
+    CRIU(find_criu(), tmp_path / "logs").dump(
+        init, images, DumpOptions(leave_running=True), "dump.log"
+    )
     return images
 
 
@@ -83,7 +87,8 @@ def test_connection_inside_the_job_over_loopback_comes_back(tmp_path: Path) -> N
 
 
 def test_connection_to_a_peer_outside_without_its_lock_here_is_closed(
-        tmp_path: Path, peer: int) -> None:
+    tmp_path: Path, peer: int
+) -> None:
     with _job(tmp_path, *workload("tcppeer.py", peer)) as (init, _):
         images = _dump(tmp_path, init)
         plan = netidentity.plan(images, "c")
@@ -91,11 +96,13 @@ def test_connection_to_a_peer_outside_without_its_lock_here_is_closed(
         assert plan.all_closed
         assert plan.notes == [
             "1 TCP connection to a peer outside the job was closed on the move (the job reads "
-            f"end-of-file, as when a peer closes): 127.0.0.1:{peer}"]
+            f"end-of-file, as when a peer closes): 127.0.0.1:{peer}"
+        ]
 
 
 def test_only_the_outside_connection_is_closed_or_all_where_criu_cannot_choose(
-        tmp_path: Path, peer: int) -> None:
+    tmp_path: Path, peer: int
+) -> None:
     port = random.randrange(20000, 30000)
     with _job(tmp_path, *workload("tcpmixed.py", "127.0.0.1", peer, port)) as (init, _):
         images = _dump(tmp_path, init)
@@ -105,5 +112,7 @@ def test_only_the_outside_connection_is_closed_or_all_where_criu_cannot_choose(
         # A criu without patch 0005 closes every connection rather than fail the restore.
         plain = netidentity.plan(images, "c", "/bin/true")
         assert plain.all_closed and len(plain.close) == 3
-        assert plain.notes[1].startswith("1 TCP connection that could have come back was "
-                                         "closed too: /bin/true cannot close only some")
+        assert plain.notes[1].startswith(
+            "1 TCP connection that could have come back was "
+            "closed too: /bin/true cannot close only some"
+        )

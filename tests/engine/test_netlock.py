@@ -8,10 +8,16 @@ from pathlib import Path
 
 from stasis.engine import netlock
 
-LOCK_IN = ("iptables -w -t filter -I INPUT --protocol tcp -m mark ! --mark 0xC114 --source "
-           "127.0.0.1 --sport 45003 --destination 127.0.0.1 --dport 34122 -j DROP")
-LOCK_OUT = LOCK_IN.replace("-I INPUT", "-I OUTPUT").replace("--sport 45003", "--sport X") \
-    .replace("--dport 34122", "--dport 45003").replace("--sport X", "--sport 34122")
+LOCK_IN = (
+    "iptables -w -t filter -I INPUT --protocol tcp -m mark ! --mark 0xC114 --source "
+    "127.0.0.1 --sport 45003 --destination 127.0.0.1 --dport 34122 -j DROP"
+)
+LOCK_OUT = (
+    LOCK_IN.replace("-I INPUT", "-I OUTPUT")
+    .replace("--sport 45003", "--sport X")
+    .replace("--dport 34122", "--dport 45003")
+    .replace("--sport X", "--sport 34122")
+)
 
 
 def _log(tmp_path: Path, *lines: str) -> Path:
@@ -21,12 +27,14 @@ def _log(tmp_path: Path, *lines: str) -> Path:
 
 
 def test_criu_lines_are_read_and_rollbacks_undone(tmp_path: Path) -> None:
-    log = _log(tmp_path,
-               "(00.052991) net: Lock network",
-               f"(00.062145) \tRunning iptables [{LOCK_IN}]",
-               "(00.068099) Locked 127.0.0.1:34122 - 127.0.0.1:45003 connection",
-               f"(00.068121) \tRunning iptables [{LOCK_OUT}]",
-               f"(00.070000) \tRunning iptables [{LOCK_OUT.replace('-I OUTPUT', '-D OUTPUT')}]")
+    log = _log(
+        tmp_path,
+        "(00.052991) net: Lock network",
+        f"(00.062145) \tRunning iptables [{LOCK_IN}]",
+        "(00.068099) Locked 127.0.0.1:34122 - 127.0.0.1:45003 connection",
+        f"(00.068121) \tRunning iptables [{LOCK_OUT}]",
+        f"(00.070000) \tRunning iptables [{LOCK_OUT.replace('-I OUTPUT', '-D OUTPUT')}]",
+    )
     rules = netlock.rules_from_log(log)
     assert [r.chain for r in rules] == ["INPUT"]
     assert rules[0].connection() == ("127.0.0.1", 34122, "127.0.0.1", 45003)

@@ -78,16 +78,30 @@ def scratch() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _in_container(tmp_dir: Path, log: Path, *command: str,
-                  answer: bool = False) -> subprocess.Popen[bytes]:
+def _in_container(
+    tmp_dir: Path, log: Path, *command: str, answer: bool = False
+) -> subprocess.Popen[bytes]:
     """`command` in a job container; its stdout a pipe to us if it `answer`s, else the log."""
     return subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "unchanged", "--", "sh", "-c", CONTAINER,
-         "container", str(tmp_dir), *command],
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "unchanged",
+            "--",
+            "sh",
+            "-c",
+            CONTAINER,
+            "container",
+            str(tmp_dir),
+            *command,
+        ],
         env={**os.environ, "LOG": str(log), "ANSWER": "1" if answer else ""},
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE if answer else subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        close_fds=True)
+        stdout=subprocess.PIPE if answer else subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
 
 
 def _count(path: Path) -> int:
@@ -106,17 +120,31 @@ def _job_dirs(scratch: Path, uid: int) -> tuple[Path, Path]:
     return dirs
 
 
-def _start(scratch: Path, old_tmp: Path, user: pwd.struct_passwd | None
-           ) -> tuple[subprocess.Popen[bytes], int]:
+def _start(
+    scratch: Path, old_tmp: Path, user: pwd.struct_passwd | None
+) -> tuple[subprocess.Popen[bytes], int]:
     """The job in its container (as `user`, else root), counting; its namespace init."""
     script = scratch / "job.py"
     script.write_text(JOB)
-    as_user = [] if user is None else [
-        "setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
-    job = _in_container(old_tmp, scratch / "job.log", "unshare", "--pid", "--fork", "--",
-                        *as_user, "/usr/bin/python3", str(script))
-    wait_for(lambda: (old_tmp / "count").exists() and _count(old_tmp / "count") > 3,
-             what="counting")
+    as_user = (
+        []
+        if user is None
+        else ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
+    )
+    job = _in_container(
+        old_tmp,
+        scratch / "job.log",
+        "unshare",
+        "--pid",
+        "--fork",
+        "--",
+        *as_user,
+        "/usr/bin/python3",
+        str(script),
+    )
+    wait_for(
+        lambda: (old_tmp / "count").exists() and _count(old_tmp / "count") > 3, what="counting"
+    )
     # `unshare --pid --fork` (the container's process by now) and its child, the init.
     return job, next(iter(proctree.children(job.pid)))
 
@@ -131,7 +159,8 @@ def _end(*procs: subprocess.Popen[bytes] | None) -> None:
 
 
 def test_a_job_containers_tree_restores_in_another_container(
-        scratch: Path, test_user: pwd.struct_passwd) -> None:
+    scratch: Path, test_user: pwd.struct_passwd
+) -> None:
     uid, gid = test_user.pw_uid, test_user.pw_gid
     old_tmp, new_tmp = _job_dirs(scratch, uid)
     victim = scratch / "victim"  # root's: the requeued /tmp holds a link to it, planted
@@ -154,9 +183,19 @@ def test_a_job_containers_tree_restores_in_another_container(
         assert list(images.glob("tmpfs-dev-*.tar.gz.img"))  # /dev/shm, its own: in the images
         # Requeued elsewhere: the old directory is gone, the new one is another.
         shutil.rmtree(old_tmp.parent)
-        restorer = _in_container(new_tmp, scratch / "restorer.log", sys.executable, "-c",
-                                 RESTORER, criu.path, str(scratch / "logs"), str(images),
-                                 str(uid), str(gid), answer=True)
+        restorer = _in_container(
+            new_tmp,
+            scratch / "restorer.log",
+            sys.executable,
+            "-c",
+            RESTORER,
+            criu.path,
+            str(scratch / "logs"),
+            str(images),
+            str(uid),
+            str(gid),
+            answer=True,
+        )
         assert restorer.stdout is not None
         line = restorer.stdout.readline()
         assert line, (scratch / "restorer.log").read_text()
@@ -176,7 +215,8 @@ def test_a_job_containers_tree_restores_in_another_container(
 
 
 def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
-        scratch: Path, test_user: pwd.struct_passwd) -> None:
+    scratch: Path, test_user: pwd.struct_passwd
+) -> None:
     uid, gid = test_user.pw_uid, test_user.pw_gid
     old_tmp, _ = _job_dirs(scratch, uid)
     job, init = _start(scratch, old_tmp, test_user)
@@ -190,8 +230,11 @@ def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
         os.chmod(secret, 0o600)
         saved = boundtmp.AtDump(init, uid, images, 1 << 20, gid)
         assert not saved.collect()
-        assert saved.refused and "with its owner's rights" in saved.refused \
-            and "root-only" in saved.refused, saved.refused
+        assert (
+            saved.refused
+            and "with its owner's rights" in saved.refused
+            and "root-only" in saved.refused
+        ), saved.refused
         assert not (images / boundtmp.archive_name("/tmp")).exists()
         secret.unlink()
         (old_tmp / "big").write_bytes(os.urandom(64 << 10))

@@ -116,7 +116,9 @@ def _server(tmp_path: Path, files: dict[str, bytes | Exception]) -> ImageServer:
                 out.write(b"half")
                 raise content
             out.write(content)
+
         return send
+
     tmp_path.chmod(0o700)
     return ImageServer(tmp_path, source)
 

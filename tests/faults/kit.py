@@ -31,16 +31,19 @@ def arm(d: Daemon, *points: str) -> None:
 
 def start_cli(d: Daemon, *args: str) -> subprocess.Popen[str]:
     """A `stasis` command against `d`, in the background (it outlives the daemon's death)."""
-    return subprocess.Popen([STASIS, *args], env=d.env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [STASIS, *args], env=d.env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
 
 
 def died(d: Daemon, timeout_s: float = 60.0) -> None:
     """Wait for `d` to die at its armed point (SIGKILL); it is left stopped, ready to `arm`."""
     assert d.proc is not None
     rc = d.proc.wait(timeout=timeout_s)
-    assert rc == -signal.SIGKILL, f"daemon ended with {rc}, not at its fault point: " + \
-        (d.root / "daemon.log").read_text()[-2000:]
+    assert rc == -signal.SIGKILL, (
+        f"daemon ended with {rc}, not at its fault point: "
+        + (d.root / "daemon.log").read_text()[-2000:]
+    )
     d.proc = None
     d.log.close()
 
@@ -70,8 +73,12 @@ def stopped(pid: int) -> list[int]:
 
 
 def live_jobs(d: Daemon, label: str | None = None) -> list[dict[str, Any]]:
-    return [j for j in d.json("ps") if j["state"] in ("restoring", "running", "restored")
-            and (label is None or j["label"] == label)]
+    return [
+        j
+        for j in d.json("ps")
+        if j["state"] in ("restoring", "running", "restored")
+        and (label is None or j["label"] == label)
+    ]
 
 
 def checkpoints(d: Daemon, label: str) -> list[dict[str, Any]]:

@@ -48,16 +48,26 @@ def cluster(world_tmp: Path) -> Iterator[Cluster]:
     hpc = cp.json("clusters", "add", "hpc", "--kind", "slurm")
     store = Path(tempfile.mkdtemp(prefix="cp-faults-store-", dir=world_tmp))
     # Each a host of its own (its /tmp, /dev/shm, /run, name and address), as real nodes are.
-    daemons = [new_daemon(world_tmp, name, store=str(store), separate=True,
-                          env={**node_env(cp, hpc, name), "STASIS_SITE_KEY": str(key)})
-               for name in ("node-a", "node-b", "node-c")]
+    daemons = [
+        new_daemon(
+            world_tmp,
+            name,
+            store=str(store),
+            separate=True,
+            env={**node_env(cp, hpc, name), "STASIS_SITE_KEY": str(key)},
+        )
+        for name in ("node-a", "node-b", "node-c")
+    ]
     started: list[Daemon] = []
     try:
         for d in daemons:
             d.start()
             started.append(d)
-        wait_for(lambda: {n["name"] for n in cp.json("nodes")} ==
-                 {"node-a", "node-b", "node-c"}, 30, "the nodes to join")
+        wait_for(
+            lambda: {n["name"] for n in cp.json("nodes")} == {"node-a", "node-b", "node-c"},
+            30,
+            "the nodes to join",
+        )
         yield Cluster(cp, *daemons)
     finally:
         for d in daemons:
@@ -70,6 +80,7 @@ def cluster(world_tmp: Path) -> Iterator[Cluster]:
 def final(cp: ControlPlane, command_id: str, timeout_s: float = 90) -> dict[str, Any]:
     """The last command of the chain that starts at `command_id` (a migration's checkpoint
     half, its restore half, the restore's retries and re-targets), once it is answered."""
+
     def answered() -> dict[str, Any] | None:
         nonlocal command_id
         c: dict[str, Any] = cp.call("GET", f"/api/v1/commands/{command_id}", cp.admin)[1]
@@ -88,8 +99,9 @@ def counted(d: Daemon, job: str) -> list[int]:
     return [int(x) for x in d.log_of(job).split()]
 
 
-def assert_runs_once_counting_on(c: Cluster, label: str, job: str, before: int,
-                                 on: str = "b") -> None:
+def assert_runs_once_counting_on(
+    c: Cluster, label: str, job: str, before: int, on: str = "b"
+) -> None:
     """`label` runs on node `on` alone, once, and its counter goes on past `before` (the
     value it had reached before the migration), without starting again."""
     there = {"a": c.a, "b": c.b, "c": c.c}
@@ -106,10 +118,15 @@ def assert_runs_once_counting_on(c: Cluster, label: str, job: str, before: int,
     assert numbers == list(range(len(numbers))), numbers[-20:]
 
 
-def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
-                      user: str, restart: bool = True,
-                      while_down: Callable[[Daemon], None] | None = None
-                      ) -> tuple[dict[str, Any], int]:
+def migrate_killed_at(
+    c: Cluster,
+    killed: Daemon,
+    point: str,
+    label: str,
+    user: str,
+    restart: bool = True,
+    while_down: Callable[[Daemon], None] | None = None,
+) -> tuple[dict[str, Any], int]:
     """Migrate a counting job from node-a to node-b, `killed` dying at `point` (`while_down`
     done to it meanwhile), then started again unless not to `restart`. The migration's last
     command once answered, and the value the counter had reached before."""
@@ -118,8 +135,9 @@ def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
     wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
     log = c.a.state_dir / "logs" / f"{job}.log"
     kit.arm(killed, point)
-    status, first = c.cp.call("POST", "/api/v1/migrations", c.cp.admin,
-                              {"job": job, "to": "node-b"})
+    status, first = c.cp.call(
+        "POST", "/api/v1/migrations", c.cp.admin, {"job": job, "to": "node-b"}
+    )
     assert status == 201, first
     kit.died(killed)
     before = int(log.read_text().split()[-1])
@@ -132,7 +150,8 @@ def migrate_killed_at(c: Cluster, killed: Daemon, point: str, label: str,
 
 @pytest.mark.parametrize("point", ["cp.after-lease", "cp.after-checkpoint"])
 def test_a_checkpoint_half_killed_goes_on_from_its_intent(
-        cluster: Cluster, point: str, test_user: pwd.struct_passwd) -> None:
+    cluster: Cluster, point: str, test_user: pwd.struct_passwd
+) -> None:
     """The source node dies after leasing (nothing done yet: it is done once started again)
     or after its checkpoint was published (answered with that checkpoint: before, the command
     was carried out again and failed "not running", and the job ran on neither node)."""
@@ -145,7 +164,8 @@ def test_a_checkpoint_half_killed_goes_on_from_its_intent(
 
 @pytest.mark.parametrize("point", ["cp.after-lease", "cp.after-restore"])
 def test_a_restore_half_killed_is_carried_out_once(
-        cluster: Cluster, point: str, test_user: pwd.struct_passwd) -> None:
+    cluster: Cluster, point: str, test_user: pwd.struct_passwd
+) -> None:
     """The target node dies after leasing the restore (nothing done: restored once started
     again), or after its restore, before answering: leased again, it answers with the job
     restored from that checkpoint, restoring nothing again (before: refused as a replay, the
@@ -159,7 +179,8 @@ def test_a_restore_half_killed_is_carried_out_once(
 
 
 def test_a_control_plane_killed_mid_migration_loses_nothing(
-        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
+    cluster: Cluster, test_user: pwd.struct_passwd
+) -> None:
     """The control plane SIGKILLed while its nodes carry out a migration, started again on its
     database: the nodes' answers are taken (or their commands leased again and answered from
     what they did), and the migration ends with the job running once on its target."""
@@ -168,8 +189,9 @@ def test_a_control_plane_killed_mid_migration_loses_nothing(
     wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
     wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
     log = c.a.state_dir / "logs" / f"{job}.log"
-    status, first = c.cp.call("POST", "/api/v1/migrations", c.cp.admin,
-                              {"job": job, "to": "node-b"})
+    status, first = c.cp.call(
+        "POST", "/api/v1/migrations", c.cp.admin, {"job": job, "to": "node-b"}
+    )
     assert status == 201, first
     assert c.cp.proc is not None
     c.cp.proc.kill()
@@ -183,14 +205,16 @@ def test_a_control_plane_killed_mid_migration_loses_nothing(
 
 
 def test_a_restore_half_whose_node_is_lost_is_retargeted(
-        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
+    cluster: Cluster, test_user: pwd.struct_passwd
+) -> None:
     """The target's daemon dies as it leases the restore and stays down: once its lease ran
     out and it is lost, the restore goes to the third node, with the seal the source made for
     it there, and the job runs there once, counting on."""
     c = cluster
     try:
-        last, before = migrate_killed_at(c, c.b, "cp.after-lease", "cpf-lost",
-                                         test_user.pw_name, restart=False)
+        last, before = migrate_killed_at(
+            c, c.b, "cp.after-lease", "cpf-lost", test_user.pw_name, restart=False
+        )
         assert last["kind"] == "restore" and last["state"] == "done", last
         assert last["node"] == "node-c", last
         assert_runs_once_counting_on(c, "cpf-lost", str(last["result"]["job"]), before, "c")
@@ -198,7 +222,10 @@ def test_a_restore_half_whose_node_is_lost_is_retargeted(
     finally:
         kit.arm(c.b)
     # Back, node-b restores nothing of it: the command it held went elsewhere.
-    wait_for(lambda: {n["name"]: n["state"] for n in c.cp.json("nodes")}["node-b"] == "ready",
-             30, "node-b to report again")
+    wait_for(
+        lambda: {n["name"]: n["state"] for n in c.cp.json("nodes")}["node-b"] == "ready",
+        30,
+        "node-b to report again",
+    )
     time.sleep(float(LEASE_S))
     assert not kit.live_jobs(c.b, "cpf-lost")

@@ -34,16 +34,20 @@ def test_stop_dump_while_the_database_is_locked(make_daemon: MakeDaemon, peer: P
         # The checkpoint was taken and the job stopped, as asked: a success, with a note.
         assert answer.returncode == 0 and "could not record it yet" in said, said
         # Never left frozen: the checkpoint was published and a stop asked, so the tree goes.
-        wait_for(lambda: not proctree.alive(job["pid"], None) or not stopped(job["pid"]), 20,
-                 "the job not to stand frozen")
+        wait_for(
+            lambda: not proctree.alive(job["pid"], None) or not stopped(job["pid"]),
+            20,
+            "the job not to stand frozen",
+        )
         assert not proctree.alive(job["pid"], None), "the job runs beside its checkpoint"
         assert checkpoints(d, job["label"]), "no checkpoint listed"
     finally:
         lock.rollback()
         lock.close()
     # Once the database can be written, the job's state is what happened to it.
-    wait_for(lambda: d.job(job["job"])["state"] == "checkpointed", 20,
-             "the job recorded checkpointed")
+    wait_for(
+        lambda: d.job(job["job"])["state"] == "checkpointed", 20, "the job recorded checkpointed"
+    )
     assert not list((d.state_dir / "dumps").glob("*.json")), "the dump's journal entry stays"
     _release_locks(d, job["label"])
 
@@ -86,8 +90,7 @@ def test_a_corrupt_database_is_moved_aside_and_rebuilt(make_daemon: MakeDaemon) 
     assert not proctree.alive(running["pid"], None)
 
 
-def test_not_ready_while_a_dump_waits_for_the_database(make_daemon: MakeDaemon,
-                                                        peer: Peer) -> None:
+def test_not_ready_while_a_dump_waits_for_the_database(make_daemon: MakeDaemon, peer: Peer) -> None:
     d = make_daemon(env={"STASIS_DB_BUSY_TIMEOUT_S": "1"})
     job, _ = start(d, peer)
     lock = _hold_write_lock(d)
@@ -103,7 +106,8 @@ def test_not_ready_while_a_dump_waits_for_the_database(make_daemon: MakeDaemon,
 
 
 def test_killed_after_publish_then_started_with_the_database_locked(
-        make_daemon: MakeDaemon) -> None:
+    make_daemon: MakeDaemon,
+) -> None:
     """Whatever the database does at the next start, a published stop-dump's tree is not left
     stopped: killed (the stop was asked), recorded once the database can be written."""
     d = make_daemon(env={"STASIS_DB_BUSY_TIMEOUT_S": "1"})
@@ -150,13 +154,22 @@ def test_published_then_started_with_the_database_locked(make_daemon: MakeDaemon
     assert checkpoints(d, "locked-published")
 
 
-def test_not_ready_while_the_store_does_not_answer(make_daemon: MakeDaemon,
-                                                   world_tmp: Path) -> None:
+def test_not_ready_while_the_store_does_not_answer(
+    make_daemon: MakeDaemon, world_tmp: Path
+) -> None:
     # An S3 endpoint where nothing listens: the daemon runs, but cannot protect a job.
-    d = make_daemon(store="s3://nowhere/x", env={
-        "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k",
-        "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1", "AWS_CONFIG_FILE": "/dev/null",
-        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null", "AWS_EC2_METADATA_DISABLED": "true"})
+    d = make_daemon(
+        store="s3://nowhere/x",
+        env={
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": "/dev/null",
+            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        },
+    )
     said = d.cli("check", check=False)
     assert said.returncode != 0, said.stdout
     problems = _not_ready(d)

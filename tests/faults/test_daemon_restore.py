@@ -43,8 +43,9 @@ def _trees(label: str) -> list[int]:
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("mode", MODES)
-def test_daemon_killed_during_a_restore(make_daemon: MakeDaemon, world_tmp: Path,
-                                        request: Any, mode: str, step: str) -> None:
+def test_daemon_killed_during_a_restore(
+    make_daemon: MakeDaemon, world_tmp: Path, request: Any, mode: str, step: str
+) -> None:
     d = _daemon(mode, make_daemon, world_tmp, request)
     label = f"fr-{os.urandom(3).hex()}"
     job = d.run(*workload("counter.py", 0.05, 8, label), label=label)
@@ -55,8 +56,11 @@ def test_daemon_killed_during_a_restore(make_daemon: MakeDaemon, world_tmp: Path
     lazy = ["--lazy"] if mode == "lazy" else []
     kit.kill_at(d, f"restore.{mode}.{step}", "restore", *lazy, "--label", label)
     # The next start settles what the restore left: no row stays `restoring`.
-    wait_for(lambda: not [j for j in d.json("ps") if j["state"] == "restoring"], 15,
-             "no job left restoring")
+    wait_for(
+        lambda: not [j for j in d.json("ps") if j["state"] == "restoring"],
+        15,
+        "no job left restoring",
+    )
     live = kit.live_jobs(d, label)
     assert len(live) <= 1, live
     kit.assert_nothing_frozen([j["pid"] for j in live])
@@ -85,8 +89,9 @@ def test_a_job_started_but_not_recorded_is_adopted(make_daemon: MakeDaemon) -> N
     to stop, its counter going on; nothing started twice."""
     d = make_daemon()
     label = f"fo-{os.urandom(3).hex()}"
-    kit.kill_at(d, "run.after-start", "run", "--label", label, "--",
-                *workload("counter.py", 0.05, 0, label))
+    kit.kill_at(
+        d, "run.after-start", "run", "--label", label, "--", *workload("counter.py", 0.05, 0, label)
+    )
     live = kit.live_jobs(d, label)
     assert len(live) == 1, d.json("ps")
     job = live[0]

@@ -39,10 +39,12 @@ def rebuilt(d: Daemon) -> bool:
     return any(d.state_dir.glob("jobs.db.corrupt-*"))
 
 
-def migrate_killed_and_corrupted(c: Cluster, killed: Daemon, point: str, label: str,
-                                 user: str) -> tuple[dict[str, Any], int]:
+def migrate_killed_and_corrupted(
+    c: Cluster, killed: Daemon, point: str, label: str, user: str
+) -> tuple[dict[str, Any], int]:
     """migrate_killed_at, `killed`'s database corrupted while it is down: started again, the
     database is rebuilt."""
+
     def corrupted(d: Daemon) -> None:
         for old in d.state_dir.glob("jobs.db.corrupt-*"):
             old.unlink()  # an earlier test's
@@ -55,15 +57,15 @@ def migrate_killed_and_corrupted(c: Cluster, killed: Daemon, point: str, label: 
 
 @pytest.mark.parametrize("point", ["cp.after-restore", "cp.before-ack"])
 def test_a_restore_half_leased_again_after_a_rebuild_restores_nothing_again(
-        cluster: Cluster, point: str, test_user: pwd.struct_passwd) -> None:
+    cluster: Cluster, point: str, test_user: pwd.struct_passwd
+) -> None:
     """The target dies after its restore (its intent and the migration's restore kept), or
     after its answer was kept but before the control plane took it; its database is rebuilt.
     Leased again, the restore is answered with the job restored then: nothing is restored a
     second time (before: the rebuilt database knew none of it, and the checkpoint was
     restored again beside the job it had become)."""
     label = "rebuild-" + point.split(".")[1]
-    last, before = migrate_killed_and_corrupted(cluster, cluster.b, point, label,
-                                                test_user.pw_name)
+    last, before = migrate_killed_and_corrupted(cluster, cluster.b, point, label, test_user.pw_name)
     assert last["kind"] == "restore" and last["state"] == "done", last
     assert last["node"] == "node-b", last
     assert_runs_once_counting_on(cluster, label, str(last["result"]["job"]), before)
@@ -71,28 +73,32 @@ def test_a_restore_half_leased_again_after_a_rebuild_restores_nothing_again(
 
 
 def test_a_checkpoint_half_leased_again_after_a_rebuild_is_answered_with_its_checkpoint(
-        cluster: Cluster, test_user: pwd.struct_passwd) -> None:
+    cluster: Cluster, test_user: pwd.struct_passwd
+) -> None:
     """The source dies after its stop checkpoint was published (the job gone with it); its
     database is rebuilt. Leased again, the checkpoint half is answered with that checkpoint
     from its intent (before: the intent was lost, the checkpoint asked again failed "not
     running", and the job ran on neither node)."""
-    last, before = migrate_killed_and_corrupted(cluster, cluster.a, "cp.after-checkpoint",
-                                                "rebuild-ckpt", test_user.pw_name)
+    last, before = migrate_killed_and_corrupted(
+        cluster, cluster.a, "cp.after-checkpoint", "rebuild-ckpt", test_user.pw_name
+    )
     assert last["kind"] == "restore" and last["state"] == "done", last
     assert_runs_once_counting_on(cluster, "rebuild-ckpt", str(last["result"]["job"]), before)
     cluster.b.kill_all()
 
 
-def test_records_of_answers_taken_are_not_kept(cluster: Cluster,
-                                               test_user: pwd.struct_passwd) -> None:
+def test_records_of_answers_taken_are_not_kept(
+    cluster: Cluster, test_user: pwd.struct_passwd
+) -> None:
     """A migration that went well leaves no answer, no intent behind as files (the control
     plane took them: never leased again); the migration restored stays, for good."""
     c = cluster
     job = c.a.run(*workload("counter.py"), label="rebuild-clean", user=test_user.pw_name)["job"]
     wait_for(lambda: len(c.a.log_of(job).split()) >= 3, 30, "the counter to count")
     wait_for(lambda: job in [j["job"] for j in c.cp.json("jobs")], 30, "the job's report")
-    status, first = c.cp.call("POST", "/api/v1/migrations", c.cp.admin,
-                              {"job": job, "to": "node-b"})
+    status, first = c.cp.call(
+        "POST", "/api/v1/migrations", c.cp.admin, {"job": job, "to": "node-b"}
+    )
     assert status == 201, first
     last = final(c.cp, first["id"])
     assert last["state"] == "done", last
@@ -100,8 +106,11 @@ def test_records_of_answers_taken_are_not_kept(cluster: Cluster,
     def files(d: Daemon, table: str) -> list[str]:
         return sorted(p.name for p in (d.state_dir / "records" / table).glob("*.json"))
 
-    wait_for(lambda: not files(c.b, "controlplane_done") and not files(c.a, "controlplane_done"),
-             20, "the answers' files to go once taken")
+    wait_for(
+        lambda: not files(c.b, "controlplane_done") and not files(c.a, "controlplane_done"),
+        20,
+        "the answers' files to go once taken",
+    )
     assert not files(c.a, "controlplane_intent") and not files(c.b, "controlplane_intent")
     assert files(c.b, "controlplane_restored")
     for d in (c.a, c.b):

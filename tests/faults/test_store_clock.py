@@ -14,13 +14,18 @@ from tests.daemon.test_restore_state import last_number, numbers
 
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
-pytestmark = pytest.mark.skipif(not FAKETIME.exists(),
-                                reason="libfaketime is missing: scripts/install-test-apps.sh")
+pytestmark = pytest.mark.skipif(
+    not FAKETIME.exists(), reason="libfaketime is missing: scripts/install-test-apps.sh"
+)
 
 
 def skewed_env(site_key: Path) -> dict[str, str]:
-    return {"STASIS_SITE_KEY": str(site_key), "LD_PRELOAD": str(FAKETIME),
-            "FAKETIME": "+2d", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    return {
+        "STASIS_SITE_KEY": str(site_key),
+        "LD_PRELOAD": str(FAKETIME),
+        "FAKETIME": "+2d",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
 
 
 def dump(d: Daemon, job: str) -> tuple[str, int]:
@@ -30,7 +35,8 @@ def dump(d: Daemon, job: str) -> tuple[str, int]:
 
 
 def test_a_node_with_its_clock_ahead_neither_wins_newest_nor_outlives_retention(
-        make_daemon: MakeDaemon, site_key: Path) -> None:
+    make_daemon: MakeDaemon, site_key: Path
+) -> None:
     skewed = make_daemon(keep=2, env=skewed_env(site_key))
     correct = make_daemon(store=skewed.store, keep=2, env={"STASIS_SITE_KEY": str(site_key)})
     # The job starts on the skewed node and is checkpointed there: its id and `created` are two

@@ -78,13 +78,15 @@ def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 
 
 def test_gc_leaves_a_publish_whose_multipart_upload_is_stalled(
-        s3: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(store_module, "HEARTBEAT_S", 0.5, raising=False)
     url = f"s3://{s3_bucket}/slow"
     pages = os.urandom(12 << 20)
     with StallProxy(("127.0.0.1", s3.port), "upload", after=2 << 20) as proxy:
-        node = s3_store(s3, url, tmp_path / "a", options=options(
-            s3, proxy.endpoint, default_block_size=5 << 20))
+        node = s3_store(
+            s3, url, tmp_path / "a", options=options(s3, proxy.endpoint, default_block_size=5 << 20)
+        )
         other = s3_store(s3, url, tmp_path / "b")  # another node, on a fast link
         info = make_info()
         stage(node, info, {**SMALL_FILES, "pages-1.img": pages})
@@ -102,12 +104,14 @@ def test_gc_leaves_a_publish_whose_multipart_upload_is_stalled(
         assert (images / "pages-1.img").read_bytes() == pages
     # The heartbeat goes with the publish: only the images and the manifest stay.
     fs = s3.filesystem()
-    assert sorted(os.path.basename(p) for p in fs.ls(f"{s3_bucket}/slow/{manifest.id}")) == \
-        sorted(["manifest.json", *(e.stored_name for e in manifest.files)])
+    assert sorted(os.path.basename(p) for p in fs.ls(f"{s3_bucket}/slow/{manifest.id}")) == sorted(
+        ["manifest.json", *(e.stored_name for e in manifest.files)]
+    )
 
 
-def test_a_dead_publish_is_still_collected(s3: S3Server, s3_bucket: str, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_publish_is_still_collected(
+    s3: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # What the heartbeat left when its node died: gc takes it once idle, as before.
     monkeypatch.setattr(store_module, "HEARTBEAT_S", 0.2, raising=False)
     url = f"s3://{s3_bucket}/dead"
@@ -122,7 +126,8 @@ def test_a_dead_publish_is_still_collected(s3: S3Server, s3_bucket: str, tmp_pat
 
 
 def test_retention_leaves_the_checkpoint_a_slow_restore_reads(
-        s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     url = f"s3://{s3_bucket}/pinned"
     writer = s3_store(s3, url, tmp_path / "w")
     pages = os.urandom(8 << 20)

@@ -20,16 +20,15 @@ without a token (the tests' own, as the cluster's admin) are allowed.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-from typing import Any
-
-import json
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__)
 
@@ -43,19 +42,26 @@ class ApiServer:
 
     def start(self) -> None:
         with (self.workdir / "apiserver.log").open("w") as log:
-            self.proc = subprocess.Popen([sys.executable, str(HERE)], stdout=subprocess.PIPE,
-                                         stderr=log, text=True, cwd=self.workdir)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=self.workdir,
+            )
         assert self.proc.stdout is not None
         self.url = self.proc.stdout.readline().strip()
         assert self.url.startswith("http://"), (self.workdir / "apiserver.log").read_text()
-        self.kubeconfig.write_text(textwrap.dedent(f"""\
+        self.kubeconfig.write_text(
+            textwrap.dedent(f"""\
             apiVersion: v1
             kind: Config
             clusters: [{{name: kmock, cluster: {{server: "{self.url}"}}}}]
             users: [{{name: test, user: {{token: not-a-secret}}}}]
             contexts: [{{name: kmock, context: {{cluster: kmock, user: test}}}}]
             current-context: kmock
-            """))
+            """)
+        )
         os.chmod(self.kubeconfig, 0o600)
 
     def stop(self) -> None:
@@ -73,9 +79,16 @@ class ApiServer:
 
     def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Content-Type": "application/merge-patch+json" if method == "PATCH"
-            else "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={
+                "Content-Type": "application/merge-patch+json"
+                if method == "PATCH"
+                else "application/json"
+            },
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 answer: dict[str, Any] = json.loads(r.read())
@@ -97,8 +110,7 @@ class ApiServer:
         os.chmod(config, 0o600)
         return config
 
-    def requests(self, denied: bool = False, token: str | None = None
-                 ) -> list[dict[str, Any]]:
+    def requests(self, denied: bool = False, token: str | None = None) -> list[dict[str, Any]]:
         """The requests of the authorized tokens (only those refused: `denied`; only those of
         `token`)."""
         path = self.workdir / ("rbac-denied.jsonl" if denied else "rbac-requests.jsonl")
@@ -128,8 +140,9 @@ class ApiServer:
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
         return self._call("GET", self._path(kind, namespace, name))
 
-    def patch(self, kind: str, name: str, body: dict[str, Any],
-              namespace: str | None = None) -> None:
+    def patch(
+        self, kind: str, name: str, body: dict[str, Any], namespace: str | None = None
+    ) -> None:
         self._call("PATCH", self._path(kind, namespace, name), body)
 
 
@@ -157,16 +170,24 @@ def _attributes(request: Any) -> dict[str, Any] | None:
     else:
         verb = _VERBS.get(method, method.lower())
     full = plural + (f"/{request.subresource}" if request.subresource else "")
-    return {"verb": verb, "apiGroup": resource.group, "resource": full, "name": name,
-            "namespace": namespace}
+    return {
+        "verb": verb,
+        "apiGroup": resource.group,
+        "resource": full,
+        "name": name,
+        "namespace": namespace,
+    }
 
 
 def _allows(rule: dict[str, Any], attrs: dict[str, Any]) -> bool:
     def has(key: str, value: str) -> bool:
         return "*" in rule.get(key, []) or value in rule.get(key, [])
 
-    if not (has("apiGroups", attrs["apiGroup"]) and has("resources", attrs["resource"])
-            and has("verbs", attrs["verb"])):
+    if not (
+        has("apiGroups", attrs["apiGroup"])
+        and has("resources", attrs["resource"])
+        and has("verbs", attrs["verb"])
+    ):
         return False
     names = rule.get("resourceNames")
     return not names or attrs["name"] in names
@@ -195,13 +216,21 @@ def _forbidden(request: Any) -> dict[str, Any] | None:
     with open("rbac-denied.jsonl", "a") as out:
         out.write(json.dumps(attrs) + "\n")
     what = attrs["resource"] + (f' "{attrs["name"]}"' if attrs["name"] else "")
-    where = f' in the namespace "{attrs["namespace"]}"' if attrs["namespace"] else \
-        " at the cluster scope"
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
-            "code": 403,
-            "message": f'{what} is forbidden: User "{token}" cannot {attrs["verb"]} '
-                       f'resource "{attrs["resource"]}" in API group "{attrs["apiGroup"]}"'
-                       f"{where}"}
+    where = (
+        f' in the namespace "{attrs["namespace"]}"'
+        if attrs["namespace"]
+        else " at the cluster scope"
+    )
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "reason": "Forbidden",
+        "code": 403,
+        "message": f'{what} is forbidden: User "{token}" cannot {attrs["verb"]} '
+        f'resource "{attrs["resource"]}" in API group "{attrs["apiGroup"]}"'
+        f"{where}",
+    }
 
 
 async def _serve() -> None:
@@ -237,17 +266,30 @@ async def _serve() -> None:
             key = (request.resource, request.namespace, request.name)
             async with self._lock:
                 if key not in self._objects or self._objects[key].deleted:
-                    return web.json_response({"kind": "Status", "apiVersion": "v1",
-                                              "status": "Failure", "reason": "NotFound",
-                                              "code": 404}, status=404)
+                    return web.json_response(
+                        {
+                            "kind": "Status",
+                            "apiVersion": "v1",
+                            "status": "Failure",
+                            "reason": "NotFound",
+                            "code": 404,
+                        },
+                        status=404,
+                    )
                 self._objects[key].delete()
                 await self._buses[request.resource].put(
-                    {"type": "DELETED", "object": self._objects[key].last.raw})
+                    {"type": "DELETED", "object": self._objects[key].last.raw}
+                )
             with open("evictions.jsonl", "a") as out:
-                out.write(json.dumps({"namespace": request.namespace, "pod": request.name,
-                                      "body": request.data}) + "\n")
-            return web.json_response({"kind": "Status", "apiVersion": "v1",
-                                      "status": "Success", "code": 201}, status=201)
+                out.write(
+                    json.dumps(
+                        {"namespace": request.namespace, "pod": request.name, "body": request.data}
+                    )
+                    + "\n"
+                )
+            return web.json_response(
+                {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}, status=201
+            )
 
     async with Emulator() as emulator, kmock.Server(emulator) as server:
         print(server.url, flush=True)

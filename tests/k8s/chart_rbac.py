@@ -12,15 +12,20 @@ from tests.k8s.test_chart import render
 
 def rules_of(account_name: str, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     docs = render(values or {})
-    accounts = [d for d in docs if d["kind"] == "ServiceAccount"
-                and d["metadata"]["name"] == account_name]
+    accounts = [
+        d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == account_name
+    ]
     assert len(accounts) == 1, accounts
     account = accounts[0]["metadata"]
     roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
     rules: list[dict[str, Any]] = []
     for binding in (d for d in docs if d["kind"] == "ClusterRoleBinding"):
-        if any(s["kind"] == "ServiceAccount" and s["name"] == account["name"]
-               and s["namespace"] == account["namespace"] for s in binding["subjects"]):
+        if any(
+            s["kind"] == "ServiceAccount"
+            and s["name"] == account["name"]
+            and s["namespace"] == account["namespace"]
+            for s in binding["subjects"]
+        ):
             rules += roles[binding["roleRef"]["name"]]["rules"]
     # A Role would bind only in its namespace: the agent works across every namespace, so the
     # chart must not lean on one (the emulator enforces cluster-wide rules only).

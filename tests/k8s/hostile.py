@@ -44,15 +44,31 @@ _stasis_evil()
 def python_dirs() -> tuple[list[str], list[str]]:
     """The node's Python's stdlib directories and site directories (those of `python -I`, as
     the daemon starts its children, and Debian's dist-packages)."""
-    out = subprocess.run([sys.executable, "-I", "-c", "import json, sys, site; print(json.dumps("
-                          "[sys.path, site.getsitepackages()]))"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            "import json, sys, site; print(json.dumps(" "[sys.path, site.getsitepackages()]))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     path, sites = json.loads(out)
-    stdlib = [p for p in path if p.startswith("/usr/lib/python3") and p.endswith(
-        f"python3.{sys.version_info.minor}")]
-    sites = sorted({*sites, *[p for p in path if p.endswith("-packages")],
-                    "/usr/lib/python3/dist-packages",
-                    f"/usr/local/lib/python3.{sys.version_info.minor}/dist-packages"})
+    stdlib = [
+        p
+        for p in path
+        if p.startswith("/usr/lib/python3") and p.endswith(f"python3.{sys.version_info.minor}")
+    ]
+    sites = sorted(
+        {
+            *sites,
+            *[p for p in path if p.endswith("-packages")],
+            "/usr/lib/python3/dist-packages",
+            f"/usr/local/lib/python3.{sys.version_info.minor}/dist-packages",
+        }
+    )
     return stdlib, sites
 
 
@@ -69,8 +85,17 @@ def planted_files(marker: Path) -> dict[str, bytes]:
         files[f"{d}/encodings/{EVIL_CODEC}.py"] = payload(f"codec in {d}")
         for name in ("sitecustomize.py", "usercustomize.py"):
             files[f"{d}/{name}"] = payload(f"{d}/{name}")
-        for mod in ("tarfile.py", "os.py", "shutil.py", "subprocess.py", "codecs.py",
-                    "traceback.py", "linecache.py", "zipfile.py", "gzip.py"):
+        for mod in (
+            "tarfile.py",
+            "os.py",
+            "shutil.py",
+            "subprocess.py",
+            "codecs.py",
+            "traceback.py",
+            "linecache.py",
+            "zipfile.py",
+            "gzip.py",
+        ):
             files[f"{d}/{mod}"] = payload(f"{d}/{mod}", cookie=True)
     for d in sites:
         files[f"{d}/stasis_evil.pth"] = b"import stasis_evil_pth\n"

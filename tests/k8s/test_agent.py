@@ -29,16 +29,19 @@ def host_root(tmp_path: Path) -> Path:
     return host
 
 
-def test_the_runtime_goes_into_the_host_root_and_containerd_restarts_once(tmp_path: Path
-                                                                          ) -> None:
+def test_the_runtime_goes_into_the_host_root_and_containerd_restarts_once(tmp_path: Path) -> None:
     host = host_root(tmp_path)
     marker = tmp_path / "restarted"
     where = HostInstall(root=host, restart_containerd=("sh", "-c", f"echo x >> {marker}"))
     changes = install_runtime(where, SETTINGS)
     assert any("runtime entry" in c for c in changes)
     config = tomllib.loads((host / "etc" / "containerd" / "config.toml").read_text())
-    assert config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"][
-        "stasis"]["runtime_type"] == shim.RUNTIME_TYPE
+    assert (
+        config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["stasis"][
+            "runtime_type"
+        ]
+        == shim.RUNTIME_TYPE
+    )
     # The scripts name the host's paths, not the pod's.
     script = (host / "usr" / "local" / "bin" / shim.SHIM_NAME).read_text()
     assert "STASIS_CONFIG=/etc/stasis/runtime.toml" in script
@@ -47,16 +50,21 @@ def test_the_runtime_goes_into_the_host_root_and_containerd_restarts_once(tmp_pa
     assert "exec /usr/local/lib/stasis/bin/stasis-runc " in dispatcher
     assert 'exec /usr/bin/runc "$@"' in dispatcher
     assert tomllib.loads((host / "etc" / "stasis" / "runtime.toml").read_text()) == {
-        "socket": "/run/stasis/stasis.sock", "criu": "/usr/local/lib/stasis/bin/criu",
-        "runc": "/usr/bin/runc"}
+        "socket": "/run/stasis/stasis.sock",
+        "criu": "/usr/local/lib/stasis/bin/criu",
+        "runc": "/usr/bin/runc",
+    }
     wrapper = (host / "usr" / "local" / "lib" / "stasis" / "bin" / "criu").read_text()
-    assert "exec /usr/local/lib/stasis/lib/ld-linux-x86-64.so.2 --library-path " \
-           "/usr/local/lib/stasis/lib /usr/local/lib/stasis/sbin/criu" in wrapper
+    assert (
+        "exec /usr/local/lib/stasis/lib/ld-linux-x86-64.so.2 --library-path "
+        "/usr/local/lib/stasis/lib /usr/local/lib/stasis/sbin/criu" in wrapper
+    )
     assert marker.read_text() == "x\n"
     # The agent started again (a new pod): nothing to copy or restart for.
     assert install_runtime(where, SETTINGS) == [
         "write /host/usr/local/bin/containerd-shim-stasis-v2 and "
-        "/host/usr/local/bin/runc-wrapper/runc".replace("/host", str(host))]
+        "/host/usr/local/bin/runc-wrapper/runc".replace("/host", str(host))
+    ]
     assert marker.read_text() == "x\n"
 
 
@@ -67,30 +75,51 @@ def test_the_bundle_runs_criu_and_stasis_runc_with_its_own_libraries(tmp_path: P
     assert hostbundle.install(dest, Path("/usr/local/sbin/criu"))
     # Nothing of the venv, and not run from the checkout (whose stasis/ Python would find).
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-    r = subprocess.run([str(dest / "bin" / "criu"), "--version"], capture_output=True, cwd=tmp_path,
-                       text=True, env=env)
+    r = subprocess.run(
+        [str(dest / "bin" / "criu"), "--version"],
+        capture_output=True,
+        cwd=tmp_path,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0 and r.stdout.startswith("Version: 4."), r.stderr
     # Python, its C extensions and their libraries all come from the bundle.
-    r = subprocess.run([str(dest / "bin" / "python"), "-c",
-                        "import sys, ssl, zstandard, pydantic_core, stasis.k8s.runtime\n"
-                        "maps = open('/proc/self/maps').read().split()\n"
-                        "print(sorted({p for p in maps if '.so' in p and "
-                        "not p.startswith(sys.argv[1])}))", str(dest)],
-                       capture_output=True, cwd=tmp_path, text=True, env=env)
+    r = subprocess.run(
+        [
+            str(dest / "bin" / "python"),
+            "-c",
+            "import sys, ssl, zstandard, pydantic_core, stasis.k8s.runtime\n"
+            "maps = open('/proc/self/maps').read().split()\n"
+            "print(sorted({p for p in maps if '.so' in p and "
+            "not p.startswith(sys.argv[1])}))",
+            str(dest),
+        ],
+        capture_output=True,
+        cwd=tmp_path,
+        text=True,
+        env=env,
+    )
     assert (r.returncode, r.stdout) == (0, "[]\n"), r.stderr
     # stasis-runc hands what is not about stasis to runc.
-    r = subprocess.run([str(dest / "bin" / "stasis-runc"), "--version"], capture_output=True,
-                       cwd=tmp_path, text=True, env={**env, "STASIS_CONFIG": "/dev/null"})
+    r = subprocess.run(
+        [str(dest / "bin" / "stasis-runc"), "--version"],
+        capture_output=True,
+        cwd=tmp_path,
+        text=True,
+        env={**env, "STASIS_CONFIG": "/dev/null"},
+    )
     assert r.returncode == 0 and r.stdout.startswith("runc version"), r.stderr
     # Dev tools stay out: only what stasis needs at run time.
     assert not (dest / "site-packages" / "pytest").exists()
 
 
 def test_a_failed_containerd_restart_is_one_clear_error(tmp_path: Path) -> None:
-    where = HostInstall(root=host_root(tmp_path),
-                        restart_containerd=("sh", "-c", "echo no unit >&2; exit 5"))
-    with pytest.raises(ContainerError, match=r"restarting containerd \(sh -c .*\) failed: "
-                                             r"no unit$"):
+    where = HostInstall(
+        root=host_root(tmp_path), restart_containerd=("sh", "-c", "echo no unit >&2; exit 5")
+    )
+    with pytest.raises(
+        ContainerError, match=r"restarting containerd \(sh -c .*\) failed: " r"no unit$"
+    ):
         install_runtime(where, SETTINGS)
 
 
@@ -100,7 +129,8 @@ def test_a_node_without_runc_is_told_so(tmp_path: Path) -> None:
 
 
 def test_the_requests_answered_are_kept_bounded_and_read_back_only_from_the_agent_s_file(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """What tells an agent started again which requests were answered: at most
     `remember_pods` entries, 0600, and read back only from a plain file of its own, of a
     sane size (never through a link, never one another user wrote)."""
@@ -116,13 +146,15 @@ def test_the_requests_answered_are_kept_bounded_and_read_back_only_from_the_agen
     assert list(agent._answered.items()) == [(f"ns/p{i}/", f"d{i}") for i in range(6, 10)]
     agent._answered.put("ns/new/", "dn")
     agent._keep_answered()
-    assert json.loads(path.read_text())["pods"] == [[f"ns/p{i}/", f"d{i}"] for i in (7, 8, 9)] \
-        + [["ns/new/", "dn"]]
+    assert json.loads(path.read_text())["pods"] == [[f"ns/p{i}/", f"d{i}"] for i in (7, 8, 9)] + [
+        ["ns/new/", "dn"]
+    ]
     assert path.stat().st_mode & 0o777 == 0o600
 
     def read_back() -> list[tuple[str, str]]:
-        return list(Agent(settings=settings, api=None, node="n", start_daemon=False)
-                    ._answered.items())
+        return list(
+            Agent(settings=settings, api=None, node="n", start_daemon=False)._answered.items()
+        )
 
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(path.read_text())

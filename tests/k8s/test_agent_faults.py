@@ -20,7 +20,8 @@ NOT_READY = "stasis.dev/not-ready"
 
 
 def test_a_daemon_that_does_not_answer_taints_the_node_within_a_bound(
-        world_tmp: Path, tmp_path: Path) -> None:
+    world_tmp: Path, tmp_path: Path
+) -> None:
     daemon = new_daemon(world_tmp, "agent-faults")
     daemon.start()
     api = ApiServer(tmp_path)
@@ -29,17 +30,35 @@ def test_a_daemon_that_does_not_answer_taints_the_node_within_a_bound(
     log = tmp_path / "agent.log"
     try:
         kubeconfig = api.authorize(TOKEN, agent_rules())
-        api.create("nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                             "spec": {"taints": [{"key": NOT_READY, "effect": "NoSchedule"}]}})
+        api.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": NODE},
+                "spec": {"taints": [{"key": NOT_READY, "effect": "NoSchedule"}]},
+            },
+        )
 
         def taints() -> list[str]:
             return [t["key"] for t in api.get("nodes", NODE)["spec"].get("taints") or []]
 
         with log.open("ab") as out:
             agent = subprocess.Popen(
-                [STASIS, "k8s", "agent", "--node", NODE, "--kubeconfig", str(kubeconfig),
-                 "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
-                env={**daemon.env, "STASIS_K8S_CHECK_INTERVAL_S": "0.5"})
+                [
+                    STASIS,
+                    "k8s",
+                    "agent",
+                    "--node",
+                    NODE,
+                    "--kubeconfig",
+                    str(kubeconfig),
+                    "--no-daemon",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**daemon.env, "STASIS_K8S_CHECK_INTERVAL_S": "0.5"},
+            )
         wait_for(lambda: taints() == [], 30, f"the taint to come off ({log})")
         assert daemon.proc is not None
         os.kill(daemon.proc.pid, signal.SIGSTOP)  # hung: connections queue, none answered

@@ -17,37 +17,60 @@ KUBE_VERSION = "1.30.0"
 # The newest Kubernetes whose schema kubernetes_validate has here.
 NEWEST = kubernetes_validate.utils.latest_version()
 SITE_KEY = "k" * 44
-CUSTOM = {"config": {"clusterId": "c-42", "url": "https://cp.example", "authToken": "s3cret"},
-          "image": {"repository": "registry.example/stasis", "tag": "9.9"},
-          "siteKey": {"value": SITE_KEY},
-          "store": {"url": "s3://ckpt/site", "encrypt": True,
-                    "encryptionKeySecret": "stasis-key",
-                    "s3": {"endpoint": "http://10.0.0.5:8333", "region": "eu-west-3",
-                           "existingSecret": "stasis-s3"}},
-          "resources": {"requests": {"cpu": "200m", "memory": "512Mi"},
-                        "limits": {"memory": "4Gi"}},
-          "priorityClassName": "stasis-critical",
-          "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-          "nodeSelector": {"gpu": "true"}, "minIntervalSeconds": 300}
+CUSTOM = {
+    "config": {"clusterId": "c-42", "url": "https://cp.example", "authToken": "s3cret"},
+    "image": {"repository": "registry.example/stasis", "tag": "9.9"},
+    "siteKey": {"value": SITE_KEY},
+    "store": {
+        "url": "s3://ckpt/site",
+        "encrypt": True,
+        "encryptionKeySecret": "stasis-key",
+        "s3": {
+            "endpoint": "http://10.0.0.5:8333",
+            "region": "eu-west-3",
+            "existingSecret": "stasis-s3",
+        },
+    },
+    "resources": {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "4Gi"}},
+    "priorityClassName": "stasis-critical",
+    "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "nodeSelector": {"gpu": "true"},
+    "minIntervalSeconds": 300,
+}
 # Secrets of the site's own; k3s with containerd 2 (config version 3).
-EXISTING = {"siteKey": {"existingSecret": "site-key", "secretKey": "key.bin"},
-            "store": {"url": "s3://ckpt/k3s",
-                      "s3": {"existingSecret": "minio", "accessKeyIdKey": "user",
-                             "secretAccessKeyKey": "password"}},
-            "containerd": {
-                "configPath": "/var/lib/rancher/k3s/agent/etc/containerd/config-v3.toml.tmpl",
-                "configVersion": 3, "socket": "/run/k3s/containerd/containerd.sock",
-                "stateDir": "/run/k3s/containerd",
-                "rootDir": "/var/lib/rancher/k3s/agent/containerd",
-                "restartCommand": "nsenter -t 1 -m -u -i -n -p -- systemctl restart k3s"},
-            "uninstall": {"cleanup": False}, "priorityClassName": ""}
+EXISTING = {
+    "siteKey": {"existingSecret": "site-key", "secretKey": "key.bin"},
+    "store": {
+        "url": "s3://ckpt/k3s",
+        "s3": {
+            "existingSecret": "minio",
+            "accessKeyIdKey": "user",
+            "secretAccessKeyKey": "password",
+        },
+    },
+    "containerd": {
+        "configPath": "/var/lib/rancher/k3s/agent/etc/containerd/config-v3.toml.tmpl",
+        "configVersion": 3,
+        "socket": "/run/k3s/containerd/containerd.sock",
+        "stateDir": "/run/k3s/containerd",
+        "rootDir": "/var/lib/rancher/k3s/agent/containerd",
+        "restartCommand": "nsenter -t 1 -m -u -i -n -p -- systemctl restart k3s",
+    },
+    "uninstall": {"cleanup": False},
+    "priorityClassName": "",
+}
 CASES = {"defaults": {}, "custom": CUSTOM, "existing-secrets-k3s-v3": EXISTING}
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     rendered = Chart.load(CHART).render(values, name="stasis", namespace="stasis-system")
-    docs = [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
-            for d in yaml.safe_load_all(text) if d]
+    docs = [
+        d
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
     assert docs
     return docs
 
@@ -60,8 +83,7 @@ def notes(values: dict[str, Any]) -> str:
 def lint_ok(values: dict[str, Any]) -> None:
     report = lint(CHART, values, strict=True, namespace="stasis-system")
     # Severity 1 is Helm's INFO ("icon is recommended"); warnings and errors fail.
-    assert report["errors"] == [] and all(m["severity"] <= 1 for m in report["messages"]), \
-        report
+    assert report["errors"] == [] and all(m["severity"] <= 1 for m in report["messages"]), report
 
 
 @pytest.mark.parametrize("kube_version", [KUBE_VERSION, NEWEST])
@@ -73,11 +95,25 @@ def test_the_chart_renders_lints_and_validates(case: str, kube_version: str) -> 
     for doc in docs:
         kubernetes_validate.validate(doc, kube_version, strict=True)
     kinds = sorted(d["kind"] for d in docs)
-    hook = [] if case == "existing-secrets-k3s-v3" else [
-        "ClusterRole", "ClusterRoleBinding", "Job", "ServiceAccount"]
+    hook = (
+        []
+        if case == "existing-secrets-k3s-v3"
+        else ["ClusterRole", "ClusterRoleBinding", "Job", "ServiceAccount"]
+    )
     site_secret = ["Secret"] if case == "custom" else []
-    assert kinds == sorted(["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet",
-                            "RuntimeClass", "Secret", "ServiceAccount", *hook, *site_secret])
+    assert kinds == sorted(
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ConfigMap",
+            "DaemonSet",
+            "RuntimeClass",
+            "Secret",
+            "ServiceAccount",
+            *hook,
+            *site_secret,
+        ]
+    )
     assert "stasis" in notes(values)
 
 
@@ -99,7 +135,10 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     assert agent["securityContext"]["privileged"] is True
     assert agent["readinessProbe"]["exec"]["command"] == ["stasis", "check"]
     assert agent["command"] == ["stasis"] and agent["args"][:3] == [
-        "k8s", "agent", "--host-root=/host"]
+        "k8s",
+        "agent",
+        "--host-root=/host",
+    ]
     assert "--taint=stasis.dev/not-ready:NoSchedule" in agent["args"]
     # The agent's own CLI takes what the chart passes.
     from stasis.cli.main import parser
@@ -113,9 +152,13 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     # S3's keys: from the site's Secret into the daemon's environment, where botocore reads
     # them; never a value in the manifests.
     assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {
-        "name": "stasis-s3", "key": "AWS_ACCESS_KEY_ID"}
+        "name": "stasis-s3",
+        "key": "AWS_ACCESS_KEY_ID",
+    }
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "stasis-s3", "key": "AWS_SECRET_ACCESS_KEY"}
+        "name": "stasis-s3",
+        "key": "AWS_SECRET_ACCESS_KEY",
+    }
     assert all("value" not in e for e in env.values() if e["name"].startswith("AWS_"))
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     assert mounts["/run/containerd"]["mountPropagation"] == "HostToContainer"
@@ -124,8 +167,7 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     assert mounts["/etc/stasis-secrets/site.key"]["subPath"] == "site.key"
     assert mounts["/etc/stasis-secrets/encryption.key"]["subPath"] == "key"
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["site-key"]["secret"] == {"secretName": "stasis-site-key",
-                                             "defaultMode": 0o400}
+    assert volumes["site-key"]["secret"] == {"secretName": "stasis-site-key", "defaultMode": 0o400}
     config = docs["ConfigMap"]["data"]["config.toml"]
     assert 'store = "s3://ckpt/site"' in config and "encrypt = true" in config
     assert "s3cret" not in str(docs["ConfigMap"]) and "s3cret" not in str(docs["DaemonSet"])
@@ -162,21 +204,26 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     assert settings.site_key == "/etc/stasis-secrets/site.key"
     assert settings.encryption_key_file == "/etc/stasis-secrets/encryption.key"
     # Endpoint and region from the file; the keys left to botocore (AWS_* from the Secret).
-    assert store_options(settings) == {"client_kwargs": {
-        "endpoint_url": "http://10.0.0.5:8333", "region_name": "eu-west-3"}}
-    default_image = {d["kind"]: d for d in render({})}["DaemonSet"]["spec"]["template"][
-        "spec"]["containers"][0]["image"]
+    assert store_options(settings) == {
+        "client_kwargs": {"endpoint_url": "http://10.0.0.5:8333", "region_name": "eu-west-3"}
+    }
+    default_image = {d["kind"]: d for d in render({})}["DaemonSet"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["image"]
     version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert default_image == f"stasis/agent:{version}"
     default_pod = {d["kind"]: d for d in render({})}["DaemonSet"]["spec"]["template"]["spec"]
     assert default_pod["priorityClassName"] == "system-node-critical"
-    assert default_pod["containers"][0]["resources"]["requests"] == {"cpu": "100m",
-                                                                     "memory": "256Mi"}
+    assert default_pod["containers"][0]["resources"]["requests"] == {
+        "cpu": "100m",
+        "memory": "256Mi",
+    }
     assert default_pod["tolerations"] == [{"operator": "Exists"}]
 
 
 def test_two_nodes_given_the_chart_s_site_key_trust_each_other_s_checkpoints(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """What the site key is for: a pod moved to another node resumes from its checkpoint only
     if that node trusts the key it was signed with. Each node reads the chart's config and the
     key file the chart mounts (the Secret's value, root-only as defaultMode 0400 makes it)."""
@@ -188,12 +235,14 @@ def test_two_nodes_given_the_chart_s_site_key_trust_each_other_s_checkpoints(
     key.write_text(docs["Secret/stasis-site-key"]["stringData"]["site.key"])
     key.chmod(0o400)
     config = docs["ConfigMap/stasis-config"]["data"]["config.toml"].replace(
-        "/etc/stasis-secrets/site.key", str(key))
+        "/etc/stasis-secrets/site.key", str(key)
+    )
     rings = []
     for node in ("a", "b"):
         (tmp_path / node).mkdir()
         (tmp_path / node / "config.toml").write_text(
-            config.replace('state_dir = "/var/lib/stasis"', f'state_dir = "{tmp_path / node}"'))
+            config.replace('state_dir = "/var/lib/stasis"', f'state_dir = "{tmp_path / node}"')
+        )
         settings = load_settings({"STASIS_CONFIG": str(tmp_path / node / "config.toml")})
         rings.append(node_keyring(settings, create=True))
     signature = rings[0].sign("manifest", {"checkpoint": "c1"})
@@ -204,11 +253,18 @@ def test_two_nodes_given_the_chart_s_site_key_trust_each_other_s_checkpoints(
     for node in ("c", "d"):
         (tmp_path / node).mkdir()
         (tmp_path / node / "config.toml").write_text(
-            plain.replace('state_dir = "/var/lib/stasis"', f'state_dir = "{tmp_path / node}"'))
-    c, d = (node_keyring(load_settings({"STASIS_CONFIG": str(tmp_path / n / "config.toml")}),
-                         create=True) for n in ("c", "d"))
-    assert d.verify("manifest", {"checkpoint": "c1"}, c.sign("manifest", {"checkpoint": "c1"})
-                    ) == Verdict.UNKNOWN_KEY
+            plain.replace('state_dir = "/var/lib/stasis"', f'state_dir = "{tmp_path / node}"')
+        )
+    c, d = (
+        node_keyring(
+            load_settings({"STASIS_CONFIG": str(tmp_path / n / "config.toml")}), create=True
+        )
+        for n in ("c", "d")
+    )
+    assert (
+        d.verify("manifest", {"checkpoint": "c1"}, c.sign("manifest", {"checkpoint": "c1"}))
+        == Verdict.UNKNOWN_KEY
+    )
     assert "WARNING: no site key" in notes({}) and "WARNING" not in notes(CUSTOM)
 
 
@@ -224,14 +280,14 @@ def test_existing_secrets_and_k3s_with_containerd_2(tmp_path: Path) -> None:
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     assert mounts["/etc/stasis-secrets/site.key"]["subPath"] == "key.bin"
     env = {e["name"]: e for e in agent["env"]}
-    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "minio",
-                                                                     "key": "user"}
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "minio",
-                                                                         "key": "password"}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "minio", "key": "user"}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "minio",
+        "key": "password",
+    }
     # containerd where k3s keeps it, at the host's own paths in the agent.
     assert mounts["/run/k3s/containerd"]["mountPropagation"] == "HostToContainer"
-    assert mounts["/var/lib/rancher/k3s/agent/containerd"]["mountPropagation"] == \
-        "HostToContainer"
+    assert mounts["/var/lib/rancher/k3s/agent/containerd"]["mountPropagation"] == "HostToContainer"
     assert volumes["containerd-run"]["hostPath"]["path"] == "/run/k3s/containerd"
     from stasis.cli.main import parser
 
@@ -243,16 +299,20 @@ def test_existing_secrets_and_k3s_with_containerd_2(tmp_path: Path) -> None:
     assert "s3_endpoint_url" not in config  # AWS's own, for the region
 
 
-@pytest.mark.parametrize("values,why", [
-    ({"store": {"compression": "zstd"}}, "compression"),  # no such setting: removed
-    ({"siteKey": {"value": "short"}}, "siteKey"),
-    ({"containerd": {"configVersion": 1}}, "configVersion"),
-    ({"containerd": {"socket": "run/containerd.sock"}}, "socket"),
-    ({"taint": {"effect": "Never"}}, "effect"),
-    ({"nonsense": 1}, "nonsense"),
-])
-def test_values_the_chart_cannot_use_fail_lint_in_one_message(values: dict[str, Any],
-                                                             why: str) -> None:
+@pytest.mark.parametrize(
+    "values,why",
+    [
+        ({"store": {"compression": "zstd"}}, "compression"),  # no such setting: removed
+        ({"siteKey": {"value": "short"}}, "siteKey"),
+        ({"containerd": {"configVersion": 1}}, "configVersion"),
+        ({"containerd": {"socket": "run/containerd.sock"}}, "socket"),
+        ({"taint": {"effect": "Never"}}, "effect"),
+        ({"nonsense": 1}, "nonsense"),
+    ],
+)
+def test_values_the_chart_cannot_use_fail_lint_in_one_message(
+    values: dict[str, Any], why: str
+) -> None:
     report = lint(CHART, values, strict=True, namespace="stasis-system")
     assert report["errors"] and why in str(report["errors"]), report
 
@@ -307,15 +367,20 @@ def test_allow_plain_http_reaches_the_nodes_config(tmp_path: Path, given: bool |
         config["allowPlainHttp"] = given
     assert lint(CHART, {"config": config}, strict=True, namespace="stasis-system")["errors"] == []
     toml = tmp_path / "config.toml"
-    toml.write_text({d["kind"]: d for d in render({"config": config})}["ConfigMap"]["data"][
-        "config.toml"])
+    toml.write_text(
+        {d["kind"]: d for d in render({"config": config})}["ConfigMap"]["data"]["config.toml"]
+    )
     settings = load_settings({"STASIS_CONFIG": str(toml)})
     assert settings.controlplane_allow_plain_http is bool(given)
     # What the node does with it (stasis.controlplane.node builds its client this way).
     if given:
-        ControlPlaneClient(settings.controlplane_url, "",
-                           allow_plain_http=settings.controlplane_allow_plain_http)
+        ControlPlaneClient(
+            settings.controlplane_url, "", allow_plain_http=settings.controlplane_allow_plain_http
+        )
     else:
         with pytest.raises(UsageError, match="controlplane_allow_plain_http"):
-            ControlPlaneClient(settings.controlplane_url, "",
-                               allow_plain_http=settings.controlplane_allow_plain_http)
+            ControlPlaneClient(
+                settings.controlplane_url,
+                "",
+                allow_plain_http=settings.controlplane_allow_plain_http,
+            )

@@ -16,13 +16,22 @@ from stasis.k8s.containers import identity, same_identity
 CAPS = ["CAP_CHOWN", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
 
 
-def spec(uid: int = 1000, gid: int = 1000, caps: list[str] | None = None,
-         **linux: Any) -> dict[str, Any]:
-    sets = {name: list(caps if caps is not None else CAPS)
-            for name in ("bounding", "effective", "permitted")}
-    return {"process": {"user": {"uid": uid, "gid": gid, "additionalGids": [gid, 5]},
-                        "capabilities": sets, "args": ["sh"], "env": ["A=1"]},
-            "linux": linux}
+def spec(
+    uid: int = 1000, gid: int = 1000, caps: list[str] | None = None, **linux: Any
+) -> dict[str, Any]:
+    sets = {
+        name: list(caps if caps is not None else CAPS)
+        for name in ("bounding", "effective", "permitted")
+    }
+    return {
+        "process": {
+            "user": {"uid": uid, "gid": gid, "additionalGids": [gid, 5]},
+            "capabilities": sets,
+            "args": ["sh"],
+            "env": ["A=1"],
+        },
+        "linux": linux,
+    }
 
 
 def files(tmp_path: Path, was: dict[str, Any], now: dict[str, Any]) -> tuple[Path, Path]:
@@ -38,25 +47,43 @@ def test_the_same_identity_resumes_whatever_else_differs(tmp_path: Path) -> None
     same_identity("c1", *files(tmp_path, spec(), now))
 
 
-@pytest.mark.parametrize("now, says", [
-    (spec(uid=0), "uid 1000 there, 0 here"),
-    (spec(gid=0), "gid 1000 there, 0 here"),
-    (spec(caps=[*CAPS, "CAP_SYS_ADMIN"]),
-     "bounding capabilities [CAP_CHOWN,CAP_KILL,CAP_NET_BIND_SERVICE] there, "
-     "[CAP_CHOWN,CAP_KILL,CAP_NET_BIND_SERVICE,CAP_SYS_ADMIN] here"),
-    (spec(caps=[]), "effective capabilities [CAP_CHOWN,CAP_KILL,CAP_NET_BIND_SERVICE] there, "
-                    "none here"),
-    (spec(uidMappings=[{"containerID": 0, "hostID": 100000, "size": 65536}]),
-     "uid mappings none there, [0:100000:65536] here"),
-], ids=["runAsUser 0", "runAsGroup 0", "a capability added", "capabilities dropped",
-        "a user namespace"])
-def test_other_credentials_are_refused_in_one_line(tmp_path: Path, now: dict[str, Any],
-                                                    says: str) -> None:
+@pytest.mark.parametrize(
+    "now, says",
+    [
+        (spec(uid=0), "uid 1000 there, 0 here"),
+        (spec(gid=0), "gid 1000 there, 0 here"),
+        (
+            spec(caps=[*CAPS, "CAP_SYS_ADMIN"]),
+            "bounding capabilities [CAP_CHOWN,CAP_KILL,CAP_NET_BIND_SERVICE] there, "
+            "[CAP_CHOWN,CAP_KILL,CAP_NET_BIND_SERVICE,CAP_SYS_ADMIN] here",
+        ),
+        (
+            spec(caps=[]),
+            "effective capabilities [CAP_CHOWN,CAP_KILL,CAP_NET_BIND_SERVICE] there, " "none here",
+        ),
+        (
+            spec(uidMappings=[{"containerID": 0, "hostID": 100000, "size": 65536}]),
+            "uid mappings none there, [0:100000:65536] here",
+        ),
+    ],
+    ids=[
+        "runAsUser 0",
+        "runAsGroup 0",
+        "a capability added",
+        "capabilities dropped",
+        "a user namespace",
+    ],
+)
+def test_other_credentials_are_refused_in_one_line(
+    tmp_path: Path, now: dict[str, Any], says: str
+) -> None:
     with pytest.raises(ContainerError) as e:
         same_identity("20261206T000000Z-abcdef", *files(tmp_path, spec(), now))
     text = str(e.value)
-    assert text.startswith("checkpoint 20261206T000000Z-abcdef refused: it was taken of a "
-                           "container with other credentials (")
+    assert text.startswith(
+        "checkpoint 20261206T000000Z-abcdef refused: it was taken of a "
+        "container with other credentials ("
+    )
     assert says in text and "\n" not in text
     # And the reverse: an unprivileged container does not resume a privileged one's.
     with pytest.raises(ContainerError):
@@ -66,8 +93,10 @@ def test_other_credentials_are_refused_in_one_line(tmp_path: Path, now: dict[str
 def test_a_checkpoint_without_its_spec_or_with_a_hostile_one_is_refused(tmp_path: Path) -> None:
     recorded, config = files(tmp_path, spec(), spec())
     recorded.unlink()
-    with pytest.raises(ContainerError, match=r"^checkpoint c1 refused: it has no copy of its "
-                                             r"container's spec \(spec.dump\)"):
+    with pytest.raises(
+        ContainerError,
+        match=r"^checkpoint c1 refused: it has no copy of its " r"container's spec \(spec.dump\)",
+    ):
         same_identity("c1", recorded, config)
     recorded.write_bytes(b"[" * 5_000_000)  # larger than any spec; never parsed whole
     with pytest.raises(ContainerError, match="larger than"):
@@ -79,7 +108,14 @@ def test_a_checkpoint_without_its_spec_or_with_a_hostile_one_is_refused(tmp_path
 
 def test_identity_reads_only_credentials() -> None:
     assert identity(spec()) == {
-        "uid": 1000, "gid": 1000, "additional gids": [5, 1000],
-        "bounding capabilities": CAPS, "effective capabilities": CAPS,
-        "permitted capabilities": CAPS, "inheritable capabilities": [],
-        "ambient capabilities": [], "uid mappings": [], "gid mappings": []}
+        "uid": 1000,
+        "gid": 1000,
+        "additional gids": [5, 1000],
+        "bounding capabilities": CAPS,
+        "effective capabilities": CAPS,
+        "permitted capabilities": CAPS,
+        "inheritable capabilities": [],
+        "ambient capabilities": [],
+        "uid mappings": [],
+        "gid mappings": [],
+    }

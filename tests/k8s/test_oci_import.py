@@ -24,11 +24,21 @@ from hypothesis import strategies as st
 from stasis.errors import UsageError
 from stasis.k8s import oci
 
-FUZZ = settings(max_examples=200, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])
-META = {"label": "web", "namespace": "shop", "name": "web", "checkpoint": "20260101T000000Z-abc",
-        "command": ["/bin/sh", "-c", "serve"], "cwd": "/", "criu_version": "4.1"}
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+META = {
+    "label": "web",
+    "namespace": "shop",
+    "name": "web",
+    "checkpoint": "20260101T000000Z-abc",
+    "command": ["/bin/sh", "-c", "serve"],
+    "cwd": "/",
+    "criu_version": "4.1",
+}
 
 
 def tar_bytes(*entries: tuple[tarfile.TarInfo, bytes]) -> bytes:
@@ -45,8 +55,9 @@ def reg(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
     return info, data
 
 
-def special(name: str, kind: bytes, linkname: str = "", major: int = 0, minor: int = 0
-            ) -> tuple[tarfile.TarInfo, bytes]:
+def special(
+    name: str, kind: bytes, linkname: str = "", major: int = 0, minor: int = 0
+) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.type, info.linkname, info.devmajor, info.devminor = kind, linkname, major, minor
     return info, b""
@@ -56,13 +67,21 @@ def diff_tar() -> bytes:
     return tar_bytes(special("data", tarfile.DIRTYPE), reg("data/state", b"state"))
 
 
-def layer_of(*entries: tuple[tarfile.TarInfo, bytes], diff: bytes | None = None,
-             deleted: Any = ("/etc/gone",), meta: Any = None) -> bytes:
-    base = [reg("checkpoint/inventory.img", b"inv"), reg("checkpoint/pages-1.img", b"p" * 5000),
-            reg("spec.dump", b"{}"), reg("config.dump", b"{}"),
-            reg("rootfs-diff.tar", diff if diff is not None else diff_tar()),
-            reg("deleted.files", json.dumps(list(deleted)).encode()),
-            reg("stasis.json", json.dumps(META if meta is None else meta).encode())]
+def layer_of(
+    *entries: tuple[tarfile.TarInfo, bytes],
+    diff: bytes | None = None,
+    deleted: Any = ("/etc/gone",),
+    meta: Any = None,
+) -> bytes:
+    base = [
+        reg("checkpoint/inventory.img", b"inv"),
+        reg("checkpoint/pages-1.img", b"p" * 5000),
+        reg("spec.dump", b"{}"),
+        reg("config.dump", b"{}"),
+        reg("rootfs-diff.tar", diff if diff is not None else diff_tar()),
+        reg("deleted.files", json.dumps(list(deleted)).encode()),
+        reg("stasis.json", json.dumps(META if meta is None else meta).encode()),
+    ]
     return tar_bytes(*base, *entries)
 
 
@@ -86,13 +105,18 @@ def node_unchanged(node: Path) -> None:
     assert (node / "secret").read_text() == "the node's\n"
 
 
-def test_an_archive_comes_back_as_a_checkpoint_s_images(tmp_path: Path,
-                                                         where: tuple[Path, Path]) -> None:
+def test_an_archive_comes_back_as_a_checkpoint_s_images(
+    tmp_path: Path, where: tuple[Path, Path]
+) -> None:
     into, _ = where
     meta = oci.import_archive(archive(tmp_path / "a.tar", layer_of()), into)
     assert meta == META
-    assert sorted(os.listdir(into)) == ["inventory.img", "pages-1.img", "rootfs-diff.tar",
-                                        "spec.dump"]
+    assert sorted(os.listdir(into)) == [
+        "inventory.img",
+        "pages-1.img",
+        "rootfs-diff.tar",
+        "spec.dump",
+    ]
     assert (into / "pages-1.img").read_bytes() == b"p" * 5000
     with tarfile.open(into / "rootfs-diff.tar") as diff:
         members = {m.name: m for m in diff.getmembers()}
@@ -105,11 +129,16 @@ def test_an_exported_checkpoint_imports_again(tmp_path: Path, where: tuple[Path,
     images.mkdir()
     (images / "inventory.img").write_bytes(b"inv")
     (images / "spec.dump").write_bytes(b"{}")
-    (images / "rootfs-diff.tar").write_bytes(tar_bytes(
-        reg("kept", b"k"), special("gone", tarfile.CHRTYPE)))
+    (images / "rootfs-diff.tar").write_bytes(
+        tar_bytes(reg("kept", b"k"), special("gone", tarfile.CHRTYPE))
+    )
     out = tmp_path / "exported.tar"
-    oci.export_checkpoint(images, ["inventory.img", "spec.dump", "rootfs-diff.tar"],
-                          {"label": "web", "namespace": "shop"}, out)
+    oci.export_checkpoint(
+        images,
+        ["inventory.img", "spec.dump", "rootfs-diff.tar"],
+        {"label": "web", "namespace": "shop"},
+        out,
+    )
     into, _ = where
     assert oci.import_archive(out, into)["namespace"] == "shop"
     with tarfile.open(into / "rootfs-diff.tar") as diff:
@@ -119,8 +148,9 @@ def test_an_exported_checkpoint_imports_again(tmp_path: Path, where: tuple[Path,
 def tamper_layer(path: Path) -> None:
     """One byte of the layer blob changed, the manifest left as it was."""
     with tarfile.open(path) as tar:
-        blob = max((m for m in tar.getmembers() if m.name.startswith("blobs/")),
-                   key=lambda m: m.size)
+        blob = max(
+            (m for m in tar.getmembers() if m.name.startswith("blobs/")), key=lambda m: m.size
+        )
     data = bytearray(path.read_bytes())
     data[blob.offset_data + blob.size // 2] ^= 0x01
     path.write_bytes(bytes(data))
@@ -129,14 +159,22 @@ def tamper_layer(path: Path) -> None:
 HOSTILE: dict[str, tuple[bytes, str]] = {
     "dot-dot image": (layer_of(reg("checkpoint/../../../node/secret", b"pwned")), "'..'"),
     "absolute entry": (layer_of(reg("/etc/cron.d/pwned", b"pwned")), "absolute"),
-    "image named like the store's": (layer_of(reg("checkpoint/manifest.json", b"{}")),
-                                      "not a name CRIU gives"),
-    "image named like the diff": (layer_of(reg("checkpoint/rootfs-diff.tar", b"")),
-                                  "not a name CRIU gives"),
-    "device node in the diff": (layer_of(diff=tar_bytes(special(
-        "dev/sda", tarfile.BLKTYPE, major=8, minor=0))), "block device node (8:0)"),
-    "hard link out in the diff": (layer_of(diff=tar_bytes(special(
-        "passwd", tarfile.LNKTYPE, "../../../etc/passwd"))), "points out of the root"),
+    "image named like the store's": (
+        layer_of(reg("checkpoint/manifest.json", b"{}")),
+        "not a name CRIU gives",
+    ),
+    "image named like the diff": (
+        layer_of(reg("checkpoint/rootfs-diff.tar", b"")),
+        "not a name CRIU gives",
+    ),
+    "device node in the diff": (
+        layer_of(diff=tar_bytes(special("dev/sda", tarfile.BLKTYPE, major=8, minor=0))),
+        "block device node (8:0)",
+    ),
+    "hard link out in the diff": (
+        layer_of(diff=tar_bytes(special("passwd", tarfile.LNKTYPE, "../../../etc/passwd"))),
+        "points out of the root",
+    ),
     "deletion out": (layer_of(deleted=["/../../etc/passwd"]), "'..'"),
     "deletions not a list": (layer_of(deleted={"a": 1}.items()), "not a list of paths"),
     "stasis.json a list": (layer_of(meta=[1, 2]), "not a JSON object"),
@@ -146,8 +184,9 @@ HOSTILE: dict[str, tuple[bytes, str]] = {
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
-def test_a_hostile_archive_is_refused_in_one_line(tmp_path: Path, where: tuple[Path, Path],
-                                                 kind: str) -> None:
+def test_a_hostile_archive_is_refused_in_one_line(
+    tmp_path: Path, where: tuple[Path, Path], kind: str
+) -> None:
     into, node = where
     layer, why = HOSTILE[kind]
     with pytest.raises(UsageError) as e:
@@ -159,12 +198,15 @@ def test_a_hostile_archive_is_refused_in_one_line(tmp_path: Path, where: tuple[P
     assert not list(into.glob(".*"))  # no leftover of the raw diff
 
 
-def test_links_in_the_layer_are_never_followed_or_written(tmp_path: Path,
-                                                         where: tuple[Path, Path]) -> None:
+def test_links_in_the_layer_are_never_followed_or_written(
+    tmp_path: Path, where: tuple[Path, Path]
+) -> None:
     into, node = where
-    layer = layer_of(special("checkpoint/pages-2.img", tarfile.SYMTYPE, str(node / "secret")),
-                     special("checkpoint/pages-3.img", tarfile.LNKTYPE, "spec.dump"),
-                     special("checkpoint", tarfile.SYMTYPE, str(node)))
+    layer = layer_of(
+        special("checkpoint/pages-2.img", tarfile.SYMTYPE, str(node / "secret")),
+        special("checkpoint/pages-3.img", tarfile.LNKTYPE, "spec.dump"),
+        special("checkpoint", tarfile.SYMTYPE, str(node)),
+    )
     oci.import_archive(archive(tmp_path / "links.tar", layer), into)
     assert "pages-2.img" not in os.listdir(into) and "pages-3.img" not in os.listdir(into)
     for name in os.listdir(into):
@@ -172,8 +214,9 @@ def test_links_in_the_layer_are_never_followed_or_written(tmp_path: Path,
     node_unchanged(node)
 
 
-def test_a_layer_that_does_not_match_its_digest_is_refused(tmp_path: Path,
-                                                          where: tuple[Path, Path]) -> None:
+def test_a_layer_that_does_not_match_its_digest_is_refused(
+    tmp_path: Path, where: tuple[Path, Path]
+) -> None:
     path = archive(tmp_path / "tampered.tar", layer_of())
     tamper_layer(path)
     with pytest.raises(UsageError, match="its layer does not match its digest"):
@@ -181,7 +224,8 @@ def test_a_layer_that_does_not_match_its_digest_is_refused(tmp_path: Path,
 
 
 def test_sizes_the_archive_claims_are_checked_against_what_it_holds(
-        tmp_path: Path, where: tuple[Path, Path]) -> None:
+    tmp_path: Path, where: tuple[Path, Path]
+) -> None:
     into, _ = where
     # An entry claiming a petabyte: refused from its header, nothing read or allocated.
     huge = tarfile.TarInfo("checkpoint/pages-9.img")
@@ -200,8 +244,9 @@ def test_sizes_the_archive_claims_are_checked_against_what_it_holds(
         oci.import_archive(big, into)
 
 
-def test_what_is_not_an_archive_is_refused_without_hanging(tmp_path: Path,
-                                                           where: tuple[Path, Path]) -> None:
+def test_what_is_not_an_archive_is_refused_without_hanging(
+    tmp_path: Path, where: tuple[Path, Path]
+) -> None:
     into, _ = where
     fifo = tmp_path / "fifo.tar"
     os.mkfifo(fifo)
@@ -213,15 +258,19 @@ def test_what_is_not_an_archive_is_refused_without_hanging(tmp_path: Path,
         oci.import_archive(gz, into)
 
 
-def test_a_gzip_layer_as_registries_keep_them_imports(tmp_path: Path,
-                                                      where: tuple[Path, Path]) -> None:
+def test_a_gzip_layer_as_registries_keep_them_imports(
+    tmp_path: Path, where: tuple[Path, Path]
+) -> None:
     layer = gzip.compress(layer_of(), mtime=0)
     digest = "sha256:" + hashlib.sha256(layer).hexdigest()
     path = archive(tmp_path / "gz.tar", layer)
     # write_archive calls every layer a plain tar: rewrite the manifest's media type.
     with tarfile.open(path) as tar:
-        blobs = {m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
-                 for m in tar.getmembers() if m.isreg()}
+        blobs = {
+            m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.isreg()
+        }
     index = json.loads(blobs["index.json"])
     mname = "blobs/sha256/" + index["manifests"][0]["digest"].split(":")[1]
     manifest = json.loads(blobs.pop(mname))
@@ -242,6 +291,7 @@ def test_a_gzip_layer_as_registries_keep_them_imports(tmp_path: Path,
 
 # -- fuzzing -------------------------------------------------------------------------------
 
+
 def _valid_bytes() -> bytes:
     with tempfile.TemporaryDirectory() as d:
         return archive(Path(d) / "valid.tar", layer_of()).read_bytes()
@@ -251,11 +301,15 @@ _VALID_BYTES = _valid_bytes()
 
 
 @FUZZ
-@given(cuts=st.lists(st.tuples(st.integers(0, len(_VALID_BYTES) - 1), st.integers(0, 255)),
-                     max_size=8),
-       truncate=st.none() | st.integers(0, len(_VALID_BYTES)))
+@given(
+    cuts=st.lists(
+        st.tuples(st.integers(0, len(_VALID_BYTES) - 1), st.integers(0, 255)), max_size=8
+    ),
+    truncate=st.none() | st.integers(0, len(_VALID_BYTES)),
+)
 def test_a_mutated_archive_is_imported_or_refused_never_anything_else(
-        tmp_path: Path, cuts: list[tuple[int, int]], truncate: int | None) -> None:
+    tmp_path: Path, cuts: list[tuple[int, int]], truncate: int | None
+) -> None:
     data = bytearray(_VALID_BYTES)
     for at, value in cuts:
         data[at] = value

@@ -17,8 +17,7 @@ CKPT = "20261206T110048Z-ae12e5"
 OTHER = "20261206T110055Z-fd0e9b"
 
 
-def test_failures_are_counted_per_checkpoint_kept_root_only_and_forgotten(
-        tmp_path: Path) -> None:
+def test_failures_are_counted_per_checkpoint_kept_root_only_and_forgotten(tmp_path: Path) -> None:
     f = RestoreFailures(tmp_path / restorefails.DIRECTORY)
     assert f.get(CKPT).attempts == 0
     assert f.failed(CKPT, "Error (criu/files-reg.c:2372):\n Can't open file", "/l").attempts == 1
@@ -76,7 +75,10 @@ def test_the_cause_of_a_failed_restore_is_criu_s_first_real_error(tmp_path: Path
         "Operation not permitted\n"
         "(00.031150)      1: Error (criu/files-reg.c:2372): Can't open file vol/held on "
         "restore: No such file or directory\n"
-        "(00.032173) Error (criu/cr-restore.c:2331): Restoring FAILED.\n")
-    assert _restore_error(tmp_path) == ("Error (criu/files-reg.c:2372): Can't open file "
-                                        "vol/held on restore: No such file or directory")
+        "(00.032173) Error (criu/cr-restore.c:2331): Restoring FAILED.\n"
+    )
+    assert _restore_error(tmp_path) == (
+        "Error (criu/files-reg.c:2372): Can't open file "
+        "vol/held on restore: No such file or directory"
+    )
     assert _restore_error(tmp_path / "none") == "runc restore failed"

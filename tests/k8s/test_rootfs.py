@@ -28,9 +28,18 @@ class Overlay:
         self.upper, self.work, self.merged = (base / f"{name}-{d}" for d in ("up", "work", "mnt"))
         for d in (self.upper, self.work, self.merged):
             d.mkdir()
-        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                        f"lowerdir={lower},upperdir={self.upper},workdir={self.work}",
-                        str(self.merged)], check=True)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                f"lowerdir={lower},upperdir={self.upper},workdir={self.work}",
+                str(self.merged),
+            ],
+            check=True,
+        )
 
     def close(self) -> None:
         subprocess.run(["umount", str(self.merged)], check=False)
@@ -60,7 +69,8 @@ def overlays(tmp_path: Path) -> Iterator[list[Overlay]]:
 
 
 def test_a_layer_comes_back_with_its_deletions_and_replaced_directories(
-        tmp_path: Path, image: Path, overlays: list[Overlay]) -> None:
+    tmp_path: Path, image: Path, overlays: list[Overlay]
+) -> None:
     first = Overlay(tmp_path, image, "first")
     overlays.append(first)
     m = first.merged
@@ -91,8 +101,10 @@ def test_a_layer_comes_back_with_its_deletions_and_replaced_directories(
     n = second.merged
     assert (n / "data" / "state").read_bytes() == b"\x00written\xff"
     assert (n / "data" / "state").stat().st_mode & 0o777 == 0o640
-    assert ((n / "data" / "state").stat().st_uid, (n / "data" / "state").stat().st_gid) == \
-        (1234, 5678)
+    assert ((n / "data" / "state").stat().st_uid, (n / "data" / "state").stat().st_gid) == (
+        1234,
+        5678,
+    )
     assert (n / "etc" / "keep").read_text() == "changed\n"
     assert not (n / "etc" / "gone").exists()
     assert sorted(os.listdir(n / "cache")) == ["new"]
@@ -106,7 +118,8 @@ def test_a_layer_comes_back_with_its_deletions_and_replaced_directories(
 
 
 def test_a_layer_is_put_back_inside_the_root_even_through_an_absolute_symlink(
-        tmp_path: Path, image: Path, overlays: list[Overlay]) -> None:
+    tmp_path: Path, image: Path, overlays: list[Overlay]
+) -> None:
     o = Overlay(tmp_path, image, "target")
     overlays.append(o)
     outside = tmp_path / "node-dir" / "planted"
@@ -126,8 +139,8 @@ def test_a_layer_is_put_back_inside_the_root_even_through_an_absolute_symlink(
 
 
 def test_capture_never_follows_the_container_s_symlinks_and_bounds_depth(
-        tmp_path: Path, image: Path, overlays: list[Overlay],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, image: Path, overlays: list[Overlay], monkeypatch: pytest.MonkeyPatch
+) -> None:
     o = Overlay(tmp_path, image, "capture")
     overlays.append(o)
     (tmp_path / "node-dir" / "node-file").write_text("the node's\n")
@@ -153,14 +166,21 @@ def test_a_root_that_is_not_an_overlay_is_refused_in_one_line(tmp_path: Path) ->
 
 # -- hostile layers ------------------------------------------------------------------------
 
+
 def file_(name: str, data: bytes = b"x", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.size, info.mode = len(data), mode
     return info, data
 
 
-def entry(name: str, kind: bytes, linkname: str = "", major: int = 0, minor: int = 0,
-          pax: dict[str, str] | None = None) -> tuple[tarfile.TarInfo, bytes]:
+def entry(
+    name: str,
+    kind: bytes,
+    linkname: str = "",
+    major: int = 0,
+    minor: int = 0,
+    pax: dict[str, str] | None = None,
+) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.type, info.linkname, info.devmajor, info.devminor = kind, linkname, major, minor
     info.mode = 0o755
@@ -183,8 +203,11 @@ def snapshot(top: Path) -> dict[str, tuple[int, int, bytes]]:
         for name in dirs + files:
             p = Path(dirpath) / name
             st = p.lstat()
-            data = p.read_bytes() if stat.S_ISREG(st.st_mode) else (
-                os.readlink(p).encode() if stat.S_ISLNK(st.st_mode) else b"")
+            data = (
+                p.read_bytes()
+                if stat.S_ISREG(st.st_mode)
+                else (os.readlink(p).encode() if stat.S_ISLNK(st.st_mode) else b"")
+            )
             seen[str(p.relative_to(top))] = (st.st_mode, st.st_nlink, data)
     return seen
 
@@ -201,7 +224,8 @@ def host(tmp_path: Path) -> Path:
 
 
 def test_python_planted_in_the_image_never_runs_when_a_layer_fails_half_way(
-        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]) -> None:
+    tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]
+) -> None:
     """The chrooted child of before showed a traceback inside the tenant's root: it read the
     planted stdlib's coding cookie and imported the planted codec, as root."""
     marker = host / "marker"
@@ -224,31 +248,38 @@ HOSTILE: dict[str, Callable[[str], Entries]] = {
     "absolute path": lambda h: [file_(f"{h}/planted")],
     "dot-dot path": lambda h: [file_("../" * 12 + f"{h}/planted".lstrip("/"))],
     "dot-dot inside": lambda h: [file_("data/../../planted")],
-    "hard link out by dot-dot": lambda h: [entry("stolen", tarfile.LNKTYPE,
-                                                 "../" * 12 + f"{h}/secret".lstrip("/"))],
-    "hard link to an absolute path": lambda h: [entry("stolen", tarfile.LNKTYPE,
-                                                      f"{h}/secret")],
+    "hard link out by dot-dot": lambda h: [
+        entry("stolen", tarfile.LNKTYPE, "../" * 12 + f"{h}/secret".lstrip("/"))
+    ],
+    "hard link to an absolute path": lambda h: [entry("stolen", tarfile.LNKTYPE, f"{h}/secret")],
     "character device": lambda h: [entry("data/mem", tarfile.CHRTYPE, major=1, minor=1)],
     "block device": lambda h: [entry("data/sda", tarfile.BLKTYPE, major=8, minor=0)],
     "over-long name": lambda h: [file_("data/" + "a" * 300)],
     "contiguous hole": lambda h: [entry("data/odd", b"V")],  # a GNU volume header
 }
-WHY = {"absolute path": "absolute", "dot-dot path": "'..'", "dot-dot inside": "'..'",
-       "hard link out by dot-dot": "points out of the root",
-       "hard link to an absolute path": "points out of the root",
-       "character device": "character device node (1:1)",
-       "block device": "block device node (8:0)", "over-long name": "longer than 255",
-       "contiguous hole": "tar type"}
+WHY = {
+    "absolute path": "absolute",
+    "dot-dot path": "'..'",
+    "dot-dot inside": "'..'",
+    "hard link out by dot-dot": "points out of the root",
+    "hard link to an absolute path": "points out of the root",
+    "character device": "character device node (1:1)",
+    "block device": "block device node (8:0)",
+    "over-long name": "longer than 255",
+    "contiguous hole": "tar type",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
 def test_a_hostile_entry_is_refused_in_one_line_before_anything_is_written(
-        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay], kind: str) -> None:
+    tmp_path: Path, image: Path, host: Path, overlays: list[Overlay], kind: str
+) -> None:
     o = Overlay(tmp_path, image, "hostile")
     overlays.append(o)
     before_host, before_root = snapshot(host), snapshot(o.merged)
-    diff = layer(tmp_path / "hostile.tar", file_("data/first", b"written first"),
-                 *HOSTILE[kind](str(host)))
+    diff = layer(
+        tmp_path / "hostile.tar", file_("data/first", b"written first"), *HOSTILE[kind](str(host))
+    )
     with pytest.raises(ContainerError) as e:
         rootfs.apply(diff, o.merged)
     msg = str(e.value)
@@ -259,20 +290,23 @@ def test_a_hostile_entry_is_refused_in_one_line_before_anything_is_written(
 
 
 def test_a_truncated_layer_is_refused_before_anything_is_written(
-        tmp_path: Path, image: Path, overlays: list[Overlay]) -> None:
+    tmp_path: Path, image: Path, overlays: list[Overlay]
+) -> None:
     o = Overlay(tmp_path, image, "cut")
     overlays.append(o)
-    whole = layer(tmp_path / "whole.tar", file_("data/first", b"1"),
-                  file_("data/big", os.urandom(1 << 20)))
+    whole = layer(
+        tmp_path / "whole.tar", file_("data/first", b"1"), file_("data/big", os.urandom(1 << 20))
+    )
     cut = tmp_path / "cut.tar"
-    cut.write_bytes(whole.read_bytes()[:600 * 1024])
+    cut.write_bytes(whole.read_bytes()[: 600 * 1024])
     with pytest.raises(ContainerError, match="refused.*(past the end|not a readable tar)"):
         rootfs.apply(cut, o.merged)
     assert not (o.merged / "data").exists()
 
 
 def test_links_in_the_image_and_the_layer_resolve_inside_the_root(
-        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]) -> None:
+    tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]
+) -> None:
     """The image's /tmp is a symlink to a node directory and the layer writes under /tmp; it
     deletes through the image's symlink, empties a directory holding a symlink out, and hard
     links through its own symlink up: everything lands, or fails, inside the root."""
@@ -283,15 +317,17 @@ def test_links_in_the_image_and_the_layer_resolve_inside_the_root(
     o = Overlay(tmp_path, image, "links")
     overlays.append(o)
     before = snapshot(host)
-    diff = layer(tmp_path / "links.tar",
-                 entry("tmp", tarfile.DIRTYPE),  # a directory where the image has a symlink
-                 file_("tmp/planted", b"tmp"),
-                 entry("esc", tarfile.SYMTYPE, str(host)),
-                 entry("up", tarfile.SYMTYPE, "../../../../../../../../.."),
-                 entry("hostlink/secret", tarfile.CHRTYPE),  # a whiteout through a symlink
-                 entry("holder", tarfile.DIRTYPE, pax={"STASIS.overlay.opaque": "y"}),
-                 entry("cache", tarfile.CHRTYPE),  # a whiteout of a whole directory
-                 entry("etc/passwd-link", tarfile.LNKTYPE, "up/" + f"{host}/secret".lstrip("/")))
+    diff = layer(
+        tmp_path / "links.tar",
+        entry("tmp", tarfile.DIRTYPE),  # a directory where the image has a symlink
+        file_("tmp/planted", b"tmp"),
+        entry("esc", tarfile.SYMTYPE, str(host)),
+        entry("up", tarfile.SYMTYPE, "../../../../../../../../.."),
+        entry("hostlink/secret", tarfile.CHRTYPE),  # a whiteout through a symlink
+        entry("holder", tarfile.DIRTYPE, pax={"STASIS.overlay.opaque": "y"}),
+        entry("cache", tarfile.CHRTYPE),  # a whiteout of a whole directory
+        entry("etc/passwd-link", tarfile.LNKTYPE, "up/" + f"{host}/secret".lstrip("/")),
+    )
     with pytest.raises(ContainerError) as e:
         rootfs.apply(diff, o.merged)
     # The last entry's target resolves inside the root, where there is no such file.
@@ -305,22 +341,30 @@ def test_links_in_the_image_and_the_layer_resolve_inside_the_root(
 
 
 def test_writing_through_the_layer_s_own_symlink_stays_inside(
-        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]) -> None:
+    tmp_path: Path, image: Path, host: Path, overlays: list[Overlay]
+) -> None:
     o = Overlay(tmp_path, image, "own")
     overlays.append(o)
     (o.merged / str(host).lstrip("/")).mkdir(parents=True)
     before = snapshot(host)
-    diff = layer(tmp_path / "own.tar", entry("esc", tarfile.SYMTYPE, str(host)),
-                 file_("esc/secret", b"overwritten?"),
-                 entry("esc/dir", tarfile.CHRTYPE))  # a whiteout: delete host/dir?
+    diff = layer(
+        tmp_path / "own.tar",
+        entry("esc", tarfile.SYMTYPE, str(host)),
+        file_("esc/secret", b"overwritten?"),
+        entry("esc/dir", tarfile.CHRTYPE),
+    )  # a whiteout: delete host/dir?
     rootfs.apply(diff, o.merged)
     assert snapshot(host) == before
     assert (o.merged / str(host).lstrip("/") / "secret").read_bytes() == b"overwritten?"
 
 
 def test_without_openat2_symlinks_on_the_way_are_refused(
-        tmp_path: Path, image: Path, host: Path, overlays: list[Overlay],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path,
+    image: Path,
+    host: Path,
+    overlays: list[Overlay],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Kernels before 5.6: the component walk refuses what openat2 would resolve inside."""
     o = Overlay(tmp_path, image, "walk")
     overlays.append(o)
@@ -337,20 +381,22 @@ def test_the_put_back_child_cannot_chroot_or_make_devices_even_if_led_to(tmp_pat
     """Defence in depth: the child keeps only the capabilities writing files as their owners
     needs (and no_new_privs), so code it were tricked into running could not chroot out,
     mknod, mount or trace."""
-    probe = ("from stasis.k8s import confined; import os\n"
-             "confined.keep_only_file_capabilities()\n"
-             "for call in (lambda: os.chroot('/'), lambda: os.mknod("
-             f"{str(tmp_path / 'mem')!r}, 0o20600, os.makedev(1, 1))):\n"
-             "    try:\n        call(); print('allowed')\n"
-             "    except PermissionError:\n        print('denied')\n")
-    r = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True,
-                       cwd="/")
+    probe = (
+        "from stasis.k8s import confined; import os\n"
+        "confined.keep_only_file_capabilities()\n"
+        "for call in (lambda: os.chroot('/'), lambda: os.mknod("
+        f"{str(tmp_path / 'mem')!r}, 0o20600, os.makedev(1, 1))):\n"
+        "    try:\n        call(); print('allowed')\n"
+        "    except PermissionError:\n        print('denied')\n"
+    )
+    r = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, cwd="/")
     assert r.stdout.split() == ["denied", "denied"], r.stderr
     assert not (tmp_path / "mem").exists()
 
 
-def test_a_layer_with_too_many_entries_is_refused(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_layer_with_too_many_entries_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(rootfs, "MAX_ENTRIES", 10)
     root = tmp_path / "root"
     root.mkdir()
@@ -364,29 +410,65 @@ def test_a_layer_with_too_many_entries_is_refused(tmp_path: Path,
 # The parser and the writer in-process (the child runs the same code), on a plain directory
 # standing for the root with a node directory beside it and symlinks pointing at it.
 
-FUZZ = settings(max_examples=200, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 _NODE = "/tmp/stasis-fuzz-node-never-written"
 # Mostly entries a layer may hold (so that most examples get written), some hostile ones.
-_benign_paths = st.lists(st.sampled_from(["a", "b", "out", "up", "d", "f", "."]), min_size=1,
-                         max_size=4).map("/".join)
-_paths = st.builds(lambda lead, parts: lead + "/".join(parts),
-                   st.sampled_from(["", "./", "/", _NODE + "/"]),
-                   st.lists(st.sampled_from(["a", "out", "up", "", "..", "x" * 300,
-                                             "\N{SNOWMAN}"]), min_size=1, max_size=4))
-_benign = st.tuples(_benign_paths, st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE,
-                                                    tarfile.SYMTYPE, tarfile.LNKTYPE,
-                                                    tarfile.CHRTYPE, tarfile.FIFOTYPE]),
-                    _benign_paths | st.just(_NODE) | st.just("../../.."),
-                    st.integers(0, 0o7777), st.booleans(), st.just(0))
-_hostile = st.tuples(_paths, st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE,
-                                              tarfile.LNKTYPE, tarfile.CHRTYPE,
-                                              tarfile.BLKTYPE, b"V", b"7"]),
-                     _paths | st.just(_NODE), st.integers(0, 0o7777), st.booleans(),
-                     st.integers(0, 3))
-_entries = st.lists(st.integers(0, 9).flatmap(lambda i: _hostile if i == 0 else _benign),
-                    max_size=8)
+_benign_paths = st.lists(
+    st.sampled_from(["a", "b", "out", "up", "d", "f", "."]), min_size=1, max_size=4
+).map("/".join)
+_paths = st.builds(
+    lambda lead, parts: lead + "/".join(parts),
+    st.sampled_from(["", "./", "/", _NODE + "/"]),
+    st.lists(
+        st.sampled_from(["a", "out", "up", "", "..", "x" * 300, "\N{SNOWMAN}"]),
+        min_size=1,
+        max_size=4,
+    ),
+)
+_benign = st.tuples(
+    _benign_paths,
+    st.sampled_from(
+        [
+            tarfile.REGTYPE,
+            tarfile.DIRTYPE,
+            tarfile.SYMTYPE,
+            tarfile.LNKTYPE,
+            tarfile.CHRTYPE,
+            tarfile.FIFOTYPE,
+        ]
+    ),
+    _benign_paths | st.just(_NODE) | st.just("../../.."),
+    st.integers(0, 0o7777),
+    st.booleans(),
+    st.just(0),
+)
+_hostile = st.tuples(
+    _paths,
+    st.sampled_from(
+        [
+            tarfile.REGTYPE,
+            tarfile.DIRTYPE,
+            tarfile.SYMTYPE,
+            tarfile.LNKTYPE,
+            tarfile.CHRTYPE,
+            tarfile.BLKTYPE,
+            b"V",
+            b"7",
+        ]
+    ),
+    _paths | st.just(_NODE),
+    st.integers(0, 0o7777),
+    st.booleans(),
+    st.integers(0, 3),
+)
+_entries = st.lists(
+    st.integers(0, 9).flatmap(lambda i: _hostile if i == 0 else _benign), max_size=8
+)
 
 
 def _fuzz_tar(entries: list[tuple[str, bytes, str, int, bool, int]]) -> bytes:
@@ -407,7 +489,8 @@ def _fuzz_tar(entries: list[tuple[str, bytes, str, int, bool, int]]) -> bytes:
 @FUZZ
 @given(entries=_entries)
 def test_any_layer_lands_inside_the_root_or_is_refused(
-        tmp_path: Path, entries: list[tuple[str, bytes, str, int, bool, int]]) -> None:
+    tmp_path: Path, entries: list[tuple[str, bytes, str, int, bool, int]]
+) -> None:
     node = Path(_NODE)
     node.mkdir(exist_ok=True)
     (node / "secret").write_text("the node's\n")

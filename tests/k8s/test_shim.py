@@ -13,13 +13,13 @@ from stasis.k8s import shim
 
 
 def default_config() -> str:
-    r = subprocess.run(["containerd", "config", "default"], capture_output=True, text=True,
-                       check=True)
+    r = subprocess.run(
+        ["containerd", "config", "default"], capture_output=True, text=True, check=True
+    )
     return r.stdout
 
 
-def test_install_adds_the_runtime_entry_and_uninstall_gives_the_file_back(tmp_path: Path
-                                                                          ) -> None:
+def test_install_adds_the_runtime_entry_and_uninstall_gives_the_file_back(tmp_path: Path) -> None:
     config = tmp_path / "etc" / "containerd" / "config.toml"
     config.parent.mkdir(parents=True)
     original = default_config()
@@ -41,8 +41,9 @@ def test_install_adds_the_runtime_entry_and_uninstall_gives_the_file_back(tmp_pa
     shim.install_node(config, bin_dir, Path("/etc/stasis/config.toml"))
     assert config.read_text() == once  # idempotent
     # containerd itself accepts the result.
-    r = subprocess.run(["containerd", "--config", str(config), "config", "dump"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["containerd", "--config", str(config), "config", "dump"], capture_output=True, text=True
+    )
     assert r.returncode == 0 and 'runtime_type = "io.containerd.stasis.v2"' in r.stdout, r.stderr
     shim.uninstall_node(config, bin_dir)
     assert config.read_text() == original
@@ -57,17 +58,24 @@ def test_a_node_without_a_config_gets_one_and_loses_it_again(tmp_path: Path) -> 
     assert not config.exists()
 
 
-@pytest.mark.parametrize("text,why", [
-    ("version = 1\n", "is a version 1 containerd config"),
-    # containerd reads a config without `version` as version 1.
-    ("[plugins.'io.containerd.grpc.v1.cri']\nsandbox_image = 'x'\n", "version 1 containerd"),
-    ("version = 4\n", "stasis writes versions 2 and 3"),
-    ("version = 2\n[plugins.'io.containerd.grpc.v1.cri'.containerd.runtimes.stasis]\n"
-     "runtime_type = 'x'\n", "already has a runtime"),
-    ("version = = 2", "cannot read"),
-])
-def test_configs_it_cannot_extend_are_refused_and_left_alone(tmp_path: Path, text: str,
-                                                            why: str) -> None:
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("version = 1\n", "is a version 1 containerd config"),
+        # containerd reads a config without `version` as version 1.
+        ("[plugins.'io.containerd.grpc.v1.cri']\nsandbox_image = 'x'\n", "version 1 containerd"),
+        ("version = 4\n", "stasis writes versions 2 and 3"),
+        (
+            "version = 2\n[plugins.'io.containerd.grpc.v1.cri'.containerd.runtimes.stasis]\n"
+            "runtime_type = 'x'\n",
+            "already has a runtime",
+        ),
+        ("version = = 2", "cannot read"),
+    ],
+)
+def test_configs_it_cannot_extend_are_refused_and_left_alone(
+    tmp_path: Path, text: str, why: str
+) -> None:
     config = tmp_path / "config.toml"
     config.write_text(text)
     with pytest.raises(ContainerError, match=why):
@@ -109,13 +117,15 @@ state = '/run/containerd'
 
 
 def test_a_version_3_config_of_containerd_2_gets_its_entry_under_the_cri_runtime_plugin(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """containerd 2.x cannot run here (Debian ships 1.6/1.7): the result is checked against
     its documented format, as its own TOML parser (go-toml v2) would read it."""
     config = tmp_path / "config.toml"
     config.write_text(CONTAINERD_2_DEFAULT)
-    planned = shim.install_node(config, tmp_path / "bin", Path("/etc/stasis/config.toml"),
-                                dry_run=True)
+    planned = shim.install_node(
+        config, tmp_path / "bin", Path("/etc/stasis/config.toml"), dry_run=True
+    )
     assert "config version 3" in planned[1]
     shim.install_node(config, tmp_path / "bin", Path("/etc/stasis/config.toml"))
     data = tomllib.loads(config.read_text())
@@ -128,16 +138,21 @@ def test_a_version_3_config_of_containerd_2_gets_its_entry_under_the_cri_runtime
     other = tmp_path / "other.toml"
     other.write_text(CONTAINERD_2_DEFAULT)
     with pytest.raises(ContainerError, match="is a version 3 containerd config, not 2"):
-        shim.install_node(other, tmp_path / "bin2", Path("/etc/stasis/config.toml"),
-                          config_version=2)
+        shim.install_node(
+            other, tmp_path / "bin2", Path("/etc/stasis/config.toml"), config_version=2
+        )
     assert other.read_text() == CONTAINERD_2_DEFAULT
     shim.uninstall_node(config, tmp_path / "bin")
     assert config.read_text() == CONTAINERD_2_DEFAULT
     # A new file for containerd 2.x, when asked.
     new = tmp_path / "new" / "config.toml"
     shim.install_node(new, tmp_path / "bin", Path("/etc/stasis/config.toml"), config_version=3)
-    assert tomllib.loads(new.read_text())["plugins"]["io.containerd.cri.v1.runtime"][
-        "containerd"]["runtimes"]["stasis"]["runtime_type"] == shim.RUNTIME_TYPE
+    assert (
+        tomllib.loads(new.read_text())["plugins"]["io.containerd.cri.v1.runtime"]["containerd"][
+            "runtimes"
+        ]["stasis"]["runtime_type"]
+        == shim.RUNTIME_TYPE
+    )
     shim.uninstall_node(new, tmp_path / "bin")
     assert not new.exists() and not (new.parent / ".stasis-created").exists()
 
@@ -145,20 +160,24 @@ def test_a_version_3_config_of_containerd_2_gets_its_entry_under_the_cri_runtime
 def test_a_version_2_config_is_read_back_by_containerd_s_own_parser(tmp_path: Path) -> None:
     """The containerd here (1.6) reads what stasis writes for version 2, default and new."""
     config = tmp_path / "config.toml"
-    shim.install_node(config, tmp_path / "bin", Path("/etc/stasis/config.toml"),
-                      config_version=2)
-    r = subprocess.run(["containerd", "--config", str(config), "config", "dump"],
-                       capture_output=True, text=True)
+    shim.install_node(config, tmp_path / "bin", Path("/etc/stasis/config.toml"), config_version=2)
+    r = subprocess.run(
+        ["containerd", "--config", str(config), "config", "dump"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     dumped = tomllib.loads(r.stdout)
-    assert dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"][
-        "stasis"]["runtime_type"] == shim.RUNTIME_TYPE
+    assert (
+        dumped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["stasis"][
+            "runtime_type"
+        ]
+        == shim.RUNTIME_TYPE
+    )
 
 
-@pytest.mark.parametrize("name,version", [("config.toml.tmpl", 2),
-                                          ("config-v3.toml.tmpl", 3)])
+@pytest.mark.parametrize("name,version", [("config.toml.tmpl", 2), ("config-v3.toml.tmpl", 3)])
 def test_k3s_and_rke2_templates_keep_their_base_and_get_the_entry(
-        tmp_path: Path, name: str, version: int) -> None:
+    tmp_path: Path, name: str, version: int
+) -> None:
     """k3s and RKE2 write containerd's config.toml anew at each start, from this template:
     a new one starts with their base config, an existing one is kept as it is."""
     template = tmp_path / "agent" / "etc" / "containerd" / name
@@ -171,8 +190,10 @@ def test_k3s_and_rke2_templates_keep_their_base_and_get_the_entry(
     shim.uninstall_node(template, tmp_path / "bin")
     assert not template.exists()
     # A site's own template: kept byte for byte.
-    own = '{{ template "base" . }}\n[plugins."%s".containerd.runtimes.gvisor]\n' \
-          '  runtime_type = "io.containerd.runsc.v1"\n' % plugin
+    own = (
+        '{{ template "base" . }}\n[plugins."%s".containerd.runtimes.gvisor]\n'
+        '  runtime_type = "io.containerd.runsc.v1"\n' % plugin
+    )
     template.write_text(own)
     shim.install_node(template, tmp_path / "bin", Path("/etc/stasis/config.toml"))
     assert template.read_text().startswith(own) and "stasis" in template.read_text()
@@ -189,12 +210,14 @@ def test_only_the_commands_that_can_concern_stasis_start_stasis_runc(tmp_path: P
     script.chmod(0o755)
 
     def run(*args: str) -> str:
-        return subprocess.run([str(script), *args], capture_output=True, text=True,
-                              check=False).stdout
+        return subprocess.run(
+            [str(script), *args], capture_output=True, text=True, check=False
+        ).stdout
 
     # Straight to runc, the value of --root never taken for a command.
     assert run("--root", "kill", "state", "c1") == "runc --root kill state c1\n"
     assert run("--log=/l", "ps", "c1") == "runc --log=/l ps c1\n"
     assert run("--version") == "runc --version\n"
-    assert "stasis-runc" in script.read_text().split("create|start|kill|delete", 1)[1] \
-        .splitlines()[0]
+    assert (
+        "stasis-runc" in script.read_text().split("create|start|kill|delete", 1)[1].splitlines()[0]
+    )

@@ -78,7 +78,10 @@ class Planter:
     def __init__(self, user: str) -> None:
         self.proc = subprocess.Popen(
             ["unshare", "--ipc", "runuser", "-u", user, "--", sys.executable, "-c", PLANTER],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
         self.ns = os.open(f"/proc/{self.proc.pid}/ns/ipc", os.O_RDONLY)
         # The planter is runuser's child: its namespace is the one unshare made.
@@ -111,7 +114,8 @@ def header(used: int, magic: int = 0x5354_5331) -> bytes:
 
 
 def test_a_one_page_segment_claiming_256_KiB_is_refused_and_the_reader_lives(
-        planter: Planter) -> None:
+    planter: Planter,
+) -> None:
     """The daemon's reader, in a process of its own so that a crash shows as one: it reads the
     job's namespace through /proc/<planter>/ns/ipc, as the daemon does."""
     page = os.sysconf("SC_PAGE_SIZE")
@@ -128,11 +132,14 @@ def test_a_one_page_segment_claiming_256_KiB_is_refused_and_the_reader_lives(
             print("refused", e)
         print("alive", flush=True)
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert result.returncode == 0, f"the reader died ({result.returncode}): {result.stderr}"
-    assert f"refused its header claims {BOOK - HEADER} bytes of records, the segment holds " \
+    assert (
+        f"refused its header claims {BOOK - HEADER} bytes of records, the segment holds "
         f"{page - HEADER}" in result.stdout
+    )
     assert result.stdout.endswith("alive\n")
 
 
@@ -140,8 +147,11 @@ def test_a_segment_of_another_owner_is_refused(planter: Planter, reader: BookRea
     good = header(31) + b'{"step": 0, "where": "stasis"}\n'
     planter.plant(BOOK, good)
     assert reader.read(planter.ns, planter.uid) == [{"step": 0, "where": "stasis"}]
-    with pytest.raises(steps.BookRefused, match=rf"owned by uid {planter.uid} and was created "
-                       rf"by uid {planter.uid}, not by the job's user \(uid 0\)"):
+    with pytest.raises(
+        steps.BookRefused,
+        match=rf"owned by uid {planter.uid} and was created "
+        rf"by uid {planter.uid}, not by the job's user \(uid 0\)",
+    ):
         reader.read(planter.ns, 0)
     # Given away (IPC_SET): its owner is no longer the job's user.
     assert planter.ask("chown 0").startswith("ok")
@@ -149,8 +159,9 @@ def test_a_segment_of_another_owner_is_refused(planter: Planter, reader: BookRea
         reader.read(planter.ns, planter.uid)
 
 
-def test_a_book_criu_restored_for_the_user_is_read(reader: BookReader,
-                                                   test_user: pwd.struct_passwd) -> None:
+def test_a_book_criu_restored_for_the_user_is_read(
+    reader: BookReader, test_user: pwd.struct_passwd
+) -> None:
     """CRIU (root) creates a restored job's segments and gives them their owner back: created
     by root, owned by the job's user, the book is the job's."""
     restorer = Planter("root")
@@ -167,8 +178,12 @@ def test_a_book_criu_restored_for_the_user_is_read(reader: BookReader,
 def test_ipc_stat_is_read_with_the_kernels_layout(planter: Planter) -> None:
     """What segment_stat finds (through our struct shmid_ds) is what /proc/sysvipc/shm says."""
     planter.plant(12345, b"")
-    out = subprocess.run(["nsenter", f"--ipc=/proc/{planter.proc.pid}/ns/ipc", "cat",
-                          "/proc/sysvipc/shm"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["nsenter", f"--ipc=/proc/{planter.proc.pid}/ns/ipc", "cat", "/proc/sysvipc/shm"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     names, *rows = [line.split() for line in out.splitlines()]
     row = dict(zip(names, rows[0]))
     code = textwrap.dedent(f"""
@@ -180,34 +195,63 @@ def test_ipc_stat_is_read_with_the_kernels_layout(planter: Planter) -> None:
         st = steps.segment_stat(libc, libc.shmget(0x53544550, 0, 0))
         print(json.dumps([st.uid, st.cuid, st.size_bytes]))
     """)
-    found = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True,
-                                      text=True, check=True, cwd=ROOT).stdout)
-    assert found == [int(row["uid"]), int(row["cuid"]), int(row["size"])] == \
-        [planter.uid, planter.uid, 12345]
+    found = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout
+    )
+    assert (
+        found
+        == [int(row["uid"]), int(row["cuid"]), int(row["size"])]
+        == [planter.uid, planter.uid, 12345]
+    )
 
 
 # -- fuzz: every byte a job's user may put there -------------------------------------------------
 
+
 def _record() -> st.SearchStrategy[bytes]:
     json_values = st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                    max_size=4),
-        max_leaves=10)
-    fields = st.fixed_dictionaries({}, optional={
-        "step": json_values | st.integers(-2, 70), "where": st.sampled_from(["stasis", "slurm"])
-        | json_values, "exit": json_values, "signal": json_values, "name": json_values,
-        "ntasks": json_values, "argv": json_values})
-    lines = fields.map(lambda d: json.dumps(d).encode()) | st.binary(max_size=64) | \
-        st.sampled_from([b"[" * 100_000, b'{"step": 1e999}', b'{"step": ' + b"9" * 5000 + b"}",
-                         b'{"step": 0, "name": "\xff\xfe"}', b"\x00" * 50])
+        lambda inner: st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=10,
+    )
+    fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "step": json_values | st.integers(-2, 70),
+            "where": st.sampled_from(["stasis", "slurm"]) | json_values,
+            "exit": json_values,
+            "signal": json_values,
+            "name": json_values,
+            "ntasks": json_values,
+            "argv": json_values,
+        },
+    )
+    lines = (
+        fields.map(lambda d: json.dumps(d).encode())
+        | st.binary(max_size=64)
+        | st.sampled_from(
+            [
+                b"[" * 100_000,
+                b'{"step": 1e999}',
+                b'{"step": ' + b"9" * 5000 + b"}",
+                b'{"step": 0, "name": "\xff\xfe"}',
+                b"\x00" * 50,
+            ]
+        )
+    )
     return st.lists(lines, max_size=12).map(b"\n".join)
 
 
-@settings(max_examples=300, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.binary(max_size=600) | _record().map(lambda r: header(len(r)) + r),
-       used=st.none() | st.integers(0, 2**32 - 1))
+@settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    data=st.binary(max_size=600) | _record().map(lambda r: header(len(r)) + r),
+    used=st.none() | st.integers(0, 2**32 - 1),
+)
 def test_fuzz_parse_book_and_fold(data: bytes, used: int | None) -> None:
     """Any bytes: a list of records (each a dict with a step id in range), or BookRefused."""
     if used is not None and len(data) >= HEADER:
@@ -222,8 +266,9 @@ def test_fuzz_parse_book_and_fold(data: bytes, used: int | None) -> None:
         assert type(n) is int and 0 <= n < 1 << 31
 
 
-@settings(max_examples=300, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(body=_record())
 def test_fuzz_each_record_is_what_steprecord_says(body: bytes) -> None:
     """Whatever the job's user writes, what the daemon gets back holds the types and bounds
@@ -243,14 +288,23 @@ def test_fuzz_each_record_is_what_steprecord_says(body: bytes) -> None:
             assert "signal" not in rec
 
 
-@settings(max_examples=60, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(size=st.sampled_from([1, 15, 16, 17, 4095, 4096, 4097, 65536, BOOK - 1, BOOK, BOOK + 1,
-                             3 * BOOK]) | st.integers(1, 3 * BOOK),
-       used=st.integers(0, 2**32 - 1) | st.integers(0, BOOK),
-       body=_record())
-def test_fuzz_real_segments_through_the_daemons_reader(planter: Planter, reader: BookReader,
-                                                       size: int, used: int, body: bytes) -> None:
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    size=st.sampled_from(
+        [1, 15, 16, 17, 4095, 4096, 4097, 65536, BOOK - 1, BOOK, BOOK + 1, 3 * BOOK]
+    )
+    | st.integers(1, 3 * BOOK),
+    used=st.integers(0, 2**32 - 1) | st.integers(0, BOOK),
+    body=_record(),
+)
+def test_fuzz_real_segments_through_the_daemons_reader(
+    planter: Planter, reader: BookReader, size: int, used: int, body: bytes
+) -> None:
     """Real segments of any size, any header, any records, read by the daemon's BookReader
     (in this process: a fault would end the test run)."""
     planter.plant(size, header(used) + body)
@@ -264,12 +318,27 @@ def test_fuzz_real_segments_through_the_daemons_reader(planter: Planter, reader:
 
 
 def test_a_workload_that_plants_the_book_plants_what_the_e2e_test_needs(
-        planter: Planter, reader: BookReader, test_user: pwd.struct_passwd) -> None:
+    planter: Planter, reader: BookReader, test_user: pwd.struct_passwd
+) -> None:
     """tests/workloads/hostile_book.py (the e2e test's job) plants a one-page segment claiming
     256 KiB: the reader refuses it."""
-    proc = subprocess.Popen(["unshare", "--ipc", "runuser", "-u", test_user.pw_name, "--",
-                             "python3", "-u", str(WORKLOADS / "hostile_book.py"), "0.05", "3"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--ipc",
+            "runuser",
+            "-u",
+            test_user.pw_name,
+            "--",
+            "python3",
+            "-u",
+            str(WORKLOADS / "hostile_book.py"),
+            "0.05",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("planted ")
     fd = os.open(f"/proc/{proc.pid}/ns/ipc", os.O_RDONLY)
@@ -288,8 +357,14 @@ def test_the_kernel_copy_stops_at_an_unmapped_page() -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     mm = ctypes.CDLL(None, use_errno=True)
     mm.mmap.restype = ctypes.c_void_p
-    mm.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                        ctypes.c_int, ctypes.c_long)
+    mm.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
     mm.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     # Two pages, the second made inaccessible: the copy may read the first only.
     address = mm.mmap(None, 2 * page, 3, 0x22, -1, 0)  # PROT_READ|WRITE, PRIVATE|ANONYMOUS

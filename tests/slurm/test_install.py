@@ -41,8 +41,11 @@ SITE_PLUGSTACK = "required /usr/lib/site/other.so arg=1\n"
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -60,10 +63,20 @@ def cli(site: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
     etc = site / "etc"
     extra = ["--slurm-conf", str(etc / "slurm.conf")]
     if args[0] == "install":
-        extra += ["--lib-dir", str(site / "lib"), "--systemd-dir", str(site / "systemd"),
-                  "--stasis-config", str(site / "stasis.toml")]
-    result = subprocess.run([STASIS, "slurm", *args, *extra], capture_output=True, text=True,
-                            env={**os.environ, "STASIS_CONFIG": ""})
+        extra += [
+            "--lib-dir",
+            str(site / "lib"),
+            "--systemd-dir",
+            str(site / "systemd"),
+            "--stasis-config",
+            str(site / "stasis.toml"),
+        ]
+    result = subprocess.run(
+        [STASIS, "slurm", *args, *extra],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "STASIS_CONFIG": ""},
+    )
     if check:
         assert result.returncode == 0, result.stderr + result.stdout
     return result
@@ -71,8 +84,9 @@ def cli(site: Path, *args: str, check: bool = True) -> subprocess.CompletedProce
 
 def test_dry_run_prints_the_exact_diff_and_changes_nothing(site: Path) -> None:
     before = snapshot(site)
-    out = cli(site, "install", "--node-role", "controller", "--node-role", "worker",
-              "--dry-run").stdout
+    out = cli(
+        site, "install", "--node-role", "controller", "--node-role", "worker", "--dry-run"
+    ).stdout
     assert snapshot(site) == before
     assert "-JobSubmitPlugins=all_partitions   # partition defaults" in out
     assert "+JobSubmitPlugins=all_partitions,lua   # partition defaults" in out
@@ -84,17 +98,30 @@ def test_dry_run_prints_the_exact_diff_and_changes_nothing(site: Path) -> None:
     originals = {p: p.read_text() for p in (site / "etc").iterdir()}
     cli(site, "install", "--node-role", "controller", "--node-role", "worker")
     for path, text in originals.items():
-        expected = "".join(difflib.unified_diff(
-            text.splitlines(keepends=True), path.read_text().splitlines(keepends=True),
-            fromfile=str(path), tofile=str(path)))
+        expected = "".join(
+            difflib.unified_diff(
+                text.splitlines(keepends=True),
+                path.read_text().splitlines(keepends=True),
+                fromfile=str(path),
+                tofile=str(path),
+            )
+        )
         assert expected in out, path
     created = site / "etc" / "cli_filter.lua"
     assert f"--- /dev/null\n+++ {created}\n" in out
 
 
 def test_install_keeps_existing_plugins_and_merges_lua(site: Path) -> None:
-    out = cli(site, "install", "--node-role", "controller", "--node-role", "worker",
-              "--node-role", "login").stdout
+    out = cli(
+        site,
+        "install",
+        "--node-role",
+        "controller",
+        "--node-role",
+        "worker",
+        "--node-role",
+        "login",
+    ).stdout
     assert "scontrol reconfigure" in out
     etc = site / "etc"
     conf = (etc / "slurm.conf").read_text()
@@ -127,16 +154,25 @@ def test_install_twice_changes_nothing(site: Path) -> None:
     out = cli(site, "install", "--node-role", "controller", "--node-role", "worker").stdout
     assert "nothing to change" in out
     assert snapshot(site) == first
-    dry = cli(site, "install", "--node-role", "controller", "--node-role", "worker",
-              "--dry-run").stdout
+    dry = cli(
+        site, "install", "--node-role", "controller", "--node-role", "worker", "--dry-run"
+    ).stdout
     assert "nothing to change" in dry and "+++" not in dry
 
 
 def test_uninstall_restores_every_file_byte_for_byte(site: Path) -> None:
     before = snapshot(site)
     modes = {p: p.stat().st_mode for p in site.rglob("*") if p.is_file()}
-    cli(site, "install", "--node-role", "controller", "--node-role", "worker",
-        "--node-role", "login")
+    cli(
+        site,
+        "install",
+        "--node-role",
+        "controller",
+        "--node-role",
+        "worker",
+        "--node-role",
+        "login",
+    )
     cli(site, "install", "--node-role", "worker")
     assert snapshot(site) != before
     cli(site, "uninstall")
@@ -153,8 +189,7 @@ def test_uninstall_after_a_later_edit_takes_out_only_our_edits(site: Path) -> No
     conf.write_text(conf.read_text() + "# edited later by the admin\n")
     out = cli(site, "uninstall").stdout
     assert "changed since install" in out
-    assert conf.read_text() == SLURM_CONF.format(etc=site / "etc") + \
-        "# edited later by the admin\n"
+    assert conf.read_text() == SLURM_CONF.format(etc=site / "etc") + "# edited later by the admin\n"
     assert (site / "etc" / "job_submit.lua").read_text() == SITE_JOB_SUBMIT
 
 
@@ -168,13 +203,23 @@ def test_our_srun_outside_a_protected_job_is_slurms_srun(site: Path, tmp_path: P
     os.chmod(fake / "srun", 0o755)
     ours = site / "lib" / "bin"
     env = {"PATH": f"{ours}:{fake}:/usr/bin:/bin", "SLURM_JOB_ID": "5"}
-    result = subprocess.run(["srun", "-n", "2", "--", "echo", "a b"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["srun", "-n", "2", "--", "echo", "a b"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.stdout == "real srun: -n 2 -- echo a b\n" and result.stderr == ""
     assert result.returncode == 3
     # Even told that it runs in job 5's tree: not in a PID namespace, so not ours to run.
-    result = subprocess.run(["srun", "true"], env={**env, "STASIS_SLURM_STEPS": "5"},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["srun", "true"],
+        env={**env, "STASIS_SLURM_STEPS": "5"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.stdout == "real srun: true\n" and result.returncode == 3
     (ours / "srun").write_text((ours / "srun").read_text() + "# edited\n")
     cli(site, "uninstall")
@@ -185,12 +230,17 @@ def test_fresh_files_and_missing_keys(tmp_path: Path) -> None:
     etc = tmp_path / "etc"
     etc.mkdir()
     (etc / "slurm.conf").write_text("ClusterName=bare")  # no newline at the end, no plugins
-    opts = inst.InstallOptions(roles=frozenset({"controller"}), slurm_conf=etc / "slurm.conf",
-                               lib_dir=tmp_path / "lib", systemd_dir=None)
+    opts = inst.InstallOptions(
+        roles=frozenset({"controller"}),
+        slurm_conf=etc / "slurm.conf",
+        lib_dir=tmp_path / "lib",
+        systemd_dir=None,
+    )
     inst.install(opts, out=None)
     assert (etc / "slurm.conf").read_text() == (
         "ClusterName=bare\nJobSubmitPlugins=lua\nCliFilterPlugins=lua\n"
-        "SlurmctldParameters=preempt_send_user_signal\n")
+        "SlurmctldParameters=preempt_send_user_signal\n"
+    )
     assert (etc / "job_submit.lua").read_text().startswith(inst.BEGIN)
     inst.uninstall(etc / "slurm.conf", out=None)
     assert sorted(p.name for p in etc.iterdir()) == ["slurm.conf"]
@@ -202,8 +252,12 @@ def test_hostile_paths_are_refused(tmp_path: Path) -> None:
     etc.mkdir()
     (etc / "slurm.conf").write_text("ClusterName=x\n")
     for bad in ("lib dir", "lib#1"):
-        opts = inst.InstallOptions(roles=frozenset({"worker"}), slurm_conf=etc / "slurm.conf",
-                                   lib_dir=tmp_path / bad, systemd_dir=None)
+        opts = inst.InstallOptions(
+            roles=frozenset({"worker"}),
+            slurm_conf=etc / "slurm.conf",
+            lib_dir=tmp_path / bad,
+            systemd_dir=None,
+        )
         with pytest.raises(UsageError, match="without spaces"):
             inst.install(opts, out=None)
     assert (etc / "slurm.conf").read_text() == "ClusterName=x\n"
@@ -215,15 +269,32 @@ def test_pipeable_install_script(site: Path) -> None:
     script = (ROOT / "stasis" / "slurm" / "files" / "install.sh").read_text()
     etc = site / "etc"
     result = subprocess.run(
-        ["bash", "-s", "--", "--node-role", "worker", "--slurm-conf", str(etc / "slurm.conf"),
-         "--lib-dir", str(site / "lib"), "--no-systemd"],
-        input=script, capture_output=True, text=True,
-        env={**os.environ, "STASIS_BIN": STASIS, "STASIS_CONFIG": ""})
+        [
+            "bash",
+            "-s",
+            "--",
+            "--node-role",
+            "worker",
+            "--slurm-conf",
+            str(etc / "slurm.conf"),
+            "--lib-dir",
+            str(site / "lib"),
+            "--no-systemd",
+        ],
+        input=script,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "STASIS_BIN": STASIS, "STASIS_CONFIG": ""},
+    )
     assert result.returncode == 0, result.stderr
     assert (site / "lib" / "stasis_spank.so").exists()
-    result = subprocess.run(["bash", "-s", "--", "uninstall", "--slurm-conf",
-                             str(etc / "slurm.conf")], input=script, capture_output=True,
-                            text=True, env={**os.environ, "STASIS_BIN": STASIS})
+    result = subprocess.run(
+        ["bash", "-s", "--", "uninstall", "--slurm-conf", str(etc / "slurm.conf")],
+        input=script,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "STASIS_BIN": STASIS},
+    )
     assert result.returncode == 0, result.stderr
     assert not (site / "lib" / "stasis_spank.so").exists()
     assert (etc / "slurm.conf").read_text() == SLURM_CONF.format(etc=etc)

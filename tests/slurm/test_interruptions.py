@@ -34,7 +34,8 @@ def test_rates_count_preemptions_and_requeues_not_timeouts() -> None:
     assert gpu.node_hours == pytest.approx((2 * 78 + 2 * 30 + 60 + 60) / 3600)
     # A job still running counts up to the window's end.
     assert found["cpu"].node_hours == pytest.approx(
-        (UNTIL - datetime(2026, 12, 9, 9)).total_seconds() / 3600)
+        (UNTIL - datetime(2026, 12, 9, 9)).total_seconds() / 3600
+    )
 
 
 def test_window_clips_exposure_and_events() -> None:
@@ -67,8 +68,19 @@ def test_auto_interval_from_rate_and_measured_cost() -> None:
     assert low["interval_s"] == pytest.approx(daly(1.0, mtbi)) and low["bound"] == ""
     assert "estimated" in low["why"] and "2 interruption(s)" in low["why"]
     # The job's checkpoint measured 0.3 s frozen: the next ask uses it.
-    iv.heard(Activity(kind="checkpoint", checkpoint="c", label="l", job="4", user="ana",
-                      size_bytes=1, work_s=1, duration_s=0.3, frozen_s=0.3))
+    iv.heard(
+        Activity(
+            kind="checkpoint",
+            checkpoint="c",
+            label="l",
+            job="4",
+            user="ana",
+            size_bytes=1,
+            work_s=1,
+            duration_s=0.3,
+            frozen_s=0.3,
+        )
+    )
     again = iv.ask("4", "auto", _reg(), "low", rss_bytes=250_000_000)
     assert again["cost_measured"] and again["interval_s"] == pytest.approx(daly(0.3, mtbi))
     # No interruption in "high": the ceiling.

@@ -7,17 +7,23 @@ from pathlib import Path
 
 import pytest
 
+from stasis.errors import UsageError
 from stasis.slurm.labels import candidates, resolve_label, slurm_extra
 from stasis.slurm.scontrol import parse_record
-from stasis.errors import UsageError
 from stasis.store import Store
 from tests.store.helpers import SMALL_FILES, make_info, stage
 
 
-def publish(store: Store, label: str, minutes: int, uid: int, job: str, token: str,
-            explicit: bool) -> str:
-    info = make_info(label, minutes=minutes, uid=uid, job=job,
-                     extra=slurm_extra(job, token, explicit, "/o", "/o"))
+def publish(
+    store: Store, label: str, minutes: int, uid: int, job: str, token: str, explicit: bool
+) -> str:
+    info = make_info(
+        label,
+        minutes=minutes,
+        uid=uid,
+        job=job,
+        extra=slurm_extra(job, token, explicit, "/o", "/o"),
+    )
     stage(store, info, SMALL_FILES)
     return store.publish(info).id
 
@@ -60,9 +66,11 @@ def test_labels() -> None:
 
 
 def test_parse_record_with_spaces_and_the_token() -> None:
-    text = ("JobId=12 JobName=my job UserId=alice(1000) GroupId=alice(1000) "
-            "AdminComment=site note stasis-token=1795999072-8401 Restarts=2 "
-            "StdOut=/home/alice/out 12.txt Power=")
+    text = (
+        "JobId=12 JobName=my job UserId=alice(1000) GroupId=alice(1000) "
+        "AdminComment=site note stasis-token=1795999072-8401 Restarts=2 "
+        "StdOut=/home/alice/out 12.txt Power="
+    )
     fields = parse_record(text)
     assert fields["JobId"] == "12" and fields["JobName"] == "my job"
     assert fields["AdminComment"] == "site note stasis-token=1795999072-8401"

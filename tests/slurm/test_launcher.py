@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from stasis.client import Client
 from stasis.engine import proctree
 from stasis.errors import DaemonAPIError
-from stasis.client import Client
 from stasis.slurm import steps
 from stasis.slurm.launcher import Launcher
 
@@ -57,6 +57,7 @@ def test_something_that_is_not_the_daemon(tmp_path: Path) -> None:
 
 # -- srun steps -----------------------------------------------------------------------------------
 
+
 def _launcher(tmp_path: Path, mode: str) -> Launcher:
     steps_dir = tmp_path / "lib" / "bin"
     steps_dir.mkdir(parents=True, exist_ok=True)
@@ -65,8 +66,9 @@ def _launcher(tmp_path: Path, mode: str) -> Launcher:
     return Launcher({"mode": mode, "label": "7"}, "/bin/true", "7", steps_dir)
 
 
-def test_a_fresh_workload_finds_our_srun_first(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fresh_workload_finds_our_srun_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = tmp_path / "slurm" / "srun"
     real.parent.mkdir()
     real.write_text("#!/bin/sh\n")
@@ -82,8 +84,9 @@ def test_a_fresh_workload_finds_our_srun_first(tmp_path: Path,
     assert off["PATH"] == f"{real.parent}:/usr/bin" and steps.STEPS_VAR not in off
 
 
-def test_no_checkpoint_while_slurms_srun_runs(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_checkpoint_while_slurms_srun_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake = tmp_path / "bin" / "srun"
     fake.parent.mkdir()
     shutil.copy("/bin/sleep", fake)
@@ -106,7 +109,8 @@ def test_no_checkpoint_while_slurms_srun_runs(tmp_path: Path,
             f"stasis: warning: no checkpoint: a step runs outside stasis ({fake} 30): a "
             "checkpoint now could not restore it; try again when the step has ended; the job "
             "goes on (if Slurm requeues it, it runs again from its last checkpoint, or from the "
-            "start)"]
+            "start)",
+        ]
     finally:
         for pid in reversed(proctree.tree(tree.pid)):
             try:

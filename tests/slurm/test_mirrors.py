@@ -36,8 +36,12 @@ def reader() -> Iterator[BookReader]:
 
 
 def _in_own_ipc(code: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(["unshare", "--ipc", sys.executable, "-c", code],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["unshare", "--ipc", sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     return proc
 
@@ -54,7 +58,10 @@ def test_the_book_is_read_from_outside_the_jobs_namespace(reader: BookReader) ->
     finally:
         proc.communicate("", timeout=30)
     assert [(r["step"], r["where"], r.get("exit"), r.get("signal")) for r in records] == [
-        (0, "stasis", 137, 9), (1, "slurm", None, None), (2, "stasis", None, None)]
+        (0, "stasis", 137, 9),
+        (1, "slurm", None, None),
+        (2, "stasis", None, None),
+    ]
     assert records[0]["name"] == "first" and records[0]["ntasks"] == 2
     # The daemon's own namespace has no book: each read enters the namespace it is given.
     own = os.open("/proc/self/ns/ipc", os.O_RDONLY)
@@ -77,7 +84,8 @@ def test_a_namespace_without_a_book_has_no_steps(reader: BookReader) -> None:
 
 
 def test_a_line_cut_short_is_skipped() -> None:
-    data = (b'{"step": 0, "where": "stasis", "name": "a"}\n{"step": 0, "exit": 3, "signal": 0}\n'
-            b'{"step": 1, "where": "sta')
-    assert steps.fold(data) == [{"step": 0, "where": "stasis", "name": "a", "exit": 3,
-                                 "signal": 0}]
+    data = (
+        b'{"step": 0, "where": "stasis", "name": "a"}\n{"step": 0, "exit": 3, "signal": 0}\n'
+        b'{"step": 1, "where": "sta'
+    )
+    assert steps.fold(data) == [{"step": 0, "where": "stasis", "name": "a", "exit": 3, "signal": 0}]

@@ -25,12 +25,28 @@ from tests.conftest import Daemon, new_daemon
 def registration(slurm_job: str, **kw: Any) -> Registration:
     """A registration as the daemon keeps it (and an older daemon wrote it as JSON)."""
     reg = Registration(
-        slurm_job=slurm_job, pid=4242, pid_start=987654, launcher_pid=4241, uid=1001, gid=1001,
-        user="stasis-test", label=f"lab-{slurm_job}", explicit_label=True, token="tok",
-        stdout="/home/u/slurm-%j.out", stderr="/home/u/slurm-%j.err", work_dir="/home/u",
-        command=["/bin/sh", "job.sh", "with space"], state="running",
-        registered="2026-01-01T00:00:00+00:00", stop_asked=False, final_failed=False,
-        stop_checkpoint=None, restarts=0, restored_from=None)
+        slurm_job=slurm_job,
+        pid=4242,
+        pid_start=987654,
+        launcher_pid=4241,
+        uid=1001,
+        gid=1001,
+        user="stasis-test",
+        label=f"lab-{slurm_job}",
+        explicit_label=True,
+        token="tok",
+        stdout="/home/u/slurm-%j.out",
+        stderr="/home/u/slurm-%j.err",
+        work_dir="/home/u",
+        command=["/bin/sh", "job.sh", "with space"],
+        state="running",
+        registered="2026-01-01T00:00:00+00:00",
+        stop_asked=False,
+        final_failed=False,
+        stop_checkpoint=None,
+        restarts=0,
+        restored_from=None,
+    )
     return cast(Registration, {**reg, **kw})
 
 
@@ -130,14 +146,17 @@ def test_migrate_leaves_what_it_cannot_read(regs: Registrations, tmp_path: Path)
     assert regs.migrate(legacy) == 1
     assert regs.get("501") == good
     assert all(regs.get(j) is None for j in ("502", "503", "504", "505"))
-    assert sorted(p.name for p in legacy.iterdir()) == ["502.json", "503.json", "504.json",
-                                                       "505.json"]
+    assert sorted(p.name for p in legacy.iterdir()) == [
+        "502.json",
+        "503.json",
+        "504.json",
+        "505.json",
+    ]
     assert (legacy / "502.json").read_text() == "{not json"  # left as it was
     assert legacy.is_dir()
 
 
-def test_migrate_takes_a_file_without_state_as_running(regs: Registrations,
-                                                      tmp_path: Path) -> None:
+def test_migrate_takes_a_file_without_state_as_running(regs: Registrations, tmp_path: Path) -> None:
     legacy = tmp_path / "slurm"
     legacy.mkdir()
     data = {k: v for k, v in registration("551").items() if k != "state"}
@@ -146,8 +165,9 @@ def test_migrate_takes_a_file_without_state_as_running(regs: Registrations,
     assert regs.get("551") == registration("551", state="running")
 
 
-def test_migrate_leaves_a_file_with_a_wrong_kind_of_value(regs: Registrations,
-                                                          tmp_path: Path) -> None:
+def test_migrate_leaves_a_file_with_a_wrong_kind_of_value(
+    regs: Registrations, tmp_path: Path
+) -> None:
     legacy = tmp_path / "slurm"
     legacy.mkdir()
     # A null label once stopped the daemon's start (NOT NULL in the table, raised from save).
@@ -159,8 +179,12 @@ def test_migrate_leaves_a_file_with_a_wrong_kind_of_value(regs: Registrations,
     assert regs.migrate(legacy) == 1
     assert all(regs.get(j) is None for j in ("561", "562", "564", "565"))
     assert regs.get("563") == registration("563")
-    assert sorted(p.name for p in legacy.iterdir()) == ["561.json", "562.json", "564.json",
-                                                       "565.json"]
+    assert sorted(p.name for p in legacy.iterdir()) == [
+        "561.json",
+        "562.json",
+        "564.json",
+        "565.json",
+    ]
 
 
 def test_migrate_never_overwrites_the_table(regs: Registrations, tmp_path: Path) -> None:
@@ -176,14 +200,19 @@ def test_migrate_never_overwrites_the_table(regs: Registrations, tmp_path: Path)
     assert not legacy.exists()  # the stale file went too: the table has the job already
 
 
-def test_daemon_moves_registrations_at_start(world_tmp: Path,
-                                             test_user: pwd.struct_passwd) -> None:
+def test_daemon_moves_registrations_at_start(world_tmp: Path, test_user: pwd.struct_passwd) -> None:
     d: Daemon = new_daemon(world_tmp, "daemon")
     # A live workload, so that the daemon's sweep of ended ones keeps the registration.
     workload = subprocess.Popen(["sleep", "120"])
     try:
-        reg = registration("701", pid=workload.pid, pid_start=proctree.start_time(workload.pid),
-                           uid=test_user.pw_uid, gid=test_user.pw_gid, user=test_user.pw_name)
+        reg = registration(
+            "701",
+            pid=workload.pid,
+            pid_start=proctree.start_time(workload.pid),
+            uid=test_user.pw_uid,
+            gid=test_user.pw_gid,
+            user=test_user.pw_name,
+        )
         legacy = d.state_dir / "slurm"
         legacy.mkdir(parents=True)
         os.chmod(d.state_dir, 0o711)
@@ -196,12 +225,14 @@ def test_daemon_moves_registrations_at_start(world_tmp: Path,
                 assert client.slurm_job("701") == reg
             db = sqlite3.connect(f"file:{d.state_dir / 'jobs.db'}?mode=ro", uri=True)
             try:
-                rows = db.execute("SELECT slurm_job, pid, label, command, state FROM "
-                                  "slurm_jobs").fetchall()
+                rows = db.execute(
+                    "SELECT slurm_job, pid, label, command, state FROM " "slurm_jobs"
+                ).fetchall()
             finally:
                 db.close()
-            assert rows == [("701", workload.pid, reg["label"], json.dumps(reg["command"]),
-                             "running")]
+            assert rows == [
+                ("701", workload.pid, reg["label"], json.dumps(reg["command"]), "running")
+            ]
         finally:
             d.stop()
         # A second start has nothing to move.
@@ -221,15 +252,21 @@ def test_an_older_table_gets_the_stop_columns(tmp_path: Path) -> None:
     """A daemon upgraded in place: its slurm_jobs table (made without the issue-28 columns)
     gets them, its rows read as "nothing asked"."""
     import sqlite3
+
     path = tmp_path / "old.db"
     con = sqlite3.connect(path)
-    cols = [c.name for c in slurm_jobs_table.columns
-            if c.name not in ("stop_asked", "final_failed", "stop_checkpoint", "restarts")]
+    cols = [
+        c.name
+        for c in slurm_jobs_table.columns
+        if c.name not in ("stop_asked", "final_failed", "stop_checkpoint", "restarts")
+    ]
     con.execute(f"CREATE TABLE slurm_jobs ({', '.join(cols)})")
     old = registration("301")
     values = {**old, "command": json.dumps(old["command"]), "explicit_label": 1}
-    con.execute(f"INSERT INTO slurm_jobs ({', '.join(cols)}) VALUES "
-                f"({', '.join('?' for _ in cols)})", [values[c] for c in cols])
+    con.execute(
+        f"INSERT INTO slurm_jobs ({', '.join(cols)}) VALUES " f"({', '.join('?' for _ in cols)})",
+        [values[c] for c in cols],
+    )
     con.commit()
     con.close()
     d = JobDB(path)

@@ -51,12 +51,25 @@ class Munge:
         os.chown(key, user.pw_uid, user.pw_gid)
         os.chmod(key, 0o400)
         r = self.root
-        subprocess.run(["runuser", "-u", "munge", "--", "munged", f"--socket={self.socket}",
-                        f"--key-file={key}", f"--log-file={r}/munged.log",
-                        f"--pid-file={r}/munged.pid", f"--seed-file={r}/munged.seed",
-                        "--force"], check=True, capture_output=True, timeout=30)
-        wait_for(lambda: Path(self.socket).exists() and (r / "munged.pid").exists(), 10,
-                 "munged")
+        subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "munged",
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--log-file={r}/munged.log",
+                f"--pid-file={r}/munged.pid",
+                f"--seed-file={r}/munged.seed",
+                "--force",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        wait_for(lambda: Path(self.socket).exists() and (r / "munged.pid").exists(), 10, "munged")
         self.pid = int((r / "munged.pid").read_text())
 
     def stop(self) -> None:
@@ -70,8 +83,11 @@ class Munge:
         argv = ["munge", "--socket", self.socket, "--restrict-uid", "0", *extra]
         if user:
             argv = ["runuser", "-u", user, "--", *argv]
-        return subprocess.run(argv, input=payload, capture_output=True, check=True,
-                              timeout=30).stdout.decode().strip()
+        return (
+            subprocess.run(argv, input=payload, capture_output=True, check=True, timeout=30)
+            .stdout.decode()
+            .strip()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +114,10 @@ def _free_port() -> int:
 
 def _slurm_conf(world: Path, munge: Munge, cluster: str = CLUSTER) -> Path:
     path = world / f"slurm-{cluster}.conf"
-    path.write_text(f"# not a cluster: the keys stasis reads\nClusterName={cluster}\n"
-                    f"AuthType=auth/munge\nAuthInfo=socket={munge.socket},cred_expire=5\n")
+    path.write_text(
+        f"# not a cluster: the keys stasis reads\nClusterName={cluster}\n"
+        f"AuthType=auth/munge\nAuthInfo=socket={munge.socket},cred_expire=5\n"
+    )
     return path
 
 
@@ -109,10 +127,10 @@ class Node:
     def __init__(self, daemon: Daemon, port: int, conf: Path) -> None:
         self.daemon = daemon
         self.port = port
-        self.settings = Settings(slurm_conf=str(conf), slurm_remote_port=port,
-                                 slurm_node_name="login")
-        self.target = remote.RemoteNode(node=NODE, address="127.0.0.1", port=port,
-                                        timeout_s=30)
+        self.settings = Settings(
+            slurm_conf=str(conf), slurm_remote_port=port, slurm_node_name="login"
+        )
+        self.target = remote.RemoteNode(node=NODE, address="127.0.0.1", port=port, timeout_s=30)
 
     def payload(self, op: str, **fields: object) -> bytes:
         return remote.encode_payload(remote.request_payload(op, NODE, CLUSTER, **fields))
@@ -125,9 +143,16 @@ class Node:
 def node(world: Path, munge: Munge) -> Iterator[Node]:
     port = _free_port()
     conf = _slurm_conf(world, munge)
-    d = new_daemon(world, "node", env={"STASIS_SLURM_REMOTE_PORT": str(port),
-                                       "STASIS_SLURM_NODE_NAME": NODE, "SLURM_CONF": str(conf),
-                                       "STASIS_REQUEST_TIMEOUT_S": "2"})
+    d = new_daemon(
+        world,
+        "node",
+        env={
+            "STASIS_SLURM_REMOTE_PORT": str(port),
+            "STASIS_SLURM_NODE_NAME": NODE,
+            "SLURM_CONF": str(conf),
+            "STASIS_REQUEST_TIMEOUT_S": "2",
+        },
+    )
     d.start()
     wait_for(lambda: _connects(port), 20, "the remote listener")
     yield Node(d, port, conf)
@@ -144,26 +169,32 @@ def _connects(port: int) -> bool:
 
 # -- slurm.conf ---------------------------------------------------------------------------------
 
+
 def test_slurm_conf_names_the_cluster_and_munge_socket() -> None:
     conf = remote.parse_slurm_conf(
         "# AuthInfo=socket=/not/this\n"
         "clustername=hpc   # a comment\n"
         "NodeName=n1 NodeAddr=10.0.0.1 CPUs=2\n"
-        "AUTHINFO=cred_expire=30,socket=/run/munge/other.sock\n")
+        "AUTHINFO=cred_expire=30,socket=/run/munge/other.sock\n"
+    )
     assert conf == remote.SlurmConf(cluster="hpc", munge_socket="/run/munge/other.sock")
     assert remote.parse_slurm_conf("AuthInfo=cred_expire=30\n").munge_socket is None
-    assert remote.slurm_conf(Settings(slurm_conf="/nonexistent/slurm.conf")) == \
-        remote.SlurmConf(cluster="", munge_socket=None)
+    assert remote.slurm_conf(Settings(slurm_conf="/nonexistent/slurm.conf")) == remote.SlurmConf(
+        cluster="", munge_socket=None
+    )
 
 
 def test_port_setting_is_a_port() -> None:
-    assert load_settings({"STASIS_SLURM_REMOTE_PORT": "6821", "STASIS_CONFIG": ""}
-                         ).slurm_remote_port == 6821
+    assert (
+        load_settings({"STASIS_SLURM_REMOTE_PORT": "6821", "STASIS_CONFIG": ""}).slurm_remote_port
+        == 6821
+    )
     with pytest.raises(UsageError, match="not a TCP port"):
         load_settings({"STASIS_SLURM_REMOTE_PORT": "70000"})
 
 
 # -- credentials --------------------------------------------------------------------------------
+
 
 def test_credential_says_who_made_it_once(munge: Munge) -> None:
     user = pwd.getpwnam(TEST_USER)
@@ -205,17 +236,23 @@ def test_munged_gone_is_one_line(world: Path) -> None:
 
 
 def test_payload_must_name_this_request() -> None:
-    expected = remote.request_payload("checkpoint", "n1", "hpc", job="7", leave_running=False,
-                                      reason="asked")
+    expected = remote.request_payload(
+        "checkpoint", "n1", "hpc", job="7", leave_running=False, reason="asked"
+    )
 
     def said(**changes: object) -> remote.Identity:
         return remote.Identity(1000, 1000, remote.encode_payload({**expected, **changes}))
 
     remote.check_payload(said(), expected)
-    for changes, key in (({"node": "n2"}, "node"), ({"cluster": "other"}, "cluster"),
-                         ({"op": "drain"}, "op"), ({"job": "8"}, "job"),
-                         ({"leave_running": True}, "leave_running"), ({"extra": 1}, "extra"),
-                         ({"v": 2}, "v")):
+    for changes, key in (
+        ({"node": "n2"}, "node"),
+        ({"cluster": "other"}, "cluster"),
+        ({"op": "drain"}, "op"),
+        ({"job": "8"}, "job"),
+        ({"leave_running": True}, "leave_running"),
+        ({"extra": 1}, "extra"),
+        ({"v": 2}, "v"),
+    ):
         with pytest.raises(PermissionDeniedError, match=f"another request \\({key} "):
             remote.check_payload(said(**changes), expected)
     with pytest.raises(PermissionDeniedError, match="no stasis request"):
@@ -224,10 +261,13 @@ def test_payload_must_name_this_request() -> None:
 
 # -- the listener -------------------------------------------------------------------------------
 
+
 def test_remote_checkpoint_reaches_the_node_as_the_caller(node: Node, munge: Munge) -> None:
     # Root's credential, through the client: the node looked the job up (not under stasis).
-    with pytest.raises(NotFoundError, match=r"Slurm job 4242 is not under stasis on this node "
-                                            r"\(node n1 at 127.0.0.1:\d+\)"):
+    with pytest.raises(
+        NotFoundError,
+        match=r"Slurm job 4242 is not under stasis on this node " r"\(node n1 at 127.0.0.1:\d+\)",
+    ):
         remote.checkpoint(node.settings, node.target, "4242", leave_running=True)
     fields: dict[str, object] = {"leave_running": False, "reason": "asked"}
     cred = munge.credential(node.payload("checkpoint", job="4243", **fields), TEST_USER)
@@ -247,13 +287,28 @@ def test_a_credential_for_another_request_is_refused(node: Node, munge: Munge) -
     cases = [
         # (what the credential says, the path it is sent to, the body's fields, refused key)
         (node.payload("checkpoint", job="1", **fields), "2", fields, "job"),
-        (node.payload("checkpoint", job="1", leave_running=False, reason="asked"), "1", fields,
-         "leave_running"),
-        (remote.encode_payload(remote.request_payload("checkpoint", "n2", CLUSTER, job="1",
-                                                      **fields)), "1", fields, "node"),
-        (remote.encode_payload(remote.request_payload("checkpoint", NODE, "elsewhere",
-                                                      job="1", **fields)), "1", fields,
-         "cluster"),
+        (
+            node.payload("checkpoint", job="1", leave_running=False, reason="asked"),
+            "1",
+            fields,
+            "leave_running",
+        ),
+        (
+            remote.encode_payload(
+                remote.request_payload("checkpoint", "n2", CLUSTER, job="1", **fields)
+            ),
+            "1",
+            fields,
+            "node",
+        ),
+        (
+            remote.encode_payload(
+                remote.request_payload("checkpoint", NODE, "elsewhere", job="1", **fields)
+            ),
+            "1",
+            fields,
+            "cluster",
+        ),
         (node.payload("drain", reason="asked"), "1", fields, "op"),
     ]
     for payload, job, body, key in cases:
@@ -298,25 +353,34 @@ def test_unreachable_node_is_one_line(node: Node) -> None:
     nowhere = remote.RemoteNode(node="n9", address="127.0.0.1", port=port)
     with pytest.raises(DaemonAPIError) as e:
         remote.checkpoint(node.settings, nowhere, "1", leave_running=True)
-    assert str(e.value) == (f"cannot reach the stasis daemon of node n9 at 127.0.0.1:{port} "
-                            f"(connection refused); is it running there with "
-                            f"slurm_remote_port = {port}?")
+    assert str(e.value) == (
+        f"cannot reach the stasis daemon of node n9 at 127.0.0.1:{port} "
+        f"(connection refused); is it running there with "
+        f"slurm_remote_port = {port}?"
+    )
     with pytest.raises(UsageError, match="remote Slurm commands are off here"):
         remote.remote_node(Settings(), "n9", "127.0.0.1")
 
 
 def test_a_taken_port_stops_the_daemon_at_start(node: Node, world: Path) -> None:
     d = new_daemon(world, "taken", env={"STASIS_SLURM_REMOTE_PORT": str(node.port)})
-    result = subprocess.run([STASIS, "daemon"], env=d.env, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [STASIS, "daemon"], env=d.env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2, result.stderr
-    assert f"cannot listen for remote Slurm commands on *:{node.port} (slurm_remote_port): " \
-           "Address already in use" in result.stderr
+    assert (
+        f"cannot listen for remote Slurm commands on *:{node.port} (slurm_remote_port): "
+        "Address already in use" in result.stderr
+    )
 
 
 def test_cli_drain_refuses_a_bad_reason() -> None:
-    result = subprocess.run([STASIS, "slurm", "drain", "n1", "--reason", "bad\nreason"],
-                            env={**os.environ, "STASIS_CONFIG": ""}, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [STASIS, "slurm", "drain", "n1", "--reason", "bad\nreason"],
+        env={**os.environ, "STASIS_CONFIG": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--reason" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -64,8 +64,14 @@ SINCE, UNTIL = datetime(2026, 12, 1), datetime(2026, 12, 15)
 def test_parse_folds_steps_into_their_attempt() -> None:
     records = rep.parse_sacct(text(RECORDED))
     assert [(r.job_id, r.state) for r in records] == [
-        ("1", "COMPLETED"), ("2", "COMPLETED"), ("3", "PREEMPTED"), ("4", "REQUEUED"),
-        ("5", "COMPLETED"), ("4", "COMPLETED"), ("3", "COMPLETED")]
+        ("1", "COMPLETED"),
+        ("2", "COMPLETED"),
+        ("3", "PREEMPTED"),
+        ("4", "REQUEUED"),
+        ("5", "COMPLETED"),
+        ("4", "COMPLETED"),
+        ("3", "COMPLETED"),
+    ]
     first4, last4 = records[3], records[5]
     assert first4.peak_mem_bytes == 58667008 and last4.peak_mem_bytes == 53596160
     assert first4.protected and not records[2].protected
@@ -96,10 +102,12 @@ def test_memory_over_request() -> None:
 
 
 def test_a_peak_over_half_the_request_is_no_over_request() -> None:
-    line = "7|u|a|p|j|/d|COMPLETED|2026-12-02T00:00:00|2026-12-02T00:00:00|" \
-           "2026-12-02T01:00:00|3600|120|1|cpu=1,node=1|100M|||\n" \
-           "7.0||a||j||COMPLETED|2026-12-02T00:00:00|2026-12-02T00:00:00|" \
-           "2026-12-02T01:00:00|3600||1|cpu=1,node=1||60M|cpu=1,mem=60M|\n"
+    line = (
+        "7|u|a|p|j|/d|COMPLETED|2026-12-02T00:00:00|2026-12-02T00:00:00|"
+        "2026-12-02T01:00:00|3600|120|1|cpu=1,node=1|100M|||\n"
+        "7.0||a||j||COMPLETED|2026-12-02T00:00:00|2026-12-02T00:00:00|"
+        "2026-12-02T01:00:00|3600||1|cpu=1,node=1||60M|cpu=1,mem=60M|\n"
+    )
     c = rep.compute(rep.parse_sacct(text(line)), SINCE, UNTIL).totals
     assert (c.mem_measured_jobs, c.mem_overrequest_jobs, c.mem_blocked_node_hours) == (1, 0, 0)
     assert c.mem_peak_bytes == 60 * 1024**2
@@ -153,8 +161,10 @@ def test_the_separator_in_an_admin_comment_is_kept() -> None:
 def test_dates() -> None:
     now = datetime(2026, 12, 4, 12, 30)
     assert rep.period(None, None, now) == (datetime(2026, 11, 4), now)
-    assert rep.period("2026-12-01", "2026-12-02T06:00", now) == \
-        (datetime(2026, 12, 1), datetime(2026, 12, 2, 6))
+    assert rep.period("2026-12-01", "2026-12-02T06:00", now) == (
+        datetime(2026, 12, 1),
+        datetime(2026, 12, 2, 6),
+    )
     with pytest.raises(UsageError, match="--since 'soon' is not a date"):
         rep.period("soon", None, now)
     with pytest.raises(UsageError, match="is not after --since"):
@@ -203,18 +213,22 @@ def run_cli(*args: str, conf: Path | None = None) -> subprocess.CompletedProcess
     env = {**os.environ, "STASIS_CONFIG": ""}
     if conf:
         env["SLURM_CONF"] = str(conf)
-    return subprocess.run([STASIS, "slurm", "report", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [STASIS, "slurm", "report", *args], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--since", "last week"], "--since 'last week' is not a date"),
-    (["--until", "2024-02-30"], "--until '2024-02-30' is not a date"),
-    (["--since", "2024-05-02", "--until", "2024-05-01"], "is not after --since"),
-    (["--json", "--csv"], "not allowed with argument"),
-    (["--window-h", "-1"], "--window-h"),
-    (["--html", "/nonexistent/dir/r.html"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--since", "last week"], "--since 'last week' is not a date"),
+        (["--until", "2024-02-30"], "--until '2024-02-30' is not a date"),
+        (["--since", "2024-05-02", "--until", "2024-05-01"], "is not after --since"),
+        (["--json", "--csv"], "not allowed with argument"),
+        (["--window-h", "-1"], "--window-h"),
+        (["--html", "/nonexistent/dir/r.html"], "does not exist"),
+    ],
+)
 def test_cli_usage_errors_are_one_line(args: list[str], says: str) -> None:
     result = run_cli(*args)
     assert result.returncode == 2, result
@@ -225,10 +239,12 @@ def test_cli_usage_errors_are_one_line(args: list[str], says: str) -> None:
 def test_cli_without_accounting_is_one_line(tmp_path: Path) -> None:
     """A slurm.conf whose slurmdbd port nobody listens on: sacct fails at once."""
     conf = tmp_path / "slurm.conf"
-    conf.write_text("ClusterName=c\nSlurmctldHost=localhost(127.0.0.1)\n"
-                    "AccountingStorageType=accounting_storage/slurmdbd\n"
-                    "AccountingStorageHost=127.0.0.1\nAccountingStoragePort=1\n"
-                    f"AuthType=auth/munge\nAccountingStoragePass={tmp_path}/munge.sock\n")
+    conf.write_text(
+        "ClusterName=c\nSlurmctldHost=localhost(127.0.0.1)\n"
+        "AccountingStorageType=accounting_storage/slurmdbd\n"
+        "AccountingStorageHost=127.0.0.1\nAccountingStoragePort=1\n"
+        f"AuthType=auth/munge\nAccountingStoragePass={tmp_path}/munge.sock\n"
+    )
     result = run_cli("--json", conf=conf)
     assert result.returncode == 1, result
     assert result.stdout == "" and len(result.stderr.splitlines()) == 1, result.stderr

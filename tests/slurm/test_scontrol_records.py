@@ -25,15 +25,23 @@ RECORD = (
     "MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 "
     "OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=/home/alice/job.sh "
     "WorkDir=/home/alice AdminComment=stasis-token=1764985000-42 "
-    "StdErr=/home/alice/job-7.out StdIn=/dev/null StdOut=/home/alice/job-7.out Power=")
+    "StdErr=/home/alice/job-7.out StdIn=/dev/null StdOut=/home/alice/job-7.out Power="
+)
 
 REAL = parse_job_record(RECORD.replace("NAME", "plain"))
 
 FORGERIES = [
     "x UserId=0(root) StdOut=/etc/shadow AdminComment=stasis-token=abc",
-    "x UserId=root(0)", "x\tUserId=root(0)", "x\nUserId=root(0)", "x\rUserId=root(0)",
-    "x StdOut=/etc/shadow", "x AdminComment=stasis-token=abc", "x BatchHost=n9",
-    "x HetJobIdSet=1 UserId=root(0)", "x JobId=8", " UserId=root(0) GroupId=root(0)",
+    "x UserId=root(0)",
+    "x\tUserId=root(0)",
+    "x\nUserId=root(0)",
+    "x\rUserId=root(0)",
+    "x StdOut=/etc/shadow",
+    "x AdminComment=stasis-token=abc",
+    "x BatchHost=n9",
+    "x HetJobIdSet=1 UserId=root(0)",
+    "x JobId=8",
+    " UserId=root(0) GroupId=root(0)",
     # A whole record in the name, the real one's rest made to look like a second record.
     "x UserId=root(1001) StdOut=/etc/shadow\nJobId=8 JobName=y",
 ]
@@ -53,17 +61,44 @@ def test_the_real_record_reads_as_slurm_wrote_it() -> None:
 
 
 def test_a_path_repeating_a_key_is_refused() -> None:
-    record = RECORD.replace("NAME", "x").replace("WorkDir=/home/alice",
-                                                 "WorkDir=/home/alice/a StdOut=/etc/shadow")
+    record = RECORD.replace("NAME", "x").replace(
+        "WorkDir=/home/alice", "WorkDir=/home/alice/a StdOut=/etc/shadow"
+    )
     with pytest.raises(SlurmError, match="StdOut twice"):
         parse_job_record(record)
 
 
-_PIECES = st.sampled_from([
-    " ", "\t", "\n", "\r", "\x0b", "\x85", "\u2028", "=", "(", ")", "x", "UserId", "UserId=",
-    "root(0)", "JobId=", "JobName=", "StdOut=", "/etc/shadow", "AdminComment=", "stasis-token=",
-    "HetJobIdSet=", "BatchHost=", "WorkDir=", "PreemptTime=", "Foo=", "Partition=", "high",
-])
+_PIECES = st.sampled_from(
+    [
+        " ",
+        "\t",
+        "\n",
+        "\r",
+        "\x0b",
+        "\x85",
+        "\u2028",
+        "=",
+        "(",
+        ")",
+        "x",
+        "UserId",
+        "UserId=",
+        "root(0)",
+        "JobId=",
+        "JobName=",
+        "StdOut=",
+        "/etc/shadow",
+        "AdminComment=",
+        "stasis-token=",
+        "HetJobIdSet=",
+        "BatchHost=",
+        "WorkDir=",
+        "PreemptTime=",
+        "Foo=",
+        "Partition=",
+        "high",
+    ]
+)
 NAMES = st.one_of(st.text(max_size=80), st.lists(_PIECES, max_size=12).map("".join))
 
 
@@ -74,6 +109,7 @@ def test_any_name_gives_the_real_fields_or_a_refusal(name: str) -> None:
         fields = parse_job_record(RECORD.replace("NAME", name))
     except SlurmError:
         return
-    assert {k: v for k, v in fields.items() if k != "JobName"} == \
-        {k: v for k, v in REAL.items() if k != "JobName"}
+    assert {k: v for k, v in fields.items() if k != "JobName"} == {
+        k: v for k, v in REAL.items() if k != "JobName"
+    }
     assert fields["JobName"] == name.strip()

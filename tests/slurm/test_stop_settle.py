@@ -21,15 +21,19 @@ from tests.conftest import MakeDaemon
 def _journaled(state_dir: Path, pid: int, published: bool) -> str:
     """A Slurm job's stop-dump as the daemon journals it (checkpoint_tree)."""
     checkpoint = new_checkpoint_id(datetime.now(timezone.utc))
-    entry = InFlightDump(checkpoint=checkpoint, job="4711", pid=pid,
-                         pid_start=proctree.start_time(pid), leave_running=False,
-                         published=published)
+    entry = InFlightDump(
+        checkpoint=checkpoint,
+        job="4711",
+        pid=pid,
+        pid_start=proctree.start_time(pid),
+        leave_running=False,
+        published=published,
+    )
     (state_dir / "dumps" / f"{checkpoint}.json").write_text(json.dumps(asdict(entry)))
     return checkpoint
 
 
-def test_a_published_slurm_stop_dump_is_ended_at_the_next_start(make_daemon: MakeDaemon
-                                                                 ) -> None:
+def test_a_published_slurm_stop_dump_is_ended_at_the_next_start(make_daemon: MakeDaemon) -> None:
     d = make_daemon()
     d.stop()
     published = subprocess.Popen(["sleep", "60"])

@@ -16,10 +16,26 @@ from stasis.config import fresh_if_unreachable
 def _said(fresh: str) -> list[str]:
     """The lines the helper has the job's output say about STASIS_FRESH."""
     # A job id Slurm cannot have: the helper says why it does not protect the job, and exits.
-    r = subprocess.run([sys.executable, "-I", "-m", "stasis.slurm.taskinit", "--job-id", "x/y",
-                        "--uid", "0", "--gid", "0", "--fresh", fresh],
-                       capture_output=True, text=True, timeout=60,
-                       env={"STASIS_CONFIG": "/dev/null", "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-m",
+            "stasis.slurm.taskinit",
+            "--job-id",
+            "x/y",
+            "--uid",
+            "0",
+            "--gid",
+            "0",
+            "--fresh",
+            fresh,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"STASIS_CONFIG": "/dev/null", "PATH": "/usr/bin:/bin"},
+    )
     messages: list[str] = json.loads(r.stdout)["messages"]
     return [m for m in messages if "STASIS_FRESH" in m]
 

@@ -24,11 +24,16 @@ BASE_TIME = datetime(2026, 11, 30, 0, 15, 12, tzinfo=UTC)
 def blake3_digest(data: bytes, chunk_bytes: int = 1 << 20) -> str:
     """What a format 3 manifest says of a plain file holding `data`: BLAKE3 over its size, its
     chunk size and each chunk's BLAKE3 (computed here, not by the store)."""
-    hashes = [blake3.blake3(data[i:i + chunk_bytes]).digest()
-              for i in range(0, len(data), chunk_bytes)]
+    hashes = [
+        blake3.blake3(data[i : i + chunk_bytes]).digest() for i in range(0, len(data), chunk_bytes)
+    ]
     h = blake3.blake3(b"stasis file v1\0")
-    h.update(len(data).to_bytes(8, "little") + chunk_bytes.to_bytes(8, "little")
-             + len(hashes).to_bytes(8, "little") + b"".join(hashes))
+    h.update(
+        len(data).to_bytes(8, "little")
+        + chunk_bytes.to_bytes(8, "little")
+        + len(hashes).to_bytes(8, "little")
+        + b"".join(hashes)
+    )
     return h.hexdigest()
 
 
@@ -83,9 +88,13 @@ def write_key(path: Path, key: bytes | None = None, mode: int = 0o600) -> Path:
 
 def with_keys(store: Store, current: Path | None, *old: Path) -> Store:
     """The same store (same URL, same signing keys) as a node with these key files sees it."""
-    return Store(store.url, staging_root=store._tree.staging_area(), keep=store.keep,
-                 keys=store.keys,
-                 encryption=KeyFiles(str(current) if current else "", [str(p) for p in old]))
+    return Store(
+        store.url,
+        staging_root=store._tree.staging_area(),
+        keep=store.keep,
+        keys=store.keys,
+        encryption=KeyFiles(str(current) if current else "", [str(p) for p in old]),
+    )
 
 
 def encrypted_store(store: Store, tmp_path: Path) -> Store:
@@ -114,8 +123,9 @@ def stored_file(store: Store, manifest: Manifest, name: str) -> Iterator[io.Byte
     fs.pipe_file(f"{root}/{manifest.id}/{entry.stored_name}", buffer.getvalue())
 
 
-def publish_images(store: Store, images: dict[str, bytes], compression: Compression = "none",
-                   encrypt: bool = False) -> Manifest:
+def publish_images(
+    store: Store, images: dict[str, bytes], compression: Compression = "none", encrypt: bool = False
+) -> Manifest:
     """A checkpoint of `images` (name -> bytes) published into `store`, compressed and
     encrypted as asked (the store needs a key file to encrypt: `encrypted_store`)."""
     info = make_info()

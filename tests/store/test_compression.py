@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import xxhash
 import io
 import os
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from stasis.store.compression import DecompressionError, pack, stored_name, unpack
 from stasis.store.manifest import COMPRESSIONS, Compression

@@ -50,8 +50,7 @@ def test_old_garbage_goes_and_everything_else_stays(store: Store) -> None:
     _write(store, old_garbage.id, b"{not json", 2 * DAY_S)
     _write(store, new_garbage.id, b"{not json", 60)
     _write(store, future.id, b'{"format": 99, "id": "whatever"}', 2 * DAY_S)
-    other_node = Store(store.url, staging_root=store._tree.staging_area(),
-                       keys=Keyring.ephemeral())
+    other_node = Store(store.url, staging_root=store._tree.staging_area(), keys=Keyring.ephemeral())
     theirs = _publish(other_node)
     document = json.loads(untrusted.model_dump_json())
     document["uid"] = 0
@@ -72,7 +71,9 @@ def test_old_garbage_goes_and_everything_else_stays(store: Store) -> None:
 def test_the_error_of_garbage_does_not_send_its_owner_to_rm(store: Store) -> None:
     manifest = _publish(store)
     _write(store, manifest.id, b"[]", 0)
-    with pytest.raises(UnreadableManifestError,
-                       match="nobody can tell whose it is: root can delete it with "
-                             f"`stasis checkpoints rm {manifest.id}`"):
+    with pytest.raises(
+        UnreadableManifestError,
+        match="nobody can tell whose it is: root can delete it with "
+        f"`stasis checkpoints rm {manifest.id}`",
+    ):
         store.get(manifest.id)

@@ -30,17 +30,26 @@ from tests.store.helpers import (
 
 MARKER = b"plaintext-marker-" * 64
 # 2.5 chunks of recognisable text, plus some random memory.
-PAGES = (MARKER * (CHUNK_BYTES // len(MARKER) + 1))[:2 * CHUNK_BYTES + CHUNK_BYTES // 2]
-FILES = {"pages-1.img": PAGES, "pages-2.img": os.urandom(3 * CHUNK_BYTES),
-         "core-1.img": MARKER, "empty.img": b""}
+PAGES = (MARKER * (CHUNK_BYTES // len(MARKER) + 1))[: 2 * CHUNK_BYTES + CHUNK_BYTES // 2]
+FILES = {
+    "pages-1.img": PAGES,
+    "pages-2.img": os.urandom(3 * CHUNK_BYTES),
+    "core-1.img": MARKER,
+    "empty.img": b"",
+}
 
 
-def _publish(store: Store, compression: CompressionRequest = "none",
-             files: dict[str, bytes] = FILES, encrypt: bool = True) -> Manifest:
+def _publish(
+    store: Store,
+    compression: CompressionRequest = "none",
+    files: dict[str, bytes] = FILES,
+    encrypt: bool = True,
+) -> Manifest:
     info = make_info()
     stage(store, info, files)
-    return store.publish(info, compression,
-                         data_key=store.new_data_key(info.id) if encrypt else None)
+    return store.publish(
+        info, compression, data_key=store.new_data_key(info.id) if encrypt else None
+    )
 
 
 def _restored(store: Store, manifest: Manifest, scratch: Path) -> dict[str, bytes]:
@@ -49,14 +58,15 @@ def _restored(store: Store, manifest: Manifest, scratch: Path) -> dict[str, byte
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "lz4"])
-def test_sealed_at_rest_and_restored_exactly(store: Store, tmp_path: Path,
-                                             compression: Compression) -> None:
+def test_sealed_at_rest_and_restored_exactly(
+    store: Store, tmp_path: Path, compression: Compression
+) -> None:
     store = encrypted_store(store, tmp_path)
     manifest = _publish(store, compression)
     assert manifest.encryption is not None
     assert manifest.encryption.key_id == read_key_file(str(tmp_path / "current.key")).key_id
     key = (tmp_path / "current.key").read_bytes()
-    text = (store._tree.read_manifest(manifest.id))
+    text = store._tree.read_manifest(manifest.id)
     # No key, and no checksum of plain bytes, in the manifest.
     assert key.hex().encode() not in text and base64.b64encode(key) not in text
     for entry in manifest.files:
@@ -82,7 +92,8 @@ def test_plain_staged_files_do_not_stay(local_store: Store, tmp_path: Path) -> N
             assert MARKER[:32] not in path.read_bytes(), path
     assert sorted(os.listdir(root / ".staging")) == []
     assert sorted(os.listdir(root / manifest.id)) == sorted(
-        [f.stored_name for f in manifest.files] + ["manifest.json"])
+        [f.stored_name for f in manifest.files] + ["manifest.json"]
+    )
 
 
 def test_without_a_key_file_encryption_is_refused_before_anything(local_store: Store) -> None:
@@ -113,9 +124,9 @@ def _flip(data: bytearray, at: int) -> None:
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "move", "cut"])
-def test_damage_is_caught_before_anything_is_restored(store: Store, tmp_path: Path,
-                                                      compression: Compression,
-                                                      damage: str) -> None:
+def test_damage_is_caught_before_anything_is_restored(
+    store: Store, tmp_path: Path, compression: Compression, damage: str
+) -> None:
     store = encrypted_store(store, tmp_path)
     manifest = _publish(store, compression)
     pages = next(f for f in manifest.files if f.name == "pages-2.img")
@@ -128,13 +139,13 @@ def test_damage_is_caught_before_anything_is_restored(store: Store, tmp_path: Pa
         elif damage == "truncate":
             del data[-1:]
         elif damage == "swap":  # chunks 0 and 1 trade places (same sizes when uncompressed)
-            a, b = bytes(data[offsets[0]:offsets[1]]), bytes(data[offsets[1]:offsets[2]])
-            data[offsets[0]:offsets[2]] = b + a
+            a, b = bytes(data[offsets[0] : offsets[1]]), bytes(data[offsets[1] : offsets[2]])
+            data[offsets[0] : offsets[2]] = b + a
         elif damage == "move":  # chunk 0 of another file of the checkpoint put here
             other = stored_bytes(store, manifest, "pages-1.img")
-            data[offsets[0]:offsets[1]] = other[:offsets[1]]
+            data[offsets[0] : offsets[1]] = other[: offsets[1]]
         else:  # the last chunk cut off, the one before it stored twice in its place
-            data[offsets[2]:] = data[offsets[1]:offsets[2]]
+            data[offsets[2] :] = data[offsets[1] : offsets[2]]
         f.seek(0)
         f.truncate()
         f.write(data)
@@ -146,8 +157,10 @@ def test_damage_is_caught_before_anything_is_restored(store: Store, tmp_path: Pa
 
 
 def _digests(root: Path, manifest: Manifest) -> dict[str, str]:
-    return {f.stored_name: hashlib.sha256((root / manifest.id / f.stored_name).read_bytes())
-            .hexdigest() for f in manifest.files}
+    return {
+        f.stored_name: hashlib.sha256((root / manifest.id / f.stored_name).read_bytes()).hexdigest()
+        for f in manifest.files
+    }
 
 
 def test_rekey_rewraps_without_touching_images(local_store: Store, tmp_path: Path) -> None:
@@ -165,8 +178,9 @@ def test_rekey_rewraps_without_touching_images(local_store: Store, tmp_path: Pat
     after = rotated.get(manifest.id)  # re-signed: still trusted
     assert after.encryption is not None
     assert after.encryption.key_id == read_key_file(str(new_key)).key_id
-    assert after.model_dump(exclude={"encryption", "signature"}) == \
-        manifest.model_dump(exclude={"encryption", "signature"})
+    assert after.model_dump(exclude={"encryption", "signature"}) == manifest.model_dump(
+        exclude={"encryption", "signature"}
+    )
     assert rotated.get(plain.id).encryption is None
 
     # The new key alone opens it now; the old one alone no longer does.
@@ -186,10 +200,10 @@ def test_key_files(tmp_path: Path) -> None:
     raw = os.urandom(32)
     as_base64 = write_key(tmp_path / "b64.key", base64.b64encode(raw) + b"\n")
     assert read_key_file(str(as_base64)).secret == raw
-    assert read_key_file(str(write_key(tmp_path / "raw.key", raw))).key_id == \
-        encryption_key_id(raw)
+    assert read_key_file(str(write_key(tmp_path / "raw.key", raw))).key_id == encryption_key_id(raw)
     # Not the id signing would give the same bytes.
     from stasis.store.signing import key_id
+
     assert encryption_key_id(raw) != key_id(raw)
     loose = write_key(tmp_path / "loose.key", mode=0o644)
     with pytest.raises(UsageError, match=f"chmod 600 {loose}"):
@@ -206,13 +220,14 @@ def _write_slowly(path: Path, data: bytes, pieces: int) -> None:
     step = len(data) // pieces + 1
     with open(path, "wb", buffering=0) as f:
         for offset in range(0, len(data), step):
-            f.write(data[offset:offset + step])
+            f.write(data[offset : offset + step])
             time.sleep(0.005)
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "auto"])
-def test_sealed_while_criu_writes(local_store: Store, tmp_path: Path,
-                                  compression: CompressionRequest) -> None:
+def test_sealed_while_criu_writes(
+    local_store: Store, tmp_path: Path, compression: CompressionRequest
+) -> None:
     store = encrypted_store(local_store, tmp_path)
     info = make_info()
     staging = store.staging_dir(info.id)
@@ -220,8 +235,9 @@ def test_sealed_while_criu_writes(local_store: Store, tmp_path: Path,
     tail = store.follow(info.id, compression, data_key)
     assert tail is not None
     files = {"pages-1.img": PAGES, "pages-2.img": FILES["pages-2.img"]}
-    writers = [threading.Thread(target=_write_slowly, args=(staging / n, d, 20))
-               for n, d in files.items()]
+    writers = [
+        threading.Thread(target=_write_slowly, args=(staging / n, d, 20)) for n, d in files.items()
+    ]
     for w in writers:
         w.start()
     for w in writers:
@@ -239,8 +255,9 @@ def test_sealed_while_criu_writes(local_store: Store, tmp_path: Path,
     assert os.listdir(tmp_path / "store" / ".staging") == []
 
 
-def _follow_and_write(store: Store, files: dict[str, bytes]) -> tuple[
-        Manifest, dict[str, int], Path]:
+def _follow_and_write(
+    store: Store, files: dict[str, bytes]
+) -> tuple[Manifest, dict[str, int], Path]:
     """Stage `files` as CRIU would, followed and sealed in place; return what publish made,
     the staged files' inode numbers, and the staging directory."""
     info = make_info()
@@ -270,7 +287,7 @@ def test_uncompressed_images_are_sealed_in_place(local_store: Store, tmp_path: P
         assert len(sealed) == len(plain) == entry.stored_size_bytes
         # Not one page of it is left as it was (equal bytes by chance: ~1 in 256).
         for at in range(0, len(plain), 4096):
-            assert sealed[at:at + 4096] != plain[at:at + 4096], (entry.name, at)
+            assert sealed[at : at + 4096] != plain[at : at + 4096], (entry.name, at)
         same = sum(a == b for a, b in zip(sealed[:65536], plain[:65536]))
         assert same < 65536 // 100
         assert entry.chunks is not None and entry.chunks.seals is not None
@@ -312,6 +329,7 @@ def test_a_file_sealed_in_part_is_never_published(local_store: Store, tmp_path: 
 
 def test_decrypted_images_go_to_memory_and_go(local_store: Store, tmp_path: Path) -> None:
     from stasis.store.store import MEMORY_SCRATCH
+
     if not MEMORY_SCRATCH.is_dir():
         pytest.skip(f"no {MEMORY_SCRATCH} here")
     store = encrypted_store(local_store, tmp_path)
@@ -325,8 +343,9 @@ def test_decrypted_images_go_to_memory_and_go(local_store: Store, tmp_path: Path
     assert os.listdir(tmp_path / "scratch") == []
 
 
-def test_an_encrypted_checkpoint_of_format_2_still_restores(local_store: Store,
-                                                            tmp_path: Path) -> None:
+def test_an_encrypted_checkpoint_of_format_2_still_restores(
+    local_store: Store, tmp_path: Path
+) -> None:
     """Before BLAKE3 (format 2) an encrypted checkpoint's chunks were already each sealed with
     AES-GCM under a key no store writer has: still restored, unlike a plain one of then."""
     import json
@@ -343,8 +362,7 @@ def test_an_encrypted_checkpoint_of_format_2_still_restores(local_store: Store,
     del document["signature"]
     for entry in document["files"]:
         del entry["blake3"]
-        entry["xxh3_128"] = xxhash.xxh3_128_hexdigest(
-            stored_bytes(store, manifest, entry["name"]))
+        entry["xxh3_128"] = xxhash.xxh3_128_hexdigest(stored_bytes(store, manifest, entry["name"]))
     document["signature"] = store.keys.sign(MANIFEST_PURPOSE, document).model_dump()
     path.write_text(json.dumps(document))
     old = store.get(manifest.id)

@@ -64,8 +64,11 @@ def _files_under(root: Path) -> list[str]:
     what marks the store as one (its marker, its index complete): written when it starts."""
     index = root / ".index"
     assert [p for p in index.rglob("*") if not p.is_dir() and p != index / FORMAT_FILE] == []
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                  if p != index and index not in p.parents and p.name != MARKER_NAME)
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p != index and index not in p.parents and p.name != MARKER_NAME
+    )
 
 
 def _expect_no_space(
@@ -115,7 +118,8 @@ def test_8_mib_upload_to_a_full_fsspec_store(tiny_fs: Path, tmp_path: Path) -> N
 
 
 def test_a_streamed_upload_to_a_full_fsspec_store_fails_and_never_hangs(
-        tiny_fs: Path, tmp_path: Path) -> None:
+    tiny_fs: Path, tmp_path: Path
+) -> None:
     # The follower streams the images while "CRIU" writes them; the store fills up. The error
     # may come as late as the file's close: the dump must still fail, not wait forever.
     url = f"dir::file://{tiny_fs}"

@@ -44,8 +44,7 @@ def test_round_trip(
         assert not images_dir.exists()  # fetched copies are removed on exit
 
 
-def test_local_uncompressed_is_read_into_a_private_copy(local_store: Store,
-                                                        tmp_path: Path) -> None:
+def test_local_uncompressed_is_read_into_a_private_copy(local_store: Store, tmp_path: Path) -> None:
     """Never the store's own directory: whoever can write the store could change an image
     between its check and CRIU's read. A copy (not a hard link: the same inode) checked as it
     is written, in a fresh root-only directory, removed after."""
@@ -66,10 +65,12 @@ def test_local_uncompressed_is_read_into_a_private_copy(local_store: Store,
 
 
 def test_fetched_images_go_to_memory_when_it_holds_them(
-        local_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Images that must be decoded (or, on a remote store, fetched) for a restore are read back
     at once: /dev/shm when memory holds them, the scratch on disk only when it does not."""
     from stasis.store import store as store_module
+
     info = make_info()
     stage(local_store, info, SMALL_FILES)
     local_store.publish(info, "lz4")
@@ -163,14 +164,19 @@ def test_wrong_plain_size_is_caught(local_store: Store, tmp_path: Path) -> None:
         update={
             "files": [
                 # The file's digest covers its size: lie about that too, as a key holder could.
-                f if f is not entry else entry.model_copy(update={
-                    "size_bytes": 3, "blake3": file_digest(3, entry.chunks)})
+                f
+                if f is not entry
+                else entry.model_copy(
+                    update={"size_bytes": 3, "blake3": file_digest(3, entry.chunks)}
+                )
                 for f in manifest.files
             ]
         }
     )
     (tmp_path / "store" / manifest.id / "manifest.json").write_bytes(signed(local_store, lying))
-    with pytest.raises(CorruptCheckpointError, match="core-1.img (holds more than|chunk 0 does not hold) 3 bytes;"):
+    with pytest.raises(
+        CorruptCheckpointError, match="core-1.img (holds more than|chunk 0 does not hold) 3 bytes;"
+    ):
         with local_store.open_images(manifest.id, tmp_path / "scratch"):
             pass
 

@@ -69,9 +69,9 @@ def test_the_sequence_is_signed(local_store: Store, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("indexed", [False, True])
-def test_manifests_written_before_sequences_still_order_by_clock(local_store: Store,
-                                                                 tmp_path: Path,
-                                                                 indexed: bool) -> None:
+def test_manifests_written_before_sequences_still_order_by_clock(
+    local_store: Store, tmp_path: Path, indexed: bool
+) -> None:
     if indexed:
         local_store.ensure_index()
     # What an older stasis wrote: no parent, no seq in the signed document, a clock-named entry.
@@ -84,8 +84,7 @@ def test_manifests_written_before_sequences_still_order_by_clock(local_store: St
         for field in ("parent", "seq"):
             legacy.pop(field, None)
         body = {k: v for k, v in legacy.items() if k != "signature"}
-        legacy["signature"] = json.loads(local_store.keys.sign(
-            "manifest", body).model_dump_json())
+        legacy["signature"] = json.loads(local_store.keys.sign("manifest", body).model_dump_json())
         (tmp_path / "store" / info.id / "manifest.json").write_text(json.dumps(legacy))
         index = tmp_path / "store" / ".index" / "train" / "1000"
         for entry in index.iterdir():

@@ -37,8 +37,7 @@ def test_retention_skips_a_pinned_checkpoint_until_it_is_released(store: Store) 
 
 def test_another_node_sees_the_pin(local_store: Store, tmp_path: Path) -> None:
     oldest = publish(local_store, 0)
-    other = Store(local_store.url, staging_root=tmp_path / "other", keep=1,
-                  keys=local_store.keys)
+    other = Store(local_store.url, staging_root=tmp_path / "other", keep=1, keys=local_store.keys)
     with local_store.pin(oldest, "restore"):
         publish(other, 5)
         assert other.expire() == []
@@ -64,8 +63,9 @@ def test_the_pin_of_a_dead_node_lapses(local_store: Store, tmp_path: Path) -> No
         pins.__exit__(None, None, None)
 
 
-def test_the_pin_is_refreshed(local_store: Store, tmp_path: Path,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pin_is_refreshed(
+    local_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(store_module, "PIN_REFRESH_S", 0.1)
     oldest = publish(local_store, 0)
     with local_store.pin(oldest, "a long restore"):

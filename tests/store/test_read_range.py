@@ -13,12 +13,17 @@ from stasis.store.chunked import CHUNK_BYTES
 from stasis.store.compression import pack, stored_name
 from stasis.store.manifest import Compression, FileEntry
 from tests.store.helpers import (
-    damage_chunk, encrypted_store, make_info, publish_images, signed,
+    damage_chunk,
+    encrypted_store,
+    make_info,
+    publish_images,
+    signed,
 )
 
 # 3.5 chunks: random halves (they do not compress) and zero halves (they do).
-DATA = b"".join(os.urandom(CHUNK_BYTES // 2) + bytes(CHUNK_BYTES // 2) for _ in range(3)) + \
-    os.urandom(CHUNK_BYTES // 2)
+DATA = b"".join(
+    os.urandom(CHUNK_BYTES // 2) + bytes(CHUNK_BYTES // 2) for _ in range(3)
+) + os.urandom(CHUNK_BYTES // 2)
 
 RANGES = [
     (0, 10),
@@ -32,28 +37,32 @@ RANGES = [
 
 
 def _publish(store: Store, compression: Compression, encrypt: bool) -> Manifest:
-    return publish_images(store, {"pages-1.img": DATA, "core-1.img": b"core" * 10},
-                          compression, encrypt)
+    return publish_images(
+        store, {"pages-1.img": DATA, "core-1.img": b"core" * 10}, compression, encrypt
+    )
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
 @pytest.mark.parametrize("compression", ["none", "zstd", "lz4"])
-def test_ranges_read_back_exactly(store: Store, tmp_path: Path, compression: Compression,
-                                  encrypt: bool) -> None:
+def test_ranges_read_back_exactly(
+    store: Store, tmp_path: Path, compression: Compression, encrypt: bool
+) -> None:
     store = encrypted_store(store, tmp_path)
     manifest = _publish(store, compression, encrypt)
     assert (manifest.encryption is not None) == encrypt
     for offset, length in RANGES:
-        assert store.read_range(manifest, "pages-1.img", offset, length) == \
-            DATA[offset:offset + length], (offset, length)
+        assert (
+            store.read_range(manifest, "pages-1.img", offset, length)
+            == DATA[offset : offset + length]
+        ), (offset, length)
     assert store.read_range(manifest, "core-1.img", 4, 8) == b"corecore"
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_a_damaged_chunk_fails_only_the_ranges_in_it(store: Store, tmp_path: Path,
-                                                     compression: Compression,
-                                                     encrypt: bool) -> None:
+def test_a_damaged_chunk_fails_only_the_ranges_in_it(
+    store: Store, tmp_path: Path, compression: Compression, encrypt: bool
+) -> None:
     store = encrypted_store(store, tmp_path)
     manifest = _publish(store, compression, encrypt)
     damage_chunk(store, manifest, "pages-1.img", 1)
@@ -61,12 +70,13 @@ def test_a_damaged_chunk_fails_only_the_ranges_in_it(store: Store, tmp_path: Pat
         store.read_range(manifest, "pages-1.img", CHUNK_BYTES - 1, 2)
     # Its neighbours still read, and verify.
     assert store.read_range(manifest, "pages-1.img", 0, 100) == DATA[:100]
-    assert store.read_range(manifest, "pages-1.img", 2 * CHUNK_BYTES, 100) == \
-        DATA[2 * CHUNK_BYTES:2 * CHUNK_BYTES + 100]
+    assert (
+        store.read_range(manifest, "pages-1.img", 2 * CHUNK_BYTES, 100)
+        == DATA[2 * CHUNK_BYTES : 2 * CHUNK_BYTES + 100]
+    )
 
 
-def test_a_truncated_file_fails_the_ranges_past_its_end(local_store: Store,
-                                                        tmp_path: Path) -> None:
+def test_a_truncated_file_fails_the_ranges_past_its_end(local_store: Store, tmp_path: Path) -> None:
     manifest = _publish(local_store, "none", False)
     os.truncate(tmp_path / "store" / manifest.id / "pages-1.img", CHUNK_BYTES + 10)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
@@ -91,9 +101,13 @@ def test_format_1_is_listed_but_not_restored(local_store: Store, tmp_path: Path)
     directory.mkdir(parents=True, mode=0o700)
     with open(directory / stored_name("pages-1.img", "zstd"), "wb") as dst:
         streamed = pack(_Bytes(DATA), dst, "zstd")
-    entry = FileEntry(name="pages-1.img", size_bytes=streamed.size_bytes,
-                      stored_name="pages-1.img.zst",
-                      stored_size_bytes=streamed.stored_size_bytes, xxh3_128=streamed.xxh3_128)
+    entry = FileEntry(
+        name="pages-1.img",
+        size_bytes=streamed.size_bytes,
+        stored_name="pages-1.img.zst",
+        stored_size_bytes=streamed.stored_size_bytes,
+        xxh3_128=streamed.xxh3_128,
+    )
     old = Manifest.build(info, "zstd", [entry], format=1)
     (directory / "manifest.json").write_bytes(signed(local_store, old))
     manifest = local_store.get(info.id)
@@ -116,11 +130,11 @@ class _Bytes:
 
     def read(self, size: int = -1, /) -> bytes:
         end = len(self.view) if size < 0 else self.at + size
-        out = bytes(self.view[self.at:end])
+        out = bytes(self.view[self.at : end])
         self.at += len(out)
         return out
 
     def readinto(self, buffer: memoryview, /) -> int:
         out = self.read(len(buffer))
-        buffer[:len(out)] = out
+        buffer[: len(out)] = out
         return len(out)

@@ -20,19 +20,30 @@ from tests.store.helpers import SMALL_FILES, make_info, stage
 
 
 def options(s3: S3Server, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"key": s3.access_key, "secret": s3.secret_key,
-            "client_kwargs": {"endpoint_url": endpoint or s3.endpoint, "region_name": REGION},
-            "skip_instance_cache": True, **extra}
+    return {
+        "key": s3.access_key,
+        "secret": s3.secret_key,
+        "client_kwargs": {"endpoint_url": endpoint or s3.endpoint, "region_name": REGION},
+        "skip_instance_cache": True,
+        **extra,
+    }
 
 
 def s3_store(s3: S3Server, url: str, tmp_path: Path, **kwargs: Any) -> Store:
     opts = kwargs.pop("options", None) or options(s3)
-    return Store(url, staging_root=tmp_path / "staging", keep=kwargs.pop("keep", 0),
-                 options=opts, **kwargs)
+    return Store(
+        url, staging_root=tmp_path / "staging", keep=kwargs.pop("keep", 0), options=opts, **kwargs
+    )
 
 
-def publish(store: Store, label: str = "train", minutes: int = 0, uid: int = 1000,
-            files: dict[str, bytes] | None = None, compression: str = "none") -> str:
+def publish(
+    store: Store,
+    label: str = "train",
+    minutes: int = 0,
+    uid: int = 1000,
+    files: dict[str, bytes] | None = None,
+    compression: str = "none",
+) -> str:
     info = make_info(label, minutes=minutes, uid=uid)
     stage(store, info, files or SMALL_FILES)
     store.publish(info, compression)  # type: ignore[arg-type]
@@ -40,12 +51,14 @@ def publish(store: Store, label: str = "train", minutes: int = 0, uid: int = 100
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_publish_list_restore_delete(s3: S3Server, s3_bucket: str, tmp_path: Path,
-                                     compression: str) -> None:
+def test_publish_list_restore_delete(
+    s3: S3Server, s3_bucket: str, tmp_path: Path, compression: str
+) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/ckpt", tmp_path)
     pages = os.urandom(3 << 20)
-    checkpoint_id = publish(store, files={**SMALL_FILES, "pages-1.img": pages},
-                            compression=compression)
+    checkpoint_id = publish(
+        store, files={**SMALL_FILES, "pages-1.img": pages}, compression=compression
+    )
     # Another node's view: a store object of its own, nothing cached.
     other = s3_store(s3, f"s3://{s3_bucket}/ckpt", tmp_path / "other")
     assert [m.id for m in other.list()] == [checkpoint_id]
@@ -55,16 +68,18 @@ def test_publish_list_restore_delete(s3: S3Server, s3_bucket: str, tmp_path: Pat
     assert list((tmp_path / "scratch").iterdir()) == []
     # The manifest was written in place (S3 has no rename): no temporary object is left.
     fs = s3.filesystem()
-    assert sorted(os.path.basename(p) for p in fs.ls(f"{s3_bucket}/ckpt/{checkpoint_id}")) == \
-        sorted(["manifest.json", *(e.stored_name for e in manifest.files)])
+    assert sorted(
+        os.path.basename(p) for p in fs.ls(f"{s3_bucket}/ckpt/{checkpoint_id}")
+    ) == sorted(["manifest.json", *(e.stored_name for e in manifest.files)])
     other.delete(checkpoint_id)
     assert store.list() == []
     assert not fs.exists(f"{s3_bucket}/ckpt/{checkpoint_id}")
     assert store._tree.index_list("train", 1000) == []
 
 
-def test_latest_by_label_reads_the_index_not_every_manifest(s3: S3Server, s3_bucket: str,
-                                                           tmp_path: Path) -> None:
+def test_latest_by_label_reads_the_index_not_every_manifest(
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/p", tmp_path)
     store.ensure_index()
     ids = [publish(store, "a", minutes=m) for m in range(3)]
@@ -80,25 +95,33 @@ def test_latest_by_label_reads_the_index_not_every_manifest(s3: S3Server, s3_buc
     # An entry is only a hint: one leading to a checkpoint of another label is ignored, one
     # leading nowhere (a publish under way or dead) too.
     store._tree.index_put("a", 1000, entry_name(make_info(minutes=99).created, other_label))
-    store._tree.index_put("a", 1000, entry_name(make_info(minutes=98).created,
-                                                "20261130T020000Z-abcdef"))
+    store._tree.index_put(
+        "a", 1000, entry_name(make_info(minutes=98).created, "20261130T020000Z-abcdef")
+    )
     assert store.latest("a", uid=1000).id == ids[-1]
 
 
 def test_retention_keeps_n_and_drops_by_age_but_never_the_newest(
-        s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/r", tmp_path, keep=2)
     ids = [publish(store, minutes=m) for m in range(4)]
     assert [m.id for m in store.list("train", uid=1000)] == ids[:1:-1]
     # make_info's times are in 2026-11-30: long past for an age limit of a day.
-    aged = s3_store(s3, f"s3://{s3_bucket}/r", tmp_path / "aged", keep=0,
-                    max_age_s=timedelta(days=1).total_seconds())
+    aged = s3_store(
+        s3,
+        f"s3://{s3_bucket}/r",
+        tmp_path / "aged",
+        keep=0,
+        max_age_s=timedelta(days=1).total_seconds(),
+    )
     assert aged.expire() == [ids[2]]
     assert [m.id for m in aged.list("train", uid=1000)] == [ids[3]]
 
 
-def test_listings_page_through_more_than_1000_keys(s3: S3Server, s3_bucket: str,
-                                                   tmp_path: Path) -> None:
+def test_listings_page_through_more_than_1000_keys(
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/many", tmp_path)
     real = publish(store, minutes=5000)
     fs = s3.filesystem()
@@ -116,15 +139,16 @@ def test_listings_page_through_more_than_1000_keys(s3: S3Server, s3_bucket: str,
     assert len(store._tree.index_list("train", 1000)) == 1011
 
 
-def test_wrong_credentials_are_one_clear_line(s3: S3Server, s3_bucket: str,
-                                              tmp_path: Path) -> None:
-    bad = s3_store(s3, f"s3://{s3_bucket}/x", tmp_path,
-                   options={**options(s3), "secret": "not-the-secret"})
+def test_wrong_credentials_are_one_clear_line(s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    bad = s3_store(
+        s3, f"s3://{s3_bucket}/x", tmp_path, options={**options(s3), "secret": "not-the-secret"}
+    )
     with pytest.raises(StoreError) as listing:
         bad.list()
     message = str(listing.value)
-    assert message.startswith(f"cannot list checkpoints in s3://{s3_bucket}/x: access to "
-                              f"s3://{s3_bucket}/x denied")
+    assert message.startswith(
+        f"cannot list checkpoints in s3://{s3_bucket}/x: access to " f"s3://{s3_bucket}/x denied"
+    )
     assert "check the S3 credentials" in message and "\n" not in message
     assert "not-the-secret" not in message
     info = make_info()
@@ -137,23 +161,31 @@ def test_wrong_credentials_are_one_clear_line(s3: S3Server, s3_bucket: str,
 
 def test_missing_bucket_is_named(s3: S3Server, tmp_path: Path) -> None:
     store = s3_store(s3, "s3://no-such-bucket-here/x", tmp_path)
-    with pytest.raises(StoreError, match="bucket no-such-bucket-here of checkpoint store "
-                                         "s3://no-such-bucket-here/x does not exist"):
+    with pytest.raises(
+        StoreError,
+        match="bucket no-such-bucket-here of checkpoint store "
+        "s3://no-such-bucket-here/x does not exist",
+    ):
         store.list()
     info = make_info()
     stage(store, info, SMALL_FILES)
-    with pytest.raises(StoreError, match="no-such-bucket-here of checkpoint store s3://no-such-bucket-here/x does not exist: create it"):
+    with pytest.raises(
+        StoreError,
+        match="no-such-bucket-here of checkpoint store s3://no-such-bucket-here/x does not exist: create it",
+    ):
         store.publish(info)
     # Publishing must never have created it.
     assert not s3.filesystem().exists("no-such-bucket-here")
 
 
 def test_server_cut_off_mid_upload_publishes_nothing_and_gc_cleans_up(
-        s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     url = f"s3://{s3_bucket}/cut"
     with CutProxy(("127.0.0.1", s3.port)) as proxy:
-        store = s3_store(s3, url, tmp_path, options=options(
-            s3, proxy.endpoint, default_block_size=5 << 20))
+        store = s3_store(
+            s3, url, tmp_path, options=options(s3, proxy.endpoint, default_block_size=5 << 20)
+        )
         info = make_info()
         stage(store, info, {**SMALL_FILES, "pages-1.img": os.urandom(24 << 20)})
         proxy.cut_after(upload=12 << 20)
@@ -181,8 +213,9 @@ def test_server_cut_off_mid_upload_publishes_nothing_and_gc_cleans_up(
         assert other.latest("train", uid=1000).id == checkpoint_id
 
 
-def test_server_cut_off_mid_download_restores_nothing(s3: S3Server, s3_bucket: str,
-                                                      tmp_path: Path) -> None:
+def test_server_cut_off_mid_download_restores_nothing(
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     url = f"s3://{s3_bucket}/down"
     writer = s3_store(s3, url, tmp_path)
     checkpoint_id = publish(writer, files={**SMALL_FILES, "pages-1.img": os.urandom(16 << 20)})
@@ -198,8 +231,9 @@ def test_server_cut_off_mid_download_restores_nothing(s3: S3Server, s3_bucket: s
         assert list(scratch.iterdir()) == []
 
 
-def test_ensure_index_adopts_checkpoints_written_without_one(s3: S3Server, s3_bucket: str,
-                                                            tmp_path: Path) -> None:
+def test_ensure_index_adopts_checkpoints_written_without_one(
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/old", tmp_path)
     ids = [publish(store, minutes=m) for m in range(2)]
     fs = s3.filesystem()
@@ -211,8 +245,7 @@ def test_ensure_index_adopts_checkpoints_written_without_one(s3: S3Server, s3_bu
     assert [e.checkpoint_id for e in store._tree.index_list("train", 1000)] == ids[::-1]
 
 
-def test_gc_leaves_a_publish_under_way_alone(s3: S3Server, s3_bucket: str,
-                                             tmp_path: Path) -> None:
+def test_gc_leaves_a_publish_under_way_alone(s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/gc", tmp_path)
     done = publish(store)
     fs = s3.filesystem()

@@ -23,16 +23,22 @@ from tests.store.test_s3 import options
 MiB = 1 << 20
 
 
-def s3_store(s3: S3Server, url: str, root: Path, endpoint: str | None = None,
-             encrypted: bool = False) -> Store:
+def s3_store(
+    s3: S3Server, url: str, root: Path, endpoint: str | None = None, encrypted: bool = False
+) -> Store:
     keys = KeyFiles()
     if encrypted:
         key = root.parent / "current.key"
         if not key.exists():
             write_key(key)
         keys = KeyFiles(str(key))
-    return Store(url, staging_root=root / "staging", keep=0, encryption=keys,
-                 options=options(s3, endpoint, default_block_size=5 * MiB))
+    return Store(
+        url,
+        staging_root=root / "staging",
+        keep=0,
+        encryption=keys,
+        options=options(s3, endpoint, default_block_size=5 * MiB),
+    )
 
 
 def uploads(s3: S3Server, bucket: str) -> list[dict[str, Any]]:
@@ -41,8 +47,9 @@ def uploads(s3: S3Server, bucket: str) -> list[dict[str, Any]]:
 
 
 def parts(s3: S3Server, bucket: str, upload: dict[str, Any]) -> int:
-    page = s3.filesystem().call_s3("list_parts", Bucket=bucket, Key=upload["Key"],
-                                   UploadId=upload["UploadId"])
+    page = s3.filesystem().call_s3(
+        "list_parts", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+    )
     return len(page.get("Parts", []))
 
 
@@ -56,12 +63,14 @@ def wait_for(what: str, check: Any, timeout_s: float = 20) -> Any:
     pytest.fail(f"{what} did not happen within {timeout_s} s")
 
 
-@pytest.mark.parametrize("compression,encrypted",
-                         [("none", False), ("zstd", False), ("none", True)],
-                         ids=["none", "zstd", "encrypted"])
+@pytest.mark.parametrize(
+    "compression,encrypted",
+    [("none", False), ("zstd", False), ("none", True)],
+    ids=["none", "zstd", "encrypted"],
+)
 def test_followed_dump_uploads_while_written_and_round_trips(
-        s3: S3Server, s3_bucket: str, tmp_path: Path, compression: str,
-        encrypted: bool) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path, compression: str, encrypted: bool
+) -> None:
     url = f"s3://{s3_bucket}/stream"
     store = s3_store(s3, url, tmp_path / "a", encrypted=encrypted)
     info = make_info()
@@ -74,18 +83,26 @@ def test_followed_dump_uploads_while_written_and_round_trips(
         pages.write(head)
         pages.flush()
         # CRIU is still "writing": parts of the file are on the server before publish.
-        found = wait_for("a multipart upload with a part",
-                         lambda: [u for u in uploads(s3, s3_bucket)
-                                  if f"/{info.id}/pages-1.img" in u["Key"]
-                                  and parts(s3, s3_bucket, u) >= 1])
+        found = wait_for(
+            "a multipart upload with a part",
+            lambda: [
+                u
+                for u in uploads(s3, s3_bucket)
+                if f"/{info.id}/pages-1.img" in u["Key"] and parts(s3, s3_bucket, u) >= 1
+            ],
+        )
         assert found
         pages.write(rest)
     for name, data in SMALL_FILES.items():
         (staging / name).write_bytes(data)
     hashed = tail.finish()
     assert hashed["pages-1.img"].offset >= 10 * MiB
-    manifest = store.publish(info, compression,  # type: ignore[arg-type]
-                             hashed=hashed, data_key=data_key)
+    manifest = store.publish(
+        info,
+        compression,  # type: ignore[arg-type]
+        hashed=hashed,
+        data_key=data_key,
+    )
     assert manifest.compression == compression
     assert (manifest.encryption is not None) == encrypted
     assert [u for u in uploads(s3, s3_bucket) if info.id in u["Key"]] == []
@@ -99,7 +116,8 @@ def test_followed_dump_uploads_while_written_and_round_trips(
 
 
 def test_cut_mid_stream_fails_in_one_line_lists_nothing_and_gc_cleans(
-        s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     url = f"s3://{s3_bucket}/cut"
     with CutProxy(("127.0.0.1", s3.port)) as proxy:
         store = s3_store(s3, url, tmp_path / "a", endpoint=proxy.endpoint)
@@ -129,7 +147,8 @@ def test_cut_mid_stream_fails_in_one_line_lists_nothing_and_gc_cleans(
 
 
 def test_a_dump_that_fails_before_publish_aborts_its_uploads(
-        s3: S3Server, s3_bucket: str, tmp_path: Path) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
     store = s3_store(s3, f"s3://{s3_bucket}/gone", tmp_path)
     info = make_info()
     staging = store.staging_dir(info.id)
@@ -146,7 +165,8 @@ def test_a_dump_that_fails_before_publish_aborts_its_uploads(
 
 
 def test_full_restore_fetches_ranges_in_parallel_and_checks_every_chunk(
-        s3: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(store_module, "RANGE_CHUNKS", 2)  # 7 ranges of a 13.5 MiB file
     url = f"s3://{s3_bucket}/ranged"
     store = s3_store(s3, url, tmp_path / "a")

@@ -57,20 +57,30 @@ def _checksum(d: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [_set("uid", 0), _set("user", "root"), _set("label", "other"), _set("command", ["sh"]),
-     _set("extra", {"slurm": {}}), _set("unknown_field", 1), _checksum],
+    [
+        _set("uid", 0),
+        _set("user", "root"),
+        _set("label", "other"),
+        _set("command", ["sh"]),
+        _set("extra", {"slurm": {}}),
+        _set("unknown_field", 1),
+        _checksum,
+    ],
     ids=["uid", "user", "label", "command", "extra", "new-field", "checksum"],
 )
-def test_a_tampered_manifest_is_refused(store: Store, change: Callable[[dict[str, Any]], None]
-                                        ) -> None:
+def test_a_tampered_manifest_is_refused(
+    store: Store, change: Callable[[dict[str, Any]], None]
+) -> None:
     good = _publish(store, "other")
     manifest = _publish(store)
     _edit(store, manifest.id, change)
     assert [m.id for m in store.list()] == [good.id]
     assert store.list("other", uid=1000) == [good]
-    with pytest.raises(UntrustedCheckpointError,
-                       match=f"checkpoint {manifest.id} is not trusted.*changed after it was "
-                             f"signed.*stasis checkpoints rm {manifest.id}"):
+    with pytest.raises(
+        UntrustedCheckpointError,
+        match=f"checkpoint {manifest.id} is not trusted.*changed after it was "
+        f"signed.*stasis checkpoints rm {manifest.id}",
+    ):
         store.get(manifest.id)
     with pytest.raises(UntrustedCheckpointError):
         with store.open_images(manifest.id, Path("/nonexistent")):
@@ -107,14 +117,16 @@ def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(tmp_path: 
     theirs = _publish(a)
     b = Store(url, staging_root=tmp_path / "b", keys=node_b)
     assert b.list() == []
-    with pytest.raises(UntrustedCheckpointError,
-                       match=f"signed by key {node_a.key_id}, which this node does not trust.*"
-                             "trusted_keys"):
+    with pytest.raises(
+        UntrustedCheckpointError,
+        match=f"signed by key {node_a.key_id}, which this node does not trust.*" "trusted_keys",
+    ):
         b.get(theirs.id)
     # The MAC's key is not in the error, the log or the manifest: only its id.
     assert node_a._signing_key.hex() not in json.dumps(theirs.model_dump(mode="json"))
-    trusting = Store(url, staging_root=tmp_path / "b",
-                     keys=Keyring(node_b._signing_key, [node_a._signing_key]))
+    trusting = Store(
+        url, staging_root=tmp_path / "b", keys=Keyring(node_b._signing_key, [node_a._signing_key])
+    )
     assert trusting.get(theirs.id) == theirs
     # B's own checkpoints are still B's: A does not trust them.
     mine = _publish(trusting)
@@ -123,7 +135,8 @@ def test_another_nodes_checkpoint_is_refused_until_its_key_is_trusted(tmp_path: 
 
 
 def test_listing_warns_once_per_untrusted_checkpoint(
-        local_store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    local_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
     manifest = _publish(local_store)
     _edit(local_store, manifest.id, _set("uid", 0))
     with caplog.at_level(logging.WARNING, logger="stasis.store.store"):
@@ -171,16 +184,27 @@ def test_site_key_signs_and_every_trusted_key_verifies(tmp_path: Path) -> None:
     peer_one, peer_two = _key(peers / "node1.key"), _key(peers / "node2.key")
     single = _key(tmp_path / "node3.key")
     (peers / ".node1.key.swp").write_bytes(b"x")  # editors' leftovers are not keys
-    settings = load_settings({
-        "STASIS_STATE_DIR": str(tmp_path / "state"), "STASIS_SITE_KEY": str(site),
-        "STASIS_TRUSTED_KEYS": f"{peers}:{single}", "STASIS_CONFIG": "",
-    })
+    settings = load_settings(
+        {
+            "STASIS_STATE_DIR": str(tmp_path / "state"),
+            "STASIS_SITE_KEY": str(site),
+            "STASIS_TRUSTED_KEYS": f"{peers}:{single}",
+            "STASIS_CONFIG": "",
+        }
+    )
     keys = node_keyring(settings, create=True)
     node = (tmp_path / "state" / "keys" / "node.key").read_bytes()
     assert keys.key_id == Keyring(site.read_bytes()).key_id
-    assert keys.trusted_ids == {Keyring(k).key_id for k in (
-        node, site.read_bytes(), peer_one.read_bytes(), peer_two.read_bytes(),
-        single.read_bytes())}
+    assert keys.trusted_ids == {
+        Keyring(k).key_id
+        for k in (
+            node,
+            site.read_bytes(),
+            peer_one.read_bytes(),
+            peer_two.read_bytes(),
+            single.read_bytes(),
+        )
+    }
 
 
 def test_trusted_keys_from_the_config_file_as_a_list(tmp_path: Path) -> None:
@@ -197,7 +221,8 @@ def test_trusted_keys_from_the_config_file_as_a_list(tmp_path: Path) -> None:
     ids=["world-readable", "group-writable", "short"],
 )
 def test_a_key_file_others_could_read_or_that_is_no_key_is_refused(
-        tmp_path: Path, data: bytes | None, mode: int, words: str) -> None:
+    tmp_path: Path, data: bytes | None, mode: int, words: str
+) -> None:
     bad = _key(tmp_path / "bad.key", data, mode)
     with pytest.raises(UsageError, match=words):
         load_keyring(tmp_path / "keys", str(bad), (), create=True)

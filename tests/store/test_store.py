@@ -62,7 +62,8 @@ def test_unknown_ids_and_labels(store: Store) -> None:
     ):
         store.get("20261130T001512Z-000000")
     with pytest.raises(
-        NotFoundError, match=f"no checkpoint with label nothing owned by uid 1000 in store {store.url}"
+        NotFoundError,
+        match=f"no checkpoint with label nothing owned by uid 1000 in store {store.url}",
     ):
         store.latest("nothing", uid=1000)
     with pytest.raises(NotFoundError):
@@ -226,8 +227,12 @@ def test_local_store_stages_inside_itself_and_publishes_by_rename(
     assert stat.S_IMODE((root / info.id).stat().st_mode) == 0o700
     for path in (root / info.id).iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert sorted(p.name for p in root.iterdir()) == [".index", ".staging", ".stasis-store",
-                                                      info.id]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".index",
+        ".staging",
+        ".stasis-store",
+        info.id,
+    ]
     assert stat.S_IMODE((root / ".index").stat().st_mode) == 0o700
 
 

@@ -27,8 +27,12 @@ from .helpers import SMALL_FILES, make_info, stage
 
 def node_store(tmp_path: Path, root: Path | None = None) -> Store:
     """The store as a node's daemon opens it: with its memory of the stores it used."""
-    return Store(str(root or tmp_path / "store"), staging_root=tmp_path / "staging", keep=0,
-                 known_stores=tmp_path / "state" / "stores")
+    return Store(
+        str(root or tmp_path / "store"),
+        staging_root=tmp_path / "staging",
+        keep=0,
+        known_stores=tmp_path / "state" / "stores",
+    )
 
 
 def publish(store: Store, label: str = "train", minutes: int = 0) -> str:
@@ -41,24 +45,31 @@ def publish(store: Store, label: str = "train", minutes: int = 0) -> str:
 def unmounted(root: Path) -> Iterator[None]:
     """`root` as an empty mount point: the store's filesystem is not there (a tmpfs over it,
     root-owned 0755 as a mount point is)."""
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=1m", "stasis-test", str(root)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "mode=0755,size=1m", "stasis-test", str(root)], check=True
+    )
     try:
         yield
     finally:
         subprocess.run(["umount", str(root)], check=True)
 
 
-def test_a_store_this_node_used_cannot_vanish_behind_an_empty_mount_point(
-        tmp_path: Path) -> None:
+def test_a_store_this_node_used_cannot_vanish_behind_an_empty_mount_point(tmp_path: Path) -> None:
     store = node_store(tmp_path)
     kept = publish(store)
     with unmounted(tmp_path / "store"):
         # A fresh process of this node (Slurm's task start, the daemon restarted).
         again = node_store(tmp_path)
-        for ask in (again.list, lambda: again.list("train", uid=1000),
-                    lambda: again.latest("train", uid=1000), lambda: again.get(kept),
-                    lambda: again.exists(kept), again.ensure_index, again.gc, again.expire):
+        for ask in (
+            again.list,
+            lambda: again.list("train", uid=1000),
+            lambda: again.latest("train", uid=1000),
+            lambda: again.get(kept),
+            lambda: again.exists(kept),
+            again.ensure_index,
+            again.gc,
+            again.expire,
+        ):
             with pytest.raises(StoreError) as e:
                 ask()
             assert not isinstance(e.value, NotFoundError), e.value
@@ -76,7 +87,8 @@ def test_a_store_this_node_used_cannot_vanish_behind_an_empty_mount_point(
 
 
 def test_a_missing_store_directory_is_not_created_by_a_read_and_not_taken_for_empty(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     store = node_store(tmp_path)
     kept = publish(store)
     os.rename(tmp_path / "store", tmp_path / "away")
@@ -91,8 +103,7 @@ def test_a_missing_store_directory_is_not_created_by_a_read_and_not_taken_for_em
     assert store.latest("train", uid=1000).id == kept
 
 
-def test_a_new_store_starts_at_its_first_publish_and_a_read_creates_nothing(
-        tmp_path: Path) -> None:
+def test_a_new_store_starts_at_its_first_publish_and_a_read_creates_nothing(tmp_path: Path) -> None:
     store = node_store(tmp_path)
     assert store.list() == []  # never used here: empty, truly
     with pytest.raises(NotFoundError):
@@ -107,12 +118,10 @@ def test_a_new_store_starts_at_its_first_publish_and_a_read_creates_nothing(
     assert KnownStores(tmp_path / "state" / "stores").get(tmp_path / "store") == store_id
     entry = KnownStores(tmp_path / "state" / "stores").entry(tmp_path / "store")
     assert entry.stat().st_mode & 0o077 == 0
-    assert json.loads(entry.read_text()) == {"path": str(tmp_path / "store"),
-                                             "store_id": store_id}
+    assert json.loads(entry.read_text()) == {"path": str(tmp_path / "store"), "store_id": store_id}
 
 
-def test_an_empty_directory_this_node_never_used_stays_unmarked_when_read(
-        tmp_path: Path) -> None:
+def test_an_empty_directory_this_node_never_used_stays_unmarked_when_read(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     store = node_store(tmp_path)
     assert store.list() == []
@@ -150,7 +159,8 @@ def test_another_store_mounted_in_its_place_is_used_and_remembered(tmp_path: Pat
 
 
 def test_root_starts_a_store_anew_by_removing_the_node_memory_the_error_names(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     store = node_store(tmp_path)
     publish(store)
     shutil.rmtree(tmp_path / "store")
@@ -177,7 +187,8 @@ def test_a_hostile_marker_is_refused_not_taken_for_a_store(tmp_path: Path) -> No
 
 
 def test_a_node_that_never_used_the_store_tells_it_unmounted_by_the_configured_store_id(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     store = node_store(tmp_path)
     kept = publish(store)
     store_id = read_marker(tmp_path / "store")
@@ -185,8 +196,13 @@ def test_a_node_that_never_used_the_store_tells_it_unmounted_by_the_configured_s
 
     def new_node(name: str, expected: str = "") -> Store:
         # A node that never used the store: a state directory of its own.
-        return Store(str(tmp_path / "store"), staging_root=tmp_path / f"{name}-staging",
-                     keep=0, known_stores=tmp_path / name / "stores", store_id=expected)
+        return Store(
+            str(tmp_path / "store"),
+            staging_root=tmp_path / f"{name}-staging",
+            keep=0,
+            known_stores=tmp_path / name / "stores",
+            store_id=expected,
+        )
 
     assert [m.id for m in new_node("b", store_id).list()] == [kept]
     with unmounted(tmp_path / "store"):

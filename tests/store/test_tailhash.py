@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from stasis.store import Store
-from stasis.store.manifest import Compression, CompressionRequest, FileEntry, Manifest
 from stasis.store.chunked import CHUNK_BYTES, ChunkSpec, ChunkWriter
+from stasis.store.manifest import Compression, CompressionRequest, FileEntry, Manifest
 from stasis.store.tailhash import Partial, TailHasher
 from tests.store.helpers import blake3_digest, make_info, stage
 
@@ -21,18 +21,21 @@ def _write_slowly(path: Path, data: bytes, pieces: int) -> None:
     step = len(data) // pieces + 1
     with open(path, "wb", buffering=0) as f:
         for offset in range(0, len(data), step):
-            f.write(data[offset:offset + step])
+            f.write(data[offset : offset + step])
             time.sleep(0.01)
 
 
-def _follow_and_publish(store: Store, compression: CompressionRequest,
-                        files: dict[str, bytes]) -> tuple[Manifest, dict[str, Partial], Path]:
+def _follow_and_publish(
+    store: Store, compression: CompressionRequest, files: dict[str, bytes]
+) -> tuple[Manifest, dict[str, Partial], Path]:
     info = make_info()
     staging = store.staging_dir(info.id)
     tail = store.follow(info.id, compression)
     assert tail is not None
-    writers = [threading.Thread(target=_write_slowly, args=(staging / name, data, 20))
-               for name, data in files.items()]
+    writers = [
+        threading.Thread(target=_write_slowly, args=(staging / name, data, 20))
+        for name, data in files.items()
+    ]
     for w in writers:
         w.start()
     for w in writers:
@@ -47,14 +50,15 @@ def _follow_and_publish(store: Store, compression: CompressionRequest,
 
 def test_follows_files_as_they_grow(local_store: Store, random_20m: bytes) -> None:
     manifest, hashed, _ = _follow_and_publish(
-        local_store, "none", {"pages-1.img": random_20m, "pages-2.img": random_20m[:3 << 20]})
+        local_store, "none", {"pages-1.img": random_20m, "pages-2.img": random_20m[: 3 << 20]}
+    )
     # It kept up with the writers (a few idle ms behind at most), and took no other image.
     assert set(hashed) == {"pages-1.img", "pages-2.img"}
     assert hashed["pages-1.img"].offset > 0
 
     files = {f.name: f for f in manifest.files}
     assert files["pages-1.img"].blake3 == blake3_digest(random_20m)
-    assert files["pages-2.img"].blake3 == blake3_digest(random_20m[:3 << 20])
+    assert files["pages-2.img"].blake3 == blake3_digest(random_20m[: 3 << 20])
     assert files["pages-1.img"].size_bytes == len(random_20m)
     local_store.verify(manifest)
 
@@ -89,9 +93,10 @@ def _entry(manifest: Manifest, name: str = "pages-1.img") -> FileEntry:
 
 
 @pytest.mark.parametrize("compression", ["zstd", "lz4"])
-def test_compresses_while_written(local_store: Store, mostly_zero: bytes,
-                                  random_20m: bytes, compression: Compression) -> None:
-    files = {"pages-1.img": mostly_zero, "pages-2.img": random_20m[:5 << 20]}
+def test_compresses_while_written(
+    local_store: Store, mostly_zero: bytes, random_20m: bytes, compression: Compression
+) -> None:
+    files = {"pages-1.img": mostly_zero, "pages-2.img": random_20m[: 5 << 20]}
     manifest, hashed, _ = _follow_and_publish(local_store, compression, files)
     # The follower compressed the files' heads, publish only the rest: one valid frame each.
     assert all(hashed[n].output is not None and hashed[n].offset > 0 for n in files)
@@ -106,7 +111,8 @@ def test_compresses_while_written(local_store: Store, mostly_zero: bytes,
 
 def test_auto_keeps_compressing_what_shrinks(local_store: Store, mostly_zero: bytes) -> None:
     manifest, hashed, packing_dir = _follow_and_publish(
-        local_store, "auto", {"pages-1.img": mostly_zero})
+        local_store, "auto", {"pages-1.img": mostly_zero}
+    )
     assert hashed["pages-1.img"].output is not None
     assert manifest.compression == "zstd"
     assert _entry(manifest).blake3 == blake3_digest(mostly_zero)
@@ -117,7 +123,8 @@ def test_auto_keeps_compressing_what_shrinks(local_store: Store, mostly_zero: by
 
 def test_auto_gives_up_on_what_does_not(local_store: Store, random_20m: bytes) -> None:
     manifest, hashed, packing_dir = _follow_and_publish(
-        local_store, "auto", {"pages-1.img": random_20m})
+        local_store, "auto", {"pages-1.img": random_20m}
+    )
     # A few MiB told it: the rest was only hashed, and the staged file is the stored one.
     assert hashed["pages-1.img"].output is None
     assert hashed["pages-1.img"].offset > 0
@@ -141,8 +148,9 @@ def test_auto_leaves_a_small_dump_to_publish(local_store: Store) -> None:
     local_store.verify(manifest)
 
 
-def test_a_packed_head_longer_than_the_file_is_redone(local_store: Store,
-                                                     mostly_zero: bytes) -> None:
+def test_a_packed_head_longer_than_the_file_is_redone(
+    local_store: Store, mostly_zero: bytes
+) -> None:
     info = make_info()
     staging = local_store.staging_dir(info.id)
     tail = local_store.follow(info.id, "zstd")
@@ -165,8 +173,7 @@ def test_a_vanished_directory_stops_nothing(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
-def test_no_room_to_compress_alongside_is_no_error(local_store: Store,
-                                                   mostly_zero: bytes) -> None:
+def test_no_room_to_compress_alongside_is_no_error(local_store: Store, mostly_zero: bytes) -> None:
     info = make_info()
     staging = local_store.staging_dir(info.id)
     # Something in the way of the directory the follower would compress into.

@@ -19,11 +19,12 @@ def test_a_forged_block_keeps_the_files_and_the_chunks_xxh3() -> None:
     forged = forge(data, MIB + 7 * BLOCK, payload)
     assert time.monotonic() - started < 5  # cheap: the point
     assert forged != data and len(forged) == len(data)
-    assert forged[MIB + 7 * BLOCK:].startswith(payload)
+    assert forged[MIB + 7 * BLOCK :].startswith(payload)
     assert xxhash.xxh3_128_hexdigest(forged) == xxhash.xxh3_128_hexdigest(data)
     for start in range(0, len(data), MIB):
-        assert xxhash.xxh3_64_hexdigest(forged[start:start + MIB]) == \
-            xxhash.xxh3_64_hexdigest(data[start:start + MIB])
+        assert xxhash.xxh3_64_hexdigest(forged[start : start + MIB]) == xxhash.xxh3_64_hexdigest(
+            data[start : start + MIB]
+        )
 
 
 def test_a_block_of_zeros_is_forged_too() -> None:

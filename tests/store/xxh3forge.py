@@ -40,12 +40,12 @@ SECRET = bytes.fromhex(
 
 
 def _key(stripe: int, lane: int) -> int:
-    return int.from_bytes(SECRET[8 * stripe + 8 * lane:8 * stripe + 8 * lane + 8], "little")
+    return int.from_bytes(SECRET[8 * stripe + 8 * lane : 8 * stripe + 8 * lane + 8], "little")
 
 
 def _lane(block: bytes, stripe: int, lane: int) -> int:
     at = stripe * STRIPE + 8 * lane
-    return int.from_bytes(block[at:at + 8], "little")
+    return int.from_bytes(block[at : at + 8], "little")
 
 
 def _sums(block: bytes) -> list[tuple[int, int]]:
@@ -76,12 +76,12 @@ def forge_block(original: bytes, payload: bytes) -> bytes:
         raise ValueError(f"a payload is at most {PAYLOAD_BYTES} bytes")
     want = _sums(original)
     block = bytearray(original)
-    block[:len(payload)] = payload
+    block[: len(payload)] = payload
     for lane in range(8):
         for tweak in range(1 << 16):
             at = 12 * STRIPE + 8 * lane
             # Spread over all 64 bits: the low ones alone barely move a lane's sums.
-            block[at:at + 8] = struct.pack("<Q", (tweak * 0x9E3779B97F4A7C15) & _M64)
+            block[at : at + 8] = struct.pack("<Q", (tweak * 0x9E3779B97F4A7C15) & _M64)
             words = _fix_lane(bytes(block), lane, want[lane])
             if words is not None:
                 break
@@ -89,7 +89,7 @@ def forge_block(original: bytes, payload: bytes) -> bytes:
             raise ForgeryFailed(f"no tweak made lane {lane} fit")
         for stripe, word in zip((13, 14, 15), words, strict=True):
             at = stripe * STRIPE + 8 * lane
-            block[at:at + 8] = struct.pack("<Q", word)
+            block[at : at + 8] = struct.pack("<Q", word)
     forged = bytes(block)
     assert _sums(forged) == want
     return forged
@@ -132,5 +132,5 @@ def forge(data: bytes, offset: int, payload: bytes, chunk_bytes: int = 1 << 20) 
     chunk_end = min((offset // chunk_bytes + 1) * chunk_bytes, len(data))
     if offset + BLOCK > chunk_end - BLOCK:
         raise ValueError("the last block of a chunk (or of the data) is hashed differently")
-    block = forge_block(data[offset:offset + BLOCK], payload)
-    return data[:offset] + block + data[offset + BLOCK:]
+    block = forge_block(data[offset : offset + BLOCK], payload)
+    return data[:offset] + block + data[offset + BLOCK :]

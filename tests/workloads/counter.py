@@ -2,6 +2,7 @@
 
 Arguments: the interval in seconds (0.1), and MiB of random memory to hold (0), which makes a
 dump of it take a moment."""
+
 import itertools
 import os
 import sys

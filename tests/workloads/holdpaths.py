@@ -5,6 +5,7 @@ would show it, and would write into it).
 
     holdpaths.py FILE MAPPED SOCKET CWD
 """
+
 import itertools
 import mmap
 import os

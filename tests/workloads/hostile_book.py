@@ -9,6 +9,7 @@ that many steps, all ended, each of which the daemon records in Slurm with an sr
 
 Prints "planted <shmid>" once, then 0, 1, 2, ... (STOP: then "done" and exit 0; 0: no end).
 """
+
 import ctypes
 import itertools
 import os
@@ -35,8 +36,9 @@ if shm < 0:
     sys.exit(f"shmget: {os.strerror(ctypes.get_errno())}")
 address = libc.shmat(shm, None, 0)
 if steps:
-    records = b"".join(b'{"step":%d,"where":"stasis"}\n{"step":%d,"exit":0}\n' % (i, i)
-                       for i in range(steps))[:CLAIMED]
+    records = b"".join(
+        b'{"step":%d,"where":"stasis"}\n{"step":%d,"exit":0}\n' % (i, i) for i in range(steps)
+    )[:CLAIMED]
     data = struct.pack("=4I", MAGIC, steps, len(records), 0) + records
 else:
     record = b'{"step": 0, "where": "stasis", "argv": ["x"], "name": "x", "ntasks": 1}\n'

@@ -11,6 +11,7 @@ if the file came back with its content. KIND:
            memory (`next N`), as a server with its socket in /tmp does
     big    a tempfile of BYTES under DIR (for the limit), and a small one beside it
 """
+
 import os
 import socket
 import sqlite3
@@ -22,7 +23,9 @@ from typing import IO, Callable
 
 kind, directory = sys.argv[1], sys.argv[2]
 count = 0
-kept: list[IO[bytes]] = []  # open for as long as the job runs (a NamedTemporaryFile collected is deleted)
+kept: list[
+    IO[bytes]
+] = []  # open for as long as the job runs (a NamedTemporaryFile collected is deleted)
 
 
 def file_kind() -> Callable[[int], int]:
@@ -37,6 +40,7 @@ def file_kind() -> Callable[[int], int]:
         f.write(str(n).encode())
         f.flush()
         return was + 1
+
     return tick
 
 
@@ -54,6 +58,7 @@ def shm_kind() -> Callable[[int], int]:
     def tick(n: int) -> int:
         db.execute("UPDATE c SET n = n + 1")
         return int(db.execute("SELECT n FROM c").fetchone()[0])
+
     return tick
 
 
@@ -65,6 +70,7 @@ def fifo_kind() -> Callable[[int], int]:
     def tick(n: int) -> int:
         os.write(fd, f"{n}\n".encode())
         return int(os.read(fd, 64).decode())
+
     return tick
 
 
@@ -78,6 +84,7 @@ def sock_kind() -> Callable[[int], int]:
             conn, _ = server.accept()
             with conn:
                 conn.sendall(f"next {count}\n".encode())
+
     threading.Thread(target=serve, daemon=True).start()
     return lambda n: n
 
@@ -93,8 +100,9 @@ def big_kind() -> Callable[[int], int]:
     return lambda n: n
 
 
-tick = {"tmp": file_kind, "shm": shm_kind, "fifo": fifo_kind, "sock": sock_kind,
-        "big": big_kind}[kind]()
+tick = {"tmp": file_kind, "shm": shm_kind, "fifo": fifo_kind, "sock": sock_kind, "big": big_kind}[
+    kind
+]()
 print("ready", flush=True)
 while True:
     got = tick(count + 1)

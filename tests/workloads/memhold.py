@@ -1,4 +1,5 @@
 """Holds N MiB of random bytes; on SIGUSR1 prints the sha256 of what it holds."""
+
 import hashlib
 import os
 import signal

@@ -12,6 +12,7 @@ when they do not, and ends with an error when a file's content is gone). It prin
 `count N` once they agree: N goes on across a checkpoint and restore only if each store's state
 came along, on whatever node the job is restored on.
 """
+
 import os
 import socket
 import sqlite3
@@ -82,11 +83,18 @@ class SqliteCount:
 
 
 Store = FileCount | SocketCount | SqliteCount
-makers: dict[str, Callable[[], Store]] = {"tmp": lambda: FileCount("/tmp"), "vartmp": lambda: FileCount("/var/tmp"),
-          "sock": SocketCount, "shm": SqliteCount}
+makers: dict[str, Callable[[], Store]] = {
+    "tmp": lambda: FileCount("/tmp"),
+    "vartmp": lambda: FileCount("/var/tmp"),
+    "sock": SocketCount,
+    "shm": SqliteCount,
+}
 stores = {k: makers[k]() for k in kinds}
-print("ready", " ".join(f"{k}={s.f.name if isinstance(s, FileCount) else s.path}"
-                        for k, s in stores.items()), flush=True)
+print(
+    "ready",
+    " ".join(f"{k}={s.f.name if isinstance(s, FileCount) else s.path}" for k, s in stores.items()),
+    flush=True,
+)
 while True:
     got = {k: s.next() for k, s in stores.items()}
     if len(set(got.values())) != 1:

@@ -1,4 +1,5 @@
 """Two processes joined by a pipe: the child counts, the parent prints what arrives."""
+
 import itertools
 import os
 import time

@@ -4,6 +4,7 @@ restore, which root runs, write through them). Prints "N a=... b=... held=..." e
 counting in memory, the rest read back from the files: after a restore both must go on.
 
 Arguments: a token naming the files, a file and a directory the links point at."""
+
 import itertools
 import os
 import sys

@@ -1,6 +1,7 @@
 """A server-like program for `stasis kill`: `stopper.py graceful MARKER` ends cleanly on TERM, INT
 or HUP (writes "clean shutdown on SIGxxx" to MARKER, exits 0); `stopper.py stubborn MARKER`
 ignores them all, so only SIGKILL ends it (and MARKER is never written)."""
+
 import signal
 import sys
 import time

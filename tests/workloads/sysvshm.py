@@ -5,6 +5,7 @@ its contents, still shared.
 
     sysvshm.py [INTERVAL]
 """
+
 import ctypes
 import os
 import sys

@@ -1,4 +1,5 @@
 """An established loopback TCP connection inside the job: a client pings a server process."""
+
 import itertools
 import os
 import socket

@@ -2,11 +2,13 @@
 two of its processes (over loopback, or the address given); each line: the round (the job's
 state), the in-job peer's count, the outside peer's count, the host name.
 `tcpmixed.py PEER_HOST PEER_PORT INNER_PORT [INNER_HOST]`"""
+
 import os
 import socket
 import sys
 import time
 from typing import TextIO
+
 peer_host, peer_port, inner_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 inner_host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
 srv = socket.socket()
@@ -24,9 +26,13 @@ if os.fork() == 0:
 srv.close()
 inner = socket.create_connection((inner_host, inner_port))
 inner_r = inner.makefile()
+
+
 def connect() -> tuple[socket.socket, TextIO]:
     c = socket.create_connection((peer_host, peer_port))
     return c, c.makefile()
+
+
 outer, outer_r = connect()
 i = 0
 while True:

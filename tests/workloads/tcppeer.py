@@ -1,4 +1,5 @@
 """A job with one TCP connection to a peer outside it: ping, print the answer, again."""
+
 import os
 import socket
 import sys

@@ -1,4 +1,5 @@
 """A listening TCP server on 127.0.0.1:PORT that answers each connection with a hit counter."""
+
 import socket
 import sys
 

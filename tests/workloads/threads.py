@@ -1,4 +1,5 @@
 """Four threads each count; the main thread prints the total."""
+
 import threading
 import time
 

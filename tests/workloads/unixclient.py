@@ -1,5 +1,6 @@
 """A client of a unix stream server: `unixclient.py PATH` connects to PATH and, every 0.1 s,
 sends a number and prints what came back ("echo N"), for as long as the connection holds."""
+
 import itertools
 import socket
 import sys

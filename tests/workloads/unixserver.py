@@ -1,5 +1,6 @@
 """A unix stream server (run outside a job): `unixserver.py PATH` accepts clients on PATH and
 echoes each line back, as a database server's socket directory or a multiplexer's socket would."""
+
 import os
 import socket
 import sys

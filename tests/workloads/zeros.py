@@ -1,4 +1,5 @@
 """Holds N MiB of mostly-zero pages, each written once; prints "ready"."""
+
 import sys
 import time
 

@@ -52,6 +52,7 @@ from stasis.slurm.steps.book import (
     read_records,
     segment_stat,
 )
+
 # The reader's innards, as tests/slurm/test_hostile_book.py plays with them.
 from stasis.slurm.steps.book import _copy_out as _copy_out
 from stasis.slurm.steps.book import _shm_libc as _shm_libc

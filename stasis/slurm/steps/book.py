@@ -92,8 +92,11 @@ def parse_record(line: bytes) -> StepRecord | None:
 
 
 class _Sembuf(ctypes.Structure):
-    _fields_ = [("sem_num", ctypes.c_ushort), ("sem_op", ctypes.c_short),
-                ("sem_flg", ctypes.c_short)]
+    _fields_ = [
+        ("sem_num", ctypes.c_ushort),
+        ("sem_op", ctypes.c_short),
+        ("sem_flg", ctypes.c_short),
+    ]
 
 
 class _Timespec(ctypes.Structure):
@@ -108,8 +111,14 @@ def _shm_libc() -> ctypes.CDLL:
     libc.shmdt.argtypes = (ctypes.c_void_p,)
     libc.shmctl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
     libc.process_vm_readv.restype = ctypes.c_ssize_t
-    libc.process_vm_readv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
-                                      ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
+    libc.process_vm_readv.argtypes = (
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    )
     return libc
 
 
@@ -123,8 +132,12 @@ class Book:
 
     def __init__(self) -> None:
         libc = _shm_libc()
-        libc.semtimedop.argtypes = (ctypes.c_int, ctypes.POINTER(_Sembuf), ctypes.c_size_t,
-                                    ctypes.POINTER(_Timespec))
+        libc.semtimedop.argtypes = (
+            ctypes.c_int,
+            ctypes.POINTER(_Sembuf),
+            ctypes.c_size_t,
+            ctypes.POINTER(_Timespec),
+        )
         self.libc = libc
         self.shm = self._check(libc.shmget(_KEY, _SIZE, _IPC_CREAT | 0o600), "shmget")
         self.sem = self._check(libc.semget(_KEY, 1, _IPC_CREAT | 0o600), "semget")
@@ -138,7 +151,9 @@ class Book:
     def _locked(self, line: Callable[[int], str], new_step: bool) -> int:
         """Under the lock: the current step id (the next one when `new_step`, then counted),
         and `line(step)` appended to the records."""
-        ops = (_Sembuf * 2)(_Sembuf(0, 0, 0), _Sembuf(0, 1, 0))  # wait for 0, then take it: one atomic op
+        ops = (_Sembuf * 2)(
+            _Sembuf(0, 0, 0), _Sembuf(0, 1, 0)
+        )  # wait for 0, then take it: one atomic op
         wait = _Timespec(_LOCK_WAIT_S, 0)
         # A holder killed mid-update leaves the lock taken: after a while we go ahead anyway.
         self.libc.semtimedop(self.sem, ops, 2, ctypes.byref(wait))
@@ -181,8 +196,9 @@ class Book:
         return self._locked(lambda step: json.dumps({"step": step, **record}), new_step=True)
 
     def end(self, step: int, exit_code: int, sig: int = 0) -> None:
-        self._locked(lambda _: json.dumps({"step": step, "exit": exit_code, "signal": sig}),
-                     new_step=False)
+        self._locked(
+            lambda _: json.dumps({"step": step, "exit": exit_code, "signal": sig}), new_step=False
+        )
 
     def records(self) -> list[StepRecord]:
         """Each step, in order, with its exit code folded in ("exit" absent: still running,
@@ -198,19 +214,34 @@ class BookRefused(Exception):
 class _IpcPerm(ctypes.Structure):
     # struct ipc_perm as the kernel's IPC_STAT fills it on 64-bit Linux (x86_64: a 16-bit mode
     # and padding; aarch64's 32-bit mode covers the same 4 bytes).
-    _fields_ = [("key", ctypes.c_int), ("uid", ctypes.c_uint32), ("gid", ctypes.c_uint32),
-                ("cuid", ctypes.c_uint32), ("cgid", ctypes.c_uint32),
-                ("mode", ctypes.c_uint16), ("pad1", ctypes.c_uint16),
-                ("seq", ctypes.c_uint16), ("pad2", ctypes.c_uint16),
-                ("unused1", ctypes.c_ulong), ("unused2", ctypes.c_ulong)]
+    _fields_ = [
+        ("key", ctypes.c_int),
+        ("uid", ctypes.c_uint32),
+        ("gid", ctypes.c_uint32),
+        ("cuid", ctypes.c_uint32),
+        ("cgid", ctypes.c_uint32),
+        ("mode", ctypes.c_uint16),
+        ("pad1", ctypes.c_uint16),
+        ("seq", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint16),
+        ("unused1", ctypes.c_ulong),
+        ("unused2", ctypes.c_ulong),
+    ]
 
 
 class _ShmidDs(ctypes.Structure):
-    _fields_ = [("shm_perm", _IpcPerm), ("shm_segsz", ctypes.c_size_t),
-                ("shm_atime", ctypes.c_long), ("shm_dtime", ctypes.c_long),
-                ("shm_ctime", ctypes.c_long), ("shm_cpid", ctypes.c_int),
-                ("shm_lpid", ctypes.c_int), ("shm_nattch", ctypes.c_ulong),
-                ("unused4", ctypes.c_ulong), ("unused5", ctypes.c_ulong)]
+    _fields_ = [
+        ("shm_perm", _IpcPerm),
+        ("shm_segsz", ctypes.c_size_t),
+        ("shm_atime", ctypes.c_long),
+        ("shm_dtime", ctypes.c_long),
+        ("shm_ctime", ctypes.c_long),
+        ("shm_cpid", ctypes.c_int),
+        ("shm_lpid", ctypes.c_int),
+        ("shm_nattch", ctypes.c_ulong),
+        ("unused4", ctypes.c_ulong),
+        ("unused5", ctypes.c_ulong),
+    ]
 
 
 class _Iovec(ctypes.Structure):
@@ -237,8 +268,9 @@ def segment_stat(libc: ctypes.CDLL, shm: int) -> SegmentStat:
         err = ctypes.get_errno()
         raise OSError(err, f"shmctl(IPC_STAT): {os.strerror(err)}")
     ds = _ShmidDs.from_buffer(buf)
-    return SegmentStat(uid=int(ds.shm_perm.uid), cuid=int(ds.shm_perm.cuid),
-                       size_bytes=int(ds.shm_segsz))
+    return SegmentStat(
+        uid=int(ds.shm_perm.uid), cuid=int(ds.shm_perm.cuid), size_bytes=int(ds.shm_segsz)
+    )
 
 
 def _mapping_bytes(address: int) -> int:
@@ -295,9 +327,11 @@ def parse_book(data: bytes) -> bytes:
     if magic != _MAGIC:
         return b""
     if used > len(data) - _HEADER:
-        raise BookRefused(f"its header claims {used} bytes of records, the segment holds "
-                          f"{len(data) - _HEADER}")
-    return data[_HEADER:_HEADER + used]
+        raise BookRefused(
+            f"its header claims {used} bytes of records, the segment holds "
+            f"{len(data) - _HEADER}"
+        )
+    return data[_HEADER : _HEADER + used]
 
 
 def _used(libc: ctypes.CDLL, shm: int) -> bytes:
@@ -340,6 +374,8 @@ def read_records(owner: int | None = None) -> list[StepRecord]:
     st = segment_stat(libc, shm)
     # A restored job's book was created by CRIU (root), which gave it back its owner.
     if owner is not None and (st.uid != owner or st.cuid not in (owner, 0)):
-        raise BookRefused(f"its segment is owned by uid {st.uid} and was created by uid "
-                          f"{st.cuid}, not by the job's user (uid {owner})")
+        raise BookRefused(
+            f"its segment is owned by uid {st.uid} and was created by uid "
+            f"{st.cuid}, not by the job's user (uid {owner})"
+        )
     return fold(parse_book(_segment_bytes(libc, shm, min(st.size_bytes, _SIZE))))

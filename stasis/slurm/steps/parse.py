@@ -101,7 +101,7 @@ def parse(args: list[str]) -> Step:
                     raise Handoff(f"option -{letter} is not handled by stasis")
                 name = _SHORT[letter]
                 kind = OPTIONS[name][1]
-                rest = arg[j + 1:]
+                rest = arg[j + 1 :]
                 if kind == NONE:
                     options[name] = ""
                     j += 1
@@ -126,6 +126,7 @@ def parse(args: list[str]) -> Step:
 
 
 # -- what the step asks of the node ------------------------------------------------------------
+
 
 @dataclass
 class Plan:
@@ -180,9 +181,13 @@ def plan(step: Step, env: dict[str, str], mpi_default: str | None = None) -> Pla
     if o.get("jobid") is not None and o["jobid"] != job:
         raise Handoff(f"the step runs in another job ({o['jobid']})")
     job_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1")
-    ntasks = (_count(o["ntasks"], "--ntasks") if "ntasks" in o else
-              _count(o["ntasks-per-node"], "--ntasks-per-node") if "ntasks-per-node" in o else
-              _count(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or "1", "SLURM_NTASKS"))
+    ntasks = (
+        _count(o["ntasks"], "--ntasks")
+        if "ntasks" in o
+        else _count(o["ntasks-per-node"], "--ntasks-per-node")
+        if "ntasks-per-node" in o
+        else _count(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or "1", "SLURM_NTASKS")
+    )
     if "ntasks-per-node" in o and ntasks > _count(o["ntasks-per-node"], "--ntasks-per-node"):
         raise Handoff(f"{ntasks} tasks at {o['ntasks-per-node']} per node")
     if "nodes" in o:
@@ -210,8 +215,10 @@ def plan(step: Step, env: dict[str, str], mpi_default: str | None = None) -> Pla
     if cpus_here.isdigit() and "overcommit" not in o:
         wanted = ntasks * (cpus_per_task or 1)
         if wanted > int(cpus_here):
-            raise Handoff(f"{ntasks} task(s) x {cpus_per_task or 1} CPU(s) is more than the "
-                          f"job's {cpus_here} CPU(s) on this node")
+            raise Handoff(
+                f"{ntasks} task(s) x {cpus_per_task or 1} CPU(s) is more than the "
+                f"job's {cpus_here} CPU(s) on this node"
+            )
     mpi = o.get("mpi") or env.get("SLURM_MPI_TYPE")
     if mpi is None:
         mpi = mpi_default if mpi_default is not None else _mpi_default()
@@ -229,11 +236,20 @@ def plan(step: Step, env: dict[str, str], mpi_default: str | None = None) -> Pla
     kill = o.get("kill-on-bad-exit")
     limit = time_limit_s(o["time"]) if "time" in o else None
     return Plan(
-        command=step.command, ntasks=ntasks, cpus_per_task=cpus_per_task,
-        label="label" in o, output=o.get("output"), error=o.get("error"), input=inp,
-        append=mode.startswith("a"), name=o.get("job-name", ""), export=export,
-        chdir=o.get("chdir"), kill_on_bad_exit=kill is not None and kill != "0",
-        time_limit_s=limit)
+        command=step.command,
+        ntasks=ntasks,
+        cpus_per_task=cpus_per_task,
+        label="label" in o,
+        output=o.get("output"),
+        error=o.get("error"),
+        input=inp,
+        append=mode.startswith("a"),
+        name=o.get("job-name", ""),
+        export=export,
+        chdir=o.get("chdir"),
+        kill_on_bad_exit=kill is not None and kill != "0",
+        time_limit_s=limit,
+    )
 
 
 def time_limit_s(text: str) -> float | None:
@@ -264,8 +280,9 @@ def time_limit_s(text: str) -> float | None:
 def _mpi_default() -> str:
     """Slurm's MpiDefault: a step that would get an MPI plugin from it is not ours to run."""
     try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
-                             timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=20, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise Handoff(f"cannot ask Slurm for its MpiDefault ({e})") from None
     m = re.search(r"^MpiDefault\s*=\s*(\S+)", out, re.M)

@@ -16,8 +16,11 @@ def find_real_srun(path: str, ours: str) -> str | None:
         if not d or (skip and os.path.realpath(d) == skip):
             continue
         candidate = os.path.join(d, SRUN_NAME)
-        if os.access(candidate, os.X_OK) and not os.path.isdir(candidate) and \
-                not _is_ours(candidate):
+        if (
+            os.access(candidate, os.X_OK)
+            and not os.path.isdir(candidate)
+            and not _is_ours(candidate)
+        ):
             return candidate
     return None
 
@@ -60,8 +63,10 @@ def refusal(commands: list[str]) -> str:
     """Why a checkpoint is refused while Slurm's srun runs `commands` (one line)."""
     shown = "; ".join(c if len(c) <= 120 else c[:117] + "..." for c in commands[:3])
     more = f" (+{len(commands) - 3} more)" if len(commands) > 3 else ""
-    return (f"a step runs outside stasis ({shown}{more}): a checkpoint now could not restore it; "
-            "try again when the step has ended")
+    return (
+        f"a step runs outside stasis ({shown}{more}): a checkpoint now could not restore it; "
+        "try again when the step has ended"
+    )
 
 
 def install_dir(lib_dir: Path) -> Path:

@@ -16,8 +16,16 @@ from stasis.slurm.steps.parse import Plan
 # Set in the tasks we start: a nested srun sees it is inside one of our steps.
 OUR_STEP_VAR = "STASIS_STEP_ID"
 
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-              signal.SIGUSR2, signal.SIGCONT, signal.SIGALRM)
+_FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCONT,
+    signal.SIGALRM,
+)
 _PR_SET_PDEATHSIG = 1
 # After the tasks exited, what they left on a label pipe is read for at most this long.
 _DRAIN_S = 0.5
@@ -32,9 +40,15 @@ def expand(pattern: str, env: dict[str, str], step: int, task: int) -> str:
     """srun's filename patterns: %j %J %s %t %n %N %u %x %A %a %%, with an optional width."""
     job = env.get("SLURM_JOB_ID", "")
     values = {
-        "j": job, "J": f"{job}.{step}", "s": str(step), "t": str(task), "n": "0",
-        "N": env.get("SLURMD_NODENAME", ""), "u": env.get("SLURM_JOB_USER", env.get("USER", "")),
-        "x": env.get("SLURM_JOB_NAME", ""), "A": env.get("SLURM_ARRAY_JOB_ID", job),
+        "j": job,
+        "J": f"{job}.{step}",
+        "s": str(step),
+        "t": str(task),
+        "n": "0",
+        "N": env.get("SLURMD_NODENAME", ""),
+        "u": env.get("SLURM_JOB_USER", env.get("USER", "")),
+        "x": env.get("SLURM_JOB_NAME", ""),
+        "A": env.get("SLURM_ARRAY_JOB_ID", job),
         "a": env.get("SLURM_ARRAY_TASK_ID", "4294967294"),
     }
 
@@ -67,14 +81,24 @@ def task_env(p: Plan, env: dict[str, str], step: int) -> dict[str, str]:
             out[name] = env[name]
     node = env.get("SLURMD_NODENAME", "")
     n = str(p.ntasks)
-    out.update({
-        "SLURM_STEP_ID": str(step), "SLURM_STEPID": str(step), OUR_STEP_VAR: str(step),
-        "SLURM_NTASKS": n, "SLURM_NPROCS": n, "SLURM_STEP_NUM_TASKS": n,
-        "SLURM_STEP_NUM_NODES": "1", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
-        "SLURM_STEP_NODELIST": node, "SLURM_NODELIST": node,
-        "SLURM_STEP_TASKS_PER_NODE": n, "SLURM_TASKS_PER_NODE": n,
-        "SLURM_GTIDS": ",".join(str(i) for i in range(p.ntasks)),
-    })
+    out.update(
+        {
+            "SLURM_STEP_ID": str(step),
+            "SLURM_STEPID": str(step),
+            OUR_STEP_VAR: str(step),
+            "SLURM_NTASKS": n,
+            "SLURM_NPROCS": n,
+            "SLURM_STEP_NUM_TASKS": n,
+            "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_NNODES": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_NODELIST": node,
+            "SLURM_NODELIST": node,
+            "SLURM_STEP_TASKS_PER_NODE": n,
+            "SLURM_TASKS_PER_NODE": n,
+            "SLURM_GTIDS": ",".join(str(i) for i in range(p.ntasks)),
+        }
+    )
     if p.cpus_per_task is not None:
         out["SLURM_CPUS_PER_TASK"] = str(p.cpus_per_task)
     if p.chdir:
@@ -99,8 +123,7 @@ def _describe(status: int) -> str:
 class Runner:
     """Runs one step's tasks as our children and waits for them, the way srun would."""
 
-    def __init__(self, p: Plan, env: dict[str, str], step: int,
-                 err: int = 2) -> None:
+    def __init__(self, p: Plan, env: dict[str, str], step: int, err: int = 2) -> None:
         self.p = p
         self.env = env
         self.step = step
@@ -185,8 +208,12 @@ class Runner:
             os.closerange(3, 65536)
             if self.p.chdir:
                 os.chdir(self.p.chdir)
-            env = {**base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
-                   "SLURM_TASK_PID": str(os.getpid())}
+            env = {
+                **base,
+                "SLURM_PROCID": str(task),
+                "SLURM_LOCALID": str(task),
+                "SLURM_TASK_PID": str(os.getpid()),
+            }
             _exec(self.p.command, env)
         except OSError as e:
             os.write(2, f"srun: error: execve(): {self.p.command[0]}: {e.strerror}\n".encode())
@@ -218,18 +245,27 @@ class Runner:
             if limit is not None and self.tasks:
                 if term_at is None and ran_s >= limit:
                     job = self.env.get("SLURM_JOB_ID", "")
-                    os.write(self.err, f"srun: error: *** STEP {job}.{self.step} ON {self.node} "
-                             "CANCELLED DUE TO TIME LIMIT ***\n".encode())
+                    os.write(
+                        self.err,
+                        f"srun: error: *** STEP {job}.{self.step} ON {self.node} "
+                        "CANCELLED DUE TO TIME LIMIT ***\n".encode(),
+                    )
                     self._kill_all(signal.SIGTERM)
                     term_at = ran_s
                 elif term_at is not None and ran_s >= term_at + _KILL_WAIT_S:
                     self._kill_all(signal.SIGKILL)
             self._reap()
-            if not killed and self.p.kill_on_bad_exit and any(
-                    _status_code(s) != 0 for s in self.status.values()) and self.tasks:
+            if (
+                not killed
+                and self.p.kill_on_bad_exit
+                and any(_status_code(s) != 0 for s in self.status.values())
+                and self.tasks
+            ):
                 bad = next(t for t, s in self.status.items() if _status_code(s) != 0)
-                self.say(f"error: task {bad} failed: killing the step's other tasks "
-                         "(--kill-on-bad-exit)")
+                self.say(
+                    f"error: task {bad} failed: killing the step's other tasks "
+                    "(--kill-on-bad-exit)"
+                )
                 self._kill_all(signal.SIGKILL)
                 killed = True
             if not self.tasks:
@@ -238,11 +274,17 @@ class Runner:
                 drain_until = drain_until or time.monotonic() + _DRAIN_S
                 if time.monotonic() >= drain_until:
                     break
-            timeout_ms = None if drain_until is None else \
-                max(0, int((drain_until - time.monotonic()) * 1000))
+            timeout_ms = (
+                None
+                if drain_until is None
+                else max(0, int((drain_until - time.monotonic()) * 1000))
+            )
             if limit is not None and self.tasks:
-                timeout_ms = int(_TICK_S * 1000) if timeout_ms is None else \
-                    min(timeout_ms, int(_TICK_S * 1000))
+                timeout_ms = (
+                    int(_TICK_S * 1000)
+                    if timeout_ms is None
+                    else min(timeout_ms, int(_TICK_S * 1000))
+                )
             poller = select.poll()
             poller.register(wake_r, select.POLLIN)
             for fd in self.pipes:

@@ -60,8 +60,10 @@ def _book() -> Book | None:
     try:
         return Book()
     except (OSError, AttributeError) as e:
-        sys.stderr.write(f"stasis: warning: no step records in this job ({e}); step ids "
-                         "count from 0 in each srun\n")
+        sys.stderr.write(
+            f"stasis: warning: no step records in this job ({e}); step ids "
+            "count from 0 in each srun\n"
+        )
         return None
 
 
@@ -83,12 +85,21 @@ def main(argv: list[str] | None = None) -> None:
     except Handoff as e:
         _start(book, StepStart(where="slurm", argv=args, reason=e.reason))
         if not e.quiet:
-            sys.stderr.write(f"stasis: this srun step runs outside stasis ({e.reason}): "
-                             "no checkpoint can be taken while it runs\n")
+            sys.stderr.write(
+                f"stasis: this srun step runs outside stasis ({e.reason}): "
+                "no checkpoint can be taken while it runs\n"
+            )
         _exec_real(args, env)
     # Slurm names a step after its program unless -J says otherwise.
-    step = _start(book, StepStart(where="stasis", argv=args, ntasks=p.ntasks,
-                                  name=p.name or os.path.basename(p.command[0])))
+    step = _start(
+        book,
+        StepStart(
+            where="stasis",
+            argv=args,
+            ntasks=p.ntasks,
+            name=p.name or os.path.basename(p.command[0]),
+        ),
+    )
     runner = Runner(p, env, step)
     code = runner.run()
     if book:

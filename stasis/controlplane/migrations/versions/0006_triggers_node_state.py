@@ -15,13 +15,14 @@ down_revision = "0005"
 
 def upgrade() -> None:
     with op.batch_alter_table("policies") as batch:
-        batch.add_column(sa.Column("trigger", sa.String(20), nullable=False,
-                                   server_default="every"))
+        batch.add_column(
+            sa.Column("trigger", sa.String(20), nullable=False, server_default="every")
+        )
         batch.add_column(sa.Column("threshold_pct", sa.Float, nullable=True))
-        batch.add_column(sa.Column("stop", sa.Boolean, nullable=False,
-                                   server_default=sa.false()))
-        batch.add_column(sa.Column("completed", sa.Boolean, nullable=False,
-                                   server_default=sa.false()))
+        batch.add_column(sa.Column("stop", sa.Boolean, nullable=False, server_default=sa.false()))
+        batch.add_column(
+            sa.Column("completed", sa.Boolean, nullable=False, server_default=sa.false())
+        )
     with op.batch_alter_table("nodes") as batch:
         batch.add_column(sa.Column("mem_total_bytes", sa.BigInteger, nullable=True))
         batch.add_column(sa.Column("scheduler_state", sa.String(60), nullable=True))

@@ -15,12 +15,14 @@ down_revision = "0009"
 
 def upgrade() -> None:
     with op.batch_alter_table("clusters") as batch:
-        batch.add_column(sa.Column("approve_joins", sa.Boolean, nullable=False,
-                                   server_default=sa.false()))
+        batch.add_column(
+            sa.Column("approve_joins", sa.Boolean, nullable=False, server_default=sa.false())
+        )
     # The nodes joined so far stay as they were: approved.
     with op.batch_alter_table("nodes") as batch:
-        batch.add_column(sa.Column("approved", sa.Boolean, nullable=False,
-                                   server_default=sa.true()))
+        batch.add_column(
+            sa.Column("approved", sa.Boolean, nullable=False, server_default=sa.true())
+        )
 
 
 def downgrade() -> None:

@@ -26,6 +26,12 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.batch_alter_table("checkpoints") as batch:
-        for column in ("verify_processes", "verify_duration_s", "verified_at", "verified_by",
-                       "verify_reason", "verified_ok"):
+        for column in (
+            "verify_processes",
+            "verify_duration_s",
+            "verified_at",
+            "verified_by",
+            "verify_reason",
+            "verified_ok",
+        ):
             batch.drop_column(column)
