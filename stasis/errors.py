@@ -20,7 +20,13 @@
     ├── ContainerError        runc or containerd failed on a container
     ├── SlurmError            Slurm's tools failed, are missing, or did not answer
     │   └── SlurmJobNotFoundError   Slurm knows no such job (also a NotFoundError)
+    ├── ControlPlaneError     the control plane's database or API failed
+    │   └── ControlPlaneUnreachableError  nothing (or no HTTP) answers at its URL
     └── DaemonAPIError        the daemon answered with an error, or could not be reached
+
+Beside UsageError and PermissionDeniedError, for the APIs' callers: `ConflictError` (a
+UsageError, 409: at odds with what the server holds) and `UnauthenticatedError` (a
+PermissionDeniedError, 401: a token unknown, revoked or expired).
 
 Outside the tree, `ReaderGone`: a pipe's reader (CRIU reading streamed images) closed it before
 the end. Not a failure of ours, so nothing translates it: whoever fed the pipe decides.
@@ -59,6 +65,19 @@ class NotFoundError(UsageError):
 class PermissionDeniedError(StasisError):
     exit_code = 2
     http_status = 403
+
+
+class UnauthenticatedError(PermissionDeniedError):
+    """No token, or one unknown, revoked or expired (a node's credential reset by an admin)."""
+
+    http_status = 401
+
+
+class ConflictError(UsageError):
+    """At odds with what the server holds: a node joined already, a lease no longer held, a
+    command already answered, a job id that several nodes report."""
+
+    http_status = 409
 
 
 class CRIUError(StasisError):
@@ -130,6 +149,14 @@ class SlurmJobNotFoundError(SlurmError, NotFoundError):
     http_status = NotFoundError.http_status
 
 
+class ControlPlaneError(StasisError):
+    """The control plane's database or API failed."""
+
+
+class ControlPlaneUnreachableError(ControlPlaneError):
+    """Nothing (or no HTTP) answers at the control plane's URL."""
+
+
 class DaemonAPIError(StasisError):
     """The daemon could not be reached, or answered with an error of the given HTTP status."""
 
@@ -147,6 +174,8 @@ _BY_NAME: dict[str, type[StasisError]] = {
         UsageError,
         NotFoundError,
         PermissionDeniedError,
+        UnauthenticatedError,
+        ConflictError,
         CRIUError,
         CRIUNotFoundError,
         CheckpointError,
@@ -162,6 +191,8 @@ _BY_NAME: dict[str, type[StasisError]] = {
         SlurmJobNotFoundError,
         ContainerError,
         ContainerRootDamagedError,
+        ControlPlaneError,
+        ControlPlaneUnreachableError,
     )
 }
 
