@@ -154,6 +154,17 @@ _ENV_KEYS = {
     "STASIS_CONTROLPLANE_HEARTBEAT_S": "controlplane_heartbeat_s",
     "STASIS_CONTROLPLANE_COMMIT_TIMEOUT_S": "controlplane_commit_timeout_s",
     "STASIS_CONTROLPLANE_ALLOW_PLAIN_HTTP": "controlplane_allow_plain_http",
+    "STASIS_CONTROLPLANE_DB": "controlplane_db",
+    "STASIS_CONTROLPLANE_LISTEN": "controlplane_listen",
+    "STASIS_CONTROLPLANE_ADMIN_TOKEN_FILE": "controlplane_admin_token_file",
+    "STASIS_CONTROLPLANE_CERT": "controlplane_cert",
+    "STASIS_CONTROLPLANE_KEY": "controlplane_key",
+    "STASIS_CONTROLPLANE_SERVE_PLAIN_HTTP": "controlplane_serve_plain_http",
+    "STASIS_CONTROLPLANE_BEHIND_TLS": "controlplane_behind_tls",
+    "STASIS_CONTROLPLANE_LOST_AFTER_S": "controlplane_lost_after_s",
+    "STASIS_CONTROLPLANE_COMMAND_LEASE_S": "controlplane_command_lease_s",
+    "STASIS_CONTROLPLANE_SESSION_TTL_S": "controlplane_session_ttl_s",
+    "STASIS_CONTROLPLANE_MIN_INTERVAL_S": "controlplane_min_interval_s",
     "STASIS_SOCKET": "socket",
     "STASIS_STATE_DIR": "state_dir",
     "STASIS_STORE": "store",
@@ -313,6 +324,21 @@ class Settings(NamedTuple):
     controlplane_commit_timeout_s: float = 30.0
     # Off: a token sent over plain HTTP off this host is anyone's on the path (issue 27).
     controlplane_allow_plain_http: bool = False
+    # The control plane service (`stasis controlplane serve`), the same defaults as its flags:
+    # "" db = <state_dir>/controlplane.db; "" admin token file = printed once at the first
+    # start; cert and key both set = HTTPS. serve_plain_http: plain HTTP on a non-loopback
+    # address (tokens in the clear); behind_tls: a TLS-terminating proxy is in front.
+    controlplane_db: str = ""
+    controlplane_listen: str = "127.0.0.1:8470"
+    controlplane_admin_token_file: str = ""
+    controlplane_cert: str = ""
+    controlplane_key: str = ""
+    controlplane_serve_plain_http: bool = False
+    controlplane_behind_tls: bool = False
+    controlplane_lost_after_s: float = 60.0
+    controlplane_command_lease_s: float = 60.0
+    controlplane_session_ttl_s: int = 8 * 3600
+    controlplane_min_interval_s: int = 60
     # Only from the file: the environment has AWS's own variables for these (botocore reads
     # them). "" = leave it to botocore.
     s3_endpoint_url: str = ""
