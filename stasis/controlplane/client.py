@@ -11,28 +11,24 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
+from stasis.errors import (
+    ConflictError,
+    ControlPlaneUnreachableError,
+    NotFoundError,
+    PermissionDeniedError,
+    StasisError,
+    UnauthenticatedError,
+    UsageError,
+    error_from_wire,
+)
 
-
-class ControlPlaneUnreachable(StasisError):
-    """Nothing (or no HTTP) answers at the control plane's URL."""
-
-
-class Unauthorized(PermissionDeniedError):
-    """401: the token is unknown, revoked or expired (a node's credential reset by an admin)."""
-
-
-class Conflict(UsageError):
-    """409: at odds with what the control plane holds (a node joined already, a lease no
-    longer held, a job id that several nodes report)."""
-
-
+# What a status says when the body names no class of stasis.errors (a proxy's own page).
 _BY_STATUS: dict[int, type[StasisError]] = {
     400: UsageError,
-    401: Unauthorized,
+    401: UnauthenticatedError,
     403: PermissionDeniedError,
     404: NotFoundError,
-    409: Conflict,
+    409: ConflictError,
     413: UsageError,
 }
 
@@ -93,14 +89,24 @@ class ControlPlaneClient:
             ) as r:
                 return json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
-            try:
-                message = str(json.loads(e.read()).get("error"))
-            except (ValueError, AttributeError):
-                message = f"{e.code} {e.reason}"
-            raise _BY_STATUS.get(e.code, StasisError)(message) from None
+            raise _answered(e) from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             why = getattr(e, "reason", e)
-            raise ControlPlaneUnreachable(
+            raise ControlPlaneUnreachableError(
                 f"cannot reach the control plane at {self.url} "
                 f"({why}): is it running? (STASIS_CONTROLPLANE_URL)"
             ) from None
+
+
+def _answered(e: urllib.error.HTTPError) -> StasisError:
+    """The error the control plane answered, as the class it named (stasis.errors)."""
+    try:
+        said = json.loads(e.read()).get("error")
+    except (ValueError, AttributeError):
+        said = None
+    if isinstance(said, dict) and isinstance(said.get("message"), str):
+        error = error_from_wire(str(said.get("type")), said["message"])
+        if type(error) is StasisError:  # a class this side does not know: the status's
+            error = _BY_STATUS.get(e.code, StasisError)(said["message"])
+        return error
+    return _BY_STATUS.get(e.code, StasisError)(f"{e.code} {e.reason}")

@@ -38,9 +38,9 @@ import jinja2
 from aiohttp import web
 
 from stasis.controlplane import policies, sessions
-from stasis.controlplane.registry import AuthError, Registry, human_size
+from stasis.controlplane.registry import Registry, human_size
 from stasis.controlplane.sessions import Session
-from stasis.errors import NotFoundError, StasisError, UsageError
+from stasis.errors import NotFoundError, StasisError, UnauthenticatedError, UsageError
 
 COOKIE = "stasis_session"
 HERE = Path(__file__).parent
@@ -153,7 +153,7 @@ def routes(
     async def session_of(request: web.Request) -> Session | None:
         try:
             found: Session = await run(sessions.find, registry, request.cookies.get(COOKIE, ""))
-        except AuthError:
+        except UnauthenticatedError:
             return None
         return found
 
@@ -388,7 +388,7 @@ def routes(
         token = data.get("token")
         try:
             if not isinstance(token, str) or not token.strip():
-                raise AuthError("give a token")
+                raise UnauthenticatedError("give a token")
             sid, _ = await run(sessions.start, registry, token, session_ttl_s)
         except StasisError as e:
             return render("login.html", request, None, status=401, error=str(e))

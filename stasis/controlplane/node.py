@@ -80,7 +80,7 @@ from sqlalchemy import (
 
 from stasis import faults, wire
 from stasis.atomicfile import write_atomically
-from stasis.controlplane.client import ControlPlaneClient, Unauthorized
+from stasis.controlplane.client import ControlPlaneClient
 from stasis.daemon import records
 from stasis.daemon.activity import Activity
 from stasis.daemon.integration import Integration, Task
@@ -91,6 +91,7 @@ from stasis.errors import (
     PermissionDeniedError,
     StasisError,
     StoreError,
+    UnauthenticatedError,
     UsageError,
 )
 
@@ -478,7 +479,7 @@ class ControlPlaneNode(Integration):
                 self._failing = None
         except NotFoundError:
             self._registered = False  # it forgot us: register at the next beat
-        except Unauthorized as e:
+        except UnauthenticatedError as e:
             if self._credential is not None:
                 # Reset by an admin, or a control plane that lost it: join again.
                 log.info(

@@ -50,13 +50,12 @@ from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane.registry import (
     HOOK_PREFIX,
-    AuthError,
     Principal,
     Registry,
     validate_name,
 )
 from stasis.controlplane.schema import checkpoints, clusters, commands, nodes, policies
-from stasis.errors import NotFoundError, UsageError
+from stasis.errors import NotFoundError, UnauthenticatedError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
 ACTIONS = ("checkpoint", "retain", "migrate", "verify")
@@ -353,7 +352,7 @@ def run_hook(registry: Registry, token: str, name: str, lost_after_s: float) -> 
         or not row["hook_sha256"]
         or not hmac.compare_digest(row["hook_sha256"], _sha(token))
     ):
-        raise AuthError(f"not the hook token of policy {name}")
+        raise UnauthenticatedError(f"not the hook token of policy {name}")
     return _called(registry, dict(row), lost_after_s)
 
 

@@ -30,7 +30,14 @@ from stasis.controlplane.schema import (
     tokens,
 )
 from stasis.controlplane.verdicts import CHECKPOINT_ID as CHECKPOINT_ID
-from stasis.errors import NotFoundError, PermissionDeniedError, StasisError, UsageError
+from stasis.errors import (
+    ConflictError,
+    ControlPlaneError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UsageError,
+)
 
 TOKEN_PREFIX = "stasis_"
 HOOK_PREFIX = TOKEN_PREFIX + "hook_"  # a policy's (stasis.controlplane.policies)
@@ -55,23 +62,8 @@ ALTERNATES = 3
 MAX_LEASES = 5
 
 
-class ControlPlaneError(StasisError):
-    """The control plane's database or API failed."""
-
-
 class _Raced(Exception):
     """A command's row changed between reading and failing it."""
-
-
-class AuthError(PermissionDeniedError):
-    http_status = 401
-
-
-class ConflictError(UsageError):
-    """The request is at odds with what the control plane holds: a node that joined already,
-    a lease no longer held, a command already answered."""
-
-    http_status = 409
 
 
 @dataclass(frozen=True)
@@ -207,7 +199,7 @@ class Registry:
 
     def authenticate(self, token: str) -> Principal:
         if not token.startswith(TOKEN_PREFIX):
-            raise AuthError(
+            raise UnauthenticatedError(
                 "no valid token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
             )
         if token.startswith(NODE_PREFIX):
@@ -216,7 +208,7 @@ class Registry:
                     select(node_credentials).where(node_credentials.c.sha256 == _sha(token))
                 ).first()
             if cred is None:
-                raise AuthError(
+                raise UnauthenticatedError(
                     "unknown node credential (reset by an admin, or the control "
                     "plane lost it): the node joins again with its cluster's token"
                 )
@@ -232,7 +224,7 @@ class Registry:
                     select(policies.c.name).where(policies.c.hook_sha256 == _sha(token))
                 ).first()
             if hook is None:
-                raise AuthError("unknown token")
+                raise UnauthenticatedError("unknown token")
             raise PermissionDeniedError(
                 f"this is the hook token of policy {hook.name}: it "
                 f"runs that policy only (POST /api/v1/policies/"
@@ -241,12 +233,12 @@ class Registry:
         with self.engine.begin() as conn:
             row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
         if row is None:
-            raise AuthError("unknown token")
+            raise UnauthenticatedError("unknown token")
         if row.revoked is not None:
-            raise AuthError(f"token {row.id} was revoked on {row.revoked}")
+            raise UnauthenticatedError(f"token {row.id} was revoked on {row.revoked}")
         if row.expires is not None and time.time() >= row.expires:
             when = datetime.fromtimestamp(row.expires, UTC).isoformat(timespec="seconds")
-            raise AuthError(
+            raise UnauthenticatedError(
                 f"token {row.id} expired on {when}: `stasis controlplane "
                 "clusters rotate` gives a new one"
             )

@@ -63,7 +63,8 @@
 
 The dashboard's pages live under /ui/ (stasis.controlplane.dashboard: log in with a token, a
 session cookie after). Every API request but health carries `Authorization: Bearer <token>`;
-errors are one JSON line {"error": "..."} with the status of their class. Plain HTTP only on
+errors are one JSON line {"error": {"type": CLASS, "message": "..."}} with the status of their
+class (stasis.errors: the client raises that class again). Plain HTTP only on
 loopback unless allowed.
 """
 
@@ -88,13 +89,12 @@ from stasis.controlplane.registry import (
     JOB_ID,
     LABEL,
     USER,
-    AuthError,
     Principal,
     Registry,
     safe_url,
 )
 from stasis.controlplane.verdicts import VerdictReport
-from stasis.errors import StasisError, UsageError
+from stasis.errors import StasisError, UnauthenticatedError, UsageError, wire_name
 
 log = logging.getLogger("stasis.controlplane")
 MAX_BODY_BYTES = 1 << 20
@@ -260,25 +260,36 @@ class Ack(_Model):
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _error(e: StasisError) -> web.Response:
+    """The one error envelope of stasis's APIs (stasis.errors.wire_name names its class)."""
+    return web.json_response(
+        {"error": {"type": wire_name(e), "message": str(e)}}, status=e.http_status
+    )
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except StasisError as e:
-        return web.json_response({"error": str(e)}, status=e.http_status)
+        return _error(e)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        return web.json_response({"error": f"bad request: {where}: {first['msg']}"}, status=400)
+        return _error(UsageError(f"bad request: {where}: {first['msg']}"))
     except web.HTTPRequestEntityTooLarge:
-        return web.json_response({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status=413)
+        too_large = UsageError(f"request body over {MAX_BODY_BYTES} bytes")
+        too_large.http_status = 413
+        return _error(too_large)
 
 
 def _bearer(request: web.Request) -> str:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise AuthError("no token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)")
+        raise UnauthenticatedError(
+            "no token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
+        )
     return token.strip()
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from sqlalchemy import delete, insert, select
 
-from stasis.controlplane.registry import HOOK_PREFIX, NODE_PREFIX, AuthError, Principal, Registry
+from stasis.controlplane.registry import HOOK_PREFIX, NODE_PREFIX, Principal, Registry
 from stasis.controlplane.schema import sessions, tokens
-from stasis.errors import PermissionDeniedError
+from stasis.errors import PermissionDeniedError, UnauthenticatedError
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,9 @@ def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
 
 
 def find(registry: Registry, sid: str) -> Session:
-    """The live session of cookie value `sid`, or AuthError."""
+    """The live session of cookie value `sid`, or UnauthenticatedError."""
     if not sid or len(sid) > 100:
-        raise AuthError("not logged in")
+        raise UnauthenticatedError("not logged in")
     key = _sha(sid)
     with registry.engine.begin() as conn:
         row = conn.execute(
@@ -84,13 +84,13 @@ def find(registry: Registry, sid: str) -> Session:
             .where(sessions.c.sha256 == key)
         ).first()
         if row is None:
-            raise AuthError("not logged in")
+            raise UnauthenticatedError("not logged in")
         token_gone = row.revoked is not None or (
             row.token_expires is not None and row.token_expires <= time.time()
         )
         if row.expires < time.time() or token_gone:
             conn.execute(delete(sessions).where(sessions.c.sha256 == key))
-            raise AuthError(
+            raise UnauthenticatedError(
                 "the session's token was revoked or expired"
                 if token_gone
                 else "the session expired"

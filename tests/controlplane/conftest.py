@@ -126,7 +126,7 @@ class ControlPlane:
             with urllib.request.urlopen(req, timeout=20, context=context) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, said(json.loads(e.read()))
 
     def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
         env = {
@@ -144,6 +144,20 @@ class ControlPlane:
         r = self.cli(*args, "--json", token=token)
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
+
+
+def said(answer: Any) -> Any:
+    """An error answer as the tests read it, {"error": its message}, once its envelope is
+    checked: {"error": {"type": a class of stasis.errors, "message": str}}."""
+    from stasis.errors import StasisError, error_from_wire
+
+    error = answer["error"]
+    assert set(error) == {"type", "message"}, answer
+    assert error["type"] == "StasisError" or type(error_from_wire(error["type"], "")) is not (
+        StasisError
+    ), answer
+    assert isinstance(error["message"], str), answer
+    return {**answer, "error": error["message"]}
 
 
 # Every test of the control plane runs on both databases unless marked SQLITE_ONLY: one whose

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
+from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane, said
 from tests.controlplane.fakenode import FakeNode
 
 
@@ -348,4 +348,4 @@ def _metrics(cp: ControlPlane, token: str) -> tuple[int, Any]:
         with urllib.request.urlopen(req, timeout=20) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, said(json.loads(e.read()))
