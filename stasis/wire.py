@@ -35,7 +35,7 @@ An error, on any route, is {"error": {"type": <a StasisError class>, "message": 
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 # `restoring`: recorded before its restored tree resumes (the daemon makes it `restored`).
 JobState = Literal["running", "restored", "restoring", "checkpointed", "exited", "failed"]
@@ -365,3 +365,161 @@ class FinishRequest(TypedDict, total=False):
 
 class FinishAnswer(TypedDict):
     retired: list[str]
+
+
+class SlurmIntervalRequest(TypedDict):
+    requested: str  # "auto" or seconds ("600", "90.5")
+
+
+# One job's periodic checkpoint interval and why (stasis.slurm.intervals builds it: slurm_job,
+# user, uid, label, partition, requested, at, interval_s, why, cost_s, ...).
+SlurmInterval = dict[str, Any]
+
+
+# -- Slurm's remote listener (stasis.slurm.remote: TCP, the caller proved by munge) -----------
+
+
+class SlurmRemoteCheckpointRequest(TypedDict, total=False):
+    credential: str  # required: munge's, naming this very request, node and cluster
+    leave_running: bool
+    reason: str
+
+
+class SlurmRemoteDrainRequest(TypedDict, total=False):
+    credential: str  # required
+    reason: str
+
+
+class Requeued(TypedDict):
+    job: str
+    checkpoint: str
+
+
+class SlurmDrainAnswer(TypedDict):
+    """What a node's daemon answers to a drain (stasis.slurm.integration's `_drain`)."""
+
+    slurm_node: str
+    requeued: list[Requeued]
+    failed: list[str]  # "<job>: <why>", one per protected job not checkpointed
+
+
+# -- Kubernetes (stasis.k8s: the runtime wrapper, the agent, `stasis k8s`) ----------------------
+
+
+class ContainerRegisterRequest(TypedDict, total=False):
+    runc_root: str  # required
+    container_id: str  # required
+    bundle: str  # required
+    restored_from: str | None
+
+
+class ContainerCheckpointRequest(TypedDict, total=False):
+    # stop: killed once published; interval / manual / cordon / annotation: it goes on running
+    reason: Literal["stop", "interval", "manual", "cordon", "annotation"]
+    runc_root: str  # "" = where the container was registered
+    timeout_s: float  # 0 = the daemon's k8s_stop_timeout_s
+
+
+class ContainerIntervalRequest(TypedDict, total=False):
+    interval_s: int | None  # 0 = none; None = the container's own STASIS_INTERVAL
+
+
+class ContainerRestoreRequest(TypedDict, total=False):
+    runc_root: str  # required
+    container_id: str  # required
+    bundle: str  # required
+
+
+class RestoreDoneRequest(TypedDict, total=False):
+    ok: bool  # required
+    error: str
+    checkpoint: str  # the plan's; "" = the daemon's own plan says which
+
+
+class ExportRequest(TypedDict, total=False):
+    path: str  # required: where the daemon writes the archive
+
+
+class ImportRequest(TypedDict, total=False):
+    path: str  # required
+    label: str  # "" = the one in the archive
+    namespace: str
+
+
+class K8sDrainRequest(TypedDict, total=False):
+    reason: str
+
+
+class NodeInfo(TypedDict):
+    node: str  # this node's name in the Kubernetes API
+    state: str  # Ready, Ready,SchedulingDisabled+DRAIN, ...; "" = the API did not answer
+    api: bool  # whether the daemon has a Kubernetes API at all
+
+
+class ContainerCheckpointAnswer(TypedDict):
+    checkpoint: str
+    label: str
+    container_id: str
+    namespace: str
+    size_bytes: int
+    duration_s: float
+    stopped: bool
+
+
+class RestorePlan(TypedDict):
+    checkpoint: str | None  # None: nothing to restore, start fresh
+    label: str
+    images_dir: str | None
+    work_dir: str | None
+    notes: list[str]  # what the container's log should say (skipped checkpoints, why fresh)
+    # Good checkpoints of the label given up on this node after failed restores: with none
+    # left to try, the container starts fresh only if its STASIS_FRESH asks.
+    given_up: list[str]
+
+
+class ContainerInfo(TypedDict):
+    container_id: str
+    runc_root: str
+    bundle: str
+    label: str
+    namespace: str
+    pod: str | None
+    interval_s: int
+    restored_from: str | None
+    last_checkpoint: str | None
+    registered: str
+
+
+class RestoreDone(TypedDict):
+    container_id: str
+    checkpoint: str | None
+    attempts: int  # failed restores of the checkpoint on this node so far
+    limit: int  # k8s_restore_attempts (0: never given up)
+    log: str  # where the failed restore's log was kept ("" = nowhere)
+    record: str  # the file that counts them (removed: its attempts start again)
+
+
+class Forgotten(TypedDict):
+    container_id: str
+    forgotten: bool
+
+
+class ExportAnswer(TypedDict):
+    checkpoint: str
+    path: str
+    digest: str
+    size_bytes: int
+
+
+class EvictedContainer(TypedDict):
+    job: str  # the container id
+    checkpoint: str
+    label: str
+    pod: str  # namespace/name
+
+
+class K8sDrainAnswer(TypedDict):
+    k8s_node: str
+    requeued: list[EvictedContainer]
+    evicted: list[str]  # namespace/name of each pod evicted
+    failed: list[str]  # "<container>: <why>"

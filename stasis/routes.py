@@ -1,0 +1,452 @@
+"""Every route of the node daemon, declared once, as data: the server registers its handlers
+from these declarations (stasis.daemon.http `add_routes`), the client builds its requests
+from them (stasis.client `Client.call`), and tests/test_wire.py holds both to them. No other
+module spells an API path.
+
+How to declare a route (the control plane's surfaces use the same type):
+
+    RUN: Route[wire.RunRequest, wire.RunAnswer] = Route(
+        "run", "POST", "/jobs", request=wire.RunRequest, answer=wire.RunAnswer, caller="local"
+    )
+
+- `name`: the route's name: the server's handler and the client's method of that name serve it
+  (a handler object's method `run`, `Client.run`); unique across a surface.
+- `method`, `path`: HTTP method and path template; `{job}` is one path segment, filled by
+  `route.url(job=...)` (quoted: an id never becomes another path) and handed to the handler
+  by name.
+- `request`: the typed dict of the JSON body (stasis/wire.py), None for a route that reads no
+  body; the server validates it with the pydantic model paired with that typed dict.
+  `query`: the query parameters it reads, if any.
+- `answer`: what it answers: a typed dict, a list of them, or another JSON type.
+- `streamed`: the answer is NDJSON: {"progress": ...} lines, then {"result": ...} or
+  {"error": ...}.
+- `caller`: who may call it (`Caller` below). The server's adapter identifies the caller and
+  refuses those it may not at once for `root`-only routes (with `denied`, one line); for
+  `owner` and `launcher` the handler checks the caller against the record the path names.
+- The annotation `Route[Req, Ans]` is what mypy types the client's `call` with; a test holds
+  it to `request` and `answer`.
+
+Errors, on every route, are {"error": {"type": <a StasisError class>, "message": <one line>}}
+(stasis.errors: `wire_name`, `error_from_wire`).
+
+This module imports only typing and stasis.wire: the CLI imports it at every start.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Literal, TypeVar
+from urllib.parse import quote
+
+from stasis import wire
+
+Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+Caller = Literal[
+    # -- the node daemon: identified by the socket's peer credentials (SO_PEERCRED) --------
+    "local",  # any local user who reaches the socket; each sees and acts on their own
+    "owner",  # root, or the owner of what the path names (its handler checks the record)
+    "launcher",  # root, or the Slurm job's own launcher process (its handler checks)
+    "root",  # uid 0 only: refused by the adapter, before the body is read
+    # -- Slurm's remote listener: identified by a munge credential in the body -------------
+    "cluster-user",  # a user of the Slurm cluster: root, or the job's owner
+    "cluster-root",  # root of the Slurm cluster
+    # -- the control plane (stasis.controlplane): identified by a token ---------------------
+    "public",  # nobody checked (a login page)
+    "user",  # a signed-in user of the control plane
+    "admin",  # an administrator of the control plane
+    "node",  # a node's own token (its daemon reporting and asking for commands)
+    "cluster",  # the cluster token (a node enrolling)
+    "hook",  # a scheduler hook's token
+]
+
+# Covariant: any route is an AnyRoute (the types are the client's; the class only carries them).
+Req = TypeVar("Req", covariant=True)
+Ans = TypeVar("Ans", covariant=True)
+
+
+class Route(Generic[Req, Ans]):
+    """One route: see the module's docstring. Immutable."""
+
+    __slots__ = (
+        "answer",
+        "caller",
+        "denied",
+        "method",
+        "name",
+        "params",
+        "path",
+        "query",
+        "request",
+        "streamed",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        method: Method,
+        path: str,
+        *,
+        request: object | None = None,
+        answer: object,
+        caller: Caller,
+        streamed: bool = False,
+        query: tuple[str, ...] = (),
+        denied: str = "",
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "name", name)
+        set_(self, "method", method)
+        set_(self, "path", path)
+        set_(self, "request", request)
+        set_(self, "answer", answer)
+        set_(self, "caller", caller)
+        set_(self, "streamed", streamed)
+        set_(self, "query", query)
+        # What a caller who may not is told, after "permission denied: " (root-only routes).
+        set_(self, "denied", denied or f"only root may call {method} {path}")
+        # The path's parameters, in order: "/jobs/{job}/kill" -> ("job",)
+        set_(self, "params", tuple(p[1:-1] for p in path.split("/") if p.startswith("{")))
+
+    name: str
+    method: Method
+    path: str
+    request: object | None
+    answer: object
+    caller: Caller
+    streamed: bool
+    query: tuple[str, ...]
+    denied: str
+    params: tuple[str, ...]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Route is immutable ({name})")
+
+    def url(self, **args: str) -> str:
+        """The path with each parameter filled, as one quoted segment."""
+        if set(args) != set(self.params):
+            raise TypeError(f"{self.name}: the path {self.path} takes {self.params}, not {args}")
+        parts = self.path.split("/")
+        return "/".join(quote(args[p[1:-1]], safe="") if p.startswith("{") else p for p in parts)
+
+    def __repr__(self) -> str:
+        return f"<Route {self.name}: {self.method} {self.path} ({self.caller})>"
+
+
+AnyRoute = Route[object, object]
+
+# -- the daemon's core (stasis.daemon.api) -----------------------------------------------------
+
+RUN: Route[wire.RunRequest, wire.RunAnswer] = Route(
+    "run", "POST", "/jobs", request=wire.RunRequest, answer=wire.RunAnswer, caller="local"
+)
+JOBS: Route[None, list[wire.Job]] = Route(
+    "jobs", "GET", "/jobs", answer=list[wire.Job], caller="local"
+)
+JOB: Route[None, wire.Job] = Route("job", "GET", "/jobs/{job}", answer=wire.Job, caller="owner")
+KILL: Route[wire.KillRequest, wire.KillAnswer] = Route(
+    "kill",
+    "POST",
+    "/jobs/{job}/kill",
+    request=wire.KillRequest,
+    answer=wire.KillAnswer,
+    caller="owner",
+)
+DUMP: Route[wire.DumpRequest, wire.DumpAnswer] = Route(
+    "dump",
+    "POST",
+    "/jobs/{job}/dump",
+    request=wire.DumpRequest,
+    answer=wire.DumpAnswer,
+    caller="owner",
+    streamed=True,
+)
+DUMP_CHECK: Route[None, wire.DumpCheckAnswer] = Route(
+    "dump_check", "GET", "/jobs/{job}/dump-check", answer=wire.DumpCheckAnswer, caller="owner"
+)
+RESTORE: Route[wire.RestoreRequest, wire.RestoreAnswer] = Route(
+    "restore",
+    "POST",
+    "/restore",
+    request=wire.RestoreRequest,
+    answer=wire.RestoreAnswer,
+    caller="owner",  # of the checkpoint, or of the label's (root: anyone's)
+    streamed=True,
+)
+CHECKPOINTS: Route[None, list[wire.Checkpoint]] = Route(
+    "checkpoints",
+    "GET",
+    "/checkpoints",
+    answer=list[wire.Checkpoint],
+    caller="local",
+    query=("label", "user"),
+)
+DELETE_CHECKPOINT: Route[None, wire.Deleted] = Route(
+    "delete_checkpoint",
+    "DELETE",
+    "/checkpoints/{checkpoint}",
+    answer=wire.Deleted,
+    caller="owner",
+)
+CHECK_CHECKPOINT: Route[None, wire.CheckpointCheck] = Route(
+    "check_checkpoint",
+    "GET",
+    "/checkpoints/{checkpoint}/check",
+    answer=wire.CheckpointCheck,
+    caller="owner",
+)
+VERIFY: Route[None, wire.VerifyVerdict] = Route(
+    "verify",
+    "POST",
+    "/checkpoints/{checkpoint}/verify",
+    answer=wire.VerifyVerdict,
+    caller="owner",
+)
+COLLECT_GARBAGE: Route[wire.GcRequest, wire.GcAnswer] = Route(
+    "collect_garbage",
+    "POST",
+    "/checkpoints/gc",
+    request=wire.GcRequest,
+    answer=wire.GcAnswer,
+    caller="root",
+    denied="only root may collect the garbage of the store",
+)
+REKEY: Route[None, wire.RekeyAnswer] = Route(
+    "rekey",
+    "POST",
+    "/checkpoints/rekey",
+    answer=wire.RekeyAnswer,
+    caller="root",
+    denied="only root may rekey checkpoints",
+)
+CHECK: Route[None, wire.CheckReport] = Route(
+    "check", "GET", "/check", answer=wire.CheckReport, caller="local"
+)
+NETWORK_LOCKS: Route[None, list[wire.NetworkLock]] = Route(
+    "network_locks",
+    "GET",
+    "/network-locks",
+    answer=list[wire.NetworkLock],
+    caller="root",  # the addresses and ports of every job's connections
+    denied="only root may list network locks",
+)
+
+CORE: tuple[AnyRoute, ...] = (
+    RUN,
+    JOBS,
+    JOB,
+    KILL,
+    DUMP,
+    DUMP_CHECK,
+    RESTORE,
+    CHECKPOINTS,
+    DELETE_CHECKPOINT,
+    CHECK_CHECKPOINT,
+    VERIFY,
+    COLLECT_GARBAGE,
+    REKEY,
+    CHECK,
+    NETWORK_LOCKS,
+)
+
+# -- Slurm (stasis.slurm.integration) ----------------------------------------------------------
+
+SLURM_HEALTH: Route[None, wire.Health] = Route(
+    "slurm_health", "GET", "/slurm/health", answer=wire.Health, caller="local"
+)
+SLURM_REGISTER: Route[wire.RegisterRequest, wire.Registration] = Route(
+    "slurm_register",
+    "POST",
+    "/slurm/jobs",
+    request=wire.RegisterRequest,
+    answer=wire.Registration,
+    caller="launcher",  # a process of the Slurm job, for its own child
+)
+SLURM_JOB: Route[None, wire.Registration] = Route(
+    "slurm_job", "GET", "/slurm/jobs/{job}", answer=wire.Registration, caller="owner"
+)
+SLURM_CHECKPOINT: Route[wire.SlurmCheckpointRequest, wire.SlurmCheckpointAnswer] = Route(
+    "slurm_checkpoint",
+    "POST",
+    "/slurm/jobs/{job}/checkpoint",
+    request=wire.SlurmCheckpointRequest,
+    answer=wire.SlurmCheckpointAnswer,
+    caller="owner",
+)
+SLURM_INTERVAL: Route[wire.SlurmIntervalRequest, wire.SlurmInterval] = Route(
+    "slurm_interval",
+    "POST",
+    "/slurm/jobs/{job}/interval",
+    request=wire.SlurmIntervalRequest,
+    answer=wire.SlurmInterval,
+    caller="owner",
+)
+SLURM_INTERVALS: Route[None, list[wire.SlurmInterval]] = Route(
+    "slurm_intervals",
+    "GET",
+    "/slurm/intervals",
+    answer=list[wire.SlurmInterval],
+    caller="local",  # root: every job's; a user: their own
+)
+SLURM_FINISH: Route[wire.FinishRequest, wire.FinishAnswer] = Route(
+    "slurm_finish",
+    "POST",
+    "/slurm/jobs/{job}/finish",
+    request=wire.FinishRequest,
+    answer=wire.FinishAnswer,
+    caller="launcher",
+)
+
+SLURM: tuple[AnyRoute, ...] = (
+    SLURM_HEALTH,
+    SLURM_REGISTER,
+    SLURM_JOB,
+    SLURM_CHECKPOINT,
+    SLURM_INTERVAL,
+    SLURM_INTERVALS,
+    SLURM_FINISH,
+)
+
+# Slurm's remote listener (TCP, `slurm_remote_port`): only these, for other nodes' daemons.
+SLURM_REMOTE_CHECKPOINT: Route[wire.SlurmRemoteCheckpointRequest, wire.SlurmCheckpointAnswer] = (
+    Route(
+        "slurm_remote_checkpoint",
+        "POST",
+        "/slurm/remote/jobs/{job}/checkpoint",
+        request=wire.SlurmRemoteCheckpointRequest,
+        answer=wire.SlurmCheckpointAnswer,
+        caller="cluster-user",
+    )
+)
+SLURM_REMOTE_DRAIN: Route[wire.SlurmRemoteDrainRequest, wire.SlurmDrainAnswer] = Route(
+    "slurm_remote_drain",
+    "POST",
+    "/slurm/remote/drain",
+    request=wire.SlurmRemoteDrainRequest,
+    answer=wire.SlurmDrainAnswer,
+    caller="cluster-root",
+    denied="only root drains a node",
+)
+
+SLURM_REMOTE: tuple[AnyRoute, ...] = (
+    SLURM_REMOTE_CHECKPOINT,
+    SLURM_REMOTE_DRAIN,
+)
+
+# -- Kubernetes (stasis.k8s.integration): all root's (containerd's shim runs the wrapper as
+# root; the agent and `stasis k8s` run as root) ------------------------------------------------
+
+_CONTAINERS = "only root (the container runtime) acts on containers"
+
+K8S_CONTAINERS: Route[None, list[wire.ContainerInfo]] = Route(
+    "k8s_containers",
+    "GET",
+    "/k8s/containers",
+    answer=list[wire.ContainerInfo],
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_REGISTER: Route[wire.ContainerRegisterRequest, wire.ContainerInfo] = Route(
+    "k8s_register",
+    "POST",
+    "/k8s/containers",
+    request=wire.ContainerRegisterRequest,
+    answer=wire.ContainerInfo,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_CHECKPOINT: Route[wire.ContainerCheckpointRequest, wire.ContainerCheckpointAnswer] = Route(
+    "k8s_checkpoint",
+    "POST",
+    "/k8s/containers/{container}/checkpoint",
+    request=wire.ContainerCheckpointRequest,
+    answer=wire.ContainerCheckpointAnswer,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_INTERVAL: Route[wire.ContainerIntervalRequest, wire.ContainerInfo] = Route(
+    "k8s_interval",
+    "POST",
+    "/k8s/containers/{container}/interval",
+    request=wire.ContainerIntervalRequest,
+    answer=wire.ContainerInfo,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_FORGET: Route[None, wire.Forgotten] = Route(
+    "k8s_forget",
+    "POST",
+    "/k8s/containers/{container}/forget",
+    answer=wire.Forgotten,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_PLAN_RESTORE: Route[wire.ContainerRestoreRequest, wire.RestorePlan] = Route(
+    "k8s_plan_restore",
+    "POST",
+    "/k8s/restores",
+    request=wire.ContainerRestoreRequest,
+    answer=wire.RestorePlan,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_RESTORE_DONE: Route[wire.RestoreDoneRequest, wire.RestoreDone] = Route(
+    "k8s_restore_done",
+    "POST",
+    "/k8s/restores/{container}/done",
+    request=wire.RestoreDoneRequest,
+    answer=wire.RestoreDone,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_EXPORT: Route[wire.ExportRequest, wire.ExportAnswer] = Route(
+    "k8s_export",
+    "POST",
+    "/k8s/checkpoints/{checkpoint}/export",
+    request=wire.ExportRequest,
+    answer=wire.ExportAnswer,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_IMPORT: Route[wire.ImportRequest, wire.ContainerCheckpointAnswer] = Route(
+    "k8s_import",
+    "POST",
+    "/k8s/checkpoints/import",
+    request=wire.ImportRequest,
+    answer=wire.ContainerCheckpointAnswer,
+    caller="root",
+    denied=_CONTAINERS,
+)
+K8S_NODE: Route[None, wire.NodeInfo] = Route(
+    "k8s_node",
+    "GET",
+    "/k8s/node",
+    answer=wire.NodeInfo,
+    caller="root",
+    denied="only root drains the node",
+)
+K8S_DRAIN: Route[wire.K8sDrainRequest, wire.K8sDrainAnswer] = Route(
+    "k8s_drain",
+    "POST",
+    "/k8s/node/drain",
+    request=wire.K8sDrainRequest,
+    answer=wire.K8sDrainAnswer,
+    caller="root",
+    denied="only root drains the node",
+)
+
+K8S: tuple[AnyRoute, ...] = (
+    K8S_CONTAINERS,
+    K8S_REGISTER,
+    K8S_CHECKPOINT,
+    K8S_INTERVAL,
+    K8S_FORGET,
+    K8S_PLAN_RESTORE,
+    K8S_RESTORE_DONE,
+    K8S_EXPORT,
+    K8S_IMPORT,
+    K8S_NODE,
+    K8S_DRAIN,
+)
+
+# Everything the daemon's unix socket serves (with both integrations loaded).
+SOCKET: tuple[AnyRoute, ...] = CORE + SLURM + K8S
