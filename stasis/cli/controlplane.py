@@ -22,63 +22,78 @@ def add_controlplane(commands: Any) -> None:
         help="The control plane: serve it, or administer " "the one at STASIS_CONTROLPLANE_URL.",
     )
     sub = subcommands(top)
+    # Each flag's default is its setting (controlplane_*, stasis.config: file and environment).
     p = sub.add_parser("serve", help="Run the control plane.")
     p.add_argument(
         "--db",
-        default="",
-        help="SQLAlchemy URL (postgresql+psycopg://...) or a "
-        "SQLite file (default: STATE_DIR/controlplane.db).",
+        default=None,
+        help="SQLAlchemy URL (postgresql+psycopg://...) or a SQLite file (default: the "
+        "setting controlplane_db, else STATE_DIR/controlplane.db).",
     )
-    p.add_argument("--listen", default="127.0.0.1:8470", help="HOST:PORT (default: %(default)s)")
+    p.add_argument(
+        "--listen", default=None, help="HOST:PORT (default: controlplane_listen, 127.0.0.1:8470)"
+    )
     p.add_argument(
         "--admin-token-file",
         type=Path,
         default=None,
-        help="Where the admin token made at the first start goes (0600; default: " "printed once).",
+        help="Where the admin token made at the first start goes (0600; default: "
+        "controlplane_admin_token_file, else printed once).",
     )
-    p.add_argument("--cert", type=Path, default=None, help="TLS certificate (PEM): HTTPS.")
-    p.add_argument("--key", type=Path, default=None, help="Its private key (PEM).")
+    p.add_argument(
+        "--cert",
+        type=Path,
+        default=None,
+        help="TLS certificate (PEM): HTTPS (default: controlplane_cert).",
+    )
+    p.add_argument(
+        "--key", type=Path, default=None, help="Its private key (PEM; default: controlplane_key)."
+    )
     p.add_argument(
         "--allow-plain-http",
         action="store_true",
-        help="Serve plain HTTP on a non-loopback address (tokens in the clear).",
+        default=None,
+        help="Serve plain HTTP on a non-loopback address (tokens in the clear; default: "
+        "controlplane_serve_plain_http).",
     )
     p.add_argument(
         "--behind-tls",
         action="store_true",
+        default=None,
         help="A TLS-terminating proxy is in front: the dashboard's session cookie "
         "is Secure and the installers name https:// even though requests "
-        "arrive here over plain HTTP.",
+        "arrive here over plain HTTP (default: controlplane_behind_tls).",
     )
     p.add_argument(
         "--lost-after",
         type=float,
-        default=60.0,
+        default=None,
         metavar="S",
-        help="A node silent this long is shown as lost (default: %(default)s).",
+        help="A node silent this long is shown as lost (default: "
+        "controlplane_lost_after_s, 60).",
     )
     p.add_argument(
         "--command-lease",
         type=float,
-        default=60.0,
+        default=None,
         metavar="S",
         help="Seconds a node holds a command before it is given out again "
-        "(default: %(default)s).",
+        "(default: controlplane_command_lease_s, 60).",
     )
     p.add_argument(
         "--session-ttl",
         type=_duration,
-        default=8 * 3600,
+        default=None,
         metavar="N[s|m|h|d]",
-        help="How long a dashboard log-in lasts (default: 8h).",
+        help="How long a dashboard log-in lasts (default: controlplane_session_ttl_s, 8h).",
     )
     p.add_argument(
         "--min-interval",
         type=_duration,
-        default=60,
+        default=None,
         metavar="N[s|m|h|d]",
         help="The shortest period a policy may have: a shorter --every is refused "
-        "(default: 60s).",
+        "(default: controlplane_min_interval_s, 60s).",
     )
     p.set_defaults(handler=serve)
 
@@ -1139,22 +1154,29 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s stasis-controlplane %(levelname)s %(message)s"
     )
-    db = args.db or str(settings.state_dir / "controlplane.db")
+
+    def given(flag: Any, setting: Any) -> Any:
+        return setting if flag is None else flag
+
+    def path(flag: Path | None, setting: str) -> Path | None:
+        return flag if flag is not None else (Path(setting) if setting else None)
+
+    db = args.db or settings.controlplane_db or str(settings.state_dir / "controlplane.db")
     try:
         asyncio.run(
             run(
                 db,
-                args.listen,
-                args.admin_token_file,
-                args.cert,
-                args.key,
-                args.allow_plain_http,
-                args.lost_after,
-                args.command_lease,
-                int(args.session_ttl),
+                given(args.listen, settings.controlplane_listen),
+                path(args.admin_token_file, settings.controlplane_admin_token_file),
+                path(args.cert, settings.controlplane_cert),
+                path(args.key, settings.controlplane_key),
+                bool(given(args.allow_plain_http, settings.controlplane_serve_plain_http)),
+                float(given(args.lost_after, settings.controlplane_lost_after_s)),
+                float(given(args.command_lease, settings.controlplane_command_lease_s)),
+                int(given(args.session_ttl, settings.controlplane_session_ttl_s)),
                 settings.state_dir / "controlplane",
-                int(args.min_interval),
-                args.behind_tls,
+                int(given(args.min_interval, settings.controlplane_min_interval_s)),
+                bool(given(args.behind_tls, settings.controlplane_behind_tls)),
             )
         )
     except KeyboardInterrupt:
