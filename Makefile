@@ -73,7 +73,7 @@ test: lint
 	$(BIN)/pytest -q --durations=40 tests
 
 demo: install
-	$(BIN)/python -m stasis.demo
+	$(BIN)/python -m stasis.dev demo
 
 # The commit whose dump and restore times bench.run holds this tree to, case by case in the same
 # run (within 5%): the last one before images were hashed with BLAKE3 (issue 27). Empty: none.

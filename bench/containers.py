@@ -1,7 +1,7 @@
 """`python -m bench.containers`: a container's stop-to-checkpointed and create-to-running-again
 through the stasis runtime, against containerd's own checkpoint and restore (`ctr containers
 checkpoint --task --rw`, `ctr containers restore --live --rw`: runc and the same CRIU) of the
-same container, in the same run, on a private containerd (`stasis k8s local-node`).
+same container, in the same run, on a private containerd (`stasis-dev local-node`).
 
 The container holds MEMORY MiB of random data in a shell variable (busybox image built here).
 stasis: SIGTERM as the kubelet sends it (answered once the checkpoint is published and the

@@ -6,7 +6,7 @@ stasis (one `#SBATCH --export=STASIS_ENABLE=1,...` line) it is checkpointed at t
 restored when it starts again; without, Slurm requeues it and it starts from zero. Progress redone
 = (last progress before the preemption + 1 - first progress after the restart) x PERIOD_S; down
 time = from the last line before the preemption to the first one after. Driven only through
-`stasis slurm local-cluster` and the ordinary sbatch/scontrol/scancel, as a user would.
+`stasis-dev local-cluster` and the ordinary sbatch/scontrol/scancel, as a user would.
 The output is opened in append mode, else a requeued job's restart truncates what we measure.
 """
 
@@ -60,13 +60,13 @@ METHODS = {
 class _Cluster:
     def __init__(self, stasis: str, root: Path) -> None:
         self.stasis, self.root, self.work = stasis, root, root / "work"
+        self.stasis_dev = str(Path(stasis).with_name("stasis-dev"))  # stasis.dev's harnesses
         self.env: dict[str, str] = {}
 
     def up(self) -> None:
         done = subprocess.run(
             [
-                self.stasis,
-                "slurm",
+                self.stasis_dev,
                 "local-cluster",
                 "up",
                 "--dir",
@@ -99,7 +99,7 @@ class _Cluster:
 
     def down(self) -> None:
         subprocess.run(
-            [self.stasis, "slurm", "local-cluster", "down", "--dir", str(self.root)],
+            [self.stasis_dev, "local-cluster", "down", "--dir", str(self.root)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -208,11 +208,10 @@ def _one(c: _Cluster, method: str) -> dict[str, Any]:
 
 def measure(stasis: str) -> dict[str, Any]:
     """Both methods on a fresh local cluster; {"available": False, "why": ...} when impossible."""
-    help_text = subprocess.run([stasis, "slurm", "--help"], capture_output=True, text=True).stdout
-    if "local-cluster" not in help_text:
+    if not Path(stasis).with_name("stasis-dev").exists():
         return {
             "available": False,
-            "why": "not available yet: `stasis slurm` has no local-cluster command",
+            "why": "not available: no `stasis-dev` (the local cluster's command) beside stasis",
         }
     root = Path(tempfile.mkdtemp(prefix="stasis-bench-slurm-", dir="/var/tmp"))
     os.chmod(root, 0o755)

@@ -10,7 +10,7 @@ A counter job (one `progress N` line every PERIOD_S) runs in the preemptable `lo
   the requeued job's start on the other node (squeue shows it RUNNING there, polled every 50 ms)
   to its first line of progress; and the progress done again.
 - Node failure: with stasis the job takes a checkpoint every --interval seconds; its node is
-  killed without warning (`stasis slurm local-cluster kill-node`), Slurm finds it DOWN and
+  killed without warning (`stasis-dev local-cluster kill-node`), Slurm finds it DOWN and
   requeues the job onto another node. Measured: progress lost (done again) and seconds from the
   kill to progress again.
 The baseline is the same job without stasis (`--export=NONE`): Slurm requeues it and it runs from
@@ -73,13 +73,13 @@ def _wait(what: str, pred: Callable[[], T | None], timeout_s: float, every: floa
 class Cluster:
     def __init__(self, stasis: str, root: Path) -> None:
         self.stasis, self.root, self.work = stasis, root, root / "work"
+        self.stasis_dev = str(Path(stasis).with_name("stasis-dev"))  # stasis.dev's harnesses
         self.env: dict[str, str] = {}
 
     def up(self) -> None:
         done = subprocess.run(
             [
-                self.stasis,
-                "slurm",
+                self.stasis_dev,
                 "local-cluster",
                 "up",
                 "--dir",
@@ -113,7 +113,7 @@ class Cluster:
 
     def down(self) -> None:
         subprocess.run(
-            [self.stasis, "slurm", "local-cluster", "down", "--dir", str(self.root)],
+            [self.stasis_dev, "local-cluster", "down", "--dir", str(self.root)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -141,7 +141,7 @@ class Cluster:
         return job in self.run("squeue", "-h", "-w", node, "-o", "%i", check=False).split()
 
     def node(self, action: str, node: str) -> None:
-        self.run(self.stasis, "slurm", "local-cluster", action, "--dir", str(self.root), node)
+        self.run(self.stasis_dev, "local-cluster", action, "--dir", str(self.root), node)
 
     def resume(self, node: str) -> None:
         self.run("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)

@@ -11,7 +11,7 @@
 #                                   `stasis slurm report`); the local cluster starts private ones
 #   iproute2                        `ip`: the local cluster's nodes (network namespaces, a bridge)
 # The packages' postinst scripts start no daemon on a machine without systemd; the local cluster
-# (`stasis slurm local-cluster up`) starts private ones. Nothing is configured here.
+# (`stasis-dev local-cluster up`) starts private ones. Nothing is configured here.
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client munge libslurm-dev slurm-wlm-basic-plugins gcc

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from stasis.nodehost import Node
+from stasis.dev.nodehost import Node
 from stasis.poll import poll
 from tests import leftovers, nodes
 from tests.s3server import S3Server
@@ -24,6 +24,7 @@ from tests.s3server import S3Server
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "workloads"
 STASIS = str(Path(sys.executable).parent / "stasis")
+STASIS_DEV = str(Path(sys.executable).parent / "stasis-dev")  # the bench: stasis.dev
 TEST_USER = "stasis-test"
 
 T = TypeVar("T")

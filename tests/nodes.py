@@ -1,5 +1,5 @@
 """The control plane's test nodes as hosts of their own (`new_daemon(..., separate=True)`): one
-private network per test session (stasis/nodehost.py), made when the first such node is, and a
+private network per test session (stasis/dev/nodehost.py), made when the first such node is, and a
 node for each separate daemon, which keeps it across the daemon's restarts; all ended at the
 session's end (`close_all`, from conftest's session fixture).
 
@@ -17,7 +17,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from stasis import nodehost
+from stasis.dev import nodehost
 
 ROOT = Path(__file__).resolve().parent.parent
 # Ids 220..251: the local Slurm clusters take theirs from 20..219.

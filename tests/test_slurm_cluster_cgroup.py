@@ -1,9 +1,9 @@
-"""`local-cluster up --cgroup`'s view of a machine's cgroups (stasis.slurm.cluster_cgroup); the
+"""`local-cluster up --cgroup`'s view of a machine's cgroups (stasis.dev.slurmcgroup); the
 cluster itself is tested end to end in tests/e2e/test_slurm_cgroup.py."""
 
 from __future__ import annotations
 
-from stasis.slurm import cluster_cgroup
+from stasis.dev import slurmcgroup
 
 # A cgroup v1 hybrid machine (these machines), with a node's own mounts on top of the machine's
 # in a node's mount namespace: the last mount on a point is the one seen.
@@ -21,7 +21,7 @@ HYBRID = """\
 
 
 def test_hierarchies_are_those_under_sys_fs_cgroup_by_what_identifies_them() -> None:
-    found = {h.mountpoint: (h.fstype, h.options) for h in cluster_cgroup.hierarchies(HYBRID)}
+    found = {h.mountpoint: (h.fstype, h.options) for h in slurmcgroup.hierarchies(HYBRID)}
     assert found == {
         "/sys/fs/cgroup/memory": ("cgroup", "memory"),
         "/sys/fs/cgroup/freezer": ("cgroup", "freezer"),
@@ -32,24 +32,24 @@ def test_hierarchies_are_those_under_sys_fs_cgroup_by_what_identifies_them() -> 
 
 
 def test_node_mounts_cover_the_machines_and_cgroup_conf_names_the_version() -> None:
-    m = cluster_cgroup.Machine("v1", tuple(cluster_cgroup.hierarchies(HYBRID)))
-    mounts = cluster_cgroup.node_mounts(m)
+    m = slurmcgroup.Machine("v1", tuple(slurmcgroup.hierarchies(HYBRID)))
+    mounts = slurmcgroup.node_mounts(m)
     assert mounts[0] == ("tmpfs", "mode=755", "/sys/fs/cgroup")
     assert ("cgroup", "name=systemd", "/sys/fs/cgroup/systemd") in mounts
-    conf = cluster_cgroup.cgroup_conf(m)
+    conf = slurmcgroup.cgroup_conf(m)
     assert "CgroupPlugin=cgroup/v1\n" in conf and "ConstrainRAMSpace=yes\n" in conf
     assert "IgnoreSystemd" not in conf
-    v2 = cluster_cgroup.Machine(
-        "v2", (cluster_cgroup.Hierarchy("/sys/fs/cgroup", "cgroup2", "nsdelegate"),)
+    v2 = slurmcgroup.Machine(
+        "v2", (slurmcgroup.Hierarchy("/sys/fs/cgroup", "cgroup2", "nsdelegate"),)
     )
-    assert cluster_cgroup.node_mounts(v2) == [("cgroup2", "nsdelegate", "/sys/fs/cgroup")]
-    assert "IgnoreSystemd=yes\n" in cluster_cgroup.cgroup_conf(v2)
+    assert slurmcgroup.node_mounts(v2) == [("cgroup2", "nsdelegate", "/sys/fs/cgroup")]
+    assert "IgnoreSystemd=yes\n" in slurmcgroup.cgroup_conf(v2)
 
 
 def test_each_cluster_directory_has_its_own_cgroup_name() -> None:
     from pathlib import Path
 
-    a = cluster_cgroup.base_name(Path("/tmp/a"))
-    assert a == cluster_cgroup.base_name(Path("/tmp/a"))
-    assert a != cluster_cgroup.base_name(Path("/tmp/b"))
+    a = slurmcgroup.base_name(Path("/tmp/a"))
+    assert a == slurmcgroup.base_name(Path("/tmp/a"))
+    assert a != slurmcgroup.base_name(Path("/tmp/b"))
     assert a.startswith("stasis-slurm-") and "/" not in a

@@ -1,4 +1,4 @@
-"""`stasis k8s ...` (local-node) and `stasis dump --container ID`: the Kubernetes
+"""`stasis k8s ...` and `stasis dump --container ID`: the Kubernetes
 integration's commands."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def dump_container(client: Client, container_id: str, leave_running: bool, as_js
 
 def add_k8s(commands: Any) -> None:
     top = commands.add_parser(
-        "k8s", help="Kubernetes integration: a private containerd with " "the stasis runtime."
+        "k8s", help="Kubernetes integration: the stasis runtime, the node agent, drain."
     )
     sub = subcommands(top)
     p = sub.add_parser(
@@ -164,58 +164,6 @@ def add_k8s(commands: Any) -> None:
     )
     add_json(p)
     p.set_defaults(handler=drain)
-    local = sub.add_parser(
-        "local-node",
-        help="A private containerd (own root, state and "
-        "socket) with the stasis runtime, and a daemon.",
-    )
-    lsub = subcommands(local)
-    p = lsub.add_parser(
-        "up",
-        help="Start it; `ctr -a ADDRESS -n NAMESPACE run --runtime "
-        "RUNTIME ...` then runs containers through stasis.",
-    )
-    _dir_option(p)
-    p.add_argument("--store", default="", help="Checkpoint store (default: DIR/stasis/store).")
-    p.add_argument(
-        "--bundle",
-        action="store_true",
-        help="Run stasis-runc and CRIU from a host bundle (DIR/runtime), as on a "
-        "node the agent installed, not from this venv.",
-    )
-    p.add_argument(
-        "--separate",
-        action="store_true",
-        help="A host of its own: containerd, the daemon and the containers in their "
-        "own mount, UTS and network namespaces, with their own /tmp, /var/tmp, "
-        "/dev/shm and /run (runc's state), host name (--node-name, or DIR's "
-        "name) and address on a bridge of the local nodes (10.213.252.0/24). "
-        "`--json` gives the node_prefix that runs a command inside it.",
-    )
-    p.add_argument(
-        "--kubeconfig",
-        default="",
-        help="The Kubernetes API the daemon drains this node in (default: none).",
-    )
-    p.add_argument(
-        "--node-name", default="", help="This node's name in that API (default: the host name)."
-    )
-    p.add_argument(
-        "--min-interval",
-        type=int,
-        default=None,
-        metavar="SECONDS",
-        help="Floor on containers' checkpoint intervals (default: the daemon's, " "60).",
-    )
-    add_json(p, 'Print {"containerd_address": PATH, "runtime": NAME, "namespace": NS, ...}.')
-    p.set_defaults(handler=up)
-    p = lsub.add_parser(
-        "down",
-        help="Kill its containers, stop containerd and the daemon "
-        "(the directory and its logs stay).",
-    )
-    _dir_option(p)
-    p.set_defaults(handler=down)
 
 
 def _node_options(p: argparse.ArgumentParser) -> None:
@@ -400,48 +348,6 @@ def uninstall_runtime(args: argparse.Namespace, settings: Settings) -> None:
 
     for change in shim.uninstall_node(args.containerd_config, args.bin_dir):
         output.say(change)
-
-
-def _dir_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dir",
-        dest="root",
-        type=Path,
-        default=Path("/tmp/stasis-local-node"),
-        help="The node's private directory (default: %(default)s).",
-    )
-
-
-def up(args: argparse.Namespace, settings: Settings) -> None:
-    from stasis.errors import UsageError
-    from stasis.k8s import localnode
-
-    if args.min_interval is not None and args.min_interval < 0:
-        raise UsageError(f"--min-interval {args.min_interval}: seconds, 0 or more")
-    lay = localnode.up(
-        args.root,
-        store=args.store,
-        bundle=args.bundle,
-        kubeconfig=args.kubeconfig,
-        node_name=args.node_name,
-        min_interval_s=args.min_interval,
-        separate=args.separate,
-    )
-    info = lay.describe()
-    if args.json:
-        output.emit_json(info)
-    else:
-        output.say(
-            f"local node up in {lay.root}\n  ctr -a {info['containerd_address']} -n "
-            f"{info['namespace']} run --runtime {info['runtime']} IMAGE ID ..."
-        )
-
-
-def down(args: argparse.Namespace, settings: Settings) -> None:
-    from stasis.k8s import localnode
-
-    localnode.down(args.root)
-    output.say(f"local node in {args.root} is down")
 
 
 def add_export(commands: Any) -> None:

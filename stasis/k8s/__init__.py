@@ -17,5 +17,6 @@ stop signal is preceded by a checkpoint, and every other runc command goes to ru
     kube.py          the Kubernetes API calls of the agent and the daemon
     agent.py         `stasis k8s agent`, the chart's DaemonSet: runtime, taint, cordon, pods
     shim.py          containerd's runtime entry and shim script, as a node gets them
-    localnode.py     `stasis k8s local-node up|down`: a private containerd for tests and demos
+
+The private containerd of the tests and demos is stasis.dev's (`stasis-dev local-node`).
 """

@@ -1,5 +1,5 @@
 """How a node's containerd gets the stasis runtime: one function writes it for the node agent
-and for `stasis k8s local-node`, so that tests run exactly what nodes run.
+and for `stasis-dev local-node`, so that tests run exactly what nodes run.
 
     <bin>/containerd-shim-stasis-v2    containerd's own runc shim (containerd-shim-runc-v2),
                                        started with <bin>/runc-wrapper first on its PATH and

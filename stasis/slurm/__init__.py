@@ -10,16 +10,12 @@ internals (it uses their public entry points):
     taskinit    the root helper the SPANK plugin runs in the job's task: restore or fresh start
     launcher    the batch "shell" as Slurm sees it: runs or adopts the workload, forwards signals,
                 asks the node daemon for a checkpoint on SIGURG and periodically
-    cluster     `stasis slurm local-cluster`: a throwaway cluster of one node or several (each
-                node its own network, UTS and mount namespace) for demos and tests
-    accounting  the local cluster's slurmdbd and MariaDB (`local-cluster up --accounting`)
     report, report_html  `stasis slurm report`: what time limits, over-requests and
                 preemptions cost, from sacct
     remote      munge-authenticated requests to another node's daemon (`dump --slurm-job`,
                 `slurm drain`): credential, slurm.conf keys, client
     steps       our srun: steps that stay on the node run inside the job's tree; others go to
                 Slurm's srun and block checkpoints while they run
-    demo        the preemption demo of `make demo`
     scontrol    what Slurm says (job info, pidinfo, requeue), its failures as SlurmError
     labels      which checkpoints a job may resume from; the variables that opt a job in
     models      the /slurm routes' requests and answers, as the daemon validates them
@@ -29,5 +25,6 @@ internals (it uses their public entry points):
 
 It plugs into the daemon through stasis.daemon.integration and talks to it through
 stasis.client; nothing outside this package knows Slurm. It must not change how jobs that did
-not opt in (STASIS_ENABLE=1) run.
+not opt in (STASIS_ENABLE=1) run. The throwaway local cluster of the tests and demos is
+stasis.dev's (`stasis-dev local-cluster`).
 """

@@ -1,5 +1,5 @@
 """The control plane's test nodes as hosts of their own (`new_daemon(..., separate=True)`,
-tests/nodes.py, stasis/nodehost.py): what one node keeps in /tmp, /var/tmp, /dev/shm and /run is
+tests/nodes.py, stasis/dev/nodehost.py): what one node keeps in /tmp, /var/tmp, /dev/shm and /run is
 seen neither on another node nor on the machine, each has its own host name, address and
 network; and a job the control plane migrates from one to the other carries the /tmp file it
 keeps open, its unix socket in /tmp and its SQLite database in /dev/shm (the node-local files of

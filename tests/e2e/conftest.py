@@ -1,6 +1,6 @@
 """A real single-node Slurm cluster (munge, slurmctld, slurmd, stasis daemon) for each module.
 
-`stasis slurm local-cluster up` starts it in a private directory with private ports; the tests
+`stasis-dev local-cluster up` starts it in a private directory with private ports; the tests
 talk to it with the ordinary sbatch/squeue/scontrol/scancel and SLURM_CONF. Jobs write into a
 world-writable work directory so that jobs of the non-root test user can too.
 """
@@ -22,10 +22,10 @@ from typing import Any, Generic, TypeVar
 
 import pytest
 
+from stasis.dev import slurmcluster
 from stasis.poll import poll
-from stasis.slurm import cluster as local_cluster
 from stasis.slurm.scontrol import parse_record
-from tests.conftest import STASIS, TEST_USER, ensure_test_user
+from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user
 from tests.e2e import debian13
 
 
@@ -211,7 +211,7 @@ class Cluster:
         self.root = root
         self.job_container = job_container
         self.work = root / "work"
-        self.lay = local_cluster.Layout(root)
+        self.lay = slurmcluster.Layout(root)
         self.nodes = nodes
         self.without_stasis = without_stasis
         # A cluster driven from a thread (Early) while other tests run takes the environment
@@ -232,7 +232,7 @@ class Cluster:
         does not outlive it (`up` stops it itself when it fails, but not when it is killed)."""
         try:
             result = subprocess.run(
-                [STASIS, "slurm", "local-cluster", "up", "--dir", str(self.root), "--json", *args],
+                [STASIS_DEV, "local-cluster", "up", "--dir", str(self.root), "--json", *args],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
@@ -267,7 +267,7 @@ class Cluster:
 
     def down(self) -> None:
         subprocess.run(
-            [STASIS, "slurm", "local-cluster", "down", "--dir", str(self.root)],
+            [STASIS_DEV, "local-cluster", "down", "--dir", str(self.root)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -362,8 +362,7 @@ class Cluster:
         """`cmd` run on `node` (its namespaces, its stasis config), as `user` if given."""
         inner = ["runuser", "-u", user, "--", *cmd] if user else list(cmd)
         return self.run(
-            STASIS,
-            "slurm",
+            STASIS_DEV,
             "local-cluster",
             "exec",
             "--dir",
@@ -498,11 +497,11 @@ def made_clean(c: Cluster) -> bool:
         is None
     ):
         return False
-    local_cluster.start_daemon(c.root)  # nothing to do when it runs
+    slurmcluster.start_daemon(c.root)  # nothing to do when it runs
     return poll(lambda: c.stasis("ps", check=False).returncode == 0, 30, interval_s=0.5) is not None
 
 
-NODE = local_cluster.NODE
+NODE = slurmcluster.NODE
 ENDED = (
     "COMPLETED",
     "CANCELLED",

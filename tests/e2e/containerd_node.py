@@ -1,4 +1,4 @@
-"""A real containerd with the stasis runtime (`stasis k8s local-node up`) and a busybox image
+"""A real containerd with the stasis runtime (`stasis-dev local-node up`) and a busybox image
 built here from Debian's busybox-static as an OCI archive (no registry is reachable)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stasis.k8s import localnode, oci
-from tests.conftest import STASIS
+from stasis.dev import k8snode
+from stasis.k8s import oci
+from tests.conftest import STASIS, STASIS_DEV
 
 IMAGE = "stasis.test/busybox:1"
 BUSYBOX = "/usr/bin/busybox"
@@ -70,12 +71,12 @@ class Node:
             *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []),
             *([f"--node-name={node_name}"] if node_name else []),
         ]
-        self.lay = localnode.Layout(root)
+        self.lay = k8snode.Layout(root)
         self.info: dict[str, Any] = {}
 
     def up(self) -> None:
         r = subprocess.run(
-            [STASIS, "k8s", "local-node", "up", "--dir", str(self.root), "--json", *self.options],
+            [STASIS_DEV, "local-node", "up", "--dir", str(self.root), "--json", *self.options],
             capture_output=True,
             text=True,
             timeout=120,
@@ -89,14 +90,14 @@ class Node:
 
     def down(self) -> None:
         subprocess.run(
-            [STASIS, "k8s", "local-node", "down", "--dir", str(self.root)],
+            [STASIS_DEV, "local-node", "down", "--dir", str(self.root)],
             capture_output=True,
             text=True,
             timeout=120,
         )
 
     def restart_daemon(self) -> None:
-        localnode.start_daemon(self.lay)
+        k8snode.start_daemon(self.lay)
 
     def configure(self, values: dict[str, object]) -> None:
         """More settings in the daemon's config file; the daemon started again with them."""

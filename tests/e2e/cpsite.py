@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from stasis.slurm import cluster as local_cluster
+from stasis.dev import slurmcluster
 from tests.conftest import wait_for
 from tests.controlplane.conftest import ControlPlane
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster
@@ -37,8 +37,8 @@ def joined_site(name: str, node_ready: bool = False) -> Iterator[tuple[Cluster, 
                 "controlplane_allow_plain_http = true\n"
             )
             os.chmod(config, 0o600)  # it holds the cluster's token now
-            local_cluster.stop_daemon(c.root, node)
-            local_cluster.start_daemon(c.root, node)
+            slurmcluster.stop_daemon(c.root, node)
+            slurmcluster.start_daemon(c.root, node)
         wait_for(
             lambda: sorted(
                 n["name"]

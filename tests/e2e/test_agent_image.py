@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from stasis.daemon import detached
-from stasis.k8s import localnode, shim
+from stasis.dev import k8snode
+from stasis.k8s import shim
 from tests.conftest import wait_for
 from tests.e2e.containerd_node import IMAGE, Node, busybox_archive
 from tests.k8s.apiserver import ApiServer
@@ -37,7 +38,7 @@ COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
 @dataclass
 class Cluster:
     infra: Node  # node A: runs the agent's container
-    b: localnode.Layout  # node B: the host the agent installs into
+    b: k8snode.Layout  # node B: the host the agent installs into
     api: ApiServer
     agent_log: Path
 
@@ -74,12 +75,12 @@ def cluster() -> Iterator[Cluster]:
     )
     assert built.returncode == 0, built.stderr[-3000:]
     infra = Node(root / "a")
-    b = localnode.Layout(root / "b")
+    b = k8snode.Layout(root / "b")
     for d in (b.containerd, b.bin, b.stasis):
         d.mkdir(parents=True)
     # Node B's containerd config as a node has it before stasis: no runtime entry yet.
     (b.containerd / "config.toml").write_text(
-        localnode.containerd_config(b).replace(shim.cri_runtime_entry(), "")
+        k8snode.containerd_config(b).replace(shim.cri_runtime_entry(), "")
     )
     (b.stasis / "agent.toml").write_text(
         f'socket = "{b.stasis_socket}"\nstate_dir = "{b.stasis / "state"}"\n'
@@ -177,7 +178,7 @@ def cluster() -> Iterator[Cluster]:
         wait_for(lambda: infra.status(agent) in ("STOPPED", None), 40, "the agent to stop")
         infra.down()
         api.stop()
-        localnode._unmount_under(root)
+        k8snode._unmount_under(root)
         subprocess.run(["umount", "-l", str(root)], check=False)
         shutil.rmtree(root / "b" / "runtime", ignore_errors=True)
 

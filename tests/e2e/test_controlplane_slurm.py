@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from stasis.slurm import cluster as local_cluster
+from stasis.dev import slurmcluster
 from tests.conftest import wait_for
 from tests.controlplane.conftest import ControlPlane
 from tests.e2e.conftest import Cluster
@@ -85,8 +85,8 @@ def test_the_web_installer_joins_a_slurm_node_and_shows_its_preemption(
     # The launcher the plugin starts is the one the installer put in place.
     assert str(prefix) in (lay.lib / "stasis-slurm-launch").read_text()
     cluster.run("scontrol", "reconfigure")
-    local_cluster.stop_daemon(cluster.root)
-    local_cluster.start_daemon(cluster.root)
+    slurmcluster.stop_daemon(cluster.root)
+    slurmcluster.start_daemon(cluster.root)
     wait_for(
         lambda: [n["name"] for n in cp.json("nodes")] == ["slurm-node"],
         30,

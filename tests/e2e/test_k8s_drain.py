@@ -1,7 +1,7 @@
 """The node side of the control plane on a Kubernetes node: the containers under stasis as jobs
 of kind "container" (stasis.k8s.source), checkpointed through the control plane, and the node's
 drain (cordon, stop checkpoints, evictions). A real node (containerd, runc and the stasis daemon
-of `stasis k8s local-node`) whose daemon has the Kubernetes API of kmock's emulator (no API
+of `stasis-dev local-node`) whose daemon has the Kubernetes API of kmock's emulator (no API
 server runs on these machines) and joins a real control plane. The tests play the cluster's
 part: they create the Node and Pod objects and, after an eviction, the pod its Deployment
 would make again (the container created again with the same label). The daemon's Kubernetes

@@ -1,5 +1,5 @@
 """Containers under faults (issue 28), through containerd's real runc shim with the stasis
-runtime (`stasis k8s local-node`): the daemon SIGKILLed at named points of the stop and
+runtime (`stasis-dev local-node`): the daemon SIGKILLed at named points of the stop and
 interval checkpoints and of a create's restore, the store full or unreadable, the daemon down
 at a create. What each checks: the container runs once with its state, or a checkpoint it can
 resume from is listed; nothing stays paused; nothing runs twice; a label is retired only when

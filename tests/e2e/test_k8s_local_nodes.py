@@ -1,4 +1,4 @@
-"""Two Kubernetes local nodes on one machine as hosts of their own (`stasis k8s local-node up
+"""Two Kubernetes local nodes on one machine as hosts of their own (`stasis-dev local-node up
 --separate`): what one node's containerd, runc and daemon keep in /run (runc's state of a
 container), /tmp and /dev/shm is seen neither on the other node nor on the machine, each has its
 own host name, network and address; `down` ends the node's namespaces, and the last one the
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from stasis.daemon import detached
-from stasis.k8s import localnode
-from tests.conftest import STASIS, wait_for
+from stasis.dev import k8snode
+from tests.conftest import STASIS, STASIS_DEV, wait_for
 from tests.e2e.containerd_node import Node
 
 
@@ -105,7 +105,7 @@ def test_down_ends_the_node_s_namespaces() -> None:
     n.down()
     assert not n.lay.holder_file.exists()
     # The last local node gone, their bridge too (kn-a and kn-b went with the first test).
-    assert not Path(f"/sys/class/net/{localnode.LOCAL_NET.bridge}").exists()
+    assert not Path(f"/sys/class/net/{k8snode.LOCAL_NET.bridge}").exists()
     # Nothing left in its mount namespace (a zombie holder has no namespaces left to name).
     wait_for(
         lambda: not any(_in_ns(pid, mnt) for pid in _pids()), 10, "the node's processes to end"
@@ -131,8 +131,7 @@ def test_a_separate_node_refuses_an_api_on_the_machine_s_loopback(tmp_path: Path
     root = tmp_path / "node"
     r = subprocess.run(
         [
-            STASIS,
-            "k8s",
+            STASIS_DEV,
             "local-node",
             "up",
             "--dir",
@@ -150,7 +149,7 @@ def test_a_separate_node_refuses_an_api_on_the_machine_s_loopback(tmp_path: Path
         (
             "stasis: error: --separate: the node has a network of its own, where the Kubernetes "
             "API at https://127.0.0.1:6443 (this machine's loopback) cannot be reached; serve it "
-            f"on {localnode.LOCAL_NET.host_addr} (this machine on the nodes' network), or leave "
+            f"on {k8snode.LOCAL_NET.host_addr} (this machine on the nodes' network), or leave "
             "out --separate\n"
         ),
     ), r.stderr

@@ -5,7 +5,7 @@ resumes it. After `k8s_restore_attempts` failed restores of one checkpoint on th
 label's previous checkpoint is tried; when none is left, only the container's STASIS_FRESH
 starts it from nothing.
 
-Through containerd's real runc shim with the stasis runtime (`stasis k8s local-node`), real
+Through containerd's real runc shim with the stasis runtime (`stasis-dev local-node`), real
 runc and CRIU, and kmock's API server for the pod's events. What makes the restore fail is
 real: the checkpointed process holds a file of a bind-mounted volume (a hostPath) open, and
 that file is gone from the volume when the container is created again (CRIU: "Can't open

@@ -1,4 +1,4 @@
-"""`stasis slurm local-cluster up` that does not come up leaves nothing running: ended half way
+"""`stasis-dev local-cluster up` that does not come up leaves nothing running: ended half way
 (SIGTERM, as a harness's timeout or a closed terminal ends it) after it started munged, MariaDB
 and slurmdbd, every daemon of the cluster is stopped again, seen by what runs on the machine
 (every process naming the cluster's directory), not by the command's exit status."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import STASIS, TEST_USER, ensure_test_user, wait_for
+from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,8 +54,7 @@ def test_up_ended_half_way_stops_what_it_started() -> None:
     os.chmod(root, 0o755)
     up = subprocess.Popen(
         [
-            STASIS,
-            "slurm",
+            STASIS_DEV,
             "local-cluster",
             "up",
             "--dir",
@@ -92,7 +91,7 @@ def test_up_ended_half_way_stops_what_it_started() -> None:
             up.kill()
             up.wait()
         subprocess.run(
-            [STASIS, "slurm", "local-cluster", "down", "--dir", str(root)],
+            [STASIS_DEV, "local-cluster", "down", "--dir", str(root)],
             capture_output=True,
             timeout=120,
         )

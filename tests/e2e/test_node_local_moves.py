@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from stasis.dev import slurmcluster
 from stasis.poll import poll
-from stasis.slurm import cluster as local_cluster
 from tests.conftest import STASIS, TEST_USER, WORKLOADS, wait_for
 from tests.controlplane.conftest import ControlPlane
 from tests.e2e.conftest import Cluster, until
@@ -115,7 +115,7 @@ def test_each_node_has_its_own_tmp_var_tmp_dev_shm_run_host_name_and_address(sit
         )
         assert not [p for p in made if os.path.lexists(p)]  # nor on this machine
         # The private directories are fresh tmpfs with the modes of a booted host.
-        for d, mode in local_cluster.PRIVATE_DIRS:
+        for d, mode in slurmcluster.PRIVATE_DIRS:
             st = c.on("n2", "stat", "-f", "-c", "%T", d).stdout.strip()
             assert st == "tmpfs", (d, st)
             assert c.on("n2", "stat", "-c", "%a %U", d).stdout.split() == [f"{mode:o}", "root"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from stasis.client import Client
-from stasis.slurm import cluster as local_cluster
+from stasis.dev import slurmcluster
 from tests.e2e.conftest import Cluster, until
 from tests.e2e.test_slurm_faults import numbers, resumed_in_order
 
@@ -30,13 +30,13 @@ def test_a_registered_slurm_job_is_checkpointed_at_its_preemption_after_a_rebuil
     with Client(c.lay.stasis_socket, 20.0) as client:
         assert client.request("GET", f"/slurm/jobs/{job}")["label"] == label
     state = c.lay.stasis / "state"
-    local_cluster.stop_daemon(c.root)
+    slurmcluster.stop_daemon(c.root)
     try:
         (state / "jobs.db").write_bytes(os.urandom(64 << 10))
         for extra in ("jobs.db-wal", "jobs.db-shm"):
             (state / extra).unlink(missing_ok=True)
     finally:
-        local_cluster.start_daemon(c.root)
+        slurmcluster.start_daemon(c.root)
     assert list(state.glob("jobs.db.corrupt-*")), "the database was not rebuilt"
     reached = c.wait_number(job, 6)
     c.run("scancel", "-b", "-s", "URG", job)  # what Slurm sends at preemption

@@ -1,6 +1,6 @@
 """The Slurm path on Slurm 24.11, in a Debian 13 root (tests/e2e/debian_root.sh: built with
 debootstrap, entered with a mount namespace of its own and pivot_root), where stasis is installed
-from this checkout and `stasis slurm local-cluster up` starts that release's munge, slurmctld,
+from this checkout and `stasis-dev local-cluster up` starts that release's munge, slurmctld,
 slurmd and a stasis daemon. The rest of tests/e2e runs on this machine's Slurm (22.05).
 
 Two opted-in jobs are preempted at once by a job of the high partition: one runs its counter
@@ -87,14 +87,14 @@ def cluster() -> Iterator[RootCluster]:
     c.host(f"{WORK}/counter.py").write_text(COUNTER)
     up = debian13.enter(
         root,
-        f"stasis slurm local-cluster up --dir {CLUSTER} --json " "--socket-group root --cpus 8",
+        f"stasis-dev local-cluster up --dir {CLUSTER} --json " "--socket-group root --cpus 8",
         240,
     )
     assert up.returncode == 0, up.stderr + up.stdout
     try:
         yield c
     finally:
-        debian13.enter(root, f"stasis slurm local-cluster down --dir {CLUSTER}", 120)
+        debian13.enter(root, f"stasis-dev local-cluster down --dir {CLUSTER}", 120)
 
 
 def test_preempted_jobs_resume_once_on_slurm_24_11(cluster: RootCluster) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from stasis.client import Client
-from stasis.slurm import cluster as local_cluster
+from stasis.dev import slurmcluster
 from stasis.slurm import held
 from tests.e2e.conftest import Cluster, alive, until
 
@@ -55,12 +55,12 @@ def _config(c: Cluster, extra: str = "") -> None:
     if not base.exists():
         base.write_text(conf.read_text())
     conf.write_text(base.read_text() + f"store_wait_s = {STORE_WAIT_S}\n" + extra)
-    local_cluster.stop_daemon(c.root)
-    local_cluster.start_daemon(c.root)
+    slurmcluster.stop_daemon(c.root)
+    slurmcluster.start_daemon(c.root)
 
 
 def _daemon_alive(c: Cluster) -> bool:
-    return bool(local_cluster.status(c.root)["daemons"].get("stasis"))
+    return bool(slurmcluster.status(c.root)["daemons"].get("stasis"))
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
     )
     fc.wait_number(job, numbers(fc.output(job))[-1] + 2)
     # The node daemon is down when it starts again: the same.
-    local_cluster.stop_daemon(fc.root)
+    slurmcluster.stop_daemon(fc.root)
     try:
         fc.run("scontrol", "requeue", job)
         _held(fc, job, "node daemon")
@@ -186,7 +186,7 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
         time.sleep(held.RECHECK_S + 1)
         assert fc.job(job).get("JobState") == "PENDING"
     finally:
-        local_cluster.start_daemon(fc.root)
+        slurmcluster.start_daemon(fc.root)
     until(
         lambda: fc.output(job).count("stasis: restored checkpoint") == 2,
         90,
@@ -247,14 +247,14 @@ def test_daemon_down_with_nothing_to_resume_runs_unprotected_and_says_so(fc: Clu
         f"--output={fc.work}/bare-%j.out",
         "--export=STASIS_ENABLE=1,STASIS_CHECKPOINT=bare",
     )
-    local_cluster.stop_daemon(fc.root)
+    slurmcluster.stop_daemon(fc.root)
     try:
         job = fc.sbatch(script)
         fc.wait_number(job, 1)
         assert "WITHOUT checkpoint protection" in fc.output(job)
         assert "WITHOUT checkpoint protection" in fc.job(job).get("Comment", "")
     finally:
-        local_cluster.start_daemon(fc.root)
+        slurmcluster.start_daemon(fc.root)
         fc.run("scancel", job, check=False)
 
 

@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 
+from stasis.dev import slurmaccounting, slurmcluster
 from stasis.interval import daly
-from stasis.slurm import accounting
-from stasis.slurm import cluster as local_cluster
 from tests.conftest import TEST_USER, ensure_test_user
 from tests.e2e.conftest import Cluster, close_cluster, until
 
@@ -51,7 +50,7 @@ def c() -> Iterator[Cluster]:
     cl = AccountingCluster(root)
     try:
         cl.up()
-        accounting.add_user(cl.lay, TEST_USER)
+        slurmaccounting.add_user(cl.lay, TEST_USER)
         yield cl
     finally:
         close_cluster(cl)
@@ -117,12 +116,12 @@ def test_auto_interval_shorter_where_preemptions_are(c: Cluster) -> None:
     assert [a["state"] for a in attempts(c, preemptor)] == ["COMPLETED"]
 
     # -- the daemon with a short floor and ceiling (it reads the rates as it starts) ----------
-    local_cluster.stop_daemon(c.root)
+    slurmcluster.stop_daemon(c.root)
     config = c.lay.config_of(NODE)
     config.write_text(
         config.read_text() + f"interval_min_s = {FLOOR_S}\ninterval_max_s = {CEILING_S}\n"
     )
-    local_cluster.start_daemon(c.root)
+    slurmcluster.start_daemon(c.root)
 
     def auto_job(name: str, partition: str) -> str:
         return c.sbatch(

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from stasis.slurm import cluster as local_cluster
+from stasis.dev import slurmcluster
 from stasis.slurm import scontrol
 from tests.conftest import STASIS, TEST_USER
 from tests.e2e.conftest import EARLY, Cluster, Early, close_cluster, new_cluster, until, wait_gone
@@ -337,12 +337,12 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(cluster: Cluster) 
 
 
 def test_daemon_down_job_runs_unprotected_and_says_so(cluster: Cluster) -> None:
-    local_cluster.stop_daemon(cluster.root)
+    slurmcluster.stop_daemon(cluster.root)
     try:
         job = cluster.sbatch(cluster.counter_script("nodaemon", ENABLE, stop=3, interval=0.2))
         cluster.wait_state(job, ("COMPLETED",))
     finally:
-        local_cluster.start_daemon(cluster.root)
+        slurmcluster.start_daemon(cluster.root)
     out = cluster.output(job)
     assert "cannot reach the stasis daemon" in out and "WITHOUT checkpoint protection" in out
     assert cluster.numbers(job) == [0, 1, 2]

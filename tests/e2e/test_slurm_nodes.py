@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import STASIS, TEST_USER
+from tests.conftest import STASIS, STASIS_DEV, TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
 
 
@@ -95,7 +95,7 @@ def test_node_failure_costs_at_most_one_interval(nodes: Cluster) -> None:
     until(
         lambda: nodes.output(job).count("periodic checkpoint") >= 2, 60, "two periodic checkpoints"
     )
-    nodes.stasis("slurm", "local-cluster", "kill-node", "--dir", str(nodes.root), victim)
+    nodes.run(STASIS_DEV, "local-cluster", "kill-node", "--dir", str(nodes.root), victim)
     killed_at = time.monotonic()
     last = nodes.numbers(job)[-1]
     try:
@@ -108,7 +108,7 @@ def test_node_failure_costs_at_most_one_interval(nodes: Cluster) -> None:
         assert _host(nodes, job) != victim
         nodes.wait_state(job, ("COMPLETED",), 120)
     finally:
-        nodes.stasis("slurm", "local-cluster", "start-node", "--dir", str(nodes.root), victim)
+        nodes.run(STASIS_DEV, "local-cluster", "start-node", "--dir", str(nodes.root), victim)
         _resume(nodes, victim)
     numbers = nodes.numbers(job)
     before = numbers[: numbers.index(last) + 1]

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from stasis.slurm import accounting
+from stasis.dev import slurmaccounting
 from tests.conftest import STASIS, TEST_USER, ensure_test_user
 from tests.e2e.conftest import COUNTER, EARLY, Cluster, Early, close_cluster, until
 
@@ -98,7 +98,7 @@ def _run_the_jobs(environ: dict[str, str]) -> dict[str, Any]:
         c.up()
         began = datetime.now().replace(microsecond=0) - timedelta(seconds=2)
         for account in ACCOUNTS:
-            accounting.add_user(c.lay, TEST_USER, account)
+            slurmaccounting.add_user(c.lay, TEST_USER, account)
         w = c.work
         out = f"--output={w}/%x-%j.out"
         jobs: dict[str, str] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stasis.slurm import cluster as local_cluster
+from stasis.dev import slurmcluster
 from tests.e2e.conftest import Cluster, until
 
 STORE_WAIT_S = 3
@@ -31,14 +31,14 @@ def quick(shared_cluster: Cluster) -> Iterator[Cluster]:
     conf = c.lay.stasis_config
     before = conf.read_text()
     conf.write_text(before + f"store_wait_s = {STORE_WAIT_S}\n")
-    local_cluster.stop_daemon(c.root)
-    local_cluster.start_daemon(c.root)
+    slurmcluster.stop_daemon(c.root)
+    slurmcluster.start_daemon(c.root)
     try:
         yield c
     finally:
         conf.write_text(before)
-        local_cluster.stop_daemon(c.root)
-        local_cluster.start_daemon(c.root)
+        slurmcluster.stop_daemon(c.root)
+        slurmcluster.start_daemon(c.root)
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from stasis.errors import SlurmError, UsageError
 from stasis.poll import poll
 
 if TYPE_CHECKING:
-    from stasis.slurm.cluster import Layout
+    from stasis.dev.slurmcluster import Layout
 
 CLUSTER = "stasis-local"
 ACCOUNT = "local"
@@ -123,7 +123,7 @@ def start(lay: "Layout", started: dict[str, int]) -> str:
     conf.touch(mode=0o600)
     os.chmod(conf, 0o600)
     conf.write_text(f"""\
-# slurmdbd of the local cluster (`stasis slurm local-cluster up --accounting`).
+# slurmdbd of the local cluster (`stasis-dev local-cluster up --accounting`).
 AuthType=auth/munge
 AuthInfo=socket={munge_sock}
 DbdAddr=127.0.0.1

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stasis.dev import slurmcluster as cluster
 from stasis.errors import SlurmError
 from stasis.poll import poll
-from stasis.slurm import cluster
 from stasis.slurm.scontrol import parse_record
 
 # How long after the victim ended a requeue it should not have had would show (cred_expire=5).

@@ -180,7 +180,7 @@ def cgroup_conf(m: Machine) -> str:
     there is no systemd in a node's namespaces. (Not run here: these machines have no memory
     controller on cgroup v2.)"""
     lines = [
-        "# Written by `stasis slurm local-cluster up --cgroup`.",
+        "# Written by `stasis-dev local-cluster up --cgroup`.",
         f"CgroupPlugin=cgroup/{m.version}",
         f"CgroupAutomount={'yes' if m.version == 'v2' else 'no'}",
         f"CgroupMountpoint={CGROUP_ROOT}",

@@ -1,4 +1,4 @@
-"""`stasis k8s local-node up|down --dir D`: a private containerd with the stasis runtime
+"""`stasis-dev local-node up|down --dir D`: a private containerd with the stasis runtime
 installed as the node agent installs it (stasis.k8s.shim), and a stasis daemon for it.
 
     D/containerd/   config.toml, root, state, containerd.sock, containerd.log
@@ -10,7 +10,7 @@ Containers are started with `ctr -a D/containerd/containerd.sock -n stasis run -
 io.containerd.stasis.v2 ...`. Nothing outside D is touched, except runc's state under
 /run/containerd/runc/<namespace> (the shim puts it there) and the mounts of running containers.
 
-With `separate` (`--separate`) the node is a host of its own (stasis.nodehost): containerd, the
+With `separate` (`--separate`) the node is a host of its own (stasis.dev.nodehost): containerd, the
 daemon, the shims, runc, CRIU and the containers run in the node's own mount and UTS namespaces,
 with fresh /tmp, /var/tmp, /dev/shm and /run (runc's state, CRIU's cache /run/stasis-criu), D,
 this Python and the stasis package bound back, the node's name as host name, and a network
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stasis import nodehost
 from stasis.daemon import detached
+from stasis.dev import nodehost
 from stasis.errors import ContainerError, UsageError
 from stasis.k8s import shim
 
@@ -117,7 +117,7 @@ def node_prefix(lay: Layout) -> list[str]:
     if holder is None:
         raise ContainerError(
             f"the local node in {lay.root} has lost its namespaces (their "
-            "holder process is gone): `stasis k8s local-node down`, then `up` "
+            "holder process is gone): `stasis-dev local-node down`, then `up` "
             "again"
         )
     return nodehost.prefix(holder)
@@ -162,7 +162,7 @@ def up(
     if separate and kubeconfig:
         _check_reachable(Path(kubeconfig))
     if os.geteuid() != 0:
-        raise UsageError("k8s local-node up must run as root (it starts containerd)")
+        raise UsageError("local-node up must run as root (it starts containerd)")
     for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
         if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin:/usr/local/bin"):
             raise UsageError(
@@ -171,7 +171,7 @@ def up(
     lay = Layout(root.absolute())
     if detached.alive(detached.read_pid(lay.containerd / "containerd.pid")):
         raise UsageError(
-            f"a local node is already running in {lay.root}; " "`stasis k8s local-node down` first"
+            f"a local node is already running in {lay.root}; " "`stasis-dev local-node down` first"
         )
     for d in (lay.root, lay.containerd, lay.bin, lay.stasis):
         d.mkdir(parents=True, exist_ok=True)

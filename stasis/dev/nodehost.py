@@ -10,7 +10,7 @@ path where they lie under a private directory. A pathname unix socket on a share
 across nodes (its address is the file, not the network).
 
 Used by the multi-node test harnesses (tests/nodes.py: the control plane's test nodes) and meant
-for `stasis slurm local-cluster` and `stasis k8s local-node`: only root makes nodes.
+for `stasis-dev local-cluster` and `stasis-dev local-node`: only root makes nodes.
 """
 
 from __future__ import annotations

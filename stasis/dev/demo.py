@@ -6,8 +6,6 @@ touches a daemon that may already run on the machine.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -71,7 +69,7 @@ def checkpoint_demo() -> None:
             sys.executable,
             "-u",
             "-m",
-            "stasis.demo_job",
+            "stasis.dev.demojob",
         )
         console.print(f"started job {job['job']} (pid {job['pid']}), output in {log}")
         _wait(lambda: len(_lines(log)) >= 5)
@@ -111,9 +109,9 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("run the demo as root (make demo)")
     checkpoint_demo()
-    # The Slurm preemption demo joins once the Slurm integration provides it.
-    if importlib.util.find_spec("stasis.slurm") and importlib.util.find_spec("stasis.slurm.demo"):
-        importlib.import_module("stasis.slurm.demo").run_preemption_demo(console)
+    from stasis.dev import slurmdemo
+
+    slurmdemo.run_preemption_demo(console)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`stasis slurm local-cluster up|down|status|exec|kill-node|start-node`: a throwaway Slurm
+"""`stasis-dev local-cluster up|down|status|exec|kill-node|start-node`: a throwaway Slurm
 cluster on this machine, of one node or several.
 
 Everything lives under one private directory with private ports and a private munge socket, so it
@@ -11,7 +11,7 @@ partitions over all nodes: `low` (preemptable, PreemptMode=REQUEUE with a GraceT
 sbatch/squeue/scontrol/scancel talk to it.
 
 One node runs in this machine's own namespaces on 127.0.0.1. Several nodes are each a host of
-their own (stasis.nodehost): a network namespace with its own address on a private bridge
+their own (stasis.dev.nodehost): a network namespace with its own address on a private bridge
 (10.213.X.0/24, the bridge is this machine's .254 and slurmctld's address), a UTS namespace with
 the node's name as host name, and a mount namespace in which the node's own slurmd spool
 directory is at the one SlurmdSpoolDir path (node-local, as on real sites) and /tmp, /var/tmp,
@@ -25,7 +25,7 @@ directories, the installed software, this Python and the stasis package.
 
 With --cgroup, Slurm runs proctrack/cgroup and task/cgroup (--mem a hard limit), and each node
 (the one node too) has a cgroup subtree and cgroup namespace of its own
-(stasis.slurm.cluster_cgroup).
+(stasis.dev.slurmcgroup).
 
     D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
     D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
@@ -58,12 +58,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stasis import nodehost
 from stasis.daemon import detached
+from stasis.dev import nodehost, slurmcgroup
+from stasis.dev.nodehost import Net
 from stasis.errors import SlurmError, StasisError, UsageError
-from stasis.nodehost import Net
 from stasis.poll import poll
-from stasis.slurm import cluster_cgroup, install
+from stasis.slurm import install
 
 NODE = "n1"
 MAX_NODES = 16
@@ -277,7 +277,7 @@ def slurm_conf_text(
         members = ",".join(nodes)
     title = "single-node" if not nodes or len(nodes) < 2 else f"{len(nodes)}-node"
     return f"""\
-# A throwaway {title} cluster made by `stasis slurm local-cluster up`.
+# A throwaway {title} cluster made by `stasis-dev local-cluster up`.
 ClusterName=stasis-local
 SlurmctldHost={ctld}
 SlurmctldPort={_free_port()}
@@ -345,7 +345,7 @@ def _wait(pred: Any, timeout_s: float, what: str) -> None:
         raise SlurmError(f"local cluster: timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-# -- several nodes, each a host of its own (stasis.nodehost) ----------------------------------
+# -- several nodes, each a host of its own (stasis.dev.nodehost) ----------------------------------
 
 # The ids of the local clusters' networks (tests/nodes.py takes 220..251, k8s local nodes 252).
 _FIRST_NET, _LAST_NET = 20, 219
@@ -399,10 +399,10 @@ def _cgroup_holder(state: dict[str, Any], node: str) -> dict[str, Any]:
     """What `node`'s holder needs for a cgroup subtree of its own (--cgroup), else nothing."""
     if "cgroup" not in state:
         return {}
-    m = cluster_cgroup.machine()
+    m = slurmcgroup.machine()
     return {
-        "cgroups": cluster_cgroup.make_node(m, state["cgroup"]["base"], node),
-        "cgroup_mounts": cluster_cgroup.node_mounts(m),
+        "cgroups": slurmcgroup.make_node(m, state["cgroup"]["base"], node),
+        "cgroup_mounts": slurmcgroup.node_mounts(m),
     }
 
 
@@ -432,7 +432,7 @@ def _cgroup_down(state: dict[str, Any]) -> None:
         if holder:
             nodehost.end_holder(holder)
     base = state["cgroup"]["base"]
-    for h in cluster_cgroup.hierarchies():
+    for h in slurmcgroup.hierarchies():
         top = Path(h.mountpoint) / base
         for procs in top.glob("**/cgroup.procs") if top.is_dir() else ():
             for pid in procs.read_text().split():
@@ -440,7 +440,7 @@ def _cgroup_down(state: dict[str, Any]) -> None:
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
                     pass
-    cluster_cgroup.remove(base)
+    slurmcgroup.remove(base)
 
 
 def _nodes_down(state: dict[str, Any]) -> None:
@@ -475,7 +475,7 @@ def _node_prefix(lay: Layout, node: str) -> list[str]:
     if not cgroup:
         return inside
     # One node with --cgroup: this machine's namespaces but for its mounts and cgroups.
-    join = cluster_cgroup.join_prefix(cluster_cgroup.machine(), state["cgroup"]["base"], node)
+    join = slurmcgroup.join_prefix(slurmcgroup.machine(), state["cgroup"]["base"], node)
     return [*join, *inside]
 
 
@@ -511,7 +511,7 @@ def up(
 
     `cgroup`: Slurm as sites run it, proctrack/cgroup and task/cgroup with ConstrainRAMSpace
     (--mem is a hard limit), each node's slurmd in a cgroup subtree of its own
-    (stasis.slurm.cluster_cgroup)."""
+    (stasis.dev.slurmcgroup)."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
     if not 1 <= nodes <= MAX_NODES:
@@ -529,12 +529,12 @@ def up(
             f"--job-container: {root} is under a directory each job sees as its "
             "own; give a --dir outside /tmp and /var/tmp"
         )
-    machine = cluster_cgroup.machine() if cgroup else None
+    machine = slurmcgroup.machine() if cgroup else None
     lay = Layout(root)
     if lay.state_file.exists() and status(root)["running"]:
         raise UsageError(
             f"a local cluster is already running in {root}; "
-            "`stasis slurm local-cluster down` first"
+            "`stasis-dev local-cluster down` first"
         )
     for tool in ("munged", "slurmctld", "slurmd", "sinfo"):
         if not shutil.which(tool, path="/usr/sbin:/usr/bin:/sbin:/bin"):
@@ -564,8 +564,8 @@ def up(
     started: dict[str, int] = {}
     state: dict[str, Any] = {"pids": started, "nodes": names, "without_stasis": bare}
     if machine is not None:
-        state["cgroup"] = {"version": machine.version, "base": cluster_cgroup.base_name(root)}
-        (lay.etc / "cgroup.conf").write_text(cluster_cgroup.cgroup_conf(machine))
+        state["cgroup"] = {"version": machine.version, "base": slurmcgroup.base_name(root)}
+        (lay.etc / "cgroup.conf").write_text(slurmcgroup.cgroup_conf(machine))
     else:
         (lay.etc / "cgroup.conf").unlink(missing_ok=True)
     _save_state(lay, state)
@@ -578,7 +578,7 @@ def up(
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
         if accounting:
-            from stasis.slurm import accounting as acct
+            from stasis.dev import slurmaccounting as acct
 
             acct_conf = acct.start(lay, started)
         lay.slurm_conf.write_text(
