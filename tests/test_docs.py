@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from stasis import configdoc
 from stasis.cli import reference
 from stasis.cli.main import parser
-from stasis.config import _ENV_KEYS, Settings
+from stasis.config import Settings, env_names
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -60,9 +61,7 @@ def check_settings(text: str) -> list[str]:
     """What docs/configuration.md gets wrong about stasis/config.py, one line each."""
     rows = config_rows(text)
     wrong: list[str] = []
-    env_of: dict[str, set[str]] = {}
-    for env, key in _ENV_KEYS.items():
-        env_of.setdefault(key, set()).add(env)
+    env_of = {key: set(env_names(key)) for key in Settings._fields}
     defaults = Settings._field_defaults
     for key in Settings._fields:
         if key not in rows:
@@ -96,6 +95,12 @@ def check_settings(text: str) -> list[str]:
 
 def test_every_setting_has_its_row_and_every_row_its_setting() -> None:
     assert check_settings((DOCS / "configuration.md").read_text()) == []
+
+
+def test_the_configuration_page_is_what_the_declarations_say() -> None:
+    assert (
+        (DOCS / "configuration.md").read_text() == configdoc.render()
+    ), "docs/configuration.md is stale: run `make docs` (python -m stasis.configdoc)"
 
 
 def test_the_settings_check_fails_when_it_should() -> None:
