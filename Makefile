@@ -89,10 +89,13 @@ bench: install
 	$(BIN)/python -m bench.verify $(BENCH_VERIFY_ARGS)
 	$(BIN)/python -m bench.freeze $(BENCH_FREEZE_ARGS)
 
-# docs/cli.md, generated from the CLI's parsers (tests/test_docs.py fails when it is stale);
-# the chart's README from its values.yaml (tests/k8s/test_chart.py).
+# docs/cli.md, generated from the CLI's parsers, and docs/configuration.md from the settings'
+# declarations (tests/test_docs.py fails when either is stale); the chart's README from its
+# values.yaml (tests/k8s/test_chart.py).
 docs: venv
 	$(BIN)/python -m stasis.cli.reference > docs/cli.md.new && mv docs/cli.md.new docs/cli.md
+	$(BIN)/python -m stasis.configdoc > docs/configuration.md.new && \
+	    mv docs/configuration.md.new docs/configuration.md
 	$(BIN)/python -m stasis.k8s.chartdoc > charts/stasis/README.md.new && \
 	    mv charts/stasis/README.md.new charts/stasis/README.md
 
