@@ -1,8 +1,11 @@
 """`stasis slurm report`: what wall-time limits, over-requests and preemptions cost, from
-Slurm's accounting (sacct).
+Slurm's accounting (sacct), and whether checkpointing pays per partition and account.
 
-The numbers come from stasis.slurm.report; this module reads the options and prints: a table on
-the terminal, `--json`, `--csv`, or `--html FILE` (a page with charts).
+The numbers come from stasis.slurm.report and stasis.slurm.payoff; this module reads the options
+and prints: a table on the terminal, `--json`, `--csv`, or `--html FILE` (a page with charts).
+The checkpoint costs measured on this node are asked of its daemon (`stasis slurm intervals`'
+answer: the jobs running here); a daemon that does not answer leaves the stated default.
+`stasis slurm poc` (stasis/cli/slurm_poc.py) is registered beside `report`, here.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from stasis.config import Settings
 from stasis.errors import StasisError, UsageError
 
 if TYPE_CHECKING:
+    from stasis.slurm.payoff import Model
     from stasis.slurm.report import Report
 
 
@@ -44,6 +48,14 @@ def add_report(sub: Any) -> None:
         help="A job of the same user, name and directory starting this soon after a "
         "TIMEOUT is its resubmission (default: %(default)g).",
     )
+    p.add_argument(
+        "--checkpoint-cost-s",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="What one checkpoint costs a job (seconds frozen) in a partition where none was "
+        "measured (default: 10).",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="Print one JSON value.")
     fmt.add_argument(
@@ -53,6 +65,48 @@ def add_report(sub: Any) -> None:
         "--html", type=Path, metavar="FILE", help="Write a self-contained page with charts to FILE."
     )
     p.set_defaults(handler=report)
+    from stasis.cli.slurm_poc import add_poc
+
+    add_poc(sub)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"{value:g} is not in (0, 86400] seconds")
+    return value
+
+
+def measured_costs(settings: Settings) -> dict[str, list[float]]:
+    """Per partition: the frozen seconds the node daemon last measured for each job running
+    here (none when it does not answer: the report goes on with the default)."""
+    from stasis.client import Client
+
+    found: dict[str, list[float]] = {}
+    try:
+        with Client(settings.socket, timeout_s=10) as client:
+            entries = client.slurm_intervals()
+    except StasisError:
+        return found
+    for e in entries:
+        cost = e.get("cost_s")
+        if e.get("cost_measured") and isinstance(cost, (int, float)) and e.get("partition"):
+            found.setdefault(str(e["partition"]), []).append(float(cost))
+    return found
+
+
+def model(settings: Settings, cost_s: float | None) -> "Model":
+    from stasis.slurm.payoff import DEFAULT_COST_S, Model
+
+    return Model(
+        floor_s=settings.interval_min_s,
+        ceiling_s=settings.interval_max_s,
+        default_cost_s=cost_s if cost_s is not None else DEFAULT_COST_S,
+        measured=measured_costs(settings),
+    )
 
 
 def _hours(text: str) -> float:
@@ -66,6 +120,7 @@ def _hours(text: str) -> float:
 
 
 def report(args: argparse.Namespace, settings: Settings) -> None:
+    from stasis.slurm import payoff
     from stasis.slurm import report as rep
 
     since, until = rep.period(args.since, args.until)
@@ -74,7 +129,7 @@ def report(args: argparse.Namespace, settings: Settings) -> None:
         target = args.html.absolute()
         if not target.parent.is_dir():
             raise UsageError(f"--html {args.html}: directory {target.parent} does not exist")
-    result = rep.report(since, until, window_s)
+    result = payoff.read(since, until, window_s, model(settings, args.checkpoint_cost_s))
     if args.json:
         output.emit_json(result.as_dict())
     elif args.csv:
@@ -135,6 +190,10 @@ def show(result: "Report") -> None:
         f"{_h(t.preempt_redone_node_hours)} node-hours redone; stasis kept "
         f"{_h(t.kept_node_hours)} node-hours of {t.protected_jobs} protected jobs"
     )
+    output.plain(
+        f"  checkpointing protected jobs: {t.checkpoints} checkpoints, "
+        f"{_h(t.spent_node_hours)} node-hours frozen; net kept {_h(t.net_node_hours)} node-hours"
+    )
     if not result.groups:
         return
     rows = [
@@ -159,3 +218,73 @@ def show(result: "Report") -> None:
     ]
     output.plain("")
     output.table(rows, list(rows[0]))
+    show_payoff(result)
+
+
+def _s(seconds: float) -> str:
+    from stasis.slurm.report_html import seconds as fmt
+
+    return fmt(seconds)
+
+
+def show_payoff(result: "Report") -> None:
+    """Per partition: the rate used and auto's interval; per account and partition: kept
+    against spent, the net on one line."""
+    output.plain("")
+    output.plain("Interruptions and STASIS_INTERVAL=auto per partition:")
+    output.table(
+        [
+            {
+                "partition": p.partition,
+                "interruptions": p.interruptions,
+                "node-h": _h(p.node_hours),
+                "per node-h": f"{p.rate_per_node_hour:.4g}",
+                "nodes": p.nodes,
+                "cost": _s(p.cost_s),
+                "cost from": p.cost_source,
+                "auto interval": _s(p.interval_s),
+                "bound": p.bound or "-",
+            }
+            for _, p in sorted(result.partitions.items())
+        ],
+        [
+            "partition",
+            "interruptions",
+            "node-h",
+            "per node-h",
+            "nodes",
+            "cost",
+            "cost from",
+            "auto interval",
+            "bound",
+        ],
+    )
+    output.plain("")
+    output.plain("Protected jobs: node-hours kept against node-hours spent checkpointing:")
+    output.table(
+        [
+            {
+                "account": a,
+                "partition": p,
+                "per node-h": f"{part.rate_per_node_hour:.4g}" if part else "-",
+                "auto interval": _s(part.interval_s) if part else "-",
+                "restored": c.protected_jobs,
+                "kept": _h(c.kept_node_hours),
+                "checkpoints": c.checkpoints,
+                "spent": _h(c.spent_node_hours),
+                "net": _h(c.net_node_hours),
+            }
+            for a, p, c, part in result.accounts()
+        ],
+        [
+            "account",
+            "partition",
+            "per node-h",
+            "auto interval",
+            "restored",
+            "kept",
+            "checkpoints",
+            "spent",
+            "net",
+        ],
+    )

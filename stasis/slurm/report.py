@@ -143,21 +143,55 @@ class Costs:
     preempt_redone_node_hours: float = 0.0
     protected_jobs: int = 0
     kept_node_hours: float = 0.0
+    # What protecting them cost (stasis.slurm.payoff): checkpoints of protected jobs (one per
+    # interruption, plus the periodic ones at auto's interval), x frozen seconds x nodes.
+    checkpoints: int = 0
+    spent_node_hours: float = 0.0
 
     @property
     def lost_node_hours(self) -> float:
         """Hours of killed work: ended in TIMEOUT, or run again after a preemption."""
         return self.timeout_node_hours + self.preempt_redone_node_hours
 
+    @property
+    def net_node_hours(self) -> float:
+        """Kept by restores less spent checkpointing."""
+        return self.kept_node_hours - self.spent_node_hours
+
     def add(self, other: "Costs") -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def as_dict(self) -> dict[str, float | int]:
-        return {**asdict(self), "lost_node_hours": self.lost_node_hours}
+        return {
+            **asdict(self),
+            "lost_node_hours": self.lost_node_hours,
+            "net_node_hours": self.net_node_hours,
+        }
 
 
 GROUP_COLUMNS = ("user", "account", "partition", *Costs().as_dict())
+
+
+@dataclass
+class Partition:
+    """A partition's interruption rate over the period and the interval `STASIS_INTERVAL=auto`
+    would choose for its typical job (stasis.slurm.payoff fills it)."""
+
+    partition: str
+    interruptions: int
+    node_hours: float
+    rate_per_node_hour: float
+    cost_s: float  # one checkpoint's frozen seconds used
+    cost_source: str  # "measured: median of N jobs" or "default (--checkpoint-cost-s)"
+    nodes: int  # the typical job's nodes (median over the partition's jobs)
+    mtbi_s: float | None
+    interval_s: float
+    bound: str
+    why: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
 
 
 @dataclass
@@ -168,6 +202,7 @@ class Report:
     totals: Costs = field(default_factory=Costs)
     groups: dict[tuple[str, str, str], Costs] = field(default_factory=dict)
     weeks: dict[str, Costs] = field(default_factory=dict)
+    partitions: dict[str, Partition] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -177,7 +212,37 @@ class Report:
             "totals": self.totals.as_dict(),
             "groups": self.group_rows(),
             "weeks": [{"week": w, **c.as_dict()} for w, c in sorted(self.weeks.items())],
+            "partitions": [p.as_dict() for _, p in sorted(self.partitions.items())],
+            "accounts": self.account_rows(),
         }
+
+    def accounts(self) -> list[tuple[str, str, Costs, Partition | None]]:
+        """Per (account, partition), sorted: its sums and its partition's rate and interval."""
+        merged: dict[tuple[str, str], Costs] = defaultdict(Costs)
+        for (_, a, p), c in self.groups.items():
+            merged[(a, p)].add(c)
+        return [(a, p, c, self.partitions.get(p)) for (a, p), c in sorted(merged.items())]
+
+    def account_rows(self) -> list[dict[str, object]]:
+        """Per (account, partition): its partition's rate and auto's interval, and for its
+        protected jobs node-hours kept against node-hours spent checkpointing, on one line."""
+        return [
+            {
+                "account": a,
+                "partition": p,
+                "jobs": c.jobs,
+                "interruptions": part.interruptions if part else 0,
+                "rate_per_node_hour": part.rate_per_node_hour if part else 0.0,
+                "cost_s": part.cost_s if part else None,
+                "interval_s": part.interval_s if part else None,
+                "protected_jobs": c.protected_jobs,
+                "kept_node_hours": c.kept_node_hours,
+                "checkpoints": c.checkpoints,
+                "spent_node_hours": c.spent_node_hours,
+                "net_node_hours": c.net_node_hours,
+            }
+            for a, p, c, part in self.accounts()
+        ]
 
     def group_rows(self) -> list[dict[str, str | float | int]]:
         """One flat row per (user, account, partition), sorted: GROUP_COLUMNS."""

@@ -2,15 +2,22 @@
 
 Where the hours went, the top users and partitions, and the trend by week, as inline SVG bar
 charts drawn here (no script, nothing fetched from the net), then the table per user, account and
-partition. Every name from sacct goes through Jinja2's autoescaping.
+partition, the interruption rates and auto's interval per partition, and kept against spent per
+account and partition. Every name from sacct goes through Jinja2's autoescaping.
+
+Its pieces (STYLE, `hours`, `seconds`, `bar_chart`, `trend`) draw `stasis slurm poc report
+--html` too (stasis.slurm.poc_html), so that both look alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, TypeVar
 
 from jinja2 import Environment
+from markupsafe import Markup
 
 from stasis.slurm.report import Costs, Report, week_of
 
@@ -21,7 +28,9 @@ CATEGORIES = (
     ("preempt_redone_node_hours", "Redone after a preemption or requeue", "#8d6a9f"),
     ("mem_blocked_node_hours", "Blocked by memory over-request", "#00798c"),
     ("kept_node_hours", "Kept by stasis restores (not rerun)", "#30a14e"),
+    ("spent_node_hours", "Spent checkpointing protected jobs (frozen)", "#6c757d"),
 )
+W = TypeVar("W")
 _BAR_W = 360
 _LABEL_W = 260
 
@@ -55,6 +64,17 @@ def hours(value: float) -> str:
     return f"{value:,.0f}"
 
 
+def seconds(value: float) -> str:
+    """A duration as a person reads it."""
+    if value < 10:
+        return f"{value:.2f} s"
+    if value < 600:
+        return f"{value:.0f} s"
+    if value < 3 * 3600:
+        return f"{value / 60:.0f} min"
+    return f"{value / 3600:.1f} h"
+
+
 def _bars(items: list[tuple[str, float, str]]) -> list[Bar]:
     top = max((v for _, v, _ in items), default=0.0) or 1.0
     return [
@@ -65,30 +85,42 @@ def _bars(items: list[tuple[str, float, str]]) -> list[Bar]:
 
 def _weeks(report: Report) -> list[tuple[str, Costs]]:
     """Every week of the period, those without jobs too (a gap is news)."""
-    out: list[tuple[str, Costs]] = []
-    day = report.since.date()
-    last = (report.until - timedelta(seconds=1)).date()
+    return all_weeks(report.since, report.until, report.weeks, Costs)
+
+
+def all_weeks(
+    since: datetime, until: datetime, found: dict[str, W], empty: Callable[[], W]
+) -> list[tuple[str, W]]:
+    """Every ISO week of [since, until) with its value in `found` (`empty()` where none), and
+    any week of `found` outside it, sorted."""
+    out: list[tuple[str, W]] = []
+    day = since.date()
+    last = (until - timedelta(seconds=1)).date()
     seen: set[str] = set()
     while day <= last:
         w = week_of(day)
         if w not in seen:
             seen.add(w)
-            out.append((w, report.weeks.get(w, Costs())))
+            out.append((w, found.get(w) or empty()))
         day += timedelta(days=1)
-    for w, c in sorted(report.weeks.items()):
+    for w, c in sorted(found.items()):
         if w not in seen:
             out.append((w, c))
-    return sorted(out)
+    return sorted(out, key=lambda wc: wc[0])
 
 
-def _trend(weeks: list[tuple[str, Costs]]) -> tuple[list[Column], float, int]:
-    """Grouped columns, one group per week, one column per category; the scale's top."""
-    top = max((getattr(c, attr) for _, c in weeks for attr, _, _ in CATEGORIES), default=0.0)
+def _trend(
+    weeks: Sequence[tuple[str, Any]],
+    categories: Sequence[tuple[str, str, str]] = CATEGORIES,
+) -> tuple[list[Column], float, int]:
+    """Grouped columns, one group per week, one column per category (an attribute of each
+    week's value); the scale's top, the width."""
+    top = max((getattr(c, attr) for _, c in weeks for attr, _, _ in categories), default=0.0)
     scale = top or 1.0
     cols: list[Column] = []
-    group_w = 14 * len(CATEGORIES) + 16
+    group_w = 14 * len(categories) + 16
     for i, (week, c) in enumerate(weeks):
-        for j, (attr, label, colour) in enumerate(CATEGORIES):
+        for j, (attr, label, colour) in enumerate(categories):
             value = float(getattr(c, attr))
             h = 150 * value / scale
             cols.append(
@@ -103,11 +135,7 @@ def _trend(weeks: list[tuple[str, Costs]]) -> tuple[list[Column], float, int]:
     return cols, top, 50 + len(weeks) * group_w + 10
 
 
-_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>What time limits cost: {{ since }} to {{ until }}</title>
-<style>
+STYLE = """<style>
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 80em; padding: 0 1em; color: #222; }
 .wide { overflow-x: auto; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; }
@@ -119,7 +147,22 @@ th, td { padding: .25em .45em; border-bottom: 1px solid #eee; text-align: right;
 th:nth-child(-n+3), td:nth-child(-n+3) { text-align: left; }
 .note { color: #555; font-size: .9em; max-width: 60em; }
 svg text { font-size: 12px; fill: #222; }
-</style></head><body>
+.pass { color: #30a14e; font-weight: bold; } .fail { color: #d1495b; font-weight: bold; }
+</style>"""
+
+_TREND = """<div class="wide"><svg id="{{ id }}" width="{{ trend_w }}" height="200" role="img" aria-label="{{ label }}">
+<line x1="48" y1="170" x2="{{ trend_w - 10 }}" y2="170" stroke="#888"/>
+<text x="0" y="24">{{ h(trend_top) }}</text><text x="0" y="170">0</text>
+{% for c in trend %}<rect x="{{ c.x }}" y="{{ '%.1f' % c.y }}" width="12" height="{{ '%.1f' % c.height }}" fill="{{ c.colour }}"><title>{{ c.title }}</title></rect>
+{% endfor %}{% for w in weeks %}<text x="{{ 50 + loop.index0 * group_w }}" y="188">{{ w }}</text>
+{% endfor %}</svg></div>
+<p class="note">{% for attr, label, colour in categories %}<span style="color: {{ colour }}">&#9632;</span> {{ label }} &nbsp; {% endfor %}</p>"""
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>What time limits cost: {{ since }} to {{ until }}</title>
+{{ style }}</head><body>
 <h1>What time limits cost on Slurm: {{ since }} to {{ until }}</h1>
 <p class="note">From Slurm's accounting (sacct), {{ totals.jobs }} jobs that ended in the period.
 Node-hours are nodes &times; elapsed hours.</p>
@@ -130,6 +173,7 @@ Node-hours are nodes &times; elapsed hours.</p>
 <div class="card"><strong>{{ h(totals.preempt_redone_node_hours) }}</strong>node-hours redone after {{ totals.preempted_jobs - totals.protected_jobs }} unprotected preemption(s)</div>
 <div class="card"><strong>{{ h(totals.mem_blocked_node_hours) }}</strong>node-hours blocked by {{ totals.mem_overrequest_jobs }} memory over-request(s)</div>
 <div class="card"><strong>{{ h(totals.kept_node_hours) }}</strong>node-hours kept by stasis for {{ totals.protected_jobs }} job(s)</div>
+<div class="card"><strong>{{ h(totals.spent_node_hours) }}</strong>node-hours spent in {{ totals.checkpoints }} checkpoint(s); net kept {{ h(totals.net_node_hours) }}</div>
 </div>
 
 <h2>Where the hours went</h2>
@@ -142,13 +186,7 @@ Node-hours are nodes &times; elapsed hours.</p>
 {{ bar_chart(partitions, "partitions", "top partitions") }}
 
 <h2>Trend by week</h2>
-<div class="wide"><svg id="trend" width="{{ trend_w }}" height="200" role="img" aria-label="node-hours by cause per week">
-<line x1="48" y1="170" x2="{{ trend_w - 10 }}" y2="170" stroke="#888"/>
-<text x="0" y="24">{{ h(trend_top) }}</text><text x="0" y="170">0</text>
-{% for c in trend %}<rect x="{{ c.x }}" y="{{ '%.1f' % c.y }}" width="12" height="{{ '%.1f' % c.height }}" fill="{{ c.colour }}"><title>{{ c.title }}</title></rect>
-{% endfor %}{% for w in weeks %}<text x="{{ 50 + loop.index0 * group_w }}" y="188">{{ w }}</text>
-{% endfor %}</svg></div>
-<p class="note">{% for attr, label, colour in categories %}<span style="color: {{ colour }}">&#9632;</span> {{ label }} &nbsp; {% endfor %}</p>
+{{ trend_chart }}
 
 <h2>Per user, account and partition</h2>
 <div class="wide"><table id="groups"><tr><th>User</th><th>Account</th><th>Partition</th><th>Jobs</th><th>Node-hours</th>
@@ -160,6 +198,25 @@ Node-hours are nodes &times; elapsed hours.</p>
 <td>{{ g.mem_overrequest_jobs }}</td><td>{{ h(g.mem_blocked_node_hours) }}</td><td>{{ g.preempted_jobs }}</td>
 <td>{{ h(g.preempt_redone_node_hours) }}</td><td>{{ h(g.kept_node_hours) }}</td></tr>
 {% else %}<tr><td colspan="15">No job ended in this period.</td></tr>{% endfor %}
+</table></div>
+
+<h2>Interruptions and STASIS_INTERVAL=auto per partition</h2>
+<div class="wide"><table id="partitions-auto"><tr><th>Partition</th><th>Interruptions</th><th>Node-hours</th><th>Per node-hour</th>
+<th>Typical nodes</th><th>Checkpoint cost</th><th>Cost from</th><th>auto's interval</th><th>Why</th></tr>
+{% for p in partitions_auto %}<tr><td>{{ p.partition }}</td><td>{{ p.interruptions }}</td><td>{{ h(p.node_hours) }}</td>
+<td>{{ '%.4g' % p.rate_per_node_hour }}</td><td>{{ p.nodes }}</td><td>{{ s(p.cost_s) }}</td><td>{{ p.cost_source }}</td>
+<td>{{ s(p.interval_s) }}</td><td style="text-align: left">{{ p.why }}</td></tr>
+{% else %}<tr><td colspan="9">No job ran in this period.</td></tr>{% endfor %}
+</table></div>
+
+<h2>Protected jobs: node-hours kept against node-hours spent checkpointing</h2>
+<div class="wide"><table id="net"><tr><th>Account</th><th>Partition</th><th>Jobs</th><th>Per node-hour</th><th>auto's interval</th>
+<th>Restored jobs</th><th>Kept node-h</th><th>Checkpoints</th><th>Spent node-h</th><th>Net node-h</th></tr>
+{% for a, p, c, part in accounts %}<tr><td>{{ a }}</td><td>{{ p }}</td><td>{{ c.jobs }}</td>
+<td>{{ '%.4g' % part.rate_per_node_hour if part else '-' }}</td><td>{{ s(part.interval_s) if part else '-' }}</td>
+<td>{{ c.protected_jobs }}</td><td>{{ h(c.kept_node_hours) }}</td><td>{{ c.checkpoints }}</td>
+<td>{{ h(c.spent_node_hours) }}</td><td>{{ h(c.net_node_hours) }}</td></tr>
+{% else %}<tr><td colspan="10">No job ended in this period.</td></tr>{% endfor %}
 </table></div>
 
 <h2>How these are counted</h2>
@@ -174,6 +231,13 @@ requested; its node-hours times the unused share of its request.</li>
 <li>Preemptions and requeues: the earlier attempts of a requeued job. A job stasis does not
 protect starts over (redone); a stasis-protected job was restored from its checkpoint, so its
 earlier attempts' node-hours are kept.</li>
+<li>Interruptions: records that ended PREEMPTED, NODE_FAIL or REQUEUED in the period, per
+node-hour run there (a TIMEOUT is none: the time-limit checkpoint covers it). auto's interval is
+Young/Daly's from that rate and a checkpoint's cost (the median frozen time measured on this
+node for the partition's jobs, else the stated default), within the site's floor and ceiling.</li>
+<li>Spent: for each protected job, one checkpoint per interruption and one per auto interval of
+its run, each holding its nodes frozen for the cost; an upper bound for jobs that asked for no
+periodic checkpoint.</li>
 </ul>
 <p class="note">Made by <code>stasis slurm report</code> on {{ made }}.</p>
 </body></html>
@@ -187,14 +251,11 @@ _CHART = """<svg id="{{ id }}" width="{{ width }}" height="{{ 24 * bars|length +
 </svg>"""
 
 
-def render(report: Report, now: datetime | None = None) -> str:
-    """The page, as text."""
-    env = Environment(autoescape=True)
+def bar_charts(env: Environment) -> Callable[[list[Bar], str, str], Markup]:
+    """A function drawing horizontal bars (`_bars`) as an SVG with an id and a label."""
     chart = env.from_string(_CHART)
 
-    def bar_chart(bars: list[Bar], id: str, label: str) -> object:
-        from markupsafe import Markup
-
+    def bar_chart(bars: list[Bar], id: str, label: str) -> Markup:
         return Markup(
             chart.render(
                 bars=bars,
@@ -205,6 +266,38 @@ def render(report: Report, now: datetime | None = None) -> str:
                 label_w=_LABEL_W,
             )
         )
+
+    return bar_chart
+
+
+def trend_chart(
+    env: Environment,
+    weeks: Sequence[tuple[str, Any]],
+    categories: Sequence[tuple[str, str, str]],
+    id: str,
+    label: str,
+) -> Markup:
+    """Grouped columns per week (`_trend`) as an SVG, with its legend."""
+    cols, top, width = _trend(weeks, categories)
+    return Markup(
+        env.from_string(_TREND).render(
+            id=id,
+            label=label,
+            trend=cols,
+            trend_top=top,
+            trend_w=width,
+            weeks=[w for w, _ in weeks],
+            group_w=14 * len(categories) + 16,
+            categories=categories,
+            h=hours,
+        )
+    )
+
+
+def render(report: Report, now: datetime | None = None) -> str:
+    """The page, as text."""
+    env = Environment(autoescape=True)
+    bar_chart = bar_charts(env)
 
     totals = report.totals
     where = _bars(
@@ -217,9 +310,13 @@ def render(report: Report, now: datetime | None = None) -> str:
         [(p, c.lost_node_hours, "#8d6a9f") for p, c in report.top("partition") if c.lost_node_hours]
     )
     weeks = _weeks(report)
-    trend, trend_top, trend_w = _trend(weeks)
     data = report.as_dict()
     return env.from_string(_PAGE).render(
+        style=Markup(STYLE),
+        s=seconds,
+        partitions_auto=[p for _, p in sorted(report.partitions.items())],
+        accounts=report.accounts(),
+        trend_chart=trend_chart(env, weeks, CATEGORIES, "trend", "node-hours by cause per week"),
         since=report.since.isoformat(sep=" ", timespec="minutes"),
         until=report.until.isoformat(sep=" ", timespec="minutes"),
         totals=totals,
@@ -228,12 +325,6 @@ def render(report: Report, now: datetime | None = None) -> str:
         where=where,
         users=users,
         partitions=partitions,
-        trend=trend,
-        trend_top=trend_top,
-        trend_w=trend_w,
-        weeks=[w for w, _ in weeks],
-        group_w=14 * len(CATEGORIES) + 16,
-        categories=CATEGORIES,
         groups=data["groups"],
         window_h=f"{report.window_s / 3600:g}",
         made=(now or datetime.now()).isoformat(sep=" ", timespec="seconds"),
