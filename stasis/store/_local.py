@@ -32,8 +32,9 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO
 
@@ -41,23 +42,17 @@ from stasis.atomicfile import fsync_dir, write_atomically
 from stasis.errors import StoreError
 from stasis.store._tree import (
     MAX_MANIFEST_BYTES,
+    Publication,
     in_parallel,
     manifest_bytes,
-    pack_staged,
     staged_names,
 )
 from stasis.store.compression import Reader, Writer, cpu_workers, stored_name
 from stasis.store.crypt import DataKey
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
-from stasis.store.manifest import (
-    MANIFEST_NAME,
-    CheckpointInfo,
-    Compression,
-    Manifest,
-    is_checkpoint_id,
-)
+from stasis.store.manifest import MANIFEST_NAME, CompressionRequest, Manifest, is_checkpoint_id
 from stasis.store.marker import MARKER_NAME, KnownStores, read_marker, write_marker
-from stasis.store.tailhash import InPlaceOutput, Partial
+from stasis.store.tailhash import InPlaceOutput, TailHasher, local_opener
 
 STAGING_NAME = ".staging"
 _PUBLISH_SUFFIX = ".publish"
@@ -74,6 +69,7 @@ class LocalTree:
     def __init__(self, root: Path, known: KnownStores | None = None, expected: str = "") -> None:
         self.root = root
         self.where = str(root)
+        self.read_workers = 1  # a local read is cheaper than a thread
         self._known = known
         self._expected = expected
 
@@ -243,9 +239,6 @@ class LocalTree:
     def _packing_path(self, checkpoint_id: str) -> Path:
         return self._staging_path(checkpoint_id + _PUBLISH_SUFFIX)
 
-    def packing_dir(self, checkpoint_id: str) -> Path:
-        return self._fresh(self._packing_path(checkpoint_id))
-
     def staging_area(self) -> Path:
         return self.root / STAGING_NAME
 
@@ -254,70 +247,46 @@ class LocalTree:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(self._packing_path(checkpoint_id), ignore_errors=True)
 
-    def publish(
-        self,
-        info: CheckpointInfo,
-        compression: Compression,
-        source: Path | None = None,
-        hashed: Mapping[str, Partial] | None = None,
-        *,
-        seal: Callable[[Manifest], Manifest],
-        data_key: DataKey | None = None,
-    ) -> Manifest:
-        staging = source or self._staging_path(info.id)
-        in_place = source is None and compression == "none"
-        final = self.root / info.id
-        out = staging if in_place else self._packing_path(info.id)
+    def publish(self, job: Publication) -> Manifest:
+        staging = job.staged(self._staging_path(job.id))
+        in_place = job.source is None and job.compression == "none"
+        final = self.root / job.id
+        out = staging if in_place else self._packing_path(job.id)
         moved = False
         try:
             self._ensure_root()
             names = staged_names(staging)
             if os.path.lexists(final):
-                raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
-            packed = any(p.output is not None for p in (hashed or {}).values())
-            if in_place and data_key is not None:
+                raise FileExistsError(f"checkpoint {job.id} already exists in {self.where}")
+            packed = any(p.output is not None for p in (job.hashed or {}).values())
+            if in_place and job.data_key is not None:
                 # Sealed where they are: the plain bytes never stay beside the ciphertext.
                 plain_of = {stored_name(n, "none", True): n for n in names}
-                entries = pack_staged(
-                    staging,
-                    names,
-                    compression,
-                    lambda stored: _sealing(staging / plain_of[stored]),
-                    hashed,
-                    data_key,
+                entries = job.pack(
+                    staging, names, lambda stored: _sealing(staging / plain_of[stored]), job.hashed
                 )
                 for entry in entries:
                     os.rename(staging / entry.name, staging / entry.stored_name)
                     os.chmod(staging / entry.stored_name, 0o600)
-                os.chmod(staging, 0o700)
-                shutil.rmtree(self._packing_path(info.id), ignore_errors=True)
             elif in_place:
                 # The staged files are the stored ones: hash them in place, never copy.
-                entries = pack_staged(staging, names, compression, None, hashed)
+                entries = job.pack(staging, names, None, job.hashed)
                 for name in names:
                     os.chmod(staging / name, 0o600)
-                os.chmod(staging, 0o700)
-                # What a follower of `auto` compressed before it gave up, if anything.
-                shutil.rmtree(self._packing_path(info.id), ignore_errors=True)
             else:
                 if not packed:  # else it holds what a follower compressed while CRIU wrote
                     shutil.rmtree(out, ignore_errors=True)
                 out.parent.mkdir(mode=0o700, exist_ok=True)
                 out.mkdir(mode=0o700, exist_ok=True)
-                entries = pack_staged(
-                    staging, names, compression, lambda n: _create(out / n), hashed, data_key
-                )
+                entries = job.pack(staging, names, lambda n: _create(out / n), job.hashed)
+            if in_place:
+                os.chmod(staging, 0o700)
+                # What a follower of `auto` compressed before it gave up, if anything.
+                shutil.rmtree(self._packing_path(job.id), ignore_errors=True)
             in_parallel(
                 _fsync_file, [out / e.stored_name for e in entries], cpu_workers(len(entries))
             )
-            manifest = seal(
-                Manifest.build(
-                    info,
-                    compression,
-                    entries,
-                    data_key.encryption if data_key is not None else None,
-                )
-            )
+            manifest = job.manifest(entries)
             write_atomically(out / MANIFEST_NAME, manifest_bytes(manifest))  # out synced too
             os.rename(out, final)
             moved = True
@@ -328,6 +297,39 @@ class LocalTree:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def follow(
+        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+    ) -> TailHasher | None:
+        # Written back to disk as CRIU writes them, or compressed into the files the store
+        # keeps. sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
+        staged = self._staging_path(checkpoint_id)
+        if compression == "none" and data_key is None:
+            return TailHasher(staged, writeback=True)
+        cipher = data_key.cipher if data_key is not None else None
+        if compression == "none":
+            # Sealed in place (tailhash.InPlaceOutput): no second copy to write, none to remove.
+            return TailHasher(staged, writeback=True, cipher=cipher, seal_in_place=True)
+        try:
+            pack_into = self._fresh(self._packing_path(checkpoint_id))
+        except OSError as e:
+            # Following is a shortcut: publish does all of it and reports a real disk problem.
+            log.debug("not compressing %s while CRIU writes: %s", checkpoint_id, e)
+            return None
+        return TailHasher(
+            staged,
+            writeback=True,
+            compression=compression,
+            open_out=local_opener(pack_into, writeback=True),
+            cipher=cipher,
+            seal_in_place=True,
+        )
+
+    def describe(self, e: BaseException) -> str | None:
+        return None  # the OS's words say it
+
+    def abort_abandoned_uploads(self, idle_s: float, now: datetime, alive: set[str]) -> list[str]:
+        return []  # a local file is written whole or removed with its staging directory
 
     def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
         path = self.root / checkpoint_id

@@ -7,7 +7,7 @@ moved into place (on S3, where one PUT is atomic and there is no rename, written
 see _s3.py): a checkpoint without it is never listed, and a failed publish removes what it
 uploaded. Permissions are the remote's business: grant writes to root alone.
 
-A dump whose total time counts streams instead (`stream_opener`, used by `Store.follow`): the
+A dump whose total time counts streams instead (`follow`, used by `Publisher.follow`): the
 page images are uploaded while CRIU still writes them, each stored file on a thread of its own
 (`ThreadedOutput`; on S3 a multipart upload of several parts at once), and publish only sends
 the tails, then the manifest. Streams a dump started and never published are stopped and
@@ -29,18 +29,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from stasis.store._tree import MAX_MANIFEST_BYTES, manifest_bytes, pack_staged, staged_names
+from stasis.store._tree import MAX_MANIFEST_BYTES, Publication, manifest_bytes, staged_names
 from stasis.store.compression import Reader, Writer
 from stasis.store.crypt import DataKey
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
-from stasis.store.manifest import (
-    MANIFEST_NAME,
-    CheckpointInfo,
-    Compression,
-    Manifest,
-    is_checkpoint_id,
-)
-from stasis.store.tailhash import Opener, Output, Partial
+from stasis.store.manifest import MANIFEST_NAME, CompressionRequest, Manifest, is_checkpoint_id
+from stasis.store.tailhash import Opener, Output, TailHasher
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +115,7 @@ class RemoteTree:
         self.fs = fs  # an fsspec AbstractFileSystem; fsspec ships no type information
         self.root = root.rstrip("/")
         self.where = where
+        self.read_workers = 16  # each read waits a round trip: several at once
         self.staging_root = staging_root
         # The outputs each dump's follower opened: `discard` stops those never published.
         self._streams: dict[str, list[Output]] = {}
@@ -176,9 +171,6 @@ class RemoteTree:
     def local_dir(self, checkpoint_id: str) -> Path | None:
         return None
 
-    def packing_dir(self, checkpoint_id: str) -> Path:
-        raise NotImplementedError("only a local store's images are followed while CRIU writes")
-
     # -- writing ----------------------------------------------------------------------------
 
     def _staging_path(self, checkpoint_id: str) -> Path:
@@ -227,22 +219,13 @@ class RemoteTree:
         with self._streams_lock:
             return self._streams.pop(checkpoint_id, [])
 
-    def publish(
-        self,
-        info: CheckpointInfo,
-        compression: Compression,
-        source: Path | None = None,
-        hashed: Mapping[str, Partial] | None = None,
-        *,
-        seal: Callable[[Manifest], Manifest],
-        data_key: DataKey | None = None,
-    ) -> Manifest:
+    def publish(self, job: Publication) -> Manifest:
         # `hashed` counts where a follower streamed the images (`stream_opener`): their tails
         # are sent here. Partials that only hashed are of no use: every file is read anyway.
-        staging = source or self._staging_path(info.id)
-        target = self._path(info.id)
-        streamed = {n: p for n, p in (hashed or {}).items() if p.output is not None}
-        for partial in (hashed or {}).values():
+        staging = job.staged(self._staging_path(job.id))
+        target = self._path(job.id)
+        streamed = {n: p for n, p in (job.hashed or {}).items() if p.output is not None}
+        for partial in (job.hashed or {}).values():
             if partial.output is None:
                 partial.discard()
         started = bool(streamed)
@@ -250,40 +233,53 @@ class RemoteTree:
             names = staged_names(staging)
             # What was streamed (or began to be) is there already: only a manifest says the
             # checkpoint exists.
-            if self.fs.exists(self._path(info.id, MANIFEST_NAME)):
-                raise FileExistsError(f"checkpoint {info.id} already exists in {self.where}")
+            if self.fs.exists(self._path(job.id, MANIFEST_NAME)):
+                raise FileExistsError(f"checkpoint {job.id} already exists in {self.where}")
             started = True
             self._make_dir(target)
-            entries = pack_staged(
-                staging,
-                names,
-                compression,
-                lambda n: self._open_write(self._path(info.id, n)),
-                streamed,
-                data_key=data_key,
+            entries = job.pack(
+                staging, names, lambda n: self._open_write(self._path(job.id, n)), streamed
             )
-            manifest = seal(
-                Manifest.build(
-                    info,
-                    compression,
-                    entries,
-                    data_key.encryption if data_key is not None else None,
-                )
-            )
-            self._put_manifest(info.id, manifest_bytes(manifest))
+            manifest = job.manifest(entries)
+            self._put_manifest(job.id, manifest_bytes(manifest))
         except BaseException:
             # Uploads still open (a file that failed, or others cut short) are aborted first.
             for partial in streamed.values():
                 partial.discard()
-            for output in self._take_streams(info.id):
+            for output in self._take_streams(job.id):
                 output.discard()
             if started:
                 self._remove_quietly(target)
             raise
         finally:
-            self._take_streams(info.id)
+            self._take_streams(job.id)
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
+
+    def follow(
+        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+    ) -> TailHasher | None:
+        # Every image (compressed or not, sealed or not) is uploaded while CRIU writes it;
+        # publish sends the tails and the manifest.
+        try:
+            opener = self.stream_opener(checkpoint_id)
+        except Exception as e:
+            # A shortcut only: publish uploads everything itself and reports what is wrong.
+            log.debug("not uploading %s while CRIU writes: %s", checkpoint_id, e)
+            return None
+        return TailHasher(
+            self._staging_path(checkpoint_id),
+            compression=compression,
+            open_out=opener,
+            copy_plain=True,
+            cipher=data_key.cipher if data_key is not None else None,
+        )
+
+    def describe(self, e: BaseException) -> str | None:
+        return None  # fsspec's own words
+
+    def abort_abandoned_uploads(self, idle_s: float, now: datetime, alive: set[str]) -> list[str]:
+        return []  # only S3 keeps unfinished uploads
 
     def _make_dir(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)

@@ -318,6 +318,18 @@ class S3Tree(RemoteTree):
     def abort_upload(self, key: str, upload_id: str) -> None:
         self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key, UploadId=upload_id)
 
+    def abort_abandoned_uploads(self, idle_s: float, now: datetime, alive: set[str]) -> list[str]:
+        aborted = []
+        for key, upload_id in self.abandoned_uploads(idle_s, now):
+            if self.checkpoint_of(key) in alive:
+                continue  # its publish is alive, only slow: it ends the upload
+            self.abort_upload(key, upload_id)
+            aborted.append(key)
+        return aborted
+
+    def describe(self, e: BaseException) -> str | None:
+        return describe(e, self.where)
+
 
 @contextmanager
 def _writing(output: MultipartOutput) -> Iterator[MultipartOutput]:

@@ -1,8 +1,9 @@
 """The interface between `Store` and where its bytes live, plus the helpers both backends share.
 
 A `Tree` knows one layout, `<root>/<id>/{images..., manifest.json}`, on one kind of storage:
-a local directory (`_local.LocalTree`) or any fsspec filesystem (`_remote.RemoteTree`). Trees
-raise OSError (FileNotFoundError for anything absent) and leave the wording of errors, the
+a local directory (`_local.LocalTree`), any fsspec filesystem (`_remote.RemoteTree`) or S3
+(`_s3.S3Tree`); what differs between them is a method here, never a type test in the store.
+Trees raise OSError (FileNotFoundError for anything absent) and leave the wording of errors, the
 validation of requests and the verification of images to `Store`.
 """
 
@@ -14,6 +15,8 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -26,12 +29,13 @@ from stasis.store.manifest import (
     CheckpointInfo,
     Chunks,
     Compression,
+    CompressionRequest,
     FileEntry,
     Manifest,
     is_checkpoint_id,
     is_safe_file_name,
 )
-from stasis.store.tailhash import Partial
+from stasis.store.tailhash import Partial, TailHasher
 
 # A manifest lists files, not data: anything this large is garbage, and is not read whole.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -42,6 +46,7 @@ R = TypeVar("R")
 
 class Tree(Protocol):
     where: str  # the store as users name it, for messages
+    read_workers: int  # manifests read at once in a listing: a remote store answers slowly
 
     def ids(self) -> list[str]:
         """Names under the root that look like checkpoint ids; [] when the root does not exist."""
@@ -69,26 +74,30 @@ class Tree(Protocol):
         """The directory holding every staging directory (and half-published copy) of this tree."""
         ...
 
-    def publish(
-        self,
-        info: CheckpointInfo,
-        compression: Compression,
-        source: Path | None = None,
-        hashed: Mapping[str, Partial] | None = None,
-        *,
-        seal: Callable[[Manifest], Manifest],
-        data_key: DataKey | None = None,
-    ) -> Manifest:
-        """Store the staged images of `info.id` and its manifest, all or nothing.
+    def publish(self, job: Publication) -> Manifest:
+        """Store the staged images of `job.info.id` and its manifest, all or nothing.
 
-        `source` is a directory the images were staged in elsewhere (fast node-local memory);
-        None means this tree's own staging directory. Always consumes the staging directory: it
-        becomes the checkpoint, or is removed on failure. `hashed`: see `pack_staged` (a tree
-        that copies the images anyway may ignore it). `seal` turns the manifest built from the
-        files into the one written (the store signs it there): what it returns is returned.
-        `data_key`: encrypt the images with it (the plain staged files never become stored
-        ones, and are removed either way).
+        Always consumes the staging directory: it becomes the checkpoint, or is removed on
+        failure (see `Publication`).
         """
+        ...
+
+    def follow(
+        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+    ) -> TailHasher | None:
+        """A follower of the staging directory of `checkpoint_id` (`Publisher.follow`): it
+        hashes, and compresses or seals or uploads, the images while CRIU writes them, as this
+        tree can take them; None where it cannot (publish then does all of it)."""
+        ...
+
+    def describe(self, e: BaseException) -> str | None:
+        """A line saying what a failure of this backend means for a user, or None to use the
+        failure's own words."""
+        ...
+
+    def abort_abandoned_uploads(self, idle_s: float, now: datetime, alive: set[str]) -> list[str]:
+        """Abort the uploads started `idle_s` before `now` (the store's clock) and never
+        finished, but for those of the checkpoints in `alive`; the keys aborted (gc)."""
         ...
 
     def write_manifest(self, checkpoint_id: str, data: bytes) -> None:
@@ -146,11 +155,6 @@ class Tree(Protocol):
         """The checkpoint's own directory when it is on a local filesystem, else None."""
         ...
 
-    def packing_dir(self, checkpoint_id: str) -> Path:
-        """An empty directory for the compressed files of `checkpoint_id` that a follower writes
-        while CRIU dumps (local trees only); publish takes them from there."""
-        ...
-
     def newest_write(self, checkpoint_id: str) -> float | None:
         """When anything in a checkpoint's directory was last written (epoch seconds); None
         when it holds nothing or the backend cannot tell."""
@@ -180,6 +184,49 @@ class Tree(Protocol):
         ...
 
     def mark_index_ready(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What `Tree.publish` stores: the images staged for `info.id`, in `compression`.
+
+    `source` is a directory the images were staged in elsewhere (fast node-local memory);
+    None means the tree's own staging directory. `hashed`: see `pack_staged` (a tree that
+    copies the images anyway may ignore it). `seal` turns the manifest built from the files
+    into the one written (the store signs it there): what it returns is returned. `data_key`:
+    encrypt the images with it (the plain staged files never become stored ones, and are
+    removed either way).
+    """
+
+    info: CheckpointInfo
+    compression: Compression
+    seal: Callable[[Manifest], Manifest]
+    source: Path | None = None
+    hashed: Mapping[str, Partial] | None = None
+    data_key: DataKey | None = None
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def staged(self, own_staging: Path) -> Path:
+        """Where the images to publish are: `source`, else the tree's `own_staging`."""
+        return self.source or own_staging
+
+    def pack(
+        self,
+        staging: Path,
+        names: list[str],
+        open_dst: Callable[[str], AbstractContextManager[Writer]] | None,
+        hashed: Mapping[str, Partial] | None,
+    ) -> list[FileEntry]:
+        """`pack_staged` of these images, with this publication's codec and key."""
+        return pack_staged(staging, names, self.compression, open_dst, hashed, self.data_key)
+
+    def manifest(self, entries: list[FileEntry]) -> Manifest:
+        """The sealed manifest of the stored `entries`."""
+        encryption = self.data_key.encryption if self.data_key is not None else None
+        return self.seal(Manifest.build(self.info, self.compression, entries, encryption))
 
 
 def staged_names(staging: Path) -> list[str]:

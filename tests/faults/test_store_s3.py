@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from stasis.store import Manifest
-from stasis.store import store as store_module
+from stasis.store import publisher as store_module
 from tests.faultproxy import CutProxy
 from tests.s3server import S3Server
 from tests.store.helpers import SMALL_FILES, make_info, stage

@@ -328,7 +328,7 @@ def test_a_file_sealed_in_part_is_never_published(local_store: Store, tmp_path: 
 
 
 def test_decrypted_images_go_to_memory_and_go(local_store: Store, tmp_path: Path) -> None:
-    from stasis.store.store import MEMORY_SCRATCH
+    from stasis.store.reader import MEMORY_SCRATCH
 
     if not MEMORY_SCRATCH.is_dir():
         pytest.skip(f"no {MEMORY_SCRATCH} here")

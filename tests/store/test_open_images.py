@@ -69,7 +69,7 @@ def test_fetched_images_go_to_memory_when_it_holds_them(
 ) -> None:
     """Images that must be decoded (or, on a remote store, fetched) for a restore are read back
     at once: /dev/shm when memory holds them, the scratch on disk only when it does not."""
-    from stasis.store import store as store_module
+    from stasis.store import reader as store_module
 
     info = make_info()
     stage(local_store, info, SMALL_FILES)

@@ -11,7 +11,7 @@ import pytest
 
 from stasis.errors import NotFoundError
 from stasis.store import Store
-from stasis.store import store as store_module
+from stasis.store import catalog as store_module
 from tests.store.helpers import SMALL_FILES, make_info, stage
 
 

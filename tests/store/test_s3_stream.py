@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import stasis.store.store as store_module
+import stasis.store.reader as store_module
 from stasis.errors import CorruptCheckpointError, StoreError
 from stasis.store import Store
 from stasis.store.crypt import KeyFiles
