@@ -1,6 +1,7 @@
-"""A client of the daemon's API over its unix socket: one typed method per route, Slurm's
-included (the shapes are stasis/wire.py's). Not part of the daemon: the CLI and the scheduler
-hooks use it, and it imports nothing of the daemon's.
+"""A client of the daemon's API over its unix socket: one typed method per route, Slurm's and
+Kubernetes' included, each built from the route's declaration (stasis/routes.py; the shapes are
+stasis/wire.py's). Not part of the daemon: the CLI, the scheduler hooks, the Kubernetes agent
+and runtime wrapper use it, and it imports nothing of the daemon's.
 
 It speaks just enough HTTP/1.0 for our own server: one request per connection, the answer read
 to EOF (JSON, or NDJSON lines for dumps and restores). Not httpx, not even http.client: every
@@ -16,13 +17,15 @@ import socket
 from collections.abc import Callable
 from io import BufferedReader
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Unpack, cast
-from urllib.parse import quote, urlencode
+from typing import Any, TypeVar, Unpack, cast
+from urllib.parse import urlencode
 
+from stasis import routes, wire
 from stasis.errors import DaemonAPIError, StasisError, error_from_wire
+from stasis.routes import Route
 
-if TYPE_CHECKING:  # only the types: creating the ~30 typed dicts costs every command ~2 ms
-    from stasis import wire
+Req = TypeVar("Req")
+Ans = TypeVar("Ans")
 
 _CONNECT_TIMEOUT_S = 30.0
 
@@ -164,19 +167,35 @@ class Client:
             resp.close()
         raise DaemonAPIError("the daemon closed the connection before answering")
 
-    # -- the API, one method per route (stasis/wire.py lists them) ------------------------
+    def call(
+        self,
+        route: Route[Req, Ans],
+        body: Req,
+        *,
+        query: dict[str, str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        **args: str,
+    ) -> Ans:
+        """`route` (a declaration of stasis.routes) with `body` (None: none sent), its path's
+        parameters filled from `args`; a streamed route's progress goes to `progress`."""
+        path = route.url(**args)
+        if route.streamed:
+            return cast("Ans", self.stream(path, body, progress))
+        return cast("Ans", self.request(route.method, path, body, params=query))
+
+    # -- the API, one method per route (stasis/routes.py declares them) -------------------
 
     def run(self, **request: Unpack[wire.RunRequest]) -> wire.RunAnswer:
-        return cast("wire.RunAnswer", self.request("POST", "/jobs", request))
+        return self.call(routes.RUN, request)
 
     def jobs(self) -> list[wire.Job]:
-        return cast("list[wire.Job]", self.request("GET", "/jobs"))
+        return self.call(routes.JOBS, None)
 
     def job(self, job_id: str) -> wire.Job:
-        return cast("wire.Job", self.request("GET", f"/jobs/{_seg(job_id)}"))
+        return self.call(routes.JOB, None, job=job_id)
 
     def kill(self, job_id: str, **request: Unpack[wire.KillRequest]) -> wire.KillAnswer:
-        return cast("wire.KillAnswer", self.request("POST", f"/jobs/{_seg(job_id)}/kill", request))
+        return self.call(routes.KILL, request, job=job_id)
 
     def dump(
         self,
@@ -184,100 +203,116 @@ class Client:
         progress: Callable[[int, int], None] | None = None,
         **request: Unpack[wire.DumpRequest],
     ) -> wire.DumpAnswer:
-        return cast("wire.DumpAnswer", self.stream(f"/jobs/{_seg(job_id)}/dump", request, progress))
+        return self.call(routes.DUMP, request, progress=progress, job=job_id)
 
     def dump_check(self, job_id: str) -> wire.DumpCheckAnswer:
-        return cast("wire.DumpCheckAnswer", self.request("GET", f"/jobs/{_seg(job_id)}/dump-check"))
+        return self.call(routes.DUMP_CHECK, None, job=job_id)
 
     def restore(
         self,
         progress: Callable[[int, int], None] | None = None,
         **request: Unpack[wire.RestoreRequest],
     ) -> wire.RestoreAnswer:
-        return cast("wire.RestoreAnswer", self.stream("/restore", request, progress))
+        return self.call(routes.RESTORE, request, progress=progress)
 
     def checkpoints(
         self, label: str | None = None, user: str | None = None
     ) -> list[wire.Checkpoint]:
-        params = {k: v for k, v in (("label", label), ("user", user)) if v is not None}
-        return cast(
-            "list[wire.Checkpoint]", self.request("GET", "/checkpoints", params=params or None)
-        )
+        query = {k: v for k, v in (("label", label), ("user", user)) if v is not None}
+        return self.call(routes.CHECKPOINTS, None, query=query or None)
 
     def delete_checkpoint(self, checkpoint_id: str) -> wire.Deleted:
-        return cast("wire.Deleted", self.request("DELETE", f"/checkpoints/{_seg(checkpoint_id)}"))
+        return self.call(routes.DELETE_CHECKPOINT, None, checkpoint=checkpoint_id)
 
     def check_checkpoint(self, checkpoint_id: str) -> wire.CheckpointCheck:
-        return cast(
-            "wire.CheckpointCheck", self.request("GET", f"/checkpoints/{_seg(checkpoint_id)}/check")
-        )
+        return self.call(routes.CHECK_CHECKPOINT, None, checkpoint=checkpoint_id)
 
     def verify(self, checkpoint_id: str) -> wire.VerifyVerdict:
-        return cast(
-            "wire.VerifyVerdict",
-            self.request("POST", f"/checkpoints/{_seg(checkpoint_id)}/verify", {}),
-        )
+        return self.call(routes.VERIFY, None, checkpoint=checkpoint_id)
 
     def collect_garbage(self, **request: Unpack[wire.GcRequest]) -> wire.GcAnswer:
-        return cast("wire.GcAnswer", self.request("POST", "/checkpoints/gc", request))
+        return self.call(routes.COLLECT_GARBAGE, request)
 
     def rekey(self) -> wire.RekeyAnswer:
-        return cast("wire.RekeyAnswer", self.request("POST", "/checkpoints/rekey"))
+        return self.call(routes.REKEY, None)
 
     def check(self) -> wire.CheckReport:
-        return cast("wire.CheckReport", self.request("GET", "/check"))
+        return self.call(routes.CHECK, None)
 
     def network_locks(self) -> list[wire.NetworkLock]:
-        return cast("list[wire.NetworkLock]", self.request("GET", "/network-locks"))
+        return self.call(routes.NETWORK_LOCKS, None)
 
     # -- Slurm (stasis.slurm.integration) ------------------------------------------------------
 
     def slurm_health(self) -> wire.Health:
-        return cast("wire.Health", self.request("GET", "/slurm/health"))
+        return self.call(routes.SLURM_HEALTH, None)
 
     def slurm_register(self, **request: Unpack[wire.RegisterRequest]) -> wire.Registration:
-        return cast("wire.Registration", self.request("POST", "/slurm/jobs", request))
+        return self.call(routes.SLURM_REGISTER, request)
 
     def slurm_job(self, slurm_job: str) -> wire.Registration:
-        return cast("wire.Registration", self.request("GET", f"/slurm/jobs/{_seg(slurm_job)}"))
+        return self.call(routes.SLURM_JOB, None, job=slurm_job)
 
     def slurm_checkpoint(
         self, slurm_job: str, **request: Unpack[wire.SlurmCheckpointRequest]
     ) -> wire.SlurmCheckpointAnswer:
-        return cast(
-            "wire.SlurmCheckpointAnswer",
-            self.request("POST", f"/slurm/jobs/{_seg(slurm_job)}/checkpoint", request),
-        )
+        return self.call(routes.SLURM_CHECKPOINT, request, job=slurm_job)
 
-    def slurm_interval(self, slurm_job: str, requested: str) -> dict[str, Any]:
+    def slurm_interval(self, slurm_job: str, requested: str) -> wire.SlurmInterval:
         """How long job `slurm_job` waits for its next periodic checkpoint (`requested`:
         "auto" or seconds), and why (stasis.slurm.intervals)."""
-        return cast(
-            "dict[str, Any]",
-            self.request(
-                "POST", f"/slurm/jobs/{_seg(slurm_job)}/interval", {"requested": requested}
-            ),
-        )
+        request = wire.SlurmIntervalRequest(requested=requested)
+        return self.call(routes.SLURM_INTERVAL, request, job=slurm_job)
 
-    def slurm_intervals(self) -> list[dict[str, Any]]:
-        return cast("list[dict[str, Any]]", self.request("GET", "/slurm/intervals"))
+    def slurm_intervals(self) -> list[wire.SlurmInterval]:
+        return self.call(routes.SLURM_INTERVALS, None)
 
     def slurm_finish(
         self, slurm_job: str, exit_code: int | None, stopped: bool = False
     ) -> wire.FinishAnswer:
-        return cast(
-            "wire.FinishAnswer",
-            self.request(
-                "POST",
-                f"/slurm/jobs/{_seg(slurm_job)}/finish",
-                {"exit_code": exit_code, "stopped": stopped},
-            ),
-        )
+        request = wire.FinishRequest(exit_code=exit_code, stopped=stopped)
+        return self.call(routes.SLURM_FINISH, request, job=slurm_job)
 
+    # -- Kubernetes (stasis.k8s.integration; root's) -------------------------------------------
 
-def _seg(value: str) -> str:
-    """One URL path segment: ids from the command line never become other paths."""
-    return quote(value, safe="")
+    def k8s_containers(self) -> list[wire.ContainerInfo]:
+        return self.call(routes.K8S_CONTAINERS, None)
+
+    def k8s_register(self, **request: Unpack[wire.ContainerRegisterRequest]) -> wire.ContainerInfo:
+        return self.call(routes.K8S_REGISTER, request)
+
+    def k8s_checkpoint(
+        self, container_id: str, **request: Unpack[wire.ContainerCheckpointRequest]
+    ) -> wire.ContainerCheckpointAnswer:
+        return self.call(routes.K8S_CHECKPOINT, request, container=container_id)
+
+    def k8s_interval(self, container_id: str, interval_s: int | None) -> wire.ContainerInfo:
+        request = wire.ContainerIntervalRequest(interval_s=interval_s)
+        return self.call(routes.K8S_INTERVAL, request, container=container_id)
+
+    def k8s_forget(self, container_id: str) -> wire.Forgotten:
+        return self.call(routes.K8S_FORGET, None, container=container_id)
+
+    def k8s_plan_restore(self, **request: Unpack[wire.ContainerRestoreRequest]) -> wire.RestorePlan:
+        return self.call(routes.K8S_PLAN_RESTORE, request)
+
+    def k8s_restore_done(
+        self, container_id: str, **request: Unpack[wire.RestoreDoneRequest]
+    ) -> wire.RestoreDone:
+        return self.call(routes.K8S_RESTORE_DONE, request, container=container_id)
+
+    def k8s_export(self, checkpoint_id: str, path: str) -> wire.ExportAnswer:
+        request = wire.ExportRequest(path=path)
+        return self.call(routes.K8S_EXPORT, request, checkpoint=checkpoint_id)
+
+    def k8s_import(self, **request: Unpack[wire.ImportRequest]) -> wire.ContainerCheckpointAnswer:
+        return self.call(routes.K8S_IMPORT, request)
+
+    def k8s_node(self) -> wire.NodeInfo:
+        return self.call(routes.K8S_NODE, None)
+
+    def k8s_drain(self, **request: Unpack[wire.K8sDrainRequest]) -> wire.K8sDrainAnswer:
+        return self.call(routes.K8S_DRAIN, request)
 
 
 def _json(raw: bytes) -> Any:

@@ -413,9 +413,13 @@ class ContainerRegisterRequest(TypedDict, total=False):
     restored_from: str | None
 
 
+# Why a container is checkpointed. stop: killed once published; interval / manual / cordon /
+# annotation: it goes on running.
+ContainerCheckpointReason = Literal["stop", "interval", "manual", "cordon", "annotation"]
+
+
 class ContainerCheckpointRequest(TypedDict, total=False):
-    # stop: killed once published; interval / manual / cordon / annotation: it goes on running
-    reason: Literal["stop", "interval", "manual", "cordon", "annotation"]
+    reason: ContainerCheckpointReason
     runc_root: str  # "" = where the container was registered
     timeout_s: float  # 0 = the daemon's k8s_stop_timeout_s
 

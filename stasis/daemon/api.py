@@ -1,4 +1,5 @@
-"""The daemon's HTTP/JSON API, served on a unix socket.
+"""The daemon's HTTP/JSON API, served on a unix socket: the handlers of the core's routes
+(stasis.routes.CORE), one method per route, named after it; stasis.daemon.http serves them.
 
 Who calls is taken from the socket (SO_PEERCRED), never from the request. Errors answer
 {"error": {"type": <StasisError subclass>, "message": <one line>}} with a fitting status.
@@ -8,192 +9,77 @@ Dumps and restores stream NDJSON: {"progress": {...}} lines, then one {"result":
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
-from stasis.daemon.http import answer, error_body, peer, read_body, wire
+from stasis import routes, wire
+from stasis.daemon import models
+from stasis.daemon.http import Call, Progress, add_routes, errors
 from stasis.daemon.integration import Integration
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import DumpRequest, GcRequest, KillRequest, RestoreRequest, RunRequest
 from stasis.daemon.stopping import stop
 from stasis.engine.check import run_check
-from stasis.errors import PermissionDeniedError, StasisError, UsageError
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MANAGER = web.AppKey("manager", JobManager)
-
-log = logging.getLogger("stasis.daemon")
+__all__ = ["CoreRoutes", "errors", "make_app"]
 
 
-@web.middleware
-async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except StasisError as e:
-        return web.json_response(error_body(e), status=e.http_status)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "request"
-        err = UsageError(f"bad request: {where}: {first['msg']}")
-        return web.json_response(error_body(err), status=400)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        # aiohttp's own refusals (no such path, body too large, too slow): one JSON line too.
-        err = UsageError(f"request refused: {e.status} {e.reason}: {e.text or ''}".strip(": "))
-        # A 405 names the methods the path takes (Allow), as HTTP has it.
-        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return web.json_response(error_body(err), status=e.status, headers=allow)
-    except (ConnectionError, asyncio.CancelledError):
-        raise  # the client left: nobody to answer
-    except Exception as e:
-        # A bug: the client gets one line, the traceback goes to the daemon's log only.
-        log.exception("internal error answering %s %s", request.method, request.path)
-        bug = StasisError(f"internal error: {type(e).__name__}: {e}")
-        return web.json_response(error_body(bug), status=500)
+class CoreRoutes:
+    """The core's handlers: `manager`'s work, as each route asks it."""
 
+    def __init__(self, manager: JobManager) -> None:
+        self.manager = manager
 
-async def run_job(request: web.Request) -> web.StreamResponse:
-    req = await read_body(request, RunRequest)
-    return answer(await asyncio.to_thread(request.app[MANAGER].run, req, peer(request)))
+    def run(self, call: Call[models.RunRequest]) -> wire.RunAnswer:
+        return self.manager.run(call.body, call.caller)
 
+    def jobs(self, call: Call[None]) -> list[wire.Job]:
+        return self.manager.jobs(call.caller)
 
-async def list_jobs(request: web.Request) -> web.StreamResponse:
-    return answer(await asyncio.to_thread(request.app[MANAGER].jobs, peer(request)))
+    def job(self, call: Call[None]) -> wire.Job:
+        return self.manager.get(call.args["job"], call.caller)
 
+    async def kill(self, call: Call[models.KillRequest]) -> wire.KillAnswer:
+        return await stop(self.manager, call.args["job"], call.caller, call.body)
 
-async def get_job(request: web.Request) -> web.StreamResponse:
-    return answer(
-        await asyncio.to_thread(request.app[MANAGER].get, request.match_info["job"], peer(request))
-    )
+    def dump_check(self, call: Call[None]) -> wire.DumpCheckAnswer:
+        return self.manager.dump_check(call.args["job"], call.caller)
 
+    def dump(self, call: Call[models.DumpRequest], progress: Progress) -> wire.DumpAnswer:
+        return self.manager.dump(call.args["job"], call.body, call.caller, progress)
 
-async def kill_job(request: web.Request) -> web.StreamResponse:
-    req = await read_body(request, KillRequest)
-    return answer(await stop(request.app[MANAGER], request.match_info["job"], peer(request), req))
+    def restore(self, call: Call[models.RestoreRequest], progress: Progress) -> wire.RestoreAnswer:
+        return self.manager.restore(call.body, call.caller, progress)
 
+    def checkpoints(self, call: Call[None]) -> list[dict[str, Any]]:
+        m = self.manager
+        found = m.checkpoints(call.query.get("label"), call.caller, call.query.get("user"))
+        # Each with its verdict of `stasis verify`, where one is recorded (daemon/verifying.py).
+        return m.verifier.verdicts(found)
 
-async def dump_check(request: web.Request) -> web.StreamResponse:
-    return answer(
-        await asyncio.to_thread(
-            request.app[MANAGER].dump_check, request.match_info["job"], peer(request)
-        )
-    )
+    def delete_checkpoint(self, call: Call[None]) -> wire.Deleted:
+        checkpoint = call.args["checkpoint"]
+        self.manager.delete_checkpoint(checkpoint, call.caller)
+        return wire.Deleted(deleted=checkpoint)
 
+    def check_checkpoint(self, call: Call[None]) -> wire.CheckpointCheck:
+        return self.manager.check_checkpoint(call.args["checkpoint"], call.caller)
 
-async def _stream(
-    request: web.Request, work: Callable[[Callable[[int, int], None]], Mapping[str, Any]]
-) -> web.StreamResponse:
-    """Run `work` in a thread, streaming its progress, then its result or error, as NDJSON."""
-    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    def verify(self, call: Call[None]) -> wire.VerifyVerdict:
+        return self.manager.verify(call.args["checkpoint"], call.caller)
 
-    def progress(done: int, total: int) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, {"progress": {"bytes": done, "total": total}})
+    def collect_garbage(self, call: Call[models.GcRequest]) -> wire.GcAnswer:
+        return self.manager.collect_garbage(call.caller, call.body.idle_s)
 
-    def run() -> None:
-        try:
-            result: dict[str, Any] = {"result": wire(work(progress))}
-        except StasisError as e:
-            result = error_body(e)
-        except ValidationError as e:
-            result = error_body(UsageError(f"bad request: {e.errors()[0]['msg']}"))
-        except Exception as e:  # keep the daemon up and tell the client
-            result = error_body(StasisError(f"internal error: {type(e).__name__}: {e}"))
-        loop.call_soon_threadsafe(queue.put_nowait, result)
+    def rekey(self, call: Call[None]) -> wire.RekeyAnswer:
+        return self.manager.rekey(call.caller)
 
-    task = asyncio.create_task(asyncio.to_thread(run))
-    while True:
-        item = await queue.get()
-        try:
-            await response.write((json.dumps(item) + "\n").encode())
-        except ConnectionResetError:
-            pass  # the client left; the work itself must still finish cleanly
-        if "progress" not in item:
-            break
-    await task
-    return response
+    def check(self, call: Call[None]) -> Any:
+        return run_check(self.manager.settings, self.manager.readiness_problems())
 
-
-async def dump_job(request: web.Request) -> web.StreamResponse:
-    req = await read_body(request, DumpRequest)
-    caller = peer(request)
-    job_id = request.match_info["job"]
-    manager = request.app[MANAGER]
-    return await _stream(request, lambda progress: manager.dump(job_id, req, caller, progress))
-
-
-async def restore(request: web.Request) -> web.StreamResponse:
-    req = await read_body(request, RestoreRequest)
-    caller = peer(request)
-    manager = request.app[MANAGER]
-    return await _stream(request, lambda progress: manager.restore(req, caller, progress))
-
-
-async def list_checkpoints(request: web.Request) -> web.StreamResponse:
-    label = request.query.get("label")
-    user = request.query.get("user")
-    manager = request.app[MANAGER]
-    caller = peer(request)
-    # Each with its verdict of `stasis verify`, where one is recorded (daemon/verifying.py).
-    return answer(
-        await asyncio.to_thread(
-            lambda: manager.verifier.verdicts(manager.checkpoints(label, caller, user))
-        )
-    )
-
-
-async def verify_checkpoint(request: web.Request) -> web.StreamResponse:
-    checkpoint = request.match_info["checkpoint"]
-    return answer(await asyncio.to_thread(request.app[MANAGER].verify, checkpoint, peer(request)))
-
-
-async def delete_checkpoint(request: web.Request) -> web.StreamResponse:
-    checkpoint = request.match_info["checkpoint"]
-    await asyncio.to_thread(request.app[MANAGER].delete_checkpoint, checkpoint, peer(request))
-    return web.json_response({"deleted": checkpoint})
-
-
-async def check_checkpoint(request: web.Request) -> web.StreamResponse:
-    checkpoint = request.match_info["checkpoint"]
-    return answer(
-        await asyncio.to_thread(request.app[MANAGER].check_checkpoint, checkpoint, peer(request))
-    )
-
-
-async def collect_garbage(request: web.Request) -> web.StreamResponse:
-    req = await read_body(request, GcRequest)
-    return answer(
-        await asyncio.to_thread(request.app[MANAGER].collect_garbage, peer(request), req.idle_s)
-    )
-
-
-async def rekey(request: web.Request) -> web.StreamResponse:
-    return answer(await asyncio.to_thread(request.app[MANAGER].rekey, peer(request)))
-
-
-async def network_locks(request: web.Request) -> web.StreamResponse:
-    # The addresses and ports of every job's connections: root's to see.
-    if not peer(request).is_root:
-        raise PermissionDeniedError("permission denied: only root may list network locks")
-    return answer(await asyncio.to_thread(request.app[MANAGER].netlocks.present))
-
-
-async def check(request: web.Request) -> web.StreamResponse:
-    manager = request.app[MANAGER]
-
-    def report() -> Any:
-        return run_check(manager.settings, manager.readiness_problems())
-
-    return answer(await asyncio.to_thread(report))
+    def network_locks(self, call: Call[None]) -> list[wire.NetworkLock]:
+        return self.manager.netlocks.present()
 
 
 def make_app(
@@ -202,27 +88,8 @@ def make_app(
     """The API, with the routes of `integrations`; `middlewares` run inside the error handler
     (their refusals are JSON too)."""
     app = web.Application(middlewares=[errors, *middlewares])
-    app[MANAGER] = manager
-    app.add_routes(
-        [
-            web.post("/jobs", run_job),
-            web.get("/jobs", list_jobs),
-            web.get("/jobs/{job}", get_job),
-            web.post("/jobs/{job}/kill", kill_job),
-            web.post("/jobs/{job}/dump", dump_job),
-            web.get("/jobs/{job}/dump-check", dump_check),
-            web.post("/restore", restore),
-            web.get("/checkpoints", list_checkpoints),
-            web.delete("/checkpoints/{checkpoint}", delete_checkpoint),
-            web.get("/checkpoints/{checkpoint}/check", check_checkpoint),
-            web.post("/checkpoints/{checkpoint}/verify", verify_checkpoint),
-            web.post("/checkpoints/gc", collect_garbage),
-            web.post("/checkpoints/rekey", rekey),
-            web.get("/check", check),
-            web.get("/network-locks", network_locks),
-        ]
-    )
+    add_routes(app, routes.CORE, CoreRoutes(manager), models.BY_WIRE)
     for integration in integrations:
         integration.check_routes()
-        app.add_routes(integration.routes())
+        add_routes(app, integration.routes(), integration, integration.models)
     return app

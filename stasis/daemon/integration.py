@@ -8,25 +8,30 @@ the integrations to load and hands them to `serve`; each is a subclass of `Integ
         def __init__(self, manager): ...        # the JobManager: jobs, store, settings, db
         def tables(self): return [my_table]     # created in the daemon's SQLite database
         def prepare(self): ...                  # at start, after the tables exist (migrations)
-        def routes(self): return [web.get("/slurm/health", ...), ...]
+        def routes(self): return routes.SLURM   # its declarations (stasis.routes), each
+        def slurm_health(self, call): ...       # ...served by the method of its name
+        models = {wire.RegisterRequest: RegisterRequest, ...}  # what validates each request
         def tasks(self): return [Task("sweep registrations", 60.0, self.sweep)]
         def close(self): ...                    # when the daemon stops
 
-Routes read the caller and the body with `stasis.daemon.http` (`peer`, `read_body`) and answer
-with `http.answer`; a StasisError raised in one becomes the same one-line JSON error as in the
-core's routes. Tasks are blocking functions run in a worker thread every `interval_s`; one that
-raises is logged and runs again next round. An integration uses the daemon only through the
+Its handlers are given a `stasis.daemon.http.Call` (the caller, as the declaration identifies
+and allows them, the path's parameters, the validated body) and return the answer; a
+StasisError raised in one becomes the same one-line JSON error as in the core's routes. Tasks
+are blocking functions run in a worker thread every `interval_s`; one that raises is logged and
+runs again next round. An integration uses the daemon only through the
 JobManager's public methods and the modules of `stasis.daemon` (never another integration).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from aiohttp import web
+from pydantic import BaseModel
 from sqlalchemy import Table
+
+from stasis.routes import AnyRoute
 
 if TYPE_CHECKING:
     from stasis.daemon.jobs import JobManager
@@ -43,6 +48,8 @@ class Task:
 
 class Integration:
     name: ClassVar[str]
+    # The pydantic model validating each request typed dict of its routes.
+    models: ClassVar[Mapping[object, type[BaseModel]]] = {}
 
     def __init__(self, manager: JobManager) -> None:
         self.manager = manager
@@ -53,7 +60,8 @@ class Integration:
     def prepare(self) -> None:
         """Called once at the daemon's start, after `tables()` exist, before any request."""
 
-    def routes(self) -> Sequence[web.RouteDef]:
+    def routes(self) -> Sequence[AnyRoute]:
+        """Its routes (stasis.routes), each served by the method of this object of its name."""
         return ()
 
     def tasks(self) -> Sequence[Task]:

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stasis import wire
 from stasis.errors import UsageError
 from stasis.store import CompressionRequest
 
@@ -74,3 +75,13 @@ class KillRequest(_Model):
     # How long the job has to end on `signal` before SIGKILL; None: the daemon's
     # kill_timeout_s. 0: SIGKILL at once.
     timeout_s: float | None = Field(default=None, ge=0, le=3600)
+
+
+# The model that validates each request typed dict of the core's routes (stasis.routes.CORE).
+BY_WIRE: dict[object, type[BaseModel]] = {
+    wire.RunRequest: RunRequest,
+    wire.KillRequest: KillRequest,
+    wire.DumpRequest: DumpRequest,
+    wire.RestoreRequest: RestoreRequest,
+    wire.GcRequest: GcRequest,
+}

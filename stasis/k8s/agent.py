@@ -55,8 +55,8 @@ from stasis.client import Client
 from stasis.config import Settings
 from stasis.errors import ContainerError, StasisError
 from stasis.k8s import kube
-from stasis.k8s.models import ContainerInfo
 from stasis.k8s.uninstall import UNINSTALL_ANNOTATION, UNINSTALLED_ANNOTATION, answered_request
+from stasis.wire import ContainerCheckpointReason, ContainerInfo
 
 log = logging.getLogger("stasis.k8s.agent")
 
@@ -370,15 +370,12 @@ class Agent:
 
     def _containers(self) -> list[ContainerInfo]:
         with self._client() as c:
-            found: list[ContainerInfo] = c.request("GET", "/k8s/containers")
-        return found
+            return c.k8s_containers()
 
-    def _checkpoint(self, container_id: str, reason: str) -> dict[str, Any]:
+    def _checkpoint(self, container_id: str, reason: ContainerCheckpointReason) -> dict[str, Any]:
         try:
             with self._client(timeout_s=None) as c:
-                a = c.request(
-                    "POST", f"/k8s/containers/{container_id}/checkpoint", {"reason": reason}
-                )
+                a = c.k8s_checkpoint(container_id, reason=reason)
         except StasisError as e:
             log.warning("checkpoint of container %s (%s) failed: %s", container_id, reason, e)
             return {"error": str(e)}
@@ -493,7 +490,7 @@ class Agent:
 
     def _set_interval(self, container_id: str, seconds: int | None) -> None:
         with self._client() as c:
-            c.request("POST", f"/k8s/containers/{container_id}/interval", {"interval_s": seconds})
+            c.k8s_interval(container_id, seconds)
         log.info(
             "container %s: checkpoint interval %s",
             container_id,

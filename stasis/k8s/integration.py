@@ -19,7 +19,8 @@
     GET  /k8s/node                            {node, state, api}: this node in Kubernetes
     POST /k8s/node/drain                      {reason}: cordon, checkpoint, evict (source.py)
 
-All of them are root's (containerd's shim runs the wrapper as root). The containers are also a
+All of them are root's (containerd's shim runs the wrapper as root): stasis.routes.K8S declares
+them, the daemon's adapter refuses anyone else, and each is served by the method of its name. The containers are also a
 JobSource of kind "container" (stasis.k8s.source): the control plane lists, checkpoints and
 drains them through it.
 """
@@ -30,33 +31,22 @@ import asyncio
 import os
 from collections.abc import Sequence
 
-from aiohttp import web
 from sqlalchemy import Table
 
-from stasis.daemon.http import answer, peer, read_body
+from stasis import routes, wire
+from stasis.daemon.http import Call
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.users import Caller
-from stasis.errors import PermissionDeniedError
 from stasis.k8s import kube
+from stasis.k8s import models as k8s_models
 from stasis.k8s.containers import Containers, k8s_containers_table
 from stasis.k8s.events import ExitFollower
-from stasis.k8s.models import (
-    CheckpointRequest,
-    DrainRequest,
-    ExportRequest,
-    ImportRequest,
-    IntervalRequest,
-    NodeInfo,
-    RegisterRequest,
-    RestoreDoneRequest,
-    RestoreRequest,
-)
 from stasis.k8s.source import ContainerJobs
 
 
 class K8sIntegration(Integration):
     name = "k8s"
+    models = k8s_models.BY_WIRE
 
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
@@ -97,87 +87,44 @@ class K8sIntegration(Integration):
         self.events.close()
         self.containers.close()
 
-    def routes(self) -> Sequence[web.RouteDef]:
-        c = self.containers
+    # -- its routes (stasis.routes.K8S) ---------------------------------------------------------
 
-        async def all_containers(request: web.Request) -> web.StreamResponse:
-            return answer(await asyncio.to_thread(c.all, peer(request)))
+    def routes(self) -> Sequence[routes.AnyRoute]:
+        return routes.K8S
 
-        async def register(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, RegisterRequest)
-            return answer(await asyncio.to_thread(c.register, req, peer(request)))
+    def k8s_containers(self, call: Call[None]) -> list[wire.ContainerInfo]:
+        return self.containers.all(call.caller)
 
-        async def checkpoint(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, CheckpointRequest)
-            return answer(
-                await asyncio.to_thread(c.checkpoint, request.match_info["id"], req, peer(request))
-            )
+    def k8s_register(self, call: Call[k8s_models.RegisterRequest]) -> wire.ContainerInfo:
+        return self.containers.register(call.body, call.caller)
 
-        async def interval(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, IntervalRequest)
-            return answer(
-                await asyncio.to_thread(
-                    c.set_interval, request.match_info["id"], req, peer(request)
-                )
-            )
+    def k8s_checkpoint(
+        self, call: Call[k8s_models.CheckpointRequest]
+    ) -> wire.ContainerCheckpointAnswer:
+        return self.containers.checkpoint(call.args["container"], call.body, call.caller)
 
-        async def forget(request: web.Request) -> web.StreamResponse:
-            return answer(
-                await asyncio.to_thread(c.forget, request.match_info["id"], peer(request))
-            )
+    def k8s_interval(self, call: Call[k8s_models.IntervalRequest]) -> wire.ContainerInfo:
+        return self.containers.set_interval(call.args["container"], call.body, call.caller)
 
-        async def plan_restore(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, RestoreRequest)
-            return answer(await asyncio.to_thread(c.plan_restore, req, peer(request)))
+    def k8s_forget(self, call: Call[None]) -> wire.Forgotten:
+        return self.containers.forget(call.args["container"], call.caller)
 
-        async def restore_done(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, RestoreDoneRequest)
-            return answer(
-                await asyncio.to_thread(
-                    c.restore_done, request.match_info["id"], req, peer(request)
-                )
-            )
+    def k8s_plan_restore(self, call: Call[k8s_models.RestoreRequest]) -> wire.RestorePlan:
+        return self.containers.plan_restore(call.body, call.caller)
 
-        async def export(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, ExportRequest)
-            return answer(
-                await asyncio.to_thread(c.export, request.match_info["id"], req, peer(request))
-            )
+    def k8s_restore_done(self, call: Call[k8s_models.RestoreDoneRequest]) -> wire.RestoreDone:
+        return self.containers.restore_done(call.args["container"], call.body, call.caller)
 
-        async def import_(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, ImportRequest)
-            return answer(await asyncio.to_thread(c.import_, req, peer(request)))
+    def k8s_export(self, call: Call[k8s_models.ExportRequest]) -> wire.ExportAnswer:
+        return self.containers.export(call.args["checkpoint"], call.body, call.caller)
 
-        async def node(request: web.Request) -> web.StreamResponse:
-            _root_only(peer(request))
-            return answer(
-                NodeInfo(
-                    node=self.jobs.node,
-                    state=await asyncio.to_thread(self.jobs.state),
-                    api=self.jobs.api is not None,
-                )
-            )
+    def k8s_import(self, call: Call[k8s_models.ImportRequest]) -> wire.ContainerCheckpointAnswer:
+        return self.containers.import_(call.body, call.caller)
 
-        async def drain(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, DrainRequest)
-            _root_only(peer(request))
-            return answer(await asyncio.to_thread(self.jobs.drain, req.reason))
+    def k8s_node(self, call: Call[None]) -> wire.NodeInfo:
+        return wire.NodeInfo(
+            node=self.jobs.node, state=self.jobs.state(), api=self.jobs.api is not None
+        )
 
-        return [
-            web.post("/k8s/checkpoints/{id}/export", export),
-            web.post("/k8s/checkpoints/import", import_),
-            web.get("/k8s/node", node),
-            web.post("/k8s/node/drain", drain),
-            web.get("/k8s/containers", all_containers),
-            web.post("/k8s/containers", register),
-            web.post("/k8s/containers/{id}/checkpoint", checkpoint),
-            web.post("/k8s/containers/{id}/interval", interval),
-            web.post("/k8s/containers/{id}/forget", forget),
-            web.post("/k8s/restores", plan_restore),
-            web.post("/k8s/restores/{id}/done", restore_done),
-        ]
-
-
-def _root_only(caller: Caller) -> None:
-    if not caller.is_root:
-        raise PermissionDeniedError("permission denied: only root drains the node")
+    def k8s_drain(self, call: Call[k8s_models.DrainRequest]) -> dict[str, object]:
+        return self.jobs.drain(call.body.reason)

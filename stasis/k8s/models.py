@@ -1,10 +1,22 @@
-"""What the daemon's /k8s routes take (pydantic, validated) and answer (typed dicts)."""
+"""What the daemon's /k8s routes take, as the daemon validates it (pydantic); the answers are
+typed dicts of stasis/wire.py, named here too."""
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from stasis import wire
+
+# The answers, as the wire has them (named here as the k8s modules always have).
+NodeInfo = wire.NodeInfo
+CheckpointAnswer = wire.ContainerCheckpointAnswer
+RestorePlan = wire.RestorePlan
+ContainerInfo = wire.ContainerInfo
+RestoreDone = wire.RestoreDone
+Forgotten = wire.Forgotten
+ExportAnswer = wire.ExportAnswer
 
 
 class _Model(BaseModel):
@@ -53,60 +65,6 @@ class DrainRequest(_Model):
     reason: str = Field(default="stasis drain", min_length=1, max_length=60)
 
 
-class NodeInfo(TypedDict):
-    node: str  # this node's name in the Kubernetes API
-    state: str  # Ready, Ready,SchedulingDisabled+DRAIN, ...; "" = the API did not answer
-    api: bool  # whether the daemon has a Kubernetes API at all
-
-
-class CheckpointAnswer(TypedDict):
-    checkpoint: str
-    label: str
-    container_id: str
-    namespace: str
-    size_bytes: int
-    duration_s: float
-    stopped: bool
-
-
-class RestorePlan(TypedDict):
-    checkpoint: str | None  # None: nothing to restore, start fresh
-    label: str
-    images_dir: str | None
-    work_dir: str | None
-    notes: list[str]  # what the container's log should say (skipped checkpoints, why fresh)
-    # Good checkpoints of the label given up on this node after failed restores: with none
-    # left to try, the container starts fresh only if its STASIS_FRESH asks.
-    given_up: list[str]
-
-
-class ContainerInfo(TypedDict):
-    container_id: str
-    runc_root: str
-    bundle: str
-    label: str
-    namespace: str
-    pod: str | None
-    interval_s: int
-    restored_from: str | None
-    last_checkpoint: str | None
-    registered: str
-
-
-class RestoreDone(TypedDict):
-    container_id: str
-    checkpoint: str | None
-    attempts: int  # failed restores of the checkpoint on this node so far
-    limit: int  # k8s_restore_attempts (0: never given up)
-    log: str  # where the failed restore's log was kept ("" = nowhere)
-    record: str  # the file that counts them (removed: its attempts start again)
-
-
-class Forgotten(TypedDict):
-    container_id: str
-    forgotten: bool
-
-
 class ExportRequest(_Model):
     path: str  # where the daemon writes the archive (root only)
 
@@ -117,8 +75,14 @@ class ImportRequest(_Model):
     namespace: str = ""
 
 
-class ExportAnswer(TypedDict):
-    checkpoint: str
-    path: str
-    digest: str
-    size_bytes: int
+# The model that validates each request typed dict of the /k8s routes (stasis.routes.K8S).
+BY_WIRE: dict[object, type[BaseModel]] = {
+    wire.ContainerRegisterRequest: RegisterRequest,
+    wire.ContainerCheckpointRequest: CheckpointRequest,
+    wire.ContainerIntervalRequest: IntervalRequest,
+    wire.ContainerRestoreRequest: RestoreRequest,
+    wire.RestoreDoneRequest: RestoreDoneRequest,
+    wire.ExportRequest: ExportRequest,
+    wire.ImportRequest: ImportRequest,
+    wire.K8sDrainRequest: DrainRequest,
+}

@@ -247,10 +247,8 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     deadline = time.monotonic() + min(float(settings.store_wait_s), CREATE_WAIT_MAX_S)
     while True:
         try:
-            plan = client.request(
-                "POST",
-                "/k8s/restores",
-                {"runc_root": argv.root, "container_id": cid, "bundle": str(bundle)},
+            plan = client.k8s_plan_restore(
+                runc_root=argv.root, container_id=cid, bundle=str(bundle)
             )
             break
         except ContainerRootDamagedError as e:
@@ -309,8 +307,8 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     restore = r.restore_argv(
         cid,
         bundle,
-        Path(plan["images_dir"]),
-        Path(plan["work_dir"]),
+        Path(str(plan["images_dir"])),  # a plan with a checkpoint names both
+        Path(str(plan["work_dir"])),
         argv.option("--pid-file"),
         argv.option("--console-socket"),
         argv.flag("--no-pivot"),
@@ -324,7 +322,7 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
     from stasis import faults
 
     faults.point("k8s.create.after-restore")
-    error = "" if rc == 0 else _restore_error(Path(plan["work_dir"]))
+    error = "" if rc == 0 else _restore_error(Path(str(plan["work_dir"])))
     checkpoint = str(plan["checkpoint"])
     if rc != 0:
         # Whatever the failed restore left goes before anyone hears of it.
@@ -333,11 +331,7 @@ def _create(argv: Argv, runc: str, settings: Settings) -> int | None:
         )
     done: dict[str, Any] | None = None
     try:
-        done = client.request(
-            "POST",
-            f"/k8s/restores/{cid}/done",
-            {"ok": rc == 0, "error": error, "checkpoint": checkpoint},
-        )
+        done = dict(client.k8s_restore_done(cid, ok=rc == 0, error=error, checkpoint=checkpoint))
     except StasisError as e:
         if rc != 0:
             say(f"the stasis daemon did not hear of the failed restore ({e})")
@@ -414,15 +408,8 @@ def _start(argv: Argv, runc: str, settings: Settings) -> int | None:
         if rc != 0:
             return rc
     try:
-        _client(settings, 30).request(
-            "POST",
-            "/k8s/containers",
-            {
-                "runc_root": argv.root,
-                "container_id": cid,
-                "bundle": str(bundle),
-                "restored_from": restored,
-            },
+        _client(settings, 30).k8s_register(
+            runc_root=argv.root, container_id=cid, bundle=str(bundle), restored_from=restored
         )
     except StasisError as e:
         say(f"container {cid} runs unprotected (the stasis daemon did not take it: {e})")
@@ -451,10 +438,8 @@ def _kill(argv: Argv, runc: str, settings: Settings) -> int | None:
         return None
     timeout = float(settings.k8s_stop_timeout_s)
     try:
-        done = _client(settings, timeout + 10).request(
-            "POST",
-            f"/k8s/containers/{cid}/checkpoint",
-            {"reason": "stop", "runc_root": argv.root, "timeout_s": timeout},
+        done = _client(settings, timeout + 10).k8s_checkpoint(
+            cid, reason="stop", runc_root=argv.root, timeout_s=timeout
         )
     except StasisError as e:
         say(f"no checkpoint of container {cid} at its stop ({e}): stopping it as usual")
@@ -469,7 +454,7 @@ def _delete(argv: Argv, runc: str, settings: Settings) -> int | None:
     state = _state(runc, argv.root, pos[-1]) if pos else None
     if state is not None and _label_of(Path(state.get("bundle", ""))) is not None:
         try:
-            _client(settings, 10).request("POST", f"/k8s/containers/{pos[-1]}/forget", {})
+            _client(settings, 10).k8s_forget(pos[-1])
         except StasisError:
             pass
     return None

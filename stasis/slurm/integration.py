@@ -40,26 +40,26 @@ import socket
 import threading
 from collections.abc import Sequence
 from contextlib import suppress
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Table
 
+from stasis import routes, wire
 from stasis.daemon.activity import JobSource, ReportedJob
-from stasis.daemon.api import errors
 from stasis.daemon.connections import ConnectionGuard, raise_open_files_limit
-from stasis.daemon.http import answer, peer, read_body
+from stasis.daemon.http import Call, add_routes, errors
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
 from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
 from stasis.slurm import held, interruptions, mirrors, remote, scontrol
-from stasis.slurm.intervals import IntervalRequest, Intervals
+from stasis.slurm import models as slurm_models
+from stasis.slurm.intervals import Intervals
 from stasis.slurm.mirrors import Mirrors
-from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
+from stasis.slurm.models import CheckpointRequest
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
-from stasis.wire import Health
 
 log = logging.getLogger("stasis.daemon")
 _ROOT = Caller(pid=0, uid=0, gid=0)  # what the control plane asks is the node admin's doing
@@ -68,20 +68,6 @@ _ROOT = Caller(pid=0, uid=0, gid=0)  # what the control plane asks is the node a
 _SWEEP_INTERVAL_S = 60.0
 # A remote request is a credential (~400 characters) and two fields.
 _REMOTE_MAX_BODY = 16 * 1024
-_REASON = Field(default="asked", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
-
-
-class RemoteCheckpointRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    credential: str = Field(max_length=remote.MAX_CREDENTIAL_CHARS)
-    leave_running: bool = False
-    reason: str = _REASON
-
-
-class RemoteDrainRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    credential: str = Field(max_length=remote.MAX_CREDENTIAL_CHARS)
-    reason: str = _REASON
 
 
 class _GuardedSockSite(web.SockSite):
@@ -120,7 +106,11 @@ def _listen(address: str, port: int) -> socket.socket:
 
 
 class SlurmIntegration(Integration):
+    """Its handlers are its methods named after the routes of stasis.routes.SLURM (the unix
+    socket) and SLURM_REMOTE (the remote listener)."""
+
     name = "slurm"
+    models = slurm_models.BY_WIRE
 
     def __init__(self, manager: JobManager) -> None:
         super().__init__(manager)
@@ -243,7 +233,7 @@ class SlurmIntegration(Integration):
         app = web.Application(
             middlewares=[errors, guard.middleware], client_max_size=_REMOTE_MAX_BODY
         )
-        app.add_routes(self.remote_routes())
+        add_routes(app, routes.SLURM_REMOTE, self, slurm_models.BY_WIRE, self._identify)
         runner = web.AppRunner(
             app, access_log=None, keepalive_timeout=settings.request_timeout_s or 75.0
         )
@@ -293,44 +283,26 @@ class SlurmIntegration(Integration):
         )
         return Caller(pid=-1, uid=identity.uid, gid=identity.gid)  # no process of this node
 
-    def remote_routes(self) -> Sequence[web.RouteDef]:
-        """What the remote listener serves (and nothing of the unix socket's)."""
-        jobs = self.jobs
-
-        async def checkpoint(request: web.Request) -> web.StreamResponse:
+    def _identify(self, route: routes.AnyRoute, request: web.Request, body: Any) -> Caller:
+        """The remote listener's caller: munge's identity, for this very request."""
+        if route is routes.SLURM_REMOTE_CHECKPOINT:
             job_id = scontrol.validate_slurm_job_id(request.match_info["job"])
-            req = await read_body(request, RemoteCheckpointRequest)
-            caller = await asyncio.to_thread(
-                self._remote_caller,
-                request,
-                req.credential,
-                "checkpoint",
-                {"job": job_id, "leave_running": req.leave_running, "reason": req.reason},
-            )
-            return answer(
-                await asyncio.to_thread(
-                    jobs.checkpoint,
-                    job_id,
-                    CheckpointRequest(leave_running=req.leave_running, reason=req.reason),
-                    caller,
-                )
-            )
+            fields = {"job": job_id, "leave_running": body.leave_running, "reason": body.reason}
+            return self._remote_caller(request, body.credential, "checkpoint", fields)
+        return self._remote_caller(request, body.credential, "drain", {"reason": body.reason})
 
-        async def drain(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, RemoteDrainRequest)
-            caller = await asyncio.to_thread(
-                self._remote_caller, request, req.credential, "drain", {"reason": req.reason}
-            )
-            if not caller.is_root:
-                raise PermissionDeniedError(
-                    f"permission denied: only root drains a node " f"(uid {caller.uid} asked)"
-                )
-            return answer(await asyncio.to_thread(self._drain, req.reason))
+    def slurm_remote_checkpoint(
+        self, call: Call[slurm_models.RemoteCheckpointRequest]
+    ) -> wire.SlurmCheckpointAnswer:
+        req = call.body
+        return self.jobs.checkpoint(
+            scontrol.validate_slurm_job_id(call.args["job"]),
+            CheckpointRequest(leave_running=req.leave_running, reason=req.reason),
+            call.caller,
+        )
 
-        return [
-            web.post("/slurm/remote/jobs/{job}/checkpoint", checkpoint),
-            web.post("/slurm/remote/drain", drain),
-        ]
+    def slurm_remote_drain(self, call: Call[slurm_models.RemoteDrainRequest]) -> dict[str, object]:
+        return self._drain(call.body.reason)
 
     def tasks(self) -> Sequence[Task]:
         return [
@@ -383,52 +355,30 @@ class SlurmIntegration(Integration):
 
         held.release_over(self.manager.settings.layout.slurm_held, store_answers)
 
-    def routes(self) -> Sequence[web.RouteDef]:
-        jobs = self.jobs
+    # -- the unix socket's routes (stasis.routes.SLURM) ------------------------------------------
 
-        async def health(request: web.Request) -> web.StreamResponse:
-            return answer(Health(ok=True))
+    def routes(self) -> Sequence[routes.AnyRoute]:
+        return routes.SLURM
 
-        async def register(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, RegisterRequest)
-            return answer(await asyncio.to_thread(jobs.register, req, peer(request)))
+    def slurm_health(self, call: Call[None]) -> wire.Health:
+        return wire.Health(ok=True)
 
-        async def get_job(request: web.Request) -> web.StreamResponse:
-            return answer(
-                await asyncio.to_thread(jobs.get, request.match_info["job"], peer(request))
-            )
+    def slurm_register(self, call: Call[slurm_models.RegisterRequest]) -> wire.Registration:
+        return self.jobs.register(call.body, call.caller)
 
-        async def checkpoint(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, CheckpointRequest)
-            return answer(
-                await asyncio.to_thread(
-                    jobs.checkpoint, request.match_info["job"], req, peer(request)
-                )
-            )
+    def slurm_job(self, call: Call[None]) -> wire.Registration:
+        return self.jobs.get(call.args["job"], call.caller)
 
-        async def interval(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, IntervalRequest)
-            return answer(
-                await asyncio.to_thread(
-                    self._interval, request.match_info["job"], req.requested, peer(request)
-                )
-            )
+    def slurm_checkpoint(
+        self, call: Call[slurm_models.CheckpointRequest]
+    ) -> wire.SlurmCheckpointAnswer:
+        return self.jobs.checkpoint(call.args["job"], call.body, call.caller)
 
-        async def intervals(request: web.Request) -> web.StreamResponse:
-            return answer(self.intervals.listing(peer(request)))
+    def slurm_interval(self, call: Call[slurm_models.IntervalRequest]) -> dict[str, object]:
+        return self._interval(call.args["job"], call.body.requested, call.caller)
 
-        async def finish(request: web.Request) -> web.StreamResponse:
-            req = await read_body(request, FinishRequest)
-            return answer(
-                await asyncio.to_thread(jobs.finish, request.match_info["job"], req, peer(request))
-            )
+    def slurm_intervals(self, call: Call[None]) -> list[dict[str, Any]]:
+        return self.intervals.listing(call.caller)
 
-        return [
-            web.get("/slurm/health", health),
-            web.post("/slurm/jobs", register),
-            web.get("/slurm/jobs/{job}", get_job),
-            web.post("/slurm/jobs/{job}/checkpoint", checkpoint),
-            web.post("/slurm/jobs/{job}/interval", interval),
-            web.get("/slurm/intervals", intervals),
-            web.post("/slurm/jobs/{job}/finish", finish),
-        ]
+    def slurm_finish(self, call: Call[slurm_models.FinishRequest]) -> wire.FinishAnswer:
+        return self.jobs.finish(call.args["job"], call.body, call.caller)

@@ -30,8 +30,6 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from stasis.config import Settings
 from stasis.daemon.activity import Activity
 from stasis.daemon.users import Caller
@@ -41,11 +39,6 @@ from stasis.slurm.interruptions import RateCache
 # A first guess at what a dump costs before one was measured: ~4 s per GB on this project's
 # machines (notes/slurm.md), i.e. 250 MB/s.
 ESTIMATE_BYTES_PER_S = 250e6
-
-
-class IntervalRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    requested: str = Field(max_length=20, pattern=r"^(auto|[0-9]{1,9}(\.[0-9]{1,6})?)$")
 
 
 class Intervals:

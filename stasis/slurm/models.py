@@ -1,9 +1,12 @@
-"""What the daemon's /slurm routes take, as the daemon validates it (the answers are typed
+"""What the daemon's /slurm routes (and its remote listener's) take, as the daemon validates it (the answers are typed
 dicts of stasis/wire.py, which the client's methods type their arguments with too)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from stasis import wire
+from stasis.slurm.remote import MAX_CREDENTIAL_CHARS
 
 
 class _Model(BaseModel):
@@ -30,3 +33,30 @@ class FinishRequest(_Model):
     # Absent or null: the launcher could not tell how the workload ended; not a success.
     exit_code: int | None = None
     stopped: bool = False  # the launcher was warned or signalled (preemption, time limit, ...)
+
+
+class IntervalRequest(_Model):
+    requested: str = Field(max_length=20, pattern=r"^(auto|[0-9]{1,9}(\.[0-9]{1,6})?)$")
+
+
+class RemoteCheckpointRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    leave_running: bool = False
+    reason: str = _REASON
+
+
+class RemoteDrainRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    reason: str = _REASON
+
+
+# The model that validates each request typed dict of Slurm's routes (stasis.routes.SLURM and
+# SLURM_REMOTE).
+BY_WIRE: dict[object, type[BaseModel]] = {
+    wire.RegisterRequest: RegisterRequest,
+    wire.SlurmCheckpointRequest: CheckpointRequest,
+    wire.SlurmIntervalRequest: IntervalRequest,
+    wire.FinishRequest: FinishRequest,
+    wire.SlurmRemoteCheckpointRequest: RemoteCheckpointRequest,
+    wire.SlurmRemoteDrainRequest: RemoteDrainRequest,
+}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
+from stasis import routes, wire
 from stasis.errors import (
     DaemonAPIError,
     PermissionDeniedError,
@@ -43,7 +44,6 @@ from stasis.errors import (
 )
 
 if TYPE_CHECKING:
-    from stasis import wire
     from stasis.config import Settings
 
 DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
@@ -72,17 +72,8 @@ _REFUSED = {
 _PAYLOAD_VERSION = 1
 
 
-class Requeued(TypedDict):
-    job: str
-    checkpoint: str
-
-
-class DrainAnswer(TypedDict):
-    """What a node's daemon answers to a drain (stasis.slurm.integration's `_drain`)."""
-
-    slurm_node: str
-    requeued: list[Requeued]
-    failed: list[str]  # "<job>: <why>", one per protected job not checkpointed
+Requeued = wire.Requeued
+DrainAnswer = wire.SlurmDrainAnswer
 
 
 # -- slurm.conf --------------------------------------------------------------------------------
@@ -252,7 +243,12 @@ class RemoteNode:
         host = f"[{self.address}]" if ":" in self.address else self.address
         return f"node {self.node} at {host}:{self.port}"
 
-    def call(self, path: str, body: dict[str, object]) -> Any:
+    def call(self, route: routes.AnyRoute, body: object, **args: str) -> Any:
+        """`body` to `route` (one of stasis.routes.SLURM_REMOTE) of that node, its path's
+        parameters filled from `args`."""
+        return self.send(route.method, route.url(**args), body)
+
+    def send(self, method: str, path: str, body: object) -> Any:
         payload = json.dumps(body).encode()
         conn = http.client.HTTPConnection(self.address, self.port, timeout=_CONNECT_TIMEOUT_S)
         try:
@@ -261,7 +257,7 @@ class RemoteNode:
                 assert conn.sock is not None
                 conn.sock.settimeout(self.timeout_s)
                 conn.request(
-                    "POST", path, body=payload, headers={"Content-Type": "application/json"}
+                    method, path, body=payload, headers={"Content-Type": "application/json"}
                 )
                 resp = conn.getresponse()
                 status, raw = resp.status, resp.read()
@@ -329,9 +325,10 @@ def checkpoint(
         ),
         conf.munge_socket,
     )
-    answer = target.call(
-        f"/slurm/remote/jobs/{job_id}/checkpoint", {"credential": credential, **fields}
+    request = wire.SlurmRemoteCheckpointRequest(
+        credential=credential, leave_running=leave_running, reason=reason
     )
+    answer = target.call(routes.SLURM_REMOTE_CHECKPOINT, request, job=job_id)
     return cast("wire.SlurmCheckpointAnswer", answer)
 
 
@@ -343,10 +340,8 @@ def drain(settings: Settings, target: RemoteNode, reason: str) -> DrainAnswer:
         encode_payload(request_payload("drain", target.node, conf.cluster, reason=reason)),
         conf.munge_socket,
     )
-    return cast(
-        DrainAnswer,
-        target.call("/slurm/remote/drain", {"credential": credential, "reason": reason}),
-    )
+    request = wire.SlurmRemoteDrainRequest(credential=credential, reason=reason)
+    return cast(DrainAnswer, target.call(routes.SLURM_REMOTE_DRAIN, request))
 
 
 __all__ = [

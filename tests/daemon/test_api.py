@@ -23,6 +23,7 @@ from stasis.daemon.api import make_app
 from stasis.daemon.db import JobDB
 from stasis.daemon.integration import Integration
 from stasis.daemon.jobs import JobManager
+from stasis.routes import AnyRoute, Route
 from stasis.slurm.integration import SlurmIntegration
 from stasis.store import Store, node_keyring
 from tests.conftest import Daemon, wait_for
@@ -295,10 +296,6 @@ def test_slurm_routes_live_under_slurm(manager: JobManager) -> None:
     assert not any(t.startswith("/slurm") for _, t in core)
 
 
-async def _nothing(request: web.Request) -> web.StreamResponse:
-    return web.json_response({})
-
-
 class Toy(Integration):
     name = "toy"
 
@@ -306,8 +303,13 @@ class Toy(Integration):
         super().__init__(manager)
         self.paths = paths
 
-    def routes(self) -> Sequence[web.RouteDef]:
-        return [web.get(p, _nothing) for p in self.paths]
+    def routes(self) -> Sequence[AnyRoute]:
+        return [
+            Route(f"r{i}", "GET", p, answer=dict, caller="local") for i, p in enumerate(self.paths)
+        ]
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda call: {}  # every route's handler: an empty answer
 
 
 def test_check_routes_refuses_a_route_outside_its_name(manager: JobManager) -> None:

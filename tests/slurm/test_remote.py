@@ -136,7 +136,7 @@ class Node:
         return remote.encode_payload(remote.request_payload(op, NODE, CLUSTER, **fields))
 
     def post(self, path: str, body: dict[str, object]) -> Any:
-        return self.target.call(path, body)
+        return self.target.send("POST", path, body)
 
 
 @pytest.fixture(scope="module")
