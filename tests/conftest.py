@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from stasis.dev.nodehost import Node
+from stasis.dev.nodehost import NodeHost
 from stasis.poll import poll
 from tests import leftovers, nodes
 from tests.s3server import S3Server
@@ -80,7 +80,7 @@ class Daemon:
         self.root = root
         self.separate = separate
         self.name = name
-        self.node: Node | None = None
+        self.node: NodeHost | None = None
         # RLIMIT_NOFILE (soft and hard) to start the daemon under: a service manager's low one.
         self.nofile = nofile
         self.socket = root / "stasis.sock"

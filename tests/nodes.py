@@ -25,7 +25,7 @@ _FIRST_NET, _LAST_NET = 220, 251
 
 _lock = threading.Lock()
 _net: nodehost.Net | None = None
-_nodes: list[nodehost.Node] = []
+_nodes: list[nodehost.NodeHost] = []
 
 
 def site_net() -> nodehost.Net:
@@ -55,7 +55,7 @@ def shared_paths(*more: Path) -> list[str]:
     )
 
 
-def make_node(name: str, state_dir: Path, *shared: Path) -> nodehost.Node:
+def make_node(name: str, state_dir: Path, *shared: Path) -> nodehost.NodeHost:
     """A node of its own named `name` (its host name), on the session's network."""
     net = site_net()
     with _lock:

@@ -12,7 +12,8 @@ from typing import Any, NoReturn
 
 from stasis.cli import output
 from stasis.cli.args import Parser, add_json, int_range, subcommands
-from stasis.config import load_settings
+from stasis.dev import k8snode, slurmcluster
+from stasis.dev.demo import main as demo_main
 from stasis.errors import StasisError, UsageError
 
 Handler = Callable[[argparse.Namespace], None]
@@ -43,7 +44,7 @@ def _add_local_cluster(commands: Any) -> None:
         "up",
         help="Start the cluster; then SLURM_CONF=<dir>/etc/slurm.conf " "sbatch ... talks to it.",
     )
-    _cluster_dir(p)
+    _dir_option(p, "/tmp/stasis-local-cluster", "cluster")
     p.add_argument(
         "--nodes",
         type=int_range(1, 16),
@@ -105,10 +106,10 @@ def _add_local_cluster(commands: Any) -> None:
     p = lsub.add_parser(
         "down", help="Cancel its jobs and stop its daemons (the directory and " "its logs stay)."
     )
-    _cluster_dir(p)
+    _dir_option(p, "/tmp/stasis-local-cluster", "cluster")
     p.set_defaults(handler=cluster_down)
     p = lsub.add_parser("status", help="Which of its daemons run.")
-    _cluster_dir(p)
+    _dir_option(p, "/tmp/stasis-local-cluster", "cluster")
     add_json(p)
     p.set_defaults(handler=cluster_status)
     p = lsub.add_parser(
@@ -116,7 +117,7 @@ def _add_local_cluster(commands: Any) -> None:
         help="Run a command on a node: inside its namespaces, with its "
         "stasis config and the cluster's SLURM_CONF.",
     )
-    _cluster_dir(p)
+    _dir_option(p, "/tmp/stasis-local-cluster", "cluster")
     p.add_argument("node", help="The node (n1, n2, ...).")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     p.set_defaults(handler=cluster_exec)
@@ -125,29 +126,27 @@ def _add_local_cluster(commands: Any) -> None:
         help="The node fails: its slurmd, stasis daemon and job "
         "processes killed without warning.",
     )
-    _cluster_dir(p)
+    _dir_option(p, "/tmp/stasis-local-cluster", "cluster")
     p.add_argument("node")
     p.set_defaults(handler=cluster_kill_node)
     p = lsub.add_parser("start-node", help="Start a killed node's daemons again.")
-    _cluster_dir(p)
+    _dir_option(p, "/tmp/stasis-local-cluster", "cluster")
     p.add_argument("node")
     p.set_defaults(handler=cluster_start_node)
 
 
-def _cluster_dir(p: argparse.ArgumentParser) -> None:
+def _dir_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
     p.add_argument(
         "--dir",
         dest="root",
         type=Path,
-        default=Path("/tmp/stasis-local-cluster"),
-        help="The cluster's private directory (default: %(default)s).",
+        default=Path(default),
+        help=f"The {what}'s private directory (default: %(default)s).",
     )
 
 
 def cluster_up(args: argparse.Namespace) -> None:
-    from stasis.dev import slurmcluster as cluster
-
-    lay = cluster.up(
+    lay = slurmcluster.up(
         args.root,
         cpus=args.cpus,
         grace_s=args.grace_s,
@@ -180,19 +179,15 @@ def cluster_up(args: argparse.Namespace) -> None:
 
 
 def cluster_down(args: argparse.Namespace) -> None:
-    from stasis.dev import slurmcluster as cluster
-
-    cluster.down(args.root)
+    slurmcluster.down(args.root)
     output.say(f"local cluster in {args.root} is down")
 
 
 def cluster_exec(args: argparse.Namespace) -> None:
-    from stasis.dev import slurmcluster as cluster
-
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise UsageError("give the command to run after --")
-    full, env = cluster.exec_argv(args.root, args.node, argv)
+    full, env = slurmcluster.exec_argv(args.root, args.node, argv)
     try:
         os.execvpe(full[0], full, env)
     except OSError as e:
@@ -200,23 +195,17 @@ def cluster_exec(args: argparse.Namespace) -> None:
 
 
 def cluster_kill_node(args: argparse.Namespace) -> None:
-    from stasis.dev import slurmcluster as cluster
-
-    killed = cluster.kill_node(args.root, args.node)
+    killed = slurmcluster.kill_node(args.root, args.node)
     output.say(f"node {args.node} killed ({len(killed)} processes)")
 
 
 def cluster_start_node(args: argparse.Namespace) -> None:
-    from stasis.dev import slurmcluster as cluster
-
-    cluster.start_node(args.root, args.node)
+    slurmcluster.start_node(args.root, args.node)
     output.say(f"node {args.node} started again")
 
 
 def cluster_status(args: argparse.Namespace) -> None:
-    from stasis.dev import slurmcluster as cluster
-
-    report = cluster.status(args.root)
+    report = slurmcluster.status(args.root)
     if args.json:
         output.emit_json(report)
     else:
@@ -238,7 +227,7 @@ def _add_local_node(commands: Any) -> None:
         help="Start it; `ctr -a ADDRESS -n NAMESPACE run --runtime "
         "RUNTIME ...` then runs containers through stasis.",
     )
-    _node_dir(p)
+    _dir_option(p, "/tmp/stasis-local-node", "node")
     p.add_argument("--store", default="", help="Checkpoint store (default: DIR/stasis/store).")
     p.add_argument(
         "--bundle",
@@ -277,23 +266,11 @@ def _add_local_node(commands: Any) -> None:
         help="Kill its containers, stop containerd and the daemon "
         "(the directory and its logs stay).",
     )
-    _node_dir(p)
+    _dir_option(p, "/tmp/stasis-local-node", "node")
     p.set_defaults(handler=node_down)
 
 
-def _node_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dir",
-        dest="root",
-        type=Path,
-        default=Path("/tmp/stasis-local-node"),
-        help="The node's private directory (default: %(default)s).",
-    )
-
-
 def node_up(args: argparse.Namespace) -> None:
-    from stasis.dev import k8snode
-
     if args.min_interval is not None and args.min_interval < 0:
         raise UsageError(f"--min-interval {args.min_interval}: seconds, 0 or more")
     lay = k8snode.up(
@@ -316,26 +293,18 @@ def node_up(args: argparse.Namespace) -> None:
 
 
 def node_down(args: argparse.Namespace) -> None:
-    from stasis.dev import k8snode
-
     k8snode.down(args.root)
     output.say(f"local node in {args.root} is down")
 
 
 def demo(args: argparse.Namespace) -> None:
-    from stasis.dev import demo as run
-
-    run.main()
+    demo_main()
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
+    """Settings are not read here: each harness writes the config of the daemons it starts."""
     try:
         args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-        settings = load_settings()
-        if settings.test_fault_points:
-            from stasis import faults
-
-            faults.arm(settings.test_fault_points)
         handler: Handler = args.handler
         handler(args)
     except StasisError as e:
@@ -343,8 +312,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
-    except BrokenPipeError:
-        sys.exit(1)
     sys.exit(0)
 
 

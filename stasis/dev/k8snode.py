@@ -47,7 +47,9 @@ LOCAL_NET = nodehost.Net(252)
 
 
 @dataclass(frozen=True)
-class Layout:
+class K8sNodeDirs:
+    """Where a local node keeps what (the tree in this module's docstring)."""
+
     root: Path
 
     @property
@@ -97,19 +99,19 @@ class Layout:
         }
 
 
-def _address(lay: Layout) -> str | None:
+def _address(lay: K8sNodeDirs) -> str | None:
     try:
         return lay.address_file.read_text().strip() or None
     except OSError:
         return None
 
 
-def _holder(lay: Layout) -> int | None:
+def _holder(lay: K8sNodeDirs) -> int | None:
     pid = detached.read_pid(lay.holder_file)
     return pid if detached.alive(pid) else None
 
 
-def node_prefix(lay: Layout) -> list[str]:
+def node_prefix(lay: K8sNodeDirs) -> list[str]:
     """How to run a command inside the node (nothing unless it was made --separate)."""
     if not lay.holder_file.exists():
         return []
@@ -127,7 +129,7 @@ def _q(value: str) -> str:
     return json.dumps(value)  # a TOML basic string
 
 
-def containerd_config(lay: Layout) -> str:
+def containerd_config(lay: K8sNodeDirs) -> str:
     c = lay.containerd
     return (
         "version = 2\n"
@@ -152,7 +154,7 @@ def up(
     node_name: str = "",
     min_interval_s: int | None = None,
     separate: bool = False,
-) -> Layout:
+) -> K8sNodeDirs:
     """`bundle`: stasis-runc and CRIU run from a host bundle (stasis.k8s.hostbundle, in
     D/runtime), as on a node the agent installed, instead of from this venv. `kubeconfig` and
     `node_name`: the Kubernetes API and the node in it the daemon drains (none: no drain).
@@ -168,7 +170,7 @@ def up(
             raise UsageError(
                 f"{tool} is not installed; run `make install` " "(scripts/install-containers.sh)"
             )
-    lay = Layout(root.absolute())
+    lay = K8sNodeDirs(root.absolute())
     if detached.alive(detached.read_pid(lay.containerd / "containerd.pid")):
         raise UsageError(
             f"a local node is already running in {lay.root}; " "`stasis-dev local-node down` first"
@@ -256,7 +258,7 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _shared_paths(lay: Layout, store: str) -> list[str]:
+def _shared_paths(lay: K8sNodeDirs, store: str) -> list[str]:
     """What stays visible inside a separate node where it lies under a private directory (a
     node made in /tmp, a test root's venv in /tmp): D, a store given as a path, this Python and
     the stasis package; what a real site shares with its nodes."""
@@ -267,7 +269,7 @@ def _shared_paths(lay: Layout, store: str) -> list[str]:
     return sorted(paths)
 
 
-def _env(lay: Layout) -> dict[str, str]:
+def _env(lay: K8sNodeDirs) -> dict[str, str]:
     return {
         "PATH": f"{lay.bin}:" + os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
         "LANG": "C.UTF-8",
@@ -275,7 +277,7 @@ def _env(lay: Layout) -> dict[str, str]:
     }
 
 
-def start_daemon(lay: Layout) -> None:
+def start_daemon(lay: K8sNodeDirs) -> None:
     """Start the node's stasis daemon (again, after it was stopped)."""
     log = lay.stasis / "daemon.log"
     pid = detached.start(
@@ -293,7 +295,7 @@ def start_daemon(lay: Layout) -> None:
     )
 
 
-def _ctr(lay: Layout, *args: str) -> subprocess.CompletedProcess[str]:
+def _ctr(lay: K8sNodeDirs, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["ctr", "-a", str(lay.address), "-n", NAMESPACE, *args],
         capture_output=True,
@@ -305,7 +307,7 @@ def _ctr(lay: Layout, *args: str) -> subprocess.CompletedProcess[str]:
 
 def down(root: Path) -> None:
     """Kill and delete every container, stop containerd and the daemon. D stays (logs)."""
-    lay = Layout(root.absolute())
+    lay = K8sNodeDirs(root.absolute())
     cpid = detached.read_pid(lay.containerd / "containerd.pid")
     if detached.alive(cpid):
         for task in _ctr(lay, "tasks", "ls", "-q").stdout.split():

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stasis.dev import commands
 from stasis.errors import StasisError
 from stasis.poll import poll
 
@@ -69,19 +69,6 @@ class Net:
         return f"02:53:54:53:{self.net_id:02x}:fe"
 
 
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError as e:
-        raise StasisError(
-            f"{cmd[0]} is not installed (Debian packages iproute2, util-linux); "
-            "nodes of their own need it"
-        ) from e
-    if check and r.returncode != 0:
-        raise StasisError(f"{' '.join(cmd)} failed: {(r.stderr or r.stdout).strip()}")
-    return r
-
-
 def claim_net(first: int, last: int) -> Net:
     """Make the bridge of a network no one on this machine uses, among ids first..last (the
     local Slurm clusters pick theirs from 20..219). Claimed by creating the bridge: two callers
@@ -90,14 +77,14 @@ def claim_net(first: int, last: int) -> Net:
         net = Net(net_id)
         if Path(f"/sys/class/net/{net.bridge}").exists():
             continue
-        if _run(
+        if commands.run(
             ["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type", "bridge"],
             check=False,
         ).returncode:
             continue
         try:
-            _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
-            _run(["ip", "link", "set", net.bridge, "up"])
+            commands.run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
+            commands.run(["ip", "link", "set", net.bridge, "up"])
         except BaseException:
             release_net(net)
             raise
@@ -106,7 +93,7 @@ def claim_net(first: int, last: int) -> Net:
 
 
 def release_net(net: Net) -> None:
-    _run(["ip", "link", "del", net.bridge], check=False)
+    commands.run(["ip", "link", "del", net.bridge], check=False)
 
 
 # Run in a node's new namespaces, as the process that holds them for the node's life (`nsenter
@@ -209,7 +196,7 @@ def start_holder(
         "cgroups": list(cgroups),
         "cgroup_mounts": [list(m) for m in cgroup_mounts],
     }
-    _run(
+    commands.run(
         [
             "setsid",
             "--fork",
@@ -253,17 +240,19 @@ def attach(net: Net, holder: int, index: int) -> str:
     """Give the node held by `holder` its address `index` on `net` (eth0, its end of a veth
     whose other end is on the bridge) and its loopback; the address."""
     veth = net.veth(index)
-    _run(["ip", "link", "del", veth], check=False)  # one left by a node of an earlier run
-    _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(holder)])
+    commands.run(["ip", "link", "del", veth], check=False)  # one left by a node of an earlier run
+    commands.run(
+        ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(holder)]
+    )
     return _configure(net, holder, index)
 
 
 def _configure(net: Net, holder: int, index: int) -> str:
     inside = prefix(holder)
-    _run(["ip", "link", "set", net.veth(index), "master", net.bridge, "up"])
-    _run([*inside, "ip", "addr", "add", f"{net.addr(index)}/24", "dev", "eth0"])
-    _run([*inside, "ip", "link", "set", "eth0", "up"])
-    _run([*inside, "ip", "link", "set", "lo", "up"])
+    commands.run(["ip", "link", "set", net.veth(index), "master", net.bridge, "up"])
+    commands.run([*inside, "ip", "addr", "add", f"{net.addr(index)}/24", "dev", "eth0"])
+    commands.run([*inside, "ip", "link", "set", "eth0", "up"])
+    commands.run([*inside, "ip", "link", "set", "lo", "up"])
     return net.addr(index)
 
 
@@ -273,18 +262,18 @@ def join_net(net: Net, holder: int) -> str:
     address is claimed by creating its veth: two nodes racing, one gets "exists" and tries the
     next."""
     if not Path(f"/sys/class/net/{net.bridge}").exists():
-        made = _run(
+        made = commands.run(
             ["ip", "link", "add", net.bridge, "address", net.bridge_mac, "type", "bridge"],
             check=False,
         )
         if made.returncode == 0:
-            _run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
-            _run(["ip", "link", "set", net.bridge, "up"])
+            commands.run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
+            commands.run(["ip", "link", "set", net.bridge, "up"])
     for index in range(HOST_OCTET - 1):
         veth = net.veth(index)
         if Path(f"/sys/class/net/{veth}").exists():
             continue
-        if _run(
+        if commands.run(
             [
                 "ip",
                 "link",
@@ -323,7 +312,7 @@ def end_holder(holder: int) -> None:
 
 
 @dataclass(frozen=True)
-class Node:
+class NodeHost:
     """One node on a private network."""
 
     name: str
@@ -337,7 +326,7 @@ class Node:
         end_holder(self.holder)
 
 
-def make_node(net: Net, index: int, name: str, state_dir: Path, shared: Sequence[str]) -> Node:
+def make_node(net: Net, index: int, name: str, state_dir: Path, shared: Sequence[str]) -> NodeHost:
     """A node `name` with its own namespaces and address `index` on `net`; its holder's pid
     file is kept in `state_dir`."""
     holder = start_holder(name, state_dir / f"{name}.holder", shared)
@@ -346,4 +335,4 @@ def make_node(net: Net, index: int, name: str, state_dir: Path, shared: Sequence
     except BaseException:
         end_holder(holder)
         raise
-    return Node(name, holder, address)
+    return NodeHost(name, holder, address)

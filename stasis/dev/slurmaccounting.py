@@ -25,16 +25,13 @@ import pwd
 import secrets
 import shutil
 import socket
-import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stasis.daemon import detached
+from stasis.dev import commands
+from stasis.dev.slurmdirs import SlurmClusterDirs
 from stasis.errors import SlurmError, UsageError
 from stasis.poll import poll
-
-if TYPE_CHECKING:
-    from stasis.dev.slurmcluster import Layout
 
 CLUSTER = "stasis-local"
 ACCOUNT = "local"
@@ -43,34 +40,12 @@ _START_TIMEOUT_S = 60.0
 _PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True
     except OSError:
         return False
-
-
-def _run(cmd: list[str], env: dict[str, str] | None = None, input_text: str | None = None) -> str:
-    try:
-        result = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=60, input=input_text
-        )
-    except FileNotFoundError as e:
-        raise UsageError(
-            f"{cmd[0]} is not installed; run `make install` " "(scripts/install-slurm.sh)"
-        ) from e
-    except subprocess.TimeoutExpired as e:
-        raise SlurmError(f"{cmd[0]} did not answer in 60 s") from e
-    if result.returncode != 0:
-        raise SlurmError(f"{' '.join(cmd)} failed: {(result.stderr + result.stdout).strip()}")
-    return result.stdout
 
 
 def _tail(path: Path) -> str:
@@ -83,15 +58,15 @@ def _tail(path: Path) -> str:
         return "(no log)"
 
 
-def directory(lay: "Layout") -> Path:
+def directory(lay: SlurmClusterDirs) -> Path:
     return lay.root / "accounting"
 
 
-def client_conf(lay: "Layout") -> Path:
+def client_conf(lay: SlurmClusterDirs) -> Path:
     return directory(lay) / "client.conf"
 
 
-def start(lay: "Layout", started: dict[str, int]) -> str:
+def start(lay: SlurmClusterDirs, started: dict[str, int]) -> str:
     """Start MariaDB and slurmdbd under `lay.root` (their pids go into `started`, by name);
     returns the slurm.conf lines that make slurmctld use them."""
     for tool in ("mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "sacctmgr"):
@@ -116,7 +91,7 @@ def start(lay: "Layout", started: dict[str, int]) -> str:
         f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
         f"GRANT ALL ON {_DB}.* TO 'slurm'@'127.0.0.1';",
     )
-    dbd_port = _free_port()
+    dbd_port = commands.free_port()
     munge_sock = lay.munge / "munge.sock"
     conf = lay.etc / "slurmdbd.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +153,7 @@ PidFile={acct}/slurmdbd.pid
     return lines
 
 
-def _start_mariadb(lay: "Layout", acct: Path, started: dict[str, int]) -> int:
+def _start_mariadb(lay: SlurmClusterDirs, acct: Path, started: dict[str, int]) -> int:
     mysql = pwd.getpwnam("mysql")
     run = acct / "mariadb"
     data = run / "db"
@@ -188,7 +163,7 @@ def _start_mariadb(lay: "Layout", acct: Path, started: dict[str, int]) -> int:
         shutil.rmtree(data, ignore_errors=True)
         data.mkdir()
         os.chown(data, mysql.pw_uid, mysql.pw_gid)
-        _run(
+        commands.slurm(
             [
                 "mariadb-install-db",
                 "--no-defaults",
@@ -198,7 +173,7 @@ def _start_mariadb(lay: "Layout", acct: Path, started: dict[str, int]) -> int:
                 "--skip-test-db",
             ]
         )
-    port = _free_port()
+    port = commands.free_port()
     sock = _mysql_socket(acct)
     log = run / "mysqld.log"
     pid = _start(
@@ -248,19 +223,20 @@ def _mysql_socket(acct: Path) -> Path:
 
 
 def _sql(acct: Path, statements: str) -> None:
-    _run(
+    commands.slurm(
         ["mariadb", "--no-defaults", f"--socket={_mysql_socket(acct)}", "-u", "root"],
         {"PATH": _PATH},
         input_text=statements,
     )
 
 
-def _sacctmgr(lay: "Layout", *args: str) -> str:
+def _sacctmgr(lay: SlurmClusterDirs, *args: str) -> str:
     # Not lay.slurm_conf: at start it is not written yet, or an earlier `up`'s (other ports).
-    return _run(["sacctmgr", "-i", *args], {"PATH": _PATH, "SLURM_CONF": str(client_conf(lay))})
+    env = {"PATH": _PATH, "SLURM_CONF": str(client_conf(lay))}
+    return commands.slurm(["sacctmgr", "-i", *args], env).stdout
 
 
-def _add(lay: "Layout", *args: str) -> None:
+def _add(lay: SlurmClusterDirs, *args: str) -> None:
     """`sacctmgr add ...`, idempotent: what exists already is not an error."""
     try:
         _sacctmgr(lay, "add", *args)
@@ -270,7 +246,7 @@ def _add(lay: "Layout", *args: str) -> None:
             raise
 
 
-def add_user(lay: "Layout", user: str, account: str = ACCOUNT) -> None:
+def add_user(lay: SlurmClusterDirs, user: str, account: str = ACCOUNT) -> None:
     """Give `user` an association in `account` (both created if needed) on the local cluster;
     the first account a user gets is its default one."""
     _add(lay, "account", account, f"Description={account}", f"Organization={account}")

@@ -45,160 +45,30 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import secrets
 import shutil
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stasis.daemon import detached
-from stasis.dev import nodehost, slurmcgroup
+from stasis.dev import commands, nodehost, slurmaccounting, slurmcgroup
 from stasis.dev.nodehost import Net
+from stasis.dev.slurmdirs import NODE, SlurmClusterDirs, read_state, write_state
 from stasis.errors import SlurmError, StasisError, UsageError
 from stasis.poll import poll
 from stasis.slurm import install
 
-NODE = "n1"
 MAX_NODES = 16
 _UP_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class Layout:
-    root: Path
-
-    @property
-    def etc(self) -> Path:
-        return self.root / "etc"
-
-    @property
-    def slurm_conf(self) -> Path:
-        return self.etc / "slurm.conf"
-
-    @property
-    def munge(self) -> Path:
-        return self.root / "munge"
-
-    @property
-    def slurm(self) -> Path:
-        return self.root / "slurm"
-
-    @property
-    def stasis(self) -> Path:
-        return self.root / "stasis"
-
-    @property
-    def stasis_config(self) -> Path:
-        """The stasis config a client on this machine uses: the one node's, or the first's."""
-        nodes = self.nodes()
-        if len(nodes) > 1:
-            return self.node_config(nodes[0])
-        return self.stasis / "config.toml"
-
-    @property
-    def stasis_socket(self) -> Path:
-        return self.stasis / "stasis.sock"
-
-    @property
-    def store(self) -> Path:
-        return self.stasis / "store"
-
-    @property
-    def site_key(self) -> Path:
-        return self.stasis / "site.key"
-
-    @property
-    def lib(self) -> Path:
-        return self.root / "lib"
-
-    @property
-    def state_file(self) -> Path:
-        return self.root / "cluster.json"
-
-    def node_dir(self, node: str) -> Path:
-        return self.root / "nodes" / node
-
-    def node_config(self, node: str) -> Path:
-        return self.node_dir(node) / "config.toml"
-
-    def node_socket(self, node: str) -> Path:
-        return self.node_dir(node) / "stasis.sock"
-
-    def nodes(self) -> list[str]:
-        """The cluster's node names (from cluster.json; one node when it says none)."""
-        return _state(self).get("nodes") or [NODE]
-
-    def config_of(self, node: str) -> Path:
-        """The stasis config of `node`'s daemon."""
-        if len(self.nodes()) > 1:
-            return self.node_config(node)
-        return self.stasis / "config.toml"
-
-    def host_address(self) -> str:
-        """This machine's address as the nodes see it (the bridge's; 127.0.0.1 on one node)."""
-        state = _state(self)
-        return Net(int(state["net_id"])).host_addr if "net_id" in state else "127.0.0.1"
-
-    def env(self) -> dict[str, str]:
-        """What a client needs to talk to this cluster and its stasis daemon."""
-        return {"SLURM_CONF": str(self.slurm_conf), "STASIS_CONFIG": str(self.stasis_config)}
-
-
-def _state(lay: Layout) -> dict[str, Any]:
-    try:
-        data = json.loads(lay.state_file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _save_state(lay: Layout, state: dict[str, Any]) -> None:
-    tmp = lay.state_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(lay.state_file)
-
-
 def node_names(count: int) -> list[str]:
     return [f"n{i + 1}" for i in range(count)]
-
-
-_TAKEN: set[int] = set()
-
-
-def _free_port() -> int:
-    """A port nothing listens on, below the kernel's ephemeral range: one the kernel handed out
-    for port 0 is free again the moment it is closed, and the next service or connection that
-    asks for port 0 (a test's S3 server, a client) may get it before slurmctld binds it (seen:
-    slurmctld "Address already in use", slurmd talking to someone else's server)."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = secrets.randbelow(low - 10000) + 10000
-        if port in _TAKEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _TAKEN.add(port)
-        return port
-    raise SlurmError(f"local cluster: no free port found between 10000 and {low}")
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return low if low > 11000 else 32768
 
 
 def _q(value: str) -> str:
@@ -219,7 +89,7 @@ JOB_CONTAINER = "JobContainerType=job_container/tmpfs\nPrologFlags=Contain"
 
 
 def slurm_conf_text(
-    lay: Layout,
+    lay: SlurmClusterDirs,
     *,
     cpus: int,
     grace_s: int,
@@ -280,8 +150,8 @@ def slurm_conf_text(
 # A throwaway {title} cluster made by `stasis-dev local-cluster up`.
 ClusterName=stasis-local
 SlurmctldHost={ctld}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={commands.free_port()}
+SlurmdPort={commands.free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -320,23 +190,7 @@ PartitionName=high Nodes={members} Default=NO MaxTime=INFINITE State=UP Priority
 """
 
 
-def _run(
-    cmd: list[str], env: dict[str, str] | None = None, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError as e:
-        raise UsageError(
-            f"{cmd[0]} is not installed; run `make install` " "(scripts/install-slurm.sh)"
-        ) from e
-    except subprocess.TimeoutExpired as e:
-        raise SlurmError(f"{' '.join(cmd)} did not answer in 60 s") from e
-    if check and result.returncode != 0:
-        raise SlurmError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
-    return result
-
-
-def _client_env(lay: Layout) -> dict[str, str]:
+def _client_env(lay: SlurmClusterDirs) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **lay.env()}
 
 
@@ -354,7 +208,7 @@ _FIRST_NET, _LAST_NET = 20, 219
 PRIVATE_DIRS = nodehost.PRIVATE_DIRS
 
 
-def _shared_paths(lay: Layout) -> list[str]:
+def _shared_paths(lay: SlurmClusterDirs) -> list[str]:
     """What stays visible at its own path inside every node even where it lies under a private
     directory (a cluster made in /tmp, a test root's venv in /tmp): the cluster's directory,
     this Python and the stasis package."""
@@ -373,14 +227,14 @@ def _holder(state: dict[str, Any], node: str) -> int | None:
     return int(holder) if held else None
 
 
-def _nodes_up(lay: Layout, state: dict[str, Any]) -> Net:
+def _nodes_up(lay: SlurmClusterDirs, state: dict[str, Any]) -> Net:
     """The private network and each node on it, with its own slurmd spool at the one
     SlurmdSpoolDir path; each recorded in `state` as soon as it exists, so that `down` ends
     what was made if a later step fails."""
     net = nodehost.claim_net(_FIRST_NET, _LAST_NET)
     state["net_id"] = net.net_id
     holders: dict[str, int] = state.setdefault("holders", {})
-    _save_state(lay, state)
+    write_state(lay, state)
     (lay.root / "ns").mkdir(exist_ok=True)
     for i, node in enumerate(state["nodes"]):
         holders[node] = nodehost.start_holder(
@@ -390,7 +244,7 @@ def _nodes_up(lay: Layout, state: dict[str, Any]) -> Net:
             binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))],
             **_cgroup_holder(state, node),
         )
-        _save_state(lay, state)
+        write_state(lay, state)
         nodehost.attach(net, holders[node], i)
     return net
 
@@ -406,7 +260,7 @@ def _cgroup_holder(state: dict[str, Any], node: str) -> dict[str, Any]:
     }
 
 
-def _cgroup_node_up(lay: Layout, state: dict[str, Any]) -> None:
+def _cgroup_node_up(lay: SlurmClusterDirs, state: dict[str, Any]) -> None:
     """One node with --cgroup: a holder of a mount and a cgroup namespace only (the node is
     this machine otherwise), so that its slurmd's cgroups are the cluster's own."""
     (lay.root / "ns").mkdir(exist_ok=True)
@@ -419,7 +273,7 @@ def _cgroup_node_up(lay: Layout, state: dict[str, Any]) -> None:
         host=False,
         **_cgroup_holder(state, NODE),
     )
-    _save_state(lay, state)
+    write_state(lay, state)
 
 
 def _cgroup_down(state: dict[str, Any]) -> None:
@@ -454,13 +308,13 @@ def _nodes_down(state: dict[str, Any]) -> None:
         # A cluster brought up before its holders held the nodes' networks named them in
         # /run/netns.
         if net.netns_path(node).exists():
-            _run(["ip", "netns", "del", net.netns(node)], check=False)
+            commands.slurm(["ip", "netns", "del", net.netns(node)], check=False)
     nodehost.release_net(net)
 
 
-def _node_prefix(lay: Layout, node: str) -> list[str]:
+def _node_prefix(lay: SlurmClusterDirs, node: str) -> list[str]:
     """How to run a command inside `node` (nothing on a one-node cluster)."""
-    state = _state(lay)
+    state = read_state(lay)
     several, cgroup = "net_id" in state, "cgroup" in state
     if not several and not cgroup:
         return []
@@ -495,7 +349,7 @@ def up(
     gpus: int = 0,
     job_container: bool = False,
     cgroup: bool = False,
-) -> Layout:
+) -> SlurmClusterDirs:
     """Start the cluster under `root` (created if needed); returns its layout.
 
     `gpus`: GPUs each node offers to jobs (`--gres=gpu:N`), counted by Slurm and its accounting
@@ -530,7 +384,7 @@ def up(
             "own; give a --dir outside /tmp and /var/tmp"
         )
     machine = slurmcgroup.machine() if cgroup else None
-    lay = Layout(root)
+    lay = SlurmClusterDirs(root)
     if lay.state_file.exists() and status(root)["running"]:
         raise UsageError(
             f"a local cluster is already running in {root}; "
@@ -568,7 +422,7 @@ def up(
         (lay.etc / "cgroup.conf").write_text(slurmcgroup.cgroup_conf(machine))
     else:
         (lay.etc / "cgroup.conf").unlink(missing_ok=True)
-    _save_state(lay, state)
+    write_state(lay, state)
     restore_signals = _terminate_as_error()
     try:
         net = _nodes_up(lay, state) if nodes > 1 else None
@@ -578,9 +432,7 @@ def up(
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
         if accounting:
-            from stasis.dev import slurmaccounting as acct
-
-            acct_conf = acct.start(lay, started)
+            acct_conf = slurmaccounting.start(lay, started)
         lay.slurm_conf.write_text(
             slurm_conf_text(
                 lay,
@@ -601,7 +453,9 @@ def up(
             base.mkdir(exist_ok=True)
             (lay.etc / "job_container.conf").write_text(f"AutoBasePath=true\nBasePath={base}\n")
         _make_site_key(lay)
-        remote_port = _free_port()  # one port cluster-wide: `dump --slurm-job`, `slurm drain`
+        remote_port = (
+            commands.free_port()
+        )  # one port cluster-wide: `dump --slurm-job`, `slurm drain`
         for node in names:
             lay.config_of(node).write_text(_stasis_config(lay, node, socket_group, remote_port))
         install.install(
@@ -618,31 +472,31 @@ def up(
         )
         for node in bare:
             _write_bare_conf(lay, node)
-        _save_state(lay, state)
+        write_state(lay, state)
         for node in names:
             if node in bare:
                 continue
             started[_daemon_key(lay, node)] = _start_stasis(lay, node)
-            _save_state(lay, state)
+            write_state(lay, state)
         env = _client_env(lay)
-        _run(["slurmctld", "-f", str(lay.slurm_conf), "-c"], env)
+        commands.slurm(["slurmctld", "-f", str(lay.slurm_conf), "-c"], env)
         _wait(
             lambda: detached.alive(detached.read_pid(lay.slurm / "slurmctld.pid")), 20, "slurmctld"
         )
         started["slurmctld"] = detached.read_pid(lay.slurm / "slurmctld.pid") or 0
-        _save_state(lay, state)
+        write_state(lay, state)
         for node in names:
             started[_slurmd_key(lay, node)] = _start_slurmd(lay, node)
-            _save_state(lay, state)
+            write_state(lay, state)
 
         def idle() -> bool:
-            r = _run(["sinfo", "-h", "-N", "-o", "%N %T"], env, check=False)
+            r = commands.slurm(["sinfo", "-h", "-N", "-o", "%N %T"], env, check=False)
             seen = dict(line.split()[:2] for line in r.stdout.splitlines() if line.split())
             return r.returncode == 0 and all(seen.get(n, "").rstrip("*") == "idle" for n in names)
 
         _wait(idle, _UP_TIMEOUT_S, f"node(s) {', '.join(names)} to be idle")
     except BaseException:
-        _save_state(lay, state)
+        write_state(lay, state)
         down(root)
         raise
     finally:
@@ -672,19 +526,19 @@ def _terminate_as_error() -> Callable[[], None]:
     return restore
 
 
-def _daemon_key(lay: Layout, node: str) -> str:
+def _daemon_key(lay: SlurmClusterDirs, node: str) -> str:
     return "stasis" if len(lay.nodes()) < 2 else f"stasis:{node}"
 
 
-def _slurmd_key(lay: Layout, node: str) -> str:
+def _slurmd_key(lay: SlurmClusterDirs, node: str) -> str:
     return "slurmd" if len(lay.nodes()) < 2 else f"slurmd:{node}"
 
 
-def _bare_conf(lay: Layout, node: str) -> Path:
+def _bare_conf(lay: SlurmClusterDirs, node: str) -> Path:
     return lay.node_dir(node) / "slurm.conf"
 
 
-def _gres_conf(lay: Layout, gpus: int) -> str:
+def _gres_conf(lay: SlurmClusterDirs, gpus: int) -> str:
     """gres.conf (read from slurm.conf's directory) for `gpus` stand-in GPUs per node. slurmd
     counts a GPU only by its device file, and wants a character device: each is a node like
     /dev/null's (1:3), which no job is given with task/none."""
@@ -700,7 +554,7 @@ def _gres_conf(lay: Layout, gpus: int) -> str:
     return f"Name=gpu File={devices}/gpu{last}\n"
 
 
-def _write_bare_conf(lay: Layout, node: str) -> None:
+def _write_bare_conf(lay: SlurmClusterDirs, node: str) -> None:
     """The cluster's slurm.conf but for an empty plugstack: this node loads no stasis plugin.
     (slurmctld logs that its slurm.conf differs; nodes of real sites differ the same way.)"""
     empty = lay.node_dir(node) / "plugstack.conf"
@@ -715,13 +569,13 @@ def _write_bare_conf(lay: Layout, node: str) -> None:
             shutil.copyfile(lay.slurm_conf.parent / name, _bare_conf(lay, node).parent / name)
 
 
-def _slurmd_pid_file(lay: Layout, node: str) -> Path:
+def _slurmd_pid_file(lay: SlurmClusterDirs, node: str) -> Path:
     if len(lay.nodes()) < 2:
         return lay.slurm / "slurmd.pid"
     return lay.node_dir(node) / "slurmd.pid"
 
 
-def _make_site_key(lay: Layout) -> None:
+def _make_site_key(lay: SlurmClusterDirs) -> None:
     """One key every node signs with and trusts: a checkpoint of one restores on another."""
     if lay.site_key.exists():
         return
@@ -732,7 +586,7 @@ def _make_site_key(lay: Layout) -> None:
         os.close(fd)
 
 
-def _stasis_config(lay: Layout, node: str, socket_group: str, remote_port: int) -> str:
+def _stasis_config(lay: SlurmClusterDirs, node: str, socket_group: str, remote_port: int) -> str:
     several = len(lay.nodes()) > 1
     home = lay.node_dir(node) if several else lay.stasis
     return (
@@ -748,7 +602,7 @@ def _stasis_config(lay: Layout, node: str, socket_group: str, remote_port: int) 
     )
 
 
-def _start_munge(lay: Layout) -> int:
+def _start_munge(lay: SlurmClusterDirs) -> int:
     munge_user = pwd.getpwnam("munge")
     lay.munge.mkdir(exist_ok=True)
     os.chown(lay.munge, munge_user.pw_uid, munge_user.pw_gid)
@@ -759,7 +613,7 @@ def _start_munge(lay: Layout) -> int:
     os.chown(key, munge_user.pw_uid, munge_user.pw_gid)
     os.chmod(key, 0o400)
     m = lay.munge
-    _run(
+    commands.slurm(
         [
             "runuser",
             "-u",
@@ -782,7 +636,7 @@ def _start_munge(lay: Layout) -> int:
     return detached.read_pid(m / "munged.pid") or 0
 
 
-def _start_stasis(lay: Layout, node: str) -> int:
+def _start_stasis(lay: SlurmClusterDirs, node: str) -> int:
     """Start `node`'s stasis daemon detached (inside the node): it outlives this command."""
     config = lay.config_of(node)
     home = config.parent
@@ -810,13 +664,15 @@ def _start_stasis(lay: Layout, node: str) -> int:
     return pid
 
 
-def _start_slurmd(lay: Layout, node: str) -> int:
+def _start_slurmd(lay: SlurmClusterDirs, node: str) -> int:
     pid_file = _slurmd_pid_file(lay, node)
     pid_file.unlink(missing_ok=True)
     conf = lay.slurm_conf
-    if node in _state(lay).get("without_stasis", []):
+    if node in read_state(lay).get("without_stasis", []):
         conf = _bare_conf(lay, node)
-    _run([*_node_prefix(lay, node), "slurmd", "-f", str(conf), "-N", node], _client_env(lay))
+    commands.slurm(
+        [*_node_prefix(lay, node), "slurmd", "-f", str(conf), "-N", node], _client_env(lay)
+    )
     _wait(lambda: detached.alive(detached.read_pid(pid_file)), 20, f"slurmd of {node}")
     return detached.read_pid(pid_file) or 0
 
@@ -835,16 +691,16 @@ def _stop_order(pids: dict[str, int]) -> list[str]:
     return sorted(pids, key=rank)
 
 
-def _jobs(lay: Layout) -> list[str]:
-    r = _run(["squeue", "-h", "-o", "%i"], _client_env(lay), check=False)
+def _jobs(lay: SlurmClusterDirs) -> list[str]:
+    r = commands.slurm(["squeue", "-h", "-o", "%i"], _client_env(lay), check=False)
     return r.stdout.split() if r.returncode == 0 else []
 
 
 def down(root: Path) -> None:
     """Cancel every job, stop every daemon `up` started, take its network away. The directory
     stays (logs)."""
-    lay = Layout(root.absolute())
-    state = _state(lay)
+    lay = SlurmClusterDirs(root.absolute())
+    state = read_state(lay)
     pids: dict[str, int] = state.get("pids") or {}
     if detached.alive(pids.get("slurmctld")):
         # Best effort: a controller that does not answer (its slurmdbd gone, say) must not
@@ -852,7 +708,7 @@ def down(root: Path) -> None:
         try:
             jobs = _jobs(lay)
             if jobs:
-                _run(["scancel", *jobs], _client_env(lay), check=False)
+                commands.slurm(["scancel", *jobs], _client_env(lay), check=False)
                 _wait(lambda: not _jobs(lay), 30, "the jobs to end")
         except StasisError:
             pass
@@ -868,33 +724,33 @@ def down(root: Path) -> None:
         pass
 
 
-def _pids(lay: Layout) -> dict[str, int]:
-    pids: dict[str, int] = _state(lay).get("pids") or {}
+def _pids(lay: SlurmClusterDirs) -> dict[str, int]:
+    pids: dict[str, int] = read_state(lay).get("pids") or {}
     return pids
 
 
 def stop_daemon(root: Path, node: str = NODE) -> None:
     """Stop only a node's stasis daemon (its jobs then run unprotected)."""
-    lay = Layout(root.absolute())
+    lay = SlurmClusterDirs(root.absolute())
     detached.stop(_pids(lay).get(_daemon_key(lay, node)))
 
 
 def start_daemon(root: Path, node: str = NODE) -> None:
     """Start a node's stasis daemon again after `stop_daemon`."""
-    lay = Layout(root.absolute())
-    state = _state(lay)
+    lay = SlurmClusterDirs(root.absolute())
+    state = read_state(lay)
     pids = state.setdefault("pids", {})
     key = _daemon_key(lay, node)
     if detached.alive(pids.get(key)):
         return
     pids[key] = _start_stasis(lay, node)
-    _save_state(lay, state)
+    write_state(lay, state)
 
 
 # -- what happens to nodes ---------------------------------------------------------------------
 
 
-def _check_node(lay: Layout, node: str) -> None:
+def _check_node(lay: SlurmClusterDirs, node: str) -> None:
     if node not in lay.nodes():
         raise UsageError(
             f"no node {node!r} in the local cluster in {lay.root} "
@@ -921,7 +777,7 @@ def _node_netns(state: dict[str, Any], node: str) -> int | None:
     return _netns_inode(Net(int(state["net_id"])).netns_path(node))
 
 
-def _kill_node_processes(lay: Layout, state: dict[str, Any], node: str) -> list[int]:
+def _kill_node_processes(lay: SlurmClusterDirs, state: dict[str, Any], node: str) -> list[int]:
     """SIGKILL every process inside `node`'s network namespace (several nodes only) but its
     holder: the node stays, to be started again."""
     if "net_id" not in state:
@@ -947,9 +803,9 @@ def _kill_node_processes(lay: Layout, state: dict[str, Any], node: str) -> list[
 def kill_node(root: Path, node: str) -> list[int]:
     """The node fails: its slurmd, its stasis daemon and every job process on it are killed
     at once, without warning (SIGKILL). Slurm finds it DOWN after SlurmdTimeout."""
-    lay = Layout(root.absolute())
+    lay = SlurmClusterDirs(root.absolute())
     _check_node(lay, node)
-    state = _state(lay)
+    state = read_state(lay)
     if "net_id" not in state:
         raise UsageError("kill-node needs a cluster of several nodes (up --nodes N)")
     killed = _kill_node_processes(lay, state, node)
@@ -960,9 +816,9 @@ def kill_node(root: Path, node: str) -> list[int]:
 def start_node(root: Path, node: str) -> None:
     """Bring a killed node back: its stasis daemon, then its slurmd (Slurm returns it to
     service when it registers: ReturnToService=2)."""
-    lay = Layout(root.absolute())
+    lay = SlurmClusterDirs(root.absolute())
     _check_node(lay, node)
-    state = _state(lay)
+    state = read_state(lay)
     pids = state.setdefault("pids", {})
     if node not in state.get("without_stasis", []) and not detached.alive(
         pids.get(_daemon_key(lay, node))
@@ -970,12 +826,12 @@ def start_node(root: Path, node: str) -> None:
         pids[_daemon_key(lay, node)] = _start_stasis(lay, node)
     if not detached.alive(pids.get(_slurmd_key(lay, node))):
         pids[_slurmd_key(lay, node)] = _start_slurmd(lay, node)
-    _save_state(lay, state)
+    write_state(lay, state)
 
 
 def exec_argv(root: Path, node: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """How to run `argv` on `node`: inside its namespaces, with its stasis config."""
-    lay = Layout(root.absolute())
+    lay = SlurmClusterDirs(root.absolute())
     _check_node(lay, node)
     env = {
         **os.environ,
@@ -986,7 +842,7 @@ def exec_argv(root: Path, node: str, argv: list[str]) -> tuple[list[str], dict[s
 
 
 def status(root: Path) -> dict[str, Any]:
-    lay = Layout(root.absolute())
+    lay = SlurmClusterDirs(root.absolute())
     pids = _pids(lay)
     daemons = {name: detached.alive(pids.get(name)) for name in sorted(pids)}
     if not pids:

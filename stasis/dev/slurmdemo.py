@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.dev import slurmcluster as cluster
+from stasis.dev.slurmdirs import SlurmClusterDirs
 from stasis.errors import SlurmError
 from stasis.poll import poll
 from stasis.slurm.scontrol import parse_record
@@ -50,7 +51,7 @@ class _Demo:
         self.console = console
         self.root = root
         self.work = root / "work"
-        self.env = {**os.environ, **cluster.Layout(root).env()}
+        self.env = {**os.environ, **SlurmClusterDirs(root).env()}
 
     def run(self, *cmd: str) -> str:
         result = subprocess.run(

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import pytest
 
 from stasis.dev import slurmcluster
+from stasis.dev.slurmdirs import NODE, SlurmClusterDirs
 from stasis.poll import poll
 from stasis.slurm.scontrol import parse_record
 from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user
@@ -211,7 +212,7 @@ class Cluster:
         self.root = root
         self.job_container = job_container
         self.work = root / "work"
-        self.lay = slurmcluster.Layout(root)
+        self.lay = SlurmClusterDirs(root)
         self.nodes = nodes
         self.without_stasis = without_stasis
         # A cluster driven from a thread (Early) while other tests run takes the environment
@@ -501,7 +502,6 @@ def made_clean(c: Cluster) -> bool:
     return poll(lambda: c.stasis("ps", check=False).returncode == 0, 30, interval_s=0.5) is not None
 
 
-NODE = slurmcluster.NODE
 ENDED = (
     "COMPLETED",
     "CANCELLED",

@@ -71,7 +71,7 @@ class Node:
             *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []),
             *([f"--node-name={node_name}"] if node_name else []),
         ]
-        self.lay = k8snode.Layout(root)
+        self.lay = k8snode.K8sNodeDirs(root)
         self.info: dict[str, Any] = {}
 
     def up(self) -> None:

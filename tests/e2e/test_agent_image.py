@@ -38,7 +38,7 @@ COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
 @dataclass
 class Cluster:
     infra: Node  # node A: runs the agent's container
-    b: k8snode.Layout  # node B: the host the agent installs into
+    b: k8snode.K8sNodeDirs  # node B: the host the agent installs into
     api: ApiServer
     agent_log: Path
 
@@ -75,7 +75,7 @@ def cluster() -> Iterator[Cluster]:
     )
     assert built.returncode == 0, built.stderr[-3000:]
     infra = Node(root / "a")
-    b = k8snode.Layout(root / "b")
+    b = k8snode.K8sNodeDirs(root / "b")
     for d in (b.containerd, b.bin, b.stasis):
         d.mkdir(parents=True)
     # Node B's containerd config as a node has it before stasis: no runtime entry yet.
