@@ -4,8 +4,9 @@ nodes), which talk to the one named by STASIS_CONTROLPLANE_URL with STASIS_AUTH_
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from stasis.cli import output
 from stasis.cli.args import add_json, subcommands
@@ -14,6 +15,8 @@ from stasis.errors import UsageError
 
 if TYPE_CHECKING:
     from stasis.controlplane.client import ControlPlaneClient
+    from stasis.controlplane.commands import Command
+    from stasis.controlplane.wire import PolicyEdit
 
 
 def add_controlplane(commands: Any) -> None:
@@ -156,14 +159,14 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "POST",
-            "/api/v1/clusters",
-            {
-                "name": a.name,
-                "kind": a.kind,
-                "expires_in_s": a.expires_in,
-                "approve_joins": a.approve_joins,
-            },
+            lambda c: c.add_cluster(
+                {
+                    "name": a.name,
+                    "kind": a.kind,
+                    "expires_in_s": a.expires_in,
+                    "approve_joins": a.approve_joins,
+                }
+            ),
             _said_cluster,
         )
     )
@@ -173,9 +176,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            "/api/v1/clusters",
-            None,
+            lambda c: c.list_clusters(),
             _said_rows("id", "name", "kind", "created", "approve_joins"),
         )
     )
@@ -191,12 +192,7 @@ def add_controlplane(commands: Any) -> None:
     add_json(p)
     p.set_defaults(
         handler=lambda a, s: _call(
-            a,
-            s,
-            "POST",
-            f"/api/v1/clusters/{_seg(a.cluster_id)}/rotate",
-            {"expires_in_s": a.expires_in},
-            _said_cluster,
+            a, s, lambda c: c.rotate(a.cluster_id, {"expires_in_s": a.expires_in}), _said_cluster
         )
     )
 
@@ -224,9 +220,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "POST",
-            f"/api/v1/clusters/{_seg(a.cluster)}/settings",
-            {"approve_joins": a.approve_joins},
+            lambda c: c.cluster_settings(a.cluster, {"approve_joins": a.approve_joins}),
             lambda d: output.say(
                 f"cluster {d['cluster_id']}: nodes that join "
                 + ("wait for an admin's approval" if d["approve_joins"] else "are approved at once")
@@ -245,9 +239,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            "/api/v1/tokens",
-            None,
+            lambda c: c.list_tokens(),
             _said_rows("id", "kind", "cluster_id", "created", "revoked", "expires"),
         )
     )
@@ -258,12 +250,7 @@ def add_controlplane(commands: Any) -> None:
     add_json(p)
     p.set_defaults(
         handler=lambda a, s: _call(
-            a,
-            s,
-            "POST",
-            f"/api/v1/tokens/{_seg(a.token_id)}/revoke",
-            None,
-            lambda d: output.say(f"revoked {d['token_id']}"),
+            a, s, lambda c: c.revoke(a.token_id), lambda d: output.say(f"revoked {d['token_id']}")
         )
     )
 
@@ -277,9 +264,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            "/api/v1/nodes",
-            None,
+            lambda c: c.list_nodes(),
             _said_rows(
                 "cluster",
                 "name",
@@ -310,9 +295,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "POST",
-            f"/api/v1/nodes/{_seg(a.name)}/reset",
-            {"cluster": a.cluster},
+            lambda c: c.reset_node(a.name, {"cluster": a.cluster}),
             lambda d: output.say(
                 f"node {d['name']} "
                 + (
@@ -340,9 +323,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "POST",
-            f"/api/v1/nodes/{_seg(a.name)}/approve",
-            {"cluster": a.cluster},
+            lambda c: c.approve_node(a.name, {"cluster": a.cluster}),
             lambda d: output.say(
                 f"node {d['name']} " + ("approved" if d["was_pending"] else "was approved already")
             ),
@@ -355,9 +336,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            "/api/v1/jobs",
-            None,
+            lambda c: c.list_jobs(),
             _said_rows("cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s"),
         )
     )
@@ -380,9 +359,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            f"/api/v1/checkpoints?limit={a.limit}" + ("&deleted=1" if a.deleted else ""),
-            None,
+            lambda c: c.list_checkpoints(a.limit, a.deleted),
             _said_rows(
                 "cluster",
                 "node",
@@ -404,16 +381,14 @@ def add_controlplane(commands: Any) -> None:
         help="Node-hours of work kept by restores instead of " "reruns, per cluster and per user.",
     )
     add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, "GET", "/api/v1/savings", None, _said_savings))
+    p.set_defaults(handler=lambda a, s: _call(a, s, lambda c: c.savings(), _said_savings))
     p = sub.add_parser("actions", help="The commands sent to nodes, and how they went.")
     add_json(p)
     p.set_defaults(
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            "/api/v1/commands",
-            None,
+            lambda c: c.list_commands(),
             _said_rows("id", "kind", "node", "state", "attempts", "created", "finished"),
         )
     )
@@ -530,12 +505,7 @@ def add_controlplane(commands: Any) -> None:
     add_json(p)
     p.set_defaults(
         handler=lambda a, s: _call(
-            a,
-            s,
-            "POST",
-            f"/api/v1/policies/{_seg(a.name)}/rotate-hook",
-            None,
-            lambda d: _said_hook(d, s),
+            a, s, lambda c: c.rotate_hook(a.name), lambda d: _said_hook(d, s)
         )
     )
     p = pol.add_parser(
@@ -546,9 +516,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "GET",
-            "/api/v1/policies",
-            None,
+            lambda c: c.list_policies(),
             _said_rows(
                 "name",
                 "trigger",
@@ -570,9 +538,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "POST",
-            f"/api/v1/policies/{_seg(a.name)}/run",
-            None,
+            lambda c: c.run_policy(a.name),
             lambda d: output.say(f"policy {d['name']}: " f"{d['queued']} command(s)"),
         )
     )
@@ -586,12 +552,7 @@ def add_controlplane(commands: Any) -> None:
     add_json(p)
     p.set_defaults(
         handler=lambda a, s: _call(
-            a,
-            s,
-            "GET",
-            f"/api/v1/events?limit={a.limit}",
-            None,
-            _said_rows("at", "node", "kind", "message"),
+            a, s, lambda c: c.list_events(a.limit), _said_rows("at", "node", "kind", "message")
         )
     )
     p = pol.add_parser("rm", help="Delete a policy (its hook token stops working).")
@@ -601,9 +562,7 @@ def add_controlplane(commands: Any) -> None:
         handler=lambda a, s: _call(
             a,
             s,
-            "DELETE",
-            f"/api/v1/policies/{_seg(a.name)}",
-            None,
+            lambda c: c.remove_policy(a.name),
             lambda d: output.say(f"policy {d['name']} " "removed"),
         )
     )
@@ -612,6 +571,8 @@ def add_controlplane(commands: Any) -> None:
 def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
     """The options of `policies add`, and of `policies edit` where none has a default (what is
     not given does not change)."""
+    from stasis.controlplane.routes import RUN_POLICY
+
     p.add_argument(
         "--every",
         type=_duration,
@@ -623,9 +584,9 @@ def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
     p.add_argument(
         "--on",
         choices=["webhook", "memory", "drain"],
-        help="webhook: run only when called (`policies run NAME`, POST "
-        "/api/v1/policies/NAME/run, with the admin token or the policy's hook "
-        "token); memory: a job above --above PCT of its node's memory; drain: "
+        help="webhook: run only when called (`policies run NAME`, "
+        f"{RUN_POLICY.method} {RUN_POLICY.url(name='NAME')}, with the admin token or the "
+        "policy's hook token); memory: a job above --above PCT of its node's memory; drain: "
         "the jobs of a node its scheduler drains or holds for maintenance.",
     )
     p.add_argument(
@@ -728,7 +689,7 @@ def _where(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]:
+def _finished(client: ControlPlaneClient, cmd: Command, wait_s: float) -> dict[str, Any]:
     """The command once its node acknowledged it."""
     import time
 
@@ -747,23 +708,19 @@ def _finished(client: Any, cmd: dict[str, Any], wait_s: float) -> dict[str, Any]
                 "hand meanwhile; follow it with `stasis controlplane actions`"
             )
         time.sleep(0.3)
-        cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
-    return cmd
+        cmd = client.get_command(cmd["id"])
+    return cast(dict[str, Any], cmd)  # answered: its result is there
 
 
-def _restored(client: Any, first: dict[str, Any], wait_s: float) -> dict[str, Any]:
+def _restored(client: ControlPlaneClient, first: dict[str, Any], wait_s: float) -> dict[str, Any]:
     """A migration's restore half once answered, following its retries and re-targets (a
     failed restore names the one that follows it, `next`) to the last."""
-    then = _finished(
-        client, client.request("GET", f"/api/v1/commands/{first['result']['next']}"), wait_s
-    )
+    then = _finished(client, client.get_command(str(first["result"]["next"])), wait_s)
     for _ in range(50):  # bounded by the control plane's retries; this bounds a hostile one
         nxt = (then.get("result") or {}).get("next")
         if then["state"] != "failed" or not nxt:
             break
-        then = _finished(
-            client, client.request("GET", f"/api/v1/commands/{_seg(str(nxt))}"), wait_s
-        )
+        then = _finished(client, client.get_command(str(nxt)), wait_s)
     return then
 
 
@@ -773,10 +730,8 @@ def migrate(args: argparse.Namespace, settings: Settings) -> None:
     client = _client(settings)
     first = _finished(
         client,
-        client.request(
-            "POST",
-            "/api/v1/migrations",
-            {"job": args.job, "to": args.to, "cluster": args.cluster, "node": args.node},
+        client.migrate(
+            {"job": args.job, "to": args.to, "cluster": args.cluster, "node": args.node}
         ),
         args.wait,
     )
@@ -816,11 +771,7 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import CheckpointError
 
     client = _client(settings)
-    plan = client.request(
-        "POST",
-        f"/api/v1/nodes/{_seg(args.node)}/drain",
-        {"reason": args.reason, "cluster": args.cluster},
-    )
+    plan = client.drain(args.node, {"reason": args.reason, "cluster": args.cluster})
     moved, failed, requeued = [], [], []
     if plan.get("drain"):
         drained = _finished(client, plan["drain"], args.wait)
@@ -850,7 +801,7 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     deadline = time.monotonic() + args.wait
     empty = False
     while not empty and not failed and time.monotonic() < deadline:
-        jobs = client.request("GET", "/api/v1/jobs")
+        jobs = client.list_jobs()
         empty = not any(
             j["node"] == args.node and j["cluster_id"] == plan["cluster_id"] for j in jobs
         )
@@ -892,9 +843,7 @@ def checkpoint(args: argparse.Namespace, settings: Settings) -> None:
     client = _client(settings)
     cmd = _finished(
         client,
-        client.request(
-            "POST",
-            "/api/v1/commands",
+        client.new_command(
             {
                 "kind": "checkpoint",
                 "job": args.job,
@@ -923,7 +872,7 @@ def verify(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import RestoreError
 
     client = _client(settings)
-    cmd = client.request("POST", f"/api/v1/checkpoints/{_seg(args.checkpoint)}/verify", None)
+    cmd = client.verify_checkpoint(args.checkpoint)
     deadline = time.monotonic() + args.wait
     while cmd["state"] not in ("done", "failed"):
         if time.monotonic() > deadline:
@@ -934,7 +883,7 @@ def verify(args: argparse.Namespace, settings: Settings) -> None:
                 "controlplane checkpoints`"
             )
         time.sleep(0.3)
-        cmd = client.request("GET", f"/api/v1/commands/{cmd['id']}")
+        cmd = client.get_command(cmd["id"])
     verdict = (cmd["result"] or {}).get("verdict")
     if args.json:
         output.emit_json(cmd)
@@ -992,9 +941,13 @@ def _client(settings: Settings) -> ControlPlaneClient:
 
 
 def _call(
-    args: argparse.Namespace, settings: Settings, method: str, path: str, body: Any, say: Any
+    args: argparse.Namespace,
+    settings: Settings,
+    ask: Callable[[ControlPlaneClient], Any],
+    say: Callable[[Any], object],
 ) -> None:
-    answer = _client(settings).request(method, path, body)
+    """`ask`: one call of the client's (a method per route), its answer said or printed."""
+    answer = ask(_client(settings))
     if args.json:
         output.emit_json(answer)
     else:
@@ -1042,24 +995,24 @@ def add_policy(args: argparse.Namespace, settings: Settings) -> None:
     _call(
         a,
         settings,
-        "POST",
-        "/api/v1/policies",
-        {
-            "name": a.name,
-            "every_s": a.every or 0,
-            "action": a.action,
-            "keep": a.keep,
-            "older_than_s": a.older_than,
-            "stop": a.stop,
-            "completed": a.completed,
-            "trigger": a.on if a.on in ("memory", "drain") else "every",
-            "threshold_pct": a.above,
-            "filters": {
-                **{f: getattr(a, f) for f in _GLOBS if getattr(a, f)},
-                **({"min_age_s": str(a.min_age)} if a.min_age else {}),
-                **({"min_rss_bytes": str(a.min_size)} if a.min_size else {}),
-            },
-        },
+        lambda c: c.add_policy(
+            {
+                "name": a.name,
+                "every_s": a.every or 0,
+                "action": a.action,
+                "keep": a.keep,
+                "older_than_s": a.older_than,
+                "stop": a.stop,
+                "completed": a.completed,
+                "trigger": a.on if a.on in ("memory", "drain") else "every",
+                "threshold_pct": a.above,
+                "filters": {
+                    **{f: getattr(a, f) for f in _GLOBS if getattr(a, f)},
+                    **({"min_age_s": str(a.min_age)} if a.min_age else {}),
+                    **({"min_rss_bytes": str(a.min_size)} if a.min_size else {}),
+                },
+            }
+        ),
         lambda d: _said_policy(d, "added", settings),
     )
 
@@ -1104,9 +1057,7 @@ def edit_policy(args: argparse.Namespace, settings: Settings) -> None:
     _call(
         a,
         settings,
-        "PATCH",
-        f"/api/v1/policies/{_seg(a.name)}",
-        body,
+        lambda c: c.edit_policy(a.name, cast("PolicyEdit", body)),
         lambda d: _said_policy(d, "saved", settings),
     )
 
@@ -1120,7 +1071,9 @@ def _said_policy(d: dict[str, Any], done: str, settings: Settings) -> None:
 def _said_hook(d: dict[str, Any], settings: Settings) -> None:
     import shlex
 
-    url = f"{settings.controlplane_url.rstrip('/')}/api/v1/policies/{_seg(d['name'])}/run"
+    from stasis.controlplane.routes import RUN_POLICY
+
+    url = settings.controlplane_url.rstrip("/") + RUN_POLICY.url(name=d["name"])
     output.plain(
         f"hook token (shown once; it runs policy {d['name']} only): "
         f"{d['hook_token']}\n"

@@ -1,5 +1,6 @@
 """The control plane's API as the admin CLI and the node daemons call it (blocking, stdlib HTTP:
-a call every few seconds needs no more)."""
+a call every few seconds needs no more): one method per route of stasis.controlplane.routes,
+each typed with its route's request and answer (stasis.controlplane.wire)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, TypeVar, cast
 
+from stasis.controlplane import routes, wire
+from stasis.controlplane.commands import Command
 from stasis.errors import (
     ConflictError,
     ControlPlaneUnreachableError,
@@ -21,6 +24,10 @@ from stasis.errors import (
     UsageError,
     error_from_wire,
 )
+from stasis.routes import Route
+
+Req = TypeVar("Req")
+Ans = TypeVar("Ans")
 
 # What a status says when the body names no class of stasis.errors (a proxy's own page).
 _BY_STATUS: dict[int, type[StasisError]] = {
@@ -74,9 +81,26 @@ class ControlPlaneClient:
         self.timeout_s = timeout_s
         self._ssl = ssl.create_default_context() if url.startswith("https://") else None
 
-    def request(
-        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
-    ) -> Any:
+    def call(
+        self,
+        route: Route[Req, Ans],
+        body: Req | None = None,
+        *,
+        query: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        **args: str,
+    ) -> Ans:
+        """Route `route` (stasis.controlplane.routes), its path filled with `args`: its answer
+        (JSON; text or bytes for a route that answers str or bytes)."""
+        path = route.url(**args) + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        raw = self._send(route.method, path, body, timeout_s)
+        if route.answer is bytes:
+            return cast(Ans, raw)
+        if route.answer is str:
+            return cast(Ans, raw.decode())
+        return cast(Ans, json.loads(raw or b"null"))
+
+    def _send(self, method: str, path: str, body: Any, timeout_s: float | None) -> bytes:
         """`timeout_s`: this request's own bound (the client's by default)."""
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
@@ -87,7 +111,7 @@ class ControlPlaneClient:
             with urllib.request.urlopen(
                 req, timeout=timeout_s or self.timeout_s, context=self._ssl
             ) as r:
-                return json.loads(r.read() or b"null")
+                return bytes(r.read())
         except urllib.error.HTTPError as e:
             raise _answered(e) from None
         except (urllib.error.URLError, OSError, ValueError) as e:
@@ -96,6 +120,126 @@ class ControlPlaneClient:
                 f"cannot reach the control plane at {self.url} "
                 f"({why}): is it running? (STASIS_CONTROLPLANE_URL)"
             ) from None
+
+    # -- one method per route (stasis.controlplane.routes), in its order ----------------------
+
+    def health(self) -> wire.Health:
+        return self.call(routes.HEALTH)
+
+    def add_cluster(self, body: wire.NewCluster) -> wire.Cluster:
+        return self.call(routes.ADD_CLUSTER, body)
+
+    def list_clusters(self) -> list[wire.Cluster]:
+        return self.call(routes.LIST_CLUSTERS)
+
+    def rotate(self, cluster_id: str, body: wire.Rotation) -> wire.Cluster:
+        return self.call(routes.ROTATE, body, id=cluster_id)
+
+    def cluster_settings(self, cluster: str, body: wire.ClusterSettings) -> wire.Cluster:
+        return self.call(routes.CLUSTER_SETTINGS, body, id=cluster)
+
+    def list_tokens(self) -> list[wire.Token]:
+        return self.call(routes.LIST_TOKENS)
+
+    def revoke(self, token_id: str) -> wire.Token:
+        return self.call(routes.REVOKE, id=token_id)
+
+    def register(self, body: wire.NodeReport) -> wire.Registered:
+        return self.call(routes.REGISTER, body)
+
+    def heartbeat(self, node: str, body: wire.Heartbeat) -> wire.Node:
+        return self.call(routes.HEARTBEAT, body, name=node)
+
+    def reset_node(self, node: str, body: wire.NodeReset) -> wire.Node:
+        return self.call(routes.RESET_NODE, body, name=node)
+
+    def approve_node(self, node: str, body: wire.NodeReset) -> wire.Node:
+        return self.call(routes.APPROVE_NODE, body, name=node)
+
+    def list_nodes(self) -> list[wire.Node]:
+        return self.call(routes.LIST_NODES)
+
+    def list_jobs(self) -> list[wire.Job]:
+        return self.call(routes.LIST_JOBS)
+
+    def new_command(self, body: wire.NewCommand) -> Command:
+        return self.call(routes.NEW_COMMAND, body)
+
+    def list_commands(self) -> list[Command]:
+        return self.call(routes.LIST_COMMANDS)
+
+    def get_command(self, command_id: str) -> Command:
+        return self.call(routes.GET_COMMAND, id=command_id)
+
+    def lease(self, node: str) -> Command | None:
+        return self.call(routes.LEASE, {}, name=node)
+
+    def renew(self, node: str, command_id: str, body: wire.Renewal) -> wire.Renewed:
+        return self.call(routes.RENEW, body, name=node, id=command_id)
+
+    def commit(
+        self, node: str, command_id: str, body: wire.Renewal, timeout_s: float | None = None
+    ) -> wire.Committed:
+        return self.call(routes.COMMIT, body, timeout_s=timeout_s, name=node, id=command_id)
+
+    def ack(self, command_id: str, body: wire.Ack) -> Command:
+        return self.call(routes.ACK, body, id=command_id)
+
+    def migrate(self, body: wire.Migration) -> Command:
+        return self.call(routes.MIGRATE, body)
+
+    def drain(self, node: str, body: wire.Drain) -> wire.Drained:
+        return self.call(routes.DRAIN, body, name=node)
+
+    def metrics(self) -> str:
+        return self.call(routes.METRICS)
+
+    def list_events(self, limit: int | None = None) -> list[wire.Event]:
+        return self.call(routes.LIST_EVENTS, query=_given(limit=limit))
+
+    def list_checkpoints(
+        self, limit: int | None = None, deleted: bool = False
+    ) -> list[wire.Checkpoint]:
+        return self.call(
+            routes.LIST_CHECKPOINTS, query=_given(limit=limit, deleted="1" if deleted else None)
+        )
+
+    def verify_checkpoint(self, checkpoint: str) -> Command:
+        return self.call(routes.VERIFY_CHECKPOINT, id=checkpoint)
+
+    def savings(self) -> wire.Savings:
+        return self.call(routes.SAVINGS)
+
+    def run_policy(self, name: str) -> wire.PolicyRun:
+        return self.call(routes.RUN_POLICY, name=name)
+
+    def install_kubernetes(self) -> str:
+        return self.call(routes.INSTALL_KUBERNETES)
+
+    def install_slurm(self) -> str:
+        return self.call(routes.INSTALL_SLURM)
+
+    def install_wheel(self) -> bytes:
+        return self.call(routes.INSTALL_WHEEL)
+
+    def list_policies(self) -> list[wire.Policy]:
+        return self.call(routes.LIST_POLICIES)
+
+    def add_policy(self, body: wire.NewPolicy) -> wire.Policy:
+        return self.call(routes.ADD_POLICY, body)
+
+    def edit_policy(self, name: str, body: wire.PolicyEdit) -> wire.Policy:
+        return self.call(routes.EDIT_POLICY, body, name=name)
+
+    def remove_policy(self, name: str) -> wire.Policy:
+        return self.call(routes.REMOVE_POLICY, name=name)
+
+    def rotate_hook(self, name: str) -> wire.Policy:
+        return self.call(routes.ROTATE_HOOK, name=name)
+
+
+def _given(**query: object) -> dict[str, str]:
+    return {k: str(v) for k, v in query.items() if v is not None}
 
 
 def _answered(e: urllib.error.HTTPError) -> StasisError:

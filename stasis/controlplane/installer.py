@@ -32,6 +32,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from stasis.controlplane import routes
 from stasis.errors import UsageError
 
 _SKIP_DIRS = {"__pycache__"}
@@ -127,6 +128,8 @@ def slurm_script(
         "VERSION": version(),
         "WHEEL": wheel_name(),
         "WHEEL_SHA256": wheel_sha256,
+        "SLURM_PATH": routes.INSTALL_SLURM.path,
+        "WHEEL_PATH": routes.INSTALL_WHEEL.path,
     }
     return re.sub(r"@([A-Z_0-9]+)@", lambda m: q(values[m.group(1)]), _SCRIPT)
 
@@ -134,7 +137,7 @@ def slurm_script(
 _SCRIPT = r"""#!/usr/bin/env bash
 # The stasis installer for a node of Slurm cluster @CLUSTER@, from its control plane:
 #   (umask 077; printf 'Authorization: Bearer %s\n' "$TOKEN" > /root/stasis-auth)
-#   curl -fsSL -H @/root/stasis-auth "$URL/install/slurm" | sudo -E bash -s -- \
+#   curl -fsSL -H @/root/stasis-auth "$URL"@SLURM_PATH@ | sudo -E bash -s -- \
 #       --node-role worker [--slurm-conf PATH] [any other `stasis slurm install` option]
 # STASIS_PREFIX: where stasis goes (a venv, default /opt/stasis); STASIS_CONFIG: the node
 # daemon's config file (default /etc/stasis/config.toml); STASIS_NODE_NAME: this node's name in
@@ -203,7 +206,7 @@ if [ -x "$prefix/bin/python" ]; then
 fi
 if [ "$have" != "$want" ]; then
     say "installing stasis $want into $prefix"
-    curl -fsS -o "$tmp/$wheel" -H @"$tmp/auth" "$url/install/stasis.whl"
+    curl -fsS -o "$tmp/$wheel" -H @"$tmp/auth" "$url"@WHEEL_PATH@
     got="$(sha256sum "$tmp/$wheel")"; got="${got%% *}"
     if [ "$got" != "$wheel_sha256" ]; then
         say "refused $wheel: its sha256 $got is not $wheel_sha256, the one this installer" \

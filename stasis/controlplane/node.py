@@ -60,7 +60,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from importlib.metadata import version
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Boolean,
@@ -80,6 +80,8 @@ from sqlalchemy import (
 
 from stasis import faults, wire
 from stasis.atomicfile import write_atomically
+from stasis.controlplane import commands
+from stasis.controlplane import wire as wire_cp
 from stasis.controlplane.client import ControlPlaneClient
 from stasis.daemon import records
 from stasis.daemon.activity import Activity
@@ -170,6 +172,11 @@ class FencedError(PermissionDeniedError):
     was failed and re-targeted while the node was cut off)."""
 
 
+class _Unanswered(StoreError):
+    """A command that cannot be answered now: what was done is unknown until the store is back
+    (it is leased again, and answered from what is found then)."""
+
+
 class UnconfirmedError(StasisError):
     """The control plane could not be asked for a restore's commit within the bound."""
 
@@ -211,6 +218,17 @@ class ControlPlaneNode(Integration):
         self._unleased: str | None = None
         self._closing = False
         self._no_verdicts_said = False  # an older control plane refused them (said once)
+        # How each kind of command is carried out (stasis.controlplane.commands).
+        self._carry: dict[
+            commands.Kind,
+            Callable[[commands.Command, str, float | None], tuple[bool, dict[str, Any]]],
+        ] = {
+            "checkpoint": self._checkpoint,
+            "restore": self._restore,
+            "drain": self._drain,
+            "retain": self._retain_command,
+            "verify": self._verify_command,
+        }
 
     def tables(self) -> Sequence[Table]:
         return [done_table, outbox_table, restored_table, intent_table]
@@ -278,7 +296,7 @@ class ControlPlaneNode(Integration):
         """Joins with the cluster token (and keeps the credential it answers with), or
         reports itself again with its credential."""
         assert self.client is not None
-        joined = self.client.request("POST", "/api/v1/nodes/register", self.report())
+        joined = self.client.register(cast(wire_cp.NodeReport, self.report()))
         token = joined.get("node_token") if isinstance(joined, dict) else None
         if self._credential is None and isinstance(token, str):
             self._keep_credential(token)
@@ -452,9 +470,9 @@ class ControlPlaneNode(Integration):
                     "mem_total_bytes": _mem_total(),
                     "scheduler_state": self._scheduler_state(),
                 }
-                path = f"/api/v1/nodes/{self.manager.settings.node}/heartbeat"
+                node = self.manager.settings.node
                 try:
-                    self.client.request("POST", path, body)
+                    self.client.heartbeat(node, cast(wire_cp.Heartbeat, body))
                 except UsageError as e:
                     if "verdicts" not in body or "verdicts" not in str(e):
                         raise
@@ -467,8 +485,9 @@ class ControlPlaneNode(Integration):
                             e,
                         )
                         self._no_verdicts_said = True
-                    self.client.request(
-                        "POST", path, {k: v for k, v in body.items() if k != "verdicts"}
+                    self.client.heartbeat(
+                        node,
+                        cast(wire_cp.Heartbeat, {k: v for k, v in body.items() if k != "verdicts"}),
                     )
                 self._sent(ids)
             self._beats += 1
@@ -508,11 +527,7 @@ class ControlPlaneNode(Integration):
             return
         command_id, lease_id = current
         try:
-            self.client.request(
-                "POST",
-                f"/api/v1/nodes/{self.manager.settings.node}/commands/" f"{command_id}/renew",
-                {"lease_id": lease_id},
-            )
+            self.client.renew(self.manager.settings.node, command_id, {"lease_id": lease_id})
         except UsageError:
             # Acknowledged meanwhile, or its lease ran out (the control plane was away): it
             # is answered from controlplane_done if it comes again.
@@ -532,12 +547,11 @@ class ControlPlaneNode(Integration):
         """The worker: every command queued for this node, one after another, until none is
         left (the next heartbeat starts it again)."""
         assert self.client is not None
-        lease = f"/api/v1/nodes/{self.manager.settings.node}/commands/lease"
         try:
             while not self._closing:
                 if self._credential is None:
                     break  # not joined yet: the cluster token leases nothing
-                cmd = self.client.request("POST", lease, {})
+                cmd = self.client.lease(self.manager.settings.node)
                 if cmd is None:
                     break
                 lease_id = str(cmd.get("lease_id") or "")
@@ -549,11 +563,7 @@ class ControlPlaneNode(Integration):
                     with self._lock:
                         self._current = None
                 faults.point("cp.before-ack")
-                self.client.request(
-                    "POST",
-                    f"/api/v1/commands/{cmd['id']}/ack",
-                    {"lease_id": lease_id, "ok": ok, "result": result},
-                )
+                self.client.ack(cmd["id"], {"lease_id": lease_id, "ok": ok, "result": result})
                 self._records.drop(done_table, cmd["id"])  # taken: never leased again
             self._worker_failing = None
         except NotFoundError:
@@ -575,10 +585,8 @@ class ControlPlaneNode(Integration):
         log.info("control plane command %s was carried out already: answered again", command_id)
         return bool(row.ok), json.loads(row.result)
 
-    def _carry_out(self, cmd: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    def _carry_out(self, cmd: commands.Command) -> tuple[bool, dict[str, Any]]:
         import time
-
-        from stasis.daemon.models import DumpRequest, RestoreRequest
 
         ok = False
         result: dict[str, Any] = {"error": f"unknown command {cmd['kind']!r}"}
@@ -589,116 +597,14 @@ class ControlPlaneNode(Integration):
         )[:60]
         began = self._intend(cmd)
         faults.point("cp.after-lease")
-        if cmd["kind"] == "checkpoint":
-            job, leave = str(args["job"]), bool(args.get("leave_running", True))
-            kind = str(args.get("kind") or "daemon")
+        kind = commands.kind_of(cmd["kind"])
+        if kind is not None:
             try:
-                # Leased again after this daemon died carrying it out: the checkpoint it took
-                # then, if the job did not run on since (a stop asked: the job is gone).
-                # The store unreachable here is not "none taken": the command stays
-                # unanswered (StoreError) and comes back.
-                taken = (
-                    self._taken_since(job, began)
-                    if began is not None and kind == "daemon"
-                    else None
-                )
-                if taken is not None and (leave or not self._alive(job)):
-                    log.info(
-                        "control plane command %s: checkpoint %s was taken before the "
-                        "daemon stopped: answered with it",
-                        cmd["id"],
-                        taken["checkpoint"],
-                    )
-                    answer = taken
-                elif kind == "daemon":
-                    answer = dict(
-                        self.manager.dump(
-                            job, DumpRequest(leave_running=leave, reason=reason), _ROOT
-                        )
-                    )
-                else:  # a scheduler's job: stopped means requeued
-                    answer = self.manager.job_source(kind).checkpoint(job, leave, reason)
-                faults.point("cp.after-checkpoint")
-                ok, result = (
-                    True,
-                    {
-                        k: answer[k]
-                        for k in ("checkpoint", "label", "size_bytes", "requeued")
-                        if k in answer
-                    },
-                )
-                if kind == "daemon" and args.get("then_restore_on") and "checkpoint" in answer:
-                    # One seal for the target, and one for each node the control plane may
-                    # re-target the restore to if the target fails or is lost.
-                    seals = {}
-                    for to in [
-                        str(args["then_restore_on"]),
-                        *[str(n) for n in list(args.get("or_on") or [])[:_ALTERNATES]],
-                    ]:
-                        seals[to] = self.manager.store.keys.sign(
-                            SEAL_PURPOSE, _sealed(cmd["id"], str(answer["checkpoint"]), job, to)
-                        ).model_dump()
-                    result["seal"] = seals[str(args["then_restore_on"])]
-                    if len(seals) > 1:
-                        result["seals"] = seals
+                ok, result = self._carry[kind](cmd, reason, began)
+            except _Unanswered:
+                raise
             except StasisError as e:
-                if isinstance(e, StoreError) and began is not None:
-                    raise  # cannot tell what was done: answered when the store is back
-                result = {"error": str(e)}
-        elif cmd["kind"] == "drain":
-            try:
-                drained = [drain(reason) for drain in self._drains()]
-                if not drained:
-                    raise UsageError("no scheduler on this node to drain it in")
-                ok, result = True, {k: v for d in drained for k, v in d.items()}
-            except StasisError as e:
-                result = {"error": str(e)}
-        elif cmd["kind"] == "restore":
-            try:
-                ckpt, created = self._migrated_checkpoint(args)
-                migration = str(args["migrated_from"])
-                restored = self._resumed_restore(migration, ckpt) if began is not None else None
-                if restored is None:
-                    self._claim_restore(migration, ckpt, created)
-                    try:
-                        # Resumed only on the control plane's word that the command is still
-                        # this node's (not failed and re-targeted while it was cut off).
-                        fence = self._fence(cmd, ckpt) if args.get("fence") else None
-                        done = self.manager.restore(
-                            RestoreRequest(checkpoint=ckpt), _ROOT, fence=fence
-                        )
-                    except BaseException:
-                        self._unclaim_restore(migration)  # nothing restored: it may come again
-                        raise
-                    restored = str(done["job"])
-                    faults.point("cp.after-restore")
-                    self._restored(migration, restored)
-                ok, result = True, {"job": restored, "checkpoint": ckpt}
-            except PermissionDeniedError as e:
-                # Refused: no retry changes that (the control plane does not retry it).
-                result = {"error": str(e), "permanent": True}
-            except StasisError as e:
-                result = {"error": str(e)}
-        elif cmd["kind"] == "retain":
-            try:
-                ok, result = True, {"deleted": self._retain(cmd["args"])}
-            except StasisError as e:
-                result = {"error": str(e)}
-        elif cmd["kind"] == "verify":
-            try:
-                verdict = self._verify(args)
-                ok = bool(verdict.get("ok"))
-                result = (
-                    {"verdict": verdict}
-                    if ok
-                    else {
-                        "verdict": verdict,
-                        "error": f"checkpoint {verdict.get('checkpoint')} "
-                        f"does not restore: {verdict.get('reason') or 'no reason given'}",
-                    }
-                )
-            except StasisError as e:
-                result = {"error": str(e)}
+                ok, result = False, {"error": str(e)}
         log.info(
             "control plane command %s (%s): %s",
             cmd["id"],
@@ -715,6 +621,116 @@ class ControlPlaneNode(Integration):
         self._records.refresh(done_table, cmd["id"])
         self._records.refresh(intent_table, cmd["id"])
         return ok, result
+
+    def _checkpoint(
+        self, cmd: commands.Command, reason: str, began: float | None
+    ) -> tuple[bool, dict[str, Any]]:
+        from stasis.daemon.models import DumpRequest
+
+        args = cast(commands.CheckpointArgs, cmd["args"])
+        job, leave = str(args["job"]), bool(args.get("leave_running", True))
+        kind = str(args.get("kind") or "daemon")
+        try:
+            # Leased again after this daemon died carrying it out: the checkpoint it took
+            # then, if the job did not run on since (a stop asked: the job is gone).
+            # The store unreachable here is not "none taken": the command stays
+            # unanswered (StoreError) and comes back.
+            taken = (
+                self._taken_since(job, began) if began is not None and kind == "daemon" else None
+            )
+            if taken is not None and (leave or not self._alive(job)):
+                log.info(
+                    "control plane command %s: checkpoint %s was taken before the "
+                    "daemon stopped: answered with it",
+                    cmd["id"],
+                    taken["checkpoint"],
+                )
+                answer = taken
+            elif kind == "daemon":
+                answer = dict(
+                    self.manager.dump(job, DumpRequest(leave_running=leave, reason=reason), _ROOT)
+                )
+            else:  # a scheduler's job: stopped means requeued
+                answer = self.manager.job_source(kind).checkpoint(job, leave, reason)
+            faults.point("cp.after-checkpoint")
+            result: dict[str, Any] = {
+                k: answer[k]
+                for k in ("checkpoint", "label", "size_bytes", "requeued")
+                if k in answer
+            }
+            then = args.get("then_restore_on")
+            if kind == "daemon" and then and "checkpoint" in answer:
+                # One seal for the target, and one for each node the control plane may
+                # re-target the restore to if the target fails or is lost.
+                seals = {}
+                for to in [
+                    str(then),
+                    *[str(n) for n in list(args.get("or_on") or [])[:_ALTERNATES]],
+                ]:
+                    seals[to] = self.manager.store.keys.sign(
+                        SEAL_PURPOSE, _sealed(cmd["id"], str(answer["checkpoint"]), job, to)
+                    ).model_dump()
+                result["seal"] = seals[str(then)]
+                if len(seals) > 1:
+                    result["seals"] = seals
+            return True, result
+        except StoreError as e:
+            if began is not None:  # cannot tell what was done: answered when the store is back
+                raise _Unanswered(str(e)) from e
+            raise
+
+    def _drain(
+        self, cmd: commands.Command, reason: str, began: float | None
+    ) -> tuple[bool, dict[str, Any]]:
+        drained = [drain(reason) for drain in self._drains()]
+        if not drained:
+            raise UsageError("no scheduler on this node to drain it in")
+        return True, {k: v for d in drained for k, v in d.items()}
+
+    def _restore(
+        self, cmd: commands.Command, reason: str, began: float | None
+    ) -> tuple[bool, dict[str, Any]]:
+        from stasis.daemon.models import RestoreRequest
+
+        args = cast(commands.RestoreArgs, cmd["args"])
+        try:
+            ckpt, created = self._migrated_checkpoint(cmd["args"])
+            migration = str(args["migrated_from"])
+            restored = self._resumed_restore(migration, ckpt) if began is not None else None
+            if restored is None:
+                self._claim_restore(migration, ckpt, created)
+                try:
+                    # Resumed only on the control plane's word that the command is still
+                    # this node's (not failed and re-targeted while it was cut off).
+                    fence = self._fence(cmd, ckpt) if args.get("fence") else None
+                    done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT, fence=fence)
+                except BaseException:
+                    self._unclaim_restore(migration)  # nothing restored: it may come again
+                    raise
+                restored = str(done["job"])
+                faults.point("cp.after-restore")
+                self._restored(migration, restored)
+            return True, {"job": restored, "checkpoint": ckpt}
+        except PermissionDeniedError as e:
+            # Refused: no retry changes that (the control plane does not retry it).
+            return False, {"error": str(e), "permanent": True}
+
+    def _retain_command(
+        self, cmd: commands.Command, reason: str, began: float | None
+    ) -> tuple[bool, dict[str, Any]]:
+        return True, {"deleted": self._retain(cmd["args"])}
+
+    def _verify_command(
+        self, cmd: commands.Command, reason: str, began: float | None
+    ) -> tuple[bool, dict[str, Any]]:
+        verdict = self._verify(cmd["args"])
+        if verdict.get("ok"):
+            return True, {"verdict": verdict}
+        return False, {
+            "verdict": verdict,
+            "error": f"checkpoint {verdict.get('checkpoint')} "
+            f"does not restore: {verdict.get('reason') or 'no reason given'}",
+        }
 
     def _verify(self, args: dict[str, Any]) -> dict[str, Any]:
         """The verdict on the checkpoint a verify command names: the one recorded (signed) in
@@ -736,15 +752,14 @@ class ControlPlaneNode(Integration):
         # (one at a time on the node, CRIU at nice 19 and idle I/O: stasis.daemon.verifying)
         return dict(self.manager.verify(ckpt, _ROOT))
 
-    def _intend(self, cmd: dict[str, Any]) -> float | None:
+    def _intend(self, cmd: commands.Command) -> float | None:
         """The intent to carry out `cmd`, written before acting; None when it is new, or when
         this node began it before (then: when, by this node's clock)."""
         import time
 
         args = cmd["args"]
-        what = str(
-            args.get("migrated_from") if cmd["kind"] == "restore" else args.get("job") or ""
-        )[:100]
+        # (a restore's intent is known by its migration, a checkpoint's by its job)
+        what = str(args.get("migrated_from") or args.get("job") or "")[:100]
         with self.manager.db.transaction() as conn:
             began = conn.execute(
                 select(intent_table.c.at).where(intent_table.c.command_id == cmd["id"])
@@ -771,7 +786,7 @@ class ControlPlaneNode(Integration):
         )
         return float(began)
 
-    def _fence(self, cmd: dict[str, Any], ckpt: str) -> Callable[[], None]:
+    def _fence(self, cmd: commands.Command, ckpt: str) -> Callable[[], None]:
         """The commit asked at the restore's gate, its tree restored and stopped: returns once
         the control plane said the command is still this node's lease (it is then never
         re-targeted); raises, and the tree is killed unresumed, when it refused (the command
@@ -783,8 +798,7 @@ class ControlPlaneNode(Integration):
         assert self.client is not None
         client, node = self.client, self.manager.settings.node
         within = self.manager.settings.controlplane_commit_timeout_s
-        path = f"/api/v1/nodes/{node}/commands/{cmd['id']}/commit"
-        body = {"lease_id": str(cmd.get("lease_id") or "")}
+        body: wire_cp.Renewal = {"lease_id": str(cmd.get("lease_id") or "")}
         what = f"restore of checkpoint {ckpt} ({cmd['id']}) not resumed on node {node}"
 
         def commit() -> None:
@@ -792,7 +806,9 @@ class ControlPlaneNode(Integration):
             while True:
                 left = deadline - time.monotonic()
                 try:
-                    client.request("POST", path, body, timeout_s=max(0.5, min(_COMMIT_TRY_S, left)))
+                    client.commit(
+                        node, cmd["id"], body, timeout_s=max(0.5, min(_COMMIT_TRY_S, left))
+                    )
                     return
                 except (UsageError, PermissionDeniedError, NotFoundError) as e:
                     # The control plane's no: never asked again, never resumed.

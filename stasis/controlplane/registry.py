@@ -17,7 +17,10 @@ from typing import Any, Literal
 from sqlalchemy import Engine, and_, case, create_engine, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from stasis.controlplane import verdicts
+from stasis.controlplane import verdicts, wire
+from stasis.controlplane.commands import Command
+from stasis.controlplane.commands import Kind as CommandKind
+from stasis.controlplane.routes import RUN_POLICY
 from stasis.controlplane.schema import (
     checkpoints,
     clusters,
@@ -227,8 +230,8 @@ class Registry:
                 raise UnauthenticatedError("unknown token")
             raise PermissionDeniedError(
                 f"this is the hook token of policy {hook.name}: it "
-                f"runs that policy only (POST /api/v1/policies/"
-                f"{hook.name}/run)"
+                f"runs that policy only ({RUN_POLICY.method} "
+                f"{RUN_POLICY.url(name=hook.name)})"
             )
         with self.engine.begin() as conn:
             row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
@@ -1036,12 +1039,12 @@ class Registry:
     def queue(
         self,
         by: Principal,
-        kind: str,
+        kind: CommandKind,
         job: str,
         args: dict[str, Any],
         cluster: str | None = None,
         node: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> Command:
         """A command for the node that reports `job` (cluster and node: see find_job)."""
         by.admin_only()
         found = self.find_job(by, job, cluster, node)
@@ -1052,9 +1055,7 @@ class Registry:
             {**args, "job": job, "kind": found.get("kind") or "daemon"},
         )
 
-    def verify_checkpoint(
-        self, by: Principal, checkpoint_id: str, lost_after_s: float
-    ) -> dict[str, Any]:
+    def verify_checkpoint(self, by: Principal, checkpoint_id: str, lost_after_s: float) -> Command:
         """A verify command (`stasis verify`) for checkpoint `checkpoint_id`, sent to the node
         that took it, which must be ready: its verdict is kept with the checkpoint."""
         by.admin_only()
@@ -1101,8 +1102,8 @@ class Registry:
         )
 
     def queue_for_node(
-        self, cluster_id: str, node: str, kind: str, args: dict[str, Any]
-    ) -> dict[str, Any]:
+        self, cluster_id: str, node: str, kind: CommandKind, args: dict[str, Any]
+    ) -> Command:
         cid = "cmd_" + secrets.token_hex(8)
         row = {
             "id": cid,
@@ -1131,7 +1132,7 @@ class Registry:
         cluster: str | None = None,
         node: str | None = None,
         lost_after_s: float = float("inf"),
-    ) -> dict[str, Any]:
+    ) -> Command:
         """Stop-and-checkpoint `job` on its node, then (once that is acknowledged) restore it
         on node `to` of the same cluster, through the store both share. The restore names
         the job's label and owner as reported now, the checkpoint command, and the seal the
@@ -1263,7 +1264,7 @@ class Registry:
             ],
         }
 
-    def lease(self, by: Principal, node: str, lease_s: float) -> dict[str, Any] | None:
+    def lease(self, by: Principal, node: str, lease_s: float) -> Command | None:
         """The node's next command, leased to it for `lease_s` (None: nothing to do), with
         the lease's id: renewing and acknowledging quote it. Only the node itself leases its
         commands (its own credential)."""
@@ -1319,7 +1320,9 @@ class Registry:
                     )
                     if got is None:
                         return None
-                    return {**self._command(dict(got)), "lease_id": lease_id}
+                    leased = self._command(dict(got))
+                    leased["lease_id"] = lease_id
+                    return leased
         return None
 
     def _held(
@@ -1349,7 +1352,7 @@ class Registry:
 
     def renew(
         self, by: Principal, node: str, command_id: str, lease_s: float, lease_id: str = ""
-    ) -> dict[str, Any]:
+    ) -> wire.Renewed:
         """The lease of a command `node` is still carrying out, extended to `lease_s` from now
         (a long dump is not given out again while its node works on it): the node holding
         the lease only, quoting it."""
@@ -1378,7 +1381,7 @@ class Registry:
 
     def commit(
         self, by: Principal, node: str, command_id: str, lease_s: float, lease_id: str = ""
-    ) -> dict[str, Any]:
+    ) -> wire.Committed:
         """The fence of a restore's resume: node `node`, holding restore `command_id`'s lease
         (quoting it), has the job's tree restored and stopped, and may resume it only on this
         answer. Yes while the command is still its lease: the command is marked committed (in
@@ -1427,7 +1430,7 @@ class Registry:
         result: dict[str, Any],
         lease_id: str = "",
         lost_after_s: float = float("inf"),
-    ) -> dict[str, Any]:
+    ) -> Command:
         """The result of a command, from the node holding its lease (quoting it). A command
         moves only forward (queued -> leased -> done | failed): an answer to a done one is
         given its record, never applied again."""
@@ -1886,7 +1889,7 @@ class Registry:
             + (f"; the newest verified one is {good.id} (node {good.node})" if good else "")
         )
 
-    def command(self, by: Principal, command_id: str) -> dict[str, Any]:
+    def command(self, by: Principal, command_id: str) -> Command:
         with self.engine.begin() as conn:
             row = (
                 conn.execute(select(commands).where(commands.c.id == command_id)).mappings().first()
@@ -1895,7 +1898,7 @@ class Registry:
             raise NotFoundError(f"no command {command_id}")
         return self._command(dict(row))
 
-    def list_commands(self, by: Principal) -> list[dict[str, Any]]:
+    def list_commands(self, by: Principal) -> list[Command]:
         q = select(commands).order_by(commands.c.created, commands.c.id)
         if by.kind != "admin":
             q = q.where(commands.c.cluster_id == by.cluster_id)
@@ -1927,13 +1930,21 @@ class Registry:
         return rows[::-1]
 
     @staticmethod
-    def _command(row: dict[str, Any]) -> dict[str, Any]:
+    def _command(row: dict[str, Any]) -> Command:
         # The lease id is the lease holder's alone: only the lease answer carries it.
-        return {
-            **{k: v for k, v in row.items() if k != "lease_id"},
-            "args": json.loads(row["args"]),
-            "result": json.loads(row["result"]) if row.get("result") else None,
-        }
+        return Command(
+            id=row["id"],
+            cluster_id=row["cluster_id"],
+            node=row["node"],
+            kind=row["kind"],
+            args=json.loads(row["args"]),
+            state=row["state"],
+            attempts=row["attempts"],
+            lease_until=row["lease_until"],
+            result=json.loads(row["result"]) if row.get("result") else None,
+            created=row["created"],
+            finished=row["finished"],
+        )
 
 
 def _not_ready(n: dict[str, Any]) -> str:

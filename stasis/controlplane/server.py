@@ -1,65 +1,18 @@
-"""`stasis controlplane serve`: the control plane's HTTP API (aiohttp).
+"""`stasis controlplane serve`: the control plane's HTTP API (aiohttp). Its routes, who may call
+each, and their request and answer shapes are declared in stasis.controlplane.routes; this
+module registers one handler per route from those declarations (`add_routes`: the methods of
+`Api`, named after their routes) and checks each caller as its route says.
 
-    GET  /api/v1/health                    no token
-    POST /api/v1/clusters                  admin: {name, kind} -> {cluster_id, token, ...}
-    GET  /api/v1/clusters                  admin
-    POST /api/v1/clusters/{id}/rotate      admin: a new cluster token, the old ones revoked
-    GET  /api/v1/tokens                    admin: ids, kinds, clusters, revoked (never tokens)
-    POST /api/v1/tokens/{id}/revoke        admin
-    POST /api/v1/nodes/register            cluster token: a node joins (its versions and
-                                           check) and gets its own credential, `node_token`,
-                                           shown once; refused (409) for a name that has one.
-                                           The node's credential: its own report again
-    POST /api/v1/nodes/{name}/reset        admin: {cluster}: the node's credential forgotten,
-                                           so that the node joins again
-    POST /api/v1/nodes/{name}/heartbeat    the node's credential: {jobs: [its jobs],
-                                           activity, verdicts: [stasis verify's verdicts]}
-    GET  /api/v1/nodes                     admin: every node; a cluster token: its own
-    GET  /api/v1/jobs                      the jobs the nodes last reported (same scoping)
-    POST /api/v1/commands                  admin: {kind: checkpoint, job, leave_running,
-                                           cluster, node}: a job id several nodes report is
-                                           refused (409) unless cluster and node are given
-    GET  /api/v1/commands[/{id}]           the commands and their results (same scoping)
-    POST /api/v1/nodes/{name}/commands/lease   the node's credential: its next command (with
-                                           its `lease_id`) or null
-    POST /api/v1/nodes/{name}/commands/{id}/renew   the node's credential: {lease_id}: the
-                                           lease of a command the node is still carrying
-                                           out, extended
-    POST /api/v1/nodes/{name}/commands/{id}/commit   the node's credential: {lease_id}: the
-                                           restore it holds may resume its job (a fence:
-                                           409 once the command was failed, re-targeted)
-    POST /api/v1/commands/{id}/ack         the credential of the node holding the lease:
-                                           {lease_id, ok, result}
-    POST /api/v1/migrations                admin: {job, to, cluster, node}: checkpoint and
-                                           stop it on its
-                                           node, then restore it on `to` (the checkpoint
-                                           command's result names the restore's as `next`)
-    POST /api/v1/nodes/{name}/drain        admin: {reason, cluster}: every live job of the
-                                           node migrated to the
-                                           other ready nodes of its cluster
-    GET|POST /api/v1/policies, PATCH|DELETE /api/v1/policies/{name}   admin
-                                           (stasis.controlplane.policies; PATCH: only the
-                                           fields given change)
-    POST /api/v1/policies/{name}/rotate-hook   admin: a new hook token for the policy
-    GET  /metrics                          admin: Prometheus metrics (stasis.controlplane.metrics)
-    GET  /api/v1/events[?limit=N]          what happened, oldest first (same scoping as nodes)
-    GET  /api/v1/checkpoints[?limit=N&deleted=1]   the checkpoints the nodes reported, newest
-                                           first: size, CRIU's time, frozen time, store, and
-                                           the verdict of `stasis verify` (`verdict`: null or
-                                           {ok, reason, node, at, duration_s, processes};
-                                           `verified`: ok | failed: REASON | not verified)
-    POST /api/v1/checkpoints/{id}/verify   admin: a verify command for it, to the node that
-                                           took it (its result: the verdict, also kept with
-                                           the checkpoint)
-    GET  /api/v1/savings                   node-hours of work kept by restores: in all, per
-                                           cluster, user and day
-    POST /api/v1/policies/{name}/run       admin, or that policy's own hook token
-                                           (stasis_hook_...): run it now (its webhook)
-    GET  /install/kubernetes               a kubernetes cluster's token: the helm command that
-                                           installs the chart connected to this control plane
-    GET  /install/slurm                    a slurm cluster's token: the node installer script
-                                           (stasis.controlplane.installer), for `| sudo -E bash`
-    GET  /install/stasis.whl               a slurm cluster's token: the wheel it installs
+What the routes do (their handlers call stasis.controlplane.registry and .policies): clusters
+and their tokens (admin); nodes join with their cluster's token and get their own credential,
+shown once (refused, 409, for a name that has one), then heartbeat their jobs, activity and
+`stasis verify` verdicts, and lease, renew, commit (a restore's fence: 409 once the command was
+failed, re-targeted) and acknowledge their commands; the admin queues checkpoints, migrations
+(checkpoint and stop, then restore on `to`: the checkpoint command's result names the restore's
+as `next`), drains and verifies, edits policies (a policy's own hook token runs it); the
+installers (/install/kubernetes: the helm command; /install/slurm: the node installer script,
+for `| sudo -E bash`; /install/stasis.whl: the wheel it installs) answer a cluster's token;
+/metrics is Prometheus's text (admin).
 
 The dashboard's pages live under /ui/ (stasis.controlplane.dashboard: log in with a token, a
 session cookie after). Every API request but health carries `Authorization: Bearer <token>`;
@@ -75,186 +28,26 @@ import ipaddress
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, ParamSpec, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from stasis.controlplane import policies
-from stasis.controlplane.registry import (
-    CHECKPOINT_ID,
-    HOOK_PREFIX,
-    JOB_ID,
-    LABEL,
-    USER,
-    Principal,
-    Registry,
-    safe_url,
-)
-from stasis.controlplane.verdicts import VerdictReport
+from stasis.controlplane import models, policies, routes, wire
+from stasis.controlplane.commands import Command
+from stasis.controlplane.models import MODELS
+from stasis.controlplane.registry import HOOK_PREFIX, Principal, Registry, safe_url
 from stasis.errors import StasisError, UnauthenticatedError, UsageError, wire_name
+from stasis.routes import AnyRoute
 
 log = logging.getLogger("stasis.controlplane")
+P = ParamSpec("P")
+T = TypeVar("T")
 MAX_BODY_BYTES = 1 << 20
 REGISTRY = web.AppKey("registry", Registry)
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class NewCluster(_Model):
-    name: str = Field(max_length=100)
-    kind: Literal["slurm", "kubernetes"]
-    expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
-    # Its nodes wait for an admin's approval once joined (stasis.controlplane.registry).
-    approve_joins: bool = False
-
-
-class ClusterSettings(_Model):
-    approve_joins: bool
-
-
-class Rotation(_Model):
-    expires_in_s: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
-
-
-# What nodes send is checked here, by charset and length, before it reaches a form, a path, a
-# log or a command (registry's patterns for ids). Free text (problems, hosts, versions) is
-# printable characters only.
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
-_TEXT = r"^[^\x00-\x1f\x7f]*$"
-_WORD = r"^[A-Za-z0-9._:+ -]*$"
-# A node's scheduler state: Slurm's (MIXED+DRAIN) or a Kubernetes node's as kubectl shows it
-# (Ready,SchedulingDisabled+DRAIN).
-_STATE = r"^[A-Za-z0-9._:+, -]*$"
-
-
-class NodeReport(_Model):
-    name: str = Field(pattern=_NAME)
-    cluster_id: str | None = Field(default=None, max_length=40, pattern=_NAME)
-    host: str = Field(max_length=200, pattern=_TEXT)
-    stasis_version: str = Field(max_length=60, pattern=_TEXT)
-    criu_version: str | None = Field(default=None, max_length=60, pattern=_TEXT)
-    slurm_version: str | None = Field(default=None, max_length=60, pattern=_TEXT)
-    check_ok: bool
-    problems: list[Annotated[str, Field(max_length=1000, pattern=_TEXT)]] = Field(
-        default_factory=list, max_length=50
-    )
-    jobs: int = Field(default=0, ge=0)
-
-
-class JobReport(_Model):
-    job: str = Field(pattern=JOB_ID)
-    label: str | None = Field(default=None, pattern=LABEL)
-    user: str | None = Field(default=None, pattern=USER)
-    state: str = Field(max_length=40, pattern=_WORD)
-    restored_from: str | None = Field(default=None, pattern=CHECKPOINT_ID)
-    started: str | None = Field(default=None, max_length=40, pattern=_WORD)
-    kind: str = Field(default="daemon", max_length=20, pattern=_NAME)  # daemon | slurm | ...
-    partition: str | None = Field(default=None, max_length=100, pattern=_WORD)
-    rss_bytes: int = Field(default=0, ge=0)
-
-
-class ActivityReport(_Model):
-    """A checkpoint or restore of the node (stasis.daemon.activity.Activity)."""
-
-    kind: Literal["checkpoint", "restore"]
-    checkpoint: str = Field(pattern=CHECKPOINT_ID)
-    label: str = Field(pattern=LABEL)
-    job: str = Field(pattern=JOB_ID)
-    user: str = Field(pattern=USER)
-    size_bytes: int = Field(ge=0)
-    stored_size_bytes: int = Field(default=0, ge=0)
-    work_s: float = Field(ge=0)
-    duration_s: float = Field(ge=0)
-    frozen_s: float = Field(default=0.0, ge=0)
-    leave_running: bool = True
-    store: str = Field(default="", max_length=500, pattern=_TEXT)
-    reason: str = Field(default="", max_length=60, pattern=_WORD)
-    at: float = Field(gt=0)
-
-
-class Heartbeat(_Model):
-    jobs: list[JobReport] = Field(default_factory=list, max_length=10_000)
-    activity: list[ActivityReport] = Field(default_factory=list, max_length=1000)
-    mem_total_bytes: int | None = Field(default=None, ge=0)
-    scheduler_state: str | None = Field(default=None, max_length=60, pattern=_STATE)
-    # Verdicts of `stasis verify` the node reached (kept for its own cluster's checkpoints).
-    verdicts: list[VerdictReport] = Field(default_factory=list, max_length=1000)
-
-
-class NewCommand(_Model):
-    kind: Literal["checkpoint"]
-    job: str = Field(pattern=JOB_ID)
-    leave_running: bool = True
-    cluster: str | None = Field(default=None, pattern=_NAME)  # its id or name
-    node: str | None = Field(default=None, pattern=_NAME)
-
-
-class Drain(_Model):
-    reason: str = Field(default="stasis drain", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
-    cluster: str | None = Field(default=None, pattern=_NAME)
-
-
-class Migration(_Model):
-    job: str = Field(pattern=JOB_ID)
-    to: str = Field(pattern=_NAME)
-    cluster: str | None = Field(default=None, pattern=_NAME)
-    node: str | None = Field(default=None, pattern=_NAME)
-
-
-class NodeReset(_Model):
-    cluster: str | None = Field(default=None, pattern=_NAME)
-
-
-class Renewal(_Model):
-    lease_id: str = Field(default="", max_length=40)
-
-
-class NewPolicy(_Model):
-    name: str = Field(max_length=100)
-    every_s: int = Field(ge=0, le=366 * 86400)  # 0: only when its webhook is called
-    action: Literal["checkpoint", "retain", "migrate", "verify"]
-    filters: dict[str, str] = Field(default_factory=dict, max_length=len(policies.FILTERS))
-    keep: int | None = Field(default=None, ge=1, le=100_000)
-    older_than_s: int | None = Field(default=None, ge=1)
-    trigger: Literal["every", "memory", "drain"] = "every"
-    threshold_pct: float | None = Field(default=None, gt=0, le=100)
-    stop: bool = False  # checkpoint: and stop the job (a Slurm job: requeued)
-    completed: bool = False  # retain: the checkpoints of labels whose job completed
-
-
-class PolicyEdit(_Model):
-    """What PATCH /api/v1/policies/NAME changes: only the fields given (NewPolicy's rules);
-    `filters` are merged in, an empty or null value removes one."""
-
-    every_s: int | None = Field(default=None, ge=0, le=366 * 86400)
-    action: Literal["checkpoint", "retain", "migrate", "verify"] | None = None
-    filters: dict[str, str | None] | None = Field(default=None, max_length=len(policies.FILTERS))
-    keep: int | None = Field(default=None, ge=1, le=100_000)
-    older_than_s: int | None = Field(default=None, ge=1)
-    trigger: Literal["every", "memory", "drain"] | None = None
-    threshold_pct: float | None = Field(default=None, gt=0, le=100)
-    stop: bool | None = None
-    completed: bool | None = None
-    enabled: bool | None = None
-
-    def changes(self) -> dict[str, Any]:
-        """The fields the request gave (null for keep/older_than_s/threshold_pct: unset)."""
-        given = self.model_dump(exclude_unset=True)
-        for key in ("every_s", "action", "trigger", "stop", "completed", "enabled"):
-            if key in given and given[key] is None:
-                raise UsageError(f"bad request: {key}: cannot be null")
-        return given
-
-
-class Ack(_Model):
-    lease_id: str = Field(default="", max_length=40)
-    ok: bool
-    result: dict[str, Any] = Field(default_factory=dict)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -288,7 +81,7 @@ def _bearer(request: web.Request) -> str:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise UnauthenticatedError(
-            "no token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
+            "no token: send `Authorization: Bearer stasis_...` (STASIS_AUTH_TOKEN)"
         )
     return token.strip()
 
@@ -297,7 +90,7 @@ def _principal(request: web.Request) -> Principal:
     return request.app[REGISTRY].authenticate(_bearer(request))
 
 
-async def _body(request: web.Request, model: type[_Model]) -> Any:
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     try:
         data = await request.json() if request.body_exists else {}
     except ValueError:
@@ -310,6 +103,385 @@ def _limit(request: web.Request, default: int) -> int:
     if not raw.isdigit() or not 0 < int(raw) <= 10_000:
         raise UsageError(f"bad limit {raw!r}: 1..10000")
     return int(raw)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request, as a handler gets it: the caller the route allows (None on a public or
+    hook route: the handler tells), the path's parameters, the validated body."""
+
+    request: web.Request
+    who: Principal | None
+    args: dict[str, str]
+    body: Any
+
+    @property
+    def principal(self) -> Principal:
+        assert self.who is not None, "a route that names its callers"
+        return self.who
+
+
+# Routes that create something answer 201.
+CREATED = frozenset(
+    r.name
+    for r in (
+        routes.ADD_CLUSTER,
+        routes.NEW_COMMAND,
+        routes.VERIFY_CHECKPOINT,
+        routes.MIGRATE,
+        routes.DRAIN,
+        routes.ADD_POLICY,
+    )
+)
+
+
+async def _caller(route: AnyRoute, request: web.Request) -> Principal | None:
+    """Who calls, refused at once where the route's declaration does not allow them."""
+    if route.caller in ("public", "hook"):
+        return None
+    who = _principal(request)
+    if route.caller == "admin":
+        who.admin_only()
+    elif route.caller == "node":
+        who.node_only(request.match_info.get("name", who.node or "?"), route.denied)
+    return who
+
+
+def add_routes(app: web.Application, declared: Sequence[AnyRoute], handlers: object) -> None:
+    """Serve each declared route with the method of `handlers` of its name: `(call) -> answer`
+    (JSON), or a response of its own (text, a file). A route without its handler stops the
+    start."""
+    for route in declared:
+        fn = getattr(handlers, route.name, None)
+        if not callable(fn):
+            raise ValueError(f"route {route.name} ({route.method} {route.path}): no handler")
+        model = MODELS[route.request] if route.request is not None else None
+        app.router.add_route(route.method, route.path, _endpoint(route, fn, model))
+
+
+def _endpoint(
+    route: AnyRoute, fn: Callable[[Call], Awaitable[Any]], model: type[BaseModel] | None
+) -> Handler:
+    status = 201 if route.name in CREATED else 200
+
+    async def endpoint(request: web.Request) -> web.StreamResponse:
+        who = await _caller(route, request)
+        body = await _body(request, model) if model is not None else None
+        answer = await fn(Call(request, who, dict(request.match_info), body))
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        return web.json_response(answer, status=status)
+
+    return endpoint
+
+
+def _run(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Awaitable[T]:
+    return asyncio.to_thread(fn, *args, **kwargs)
+
+
+class Api:
+    """The handlers of the control plane's API (stasis.controlplane.routes), one method per
+    route, of its name; the registry's calls run in threads."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        lost_after_s: float,
+        lease_s: float,
+        cache_dir: Path,
+        min_interval_s: int,
+        behind_tls: bool,
+    ) -> None:
+        self.registry = registry
+        self.lost_after_s = lost_after_s
+        self.lease_s = lease_s
+        self.cache_dir = cache_dir
+        self.min_interval_s = min_interval_s
+        self.behind_tls = behind_tls
+
+    def _own_url(self, request: web.Request) -> str:
+        """This control plane's URL as the caller reached it (https:// behind a TLS proxy)."""
+        return f"{'https' if self.behind_tls else request.scheme}://{request.host}"
+
+    async def health(self, call: Call) -> wire.Health:
+        return {"ok": True}
+
+    async def add_cluster(self, call: Call) -> wire.Cluster:
+        b: models.NewCluster = call.body
+        return await _run(
+            self.registry.add_cluster, b.name, b.kind, b.expires_in_s, b.approve_joins
+        )
+
+    async def list_clusters(self, call: Call) -> list[wire.Cluster]:
+        return await _run(self.registry.list_clusters)
+
+    async def cluster_settings(self, call: Call) -> wire.Cluster:
+        b: models.ClusterSettings = call.body
+        return await _run(
+            self.registry.set_approve_joins, call.principal, call.args["id"], b.approve_joins
+        )
+
+    async def rotate(self, call: Call) -> wire.Cluster:
+        b: models.Rotation = call.body
+        return await _run(self.registry.rotate, call.args["id"], b.expires_in_s)
+
+    async def list_tokens(self, call: Call) -> list[wire.Token]:
+        return await _run(self.registry.list_tokens)
+
+    async def revoke(self, call: Call) -> wire.Token:
+        return await _run(self.registry.revoke, call.args["id"], call.principal)
+
+    async def register(self, call: Call) -> wire.Registered:
+        b: models.NodeReport = call.body
+        return await _run(self.registry.register_node, call.principal, b.model_dump())
+
+    async def heartbeat(self, call: Call) -> wire.Node:
+        b: models.Heartbeat = call.body
+        return await _run(
+            self.registry.heartbeat,
+            call.principal,
+            call.args["name"],
+            [j.model_dump() for j in b.jobs],
+            [a.model_dump() for a in b.activity],
+            b.mem_total_bytes,
+            b.scheduler_state,
+            b.verdicts,
+        )
+
+    async def reset_node(self, call: Call) -> wire.Node:
+        b: models.NodeReset = call.body
+        return await _run(self.registry.reset_node, call.principal, call.args["name"], b.cluster)
+
+    async def approve_node(self, call: Call) -> wire.Node:
+        b: models.NodeReset = call.body
+        return await _run(self.registry.approve_node, call.principal, call.args["name"], b.cluster)
+
+    async def list_nodes(self, call: Call) -> list[wire.Node]:
+        return await _run(self.registry.list_nodes, call.principal, self.lost_after_s)
+
+    async def list_jobs(self, call: Call) -> list[wire.Job]:
+        return await _run(self.registry.list_jobs, call.principal)
+
+    async def new_command(self, call: Call) -> Command:
+        b: models.NewCommand = call.body
+        return await _run(
+            self.registry.queue,
+            call.principal,
+            b.kind,
+            b.job,
+            {"leave_running": b.leave_running},
+            b.cluster,
+            b.node,
+        )
+
+    async def list_commands(self, call: Call) -> list[Command]:
+        return await _run(self.registry.list_commands, call.principal)
+
+    async def get_command(self, call: Call) -> Command:
+        return await _run(self.registry.command, call.principal, call.args["id"])
+
+    async def lease(self, call: Call) -> Command | None:
+        return await _run(self.registry.lease, call.principal, call.args["name"], self.lease_s)
+
+    async def renew(self, call: Call) -> wire.Renewed:
+        b: models.Renewal = call.body
+        return await _run(
+            self.registry.renew,
+            call.principal,
+            call.args["name"],
+            call.args["id"],
+            self.lease_s,
+            b.lease_id,
+        )
+
+    async def commit(self, call: Call) -> wire.Committed:
+        b: models.Renewal = call.body
+        return await _run(
+            self.registry.commit,
+            call.principal,
+            call.args["name"],
+            call.args["id"],
+            self.lease_s,
+            b.lease_id,
+        )
+
+    async def ack(self, call: Call) -> Command:
+        b: models.Ack = call.body
+        return await _run(
+            self.registry.ack,
+            call.principal,
+            call.args["id"],
+            b.ok,
+            b.result,
+            b.lease_id,
+            self.lost_after_s,
+        )
+
+    async def migrate(self, call: Call) -> Command:
+        b: models.Migration = call.body
+        return await _run(
+            self.registry.migrate_job,
+            call.principal,
+            b.job,
+            b.to,
+            None,
+            b.cluster,
+            b.node,
+            self.lost_after_s,
+        )
+
+    async def drain(self, call: Call) -> wire.Drained:
+        b: models.Drain = call.body
+        return await _run(
+            self.registry.drain,
+            call.principal,
+            call.args["name"],
+            self.lost_after_s,
+            b.reason,
+            b.cluster,
+        )
+
+    async def metrics(self, call: Call) -> web.StreamResponse:
+        from stasis.controlplane.metrics import render
+
+        text = await _run(render, self.registry, call.principal, self.lost_after_s)
+        return web.Response(
+            text=text,
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
+
+    async def list_events(self, call: Call) -> list[wire.Event]:
+        return await _run(self.registry.list_events, call.principal, _limit(call.request, 200))
+
+    async def list_checkpoints(self, call: Call) -> list[wire.Checkpoint]:
+        return await _run(
+            self.registry.list_checkpoints,
+            call.principal,
+            _limit(call.request, 500),
+            call.request.query.get("deleted") == "1",
+        )
+
+    async def verify_checkpoint(self, call: Call) -> Command:
+        return await _run(
+            self.registry.verify_checkpoint, call.principal, call.args["id"], self.lost_after_s
+        )
+
+    async def savings(self, call: Call) -> wire.Savings:
+        return await _run(self.registry.savings, call.principal)
+
+    async def run_policy(self, call: Call) -> wire.PolicyRun:
+        name = call.args["name"]
+        token = _bearer(call.request)
+        if token.startswith(HOOK_PREFIX):  # the policy's own hook token: this policy only
+            return await _run(policies.run_hook, self.registry, token, name, self.lost_after_s)
+        return await _run(
+            policies.run_now, self.registry, _principal(call.request), name, self.lost_after_s
+        )
+
+    async def install_kubernetes(self, call: Call) -> web.StreamResponse:
+        import shlex
+
+        who = call.principal
+        if who.kind != "cluster" or who.cluster_id is None:
+            raise UsageError(
+                "ask with the cluster's token (`clusters add NAME --kind kubernetes` printed it)"
+            )
+        cluster = await _run(self.registry.cluster, who.cluster_id)
+        if cluster["kind"] != "kubernetes":
+            raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
+        token = _bearer(call.request)
+        url = self._own_url(call.request)
+        # The token reaches helm on its stdin, from bash's own printf: on no command line,
+        # which every user of the admin's machine can read.
+        text = (
+            f"printf '%s' {shlex.quote(token)} |\n"
+            "  helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
+            f"  --set config.url={shlex.quote(url)} \\\n"
+            f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
+            "  --set-file config.authToken=/dev/stdin\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    def _slurm_cluster(self, call: Call) -> tuple[str, str]:
+        """The Slurm cluster's id and token of an installer's request."""
+        who = call.principal
+        if who.kind != "cluster" or who.cluster_id is None:
+            raise UsageError(
+                "ask with the cluster's token (`clusters add NAME --kind slurm` printed it)"
+            )
+        return who.cluster_id, _bearer(call.request)
+
+    async def install_slurm(self, call: Call) -> web.StreamResponse:
+        from stasis.controlplane.installer import build_wheel, sha256_of, slurm_script
+
+        cluster_id, token = self._slurm_cluster(call)
+        cluster = await _run(self.registry.cluster, cluster_id)
+        if cluster["kind"] != "slurm":
+            raise UsageError(
+                f"cluster {cluster['name']} is a {cluster['kind']} cluster: "
+                + routes.INSTALL_KUBERNETES.path
+            )
+        # The script pins the wheel it will fetch by this hash: bytes changed on the way are
+        # refused by the node before pip sees them.
+        wheel_sha256 = await _run(lambda: sha256_of(build_wheel(self.cache_dir)))
+        return web.Response(
+            text=slurm_script(
+                self._own_url(call.request), cluster_id, cluster["name"], token, wheel_sha256
+            ),
+            content_type="text/x-shellscript",
+        )
+
+    async def install_wheel(self, call: Call) -> web.StreamResponse:
+        from stasis.controlplane.installer import build_wheel
+
+        self._slurm_cluster(call)
+        path = await _run(build_wheel, self.cache_dir)
+        return web.Response(
+            body=path.read_bytes(),
+            content_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{path.name}"'},
+        )
+
+    async def list_policies(self, call: Call) -> list[wire.Policy]:
+        return await _run(policies.listed, self.registry, call.principal)
+
+    async def add_policy(self, call: Call) -> wire.Policy:
+        b: models.NewPolicy = call.body
+        return await _run(
+            policies.add,
+            self.registry,
+            call.principal,
+            b.name,
+            b.every_s,
+            b.action,
+            b.filters,
+            b.keep,
+            b.older_than_s,
+            b.trigger,
+            b.threshold_pct,
+            b.stop,
+            b.completed,
+            self.min_interval_s,
+        )
+
+    async def edit_policy(self, call: Call) -> wire.Policy:
+        b: models.PolicyEdit = call.body
+        return await _run(
+            policies.edit,
+            self.registry,
+            call.principal,
+            call.args["name"],
+            b.changes(),
+            self.min_interval_s,
+        )
+
+    async def remove_policy(self, call: Call) -> wire.Policy:
+        return await _run(policies.remove, self.registry, call.principal, call.args["name"])
+
+    async def rotate_hook(self, call: Call) -> wire.Policy:
+        return await _run(policies.rotate_hook, self.registry, call.principal, call.args["name"])
 
 
 def app(
@@ -328,414 +500,10 @@ def app(
     a.add_routes(
         dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls)
     )
-
-    def own_url(request: web.Request) -> str:
-        """This control plane's URL as the caller reached it (https:// behind a TLS proxy)."""
-        return f"{'https' if behind_tls else request.scheme}://{request.host}"
-
-    def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        return asyncio.to_thread(fn, *args)
-
-    async def health(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"ok": True})
-
-    async def add_cluster(request: web.Request) -> web.StreamResponse:
-        _principal(request).admin_only()
-        body = await _body(request, NewCluster)
-        return web.json_response(
-            await run(
-                registry.add_cluster, body.name, body.kind, body.expires_in_s, body.approve_joins
-            ),
-            status=201,
-        )
-
-    async def list_clusters(request: web.Request) -> web.StreamResponse:
-        _principal(request).admin_only()
-        return web.json_response(await run(registry.list_clusters))
-
-    async def cluster_settings(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        body = await _body(request, ClusterSettings)
-        return web.json_response(
-            await run(registry.set_approve_joins, who, request.match_info["id"], body.approve_joins)
-        )
-
-    async def rotate(request: web.Request) -> web.StreamResponse:
-        _principal(request).admin_only()
-        body = await _body(request, Rotation)
-        return web.json_response(
-            await run(registry.rotate, request.match_info["id"], body.expires_in_s)
-        )
-
-    async def list_tokens(request: web.Request) -> web.StreamResponse:
-        _principal(request).admin_only()
-        return web.json_response(await run(registry.list_tokens))
-
-    async def revoke(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        return web.json_response(await run(registry.revoke, request.match_info["id"], who))
-
-    async def register(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        body = await _body(request, NodeReport)
-        return web.json_response(await run(registry.register_node, who, body.model_dump()))
-
-    async def heartbeat(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.node_only(request.match_info["name"], "a heartbeat")
-        body = await _body(request, Heartbeat)
-        return web.json_response(
-            await run(
-                registry.heartbeat,
-                who,
-                request.match_info["name"],
-                [j.model_dump() for j in body.jobs],
-                [a.model_dump() for a in body.activity],
-                body.mem_total_bytes,
-                body.scheduler_state,
-                body.verdicts,
-            )
-        )
-
-    async def list_nodes(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.list_nodes, _principal(request), lost_after_s))
-
-    async def list_jobs(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.list_jobs, _principal(request)))
-
-    async def new_command(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        body = await _body(request, NewCommand)
-        return web.json_response(
-            await run(
-                registry.queue,
-                who,
-                body.kind,
-                body.job,
-                {"leave_running": body.leave_running},
-                body.cluster,
-                body.node,
-            ),
-            status=201,
-        )
-
-    async def verify_checkpoint(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        return web.json_response(
-            await run(registry.verify_checkpoint, who, request.match_info["id"], lost_after_s),
-            status=201,
-        )
-
-    async def migrate(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        body = await _body(request, Migration)
-        return web.json_response(
-            await run(
-                registry.migrate_job,
-                who,
-                body.job,
-                body.to,
-                None,
-                body.cluster,
-                body.node,
-                lost_after_s,
-            ),
-            status=201,
-        )
-
-    async def drain(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        body = await _body(request, Drain)
-        return web.json_response(
-            await run(
-                registry.drain,
-                who,
-                request.match_info["name"],
-                lost_after_s,
-                body.reason,
-                body.cluster,
-            ),
-            status=201,
-        )
-
-    async def reset_node(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        body = await _body(request, NodeReset)
-        return web.json_response(
-            await run(registry.reset_node, who, request.match_info["name"], body.cluster)
-        )
-
-    async def approve_node(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        body = await _body(request, NodeReset)
-        return web.json_response(
-            await run(registry.approve_node, who, request.match_info["name"], body.cluster)
-        )
-
-    async def add_policy(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        b = await _body(request, NewPolicy)
-        return web.json_response(
-            await run(
-                policies.add,
-                registry,
-                who,
-                b.name,
-                b.every_s,
-                b.action,
-                b.filters,
-                b.keep,
-                b.older_than_s,
-                b.trigger,
-                b.threshold_pct,
-                b.stop,
-                b.completed,
-                min_interval_s,
-            ),
-            status=201,
-        )
-
-    async def edit_policy(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.admin_only()
-        b = await _body(request, PolicyEdit)
-        return web.json_response(
-            await run(
-                policies.edit,
-                registry,
-                who,
-                request.match_info["name"],
-                b.changes(),
-                min_interval_s,
-            )
-        )
-
-    async def rotate_hook(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            await run(
-                policies.rotate_hook, registry, _principal(request), request.match_info["name"]
-            )
-        )
-
-    async def list_policies(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(policies.listed, registry, _principal(request)))
-
-    async def remove_policy(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            await run(policies.remove, registry, _principal(request), request.match_info["name"])
-        )
-
-    async def list_events(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            await run(registry.list_events, _principal(request), _limit(request, 200))
-        )
-
-    async def list_checkpoints(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            await run(
-                registry.list_checkpoints,
-                _principal(request),
-                _limit(request, 500),
-                request.query.get("deleted") == "1",
-            )
-        )
-
-    async def savings(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.savings, _principal(request)))
-
-    async def run_policy(request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
-        token = _bearer(request)
-        if token.startswith(HOOK_PREFIX):  # the policy's own hook token: this policy only
-            return web.json_response(
-                await run(policies.run_hook, registry, token, name, lost_after_s)
-            )
-        return web.json_response(
-            await run(policies.run_now, registry, _principal(request), name, lost_after_s)
-        )
-
-    async def metrics(request: web.Request) -> web.StreamResponse:
-        from stasis.controlplane.metrics import render
-
-        text = await run(render, registry, _principal(request), lost_after_s)
-        return web.Response(
-            text=text,
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
-        )
-
-    async def install_kubernetes(request: web.Request) -> web.StreamResponse:
-        import shlex
-
-        who = _principal(request)
-        if who.kind != "cluster" or who.cluster_id is None:
-            raise UsageError(
-                "ask with the cluster's token (`clusters add NAME --kind " "kubernetes` printed it)"
-            )
-        cluster = await run(registry.cluster, who.cluster_id)
-        if cluster["kind"] != "kubernetes":
-            raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
-        token = request.headers["Authorization"].partition(" ")[2].strip()
-        url = own_url(request)
-        # The token reaches helm on its stdin, from bash's own printf: on no command line,
-        # which every user of the admin's machine can read.
-        text = (
-            f"printf '%s' {shlex.quote(token)} |\n"
-            "  helm upgrade -i stasis charts/stasis -n stasis-system --create-namespace \\\n"
-            f"  --set config.url={shlex.quote(url)} \\\n"
-            f"  --set config.clusterId={shlex.quote(who.cluster_id)} \\\n"
-            "  --set-file config.authToken=/dev/stdin\n"
-        )
-        return web.Response(text=text, content_type="text/plain")
-
-    def slurm_cluster(request: web.Request) -> tuple[Principal, str]:
-        who = _principal(request)
-        if who.kind != "cluster" or who.cluster_id is None:
-            raise UsageError(
-                "ask with the cluster's token (`clusters add NAME --kind slurm` " "printed it)"
-            )
-        return who, request.headers["Authorization"].partition(" ")[2].strip()
-
-    async def install_slurm(request: web.Request) -> web.StreamResponse:
-        from stasis.controlplane.installer import build_wheel, sha256_of, slurm_script
-
-        who, token = slurm_cluster(request)
-        assert who.cluster_id is not None
-        cluster = await run(registry.cluster, who.cluster_id)
-        if cluster["kind"] != "slurm":
-            raise UsageError(
-                f"cluster {cluster['name']} is a {cluster['kind']} cluster: " "/install/kubernetes"
-            )
-        # The script pins the wheel it will fetch by this hash: bytes changed on the way are
-        # refused by the node before pip sees them.
-        wheel_sha256 = await run(lambda: sha256_of(build_wheel(cache_dir)))
-        return web.Response(
-            text=slurm_script(
-                own_url(request), who.cluster_id, cluster["name"], token, wheel_sha256
-            ),
-            content_type="text/x-shellscript",
-        )
-
-    async def install_wheel(request: web.Request) -> web.StreamResponse:
-        from stasis.controlplane.installer import build_wheel
-
-        slurm_cluster(request)
-        path = await run(build_wheel, cache_dir)
-        return web.Response(
-            body=path.read_bytes(),
-            content_type="application/octet-stream",
-            headers={"Content-Disposition": f'attachment; filename="{path.name}"'},
-        )
-
-    async def list_commands(request: web.Request) -> web.StreamResponse:
-        return web.json_response(await run(registry.list_commands, _principal(request)))
-
-    async def get_command(request: web.Request) -> web.StreamResponse:
-        return web.json_response(
-            await run(registry.command, _principal(request), request.match_info["id"])
-        )
-
-    async def lease(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.node_only(request.match_info["name"], "leasing a node's commands")
-        return web.json_response(
-            await run(registry.lease, who, request.match_info["name"], lease_s)
-        )
-
-    async def renew(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.node_only(request.match_info["name"], "renewing a command's lease")
-        body = await _body(request, Renewal)
-        return web.json_response(
-            await run(
-                registry.renew,
-                who,
-                request.match_info["name"],
-                request.match_info["id"],
-                lease_s,
-                body.lease_id,
-            )
-        )
-
-    async def commit(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.node_only(request.match_info["name"], "committing a restore")
-        body = await _body(request, Renewal)
-        return web.json_response(
-            await run(
-                registry.commit,
-                who,
-                request.match_info["name"],
-                request.match_info["id"],
-                lease_s,
-                body.lease_id,
-            )
-        )
-
-    async def ack(request: web.Request) -> web.StreamResponse:
-        who = _principal(request)
-        who.node_only(who.node or "?", "acknowledging a command")
-        body = await _body(request, Ack)
-        return web.json_response(
-            await run(
-                registry.ack,
-                who,
-                request.match_info["id"],
-                body.ok,
-                body.result,
-                body.lease_id,
-                lost_after_s,
-            )
-        )
-
-    a.add_routes(
-        [
-            web.get("/api/v1/health", health),
-            web.post("/api/v1/clusters", add_cluster),
-            web.get("/api/v1/clusters", list_clusters),
-            web.post("/api/v1/clusters/{id}/rotate", rotate),
-            web.post("/api/v1/clusters/{id}/settings", cluster_settings),
-            web.get("/api/v1/tokens", list_tokens),
-            web.post("/api/v1/tokens/{id}/revoke", revoke),
-            web.post("/api/v1/nodes/register", register),
-            web.post("/api/v1/nodes/{name}/heartbeat", heartbeat),
-            web.post("/api/v1/nodes/{name}/reset", reset_node),
-            web.post("/api/v1/nodes/{name}/approve", approve_node),
-            web.get("/api/v1/nodes", list_nodes),
-            web.get("/api/v1/jobs", list_jobs),
-            web.post("/api/v1/commands", new_command),
-            web.get("/api/v1/commands", list_commands),
-            web.get("/api/v1/commands/{id}", get_command),
-            web.post("/api/v1/nodes/{name}/commands/lease", lease),
-            web.post("/api/v1/nodes/{name}/commands/{id}/renew", renew),
-            web.post("/api/v1/nodes/{name}/commands/{id}/commit", commit),
-            web.post("/api/v1/commands/{id}/ack", ack),
-            web.post("/api/v1/migrations", migrate),
-            web.post("/api/v1/nodes/{name}/drain", drain),
-            web.get("/metrics", metrics),
-            web.get("/api/v1/events", list_events),
-            web.get("/api/v1/checkpoints", list_checkpoints),
-            web.post("/api/v1/checkpoints/{id}/verify", verify_checkpoint),
-            web.get("/api/v1/savings", savings),
-            web.post("/api/v1/policies/{name}/run", run_policy),
-            web.get("/install/kubernetes", install_kubernetes),
-            web.get("/install/slurm", install_slurm),
-            web.get("/install/stasis.whl", install_wheel),
-            web.get("/api/v1/policies", list_policies),
-            web.post("/api/v1/policies", add_policy),
-            web.patch("/api/v1/policies/{name}", edit_policy),
-            web.delete("/api/v1/policies/{name}", remove_policy),
-            web.post("/api/v1/policies/{name}/rotate-hook", rotate_hook),
-        ]
+    add_routes(
+        a,
+        routes.API,
+        Api(registry, lost_after_s, lease_s, cache_dir, min_interval_s, behind_tls),
     )
     return a
 

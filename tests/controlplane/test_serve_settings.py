@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from stasis.controlplane import routes
 from tests.conftest import STASIS, wait_for
 from tests.controlplane.conftest import said
 from tests.s3server import free_ports
@@ -34,7 +35,7 @@ def _call(url: str, method: str, path: str, token: str, body: Any = None) -> tup
 def _healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> bool:
     assert proc.poll() is None, log.read_text()
     try:
-        return _call(url, "GET", "/api/v1/health", "")[1] == {"ok": True}
+        return bool(_call(url, "GET", routes.HEALTH.path, "")[1] == {"ok": True})
     except OSError:
         return False
 
@@ -65,7 +66,7 @@ def test_serve_reads_its_settings_and_a_flag_wins(world_tmp: Path) -> None:
             assert (root / "from-env.db").exists()
             admin = (root / "admin.token").read_text().strip()
             policy = {"name": "often", "every_s": 90, "action": "checkpoint"}
-            status, answer = _call(url, "POST", "/api/v1/policies", admin, policy)
+            status, answer = _call(url, "POST", routes.ADD_POLICY.path, admin, policy)
             assert status == 400 and "floor of 120 s" in answer["error"], answer
         finally:
             proc.terminate()

@@ -1,0 +1,342 @@
+"""Every route of the control plane's API, declared once, as data (stasis.routes.Route, the
+type the node daemon's routes use): the server registers its handlers from these declarations
+(stasis.controlplane.server `add_routes`: the method of its handlers object of the route's
+name), the client has one method per route (stasis.controlplane.client), and
+tests/controlplane/test_wire_controlplane.py holds the three to one another. No other module
+spells an API path.
+
+Who may call (`caller`), told by the `Authorization: Bearer` token, checked by the server's
+adapter before the body is read:
+
+    public   nobody checked
+    admin    the admin token only
+    user     any valid token; a cluster's token or a node's credential sees its own cluster's
+    cluster  a cluster's token (a node joining; the installers); a node's credential
+             registers again with its own (checked by the handler)
+    node     a node's own credential, acting as the node the path names (`denied`: what it
+             is refused for, said to any other token)
+    hook     a policy's own hook token (that policy only), or the admin token
+
+Requests and answers are the typed dicts of stasis.controlplane.wire and, for commands,
+stasis.controlplane.commands. Errors: {"error": {"type", "message"}} (stasis.errors).
+"""
+
+from __future__ import annotations
+
+from stasis.controlplane import wire
+from stasis.controlplane.commands import Command
+from stasis.routes import AnyRoute, Route
+
+HEALTH: Route[None, wire.Health] = Route(
+    "health",
+    "GET",
+    "/api/v1/health",
+    answer=wire.Health,
+    caller="public",
+)
+ADD_CLUSTER: Route[wire.NewCluster, wire.Cluster] = Route(
+    "add_cluster",
+    "POST",
+    "/api/v1/clusters",
+    request=wire.NewCluster,
+    answer=wire.Cluster,
+    caller="admin",
+)
+LIST_CLUSTERS: Route[None, list[wire.Cluster]] = Route(
+    "list_clusters",
+    "GET",
+    "/api/v1/clusters",
+    answer=list[wire.Cluster],
+    caller="admin",
+)
+ROTATE: Route[wire.Rotation, wire.Cluster] = Route(
+    "rotate",
+    "POST",
+    "/api/v1/clusters/{id}/rotate",
+    request=wire.Rotation,
+    answer=wire.Cluster,
+    caller="admin",
+)
+CLUSTER_SETTINGS: Route[wire.ClusterSettings, wire.Cluster] = Route(
+    "cluster_settings",
+    "POST",
+    "/api/v1/clusters/{id}/settings",
+    request=wire.ClusterSettings,
+    answer=wire.Cluster,
+    caller="admin",
+)
+LIST_TOKENS: Route[None, list[wire.Token]] = Route(
+    "list_tokens",
+    "GET",
+    "/api/v1/tokens",
+    answer=list[wire.Token],
+    caller="admin",
+)
+REVOKE: Route[None, wire.Token] = Route(
+    "revoke",
+    "POST",
+    "/api/v1/tokens/{id}/revoke",
+    answer=wire.Token,
+    caller="admin",
+)
+REGISTER: Route[wire.NodeReport, wire.Registered] = Route(
+    "register",
+    "POST",
+    "/api/v1/nodes/register",
+    request=wire.NodeReport,
+    answer=wire.Registered,
+    caller="cluster",
+)
+HEARTBEAT: Route[wire.Heartbeat, wire.Node] = Route(
+    "heartbeat",
+    "POST",
+    "/api/v1/nodes/{name}/heartbeat",
+    request=wire.Heartbeat,
+    answer=wire.Node,
+    caller="node",
+    denied="a heartbeat",
+)
+RESET_NODE: Route[wire.NodeReset, wire.Node] = Route(
+    "reset_node",
+    "POST",
+    "/api/v1/nodes/{name}/reset",
+    request=wire.NodeReset,
+    answer=wire.Node,
+    caller="admin",
+)
+APPROVE_NODE: Route[wire.NodeReset, wire.Node] = Route(
+    "approve_node",
+    "POST",
+    "/api/v1/nodes/{name}/approve",
+    request=wire.NodeReset,
+    answer=wire.Node,
+    caller="admin",
+)
+LIST_NODES: Route[None, list[wire.Node]] = Route(
+    "list_nodes",
+    "GET",
+    "/api/v1/nodes",
+    answer=list[wire.Node],
+    caller="user",
+)
+LIST_JOBS: Route[None, list[wire.Job]] = Route(
+    "list_jobs",
+    "GET",
+    "/api/v1/jobs",
+    answer=list[wire.Job],
+    caller="user",
+)
+NEW_COMMAND: Route[wire.NewCommand, Command] = Route(
+    "new_command",
+    "POST",
+    "/api/v1/commands",
+    request=wire.NewCommand,
+    answer=Command,
+    caller="admin",
+)
+LIST_COMMANDS: Route[None, list[Command]] = Route(
+    "list_commands",
+    "GET",
+    "/api/v1/commands",
+    answer=list[Command],
+    caller="user",
+)
+GET_COMMAND: Route[None, Command] = Route(
+    "get_command",
+    "GET",
+    "/api/v1/commands/{id}",
+    answer=Command,
+    caller="user",
+)
+LEASE: Route[None, Command | None] = Route(
+    "lease",
+    "POST",
+    "/api/v1/nodes/{name}/commands/lease",
+    answer=Command | None,
+    caller="node",
+    denied="leasing a node's commands",
+)
+RENEW: Route[wire.Renewal, wire.Renewed] = Route(
+    "renew",
+    "POST",
+    "/api/v1/nodes/{name}/commands/{id}/renew",
+    request=wire.Renewal,
+    answer=wire.Renewed,
+    caller="node",
+    denied="renewing a command's lease",
+)
+COMMIT: Route[wire.Renewal, wire.Committed] = Route(
+    "commit",
+    "POST",
+    "/api/v1/nodes/{name}/commands/{id}/commit",
+    request=wire.Renewal,
+    answer=wire.Committed,
+    caller="node",
+    denied="committing a restore",
+)
+ACK: Route[wire.Ack, Command] = Route(
+    "ack",
+    "POST",
+    "/api/v1/commands/{id}/ack",
+    request=wire.Ack,
+    answer=Command,
+    caller="node",
+    denied="acknowledging a command",
+)
+MIGRATE: Route[wire.Migration, Command] = Route(
+    "migrate",
+    "POST",
+    "/api/v1/migrations",
+    request=wire.Migration,
+    answer=Command,
+    caller="admin",
+)
+DRAIN: Route[wire.Drain, wire.Drained] = Route(
+    "drain",
+    "POST",
+    "/api/v1/nodes/{name}/drain",
+    request=wire.Drain,
+    answer=wire.Drained,
+    caller="admin",
+)
+METRICS: Route[None, str] = Route(
+    "metrics",
+    "GET",
+    "/metrics",
+    answer=str,
+    caller="admin",
+)
+LIST_EVENTS: Route[None, list[wire.Event]] = Route(
+    "list_events",
+    "GET",
+    "/api/v1/events",
+    answer=list[wire.Event],
+    caller="user",
+    query=('limit',),
+)
+LIST_CHECKPOINTS: Route[None, list[wire.Checkpoint]] = Route(
+    "list_checkpoints",
+    "GET",
+    "/api/v1/checkpoints",
+    answer=list[wire.Checkpoint],
+    caller="user",
+    query=('limit', 'deleted'),
+)
+VERIFY_CHECKPOINT: Route[None, Command] = Route(
+    "verify_checkpoint",
+    "POST",
+    "/api/v1/checkpoints/{id}/verify",
+    answer=Command,
+    caller="admin",
+)
+SAVINGS: Route[None, wire.Savings] = Route(
+    "savings",
+    "GET",
+    "/api/v1/savings",
+    answer=wire.Savings,
+    caller="user",
+)
+RUN_POLICY: Route[None, wire.PolicyRun] = Route(
+    "run_policy",
+    "POST",
+    "/api/v1/policies/{name}/run",
+    answer=wire.PolicyRun,
+    caller="hook",
+)
+INSTALL_KUBERNETES: Route[None, str] = Route(
+    "install_kubernetes",
+    "GET",
+    "/install/kubernetes",
+    answer=str,
+    caller="cluster",
+)
+INSTALL_SLURM: Route[None, str] = Route(
+    "install_slurm",
+    "GET",
+    "/install/slurm",
+    answer=str,
+    caller="cluster",
+)
+INSTALL_WHEEL: Route[None, bytes] = Route(
+    "install_wheel",
+    "GET",
+    "/install/stasis.whl",
+    answer=bytes,
+    caller="cluster",
+)
+LIST_POLICIES: Route[None, list[wire.Policy]] = Route(
+    "list_policies",
+    "GET",
+    "/api/v1/policies",
+    answer=list[wire.Policy],
+    caller="admin",
+)
+ADD_POLICY: Route[wire.NewPolicy, wire.Policy] = Route(
+    "add_policy",
+    "POST",
+    "/api/v1/policies",
+    request=wire.NewPolicy,
+    answer=wire.Policy,
+    caller="admin",
+)
+EDIT_POLICY: Route[wire.PolicyEdit, wire.Policy] = Route(
+    "edit_policy",
+    "PATCH",
+    "/api/v1/policies/{name}",
+    request=wire.PolicyEdit,
+    answer=wire.Policy,
+    caller="admin",
+)
+REMOVE_POLICY: Route[None, wire.Policy] = Route(
+    "remove_policy",
+    "DELETE",
+    "/api/v1/policies/{name}",
+    answer=wire.Policy,
+    caller="admin",
+)
+ROTATE_HOOK: Route[None, wire.Policy] = Route(
+    "rotate_hook",
+    "POST",
+    "/api/v1/policies/{name}/rotate-hook",
+    answer=wire.Policy,
+    caller="admin",
+)
+
+API: tuple[AnyRoute, ...] = (
+    HEALTH,
+    ADD_CLUSTER,
+    LIST_CLUSTERS,
+    ROTATE,
+    CLUSTER_SETTINGS,
+    LIST_TOKENS,
+    REVOKE,
+    REGISTER,
+    HEARTBEAT,
+    RESET_NODE,
+    APPROVE_NODE,
+    LIST_NODES,
+    LIST_JOBS,
+    NEW_COMMAND,
+    LIST_COMMANDS,
+    GET_COMMAND,
+    LEASE,
+    RENEW,
+    COMMIT,
+    ACK,
+    MIGRATE,
+    DRAIN,
+    METRICS,
+    LIST_EVENTS,
+    LIST_CHECKPOINTS,
+    VERIFY_CHECKPOINT,
+    SAVINGS,
+    RUN_POLICY,
+    INSTALL_KUBERNETES,
+    INSTALL_SLURM,
+    INSTALL_WHEEL,
+    LIST_POLICIES,
+    ADD_POLICY,
+    EDIT_POLICY,
+    REMOVE_POLICY,
+    ROTATE_HOOK,
+)
