@@ -18,6 +18,8 @@
     │   │                            node does not trust
     │   └── EncryptionKeyError  an encrypted checkpoint whose key this node does not have
     ├── ContainerError        runc or containerd failed on a container
+    │   └── ContainerRootDamagedError  a container's writable layer was put back in part only
+    ├── KubernetesError       the Kubernetes API could not be reached or refused a call
     ├── SlurmError            Slurm's tools failed, are missing, or did not answer
     │   └── SlurmJobNotFoundError   Slurm knows no such job (also a NotFoundError)
     ├── ControlPlaneError     the control plane's database or API failed
@@ -140,6 +142,12 @@ class ContainerRootDamagedError(ContainerError):
     any image or checkpoint had. The container's create fails; its next one gets a new root."""
 
 
+class KubernetesError(StasisError):
+    """The Kubernetes API could not be reached or refused a call (stasis.k8s.kube)."""
+
+    http_status = 502  # a service the daemon relies on failed, not the daemon itself
+
+
 class SlurmError(StasisError):
     http_status = 502  # a tool the daemon relies on failed, not the daemon itself
 
@@ -191,6 +199,7 @@ _BY_NAME: dict[str, type[StasisError]] = {
         SlurmJobNotFoundError,
         ContainerError,
         ContainerRootDamagedError,
+        KubernetesError,
         ControlPlaneError,
         ControlPlaneUnreachableError,
     )

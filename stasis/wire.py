@@ -1,34 +1,15 @@
 """The daemon's API on the wire: the JSON body of every request and answer, of every route.
 
 Typed dicts, so that the client (`stasis.client`) and everything that reads an answer is checked
-by mypy, at no cost when a command starts: this module imports only `typing` (pydantic costs
+by mypy, at little cost when a command starts (~2 ms): this module imports only `typing` (pydantic costs
 every `stasis` command ~70 ms here, and typing_extensions, which pydantic needs to validate
 typed dicts on Python 3.11, ~11 ms). The daemon builds its answers as these very dicts. What
 it receives it validates with pydantic (constraints, defaults, one-line errors): the request
-models of stasis.daemon.models and stasis.slurm.models, which tests/test_wire.py holds to the
+models of stasis.daemon.models, stasis.slurm.models and stasis.k8s.models (each one's
+BY_WIRE pairs them with the typed dicts here), which tests/test_wire.py holds to the
 request shapes here field by field; a checkpoint is the store's Manifest.
 
-    route                                   request              answer
-    POST   /jobs                            RunRequest           RunAnswer
-    GET    /jobs                                                 list[Job]
-    GET    /jobs/{job}                                           Job
-    POST   /jobs/{job}/kill                 KillRequest          KillAnswer
-    POST   /jobs/{job}/dump                 DumpRequest          DumpAnswer (NDJSON stream)
-    GET    /jobs/{job}/dump-check                                DumpCheckAnswer
-    POST   /restore                         RestoreRequest       RestoreAnswer (NDJSON stream)
-    GET    /checkpoints?label=&user=                             list[Checkpoint] (+ verdict)
-    DELETE /checkpoints/{checkpoint}                             Deleted
-    GET    /checkpoints/{checkpoint}/check                       CheckpointCheck
-    POST   /checkpoints/{checkpoint}/verify                      VerifyVerdict
-    POST   /checkpoints/gc                  GcRequest            GcAnswer (root only)
-    POST   /checkpoints/rekey                                    RekeyAnswer (root only)
-    GET    /check                                                CheckReport
-    GET    /network-locks                                        list[NetworkLock]
-    GET    /slurm/health                                         Health
-    POST   /slurm/jobs                      RegisterRequest      Registration
-    GET    /slurm/jobs/{job}                                     Registration
-    POST   /slurm/jobs/{job}/checkpoint     SlurmCheckpointRequest  SlurmCheckpointAnswer
-    POST   /slurm/jobs/{job}/finish         FinishRequest        FinishAnswer
+Which route takes and answers which of these is declared in stasis/routes.py, once.
 
 An error, on any route, is {"error": {"type": <a StasisError class>, "message": <one line>}}.
 """

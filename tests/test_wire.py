@@ -7,15 +7,19 @@ client stay cheap to import (no pydantic, typing_extensions, aiohttp)."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import inspect
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -23,15 +27,25 @@ import pydantic
 import pytest
 from pydantic import BaseModel
 
-from stasis import wire
+from stasis import routes, wire
 from stasis.daemon import models as daemon_models
 from stasis.errors import NotFoundError
+from stasis.k8s import models as k8s_models
 from stasis.slurm import models as slurm_models
 from stasis.store import Manifest
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TEST_USER
 
-# (the wire's TypedDict, the pydantic model the daemon validates the request with)
+# (the wire's TypedDict, the pydantic model the daemon validates the request with): every pair
+# the daemon's adapter looks models up in (each surface's BY_WIRE).
+MODELS: dict[object, type[BaseModel]] = {
+    **daemon_models.BY_WIRE,
+    **slurm_models.BY_WIRE,
+    **k8s_models.BY_WIRE,
+}
 REQUEST_PAIRS: list[tuple[type, type[BaseModel]]] = [
+    (td, model) for td, model in MODELS.items() if isinstance(td, type)
+]
+assert {
     (wire.RunRequest, daemon_models.RunRequest),
     (wire.KillRequest, daemon_models.KillRequest),
     (wire.GcRequest, daemon_models.GcRequest),
@@ -40,7 +54,7 @@ REQUEST_PAIRS: list[tuple[type, type[BaseModel]]] = [
     (wire.RegisterRequest, slurm_models.RegisterRequest),
     (wire.FinishRequest, slurm_models.FinishRequest),
     (wire.SlurmCheckpointRequest, slurm_models.CheckpointRequest),
-]
+} <= set(REQUEST_PAIRS)
 # The answers: the daemon builds them as the wire's typed dicts themselves (mypy holds each
 # construction to the wire); what a real daemon sends is checked value by value (`conforms`) in
 # tests/test_client.py and tests/daemon/test_api.py, and here where named.
@@ -69,6 +83,19 @@ WIRE_ONLY = {
     "RestoreAnswer",
     "RestoreFacts",
     "OpenFile",  # the manifest's restore_facts: test_restore_facts_are_recorded
+    # The /k8s answers and Slurm's drain: the daemon builds them as these typed dicts (mypy);
+    # tests/k8s, tests/slurm/test_remote.py and the e2e tests read them from a real daemon.
+    "NodeInfo",
+    "ContainerCheckpointAnswer",
+    "RestorePlan",
+    "ContainerInfo",
+    "RestoreDone",
+    "Forgotten",
+    "ExportAnswer",
+    "EvictedContainer",
+    "K8sDrainAnswer",
+    "Requeued",
+    "SlurmDrainAnswer",
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]
@@ -376,3 +403,300 @@ def test_client_and_wire_import_nothing_heavy() -> None:
     assert _heavy(loaded) == set()
     # The check sees them when they are there: the daemon's models pull pydantic in.
     assert "pydantic" in _heavy(_modules_after("import stasis.daemon.models"))
+
+
+# -- the routes: declared once (stasis/routes.py), served and called from the declarations ------
+
+ALL_ROUTES = (*routes.SOCKET, *routes.SLURM_REMOTE)
+# A path parameter's value in the tests below, and the client's arguments that are not the body.
+_ID = "X-1"
+_SAMPLE: dict[str, object] = {
+    "job_id": _ID,
+    "slurm_job": _ID,
+    "checkpoint_id": _ID,
+    "container_id": _ID,
+    "exit_code": 0,
+    "requested": "auto",
+    "interval_s": 60,
+    "path": "/tmp/x.tar",
+}
+
+
+def _declared() -> dict[str, routes.AnyRoute]:
+    """Every Route of stasis.routes, by the name of its variable."""
+    return {n: v for n, v in vars(routes).items() if isinstance(v, routes.Route)}
+
+
+def test_every_route_is_declared_once() -> None:
+    declared = _declared()
+    assert set(declared.values()) == set(ALL_ROUTES)
+    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 35
+    assert len({r.name for r in ALL_ROUTES}) == len(ALL_ROUTES)
+    assert len({(r.method, r.path) for r in routes.SOCKET}) == len(routes.SOCKET)
+    assert routes.SOCKET == routes.CORE + routes.SLURM + routes.K8S
+    for r in routes.SLURM:
+        assert r.path.startswith("/slurm/") and not r.path.startswith("/slurm/remote/")
+    assert all(r.path.startswith("/k8s/") for r in routes.K8S)
+    assert all(r.path.startswith("/slurm/remote/") for r in routes.SLURM_REMOTE)
+    for r in ALL_ROUTES:
+        assert r.caller in typing.get_args(routes.Caller), r
+        assert r.method in typing.get_args(routes.Method), r
+        # A body's shape is a typed dict of the wire; so is every answer, or a list of them.
+        assert r.request is None or typing.is_typeddict(r.request), r
+        # A route refused to all but root says so in its own words.
+        assert (r.caller in ("root", "cluster-root")) == ("may call" not in r.denied), r
+
+
+@pytest.mark.parametrize("name", sorted(_declared()))
+def test_a_routes_annotation_is_its_types(name: str) -> None:
+    """`X: Route[Req, Ans] = Route(request=..., answer=...)`: the annotation mypy types the
+    client with says what the declaration does."""
+    route = _declared()[name]
+    hint = typing.get_type_hints(routes, localns=vars(wire))[name]
+    assert typing.get_origin(hint) is routes.Route
+    req, ans = typing.get_args(hint)
+    assert req is (_NONE if route.request is None else route.request)
+    assert ans == route.answer
+
+
+def test_a_route_url_is_one_segment_per_parameter() -> None:
+    assert routes.KILL.url(job="abc") == "/jobs/abc/kill"
+    assert routes.KILL.url(job="../check") == "/jobs/..%2Fcheck/kill"
+    assert routes.K8S_EXPORT.params == ("checkpoint",)
+    with pytest.raises(TypeError):
+        routes.KILL.url()
+    with pytest.raises(TypeError):
+        routes.JOBS.url(job="x")
+    with pytest.raises(AttributeError):
+        routes.KILL.path = "/elsewhere"
+
+
+def test_every_request_has_its_model_and_every_model_its_route() -> None:
+    requests = {r.request for r in ALL_ROUTES if r.request is not None}
+    assert requests == set(MODELS), requests ^ set(MODELS)
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[Any]:
+    """A real JobManager on a private state directory (no daemon): to build the apps."""
+    from stasis.config import Settings
+    from stasis.daemon.db import JobDB
+    from stasis.daemon.jobs import JobManager
+    from stasis.store import Store, node_keyring
+
+    settings = Settings(state_dir=tmp_path / "state", store=str(tmp_path / "store"))
+    settings.state_dir.mkdir()
+    store = Store(
+        settings.store_url,
+        staging_root=settings.layout.staging,
+        keep=settings.keep,
+        keys=node_keyring(settings, create=True),
+    )
+    db = JobDB(settings.layout.db)
+    m = JobManager(settings, store, db)
+    yield m
+    m.close()
+    db.engine.dispose()
+
+
+def _served(app: Any) -> set[tuple[str, str]]:
+    return {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.method != "HEAD" and r.resource is not None
+    }
+
+
+def test_the_server_serves_exactly_the_declarations(manager: Any) -> None:
+    from stasis.daemon.api import make_app
+    from stasis.k8s.integration import K8sIntegration
+    from stasis.slurm.integration import SlurmIntegration
+
+    slurm, k8s = SlurmIntegration(manager), K8sIntegration(manager)
+    try:
+        socket_app = make_app(manager, [slurm, k8s])
+        assert _served(socket_app) == {(r.method, r.path) for r in routes.SOCKET}
+        assert _served(slurm.remote_app()) == {(r.method, r.path) for r in routes.SLURM_REMOTE}
+        # Each is served by the handler of its name, an object's method (no closure of an app
+        # factory), and no handler waits for a route.
+        for integration, declared in (
+            (slurm, routes.SLURM + routes.SLURM_REMOTE),
+            (k8s, routes.K8S),
+        ):
+            for r in declared:
+                assert inspect.ismethod(getattr(integration, r.name)), r
+        from stasis.daemon.api import CoreRoutes
+
+        handlers = {n for n, v in vars(CoreRoutes).items() if inspect.isfunction(v)} - {"__init__"}
+        assert handlers == {r.name for r in routes.CORE}
+    finally:
+        k8s.close()
+        slurm.close()
+
+
+class _Recorder:
+    """A unix socket that records each request (method, path, JSON body) and answers `{}` (a
+    streamed route's result line): what the client sends, by a real socket."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        self.seen: list[tuple[str, str, Any]] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn, conn.makefile("rb") as f:
+                method, target, _ = f.readline().decode().split(" ", 2)
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b"\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                body = json.loads(f.read(length)) if length else None
+                self.seen.append((method, target, body))
+                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + b'{"result": {}}\n')
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _args(method: Any) -> dict[str, object]:
+    """The client method's arguments that are not the body, filled with samples."""
+    return {
+        name: _SAMPLE[name]
+        for name, p in inspect.signature(method).parameters.items()
+        if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+    }
+
+
+def test_the_client_calls_each_route_as_declared(tmp_path: Path) -> None:
+    from stasis.client import Client
+
+    recorder = _Recorder(tmp_path / "api.sock")
+    client = Client(tmp_path / "api.sock", timeout_s=10)
+    try:
+        for r in routes.SOCKET:
+            method = getattr(client, r.name)  # one method per route, named after it
+            recorder.seen.clear()
+            method(**_args(method))
+            [(verb, target, body)] = recorder.seen
+            assert verb == r.method, r
+            assert target.split("?")[0] == r.url(**{p: _ID for p in r.params}), r
+            if r.request is None:
+                assert body is None, r
+            else:
+                assert isinstance(body, dict) and set(body) <= set(
+                    typing.get_type_hints(r.request)
+                ), (r, body)
+        recorder.seen.clear()
+        client.checkpoints(label="a b", user="u")
+        assert recorder.seen == [("GET", "/checkpoints?label=a+b&user=u", None)]
+        # Nothing but the routes' methods calls the daemon: every public method is one.
+        public = {
+            n for n, v in vars(Client).items() if inspect.isfunction(v) and not n.startswith("_")
+        }
+        assert public - {r.name for r in routes.SOCKET} == {"call", "close", "request", "stream"}
+    finally:
+        recorder.close()
+
+
+_ROOT_ONLY = [r for r in routes.SOCKET if r.caller == "root"]
+
+
+def test_root_routes_refuse_everyone_else_through_the_socket(daemon: Any, test_user: Any) -> None:
+    """Each root-only route, called as another user by its client method through the daemon's
+    socket: refused with the declaration's words, as PermissionDeniedError (the one envelope,
+    mapped back to the one exception tree); a local route answers that user."""
+    from stasis.client import Client
+
+    probe = Client(Path("/nonexistent"))
+    calls = {r.name: _args(getattr(probe, r.name)) for r in _ROOT_ONLY}
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from stasis.client import Client\n"
+        "c = Client(Path(sys.argv[1]), timeout_s=60)\n"
+        "out = {'check': c.check()['kernel'] != '', 'refused': {}}\n"
+        "for name, args in json.loads(sys.argv[2]).items():\n"
+        "    try:\n"
+        "        getattr(c, name)(**args)\n"
+        "        out['refused'][name] = None\n"
+        "    except Exception as e:\n"
+        "        out['refused'][name] = [type(e).__module__, type(e).__name__, str(e)]\n"
+        "print(json.dumps(out))\n"
+    )
+    result = subprocess.run(
+        [
+            "runuser",
+            "-u",
+            TEST_USER,
+            "--",
+            "env",
+            f"PYTHONPATH={ROOT}",
+            sys.executable,
+            "-c",
+            code,
+            str(daemon.socket),
+            json.dumps(calls),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=True,
+    )
+    out = json.loads(result.stdout)
+    assert out["check"] is True
+    assert len(out["refused"]) == len(_ROOT_ONLY) == 14
+    for r in _ROOT_ONLY:
+        assert out["refused"][r.name] == [
+            "stasis.errors",
+            "PermissionDeniedError",
+            f"permission denied: {r.denied}",
+        ], r
+
+
+_PATH_PREFIXES = sorted({r.path.split("/")[1] for r in ALL_ROUTES})
+_ROUTE_PATH = re.compile(rf"^/({'|'.join(map(re.escape, _PATH_PREFIXES))})(/|\?|$)")
+
+
+def _route_literals(path: Path) -> list[str]:
+    """The string literals of a module (f-strings' pieces too, docstrings and comment strings
+    not) that look like an API path."""
+    tree = ast.parse(path.read_text())
+    skip = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        f"{path}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in skip
+        and _ROUTE_PATH.match(node.value)
+    ]
+
+
+def test_no_api_path_outside_the_declarations() -> None:
+    package = ROOT / "stasis"
+    skipped = {package / "routes.py"}
+    found = [
+        hit
+        for path in sorted(package.rglob("*.py"))
+        if path not in skipped and "controlplane" not in path.relative_to(package).parts
+        for hit in _route_literals(path)
+    ]
+    assert found == [], "\n".join(found)
+    # The scan sees a path where one is written.
+    assert _route_literals(package / "routes.py")
+    assert _ROUTE_PATH.match("/k8s/containers/") and not _ROUTE_PATH.match("/checkpointsx")

@@ -22,11 +22,7 @@ def dump_container(client: Client, container_id: str, leave_running: bool, as_js
 
     validate_container_id(container_id)
     with client:
-        answer = client.request(
-            "POST",
-            f"/k8s/containers/{container_id}/checkpoint",
-            {"reason": "manual" if leave_running else "stop"},
-        )
+        answer = client.k8s_checkpoint(container_id, reason="manual" if leave_running else "stop")
     if as_json:
         output.emit_json(answer)
         return
@@ -309,7 +305,7 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     from stasis.errors import ContainerError
 
     with Client(settings.socket, timeout_s=None) as c:
-        done = c.request("POST", "/k8s/node/drain", {"reason": args.reason})
+        done = c.k8s_drain(reason=args.reason)
     if args.json:
         output.emit_json(done)
     else:
@@ -390,9 +386,7 @@ def export(args: argparse.Namespace, settings: Settings) -> None:
 
     validate_checkpoint_id(args.checkpoint)
     with Client(settings.socket) as client:
-        answer = client.request(
-            "POST", f"/k8s/checkpoints/{args.checkpoint}/export", {"path": str(args.oci.absolute())}
-        )
+        answer = client.k8s_export(args.checkpoint, str(args.oci.absolute()))
     if args.json:
         output.emit_json(answer)
     else:
@@ -404,14 +398,8 @@ def export(args: argparse.Namespace, settings: Settings) -> None:
 
 def import_(args: argparse.Namespace, settings: Settings) -> None:
     with Client(settings.socket) as client:
-        answer = client.request(
-            "POST",
-            "/k8s/checkpoints/import",
-            {
-                "path": str(args.archive.absolute()),
-                "label": args.label,
-                "namespace": args.namespace,
-            },
+        answer = client.k8s_import(
+            path=str(args.archive.absolute()), label=args.label, namespace=args.namespace
         )
     if args.json:
         output.emit_json(answer)

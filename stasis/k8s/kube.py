@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stasis.errors import StasisError
+from stasis.errors import KubernetesError
 
 log = logging.getLogger("stasis.k8s.agent")
 
@@ -39,8 +39,8 @@ INTERVAL_ANNOTATION = "stasis.dev/interval"
 CORDON_ANNOTATION = "stasis.dev/cordon-checkpoints"
 
 
-class KubeError(StasisError):
-    """The Kubernetes API could not be reached or refused a call."""
+class KubeError(KubernetesError):
+    """The Kubernetes API could not be reached or refused a call (travels as KubernetesError)."""
 
 
 def connect(kubeconfig: str) -> Any:

@@ -225,17 +225,22 @@ class SlurmIntegration(Integration):
 
     # -- the remote listener -------------------------------------------------------------------
 
+    def remote_app(self, middlewares: Sequence[Any] = ()) -> web.Application:
+        """What the remote listener serves: stasis.routes.SLURM_REMOTE, nothing of the unix
+        socket's; `middlewares` run inside the error handler."""
+        app = web.Application(middlewares=[errors, *middlewares], client_max_size=_REMOTE_MAX_BODY)
+        add_routes(app, routes.SLURM_REMOTE, self, slurm_models.BY_WIRE, self._identify)
+        return app
+
     async def _serve_remote(self, sock: socket.socket) -> None:
         settings = self.manager.settings
         guard = ConnectionGuard(
             settings.max_connections_per_uid, settings.request_timeout_s, raise_open_files_limit()
         )
-        app = web.Application(
-            middlewares=[errors, guard.middleware], client_max_size=_REMOTE_MAX_BODY
-        )
-        add_routes(app, routes.SLURM_REMOTE, self, slurm_models.BY_WIRE, self._identify)
         runner = web.AppRunner(
-            app, access_log=None, keepalive_timeout=settings.request_timeout_s or 75.0
+            self.remote_app([guard.middleware]),
+            access_log=None,
+            keepalive_timeout=settings.request_timeout_s or 75.0,
         )
         try:
             await runner.setup()
