@@ -347,7 +347,7 @@ class PageServer:
         try:
             self._serve()
         except Exception as e:  # whatever it was, the tree must not get zeros for it
-            self._fail(_reason(e))
+            self._fail(_failure_text(e))
         finally:
             self._ahead.close()
             self.sock.close()
@@ -413,7 +413,8 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
     return bytes(buf)
 
 
-def _reason(e: BaseException) -> str:
+def _failure_text(e: BaseException) -> str:
+    """A failure in one line: the OS's words (and the file) where it has some."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
     text = str(e).strip().splitlines()

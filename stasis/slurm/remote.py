@@ -263,7 +263,7 @@ class RemoteNode:
                 status, raw = resp.status, resp.read()
             except (OSError, http.client.HTTPException) as e:
                 raise DaemonAPIError(
-                    f"cannot reach the stasis daemon of {self.where} ({_reason(e)}); is it "
+                    f"cannot reach the stasis daemon of {self.where} ({_why_unreachable(e)}); is it "
                     f"running there with slurm_remote_port = {self.port}?"
                 ) from None
         finally:
@@ -277,7 +277,8 @@ class RemoteNode:
         return data
 
 
-def _reason(e: BaseException) -> str:
+def _why_unreachable(e: BaseException) -> str:
+    """Why another node's daemon could not be reached, in a few words."""
     if isinstance(e, TimeoutError | socket.timeout):
         return "no answer in time"
     if isinstance(e, ConnectionRefusedError):
