@@ -263,8 +263,8 @@ class RemoteNode:
                 status, raw = resp.status, resp.read()
             except (OSError, http.client.HTTPException) as e:
                 raise DaemonAPIError(
-                    f"cannot reach the stasis daemon of {self.where} ({_why_unreachable(e)}); is it "
-                    f"running there with slurm_remote_port = {self.port}?"
+                    f"cannot reach the stasis daemon of {self.where} ({_why_unreachable(e)}); "
+                    f"is it running there with slurm_remote_port = {self.port}?"
                 ) from None
         finally:
             conn.close()
