@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 import time
@@ -46,6 +47,11 @@ def busybox_archive(out: Path) -> Path:
         IMAGE,
     )
     return out
+
+
+def numbers(log: Path) -> list[int]:
+    """What a counting container logged (its `n=N` lines), in order."""
+    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
 
 
 class Node:
@@ -122,6 +128,15 @@ class Node:
         return subprocess.run(
             [*self.info["node_prefix"], *cmd], capture_output=True, text=True, timeout=timeout_s
         )
+
+    def checkpoints(self, label: str) -> list[dict[str, Any]]:
+        """The node's checkpoints of `label`, as `stasis checkpoints --json` lists them."""
+        r = self.stasis("checkpoints", "--json")
+        assert r.returncode == 0, r.stderr
+        return [c for c in json.loads(r.stdout) if c["label"] == label]
+
+    def checkpoint_ids(self, label: str) -> list[str]:
+        return [str(c["id"]) for c in self.checkpoints(label)]
 
     def stasis(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

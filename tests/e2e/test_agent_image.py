@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -26,7 +25,7 @@ from stasis.daemon import detached
 from stasis.dev import k8snode
 from stasis.k8s import shim
 from tests.conftest import wait_for
-from tests.e2e.containerd_node import IMAGE, Node, busybox_archive
+from tests.e2e.containerd_node import IMAGE, Node, busybox_archive, numbers
 from tests.k8s.apiserver import ApiServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -181,10 +180,6 @@ def cluster() -> Iterator[Cluster]:
         k8snode._unmount_under(root)
         subprocess.run(["umount", "-l", str(root)], check=False)
         shutil.rmtree(root / "b" / "runtime", ignore_errors=True)
-
-
-def numbers(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
 
 
 def test_the_agent_from_its_image_makes_a_node_whose_containers_resume(cluster: Cluster) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import secrets
 import subprocess
 import tarfile
@@ -18,7 +17,7 @@ import pytest
 
 from stasis.daemon import detached
 from tests.conftest import wait_for
-from tests.e2e.containerd_node import Node
+from tests.e2e.containerd_node import Node, numbers
 
 # Counts in memory (never re-read from disk), writes a token into its own filesystem once.
 COUNTER = "echo token-$0 > /data/made; i=0; while :; do i=$((i+1)); echo n=$i; " "sleep 0.1; done"
@@ -41,10 +40,6 @@ def registered(node: Node) -> list[dict[str, Any]]:
     with Client(node.lay.stasis_socket) as c:
         found: list[dict[str, Any]] = c.request("GET", "/k8s/containers")
     return found
-
-
-def numbers(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
 
 
 def counter(node: Node, cid: str, label: str, token: str = "x") -> Path:
@@ -165,10 +160,6 @@ def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_
         env={"STASIS_CHECKPOINT": label, "STASIS_INTERVAL": "1"},
     )
 
-    def checkpoints() -> list[dict[str, object]]:
-        listed = json.loads(node.stasis("checkpoints", "--json").stdout)
-        return [c for c in listed if c["label"] == label]
-
     # Asked for 1 s, below the node's floor (2 s): raised, and the container's log says so.
     floored = (
         "stasis: checkpoint interval 1 s (STASIS_INTERVAL or the pod's "
@@ -177,8 +168,8 @@ def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_
     wait_for(lambda: floored in log.read_text(), 20, "the floor's line in the container's log")
     (row,) = [c for c in registered(node) if c["container_id"] == "c-int"]
     assert row["interval_s"] == 2
-    wait_for(lambda: len(checkpoints()) >= 2, 30, "two interval checkpoints")
-    created = sorted(str(c["created"]) for c in checkpoints())
+    wait_for(lambda: len(node.checkpoints(label)) >= 2, 30, "two interval checkpoints")
+    created = sorted(str(c["created"]) for c in node.checkpoints(label))
     from datetime import datetime
 
     gap = datetime.fromisoformat(created[1]) - datetime.fromisoformat(created[0])
@@ -193,10 +184,6 @@ def test_stasis_interval_checkpoints_a_running_container_no_more_often_than_the_
 def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(node: Node) -> None:
     label = f"done-{secrets.token_hex(3)}"
 
-    def checkpoints() -> list[dict[str, object]]:
-        listed = json.loads(node.stasis("checkpoints", "--json").stdout)
-        return [c for c in listed if c["label"] == label]
-
     env = {"STASIS_CHECKPOINT": label}
     node.run("c-done", "while [ ! -e /data/go ]; do sleep 0.1; done; exit $(cat /data/go)", env)
     wait_for(lambda: node.status("c-done") == "RUNNING", 10, "the container to run")
@@ -204,12 +191,12 @@ def test_a_container_that_exits_0_retires_its_label_and_one_that_fails_keeps_it(
     node.ctr("tasks", "exec", "--exec-id", "fail", "c-done", "/bin/sh", "-c", "echo 3 > /data/go")
     wait_for(lambda: node.status("c-done") == "STOPPED", 10, "the container to exit 3")
     node.remove("c-done")
-    assert len(checkpoints()) == 1  # a failure keeps them: the next start resumes
+    assert len(node.checkpoints(label)) == 1  # a failure keeps them: the next start resumes
 
     node.run("c-done", "while [ ! -e /data/go ]; do sleep 0.1; done; exit 0", env)
     wait_for(lambda: node.status("c-done") == "RUNNING", 10, "the restored container to run")
     node.ctr("tasks", "exec", "--exec-id", "ok", "c-done", "/bin/sh", "-c", "echo 0 > /data/go")
-    wait_for(lambda: checkpoints() == [], 15, "the label to be retired")
+    wait_for(lambda: node.checkpoints(label) == [], 15, "the label to be retired")
     node.remove("c-done")
 
 

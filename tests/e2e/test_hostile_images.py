@@ -24,8 +24,7 @@ import pytest
 
 from stasis.k8s import oci
 from tests.conftest import wait_for
-from tests.e2e.containerd_node import APPLETS, BUSYBOX, Node
-from tests.e2e.test_containerd import numbers
+from tests.e2e.containerd_node import APPLETS, BUSYBOX, Node, numbers
 from tests.k8s.hostile import add_planted
 
 HOSTILE_IMAGE = "stasis.test/hostile:1"

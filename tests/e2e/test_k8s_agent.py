@@ -23,7 +23,7 @@ import pytest
 
 from stasis.daemon import detached
 from tests.conftest import STASIS, wait_for
-from tests.e2e.containerd_node import Node
+from tests.e2e.containerd_node import Node, numbers
 from tests.k8s.apiserver import ApiServer
 from tests.k8s.chart_rbac import agent_rules
 
@@ -115,10 +115,6 @@ def taints(api: ApiServer) -> list[str]:
     return [t["key"] for t in api.get("nodes", NODE)["spec"].get("taints") or []]
 
 
-def numbers(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
-
-
 def pod(
     api: ApiServer,
     name: str,
@@ -154,12 +150,6 @@ def pod(
             },
         },
     )
-
-
-def checkpoints(node: Node, label: str) -> list[dict[str, Any]]:
-    r = node.stasis("checkpoints", "--json")
-    assert r.returncode == 0, r.stderr
-    return [c for c in json.loads(r.stdout) if c["label"] == label]
 
 
 def registered(node: Node, cid: str) -> dict[str, Any] | None:
@@ -207,7 +197,7 @@ def test_cordoning_the_node_checkpoints_its_protected_containers_which_go_on(
         )
         taken = json.loads(done)["containers"]
         assert list(taken) == ["c-cordon"], taken
-        assert [c["id"] for c in checkpoints(node, label)] == [taken["c-cordon"]["checkpoint"]]
+        assert [c["id"] for c in node.checkpoints(label)] == [taken["c-cordon"]["checkpoint"]]
         # Leave-running: it counts on.
         n = len(numbers(out))
         wait_for(lambda: len(numbers(out)) > n + 3, 20, "the counter to go on")
@@ -228,7 +218,7 @@ def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(cluster: Clu
     try:
         r = ask(api, "trainer")
         assert r.returncode == 0, r.stderr
-        (ckpt,) = [c["id"] for c in checkpoints(node, label)]
+        (ckpt,) = [c["id"] for c in node.checkpoints(label)]
         assert r.stdout.strip() == f"container main: checkpoint {ckpt} (label {label})"
         n = len(numbers(out))
         wait_for(lambda: len(numbers(out)) > n + 3, 20, "the counter to go on")
@@ -238,7 +228,7 @@ def test_stasis_k8s_checkpoint_ns_pod_goes_through_the_node_s_agent(cluster: Clu
         time.sleep(FLOOR_S)
         r = ask(api, "trainer", "--json")
         assert r.returncode == 0, r.stderr
-        assert len(checkpoints(node, label)) == 2
+        assert len(node.checkpoints(label)) == 2
         assert json.loads(r.stdout)["containers"]["main"]["label"] == label
     finally:
         node.remove("c-byhand")
@@ -289,7 +279,7 @@ def test_a_tenant_asking_again_and_again_gets_no_more_checkpoints_than_the_floor
             result = wait_for(lambda: answer(api, "spam", token), 20, "the agent's answer")
             answers.append(result["containers"]["main"])
         assert len(answers) >= 2 and all("error" in a for a in answers), answers
-        assert len(checkpoints(node, label)) == 1
+        assert len(node.checkpoints(label)) == 1
         # Each refusal is the pod's answer, one line that says why and what to do.
         refused = answers[0]["error"]
         assert re.fullmatch(
@@ -308,7 +298,7 @@ def test_a_tenant_asking_again_and_again_gets_no_more_checkpoints_than_the_floor
         time.sleep(FLOOR_S)
         again = ask(api, "spam")
         assert again.returncode == 0, again.stderr
-        assert len(checkpoints(node, label)) == 2
+        assert len(node.checkpoints(label)) == 2
     finally:
         node.remove("c-spam")
 
@@ -338,10 +328,10 @@ def test_an_agent_started_again_does_not_run_answered_requests_again(cluster: Cl
     try:
         r = ask(api, "again")
         assert r.returncode == 0, r.stderr
-        assert len(checkpoints(node, label)) == 1
+        assert len(node.checkpoints(label)) == 1
         (event,) = answer_events(api, "again")
         assert event["type"] == "Normal" and event["message"] == (
-            f"container main: checkpoint {checkpoints(node, label)[0]['id']} (label {label})"
+            f"container main: checkpoint {node.checkpoints(label)[0]['id']} (label {label})"
         )
         # Past the floor: a request run again would be taken, not refused.
         time.sleep(FLOOR_S)
@@ -353,7 +343,7 @@ def test_an_agent_started_again_does_not_run_answered_requests_again(cluster: Cl
         pod(api, "again2", {"main": "c-again2"})
         r = ask(api, "again2")
         assert r.returncode == 1 and "is under stasis" in r.stderr, r.stderr
-        assert len(checkpoints(node, label)) == 1
+        assert len(node.checkpoints(label)) == 1
         assert len(answer_events(api, "again")) == 1
         # The agent wrote nothing to the pod (it may not).
         assert set(api.get("pods", "again", NS)["metadata"]["annotations"]) == {
@@ -468,7 +458,7 @@ def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interv
     wait_for(lambda: registered(node, "c-every"), 20, "the container's registration")
     pod(api, "every", {"main": "c-every"}, annotations={"stasis.dev/interval": "1"})
     try:
-        wait_for(lambda: len(checkpoints(node, label)) >= 2, 60, "two interval checkpoints")
+        wait_for(lambda: len(node.checkpoints(label)) >= 2, 60, "two interval checkpoints")
         # 1 s is below the node's floor (FLOOR_S here): raised, said once in the container's log
         # (the pod's later events do not ask again).
         assert (registered(node, "c-every") or {})["interval_s"] == FLOOR_S
@@ -487,9 +477,9 @@ def test_the_interval_annotation_sets_and_unsets_a_container_s_checkpoint_interv
             30,
             "the interval to be the container's own again",
         )
-        n = len(checkpoints(node, label))
+        n = len(node.checkpoints(label))
         time.sleep(3)
-        assert len(checkpoints(node, label)) == n
+        assert len(node.checkpoints(label)) == n
     finally:
         node.remove("c-every")
 

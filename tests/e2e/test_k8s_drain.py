@@ -11,7 +11,6 @@ in the agent's pod)."""
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import tempfile
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.controlplane.conftest import ControlPlane
-from tests.e2e.containerd_node import Node
+from tests.e2e.containerd_node import Node, numbers
 from tests.k8s.apiserver import ApiServer
 from tests.k8s.chart_rbac import agent_rules
 
@@ -67,10 +66,6 @@ def cluster() -> Iterator[tuple[Node, ApiServer, ControlPlane]]:
         cp.stop()
         api.stop()
         node.down()
-
-
-def numbers(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
 
 
 def pod(api: ApiServer, name: str, containers: dict[str, str]) -> None:

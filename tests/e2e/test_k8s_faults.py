@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import sqlite3
 import subprocess
@@ -29,7 +28,7 @@ from stasis.daemon import detached
 from stasis.k8s.runc import namespace_uid
 from tests.conftest import STASIS as STASIS_CLI
 from tests.conftest import wait_for
-from tests.e2e.containerd_node import Node
+from tests.e2e.containerd_node import Node, numbers
 from tests.faults.kit import tree_pids_of
 
 # Counts in memory (never re-read from disk); $0 is a token that names its processes.
@@ -99,16 +98,6 @@ def node() -> Iterator[FaultNode]:
         n.down()  # unmounts the store's tmpfs too
 
 
-def numbers(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
-
-
-def checkpoints(node: Node, label: str) -> list[str]:
-    listed = node.stasis("checkpoints", "--json")
-    assert listed.returncode == 0, listed.stderr
-    return [c["id"] for c in json.loads(listed.stdout) if c["label"] == label]
-
-
 def dump(node: Node, cid: str) -> str:
     r = node.stasis("dump", "--container", cid, "--leave-running", "--json")
     assert r.returncode == 0, r.stderr
@@ -132,7 +121,7 @@ def heard(node: FaultNode, cid: str, label: str) -> None:
     while (
         time.monotonic() < deadline
         and f"container {cid} exited" not in node.log()
-        and checkpoints(node, label)
+        and node.checkpoint_ids(label)
     ):
         time.sleep(0.3)
 
@@ -157,11 +146,11 @@ def test_a_container_that_exits_0_after_its_stop_checkpoint_failed_keeps_its_lab
         node.ctr("tasks", "kill", "-s", "SIGTERM", cid, timeout_s=60)  # the stop: fails
     finally:
         filler.unlink()
-    assert checkpoints(node, label) == [first]
+    assert node.checkpoint_ids(label) == [first]
     node.ctr("tasks", "exec", "--exec-id", "go", cid, "/bin/sh", "-c", "touch /data/go")
     ended(node, cid)
     heard(node, cid, label)
-    assert checkpoints(node, label) == [first], node.log()[-1500:]
+    assert node.checkpoint_ids(label) == [first], node.log()[-1500:]
     node.remove(cid)
 
 
@@ -209,7 +198,7 @@ def test_a_stop_checkpoint_cut_before_its_publish_resumes_and_keeps_the_label(
     node.arm()
     ended(node, cid)
     heard(node, cid, label)
-    assert checkpoints(node, label) == [first]
+    assert node.checkpoint_ids(label) == [first]
     node.remove(cid)
     again = node.run(cid, TRAPS_TERM, env={"STASIS_CHECKPOINT": label})
     wait_for(lambda: len(numbers(again)) >= 2, 20, "the resumed counter")
@@ -234,7 +223,7 @@ def test_a_stop_checkpoint_cut_after_its_publish_ends_the_container_at_its_check
     assert node.frozen(cid) == "paused"
     node.arm()
     ended(node, cid)
-    (published,) = checkpoints(node, label)
+    (published,) = node.checkpoint_ids(label)
     before = numbers(log)
     node.remove(cid)
     again = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label})
@@ -257,7 +246,7 @@ def _is_shell(pid: int) -> bool:
 def _stopped_with_checkpoint(node: FaultNode, cid: str, label: str) -> tuple[str, list[int]]:
     log = started(node, cid, COUNTER, {"STASIS_CHECKPOINT": label})
     node.stop(cid)
-    (ckpt,) = checkpoints(node, label)
+    (ckpt,) = node.checkpoint_ids(label)
     node.remove(cid)
     return ckpt, numbers(log)
 
@@ -305,7 +294,7 @@ def test_without_a_daemon_a_create_waits_then_fails_unless_the_pod_asked_to_star
         node.remove(cid)
     finally:
         node.restart_daemon()
-    assert checkpoints(node, label) == [ckpt]
+    assert node.checkpoint_ids(label) == [ckpt]
 
     # The daemon back within the wait: the create resumes the checkpoint.
     detached.stop(node.pid)
@@ -335,7 +324,7 @@ def test_a_store_that_cannot_be_read_at_create_fails_it_naming_the_store(node: F
     finally:
         index.unlink()
         aside.rename(index)
-    assert checkpoints(node, label) == [ckpt]
+    assert node.checkpoint_ids(label) == [ckpt]
     log = node.run(cid, COUNTER, env={"STASIS_CHECKPOINT": label})
     wait_for(lambda: len(numbers(log)) >= 2, 20, "the resumed counter")
     assert numbers(log)[0] == before[-1] + 1
@@ -407,7 +396,7 @@ def test_a_stop_whose_database_write_fails_after_the_publish_still_stops_the_con
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    (published,) = checkpoints(node, label)
+    (published,) = node.checkpoint_ids(label)
     assert "internal error" not in log.read_text()
     assert f"checkpoint {published} published, but the database did not record it" in node.log()
     before = numbers(log)
@@ -465,7 +454,7 @@ def test_a_restored_containers_checkpoint_names_its_parent_and_retiring_keeps_a_
     label, cid = f"lineage-{secrets.token_hex(3)}", "c-lineage"
     log = started(node, cid, COUNTS_TILL_GO, {"STASIS_CHECKPOINT": label})
     node.stop(cid)
-    (stop,) = checkpoints(node, label)
+    (stop,) = node.checkpoint_ids(label)
     before = numbers(log)
     node.remove(cid)
     again = node.run(cid, COUNTS_TILL_GO, env={"STASIS_CHECKPOINT": label})
@@ -486,7 +475,7 @@ def test_a_restored_containers_checkpoint_names_its_parent_and_retiring_keeps_a_
             20,
             "the label retired",
         )
-        assert checkpoints(node, label) == [stop], "a pinned checkpoint was retired"
+        assert node.checkpoint_ids(label) == [stop], "a pinned checkpoint was retired"
     finally:
         pin.unlink()
     node.stasis("checkpoints", "rm", stop)

@@ -14,7 +14,6 @@ file"); put back, the restore works."""
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import subprocess
 import tempfile
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_for
-from tests.e2e.containerd_node import IMAGE, Node
+from tests.e2e.containerd_node import IMAGE, Node, numbers
 from tests.k8s.apiserver import ApiServer
 from tests.k8s.chart_rbac import agent_rules
 
@@ -63,16 +62,6 @@ def cluster() -> Iterator[tuple[Node, ApiServer]]:
     finally:
         api.stop()
         node.down()
-
-
-def numbers(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"^n=(\d+)$", log.read_text(), re.M)]
-
-
-def checkpoints(node: Node, label: str) -> list[str]:
-    listed = node.stasis("checkpoints", "--json")
-    assert listed.returncode == 0, listed.stderr
-    return [c["id"] for c in json.loads(listed.stdout) if c["label"] == label]
 
 
 def volume(node: Node, name: str) -> Path:
@@ -154,7 +143,7 @@ def test_a_restore_that_fails_on_a_good_checkpoint_fails_the_create_and_resumes_
     wait_for(lambda: len(numbers(log)) >= 5, 30, "the counter to count")
     node.stop(cid)
     before = numbers(log)
-    (ckpt,) = checkpoints(node, label)
+    (ckpt,) = node.checkpoint_ids(label)
     node.remove(cid)
 
     (vol / "held").rename(vol / "held.aside")  # what the restore needs is gone, for now
@@ -170,7 +159,7 @@ def test_a_restore_that_fails_on_a_good_checkpoint_fails_the_create_and_resumes_
     wait_for(lambda: restore_failed(api, pod, ckpt), 20, "the StasisRestoreFailed event")
     (event,) = restore_failed(api, pod, ckpt)
     assert event["type"] == "Warning" and label in event["message"], event
-    assert checkpoints(node, label) == [ckpt]  # the checkpoint stays
+    assert node.checkpoint_ids(label) == [ckpt]  # the checkpoint stays
 
     (vol / "held.aside").rename(vol / "held")  # the cause is gone: the next create resumes
     r, again = create(node, cid, script, env, pod_options(vol, pod))
@@ -202,7 +191,7 @@ def test_a_checkpoint_that_fails_every_attempt_gives_way_to_the_previous_one(
     wait_for(lambda: len(numbers(log)) >= 45, 30, "the counter to pass 40")
     node.stop(cid)
     newest = numbers(log)[-1]
-    (_, stop) = sorted(checkpoints(node, label))
+    (_, stop) = sorted(node.checkpoint_ids(label))
     node.remove(cid)
 
     (vol / "held").unlink()
@@ -219,7 +208,7 @@ def test_a_checkpoint_that_fails_every_attempt_gives_way_to_the_previous_one(
     assert f"checkpoint {stop} skipped: its restore failed {ATTEMPTS} times" in text, text
     assert f"restored from checkpoint {older}" in text, text
     assert 1 < numbers(log)[0] < 40 < newest, (numbers(log)[:3], newest)
-    assert sorted(checkpoints(node, label))[-1] == stop  # still listed, for its owner to see
+    assert sorted(node.checkpoint_ids(label))[-1] == stop  # still listed, for its owner to see
     kill(node, cid)
 
 
@@ -235,7 +224,7 @@ def test_when_no_checkpoint_can_be_restored_only_stasis_fresh_starts_from_nothin
     assert r.returncode == 0, r.stderr
     wait_for(lambda: len(numbers(log)) >= 5, 30, "the counter to count")
     node.stop(cid)
-    (ckpt,) = checkpoints(node, label)
+    (ckpt,) = node.checkpoint_ids(label)
     node.remove(cid)
 
     (vol / "held").unlink()
@@ -249,7 +238,7 @@ def test_when_no_checkpoint_can_be_restored_only_stasis_fresh_starts_from_nothin
     assert f"checkpoint {ckpt}" in r.stderr and "STASIS_FRESH" in r.stderr, r.stderr
     assert numbers(failed) == []
     gone(node, cid)
-    assert checkpoints(node, label) == [ckpt]
+    assert node.checkpoint_ids(label) == [ckpt]
     wait_for(
         lambda: [
             e

@@ -14,12 +14,11 @@ import secrets
 
 from stasis.daemon import detached
 from tests.conftest import wait_for
+from tests.e2e.containerd_node import numbers
 from tests.e2e.test_k8s_faults import (  # noqa: F401 - the fixture
     COUNTER,
     FaultNode,
-    checkpoints,
     node,
-    numbers,
     started,
 )
 
@@ -27,7 +26,7 @@ from tests.e2e.test_k8s_faults import (  # noqa: F401 - the fixture
 def test_a_registered_container_keeps_its_intervals_after_a_rebuild(node: FaultNode) -> None:
     label, cid = f"rebuilt-{secrets.token_hex(3)}", "c-rebuilt"
     log = started(node, cid, COUNTER, {"STASIS_CHECKPOINT": label, "STASIS_INTERVAL": "2"})
-    wait_for(lambda: checkpoints(node, label), 30, "an interval checkpoint")
+    wait_for(lambda: node.checkpoint_ids(label), 30, "an interval checkpoint")
     state = node.lay.stasis / "state"
     detached.stop(node.pid)
     (state / "jobs.db").write_bytes(os.urandom(64 << 10))
@@ -35,9 +34,11 @@ def test_a_registered_container_keeps_its_intervals_after_a_rebuild(node: FaultN
         (state / extra).unlink(missing_ok=True)
     node.restart_daemon()
     assert list(state.glob("jobs.db.corrupt-*")), "the database was not rebuilt"
-    had = set(checkpoints(node, label))
+    had = set(node.checkpoint_ids(label))
     wait_for(
-        lambda: set(checkpoints(node, label)) - had, 30, "an interval checkpoint after the rebuild"
+        lambda: set(node.checkpoint_ids(label)) - had,
+        30,
+        "an interval checkpoint after the rebuild",
     )
     # By hand too, by the container's id alone (its runc root is the registration's).
     by_hand = node.stasis("dump", "--container", cid, "--leave-running", "--json")
