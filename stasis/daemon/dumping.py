@@ -96,7 +96,7 @@ class Dumper:
         self.core.journal.prepare()
         self.recover_dumps()
         try:
-            for name in self.core.store.remove_stale_staging():
+            for name in self.core.store.catalog.remove_stale_staging():
                 log.info("removed staging/%s from the store: a dump that never finished", name)
         except StasisError as e:
             log.warning("%s", e)  # the daemon still works; the space stays taken
@@ -280,7 +280,7 @@ class Dumper:
         if refused:
             raise CheckpointError(f"checkpoint of {what} refused, job still running: {refused}")
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
-        data_key = self.core.store.new_data_key(info.id) if encrypt else None
+        data_key = self.core.store.publisher.new_data_key(info.id) if encrypt else None
         with self._dump_slot(f"pid {pid}", what):
             # Written down until settled: should the daemon die meanwhile, its next start
             # removes the staging and resumes the tree (`recover_dumps`).
@@ -396,7 +396,7 @@ class Dumper:
         current = self.core.journal.entry(entry.checkpoint) or entry
         if not current.published:
             try:
-                self.core.store.discard(entry.checkpoint)
+                self.core.store.publisher.discard(entry.checkpoint)
             except StasisError as e:
                 log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
         self._settle_or_defer(current)
@@ -431,7 +431,7 @@ class Dumper:
                 )
             elif behind:
                 log.info("checkpoint %s staged in memory: %s", info.id, behind)
-        target = fast or self.core.store.staging_dir(info.id)
+        target = fast or self.core.store.publisher.staging_dir(info.id)
         # Until the checkpoint is published the tree stays stopped, not killed: a failed publish
         # (full disk, store down) resumes the job as if nothing happened.
         # The tree's open files as its images record them: a dump that stops the job reads
@@ -469,7 +469,11 @@ class Dumper:
         # written back to disk, or compressed) while CRIU writes them. A leave-running dump does
         # all that after the job resumed instead: on these 2 CPUs the hashing slowed CRIU's
         # frozen part by ~25%.
-        tail = self.core.store.follow(info.id, compress, data_key) if not leave_running else None
+        tail = (
+            self.core.store.publisher.follow(info.id, compress, data_key)
+            if not leave_running
+            else None
+        )
         faults.point("dump.before-criu")
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
@@ -516,7 +520,7 @@ class Dumper:
                 }
             )
         try:
-            manifest = self.core.store.publish(
+            manifest = self.core.store.publisher.publish(
                 info, compress, source=fast, hashed=hashed, data_key=data_key
             )
         except StasisError as e:
@@ -567,7 +571,7 @@ class Dumper:
         be stopped again when it finished."""
         for entry in self.core.journal.leftovers():
             try:
-                self.core.store.discard(entry.checkpoint)
+                self.core.store.publisher.discard(entry.checkpoint)
             except StasisError as e:
                 log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
             log.warning(
@@ -602,7 +606,7 @@ class Dumper:
                 time.sleep(0.1)
             # It may have written more before it found its directory gone.
             if not entry.published:
-                self.core.store.discard(entry.checkpoint)
+                self.core.store.publisher.discard(entry.checkpoint)
             self._settle_or_defer(entry)
         except Exception:  # a thread of its own: say so rather than die silently
             log.exception("cannot resume job %s after its interrupted dump", entry.job)
@@ -654,13 +658,13 @@ class Dumper:
 
     def _published(self, checkpoint_id: str) -> bool:
         try:
-            self.core.store.get(checkpoint_id)
+            self.core.store.catalog.get(checkpoint_id)
         except StasisError:
             return False
         return True
 
     def _discard(self, checkpoint_id: str, fast: Path | None) -> None:
-        self.core.store.discard(checkpoint_id)
+        self.core.store.publisher.discard(checkpoint_id)
         if fast is not None:
             shutil.rmtree(fast, ignore_errors=True)
 

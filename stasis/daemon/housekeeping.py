@@ -33,14 +33,14 @@ class Housekeeping:
         manifest has been garbage for longer than `remove_corrupt_after_s`."""
         store = self.core.store
         try:
-            added = store.ensure_index()
+            added = store.catalog.ensure_index()
             if added:
                 log.info("indexed %d checkpoint(s) of %s by label", added, store.url)
         except StasisError as e:
             log.warning("cannot index the checkpoints of %s: %s", store.url, e)
         if self.core.settings.keep_max_age_s:
             try:
-                expired = store.expire()
+                expired = store.catalog.expire()
                 if expired:
                     log.info(
                         "deleted %d checkpoint(s) older than %d s",
@@ -52,7 +52,7 @@ class Housekeeping:
         if self.core.settings.remove_corrupt_after_s == 0:
             return
         try:
-            store.remove_unreadable(self.core.settings.remove_corrupt_after_s)
+            store.catalog.remove_unreadable(self.core.settings.remove_corrupt_after_s)
         except StasisError as e:
             log.warning("cannot remove corrupt checkpoints: %s", e)
 

@@ -204,10 +204,10 @@ class JobManager:
         if label is not None:
             validate_label(label)
         if label is None and user is None and caller.is_root:
-            return self.store.list()
+            return self.store.catalog.list()
         return [
             m
-            for m in self.store.list(label, uid=owner_uid(caller, user))
+            for m in self.store.catalog.list(label, uid=owner_uid(caller, user))
             if caller.may_use_checkpoint(m.uid, m.user)
         ]
 
@@ -228,7 +228,7 @@ class JobManager:
 
     def delete_checkpoint(self, checkpoint_id: str, caller: Caller) -> None:
         try:
-            manifest = self.store.get(validate_checkpoint_id(checkpoint_id))
+            manifest = self.store.catalog.get(validate_checkpoint_id(checkpoint_id))
         except (UnreadableManifestError, UntrustedCheckpointError) as e:
             # Its owner cannot be told (garbage) or believed (unsigned, forged, another site's):
             # root alone may remove it.
@@ -241,7 +241,7 @@ class JobManager:
             log.warning("root deletes checkpoint %s: %s", checkpoint_id, e)
         else:
             caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {checkpoint_id}")
-        self.store.delete(checkpoint_id)
+        self.store.catalog.delete(checkpoint_id)
         self.netlocks.release(checkpoint_id, "the checkpoint was deleted")
 
     def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CheckpointCheck:
@@ -256,8 +256,8 @@ class JobManager:
             raise PermissionDeniedError(
                 "permission denied: only root may collect the garbage " "of the store"
             )
-        report = self.store.gc(idle_s)
-        expired = self.store.expire()
+        report = self.store.catalog.gc(idle_s)
+        expired = self.store.catalog.expire()
         log.info(
             "gc of %s: removed %d staging dir(s), %d partial checkpoint(s), %d upload(s), "
             "%d index entr(ies); expired %d checkpoint(s)",

@@ -41,10 +41,10 @@ from stasis.engine.pageserver import (
     process_pagemaps,
 )
 from stasis.store import Manifest, Store
+from stasis.store.reader import PAGES
 
 log = logging.getLogger("stasis.daemon")
 
-_PAGES = re.compile(r"^pages-[0-9]+\.img$")
 SOCKET_NAME = "page-server.sock"
 # How long a page that cannot be had waits for the restore's answer before it ends the restore.
 _ANSWER_S = 1.0
@@ -59,12 +59,14 @@ def _peer_pid(conn: socket.socket) -> int | None:
 
 def page_reader(store: Store, manifest: Manifest) -> PageReader | None:
     """How the plaintext of the checkpoint's page files is read by range:
-    `Store.read_range_views`, which verifies every chunk it reads (its checksum, or its tag when encrypted). None for a
-    checkpoint stored before images were chunked (no table to read ranges by): the caller
-    restores it in full."""
-    if any(f.chunks is None for f in manifest.files if _PAGES.match(f.name)):
+    `ImageReader.read_range_views`, which verifies every chunk it reads (its checksum, or its
+    tag when encrypted). None for a checkpoint stored before images were chunked (no table to
+    read ranges by): the caller restores it in full."""
+    if not store.reader.by_range(manifest):
         return None
-    return lambda name, offset, length: store.read_range_views(manifest, name, offset, length)
+    return lambda name, offset, length: store.reader.read_range_views(
+        manifest, name, offset, length
+    )
 
 
 class LazyRestore:
@@ -101,8 +103,8 @@ class LazyRestore:
         """Fetch (verified) every image but the page files, and of each page file what the
         restore reads itself; start listening. StasisError (CorruptCheckpointError...) if the
         checkpoint cannot be had; PagemapError if it is not one this path serves."""
-        pages = [f for f in self.manifest.files if _PAGES.match(f.name)]
-        self.store.fetch_files(self.manifest, self.images, only=lambda f: f not in pages)
+        pages = [f for f in self.manifest.files if PAGES.match(f.name)]
+        self.store.reader.fetch_files(self.manifest, self.images, only=lambda f: f not in pages)
         pagemaps = process_pagemaps(self.images)
         by_file = {pm.pages_file: pm for pm in pagemaps.values()}
         if len(by_file) != len(pagemaps) or any(pm.in_parent() for pm in pagemaps.values()):

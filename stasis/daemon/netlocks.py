@@ -96,9 +96,9 @@ class NetLocks:
         if self.timeout_s and now - row.created >= self.timeout_s:
             return f"held for {self.timeout_s} s (netlock_timeout_s)"
         try:
-            if not self.store.exists(row.checkpoint):
+            if not self.store.catalog.exists(row.checkpoint):
                 return "the checkpoint was deleted"
-            if self.store.was_restored(row.checkpoint):
+            if self.store.catalog.was_restored(row.checkpoint):
                 return "the checkpoint was restored on another node"
         except StasisError as e:
             log.warning(

@@ -40,7 +40,7 @@ class StoreProbe:
     def _probe(self, done: threading.Event) -> None:
         try:
             # An id nobody has: what is asked is whether the store answers, not what it holds.
-            self._store.exists(new_checkpoint_id(datetime(2000, 1, 1, tzinfo=timezone.utc)))
+            self._store.catalog.exists(new_checkpoint_id(datetime(2000, 1, 1, tzinfo=timezone.utc)))
             self._result = None
         except StasisError as e:
             self._result = str(e)

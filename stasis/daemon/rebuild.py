@@ -144,7 +144,7 @@ def recover_netlocks(db: JobDB, store: Store, criu_logs: Path, timeout_s: int) -
         if not rules:
             continue
         try:
-            if not store.exists(checkpoint):
+            if not store.catalog.exists(checkpoint):
                 continue
         except StasisError:
             continue  # cannot tell: the rules stay listed unmatched by `stasis check`

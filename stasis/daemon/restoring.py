@@ -1,14 +1,10 @@
 """Restoring a checkpoint as a new job: the checkpoint a request names (by label, the newest
 complete one), its images verified before the restored tree runs, and the network lock its
-restore lifts. CRIU reads a checkpoint where it is stored only when nobody but root can change it
-(a root-only local directory), while the daemon hashes it (the tree resumes once that passed; a
-lazy one's pages right after it runs, the job killed on a mismatch: damage, since no forger can
-write there). Otherwise CRIU gets only bytes the daemon read and checked: a
-lazy restore has its pages served by the daemon, each chunk checked as it is read
-(stasis/daemon/lazystore.py); a full restore from a local store is read, checked and decoded
-while CRIU reads it (stasis/daemon/streamed.py); anything else is fetched, checked, into a
-private directory first. A checkpoint that recorded what its restore depends on is compared
-with this node first (engine/nodefacts.py), before anything is fetched or CRIU runs.
+restore lifts. How the images reach CRIU is one source the daemon asks for in one call
+(stasis/daemon/imagesources.py: in place, streamed, served by range, or fetched, as the store's
+reader chooses); CRIU never reads bytes that nobody checked where anyone but root could change
+them. A checkpoint that recorded what its restore depends on is compared with this node first
+(engine/nodefacts.py), before anything is fetched or CRIU runs.
 
 In every mode the restored job is recorded (`restoring`) before its supervisor hears of it, and
 its tree resumes only on the daemon's word at CRIU's post-restore (the supervisor's gate): a
@@ -33,7 +29,8 @@ from stasis import faults, wire
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDatabaseError, JobRow
-from stasis.daemon.lazystore import LazyRestore, page_reader
+from stasis.daemon.imagesources import ImageSources
+from stasis.daemon.lazystore import LazyRestore
 from stasis.daemon.models import RestoreRequest
 from stasis.daemon.progress import Progress
 from stasis.daemon.streamed import stream_restore
@@ -78,6 +75,13 @@ class Restorer:
         # Lazy restores whose pages this process still serves: a graceful stop waits for them.
         self._serving: set[LazyRestore] = set()
         self._serving_lock = threading.Lock()
+        self._sources = ImageSources(
+            core.store,
+            core.settings.layout.scratch,
+            self._has_uffd,
+            self._serve,
+            page_delay_s=core.settings.test_page_delay_ms / 1000,
+        )
 
     def restore(
         self,
@@ -98,12 +102,12 @@ class Restorer:
                 )
             if req.user is not None:
                 raise UsageError("--user says whose label to restore; a checkpoint id needs none")
-            candidates = [self.core.store.get(validate_checkpoint_id(req.checkpoint))]
+            candidates = [self.core.store.catalog.get(validate_checkpoint_id(req.checkpoint))]
         elif req.label:
             owner = owner_uid(caller, req.user)
             candidates = [
                 m
-                for m in self.core.store.list(validate_label(req.label), uid=owner)
+                for m in self.core.store.catalog.list(validate_label(req.label), uid=owner)
                 if caller.may_use_checkpoint(m.uid, m.user)
             ]
             if not candidates:
@@ -149,7 +153,7 @@ class Restorer:
         """UntrustedCheckpointError when the label's only checkpoints are signed by keys this
         node does not trust (another node's, another site's): naming them and the settings
         that trust them beats "no checkpoint with label"."""
-        keys = self.core.store.untrusted_signers(label, uid=owner)
+        keys = self.core.store.catalog.untrusted_signers(label, uid=owner)
         if not keys:
             return
         whose = "" if owner == caller.uid else f" of user {user_name(owner)}"
@@ -167,7 +171,7 @@ class Restorer:
         if caller.is_root and owner == caller.uid:
             # Root may restore anyone's: point at the owners that label has (nobody else may
             # learn which labels other users have).
-            others = sorted({user_name(m.uid) for m in self.core.store.list(label)})
+            others = sorted({user_name(m.uid) for m in self.core.store.catalog.list(label)})
             if others:
                 text += (
                     f"; {', '.join(others)} {'has' if len(others) == 1 else 'have'} "
@@ -205,7 +209,7 @@ class Restorer:
         """Keep the checkpoint from retention and expiry (any node's) while it is restored."""
         why = f"restored as job {job_id} on {self.core.hostname}"
         try:
-            stack.enter_context(self.core.store.pin(manifest.id, why))
+            stack.enter_context(self.core.store.catalog.pin(manifest.id, why))
         except NotFoundError as e:
             # Deleted since it was listed: by label, an older one is better than none.
             raise CorruptCheckpointError(
@@ -236,13 +240,13 @@ class Restorer:
         lazy: bool | None,
         fence: Callable[[], None] | None = None,
     ) -> RestoreAnswer:
-        store, settings = self.core.store, self.core.settings
-        # Images only xxh3 checks (an old stasis's, in the clear) are refused before anything.
-        store.require_cryptographic_sums(manifest)
+        settings = self.core.settings
         lazy = settings.lazy_restore if lazy is None else lazy
-        in_place = store.images_in_place(manifest.id)
+        # The one way its images reach CRIU (imagesources.py), chosen, nothing fetched yet;
+        # images only xxh3 checks (an old stasis's, in the clear) are refused here.
+        source = self._sources.source(manifest, lazy)
         # Before anything is fetched or CRIU runs: a node that cannot restore it says why.
-        expect = self._check_node(manifest, files=in_place is None)
+        expect = self._check_node(manifest, files=not source.in_place)
         acct = account(manifest.uid)
         logs = settings.layout.logs
         log = manifest.log_path or str(logs / f"{job_id}.log")
@@ -268,7 +272,6 @@ class Restorer:
         private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
-        notes: list[str] = []
         job = JobRow(
             id=job_id,
             pid=None,
@@ -289,112 +292,29 @@ class Restorer:
             job_dir="",
             private_tmp=private_tmp,
         )
-        mode = "fetched"
 
         def record(row: JobRow) -> None:
             # Before the supervisor has the spec: nothing restored yet, nothing to undo.
             self.core.db.add(row)
-            faults.point(f"restore.{mode}.recorded")
+            faults.point(f"restore.{source.mode}.recorded")
 
-        # CRIU reads the store itself only where nobody but root can change it (a root-only
-        # local directory: store.images_in_place): elsewhere an image could change between its
-        # check and CRIU's read, so each other path hands CRIU only bytes this process read and
-        # checked (BLAKE3 or AES-GCM against the signed manifest), or a private copy of them.
-        if in_place is not None:
-            # CRIU reads the images where they are while we verify them; the restored tree is
-            # resumed only once they passed (the supervisor waits for our word at post-restore).
-            manifest, images = in_place
-            mode = "inplace"
-            # The node-local files are written out before CRIU runs, before the gate's hash of
-            # the rest could catch damage: checked first (engine/nodelocal.py).
-            store.verify(manifest, only=_is_node_local)
-            source = Images(images=str(images), lazy=lazy, gate=True)
-            checked = manifest
-            if lazy:
-                # A lazy job runs before its memory is back, so it cannot wait for the hash of
-                # GiBs of pages either: everything else (and every size) gates the resume, the
-                # page images are hashed right after, and a mismatch kills the job. Nobody but
-                # root can write them here: that catches damage, there is no forger to stop.
-                gate = Gate(
-                    _then(lambda: store.verify(checked, only=lambda f: not _is_pages(f)), fence),
-                    point=f"restore.{mode}.before-resume",
-                )
-            else:
-                gate = Gate(
-                    _then(lambda: store.verify(checked), fence),
-                    point=f"restore.{mode}.before-resume",
-                )
-            started = self._start(job_id, spec, source, progress, manifest, gate, job, record)
-            if gate.error is not None:
-                raise gate.error
-            if lazy and "pid" in started.answer:
-                threading.Thread(
-                    target=self._verify_pages_after,
-                    daemon=True,
-                    args=(manifest, started.job_dir, started.pid),
-                ).start()
-        elif (
-            not lazy
-            and store.is_local(manifest.id)
-            and (streamed := stream_restore(store, manifest, settings.layout.scratch))
-        ):
-            # Images in a local store: read, checked and decoded while CRIU reads them (its image
-            # streamer), rather than written out in plain first and read again; the tree
-            # resumes once every page file was served whole and checked.
-            mode = "streamed"
-            try:
-                source = Images(images=str(streamed.images), lazy=False, stream=True, gate=True)
-                gate = Gate(
-                    _then(streamed.check, fence),
-                    cancel=streamed.stop_waiting,
-                    point=f"restore.{mode}.before-resume",
-                )
-                started = self._start(job_id, spec, source, progress, manifest, gate, job, record)
-            finally:
-                streamed.discard()
-            if gate.error is not None:
-                raise gate.error
-        else:
-            served, why_not = (self._serve_lazily(manifest), None) if lazy else (None, None)
-            if isinstance(served, str):
-                served, why_not = None, served
-            if served is not None:
-                mode = "lazy"
-                source = Images(
-                    images=str(served.images),
-                    lazy=True,
-                    page_server=str(served.socket_path),
-                    gate=True,
-                )
-                # The pages are checked as they are served: the gate is the daemon's word that
-                # the job is recorded, no more.
-                gate = Gate(_then(lambda: None, fence), point=f"restore.{mode}.before-resume")
-                try:
-                    started = self._start(
-                        job_id, spec, source, progress, manifest, gate, job, record
-                    )
-                except BaseException:
-                    served.discard()
-                    raise
-                if "pid" not in started.answer:
-                    served.discard()
-                    if served.failure is not None:
-                        raise CorruptCheckpointError(served.failure)
-                else:
-                    served.started(started.pid, started.job_dir)
-            else:
-                with store.open_images(manifest.id, settings.layout.scratch) as (manifest, images):
-                    # Lazy pages read the images after the restore returns: not from a scratch
-                    # copy that goes away when this block ends.
-                    # Fetched and checked whole before CRIU reads them: the gate is the daemon's
-                    # word that the job is recorded (a daemon killed before it leaves no tree).
-                    source = Images(images=str(images), lazy=False, gate=True)
-                    if lazy:
-                        notes.append(why_not or _why_not_lazy(manifest, store.url))
-                    gate = Gate(_then(lambda: None, fence), point=f"restore.{mode}.before-resume")
-                    started = self._start(
-                        job_id, spec, source, progress, manifest, gate, job, record
-                    )
+        # CRIU reads the store itself only where nobody but root can change it; every other
+        # way hands CRIU only bytes this process read and checked (BLAKE3 or AES-GCM against
+        # the signed manifest), or a private copy of them. Whatever the way, the tree resumes
+        # only on the gate's word: its check passed, then the fence.
+        with source:
+            manifest = source.manifest
+            gate = Gate(
+                _then(source.check, fence),
+                cancel=source.cancel,
+                point=f"restore.{source.mode}.before-resume",
+            )
+            started = self._supervisors.restore(
+                job_id, spec, source.images, job, record, gate, progress, manifest.size_bytes
+            )
+            source.started(started, refused=gate.error is not None)
+        notes = list(source.notes)
+        mode = source.mode
         if gate.error is not None:
             raise gate.error  # refused at the gate (its check, or the fence): killed unresumed
         answer = started.answer
@@ -440,21 +360,6 @@ class Restorer:
             elapsed_s=0.0,
         )
 
-    def _start(
-        self,
-        job_id: str,
-        spec: RestoreJob,
-        source: Images,
-        progress: Progress | None,
-        manifest: Manifest,
-        gate: Gate,
-        job: JobRow,
-        record: Callable[[JobRow], None],
-    ) -> Started[Restored]:
-        return self._supervisors.restore(
-            job_id, spec, source, job, record, gate, progress, manifest.size_bytes
-        )
-
     def _forget(self, job_id: str) -> None:
         """A restore that failed was never a job: its `restoring` row goes (or, the database
         refusing, the daemon's poll removes it: its supervisor is gone and it has no tree)."""
@@ -465,37 +370,9 @@ class Restorer:
         except JobDatabaseError as e:
             log.warning("job %s: its failed restore's row stays for now: %s", job_id, e)
 
-    def _serve_lazily(self, manifest: Manifest) -> LazyRestore | str | None:
-        """The images of a lazy restore whose pages the daemon serves from the store (fetched,
-        listening), or why that is not possible on this node (a note: restored in full), or
-        None when the checkpoint cannot be read by range (the usual note)."""
-        store, settings = self.core.store, self.core.settings
-        read = page_reader(store, manifest)
-        if read is None:
-            return None
-        if not self._has_uffd():
-            return (
-                "lazy restore not possible: this kernel has no userfaultfd for CRIU's "
-                "lazy pages; restored in full"
-            )
-        served = LazyRestore(
-            store,
-            manifest,
-            read,
-            settings.layout.scratch,
-            delay_s=settings.test_page_delay_ms / 1000,
-        )
-        try:
-            served.prepare()
-        except PagemapError as e:
-            served.discard()
-            return f"lazy restore not possible: {e}; restored in full"
-        except BaseException:
-            served.discard()
-            raise
+    def _serve(self, served: LazyRestore) -> None:
         with self._serving_lock:
             self._serving = {s for s in self._serving if not s.done.is_set()} | {served}
-        return served
 
     def drain(self, timeout_s: float) -> int:
         """Wait, at most `timeout_s`, for the lazy restores this daemon serves pages to to have
@@ -539,7 +416,7 @@ class Restorer:
     def compare(self, checkpoint_id: str, caller: Caller) -> wire.CheckpointCheck:
         """`stasis check --checkpoint`: every fact the checkpoint recorded against this node,
         its files looked at with its owner's rights (as a restore reopens them)."""
-        manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
+        manifest = self.core.store.catalog.get(validate_checkpoint_id(checkpoint_id))
         caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {manifest.id}")
         return self._report(manifest)
 
@@ -586,21 +463,11 @@ class Restorer:
         self.core.netlocks.lifted_by_restore(manifest.id)
         if manifest.host != self.core.hostname:
             try:
-                self.core.store.mark_restored(manifest.id, self.core.hostname)
+                self.core.store.catalog.mark_restored(manifest.id, self.core.hostname)
             except StasisError as e:
                 log.warning(
                     "cannot note in the store that checkpoint %s was restored: %s", manifest.id, e
                 )
-
-    def _verify_pages_after(self, manifest: Manifest, job_dir: Path, pid: int) -> None:
-        try:
-            self.core.store.verify(manifest, only=_is_pages)
-        except StasisError as e:
-            # Why, before the kill: the supervisor records the end as soon as the tree dies.
-            note_killed(job_dir, str(e))
-            if proctree.start_time(pid) is not None:
-                proctree.signal_tree(pid, signal.SIGKILL)
-            log.error("killed lazily restored job %s: %s", job_dir.name, e)
 
 
 def _then(check: Callable[[], None], fence: Callable[[], None] | None) -> Callable[[], None]:
@@ -613,20 +480,3 @@ def _then(check: Callable[[], None], fence: Callable[[], None] | None) -> Callab
         fence()
 
     return both
-
-
-def _why_not_lazy(manifest: Manifest, url: str) -> str:
-    # Only checkpoints stored before images were chunked come here (page_reader).
-    why = "the checkpoint was stored before images were chunked: its images were fetched"
-    return (
-        f"lazy restore not possible: {why} into scratch space that goes away after the "
-        "restore; restored in full"
-    )
-
-
-def _is_node_local(entry: FileEntry) -> bool:
-    return entry.name == nodelocal.ARCHIVE_NAME
-
-
-def _is_pages(entry: FileEntry) -> bool:
-    return entry.name.startswith("pages-")

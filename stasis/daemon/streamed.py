@@ -31,10 +31,10 @@ from stasis.engine.pageserver import PagemapError, process_pagemaps
 from stasis.engine.streamer import ImageServer, PipeWriter
 from stasis.errors import ReaderGone, StasisError
 from stasis.store import Manifest, Store
+from stasis.store.reader import PAGES
 
 log = logging.getLogger("stasis.daemon")
 
-_PAGES = re.compile(r"^pages-[0-9]+\.img$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -47,7 +47,7 @@ class StreamedRestore:
         self.manifest = manifest
         scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.images = Path(tempfile.mkdtemp(prefix=f"{manifest.id}-stream-", dir=scratch))
-        self._pages = {f.name for f in manifest.files if _PAGES.match(f.name)}
+        self._pages = {f.name for f in manifest.files if PAGES.match(f.name)}
         self._server: ImageServer | None = None
         self._lock = threading.Lock()
         self.error: StasisError | None = None
@@ -55,9 +55,11 @@ class StreamedRestore:
     def prepare(self) -> None:
         """Fetch (verified) every image but the page files and start listening. StasisError
         if the checkpoint cannot be had; PagemapError if this path cannot serve it."""
-        if any(f.chunks is None for f in self.manifest.files if f.name in self._pages):
+        if not self.store.reader.by_range(self.manifest):
             raise PagemapError("it was stored before images were chunked")
-        self.store.fetch_files(self.manifest, self.images, only=lambda f: f.name not in self._pages)
+        self.store.reader.fetch_files(
+            self.manifest, self.images, only=lambda f: f.name not in self._pages
+        )
         pagemaps = process_pagemaps(self.images)
         if any(pm.in_parent() for pm in pagemaps.values()):
             raise PagemapError("its pages lean on a parent checkpoint")
@@ -99,7 +101,7 @@ class StreamedRestore:
 
     def _stream_pages(self, name: str, out: PipeWriter) -> None:
         try:
-            self.store.stream_file(self.manifest, name, out)
+            self.store.reader.stream_file(self.manifest, name, out)
         except ReaderGone:
             raise
         except StasisError as e:

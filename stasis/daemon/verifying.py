@@ -59,7 +59,7 @@ class Verifier:
 
     def verify(self, checkpoint_id: str, caller: Caller) -> wire.VerifyVerdict:
         """Verify a checkpoint the caller may restore; the verdict, also when it failed."""
-        manifest = self.core.store.get(validate_checkpoint_id(checkpoint_id))
+        manifest = self.core.store.catalog.get(validate_checkpoint_id(checkpoint_id))
         caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {manifest.id}")
         runtime = _container_runtime(manifest)
         if runtime:
@@ -97,7 +97,7 @@ class Verifier:
                 processes=processes,
             )
         try:
-            self.core.store.record_verdict(manifest, cast("dict[str, object]", verdict))
+            self.core.store.trust.record_verdict(manifest, cast("dict[str, object]", verdict))
         except StasisError as e:
             log.warning(
                 "checkpoint %s verified (%s), but its verdict is not recorded: %s",
@@ -115,7 +115,7 @@ class Verifier:
 
     def _sandboxed(self, manifest: Manifest) -> tuple[bool, str, int]:
         store, settings = self.core.store, self.core.settings
-        store.require_cryptographic_sums(manifest)
+        store.reader.require_cryptographic_sums(manifest)
         acct = account(manifest.uid)  # a user this node has not got: the verdict says so
         expect = (
             cast("wire.RestoreFacts", manifest.restore_facts.model_dump())
@@ -124,20 +124,22 @@ class Verifier:
         )
         with ExitStack() as stack:
             try:
-                stack.enter_context(store.pin(manifest.id, f"verified on {self.core.hostname}"))
+                stack.enter_context(
+                    store.catalog.pin(manifest.id, f"verified on {self.core.hostname}")
+                )
             except NotFoundError:
                 raise
             except StasisError as e:  # a store this node may read but not write
                 log.warning("verifying checkpoint %s without a pin: %s", manifest.id, e)
-            in_place = store.images_in_place(manifest.id)
+            in_place = store.reader.images_in_place(manifest.id)
             if in_place is not None:
                 # Nobody but root can change them there: checked whole first, then read by
                 # CRIU where they are, rather than copied (a restore's own fast path).
                 checked, images = in_place
-                store.verify(checked)
+                store.reader.verify(checked)
             else:
                 checked, images = stack.enter_context(
-                    store.open_images(manifest.id, settings.layout.scratch)
+                    store.reader.open_images(manifest.id, settings.layout.scratch)
                 )
             found = sandbox.verify_images(
                 find_criu(settings.criu),
@@ -182,7 +184,7 @@ class Verifier:
             except queue.Empty:
                 return
             try:
-                manifest = self.core.store.get(checkpoint_id)
+                manifest = self.core.store.catalog.get(checkpoint_id)
                 if not _container_runtime(manifest):  # a container's is not for a sandbox
                     self.verify_manifest(manifest)
             except StasisError as e:  # gone since, or the store does not answer
@@ -196,7 +198,7 @@ class Verifier:
 
         def one(m: Manifest) -> dict[str, Any]:
             row: dict[str, Any] = m.model_dump(mode="json")
-            found = self.core.store.verdict(m)
+            found = self.core.store.trust.verdict(m)
             if found is not None:
                 row["verdict"] = found
             return row
@@ -216,7 +218,9 @@ def _container_runtime(manifest: Manifest) -> str:
 def verified_only(store: Store, candidates: list[Manifest], label: str) -> list[Manifest]:
     """The candidates whose newest verdict is ok (signed by a key this node trusts, for that
     very manifest); NotFoundError (one line) if none is."""
-    ok = [m for m in candidates if (v := store.verdict(m)) is not None and v.get("ok") is True]
+    ok = [
+        m for m in candidates if (v := store.trust.verdict(m)) is not None and v.get("ok") is True
+    ]
     if not ok:
         raise NotFoundError(
             f"no verified checkpoint with label {label}: none of its {len(candidates)} "
