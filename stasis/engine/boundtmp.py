@@ -21,6 +21,7 @@ from pathlib import Path
 
 from stasis.engine import nodelocal, privatetmp
 from stasis.errors import RestoreError
+from stasis.fdio import write_all
 
 _CHUNK = 1 << 20
 _TAR = "tar"
@@ -111,7 +112,7 @@ class AtDump(nodelocal.AtDump):
                         f"it ({room} bytes): remove what it need not keep there, or raise "
                         "node_local_limit"
                     )
-                _write_all(out, chunk)
+                write_all(out, chunk)
         finally:
             os.close(out)
             tar.stdout.close()
@@ -122,12 +123,6 @@ class AtDump(nodelocal.AtDump):
             first = errors.splitlines()[0] if errors else f"tar exited with {code}"
             return f"its private {mount} cannot be saved with its owner's rights: {first}"
         return None
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 class Unpacked:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stasis.engine import privatetmp, proctree
+from stasis.fdio import write_all
 
 ARCHIVE_NAME = "stasis-node-local.img"
 # In a checkpoint's manifest (`extra`, signed): the paths that travel, so that a restore's file
@@ -479,8 +480,8 @@ def pack(found: list[Found], prefixes: list[str], images: Path, limit: int) -> P
             entries.append(entry)
             packed.paths.append(f.path)
         index = json.dumps({"roots": prefixes, "entries": [e.__dict__ for e in entries]}).encode()
-        _write_all(fd, index)
-        _write_all(fd, len(index).to_bytes(8, "big") + _MAGIC)
+        write_all(fd, index)
+        write_all(fd, len(index).to_bytes(8, "big") + _MAGIC)
         os.fsync(fd)
         packed.size_bytes = offset
     finally:
@@ -530,18 +531,12 @@ def _copy(f: Found, out: int, room: int) -> int:
             data = os.pread(src, min(_CHUNK, size - done), done)
             if not data:
                 raise NodeLocalError(f"{f.path} shrank while it was read")
-            _write_all(out, data)
+            write_all(out, data)
             done += len(data)
         f.size_bytes = size
         return size
     finally:
         os.close(src)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def travelling(extra: Mapping[str, Any]) -> list[str]:
@@ -922,7 +917,7 @@ def _make_file(e: Entry, archive: int, dirs: Mapping[str, Entry], replace: bool)
                 data = os.pread(archive, min(_CHUNK, e.size_bytes - done), e.offset + done)
                 if not data:
                     raise NodeLocalError(f"the checkpoint's copy of {e.path} is truncated")
-                _write_all(fd, data)
+                write_all(fd, data)
                 done += len(data)
             os.fchown(fd, e.uid, e.gid)
             os.fchmod(fd, e.mode & 0o1777)  # never setuid or setgid

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stasis.errors import ContainerError, ContainerRootDamagedError
+from stasis.fdio import write_all
 from stasis.k8s import confined
 from stasis.k8s.confined import ConfinedRoot
 
@@ -475,19 +476,13 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile
                     chunk = src.read(min(left, _CHUNK))
                     if not chunk:
                         raise OSError(errno.EIO, "the tar ended inside the file")
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                     left -= len(chunk)
                 _owner_mode(fd, entry)
             finally:
                 os.close(fd)
     finally:
         os.close(parent)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _owner_mode(fd: int, entry: Entry) -> None:
