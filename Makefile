@@ -9,7 +9,7 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode init test demo bench lint format clean image docs
+.PHONY: install system venv proto bytecode init test demo bench lint format clean image docs deb
 
 install: system venv proto bytecode init
 
@@ -53,6 +53,13 @@ $(PROTO_OUT)/rpc_pb2.py: $(RPC_PROTO)
 # every CLI call and job supervisor would otherwise compile stasis again (~30 ms each).
 bytecode: venv proto
 	$(BIN)/python -m compileall -q stasis
+
+# The node packages, without the test bench: build/stasis_VERSION_ARCH.deb and
+# build/stasis-criu_CRIU_ARCH.deb (scripts/build-deb.sh; CRIU is built here first).
+deb:
+	bash scripts/install-criu.sh
+	$(MAKE) proto
+	bash scripts/build-deb.sh
 
 # The node agent's container image, an OCI archive: build/stasis-agent-VERSION.oci.tar
 # (Debian packages and this repository only; scripts/build-image.sh).
