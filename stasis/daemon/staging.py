@@ -22,11 +22,11 @@ import hashlib
 import os
 import shutil
 import stat
-import subprocess
 import time
 from pathlib import Path
 from typing import NamedTuple
 
+from stasis.engine import tmpfs
 from stasis.store import is_checkpoint_id
 
 # Leave the node this much memory beyond the staged images, so staging never pushes jobs to OOM.
@@ -80,42 +80,15 @@ def ensure_auto_root(root: Path = AUTO_ROOT) -> str | None:
         return f"cannot open {root} to stage dumps in memory: {e.strerror or e}"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if _fs_type(root) == "tmpfs":
+        if tmpfs.fs_type(root) == "tmpfs":
             os.chmod(root, 0o700)
             return None
-        done = subprocess.run(
-            [
-                "mount",
-                "-t",
-                "tmpfs",
-                "-o",
-                "size=100%,mode=0700,nosuid,nodev,noexec",
-                "stasis-stage",
-                str(root),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        why = tmpfs.mount(root, "stasis-stage", "100%")
     finally:
         os.close(fd)
-    if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
+    if why:
         return f"cannot mount a tmpfs on {root} to stage dumps in memory: {why}"
     return None
-
-
-def _fs_type(path: Path) -> str:
-    best, fstype = "", ""
-    target = os.path.realpath(path)
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        mount_point = fields[4].replace("\\040", " ")
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, fstype = mount_point, fields[fields.index("-") + 1]
-    return fstype
 
 
 class DiskState(NamedTuple):

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 import time
 from pathlib import Path
+
+from stasis.engine import tmpfs
 
 CACHE_DIR = Path("/run/stasis-criu")  # the RUNDIR of scripts/install-criu.sh
 CACHE = CACHE_DIR / "criu.kdat"
@@ -59,21 +60,8 @@ def ensure_cache_dir(cache_dir: Path = CACHE_DIR) -> str | None:
     if _is_tmpfs(cache_dir):
         os.chmod(cache_dir, 0o700)
         return None
-    done = subprocess.run(
-        [
-            "mount",
-            "-t",
-            "tmpfs",
-            "-o",
-            "size=1m,mode=0700,nosuid,nodev,noexec",
-            "stasis-criu",
-            str(cache_dir),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
+    why = tmpfs.mount(cache_dir, "stasis-criu", "1m")
+    if why:
         return f"cannot mount a tmpfs on {cache_dir} for CRIU's probe cache: {why}"
     return None
 
@@ -95,21 +83,5 @@ def clear_stale_tmp(cache: Path = CACHE, now: float | None = None) -> bool:
 
 
 def _is_tmpfs(path: Path) -> bool:
-    # os.statvfs has no f_type; /proc/self/mountinfo names the filesystem of each mount point.
-    try:
-        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return True  # cannot tell: say nothing rather than something wrong
-    best, fstype = "", ""
-    target = os.path.realpath(path)
-    for line in mounts:
-        fields = line.split()
-        try:
-            sep = fields.index("-")
-        except ValueError:
-            continue
-        mount_point = fields[4].replace("\\040", " ")
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if inside and len(mount_point) >= len(best):
-            best, fstype = mount_point, fields[sep + 1]
-    return fstype == "tmpfs"
+    # A mount table that cannot be read: say nothing rather than something wrong.
+    return tmpfs.fs_type(path) in ("tmpfs", None)
