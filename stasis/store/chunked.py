@@ -44,7 +44,7 @@ import lz4.block
 import xxhash
 import zstandard
 
-from stasis.store.compression import ZSTD_LEVEL, Reader, Streamed, Writer
+from stasis.store.compression import ZSTD_LEVEL, Reader, Streamed, Writer, feed_mapped
 from stasis.store.crypt import TAG_BYTES, ChunkCipher, DecryptionError, join
 from stasis.store.manifest import Chunks, Compression, file_digest
 
@@ -240,23 +240,7 @@ class ChunkWriter:
         Only for files nobody changes under us (a truncated mapping raises SIGBUS and kills the
         daemon): the staging files this node's CRIU just wrote, never stored checkpoints.
         """
-        if not isinstance(src, io.FileIO):
-            return False
-        st = os.fstat(src.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        start, end = src.tell(), st.st_size
-        if end <= start:
-            return True
-        step = self.spec.chunk_bytes
-        with mmap.mmap(src.fileno(), end, prot=mmap.PROT_READ) as mapped:
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
-            with memoryview(mapped) as view:
-                for offset in range(start, end, step):
-                    with view[offset : min(offset + step, end)] as chunk:
-                        self.add(chunk)
-        src.seek(end)
-        return True
+        return feed_mapped(src, self.spec.chunk_bytes, self.add) is not None
 
     def _submit(self, data: bytes | memoryview, last: bool) -> None:
         index, self._next = self._next, self._next + 1

@@ -18,7 +18,15 @@ from itertools import accumulate
 from typing import Any, Literal
 
 import blake3 as _blake3
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from stasis.errors import UsageError
 from stasis.store.signing import Signature
@@ -149,26 +157,13 @@ class Chunks(BaseModel):
             raise ValueError("negative chunk size")
         return sizes
 
-    @field_validator("xxh3_64")
+    @field_validator("xxh3_64", "blake3", "seals")
     @classmethod
-    def _sums(cls, sums: list[str] | None) -> list[str] | None:
-        if sums is not None and not all(_XXH64_RE.fullmatch(s) for s in sums):
-            raise ValueError("a chunk checksum is not 16 hex digits")
-        return sums
-
-    @field_validator("blake3")
-    @classmethod
-    def _hashes(cls, hashes: list[str] | None) -> list[str] | None:
-        if hashes is not None and not all(_HASH_RE.fullmatch(h) for h in hashes):
-            raise ValueError("a chunk hash is not 64 hex digits")
-        return hashes
-
-    @field_validator("seals")
-    @classmethod
-    def _seals(cls, seals: list[str] | None) -> list[str] | None:
-        if seals is not None and not all(_SEAL_RE.fullmatch(s) for s in seals):
-            raise ValueError("a chunk seal is not 56 hex digits")
-        return seals
+    def _hex(cls, values: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        pattern, problem = _CHUNK_HEX[info.field_name or ""]
+        if values is not None and not all(pattern.fullmatch(v) for v in values):
+            raise ValueError(problem)
+        return values
 
     @cached_property
     def offsets(self) -> list[int]:
@@ -197,6 +192,13 @@ def file_digest(size_bytes: int, chunks: Chunks) -> str:
 
 
 _SEAL_RE = re.compile(r"^[0-9a-f]{56}$")
+
+# The per-chunk lists of hex strings a chunk table holds: their form, and what is wrong if not.
+_CHUNK_HEX = {
+    "xxh3_64": (_XXH64_RE, "a chunk checksum is not 16 hex digits"),
+    "blake3": (_HASH_RE, "a chunk hash is not 64 hex digits"),
+    "seals": (_SEAL_RE, "a chunk seal is not 56 hex digits"),
+}
 
 
 class Encryption(BaseModel):

@@ -151,10 +151,6 @@ class Store:
         self.catalog.keep = keep
 
     @property
-    def max_age_s(self) -> float:
-        return self.catalog.max_age_s
-
-    @property
     def keys(self) -> Signer:
         """What signs what is published, and says which signatures are trusted."""
         return self.trust.keys
