@@ -66,7 +66,7 @@ that ended {{ baseline_since }} to {{ started }}. From Slurm's accounting (sacct
 </div>
 
 <h2>Thresholds agreed</h2>
-<div class="wide"><table id="thresholds"><tr><th>Measure</th><th>Limit</th><th>Baseline</th><th>Protected</th><th>Result</th></tr>
+<div class="wide"><table id="thresholds" class="figures"><tr><th>Measure</th><th>Limit</th><th>Baseline</th><th>Protected</th><th>Result</th></tr>
 {% for v in verdicts %}<tr><td style="text-align: left">{{ v.name }}</td><td style="text-align: left">{{ v.limit }}</td>
 <td>{{ cell('v_' + v.unit, v.baseline) }}</td><td>{{ cell('v_' + v.unit, v.protected) }}</td>
 <td class="{{ 'pass' if v.passed else 'fail' if v.passed is false else '' }}">{{ v.said() }}</td></tr>
@@ -76,7 +76,7 @@ that ended {{ baseline_since }} to {{ started }}. From Slurm's accounting (sacct
 {{ trend_chart }}
 
 <h2>Measures: baseline, protected, unprotected</h2>
-<div class="wide"><table id="measures"><tr><th>Measure</th><th>Baseline</th><th>Protected</th><th>Unprotected</th></tr>
+<div class="wide"><table id="measures" class="figures"><tr><th>Measure</th><th>Baseline</th><th>Protected</th><th>Unprotected</th></tr>
 {% for r in rows %}<tr><td style="text-align: left">{{ r.measure }}</td><td>{{ cell(r.measure, r.baseline) }}</td>
 <td>{{ cell(r.measure, r.protected) }}</td><td>{{ cell(r.measure, r.unprotected) }}</td></tr>
 {% endfor %}</table></div>

@@ -28,7 +28,7 @@ CATEGORIES = (
     ("preempt_redone_node_hours", "Redone after a preemption or requeue", "#8d6a9f"),
     ("mem_blocked_node_hours", "Blocked by memory over-request", "#00798c"),
     ("kept_node_hours", "Kept by stasis restores (not rerun)", "#30a14e"),
-    ("spent_node_hours", "Spent checkpointing protected jobs (frozen)", "#6c757d"),
+    ("spent_node_hours", "Spent checkpointing (frozen)", "#6c757d"),
 )
 W = TypeVar("W")
 _BAR_W = 360
@@ -147,6 +147,7 @@ th, td { padding: .25em .45em; border-bottom: 1px solid #eee; text-align: right;
 th:nth-child(-n+3), td:nth-child(-n+3) { text-align: left; }
 .note { color: #555; font-size: .9em; max-width: 60em; }
 svg text { font-size: 12px; fill: #222; }
+table.figures th:nth-child(n+2), table.figures td:nth-child(n+2) { text-align: right; }
 .pass { color: #30a14e; font-weight: bold; } .fail { color: #d1495b; font-weight: bold; }
 </style>"""
 
