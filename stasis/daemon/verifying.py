@@ -1,6 +1,6 @@
 """`stasis verify`: a checkpoint restored in a sandbox (stasis/engine/sandbox.py), its whole tree
 checked and removed, and the verdict recorded beside it in the store, signed with the node's
-signing key (the site key where there is one: stasis/store/store.py, `record_verdict`).
+signing key (the site key where there is one: stasis/store/trust.py, `record_verdict`).
 
 Who may verify a checkpoint: whoever may restore it (its owner, root). Its images are checked
 against the signed manifest as for a restore: read where they lie when nobody but root can

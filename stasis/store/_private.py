@@ -3,7 +3,7 @@
 A restore must hand CRIU only bytes that were checked against the signed manifest. Where someone
 other than root can write a checkpoint (a shared directory, a network filesystem other nodes
 write), checking a file and then letting CRIU open it by path is not enough: it can change in
-between. The store then streams or copies it (store.py). But on a local filesystem where the
+between. The store then streams or copies it (reader.py). But on a local filesystem where the
 checkpoint's directory, every directory above it and its files belong to root and nobody else
 may write them, nothing but root changes them between the check and CRIU's read, and root needs
 no forgery. There CRIU reads the images in place while the daemon checks them (the restored tree

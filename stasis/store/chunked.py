@@ -7,7 +7,7 @@ with no header. The manifest's `Chunks` table holds each chunk's stored size (he
 and, unless encrypted, the BLAKE3 of its plain bytes, or when encrypted its seal (nonce and tag:
 a sealed chunk stores no more bytes than it seals); the manifest, signed, binds both. Checkpoints
 of formats 1 and 2 have xxh3-64 instead: still decoded, but xxh3 only detects damage (the store
-refuses to restore those unless encrypted, store.py): any range of the file can be fetched and
+refuses to restore those unless encrypted, trust.py): any range of the file can be fetched and
 verified by itself, which is what a lazy restore serving pages from the store needs, and whole
 files decode on several threads.
 
