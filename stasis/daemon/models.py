@@ -5,7 +5,6 @@ wire's typed dicts themselves."""
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -15,7 +14,7 @@ from stasis.store import CompressionRequest
 
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
 
-JobState = Literal["running", "restored", "restoring", "checkpointed", "exited", "failed"]
+JobState = wire.JobState  # one definition: the wire's
 
 
 def validate_job_id(job_id: str) -> str:
