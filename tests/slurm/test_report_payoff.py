@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from datetime import datetime
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from stasis.errors import UsageError
 from stasis.interval import daly
 from stasis.slurm import payoff, poc, poc_html, report_html
 from stasis.slurm import report as rep
+from tests.conftest import STASIS
 from tests.slurm.test_report import RECORDED, SINCE, TIMEOUTS, UNTIL, text
 
 MODEL = payoff.Model(floor_s=1.0, ceiling_s=3600.0, default_cost_s=2.0)
@@ -140,3 +142,25 @@ def test_poc_state_file_round_trip_and_refusals(tmp_path: Path) -> None:
         os.chown(path, 65534, 65534)
         with pytest.raises(UsageError, match="root reads only a file of root's"):
             poc.load(path)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["start"], "poc start needs the opted-in set: --users, --accounts or --partitions"),
+        (["status", "--state", "/nonexistent/poc.json"], "no PoC recorded in /nonexistent"),
+        (["report", "--json", "--html", "x.html"], "not allowed with argument"),
+        (["start", "--accounts", "a", "--days", "0"], "--days"),
+    ],
+)
+def test_poc_cli_refusals_are_one_line(args: list[str], says: str) -> None:
+    result = subprocess.run(
+        [STASIS, "slurm", "poc", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STASIS_CONFIG": ""},
+    )
+    assert result.returncode == 2, result
+    assert result.stdout == "" and len(result.stderr.splitlines()) == 1, result.stderr
+    assert says in result.stderr
