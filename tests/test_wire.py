@@ -700,3 +700,20 @@ def test_no_api_path_outside_the_declarations() -> None:
     # The scan sees a path where one is written.
     assert _route_literals(package / "routes.py")
     assert _ROUTE_PATH.match("/k8s/containers/") and not _ROUTE_PATH.match("/checkpointsx")
+
+
+def test_k8s_errors_come_back_as_the_one_tree(daemon: Any) -> None:
+    """/k8s answers its errors in the one envelope too: the client raises the class the
+    daemon named, with its one line (validation, an unknown container, a bad id)."""
+    from stasis.client import Client
+    from stasis.errors import UsageError
+
+    client = Client(daemon.socket, timeout_s=60)
+    with pytest.raises(UsageError) as bad_body:
+        client.k8s_interval("a" * 64, -5)
+    assert type(bad_body.value) is UsageError and "interval_s" in str(bad_body.value)
+    with pytest.raises(NotFoundError, match="no container .* under stasis on this node"):
+        client.k8s_checkpoint("a" * 64, reason="manual")
+    with pytest.raises(UsageError, match="invalid container id"):
+        client.k8s_checkpoint("not/an id", reason="manual")
+    assert "\n" not in str(bad_body.value)

@@ -149,7 +149,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 22  # stasis/wire.py's table
+    assert len(routes) == 22  # stasis/routes.py: CORE and SLURM
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(
