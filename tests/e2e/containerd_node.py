@@ -22,31 +22,42 @@ BUSYBOX = "/usr/bin/busybox"
 APPLETS = ("sh", "cat", "echo", "sleep", "ls", "rm", "mkdir", "seq", "true", "head", "base64")
 
 
-def busybox_archive(out: Path) -> Path:
-    """An OCI image archive of busybox with a few applets (written as stasis writes images)."""
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as tar:
-        for d in ("bin", "tmp", "data"):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
-            tar.addfile(info)
-        tar.add(BUSYBOX, arcname="bin/busybox")
-        for applet in APPLETS:
-            info = tarfile.TarInfo(f"bin/{applet}")
-            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(info)
+def add_busybox(tar: tarfile.TarFile, dirs: tuple[str, ...] = ("bin", "tmp", "data")) -> None:
+    """busybox and its applets in /bin of an image layer, and the directories `dirs`
+    (/tmp writable by all)."""
+    for d in dirs:
+        info = tarfile.TarInfo(d)
+        info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+        tar.addfile(info)
+    tar.add(BUSYBOX, arcname="bin/busybox")
+    for applet in APPLETS:
+        info = tarfile.TarInfo(f"bin/{applet}")
+        info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+        tar.addfile(info)
+
+
+def write_image(out: Path, layer: bytes, name: str) -> Path:
+    """An OCI image archive of one layer that runs /bin/sh (written as stasis writes images)."""
     oci.write_archive(
         out,
-        [layer.getvalue()],
+        [layer],
         {
             "architecture": "amd64",
             "os": "linux",
             "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
         },
         {},
-        IMAGE,
+        name,
     )
     return out
+
+
+def busybox_archive(out: Path) -> Path:
+    """An OCI image archive of busybox with a few applets (written as stasis writes images)."""
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        add_busybox(tar)
+    return write_image(out, layer.getvalue(), IMAGE)
 
 
 def numbers(log: Path) -> list[int]:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from stasis.k8s import oci
 from tests.conftest import wait_for
-from tests.e2e.containerd_node import APPLETS, BUSYBOX, Node, numbers
+from tests.e2e.containerd_node import Node, add_busybox, numbers, write_image
 from tests.k8s.hostile import add_planted
 
 HOSTILE_IMAGE = "stasis.test/hostile:1"
@@ -35,15 +34,7 @@ def hostile_archive(out: Path, marker: Path, host_dir: Path) -> Path:
     """busybox, plus everything planted: the image a tenant restores its label into."""
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w") as tar:
-        for d in ("bin", "data"):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(info)
-        tar.add(BUSYBOX, arcname="bin/busybox")
-        for applet in APPLETS:
-            info = tarfile.TarInfo(f"bin/{applet}")
-            info.type, info.linkname = tarfile.SYMTYPE, "busybox"
-            tar.addfile(info)
+        add_busybox(tar, ("bin", "data"))
         # /tmp -> a directory of the node; /data/x a file where the layer has a directory.
         info = tarfile.TarInfo("tmp")
         info.type, info.linkname = tarfile.SYMTYPE, str(host_dir)
@@ -52,18 +43,7 @@ def hostile_archive(out: Path, marker: Path, host_dir: Path) -> Path:
         info.size = 6
         tar.addfile(info, io.BytesIO(b"a file"))
         add_planted(tar, marker)
-    oci.write_archive(
-        out,
-        [layer.getvalue()],
-        {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Env": ["PATH=/bin"], "Cmd": ["/bin/sh"]},
-        },
-        {},
-        HOSTILE_IMAGE,
-    )
-    return out
+    return write_image(out, layer.getvalue(), HOSTILE_IMAGE)
 
 
 @pytest.fixture(scope="module")

@@ -122,34 +122,7 @@ def pod(
     annotations: dict[str, str] | None = None,
     node: str = NODE,
 ) -> None:
-    """A pod bound to the node, with the container statuses the kubelet would write."""
-    api.create(
-        "pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "annotations": annotations or {}},
-            "spec": {
-                "nodeName": node,
-                "runtimeClassName": "stasis",
-                "containers": [{"name": c, "image": "busybox"} for c in containers],
-            },
-            "status": {
-                "phase": "Running",
-                "containerStatuses": [
-                    {
-                        "name": c,
-                        "containerID": f"containerd://{cid}",
-                        "image": "busybox",
-                        "imageID": "",
-                        "ready": True,
-                        "restartCount": 0,
-                    }
-                    for c, cid in containers.items()
-                ],
-            },
-        },
-    )
+    api.bind_pod(name, containers, namespace=NS, node=node, annotations=annotations or {})
 
 
 def registered(node: Node, cid: str) -> dict[str, Any] | None:

@@ -40,16 +40,7 @@ def cluster() -> Iterator[tuple[Node, ApiServer, ControlPlane]]:
     try:
         api.start()
         assert api.authorize("stasis-agent", agent_rules()) == root / "kubeconfig-stasis-agent"
-        api.create(
-            "nodes",
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {"name": NODE},
-                "spec": {},
-                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
-            },
-        )
+        api.add_ready_node(NODE)
         node.up()
         cp.start()
         kube = cp.json("clusters", "add", "kube", "--kind", "kubernetes")
@@ -69,34 +60,7 @@ def cluster() -> Iterator[tuple[Node, ApiServer, ControlPlane]]:
 
 
 def pod(api: ApiServer, name: str, containers: dict[str, str]) -> None:
-    """A pod bound to the node, with the container statuses the kubelet would write."""
-    api.create(
-        "pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {
-                "nodeName": NODE,
-                "runtimeClassName": "stasis",
-                "containers": [{"name": c, "image": "busybox"} for c in containers],
-            },
-            "status": {
-                "phase": "Running",
-                "containerStatuses": [
-                    {
-                        "name": c,
-                        "containerID": f"containerd://{cid}",
-                        "image": "busybox",
-                        "imageID": "",
-                        "ready": True,
-                        "restartCount": 0,
-                    }
-                    for c, cid in containers.items()
-                ],
-            },
-        },
-    )
+    api.bind_pod(name, containers, namespace=NS, node=NODE)
 
 
 def daemon(node: Node, method: str, path: str, body: Any = None) -> Any:

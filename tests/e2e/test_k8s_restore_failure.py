@@ -46,16 +46,7 @@ def cluster() -> Iterator[tuple[Node, ApiServer]]:
         api.start()
         # The daemon's calls are the chart's service account's, with the chart's RBAC.
         assert api.authorize("stasis-agent", agent_rules()) == root / "kubeconfig-stasis-agent"
-        api.create(
-            "nodes",
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {"name": NODE},
-                "spec": {},
-                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
-            },
-        )
+        api.add_ready_node(NODE)
         node.up()
         node.configure({"k8s_restore_attempts": ATTEMPTS})
         yield node, api

@@ -145,6 +145,61 @@ class ApiServer:
     ) -> None:
         self._call("PATCH", self._path(kind, namespace, name), body)
 
+    def add_ready_node(self, name: str) -> None:
+        """A node whose kubelet says Ready, with no taints."""
+        self.create(
+            "nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": name},
+                "spec": {},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+            },
+        )
+
+    def bind_pod(
+        self,
+        name: str,
+        containers: dict[str, str],
+        *,
+        namespace: str,
+        node: str,
+        annotations: dict[str, str] | None = None,
+    ) -> None:
+        """A running pod bound to `node`, with the container statuses the kubelet would write
+        (`containers`: each container's name and its containerd id)."""
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        if annotations is not None:
+            metadata["annotations"] = annotations
+        self.create(
+            "pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": metadata,
+                "spec": {
+                    "nodeName": node,
+                    "runtimeClassName": "stasis",
+                    "containers": [{"name": c, "image": "busybox"} for c in containers],
+                },
+                "status": {
+                    "phase": "Running",
+                    "containerStatuses": [
+                        {
+                            "name": c,
+                            "containerID": f"containerd://{cid}",
+                            "image": "busybox",
+                            "imageID": "",
+                            "ready": True,
+                            "restartCount": 0,
+                        }
+                        for c, cid in containers.items()
+                    ],
+                },
+            },
+        )
+
 
 _VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
 
