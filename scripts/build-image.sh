@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # build-image.sh [OUT]: the node agent's container image (`make image`), as an OCI image archive
 # (default build/stasis-agent-VERSION.oci.tar, named stasis/agent:VERSION), from Debian
-# packages and this repository only: no registry is pulled from.
+# packages only: no registry is pulled from.
 #
-#  1. A Debian root (debootstrap --variant=minbase, the suite of this machine, from the mirror
+#  1. The node packages, stasis and stasis-criu (scripts/build-deb.sh, as `make deb` builds
+#     them: stasis in /opt/stasis/venv, our CRIU as /usr/sbin/criu, stasis-init).
+#  2. A Debian root (debootstrap --variant=minbase, the suite of this machine, from the mirror
 #     its apt uses), built once into build/image/base-SUITE and copied for every build, with
-#     Python, iptables (CRIU's network lock), containerd's ctr (exit events), tini, and the libraries
-#     this machine's CRIU links (found with ldd and dpkg -S).
-#  2. This machine's CRIU (scripts/install-criu.sh: 4.2 with our patches) and stasis-init.
-#  3. stasis in /opt/stasis/venv: its wheel and the pinned dependencies' wheels built here
-#     (pip, the same index `make install` uses), installed in the root without an index.
+#     what the two packages depend on (their Depends fields), containerd's ctr (exit events)
+#     and ca-certificates.
+#  3. The two packages installed in it by dpkg, as on a node (no systemd runs there: the unit
+#     is enabled, never started).
 #  4. Packed by stasis.k8s.image: one gzip layer, entrypoint `stasis`, command `k8s agent`.
-# Run as root (debootstrap, chroot) after `make install`.
+# Run as root (debootstrap, chroot) after `make install` (CRIU, the RPC classes, the venv that
+# packs the image).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [ "$(id -u)" = 0 ] || { echo "build-image: run as root (debootstrap, chroot)" >&2; exit 2; }
@@ -29,11 +31,13 @@ mirror=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2
 [ -n "$mirror" ] || { echo "build-image: no Debian mirror in apt's sources" >&2; exit 2; }
 command -v debootstrap >/dev/null || bash scripts/apt-install.sh build-image debootstrap
 
-# The Debian packages of the libraries CRIU links, as this machine has them.
-criu_libs=$(ldd /usr/local/sbin/criu | awk '/=> \//{print $3}' | while read -r f; do
-    dpkg -S "$f" 2>/dev/null || dpkg -S "$(realpath "$f")" 2>/dev/null || true
-done | cut -d: -f1 | sort -u | paste -sd, -)
-include="python3,python3-venv,iptables,containerd,tini,util-linux,ca-certificates,$criu_libs"
+debs=$work/debs
+rm -rf "$debs"
+bash scripts/build-deb.sh "$debs" | sed 's/^/build-image: /'
+# What the packages depend on, as package names (versions are this suite's own).
+depends=$(for d in "$debs"/*.deb; do dpkg-deb -f "$d" Depends; done | tr ',' '\n' |
+    sed 's/^ *//; s/[ (].*//' | grep -v '^stasis' | grep . | sort -u | paste -sd, -)
+include="containerd,ca-certificates,$depends"
 
 mkdir -p "$work"
 if [ ! -f "$base/.complete" ] || [ "$(cat "$base/.complete")" != "$include" ]; then
@@ -50,22 +54,15 @@ rm -rf "$root"
 cp -a "$base" "$root"
 rm -f "$root/.complete"
 
-install -D -m 0755 /usr/local/sbin/criu "$root/usr/local/sbin/criu"
-install -D -m 0644 /usr/local/share/criu/rpc.proto "$root/usr/local/share/criu/rpc.proto"
-[ -f /usr/local/share/stasis/criu.stamp ] &&
-    install -D -m 0644 /usr/local/share/stasis/criu.stamp "$root/usr/local/share/stasis/criu.stamp"
-install -D -m 0755 /usr/local/libexec/stasis/stasis-init "$root/usr/local/libexec/stasis/stasis-init"
-
-wheels=$root/tmp/wheels
-mkdir -p "$wheels"
-echo "build-image: wheels of stasis $version and its dependencies"
-.venv/bin/pip wheel -q -w "$wheels" . 2> >(grep -v "^WARNING: Location" >&2)
-chroot "$root" /usr/bin/python3 -m venv /opt/stasis/venv
-PIP_CONFIG_FILE=/dev/null chroot "$root" /opt/stasis/venv/bin/pip install -q --no-index --find-links /tmp/wheels stasis
-chroot "$root" /opt/stasis/venv/bin/python -m compileall -q /opt/stasis/venv/lib
-rm -rf "$wheels" "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/usr/share/locale/* \
+mkdir -p "$root/tmp/debs"
+cp "$debs"/*.deb "$root/tmp/debs/"
+chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
+    dpkg -i $(cd "$root" && ls tmp/debs/*.deb | sed 's#^#/#') > "$work/dpkg.log" 2>&1 || {
+    tail -20 "$work/dpkg.log" >&2
+    echo "build-image: dpkg -i of the node packages failed (log: $work/dpkg.log)" >&2; exit 1; }
+rm -rf "$root/tmp/debs" "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/usr/share/locale/* \
     "$root"/var/cache/apt/*.bin "$root"/var/log/*.log "$root"/root/.cache
-mkdir -p "$root/etc/stasis" "$root/var/lib/stasis" "$root/run/stasis"
+mkdir -p "$root/var/lib/stasis" "$root/run/stasis"
 
 mkdir -p "$(dirname "$out")"
 .venv/bin/python -m stasis.k8s.image "$root" "$out" "stasis/agent:$version" --version "$version"
