@@ -147,10 +147,8 @@ def test_install_upgrade_remove_purge(debs: Debs, root: Root) -> None:
     assert where.startswith(f"{VENV}/lib/python3"), where
     assert "/work" not in where and str(REPO) not in where, where
     assert not r.exists(f"{VENV}/lib/python3*/site-packages/stasis/dev"), "stasis/dev shipped"
-    assert (
-        "not a dynamic executable"
-        in r.run(f"ldd {VENV}/bin/stasis-init").stdout + r.run(f"ldd {VENV}/bin/stasis-init").stderr
-    )
+    # Static: jobs exec it as their own user, and it is part of every checkpoint.
+    assert "not a dynamic executable" in r.ok(f"ldd {VENV}/bin/stasis-init 2>&1 || true")
     assert r.ok("/usr/sbin/criu --version").startswith("Version: 4.")
     unit = r.ok("cat $(dpkg -L stasis | grep '/stasis.service$')")
     assert f"ExecStart={VENV}/bin/stasis daemon" in unit
