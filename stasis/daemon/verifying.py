@@ -131,16 +131,11 @@ class Verifier:
                 raise
             except StasisError as e:  # a store this node may read but not write
                 log.warning("verifying checkpoint %s without a pin: %s", manifest.id, e)
-            in_place = store.reader.images_in_place(manifest.id)
-            if in_place is not None:
-                # Nobody but root can change them there: checked whole first, then read by
-                # CRIU where they are, rather than copied (a restore's own fast path).
-                checked, images = in_place
-                store.reader.verify(checked)
-            else:
-                checked, images = stack.enter_context(
-                    store.reader.open_images(manifest.id, settings.layout.scratch)
-                )
+            # Checked whole first; where nobody but root can change them, read by CRIU where
+            # they are rather than copied (a restore's own fast path).
+            checked, images = stack.enter_context(
+                store.reader.checked_images(manifest.id, settings.layout.scratch)
+            )
             found = sandbox.verify_images(
                 find_criu(settings.criu),
                 images,

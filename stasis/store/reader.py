@@ -146,6 +146,19 @@ class ImageReader:
         finally:
             shutil.rmtree(target, ignore_errors=True)
 
+    @contextmanager
+    def checked_images(self, checkpoint_id: str, scratch: Path) -> Iterator[tuple[Manifest, Path]]:
+        """Yield the manifest and a local directory of images all checked before it is
+        yielded: the checkpoint's own where nobody but root can change it (`images_in_place`:
+        checked whole there rather than copied), else a private copy (`open_images`)."""
+        in_place = self.images_in_place(checkpoint_id)
+        if in_place is not None:
+            self.verify(in_place[0])
+            yield in_place
+            return
+        with self.open_images(checkpoint_id, scratch) as found:
+            yield found
+
     def images_in_place(self, checkpoint_id: str) -> tuple[Manifest, Path] | None:
         """The manifest and the checkpoint's own directory, NOT yet verified, when CRIU may read
         the images where they are: a local uncompressed checkpoint that nobody but root can
