@@ -213,7 +213,6 @@ def up(
                 node_name or lay.root.name, lay.holder_file, _shared_paths(lay, store)
             )
             lay.address_file.write_text(nodehost.join_net(LOCAL_NET, holder) + "\n")
-        start_daemon(lay)
         clog = lay.containerd / "containerd.log"
         pid = detached.start(
             [*node_prefix(lay), "containerd", "--config", str(lay.containerd / "config.toml")],
@@ -228,6 +227,10 @@ def up(
             20,
             lambda why: ContainerError(f"containerd did not start: {why}"),
         )
+        # After containerd, as on a node: the daemon follows its events from the start (one
+        # started first looks for containerd's socket again only 5 s later, and a container
+        # that ended meanwhile went unseen).
+        start_daemon(lay)
     except BaseException:
         down(lay.root)
         raise
