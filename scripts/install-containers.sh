@@ -3,7 +3,7 @@
 #
 # Run as root on Debian 12 or 13. Idempotent: packages already installed are not touched.
 #   containerd       containerd and its runc shim (containerd-shim-runc-v2), which runs
-#                    stasis-runc in front of runc; tests start a private one (`stasis k8s
+#                    stasis-runc in front of runc; tests start a private one (`stasis-dev
 #                    local-node up`), the package's own service is not used
 #   runc             the OCI runtime; it drives our CRIU (/usr/local/sbin/criu) for containers
 #   busybox-static   the tests' container image is built from it (no registry is reachable)

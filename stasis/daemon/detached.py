@@ -1,4 +1,4 @@
-"""Daemons started for a throwaway local setup (`stasis-dev local-cluster`, `stasis k8s
+"""Daemons started for a throwaway local setup (`stasis-dev local-cluster`, `stasis-dev
 local-node`): started detached (`setsid -f`: not our child, they outlive the command that
 started them), known by a pid file, stopped with TERM then KILL."""
 

@@ -1,4 +1,4 @@
-"""Containers through containerd's real runc shim with the stasis runtime (`stasis k8s
+"""Containers through containerd's real runc shim with the stasis runtime (`stasis-dev
 local-node`): the way the kubelet stops, deletes and creates them again, driven with `ctr`."""
 
 from __future__ import annotations

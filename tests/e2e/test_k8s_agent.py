@@ -1,5 +1,5 @@
 """The node agent (`stasis k8s agent`) against kmock's Kubernetes API emulator (no API server
-runs on these machines) and a real node: containerd, runc and the stasis daemon of `stasis k8s
+runs on these machines) and a real node: containerd, runc and the stasis daemon of `stasis-dev
 local-node`, containers started through the stasis runtime. The tests play the cluster's part:
 they create the Node and Pod objects, write the pod's container statuses as the kubelet would,
 cordon the node, annotate pods. The agent runs with exactly the permissions the chart's RBAC
