@@ -32,7 +32,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -299,7 +299,11 @@ class LocalTree:
         return manifest
 
     def follow(
-        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+        self,
+        checkpoint_id: str,
+        compression: CompressionRequest,
+        data_key: DataKey | None,
+        uploading: Callable[[], object],
     ) -> TailHasher | None:
         # Written back to disk as CRIU writes them, or compressed into the files the store
         # keeps. sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.

@@ -257,7 +257,11 @@ class RemoteTree:
         return manifest
 
     def follow(
-        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+        self,
+        checkpoint_id: str,
+        compression: CompressionRequest,
+        data_key: DataKey | None,
+        uploading: Callable[[], object],
     ) -> TailHasher | None:
         # Every image (compressed or not, sealed or not) is uploaded while CRIU writes it;
         # publish sends the tails and the manifest.
@@ -267,6 +271,7 @@ class RemoteTree:
             # A shortcut only: publish uploads everything itself and reports what is wrong.
             log.debug("not uploading %s while CRIU writes: %s", checkpoint_id, e)
             return None
+        uploading()
         return TailHasher(
             self._staging_path(checkpoint_id),
             compression=compression,

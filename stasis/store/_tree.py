@@ -83,11 +83,17 @@ class Tree(Protocol):
         ...
 
     def follow(
-        self, checkpoint_id: str, compression: CompressionRequest, data_key: DataKey | None
+        self,
+        checkpoint_id: str,
+        compression: CompressionRequest,
+        data_key: DataKey | None,
+        uploading: Callable[[], object],
     ) -> TailHasher | None:
         """A follower of the staging directory of `checkpoint_id` (`Publisher.follow`): it
         hashes, and compresses or seals or uploads, the images while CRIU writes them, as this
-        tree can take them; None where it cannot (publish then does all of it)."""
+        tree can take them; None where it cannot (publish then does all of it). A tree that
+        writes into the store while following calls `uploading` first (the publish's heartbeat
+        must run from then on)."""
         ...
 
     def describe(self, e: BaseException) -> str | None:

@@ -101,12 +101,11 @@ class Publisher:
         This shortens the whole dump (publish hashes or compresses the last MiBs, its fsync waits
         for the tail) but slows CRIU's own writes a little: for dumps whose total time counts."""
         validate_checkpoint_id(checkpoint_id)
-        follower = self._tree.follow(checkpoint_id, compression, data_key)
-        if follower is not None:
-            # Its writes (uploads, on a remote store) begin now: gc must see them alive until
-            # publish or discard ends them.
-            self._beat(checkpoint_id)
-        return follower
+        # Uploads that begin now (a remote store's) must look alive to gc until publish or
+        # discard ends them.
+        return self._tree.follow(
+            checkpoint_id, compression, data_key, uploading=lambda: self._beat(checkpoint_id)
+        )
 
     def publish(
         self,
