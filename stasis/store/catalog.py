@@ -117,7 +117,9 @@ class Catalog:
         except StasisError:
             raise
         except Exception as e:
-            raise self._place.read_error(checkpoint_id, e) from e
+            raise StoreError(
+                f"cannot read checkpoint {checkpoint_id} from {self._place.url}: {reason(e)}"
+            ) from e
 
     def list(self, label: str | None = None, *, uid: int | None = None) -> builtins.list[Manifest]:
         """Complete checkpoints, newest first; skips unreadable ones. `label` and `uid` (the
