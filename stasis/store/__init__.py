@@ -6,6 +6,11 @@ deletion and retention per (owner, label). The store is the source of truth: any
 the same store can list and restore its checkpoints. It does not run CRIU (the engine does) and
 keeps no state outside the store itself, but for the ids of the local stores a node has used
 (marker.py): so that an unmounted one is "cannot tell", not empty.
+
+`Store` (store.py) composes the parts: `catalog` (catalog.py: listing, label index, pins,
+retention, gc, rekeying; what it lists is trusted: trust.py), `publisher` (publisher.py:
+staging, the follower, publishing) and `reader` (reader.py: how images reach CRIU, checked),
+over one tree per backend (_local.py, _remote.py, _s3.py, behind the protocol in _tree.py).
 """
 
 from stasis.store.crypt import DataKey, KeyFiles
