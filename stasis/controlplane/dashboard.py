@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -37,10 +37,11 @@ from urllib.parse import quote, urlsplit
 import jinja2
 from aiohttp import web
 
-from stasis.controlplane import policies, sessions
+from stasis.controlplane import policies, routes, sessions
 from stasis.controlplane.registry import Registry, human_size
 from stasis.controlplane.sessions import Session
 from stasis.errors import NotFoundError, StasisError, UnauthenticatedError, UsageError
+from stasis.routes import AnyRoute
 
 COOKIE = "stasis_session"
 HERE = Path(__file__).parent
@@ -56,13 +57,13 @@ _HEADERS = {
     "Cache-Control": "no-store",
 }
 _PAGES = [
-    ("/ui/", "Nodes"),
-    ("/ui/jobs", "Jobs"),
-    ("/ui/checkpoints", "Checkpoints"),
-    ("/ui/policies", "Policies"),
-    ("/ui/actions", "Actions"),
-    ("/ui/events", "Events"),
-    ("/ui/savings", "Savings"),
+    (routes.UI_NODES.path, "Nodes"),
+    (routes.UI_JOBS.path, "Jobs"),
+    (routes.UI_CHECKPOINTS.path, "Checkpoints"),
+    (routes.UI_POLICIES.path, "Policies"),
+    (routes.UI_ACTIONS.path, "Actions"),
+    (routes.UI_EVENTS.path, "Events"),
+    (routes.UI_SAVINGS.path, "Savings"),
 ]
 _MAX_FLASH = 5
 
@@ -128,121 +129,240 @@ def _share(f: dict[str, str], key: str) -> float | None:
     return float(raw)
 
 
-def routes(
-    registry: Registry,
-    lost_after_s: float,
-    session_ttl_s: int,
-    min_interval_s: int = policies.MIN_INTERVAL_S,
-    behind_tls: bool = False,
-) -> list[web.RouteDef]:
-    env = _environment()
-    flashes: dict[str, list[tuple[str, str]]] = {}
+class Dashboard:
+    """The handlers of the dashboard's pages and forms (stasis.controlplane.routes.UI), one
+    method per route, of its name. A page needs a session (else: the log-in page); a form, its
+    session's CSRF token and, when the browser sends one, an Origin of this host."""
 
-    def run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        return asyncio.to_thread(fn, *args)
+    def __init__(
+        self,
+        registry: Registry,
+        lost_after_s: float,
+        session_ttl_s: int,
+        min_interval_s: int = policies.MIN_INTERVAL_S,
+        behind_tls: bool = False,
+    ) -> None:
+        self.registry = registry
+        self.lost_after_s = lost_after_s
+        self.session_ttl_s = session_ttl_s
+        self.min_interval_s = min_interval_s
+        self.behind_tls = behind_tls
+        self._env = _environment()
+        self._flashes: dict[str, list[tuple[str, str]]] = {}
 
-    def headers(response: web.StreamResponse) -> web.StreamResponse:
-        response.headers.update(_HEADERS)
-        return response
+    # -- what every page and form does --------------------------------------------------------
 
-    def flash(session: Session, kind: str, text: str) -> None:
-        said = flashes.setdefault(session.key, [])
+    def _flash(self, session: Session, kind: str, text: str) -> None:
+        said = self._flashes.setdefault(session.key, [])
         said.append((kind, text[:500]))
         del said[:-_MAX_FLASH]
 
-    async def session_of(request: web.Request) -> Session | None:
+    async def _session_of(self, request: web.Request) -> Session | None:
         try:
-            found: Session = await run(sessions.find, registry, request.cookies.get(COOKIE, ""))
+            found: Session = await _run(
+                sessions.find, self.registry, request.cookies.get(COOKIE, "")
+            )
         except UnauthenticatedError:
             return None
         return found
 
-    def to_login() -> web.StreamResponse:
-        return headers(web.HTTPSeeOther("/ui/login"))
-
-    def render(
-        name: str, request: web.Request, session: Session | None, status: int = 200, **values: Any
+    def _render(
+        self,
+        name: str,
+        request: web.Request,
+        session: Session | None,
+        status: int = 200,
+        **values: Any,
     ) -> web.StreamResponse:
-        template = env.get_template(name)
+        template = self._env.get_template(name)
         values.update(
             pages=_PAGES,
             path=request.path,
             session=session,
             now=time.strftime("%H:%M:%S", time.gmtime()),
-            flashes=flashes.pop(session.key, []) if session else [],
+            flashes=self._flashes.pop(session.key, []) if session else [],
         )
         if request.headers.get("X-Stasis-Fragment") == "1" and "live" in template.blocks:
             ctx = template.new_context(values)
             text = "".join(template.blocks["live"](ctx))
         else:
             text = template.render(values)
-        return headers(web.Response(text=text, content_type="text/html", status=status))
+        return _headers(web.Response(text=text, content_type="text/html", status=status))
 
-    def page(name: str, gather: Gather) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            session = await session_of(request)
-            if session is None:
-                if request.headers.get("X-Stasis-Fragment") == "1":
-                    return headers(web.Response(status=401, text="log in again"))
-                return to_login()
-            try:
-                values = await run(gather, session)
-            except StasisError as e:
-                return render(name, request, session, status=e.http_status, error=str(e))
-            return render(name, request, session, error=None, **values)
+    async def _page(self, name: str, gather: Gather, request: web.Request) -> web.StreamResponse:
+        session = await self._session_of(request)
+        if session is None:
+            if request.headers.get("X-Stasis-Fragment") == "1":
+                return _headers(web.Response(status=401, text="log in again"))
+            return _to_login()
+        try:
+            values = await _run(gather, session)
+        except StasisError as e:
+            return self._render(name, request, session, status=e.http_status, error=str(e))
+        return self._render(name, request, session, error=None, **values)
 
-        return handler
-
-    async def form_of(request: web.Request) -> tuple[Session, dict[str, str]] | web.StreamResponse:
+    async def _form_of(
+        self, request: web.Request
+    ) -> tuple[Session, dict[str, str]] | web.StreamResponse:
         """A POST's session and fields, or the answer that refuses it."""
         origin = request.headers.get("Origin")
         if origin is not None and urlsplit(origin).netloc != request.host:
-            return headers(web.Response(status=403, text="cross-site request refused"))
-        session = await session_of(request)
+            return _headers(web.Response(status=403, text="cross-site request refused"))
+        session = await self._session_of(request)
         if session is None:
-            return to_login()
+            return _to_login()
         data = await request.post()
         fields = {k: v for k, v in data.items() if isinstance(v, str)}
         if not session.csrf_ok(fields.get("csrf", "")):
-            return headers(
+            return _headers(
                 web.Response(
-                    status=403, text="the form's CSRF token is missing or " "wrong: reload the page"
+                    status=403, text="the form's CSRF token is missing or wrong: reload the page"
                 )
             )
         return session, fields
 
-    def action(
-        do: Callable[[Session, web.Request, dict[str, str]], str], back: str
-    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            got = await form_of(request)
-            if isinstance(got, web.StreamResponse):
-                return got
-            session, fields = got
-            try:
-                flash(session, "ok", await run(do, session, request, fields))
-            except StasisError as e:
-                flash(session, "error", str(e))
-            return headers(web.HTTPSeeOther(back))
+    async def _action(self, do: Action, back: AnyRoute, request: web.Request) -> web.StreamResponse:
+        got = await self._form_of(request)
+        if isinstance(got, web.StreamResponse):
+            return got
+        session, fields = got
+        try:
+            self._flash(session, "ok", await _run(do, session, request, fields))
+        except StasisError as e:
+            self._flash(session, "error", str(e))
+        return _headers(web.HTTPSeeOther(back.path))
 
-        return handler
+    # -- the routes (stasis.controlplane.routes.UI) -------------------------------------------
 
-    # -- pages --------------------------------------------------------------------------------
+    async def ui_home(self, request: web.Request) -> web.StreamResponse:
+        return _headers(web.HTTPSeeOther(routes.UI_NODES.path))
 
-    def nodes(s: Session) -> dict[str, Any]:
+    async def ui_bare(self, request: web.Request) -> web.StreamResponse:
+        return _headers(web.HTTPSeeOther(routes.UI_NODES.path))
+
+    async def ui_login_page(self, request: web.Request) -> web.StreamResponse:
+        return self._render("login.html", request, None, error=None)
+
+    async def ui_login(self, request: web.Request) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc != request.host:
+            return _headers(web.Response(status=403, text="cross-site request refused"))
+        data = await request.post()
+        token = data.get("token")
+        try:
+            if not isinstance(token, str) or not token.strip():
+                raise UnauthenticatedError("give a token")
+            sid, _ = await _run(sessions.start, self.registry, token, self.session_ttl_s)
+        except StasisError as e:
+            return self._render("login.html", request, None, status=401, error=str(e))
+        response = web.HTTPSeeOther(routes.UI_NODES.path)
+        # Behind a TLS-terminating proxy the request arrives here over plain HTTP, but the
+        # browser speaks HTTPS: the cookie must still never go out over plain HTTP.
+        response.set_cookie(
+            COOKIE,
+            sid,
+            max_age=self.session_ttl_s,
+            path=routes.UI_BARE.path,
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure or self.behind_tls,
+        )
+        return _headers(response)
+
+    async def ui_logout(self, request: web.Request) -> web.StreamResponse:
+        got = await self._form_of(request)
+        if isinstance(got, web.StreamResponse):
+            return got
+        await _run(sessions.end, self.registry, got[0])
+        response = web.HTTPSeeOther(routes.UI_LOGIN_PAGE.path)
+        response.del_cookie(COOKIE, path=routes.UI_BARE.path)
+        return _headers(response)
+
+    async def ui_static(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in _STATIC:
+            raise web.HTTPNotFound()
+        return _headers(
+            web.Response(body=(HERE / "static" / name).read_bytes(), content_type=_STATIC[name])
+        )
+
+    async def ui_nodes(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("nodes.html", self._nodes, request)
+
+    async def ui_jobs(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("jobs.html", self._jobs, request)
+
+    async def ui_checkpoint_job(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._checkpoint_now, routes.UI_JOBS, request)
+
+    async def ui_migrate_job(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._migrate, routes.UI_JOBS, request)
+
+    async def ui_checkpoints(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("checkpoints.html", self._checkpoints, request)
+
+    async def ui_verify(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._verify, routes.UI_CHECKPOINTS, request)
+
+    async def ui_policies(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("policies.html", self._policy_page, request)
+
+    async def ui_add_policy(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._add_policy, routes.UI_POLICIES, request)
+
+    async def ui_run_policy(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._run_policy, routes.UI_POLICIES, request)
+
+    async def ui_remove_policy(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._remove_policy, routes.UI_POLICIES, request)
+
+    async def ui_policy_edit_page(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+
+        def one(s: Session) -> dict[str, Any]:
+            found = [p for p in policies.listed(self.registry, s.principal) if p["name"] == name]
+            if not found:
+                raise NotFoundError(f"no policy {name}")
+            return {
+                "p": found[0],
+                "filters": policies.FILTERS,
+                "min_interval_s": self.min_interval_s,
+            }
+
+        return await self._page("policy_edit.html", one, request)
+
+    async def ui_edit_policy(self, request: web.Request) -> web.StreamResponse:
+        return await self._action(self._edit_policy, routes.UI_POLICIES, request)
+
+    async def ui_actions(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("actions.html", self._actions, request)
+
+    async def ui_events(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("events.html", self._events, request)
+
+    async def ui_savings(self, request: web.Request) -> web.StreamResponse:
+        return await self._page("savings.html", self._savings, request)
+
+    # -- what the pages show ------------------------------------------------------------------
+
+    def _nodes(self, s: Session) -> dict[str, Any]:
         who = s.principal
         clusters = (
-            registry.list_clusters()
+            self.registry.list_clusters()
             if who.kind == "admin"
-            else [registry.cluster(who.cluster_id)]
+            else [self.registry.cluster(who.cluster_id)]
             if who.cluster_id
             else []
         )
-        return {"clusters": clusters, "nodes": registry.list_nodes(who, lost_after_s)}
+        return {"clusters": clusters, "nodes": self.registry.list_nodes(who, self.lost_after_s)}
 
-    def jobs(s: Session) -> dict[str, Any]:
-        listed = registry.list_jobs(s.principal)
-        ready = [n for n in registry.list_nodes(s.principal, lost_after_s) if n["state"] == "ready"]
+    def _jobs(self, s: Session) -> dict[str, Any]:
+        listed = self.registry.list_jobs(s.principal)
+        ready = [
+            n
+            for n in self.registry.list_nodes(s.principal, self.lost_after_s)
+            if n["state"] == "ready"
+        ]
         for j in listed:
             j["targets"] = [
                 n["name"]
@@ -251,52 +371,33 @@ def routes(
             ]
         return {"jobs": listed}
 
-    def checkpoints(s: Session) -> dict[str, Any]:
-        return {"checkpoints": registry.list_checkpoints(s.principal, 300)}
+    def _checkpoints(self, s: Session) -> dict[str, Any]:
+        return {"checkpoints": self.registry.list_checkpoints(s.principal, 300)}
 
-    def policy_page(s: Session) -> dict[str, Any]:
+    def _policy_page(self, s: Session) -> dict[str, Any]:
         return {
-            "policies": policies.listed(registry, s.principal),
-            "min_interval_s": min_interval_s,
+            "policies": policies.listed(self.registry, s.principal),
+            "min_interval_s": self.min_interval_s,
         }
 
-    async def policy_edit_page(request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
+    def _actions(self, s: Session) -> dict[str, Any]:
+        return {"commands": self.registry.list_commands(s.principal)[::-1][:300]}
 
-        def one(s: Session) -> dict[str, Any]:
-            found = [p for p in policies.listed(registry, s.principal) if p["name"] == name]
-            if not found:
-                raise NotFoundError(f"no policy {name}")
-            return {"p": found[0], "filters": policies.FILTERS, "min_interval_s": min_interval_s}
+    def _events(self, s: Session) -> dict[str, Any]:
+        return {"events": self.registry.list_events(s.principal, 300)[::-1]}
 
-        return await page("policy_edit.html", one)(request)
-
-    def actions(s: Session) -> dict[str, Any]:
-        return {"commands": registry.list_commands(s.principal)[::-1][:300]}
-
-    def events(s: Session) -> dict[str, Any]:
-        return {"events": registry.list_events(s.principal, 300)[::-1]}
-
-    def savings(s: Session) -> dict[str, Any]:
-        saved = registry.savings(s.principal)
+    def _savings(self, s: Session) -> dict[str, Any]:
+        saved = self.registry.savings(s.principal)
         days = saved["days"][-30:]
         top = max([d["node_hours"] for d in days] + [1e-9])
         saved["bars"] = [{**d, "height": round(150 * d["node_hours"] / top, 1)} for d in days]
         return {"saved": saved}
 
-    # -- actions ------------------------------------------------------------------------------
+    # -- what the forms do --------------------------------------------------------------------
 
-    def job_of(request: web.Request, f: dict[str, str]) -> tuple[str, str | None, str | None]:
-        """The job a form acts on: its id, and the cluster and node whose row it was (a job
-        id is a node's to choose: two clusters may report the same one)."""
-        job = request.match_info["job"]
-        if not _segment(job):
-            raise UsageError(f"job id {job[:100]!r} has characters a job id cannot have")
-        return job, f.get("cluster") or None, f.get("node") or None
-
-    def checkpoint_now(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        job, cluster, node = job_of(request, f)
-        cmd = registry.queue(
+    def _checkpoint_now(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
+        job, cluster, node = _job_of(request, f)
+        cmd = self.registry.queue(
             s.principal,
             "checkpoint",
             job,
@@ -306,26 +407,28 @@ def routes(
         )
         return f"checkpoint of job {job} on node {cmd['node']} asked ({cmd['id']})"
 
-    def verify(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        cmd = registry.verify_checkpoint(
-            s.principal, request.match_info["checkpoint"], lost_after_s
+    def _verify(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
+        cmd = self.registry.verify_checkpoint(
+            s.principal, request.match_info["checkpoint"], self.lost_after_s
         )
         return (
             f"verify of checkpoint {cmd['args']['checkpoint']} asked on node "
             f"{cmd['node']} ({cmd['id']})"
         )
 
-    def migrate(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        job, cluster, node = job_of(request, f)
+    def _migrate(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
+        job, cluster, node = _job_of(request, f)
         to = f.get("to", "")
         if not to:
             raise UsageError("choose the node to migrate to")
-        cmd = registry.migrate_job(s.principal, job, to, None, cluster, node, lost_after_s)
+        cmd = self.registry.migrate_job(
+            s.principal, job, to, None, cluster, node, self.lost_after_s
+        )
         return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
 
-    def add_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
+    def _add_policy(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
         p = policies.add(
-            registry,
+            self.registry,
             s.principal,
             f.get("name", ""),
             _number(f, "every_s") or 0,
@@ -336,7 +439,7 @@ def routes(
             f.get("trigger") or "every",
             _share(f, "threshold_pct"),
             f.get("stop") == "1",
-            min_interval_s=min_interval_s,
+            min_interval_s=self.min_interval_s,
         )
         if p.get("hook_token"):
             return (
@@ -345,7 +448,7 @@ def routes(
             )
         return f"policy {p['name']} added"
 
-    def edit_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
+    def _edit_policy(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
         name = request.match_info["name"]
         changes: dict[str, Any] = {
             "every_s": _number(f, "every_s") or 0,
@@ -359,7 +462,7 @@ def routes(
             "enabled": f.get("enabled") == "1",
             "filters": {k: f.get(k, "").strip() for k in policies.FILTERS},
         }
-        p = policies.edit(registry, s.principal, name, changes, min_interval_s)
+        p = policies.edit(self.registry, s.principal, name, changes, self.min_interval_s)
         if p.get("hook_token"):
             return (
                 f"policy {name} saved; its hook token (shown once, it runs this policy "
@@ -367,85 +470,49 @@ def routes(
             )
         return f"policy {name} saved"
 
-    def run_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        done = policies.run_now(registry, s.principal, request.match_info["name"], lost_after_s)
+    def _run_policy(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
+        done = policies.run_now(
+            self.registry, s.principal, request.match_info["name"], self.lost_after_s
+        )
         return f"policy {done['name']} ran: {done['queued']} command(s)"
 
-    def remove_policy(s: Session, request: web.Request, f: dict[str, str]) -> str:
-        policies.remove(registry, s.principal, request.match_info["name"])
+    def _remove_policy(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
+        policies.remove(self.registry, s.principal, request.match_info["name"])
         return f"policy {request.match_info['name']} removed"
 
-    # -- log-in -------------------------------------------------------------------------------
 
-    async def login_page(request: web.Request) -> web.StreamResponse:
-        return render("login.html", request, None, error=None)
+Action = Callable[[Session, web.Request, dict[str, str]], str]
 
-    async def login(request: web.Request) -> web.StreamResponse:
-        origin = request.headers.get("Origin")
-        if origin is not None and urlsplit(origin).netloc != request.host:
-            return headers(web.Response(status=403, text="cross-site request refused"))
-        data = await request.post()
-        token = data.get("token")
-        try:
-            if not isinstance(token, str) or not token.strip():
-                raise UnauthenticatedError("give a token")
-            sid, _ = await run(sessions.start, registry, token, session_ttl_s)
-        except StasisError as e:
-            return render("login.html", request, None, status=401, error=str(e))
-        response = web.HTTPSeeOther("/ui/")
-        # Behind a TLS-terminating proxy the request arrives here over plain HTTP, but the
-        # browser speaks HTTPS: the cookie must still never go out over plain HTTP.
-        response.set_cookie(
-            COOKIE,
-            sid,
-            max_age=session_ttl_s,
-            path="/ui",
-            httponly=True,
-            samesite="Strict",
-            secure=request.secure or behind_tls,
-        )
-        return headers(response)
 
-    async def logout(request: web.Request) -> web.StreamResponse:
-        got = await form_of(request)
-        if isinstance(got, web.StreamResponse):
-            return got
-        await run(sessions.end, registry, got[0])
-        response = web.HTTPSeeOther("/ui/login")
-        response.del_cookie(COOKIE, path="/ui")
-        return headers(response)
+def _run(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+    return asyncio.to_thread(fn, *args)
 
-    async def static(request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
-        if name not in _STATIC:
-            raise web.HTTPNotFound()
-        return headers(
-            web.Response(body=(HERE / "static" / name).read_bytes(), content_type=_STATIC[name])
-        )
 
-    async def root(request: web.Request) -> web.StreamResponse:
-        return headers(web.HTTPSeeOther("/ui/"))
+def _headers(response: web.StreamResponse) -> web.StreamResponse:
+    response.headers.update(_HEADERS)
+    return response
 
-    return [
-        web.get("/", root),
-        web.get("/ui", root),
-        web.get("/ui/login", login_page),
-        web.post("/ui/login", login),
-        web.post("/ui/logout", logout),
-        web.get("/ui/static/{name}", static),
-        web.get("/ui/", page("nodes.html", nodes)),
-        web.get("/ui/jobs", page("jobs.html", jobs)),
-        web.post("/ui/jobs/{job}/checkpoint", action(checkpoint_now, "/ui/jobs")),
-        web.post("/ui/jobs/{job}/migrate", action(migrate, "/ui/jobs")),
-        web.get("/ui/checkpoints", page("checkpoints.html", checkpoints)),
-        web.post("/ui/checkpoints/{checkpoint}/verify", action(verify, "/ui/checkpoints")),
-        web.get("/ui/policies", page("policies.html", policy_page)),
-        web.post("/ui/policies", action(add_policy, "/ui/policies")),
-        web.post("/ui/policies/{name}/run", action(run_policy, "/ui/policies")),
-        web.post("/ui/policies/{name}/delete", action(remove_policy, "/ui/policies")),
-        web.get("/ui/policies/{name}/edit", policy_edit_page),
-        web.post("/ui/policies/{name}/edit", action(edit_policy, "/ui/policies")),
-        web.get("/ui/actions", page("actions.html", actions)),
-        web.get("/ui/events", page("events.html", events)),
-        web.get("/ui/savings", page("savings.html", savings)),
-    ]
+
+def _to_login() -> web.StreamResponse:
+    return _headers(web.HTTPSeeOther(routes.UI_LOGIN_PAGE.path))
+
+
+def _job_of(request: web.Request, f: dict[str, str]) -> tuple[str, str | None, str | None]:
+    """The job a form acts on: its id, and the cluster and node whose row it was (a job id is
+    a node's to choose: two clusters may report the same one)."""
+    job = request.match_info["job"]
+    if not _segment(job):
+        raise UsageError(f"job id {job[:100]!r} has characters a job id cannot have")
+    return job, f.get("cluster") or None, f.get("node") or None
+
+
+def add_routes(app: web.Application, declared: Sequence[AnyRoute], dashboard: Dashboard) -> None:
+    """Serve each declared page or form with the method of `dashboard` of its name."""
+    for route in declared:
+        fn = getattr(dashboard, route.name, None)
+        if not callable(fn):
+            raise ValueError(f"route {route.name} ({route.method} {route.path}): no handler")
+        if route.method == "GET":  # (HEAD too, as aiohttp's own web.get has it)
+            app.router.add_get(route.path, fn)
+        else:
+            app.router.add_route(route.method, route.path, fn)

@@ -48,13 +48,14 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from stasis.controlplane import events as event_log
 from stasis.controlplane.registry import (
     HOOK_PREFIX,
     Principal,
     Registry,
     validate_name,
 )
-from stasis.controlplane.schema import checkpoints, clusters, commands, nodes, policies
+from stasis.controlplane.schema import policies
 from stasis.errors import NotFoundError, UnauthenticatedError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
@@ -126,7 +127,7 @@ def add(
         hook_created=_now() if token else None,
     )
     try:
-        with registry.engine.begin() as conn:
+        with registry.db.transaction() as conn:
             conn.execute(insert(policies).values(**row))
     except IntegrityError:
         raise UsageError(f"a policy named {name!r} exists already") from None
@@ -147,7 +148,7 @@ def edit(
     unknown = sorted(set(changes) - set(EDITABLE))
     if unknown:
         raise UsageError(f"cannot edit {unknown[0]!r} of a policy: {', '.join(EDITABLE)}")
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         found = (
             conn.execute(select(policies).where(policies.c.name == name).with_for_update())
             .mappings()
@@ -176,7 +177,7 @@ def edit(
             )
         )
         if said:
-            registry._event(
+            event_log.record(
                 conn, None, None, "policy-edited", f"policy {name} edited: {'; '.join(said)}"
             )
     return {
@@ -189,7 +190,7 @@ def rotate_hook(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
     """A new hook token for the policy (shown this once); the old one stops working."""
     by.admin_only()
     token = new_hook_token()
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         n = conn.execute(
             update(policies)
             .where(policies.c.name == name)
@@ -271,7 +272,7 @@ def _sha(token: str) -> str:
 
 def remove(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
     by.admin_only()
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         n = conn.execute(delete(policies).where(policies.c.name == name)).rowcount
     if not n:
         raise NotFoundError(f"no policy {name}")
@@ -280,7 +281,7 @@ def remove(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
 
 def listed(registry: Registry, by: Principal) -> list[dict[str, Any]]:
     by.admin_only()
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         rows = conn.execute(select(policies).order_by(policies.c.name)).mappings().all()
     return [_shown(dict(r)) for r in rows]
 
@@ -313,7 +314,7 @@ def run_due(registry: Registry, lost_after_s: float) -> int:
     """Every periodic policy whose time has come, run once, and every memory and drain policy
     looked at; how many commands were queued."""
     now = int(time.time())
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         rows = [
             dict(r)
             for r in conn.execute(select(policies).where(policies.c.enabled.is_(True)))
@@ -334,7 +335,7 @@ def run_due(registry: Registry, lost_after_s: float) -> int:
 def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float) -> dict[str, Any]:
     """The policy's webhook: run it at once, whatever its period."""
     by.admin_only()
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
     if row is None:
         raise NotFoundError(f"no policy {name}")
@@ -343,7 +344,7 @@ def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float) -
 
 def run_hook(registry: Registry, token: str, name: str, lost_after_s: float) -> dict[str, Any]:
     """The policy's webhook called with its own hook token (which runs no other policy)."""
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
     # One answer whether the policy is missing or the token is another's: a hook token's
     # holder learns nothing of the other policies.
@@ -367,7 +368,7 @@ def _called(registry: Registry, p: dict[str, Any], lost_after_s: float) -> dict[
 def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -> int:
     if p.get("trigger") in ("memory", "drain"):
         return _watch(registry, p, lost_after_s)  # called: what meets its trigger now
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         conn.execute(
             update(policies).where(policies.c.name == p["name"]).values(last_run=int(time.time()))
         )
@@ -394,8 +395,12 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
             bool(p.get("completed")),
         )
     if queued:
-        registry.event(
-            None, None, "policy-run", f"policy {p['name']} ({why}): {queued} command(s) queued"
+        event_log.add(
+            registry.db,
+            None,
+            None,
+            "policy-run",
+            f"policy {p['name']} ({why}): {queued} command(s) queued",
         )
     return queued
 
@@ -403,17 +408,8 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
 def _busy(registry: Registry, policy: str, since: float | None = None) -> set[tuple[str, str, str]]:
     """(cluster, node, job or label) that still have a command of this policy under way (or,
     with `since`, had one created since then): nodes of two clusters may share a name."""
-    states: Any = commands.c.state.in_(("queued", "leased"))
-    if since is not None:
-        stamp = datetime.fromtimestamp(since, UTC).isoformat(timespec="microseconds")
-        states = states | (commands.c.created >= stamp)
-    with registry.engine.begin() as conn:
-        rows = conn.execute(
-            select(commands.c.cluster_id, commands.c.node, commands.c.args).where(states)
-        ).all()
     out = set()
-    for cluster_id, node, args in rows:
-        a = json.loads(args)
+    for cluster_id, node, a in registry.commands_under_way(created_since=since):
         if a.get("policy") == policy:
             out.add((cluster_id, node, str(a.get("job") or a.get("label"))))
     return out
@@ -481,25 +477,14 @@ def _checkpoint_jobs(
 def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
     """A memory or drain policy: the jobs that meet its trigger now."""
     filters = json.loads(p["filters"])
-    with registry.engine.begin() as conn:
-        state = {
-            (r.cluster_id, r.name): (r.mem_total_bytes, r.scheduler_state or "")
-            for r in conn.execute(
-                select(
-                    nodes.c.cluster_id,
-                    nodes.c.name,
-                    nodes.c.mem_total_bytes,
-                    nodes.c.scheduler_state,
-                )
-            ).all()
-        }
+    state = registry.node_states()
     if p["trigger"] == "memory":
 
         def over(job: dict[str, Any]) -> bool:
             total = state.get((job["cluster_id"], job["node"]), (None, ""))[0]
-            return bool(total) and 100.0 * int(job.get("rss_bytes") or 0) / total >= float(
-                p["threshold_pct"]
-            )
+            if not total:
+                return False
+            return 100.0 * int(job.get("rss_bytes") or 0) / total >= float(p["threshold_pct"])
 
         cooldown = p["every_s"] or _MEMORY_COOLDOWN_S
         queued = _checkpoint_jobs(
@@ -531,14 +516,18 @@ def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
         )
         why = "node drained or in maintenance"
     if queued:
-        with registry.engine.begin() as conn:
+        with registry.db.transaction() as conn:
             conn.execute(
                 update(policies)
                 .where(policies.c.name == p["name"])
                 .values(last_run=int(time.time()))
             )
-        registry.event(
-            None, None, "policy-run", f"policy {p['name']} ({why}): {queued} command(s) queued"
+        event_log.add(
+            registry.db,
+            None,
+            None,
+            "policy-run",
+            f"policy {p['name']} ({why}): {queued} command(s) queued",
         )
     return queued
 
@@ -602,29 +591,10 @@ def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after
         for x in registry.list_nodes(_SYSTEM, lost_after_s)
         if x["state"] == "ready"
     }
-    with registry.engine.begin() as conn:
-        names = {r.id: r.name for r in conn.execute(select(clusters.c.id, clusters.c.name))}
-        under_way = conn.execute(
-            select(commands.c.cluster_id, commands.c.args).where(
-                commands.c.kind == "verify", commands.c.state.in_(("queued", "leased"))
-            )
-        ).all()
-        rows = conn.execute(
-            select(
-                checkpoints.c.id,
-                checkpoints.c.cluster_id,
-                checkpoints.c.node,
-                checkpoints.c.label,
-                checkpoints.c.user,
-                checkpoints.c.verified_ok,
-            )
-            .where(checkpoints.c.deleted.is_(None))
-            .order_by(checkpoints.c.created.desc(), checkpoints.c.id)
-        ).all()
-    busy = {
-        (cluster_id, str(a.get("user")), str(a.get("label")))
-        for cluster_id, a in ((c, json.loads(args)) for c, args in under_way)
-    }
+    names = registry.cluster_names()
+    under_way = registry.commands_under_way("verify")
+    rows = registry.live_checkpoints()
+    busy = {(cluster_id, str(a.get("user")), str(a.get("label"))) for cluster_id, _, a in under_way}
     settled: set[tuple[str, str, str]] = set()  # labels with a verified or a picked one
     n = 0
     for r in rows:  # newest first

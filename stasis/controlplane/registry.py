@@ -9,6 +9,7 @@ import math
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any, Literal
 from sqlalchemy import Engine, and_, case, create_engine, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from stasis.controlplane import verdicts, wire
-from stasis.controlplane.commands import Command
+from stasis.controlplane import events as event_log
+from stasis.controlplane import migration, verdicts, wire
+from stasis.controlplane.commands import Command, kind_of
 from stasis.controlplane.commands import Kind as CommandKind
+from stasis.controlplane.database import Database
 from stasis.controlplane.routes import RUN_POLICY
 from stasis.controlplane.schema import (
     checkpoints,
@@ -53,13 +56,6 @@ JOB_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
 USER = r"^[A-Za-z0-9._][A-Za-z0-9._:@-]{0,99}$"
 LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 Kind = Literal["slurm", "kubernetes"]
-# A migration's restore half that fails is tried again on its node after a backoff (doubled at
-# each try, at most RETRY_BACKOFF_MAX_S), then on the other ready nodes its source sealed it
-# for (ALTERNATES at most), then reported failed naming the checkpoint it leaves.
-RESTORE_TRIES_PER_NODE = 2
-RETRY_BACKOFF_S = 1.0
-RETRY_BACKOFF_MAX_S = 60.0
-ALTERNATES = 3
 # A command leased this many times without an answer (its daemon dies carrying it out, each
 # time) is failed rather than given out for ever.
 MAX_LEASES = 5
@@ -129,59 +125,34 @@ def validate_name(name: str, what: str = "name") -> str:
     return name
 
 
-def _url_for(db: str) -> str:
-    """A bare path is a SQLite file; anything else an SQLAlchemy URL (postgresql+psycopg://)."""
-    if "://" in db:
-        return db
-    return f"sqlite:///{Path(db).absolute()}"
-
-
 class Registry:
+    """Clusters, tokens, nodes, the jobs and checkpoints they report, and their commands."""
+
     def __init__(self, db: str) -> None:
-        self.url = _url_for(db)
+        self.db = Database(db)
+        self.url = self.db.url
         # Nodes are judged lost (recover) by their silence since this control plane started:
         # while it was down, nobody could be heard.
         self.started = int(time.time())
-        if "://" not in db:
-            # Root's alone: it holds every cluster, node and token hash of the site.
-            import os
-
-            try:
-                os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
-                os.chmod(db, 0o600)
-            except OSError as e:
-                raise ControlPlaneError(
-                    f"cannot create the control plane's database {db}: " f"{e.strerror}"
-                ) from None
-        try:
-            self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
-            self.migrate()
-        except (OperationalError, SQLAlchemyError) as e:
-            raise ControlPlaneError(
-                f"cannot open the control plane's database "
-                f"{safe_url(self.url)}: {e.__class__.__name__}: "
-                f"{str(e).splitlines()[0]}"
-            ) from None
-
-    def migrate(self) -> None:
-        """The schema brought to the newest revision (Alembic), whatever it was."""
-        from alembic import command
-        from alembic.config import Config
-
-        cfg = Config()
-        cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
-        with self.engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
+        self._answered: dict[
+            CommandKind,
+            Callable[[Any, dict[str, Any], bool, dict[str, Any], float], dict[str, Any]],
+        ] = {
+            "checkpoint": self._checkpoint_answered,
+            "restore": self._restore_answered,
+            "verify": self._verify_answered,
+            "retain": self._retain_answered,
+            "drain": self._drain_answered,
+        }
 
     def close(self) -> None:
-        self.engine.dispose()
+        self.db.close()
 
     # -- tokens -------------------------------------------------------------------------------
 
     def bootstrap_admin(self) -> str | None:
         """A new admin token when there is none (the control plane's first start), else None."""
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             live = conn.execute(
                 select(tokens.c.id).where(tokens.c.kind == "admin", tokens.c.revoked.is_(None))
             ).first()
@@ -206,7 +177,7 @@ class Registry:
                 "no valid token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
             )
         if token.startswith(NODE_PREFIX):
-            with self.engine.begin() as conn:
+            with self.db.transaction() as conn:
                 cred = conn.execute(
                     select(node_credentials).where(node_credentials.c.sha256 == _sha(token))
                 ).first()
@@ -222,7 +193,7 @@ class Registry:
                 node=cred.node,
             )
         if token.startswith(HOOK_PREFIX):
-            with self.engine.begin() as conn:
+            with self.db.transaction() as conn:
                 hook = conn.execute(
                     select(policies.c.name).where(policies.c.hook_sha256 == _sha(token))
                 ).first()
@@ -233,7 +204,7 @@ class Registry:
                 f"runs that policy only ({RUN_POLICY.method} "
                 f"{RUN_POLICY.url(name=hook.name)})"
             )
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
         if row is None:
             raise UnauthenticatedError("unknown token")
@@ -248,7 +219,7 @@ class Registry:
         return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
 
     def list_tokens(self) -> list[dict[str, Any]]:
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = (
                 conn.execute(
                     select(
@@ -268,7 +239,7 @@ class Registry:
     def revoke(self, token_id: str, by: Principal) -> dict[str, Any]:
         if token_id == by.token_id:
             raise UsageError("an admin token cannot revoke itself (create another first)")
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             n = conn.execute(
                 update(tokens)
                 .where(tokens.c.id == token_id, tokens.c.revoked.is_(None))
@@ -283,7 +254,7 @@ class Registry:
         ones are revoked."""
         self.cluster(cluster_id)
         token = new_token()
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             conn.execute(
                 update(tokens)
                 .where(tokens.c.cluster_id == cluster_id, tokens.c.revoked.is_(None))
@@ -320,7 +291,7 @@ class Registry:
         token = new_token()
         tid = "tok_" + secrets.token_hex(6)
         try:
-            with self.engine.begin() as conn:
+            with self.db.transaction() as conn:
                 conn.execute(
                     insert(clusters).values(
                         id=cid, name=name, kind=kind, created=_now(), approve_joins=approve_joins
@@ -354,9 +325,9 @@ class Registry:
         the nodes joined already keep theirs."""
         by.admin_only()
         cid = self._cluster_id(cluster)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             conn.execute(update(clusters).where(clusters.c.id == cid).values(approve_joins=on))
-            self._event(
+            event_log.record(
                 conn,
                 cid,
                 None,
@@ -368,7 +339,7 @@ class Registry:
         return {"cluster_id": cid, "approve_joins": on}
 
     def cluster(self, cluster_id: str) -> dict[str, Any]:
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = (
                 conn.execute(select(clusters).where(clusters.c.id == cluster_id)).mappings().first()
             )
@@ -377,7 +348,7 @@ class Registry:
         return dict(row)
 
     def list_clusters(self) -> list[dict[str, Any]]:
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(select(clusters).order_by(clusters.c.name)).mappings().all()
         return [dict(r) for r in rows]
 
@@ -430,7 +401,7 @@ class Registry:
     def _join(self, by: Principal, name: str, row: dict[str, Any]) -> str | None:
         assert by.cluster_id is not None
         credential = None
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             if by.kind == "cluster":
                 credential = self._issue_credential(conn, by.cluster_id, name)
                 # Joined with the cluster's token (which a thief may hold too): where the
@@ -443,7 +414,7 @@ class Registry:
                 )
                 row = {**row, "approved": not pending}
                 if pending:
-                    self._event(
+                    event_log.record(
                         conn,
                         by.cluster_id,
                         name,
@@ -465,7 +436,7 @@ class Registry:
                         cluster_id=by.cluster_id, name=name, registered=_now(), **row
                     )
                 )
-                self._event(
+                event_log.record(
                     conn,
                     by.cluster_id,
                     name,
@@ -492,7 +463,7 @@ class Registry:
                 cluster_id=cluster_id, node=name, sha256=_sha(token), created=_now()
             )
         )
-        self._event(
+        event_log.record(
             conn,
             cluster_id,
             name,
@@ -510,7 +481,7 @@ class Registry:
         )
 
     def _approved(self, cluster_id: str, name: str) -> bool:
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             return bool(
                 conn.execute(
                     select(nodes.c.approved).where(
@@ -525,14 +496,14 @@ class Registry:
         by.admin_only()
         validate_name(name, "node name")
         cid = self._cluster_of_node(by, name, cluster)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             n = conn.execute(
                 update(nodes)
                 .where(nodes.c.cluster_id == cid, nodes.c.name == name, nodes.c.approved.is_(False))
                 .values(approved=True)
             ).rowcount
             if n:
-                self._event(
+                event_log.record(
                     conn, cid, name, "node-approved", f"node {name} was approved by an admin"
                 )
             elif (
@@ -562,14 +533,14 @@ class Registry:
         by.admin_only()
         validate_name(name, "node name")
         cid = self._cluster_of_node(by, name, cluster)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             n = conn.execute(
                 node_credentials.delete().where(
                     node_credentials.c.cluster_id == cid, node_credentials.c.node == name
                 )
             ).rowcount
             if n:
-                self._event(
+                event_log.record(
                     conn,
                     cid,
                     name,
@@ -581,7 +552,7 @@ class Registry:
 
     def _cluster_id(self, cluster: str) -> str:
         """A cluster given by id or by name."""
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = (
                 conn.execute(select(clusters.c.id).where(clusters.c.id == cluster)).first()
                 or conn.execute(select(clusters.c.id).where(clusters.c.name == cluster)).first()
@@ -595,7 +566,7 @@ class Registry:
     def _cluster_of_node(self, by: Principal, name: str, cluster: str | None) -> str:
         if cluster is not None:
             return self._cluster_id(cluster)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             found = {
                 str(r.cluster_id)
                 for r in conn.execute(select(nodes.c.cluster_id).where(nodes.c.name == name))
@@ -629,7 +600,7 @@ class Registry:
         validate_name(name, "node name")
         by.node_only(name, "a heartbeat")
         running = sum(1 for j in jobs if j.get("state") in ("running", "restored"))
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             n = conn.execute(
                 update(nodes)
                 .where(nodes.c.cluster_id == by.cluster_id, nodes.c.name == name)
@@ -657,7 +628,7 @@ class Registry:
         """A verdict of `stasis verify` node `node` reports, kept with its checkpoint if that
         is of the node's own cluster (stasis.controlplane.verdicts); whether it was."""
         if verdicts.record(conn, cluster_id, node, v):
-            self._event(
+            event_log.record(
                 conn,
                 cluster_id,
                 node,
@@ -671,7 +642,7 @@ class Registry:
         if theirs is not None and theirs != cluster_id:
             # Said to the admin only (no cluster's view): the node is told nothing, so it
             # learns nothing of another cluster's checkpoints.
-            self._event(
+            event_log.record(
                 conn,
                 None,
                 node,
@@ -693,13 +664,13 @@ class Registry:
             .values(lost_since=None)
         ).rowcount
         if n:
-            self._event(conn, cluster_id, name, "node-back", f"node {name} reports again")
+            event_log.record(conn, cluster_id, name, "node-back", f"node {name} reports again")
 
     def note_lost(self, lost_after_s: float) -> list[str]:
         """Nodes silent for `lost_after_s` that were not found so before: marked, and an event
         each; their names."""
         now = int(time.time())
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(
                 select(
                     nodes.c.cluster_id, nodes.c.name, nodes.c.jobs, nodes.c.last_heartbeat
@@ -711,7 +682,7 @@ class Registry:
                     .where(nodes.c.cluster_id == r.cluster_id, nodes.c.name == r.name)
                     .values(lost_since=now)
                 )
-                self._event(
+                event_log.record(
                     conn,
                     r.cluster_id,
                     r.name,
@@ -751,7 +722,7 @@ class Registry:
                     deleted=None,
                 )
             )
-            self._event(
+            event_log.record(
                 conn,
                 cluster_id,
                 node,
@@ -788,7 +759,7 @@ class Registry:
                 at=a["at"],
             )
         )
-        self._event(
+        event_log.record(
             conn,
             cluster_id,
             node,
@@ -804,7 +775,7 @@ class Registry:
         )
         if by.kind != "admin":
             q = q.where(nodes.c.cluster_id == by.cluster_id)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
             # Since when each node has its own credential (None: not joined with one yet,
             # or reset by an admin).
@@ -844,7 +815,7 @@ class Registry:
         ).join(clusters, clusters.c.id == nodes.c.cluster_id)
         if by.kind != "admin":
             q = q.where(nodes.c.cluster_id == by.cluster_id)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(q.order_by(clusters.c.name, nodes.c.name)).mappings().all()
         jobs = [
             {**j, "node": r["name"], "cluster": r["cluster"], "cluster_id": r["cluster_id"]}
@@ -897,7 +868,7 @@ class Registry:
                 checkpoints.c.created == sub.c.created,
             ),
         )
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(q).mappings().all()
         return {(r["cluster_id"], r["user"], r["label"]): dict(r) for r in rows}
 
@@ -912,7 +883,7 @@ class Registry:
             q = q.where(checkpoints.c.cluster_id == by.cluster_id)
         if not deleted:
             q = q.where(checkpoints.c.deleted.is_(None))
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = (
                 conn.execute(
                     q.order_by(checkpoints.c.created.desc(), checkpoints.c.id).limit(limit)
@@ -922,6 +893,45 @@ class Registry:
             )
         now = time.time()
         return [{**verdicts.shown(dict(r)), "age_s": round(now - r["created"], 1)} for r in rows]
+
+    def live_checkpoints(self) -> list[Any]:
+        """Every checkpoint not deleted, newest first: id, cluster_id, node, label, user and
+        verified_ok (the verify policies pick from these)."""
+        with self.db.transaction() as conn:
+            return list(
+                conn.execute(
+                    select(
+                        checkpoints.c.id,
+                        checkpoints.c.cluster_id,
+                        checkpoints.c.node,
+                        checkpoints.c.label,
+                        checkpoints.c.user,
+                        checkpoints.c.verified_ok,
+                    )
+                    .where(checkpoints.c.deleted.is_(None))
+                    .order_by(checkpoints.c.created.desc(), checkpoints.c.id)
+                ).all()
+            )
+
+    def cluster_names(self) -> dict[str, str]:
+        """Each cluster's name, by its id."""
+        with self.db.transaction() as conn:
+            return {r.id: r.name for r in conn.execute(select(clusters.c.id, clusters.c.name))}
+
+    def node_states(self) -> dict[tuple[str, str], tuple[int | None, str]]:
+        """Each node's (cluster id, name): its memory and its scheduler's state ("" if none)."""
+        with self.db.transaction() as conn:
+            return {
+                (r.cluster_id, r.name): (r.mem_total_bytes, r.scheduler_state or "")
+                for r in conn.execute(
+                    select(
+                        nodes.c.cluster_id,
+                        nodes.c.name,
+                        nodes.c.mem_total_bytes,
+                        nodes.c.scheduler_state,
+                    )
+                ).all()
+            }
 
     def checkpoint_totals(self) -> list[dict[str, Any]]:
         """Per cluster: checkpoints reported (deleted ones too), their bytes and seconds."""
@@ -936,7 +946,7 @@ class Registry:
             .join(clusters, clusters.c.id == checkpoints.c.cluster_id)
             .group_by(clusters.c.name)
         )
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             return [dict(r) for r in conn.execute(q).mappings().all()]
 
     def verdict_totals(self) -> list[dict[str, Any]]:
@@ -951,7 +961,7 @@ class Registry:
             .where(checkpoints.c.deleted.is_(None))
             .group_by(clusters.c.name, checkpoints.c.verified_ok)
         )
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(q).all()
         return [
             {
@@ -975,7 +985,7 @@ class Registry:
         ).join(clusters, clusters.c.id == restores.c.cluster_id)
         if by.kind != "admin":
             q = q.where(restores.c.cluster_id == by.cluster_id)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             rows = conn.execute(q.order_by(restores.c.at)).mappings().all()
         per_cluster: dict[str, float] = {}
         per_user: dict[str, float] = {}
@@ -1061,7 +1071,7 @@ class Registry:
         by.admin_only()
         if not re.fullmatch(CHECKPOINT_ID, checkpoint_id):
             raise UsageError(f"bad checkpoint id {checkpoint_id[:64]!r}")
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = (
                 conn.execute(select(checkpoints).where(checkpoints.c.id == checkpoint_id))
                 .mappings()
@@ -1118,7 +1128,7 @@ class Registry:
             "created": _stamp(),
             "finished": None,
         }
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             self._refuse_pending(conn, cluster_id, node)
             conn.execute(insert(commands).values(**row))
         return self._command(row)
@@ -1156,7 +1166,7 @@ class Registry:
         if not target:
             raise NotFoundError(f"no node {to} in cluster {src['cluster']}")
         if target[0]["state"] == "pending":
-            with self.engine.begin() as conn:
+            with self.db.transaction() as conn:
                 self._refuse_pending(conn, src["cluster_id"], to)
         if target[0]["state"] != "ready":
             raise ConflictError(
@@ -1177,7 +1187,7 @@ class Registry:
             {
                 "leave_running": False,
                 "then_restore_on": to,
-                "or_on": alternates[:ALTERNATES],
+                "or_on": alternates[: migration.ALTERNATES],
                 "reason": f"migration to {to}",
                 "label": src.get("label"),
                 "user": src.get("user"),
@@ -1276,7 +1286,7 @@ class Registry:
             (commands.c.state == "queued")
             & (commands.c.lease_until.is_(None) | (commands.c.lease_until <= now))
         ) | ((commands.c.state == "leased") & (commands.c.lease_until < now))
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             if (
                 conn.execute(
                     select(nodes.c.approved).where(
@@ -1359,7 +1369,7 @@ class Registry:
         validate_name(node, "node name")
         by.node_only(node, "renewing a command's lease")
         until = int(time.time()) + int(lease_s)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = self._held(conn, by, node, command_id, lease_id)
             if row["state"] != "leased":
                 raise NotFoundError(
@@ -1392,7 +1402,7 @@ class Registry:
         validate_name(node, "node name")
         by.node_only(node, "committing a restore")
         now = int(time.time())
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = self._held(conn, by, node, command_id, lease_id)
             if row["kind"] != "restore":
                 raise UsageError(
@@ -1419,7 +1429,7 @@ class Registry:
             )
             done = dict(got or row)
             why = _fenced(done, node)
-            self._event(conn, done["cluster_id"], node, "command-fenced", why)
+            event_log.record(conn, done["cluster_id"], node, "command-fenced", why)
         raise ConflictError(why)
 
     def ack(
@@ -1437,71 +1447,16 @@ class Registry:
         if by.kind != "node" or by.node is None:
             by.node_only("?", "acknowledging a command")
         assert by.node is not None
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = self._held(conn, by, by.node, command_id, lease_id)
             if row["state"] in ("done", "failed"):
                 if row["state"] == "failed" and ok:
-                    self._late(conn, dict(row), result)
+                    migration.late(conn, dict(row), result)
                 return self._command(dict(row))  # acknowledged twice: the first one stands
             args = json.loads(row["args"])
-            if not ok and row["kind"] == "restore":
-                result = {
-                    **result,
-                    **self._after_failed_restore(
-                        conn,
-                        dict(row),
-                        str(result.get("error") or "failed"),
-                        bool(result.get("permanent")),
-                        lost_after_s,
-                    ),
-                }
-            if row["kind"] == "verify" and "verdict" in result:
-                self._verify_answered(conn, dict(row), args, result)
-            if ok and row["kind"] == "retain" and result.get("deleted"):
-                conn.execute(
-                    update(checkpoints)
-                    .where(
-                        checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
-                        checkpoints.c.cluster_id == row["cluster_id"],
-                    )
-                    .values(deleted=time.time())
-                )
-            if ok and args.get("then_restore_on") and result.get("checkpoint"):
-                # The second half of a migration: the restore, on the target node, of the
-                # checkpoint this command took, bound to the job, label and owner it was for.
-                ckpt = str(result["checkpoint"])
-                # (its target made pending meanwhile: queued all the same, it waits in the
-                # queue, never leased, until an admin approves that node)
-                if not re.fullmatch(CHECKPOINT_ID, ckpt):
-                    raise UsageError(f"bad checkpoint id {ckpt[:64]!r} in the result")
-                seals: dict[str, Any] = (
-                    result["seals"] if isinstance(result.get("seals"), dict) else {}
-                )
-                alternates = [
-                    {"node": str(n), "seal": _seal_of({"seal": seals.get(n)})}
-                    for n in list(args.get("or_on") or [])[:ALTERNATES]
-                    if isinstance(seals.get(n), dict)
-                ]
-                # (`try`, 1 when absent, counts the tries on its node; `alternates`: where the
-                # restore goes next, with the seal its source made for each)
-                nid = self._queue_restore(
-                    conn,
-                    row["cluster_id"],
-                    args["then_restore_on"],
-                    {
-                        "checkpoint": ckpt,
-                        "migrated_from": command_id,
-                        "job": args["job"],
-                        "label": args.get("label"),
-                        "user": args.get("user"),
-                        "from_node": row["node"],
-                        "seal": _seal_of(result),
-                        **({"alternates": alternates} if alternates else {}),
-                    },
-                    0.0,
-                )
-                result = {k: v for k, v in result.items() if k != "seals"}
-                result = {**result, "next": nid}
+            kind = kind_of(row["kind"])
+            if kind is not None:  # (a kind this side does not know: recorded as answered)
+                result = self._answered[kind](conn, dict(row), ok, result, lost_after_s)
             n = conn.execute(
                 update(commands)
                 .where(
@@ -1519,7 +1474,7 @@ class Registry:
             if not n:  # answered meanwhile by a concurrent request: that one stands
                 raise ConflictError(f"command {command_id} was answered meanwhile")
             what = f"{row['kind']} {args.get('job') or args.get('label') or ''}".strip()
-            self._event(
+            event_log.record(
                 conn,
                 row["cluster_id"],
                 row["node"],
@@ -1536,56 +1491,64 @@ class Registry:
             )
         return self._command(dict(got or row))
 
-    def _late(self, conn: Any, row: dict[str, Any], result: dict[str, Any]) -> None:
-        """A node's success, heard after its command was failed (the node was lost): said."""
-        failed = json.loads(row["result"] or "{}")
-        if row["kind"] == "restore" and result.get("job"):
-            job = str(result["job"])[:100]
-            if failed.get("committed"):
-                # Committed before the node was lost: never re-targeted (recover).
-                self._event(
-                    conn,
-                    row["cluster_id"],
-                    row["node"],
-                    "command-late",
-                    f"restore {row['id']} was failed after node {row['node']} had "
-                    f"begun resuming it (committed): that node restored it as job "
-                    f"{job}, which runs there, once (it was not re-targeted)",
-                )
-            else:
-                # Only a node without fencing (an older stasis) resumes a restore that was
-                # not committed: the re-targeted one may run too.
-                self._event(
-                    conn,
-                    row["cluster_id"],
-                    row["node"],
-                    "command-late",
-                    f"restore {row['id']} was failed and re-targeted while node "
-                    f"{row['node']} was away, and that node restored it as job {job} "
-                    "all the same, uncommitted (a node older than fencing): the job "
-                    "may run twice; kill one (`stasis controlplane jobs`)",
-                )
-        elif row["kind"] == "checkpoint" and result.get("checkpoint"):
-            args = json.loads(row["args"])
-            stopped = not args.get("leave_running", True)
-            self._event(
+    # What an answer to each kind of command does beside recording it (`ack`), in its
+    # transaction: the result to record.
+
+    def _checkpoint_answered(
+        self, conn: Any, row: dict[str, Any], ok: bool, result: dict[str, Any], _: float
+    ) -> dict[str, Any]:
+        if ok and json.loads(row["args"]).get("then_restore_on") and result.get("checkpoint"):
+            return migration.restore_half(conn, row, result)
+        return result
+
+    def _restore_answered(
+        self,
+        conn: Any,
+        row: dict[str, Any],
+        ok: bool,
+        result: dict[str, Any],
+        lost_after_s: float,
+    ) -> dict[str, Any]:
+        if ok:
+            return result
+        return {
+            **result,
+            **migration.after_failed_restore(
                 conn,
-                row["cluster_id"],
-                row["node"],
-                "command-late",
-                f"checkpoint {row['id']} of job {str(args.get('job'))[:100]} was "
-                f"failed (node {row['node']} lost or silent), and that node took "
-                f"checkpoint {str(result['checkpoint'])[:64]} all the same"
-                + (
-                    ", stopping the job: it runs nowhere now (no restore was queued); "
-                    f"`stasis restore {str(result['checkpoint'])[:64]}` on a node of "
-                    "the cluster resumes it"
-                    if stopped
-                    else ""
-                ),
-            )
+                row,
+                str(result.get("error") or "failed"),
+                bool(result.get("permanent")),
+                lost_after_s,
+            ),
+        }
 
     def _verify_answered(
+        self, conn: Any, row: dict[str, Any], ok: bool, result: dict[str, Any], _: float
+    ) -> dict[str, Any]:
+        if "verdict" in result:
+            self._keep_verdict(conn, row, json.loads(row["args"]), result)
+        return result
+
+    def _retain_answered(
+        self, conn: Any, row: dict[str, Any], ok: bool, result: dict[str, Any], _: float
+    ) -> dict[str, Any]:
+        if ok and result.get("deleted"):
+            conn.execute(
+                update(checkpoints)
+                .where(
+                    checkpoints.c.id.in_([str(i) for i in result["deleted"]][:10_000]),
+                    checkpoints.c.cluster_id == row["cluster_id"],
+                )
+                .values(deleted=time.time())
+            )
+        return result
+
+    def _drain_answered(
+        self, conn: Any, row: dict[str, Any], ok: bool, result: dict[str, Any], _: float
+    ) -> dict[str, Any]:
+        return result
+
+    def _keep_verdict(
         self, conn: Any, row: dict[str, Any], args: dict[str, Any], result: dict[str, Any]
     ) -> None:
         """The verdict a verify command's node answered with, kept with the checkpoint the
@@ -1609,114 +1572,6 @@ class Registry:
             )
         self._verdict(conn, row["cluster_id"], row["node"], v)
 
-    @staticmethod
-    def _queue_restore(
-        conn: Any, cluster_id: str, node: str, args: dict[str, Any], delay_s: float
-    ) -> str:
-        nid = "cmd_" + secrets.token_hex(8)
-        # `fence`: the node commits before resuming (commit); a node older than fencing
-        # ignores it, and a node never asks a control plane that does not set it.
-        args = {**args, "fence": True}
-        conn.execute(
-            insert(commands).values(
-                id=nid,
-                cluster_id=cluster_id,
-                node=node,
-                kind="restore",
-                args=json.dumps(args),
-                state="queued",
-                attempts=0,
-                lease_until=math.ceil(time.time() + delay_s) if delay_s else None,
-                result=None,
-                created=_stamp(),
-                finished=None,
-            )
-        )
-        return nid
-
-    def _after_failed_restore(
-        self,
-        conn: Any,
-        row: dict[str, Any],
-        error: str,
-        permanent: bool,
-        lost_after_s: float,
-        node_gone: bool = False,
-    ) -> dict[str, Any]:
-        """What follows a migration's restore half `row` that failed with `error`: the same
-        restore on its node again after a backoff, else on the next alternate node that is
-        ready, as a new command (its id: `next` in the failed one's result); else the
-        failure, naming the checkpoint it leaves. A refusal (`permanent`) is not retried; a
-        node lost (`node_gone`) is not tried again."""
-        args = json.loads(row["args"])
-        error = " ".join(error.split())[:1000]
-        ckpt, tries = str(args.get("checkpoint")), int(args.get("try") or 1)
-        if not args.get("migrated_from") or permanent:
-            # Not a migration's (refused by the node anyway), or refused: the node's own line
-            # says what and why, retrying changes nothing.
-            return {"error": error}
-        tried = [*list(args.get("tried") or [])[:20], row["node"]]
-        follow: tuple[str, dict[str, Any], float, str] | None = None
-        if not node_gone and tries < RESTORE_TRIES_PER_NODE:
-            delay = min(RETRY_BACKOFF_S * 2 ** (tries - 1), RETRY_BACKOFF_MAX_S)
-            follow = (
-                row["node"],
-                {**args, "try": tries + 1},
-                delay,
-                f"tried again on node {row['node']} in {delay:.0f} s",
-            )
-        else:
-            ready = self._ready_nodes(conn, row["cluster_id"], lost_after_s)
-            alternates = list(args.get("alternates") or [])
-            while alternates and follow is None:
-                alt = alternates.pop(0)
-                if alt.get("node") in ready and alt.get("node") not in tried:
-                    follow = (
-                        str(alt["node"]),
-                        {
-                            **args,
-                            "seal": alt.get("seal"),
-                            "try": 1,
-                            "alternates": alternates,
-                            "tried": tried,
-                        },
-                        0.0,
-                        f"re-targeted to node {alt['node']}",
-                    )
-        what = (
-            f"restore of checkpoint {ckpt} (migration {args['migrated_from']}, job "
-            f"{args.get('job')}) on node {row['node']} failed: {error}"
-        )
-        if follow is None:
-            final = (
-                f"{what}; checkpoint {ckpt} is kept and restored nowhere (tried on "
-                f"{', '.join(tried)}): restore it with `stasis restore {ckpt}` on a node "
-                "of the cluster, or migrate again"
-            )
-            self._event(conn, row["cluster_id"], row["node"], "migration-failed", final)
-            return {"error": final}
-        node, nargs, delay, how = follow
-        nid = self._queue_restore(conn, row["cluster_id"], node, nargs, delay)
-        self._event(
-            conn, row["cluster_id"], row["node"], "migration-retry", f"{what}; {how} ({nid})"
-        )
-        return {"error": f"{what}; {how} ({nid})", "next": nid}
-
-    @staticmethod
-    def _ready_nodes(conn: Any, cluster_id: str, lost_after_s: float) -> set[str]:
-        now = time.time()
-        return {
-            r.name
-            for r in conn.execute(
-                select(nodes.c.name, nodes.c.last_heartbeat).where(
-                    nodes.c.cluster_id == cluster_id,
-                    nodes.c.check_ok.is_(True),
-                    nodes.c.approved.is_not(False),
-                )
-            )
-            if now - r.last_heartbeat <= lost_after_s
-        }
-
     def recover(self, lost_after_s: float) -> int:
         """Commands that would otherwise hang, failed (and a migration's restore half
         re-targeted): a restore queued for, or leased by, a node that is lost; any command
@@ -1726,7 +1581,7 @@ class Registry:
         node that is neither waits for it (its job is there). How many were failed."""
         now = int(time.time())
         failed = 0
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             silent = {
                 (r.cluster_id, r.name): now - r.last_heartbeat
                 for r in conn.execute(
@@ -1778,7 +1633,7 @@ class Registry:
         committed = (
             json.loads(row["result"] or "{}").get("committed") if row["state"] == "leased" else None
         )
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             if committed:
                 # Its node may have resumed the job (commit): a re-target could run it twice.
                 args = json.loads(row["args"])
@@ -1793,7 +1648,7 @@ class Registry:
                         "cluster"
                     ),
                 }
-                self._event(
+                event_log.record(
                     conn,
                     row["cluster_id"],
                     row["node"],
@@ -1801,7 +1656,7 @@ class Registry:
                     f"restore ({row['id']}): {result['error']}",
                 )
             elif row["kind"] == "restore":
-                result = self._after_failed_restore(
+                result = migration.after_failed_restore(
                     conn, row, why, False, lost_after_s, node_gone=True
                 )
             else:
@@ -1818,7 +1673,7 @@ class Registry:
                     else ""
                 )
                 result = {"error": why + self._newest_known(conn, row) + caution}
-                self._event(
+                event_log.record(
                     conn,
                     row["cluster_id"],
                     row["node"],
@@ -1890,7 +1745,7 @@ class Registry:
         )
 
     def command(self, by: Principal, command_id: str) -> Command:
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             row = (
                 conn.execute(select(commands).where(commands.c.id == command_id)).mappings().first()
             )
@@ -1898,36 +1753,33 @@ class Registry:
             raise NotFoundError(f"no command {command_id}")
         return self._command(dict(row))
 
+    def commands_under_way(
+        self, kind: CommandKind | None = None, created_since: float | None = None
+    ) -> list[tuple[str, str, dict[str, Any]]]:
+        """(cluster id, node, args) of each command queued or leased (of `kind`), and, with
+        `created_since`, of each created since then whatever its state."""
+        states: Any = commands.c.state.in_(("queued", "leased"))
+        if created_since is not None:
+            stamp = datetime.fromtimestamp(created_since, UTC).isoformat(timespec="microseconds")
+            states = states | (commands.c.created >= stamp)
+        q = select(commands.c.cluster_id, commands.c.node, commands.c.args).where(states)
+        if kind is not None:
+            q = q.where(commands.c.kind == kind)
+        with self.db.transaction() as conn:
+            rows = conn.execute(q).all()
+        return [(c, n, json.loads(args)) for c, n, args in rows]
+
     def list_commands(self, by: Principal) -> list[Command]:
         q = select(commands).order_by(commands.c.created, commands.c.id)
         if by.kind != "admin":
             q = q.where(commands.c.cluster_id == by.cluster_id)
-        with self.engine.begin() as conn:
+        with self.db.transaction() as conn:
             return [self._command(dict(r)) for r in conn.execute(q).mappings().all()]
 
     # -- events -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _event(
-        conn: Any, cluster_id: str | None, node: str | None, kind: str, message: str
-    ) -> None:
-        conn.execute(
-            insert(events).values(
-                at=_stamp(), cluster_id=cluster_id, node=node, kind=kind, message=message[:2000]
-            )
-        )
-
-    def event(self, cluster_id: str | None, node: str | None, kind: str, message: str) -> None:
-        with self.engine.begin() as conn:
-            self._event(conn, cluster_id, node, kind, message)
-
     def list_events(self, by: Principal, limit: int = 200) -> list[dict[str, Any]]:
-        q = select(events).order_by(events.c.id.desc()).limit(limit)
-        if by.kind != "admin":
-            q = q.where(events.c.cluster_id == by.cluster_id)
-        with self.engine.begin() as conn:
-            rows = [dict(r) for r in conn.execute(q).mappings().all()]
-        return rows[::-1]
+        return event_log.listed(self.db, None if by.kind == "admin" else by.cluster_id, limit)
 
     @staticmethod
     def _command(row: dict[str, Any]) -> Command:
@@ -1979,15 +1831,6 @@ def _fenced(row: dict[str, Any], node: str) -> str:
     )
 
 
-def _seal_of(result: dict[str, Any]) -> dict[str, str] | None:
-    """The seal a migration's checkpoint half answered with (the node that took it MACs what
-    it took; the restoring node checks it, stasis.controlplane.node), carried as it came."""
-    seal = result.get("seal")
-    if not isinstance(seal, dict):
-        return None
-    return {str(k)[:40]: str(v)[:100] for k, v in list(seal.items())[:4]}
-
-
 def _expiry(expires_in_s: int | None) -> int | None:
     return int(time.time()) + expires_in_s if expires_in_s else None
 
@@ -2000,8 +1843,3 @@ def human_size(n: float | None) -> str:
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1024
     return f"{x:.1f} TiB"
-
-
-def safe_url(url: str) -> str:
-    """A database URL without its password (for messages and logs)."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)

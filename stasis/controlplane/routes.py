@@ -1,7 +1,9 @@
-"""Every route of the control plane's API, declared once, as data (stasis.routes.Route, the
-type the node daemon's routes use): the server registers its handlers from these declarations
-(stasis.controlplane.server `add_routes`: the method of its handlers object of the route's
-name), the client has one method per route (stasis.controlplane.client), and
+"""Every route of the control plane, declared once, as data (stasis.routes.Route, the type the
+node daemon's routes use): its API (`API`) and its dashboard's pages and forms (`UI`). The
+server registers its handlers from these declarations (stasis.controlplane.server and
+.dashboard `add_routes`: the method of its handlers object of the route's name), the client
+has one method per API route (stasis.controlplane.client; the dashboard's pages are for
+browsers, their own script reloads the page it is on), and
 tests/controlplane/test_wire_controlplane.py holds the three to one another. No other module
 spells an API path.
 
@@ -339,4 +341,79 @@ API: tuple[AnyRoute, ...] = (
     EDIT_POLICY,
     REMOVE_POLICY,
     ROTATE_HOOK,
+)
+
+
+# -- the dashboard (stasis.controlplane.dashboard): pages (HTML) and their forms (POSTed
+# fields, each with the session's CSRF token; answered with a redirect). `user`: a session of
+# the dashboard's log-in (its cookie), checked by the page or form; `public`: none needed.
+
+UI_HOME: Route[None, str] = Route("ui_home", "GET", "/", answer=str, caller="public")
+UI_BARE: Route[None, str] = Route("ui_bare", "GET", "/ui", answer=str, caller="public")
+UI_LOGIN_PAGE: Route[None, str] = Route(
+    "ui_login_page", "GET", "/ui/login", answer=str, caller="public"
+)
+UI_LOGIN: Route[None, str] = Route("ui_login", "POST", "/ui/login", answer=str, caller="public")
+UI_LOGOUT: Route[None, str] = Route("ui_logout", "POST", "/ui/logout", answer=str, caller="user")
+UI_STATIC: Route[None, str] = Route(
+    "ui_static", "GET", "/ui/static/{name}", answer=str, caller="public"
+)
+UI_NODES: Route[None, str] = Route("ui_nodes", "GET", "/ui/", answer=str, caller="user")
+UI_JOBS: Route[None, str] = Route("ui_jobs", "GET", "/ui/jobs", answer=str, caller="user")
+UI_CHECKPOINT_JOB: Route[None, str] = Route(
+    "ui_checkpoint_job", "POST", "/ui/jobs/{job}/checkpoint", answer=str, caller="user"
+)
+UI_MIGRATE_JOB: Route[None, str] = Route(
+    "ui_migrate_job", "POST", "/ui/jobs/{job}/migrate", answer=str, caller="user"
+)
+UI_CHECKPOINTS: Route[None, str] = Route(
+    "ui_checkpoints", "GET", "/ui/checkpoints", answer=str, caller="user"
+)
+UI_VERIFY: Route[None, str] = Route(
+    "ui_verify", "POST", "/ui/checkpoints/{checkpoint}/verify", answer=str, caller="user"
+)
+UI_POLICIES: Route[None, str] = Route(
+    "ui_policies", "GET", "/ui/policies", answer=str, caller="user"
+)
+UI_ADD_POLICY: Route[None, str] = Route(
+    "ui_add_policy", "POST", "/ui/policies", answer=str, caller="user"
+)
+UI_RUN_POLICY: Route[None, str] = Route(
+    "ui_run_policy", "POST", "/ui/policies/{name}/run", answer=str, caller="user"
+)
+UI_REMOVE_POLICY: Route[None, str] = Route(
+    "ui_remove_policy", "POST", "/ui/policies/{name}/delete", answer=str, caller="user"
+)
+UI_POLICY_EDIT_PAGE: Route[None, str] = Route(
+    "ui_policy_edit_page", "GET", "/ui/policies/{name}/edit", answer=str, caller="user"
+)
+UI_EDIT_POLICY: Route[None, str] = Route(
+    "ui_edit_policy", "POST", "/ui/policies/{name}/edit", answer=str, caller="user"
+)
+UI_ACTIONS: Route[None, str] = Route("ui_actions", "GET", "/ui/actions", answer=str, caller="user")
+UI_EVENTS: Route[None, str] = Route("ui_events", "GET", "/ui/events", answer=str, caller="user")
+UI_SAVINGS: Route[None, str] = Route("ui_savings", "GET", "/ui/savings", answer=str, caller="user")
+
+UI: tuple[AnyRoute, ...] = (
+    UI_HOME,
+    UI_BARE,
+    UI_LOGIN_PAGE,
+    UI_LOGIN,
+    UI_LOGOUT,
+    UI_STATIC,
+    UI_NODES,
+    UI_JOBS,
+    UI_CHECKPOINT_JOB,
+    UI_MIGRATE_JOB,
+    UI_CHECKPOINTS,
+    UI_VERIFY,
+    UI_POLICIES,
+    UI_ADD_POLICY,
+    UI_RUN_POLICY,
+    UI_REMOVE_POLICY,
+    UI_POLICY_EDIT_PAGE,
+    UI_EDIT_POLICY,
+    UI_ACTIONS,
+    UI_EVENTS,
+    UI_SAVINGS,
 )

@@ -38,8 +38,9 @@ from pydantic import BaseModel, ValidationError
 
 from stasis.controlplane import models, policies, routes, wire
 from stasis.controlplane.commands import Command
+from stasis.controlplane.database import safe_url
 from stasis.controlplane.models import MODELS
-from stasis.controlplane.registry import HOOK_PREFIX, Principal, Registry, safe_url
+from stasis.controlplane.registry import HOOK_PREFIX, Principal, Registry
 from stasis.errors import StasisError, UnauthenticatedError, UsageError, wire_name
 from stasis.routes import AnyRoute
 
@@ -156,7 +157,15 @@ def add_routes(app: web.Application, declared: Sequence[AnyRoute], handlers: obj
         if not callable(fn):
             raise ValueError(f"route {route.name} ({route.method} {route.path}): no handler")
         model = MODELS[route.request] if route.request is not None else None
-        app.router.add_route(route.method, route.path, _endpoint(route, fn, model))
+        _add(app, route, _endpoint(route, fn, model))
+
+
+def _add(app: web.Application, route: AnyRoute, handler: Handler) -> None:
+    # (a GET answers HEAD too, as aiohttp's own web.get has it)
+    if route.method == "GET":
+        app.router.add_get(route.path, handler)
+    else:
+        app.router.add_route(route.method, route.path, handler)
 
 
 def _endpoint(
@@ -497,8 +506,10 @@ def app(
 
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     a[REGISTRY] = registry
-    a.add_routes(
-        dashboard.routes(registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls)
+    dashboard.add_routes(
+        a,
+        routes.UI,
+        dashboard.Dashboard(registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls),
     )
     add_routes(
         a,

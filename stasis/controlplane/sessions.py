@@ -54,7 +54,7 @@ def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
     sid = secrets.token_urlsafe(32)
     csrf = secrets.token_urlsafe(32)
     now = int(time.time())
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         conn.execute(delete(sessions).where(sessions.c.expires < now))
         conn.execute(
             insert(sessions).values(
@@ -69,7 +69,7 @@ def find(registry: Registry, sid: str) -> Session:
     if not sid or len(sid) > 100:
         raise UnauthenticatedError("not logged in")
     key = _sha(sid)
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         row = conn.execute(
             select(
                 sessions.c.token_id,
@@ -104,5 +104,5 @@ def find(registry: Registry, sid: str) -> Session:
 
 
 def end(registry: Registry, session: Session) -> None:
-    with registry.engine.begin() as conn:
+    with registry.db.transaction() as conn:
         conn.execute(delete(sessions).where(sessions.c.sha256 == session.key))

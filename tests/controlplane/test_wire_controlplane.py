@@ -48,7 +48,10 @@ def test_every_route_is_declared_once() -> None:
     where = [(r.method, r.path) for r in routes.API]
     assert len(set(where)) == len(where)
     declared = [v for v in vars(routes).values() if isinstance(v, type(routes.HEALTH))]
-    assert set(map(id, declared)) == set(map(id, routes.API)), "a route left out of API"
+    assert set(map(id, declared)) == set(map(id, routes.API + routes.UI)), "a route left out"
+    every = [(r.method, r.path) for r in routes.API + routes.UI]
+    assert len(set(every)) == len(every)
+    assert len({r.name for r in routes.API + routes.UI}) == len(every)
     for r in routes.API:
         assert r.caller in CALLERS, r
         assert r.path.startswith(("/api/v1/", "/install/", "/metrics")), r
@@ -58,6 +61,7 @@ def test_every_route_is_declared_once() -> None:
 
 
 def test_the_server_registers_every_route_from_its_declaration(tmp_path: Path) -> None:
+    from stasis.controlplane.dashboard import Dashboard
     from stasis.controlplane.registry import Registry
     from stasis.controlplane.server import Api, app
 
@@ -66,15 +70,15 @@ def test_the_server_registers_every_route_from_its_declaration(tmp_path: Path) -
         served = {
             (r.method, r.resource.canonical)
             for r in app(registry, 60.0).router.routes()
-            if r.resource is not None
-            and r.method != "HEAD"
-            and r.resource.canonical.startswith(("/api/", "/install/", "/metrics"))
+            if r.resource is not None and r.method != "HEAD"
         }
     finally:
         registry.close()
-    assert served == {(r.method, r.path) for r in routes.API}
+    assert served == {(r.method, r.path) for r in routes.API + routes.UI}
     handlers = {n for n, f in inspect.getmembers(Api) if not n.startswith("_") and callable(f)}
     assert handlers == {r.name for r in routes.API}
+    pages = {n for n, f in inspect.getmembers(Dashboard) if not n.startswith("_") and callable(f)}
+    assert pages == {r.name for r in routes.UI}
 
 
 @pytest.mark.parametrize(("td", "model"), REQUEST_PAIRS, ids=IDS)
@@ -204,8 +208,9 @@ def test_errors_come_back_as_the_class_they_left_as(controlplane: ControlPlane) 
     assert status == 404 and said == {"error": "no command cmd_none"}
 
 
-# A path of the API anywhere but in the declarations: a string constant (not a docstring).
-API_PATH = re.compile(r"/api/v1\b|/install/|^/metrics\b")
+# A path of the API or the dashboard anywhere but in the declarations: a string constant (not
+# a docstring).
+API_PATH = re.compile(r"/api/v1\b|/install/|^/metrics\b|^/ui\b")
 
 
 def _path_literals(path: Path) -> list[str]:

@@ -1,0 +1,44 @@
+"""What happened, kept for people to read (the `events` table): nodes joining and lost,
+commands answered or failed, migrations retried, policies run and edited. Written inside the
+transaction that made it happen, read oldest first."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, insert, select
+
+from stasis.controlplane.database import Database
+from stasis.controlplane.schema import events
+
+
+def record(
+    conn: Connection, cluster_id: str | None, node: str | None, kind: str, message: str
+) -> None:
+    """An event, in the transaction of `conn` (it is kept only if that commits)."""
+    conn.execute(
+        insert(events).values(
+            at=datetime.now(UTC).isoformat(timespec="microseconds"),
+            cluster_id=cluster_id,
+            node=node,
+            kind=kind,
+            message=message[:2000],
+        )
+    )
+
+
+def add(db: Database, cluster_id: str | None, node: str | None, kind: str, message: str) -> None:
+    """An event in a transaction of its own."""
+    with db.transaction() as conn:
+        record(conn, cluster_id, node, kind, message)
+
+
+def listed(db: Database, cluster_id: str | None, limit: int = 200) -> list[dict[str, Any]]:
+    """The latest `limit` events, oldest first: every cluster's (None) or one's."""
+    q = select(events).order_by(events.c.id.desc()).limit(limit)
+    if cluster_id is not None:
+        q = q.where(events.c.cluster_id == cluster_id)
+    with db.transaction() as conn:
+        rows = [dict(r) for r in conn.execute(q).mappings().all()]
+    return rows[::-1]
