@@ -17,8 +17,10 @@
 # scripts/install-criu.sh and `make proto` first), wheels from the index pip uses (cached in
 # build/deb/wheels). Nothing is installed on this machine.
 #
-# Environment: STASIS_DEB_VERSION (default: pyproject's version, then -1), STASIS_DEB_COMPRESS
-# (dpkg-deb's -Z: zstd, the default, which apt reads from Debian 12 on; xz, gzip, none).
+# Environment: STASIS_DEB_VERSION (default: pyproject's version, -1, +git and the commit's date
+# and hash: 0.1.0-1+git20261206145900.1a2b3c4, so a later commit's package upgrades an earlier
+# one), STASIS_DEB_COMPRESS (dpkg-deb's -Z: zstd, the default, which apt reads from Debian 12
+# on; xz, gzip, none).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo=$PWD
@@ -40,7 +42,17 @@ grep -q "patches=$patchset" $stamp ||
     die "$criu was built from other patches than patches/criu/ ($stamp): run scripts/install-criu.sh"
 
 version=$($py -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
-debversion=${STASIS_DEB_VERSION:-$version-1}
+# Each commit's packages upgrade the previous commit's, whatever pyproject's version says:
+# VERSION-1+gitDATE.COMMIT (the commit's date, so later commits sort higher).
+debversion=${STASIS_DEB_VERSION:-}
+if [ -z "$debversion" ]; then
+    if commit=$(TZ=UTC git log -1 --format='%cd.%h' --date=format-local:%Y%m%d%H%M%S 2>/dev/null) &&
+        [ -n "$commit" ]; then
+        debversion=$version-1+git$commit
+    else
+        debversion=$version-1
+    fi
+fi
 arch=$(dpkg --print-architecture)
 compress=${STASIS_DEB_COMPRESS:-zstd}
 criu_version=$($criu --version | sed -n 's/^Version: *//p' | head -n1)
