@@ -42,6 +42,7 @@ from stasis.atomicfile import fsync_dir, write_atomically
 from stasis.errors import StoreError
 from stasis.store._tree import (
     MAX_MANIFEST_BYTES,
+    Following,
     Publication,
     in_parallel,
     manifest_bytes,
@@ -298,19 +299,13 @@ class LocalTree:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
 
-    def follow(
-        self,
-        checkpoint_id: str,
-        compression: CompressionRequest,
-        data_key: DataKey | None,
-        uploading: Callable[[], object],
-    ) -> TailHasher | None:
+    def follow(self, checkpoint_id: str, how: Following) -> TailHasher | None:
         # Written back to disk as CRIU writes them, or compressed into the files the store
         # keeps. sync_file_range on tmpfs is a no-op: no need to tell disks from memory here.
         staged = self._staging_path(checkpoint_id)
-        if compression == "none" and data_key is None:
+        compression, cipher = how.compression, how.cipher
+        if compression == "none" and cipher is None:
             return TailHasher(staged, writeback=True)
-        cipher = data_key.cipher if data_key is not None else None
         if compression == "none":
             # Sealed in place (tailhash.InPlaceOutput): no second copy to write, none to remove.
             return TailHasher(staged, writeback=True, cipher=cipher, seal_in_place=True)

@@ -29,7 +29,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from stasis.store._tree import MAX_MANIFEST_BYTES, Publication, manifest_bytes, staged_names
+from stasis.store._tree import (
+    MAX_MANIFEST_BYTES,
+    Following,
+    Publication,
+    manifest_bytes,
+    staged_names,
+)
 from stasis.store.compression import Reader, Writer
 from stasis.store.crypt import DataKey
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
@@ -256,13 +262,7 @@ class RemoteTree:
             shutil.rmtree(staging, ignore_errors=True)
         return manifest
 
-    def follow(
-        self,
-        checkpoint_id: str,
-        compression: CompressionRequest,
-        data_key: DataKey | None,
-        uploading: Callable[[], object],
-    ) -> TailHasher | None:
+    def follow(self, checkpoint_id: str, how: Following) -> TailHasher | None:
         # Every image (compressed or not, sealed or not) is uploaded while CRIU writes it;
         # publish sends the tails and the manifest.
         try:
@@ -271,13 +271,13 @@ class RemoteTree:
             # A shortcut only: publish uploads everything itself and reports what is wrong.
             log.debug("not uploading %s while CRIU writes: %s", checkpoint_id, e)
             return None
-        uploading()
+        how.uploading()
         return TailHasher(
             self._staging_path(checkpoint_id),
-            compression=compression,
+            compression=how.compression,
             open_out=opener,
             copy_plain=True,
-            cipher=data_key.cipher if data_key is not None else None,
+            cipher=how.cipher,
         )
 
     def describe(self, e: BaseException) -> str | None:

@@ -23,7 +23,7 @@ from typing import Protocol, TypeVar
 from stasis.errors import StoreError
 from stasis.store.chunked import ChunkSpec, ChunkWriter
 from stasis.store.compression import Reader, Streamed, Writer, cpu_workers, stored_name
-from stasis.store.crypt import DataKey
+from stasis.store.crypt import ChunkCipher, DataKey
 from stasis.store.index import Entry
 from stasis.store.manifest import (
     CheckpointInfo,
@@ -82,18 +82,10 @@ class Tree(Protocol):
         """
         ...
 
-    def follow(
-        self,
-        checkpoint_id: str,
-        compression: CompressionRequest,
-        data_key: DataKey | None,
-        uploading: Callable[[], object],
-    ) -> TailHasher | None:
+    def follow(self, checkpoint_id: str, how: Following) -> TailHasher | None:
         """A follower of the staging directory of `checkpoint_id` (`Publisher.follow`): it
         hashes, and compresses or seals or uploads, the images while CRIU writes them, as this
-        tree can take them; None where it cannot (publish then does all of it). A tree that
-        writes into the store while following calls `uploading` first (the publish's heartbeat
-        must run from then on)."""
+        tree can take them; None where it cannot (publish then does all of it)."""
         ...
 
     def describe(self, e: BaseException) -> str | None:
@@ -190,6 +182,21 @@ class Tree(Protocol):
         ...
 
     def mark_index_ready(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Following:
+    """How `Tree.follow` takes the images CRIU writes: in `compression` ("auto" settles while
+    following), sealed with `data_key`. A tree that writes into the store while following
+    calls `uploading` first: the publish's heartbeat must run from then on."""
+
+    compression: CompressionRequest
+    data_key: DataKey | None
+    uploading: Callable[[], object]
+
+    @property
+    def cipher(self) -> ChunkCipher | None:
+        return self.data_key.cipher if self.data_key is not None else None
 
 
 @dataclass(frozen=True)

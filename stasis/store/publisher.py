@@ -26,7 +26,7 @@ from stasis.errors import (
 )
 from stasis.store._place import Place
 from stasis.store._repeating import Repeating
-from stasis.store._tree import Publication, staged_names
+from stasis.store._tree import Following, Publication, staged_names
 from stasis.store.catalog import Catalog, entry_of
 from stasis.store.compression import choose_compression
 from stasis.store.crypt import DataKey, KeyFiles, new_data_key
@@ -104,7 +104,7 @@ class Publisher:
         # Uploads that begin now (a remote store's) must look alive to gc until publish or
         # discard ends them.
         return self._tree.follow(
-            checkpoint_id, compression, data_key, uploading=lambda: self._beat(checkpoint_id)
+            checkpoint_id, Following(compression, data_key, lambda: self._beat(checkpoint_id))
         )
 
     def publish(
