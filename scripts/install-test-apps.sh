@@ -18,10 +18,16 @@
 #                (javac; `java File.java` needs the compiler too)
 #   faketime     libfaketime: a second test daemon runs with its clock days ahead (LD_PRELOAD),
 #                to show a label's order does not follow the dumping nodes' clocks
+#   openmpi-bin libopenmpi-dev mpich libmpich-dev
+#                both of Debian's MPIs, for the multi-node job tests (issue 31); the same names
+#                on Debian 12 (Open MPI 4.1, MPICH 4.0) and 13 (Open MPI 5.0, MPICH 4.2). The
+#                alternatives system picks one `mpicc`/`mpirun`: the tests call the explicit
+#                ones (mpicc.openmpi, mpicc.mpich, mpirun.openmpi, mpirun.mpich)
 # The tests start private servers as an ordinary user on loopback; nothing here is configured,
 # and on a machine without systemd the package's own cluster is not started.
 set -euo pipefail
 
-PACKAGES=(postgresql chromium chromium-driver debootstrap default-jdk-headless faketime strace)
+PACKAGES=(postgresql chromium chromium-driver debootstrap default-jdk-headless faketime strace
+    openmpi-bin libopenmpi-dev mpich libmpich-dev)
 
 bash "$(dirname "$0")/apt-install.sh" install-test-apps "${PACKAGES[@]}"
