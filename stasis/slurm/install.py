@@ -10,7 +10,10 @@ Per role:
                `optional ...stasis_spank.so ...` line in plugstack.conf, the node daemon's
                systemd unit (enabled only where systemd runs)
 An existing job_submit.lua or cli_filter.lua is merged with, not replaced: our block is appended
-and wraps the site's own function. Every touched file's original bytes are recorded beside
+and wraps the site's own function (ours runs first, then the site's, whose answer is the one
+returned: a rejection by the site's script still rejects). Slurm runs these scripts as root or
+SlurmUser, and the installer reads and rewrites them as root: a site script that is a link, not
+owned by root, or writable by group or others is refused, never read or followed. Every touched file's original bytes are recorded beside
 slurm.conf (`.stasis-install.json`), so that `uninstall` restores them byte for byte (a file
 edited since is reverted by taking our block and lines out instead). Installing twice changes
 nothing. Applying it needs `scontrol reconfigure`, not a restart.
@@ -25,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -115,6 +119,30 @@ def _check_plain(path: Path | str, what: str) -> None:
     if any(c.isspace() for c in text) or "#" in text or not text.startswith("/"):
         raise UsageError(
             f"{what} {text!r}: Slurm's config files need an absolute path without " "spaces or '#'"
+        )
+
+
+def check_site_script(path: Path) -> None:
+    """Refuse a site's lua script that someone other than root could have written or pointed
+    elsewhere (a link, another owner, group- or world-writable): root would run their code."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    why = ""
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symbolic link"
+    elif not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif st.st_uid not in (0, os.geteuid()):
+        why = f"is owned by uid {st.st_uid}, not root"
+    elif st.st_mode & 0o022:
+        why = f"is writable by {'group' if st.st_mode & 0o020 else 'others'} (mode {st.st_mode & 0o7777:o})"
+    if why:
+        raise UsageError(
+            f"refusing the site's {path}: it {why}, and Slurm runs it as root; make it a plain "
+            f"file owned by root, mode 644 or stricter (chown root: {path}; chmod go-w {path}), "
+            "then install again"
         )
 
 
@@ -304,6 +332,8 @@ def plan(opts: InstallOptions) -> Plan:
         p.changes.append(Change(path, before, after, mode))
 
     text_change(opts.slurm_conf, lambda t: edit_slurm_conf(t or ""))
+    for name in ("cli_filter.lua", "job_submit.lua"):
+        check_site_script(etc / name)
     cli_block = _asset("cli_filter.lua").replace("@WARN_S@", str(int(opts.warn_s)))
     text_change(etc / "cli_filter.lua", lambda t: merge_block(t, cli_block))
     if "controller" in opts.roles:

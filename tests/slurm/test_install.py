@@ -298,3 +298,45 @@ def test_pipeable_install_script(site: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert not (site / "lib" / "stasis_spank.so").exists()
     assert (etc / "slurm.conf").read_text() == SLURM_CONF.format(etc=etc)
+
+
+@pytest.mark.parametrize("problem", ["link", "group-writable", "world-writable", "other-owner"])
+def test_a_site_script_others_could_write_is_refused_in_one_line(site: Path, problem: str) -> None:
+    etc = site / "etc"
+    script = etc / "cli_filter.lua"
+    if problem == "link":
+        target = site / "elsewhere.lua"
+        target.write_text("-- someone's\n")
+        script.symlink_to(target)
+    else:
+        script.write_text("-- the site's\n")
+        if problem == "other-owner":
+            os.chown(script, 65534, 65534)
+        else:
+            os.chmod(script, 0o664 if problem == "group-writable" else 0o646)
+    before = snapshot(site)
+    result = cli(site, "install", "--node-role", "controller", check=False)
+    assert result.returncode != 0
+    error = result.stderr.strip()
+    assert len(error.splitlines()) == 1 and f"refusing the site's {script}" in error, error
+    assert snapshot(site) == before  # nothing written, the link not followed
+    assert not (etc / inst.RECORD_NAME).exists()
+
+
+def test_a_site_cli_filter_is_chained_and_given_back_byte_for_byte(site: Path) -> None:
+    etc = site / "etc"
+    site_filter = "function slurm_cli_pre_submit(options, pack_offset)\n  return slurm.SUCCESS\nend"
+    (etc / "cli_filter.lua").write_text(site_filter)  # no newline at the end, on purpose
+    os.chmod(etc / "cli_filter.lua", 0o600)
+    before = snapshot(site)
+    cli(site, "install", "--node-role", "controller")
+    merged = (etc / "cli_filter.lua").read_text()
+    assert merged.startswith(site_filter + "\n")
+    assert "local stasis_site_pre_submit = slurm_cli_pre_submit" in merged
+    assert (etc / "cli_filter.lua").stat().st_mode & 0o777 == 0o600
+    again = snapshot(site)
+    assert "nothing to change" in cli(site, "install", "--node-role", "controller").stdout
+    assert snapshot(site) == again
+    cli(site, "uninstall")
+    assert snapshot(site) == before
+    assert (etc / "cli_filter.lua").stat().st_mode & 0o777 == 0o600
