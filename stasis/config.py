@@ -677,9 +677,19 @@ class Settings(NamedTuple):
         return StateLayout(self.state_dir)
 
     @property
+    def slurm_conf_path(self) -> Path | None:
+        """This node's slurm.conf as Slurm finds it: slurm_conf (SLURM_CONF), else
+        /etc/slurm/slurm.conf, else the copy a configless node's slurmd fetched
+        (/run/slurm/conf/slurm.conf, Slurm 22.05 and later); None where there is none."""
+        for path in (self.slurm_conf or "/etc/slurm/slurm.conf", "/run/slurm/conf/slurm.conf"):
+            if Path(path).exists():
+                return Path(path)
+        return None
+
+    @property
     def slurm_conf_present(self) -> bool:
         """Whether this node has a Slurm configuration (scontrol would find a cluster)."""
-        return Path(self.slurm_conf or "/etc/slurm/slurm.conf").exists()
+        return self.slurm_conf_path is not None
 
     @property
     def node(self) -> str:

@@ -103,10 +103,10 @@ def parse_slurm_conf(text: str) -> SlurmConf:
 
 
 def slurm_conf(settings: Settings) -> SlurmConf:
-    """This node's slurm.conf (SLURM_CONF, else Slurm's default path); none readable: no
-    cluster name and munge's default socket (a configless node)."""
+    """This node's slurm.conf (SLURM_CONF, else Slurm's default path, else a configless
+    node's cached copy); none readable: no cluster name and munge's default socket."""
     try:
-        return parse_slurm_conf(Path(settings.slurm_conf or DEFAULT_SLURM_CONF).read_text())
+        return parse_slurm_conf(Path(settings.slurm_conf_path or DEFAULT_SLURM_CONF).read_text())
     except (OSError, UnicodeDecodeError):
         return SlurmConf(cluster="", munge_socket=None)
 
