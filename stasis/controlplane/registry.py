@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from stasis.controlplane import events as event_log
 from stasis.controlplane import migration, verdicts, wire
-from stasis.controlplane.commands import Command, kind_of
+from stasis.controlplane.commands import Args, CheckpointArgs, Command, kind_of
 from stasis.controlplane.commands import Kind as CommandKind
 from stasis.controlplane.database import Database
 from stasis.controlplane.routes import RUN_POLICY
@@ -1051,19 +1051,15 @@ class Registry:
         by: Principal,
         kind: CommandKind,
         job: str,
-        args: dict[str, Any],
+        args: CheckpointArgs,
         cluster: str | None = None,
         node: str | None = None,
     ) -> Command:
         """A command for the node that reports `job` (cluster and node: see find_job)."""
         by.admin_only()
         found = self.find_job(by, job, cluster, node)
-        return self.queue_for_node(
-            found["cluster_id"],
-            found["node"],
-            kind,
-            {**args, "job": job, "kind": found.get("kind") or "daemon"},
-        )
+        full: CheckpointArgs = {**args, "job": job, "kind": found.get("kind") or "daemon"}
+        return self.queue_for_node(found["cluster_id"], found["node"], kind, full)
 
     def verify_checkpoint(self, by: Principal, checkpoint_id: str, lost_after_s: float) -> Command:
         """A verify command (`stasis verify`) for checkpoint `checkpoint_id`, sent to the node
@@ -1111,9 +1107,7 @@ class Registry:
             },
         )
 
-    def queue_for_node(
-        self, cluster_id: str, node: str, kind: CommandKind, args: dict[str, Any]
-    ) -> Command:
+    def queue_for_node(self, cluster_id: str, node: str, kind: CommandKind, args: Args) -> Command:
         cid = "cmd_" + secrets.token_hex(8)
         row = {
             "id": cid,
@@ -1138,7 +1132,7 @@ class Registry:
         by: Principal,
         job: str,
         to: str,
-        extra: dict[str, Any] | None = None,
+        extra: CheckpointArgs | None = None,
         cluster: str | None = None,
         node: str | None = None,
         lost_after_s: float = float("inf"),
