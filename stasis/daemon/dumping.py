@@ -276,7 +276,13 @@ class Dumper:
         if encrypt is None:
             encrypt = self.core.settings.encrypt
         # Refused before CRIU freezes anything (and checked again on the frozen tree, below).
-        refused = beyond_owner(pid, info) or self._node_local_refusal(pid, info.uid)
+        # An RDMA device or an io_uring (engine/obstacles.py) is not checked again: CRIU fails
+        # on them itself (seen for io_uring: it cannot pass its fd), and explain() names them.
+        refused = (
+            beyond_owner(pid, info)
+            or obstacles.refusal(pid, info.uid)
+            or self._node_local_refusal(pid, info.uid)
+        )
         if refused:
             raise CheckpointError(f"checkpoint of {what} refused, job still running: {refused}")
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
