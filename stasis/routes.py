@@ -5,39 +5,41 @@ module spells an API path.
 
 How to declare a route (the control plane's surfaces use the same type):
 
-    RUN: Route[wire.RunRequest, wire.RunAnswer] = Route(
-        "run", "POST", "/jobs", request=wire.RunRequest, answer=wire.RunAnswer, caller="local"
-    )
+    RUN: Route[wire.RunRequest, wire.RunAnswer] = Route("run", "POST", "/jobs", caller="local")
 
 - `name`: the route's name: the server's handler and the client's method of that name serve it
   (a handler object's method `run`, `Client.run`); unique across a surface.
 - `method`, `path`: HTTP method and path template; `{job}` is one path segment, filled by
   `route.url(job=...)` (quoted: an id never becomes another path) and handed to the handler
   by name.
-- `request`: the typed dict of the JSON body (stasis/wire.py), None for a route that reads no
-  body; the server validates it with the pydantic model paired with that typed dict.
-  `query`: the query parameters it reads, if any.
-- `answer`: what it answers: a typed dict, a list of them, or another JSON type.
+- The annotation `Route[Req, Ans]`: the typed dict of the JSON body (stasis/wire.py; None for
+  a route that reads no body) and what it answers (a typed dict, a list of them, another JSON
+  type). mypy types the client's `call` with it, and `route.request` / `route.answer` read it
+  from the module's annotations when first asked (the server, the tests), so that a CLI command
+  never creates the wire's typed dicts. Or pass them: `Route(..., request=wire.X,
+  answer=wire.Y)` (`answer` given: `request` is None unless given); a test holds them to the
+  annotation. The server validates a body with the pydantic model paired with its typed dict.
+- `query`: the query parameters it reads, if any.
 - `streamed`: the answer is NDJSON: {"progress": ...} lines, then {"result": ...} or
   {"error": ...}.
 - `caller`: who may call it (`Caller` below). The server's adapter identifies the caller and
-  refuses those it may not at once for `root`-only routes (with `denied`, one line); for
+  refuses those it may not at once for root-only routes (with `denied`, one line); for
   `owner` and `launcher` the handler checks the caller against the record the path names.
-- The annotation `Route[Req, Ans]` is what mypy types the client's `call` with; a test holds
-  it to `request` and `answer`.
 
 Errors, on every route, are {"error": {"type": <a StasisError class>, "message": <one line>}}
 (stasis.errors: `wire_name`, `error_from_wire`).
 
-This module imports only typing and stasis.wire: the CLI imports it at every start.
+This module imports only typing (and urllib.parse, to quote): the CLI imports it at every start.
 """
 
 from __future__ import annotations
 
-from typing import Generic, Literal, TypeVar
+import sys
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 from urllib.parse import quote
 
-from stasis import wire
+if TYPE_CHECKING:  # the annotations name them; `Route.request` and `.answer` resolve them
+    from stasis import wire
 
 Method = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -64,11 +66,16 @@ Req = TypeVar("Req", covariant=True)
 Ans = TypeVar("Ans", covariant=True)
 
 
+_FROM_ANNOTATION: object = object()  # `answer` not given: both types are the annotation's
+
+
 class Route(Generic[Req, Ans]):
     """One route: see the module's docstring. Immutable."""
 
     __slots__ = (
-        "answer",
+        "_answer",
+        "_module",
+        "_request",
         "caller",
         "denied",
         "method",
@@ -76,7 +83,6 @@ class Route(Generic[Req, Ans]):
         "params",
         "path",
         "query",
-        "request",
         "streamed",
     )
 
@@ -87,7 +93,7 @@ class Route(Generic[Req, Ans]):
         path: str,
         *,
         request: object | None = None,
-        answer: object,
+        answer: object = _FROM_ANNOTATION,
         caller: Caller,
         streamed: bool = False,
         query: tuple[str, ...] = (),
@@ -97,8 +103,10 @@ class Route(Generic[Req, Ans]):
         set_(self, "name", name)
         set_(self, "method", method)
         set_(self, "path", path)
-        set_(self, "request", request)
-        set_(self, "answer", answer)
+        set_(self, "_request", request)
+        set_(self, "_answer", answer)
+        # Where the annotation that gives its types is (when `answer` is not given).
+        set_(self, "_module", sys._getframe(1).f_globals.get("__name__", ""))
         set_(self, "caller", caller)
         set_(self, "streamed", streamed)
         set_(self, "query", query)
@@ -110,13 +118,44 @@ class Route(Generic[Req, Ans]):
     name: str
     method: Method
     path: str
-    request: object | None
-    answer: object
+    _request: object | None
+    _answer: object
+    _module: str
     caller: Caller
     streamed: bool
     query: tuple[str, ...]
     denied: str
     params: tuple[str, ...]
+
+    @property
+    def request(self) -> object | None:
+        """The typed dict of its body (None: it reads none)."""
+        if self._answer is _FROM_ANNOTATION:
+            self._resolve()
+        return self._request
+
+    @property
+    def answer(self) -> object:
+        """What it answers: a typed dict, a list of them, or another JSON type."""
+        if self._answer is _FROM_ANNOTATION:
+            self._resolve()
+        return self._answer
+
+    def _resolve(self) -> None:
+        """The types of a route declared with its annotation alone, read from its module's
+        annotations when first asked for (the server, the tests): the CLI, which only sends
+        requests, never pays for creating the wire's typed dicts (~3 ms)."""
+        import typing
+
+        from stasis import wire
+
+        module = sys.modules[self._module]
+        hints = typing.get_type_hints(module, localns={"wire": wire})
+        var = next(n for n, v in vars(module).items() if v is self)
+        request, answer = typing.get_args(hints[var])
+        set_ = object.__setattr__
+        set_(self, "_request", None if request is type(None) else request)
+        set_(self, "_answer", answer)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a Route is immutable ({name})")
@@ -136,39 +175,29 @@ AnyRoute = Route[object, object]
 
 # -- the daemon's core (stasis.daemon.api) -----------------------------------------------------
 
-RUN: Route[wire.RunRequest, wire.RunAnswer] = Route(
-    "run", "POST", "/jobs", request=wire.RunRequest, answer=wire.RunAnswer, caller="local"
-)
-JOBS: Route[None, list[wire.Job]] = Route(
-    "jobs", "GET", "/jobs", answer=list[wire.Job], caller="local"
-)
-JOB: Route[None, wire.Job] = Route("job", "GET", "/jobs/{job}", answer=wire.Job, caller="owner")
+RUN: Route[wire.RunRequest, wire.RunAnswer] = Route("run", "POST", "/jobs", caller="local")
+JOBS: Route[None, list[wire.Job]] = Route("jobs", "GET", "/jobs", caller="local")
+JOB: Route[None, wire.Job] = Route("job", "GET", "/jobs/{job}", caller="owner")
 KILL: Route[wire.KillRequest, wire.KillAnswer] = Route(
     "kill",
     "POST",
     "/jobs/{job}/kill",
-    request=wire.KillRequest,
-    answer=wire.KillAnswer,
     caller="owner",
 )
 DUMP: Route[wire.DumpRequest, wire.DumpAnswer] = Route(
     "dump",
     "POST",
     "/jobs/{job}/dump",
-    request=wire.DumpRequest,
-    answer=wire.DumpAnswer,
     caller="owner",
     streamed=True,
 )
 DUMP_CHECK: Route[None, wire.DumpCheckAnswer] = Route(
-    "dump_check", "GET", "/jobs/{job}/dump-check", answer=wire.DumpCheckAnswer, caller="owner"
+    "dump_check", "GET", "/jobs/{job}/dump-check", caller="owner"
 )
 RESTORE: Route[wire.RestoreRequest, wire.RestoreAnswer] = Route(
     "restore",
     "POST",
     "/restore",
-    request=wire.RestoreRequest,
-    answer=wire.RestoreAnswer,
     caller="owner",  # of the checkpoint, or of the label's (root: anyone's)
     streamed=True,
 )
@@ -176,7 +205,6 @@ CHECKPOINTS: Route[None, list[wire.Checkpoint]] = Route(
     "checkpoints",
     "GET",
     "/checkpoints",
-    answer=list[wire.Checkpoint],
     caller="local",
     query=("label", "user"),
 )
@@ -184,29 +212,24 @@ DELETE_CHECKPOINT: Route[None, wire.Deleted] = Route(
     "delete_checkpoint",
     "DELETE",
     "/checkpoints/{checkpoint}",
-    answer=wire.Deleted,
     caller="owner",
 )
 CHECK_CHECKPOINT: Route[None, wire.CheckpointCheck] = Route(
     "check_checkpoint",
     "GET",
     "/checkpoints/{checkpoint}/check",
-    answer=wire.CheckpointCheck,
     caller="owner",
 )
 VERIFY: Route[None, wire.VerifyVerdict] = Route(
     "verify",
     "POST",
     "/checkpoints/{checkpoint}/verify",
-    answer=wire.VerifyVerdict,
     caller="owner",
 )
 COLLECT_GARBAGE: Route[wire.GcRequest, wire.GcAnswer] = Route(
     "collect_garbage",
     "POST",
     "/checkpoints/gc",
-    request=wire.GcRequest,
-    answer=wire.GcAnswer,
     caller="root",
     denied="only root may collect the garbage of the store",
 )
@@ -214,18 +237,14 @@ REKEY: Route[None, wire.RekeyAnswer] = Route(
     "rekey",
     "POST",
     "/checkpoints/rekey",
-    answer=wire.RekeyAnswer,
     caller="root",
     denied="only root may rekey checkpoints",
 )
-CHECK: Route[None, wire.CheckReport] = Route(
-    "check", "GET", "/check", answer=wire.CheckReport, caller="local"
-)
+CHECK: Route[None, wire.CheckReport] = Route("check", "GET", "/check", caller="local")
 NETWORK_LOCKS: Route[None, list[wire.NetworkLock]] = Route(
     "network_locks",
     "GET",
     "/network-locks",
-    answer=list[wire.NetworkLock],
     caller="root",  # the addresses and ports of every job's connections
     denied="only root may list network locks",
 )
@@ -251,48 +270,39 @@ CORE: tuple[AnyRoute, ...] = (
 # -- Slurm (stasis.slurm.integration) ----------------------------------------------------------
 
 SLURM_HEALTH: Route[None, wire.Health] = Route(
-    "slurm_health", "GET", "/slurm/health", answer=wire.Health, caller="local"
+    "slurm_health", "GET", "/slurm/health", caller="local"
 )
 SLURM_REGISTER: Route[wire.RegisterRequest, wire.Registration] = Route(
     "slurm_register",
     "POST",
     "/slurm/jobs",
-    request=wire.RegisterRequest,
-    answer=wire.Registration,
     caller="launcher",  # a process of the Slurm job, for its own child
 )
 SLURM_JOB: Route[None, wire.Registration] = Route(
-    "slurm_job", "GET", "/slurm/jobs/{job}", answer=wire.Registration, caller="owner"
+    "slurm_job", "GET", "/slurm/jobs/{job}", caller="owner"
 )
 SLURM_CHECKPOINT: Route[wire.SlurmCheckpointRequest, wire.SlurmCheckpointAnswer] = Route(
     "slurm_checkpoint",
     "POST",
     "/slurm/jobs/{job}/checkpoint",
-    request=wire.SlurmCheckpointRequest,
-    answer=wire.SlurmCheckpointAnswer,
     caller="owner",
 )
 SLURM_INTERVAL: Route[wire.SlurmIntervalRequest, wire.SlurmInterval] = Route(
     "slurm_interval",
     "POST",
     "/slurm/jobs/{job}/interval",
-    request=wire.SlurmIntervalRequest,
-    answer=wire.SlurmInterval,
     caller="owner",
 )
 SLURM_INTERVALS: Route[None, list[wire.SlurmInterval]] = Route(
     "slurm_intervals",
     "GET",
     "/slurm/intervals",
-    answer=list[wire.SlurmInterval],
     caller="local",  # root: every job's; a user: their own
 )
 SLURM_FINISH: Route[wire.FinishRequest, wire.FinishAnswer] = Route(
     "slurm_finish",
     "POST",
     "/slurm/jobs/{job}/finish",
-    request=wire.FinishRequest,
-    answer=wire.FinishAnswer,
     caller="launcher",
 )
 
@@ -312,8 +322,6 @@ SLURM_REMOTE_CHECKPOINT: Route[wire.SlurmRemoteCheckpointRequest, wire.SlurmChec
         "slurm_remote_checkpoint",
         "POST",
         "/slurm/remote/jobs/{job}/checkpoint",
-        request=wire.SlurmRemoteCheckpointRequest,
-        answer=wire.SlurmCheckpointAnswer,
         caller="cluster-user",
     )
 )
@@ -321,8 +329,6 @@ SLURM_REMOTE_DRAIN: Route[wire.SlurmRemoteDrainRequest, wire.SlurmDrainAnswer] =
     "slurm_remote_drain",
     "POST",
     "/slurm/remote/drain",
-    request=wire.SlurmRemoteDrainRequest,
-    answer=wire.SlurmDrainAnswer,
     caller="cluster-root",
     denied="only root drains a node",
 )
@@ -341,7 +347,6 @@ K8S_CONTAINERS: Route[None, list[wire.ContainerInfo]] = Route(
     "k8s_containers",
     "GET",
     "/k8s/containers",
-    answer=list[wire.ContainerInfo],
     caller="root",
     denied=_CONTAINERS,
 )
@@ -349,8 +354,6 @@ K8S_REGISTER: Route[wire.ContainerRegisterRequest, wire.ContainerInfo] = Route(
     "k8s_register",
     "POST",
     "/k8s/containers",
-    request=wire.ContainerRegisterRequest,
-    answer=wire.ContainerInfo,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -358,8 +361,6 @@ K8S_CHECKPOINT: Route[wire.ContainerCheckpointRequest, wire.ContainerCheckpointA
     "k8s_checkpoint",
     "POST",
     "/k8s/containers/{container}/checkpoint",
-    request=wire.ContainerCheckpointRequest,
-    answer=wire.ContainerCheckpointAnswer,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -367,8 +368,6 @@ K8S_INTERVAL: Route[wire.ContainerIntervalRequest, wire.ContainerInfo] = Route(
     "k8s_interval",
     "POST",
     "/k8s/containers/{container}/interval",
-    request=wire.ContainerIntervalRequest,
-    answer=wire.ContainerInfo,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -376,7 +375,6 @@ K8S_FORGET: Route[None, wire.Forgotten] = Route(
     "k8s_forget",
     "POST",
     "/k8s/containers/{container}/forget",
-    answer=wire.Forgotten,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -384,8 +382,6 @@ K8S_PLAN_RESTORE: Route[wire.ContainerRestoreRequest, wire.RestorePlan] = Route(
     "k8s_plan_restore",
     "POST",
     "/k8s/restores",
-    request=wire.ContainerRestoreRequest,
-    answer=wire.RestorePlan,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -393,8 +389,6 @@ K8S_RESTORE_DONE: Route[wire.RestoreDoneRequest, wire.RestoreDone] = Route(
     "k8s_restore_done",
     "POST",
     "/k8s/restores/{container}/done",
-    request=wire.RestoreDoneRequest,
-    answer=wire.RestoreDone,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -402,8 +396,6 @@ K8S_EXPORT: Route[wire.ExportRequest, wire.ExportAnswer] = Route(
     "k8s_export",
     "POST",
     "/k8s/checkpoints/{checkpoint}/export",
-    request=wire.ExportRequest,
-    answer=wire.ExportAnswer,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -411,8 +403,6 @@ K8S_IMPORT: Route[wire.ImportRequest, wire.ContainerCheckpointAnswer] = Route(
     "k8s_import",
     "POST",
     "/k8s/checkpoints/import",
-    request=wire.ImportRequest,
-    answer=wire.ContainerCheckpointAnswer,
     caller="root",
     denied=_CONTAINERS,
 )
@@ -420,7 +410,6 @@ K8S_NODE: Route[None, wire.NodeInfo] = Route(
     "k8s_node",
     "GET",
     "/k8s/node",
-    answer=wire.NodeInfo,
     caller="root",
     denied="only root drains the node",
 )
@@ -428,8 +417,6 @@ K8S_DRAIN: Route[wire.K8sDrainRequest, wire.K8sDrainAnswer] = Route(
     "k8s_drain",
     "POST",
     "/k8s/node/drain",
-    request=wire.K8sDrainRequest,
-    answer=wire.K8sDrainAnswer,
     caller="root",
     denied="only root drains the node",
 )
