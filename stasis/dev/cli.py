@@ -85,6 +85,13 @@ def _add_local_cluster(commands: Any) -> None:
         "v1).",
     )
     p.add_argument(
+        "--configless",
+        action="store_true",
+        help="Slurm's configless mode: slurmctld serves its configuration, each node's slurmd "
+        "fetches it (--conf-server) and the nodes have no slurm.conf of their own; needs "
+        "--nodes 2 or more.",
+    )
+    p.add_argument(
         "--grace-s",
         type=int_range(1, 3600),
         default=10,
@@ -157,6 +164,7 @@ def cluster_up(args: argparse.Namespace) -> None:
         gpus=args.gpus,
         job_container=args.job_container,
         cgroup=args.cgroup,
+        configless=args.configless,
     )
     if args.json:
         output.emit_json(

@@ -100,12 +100,15 @@ def slurm_conf_text(
     gpus: int = 0,
     job_container: bool = False,
     cgroup: bool = False,
+    configless: bool = False,
 ) -> str:
     """`accounting`: slurm.conf lines that replace the accounting_storage/none default.
     `nodes` and `net`: several nodes, each at its address on `net`. `gpus`: GPUs per node as
     Slurm counts them (generic resources without devices, gres.conf beside slurm.conf).
     `cgroup`: proctrack/cgroup and task/cgroup (cgroup.conf beside slurm.conf) instead of
-    proctrack/linuxproc and task/none."""
+    proctrack/linuxproc and task/none. `configless`: slurmctld serves its configuration to
+    the nodes (SlurmctldParameters=enable_configless), plugstack.conf with it (at its default
+    path, beside slurm.conf: a node reads it from its cache)."""
     s = lay.slurm
     gres = f" Gres=gpu:{gpus}" if gpus else ""
     acct = (
@@ -161,7 +164,7 @@ StateSaveLocation={s}/state
 SlurmctldPidFile={s}/slurmctld.pid
 SlurmctldLogFile={s}/slurmctld.log
 {slurmd}
-PlugStackConfig={lay.etc}/plugstack.conf
+{"" if configless else f"PlugStackConfig={lay.etc}/plugstack.conf"}
 ProctrackType=proctrack/{"cgroup" if cgroup else "linuxproc"}
 TaskPlugin=task/{"cgroup" if cgroup else "none"}
 {acct}
@@ -173,6 +176,7 @@ SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters={select}
 SlurmdParameters=config_overrides
+{"SlurmctldParameters=enable_configless" if configless else ""}
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
@@ -241,12 +245,52 @@ def _nodes_up(lay: SlurmClusterDirs, state: dict[str, Any]) -> Net:
             node,
             lay.root / "ns" / f"{node}.holder",
             _shared_paths(lay),
-            binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))],
+            binds=[(str(lay.node_dir(node) / "spool"), str(lay.slurm / "spool"))]
+            # configless: the node has no slurm.conf but the one slurmd fetches.
+            + ([(str(_no_etc(lay)), str(lay.etc))] if state.get("configless") else []),
             **_cgroup_holder(state, node),
         )
         write_state(lay, state)
         nodehost.attach(net, holders[node], i)
     return net
+
+
+def _no_etc(lay: SlurmClusterDirs) -> Path:
+    """An empty directory that hides the cluster's etc/ on the nodes of a configless cluster."""
+    return lay.root / "nodes" / "no-etc"
+
+
+# Where a configless node finds its configuration: slurmd (22.05 and later) links it to the
+# copy it fetched from slurmctld (SlurmdSpoolDir/conf-cache).
+CONFIGLESS_CONF = Path("/run/slurm/conf/slurm.conf")
+
+
+def node_slurm_conf(lay: SlurmClusterDirs, node: str) -> Path:
+    """The slurm.conf a command on `node` reads: the cluster's, or on a configless cluster
+    the copy its slurmd fetched."""
+    if read_state(lay).get("configless"):
+        return CONFIGLESS_CONF
+    return lay.slurm_conf
+
+
+def _munge_on_nodes(lay: SlurmClusterDirs, state: dict[str, Any]) -> None:
+    """configless: a slurmd fetches its configuration before it has read AuthInfo, so it asks
+    munged at munge's default socket; each node gets the cluster's munged there."""
+    link = lay.munge / "munge.socket.2"
+    if not link.is_symlink():
+        link.symlink_to("munge.sock")
+    for node in state["nodes"]:
+        commands.slurm(
+            [
+                *_node_prefix(lay, node),
+                "sh",
+                "-ec",
+                'mkdir -p /run/munge && mount --bind "$1" /run/munge',
+                "sh",
+                str(lay.munge),
+            ],
+            _client_env(lay),
+        )
 
 
 def _cgroup_holder(state: dict[str, Any], node: str) -> dict[str, Any]:
@@ -349,6 +393,7 @@ def up(
     gpus: int = 0,
     job_container: bool = False,
     cgroup: bool = False,
+    configless: bool = False,
 ) -> SlurmClusterDirs:
     """Start the cluster under `root` (created if needed); returns its layout.
 
@@ -365,7 +410,11 @@ def up(
 
     `cgroup`: Slurm as sites run it, proctrack/cgroup and task/cgroup with ConstrainRAMSpace
     (--mem is a hard limit), each node's slurmd in a cgroup subtree of its own
-    (stasis.dev.slurmcgroup)."""
+    (stasis.dev.slurmcgroup).
+
+    `configless`: slurmctld serves its configuration (enable_configless) and each node's
+    slurmd fetches it (`--conf-server`) into its cache; the nodes have no slurm.conf of their
+    own (the cluster's etc/ is an empty directory there), as on sites that run Slurm so."""
     if os.geteuid() != 0:
         raise UsageError("local-cluster up must run as root (it starts slurmd and munged)")
     if not 1 <= nodes <= MAX_NODES:
@@ -410,13 +459,21 @@ def up(
             )
     if len(bare) == len(names):
         raise UsageError("at least one node must have stasis")
+    if configless and (nodes < 2 or bare):
+        raise UsageError(
+            "--configless needs several nodes (--nodes N) and no --without-stasis: only a node "
+            "of its own has a /run and an etc/ that are not this machine's"
+        )
     dirs = [lay.etc, lay.slurm, lay.slurm / "state", lay.slurm / "spool", lay.stasis, lay.lib]
     dirs += [p for n in names if nodes > 1 for p in (lay.node_dir(n), lay.node_dir(n) / "spool")]
+    dirs += [_no_etc(lay)] if configless else []
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
     started: dict[str, int] = {}
     state: dict[str, Any] = {"pids": started, "nodes": names, "without_stasis": bare}
+    if configless:
+        state["configless"] = True
     if machine is not None:
         state["cgroup"] = {"version": machine.version, "base": slurmcgroup.base_name(root)}
         (lay.etc / "cgroup.conf").write_text(slurmcgroup.cgroup_conf(machine))
@@ -429,6 +486,8 @@ def up(
         if machine is not None and nodes == 1:
             _cgroup_node_up(lay, state)
         started["munged"] = _start_munge(lay)
+        if configless:
+            _munge_on_nodes(lay, state)
         hostname = socket.gethostname().split(".")[0]
         acct_conf = ""
         if accounting:
@@ -445,6 +504,7 @@ def up(
                 gpus=gpus,
                 job_container=job_container,
                 cgroup=machine is not None,
+                configless=configless,
             )
         )
         (lay.slurm_conf.parent / "gres.conf").write_text(_gres_conf(lay, gpus))
@@ -588,6 +648,7 @@ def _make_site_key(lay: SlurmClusterDirs) -> None:
 
 def _stasis_config(lay: SlurmClusterDirs, node: str, socket_group: str, remote_port: int) -> str:
     several = len(lay.nodes()) > 1
+    configless = bool(read_state(lay).get("configless"))
     home = lay.node_dir(node) if several else lay.stasis
     return (
         f"socket = {_q(str(home / 'stasis.sock'))}\n"
@@ -597,8 +658,9 @@ def _stasis_config(lay: SlurmClusterDirs, node: str, socket_group: str, remote_p
         f"site_key = {_q(str(lay.site_key))}\n"
         f"slurm_node_name = {_q(node)}\n"
         + (f"node_name = {_q(node)}\n" if several else "")
-        + f"slurm_conf = {_q(str(lay.slurm_conf))}\n"
-        f"slurm_remote_port = {remote_port}\n"
+        # configless: no slurm_conf, as on such a site's nodes (stasis finds Slurm's copy).
+        + ("" if configless else f"slurm_conf = {_q(str(lay.slurm_conf))}\n")
+        + f"slurm_remote_port = {remote_port}\n"
     )
 
 
@@ -642,6 +704,8 @@ def _start_stasis(lay: SlurmClusterDirs, node: str) -> int:
     home = config.parent
     log = home / "daemon.log"
     env = {**_client_env(lay), "LANG": "C.UTF-8", "STASIS_CONFIG": str(config)}
+    if read_state(lay).get("configless"):
+        del env["SLURM_CONF"]  # as a configless site's daemon: nothing names slurm.conf
     pid_file = home / "daemon.pid"
     pid_file.unlink(missing_ok=True)  # what it names below is this start's daemon
     try:
@@ -667,12 +731,16 @@ def _start_stasis(lay: SlurmClusterDirs, node: str) -> int:
 def _start_slurmd(lay: SlurmClusterDirs, node: str) -> int:
     pid_file = _slurmd_pid_file(lay, node)
     pid_file.unlink(missing_ok=True)
-    conf = lay.slurm_conf
-    if node in read_state(lay).get("without_stasis", []):
-        conf = _bare_conf(lay, node)
-    commands.slurm(
-        [*_node_prefix(lay, node), "slurmd", "-f", str(conf), "-N", node], _client_env(lay)
-    )
+    state = read_state(lay)
+    env = _client_env(lay)
+    if state.get("configless"):
+        port = install.conf_value(lay.slurm_conf.read_text(), "SlurmctldPort")
+        source = ["--conf-server", f"{Net(int(state['net_id'])).host_addr}:{port}"]
+        del env["SLURM_CONF"]  # nothing but the server tells it where its configuration is
+    else:
+        conf = _bare_conf(lay, node) if node in state.get("without_stasis", []) else lay.slurm_conf
+        source = ["-f", str(conf)]
+    commands.slurm([*_node_prefix(lay, node), "slurmd", *source, "-N", node], env)
     _wait(lambda: detached.alive(detached.read_pid(pid_file)), 20, f"slurmd of {node}")
     return detached.read_pid(pid_file) or 0
 
@@ -835,7 +903,7 @@ def exec_argv(root: Path, node: str, argv: list[str]) -> tuple[list[str], dict[s
     _check_node(lay, node)
     env = {
         **os.environ,
-        "SLURM_CONF": str(lay.slurm_conf),
+        "SLURM_CONF": str(node_slurm_conf(lay, node)),
         "STASIS_CONFIG": str(lay.config_of(node)),
     }
     return [*_node_prefix(lay, node), *argv], env

@@ -43,6 +43,8 @@ SPANK_PLUGIN(stasis, 1);
 #define EXIT_RESTORED 0
 #define EXIT_FRESH 10
 #define EXIT_OFF 11
+/* Where slurmd keeps the configuration it fetched in configless mode (Slurm 22.05 and later). */
+#define CONFIGLESS_CACHE "/run/slurm/conf/slurm.conf"
 
 static char python[1024] = "";
 static char launcher[1024] = "";
@@ -180,8 +182,13 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
             snprintf(env_conf, sizeof(env_conf), "STASIS_CONFIG=%s", conf_here);
             envp[n++] = env_conf;
         }
-        if (slurm_conf[0]) {
-            snprintf(env_slurm, sizeof(env_slurm), "SLURM_CONF=%s", slurm_conf);
+        /* A configless node has no slurm.conf at the controller's path (the plugstack.conf
+         * slurmctld served names it): its slurmd's cached copy is the node's configuration. */
+        const char *slurm_here = slurm_conf;
+        if (slurm_conf[0] && access(slurm_conf, F_OK) != 0)
+            slurm_here = access(CONFIGLESS_CACHE, F_OK) == 0 ? CONFIGLESS_CACHE : "";
+        if (slurm_here[0]) {
+            snprintf(env_slurm, sizeof(env_slurm), "SLURM_CONF=%s", slurm_here);
             envp[n++] = env_slurm;
         }
         envp[n++] = "LANG=C.UTF-8";
