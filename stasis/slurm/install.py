@@ -17,6 +17,12 @@ owned by root, or writable by group or others is refused, never read or followed
 slurm.conf (`.stasis-install.json`), so that `uninstall` restores them byte for byte (a file
 edited since is reverted by taking our block and lines out instead). Installing twice changes
 nothing. Applying it needs `scontrol reconfigure`, not a restart.
+
+Configless (slurmctld serves slurm.conf, plugstack.conf and cli_filter.lua; a node has no
+slurm.conf but slurmd's cached copy in /run/slurm/conf): installed on the controller with every
+role it serves (`--node-role controller --node-role worker`: the files it serves), then on each
+node where --slurm-conf does not exist and that copy does, `--node-role worker` puts only the
+node's own files in place (plugin, launcher, srun, unit without SLURM_CONF: Slurm finds its copy).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ UNIT_NAME = "stasis.service"
 DEFAULT_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 DEFAULT_LIB_DIR = Path("/usr/local/lib/stasis")
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
+# A configless node's slurm.conf: slurmd (22.05 and later) links it to what it fetched.
+CONFIGLESS_CONF = Path("/run/slurm/conf/slurm.conf")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class InstallOptions:
     systemd_dir: Path | None = DEFAULT_SYSTEMD_DIR  # None: no unit file
     python: str = sys.executable
     warn_s: int = 60  # --signal=B:URG@N, capped at a sixth of the job's time limit
+    configless_conf: Path = CONFIGLESS_CONF
 
 
 @dataclass
@@ -270,9 +279,10 @@ def srun_path(lib_dir: Path) -> Path:
     return steps.install_dir(lib_dir) / steps.SRUN_NAME
 
 
-def unit_text(opts: InstallOptions) -> str:
+def unit_text(opts: InstallOptions, configless: bool = False) -> str:
     stasis = Path(opts.python).parent / "stasis"
-    env = [f"Environment=SLURM_CONF={opts.slurm_conf}"]
+    # configless: no SLURM_CONF (a path that does not exist stops scontrol; Slurm finds its copy).
+    env = [] if configless else [f"Environment=SLURM_CONF={opts.slurm_conf}"]
     if opts.stasis_config:
         env.append(f"Environment=STASIS_CONFIG={opts.stasis_config}")
     return "\n".join(
@@ -321,8 +331,17 @@ def plan(opts: InstallOptions) -> Plan:
             f"unknown node role {', '.join(sorted(bad)) or '(none)'}: " f"use {', '.join(ROLES)}"
         )
     conf_text = _read(opts.slurm_conf)
-    if conf_text is None:
-        raise UsageError(f"{opts.slurm_conf} does not exist; point --slurm-conf at slurm.conf")
+    configless = conf_text is None and opts.configless_conf.exists()
+    if conf_text is None and not (configless and opts.roles == {"worker"}):
+        raise UsageError(
+            f"{opts.slurm_conf} does not exist; point --slurm-conf at slurm.conf"
+            + (
+                " (on a configless node, only --node-role worker installs: the controller's "
+                "install writes what slurmctld serves)"
+                if configless
+                else ""
+            )
+        )
     etc = opts.slurm_conf.parent
     p = Plan()
 
@@ -331,6 +350,9 @@ def plan(opts: InstallOptions) -> Plan:
         after = make(before.decode() if before is not None else None).encode()
         p.changes.append(Change(path, before, after, mode))
 
+    if conf_text is None:
+        _plan_node_files(opts, p, text_change, configless=True)
+        return p
     text_change(opts.slurm_conf, lambda t: edit_slurm_conf(t or ""))
     for name in ("cli_filter.lua", "job_submit.lua"):
         check_site_script(etc / name)
@@ -351,16 +373,31 @@ def plan(opts: InstallOptions) -> Plan:
             conf_value(conf_text.decode(), "PlugStackConfig") or etc / "plugstack.conf"
         )
         text_change(plugstack, lambda t: merge_plugstack(t, plugstack_line(opts)))
-        text_change(opts.lib_dir / LAUNCHER_NAME, lambda t: launcher_text(opts.python), 0o755)
-        text_change(srun_path(opts.lib_dir), lambda t: srun_text(opts.python), 0o755)
-        c_path = opts.lib_dir / C_NAME
-        text_change(c_path, lambda t: _asset(C_NAME))
-        p.so_path, p.c_path = opts.lib_dir / SO_NAME, c_path
-        p.build_so = p.changes[-1].changed or not p.so_path.exists()
-        if opts.systemd_dir is not None:
-            p.unit = opts.systemd_dir / UNIT_NAME
-            text_change(p.unit, lambda t: unit_text(opts))
+        _plan_node_files(opts, p, text_change, configless=False)
     return p
+
+
+def _plan_node_files(
+    opts: InstallOptions,
+    p: Plan,
+    text_change: Callable[[Path, Callable[[str | None], str], int], None],
+    *,
+    configless: bool,
+) -> None:
+    """A worker's own files: the launcher, our srun, the plugin's source (built if changed), the
+    daemon's unit."""
+    if configless:
+        for path, what in ((opts.lib_dir, "--lib-dir"), (Path(opts.python), "python")):
+            _check_plain(path, what)
+    text_change(opts.lib_dir / LAUNCHER_NAME, lambda t: launcher_text(opts.python), 0o755)
+    text_change(srun_path(opts.lib_dir), lambda t: srun_text(opts.python), 0o755)
+    c_path = opts.lib_dir / C_NAME
+    text_change(c_path, lambda t: _asset(C_NAME), 0o644)
+    p.so_path, p.c_path = opts.lib_dir / SO_NAME, c_path
+    p.build_so = p.changes[-1].changed or not p.so_path.exists()
+    if opts.systemd_dir is not None:
+        p.unit = opts.systemd_dir / UNIT_NAME
+        text_change(p.unit, lambda t: unit_text(opts, configless), 0o644)
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:

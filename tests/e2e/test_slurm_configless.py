@@ -117,3 +117,17 @@ def test_a_checkpoint_asked_from_a_login_node_requeues_the_job(cluster: Cluster)
     assert '"requeued": true' in answer, answer
     c.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), 120)
     resumed_once(c, job, 20)
+
+
+def test_a_worker_install_on_a_configless_node_puts_only_its_own_files(cluster: Cluster) -> None:
+    c = cluster
+    etc, lib = c.root / "node-etc", c.root / "node-lib"  # no slurm.conf there: a configless node
+    args = ["slurm", "install", "--node-role", "worker", "--slurm-conf", str(etc / "slurm.conf")]
+    out = c.on("n2", STASIS, *args, "--lib-dir", str(lib), "--no-systemd").stdout
+    assert f"built {lib / 'stasis_spank.so'}" in out, out
+    assert sorted(p.name for p in etc.iterdir()) == [".stasis-install.json"]
+    # Off a configless node (here, where /run/slurm/conf has no copy) it is refused.
+    refused = c.stasis(*args, "--lib-dir", str(lib), "--no-systemd", check=False)
+    assert refused.returncode == 2 and "does not exist" in refused.stderr
+    c.on("n2", STASIS, "slurm", "uninstall", "--slurm-conf", str(etc / "slurm.conf"))
+    assert not lib.exists() or not any(lib.rglob("*.so"))

@@ -340,3 +340,45 @@ def test_a_site_cli_filter_is_chained_and_given_back_byte_for_byte(site: Path) -
     cli(site, "uninstall")
     assert snapshot(site) == before
     assert (etc / "cli_filter.lua").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_configless_worker_gets_only_its_own_files(tmp_path: Path) -> None:
+    """No slurm.conf at --slurm-conf, slurmd's cached copy present: the node's own files only
+    (slurm.conf, plugstack.conf and cli_filter.lua are the controller's, served to it), the
+    unit without SLURM_CONF; uninstall removes them all."""
+    cache = tmp_path / "run-slurm-conf" / "slurm.conf"
+    cache.parent.mkdir()
+    cache.write_text("ClusterName=site\nSlurmctldParameters=enable_configless\n")
+    etc = tmp_path / "etc" / "slurm"
+    opts = inst.InstallOptions(
+        roles=frozenset({"worker"}),
+        slurm_conf=etc / "slurm.conf",
+        lib_dir=tmp_path / "lib",
+        systemd_dir=tmp_path / "systemd",
+        configless_conf=cache,
+    )
+    inst.install(opts, out=None)
+    made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert made == [
+        "etc/slurm/.stasis-install.json",
+        "lib/bin/srun",
+        "lib/stasis-slurm-launch",
+        "lib/stasis_spank.c",
+        "lib/stasis_spank.so",
+        "run-slurm-conf/slurm.conf",
+        "systemd/stasis.service",
+    ]
+    unit = (tmp_path / "systemd" / "stasis.service").read_text()
+    assert "SLURM_CONF" not in unit and "ExecStart=" in unit
+    inst.uninstall(etc / "slurm.conf", out=None)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["run-slurm-conf/slurm.conf"]
+    # Any other role needs the slurm.conf it edits, on the controller.
+    with pytest.raises(UsageError, match="only --node-role worker installs"):
+        inst.plan(
+            inst.InstallOptions(
+                roles=frozenset({"worker", "login"}),
+                slurm_conf=etc / "slurm.conf",
+                configless_conf=cache,
+            )
+        )
