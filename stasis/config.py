@@ -151,8 +151,9 @@ class Settings(NamedTuple):
         str,
         Setting(
             CORE,
-            "stasis-init, the jobs' init (`make install` builds it; jobs run it as their "
-            'user); `""`: `/usr/local/libexec/stasis/stasis-init`, else beside the Python',
+            "stasis-init, the jobs' init (`make install` and the stasis package install it; "
+            'jobs run it as their user); `""`: `/usr/libexec/stasis/stasis-init`, else '
+            "`/usr/local/libexec/stasis/stasis-init`, else beside the Python",
         ),
     ] = ""
     # "auto": the page cache while the disk keeps up (as fast, no second copy), a tmpfs while

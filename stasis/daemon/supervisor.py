@@ -44,9 +44,10 @@ from stasis.errors import StasisError, UsageError
 from stasis.layout import StateLayout
 from stasis.wire import WireError
 
-# `make install` puts stasis-init (stasis/daemon/stasis-init.c) here, where every job's user may
-# run it, and builds it next to the venv's python.
-_INIT_CANDIDATES = ("/usr/local/libexec/stasis/stasis-init",)
+# `make install` and the node package put stasis-init (stasis/daemon/stasis-init.c) at the first
+# path, where every job's user may run it (`make install` also builds it next to the venv's
+# python); the second is where `make install` put it before (it links it to the first now).
+_INIT_CANDIDATES = ("/usr/libexec/stasis/stasis-init", "/usr/local/libexec/stasis/stasis-init")
 
 
 def find_init(configured: str) -> str:

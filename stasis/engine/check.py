@@ -87,6 +87,7 @@ def run_check(settings: Settings, readiness: Sequence[wire.Problem] = ()) -> wir
         [settings.init]
         if settings.init
         else [
+            "/usr/libexec/stasis/stasis-init",
             "/usr/local/libexec/stasis/stasis-init",
             str(Path(sys.executable).parent / "stasis-init"),
         ]
