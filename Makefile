@@ -32,14 +32,27 @@ $(BIN)/stasis: pyproject.toml
 
 # The init of every job's PID namespace (static: it is part of every checkpoint, keep it small).
 # Jobs exec it as their own user: it goes where every user may run it, not only into the venv.
-INIT := /usr/local/libexec/stasis/stasis-init
+# The node package puts the same binary at the same path: CRIU restores it by path (and checks
+# its size and build-id), so a checkpoint of either install restores on the other.
+INIT := /usr/libexec/stasis/stasis-init
+# Where `make install` put it before: checkpoints made then name this path.
+OLD_INIT := /usr/local/libexec/stasis/stasis-init
 init: $(INIT)
+	mkdir -p $(dir $(OLD_INIT)) && ln -sfn $(INIT) $(OLD_INIT)
 
 $(BIN)/stasis-init: stasis/daemon/stasis-init.c $(BIN)/stasis
 	gcc -O2 -Wall -Wextra -Werror -static -o $@ $<
 
+# Running jobs run it: a changed one never replaces it in place (a job whose init was deleted
+# under it could no longer be restored by its owner): the old one is moved aside under its hash
+# (its jobs then show that path, and their checkpoints find it); the old path's is moved here.
 $(INIT): $(BIN)/stasis-init
-	install -D -m 0755 $< $@
+	mkdir -p $(dir $@)
+	if [ ! -e $@ ] && [ -f $(OLD_INIT) ] && [ ! -L $(OLD_INIT) ]; then mv $(OLD_INIT) $@; fi
+	if ! cmp -s $< $@; then \
+	    if [ -f $@ ]; then mv -f $@ $@.$$(sha256sum < $@ | cut -c1-16); fi; \
+	    install -m 0755 $< $@.new && mv -f $@.new $@; \
+	fi
 
 # CRIU's RPC classes come from the rpc.proto of the CRIU that is installed, never from a copy.
 proto: $(PROTO_OUT)/rpc_pb2.py
