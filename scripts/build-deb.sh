@@ -4,9 +4,11 @@
 #
 #   stasis_VERSION_ARCH.deb       stasis in /opt/stasis/venv (a venv of Debian's python3.X with
 #                                 the pinned runtime dependencies of pyproject.toml: no dev extras,
-#                                 no stasis/dev), stasis-init beside its python (where the daemon
-#                                 looks), /usr/bin/stasis and /usr/bin/stasis-runc, the daemon's
-#                                 unit stasis.service, /etc/stasis/config.toml (a conffile)
+#                                 no stasis/dev), stasis-init (built as `make install` builds
+#                                 it; the postinst puts it where `make install` does,
+#                                 /usr/libexec/stasis), /usr/bin/stasis and
+#                                 /usr/bin/stasis-runc, the daemon's unit stasis.service,
+#                                 /etc/stasis/config.toml (a conffile)
 #   stasis-criu_CRIU-1+stasis_ARCH.deb
 #                                 /usr/sbin/criu: the CRIU scripts/install-criu.sh built here
 #                                 (4.2 with patches/criu/; stasis needs the patches, so stasis
@@ -89,12 +91,12 @@ setuptools=setuptools==75.3.0
 key=$(printf '%s\n%s\n%s\n%s\n' "$pyver" "$arch" "$deps" "$setuptools" | sha256sum | cut -c1-16)
 wheels=$work/wheels/$key
 venv=/opt/stasis/venv
-# The venv, built again only when what goes into it changed (the source, the pins, Python,
-# stasis-init.c): a build that only changes the package's version reuses it.
+# The venv, built again only when what goes into it changed (the source, the pins, Python):
+# a build that only changes the package's version reuses it.
 vroot=$work/venv-root
 sv=$vroot$venv
-vkey=$( (printf '%s\n' "$key"; tar -C "$src" --sort=name --mtime=@0 --owner=0 --group=0 -cf - .;
-    cat stasis/daemon/stasis-init.c) | sha256sum | cut -c1-16)
+vkey=$( (printf '%s\n' "$key"; tar -C "$src" --sort=name --mtime=@0 --owner=0 --group=0 -cf - .) |
+    sha256sum | cut -c1-16)
 if [ "$(cat "$vroot/.key" 2>/dev/null)" != "$vkey" ]; then
     rm -rf "$vroot"
     "/usr/bin/python$pyver" -m venv "$sv"
@@ -126,8 +128,6 @@ if [ "$(cat "$vroot/.key" 2>/dev/null)" != "$vkey" ]; then
     done
     find "$sv" -name __pycache__ -prune -exec rm -rf {} +
     "$sv/bin/python" -m compileall -q -j0 -s "$vroot" -p / "$sv/lib" >/dev/null
-    gcc -O2 -Wall -Wextra -Werror -static -o "$sv/bin/stasis-init" stasis/daemon/stasis-init.c
-    strip "$sv/bin/stasis-init"
     echo "$vkey" > "$vroot/.key"
 else
     echo "build-deb: stasis $version in $venv as built before (same source and pins)"
@@ -137,6 +137,16 @@ rm -rf "$stage"
 mkdir -p "$stage/opt/stasis"
 cp -al "$sv" "$stage$venv"
 echo "$debversion" > "$stage/opt/stasis/VERSION"
+# The jobs' init: every job runs it, as its own user, and it is part of every checkpoint. CRIU
+# restores it by path and checks its size and build-id, so it is built exactly as `make install`
+# builds it (same flags, not stripped), and the postinst puts it where `make install` does,
+# /usr/libexec/stasis/stasis-init: a checkpoint made under either install restores under the
+# other (on the same Debian release). The package's copy is /usr/lib/stasis/stasis-init: dpkg
+# would replace the file jobs run on every upgrade, and a running job whose init was deleted
+# under it can no longer be restored by its owner (CRIU recreates a deleted file beside it).
+install -d "$stage/usr/lib/stasis"
+gcc -O2 -Wall -Wextra -Werror -static -o "$stage/usr/lib/stasis/stasis-init" \
+    stasis/daemon/stasis-init.c
 
 install -d "$stage/usr/bin"
 ln -s $venv/bin/stasis "$stage/usr/bin/stasis"
