@@ -517,6 +517,18 @@ class Settings(NamedTuple):
             "last checkpoint is refused (a Warning event on the pod); `0` none",
         ),
     ] = 60
+    # `auto` for containers (stasis/k8s/intervals.py): no node can count its pods'
+    # interruptions (a deleted pod's replacement runs elsewhere), so the site says.
+    k8s_interruption_rate_per_hour: Annotated[
+        float,
+        Setting(
+            KUBERNETES,
+            "interruptions (evictions, preemptions, drains, node failures) per pod-hour on this "
+            "cluster, for the interval `STASIS_INTERVAL=auto` / `stasis.dev/interval: auto` "
+            "chooses (Young/Daly, within `interval_min_s`, `k8s_min_interval_s` and "
+            "`interval_max_s`); `0`: none known, the ceiling",
+        ),
+    ] = 0.0
     # Each failed `runc restore` fails the container's create, which the kubelet retries
     # (issue 28).
     k8s_restore_attempts: Annotated[
