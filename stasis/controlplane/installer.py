@@ -219,7 +219,8 @@ if [ "$have" != "$want" ]; then
 else
     say "stasis $want is installed in $prefix already"
 fi
-init=/usr/local/libexec/stasis/stasis-init
+# Where `make install` and the node package put it too: CRIU restores a job's init by path.
+init=/usr/libexec/stasis/stasis-init
 if [ ! -x "$init" ]; then
     src="$("$prefix/bin/python" -I -c 'import stasis, pathlib
 print(pathlib.Path(stasis.__file__).parent / "daemon" / "stasis-init.c")')"
