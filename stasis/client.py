@@ -197,6 +197,9 @@ class Client:
     def job(self, job_id: str) -> wire.Job:
         return self.call(routes.JOB, None, job=job_id)
 
+    def intervals(self) -> list[wire.JobInterval]:
+        return self.call(routes.INTERVALS, None)
+
     def kill(self, job_id: str, **request: Unpack[wire.KillRequest]) -> wire.KillAnswer:
         return self.call(routes.KILL, request, job=job_id)
 
@@ -289,8 +292,10 @@ class Client:
     ) -> wire.ContainerCheckpointAnswer:
         return self.call(routes.K8S_CHECKPOINT, request, container=container_id)
 
-    def k8s_interval(self, container_id: str, interval_s: int | None) -> wire.ContainerInfo:
-        request: wire.ContainerIntervalRequest = {"interval_s": interval_s}
+    def k8s_interval(
+        self, container_id: str, interval_s: int | None, auto: bool = False
+    ) -> wire.ContainerInfo:
+        request: wire.ContainerIntervalRequest = {"interval_s": interval_s, "auto": auto}
         return self.call(routes.K8S_INTERVAL, request, container=container_id)
 
     def k8s_forget(self, container_id: str) -> wire.Forgotten:

@@ -248,6 +248,11 @@ NETWORK_LOCKS: Route[None, list[wire.NetworkLock]] = Route(
     caller="root",  # the addresses and ports of every job's connections
     denied="only root may list network locks",
 )
+# Every periodic checkpoint interval of the node's integrations' jobs (root: all; a user: their
+# own), for `stasis ps`.
+INTERVALS: Route[None, list[wire.JobInterval]] = Route(
+    "intervals", "GET", "/intervals", caller="local"
+)
 
 CORE: tuple[AnyRoute, ...] = (
     RUN,
@@ -265,6 +270,7 @@ CORE: tuple[AnyRoute, ...] = (
     REKEY,
     CHECK,
     NETWORK_LOCKS,
+    INTERVALS,
 )
 
 # -- Slurm (stasis.slurm.integration) ----------------------------------------------------------

@@ -68,6 +68,25 @@ class Job(TypedDict):
     private_tmp: bool  # it sees its own /tmp and /var/tmp (stasis run --private-tmp)
 
 
+class JobInterval(TypedDict):
+    """A job's periodic checkpoint interval and why (GET /intervals: each integration's
+    `intervals` hook; `stasis ps` shows them)."""
+
+    job: str  # the integration's id: a Slurm job id, a container id
+    kind: str  # slurm, container
+    label: str
+    user: str
+    requested: str  # "auto" or the seconds asked ("600")
+    interval_s: float  # the interval in force
+    why: str  # one line: asked, or auto's cost, rate and bound
+    cost_s: float | None  # auto: one checkpoint's cost (seconds the job stands frozen)
+    cost_measured: bool  # False: estimated from its memory (no checkpoint measured yet)
+    mtbi_s: float | None  # auto: mean seconds between interruptions; None = no rate
+    raw_s: float | None  # auto: Young/Daly's value before the floor and ceiling
+    bound: str  # "", "floor" or "ceiling": which bound set interval_s
+    rate_per_hour: float | None  # auto: the interruption rate used (per node- or pod-hour)
+
+
 class KillRequest(TypedDict, total=False):
     signal: str | int  # TERM, SIGTERM, term, 15
     timeout_s: float | None  # None: the daemon's kill_timeout_s; 0: SIGKILL at once
@@ -407,6 +426,7 @@ class ContainerCheckpointRequest(TypedDict, total=False):
 
 class ContainerIntervalRequest(TypedDict, total=False):
     interval_s: int | None  # 0 = none; None = the container's own STASIS_INTERVAL
+    auto: bool  # Young/Daly's from its measured cost (stasis.dev/interval: auto)
 
 
 class ContainerRestoreRequest(TypedDict, total=False):
@@ -469,7 +489,8 @@ class ContainerInfo(TypedDict):
     label: str
     namespace: str
     pod: str | None
-    interval_s: int
+    interval_s: int  # the one in force (auto: Young/Daly's now, rounded); 0 = none
+    interval_auto: bool  # it asked for auto (STASIS_INTERVAL, stasis.dev/interval)
     restored_from: str | None
     last_checkpoint: str | None
     registered: str

@@ -159,6 +159,9 @@ def restore(args: argparse.Namespace, settings: Settings) -> None:
 def ps(args: argparse.Namespace, settings: Settings) -> None:
     with Client(settings.socket) as client:
         jobs = client.jobs()
+        # The integrations' jobs that checkpoint every so often (Slurm's STASIS_INTERVAL, a
+        # container's): the interval in force and why.
+        intervals = client.intervals()
     rows: list[dict[str, object]] = [
         {
             "job": j["job"],
@@ -172,12 +175,40 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
         for j in jobs
     ]
     if args.json:
-        output.emit_json(rows)
+        output.emit_json(
+            rows
+            + [
+                {"job": i["job"], "kind": i["kind"], "label": i["label"], "interval": i}
+                for i in intervals
+            ]
+        )
         return
     for r, j in zip(rows, jobs):
         r["command"] = " ".join(j["command"])
         r["tmp"] = "private" if r.pop("private_tmp") else "node"
     output.table(rows, ["job", "pid", "state", "label", "exit_code", "tmp", "command"])
+    if intervals:
+        from rich.markup import escape
+
+        output.plain("")
+        output.table(
+            [
+                {
+                    "kind": i["kind"],
+                    "job": i["job"],
+                    "label": i["label"],
+                    "interval": _interval(i["interval_s"]),
+                    "asked": i["requested"],
+                    "why": escape(i["why"]),
+                }
+                for i in intervals
+            ],
+            ["kind", "job", "label", "interval", "asked", "why"],
+        )
+
+
+def _interval(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 3600 else f"{seconds:.0f} s ({seconds / 3600:.1f} h)"
 
 
 def checkpoints(args: argparse.Namespace, settings: Settings) -> None:

@@ -28,8 +28,9 @@ __all__ = ["CoreRoutes", "errors", "make_app"]
 class CoreRoutes:
     """The core's handlers: `manager`'s work, as each route asks it."""
 
-    def __init__(self, manager: JobManager) -> None:
+    def __init__(self, manager: JobManager, integrations: Sequence[Integration] = ()) -> None:
         self.manager = manager
+        self.integrations = tuple(integrations)
 
     def run(self, call: Call[models.RunRequest]) -> wire.RunAnswer:
         return self.manager.run(call.body, call.caller)
@@ -81,6 +82,10 @@ class CoreRoutes:
     def network_locks(self, call: Call[None]) -> list[wire.NetworkLock]:
         return self.manager.netlocks.present()
 
+    def intervals(self, call: Call[None]) -> list[wire.JobInterval]:
+        # Each integration says which of its jobs the caller may see (Integration.job_intervals).
+        return [i for n in self.integrations for i in n.job_intervals(call.caller)]
+
 
 def make_app(
     manager: JobManager, integrations: Sequence[Integration] = (), middlewares: Sequence[Any] = ()
@@ -88,7 +93,7 @@ def make_app(
     """The API, with the routes of `integrations`; `middlewares` run inside the error handler
     (their refusals are JSON too)."""
     app = web.Application(middlewares=[errors, *middlewares])
-    add_routes(app, routes.CORE, CoreRoutes(manager), models.BY_WIRE)
+    add_routes(app, routes.CORE, CoreRoutes(manager, integrations), models.BY_WIRE)
     for integration in integrations:
         integration.check_routes()
         add_routes(app, integration.routes(), integration, integration.models)

@@ -12,6 +12,7 @@ the integrations to load and hands them to `serve`; each is a subclass of `Integ
         def slurm_health(self, call): ...       # ...served by the method of its name
         models = {wire.RegisterRequest: RegisterRequest, ...}  # what validates each request
         def tasks(self): return [Task("sweep registrations", 60.0, self.sweep)]
+        def job_intervals(self, caller): ...    # its jobs' periodic checkpoint intervals
         def close(self): ...                    # when the daemon stops
 
 Its handlers are given a `stasis.daemon.http.Call` (the caller, as the declaration identifies
@@ -31,10 +32,12 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel
 from sqlalchemy import Table
 
+from stasis import wire
 from stasis.routes import AnyRoute
 
 if TYPE_CHECKING:
     from stasis.daemon.jobs import JobManager
+    from stasis.daemon.users import Caller
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,12 @@ class Integration:
 
     def tasks(self) -> Sequence[Task]:
         return ()
+
+    def job_intervals(self, caller: Caller) -> list[wire.JobInterval]:
+        """The periodic checkpoint interval of each of its jobs that has one, as `caller` may
+        see them (GET /intervals, `stasis ps`): the core lists them without knowing the
+        integration."""
+        return []
 
     def close(self) -> None:
         """Called once when the daemon stops."""

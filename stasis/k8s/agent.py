@@ -20,7 +20,8 @@ Kubernetes API for its node and the pods on it:
   after a container's last checkpoint: a refusal is the container's answer;
 - interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
   leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again), never below
-  the daemon's floor (the k8s_min_interval_s setting).
+  the daemon's floor (the k8s_min_interval_s setting); `auto`: Young/Daly's from each
+  container's measured checkpoint cost (stasis.k8s.intervals).
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
 
@@ -146,7 +147,7 @@ class Agent:
     # pod -> the digest of its last request answered (bounded; kept in ANSWERED_FILE too).
     _answered: Recent = field(init=False)
     # container id -> the interval the agent asked for it (the daemon may have raised it).
-    _interval_set: dict[str, int] = field(default_factory=dict)
+    _interval_set: dict[str, int | str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Set once the node's uninstall was asked: the taint is never put back, nothing installed.
     uninstalling: bool = False
@@ -456,15 +457,17 @@ class Agent:
         self, pod: Any, ann: dict[str, str], ids: dict[str, str], ours: dict[str, ContainerInfo]
     ) -> None:
         raw = ann.get(kube.INTERVAL_ANNOTATION)
-        wanted: int | None = None
-        if raw is not None:
+        wanted: int | str | None = None  # seconds, "auto", or None: the container's own
+        if raw is not None and raw.strip().lower() == "auto":
+            wanted = "auto"
+        elif raw is not None:
             try:
                 wanted = int(raw)
                 if wanted < 0:
                     raise ValueError(raw)
             except ValueError:
                 log.warning(
-                    "pod %s/%s: %s=%r is not a whole number of seconds; ignored",
+                    "pod %s/%s: %s=%r is neither a whole number of seconds nor auto; ignored",
                     pod.metadata.namespace,
                     pod.metadata.name,
                     kube.INTERVAL_ANNOTATION,
@@ -475,12 +478,14 @@ class Agent:
             info = ours.get(cid)
             if info is None:
                 continue
+            # What the container has now, as the annotation would say it.
+            has: int | str = "auto" if info.get("interval_auto") else info["interval_s"]
             # Asked once per value: the daemon raises an interval below its floor, so the
             # container's may differ from the annotation's for good.
             if (
                 wanted is not None
                 and self._interval_set.get(cid) != wanted
-                and (cid in self._interval_set or info["interval_s"] != wanted)
+                and (cid in self._interval_set or has != wanted)
             ):
                 self._set_interval(cid, wanted)
                 self._interval_set[cid] = wanted
@@ -488,13 +493,18 @@ class Agent:
                 self._set_interval(cid, None)
                 del self._interval_set[cid]
 
-    def _set_interval(self, container_id: str, seconds: int | None) -> None:
+    def _set_interval(self, container_id: str, seconds: int | str | None) -> None:
         with self._client() as c:
-            c.k8s_interval(container_id, seconds)
+            if seconds == "auto":
+                c.k8s_interval(container_id, None, auto=True)
+            else:
+                c.k8s_interval(container_id, seconds if isinstance(seconds, int) else None)
         log.info(
             "container %s: checkpoint interval %s",
             container_id,
-            f"{seconds} s" if seconds is not None else "its own STASIS_INTERVAL",
+            "its own STASIS_INTERVAL"
+            if seconds is None
+            else f"{seconds}" + ("" if seconds == "auto" else " s"),
         )
 
 

@@ -55,12 +55,13 @@ from sqlalchemy import (
     update,
 )
 
-from stasis import faults
+from stasis import faults, wire
 from stasis.config import Settings
 from stasis.daemon import records
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
+from stasis.engine import proctree
 from stasis.errors import (
     ContainerError,
     CorruptCheckpointError,
@@ -72,6 +73,7 @@ from stasis.errors import (
     UsageError,
 )
 from stasis.k8s import freezes, oci, restorefails, rootfs
+from stasis.k8s.intervals import AUTO, AutoIntervals
 from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
@@ -192,6 +194,9 @@ class Containers:
         # frozen is settled at the start (`settle_freezes`), and retried while runc fails.
         self.freezes = freezes.FreezeJournal(manager.settings.state_dir / freezes.DIRECTORY)
         self._unsettled: list[freezes.Freeze] = []
+        # `auto` intervals: each checkpoint's frozen time is its container's cost.
+        self.auto = AutoIntervals(manager.settings)
+        manager.activity.add(self.auto.heard)
 
     # -- the registry ---------------------------------------------------------------------
 
@@ -211,7 +216,9 @@ class Containers:
             "label": bundle.label,
             "namespace": bundle.namespace,
             "pod": bundle.pod,
-            "interval_s": self._floored(bundle.interval_s, root, cid),
+            "interval_s": AUTO
+            if bundle.interval_auto
+            else self._floored(bundle.interval_s, root, cid),
             "restored_from": restored.id if restored else req.restored_from,
             "last_checkpoint": None,
             "last_checkpoint_at": int(time.time()),
@@ -223,7 +230,8 @@ class Containers:
             )
             conn.execute(insert(k8s_containers_table).values(**row))
         self.records.refresh(k8s_containers_table, cid)
-        return _info(row)
+        self.auto.forget(cid)  # a new run: its cost is measured again
+        return self._info(row)
 
     def _restored(
         self, container_id: str, bundle: Bundle, checkpoint: str | None
@@ -345,7 +353,7 @@ class Containers:
         _root_only(caller)
         with self.db.transaction() as conn:
             rows = conn.execute(select(k8s_containers_table)).mappings().all()
-        return [_info(dict(r)) for r in rows]
+        return [self._info(dict(r)) for r in rows]
 
     def set_interval(
         self, container_id: str, req: IntervalRequest, caller: Caller
@@ -355,14 +363,52 @@ class Containers:
         row = self._row(container_id)
         if row is None:
             raise NotFoundError(f"no container {container_id} under stasis on this node")
-        interval = req.interval_s
-        if interval is None:
-            interval = read_bundle(Path(row["bundle"]), container_id).interval_s
-        interval = self._floored(interval, Path(row["runc_root"]), container_id)
+        if req.auto:
+            interval = AUTO
+        elif req.interval_s is None:
+            bundle = read_bundle(Path(row["bundle"]), container_id)
+            interval = AUTO if bundle.interval_auto else bundle.interval_s
+        else:
+            interval = req.interval_s
+        if interval != AUTO:
+            interval = self._floored(interval, Path(row["runc_root"]), container_id)
         # Counted from now: a shorter interval does not fire at once for an old checkpoint.
         self._set(container_id, interval_s=interval, last_checkpoint_at=int(time.time()))
         row.update(interval_s=interval)
-        return _info(row)
+        return self._info(row)
+
+    def interval_of(self, row: dict[str, Any]) -> wire.JobInterval:
+        """A registered container's interval in force and why (auto: stasis.k8s.intervals)."""
+        return self.auto.job_interval(row, lambda: self._resident(row))
+
+    def _resident(self, row: dict[str, Any]) -> int:
+        """The resident memory of a container's processes (0: not running, or unreadable)."""
+        try:
+            state = self._runc(Path(row["runc_root"])).state(row["container_id"])
+            return proctree.resident_bytes(int(str(state.get("pid"))))
+        except (StasisError, OSError, ValueError):
+            return 0
+
+    def job_intervals(self, caller: Caller) -> list[wire.JobInterval]:
+        """Every registered container's interval, where it has one (root only: containers
+        belong to no local user)."""
+        if not caller.is_root:
+            return []
+        with self.db.transaction() as conn:
+            rows = (
+                conn.execute(
+                    select(k8s_containers_table).where(k8s_containers_table.c.interval_s != 0)
+                )
+                .mappings()
+                .all()
+            )
+        return [self.interval_of(dict(r)) for r in rows]
+
+    def _info(self, row: dict[str, Any]) -> ContainerInfo:
+        auto = row["interval_s"] == AUTO
+        if auto:
+            row = {**row, "interval_s": round(self.interval_of(row)["interval_s"])}
+        return _info(row, auto)
 
     def forget(self, container_id: str, caller: Caller) -> Forgotten:
         _root_only(caller)
@@ -610,14 +656,19 @@ class Containers:
         with self.db.transaction() as conn:
             rows = (
                 conn.execute(
-                    select(k8s_containers_table).where(k8s_containers_table.c.interval_s > 0)
+                    select(k8s_containers_table).where(k8s_containers_table.c.interval_s != 0)
                 )
                 .mappings()
                 .all()
             )
         for row in rows:
+            interval = (
+                self.interval_of(dict(row))["interval_s"]
+                if row["interval_s"] == AUTO
+                else row["interval_s"]
+            )
             # A row kept from before the floor was raised is held to it too.
-            if now - (row["last_checkpoint_at"] or 0) < max(row["interval_s"], self.min_interval_s):
+            if now - (row["last_checkpoint_at"] or 0) < max(interval, self.min_interval_s):
                 continue
             try:
                 self.checkpoint(
@@ -1168,7 +1219,7 @@ def _resume(runc: Runc, container_id: str) -> bool:
         return False
 
 
-def _info(row: dict[str, Any]) -> ContainerInfo:
+def _info(row: dict[str, Any], auto: bool = False) -> ContainerInfo:
     return ContainerInfo(
         container_id=row["container_id"],
         runc_root=row["runc_root"],
@@ -1177,6 +1228,7 @@ def _info(row: dict[str, Any]) -> ContainerInfo:
         namespace=row["namespace"],
         pod=row["pod"],
         interval_s=row["interval_s"],
+        interval_auto=auto,
         restored_from=row["restored_from"],
         last_checkpoint=row["last_checkpoint"],
         registered=row["registered"],

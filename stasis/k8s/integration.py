@@ -37,6 +37,7 @@ from stasis import routes, wire
 from stasis.daemon.http import Call
 from stasis.daemon.integration import Integration, Task
 from stasis.daemon.jobs import JobManager
+from stasis.daemon.users import Caller
 from stasis.k8s import kube
 from stasis.k8s import models as k8s_models
 from stasis.k8s.containers import Containers, k8s_containers_table
@@ -91,6 +92,9 @@ class K8sIntegration(Integration):
 
     def routes(self) -> Sequence[routes.AnyRoute]:
         return routes.K8S
+
+    def job_intervals(self, caller: Caller) -> list[wire.JobInterval]:
+        return self.containers.job_intervals(caller)
 
     def k8s_containers(self, call: Call[None]) -> list[wire.ContainerInfo]:
         return self.containers.all(call.caller)

@@ -59,6 +59,9 @@ class IntervalRequest(_Model):
     # Seconds between leave-running checkpoints, 0 = none; None = the container's own
     # STASIS_INTERVAL again (the agent sets it from the pod's stasis.dev/interval annotation).
     interval_s: int | None = Field(default=None, ge=0, le=7 * 86400)
+    # Young/Daly's interval from its measured cost (stasis.k8s.intervals; stasis.dev/interval:
+    # auto); interval_s is then not read.
+    auto: bool = False
 
 
 class DrainRequest(_Model):

@@ -88,6 +88,7 @@ class Bundle:
     args: list[str]
     cwd: str
     rootfs: Path
+    interval_auto: bool = False  # STASIS_INTERVAL=auto: Young/Daly's (stasis.k8s.intervals)
 
     @property
     def uid(self) -> int:
@@ -104,8 +105,9 @@ def read_bundle(path: Path, container_id: str) -> Bundle:
     process = config.get("process") or {}
     env = dict(item.split("=", 1) for item in process.get("env") or [] if "=" in item)
     label = next((env[v] for v in LABEL_VARIABLES if env.get(v)), None)
+    auto = (env.get(INTERVAL_VARIABLE) or "").strip().lower() == "auto"
     try:
-        interval = int(env.get(INTERVAL_VARIABLE) or 0)
+        interval = 0 if auto else int(env.get(INTERVAL_VARIABLE) or 0)
     except ValueError:
         interval = 0
     annotations = config.get("annotations") or {}
@@ -123,6 +125,7 @@ def read_bundle(path: Path, container_id: str) -> Bundle:
         args=list(process.get("args") or []),
         cwd=process.get("cwd") or "/",
         rootfs=root if root.is_absolute() else path / root,
+        interval_auto=auto,
     )
 
 

@@ -56,7 +56,7 @@ from stasis.engine import proctree
 from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
 from stasis.slurm import held, interruptions, mirrors, remote, scontrol
 from stasis.slurm import models as slurm_models
-from stasis.slurm.intervals import Intervals
+from stasis.slurm.intervals import Intervals, job_interval
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
@@ -384,6 +384,9 @@ class SlurmIntegration(Integration):
 
     def slurm_intervals(self, call: Call[None]) -> list[dict[str, Any]]:
         return self.intervals.listing(call.caller)
+
+    def job_intervals(self, caller: Caller) -> list[wire.JobInterval]:
+        return [job_interval(e) for e in self.intervals.listing(caller)]
 
     def slurm_finish(self, call: Call[slurm_models.FinishRequest]) -> wire.FinishAnswer:
         return self.jobs.finish(call.args["job"], call.body, call.caller)

@@ -30,6 +30,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from stasis import wire
 from stasis.config import Settings
 from stasis.daemon.activity import Activity
 from stasis.daemon.users import Caller
@@ -155,3 +156,23 @@ class Intervals:
             (e for e in found if caller.is_root or e["uid"] == caller.uid),
             key=lambda e: e["slurm_job"],
         )
+
+
+def job_interval(entry: dict[str, Any]) -> wire.JobInterval:
+    """One job's entry of the listing as the core's GET /intervals has it (`stasis ps`)."""
+    rate = entry.get("rate")
+    return wire.JobInterval(
+        job=entry["slurm_job"],
+        kind="slurm",
+        label=entry["label"],
+        user=entry["user"],
+        requested=entry["requested"],
+        interval_s=entry["interval_s"],
+        why=entry["why"],
+        cost_s=entry["cost_s"],
+        cost_measured=entry["cost_measured"],
+        mtbi_s=entry["mtbi_s"],
+        raw_s=entry["raw_s"],
+        bound=entry["bound"],
+        rate_per_hour=rate.get("rate_per_node_hour") if isinstance(rate, dict) else None,
+    )
