@@ -9,7 +9,7 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode init test demo bench lint format clean image docs deb
+.PHONY: install system venv proto bytecode init test demo bench lint format clean image docs deb deb-inputs
 
 install: system venv proto bytecode init
 
@@ -67,16 +67,20 @@ $(PROTO_OUT)/rpc_pb2.py: $(RPC_PROTO)
 bytecode: venv proto
 	$(BIN)/python -m compileall -q stasis
 
-# The node packages, without the test bench: build/stasis_VERSION_ARCH.deb and
-# build/stasis-criu_CRIU_ARCH.deb (scripts/build-deb.sh; CRIU is built here first).
-deb:
+# What the node packages are built from besides this checkout: our CRIU (built here) and the
+# RPC classes of its rpc.proto. Not the test bench.
+deb-inputs:
 	bash scripts/install-criu.sh
 	$(MAKE) proto
+
+# The node packages, without the test bench: build/stasis_VERSION_ARCH.deb and
+# build/stasis-criu_CRIU_ARCH.deb (scripts/build-deb.sh).
+deb: deb-inputs
 	bash scripts/build-deb.sh
 
 # The node agent's container image, an OCI archive: build/stasis-agent-VERSION.oci.tar
-# (Debian packages and this repository only; scripts/build-image.sh).
-image: install
+# (scripts/build-image.sh: the node packages, which it builds, in a Debian root).
+image: deb-inputs
 	bash scripts/build-image.sh
 
 lint: install

@@ -11,16 +11,14 @@
 #     and ca-certificates.
 #  3. The two packages installed in it by dpkg, as on a node (no systemd runs there: the unit
 #     is enabled, never started).
-#  4. Packed by stasis.k8s.image: one gzip layer, entrypoint `stasis`, command `k8s agent`.
-# Run as root (debootstrap, chroot) after `make install` (CRIU, the RPC classes, the venv that
-# packs the image).
+#  4. Packed by stasis.k8s.image (run by the image's own /opt/stasis/venv): one gzip layer,
+#     entrypoint `stasis`, command `k8s agent`.
+# Run as root (debootstrap, chroot) with what build-deb.sh needs (our CRIU built, the RPC
+# classes): `make image` provides them; it needs neither `make install` nor its venv.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [ "$(id -u)" = 0 ] || { echo "build-image: run as root (debootstrap, chroot)" >&2; exit 2; }
-[ -x .venv/bin/python ] && [ -x /usr/local/sbin/criu ] || {
-    echo "build-image: run \`make install\` first (the venv and CRIU go into the image)" >&2
-    exit 2; }
-version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("stasis"))')
+version=$(/usr/bin/python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 suite=$(. /etc/os-release && echo "$VERSION_CODENAME")
 out=${1:-build/stasis-agent-$version.oci.tar}
 work=build/image
@@ -65,4 +63,7 @@ rm -rf "$root/tmp/debs" "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/
 mkdir -p "$root/var/lib/stasis" "$root/run/stasis"
 
 mkdir -p "$(dirname "$out")"
-.venv/bin/python -m stasis.k8s.image "$root" "$out" "stasis/agent:$version" --version "$version"
+# Packed by the stasis the image holds (-I -B: nothing of this machine's environment, nothing
+# written into the root).
+"$root/opt/stasis/venv/bin/python" -I -B -m stasis.k8s.image "$root" "$out" "stasis/agent:$version" \
+    --version "$version"
