@@ -208,6 +208,8 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _interval(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     return f"{seconds:.0f} s" if seconds < 3600 else f"{seconds:.0f} s ({seconds / 3600:.1f} h)"
 
 
