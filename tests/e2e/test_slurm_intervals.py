@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from datetime import datetime
@@ -170,6 +171,20 @@ def test_auto_interval_shorter_where_preemptions_are(c: Cluster) -> None:
     assert all(FLOOR_S * 0.9 <= g <= lo["interval_s"] * 2 + 15 for g in gaps), (gaps, lo)
     out = c.output(low)
     assert "stasis: checkpoint interval" in out and "stasis: periodic checkpoint" in out
+
+    # `stasis ps` shows both, each with its interval and why (the owner's own listing; root's
+    # has them too).
+    for user in (TEST_USER, None):
+        rows = json.loads(c.stasis("ps", "--json", user=user).stdout)
+        shown = {r["job"]: r["interval"] for r in rows if "interval" in r}
+        assert shown[low]["kind"] == shown[high]["kind"] == "slurm", shown
+        assert (shown[high]["interval_s"], shown[high]["bound"]) == (CEILING_S, "ceiling")
+        assert shown[low]["requested"] == "auto" and shown[low]["cost_measured"] is True
+        assert shown[low]["rate_per_hour"] == pytest.approx(rate["rate_per_node_hour"])
+        assert shown[low]["raw_s"] == pytest.approx(daly(shown[low]["cost_s"], lo["mtbi_s"]))
+        assert "partition low" in shown[low]["why"]
+    text = c.stasis("ps", user=TEST_USER).stdout
+    assert re.search(rf"slurm +{low} +auto-low +", text) and "auto: checkpoint cost" in text
 
     # The state in them progresses: requeued (a node failure's stand-in), the job resumes from
     # its last periodic checkpoint, not from 0.
