@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from stasis.controlplane.registry import Principal, Registry
+from stasis.controlplane.access import Principal
+from stasis.controlplane.registry import Registry
 
 
 def _labels(**values: str) -> str:

@@ -49,12 +49,8 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane import events as event_log
-from stasis.controlplane.registry import (
-    HOOK_PREFIX,
-    Principal,
-    Registry,
-    validate_name,
-)
+from stasis.controlplane.access import HOOK_PREFIX, Principal, validate_name
+from stasis.controlplane.registry import Registry
 from stasis.controlplane.schema import policies
 from stasis.errors import NotFoundError, UnauthenticatedError, UsageError
 

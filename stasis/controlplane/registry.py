@@ -1,61 +1,57 @@
-"""What the control plane keeps: clusters, their tokens and nodes, in its database (SQLite file
-or PostgreSQL, by SQLAlchemy URL), migrated by Alembic when opened."""
+"""What the control plane knows of its nodes: their joining and credentials, heartbeats, the
+jobs and checkpoints they report, and the commands given to them (queued, leased, renewed,
+committed, answered, recovered). Its tables' SQL is here; tokens and clusters are
+stasis.controlplane.access's, the database stasis.controlplane.database's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from sqlalchemy import Engine, and_, case, create_engine, func, insert, select, update
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy import and_, case, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane import events as event_log
 from stasis.controlplane import migration, verdicts, wire
+from stasis.controlplane.access import (
+    NODE_PREFIX,
+    Access,
+    Principal,
+    iso_now,
+    stamp,
+    token_sha,
+    validate_name,
+)
 from stasis.controlplane.commands import Args, CheckpointArgs, Command, kind_of
 from stasis.controlplane.commands import Kind as CommandKind
 from stasis.controlplane.database import Database
-from stasis.controlplane.routes import RUN_POLICY
 from stasis.controlplane.schema import (
     checkpoints,
     clusters,
     commands,
-    events,
     node_credentials,
     nodes,
-    policies,
     restores,
-    tokens,
 )
 from stasis.controlplane.verdicts import CHECKPOINT_ID as CHECKPOINT_ID
 from stasis.errors import (
     ConflictError,
-    ControlPlaneError,
     NotFoundError,
     PermissionDeniedError,
-    UnauthenticatedError,
     UsageError,
 )
 
-TOKEN_PREFIX = "stasis_"
-HOOK_PREFIX = TOKEN_PREFIX + "hook_"  # a policy's (stasis.controlplane.policies)
-NODE_PREFIX = TOKEN_PREFIX + "node_"  # a node's own credential (node_credentials)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # What nodes may report as ids (job ids, users, labels): checked before they reach a form, a
 # path, a log or a command. Daemon job ids, Slurm ids (123, 123_4), container ids; users are
 # login names or "k8s:NAMESPACE"; labels are the store's (stasis.store.manifest).
 JOB_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
 USER = r"^[A-Za-z0-9._][A-Za-z0-9._:@-]{0,99}$"
 LABEL = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-Kind = Literal["slurm", "kubernetes"]
 # A command leased this many times without an answer (its daemon dies carrying it out, each
 # time) is failed rather than given out for ever.
 MAX_LEASES = 5
@@ -65,71 +61,13 @@ class _Raced(Exception):
     """A command's row changed between reading and failing it."""
 
 
-@dataclass(frozen=True)
-class Principal:
-    """Who a request comes from: the admin, a cluster's token (which only joins nodes and
-    reads the cluster's view), or one node of a cluster (its own credential)."""
-
-    kind: Literal["admin", "cluster", "node"]
-    token_id: str
-    cluster_id: str | None = None
-    node: str | None = None
-
-    def admin_only(self) -> None:
-        if self.kind != "admin":
-            raise PermissionDeniedError(
-                "this needs the admin token; a cluster token may only "
-                "join nodes, a node's credential only report and "
-                "carry out that node's commands"
-            )
-
-    def node_only(self, name: str, what: str) -> str:
-        """The node name of a node's own request about node `name`; refused for any other."""
-        if self.kind != "node" or self.node is None:
-            raise PermissionDeniedError(
-                f"{what} needs the node's own credential (it got one when it joined): a "
-                f"{self.kind} token may not act as "
-                + (f"node {name[:100]}" if name != "?" else "a node")
-            )
-        if name != self.node:
-            raise PermissionDeniedError(
-                f"this credential is node {self.node}'s: it may not " f"act as node {name[:100]}"
-            )
-        return self.node
-
-
-def _now(timespec: str = "seconds") -> str:
-    return datetime.now(UTC).isoformat(timespec=timespec)
-
-
-def _stamp() -> str:
-    """A command's creation time, fine enough to order the commands one request made."""
-    return _now("microseconds")
-
-
-def _sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def new_token() -> str:
-    while True:
-        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        # one in 2^30: it would read as a hook token or a node credential
-        if not token.startswith((HOOK_PREFIX, NODE_PREFIX)):
-            return token
-
-
-def validate_name(name: str, what: str = "name") -> str:
-    if not _NAME.fullmatch(name):
-        raise UsageError(f"bad {what} {name!r}: letters, digits, '.', '_' and '-', at most 100")
-    return name
-
-
-class Registry:
-    """Clusters, tokens, nodes, the jobs and checkpoints they report, and their commands."""
+class Registry(Access):
+    """The nodes, the jobs and checkpoints they report, and their commands (on the tokens and
+    clusters of stasis.controlplane.access; policies, sessions, events and the migration
+    workflow in modules of their own)."""
 
     def __init__(self, db: str) -> None:
-        self.db = Database(db)
+        super().__init__(Database(db))
         self.url = self.db.url
         # Nodes are judged lost (recover) by their silence since this control plane started:
         # while it was down, nobody could be heard.
@@ -147,210 +85,6 @@ class Registry:
 
     def close(self) -> None:
         self.db.close()
-
-    # -- tokens -------------------------------------------------------------------------------
-
-    def bootstrap_admin(self) -> str | None:
-        """A new admin token when there is none (the control plane's first start), else None."""
-        with self.db.transaction() as conn:
-            live = conn.execute(
-                select(tokens.c.id).where(tokens.c.kind == "admin", tokens.c.revoked.is_(None))
-            ).first()
-            if live is not None:
-                return None
-            token = new_token()
-            conn.execute(
-                insert(tokens).values(
-                    id="tok_" + secrets.token_hex(6),
-                    kind="admin",
-                    cluster_id=None,
-                    sha256=_sha(token),
-                    created=_now(),
-                    revoked=None,
-                )
-            )
-            return token
-
-    def authenticate(self, token: str) -> Principal:
-        if not token.startswith(TOKEN_PREFIX):
-            raise UnauthenticatedError(
-                "no valid token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
-            )
-        if token.startswith(NODE_PREFIX):
-            with self.db.transaction() as conn:
-                cred = conn.execute(
-                    select(node_credentials).where(node_credentials.c.sha256 == _sha(token))
-                ).first()
-            if cred is None:
-                raise UnauthenticatedError(
-                    "unknown node credential (reset by an admin, or the control "
-                    "plane lost it): the node joins again with its cluster's token"
-                )
-            return Principal(
-                kind="node",
-                token_id="node:" + cred.node,
-                cluster_id=cred.cluster_id,
-                node=cred.node,
-            )
-        if token.startswith(HOOK_PREFIX):
-            with self.db.transaction() as conn:
-                hook = conn.execute(
-                    select(policies.c.name).where(policies.c.hook_sha256 == _sha(token))
-                ).first()
-            if hook is None:
-                raise UnauthenticatedError("unknown token")
-            raise PermissionDeniedError(
-                f"this is the hook token of policy {hook.name}: it "
-                f"runs that policy only ({RUN_POLICY.method} "
-                f"{RUN_POLICY.url(name=hook.name)})"
-            )
-        with self.db.transaction() as conn:
-            row = conn.execute(select(tokens).where(tokens.c.sha256 == _sha(token))).first()
-        if row is None:
-            raise UnauthenticatedError("unknown token")
-        if row.revoked is not None:
-            raise UnauthenticatedError(f"token {row.id} was revoked on {row.revoked}")
-        if row.expires is not None and time.time() >= row.expires:
-            when = datetime.fromtimestamp(row.expires, UTC).isoformat(timespec="seconds")
-            raise UnauthenticatedError(
-                f"token {row.id} expired on {when}: `stasis controlplane "
-                "clusters rotate` gives a new one"
-            )
-        return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
-
-    def list_tokens(self) -> list[dict[str, Any]]:
-        with self.db.transaction() as conn:
-            rows = (
-                conn.execute(
-                    select(
-                        tokens.c.id,
-                        tokens.c.kind,
-                        tokens.c.cluster_id,
-                        tokens.c.created,
-                        tokens.c.revoked,
-                        tokens.c.expires,
-                    ).order_by(tokens.c.created, tokens.c.id)
-                )
-                .mappings()
-                .all()
-            )
-        return [dict(r) for r in rows]
-
-    def revoke(self, token_id: str, by: Principal) -> dict[str, Any]:
-        if token_id == by.token_id:
-            raise UsageError("an admin token cannot revoke itself (create another first)")
-        with self.db.transaction() as conn:
-            n = conn.execute(
-                update(tokens)
-                .where(tokens.c.id == token_id, tokens.c.revoked.is_(None))
-                .values(revoked=_now())
-            ).rowcount
-        if not n:
-            raise NotFoundError(f"no live token {token_id}")
-        return {"token_id": token_id, "revoked": True}
-
-    def rotate(self, cluster_id: str, expires_in_s: int | None = None) -> dict[str, Any]:
-        """A new token for the cluster (expiring `expires_in_s` from now, if given); its older
-        ones are revoked."""
-        self.cluster(cluster_id)
-        token = new_token()
-        with self.db.transaction() as conn:
-            conn.execute(
-                update(tokens)
-                .where(tokens.c.cluster_id == cluster_id, tokens.c.revoked.is_(None))
-                .values(revoked=_now())
-            )
-            tid = "tok_" + secrets.token_hex(6)
-            conn.execute(
-                insert(tokens).values(
-                    id=tid,
-                    kind="cluster",
-                    cluster_id=cluster_id,
-                    sha256=_sha(token),
-                    created=_now(),
-                    revoked=None,
-                    expires=_expiry(expires_in_s),
-                )
-            )
-        return {
-            "cluster_id": cluster_id,
-            "token_id": tid,
-            "token": token,
-            "expires": _expiry(expires_in_s),
-        }
-
-    # -- clusters -----------------------------------------------------------------------------
-
-    def add_cluster(
-        self, name: str, kind: str, expires_in_s: int | None = None, approve_joins: bool = False
-    ) -> dict[str, Any]:
-        validate_name(name, "cluster name")
-        if kind not in ("slurm", "kubernetes"):
-            raise UsageError(f"bad cluster kind {kind!r}: slurm or kubernetes")
-        cid = "cl_" + secrets.token_hex(8)
-        token = new_token()
-        tid = "tok_" + secrets.token_hex(6)
-        try:
-            with self.db.transaction() as conn:
-                conn.execute(
-                    insert(clusters).values(
-                        id=cid, name=name, kind=kind, created=_now(), approve_joins=approve_joins
-                    )
-                )
-                conn.execute(
-                    insert(tokens).values(
-                        id=tid,
-                        kind="cluster",
-                        cluster_id=cid,
-                        sha256=_sha(token),
-                        created=_now(),
-                        revoked=None,
-                        expires=_expiry(expires_in_s),
-                    )
-                )
-        except IntegrityError:
-            raise UsageError(f"a cluster named {name!r} exists already") from None
-        return {
-            "cluster_id": cid,
-            "name": name,
-            "kind": kind,
-            "token_id": tid,
-            "token": token,
-            "expires": _expiry(expires_in_s),
-            "approve_joins": approve_joins,
-        }
-
-    def set_approve_joins(self, by: Principal, cluster: str, on: bool) -> dict[str, Any]:
-        """Whether nodes joining cluster `cluster` (id or name) wait for an admin's approval;
-        the nodes joined already keep theirs."""
-        by.admin_only()
-        cid = self._cluster_id(cluster)
-        with self.db.transaction() as conn:
-            conn.execute(update(clusters).where(clusters.c.id == cid).values(approve_joins=on))
-            event_log.record(
-                conn,
-                cid,
-                None,
-                "cluster-settings",
-                "nodes that join wait for an admin's approval"
-                if on
-                else "nodes that join are approved at once",
-            )
-        return {"cluster_id": cid, "approve_joins": on}
-
-    def cluster(self, cluster_id: str) -> dict[str, Any]:
-        with self.db.transaction() as conn:
-            row = (
-                conn.execute(select(clusters).where(clusters.c.id == cluster_id)).mappings().first()
-            )
-        if row is None:
-            raise NotFoundError(f"no cluster {cluster_id}")
-        return dict(row)
-
-    def list_clusters(self) -> list[dict[str, Any]]:
-        with self.db.transaction() as conn:
-            rows = conn.execute(select(clusters).order_by(clusters.c.name)).mappings().all()
-        return [dict(r) for r in rows]
 
     # -- nodes --------------------------------------------------------------------------------
 
@@ -433,7 +167,7 @@ class Registry:
             else:
                 conn.execute(
                     insert(nodes).values(
-                        cluster_id=by.cluster_id, name=name, registered=_now(), **row
+                        cluster_id=by.cluster_id, name=name, registered=iso_now(), **row
                     )
                 )
                 event_log.record(
@@ -460,7 +194,7 @@ class Registry:
             raise ConflictError(self._joined(cluster_id, name, held.created))
         conn.execute(
             insert(node_credentials).values(
-                cluster_id=cluster_id, node=name, sha256=_sha(token), created=_now()
+                cluster_id=cluster_id, node=name, sha256=token_sha(token), created=iso_now()
             )
         )
         event_log.record(
@@ -550,22 +284,9 @@ class Registry:
                 )
         return {"cluster_id": cid, "name": name, "reset": bool(n)}
 
-    def _cluster_id(self, cluster: str) -> str:
-        """A cluster given by id or by name."""
-        with self.db.transaction() as conn:
-            row = (
-                conn.execute(select(clusters.c.id).where(clusters.c.id == cluster)).first()
-                or conn.execute(select(clusters.c.id).where(clusters.c.name == cluster)).first()
-            )
-        if row is None:
-            raise NotFoundError(
-                f"no cluster {cluster[:100]}: `stasis controlplane clusters` " "lists them"
-            )
-        return str(row.id)
-
     def _cluster_of_node(self, by: Principal, name: str, cluster: str | None) -> str:
         if cluster is not None:
-            return self._cluster_id(cluster)
+            return self.cluster_id_of(cluster)
         with self.db.transaction() as conn:
             found = {
                 str(r.cluster_id)
@@ -1023,7 +744,7 @@ class Registry:
             raise UsageError(
                 f"bad job id {job[:100]!r}: letters, digits, '.', '_', ':' and " "'-', at most 100"
             )
-        cid = self._cluster_id(cluster) if cluster else None
+        cid = self.cluster_id_of(cluster) if cluster else None
         where = [
             j
             for j in self.list_jobs(by)
@@ -1119,7 +840,7 @@ class Registry:
             "attempts": 0,
             "lease_until": None,
             "result": None,
-            "created": _stamp(),
+            "created": stamp(),
             "finished": None,
         }
         with self.db.transaction() as conn:
@@ -1209,7 +930,7 @@ class Registry:
         by.admin_only()
         validate_name(node, "node name")
         all_nodes = self.list_nodes(by, lost_after_s)
-        cid = self._cluster_id(cluster) if cluster else None
+        cid = self.cluster_id_of(cluster) if cluster else None
         mine = [
             n for n in all_nodes if n["name"] == node and (cid is None or n["cluster_id"] == cid)
         ]
@@ -1413,7 +1134,7 @@ class Registry:
                         commands.c.lease_id == lease_id,
                     )
                     .values(
-                        result=json.dumps({"committed": _now()}), lease_until=now + int(lease_s)
+                        result=json.dumps({"committed": iso_now()}), lease_until=now + int(lease_s)
                     )
                 ).rowcount
             if n:
@@ -1461,7 +1182,7 @@ class Registry:
                 .values(
                     state="done" if ok else "failed",
                     result=json.dumps(result),
-                    finished=_now(),
+                    finished=iso_now(),
                     lease_until=None,
                 )
             ).rowcount
@@ -1686,7 +1407,7 @@ class Registry:
                     else commands.c.result == row["result"],
                 )
                 .values(
-                    state="failed", result=json.dumps(result), finished=_now(), lease_until=None
+                    state="failed", result=json.dumps(result), finished=iso_now(), lease_until=None
                 )
             ).rowcount
             if not n:
@@ -1823,10 +1544,6 @@ def _fenced(row: dict[str, Any], node: str) -> str:
         + (f", re-targeted as {nxt}" if nxt and str(nxt) not in error else "")
         + "; its restored tree is killed unresumed, so that the job runs once"
     )
-
-
-def _expiry(expires_in_s: int | None) -> int | None:
-    return int(time.time()) + expires_in_s if expires_in_s else None
 
 
 def human_size(n: float | None) -> str:

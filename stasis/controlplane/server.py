@@ -37,10 +37,11 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from stasis.controlplane import models, policies, routes, wire
+from stasis.controlplane.access import HOOK_PREFIX, Principal
 from stasis.controlplane.commands import Command
 from stasis.controlplane.database import safe_url
 from stasis.controlplane.models import MODELS
-from stasis.controlplane.registry import HOOK_PREFIX, Principal, Registry
+from stasis.controlplane.registry import Registry
 from stasis.errors import StasisError, UnauthenticatedError, UsageError, wire_name
 from stasis.routes import AnyRoute
 

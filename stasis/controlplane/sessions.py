@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import delete, insert, select
 
-from stasis.controlplane.registry import HOOK_PREFIX, NODE_PREFIX, Principal, Registry
+from stasis.controlplane.access import HOOK_PREFIX, NODE_PREFIX, Principal
+from stasis.controlplane.registry import Registry
 from stasis.controlplane.schema import sessions, tokens
 from stasis.errors import PermissionDeniedError, UnauthenticatedError
 
