@@ -46,6 +46,12 @@ def test_a_periodic_policy_checkpoints_what_it_picks_and_retention_keeps_the_new
         assert len(ids("other")) == 2  # not picked
         assert d.job(picked)["state"] == "running"  # leave-running
         cp.json("policies", "rm", "often")
+        # A checkpoint it queued just before may still be under way: its newest is the last.
+        wait_for(
+            lambda: all(c["state"] in ("done", "failed") for c in cp.json("actions")),
+            60,
+            "the removed policy's last checkpoint",
+        )
         n = len(ids("pol-train"))
         newest = ids("pol-train")[0]
         cp.json(
