@@ -7,8 +7,9 @@
                                               [, runc_root, timeout_s]}; stop kills it once
                                               published; annotation (a pod owner's request) is
                                               refused within the floor of the last one
-    POST /k8s/containers/{id}/interval        {interval_s}: its leave-running checkpoints'
-                                              interval (null = its STASIS_INTERVAL)
+    POST /k8s/containers/{id}/interval        {interval_s, auto}: its leave-running checkpoints'
+                                              interval (null = its STASIS_INTERVAL; auto:
+                                              Young/Daly's, stasis.k8s.intervals)
     POST /k8s/containers/{id}/forget          the container was deleted
     POST /k8s/restores                        {runc_root, container_id, bundle}: a restore plan
                                               (images ready, writable layer put back) or none
