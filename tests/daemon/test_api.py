@@ -149,7 +149,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 22  # stasis/routes.py: CORE and SLURM
+    assert len(routes) == 23  # stasis/routes.py: CORE and SLURM
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(
@@ -205,6 +205,8 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert conforms(report, wire.CheckReport) and report["kernel"] == os.uname().release
     locks = json_answer(req("GET", "/network-locks"))
     assert isinstance(locks, list) and all(conforms(n, wire.NetworkLock) for n in locks)
+    # No Slurm job asked for an interval here: none listed (tests/e2e/test_slurm_intervals.py).
+    assert json_answer(req("GET", "/intervals")) == []
 
     assert json_answer(req("GET", "/slurm/health")) == {"ok": True}
     assert "not a child" in assert_error(
