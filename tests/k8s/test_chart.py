@@ -36,6 +36,7 @@ CUSTOM = {
     "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "nodeSelector": {"gpu": "true"},
     "minIntervalSeconds": 300,
+    "interruptionRatePerHour": 0.25,
 }
 # Secrets of the site's own; k3s with containerd 2 (config version 3).
 EXISTING = {
@@ -179,6 +180,7 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     assert 'controlplane_url = "https://cp.example"' in config
     assert 'cluster_id = "c-42"' in config
     assert env["STASIS_K8S_MIN_INTERVAL_S"]["value"] == "300"
+    assert env["STASIS_K8S_INTERRUPTION_RATE_PER_HOUR"]["value"] == "0.25"
     rules = named["ClusterRole/stasis-agent"]["rules"]
     assert {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]} in rules
     assert any("nodes" in r["resources"] and "patch" in r["verbs"] for r in rules)
