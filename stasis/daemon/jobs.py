@@ -109,7 +109,8 @@ class JobManager:
         )
         self._supervisors = Supervisors(layout, self.reaper)
         self._tracker = JobTracker(db, self._supervisors)
-        self._dumper = Dumper(core, self._tracker)
+        # Checkpoints of a tree (`checkpoint_tree`, `dump_settled`): integrations call it.
+        self.dumper = Dumper(core, self._tracker)
         self._restorer = Restorer(core, self._supervisors, job_umask)
         self.verifier = Verifier(core, self._restorer.criu_version)
         self._housekeeping = Housekeeping(core)
@@ -140,7 +141,7 @@ class JobManager:
         # Jobs that run without a row first: a dump the previous daemon left then settles
         # against their rows (recorded checkpointed, not exited).
         self.adopt_orphans()
-        self._dumper.prepare()
+        self.dumper.prepare()
         cache_problem = kdat.ensure_cache_dir()
         if cache_problem:
             log.warning("%s", cache_problem)
@@ -165,10 +166,10 @@ class JobManager:
 
     @property
     def criu(self) -> CRIU:
-        return self._dumper.criu
+        return self.dumper.criu
 
     def criu_version(self, criu: CRIU) -> str:
-        return self._dumper.criu_version(criu)
+        return self.dumper.criu_version(criu)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -361,45 +362,15 @@ class JobManager:
     def dump(
         self, job_id: str, req: DumpRequest, caller: Caller, progress: Progress | None = None
     ) -> DumpAnswer:
-        return self._dumper.dump(job_id, req, caller, progress)
+        return self.dumper.dump(job_id, req, caller, progress)
 
     def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
-        return self._dumper.dump_check(job_id, caller)
-
-    def checkpoint_tree(
-        self,
-        pid: int,
-        info: CheckpointInfo,
-        leave_running: bool,
-        compress: CompressionRequest,
-        what: str,
-        progress: Progress | None = None,
-        notes: list[str] | None = None,
-        *,
-        encrypt: bool | None = None,
-        reason: str = "asked",
-    ) -> tuple[Manifest, DumpResult, bool]:
-        """See `Dumper.checkpoint_tree`: unless `leave_running`, the caller records the tree
-        stopped, kills it, then calls `dump_settled`."""
-        return self._dumper.checkpoint_tree(
-            pid,
-            info,
-            leave_running,
-            compress,
-            what,
-            progress,
-            notes,
-            encrypt=encrypt,
-            reason=reason,
-        )
-
-    def dump_settled(self, checkpoint_id: str) -> None:
-        self._dumper.dump_settled(checkpoint_id)
+        return self.dumper.dump_check(job_id, caller)
 
     def settle_pending(self) -> None:
         """Record the dumps whose record the database refused, adopt the jobs the start could
         not (a periodic task)."""
-        self._dumper.settle_pending()
+        self.dumper.settle_pending()
         if self._unadopted is not None:
             self.adopt_orphans()
 
@@ -418,7 +389,7 @@ class JobManager:
                     fix="free or repair the job database; the daemon retries",
                 )
             )
-        waiting = self._dumper.unsettled()
+        waiting = self.dumper.unsettled()
         if waiting:
             problems.append(
                 Problem(

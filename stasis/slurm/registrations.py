@@ -531,7 +531,7 @@ class SlurmJobs:
             self._record(reg, "stopping", stop_asked=1, stop_checkpoint=info.id)
             faults.point("slurm.checkpoint-asked")
         try:
-            manifest, result, _ = m.checkpoint_tree(
+            manifest, result, _ = m.dumper.checkpoint_tree(
                 reg["pid"],
                 info,
                 req.leave_running,
@@ -572,7 +572,7 @@ class SlurmJobs:
             os.kill(reg["pid"], signal.SIGKILL)  # the namespace init: the whole tree goes
         if self.mirrors is not None:
             self.mirrors.end(job_id)
-        self.manager.dump_settled(checkpoint)
+        self.manager.dumper.dump_settled(checkpoint)
 
     def _requeue(self, reg: Registration, checkpoint: str) -> bool:
         """Requeue the job, unless Slurm does it itself (then True: the launcher must end)."""
