@@ -341,19 +341,7 @@ class JobManager:
             raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
         pid = answer["pid"]
         faults.point("run.after-start")  # running, not yet recorded: adopted at the next start
-        row = started.row(
-            state="running",
-            label=label,
-            command=req.command,
-            cwd=req.cwd,
-            env=sorted(req.env),
-            user=acct.name,
-            uid=acct.uid,
-            gid=acct.gid,
-            log=log,
-            checkpoint=None,
-        )
-        row.private_tmp = private_tmp
+        row = started.row(job)
         self.db.add(row)
         return RunAnswer(job=job_id, pid=pid, label=label)
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Generic, TypeVar
@@ -95,38 +95,15 @@ class Started(Generic[A]):
             raise ValueError(f"job {self.job_id} did not start: {self.answer['error']}")
         return self.answer["pid"]
 
-    def row(
-        self,
-        *,
-        state: str,
-        label: str,
-        command: list[str],
-        cwd: str,
-        env: list[str],
-        user: str,
-        uid: int,
-        gid: int,
-        log: str,
-        checkpoint: str | None,
-    ) -> JobRow:
-        """The job's record, as it starts: running (or restored), with its supervisor."""
+    def row(self, job: JobRow) -> JobRow:
+        """The job's record, as it starts: `job` (its record before the start) with the job's
+        pid and its supervisor."""
         pid = self.pid
-        return JobRow(
-            id=self.job_id,
+        return replace(
+            job,
             pid=pid,
             pid_start=proctree.start_time(pid),
             shim_pid=self.supervisor_pid,
-            state=state,
-            label=label,
-            exit_code=None,
-            command=command,
-            cwd=cwd,
-            env=env,
-            user=user,
-            uid=uid,
-            gid=gid,
-            log=log,
-            checkpoint=checkpoint,
             created=now(),
             job_dir=str(self.job_dir),
         )
