@@ -650,9 +650,19 @@ class Settings(NamedTuple):
         int,
         Setting(
             CONTROLPLANE_SERVER,
-            "the shortest period a policy may have: a shorter `--every` is refused",
+            "the shortest period a policy may have: a shorter `--every` is refused; also the "
+            "floor on the interval a policy's `--every auto` chooses",
         ),
     ] = 60
+    controlplane_max_interval_s: Annotated[
+        int,
+        Setting(
+            CONTROLPLANE_SERVER,
+            "(1 day) the ceiling on the interval a policy's `--every auto` chooses (Young/Daly "
+            "from each job's measured checkpoint cost and its cluster's interruption rate); "
+            "also the interval of a job whose cluster showed no interruption in 30 days",
+        ),
+    ] = 86400
 
     # -- tests: never set on a real node ----------------------------------------------------
     test_page_delay_ms: Annotated[
