@@ -27,7 +27,14 @@ from collections.abc import Callable
 
 from stasis import faults
 from stasis.config import Settings
-from stasis.daemon.activity import JobSource, JobWork, Listeners, ReportedJob
+from stasis.daemon.activity import (
+    Activity,
+    JobSource,
+    JobWork,
+    Listeners,
+    ReportedJob,
+    work_of,
+)
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDatabaseError, JobDB, JobRow
 from stasis.daemon.dumping import Dumper
@@ -344,6 +351,29 @@ class JobManager:
         row = started.row(job)
         self.db.add(row)
         return RunAnswer(job=job_id, pid=pid, label=label)
+
+    def restarted(self, job: str, manifest: Manifest | None, user: str, reason: str) -> None:
+        """An integration's workload `job` started again from `manifest` (None: from nothing):
+        its work counts from the checkpoint's, and who listens hears of that restore."""
+        if manifest is None:
+            self.work.forget(job)
+            return
+        work_s = work_of(manifest.extra)
+        self.work.started_from(job, manifest.id, work_s)
+        self.activity.notify(
+            Activity(
+                kind="restore",
+                checkpoint=manifest.id,
+                label=manifest.label,
+                job=job,
+                user=user,
+                size_bytes=manifest.size_bytes,
+                work_s=work_s,
+                duration_s=0.0,
+                store=self.store.url,
+                reason=reason,
+            )
+        )
 
     # -- dump and restore ----------------------------------------------------------------------
 

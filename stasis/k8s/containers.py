@@ -253,22 +253,7 @@ class Containers:
             )
             m.work.forget(container_id)
             return None
-        work_s = work_of(manifest.extra)
-        m.work.started_from(container_id, manifest.id, work_s)
-        m.activity.notify(
-            Activity(
-                kind="restore",
-                checkpoint=manifest.id,
-                label=manifest.label,
-                job=container_id,
-                user=f"k8s:{bundle.namespace}",
-                size_bytes=manifest.size_bytes,
-                work_s=work_s,
-                duration_s=0.0,
-                store=m.store.url,
-                reason="container created again",
-            )
-        )
+        m.restarted(container_id, manifest, f"k8s:{bundle.namespace}", "container created again")
         return manifest
 
     def _floored(self, interval_s: int, runc_root: Path, container_id: str) -> int:

@@ -441,27 +441,7 @@ class SlurmJobs:
     def _started(self, reg: Registration, manifest: Manifest | None) -> None:
         """Count the job's work from the checkpoint it was restored from (or from nothing),
         and tell who listens of that restore."""
-        m = self.manager
-        job_id = reg["slurm_job"]
-        if manifest is None:
-            m.work.forget(job_id)
-            return
-        work_s = work_of(manifest.extra)
-        m.work.started_from(job_id, manifest.id, work_s)
-        m.activity.notify(
-            Activity(
-                kind="restore",
-                checkpoint=manifest.id,
-                label=manifest.label,
-                job=job_id,
-                user=reg["user"],
-                size_bytes=manifest.size_bytes,
-                work_s=work_s,
-                duration_s=0.0,
-                store=m.store.url,
-                reason="Slurm requeue",
-            )
-        )
+        self.manager.restarted(reg["slurm_job"], manifest, reg["user"], "Slurm requeue")
 
     def sweep(self) -> None:
         """Forget registrations of workloads that ended without telling us (scancel, crash)."""
