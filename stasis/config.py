@@ -70,8 +70,8 @@ class Setting(NamedTuple):
 
     area: Area
     doc: str
-    # None: STASIS_ and the name in capitals; "": the file only; else a variable of another
-    # program's, read as it means it there.
+    # None: STASIS_ and the name in capitals; "": the file only; else the variable named (another
+    # program's, read as it means it there, or one kept apart from a job's own variable).
     env: str | None = None
     secret: bool = False  # never shown: repr() writes *** for it
     empty_is_a_value: bool = False  # the variable set to "" sets "" (else "" is unset)
@@ -274,6 +274,21 @@ class Settings(NamedTuple):
     verify_timeout_s: Annotated[
         float, Setting(JOBS, "seconds one verify may take before its verdict fails")
     ] = 600.0
+    # Not STASIS_INTERVAL: that is each job's own (a Slurm job's environment, a container's), and
+    # a `stasis` command run inside such a job would read the job's value as the node's.
+    interval: Annotated[
+        str,
+        Setting(
+            JOBS,
+            "the periodic checkpoint interval of protected jobs that ask for none (a Slurm job "
+            "opted in without `STASIS_INTERVAL`, a container without `STASIS_INTERVAL` or "
+            '`stasis.dev/interval`): `""` none, `"auto"` (Young/Daly: see `interval_min_s`) or '
+            'seconds (`"3600"`); a job\'s own `STASIS_INTERVAL` wins, and '
+            "`STASIS_INTERVAL=off` (or `0`) asks for none. Its variable is "
+            "`STASIS_DEFAULT_INTERVAL`, since `STASIS_INTERVAL` is the job's",
+            env="STASIS_DEFAULT_INTERVAL",
+        ),
+    ] = ""
 
     # -- store: where checkpoints go, how long they stay, whose are trusted -----------------
     store: Annotated[
@@ -829,6 +844,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         var = env_name(name)
         if var and (env.get(var) or (setting.empty_is_a_value and var in env)):
             values[name] = env[var]
+    if isinstance(values.get("interval"), int | float) and not isinstance(values["interval"], bool):
+        values["interval"] = str(values["interval"])  # `interval = 3600` in the file
     defaults = Settings._field_defaults
     unknown = sorted(set(values) - set(defaults))
     if unknown:
@@ -839,12 +856,50 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             f"bad setting 'store_id': {settings.store_id[:40]!r} is not a store "
             "id (32 hex digits, as in the store's .stasis-store file)"
         )
+    if settings.interval:
+        asked, _ = interval_asked(settings.interval)
+        if asked is None:
+            raise UsageError(
+                f"bad setting 'interval': {settings.interval[:40]!r} is neither \"\" (none), "
+                '"auto" nor seconds (e.g. "3600")'
+            )
+        settings = settings._replace(interval="" if asked == "off" else asked)
     if settings.slurm_remote_port > 65535:
         raise UsageError(
             f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
             "a TCP port (1..65535, or 0 for off)"
         )
     return settings
+
+
+_NO_INTERVAL = {"0", "off", "none", "no", "false"}
+
+
+def interval_asked(value: str) -> tuple[str | None, str | None]:
+    """What a job's or a container's STASIS_INTERVAL asks (the same on Slurm and Kubernetes):
+    "auto", seconds (as text, above 0), "off" (none, whatever the node's default: `off`, `0`,
+    `none`, `no`, `false`), or None: nothing (unset), the node's `interval` applies; and a
+    warning line for a value that means nothing (then ignored: as when unset)."""
+    said = value.strip().lower()
+    if not said:
+        return None, None
+    if said == "auto":
+        return "auto", None
+    if said in _NO_INTERVAL:
+        return "off", None
+    try:
+        seconds = float(said)
+    except ValueError:
+        seconds = -1.0
+    if seconds == 0:
+        return "off", None
+    if 0 < seconds < float("inf"):
+        text = f"{seconds:.6f}".rstrip("0").rstrip(".")
+        return (text, None) if text != "0" else ("off", None)
+    return None, (
+        f"STASIS_INTERVAL={value.strip()[:40]!r} is neither seconds, auto nor off: ignored "
+        "(the node's default interval applies)"
+    )
 
 
 def fresh_if_unreachable(value: str) -> tuple[bool, str | None]:

@@ -117,10 +117,11 @@ def test_the_file_takes_settings_at_the_top_or_in_their_areas_tables(tmp_path: P
 
 def test_every_setting_is_read_from_the_variable_its_name_gives(tmp_path: Path) -> None:
     """STASIS_ and the name in capitals, but for the declared exceptions (SLURM_CONF, Slurm's
-    own; the S3 credentials, from the file only)."""
+    own; the S3 credentials, from the file only; `interval`'s, since STASIS_INTERVAL is a job's)."""
     irregular = {n: env_name(n) for n in Settings._fields if env_name(n) != f"STASIS_{n.upper()}"}
     assert irregular == {
         "slurm_conf": "SLURM_CONF",
+        "interval": "STASIS_DEFAULT_INTERVAL",
         "s3_endpoint_url": "",
         "s3_region": "",
         "s3_access_key_id": "",
@@ -134,7 +135,9 @@ def test_every_setting_is_read_from_the_variable_its_name_gives(tmp_path: Path) 
         kind = next(
             k for k in samples if type(default) is k or (k is Path and isinstance(default, Path))
         )
-        value = "0123456789abcdef0123456789abcdef" if name == "store_id" else samples[kind]
+        value = {"store_id": "0123456789abcdef0123456789abcdef", "interval": "auto"}.get(
+            name, samples[kind]
+        )
         s = load_settings({"STASIS_CONFIG": "/dev/null", env_name(name): value})
         assert getattr(s, name) != default, name
     s = load_settings({"STASIS_CONFIG": "/dev/null", "STASIS_CONTROLPLANE_LOST_AFTER_S": "5"})
