@@ -699,16 +699,11 @@ class Containers:
             return []
         store = self.manager.store
         uid = namespace_uid(row["namespace"])
-        retired = []
-        for m in store.list(row["label"], uid=uid):
-            if (m.extra.get("k8s") or {}).get("namespace") != row["namespace"]:
-                continue
-            try:
-                # A restore that pinned it (another node resuming it now) keeps it.
-                if store.delete_unless_pinned(m.id):
-                    retired.append(m.id)
-            except NotFoundError:
-                continue
+        retired = store.catalog.retire(
+            m.id
+            for m in store.list(row["label"], uid=uid)
+            if (m.extra.get("k8s") or {}).get("namespace") == row["namespace"]
+        )
         log.info(
             "container %s exited 0: label %s retired (%d checkpoint(s))",
             container_id,

@@ -725,15 +725,10 @@ class SlurmJobs:
             )
         if req.exit_code == 0 and not stopped:
             store = self.manager.store
-            for m in candidates(
+            found = candidates(
                 store, reg["label"], reg["explicit_label"], reg["uid"], job_id, reg["token"]
-            ):
-                try:
-                    # A restore that pinned it (another node resuming it now) keeps it.
-                    if store.delete_unless_pinned(m.id):
-                        retired.append(m.id)
-                except NotFoundError:
-                    continue
+            )
+            retired = store.catalog.retire(m.id for m in found)
         if self.mirrors is not None:
             self.mirrors.end(job_id, wait_s=_MIRRORS_WAIT_S)
         self.registrations.remove(job_id)

@@ -16,7 +16,7 @@ import secrets
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -253,6 +253,18 @@ class Catalog:
             return False
         self.delete(checkpoint_id)
         return True
+
+    def retire(self, checkpoint_ids: Iterable[str]) -> builtins.list[str]:
+        """Delete the checkpoints of a label whose work is done, each unless a restore pinned it
+        (another node resuming it now keeps it); those deleted. One gone meanwhile is skipped."""
+        retired: builtins.list[str] = []
+        for checkpoint_id in checkpoint_ids:
+            try:
+                if self.delete_unless_pinned(checkpoint_id):
+                    retired.append(checkpoint_id)
+            except NotFoundError:
+                continue
+        return retired
 
     def _put_note(self, checkpoint_id: str, name: str, data: bytes) -> None:
         try:
