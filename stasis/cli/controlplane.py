@@ -95,8 +95,16 @@ def add_controlplane(commands: Any) -> None:
         type=_duration,
         default=None,
         metavar="N[s|m|h|d]",
-        help="The shortest period a policy may have: a shorter --every is refused "
-        "(default: controlplane_min_interval_s, 60s).",
+        help="The shortest period a policy may have: a shorter --every is refused; also the "
+        "floor of --every auto (default: controlplane_min_interval_s, 60s).",
+    )
+    p.add_argument(
+        "--max-interval",
+        type=_duration,
+        default=None,
+        metavar="N[s|m|h|d]",
+        help="The ceiling of a policy's --every auto interval, and that interval where a "
+        "cluster showed no interruption in 30 days (default: controlplane_max_interval_s, 1d).",
     )
     p.set_defaults(handler=serve)
 
@@ -337,7 +345,7 @@ def add_controlplane(commands: Any) -> None:
             a,
             s,
             lambda c: c.list_jobs(),
-            _said_rows("cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s"),
+            _said_jobs,
         )
     )
     p = sub.add_parser(
@@ -575,11 +583,15 @@ def _policy_options(p: argparse.ArgumentParser, editing: bool) -> None:
 
     p.add_argument(
         "--every",
-        type=_duration,
-        metavar="N[s|m|h|d]",
+        type=_every,
+        metavar="N[s|m|h|d]|auto",
         help="Run every N, at least the control plane's floor (serve "
         "--min-interval, 60 s by default); with --on memory: act on a job "
-        "again only N later." + (" 0: only when called." if editing else ""),
+        "again only N later." + (" 0: only when called." if editing else "") + " auto "
+        "(--action checkpoint): each job it picks at its own interval, Young/Daly from its "
+        "measured checkpoint cost (frozen time) and its cluster's interruption rate (nodes "
+        "lost, drains, preemptions per node-hour over 30 days), within serve --min-interval "
+        "and --max-interval; `jobs` shows each one's interval and why.",
     )
     p.add_argument(
         "--on",
@@ -914,6 +926,21 @@ def _duration(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration (90s, 10m, 1h)") from None
 
 
+def _every(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _duration(text)
+
+
+def _said_jobs(rows: list[dict[str, Any]]) -> None:
+    keys = ("cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s")
+    output.plain("\t".join((*keys, "interval_s", "why")))
+    for r in rows:
+        shown = r.get("interval") or {}
+        cells = ["" if r.get(k) is None else str(r.get(k)) for k in keys]
+        interval_s = shown.get("interval_s")
+        cells += ["" if interval_s is None else f"{interval_s:.1f}", str(shown.get("why", ""))]
+        output.plain("\t".join(cells))
+
+
 def _size(text: str) -> int:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     number, unit = text[:-1], text[-1:].upper()
@@ -970,6 +997,22 @@ def _said_savings(d: dict[str, Any]) -> None:
     output.say(f"{d['node_hours']:.3f} node-hours of work kept by {d['restores']} restore(s)")
     for c in d["clusters"]:
         output.say(f"  cluster {c['cluster']}: {c['node_hours']:.3f}")
+    if "spent_node_hours" in d:  # an older control plane says only what was kept
+        output.say(
+            f"{d['spent_node_hours']:.4f} node-hours spent checkpointing (frozen time x "
+            f"nodes): net {d['net_node_hours']:.3f} kept"
+        )
+        for c in d["per_cluster"]:
+            rate = (
+                f"{c['rate_per_node_hour']:.3g} interruptions per node-hour "
+                f"({c['interruptions']} in {c['node_hours_seen']:.1f}, 30 days)"
+                if c["interruptions"]
+                else "no interruption seen in 30 days"
+            )
+            output.say(
+                f"  cluster {c['cluster']}: kept {c['kept_node_hours']:.3f}, spent "
+                f"{c['spent_node_hours']:.4f}, net {c['net_node_hours']:.3f}; {rate}"
+            )
     for u in d["users"]:
         output.say(f"  user {u['user']}: {u['node_hours']:.3f}")
 
@@ -1130,6 +1173,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
                 settings.state_dir / "controlplane",
                 int(given(args.min_interval, settings.controlplane_min_interval_s)),
                 bool(given(args.behind_tls, settings.controlplane_behind_tls)),
+                int(given(args.max_interval, settings.controlplane_max_interval_s)),
             )
         )
     except KeyboardInterrupt:

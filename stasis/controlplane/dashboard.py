@@ -5,7 +5,8 @@ that refreshes each page's live part every few seconds, no build step.
                                         its own nodes, jobs and checkpoints, read only)
     POST /ui/logout
     GET  /ui/                           clusters and nodes: health, versions, last heartbeat
-    GET  /ui/jobs                       jobs (protected, state, last checkpoint and its age);
+    GET  /ui/jobs                       jobs (protected, state, interval and why, last
+                                        checkpoint and its age);
     POST /ui/jobs/{job}/checkpoint      "Checkpoint now"
     POST /ui/jobs/{job}/migrate         "Migrate" to the node chosen
     GET  /ui/checkpoints                size, CRIU's time, frozen time, where stored, and
@@ -16,7 +17,9 @@ that refreshes each page's live part every few seconds, no build step.
     GET  /ui/policies/{name}/edit, POST /ui/policies/{name}/edit   a policy edited in place
                                         (the form holds all its fields: what it sends is it)
     GET  /ui/actions, /ui/events        the commands with their status; the timeline
-    GET  /ui/savings                    node-hours kept by restores, per cluster and user, by day
+    GET  /ui/savings                    node-hours kept by restores against node-hours spent
+                                        checkpointing, per cluster (and the interruption
+                                        rate), per user, by day
 
 Every POST carries the session's CSRF token (a hidden field) and, when the browser sends one, an
 Origin of this host; the session cookie is HttpOnly and SameSite=Strict, and Secure over HTTPS
@@ -37,8 +40,9 @@ from urllib.parse import quote, urlsplit
 import jinja2
 from aiohttp import web
 
-from stasis.controlplane import policies, routes, sessions
+from stasis.controlplane import intervals, policies, routes, sessions
 from stasis.controlplane.registry import Registry, human_size
+from stasis.controlplane.savings import savings_of
 from stasis.controlplane.sessions import Session
 from stasis.errors import NotFoundError, StasisError, UnauthenticatedError, UsageError
 from stasis.routes import AnyRoute
@@ -66,6 +70,18 @@ _PAGES = [
     (routes.UI_SAVINGS.path, "Savings"),
 ]
 _MAX_FLASH = 5
+
+
+def _seconds(seconds: float | None) -> str:
+    """An interval as a person reads it: 4.2 s, 12 min, 1.5 h."""
+    if seconds is None:
+        return "-"
+    s = max(0.0, float(seconds))
+    if s < 600:
+        return f"{s:.1f} s"
+    if s < 3 * 3600:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
 
 
 def _age(seconds: float | None) -> str:
@@ -99,6 +115,7 @@ def _seg(value: object) -> str:
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
     env.filters["age"] = _age
+    env.filters["seconds"] = _seconds
     env.filters["size"] = human_size
     env.filters["seg"] = _seg
     env.tests["segment"] = _segment
@@ -116,6 +133,13 @@ def _number(f: dict[str, str], key: str) -> int | None:
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
         raise UsageError(f"{key}: a whole number, not {raw[:40]!r}")
     return int(raw)
+
+
+def _every(f: dict[str, str]) -> int | str:
+    """A policy's period from its form: seconds, 0 (webhook only) or auto."""
+    if f.get("every_s", "").strip().lower() == policies.AUTO:
+        return policies.AUTO
+    return _number(f, "every_s") or 0
 
 
 def _share(f: dict[str, str], key: str) -> float | None:
@@ -141,12 +165,14 @@ class Dashboard:
         session_ttl_s: int,
         min_interval_s: int = policies.MIN_INTERVAL_S,
         behind_tls: bool = False,
+        max_interval_s: int = policies.MAX_INTERVAL_S,
     ) -> None:
         self.registry = registry
         self.lost_after_s = lost_after_s
         self.session_ttl_s = session_ttl_s
         self.min_interval_s = min_interval_s
         self.behind_tls = behind_tls
+        self.bounds = intervals.Bounds(min_interval_s, max_interval_s)
         self._env = _environment()
         self._flashes: dict[str, list[tuple[str, str]]] = {}
 
@@ -358,6 +384,7 @@ class Dashboard:
 
     def _jobs(self, s: Session) -> dict[str, Any]:
         listed = self.registry.list_jobs(s.principal)
+        policies.annotate_intervals(self.registry, listed, self.bounds)
         ready = [
             n
             for n in self.registry.list_nodes(s.principal, self.lost_after_s)
@@ -387,10 +414,23 @@ class Dashboard:
         return {"events": self.registry.list_events(s.principal, 300)[::-1]}
 
     def _savings(self, s: Session) -> dict[str, Any]:
-        saved = self.registry.savings(s.principal)
-        days = saved["days"][-30:]
-        top = max([d["node_hours"] for d in days] + [1e-9])
-        saved["bars"] = [{**d, "height": round(150 * d["node_hours"] / top, 1)} for d in days]
+        saved = savings_of(self.registry, s.principal)
+        # Per day (UTC), the last 30 with restores or checkpoints: kept beside spent, both on
+        # one scale.
+        kept = {d["day"]: d["node_hours"] for d in saved["days"]}
+        spent = {d["day"]: d["node_hours"] for d in saved["spent_days"]}
+        days = sorted(set(kept) | set(spent))[-30:]
+        top = max([kept.get(d, 0.0) for d in days] + [spent.get(d, 0.0) for d in days] + [1e-9])
+        saved["bars"] = [
+            {
+                "day": d,
+                "node_hours": kept.get(d, 0.0),
+                "spent_node_hours": spent.get(d, 0.0),
+                "height": round(150 * kept.get(d, 0.0) / top, 1),
+                "spent_height": round(150 * spent.get(d, 0.0) / top, 1),
+            }
+            for d in days
+        ]
         return {"saved": saved}
 
     # -- what the forms do --------------------------------------------------------------------
@@ -431,7 +471,7 @@ class Dashboard:
             self.registry,
             s.principal,
             f.get("name", ""),
-            _number(f, "every_s") or 0,
+            _every(f),
             f.get("action", ""),
             {k: f[k] for k in policies.FILTERS if f.get(k)},
             _number(f, "keep"),
@@ -451,7 +491,7 @@ class Dashboard:
     def _edit_policy(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
         name = request.match_info["name"]
         changes: dict[str, Any] = {
-            "every_s": _number(f, "every_s") or 0,
+            "every_s": _every(f),
             "action": f.get("action", ""),
             "trigger": f.get("trigger") or "every",
             "keep": _number(f, "keep"),

@@ -68,6 +68,8 @@ class JobReport(_Model):
     kind: str = Field(default="daemon", max_length=20, pattern=_NAME)  # daemon | slurm | ...
     partition: str | None = Field(default=None, max_length=100, pattern=_WORD)
     rss_bytes: int = Field(default=0, ge=0)
+    interval_s: float | None = Field(default=None, ge=0)
+    interval_why: str | None = Field(default=None, max_length=500, pattern=_TEXT)
 
 
 class ActivityReport(_Model):
@@ -128,7 +130,8 @@ class Renewal(_Model):
 
 class NewPolicy(_Model):
     name: str = Field(max_length=100)
-    every_s: int = Field(ge=0, le=366 * 86400)  # 0: only when its webhook is called
+    # 0: only when its webhook is called; auto: each job at its own interval
+    every_s: Annotated[int, Field(ge=0, le=366 * 86400)] | Literal["auto"]
     action: Literal["checkpoint", "retain", "migrate", "verify"]
     filters: dict[str, str] = Field(default_factory=dict, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
@@ -143,7 +146,7 @@ class PolicyEdit(_Model):
     """What PATCH /api/v1/policies/NAME changes: only the fields given (NewPolicy's rules);
     `filters` are merged in, an empty or null value removes one."""
 
-    every_s: int | None = Field(default=None, ge=0, le=366 * 86400)
+    every_s: Annotated[int, Field(ge=0, le=366 * 86400)] | Literal["auto"] | None = None
     action: Literal["checkpoint", "retain", "migrate", "verify"] | None = None
     filters: dict[str, str | None] | None = Field(default=None, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)

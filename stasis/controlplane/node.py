@@ -417,7 +417,28 @@ class ControlPlaneNode(Integration):
             for j in self.manager.jobs(_ROOT)
             if j["state"] in _ALIVE
         ]
-        return mine + [dict(j) for j in self.manager.reported_jobs()]
+        theirs: list[dict[str, Any]] = [dict(j) for j in self.manager.reported_jobs()]
+        if theirs:
+            shown = self._intervals()
+            for j in theirs:
+                i = shown.get(str(j["job"]))
+                if i is not None:
+                    j["interval_s"] = i["interval_s"]
+                    j["interval_why"] = " ".join(i["why"].split())[:500]
+        return mine + theirs
+
+    def _intervals(self) -> dict[str, wire.JobInterval]:
+        """Each periodic job's interval and why, as `stasis ps` shows them: the daemon's own
+        GET /intervals (it gathers every integration's; this one sees no other), asked as root
+        over its socket. None while it cannot answer (the heartbeat goes on without them)."""
+        from stasis.client import Client
+
+        try:
+            with Client(self.manager.settings.socket, timeout_s=5) as c:
+                return {i["job"]: i for i in c.intervals()}
+        except (StasisError, OSError) as e:
+            log.debug("control plane: no job intervals this heartbeat: %s", e)
+            return {}
 
     def _scheduler_state(self) -> str | None:
         """The state of this node in the first scheduler that knows it (Slurm says "" on a

@@ -2,6 +2,10 @@
 
     trigger  every N seconds (`every_s`), or only when called (`every_s` 0: its webhook,
              POST /api/v1/policies/NAME/run, `stasis controlplane policies run NAME`);
+             every "auto" (checkpoint only): each job it picks at its own interval, Young/Daly
+             from the job's measured checkpoint cost and its cluster's interruption rate,
+             within the control plane's floor and ceiling, looked at every second
+             (stasis.controlplane.intervals; stored as `every_auto`, `every_s` 0);
              memory: a job whose resident memory is above `threshold_pct` of its node's
              (looked at every second; a job is acted on again `every_s` later at the soonest,
              60 s by default); drain: the jobs of a node its scheduler drains or holds for
@@ -49,6 +53,7 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane import events as event_log
+from stasis.controlplane import intervals
 from stasis.controlplane.access import HOOK_PREFIX, Principal, validate_name
 from stasis.controlplane.registry import Registry
 from stasis.controlplane.schema import policies
@@ -79,6 +84,9 @@ EDITABLE = (
     "enabled",
 )
 _MEMORY_COOLDOWN_S = 60
+# The ceiling on an `every auto` interval unless served with another (`serve --max-interval`).
+MAX_INTERVAL_S = 86400
+AUTO = "auto"
 _HELD = ("DRAIN", "MAINT")  # in Slurm's node state: the node is being emptied
 
 
@@ -86,7 +94,7 @@ def add(
     registry: Registry,
     by: Principal,
     name: str,
-    every_s: int,
+    every_s: int | str,
     action: str,
     filters: dict[str, str],
     keep: int | None,
@@ -102,7 +110,8 @@ def add(
     validate_name(name, "policy name")
     row = {
         "name": name,
-        "every_s": every_s,
+        "every_s": 0 if every_s == AUTO else every_s,
+        "every_auto": every_s == AUTO,
         "action": action,
         "filters": {k: str(v) for k, v in filters.items() if v},
         "keep": keep,
@@ -144,6 +153,9 @@ def edit(
     unknown = sorted(set(changes) - set(EDITABLE))
     if unknown:
         raise UsageError(f"cannot edit {unknown[0]!r} of a policy: {', '.join(EDITABLE)}")
+    if "every_s" in changes:  # "auto", or a period (which ends auto)
+        auto = changes["every_s"] == AUTO
+        changes = {**changes, "every_s": 0 if auto else changes["every_s"], "every_auto": auto}
     with registry.db.transaction() as conn:
         found = (
             conn.execute(select(policies).where(policies.c.name == name).with_for_update())
@@ -161,12 +173,17 @@ def edit(
         token = new_hook_token() if _webhook(new) and not old["hook_sha256"] else None
         if token:
             new.update(hook_sha256=_sha(token), hook_created=_now())
-        said = [f"{k} {_said(old[k])} -> {_said(new[k])}" for k in EDITABLE if old[k] != new[k]]
+        said = [
+            f"{k} {_said(old[k])} -> {_said(new[k])}"
+            for k in (*EDITABLE, "every_auto")
+            if old[k] != new[k]
+        ]
         conn.execute(
             update(policies)
             .where(policies.c.name == name)
             .values(
                 **{k: new[k] for k in EDITABLE if k != "filters"},
+                every_auto=new["every_auto"],
                 filters=json.dumps(new["filters"]),
                 hook_sha256=new["hook_sha256"],
                 hook_created=new["hook_created"],
@@ -202,7 +219,7 @@ def new_hook_token() -> str:
 
 
 def _webhook(row: dict[str, Any]) -> bool:
-    return row["trigger"] == "every" and not row["every_s"]
+    return row["trigger"] == "every" and not row["every_s"] and not row.get("every_auto")
 
 
 def _said(value: Any) -> str:
@@ -222,7 +239,17 @@ def _check(p: dict[str, Any], min_interval_s: int) -> None:
     if trigger not in TRIGGERS:
         raise UsageError(f"bad trigger {trigger!r}: {', '.join(TRIGGERS)}")
     if not isinstance(every_s, int) or every_s < 0:
-        raise UsageError("every_s is seconds between runs, or 0 (only when called)")
+        raise UsageError(
+            "every_s is seconds between runs, 0 (only when called) or auto (each job at "
+            "its own interval)"
+        )
+    if p.get("every_auto") and (trigger != "every" or action != "checkpoint"):
+        raise UsageError(
+            f"every auto checkpoints each job at its own interval: it takes the checkpoint "
+            f"action and no --on (not {action}"
+            + (f" on {trigger}" if trigger != "every" else "")
+            + "); give --every N for the others"
+        )
     if 0 < every_s < min_interval_s and trigger != "drain":
         # A checkpoint every few seconds freezes the jobs it picks most of the time.
         raise UsageError(
@@ -284,8 +311,13 @@ def listed(registry: Registry, by: Principal) -> list[dict[str, Any]]:
 
 def _shown(row: dict[str, Any]) -> dict[str, Any]:
     """A policy as the API shows it: its hook token's hash never, whether it has one."""
-    shown = {k: v for k, v in row.items() if k != "hook_sha256"}
-    return {**shown, "filters": json.loads(row["filters"]), "hook": bool(row["hook_sha256"])}
+    shown = {k: v for k, v in row.items() if k not in ("hook_sha256", "every_auto")}
+    return {
+        **shown,
+        "every_s": AUTO if row.get("every_auto") else row["every_s"],
+        "filters": json.loads(row["filters"]),
+        "hook": bool(row["hook_sha256"]),
+    }
 
 
 def _matches(filters: dict[str, str], job: dict[str, Any], now: float | None = None) -> bool:
@@ -306,9 +338,13 @@ def _matches(filters: dict[str, str], job: dict[str, Any], now: float | None = N
     return True
 
 
-def run_due(registry: Registry, lost_after_s: float) -> int:
-    """Every periodic policy whose time has come, run once, and every memory and drain policy
-    looked at; how many commands were queued."""
+def run_due(
+    registry: Registry,
+    lost_after_s: float,
+    bounds: intervals.Bounds = intervals.Bounds(MIN_INTERVAL_S, MAX_INTERVAL_S),
+) -> int:
+    """Every periodic policy whose time has come, run once, and every memory, drain and
+    `every auto` policy looked at; how many commands were queued."""
     now = int(time.time())
     with registry.db.transaction() as conn:
         rows = [
@@ -323,22 +359,38 @@ def run_due(registry: Registry, lost_after_s: float) -> int:
         if r["trigger"] == "every" and r["every_s"] > 0 and now - r["last_run"] >= r["every_s"]
     ]
     watching = [r for r in rows if r["trigger"] in ("memory", "drain")]
-    return sum(_run(registry, p, lost_after_s, "every") for p in due) + sum(
-        _watch(registry, p, lost_after_s) for p in watching
+    auto = [r for r in rows if r["trigger"] == "every" and r["every_auto"]]
+    return (
+        sum(_run(registry, p, lost_after_s, "every") for p in due)
+        + sum(_watch(registry, p, lost_after_s) for p in watching)
+        + sum(_auto(registry, p, lost_after_s, bounds) for p in auto)
     )
 
 
-def run_now(registry: Registry, by: Principal, name: str, lost_after_s: float) -> dict[str, Any]:
-    """The policy's webhook: run it at once, whatever its period."""
+def run_now(
+    registry: Registry,
+    by: Principal,
+    name: str,
+    lost_after_s: float,
+    bounds: intervals.Bounds = intervals.Bounds(MIN_INTERVAL_S, MAX_INTERVAL_S),
+) -> dict[str, Any]:
+    """The policy's webhook: run it at once, whatever its period (an `every auto` one: the
+    jobs whose interval has passed)."""
     by.admin_only()
     with registry.db.transaction() as conn:
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
     if row is None:
         raise NotFoundError(f"no policy {name}")
-    return _called(registry, dict(row), lost_after_s)
+    return _called(registry, dict(row), lost_after_s, bounds)
 
 
-def run_hook(registry: Registry, token: str, name: str, lost_after_s: float) -> dict[str, Any]:
+def run_hook(
+    registry: Registry,
+    token: str,
+    name: str,
+    lost_after_s: float,
+    bounds: intervals.Bounds = intervals.Bounds(MIN_INTERVAL_S, MAX_INTERVAL_S),
+) -> dict[str, Any]:
     """The policy's webhook called with its own hook token (which runs no other policy)."""
     with registry.db.transaction() as conn:
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
@@ -350,14 +402,18 @@ def run_hook(registry: Registry, token: str, name: str, lost_after_s: float) -> 
         or not hmac.compare_digest(row["hook_sha256"], _sha(token))
     ):
         raise UnauthenticatedError(f"not the hook token of policy {name}")
-    return _called(registry, dict(row), lost_after_s)
+    return _called(registry, dict(row), lost_after_s, bounds)
 
 
-def _called(registry: Registry, p: dict[str, Any], lost_after_s: float) -> dict[str, Any]:
+def _called(
+    registry: Registry, p: dict[str, Any], lost_after_s: float, bounds: intervals.Bounds
+) -> dict[str, Any]:
     if not p["enabled"]:
         raise UsageError(
             f"policy {p['name']} is disabled (`policies edit {p['name']} " "--enable`)"
         )
+    if p.get("every_auto"):
+        return {"name": p["name"], "queued": _auto(registry, p, lost_after_s, bounds)}
     return {"name": p["name"], "queued": _run(registry, p, lost_after_s, "webhook")}
 
 
@@ -526,6 +582,93 @@ def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
             f"policy {p['name']} ({why}): {queued} command(s) queued",
         )
     return queued
+
+
+def _auto(
+    registry: Registry, p: dict[str, Any], lost_after_s: float, bounds: intervals.Bounds
+) -> int:
+    """An `every auto` policy: a checkpoint of each job it picks whose own interval has
+    passed since its newest checkpoint (or this policy's last command for it, or its start)."""
+    now = time.time()
+    rates = intervals.rates(registry.db, now)
+    costs = intervals.costs(registry.db, now)
+    queued_at = intervals.last_commands(
+        registry.db, p["name"], now - max(bounds.floor_s, bounds.ceiling_s) - 1
+    )
+
+    def due(job: dict[str, Any]) -> bool:
+        chosen = intervals.for_job(job, rates, costs, bounds, p["name"])
+        age = job.get("last_checkpoint_age_s")
+        since = [
+            now - float(age) if age is not None else None,
+            queued_at.get((job["cluster_id"], job["node"], str(job["job"]))),
+            _started(job),
+        ]
+        known = [t for t in since if t is not None]
+        return not known or now - max(known) >= chosen["interval_s"]
+
+    queued = _checkpoint_jobs(
+        registry,
+        p["name"],
+        json.loads(p["filters"]),
+        bool(p.get("stop")),
+        due,
+        lost_after_s=lost_after_s,
+    )
+    if queued:
+        with registry.db.transaction() as conn:
+            conn.execute(
+                update(policies).where(policies.c.name == p["name"]).values(last_run=int(now))
+            )
+        event_log.add(
+            registry.db,
+            None,
+            None,
+            "policy-run",
+            f"policy {p['name']} (auto: each job's interval passed): {queued} command(s) queued",
+        )
+    return queued
+
+
+def _started(job: dict[str, Any]) -> float | None:
+    try:
+        return (
+            datetime.fromisoformat(str(job["started"])).timestamp() if job.get("started") else None
+        )
+    except ValueError:
+        return None
+
+
+def annotate_intervals(
+    registry: Registry, jobs: list[dict[str, Any]], bounds: intervals.Bounds
+) -> None:
+    """Each job the first enabled `every auto` policy (by name) picks gets `interval`: its
+    interval now and why (stasis.controlplane.intervals.for_job); a job a node reported an
+    interval for (`interval_s`, `interval_why`: its own `STASIS_INTERVAL`) keeps that."""
+    with registry.db.transaction() as conn:
+        auto = [
+            dict(r)
+            for r in conn.execute(
+                select(policies)
+                .where(policies.c.enabled.is_(True), policies.c.every_auto.is_(True))
+                .order_by(policies.c.name)
+            )
+            .mappings()
+            .all()
+        ]
+    now = time.time()
+    rates = intervals.rates(registry.db, now) if auto else {}
+    costs = intervals.costs(registry.db, now) if auto else {}
+    for job in jobs:
+        picked = next((p for p in auto if _matches(json.loads(p["filters"]), job, now)), None)
+        if picked is not None:
+            job["interval"] = intervals.for_job(job, rates, costs, bounds, picked["name"])
+        elif job.get("interval_s") is not None:
+            job["interval"] = {
+                "source": "node",
+                "interval_s": job["interval_s"],
+                "why": job.get("interval_why") or "",
+            }
 
 
 def _retain(

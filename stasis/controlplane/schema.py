@@ -127,6 +127,9 @@ policies = Table(
     Column("stop", Boolean, nullable=False, server_default=false()),  # checkpoint: and stop
     # retain: and every checkpoint of a label whose job completed (exit 0), none running
     Column("completed", Boolean, nullable=False, server_default=false()),
+    # checkpoint every "auto": each job it picks at its own Young/Daly interval
+    # (stasis.controlplane.intervals); every_s is 0 then.
+    Column("every_auto", Boolean, nullable=False, server_default=false()),
     # Its hook token's SHA-256: that token runs this policy (its webhook) and nothing else.
     Column("hook_sha256", String(64), nullable=True),
     Column("hook_created", String(40), nullable=True),

@@ -36,12 +36,13 @@ from typing import Any, ParamSpec, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from stasis.controlplane import models, policies, routes, wire
+from stasis.controlplane import intervals, models, policies, routes, wire
 from stasis.controlplane.access import HOOK_PREFIX, Principal
 from stasis.controlplane.commands import Command
 from stasis.controlplane.database import safe_url
 from stasis.controlplane.models import MODELS
 from stasis.controlplane.registry import Registry
+from stasis.controlplane.savings import savings_of
 from stasis.errors import StasisError, UnauthenticatedError, UsageError, wire_name
 from stasis.routes import AnyRoute
 
@@ -201,6 +202,7 @@ class Api:
         cache_dir: Path,
         min_interval_s: int,
         behind_tls: bool,
+        max_interval_s: int = policies.MAX_INTERVAL_S,
     ) -> None:
         self.registry = registry
         self.lost_after_s = lost_after_s
@@ -208,6 +210,8 @@ class Api:
         self.cache_dir = cache_dir
         self.min_interval_s = min_interval_s
         self.behind_tls = behind_tls
+        # an `every auto` policy's floor and ceiling (stasis.controlplane.intervals)
+        self.bounds = intervals.Bounds(min_interval_s, max_interval_s)
 
     def _own_url(self, request: web.Request) -> str:
         """This control plane's URL as the caller reached it (https:// behind a TLS proxy)."""
@@ -270,7 +274,12 @@ class Api:
         return await _run(self.registry.list_nodes, call.principal, self.lost_after_s)
 
     async def list_jobs(self, call: Call) -> list[wire.Job]:
-        return await _run(self.registry.list_jobs, call.principal)
+        return await _run(self._jobs, call.principal)
+
+    def _jobs(self, by: Principal) -> list[wire.Job]:
+        jobs = self.registry.list_jobs(by)
+        policies.annotate_intervals(self.registry, jobs, self.bounds)
+        return jobs
 
     async def new_command(self, call: Call) -> Command:
         b: models.NewCommand = call.body
@@ -379,15 +388,22 @@ class Api:
         )
 
     async def savings(self, call: Call) -> wire.Savings:
-        return await _run(self.registry.savings, call.principal)
+        return await _run(savings_of, self.registry, call.principal)
 
     async def run_policy(self, call: Call) -> wire.PolicyRun:
         name = call.args["name"]
         token = _bearer(call.request)
         if token.startswith(HOOK_PREFIX):  # the policy's own hook token: this policy only
-            return await _run(policies.run_hook, self.registry, token, name, self.lost_after_s)
+            return await _run(
+                policies.run_hook, self.registry, token, name, self.lost_after_s, self.bounds
+            )
         return await _run(
-            policies.run_now, self.registry, _principal(call.request), name, self.lost_after_s
+            policies.run_now,
+            self.registry,
+            _principal(call.request),
+            name,
+            self.lost_after_s,
+            self.bounds,
         )
 
     async def install_kubernetes(self, call: Call) -> web.StreamResponse:
@@ -502,6 +518,7 @@ def app(
     cache_dir: Path = Path("/var/lib/stasis/controlplane"),
     min_interval_s: int = policies.MIN_INTERVAL_S,
     behind_tls: bool = False,
+    max_interval_s: int = policies.MAX_INTERVAL_S,
 ) -> web.Application:
     from stasis.controlplane import dashboard
 
@@ -510,12 +527,14 @@ def app(
     dashboard.add_routes(
         a,
         routes.UI,
-        dashboard.Dashboard(registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls),
+        dashboard.Dashboard(
+            registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls, max_interval_s
+        ),
     )
     add_routes(
         a,
         routes.API,
-        Api(registry, lost_after_s, lease_s, cache_dir, min_interval_s, behind_tls),
+        Api(registry, lost_after_s, lease_s, cache_dir, min_interval_s, behind_tls, max_interval_s),
     )
     return a
 
@@ -582,6 +601,7 @@ async def serve(
     cache_dir: Path = Path("/var/lib/stasis/controlplane"),
     min_interval_s: int = policies.MIN_INTERVAL_S,
     behind_tls: bool = False,
+    max_interval_s: int = policies.MAX_INTERVAL_S,
 ) -> None:
     host, port = parse_listen(listen)
     context = None
@@ -605,7 +625,16 @@ async def serve(
         registry.close()
         raise
     runner = web.AppRunner(
-        app(registry, lost_after_s, lease_s, session_ttl_s, cache_dir, min_interval_s, behind_tls),
+        app(
+            registry,
+            lost_after_s,
+            lease_s,
+            session_ttl_s,
+            cache_dir,
+            min_interval_s,
+            behind_tls,
+            max_interval_s,
+        ),
         access_log=None,
     )
     await runner.setup()
@@ -620,7 +649,9 @@ async def serve(
         json.dumps(safe_url(registry.url)),
     )
     print(f"listening on {scheme}://{host}:{port}", flush=True)
-    runs = asyncio.create_task(_run_policies(registry, lost_after_s))
+    runs = asyncio.create_task(
+        _run_policies(registry, lost_after_s, intervals.Bounds(min_interval_s, max_interval_s))
+    )
     try:
         await asyncio.Event().wait()
     finally:
@@ -629,14 +660,14 @@ async def serve(
         registry.close()
 
 
-async def _run_policies(registry: Registry, lost_after_s: float) -> None:
+async def _run_policies(registry: Registry, lost_after_s: float, bounds: intervals.Bounds) -> None:
     failing = ""
     while True:
         try:
             await asyncio.to_thread(registry.note_lost, lost_after_s)
             # commands a lost or dying node holds: failed, a restore re-targeted
             await asyncio.to_thread(registry.recover, lost_after_s)
-            queued = await asyncio.to_thread(policies.run_due, registry, lost_after_s)
+            queued = await asyncio.to_thread(policies.run_due, registry, lost_after_s, bounds)
             if queued:
                 log.info("policies queued %d command(s)", queued)
             failing = ""

@@ -57,6 +57,8 @@ class JobReport(TypedDict, total=False):
     kind: str  # daemon | slurm | kubernetes | ...
     partition: str | None
     rss_bytes: int
+    interval_s: float | None  # its periodic checkpoint interval on the node (GET /intervals)
+    interval_why: str | None  # and why (the node's `stasis ps` says the same)
 
 
 class ActivityReport(TypedDict, total=False):
@@ -134,7 +136,8 @@ class Ack(TypedDict, total=False):
 
 class NewPolicy(TypedDict, total=False):
     name: str  # required
-    every_s: int  # required; 0: only when its webhook is called
+    every_s: int | Literal["auto"]  # required; 0: only when its webhook is called; auto:
+    # each job at its own Young/Daly interval (stasis.controlplane.intervals)
     action: PolicyAction  # required
     filters: dict[str, str]
     keep: int | None
@@ -149,7 +152,7 @@ class PolicyEdit(TypedDict, total=False):
     """Only the fields given change; `filters` are merged in, an empty or null value removes
     one."""
 
-    every_s: int | None
+    every_s: int | Literal["auto"] | None
     action: PolicyAction | None
     filters: dict[str, str | None] | None
     keep: int | None
