@@ -266,7 +266,8 @@ class Client:
 
     def slurm_interval(self, slurm_job: str, requested: str) -> wire.SlurmInterval:
         """How long job `slurm_job` waits for its next periodic checkpoint (`requested`:
-        "auto" or seconds), and why (stasis.slurm.intervals)."""
+        "auto", seconds, or "default": the node's `interval` setting), and why
+        (stasis.slurm.intervals)."""
         request: wire.SlurmIntervalRequest = {"requested": requested}
         return self.call(routes.SLURM_INTERVAL, request, job=slurm_job)
 

@@ -368,7 +368,7 @@ class FinishAnswer(TypedDict):
 
 
 class SlurmIntervalRequest(TypedDict):
-    requested: str  # "auto" or seconds ("600", "90.5")
+    requested: str  # "auto", seconds ("600", "90.5"), or "default" (the node's `interval`)
 
 
 # One job's periodic checkpoint interval and why (stasis.slurm.intervals builds it: slurm_job,

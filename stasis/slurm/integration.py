@@ -6,9 +6,10 @@
     POST /slurm/jobs/{id}/checkpoint        {"leave_running": bool}; without leave_running the
                                             workload is killed once the checkpoint is published
                                             and the job is requeued (`scontrol requeue`)
-    POST /slurm/jobs/{id}/interval          {"requested": "auto" | "<seconds>"}: how long
-                                            to wait for the next periodic checkpoint, and why
-                                            (stasis.slurm.intervals)
+    POST /slurm/jobs/{id}/interval          {"requested": "auto" | "<seconds>" | "default"}:
+                                            how long to wait for the next periodic checkpoint,
+                                            and why ("default": the node's `interval` setting;
+                                            stasis.slurm.intervals)
     GET  /slurm/intervals                   the jobs' current intervals (root: all, a user:
                                             their own)
     POST /slurm/jobs/{id}/finish            {"exit_code": n, "stopped": bool}: the workload

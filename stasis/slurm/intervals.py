@@ -4,10 +4,13 @@ The launcher keeps time (it asks for each leave-running checkpoint, as it always
 daemon says how long to wait. A job's launcher tells the daemon what its job asked for, after it
 registered and after each periodic checkpoint:
 
-    POST /slurm/jobs/{id}/interval  {"requested": "auto" | "<seconds>"}
+    POST /slurm/jobs/{id}/interval  {"requested": "auto" | "<seconds>" | "default"}
     GET  /slurm/intervals           every job's current interval and why (root: all; a user:
                                     their own), for `stasis slurm intervals`
 
+`default` is what a job that set no STASIS_INTERVAL asks: the node's `interval` setting decides
+(none: the answer's interval_s is 0 and the job is not listed; seconds or `auto`: as if the job had
+asked for them, its `why` saying it is the node's default).
 `<seconds>` is used as asked (unbounded, as before `auto` existed) and only shown. `auto` is
 Young/Daly's interval (stasis.interval) from
   - the job's cost of one checkpoint: the seconds its last checkpoint held it frozen (CRIU's
@@ -70,6 +73,10 @@ class Intervals:
     ) -> dict[str, Any]:
         """The interval job `job_id` (registration `reg`) waits before its next periodic
         checkpoint, and why."""
+        node_default = ""
+        if requested == "default":
+            node_default = f" (this node's default: interval = {self.settings.interval!r})"
+            requested = self.settings.interval
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         entry: dict[str, Any] = {
             "slurm_job": job_id,
@@ -80,11 +87,29 @@ class Intervals:
             "requested": requested,
             "at": now,
         }
+        if not requested:
+            entry.update(
+                interval_s=0.0,
+                why="none: the job set no STASIS_INTERVAL and this node's `interval` is none",
+                cost_s=None,
+                cost_measured=False,
+                mtbi_s=None,
+                raw_s=None,
+                bound="",
+                rate=None,
+            )
+            with self._lock:  # not listed: it has no interval
+                self._jobs.pop(job_id, None)
+            return entry
         if requested != "auto":
             seconds = float(requested)
             entry.update(
                 interval_s=seconds,
-                why=f"asked: STASIS_INTERVAL={requested}",
+                why=(
+                    f"the node's default: {requested} s{node_default}"
+                    if node_default
+                    else f"asked: STASIS_INTERVAL={requested}"
+                ),
                 cost_s=None,
                 cost_measured=False,
                 mtbi_s=None,
@@ -111,7 +136,7 @@ class Intervals:
             )
         entry.update(
             interval_s=choice.interval_s,
-            why="auto: " + why,
+            why="auto" + node_default + ": " + why,
             cost_s=choice.cost_s,
             cost_measured=measured is not None,
             mtbi_s=choice.mtbi_s,

@@ -20,6 +20,9 @@ Then it waits for the workload and
     STASIS_INTERVAL=<s>                             a leave-running checkpoint every <s> seconds
     STASIS_INTERVAL=auto                            ...every Young/Daly interval the daemon
               chooses (stasis.slurm.intervals), asked again after each checkpoint
+    STASIS_INTERVAL=off (or 0)                      none, whatever the node's default
+    no STASIS_INTERVAL                              the node's default (its `interval` setting:
+              none, seconds or auto), which the daemon resolves when asked for "default"
 A checkpoint is not asked for while a step handed to Slurm's own srun runs (its tasks are outside
 the tree: the restored client would talk to a step that is gone): a line in the job's output says
 so, and the job goes on. When the workload ends by itself, the launcher exits with its exit code and tells the daemon, which
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.client import Client
+from stasis.config import interval_asked
 from stasis.engine import privatetmp
 from stasis.errors import DaemonAPIError, StasisError
 from stasis.slurm import steps
@@ -89,6 +93,9 @@ class Launcher:
         self.slurm_requeues = False
         self.interval_s = 0.0  # STASIS_INTERVAL: periodic leave-running checkpoints
         self.auto = False  # STASIS_INTERVAL=auto: the daemon chooses interval_s
+        # What the daemon is asked for: "auto", seconds, "default" (the job asked for nothing:
+        # the node's `interval` setting), or "" (no periodic checkpoints, nothing asked).
+        self.requested = ""
         self.refused: list[str] = []  # the outside steps a periodic checkpoint was skipped for
         self.stopped = False  # warned (preemption, time limit) or told to stop in this run
         self.final_unknown = False  # the daemon went away while taking the stop checkpoint
@@ -142,7 +149,7 @@ class Launcher:
     def register(self) -> None:
         if self.mode == "off":
             return
-        interval = _env_first(INTERVAL_VARS)
+        asked, warning = interval_asked(_env_first(INTERVAL_VARS))
         try:
             with self._client() as c:
                 c.slurm_register(
@@ -159,22 +166,28 @@ class Launcher:
             )
             self.mode = "off"
             return
-        if interval.strip().lower() == "auto":
+        if warning:
+            say(f"stasis: warning: {warning}")
+        if asked == "auto":
             self.auto = True
             self.interval_s = _AUTO_FALLBACK_S
-        else:
-            self.interval_s = float(interval) if interval and _is_number(interval) else 0.0
+            self.requested = "auto"
+        elif asked is None:
+            self.requested = "default"
+        elif asked != "off":
+            self.interval_s = float(asked)
+            self.requested = f"{self.interval_s:.6f}".rstrip("0").rstrip(".")
         self.ask_interval()
 
     def ask_interval(self) -> None:
-        """Tell the daemon the job's interval (shown by `stasis slurm intervals`); with `auto`,
-        take the one it chooses (said in the job's output when it changes)."""
-        if not self.interval_s:
+        """Tell the daemon the job's interval (shown by `stasis slurm intervals`); with `auto`
+        or the node's default, take the one it chooses (said in the job's output when it
+        changes)."""
+        if not self.requested:
             return
-        requested = "auto" if self.auto else f"{self.interval_s:.6f}".rstrip("0").rstrip(".")
         try:
             with self._client() as c:
-                answer = c.slurm_interval(self.job_id, requested)
+                answer = c.slurm_interval(self.job_id, self.requested)
             chosen = float(answer["interval_s"])
         except (StasisError, KeyError, TypeError, ValueError) as e:
             if self.auto:
@@ -182,6 +195,13 @@ class Launcher:
                     f"stasis: warning: the node daemon chose no checkpoint interval ({e}); "
                     f"the next periodic checkpoint comes in {self.interval_s:.0f} s"
                 )
+            return
+        if self.requested == "default":
+            # The node's default decides, at each ask (auto: re-estimated like the job's own).
+            self.auto = answer.get("requested") == "auto"
+            if chosen > 0 and round(chosen, 1) != round(self.interval_s, 1):
+                say(f"stasis: checkpoint interval {chosen:.1f} s ({answer.get('why', '')})")
+            self.interval_s = chosen if chosen > 0 else 0.0
             return
         if self.auto and chosen > 0:
             if round(chosen, 1) != round(self.interval_s, 1):
@@ -352,13 +372,6 @@ def _env_first(names: tuple[str, ...]) -> str:
         if os.environ.get(name):
             return os.environ[name]
     return ""
-
-
-def _is_number(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
 
 
 def main() -> None:

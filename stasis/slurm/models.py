@@ -36,7 +36,8 @@ class FinishRequest(_Model):
 
 
 class IntervalRequest(_Model):
-    requested: str = Field(max_length=20, pattern=r"^(auto|[0-9]{1,9}(\.[0-9]{1,6})?)$")
+    # "default": the job set no STASIS_INTERVAL; the node's `interval` setting decides.
+    requested: str = Field(max_length=20, pattern=r"^(auto|default|[0-9]{1,9}(\.[0-9]{1,6})?)$")
 
 
 class RemoteCheckpointRequest(_Model):
