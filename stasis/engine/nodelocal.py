@@ -115,6 +115,32 @@ class Found:
     mtime_ns: int
     written: bool = False  # open for writing, or mapped shared and writable
 
+    @classmethod
+    def of(
+        cls,
+        path: str,
+        kind: Kind,
+        source: str,
+        st: os.stat_result,
+        size_bytes: int = 0,
+        mtime_ns: int = 0,
+        written: bool = False,
+    ) -> Found:
+        """`path` as `source`'s stat result `st` says it is."""
+        return cls(
+            path,
+            kind,
+            source,
+            st.st_dev,
+            st.st_ino,
+            st.st_uid,
+            st.st_gid,
+            stat.S_IMODE(st.st_mode),
+            size_bytes,
+            mtime_ns,
+            written,
+        )
+
 
 @dataclass
 class Entry:
@@ -196,6 +222,19 @@ def _under(path: str, prefixes: Iterable[str]) -> bool:
     return any(path.startswith(p + "/") for p in prefixes)
 
 
+def _followed(link: str) -> tuple[str, os.stat_result] | None:
+    """Where a /proc link points and what is there; None once it is gone."""
+    try:
+        return os.readlink(link), os.stat(link)
+    except OSError:
+        return None
+
+
+def _kept_path(target: str, prefixes: Iterable[str]) -> bool:
+    """Whether a link's target names a path under `prefixes` that is still there."""
+    return target.startswith("/") and not target.endswith(" (deleted)") and _under(target, prefixes)
+
+
 def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
     """The node-local files of the tree under `pid` whose owner is `uid` (root: everyone's),
     one per path, sorted; under `prefixes` (default: `roots`)."""
@@ -210,11 +249,10 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
         sockets: dict[int, str] | None = None
         for fd in fds:
             link = f"/proc/{p}/fd/{fd}"
-            try:
-                target = os.readlink(link)
-                st = os.stat(link)
-            except OSError:
+            followed = _followed(link)
+            if followed is None:
                 continue
+            target, st = followed
             if (st.st_dev, st.st_ino) in skip:
                 continue
             if stat.S_ISSOCK(st.st_mode):
@@ -222,25 +260,9 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
                     sockets = _unix_paths(p)
                 path = sockets.get(st.st_ino)
                 if path and _under(path, prefixes) and path not in found:
-                    found[path] = Found(
-                        path,
-                        "socket",
-                        link,
-                        st.st_dev,
-                        st.st_ino,
-                        st.st_uid,
-                        st.st_gid,
-                        stat.S_IMODE(st.st_mode),
-                        0,
-                        0,
-                    )
+                    found[path] = Found.of(path, "socket", link, st)
                 continue
-            if (
-                not target.startswith("/")
-                or target.endswith(" (deleted)")
-                or not _under(target, prefixes)
-                or st.st_nlink == 0
-            ):
+            if not _kept_path(target, prefixes) or st.st_nlink == 0:
                 continue
             kind: Kind
             if stat.S_ISREG(st.st_mode):
@@ -251,15 +273,11 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
                 continue
             _add(
                 found,
-                Found(
+                Found.of(
                     target,
                     kind,
                     link,
-                    st.st_dev,
-                    st.st_ino,
-                    st.st_uid,
-                    st.st_gid,
-                    stat.S_IMODE(st.st_mode),
+                    st,
                     st.st_size if kind == "file" else 0,
                     st.st_mtime_ns,
                     _writable(p, fd),
@@ -287,32 +305,12 @@ def _add(found: dict[str, Found], entry: Found) -> None:
 
 def _add_cwd(found: dict[str, Found], pid: int, prefixes: list[str]) -> None:
     """A working directory under a node-local root: CRIU needs it there to restore."""
-    try:
-        target = os.readlink(f"/proc/{pid}/cwd")
-        st = os.stat(f"/proc/{pid}/cwd")
-    except OSError:
+    followed = _followed(f"/proc/{pid}/cwd")
+    if followed is None:
         return
-    if (
-        target.startswith("/")
-        and not target.endswith(" (deleted)")
-        and _under(target, prefixes)
-        and stat.S_ISDIR(st.st_mode)
-    ):
-        found.setdefault(
-            target,
-            Found(
-                target,
-                "dir",
-                "",
-                st.st_dev,
-                st.st_ino,
-                st.st_uid,
-                st.st_gid,
-                stat.S_IMODE(st.st_mode),
-                0,
-                0,
-            ),
-        )
+    target, st = followed
+    if _kept_path(target, prefixes) and stat.S_ISDIR(st.st_mode):
+        found.setdefault(target, Found.of(target, "dir", "", st))
 
 
 def _add_mappings(
@@ -330,32 +328,25 @@ def _add_mappings(
         return
     for name in names:
         link = f"/proc/{pid}/map_files/{name}"
-        try:
-            target = os.readlink(link)
-            st = os.stat(link)
-        except OSError:
+        followed = _followed(link)
+        if followed is None:
             continue
+        target, st = followed
         if (
             not stat.S_ISREG(st.st_mode)
             or st.st_nlink == 0
-            or not target.startswith("/")
-            or target.endswith(" (deleted)")
-            or not _under(target, prefixes)
+            or not _kept_path(target, prefixes)
             or (st.st_dev, st.st_ino) in skip
         ):
             continue
         p = perms.get(name, "")
         _add(
             found,
-            Found(
+            Found.of(
                 target,
                 "file",
                 link,
-                st.st_dev,
-                st.st_ino,
-                st.st_uid,
-                st.st_gid,
-                stat.S_IMODE(st.st_mode),
+                st,
                 st.st_size,
                 st.st_mtime_ns,
                 written=p[1:2] == "w" and p[3:4] == "s",
