@@ -19,9 +19,10 @@ Kubernetes API for its node and the pods on it:
   started again skips them. The daemon holds these requests to its floor (k8s_min_interval_s)
   after a container's last checkpoint: a refusal is the container's answer;
 - interval: a pod's stasis.dev/interval annotation sets the seconds between its containers'
-  leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again), never below
-  the daemon's floor (the k8s_min_interval_s setting); `auto`: Young/Daly's from each
-  container's measured checkpoint cost (stasis.k8s.intervals).
+  leave-running checkpoints (over their STASIS_INTERVAL; removed: theirs again, else the
+  node's `interval` setting), never below the daemon's floor (the k8s_min_interval_s setting);
+  `auto`: Young/Daly's from each container's measured checkpoint cost (stasis.k8s.intervals);
+  `off` (or 0): none.
 
 Checkpoints at a container's stop need none of this: the runtime takes them (stasis-runc).
 
@@ -53,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis.client import Client
-from stasis.config import Settings
+from stasis.config import Settings, interval_asked
 from stasis.errors import ContainerError, StasisError
 from stasis.k8s import kube
 from stasis.k8s.uninstall import UNINSTALL_ANNOTATION, UNINSTALLED_ANNOTATION, answered_request
@@ -458,16 +459,18 @@ class Agent:
     ) -> None:
         raw = ann.get(kube.INTERVAL_ANNOTATION)
         wanted: int | str | None = None  # seconds, "auto", or None: the container's own
-        if raw is not None and raw.strip().lower() == "auto":
-            wanted = "auto"
-        elif raw is not None:
-            try:
-                wanted = int(raw)
-                if wanted < 0:
-                    raise ValueError(raw)
-            except ValueError:
+        if raw is not None:
+            asked, _ = interval_asked(raw)  # off (or 0): none, whatever the node's default
+            if asked == "auto":
+                wanted = "auto"
+            elif asked == "off":
+                wanted = 0
+            elif asked is not None and float(asked).is_integer():
+                wanted = int(float(asked))
+            else:
                 log.warning(
-                    "pod %s/%s: %s=%r is neither a whole number of seconds nor auto; ignored",
+                    "pod %s/%s: %s=%r is neither a whole number of seconds, auto nor off; "
+                    "ignored",
                     pod.metadata.namespace,
                     pod.metadata.name,
                     kube.INTERVAL_ANNOTATION,

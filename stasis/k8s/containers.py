@@ -20,8 +20,9 @@ Intervals have a floor, the node admin's (`k8s_min_interval_s`): a pod's owner w
 checkpoints every second (STASIS_INTERVAL, stasis.dev/interval) gets one every floor seconds,
 and a line in the container's log saying so; one who asks by annotation (stasis.dev/checkpoint,
 reason "annotation") is refused until the floor has passed since the container's last
-checkpoint. Checkpoints and restores are told to the manager's listeners (the control plane
-hears of them), with the seconds of work they hold.
+checkpoint. A container that asks for no interval gets the node's `interval` setting (none by
+default; stasis.k8s.intervals.container_interval). Checkpoints and restores are told to the
+manager's listeners (the control plane hears of them), with the seconds of work they hold.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from stasis.errors import (
     UsageError,
 )
 from stasis.k8s import freezes, oci, restorefails, rootfs
-from stasis.k8s.intervals import AUTO, AutoIntervals
+from stasis.k8s.intervals import AUTO, AutoIntervals, container_interval
 from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
@@ -209,6 +210,7 @@ class Containers:
             raise UsageError(f"container {cid} has no STASIS_CHECKPOINT: nothing to protect")
         validate_label(bundle.label)
         restored = self._restored(cid, bundle, req.restored_from)
+        interval = container_interval(bundle, self.manager.settings.interval)
         row = {
             "container_id": cid,
             "runc_root": str(root),
@@ -216,9 +218,7 @@ class Containers:
             "label": bundle.label,
             "namespace": bundle.namespace,
             "pod": bundle.pod,
-            "interval_s": AUTO
-            if bundle.interval_auto
-            else self._floored(bundle.interval_s, root, cid),
+            "interval_s": interval if interval == AUTO else self._floored(interval, root, cid),
             "restored_from": restored.id if restored else req.restored_from,
             "last_checkpoint": None,
             "last_checkpoint_at": int(time.time()),
@@ -352,7 +352,7 @@ class Containers:
             interval = AUTO
         elif req.interval_s is None:
             bundle = read_bundle(Path(row["bundle"]), container_id)
-            interval = AUTO if bundle.interval_auto else bundle.interval_s
+            interval = container_interval(bundle, self.manager.settings.interval)
         else:
             interval = req.interval_s
         if interval != AUTO:

@@ -13,6 +13,10 @@ Young/Daly's interval (stasis.interval) from
 within max(`interval_min_s`, `k8s_min_interval_s`) and `interval_max_s`, re-estimated each time
 it is asked (every second, by the daemon's interval task). The measured costs are the daemon's
 memory only: a daemon restarted estimates again until the container's next checkpoint.
+
+A container that asks for no interval (no STASIS_INTERVAL, no stasis.dev/interval) gets the
+node's `interval` setting (`container_interval`): none (the default), seconds, or `auto`;
+STASIS_INTERVAL=off (or 0) asks for none whatever the node's default.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from stasis import wire
 from stasis.config import Settings
 from stasis.daemon.activity import Activity
 from stasis.interval import Choice, choose, mtbi_s
+from stasis.k8s.runc import Bundle
 
 # A first guess at what a dump costs before one was measured: ~4 s per GB on this project's
 # machines (notes/slurm.md), i.e. 250 MB/s (the Slurm integration's guess too).
@@ -36,6 +41,18 @@ AUTO = -1
 # A container's resident memory (its cost's estimate before a measured one) is read this
 # seldom: the daemon asks for every auto container's interval every second.
 _RSS_TTL_S = 30.0
+
+
+def container_interval(bundle: Bundle, node_default: str) -> int:
+    """The interval a container's own environment gives it (seconds, AUTO, 0: none), the
+    node's `interval` setting (`node_default`: "", "auto" or seconds) where it asks for none."""
+    if bundle.interval_auto:
+        return AUTO
+    if not bundle.interval_default:
+        return bundle.interval_s
+    if node_default == "auto":
+        return AUTO
+    return max(1, round(float(node_default))) if node_default else 0
 
 
 class AutoIntervals:
@@ -103,9 +120,9 @@ class AutoIntervals:
                 requested=str(row["interval_s"]),
                 interval_s=float(row["interval_s"]),
                 why=(
-                    f"asked: {row['interval_s']} s (STASIS_INTERVAL or the pod's "
-                    "stasis.dev/interval; never below this node's k8s_min_interval_s, "
-                    f"{self.settings.k8s_min_interval_s} s)"
+                    f"asked: {row['interval_s']} s (STASIS_INTERVAL, the pod's "
+                    "stasis.dev/interval, else this node's default `interval`; never below "
+                    f"this node's k8s_min_interval_s, {self.settings.k8s_min_interval_s} s)"
                 ),
                 cost_s=None,
                 cost_measured=False,

@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from stasis.config import interval_asked
 from stasis.errors import ContainerError, UsageError
 
 # The runtime's own names: what a container opts in with (Cedana's name is accepted too).
@@ -89,6 +90,8 @@ class Bundle:
     cwd: str
     rootfs: Path
     interval_auto: bool = False  # STASIS_INTERVAL=auto: Young/Daly's (stasis.k8s.intervals)
+    # No STASIS_INTERVAL (or one that means nothing): the node's `interval` setting applies.
+    interval_default: bool = False
 
     @property
     def uid(self) -> int:
@@ -105,7 +108,8 @@ def read_bundle(path: Path, container_id: str) -> Bundle:
     process = config.get("process") or {}
     env = dict(item.split("=", 1) for item in process.get("env") or [] if "=" in item)
     label = next((env[v] for v in LABEL_VARIABLES if env.get(v)), None)
-    auto = (env.get(INTERVAL_VARIABLE) or "").strip().lower() == "auto"
+    asked, _ = interval_asked(env.get(INTERVAL_VARIABLE) or "")
+    auto = asked == "auto"
     try:
         interval = 0 if auto else int(env.get(INTERVAL_VARIABLE) or 0)
     except ValueError:
@@ -126,6 +130,7 @@ def read_bundle(path: Path, container_id: str) -> Bundle:
         cwd=process.get("cwd") or "/",
         rootfs=root if root.is_absolute() else path / root,
         interval_auto=auto,
+        interval_default=asked is None,
     )
 
 

@@ -131,3 +131,27 @@ def test_the_auto_annotation_sets_auto_and_its_removal_the_container_s_own(
         assert "c-anno" not in ps_intervals(cluster)
     finally:
         node.remove("c-anno")
+
+
+def test_the_node_s_default_interval_for_a_container_that_asks_for_none(
+    cluster: Cluster,
+) -> None:
+    """Last in the module: the daemon keeps `interval = "auto"` from here on."""
+    node = cluster.node
+    node.configure({"interval": "auto"})
+    label = f"dflt-{secrets.token_hex(3)}"
+    node.run("c-dflt", COUNTER, env={"STASIS_CHECKPOINT": label})  # no STASIS_INTERVAL
+    node.run("c-off", COUNTER, env={"STASIS_CHECKPOINT": f"{label}-off", "STASIS_INTERVAL": "off"})
+    try:
+        wait_for(lambda: registered(node, "c-dflt"), 20, "the container's registration")
+        wait_for(lambda: registered(node, "c-off"), 20, "the other container's registration")
+        assert (registered(node, "c-dflt") or {})["interval_auto"] is True
+        off = registered(node, "c-off") or {}
+        assert (off["interval_auto"], off["interval_s"]) == (False, 0)
+        wait_for(lambda: len(node.checkpoints(label)) >= 1, 60, "an interval checkpoint")
+        shown = ps_intervals(cluster)
+        assert shown["c-dflt"]["requested"] == "auto" and "c-off" not in shown
+        assert node.checkpoints(f"{label}-off") == []
+    finally:
+        node.remove("c-dflt")
+        node.remove("c-off")

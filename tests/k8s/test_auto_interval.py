@@ -1,6 +1,7 @@
 """Containers' `auto` interval as the daemon computes it (stasis.k8s.intervals): Young/Daly's
 from the measured frozen time and the site's rate, within the floors and the ceiling; the
-bundle's STASIS_INTERVAL=auto. On a real node: tests/e2e/test_k8s_auto_interval.py."""
+bundle's STASIS_INTERVAL=auto; the node's `interval` for a container that asks for none. On a
+real node: tests/e2e/test_k8s_auto_interval.py."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from stasis.config import load_settings
 from stasis.daemon.activity import Activity
+from stasis.errors import UsageError
 from stasis.interval import choose, mtbi_s
-from stasis.k8s.intervals import AUTO, AutoIntervals
-from stasis.k8s.runc import read_bundle
+from stasis.k8s.intervals import AUTO, AutoIntervals, container_interval
+from stasis.k8s.runc import Bundle, read_bundle
 
 ROW = {"container_id": "c1", "label": "l", "namespace": "ns", "interval_s": AUTO}
 
@@ -82,3 +84,57 @@ def test_the_bundle_reads_auto(tmp_path: Path, value: str, seconds: int, is_auto
     (tmp_path / "config.json").write_text(json.dumps(spec))
     bundle = read_bundle(tmp_path, "c1")
     assert (bundle.interval_s, bundle.interval_auto) == (seconds, is_auto)
+
+
+def bundle_with(tmp_path: Path, *env: str) -> Bundle:
+    spec = {"process": {"env": [*env, "STASIS_CHECKPOINT=l"]}}
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    return read_bundle(tmp_path, "c1")
+
+
+@pytest.mark.parametrize(
+    ("own", "node_default", "effective"),
+    [
+        # Asked for nothing: the node's `interval` (none unless set).
+        ((), "", 0),
+        ((), "auto", AUTO),
+        ((), "90", 90),
+        ((), "0.4", 1),  # whole seconds, at least 1
+        (("STASIS_INTERVAL=",), "auto", AUTO),  # empty is unset
+        (("STASIS_INTERVAL=soon",), "300", 300),  # meaningless: ignored, as unset
+        # The container's own wins; off (or 0) is none whatever the node's default.
+        (("STASIS_INTERVAL=600",), "auto", 600),
+        (("STASIS_INTERVAL=auto",), "90", AUTO),
+        (("STASIS_INTERVAL=off",), "auto", 0),
+        (("STASIS_INTERVAL=0",), "90", 0),
+    ],
+)
+def test_a_container_that_asks_for_no_interval_gets_the_node_s_default(
+    tmp_path: Path, own: tuple[str, ...], node_default: str, effective: int
+) -> None:
+    settings = load_settings({"STASIS_CONFIG": "", "STASIS_DEFAULT_INTERVAL": node_default})
+    assert container_interval(bundle_with(tmp_path, *own), settings.interval) == effective
+
+
+@pytest.mark.parametrize(
+    ("file", "value"),
+    [("", ""), ('interval = "auto"', "auto"), ("interval = 3600", "3600"), ('interval = "0"', "")],
+)
+def test_the_node_s_interval_setting(tmp_path: Path, file: str, value: str) -> None:
+    (tmp_path / "config.toml").write_text(f"[jobs]\n{file}\n")
+    assert load_settings({"STASIS_CONFIG": str(tmp_path / "config.toml")}).interval == value
+
+
+def test_a_meaningless_node_interval_is_one_clear_error() -> None:
+    with pytest.raises(UsageError) as e:
+        load_settings({"STASIS_CONFIG": "", "STASIS_DEFAULT_INTERVAL": "hourly"})
+    assert str(e.value) == (
+        "bad setting 'interval': 'hourly' is neither \"\" (none), \"auto\" nor seconds "
+        '(e.g. "3600")'
+    )
+
+
+def test_the_job_s_own_stasis_interval_is_not_the_node_s_setting() -> None:
+    # A `stasis` command run inside a job (whose STASIS_INTERVAL is its own) reads no default.
+    env = {"STASIS_CONFIG": "", "STASIS_INTERVAL": "whenever"}
+    assert load_settings(env).interval == ""
