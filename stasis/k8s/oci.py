@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from stasis.errors import UsageError
-from stasis.k8s import confined, rootfs
+from stasis.k8s import child, confined, rootfs
 from stasis.store.manifest import is_safe_file_name
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -222,14 +222,7 @@ def import_archive(archive: Path, into: Path, timeout_s: float = 1800.0) -> dict
     UsageError, one line, when the archive is not one (nothing kept: the caller discards
     `into`)."""
     try:
-        r = subprocess.run(
-            [sys.executable, "-I", "-m", "stasis.k8s.oci", "import", str(archive), str(into)],
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout_s,
-            cwd="/",
-        )
+        r = child.run_module("stasis.k8s.oci", ["import", str(archive), str(into)], timeout_s)
     except subprocess.TimeoutExpired as e:
         raise UsageError(
             f"cannot import {archive}: unpacking it took more than " f"{timeout_s:.0f} s"
@@ -242,8 +235,7 @@ def import_archive(archive: Path, into: Path, timeout_s: float = 1800.0) -> dict
         except (ValueError, IndexError) as e:
             raise UsageError(f"cannot import {archive}: its unpacker said nothing") from e
         return meta if isinstance(meta, dict) else {}
-    lines = (r.stderr or r.stdout).strip().splitlines()
-    line = lines[-1] if lines else f"exit status {r.returncode}"
+    line = child.last_line(r)
     if r.returncode == _BAD_EXIT:
         raise UsageError(
             f"{archive} is not an OCI image archive stasis can import: {line} "

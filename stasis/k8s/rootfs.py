@@ -40,7 +40,7 @@ from typing import BinaryIO
 
 from stasis.errors import ContainerError, ContainerRootDamagedError
 from stasis.fdio import write_all
-from stasis.k8s import confined
+from stasis.k8s import child, confined
 from stasis.k8s.confined import ConfinedRoot
 
 DIFF_NAME = "rootfs-diff.tar"
@@ -221,16 +221,7 @@ def apply(diff: Path, rootfs: Path, timeout_s: float = 300.0) -> None:
     what = "cannot put back the writable layer of the container"
     try:
         with diff.open("rb") as f:
-            # -I: no PYTHON* variables, no user site, not the current directory on sys.path.
-            r = subprocess.run(
-                [sys.executable, "-I", "-m", "stasis.k8s.rootfs", "apply", str(rootfs)],
-                stdin=f,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout_s,
-                cwd="/",
-            )
+            r = child.run_module("stasis.k8s.rootfs", ["apply", str(rootfs)], timeout_s, f)
     except subprocess.TimeoutExpired as e:
         raise PartlyWritten(
             f"{what}: it took more than {timeout_s:.0f} s (the root may hold "
@@ -240,8 +231,7 @@ def apply(diff: Path, rootfs: Path, timeout_s: float = 300.0) -> None:
         raise ContainerError(f"{what}: {e}") from e
     if r.returncode == 0:
         return
-    lines = (r.stderr or r.stdout).strip().splitlines()
-    line = lines[-1] if lines else f"exit status {r.returncode}"
+    line = child.last_line(r)
     if r.returncode == _REFUSED_EXIT:
         raise ContainerError(f"{what}: {line}; nothing was written; {_DO_INSTEAD}")
     raise PartlyWritten(f"{what}: {line}; {_DO_INSTEAD}")

@@ -1,0 +1,32 @@
+"""A child Python running one of stasis's own modules, isolated: where the Kubernetes side
+reads what a tenant controls (a layer, an imported archive), a crash or a hang costs that one
+child, and its answer comes back as its exit status and its last line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import IO
+
+
+def run_module(
+    module: str, args: list[str], timeout_s: float, stdin: IO[bytes] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -I -m module args...`, from /, its output as text; raises what subprocess.run
+    raises (TimeoutExpired, OSError)."""
+    # -I: no PYTHON* variables, no user site, not the current directory on sys.path.
+    return subprocess.run(
+        [sys.executable, "-I", "-m", module, *args],
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout_s,
+        cwd="/",
+    )
+
+
+def last_line(r: subprocess.CompletedProcess[str]) -> str:
+    """What a child that failed said last (its stderr, else its stdout), or its exit status."""
+    lines = (r.stderr or r.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {r.returncode}"
