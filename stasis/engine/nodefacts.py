@@ -196,13 +196,7 @@ def open_files(pid: int) -> list[wire.OpenFile]:
     output: a restore re-points those at files of its own), deleted files (CRIU keeps their
     contents in the images), files under /proc and /sys, files on the tree's own mounts (a
     private /tmp: in the images too), and anything that is not a regular file."""
-    outputs: set[tuple[int, int]] = set()
-    for std in (1, 2):
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{std}")
-        except OSError:
-            continue
-        outputs.add((st.st_dev, st.st_ino))
+    outputs = proctree.outputs(pid)
     # A private /tmp's files travel in the images with its tmpfs (engine/privatetmp.py), a job
     # container's /tmp whole beside them (engine/boundtmp.py).
     own = privatetmp.own_devices(pid)
@@ -384,6 +378,13 @@ def _finding(
     return wire.CompatFact(what=what, recorded=recorded, here=here, verdict=verdict, why=why)
 
 
+def _noted(what: str, recorded: str, here: str, why: str) -> wire.CompatFact:
+    """The same here: ok; another: a note saying `why` (nothing a restore fails on)."""
+    if recorded == here:
+        return _finding(what, recorded, here)
+    return _finding(what, recorded, here, "note", why)
+
+
 def _version(text: str) -> tuple[int, ...] | None:
     try:
         return tuple(int(part) for part in text.split("."))
@@ -405,25 +406,19 @@ def compare(
     job wrote that differs, the checkpoint's copy replaces."""
     out = [_arch(recorded, here), *_cpu(recorded, here), _criu(recorded, here)]
     out.append(
-        _finding("kernel", recorded["kernel"], here.kernel)
-        if recorded["kernel"] == here.kernel
-        else _finding(
+        _noted(
             "kernel",
             recorded["kernel"],
             here.kernel,
-            "note",
             f"another kernel ({here.kernel}; dumped on {recorded['kernel']}): CRIU "
             "copes, and names any kernel feature the job used that this one lacks",
         )
     )
     out.append(
-        _finding("stasis", recorded["stasis_version"], here.stasis_version)
-        if recorded["stasis_version"] == here.stasis_version
-        else _finding(
+        _noted(
             "stasis",
             recorded["stasis_version"],
             here.stasis_version,
-            "note",
             f"another stasis version ({here.stasis_version}; dumped by "
             f"{recorded['stasis_version']})",
         )

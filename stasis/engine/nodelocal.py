@@ -239,7 +239,7 @@ def find(pid: int, uid: int, prefixes: list[str] | None = None) -> list[Found]:
     """The node-local files of the tree under `pid` whose owner is `uid` (root: everyone's),
     one per path, sorted; under `prefixes` (default: `roots`)."""
     prefixes = roots(pid, uid) if prefixes is None else prefixes
-    skip = _outputs(pid)
+    skip = proctree.outputs(pid)  # the job's log: re-pointed by a restore
     found: dict[str, Found] = {}
     for p in proctree.tree(pid):
         try:
@@ -363,18 +363,6 @@ def _writable(pid: int, fd: str) -> bool:
     except (OSError, ValueError):
         pass
     return False
-
-
-def _outputs(pid: int) -> set[tuple[int, int]]:
-    """The tree root's stdout and stderr (the job's log): re-pointed by a restore."""
-    out = set()
-    for std in (1, 2):
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{std}")
-        except OSError:
-            continue
-        out.add((st.st_dev, st.st_ino))
-    return out
 
 
 def _unix_paths(pid: int) -> dict[int, str]:

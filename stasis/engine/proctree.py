@@ -37,6 +37,19 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+def outputs(pid: int) -> set[tuple[int, int]]:
+    """The (device, inode) of `pid`'s stdout and stderr: a job's log, which a restore
+    re-points at a file of its own."""
+    out = set()
+    for std in (1, 2):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{std}")
+        except OSError:
+            continue
+        out.add((st.st_dev, st.st_ino))
+    return out
+
+
 def resident_bytes(pid: int) -> int:
     """Resident memory of the whole tree under `pid` (an upper bound on what a dump writes).
 
