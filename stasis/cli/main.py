@@ -9,6 +9,7 @@ holds them against (argparse: ~10 ms).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -651,40 +652,14 @@ def _add_daemon(sub: Any) -> None:
     p.set_defaults(handler=daemon)
 
 
-def _add_export(sub: Any) -> None:
-    from stasis.cli.k8s import add_export
+def _elsewhere(module: str, adder: str) -> Callable[[Any], None]:
+    """A command whose parser `module` adds (its function `adder`): imported only when that
+    command runs, or for the whole parser."""
 
-    add_export(sub)
+    def add(sub: Any) -> None:
+        getattr(importlib.import_module(module), adder)(sub)
 
-
-def _add_import(sub: Any) -> None:
-    from stasis.cli.k8s import add_import
-
-    add_import(sub)
-
-
-def _add_k8s(sub: Any) -> None:
-    from stasis.cli.k8s import add_k8s
-
-    add_k8s(sub)
-
-
-def _add_controlplane(sub: Any) -> None:
-    from stasis.cli.controlplane import add_controlplane
-
-    add_controlplane(sub)
-
-
-def _add_verify(sub: Any) -> None:
-    from stasis.cli.verify import add_verify
-
-    add_verify(sub)
-
-
-def _add_slurm(sub: Any) -> None:
-    from stasis.cli.slurm import add_slurm
-
-    add_slurm(sub)
+    return add
 
 
 COMMANDS: dict[str, Callable[[Any], None]] = {
@@ -697,12 +672,12 @@ COMMANDS: dict[str, Callable[[Any], None]] = {
     "logs": _add_logs,
     "check": _add_check,
     "daemon": _add_daemon,
-    "slurm": _add_slurm,
-    "k8s": _add_k8s,
-    "export": _add_export,
-    "import": _add_import,
-    "controlplane": _add_controlplane,
-    "verify": _add_verify,
+    "slurm": _elsewhere("stasis.cli.slurm", "add_slurm"),
+    "k8s": _elsewhere("stasis.cli.k8s", "add_k8s"),
+    "export": _elsewhere("stasis.cli.k8s", "add_export"),
+    "import": _elsewhere("stasis.cli.k8s", "add_import"),
+    "controlplane": _elsewhere("stasis.cli.controlplane", "add_controlplane"),
+    "verify": _elsewhere("stasis.cli.verify", "add_verify"),
 }
 
 
