@@ -31,10 +31,12 @@ from pydantic import (
 from stasis.errors import UsageError
 from stasis.store.signing import Signature
 
-Compression = Literal["none", "zstd", "lz4"]
+# The methods (and what a dump may ask for: one, or `auto`, the store samples the images and
+# decides) are the API's: declared once, in stasis.wire.
+from stasis.wire import Compression as Compression
+from stasis.wire import CompressionRequest as CompressionRequest
+
 COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "lz4")
-# What a dump may ask for: a method, or `auto` (the store samples the images and decides).
-CompressionRequest = Literal["none", "zstd", "lz4", "auto"]
 
 MANIFEST_NAME = "manifest.json"
 # Format 2: image files are stored as tables of chunks (`FileEntry.chunks`), and may be
