@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stasis.errors import ReaderGone
+from stasis.fdio import Iovec
 
 SOCKET_NAME = "streamer-serve.sock"
 # What `stream` in CRIU's RPC config file turns on (criu/config.c).
@@ -133,7 +134,7 @@ class PipeWriter:
         assert base is not None
         done = 0
         while done < len(data):
-            iov = _Iovec(base + done, len(data) - done)
+            iov = Iovec(base + done, len(data) - done)
             n = _vmsplice(self.fd, ctypes.byref(iov), 1, 0)
             if n < 0:
                 err = ctypes.get_errno()
@@ -173,17 +174,13 @@ class PipeWriter:
         self._held.clear()
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
 def _libc_vmsplice() -> Callable[..., int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).vmsplice
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_size_t, ctypes.c_uint]
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(Iovec), ctypes.c_size_t, ctypes.c_uint]
     return fn
 
 

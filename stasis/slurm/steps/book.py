@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Required, TypedDict, TypeGuard
 
+from stasis.fdio import Iovec
+
 _KEY = 0x53544550  # "STEP"; the IPC namespace is the job's own, so no other job sees it
 _SIZE = 1 << 18
 _MAGIC = 0x5354_5331
@@ -244,10 +246,6 @@ class _ShmidDs(ctypes.Structure):
     ]
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
 _IPC_STAT = 2
 # What IPC_STAT may write, with room to spare: a struct that were larger than ours would
 # overwrite this buffer, never the daemon's memory beyond it.
@@ -294,8 +292,8 @@ def _copy_out(libc: ctypes.CDLL, address: int, size: int) -> bytes:
     without pages left) ends the copy with EFAULT instead of killing the process with
     SIGSEGV or SIGBUS. Returns what could be read."""
     buf = ctypes.create_string_buffer(size)
-    local = _Iovec(ctypes.cast(buf, ctypes.c_void_p), size)
-    remote = _Iovec(address, size)
+    local = Iovec(ctypes.cast(buf, ctypes.c_void_p), size)
+    remote = Iovec(address, size)
     n = libc.process_vm_readv(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
     if n < 0:
         err = ctypes.get_errno()
