@@ -136,19 +136,25 @@ class Unpacked:
 
     def undo(self) -> None:
         if self.made:
-            subprocess.run(
-                ["rm", "-rf", "--", *self.made],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                user=self.uid,
-                group=self.gid,
-                extra_groups=self.groups,
-                close_fds=True,
-                timeout=600,
-                check=False,
-            )
+            self.run(["rm", "-rf", "--", *self.made], subprocess.DEVNULL, subprocess.DEVNULL)
         self.made = []
+
+    def run(
+        self, command: list[str], stdin: int, stderr: int
+    ) -> subprocess.CompletedProcess[bytes]:
+        """`command` with the job user's rights, never root's; its stdout discarded."""
+        return subprocess.run(
+            command,
+            stdin=stdin,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            user=self.uid,
+            group=self.gid,
+            extra_groups=self.groups,
+            close_fds=True,
+            timeout=600,
+            check=False,
+        )
 
 
 def unpack(images: Path, uid: int, gid: int, groups: Sequence[int] = ()) -> Unpacked:
@@ -175,7 +181,7 @@ def _unpack_one(images: Path, mount: str, done: Unpacked) -> None:
         raise RestoreError(f"cannot read the saved {mount} of the job: {e.strerror}") from e
     try:
         before = set(os.listdir(mount))
-        ran = subprocess.run(
+        ran = done.run(
             [
                 _TAR,
                 "--extract",
@@ -185,14 +191,8 @@ def _unpack_one(images: Path, mount: str, done: Unpacked) -> None:
                 "-C",
                 mount,
             ],
-            stdin=src,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            user=done.uid,
-            group=done.gid,
-            extra_groups=done.groups,
-            close_fds=True,
-            timeout=600,
+            src,
+            subprocess.PIPE,
         )
         done.made += [os.path.join(mount, n) for n in sorted(set(os.listdir(mount)) - before)]
     except OSError as e:
