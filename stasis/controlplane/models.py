@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
 
 from stasis.controlplane import policies, wire
 from stasis.controlplane.registry import CHECKPOINT_ID, JOB_ID, LABEL, USER
@@ -42,6 +50,28 @@ _WORD = r"^[A-Za-z0-9._:+ -]*$"
 # A node's scheduler state: Slurm's (MIXED+DRAIN) or a Kubernetes node's as kubectl shows it
 # (Ready,SchedulingDisabled+DRAIN).
 _STATE = r"^[A-Za-z0-9._:+, -]*$"
+
+
+def _seconds_or_auto(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A policy's period: "auto", or seconds, refused as a number is (the union's other
+    branch would only add noise to the one line)."""
+    if value == "auto":
+        return value
+    try:
+        return handler(value)
+    except ValidationError as e:
+        first = next(
+            (x for x in e.errors() if not str(x["loc"][:1]).startswith("(\"literal")), None
+        )
+        if first is None:
+            raise
+        raise PydanticCustomError(first["type"], first["msg"]) from None
+
+
+# 0: only when its webhook is called; auto: each job at its own interval
+_EVERY = Annotated[
+    Annotated[int, Field(ge=0, le=366 * 86400)] | Literal["auto"], WrapValidator(_seconds_or_auto)
+]
 
 
 class NodeReport(_Model):
@@ -130,8 +160,7 @@ class Renewal(_Model):
 
 class NewPolicy(_Model):
     name: str = Field(max_length=100)
-    # 0: only when its webhook is called; auto: each job at its own interval
-    every_s: Annotated[int, Field(ge=0, le=366 * 86400)] | Literal["auto"]
+    every_s: _EVERY
     action: Literal["checkpoint", "retain", "migrate", "verify"]
     filters: dict[str, str] = Field(default_factory=dict, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)
@@ -146,7 +175,7 @@ class PolicyEdit(_Model):
     """What PATCH /api/v1/policies/NAME changes: only the fields given (NewPolicy's rules);
     `filters` are merged in, an empty or null value removes one."""
 
-    every_s: Annotated[int, Field(ge=0, le=366 * 86400)] | Literal["auto"] | None = None
+    every_s: _EVERY | None = None
     action: Literal["checkpoint", "retain", "migrate", "verify"] | None = None
     filters: dict[str, str | None] | None = Field(default=None, max_length=len(policies.FILTERS))
     keep: int | None = Field(default=None, ge=1, le=100_000)

@@ -58,7 +58,7 @@ def savings_of(registry: Registry, by: Principal) -> dict[str, Any]:
                 "spent_node_hours": round(s, 6),
                 "net_node_hours": round(k - s, 4),
                 "interruptions": rate.interruptions,
-                "node_hours_seen": round(rate.node_hours, 4),
+                "node_hours_seen": rate.node_hours,
                 "rate_per_node_hour": rate.per_node_hour,
             }
         )
