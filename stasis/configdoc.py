@@ -47,7 +47,7 @@ FOOTER = """\
 Not settings of the node, but read from a job's or a container's own environment:
 `STASIS_ENABLE` and `STASIS_CHECKPOINT` (Slurm: opt in, and the label; `CEDANA_ENABLE` /
 `CEDANA_CHECKPOINT` work too), `STASIS_CHECKPOINT` (containers), `STASIS_INTERVAL` (periodic
-leave-running checkpoints, in seconds), `STASIS_FRESH` (`1`, `true`, `yes` or `if-unreachable`:
+leave-running checkpoints: seconds, `auto` or `off`; unset: the node's `interval`), `STASIS_FRESH` (`1`, `true`, `yes` or `if-unreachable`:
 start from the beginning when nobody can tell whether there is a checkpoint; see
 [faults.md](faults.md)). The chart's values are in `charts/stasis/values.yaml`
 ([install-kubernetes.md](install-kubernetes.md)).

@@ -37,6 +37,7 @@ CUSTOM = {
     "nodeSelector": {"gpu": "true"},
     "minIntervalSeconds": 300,
     "interruptionRatePerHour": 0.25,
+    "defaultInterval": "auto",
 }
 # Secrets of the site's own; k3s with containerd 2 (config version 3).
 EXISTING = {
@@ -181,6 +182,7 @@ def test_values_reach_the_manifests_and_the_token_only_the_secret(tmp_path: Path
     assert 'cluster_id = "c-42"' in config
     assert env["STASIS_K8S_MIN_INTERVAL_S"]["value"] == "300"
     assert env["STASIS_K8S_INTERRUPTION_RATE_PER_HOUR"]["value"] == "0.25"
+    assert env["STASIS_DEFAULT_INTERVAL"]["value"] == "auto"
     rules = named["ClusterRole/stasis-agent"]["rules"]
     assert {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]} in rules
     assert any("nodes" in r["resources"] and "patch" in r["verbs"] for r in rules)
