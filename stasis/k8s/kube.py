@@ -202,33 +202,20 @@ def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
     shows it; `stasis k8s checkpoint` waits for it), with the request's value and the result
     as annotations."""
     import hashlib
-    from datetime import UTC, datetime
-
-    from kubernetes import client
 
     meta = pod.metadata
-    now = datetime.now(UTC)
     tag = hashlib.sha256(f"{meta.uid}/{asked}".encode()).hexdigest()[:16]
-    body = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(
-            name=f"{meta.name[:200]}.stasis-{tag}",
-            namespace=meta.namespace,
-            annotations={CHECKPOINT_ANNOTATION: asked, RESULT_ANNOTATION: json.dumps(result)},
-        ),
-        involved_object=client.V1ObjectReference(
-            api_version="v1", kind="Pod", name=meta.name, namespace=meta.namespace, uid=meta.uid
-        ),
-        reason=ANSWER_REASON,
-        message=message[:1024],
-        type="Warning"
-        if "error" in result or any("error" in r for r in (result.get("containers") or {}).values())
-        else "Normal",
-        source=client.V1EventSource(component="stasis-agent", host=node),
-        reporting_component="stasis.dev/agent",
-        reporting_instance=node[:128],
-        first_timestamp=now,
-        last_timestamp=now,
-        count=1,
+    body = _pod_event(
+        f"{meta.name[:200]}.stasis-{tag}",
+        meta.namespace,
+        meta.name,
+        ANSWER_REASON,
+        message,
+        "error" in result or any("error" in r for r in (result.get("containers") or {}).values()),
+        node,
+        "agent",
+        annotations={CHECKPOINT_ANNOTATION: asked, RESULT_ANNOTATION: json.dumps(result)},
+        uid=meta.uid,
     )
     call(
         f"answer pod {meta.namespace}/{meta.name}",
@@ -238,32 +225,52 @@ def answer(api: Any, pod: Any, asked: str, result: dict[str, Any], message: str,
     )
 
 
-def warn(api: Any, namespace: str, pod: str, reason: str, message: str, node: str) -> None:
-    """A Warning event on a pod (`kubectl describe pod`, `kubectl get events`), from the
-    node's stasis: what the kubelet's own event about the same failure cannot say."""
-    import secrets
+def _pod_event(
+    name: str,
+    namespace: str,
+    pod: str,
+    reason: str,
+    message: str,
+    warning: bool,
+    node: str,
+    part: str,
+    annotations: dict[str, str] | None = None,
+    uid: str | None = None,
+) -> Any:
+    """Event `name` on pod `namespace/pod`, from the stasis `part` (agent, node) on `node`."""
     from datetime import UTC, datetime
 
     from kubernetes import client
 
     now = datetime.now(UTC)
-    body = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(
-            name=f"{pod[:200]}.stasis-{secrets.token_hex(8)}", namespace=namespace
-        ),
+    return client.CoreV1Event(
+        metadata=client.V1ObjectMeta(name=name, namespace=namespace, annotations=annotations),
         involved_object=client.V1ObjectReference(
-            api_version="v1", kind="Pod", name=pod, namespace=namespace
+            api_version="v1", kind="Pod", name=pod, namespace=namespace, uid=uid
         ),
         reason=reason,
         message=message[:1024],
-        type="Warning",
-        source=client.V1EventSource(component="stasis", host=node),
-        reporting_component="stasis.dev/node",
+        type="Warning" if warning else "Normal",
+        source=client.V1EventSource(component=_COMPONENTS[part], host=node),
+        reporting_component=f"stasis.dev/{part}",
         reporting_instance=node[:128],
         first_timestamp=now,
         last_timestamp=now,
         count=1,
     )
+
+
+# Each part's name as an event's source (what `kubectl get events` shows as FROM).
+_COMPONENTS: dict[str, str] = {"agent": "stasis-agent", "node": "stasis"}
+
+
+def warn(api: Any, namespace: str, pod: str, reason: str, message: str, node: str) -> None:
+    """A Warning event on a pod (`kubectl describe pod`, `kubectl get events`), from the
+    node's stasis: what the kubelet's own event about the same failure cannot say."""
+    import secrets
+
+    name = f"{pod[:200]}.stasis-{secrets.token_hex(8)}"
+    body = _pod_event(name, namespace, pod, reason, message, True, node, "node")
     call(
         f"tell pod {namespace}/{pod}",
         api.create_namespaced_event,
