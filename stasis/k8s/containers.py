@@ -37,7 +37,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,6 +47,7 @@ from sqlalchemy import (
     Column,
     Integer,
     MetaData,
+    RowMapping,
     String,
     Table,
     Text,
@@ -379,15 +380,7 @@ class Containers:
         belong to no local user)."""
         if not caller.is_root:
             return []
-        with self.db.transaction() as conn:
-            rows = (
-                conn.execute(
-                    select(k8s_containers_table).where(k8s_containers_table.c.interval_s != 0)
-                )
-                .mappings()
-                .all()
-            )
-        return [self.interval_of(dict(r)) for r in rows]
+        return [self.interval_of(dict(r)) for r in self._periodic()]
 
     def _info(self, row: dict[str, Any]) -> ContainerInfo:
         auto = row["interval_s"] == AUTO
@@ -635,18 +628,21 @@ class Containers:
             stopped=stopped,
         )
 
-    def checkpoint_due(self) -> None:
-        """Every container with STASIS_INTERVAL whose last checkpoint is that old: another."""
-        now = time.time()
+    def _periodic(self) -> Sequence[RowMapping]:
+        """The rows of the containers that have an interval."""
         with self.db.transaction() as conn:
-            rows = (
+            return (
                 conn.execute(
                     select(k8s_containers_table).where(k8s_containers_table.c.interval_s != 0)
                 )
                 .mappings()
                 .all()
             )
-        for row in rows:
+
+    def checkpoint_due(self) -> None:
+        """Every container with STASIS_INTERVAL whose last checkpoint is that old: another."""
+        now = time.time()
+        for row in self._periodic():
             interval = (
                 self.interval_of(dict(row))["interval_s"]
                 if row["interval_s"] == AUTO
