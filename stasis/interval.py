@@ -36,19 +36,19 @@ class Choice:
         """One line: cost, rate, raw value, bound."""
         if self.mtbi_s is None:
             return (
-                f"no interruption seen: the ceiling, {_s(self.interval_s)} "
-                f"(checkpoint cost {_s(self.cost_s)})"
+                f"no interruption seen: the ceiling, {duration(self.interval_s)} "
+                f"(checkpoint cost {duration(self.cost_s)})"
             )
         assert self.raw_s is not None
         text = (
-            f"checkpoint cost {_s(self.cost_s)}, mean time between interruptions "
-            f"{_s(self.mtbi_s)}: Young/Daly {_s(self.raw_s)}"
+            f"checkpoint cost {duration(self.cost_s)}, mean time between interruptions "
+            f"{duration(self.mtbi_s)}: Young/Daly {duration(self.raw_s)}"
         )
         if self.bound:
             text += (
-                f", raised to the floor {_s(self.interval_s)}"
+                f", raised to the floor {duration(self.interval_s)}"
                 if self.bound == "floor"
-                else f", lowered to the ceiling {_s(self.interval_s)}"
+                else f", lowered to the ceiling {duration(self.interval_s)}"
             )
         return text
 
@@ -97,7 +97,8 @@ def choose(cost_s: float, mtbi: float | None, floor_s: float, ceiling_s: float) 
     return Choice(raw, cost_s, mtbi, raw, "")
 
 
-def _s(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """A duration as a person reads it: 4.20 s, 95 s, 12 min, 7.5 h."""
     if seconds < 10:
         return f"{seconds:.2f} s"
     if seconds < 600:

@@ -222,9 +222,9 @@ def show(result: "Report") -> None:
 
 
 def _s(seconds: float) -> str:
-    from stasis.slurm.report_html import seconds as fmt
+    from stasis.interval import duration
 
-    return fmt(seconds)
+    return duration(seconds)
 
 
 def show_payoff(result: "Report") -> None:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from jinja2 import Environment
 from markupsafe import Markup
 
+from stasis.interval import duration
 from stasis.slurm.report import Costs, Report, week_of
 
 # (Costs attribute or property, label, colour)
@@ -64,15 +65,8 @@ def hours(value: float) -> str:
     return f"{value:,.0f}"
 
 
-def seconds(value: float) -> str:
-    """A duration as a person reads it."""
-    if value < 10:
-        return f"{value:.2f} s"
-    if value < 600:
-        return f"{value:.0f} s"
-    if value < 3 * 3600:
-        return f"{value / 60:.0f} min"
-    return f"{value / 3600:.1f} h"
+# A duration as a person reads it.
+seconds = duration
 
 
 def _bars(items: list[tuple[str, float, str]]) -> list[Bar]:
