@@ -89,14 +89,9 @@ class Intervals:
         }
         if not requested:
             entry.update(
-                interval_s=0.0,
-                why="none: the job set no STASIS_INTERVAL and this node's `interval` is none",
-                cost_s=None,
-                cost_measured=False,
-                mtbi_s=None,
-                raw_s=None,
-                bound="",
-                rate=None,
+                _not_auto(
+                    0.0, "none: the job set no STASIS_INTERVAL and this node's `interval` is none"
+                )
             )
             with self._lock:  # not listed: it has no interval
                 self._jobs.pop(job_id, None)
@@ -104,18 +99,12 @@ class Intervals:
         if requested != "auto":
             seconds = float(requested)
             entry.update(
-                interval_s=seconds,
-                why=(
+                _not_auto(
+                    seconds,
                     f"the node's default: {requested} s{node_default}"
                     if node_default
-                    else f"asked: STASIS_INTERVAL={requested}"
-                ),
-                cost_s=None,
-                cost_measured=False,
-                mtbi_s=None,
-                raw_s=None,
-                bound="",
-                rate=None,
+                    else f"asked: STASIS_INTERVAL={requested}",
+                )
             )
             return self._keep(job_id, entry)
         with self._lock:
@@ -201,3 +190,18 @@ def job_interval(entry: dict[str, Any]) -> wire.JobInterval:
         bound=entry["bound"],
         rate_per_hour=rate.get("rate_per_node_hour") if isinstance(rate, dict) else None,
     )
+
+
+def _not_auto(interval_s: float, why: str) -> dict[str, Any]:
+    """An interval that auto did not choose (none, or the seconds asked): no cost, rate or
+    bound to show."""
+    return {
+        "interval_s": interval_s,
+        "why": why,
+        "cost_s": None,
+        "cost_measured": False,
+        "mtbi_s": None,
+        "raw_s": None,
+        "bound": "",
+        "rate": None,
+    }
