@@ -411,13 +411,7 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile
                 st = None
             if st is None:
                 os.mkdir(name, 0o700, dir_fd=parent)
-            fd = os.open(
-                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent
-            )
-            try:
-                _owner_mode(fd, entry)
-            finally:
-                os.close(fd)
+            _owner_mode_at(parent, name, os.O_DIRECTORY, entry)
             return
         if entry.kind == "hardlink":
             # Opened inside the root, the link itself if it is one: linked is what was opened.
@@ -444,13 +438,7 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile
             )
         elif entry.kind == "fifo":
             os.mkfifo(name, 0o600, dir_fd=parent)
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent
-            )
-            try:
-                _owner_mode(fd, entry)
-            finally:
-                os.close(fd)
+            _owner_mode_at(parent, name, os.O_NONBLOCK, entry)
         else:
             # O_EXCL after the unlink: never written through a link or into another's inode.
             fd = os.open(
@@ -473,6 +461,16 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile
                 os.close(fd)
     finally:
         os.close(parent)
+
+
+def _owner_mode_at(parent: int, name: str, flags: int, entry: Entry) -> None:
+    """`_owner_mode` of what was just made at `name`, opened read-only with `flags` and never
+    through a link."""
+    fd = os.open(name, os.O_RDONLY | flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        _owner_mode(fd, entry)
+    finally:
+        os.close(fd)
 
 
 def _owner_mode(fd: int, entry: Entry) -> None:
