@@ -437,15 +437,11 @@ def _write(tar: tarfile.TarFile, m: tarfile.TarInfo, into_fd: int, name: str) ->
         )
     except FileExistsError:
         raise BadArchive(f"its layer holds {m.name[:100]!r} twice") from None
-    with os.fdopen(fd, "wb") as out:
-        src = tar.extractfile(m)
-        left = m.size
-        while left > 0 and src is not None:
-            chunk = src.read(min(left, _CHUNK))
-            if not chunk:
-                raise BadArchive(f"its layer ends inside {m.name[:100]!r}")
-            out.write(chunk)
-            left -= len(chunk)
+    try:
+        if not rootfs.copy_member(tar, m, fd):
+            raise BadArchive(f"its layer ends inside {m.name[:100]!r}")
+    finally:
+        os.close(fd)
 
 
 def _deleted(raw: bytes | None) -> list[str]:

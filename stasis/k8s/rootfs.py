@@ -448,19 +448,27 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile
                 dir_fd=parent,
             )
             try:
-                src = tar.extractfile(member)
-                left = member.size
-                while left > 0 and src is not None:
-                    chunk = src.read(min(left, _CHUNK))
-                    if not chunk:
-                        raise OSError(errno.EIO, "the tar ended inside the file")
-                    write_all(fd, chunk)
-                    left -= len(chunk)
+                if not copy_member(tar, member, fd):
+                    raise OSError(errno.EIO, "the tar ended inside the file")
                 _owner_mode(fd, entry)
             finally:
                 os.close(fd)
     finally:
         os.close(parent)
+
+
+def copy_member(tar: tarfile.TarFile, member: tarfile.TarInfo, fd: int) -> bool:
+    """Write the contents of the file `member` of `tar` to `fd`; False if the tar ends
+    inside it."""
+    src = tar.extractfile(member)
+    left = member.size
+    while left > 0 and src is not None:
+        chunk = src.read(min(left, _CHUNK))
+        if not chunk:
+            return False
+        write_all(fd, chunk)
+        left -= len(chunk)
+    return True
 
 
 def _owner_mode_at(parent: int, name: str, flags: int, entry: Entry) -> None:
