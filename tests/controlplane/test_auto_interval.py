@@ -293,3 +293,15 @@ def test_a_clusters_interruptions_and_a_node_reported_interval(controlplane: Con
     expected = interval.choose(4.0, shown["mtbi_s"], FLOOR_S, CEILING_S)
     assert shown["interval_s"] == pytest.approx(expected.interval_s)
     assert shown["mtbi_s"] == pytest.approx(3600 * shown["node_hours"] / 2)
+    # Edited in place: a period ends auto, auto ends the period.
+    assert cp.json("policies", "edit", "auto", "--every", "2m")["every_s"] == 120
+    (j,) = [x for x in cp.json("jobs") if x["cluster"] == "hpc"]
+    assert j["interval"]["source"] == "node"  # no auto policy picks it now: its node's
+    assert cp.json("policies", "edit", "auto", "--every", "auto")["every_s"] == "auto"
+    edits = [e["message"] for e in cp.json("events") if e["kind"] == "policy-edited"]
+    assert edits == [
+        "policy auto edited: every_s 0 -> 120; every_auto True -> False",
+        "policy auto edited: every_s 120 -> 0; every_auto False -> True",
+    ], edits
+    r = cp.cli("policies", "edit", "auto", "--on", "memory", "--above", "50")
+    assert r.returncode == 2 and "it takes the checkpoint action and no --on" in r.stderr, r.stderr
