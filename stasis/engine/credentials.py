@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stasis.engine import proctree
+from stasis.engine import proctree, protobuf
 
 # <linux/nsfs.h>
 _NS_GET_PARENT = 0xB702
@@ -260,61 +260,6 @@ _CRED_IDS = {
 _CAP_PRM, _CAP_EFF, _GROUPS, _CAP_AMB = 10, 11, 14, 19
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise ValueError("a varint runs past the end")
-        byte = data[at]
-        value |= (byte & 0x7F) << shift
-        at += 1
-        if not byte & 0x80:
-            return value, at
-        shift += 7
-
-
-def _fields(data: bytes) -> list[tuple[int, int | bytes]]:
-    """The (number, value) pairs of one protobuf message: ints for varints, bytes otherwise."""
-    out: list[tuple[int, int | bytes]] = []
-    at = 0
-    while at < len(data):
-        key, at = _varint(data, at)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, at = _varint(data, at)
-            out.append((number, value))
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            if at + size > len(data):
-                raise ValueError("a fixed-size field runs past the end")
-            out.append((number, data[at : at + size]))
-            at += size
-        elif wire == 2:
-            size, at = _varint(data, at)
-            if at + size > len(data):
-                raise ValueError("a field runs past the end")
-            out.append((number, data[at : at + size]))
-            at += size
-        else:
-            raise ValueError(f"wire type {wire}")
-    return out
-
-
-def _repeated(fields: list[tuple[int, int | bytes]], number: int) -> list[int]:
-    values: list[int] = []
-    for n, v in fields:
-        if n != number:
-            continue
-        if isinstance(v, int):
-            values.append(v)
-        else:  # packed
-            at = 0
-            while at < len(v):
-                item, at = _varint(v, at)
-                values.append(item)
-    return values
-
-
 def image_credentials(data: bytes) -> Credentials | None:
     """The credentials a core image records for its thread (None: it records none, as for a
     zombie). ValueError for bytes that are no core image."""
@@ -323,26 +268,26 @@ def image_credentials(data: bytes) -> Credentials | None:
     size = int.from_bytes(data[8:12], "little")
     if 12 + size > len(data):
         raise ValueError("its entry runs past the end")
-    thread = [v for n, v in _fields(data[12 : 12 + size]) if n == _THREAD_CORE]
+    thread = [v for n, v in protobuf.fields(data[12 : 12 + size]) if n == _THREAD_CORE]
     creds = (
-        [v for n, v in _fields(thread[-1]) if n == _CREDS]
+        [v for n, v in protobuf.fields(thread[-1]) if n == _CREDS]
         if thread and isinstance(thread[-1], bytes)
         else []
     )
     if not creds or not isinstance(creds[-1], bytes):
         return None
-    fields = _fields(creds[-1])
+    fields = protobuf.fields(creds[-1])
     ids = {n: v for n, v in fields if n in _CRED_IDS and isinstance(v, int)}
     if len(ids) != len(_CRED_IDS):
         raise ValueError("its credentials lack a uid or gid")
 
     def caps(number: int) -> int:
-        return sum(word << (32 * i) for i, word in enumerate(_repeated(fields, number)))
+        return sum(word << (32 * i) for i, word in enumerate(protobuf.repeated(fields, number)))
 
     return Credentials(
         uids=(ids[1], ids[3], ids[5], ids[7]),
         gids=(ids[2], ids[4], ids[6], ids[8]),
-        groups=tuple(_repeated(fields, _GROUPS)),
+        groups=tuple(protobuf.repeated(fields, _GROUPS)),
         cap_permitted=caps(_CAP_PRM),
         cap_effective=caps(_CAP_EFF),
         cap_ambient=caps(_CAP_AMB),

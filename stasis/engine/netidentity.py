@@ -33,8 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stasis.engine import netlock
-from stasis.engine.credentials import _fields, _repeated
+from stasis.engine import netlock, protobuf
 from stasis.errors import IncompatibleNodeError
 
 _FILES_MAX = 64 << 20  # one entry per open file, ~100 bytes each
@@ -187,7 +186,7 @@ def _parse(data: bytes) -> Iterable[InetSocket]:
         at += 4
         if at + size > len(data):
             raise ValueError("an entry runs past the end")
-        entry = _fields(data[at : at + size])
+        entry = protobuf.fields(data[at : at + size])
         at += size
         kind = next((v for n, v in entry if n == 1 and isinstance(v, int)), None)
         isk = next((v for n, v in entry if n == _INETSK and isinstance(v, bytes)), None)
@@ -196,19 +195,19 @@ def _parse(data: bytes) -> Iterable[InetSocket]:
 
 
 def _inet(data: bytes) -> InetSocket:
-    fields = _fields(data)
+    fields = protobuf.fields(data)
     ints = {n: v for n, v in fields if isinstance(v, int)}
     family = ints.get(3, 0)
     opts = next((v for n, v in fields if n == _IP_OPTS and isinstance(v, bytes)), b"")
-    freebind = any(n == _FREEBIND and v for n, v in _fields(opts))
+    freebind = any(n == _FREEBIND and v for n, v in protobuf.fields(opts))
     return InetSocket(
         ino=ints.get(2, 0),
         family=family,
         proto=ints.get(5, 0),
         state=ints.get(6, 0),
-        src=_address(family, _repeated(fields, 11)),
+        src=_address(family, protobuf.repeated(fields, 11)),
         sport=ints.get(7, 0),
-        dst=_address(family, _repeated(fields, 12)),
+        dst=_address(family, protobuf.repeated(fields, 12)),
         dport=ints.get(8, 0),
         freebind=freebind,
     )

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from stasis.engine import protobuf
+
 log = logging.getLogger("stasis.engine")
 
 PAGE_SIZE = 4096
@@ -132,28 +134,18 @@ class Pagemap:
         return e.offset + skip * PAGE_SIZE, min(nr_pages, e.nr_pages - skip)
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise PagemapError("truncated or malformed protobuf varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(message: bytes) -> dict[int, int]:
     """The varint fields of a protobuf message (all pagemap fields are varints)."""
     fields: dict[int, int] = {}
     pos = 0
-    while pos < len(message):
-        key, pos = _varint(message, pos)
-        if key & 7 != 0:
-            raise PagemapError(f"unexpected protobuf wire type {key & 7} in a pagemap")
-        fields[key >> 3], pos = _varint(message, pos)
+    try:
+        while pos < len(message):
+            key, pos = protobuf.varint(message, pos)
+            if key & 7 != 0:
+                raise PagemapError(f"unexpected protobuf wire type {key & 7} in a pagemap")
+            fields[key >> 3], pos = protobuf.varint(message, pos)
+    except ValueError:
+        raise PagemapError("truncated or malformed protobuf varint") from None
     return fields
 
 

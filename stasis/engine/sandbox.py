@@ -51,8 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis import faults, wire
-from stasis.engine import proctree
-from stasis.engine.credentials import _fields
+from stasis.engine import proctree, protobuf
 
 # The node-local directories a sandbox gets its own empty tmpfs over (issue 29's list).
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -290,7 +289,7 @@ def recorded_pids(images: Path) -> set[int]:
         data = f.read(_PSTREE_MAX_BYTES)
     pids = set()
     for entry in _entries(data):
-        pid = [v for n, v in _fields(entry) if n == _PSTREE_PID and isinstance(v, int)]
+        pid = [v for n, v in protobuf.fields(entry) if n == _PSTREE_PID and isinstance(v, int)]
         if not pid:
             raise ValueError("a process without a pid")
         pids.add(pid[-1])
@@ -309,7 +308,7 @@ def linked_remaps(images: Path) -> int:
         return 0
     count = 0
     for entry in _entries(data):
-        fields = dict((n, v) for n, v in _fields(entry) if isinstance(v, int))
+        fields = dict((n, v) for n, v in protobuf.fields(entry) if isinstance(v, int))
         kind = fields.get(_REMAP_TYPE)
         if kind == 0 or (kind is None and not fields.get(_REMAP_ID, 0) & _REMAP_GHOST_BIT):
             count += 1
@@ -328,12 +327,12 @@ def bound_unix_paths(images: Path) -> set[str]:
             continue
         for entry in _entries(data):
             sockets = (
-                [v for n, v in _fields(entry) if n == _FILE_USK and isinstance(v, bytes)]
+                [v for n, v in protobuf.fields(entry) if n == _FILE_USK and isinstance(v, bytes)]
                 if is_file_entry
                 else [entry]
             )
             for usk in sockets:
-                fields = _fields(usk)
+                fields = protobuf.fields(usk)
                 raw = next((v for n, v in fields if n == _USK_NAME and isinstance(v, bytes)), b"")
                 if not raw or raw.startswith(b"\0"):
                     continue
@@ -362,7 +361,7 @@ def ghost_paths(images: Path) -> set[str]:
         return set()
     ghosts = set()
     for entry in remaps:
-        fields = dict((n, v) for n, v in _fields(entry) if isinstance(v, int))
+        fields = dict((n, v) for n, v in protobuf.fields(entry) if isinstance(v, int))
         kind = fields.get(_REMAP_TYPE)
         if kind == 1 or (kind is None and fields.get(_REMAP_ID, 0) & _REMAP_GHOST_BIT):
             ghosts.add(fields.get(_REMAP_ORIG_ID, -1))
@@ -372,8 +371,10 @@ def ghost_paths(images: Path) -> set[str]:
         files = _entries(f.read(_PSTREE_MAX_BYTES))
     paths = set()
     for entry in files:
-        for reg in (v for n, v in _fields(entry) if n == _FILE_REG and isinstance(v, bytes)):
-            parts = _fields(reg)
+        for reg in (
+            v for n, v in protobuf.fields(entry) if n == _FILE_REG and isinstance(v, bytes)
+        ):
+            parts = protobuf.fields(reg)
             ids = [v for n, v in parts if n == _REG_ID and isinstance(v, int)]
             name = next((v for n, v in parts if n == _REG_NAME and isinstance(v, bytes)), b"")
             if ids and ids[0] in ghosts and name:

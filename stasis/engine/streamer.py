@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from stasis.engine import protobuf
 from stasis.errors import ReaderGone
 from stasis.fdio import Iovec
 
@@ -328,7 +329,7 @@ def _read_request(conn: socket.socket) -> str | None:
     body = _recv_exact(conn, size)
     if body is None or not body or body[0] != 0x0A:  # field 1, length-delimited
         raise ValueError("a request without a file name")
-    length, at = _varint(body, 1)
+    length, at = protobuf.varint(body, 1)
     name = body[at : at + length]
     if len(name) != length:
         raise ValueError("a cut-off request")
@@ -345,15 +346,3 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
             return None
         got += part
     return got
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while at < len(data) and shift < 64:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, at
-    raise ValueError("a malformed length")
