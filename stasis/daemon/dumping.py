@@ -449,7 +449,7 @@ class Dumper:
         # Its node-local files go into the images at the same point (engine/nodelocal.py).
         # And a /tmp bound from a node's directory (a Slurm job container's), whole
         # (engine/boundtmp.py).
-        carried = boundtmp.AtDump(
+        carried = boundtmp.AtDumpWithTmp(
             pid,
             info.uid,
             target,

@@ -31,7 +31,7 @@ def archive_name(mount: str) -> str:
     return privatetmp.key(mount) + ".tar"
 
 
-class AtDump(nodelocal.AtDump):
+class AtDumpWithTmp(nodelocal.AtDump):
     """nodelocal.AtDump (the node-local files the tree has open), then each of the tree's /tmp,
     /var/tmp bound from a node's directory, whole, at the same point of the dump (the tree
     frozen or stopped as its images record it)."""

@@ -175,7 +175,7 @@ def test_a_job_containers_tree_restores_in_another_container(
         images.mkdir(mode=0o700)
         criu.dump(init, images, DumpOptions(leave_stopped=True), "dump.log")
         # As the daemon does once CRIU left the tree stopped: its /tmp, whole, as its user.
-        saved = boundtmp.AtDump(init, uid, images, 1 << 20, gid)
+        saved = boundtmp.AtDumpWithTmp(init, uid, images, 1 << 20, gid)
         assert saved.collect(), saved.refused
         assert saved.saved == ["/tmp"]
         _end(job)
@@ -228,7 +228,7 @@ def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
         secret = old_tmp / "root-only"
         secret.write_text("root's secret")
         os.chmod(secret, 0o600)
-        saved = boundtmp.AtDump(init, uid, images, 1 << 20, gid)
+        saved = boundtmp.AtDumpWithTmp(init, uid, images, 1 << 20, gid)
         assert not saved.collect()
         assert (
             saved.refused
@@ -240,7 +240,7 @@ def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
         (old_tmp / "big").write_bytes(os.urandom(64 << 10))
         again = scratch / "images-again"
         again.mkdir(mode=0o700)
-        small = boundtmp.AtDump(init, uid, again, 32 << 10, gid)
+        small = boundtmp.AtDumpWithTmp(init, uid, again, 32 << 10, gid)
         assert not small.collect()
         assert small.refused and "node_local_limit" in small.refused, small.refused
         assert not (again / boundtmp.archive_name("/tmp")).exists()
