@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Protocol
 
 from stasis.engine import protobuf
+from stasis.fdio import recv_exactly
 
 log = logging.getLogger("stasis.engine")
 
@@ -351,7 +352,10 @@ class PageServer:
 
     def _serve(self) -> None:
         while True:
-            header = _recv_exactly(self.sock, _IOV.size)
+            try:
+                header = recv_exactly(self.sock, _IOV.size)
+            except ValueError:
+                raise PagemapError("lazy-pages sent half a request") from None
             if header is None:
                 # lazy-pages went away without saying goodbye: it died, or the restore failed.
                 # Its tree's memory is the kernel's business now; nothing more to serve.
@@ -391,18 +395,6 @@ def _send_all(sock: socket.socket, views: list[memoryview]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < size:
-        chunk = sock.recv(size - len(buf))
-        if not chunk:
-            if buf:
-                raise PagemapError("lazy-pages sent half a request")
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 def _failure_text(e: BaseException) -> str:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from stasis.engine import protobuf
 from stasis.errors import ReaderGone
-from stasis.fdio import Iovec
+from stasis.fdio import Iovec, recv_exactly
 
 SOCKET_NAME = "streamer-serve.sock"
 # What `stream` in CRIU's RPC config file turns on (criu/config.c).
@@ -320,13 +320,13 @@ def _message(payload: bytes) -> bytes:
 
 def _read_request(conn: socket.socket) -> str | None:
     """The file name of CRIU's next request; None when it closed the connection."""
-    head = _recv_exact(conn, 4)
+    head = recv_exactly(conn, 4)
     if head is None:
         return None
     (size,) = struct.unpack("<I", head)
     if size > _MAX_NAME + 8:
         raise ValueError(f"a request of {size} bytes")
-    body = _recv_exact(conn, size)
+    body = recv_exactly(conn, size)
     if body is None or not body or body[0] != 0x0A:  # field 1, length-delimited
         raise ValueError("a request without a file name")
     length, at = protobuf.varint(body, 1)
@@ -334,15 +334,3 @@ def _read_request(conn: socket.socket) -> str | None:
     if len(name) != length:
         raise ValueError("a cut-off request")
     return name.decode("utf-8", "replace")
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    got = b""
-    while len(got) < n:
-        part = conn.recv(n - len(got))
-        if not part:
-            if got:
-                raise ValueError("a cut-off request")
-            return None
-        got += part
-    return got
