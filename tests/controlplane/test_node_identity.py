@@ -424,6 +424,9 @@ def test_with_approve_joins_a_node_joined_with_a_stolen_token_gets_no_work_until
     assert status == 201, cmd
     got = evil.lease()
     assert got is not None and got["id"] == cmd["id"]
+    # Real nodes heartbeat every few seconds; lost-after is 3 s here, on a machine that may be busy.
+    b.heartbeat([])
+    evil.heartbeat([{"job": "j-evil"}])
     status, moved = cp.call(
         "POST", "/api/v1/migrations", cp.admin, {"job": "j-evil", "to": "node-b"}
     )
