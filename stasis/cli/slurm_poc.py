@@ -182,7 +182,11 @@ def start(args: argparse.Namespace, settings: Settings) -> None:
     path = _path(args, settings)
     if not args.force:
         poc.refuse_existing(path)  # before minutes of sacct
-    now = datetime.now().replace(microsecond=0)
+    # The start is the next whole second: sacct's times are whole seconds, and a job that ended
+    # in the second the PoC started ended before it (the baseline's), not after.
+    now = datetime.now()
+    if now.microsecond:
+        now = now.replace(microsecond=0) + timedelta(seconds=1)
     since = now - timedelta(days=args.baseline_days)
     window_s = int(args.window_h * 3600)
     split = poc.measure(
