@@ -4,8 +4,10 @@ started them), known by a pid file, stopped with TERM then KILL."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket as sock
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -61,12 +63,18 @@ def start(argv: list[str], pid_file: Path, log: Path, env: Mapping[str, str]) ->
 def wait_listening(
     pid: int | None, socket: Path, log: Path, timeout_s: float, fail: Callable[[str], Exception]
 ) -> None:
-    """Until the daemon `pid` has its socket; `fail(reason)` is raised when it exits first."""
+    """Until the daemon `pid` listens on its socket; `fail(reason)` is raised when it exits
+    first. A connection, not the file: a daemon killed before left its socket file behind, and
+    the new one replaces it only once it is ready."""
 
     def listening() -> bool:
         if not alive(pid):
             raise fail("it exited at start: " + log.read_text(errors="replace")[-2000:])
-        return socket.exists()
+        with contextlib.suppress(OSError), sock.socket(sock.AF_UNIX, sock.SOCK_STREAM) as s:
+            s.settimeout(1)
+            s.connect(str(socket))
+            return True
+        return False
 
     if not poll(listening, timeout_s, 0.1):
         raise fail(f"its socket {socket} did not appear in {timeout_s:.0f} s")
