@@ -78,11 +78,12 @@ def _add_local_cluster(commands: Any) -> None:
     )
     p.add_argument(
         "--cgroup",
-        action="store_true",
-        help="Slurm as sites run it: proctrack/cgroup and task/cgroup with "
-        "ConstrainRAMSpace (--mem is a hard limit), each node's slurmd in a "
-        "cgroup subtree of its own (cgroup/v2 where the machine has it, else "
-        "v1).",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Slurm as sites run it, the default (but with --job-container): proctrack/cgroup "
+        "and task/cgroup with ConstrainRAMSpace (--mem is a hard limit), each node's slurmd "
+        "in a cgroup subtree of its own (cgroup/v2 where the machine has it, else v1). "
+        "--no-cgroup: proctrack/linuxproc and task/none, no memory limit.",
     )
     p.add_argument(
         "--configless",

@@ -1,5 +1,5 @@
-"""cgroup Slurm for the local cluster (`local-cluster up --cgroup`): proctrack/cgroup and
-task/cgroup with ConstrainRAMSpace, as sites run Slurm.
+"""cgroup Slurm for the local cluster (`local-cluster up`'s default, `--no-cgroup` turns it
+off): proctrack/cgroup and task/cgroup with ConstrainRAMSpace, as sites run Slurm.
 
 Each node gets a cgroup subtree of its own: in every cgroup hierarchy of this machine a directory
 `stasis-slurm-<id>/<node>` (id: from the cluster's directory), which the node's namespace holder
@@ -7,6 +7,12 @@ joins before it makes a cgroup namespace of its own; in the node's mount namespa
 /sys/fs/cgroup is then mounted afresh, so that each hierarchy's root there is the node's
 directory. The node's slurmd makes its `/slurm/uid_U/job_J/step_S` tree below it, as on a host of
 its own: nodes (and two clusters on one machine, whose job ids both start at 1) never meet.
+
+The one node of a one-node cluster is this machine but for its cgroups: its holder's mount
+namespace is a slave copy of the machine's, and so that a mount made later under the cluster's
+directory (a test's "unmounted" store) reaches the node's slurmd and daemon as it reaches this
+machine's commands, the cluster's directory is a shared mount (`follow_mounts`) where the mount
+it lies on is not (containers, test roots: everything private).
 
 Slurm's cgroup plugin is the machine's: cgroup/v2 where /sys/fs/cgroup is a cgroup2 mount that
 offers the memory controller, cgroup/v1 where a v1 hierarchy holds it (hybrid machines, e.g.
@@ -22,6 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from stasis.dev import commands
 from stasis.errors import UsageError
 from stasis.poll import poll
 
@@ -74,10 +81,10 @@ def machine() -> Machine:
     if {"memory", "freezer"} <= v1:
         return Machine("v1", tuple(found))
     raise UsageError(
-        "--cgroup: this machine offers no memory cgroup controller to Slurm "
-        f"(neither a cgroup2 mount at {CGROUP_ROOT} with `memory` in "
+        "local-cluster up: cgroup Slurm (the default) needs a memory cgroup controller and "
+        f"this machine offers none (neither a cgroup2 mount at {CGROUP_ROOT} with `memory` in "
         "cgroup.controllers nor cgroup v1 memory and freezer hierarchies); "
-        "run the cluster without --cgroup"
+        "add --no-cgroup (proctrack/linuxproc, no memory limit)"
     )
 
 
@@ -173,6 +180,43 @@ def remove(base: str, m: Machine | None = None, timeout_s: float = 10.0) -> list
     return left
 
 
+def _mount_of(path: Path, mountinfo: str) -> tuple[str, bool]:
+    """The mount point `path` lies on (the last mount there), and whether it is shared."""
+    best, shared = "/", False
+    for line in mountinfo.splitlines():
+        fields = line.partition(" - ")[0].split()
+        if len(fields) < 6:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = point == "/" or str(path) == point or str(path).startswith(point + "/")
+        if inside and len(point) >= len(best):
+            best, shared = point, any(f.startswith("shared:") for f in fields[6:])
+    return best, shared
+
+
+def follow_mounts(root: Path) -> bool:
+    """Make `root` a shared mount (bound on itself) unless the mount it lies on is shared
+    already: then the one node's slave copy gets what is mounted under it later. True when
+    it was bound (`unfollow_mounts` at down)."""
+    _, shared = _mount_of(root, Path("/proc/self/mountinfo").read_text())
+    if shared:
+        return False
+    commands.run(["mount", "--bind", str(root), str(root)])
+    try:
+        commands.run(["mount", "--make-shared", str(root)])
+    except BaseException:
+        unfollow_mounts(root)
+        raise
+    return True
+
+
+def unfollow_mounts(root: Path) -> None:
+    """Undo `follow_mounts`: detached, with what is mounted below (a node's copies go with it)."""
+    point, _ = _mount_of(root, Path("/proc/self/mountinfo").read_text())
+    if point == str(root):
+        commands.run(["umount", "--lazy", str(root)], check=False)
+
+
 def cgroup_conf(m: Machine) -> str:
     """cgroup.conf beside slurm.conf. Slurm 22.05 reads CgroupPlugin (cgroup/v1, cgroup/v2 or
     autodetect). cgroup/v2 asks systemd (over dbus) for slurmd's scope unless IgnoreSystemd
@@ -180,7 +224,7 @@ def cgroup_conf(m: Machine) -> str:
     there is no systemd in a node's namespaces. (Not run here: these machines have no memory
     controller on cgroup v2.)"""
     lines = [
-        "# Written by `stasis-dev local-cluster up --cgroup`.",
+        "# Written by `stasis-dev local-cluster up` (cgroup Slurm).",
         f"CgroupPlugin=cgroup/{m.version}",
         f"CgroupAutomount={'yes' if m.version == 'v2' else 'no'}",
         f"CgroupMountpoint={CGROUP_ROOT}",

@@ -23,9 +23,9 @@ system is shared, as on a cluster with a shared home and store: the cluster's di
 back at its own path where it lies under a private directory, e.g. a test's /tmp/...), the home
 directories, the installed software, this Python and the stasis package.
 
-With --cgroup, Slurm runs proctrack/cgroup and task/cgroup (--mem a hard limit), and each node
-(the one node too) has a cgroup subtree and cgroup namespace of its own
-(stasis.dev.slurmcgroup).
+By default (--cgroup), Slurm runs proctrack/cgroup and task/cgroup (--mem a hard limit), as
+sites do, and each node (the one node too) has a cgroup subtree and cgroup namespace of its own
+(stasis.dev.slurmcgroup); --no-cgroup (and --job-container) runs proctrack/linuxproc and task/none.
 
     D/etc/        slurm.conf, plugstack.conf, job_submit.lua, cli_filter.lua
     D/munge/      key, socket, pid, log (owned by munge: munged refuses other owners)
@@ -320,9 +320,10 @@ def _cgroup_node_up(lay: SlurmClusterDirs, state: dict[str, Any]) -> None:
     write_state(lay, state)
 
 
-def _cgroup_down(state: dict[str, Any]) -> None:
+def _cgroup_down(lay: SlurmClusterDirs, state: dict[str, Any]) -> None:
     """End the one node's holder and what is left in the cluster's cgroups (processes of its
-    jobs that outlived slurmd: each is in a cgroup of this cluster's), then remove them."""
+    jobs that outlived slurmd: each is in a cgroup of this cluster's), then remove them; the
+    cluster's directory is no longer a mount of its own."""
     if "cgroup" not in state:
         return
     if "net_id" not in state:
@@ -339,6 +340,8 @@ def _cgroup_down(state: dict[str, Any]) -> None:
                 except (ProcessLookupError, ValueError):
                     pass
     slurmcgroup.remove(base)
+    if state["cgroup"].get("follows_mounts"):
+        slurmcgroup.unfollow_mounts(lay.root)
 
 
 def _nodes_down(state: dict[str, Any]) -> None:
@@ -392,7 +395,7 @@ def up(
     without_stasis: tuple[str, ...] = (),
     gpus: int = 0,
     job_container: bool = False,
-    cgroup: bool = False,
+    cgroup: bool | None = None,
     configless: bool = False,
 ) -> SlurmClusterDirs:
     """Start the cluster under `root` (created if needed); returns its layout.
@@ -410,7 +413,8 @@ def up(
 
     `cgroup`: Slurm as sites run it, proctrack/cgroup and task/cgroup with ConstrainRAMSpace
     (--mem is a hard limit), each node's slurmd in a cgroup subtree of its own
-    (stasis.dev.slurmcgroup).
+    (stasis.dev.slurmcgroup); None (the default): so, unless `job_container`. False:
+    proctrack/linuxproc and task/none.
 
     `configless`: slurmctld serves its configuration (enable_configless) and each node's
     slurmd fetches it (`--conf-server`) into its cache; the nodes have no slurm.conf of their
@@ -423,6 +427,15 @@ def up(
         raise UsageError("--gpus must be 0 to 64")
     root = root.absolute()
     _check_path(root)
+    if cgroup and job_container:
+        # The same failure: with cgroups the one node has a mount namespace of its own too
+        # (seen: its jobs never start).
+        raise UsageError(
+            "--job-container works without cgroups only: add --no-cgroup (the node's own "
+            "mount namespace, which --cgroup gives it, defeats job_container/tmpfs)"
+        )
+    if cgroup is None:  # the default: Slurm as sites run it, unless job_container/tmpfs
+        cgroup = not job_container
     if job_container and nodes > 1:
         # Seen with Slurm 22.05: in the nodes' own mount namespaces job_container/tmpfs fails
         # to make the job's ("_create_ns: ns base mount failed", "/tmp mount failed").
@@ -484,6 +497,10 @@ def up(
     try:
         net = _nodes_up(lay, state) if nodes > 1 else None
         if machine is not None and nodes == 1:
+            # Before the node's mount namespace is copied: it then follows the machine's
+            # mounts under the cluster's directory (slurmcgroup.follow_mounts).
+            state["cgroup"]["follows_mounts"] = slurmcgroup.follow_mounts(root)
+            write_state(lay, state)
             _cgroup_node_up(lay, state)
         started["munged"] = _start_munge(lay)
         if configless:
@@ -785,7 +802,7 @@ def down(root: Path) -> None:
     for node in state.get("nodes", []):
         _kill_node_processes(lay, state, node)
     _nodes_down(state)
-    _cgroup_down(state)
+    _cgroup_down(lay, state)
     try:
         lay.state_file.unlink()
     except FileNotFoundError:
