@@ -724,7 +724,9 @@ class ControlPlaneNode(Integration):
                     # Resumed only on the control plane's word that the command is still
                     # this node's (not failed and re-targeted while it was cut off).
                     fence = self._fence(cmd, ckpt) if args.get("fence") else None
-                    done = self.manager.restore(RestoreRequest(checkpoint=ckpt), _ROOT, fence=fence)
+                    done = self.manager.restorer.restore(
+                        RestoreRequest(checkpoint=ckpt), _ROOT, fence=fence
+                    )
                 except BaseException:
                     self._unclaim_restore(migration)  # nothing restored: it may come again
                     raise

@@ -51,7 +51,7 @@ class CoreRoutes:
         return self.manager.dump(call.args["job"], call.body, call.caller, progress)
 
     def restore(self, call: Call[models.RestoreRequest], progress: Progress) -> wire.RestoreAnswer:
-        return self.manager.restore(call.body, call.caller, progress)
+        return self.manager.restorer.restore(call.body, call.caller, progress)
 
     def checkpoints(self, call: Call[None]) -> list[dict[str, Any]]:
         m = self.manager

@@ -118,8 +118,9 @@ class JobManager:
         self._tracker = JobTracker(db, self._supervisors)
         # Checkpoints of a tree (`checkpoint_tree`, `dump_settled`): integrations call it.
         self.dumper = Dumper(core, self._tracker)
-        self._restorer = Restorer(core, self._supervisors, job_umask)
-        self.verifier = Verifier(core, self._restorer.criu_version)
+        # Restores (`restore`): the API and the control plane's node side call it.
+        self.restorer = Restorer(core, self._supervisors, job_umask)
+        self.verifier = Verifier(core, self.restorer.criu_version)
         self._housekeeping = Housekeeping(core)
         self._unadopted: str | None = None  # why jobs without a row could not be adopted
         self._store_probe = StoreProbe(store)
@@ -129,7 +130,7 @@ class JobManager:
     def drain_lazy(self, timeout_s: float) -> int:
         """At a graceful stop: wait for lazily restored jobs to have their memory back
         (Restorer.drain); how many still are not."""
-        return self._restorer.drain(timeout_s)
+        return self.restorer.drain(timeout_s)
 
     def close(self) -> None:
         """Let the spare supervisor go (running jobs and their supervisors are not touched)."""
@@ -255,7 +256,7 @@ class JobManager:
     def check_checkpoint(self, checkpoint_id: str, caller: Caller) -> CheckpointCheck:
         """`stasis check --checkpoint`: what its restore depends on, beside this node (the
         caller's own checkpoints; root's: anyone's)."""
-        return self._restorer.compare(checkpoint_id, caller)
+        return self.restorer.compare(checkpoint_id, caller)
 
     def collect_garbage(self, caller: Caller, idle_s: float) -> GcAnswer:
         """`stasis checkpoints gc`: what dead dumps and nodes left in the store, and retention
@@ -443,16 +444,6 @@ class JobManager:
                 )
             )
         return problems
-
-    def restore(
-        self,
-        req: RestoreRequest,
-        caller: Caller,
-        progress: Progress | None = None,
-        fence: Callable[[], None] | None = None,
-    ) -> RestoreAnswer:
-        """`fence`: asked at the gate, just before the restored tree resumes (restoring.py)."""
-        return self._restorer.restore(req, caller, progress, fence)
 
     def verify(self, checkpoint_id: str, caller: Caller) -> VerifyVerdict:
         """`stasis verify`: the checkpoint restored in a sandbox, checked, removed; the verdict
