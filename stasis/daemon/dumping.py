@@ -299,9 +299,7 @@ class Dumper:
             )
             self.core.journal.begin(entry)
             try:
-                done = self._checkpoint_tree(
-                    pid, info, leave_running, compress, what, progress, notes, data_key
-                )
+                done = self._checkpoint_tree(entry, info, compress, what, progress, notes, data_key)
             except BaseException:
                 # Whatever failed where: the entry ends only with its tree running again (or
                 # killed, had the checkpoint been published with a stop asked).
@@ -409,15 +407,16 @@ class Dumper:
 
     def _checkpoint_tree(
         self,
-        pid: int,
+        entry: InFlightDump,
         info: CheckpointInfo,
-        leave_running: bool,
         compress: CompressionRequest,
         what: str,
         progress: Progress | None,
         notes: list[str],
         data_key: DataKey | None,
     ) -> tuple[Manifest, DumpResult, bool]:
+        """The dump that the journal's `entry` stands for: its tree, left running or not."""
+        pid, leave_running = entry.pid, entry.leave_running
         asked = compress
         criu = self.criu
         expected = proctree.resident_bytes(pid)
