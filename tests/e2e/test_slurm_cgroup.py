@@ -1,4 +1,4 @@
-"""Slurm as sites run it (`local-cluster up --cgroup`: proctrack/cgroup, task/cgroup,
+"""Slurm as sites run it (`local-cluster up`, its default: proctrack/cgroup, task/cgroup,
 ConstrainRAMSpace): a restored job's processes are in its own step's cgroup, where its --mem
 limit holds (Slurm's OOM kill, not ours), `scancel` and the time limit end them.
 
@@ -126,9 +126,29 @@ def _workload(c: Cluster, job: str, name: str) -> int:
     return found[0]
 
 
-def _in_its_step(c: Cluster, job: str, pid: int) -> None:
+def _memory_limit_mib(pid: int) -> int:
+    """The memory limit that holds for `pid`: the lowest of its memory cgroup's and those
+    above it up to its job's (v1's memory.limit_in_bytes, v2's memory.max), where Slurm
+    wrote the job's --mem, as this machine sees them."""
+    path = Path(_cgroup(pid, "memory").lstrip("/"))
+    top = Path("/sys/fs/cgroup/memory")
+    name = "memory.limit_in_bytes" if top.is_dir() else "memory.max"
+    top = top if top.is_dir() else Path("/sys/fs/cgroup")
+    limits = [
+        int(text)
+        for d in (path, *path.parents)
+        if re.search(r"/job_\d+(/|$)", f"/{d}")
+        for text in [(top / d / name).read_text().strip()]
+        if text != "max"
+    ]
+    assert limits, f"no memory limit on {path} or above it in its job"
+    return min(limits) >> 20
+
+
+def _in_its_step(c: Cluster, job: str, pid: int, mem_mib: int) -> None:
     """`pid` is in `job`'s batch step cgroups (memory for the limit, freezer or v2's one
-    path for proctrack): the same as the step's task, and Slurm lists it."""
+    path for proctrack): the same as the step's task, Slurm lists it, and its memory cgroup
+    holds the job's --mem (`mem_mib`)."""
     # Moved there when the launcher registers, a moment after the restore says so.
     if not poll(lambda: pid in c.pids(job), 20, 0.5):
         raise AssertionError(
@@ -143,6 +163,7 @@ def _in_its_step(c: Cluster, job: str, pid: int) -> None:
         assert re.search(rf"/job_{job}/step_batch(/|$)", _cgroup(pid, controller)), _cgroup(
             pid, controller
         )
+    assert _memory_limit_mib(pid) == mem_mib, (_memory_limit_mib(pid), _cgroup(pid, "memory"))
 
 
 def _resume_under_new_id(
@@ -198,9 +219,13 @@ def _preempted_job_resumes_in_its_step_cgroup(m: Made) -> None:
     )
     assert resumed[0] == at_dump + 1, out
     assert c.job(victim)["Restarts"] == "1"
-    _in_its_step(c, victim, _workload(c, victim, "victim"))
+    pid = _workload(c, victim, "victim")
+    _in_its_step(c, victim, pid, 200)
+    # scancel ends the requeued and restored job too: none of its processes is left.
+    pids = c.pids(victim)
     c.run("scancel", victim)
     c.wait_state(victim, ("CANCELLED",))
+    wait_gone([pid, *pids])
 
 
 def _restored_under_a_new_id_it_is_in_the_new_jobs_step_cgroup(m: Made) -> None:
@@ -212,7 +237,7 @@ def _restored_under_a_new_id_it_is_in_the_new_jobs_step_cgroup(m: Made) -> None:
         c, "timed", "300M", "200M", "--time=1", "--signal=URG@1", "--partition=high", noterm=True
     )
     timed = _workload(c, m.timed, "timed")
-    _in_its_step(c, m.timed, timed)
+    _in_its_step(c, m.timed, timed, 200)
     m.timed_pids = c.pids(m.timed)
 
 
@@ -221,7 +246,7 @@ def _memory_limit_holds_after_a_restore(m: Made) -> None:
     # Checkpointed under a 400 MiB limit, resumed under 200 MiB: the new job's limit holds.
     job, _ = _resume_under_new_id(c, "hog", "400M", "200M")
     pid = _workload(c, job, "hog")
-    _in_its_step(c, job, pid)
+    _in_its_step(c, job, pid, 200)
     (c.work / "hog.grow").write_text("")
     c.wait_state(job, ("OUT_OF_MEMORY", "FAILED", "COMPLETED", "CANCELLED"), 60)
     out = c.output(job)
@@ -237,6 +262,7 @@ def _scancel_ends_a_restored_job(m: Made) -> None:
     c = m.cluster
     job, _ = _resume_under_new_id(c, "cancelled", "300M", "300M", noterm=True)
     pid = _workload(c, job, "cancelled")
+    _in_its_step(c, job, pid, 300)
     pids = c.pids(job)
     assert pid in pids
     c.run("scancel", job)
