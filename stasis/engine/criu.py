@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stasis.engine import privatetmp, rpc, streamer
+from stasis.engine import jobnetns, privatetmp, rpc, streamer
 from stasis.engine.criulog import first_error
 from stasis.engine.lazylink import PageServerLink
 from stasis.errors import CRIUError, CRIUNotFoundError
@@ -70,6 +70,13 @@ class DumpOptions:
     # The tree has a mount namespace of its own (`stasis run --private-tmp`): None: found out
     # from /proc (engine/privatetmp.py).
     own_mounts: bool | None = None
+    # The tree lives in its job's network namespace (stasis/daemon/jobnet.py), which the node
+    # makes again wherever the tree is restored: left out of the images (engine/jobnetns.py).
+    job_netns: bool = False
+    # A freezer cgroup holding just the tree, which the caller froze already: a coordinated
+    # dump of a job's parts on several nodes freezes every part before it dumps any. CRIU dumps
+    # it as it is and, should the dump fail, leaves it frozen for the caller to thaw.
+    freeze_cgroup: str | None = None
 
 
 @dataclass
@@ -133,6 +140,9 @@ class RestoreOptions:
     # default would put it back into the dumped job's cgroup paths, making them again where
     # they are gone (a job resumed under a new id: outside its limit, out of scancel's reach).
     caller_cgroups: bool = False
+    # The job's network namespace on this node, open (engine/jobnetns.py): the tree comes back
+    # in it. Only for images dumped with DumpOptions.job_netns.
+    job_netns_fd: int | None = None
 
 
 @dataclass
@@ -199,6 +209,10 @@ class CRIU:
             own = options.own_mounts
             if own if own is not None else privatetmp.own_mount_ns(pid):
                 privatetmp.dump_options(opts, pid)
+            if options.job_netns:
+                jobnetns.dump_options(opts, pid)
+            if options.freeze_cgroup:
+                opts.freeze_cgroup = options.freeze_cgroup
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify, options.criu_started).call(req)
@@ -327,11 +341,15 @@ class CRIU:
                 opts.manage_cgroups_mode = pb.IGNORE
             if options.own_mounts:
                 privatetmp.restore_options(opts)
+            inherited = [fd for _, fd in options.inherit_fds]
+            if options.job_netns_fd is not None:
+                jobnetns.restore_options(opts, options.job_netns_fd)
+                inherited.append(options.job_netns_fd)
             req = pb.criu_req(type=pb.RESTORE, opts=opts)
             start = time.monotonic()
             resp = rpc.Session(self.path, options.notify).call(
                 req,
-                pass_fds=[fd for _, fd in options.inherit_fds],
+                pass_fds=inherited,
                 env={
                     **(options.owner.environ() if options.owner else {}),
                     **(

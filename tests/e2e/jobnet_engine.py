@@ -1,0 +1,34 @@
+"""Run inside a node (tests/e2e/test_jobnet.py): dump the tree of PID from a job's network
+namespace with the engine, or restore one into the namespace that the node made for it, as the
+node's daemon would. `dump PID IMAGES LOGS FREEZER` / `restore IMAGES LOGS NETNS_FILE`; prints
+the restored tree's pid."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from stasis.engine import CRIU, DumpOptions, RestoreOptions, find_criu
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "dump":
+        pid, images, logs, freezer = int(argv[1]), Path(argv[2]), Path(argv[3]), argv[4]
+        CRIU(find_criu(), logs).dump(
+            pid, images, DumpOptions(job_netns=True, freeze_cgroup=freezer), "dump.log"
+        )
+        return
+    images, logs, netns = Path(argv[1]), Path(argv[2]), argv[3]
+    fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = CRIU(find_criu(), logs).restore(
+            images, RestoreOptions(job_netns_fd=fd), "restore.log"
+        )
+    finally:
+        os.close(fd)
+    print(done.pid)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
