@@ -167,17 +167,24 @@ def cluster_up(args: argparse.Namespace) -> None:
         cgroup=args.cgroup,
         configless=args.configless,
     )
+    cgroup = slurmcluster.status(lay.root)["cgroup"]
     if args.json:
         output.emit_json(
             {
                 "slurm_conf": str(lay.slurm_conf),
                 "stasis_config": str(lay.stasis_config),
                 "nodes": lay.nodes(),
+                "cgroup": cgroup,
             }
         )
     else:
+        tracking = (
+            f"proctrack/cgroup and task/cgroup (cgroup/{cgroup}, --mem a hard limit)"
+            if cgroup
+            else "proctrack/linuxproc and task/none (no memory limit)"
+        )
         output.say(
-            f"local cluster up in {lay.root}: node(s) {', '.join(lay.nodes())}\n"
+            f"local cluster up in {lay.root}: node(s) {', '.join(lay.nodes())}; {tracking}\n"
             f"  export SLURM_CONF={lay.slurm_conf} STASIS_CONFIG={lay.stasis_config}"
         )
         if len(lay.nodes()) > 1:

@@ -937,6 +937,8 @@ def status(root: Path) -> dict[str, Any]:
         "slurm_conf": str(lay.slurm_conf),
         "stasis_config": str(lay.stasis_config),
         "nodes": lay.nodes(),
+        # "v1" or "v2": Slurm's cgroup plugin (proctrack/cgroup, task/cgroup); None: --no-cgroup.
+        "cgroup": read_state(lay).get("cgroup", {}).get("version"),
         "daemons": daemons,
         "running": all(daemons.values()),
     }

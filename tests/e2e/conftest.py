@@ -262,6 +262,8 @@ class Cluster:
         )
         assert answer["slurm_conf"] == str(self.lay.slurm_conf)
         assert answer["nodes"] == [f"n{i + 1}" for i in range(self.nodes)]
+        # Slurm as sites run it (proctrack/cgroup, task/cgroup) unless job_container/tmpfs.
+        assert (answer["cgroup"] is None) == self.job_container, answer
         self.work.mkdir(exist_ok=True)
         os.chmod(self.work, 0o777)
         (self.work / "counter.py").write_text(COUNTER)

@@ -48,6 +48,7 @@ class CgroupCluster(Cluster):
     def up(self) -> None:
         answer = json.loads(self.start("--socket-group", TEST_USER, "--cgroup"))
         assert answer["nodes"] == ["n1"]
+        assert answer["cgroup"] in ("v1", "v2"), answer
         self.work.mkdir(exist_ok=True)
         self.work.chmod(0o777)
         (self.work / "workload.py").write_text(WORKLOAD)
