@@ -1,7 +1,7 @@
 """Who may do what at the control plane: its tokens (the admin's, each cluster's, each node's
 own credential and the policies' hook tokens, only their SHA-256 kept) and its clusters. The
-repository of the `tokens` and `clusters` tables; the registry
-(stasis.controlplane.registry) builds on it."""
+repository of the `tokens` and `clusters` tables; the nodes, their reports and their commands
+(stasis.controlplane.nodes, .reports, .commandqueue) ask it for clusters."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane import events as event_log
@@ -99,7 +99,7 @@ def _expiry(expires_in_s: int | None) -> int | None:
 
 
 class Access:
-    """Tokens and clusters (the registry's base)."""
+    """Tokens and clusters."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -302,6 +302,20 @@ class Access:
         if row is None:
             raise NotFoundError(f"no cluster {cluster_id}")
         return dict(row)
+
+    def cluster_names(self) -> dict[str, str]:
+        """Each cluster's name, by its id."""
+        with self.db.transaction() as conn:
+            return {r.id: r.name for r in conn.execute(select(clusters.c.id, clusters.c.name))}
+
+    def approves_joins(self, conn: Connection, cluster_id: str) -> bool:
+        """Whether the nodes joining cluster `cluster_id` wait for an admin's approval (in the
+        transaction of a join: stasis.controlplane.nodes)."""
+        return bool(
+            conn.execute(
+                select(clusters.c.approve_joins).where(clusters.c.id == cluster_id)
+            ).scalar()
+        )
 
     def list_clusters(self) -> list[dict[str, Any]]:
         with self.db.transaction() as conn:

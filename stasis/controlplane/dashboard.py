@@ -41,7 +41,8 @@ import jinja2
 from aiohttp import web
 
 from stasis.controlplane import intervals, policies, routes, sessions
-from stasis.controlplane.registry import Registry, human_size
+from stasis.controlplane.registry import Registry
+from stasis.controlplane.reports import human_size
 from stasis.controlplane.savings import savings_of
 from stasis.controlplane.sessions import Session
 from stasis.errors import NotFoundError, StasisError, UnauthenticatedError, UsageError
@@ -374,20 +375,23 @@ class Dashboard:
     def _nodes(self, s: Session) -> dict[str, Any]:
         who = s.principal
         clusters = (
-            self.registry.list_clusters()
+            self.registry.access.list_clusters()
             if who.kind == "admin"
-            else [self.registry.cluster(who.cluster_id)]
+            else [self.registry.access.cluster(who.cluster_id)]
             if who.cluster_id
             else []
         )
-        return {"clusters": clusters, "nodes": self.registry.list_nodes(who, self.lost_after_s)}
+        return {
+            "clusters": clusters,
+            "nodes": self.registry.nodes.list_nodes(who, self.lost_after_s),
+        }
 
     def _jobs(self, s: Session) -> dict[str, Any]:
-        listed = self.registry.list_jobs(s.principal)
+        listed = self.registry.nodes.list_jobs(s.principal)
         policies.annotate_intervals(self.registry, listed, self.bounds)
         ready = [
             n
-            for n in self.registry.list_nodes(s.principal, self.lost_after_s)
+            for n in self.registry.nodes.list_nodes(s.principal, self.lost_after_s)
             if n["state"] == "ready"
         ]
         for j in listed:
@@ -399,7 +403,7 @@ class Dashboard:
         return {"jobs": listed}
 
     def _checkpoints(self, s: Session) -> dict[str, Any]:
-        return {"checkpoints": self.registry.list_checkpoints(s.principal, 300)}
+        return {"checkpoints": self.registry.reports.list_checkpoints(s.principal, 300)}
 
     def _policy_page(self, s: Session) -> dict[str, Any]:
         return {
@@ -408,7 +412,7 @@ class Dashboard:
         }
 
     def _actions(self, s: Session) -> dict[str, Any]:
-        return {"commands": self.registry.list_commands(s.principal)[::-1][:300]}
+        return {"commands": self.registry.commands.list_commands(s.principal)[::-1][:300]}
 
     def _events(self, s: Session) -> dict[str, Any]:
         return {"events": self.registry.list_events(s.principal, 300)[::-1]}

@@ -21,9 +21,9 @@ def _labels(**values: str) -> str:
 
 def render(registry: Registry, by: Principal, lost_after_s: float) -> str:
     by.admin_only()
-    nodes = registry.list_nodes(by, lost_after_s)
-    jobs = registry.list_jobs(by)
-    commands = registry.list_commands(by)
+    nodes = registry.nodes.list_nodes(by, lost_after_s)
+    jobs = registry.nodes.list_jobs(by)
+    commands = registry.commands.list_commands(by)
     out: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: dict[str, Any]) -> None:
@@ -77,7 +77,7 @@ def render(registry: Registry, by: Principal, lost_after_s: float) -> str:
         "Commands that failed on their node.",
         {"": sum(1 for c in commands if c["state"] == "failed")},
     )
-    totals = registry.checkpoint_totals()
+    totals = registry.reports.checkpoint_totals()
     metric(
         "stasis_reported_checkpoints_total",
         "counter",
@@ -109,10 +109,10 @@ def render(registry: Registry, by: Principal, lost_after_s: float) -> str:
         "(ok, failed, none: not verified).",
         {
             _labels(cluster=t["cluster"], verdict=t["verdict"]): int(t["count"])
-            for t in registry.verdict_totals()
+            for t in registry.reports.verdict_totals()
         },
     )
-    saved = registry.savings(by)
+    saved = registry.reports.savings(by)
     metric(
         "stasis_restores_total", "counter", "Restores the nodes reported.", {"": saved["restores"]}
     )

@@ -13,27 +13,24 @@ moves it to is decided here, one step at a time:
     restore done             -> over: the job runs on its new node
 
 `next_try` is that decision, on what is known (pure); `after_failed_restore` reads what it
-needs and applies it (a new restore command, an event). The registry calls these from `ack` and
-`recover`, in its transaction.
+needs and applies it (a new restore command, an event). The command queue
+(stasis.controlplane.commandqueue) calls these from `ack` and `recover`, in its transaction,
+handing in how to queue a restore and which nodes are ready: no SQL of its own here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import Connection
 
 from stasis.controlplane import events as event_log
-from stasis.controlplane.commands import Alternate, RestoreArgs
-from stasis.controlplane.schema import commands, nodes
+from stasis.controlplane.commands import Alternate, RestoreArgs, kind_of
+from stasis.controlplane.commands import Kind as CommandKind
 from stasis.controlplane.verdicts import CHECKPOINT_ID
 from stasis.errors import UsageError
 
@@ -44,6 +41,9 @@ RESTORE_TRIES_PER_NODE = 2
 RETRY_BACKOFF_S = 1.0
 RETRY_BACKOFF_MAX_S = 60.0
 ALTERNATES = 3
+
+# Queues a restore in the caller's transaction: (cluster id, node, args, delay_s) -> its id.
+QueueRestore = Callable[[str, str, dict[str, Any], float], str]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,9 @@ class Again:
     how: str  # said in the failed one's result and the event
 
 
-def restore_half(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+def restore_half(
+    row: dict[str, Any], result: dict[str, Any], queue_restore: QueueRestore
+) -> dict[str, Any]:
     """The second half of the migration whose checkpoint half `row` answered `result`: the
     restore, on the target node, of the checkpoint it took, bound to the job, label and owner
     it was for. The checkpoint's result, naming the restore as `next`."""
@@ -85,34 +87,14 @@ def restore_half(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> dict
     }
     if alternates:
         restore["alternates"] = alternates
-    nid = queue_restore(conn, row["cluster_id"], args["then_restore_on"], dict(restore), 0.0)
+    nid = queue_restore(row["cluster_id"], args["then_restore_on"], _fenced(dict(restore)), 0.0)
     return {**{k: v for k, v in result.items() if k != "seals"}, "next": nid}
 
 
-def queue_restore(
-    conn: Any, cluster_id: str, node: str, args: dict[str, Any], delay_s: float
-) -> str:
-    """A restore command (a migration's restore half), leased no sooner than `delay_s`."""
-    nid = "cmd_" + secrets.token_hex(8)
-    # `fence`: the node commits before resuming (commit); a node older than fencing
-    # ignores it, and a node never asks a control plane that does not set it.
-    args = {**args, "fence": True}
-    conn.execute(
-        insert(commands).values(
-            id=nid,
-            cluster_id=cluster_id,
-            node=node,
-            kind="restore",
-            args=json.dumps(args),
-            state="queued",
-            attempts=0,
-            lease_until=math.ceil(time.time() + delay_s) if delay_s else None,
-            result=None,
-            created=datetime.now(UTC).isoformat(timespec="microseconds"),
-            finished=None,
-        )
-    )
-    return nid
+def _fenced(args: dict[str, Any]) -> dict[str, Any]:
+    """A restore's args with `fence`: the node commits before resuming (commit); a node older
+    than fencing ignores it, and a node never asks a control plane that does not set it."""
+    return {**args, "fence": True}
 
 
 def next_try(args: dict[str, Any], node: str, ready: set[str], node_gone: bool) -> Again | None:
@@ -146,17 +128,18 @@ def next_try(args: dict[str, Any], node: str, ready: set[str], node_gone: bool) 
 
 
 def after_failed_restore(
-    conn: Any,
+    conn: Connection,
     row: dict[str, Any],
     error: str,
     permanent: bool,
-    lost_after_s: float,
+    ready_nodes: Callable[[], set[str]],
+    queue_restore: QueueRestore,
     node_gone: bool = False,
 ) -> dict[str, Any]:
     """What follows a migration's restore half `row` that failed with `error` (next_try): a
     new command (its id: `next` in the failed one's result), or the failure, naming the
     checkpoint it leaves. A refusal (`permanent`) is not retried; a node lost (`node_gone`) is
-    not tried again."""
+    not tried again. `ready_nodes`: the nodes of its cluster ready now."""
     args = json.loads(row["args"])
     error = " ".join(error.split())[:1000]
     ckpt = str(args.get("checkpoint"))
@@ -165,9 +148,7 @@ def after_failed_restore(
         # says what and why, retrying changes nothing.
         return {"error": error}
     ready = (
-        _ready_nodes(conn, row["cluster_id"], lost_after_s)
-        if node_gone or int(args.get("try") or 1) >= RESTORE_TRIES_PER_NODE
-        else set()
+        ready_nodes() if node_gone or int(args.get("try") or 1) >= RESTORE_TRIES_PER_NODE else set()
     )
     again = next_try(args, row["node"], ready, node_gone)
     what = (
@@ -183,37 +164,23 @@ def after_failed_restore(
         )
         event_log.record(conn, row["cluster_id"], row["node"], "migration-failed", final)
         return {"error": final}
-    nid = queue_restore(conn, row["cluster_id"], again.node, again.args, again.delay_s)
+    nid = queue_restore(row["cluster_id"], again.node, _fenced(again.args), again.delay_s)
     event_log.record(
         conn, row["cluster_id"], row["node"], "migration-retry", f"{what}; {again.how} ({nid})"
     )
     return {"error": f"{what}; {again.how} ({nid})", "next": nid}
 
 
-def _ready_nodes(conn: Any, cluster_id: str, lost_after_s: float) -> set[str]:
-    now = time.time()
-    return {
-        r.name
-        for r in conn.execute(
-            select(nodes.c.name, nodes.c.last_heartbeat).where(
-                nodes.c.cluster_id == cluster_id,
-                nodes.c.check_ok.is_(True),
-                nodes.c.approved.is_not(False),
-            )
-        )
-        if now - r.last_heartbeat <= lost_after_s
-    }
-
-
-def late(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> None:
+def late(conn: Connection, row: dict[str, Any], result: dict[str, Any]) -> None:
     """A node's success, heard after its command was failed (the node was lost): said (for a
     migration's halves: what it means for the job)."""
-    said = _LATE.get(str(row["kind"]))
+    kind = kind_of(row["kind"])
+    said = _LATE.get(kind) if kind is not None else None
     if said is not None:
         said(conn, row, result)
 
 
-def _late_restore(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> None:
+def _late_restore(conn: Connection, row: dict[str, Any], result: dict[str, Any]) -> None:
     failed = json.loads(row["result"] or "{}")
     if result.get("job"):
         job = str(result["job"])[:100]
@@ -243,7 +210,7 @@ def _late_restore(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> Non
             )
 
 
-def _late_checkpoint(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> None:
+def _late_checkpoint(conn: Connection, row: dict[str, Any], result: dict[str, Any]) -> None:
     if result.get("checkpoint"):
         args = json.loads(row["args"])
         stopped = not args.get("leave_running", True)
@@ -265,7 +232,7 @@ def _late_checkpoint(conn: Any, row: dict[str, Any], result: dict[str, Any]) -> 
         )
 
 
-_LATE: dict[str, Callable[[Any, dict[str, Any], dict[str, Any]], None]] = {
+_LATE: dict[CommandKind, Callable[[Connection, dict[str, Any], dict[str, Any]], None]] = {
     "restore": _late_restore,
     "checkpoint": _late_checkpoint,
 }

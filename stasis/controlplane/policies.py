@@ -461,7 +461,7 @@ def _busy(registry: Registry, policy: str, since: float | None = None) -> set[tu
     """(cluster, node, job or label) that still have a command of this policy under way (or,
     with `since`, had one created since then): nodes of two clusters may share a name."""
     out = set()
-    for cluster_id, node, a in registry.commands_under_way(created_since=since):
+    for cluster_id, node, a in registry.commands.commands_under_way(created_since=since):
         if a.get("policy") == policy:
             out.add((cluster_id, node, str(a.get("job") or a.get("label"))))
     return out
@@ -480,11 +480,11 @@ def _checkpoint_jobs(
     busy = _busy(registry, policy, since)
     n = 0
     now = time.time()
-    listed = registry.list_nodes(_SYSTEM, lost_after_s)
+    listed = registry.nodes.list_nodes(_SYSTEM, lost_after_s)
     ready = [x for x in listed if x["state"] == "ready"] if migrate else []
     # A pending node (joined, not approved by an admin) is given no command: its jobs wait.
     pending = {(x["cluster_id"], x["name"]) for x in listed if x["state"] == "pending"}
-    for job in registry.list_jobs(_SYSTEM):
+    for job in registry.nodes.list_jobs(_SYSTEM):
         if (
             (job["cluster_id"], job["node"]) in pending
             or job.get("state") not in ("running", "restored")
@@ -529,7 +529,7 @@ def _checkpoint_jobs(
 def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
     """A memory or drain policy: the jobs that meet its trigger now."""
     filters = json.loads(p["filters"])
-    state = registry.node_states()
+    state = registry.nodes.node_states()
     if p["trigger"] == "memory":
 
         def over(job: dict[str, Any]) -> bool:
@@ -682,8 +682,8 @@ def _retain(
 ) -> int:
     busy = _busy(registry, policy)
     n = 0
-    jobs = registry.list_jobs(_SYSTEM) if completed else []
-    for node in registry.list_nodes(_SYSTEM, lost_after_s):
+    jobs = registry.nodes.list_jobs(_SYSTEM) if completed else []
+    for node in registry.nodes.list_nodes(_SYSTEM, lost_after_s):
         if (
             node["state"] in ("lost", "pending")
             or (node["cluster_id"], node["name"], filters.get("label", "*")) in busy
@@ -694,7 +694,7 @@ def _retain(
             {"cluster": node["cluster"], "node": node["name"]},
         ):
             continue
-        registry.queue_for_node(
+        registry.commands.queue_for_node(
             node["cluster_id"],
             node["name"],
             "retain",
@@ -727,12 +727,12 @@ def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after
     failed verdict the next run takes the next older one, down to the newest that restores."""
     ready = {
         (x["cluster_id"], x["name"])
-        for x in registry.list_nodes(_SYSTEM, lost_after_s)
+        for x in registry.nodes.list_nodes(_SYSTEM, lost_after_s)
         if x["state"] == "ready"
     }
-    names = registry.cluster_names()
-    under_way = registry.commands_under_way("verify")
-    rows = registry.live_checkpoints()
+    names = registry.access.cluster_names()
+    under_way = registry.commands.commands_under_way("verify")
+    rows = registry.reports.live_checkpoints()
     busy = {(cluster_id, str(a.get("user")), str(a.get("label"))) for cluster_id, _, a in under_way}
     settled: set[tuple[str, str, str]] = set()  # labels with a verified or a picked one
     n = 0
@@ -753,7 +753,7 @@ def _verify(registry: Registry, policy: str, filters: dict[str, str], lost_after
         settled.add(key)
         if (r.cluster_id, r.node) not in ready or key in busy:
             continue
-        registry.queue_for_node(
+        registry.commands.queue_for_node(
             r.cluster_id,
             r.node,
             "verify",

@@ -1,5 +1,5 @@
 """Node-hours kept against node-hours spent, per cluster (GET /api/v1/savings, the dashboard's
-savings page): what restores kept (stasis.controlplane.registry.savings: the work their
+savings page): what restores kept (stasis.controlplane.registry.reports.savings: the work their
 checkpoints held) and what checkpointing cost (each checkpoint's frozen time x its job's nodes;
 every job counts as one node, as the nodes report single-node jobs), with the interruption
 rate each cluster's `every auto` policies use (stasis.controlplane.intervals)."""
@@ -10,40 +10,29 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
-
 from stasis.controlplane import intervals
 from stasis.controlplane.access import Principal
 from stasis.controlplane.registry import Registry
-from stasis.controlplane.schema import checkpoints, clusters
 
 
 def savings_of(registry: Registry, by: Principal) -> dict[str, Any]:
-    """registry.savings (kept: in all, per cluster, user and day), and: `spent_node_hours`,
+    """Reports.savings (kept: in all, per cluster, user and day), and: `spent_node_hours`,
     `net_node_hours`, `spent_days` (per day, UTC), `per_cluster` (kept, spent, net and the
     interruption rate of each cluster `by` may see)."""
-    saved = registry.savings(by)
-    q = select(
-        checkpoints.c.cluster_id,
-        clusters.c.name.label("cluster"),
-        checkpoints.c.frozen_s,
-        checkpoints.c.created,
-    ).join(clusters, clusters.c.id == checkpoints.c.cluster_id)
-    if by.kind != "admin":
-        q = q.where(checkpoints.c.cluster_id == by.cluster_id)
-    with registry.db.transaction() as conn:
-        rows = conn.execute(q).all()
-        names = {
-            r.id: r.name
-            for r in conn.execute(select(clusters.c.id, clusters.c.name)).all()
-            if by.kind == "admin" or r.id == by.cluster_id
-        }
+    saved = registry.reports.savings(by)
+    names = {
+        cid: name
+        for cid, name in registry.access.cluster_names().items()
+        if by.kind == "admin" or cid == by.cluster_id
+    }
     spent: dict[str, float] = {}
     per_day: dict[str, float] = {}
-    for r in rows:
-        hours = float(r.frozen_s) / 3600  # x 1 node
-        spent[r.cluster] = spent.get(r.cluster, 0.0) + hours
-        day = datetime.fromtimestamp(r.created, UTC).date().isoformat()
+    for cid, frozen_s, created in registry.reports.frozen(by):
+        if cid not in names:
+            continue
+        hours = float(frozen_s) / 3600  # x 1 node
+        spent[names[cid]] = spent.get(names[cid], 0.0) + hours
+        day = datetime.fromtimestamp(created, UTC).date().isoformat()
         per_day[day] = per_day.get(day, 0.0) + hours
     kept = {c["cluster"]: float(c["node_hours"]) for c in saved["clusters"]}
     rates = intervals.rates(registry.db, time.time())

@@ -90,7 +90,7 @@ def _bearer(request: web.Request) -> str:
 
 
 def _principal(request: web.Request) -> Principal:
-    return request.app[REGISTRY].authenticate(_bearer(request))
+    return request.app[REGISTRY].access.authenticate(_bearer(request))
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
@@ -223,36 +223,36 @@ class Api:
     async def add_cluster(self, call: Call) -> wire.Cluster:
         b: models.NewCluster = call.body
         return await _run(
-            self.registry.add_cluster, b.name, b.kind, b.expires_in_s, b.approve_joins
+            self.registry.access.add_cluster, b.name, b.kind, b.expires_in_s, b.approve_joins
         )
 
     async def list_clusters(self, call: Call) -> list[wire.Cluster]:
-        return await _run(self.registry.list_clusters)
+        return await _run(self.registry.access.list_clusters)
 
     async def cluster_settings(self, call: Call) -> wire.Cluster:
         b: models.ClusterSettings = call.body
         return await _run(
-            self.registry.set_approve_joins, call.principal, call.args["id"], b.approve_joins
+            self.registry.access.set_approve_joins, call.principal, call.args["id"], b.approve_joins
         )
 
     async def rotate(self, call: Call) -> wire.Cluster:
         b: models.Rotation = call.body
-        return await _run(self.registry.rotate, call.args["id"], b.expires_in_s)
+        return await _run(self.registry.access.rotate, call.args["id"], b.expires_in_s)
 
     async def list_tokens(self, call: Call) -> list[wire.Token]:
-        return await _run(self.registry.list_tokens)
+        return await _run(self.registry.access.list_tokens)
 
     async def revoke(self, call: Call) -> wire.Token:
-        return await _run(self.registry.revoke, call.args["id"], call.principal)
+        return await _run(self.registry.access.revoke, call.args["id"], call.principal)
 
     async def register(self, call: Call) -> wire.Registered:
         b: models.NodeReport = call.body
-        return await _run(self.registry.register_node, call.principal, b.model_dump())
+        return await _run(self.registry.nodes.register_node, call.principal, b.model_dump())
 
     async def heartbeat(self, call: Call) -> wire.Node:
         b: models.Heartbeat = call.body
         return await _run(
-            self.registry.heartbeat,
+            self.registry.nodes.heartbeat,
             call.principal,
             call.args["name"],
             [j.model_dump() for j in b.jobs],
@@ -264,20 +264,24 @@ class Api:
 
     async def reset_node(self, call: Call) -> wire.Node:
         b: models.NodeReset = call.body
-        return await _run(self.registry.reset_node, call.principal, call.args["name"], b.cluster)
+        return await _run(
+            self.registry.nodes.reset_node, call.principal, call.args["name"], b.cluster
+        )
 
     async def approve_node(self, call: Call) -> wire.Node:
         b: models.NodeReset = call.body
-        return await _run(self.registry.approve_node, call.principal, call.args["name"], b.cluster)
+        return await _run(
+            self.registry.nodes.approve_node, call.principal, call.args["name"], b.cluster
+        )
 
     async def list_nodes(self, call: Call) -> list[wire.Node]:
-        return await _run(self.registry.list_nodes, call.principal, self.lost_after_s)
+        return await _run(self.registry.nodes.list_nodes, call.principal, self.lost_after_s)
 
     async def list_jobs(self, call: Call) -> list[wire.Job]:
         return await _run(self._jobs, call.principal)
 
     def _jobs(self, by: Principal) -> list[wire.Job]:
-        jobs = self.registry.list_jobs(by)
+        jobs = self.registry.nodes.list_jobs(by)
         policies.annotate_intervals(self.registry, jobs, self.bounds)
         return jobs
 
@@ -294,18 +298,20 @@ class Api:
         )
 
     async def list_commands(self, call: Call) -> list[Command]:
-        return await _run(self.registry.list_commands, call.principal)
+        return await _run(self.registry.commands.list_commands, call.principal)
 
     async def get_command(self, call: Call) -> Command:
-        return await _run(self.registry.command, call.principal, call.args["id"])
+        return await _run(self.registry.commands.command, call.principal, call.args["id"])
 
     async def lease(self, call: Call) -> Command | None:
-        return await _run(self.registry.lease, call.principal, call.args["name"], self.lease_s)
+        return await _run(
+            self.registry.commands.lease, call.principal, call.args["name"], self.lease_s
+        )
 
     async def renew(self, call: Call) -> wire.Renewed:
         b: models.Renewal = call.body
         return await _run(
-            self.registry.renew,
+            self.registry.commands.renew,
             call.principal,
             call.args["name"],
             call.args["id"],
@@ -316,7 +322,7 @@ class Api:
     async def commit(self, call: Call) -> wire.Committed:
         b: models.Renewal = call.body
         return await _run(
-            self.registry.commit,
+            self.registry.commands.commit,
             call.principal,
             call.args["name"],
             call.args["id"],
@@ -327,7 +333,7 @@ class Api:
     async def ack(self, call: Call) -> Command:
         b: models.Ack = call.body
         return await _run(
-            self.registry.ack,
+            self.registry.commands.ack,
             call.principal,
             call.args["id"],
             b.ok,
@@ -376,7 +382,7 @@ class Api:
 
     async def list_checkpoints(self, call: Call) -> list[wire.Checkpoint]:
         return await _run(
-            self.registry.list_checkpoints,
+            self.registry.reports.list_checkpoints,
             call.principal,
             _limit(call.request, 500),
             call.request.query.get("deleted") == "1",
@@ -414,7 +420,7 @@ class Api:
             raise UsageError(
                 "ask with the cluster's token (`clusters add NAME --kind kubernetes` printed it)"
             )
-        cluster = await _run(self.registry.cluster, who.cluster_id)
+        cluster = await _run(self.registry.access.cluster, who.cluster_id)
         if cluster["kind"] != "kubernetes":
             raise UsageError(f"cluster {cluster['name']} is a {cluster['kind']} cluster")
         token = _bearer(call.request)
@@ -443,7 +449,7 @@ class Api:
         from stasis.controlplane.installer import build_wheel, sha256_of, slurm_script
 
         cluster_id, token = self._slurm_cluster(call)
-        cluster = await _run(self.registry.cluster, cluster_id)
+        cluster = await _run(self.registry.access.cluster, cluster_id)
         if cluster["kind"] != "slurm":
             raise UsageError(
                 f"cluster {cluster['name']} is a {cluster['kind']} cluster: "
@@ -560,11 +566,11 @@ def make_admin_token(registry: Registry, path: Path | None) -> None:
     The file is made new (0600), never a link followed or a file overwritten: it is opened
     before the token exists, so a refusal loses nothing."""
     if path is None:
-        token = registry.bootstrap_admin()
+        token = registry.access.bootstrap_admin()
         if token is not None:
             print(f"admin token (shown once, keep it): {token}", flush=True)
         return
-    if any(t["kind"] == "admin" and t["revoked"] is None for t in registry.list_tokens()):
+    if any(t["kind"] == "admin" and t["revoked"] is None for t in registry.access.list_tokens()):
         return  # made at an earlier start
     import os
 
@@ -580,7 +586,7 @@ def make_admin_token(registry: Registry, path: Path | None) -> None:
     except OSError as e:
         raise UsageError(f"cannot create --admin-token-file {path}: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
-        token = registry.bootstrap_admin()
+        token = registry.access.bootstrap_admin()
         if token is None:  # another start made one meanwhile
             os.unlink(path)
             return
@@ -664,9 +670,9 @@ async def _run_policies(registry: Registry, lost_after_s: float, bounds: interva
     failing = ""
     while True:
         try:
-            await asyncio.to_thread(registry.note_lost, lost_after_s)
+            await asyncio.to_thread(registry.nodes.note_lost, lost_after_s)
             # commands a lost or dying node holds: failed, a restore re-targeted
-            await asyncio.to_thread(registry.recover, lost_after_s)
+            await asyncio.to_thread(registry.commands.recover, lost_after_s)
             queued = await asyncio.to_thread(policies.run_due, registry, lost_after_s, bounds)
             if queued:
                 log.info("policies queued %d command(s)", queued)

@@ -46,7 +46,7 @@ def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
             f"{what} does not log in to the dashboard: log in with the "
             "admin token or a cluster's token"
         )
-    who = registry.authenticate(token)
+    who = registry.access.authenticate(token)
     if who.kind not in ("admin", "cluster"):
         raise PermissionDeniedError(
             f"a {who.kind} credential does not log in to the dashboard: "

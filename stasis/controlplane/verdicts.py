@@ -11,7 +11,7 @@ same verdict reported twice counts once.
 
 The control plane cannot check a verdict's signature (it holds no site key): it believes a node
 of the cluster about that cluster's checkpoints. `stasis restore --verified` on a node reads the
-signed verdict in the store's catalog, never this.
+signed verdict in the store's catalog, never this. Kept by stasis.controlplane.reports.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
-from sqlalchemy import update
 
-from stasis.controlplane.schema import checkpoints
-
-# A checkpoint id as nodes may report it (stasis.controlplane.registry uses it too).
+# A checkpoint id as nodes may report it (the registry and the migration check it too).
 CHECKPOINT_ID = r"^[A-Za-z0-9._-]{1,64}$"
 _TEXT = r"^[^\x00-\x1f\x7f]*$"
 REASON_MAX = 1000
@@ -58,30 +55,6 @@ class VerdictReport(BaseModel):
     at: AwareDatetime
     duration_s: float = Field(default=0.0, ge=0, le=366 * 86400)
     processes: int = Field(default=0, ge=0, le=10_000_000)
-
-
-def record(conn: Any, cluster_id: str, node: str, v: VerdictReport) -> bool:
-    """Verdict `v`, reported by node `node` of cluster `cluster_id`, kept with its checkpoint
-    if that checkpoint is of that cluster and holds no newer verdict; whether it was."""
-    at = v.at.timestamp()
-    n: int = conn.execute(
-        update(checkpoints)
-        .where(
-            checkpoints.c.id == v.checkpoint,
-            checkpoints.c.cluster_id == cluster_id,
-            checkpoints.c.verified_at.is_(None) | (checkpoints.c.verified_at < at),
-        )
-        .values(
-            verified_ok=v.ok,
-            verify_reason="" if v.ok else (v.reason or "no reason given"),
-            # The node that spoke (its credential says so), not the host name it wrote.
-            verified_by=node[:200],
-            verified_at=at,
-            verify_duration_s=v.duration_s,
-            verify_processes=v.processes,
-        )
-    ).rowcount
-    return bool(n)
 
 
 VerifyShown = dict[str, Any]  # a verdict as the API shows it

@@ -255,7 +255,7 @@ def test_a_control_plane_killed_mid_migration_loses_nothing(site: Site) -> None:
 def test_a_command_leased_again_and_again_unanswered_fails(site: Site) -> None:
     """A node whose daemon dies carrying a command out, each time it leases it: the command
     fails after MAX_LEASES leases, saying so, instead of being given out for ever."""
-    from stasis.controlplane.registry import MAX_LEASES
+    from stasis.controlplane.commandqueue import MAX_LEASES
 
     site.node("src")
     site.beat()
