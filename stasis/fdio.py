@@ -1,12 +1,17 @@
 """Whole writes to a file descriptor and whole reads from a socket (either may move less than
-asked: a pipe, a signal, a peer that sent part; the rest must follow), and the kernel's
-description of a buffer for vectored I/O."""
+asked: a pipe, a signal, a peer that sent part; the rest must follow), the kernel's
+description of a buffer for vectored I/O, and the walk down a tree by directory descriptors
+(each one closed once the next is open, the one held closed on any error)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import socket
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+_Step = TypeVar("_Step")
 
 
 class Iovec(ctypes.Structure):
@@ -33,3 +38,20 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def descend(top: int, steps: Iterable[_Step], step: Callable[[int, _Step], int]) -> int:
+    """From the directory open as `top` (taken over: closed like every other one on the way),
+    `step(fd, each)` opens the next directory down; the descriptor of the last one opened (`top`
+    for no steps). Whatever a step raises comes out with the descriptor held closed; a step
+    that rejects what it opened closes that itself."""
+    fd = top
+    try:
+        for each in steps:
+            nxt = step(fd, each)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise

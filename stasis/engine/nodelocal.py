@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stasis.engine import privatetmp, proctree
-from stasis.fdio import write_all
+from stasis.fdio import descend, write_all
 
 ARCHIVE_NAME = "stasis-node-local.img"
 # In a checkpoint's manifest (`extra`, signed): the paths that travel, so that a restore's file
@@ -824,37 +824,31 @@ def _walk(path: str, create: Mapping[str, Entry] | None) -> int:
     """An O_DIRECTORY descriptor of `path`, reached from / one component at a time, never
     through a link (NodeLocalError naming it). `create`: make missing directories as these
     entries say (owner, mode); None: FileNotFoundError for a missing one."""
-    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    sofar = ""
-    try:
-        for part in path.split("/")[1:]:
-            if not part:
-                continue
-            sofar += "/" + part
-            try:
-                nxt = os.open(
-                    part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-                )
-            except FileNotFoundError:
-                if create is None or sofar not in create:
-                    raise
-                nxt = _make_dir(fd, part, create[sofar])
-            except OSError as e:
-                if _is_link(fd, part):
-                    raise NodeLocalError(
-                        f"{sofar} is a symbolic link now (the job had a "
-                        "directory there): remove it"
-                    ) from e
+
+    def step(fd: int, sofar: str) -> int:
+        part = sofar.rpartition("/")[2]
+        try:
+            return os.open(
+                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
+        except FileNotFoundError:
+            if create is None or sofar not in create:
+                raise
+            return _make_dir(fd, part, create[sofar])
+        except OSError as e:
+            if _is_link(fd, part):
                 raise NodeLocalError(
-                    f"{sofar} is not a directory now (the job had one "
-                    f"there): move it away ({e.strerror})"
+                    f"{sofar} is a symbolic link now (the job had a " "directory there): remove it"
                 ) from e
-            os.close(fd)
-            fd = nxt
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+            raise NodeLocalError(
+                f"{sofar} is not a directory now (the job had one "
+                f"there): move it away ({e.strerror})"
+            ) from e
+
+    parts = [part for part in path.split("/")[1:] if part]
+    # Each step's path so far ("/a", "/a/b"...): what `create` and the refusals name.
+    paths = ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+    return descend(os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), paths, step)
 
 
 def _is_link(dirfd: int, name: str) -> bool:

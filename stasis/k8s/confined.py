@@ -21,6 +21,8 @@ import os
 import stat
 from types import TracebackType
 
+from stasis.fdio import descend
+
 __all__ = ["ConfinedRoot", "EscapeError", "keep_only_file_capabilities", "link_fd", "split"]
 
 _SYS_OPENAT2 = 437  # the same number on every architecture (added after the tables merged)
@@ -138,33 +140,30 @@ class ConfinedRoot:
     def _walk(self, parts: tuple[str, ...], flags: int) -> int:
         """Without openat2: one component at a time, each opened with O_NOFOLLOW (the last
         too: a symlink anywhere is refused instead of followed), never into another mount."""
-        fd = os.dup(self.fd)
-        try:
-            top = os.fstat(fd).st_dev
-            for i, p in enumerate(parts):
-                last = i == len(parts) - 1
-                how = (flags if last else os.O_RDONLY | os.O_DIRECTORY) | os.O_NOFOLLOW
-                try:
-                    nxt = os.open(p, how | os.O_CLOEXEC, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
-                        os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode
-                    ):
-                        raise EscapeError(
-                            errno.ELOOP,
-                            f"{p!r} is a symlink (this kernel has "
-                            "no openat2 to follow it inside the tree)",
-                        ) from e
-                    raise
-                os.close(fd)
-                fd = nxt
-                if os.fstat(fd).st_dev != top:
-                    raise EscapeError(errno.EXDEV, f"{p!r} is another mount")
-            result, fd = fd, -1
-            return result
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        top = os.fstat(self.fd).st_dev
+
+        def step(fd: int, i: int) -> int:
+            p = parts[i]
+            last = i == len(parts) - 1
+            how = (flags if last else os.O_RDONLY | os.O_DIRECTORY) | os.O_NOFOLLOW
+            try:
+                nxt = os.open(p, how | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
+                    os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode
+                ):
+                    raise EscapeError(
+                        errno.ELOOP,
+                        f"{p!r} is a symlink (this kernel has "
+                        "no openat2 to follow it inside the tree)",
+                    ) from e
+                raise
+            if os.fstat(nxt).st_dev != top:
+                os.close(nxt)
+                raise EscapeError(errno.EXDEV, f"{p!r} is another mount")
+            return nxt
+
+        return descend(os.dup(self.fd), range(len(parts)), step)
 
     def parent(self, parts: tuple[str, ...], make: bool = False) -> int:
         """An fd of the directory holding `parts[-1]`; with `make`, missing directories on the
@@ -175,23 +174,18 @@ class ConfinedRoot:
         except FileNotFoundError:
             if not make:
                 raise
-        fd = self.open((), flags)
-        try:
-            for i in range(1, len(parts)):
+
+        def step(fd: int, i: int) -> int:
+            try:
+                return self.open(parts[:i], flags)
+            except FileNotFoundError:
                 try:
-                    nxt = self.open(parts[:i], flags)
-                except FileNotFoundError:
-                    try:
-                        os.mkdir(parts[i - 1], 0o755, dir_fd=fd)
-                    except FileExistsError:
-                        pass  # a dangling symlink: the open below says so
-                    nxt = self.open(parts[:i], flags)
-                os.close(fd)
-                fd = nxt
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
+                    os.mkdir(parts[i - 1], 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass  # a dangling symlink: the open below says so
+                return self.open(parts[:i], flags)
+
+        return descend(self.open((), flags), range(1, len(parts)), step)
 
 
 def link_fd(target_fd: int, dirfd: int, name: str) -> None:
