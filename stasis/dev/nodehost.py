@@ -3,7 +3,9 @@ and network namespaces for the node's life, which the node's services enter (`pr
 
 In a node, as on a real host, /tmp, /var/tmp, /dev/shm and /run are fresh tmpfs of its own (1777,
 /run 755 with /run/lock 1777), its host name is its name, and it has an address of its own on a
-private bridge (`Net`: 10.213.X.0/24, this machine is .254 on it). What a real site shares stays
+private bridge (`Net`: 10.213.X.0/24, this machine is .254 on it), and the names of the nodes on
+that network resolve there, as a site's DNS would make them (`Net.hosts_file`, bound on the
+node's /etc/hosts: the machine's own entries and one line per node). What a real site shares stays
 shared: the rest of the file system (home directories, installed software) and the paths given
 as `shared` (a shared store, a test's scratch directory, this Python), bound back at their own
 path where they lie under a private directory. A pathname unix socket on a shared path reaches
@@ -15,6 +17,7 @@ for `stasis-dev local-cluster` and `stasis-dev local-node`: only root makes node
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -32,6 +35,8 @@ PRIVATE_DIRS = (("/tmp", 0o1777), ("/var/tmp", 0o1777), ("/dev/shm", 0o1777), ("
 
 _NET = "10.213"
 HOST_OCTET = 254
+# Outside every node's private directories, so that a node binds the same file as the others.
+_HOSTS_DIR = Path("/var/lib/stasis-dev/hosts")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,11 @@ class Net:
         third node joined)."""
         return f"02:53:54:53:{self.net_id:02x}:fe"
 
+    @property
+    def hosts_file(self) -> Path:
+        """The /etc/hosts of the nodes on this network: the machine's, and a line per node."""
+        return _HOSTS_DIR / self.bridge
+
 
 def claim_net(first: int, last: int) -> Net:
     """Make the bridge of a network no one on this machine uses, among ids first..last (the
@@ -85,6 +95,7 @@ def claim_net(first: int, last: int) -> Net:
         try:
             commands.run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
             commands.run(["ip", "link", "set", net.bridge, "up"])
+            _new_hosts(net)
         except BaseException:
             release_net(net)
             raise
@@ -94,6 +105,39 @@ def claim_net(first: int, last: int) -> Net:
 
 def release_net(net: Net) -> None:
     commands.run(["ip", "link", "del", net.bridge], check=False)
+    net.hosts_file.unlink(missing_ok=True)
+
+
+def _new_hosts(net: Net) -> None:
+    """A fresh hosts file for a network just made (one of an earlier network with its id, left
+    by a run that was killed, would name nodes that are gone)."""
+    _HOSTS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(net.hosts_file, "w") as f:
+        f.write(Path("/etc/hosts").read_text())
+
+
+def _publish(net: Net, holder: int, address: str) -> None:
+    """Name the node held by `holder` (its host name) at `address` in `net`'s hosts file, and
+    bind that file on the node's /etc/hosts (once). Written in place, under a lock: every node
+    binds the same file and sees each line as it is added."""
+    name = commands.run([*prefix(holder), "hostname"]).stdout.strip()
+    _HOSTS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(net.hosts_file, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        lines = f.read().splitlines() or Path("/etc/hosts").read_text().splitlines()
+        kept = [
+            line
+            for line in lines
+            if not (line.split()[:1] == [address] or name in line.split()[1:])
+        ]
+        f.truncate(0)
+        f.write("\n".join([*kept, f"{address} {name}"]) + "\n")
+    mounts = Path(f"/proc/{holder}/mountinfo").read_text().splitlines()
+    if not any(line.split()[4] == "/etc/hosts" for line in mounts):
+        commands.run(
+            [*prefix(holder, net=False), "mount", "--bind", str(net.hosts_file), "/etc/hosts"]
+        )
 
 
 # Run in a node's new namespaces, as the process that holds them for the node's life (`nsenter
@@ -253,6 +297,7 @@ def _configure(net: Net, holder: int, index: int) -> str:
     commands.run([*inside, "ip", "addr", "add", f"{net.addr(index)}/24", "dev", "eth0"])
     commands.run([*inside, "ip", "link", "set", "eth0", "up"])
     commands.run([*inside, "ip", "link", "set", "lo", "up"])
+    _publish(net, holder, net.addr(index))
     return net.addr(index)
 
 
@@ -269,6 +314,7 @@ def join_net(net: Net, holder: int) -> str:
         if made.returncode == 0:
             commands.run(["ip", "addr", "add", f"{net.host_addr}/24", "dev", net.bridge])
             commands.run(["ip", "link", "set", net.bridge, "up"])
+            _new_hosts(net)
     for index in range(HOST_OCTET - 1):
         veth = net.veth(index)
         if Path(f"/sys/class/net/{veth}").exists():

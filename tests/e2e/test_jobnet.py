@@ -125,6 +125,19 @@ class Tree:
             self.proc.wait(10)
 
 
+def test_nodes_resolve_each_others_names(hosts: dict[str, nodehost.NodeHost]) -> None:
+    # stasis/dev/nodehost.py's hosts file: what an MPI launcher needs to reach the other nodes.
+    for here in hosts.values():
+        for there in hosts.values():
+            found = subprocess.run(
+                [*here.prefix(), "getent", "ahostsv4", there.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            assert found[:1] == [there.address], (here.name, there.name, found)
+
+
 def _counted(log: Path) -> list[tuple[int, str]]:
     return [(int(n), host) for n, host in _LINE.findall(log.read_text())]
 
