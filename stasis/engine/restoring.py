@@ -65,6 +65,7 @@ def restore_tree(
     sandboxed: bool = False,
     own_mounts: bool = False,
     caller_cgroups: bool = False,
+    job_netns_fd: int | None = None,
 ) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
@@ -83,7 +84,8 @@ def restore_tree(
     caller knows it already. `sandboxed`: for `stasis verify` (RestoreOptions.sandboxed).
     `own_mounts`: the images hold the tree's own mount namespace (a private /tmp,
     engine/privatetmp.py). `caller_cgroups`: the tree comes back in the caller's cgroups
-    (RestoreOptions.caller_cgroups)."""
+    (RestoreOptions.caller_cgroups). `job_netns_fd`: the job's network namespace on this node,
+    open (RestoreOptions.job_netns_fd)."""
     if owner.uid != 0:
         # CRIU (root) gives back whatever credentials the images record: a user's tree must not
         # come back holding more than its owner (a setuid program a dump of older stasis, or
@@ -128,9 +130,12 @@ def restore_tree(
             ) from e
     # Its TCP connections on this node: kept, restored closed (a move), or refused (a socket
     # bound to the old node's address). A sandbox has a network of its own: not its concern.
+    # Nor is a tree in its job's network: its namespace is made again with the same addresses
+    # wherever it goes, and reaches nothing but the job's other parts, which are restored with
+    # it (the plan would take those peers, in other parts' images, for the outside world).
     network = (
         netidentity.Plan()
-        if sandboxed
+        if sandboxed or job_netns_fd is not None
         else netidentity.plan(images, checkpoint or str(images), criu.path)
     )
     fds: list[int] = []
@@ -151,6 +156,7 @@ def restore_tree(
             sandboxed=sandboxed,
             own_mounts=own_mounts,
             caller_cgroups=caller_cgroups,
+            job_netns_fd=job_netns_fd,
             tcp_close=network.all_closed,
             close_tcp=[] if network.all_closed else network.close_inodes,
         )

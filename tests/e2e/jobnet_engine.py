@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from stasis.engine import CRIU, DumpOptions, RestoreOptions, find_criu
+from stasis.engine import CRIU, DumpOptions, Owner, find_criu
+from stasis.engine.restoring import restore_tree
 
 
 def main(argv: list[str]) -> None:
@@ -22,8 +23,8 @@ def main(argv: list[str]) -> None:
     images, logs, netns = Path(argv[1]), Path(argv[2]), argv[3]
     fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        done = CRIU(find_criu(), logs).restore(
-            images, RestoreOptions(job_netns_fd=fd), "restore.log"
+        done = restore_tree(
+            CRIU(find_criu(), logs), images, Owner(0, 0), [], "restore.log", job_netns_fd=fd
         )
     finally:
         os.close(fd)
