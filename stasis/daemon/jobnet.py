@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ _OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8
 _FLOOD = "00:00:00:00:00:00"
 _VNI_MAX = (1 << 24) - 1
 _TIMEOUT_S = 30
+_NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps a namespace's file
+_NETNS_PREFIX = "stasis-job-"
 
 
 class JobNetError(StasisError):
@@ -57,12 +60,12 @@ class JobNet:
     # Interface names hold 15 bytes: "sjb" + 8 digits at most.
     @property
     def netns(self) -> str:
-        return f"stasis-job-{self.vni}"
+        return f"{_NETNS_PREFIX}{self.vni}"
 
     @property
     def netns_path(self) -> Path:
         """The namespace's file on the node (what `ip netns` keeps; open it for a restore)."""
-        return Path("/run/netns") / self.netns
+        return _NETNS_DIR / self.netns
 
     @property
     def bridge(self) -> str:
@@ -179,7 +182,7 @@ def set_peers(
         if p.node != here:
             want.add((_FLOOD, str(p.node)))
             want.add((p.mac, str(p.node)))
-    have = _fdb(net, on)
+    have = forwarding(net, on=on)
     for mac, dst in sorted(have - want):
         _run(
             on,
@@ -214,7 +217,9 @@ def remove_part(net: JobNet, *, on: Sequence[str] = ()) -> None:
         )
 
 
-def _fdb(net: JobNet, on: Sequence[str]) -> set[tuple[str, str]]:
+def forwarding(net: JobNet, *, on: Sequence[str] = ()) -> set[tuple[str, str]]:
+    """This node's VXLAN forwarding table for `net`: (MAC, node address) pairs, the all-zero
+    MAC for where broadcasts go."""
     out = _run(on, ["bridge", "-j", "fdb", "show", "dev", net.vxlan], "read the forwarding table")
     found: set[tuple[str, str]] = set()
     for entry in json.loads(out or "[]"):
@@ -222,6 +227,25 @@ def _fdb(net: JobNet, on: Sequence[str]) -> set[tuple[str, str]]:
         if isinstance(mac, str) and isinstance(dst, str):
             found.add((mac, dst))
     return found
+
+
+def vni_of(pid: int) -> int | None:
+    """The VNI of the job network whose namespace on this node `pid` lives in (its tree is then
+    dumped with the namespace external: DumpOptions.job_netns); None: none of them."""
+    try:
+        inode = os.stat(f"/proc/{pid}/ns/net").st_ino
+        entries = list(os.scandir(_NETNS_DIR))
+    except OSError:
+        return None
+    for entry in entries:
+        number = entry.name.removeprefix(_NETNS_PREFIX)
+        if entry.name.startswith(_NETNS_PREFIX) and number.isdigit():
+            try:
+                if entry.stat().st_ino == inode:
+                    return int(number)
+            except OSError:
+                continue
+    return None
 
 
 def _mtu(device: str, on: Sequence[str]) -> int:

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from stasis.daemon import jobnet
 from stasis.engine import CRIU, DumpOptions, Owner, find_criu
 from stasis.engine.restoring import restore_tree
 
@@ -16,6 +17,8 @@ from stasis.engine.restoring import restore_tree
 def main(argv: list[str]) -> None:
     if argv[0] == "dump":
         pid, images, logs, freezer = int(argv[1]), Path(argv[2]), Path(argv[3]), argv[4]
+        if jobnet.vni_of(pid) is None:
+            sys.exit(f"pid {pid} is in no job network's namespace")
         CRIU(find_criu(), logs).dump(
             pid, images, DumpOptions(job_netns=True, freeze_cgroup=freezer), "dump.log"
         )

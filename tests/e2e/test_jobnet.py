@@ -26,7 +26,9 @@ from stasis.dev import nodehost
 from tests import nodes
 from tests.conftest import ROOT, WORKLOADS, wait_for
 
-_FREEZER = Path("/sys/fs/cgroup/freezer")
+# cgroup v1's freezer where the machine has it (this project's VMs), else cgroup v2's.
+_V1 = Path("/sys/fs/cgroup/freezer")
+_FREEZER = _V1 if _V1.is_dir() else Path("/sys/fs/cgroup")
 _LINE = re.compile(r"^(\d+) on (\S+)$", re.M)
 _PORT = 7000
 
@@ -85,11 +87,16 @@ class Tree:
                 return int(line)
         return None
 
-    def freeze(self) -> None:
-        (self.freezer / "freezer.state").write_text("FROZEN")
+    def freeze(self, frozen: bool = True) -> None:
+        if _FREEZER == _V1:
+            (self.freezer / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+        else:
+            (self.freezer / "cgroup.freeze").write_text("1" if frozen else "0")
 
     def frozen(self) -> bool:
-        return (self.freezer / "freezer.state").read_text().strip() == "FROZEN"
+        if _FREEZER == _V1:
+            return (self.freezer / "freezer.state").read_text().strip() == "FROZEN"
+        return "frozen 1" in (self.freezer / "cgroup.events").read_text()
 
     def engine(self, *argv: str, on: nodehost.NodeHost | None = None) -> str:
         done = subprocess.run(
@@ -118,7 +125,7 @@ class Tree:
             except ProcessLookupError:
                 pass
         if self.freezer.exists():
-            (self.freezer / "freezer.state").write_text("THAWED")
+            self.freeze(False)
             wait_for(lambda: not (self.freezer / "cgroup.procs").read_text().split(), 10)
             self.freezer.rmdir()
         if self.proc is not None:
@@ -206,6 +213,10 @@ def test_a_connection_between_parts_survives_a_move_to_a_third_node(
         jobnet.make_part(net, moved, [moved, client], underlay="eth0", on=n3.prefix())
         jobnet.set_peers(net, client.node, [moved, client], on=n2.prefix())
         jobnet.remove_part(net, on=n1.prefix())
+        assert jobnet.forwarding(net, on=n2.prefix()) == {
+            ("00:00:00:00:00:00", n3.address),
+            (moved.mac, n3.address),
+        }
 
         a.engine(
             "restore",
