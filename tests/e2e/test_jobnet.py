@@ -244,3 +244,21 @@ def test_a_connection_between_parts_survives_a_move_to_a_third_node(
         b.close()
         for host in (n1, n2, n3):
             jobnet.remove_part(net, on=host.prefix())
+
+
+def test_a_network_that_cannot_be_made_is_refused_in_one_line() -> None:
+    with pytest.raises(
+        jobnet.JobNetError, match=r"^VXLAN id 0 is out of range: use 1\.\.16777215$"
+    ):
+        jobnet.JobNet(vni=0, subnet=ipaddress.IPv4Network("10.99.0.0/24"))
+    net = jobnet.JobNet(
+        vni=random.randrange(1000, 1_000_000), subnet=ipaddress.IPv4Network("10.99.0.0/30")
+    )
+    with pytest.raises(jobnet.JobNetError, match="has no address for part 2"):
+        net.address(2)
+    part = jobnet.Part(net.address(0), ipaddress.IPv4Address("10.213.0.1"))
+    with pytest.raises(jobnet.JobNetError) as info:
+        jobnet.make_part(net, part, [part], underlay="stsnosuch0")
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("cannot find the interface stsnosuch0: "), info.value
+    assert not net.netns_path.exists()  # nothing left behind
