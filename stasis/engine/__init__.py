@@ -18,6 +18,8 @@ and a local directory.
               dump time and compared with the restoring node before CRIU runs
     nodelocal a job's node-local files (/tmp, /var/tmp, /dev/shm, $TMPDIR...) carried in its
               images and recreated before CRIU restores, never following a link
+    jobnetns  a tree in its job's network namespace (daemon/jobnet.py): left out of the images,
+              restored into the one the restoring node made
 """
 
 from stasis.engine.criu import (
