@@ -162,31 +162,23 @@ def add_controlplane(commands: Any) -> None:
         "target) until `stasis controlplane nodes approve NODE`: whoever "
         "steals the cluster token gets no work sent to a node of theirs.",
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.add_cluster(
-                {
-                    "name": a.name,
-                    "kind": a.kind,
-                    "expires_in_s": a.expires_in,
-                    "approve_joins": a.approve_joins,
-                }
-            ),
-            _said_cluster,
-        )
+    _answers(
+        p,
+        lambda c, a: c.add_cluster(
+            {
+                "name": a.name,
+                "kind": a.kind,
+                "expires_in_s": a.expires_in,
+                "approve_joins": a.approve_joins,
+            }
+        ),
+        _said_cluster,
     )
     p = clusters.add_parser("list", help="The clusters.")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_clusters(),
-            _said_rows("id", "name", "kind", "created", "approve_joins"),
-        )
+    _answers(
+        p,
+        lambda c, a: c.list_clusters(),
+        _said_rows("id", "name", "kind", "created", "approve_joins"),
     )
     p = clusters.add_parser("rotate", help="A new token for a cluster; its old ones revoked.")
     p.add_argument("cluster_id", metavar="CLUSTER_ID")
@@ -197,12 +189,7 @@ def add_controlplane(commands: Any) -> None:
         metavar="N[s|m|h|d]",
         help="The new token stops working this long from now (default: never).",
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a, s, lambda c: c.rotate(a.cluster_id, {"expires_in_s": a.expires_in}), _said_cluster
-        )
-    )
+    _answers(p, lambda c, a: c.rotate(a.cluster_id, {"expires_in_s": a.expires_in}), _said_cluster)
 
     p = clusters.add_parser(
         "set", help="Change a cluster's settings (the nodes joined " "already keep their approval)."
@@ -223,17 +210,13 @@ def add_controlplane(commands: Any) -> None:
         const=False,
         help="Nodes that join are approved at once.",
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.cluster_settings(a.cluster, {"approve_joins": a.approve_joins}),
-            lambda d: output.say(
-                f"cluster {d['cluster_id']}: nodes that join "
-                + ("wait for an admin's approval" if d["approve_joins"] else "are approved at once")
-            ),
-        )
+    _answers(
+        p,
+        lambda c, a: c.cluster_settings(a.cluster, {"approve_joins": a.approve_joins}),
+        lambda d: output.say(
+            f"cluster {d['cluster_id']}: nodes that join "
+            + ("wait for an admin's approval" if d["approve_joins"] else "are approved at once")
+        ),
     )
 
     toks = subcommands(sub.add_parser("tokens", help="Tokens (never shown again: ids only)."))
@@ -242,48 +225,35 @@ def add_controlplane(commands: Any) -> None:
         help="Every token's id, kind, cluster, creation, revocation "
         "and expiry (never the token itself).",
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_tokens(),
-            _said_rows("id", "kind", "cluster_id", "created", "revoked", "expires"),
-        )
+    _answers(
+        p,
+        lambda c, a: c.list_tokens(),
+        _said_rows("id", "kind", "cluster_id", "created", "revoked", "expires"),
     )
     p = toks.add_parser(
         "revoke", help="Revoke TOKEN_ID (an id from `tokens list`): it stops " "working at once."
     )
     p.add_argument("token_id", metavar="TOKEN_ID")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a, s, lambda c: c.revoke(a.token_id), lambda d: output.say(f"revoked {d['token_id']}")
-        )
-    )
+    _answers(p, lambda c, a: c.revoke(a.token_id), lambda d: output.say(f"revoked {d['token_id']}"))
 
     p = sub.add_parser(
         "nodes",
         help="The nodes: ready, not-ready, lost, or pending (joined, "
         "waiting for an admin's approval).",
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_nodes(),
-            _said_rows(
-                "cluster",
-                "name",
-                "state",
-                "approved",
-                "jobs",
-                "stasis_version",
-                "criu_version",
-                "last_heartbeat_age_s",
-            ),
-        )
+    _answers(
+        p,
+        lambda c, a: c.list_nodes(),
+        _said_rows(
+            "cluster",
+            "name",
+            "state",
+            "approved",
+            "jobs",
+            "stasis_version",
+            "criu_version",
+            "last_heartbeat_age_s",
+        ),
     )
     node_cmds = subcommands(p, dest="nodes_command", required=False)
     p = node_cmds.add_parser(
@@ -292,27 +262,18 @@ def add_controlplane(commands: Any) -> None:
         "again with the cluster token (its state dir was "
         "lost, or it is a new machine under that name).",
     )
-    p.add_argument("name", metavar="NODE")
-    p.add_argument(
-        "--cluster",
-        default=None,
-        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
-    )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.reset_node(a.name, {"cluster": a.cluster}),
-            lambda d: output.say(
-                f"node {d['name']} "
-                + (
-                    "reset: it joins again with the cluster token"
-                    if d["reset"]
-                    else "had no credential: it may join"
-                )
-            ),
-        )
+    _node_arguments(p, "name")
+    _answers(
+        p,
+        lambda c, a: c.reset_node(a.name, {"cluster": a.cluster}),
+        lambda d: output.say(
+            f"node {d['name']} "
+            + (
+                "reset: it joins again with the cluster token"
+                if d["reset"]
+                else "had no credential: it may join"
+            )
+        ),
     )
     p = node_cmds.add_parser(
         "approve",
@@ -320,34 +281,17 @@ def add_controlplane(commands: Any) -> None:
         "added with --approve-joins: from now on it is "
         "given commands and chosen as a target.",
     )
-    p.add_argument("name", metavar="NODE")
-    p.add_argument(
-        "--cluster",
-        default=None,
-        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
-    )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.approve_node(a.name, {"cluster": a.cluster}),
-            lambda d: output.say(
-                f"node {d['name']} " + ("approved" if d["was_pending"] else "was approved already")
-            ),
-        )
+    _node_arguments(p, "name")
+    _answers(
+        p,
+        lambda c, a: c.approve_node(a.name, {"cluster": a.cluster}),
+        lambda d: output.say(
+            f"node {d['name']} " + ("approved" if d["was_pending"] else "was approved already")
+        ),
     )
 
     p = sub.add_parser("jobs", help="The jobs the nodes report.")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_jobs(),
-            _said_jobs,
-        )
-    )
+    _answers(p, lambda c, a: c.list_jobs(), _said_jobs)
     p = sub.add_parser(
         "checkpoints",
         help="The checkpoints the nodes reported, newest "
@@ -362,43 +306,34 @@ def add_controlplane(commands: Any) -> None:
         help="At most this many, newest first (default: %(default)s).",
     )
     p.add_argument("--deleted", action="store_true", help="Deleted ones too.")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_checkpoints(a.limit, a.deleted),
-            _said_rows(
-                "cluster",
-                "node",
-                "id",
-                "job",
-                "label",
-                "user",
-                "size_bytes",
-                "duration_s",
-                "frozen_s",
-                "reason",
-                "age_s",
-                "verified",
-            ),
-        )
+    _answers(
+        p,
+        lambda c, a: c.list_checkpoints(a.limit, a.deleted),
+        _said_rows(
+            "cluster",
+            "node",
+            "id",
+            "job",
+            "label",
+            "user",
+            "size_bytes",
+            "duration_s",
+            "frozen_s",
+            "reason",
+            "age_s",
+            "verified",
+        ),
     )
     p = sub.add_parser(
         "savings",
         help="Node-hours of work kept by restores instead of " "reruns, per cluster and per user.",
     )
-    add_json(p)
-    p.set_defaults(handler=lambda a, s: _call(a, s, lambda c: c.savings(), _said_savings))
+    _answers(p, lambda c, a: c.savings(), _said_savings)
     p = sub.add_parser("actions", help="The commands sent to nodes, and how they went.")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_commands(),
-            _said_rows("id", "kind", "node", "state", "attempts", "created", "finished"),
-        )
+    _answers(
+        p,
+        lambda c, a: c.list_commands(),
+        _said_rows("id", "kind", "node", "state", "attempts", "created", "finished"),
     )
     p = sub.add_parser("checkpoint", help="A checkpoint of JOB, taken by its node's daemon.")
     p.add_argument("job", metavar="JOB")
@@ -466,12 +401,7 @@ def add_controlplane(commands: Any) -> None:
         "stasis's own jobs migrate to the other ready nodes. "
         "Done when the node reports none.",
     )
-    p.add_argument("node", metavar="NODE")
-    p.add_argument(
-        "--cluster",
-        default=None,
-        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
-    )
+    _node_arguments(p, "node")
     p.add_argument("--reason", default="stasis drain", help="Slurm's drain reason.")
     p.add_argument(
         "--wait",
@@ -519,36 +449,28 @@ def add_controlplane(commands: Any) -> None:
     p = pol.add_parser(
         "list", help="The policies: trigger, period, action, filters, whether " "enabled, last run."
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.list_policies(),
-            _said_rows(
-                "name",
-                "trigger",
-                "every_s",
-                "action",
-                "stop",
-                "keep",
-                "filters",
-                "enabled",
-                "hook",
-                "last_run",
-            ),
-        )
+    _answers(
+        p,
+        lambda c, a: c.list_policies(),
+        _said_rows(
+            "name",
+            "trigger",
+            "every_s",
+            "action",
+            "stop",
+            "keep",
+            "filters",
+            "enabled",
+            "hook",
+            "last_run",
+        ),
     )
     p = pol.add_parser("run", help="Run a policy now (what its webhook does).")
     p.add_argument("name")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.run_policy(a.name),
-            lambda d: output.say(f"policy {d['name']}: " f"{d['queued']} command(s)"),
-        )
+    _answers(
+        p,
+        lambda c, a: c.run_policy(a.name),
+        lambda d: output.say(f"policy {d['name']}: " f"{d['queued']} command(s)"),
     )
     p = sub.add_parser("events", help="What happened: nodes joining, commands, policy runs.")
     p.add_argument(
@@ -557,22 +479,13 @@ def add_controlplane(commands: Any) -> None:
         default=200,
         help="At most this many, the latest (default: %(default)s).",
     )
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a, s, lambda c: c.list_events(a.limit), _said_rows("at", "node", "kind", "message")
-        )
-    )
+    _answers(p, lambda c, a: c.list_events(a.limit), _said_rows("at", "node", "kind", "message"))
     p = pol.add_parser("rm", help="Delete a policy (its hook token stops working).")
     p.add_argument("name")
-    add_json(p)
-    p.set_defaults(
-        handler=lambda a, s: _call(
-            a,
-            s,
-            lambda c: c.remove_policy(a.name),
-            lambda d: output.say(f"policy {d['name']} " "removed"),
-        )
+    _answers(
+        p,
+        lambda c, a: c.remove_policy(a.name),
+        lambda d: output.say(f"policy {d['name']} " "removed"),
     )
 
 
@@ -979,6 +892,27 @@ def _call(
         output.emit_json(answer)
     else:
         say(answer)
+
+
+def _node_arguments(p: argparse.ArgumentParser, dest: str) -> None:
+    """NODE (as `dest`), and --cluster for where several clusters have a node of that name."""
+    p.add_argument(dest, metavar="NODE")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="Its cluster's id or name (needed when " "several clusters have a node NODE).",
+    )
+
+
+def _answers(
+    p: argparse.ArgumentParser,
+    ask: Callable[[ControlPlaneClient, argparse.Namespace], Any],
+    say: Callable[[Any], object],
+) -> None:
+    """`p`'s command is one call of the client's, `ask` (with its arguments), its answer said by
+    `say`, or printed with --json."""
+    add_json(p)
+    p.set_defaults(handler=lambda a, s: _call(a, s, lambda c: ask(c, a), say))
 
 
 def _said_cluster(d: dict[str, Any]) -> None:
