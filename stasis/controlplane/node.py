@@ -1062,8 +1062,6 @@ class ControlPlaneNode(Integration):
         import fnmatch
         from datetime import UTC, datetime, timedelta
 
-        from stasis.errors import NotFoundError as Gone
-
         pattern, user = str(args.get("label") or "*"), args.get("user")
         keep = int(args["keep"]) if args.get("keep") else None
         finished = (
@@ -1077,7 +1075,7 @@ class ControlPlaneNode(Integration):
             else None
         )
         seen: dict[tuple[int, str], int] = {}
-        deleted = []
+        doomed = []
         store = self.manager.store
         for m in store.list():  # newest first
             if not fnmatch.fnmatchcase(m.label, pattern) or (user and m.user != user):
@@ -1091,13 +1089,9 @@ class ControlPlaneNode(Integration):
                     or (cutoff is not None and m.created < cutoff)
                 )
             ):
-                try:
-                    # A restore that pinned it (a node resuming it now) keeps it.
-                    if store.delete_unless_pinned(m.id):
-                        deleted.append(m.id)
-                except Gone:
-                    pass
-        return deleted
+                doomed.append(m.id)
+        # A restore that pinned one (a node resuming it now) keeps it.
+        return store.catalog.retire(doomed)
 
 
 def _sealed(migration: str, checkpoint: str, job: str, to: str) -> dict[str, str]:
