@@ -11,12 +11,13 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal, cast
 
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane import events as event_log
+from stasis.controlplane import wire
 from stasis.controlplane.database import Database
 from stasis.controlplane.routes import RUN_POLICY
 from stasis.controlplane.schema import clusters, node_credentials, policies, tokens
@@ -174,7 +175,7 @@ class Access:
             )
         return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
 
-    def list_tokens(self) -> list[dict[str, Any]]:
+    def list_tokens(self) -> list[wire.Token]:
         with self.db.transaction() as conn:
             rows = (
                 conn.execute(
@@ -190,9 +191,9 @@ class Access:
                 .mappings()
                 .all()
             )
-        return [dict(r) for r in rows]
+        return [cast(wire.Token, dict(r)) for r in rows]
 
-    def revoke(self, token_id: str, by: Principal) -> dict[str, Any]:
+    def revoke(self, token_id: str, by: Principal) -> wire.Revoked:
         if token_id == by.token_id:
             raise UsageError("an admin token cannot revoke itself (create another first)")
         with self.db.transaction() as conn:
@@ -205,7 +206,7 @@ class Access:
             raise NotFoundError(f"no live token {token_id}")
         return {"token_id": token_id, "revoked": True}
 
-    def rotate(self, cluster_id: str, expires_in_s: int | None = None) -> dict[str, Any]:
+    def rotate(self, cluster_id: str, expires_in_s: int | None = None) -> wire.Rotated:
         """A new token for the cluster (expiring `expires_in_s` from now, if given); its older
         ones are revoked."""
         self.cluster(cluster_id)
@@ -239,10 +240,11 @@ class Access:
 
     def add_cluster(
         self, name: str, kind: str, expires_in_s: int | None = None, approve_joins: bool = False
-    ) -> dict[str, Any]:
+    ) -> wire.ClusterAdded:
         validate_name(name, "cluster name")
         if kind not in ("slurm", "kubernetes"):
             raise UsageError(f"bad cluster kind {kind!r}: slurm or kubernetes")
+        typed: wire.ClusterKind = "slurm" if kind == "slurm" else "kubernetes"
         cid = "cl_" + secrets.token_hex(8)
         token = new_token()
         tid = "tok_" + secrets.token_hex(6)
@@ -269,14 +271,14 @@ class Access:
         return {
             "cluster_id": cid,
             "name": name,
-            "kind": kind,
+            "kind": typed,
             "token_id": tid,
             "token": token,
             "expires": _expiry(expires_in_s),
             "approve_joins": approve_joins,
         }
 
-    def set_approve_joins(self, by: Principal, cluster: str, on: bool) -> dict[str, Any]:
+    def set_approve_joins(self, by: Principal, cluster: str, on: bool) -> wire.ClusterApproval:
         """Whether nodes joining cluster `cluster` (id or name) wait for an admin's approval;
         the nodes joined already keep theirs."""
         by.admin_only()
@@ -294,14 +296,14 @@ class Access:
             )
         return {"cluster_id": cid, "approve_joins": on}
 
-    def cluster(self, cluster_id: str) -> dict[str, Any]:
+    def cluster(self, cluster_id: str) -> wire.Cluster:
         with self.db.transaction() as conn:
             row = (
                 conn.execute(select(clusters).where(clusters.c.id == cluster_id)).mappings().first()
             )
         if row is None:
             raise NotFoundError(f"no cluster {cluster_id}")
-        return dict(row)
+        return cast(wire.Cluster, dict(row))
 
     def cluster_names(self) -> dict[str, str]:
         """Each cluster's name, by its id."""
@@ -317,10 +319,10 @@ class Access:
             ).scalar()
         )
 
-    def list_clusters(self) -> list[dict[str, Any]]:
+    def list_clusters(self) -> list[wire.Cluster]:
         with self.db.transaction() as conn:
             rows = conn.execute(select(clusters).order_by(clusters.c.name)).mappings().all()
-        return [dict(r) for r in rows]
+        return [cast(wire.Cluster, dict(r)) for r in rows]
 
     def cluster_id_of(self, cluster: str) -> str:
         """A cluster given by id or by name."""

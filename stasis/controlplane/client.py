@@ -126,34 +126,34 @@ class ControlPlaneClient:
     def health(self) -> wire.Health:
         return self.call(routes.HEALTH)
 
-    def add_cluster(self, body: wire.NewCluster) -> wire.Cluster:
+    def add_cluster(self, body: wire.NewCluster) -> wire.ClusterAdded:
         return self.call(routes.ADD_CLUSTER, body)
 
     def list_clusters(self) -> list[wire.Cluster]:
         return self.call(routes.LIST_CLUSTERS)
 
-    def rotate(self, cluster_id: str, body: wire.Rotation) -> wire.Cluster:
+    def rotate(self, cluster_id: str, body: wire.Rotation) -> wire.Rotated:
         return self.call(routes.ROTATE, body, id=cluster_id)
 
-    def cluster_settings(self, cluster: str, body: wire.ClusterSettings) -> wire.Cluster:
+    def cluster_settings(self, cluster: str, body: wire.ClusterSettings) -> wire.ClusterApproval:
         return self.call(routes.CLUSTER_SETTINGS, body, id=cluster)
 
     def list_tokens(self) -> list[wire.Token]:
         return self.call(routes.LIST_TOKENS)
 
-    def revoke(self, token_id: str) -> wire.Token:
+    def revoke(self, token_id: str) -> wire.Revoked:
         return self.call(routes.REVOKE, id=token_id)
 
     def register(self, body: wire.NodeReport) -> wire.Registered:
         return self.call(routes.REGISTER, body)
 
-    def heartbeat(self, node: str, body: wire.Heartbeat) -> wire.Node:
+    def heartbeat(self, node: str, body: wire.Heartbeat) -> wire.Heard:
         return self.call(routes.HEARTBEAT, body, name=node)
 
-    def reset_node(self, node: str, body: wire.NodeReset) -> wire.Node:
+    def reset_node(self, node: str, body: wire.NodeReset) -> wire.NodeWasReset:
         return self.call(routes.RESET_NODE, body, name=node)
 
-    def approve_node(self, node: str, body: wire.NodeReset) -> wire.Node:
+    def approve_node(self, node: str, body: wire.NodeReset) -> wire.NodeApproved:
         return self.call(routes.APPROVE_NODE, body, name=node)
 
     def list_nodes(self) -> list[wire.Node]:
@@ -231,10 +231,10 @@ class ControlPlaneClient:
     def edit_policy(self, name: str, body: wire.PolicyEdit) -> wire.Policy:
         return self.call(routes.EDIT_POLICY, body, name=name)
 
-    def remove_policy(self, name: str) -> wire.Policy:
+    def remove_policy(self, name: str) -> wire.PolicyRemoved:
         return self.call(routes.REMOVE_POLICY, name=name)
 
-    def rotate_hook(self, name: str) -> wire.Policy:
+    def rotate_hook(self, name: str) -> wire.HookRotated:
         return self.call(routes.ROTATE_HOOK, name=name)
 
 

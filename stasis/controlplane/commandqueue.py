@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, case, insert, select, update
+from sqlalchemy import ColumnElement, Connection, case, insert, select, update
 
 from stasis.controlplane import events as event_log
 from stasis.controlplane import migration, wire
@@ -204,13 +204,7 @@ class CommandQueue:
                     f"({row['state']}): nothing to renew"
                 )
             n = conn.execute(
-                update(commands)
-                .where(
-                    commands.c.id == command_id,
-                    commands.c.state == "leased",
-                    commands.c.lease_id == lease_id,
-                )
-                .values(lease_until=until)
+                update(commands).where(*_under(command_id, lease_id)).values(lease_until=until)
             ).rowcount
         if not n:
             raise ConflictError(f"command {command_id} is no longer leased under {lease_id}")
@@ -240,11 +234,7 @@ class CommandQueue:
             if row["state"] == "leased":
                 n = conn.execute(
                     update(commands)
-                    .where(
-                        commands.c.id == command_id,
-                        commands.c.state == "leased",
-                        commands.c.lease_id == lease_id,
-                    )
+                    .where(*_under(command_id, lease_id))
                     .values(
                         result=json.dumps({"committed": iso_now()}), lease_until=now + int(lease_s)
                     )
@@ -286,11 +276,7 @@ class CommandQueue:
                 result = self._answered[kind](conn, dict(row), ok, result, lost_after_s)
             n = conn.execute(
                 update(commands)
-                .where(
-                    commands.c.id == command_id,
-                    commands.c.state == "leased",
-                    commands.c.lease_id == lease_id,
-                )
+                .where(*_under(command_id, lease_id))
                 .values(
                     state="done" if ok else "failed",
                     result=json.dumps(result),
@@ -536,6 +522,16 @@ class CommandQueue:
             q = q.where(commands.c.cluster_id == by.cluster_id)
         with self.db.transaction() as conn:
             return [shown(dict(r)) for r in conn.execute(q).mappings().all()]
+
+
+def _under(command_id: str, lease_id: str) -> tuple[ColumnElement[bool], ...]:
+    """Command `command_id`'s row while it is still leased under `lease_id`: what renew,
+    commit and ack change, and only that (a lease given again since is not theirs)."""
+    return (
+        commands.c.id == command_id,
+        commands.c.state == "leased",
+        commands.c.lease_id == lease_id,
+    )
 
 
 def shown(row: dict[str, Any]) -> Command:

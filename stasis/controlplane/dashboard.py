@@ -394,13 +394,19 @@ class Dashboard:
             for n in self.registry.nodes.list_nodes(s.principal, self.lost_after_s)
             if n["state"] == "ready"
         ]
-        for j in listed:
-            j["targets"] = [
-                n["name"]
-                for n in ready
-                if n["cluster_id"] == j["cluster_id"] and n["name"] != j["node"]
+        return {
+            "jobs": [
+                {
+                    **j,
+                    "targets": [
+                        n["name"]
+                        for n in ready
+                        if n["cluster_id"] == j["cluster_id"] and n["name"] != j["node"]
+                    ],
+                }
+                for j in listed
             ]
-        return {"jobs": listed}
+        }
 
     def _checkpoints(self, s: Session) -> dict[str, Any]:
         return {"checkpoints": self.registry.reports.list_checkpoints(s.principal, 300)}
@@ -425,7 +431,7 @@ class Dashboard:
         spent = {d["day"]: d["node_hours"] for d in saved["spent_days"]}
         days = sorted(set(kept) | set(spent))[-30:]
         top = max([kept.get(d, 0.0) for d in days] + [spent.get(d, 0.0) for d in days] + [1e-9])
-        saved["bars"] = [
+        bars = [
             {
                 "day": d,
                 "node_hours": kept.get(d, 0.0),
@@ -435,7 +441,7 @@ class Dashboard:
             }
             for d in days
         ]
-        return {"saved": saved}
+        return {"saved": {**saved, "bars": bars}}
 
     # -- what the forms do --------------------------------------------------------------------
 

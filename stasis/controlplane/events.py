@@ -5,10 +5,11 @@ transaction that made it happen, read oldest first."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import cast
 
 from sqlalchemy import Connection, insert, select
 
+from stasis.controlplane import wire
 from stasis.controlplane.database import Database
 from stasis.controlplane.schema import events
 
@@ -34,11 +35,11 @@ def add(db: Database, cluster_id: str | None, node: str | None, kind: str, messa
         record(conn, cluster_id, node, kind, message)
 
 
-def listed(db: Database, cluster_id: str | None, limit: int = 200) -> list[dict[str, Any]]:
+def listed(db: Database, cluster_id: str | None, limit: int = 200) -> list[wire.Event]:
     """The latest `limit` events, oldest first: every cluster's (None) or one's."""
     q = select(events).order_by(events.c.id.desc()).limit(limit)
     if cluster_id is not None:
         q = q.where(events.c.cluster_id == cluster_id)
     with db.transaction() as conn:
-        rows = [dict(r) for r in conn.execute(q).mappings().all()]
+        rows = [cast(wire.Event, dict(r)) for r in conn.execute(q).mappings().all()]
     return rows[::-1]

@@ -23,6 +23,7 @@ the policies (stasis.controlplane.policies) decide what is due.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -146,7 +147,7 @@ def last_commands(db: Database, policy: str, since: float) -> dict[tuple[str, st
 
 
 def for_job(
-    job: dict[str, Any],
+    job: Mapping[str, Any],
     cluster_rates: dict[str, Rate],
     job_costs: dict[tuple[str, str, str], tuple[float, int]],
     bounds: Bounds,

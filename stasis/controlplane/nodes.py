@@ -9,7 +9,7 @@ import json
 import secrets
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, RowMapping, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -42,7 +42,7 @@ class Nodes:
         self.reports = reports
         self.db = access.db
 
-    def register_node(self, by: Principal, report: dict[str, Any]) -> dict[str, Any]:
+    def register_node(self, by: Principal, report: dict[str, Any]) -> wire.Registered:
         """A node's report of itself. With the cluster's token: the node joins, and gets its
         own credential (`node_token`, shown once), unless its name has one already (refused:
         an admin resets it). With that credential: the node's own report, again."""
@@ -76,7 +76,7 @@ class Nodes:
             credential = self._join(by, name, row)
         except IntegrityError:  # another join of that name won the primary key meanwhile
             raise ConflictError(self._joined(by.cluster_id, name, "just now")) from None
-        answer: dict[str, Any] = {
+        answer: wire.Registered = {
             "cluster_id": by.cluster_id,
             "name": name,
             "registered": True,
@@ -174,7 +174,9 @@ class Nodes:
                 ).scalar()
             )
 
-    def approve_node(self, by: Principal, name: str, cluster: str | None = None) -> dict[str, Any]:
+    def approve_node(
+        self, by: Principal, name: str, cluster: str | None = None
+    ) -> wire.NodeApproved:
         """Node `name`, pending since it joined a cluster that approves joins, approved: it
         is given commands and chosen as a target from now on."""
         by.admin_only()
@@ -216,7 +218,7 @@ class Nodes:
                 f"{cluster_id}`, once you know it is yours)"
             )
 
-    def reset_node(self, by: Principal, name: str, cluster: str | None = None) -> dict[str, Any]:
+    def reset_node(self, by: Principal, name: str, cluster: str | None = None) -> wire.NodeWasReset:
         """Node `name`'s credential forgotten: the node (or whoever holds the cluster's token)
         may join under that name again."""
         by.admin_only()
@@ -272,7 +274,7 @@ class Nodes:
         mem_total_bytes: int | None = None,
         scheduler_state: str | None = None,
         verdicts_heard: list[verdicts.VerdictReport] | None = None,
-    ) -> dict[str, Any]:
+    ) -> wire.Heard:
         validate_name(name, "node name")
         by.node_only(name, "a heartbeat")
         running = sum(1 for j in jobs if j.get("state") in ("running", "restored"))
@@ -340,7 +342,7 @@ class Nodes:
                 )
         return [r.name for r in rows]
 
-    def list_nodes(self, by: Principal, lost_after_s: float) -> list[dict[str, Any]]:
+    def list_nodes(self, by: Principal, lost_after_s: float) -> list[wire.Node]:
         names = self.access.cluster_names()
         q = select(nodes)
         if by.kind != "admin":
@@ -360,24 +362,42 @@ class Nodes:
                 )
             }
         now = time.time()
-        out = []
+        out: list[wire.Node] = []
         for d in rows:
-            d["credential_since"] = since.get((d["cluster_id"], d["name"]))
-            d["problems"] = json.loads(d["problems"])
-            d.pop("job_list", None)
             age = now - d["last_heartbeat"]
-            d["state"] = (
+            state: wire.NodeState = (
                 "pending"
                 if not d["approved"]
                 else "lost"
                 if age > lost_after_s
                 else ("ready" if d["check_ok"] else "not-ready")
             )
-            d["last_heartbeat_age_s"] = round(age, 1)
-            out.append(d)
+            out.append(
+                {
+                    "cluster_id": d["cluster_id"],
+                    "name": d["name"],
+                    "host": d["host"],
+                    "stasis_version": d["stasis_version"],
+                    "criu_version": d["criu_version"],
+                    "slurm_version": d["slurm_version"],
+                    "check_ok": d["check_ok"],
+                    "problems": json.loads(d["problems"]),
+                    "registered": d["registered"],
+                    "last_heartbeat": d["last_heartbeat"],
+                    "jobs": d["jobs"],
+                    "mem_total_bytes": d["mem_total_bytes"],
+                    "scheduler_state": d["scheduler_state"],
+                    "lost_since": d["lost_since"],
+                    "approved": d["approved"],
+                    "cluster": d["cluster"],
+                    "credential_since": since.get((d["cluster_id"], d["name"])),
+                    "state": state,
+                    "last_heartbeat_age_s": round(age, 1),
+                }
+            )
         return out
 
-    def list_jobs(self, by: Principal) -> list[dict[str, Any]]:
+    def list_jobs(self, by: Principal) -> list[wire.Job]:
         """Every job the nodes last reported, with its node and cluster."""
         names = self.access.cluster_names()
         q = select(nodes.c.cluster_id, nodes.c.name, nodes.c.job_list)
@@ -385,8 +405,12 @@ class Nodes:
             q = q.where(nodes.c.cluster_id == by.cluster_id)
         with self.db.transaction() as conn:
             rows = _by_cluster(names, conn.execute(q).mappings().all())
+        # (each as the node reported it: stasis.controlplane.models.JobReport checked it)
         jobs = [
-            {**j, "node": r["name"], "cluster": r["cluster"], "cluster_id": r["cluster_id"]}
+            cast(
+                wire.Job,
+                {**j, "node": r["name"], "cluster": r["cluster"], "cluster_id": r["cluster_id"]},
+            )
             for r in rows
             for j in json.loads(r["job_list"])
         ]
@@ -469,7 +493,7 @@ def _by_cluster(names: dict[str, str], rows: Iterable[RowMapping]) -> list[dict[
     return sorted(out, key=lambda r: (r["cluster"], r["name"]))
 
 
-def not_ready(n: dict[str, Any]) -> str:
+def not_ready(n: wire.Node) -> str:
     """One line: why node `n` (as list_nodes shows it) is not ready."""
     if n["state"] == "lost":
         return f"node {n['name']} is lost (silent {n['last_heartbeat_age_s']:.0f} s)"

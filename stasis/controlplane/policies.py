@@ -46,14 +46,15 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from stasis.controlplane import events as event_log
-from stasis.controlplane import intervals
+from stasis.controlplane import intervals, wire
 from stasis.controlplane.access import HOOK_PREFIX, Principal, validate_name
 from stasis.controlplane.registry import Registry
 from stasis.controlplane.schema import policies
@@ -104,7 +105,7 @@ def add(
     stop: bool = False,
     completed: bool = False,
     min_interval_s: int = MIN_INTERVAL_S,
-) -> dict[str, Any]:
+) -> wire.Policy:
     """A new policy; a webhook one (every_s 0) with its hook token, shown this once."""
     by.admin_only()
     validate_name(name, "policy name")
@@ -136,7 +137,10 @@ def add(
             conn.execute(insert(policies).values(**row))
     except IntegrityError:
         raise UsageError(f"a policy named {name!r} exists already") from None
-    return {**_shown(row), **({"hook_token": token} if token else {})}
+    shown = _shown(row)
+    if token:
+        shown["hook_token"] = token
+    return shown
 
 
 def edit(
@@ -145,7 +149,7 @@ def edit(
     name: str,
     changes: dict[str, Any],
     min_interval_s: int = MIN_INTERVAL_S,
-) -> dict[str, Any]:
+) -> wire.Policy:
     """Only what `changes` names changes (its `filters` are merged in, an empty value removes
     one); the result is checked as a new policy would be, and nothing changes if it fails.
     A policy that becomes a webhook one without a hook token gets one, shown this once."""
@@ -193,13 +197,13 @@ def edit(
             event_log.record(
                 conn, None, None, "policy-edited", f"policy {name} edited: {'; '.join(said)}"
             )
-    return {
-        **_shown({**new, "filters": json.dumps(new["filters"])}),
-        **({"hook_token": token} if token else {}),
-    }
+    shown = _shown({**new, "filters": json.dumps(new["filters"])})
+    if token:
+        shown["hook_token"] = token
+    return shown
 
 
-def rotate_hook(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
+def rotate_hook(registry: Registry, by: Principal, name: str) -> wire.HookRotated:
     """A new hook token for the policy (shown this once); the old one stops working."""
     by.admin_only()
     token = new_hook_token()
@@ -293,7 +297,7 @@ def _sha(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def remove(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
+def remove(registry: Registry, by: Principal, name: str) -> wire.PolicyRemoved:
     by.admin_only()
     with registry.db.transaction() as conn:
         n = conn.execute(delete(policies).where(policies.c.name == name)).rowcount
@@ -302,25 +306,28 @@ def remove(registry: Registry, by: Principal, name: str) -> dict[str, Any]:
     return {"name": name, "removed": True}
 
 
-def listed(registry: Registry, by: Principal) -> list[dict[str, Any]]:
+def listed(registry: Registry, by: Principal) -> list[wire.Policy]:
     by.admin_only()
     with registry.db.transaction() as conn:
         rows = conn.execute(select(policies).order_by(policies.c.name)).mappings().all()
     return [_shown(dict(r)) for r in rows]
 
 
-def _shown(row: dict[str, Any]) -> dict[str, Any]:
+def _shown(row: dict[str, Any]) -> wire.Policy:
     """A policy as the API shows it: its hook token's hash never, whether it has one."""
     shown = {k: v for k, v in row.items() if k not in ("hook_sha256", "every_auto")}
-    return {
-        **shown,
-        "every_s": AUTO if row.get("every_auto") else row["every_s"],
-        "filters": json.loads(row["filters"]),
-        "hook": bool(row["hook_sha256"]),
-    }
+    return cast(
+        wire.Policy,
+        {
+            **shown,
+            "every_s": AUTO if row.get("every_auto") else row["every_s"],
+            "filters": json.loads(row["filters"]),
+            "hook": bool(row["hook_sha256"]),
+        },
+    )
 
 
-def _matches(filters: dict[str, str], job: dict[str, Any], now: float | None = None) -> bool:
+def _matches(filters: dict[str, str], job: Mapping[str, Any], now: float | None = None) -> bool:
     for key, value in filters.items():
         if key == "min_age_s":
             started = job.get("started")
@@ -373,7 +380,7 @@ def run_now(
     name: str,
     lost_after_s: float,
     bounds: intervals.Bounds = intervals.Bounds(MIN_INTERVAL_S, MAX_INTERVAL_S),
-) -> dict[str, Any]:
+) -> wire.PolicyRun:
     """The policy's webhook: run it at once, whatever its period (an `every auto` one: the
     jobs whose interval has passed)."""
     by.admin_only()
@@ -390,7 +397,7 @@ def run_hook(
     name: str,
     lost_after_s: float,
     bounds: intervals.Bounds = intervals.Bounds(MIN_INTERVAL_S, MAX_INTERVAL_S),
-) -> dict[str, Any]:
+) -> wire.PolicyRun:
     """The policy's webhook called with its own hook token (which runs no other policy)."""
     with registry.db.transaction() as conn:
         row = conn.execute(select(policies).where(policies.c.name == name)).mappings().first()
@@ -407,7 +414,7 @@ def run_hook(
 
 def _called(
     registry: Registry, p: dict[str, Any], lost_after_s: float, bounds: intervals.Bounds
-) -> dict[str, Any]:
+) -> wire.PolicyRun:
     if not p["enabled"]:
         raise UsageError(
             f"policy {p['name']} is disabled (`policies edit {p['name']} " "--enable`)"
@@ -447,14 +454,18 @@ def _run(registry: Registry, p: dict[str, Any], lost_after_s: float, why: str) -
             bool(p.get("completed")),
         )
     if queued:
-        event_log.add(
-            registry.db,
-            None,
-            None,
-            "policy-run",
-            f"policy {p['name']} ({why}): {queued} command(s) queued",
-        )
+        _ran(registry, p["name"], why, queued)
     return queued
+
+
+def _ran(registry: Registry, policy: str, why: str, queued: int) -> None:
+    event_log.add(
+        registry.db,
+        None,
+        None,
+        "policy-run",
+        f"policy {policy} ({why}): {queued} command(s) queued",
+    )
 
 
 def _busy(registry: Registry, policy: str, since: float | None = None) -> set[tuple[str, str, str]]:
@@ -574,13 +585,7 @@ def _watch(registry: Registry, p: dict[str, Any], lost_after_s: float) -> int:
                 .where(policies.c.name == p["name"])
                 .values(last_run=int(time.time()))
             )
-        event_log.add(
-            registry.db,
-            None,
-            None,
-            "policy-run",
-            f"policy {p['name']} ({why}): {queued} command(s) queued",
-        )
+        _ran(registry, p["name"], why, queued)
     return queued
 
 
@@ -639,9 +644,7 @@ def _started(job: dict[str, Any]) -> float | None:
         return None
 
 
-def annotate_intervals(
-    registry: Registry, jobs: list[dict[str, Any]], bounds: intervals.Bounds
-) -> None:
+def annotate_intervals(registry: Registry, jobs: list[wire.Job], bounds: intervals.Bounds) -> None:
     """Each job the first enabled `every auto` policy (by name) picks gets `interval`: its
     interval now and why (stasis.controlplane.intervals.for_job); a job a node reported an
     interval for (`interval_s`, `interval_why`: its own `STASIS_INTERVAL`) keeps that."""

@@ -43,12 +43,12 @@ class Registry:
     def close(self) -> None:
         self.db.close()
 
-    def list_events(self, by: Principal, limit: int = 200) -> list[dict[str, Any]]:
+    def list_events(self, by: Principal, limit: int = 200) -> list[wire.Event]:
         return event_log.listed(self.db, None if by.kind == "admin" else by.cluster_id, limit)
 
     def find_job(
         self, by: Principal, job: str, cluster: str | None = None, node: str | None = None
-    ) -> dict[str, Any]:
+    ) -> wire.Job:
         """The one job `job` that a node reports, by (cluster, node, job): a job id that
         several nodes report (two clusters, or a node repeating another's) is refused unless
         its cluster and node are given, never taken by name order."""
@@ -207,7 +207,7 @@ class Registry:
         lost_after_s: float,
         reason: str = "stasis drain",
         cluster: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> wire.Drained:
         """Every live job of `node` off it. Where the node reports a scheduler state (Slurm,
         Kubernetes), one `drain` command has its daemon empty it in the scheduler: a Slurm
         node drained and its Slurm jobs checkpointed and requeued, a Kubernetes node cordoned

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Row, and_, func, insert, select, update
 
@@ -313,10 +313,13 @@ class Reports:
             )
         now = time.time()
         return [
-            {
-                **verdicts.shown({**r, "cluster": names[r["cluster_id"]]}),
-                "age_s": round(now - r["created"], 1),
-            }
+            cast(
+                wire.Checkpoint,
+                {
+                    **verdicts.shown({**r, "cluster": names[r["cluster_id"]]}),
+                    "age_s": round(now - r["created"], 1),
+                },
+            )
             for r in rows
         ]
 
@@ -386,7 +389,7 @@ class Reports:
         with self.db.transaction() as conn:
             return [(r.cluster_id, r.frozen_s, r.created) for r in conn.execute(q).all()]
 
-    def savings(self, by: Principal) -> dict[str, Any]:
+    def savings(self, by: Principal) -> wire.Kept:
         """Node-hours of work kept by restores instead of reruns: in all, per cluster, per
         user, per day (UTC). A restore keeps the seconds of work its checkpoint held; every
         job counts as one node (the nodes report single-node jobs)."""
@@ -411,16 +414,13 @@ class Reports:
             day = datetime.fromtimestamp(r["at"], UTC).date().isoformat()
             per_day[day] = per_day.get(day, 0.0) + hours
 
-        def listed(d: dict[str, float], key: str) -> list[dict[str, Any]]:
-            return [
-                {key: k, "node_hours": round(v, 4)}
-                for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))
-            ]
+        def most_first(d: dict[str, float]) -> list[tuple[str, float]]:
+            return [(k, round(v, 4)) for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))]
 
         return {
             "node_hours": round(sum(per_cluster.values()), 4),
             "restores": len(rows),
-            "clusters": listed(per_cluster, "cluster"),
-            "users": listed(per_user, "user"),
+            "clusters": [{"cluster": k, "node_hours": v} for k, v in most_first(per_cluster)],
+            "users": [{"user": k, "node_hours": v} for k, v in most_first(per_user)],
             "days": [{"day": k, "node_hours": round(v, 4)} for k, v in sorted(per_day.items())],
         }

@@ -36,7 +36,7 @@ HEALTH: Route[None, wire.Health] = Route(
     answer=wire.Health,
     caller="public",
 )
-ADD_CLUSTER: Route[wire.NewCluster, wire.Cluster] = Route(
+ADD_CLUSTER: Route[wire.NewCluster, wire.ClusterAdded] = Route(
     "add_cluster",
     "POST",
     "/api/v1/clusters",
@@ -51,7 +51,7 @@ LIST_CLUSTERS: Route[None, list[wire.Cluster]] = Route(
     answer=list[wire.Cluster],
     caller="admin",
 )
-ROTATE: Route[wire.Rotation, wire.Cluster] = Route(
+ROTATE: Route[wire.Rotation, wire.Rotated] = Route(
     "rotate",
     "POST",
     "/api/v1/clusters/{id}/rotate",
@@ -59,7 +59,7 @@ ROTATE: Route[wire.Rotation, wire.Cluster] = Route(
     answer=wire.Cluster,
     caller="admin",
 )
-CLUSTER_SETTINGS: Route[wire.ClusterSettings, wire.Cluster] = Route(
+CLUSTER_SETTINGS: Route[wire.ClusterSettings, wire.ClusterApproval] = Route(
     "cluster_settings",
     "POST",
     "/api/v1/clusters/{id}/settings",
@@ -74,7 +74,7 @@ LIST_TOKENS: Route[None, list[wire.Token]] = Route(
     answer=list[wire.Token],
     caller="admin",
 )
-REVOKE: Route[None, wire.Token] = Route(
+REVOKE: Route[None, wire.Revoked] = Route(
     "revoke",
     "POST",
     "/api/v1/tokens/{id}/revoke",
@@ -89,7 +89,7 @@ REGISTER: Route[wire.NodeReport, wire.Registered] = Route(
     answer=wire.Registered,
     caller="cluster",
 )
-HEARTBEAT: Route[wire.Heartbeat, wire.Node] = Route(
+HEARTBEAT: Route[wire.Heartbeat, wire.Heard] = Route(
     "heartbeat",
     "POST",
     "/api/v1/nodes/{name}/heartbeat",
@@ -98,7 +98,7 @@ HEARTBEAT: Route[wire.Heartbeat, wire.Node] = Route(
     caller="node",
     denied="a heartbeat",
 )
-RESET_NODE: Route[wire.NodeReset, wire.Node] = Route(
+RESET_NODE: Route[wire.NodeReset, wire.NodeWasReset] = Route(
     "reset_node",
     "POST",
     "/api/v1/nodes/{name}/reset",
@@ -106,7 +106,7 @@ RESET_NODE: Route[wire.NodeReset, wire.Node] = Route(
     answer=wire.Node,
     caller="admin",
 )
-APPROVE_NODE: Route[wire.NodeReset, wire.Node] = Route(
+APPROVE_NODE: Route[wire.NodeReset, wire.NodeApproved] = Route(
     "approve_node",
     "POST",
     "/api/v1/nodes/{name}/approve",
@@ -289,14 +289,14 @@ EDIT_POLICY: Route[wire.PolicyEdit, wire.Policy] = Route(
     answer=wire.Policy,
     caller="admin",
 )
-REMOVE_POLICY: Route[None, wire.Policy] = Route(
+REMOVE_POLICY: Route[None, wire.PolicyRemoved] = Route(
     "remove_policy",
     "DELETE",
     "/api/v1/policies/{name}",
     answer=wire.Policy,
     caller="admin",
 )
-ROTATE_HOOK: Route[None, wire.Policy] = Route(
+ROTATE_HOOK: Route[None, wire.HookRotated] = Route(
     "rotate_hook",
     "POST",
     "/api/v1/policies/{name}/rotate-hook",

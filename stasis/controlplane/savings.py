@@ -10,12 +10,12 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from stasis.controlplane import intervals
+from stasis.controlplane import intervals, wire
 from stasis.controlplane.access import Principal
 from stasis.controlplane.registry import Registry
 
 
-def savings_of(registry: Registry, by: Principal) -> dict[str, Any]:
+def savings_of(registry: Registry, by: Principal) -> wire.Savings:
     """Reports.savings (kept: in all, per cluster, user and day), and: `spent_node_hours`,
     `net_node_hours`, `spent_days` (per day, UTC), `per_cluster` (kept, spent, net and the
     interruption rate of each cluster `by` may see)."""
@@ -36,7 +36,7 @@ def savings_of(registry: Registry, by: Principal) -> dict[str, Any]:
         per_day[day] = per_day.get(day, 0.0) + hours
     kept = {c["cluster"]: float(c["node_hours"]) for c in saved["clusters"]}
     rates = intervals.rates(registry.db, time.time())
-    per_cluster = []
+    per_cluster: list[wire.ClusterSavings] = []
     for cid, name in sorted(names.items(), key=lambda kv: kv[1]):
         rate = rates.get(cid, intervals.Rate(0, 0.0))
         k, s = kept.get(name, 0.0), spent.get(name, 0.0)

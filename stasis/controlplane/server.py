@@ -220,7 +220,7 @@ class Api:
     async def health(self, call: Call) -> wire.Health:
         return {"ok": True}
 
-    async def add_cluster(self, call: Call) -> wire.Cluster:
+    async def add_cluster(self, call: Call) -> wire.ClusterAdded:
         b: models.NewCluster = call.body
         return await _run(
             self.registry.access.add_cluster, b.name, b.kind, b.expires_in_s, b.approve_joins
@@ -229,27 +229,27 @@ class Api:
     async def list_clusters(self, call: Call) -> list[wire.Cluster]:
         return await _run(self.registry.access.list_clusters)
 
-    async def cluster_settings(self, call: Call) -> wire.Cluster:
+    async def cluster_settings(self, call: Call) -> wire.ClusterApproval:
         b: models.ClusterSettings = call.body
         return await _run(
             self.registry.access.set_approve_joins, call.principal, call.args["id"], b.approve_joins
         )
 
-    async def rotate(self, call: Call) -> wire.Cluster:
+    async def rotate(self, call: Call) -> wire.Rotated:
         b: models.Rotation = call.body
         return await _run(self.registry.access.rotate, call.args["id"], b.expires_in_s)
 
     async def list_tokens(self, call: Call) -> list[wire.Token]:
         return await _run(self.registry.access.list_tokens)
 
-    async def revoke(self, call: Call) -> wire.Token:
+    async def revoke(self, call: Call) -> wire.Revoked:
         return await _run(self.registry.access.revoke, call.args["id"], call.principal)
 
     async def register(self, call: Call) -> wire.Registered:
         b: models.NodeReport = call.body
         return await _run(self.registry.nodes.register_node, call.principal, b.model_dump())
 
-    async def heartbeat(self, call: Call) -> wire.Node:
+    async def heartbeat(self, call: Call) -> wire.Heard:
         b: models.Heartbeat = call.body
         return await _run(
             self.registry.nodes.heartbeat,
@@ -262,17 +262,16 @@ class Api:
             b.verdicts,
         )
 
-    async def reset_node(self, call: Call) -> wire.Node:
-        b: models.NodeReset = call.body
-        return await _run(
-            self.registry.nodes.reset_node, call.principal, call.args["name"], b.cluster
-        )
+    async def reset_node(self, call: Call) -> wire.NodeWasReset:
+        return await self._of_node(self.registry.nodes.reset_node, call)
 
-    async def approve_node(self, call: Call) -> wire.Node:
+    async def approve_node(self, call: Call) -> wire.NodeApproved:
+        return await self._of_node(self.registry.nodes.approve_node, call)
+
+    def _of_node(self, fn: Callable[[Principal, str, str | None], T], call: Call) -> Awaitable[T]:
+        """`fn` (reset, approve) for the node of the path, in the cluster the body names."""
         b: models.NodeReset = call.body
-        return await _run(
-            self.registry.nodes.approve_node, call.principal, call.args["name"], b.cluster
-        )
+        return _run(fn, call.principal, call.args["name"], b.cluster)
 
     async def list_nodes(self, call: Call) -> list[wire.Node]:
         return await _run(self.registry.nodes.list_nodes, call.principal, self.lost_after_s)
@@ -309,25 +308,18 @@ class Api:
         )
 
     async def renew(self, call: Call) -> wire.Renewed:
-        b: models.Renewal = call.body
-        return await _run(
-            self.registry.commands.renew,
-            call.principal,
-            call.args["name"],
-            call.args["id"],
-            self.lease_s,
-            b.lease_id,
-        )
+        return await self._under_lease(self.registry.commands.renew, call)
 
     async def commit(self, call: Call) -> wire.Committed:
+        return await self._under_lease(self.registry.commands.commit, call)
+
+    def _under_lease(
+        self, fn: Callable[[Principal, str, str, float, str], T], call: Call
+    ) -> Awaitable[T]:
+        """`fn` (renew, commit) for the node and command of the path, quoting its lease."""
         b: models.Renewal = call.body
-        return await _run(
-            self.registry.commands.commit,
-            call.principal,
-            call.args["name"],
-            call.args["id"],
-            self.lease_s,
-            b.lease_id,
+        return _run(
+            fn, call.principal, call.args["name"], call.args["id"], self.lease_s, b.lease_id
         )
 
     async def ack(self, call: Call) -> Command:
@@ -349,10 +341,9 @@ class Api:
             call.principal,
             b.job,
             b.to,
-            None,
-            b.cluster,
-            b.node,
-            self.lost_after_s,
+            cluster=b.cluster,
+            node=b.node,
+            lost_after_s=self.lost_after_s,
         )
 
     async def drain(self, call: Call) -> wire.Drained:
@@ -509,10 +500,10 @@ class Api:
             self.min_interval_s,
         )
 
-    async def remove_policy(self, call: Call) -> wire.Policy:
+    async def remove_policy(self, call: Call) -> wire.PolicyRemoved:
         return await _run(policies.remove, self.registry, call.principal, call.args["name"])
 
-    async def rotate_hook(self, call: Call) -> wire.Policy:
+    async def rotate_hook(self, call: Call) -> wire.HookRotated:
         return await _run(policies.rotate_hook, self.registry, call.principal, call.args["name"])
 
 

@@ -21,6 +21,8 @@ from typing import Annotated, Any
 
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
+from stasis.controlplane import wire
+
 # A checkpoint id as nodes may report it (the registry and the migration check it too).
 CHECKPOINT_ID = r"^[A-Za-z0-9._-]{1,64}$"
 _TEXT = r"^[^\x00-\x1f\x7f]*$"
@@ -57,10 +59,7 @@ class VerdictReport(BaseModel):
     processes: int = Field(default=0, ge=0, le=10_000_000)
 
 
-VerifyShown = dict[str, Any]  # a verdict as the API shows it
-
-
-def said(v: VerifyShown | None) -> str:
+def said(v: wire.Verdict | None) -> str:
     """One word or line: ok, failed: REASON, not verified."""
     if v is None:
         return "not verified"
@@ -71,7 +70,7 @@ def shown(row: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint row as the API shows it: its verdict as one object (`verdict`, None when
     never verified) and one line (`verified`), in place of the columns that hold it."""
     out = {k: v for k, v in row.items() if k not in _COLUMNS}
-    verdict: VerifyShown | None = None
+    verdict: wire.Verdict | None = None
     if row.get("verified_ok") is not None:
         verdict = {
             "ok": bool(row["verified_ok"]),
