@@ -149,11 +149,14 @@ def _counted(log: Path) -> list[tuple[int, str]]:
     return [(int(n), host) for n, host in _LINE.findall(log.read_text())]
 
 
-def _reaches(node: nodehost.NodeHost, net: jobnet.JobNet, address: ipaddress.IPv4Address) -> bool:
-    """Whether the job's namespace on `node` reaches `address` (refused on a closed port)."""
+def _connect(
+    node: nodehost.NodeHost, net: jobnet.JobNet, address: ipaddress.IPv4Address, port: int = 9
+) -> str:
+    """A TCP connect from the job's namespace on `node` to `address`: "0" when it connected,
+    else the errno's name (ECONNREFUSED from a closed port: the address was reached)."""
     probe = (
         "import errno, socket; s = socket.socket(); s.settimeout(5); "
-        f"print(s.connect_ex(('{address}', 9)) == errno.ECONNREFUSED)"
+        f"e = s.connect_ex(('{address}', {port})); print(errno.errorcode.get(e, e))"
     )
     done = subprocess.run(
         [*node.prefix(), "nsenter", f"--net={net.netns_path}", sys.executable, "-c", probe],
@@ -161,7 +164,7 @@ def _reaches(node: nodehost.NodeHost, net: jobnet.JobNet, address: ipaddress.IPv
         text=True,
         check=False,
     )
-    return done.stdout.strip() == "True"
+    return done.stdout.strip() or done.stderr.strip()
 
 
 def _firewall(node: nodehost.NodeHost, net: jobnet.JobNet) -> str:
@@ -189,7 +192,7 @@ def test_a_connection_between_parts_survives_a_move_to_a_third_node(
     a = Tree(n1, net, "server", tmp_path / "server.log")
     b = Tree(n2, net, "client", tmp_path / "client.log")
     try:
-        assert _reaches(n2, net, server.address)
+        assert _connect(n2, net, server.address) == "ECONNREFUSED"
         a.start(str(WORKLOADS / "jobcounter.py"), "serve", str(server.address), str(_PORT))
         wait_for(lambda: "listening" in a.log.read_text(), 30, "the server listening")
         b.start(str(WORKLOADS / "jobcounter.py"), "count", str(server.address), str(_PORT))
@@ -236,6 +239,8 @@ def test_a_connection_between_parts_survives_a_move_to_a_third_node(
         assert after[: len(before)] == before
         assert {h for _, h in before} == {"n1"}
         assert {h for _, h in after[len(before) + 1 :]} == {"n3"}, after
+        # The server still listens on its job address, now on n3.
+        assert _connect(n2, net, server.address, _PORT) == "0"
         # CRIU's network lock held each namespace whole; no rule of it is left in either.
         for host in (n2, n3):
             assert "CRIU" not in _firewall(host, net), host.name

@@ -1,5 +1,5 @@
 """Two parts of a job passing a counter over one TCP connection: `serve ADDRESS PORT` answers each
-number with the next and the host name it runs on; `count ADDRESS PORT` sends 1, then each
+number with the next and the host name it runs on, its listening socket kept open; `count ADDRESS PORT` sends 1, then each
 answer, printing what came back ("N on HOST"). The counter lives in both processes: a restore
 that lost or repeated anything shows as a gap or a repeat in the client's lines."""
 
@@ -14,8 +14,7 @@ if mode == "serve":
     srv.bind((address, port))
     srv.listen()
     print("listening", flush=True)
-    conn, _ = srv.accept()
-    srv.close()
+    conn, _ = srv.accept()  # still listening on the job address, as MPI ranks do
     with conn, conn.makefile() as lines:
         for line in lines:
             conn.sendall(f"{int(line) + 1} on {socket.gethostname()}\n".encode())
