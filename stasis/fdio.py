@@ -1,7 +1,8 @@
 """Whole writes to a file descriptor and whole reads from a socket (either may move less than
 asked: a pipe, a signal, a peer that sent part; the rest must follow), the kernel's
-description of a buffer for vectored I/O, and the walk down a tree by directory descriptors
-(each one closed once the next is open, the one held closed on any error)."""
+description of a buffer for vectored I/O, the walk down a tree by directory descriptors
+(each one closed once the next is open, the one held closed on any error), and the opening of
+a new file under a directory descriptor that nothing planted there can redirect."""
 
 from __future__ import annotations
 
@@ -38,6 +39,18 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def create_new(name: str, dir_fd: int) -> int:
+    """A new file `name` in the directory open as `dir_fd`, open for writing only, mode 0600.
+    FileExistsError where anything stands at that name (a link included: never written through,
+    never another's inode); the caller says what that means."""
+    return os.open(
+        name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
 
 
 def descend(top: int, steps: Iterable[_Step], step: Callable[[int, _Step], int]) -> int:

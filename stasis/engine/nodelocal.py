@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stasis.engine import privatetmp, proctree
-from stasis.fdio import descend, write_all
+from stasis.fdio import create_new, descend, write_all
 
 ARCHIVE_NAME = "stasis-node-local.img"
 # In a checkpoint's manifest (`extra`, signed): the paths that travel, so that a restore's file
@@ -878,12 +878,7 @@ def _make_file(e: Entry, archive: int, dirs: Mapping[str, Entry], replace: bool)
         # Replaced through a new name and a rename: whatever that name is now (a link to
         # another file), only the directory entry changes.
         tmp = f".{name[:200]}.stasis-{os.urandom(6).hex()}" if replace else name
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dfd,
-        )
+        fd = create_new(tmp, dfd)
         try:
             done = 0
             while done < e.size_bytes:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from stasis.errors import UsageError
+from stasis.fdio import create_new
 from stasis.k8s import child, confined, rootfs
 from stasis.store.manifest import is_safe_file_name
 
@@ -429,12 +430,7 @@ def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path) ->
 
 def _write(tar: tarfile.TarFile, m: tarfile.TarInfo, into_fd: int, name: str) -> None:
     try:
-        fd = os.open(
-            name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=into_fd,
-        )
+        fd = create_new(name, into_fd)
     except FileExistsError:
         raise BadArchive(f"its layer holds {m.name[:100]!r} twice") from None
     try:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stasis.errors import ContainerError, ContainerRootDamagedError
-from stasis.fdio import write_all
+from stasis.fdio import create_new, write_all
 from stasis.k8s import child, confined
 from stasis.k8s.confined import ConfinedRoot
 
@@ -441,12 +441,7 @@ def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile
             _owner_mode_at(parent, name, os.O_NONBLOCK, entry)
         else:
             # O_EXCL after the unlink: never written through a link or into another's inode.
-            fd = os.open(
-                name,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-                dir_fd=parent,
-            )
+            fd = create_new(name, parent)
             try:
                 if not copy_member(tar, member, fd):
                     raise OSError(errno.EIO, "the tar ended inside the file")
