@@ -14,6 +14,7 @@ import re
 import secrets
 from datetime import UTC, datetime
 from functools import cached_property
+from ipaddress import IPv4Address
 from itertools import accumulate
 from typing import Any, Literal
 
@@ -306,6 +307,17 @@ class RecordedFacts(BaseModel):
     files: list[RecordedFile] | None
 
 
+class RecordedJobNet(BaseModel):
+    """The job network a part of a multi-node job lived in (stasis/daemon/jobnet.py): the
+    job's VXLAN id and the part's address in it. Its restore needs that network's part made on
+    the restoring node first, with the same address (the namespace is left out of the images)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    vni: int = Field(ge=1, le=(1 << 24) - 1)
+    address: IPv4Address
+
+
 class CheckpointInfo(BaseModel):
     """What the caller of `Store.publish` knows about a dump; the store adds sizes and files."""
 
@@ -334,6 +346,9 @@ class CheckpointInfo(BaseModel):
     seq: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     # None in manifests written before stasis recorded them: those restore unchecked.
     restore_facts: RecordedFacts | None = None
+    # The job network the tree lived in (None: the node's own network, and every manifest
+    # written before stasis recorded one).
+    job_net: RecordedJobNet | None = None
 
     _utc = field_validator("created")(_to_utc)
 
