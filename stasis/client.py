@@ -211,6 +211,12 @@ class Client:
     ) -> wire.DumpAnswer:
         return self.call(routes.DUMP, request, progress=progress, job=job_id)
 
+    def freeze(self, job_id: str, **request: Unpack[wire.FreezeRequest]) -> wire.FreezeAnswer:
+        return self.call(routes.FREEZE, request, job=job_id)
+
+    def thaw(self, job_id: str, **request: Unpack[wire.ThawRequest]) -> wire.ThawAnswer:
+        return self.call(routes.THAW, request, job=job_id)
+
     def dump_check(self, job_id: str) -> wire.DumpCheckAnswer:
         return self.call(routes.DUMP_CHECK, None, job=job_id)
 

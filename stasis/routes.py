@@ -191,6 +191,20 @@ DUMP: Route[wire.DumpRequest, wire.DumpAnswer] = Route(
     caller="owner",
     streamed=True,
 )
+# A checkpoint cut across the nodes of a job that spans them (stasis/daemon/partfreeze.py): each
+# part frozen, then dumped (DUMP with `frozen`), then stopped or thawed.
+FREEZE: Route[wire.FreezeRequest, wire.FreezeAnswer] = Route(
+    "freeze",
+    "POST",
+    "/jobs/{job}/freeze",
+    caller="owner",
+)
+THAW: Route[wire.ThawRequest, wire.ThawAnswer] = Route(
+    "thaw",
+    "POST",
+    "/jobs/{job}/thaw",
+    caller="owner",
+)
 DUMP_CHECK: Route[None, wire.DumpCheckAnswer] = Route(
     "dump_check", "GET", "/jobs/{job}/dump-check", caller="owner"
 )
@@ -260,6 +274,8 @@ CORE: tuple[AnyRoute, ...] = (
     JOB,
     KILL,
     DUMP,
+    FREEZE,
+    THAW,
     DUMP_CHECK,
     RESTORE,
     CHECKPOINTS,

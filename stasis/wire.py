@@ -44,6 +44,10 @@ class RunRequest(TypedDict, total=False):
     # Its own /tmp and /var/tmp, in its checkpoint, gone with it; None: the daemon's setting
     # (private_tmp).
     private_tmp: bool | None
+    # A part of a job that spans nodes (root only): the VXLAN id of the job network whose
+    # namespace on this node it runs in (made first: stasis/daemon/jobnet.py), in a freezer
+    # cgroup of its own, so that it can be frozen with the job's other parts (POST .../freeze).
+    job_net: int | None
 
 
 class RunAnswer(TypedDict):
@@ -108,6 +112,9 @@ class DumpRequest(TypedDict, total=False):
     incremental: bool
     encrypt: bool | None  # None: the daemon's setting (encrypt)
     reason: str  # why it is taken, as reported: "asked" unless said
+    # The job was frozen (POST /jobs/{job}/freeze) for a checkpoint cut across nodes: dumped
+    # as it is, and left frozen, whatever leave_running says.
+    frozen: bool
 
 
 class DumpAnswer(TypedDict):
@@ -119,6 +126,31 @@ class DumpAnswer(TypedDict):
     elapsed_s: float  # the daemon's whole answer
     staged: bool
     notes: list[str]  # every way the dump differs from what was asked, and why
+
+
+class FreezeRequest(TypedDict, total=False):
+    # Thawed by the daemon after this long unless stopped or thawed before (default 60 s).
+    timeout_s: float
+
+
+class FreezeAnswer(TypedDict):
+    job: str
+    cgroup: str  # its freezer cgroup
+    job_net: int | None  # the job network held still while it is frozen
+    timeout_s: float
+
+
+class ThawRequest(TypedDict, total=False):
+    # End it at the checkpoint taken while it was frozen (every part dumped), instead of
+    # letting it run on (an abandoned cut).
+    stop: bool
+
+
+class ThawAnswer(TypedDict):
+    job: str
+    state: JobState
+    stopped: bool
+    checkpoints: list[str]  # taken while it was frozen
 
 
 class DumpCheckAnswer(TypedDict):

@@ -50,6 +50,12 @@ class CoreRoutes:
     def dump(self, call: Call[models.DumpRequest], progress: Progress) -> wire.DumpAnswer:
         return self.manager.dump(call.args["job"], call.body, call.caller, progress)
 
+    def freeze(self, call: Call[models.FreezeRequest]) -> wire.FreezeAnswer:
+        return self.manager.dumper.freeze(call.args["job"], call.body, call.caller)
+
+    def thaw(self, call: Call[models.ThawRequest]) -> wire.ThawAnswer:
+        return self.manager.dumper.thaw(call.args["job"], call.body, call.caller)
+
     def restore(self, call: Call[models.RestoreRequest], progress: Progress) -> wire.RestoreAnswer:
         return self.manager.restorer.restore(call.body, call.caller, progress)
 

@@ -18,12 +18,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from stasis import faults, wire
-from stasis.daemon import staging
+from stasis.daemon import jobnet, staging
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDatabaseError
 from stasis.daemon.inflight import InFlightDump
-from stasis.daemon.models import DumpRequest, validate_job_id
+from stasis.daemon.models import DumpRequest, FreezeRequest, ThawRequest, validate_job_id
+from stasis.daemon.partfreeze import DIRECTORY as PART_FREEZES
+from stasis.daemon.partfreeze import PartFreezes
 from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller, account
@@ -48,10 +50,11 @@ from stasis.store import (
     DataKey,
     Manifest,
     RecordedFacts,
+    RecordedJobNet,
     new_checkpoint_id,
     validate_label,
 )
-from stasis.wire import DumpAnswer, DumpCheckAnswer
+from stasis.wire import DumpAnswer, DumpCheckAnswer, FreezeAnswer, ThawAnswer
 
 log = logging.getLogger("stasis.daemon")
 
@@ -71,6 +74,8 @@ class Dumper:
         # None: refused during a dump still under way (it settles itself, then hands it over).
         self._unrecorded: dict[str, InFlightDump | None] = {}
         self._unrecorded_lock = threading.Lock()
+        # Parts of jobs that span nodes, frozen for a checkpoint cut across them (partfreeze.py).
+        self.parts = PartFreezes(core.settings.layout.root / PART_FREEZES)
 
     @property
     def criu(self) -> CRIU:
@@ -95,6 +100,7 @@ class Dumper:
             log.info("removed %s from the memory stage: a dump that never finished", name)
         self.core.journal.prepare()
         self.recover_dumps()
+        self.parts.settle()
         try:
             for name in self.core.store.catalog.remove_stale_staging():
                 log.info("removed staging/%s from the store: a dump that never finished", name)
@@ -143,6 +149,20 @@ class Dumper:
         if not proctree.alive(row.pid, row.pid_start):
             raise UsageError(f"job {job_id} is no longer running; nothing to dump")
         label = validate_label(req.label) if req.label else row.label
+        frozen = self.parts.get(row.id)
+        if req.frozen and frozen is None:
+            raise UsageError(
+                f"job {job_id} is not frozen: freeze it first (a checkpoint across nodes), or "
+                "dump it without frozen"
+            )
+        if frozen is not None and not req.frozen:
+            raise UsageError(
+                f"job {job_id} is frozen for a checkpoint across nodes: dump it with frozen, or "
+                "thaw it first"
+            )
+        # A frozen part stays frozen after its dump, whatever its dump's outcome: its
+        # coordinator stops it or thaws it (partfreeze.py).
+        leave_running = req.leave_running or frozen is not None
         criu = self.criu
         notes: list[str] = []
         if req.incremental and not criu.features().mem_track:
@@ -173,15 +193,22 @@ class Dumper:
         manifest, result, staged = self.checkpoint_tree(
             row.pid,
             info,
-            req.leave_running,
+            leave_running,
             req.compress,
             what,
             progress,
             notes,
             encrypt=req.encrypt,
             reason=req.reason,
+            freeze_cgroup=frozen.cgroup if frozen else None,
         )
-        if not req.leave_running:
+        if frozen is not None:
+            self.parts.note_checkpoint(row.id, manifest.id)
+            notes.append(
+                "the job stays frozen: stop it (thaw with stop) once every part of its job "
+                "is dumped, or thaw it"
+            )
+        if not leave_running:
             # The checkpoint is published and a stop was asked: the job ends whether or not the
             # database takes the record now (frozen until it does, it would be neither running
             # nor saved). A refused record is written later (`settle_pending`), its journal
@@ -216,6 +243,42 @@ class Dumper:
             staged=staged,
             notes=notes,
             elapsed_s=round(time.monotonic() - started, 4),
+        )
+
+    def freeze(self, job_id: str, req: FreezeRequest, caller: Caller) -> FreezeAnswer:
+        """Freeze a part of a job that spans nodes, before any part is dumped (partfreeze.py)."""
+        self._tracker.poll()
+        row = self._tracker.row(job_id, caller)
+        if row.state not in ("running", "restored") or row.pid is None:
+            raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to freeze")
+        if not proctree.alive(row.pid, row.pid_start):
+            raise UsageError(f"job {job_id} is no longer running; nothing to freeze")
+        with self._dump_slot(f"job {row.id}", f"job {job_id}", "being frozen; wait for it"):
+            entry = self.parts.freeze(row.id, row.pid, req.timeout_s)
+        return FreezeAnswer(
+            job=row.id, cgroup=entry.cgroup, job_net=entry.vni, timeout_s=req.timeout_s
+        )
+
+    def thaw(self, job_id: str, req: ThawRequest, caller: Caller) -> ThawAnswer:
+        """Let a frozen part run on, or (`stop`) end it at the checkpoint taken while frozen."""
+        row = self._tracker.row(job_id, caller)
+        with self._dump_slot(f"job {row.id}", f"job {job_id}", "being thawed; wait for it"):
+            held = self.parts.get(row.id)
+            if req.stop and held is not None and held.checkpoints:
+                try:
+                    self.core.db.set(row.id, state="checkpointed")
+                except JobDatabaseError as e:
+                    raise CheckpointError(
+                        f"job {job_id} not stopped, still frozen: its state cannot be "
+                        f"recorded: {e}"
+                    ) from e
+            entry = self.parts.thaw(row.id, req.stop)
+        self._tracker.poll()
+        return ThawAnswer(
+            job=row.id,
+            state=self._tracker.row(job_id, caller).wire()["state"],
+            stopped=entry.stop,
+            checkpoints=entry.checkpoints,
         )
 
     def dump_check(self, job_id: str, caller: Caller) -> DumpCheckAnswer:
@@ -258,6 +321,7 @@ class Dumper:
         *,
         encrypt: bool | None = None,
         reason: str = "asked",
+        freeze_cgroup: str | None = None,
     ) -> tuple[Manifest, DumpResult, bool]:
         """Dump the tree under `pid` and publish it as checkpoint `info.id`; `encrypt` its
         images (None: the `encrypt` setting).
@@ -267,8 +331,21 @@ class Dumper:
         it and publishes nothing. One dump of a tree at a time: a second is refused at once.
         Returns the manifest, CRIU's result and whether the images were staged in memory; what
         was not done as asked (not staged, not compressed), and why, is added to `notes`.
+        `freeze_cgroup`: the tree's freezer cgroup, frozen already (partfreeze.py): dumped as
+        it is, and left frozen.
         """
         notes = [] if notes is None else notes
+        vni = jobnet.vni_of(pid)
+        if vni is not None:
+            # A part of a job that spans nodes: its namespace is left out of the images and
+            # made again where it is restored, with the same address (jobnet.py).
+            address = jobnet.part_address(vni)
+            if address is None:
+                raise CheckpointError(
+                    f"checkpoint of {what} refused, job still running: its job network {vni} "
+                    "has no address on this node"
+                )
+            info = info.model_copy(update={"job_net": RecordedJobNet(vni=vni, address=address)})
         if privatetmp.own_mount_ns(pid):
             # Its restore rebuilds the tree's own mounts (a private /tmp, a Slurm job
             # container's): engine/privatetmp.py.
@@ -299,7 +376,9 @@ class Dumper:
             )
             self.core.journal.begin(entry)
             try:
-                done = self._checkpoint_tree(entry, info, compress, what, progress, notes, data_key)
+                done = self._checkpoint_tree(
+                    entry, info, compress, what, progress, notes, data_key, freeze_cgroup
+                )
             except BaseException:
                 # Whatever failed where: the entry ends only with its tree running again (or
                 # killed, had the checkpoint been published with a stop asked).
@@ -414,6 +493,7 @@ class Dumper:
         progress: Progress | None,
         notes: list[str],
         data_key: DataKey | None,
+        freeze_cgroup: str | None = None,
     ) -> tuple[Manifest, DumpResult, bool]:
         """The dump that the journal's `entry` stands for: its tree, left running or not."""
         pid, leave_running = entry.pid, entry.leave_running
@@ -468,6 +548,8 @@ class Dumper:
                 info.id, criu_pid, proctree.start_time(criu_pid)
             ),
             notify=at_post_dump if leave_running else None,
+            job_netns=info.job_net is not None,
+            freeze_cgroup=freeze_cgroup,
         )
         watcher = DirWatcher(target, expected, progress) if progress else None
         # A dump that stops the job has it down until published: its images are hashed (and

@@ -31,7 +31,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from stasis.errors import StasisError
+from stasis.daemon import partcgroup
+from stasis.daemon.supervisorwire import JobNetSpec
+from stasis.errors import StasisError, UsageError
 
 VXLAN_PORT = 4789  # IANA's; every job shares it, told apart by its VNI
 _OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8
@@ -65,7 +67,7 @@ class JobNet:
     @property
     def netns_path(self) -> Path:
         """The namespace's file on the node (what `ip netns` keeps; open it for a restore)."""
-        return _NETNS_DIR / self.netns
+        return netns_path(self.vni)
 
     @property
     def bridge(self) -> str:
@@ -246,6 +248,87 @@ def vni_of(pid: int) -> int | None:
             except OSError:
                 continue
     return None
+
+
+def netns_path(vni: int) -> Path:
+    """Where the namespace of job network `vni`'s part on this node is (whether or not made)."""
+    return _NETNS_DIR / f"{_NETNS_PREFIX}{vni}"
+
+
+def part_spec(vni: int, job_id: str, what: str) -> JobNetSpec:
+    """What a job's supervisor needs to run or restore job `job_id` as a part of job network
+    `vni` on this node: the namespace (which must be made already) and a cgroup of its own
+    (made here). UsageError, one line, `what` first, when the network is not on this node."""
+    path = netns_path(vni)
+    if not path.exists():
+        raise UsageError(
+            f"{what}: job network {vni} is not set up on this node: make its part here first "
+            f"(jobnet.make_part, which makes {path})"
+        )
+    return JobNetSpec(netns=str(path), cgroup=str(partcgroup.make(job_id)))
+
+
+def part_address(vni: int, *, on: Sequence[str] = ()) -> ipaddress.IPv4Address | None:
+    """The job address of the part of job network `vni` on this node (its eth0's); None: no
+    such part here."""
+    if not on and not netns_path(vni).exists():
+        return None
+    try:
+        out = _run(
+            on,
+            ["ip", "-n", f"{_NETNS_PREFIX}{vni}", "-j", "-4", "addr", "show", "dev", "eth0"],
+            f"read the address of job VNI {vni}'s part",
+        )
+    except JobNetError:
+        return None
+    for link in json.loads(out or "[]"):
+        for addr in link.get("addr_info", []):
+            if addr.get("family") == "inet":
+                return ipaddress.IPv4Address(addr["local"])
+    return None
+
+
+# The rule that holds a frozen part's network still (`hold`), in both directions.
+_HOLD_RULE = ["-m", "comment", "--comment", "stasis-part-held", "-j", "DROP"]
+
+
+def hold(vni: int, *, on: Sequence[str] = ()) -> None:
+    """Drop every packet into and out of job network `vni`'s namespace on this node (its own
+    firewall, nothing of the node's): while a part is frozen for a coordinated checkpoint, a
+    peer's kernel must not hand it data after its dump (the peer would drop it as delivered,
+    and no image would hold it), nor its kernel send a peer a reset when it is killed after
+    it. TCP sends again what was dropped once the network is released (`release`)."""
+    release(vni, on=on)
+    for chain in ("INPUT", "OUTPUT"):
+        _run(
+            on,
+            ["nsenter", f"--net={netns_path(vni)}", "iptables", "-w", "-I", chain, *_HOLD_RULE],
+            f"hold job VNI {vni}'s network still",
+        )
+
+
+def release(vni: int, *, on: Sequence[str] = ()) -> None:
+    """Undo `hold` (nothing held: nothing done)."""
+    for chain in ("INPUT", "OUTPUT"):
+        for _ in range(8):  # one rule per `hold`; a few, should holds have piled up
+            done = subprocess.run(
+                [
+                    *on,
+                    "nsenter",
+                    f"--net={netns_path(vni)}",
+                    "iptables",
+                    "-w",
+                    "-D",
+                    chain,
+                    *_HOLD_RULE,
+                ],  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=_TIMEOUT_S,
+                check=False,
+            )
+            if done.returncode:
+                break
 
 
 def _mtu(device: str, on: Sequence[str]) -> int:

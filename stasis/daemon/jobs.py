@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from stasis import faults
 from stasis.config import Settings
+from stasis.daemon import jobnet, partcgroup
 from stasis.daemon.activity import (
     Activity,
     JobSource,
@@ -321,6 +322,13 @@ class JobManager:
         )
         if private_tmp:
             spec["private_tmp"] = self.settings.node_local_limit  # each tmpfs's size
+        if req.job_net is not None:
+            if not caller.is_root:
+                raise PermissionDeniedError(
+                    "permission denied: only root may run a job in a job network (it reaches "
+                    "that job's other parts); its coordinator starts the parts"
+                )
+            spec["job_net"] = jobnet.part_spec(req.job_net, job_id, "cannot run the job")
         # Its record without a pid, in its directory before it starts: a daemon killed before
         # the row below is written adopts it at its next start (tracking.adopt_orphans).
         job = JobRow(
@@ -346,6 +354,8 @@ class JobManager:
         started = self._supervisors.run(job_id, spec, job)
         answer = started.answer
         if "error" in answer:
+            if "job_net" in spec:
+                partcgroup.remove(partcgroup.path_for(job_id))
             raise error_from_wire(answer["error"]["type"], answer["error"]["message"])
         pid = answer["pid"]
         faults.point("run.after-start")  # running, not yet recorded: adopted at the next start

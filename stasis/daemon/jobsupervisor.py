@@ -46,6 +46,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from stasis.daemon.supervisorwire import (
@@ -54,6 +56,7 @@ from stasis.daemon.supervisorwire import (
     PID_FILE,
     ExitFile,
     Failed,
+    JobNetSpec,
     MemoryFile,
     PidFile,
     Ran,
@@ -68,6 +71,7 @@ from stasis.wire import WireError
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
 PR_SET_CHILD_SUBREAPER = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -144,6 +148,14 @@ def _exec_job(spec: RunSpec, status_w: int) -> None:
     returns."""
     try:
         os.umask(spec["umask"])  # the daemon's own (077) is not the job's business
+        job_net = spec.get("job_net")
+        if job_net:
+            # A part of a job that spans nodes: in its cgroup before anything runs, in its job's
+            # network (partcgroup.py, jobnet.py).
+            from stasis.daemon import partcgroup
+
+            partcgroup.join(Path(job_net["cgroup"]))
+            _enter_netns(job_net["netns"])
         tmp_bytes = spec.get("private_tmp")
         if tmp_bytes:
             # First: every file of the job must be opened inside its mount namespace.
@@ -175,6 +187,14 @@ def _exec_job(spec: RunSpec, status_w: int) -> None:
         os.write(status_w, f"{type(e).__name__}: {e}".encode())
     finally:
         os._exit(127)
+
+
+def _enter_netns(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc.setns(fd, CLONE_NEWNET), f"setns({path})")
+    finally:
+        os.close(fd)
 
 
 def _find_program(prog: str, path: str) -> str:
@@ -267,6 +287,15 @@ def run(job_dir: Path, spec: RunSpec) -> None:
     _note_pid(job_dir, pid)
     _answer(Ran(pid=pid))
     _wait_for(job_dir, pid)
+    _remove_cgroup(spec.get("job_net"))
+
+
+def _remove_cgroup(job_net: JobNetSpec | None) -> None:
+    """A job part's cgroup goes with its tree."""
+    if job_net:
+        from stasis.daemon import partcgroup
+
+        partcgroup.remove(Path(job_net["cgroup"]))
 
 
 class _ResumeGate:
@@ -322,31 +351,35 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
     started = time.monotonic()
-    try:
-        result = restore_tree(
-            criu,
-            Path(spec["images"]),
-            Owner(spec["uid"], spec["gid"], spec["groups"]),
-            [(spec["image_log"], spec["log"])],
-            spec["criu_log_name"],
-            umask=spec["umask"],
-            lazy=spec["lazy"],
-            notify=_ResumeGate() if spec["gate"] else None,
-            page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
-            stream=spec.get("stream", False),
-            on_lost=lambda why: note_killed(job_dir, why),
-            expect=spec["expect"],
-            checkpoint=spec["checkpoint"],
-            criu_version=spec["criu_version"],
-            own_mounts=bool(spec.get("private_tmp")),
-        )
-    except OSError as e:
-        _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
-        return
-    except StasisError as e:
-        _end_leftovers()
-        _error(type(e).__name__, str(e))
-        return
+    job_net = spec.get("job_net")
+    with _in_job_net(job_net) as netns_fd:
+        try:
+            result = restore_tree(
+                criu,
+                Path(spec["images"]),
+                Owner(spec["uid"], spec["gid"], spec["groups"]),
+                [(spec["image_log"], spec["log"])],
+                spec["criu_log_name"],
+                umask=spec["umask"],
+                lazy=spec["lazy"],
+                notify=_ResumeGate() if spec["gate"] else None,
+                page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
+                stream=spec.get("stream", False),
+                on_lost=lambda why: note_killed(job_dir, why),
+                expect=spec["expect"],
+                checkpoint=spec["checkpoint"],
+                criu_version=spec["criu_version"],
+                own_mounts=bool(spec.get("private_tmp")),
+                caller_cgroups=netns_fd is not None,
+                job_netns_fd=netns_fd,
+            )
+        except OSError as e:
+            _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
+            return
+        except StasisError as e:
+            _end_leftovers()
+            _error(type(e).__name__, str(e))
+            return
     _note_pid(job_dir, result.pid)
     _answer(
         Restored(
@@ -358,6 +391,29 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
         )
     )
     _wait_for(job_dir, result.pid, result.lazy_pages.pid if result.lazy_pages else None, started)
+    _remove_cgroup(job_net)
+
+
+@contextmanager
+def _in_job_net(job_net: JobNetSpec | None) -> Iterator[int | None]:
+    """For a part of a job that spans nodes: its job network's namespace on this node, open
+    (CRIU restores the tree into it), and this process in the part's cgroup meanwhile, so that
+    the tree CRIU forks is born there (CRIU leaves cgroups alone: caller_cgroups); back in
+    its own cgroup after."""
+    if not job_net:
+        yield None
+        return
+    from stasis.daemon import partcgroup
+
+    own = partcgroup.current(os.getpid())
+    fd = os.open(job_net["netns"], os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        partcgroup.join(Path(job_net["cgroup"]))
+        yield fd
+    finally:
+        os.close(fd)
+        if own is not None:
+            partcgroup.join(own)
 
 
 def _end_leftovers() -> None:

@@ -35,6 +35,7 @@ class RunRequest(_Model):
     env: dict[str, str] = {}
     user: str | None = None
     private_tmp: bool | None = None  # None: the daemon's setting (private_tmp)
+    job_net: int | None = Field(default=None, ge=1, le=(1 << 24) - 1)  # a job network's VNI
 
     @field_validator("cwd", "log")
     @classmethod
@@ -52,6 +53,15 @@ class DumpRequest(_Model):
     encrypt: bool | None = None  # None: the daemon's setting (encrypt)
     # Why it is taken, as reported (to the control plane): a word or a few.
     reason: str = Field(default="asked", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
+    frozen: bool = False  # frozen by POST /jobs/{job}/freeze: dumped as it is, left frozen
+
+
+class FreezeRequest(_Model):
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+
+
+class ThawRequest(_Model):
+    stop: bool = False
 
 
 class RestoreRequest(_Model):
@@ -83,4 +93,6 @@ BY_WIRE: dict[object, type[BaseModel]] = {
     wire.DumpRequest: DumpRequest,
     wire.RestoreRequest: RestoreRequest,
     wire.GcRequest: GcRequest,
+    wire.FreezeRequest: FreezeRequest,
+    wire.ThawRequest: ThawRequest,
 }

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import cast
 
 from stasis import faults, wire
+from stasis.daemon import jobnet, partcgroup
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
 from stasis.daemon.db import JobDatabaseError, JobRow
@@ -40,6 +41,7 @@ from stasis.daemon.supervisorwire import (
     MEMORY_FILE,
     PID_FILE,
     Images,
+    JobNetSpec,
     Restored,
     RestoreJob,
     note_killed,
@@ -53,6 +55,7 @@ from stasis.errors import (
     IncompatibleNodeError,
     NotFoundError,
     OwnerDeniedError,
+    PermissionDeniedError,
     RestoreError,
     StasisError,
     UntrustedCheckpointError,
@@ -119,6 +122,12 @@ class Restorer:
             raise UsageError("name a checkpoint id or --label")
         for manifest in candidates:
             caller.require_checkpoint(manifest.uid, manifest.user, f"checkpoint {manifest.id}")
+            if manifest.job_net is not None and not caller.is_root:
+                raise PermissionDeniedError(
+                    f"permission denied: checkpoint {manifest.id} is a part of a job that spans "
+                    f"nodes (job network {manifest.job_net.vni}); only root, its coordinator, "
+                    "restores it"
+                )
         skipped: list[str] = []
         for manifest in candidates:
             try:
@@ -242,6 +251,9 @@ class Restorer:
     ) -> RestoreAnswer:
         settings = self.core.settings
         lazy = settings.lazy_restore if lazy is None else lazy
+        job_net = self._job_net(manifest, job_id)
+        if job_net is not None:
+            lazy = False  # its part is frozen whole, and lazy-pages would be in its cgroup
         # The one way its images reach CRIU (imagesources.py), chosen, nothing fetched yet;
         # images only xxh3 checks (an old stasis's, in the clear) are refused here.
         source = self._sources.source(manifest, lazy)
@@ -272,6 +284,8 @@ class Restorer:
         private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
+        if job_net is not None:
+            spec["job_net"] = job_net
         job = JobRow(
             id=job_id,
             pid=None,
@@ -360,9 +374,39 @@ class Restorer:
             elapsed_s=0.0,
         )
 
+    def _job_net(self, manifest: Manifest, job_id: str) -> JobNetSpec | None:
+        """For a part of a job that spans nodes: its job network's namespace on this node, which
+        must have been made with the part's address, and a cgroup of its own (jobnet.py);
+        IncompatibleNodeError, one line, when it was not. Its network, held still should a
+        part stopped here have left it so, is released: CRIU locks it itself while it
+        restores."""
+        recorded = manifest.job_net
+        if recorded is None:
+            return None
+        what = f"cannot restore checkpoint {manifest.id} on this node"
+        here = jobnet.part_address(recorded.vni)
+        if here is None:
+            raise IncompatibleNodeError(
+                f"{what}: job network {recorded.vni} is not set up on this node: make its part "
+                f"here with address {recorded.address} first (jobnet.make_part), then restore"
+            )
+        if here != recorded.address:
+            raise IncompatibleNodeError(
+                f"{what}: its part of job network {recorded.vni} has address {here} here, the "
+                f"checkpoint's is {recorded.address}; make the part again with that address"
+            )
+        try:
+            spec = jobnet.part_spec(recorded.vni, job_id, what)
+        except UsageError as e:
+            raise IncompatibleNodeError(str(e)) from e
+        jobnet.release(recorded.vni)
+        return spec
+
     def _forget(self, job_id: str) -> None:
         """A restore that failed was never a job: its `restoring` row goes (or, the database
         refusing, the daemon's poll removes it: its supervisor is gone and it has no tree)."""
+        # A part's cgroup, if one was made (an empty one only: a tree keeps it).
+        partcgroup.remove(partcgroup.path_for(job_id), wait_s=0)
         if (self.core.settings.layout.job_dir(job_id) / PID_FILE).exists():
             return  # it has a tree after all: the poll follows it
         try:

@@ -47,6 +47,15 @@ class JobOwner(TypedDict):
     umask: int  # the job's; the daemon's own (077) is not the job's business
 
 
+class JobNetSpec(TypedDict):
+    """A part of a job that spans nodes (issue 31): the namespace of its job network on this
+    node that its tree lives in (stasis/daemon/jobnet.py) and the freezer cgroup of its own
+    that holds the tree alone (stasis/daemon/partcgroup.py)."""
+
+    netns: str
+    cgroup: str
+
+
 class RunSpec(JobOwner):
     mode: Literal["run"]
     command: list[str]
@@ -56,6 +65,7 @@ class RunSpec(JobOwner):
     # A mount namespace of its own with an empty tmpfs of this many bytes on /tmp and on
     # /var/tmp (engine/privatetmp.py).
     private_tmp: NotRequired[int]
+    job_net: NotRequired[JobNetSpec]
 
 
 class RestoreJob(JobOwner):
@@ -72,6 +82,8 @@ class RestoreJob(JobOwner):
     checkpoint: str
     criu_version: str
     private_tmp: NotRequired[bool]  # the images hold the job's own mounts
+    # Restored into that namespace (the images leave it out), in that cgroup.
+    job_net: NotRequired[JobNetSpec]
 
 
 class Images(TypedDict):

@@ -68,6 +68,12 @@ class Verifier:
                 "restores process trees that stasis runs itself; restore the container on a "
                 "test node to know it comes back"
             )
+        if manifest.job_net is not None:
+            raise UsageError(
+                f"checkpoint {manifest.id} is a part of a job that spans nodes (job network "
+                f"{manifest.job_net.vni}): its tree needs the job's other parts, so stasis "
+                "verify does not restore it alone; it is verified by its restore"
+            )
         # One runs at a time; a few more may wait. More would each hold one of the daemon's
         # worker threads while waiting, which every user's requests share.
         if not self._asked.acquire(blocking=False):
@@ -180,7 +186,8 @@ class Verifier:
                 return
             try:
                 manifest = self.core.store.catalog.get(checkpoint_id)
-                if not _container_runtime(manifest):  # a container's is not for a sandbox
+                # A container's is not for a sandbox, nor a part of a job that spans nodes.
+                if not _container_runtime(manifest) and manifest.job_net is None:
                     self.verify_manifest(manifest)
             except StasisError as e:  # gone since, or the store does not answer
                 log.warning("background verification of checkpoint %s: %s", checkpoint_id, e)

@@ -1,0 +1,231 @@
+"""A job that spans nodes, checkpointed by a cut across them through the node daemons' API (issue
+31): three nodes of their own (tests/nodes.py), each with a real stasis daemon, sharing one
+store and one site key. A counter passed over TCP between two parts of a job, each run by its
+node's daemon in the job's network (stasis/daemon/jobnet.py: `job_net` on the run route): both
+parts frozen through the API, then each dumped frozen, then both stopped; the server's part
+restored by a third node's daemon (its part of the network made there, every node's forwarding
+table updated), the client's by its own: the counter goes on, no number lost or repeated. And a
+cut one of whose dumps fails is abandoned: both parts thawed and running, no checkpoint listed."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import random
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stasis import wire
+from stasis.client import Client
+from stasis.daemon import jobnet
+from stasis.errors import StasisError
+from tests.conftest import WORKLOADS, Daemon, new_daemon, wait_for
+from tests.test_wire import conforms
+
+_LINE = re.compile(r"^(\d+) on (\S+)$", re.M)
+_PORT = 7100
+
+
+@pytest.fixture(scope="module")
+def daemons(world_tmp: Path) -> Iterator[dict[str, Daemon]]:
+    key = world_tmp / f"jobnet-site-{os.urandom(4).hex()}.key"
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    store = world_tmp / f"jobnet-store-{os.urandom(4).hex()}"
+    store.mkdir()
+    made: dict[str, Daemon] = {}
+    try:
+        for name in ("jn1", "jn2", "jn3"):
+            d = new_daemon(
+                world_tmp, name, store=str(store), separate=True, env={"STASIS_SITE_KEY": str(key)}
+            )
+            d.start()
+            made[name] = d
+        yield made
+    finally:
+        for d in made.values():
+            d.kill_all()
+            d.stop()
+        key.unlink(missing_ok=True)
+
+
+def _counted(log: Path) -> list[tuple[int, str]]:
+    return [(int(n), host) for n, host in _LINE.findall(log.read_text())]
+
+
+def _frozen(cgroup: str) -> bool:
+    return Path(cgroup, "freezer.state").read_text().strip() == "FROZEN"
+
+
+class Job:
+    """A job network and the two parts of a job in it, the server's on `a`, the client's on
+    `b`."""
+
+    def __init__(self, a: Daemon, b: Daemon, logs: Path) -> None:
+        self.a, self.b = a, b
+        self.net = jobnet.JobNet(
+            vni=random.randrange(1000, 1_000_000),
+            subnet=ipaddress.IPv4Network(f"10.98.{random.randrange(256)}.0/24"),
+        )
+        assert a.node is not None and b.node is not None
+        self.server = jobnet.Part(self.net.address(0), ipaddress.IPv4Address(a.node.address))
+        self.client = jobnet.Part(self.net.address(1), ipaddress.IPv4Address(b.node.address))
+        self.parts = [self.server, self.client]
+        self.tag = os.urandom(3).hex()
+        self.server_log, self.client_log = logs / "server.log", logs / "client.log"
+        self.nodes = [a, b]
+
+    def start(self) -> tuple[str, str]:
+        for d, part in ((self.a, self.server), (self.b, self.client)):
+            assert d.node is not None
+            jobnet.make_part(self.net, part, self.parts, underlay="eth0", on=d.node.prefix())
+        script = str(WORKLOADS / "jobcounter.py")
+        server = Client(self.a.socket).run(
+            command=["python3", "-u", script, "serve", str(self.server.address), str(_PORT)],
+            cwd="/",
+            log=str(self.server_log),
+            label=f"jn-server-{self.tag}",
+            job_net=self.net.vni,
+        )
+        wait_for(lambda: "listening" in self.server_log.read_text(), 30, "the server listening")
+        client = Client(self.b.socket).run(
+            command=["python3", "-u", script, "count", str(self.server.address), str(_PORT)],
+            cwd="/",
+            log=str(self.client_log),
+            label=f"jn-client-{self.tag}",
+            job_net=self.net.vni,
+        )
+        wait_for(lambda: len(_counted(self.client_log)) >= 20, 30, "the counter passed 20 times")
+        return server["job"], client["job"]
+
+    def remove(self, *nodes: Daemon) -> None:
+        for d in nodes:
+            if d.node is not None:
+                jobnet.remove_part(self.net, on=d.node.prefix())
+
+
+def test_a_cut_across_nodes_moves_a_part_to_a_third_node(
+    daemons: dict[str, Daemon], tmp_path: Path
+) -> None:
+    n1, n2, n3 = daemons["jn1"], daemons["jn2"], daemons["jn3"]
+    c1, c2, c3 = Client(n1.socket), Client(n2.socket), Client(n3.socket)
+    job = Job(n1, n2, tmp_path)
+    try:
+        server, client = job.start()
+        # Each part is in its job network's namespace on its node, in a cgroup of its own.
+        for c, j in ((c1, server), (c2, client)):
+            pid = c.job(j)["pid"]
+            assert pid is not None
+            assert Path(f"/proc/{pid}/cgroup").read_text().count(f"stasis-part-{j}") == 1
+
+        # Phase one: every part frozen before any is dumped.
+        frozen = [c1.freeze(server, timeout_s=30), c2.freeze(client, timeout_s=30)]
+        for answer in frozen:
+            assert conforms(answer, wire.FreezeAnswer), answer
+            assert answer["job_net"] == job.net.vni and _frozen(answer["cgroup"])
+        before = _counted(job.client_log)
+        time.sleep(0.3)
+        assert _counted(job.client_log) == before  # nothing moves after the cut
+        # A plain dump of a frozen part is refused: the cut is its coordinator's.
+        with pytest.raises(StasisError, match=f"job {server} is frozen for a checkpoint"):
+            c1.dump(server)
+
+        # Phase two: each dumped as it stands, left frozen.
+        dumped = [c1.dump(server, frozen=True), c2.dump(client, frozen=True)]
+        assert all(_frozen(a["cgroup"]) for a in frozen)
+        assert _counted(job.client_log) == before
+        listed = {m["id"]: m for m in c1.checkpoints(label=f"jn-server-{job.tag}")}
+        recorded = listed[dumped[0]["checkpoint"]]
+        assert recorded["job_net"] == {  # type: ignore[typeddict-item]
+            "vni": job.net.vni,
+            "address": str(job.server.address),
+        }
+
+        # Every part dumped: each stopped at its checkpoint.
+        for c, j in ((c1, server), (c2, client)):
+            thawed = c.thaw(j, stop=True)
+            assert conforms(thawed, wire.ThawAnswer), thawed
+            assert thawed["stopped"] and len(thawed["checkpoints"]) == 1
+            assert thawed["state"] == "checkpointed", thawed
+
+        # A node without the job's network refuses its part, in one line.
+        with pytest.raises(StasisError) as refused:
+            c3.restore(checkpoint=dumped[0]["checkpoint"])
+        assert f"job network {job.net.vni} is not set up on this node" in str(refused.value)
+        assert "\n" not in str(refused.value)
+
+        # The server's part moves to n3: the network's part there, n2 pointed at it, n1's gone.
+        assert n3.node is not None and n2.node is not None
+        moved = jobnet.Part(job.server.address, ipaddress.IPv4Address(n3.node.address))
+        jobnet.make_part(job.net, moved, [moved, job.client], underlay="eth0", on=n3.node.prefix())
+        jobnet.set_peers(job.net, job.client.node, [moved, job.client], on=n2.node.prefix())
+        job.remove(n1)
+        restored = [
+            c3.restore(checkpoint=dumped[0]["checkpoint"]),
+            c2.restore(checkpoint=dumped[1]["checkpoint"]),
+        ]
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
+        )
+        after = _counted(job.client_log)
+        numbers = [n for n, _ in after]
+        assert numbers == list(range(2, 2 + len(numbers))), after  # none lost, none repeated
+        assert after[: len(before)] == before
+        assert {h for _, h in before} == {"jn1"}
+        assert {h for _, h in after[len(before) + 1 :]} == {"jn3"}, after
+        # The restored parts are parts again: in their job's namespace, in cgroups of their own,
+        # and they can be frozen for the next cut.
+        for c, r in ((c3, restored[0]), (c2, restored[1])):
+            assert Path(f"/proc/{r['pid']}/cgroup").read_text().count("stasis-part-") == 1
+            c.freeze(r["job"], timeout_s=30)
+            c.thaw(r["job"])
+        wait_for(lambda: len(_counted(job.client_log)) >= len(after) + 5, 30, "going on again")
+    finally:
+        for d in daemons.values():
+            d.kill_all()
+        job.remove(n1, n2, n3)
+
+
+def test_a_cut_whose_dump_fails_leaves_every_part_running(
+    daemons: dict[str, Daemon], tmp_path: Path
+) -> None:
+    n1, n2 = daemons["jn1"], daemons["jn2"]
+    c1, c2 = Client(n1.socket), Client(n2.socket)
+    job = Job(n1, n2, tmp_path)
+    assert n2.node is not None
+    store = n2.store
+    try:
+        server, client = job.start()
+        frozen = [c1.freeze(server, timeout_s=30), c2.freeze(client, timeout_s=30)]
+        # The store, unwritable for n2 alone (a read-only mount in its mount namespace).
+        subprocess.run([*n2.node.prefix(), "mount", "--bind", "-o", "ro", store, store], check=True)
+        taken = c1.dump(server, frozen=True)
+        with pytest.raises(StasisError, match=f"checkpoint of job {client} failed"):
+            c2.dump(client, frozen=True)
+        assert all(_frozen(a["cgroup"]) for a in frozen)  # a failed dump leaves it frozen
+        # The coordinator abandons the cut: what was taken goes, every part thaws.
+        c1.delete_checkpoint(taken["checkpoint"])
+        for c, j in ((c1, server), (c2, client)):
+            thawed = c.thaw(j)
+            assert not thawed["stopped"] and thawed["state"] == "running", thawed
+        before = _counted(job.client_log)
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
+        )
+        numbers = [n for n, _ in _counted(job.client_log)]
+        assert numbers == list(range(2, 2 + len(numbers)))
+        assert not any(a["cgroup"] and _frozen(a["cgroup"]) for a in frozen)
+        for c, label in ((c1, "jn-server"), (c2, "jn-client")):
+            assert c.checkpoints(label=f"{label}-{job.tag}") == []
+        assert {j["state"] for j in (c1.job(server), c2.job(client))} == {"running"}
+    finally:
+        subprocess.run([*n2.node.prefix(), "umount", store], check=False)
+        for d in (n1, n2):
+            d.kill_all()
+        job.remove(n1, n2)
