@@ -1,14 +1,17 @@
 """Whole writes to a file descriptor and whole reads from a socket (either may move less than
 asked: a pipe, a signal, a peer that sent part; the rest must follow), the kernel's
 description of a buffer for vectored I/O, the walk down a tree by directory descriptors
-(each one closed once the next is open, the one held closed on any error), and the opening of
-a new file under a directory descriptor that nothing planted there can redirect."""
+(each one closed once the next is open, the one held closed on any error), the opening of
+a new file under a directory descriptor that nothing planted there can redirect, and of a file
+that must be a regular one (a key, a record root trusts)."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import socket
+import stat
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -51,6 +54,25 @@ def create_new(name: str, dir_fd: int) -> int:
         0o600,
         dir_fd=dir_fd,
     )
+
+
+class NotRegularFile(OSError):
+    """What `open_regular` raises for a directory, a fifo, a socket or a device."""
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """`path` open for reading, and its status, when it is a regular file: never through a
+    link (ELOOP), never waiting on a fifo or a device (opened non-blocking, then refused with
+    NotRegularFile, closed). What the open raises comes out as it is (FileNotFoundError...)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def descend(top: int, steps: Iterable[_Step], step: Callable[[int, _Step], int]) -> int:

@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stasis.atomicfile import write_atomically
 from stasis.errors import StasisError, UsageError
+from stasis.fdio import open_regular
 from stasis.slurm import payoff
 from stasis.slurm.report import (
     Job,
@@ -358,17 +359,14 @@ def load(path: Path) -> State:
     """The recorded PoC. Root reads only a file of root's (no link followed, not writable by
     others): its numbers decide what a site is told."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd, st = open_regular(path)
     except FileNotFoundError:
         raise UsageError(
             f"no PoC recorded in {path}: start one with `stasis slurm poc start`"
         ) from None
-    except OSError as e:
+    except OSError as e:  # NotRegularFile's says "not a regular file"
         raise UsageError(f"cannot read the PoC in {path}: {e.strerror}") from e
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"cannot read the PoC in {path}: not a regular file")
         if os.geteuid() == 0 and (st.st_uid != 0 or st.st_mode & 0o022):
             raise UsageError(
                 f"refusing the PoC in {path}: root reads only a file of root's that no one "

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stasis.atomicfile import create_once
 from stasis.config import Settings
 from stasis.errors import UsageError
+from stasis.fdio import NotRegularFile, open_regular
 
 KEY_BYTES = 32
 # A key file is a few bytes; anything much larger is not one.
@@ -187,17 +188,16 @@ def read_secret_file(path: Path, what: str, max_bytes: int, missing_hint: str = 
     (UsageError, one line, never the contents) one that is missing, a link, not a regular file,
     or that others could read or replace. `missing_hint` ends the line for a missing file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd, st = open_regular(path)
     except FileNotFoundError:
         raise UsageError(
             f"{what} {path} does not exist" + (f": {missing_hint}" if missing_hint else "")
         ) from None
+    except NotRegularFile:
+        raise UsageError(f"{what} {path} is not a regular file") from None
     except OSError as e:
         raise UsageError(f"cannot read {what} {path}: {e.strerror}") from e
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"{what} {path} is not a regular file")
         if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o077:
             raise UsageError(
                 f"{what} {path} may be read or written by other users (mode "
