@@ -20,8 +20,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, cast, get_args, get_origin, get_type_hints
+from typing import Any, Literal, cast, get_args, get_origin, get_type_hints
 
 from sqlalchemy import (
     Boolean,
@@ -85,6 +86,11 @@ def _db_error(path: Path, e: BaseException) -> JobDatabaseError:
     )
 
 
+def now() -> str:
+    """A record's time: UTC, to the millisecond, ISO 8601."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
 @dataclass
 class JobRow:
     """A job, as the database keeps it: the one definition of a job record. The table is made
@@ -109,6 +115,46 @@ class JobRow:
     created: str
     job_dir: str
     private_tmp: bool = False  # its own /tmp and /var/tmp (engine/privatetmp.py)
+
+    @classmethod
+    def before_start(
+        cls,
+        job_id: str,
+        state: Literal["running", "restoring"],
+        *,
+        label: str,
+        command: list[str],
+        cwd: str,
+        log: str,
+        owner: tuple[str, int, int],
+        private_tmp: bool,
+        env: list[str] | None = None,
+        checkpoint: str | None = None,
+    ) -> JobRow:
+        """The record of a job whose process does not exist yet: one being started
+        ("running") or restored ("restoring"). No pid, supervisor, exit code or directory yet:
+        `Started.row` adds them once it runs. `owner`: its user's name, uid and gid."""
+        user, uid, gid = owner
+        return cls(
+            id=job_id,
+            pid=None,
+            pid_start=None,
+            shim_pid=None,
+            state=state,
+            label=label,
+            exit_code=None,
+            command=command,
+            cwd=cwd,
+            env=env or [],
+            user=user,
+            uid=uid,
+            gid=gid,
+            log=log,
+            checkpoint=checkpoint,
+            created=now(),
+            job_dir="",
+            private_tmp=private_tmp,
+        )
 
     def wire(self) -> wire.Job:
         return wire.Job(

@@ -47,7 +47,7 @@ from stasis.daemon.progress import Progress
 from stasis.daemon.readiness import StoreProbe
 from stasis.daemon.reaper import Reaper
 from stasis.daemon.restoring import Restorer
-from stasis.daemon.supervisor import Supervisors, create_log, find_init, now
+from stasis.daemon.supervisor import Supervisors, create_log, find_init
 from stasis.daemon.supervisorwire import RunSpec
 from stasis.daemon.tracking import JobTracker, died_of
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
@@ -331,24 +331,15 @@ class JobManager:
             spec["job_net"] = jobnet.part_spec(req.job_net, job_id, "cannot run the job")
         # Its record without a pid, in its directory before it starts: a daemon killed before
         # the row below is written adopts it at its next start (tracking.adopt_orphans).
-        job = JobRow(
-            id=job_id,
-            pid=None,
-            pid_start=None,
-            shim_pid=None,
-            state="running",
+        job = JobRow.before_start(
+            job_id,
+            "running",
             label=label,
-            exit_code=None,
             command=req.command,
             cwd=req.cwd,
-            env=sorted(req.env),
-            user=acct.name,
-            uid=acct.uid,
-            gid=acct.gid,
             log=log,
-            checkpoint=None,
-            created=now(),
-            job_dir="",
+            env=sorted(req.env),
+            owner=(acct.name, acct.uid, acct.gid),
             private_tmp=private_tmp,
         )
         started = self._supervisors.run(job_id, spec, job)

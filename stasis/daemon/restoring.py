@@ -35,7 +35,7 @@ from stasis.daemon.lazystore import LazyRestore
 from stasis.daemon.models import RestoreRequest
 from stasis.daemon.progress import Progress
 from stasis.daemon.streamed import stream_restore
-from stasis.daemon.supervisor import Gate, Started, Supervisors, create_log, now
+from stasis.daemon.supervisor import Gate, Started, Supervisors, create_log
 from stasis.daemon.supervisorwire import (
     EXIT_FILE,
     MEMORY_FILE,
@@ -286,24 +286,15 @@ class Restorer:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
         if job_net is not None:
             spec["job_net"] = job_net
-        job = JobRow(
-            id=job_id,
-            pid=None,
-            pid_start=None,
-            shim_pid=None,
-            state="restoring",
+        job = JobRow.before_start(
+            job_id,
+            "restoring",
             label=manifest.label,
-            exit_code=None,
             command=manifest.command,
             cwd=manifest.cwd,
-            env=[],
-            user=manifest.user,
-            uid=manifest.uid,
-            gid=manifest.gid,
             log=log,
+            owner=(manifest.user, manifest.uid, manifest.gid),
             checkpoint=manifest.id,
-            created=now(),
-            job_dir="",
             private_tmp=private_tmp,
         )
 

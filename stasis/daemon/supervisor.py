@@ -25,7 +25,7 @@ from typing import IO, Any, Generic, TypeVar
 
 from stasis import faults
 from stasis.atomicfile import write_atomically
-from stasis.daemon.db import JobRow
+from stasis.daemon.db import JobRow, now
 from stasis.daemon.progress import Progress, ReadWatcher
 from stasis.daemon.reaper import Reaper
 from stasis.daemon.supervisorwire import (
@@ -318,7 +318,3 @@ class Gate:
             pipe.close()
         except BrokenPipeError:
             pass  # the restore failed before it asked: its own answer says why
-
-
-def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
