@@ -22,7 +22,7 @@ import pytest
 
 from stasis import wire
 from stasis.client import Client
-from stasis.daemon import jobnet
+from stasis.daemon import jobnet, partcgroup
 from stasis.errors import StasisError
 from tests.conftest import WORKLOADS, Daemon, new_daemon, wait_for
 from tests.test_wire import conforms
@@ -61,6 +61,12 @@ def _counted(log: Path) -> list[tuple[int, str]]:
 
 def _frozen(cgroup: str) -> bool:
     return Path(cgroup, "freezer.state").read_text().strip() == "FROZEN"
+
+
+def _thaw_parts() -> None:
+    """A test that failed with a part frozen: thawed, so that its kill ends it."""
+    for cgroup in partcgroup.root().glob(f"{partcgroup.PREFIX}*"):
+        partcgroup.set_frozen(cgroup, False)
 
 
 class Job:
@@ -187,6 +193,7 @@ def test_a_cut_across_nodes_moves_a_part_to_a_third_node(
             c.thaw(r["job"])
         wait_for(lambda: len(_counted(job.client_log)) >= len(after) + 5, 30, "going on again")
     finally:
+        _thaw_parts()
         for d in daemons.values():
             d.kill_all()
         job.remove(n1, n2, n3)
@@ -206,7 +213,7 @@ def test_a_cut_whose_dump_fails_leaves_every_part_running(
         # The store, unwritable for n2 alone (a read-only mount in its mount namespace).
         subprocess.run([*n2.node.prefix(), "mount", "--bind", "-o", "ro", store, store], check=True)
         taken = c1.dump(server, frozen=True)
-        with pytest.raises(StasisError, match=f"checkpoint of job {client} failed"):
+        with pytest.raises(StasisError, match="Read-only file system"):
             c2.dump(client, frozen=True)
         assert all(_frozen(a["cgroup"]) for a in frozen)  # a failed dump leaves it frozen
         # The coordinator abandons the cut: what was taken goes, every part thaws.
@@ -226,6 +233,42 @@ def test_a_cut_whose_dump_fails_leaves_every_part_running(
         assert {j["state"] for j in (c1.job(server), c2.job(client))} == {"running"}
     finally:
         subprocess.run([*n2.node.prefix(), "umount", store], check=False)
+        _thaw_parts()
+        for d in (n1, n2):
+            d.kill_all()
+        job.remove(n1, n2)
+
+
+def test_a_daemon_killed_with_a_part_frozen_thaws_it_at_its_start(
+    daemons: dict[str, Daemon], tmp_path: Path
+) -> None:
+    # docs/faults.md: every freeze is journaled before it happens; a daemon that starts settles
+    # what a killed one left.
+    n1, n2 = daemons["jn1"], daemons["jn2"]
+    c1 = Client(n1.socket)
+    job = Job(n1, n2, tmp_path)
+    try:
+        server, _ = job.start()
+        frozen = c1.freeze(server, timeout_s=600)  # no deadline within the test: the journal
+        before = _counted(job.client_log)
+        assert n1.proc is not None
+        n1.proc.kill()
+        n1.proc.wait()
+        n1.stop()
+        time.sleep(0.3)
+        assert _frozen(frozen["cgroup"]) and _counted(job.client_log) == before
+        n1.start()
+        assert not _frozen(frozen["cgroup"])
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
+        )
+        numbers = [n for n, _ in _counted(job.client_log)]
+        assert numbers == list(range(2, 2 + len(numbers)))
+        assert c1.job(server)["state"] == "running"
+        with pytest.raises(StasisError, match=f"job {server} is not frozen"):
+            c1.thaw(server)
+    finally:
+        _thaw_parts()
         for d in (n1, n2):
             d.kill_all()
         job.remove(n1, n2)
