@@ -14,7 +14,6 @@ import hashlib
 import io
 import json
 import os
-import resource
 import stat
 import subprocess
 import sys
@@ -208,7 +207,6 @@ _META_STRINGS = (
     "image",
 )
 _RAW_DIFF = ".rootfs-diff.import"
-_CHILD_MEMORY_BYTES = 1 << 31
 _BAD_EXIT, _FAILED_EXIT = 3, 4
 _CHUNK = 1 << 20
 
@@ -309,7 +307,7 @@ def _members(f: BinaryIO, end: int) -> dict[str, tuple[int, int]]:
     except BadArchive:
         raise
     except Exception as e:  # whatever the bytes make tarfile raise
-        raise BadArchive(f"not a readable (uncompressed) tar: {_short(e)}") from None
+        raise BadArchive(f"not a readable (uncompressed) tar: {child.short(e)}") from None
     raise BadArchive(f"more than {MAX_ARCHIVE_ENTRIES} entries")
 
 
@@ -331,7 +329,7 @@ def _json(fd: int, blobs: dict[str, tuple[int, int]], name: str, digest: str | N
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:
-        raise BadArchive(f"its {name} is not JSON: {_short(e)}") from None
+        raise BadArchive(f"its {name} is not JSON: {child.short(e)}") from None
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -424,7 +422,7 @@ def _unpack_layer(reader: _Verified, gzipped: bool, into_fd: int, into: Path) ->
     except (BadArchive, OSError):
         raise
     except Exception as e:  # whatever the bytes make tarfile or zlib raise
-        raise BadArchive(f"its layer is not a readable tar: {_short(e)}") from None
+        raise BadArchive(f"its layer is not a readable tar: {child.short(e)}") from None
     raise BadArchive(f"its layer has more than {MAX_LAYER_ENTRIES} entries")
 
 
@@ -446,7 +444,7 @@ def _deleted(raw: bytes | None) -> list[str]:
     try:
         paths = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise BadArchive(f"its {_DELETED} is not JSON: {_short(e)}") from None
+        raise BadArchive(f"its {_DELETED} is not JSON: {child.short(e)}") from None
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
         raise BadArchive(f"its {_DELETED} is not a list of paths")
     if len(paths) > MAX_LAYER_ENTRIES:
@@ -485,7 +483,7 @@ def _rebuild_diff(into_fd: int, into: Path, deleted: list[str]) -> None:
         except (BadArchive, OSError):
             raise
         except Exception as e:
-            raise BadArchive(f"its {_RW_DIFF} is not a readable tar: {_short(e)}") from None
+            raise BadArchive(f"its {_RW_DIFF} is not a readable tar: {child.short(e)}") from None
         try:
             rootfs.Layer(dst_f).scan()
         except rootfs.Refused as e:
@@ -499,7 +497,7 @@ def _meta(raw: bytes | None) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise BadArchive(f"its {STASIS_JSON} is not JSON: {_short(e)}") from None
+        raise BadArchive(f"its {STASIS_JSON} is not JSON: {child.short(e)}") from None
     obj = _object(obj, f"its {STASIS_JSON}")
     meta: dict[str, Any] = {k: obj[k][:4096] for k in _META_STRINGS if isinstance(obj.get(k), str)}
     command = obj.get("command")
@@ -519,16 +517,11 @@ def _blob_name(digest: str) -> str:
     return f"blobs/sha256/{hexdigest}"
 
 
-def _short(e: BaseException) -> str:
-    return (str(e) or type(e).__name__).splitlines()[0][:200]
-
-
 def _main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "import":
         print("usage: python -I -m stasis.k8s.oci import ARCHIVE INTO", file=sys.stderr)
         return 2
-    os.umask(0o077)
-    resource.setrlimit(resource.RLIMIT_AS, (_CHILD_MEMORY_BYTES, _CHILD_MEMORY_BYTES))
+    child.confine_self()
     try:
         meta = unpack(Path(argv[1]), Path(argv[2]))
     except BadArchive as e:
@@ -538,7 +531,7 @@ def _main(argv: list[str]) -> int:
         print(f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}", file=sys.stderr)
         return _FAILED_EXIT
     except Exception as e:  # a bug of ours, or bytes nobody foresaw: one line, one import
-        print(f"{type(e).__name__}: {_short(e)}", file=sys.stderr)
+        print(f"{type(e).__name__}: {child.short(e)}", file=sys.stderr)
         return _BAD_EXIT
     print(json.dumps(meta))
     return 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import os
-import resource
 import shutil
 import stat
 import subprocess
@@ -54,8 +53,6 @@ MAX_DEPTH = 256  # directories open at once while capturing; levels of a name
 _CHUNK = 1 << 20
 _MAX_ID = (1 << 32) - 2  # (uid_t)-1 means "unchanged" to chown
 _MAX_TIME_S = 1 << 40
-# The child's address space: a tar header that claims gigabytes fails there, not in the daemon.
-_CHILD_MEMORY_BYTES = 1 << 31
 _REFUSED_EXIT, _FAILED_EXIT = 3, 4
 _DO_INSTEAD = (
     "start the container without this checkpoint (another label) or restore an " "older one"
@@ -336,14 +333,14 @@ class Layer:
                 fileobj=self.f, mode="r:", encoding="utf-8", errors="surrogateescape"
             )
         except Exception as e:  # whatever the bytes make tarfile raise: not a layer
-            raise Refused(f"the layer is not a readable tar ({_short(e)})") from None
+            raise Refused(f"the layer is not a readable tar ({child.short(e)})") from None
         count = 0
         while True:
             try:
                 member = tar.next()
             except Exception as e:
                 raise Refused(
-                    f"the layer is not a readable tar after {count} entries " f"({_short(e)})"
+                    f"the layer is not a readable tar after {count} entries " f"({child.short(e)})"
                 ) from None
             # Nothing keeps the members read so far: a million entries cost one at a time.
             tar.members.clear()  # type: ignore[attr-defined]  # (typeshed lacks it)
@@ -383,10 +380,6 @@ class Layer:
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
             finally:
                 os.close(fd)
-
-
-def _short(e: BaseException) -> str:
-    return (str(e) or type(e).__name__).splitlines()[0][:200]
 
 
 def _put(root: ConfinedRoot, entry: Entry, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
@@ -509,8 +502,7 @@ def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "apply":
         print("usage: python -I -m stasis.k8s.rootfs apply ROOT < diff.tar", file=sys.stderr)
         return 2
-    os.umask(0o077)
-    resource.setrlimit(resource.RLIMIT_AS, (_CHILD_MEMORY_BYTES, _CHILD_MEMORY_BYTES))
+    child.confine_self()
     confined.keep_only_file_capabilities()
     stdin = os.fdopen(sys.stdin.fileno(), "rb", closefd=False)
     try:
@@ -523,7 +515,7 @@ def _main(argv: list[str]) -> int:
         return _FAILED_EXIT
     except Exception as e:  # a bug of ours: still one line, and only this restore fails
         print(
-            f"{type(e).__name__}: {_short(e)} (the root may hold part of the layer)",
+            f"{type(e).__name__}: {child.short(e)} (the root may hold part of the layer)",
             file=sys.stderr,
         )
         return _FAILED_EXIT
