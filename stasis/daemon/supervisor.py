@@ -19,7 +19,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Generic, TypeVar
 

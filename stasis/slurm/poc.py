@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field

@@ -33,7 +33,6 @@ import hmac
 import json
 import os
 import secrets
-import stat
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
