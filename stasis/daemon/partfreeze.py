@@ -31,7 +31,7 @@ from pathlib import Path
 from stasis.atomicfile import write_atomically
 from stasis.daemon import jobnet, partcgroup
 from stasis.engine import jobnetns, proctree
-from stasis.errors import CheckpointError, StasisError
+from stasis.errors import CheckpointError, StasisError, UsageError
 
 log = logging.getLogger("stasis.daemon")
 
@@ -84,19 +84,18 @@ class PartFreezes:
 
     def freeze(self, job: str, pid: int, timeout_s: float) -> PartFreeze:
         """Freeze the part `job` whose tree is `pid` (its cgroup and job network) for at most
-        `timeout_s`; CheckpointError (one line) when it cannot be, nothing left frozen."""
+        `timeout_s`; UsageError (one line) when it is not a part or frozen already,
+        CheckpointError when it cannot be frozen, nothing left frozen."""
         cgroup = partcgroup.of(pid)
         if cgroup is None:
-            raise CheckpointError(
+            raise UsageError(
                 f"job {job} cannot be frozen for a checkpoint across nodes: it does not run in "
                 "a cgroup of its own (only a job started or restored in a job network does); "
                 "run it with job_net, or dump it alone"
             )
         with self._lock:
             if job in self._open:
-                raise CheckpointError(
-                    f"job {job} is frozen already; dump it (frozen) or thaw it first"
-                )
+                raise UsageError(f"job {job} is frozen already; dump it (frozen) or thaw it first")
             entry = PartFreeze(
                 job=job,
                 pid=pid,
@@ -142,14 +141,14 @@ class PartFreezes:
 
     def thaw(self, job: str, stop: bool) -> PartFreeze:
         """Let the frozen part run on, or (`stop`) end it at the checkpoint taken while it was
-        frozen; the entry it was. CheckpointError when it is not frozen, or `stop` without a
+        frozen; the entry it was. UsageError when it is not frozen, or `stop` without a
         checkpoint taken."""
         with self._lock:
             entry = self._open.get(job)
             if entry is None:
-                raise CheckpointError(f"job {job} is not frozen; nothing to thaw")
+                raise UsageError(f"job {job} is not frozen; nothing to thaw")
             if stop and not entry.checkpoints:
-                raise CheckpointError(
+                raise UsageError(
                     f"job {job} not stopped: no checkpoint was taken while it was frozen; "
                     "thaw it, or kill it with `stasis kill`"
                 )

@@ -149,7 +149,7 @@ def stream_result(answer: Answer) -> Any:
 
 def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     routes = app_routes(make_app(manager, [SlurmIntegration(manager)]))
-    assert len(routes) == 23  # stasis/routes.py: CORE and SLURM
+    assert len(routes) == 25  # stasis/routes.py: CORE and SLURM
     req = Recorder(daemon.socket, routes)
 
     ran = json_answer(
@@ -172,6 +172,13 @@ def test_every_route_answers_json(daemon: Daemon, manager: JobManager) -> None:
     assert conforms(checked, wire.DumpCheckAnswer)
     assert checked["job"] == job_id and checked["obstacles"] == []
     assert len(checked["notes"]) == 1 and "clock_nanosleep" in checked["notes"][0]
+
+    # A job outside a job network is no part to freeze for a cut across nodes, and none is
+    # frozen to thaw (tests/e2e/test_jobnet_daemon.py freezes and thaws parts).
+    refused = assert_error(req("POST", f"/jobs/{job_id}/freeze", {}), 400, "UsageError")
+    assert "cgroup of its own" in refused
+    refused = assert_error(req("POST", f"/jobs/{job_id}/thaw", {}), 400, "UsageError")
+    assert f"job {job_id} is not frozen" in refused
 
     dumped = stream_result(req("POST", f"/jobs/{job_id}/dump", {}))
     assert conforms(dumped, wire.DumpAnswer) and dumped["job"] == job_id
