@@ -470,6 +470,21 @@ class Settings(NamedTuple):
     slurm_remote_address: Annotated[
         str, Setting(SLURM, 'the address that listener binds; `""`: every address')
     ] = ""
+    # Off until checkpoints of jobs that span nodes are complete (issue 31): with it, such a
+    # job runs, each node's tasks in the job's own network, but is not yet checkpointed.
+    slurm_multinode: Annotated[
+        int,
+        Setting(
+            SLURM,
+            "(off) opted-in jobs may span nodes (`-N 2` and more), every srun task of theirs "
+            "inside the job's own network (a VXLAN per job): this cluster's number, 1 to 15, "
+            "among the clusters whose nodes share one network (each job's VXLAN id is "
+            "`number << 20 | job id mod 2^20`: unique site-wide while a cluster's running jobs' "
+            "ids are less than 2^20 apart); the same on every node and the controller "
+            "(`stasis slurm install` writes it into job_submit.lua); 0: such jobs are refused "
+            "at submission",
+        ),
+    ] = 0
     # `auto` intervals (stasis/interval.py): never more often than the floor (each checkpoint
     # takes a dump slot and store space), never rarer than the ceiling (a rate of zero in the
     # accounting window proves no rate of zero).
@@ -864,6 +879,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
                 '"auto" nor seconds (e.g. "3600")'
             )
         settings = settings._replace(interval="" if asked == "off" else asked)
+    if not 0 <= settings.slurm_multinode <= 15:
+        raise UsageError(
+            f"bad setting 'slurm_multinode': {settings.slurm_multinode} is not 0 (off) or a "
+            "cluster number from 1 to 15"
+        )
     if settings.slurm_remote_port > 65535:
         raise UsageError(
             f"bad setting 'slurm_remote_port': {settings.slurm_remote_port} is not "
