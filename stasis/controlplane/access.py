@@ -19,8 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from stasis.controlplane import events as event_log
 from stasis.controlplane import wire
 from stasis.controlplane.database import Database
-from stasis.controlplane.routes import RUN_POLICY
-from stasis.controlplane.schema import clusters, node_credentials, policies, tokens
+from stasis.controlplane.schema import clusters, tokens
 from stasis.errors import (
     NotFoundError,
     PermissionDeniedError,
@@ -129,37 +128,11 @@ class Access:
             return token
 
     def authenticate(self, token: str) -> Principal:
+        """The admin or the cluster whose token `token` is (a node's credential:
+        stasis.controlplane.nodes; a policy's hook token: stasis.controlplane.policies)."""
         if not token.startswith(TOKEN_PREFIX):
             raise UnauthenticatedError(
                 "no valid token: send `Authorization: Bearer stasis_...` " "(STASIS_AUTH_TOKEN)"
-            )
-        if token.startswith(NODE_PREFIX):
-            with self.db.transaction() as conn:
-                cred = conn.execute(
-                    select(node_credentials).where(node_credentials.c.sha256 == token_sha(token))
-                ).first()
-            if cred is None:
-                raise UnauthenticatedError(
-                    "unknown node credential (reset by an admin, or the control "
-                    "plane lost it): the node joins again with its cluster's token"
-                )
-            return Principal(
-                kind="node",
-                token_id="node:" + cred.node,
-                cluster_id=cred.cluster_id,
-                node=cred.node,
-            )
-        if token.startswith(HOOK_PREFIX):
-            with self.db.transaction() as conn:
-                hook = conn.execute(
-                    select(policies.c.name).where(policies.c.hook_sha256 == token_sha(token))
-                ).first()
-            if hook is None:
-                raise UnauthenticatedError("unknown token")
-            raise PermissionDeniedError(
-                f"this is the hook token of policy {hook.name}: it "
-                f"runs that policy only ({RUN_POLICY.method} "
-                f"{RUN_POLICY.url(name=hook.name)})"
             )
         with self.db.transaction() as conn:
             row = conn.execute(select(tokens).where(tokens.c.sha256 == token_sha(token))).first()
@@ -176,21 +149,26 @@ class Access:
         return Principal(kind=row.kind, token_id=row.id, cluster_id=row.cluster_id)
 
     def list_tokens(self) -> list[wire.Token]:
+        return self._tokens(None)
+
+    def token(self, token_id: str) -> wire.Token | None:
+        """Token `token_id` (revoked or expired too), None if there is none."""
+        found = self._tokens(token_id)
+        return found[0] if found else None
+
+    def _tokens(self, token_id: str | None) -> list[wire.Token]:
+        q = select(
+            tokens.c.id,
+            tokens.c.kind,
+            tokens.c.cluster_id,
+            tokens.c.created,
+            tokens.c.revoked,
+            tokens.c.expires,
+        ).order_by(tokens.c.created, tokens.c.id)
+        if token_id is not None:
+            q = q.where(tokens.c.id == token_id)
         with self.db.transaction() as conn:
-            rows = (
-                conn.execute(
-                    select(
-                        tokens.c.id,
-                        tokens.c.kind,
-                        tokens.c.cluster_id,
-                        tokens.c.created,
-                        tokens.c.revoked,
-                        tokens.c.expires,
-                    ).order_by(tokens.c.created, tokens.c.id)
-                )
-                .mappings()
-                .all()
-            )
+            rows = conn.execute(q).mappings().all()
         return [cast(wire.Token, dict(r)) for r in rows]
 
     def revoke(self, token_id: str, by: Principal) -> wire.Revoked:

@@ -516,6 +516,20 @@ class CommandQueue:
             rows = conn.execute(q).all()
         return [(c, n, json.loads(args)) for c, n, args in rows]
 
+    def created_since(
+        self, kind: CommandKind, since: str
+    ) -> list[tuple[str, str, dict[str, Any], str]]:
+        """(cluster id, node, args, created) of each command of `kind` created since `since`
+        (ISO 8601), oldest first, whatever its state."""
+        q = (
+            select(commands.c.cluster_id, commands.c.node, commands.c.args, commands.c.created)
+            .where(commands.c.kind == kind, commands.c.created >= since)
+            .order_by(commands.c.created)
+        )
+        with self.db.transaction() as conn:
+            rows = conn.execute(q).all()
+        return [(r.cluster_id, r.node, json.loads(r.args), r.created) for r in rows]
+
     def list_commands(self, by: Principal) -> list[Command]:
         q = select(commands).order_by(commands.c.created, commands.c.id)
         if by.kind != "admin":

@@ -35,6 +35,17 @@ def add(db: Database, cluster_id: str | None, node: str | None, kind: str, messa
         record(conn, cluster_id, node, kind, message)
 
 
+def clusters_of(db: Database, kind: str, since: str) -> list[str | None]:
+    """The cluster (None: the admin's view) of each event of `kind` since `since` (ISO 8601)."""
+    with db.transaction() as conn:
+        return [
+            r.cluster_id
+            for r in conn.execute(
+                select(events.c.cluster_id).where(events.c.kind == kind, events.c.at >= since)
+            )
+        ]
+
+
 def listed(db: Database, cluster_id: str | None, limit: int = 200) -> list[wire.Event]:
     """The latest `limit` events, oldest first: every cluster's (None) or one's."""
     q = select(events).order_by(events.c.id.desc()).limit(limit)

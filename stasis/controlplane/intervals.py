@@ -16,23 +16,21 @@ same function a node uses for `STASIS_INTERVAL=auto`).
     bounds the control plane's floor (`controlplane_min_interval_s`, `serve --min-interval`)
            and ceiling (`controlplane_max_interval_s`, `serve --max-interval`)
 
-Both are read again at every look, so the interval follows them as they change. Pure reads:
-the policies (stasis.controlplane.policies) decide what is due.
+Both are read again at every look, so the interval follows them as they change. Pure reads,
+through the public methods of the repositories that hold them (nodes, events, commands,
+reports): the policies (stasis.controlplane.policies) decide what is due.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select
-
 from stasis import interval
-from stasis.controlplane.database import Database
-from stasis.controlplane.schema import checkpoints, commands, events, nodes
+from stasis.controlplane import events as event_log
+from stasis.controlplane.registry import Registry
 
 WINDOW_S = 30 * 86400
 COST_SAMPLES = 5
@@ -71,78 +69,49 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds")
 
 
-def rates(db: Database, now: float) -> dict[str, Rate]:
+def rates(registry: Registry, now: float) -> dict[str, Rate]:
     """Each cluster's interruption rate (by cluster id) over the last WINDOW_S."""
     start = now - WINDOW_S
     count: dict[str, int] = {}
     hours: dict[str, float] = {}
-    with db.transaction() as conn:
-        for n in conn.execute(
-            select(nodes.c.cluster_id, nodes.c.registered, nodes.c.lost_since)
-        ).all():
-            begun = max(_ts(n.registered) or now, start)
-            ended = float(n.lost_since) if n.lost_since else now
-            hours[n.cluster_id] = hours.get(n.cluster_id, 0.0) + max(0.0, ended - begun) / 3600
-        for (cluster_id,) in conn.execute(
-            select(events.c.cluster_id).where(
-                events.c.kind == "node-lost", events.c.at >= _iso(start)
-            )
-        ).all():
-            if cluster_id:
-                count[cluster_id] = count.get(cluster_id, 0) + 1
-        for (cluster_id,) in conn.execute(
-            select(commands.c.cluster_id).where(
-                commands.c.kind == "drain", commands.c.created >= _iso(start)
-            )
-        ).all():
+    for cluster_id, registered, lost_since in registry.nodes.spans():
+        begun = max(_ts(registered) or now, start)
+        ended = float(lost_since) if lost_since else now
+        hours[cluster_id] = hours.get(cluster_id, 0.0) + max(0.0, ended - begun) / 3600
+    for lost_in in event_log.clusters_of(registry.db, "node-lost", _iso(start)):
+        if lost_in:
+            count[lost_in] = count.get(lost_in, 0) + 1
+    for cluster_id, _, _, _ in registry.commands.created_since("drain", _iso(start)):
+        count[cluster_id] = count.get(cluster_id, 0) + 1
+    for cluster_id, reason in registry.reports.stopped_since(start):
+        if any(word in reason.lower() for word in _INTERRUPTED):
             count[cluster_id] = count.get(cluster_id, 0) + 1
-        for cluster_id, reason in conn.execute(
-            select(checkpoints.c.cluster_id, checkpoints.c.reason).where(
-                checkpoints.c.leave_running.is_(False), checkpoints.c.created >= start
-            )
-        ).all():
-            if any(word in reason.lower() for word in _INTERRUPTED):
-                count[cluster_id] = count.get(cluster_id, 0) + 1
     return {c: Rate(count.get(c, 0), hours.get(c, 0.0)) for c in sorted(set(count) | set(hours))}
 
 
-def costs(db: Database, now: float) -> dict[tuple[str, str, str], tuple[float, int]]:
+def costs(registry: Registry, now: float) -> dict[tuple[str, str, str], tuple[float, int]]:
     """(cluster id, user, label) -> (mean frozen seconds of its newest COST_SAMPLES
     checkpoints in the window, how many were averaged)."""
     seen: dict[tuple[str, str, str], list[float]] = {}
-    with db.transaction() as conn:
-        rows = conn.execute(
-            select(
-                checkpoints.c.cluster_id,
-                checkpoints.c.user,
-                checkpoints.c.label,
-                checkpoints.c.frozen_s,
-            )
-            .where(checkpoints.c.created >= now - WINDOW_S)
-            .order_by(checkpoints.c.created.desc(), checkpoints.c.id)
-        ).all()
-    for r in rows:
-        kept = seen.setdefault((r.cluster_id, r.user, r.label), [])
+    for cluster_id, user, label, frozen_s in registry.reports.frozen_since(now - WINDOW_S):
+        kept = seen.setdefault((cluster_id, user, label), [])
         if len(kept) < COST_SAMPLES:
-            kept.append(float(r.frozen_s))
+            kept.append(float(frozen_s))
     return {k: (sum(v) / len(v), len(v)) for k, v in seen.items()}
 
 
-def last_commands(db: Database, policy: str, since: float) -> dict[tuple[str, str, str], float]:
+def last_commands(
+    registry: Registry, policy: str, since: float
+) -> dict[tuple[str, str, str], float]:
     """(cluster id, node, job) -> when the newest checkpoint command of `policy` for it was
     queued (since `since`): a checkpoint queued counts from then, before its report comes."""
     out: dict[tuple[str, str, str], float] = {}
-    with db.transaction() as conn:
-        rows = conn.execute(
-            select(commands.c.cluster_id, commands.c.node, commands.c.args, commands.c.created)
-            .where(commands.c.kind == "checkpoint", commands.c.created >= _iso(since))
-            .order_by(commands.c.created)
-        ).all()
-    for r in rows:
-        args = json.loads(r.args)
-        at = _ts(r.created)
+    for cluster_id, node, args, created in registry.commands.created_since(
+        "checkpoint", _iso(since)
+    ):
+        at = _ts(created)
         if args.get("policy") == policy and at is not None:
-            out[(r.cluster_id, r.node, str(args.get("job")))] = at
+            out[(cluster_id, node, str(args.get("job")))] = at
     return out
 
 

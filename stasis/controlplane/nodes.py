@@ -30,6 +30,7 @@ from stasis.errors import (
     ConflictError,
     NotFoundError,
     PermissionDeniedError,
+    UnauthenticatedError,
     UsageError,
 )
 
@@ -200,6 +201,21 @@ class Nodes:
             ):
                 raise NotFoundError(f"no node {name} in cluster {cid}: it joins first")
         return {"cluster_id": cid, "name": name, "approved": True, "was_pending": bool(n)}
+
+    def authenticate(self, token: str) -> Principal:
+        """The node whose own credential `token` is."""
+        with self.db.transaction() as conn:
+            cred = conn.execute(
+                select(node_credentials).where(node_credentials.c.sha256 == token_sha(token))
+            ).first()
+        if cred is None:
+            raise UnauthenticatedError(
+                "unknown node credential (reset by an admin, or the control "
+                "plane lost it): the node joins again with its cluster's token"
+            )
+        return Principal(
+            kind="node", token_id="node:" + cred.node, cluster_id=cred.cluster_id, node=cred.node
+        )
 
     def refuse_if_pending(self, cluster_id: str, node: str) -> None:
         """Refused (409) if node `node` waits for an admin's approval."""
@@ -438,6 +454,16 @@ class Nodes:
                     )
                 ).all()
             }
+
+    def spans(self) -> list[tuple[str, str, int | None]]:
+        """(cluster id, when it joined, when it was found lost) of each node."""
+        with self.db.transaction() as conn:
+            return [
+                (r.cluster_id, r.registered, r.lost_since)
+                for r in conn.execute(
+                    select(nodes.c.cluster_id, nodes.c.registered, nodes.c.lost_since)
+                )
+            ]
 
     # -- read in the transaction of a command (stasis.controlplane.commandqueue) ---------------
 

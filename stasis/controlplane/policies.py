@@ -48,7 +48,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -57,8 +57,9 @@ from stasis.controlplane import events as event_log
 from stasis.controlplane import intervals, wire
 from stasis.controlplane.access import HOOK_PREFIX, Principal, validate_name
 from stasis.controlplane.registry import Registry
+from stasis.controlplane.routes import RUN_POLICY
 from stasis.controlplane.schema import policies
-from stasis.errors import NotFoundError, UnauthenticatedError, UsageError
+from stasis.errors import NotFoundError, PermissionDeniedError, UnauthenticatedError, UsageError
 
 log = logging.getLogger("stasis.controlplane")
 ACTIONS = ("checkpoint", "retain", "migrate", "verify")
@@ -216,6 +217,20 @@ def rotate_hook(registry: Registry, by: Principal, name: str) -> wire.HookRotate
     if not n:
         raise NotFoundError(f"no policy {name}")
     return {"name": name, "hook_token": token}
+
+
+def refuse_hook(registry: Registry, token: str) -> NoReturn:
+    """Hook token `token`, refused anywhere but its policy's run (its route checks it)."""
+    with registry.db.transaction() as conn:
+        hook = conn.execute(
+            select(policies.c.name).where(policies.c.hook_sha256 == _sha(token))
+        ).first()
+    if hook is None:
+        raise UnauthenticatedError("unknown token")
+    raise PermissionDeniedError(
+        f"this is the hook token of policy {hook.name}: it runs that policy only "
+        f"({RUN_POLICY.method} {RUN_POLICY.url(name=hook.name)})"
+    )
 
 
 def new_hook_token() -> str:
@@ -595,10 +610,10 @@ def _auto(
     """An `every auto` policy: a checkpoint of each job it picks whose own interval has
     passed since its newest checkpoint (or this policy's last command for it, or its start)."""
     now = time.time()
-    rates = intervals.rates(registry.db, now)
-    costs = intervals.costs(registry.db, now)
+    rates = intervals.rates(registry, now)
+    costs = intervals.costs(registry, now)
     queued_at = intervals.last_commands(
-        registry.db, p["name"], now - max(bounds.floor_s, bounds.ceiling_s) - 1
+        registry, p["name"], now - max(bounds.floor_s, bounds.ceiling_s) - 1
     )
 
     def due(job: dict[str, Any]) -> bool:
@@ -660,8 +675,8 @@ def annotate_intervals(registry: Registry, jobs: list[wire.Job], bounds: interva
             .all()
         ]
     now = time.time()
-    rates = intervals.rates(registry.db, now) if auto else {}
-    costs = intervals.costs(registry.db, now) if auto else {}
+    rates = intervals.rates(registry, now) if auto else {}
+    costs = intervals.costs(registry, now) if auto else {}
     for job in jobs:
         picked = next((p for p in auto if _matches(json.loads(p["filters"]), job, now)), None)
         if picked is not None:

@@ -7,11 +7,10 @@ checkpoint, migrate a job, drain a node). No SQL here: each repository owns its 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from stasis.controlplane import events as event_log
 from stasis.controlplane import migration, wire
-from stasis.controlplane.access import Access, Principal, validate_name
+from stasis.controlplane.access import NODE_PREFIX, Access, Principal, validate_name
 from stasis.controlplane.commandqueue import CommandQueue
 from stasis.controlplane.commands import CheckpointArgs, Command
 from stasis.controlplane.commands import Kind as CommandKind
@@ -42,6 +41,13 @@ class Registry:
 
     def close(self) -> None:
         self.db.close()
+
+    def authenticate(self, token: str) -> Principal:
+        """Who `token` is: a node (its own credential), the admin or a cluster (a policy's hook
+        token runs its policy only: stasis.controlplane.policies.refuse_hook)."""
+        if token.startswith(NODE_PREFIX):
+            return self.nodes.authenticate(token)
+        return self.access.authenticate(token)
 
     def list_events(self, by: Principal, limit: int = 200) -> list[wire.Event]:
         return event_log.listed(self.db, None if by.kind == "admin" else by.cluster_id, limit)

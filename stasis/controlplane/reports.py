@@ -389,6 +389,31 @@ class Reports:
         with self.db.transaction() as conn:
             return [(r.cluster_id, r.frozen_s, r.created) for r in conn.execute(q).all()]
 
+    def stopped_since(self, start: float) -> list[tuple[str, str]]:
+        """(cluster id, reason) of each checkpoint that stopped its job, taken since `start`
+        (unix seconds; deleted ones too)."""
+        q = select(checkpoints.c.cluster_id, checkpoints.c.reason).where(
+            checkpoints.c.leave_running.is_(False), checkpoints.c.created >= start
+        )
+        with self.db.transaction() as conn:
+            return [(r.cluster_id, r.reason) for r in conn.execute(q)]
+
+    def frozen_since(self, start: float) -> list[tuple[str, str, str, float]]:
+        """(cluster id, user, label, frozen seconds) of each checkpoint taken since `start`,
+        newest first (deleted ones too)."""
+        q = (
+            select(
+                checkpoints.c.cluster_id,
+                checkpoints.c.user,
+                checkpoints.c.label,
+                checkpoints.c.frozen_s,
+            )
+            .where(checkpoints.c.created >= start)
+            .order_by(checkpoints.c.created.desc(), checkpoints.c.id)
+        )
+        with self.db.transaction() as conn:
+            return [(r.cluster_id, r.user, r.label, r.frozen_s) for r in conn.execute(q)]
+
     def savings(self, by: Principal) -> wire.Kept:
         """Node-hours of work kept by restores instead of reruns: in all, per cluster, per
         user, per day (UTC). A restore keeps the seconds of work its checkpoint held; every

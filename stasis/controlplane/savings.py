@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 from stasis.controlplane import intervals, wire
 from stasis.controlplane.access import Principal
@@ -35,7 +34,7 @@ def savings_of(registry: Registry, by: Principal) -> wire.Savings:
         day = datetime.fromtimestamp(created, UTC).date().isoformat()
         per_day[day] = per_day.get(day, 0.0) + hours
     kept = {c["cluster"]: float(c["node_hours"]) for c in saved["clusters"]}
-    rates = intervals.rates(registry.db, time.time())
+    rates = intervals.rates(registry, time.time())
     per_cluster: list[wire.ClusterSavings] = []
     for cid, name in sorted(names.items(), key=lambda kv: kv[1]):
         rate = rates.get(cid, intervals.Rate(0, 0.0))

@@ -90,7 +90,10 @@ def _bearer(request: web.Request) -> str:
 
 
 def _principal(request: web.Request) -> Principal:
-    return request.app[REGISTRY].access.authenticate(_bearer(request))
+    token = _bearer(request)
+    if token.startswith(HOOK_PREFIX):
+        policies.refuse_hook(request.app[REGISTRY], token)
+    return request.app[REGISTRY].authenticate(token)
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:

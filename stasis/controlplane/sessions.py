@@ -15,7 +15,7 @@ from sqlalchemy import delete, insert, select
 
 from stasis.controlplane.access import HOOK_PREFIX, NODE_PREFIX, Principal
 from stasis.controlplane.registry import Registry
-from stasis.controlplane.schema import sessions, tokens
+from stasis.controlplane.schema import sessions
 from stasis.errors import PermissionDeniedError, UnauthenticatedError
 
 
@@ -46,7 +46,7 @@ def start(registry: Registry, token: str, ttl_s: int) -> tuple[str, Session]:
             f"{what} does not log in to the dashboard: log in with the "
             "admin token or a cluster's token"
         )
-    who = registry.access.authenticate(token)
+    who = registry.authenticate(token)
     if who.kind not in ("admin", "cluster"):
         raise PermissionDeniedError(
             f"a {who.kind} credential does not log in to the dashboard: "
@@ -72,32 +72,25 @@ def find(registry: Registry, sid: str) -> Session:
     key = _sha(sid)
     with registry.db.transaction() as conn:
         row = conn.execute(
-            select(
-                sessions.c.token_id,
-                sessions.c.csrf,
-                sessions.c.expires,
-                tokens.c.kind,
-                tokens.c.cluster_id,
-                tokens.c.revoked,
-                tokens.c.expires.label("token_expires"),
+            select(sessions.c.token_id, sessions.c.csrf, sessions.c.expires).where(
+                sessions.c.sha256 == key
             )
-            .join(tokens, tokens.c.id == sessions.c.token_id)
-            .where(sessions.c.sha256 == key)
         ).first()
-        if row is None:
-            raise UnauthenticatedError("not logged in")
-        token_gone = row.revoked is not None or (
-            row.token_expires is not None and row.token_expires <= time.time()
-        )
-        if row.expires < time.time() or token_gone:
+    # (its token's state is the access repository's: stasis.controlplane.access)
+    token = registry.access.token(row.token_id) if row is not None else None
+    if row is None or token is None:
+        raise UnauthenticatedError("not logged in")
+    token_gone = token["revoked"] is not None or (
+        token["expires"] is not None and token["expires"] <= time.time()
+    )
+    if row.expires < time.time() or token_gone:
+        with registry.db.transaction() as conn:
             conn.execute(delete(sessions).where(sessions.c.sha256 == key))
-            raise UnauthenticatedError(
-                "the session's token was revoked or expired"
-                if token_gone
-                else "the session expired"
-            )
+        raise UnauthenticatedError(
+            "the session's token was revoked or expired" if token_gone else "the session expired"
+        )
     return Session(
-        Principal(kind=row.kind, token_id=row.token_id, cluster_id=row.cluster_id),
+        Principal(kind=token["kind"], token_id=row.token_id, cluster_id=token["cluster_id"]),
         row.csrf,
         key,
         int(row.expires),
