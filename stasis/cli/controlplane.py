@@ -698,15 +698,16 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     client = _client(settings)
     plan = client.drain(args.node, {"reason": args.reason, "cluster": args.cluster})
     moved, failed, requeued = [], [], []
-    if plan.get("drain"):
-        drained = _finished(client, plan["drain"], args.wait)
+    scheduler = plan["drain"]
+    if scheduler:
+        drained = _finished(client, scheduler, args.wait)
         if drained["state"] == "failed":
             failed.append(f"drain: {drained['result'].get('error')}")
         else:
             requeued = list(drained["result"].get("requeued") or [])
             failed.extend(drained["result"].get("failed") or [])
-    for first in plan["migrations"]:
-        first = _finished(client, first, args.wait)
+    for migration in plan["migrations"]:
+        first = _finished(client, migration, args.wait)
         job = first["args"]["job"]
         if first["state"] == "failed":
             failed.append(f"{job}: {first['result'].get('error')}")
