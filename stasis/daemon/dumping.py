@@ -190,18 +190,19 @@ class Dumper:
             extra={"work_s": self.core.work.at(row.id, row.created, created)},
         )
         what = f"job {job_id}"
-        manifest, result, staged = self.checkpoint_tree(
-            row.pid,
-            info,
-            leave_running,
-            req.compress,
-            what,
-            progress,
-            notes,
-            encrypt=req.encrypt,
-            reason=req.reason,
-            freeze_cgroup=frozen.cgroup if frozen else None,
-        )
+        with self.parts.dumping(row.id):
+            manifest, result, staged = self.checkpoint_tree(
+                row.pid,
+                info,
+                leave_running,
+                req.compress,
+                what,
+                progress,
+                notes,
+                encrypt=req.encrypt,
+                reason=req.reason,
+                freeze_cgroup=frozen.cgroup if frozen else None,
+            )
         if frozen is not None:
             self.parts.note_checkpoint(row.id, manifest.id)
             notes.append(

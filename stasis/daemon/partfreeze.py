@@ -25,6 +25,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,6 +61,7 @@ class PartFreezes:
         self._lock = threading.Lock()
         self._open: dict[str, PartFreeze] = {}
         self._timers: dict[str, threading.Timer] = {}
+        self._dumping: set[str] = set()  # frozen parts being dumped: their deadline waits
 
     # -- the journal -------------------------------------------------------------------------
 
@@ -132,6 +135,19 @@ class PartFreezes:
         timer.start()
         return entry
 
+    @contextmanager
+    def dumping(self, job: str) -> Iterator[None]:
+        """While the frozen part `job` is dumped: a deadline that passes meanwhile thaws it
+        once the dump is over (thawed under CRIU, the part would be frozen again when CRIU
+        ends, as it found it, and by then no longer written down)."""
+        with self._lock:
+            self._dumping.add(job)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._dumping.discard(job)
+
     def note_checkpoint(self, job: str, checkpoint: str) -> None:
         with self._lock:
             entry = self._open.get(job)
@@ -187,6 +203,12 @@ class PartFreezes:
     def _expired(self, job: str) -> None:
         with self._lock:
             entry = self._open.get(job)
+            if entry is not None and job in self._dumping:
+                timer = threading.Timer(1.0, self._expired, args=(job,))
+                timer.daemon = True
+                self._timers[job] = timer
+                timer.start()
+                return
         if entry is None or entry.stop:
             return
         log.warning(

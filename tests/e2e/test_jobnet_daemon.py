@@ -267,6 +267,12 @@ def test_a_daemon_killed_with_a_part_frozen_thaws_it_at_its_start(
         assert c1.job(server)["state"] == "running"
         with pytest.raises(StasisError, match=f"job {server} is not frozen"):
             c1.thaw(server)
+        # A coordinator that never comes back: the part thaws at its freeze's deadline.
+        again = c1.freeze(server, timeout_s=1)
+        assert _frozen(again["cgroup"])
+        wait_for(lambda: not _frozen(again["cgroup"]), 10, "the deadline's thaw")
+        with pytest.raises(StasisError, match=f"job {server} is not frozen"):
+            c1.thaw(server)
     finally:
         _thaw_parts()
         for d in (n1, n2):
