@@ -43,7 +43,8 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from stasis.errors import SlurmError, UsageError
+from stasis.config import load_settings
+from stasis.errors import SlurmError, StasisError, UsageError
 from stasis.slurm import steps
 
 ROLES = ("controller", "worker", "login")
@@ -71,6 +72,9 @@ class InstallOptions:
     python: str = sys.executable
     warn_s: int = 60  # --signal=B:URG@N, capped at a sixth of the job's time limit
     configless_conf: Path = CONFIGLESS_CONF
+    # slurm_multinode for job_submit.lua; None: the setting as stasis_config (or, without it or
+    # with a per-node "%n" path, the environment) has it.
+    multinode: int | None = None
 
 
 @dataclass
@@ -359,7 +363,8 @@ def plan(opts: InstallOptions) -> Plan:
     cli_block = _asset("cli_filter.lua").replace("@WARN_S@", str(int(opts.warn_s)))
     text_change(etc / "cli_filter.lua", lambda t: merge_block(t, cli_block))
     if "controller" in opts.roles:
-        text_change(etc / "job_submit.lua", lambda t: merge_block(t, _asset("job_submit.lua")))
+        submit_block = _asset("job_submit.lua").replace("@MULTINODE@", str(_multinode(opts)))
+        text_change(etc / "job_submit.lua", lambda t: merge_block(t, submit_block))
     if "worker" in opts.roles:
         for path, what in (
             (opts.lib_dir, "--lib-dir"),
@@ -375,6 +380,19 @@ def plan(opts: InstallOptions) -> Plan:
         text_change(plugstack, lambda t: merge_plugstack(t, plugstack_line(opts)))
         _plan_node_files(opts, p, text_change, configless=False)
     return p
+
+
+def _multinode(opts: InstallOptions) -> int:
+    """The slurm_multinode job_submit.lua is written with."""
+    if opts.multinode is not None:
+        return int(opts.multinode)
+    environ = dict(os.environ)
+    if opts.stasis_config is not None and "%n" not in str(opts.stasis_config):
+        environ["STASIS_CONFIG"] = str(opts.stasis_config)
+    try:
+        return load_settings(environ).slurm_multinode
+    except StasisError:  # no config written yet: off, the safe side (install again to change)
+        return 0
 
 
 def _plan_node_files(

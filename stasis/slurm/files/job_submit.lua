@@ -3,11 +3,14 @@
 -- STASIS_ENABLE=1 (or CEDANA_ENABLE=1) are made requeueable, so that a job stasis checkpointed
 -- comes back and resumes, and get a token in their AdminComment ("stasis-token=...") that tells
 -- their checkpoints apart from those of an unrelated job that later reuses the job id (job ids
--- restart when slurmctld starts clean). A job on several nodes cannot be checkpointed (yet): an
--- opted-in job that asks for more than one node is refused with the reason, and one that does
--- not is kept to one node. Every other job is left as it is. A site's own slurm_job_submit above
--- still runs, after this.
+-- restart when slurmctld starts clean). A job on several nodes cannot be checkpointed (yet): unless
+-- the site turned on slurm_multinode (stasis's setting, written below by `stasis slurm install`),
+-- an opted-in job that asks for more than one node is refused with the reason, and one that does
+-- not is kept to one node; with it on, such a job runs across its nodes, each node's tasks in the
+-- job's own network. Every other job is left as it is. A site's own slurm_job_submit above still
+-- runs, after this.
 local stasis_site_job_submit = slurm_job_submit
+local stasis_multinode = @MULTINODE@
 
 local function stasis_truthy(v)
   return v ~= nil and v ~= "" and v ~= "0" and v ~= "false" and v ~= "no"
@@ -28,14 +31,18 @@ end
 function slurm_job_submit(job_desc, part_list, submit_uid)
   if stasis_opted_in(job_desc) then
     local min_nodes, max_nodes = job_desc.min_nodes, job_desc.max_nodes
-    if (stasis_set_nodes(min_nodes) and min_nodes > 1) or
-       (stasis_set_nodes(max_nodes) and max_nodes > 1) then
-      slurm.log_user("stasis: this job asks for several nodes, and stasis cannot checkpoint a job " ..
-                     "that spans nodes yet (its tasks on each node would have to be frozen and " ..
-                     "restored together); submit it on one node (-N 1) or without STASIS_ENABLE=1")
+    local several = (stasis_set_nodes(min_nodes) and min_nodes > 1) or
+                    (stasis_set_nodes(max_nodes) and max_nodes > 1)
+    if several and stasis_multinode == 0 then
+      slurm.log_user("stasis: this job asks for several nodes, and stasis cannot checkpoint a " ..
+                     "job that spans nodes yet, so such jobs are off on this cluster (stasis " ..
+                     "setting slurm_multinode = 0); submit it on one node (-N 1), without " ..
+                     "STASIS_ENABLE=1, or ask the site to set slurm_multinode")
       return slurm.ERROR
     end
-    job_desc.max_nodes = 1
+    if stasis_multinode == 0 then
+      job_desc.max_nodes = 1
+    end
     job_desc.requeue = 1
     local comment = job_desc.admin_comment
     if comment == nil or not string.find(comment, "stasis-token=", 1, true) then
