@@ -60,6 +60,7 @@ from stasis.errors import (
     StoreError,
     UnreadableManifestError,
     UntrustedCheckpointError,
+    UsageError,
     error_from_wire,
 )
 from stasis.store import (
@@ -460,6 +461,14 @@ class JobManager:
         the job (a daemonized server too); SIGKILL ends the init and with it the whole PID
         namespace."""
         row = self._tracker.row(job_id, caller)
+        if self.dumper.parts.get(row.id) is not None:
+            # A part frozen for a cut across nodes would not act on it (nor die of SIGKILL):
+            # the cut is abandoned.
+            log.warning("job %s: thawed to be signalled; its freeze is abandoned", row.id)
+            try:
+                self.dumper.parts.thaw(row.id, stop=False)
+            except UsageError:
+                pass  # thawed meanwhile
         return row if self.send(row, sig) else None
 
     def send(self, row: JobRow, sig: signal.Signals) -> bool:

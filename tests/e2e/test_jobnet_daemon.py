@@ -273,6 +273,10 @@ def test_a_daemon_killed_with_a_part_frozen_thaws_it_at_its_start(
         wait_for(lambda: not _frozen(again["cgroup"]), 10, "the deadline's thaw")
         with pytest.raises(StasisError, match=f"job {server} is not frozen"):
             c1.thaw(server)
+        # A frozen part that is killed: thawed, so that it dies.
+        c1.freeze(server, timeout_s=600)
+        killed = c1.kill(server, timeout_s=5)
+        assert killed["ended_by"] == "SIGTERM", killed
     finally:
         _thaw_parts()
         for d in (n1, n2):
