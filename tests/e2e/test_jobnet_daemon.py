@@ -153,6 +153,10 @@ def test_a_cut_across_nodes_moves_a_part_to_a_third_node(
             "address": str(job.server.address),
         }
 
+        # A part is not verified alone in a sandbox: by its restore, with the others.
+        with pytest.raises(StasisError, match="it is verified by its restore$"):
+            c1.verify(dumped[0]["checkpoint"])
+
         # Every part dumped: each stopped at its checkpoint.
         for c, j in ((c1, server), (c2, client)):
             thawed = c.thaw(j, stop=True)
