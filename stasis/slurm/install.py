@@ -2,8 +2,9 @@
 
 Per role:
   every role   slurm.conf: `lua` appended to JobSubmitPlugins and CliFilterPlugins,
-               `preempt_send_user_signal` to SlurmctldParameters (existing lists are kept; a key
-               that is missing is added); cli_filter.lua (srun/sbatch read it on every node)
+               `preempt_send_user_signal` to SlurmctldParameters, with slurm_multinode set
+               `Alloc` to PrologFlags (existing lists are kept; a key that is missing is added);
+               cli_filter.lua (srun/sbatch read it on every node)
   controller   job_submit.lua beside slurm.conf
   worker       the SPANK plugin built from its C source against <slurm/spank.h>, the launcher,
                our srun for the steps of opted-in jobs (bin/srun: stasis.slurm.steps), one
@@ -196,9 +197,15 @@ def add_to_list(text: str, key: str, item: str, aliases: tuple[str, ...] = ()) -
     return text + f"{key}={item}\n"
 
 
-def edit_slurm_conf(text: str) -> str:
+def edit_slurm_conf(text: str, multinode: bool = False) -> str:
+    """`multinode` (slurm_multinode set): PrologFlags gets Alloc, so that every node of a job
+    runs its prolog (our plugin's job_prolog, which makes the node's part of the job's network)
+    when the job is allocated: a node must route the job's subnet before srun, inside that
+    network, connects to its slurmd (the first step's launch would otherwise be what runs it)."""
     text = add_to_list(text, "JobSubmitPlugins", "lua", ("job_submit/lua",))
     text = add_to_list(text, "CliFilterPlugins", "lua", ("cli_filter/lua",))
+    if multinode:
+        text = add_to_list(text, "PrologFlags", "Alloc", ("alloc", "Contain", "contain"))
     return add_to_list(text, "SlurmctldParameters", "preempt_send_user_signal")
 
 
@@ -357,7 +364,8 @@ def plan(opts: InstallOptions) -> Plan:
     if conf_text is None:
         _plan_node_files(opts, p, text_change, configless=True)
         return p
-    text_change(opts.slurm_conf, lambda t: edit_slurm_conf(t or ""))
+    multinode = _multinode(opts) > 0
+    text_change(opts.slurm_conf, lambda t: edit_slurm_conf(t or "", multinode))
     for name in ("cli_filter.lua", "job_submit.lua"):
         check_site_script(etc / name)
     cli_block = _asset("cli_filter.lua").replace("@WARN_S@", str(int(opts.warn_s)))

@@ -19,6 +19,16 @@
  *     the task exec the launcher instead, which runs or adopts the workload and asks the node
  *     daemon for checkpoints on SIGURG (or SIGUSR1).
  * Any failure leaves the job to run exactly as without stasis, with a warning in its output.
+ *
+ * A job on several nodes (slurm_multinode set, issue 31) has a network of its own on each node:
+ *   job_prolog / job_epilog (root, slurmd's prolog and epilog on every node of the allocation):
+ *     run `PY -I -m stasis.slurm.jobnetnode prolog|epilog`, which makes the node's part of the
+ *     job's network (and records its VXLAN id in /run/stasis-jobnet/<job id>), or removes it.
+ *   task_init_privileged, every task of every step of such a job (batch, srun's, the prted that
+ *     Open MPI's mpirun starts through srun): setns() into that network before the task execs.
+ *     Here, not in a helper process: a namespace can only be entered by the process itself, and
+ *     this is the last point where the task is still root; stasis' own task init (taskinit, a
+ *     child) runs before it, in the node's network, where the store and the daemon are.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,6 +55,8 @@ SPANK_PLUGIN(stasis, 1);
 #define EXIT_OFF 11
 /* Where slurmd keeps the configuration it fetched in configless mode (Slurm 22.05 and later). */
 #define CONFIGLESS_CACHE "/run/slurm/conf/slurm.conf"
+/* Where stasis.slurm.jobnetnode records a multi-node job's VXLAN id (root's, per node). */
+#define JOBNET_RECORDS "/run/stasis-jobnet"
 
 static char python[1024] = "";
 static char launcher[1024] = "";
@@ -107,7 +119,12 @@ static void node_conf(spank_t sp, char *out, size_t outlen)
     char node[256] = "";
     size_t o = 0;
 
-    if (spank_getenv(sp, "SLURMD_NODENAME", node, sizeof(node)) != ESPANK_SUCCESS || !node[0]) {
+    const char *env_node = getenv("SLURMD_NODENAME"); /* prolog/epilog: the process env */
+    if (spank_getenv(sp, "SLURMD_NODENAME", node, sizeof(node)) == ESPANK_SUCCESS && node[0]) {
+        /* found */
+    } else if (env_node && env_node[0]) {
+        snprintf(node, sizeof(node), "%s", env_node);
+    } else {
         if (gethostname(node, sizeof(node)) < 0)
             node[0] = '\0';
         node[sizeof(node) - 1] = '\0';
@@ -128,30 +145,14 @@ static void node_conf(spank_t sp, char *out, size_t outlen)
     out[o] = '\0';
 }
 
-/* Run the helper as root with a clean environment; collect its stdout. Returns its exit code. */
-static int run_helper(spank_t sp, char *out, size_t outlen)
+/* Run `PY -I -m <argv...>` as root with a clean environment (STASIS_CONFIG and SLURM_CONF of
+ * this node); collect its stdout. Returns its exit code, -1 if it did not run. */
+static int run_python(spank_t sp, char **args, char *out, size_t outlen)
 {
-    uint32_t jobid = 0;
-    uid_t uid = 0;
-    gid_t gid = 0;
-    char label[256] = "", fresh[16] = "", jobid_s[32], uid_s[32], gid_s[32], conf_here[1024];
+    char conf_here[1024];
     int fds[2];
 
-    spank_get_item(sp, S_JOB_ID, &jobid);
-    spank_get_item(sp, S_JOB_UID, &uid);
-    spank_get_item(sp, S_JOB_GID, &gid);
-    if (spank_getenv(sp, "STASIS_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS &&
-        spank_getenv(sp, "CEDANA_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS)
-        label[0] = '\0';
-    /* STASIS_FRESH=1: start from the beginning rather than be held when stasis cannot tell
-     * whether the job has a checkpoint (the helper decides what the value means). */
-    if (spank_getenv(sp, "STASIS_FRESH", fresh, sizeof(fresh)) != ESPANK_SUCCESS)
-        fresh[0] = '\0';
-    snprintf(jobid_s, sizeof(jobid_s), "%u", jobid);
-    snprintf(uid_s, sizeof(uid_s), "%u", (unsigned)uid);
-    snprintf(gid_s, sizeof(gid_s), "%u", (unsigned)gid);
     node_conf(sp, conf_here, sizeof(conf_here));
-
     if (pipe2(fds, O_CLOEXEC) < 0)
         return -1;
     pid_t pid = fork();
@@ -164,7 +165,8 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
         sigset_t all;
         char env_conf[1100], env_slurm[1100];
         char *envp[5];
-        int n = 0;
+        char *argv[24];
+        int n = 0, a = 0;
         sigemptyset(&all);
         sigprocmask(SIG_SETMASK, &all, NULL);
         for (int s = 1; s < NSIG; s++)
@@ -182,8 +184,6 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
             snprintf(env_conf, sizeof(env_conf), "STASIS_CONFIG=%s", conf_here);
             envp[n++] = env_conf;
         }
-        /* A configless node has no slurm.conf at the controller's path (the plugstack.conf
-         * slurmctld served names it): its slurmd's cached copy is the node's configuration. */
         const char *slurm_here = slurm_conf;
         if (slurm_conf[0] && access(slurm_conf, F_OK) != 0)
             slurm_here = access(CONFIGLESS_CACHE, F_OK) == 0 ? CONFIGLESS_CACHE : "";
@@ -193,8 +193,12 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
         }
         envp[n++] = "LANG=C.UTF-8";
         envp[n] = NULL;
-        char *argv[] = {python, "-I", "-m", "stasis.slurm.taskinit", "--job-id", jobid_s,
-                        "--uid", uid_s, "--gid", gid_s, "--label", label, "--fresh", fresh, NULL};
+        argv[a++] = python;
+        argv[a++] = "-I";
+        argv[a++] = "-m";
+        for (int i = 0; args[i] && a < 23; i++)
+            argv[a++] = args[i];
+        argv[a] = NULL;
         execve(python, argv, envp);
         _exit(127);
     }
@@ -222,13 +226,134 @@ static int run_helper(spank_t sp, char *out, size_t outlen)
     return WEXITSTATUS(status);
 }
 
+/* Run the helper as root with a clean environment; collect its stdout. Returns its exit code. */
+static int run_helper(spank_t sp, char *out, size_t outlen)
+{
+    uint32_t jobid = 0;
+    uid_t uid = 0;
+    gid_t gid = 0;
+    char label[256] = "", fresh[16] = "", jobid_s[32], uid_s[32], gid_s[32];
+
+    spank_get_item(sp, S_JOB_ID, &jobid);
+    spank_get_item(sp, S_JOB_UID, &uid);
+    spank_get_item(sp, S_JOB_GID, &gid);
+    if (spank_getenv(sp, "STASIS_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS &&
+        spank_getenv(sp, "CEDANA_CHECKPOINT", label, sizeof(label)) != ESPANK_SUCCESS)
+        label[0] = '\0';
+    /* STASIS_FRESH=1: start from the beginning rather than be held when stasis cannot tell
+     * whether the job has a checkpoint (the helper decides what the value means). */
+    if (spank_getenv(sp, "STASIS_FRESH", fresh, sizeof(fresh)) != ESPANK_SUCCESS)
+        fresh[0] = '\0';
+    snprintf(jobid_s, sizeof(jobid_s), "%u", jobid);
+    snprintf(uid_s, sizeof(uid_s), "%u", (unsigned)uid);
+    snprintf(gid_s, sizeof(gid_s), "%u", (unsigned)gid);
+    char *args[] = {"stasis.slurm.taskinit", "--job-id", jobid_s, "--uid", uid_s, "--gid", gid_s,
+                    "--label", label, "--fresh", fresh, NULL};
+    return run_python(sp, args, out, outlen);
+}
+
+/* The job's id in any context: spank's item, else (prolog/epilog) the process environment. */
+static uint32_t job_id(spank_t sp)
+{
+    uint32_t jobid = 0;
+    if (spank_get_item(sp, S_JOB_ID, &jobid) == ESPANK_SUCCESS && jobid)
+        return jobid;
+    const char *env = getenv("SLURM_JOB_ID");
+    return env ? (uint32_t)strtoul(env, NULL, 10) : 0;
+}
+
+/* slurmd's prolog/epilog on this node: make or remove the node's part of a multi-node job's
+ * network. Never fails the prolog (Slurm would drain the node): the helper says why instead. */
+static int jobnet_script(spank_t sp, char *what)
+{
+    static char out[4096];
+    char jobid_s[32], node[256] = "";
+    const char *env_node = getenv("SLURMD_NODENAME");
+
+    if (!python[0])
+        return ESPANK_SUCCESS;
+    snprintf(jobid_s, sizeof(jobid_s), "%u", job_id(sp));
+    if (env_node)
+        snprintf(node, sizeof(node), "%s", env_node);
+    char *args[] = {"stasis.slurm.jobnetnode", what, "--job-id", jobid_s, "--node", node, NULL};
+    int code = run_python(sp, args, out, sizeof(out));
+    char *nl = strchr(out, '\n');
+    if (nl)
+        *nl = '\0';
+    if (code != 0)
+        slurm_error("stasis: %s", out[0] ? out : "stasis.slurm.jobnetnode failed to run");
+    else if (out[0])
+        slurm_info("%s", out);
+    return ESPANK_SUCCESS;
+}
+
+int slurm_spank_job_prolog(spank_t sp, int ac, char **av)
+{
+    parse_args(ac, av);
+    return jobnet_script(sp, "prolog");
+}
+
+int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
+{
+    parse_args(ac, av);
+    return jobnet_script(sp, "epilog");
+}
+
+/* Every task of an opted-in job whose network the prolog made on this node enters it. -1: the
+ * network is recorded but cannot be entered (the task must not run beside its peers' network). */
+static int enter_jobnet(spank_t sp)
+{
+    char buf[64], path[128];
+    int enabled = 0;
+
+    if (!spank_remote(sp))
+        return 0;
+    if (spank_getenv(sp, "STASIS_ENABLE", buf, sizeof(buf)) == ESPANK_SUCCESS && truthy(buf))
+        enabled = 1;
+    if (spank_getenv(sp, "CEDANA_ENABLE", buf, sizeof(buf)) == ESPANK_SUCCESS && truthy(buf))
+        enabled = 1;
+    if (!enabled)
+        return 0;
+    snprintf(path, sizeof(path), JOBNET_RECORDS "/%u", job_id(sp));
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0; /* a one-node job, or none made here: the node's network */
+    unsigned long vni = 0;
+    int got = fscanf(f, "%lu", &vni);
+    fclose(f);
+    if (got != 1 || !vni) {
+        slurm_error("stasis: %s does not hold a VXLAN id", path);
+        return -1;
+    }
+    snprintf(path, sizeof(path), "/run/netns/stasis-job-%lu", vni);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || setns(fd, CLONE_NEWNET) < 0) {
+        slurm_error("stasis: cannot enter the job's network %s: %s", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
 int slurm_spank_init(spank_t sp, int ac, char **av)
 {
     parse_args(ac, av);
     return ESPANK_SUCCESS;
 }
 
+static int batch_init(spank_t sp);
+
 int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
+{
+    int rc = batch_init(sp);
+    if (enter_jobnet(sp) < 0)
+        return ESPANK_ERROR;
+    return rc;
+}
+
+static int batch_init(spank_t sp)
 {
     static char out[HELPER_OUTPUT_MAX];
 
