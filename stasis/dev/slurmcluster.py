@@ -116,8 +116,11 @@ def slurm_conf_text(
         or "JobAcctGatherType=jobacct_gather/none\n" "AccountingStorageType=accounting_storage/none"
     )
     # cgroup: --mem is a limit only where memory is a consumable resource; a job that asks
-    # for none gets DefMemPerCPU.
-    memory = 4000 if cgroup else 1000
+    # for none gets DefMemPerCPU. RealMemory is twice what the node's CPUs take at that
+    # default, so that memory never keeps a job from free CPUs before the CPUs run out, with
+    # room left for jobs that ask for more (seen with 4000 MB on 8 CPUs: a 5-CPU preemptor
+    # waited on memory beside an 800 MB job instead of preempting the low partition).
+    memory = 2 * 500 * cpus if cgroup else 1000
     select = "CR_Core_Memory\nDefMemPerCPU=500" if cgroup else "CR_Core"
     if net is None or not nodes or len(nodes) < 2:
         ctld = f"{hostname}(127.0.0.1)"
