@@ -248,6 +248,9 @@ def plugstack_line(opts: InstallOptions) -> str:
     if opts.stasis_config:
         parts.append(f"conf={opts.stasis_config}")
     parts.append(f"slurm_conf={opts.slurm_conf}")
+    if _multinode(opts):
+        # Only then does the plugin's job prolog run Python (every job, every node).
+        parts.append("multinode=1")
     return " ".join(parts) + "\n"
 
 

@@ -197,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         scontrol.validate_slurm_job_id(args.job_id)
         said = prolog(args.job_id, args.node) if args.what == "prolog" else epilog(args.job_id)
     except (StasisError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
-        print(
-            f"stasis: job {args.job_id}'s network ({args.what}): {e}; its tasks on this node "
-            "run in the node's own network",
-            flush=True,
+        then = (
+            "its tasks on this node run in the node's own network"
+            if args.what == "prolog"
+            else "what is left of it stays until the next epilog or prolog of that job id"
         )
+        print(f"stasis: job {args.job_id}'s network ({args.what}): {e}; {then}", flush=True)
         return 1
     if said:
         print(f"stasis: {said}", flush=True)

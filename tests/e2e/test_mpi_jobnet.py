@@ -89,12 +89,14 @@ def two() -> Iterator[Cluster]:
         for node in ("n1", "n2"):
             conf = c.lay.config_of(node)
             conf.write_text(conf.read_text() + f"slurm_multinode = {CLUSTER_NUMBER}\n")
-        # job_submit.lua with the setting on (the cluster was installed with it off).
+        # Installed again with the setting on (the cluster was installed with it off):
+        # job_submit.lua, PrologFlags=Alloc, the plugin's multinode=1.
         install.install(
             install.InstallOptions(
-                roles=frozenset({"controller"}),
+                roles=frozenset(install.ROLES),
                 slurm_conf=c.lay.slurm_conf,
                 lib_dir=c.lay.lib,
+                stasis_config=c.lay.config_of("%n"),
                 systemd_dir=None,
                 multinode=CLUSTER_NUMBER,
             ),

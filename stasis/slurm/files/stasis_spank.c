@@ -5,6 +5,7 @@
  *     gcc -shared -fPIC -O2 -o stasis_spank.so stasis_spank.c
  * Loaded by slurmstepd from plugstack.conf as
  *     optional /path/stasis_spank.so python=PY launcher=PATH [conf=TOML] [slurm_conf=PATH]
+ *              [multinode=1]
  * A "%n" in conf= is the name of the node it runs on (SLURMD_NODENAME): several slurmd of one
  * slurm.conf on one machine (the local cluster's nodes) each have their own stasis daemon.
  *
@@ -62,6 +63,7 @@ static char python[1024] = "";
 static char launcher[1024] = "";
 static char conf[1024] = "";
 static char slurm_conf[1024] = "";
+static int multinode = 0; /* slurm_multinode is set: jobs may span nodes */
 static int started = 0; /* this task is under stasis (restored or fresh) */
 
 static void parse_args(int ac, char **av)
@@ -76,6 +78,8 @@ static void parse_args(int ac, char **av)
             snprintf(conf, sizeof(conf), "%s", a + 5);
         else if (!strncmp(a, "slurm_conf=", 11))
             snprintf(slurm_conf, sizeof(slurm_conf), "%s", a + 11);
+        else if (!strcmp(a, "multinode=1"))
+            multinode = 1;
         else
             slurm_error("stasis: unknown plugstack argument %s", a);
     }
@@ -273,6 +277,12 @@ static int jobnet_script(spank_t sp, char *what)
     if (!python[0])
         return ESPANK_SUCCESS;
     snprintf(jobid_s, sizeof(jobid_s), "%u", job_id(sp));
+    /* Python only where it has something to do: the prolog with slurm_multinode set, the
+     * epilog then or where a prolog recorded a network (the setting turned off meanwhile). */
+    char record[128];
+    snprintf(record, sizeof(record), JOBNET_RECORDS "/%s", jobid_s);
+    if (!multinode && (!strcmp(what, "prolog") || access(record, F_OK) != 0))
+        return ESPANK_SUCCESS;
     if (env_node)
         snprintf(node, sizeof(node), "%s", env_node);
     char *args[] = {"stasis.slurm.jobnetnode", what, "--job-id", jobid_s, "--node", node, NULL};
