@@ -1080,6 +1080,7 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
     import asyncio
     import logging
 
+    from stasis.controlplane.options import ServerOptions
     from stasis.controlplane.server import serve as run
 
     logging.basicConfig(
@@ -1102,13 +1103,19 @@ def serve(args: argparse.Namespace, settings: Settings) -> None:
                 path(args.cert, settings.controlplane_cert),
                 path(args.key, settings.controlplane_key),
                 bool(given(args.allow_plain_http, settings.controlplane_serve_plain_http)),
-                float(given(args.lost_after, settings.controlplane_lost_after_s)),
-                float(given(args.command_lease, settings.controlplane_command_lease_s)),
-                int(given(args.session_ttl, settings.controlplane_session_ttl_s)),
-                settings.state_dir / "controlplane",
-                int(given(args.min_interval, settings.controlplane_min_interval_s)),
-                bool(given(args.behind_tls, settings.controlplane_behind_tls)),
-                int(given(args.max_interval, settings.controlplane_max_interval_s)),
+                ServerOptions(
+                    lost_after_s=float(given(args.lost_after, settings.controlplane_lost_after_s)),
+                    lease_s=float(given(args.command_lease, settings.controlplane_command_lease_s)),
+                    session_ttl_s=int(given(args.session_ttl, settings.controlplane_session_ttl_s)),
+                    cache_dir=settings.state_dir / "controlplane",
+                    min_interval_s=int(
+                        given(args.min_interval, settings.controlplane_min_interval_s)
+                    ),
+                    behind_tls=bool(given(args.behind_tls, settings.controlplane_behind_tls)),
+                    max_interval_s=int(
+                        given(args.max_interval, settings.controlplane_max_interval_s)
+                    ),
+                ),
             )
         )
     except KeyboardInterrupt:

@@ -41,6 +41,7 @@ import jinja2
 from aiohttp import web
 
 from stasis.controlplane import intervals, policies, routes, sessions
+from stasis.controlplane.options import ServerOptions
 from stasis.controlplane.registry import Registry
 from stasis.controlplane.reports import human_size
 from stasis.controlplane.savings import savings_of
@@ -159,21 +160,9 @@ class Dashboard:
     method per route, of its name. A page needs a session (else: the log-in page); a form, its
     session's CSRF token and, when the browser sends one, an Origin of this host."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        lost_after_s: float,
-        session_ttl_s: int,
-        min_interval_s: int = policies.MIN_INTERVAL_S,
-        behind_tls: bool = False,
-        max_interval_s: int = policies.MAX_INTERVAL_S,
-    ) -> None:
+    def __init__(self, registry: Registry, options: ServerOptions) -> None:
         self.registry = registry
-        self.lost_after_s = lost_after_s
-        self.session_ttl_s = session_ttl_s
-        self.min_interval_s = min_interval_s
-        self.behind_tls = behind_tls
-        self.bounds = intervals.Bounds(min_interval_s, max_interval_s)
+        self.options = options
         self._env = _environment()
         self._flashes: dict[str, list[tuple[str, str]]] = {}
 
@@ -279,7 +268,7 @@ class Dashboard:
         try:
             if not isinstance(token, str) or not token.strip():
                 raise UnauthenticatedError("give a token")
-            sid, _ = await _run(sessions.start, self.registry, token, self.session_ttl_s)
+            sid, _ = await _run(sessions.start, self.registry, token, self.options.session_ttl_s)
         except StasisError as e:
             return self._render("login.html", request, None, status=401, error=str(e))
         response = web.HTTPSeeOther(routes.UI_NODES.path)
@@ -288,11 +277,11 @@ class Dashboard:
         response.set_cookie(
             COOKIE,
             sid,
-            max_age=self.session_ttl_s,
+            max_age=self.options.session_ttl_s,
             path=routes.UI_BARE.path,
             httponly=True,
             samesite="Strict",
-            secure=request.secure or self.behind_tls,
+            secure=request.secure or self.options.behind_tls,
         )
         return _headers(response)
 
@@ -353,7 +342,7 @@ class Dashboard:
             return {
                 "p": found[0],
                 "filters": policies.FILTERS,
-                "min_interval_s": self.min_interval_s,
+                "min_interval_s": self.options.min_interval_s,
             }
 
         return await self._page("policy_edit.html", one, request)
@@ -383,15 +372,15 @@ class Dashboard:
         )
         return {
             "clusters": clusters,
-            "nodes": self.registry.nodes.list_nodes(who, self.lost_after_s),
+            "nodes": self.registry.nodes.list_nodes(who, self.options.lost_after_s),
         }
 
     def _jobs(self, s: Session) -> dict[str, Any]:
         listed = self.registry.nodes.list_jobs(s.principal)
-        policies.annotate_intervals(self.registry, listed, self.bounds)
+        policies.annotate_intervals(self.registry, listed, self.options.bounds)
         ready = [
             n
-            for n in self.registry.nodes.list_nodes(s.principal, self.lost_after_s)
+            for n in self.registry.nodes.list_nodes(s.principal, self.options.lost_after_s)
             if n["state"] == "ready"
         ]
         return {
@@ -414,7 +403,7 @@ class Dashboard:
     def _policy_page(self, s: Session) -> dict[str, Any]:
         return {
             "policies": policies.listed(self.registry, s.principal),
-            "min_interval_s": self.min_interval_s,
+            "min_interval_s": self.options.min_interval_s,
         }
 
     def _actions(self, s: Session) -> dict[str, Any]:
@@ -459,7 +448,7 @@ class Dashboard:
 
     def _verify(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
         cmd = self.registry.verify_checkpoint(
-            s.principal, request.match_info["checkpoint"], self.lost_after_s
+            s.principal, request.match_info["checkpoint"], self.options.lost_after_s
         )
         return (
             f"verify of checkpoint {cmd['args']['checkpoint']} asked on node "
@@ -472,7 +461,7 @@ class Dashboard:
         if not to:
             raise UsageError("choose the node to migrate to")
         cmd = self.registry.migrate_job(
-            s.principal, job, to, None, cluster, node, self.lost_after_s
+            s.principal, job, to, None, cluster, node, self.options.lost_after_s
         )
         return f"job {job} is being moved from {cmd['node']} to {to} ({cmd['id']})"
 
@@ -489,7 +478,7 @@ class Dashboard:
             f.get("trigger") or "every",
             _share(f, "threshold_pct"),
             f.get("stop") == "1",
-            min_interval_s=self.min_interval_s,
+            min_interval_s=self.options.min_interval_s,
         )
         if p.get("hook_token"):
             return (
@@ -512,7 +501,7 @@ class Dashboard:
             "enabled": f.get("enabled") == "1",
             "filters": {k: f.get(k, "").strip() for k in policies.FILTERS},
         }
-        p = policies.edit(self.registry, s.principal, name, changes, self.min_interval_s)
+        p = policies.edit(self.registry, s.principal, name, changes, self.options.min_interval_s)
         if p.get("hook_token"):
             return (
                 f"policy {name} saved; its hook token (shown once, it runs this policy "
@@ -522,7 +511,7 @@ class Dashboard:
 
     def _run_policy(self, s: Session, request: web.Request, f: dict[str, str]) -> str:
         done = policies.run_now(
-            self.registry, s.principal, request.match_info["name"], self.lost_after_s
+            self.registry, s.principal, request.match_info["name"], self.options.lost_after_s
         )
         return f"policy {done['name']} ran: {done['queued']} command(s)"
 

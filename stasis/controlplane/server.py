@@ -41,6 +41,7 @@ from stasis.controlplane.access import HOOK_PREFIX, Principal
 from stasis.controlplane.commands import Command
 from stasis.controlplane.database import safe_url
 from stasis.controlplane.models import MODELS
+from stasis.controlplane.options import ServerOptions
 from stasis.controlplane.registry import Registry
 from stasis.controlplane.savings import savings_of
 from stasis.errors import StasisError, UnauthenticatedError, UsageError, wire_name
@@ -197,28 +198,13 @@ class Api:
     """The handlers of the control plane's API (stasis.controlplane.routes), one method per
     route, of its name; the registry's calls run in threads."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        lost_after_s: float,
-        lease_s: float,
-        cache_dir: Path,
-        min_interval_s: int,
-        behind_tls: bool,
-        max_interval_s: int = policies.MAX_INTERVAL_S,
-    ) -> None:
+    def __init__(self, registry: Registry, options: ServerOptions) -> None:
         self.registry = registry
-        self.lost_after_s = lost_after_s
-        self.lease_s = lease_s
-        self.cache_dir = cache_dir
-        self.min_interval_s = min_interval_s
-        self.behind_tls = behind_tls
-        # an `every auto` policy's floor and ceiling (stasis.controlplane.intervals)
-        self.bounds = intervals.Bounds(min_interval_s, max_interval_s)
+        self.options = options
 
     def _own_url(self, request: web.Request) -> str:
         """This control plane's URL as the caller reached it (https:// behind a TLS proxy)."""
-        return f"{'https' if self.behind_tls else request.scheme}://{request.host}"
+        return f"{'https' if self.options.behind_tls else request.scheme}://{request.host}"
 
     async def health(self, call: Call) -> wire.Health:
         return {"ok": True}
@@ -277,14 +263,14 @@ class Api:
         return _run(fn, call.principal, call.args["name"], b.cluster)
 
     async def list_nodes(self, call: Call) -> list[wire.Node]:
-        return await _run(self.registry.nodes.list_nodes, call.principal, self.lost_after_s)
+        return await _run(self.registry.nodes.list_nodes, call.principal, self.options.lost_after_s)
 
     async def list_jobs(self, call: Call) -> list[wire.Job]:
         return await _run(self._jobs, call.principal)
 
     def _jobs(self, by: Principal) -> list[wire.Job]:
         jobs = self.registry.nodes.list_jobs(by)
-        policies.annotate_intervals(self.registry, jobs, self.bounds)
+        policies.annotate_intervals(self.registry, jobs, self.options.bounds)
         return jobs
 
     async def new_command(self, call: Call) -> Command:
@@ -307,7 +293,7 @@ class Api:
 
     async def lease(self, call: Call) -> Command | None:
         return await _run(
-            self.registry.commands.lease, call.principal, call.args["name"], self.lease_s
+            self.registry.commands.lease, call.principal, call.args["name"], self.options.lease_s
         )
 
     async def renew(self, call: Call) -> wire.Renewed:
@@ -322,7 +308,7 @@ class Api:
         """`fn` (renew, commit) for the node and command of the path, quoting its lease."""
         b: models.Renewal = call.body
         return _run(
-            fn, call.principal, call.args["name"], call.args["id"], self.lease_s, b.lease_id
+            fn, call.principal, call.args["name"], call.args["id"], self.options.lease_s, b.lease_id
         )
 
     async def ack(self, call: Call) -> Command:
@@ -334,7 +320,7 @@ class Api:
             b.ok,
             b.result,
             b.lease_id,
-            self.lost_after_s,
+            self.options.lost_after_s,
         )
 
     async def migrate(self, call: Call) -> Command:
@@ -346,7 +332,7 @@ class Api:
             b.to,
             cluster=b.cluster,
             node=b.node,
-            lost_after_s=self.lost_after_s,
+            lost_after_s=self.options.lost_after_s,
         )
 
     async def drain(self, call: Call) -> wire.Drained:
@@ -355,7 +341,7 @@ class Api:
             self.registry.drain,
             call.principal,
             call.args["name"],
-            self.lost_after_s,
+            self.options.lost_after_s,
             b.reason,
             b.cluster,
         )
@@ -363,7 +349,7 @@ class Api:
     async def metrics(self, call: Call) -> web.StreamResponse:
         from stasis.controlplane.metrics import render
 
-        text = await _run(render, self.registry, call.principal, self.lost_after_s)
+        text = await _run(render, self.registry, call.principal, self.options.lost_after_s)
         return web.Response(
             text=text,
             content_type="text/plain",
@@ -384,7 +370,10 @@ class Api:
 
     async def verify_checkpoint(self, call: Call) -> Command:
         return await _run(
-            self.registry.verify_checkpoint, call.principal, call.args["id"], self.lost_after_s
+            self.registry.verify_checkpoint,
+            call.principal,
+            call.args["id"],
+            self.options.lost_after_s,
         )
 
     async def savings(self, call: Call) -> wire.Savings:
@@ -395,15 +384,20 @@ class Api:
         token = _bearer(call.request)
         if token.startswith(HOOK_PREFIX):  # the policy's own hook token: this policy only
             return await _run(
-                policies.run_hook, self.registry, token, name, self.lost_after_s, self.bounds
+                policies.run_hook,
+                self.registry,
+                token,
+                name,
+                self.options.lost_after_s,
+                self.options.bounds,
             )
         return await _run(
             policies.run_now,
             self.registry,
             _principal(call.request),
             name,
-            self.lost_after_s,
-            self.bounds,
+            self.options.lost_after_s,
+            self.options.bounds,
         )
 
     async def install_kubernetes(self, call: Call) -> web.StreamResponse:
@@ -451,7 +445,7 @@ class Api:
             )
         # The script pins the wheel it will fetch by this hash: bytes changed on the way are
         # refused by the node before pip sees them.
-        wheel_sha256 = await _run(lambda: sha256_of(build_wheel(self.cache_dir)))
+        wheel_sha256 = await _run(lambda: sha256_of(build_wheel(self.options.cache_dir)))
         return web.Response(
             text=slurm_script(
                 self._own_url(call.request), cluster_id, cluster["name"], token, wheel_sha256
@@ -463,7 +457,7 @@ class Api:
         from stasis.controlplane.installer import build_wheel
 
         self._slurm_cluster(call)
-        path = await _run(build_wheel, self.cache_dir)
+        path = await _run(build_wheel, self.options.cache_dir)
         return web.Response(
             body=path.read_bytes(),
             content_type="application/octet-stream",
@@ -489,7 +483,7 @@ class Api:
             b.threshold_pct,
             b.stop,
             b.completed,
-            self.min_interval_s,
+            self.options.min_interval_s,
         )
 
     async def edit_policy(self, call: Call) -> wire.Policy:
@@ -500,7 +494,7 @@ class Api:
             call.principal,
             call.args["name"],
             b.changes(),
-            self.min_interval_s,
+            self.options.min_interval_s,
         )
 
     async def remove_policy(self, call: Call) -> wire.PolicyRemoved:
@@ -510,16 +504,7 @@ class Api:
         return await _run(policies.rotate_hook, self.registry, call.principal, call.args["name"])
 
 
-def app(
-    registry: Registry,
-    lost_after_s: float,
-    lease_s: float = 60.0,
-    session_ttl_s: int = 8 * 3600,
-    cache_dir: Path = Path("/var/lib/stasis/controlplane"),
-    min_interval_s: int = policies.MIN_INTERVAL_S,
-    behind_tls: bool = False,
-    max_interval_s: int = policies.MAX_INTERVAL_S,
-) -> web.Application:
+def app(registry: Registry, options: ServerOptions) -> web.Application:
     from stasis.controlplane import dashboard
 
     a = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
@@ -527,14 +512,12 @@ def app(
     dashboard.add_routes(
         a,
         routes.UI,
-        dashboard.Dashboard(
-            registry, lost_after_s, session_ttl_s, min_interval_s, behind_tls, max_interval_s
-        ),
+        dashboard.Dashboard(registry, options),
     )
     add_routes(
         a,
         routes.API,
-        Api(registry, lost_after_s, lease_s, cache_dir, min_interval_s, behind_tls, max_interval_s),
+        Api(registry, options),
     )
     return a
 
@@ -595,13 +578,7 @@ async def serve(
     cert: Path | None,
     key: Path | None,
     allow_plain_http: bool,
-    lost_after_s: float,
-    lease_s: float = 60.0,
-    session_ttl_s: int = 8 * 3600,
-    cache_dir: Path = Path("/var/lib/stasis/controlplane"),
-    min_interval_s: int = policies.MIN_INTERVAL_S,
-    behind_tls: bool = False,
-    max_interval_s: int = policies.MAX_INTERVAL_S,
+    options: ServerOptions,
 ) -> None:
     host, port = parse_listen(listen)
     context = None
@@ -625,16 +602,7 @@ async def serve(
         registry.close()
         raise
     runner = web.AppRunner(
-        app(
-            registry,
-            lost_after_s,
-            lease_s,
-            session_ttl_s,
-            cache_dir,
-            min_interval_s,
-            behind_tls,
-            max_interval_s,
-        ),
+        app(registry, options),
         access_log=None,
     )
     await runner.setup()
@@ -649,9 +617,7 @@ async def serve(
         json.dumps(safe_url(registry.url)),
     )
     print(f"listening on {scheme}://{host}:{port}", flush=True)
-    runs = asyncio.create_task(
-        _run_policies(registry, lost_after_s, intervals.Bounds(min_interval_s, max_interval_s))
-    )
+    runs = asyncio.create_task(_run_policies(registry, options.lost_after_s, options.bounds))
     try:
         await asyncio.Event().wait()
     finally:

@@ -62,6 +62,7 @@ def test_every_route_is_declared_once() -> None:
 
 def test_the_server_registers_every_route_from_its_declaration(tmp_path: Path) -> None:
     from stasis.controlplane.dashboard import Dashboard
+    from stasis.controlplane.options import ServerOptions
     from stasis.controlplane.registry import Registry
     from stasis.controlplane.server import Api, app
 
@@ -69,7 +70,7 @@ def test_the_server_registers_every_route_from_its_declaration(tmp_path: Path) -
     try:
         served = {
             (r.method, r.resource.canonical)
-            for r in app(registry, 60.0).router.routes()
+            for r in app(registry, ServerOptions(lost_after_s=60.0)).router.routes()
             if r.resource is not None and r.method != "HEAD"
         }
     finally:
