@@ -309,20 +309,15 @@ int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
     return jobnet_script(sp, "epilog");
 }
 
-/* Every task of an opted-in job whose network the prolog made on this node enters it. -1: the
- * network is recorded but cannot be entered (the task must not run beside its peers' network). */
+/* Every task of a job whose network the prolog made on this node enters it: decided by the
+ * prolog's record (made only for opted-in jobs), not by the step's environment, which a step
+ * may replace (srun --export=NONE). -1: the network is recorded but cannot be entered (the
+ * task must not run beside its peers' network). */
 static int enter_jobnet(spank_t sp)
 {
-    char buf[64], path[128];
-    int enabled = 0;
+    char path[128];
 
     if (!spank_remote(sp))
-        return 0;
-    if (spank_getenv(sp, "STASIS_ENABLE", buf, sizeof(buf)) == ESPANK_SUCCESS && truthy(buf))
-        enabled = 1;
-    if (spank_getenv(sp, "CEDANA_ENABLE", buf, sizeof(buf)) == ESPANK_SUCCESS && truthy(buf))
-        enabled = 1;
-    if (!enabled)
         return 0;
     snprintf(path, sizeof(path), JOBNET_RECORDS "/%u", job_id(sp));
     FILE *f = fopen(path, "re");
