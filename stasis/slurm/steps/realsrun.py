@@ -54,6 +54,9 @@ def real_srun_running(pid: int) -> list[str]:
         if os.path.basename(exe.removesuffix(" (deleted)")) != SRUN_NAME:
             continue
         command = " ".join(c.decode(errors="replace") for c in cmdline.split(b"\0") if c)
+        # Caught in its execve (the new exe set, its arguments not yet: seen on Debian 13), it
+        # is srun all the same: named by its path.
+        command = command or exe
         if command not in found:  # srun forks a helper with the same command line
             found.append(command)
     return found
