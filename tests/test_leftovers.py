@@ -73,6 +73,36 @@ def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> N
         os.kill(pid, signal.SIGKILL)
 
 
+def test_a_cluster_daemon_without_the_sessions_mark_is_found_by_its_directory(
+    tmp_path: Path,
+) -> None:
+    """As Slurm 24.11's slurmctld after a reconfigure: started with an environment of its own,
+    in a new process, its command line naming the test cluster's directory."""
+    pidfile = tmp_path / "pid"
+    result = _session(
+        tmp_path,
+        f"""
+        import subprocess, sys, tempfile
+        def test_leaks():
+            where = tempfile.mkdtemp(prefix="stasis-e2e-leak-")
+            p = subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(1000)", where + "/etc/slurm.conf"],
+                env={{"PATH": "/usr/bin:/bin"}},
+                start_new_session=True,
+            )
+            open({str(pidfile)!r}, "w").write(str(p.pid))
+        """,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "processes left behind" in result.stdout and "stasis-e2e-leak-" in result.stdout
+    pid = int(pidfile.read_text())
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
+
+
 def test_a_run_that_stops_what_it_started_passes(tmp_path: Path) -> None:
     result = _session(
         tmp_path,

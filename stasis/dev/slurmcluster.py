@@ -802,6 +802,8 @@ def down(root: Path) -> None:
             pass
     for name in _stop_order(pids):
         detached.stop(pids.get(name))
+    for pid in _reexecuted(lay):
+        detached.stop(pid)
     for node in state.get("nodes", []):
         _kill_node_processes(lay, state, node)
     _nodes_down(state)
@@ -810,6 +812,30 @@ def down(root: Path) -> None:
         lay.state_file.unlink()
     except FileNotFoundError:
         pass
+
+
+# Slurm's daemons that re-execute themselves: from 23.11 on, `scontrol reconfigure` makes
+# slurmctld and slurmd start a new process (SLURMCTLD_RECONF / SLURMD_RECONF in its environment)
+# and the recorded one exits.
+_REEXECUTING = ("slurmctld", "slurmd", "slurmdbd")
+
+
+def _reexecuted(lay: SlurmClusterDirs) -> list[int]:
+    """Slurm daemons of this cluster (their command line names its directory) that `up` did not
+    record: the processes a reconfigure put in place of the recorded ones."""
+    mine = f"{lay.root}/".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() not in _REEXECUTING:
+                continue
+            if mine in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def _pids(lay: SlurmClusterDirs) -> dict[str, int]:
