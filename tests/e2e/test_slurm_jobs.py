@@ -215,6 +215,7 @@ def test_periodic_checkpoint_then_requeue_resumes_and_scancel_leaves_nothing(
         "periodic", "--export=STASIS_ENABLE=1,STASIS_INTERVAL=3", stop=400, interval=0.5
     )
     job = cluster.sbatch(script)
+    cluster.wait_number(job, 1)  # running (a busy machine may start it late)
     until(lambda: len(cluster.checkpoints(job)) >= 2, 60, "two periodic checkpoints")
     out = cluster.output(job)
     assert out.count("stasis: periodic checkpoint") >= 2
