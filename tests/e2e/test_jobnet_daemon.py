@@ -24,6 +24,7 @@ from stasis import wire
 from stasis.client import Client
 from stasis.daemon import jobnet, partcgroup
 from stasis.errors import StasisError
+from stasis.slurm import cut
 from tests.conftest import WORKLOADS, Daemon, new_daemon, wait_for
 from tests.test_wire import conforms
 
@@ -282,6 +283,93 @@ def test_a_daemon_killed_with_a_part_frozen_thaws_it_at_its_start(
         killed = c1.kill(server, timeout_s=5)
         assert killed["ended_by"] == "SIGTERM", killed
     finally:
+        _thaw_parts()
+        for d in (n1, n2):
+            d.kill_all()
+        job.remove(n1, n2)
+
+
+def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
+    daemons: dict[str, Daemon], tmp_path: Path
+) -> None:
+    # stasis.slurm.cut.take: every part frozen before any is dumped, all listed under one label.
+    n1, n2 = daemons["jn1"], daemons["jn2"]
+    c1, c2 = Client(n1.socket), Client(n2.socket)
+    job = Job(n1, n2, tmp_path)
+    try:
+        server, client = job.start()
+        parts = [cut.PartRef("jn1", c1, server), cut.PartRef("jn2", c2, client)]
+        taken = cut.take(parts, f"jn-{job.tag}", timeout_s=30)
+        assert cut.cut_of(taken.label) == (f"jn-{job.tag}", taken.id)
+        assert not taken.stopped and set(taken.checkpoints) == {"jn1", "jn2"}
+        listed = c1.checkpoints(label=taken.label)
+        assert {m["id"] for m in listed} == set(taken.checkpoints.values())
+        assert sorted(m["job_net"]["address"] for m in listed) == sorted(  # type: ignore[typeddict-item]
+            str(p.address) for p in job.parts
+        )
+        # Left running: the counter goes on, nothing lost or repeated, nothing frozen.
+        before = _counted(job.client_log)
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
+        )
+        numbers = [n for n, _ in _counted(job.client_log)]
+        assert numbers == list(range(2, 2 + len(numbers)))
+        assert {j["state"] for j in (c1.job(server), c2.job(client))} == {"running"}
+        with pytest.raises(StasisError, match=f"job {server} is not frozen"):
+            c1.thaw(server)
+
+        # A second cut that stops the job; its checkpoints restored where they were taken: the
+        # counter goes on from the cut.
+        second = cut.take(parts, f"jn-{job.tag}", leave_running=False, timeout_s=30)
+        assert second.stopped and second.label != taken.label
+        at_cut = _counted(job.client_log)
+        wait_for(lambda: c2.job(client)["state"] == "checkpointed", 10, "the client stopped")
+        c1.restore(checkpoint=second.checkpoints["jn1"])
+        c2.restore(checkpoint=second.checkpoints["jn2"])
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(at_cut) + 20, 30, "the counter going on"
+        )
+        numbers = [n for n, _ in _counted(job.client_log)]
+        assert numbers == list(range(2, 2 + len(numbers)))
+    finally:
+        _thaw_parts()
+        for d in (n1, n2):
+            d.kill_all()
+        job.remove(n1, n2)
+
+
+def test_the_coordinator_abandons_a_cut_whose_part_cannot_be_dumped(
+    daemons: dict[str, Daemon], tmp_path: Path
+) -> None:
+    n1, n2 = daemons["jn1"], daemons["jn2"]
+    c1, c2 = Client(n1.socket), Client(n2.socket)
+    job = Job(n1, n2, tmp_path)
+    assert n2.node is not None
+    store = n2.store
+    try:
+        server, client = job.start()
+        subprocess.run([*n2.node.prefix(), "mount", "--bind", "-o", "ro", store, store], check=True)
+        parts = [cut.PartRef("jn1", c1, server), cut.PartRef("jn2", c2, client)]
+        with pytest.raises(StasisError) as failed:
+            cut.take(parts, f"jn-{job.tag}", timeout_s=30)
+        said = str(failed.value)
+        assert "\n" not in said
+        assert said.startswith(f"no checkpoint of jn-{job.tag} taken: its part on jn2 could")
+        assert "Read-only file system" in said and said.endswith("every part runs on")
+        # Nothing listed, from either node; the job runs on, nothing lost or repeated.
+        assert [
+            m for m in c1.checkpoints() + c2.checkpoints() if m["label"].startswith(f"jn-{job.tag}")
+        ] == []
+        before = _counted(job.client_log)
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
+        )
+        numbers = [n for n, _ in _counted(job.client_log)]
+        assert numbers == list(range(2, 2 + len(numbers)))
+        assert {j["state"] for j in (c1.job(server), c2.job(client))} == {"running"}
+        assert not any(_frozen(str(cg)) for cg in partcgroup.root().glob(f"{partcgroup.PREFIX}*"))
+    finally:
+        subprocess.run([*n2.node.prefix(), "umount", store], check=False)
         _thaw_parts()
         for d in (n1, n2):
             d.kill_all()
