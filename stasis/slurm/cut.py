@@ -11,7 +11,10 @@ part is thawed where it was (TCP resends what its held network dropped).
 The parts of one cut are tied together in the store by their label, `<label>.cut-<cut id>`
 (`cut_label`): the same for every part, so that listing that label gives the whole cut, each
 checkpoint naming its part by its job address (its manifest's `job_net`). A restore takes every
-checkpoint of one label or none.
+checkpoint of one label or none: `restore_plan` gives the complete cuts, newest first, each
+part's checkpoint paired with the node that gets its address (the job prolog gives the i-th node
+of the job's NodeList the address .(i+1): a requeued job on as many other nodes, in any order,
+finds every address again).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from stasis.client import Client
+from stasis.daemon.jobnet import JobNet
 from stasis.errors import CheckpointError, StasisError
-from stasis.store.manifest import validate_label
+from stasis.store.manifest import Manifest, validate_label
 
 T = TypeVar("T")
 FREEZE_TIMEOUT_S = 60.0  # a part thaws by itself this long after its freeze, its cut or not
@@ -161,12 +165,48 @@ def take(
     return cut
 
 
+@dataclass(frozen=True)
+class RestorePlan:
+    label: str  # the cut's
+    parts: list[tuple[str, str]]  # (node, checkpoint id), in the order of the job's nodes
+
+
+def restore_plan(
+    manifests: Sequence[Manifest], label: str, net: JobNet, nodes: Sequence[str]
+) -> list[RestorePlan]:
+    """The cuts of the job labelled `label` (network `net`, now on `nodes`, the NodeList's order)
+    that can be restored, newest first: those with exactly one checkpoint for each node's
+    address (a cut a dead coordinator left half-written, or taken on another number of nodes,
+    is never one)."""
+    cuts: dict[str, list[Manifest]] = {}
+    for m in manifests:
+        of = cut_of(m.label)
+        if of is not None and of[0] == label:
+            cuts.setdefault(m.label, []).append(m)
+    plans: list[tuple[float, RestorePlan]] = []
+    for cut_name, taken in cuts.items():
+        by_address = {
+            str(m.job_net.address): m
+            for m in taken
+            if m.job_net is not None and m.job_net.vni == net.vni
+        }
+        wanted = [str(net.address(i)) for i in range(len(nodes))]
+        if len(taken) != len(nodes) or sorted(by_address) != sorted(wanted):
+            continue
+        parts = [(node, by_address[a].id) for node, a in zip(nodes, wanted, strict=True)]
+        newest = max(m.created.timestamp() for m in taken)
+        plans.append((newest, RestorePlan(cut_name, parts)))
+    return [plan for _, plan in sorted(plans, key=lambda p: p[0], reverse=True)]
+
+
 __all__ = [
     "FREEZE_TIMEOUT_S",
     "Cut",
     "PartRef",
+    "RestorePlan",
     "cut_label",
     "cut_of",
     "new_cut_id",
+    "restore_plan",
     "take",
 ]

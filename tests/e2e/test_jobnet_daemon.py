@@ -25,6 +25,7 @@ from stasis.client import Client
 from stasis.daemon import jobnet, partcgroup
 from stasis.errors import StasisError
 from stasis.slurm import cut
+from stasis.store import Manifest
 from tests.conftest import WORKLOADS, Daemon, new_daemon, wait_for
 from tests.test_wire import conforms
 
@@ -307,6 +308,12 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         assert sorted(m["job_net"]["address"] for m in listed) == sorted(  # type: ignore[typeddict-item]
             str(p.address) for p in job.parts
         )
+        # Its restore, on the same count of nodes in any order: node i gets the address .(i+1).
+        plans = cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, ["jn3", "jn1"])
+        assert [(p.label, p.parts) for p in plans] == [
+            (taken.label, [("jn3", taken.checkpoints["jn1"]), ("jn1", taken.checkpoints["jn2"])])
+        ]
+        assert cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, ["a", "b", "c"]) == []
         # Left running: the counter goes on, nothing lost or repeated, nothing frozen.
         before = _counted(job.client_log)
         wait_for(
@@ -331,11 +338,22 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         )
         numbers = [n for n, _ in _counted(job.client_log)]
         assert numbers == list(range(2, 2 + len(numbers)))
+        # Newest cut first; a cut missing a part is none.
+        nodes = ["jn1", "jn2"]
+        plans = cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, nodes)
+        assert [p.label for p in plans] == [second.label, taken.label]
+        c2.delete_checkpoint(taken.checkpoints["jn2"])
+        plans = cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, nodes)
+        assert [p.label for p in plans] == [second.label]
     finally:
         _thaw_parts()
         for d in (n1, n2):
             d.kill_all()
         job.remove(n1, n2)
+
+
+def _manifests(c: Client) -> list[Manifest]:
+    return [Manifest.model_validate(m) for m in c.checkpoints()]
 
 
 def test_the_coordinator_abandons_a_cut_whose_part_cannot_be_dumped(
