@@ -366,6 +366,14 @@ def test_the_coordinator_abandons_a_cut_whose_part_cannot_be_dumped(
     store = n2.store
     try:
         server, client = job.start()
+        # A part that cannot be frozen (no such job there): the others are thawed at once.
+        bogus = [cut.PartRef("jn1", c1, server), cut.PartRef("jn2", c2, f"{client}x")]
+        with pytest.raises(StasisError, match="its part on jn2 could not be frozen") as refused:
+            cut.take(bogus, f"jn-{job.tag}", timeout_s=600)
+        assert "\n" not in str(refused.value)
+        assert not any(_frozen(str(cg)) for cg in partcgroup.root().glob(f"{partcgroup.PREFIX}*"))
+        with pytest.raises(StasisError, match=f"job {server} is not frozen"):
+            c1.thaw(server)
         subprocess.run([*n2.node.prefix(), "mount", "--bind", "-o", "ro", store, store], check=True)
         parts = [cut.PartRef("jn1", c1, server), cut.PartRef("jn2", c2, client)]
         with pytest.raises(StasisError) as failed:
