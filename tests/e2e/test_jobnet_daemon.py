@@ -303,6 +303,7 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         taken = cut.take(parts, f"jn-{job.tag}", timeout_s=30)
         assert cut.cut_of(taken.label) == (f"jn-{job.tag}", taken.id)
         assert not taken.stopped and set(taken.checkpoints) == {"jn1", "jn2"}
+        assert taken.unfinished == ""
         listed = c1.checkpoints(label=taken.label)
         assert {m["id"] for m in listed} == set(taken.checkpoints.values())
         assert sorted(m["job_net"]["address"] for m in listed) == sorted(  # type: ignore[typeddict-item]
@@ -328,7 +329,7 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         # A second cut that stops the job; its checkpoints restored where they were taken: the
         # counter goes on from the cut.
         second = cut.take(parts, f"jn-{job.tag}", leave_running=False, timeout_s=30)
-        assert second.stopped and second.label != taken.label
+        assert second.stopped and second.label != taken.label and second.unfinished == ""
         at_cut = _counted(job.client_log)
         wait_for(lambda: c2.job(client)["state"] == "checkpointed", 10, "the client stopped")
         c1.restore(checkpoint=second.checkpoints["jn1"])
