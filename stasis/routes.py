@@ -355,9 +355,33 @@ SLURM_REMOTE_DRAIN: Route[wire.SlurmRemoteDrainRequest, wire.SlurmDrainAnswer] =
     denied="only root drains a node",
 )
 
+# A part of a job on several nodes (stasis.slurm.parts), for its launch agent (stasis-rsh): the
+# job's own user (or root), the job running with this node among its nodes.
+SLURM_REMOTE_PART_START: Route[wire.SlurmPartStartRequest, wire.RunAnswer] = Route(
+    "slurm_remote_part_start",
+    "POST",
+    "/slurm/remote/parts/{job}",
+    caller="cluster-user",
+)
+SLURM_REMOTE_PART_OUTPUT: Route[wire.SlurmPartOutputRequest, wire.SlurmPartOutput] = Route(
+    "slurm_remote_part_output",
+    "POST",
+    "/slurm/remote/parts/{job}/{part}/output",
+    caller="cluster-user",
+)
+SLURM_REMOTE_PART_SIGNAL: Route[wire.SlurmPartSignalRequest, wire.SlurmPartSignalled] = Route(
+    "slurm_remote_part_signal",
+    "POST",
+    "/slurm/remote/parts/{job}/{part}/signal",
+    caller="cluster-user",
+)
+
 SLURM_REMOTE: tuple[AnyRoute, ...] = (
     SLURM_REMOTE_CHECKPOINT,
     SLURM_REMOTE_DRAIN,
+    SLURM_REMOTE_PART_START,
+    SLURM_REMOTE_PART_OUTPUT,
+    SLURM_REMOTE_PART_SIGNAL,
 )
 
 # -- Kubernetes (stasis.k8s.integration): all root's (containerd's shim runs the wrapper as

@@ -422,6 +422,39 @@ class SlurmRemoteDrainRequest(TypedDict, total=False):
     reason: str
 
 
+# A part of a Slurm job on several nodes, started by this node's daemon for the launch agent
+# (stasis-rsh: Open MPI's plm_rsh_agent, MPICH Hydra's launcher): stasis.slurm.parts.
+
+
+class SlurmPartStartRequest(TypedDict, total=False):
+    credential: str  # required: the job's user's (or root's), naming this very request
+    command: list[str]  # required: run as the Slurm job's user, in the job's network here
+    cwd: str  # required, absolute
+
+
+class SlurmPartOutputRequest(TypedDict, total=False):
+    credential: str  # required
+    offset: int  # where in the part's output to read from (bytes)
+
+
+class SlurmPartOutput(TypedDict):
+    part: str  # the daemon's job id of the part
+    data: str  # base64 of the part's output (stdout and stderr together) from `offset`
+    offset: int  # where the next read starts
+    state: JobState
+    exit_code: int | None  # once it ended
+
+
+class SlurmPartSignalRequest(TypedDict, total=False):
+    credential: str  # required
+    signal: Literal["TERM", "HUP", "INT", "KILL"]
+
+
+class SlurmPartSignalled(TypedDict):
+    part: str
+    signalled: bool  # False: it was not running
+
+
 class Requeued(TypedDict):
     job: str
     checkpoint: str

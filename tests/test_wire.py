@@ -100,6 +100,9 @@ WIRE_ONLY = {
     # A cut across nodes: tests/e2e/test_jobnet_daemon.py reads them from real daemons.
     "FreezeAnswer",
     "ThawAnswer",
+    # A part started by the remote listener: tests/e2e/test_mpi_rsh.py, through stasis-rsh.
+    "SlurmPartOutput",
+    "SlurmPartSignalled",
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]
@@ -434,7 +437,8 @@ def _declared() -> dict[str, routes.AnyRoute]:
 def test_every_route_is_declared_once() -> None:
     declared = _declared()
     assert set(declared.values()) == set(ALL_ROUTES)
-    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 38  # 36, and FREEZE and THAW (issue 31)
+    # 36, FREEZE and THAW, and the remote part routes START, OUTPUT and SIGNAL (issue 31)
+    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 41
     assert len({r.name for r in ALL_ROUTES}) == len(ALL_ROUTES)
     assert len({(r.method, r.path) for r in routes.SOCKET}) == len(routes.SOCKET)
     assert routes.SOCKET == routes.CORE + routes.SLURM + routes.K8S

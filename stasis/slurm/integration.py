@@ -27,8 +27,13 @@ munge credential (stasis.slurm.remote: who asks is munge's uid, never the reques
     POST /slurm/remote/drain                 {"credential", "reason"}: root only; the node is
                                              drained in Slurm and its protected jobs
                                              checkpointed and requeued
+    POST /slurm/remote/parts/{id}            {"credential", "command", "cwd"}: a part of a job
+                                             on several nodes started here (stasis.slurm.parts,
+                                             for the launch agent stasis-rsh)
+    POST /slurm/remote/parts/{id}/{part}/output  {"credential", "offset"}: its output, state
+    POST /slurm/remote/parts/{id}/{part}/signal  {"credential", "signal"}
 
-Only those two routes are served there, with the unix socket's limits: `request_timeout_s`
+Only those routes are served there, with the unix socket's limits: `request_timeout_s`
 for the headers and again for the body, `max_connections_per_uid` connections from the network
 at once (they all count as one unknown user), a body of at most 16 KiB.
 """
@@ -60,6 +65,7 @@ from stasis.slurm import models as slurm_models
 from stasis.slurm.intervals import Intervals, job_interval
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest
+from stasis.slurm.parts import SlurmParts
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
 
 log = logging.getLogger("stasis.daemon")
@@ -67,8 +73,15 @@ _ROOT = Caller(pid=0, uid=0, gid=0)  # what the control plane asks is the node a
 
 # Registrations of workloads that ended without telling the daemon (scancel) are forgotten.
 _SWEEP_INTERVAL_S = 60.0
-# A remote request is a credential (~400 characters) and two fields.
+# A remote request is a credential (~400 characters) and a few fields; a part's command (an
+# MPI daemon's, with its options) 1 to 3 KiB.
 _REMOTE_MAX_BODY = 16 * 1024
+# The part operations' names in their credentials' payloads.
+_PART_OPS: dict[routes.AnyRoute, str] = {
+    routes.SLURM_REMOTE_PART_START: "part-start",
+    routes.SLURM_REMOTE_PART_OUTPUT: "part-output",
+    routes.SLURM_REMOTE_PART_SIGNAL: "part-signal",
+}
 
 
 class _GuardedSockSite(web.SockSite):
@@ -117,6 +130,7 @@ class SlurmIntegration(Integration):
         super().__init__(manager)
         self.mirrors = Mirrors(manager.settings, remote.this_node(manager.settings))
         self.jobs = SlurmJobs(manager, self.mirrors)
+        self.parts = SlurmParts(manager, remote.this_node(manager.settings))
         manager.add_job_source(
             JobSource("slurm", self._reported, self._checkpoint, self._drain, self._state)
         )
@@ -295,7 +309,25 @@ class SlurmIntegration(Integration):
             job_id = scontrol.validate_slurm_job_id(request.match_info["job"])
             fields = {"job": job_id, "leave_running": body.leave_running, "reason": body.reason}
             return self._remote_caller(request, body.credential, "checkpoint", fields)
+        if route in _PART_OPS:
+            # The path's parameters and the body's fields, all bound by the credential.
+            fields = {**request.match_info, **body.model_dump(exclude={"credential"})}
+            scontrol.validate_slurm_job_id(fields["job"])
+            return self._remote_caller(request, body.credential, _PART_OPS[route], fields)
         return self._remote_caller(request, body.credential, "drain", {"reason": body.reason})
+
+    def slurm_remote_part_start(self, call: Call[slurm_models.PartStartRequest]) -> wire.RunAnswer:
+        return self.parts.start(call.args["job"], call.body, call.caller)
+
+    def slurm_remote_part_output(
+        self, call: Call[slurm_models.PartOutputRequest]
+    ) -> wire.SlurmPartOutput:
+        return self.parts.output(call.args["job"], call.args["part"], call.body, call.caller)
+
+    def slurm_remote_part_signal(
+        self, call: Call[slurm_models.PartSignalRequest]
+    ) -> wire.SlurmPartSignalled:
+        return self.parts.signal(call.args["job"], call.args["part"], call.body, call.caller)
 
     def slurm_remote_checkpoint(
         self, call: Call[slurm_models.RemoteCheckpointRequest]

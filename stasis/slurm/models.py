@@ -3,6 +3,8 @@ dicts of stasis/wire.py, which the client's methods type their arguments with to
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from stasis import wire
@@ -51,6 +53,22 @@ class RemoteDrainRequest(_Model):
     reason: str = _REASON
 
 
+class PartStartRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    command: list[str] = Field(min_length=1, max_length=4096)
+    cwd: str = Field(min_length=1, max_length=4096, pattern=r"^/")
+
+
+class PartOutputRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    offset: int = Field(default=0, ge=0)
+
+
+class PartSignalRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    signal: Literal["TERM", "HUP", "INT", "KILL"] = "TERM"
+
+
 # The model that validates each request typed dict of Slurm's routes (stasis.routes.SLURM and
 # SLURM_REMOTE).
 BY_WIRE: dict[object, type[BaseModel]] = {
@@ -60,4 +78,7 @@ BY_WIRE: dict[object, type[BaseModel]] = {
     wire.FinishRequest: FinishRequest,
     wire.SlurmRemoteCheckpointRequest: RemoteCheckpointRequest,
     wire.SlurmRemoteDrainRequest: RemoteDrainRequest,
+    wire.SlurmPartStartRequest: PartStartRequest,
+    wire.SlurmPartOutputRequest: PartOutputRequest,
+    wire.SlurmPartSignalRequest: PartSignalRequest,
 }

@@ -15,6 +15,9 @@ root on all), and a drain is root's alone.
     POST /slurm/remote/jobs/{job}/checkpoint  {"credential", "leave_running", "reason"}
                                               -> SlurmCheckpointAnswer
     POST /slurm/remote/drain                  {"credential", "reason"} -> DrainAnswer
+    POST /slurm/remote/parts/{job}            {"credential", "command", "cwd"} -> RunAnswer
+    POST /slurm/remote/parts/{job}/{part}/output  {"credential", "offset"} -> SlurmPartOutput
+    POST /slurm/remote/parts/{job}/{part}/signal  {"credential", "signal"} -> SlurmPartSignalled
 
 Which munged: the socket slurm.conf names (`AuthInfo=socket=...`), as Slurm's own
 auth/munge plugin uses, else munge's compiled-in default. This module owns the credential
@@ -345,6 +348,66 @@ def drain(settings: Settings, target: RemoteNode, reason: str) -> DrainAnswer:
     return cast(DrainAnswer, target.call(routes.SLURM_REMOTE_DRAIN, request))
 
 
+def _part_call(
+    settings: Settings,
+    target: RemoteNode,
+    route: routes.AnyRoute,
+    op: str,
+    args: dict[str, str],
+    fields: dict[str, object],
+) -> Any:
+    """`route` of a job's part on `target`, its credential binding the path's `args` and the
+    body's `fields` (stasis.slurm.integration checks them all)."""
+    conf = slurm_conf(settings)
+    credential = make_credential(
+        encode_payload(request_payload(op, target.node, conf.cluster, **args, **fields)),
+        conf.munge_socket,
+    )
+    return target.call(route, {"credential": credential, **fields}, **args)
+
+
+def start_part(
+    settings: Settings, target: RemoteNode, job_id: str, command: list[str], cwd: str
+) -> wire.RunAnswer:
+    """Have `target`'s daemon start `command` as its part of Slurm job `job_id` (in the job's
+    network there, as the job's user); the caller must be the job's user or root."""
+    fields: dict[str, object] = {"command": command, "cwd": cwd}
+    answer = _part_call(
+        settings, target, routes.SLURM_REMOTE_PART_START, "part-start", {"job": job_id}, fields
+    )
+    return cast("wire.RunAnswer", answer)
+
+
+def part_output(
+    settings: Settings, target: RemoteNode, job_id: str, part: str, offset: int
+) -> wire.SlurmPartOutput:
+    """A part's output from `offset`, its state and exit status."""
+    answer = _part_call(
+        settings,
+        target,
+        routes.SLURM_REMOTE_PART_OUTPUT,
+        "part-output",
+        {"job": job_id, "part": part},
+        {"offset": offset},
+    )
+    return cast("wire.SlurmPartOutput", answer)
+
+
+def signal_part(
+    settings: Settings, target: RemoteNode, job_id: str, part: str, signal: str
+) -> wire.SlurmPartSignalled:
+    """`signal` (TERM, HUP, INT, KILL) to a part."""
+    answer = _part_call(
+        settings,
+        target,
+        routes.SLURM_REMOTE_PART_SIGNAL,
+        "part-signal",
+        {"job": job_id, "part": part},
+        {"signal": signal},
+    )
+    return cast("wire.SlurmPartSignalled", answer)
+
+
 __all__ = [
     "DrainAnswer",
     "Identity",
@@ -356,9 +419,12 @@ __all__ = [
     "encode_payload",
     "make_credential",
     "parse_slurm_conf",
+    "part_output",
     "remote_node",
     "request_payload",
+    "signal_part",
     "slurm_conf",
+    "start_part",
     "this_node",
     "verify_credential",
 ]

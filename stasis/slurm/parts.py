@@ -1,0 +1,152 @@
+"""This node's parts of Slurm jobs that span nodes, started by its daemon for the job's launch agent.
+
+A protected job on several nodes (issue 31) must have every process on every node under a node
+daemon, in the job's network, so that one cut can freeze and dump them all (stasis.slurm.cut):
+not slurmstepd's children. Its MPI launcher (Open MPI's `mpirun`, MPICH's Hydra) starts its
+daemons on the other nodes through a launch agent, `stasis-rsh HOST COMMAND...`
+(stasis.slurm.rsh), which asks HOST's daemon over the remote listener to start COMMAND there.
+This module is that daemon's side:
+
+- `start`: the caller (munge's uid) must be the Slurm job's user or root; the job RUNNING with
+  this node among its nodes and its network made here by the job prolog (`/run/stasis-jobnet/
+  <job>`). The command runs as the job's user as Slurm knows it (never as root for a user's
+  job, never as the caller's claims), with a login-like environment as ssh would give it, in
+  the job's network namespace and a freezer cgroup of its own (`job_net`), labelled
+  `slurm-<job>-part`.
+- `output`: its output (stdout and stderr together, as the daemon logs it) from an offset, its
+  state and exit status: what the agent relays, polling.
+- `signal`: TERM, HUP, INT or KILL to it (the agent was signalled, as ssh's remote end would be).
+
+Each acts only on a part of that Slurm job, for its owner or root.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+from pathlib import Path
+
+from stasis import wire
+from stasis.daemon.jobs import JobManager
+from stasis.daemon.models import RunRequest
+from stasis.daemon.users import Caller
+from stasis.errors import NotFoundError, PermissionDeniedError, UsageError
+from stasis.slurm import jobnetnode, scontrol
+from stasis.slurm.models import PartOutputRequest, PartSignalRequest, PartStartRequest
+
+_ROOT = Caller(pid=0, uid=0, gid=0)
+MAX_CHUNK_BYTES = 256 * 1024  # of output per answer
+_SIGNALS = {
+    "TERM": signal.SIGTERM,
+    "HUP": signal.SIGHUP,
+    "INT": signal.SIGINT,
+    "KILL": signal.SIGKILL,
+}
+
+
+def part_label(slurm_job: str) -> str:
+    """The label of every part of Slurm job `slurm_job` (what ties a daemon job to it)."""
+    return f"slurm-{slurm_job}-part"
+
+
+def job_vni(slurm_job: str, node: str) -> int:
+    """The VXLAN id of the job's network on this node, as its prolog recorded it."""
+    try:
+        text = (jobnetnode.RECORDS / slurm_job).read_text()
+    except OSError:
+        text = ""
+    if not text.strip().isdigit():
+        raise UsageError(
+            f"cannot start a part of Slurm job {slurm_job} on node {node}: the job has no "
+            "network here (slurm_multinode off, or its job prolog failed on this node: see "
+            "slurmd's log)"
+        )
+    return int(text)
+
+
+def job_nodes(slurm_job: str) -> list[str]:
+    record = scontrol.parse_record(
+        scontrol.scontrol("show", "job", "-o", slurm_job).splitlines()[0]
+    )
+    node_list = record.get("NodeList", "")
+    if not node_list or node_list == "(null)":
+        return []
+    return scontrol.scontrol("show", "hostnames", node_list).split()
+
+
+class SlurmParts:
+    """The part operations of the remote listener (stasis.slurm.integration serves them)."""
+
+    def __init__(self, manager: JobManager, node: str) -> None:
+        self.manager = manager
+        self.node = node
+
+    def start(self, slurm_job: str, req: PartStartRequest, caller: Caller) -> wire.RunAnswer:
+        what = f"cannot start a part of Slurm job {slurm_job} on node {self.node}"
+        info = scontrol.job_info(slurm_job)
+        if not caller.may_act_on(info.uid):
+            raise PermissionDeniedError(
+                f"permission denied: {what}: the job is {info.user}'s (uid {caller.uid} asked); "
+                "only its user or root starts its parts"
+            )
+        if info.state != "RUNNING":
+            raise UsageError(f"{what}: the job is {info.state or 'not known'}, not RUNNING")
+        if self.node not in job_nodes(slurm_job):
+            raise UsageError(f"{what}: this node is not one of the job's; start it on one of them")
+        vni = job_vni(slurm_job, self.node)
+        run = RunRequest(
+            command=req.command,
+            cwd=req.cwd,
+            user=info.user,  # Slurm's word on whose job it is, never the request's
+            label=part_label(slurm_job),
+            env={"SLURM_JOB_ID": slurm_job},
+            private_tmp=False,  # the node's /tmp, as the job's tasks have it under Slurm
+            job_net=vni,
+        )
+        # Root's request (a part in a job network is root's to start), run as the job's user.
+        return self.manager.run(run, _ROOT)
+
+    def _part(self, slurm_job: str, part: str, caller: Caller) -> wire.Job:
+        job = self.manager.get(part, caller)
+        if job["label"] != part_label(slurm_job):
+            raise NotFoundError(f"no part {part} of Slurm job {slurm_job} on node {self.node}")
+        return job
+
+    def output(
+        self, slurm_job: str, part: str, req: PartOutputRequest, caller: Caller
+    ) -> wire.SlurmPartOutput:
+        job = self._part(slurm_job, part, caller)
+        # The state first: output written before the part ended is then all in the file.
+        state, exit_code = job["state"], job["exit_code"]
+        data = _read(Path(job["log"]), req.offset)
+        return wire.SlurmPartOutput(
+            part=part,
+            data=base64.b64encode(data).decode(),
+            offset=req.offset + len(data),
+            state=state,
+            exit_code=exit_code,
+        )
+
+    def signal(
+        self, slurm_job: str, part: str, req: PartSignalRequest, caller: Caller
+    ) -> wire.SlurmPartSignalled:
+        self._part(slurm_job, part, caller)
+        row = self.manager.signal_job(part, caller, _SIGNALS[req.signal])
+        return wire.SlurmPartSignalled(part=part, signalled=row is not None)
+
+
+def _read(path: Path, offset: int) -> bytes:
+    """Up to MAX_CHUNK_BYTES of the daemon's log of a part from `offset` (the daemon's own file:
+    no link followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    try:
+        return os.pread(fd, MAX_CHUNK_BYTES, offset)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["SlurmParts", "job_nodes", "job_vni", "part_label"]

@@ -1,0 +1,279 @@
+"""Open MPI across two nodes of the local cluster with every process a node daemon's part (issue 31;
+stasis/slurm/rsh.py, stasis/slurm/parts.py): the batch script has its node's daemon start
+`mpirun` through the launch agent (`stasis-rsh $SLURMD_NODENAME mpirun ...`), and mpirun starts
+its daemon on the other node through the same agent (`plm=rsh`, `plm_rsh_agent`), so that no
+process of the computation is slurmstepd's: every rank runs under the stasis daemon of its node,
+in the job's network namespace there and a freezer cgroup of its own (what a cut freezes), with
+its TCP on job addresses; the checksums are those of 4 ranks on one machine; the agent relays
+mpirun's output and exit status as ssh would. The agent's refusals are one line each."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import pwd
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stasis.client import Client
+from stasis.slurm import cut, install, jobnetnode
+from tests.conftest import STASIS, TEST_USER
+from tests.e2e.conftest import Cluster, close_cluster, new_cluster
+from tests.e2e.test_mpi_jobnet import LEFT, PROBE
+from tests.workloads.mpi_build import OPENMPI, build
+
+ITERATIONS = 30
+SLEEP_MS = 300
+CLUSTER_NUMBER = 2
+RSH = f"{sys.executable} -m stasis.slurm.rsh"
+
+# Run on a node as root: the freezer cgroup and the uid of each of the reference program's
+# processes there.
+CGROUPS = """\
+import json, os
+uts = os.stat("/proc/self/ns/uts").st_ino
+found = {}
+for name in os.listdir("/proc"):
+    try:
+        if not name.isdigit() or not open(f"/proc/{name}/comm").read().startswith("mpi_stencil"):
+            continue
+        if os.stat(f"/proc/{name}/ns/uts").st_ino != uts:
+            continue
+        lines = open(f"/proc/{name}/cgroup").read().splitlines()
+        uid = os.stat(f"/proc/{name}").st_uid
+    except OSError:
+        continue
+    found[name] = {"uid": uid,
+                   "freezer": [l.split(":", 2)[2] for l in lines if l.split(":")[1] == "freezer"]}
+print(json.dumps(found))
+"""
+
+
+def _iterations(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"^iter \d+ checksum [0-9a-f]{16} max \S+$", text, re.M)
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[Cluster]:
+    c = new_cluster("mpirsh", nodes=2)
+    try:
+        for node in ("n1", "n2"):
+            conf = c.lay.config_of(node)
+            conf.write_text(conf.read_text() + f"slurm_multinode = {CLUSTER_NUMBER}\n")
+        install.install(
+            install.InstallOptions(
+                roles=frozenset(install.ROLES),
+                slurm_conf=c.lay.slurm_conf,
+                lib_dir=c.lay.lib,
+                stasis_config=c.lay.config_of("%n"),
+                systemd_dir=None,
+                multinode=CLUSTER_NUMBER,
+            ),
+            out=None,
+        )
+        c.run("scontrol", "reconfigure")
+        for name, text in (("probe.py", PROBE), ("left.py", LEFT), ("cgroups.py", CGROUPS)):
+            (c.work / name).write_text(text)
+        yield c
+    finally:
+        close_cluster(c)
+
+
+@pytest.fixture(scope="module")
+def binary(two: Cluster) -> Path:
+    return build(OPENMPI, two.work)
+
+
+def _on(c: Cluster, node: str, script: str, *args: str) -> object:
+    return json.loads(c.on(node, sys.executable, str(c.work / script), *args).stdout)
+
+
+def _mpirun(c: Cluster, binary: Path) -> str:
+    """mpirun as its node's part: its environment is the command line's (the agent passes none
+    on, as ssh), its hosts the allocation's (it sees no SLURM_* variables there)."""
+    env = {
+        **dict(OPENMPI.env),
+        "OMPI_MCA_plm": "rsh",
+        "OMPI_MCA_plm_rsh_agent": RSH,
+        "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
+        "STASIS_CONFIG": str(c.lay.config_of("n1")),
+        "SLURM_CONF": str(c.lay.slurm_conf),
+    }
+    words = [
+        "env",
+        *(f"{k}={v}" for k, v in env.items()),
+        OPENMPI.mpirun,
+        "-host",
+        "n1:2,n2:2",
+        "-np",
+        "4",
+        str(binary),
+        str(ITERATIONS),
+        str(SLEEP_MS),
+    ]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def test_every_rank_a_daemon_part_in_the_job_network(two: Cluster, binary: Path) -> None:
+    oracle = subprocess.run(
+        [
+            OPENMPI.mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            str(binary),
+            str(ITERATIONS),
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert oracle.returncode == 0, oracle.stderr + oracle.stdout
+    expected = _iterations(oracle.stdout)
+    assert len(expected) == ITERATIONS
+    name = "openmpi-rsh"
+    script = two.script(
+        name,
+        f"export STASIS_CONFIG={shlex.quote(str(two.lay.config_of('n1')))}\n"
+        f'{RSH} "$SLURMD_NODENAME" {shlex.quote(_mpirun(two, binary))}\n'
+        'echo "agent exit $?"\n',
+        f"--output={two.work}/{name}-%j.out",
+        "--export=ALL,STASIS_ENABLE=1",
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--time=3",
+    )
+    job = two.sbatch(script, user=TEST_USER)
+    vni = jobnetnode.vni_of_job(int(job), CLUSTER_NUMBER)
+    subnet = jobnetnode.subnet_of(vni)
+    deadline = time.monotonic() + 150
+    while len(_iterations(two.output(job))) < 3:
+        assert two.state(job) in ("PENDING", "CONFIGURING", "RUNNING"), two.output(job)
+        assert time.monotonic() < deadline, two.output(job)
+        time.sleep(0.5)
+    seen = {node: _on(two, node, "probe.py") for node in ("n1", "n2")}
+    cgroups = {node: _on(two, node, "cgroups.py") for node in ("n1", "n2")}
+    parts = {node: json.loads(two.on(node, STASIS, "ps", "--json").stdout) for node in ("n1", "n2")}
+    state = two.wait_state(job, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout_s=150)
+    out = two.output(job)
+    assert state == "COMPLETED", out
+    assert out.count("ranks 4 hosts n1,n1,n2,n2\n") == 1, out
+    assert _iterations(out) == expected, out
+    assert out.endswith("agent exit 0\n"), out  # mpirun's exit status, relayed
+    for node, ranks in seen.items():
+        assert isinstance(ranks, list) and len(ranks) == 2, (node, ranks, out)
+        for rank in ranks:
+            assert rank["vni"] == vni, (node, rank)  # in the job's namespace on its node
+        tcp = [ipaddress.IPv4Address(a) for r in ranks for a in r["tcp"]]
+        assert tcp and all(a.is_loopback or a in subnet for a in tcp), (node, ranks, subnet)
+        # A daemon's part: its freezer cgroup is the part's, not Slurm's; the job's user's.
+        found = cgroups[node]
+        assert isinstance(found, dict) and len(found) == 2, (node, found)
+        assert {r["uid"] for r in found.values()} == {pwd.getpwnam(TEST_USER).pw_uid}, found
+        # ... that of the part of that node's daemon labelled after the Slurm job.
+        mine = [p for p in parts[node] if p.get("label") == f"slurm-{job}-part"]
+        assert len(mine) == 1, (node, parts[node])
+        assert [r["freezer"] for r in found.values()] == [[f"/stasis-part-{mine[0]['job']}"]] * 2
+    for node in ("n1", "n2"):
+        ended = json.loads(two.on(node, STASIS, "ps", "--json").stdout)
+        assert all(p["state"] != "running" for p in ended), (node, ended)
+        assert _on(two, node, "left.py", str(vni)) == [], node  # nothing left of the job
+
+
+def test_the_agent_refuses_in_one_line(two: Cluster) -> None:
+    env = {"STASIS_CONFIG": str(two.lay.config_of("n1"))}
+    outside = two.on(
+        "n1",
+        "env",
+        *(f"{k}={v}" for k, v in env.items()),
+        *RSH.split(),
+        "n2",
+        "true",
+        user=TEST_USER,
+        check=False,
+    )
+    assert outside.returncode == 255
+    assert outside.stderr.startswith("stasis-rsh: n2: no SLURM_JOB_ID here"), outside.stderr
+    assert outside.stderr.count("\n") == 1, outside.stderr
+    # A job that is not the caller's (nor running): refused by the node's daemon.
+    other = two.on(
+        "n1",
+        "env",
+        *(f"{k}={v}" for k, v in env.items()),
+        "SLURM_JOB_ID=1",
+        *RSH.split(),
+        "n2",
+        "true",
+        user=TEST_USER,
+        check=False,
+    )
+    assert other.returncode == 255, other.stderr
+    assert other.stderr.startswith("stasis-rsh: n2: "), other.stderr
+    assert other.stderr.count("\n") == 1, other.stderr
+
+
+def test_a_cut_over_the_parts_leaves_the_job_running(two: Cluster, binary: Path) -> None:
+    """stasis.slurm.cut.take over the two parts the agent had the daemons start (mpirun with its
+    node's ranks, orted with the other's): one consistent checkpoint of the running MPI job, both
+    parts listed under one label, and the job goes on to the same checksums, each printed once.
+    The test reaches each node's daemon on its socket (the coordinator's remote side is not
+    routed yet)."""
+    expected = _iterations(
+        subprocess.run(
+            [OPENMPI.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", str(binary)]
+            + [str(ITERATIONS), "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
+    name = "openmpi-rsh-cut"
+    script = two.script(
+        name,
+        f"export STASIS_CONFIG={shlex.quote(str(two.lay.config_of('n1')))}\n"
+        f'{RSH} "$SLURMD_NODENAME" {shlex.quote(_mpirun(two, binary))}\n'
+        'echo "agent exit $?"\n',
+        f"--output={two.work}/{name}-%j.out",
+        "--export=ALL,STASIS_ENABLE=1",
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--time=3",
+    )
+    job = two.sbatch(script, user=TEST_USER)
+    deadline = time.monotonic() + 150
+    while len(_iterations(two.output(job))) < 5:
+        assert two.state(job) in ("PENDING", "CONFIGURING", "RUNNING"), two.output(job)
+        assert time.monotonic() < deadline, two.output(job)
+        time.sleep(0.5)
+    clients = {node: Client(two.lay.node_socket(node), timeout_s=120) for node in ("n1", "n2")}
+    parts = []
+    for node, client in clients.items():
+        mine = [j for j in client.jobs() if j["label"] == f"slurm-{job}-part"]
+        assert len(mine) == 1 and mine[0]["state"] == "running", (node, mine)
+        parts.append(cut.PartRef(node, client, mine[0]["job"]))
+    taken = cut.take(parts, f"mpi-{job}", timeout_s=60)
+    at = len(_iterations(two.output(job)))
+    assert not taken.stopped and taken.unfinished == "" and set(taken.checkpoints) == {"n1", "n2"}
+    listed = clients["n1"].checkpoints(label=taken.label, user=TEST_USER)  # the job user's
+    assert {m["id"] for m in listed} == set(taken.checkpoints.values())
+    state = two.wait_state(job, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout_s=150)
+    out = two.output(job)
+    assert state == "COMPLETED", out
+    assert at < ITERATIONS, (at, out)  # the cut was taken while it ran
+    assert _iterations(out) == expected, out
+    assert out.endswith("agent exit 0\n"), out
+    for client in clients.values():
+        client.close()
