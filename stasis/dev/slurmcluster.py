@@ -829,12 +829,15 @@ def _reexecuted(lay: SlurmClusterDirs) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if (entry / "comm").read_text().strip() not in _REEXECUTING:
-                continue
-            if mine in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
+            argv = (entry / "cmdline").read_bytes()
         except OSError:
             continue
+        # By its argv[0]: Debian 13's binaries are slurmctld-wlm and slurmd-wlm (alternatives),
+        # which is what their comm says.
+        if os.path.basename(argv.split(b"\0", 1)[0]).decode(errors="replace") not in _REEXECUTING:
+            continue
+        if mine in argv:
+            found.append(int(entry.name))
     return found
 
 
