@@ -375,6 +375,37 @@ SLURM_REMOTE_PART_SIGNAL: Route[wire.SlurmPartSignalRequest, wire.SlurmPartSigna
     "/slurm/remote/parts/{job}/{part}/signal",
     caller="cluster-user",
 )
+# A cut across nodes (stasis.slurm.cut, through stasis.slurm.partclient): root's alone (its
+# coordinator is the batch node's daemon), on a part started for that Slurm job.
+_CUTS = "only root (a cut's coordinator) freezes, dumps, thaws or stops a job's parts"
+SLURM_REMOTE_PART_FREEZE: Route[wire.SlurmPartFreezeRequest, wire.FreezeAnswer] = Route(
+    "slurm_remote_part_freeze",
+    "POST",
+    "/slurm/remote/parts/{job}/{part}/freeze",
+    caller="cluster-root",
+    denied=_CUTS,
+)
+SLURM_REMOTE_PART_DUMP: Route[wire.SlurmPartDumpRequest, wire.DumpAnswer] = Route(
+    "slurm_remote_part_dump",
+    "POST",
+    "/slurm/remote/parts/{job}/{part}/dump",
+    caller="cluster-root",
+    denied=_CUTS,
+)
+SLURM_REMOTE_PART_THAW: Route[wire.SlurmPartThawRequest, wire.ThawAnswer] = Route(
+    "slurm_remote_part_thaw",
+    "POST",
+    "/slurm/remote/parts/{job}/{part}/thaw",
+    caller="cluster-root",
+    denied=_CUTS,
+)
+SLURM_REMOTE_PART_DELETE: Route[wire.SlurmPartDeleteRequest, wire.Deleted] = Route(
+    "slurm_remote_part_delete",
+    "POST",
+    "/slurm/remote/parts/{job}/checkpoints/{checkpoint}/delete",
+    caller="cluster-root",
+    denied=_CUTS,
+)
 
 SLURM_REMOTE: tuple[AnyRoute, ...] = (
     SLURM_REMOTE_CHECKPOINT,
@@ -382,6 +413,10 @@ SLURM_REMOTE: tuple[AnyRoute, ...] = (
     SLURM_REMOTE_PART_START,
     SLURM_REMOTE_PART_OUTPUT,
     SLURM_REMOTE_PART_SIGNAL,
+    SLURM_REMOTE_PART_FREEZE,
+    SLURM_REMOTE_PART_DUMP,
+    SLURM_REMOTE_PART_THAW,
+    SLURM_REMOTE_PART_DELETE,
 )
 
 # -- Kubernetes (stasis.k8s.integration): all root's (containerd's shim runs the wrapper as

@@ -455,6 +455,30 @@ class SlurmPartSignalled(TypedDict):
     signalled: bool  # False: it was not running
 
 
+# A cut across nodes, driven by its coordinator as root (stasis.slurm.partclient): the part's
+# freeze, its dump as it stands frozen, its thaw or stop, a checkpoint of an abandoned cut.
+
+
+class SlurmPartFreezeRequest(TypedDict, total=False):
+    credential: str  # required: root's
+    timeout_s: float
+
+
+class SlurmPartDumpRequest(TypedDict, total=False):
+    credential: str  # required: root's
+    label: str  # required: the cut's
+    reason: str
+
+
+class SlurmPartThawRequest(TypedDict, total=False):
+    credential: str  # required: root's
+    stop: bool
+
+
+class SlurmPartDeleteRequest(TypedDict, total=False):
+    credential: str  # required: root's
+
+
 class Requeued(TypedDict):
     job: str
     checkpoint: str

@@ -437,8 +437,9 @@ def _declared() -> dict[str, routes.AnyRoute]:
 def test_every_route_is_declared_once() -> None:
     declared = _declared()
     assert set(declared.values()) == set(ALL_ROUTES)
-    # 36, FREEZE and THAW, and the remote part routes START, OUTPUT and SIGNAL (issue 31)
-    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 41
+    # 36, FREEZE and THAW, and the remote part routes START, OUTPUT, SIGNAL, FREEZE, DUMP,
+    # THAW and DELETE (issue 31)
+    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 45
     assert len({r.name for r in ALL_ROUTES}) == len(ALL_ROUTES)
     assert len({(r.method, r.path) for r in routes.SOCKET}) == len(routes.SOCKET)
     assert routes.SOCKET == routes.CORE + routes.SLURM + routes.K8S

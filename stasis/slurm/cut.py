@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar, Unpack
 
-from stasis.client import Client
+from stasis import wire
 from stasis.daemon.jobnet import JobNet
 from stasis.errors import CheckpointError, StasisError
 from stasis.store.manifest import Manifest, validate_label
@@ -36,12 +36,30 @@ FREEZE_TIMEOUT_S = 60.0  # a part thaws by itself this long after its freeze, it
 _CUT = ".cut-"
 
 
+class PartDaemon(Protocol):
+    """What a cut asks of a part's daemon: stasis.client.Client on its own node's socket,
+    stasis.slurm.partclient.RemoteParts on another node's remote listener."""
+
+    def freeze(self, job_id: str, **request: Unpack[wire.FreezeRequest]) -> wire.FreezeAnswer: ...
+
+    def dump(
+        self,
+        job_id: str,
+        progress: Callable[[int, int], None] | None = None,
+        **request: Unpack[wire.DumpRequest],
+    ) -> wire.DumpAnswer: ...
+
+    def thaw(self, job_id: str, **request: Unpack[wire.ThawRequest]) -> wire.ThawAnswer: ...
+
+    def delete_checkpoint(self, checkpoint_id: str) -> wire.Deleted: ...
+
+
 @dataclass(frozen=True)
 class PartRef:
     """A job's part on one node: that node's daemon, and the part's job id there."""
 
     node: str
-    client: Client
+    client: PartDaemon
     job: str
 
 

@@ -32,6 +32,10 @@ munge credential (stasis.slurm.remote: who asks is munge's uid, never the reques
                                              for the launch agent stasis-rsh)
     POST /slurm/remote/parts/{id}/{part}/output  {"credential", "offset"}: its output, state
     POST /slurm/remote/parts/{id}/{part}/signal  {"credential", "signal"}
+    POST /slurm/remote/parts/{id}/{part}/freeze  {"credential", "timeout_s"}   a cut across
+    POST /slurm/remote/parts/{id}/{part}/dump    {"credential", "label", "reason"}  nodes,
+    POST /slurm/remote/parts/{id}/{part}/thaw    {"credential", "stop"}      root only
+    POST /slurm/remote/parts/{id}/checkpoints/{checkpoint}/delete  {"credential"}
 
 Only those routes are served there, with the unix socket's limits: `request_timeout_s`
 for the headers and again for the body, `max_connections_per_uid` connections from the network
@@ -81,6 +85,10 @@ _PART_OPS: dict[routes.AnyRoute, str] = {
     routes.SLURM_REMOTE_PART_START: "part-start",
     routes.SLURM_REMOTE_PART_OUTPUT: "part-output",
     routes.SLURM_REMOTE_PART_SIGNAL: "part-signal",
+    routes.SLURM_REMOTE_PART_FREEZE: "part-freeze",
+    routes.SLURM_REMOTE_PART_DUMP: "part-dump",
+    routes.SLURM_REMOTE_PART_THAW: "part-thaw",
+    routes.SLURM_REMOTE_PART_DELETE: "part-delete",
 }
 
 
@@ -328,6 +336,20 @@ class SlurmIntegration(Integration):
         self, call: Call[slurm_models.PartSignalRequest]
     ) -> wire.SlurmPartSignalled:
         return self.parts.signal(call.args["job"], call.args["part"], call.body, call.caller)
+
+    def slurm_remote_part_freeze(
+        self, call: Call[slurm_models.PartFreezeRequest]
+    ) -> wire.FreezeAnswer:
+        return self.parts.freeze(call.args["job"], call.args["part"], call.body, call.caller)
+
+    def slurm_remote_part_dump(self, call: Call[slurm_models.PartDumpRequest]) -> wire.DumpAnswer:
+        return self.parts.dump(call.args["job"], call.args["part"], call.body, call.caller)
+
+    def slurm_remote_part_thaw(self, call: Call[slurm_models.PartThawRequest]) -> wire.ThawAnswer:
+        return self.parts.thaw(call.args["job"], call.args["part"], call.body, call.caller)
+
+    def slurm_remote_part_delete(self, call: Call[slurm_models.PartDeleteRequest]) -> wire.Deleted:
+        return self.parts.delete(call.args["checkpoint"], call.caller)
 
     def slurm_remote_checkpoint(
         self, call: Call[slurm_models.RemoteCheckpointRequest]

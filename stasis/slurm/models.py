@@ -69,6 +69,26 @@ class PartSignalRequest(_Model):
     signal: Literal["TERM", "HUP", "INT", "KILL"] = "TERM"
 
 
+class PartFreezeRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    timeout_s: float = Field(default=60.0, gt=0, le=3600)
+
+
+class PartDumpRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    label: str = Field(min_length=1, max_length=128)
+    reason: str = _REASON
+
+
+class PartThawRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    stop: bool = False
+
+
+class PartDeleteRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+
+
 # The model that validates each request typed dict of Slurm's routes (stasis.routes.SLURM and
 # SLURM_REMOTE).
 BY_WIRE: dict[object, type[BaseModel]] = {
@@ -81,4 +101,8 @@ BY_WIRE: dict[object, type[BaseModel]] = {
     wire.SlurmPartStartRequest: PartStartRequest,
     wire.SlurmPartOutputRequest: PartOutputRequest,
     wire.SlurmPartSignalRequest: PartSignalRequest,
+    wire.SlurmPartFreezeRequest: PartFreezeRequest,
+    wire.SlurmPartDumpRequest: PartDumpRequest,
+    wire.SlurmPartThawRequest: PartThawRequest,
+    wire.SlurmPartDeleteRequest: PartDeleteRequest,
 }

@@ -16,6 +16,9 @@ This module is that daemon's side:
 - `output`: its output (stdout and stderr together, as the daemon logs it) from an offset, its
   state and exit status: what the agent relays, polling.
 - `signal`: TERM, HUP, INT or KILL to it (the agent was signalled, as ssh's remote end would be).
+- A cut's, root's alone (its coordinator, stasis.slurm.cut through stasis.slurm.partclient):
+  `freeze`, `dump` (frozen, under the cut's label), `thaw` (or stop), `delete` (a checkpoint of
+  an abandoned cut).
 
 Each acts only on a part of that Slurm job, for its owner or root.
 """
@@ -29,11 +32,18 @@ from pathlib import Path
 
 from stasis import wire
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import RunRequest
+from stasis.daemon.models import DumpRequest, FreezeRequest, RunRequest, ThawRequest
 from stasis.daemon.users import Caller
 from stasis.errors import NotFoundError, PermissionDeniedError, UsageError
 from stasis.slurm import jobnetnode, scontrol
-from stasis.slurm.models import PartOutputRequest, PartSignalRequest, PartStartRequest
+from stasis.slurm.models import (
+    PartDumpRequest,
+    PartFreezeRequest,
+    PartOutputRequest,
+    PartSignalRequest,
+    PartStartRequest,
+    PartThawRequest,
+)
 
 _ROOT = Caller(pid=0, uid=0, gid=0)
 MAX_CHUNK_BYTES = 256 * 1024  # of output per answer
@@ -134,6 +144,32 @@ class SlurmParts:
         self._part(slurm_job, part, caller)
         row = self.manager.signal_job(part, caller, _SIGNALS[req.signal])
         return wire.SlurmPartSignalled(part=part, signalled=row is not None)
+
+    # -- a cut's, root's alone (the routes refuse anyone else) --------------------------------
+
+    def freeze(
+        self, slurm_job: str, part: str, req: PartFreezeRequest, caller: Caller
+    ) -> wire.FreezeAnswer:
+        self._part(slurm_job, part, caller)
+        freeze = FreezeRequest(timeout_s=req.timeout_s)
+        return self.manager.dumper.freeze(part, freeze, caller)
+
+    def dump(
+        self, slurm_job: str, part: str, req: PartDumpRequest, caller: Caller
+    ) -> wire.DumpAnswer:
+        self._part(slurm_job, part, caller)
+        dump = DumpRequest(frozen=True, label=req.label, reason=req.reason)
+        return self.manager.dump(part, dump, caller)
+
+    def thaw(
+        self, slurm_job: str, part: str, req: PartThawRequest, caller: Caller
+    ) -> wire.ThawAnswer:
+        self._part(slurm_job, part, caller)
+        return self.manager.dumper.thaw(part, ThawRequest(stop=req.stop), caller)
+
+    def delete(self, checkpoint: str, caller: Caller) -> wire.Deleted:
+        self.manager.delete_checkpoint(checkpoint, caller)
+        return wire.Deleted(deleted=checkpoint)
 
 
 def _read(path: Path, offset: int) -> bytes:

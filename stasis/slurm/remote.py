@@ -18,6 +18,8 @@ root on all), and a drain is root's alone.
     POST /slurm/remote/parts/{job}            {"credential", "command", "cwd"} -> RunAnswer
     POST /slurm/remote/parts/{job}/{part}/output  {"credential", "offset"} -> SlurmPartOutput
     POST /slurm/remote/parts/{job}/{part}/signal  {"credential", "signal"} -> SlurmPartSignalled
+    POST /slurm/remote/parts/{job}/{part}/freeze|dump|thaw, .../checkpoints/{id}/delete: a cut's
+                                              (root only; stasis.slurm.partclient)
 
 Which munged: the socket slurm.conf names (`AuthInfo=socket=...`), as Slurm's own
 auth/munge plugin uses, else munge's compiled-in default. This module owns the credential
@@ -348,7 +350,7 @@ def drain(settings: Settings, target: RemoteNode, reason: str) -> DrainAnswer:
     return cast(DrainAnswer, target.call(routes.SLURM_REMOTE_DRAIN, request))
 
 
-def _part_call(
+def part_call(
     settings: Settings,
     target: RemoteNode,
     route: routes.AnyRoute,
@@ -372,7 +374,7 @@ def start_part(
     """Have `target`'s daemon start `command` as its part of Slurm job `job_id` (in the job's
     network there, as the job's user); the caller must be the job's user or root."""
     fields: dict[str, object] = {"command": command, "cwd": cwd}
-    answer = _part_call(
+    answer = part_call(
         settings, target, routes.SLURM_REMOTE_PART_START, "part-start", {"job": job_id}, fields
     )
     return cast("wire.RunAnswer", answer)
@@ -382,7 +384,7 @@ def part_output(
     settings: Settings, target: RemoteNode, job_id: str, part: str, offset: int
 ) -> wire.SlurmPartOutput:
     """A part's output from `offset`, its state and exit status."""
-    answer = _part_call(
+    answer = part_call(
         settings,
         target,
         routes.SLURM_REMOTE_PART_OUTPUT,
@@ -397,7 +399,7 @@ def signal_part(
     settings: Settings, target: RemoteNode, job_id: str, part: str, signal: str
 ) -> wire.SlurmPartSignalled:
     """`signal` (TERM, HUP, INT, KILL) to a part."""
-    answer = _part_call(
+    answer = part_call(
         settings,
         target,
         routes.SLURM_REMOTE_PART_SIGNAL,
@@ -419,6 +421,7 @@ __all__ = [
     "encode_payload",
     "make_credential",
     "parse_slurm_conf",
+    "part_call",
     "part_output",
     "remote_node",
     "request_payload",

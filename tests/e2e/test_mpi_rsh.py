@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from stasis.client import Client
-from stasis.slurm import cut, install, jobnetnode
+from stasis.slurm import install, jobnetnode
 from tests.conftest import STASIS, TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster
 from tests.e2e.test_mpi_jobnet import LEFT, PROBE
-from tests.workloads.mpi_build import OPENMPI, build
+from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
 
 ITERATIONS = 30
 SLEEP_MS = 300
@@ -55,6 +55,54 @@ print(json.dumps(found))
 """
 
 
+# Run on the batch node as root, as its daemon will: one cut over the job's part there (its own
+# socket) and its part on the other node (that node's remote listener, root's munge credential).
+COORDINATE = """\
+import json, sys
+from stasis.client import Client
+from stasis.config import load_settings
+from stasis.slurm import cut, remote, scontrol
+from stasis.slurm.partclient import RemoteParts
+job, here_part, other, other_part = sys.argv[1:5]
+settings = load_settings()
+there = RemoteParts(settings, remote.remote_node(settings, other, scontrol.node_address(other)), job)
+parts = [cut.PartRef("n1", Client(settings.socket, timeout_s=120), here_part),
+         cut.PartRef(other, there, other_part)]
+taken = cut.take(parts, f"mpi-{job}", timeout_s=60)
+print(json.dumps({"label": taken.label, "checkpoints": taken.checkpoints,
+                  "stopped": taken.stopped, "unfinished": taken.unfinished}))
+"""
+
+# Run on the batch node as root: a checkpoint of the job's part on the other node deleted there
+# (what an abandoned cut does).
+DELETE = """\
+import json, sys
+from stasis.config import load_settings
+from stasis.slurm import remote, scontrol
+from stasis.slurm.partclient import RemoteParts
+job, other, checkpoint = sys.argv[1:4]
+settings = load_settings()
+there = RemoteParts(settings, remote.remote_node(settings, other, scontrol.node_address(other)), job)
+print(json.dumps(there.delete_checkpoint(checkpoint)))
+"""
+
+# Run on the batch node as the job's user: a cut's operation on the other node's part, refused.
+AS_USER = """\
+import sys
+from stasis.config import load_settings
+from stasis.errors import StasisError
+from stasis.slurm import remote, scontrol
+from stasis.slurm.partclient import RemoteParts
+job, other, other_part = sys.argv[1:4]
+settings = load_settings()
+there = RemoteParts(settings, remote.remote_node(settings, other, scontrol.node_address(other)), job)
+try:
+    there.freeze(other_part, timeout_s=5)
+except StasisError as e:
+    print(type(e).__name__, e)
+"""
+
+
 def _iterations(text: str) -> list[str]:
     import re
 
@@ -80,7 +128,14 @@ def two() -> Iterator[Cluster]:
             out=None,
         )
         c.run("scontrol", "reconfigure")
-        for name, text in (("probe.py", PROBE), ("left.py", LEFT), ("cgroups.py", CGROUPS)):
+        for name, text in (
+            ("probe.py", PROBE),
+            ("left.py", LEFT),
+            ("cgroups.py", CGROUPS),
+            ("coordinate.py", COORDINATE),
+            ("as_user.py", AS_USER),
+            ("delete.py", DELETE),
+        ):
             (c.work / name).write_text(text)
         yield c
     finally:
@@ -88,31 +143,62 @@ def two() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def binary(two: Cluster) -> Path:
-    return build(OPENMPI, two.work)
+def binaries(two: Cluster) -> dict[str, Path]:
+    return {mpi.name: build(mpi, two.work) for mpi in MPIS}
+
+
+@pytest.fixture(scope="module")
+def binary(binaries: dict[str, Path]) -> Path:
+    return binaries[OPENMPI.name]
+
+
+@pytest.fixture(scope="module")
+def oracle(binaries: dict[str, Path]) -> list[str]:
+    """4 ranks on this one machine, no job network: the lines every run must print."""
+    out = subprocess.run(
+        [MPICH.mpirun, "-np", "4", str(binaries[MPICH.name]), str(ITERATIONS), "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr + out.stdout
+    lines = _iterations(out.stdout)
+    assert len(lines) == ITERATIONS
+    return lines
 
 
 def _on(c: Cluster, node: str, script: str, *args: str) -> object:
     return json.loads(c.on(node, sys.executable, str(c.work / script), *args).stdout)
 
 
-def _mpirun(c: Cluster, binary: Path) -> str:
+def _mpirun(c: Cluster, mpi: MPI, binary: Path) -> str:
     """mpirun as its node's part: its environment is the command line's (the agent passes none
     on, as ssh), its hosts the allocation's (it sees no SLURM_* variables there)."""
     env = {
-        **dict(OPENMPI.env),
-        "OMPI_MCA_plm": "rsh",
-        "OMPI_MCA_plm_rsh_agent": RSH,
-        "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
         "STASIS_CONFIG": str(c.lay.config_of("n1")),
         "SLURM_CONF": str(c.lay.slurm_conf),
     }
+    if mpi is OPENMPI:
+        env |= dict(OPENMPI.env)
+        env |= {
+            "OMPI_MCA_plm": "rsh",
+            "OMPI_MCA_plm_rsh_agent": RSH,
+            "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
+        }
+        launch = ["-host", "n1:2,n2:2"]
+    else:
+        # TCP between nodes, as test_mpi_jobnet (the local cluster's nodes share one kernel).
+        env |= {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
+        agent = c.work / "stasis-rsh"  # Hydra's -launcher-exec takes a program, no arguments
+        agent.write_text(f'#!/bin/sh\nexec {RSH} "$@"\n')
+        agent.chmod(0o755)
+        launch = ["-launcher", "ssh", "-launcher-exec", str(agent), "-hosts", "n1:2,n2:2"]
+        launch += ["-iface", "eth0"]
     words = [
         "env",
         *(f"{k}={v}" for k, v in env.items()),
-        OPENMPI.mpirun,
-        "-host",
-        "n1:2,n2:2",
+        mpi.mpirun,
+        *launch,
         "-np",
         "4",
         str(binary),
@@ -122,30 +208,16 @@ def _mpirun(c: Cluster, binary: Path) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def test_every_rank_a_daemon_part_in_the_job_network(two: Cluster, binary: Path) -> None:
-    oracle = subprocess.run(
-        [
-            OPENMPI.mpirun,
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            "4",
-            str(binary),
-            str(ITERATIONS),
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert oracle.returncode == 0, oracle.stderr + oracle.stdout
-    expected = _iterations(oracle.stdout)
-    assert len(expected) == ITERATIONS
-    name = "openmpi-rsh"
+@pytest.mark.parametrize("mpi", MPIS, ids=[m.name for m in MPIS])
+def test_every_rank_a_daemon_part_in_the_job_network(
+    two: Cluster, binaries: dict[str, Path], oracle: list[str], mpi: MPI
+) -> None:
+    expected = oracle
+    name = f"{mpi.name}-rsh"
     script = two.script(
         name,
         f"export STASIS_CONFIG={shlex.quote(str(two.lay.config_of('n1')))}\n"
-        f'{RSH} "$SLURMD_NODENAME" {shlex.quote(_mpirun(two, binary))}\n'
+        f'{RSH} "$SLURMD_NODENAME" {shlex.quote(_mpirun(two, mpi, binaries[mpi.name]))}\n'
         'echo "agent exit $?"\n',
         f"--output={two.work}/{name}-%j.out",
         "--export=ALL,STASIS_ENABLE=1",
@@ -181,10 +253,14 @@ def test_every_rank_a_daemon_part_in_the_job_network(two: Cluster, binary: Path)
         found = cgroups[node]
         assert isinstance(found, dict) and len(found) == 2, (node, found)
         assert {r["uid"] for r in found.values()} == {pwd.getpwnam(TEST_USER).pw_uid}, found
-        # ... that of the part of that node's daemon labelled after the Slurm job.
-        mine = [p for p in parts[node] if p.get("label") == f"slurm-{job}-part"]
-        assert len(mine) == 1, (node, parts[node])
-        assert [r["freezer"] for r in found.values()] == [[f"/stasis-part-{mine[0]['job']}"]] * 2
+        # ... that of a part of that node's daemon labelled after the Slurm job (Hydra may
+        # start its proxy on its own node through the agent too: a second part there).
+        mine = {
+            f"/stasis-part-{p['job']}" for p in parts[node] if p.get("label") == f"slurm-{job}-part"
+        }
+        assert mine, (node, parts[node])
+        for r in found.values():
+            assert len(r["freezer"]) == 1 and r["freezer"][0] in mine, (node, found, mine)
     for node in ("n1", "n2"):
         ended = json.loads(two.on(node, STASIS, "ps", "--json").stdout)
         assert all(p["state"] != "running" for p in ended), (node, ended)
@@ -223,27 +299,21 @@ def test_the_agent_refuses_in_one_line(two: Cluster) -> None:
     assert other.stderr.count("\n") == 1, other.stderr
 
 
-def test_a_cut_over_the_parts_leaves_the_job_running(two: Cluster, binary: Path) -> None:
+def test_a_cut_over_the_parts_leaves_the_job_running(
+    two: Cluster, binary: Path, oracle: list[str]
+) -> None:
     """stasis.slurm.cut.take over the two parts the agent had the daemons start (mpirun with its
-    node's ranks, orted with the other's): one consistent checkpoint of the running MPI job, both
-    parts listed under one label, and the job goes on to the same checksums, each printed once.
-    The test reaches each node's daemon on its socket (the coordinator's remote side is not
-    routed yet)."""
-    expected = _iterations(
-        subprocess.run(
-            [OPENMPI.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", str(binary)]
-            + [str(ITERATIONS), "0"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-    )
+    node's ranks, orted with the other's), coordinated from the batch node as root: its own part
+    through its socket, the other node's through that node's remote listener (stasis.slurm.
+    partclient). One consistent checkpoint of the running MPI job, both parts listed under one
+    label, and the job goes on to the same checksums, each printed once. The job's own user
+    may not freeze a part."""
+    expected = oracle
     name = "openmpi-rsh-cut"
     script = two.script(
         name,
         f"export STASIS_CONFIG={shlex.quote(str(two.lay.config_of('n1')))}\n"
-        f'{RSH} "$SLURMD_NODENAME" {shlex.quote(_mpirun(two, binary))}\n'
+        f'{RSH} "$SLURMD_NODENAME" {shlex.quote(_mpirun(two, OPENMPI, binary))}\n'
         'echo "agent exit $?"\n',
         f"--output={two.work}/{name}-%j.out",
         "--export=ALL,STASIS_ENABLE=1",
@@ -259,16 +329,29 @@ def test_a_cut_over_the_parts_leaves_the_job_running(two: Cluster, binary: Path)
         assert time.monotonic() < deadline, two.output(job)
         time.sleep(0.5)
     clients = {node: Client(two.lay.node_socket(node), timeout_s=120) for node in ("n1", "n2")}
-    parts = []
+    part = {}
     for node, client in clients.items():
         mine = [j for j in client.jobs() if j["label"] == f"slurm-{job}-part"]
         assert len(mine) == 1 and mine[0]["state"] == "running", (node, mine)
-        parts.append(cut.PartRef(node, client, mine[0]["job"]))
-    taken = cut.take(parts, f"mpi-{job}", timeout_s=60)
+        part[node] = mine[0]["job"]
+    refused = two.on(
+        "n1", sys.executable, str(two.work / "as_user.py"), job, "n2", part["n2"], user=TEST_USER
+    ).stdout
+    assert refused.startswith(
+        "PermissionDeniedError permission denied: only root (a cut's "
+    ), refused
+    assert refused.count("\n") == 1, refused
+    taken = _on(two, "n1", "coordinate.py", job, part["n1"], "n2", part["n2"])
     at = len(_iterations(two.output(job)))
-    assert not taken.stopped and taken.unfinished == "" and set(taken.checkpoints) == {"n1", "n2"}
-    listed = clients["n1"].checkpoints(label=taken.label, user=TEST_USER)  # the job user's
-    assert {m["id"] for m in listed} == set(taken.checkpoints.values())
+    assert isinstance(taken, dict), taken
+    assert not taken["stopped"] and taken["unfinished"] == "", taken
+    assert set(taken["checkpoints"]) == {"n1", "n2"}, taken
+    listed = clients["n1"].checkpoints(label=taken["label"], user=TEST_USER)  # the job user's
+    assert {m["id"] for m in listed} == set(taken["checkpoints"].values())
+    gone = taken["checkpoints"]["n2"]
+    assert _on(two, "n1", "delete.py", job, "n2", gone) == {"deleted": gone}
+    listed = clients["n1"].checkpoints(label=taken["label"], user=TEST_USER)
+    assert {m["id"] for m in listed} == {taken["checkpoints"]["n1"]}
     state = two.wait_state(job, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout_s=150)
     out = two.output(job)
     assert state == "COMPLETED", out
