@@ -64,7 +64,7 @@ from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller
 from stasis.engine import proctree
 from stasis.errors import PermissionDeniedError, SlurmError, StasisError, UsageError
-from stasis.slurm import held, interruptions, mirrors, remote, scontrol
+from stasis.slurm import held, interruptions, mirrors, parts, remote, scontrol
 from stasis.slurm import models as slurm_models
 from stasis.slurm.intervals import Intervals, job_interval
 from stasis.slurm.mirrors import Mirrors
@@ -302,7 +302,9 @@ class SlurmIntegration(Integration):
         except PermissionDeniedError as e:
             log.warning("refused a remote Slurm %s from %s: %s", op, peer_address, e)
             raise
-        log.info(
+        # An agent follows its part by asking for its output every fraction of a second.
+        log.log(
+            logging.DEBUG if op == "part-output" else logging.INFO,
             "remote Slurm %s %s asked by uid %d from %s",
             op,
             " ".join(f"{k}={v}" for k, v in fields.items()),
@@ -387,6 +389,7 @@ class SlurmIntegration(Integration):
                 else []
             ),
             Task("forget intervals of ended Slurm jobs", _SWEEP_INTERVAL_S, self._forget_intervals),
+            Task("kill parts of ended Slurm jobs", parts.SWEEP_S, self.parts.sweep),
         ]
 
     def _forget_intervals(self) -> None:

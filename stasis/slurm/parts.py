@@ -20,13 +20,17 @@ This module is that daemon's side:
   `freeze`, `dump` (frozen, under the cut's label), `thaw` (or stop), `delete` (a checkpoint of
   an abandoned cut).
 
-Each acts only on a part of that Slurm job, for its owner or root.
+Each acts only on a part of that Slurm job, for its owner or root. A part whose Slurm job no
+longer runs on this node (its agent killed without passing a signal on, the job cancelled or
+ended) is killed by `sweep` (the integration's task, every SWEEP_S): none outlives its job.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -34,7 +38,7 @@ from stasis import wire
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.models import DumpRequest, FreezeRequest, RunRequest, ThawRequest
 from stasis.daemon.users import Caller
-from stasis.errors import NotFoundError, PermissionDeniedError, UsageError
+from stasis.errors import NotFoundError, PermissionDeniedError, SlurmError, UsageError
 from stasis.slurm import jobnetnode, scontrol
 from stasis.slurm.models import (
     PartDumpRequest,
@@ -46,7 +50,10 @@ from stasis.slurm.models import (
 )
 
 _ROOT = Caller(pid=0, uid=0, gid=0)
+SWEEP_S = 10.0
+_LABEL = re.compile(r"slurm-([0-9]+)-part")
 MAX_CHUNK_BYTES = 256 * 1024  # of output per answer
+log = logging.getLogger("stasis.daemon")
 _SIGNALS = {
     "TERM": signal.SIGTERM,
     "HUP": signal.SIGHUP,
@@ -144,6 +151,30 @@ class SlurmParts:
         self._part(slurm_job, part, caller)
         row = self.manager.signal_job(part, caller, _SIGNALS[req.signal])
         return wire.SlurmPartSignalled(part=part, signalled=row is not None)
+
+    def sweep(self) -> None:
+        """Kill the parts whose Slurm job no longer runs on this node."""
+        running = [
+            (j, m.group(1))
+            for j in self.manager.jobs(_ROOT)
+            if j["state"] in ("running", "restored") and (m := _LABEL.fullmatch(j["label"]))
+        ]
+        if not running:
+            return  # no Slurm to ask
+        try:
+            live = set(scontrol.jobs_on_node(self.node))
+        except SlurmError as e:
+            log.warning("cannot tell which Slurm jobs run here, parts left as they are: %s", e)
+            return
+        for job, slurm_job in running:
+            if slurm_job not in live:
+                log.warning(
+                    "part %s of Slurm job %s killed: the job no longer runs on node %s",
+                    job["job"],
+                    slurm_job,
+                    self.node,
+                )
+                self.manager.signal_job(job["job"], _ROOT, signal.SIGKILL)
 
     # -- a cut's, root's alone (the routes refuse anyone else) --------------------------------
 

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from stasis import wire
 from stasis.client import Client
 from stasis.slurm import install, jobnetnode
+from stasis.slurm.parts import SWEEP_S
 from tests.conftest import STASIS, TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster
 from tests.e2e.test_mpi_jobnet import LEFT, PROBE
@@ -360,3 +362,71 @@ def test_a_cut_over_the_parts_leaves_the_job_running(
     assert out.endswith("agent exit 0\n"), out
     for client in clients.values():
         client.close()
+
+
+def test_no_part_outlives_its_job(two: Cluster) -> None:
+    """scancel: Slurm ends the agents (seen: without a signal they could pass on) and the job;
+    its parts on the other node, one of which ignores SIGTERM, are killed by that node's daemon
+    once the job no longer runs there (stasis.slurm.parts.sweep)."""
+    config = shlex.quote(str(two.lay.config_of("n1")))
+    script = two.script(
+        "parts-cancelled",
+        f"export STASIS_CONFIG={config}\n"
+        f"{RSH} n2 'trap \"\" TERM; echo deaf; sleep 600' &\n"
+        f"{RSH} n2 'echo plain; sleep 600' &\n"
+        "wait\n",
+        f"--output={two.work}/parts-cancelled-%j.out",
+        "--export=ALL,STASIS_ENABLE=1",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--time=3",
+    )
+    job = two.sbatch(script, user=TEST_USER)
+    n2 = Client(two.lay.node_socket("n2"), timeout_s=60)
+
+    def parts() -> dict[str, wire.Job]:
+        found = [j for j in n2.jobs() if j["label"] == f"slurm-{job}-part"]
+        return {"deaf" if "deaf" in " ".join(j["command"]) else "plain": j for j in found}
+
+    deadline = time.monotonic() + 120
+    while not (two.output(job).count("deaf") and two.output(job).count("plain")):
+        assert two.state(job) in ("PENDING", "CONFIGURING", "RUNNING"), two.output(job)
+        assert time.monotonic() < deadline, two.output(job)
+        time.sleep(0.5)
+    assert {k: j["state"] for k, j in parts().items()} == {"deaf": "running", "plain": "running"}
+    two.run("scancel", job)
+    cancelled = time.monotonic()
+    while any(j["state"] == "running" for j in parts().values()):
+        # Slurm's KillWait (5 s here), then the daemon's next sweep.
+        assert time.monotonic() - cancelled < 5 + 2 * SWEEP_S + 15, parts()
+        time.sleep(0.5)
+    assert two.wait_state(job, ("CANCELLED",), timeout_s=30) == "CANCELLED"
+    n2.close()
+
+
+def test_a_signal_to_the_agent_reaches_its_part(two: Cluster) -> None:
+    """SIGTERM to the agent is passed on to its part, which ends of it; the agent's exit status
+    is then the part's, as ssh's."""
+    config = shlex.quote(str(two.lay.config_of("n1")))
+    script = two.script(
+        "agent-signalled",
+        f"export STASIS_CONFIG={config}\n"
+        f"{RSH} n2 'echo plain; exec sleep 600' &\n"
+        "agent=$!\n"
+        "sleep 4\n"
+        'kill -TERM "$agent"\n'
+        'wait "$agent"\n'
+        'echo "agent exit $?"\n',
+        f"--output={two.work}/agent-signalled-%j.out",
+        "--export=ALL,STASIS_ENABLE=1",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--time=3",
+    )
+    job = two.sbatch(script, user=TEST_USER)
+    state = two.wait_state(job, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout_s=60)
+    out = two.output(job)
+    assert state == "COMPLETED", out
+    assert out.endswith("agent exit 143\n"), out  # 128 + SIGTERM, the part's end
