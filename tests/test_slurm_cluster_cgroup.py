@@ -3,12 +3,9 @@ cluster itself is tested end to end in tests/e2e/test_slurm_cgroup.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 from stasis.dev import slurmcgroup
-from stasis.poll import poll
 
 # A cgroup v1 hybrid machine (these machines), with a node's own mounts on top of the machine's
 # in a node's mount namespace: the last mount on a point is the one seen.
@@ -56,30 +53,3 @@ def test_each_cluster_directory_has_its_own_cgroup_name() -> None:
     assert a == slurmcgroup.base_name(Path("/tmp/a"))
     assert a != slurmcgroup.base_name(Path("/tmp/b"))
     assert a.startswith("stasis-slurm-") and "/" not in a
-
-
-def test_a_node_namespace_made_after_follow_mounts_sees_what_is_mounted_later(
-    tmp_path: Path,
-) -> None:
-    """The one cgroup node's mount namespace is a slave copy of the machine's: a mount made
-    under the cluster's directory afterwards (a test's "unmounted" store) reaches it, here too
-    where the machine's mounts are private (a container, a test root)."""
-    root = tmp_path / "cluster"
-    (root / "store").mkdir(parents=True)
-    bound = slurmcgroup.follow_mounts(root)
-    node = subprocess.Popen(["unshare", "--mount", "--propagation", "slave", "sleep", "60"])
-    try:
-        mine = os.readlink("/proc/self/ns/mnt")
-        assert poll(lambda: os.readlink(f"/proc/{node.pid}/ns/mnt") != mine, 10, 0.02)
-        subprocess.run(["mount", "-t", "tmpfs", "later", str(root / "store")], check=True)
-        try:
-            seen = Path(f"/proc/{node.pid}/mountinfo")
-            assert poll(lambda: f" {root}/store " in seen.read_text(), 10, 0.02), seen.read_text()
-        finally:
-            subprocess.run(["umount", str(root / "store")], check=True)
-    finally:
-        node.kill()
-        node.wait()
-        if bound:
-            slurmcgroup.unfollow_mounts(root)
-    assert f" {root} " not in Path("/proc/self/mountinfo").read_text()

@@ -9,10 +9,11 @@ directory. The node's slurmd makes its `/slurm/uid_U/job_J/step_S` tree below it
 its own: nodes (and two clusters on one machine, whose job ids both start at 1) never meet.
 
 The one node of a one-node cluster is this machine but for its cgroups: its holder's mount
-namespace is a slave copy of the machine's, and so that a mount made later under the cluster's
-directory (a test's "unmounted" store) reaches the node's slurmd and daemon as it reaches this
-machine's commands, the cluster's directory is a shared mount (`follow_mounts`) where the mount
-it lies on is not (containers, test roots: everything private).
+namespace is a slave copy of the machine's, taken when the node starts (where the machine's
+mounts are private, as in containers and test roots, a mount made later on the machine does not
+reach the node: make it in the node's namespace too, through its holder). No mount is added to
+the machine's namespace: a job with a mount namespace of its own (job_container/tmpfs) copies
+the machine's, and a mount that is gone, or hidden under the job's /tmp, by its restore fails it.
 
 Slurm's cgroup plugin is the machine's: cgroup/v2 where /sys/fs/cgroup is a cgroup2 mount that
 offers the memory controller, cgroup/v1 where a v1 hierarchy holds it (hybrid machines, e.g.
@@ -28,7 +29,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from stasis.dev import commands
 from stasis.errors import UsageError
 from stasis.poll import poll
 
@@ -178,43 +178,6 @@ def remove(base: str, m: Machine | None = None, timeout_s: float = 10.0) -> list
 
     poll(done, timeout_s, 0.2)
     return left
-
-
-def _mount_of(path: Path, mountinfo: str) -> tuple[str, bool]:
-    """The mount point `path` lies on (the last mount there), and whether it is shared."""
-    best, shared = "/", False
-    for line in mountinfo.splitlines():
-        fields = line.partition(" - ")[0].split()
-        if len(fields) < 6:
-            continue
-        point = fields[4].replace("\\040", " ")
-        inside = point == "/" or str(path) == point or str(path).startswith(point + "/")
-        if inside and len(point) >= len(best):
-            best, shared = point, any(f.startswith("shared:") for f in fields[6:])
-    return best, shared
-
-
-def follow_mounts(root: Path) -> bool:
-    """Make `root` a shared mount (bound on itself) unless the mount it lies on is shared
-    already: then the one node's slave copy gets what is mounted under it later. True when
-    it was bound (`unfollow_mounts` at down)."""
-    _, shared = _mount_of(root, Path("/proc/self/mountinfo").read_text())
-    if shared:
-        return False
-    commands.run(["mount", "--bind", str(root), str(root)])
-    try:
-        commands.run(["mount", "--make-shared", str(root)])
-    except BaseException:
-        unfollow_mounts(root)
-        raise
-    return True
-
-
-def unfollow_mounts(root: Path) -> None:
-    """Undo `follow_mounts`: detached, with what is mounted below (a node's copies go with it)."""
-    point, _ = _mount_of(root, Path("/proc/self/mountinfo").read_text())
-    if point == str(root):
-        commands.run(["umount", "--lazy", str(root)], check=False)
 
 
 def cgroup_conf(m: Machine) -> str:

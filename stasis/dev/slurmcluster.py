@@ -343,8 +343,6 @@ def _cgroup_down(lay: SlurmClusterDirs, state: dict[str, Any]) -> None:
                 except (ProcessLookupError, ValueError):
                     pass
     slurmcgroup.remove(base)
-    if state["cgroup"].get("follows_mounts"):
-        slurmcgroup.unfollow_mounts(lay.root)
 
 
 def _nodes_down(state: dict[str, Any]) -> None:
@@ -500,10 +498,6 @@ def up(
     try:
         net = _nodes_up(lay, state) if nodes > 1 else None
         if machine is not None and nodes == 1:
-            # Before the node's mount namespace is copied: it then follows the machine's
-            # mounts under the cluster's directory (slurmcgroup.follow_mounts).
-            state["cgroup"]["follows_mounts"] = slurmcgroup.follow_mounts(root)
-            write_state(lay, state)
             _cgroup_node_up(lay, state)
         started["munged"] = _start_munge(lay)
         if configless:
