@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-MARK = "STASIS_TEST_SESSION"
+from stasis.dev.commands import SESSION_MARK
+
+MARK = SESSION_MARK  # the harnesses carry it on to the daemons they start
 # What a fixture's teardown signalled may still be exiting.
 GRACE_S = float(os.environ.get("STASIS_TEST_LEFTOVER_GRACE_S", "20"))
 
@@ -35,20 +36,6 @@ def start() -> None:
     _before.update(_pids())
 
 
-# The scratch directories of the tests' Slurm clusters: a daemon a cluster's harness runs with
-# an environment of its own (no MARK) and names its directory (`slurmctld -f D/etc/slurm.conf`);
-# one that re-executed itself (Slurm 24.11's reconfigure) escapes a harness that stops the pid it
-# recorded.
-SCRATCH = (f"{tempfile.gettempdir()}/stasis-e2e-", "/var/lib/stasis-e2e-")
-
-
-def _same_root(proc: Path) -> bool:
-    """Whether `proc` sees this file system as its root: a test's nodes do (their own /tmp and
-    /run only); a run in another root (a fresh Debian root on this machine) does not."""
-    mine, its = os.stat("/"), os.stat(proc / "root")
-    return (mine.st_dev, mine.st_ino) == (its.st_dev, its.st_ino)
-
-
 def _ours(pid: int, dirs: list[str]) -> str | None:
     """The command line of `pid` if this session started it and it is alive (not a zombie)."""
     proc = Path(f"/proc/{pid}")
@@ -59,8 +46,6 @@ def _ours(pid: int, dirs: list[str]) -> str | None:
         environ = (proc / "environ").read_bytes().split(b"\0")
         if f"{MARK}={_token}".encode() in environ or any(d in cmdline for d in dirs):
             return cmdline.strip() or f"[{pid}]"
-        if any(d in cmdline for d in SCRATCH) and _same_root(proc):
-            return cmdline.strip()
     except (OSError, IndexError):
         return None  # gone meanwhile
     return None

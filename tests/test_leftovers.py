@@ -73,28 +73,29 @@ def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> N
         os.kill(pid, signal.SIGKILL)
 
 
-def test_a_cluster_daemon_without_the_sessions_mark_is_found_by_its_directory(
+def test_a_daemon_a_harness_starts_with_an_environment_of_its_own_is_found(
     tmp_path: Path,
 ) -> None:
-    """As Slurm 24.11's slurmctld after a reconfigure: started with an environment of its own,
-    in a new process, its command line naming the test cluster's directory."""
+    """As Slurm 24.11's slurmctld after a reconfigure: started by a harness with an environment
+    of its own (stasis.dev.commands.session_mark carries the session's mark into it), in a new
+    process the harness did not record."""
     pidfile = tmp_path / "pid"
     result = _session(
         tmp_path,
         f"""
-        import subprocess, sys, tempfile
+        import subprocess, sys
+        from stasis.dev import commands
         def test_leaks():
-            where = tempfile.mkdtemp(prefix="stasis-e2e-leak-")
             p = subprocess.Popen(
-                [sys.executable, "-c", "import time; time.sleep(1000)", where + "/etc/slurm.conf"],
-                env={{"PATH": "/usr/bin:/bin"}},
+                [sys.executable, "-c", "import time; time.sleep(1000)", "cluster-daemon"],
+                env={{"PATH": "/usr/bin:/bin", **commands.session_mark()}},
                 start_new_session=True,
             )
             open({str(pidfile)!r}, "w").write(str(p.pid))
         """,
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "processes left behind" in result.stdout and "stasis-e2e-leak-" in result.stdout
+    assert "processes left behind" in result.stdout and "cluster-daemon" in result.stdout
     pid = int(pidfile.read_text())
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

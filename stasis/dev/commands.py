@@ -3,6 +3,7 @@ with one-line failures, and the ports their services listen on."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import subprocess
@@ -11,6 +12,16 @@ from stasis.errors import SlurmError, StasisError, UsageError
 
 TIMEOUT_S = 60
 SLURM_MISSING = "run `make install` (scripts/install-slurm.sh)"
+# The test session that started a harness (tests/leftovers.py): the daemons a harness starts with
+# an environment of their own carry it on, so that one left running is found at the session's
+# end, even as a new process (Slurm 24.11's reconfigure re-executes slurmctld and slurmd).
+SESSION_MARK = "STASIS_TEST_SESSION"
+
+
+def session_mark() -> dict[str, str]:
+    """The mark of the test session running this harness, if any, for a daemon's environment."""
+    mark = os.environ.get(SESSION_MARK)
+    return {SESSION_MARK: mark} if mark else {}
 
 
 def run(

@@ -132,7 +132,7 @@ PidFile={acct}/slurmdbd.pid
         f"AuthType=auth/munge\nAuthInfo=socket={munge_sock}\n"
         f"{lines}\n"
     )
-    env = {"PATH": _PATH, "SLURM_CONF": str(lay.slurm_conf)}
+    env = {"PATH": _PATH, "SLURM_CONF": str(lay.slurm_conf), **commands.session_mark()}
     log = acct / "slurmdbd.log"
     pid = _start(["slurmdbd", "-D"], acct / "slurmdbd.run.pid", acct / "slurmdbd.out", env)
     started["slurmdbd"] = pid or 0
@@ -193,7 +193,7 @@ def _start_mariadb(lay: SlurmClusterDirs, acct: Path, started: dict[str, int]) -
         ],
         acct / "mariadb.run.pid",
         acct / "mariadb.out",
-        {"PATH": _PATH},
+        {"PATH": _PATH, **commands.session_mark()},
     )
     started["mariadb"] = pid or 0
 

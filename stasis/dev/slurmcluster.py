@@ -198,7 +198,11 @@ PartitionName=high Nodes={members} Default=NO MaxTime=INFINITE State=UP Priority
 
 
 def _client_env(lay: SlurmClusterDirs) -> dict[str, str]:
-    return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **lay.env()}
+    return {
+        "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        **lay.env(),
+        **commands.session_mark(),
+    }
 
 
 def _wait(pred: Any, timeout_s: float, what: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from stasis.dev.commands import SESSION_MARK
 from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,6 +81,12 @@ def test_up_ended_half_way_stops_what_it_started() -> None:
         started = pids_recorded(root)
         assert {"munged", "mariadb", "slurmdbd"} <= set(started), started
         assert naming(root), "nothing of the cluster seen running"
+        # The daemons carry this session's mark (tests/leftovers.py finds one left running,
+        # whatever process it became).
+        mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+        for name in ("mariadb", "slurmdbd"):
+            environ = Path(f"/proc/{started[name]}/environ").read_bytes().split(b"\0")
+            assert mark in environ, name
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=120)
         assert up.returncode != 0, err
