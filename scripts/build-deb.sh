@@ -7,7 +7,7 @@
 #                                 no stasis/dev), stasis-init (built as `make install` builds
 #                                 it; the postinst puts it where `make install` does,
 #                                 /usr/libexec/stasis), /usr/bin/stasis and
-#                                 /usr/bin/stasis-runc, the daemon's unit stasis.service,
+#                                 /usr/bin/stasis-runc, /usr/bin/stasis-rsh, the daemon's unit stasis.service,
 #                                 /etc/stasis/config.toml (a conffile)
 #   stasis-criu_CRIU-1+stasis_ARCH.deb
 #                                 /usr/sbin/criu: the CRIU scripts/install-criu.sh built here
@@ -151,6 +151,8 @@ gcc -O2 -Wall -Wextra -Werror -static -o "$stage/usr/lib/stasis/stasis-init" \
 install -d "$stage/usr/bin"
 ln -s $venv/bin/stasis "$stage/usr/bin/stasis"
 ln -s $venv/bin/stasis-runc "$stage/usr/bin/stasis-runc"
+# MPI's launch agent for jobs over several nodes (slurm_multinode): on the PATH of every node.
+ln -s $venv/bin/stasis-rsh "$stage/usr/bin/stasis-rsh"
 # Debian 12 keeps units in /lib (its dpkg does not know /lib and /usr/lib are one); later, /usr/lib.
 if dpkg --compare-versions "$(cat /etc/debian_version 2>/dev/null || echo 13)" lt 13 2>/dev/null; then
     unitdir=/lib/systemd/system

@@ -155,6 +155,7 @@ def test_install_upgrade_remove_purge(debs: Debs, root: Root) -> None:
     for path in (
         "/usr/bin/stasis",
         "/usr/bin/stasis-runc",
+        "/usr/bin/stasis-rsh",
         INIT,
         "/usr/sbin/criu",
         "/etc/stasis/config.toml",
