@@ -430,6 +430,34 @@ def new_cluster(
     return c
 
 
+def multinode_cluster(name: str, number: int) -> Cluster:
+    """A cluster of two nodes with `slurm_multinode = number` on both, installed again with it
+    (job_submit.lua, PrologFlags=Alloc, the plugin's multinode=1) and reconfigured."""
+    from stasis.slurm import install
+
+    c = new_cluster(name, nodes=2)
+    try:
+        for node in ("n1", "n2"):
+            conf = c.lay.config_of(node)
+            conf.write_text(conf.read_text() + f"slurm_multinode = {number}\n")
+        install.install(
+            install.InstallOptions(
+                roles=frozenset(install.ROLES),
+                slurm_conf=c.lay.slurm_conf,
+                lib_dir=c.lay.lib,
+                stasis_config=c.lay.config_of("%n"),
+                systemd_dir=None,
+                multinode=number,
+            ),
+            out=None,
+        )
+        c.run("scontrol", "reconfigure")
+    except BaseException:
+        close_cluster(c)
+        raise
+    return c
+
+
 def close_cluster(c: Cluster) -> None:
     c.down()
     if not os.environ.get("STASIS_KEEP_E2E"):

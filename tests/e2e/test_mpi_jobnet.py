@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from stasis.slurm import install, jobnetnode
+from stasis.slurm import jobnetnode
 from tests.conftest import TEST_USER
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster
-from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
+from tests.e2e.conftest import Cluster, close_cluster, multinode_cluster
+from tests.workloads.mpi_build import MPI, MPICH, MPIS, build
 
 ITERATIONS = 30
 SLEEP_MS = 400  # long enough to look at the ranks while they run
@@ -84,25 +84,8 @@ def _iterations(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two() -> Iterator[Cluster]:
-    c = new_cluster("mpinet", nodes=2)
+    c = multinode_cluster("mpinet", CLUSTER_NUMBER)
     try:
-        for node in ("n1", "n2"):
-            conf = c.lay.config_of(node)
-            conf.write_text(conf.read_text() + f"slurm_multinode = {CLUSTER_NUMBER}\n")
-        # Installed again with the setting on (the cluster was installed with it off):
-        # job_submit.lua, PrologFlags=Alloc, the plugin's multinode=1.
-        install.install(
-            install.InstallOptions(
-                roles=frozenset(install.ROLES),
-                slurm_conf=c.lay.slurm_conf,
-                lib_dir=c.lay.lib,
-                stasis_config=c.lay.config_of("%n"),
-                systemd_dir=None,
-                multinode=CLUSTER_NUMBER,
-            ),
-            out=None,
-        )
-        c.run("scontrol", "reconfigure")
         (c.work / "probe.py").write_text(PROBE)
         (c.work / "left.py").write_text(LEFT)
         yield c

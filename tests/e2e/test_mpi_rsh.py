@@ -23,10 +23,10 @@ import pytest
 
 from stasis import wire
 from stasis.client import Client
-from stasis.slurm import install, jobnetnode
+from stasis.slurm import jobnetnode
 from stasis.slurm.parts import SWEEP_S
 from tests.conftest import STASIS, TEST_USER
-from tests.e2e.conftest import Cluster, close_cluster, new_cluster
+from tests.e2e.conftest import Cluster, close_cluster, multinode_cluster
 from tests.e2e.test_mpi_jobnet import LEFT, PROBE
 from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
 
@@ -113,23 +113,8 @@ def _iterations(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def two() -> Iterator[Cluster]:
-    c = new_cluster("mpirsh", nodes=2)
+    c = multinode_cluster("mpirsh", CLUSTER_NUMBER)
     try:
-        for node in ("n1", "n2"):
-            conf = c.lay.config_of(node)
-            conf.write_text(conf.read_text() + f"slurm_multinode = {CLUSTER_NUMBER}\n")
-        install.install(
-            install.InstallOptions(
-                roles=frozenset(install.ROLES),
-                slurm_conf=c.lay.slurm_conf,
-                lib_dir=c.lay.lib,
-                stasis_config=c.lay.config_of("%n"),
-                systemd_dir=None,
-                multinode=CLUSTER_NUMBER,
-            ),
-            out=None,
-        )
-        c.run("scontrol", "reconfigure")
         for name, text in (
             ("probe.py", PROBE),
             ("left.py", LEFT),
