@@ -50,6 +50,18 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _assert_killed(pidfile: Path) -> None:
+    """The process the inner session left (its pid in `pidfile`) was killed by the check."""
+    pid = int(pidfile.read_text())
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), state
+    if state == "Z":  # our grandchild's zombie: nobody reaps it but init; nothing runs
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
     result = _session(
@@ -63,14 +75,7 @@ def test_a_process_left_running_fails_the_run_and_is_killed(tmp_path: Path) -> N
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "processes left behind" in result.stdout and "sleep 1000" in result.stdout
-    pid = int(pidfile.read_text())
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z"), state
-    if state == "Z":  # our grandchild's zombie: nobody reaps it but init; nothing runs
-        os.kill(pid, signal.SIGKILL)
+    _assert_killed(pidfile)
 
 
 def test_a_daemon_a_harness_starts_with_an_environment_of_its_own_is_found(
@@ -96,12 +101,7 @@ def test_a_daemon_a_harness_starts_with_an_environment_of_its_own_is_found(
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "processes left behind" in result.stdout and "cluster-daemon" in result.stdout
-    pid = int(pidfile.read_text())
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        state = "gone"
-    assert state in ("gone", "Z"), state
+    _assert_killed(pidfile)
 
 
 def test_a_run_that_stops_what_it_started_passes(tmp_path: Path) -> None:
