@@ -162,6 +162,14 @@ def _history(environ: dict[str, str]) -> dict[str, Any]:
         _ended(c, jobs)
         # -- the start -----------------------------------------------------------------------
         started = c.stasis("slurm", "poc", "start", "--accounts", "poc", "--baseline-days", "1")
+        # The start is the next whole second (sacct's resolution): a job that ends before it is
+        # the baseline's, so the jobs after it are submitted once that second has come.
+        state = json.loads((load_settings(c.env).state_dir / "slurm-poc.json").read_text())
+        until(
+            lambda: datetime.now() >= datetime.fromisoformat(state["started"]),
+            5,
+            "the PoC's start",
+        )
         # -- after it ------------------------------------------------------------------------
         submit("Fb", "-A", "poc", "-p", "high", body="exit 3")
         submit(
