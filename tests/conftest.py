@@ -18,7 +18,7 @@ import pytest
 
 from stasis.dev.nodehost import NodeHost
 from stasis.poll import poll
-from tests import leftovers, nodes
+from tests import leftovers, nodes, parallel
 from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,50 @@ T = TypeVar("T")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    leftovers.start()
+    workerinput = getattr(config, "workerinput", None)
+    leftovers.start(None if workerinput is None else workerinput.get(leftovers.WORKER_TOKEN))
+    if parallel.is_controller(config):
+        # Made once, here, before the workers exist (two useradds at once fail).
+        ensure_test_user()
+        config.stash[_LOCKS] = parallel.lock_directory()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    locks = config.stash.get(_LOCKS, None)
+    if locks is not None:
+        shutil.rmtree(locks, ignore_errors=True)
+
+
+_LOCKS = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    parallel.configure_node(node, node.config.stash[_LOCKS])
+    leftovers.give_token(node.workerinput)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    leftovers.heard_from(node.workeroutput if hasattr(node, "workeroutput") else {})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") == "loadgroup":
+        return parallel.make_scheduler(config, log)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if parallel.worker_id(config) is not None:
+        parallel.mark_groups(items)
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    yield from parallel.around_test(item)
 
 
 @pytest.hookimpl(trylast=True)
@@ -57,8 +100,15 @@ def ensure_test_user() -> pwd.struct_passwd:
     try:
         return pwd.getpwnam(TEST_USER)
     except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", TEST_USER], check=True)
-        return pwd.getpwnam(TEST_USER)
+        made = subprocess.run(
+            ["useradd", "--create-home", "--shell", "/bin/sh", TEST_USER],
+            capture_output=True,
+            text=True,
+        )
+        try:
+            return pwd.getpwnam(TEST_USER)  # made here, or by another session meanwhile
+        except KeyError:
+            raise AssertionError(f"useradd {TEST_USER} failed: {made.stderr.strip()}") from None
 
 
 class Daemon:

@@ -20,20 +20,39 @@ MARK = SESSION_MARK  # the harnesses carry it on to the daemons they start
 # What a fixture's teardown signalled may still be exiting.
 GRACE_S = float(os.environ.get("STASIS_TEST_LEFTOVER_GRACE_S", "20"))
 
+# Under xdist: the controller hands each worker its token (workerinput), a worker hands back
+# what it found (workeroutput; what it printed would be lost), and the controller fails the run.
+WORKER_TOKEN = "stasis_leftovers_token"
+WORKER_FOUND = "stasis_leftovers_found"
+
 _before: set[int] = set()
 _token = ""
+_workers: list[str] = []  # the workers' tokens (the controller's list)
+_heard: list[str] = []  # what the workers found
 
 
 def _pids() -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
 
-def start() -> None:
+def start(token: str | None = None) -> None:
     """Called once, before any test: what runs now is not ours."""
     global _token
-    _token = os.urandom(8).hex()
+    _token = token or os.urandom(8).hex()
     os.environ[MARK] = _token
     _before.update(_pids())
+
+
+def give_token(workerinput: dict[str, object]) -> None:
+    token = os.urandom(8).hex()
+    _workers.append(token)
+    workerinput[WORKER_TOKEN] = token
+
+
+def heard_from(workeroutput: dict[str, object]) -> None:
+    found = workeroutput.get(WORKER_FOUND)
+    if isinstance(found, str) and found:
+        _heard.append(found)
 
 
 def _ours(pid: int, dirs: list[str]) -> str | None:
@@ -44,7 +63,8 @@ def _ours(pid: int, dirs: list[str]) -> str | None:
             return None
         cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         environ = (proc / "environ").read_bytes().split(b"\0")
-        if f"{MARK}={_token}".encode() in environ or any(d in cmdline for d in dirs):
+        marks = {f"{MARK}={t}".encode() for t in (_token, *_workers)}
+        if marks.intersection(environ) or any(d in cmdline for d in dirs):
             return cmdline.strip() or f"[{pid}]"
     except (OSError, IndexError):
         return None  # gone meanwhile
@@ -53,8 +73,21 @@ def _ours(pid: int, dirs: list[str]) -> str | None:
 
 def remaining(dirs: list[str]) -> dict[int, str]:
     me = os.getpid()
-    found = {pid: _ours(pid, dirs) for pid in _pids() - _before if pid != me}
+    # A worker's own process carries the controller's token (its environment at exec).
+    found = {pid: _ours(pid, dirs) for pid in _pids() - _before - _parents() if pid != me}
     return {pid: cmd for pid, cmd in found.items() if cmd}
+
+
+def _parents() -> set[int]:
+    """This process's ancestors: under xdist, a worker's controller (and execnet's shell)."""
+    out, pid = set(), os.getppid()
+    while pid > 1:
+        out.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return out
 
 
 def check(session: pytest.Session) -> None:
@@ -73,7 +106,10 @@ def check(session: pytest.Session) -> None:
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = remaining(dirs)
+    if not left and not _heard:
+        return
     if not left:
+        _fail(session, "\n".join(_heard))
         return
     for pid in left:
         try:
@@ -81,11 +117,19 @@ def check(session: pytest.Session) -> None:
         except ProcessLookupError:
             pass
     lines = "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in sorted(left.items()))
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     text = (
         f"{len(left)} process(es) started by the tests were still running at the end "
         f"(now killed): a harness did not stop what it started\n{lines}"
     )
+    _fail(session, "\n".join([*_heard, text]))
+
+
+def _fail(session: pytest.Session, text: str) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a worker: the controller says it and fails the run
+        workeroutput[WORKER_FOUND] = text
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", "processes left behind", red=True)
         reporter.write_line(text)

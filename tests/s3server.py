@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from stasis.dev import commands
 
 ACCESS_KEY = "stasis-test-access"
 SECRET_KEY = "stasis-test-secret-0123456789"
@@ -41,16 +42,8 @@ def weed_binary() -> str:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """Ports nothing listens on, below the ephemeral range (commands.free_port says why)."""
+    return [commands.free_port() for _ in range(n)]
 
 
 class S3Server:

@@ -26,11 +26,14 @@ from stasis.dev import slurmcluster
 from stasis.dev.slurmdirs import NODE, SlurmClusterDirs
 from stasis.poll import poll
 from stasis.slurm.scontrol import parse_record
+from tests import parallel
 from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user
 from tests.e2e import debian13
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if not parallel.starts_early_work(session.config):
+        return  # another worker runs the early modules (tests/parallel.py)
     # The Debian 13 root takes minutes to build: it builds while the other tests run.
     if any(item.path.name == "test_slurm_debian13.py" for item in session.items):
         debian13.start_build()
