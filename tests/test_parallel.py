@@ -116,9 +116,7 @@ def test_an_exclusive_module_runs_alone_and_the_early_ones_on_the_first_worker(
     assert {r["worker"] for r in ran if r["test"].startswith("early")} == {"gw0"}
     alone = [r for r in ran if r["test"].startswith("exclusive")]
     for r in alone:
-        beside = [
-            o for o in ran if o is not r and o["start"] < r["end"] and r["start"] < o["end"]
-        ]
+        beside = [o for o in ran if o is not r and o["start"] < r["end"] and r["start"] < o["end"]]
         assert beside == [], (r, beside)
     # Not alone otherwise: the two workers ran tests at the same time.
     rest = [r for r in ran if r not in alone]
