@@ -5,9 +5,10 @@ suite's time on two cores. What decides where a test runs:
 
 - **A module is one unit** (its module fixtures, a daemon or a Slurm cluster, are made once, on
   one worker), not each test by itself as `loadgroup` would have it.
-- **The early modules are one group, on the first worker** (`gw0`): their work starts at
-  collection (tests/e2e/conftest.py, `Early`), in the worker that will take its results; each
-  worker collects every test, and started on both, the clusters would run twice.
+- **The early modules are one group, on the first worker** (`gw0`), taken late: their work
+  starts at collection (tests/e2e/conftest.py, `Early`) in the worker that will take its
+  results, and goes on while that worker runs other modules (each worker collects every test:
+  started on both, the clusters would run twice).
 - **Exclusive modules run alone**: a read-write lock on the machine that every test holds shared
   and an exclusive module's test holds exclusively. These are the tests whose job's mount
   namespace is a slave copy of the machine's (a mount anywhere in the machine propagates into it
@@ -122,28 +123,37 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
             return module_of(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
-            scope = _next_unit(list(self.workqueue), node.gateway.id)
+            sizes = {unit: len(tests) for unit, tests in self.workqueue.items()}
+            scope = next_unit(sizes, len(self.collection or ()), node.gateway.id)
+            if scope is None:
+                return  # this worker waits: it is shut down with the others at the end
             self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 
 
-def _next_unit(queued: list[str], worker: str) -> str:
-    """The unit `worker` takes next: the early group on the first worker; no early group and,
-    while anything else is left, no exclusive module on another (the first worker's early work
-    runs in the background, beside its tests); the slow directories before the rest."""
-    if worker == FIRST_WORKER and EARLY_GROUP in queued:
-        return EARLY_GROUP
-    allowed = [
-        u for u in queued if u != EARLY_GROUP and not (worker != FIRST_WORKER and is_exclusive(u))
-    ]
-    allowed = allowed or [u for u in queued if u != EARLY_GROUP] or queued
+# The first worker takes the early group once no more than this share of the tests is left for
+# the other: the early work (started at collection) is done by then, as it was when the early
+# modules' tests came last in file order, and the other worker still has work meanwhile.
+EARLY_WHEN_LEFT = 0.25
+
+
+def next_unit(queued: dict[str, int], total: int, worker: str) -> str | None:
+    """The unit `worker` takes next from `queued` (unit: its number of tests; `total` tests in
+    all), None for none: the early group on the first worker only, late; the slow directories
+    first."""
+    others = [u for u in queued if u != EARLY_GROUP]
+    if EARLY_GROUP in queued and worker == FIRST_WORKER:
+        if not others or sum(queued[u] for u in others) <= EARLY_WHEN_LEFT * total:
+            return EARLY_GROUP
+    if not others:
+        return None
     for prefix in SLOW_FIRST:
-        for unit in allowed:
+        for unit in others:
             if unit.startswith(prefix):
                 return unit
-    return allowed[0]
+    return others[0]
 
 
 class MachineLock:

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.parallel import EARLY_GROUP, _next_unit
+from tests.parallel import EARLY_GROUP, next_unit
 from tests.test_leftovers import _assert_killed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,16 +84,15 @@ def _timed(log: Path, name: str, seconds: float, count: int) -> str:
     return NOTE.format(log=str(log)) + tests
 
 
-def test_the_slow_directories_go_first_and_the_early_group_to_the_first_worker() -> None:
-    queued = ["tests/store/test_a.py", EARLY_GROUP, "tests/e2e/test_b.py", "tests/bench/test_c.py"]
-    assert _next_unit(queued, "gw1") == "tests/e2e/test_b.py"
-    assert _next_unit(queued, "gw0") == EARLY_GROUP
-    # The exclusive modules stay with the first worker while the other has anything else.
-    assert _next_unit(["tests/bench/test_c.py", "tests/store/test_a.py"], "gw1") == (
-        "tests/store/test_a.py"
-    )
-    assert _next_unit(["tests/bench/test_c.py"], "gw1") == "tests/bench/test_c.py"
-    assert _next_unit([EARLY_GROUP], "gw1") == EARLY_GROUP
+def test_the_slow_directories_go_first_and_the_early_group_late_to_the_first_worker() -> None:
+    queued = {"tests/store/test_a.py": 30, EARLY_GROUP: 10, "tests/e2e/test_b.py": 5}
+    assert next_unit(queued, 100, "gw1") == "tests/e2e/test_b.py"
+    assert next_unit(queued, 100, "gw0") == "tests/e2e/test_b.py"
+    # Once a quarter of the tests is left for the other worker, the first takes the group.
+    assert next_unit(queued, 140, "gw0") == EARLY_GROUP
+    assert next_unit(queued, 140, "gw1") == "tests/e2e/test_b.py"
+    assert next_unit({EARLY_GROUP: 10}, 140, "gw1") is None  # never on another worker
+    assert next_unit({EARLY_GROUP: 10}, 140, "gw0") == EARLY_GROUP
 
 
 def test_an_exclusive_module_runs_alone_and_the_early_ones_on_the_first_worker(
