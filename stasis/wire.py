@@ -70,6 +70,9 @@ class Job(TypedDict):
     checkpoint: str | None  # the checkpoint this job was restored from
     created: str
     private_tmp: bool  # it sees its own /tmp and /var/tmp (stasis run --private-tmp)
+    # A part of a job across nodes held frozen by a cut (issue 31): alive, its state unchanged,
+    # but not running until the cut thaws or stops it (stasis ps: "running, frozen").
+    frozen: bool
 
 
 class JobInterval(TypedDict):

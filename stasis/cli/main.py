@@ -172,6 +172,7 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
             "exit_code": j["exit_code"],
             "command": j["command"],
             "private_tmp": j.get("private_tmp", False),
+            "frozen": j.get("frozen", False),
         }
         for j in jobs
     ]
@@ -187,6 +188,8 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
     for r, j in zip(rows, jobs):
         r["command"] = " ".join(j["command"])
         r["tmp"] = "private" if r.pop("private_tmp") else "node"
+        if r.pop("frozen"):
+            r["state"] = f"{r['state']}, frozen"
     output.table(rows, ["job", "pid", "state", "label", "exit_code", "tmp", "command"])
     if intervals:
         from rich.markup import escape

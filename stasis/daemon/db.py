@@ -171,6 +171,7 @@ class JobRow:
             checkpoint=self.checkpoint,
             created=self.created,
             private_tmp=self.private_tmp,
+            frozen=False,  # the daemon's PartFreezes knows (JobManager marks it)
         )
 
 

@@ -185,11 +185,15 @@ class JobManager:
 
     def get(self, job_id: str, caller: Caller) -> Job:
         self.poll()
-        return self._tracker.row(job_id, caller).wire()
+        return self._frozen(self._tracker.row(job_id, caller).wire())
 
     def jobs(self, caller: Caller) -> list[Job]:
         self.poll()
-        return [r.wire() for r in self.db.all() if caller.may_act_on(r.uid)]
+        return [self._frozen(r.wire()) for r in self.db.all() if caller.may_act_on(r.uid)]
+
+    def _frozen(self, job: Job) -> Job:
+        job["frozen"] = self.dumper.parts.get(job["job"]) is not None
+        return job
 
     def add_job_source(self, source: JobSource) -> None:
         """Jobs an integration runs beside the daemon's own: listed where the node reports,

@@ -17,7 +17,6 @@ leave-running dump in instead, or "" for never.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -71,21 +70,7 @@ def ensure_auto_root(root: Path = AUTO_ROOT) -> str | None:
             f"{root} is not a directory owned by root: dumps are not staged in memory "
             f"(remove it and restart the daemon)"
         )
-    # Two daemons starting at once would stack two mounts, the second hiding what the first
-    # stages: one checks and mounts at a time (a lock on the directory, the one under the
-    # mount until it is mounted; a daemon that opens it after that finds the tmpfs).
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        return f"cannot open {root} to stage dumps in memory: {e.strerror or e}"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if tmpfs.fs_type(root) == "tmpfs":
-            os.chmod(root, 0o700)
-            return None
-        why = tmpfs.mount(root, "stasis-stage", "100%")
-    finally:
-        os.close(fd)
+    why = tmpfs.mount_once(root, "stasis-stage", "100%")
     if why:
         return f"cannot mount a tmpfs on {root} to stage dumps in memory: {why}"
     return None

@@ -57,10 +57,10 @@ def ensure_cache_dir(cache_dir: Path = CACHE_DIR) -> str | None:
             f"{cache_dir} is not a directory owned by root: CRIU's probe cache is off "
             f"(remove it and restart the daemon)"
         )
-    if _is_tmpfs(cache_dir):
+    if _is_tmpfs(cache_dir):  # /run itself, say
         os.chmod(cache_dir, 0o700)
         return None
-    why = tmpfs.mount(cache_dir, "stasis-criu", "1m")
+    why = tmpfs.mount_once(cache_dir, "stasis-criu", "1m")
     if why:
         return f"cannot mount a tmpfs on {cache_dir} for CRIU's probe cache: {why}"
     return None

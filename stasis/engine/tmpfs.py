@@ -3,6 +3,7 @@ file system a path is on, and mounting one."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -50,3 +51,23 @@ def mount(path: Path, name: str, size: str) -> str | None:
     if done.returncode != 0:
         return (done.stderr.strip().splitlines() or ["mount failed"])[-1]
     return None
+
+
+def mount_once(path: Path, name: str, size: str) -> str | None:
+    """`path` (a directory root owns) a root-only tmpfs: mounted unless it is one already; the
+    mount's last words when it fails, else None. Two daemons starting at once would stack two
+    mounts, the second hiding what the first put there: one checks and mounts at a time (a lock
+    on the directory, the one under the mount until it is mounted; a daemon that opens it after
+    that finds the tmpfs)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return f"cannot open it ({e.strerror or e})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if fs_type(path) == "tmpfs":
+            os.chmod(path, 0o700)
+            return None
+        return mount(path, name, size)
+    finally:
+        os.close(fd)

@@ -50,9 +50,18 @@ def test_json_shapes(daemon: Daemon, tmp_path: object) -> None:
     wait_for(lambda: "hi from" in daemon.log_of(job["job"]), what="output")
     rows = daemon.json("ps")
     row = next(r for r in rows if r["job"] == job["job"])
-    assert set(row) == {"job", "pid", "state", "label", "exit_code", "command", "private_tmp"}
+    assert set(row) == {
+        "job",
+        "pid",
+        "state",
+        "label",
+        "exit_code",
+        "command",
+        "private_tmp",
+        "frozen",
+    }
     assert row["state"] == "running" and row["command"][:2] == ["sh", "-c"]
-    assert row["private_tmp"] is False
+    assert row["private_tmp"] is False and row["frozen"] is False
     cp = daemon.json("dump", job["job"])
     assert set(cp) == {
         "checkpoint",

@@ -140,6 +140,10 @@ def test_a_cut_across_nodes_moves_a_part_to_a_third_node(
         before = _counted(job.client_log)
         time.sleep(0.3)
         assert _counted(job.client_log) == before  # nothing moves after the cut
+        # Said where the node's jobs are listed: alive, frozen (`stasis ps`).
+        assert [c1.job(server)["frozen"], c2.job(client)["frozen"]] == [True, True]
+        ps = n1.cli("ps").stdout
+        assert re.search(rf"^{server}\s+\d+\s+running, frozen\s", ps, re.M), ps
         # A plain dump of a frozen part is refused: the cut is its coordinator's.
         with pytest.raises(StasisError, match=f"job {server} is frozen for a checkpoint"):
             c1.dump(server)
@@ -227,6 +231,7 @@ def test_a_cut_whose_dump_fails_leaves_every_part_running(
         for c, j in ((c1, server), (c2, client)):
             thawed = c.thaw(j)
             assert not thawed["stopped"] and thawed["state"] == "running", thawed
+            assert c.job(j)["frozen"] is False
         before = _counted(job.client_log)
         wait_for(
             lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
