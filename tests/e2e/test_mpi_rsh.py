@@ -167,10 +167,16 @@ def _mpirun(c: Cluster, mpi: MPI, binary: Path) -> str:
     }
     if mpi is OPENMPI:
         env |= dict(OPENMPI.env)
+        # Open MPI 4 (Debian 12) launches through ORTE's rsh component; Open MPI 5 (Debian 13)
+        # through PRRTE's, named ssh, whose variables it reads under PRTE_MCA_ (the OMPI_MCA_
+        # ones are not passed on to it): each ignores the other's.
         env |= {
             "OMPI_MCA_plm": "rsh",
             "OMPI_MCA_plm_rsh_agent": RSH,
             "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
+            "PRTE_MCA_plm": "ssh",
+            "PRTE_MCA_plm_ssh_agent": RSH,
+            "PRTE_MCA_plm_ssh_no_tree_spawn": "1",
         }
         launch = ["-host", "n1:2,n2:2"]
     else:
