@@ -1,7 +1,8 @@
 """`stasis-rsh HOST COMMAND...`: the launch agent of a protected Slurm job on several nodes.
 
 An MPI launcher starts its daemons on the job's other nodes through `ssh HOST COMMAND`; set it to
-use this instead (Open MPI: `OMPI_MCA_plm=rsh OMPI_MCA_plm_rsh_agent=stasis-rsh`; MPICH's Hydra:
+use this instead (Open MPI 4: `OMPI_MCA_plm=rsh OMPI_MCA_plm_rsh_agent=stasis-rsh`; Open MPI 5:
+`PRTE_MCA_plm=ssh PRTE_MCA_plm_ssh_agent=stasis-rsh`; MPICH's Hydra:
 `mpiexec -launcher ssh -launcher-exec stasis-rsh`), and HOST's stasis daemon starts COMMAND as
 that node's part of the job (stasis.slurm.parts): in the job's network there, in a freezer cgroup
 of its own, as the job's user; not as a child of slurmstepd, which a checkpoint could not take.
