@@ -9,7 +9,7 @@ PROTO_OUT := stasis/engine/_proto
 # ~20 ms of imports (importlib.util, pathlib) before it does anything.
 EDITABLE := --config-settings editable_mode=compat -e
 
-.PHONY: install system venv proto bytecode init test test-parallel demo bench lint format clean image docs deb deb-inputs
+.PHONY: install system venv proto bytecode init test test-serial demo bench lint format clean image docs deb deb-inputs
 
 install: system venv proto bytecode init
 
@@ -93,12 +93,13 @@ format: venv
 	$(BIN)/ruff format --quiet .
 	$(BIN)/ruff check --fix --quiet .
 
-test: lint
-	$(BIN)/pytest -q -p no:xdist --durations=40 tests
-
 # Two workers: the tests mostly wait (tests/parallel.py says what may run beside what).
-test-parallel: lint
+test: lint
 	$(BIN)/pytest -q -n 2 --dist loadgroup --durations=40 tests
+
+# One process, the tests in file order: to tell a test's own failure from a neighbour's.
+test-serial: lint
+	$(BIN)/pytest -q -p no:xdist --durations=40 tests
 
 demo: install
 	$(BIN)/python -m stasis.dev demo
