@@ -118,6 +118,10 @@ class DumpRequest(TypedDict, total=False):
     # The job was frozen (POST /jobs/{job}/freeze) for a checkpoint cut across nodes: dumped
     # as it is, and left frozen, whatever leave_running says.
     frozen: bool
+    # With frozen only: the cut's record in the checkpoint's manifest (extra["cut"]): how many
+    # checkpoints the cut has, and this part's key among them (stasis.slurm.cut).
+    cut_parts: int | None
+    cut_key: str | None
 
 
 class DumpAnswer(TypedDict):
@@ -471,6 +475,8 @@ class SlurmPartDumpRequest(TypedDict, total=False):
     credential: str  # required: root's
     label: str  # required: the cut's
     reason: str
+    cut_parts: int | None  # the cut's record (DumpRequest)
+    cut_key: str | None
 
 
 class SlurmPartThawRequest(TypedDict, total=False):

@@ -160,6 +160,13 @@ class Dumper:
                 f"job {job_id} is frozen for a checkpoint across nodes: dump it with frozen, or "
                 "thaw it first"
             )
+        if (req.cut_parts is None) != (req.cut_key is None) or (
+            req.cut_parts is not None and not req.frozen
+        ):
+            raise UsageError(
+                f"job {job_id} not dumped: a cut's record (cut_parts and cut_key, both) goes "
+                "only with a frozen part's dump; dump it without them, or freeze it first"
+            )
         # A frozen part stays frozen after its dump, whatever its dump's outcome: its
         # coordinator stops it or thaws it (partfreeze.py).
         leave_running = req.leave_running or frozen is not None
@@ -187,7 +194,16 @@ class Dumper:
             gid=row.gid,
             log_path=row.log,
             parent=row.checkpoint,
-            extra={"work_s": self.core.work.at(row.id, row.created, created)},
+            extra={
+                "work_s": self.core.work.at(row.id, row.created, created),
+                # How a restore tells a whole cut from one a failure left short
+                # (stasis.slurm.cut.restore_plan).
+                **(
+                    {"cut": {"parts": req.cut_parts, "key": req.cut_key}}
+                    if req.cut_parts is not None
+                    else {}
+                ),
+            },
         )
         what = f"job {job_id}"
         with self.parts.dumping(row.id):

@@ -13,6 +13,10 @@ from stasis.errors import UsageError
 from stasis.store import CompressionRequest
 
 JOB_ID = re.compile(r"^[0-9a-f]{12}$")
+# A cut's record (DumpRequest.cut_parts, cut_key): a few parts per node of a job's nodes; a
+# part's key is "batch", a node's name, `node/job` or a Slurm part's key.
+CUT_PARTS_MAX = 4096
+CUT_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$"
 
 JobState = wire.JobState  # one definition: the wire's
 
@@ -54,6 +58,9 @@ class DumpRequest(_Model):
     # Why it is taken, as reported (to the control plane): a word or a few.
     reason: str = Field(default="asked", max_length=60, pattern=r"^[A-Za-z0-9 ._:-]*$")
     frozen: bool = False  # frozen by POST /jobs/{job}/freeze: dumped as it is, left frozen
+    # The record of the cut across nodes it is a part of (with frozen only; both or neither).
+    cut_parts: int | None = Field(default=None, ge=2, le=CUT_PARTS_MAX)
+    cut_key: str | None = Field(default=None, pattern=CUT_KEY_PATTERN)
 
 
 class FreezeRequest(_Model):

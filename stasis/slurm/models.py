@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stasis import wire
+from stasis.daemon.models import CUT_KEY_PATTERN, CUT_PARTS_MAX
 from stasis.slurm.remote import MAX_CREDENTIAL_CHARS
 
 
@@ -78,6 +79,8 @@ class PartDumpRequest(_Model):
     credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
     label: str = Field(min_length=1, max_length=128)
     reason: str = _REASON
+    cut_parts: int | None = Field(default=None, ge=2, le=CUT_PARTS_MAX)
+    cut_key: str | None = Field(default=None, pattern=CUT_KEY_PATTERN)
 
 
 class PartThawRequest(_Model):

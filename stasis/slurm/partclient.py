@@ -51,9 +51,12 @@ class RemoteParts:
             raise UsageError(
                 "another node's part is dumped only frozen, for a cut, with the cut's label"
             )
+        # Every field the route's model has, None included: the credential binds them all.
         fields: dict[str, object] = {
             "label": request["label"],
             "reason": request.get("reason", "asked"),
+            "cut_parts": request.get("cut_parts"),
+            "cut_key": request.get("cut_key"),
         }
         answer = self._call(routes.SLURM_REMOTE_PART_DUMP, "part-dump", job_id, fields)
         return cast("wire.DumpAnswer", answer)

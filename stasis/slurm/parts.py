@@ -189,7 +189,13 @@ class SlurmParts:
         self, slurm_job: str, part: str, req: PartDumpRequest, caller: Caller
     ) -> wire.DumpAnswer:
         self._part(slurm_job, part, caller)
-        dump = DumpRequest(frozen=True, label=req.label, reason=req.reason)
+        dump = DumpRequest(
+            frozen=True,
+            label=req.label,
+            reason=req.reason,
+            cut_parts=req.cut_parts,
+            cut_key=req.cut_key,
+        )
         return self.manager.dump(part, dump, caller)
 
     def thaw(
