@@ -1,34 +1,42 @@
 """One consistent checkpoint of a job that spans nodes: the cut, driven through each node's daemon.
 
-A job on several nodes (issue 31) has one part per node, each a job of that node's daemon run in
-the job's network (`job_net`: its own freezer cgroup, stasis/daemon/partfreeze.py). `take` cuts
-them in two phases: every part frozen (all at once, each with a deadline) before any is dumped;
-then every part dumped as it stands (`frozen`), all at once; then every part thawed, to run on
-(`leave_running`) or to end at the checkpoint (`stop`). A cut is all or nothing: a part that
-cannot be frozen or dumped abandons it, the checkpoints the others took are deleted and every
-part is thawed where it was (TCP resends what its held network dropped).
+A job on several nodes (issue 31) is a set of parts, each a job of a node's daemon run in the
+job's network (`job_net`: its own freezer cgroup, stasis/daemon/partfreeze.py), one or several
+on a node. `take` cuts them in two phases: every part frozen (all at once, each with a deadline)
+before any is dumped; then every part dumped as it stands (`frozen`), all at once; then every
+part thawed, to run on (`leave_running`) or to end at the checkpoint (`stop`). A cut is all or
+nothing: a part that cannot be frozen or dumped abandons it, the checkpoints the others took are
+deleted and every part is thawed where it was (TCP resends what its held network dropped).
 
 The parts of one cut are tied together in the store by their label, `<label>.cut-<cut id>`
-(`cut_label`): the same for every part, so that listing that label gives the whole cut, each
-checkpoint naming its part by its job address (its manifest's `job_net`). A restore takes every
-checkpoint of one label or none: `restore_plan` gives the complete cuts, newest first, each
-part's checkpoint paired with the node that gets its address (the job prolog gives the i-th node
-of the job's NodeList the address .(i+1): a requeued job on as many other nodes, in any order,
-finds every address again).
+(`cut_label`): the same for every part, so that listing that label gives the whole cut. Each
+checkpoint records the cut in its manifest (`extra["cut"] = {"parts": N, "key": K}`): how many
+checkpoints the cut has, and its part's key among them ("batch", a Slurm part's key, or by
+default the part's name: its node's, `node/job` where a node has several parts); and its part's
+job address (`job_net`). A restore takes every checkpoint of one label or none: `restore_plan`
+gives the complete cuts, newest first (exactly N checkpoints, with N distinct keys), each
+checkpoint paired with the node that gets its address (the job prolog gives the i-th node of the
+job's NodeList the address .(i+1): a requeued job on as many other nodes, in any order, finds
+every address again). Cuts taken before checkpoints recorded it count as complete with one
+checkpoint for each node's address. `prune` says which cuts a job's retention deletes: every cut
+has a label of its own, so the store's retention per label never does.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, Unpack
 
 from stasis import wire
 from stasis.daemon.jobnet import JobNet
-from stasis.errors import CheckpointError, StasisError
+from stasis.daemon.models import CUT_KEY_PATTERN, CUT_PARTS_MAX
+from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store.manifest import Manifest, validate_label
 
 T = TypeVar("T")
@@ -56,18 +64,24 @@ class PartDaemon(Protocol):
 
 @dataclass(frozen=True)
 class PartRef:
-    """A job's part on one node: that node's daemon, and the part's job id there."""
+    """A job's part on one node: that node's daemon, and the part's job id there (one of a
+    cut's parts per (node, job)). `key`: its key in the cut's record ("batch", a Slurm part's
+    key); '' for its name in the cut (`Cut.checkpoints`)."""
 
     node: str
     client: PartDaemon
     job: str
+    key: str = ""
 
 
 @dataclass
 class Cut:
     id: str
     label: str  # every part's checkpoint has it
-    checkpoints: dict[str, str] = field(default_factory=dict)  # node -> checkpoint id
+    # Each part's checkpoint id, by the part's name: its node's, or `node/job` where its node
+    # has several parts in the cut.
+    checkpoints: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)  # each part's key in the record, by name
     stopped: bool = False
     frozen_s: float = 0.0  # from the first freeze asked to the last part thawed or stopped
     # Parts that could not be thawed or stopped once every part was dumped (one line; '' none):
@@ -91,6 +105,19 @@ def cut_of(label: str) -> tuple[str, str] | None:
     return (base, cut_id) if sep and base and cut_id else None
 
 
+def part_names(parts: Sequence[PartRef]) -> list[str]:
+    """Each part's name in a cut of `parts`: its node's, or `node/job` where its node has
+    several parts."""
+    on = Counter(p.node for p in parts)
+    return [p.node if on[p.node] == 1 else f"{p.node}/{p.job}" for p in parts]
+
+
+def _part(name: str) -> str:
+    """A part, by its name in a cut, as said in a line: "part on n2", "part 1a2b on n2"."""
+    node, _, job = name.partition("/")
+    return f"part {job} on {node}" if job else f"part on {node}"
+
+
 def _each(parts: Sequence[PartRef], act: Callable[[PartRef], T]) -> list[T | StasisError]:
     """`act` on every part at once; each part's answer or its error, in the parts' order."""
 
@@ -106,27 +133,47 @@ def _each(parts: Sequence[PartRef], act: Callable[[PartRef], T]) -> list[T | Sta
         return list(pool.map(one, parts))
 
 
-def _abandon(parts: Sequence[PartRef], frozen: Sequence[PartRef], taken: dict[str, str]) -> str:
-    """Delete the checkpoints taken, thaw the frozen parts; what could not be undone ('' none)."""
+def _abandon(
+    parts: Sequence[PartRef], names: Sequence[str], frozen: Sequence[int], taken: dict[str, str]
+) -> str:
+    """Delete the checkpoints taken (by name), thaw the frozen parts (their indexes in `parts`);
+    what could not be undone ('' none)."""
     left: list[str] = []
-    by_node = {p.node: p for p in parts}
-    for node, checkpoint in taken.items():
+    by_name = dict(zip(names, parts, strict=True))
+    for name, checkpoint in taken.items():
         try:
-            by_node[node].client.delete_checkpoint(checkpoint)
+            by_name[name].client.delete_checkpoint(checkpoint)
         except (StasisError, OSError) as e:
-            left.append(f"checkpoint {checkpoint} of {node} not deleted ({e})")
-    for p, answer in zip(frozen, _each(frozen, lambda p: p.client.thaw(p.job)), strict=True):
+            left.append(f"checkpoint of its {_part(name)} ({checkpoint}) not deleted ({e})")
+    thawing = [parts[i] for i in frozen]
+    for i, answer in zip(frozen, _each(thawing, lambda p: p.client.thaw(p.job)), strict=True):
         if isinstance(answer, StasisError):
-            left.append(f"part on {p.node} not thawed, it thaws at its deadline ({answer})")
+            left.append(f"{_part(names[i])} not thawed, it thaws at its deadline ({answer})")
     return "; ".join(left)
 
 
-def _failed(what: str, parts: Sequence[PartRef], answers: Sequence[object]) -> str:
+def _failed(what: str, names: Sequence[str], answers: Sequence[object]) -> str:
     return "; ".join(
-        f"its part on {p.node} could not be {what} ({a})"
-        for p, a in zip(parts, answers, strict=True)
+        f"its {_part(n)} could not be {what} ({a})"
+        for n, a in zip(names, answers, strict=True)
         if isinstance(a, StasisError)
     )
+
+
+def _refusal(parts: Sequence[PartRef], keys: Sequence[str]) -> str:
+    """Why `parts` cannot be one cut ('' they can)."""
+    if len(parts) < 2:
+        return "a cut across nodes needs at least two parts"
+    if len({(p.node, p.job) for p in parts}) != len(parts):
+        return "a part is named twice (the same job on the same node)"
+    if len(parts) > CUT_PARTS_MAX:
+        return f"a cut has at most {CUT_PARTS_MAX} parts"
+    if len(set(keys)) != len(keys):
+        return "two parts have the same key"
+    bad = [k for k in keys if not re.fullmatch(CUT_KEY_PATTERN, k)]
+    if bad:
+        return f"part key {bad[0]!r} is not a key (letters, digits, '._/-', 128 at most)"
+    return ""
 
 
 def take(
@@ -141,33 +188,45 @@ def take(
     frozen before any is dumped. CheckpointError (one line) when any part cannot be frozen or
     dumped: then no checkpoint of the cut is left and every part runs on. Parts that cannot be
     thawed or stopped after every dump are said in the cut's `unfinished`."""
-    if len({p.node for p in parts}) != len(parts) or len(parts) < 2:
+    names = part_names(parts)
+    keys = [p.key or n for p, n in zip(parts, names, strict=True)]
+    refused = _refusal(parts, keys)
+    if refused:
         raise CheckpointError(
-            f"no checkpoint of {label} taken: a cut across nodes needs one part on each of at "
-            f"least two nodes, not {[p.node for p in parts]}; dump a one-node job alone"
+            f"no checkpoint of {label} taken: {refused}, not "
+            f"{[f'{p.node}/{p.job}' for p in parts]}; give each part once, or dump a one-node "
+            "job alone"
         )
-    cut = Cut(id=cut_id or new_cut_id(), label="")
+    cut = Cut(id=cut_id or new_cut_id(), label="", keys=dict(zip(names, keys, strict=True)))
     cut.label = cut_label(label, cut.id)
     started = time.monotonic()
 
     froze = _each(parts, lambda p: p.client.freeze(p.job, timeout_s=timeout_s))
-    frozen = [p for p, a in zip(parts, froze, strict=True) if not isinstance(a, StasisError)]
+    frozen = [i for i, a in enumerate(froze) if not isinstance(a, StasisError)]
     if len(frozen) < len(parts):
-        left = _abandon(parts, frozen, {})
+        left = _abandon(parts, names, frozen, {})
         raise CheckpointError(
-            f"no checkpoint of {label} taken: {_failed('frozen', parts, froze)}; every part runs "
+            f"no checkpoint of {label} taken: {_failed('frozen', names, froze)}; every part runs "
             f"on{f' except: {left}' if left else ''}"
         )
 
+    key_of = {(p.node, p.job): k for p, k in zip(parts, keys, strict=True)}
     dumped = _each(
         parts,
-        lambda p: p.client.dump(p.job, frozen=True, label=cut.label, reason=reason)["checkpoint"],
+        lambda p: p.client.dump(
+            p.job,
+            frozen=True,
+            label=cut.label,
+            reason=reason,
+            cut_parts=len(parts),
+            cut_key=key_of[(p.node, p.job)],
+        )["checkpoint"],
     )
-    taken = {p.node: a for p, a in zip(parts, dumped, strict=True) if isinstance(a, str)}
+    taken = {n: a for n, a in zip(names, dumped, strict=True) if isinstance(a, str)}
     if len(taken) < len(parts):
-        left = _abandon(parts, parts, taken)
+        left = _abandon(parts, names, range(len(parts)), taken)
         raise CheckpointError(
-            f"no checkpoint of {label} taken: {_failed('dumped', parts, dumped)}; the other "
+            f"no checkpoint of {label} taken: {_failed('dumped', names, dumped)}; the other "
             f"parts' checkpoints were deleted and every part runs on"
             f"{f' except: {left}' if left else ''}"
         )
@@ -177,42 +236,116 @@ def take(
     thawed = _each(parts, lambda p: p.client.thaw(p.job, stop=cut.stopped))
     cut.frozen_s = time.monotonic() - started
     # The checkpoints stand whatever this says: every part was dumped in the cut.
-    cut.unfinished = _failed("stopped" if cut.stopped else "thawed", parts, thawed)
+    cut.unfinished = _failed("stopped" if cut.stopped else "thawed", names, thawed)
     return cut
 
 
 @dataclass(frozen=True)
 class RestorePlan:
     label: str  # the cut's
-    parts: list[tuple[str, str]]  # (node, checkpoint id), in the order of the job's nodes
+    # (node, checkpoint id), in the order of the job's nodes (by key among one node's parts).
+    parts: list[tuple[str, str]]
+    # Each part's key, as `parts` ('' in a cut taken before checkpoints recorded their cut).
+    keys: list[str] = field(default_factory=list)
+
+
+def _record(m: Manifest) -> tuple[int, str] | None:
+    """(parts, key) of the cut a checkpoint records; None if it records none (taken before
+    checkpoints did); (0, '') for a record that cannot be read, which no cut completes."""
+    value = m.extra.get("cut")
+    if value is None:
+        return None
+    parts = value.get("parts") if isinstance(value, dict) else None
+    key = value.get("key") if isinstance(value, dict) else None
+    if isinstance(parts, int) and not isinstance(parts, bool) and isinstance(key, str) and key:
+        return parts, key
+    return 0, ""
+
+
+def _whole(taken: Sequence[Manifest]) -> bool:
+    """Whether a cut's checkpoints `taken` are all of it (by what they record, whatever the
+    nodes it is to be restored on): every one records N checkpoints, and there are N, with
+    distinct keys; a cut without records, one checkpoint per job address, two at least."""
+    records = [_record(m) for m in taken]
+    if all(r is None for r in records):
+        nets = {(m.job_net.vni, m.job_net.address) for m in taken if m.job_net is not None}
+        return len(taken) >= 2 and len(nets) == len(taken) and len({v for v, _ in nets}) == 1
+    if any(r is None for r in records):
+        return False
+    counts = {r[0] for r in records if r is not None}
+    keys = {r[1] for r in records if r is not None}
+    return counts == {len(taken)} and len(keys) == len(taken)
+
+
+def _cuts(manifests: Iterable[Manifest], label: str) -> dict[str, list[Manifest]]:
+    """The checkpoints of each cut of the job labelled `label`, by cut label."""
+    cuts: dict[str, list[Manifest]] = {}
+    for m in manifests:
+        of = cut_of(m.label)
+        if of is not None and of[0] == label:
+            cuts.setdefault(m.label, []).append(m)
+    return cuts
+
+
+def _newest(taken: Sequence[Manifest]) -> float:
+    return max(m.created.timestamp() for m in taken)
 
 
 def restore_plan(
     manifests: Sequence[Manifest], label: str, net: JobNet, nodes: Sequence[str]
 ) -> list[RestorePlan]:
     """The cuts of the job labelled `label` (network `net`, now on `nodes`, the NodeList's order)
-    that can be restored, newest first: those with exactly one checkpoint for each node's
-    address (a cut a dead coordinator left half-written, or taken on another number of nodes,
-    is never one)."""
-    cuts: dict[str, list[Manifest]] = {}
-    for m in manifests:
-        of = cut_of(m.label)
-        if of is not None and of[0] == label:
-            cuts.setdefault(m.label, []).append(m)
-    plans: list[tuple[float, RestorePlan]] = []
-    for cut_name, taken in cuts.items():
-        by_address = {
-            str(m.job_net.address): m
-            for m in taken
-            if m.job_net is not None and m.job_net.vni == net.vni
-        }
-        wanted = [str(net.address(i)) for i in range(len(nodes))]
-        if len(taken) != len(nodes) or sorted(by_address) != sorted(wanted):
+    that can be restored, newest first: those with every checkpoint they record, with distinct
+    keys, each with an address of the job's network, one part at least on each of `nodes` (one
+    node may have several); a cut taken before checkpoints recorded it, exactly one checkpoint
+    for each node's address. A cut a dead coordinator left half-written, or taken on another
+    number of nodes, is never one."""
+    node_of = {str(net.address(i)): node for i, node in enumerate(nodes)}
+    index_of = {a: i for i, a in enumerate(node_of)}
+    plans: list[tuple[float, str, RestorePlan]] = []
+    for cut_name, taken in _cuts(manifests, label).items():
+        if not _whole(taken):
             continue
-        parts = [(node, by_address[a].id) for node, a in zip(nodes, wanted, strict=True)]
-        newest = max(m.created.timestamp() for m in taken)
-        plans.append((newest, RestorePlan(cut_name, parts)))
-    return [plan for _, plan in sorted(plans, key=lambda p: p[0], reverse=True)]
+        addresses = [
+            str(m.job_net.address) if m.job_net is not None and m.job_net.vni == net.vni else ""
+            for m in taken
+        ]
+        if set(addresses) != set(node_of):
+            continue  # another network's, or taken on another number of nodes
+        keys = [r[1] if (r := _record(m)) else "" for m in taken]
+        order = sorted(
+            range(len(taken)), key=lambda i: (index_of[addresses[i]], keys[i], taken[i].id)
+        )
+        plan = RestorePlan(
+            cut_name,
+            [(node_of[addresses[i]], taken[i].id) for i in order],
+            [keys[i] for i in order],
+        )
+        plans.append((_newest(taken), cut_name, plan))
+    return [plan for *_, plan in sorted(plans, key=lambda p: (p[0], p[1]), reverse=True)]
+
+
+def prune(manifests: Iterable[Manifest], label: str, keep: int) -> list[str]:
+    """The checkpoints the retention of the job labelled `label` deletes: its complete cuts
+    beyond the `keep` newest (complete by their records, `_whole`), and every incomplete cut
+    older than the newest complete one (a newer one may be being taken: kept). Ids, by cut,
+    oldest cut first."""
+    if keep < 1:
+        raise UsageError(f"a job's cuts are kept {keep} at a time: keep 1 at least")
+    cuts = sorted(
+        _cuts(manifests, label).items(), key=lambda c: (_newest(c[1]), c[0]), reverse=True
+    )
+    complete = [c for c in cuts if _whole(c[1])]
+    if not complete:
+        return []
+    newest = (_newest(complete[0][1]), complete[0][0])
+    kept = {name for name, _ in complete[:keep]}
+    doomed = [
+        (name, taken)
+        for name, taken in cuts
+        if name not in kept and (_whole(taken) or (_newest(taken), name) < newest)
+    ]
+    return [m.id for _, taken in reversed(doomed) for m in sorted(taken, key=lambda m: m.id)]
 
 
 __all__ = [
@@ -223,6 +356,8 @@ __all__ = [
     "cut_label",
     "cut_of",
     "new_cut_id",
+    "part_names",
+    "prune",
     "restore_plan",
     "take",
 ]
