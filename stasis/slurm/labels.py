@@ -13,8 +13,10 @@ clean never picks up an old checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from stasis.slurm.cut import cut_of
 from stasis.store import Manifest, Store, validate_label
 
 ENABLE_VARS = ("STASIS_ENABLE", "CEDANA_ENABLE")
@@ -49,16 +51,32 @@ def slurm_of(m: Manifest) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _may_resume(m: Manifest, explicit: bool, uid: int, job_id: str, token: str) -> bool:
+    """Whether this job (of user `uid`) may resume from `m` (the module's docstring)."""
+    s = slurm_of(m)
+    if m.uid != uid or not s:  # the store filtered by owner already; never trust one filter
+        return False
+    return explicit or (s.get("job_id") == job_id and s.get("token", "") == token)
+
+
 def candidates(
     store: Store, label: str, explicit: bool, uid: int, job_id: str, token: str
 ) -> list[Manifest]:
     """Checkpoints this job (of user `uid`) may resume from, newest first."""
-    found = []
-    for m in store.list(label, uid=uid):
-        s = slurm_of(m)
-        if m.uid != uid or not s:  # the store filtered by owner already; never trust one filter
-            continue
-        if not explicit and (s.get("job_id") != job_id or s.get("token", "") != token):
-            continue
-        found.append(m)
-    return found
+    return [m for m in store.list(label, uid=uid) if _may_resume(m, explicit, uid, job_id, token)]
+
+
+def cut_candidates(
+    manifests: Iterable[Manifest], label: str, explicit: bool, uid: int, job_id: str, token: str
+) -> list[Manifest]:
+    """The checkpoints of the cuts of the job labelled `label` (stasis.slurm.cut: each cut has a
+    label of its own, `<label>.cut-<id>`) this job may resume from, by the rule of `candidates`,
+    newest first: from `manifests`, the user's (`store.list(uid=uid)`)."""
+    found = [
+        m
+        for m in manifests
+        if (of := cut_of(m.label)) is not None
+        and of[0] == label
+        and _may_resume(m, explicit, uid, job_id, token)
+    ]
+    return sorted(found, key=lambda m: (m.created, m.id), reverse=True)
