@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any, Unpack
 
 import pytest
+from pydantic import ValidationError
 
 from stasis import wire
 from stasis.daemon.jobnet import JobNet
+from stasis.daemon.models import DumpRequest
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.slurm import cut
 from stasis.slurm.labels import cut_candidates, slurm_extra
+from stasis.slurm.models import PartDumpRequest
 from stasis.store import Manifest, Store
 from tests.store.helpers import SMALL_FILES, make_info, stage
 
@@ -296,3 +299,14 @@ def test_cut_candidates_are_this_jobs_cuts_by_the_rule_of_candidates(store: Stor
     assert cut_candidates(store.list(uid=1000), "7", False, 1001, "7", "1-1") == []
     # An explicit label: any of the user's Slurm jobs' cuts of that label.
     assert len(cut_candidates(store.list(uid=1000), "7", True, 1000, "9", "9-9")) == 4
+
+
+def test_a_dumps_cut_record_is_bounded_where_the_daemons_validate_it() -> None:
+    ok = DumpRequest(frozen=True, cut_parts=3, cut_key="n1/0123456789ab")
+    assert (ok.cut_parts, ok.cut_key) == (3, "n1/0123456789ab")
+    assert DumpRequest().cut_parts is None and DumpRequest().cut_key is None
+    for bad in [{"cut_parts": 1}, {"cut_parts": 5000}, {"cut_key": "a b"}, {"cut_key": "/x"}]:
+        with pytest.raises(ValidationError):
+            DumpRequest(frozen=True, **bad)  # type: ignore[arg-type]
+        with pytest.raises(ValidationError):
+            PartDumpRequest(credential="c", label="l", **bad)  # type: ignore[arg-type]
