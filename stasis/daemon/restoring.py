@@ -48,7 +48,16 @@ from stasis.daemon.supervisorwire import (
 )
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis.daemon.verifying import verified_only
-from stasis.engine import CRIU, Owner, find_criu, nodefacts, nodelocal, privatetmp, proctree
+from stasis.engine import (
+    CRIU,
+    Owner,
+    find_criu,
+    jobnetns,
+    nodefacts,
+    nodelocal,
+    privatetmp,
+    proctree,
+)
 from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
@@ -386,6 +395,7 @@ class Restorer:
                 f"{what}: its part of job network {recorded.vni} has address {here} here, the "
                 f"checkpoint's is {recorded.address}; make the part again with that address"
             )
+        _no_orphans(manifest.id, recorded.vni)
         try:
             spec = jobnet.part_spec(recorded.vni, job_id, what)
         except UsageError as e:
@@ -515,3 +525,30 @@ def _then(check: Callable[[], None], fence: Callable[[], None] | None) -> Callab
         fence()
 
     return both
+
+
+def _no_orphans(checkpoint: str, vni: int) -> None:
+    """Refuse, in one line, to restore a part into job network `vni`'s namespace on this node
+    while it holds TCP sockets no process owns (jobnetns.netns_orphans: what a part killed here
+    left, on which CRIU's bind of a restored listener fails halfway). Sockets of live parts (a
+    node's parts of one job share its namespace) are no reason. Made again (jobnet.make_part, as
+    a requeue's prolog does), the namespace holds none."""
+    path = jobnet.netns_path(vni)
+    try:
+        left = jobnetns.netns_orphans(path)
+    except OSError as e:
+        raise IncompatibleNodeError(f"checkpoint {checkpoint} not restored: {e}") from e
+    if not left:
+        return
+    _log.warning(
+        "job network %s here holds %d orphan TCP sockets: %s",
+        vni,
+        len(left),
+        ", ".join(f"{s} to {s.remote}" for s in left),
+    )
+    raise IncompatibleNodeError(
+        f"checkpoint {checkpoint} not restored: job network {vni} on this node still holds "
+        f"connections of a part that ran here ({len(left)} sockets, e.g. {left[0]}); make its "
+        "part of the network again (jobnet.make_part; its job's prolog does on a requeue) and "
+        "restore then"
+    )
