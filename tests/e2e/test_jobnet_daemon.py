@@ -5,7 +5,9 @@ node's daemon in the job's network (stasis/daemon/jobnet.py: `job_net` on the ru
 parts frozen through the API, then each dumped frozen, then both stopped; the server's part
 restored by a third node's daemon (its part of the network made there, every node's forwarding
 table updated), the client's by its own: the counter goes on, no number lost or repeated. And a
-cut one of whose dumps fails is abandoned: both parts thawed and running, no checkpoint listed."""
+cut one of whose dumps fails is abandoned: both parts thawed and running, no checkpoint listed.
+A part restored where it ran, into a namespace that still holds a closed connection of its
+(no process's), is refused in one line until its part of the network is made again."""
 
 from __future__ import annotations
 
@@ -337,6 +339,25 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         assert second.stopped and second.label != taken.label and second.unfinished == ""
         at_cut = _counted(job.client_log)
         wait_for(lambda: c2.job(client)["state"] == "checkpointed", 10, "the client stopped")
+        # Restored where it ran, into the namespace it ran in: a connection closed there on the
+        # server's port (in TIME-WAIT, held by no process, as those a killed part had closed
+        # are) would fail CRIU's bind of the restored listener halfway. Refused first, in one
+        # line, nothing listed.
+        _leave_time_wait(job.net, job.server.address, _PORT, n1)
+        listed_before = {j["job"] for j in c1.jobs()}
+        with pytest.raises(StasisError) as refused:
+            c1.restore(checkpoint=second.checkpoints["jn1"])
+        said = str(refused.value)
+        assert (
+            f"checkpoint {second.checkpoints['jn1']} not restored: job network {job.net.vni} on "
+            "this node still holds connections of a part that ran here"
+        ) in said
+        assert f"{job.server.address}:{_PORT} TIME-WAIT" in said and "\n" not in said
+        assert {j["job"] for j in c1.jobs()} == listed_before
+        # Every node's part of the network made again, as a requeue's prolog does: restored.
+        for d, part in ((n1, job.server), (n2, job.client)):
+            assert d.node is not None
+            jobnet.make_part(job.net, part, job.parts, underlay="eth0", on=d.node.prefix())
         c1.restore(checkpoint=second.checkpoints["jn1"])
         c2.restore(checkpoint=second.checkpoints["jn2"])
         wait_for(
@@ -356,6 +377,32 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         for d in (n1, n2):
             d.kill_all()
         job.remove(n1, n2)
+
+
+def _leave_time_wait(
+    net: jobnet.JobNet, address: ipaddress.IPv4Address, port: int, d: Daemon
+) -> None:
+    """A connection in `net`'s namespace on `d`'s node to `address`:`port`, closed first by the
+    side accepted there: that side sits in TIME-WAIT for a minute, held by no process, bound
+    without reuse as an MPI rank's listener's connections are. The namespace's network
+    released first (a stopping cut leaves it held)."""
+    assert d.node is not None
+    jobnet.release(net.vni, on=d.node.prefix())
+    script = (
+        "import socket, time\n"
+        "srv = socket.socket()\n"
+        f"srv.bind(({str(address)!r}, {port}))\n"
+        "srv.listen()\n"
+        f"cli = socket.create_connection(({str(address)!r}, {port}), timeout=10)\n"
+        "conn, _ = srv.accept()\n"
+        "conn.close(); time.sleep(0.2); cli.close(); time.sleep(0.2); srv.close()\n"
+    )
+    subprocess.run(
+        [*d.node.prefix(), "nsenter", f"--net={net.netns_path}", "python3", "-c", script],
+        stdin=subprocess.DEVNULL,
+        check=True,
+        timeout=30,
+    )
 
 
 def _manifests(c: Client) -> list[Manifest]:
