@@ -134,6 +134,18 @@ class Node:
             timeout=timeout_s,
         )
 
+    def read(self, cid: str, *paths: str) -> str:
+        """What `cat paths` prints in the running container `cid` (`ctr tasks exec`). ctr lost
+        the output of so short a process once under load (empty stdout, exit 0: its pipes were
+        read after the process had ended), so an empty answer is asked again, twice at most:
+        a file that is really empty stays empty."""
+        for attempt in range(3):
+            done = self.ctr("tasks", "exec", "--exec-id", f"cat-{attempt}", cid, "/bin/cat", *paths)
+            assert done.returncode == 0, done.stderr
+            if done.stdout:
+                break
+        return done.stdout
+
     def inside(self, *cmd: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
         """`cmd` run where the node's containerd runs (in its namespaces when separate)."""
         return subprocess.run(
