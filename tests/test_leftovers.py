@@ -24,9 +24,12 @@ def pytest_sessionfinish(session):
 """
 
 
-def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_it.py").write_text(textwrap.dedent(body))
+def nested_session(
+    tmp_path: Path, conftest: str, target: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """A pytest session of its own in `tmp_path` (`conftest` its conftest.py), on `target`,
+    outside this session's leftovers check, with a short grace."""
+    (tmp_path / "conftest.py").write_text(conftest)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("STASIS_TEST_SESSION", None)
     env["STASIS_TEST_LEFTOVER_GRACE_S"] = "2"
@@ -38,9 +41,10 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
             "-q",
             "-p",
             "no:cacheprovider",
+            *args,
             "--rootdir",
             str(tmp_path),
-            str(tmp_path),
+            str(target),
         ],
         cwd=tmp_path,
         env=env,
@@ -48,6 +52,11 @@ def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
+
+
+def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "test_it.py").write_text(textwrap.dedent(body))
+    return nested_session(tmp_path, CONFTEST, tmp_path)
 
 
 def _assert_killed(pidfile: Path) -> None:

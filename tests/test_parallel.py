@@ -5,16 +5,13 @@ Each runs a small session of its own under pytest-xdist with the suite's own hoo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 from tests.parallel import EARLY_GROUP, next_unit
-from tests.test_leftovers import _assert_killed
+from tests.test_leftovers import _assert_killed, nested_session
 
-ROOT = Path(__file__).resolve().parent.parent
 
 CONFTEST = """
 from tests.conftest import (
@@ -44,36 +41,20 @@ def note(name, seconds):
 
 
 def _session(tmp_path: Path, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    (tmp_path / "conftest.py").write_text(CONFTEST)
     for name, body in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("STASIS_TEST_SESSION", None)
-    env["STASIS_TEST_LEFTOVER_GRACE_S"] = "2"
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--import-mode=importlib",
-            "-n",
-            "2",
-            "--dist",
-            "loadgroup",
-            "--rootdir",
-            str(tmp_path),
-            str(tmp_path / "tests"),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # importlib: the session's tests/ must not shadow the suite's `tests` package.
+    return nested_session(
+        tmp_path,
+        CONFTEST,
+        tmp_path / "tests",
+        "--import-mode=importlib",
+        "-n",
+        "2",
+        "--dist",
+        "loadgroup",
     )
 
 
