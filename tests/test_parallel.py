@@ -12,7 +12,6 @@ from pathlib import Path
 from tests.parallel import EARLY_GROUP, next_unit
 from tests.test_leftovers import _assert_killed, nested_session
 
-
 CONFTEST = """
 from tests.conftest import (
     pytest_collection_modifyitems,

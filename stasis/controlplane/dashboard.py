@@ -40,7 +40,7 @@ from urllib.parse import quote, urlsplit
 import jinja2
 from aiohttp import web
 
-from stasis.controlplane import intervals, policies, routes, sessions
+from stasis.controlplane import policies, routes, sessions
 from stasis.controlplane.options import ServerOptions
 from stasis.controlplane.registry import Registry
 from stasis.controlplane.reports import human_size

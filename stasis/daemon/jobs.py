@@ -23,7 +23,6 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
 
 from stasis import faults
 from stasis.config import Settings
@@ -41,7 +40,7 @@ from stasis.daemon.db import JobDatabaseError, JobDB, JobRow
 from stasis.daemon.dumping import Dumper
 from stasis.daemon.housekeeping import Housekeeping
 from stasis.daemon.inflight import DumpJournal
-from stasis.daemon.models import DumpRequest, RestoreRequest, RunRequest
+from stasis.daemon.models import DumpRequest, RunRequest
 from stasis.daemon.netlocks import NetLocks
 from stasis.daemon.progress import Progress
 from stasis.daemon.readiness import StoreProbe
@@ -52,7 +51,7 @@ from stasis.daemon.supervisorwire import RunSpec
 from stasis.daemon.tracking import JobTracker, died_of
 from stasis.daemon.users import Caller, job_account, job_environment, owner_uid
 from stasis.daemon.verifying import Verifier
-from stasis.engine import CRIU, DumpResult, kdat, privatetmp
+from stasis.engine import CRIU, kdat, privatetmp
 from stasis.errors import (
     NotFoundError,
     PermissionDeniedError,
@@ -64,8 +63,6 @@ from stasis.errors import (
     error_from_wire,
 )
 from stasis.store import (
-    CheckpointInfo,
-    CompressionRequest,
     Manifest,
     Store,
     validate_checkpoint_id,
@@ -80,7 +77,6 @@ from stasis.wire import (
     KillAnswer,
     Problem,
     RekeyAnswer,
-    RestoreAnswer,
     RunAnswer,
     VerifyVerdict,
 )

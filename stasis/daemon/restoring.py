@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -34,17 +33,13 @@ from stasis.daemon.imagesources import ImageSources
 from stasis.daemon.lazystore import LazyRestore
 from stasis.daemon.models import RestoreRequest
 from stasis.daemon.progress import Progress
-from stasis.daemon.streamed import stream_restore
-from stasis.daemon.supervisor import Gate, Started, Supervisors, create_log
+from stasis.daemon.supervisor import Gate, Supervisors, create_log
 from stasis.daemon.supervisorwire import (
     EXIT_FILE,
     MEMORY_FILE,
     PID_FILE,
-    Images,
     JobNetSpec,
-    Restored,
     RestoreJob,
-    note_killed,
 )
 from stasis.daemon.users import Caller, account, owner_uid, user_name
 from stasis.daemon.verifying import verified_only
@@ -58,7 +53,6 @@ from stasis.engine import (
     privatetmp,
     proctree,
 )
-from stasis.engine.pageserver import PagemapError
 from stasis.errors import (
     CorruptCheckpointError,
     IncompatibleNodeError,
@@ -70,7 +64,7 @@ from stasis.errors import (
     UntrustedCheckpointError,
     UsageError,
 )
-from stasis.store import FileEntry, Manifest, validate_checkpoint_id, validate_label
+from stasis.store import Manifest, validate_checkpoint_id, validate_label
 from stasis.wire import RestoreAnswer
 
 log = logging.getLogger("stasis.daemon")

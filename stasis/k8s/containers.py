@@ -58,7 +58,6 @@ from sqlalchemy import (
 )
 
 from stasis import faults, wire
-from stasis.config import Settings
 from stasis.daemon import records
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.jobs import JobManager
@@ -80,7 +79,6 @@ from stasis.k8s.models import (
     CheckpointAnswer,
     CheckpointRequest,
     ContainerInfo,
-    ContainerRef,
     ExportAnswer,
     ExportRequest,
     Forgotten,

@@ -28,8 +28,6 @@ drains them through it.
 
 from __future__ import annotations
 
-import asyncio
-import os
 from collections.abc import Sequence
 
 from sqlalchemy import Table

@@ -41,7 +41,6 @@ from sqlalchemy import (
 
 from stasis import faults
 from stasis.daemon import records
-from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.db import JobDatabaseError, JobDB
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.users import Caller

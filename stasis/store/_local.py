@@ -32,7 +32,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -49,9 +49,8 @@ from stasis.store._tree import (
     staged_names,
 )
 from stasis.store.compression import Reader, Writer, cpu_workers, stored_name
-from stasis.store.crypt import DataKey
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
-from stasis.store.manifest import MANIFEST_NAME, CompressionRequest, Manifest, is_checkpoint_id
+from stasis.store.manifest import MANIFEST_NAME, Manifest, is_checkpoint_id
 from stasis.store.marker import MARKER_NAME, KnownStores, read_marker, write_marker
 from stasis.store.tailhash import InPlaceOutput, TailHasher, local_opener
 

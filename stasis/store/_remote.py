@@ -23,7 +23,7 @@ import queue
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
@@ -37,9 +37,8 @@ from stasis.store._tree import (
     staged_names,
 )
 from stasis.store.compression import Reader, Writer
-from stasis.store.crypt import DataKey
 from stasis.store.index import FORMAT, FORMAT_FILE, INDEX_DIR, Entry, parse_entry, parse_uid
-from stasis.store.manifest import MANIFEST_NAME, CompressionRequest, Manifest, is_checkpoint_id
+from stasis.store.manifest import MANIFEST_NAME, Manifest, is_checkpoint_id
 from stasis.store.tailhash import Opener, Output, TailHasher
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hmac
 import io
-import mmap
 import os
 import stat
 import threading

@@ -17,7 +17,7 @@ import pytest
 
 from stasis.daemon import detached
 from stasis.dev import k8snode
-from tests.conftest import STASIS, STASIS_DEV, wait_for
+from tests.conftest import STASIS_DEV, wait_for
 from tests.e2e.containerd_node import Node
 
 

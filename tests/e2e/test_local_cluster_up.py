@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stasis.dev.commands import SESSION_MARK
-from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user, wait_for
+from tests.conftest import STASIS_DEV, TEST_USER, ensure_test_user, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

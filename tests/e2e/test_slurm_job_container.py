@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import STASIS, TEST_USER
+from tests.conftest import TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
 
 JOB = """\

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from tests.conftest import Daemon, wait_for, workload
-from tests.faults import kit
 from tests.faults.test_controlplane import (  # noqa: F401 - the fixture
     Cluster,
     assert_runs_once_counting_on,

@@ -19,7 +19,7 @@ import pytest
 
 from stasis.engine import proctree
 from stasis.slurm import steps
-from stasis.slurm.steps import Handoff, Plan, Runner, parse, plan
+from stasis.slurm.steps import Handoff, Plan, parse, plan
 
 ENV = {
     "SLURM_JOB_ID": "42",
