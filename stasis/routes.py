@@ -407,6 +407,30 @@ SLURM_REMOTE_PART_DELETE: Route[wire.SlurmPartDeleteRequest, wire.Deleted] = Rou
     denied=_CUTS,
 )
 
+SLURM_REMOTE_PART_LIST: Route[wire.SlurmPartListRequest, wire.SlurmPartList] = Route(
+    "slurm_remote_part_list",
+    "POST",
+    "/slurm/remote/parts/{job}/list",
+    caller="cluster-root",
+    denied=_CUTS,
+)
+# A cut restored on requeue (stasis.slurm.taskinit on the new batch node): root's alone.
+_RESTORES = "only root (a restore's coordinator) holds a job's network or restores its parts"
+SLURM_REMOTE_PART_NET: Route[wire.SlurmPartNetRequest, wire.SlurmPartNet] = Route(
+    "slurm_remote_part_net",
+    "POST",
+    "/slurm/remote/parts/{job}/net",
+    caller="cluster-root",
+    denied=_RESTORES,
+)
+SLURM_REMOTE_PART_RESTORE: Route[wire.SlurmPartRestoreRequest, wire.RestoreAnswer] = Route(
+    "slurm_remote_part_restore",
+    "POST",
+    "/slurm/remote/parts/{job}/restore",
+    caller="cluster-root",
+    denied=_RESTORES,
+)
+
 SLURM_REMOTE: tuple[AnyRoute, ...] = (
     SLURM_REMOTE_CHECKPOINT,
     SLURM_REMOTE_DRAIN,
@@ -417,6 +441,9 @@ SLURM_REMOTE: tuple[AnyRoute, ...] = (
     SLURM_REMOTE_PART_DUMP,
     SLURM_REMOTE_PART_THAW,
     SLURM_REMOTE_PART_DELETE,
+    SLURM_REMOTE_PART_LIST,
+    SLURM_REMOTE_PART_NET,
+    SLURM_REMOTE_PART_RESTORE,
 )
 
 # -- Kubernetes (stasis.k8s.integration): all root's (containerd's shim runs the wrapper as

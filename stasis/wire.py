@@ -488,6 +488,41 @@ class SlurmPartDeleteRequest(TypedDict, total=False):
     credential: str  # required: root's
 
 
+class SlurmPartListRequest(TypedDict, total=False):
+    credential: str  # required: root's
+
+
+class SlurmPartRef(TypedDict):
+    part: str  # the part's key: its name across moves (its label's end)
+    job: str  # the daemon's job of it on that node now
+    state: JobState
+
+
+class SlurmPartList(TypedDict):
+    node: str
+    parts: list[SlurmPartRef]  # the job's live parts on that node
+
+
+# A cut restored on requeue by its coordinator (the new batch node's taskinit), as root.
+
+
+class SlurmPartNetRequest(TypedDict, total=False):
+    credential: str  # required: root's
+    held: bool  # required: hold the job's network on that node still, or let it go
+
+
+class SlurmPartNet(TypedDict):
+    node: str
+    vni: int
+    held: bool
+
+
+class SlurmPartRestoreRequest(TypedDict, total=False):
+    credential: str  # required: root's
+    checkpoint: str  # required: the part's checkpoint of the cut
+    part: str  # required: its key, as the checkpoint records it
+
+
 class Requeued(TypedDict):
     job: str
     checkpoint: str

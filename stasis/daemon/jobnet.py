@@ -288,27 +288,43 @@ def part_address(vni: int, *, on: Sequence[str] = ()) -> ipaddress.IPv4Address |
     return None
 
 
-# The rule that holds a frozen part's network still (`hold`), in both directions.
-_HOLD_RULE = ["-m", "comment", "--comment", "stasis-part-held", "-j", "DROP"]
+# Why a job's network is held still (`hold`), each with a rule of its own in both directions,
+# so that one's release leaves the other: a part frozen for a cut, and the parts of a cut being
+# restored one after another (a restore releases the first, never the second, which its
+# coordinator lets go once every part is back).
+FROZEN = "stasis-part-held"
+RESTORING = "stasis-restore-held"
 
 
-def hold(vni: int, *, on: Sequence[str] = ()) -> None:
+def _hold_rule(why: str) -> list[str]:
+    return ["-m", "comment", "--comment", why, "-j", "DROP"]
+
+
+def hold(vni: int, *, on: Sequence[str] = (), why: str = FROZEN) -> None:
     """Drop every packet into and out of job network `vni`'s namespace on this node (its own
     firewall, nothing of the node's): while a part is frozen for a coordinated checkpoint, a
     peer's kernel must not hand it data after its dump (the peer would drop it as delivered,
     and no image would hold it), nor its kernel send a peer a reset when it is killed after
     it. TCP sends again what was dropped once the network is released (`release`)."""
-    release(vni, on=on)
+    release(vni, on=on, why=why)
     for chain in ("INPUT", "OUTPUT"):
         _run(
             on,
-            ["nsenter", f"--net={netns_path(vni)}", "iptables", "-w", "-I", chain, *_HOLD_RULE],
+            [
+                "nsenter",
+                f"--net={netns_path(vni)}",
+                "iptables",
+                "-w",
+                "-I",
+                chain,
+                *_hold_rule(why),
+            ],  # fmt: skip
             f"hold job VNI {vni}'s network still",
         )
 
 
-def release(vni: int, *, on: Sequence[str] = ()) -> None:
-    """Undo `hold` (nothing held: nothing done)."""
+def release(vni: int, *, on: Sequence[str] = (), why: str = FROZEN) -> None:
+    """Undo `hold` for `why` (nothing held: nothing done)."""
     for chain in ("INPUT", "OUTPUT"):
         for _ in range(8):  # one rule per `hold`; a few, should holds have piled up
             done = subprocess.run(
@@ -320,7 +336,7 @@ def release(vni: int, *, on: Sequence[str] = ()) -> None:
                     "-w",
                     "-D",
                     chain,
-                    *_HOLD_RULE,
+                    *_hold_rule(why),
                 ],  # fmt: skip
                 stdin=subprocess.DEVNULL,
                 capture_output=True,

@@ -355,6 +355,11 @@ class JobManager:
         self.db.add(row)
         return RunAnswer(job=job_id, pid=pid, label=label)
 
+    def relabel(self, job_id: str, label: str) -> None:
+        """Give job `job_id` the label `label` (an integration's: a part of a Slurm job restored
+        from a cut is that part again, stasis.slurm.parts)."""
+        self.db.set(job_id, label=validate_label(label))
+
     def restarted(self, job: str, manifest: Manifest | None, user: str, reason: str) -> None:
         """An integration's workload `job` started again from `manifest` (None: from nothing):
         its work counts from the checkpoint's, and who listens hears of that restore."""

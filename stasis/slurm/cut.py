@@ -162,8 +162,8 @@ def _failed(what: str, names: Sequence[str], answers: Sequence[object]) -> str:
 
 def _refusal(parts: Sequence[PartRef], keys: Sequence[str]) -> str:
     """Why `parts` cannot be one cut ('' they can)."""
-    if len(parts) < 2:
-        return "a cut across nodes needs at least two parts"
+    if not parts:
+        return "a cut needs one part at least"
     if len({(p.node, p.job) for p in parts}) != len(parts):
         return "a part is named twice (the same job on the same node)"
     if len(parts) > CUT_PARTS_MAX:
@@ -310,8 +310,11 @@ def restore_plan(
             str(m.job_net.address) if m.job_net is not None and m.job_net.vni == net.vni else ""
             for m in taken
         ]
-        if set(addresses) != set(node_of):
-            continue  # another network's, or taken on another number of nodes
+        recorded = all(_record(m) is not None for m in taken)
+        if "" in addresses or not (
+            set(addresses) <= set(node_of) if recorded else set(addresses) == set(node_of)
+        ):
+            continue  # another network's, or taken on more nodes
         keys = [r[1] if (r := _record(m)) else "" for m in taken]
         order = sorted(
             range(len(taken)), key=lambda i: (index_of[addresses[i]], keys[i], taken[i].id)

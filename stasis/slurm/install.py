@@ -47,6 +47,7 @@ from typing import IO, Any
 from stasis.config import load_settings
 from stasis.errors import SlurmError, StasisError, UsageError
 from stasis.slurm import steps
+from stasis.slurm.partnames import RSH_NAME
 
 ROLES = ("controller", "worker", "login")
 RECORD_NAME = ".stasis-install.json"
@@ -293,6 +294,19 @@ def srun_path(lib_dir: Path) -> Path:
     return steps.install_dir(lib_dir) / steps.SRUN_NAME
 
 
+def rsh_text(python: str) -> str:
+    return (
+        f"#!{python} -I\n"
+        '"""The launch agent of a protected job on several nodes: MPI starts its daemons on the '
+        'job\'s other nodes through it (see stasis.slurm.rsh)."""\n'
+        "import sys\n\nfrom stasis.slurm.rsh import main\n\nsys.exit(main())\n"
+    )
+
+
+def rsh_path(lib_dir: Path) -> Path:
+    return steps.install_dir(lib_dir) / RSH_NAME
+
+
 def unit_text(opts: InstallOptions, configless: bool = False) -> str:
     stasis = Path(opts.python).parent / "stasis"
     # configless: no SLURM_CONF (a path that does not exist stops scontrol; Slurm finds its copy).
@@ -420,6 +434,7 @@ def _plan_node_files(
             _check_plain(path, what)
     text_change(opts.lib_dir / LAUNCHER_NAME, lambda t: launcher_text(opts.python), 0o755)
     text_change(srun_path(opts.lib_dir), lambda t: srun_text(opts.python), 0o755)
+    text_change(rsh_path(opts.lib_dir), lambda t: rsh_text(opts.python), 0o755)
     c_path = opts.lib_dir / C_NAME
     text_change(c_path, lambda t: _asset(C_NAME), 0o644)
     p.so_path, p.c_path = opts.lib_dir / SO_NAME, c_path

@@ -36,6 +36,9 @@ munge credential (stasis.slurm.remote: who asks is munge's uid, never the reques
     POST /slurm/remote/parts/{id}/{part}/dump    {"credential", "label", "reason"}  nodes,
     POST /slurm/remote/parts/{id}/{part}/thaw    {"credential", "stop"}      root only
     POST /slurm/remote/parts/{id}/checkpoints/{checkpoint}/delete  {"credential"}
+    POST /slurm/remote/parts/{id}/list     {"credential"}: the job's live parts here   root
+    POST /slurm/remote/parts/{id}/net      {"credential", "held"}  a cut restored    only
+    POST /slurm/remote/parts/{id}/restore  {"credential", "checkpoint", "part"}  on requeue
 
 Only those routes are served there, with the unix socket's limits: `request_timeout_s`
 for the headers and again for the body, `max_connections_per_uid` connections from the network
@@ -89,6 +92,9 @@ _PART_OPS: dict[routes.AnyRoute, str] = {
     routes.SLURM_REMOTE_PART_DUMP: "part-dump",
     routes.SLURM_REMOTE_PART_THAW: "part-thaw",
     routes.SLURM_REMOTE_PART_DELETE: "part-delete",
+    routes.SLURM_REMOTE_PART_LIST: "part-list",
+    routes.SLURM_REMOTE_PART_NET: "part-net",
+    routes.SLURM_REMOTE_PART_RESTORE: "part-restore",
 }
 
 
@@ -352,6 +358,19 @@ class SlurmIntegration(Integration):
 
     def slurm_remote_part_delete(self, call: Call[slurm_models.PartDeleteRequest]) -> wire.Deleted:
         return self.parts.delete(call.args["checkpoint"], call.caller)
+
+    def slurm_remote_part_list(
+        self, call: Call[slurm_models.PartListRequest]
+    ) -> wire.SlurmPartList:
+        return self.parts.listing(call.args["job"], call.caller)
+
+    def slurm_remote_part_net(self, call: Call[slurm_models.PartNetRequest]) -> wire.SlurmPartNet:
+        return self.parts.net(call.args["job"], call.body, call.caller)
+
+    def slurm_remote_part_restore(
+        self, call: Call[slurm_models.PartRestoreRequest]
+    ) -> wire.RestoreAnswer:
+        return self.parts.restore(call.args["job"], call.body, call.caller)
 
     def slurm_remote_checkpoint(
         self, call: Call[slurm_models.RemoteCheckpointRequest]

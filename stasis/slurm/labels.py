@@ -70,13 +70,12 @@ def cut_candidates(
     manifests: Iterable[Manifest], label: str, explicit: bool, uid: int, job_id: str, token: str
 ) -> list[Manifest]:
     """The checkpoints of the cuts of the job labelled `label` (stasis.slurm.cut: each cut has a
-    label of its own, `<label>.cut-<id>`) this job may resume from, by the rule of `candidates`,
-    newest first: from `manifests`, the user's (`store.list(uid=uid)`)."""
-    found = [
-        m
-        for m in manifests
-        if (of := cut_of(m.label)) is not None
-        and of[0] == label
-        and _may_resume(m, explicit, uid, job_id, token)
-    ]
+    label of its own, `<label>.cut-<id>`) this job may resume from, newest first: from
+    `manifests`, the user's (`store.list(uid=uid)`). A cut qualifies by the rule of
+    `candidates` if any of its checkpoints records the Slurm job (the batch tree's does; a part
+    started by the launch agent on another node is a daemon's job, which records none); then
+    every checkpoint of it the user owns counts."""
+    mine = [m for m in manifests if (of := cut_of(m.label)) is not None and of[0] == label]
+    cuts = {m.label for m in mine if _may_resume(m, explicit, uid, job_id, token)}
+    found = [m for m in mine if m.label in cuts and m.uid == uid]
     return sorted(found, key=lambda m: (m.created, m.id), reverse=True)

@@ -47,6 +47,7 @@ from stasis.engine import privatetmp
 from stasis.errors import DaemonAPIError, StasisError
 from stasis.slurm import steps
 from stasis.slurm.labels import INTERVAL_VARS
+from stasis.slurm.partnames import RSH_NAME
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT, signal.SIGUSR2)
 # The warning Slurm sends the batch step (cli_filter asks for URG: its default action is to be
@@ -70,6 +71,21 @@ _SETTLE_WAIT_S = 120.0
 # Signals that mean this run is being stopped (scancel, the grace time's end): its end is no
 # genuine success, whatever the workload's exit code.
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def mpi_launch_env(agent: str) -> dict[str, str]:
+    """What points Open MPI 4 (ORTE's rsh launcher), Open MPI 5 (PRRTE's, named ssh) and
+    MPICH's Hydra at the launch agent `agent` instead of srun; each ignores the others'."""
+    return {
+        "OMPI_MCA_plm": "rsh",
+        "OMPI_MCA_plm_rsh_agent": agent,
+        "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
+        "PRTE_MCA_plm": "ssh",
+        "PRTE_MCA_plm_ssh_agent": agent,
+        "PRTE_MCA_plm_ssh_no_tree_spawn": "1",
+        "HYDRA_LAUNCHER": "ssh",
+        "HYDRA_LAUNCHER_EXEC": agent,
+    }
 
 
 def say(text: str) -> None:
@@ -115,6 +131,13 @@ class Launcher:
             env[steps.STEPS_VAR] = self.job_id
             if real:
                 env[steps.REAL_SRUN_VAR] = real
+            agent = self.steps_dir / RSH_NAME
+            if self.start.get("spans_nodes") and os.access(agent, os.X_OK):
+                # Its MPI starts its daemons on the other nodes through the launch agent, as
+                # parts under their node daemons (stasis.slurm.rsh), not through srun as
+                # slurmstepd's children, which no cut could take; what the job set stays.
+                for name, value in mpi_launch_env(str(agent)).items():
+                    env.setdefault(name, value)
         return env
 
     def spawn(self) -> None:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stasis import wire
 from stasis.daemon.models import CUT_KEY_PATTERN, CUT_PARTS_MAX
+from stasis.slurm.partnames import PART_KEY_PATTERN
 from stasis.slurm.remote import MAX_CREDENTIAL_CHARS
 
 
@@ -92,6 +93,21 @@ class PartDeleteRequest(_Model):
     credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
 
 
+class PartListRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+
+
+class PartNetRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    held: bool
+
+
+class PartRestoreRequest(_Model):
+    credential: str = Field(max_length=MAX_CREDENTIAL_CHARS)
+    checkpoint: str = Field(min_length=1, max_length=128)
+    part: str = Field(pattern=PART_KEY_PATTERN)
+
+
 # The model that validates each request typed dict of Slurm's routes (stasis.routes.SLURM and
 # SLURM_REMOTE).
 BY_WIRE: dict[object, type[BaseModel]] = {
@@ -108,4 +124,7 @@ BY_WIRE: dict[object, type[BaseModel]] = {
     wire.SlurmPartDumpRequest: PartDumpRequest,
     wire.SlurmPartThawRequest: PartThawRequest,
     wire.SlurmPartDeleteRequest: PartDeleteRequest,
+    wire.SlurmPartListRequest: PartListRequest,
+    wire.SlurmPartNetRequest: PartNetRequest,
+    wire.SlurmPartRestoreRequest: PartRestoreRequest,
 }

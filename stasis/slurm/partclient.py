@@ -2,7 +2,8 @@
 coordinator of a cut across nodes (stasis.slurm.cut) asks of each node but its own.
 
 `RemoteParts(settings, node, slurm_job)` has the methods of stasis.client.Client that a cut uses
-(`freeze`, `dump` of a frozen part, `thaw`, `delete_checkpoint`), each one request to
+(`freeze`, `dump` of a frozen part, `thaw`, `delete_checkpoint`), and what it restores on
+requeue asks (`listing`, `net`, `restore`, `kill`), each one request to
 `POST /slurm/remote/parts/{job}/{part}/...` with a munge credential of the caller (root only:
 the node refuses anyone else) binding the operation, the Slurm job, the part, the node, the
 cluster and every field of the request. The node acts only on a part it started for that Slurm
@@ -65,6 +66,46 @@ class RemoteParts:
         fields: dict[str, object] = {"stop": bool(request.get("stop", False))}
         answer = self._call(routes.SLURM_REMOTE_PART_THAW, "part-thaw", job_id, fields)
         return cast("wire.ThawAnswer", answer)
+
+    def listing(self) -> wire.SlurmPartList:
+        """The job's live parts on the node."""
+        answer = remote.part_call(
+            self.settings,
+            self.target,
+            routes.SLURM_REMOTE_PART_LIST,
+            "part-list",
+            {"job": self.slurm_job},
+            {},
+        )
+        return cast("wire.SlurmPartList", answer)
+
+    def net(self, held: bool) -> wire.SlurmPartNet:
+        """Hold the job's network on the node still, or let it go (a cut being restored)."""
+        answer = remote.part_call(
+            self.settings,
+            self.target,
+            routes.SLURM_REMOTE_PART_NET,
+            "part-net",
+            {"job": self.slurm_job},
+            {"held": held},
+        )
+        return cast("wire.SlurmPartNet", answer)
+
+    def restore(self, checkpoint: str, part: str) -> wire.RestoreAnswer:
+        """Restore part `part`'s checkpoint of a cut on the node, as that part again."""
+        answer = remote.part_call(
+            self.settings,
+            self.target,
+            routes.SLURM_REMOTE_PART_RESTORE,
+            "part-restore",
+            {"job": self.slurm_job},
+            {"checkpoint": checkpoint, "part": part},
+        )
+        return cast("wire.RestoreAnswer", answer)
+
+    def kill(self, part: str) -> wire.SlurmPartSignalled:
+        """SIGKILL to the part (a restore that could not bring every part back)."""
+        return remote.signal_part(self.settings, self.target, self.slurm_job, part, "KILL")
 
     def delete_checkpoint(self, checkpoint_id: str) -> wire.Deleted:
         args = {"job": self.slurm_job, "checkpoint": checkpoint_id}

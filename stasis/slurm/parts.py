@@ -12,13 +12,17 @@ This module is that daemon's side:
   <job>`). The command runs as the job's user as Slurm knows it (never as root for a user's
   job, never as the caller's claims), with a login-like environment as ssh would give it, in
   the job's network namespace and a freezer cgroup of its own (`job_net`), labelled
-  `slurm-<job>-part`.
+  `slurm-<job>-part-<key>`: the part's key (8 hex digits, new at each start) names it in every
+  other operation, and stays its name when a cut moves it to another node (its restore there
+  is labelled the same), so that the agent finds it again.
 - `output`: its output (stdout and stderr together, as the daemon logs it) from an offset, its
   state and exit status: what the agent relays, polling.
 - `signal`: TERM, HUP, INT or KILL to it (the agent was signalled, as ssh's remote end would be).
 - A cut's, root's alone (its coordinator, stasis.slurm.cut through stasis.slurm.partclient):
-  `freeze`, `dump` (frozen, under the cut's label), `thaw` (or stop), `delete` (a checkpoint of
-  an abandoned cut).
+  `listing` (the job's parts here), `freeze`, `dump` (frozen, under the cut's label), `thaw`
+  (or stop), `delete` (a checkpoint of an abandoned cut); and a restore's on requeue:
+  `net` (the job's network here held still, or let go: no restored part hears a peer that is
+  not back yet), `restore` (a part's checkpoint of a cut, labelled with its key again).
 
 Each acts only on a part of that Slurm job, for its owner or root. A part whose Slurm job no
 longer runs on this node (its agent killed without passing a signal on, the job cancelled or
@@ -31,27 +35,39 @@ import base64
 import logging
 import os
 import re
+import secrets
 import signal
 from pathlib import Path
 
 from stasis import wire
+from stasis.daemon import jobnet
 from stasis.daemon.jobs import JobManager
-from stasis.daemon.models import DumpRequest, FreezeRequest, RunRequest, ThawRequest
+from stasis.daemon.models import (
+    DumpRequest,
+    FreezeRequest,
+    RestoreRequest,
+    RunRequest,
+    ThawRequest,
+)
 from stasis.daemon.users import Caller
 from stasis.errors import NotFoundError, PermissionDeniedError, SlurmError, UsageError
 from stasis.slurm import jobnetnode, scontrol
 from stasis.slurm.models import (
     PartDumpRequest,
     PartFreezeRequest,
+    PartNetRequest,
     PartOutputRequest,
+    PartRestoreRequest,
     PartSignalRequest,
     PartStartRequest,
     PartThawRequest,
 )
+from stasis.slurm.partnames import PART_KEY_PATTERN, part_label, part_of
+from stasis.store import validate_checkpoint_id
 
 _ROOT = Caller(pid=0, uid=0, gid=0)
 SWEEP_S = 10.0
-_LABEL = re.compile(r"slurm-([0-9]+)-part")
+_LIVE = ("running", "restored", "restoring")
 MAX_CHUNK_BYTES = 256 * 1024  # of output per answer
 log = logging.getLogger("stasis.daemon")
 _SIGNALS = {
@@ -60,11 +76,6 @@ _SIGNALS = {
     "INT": signal.SIGINT,
     "KILL": signal.SIGKILL,
 }
-
-
-def part_label(slurm_job: str) -> str:
-    """The label of every part of Slurm job `slurm_job` (what ties a daemon job to it)."""
-    return f"slurm-{slurm_job}-part"
 
 
 def job_vni(slurm_job: str, node: str) -> int:
@@ -83,13 +94,7 @@ def job_vni(slurm_job: str, node: str) -> int:
 
 
 def job_nodes(slurm_job: str) -> list[str]:
-    record = scontrol.parse_record(
-        scontrol.scontrol("show", "job", "-o", slurm_job).splitlines()[0]
-    )
-    node_list = record.get("NodeList", "")
-    if not node_list or node_list == "(null)":
-        return []
-    return scontrol.scontrol("show", "hostnames", node_list).split()
+    return scontrol.job_node_list(slurm_job)
 
 
 class SlurmParts:
@@ -116,7 +121,7 @@ class SlurmParts:
             command=req.command,
             cwd=req.cwd,
             user=info.user,  # Slurm's word on whose job it is, never the request's
-            label=part_label(slurm_job),
+            label=part_label(slurm_job, secrets.token_hex(4)),
             env={"SLURM_JOB_ID": slurm_job},
             private_tmp=False,  # the node's /tmp, as the job's tasks have it under Slurm
             job_net=vni,
@@ -125,10 +130,29 @@ class SlurmParts:
         return self.manager.run(run, _ROOT)
 
     def _part(self, slurm_job: str, part: str, caller: Caller) -> wire.Job:
-        job = self.manager.get(part, caller)
-        if job["label"] != part_label(slurm_job):
+        """The daemon's job of part `part` (its key): the live one, else the newest (a part a
+        cut stopped here and restored here again has both)."""
+        label = part_label(slurm_job, part)
+        found = (
+            []
+            if not re.fullmatch(PART_KEY_PATTERN, part)
+            else [j for j in self.manager.jobs(_ROOT) if j["label"] == label]
+        )
+        found.sort(key=lambda j: (j["state"] in _LIVE, j["created"]))
+        if not found:
             raise NotFoundError(f"no part {part} of Slurm job {slurm_job} on node {self.node}")
-        return job
+        return self.manager.get(found[-1]["job"], caller)  # the caller's to see, or refused
+
+    def listing(self, slurm_job: str, caller: Caller) -> wire.SlurmPartList:
+        """Slurm job `slurm_job`'s live parts here (a cut's coordinator asks)."""
+        return wire.SlurmPartList(
+            node=self.node,
+            parts=[
+                wire.SlurmPartRef(part=of[1], job=j["job"], state=j["state"])
+                for j in self.manager.jobs(caller)
+                if (of := part_of(j["label"])) and of[0] == slurm_job and j["state"] in _LIVE
+            ],
+        )
 
     def output(
         self, slurm_job: str, part: str, req: PartOutputRequest, caller: Caller
@@ -148,16 +172,16 @@ class SlurmParts:
     def signal(
         self, slurm_job: str, part: str, req: PartSignalRequest, caller: Caller
     ) -> wire.SlurmPartSignalled:
-        self._part(slurm_job, part, caller)
-        row = self.manager.signal_job(part, caller, _SIGNALS[req.signal])
+        job = self._part(slurm_job, part, caller)
+        row = self.manager.signal_job(job["job"], caller, _SIGNALS[req.signal])
         return wire.SlurmPartSignalled(part=part, signalled=row is not None)
 
     def sweep(self) -> None:
         """Kill the parts whose Slurm job no longer runs on this node."""
         running = [
-            (j, m.group(1))
+            (j, of[0])
             for j in self.manager.jobs(_ROOT)
-            if j["state"] in ("running", "restored") and (m := _LABEL.fullmatch(j["label"]))
+            if j["state"] in ("running", "restored") and (of := part_of(j["label"]))
         ]
         if not running:
             return  # no Slurm to ask
@@ -181,14 +205,14 @@ class SlurmParts:
     def freeze(
         self, slurm_job: str, part: str, req: PartFreezeRequest, caller: Caller
     ) -> wire.FreezeAnswer:
-        self._part(slurm_job, part, caller)
+        job = self._part(slurm_job, part, caller)
         freeze = FreezeRequest(timeout_s=req.timeout_s)
-        return self.manager.dumper.freeze(part, freeze, caller)
+        return self.manager.dumper.freeze(job["job"], freeze, caller)
 
     def dump(
         self, slurm_job: str, part: str, req: PartDumpRequest, caller: Caller
     ) -> wire.DumpAnswer:
-        self._part(slurm_job, part, caller)
+        job = self._part(slurm_job, part, caller)
         dump = DumpRequest(
             frozen=True,
             label=req.label,
@@ -196,17 +220,48 @@ class SlurmParts:
             cut_parts=req.cut_parts,
             cut_key=req.cut_key,
         )
-        return self.manager.dump(part, dump, caller)
+        return self.manager.dump(job["job"], dump, caller)
 
     def thaw(
         self, slurm_job: str, part: str, req: PartThawRequest, caller: Caller
     ) -> wire.ThawAnswer:
-        self._part(slurm_job, part, caller)
-        return self.manager.dumper.thaw(part, ThawRequest(stop=req.stop), caller)
+        job = self._part(slurm_job, part, caller)
+        return self.manager.dumper.thaw(job["job"], ThawRequest(stop=req.stop), caller)
 
     def delete(self, checkpoint: str, caller: Caller) -> wire.Deleted:
         self.manager.delete_checkpoint(checkpoint, caller)
         return wire.Deleted(deleted=checkpoint)
+
+    # -- a restore's on requeue, root's alone --------------------------------------------------
+
+    def net(self, slurm_job: str, req: PartNetRequest, caller: Caller) -> wire.SlurmPartNet:
+        """Hold the job's network here still (`held`), or let it go: while the parts of a cut
+        are restored one after another, a part back already must not reach one whose node
+        has no socket yet (that node's kernel would answer with a reset)."""
+        vni = job_vni(slurm_job, self.node)
+        if req.held:
+            jobnet.hold(vni, why=jobnet.RESTORING)
+        else:
+            jobnet.release(vni, why=jobnet.RESTORING)
+        return wire.SlurmPartNet(node=self.node, vni=vni, held=req.held)
+
+    def restore(
+        self, slurm_job: str, req: PartRestoreRequest, caller: Caller
+    ) -> wire.RestoreAnswer:
+        """Restore part `req.part`'s checkpoint of a cut here, for the Slurm job running here
+        now; labelled with its key again (the agent that started it finds it so)."""
+        what = f"cannot restore part {req.part} of Slurm job {slurm_job} on node {self.node}"
+        if self.node not in job_nodes(slurm_job):
+            raise UsageError(f"{what}: this node is not one of the job's")
+        job_vni(slurm_job, self.node)  # its network made here: said in one line, else
+        manifest = self.manager.store.get(validate_checkpoint_id(req.checkpoint))
+        record = manifest.extra.get("cut")
+        if not isinstance(record, dict) or record.get("key") != req.part:
+            raise UsageError(f"{what}: checkpoint {req.checkpoint} is not that part's")
+        restore = RestoreRequest(checkpoint=manifest.id, lazy=False)
+        answer = self.manager.restorer.restore(restore, caller)
+        self.manager.relabel(answer["job"], part_label(slurm_job, req.part))
+        return answer
 
 
 def _read(path: Path, offset: int) -> bytes:
@@ -222,4 +277,4 @@ def _read(path: Path, offset: int) -> bytes:
         os.close(fd)
 
 
-__all__ = ["SlurmParts", "job_nodes", "job_vni", "part_label"]
+__all__ = ["SlurmParts", "job_nodes", "job_vni", "part_label", "part_of"]

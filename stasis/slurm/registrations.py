@@ -54,8 +54,8 @@ from stasis.errors import (
     StasisError,
     UsageError,
 )
-from stasis.slurm import scontrol, steps
-from stasis.slurm.labels import candidates, slurm_extra
+from stasis.slurm import jobcut, scontrol, steps
+from stasis.slurm.labels import candidates, cut_candidates, slurm_extra
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest, FinishRequest, RegisterRequest
 from stasis.store import (
@@ -370,6 +370,15 @@ class SlurmJobs:
             cgroupjoin.join(caller.pid, req.pid)
         except OSError as e:
             log.warning("Slurm job %s: its tree stays outside the step's cgroups: %s", job_id, e)
+        if jobcut.spans_nodes(job_id):
+            # A part of a job on several nodes: frozen with the others in its cuts.
+            try:
+                jobcut.adopt(job_id, req.pid)
+            except (OSError, StasisError) as e:
+                raise CheckpointError(
+                    f"Slurm job {job_id} spans nodes but its batch tree cannot be put in a "
+                    f"freezer cgroup of its own ({e}); it runs unprotected"
+                ) from e
         try:
             cmdline = _read_proc(req.pid, "cmdline").split(b"\0")
             command = [c.decode(errors="replace") for c in cmdline if c]
@@ -449,6 +458,7 @@ class SlurmJobs:
         for old in self.registrations.running():
             if old["slurm_job"] not in waiting and not proctree.alive(old["pid"], old["pid_start"]):
                 self.registrations.remove(old["slurm_job"])
+                jobcut.forget(old["slurm_job"])
 
     def get(self, job_id: str, caller: Caller) -> Registration:
         return self._load(job_id, caller)
@@ -510,34 +520,46 @@ class SlurmJobs:
             self._record(reg, "stopping", stop_asked=1, stop_checkpoint=info.id)
             faults.point("slurm.checkpoint-asked")
         try:
-            manifest, result, _ = m.dumper.checkpoint_tree(
-                reg["pid"],
-                info,
-                req.leave_running,
-                "none",
-                f"Slurm job {job_id}",
-                reason=req.reason,
-            )
+            if jobcut.spans_nodes(job_id):
+                # Every part of the job on every node, in one cut (stasis.slurm.jobcut).
+                taken, batch = jobcut.take(
+                    m, m.settings, reg["pid"], info, req.leave_running, req.reason
+                )
+                checkpoint_id = info.id  # the batch tree's (its registration's record)
+                label, size, duration = taken.label, 0, taken.frozen_s
+                if taken.unfinished:
+                    log.warning("Slurm job %s: its cut %s: %s", job_id, label, taken.unfinished)
+            else:
+                manifest, result, _ = m.dumper.checkpoint_tree(
+                    reg["pid"],
+                    info,
+                    req.leave_running,
+                    "none",
+                    f"Slurm job {job_id}",
+                    reason=req.reason,
+                )
+                checkpoint_id, label = manifest.id, manifest.label
+                size, duration = manifest.size_bytes, result.duration_s
         except BaseException:
             if not req.leave_running:
                 # The tree runs on (checkpoint_tree resumed it): only the record may wait.
                 self._record(reg, "running", final_failed=1)
             raise
         answer = SlurmCheckpointAnswer(
-            checkpoint=manifest.id,
-            label=manifest.label,
+            checkpoint=checkpoint_id,
+            label=label,
             slurm_job=job_id,
-            size_bytes=manifest.size_bytes,
-            duration_s=round(result.duration_s, 4),
+            size_bytes=size,
+            duration_s=round(duration, 4),
             requeued=False,
             slurm_requeues=False,
         )
         if not req.leave_running:
             faults.point("slurm.after-publish")
-            self._stopped(reg, manifest.id)
+            self._stopped(reg, checkpoint_id)
             faults.point("slurm.before-requeue")
             answer["requeued"] = True
-            answer["slurm_requeues"] = self._requeue(reg, manifest.id)
+            answer["slurm_requeues"] = self._requeue(reg, checkpoint_id)
         return answer
 
     def _stopped(self, reg: Registration, checkpoint: str) -> None:
@@ -727,10 +749,21 @@ class SlurmJobs:
             found = candidates(
                 store, reg["label"], reg["explicit_label"], reg["uid"], job_id, reg["token"]
             )
+            if jobcut.spans_nodes(job_id):
+                # Its cuts' checkpoints, every part's (each cut has a label of its own).
+                found += cut_candidates(
+                    store.list(uid=reg["uid"]),
+                    reg["label"],
+                    reg["explicit_label"],
+                    reg["uid"],
+                    job_id,
+                    reg["token"],
+                )
             retired = store.catalog.retire(m.id for m in found)
         if self.mirrors is not None:
             self.mirrors.end(job_id, wait_s=_MIRRORS_WAIT_S)
         self.registrations.remove(job_id)
+        jobcut.forget(job_id)
         with self._pending_lock:
             self._pending.pop(job_id, None)  # nothing left to record it in
         return FinishAnswer(retired=retired)

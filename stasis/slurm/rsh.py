@@ -17,6 +17,12 @@ on to the part (a second one: SIGKILL).
 The job is SLURM_JOB_ID's; HOST a node of the job (`user@` and a domain are dropped). It asks
 HOST's daemon on the remote listener (`slurm_remote_port`), with a munge credential of the
 calling user, polling for the output: no connection stays open across a checkpoint.
+
+The agent is checkpointed with the batch script (it is a process of the batch node's part),
+and its part with the rest of the job in the same cut. Restored after a requeue, maybe on other
+nodes, it finds its part again: by its key (the part's name on every node), on the node that
+has HOST's place in the job's NodeList now (SLURM_JOB_NODELIST is the one it started with). A
+part a cut stopped ("checkpointed") has not ended: it is being moved.
 """
 
 from __future__ import annotations
@@ -29,8 +35,16 @@ import time
 from types import FrameType
 
 from stasis.config import Settings, load_settings
-from stasis.errors import DaemonAPIError, NotFoundError, SlurmError, StasisError
+from stasis.errors import (
+    DaemonAPIError,
+    NotFoundError,
+    PermissionDeniedError,
+    SlurmError,
+    StasisError,
+    UsageError,
+)
 from stasis.slurm import remote, scontrol
+from stasis.slurm.partnames import part_of
 
 POLL_S = 0.2  # between reads of the part's output while it has nothing new
 GIVE_UP_S = 120.0  # of its daemon unreachable before the part is taken for lost
@@ -38,7 +52,8 @@ _CALL_TIMEOUT_S = 30.0
 _EXIT_FAILED = 255  # ssh's own failure
 # ssh's options a launcher may put before HOST: these take a value, the others none.
 _WITH_VALUE = frozenset("bcDEeFIiJLlmOopQRSWw")
-_ENDED = ("exited", "failed", "checkpointed")
+_ENDED = ("exited", "failed")
+_MOVED = "checkpointed"  # stopped by a cut: it runs again where the job is restored
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -88,6 +103,27 @@ class _Signals:
         self.pending.append("KILL" if self.count > 1 else signal.Signals(signum).name[3:])
 
 
+def _moved_to(job: str, host: str, started_on: list[str]) -> str:
+    """The node that has `host`'s place in the job's NodeList now (`started_on`: the NodeList
+    the agent started with); `host` itself if it cannot tell."""
+    short = host.split(".")[0]
+    if short not in started_on:
+        return host
+    try:
+        now = scontrol.job_node_list(job)
+    except (SlurmError, NotFoundError):
+        return host
+    i = started_on.index(short)
+    return now[i] if len(now) == len(started_on) else host
+
+
+def _node_list(text: str) -> list[str]:
+    try:
+        return scontrol.hostnames(text) if text else []
+    except SlurmError:
+        return []
+
+
 def relay(settings: Settings, host: str, words: list[str]) -> int:
     job = os.environ.get("SLURM_JOB_ID", "")
     if not job:
@@ -95,14 +131,29 @@ def relay(settings: Settings, host: str, words: list[str]) -> int:
             "no SLURM_JOB_ID here: stasis-rsh starts a part of the Slurm job it runs in; use it "
             "inside the job's allocation"
         )
+    started_on = _node_list(os.environ.get("SLURM_JOB_NODELIST", ""))
     target = _target(settings, host)
     cwd = os.getcwd()
     signals = _Signals()
     started = remote.start_part(
         settings, target, job, ["/bin/sh", "-c", " ".join(words)], cwd if cwd[:1] == "/" else "/"
     )
-    part, offset, lost_since = started["job"], 0, 0.0
+    of = part_of(started["label"])
+    if of is None:
+        raise DaemonAPIError(f"{host} started no part of job {job} (label {started['label']!r})")
+    part, offset, lost_since = of[1], 0, 0.0
     out = sys.stdout.buffer
+
+    def follow() -> None:
+        """Point at the node that has the part now (after a restore, maybe another)."""
+        nonlocal target
+        now = _moved_to(job, host, started_on)
+        if now != target.node:
+            try:
+                target = _target(settings, now)
+            except (NotFoundError, SlurmError):
+                pass
+
     while True:
         while signals.pending:
             sig = signals.pending.pop(0)
@@ -112,14 +163,16 @@ def relay(settings: Settings, host: str, words: list[str]) -> int:
                 print(f"stasis-rsh: cannot pass SIG{sig} on to {host}: {e}", file=sys.stderr)
         try:
             got = remote.part_output(settings, target, job, part, offset)
-        except DaemonAPIError as e:
-            # Its daemon restarting, or the node busy: the part runs on; ask again.
+        except (DaemonAPIError, NotFoundError, UsageError, PermissionDeniedError) as e:
+            # Its daemon restarting, the node busy, or the part moved with the job (restored
+            # here, it is somewhere else now): ask again, where it is.
             lost_since = lost_since or time.monotonic()
             if time.monotonic() - lost_since > GIVE_UP_S:
                 raise DaemonAPIError(
                     f"lost the part on {host} for {GIVE_UP_S:.0f} s: {e}"
                 ) from None
             time.sleep(1.0)
+            follow()
             continue
         lost_since = 0.0
         data = base64.b64decode(got["data"])
@@ -131,6 +184,11 @@ def relay(settings: Settings, host: str, words: list[str]) -> int:
         if got["state"] in _ENDED:
             code = got["exit_code"]
             return code if code is not None and 0 <= code <= 255 else _EXIT_FAILED
+        if got["state"] == _MOVED:
+            # Only seen by an agent restored with its job: its part is back elsewhere, or soon.
+            time.sleep(1.0)
+            follow()
+            continue
         time.sleep(POLL_S)
 
 

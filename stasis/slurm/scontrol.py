@@ -273,6 +273,22 @@ def node_state(node: str) -> str:
     return parse_record(scontrol("show", "node", "-o", node)).get("State", "")
 
 
+def hostnames(node_list: str) -> list[str]:
+    """The node names of a Slurm host list ("n[1-3]")."""
+    return scontrol("show", "hostnames", node_list).split()
+
+
+def job_node_list(job_id: str) -> list[str]:
+    """The nodes of job `job_id`'s allocation, in its NodeList's order ([] while it has none)."""
+    record = parse_record(
+        scontrol("show", "job", "-o", validate_slurm_job_id(job_id)).splitlines()[0]
+    )
+    node_list = record.get("NodeList", "")
+    if not node_list or node_list == "(null)":
+        return []
+    return hostnames(node_list)
+
+
 def node_address(node: str) -> str:
     """Where `node` is reached (its NodeAddr; Slurm says the NodeName when none is set)."""
     validate_node_name(node)

@@ -41,6 +41,7 @@ from typing import Any, TypeVar, cast
 from stasis import wire
 from stasis.client import Client
 from stasis.config import Settings, fresh_if_unreachable, load_settings
+from stasis.daemon import jobnet
 from stasis.daemon.users import account
 from stasis.engine import (
     CRIU,
@@ -54,8 +55,8 @@ from stasis.engine import (
 )
 from stasis.engine.restoring import restore_tree
 from stasis.errors import CorruptCheckpointError, OwnerDeniedError, SlurmError, StasisError
-from stasis.slurm import held, scontrol
-from stasis.slurm.labels import candidates, resolve_label, slurm_of
+from stasis.slurm import cutrestore, held, scontrol
+from stasis.slurm.labels import candidates, cut_candidates, resolve_label, slurm_of
 from stasis.store import Manifest, Store, node_store
 
 EXIT_RESTORED = 0
@@ -88,7 +89,12 @@ def rewritten_by_slurm(m: Manifest, job_id: str) -> list[str]:
 
 
 def _restore(
-    settings: Settings, store: Store, m: Manifest, info: scontrol.JobInfo, gid: int
+    settings: Settings,
+    store: Store,
+    m: Manifest,
+    info: scontrol.JobInfo,
+    gid: int,
+    netns_fd: int | None = None,
 ) -> tuple[int, list[str]]:
     s: dict[str, Any] = m.extra.get("slurm", {})
     old_out = str(s.get("stdout") or m.log_path or "")
@@ -149,6 +155,8 @@ def _restore(
                 f"restore-slurm-{info.job_id}-{m.id}.log",
                 own_mounts=privatetmp.recorded(m.extra),
                 caller_cgroups=True,
+                # A job on several nodes: its batch tree lives in the job's network here.
+                job_netns_fd=netns_fd,
             )
         except BaseException:
             refilled.undo()  # run from the start instead, it finds the /tmp it would have had
@@ -261,9 +269,18 @@ def decide(
     deadline = time.monotonic() + wait_s
     daemon, daemon_error = _retrying(deadline, lambda: _health(settings))
 
+    net = cutrestore.job_net(job_id)
+    if net is not None:
+        out["spans_nodes"] = True  # the launcher points the job's MPI at the launch agent
+
     def listing() -> list[Manifest]:
         # The node's keys (the daemon made them): only checkpoints signed by a trusted key.
-        return candidates(node_store(settings), label, explicit, uid, job_id, info.token)
+        store = node_store(settings)
+        if net is not None:
+            # A job on several nodes resumes from a cut of every part (stasis.slurm.cut).
+            mine = store.list(uid=uid)
+            return cut_candidates(mine, label, explicit, uid, job_id, info.token)
+        return candidates(store, label, explicit, uid, job_id, info.token)
 
     found, store_error = _retrying(deadline, listing)
     if found is None:
@@ -313,6 +330,8 @@ def decide(
             say.append(f"stasis: job {job_id} is protected (label {label})")
         out["mode"] = "fresh"
         return EXIT_FRESH, out
+    if net is not None:
+        return _restore_cut(settings, store, found, label, net, info, gid, out)
     for m in found[:_MAX_TRIES]:
         try:
             pid, notes = _restore(settings, store, m, info, gid)
@@ -336,6 +355,79 @@ def decide(
         )
     out["mode"] = "fresh"
     return EXIT_FRESH, out
+
+
+def _restore_cut(
+    settings: Settings,
+    store: Store,
+    found: list[Manifest],
+    label: str,
+    net: jobnet.JobNet,
+    info: scontrol.JobInfo,
+    gid: int,
+    out: dict[str, Any],
+) -> tuple[int, dict[str, Any]]:
+    """A job on several nodes: its newest cut that restores whole on the nodes it has now
+    (stasis.slurm.cutrestore); a cut that cannot leaves nothing running, the one before is
+    tried; none: the job is requeued held with the reason (never run with a rank missing,
+    nor from the beginning over its checkpoints)."""
+    say: list[str] = out["messages"]
+    job_id = info.job_id
+    try:
+        nodes = scontrol.job_node_list(job_id)
+    except StasisError as e:
+        return _hold_cut(job_id, out, f"cannot tell the job's nodes ({e})")
+    plans = cutrestore.plans(found, label, net, nodes)
+    if not plans:
+        say.append(
+            f"stasis: warning: no complete checkpoint of every part of the job with label "
+            f"{label} on {len(nodes)} nodes: the job runs from the start"
+        )
+        out["mode"] = "fresh"
+        return EXIT_FRESH, out
+    restorer = cutrestore.CutRestore(settings, store, job_id, net, nodes)
+    why = ""
+    for plan in plans[:_MAX_TRIES]:
+        try:
+            pid, notes = restorer.restore(
+                plan, lambda m, fd: _restore(settings, store, m, info, gid, netns_fd=fd)
+            )
+        except (StasisError, OSError) as e:
+            why = f"cut {plan.label} not restored: {e}"
+            say.append(f"stasis: warning: {why}")
+            continue
+        batch = next(c for (_, c), k in zip(plan.parts, plan.keys, strict=True) if k == "batch")
+        say.append(
+            f"stasis: restored every part of the job from {plan.label} ({len(plan.parts)} "
+            f"checkpoints on {len(set(n for n, _ in plan.parts))} nodes: "
+            f"{', '.join(sorted(set(n for n, _ in plan.parts)))})"
+        )
+        say.extend(f"stasis: note: {note}" for note in notes)
+        out.update(mode="restored", pid=pid, checkpoint=batch)
+        return EXIT_RESTORED, out
+    return _hold_cut(job_id, out, why)
+
+
+def _hold_cut(job_id: str, out: dict[str, Any], why: str) -> tuple[int, dict[str, Any]]:
+    """Requeue the job held with `why` in its Comment: a cut that could not be restored whole
+    is no reason to run the job with a rank missing, nor to start it over its checkpoints. No
+    node releases it by itself: `scontrol release` once what `why` says is mended."""
+    say: list[str] = out["messages"]
+    out["mode"] = "held"
+    why = why if len(why) <= _WHY_MAX else why[: _WHY_MAX - 3] + "..."
+    try:
+        scontrol.requeue_held(
+            job_id,
+            f"{_HELD}: {why}; its checkpoints are kept; scontrol release {job_id} to try "
+            "again, or resubmit with another label to start from the beginning",
+        )
+        say.append(f"stasis: error: {why}: the job is requeued held, nothing of it runs")
+    except (StasisError, OSError) as e:
+        say.append(
+            f"stasis: error: {why}, and the job could not be requeued held ({e}): it fails "
+            "without running, its checkpoints are kept; submit it again"
+        )
+    return EXIT_OFF, out
 
 
 def _comment(job_id: str, text: str) -> None:

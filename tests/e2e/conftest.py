@@ -433,14 +433,14 @@ def new_cluster(
     return c
 
 
-def multinode_cluster(name: str, number: int) -> Cluster:
-    """A cluster of two nodes with `slurm_multinode = number` on both, installed again with it
-    (job_submit.lua, PrologFlags=Alloc, the plugin's multinode=1) and reconfigured."""
+def multinode_cluster(name: str, number: int, nodes: int = 2) -> Cluster:
+    """A cluster of `nodes` nodes with `slurm_multinode = number` on every one, installed again
+    with it (job_submit.lua, PrologFlags=Alloc, the plugin's multinode=1) and reconfigured."""
     from stasis.slurm import install
 
-    c = new_cluster(name, nodes=2)
+    c = new_cluster(name, nodes=nodes)
     try:
-        for node in ("n1", "n2"):
+        for node in (f"n{i}" for i in range(1, nodes + 1)):
             conf = c.lay.config_of(node)
             conf.write_text(conf.read_text() + f"slurm_multinode = {number}\n")
         install.install(

@@ -249,7 +249,9 @@ def test_every_rank_a_daemon_part_in_the_job_network(
         # ... that of a part of that node's daemon labelled after the Slurm job (Hydra may
         # start its proxy on its own node through the agent too: a second part there).
         mine = {
-            f"/stasis-part-{p['job']}" for p in parts[node] if p.get("label") == f"slurm-{job}-part"
+            f"/stasis-part-{p['job']}"
+            for p in parts[node]
+            if p.get("label", "").startswith(f"slurm-{job}-part-")
         }
         assert mine, (node, parts[node])
         for r in found.values():
@@ -324,9 +326,10 @@ def test_a_cut_over_the_parts_leaves_the_job_running(
     clients = {node: Client(two.lay.node_socket(node), timeout_s=120) for node in ("n1", "n2")}
     part = {}
     for node, client in clients.items():
-        mine = [j for j in client.jobs() if j["label"] == f"slurm-{job}-part"]
+        mine = [j for j in client.jobs() if j["label"].startswith(f"slurm-{job}-part-")]
         assert len(mine) == 1 and mine[0]["state"] == "running", (node, mine)
-        part[node] = mine[0]["job"]
+        # This node's by its daemon's job id, the other's by its key (the remote routes').
+        part[node] = mine[0]["job"] if node == "n1" else mine[0]["label"].rsplit("-", 1)[1]
     refused = two.on(
         "n1", sys.executable, str(two.work / "as_user.py"), job, "n2", part["n2"], user=TEST_USER
     ).stdout
@@ -377,7 +380,7 @@ def test_no_part_outlives_its_job(two: Cluster) -> None:
     n2 = Client(two.lay.node_socket("n2"), timeout_s=60)
 
     def parts() -> dict[str, wire.Job]:
-        found = [j for j in n2.jobs() if j["label"] == f"slurm-{job}-part"]
+        found = [j for j in n2.jobs() if j["label"].startswith(f"slurm-{job}-part-")]
         return {"deaf" if "deaf" in " ".join(j["command"]) else "plain": j for j in found}
 
     deadline = time.monotonic() + 120
