@@ -19,8 +19,11 @@ The job's identity: VNI = slurm_multinode << 20 | job id mod 2^20 (unique among 
 of the site while each cluster has its own number and its running jobs' ids are less than 2^20
 apart: Slurm gives ids in order); subnet = a /24 of 100.64.0.0/10 (the shared address space,
 which a cluster's own networks seldom use) chosen by the VNI's low 14 bits, so that two jobs on
-one node have different subnets unless their ids are a multiple of 16384 apart (refused then:
-the second job's tasks run in the node's network, with a warning in the node's log).
+one node have different subnets unless their ids are a multiple of 16384 apart. A job whose
+subnet or VNI is already a running job's on the node (its ids a multiple of 16384, or of 2^20,
+apart: a user can get such an id by submitting that many jobs) is refused there: its tasks run in
+the node's network, with a warning in the node's log, never in the other job's namespace, and its
+epilog leaves the other job's network alone.
 
 A job's tasks must still reach Slurm (srun inside the batch step talks to slurmctld and to the
 other nodes' slurmd, which call it back): each node's bridge has an address of the job's subnet
@@ -30,6 +33,12 @@ own nodes is masqueraded behind the node's address. Traffic between the job and 
 slurmd/slurmstepd is routed, not translated: they see the job address and answer it through
 their own bridge, over the VXLAN, so their callbacks to srun reach it.
 
+The node forwards (net.ipv4.ip_forward=1) while it has a job network: the value it had before
+the first one is recorded (`/run/stasis-jobnet/ip_forward`) and put back when the last one is
+removed. Prologs and epilogs of several jobs run at once on a node: each holds the records
+directory's lock (flock on the directory itself, so that no file of it outlives the last job)
+while it reads and changes the node's job networks.
+
 Failures never fail the prolog (Slurm would drain the node): the job's tasks then run in the
 node's own network, and the reason is on stdout, which the plugin puts into slurmd's log.
 """
@@ -37,24 +46,46 @@ node's own network, and the reason is on stdout, which the plugin puts into slur
 from __future__ import annotations
 
 import argparse
+import fcntl
 import ipaddress
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from stasis.config import load_settings
 from stasis.daemon import jobnet
-from stasis.errors import StasisError
+from stasis.errors import SlurmJobNotFoundError, StasisError
 from stasis.slurm import scontrol
 
 VNI_BITS = 20  # a cluster's block: 2^20 VNIs, one per job id modulo that
 _POOL = ipaddress.IPv4Network("100.64.0.0/10")
 _SLOTS = _POOL.num_addresses // 256
 RECORDS = Path("/run/stasis-jobnet")  # <job id> -> its VNI, read by the SPANK plugin
+FORWARD = RECORDS / "ip_forward"  # the node's net.ipv4.ip_forward before its first job network
+_FORWARD_SYSCTL = Path("/proc/sys/net/ipv4/ip_forward")
 _TIMEOUT_S = 30
+_LOCK_WAIT_S = 120  # for the other jobs' prologs and epilogs on this node
+# Slurm's states of a job that no longer holds its nodes (a record of it is left over).
+_GONE = frozenset(
+    (
+        "PENDING",
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+    )
+)
 
 
 def vni_of_job(job_id: int, cluster: int) -> int:
@@ -119,21 +150,123 @@ def _subnet_taken(subnet: ipaddress.IPv4Network, mine: str) -> bool:
     return any(r.get("dev") != mine for r in json.loads(out or "[]"))
 
 
+@contextmanager
+def _locked() -> Iterator[None]:
+    """This node's job networks to this prolog or epilog alone until it is done."""
+    RECORDS.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(RECORDS, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StasisError(
+                        f"{RECORDS} stayed locked {_LOCK_WAIT_S} s by another job's prolog or "
+                        "epilog on this node"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def _records() -> dict[str, int]:
+    """Job id -> VNI of every job network this node's prologs recorded."""
+    found: dict[str, int] = {}
+    try:
+        names = os.listdir(RECORDS)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        if name.isdigit():
+            try:
+                found[name] = int((RECORDS / name).read_text())
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def _holder(vni: int, job_id: str) -> str | None:
+    """Another job whose network on this node is `vni`, still holding it; records of jobs that
+    no longer hold this node are dropped (their network is replaced)."""
+    for other, theirs in sorted(_records().items()):
+        if other == job_id or theirs != vni:
+            continue
+        try:
+            state = scontrol.job_info(other).state
+        except SlurmJobNotFoundError:
+            state = "COMPLETED"
+        if state not in _GONE:
+            return other
+        (RECORDS / other).unlink(missing_ok=True)
+    return None
+
+
+def _job_nodes(job_id: str) -> list[str]:
+    """The job's nodes, from squeue's numeric job id and node list (no user writes either)."""
+    out = _sh(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%A %N"], "ask for the job's nodes")
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == job_id:
+            return scontrol.scontrol("show", "hostnames", fields[1]).split()
+    raise StasisError(f"squeue lists no nodes of job {job_id}")
+
+
+def _forward() -> None:
+    """Let the node forward, its value before the first job network recorded."""
+    if not FORWARD.exists():
+        before = _FORWARD_SYSCTL.read_text().strip()
+        if before not in ("0", "1"):
+            raise StasisError(f"{_FORWARD_SYSCTL} reads {before!r}, not 0 or 1")
+        partial = FORWARD.with_name(".ip_forward.new")
+        partial.write_text(f"{before}\n")
+        partial.replace(FORWARD)
+    _sh(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], "let the node forward")
+
+
+def _forward_back() -> str:
+    """The node's forwarding as before its first job network once it has none; what was done."""
+    if _records():
+        return ""
+    try:
+        before = FORWARD.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    if before in ("0", "1"):
+        _sh(["sysctl", "-q", "-w", f"net.ipv4.ip_forward={before}"], "put forwarding back")
+    FORWARD.unlink()
+    return f"; the node's net.ipv4.ip_forward put back to {before}"
+
+
 def prolog(job_id: str, node: str) -> str:
     """Make this node's part of job `job_id`'s network if it needs one; what was done."""
     settings = load_settings()
     if not settings.slurm_multinode:
         return ""
-    info = scontrol.parse_record(scontrol.scontrol("show", "job", "-o", job_id).splitlines()[0])
-    if "stasis-token=" not in info.get("AdminComment", "") or int(info.get("NumNodes", "1")) < 2:
+    # job_info refuses a record whose name or paths forge fields (AdminComment, NodeList).
+    if not scontrol.job_info(job_id).token:
         return ""
-    nodes = scontrol.scontrol("show", "hostnames", info["NodeList"]).split()
+    nodes = _job_nodes(job_id)
+    if len(nodes) < 2:
+        return ""
     if node not in nodes:
         raise StasisError(f"this node ({node}) is not in job {job_id}'s nodes {nodes}")
     vni = vni_of_job(int(job_id), settings.slurm_multinode)
     net = jobnet.JobNet(vni, subnet_of(vni))
+    holder = _holder(vni, job_id)
+    if holder is not None:
+        raise StasisError(
+            f"job network {vni} is running job {holder}'s on this node (their ids are a "
+            f"multiple of 2^{VNI_BITS} apart)"
+        )
     if _subnet_taken(net.subnet, net.bridge):
-        raise StasisError(f"subnet {net.subnet} of job network {vni} is another job's on this node")
+        raise StasisError(
+            f"subnet {net.subnet} of job network {vni} is another running job's subnet there "
+            f"(their ids are a multiple of {_SLOTS} apart)"
+        )
     addrs = [_address(n) for n in nodes]
     index = nodes.index(node)
     parts = [jobnet.Part(net.address(i), a) for i, a in enumerate(addrs)]
@@ -146,7 +279,7 @@ def prolog(job_id: str, node: str) -> str:
             "address the job's bridge",
         )
         _sh(["ip", "-n", net.netns, "route", "add", "default", "via", str(gw)], "route the job")
-        _sh(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], "let the node forward")
+        _forward()
         tag = ["-m", "comment", "--comment", f"stasis-job-{vni}"]
         rules = [["-s", str(net.subnet), "-d", str(a), *tag, "-j", "RETURN"] for a in addrs]
         rules.append(["-s", str(net.subnet), "!", "-d", str(net.subnet), *tag, "-j", "MASQUERADE"])
@@ -160,30 +293,32 @@ def prolog(job_id: str, node: str) -> str:
     return f"job network {vni} ({net.subnet}) made: part {here.address} on {node}"
 
 
-def _remove(vni: int, job_id: str) -> None:
+def _remove(vni: int, job_id: str) -> str:
     for rule in _nat_rules(vni):
         _sh(["iptables", "-w", "-t", "nat", "-D", *rule], "remove a NAT rule", check=False)
     jobnet.remove_part(jobnet.JobNet(vni, subnet_of(vni)))
-    try:
-        (RECORDS / job_id).unlink()
-    except FileNotFoundError:
-        pass
+    (RECORDS / job_id).unlink(missing_ok=True)
+    return _forward_back()
 
 
 def epilog(job_id: str) -> str:
     """Remove job `job_id`'s network from this node (nothing there: nothing done)."""
-    try:
-        vni = int((RECORDS / job_id).read_text())
-    except (OSError, ValueError):
+    records = _records()
+    if job_id in records:
+        vni = records[job_id]
+    else:
+        (RECORDS / job_id).unlink(missing_ok=True)  # unreadable: what its prolog got to
         settings = load_settings()
         if not settings.slurm_multinode:
-            return ""
+            return _forward_back().removeprefix("; ")
         vni = vni_of_job(int(job_id), settings.slurm_multinode)
+        if vni in records.values():
+            # Its prolog was refused there: that network is the running job's that has it.
+            return _forward_back().removeprefix("; ")
     if not jobnet.netns_path(vni).exists() and not _nat_rules(vni):
         (RECORDS / job_id).unlink(missing_ok=True)
-        return ""
-    _remove(vni, job_id)
-    return f"job network {vni} removed"
+        return _forward_back().removeprefix("; ")
+    return f"job network {vni} removed{_remove(vni, job_id)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o022)
     try:
         scontrol.validate_slurm_job_id(args.job_id)
-        said = prolog(args.job_id, args.node) if args.what == "prolog" else epilog(args.job_id)
+        with _locked():
+            said = prolog(args.job_id, args.node) if args.what == "prolog" else epilog(args.job_id)
     except (StasisError, OSError, subprocess.SubprocessError, KeyError, ValueError) as e:
         then = (
             "its tasks on this node run in the node's own network"
