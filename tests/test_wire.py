@@ -103,6 +103,11 @@ WIRE_ONLY = {
     # A part started by the remote listener: tests/e2e/test_mpi_rsh.py, through stasis-rsh.
     "SlurmPartOutput",
     "SlurmPartSignalled",
+    # A cut's parts listed, a job's network held, on requeue: tests/e2e/test_mpi_cut.py
+    # (through the batch node's daemon and taskinit).
+    "SlurmPartList",
+    "SlurmPartRef",
+    "SlurmPartNet",
 }
 
 _PAIR_IDS = [td.__name__ for td, _ in REQUEST_PAIRS]
@@ -438,8 +443,8 @@ def test_every_route_is_declared_once() -> None:
     declared = _declared()
     assert set(declared.values()) == set(ALL_ROUTES)
     # 36, FREEZE and THAW, and the remote part routes START, OUTPUT, SIGNAL, FREEZE, DUMP,
-    # THAW and DELETE (issue 31)
-    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 45
+    # THAW, DELETE, LIST, NET and RESTORE (issue 31)
+    assert len(ALL_ROUTES) == len(set(ALL_ROUTES)) == 48
     assert len({r.name for r in ALL_ROUTES}) == len(ALL_ROUTES)
     assert len({(r.method, r.path) for r in routes.SOCKET}) == len(routes.SOCKET)
     assert routes.SOCKET == routes.CORE + routes.SLURM + routes.K8S

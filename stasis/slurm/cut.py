@@ -296,10 +296,10 @@ def restore_plan(
 ) -> list[RestorePlan]:
     """The cuts of the job labelled `label` (network `net`, now on `nodes`, the NodeList's order)
     that can be restored, newest first: those with every checkpoint they record, with distinct
-    keys, each with an address of the job's network, one part at least on each of `nodes` (one
-    node may have several); a cut taken before checkpoints recorded it, exactly one checkpoint
-    for each node's address. A cut a dead coordinator left half-written, or taken on another
-    number of nodes, is never one."""
+    keys, each with an address of the job's network that one of `nodes` has now, one part at
+    least on the first (one node may have several, a node where the job ran nothing none); a
+    cut taken before checkpoints recorded it, exactly one checkpoint for each node's address.
+    A cut a dead coordinator left half-written, or taken on more nodes, is never one."""
     node_of = {str(net.address(i)): node for i, node in enumerate(nodes)}
     index_of = {a: i for i, a in enumerate(node_of)}
     plans: list[tuple[float, str, RestorePlan]] = []
@@ -310,11 +310,17 @@ def restore_plan(
             str(m.job_net.address) if m.job_net is not None and m.job_net.vni == net.vni else ""
             for m in taken
         ]
+        # Recorded cuts: every part at an address of these nodes, one at least on the first
+        # (the batch node's tree is always a part; a node where the job ran nothing has none).
+        # Cuts before records: exactly one per node.
         recorded = all(_record(m) is not None for m in taken)
+        first = str(net.address(0))
         if "" in addresses or not (
-            set(addresses) <= set(node_of) if recorded else set(addresses) == set(node_of)
+            set(addresses) <= set(node_of) and first in addresses
+            if recorded
+            else set(addresses) == set(node_of)
         ):
-            continue  # another network's, or taken on more nodes
+            continue  # another network's, taken on more nodes, or without its batch node
         keys = [r[1] if (r := _record(m)) else "" for m in taken]
         order = sorted(
             range(len(taken)), key=lambda i: (index_of[addresses[i]], keys[i], taken[i].id)

@@ -594,9 +594,9 @@ def uninstall(
             _write(path, target, entry.get("mode") or 0o644)
             os.chmod(path, entry.get("mode") or 0o644)
             _say(out, f"restored {path}\n")
-        if path.name == steps.SRUN_NAME and target is None:
+        if path.name in (steps.SRUN_NAME, RSH_NAME) and target is None:
             try:
-                path.parent.rmdir()  # the directory install made for it, when left empty
+                path.parent.rmdir()  # the directory install made for them, when left empty
             except OSError:
                 pass
     if not dry_run:

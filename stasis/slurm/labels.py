@@ -72,10 +72,17 @@ def cut_candidates(
     """The checkpoints of the cuts of the job labelled `label` (stasis.slurm.cut: each cut has a
     label of its own, `<label>.cut-<id>`) this job may resume from, newest first: from
     `manifests`, the user's (`store.list(uid=uid)`). A cut qualifies by the rule of
-    `candidates` if any of its checkpoints records the Slurm job (the batch tree's does; a part
-    started by the launch agent on another node is a daemon's job, which records none); then
-    every checkpoint of it the user owns counts."""
-    mine = [m for m in manifests if (of := cut_of(m.label)) is not None and of[0] == label]
-    cuts = {m.label for m in mine if _may_resume(m, explicit, uid, job_id, token)}
-    found = [m for m in mine if m.label in cuts and m.uid == uid]
+    `candidates`: each of its checkpoints that records a Slurm job (the batch tree's does; a
+    part the launch agent started is a daemon's job, which records none) may be resumed, and
+    one at least does; then every checkpoint of it counts (all the user's)."""
+    mine = [
+        m
+        for m in manifests
+        if (of := cut_of(m.label)) is not None and of[0] == label and m.uid == uid
+    ]
+    verdicts: dict[str, set[bool]] = {}
+    for m in mine:
+        if slurm_of(m):
+            verdicts.setdefault(m.label, set()).add(_may_resume(m, explicit, uid, job_id, token))
+    found = [m for m in mine if verdicts.get(m.label) == {True}]
     return sorted(found, key=lambda m: (m.created, m.id), reverse=True)

@@ -279,14 +279,15 @@ def hostnames(node_list: str) -> list[str]:
 
 
 def job_node_list(job_id: str) -> list[str]:
-    """The nodes of job `job_id`'s allocation, in its NodeList's order ([] while it has none)."""
-    record = parse_record(
-        scontrol("show", "job", "-o", validate_slurm_job_id(job_id)).splitlines()[0]
-    )
-    node_list = record.get("NodeList", "")
-    if not node_list or node_list == "(null)":
-        return []
-    return hostnames(node_list)
+    """The nodes of job `job_id`'s allocation, in its NodeList's order ([] while it has none).
+    From squeue's numeric job id and node list: no user writes either (a job's name could hold
+    " NodeList=..." in `scontrol show job`'s line)."""
+    validate_slurm_job_id(job_id)
+    for line in _tool("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%A %N").splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == job_id and fields[1] not in ("", "(null)"):
+            return hostnames(fields[1])
+    return []
 
 
 def node_address(node: str) -> str:

@@ -94,12 +94,12 @@ def _ops(d: Daemon) -> list[str]:
     return [op for op, _, _ in d.log]
 
 
-def test_take_refuses_a_part_named_twice_or_fewer_than_two_parts(
+def test_take_refuses_a_part_named_twice_or_no_part(
     daemons: dict[str, Daemon],
 ) -> None:
     n1, n2 = daemons["n1"], daemons["n2"]
     for parts, why in [
-        ([cut.PartRef("n1", n1, "a")], "at least two parts"),
+        ([], "one part at least"),
         ([cut.PartRef("n1", n1, "a"), cut.PartRef("n1", n1, "a")], "named twice"),
         (
             [cut.PartRef("n1", n1, "a", key="k"), cut.PartRef("n2", n2, "b", key="k")],
@@ -190,7 +190,8 @@ def _publish(
 ) -> Manifest:
     """A part's checkpoint of a cut as a daemon publishes it: its job address .`address`, its
     cut's record (parts, key)."""
-    extra: dict[str, Any] = slurm_extra(job, token, False, "/o", "/o")
+    # job "": a part the launch agent started (a daemon's job: no Slurm record).
+    extra: dict[str, Any] = slurm_extra(job, token, False, "/o", "/o") if job else {}
     if record is not None:
         extra["cut"] = {"parts": record[0], "key": record[1]}
     job_net = None if address is None else {"vni": net.vni, "address": str(net.address(address))}
@@ -235,9 +236,12 @@ def test_restore_plan_by_counts_and_keys(store: Store) -> None:
     # In the other order of nodes, the same checkpoints on the other nodes.
     flipped = cut.restore_plan(manifests, "job", NET, ["n1", "n3"])[1]
     assert flipped.parts == [("n1", whole[0].id), ("n1", whole[1].id), ("n3", whole[2].id)]
-    # On three nodes, only the cut taken on three; on one node, none; in another network, none.
+    # On three nodes, the one taken on three too, and those on two (the third node gets
+    # nothing); on one node, none; in another network, none.
     assert [p.label for p in cut.restore_plan(manifests, "job", NET, ["a", "b", "c"])] == [
-        cut.cut_label("job", "6-f")
+        cut.cut_label("job", "6-f"),
+        newer[0].label,
+        whole[0].label,
     ]
     assert cut.restore_plan(manifests, "job", NET, ["a"]) == []
     assert cut.restore_plan(manifests, "job", OTHER_NET, ["a", "b"]) == []
@@ -290,15 +294,22 @@ def test_prune_keeps_the_newest_complete_cuts_and_any_newer_incomplete_one(
 
 def test_cut_candidates_are_this_jobs_cuts_by_the_rule_of_candidates(store: Store) -> None:
     label = cut.cut_label("7", "1-a")
-    mine = [_publish(store, label, m, 0, (2, f"k{m}")) for m in (0, 1)]
-    _publish(store, label, 2, 0, (2, "x"), token="2-2")  # the id reused after a clean start
-    _publish(store, label, 3, 0, (2, "y"), job="8")  # another job's
+    mine = [_publish(store, label, m, 0, (3, f"k{m}")) for m in (0, 1)]
+    # A part the launch agent started records no Slurm job: its cut's batch tree does.
+    mine.append(_publish(store, label, 2, 1, (3, "k2"), job=""))
+    _publish(store, cut.cut_label("7", "1-b"), 2, 0, (1, "x"), token="2-2")  # id reused
+    _publish(store, cut.cut_label("7", "1-c"), 3, 0, (1, "y"), job="8")  # another job's
+    mixed = cut.cut_label("7", "1-d")  # one of its checkpoints another job's: none of it
+    _publish(store, mixed, 3, 0, (2, "a"))
+    _publish(store, mixed, 3, 1, (2, "b"), job="8")
+    _publish(store, cut.cut_label("7", "1-e"), 3, 1, (1, "z"), job="")  # no Slurm job at all
     _publish(store, "7", 4, 0, None)  # the job's own label, not a cut's
     found = cut_candidates(store.list(uid=1000), "7", False, 1000, "7", "1-1")
-    assert [m.id for m in found] == [mine[1].id, mine[0].id]
+    assert [m.id for m in found] == [mine[2].id, mine[1].id, mine[0].id]
     assert cut_candidates(store.list(uid=1000), "7", False, 1001, "7", "1-1") == []
     # An explicit label: any of the user's Slurm jobs' cuts of that label.
-    assert len(cut_candidates(store.list(uid=1000), "7", True, 1000, "9", "9-9")) == 4
+    # (a cut without a Slurm job's checkpoint is none's)
+    assert len(cut_candidates(store.list(uid=1000), "7", True, 1000, "9", "9-9")) == 7
 
 
 def test_a_dumps_cut_record_is_bounded_where_the_daemons_validate_it() -> None:

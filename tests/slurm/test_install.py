@@ -142,7 +142,8 @@ def test_install_keeps_existing_plugins_and_merges_lua(site: Path) -> None:
     assert so.read_bytes()[:4] == b"\x7fELF"
     assert os.access(site / "lib" / "stasis-slurm-launch", os.X_OK)
     # Our srun, alone in its directory (the launcher puts that first on a job's PATH).
-    assert [p.name for p in (site / "lib" / "bin").iterdir()] == ["srun"]
+    # Our srun and the launch agent of jobs on several nodes (stasis.slurm.rsh).
+    assert sorted(p.name for p in (site / "lib" / "bin").iterdir()) == ["srun", "stasis-rsh"]
     assert os.access(site / "lib" / "bin" / "srun", os.X_OK)
     unit = (site / "systemd" / "stasis.service").read_text()
     assert "KillMode=process" in unit and f"STASIS_CONFIG={site}/stasis.toml" in unit
@@ -362,6 +363,7 @@ def test_a_configless_worker_gets_only_its_own_files(tmp_path: Path) -> None:
     assert made == [
         "etc/slurm/.stasis-install.json",
         "lib/bin/srun",
+        "lib/bin/stasis-rsh",
         "lib/stasis-slurm-launch",
         "lib/stasis_spank.c",
         "lib/stasis_spank.so",
