@@ -117,6 +117,7 @@ bench: install
 	$(BIN)/python -m bench.soak $(BENCH_SOAK_ARGS)
 	$(BIN)/python -m bench.verify $(BENCH_VERIFY_ARGS)
 	$(BIN)/python -m bench.freeze $(BENCH_FREEZE_ARGS)
+	$(BIN)/python -m bench.multinode $(BENCH_MULTINODE_ARGS)
 
 # docs/cli.md, generated from the CLI's parsers, and docs/configuration.md from the settings'
 # declarations (tests/test_docs.py fails when either is stale); the chart's README from its

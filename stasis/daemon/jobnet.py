@@ -305,9 +305,20 @@ def hold(vni: int, *, on: Sequence[str] = (), why: str = FROZEN) -> None:
     firewall, nothing of the node's): while a part is frozen for a coordinated checkpoint, a
     peer's kernel must not hand it data after its dump (the peer would drop it as delivered,
     and no image would hold it), nor its kernel send a peer a reset when it is killed after
-    it. TCP sends again what was dropped once the network is released (`release`)."""
-    release(vni, on=on, why=why)
+    it. TCP sends again what was dropped once the network is released (`release`). Held
+    already (another part in the same namespace frozen first): left as it is, never released
+    in between, which would let a peer's data reach that part."""
     for chain in ("INPUT", "OUTPUT"):
+        held = subprocess.run(
+            [*on, "nsenter", f"--net={netns_path(vni)}", "iptables", "-w", "-C", chain]
+            + _hold_rule(why),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+        if held.returncode == 0:
+            continue
         _run(
             on,
             [
