@@ -72,6 +72,7 @@ from stasis.slurm import models as slurm_models
 from stasis.slurm.intervals import Intervals, job_interval
 from stasis.slurm.mirrors import Mirrors
 from stasis.slurm.models import CheckpointRequest
+from stasis.slurm.partnames import part_of
 from stasis.slurm.parts import SlurmParts
 from stasis.slurm.registrations import SlurmJobs, slurm_jobs_table
 
@@ -216,6 +217,14 @@ class SlurmIntegration(Integration):
                 requeued.append({"job": r["slurm_job"], "checkpoint": done["checkpoint"]})
             except StasisError as e:
                 failed.append(f"{r['slurm_job']}: {e}")
+        # A job on several nodes whose batch tree runs on another node: its parts here go with
+        # the whole job, checkpointed by its batch node's daemon (stasis.slurm.jobcut).
+        for job_id in self._parts_of_jobs_elsewhere():
+            try:
+                done = self._checkpoint_elsewhere(job_id, reason)
+                requeued.append({"job": job_id, "checkpoint": done["checkpoint"]})
+            except StasisError as e:
+                failed.append(f"{job_id}: {e}")
         log.info(
             "Slurm node %s drained (%s): %d job(s) checkpointed and requeued%s",
             node,
@@ -224,6 +233,26 @@ class SlurmIntegration(Integration):
             f", {len(failed)} failed" if failed else "",
         )
         return {"slurm_node": node, "requeued": requeued, "failed": failed}
+
+    def _parts_of_jobs_elsewhere(self) -> list[str]:
+        """The Slurm jobs with a live part on this node and no registration here."""
+        here = {r["slurm_job"] for r in self.jobs.registrations.running()}
+        jobs = {
+            of[0]
+            for j in self.manager.jobs(_ROOT)
+            if j["state"] in ("running", "restored") and (of := part_of(j["label"]))
+        }
+        return sorted(jobs - here, key=int)
+
+    def _checkpoint_elsewhere(self, job_id: str, reason: str) -> wire.SlurmCheckpointAnswer:
+        """Have the batch node of Slurm job `job_id` checkpoint and requeue it (root's munge
+        credential, its remote listener)."""
+        settings = self.manager.settings
+        batch = scontrol.job_info(job_id).batch_host
+        if not batch:
+            raise SlurmError(f"Slurm job {job_id} runs on no batch node now")
+        target = remote.remote_node(settings, batch, scontrol.node_address(batch))
+        return remote.checkpoint(settings, target, job_id, leave_running=False, reason=reason)
 
     def tables(self) -> Sequence[Table]:
         return [slurm_jobs_table]

@@ -85,6 +85,10 @@ def mpi_launch_env(agent: str) -> dict[str, str]:
         "PRTE_MCA_plm_ssh_no_tree_spawn": "1",
         "HYDRA_LAUNCHER": "ssh",
         "HYDRA_LAUNCHER_EXEC": agent,
+        # UCX's shared memory (MPICH's ch4:ucx) opens a peer's segment at /proc/<its pid>/fd:
+        # the pid in the part's own PID namespace, which the node's /proc does not name.
+        # By name in /dev/shm instead.
+        "UCX_POSIX_USE_PROC_LINK": "n",
     }
 
 

@@ -1,15 +1,16 @@
 """A protected MPI job on two of three nodes, checkpointed as one cut and resumed on another pair
-(issue 31): real Slurm, real Open MPI, real CRIU, every node a host of its own.
+(issue 31): real Slurm, real Open MPI and MPICH, real CRIU, every node a host of its own.
 
 The batch script is what a user writes: `mpirun -np 4 ./mpi_stencil` in an allocation of 2 nodes
-x 2 tasks, opted in with STASIS_ENABLE and STASIS_CHECKPOINT. stasis points Open MPI at its
-launch agent (the launcher's environment), so that mpirun's daemon on the other node is that
-node's daemon's part, and every rank lives in the job's network. `stasis dump --slurm-job`
-(what preemption, the time limit and a drain ask of the batch node's daemon) freezes every
-part on every node, dumps each, stops them and requeues the job; one of its nodes drained
-meanwhile, Slurm starts it on another pair; taskinit there restores every part (the other
-node's by that node's daemon) and the job finishes with every iteration's checksum equal to an
-uninterrupted run's, each printed once, and no iteration printed twice."""
+x 2 tasks, opted in with STASIS_ENABLE and STASIS_CHECKPOINT. stasis points the job's MPI at
+its launch agent (the launcher's environment), so that mpirun's daemon (Open MPI) or Hydra's
+proxy (MPICH) on the other node is that node's daemon's part, and every rank lives in the job's
+network. What stops the job (a preemption, a drain of its other node, the time limit) has the
+batch node's daemon freeze every part on every node, dump each, stop them and requeue the job;
+Slurm starts it on another pair (one of its nodes drained); taskinit there restores every part
+(the other node's by that node's daemon) and the job finishes with every iteration's checksum
+equal to an uninterrupted run's, each printed once.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ import pytest
 
 from tests.conftest import STASIS, TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, multinode_cluster
-from tests.workloads.mpi_build import MPICH, OPENMPI, build
+from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
 
 ITERATIONS = 60
+LONG_ITERATIONS = 400  # 100 s at SLEEP_MS: past a time limit of 1 minute
 SLEEP_MS = 250
 CLUSTER_NUMBER = 3  # tests/e2e/test_mpi_jobnet.py has 1, test_mpi_rsh.py 2, attacks 11
 ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL")
@@ -45,24 +47,32 @@ def three() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def binary(three: Cluster) -> Path:
-    return build(OPENMPI, three.work)
+def binaries(three: Cluster) -> dict[str, Path]:
+    return {mpi.name: build(mpi, three.work) for mpi in MPIS}
 
 
-@pytest.fixture(scope="module")
-def oracle(three: Cluster) -> list[str]:
+def _oracle(binaries: dict[str, Path], iterations: int) -> list[str]:
     """4 ranks on this one machine, no job network: the lines every run must print."""
-    mpich = build(MPICH, three.work)
     out = subprocess.run(
-        [MPICH.mpirun, "-np", "4", str(mpich), str(ITERATIONS), "0"],
+        [MPICH.mpirun, "-np", "4", str(binaries[MPICH.name]), str(iterations), "0"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr + out.stdout
     lines = _iterations(out.stdout)
-    assert len(lines) == ITERATIONS
+    assert len(lines) == iterations
     return lines
+
+
+@pytest.fixture(scope="module")
+def oracle(binaries: dict[str, Path]) -> list[str]:
+    return _oracle(binaries, ITERATIONS)
+
+
+@pytest.fixture(scope="module")
+def oracle_long(binaries: dict[str, Path]) -> list[str]:
+    return _oracle(binaries, LONG_ITERATIONS)
 
 
 def _nodes(c: Cluster, job: str) -> list[str]:
@@ -75,57 +85,117 @@ def _set_node(c: Cluster, node: str, state: str, check: bool = True) -> None:
     c.run("scontrol", "update", f"nodename={node}", f"state={state}", *extra, check=check)
 
 
-def test_a_preempted_mpi_job_resumes_on_another_pair_of_nodes(
-    three: Cluster, binary: Path, oracle: list[str]
-) -> None:
-    c = three
-    _set_node(c, "n3", "drain")  # the job starts on n1 and n2
+def _submit(c: Cluster, mpi: MPI, binary: Path, label: str, iterations: int, *opts: str) -> str:
+    """The reference program as a user writes it: `mpirun -np 4` in 2 nodes x 2 tasks."""
+    script = c.script(
+        label,
+        mpi.exports()
+        + f"{mpi.mpirun} {' '.join(mpi.mpirun_args)} -np 4 {binary} {iterations} {SLEEP_MS}\n"
+        'echo "mpirun exit $?"\n',
+        f"--output={c.work}/{label}-%j.out",
+        f"--export=ALL,STASIS_ENABLE=1,STASIS_CHECKPOINT={label}",
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        *opts,
+    )
+    return c.sbatch(script, user=TEST_USER)
+
+
+def _wait_iterations(c: Cluster, job: str, n: int) -> None:
+    deadline = time.monotonic() + 150
+    while len(_iterations(c.output(job))) < n:
+        assert c.state(job) in ("PENDING", "CONFIGURING", "RUNNING"), c.output(job)
+        assert time.monotonic() < deadline, c.output(job)
+        time.sleep(0.5)
+
+
+def _finished_from_the_cut(c: Cluster, job: str, label: str, oracle: list[str]) -> str:
+    """The job completed after its resume, every iteration once with the uninterrupted run's
+    checksum, and a genuine success retired every part's checkpoint."""
+    state = c.wait_state(job, ENDED, timeout_s=240)
+    out = c.output(job)
+    assert state == "COMPLETED", out
+    assert f"stasis: restored every part of the job from {label}.cut-" in out, out
+    # Every iteration once, with the uninterrupted run's checksums: the ranks went on
+    # talking to each other from where they were.
+    assert _iterations(out) == oracle, out
+    assert "\nmpirun exit 0\n" in out, out
+    assert re.search(
+        rf"stasis: job completed; retired \d+ checkpoint\(s\) of label {label}\n$", out
+    )
+    assert not [m for m in c.checkpoints(user=TEST_USER) if m["label"].startswith(label)]
+    return out
+
+
+def _one_cut(c: Cluster, label: str) -> None:
+    """One cut listed: a checkpoint of every part (the batch tree, mpirun's daemon on the
+    other node) under one label of the job's."""
+    cuts = [m for m in c.checkpoints(user=TEST_USER) if m["label"].startswith(f"{label}.cut-")]
+    assert len({m["label"] for m in cuts}) == 1 and len(cuts) >= 2, cuts
+
+
+@pytest.fixture
+def on_n1_n2(three: Cluster) -> Iterator[Cluster]:
+    """n3 drained while the test's job starts (on n1 and n2); every node back at the end."""
+    _set_node(three, "n3", "drain")
     try:
-        script = c.script(
-            "stencil",
-            OPENMPI.exports() + f"mpirun -np 4 {binary} {ITERATIONS} {SLEEP_MS}\n"
-            'echo "mpirun exit $?"\n',
-            f"--output={c.work}/stencil-%j.out",
-            "--export=ALL,STASIS_ENABLE=1,STASIS_CHECKPOINT=stencil",
-            "--nodes=2",
-            "--ntasks=4",
-            "--ntasks-per-node=2",
-            "--time=5",
-        )
-        job = c.sbatch(script, user=TEST_USER)
-        deadline = time.monotonic() + 150
-        while len(_iterations(c.output(job))) < 8:
-            assert c.state(job) in ("PENDING", "CONFIGURING", "RUNNING"), c.output(job)
-            assert time.monotonic() < deadline, c.output(job)
-            time.sleep(0.5)
-        first = _nodes(c, job)
-        assert first == ["n1", "n2"], first
-        # Slurm must choose another pair when it starts the job again: n2 drained, n3 back.
-        _set_node(c, "n3", "resume")
-        _set_node(c, "n2", "drain")
-        dumped = c.on("n1", STASIS, "dump", "--slurm-job", job, check=False)
-        at = len(_iterations(c.output(job)))
-        assert dumped.returncode == 0, dumped.stderr + dumped.stdout + c.output(job)
-        assert "requeued" in dumped.stdout, dumped.stdout
-        # One cut: a checkpoint of every part (the batch tree, mpirun's daemon on n2) under
-        # one label of the job's.
-        cuts = [
-            m for m in c.checkpoints(user=TEST_USER) if m["label"].startswith("stencil.cut-")
-        ]
-        assert len({m["label"] for m in cuts}) == 1 and len(cuts) == 2, cuts
-        state = c.wait_state(job, ENDED, timeout_s=240)
-        out = c.output(job)
-        assert state == "COMPLETED", out
-        assert sorted(_nodes(c, job)) == ["n1", "n3"], out
-        assert 8 <= at < ITERATIONS, (at, out)  # the cut was taken while it ran
-        assert "stasis: restored every part of the job from stencil.cut-" in out, out
-        # Every iteration once, with the uninterrupted run's checksums: the ranks went on
-        # talking to each other from where they were.
-        assert _iterations(out) == oracle, out
-        assert "\nmpirun exit 0\n" in out, out
-        # A genuine success retires the label's checkpoints: every part's, of every cut.
-        assert out.endswith("stasis: job completed; retired 2 checkpoint(s) of label stencil\n")
-        assert not [m for m in c.checkpoints(user=TEST_USER) if m["label"].startswith("stencil")]
+        yield three
     finally:
-        for node in ("n2", "n3"):
-            _set_node(c, node, "resume", check=False)  # drained, or resumed already
+        for node in ("n1", "n2", "n3"):
+            _set_node(three, node, "resume", check=False)  # drained, or resumed already
+
+
+def test_a_preempted_mpi_job_resumes_on_another_pair_of_nodes(
+    on_n1_n2: Cluster, binaries: dict[str, Path], oracle: list[str]
+) -> None:
+    """Open MPI, preempted by a job of a higher partition on its batch node while its other
+    node is drained: requeued, it starts on n1 and n3 once the preemptor is done."""
+    c = on_n1_n2
+    job = _submit(c, OPENMPI, binaries[OPENMPI.name], "ompi", ITERATIONS, "--time=5")
+    _wait_iterations(c, job, 8)
+    assert _nodes(c, job) == ["n1", "n2"]
+    _set_node(c, "n3", "resume")
+    _set_node(c, "n2", "drain")
+    preemptor = c.script("preemptor", "sleep 3", "--partition=high", "-w", "n1", "-c", "8")
+    c.sbatch(preemptor)
+    c.wait_state(job, ("PENDING", "REQUEUED") + ENDED, timeout_s=60)
+    at = len(_iterations(c.output(job)))
+    _one_cut(c, "ompi")
+    out = _finished_from_the_cut(c, job, "ompi", oracle)
+    assert sorted(_nodes(c, job)) == ["n1", "n3"], out
+    assert 8 <= at < ITERATIONS, (at, out)  # the cut was taken while it ran
+    assert "SIGURG: taking a checkpoint" in out, out
+
+
+def test_a_drain_of_its_other_node_moves_an_mpich_job(
+    on_n1_n2: Cluster, binaries: dict[str, Path], oracle: list[str]
+) -> None:
+    """MPICH (Hydra), its other node drained with `stasis slurm drain`: that node's daemon has
+    the batch node's daemon cut the whole job, which resumes on n1 and n3."""
+    c = on_n1_n2
+    job = _submit(c, MPICH, binaries[MPICH.name], "mpich", ITERATIONS, "--time=5")
+    _wait_iterations(c, job, 8)
+    assert _nodes(c, job) == ["n1", "n2"]
+    _set_node(c, "n3", "resume")
+    drained = c.on("n2", STASIS, "slurm", "drain", "n2", "--reason", "kernel update", check=False)
+    assert drained.returncode == 0, drained.stderr + drained.stdout + c.output(job)
+    at = len(_iterations(c.output(job)))
+    out = _finished_from_the_cut(c, job, "mpich", oracle)
+    assert sorted(_nodes(c, job)) == ["n1", "n3"], out
+    assert 8 <= at < ITERATIONS, (at, out)
+
+
+def test_an_mpi_job_past_its_time_limit_finishes(
+    three: Cluster, binaries: dict[str, Path], oracle_long: list[str]
+) -> None:
+    """Open MPI with --time=1 and about 100 s of work: checkpointed ahead of the limit,
+    requeued, restored, finished with every iteration once."""
+    c = three
+    job = _submit(c, OPENMPI, binaries[OPENMPI.name], "ompi-limit", LONG_ITERATIONS, "--time=1")
+    state = c.wait_state(job, ENDED, timeout_s=400)
+    out = c.output(job)
+    assert state == "COMPLETED", out
+    assert int(c.job(job)["Restarts"]) >= 1, out
+    assert out.count("stasis: restored every part of the job from ompi-limit.cut-") >= 1, out
+    assert _iterations(out) == oracle_long, out
