@@ -728,8 +728,10 @@ def drain(args: argparse.Namespace, settings: Settings) -> None:
     empty = False
     while not empty and not failed and time.monotonic() < deadline:
         jobs = client.list_jobs()
+        # (a Slurm job on several nodes is one row: its parts' nodes count too)
         empty = not any(
-            j["node"] == args.node and j["cluster_id"] == plan["cluster_id"] for j in jobs
+            args.node in (j["node"], *j.get("nodes", [])) and j["cluster_id"] == plan["cluster_id"]
+            for j in jobs
         )
         if not empty:
             time.sleep(0.5)
@@ -846,10 +848,15 @@ def _every(text: str) -> int | str:
 
 def _said_jobs(rows: list[dict[str, Any]]) -> None:
     keys = ("cluster", "node", "job", "label", "user", "state", "last_checkpoint_age_s")
-    output.plain("\t".join((*keys, "interval_s", "why")))
+    output.plain("\t".join((*keys, "parts", "interval_s", "why")))
     for r in rows:
         shown = r.get("interval") or {}
         cells = ["" if r.get(k) is None else str(r.get(k)) for k in keys]
+        # A Slurm job on several nodes (one row): NODE:KEY of each part, its batch node's
+        # in `node` ("" while no node reports its batch step).
+        if r.get("parts") is not None and r.get("batch_node") is None:
+            cells[1] = ""
+        cells.append(",".join(f"{p['node']}:{p['key']}" for p in r.get("parts") or []))
         interval_s = shown.get("interval_s")
         cells += ["" if interval_s is None else f"{interval_s:.1f}", str(shown.get("why", ""))]
         output.plain("\t".join(cells))

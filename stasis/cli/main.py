@@ -173,6 +173,7 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
             "command": j["command"],
             "private_tmp": j.get("private_tmp", False),
             "frozen": j.get("frozen", False),
+            **_part(j["label"]),
         }
         for j in jobs
     ]
@@ -190,7 +191,11 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
         r["tmp"] = "private" if r.pop("private_tmp") else "node"
         if r.pop("frozen"):
             r["state"] = f"{r['state']}, frozen"
-    output.table(rows, ["job", "pid", "state", "label", "exit_code", "tmp", "command"])
+        if "slurm_job" in r:
+            r["of"] = f"slurm job {r.pop('slurm_job')} part {r.pop('part')}"
+    # (the column only where this node runs a part of a Slurm job on several nodes)
+    of = ["of"] if any("of" in r for r in rows) else []
+    output.table(rows, ["job", "pid", "state", "label", *of, "exit_code", "tmp", "command"])
     if intervals:
         from rich.markup import escape
 
@@ -209,6 +214,15 @@ def ps(args: argparse.Namespace, settings: Settings) -> None:
             ],
             ["kind", "job", "label", "interval", "asked", "why"],
         )
+
+
+def _part(label: str) -> dict[str, str]:
+    """The Slurm job a daemon job is a part of (on this node: the rest of the job runs on its
+    other nodes), and its key; nothing for a job of its own (its row as ever)."""
+    from stasis.slurm.partnames import part_of
+
+    of = part_of(label)
+    return {"slurm_job": of[0], "part": of[1]} if of else {}
 
 
 def _interval(seconds: float) -> str:

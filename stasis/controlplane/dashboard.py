@@ -40,7 +40,7 @@ from urllib.parse import quote, urlsplit
 import jinja2
 from aiohttp import web
 
-from stasis.controlplane import policies, routes, sessions
+from stasis.controlplane import jobgroups, policies, routes, sessions
 from stasis.controlplane.options import ServerOptions
 from stasis.controlplane.registry import Registry
 from stasis.controlplane.reports import human_size
@@ -378,6 +378,7 @@ class Dashboard:
     def _jobs(self, s: Session) -> dict[str, Any]:
         listed = self.registry.nodes.list_jobs(s.principal)
         policies.annotate_intervals(self.registry, listed, self.options.bounds)
+        listed = jobgroups.grouped(listed)
         ready = [
             n
             for n in self.registry.nodes.list_nodes(s.principal, self.options.lost_after_s)
@@ -390,7 +391,11 @@ class Dashboard:
                     "targets": [
                         n["name"]
                         for n in ready
-                        if n["cluster_id"] == j["cluster_id"] and n["name"] != j["node"]
+                        if n["cluster_id"] == j["cluster_id"]
+                        and n["name"] != j["node"]
+                        # A job on several nodes moves by its scheduler's requeue (a drain
+                        # of one of its nodes), never by a migration of one part.
+                        and "parts" not in j
                     ],
                 }
                 for j in listed

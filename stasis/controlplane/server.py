@@ -36,7 +36,7 @@ from typing import Any, ParamSpec, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from stasis.controlplane import intervals, models, policies, routes, wire
+from stasis.controlplane import intervals, jobgroups, models, policies, routes, wire
 from stasis.controlplane.access import HOOK_PREFIX, Principal
 from stasis.controlplane.commands import Command
 from stasis.controlplane.database import safe_url
@@ -271,7 +271,7 @@ class Api:
     def _jobs(self, by: Principal) -> list[wire.Job]:
         jobs = self.registry.nodes.list_jobs(by)
         policies.annotate_intervals(self.registry, jobs, self.options.bounds)
-        return jobs
+        return jobgroups.grouped(jobs)
 
     async def new_command(self, call: Call) -> Command:
         b: models.NewCommand = call.body

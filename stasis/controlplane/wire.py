@@ -251,6 +251,23 @@ class Job(JobReport):
     last_checkpoint_age_s: float | None
     last_checkpoint_verified: str | None  # ok | failed: REASON | not verified
     interval: NotRequired[dict[str, Any]]
+    # A Slurm job on several nodes (stasis.controlplane.jobgroups): its parts per node, the
+    # nodes it runs on, and its batch node (None while no node reports its registration).
+    parts: NotRequired[list[JobPart]]
+    nodes: NotRequired[list[str]]
+    batch_node: NotRequired[str | None]
+
+
+class JobPart(TypedDict):
+    """A part of a Slurm job on one of its nodes: the daemon job labelled
+    `slurm-<job>-part-<key>` there."""
+
+    node: str
+    job: str  # the daemon job's id on that node
+    key: str  # the part's key (kept by every restore of it, on whichever node)
+    label: str
+    state: str
+    rss_bytes: int
 
 
 class Handled(TypedDict):
