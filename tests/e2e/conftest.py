@@ -433,12 +433,14 @@ def new_cluster(
     return c
 
 
-def multinode_cluster(name: str, number: int, nodes: int = 2) -> Cluster:
+def multinode_cluster(
+    name: str, number: int, nodes: int = 2, environ: dict[str, str] | None = None
+) -> Cluster:
     """A cluster of `nodes` nodes with `slurm_multinode = number` on every one, installed again
     with it (job_submit.lua, PrologFlags=Alloc, the plugin's multinode=1) and reconfigured."""
     from stasis.slurm import install
 
-    c = new_cluster(name, nodes=nodes)
+    c = new_cluster(name, nodes=nodes, environ=environ)
     try:
         for node in (f"n{i}" for i in range(1, nodes + 1)):
             conf = c.lay.config_of(node)

@@ -17,13 +17,15 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import STASIS, TEST_USER
-from tests.e2e.conftest import Cluster, close_cluster, multinode_cluster
+from tests.e2e.conftest import Cluster, close_cluster, early_checks, multinode_cluster
 from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
 
 ITERATIONS = 60
@@ -31,24 +33,20 @@ LONG_ITERATIONS = 400  # 100 s at SLEEP_MS: past a time limit of 1 minute
 SLEEP_MS = 250
 CLUSTER_NUMBER = 3  # tests/e2e/test_mpi_jobnet.py has 1, test_mpi_rsh.py 2, attacks 11
 ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL")
+# The tests wait for their checks, which run early (below).
+pytestmark = pytest.mark.timeout(900)
 
 
 def _iterations(text: str) -> list[str]:
     return re.findall(r"^iter \d+ checksum [0-9a-f]{16} max \S+$", text, re.M)
 
 
-@pytest.fixture(scope="module")
-def three() -> Iterator[Cluster]:
-    c = multinode_cluster("mpicut", CLUSTER_NUMBER, nodes=3)
-    try:
-        yield c
-    finally:
-        close_cluster(c)
-
-
-@pytest.fixture(scope="module")
-def binaries(three: Cluster) -> dict[str, Path]:
-    return {mpi.name: build(mpi, three.work) for mpi in MPIS}
+@dataclass
+class Site:
+    cluster: Cluster
+    binaries: dict[str, Path]
+    oracle: list[str]
+    oracle_long: list[str]
 
 
 def _oracle(binaries: dict[str, Path], iterations: int) -> list[str]:
@@ -65,14 +63,14 @@ def _oracle(binaries: dict[str, Path], iterations: int) -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="module")
-def oracle(binaries: dict[str, Path]) -> list[str]:
-    return _oracle(binaries, ITERATIONS)
-
-
-@pytest.fixture(scope="module")
-def oracle_long(binaries: dict[str, Path]) -> list[str]:
-    return _oracle(binaries, LONG_ITERATIONS)
+def _setup(environ: dict[str, str]) -> Site:
+    c = multinode_cluster("mpicut", CLUSTER_NUMBER, nodes=3, environ=environ)
+    try:
+        binaries = {mpi.name: build(mpi, c.work) for mpi in MPIS}
+        return Site(c, binaries, _oracle(binaries, ITERATIONS), _oracle(binaries, LONG_ITERATIONS))
+    except BaseException:
+        close_cluster(c)
+        raise
 
 
 def _nodes(c: Cluster, job: str) -> list[str]:
@@ -135,23 +133,25 @@ def _one_cut(c: Cluster, label: str) -> None:
     assert len({m["label"] for m in cuts}) == 1 and len(cuts) >= 2, cuts
 
 
-@pytest.fixture
-def on_n1_n2(three: Cluster) -> Iterator[Cluster]:
-    """n3 drained while the test's job starts (on n1 and n2); every node back at the end."""
-    _set_node(three, "n3", "drain")
+@contextmanager
+def _on_n1_n2(c: Cluster) -> Iterator[Cluster]:
+    """n3 drained while the job starts (on n1 and n2); every node back at the end."""
+    _set_node(c, "n3", "drain")
     try:
-        yield three
+        yield c
     finally:
         for node in ("n1", "n2", "n3"):
-            _set_node(three, node, "resume", check=False)  # drained, or resumed already
+            _set_node(c, node, "resume", check=False)  # drained, or resumed already
 
 
-def test_a_preempted_mpi_job_resumes_on_another_pair_of_nodes(
-    on_n1_n2: Cluster, binaries: dict[str, Path], oracle: list[str]
-) -> None:
+def _a_preempted_mpi_job_resumes_on_another_pair_of_nodes(site: Site) -> None:
     """Open MPI, preempted by a job of a higher partition on its batch node while its other
     node is drained: requeued, it starts on n1 and n3 once the preemptor is done."""
-    c = on_n1_n2
+    with _on_n1_n2(site.cluster) as c:
+        _preempted(c, site.binaries, site.oracle)
+
+
+def _preempted(c: Cluster, binaries: dict[str, Path], oracle: list[str]) -> None:
     job = _submit(c, OPENMPI, binaries[OPENMPI.name], "ompi", ITERATIONS, "--time=5")
     _wait_iterations(c, job, 8)
     assert _nodes(c, job) == ["n1", "n2"]
@@ -168,12 +168,14 @@ def test_a_preempted_mpi_job_resumes_on_another_pair_of_nodes(
     assert "SIGURG: taking a checkpoint" in out, out
 
 
-def test_a_drain_of_its_other_node_moves_an_mpich_job(
-    on_n1_n2: Cluster, binaries: dict[str, Path], oracle: list[str]
-) -> None:
+def _a_drain_of_its_other_node_moves_an_mpich_job(site: Site) -> None:
     """MPICH (Hydra), its other node drained with `stasis slurm drain`: that node's daemon has
     the batch node's daemon cut the whole job, which resumes on n1 and n3."""
-    c = on_n1_n2
+    with _on_n1_n2(site.cluster) as c:
+        _drained(c, site.binaries, site.oracle)
+
+
+def _drained(c: Cluster, binaries: dict[str, Path], oracle: list[str]) -> None:
     job = _submit(c, MPICH, binaries[MPICH.name], "mpich", ITERATIONS, "--time=5")
     _wait_iterations(c, job, 8)
     assert _nodes(c, job) == ["n1", "n2"]
@@ -186,16 +188,38 @@ def test_a_drain_of_its_other_node_moves_an_mpich_job(
     assert 8 <= at < ITERATIONS, (at, out)
 
 
-def test_an_mpi_job_past_its_time_limit_finishes(
-    three: Cluster, binaries: dict[str, Path], oracle_long: list[str]
-) -> None:
+def _an_mpi_job_past_its_time_limit_finishes(site: Site) -> None:
     """Open MPI with --time=1 and about 100 s of work: checkpointed ahead of the limit,
     requeued, restored, finished with every iteration once."""
-    c = three
-    job = _submit(c, OPENMPI, binaries[OPENMPI.name], "ompi-limit", LONG_ITERATIONS, "--time=1")
+    c, oracle_long = site.cluster, site.oracle_long
+    job = _submit(
+        c, OPENMPI, site.binaries[OPENMPI.name], "ompi-limit", LONG_ITERATIONS, "--time=1"
+    )
     state = c.wait_state(job, ENDED, timeout_s=400)
     out = c.output(job)
     assert state == "COMPLETED", out
     assert int(c.job(job)["Restarts"]) >= 1, out
     assert out.count("stasis: restored every part of the job from ompi-limit.cut-") >= 1, out
     assert _iterations(out) == oracle_long, out
+
+
+CHECKS: list[Callable[[Site], None]] = [
+    _a_preempted_mpi_job_resumes_on_another_pair_of_nodes,
+    _a_drain_of_its_other_node_moves_an_mpich_job,
+    _an_mpi_job_past_its_time_limit_finishes,
+]
+# Minutes of waiting on Slurm (requeues, a time limit) on a cluster of its own: the checks run
+# early (conftest.early_checks); each test raises its check's own error, if any.
+_outcome = early_checks("test_mpi_cut.py", _setup, lambda s: close_cluster(s.cluster), CHECKS)
+
+
+def test_a_preempted_mpi_job_resumes_on_another_pair_of_nodes() -> None:
+    _outcome(_a_preempted_mpi_job_resumes_on_another_pair_of_nodes)
+
+
+def test_a_drain_of_its_other_node_moves_an_mpich_job() -> None:
+    _outcome(_a_drain_of_its_other_node_moves_an_mpich_job)
+
+
+def test_an_mpi_job_past_its_time_limit_finishes() -> None:
+    _outcome(_an_mpi_job_past_its_time_limit_finishes)
