@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from stasis.controlplane import events as event_log
-from stasis.controlplane import migration, wire
+from stasis.controlplane import jobgroups, migration, wire
 from stasis.controlplane.access import NODE_PREFIX, Access, Principal, validate_name
 from stasis.controlplane.commandqueue import CommandQueue
 from stasis.controlplane.commands import CheckpointArgs, Command
@@ -240,8 +240,18 @@ class Registry:
         listed = [
             j for j in self.nodes.list_jobs(by) if j["node"] == node and j["cluster_id"] == cluster
         ]
-        jobs = [j for j in listed if (j.get("kind") or "daemon") == "daemon"]
-        theirs = [j for j in listed if (j.get("kind") or "daemon") != "daemon"]
+        # A part of a Slurm job on several nodes is its Slurm job's: the node's Slurm drain
+        # has the job's batch node checkpoint and requeue it whole, never the part moved alone.
+        jobs = [
+            j
+            for j in listed
+            if (j.get("kind") or "daemon") == "daemon" and jobgroups.part_of(j) is None
+        ]
+        theirs = [
+            j
+            for j in listed
+            if (j.get("kind") or "daemon") != "daemon" or jobgroups.part_of(j) is not None
+        ]
         # Only where the node said its scheduler knows it (a node that runs stasis's own jobs
         # only reports no scheduler state).
         by_scheduler = (
