@@ -40,7 +40,7 @@ import signal
 from pathlib import Path
 
 from stasis import wire
-from stasis.daemon import jobnet
+from stasis.daemon import jobnet, partcgroup
 from stasis.daemon.jobs import JobManager
 from stasis.daemon.models import (
     DumpRequest,
@@ -177,13 +177,16 @@ class SlurmParts:
         return wire.SlurmPartSignalled(part=part, signalled=row is not None)
 
     def sweep(self) -> None:
-        """Kill the parts whose Slurm job no longer runs on this node."""
+        """Kill the parts whose Slurm job no longer runs on this node, and the batch trees of
+        such jobs (moved out of Slurm's freezer cgroup into their own, stasis.slurm.jobcut:
+        proctrack/cgroup would no longer find them)."""
         running = [
             (j, of[0])
             for j in self.manager.jobs(_ROOT)
             if j["state"] in ("running", "restored") and (of := part_of(j["label"]))
         ]
-        if not running:
+        batch = _batch_trees()
+        if not running and not batch:
             return  # no Slurm to ask
         try:
             live = set(scontrol.jobs_on_node(self.node))
@@ -199,6 +202,30 @@ class SlurmParts:
                     self.node,
                 )
                 self.manager.signal_job(job["job"], _ROOT, signal.SIGKILL)
+        for slurm_job, path in batch.items():
+            if slurm_job in live:
+                continue
+            if self.manager.dumper.parts.get(path.name.removeprefix(partcgroup.PREFIX)):
+                continue  # frozen for a cut: its coordinator stops or thaws it
+            tasks = partcgroup.tasks(path)
+            if tasks and slurm_job in set(scontrol.jobs_on_node(self.node)):
+                continue  # started here again meanwhile (its tree registered since)
+            if tasks:
+                log.warning(
+                    "batch tree of Slurm job %s killed (%d processes): the job no longer runs on "
+                    "node %s",
+                    slurm_job,
+                    len(tasks),
+                    self.node,
+                )
+            for pid in tasks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if partcgroup.is_frozen(path):
+                partcgroup.set_frozen(path, False)  # a frozen task dies of SIGKILL once thawed
+            partcgroup.remove(path, wait_s=0)
 
     # -- a cut's, root's alone (the routes refuse anyone else) --------------------------------
 
@@ -262,6 +289,21 @@ class SlurmParts:
         answer = self.manager.restorer.restore(restore, caller)
         self.manager.relabel(answer["job"], part_label(slurm_job, req.part))
         return answer
+
+
+def _batch_trees() -> dict[str, Path]:
+    """The freezer cgroups of this node's batch trees of Slurm jobs on several nodes, by job."""
+    root = partcgroup.root()
+    prefix = f"{partcgroup.PREFIX}slurm-"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    return {
+        n.removeprefix(prefix): root / n
+        for n in names
+        if n.startswith(prefix) and n.removeprefix(prefix).isdigit()
+    }
 
 
 def _read(path: Path, offset: int) -> bytes:
