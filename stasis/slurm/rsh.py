@@ -103,18 +103,22 @@ class _Signals:
         self.pending.append("KILL" if self.count > 1 else signal.Signals(signum).name[3:])
 
 
-def _moved_to(job: str, host: str, started_on: list[str]) -> str:
-    """The node that has `host`'s place in the job's NodeList now (`started_on`: the NodeList
-    the agent started with); `host` itself if it cannot tell."""
+def moved_to(host: str, started_on: list[str], now: list[str]) -> str:
+    """The node that has `host`'s place in the job's NodeList `now` (`started_on`: the
+    NodeList the agent started with; the job prolog gives the i-th node the part of the job's
+    network that the i-th had); `host` itself if it cannot tell."""
     short = host.split(".")[0]
-    if short not in started_on:
+    if short not in started_on or len(now) < len(started_on):
         return host
+    return now[started_on.index(short)]
+
+
+def _moved_to(job: str, host: str, started_on: list[str]) -> str:
     try:
         now = scontrol.job_node_list(job)
     except (SlurmError, NotFoundError):
         return host
-    i = started_on.index(short)
-    return now[i] if len(now) == len(started_on) else host
+    return moved_to(host, started_on, now)
 
 
 def _node_list(text: str) -> list[str]:
