@@ -15,6 +15,7 @@ root's munge credential: stasis.slurm.partclient). Its checkpoints are labelled
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,7 @@ BATCH = "batch"  # the batch tree's key in its cuts
 _ROOT = Caller(pid=0, uid=0, gid=0)
 _LIVE = ("running", "restored")
 _ADOPT_PASSES = 20
+log = logging.getLogger("stasis.slurm")
 
 
 def spans_nodes(slurm_job: str) -> bool:
@@ -201,7 +203,32 @@ def take(
         reason=reason,
         cut_id=None,
     )
+    prune(manager, settings, info)
     return taken, batch
+
+
+def prune(manager: JobManager, settings: Settings, info: CheckpointInfo) -> list[str]:
+    """Delete the job's cuts beyond the `keep` newest complete ones (each cut has a label of its
+    own: the store's retention per label never does), and incomplete ones older than the
+    newest complete one; the checkpoints deleted. What cannot be deleted now is left for the
+    next cut's prune."""
+    if settings.keep < 1:
+        return []
+    try:
+        doomed = cut.prune(manager.store.list(uid=info.uid), info.label, settings.keep)
+    except StasisError as e:
+        log.warning("Slurm job %s: its older cuts not pruned: %s", info.job, e)
+        return []
+    deleted = []
+    for checkpoint in doomed:
+        try:
+            manager.delete_checkpoint(checkpoint, _ROOT)
+            deleted.append(checkpoint)
+        except StasisError as e:
+            log.warning(
+                "Slurm job %s: checkpoint %s of an old cut not deleted: %s", info.job, checkpoint, e
+            )
+    return deleted
 
 
 __all__ = [

@@ -29,12 +29,13 @@ from tests.e2e.conftest import Cluster, close_cluster, early_checks, multinode_c
 from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
 
 ITERATIONS = 60
-LONG_ITERATIONS = 400  # 100 s at SLEEP_MS: past a time limit of 1 minute
+KEEP = 5  # the store's default `keep`: checkpoints (here cuts) kept per job label
+LONG_ITERATIONS = 260  # 65 s at SLEEP_MS: past a time limit of 1 minute
 SLEEP_MS = 250
 CLUSTER_NUMBER = 3  # tests/e2e/test_mpi_jobnet.py has 1, test_mpi_rsh.py 2, attacks 11
 ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL")
 # The tests wait for their checks, which run early (below).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1200)
 
 
 def _iterations(text: str) -> list[str]:
@@ -155,14 +156,23 @@ def _preempted(c: Cluster, binaries: dict[str, Path], oracle: list[str]) -> None
     job = _submit(c, OPENMPI, binaries[OPENMPI.name], "ompi", ITERATIONS, "--time=5")
     _wait_iterations(c, job, 8)
     assert _nodes(c, job) == ["n1", "n2"]
+    # Leave-running cuts beyond the store's `keep` (5): the job's oldest cuts are deleted (each
+    # cut has a label of its own: the store's retention per label would keep them all).
+    for _ in range(KEEP + 1):
+        c.on("n1", STASIS, "dump", "--slurm-job", job, "--leave-running")
+    kept = {m["label"] for m in c.checkpoints(user=TEST_USER) if m["label"].startswith("ompi.")}
+    assert len(kept) == KEEP, kept
     _set_node(c, "n3", "resume")
     _set_node(c, "n2", "drain")
     preemptor = c.script("preemptor", "sleep 3", "--partition=high", "-w", "n1", "-c", "8")
     c.sbatch(preemptor)
     c.wait_state(job, ("PENDING", "REQUEUED") + ENDED, timeout_s=60)
     at = len(_iterations(c.output(job)))
-    _one_cut(c, "ompi")
+    kept = {m["label"] for m in c.checkpoints(user=TEST_USER) if m["label"].startswith("ompi.")}
+    assert len(kept) == KEEP, kept  # the stop's cut, the 4 newest before it
     out = _finished_from_the_cut(c, job, "ompi", oracle)
+    # The newest, the stop's, restored.
+    assert f"stasis: restored every part of the job from {max(kept)} " in out, out
     assert sorted(_nodes(c, job)) == ["n1", "n3"], out
     assert 8 <= at < ITERATIONS, (at, out)  # the cut was taken while it ran
     assert "SIGURG: taking a checkpoint" in out, out
@@ -189,13 +199,14 @@ def _drained(c: Cluster, binaries: dict[str, Path], oracle: list[str]) -> None:
 
 
 def _an_mpi_job_past_its_time_limit_finishes(site: Site) -> None:
-    """Open MPI with --time=1 and about 100 s of work: checkpointed ahead of the limit,
-    requeued, restored, finished with every iteration once."""
+    """Open MPI with --time=1 and about 65 s of work (more than one run: the warning comes 10
+    to 40 s before the limit): checkpointed ahead of the limit, requeued, restored, finished
+    with every iteration once."""
     c, oracle_long = site.cluster, site.oracle_long
     job = _submit(
         c, OPENMPI, site.binaries[OPENMPI.name], "ompi-limit", LONG_ITERATIONS, "--time=1"
     )
-    state = c.wait_state(job, ENDED, timeout_s=400)
+    state = c.wait_state(job, ENDED, timeout_s=540)
     out = c.output(job)
     assert state == "COMPLETED", out
     assert int(c.job(job)["Restarts"]) >= 1, out
@@ -210,7 +221,9 @@ CHECKS: list[Callable[[Site], None]] = [
 ]
 # Minutes of waiting on Slurm (requeues, a time limit) on a cluster of its own: the checks run
 # early (conftest.early_checks); each test raises its check's own error, if any.
-_outcome = early_checks("test_mpi_cut.py", _setup, lambda s: close_cluster(s.cluster), CHECKS)
+_outcome = early_checks(
+    "test_mpi_cut.py", _setup, lambda s: close_cluster(s.cluster), CHECKS, timeout_s=1100
+)
 
 
 def test_a_preempted_mpi_job_resumes_on_another_pair_of_nodes() -> None:
