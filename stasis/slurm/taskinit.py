@@ -376,7 +376,7 @@ def _restore_cut(
     try:
         nodes = scontrol.job_node_list(job_id)
     except StasisError as e:
-        return _hold_cut(job_id, out, f"cannot tell the job's nodes ({e})")
+        return _hold_cut(info, gid, out, f"cannot tell the job's nodes ({e})")
     plans = cutrestore.plans(found, label, net, nodes)
     if not plans:
         say.append(
@@ -405,23 +405,32 @@ def _restore_cut(
         say.extend(f"stasis: note: {note}" for note in notes)
         out.update(mode="restored", pid=pid, checkpoint=batch)
         return EXIT_RESTORED, out
-    return _hold_cut(job_id, out, why)
+    return _hold_cut(info, gid, out, why)
 
 
-def _hold_cut(job_id: str, out: dict[str, Any], why: str) -> tuple[int, dict[str, Any]]:
+def _hold_cut(
+    info: scontrol.JobInfo, gid: int, out: dict[str, Any], why: str
+) -> tuple[int, dict[str, Any]]:
     """Requeue the job held with `why` in its Comment: a cut that could not be restored whole
     is no reason to run the job with a rank missing, nor to start it over its checkpoints. No
-    node releases it by itself: `scontrol release` once what `why` says is mended."""
+    node releases it by itself: `scontrol release` once what `why` says is mended. The job's
+    output says so before the requeue (Slurm kills the batch step at once, the launcher may
+    not print it)."""
     say: list[str] = out["messages"]
+    job_id = info.job_id
     out["mode"] = "held"
     why = why if len(why) <= _WHY_MAX else why[: _WHY_MAX - 3] + "..."
+    line = f"stasis: error: {why}: the job is requeued held, nothing of it runs"
+    if cutrestore.tell(info.stdout, info.uid, gid, [*say, line]):
+        say.clear()  # said: the launcher, should it live, says nothing twice
     try:
         scontrol.requeue_held(
             job_id,
             f"{_HELD}: {why}; its checkpoints are kept; scontrol release {job_id} to try "
             "again, or resubmit with another label to start from the beginning",
         )
-        say.append(f"stasis: error: {why}: the job is requeued held, nothing of it runs")
+        if say:
+            say.append(line)
     except (StasisError, OSError) as e:
         say.append(
             f"stasis: error: {why}, and the job could not be requeued held ({e}): it fails "
