@@ -50,6 +50,7 @@ from stasis.daemon.models import (
     ThawRequest,
 )
 from stasis.daemon.users import Caller
+from stasis.engine import jobnetns
 from stasis.errors import NotFoundError, PermissionDeniedError, SlurmError, UsageError
 from stasis.slurm import jobnetnode, scontrol
 from stasis.slurm.models import (
@@ -173,6 +174,14 @@ class SlurmParts:
         self, slurm_job: str, part: str, req: PartSignalRequest, caller: Caller
     ) -> wire.SlurmPartSignalled:
         job = self._part(slurm_job, part, caller)
+        if req.signal == "KILL" and caller.is_root and job["pid"] and job["state"] in _LIVE:
+            # Root's kill of a restored part (its cut could not be restored whole): its
+            # connections closed without a word, as a stopped part's, so that no orphan socket
+            # is left in the job's network to refuse the next cut's restore there.
+            try:
+                jobnetns.silence_connections(job["pid"])
+            except OSError as e:
+                log.warning("part %s: cannot close its connections quietly: %s", part, e)
         row = self.manager.signal_job(job["job"], caller, _SIGNALS[req.signal])
         return wire.SlurmPartSignalled(part=part, signalled=row is not None)
 
