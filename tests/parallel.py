@@ -37,6 +37,7 @@ EARLY_MODULES = frozenset(
         "tests/e2e/test_hostile_step_book.py",
         "tests/e2e/test_job_id_reuse.py",
         "tests/e2e/test_mpi_cut.py",
+        "tests/e2e/test_mpi_cut_faults.py",
         "tests/e2e/test_slurm_cgroup.py",
         "tests/e2e/test_slurm_debian13.py",
         "tests/e2e/test_slurm_jobs.py",

@@ -21,7 +21,8 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import pytest
 from stasis.client import Client
 from stasis.dev.slurmdirs import read_state
 from tests.conftest import STASIS, STASIS_DEV, TEST_USER
-from tests.e2e.conftest import Cluster, close_cluster, multinode_cluster, until
+from tests.e2e.conftest import Cluster, close_cluster, early_checks, multinode_cluster, until
 from tests.workloads.mpi_build import MPICH, OPENMPI, build
 
 ITERATIONS = 70
@@ -41,40 +42,40 @@ POINTS = 16 * 1024 * 1024
 CLUSTER_NUMBER = 4  # test_mpi_jobnet 1, test_mpi_rsh 2, test_mpi_cut 3, attacks 11
 ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL")
 RESTORED = "stasis: restored every part of the job from "
+# The tests wait for their checks, which run early (below).
+pytestmark = pytest.mark.timeout(1200)
 
 
 def _iterations(text: str) -> list[str]:
     return re.findall(r"^iter \d+ checksum [0-9a-f]{16} max \S+$", text, re.M)
 
 
-@pytest.fixture(scope="module")
-def three() -> Iterator[Cluster]:
-    c = multinode_cluster("mpicutfaults", CLUSTER_NUMBER, nodes=3)
+@dataclass
+class Site:
+    cluster: Cluster
+    binary: Path
+    oracle: list[str]
+
+
+def _setup(environ: dict[str, str]) -> Site:
+    c = multinode_cluster("mpicutfaults", CLUSTER_NUMBER, nodes=3, environ=environ)
     try:
-        yield c
-    finally:
+        binary = build(OPENMPI, c.work)
+        mpich = build(MPICH, c.work)
+        # 4 ranks on this one machine, no job network: the lines every run must print.
+        out = subprocess.run(
+            [MPICH.mpirun, "-np", "4", str(mpich), str(ITERATIONS), "0", str(POINTS)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr + out.stdout
+        lines = _iterations(out.stdout)
+        assert len(lines) == ITERATIONS
+        return Site(c, binary, lines)
+    except BaseException:
         close_cluster(c)
-
-
-@pytest.fixture(scope="module")
-def binary(three: Cluster) -> Path:
-    return build(OPENMPI, three.work)
-
-
-@pytest.fixture(scope="module")
-def oracle(three: Cluster) -> list[str]:
-    """4 ranks on this one machine, no job network: the lines every run must print."""
-    mpich = build(MPICH, three.work)
-    out = subprocess.run(
-        [MPICH.mpirun, "-np", "4", str(mpich), str(ITERATIONS), "0", str(POINTS)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr + out.stdout
-    lines = _iterations(out.stdout)
-    assert len(lines) == ITERATIONS
-    return lines
+        raise
 
 
 def _nodes(c: Cluster, job: str) -> list[str]:
@@ -223,10 +224,10 @@ def _resumed_from(oracle: list[str], run: list[str]) -> int:
     return at if at >= 0 and oracle[at : at + len(run)] == run else -1
 
 
-def test_a_node_killed_during_the_cut_costs_the_cut_and_the_job_resumes_from_the_one_before(
-    three: Cluster, binary: Path, oracle: list[str]
+def _a_node_killed_during_the_cut_costs_the_cut_and_the_job_resumes_from_the_one_before(
+    site: Site,
 ) -> None:
-    c = three
+    c, binary, oracle = site.cluster, site.binary, site.oracle
     name = "killed"
     _set_node(c, "n3", "drain")  # the job starts on n1 and n2
     try:
@@ -304,10 +305,8 @@ def test_a_node_killed_during_the_cut_costs_the_cut_and_the_job_resumes_from_the
     assert resumed == oracle[at:], out
 
 
-def test_a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job(
-    three: Cluster, binary: Path, oracle: list[str]
-) -> None:
-    c = three
+def _a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job(site: Site) -> None:
+    c, binary, oracle = site.cluster, site.binary, site.oracle
     name = "unrestorable"
     _set_node(c, "n3", "drain")
     job = ""
@@ -379,3 +378,26 @@ def test_a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job(
             c.run("scancel", job, check=False)
         for node in ("n1", "n2", "n3"):
             _set_node(c, node, "resume", check=False)
+
+
+CHECKS: list[Callable[[Site], None]] = [
+    _a_node_killed_during_the_cut_costs_the_cut_and_the_job_resumes_from_the_one_before,
+    _a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job,
+]
+# Minutes of waiting on Slurm (a node failure, requeues) on a cluster of its own: the checks run
+# early (conftest.early_checks), after test_mpi_cut's (no two MPI restores at once: the nodes of
+# the local cluster share one /dev/pts, whose numbers a restored rank needs again); each test
+# raises its check's own error, if any.
+_outcome = early_checks(
+    "test_mpi_cut_faults.py", _setup, lambda s: close_cluster(s.cluster), CHECKS, timeout_s=1100
+)
+
+
+def test_a_node_killed_during_the_cut_costs_the_cut_and_the_job_resumes_from_the_one_before() -> (
+    None
+):
+    _outcome(_a_node_killed_during_the_cut_costs_the_cut_and_the_job_resumes_from_the_one_before)
+
+
+def test_a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job() -> None:
+    _outcome(_a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job)
