@@ -321,7 +321,12 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         assert [(p.label, p.parts) for p in plans] == [
             (taken.label, [("jn3", taken.checkpoints["jn1"]), ("jn1", taken.checkpoints["jn2"])])
         ]
-        assert cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, ["a", "b", "c"]) == []
+        # On more nodes, the first two get its parts, the third nothing; on one node, none.
+        more = cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, ["a", "b", "c"])
+        assert [p.parts for p in more] == [
+            [("a", taken.checkpoints["jn1"]), ("b", taken.checkpoints["jn2"])]
+        ]
+        assert cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, ["a"]) == []
         # Left running: the counter goes on, nothing lost or repeated, nothing frozen.
         before = _counted(job.client_log)
         wait_for(
