@@ -73,10 +73,18 @@ _SETTLE_WAIT_S = 120.0
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def mpi_launch_env(agent: str) -> dict[str, str]:
+def mpi_launch_env(agent: str, job_id: str) -> dict[str, str]:
     """What points Open MPI 4 (ORTE's rsh launcher), Open MPI 5 (PRRTE's, named ssh) and
     MPICH's Hydra at the launch agent `agent` instead of srun; each ignores the others'."""
+    # Open MPI names a run after its launcher's host and pid, which is the same in every job
+    # (a PID namespace of its own: mpirun is always its 3rd process), and keeps its rendezvous
+    # files under a session directory of that name: a job whose earlier run (or another job)
+    # was stopped at a checkpoint left them on the nodes, and PRRTE's daemons then lose their
+    # launcher. A session tree of the Slurm job's own (the same again when it is restored).
+    session = f"/tmp/stasis-mpi-{job_id}"
     return {
+        "OMPI_MCA_orte_tmpdir_base": session,
+        "PRTE_MCA_prte_tmpdir_base": session,
         "OMPI_MCA_plm": "rsh",
         "OMPI_MCA_plm_rsh_agent": agent,
         "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
@@ -140,7 +148,7 @@ class Launcher:
                 # Its MPI starts its daemons on the other nodes through the launch agent, as
                 # parts under their node daemons (stasis.slurm.rsh), not through srun as
                 # slurmstepd's children, which no cut could take; what the job set stays.
-                for name, value in mpi_launch_env(str(agent)).items():
+                for name, value in mpi_launch_env(str(agent), self.job_id).items():
                     env.setdefault(name, value)
         return env
 
