@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -32,6 +31,7 @@ from stasis.client import Client
 from stasis.dev.slurmdirs import read_state
 from tests.conftest import STASIS, STASIS_DEV, TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, early_checks, multinode_cluster, until
+from tests.e2e.test_mpi_cut import _iterations, _nodes, _set_node
 from tests.workloads.mpi_build import MPICH, OPENMPI, build
 
 ITERATIONS = 70
@@ -44,10 +44,6 @@ ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL")
 RESTORED = "stasis: restored every part of the job from "
 # The tests wait for their checks, which run early (below).
 pytestmark = pytest.mark.timeout(1200)
-
-
-def _iterations(text: str) -> list[str]:
-    return re.findall(r"^iter \d+ checksum [0-9a-f]{16} max \S+$", text, re.M)
 
 
 @dataclass
@@ -76,16 +72,6 @@ def _setup(environ: dict[str, str]) -> Site:
     except BaseException:
         close_cluster(c)
         raise
-
-
-def _nodes(c: Cluster, job: str) -> list[str]:
-    node_list = c.job(job)["NodeList"]
-    return c.run("scontrol", "show", "hostnames", node_list).stdout.split()
-
-
-def _set_node(c: Cluster, node: str, state: str, check: bool = True) -> None:
-    extra = ["reason=test"] if state == "drain" else []
-    c.run("scontrol", "update", f"nodename={node}", f"state={state}", *extra, check=check)
 
 
 def _submit(c: Cluster, binary: Path, name: str) -> str:
