@@ -203,6 +203,18 @@ class SlurmParts:
             log.warning("cannot tell which Slurm jobs run here, parts left as they are: %s", e)
             return
         for job, slurm_job in running:
+            if slurm_job in live and job["pid"] and jobnet.vni_of(job["pid"]) is None:
+                # A part of an earlier run of the job (thawed at its freeze's deadline after its
+                # coordinator died, the job requeued meanwhile): its network is gone with that
+                # run; the job's run here now has a namespace of its own.
+                log.warning(
+                    "part %s of Slurm job %s killed: it runs in a network of an earlier run of "
+                    "the job",
+                    job["job"],
+                    slurm_job,
+                )
+                self.manager.signal_job(job["job"], _ROOT, signal.SIGKILL)
+                continue
             if slurm_job not in live:
                 log.warning(
                     "part %s of Slurm job %s killed: the job no longer runs on node %s",
