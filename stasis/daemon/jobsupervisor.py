@@ -9,7 +9,9 @@ Two modes, read from the spec: the line after JOB_DIR on stdin (as a spare; it m
 job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
   run      unshare a PID namespace and fork its init: with spec "private_tmp" (the size of
            each tmpfs) a mount namespace of its own with an empty /tmp and /var/tmp
-           (engine/privatetmp.py), an IPC namespace of its own (SysV shared
+           (engine/privatetmp.py); with spec "job_net" (a part of a job across nodes) its
+           job's network and a devpts of its own in a mount namespace of its own
+           (engine/privatepts.py); an IPC namespace of its own (SysV shared
            memory, semaphores and queues belong to the job, so CRIU can dump and restore them),
            setsid, drop to the job's user, stdin from /dev/null, stdout/stderr appended to the
            log, then exec stasis-init in front of the command (stasis-init.c: it forwards signals
@@ -162,6 +164,12 @@ def _exec_job(spec: RunSpec, status_w: int) -> None:
             from stasis.engine import privatetmp
 
             privatetmp.enter(tmp_bytes)
+        if job_net:
+            # Its MPI gives its ranks pseudo-terminals, whose numbers a restore needs again:
+            # free only in a devpts of the part's own (engine/privatepts.py).
+            from stasis.engine import privatepts
+
+            privatepts.enter(new_namespace=not tmp_bytes)
         # While still root: a job cannot make its own (CRIU refuses nested IPC namespaces).
         _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
         os.setsid()

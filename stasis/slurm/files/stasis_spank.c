@@ -14,7 +14,8 @@
  *     becomes a child subreaper and runs `PY -I -m stasis.slurm.taskinit` (root). That helper
  *     restores the job's latest checkpoint, whose namespace init ends up a child of this task
  *     (exit 0), or asks for a fresh start (exit 10: we unshare a PID and an IPC namespace, so the launcher's
- *     first child is the init of a new namespace), or says the job runs unprotected (exit 11).
+ *     first child is the init of a new namespace, and a mount namespace with a devpts of the job's
+ *     own: stasis/engine/privatepts.py), or says the job runs unprotected (exit 11).
  *     Its stdout (one JSON object) is handed to the launcher in STASIS_SLURM_START.
  *   task_init (the job's user): saves the batch script's path in STASIS_SLURM_SCRIPT and makes
  *     the task exec the launcher instead, which runs or adopts the workload and asks the node
@@ -40,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -58,6 +60,9 @@ SPANK_PLUGIN(stasis, 1);
 #define CONFIGLESS_CACHE "/run/slurm/conf/slurm.conf"
 /* Where stasis.slurm.jobnetnode records a multi-node job's VXLAN id (root's, per node). */
 #define JOBNET_RECORDS "/run/stasis-jobnet"
+/* stasis.engine.privatepts's SOURCE and OPTIONS (tty's gid is 5 on Debian). */
+#define PTS_SOURCE "stasis-devpts"
+#define PTS_OPTIONS "newinstance,ptmxmode=0666,mode=0620,gid=5"
 
 static char python[1024] = "";
 static char launcher[1024] = "";
@@ -350,6 +355,18 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 
 static int batch_init(spank_t sp);
 
+/* The job's own pseudo-terminals, in the mount namespace just unshared: a devpts instance of
+ * its own on /dev/pts, whose numbers a restore finds free whatever else holds the node's
+ * (stasis/engine/privatepts.py says why, and holds the same constants). Without it the job
+ * still runs protected; only a restore of its terminals may find their numbers taken. */
+static void private_pts(void)
+{
+    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0 ||
+        mount(PTS_SOURCE, "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, PTS_OPTIONS) < 0)
+        slurm_error("stasis: no devpts of the job's own (%s): a restore of its pseudo-terminals "
+                    "needs their numbers free on the node", strerror(errno));
+}
+
 int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
 {
     int rc = batch_init(sp);
@@ -378,11 +395,13 @@ static int batch_init(spank_t sp)
     if (code == EXIT_RESTORED) {
         started = 1;
     } else if (code == EXIT_FRESH) {
-        /* An IPC namespace too: the job's SysV shared memory must be its own for CRIU. */
-        if (unshare(CLONE_NEWPID | CLONE_NEWIPC) < 0) {
-            set_off(sp, "unshare(CLONE_NEWPID | CLONE_NEWIPC) failed");
+        /* An IPC namespace too: the job's SysV shared memory must be its own for CRIU. A mount
+         * namespace for its own pseudo-terminals (private_pts). */
+        if (unshare(CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS) < 0) {
+            set_off(sp, "unshare(CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS) failed");
             return ESPANK_SUCCESS;
         }
+        private_pts();
         started = 1;
     } else if (code == EXIT_OFF) {
         started = 0;

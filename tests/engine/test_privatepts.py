@@ -1,0 +1,156 @@
+"""A job's own pseudo-terminals (engine/privatepts.py): a tree whose ranks talk through ptys is
+dumped with real CRIU and restored while every one of its pty numbers is taken in the node's
+/dev/pts; it goes on from where it was, through the same terminals.
+
+Everything lives outside /tmp and /dev/pts' numbers are only held, never assumed free."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stasis.engine import CRIU, DumpOptions, find_criu, privatepts, proctree
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The namespace init: its own devpts (as root, in a fresh mount namespace), its files opened in
+# there, then the job.
+INIT = """
+import os, sys
+from stasis.engine import privatepts
+privatepts.enter(new_namespace=True)
+os.closerange(3, 1024)
+null = os.open(os.devnull, os.O_RDONLY)
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+os.dup2(null, 0); os.dup2(log, 1); os.dup2(log, 2); os.close(null); os.close(log)
+os.setsid()
+os.execv(sys.executable, [sys.executable, "-c", sys.argv[2], sys.argv[3]])
+"""
+
+# Two terminals, as Open MPI gives two ranks: each round goes through both and is counted.
+JOB = """
+import os, pty, sys, time
+terminals = [pty.openpty() for _ in range(2)]
+print("terminals", *(os.ttyname(s) for _, s in terminals), flush=True)
+count = open(sys.argv[1], "w")
+n = 0
+while True:
+    n += 1
+    for master, slave in terminals:
+        os.write(slave, f"{n}\\n".encode())
+        assert os.read(master, 64).split()[-1] == str(n).encode()
+    count.seek(0); count.write(f"{n:08d}"); count.flush()
+    time.sleep(0.05)
+"""
+
+RESTORER = """
+import json, os, sys
+from pathlib import Path
+from stasis.engine import CRIU, RestoreOptions
+criu = CRIU(sys.argv[1], Path(sys.argv[2]))
+result = criu.restore(Path(sys.argv[3]), RestoreOptions(own_mounts=True), "restore.log")
+print(json.dumps({"pid": result.pid}), flush=True)
+os.waitpid(result.pid, 0)
+"""
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="stasis-tests-", dir="/var/lib"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _count(path: Path) -> int:
+    text = path.read_text() if path.exists() else ""
+    return int(text) if text.strip() else -1
+
+
+def _hold_node_numbers(up_to: int) -> list[int]:
+    """Opens ptys in the node's /dev/pts until the kernel hands out `up_to`: every lower number
+    is then held (by us or by anyone else). Returns the descriptors to close."""
+    fds: list[int] = []
+    while True:
+        master, slave = pty.openpty()
+        fds += [master, slave]
+        if int(os.ttyname(slave).rsplit("/", 1)[1]) >= up_to:
+            return fds
+
+
+def _end(*procs: subprocess.Popen[bytes] | None) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proctree.signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_a_tree_on_its_own_terminals_restores_where_their_numbers_are_taken(
+    scratch: Path,
+) -> None:
+    log, count = scratch / "job.log", scratch / "count"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    job = subprocess.Popen(
+        ["unshare", "--pid", "--ipc", "--fork", "--", sys.executable, "-c", INIT, str(log), JOB]
+        + [str(count)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
+    held: list[int] = []
+    restorer = None
+    try:
+        wait_for(lambda: _count(count) > 3, what="counting through its terminals")
+        (init,) = proctree.children(job.pid)
+        # Numbered from 0 in a devpts of its own, whatever the node's hold.
+        assert "terminals /dev/pts/0 /dev/pts/1" in log.read_text(), log.read_text()
+        mounts = Path(f"/proc/{init}/mountinfo").read_text()
+        assert re.search(rf" /dev/pts .* - devpts {privatepts.SOURCE} ", mounts), mounts
+        criu = CRIU(find_criu(), scratch / "logs")
+        images = scratch / "images"
+        images.mkdir(mode=0o700)
+        criu.dump(init, images, DumpOptions(), "dump.log")
+        _end(job)
+        at = _count(count)
+        # Its numbers, 0 and 1, held in the node's /dev/pts: the restore must not need them.
+        held = _hold_node_numbers(2)
+        with (scratch / "restorer.log").open("wb") as errors:
+            restorer = subprocess.Popen(
+                [sys.executable, "-c", RESTORER, criu.path, str(scratch / "logs"), str(images)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=errors,
+            )
+        assert restorer.stdout is not None
+        line = restorer.stdout.readline()
+        assert line, (scratch / "restorer.log").read_text()
+        # It goes on from its count, each round still through both of its terminals.
+        wait_for(lambda: _count(count) > at + 5, what="counting on after the restore")
+        assert restorer.poll() is None
+        pid = int(line.split(b":")[1].strip(b" }\n"))
+        assert os.readlink(f"/proc/{pid}/fd/4") == "/dev/pts/0"
+    finally:
+        for fd in held:
+            os.close(fd)
+        _end(job, restorer)
+
+
+def test_the_spank_plugin_mounts_the_same_devpts() -> None:
+    source = (ROOT / "stasis/slurm/files/stasis_spank.c").read_text()
+    assert f'#define PTS_SOURCE "{privatepts.SOURCE}"' in source
+    assert f'#define PTS_OPTIONS "{privatepts.OPTIONS}"' in source
