@@ -40,6 +40,7 @@ from stasis.engine import (
     nodefacts,
     nodelocal,
     obstacles,
+    privatepts,
     privatetmp,
     proctree,
 )
@@ -363,7 +364,10 @@ class Dumper:
                     "has no address on this node"
                 )
             info = info.model_copy(update={"job_net": RecordedJobNet(vni=vni, address=address)})
-        if privatetmp.own_mount_ns(pid):
+        if privatepts.only_own_pts(pid):
+            # Its restorer makes it a devpts of its own again (engine/privatepts.py).
+            info = info.model_copy(update={"extra": {**info.extra, privatepts.EXTRA_KEY: True}})
+        elif privatetmp.own_mount_ns(pid):
             # Its restore rebuilds the tree's own mounts (a private /tmp, a Slurm job
             # container's): engine/privatetmp.py.
             info = info.model_copy(update={"extra": {**info.extra, privatetmp.EXTRA_KEY: True}})

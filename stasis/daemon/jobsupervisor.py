@@ -357,6 +357,16 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
     from stasis.errors import StasisError
 
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    if spec.get("own_pts"):
+        # Before any thread and any file of the job's: the tree comes back in this namespace,
+        # its log opened in it (engine/privatepts.py).
+        from stasis.engine import privatepts
+
+        try:
+            privatepts.enter(new_namespace=True)
+        except OSError as e:
+            _error("RestoreError", str(e))
+            return
     criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
     started = time.monotonic()
     job_net = spec.get("job_net")

@@ -50,6 +50,7 @@ from stasis.engine import (
     jobnetns,
     nodefacts,
     nodelocal,
+    privatepts,
     privatetmp,
     proctree,
 )
@@ -287,6 +288,8 @@ class Restorer:
         private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
+        if privatepts.recorded(manifest.extra):
+            spec["own_pts"] = True
         if job_net is not None:
             spec["job_net"] = job_net
         job = JobRow.before_start(

@@ -82,6 +82,8 @@ class RestoreJob(JobOwner):
     checkpoint: str
     criu_version: str
     private_tmp: NotRequired[bool]  # the images hold the job's own mounts
+    # Restored in a mount namespace of the supervisor's with a new devpts (engine/privatepts.py).
+    own_pts: NotRequired[bool]
     # Restored into that namespace (the images leave it out), in that cgroup.
     job_net: NotRequired[JobNetSpec]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stasis.engine import jobnetns, privatetmp, rpc, streamer
+from stasis.engine import jobnetns, privatepts, privatetmp, rpc, streamer
 from stasis.engine.criulog import first_error
 from stasis.engine.lazylink import PageServerLink
 from stasis.errors import CRIUError, CRIUNotFoundError
@@ -70,6 +70,9 @@ class DumpOptions:
     # The tree has a mount namespace of its own (`stasis run --private-tmp`): None: found out
     # from /proc (engine/privatetmp.py).
     own_mounts: bool | None = None
+    # The tree's mount namespace is the node's but for a devpts of its own: CRIU runs in it
+    # and does not dump it (engine/privatepts.py). None: found out from /proc.
+    own_pts: bool | None = None
     # The tree lives in its job's network namespace (stasis/daemon/jobnet.py), which the node
     # makes again wherever the tree is restored: left out of the images (engine/jobnetns.py).
     job_netns: bool = False
@@ -206,8 +209,9 @@ class CRIU:
             opts.file_locks = options.file_locks
             opts.ext_unix_sk = options.ext_unix_sk
             opts.notify_scripts = options.notify is not None
+            pts = options.own_pts if options.own_pts is not None else privatepts.only_own_pts(pid)
             own = options.own_mounts
-            if own if own is not None else privatetmp.own_mount_ns(pid):
+            if not pts and (own if own is not None else privatetmp.own_mount_ns(pid)):
                 privatetmp.dump_options(opts, pid)
             if options.job_netns:
                 jobnetns.dump_options(opts, pid)
@@ -215,7 +219,8 @@ class CRIU:
                 opts.freeze_cgroup = options.freeze_cgroup
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
-            resp = rpc.Session(self.path, options.notify, options.criu_started).call(req)
+            wrapper = privatepts.nsenter(pid) if pts else []
+            resp = rpc.Session(self.path, options.notify, options.criu_started, wrapper).call(req)
             duration = time.monotonic() - start
         finally:
             for fd in fds:

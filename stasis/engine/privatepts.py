@@ -14,12 +14,22 @@ the "pts" beside it in the opener's namespace.
 Given to the processes stasis starts in a namespace of their own: a Slurm job's batch tree
 (stasis/slurm/files/stasis_spank.c does the same in C, its constants below) and each part of a
 job across nodes (stasis/daemon/jobsupervisor.py).
+
+Such a namespace is the node's but for its devpts, and it is not dumped: CRIU runs inside it
+(`nsenter --mount`), where the tree's mounts are CRIU's own, and the restorer makes a fresh one
+(`enter`) in which it opens the job's new output files and runs CRIU, so the tree comes back in
+it. Dumping the namespace instead (as a private /tmp's is, engine/privatetmp.py) would rebuild it
+at restore after the restorer opened those files outside it: the next dump then fails on them
+("Can't lookup mount=N", seen with CRIU 4.2). Marked in the manifest (EXTRA_KEY) so that every
+restorer makes one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
+from typing import Any
 
 # The mount's source, as mount tables show it (how tests and operators find it).
 SOURCE = "stasis-devpts"
@@ -28,6 +38,8 @@ TTY_GID = 5
 # What a login's devpts has: the job's user opens /dev/ptmx, its terminals are theirs and tty's.
 OPTIONS = f"newinstance,ptmxmode=0666,mode=0620,gid={TTY_GID}"
 MOUNT_POINT = "/dev/pts"
+# The manifest's `extra` key: the tree had terminals of its own; its restorer makes a new devpts.
+EXTRA_KEY = "own_pts"
 
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID = 0x2
@@ -61,3 +73,41 @@ def _check(ret: int, what: str) -> None:
     if ret != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"private pseudo-terminals: {what}: {os.strerror(err)}")
+
+
+def recorded(extra: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's manifest `extra` says its tree had a devpts of its own."""
+    return extra.get(EXTRA_KEY) is True
+
+
+def only_own_pts(pid: int) -> bool:
+    """Whether `pid` lives in a mount namespace that is the caller's but for a devpts of its own
+    on /dev/pts: what `enter` makes. A namespace with more of its own (a private /tmp, a Slurm
+    job container's) is dumped whole instead (engine/privatetmp.py); one without any difference
+    would be the caller's own."""
+    try:
+        if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            return False
+        theirs = _mounts(f"/proc/{pid}/mountinfo")
+        ours = _mounts("/proc/self/mountinfo")
+    except (OSError, ValueError, IndexError):
+        return False  # gone, or unreadable: CRIU says what is wrong
+    own = {m for m in theirs if m[0] == MOUNT_POINT and m[3] == SOURCE}
+    # The node's mounts made since reach the job (a slave), unless the node keeps them private.
+    return bool(own) and (theirs - own) <= ours
+
+
+def _mounts(mountinfo: str) -> set[tuple[str, str, str, str]]:
+    """Each mount as (mount point, filesystem, root within it, source)."""
+    found = set()
+    with open(mountinfo) as f:
+        for line in f:
+            fields = line.split()
+            tail = fields.index("-")
+            found.add((fields[4], fields[2], fields[3], fields[tail + 2]))
+    return found
+
+
+def nsenter(pid: int) -> list[str]:
+    """The argv prefix that runs a command (CRIU) in `pid`'s mount namespace."""
+    return ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--"]

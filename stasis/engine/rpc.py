@@ -48,9 +48,12 @@ class Session:
         criu_path: str,
         notify: NotifyHandler | None = None,
         started: Callable[[int], None] | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
         self.criu_path = criu_path
         self.notify = notify
+        # An argv prefix that execs CRIU elsewhere (nsenter into a tree's mount namespace).
+        self.wrapper = list(wrapper)
         # Told the pid of each CRIU process as soon as it runs (before the request is sent).
         self.started = started
         self.criu_pid: int | None = None
@@ -69,7 +72,7 @@ class Session:
         try:
             try:
                 proc = subprocess.Popen(
-                    [self.criu_path, "swrk", str(theirs.fileno())],
+                    [*self.wrapper, self.criu_path, "swrk", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(), *pass_fds),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,

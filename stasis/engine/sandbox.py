@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from stasis import faults, wire
-from stasis.engine import proctree, protobuf
+from stasis.engine import privatepts, proctree, protobuf
 
 # The node-local directories a sandbox gets its own empty tmpfs over (issue 29's list).
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -229,6 +229,9 @@ def _enter_namespaces(own_mounts: bool) -> None:
         _libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None),
         "mount proc on /proc",
     )
+    # The job's terminals get their numbers back whatever the node's /dev/pts holds, and the
+    # sandbox's are gone with it (engine/privatepts.py).
+    privatepts.enter(new_namespace=False)
     for d in PRIVATE_DIRS:
         if not os.path.isdir(d) or os.path.islink(d):
             continue

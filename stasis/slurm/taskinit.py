@@ -51,6 +51,7 @@ from stasis.engine import (
     find_criu,
     nodefacts,
     nodelocal,
+    privatepts,
     privatetmp,
 )
 from stasis.engine.restoring import restore_tree
@@ -143,6 +144,10 @@ def _restore(
         # A job in a mount namespace of its own (job_container/tmpfs): rebuilt in this task's,
         # its /tmp bound from this run's private /tmp (engine/privatetmp.py), refilled first
         # with what the checkpoint saved of the old one (engine/boundtmp.py).
+        if privatepts.recorded(m.extra):
+            # Its terminals come back in a devpts of this helper's own, the tree and its new
+            # output files in this mount namespace (engine/privatepts.py).
+            _own_pts()
         refilled = boundtmp.unpack(images, owner.uid, gid, owner.groups)
         try:
             # Into this task's own cgroups (slurmstepd put it in the step's before this
@@ -168,6 +173,18 @@ def _restore(
         except StasisError:
             pass  # that node lifts it after netlock_timeout_s anyway
     return result.pid, result.notes
+
+
+_PTS_ENTERED = False
+
+
+def _own_pts() -> None:
+    """Once per helper, whichever of its checkpoints it tries: a mount namespace with a devpts
+    of its own (a second would only stack another devpts on the first)."""
+    global _PTS_ENTERED
+    if not _PTS_ENTERED:
+        privatepts.enter(new_namespace=True)
+        _PTS_ENTERED = True
 
 
 T = TypeVar("T")

@@ -14,6 +14,7 @@ equal to an uninterrupted run's, each printed once.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from stasis.engine import privatepts
 from tests.conftest import STASIS, TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, early_checks, multinode_cluster
 from tests.workloads.mpi_build import MPI, MPICH, MPIS, OPENMPI, build
@@ -152,10 +154,28 @@ def _a_preempted_mpi_job_resumes_on_another_pair_of_nodes(site: Site) -> None:
         _preempted(c, site.binaries, site.oracle)
 
 
+def _ranks_on_terminals_of_their_own(binary: Path, ranks: int) -> None:
+    """Open MPI gives each rank a pty for its output: one of the devpts its batch tree or part
+    has of its own (engine/privatepts.py), numbered for it alone, not the node's /dev/pts
+    (which the local cluster's nodes, and the other worker's tests, share)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "exe") == str(binary):
+                found.append((os.readlink(entry / "fd" / "1"), (entry / "mountinfo").read_text()))
+        except OSError:
+            continue  # gone meanwhile
+    assert len(found) == ranks, found
+    for output, mounts in found:
+        assert output.startswith("/dev/pts/"), output
+        assert re.search(rf" /dev/pts .* - devpts {privatepts.SOURCE} ", mounts), mounts
+
+
 def _preempted(c: Cluster, binaries: dict[str, Path], oracle: list[str]) -> None:
     job = _submit(c, OPENMPI, binaries[OPENMPI.name], "ompi", ITERATIONS, "--time=5")
     _wait_iterations(c, job, 8)
     assert _nodes(c, job) == ["n1", "n2"]
+    _ranks_on_terminals_of_their_own(binaries[OPENMPI.name], 4)
     # Leave-running cuts beyond the store's `keep` (5): the job's oldest cuts are deleted (each
     # cut has a label of its own: the store's retention per label would keep them all).
     for _ in range(KEEP + 1):

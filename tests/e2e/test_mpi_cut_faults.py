@@ -371,9 +371,9 @@ CHECKS: list[Callable[[Site], None]] = [
     _a_cut_that_cannot_be_restored_whole_falls_back_then_holds_the_job,
 ]
 # Minutes of waiting on Slurm (a node failure, requeues) on a cluster of its own: the checks run
-# early (conftest.early_checks), after test_mpi_cut's (no two MPI restores at once: the nodes of
-# the local cluster share one /dev/pts, whose numbers a restored rank needs again); each test
-# raises its check's own error, if any.
+# early (conftest.early_checks), after test_mpi_cut's; each test raises its check's own error,
+# if any. Their ranks' terminals are their own (engine/privatepts.py), though the nodes of the
+# local cluster share the machine's /dev/pts, as do the tests of the other worker.
 _outcome = early_checks(
     "test_mpi_cut_faults.py", _setup, lambda s: close_cluster(s.cluster), CHECKS, timeout_s=1100
 )

@@ -51,15 +51,23 @@ while True:
         os.write(slave, f"{n}\\n".encode())
         assert os.read(master, 64).split()[-1] == str(n).encode()
     count.seek(0); count.write(f"{n:08d}"); count.flush()
+    if n % 10 == 0:
+        print("round", n, flush=True)
     time.sleep(0.05)
 """
 
+# A restorer as the daemon's supervisor and Slurm's task are: a devpts of its own, the job's new
+# output opened in that namespace and handed to CRIU in place of the old one, the tree restored
+# as its child.
 RESTORER = """
 import json, os, sys
 from pathlib import Path
-from stasis.engine import CRIU, RestoreOptions
+from stasis.engine import CRIU, RestoreOptions, privatepts
+privatepts.enter(new_namespace=True)
+output = os.open(sys.argv[5], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 criu = CRIU(sys.argv[1], Path(sys.argv[2]))
-result = criu.restore(Path(sys.argv[3]), RestoreOptions(own_mounts=True), "restore.log")
+options = RestoreOptions(inherit_fds=[(sys.argv[4].lstrip("/"), output)])
+result = criu.restore(Path(sys.argv[3]), options, "restore.log")
 print(json.dumps({"pid": result.pid}), flush=True)
 os.waitpid(result.pid, 0)
 """
@@ -103,7 +111,7 @@ def test_a_tree_on_its_own_terminals_restores_where_their_numbers_are_taken(
 ) -> None:
     log, count = scratch / "job.log", scratch / "count"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    job = subprocess.Popen(
+    started = subprocess.Popen(
         ["unshare", "--pid", "--ipc", "--fork", "--", sys.executable, "-c", INIT, str(log), JOB]
         + [str(count)],
         env=env,
@@ -112,42 +120,61 @@ def test_a_tree_on_its_own_terminals_restores_where_their_numbers_are_taken(
         stderr=subprocess.DEVNULL,
         close_fds=True,
     )
+    job: subprocess.Popen[bytes] | None = started
     held: list[int] = []
-    restorer = None
+    restorer: subprocess.Popen[bytes] | None = None
     try:
         wait_for(lambda: _count(count) > 3, what="counting through its terminals")
-        (init,) = proctree.children(job.pid)
+        (init,) = proctree.children(started.pid)
         # Numbered from 0 in a devpts of its own, whatever the node's hold.
         assert "terminals /dev/pts/0 /dev/pts/1" in log.read_text(), log.read_text()
         mounts = Path(f"/proc/{init}/mountinfo").read_text()
         assert re.search(rf" /dev/pts .* - devpts {privatepts.SOURCE} ", mounts), mounts
         criu = CRIU(find_criu(), scratch / "logs")
-        images = scratch / "images"
-        images.mkdir(mode=0o700)
-        criu.dump(init, images, DumpOptions(), "dump.log")
-        _end(job)
-        at = _count(count)
-        # Its numbers, 0 and 1, held in the node's /dev/pts: the restore must not need them.
+        # Its numbers, 0 and 1, held in the node's /dev/pts: no restore may need them.
         held = _hold_node_numbers(2)
-        with (scratch / "restorer.log").open("wb") as errors:
-            restorer = subprocess.Popen(
-                [sys.executable, "-c", RESTORER, criu.path, str(scratch / "logs"), str(images)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=errors,
-            )
-        assert restorer.stdout is not None
-        line = restorer.stdout.readline()
-        assert line, (scratch / "restorer.log").read_text()
-        # It goes on from its count, each round still through both of its terminals.
-        wait_for(lambda: _count(count) > at + 5, what="counting on after the restore")
-        assert restorer.poll() is None
-        pid = int(line.split(b":")[1].strip(b" }\n"))
-        assert os.readlink(f"/proc/{pid}/fd/4") == "/dev/pts/0"
+        pid, output = init, log
+        # Twice: a restored tree, its output re-pointed at another file, is dumped again.
+        for n in (1, 2):
+            images = scratch / f"images-{n}"
+            images.mkdir(mode=0o700)
+            assert privatepts.only_own_pts(pid)
+            criu.dump(pid, images, DumpOptions(), f"dump-{n}.log")
+            # Its namespace stays out of the images: CRIU ran inside it.
+            assert not list(images.glob("mountpoints-*.img")), sorted(images.iterdir())
+            _end(job, restorer)
+            job = None
+            at = _count(count)
+            new_output = scratch / f"job-{n}.log"
+            restorer = _restorer(criu, scratch, images, str(output), new_output, env)
+            assert restorer.stdout is not None
+            line = restorer.stdout.readline()
+            assert line, (scratch / "restorer.log").read_text()
+            # It goes on from its count, each round still through both of its terminals, its
+            # output in the new file.
+            wait_for(lambda: _count(count) > at + 12, what=f"counting on after restore {n}")
+            assert restorer.poll() is None
+            assert "round" in new_output.read_text()
+            pid = int(line.split(b":")[1].strip(b" }\n"))
+            assert os.readlink(f"/proc/{pid}/fd/4") == "/dev/pts/0"
+            output = new_output
     finally:
         for fd in held:
             os.close(fd)
         _end(job, restorer)
+
+
+def _restorer(
+    criu: CRIU, scratch: Path, images: Path, old_output: str, output: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    with (scratch / "restorer.log").open("wb") as errors:
+        return subprocess.Popen(
+            [sys.executable, "-c", RESTORER, criu.path, str(scratch / "logs"), str(images)]
+            + [old_output, str(output)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+        )
 
 
 def test_the_spank_plugin_mounts_the_same_devpts() -> None:
