@@ -15,7 +15,7 @@ from typing import Any
 from stasis.engine import jobnetns, privatepts, privatetmp, rpc, streamer
 from stasis.engine.criulog import first_error
 from stasis.engine.lazylink import PageServerLink
-from stasis.errors import CRIUError, CRIUNotFoundError
+from stasis.errors import CheckpointError, CRIUError, CRIUNotFoundError
 from stasis.poll import poll
 
 # Where scripts/install-criu.sh puts the CRIU we build (Debian 12's own criu fails on new kernels).
@@ -219,8 +219,18 @@ class CRIU:
                 opts.freeze_cgroup = options.freeze_cgroup
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
-            wrapper = privatepts.nsenter(pid) if pts else []
-            resp = rpc.Session(self.path, options.notify, options.criu_started, wrapper).call(req)
+            wrapper: list[str] = []
+            passed: list[int] = []
+            if pts:
+                try:
+                    passed.append(privatepts.namespace_fd(pid))
+                except OSError as e:
+                    raise CheckpointError(f"dump of pid {pid} refused: {e.strerror or e}") from e
+                fds.extend(passed)
+                wrapper = privatepts.nsenter(passed[0])
+            resp = rpc.Session(self.path, options.notify, options.criu_started, wrapper).call(
+                req, pass_fds=passed
+            )
             duration = time.monotonic() - start
         finally:
             for fd in fds:

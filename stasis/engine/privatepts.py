@@ -27,6 +27,7 @@ restorer makes one.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +43,7 @@ MOUNT_POINT = "/dev/pts"
 EXTRA_KEY = "own_pts"
 
 _CLONE_NEWNS = 0x00020000
+_NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1), linux/nsfs.h
 _MS_NOSUID = 0x2
 _MS_NOEXEC = 0x8
 _MS_REC = 0x4000
@@ -108,6 +110,35 @@ def _mounts(mountinfo: str) -> set[tuple[str, str, str, str]]:
     return found
 
 
-def nsenter(pid: int) -> list[str]:
-    """The argv prefix that runs a command (CRIU) in `pid`'s mount namespace."""
-    return ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--"]
+def namespace_fd(pid: int) -> int:
+    """A descriptor of `pid`'s mount namespace, for CRIU to run in (`nsenter`), once it is known
+    to be owned by the node's user namespace: then only the node's root can mount or unmount
+    anything in it. A job's process may unshare a user namespace and a mount namespace of its
+    own (and a process of the job's user could move the job's init into them), mount a devpts
+    named like ours and pass `only_own_pts`; there it could later bind anything over the
+    programs CRIU runs (iptables). The descriptor, not the path, goes to nsenter: the namespace
+    checked is the one entered. OSError if it cannot be opened; PermissionError if it is not
+    the node's to trust."""
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        owner = fcntl.ioctl(fd, _NS_GET_USERNS)
+        try:
+            theirs = os.fstat(owner)
+        finally:
+            os.close(owner)
+        ours = os.stat("/proc/self/ns/user")
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            raise PermissionError(
+                f"its mount namespace is not the one stasis gave it (process {pid} moved into "
+                "a user namespace of its own): CRIU does not run in a namespace its user controls"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def nsenter(fd: int) -> list[str]:
+    """The argv prefix that runs a command (CRIU) in the mount namespace `fd` (namespace_fd),
+    which the command inherits."""
+    return ["nsenter", f"--mount=/proc/self/fd/{fd}", "--"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stasis.engine import CRIU, DumpOptions, find_criu, privatepts, proctree
+from stasis.errors import CheckpointError
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +176,39 @@ def _restorer(
             stdout=subprocess.PIPE,
             stderr=errors,
         )
+
+
+def test_criu_never_runs_in_a_mount_namespace_its_user_controls(scratch: Path) -> None:
+    """The attacker: a job's process that made a user namespace of its own and in it a mount
+    namespace that looks like stasis's (the node's mounts, a devpts named like ours), where it
+    could bind anything over what CRIU runs once CRIU is inside. Its dump is refused before
+    CRIU starts, and the job runs on."""
+    count = scratch / "count"
+    job = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--", "sh", "-c"]
+        + [
+            f"mount -t devpts -o {privatepts.OPTIONS.replace(',gid=5', '')} "
+            f"{privatepts.SOURCE} /dev/pts && exec {sys.executable} -c \"$0\" \"$1\"",
+            JOB,
+            str(count),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _count(count) > 3, what="counting")
+        (init,) = proctree.children(job.pid)
+        assert privatepts.only_own_pts(init)  # what it looks like
+        images = scratch / "images"
+        images.mkdir(mode=0o700)
+        with pytest.raises(CheckpointError, match="not the one stasis gave it"):
+            CRIU(find_criu(), scratch / "logs").dump(init, images, DumpOptions(), "dump.log")
+        assert not list(images.iterdir())
+        at = _count(count)
+        wait_for(lambda: _count(count) > at + 3, what="the job counting on")
+    finally:
+        _end(job)
 
 
 def test_the_spank_plugin_mounts_the_same_devpts() -> None:
