@@ -332,12 +332,26 @@ class Cluster:
         return self.job(job_id).get("JobState", "")
 
     def wait_state(self, job_id: str, states: tuple[str, ...], timeout_s: float = 90) -> str:
-        return str(
-            until(
-                lambda: (s := self.state(job_id)) in states and s,
-                timeout_s,
-                f"job {job_id} in {states}",
+        try:
+            return str(
+                until(
+                    lambda: (s := self.state(job_id)) in states and s,
+                    timeout_s,
+                    f"job {job_id} in {states}",
+                )
             )
+        except AssertionError as e:
+            raise AssertionError(f"{e}; {self.why(job_id)}") from None
+
+    def why(self, job_id: str) -> str:
+        """What Slurm says of a job that is not where a test waits for it, and of the nodes."""
+        try:
+            record = self.job(job_id)
+            nodes = self.run("sinfo", "-N", "-h", "-o", "%N %T %E", check=False).stdout
+        except Exception as e:  # the failure being reported matters more than this
+            return f"(cannot tell why: {e})"
+        return f"it is {record.get('JobState')} ({record.get('Reason')}), the nodes: " + "; ".join(
+            nodes.strip().splitlines()
         )
 
     def output(self, job_id: str) -> str:

@@ -74,7 +74,10 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     assert not Path(f"/tmp/marker-{token}").exists()
     out = c.stasis("dump", "--slurm-job", job, user=TEST_USER).stdout
     assert "requeued" in out
-    until(lambda: "stasis: restored checkpoint" in c.output(job), 90, f"job {job} restored")
+    try:
+        until(lambda: "stasis: restored checkpoint" in c.output(job), 90, f"job {job} restored")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; {c.why(job)}; its output:\n{c.output(job)}") from None
     # The link it planted came back as a link, in the new job container's directory.
     links = list((c.root / "job-containers").rglob("link"))
     assert links and all(os.readlink(p) == "/etc/shadow" for p in links), links
