@@ -9,12 +9,8 @@ from __future__ import annotations
 import os
 import pty
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ import pytest
 from stasis.engine import CRIU, DumpOptions, find_criu, privatepts, proctree
 from stasis.errors import CheckpointError
 from tests.conftest import wait_for
+from tests.engine.conftest import end_trees
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,14 +71,6 @@ os.waitpid(result.pid, 0)
 """
 
 
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="stasis-tests-", dir="/var/lib"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _count(path: Path) -> int:
     text = path.read_text() if path.exists() else ""
     return int(text) if text.strip() else -1
@@ -96,15 +85,6 @@ def _hold_node_numbers(up_to: int) -> list[int]:
         fds += [master, slave]
         if int(os.ttyname(slave).rsplit("/", 1)[1]) >= up_to:
             return fds
-
-
-def _end(*procs: subprocess.Popen[bytes] | None) -> None:
-    for proc in procs:
-        if proc is not None and proc.poll() is None:
-            proctree.signal_tree(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_a_tree_on_its_own_terminals_restores_where_their_numbers_are_taken(
@@ -143,7 +123,7 @@ def test_a_tree_on_its_own_terminals_restores_where_their_numbers_are_taken(
             criu.dump(pid, images, DumpOptions(), f"dump-{n}.log")
             # Its namespace stays out of the images: CRIU ran inside it.
             assert not list(images.glob("mountpoints-*.img")), sorted(images.iterdir())
-            _end(job, restorer)
+            end_trees(job, restorer)
             job = None
             at = _count(count)
             new_output = scratch / f"job-{n}.log"
@@ -162,7 +142,7 @@ def test_a_tree_on_its_own_terminals_restores_where_their_numbers_are_taken(
     finally:
         for fd in held:
             os.close(fd)
-        _end(job, restorer)
+        end_trees(job, restorer)
 
 
 def _restorer(
@@ -208,7 +188,7 @@ def test_criu_never_runs_in_a_mount_namespace_its_user_controls(scratch: Path) -
         at = _count(count)
         wait_for(lambda: _count(count) > at + 3, what="the job counting on")
     finally:
-        _end(job)
+        end_trees(job)
 
 
 def test_the_spank_plugin_mounts_the_same_devpts() -> None:

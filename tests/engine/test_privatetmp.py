@@ -12,17 +12,13 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from stasis.engine import CRIU, DumpOptions, boundtmp, find_criu, proctree
 from tests.conftest import wait_for
+from tests.engine.conftest import end_trees
 
 JOB = """
 import os, time
@@ -68,14 +64,6 @@ result = criu.restore(Path(sys.argv[3]), RestoreOptions(own_mounts=True), "resto
 print(json.dumps({"pid": result.pid}), flush=True)
 os.waitpid(result.pid, 0)
 """
-
-
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="stasis-tests-", dir="/var/lib"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _in_container(
@@ -149,15 +137,6 @@ def _start(
     return job, next(iter(proctree.children(job.pid)))
 
 
-def _end(*procs: subprocess.Popen[bytes] | None) -> None:
-    for proc in procs:
-        if proc is not None and proc.poll() is None:
-            proctree.signal_tree(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
-
-
 def test_a_job_containers_tree_restores_in_another_container(
     scratch: Path, test_user: pwd.struct_passwd
 ) -> None:
@@ -178,7 +157,7 @@ def test_a_job_containers_tree_restores_in_another_container(
         saved = boundtmp.AtDumpWithTmp(init, uid, images, 1 << 20, gid)
         assert saved.collect(), saved.refused
         assert saved.saved == ["/tmp"]
-        _end(job)
+        end_trees(job)
         at = _count(old_tmp / "count")
         assert list(images.glob("tmpfs-dev-*.tar.gz.img"))  # /dev/shm, its own: in the images
         # Requeued elsewhere: the old directory is gone, the new one is another.
@@ -211,7 +190,7 @@ def test_a_job_containers_tree_restores_in_another_container(
         # The link planted where a directory came back was not followed.
         assert not (new_tmp / "d").is_symlink() and list(victim.iterdir()) == []
     finally:
-        _end(job, restorer)
+        end_trees(job, restorer)
 
 
 def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
@@ -245,4 +224,4 @@ def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
         assert small.refused and "node_local_limit" in small.refused, small.refused
         assert not (again / boundtmp.archive_name("/tmp")).exists()
     finally:
-        _end(job)
+        end_trees(job)
