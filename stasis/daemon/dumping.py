@@ -620,6 +620,13 @@ class Dumper:
                 )
             opened("post-dump", pid)  # the tree stands stopped as CRIU left it
         info = self._with_facts(info, criu, opened.files)
+        if result.external_files:
+            # Its restore hands these files over under CRIU's keys (engine/privatetmp.py).
+            info = info.model_copy(
+                update={
+                    "extra": {**info.extra, privatetmp.EXTERNAL_FILES_KEY: result.external_files}
+                }
+            )
         if carried.packed.paths:
             # Signed with the manifest: a restore knows what it recreates before it fetches.
             info = info.model_copy(

@@ -388,6 +388,7 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
                 checkpoint=spec["checkpoint"],
                 criu_version=spec["criu_version"],
                 own_mounts=bool(spec.get("private_tmp")),
+                external_files=spec.get("external_files"),
                 caller_cgroups=netns_fd is not None,
                 job_netns_fd=netns_fd,
             )

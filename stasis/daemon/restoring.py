@@ -288,6 +288,7 @@ class Restorer:
         private_tmp = privatetmp.recorded(manifest.extra)
         if private_tmp:
             spec["private_tmp"] = True  # the images hold its own mounts (engine/privatetmp.py)
+            spec["external_files"] = privatetmp.external_files(manifest.extra)
         if privatepts.recorded(manifest.extra):
             spec["own_pts"] = True
         if job_net is not None:

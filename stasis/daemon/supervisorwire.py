@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal, NotRequired, TypedDict, final
 
 from stasis.atomicfile import write_atomically
+from stasis.engine.privatetmp import ExternalFile
 from stasis.wire import RestoreFacts, WireError
 
 PID_FILE = "pid.json"
@@ -82,6 +83,8 @@ class RestoreJob(JobOwner):
     checkpoint: str
     criu_version: str
     private_tmp: NotRequired[bool]  # the images hold the job's own mounts
+    # Its files dumped as external, path: CRIU's key (engine/privatetmp.py).
+    external_files: NotRequired[dict[str, ExternalFile]]
     # Restored in a mount namespace of the supervisor's with a new devpts (engine/privatepts.py).
     own_pts: NotRequired[bool]
     # Restored into that namespace (the images leave it out), in that cgroup.

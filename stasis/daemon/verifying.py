@@ -156,6 +156,7 @@ class Verifier:
                 criu_version=self._criu_version(),
                 timeout_s=settings.verify_timeout_s,
                 own_mounts=privatetmp.recorded(checked.extra),
+                external_files=privatetmp.external_files(checked.extra),
                 travelling=nodelocal.travelling(checked.extra),
             )
         return found.ok, found.reason, found.processes

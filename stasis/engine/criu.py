@@ -86,6 +86,9 @@ class DumpOptions:
 class DumpResult:
     duration_s: float
     log_path: Path
+    # Files the tree holds open outside its own mount namespace, dumped as external (path:
+    # CRIU's key; engine/privatetmp.py): the restore of these images hands them over so.
+    external_files: dict[str, privatetmp.ExternalFile] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -211,8 +214,9 @@ class CRIU:
             opts.notify_scripts = options.notify is not None
             pts = options.own_pts if options.own_pts is not None else privatepts.only_own_pts(pid)
             own = options.own_mounts
+            external: dict[str, privatetmp.ExternalFile] = {}
             if not pts and (own if own is not None else privatetmp.own_mount_ns(pid)):
-                privatetmp.dump_options(opts, pid)
+                external = privatetmp.dump_options(opts, pid)
             if options.job_netns:
                 jobnetns.dump_options(opts, pid)
             if options.freeze_cgroup:
@@ -238,7 +242,7 @@ class CRIU:
         log_path = self.log_dir / log_name
         if not resp.success:
             raise self._fail(f"dump of pid {pid}", resp, log_path)
-        return DumpResult(duration_s=duration, log_path=log_path)
+        return DumpResult(duration_s=duration, log_path=log_path, external_files=external)
 
     def restore(self, images_dir: Path, options: RestoreOptions, log_name: str) -> RestoreResult:
         """Restore the tree in `images_dir` as a child of the calling process (rst_sibling)."""

@@ -19,16 +19,22 @@ was killed, or stopped after its checkpoint, and whatever happened to the daemon
 
 What CRIU needs (seen, CRIU 4.2.1): every file the job has open must be opened inside the
 namespace (a descriptor opened before the unshare names a mount the namespace lacks: "Can't
-lookup mount=N"); restore needs `root` ("/": the node's own tree).
+lookup mount=N"); restore needs `root` ("/": the node's own tree). A restored job breaks the
+first rule by necessity: its restorer opens its new output files before CRIU rebuilds its
+namespace. Such files are dumped as CRIU's external files (`outside_files`), which the manifest
+records and the next restore hands over by CRIU's key instead of their path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import stat
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
+from stasis.engine import proctree
 from stasis.errors import UsageError
 
 # Where the job sees its own empty directories.
@@ -100,7 +106,7 @@ def key(mount: str) -> str:
     return "stasis" + mount.replace("/", "-")  # /var/tmp: stasis-var-tmp
 
 
-def dump_options(opts: Any, pid: int) -> None:
+def dump_options(opts: Any, pid: int) -> dict[str, ExternalFile]:
     """CRIU's dump options for a tree in a mount namespace of its own: every mount the node
     has as well is external (bound from the node's path again on restore), shared or slave
     ones too; what only the namespace has (its private tmpfs's) CRIU dumps.
@@ -108,12 +114,99 @@ def dump_options(opts: Any, pid: int) -> None:
     A /tmp or /var/tmp bound from a directory of the node's (Slurm's job_container/tmpfs binds
     BasePath/<jobid>/.<jobid>) is external under a key of ours instead: its restore binds the
     restorer's own /tmp there (a requeued job's new one, on whatever node, under whatever job
-    id), not the old job's directory."""
+    id), not the old job's directory. Returns the files dumped as external (`outside_files`)."""
     opts.auto_ext_mnt = True
     opts.ext_sharing = True
     opts.ext_masters = True
     for mount in bound_from_node(pid):
         opts.external.append(f"mnt[{mount}]:{key(mount)}")
+    outside = outside_files(pid)
+    opts.external.extend(sorted({f["key"] for f in outside.values()}))
+    return outside
+
+
+class ExternalFile(TypedDict):
+    """A file a tree holds open outside its own mount namespace, as its dump declared it."""
+
+    key: str  # CRIU's: file[MNT_ID:INODE], both hex
+    # Its st_mode at the dump: CRIU refuses the file handed over on restore with another.
+    mode: int
+
+
+def outside_files(pid: int) -> dict[str, ExternalFile]:
+    """The files the tree rooted at `pid` holds open on a mount its own namespace lacks, by
+    path: CRIU's key for each as an external file, and its mode.
+
+    A restored tree has them: its restorer opened its new output files (inherit_fd) in its own
+    namespace before CRIU rebuilt the tree's, and CRIU cannot dump such a descriptor by path
+    ("Can't lookup mount=N"). Declared external, the dump records the key instead of the path,
+    and the next restore hands the output over under that key (`hand_over`). Empty for a tree
+    in the caller's namespace, or one that opened every file in its own."""
+    if not own_mount_ns(pid):
+        return {}
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            theirs = {line.split(" ", 1)[0] for line in f}
+    except OSError:
+        return {}
+    found: dict[str, ExternalFile] = {}
+    for task in proctree.tree(pid):
+        try:
+            fds = os.listdir(f"/proc/{task}/fd")
+        except OSError:
+            continue  # gone: CRIU says so if it matters
+        for fd in fds:
+            try:
+                mnt_id = _fdinfo(fd, "mnt_id", task)
+                if mnt_id is None or mnt_id in theirs:
+                    continue
+                st = os.stat(f"/proc/{task}/fd/{fd}")
+                path = os.readlink(f"/proc/{task}/fd/{fd}")
+            except (OSError, ValueError):
+                continue
+            # Only files reopened by path (CRIU's regular files); pipes, sockets and the
+            # like are not looked up by their mount.
+            if path.startswith("/") and not path.endswith(" (deleted)"):
+                key = f"file[{int(mnt_id):x}:{st.st_ino:x}]"
+                found[path] = ExternalFile(key=key, mode=st.st_mode)
+    return found
+
+
+EXTERNAL_FILES_KEY = "external_files"
+_EXTERNAL_FILE = re.compile(r"file\[[0-9a-f]{1,8}:[0-9a-f]{1,16}\]")
+
+
+def external_files(extra: Mapping[str, Any]) -> dict[str, ExternalFile]:
+    """What a checkpoint's manifest `extra` records of `outside_files`; only keys of CRIU's
+    form, only regular files' modes."""
+    found = extra.get(EXTERNAL_FILES_KEY)
+    if not isinstance(found, dict):
+        return {}
+    out: dict[str, ExternalFile] = {}
+    for path, entry in found.items():
+        if not isinstance(entry, dict):
+            continue
+        key, mode = entry.get("key"), entry.get("mode")
+        if isinstance(key, str) and _EXTERNAL_FILE.fullmatch(key) and isinstance(mode, int):
+            if stat.S_ISREG(mode):
+                out[str(path)] = ExternalFile(key=key, mode=mode)
+    return out
+
+
+def hand_over(path: str, fd: int, external: Mapping[str, ExternalFile], uid: int) -> str:
+    """CRIU's inherit_fd key for `fd`, the file now in place of the one its images hold at
+    `path`: its external key when the dump declared it one (`outside_files`), else its path
+    without the leading '/'. An external one must have the mode it had (CRIU checks): the job's
+    output file, its owner's (`uid`; 0: anyone's), is given it (permission bits only)."""
+    found = external.get(path)
+    if found is None:
+        return path.lstrip("/")
+    st = os.fstat(fd)
+    want = stat.S_IMODE(found["mode"]) & 0o777
+    if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != want:
+        if uid == 0 or st.st_uid == uid:
+            os.fchmod(fd, want)
+    return found["key"]
 
 
 def restore_options(opts: Any) -> None:
@@ -240,8 +333,8 @@ def reopen_in_namespace(fds: tuple[int, ...] = (0, 1, 2)) -> None:
             os.close(new)
 
 
-def _fdinfo(fd: int, key: str) -> str | None:
-    with open(f"/proc/self/fdinfo/{fd}") as f:
+def _fdinfo(fd: int | str, key: str, pid: int | str = "self") -> str | None:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
         for line in f:
             name, _, value = line.partition(":")
             if name == key:

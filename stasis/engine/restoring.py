@@ -17,11 +17,11 @@ from __future__ import annotations
 import errno
 import os
 import pwd
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from stasis import wire
-from stasis.engine import credentials, netidentity, nodefacts, nodelocal, rpc
+from stasis.engine import credentials, netidentity, nodefacts, nodelocal, privatetmp, rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
 from stasis.errors import CRIUError, IncompatibleNodeError, OwnerDeniedError
 
@@ -66,6 +66,7 @@ def restore_tree(
     own_mounts: bool = False,
     caller_cgroups: bool = False,
     job_netns_fd: int | None = None,
+    external_files: Mapping[str, privatetmp.ExternalFile] | None = None,
 ) -> RestoreResult:
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
@@ -85,7 +86,8 @@ def restore_tree(
     `own_mounts`: the images hold the tree's own mount namespace (a private /tmp,
     engine/privatetmp.py). `caller_cgroups`: the tree comes back in the caller's cgroups
     (RestoreOptions.caller_cgroups). `job_netns_fd`: the job's network namespace on this node,
-    open (RestoreOptions.job_netns_fd)."""
+    open (RestoreOptions.job_netns_fd). `external_files`: the output files its dump declared
+    external, by path (engine/privatetmp.py: what its manifest records)."""
     if owner.uid != 0:
         # CRIU (root) gives back whatever credentials the images record: a user's tree must not
         # come back holding more than its owner (a setuid program a dump of older stasis, or
@@ -143,8 +145,8 @@ def restore_tree(
         inherit = []
         for old, new in outputs:
             fds.append(open_as(new, owner, umask))
-            # CRIU names regular files in its images by their path without the leading '/'.
-            inherit.append((old.lstrip("/"), fds[-1]))
+            key = privatetmp.hand_over(old, fds[-1], external_files or {}, owner.uid)
+            inherit.append((key, fds[-1]))
         options = RestoreOptions(
             inherit_fds=inherit,
             lazy=lazy,

@@ -45,13 +45,13 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stasis import faults, wire
-from stasis.engine import privatepts, proctree, protobuf
+from stasis.engine import privatepts, privatetmp, proctree, protobuf
 
 # The node-local directories a sandbox gets its own empty tmpfs over (issue 29's list).
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -111,11 +111,13 @@ def verify_images(
     criu_version: str | None,
     timeout_s: float,
     own_mounts: bool = False,
+    external_files: Mapping[str, privatetmp.ExternalFile] | None = None,
     travelling: Sequence[str] = (),
 ) -> SandboxVerdict:
     """Restore the images in `images` in a sandbox (see the module's docstring), as the tree
     of owner `uid`, check it and remove it (`own_mounts`: the images hold the tree's own mount
-    namespace, a job's private /tmp: engine/privatetmp.py; `travelling`: the node-local files
+    namespace, a job's private /tmp: engine/privatetmp.py, and `external_files` the files its
+    dump declared external there; `travelling`: the node-local files
     the checkpoint carries, engine/nodelocal.py, recreated only in the sandbox). Never raises for what the checkpoint does wrong:
     the verdict says it; OSError only when the sandbox itself cannot be started."""
     spec = {
@@ -130,6 +132,7 @@ def verify_images(
         "checkpoint": checkpoint,
         "criu_version": criu_version,
         "own_mounts": own_mounts,
+        "external_files": dict(external_files or {}),
         "travelling": list(travelling),
     }
     images_fd = os.open(images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -579,6 +582,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
                 criu_version=spec["criu_version"],
                 sandboxed=True,
                 own_mounts=bool(spec.get("own_mounts")),
+                external_files=spec.get("external_files"),
             )
         except StasisError as e:
             return {"ok": False, "reason": str(e), "processes": len(expected), "duration_s": 0.0}

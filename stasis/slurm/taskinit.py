@@ -159,6 +159,7 @@ def _restore(
                 outputs,
                 f"restore-slurm-{info.job_id}-{m.id}.log",
                 own_mounts=privatetmp.recorded(m.extra),
+                external_files=privatetmp.external_files(m.extra),
                 caller_cgroups=True,
                 # A job on several nodes: its batch tree lives in the job's network here.
                 job_netns_fd=netns_fd,

@@ -9,6 +9,7 @@ The daemons here keep their state outside /tmp (the jobs' logs are there), as a 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pwd
 import re
@@ -158,8 +159,24 @@ def test_private_tmp_travels_in_the_checkpoint_and_ends_with_the_job(
     assert sorted(m[4] for m in mounts) == ["/tmp", "/var/tmp"]
     assert all({"nosuid", "nodev"} <= set(m[5].split(",")) for m in mounts), mounts
 
+    # Checkpointed again after its restore (its log, reopened by the restorer outside the
+    # namespace CRIU rebuilt, is declared external: engine/privatetmp.py), and restored again.
+    at = _last(d, new_id)
+    second = d.json("dump", new_id, user=user)["checkpoint"]
+    # Its sandboxed trial restore (`stasis verify`) hands the log over the same way.
+    verdict = d.cli("verify", "--json", second, user=user, check=False)
+    assert json.loads(verdict.stdout)["ok"] is True, verdict.stdout + verdict.stderr
+    again = d.json("restore", second, user=user)
+    third = str(again["job"])
+    wait_for(lambda: _last(d, third) > at + 3, what="the job restored twice counting on")
+    numbers = [n for n, *_ in _lines(d, third)]
+    assert numbers[numbers.index(at) + 1] == at + 1
+    n, a, b, held = _lines(d, third)[-1]
+    assert (a, b) == (f"a-{token}", f"b-{token}") and held == n
+    new_devs = _tmpfs_of(workload_pid(int(again["pid"])))
+
     # Ended for good: its /tmp and /var/tmp are gone with it.
-    d.cli("kill", new_id, user=user)
+    d.cli("kill", third, user=user)
     for dev in new_devs:
         wait_for(lambda: not _mounted_anywhere(dev), what=f"tmpfs {dev} gone")
 
