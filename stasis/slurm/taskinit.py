@@ -219,9 +219,11 @@ def _hold(
     cause: held.Cause,
     label: str,
     info: scontrol.JobInfo,
+    gid: int,
 ) -> tuple[int, dict[str, Any]]:
     """Requeue the job held with `why` in its Comment; the launcher runs nothing. This node's
-    daemon releases it once `cause` is over (stasis.slurm.held)."""
+    daemon releases it once `cause` is over (stasis.slurm.held). The job's output says so
+    before the requeue (Slurm kills the batch step at once: the launcher may not print it)."""
     say: list[str] = out["messages"]
     out["mode"] = "held"
     why = why if len(why) <= _WHY_MAX else why[: _WHY_MAX - 3] + "..."
@@ -231,15 +233,20 @@ def _hold(
         "beginning"
     )
     held_dir = settings.layout.slurm_held
+    line = (
+        f"stasis: error: {why} (waited {waited_s} s): not starting from the beginning; "
+        f"the job is requeued held and released once it is back (or `scontrol "
+        f"release {job_id}`), or resubmit with STASIS_FRESH=1 to start from the "
+        "beginning"
+    )
     try:
         held.note(held_dir, job_id, cause, label, info.uid, info.restarts)
+        told = cutrestore.tell(info.stdout, info.uid, gid, [*say, line])
         scontrol.requeue_held(job_id, comment)
-        say.append(
-            f"stasis: error: {why} (waited {waited_s} s): not starting from the beginning; "
-            f"the job is requeued held and released once it is back (or `scontrol "
-            f"release {job_id}`), or resubmit with STASIS_FRESH=1 to start from the "
-            "beginning"
-        )
+        if told:
+            say.clear()  # said: the launcher, should it live, says nothing twice
+        else:
+            say.append(line)
     except (StasisError, OSError) as e:
         held.forget(held_dir, job_id)
         say.append(
@@ -312,6 +319,7 @@ def decide(
                 "store",
                 label,
                 info,
+                gid,
             )
         say.append(
             f"stasis: warning: cannot list checkpoints: {store_error}; starting from the "
@@ -329,6 +337,7 @@ def decide(
                 "daemon",
                 label,
                 info,
+                gid,
             )
         say.append(
             f"stasis: warning: the node daemon does not answer ({daemon_error}); " f"{UNPROTECTED}"

@@ -167,6 +167,8 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
         assert "Held" in j.get("Reason", "") or j.get("Priority") == "0", j
         out = fc.output(job)
         assert numbers(out).count(0) == 1, f"the job started over:\n{out}"
+        # Its output says why (written before the requeue, which kills the batch step).
+        assert "checkpoint store unreachable" in out and "requeued held" in out, out
     finally:
         mend_store(fc)
     assert ids(fc, "unsure") == kept
@@ -182,7 +184,9 @@ def test_cannot_tell_holds_the_job_instead_of_starting_over(fc: Cluster) -> None
     try:
         fc.run("scontrol", "requeue", job)
         _held(fc, job, "node daemon")
-        assert numbers(fc.output(job)).count(0) == 1
+        out = fc.output(job)
+        assert numbers(out).count(0) == 1
+        assert "node daemon does not answer" in out, out
         time.sleep(held.RECHECK_S + 1)
         assert fc.job(job).get("JobState") == "PENDING"
     finally:
