@@ -213,6 +213,10 @@ class Node:
             time.sleep(0.1)
         if self.status(cid) != "STOPPED":
             self.ctr("tasks", "kill", "-s", "SIGKILL", cid)
+            # Its exit reaches containerd's task list a moment later (seconds on a busy node).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and self.status(cid) != "STOPPED":
+                time.sleep(0.1)
 
     def remove(self, cid: str) -> None:
         self.ctr("tasks", "delete", "-f", cid)
