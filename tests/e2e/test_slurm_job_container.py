@@ -12,6 +12,8 @@ import hashlib
 import os
 import re
 import secrets
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +109,43 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     assert {(m, d, s) for _, m, d, s in lines} == {("made-by-run-0", "deep", "shm-data")}
     assert "done" in c.output(job)
     assert hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest() == shadow
+
+
+def _stand_in(job: str, user: str | None, seconds: float) -> subprocess.Popen[bytes]:
+    """A process titled as job `job`'s extern slurmstepd, in the node's mount namespace (this
+    cluster's one node runs in the machine's), as root or as `user`."""
+    cmd = ["bash", "-c", f"exec -a 'slurmstepd: [{job}.extern]' sleep {seconds}"]
+    return subprocess.Popen(["runuser", "-u", user, "--", *cmd] if user else cmd)
+
+
+def test_the_epilog_waits_for_the_jobs_extern_step_to_be_gone(contained: Cluster) -> None:
+    """Slurm 22.05 removes a job's container in its extern step after slurmd saw that step end,
+    while the epilog runs: stasis' epilog holds the node's part of the job until that step is
+    gone, so that the job requeued there at once (the same id) never finds its container half
+    removed. Played with a stand-in titled as the job's extern step: root's holds the job
+    COMPLETING until it exits; its user's holds nothing."""
+    c = contained
+    script = c.script("quick", "sleep 2", f"--output={c.work}/quick-%j.out")
+    job = c.sbatch(script, user=TEST_USER)
+    c.wait_state(job, ("RUNNING",))
+    step = _stand_in(job, None, 8)
+    try:
+        c.wait_state(job, ("COMPLETING", "COMPLETED"), 30)
+        for _ in range(4):  # while the stand-in lives, the job's epilog is not done
+            assert step.poll() is None and c.state(job) == "COMPLETING", c.job(job)
+            time.sleep(0.5)
+        step.wait(30)
+        c.wait_state(job, ("COMPLETED",), 20)
+    finally:
+        step.kill()
+        step.wait()
+
+    job = c.sbatch(script, user=TEST_USER)
+    c.wait_state(job, ("RUNNING",))
+    step = _stand_in(job, TEST_USER, 60)
+    try:
+        c.wait_state(job, ("COMPLETED",), 20)
+        assert step.poll() is None  # it ended while the user's stand-in still ran
+    finally:
+        step.kill()
+        step.wait()

@@ -33,6 +33,7 @@
  *     child) runs before it, in the node's network, where the store and the daemon are.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -43,6 +44,7 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,6 +65,8 @@ SPANK_PLUGIN(stasis, 1);
 /* stasis.engine.privatepts's SOURCE and OPTIONS (tty's gid is 5 on Debian). */
 #define PTS_SOURCE "stasis-devpts"
 #define PTS_OPTIONS "newinstance,ptmxmode=0666,mode=0620,gid=5"
+/* How long the epilog waits for the job's extern step to be gone (wait_extern_step_gone). */
+#define EXTERN_WAIT_S 30
 
 static char python[1024] = "";
 static char launcher[1024] = "";
@@ -308,9 +312,64 @@ int slurm_spank_job_prolog(spank_t sp, int ac, char **av)
     return jobnet_script(sp, "prolog");
 }
 
+/* Whether a slurmstepd whose title starts with `want` (`len` bytes) runs in mount namespace
+ * `mnt` (this node's: the local cluster runs several nodes' daemons on one machine), as root
+ * (a user's process titled so must not hold the epilog). */
+static int step_alive(const char *want, size_t len, ino_t mnt)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    int found = 0;
+
+    if (!d)
+        return 0;
+    while (!found && (e = readdir(d))) {
+        char path[300], buf[128];
+        struct stat st;
+        if (e->d_name[0] < '0' || e->d_name[0] > '9')
+            continue;
+        snprintf(path, sizeof(path), "/proc/%s/cmdline", e->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        ssize_t n = read(fd, buf, sizeof(buf));
+        close(fd);
+        if (n < (ssize_t)len || memcmp(buf, want, len))
+            continue;
+        snprintf(path, sizeof(path), "/proc/%s", e->d_name);
+        if (stat(path, &st) != 0 || st.st_uid != 0)
+            continue;
+        snprintf(path, sizeof(path), "/proc/%s/ns/mnt", e->d_name);
+        if (stat(path, &st) == 0 && st.st_ino == mnt)
+            found = 1;
+    }
+    closedir(d);
+    return found;
+}
+
+/* Slurm 22.05's job_container/tmpfs removes a job's container (its /tmp under BasePath/<job id>)
+ * in the extern step's slurmstepd after that step told slurmd it ended: while the epilog runs.
+ * A job requeued to this node again (stasis restores on requeue; the same job id) and launched
+ * before that removal is done finds its container half gone ("container_p_join: open failed",
+ * "_create_ns: ns base mount failed: Invalid argument") and is held, launch failed. Seen on
+ * loaded machines. The epilog, which keeps the node's part of the job until it returns, waits for
+ * that step to be gone (EXTERN_WAIT_S at most; nothing to wait for where no such step runs). */
+static void wait_extern_step_gone(uint32_t id)
+{
+    char want[64];
+    struct stat st;
+    int len = snprintf(want, sizeof(want), "slurmstepd: [%u.extern]", id);
+
+    if (!id || stat("/proc/self/ns/mnt", &st) != 0)
+        return;
+    for (int i = 0; i < EXTERN_WAIT_S * 10 && step_alive(want, (size_t)len, st.st_ino); i++)
+        usleep(100000);
+}
+
 int slurm_spank_job_epilog(spank_t sp, int ac, char **av)
 {
     parse_args(ac, av);
+    wait_extern_step_gone(job_id(sp));
     return jobnet_script(sp, "epilog");
 }
 
