@@ -115,7 +115,9 @@ def _stand_in(job: str, user: str | None, seconds: float) -> subprocess.Popen[by
     """A process titled as job `job`'s extern slurmstepd, in the node's mount namespace (this
     cluster's one node runs in the machine's), as root or as `user`."""
     cmd = ["bash", "-c", f"exec -a 'slurmstepd: [{job}.extern]' sleep {seconds}"]
-    return subprocess.Popen(["runuser", "-u", user, "--", *cmd] if user else cmd)
+    # setpriv execs (runuser would fork, and a kill would miss the stand-in).
+    as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"]
+    return subprocess.Popen([*as_user, *cmd] if user else cmd)
 
 
 def test_the_epilog_waits_for_the_jobs_extern_step_to_be_gone(contained: Cluster) -> None:
