@@ -746,6 +746,26 @@ def _start_stasis(lay: SlurmClusterDirs, node: str) -> int:
     return pid
 
 
+def _job_container_prefix(lay: SlurmClusterDirs) -> list[str]:
+    """What slurmd runs under with job_container/tmpfs: a mount namespace of its own, made on
+    one CPU, and that CPU only.
+
+    Slurm makes each job's namespace in a child of the extern step and binds the child's
+    /proc/PID/ns/mnt onto a file, which the kernel refuses (EINVAL, "_create_ns: ns base mount
+    failed: Invalid argument", the job held "launch failed") when the new namespace's id is not
+    above that of the namespace doing the bind (its loop check). Seen on kernel 6.18: namespace
+    ids are handed out from per-CPU batches, so in any mount namespace but the machine's first
+    (a test root, a container) a child's namespace made on another CPU than the parent's was has
+    a lower id about half the time (reproduced with `unshare -m` and `mount --bind`: always on
+    one CPU, never on the other; never in the initial namespace, where a site's slurmd runs).
+    Made on one CPU, with slurmd and everything it starts kept there, every job's namespace has
+    a higher id than slurmd's. The jobs of such a cluster share that CPU."""
+    if "JobContainerType=job_container/tmpfs" not in lay.slurm_conf.read_text():
+        return []
+    cpu = min(os.sched_getaffinity(0))
+    return ["taskset", "--cpu-list", str(cpu), "unshare", "--mount", "--propagation", "slave"]
+
+
 def _start_slurmd(lay: SlurmClusterDirs, node: str) -> int:
     pid_file = _slurmd_pid_file(lay, node)
     pid_file.unlink(missing_ok=True)
@@ -758,7 +778,8 @@ def _start_slurmd(lay: SlurmClusterDirs, node: str) -> int:
     else:
         conf = _bare_conf(lay, node) if node in state.get("without_stasis", []) else lay.slurm_conf
         source = ["-f", str(conf)]
-    commands.slurm([*_node_prefix(lay, node), "slurmd", *source, "-N", node], env)
+    prefix = [*_node_prefix(lay, node), *_job_container_prefix(lay)]
+    commands.slurm([*prefix, "slurmd", *source, "-N", node], env)
     _wait(lambda: detached.alive(detached.read_pid(pid_file)), 20, f"slurmd of {node}")
     return detached.read_pid(pid_file) or 0
 

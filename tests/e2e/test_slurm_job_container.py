@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from stasis.daemon import detached
 from tests.conftest import TEST_USER
 from tests.e2e.conftest import Cluster, close_cluster, new_cluster, until
 
@@ -111,13 +112,15 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     assert hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest() == shadow
 
 
-def _stand_in(job: str, user: str | None, seconds: float) -> subprocess.Popen[bytes]:
-    """A process titled as job `job`'s extern slurmstepd, in the node's mount namespace (this
-    cluster's one node runs in the machine's), as root or as `user`."""
+def _stand_in(c: Cluster, job: str, user: str | None, seconds: float) -> subprocess.Popen[bytes]:
+    """A process titled as job `job`'s extern slurmstepd, in slurmd's mount namespace, as root
+    or as `user`."""
+    slurmd = detached.read_pid(c.lay.slurm / "slurmd.pid")
     cmd = ["bash", "-c", f"exec -a 'slurmstepd: [{job}.extern]' sleep {seconds}"]
-    # setpriv execs (runuser would fork, and a kill would miss the stand-in).
+    # nsenter and setpriv exec (runuser would fork, and a kill would miss the stand-in).
+    inside = ["nsenter", f"--mount=/proc/{slurmd}/ns/mnt", "--"]
     as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"]
-    return subprocess.Popen([*as_user, *cmd] if user else cmd)
+    return subprocess.Popen([*inside, *as_user, *cmd] if user else [*inside, *cmd])
 
 
 def test_the_epilog_waits_for_the_jobs_extern_step_to_be_gone(contained: Cluster) -> None:
@@ -130,7 +133,7 @@ def test_the_epilog_waits_for_the_jobs_extern_step_to_be_gone(contained: Cluster
     script = c.script("quick", "sleep 2", f"--output={c.work}/quick-%j.out")
     job = c.sbatch(script, user=TEST_USER)
     c.wait_state(job, ("RUNNING",))
-    step = _stand_in(job, None, 8)
+    step = _stand_in(c, job, None, 8)
     try:
         c.wait_state(job, ("COMPLETING", "COMPLETED"), 30)
         for _ in range(4):  # while the stand-in lives, the job's epilog is not done
@@ -144,7 +147,7 @@ def test_the_epilog_waits_for_the_jobs_extern_step_to_be_gone(contained: Cluster
 
     job = c.sbatch(script, user=TEST_USER)
     c.wait_state(job, ("RUNNING",))
-    step = _stand_in(job, TEST_USER, 60)
+    step = _stand_in(c, job, TEST_USER, 60)
     try:
         c.wait_state(job, ("COMPLETED",), 20)
         assert step.poll() is None  # it ended while the user's stand-in still ran
