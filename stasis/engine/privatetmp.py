@@ -164,9 +164,13 @@ def outside_files(pid: int) -> dict[str, ExternalFile]:
                 path = os.readlink(f"/proc/{task}/fd/{fd}")
             except (OSError, ValueError):
                 continue
-            # Only files reopened by path (CRIU's regular files); pipes, sockets and the
-            # like are not looked up by their mount.
-            if path.startswith("/") and not path.endswith(" (deleted)"):
+            # Regular files only, which a restorer can hand over (inherit_fd): a device CRIU
+            # reopens itself by path; pipes, sockets and the like have no mount to look up.
+            if (
+                stat.S_ISREG(st.st_mode)
+                and path.startswith("/")
+                and not path.endswith(" (deleted)")
+            ):
                 key = f"file[{int(mnt_id):x}:{st.st_ino:x}]"
                 found[path] = ExternalFile(key=key, mode=st.st_mode)
     return found
