@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
-from stasis.engine import CRIU, DumpOptions, boundtmp, find_criu, proctree
+from stasis.engine import CRIU, DumpOptions, boundtmp, find_criu, privatetmp, proctree
 from tests.conftest import wait_for
 from tests.engine.conftest import end_trees
 
@@ -225,3 +226,40 @@ def test_what_its_user_cannot_read_or_over_the_limit_does_not_travel(
         assert not (again / boundtmp.archive_name("/tmp")).exists()
     finally:
         end_trees(job)
+
+
+def test_a_manifests_external_files_are_read_back_only_in_criu_s_form() -> None:
+    """What a restore hands to CRIU as inherit_fd keys comes from the signed manifest, and
+    still only keys of CRIU's external-file form and regular files' modes pass."""
+    good = {"key": "file[1f:2a]", "mode": 0o100640}
+    extra = {
+        privatetmp.EXTERNAL_FILES_KEY: {
+            "/var/log/job.log": good,
+            "/a": {"key": "net[123]:x", "mode": 0o100640},  # another kind of external
+            "/b": {"key": "file[1f:2a]\n--evil", "mode": 0o100640},
+            "/c": {"key": "file[1f:2a]", "mode": 0o20666},  # a character device
+            "/d": "file[1f:2a]",
+            "/e": {"key": "file[1f:2a]"},
+        }
+    }
+    assert privatetmp.external_files(extra) == {"/var/log/job.log": good}
+    assert privatetmp.external_files({privatetmp.EXTERNAL_FILES_KEY: ["x"]}) == {}
+    assert privatetmp.external_files({}) == {}
+
+
+def test_an_external_output_is_handed_over_by_key_with_its_mode(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        external = {"/old/job.log": privatetmp.ExternalFile(key="file[1f:2a]", mode=0o100640)}
+        assert privatetmp.hand_over("/old/job.log", fd, external, 0) == "file[1f:2a]"
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o640
+        # Not declared external: CRIU's name for it, its path without the leading '/'.
+        assert privatetmp.hand_over("/other/job.log", fd, external, 0) == "other/job.log"
+        # Someone else's file keeps its mode (CRIU then refuses it, naming the mode).
+        os.fchmod(fd, 0o644)
+        assert privatetmp.hand_over("/old/job.log", fd, external, 4242) == "file[1f:2a]"
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o644
+    finally:
+        os.close(fd)
