@@ -54,6 +54,11 @@ def find_criu(configured: str = "") -> str:
     raise CRIUNotFoundError("criu is not installed; run `make install` (builds CRIU >= 4.2)")
 
 
+CUT_SEIZE_TIMEOUT_S = (
+    30  # CRIU's limit on seizing a frozen part of a cut (DumpOptions.freeze_cgroup)
+)
+
+
 @dataclass
 class DumpOptions:
     leave_running: bool = False
@@ -221,6 +226,11 @@ class CRIU:
                 jobnetns.dump_options(opts, pid)
             if options.freeze_cgroup:
                 opts.freeze_cgroup = options.freeze_cgroup
+                # CRIU gives up seizing the tree after `timeout` s (10 by default): "Timeout
+                # reached. Try to interrupt" was seen for an MPI part whose busy ranks shared
+                # two loaded CPUs, and the whole cut was lost. The part is frozen already: a slow seize
+                # costs it frozen time, a timeout costs the whole cut.
+                opts.timeout = CUT_SEIZE_TIMEOUT_S
             req = pb.criu_req(type=pb.DUMP, opts=opts)
             start = time.monotonic()
             wrapper: list[str] = []
