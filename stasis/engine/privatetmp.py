@@ -134,8 +134,8 @@ class ExternalFile(TypedDict):
 
 
 def outside_files(pid: int) -> dict[str, ExternalFile]:
-    """The files the tree rooted at `pid` holds open on a mount its own namespace lacks, by
-    path: CRIU's key for each as an external file, and its mode.
+    """The output files (stdout, stderr) the tree rooted at `pid` holds open on a mount its own
+    namespace lacks, by path: CRIU's key for each as an external file, and its mode.
 
     A restored tree has them: its restorer opened its new output files (inherit_fd) in its own
     namespace before CRIU rebuilt the tree's, and CRIU cannot dump such a descriptor by path
@@ -151,11 +151,10 @@ def outside_files(pid: int) -> dict[str, ExternalFile]:
         return {}
     found: dict[str, ExternalFile] = {}
     for task in proctree.tree(pid):
-        try:
-            fds = os.listdir(f"/proc/{task}/fd")
-        except OSError:
-            continue  # gone: CRIU says so if it matters
-        for fd in fds:
+        # Only the outputs (stdout, stderr), which a restorer hands over: any other file from
+        # outside (one passed in over a socket) still fails the dump, job running, rather than
+        # making a checkpoint no restore could open.
+        for fd in ("1", "2"):
             try:
                 mnt_id = _fdinfo(fd, "mnt_id", task)
                 if mnt_id is None or mnt_id in theirs:
