@@ -32,13 +32,14 @@ from pathlib import Path
 
 from stasis.atomicfile import write_atomically
 from stasis.daemon import jobnet, partcgroup
-from stasis.engine import jobnetns, proctree
+from stasis.engine import jobnetns, proctree, unixpeers
 from stasis.errors import CheckpointError, StasisError, UsageError
 
 log = logging.getLogger("stasis.daemon")
 
 DIRECTORY = "part-freezes"
 _MAX_BYTES = 64 << 10
+EDGE_SETTLE_S = 3.0  # frozen again and again until no connection crosses the part's edge
 
 
 @dataclass
@@ -118,11 +119,7 @@ class PartFreezes:
         try:
             if entry.vni is not None:
                 jobnet.hold(entry.vni)
-            if not partcgroup.freeze(cgroup):
-                raise CheckpointError(
-                    f"job {job} not frozen: its cgroup {cgroup} did not freeze within 10 s (a "
-                    "process stuck in the kernel); it runs on"
-                )
+            self._freeze_between_connections(job, pid, cgroup)
         except (StasisError, OSError) as e:
             self._thaw(entry)
             if isinstance(e, CheckpointError):
@@ -134,6 +131,36 @@ class PartFreezes:
             self._timers[job] = timer
         timer.start()
         return entry
+
+    def _freeze_between_connections(self, job: str, pid: int, cgroup: Path) -> None:
+        """Freeze the cgroup at a moment no unix stream connection crosses the tree's edge, if
+        one comes within EDGE_SETTLE_S: a part that talks to a node's service now and then (the
+        launch agent's munge, for one credential per call) would make CRIU fail "Can't dump
+        half of stream unix connection" on a freeze that caught it mid-call. A connection that
+        stays (a terminal multiplexer's client) is left for the dump to refuse in its words."""
+        deadline = time.monotonic() + EDGE_SETTLE_S
+        pause = 0.01
+        while True:
+            if not partcgroup.freeze(cgroup):
+                raise CheckpointError(
+                    f"job {job} not frozen: its cgroup {cgroup} did not freeze within 10 s (a "
+                    "process stuck in the kernel); it runs on"
+                )
+            try:
+                crossing = unixpeers.external_peers(pid)
+            except OSError:
+                return  # the dump's own check says what it finds
+            if not crossing or time.monotonic() > deadline:
+                return
+            log.info(
+                "job %s: frozen mid-connection (%s); thawed for %.0f ms and frozen again",
+                job,
+                crossing[0].inside,
+                pause * 1000,
+            )
+            partcgroup.set_frozen(cgroup, False)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     @contextmanager
     def dumping(self, job: str) -> Iterator[None]:

@@ -8,14 +8,18 @@ connections before (or after) CRIU does, and who holds the far end: the kernel's
 netlink interface gives each unix socket's peer inode (what `ss -x` shows), and /proc/*/fd says
 which processes hold a socket inode.
 
-Only sockets of the caller's network namespace are seen (the daemon's; jobs share it).
+The tree's own network namespaces are looked into (a job in a job network has one of its own;
+sock_diag lists the sockets of the namespace its netlink socket was made in, each with its peer's
+inode wherever that peer lives).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -41,6 +45,8 @@ _STREAMS = (socket.SOCK_STREAM, socket.SOCK_SEQPACKET)  # CRIU dumps neither hal
 _COMMAND_CHARS = 200  # a command line in an error: enough to tell programs apart
 _CMDLINE_MAX = 4096
 _TYPES = {int(socket.SOCK_STREAM): "stream", int(socket.SOCK_SEQPACKET): "seqpacket"}
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -98,11 +104,52 @@ class ExternalPeer:
         )
 
 
-def unix_sockets() -> dict[int, UnixSocket]:
-    """Every unix socket of this network namespace, by inode, with its peer and address."""
-    with socket.socket(
+def netns(pid: int) -> int | None:
+    """The inode of `pid`'s network namespace (None: gone, or not to be read)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def _diag_socket_in(pid: int) -> socket.socket:
+    """A sock_diag netlink socket of `pid`'s network namespace: made on a thread of its own that
+    enters it (a network namespace is per thread; the thread, and its namespace, end with it)."""
+    made: list[socket.socket] = []
+    failed: list[OSError] = []
+
+    def enter() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns into pid {pid}'s network: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            made.append(_diag_socket())
+        except OSError as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=enter, name=f"sock-diag-{pid}", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
+
+
+def _diag_socket() -> socket.socket:
+    return socket.socket(
         socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG
-    ) as nl:
+    )
+
+
+def unix_sockets(of: int | None = None) -> dict[int, UnixSocket]:
+    """Every unix socket of this network namespace (`of`: of that process's), by inode, with
+    its peer and address."""
+    here = of is None or netns(of) == netns(os.getpid())
+    with _diag_socket() if of is None or here else _diag_socket_in(of) as nl:
         req = _UNIX_DIAG_REQ.pack(
             socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME | UDIAG_SHOW_PEER, 0, 0
         )
@@ -235,7 +282,14 @@ def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
             mine.setdefault(inode, pid)
     if not mine:
         return []
-    sockets = unix_sockets()
+    # One listing per network namespace the tree's processes are in (usually one).
+    spaces = {netns(pid): pid for pid in tree}
+    sockets: dict[int, UnixSocket] = {}
+    for pid in spaces.values():
+        try:
+            sockets.update(unix_sockets(pid))
+        except OSError:
+            continue  # gone meanwhile
     crossing = [
         (sockets[i], pid)
         for i, pid in mine.items()
