@@ -292,6 +292,23 @@ def world_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def holdfd(world_tmp: Path) -> Path:
+    """tests/workloads/holdfd.c built: a program holding what CRIU cannot checkpoint."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc is missing: install build-essential")
+    where = Path(tempfile.mkdtemp(prefix="holdfd-", dir=world_tmp))
+    os.chmod(where, 0o755)
+    binary = where / "holdfd"
+    subprocess.run(
+        [gcc, "-O2", "-Wall", "-Werror", "-o", str(binary), str(WORKLOADS / "holdfd.c")],
+        check=True,
+        timeout=120,
+    )
+    return binary
+
+
 def new_daemon(world_tmp: Path, name: str, **kwargs: Any) -> Daemon:
     """A daemon in a directory of its own under `world_tmp`; `separate=True`: in a node of its
     own named `name` (its own /tmp, /var/tmp, /dev/shm, /run, host name and address)."""

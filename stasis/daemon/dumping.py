@@ -21,7 +21,7 @@ from stasis import faults, wire
 from stasis.daemon import jobnet, staging
 from stasis.daemon.activity import Activity, work_of
 from stasis.daemon.core import Core
-from stasis.daemon.db import JobDatabaseError
+from stasis.daemon.db import JobDatabaseError, JobRow
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, FreezeRequest, ThawRequest, validate_job_id
 from stasis.daemon.partfreeze import DIRECTORY as PART_FREEZES
@@ -271,6 +271,14 @@ class Dumper:
             raise UsageError(f"job {job_id} is not running (state {row.state}); nothing to freeze")
         if not proctree.alive(row.pid, row.pid_start):
             raise UsageError(f"job {job_id} is no longer running; nothing to freeze")
+        # What refuses its dump refuses its freeze: no part of the job is held for nothing.
+        refused = (
+            beyond_owner(row.pid, row)
+            or obstacles.refusal(row.pid, row.uid)
+            or self._node_local_refusal(row.pid, row.uid)
+        )
+        if refused:
+            raise CheckpointError(f"job {job_id} not frozen, it runs on: {refused}")
         with self._dump_slot(f"job {row.id}", f"job {job_id}", "being frozen; wait for it"):
             entry = self.parts.freeze(row.id, row.pid, req.timeout_s)
         return FreezeAnswer(
@@ -792,7 +800,7 @@ def owner_groups(uid: int, gid: int) -> list[int]:
         return [gid]
 
 
-def beyond_owner(pid: int, info: CheckpointInfo) -> str | None:
+def beyond_owner(pid: int, info: CheckpointInfo | JobRow) -> str | None:
     """Why the tree under `pid` must not be checkpointed for `info`'s owner (one line), or None:
     a thread holds credentials beyond theirs (engine/credentials.py). Root's trees are exempt;
     a tree whose credentials cannot be read is refused."""

@@ -137,7 +137,7 @@ class PartFreezes:
         one comes within EDGE_SETTLE_S: a part that talks to a node's service now and then (the
         launch agent's munge, for one credential per call) would make CRIU fail "Can't dump
         half of stream unix connection" on a freeze that caught it mid-call. A connection that
-        stays (a terminal multiplexer's client) is left for the dump to refuse in its words."""
+        stays (a terminal multiplexer's client) refuses the freeze, saying whose it is."""
         deadline = time.monotonic() + EDGE_SETTLE_S
         pause = 0.01
         while True:
@@ -150,8 +150,14 @@ class PartFreezes:
                 crossing = unixpeers.external_peers(pid)
             except OSError:
                 return  # the dump's own check says what it finds
-            if not crossing or time.monotonic() > deadline:
+            if not crossing:
                 return
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"job {job} not frozen: "
+                    + "; ".join(p.describe() for p in crossing)
+                    + f" (still so after {EDGE_SETTLE_S:.0f} s); it runs on"
+                )
             log.info(
                 "job %s: frozen mid-connection (%s); thawed for %.0f ms and frozen again",
                 job,

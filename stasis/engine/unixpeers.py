@@ -233,7 +233,7 @@ def command(pid: int, viewer: int | None = None) -> str:
             owner = os.stat(f"/proc/{pid}").st_uid
             if owner != viewer:
                 with open(f"/proc/{pid}/comm") as f:
-                    return f"{f.read().strip()}, user {_user(owner)}"
+                    return f"{_one_line(f.read())}, user {_user(owner)}"
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             # The user's to make megabytes long: only what a line can show is read.
             argv = f.read(_CMDLINE_MAX).rstrip(b"\0").split(b"\0")
@@ -245,7 +245,15 @@ def command(pid: int, viewer: int | None = None) -> str:
                 text = f.read().strip()
     except OSError:
         return "?"
+    text = _one_line(text)
     return text if len(text) <= _COMMAND_CHARS else text[: _COMMAND_CHARS - 3] + "..."
+
+
+def _one_line(text: str) -> str:
+    """`text` fit for one line of an error, whatever it holds (a `python -c` program, a
+    terminal's escapes, a name set by prctl): each run of blanks or control characters one
+    space."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
 
 
 def _user(uid: int) -> str:

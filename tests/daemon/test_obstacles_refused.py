@@ -8,33 +8,11 @@ tests/engine/test_obstacles.py says more)."""
 from __future__ import annotations
 
 import json
-import os
 import pwd
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import WORKLOADS, Daemon, wait_for
-
-
-@pytest.fixture(scope="module")
-def holdfd(world_tmp: Path) -> Path:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is missing: install build-essential")
-    where = Path(tempfile.mkdtemp(prefix="holdfd-", dir=world_tmp))
-    os.chmod(where, 0o755)
-    binary = where / "holdfd"
-    subprocess.run(
-        [gcc, "-O2", "-Wall", "-Werror", "-o", str(binary), str(WORKLOADS / "holdfd.c")],
-        check=True,
-        timeout=120,
-    )
-    return binary
+from tests.conftest import Daemon, wait_for
 
 
 def _ticks(d: Daemon, job: str) -> int:

@@ -554,3 +554,74 @@ def test_a_part_mid_call_to_a_node_service_is_frozen_between_calls(
         _thaw_parts()
         n1.kill_all()
         jobnet.remove_part(net, on=n1.node.prefix())
+
+
+def test_a_part_that_cannot_be_dumped_is_not_frozen(
+    daemons: dict[str, Daemon], world_tmp: Path, tmp_path: Path, holdfd: Path
+) -> None:
+    # Refused at the freeze, in one line, so that no other part of the job is held for a dump
+    # that must fail: a part connected to a service outside for good, and one holding an
+    # io_uring. Each runs on, unfrozen, no freeze left in the journal.
+    n1 = daemons["jn1"]
+    assert n1.node is not None
+    c1 = Client(n1.socket)
+    net = jobnet.JobNet(
+        vni=random.randrange(1000, 1_000_000),
+        subnet=ipaddress.IPv4Network(f"10.96.{random.randrange(256)}.0/24"),
+    )
+    part = jobnet.Part(net.address(0), ipaddress.IPv4Address(n1.node.address))
+    service = world_tmp / f"silent-{os.urandom(3).hex()}.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(service))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    # It never answers: the part waits in its first call, connected.
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    try:
+        jobnet.make_part(net, part, [part], underlay="eth0", on=n1.node.prefix())
+        asker = c1.run(
+            command=["python3", "-u", "-c", _ASKER, str(service)],
+            cwd="/",
+            log=str(tmp_path / "asker.log"),
+            label="jn-asker",
+            job_net=net.vni,
+        )["job"]
+        holder = c1.run(
+            command=[str(holdfd), "io_uring"],
+            cwd="/",
+            log=str(tmp_path / "holder.log"),
+            label="jn-holder",
+            job_net=net.vni,
+        )["job"]
+        wait_for(lambda: bool(accepted), 30, "the part's call")
+        wait_for(lambda: "tick 2" in (tmp_path / "holder.log").read_text(), 30, "its ticks")
+        with pytest.raises(StasisError) as refused:
+            c1.freeze(asker, timeout_s=30)
+        said = str(refused.value)
+        assert said.startswith(f"job {asker} not frozen: "), said
+        assert f"is connected to {service}, served by pid {os.getpid()}" in said, said
+        assert said.endswith("(still so after 3 s); it runs on") and "\n" not in said, said
+        with pytest.raises(StasisError) as refused:
+            c1.freeze(holder, timeout_s=30)
+        said = str(refused.value)
+        assert said.startswith(f"job {holder} not frozen, it runs on: pid "), said
+        assert "holds an io_uring" in said and "\n" not in said, said
+        for job in (asker, holder):
+            assert c1.job(job)["frozen"] is False and c1.job(job)["state"] == "running"
+            with pytest.raises(StasisError, match=f"job {job} is not frozen"):
+                c1.thaw(job)
+        assert not any((n1.state_dir / "part-freezes").glob("*.json"))
+        ticks = (tmp_path / "holder.log").read_text().count("tick")
+        wait_for(
+            lambda: (tmp_path / "holder.log").read_text().count("tick") > ticks + 2,
+            30,
+            "the io_uring part going on",
+        )
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        service.unlink(missing_ok=True)
+        _thaw_parts()
+        n1.kill_all()
+        jobnet.remove_part(net, on=n1.node.prefix())

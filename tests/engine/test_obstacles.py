@@ -10,7 +10,6 @@ directory named like it, passed as the directory to look in."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,21 +17,6 @@ from pathlib import Path
 import pytest
 
 from stasis.engine import obstacles, proctree
-from tests.conftest import WORKLOADS
-
-
-@pytest.fixture(scope="module")
-def holdfd(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is missing: install build-essential")
-    binary = tmp_path_factory.mktemp("holdfd") / "holdfd"
-    subprocess.run(
-        [gcc, "-O2", "-Wall", "-Werror", "-o", str(binary), str(WORKLOADS / "holdfd.c")],
-        check=True,
-        timeout=120,
-    )
-    return binary
 
 
 @pytest.fixture
