@@ -272,11 +272,7 @@ class Dumper:
         if not proctree.alive(row.pid, row.pid_start):
             raise UsageError(f"job {job_id} is no longer running; nothing to freeze")
         # What refuses its dump refuses its freeze: no part of the job is held for nothing.
-        refused = (
-            beyond_owner(row.pid, row)
-            or obstacles.refusal(row.pid, row.uid)
-            or self._node_local_refusal(row.pid, row.uid)
-        )
+        refused = self.refusal(row.pid, row)
         if refused:
             raise CheckpointError(f"job {job_id} not frozen, it runs on: {refused}")
         with self._dump_slot(f"job {row.id}", f"job {job_id}", "being frozen; wait for it"):
@@ -384,11 +380,7 @@ class Dumper:
         # Refused before CRIU freezes anything (and checked again on the frozen tree, below).
         # An RDMA device or an io_uring (engine/obstacles.py) is not checked again: CRIU fails
         # on them itself (seen for io_uring: it cannot pass its fd), and explain() names them.
-        refused = (
-            beyond_owner(pid, info)
-            or obstacles.refusal(pid, info.uid)
-            or self._node_local_refusal(pid, info.uid)
-        )
+        refused = self.refusal(pid, info)
         if refused:
             raise CheckpointError(f"checkpoint of {what} refused, job still running: {refused}")
         # Before CRIU runs: a dump that cannot be encrypted is refused with the job untouched.
@@ -435,6 +427,16 @@ class Dumper:
             )
         )
         return done
+
+    def refusal(self, pid: int, owner: CheckpointInfo | JobRow) -> str | None:
+        """Why no checkpoint of the tree under `pid` can be taken for `owner` (one line), known
+        before anything is frozen: credentials beyond the owner's, what CRIU cannot carry,
+        node-local files over the limit. None: nothing known."""
+        return (
+            beyond_owner(pid, owner)
+            or obstacles.refusal(pid, owner.uid)
+            or self._node_local_refusal(pid, owner.uid)
+        )
 
     def _node_local_refusal(self, pid: int, uid: int) -> str | None:
         """Why the tree's node-local files cannot travel with it (over node_local_limit), or

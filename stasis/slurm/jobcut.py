@@ -91,6 +91,9 @@ class BatchPart:
 
     def freeze(self, job_id: str, **request: Unpack[wire.FreezeRequest]) -> wire.FreezeAnswer:
         timeout_s = float(request.get("timeout_s", cut.FREEZE_TIMEOUT_S))
+        refused = self.manager.dumper.refusal(self.pid, self.info)
+        if refused:
+            raise CheckpointError(f"{self.what} not frozen, it runs on: {refused}")
         entry = self.manager.dumper.parts.freeze(self.name, self.pid, timeout_s)
         return wire.FreezeAnswer(
             job=self.name, cgroup=entry.cgroup, job_net=entry.vni, timeout_s=timeout_s

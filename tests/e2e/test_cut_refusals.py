@@ -1,22 +1,20 @@
 """A job across nodes one of whose parts holds what no checkpoint can carry is refused by the
-cut that would checkpoint it (issue 31): `stasis.slurm.cut.take` raises CheckpointError in one
-line naming the part's node, the process and what it holds; no checkpoint of the cut is listed
-on any node; every part is thawed and runs on (the counter passed over TCP between them goes on,
-nothing lost or repeated). Two nodes of their own (tests/nodes.py), each with a real daemon,
-sharing one store and one site key; the parts are those of tests/e2e/test_jobnet_daemon.py, one
-of them with tests/workloads/holdfd.c started beside its counter. The io_uring is real; the RDMA
-device is a stand-in (no adapter here: a file at /dev/infiniband/uverbs0 in the holder's own
-mount namespace, as tests/daemon/test_obstacles_refused.py does)."""
+cut that would checkpoint it (issue 31), at the part's freeze (before CRIU runs anywhere):
+`stasis.slurm.cut.take` raises CheckpointError in one line naming the part's node, the process
+and what it holds; no checkpoint of the cut is listed on any node; every part is thawed and runs
+on (the counter passed over TCP between them goes on, nothing lost or repeated). Two nodes of
+their own (tests/nodes.py), each with a real daemon, sharing one store and one site key; the
+parts are those of tests/e2e/test_jobnet_daemon.py, one of them with tests/workloads/holdfd.c
+started beside its counter. The io_uring is real; the RDMA device is a stand-in (no adapter
+here: a file at /dev/infiniband/uverbs0 in the holder's own mount namespace, as
+tests/daemon/test_obstacles_refused.py does)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
-import shutil
 import signal
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,22 +62,6 @@ def daemons(
             d.kill_all()
             d.stop()
         key.unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="module")
-def holdfd(world_tmp: Path) -> Path:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.fail("gcc is missing: install build-essential")
-    where = Path(tempfile.mkdtemp(prefix="holdfd-", dir=world_tmp))
-    os.chmod(where, 0o755)
-    binary = where / "holdfd"
-    subprocess.run(
-        [gcc, "-O2", "-Wall", "-Werror", "-o", str(binary), str(WORKLOADS / "holdfd.c")],
-        check=True,
-        timeout=120,
-    )
-    return binary
 
 
 def _start(job: Job, server_holds: str, client_holds: str) -> tuple[str, str]:
@@ -196,9 +178,8 @@ def test_a_cut_with_a_part_holding_an_io_uring_is_refused(
         ]
         said = _refused(job, parts, "cr2", hold_log)
         assert re.search(
-            rf"its part on cr2 could not be dumped \(checkpoint of job {client} refused, job still "
-            r"running: pid \d+ \(holdfd io_uring\) holds an io_uring \(fd 3\), which CRIU cannot "
-            r"checkpoint",
+            rf"its part on cr2 could not be frozen \(job {client} not frozen, it runs on: pid \d+ "
+            r"\(holdfd io_uring\) holds an io_uring \(fd 3\), which CRIU cannot checkpoint",
             said,
         ), said
         assert "run it without io_uring" in said
@@ -221,9 +202,8 @@ def test_a_cut_with_a_part_holding_an_rdma_device_is_refused(
         ]
         said = _refused(job, parts, "cr1", hold_log)
         assert re.search(
-            rf"its part on cr1 could not be dumped \(checkpoint of job {server} refused, job still "
-            r"running: pid \d+ \(holdfd /dev/infiniband/uverbs0\) holds the RDMA device "
-            r"/dev/infiniband/uverbs0 \(fd 3\), which CRIU cannot checkpoint",
+            rf"its part on cr1 could not be frozen \(job {server} not frozen, it runs on: pid \d+ "
+            r"\(holdfd /dev/infiniband/uverbs0\) holds the RDMA device /dev/infiniband/uverbs0 \(fd 3\), which CRIU cannot checkpoint",
             said,
         ), said
         assert "run it over TCP" in said
