@@ -276,7 +276,7 @@ class Dumper:
         if refused:
             raise CheckpointError(f"job {job_id} not frozen, it runs on: {refused}")
         with self._dump_slot(f"job {row.id}", f"job {job_id}", "being frozen; wait for it"):
-            entry = self.parts.freeze(row.id, row.pid, req.timeout_s)
+            entry = self.parts.freeze(row.id, row.pid, req.timeout_s, row.uid)
         return FreezeAnswer(
             job=row.id, cgroup=entry.cgroup, job_net=entry.vni, timeout_s=req.timeout_s
         )

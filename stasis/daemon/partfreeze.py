@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -86,10 +87,11 @@ class PartFreezes:
 
     # -- freeze, thaw --------------------------------------------------------------------------
 
-    def freeze(self, job: str, pid: int, timeout_s: float) -> PartFreeze:
+    def freeze(self, job: str, pid: int, timeout_s: float, viewer: int | None) -> PartFreeze:
         """Freeze the part `job` whose tree is `pid` (its cgroup and job network) for at most
         `timeout_s`; UsageError (one line) when it is not a part or frozen already,
-        CheckpointError when it cannot be frozen, nothing left frozen."""
+        CheckpointError when it cannot be frozen, nothing left frozen. Its refusals name other
+        processes as `viewer` (a uid, the part's owner; None or 0: root) may see them."""
         cgroup = partcgroup.of(pid)
         if cgroup is None:
             raise UsageError(
@@ -119,12 +121,22 @@ class PartFreezes:
         try:
             if entry.vni is not None:
                 jobnet.hold(entry.vni)
-            self._freeze_between_connections(job, pid, cgroup)
+            self._freeze_between_connections(job, pid, cgroup, viewer)
         except (StasisError, OSError) as e:
             self._thaw(entry)
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"job {job} not frozen: {e}; it runs on") from e
+        except BaseException:
+            self._thaw(entry)  # whatever it was, the part is not left frozen without a deadline
+            raise
+        # Its deadline counts from the freeze, however long settling it took.
+        with self._lock:
+            entry.deadline = time.time() + timeout_s
+            try:
+                self._write(entry)
+            except OSError as e:  # the journal's earlier deadline stands there: no harm
+                log.warning("job %s: its freeze's deadline cannot be recorded: %s", job, e)
         timer = threading.Timer(timeout_s, self._expired, args=(job,))
         timer.daemon = True
         with self._lock:
@@ -132,14 +144,16 @@ class PartFreezes:
         timer.start()
         return entry
 
-    def _freeze_between_connections(self, job: str, pid: int, cgroup: Path) -> None:
+    def _freeze_between_connections(
+        self, job: str, pid: int, cgroup: Path, viewer: int | None
+    ) -> None:
         """Freeze the cgroup at a moment no unix stream connection crosses the tree's edge, if
         one comes within EDGE_SETTLE_S: a part that talks to a node's service now and then (the
         launch agent's munge, for one credential per call) would make CRIU fail "Can't dump
         half of stream unix connection" on a freeze that caught it mid-call. A connection that
-        stays (a terminal multiplexer's client) refuses the freeze, saying whose it is."""
+        stays (a terminal multiplexer's client) refuses the freeze, saying whose it is (the
+        commands as `viewer`, the part's owner, may see them)."""
         deadline = time.monotonic() + EDGE_SETTLE_S
-        pause = 0.01
         while True:
             if not partcgroup.freeze(cgroup):
                 raise CheckpointError(
@@ -147,26 +161,31 @@ class PartFreezes:
                     "process stuck in the kernel); it runs on"
                 )
             try:
-                crossing = unixpeers.external_peers(pid)
-            except OSError:
-                return  # the dump's own check says what it finds
-            if not crossing:
-                return
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"job {job} not frozen: "
-                    + "; ".join(p.describe() for p in crossing)
-                    + f" (still so after {EDGE_SETTLE_S:.0f} s); it runs on"
-                )
+                if not unixpeers.crosses_edge(pid):
+                    return
+                if time.monotonic() > deadline:
+                    crossing = unixpeers.external_peers(pid, viewer)
+                    if not crossing:
+                        return
+                    raise CheckpointError(
+                        f"job {job} not frozen: "
+                        + "; ".join(p.describe() for p in crossing)
+                        + f" (still so after {EDGE_SETTLE_S:.0f} s); it runs on"
+                    )
+            except OSError as e:
+                log.warning("job %s: its unix connections cannot be looked at: %s", job, e)
+                return  # CRIU's dump says what it finds
+            # A short pause of no fixed length: a part calling out on a period of its own is
+            # not caught mid-call again and again in step with it.
+            pause = random.uniform(0.005, 0.05)
             log.info(
-                "job %s: frozen mid-connection (%s); thawed for %.0f ms and frozen again",
+                "job %s: frozen mid-connection to a process outside it; thawed for %.0f ms and "
+                "frozen again",
                 job,
-                crossing[0].inside,
                 pause * 1000,
             )
             partcgroup.set_frozen(cgroup, False)
             time.sleep(pause)
-            pause = min(pause * 2, 0.2)
 
     @contextmanager
     def dumping(self, job: str) -> Iterator[None]:

@@ -409,7 +409,11 @@ def too_large(found: list[Found], limit: int) -> str | None:
     if total <= limit:
         return None
     largest = sorted((f for f in found if f.kind == "file"), key=lambda f: -f.size_bytes)[:3]
-    named = ", ".join(f"{f.path} ({_size(f.size_bytes)})" for f in largest)
+    # The job's own names, said on one line whatever they hold.
+    named = ", ".join(
+        f"{''.join(c if c.isprintable() else '?' for c in f.path)} ({_size(f.size_bytes)})"
+        for f in largest
+    )
     return (
         f"its node-local files hold {_size(total)}, over node_local_limit "
         f"({_size(limit)}), largest {named}; move them out of /tmp, /var/tmp, /dev/shm and "

@@ -114,7 +114,8 @@ def netns(pid: int) -> int | None:
 
 def _diag_socket_in(pid: int) -> socket.socket:
     """A sock_diag netlink socket of `pid`'s network namespace: made on a thread of its own that
-    enters it (a network namespace is per thread; the thread, and its namespace, end with it)."""
+    enters it (a network namespace is per thread; the thread, and its namespace, end with it).
+    OSError whatever goes wrong, the thread's start included."""
     made: list[socket.socket] = []
     failed: list[OSError] = []
 
@@ -130,12 +131,17 @@ def _diag_socket_in(pid: int) -> socket.socket:
             made.append(_diag_socket())
         except OSError as e:
             failed.append(e)
+        except Exception as e:  # noqa: BLE001 - said to the caller as what it expects
+            failed.append(OSError(f"cannot look into pid {pid}'s network: {e}"))
 
-    thread = threading.Thread(target=enter, name=f"sock-diag-{pid}", daemon=True)
-    thread.start()
+    try:
+        thread = threading.Thread(target=enter, name=f"sock-diag-{pid}", daemon=True)
+        thread.start()
+    except RuntimeError as e:  # no thread to be had (pids.max, the interpreter ending)
+        raise OSError(f"cannot look into pid {pid}'s network: {e}") from None
     thread.join()
-    if failed:
-        raise failed[0]
+    if failed or not made:
+        raise failed[0] if failed else OSError(f"cannot look into pid {pid}'s network")
     return made[0]
 
 
@@ -279,25 +285,28 @@ def holders(inodes: Iterable[int], skip: set[int]) -> dict[int, list[int]]:
     return found
 
 
-def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
-    """The unix stream and seqpacket connections between the tree under `root` and processes
-    outside it: each one makes CRIU's dump of the tree fail. Commands as `viewer` may see them
-    (see `command`)."""
-    tree = proctree.tree(root)
+def _crossing(tree: list[int]) -> tuple[list[tuple[UnixSocket, int]], dict[int, UnixSocket]]:
+    """The tree's ends of unix stream connections whose other end no process of it holds, each
+    with the first process of the tree holding it; and the sockets looked at, by inode."""
     mine: dict[int, int] = {}  # socket inode -> the first process of the tree holding it
     for pid in tree:
         for inode in socket_inodes(pid):
             mine.setdefault(inode, pid)
     if not mine:
-        return []
-    # One listing per network namespace the tree's processes are in (usually one).
-    spaces = {netns(pid): pid for pid in tree}
+        return [], {}
+    # One listing per network namespace the tree's processes are in (usually one), and this
+    # one's: the socket a server's accept() gives lives in its client's namespace, so a server
+    # in the tree with a client outside holds a socket of the client's.
+    spaces = {netns(os.getpid()): os.getpid()}
+    for pid in tree:
+        spaces.setdefault(netns(pid), pid)
     sockets: dict[int, UnixSocket] = {}
-    for pid in spaces.values():
+    for space, pid in spaces.items():
         try:
             sockets.update(unix_sockets(pid))
         except OSError:
-            continue  # gone meanwhile
+            if space is not None and netns(pid) == space:
+                raise  # not gone: a namespace not looked into would hide a connection
     crossing = [
         (sockets[i], pid)
         for i, pid in mine.items()
@@ -306,6 +315,22 @@ def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
         and sockets[i].peer
         and sockets[i].peer not in mine
     ]
+    return crossing, sockets
+
+
+def crosses_edge(root: int) -> bool:
+    """Whether a unix stream connection crosses the edge of the tree under `root` (what
+    `external_peers` describes, without looking for who holds the far ends: cheap enough to
+    ask again and again). OSError when a namespace of the tree cannot be looked into."""
+    return bool(_crossing(proctree.tree(root))[0])
+
+
+def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
+    """The unix stream and seqpacket connections between the tree under `root` and processes
+    outside it: each one makes CRIU's dump of the tree fail. Commands as `viewer` may see them
+    (see `command`). OSError when a namespace of the tree cannot be looked into."""
+    tree = proctree.tree(root)
+    crossing, sockets = _crossing(tree)
     if not crossing:
         return []
     far = holders((sk.peer for sk, _ in crossing), skip=set(tree))
@@ -313,11 +338,12 @@ def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
     for sk, pid in sorted(crossing, key=lambda c: (c[1], c[0].inode)):
         other = sockets.get(sk.peer)
         outside_name = other.name if other else None
+        address = sk.name or outside_name
         peers.append(
             ExternalPeer(
                 inside=Process(pid, command(pid, viewer)),
                 kind=_TYPES[sk.type],
-                address=sk.name or outside_name,
+                address=_one_line(address) if address is not None else None,
                 served_inside=True if sk.name else False if outside_name else None,
                 holders=tuple(Process(p, command(p, viewer)) for p in sorted(far.get(sk.peer, []))),
             )
@@ -325,4 +351,11 @@ def external_peers(root: int, viewer: int | None = None) -> list[ExternalPeer]:
     return peers
 
 
-__all__ = ["ExternalPeer", "Process", "UnixSocket", "external_peers", "unix_sockets"]
+__all__ = [
+    "ExternalPeer",
+    "Process",
+    "UnixSocket",
+    "crosses_edge",
+    "external_peers",
+    "unix_sockets",
+]

@@ -94,7 +94,7 @@ class BatchPart:
         refused = self.manager.dumper.refusal(self.pid, self.info)
         if refused:
             raise CheckpointError(f"{self.what} not frozen, it runs on: {refused}")
-        entry = self.manager.dumper.parts.freeze(self.name, self.pid, timeout_s)
+        entry = self.manager.dumper.parts.freeze(self.name, self.pid, timeout_s, self.info.uid)
         return wire.FreezeAnswer(
             job=self.name, cgroup=entry.cgroup, job_net=entry.vni, timeout_s=timeout_s
         )

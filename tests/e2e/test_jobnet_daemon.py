@@ -549,6 +549,7 @@ def test_a_part_mid_call_to_a_node_service_is_frozen_between_calls(
         numbers = [int(n) for n in log.read_text().split()]
         assert numbers == list(range(1, len(numbers) + 1))
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes its accept(), which close() would not
         listener.close()
         service.unlink(missing_ok=True)
         _thaw_parts()
@@ -618,6 +619,7 @@ def test_a_part_that_cannot_be_dumped_is_not_frozen(
             "the io_uring part going on",
         )
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes its accept(), which close() would not
         listener.close()
         for conn in accepted:
             conn.close()
