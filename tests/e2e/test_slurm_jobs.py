@@ -246,8 +246,8 @@ def test_periodic_checkpoint_then_requeue_resumes_and_scancel_leaves_nothing(
 def test_label_lifecycle_resume_under_new_id_then_retire(cluster: Cluster) -> None:
     label = f"life-{secrets.token_hex(3)}"
     script = cluster.counter_script(
-        "life", f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}", stop=16, interval=0.5
-    )
+        "life", f"--export=STASIS_ENABLE=1,STASIS_CHECKPOINT={label}", stop=24, interval=0.5
+    )  # 10 s after the 4th number: time for the dump and the scancel on a loaded machine
     first = cluster.sbatch(script)
     cluster.wait_number(first, 4)
     cp = json.loads(
@@ -267,8 +267,8 @@ def test_label_lifecycle_resume_under_new_id_then_retire(cluster: Cluster) -> No
     # The new job's own output holds only the restored counter (the launcher's "restored" line
     # may land after its first value).
     resumed = cluster.numbers(second)
-    assert 4 <= resumed[0] <= at_dump_max + 1 and resumed[-1] == 15
-    assert resumed == list(range(resumed[0], 16))
+    assert 4 <= resumed[0] <= at_dump_max + 1 and resumed[-1] == 23
+    assert resumed == list(range(resumed[0], 24))
     assert cluster.checkpoints(label) == []  # COMPLETED with 0: retired
 
     third = cluster.sbatch(script)  # starts fresh
