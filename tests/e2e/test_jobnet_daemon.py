@@ -499,6 +499,24 @@ def _serve_slowly(listener: socket.socket) -> None:
         threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
 
+def _one_part_net(d: Daemon, octet: int) -> tuple[jobnet.JobNet, jobnet.Part]:
+    """A job network of one part, on `d`'s node (made by the caller)."""
+    assert d.node is not None
+    net = jobnet.JobNet(
+        vni=random.randrange(1000, 1_000_000),
+        subnet=ipaddress.IPv4Network(f"10.{octet}.{random.randrange(256)}.0/24"),
+    )
+    return net, jobnet.Part(net.address(0), ipaddress.IPv4Address(d.node.address))
+
+
+def _listening(path: Path) -> socket.socket:
+    """A unix socket outside any job, listening at `path`."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(16)
+    return listener
+
+
 def test_a_part_mid_call_to_a_node_service_is_frozen_between_calls(
     daemons: dict[str, Daemon], world_tmp: Path, tmp_path: Path
 ) -> None:
@@ -509,15 +527,9 @@ def test_a_part_mid_call_to_a_node_service_is_frozen_between_calls(
     n1 = daemons["jn1"]
     assert n1.node is not None
     c1 = Client(n1.socket)
-    net = jobnet.JobNet(
-        vni=random.randrange(1000, 1_000_000),
-        subnet=ipaddress.IPv4Network(f"10.97.{random.randrange(256)}.0/24"),
-    )
-    part = jobnet.Part(net.address(0), ipaddress.IPv4Address(n1.node.address))
+    net, part = _one_part_net(n1, 97)
     service = world_tmp / f"service-{os.urandom(3).hex()}.sock"
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(str(service))
-    listener.listen(16)
+    listener = _listening(service)
     threading.Thread(target=_serve_slowly, args=(listener,), daemon=True).start()
     log = tmp_path / "asker.log"
     try:
@@ -566,15 +578,9 @@ def test_a_part_that_cannot_be_dumped_is_not_frozen(
     n1 = daemons["jn1"]
     assert n1.node is not None
     c1 = Client(n1.socket)
-    net = jobnet.JobNet(
-        vni=random.randrange(1000, 1_000_000),
-        subnet=ipaddress.IPv4Network(f"10.96.{random.randrange(256)}.0/24"),
-    )
-    part = jobnet.Part(net.address(0), ipaddress.IPv4Address(n1.node.address))
+    net, part = _one_part_net(n1, 96)
     service = world_tmp / f"silent-{os.urandom(3).hex()}.sock"
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(str(service))
-    listener.listen(16)
+    listener = _listening(service)
     accepted: list[socket.socket] = []
     # It never answers: the part waits in its first call, connected.
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
