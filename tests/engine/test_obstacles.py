@@ -11,23 +11,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from stasis.engine import obstacles, proctree
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        p.kill()
-        p.wait()
-        assert p.stdout is not None
-        p.stdout.close()
 
 
 def _start(procs: list[subprocess.Popen[str]], *argv: str) -> subprocess.Popen[str]:

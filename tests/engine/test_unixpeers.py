@@ -9,10 +9,7 @@ import pwd
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from stasis.engine import unixpeers
 
@@ -24,17 +21,6 @@ s.connect(sys.argv[1])
 print("connected", flush=True)
 time.sleep(600)
 """
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        p.kill()
-        p.wait()
-        if p.stdout is not None:
-            p.stdout.close()
 
 
 def test_a_connection_from_another_network_namespace_is_found(
