@@ -46,7 +46,12 @@ from stasis.errors import (
 from stasis.slurm import remote, scontrol
 from stasis.slurm.partnames import part_of
 
-POLL_S = 0.2  # between reads of the part's output while it has nothing new
+# Between reads of the part's output: POLL_S after it wrote some, then longer while it writes
+# nothing, up to POLL_MAX_S. Each read makes a munge credential (a `munge` child connected to
+# munged, outside the job): fewer of them, fewer moments a cut must wait out (partfreeze).
+POLL_S = 0.2
+POLL_MAX_S = 1.0
+_BACK_OFF = 1.5
 GIVE_UP_S = 120.0  # of its daemon unreachable before the part is taken for lost
 _CALL_TIMEOUT_S = 30.0
 _EXIT_FAILED = 255  # ssh's own failure
@@ -102,6 +107,12 @@ class _Signals:
         self.count += 1
         self.pending.append("KILL" if self.count > 1 else signal.Signals(signum).name[3:])
 
+    def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, less if a signal comes: it is passed on without the wait."""
+        deadline = time.monotonic() + seconds
+        while not self.pending and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+
 
 def moved_to(host: str, started_on: list[str], now: list[str]) -> str:
     """The node that has `host`'s place in the job's NodeList `now` (`started_on`: the
@@ -145,7 +156,7 @@ def relay(settings: Settings, host: str, words: list[str]) -> int:
     of = part_of(started["label"])
     if of is None:
         raise DaemonAPIError(f"{host} started no part of job {job} (label {started['label']!r})")
-    part, offset, lost_since = of[1], 0, 0.0
+    part, offset, lost_since, idle = of[1], 0, 0.0, POLL_S
     out = sys.stdout.buffer
 
     def follow() -> None:
@@ -183,7 +194,7 @@ def relay(settings: Settings, host: str, words: list[str]) -> int:
         if data:
             out.write(data)
             out.flush()
-            offset = got["offset"]
+            offset, idle = got["offset"], POLL_S
             continue
         if got["state"] in _ENDED:
             code = got["exit_code"]
@@ -193,7 +204,8 @@ def relay(settings: Settings, host: str, words: list[str]) -> int:
             time.sleep(1.0)
             follow()
             continue
-        time.sleep(POLL_S)
+        signals.wait(idle)
+        idle = min(idle * _BACK_OFF, POLL_MAX_S)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,16 @@ with real daemons: tests/e2e/test_mpi_rsh.py, tests/e2e/test_mpi_cut.py."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from stasis.slurm.partnames import part_label, part_of
-from stasis.slurm.rsh import moved_to, parse_args
+from stasis.slurm.rsh import _Signals, moved_to, parse_args
 
 
 @pytest.mark.parametrize(
@@ -59,3 +65,29 @@ def test_a_part_is_named_by_its_slurm_job_and_key() -> None:
     assert part_of(part_label("12", "0a1b2c3d")) == ("12", "0a1b2c3d")
     for label in ("slurm-12-part", "slurm-12-part-0A1B2C3D", "slurm-x-part-0a1b2c3d", "12"):
         assert part_of(label) is None, label
+
+
+@pytest.fixture
+def agent_signals() -> Iterator[_Signals]:
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield _Signals()
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_ends_the_wait_between_polls(agent_signals: _Signals) -> None:
+    """The agent polls less often while its part is quiet; a signal must not wait for the next
+    poll (an MPI launcher's SIGTERM reaches the part at once)."""
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    timer.start()
+    agent_signals.wait(30.0)
+    waited = time.monotonic() - start
+    timer.join()
+    assert agent_signals.pending == ["TERM"]
+    assert 0.2 <= waited < 5.0, waited
+    start = time.monotonic()
+    agent_signals.wait(10.0)  # a signal not yet passed on: no wait at all
+    assert time.monotonic() - start < 0.01
