@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import threading
@@ -25,7 +26,7 @@ from stasis.daemon.db import JobDatabaseError, JobRow
 from stasis.daemon.inflight import InFlightDump
 from stasis.daemon.models import DumpRequest, FreezeRequest, ThawRequest, validate_job_id
 from stasis.daemon.partfreeze import DIRECTORY as PART_FREEZES
-from stasis.daemon.partfreeze import PartFreezes
+from stasis.daemon.partfreeze import EDGE_SETTLE_S, PartFreezes
 from stasis.daemon.progress import DirWatcher, Progress
 from stasis.daemon.tracking import JobTracker
 from stasis.daemon.users import Caller, account
@@ -43,6 +44,7 @@ from stasis.engine import (
     privatepts,
     privatetmp,
     proctree,
+    unixpeers,
 )
 from stasis.errors import CheckpointError, StasisError, UsageError
 from stasis.store import (
@@ -58,6 +60,16 @@ from stasis.store import (
 from stasis.wire import DumpAnswer, DumpCheckAnswer, FreezeAnswer, ThawAnswer
 
 log = logging.getLogger("stasis.daemon")
+
+# Where CRIU's first error came from when it failed on the tree's unix sockets: "Can't dump half
+# of stream unix connection" (a connection to a process outside it), "Non-empty write queue on
+# an in-flight socket" (one its server outside has not accepted yet) ...
+_UNIX_SOCKETS = "[criu/sk-unix.c:"
+
+
+class _CaughtMidCall(CheckpointError):
+    """CRIU's dump failed on the tree's unix sockets: worth another try if it caught a short
+    call to a process outside it (a munge credential, a name-service lookup)."""
 
 
 class Dumper:
@@ -397,7 +409,7 @@ class Dumper:
             )
             self.core.journal.begin(entry)
             try:
-                done = self._checkpoint_tree(
+                done = self._between_calls(
                     entry, info, compress, what, progress, notes, data_key, freeze_cgroup
                 )
             except BaseException:
@@ -515,6 +527,64 @@ class Dumper:
                 log.warning("cannot remove the staging of checkpoint %s: %s", entry.checkpoint, e)
         self._settle_or_defer(current)
 
+    def _between_calls(
+        self,
+        entry: InFlightDump,
+        info: CheckpointInfo,
+        compress: CompressionRequest,
+        what: str,
+        progress: Progress | None,
+        notes: list[str],
+        data_key: DataKey | None,
+        freeze_cgroup: str | None,
+    ) -> tuple[Manifest, DumpResult, bool]:
+        """`_checkpoint_tree` at a moment no unix stream connection crosses the tree's edge, if
+        one comes within EDGE_SETTLE_S: a job that calls a node's service now and then (a munge
+        credential, a name-service lookup) is dumped between its calls, not failed for being
+        caught in one ("Can't dump half of stream unix connection"), as a cut's freeze does
+        (partfreeze.py). A connection that lasts fails the dump, explained. A frozen part is
+        dumped as it is: partfreeze froze it between calls."""
+        deadline = time.monotonic() + EDGE_SETTLE_S
+        caught = 0
+        while True:
+            if freeze_cgroup is None:
+                self._wait_for_a_gap(entry.pid, deadline)
+            tried: list[str] = []  # each try says its own (not staged ...) once
+            try:
+                done = self._checkpoint_tree(
+                    entry, info, compress, what, progress, tried, data_key, freeze_cgroup
+                )
+            except _CaughtMidCall:
+                if freeze_cgroup is not None or time.monotonic() > deadline:
+                    raise
+                caught += 1
+                log.info(
+                    "%s: CRIU found it mid-connection to a process outside it; dumped again "
+                    "once no connection crosses its edge",
+                    what,
+                )
+                continue
+            notes.extend(tried)
+            if caught:
+                notes.append(
+                    f"dumped at try {caught + 1}: the dump before caught it mid-connection to a "
+                    "process outside it (it ran on meanwhile)"
+                )
+            return done
+
+    @staticmethod
+    def _wait_for_a_gap(pid: int, deadline: float) -> None:
+        """Until no unix stream connection crosses the edge of the tree under `pid`, or the
+        `deadline` (time.monotonic()) passed: CRIU's dump is started right after."""
+        while time.monotonic() < deadline:
+            try:
+                if not unixpeers.crosses_edge(pid):
+                    return
+            except OSError:
+                return  # CRIU's dump says what it finds
+            # No fixed period: a job calling out on one of its own is not met in step with it.
+            time.sleep(random.uniform(0.002, 0.02))
+
     def _checkpoint_tree(
         self,
         entry: InFlightDump,
@@ -606,7 +676,8 @@ class Dumper:
                 ) from e
             # CRIU names no process when one end of a connection is outside the job: we can.
             why = obstacles.explain(pid, viewer=info.uid)
-            raise CheckpointError(
+            failed = _CaughtMidCall if _UNIX_SOCKETS in str(e) else CheckpointError
+            raise failed(
                 f"checkpoint of {what} failed, job still running: "
                 + (f"{why} (CRIU: {e})" if why else str(e))
             ) from e

@@ -1,15 +1,26 @@
 """A client of a unix stream server: `unixclient.py PATH` connects to PATH and, every 0.1 s,
-sends a number and prints what came back ("echo N"), for as long as the connection holds."""
+sends a number and prints what came back ("echo N"), for as long as the connection holds.
+`unixclient.py PATH per-call`: a connection for each number, closed once answered, every 0.2 s
+(a job asking a node's service now and then: a credential, a name lookup)."""
 
 import itertools
 import socket
 import sys
 import time
 
-conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-conn.connect(sys.argv[1])
-f = conn.makefile("rwb", buffering=0)
+
+def connected() -> socket.SocketIO:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(sys.argv[1])
+    return conn.makefile("rwb", buffering=0)
+
+
+per_call = sys.argv[2:] == ["per-call"]
+f = None if per_call else connected()
 for i in itertools.count():
-    f.write(b"%d\n" % i)
-    print("echo", f.readline().decode().strip(), flush=True)
-    time.sleep(0.1)
+    call = f or connected()
+    call.write(b"%d\n" % i)
+    print("echo", call.readline().decode().strip(), flush=True)
+    if per_call:
+        call.close()
+    time.sleep(0.2 if per_call else 0.1)
