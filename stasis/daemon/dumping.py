@@ -61,15 +61,18 @@ from stasis.wire import DumpAnswer, DumpCheckAnswer, FreezeAnswer, ThawAnswer
 
 log = logging.getLogger("stasis.daemon")
 
-# Where CRIU's first error came from when it failed on the tree's unix sockets: "Can't dump half
-# of stream unix connection" (a connection to a process outside it), "Non-empty write queue on
-# an in-flight socket" (one its server outside has not accepted yet) ...
-_UNIX_SOCKETS = "[criu/sk-unix.c:"
+# CRIU's words when it froze the tree mid-call to a process outside it: a connection open (to
+# a server outside, or from a client outside), or one whose server has not accepted it yet.
+_MID_CALL = (
+    "Can't dump half of stream unix connection",
+    "Non-empty write queue on an in-flight socket",
+)
+_MAX_TRIES = 4  # of one dump caught mid-call: each is a whole dump, the job frozen that long
 
 
 class _CaughtMidCall(CheckpointError):
-    """CRIU's dump failed on the tree's unix sockets: worth another try if it caught a short
-    call to a process outside it (a munge credential, a name-service lookup)."""
+    """CRIU's dump failed on a unix connection to a process outside the tree: worth another
+    try if it caught a short call (a munge credential, a name-service lookup)."""
 
 
 class Dumper:
@@ -545,24 +548,30 @@ class Dumper:
         (partfreeze.py). A connection that lasts fails the dump, explained. A frozen part is
         dumped as it is: partfreeze froze it between calls."""
         deadline = time.monotonic() + EDGE_SETTLE_S
+        frozen = freeze_cgroup is not None
         caught = 0
         while True:
-            if freeze_cgroup is None:
-                self._wait_for_a_gap(entry.pid, deadline)
             tried: list[str] = []  # each try says its own (not staged ...) once
             try:
                 done = self._checkpoint_tree(
-                    entry, info, compress, what, progress, tried, data_key, freeze_cgroup
+                    entry,
+                    info,
+                    compress,
+                    what,
+                    progress,
+                    tried,
+                    data_key,
+                    freeze_cgroup,
+                    gap_deadline=None if frozen else deadline,
                 )
-            except _CaughtMidCall:
-                if freeze_cgroup is not None or time.monotonic() > deadline:
+            except _CaughtMidCall as e:
+                # One more try whatever the time (a dump longer than the wait gets one too),
+                # more while the wait lasts.
+                if frozen or caught + 1 >= _MAX_TRIES or (caught and time.monotonic() > deadline):
                     raise
                 caught += 1
-                log.info(
-                    "%s: CRIU found it mid-connection to a process outside it; dumped again "
-                    "once no connection crosses its edge",
-                    what,
-                )
+                log.info("%s: dumped again once no connection crosses its edge: %s", what, e)
+                deadline = max(deadline, time.monotonic() + 0.5)
                 continue
             notes.extend(tried)
             if caught:
@@ -580,10 +589,11 @@ class Dumper:
             try:
                 if not unixpeers.crosses_edge(pid):
                     return
-            except OSError:
-                return  # CRIU's dump says what it finds
+            except Exception as e:  # a shortcut only: CRIU's dump says what it finds
+                log.warning("pid %s: its unix connections cannot be looked at: %s", pid, e)
+                return
             # No fixed period: a job calling out on one of its own is not met in step with it.
-            time.sleep(random.uniform(0.002, 0.02))
+            time.sleep(random.uniform(0.005, 0.03))
 
     def _checkpoint_tree(
         self,
@@ -595,8 +605,10 @@ class Dumper:
         notes: list[str],
         data_key: DataKey | None,
         freeze_cgroup: str | None = None,
+        gap_deadline: float | None = None,
     ) -> tuple[Manifest, DumpResult, bool]:
-        """The dump that the journal's `entry` stands for: its tree, left running or not."""
+        """The dump that the journal's `entry` stands for: its tree, left running or not.
+        `gap_deadline`: CRIU starts once no unix connection crosses the tree's edge, or then."""
         pid, leave_running = entry.pid, entry.leave_running
         asked = compress
         criu = self.criu
@@ -663,6 +675,9 @@ class Dumper:
             else None
         )
         faults.point("dump.before-criu")
+        if gap_deadline is not None:
+            # As late as can be: what came before (staging, the store) takes longer than a call.
+            self._wait_for_a_gap(pid, gap_deadline)
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
@@ -676,7 +691,8 @@ class Dumper:
                 ) from e
             # CRIU names no process when one end of a connection is outside the job: we can.
             why = obstacles.explain(pid, viewer=info.uid)
-            failed = _CaughtMidCall if _UNIX_SOCKETS in str(e) else CheckpointError
+            caught = any(words in str(e) for words in _MID_CALL)
+            failed = _CaughtMidCall if caught else CheckpointError
             raise failed(
                 f"checkpoint of {what} failed, job still running: "
                 + (f"{why} (CRIU: {e})" if why else str(e))

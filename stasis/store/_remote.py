@@ -197,6 +197,9 @@ class RemoteTree:
     def discard(self, checkpoint_id: str) -> None:
         for output in self._take_streams(checkpoint_id):
             output.discard()
+        # The directory `stream_opener` made: left there, a dump tried again under the same id
+        # (dumping.py, after CRIU caught a short call) would not stream.
+        self._remove_empty_dir(self._path(checkpoint_id))
         shutil.rmtree(self._staging_path(checkpoint_id), ignore_errors=True)
 
     def _open_write(self, path: str) -> AbstractContextManager[Writer]:
@@ -287,6 +290,12 @@ class RemoteTree:
 
     def _make_dir(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
+
+    def _remove_empty_dir(self, path: str) -> None:
+        try:
+            self.fs.rmdir(path)  # refused where anything is in it: a published checkpoint stays
+        except Exception:
+            pass  # never made, or the server is gone: gc removes what is left
 
     def _put_manifest(self, checkpoint_id: str, data: bytes) -> None:
         # Not every fsspec backend writes a file in one step: write beside it, then move.

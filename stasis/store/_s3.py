@@ -246,6 +246,9 @@ class S3Tree(RemoteTree):
     def _make_dir(self, path: str) -> None:
         pass
 
+    def _remove_empty_dir(self, path: str) -> None:
+        pass  # none made; and s3fs's rmdir of a bucket's path deletes the bucket
+
     def remove(self, checkpoint_id: str) -> None:
         super().remove(checkpoint_id)
         # Servers built on a filer (SeaweedFS) keep an emptied "directory" listed until its

@@ -209,3 +209,29 @@ def test_generic_fsspec_store_streams_too(memory_store: Store) -> None:
     store.publish(info, "lz4", hashed=hashed)
     with store.open_images(info.id, staging.parent / "scratch") as (_, images):
         assert (images / "pages-1.img").read_bytes() == pages
+
+
+def test_a_dump_tried_again_under_the_same_id_streams_again(memory_store: Store) -> None:
+    # The daemon dumps again under the same checkpoint id when CRIU caught the job in a short
+    # call to a process outside it: the first try's discard leaves nothing that stops the second
+    # from uploading while CRIU writes.
+    store = memory_store
+    info = make_info()
+    first = store.follow(info.id, "lz4")
+    assert first is not None
+    (store.staging_dir(info.id) / "pages-1.img").write_bytes(os.urandom(MiB))
+    first.finish()
+    store.discard(info.id)
+    second = store.follow(info.id, "lz4")
+    assert second is not None
+    pages = os.urandom(2 * MiB + 3)
+    staging = store.staging_dir(info.id)
+    (staging / "pages-1.img").write_bytes(pages)
+    for name, data in SMALL_FILES.items():
+        (staging / name).write_bytes(data)
+    store.publish(info, "lz4", hashed=second.finish())
+    with store.open_images(info.id, staging.parent / "scratch") as (_, images):
+        assert (images / "pages-1.img").read_bytes() == pages
+    # A discard of a published checkpoint's id (never done, but) leaves it whole.
+    store.discard(info.id)
+    assert [c.id for c in store.list()] == [info.id]
