@@ -361,3 +361,15 @@ def make_daemon(world_tmp: Path, test_user: pwd.struct_passwd) -> Iterator[MakeD
     for d in made:
         d.kill_all()
         d.stop()
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts (stdout piped or not), killed and reaped at its end."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+        if p.stdout is not None:
+            p.stdout.close()

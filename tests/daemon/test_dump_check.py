@@ -10,7 +10,6 @@ import pwd
 import re
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,16 @@ def sockdir(world_tmp: Path, test_user: pwd.struct_passwd) -> Path:
     return path
 
 
-@pytest.fixture
-def outside() -> Iterator[list[subprocess.Popen[str]]]:
-    """Processes the test starts outside any job (root's), stopped at the end."""
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+def _serving(
+    path: Path, started: list[subprocess.Popen[str]], answer_after_s: float = 0.0
+) -> subprocess.Popen[str]:
+    """An echo server outside any job (root's), listening at `path`."""
+    server = subprocess.Popen(
+        workload("unixserver.py", path, answer_after_s), stdout=subprocess.PIPE, text=True
+    )
+    started.append(server)
+    assert server.stdout is not None and server.stdout.readline() == "listening\n"
+    return server
 
 
 def _echoes(d: Daemon, job: str) -> list[int]:
@@ -44,14 +43,12 @@ def _echoes(d: Daemon, job: str) -> list[int]:
 def test_job_connected_to_a_server_outside(
     daemon: Daemon,
     sockdir: Path,
-    outside: list[subprocess.Popen[str]],
+    started: list[subprocess.Popen[str]],
     test_user: pwd.struct_passwd,
 ) -> None:
     user = test_user.pw_name
     path = sockdir / "db.sock"
-    server = subprocess.Popen(workload("unixserver.py", path), stdout=subprocess.PIPE, text=True)
-    outside.append(server)
-    assert server.stdout is not None and server.stdout.readline() == "listening\n"
+    server = _serving(path, started)
     job = daemon.run(*workload("unixclient.py", path), user=user)
     wait_for(lambda: len(_echoes(daemon, job["job"])) >= 3, what="echoes")
     # Root's process, told to the job's owner: its name, not its arguments.
@@ -88,7 +85,7 @@ def test_job_connected_to_a_server_outside(
 def test_client_outside_connected_to_a_job(
     daemon: Daemon,
     sockdir: Path,
-    outside: list[subprocess.Popen[str]],
+    started: list[subprocess.Popen[str]],
     test_user: pwd.struct_passwd,
 ) -> None:
     user = test_user.pw_name
@@ -104,7 +101,7 @@ def test_client_outside_connected_to_a_job(
         group=test_user.pw_gid,
         extra_groups=[],
     )
-    outside.append(client)
+    started.append(client)
     assert client.stdout is not None and client.stdout.readline() == "echo 0\n"
 
     check = daemon.cli("dump", "--check", job["job"], user=user, check=False)
@@ -124,7 +121,7 @@ def test_client_outside_connected_to_a_job(
     assert daemon.job(job["job"])["state"] == "checkpointed"
     restored = daemon.json("restore", cp["checkpoint"], user=user)
     again = subprocess.Popen(workload("unixclient.py", path), stdout=subprocess.PIPE, text=True)
-    outside.append(again)
+    started.append(again)
     assert again.stdout is not None and again.stdout.readline() == "echo 0\n"
     daemon.cli("kill", restored["job"], user=user)
 
@@ -132,7 +129,7 @@ def test_client_outside_connected_to_a_job(
 def test_a_job_calling_a_server_outside_now_and_then_is_dumped_between_calls(
     daemon: Daemon,
     sockdir: Path,
-    outside: list[subprocess.Popen[str]],
+    started: list[subprocess.Popen[str]],
     test_user: pwd.struct_passwd,
 ) -> None:
     # A connection per call, answered 0.06 s after it was asked, then 0.2 s without: CRIU found
@@ -142,11 +139,7 @@ def test_a_job_calling_a_server_outside_now_and_then_is_dumped_between_calls(
     # Each dump below succeeds; before, nine in a row did about 1 time in 10.
     user = test_user.pw_name
     path = sockdir / "service.sock"
-    server = subprocess.Popen(
-        workload("unixserver.py", path, "0.06"), stdout=subprocess.PIPE, text=True
-    )
-    outside.append(server)
-    assert server.stdout is not None and server.stdout.readline() == "listening\n"
+    _serving(path, started, answer_after_s=0.06)
     job = daemon.run(*workload("unixclient.py", path, "per-call"), user=user)
     wait_for(lambda: len(_echoes(daemon, job["job"])) >= 3, what="its first calls")
     tries = []

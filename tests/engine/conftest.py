@@ -32,15 +32,3 @@ def end_trees(*procs: subprocess.Popen[bytes] | None) -> None:
             proc.wait()
         if proc is not None and proc.stdout is not None:
             proc.stdout.close()
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[str]]]:
-    """Processes a test starts (stdout piped or not), killed and reaped at its end."""
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        p.kill()
-        p.wait()
-        if p.stdout is not None:
-            p.stdout.close()
