@@ -47,7 +47,11 @@ while True:
     n += 1
     for master, slave in terminals:
         os.write(slave, f"{n}\\n".encode())
-        assert os.read(master, 64).split()[-1] == str(n).encode()
+        # A read returns what the line discipline has pushed so far: "5" now, "\\r\\n" later.
+        line = b""
+        while not line.endswith(b"\\n"):
+            line += os.read(master, 64)
+        assert line.split()[-1] == str(n).encode(), line
     count.seek(0); count.write(f"{n:08d}"); count.flush()
     if n % 10 == 0:
         print("round", n, flush=True)
