@@ -72,7 +72,12 @@ _MAX_TRIES = 4  # of one dump caught mid-call: each is a whole dump, the job fro
 
 class _CaughtMidCall(CheckpointError):
     """CRIU's dump failed on a unix connection to a process outside the tree: worth another
-    try if it caught a short call (a munge credential, a name-service lookup)."""
+    try if it caught a short call (a munge credential, a name-service lookup). `held_s`: how
+    long CRIU held the tree before it gave up (the job stood frozen that long for nothing)."""
+
+    def __init__(self, message: str, held_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.held_s = held_s
 
 
 class Dumper:
@@ -412,7 +417,7 @@ class Dumper:
             )
             self.core.journal.begin(entry)
             try:
-                done = self._between_calls(
+                done, held_s = self._between_calls(
                     entry, info, compress, what, progress, notes, data_key, freeze_cgroup
                 )
             except BaseException:
@@ -434,8 +439,9 @@ class Dumper:
                 stored_size_bytes=manifest.stored_size_bytes,
                 work_s=work_of(info.extra),
                 duration_s=round(result.duration_s, 4),
-                # CRIU holds the tree frozen while it dumps; a dump that stops the job ends it.
-                frozen_s=round(result.duration_s, 4),
+                # CRIU holds the tree frozen while it dumps (a caught try too, until it gives
+                # up); a dump that stops the job ends it.
+                frozen_s=round(result.duration_s + held_s, 4),
                 leave_running=leave_running,
                 store=self.core.store.url,
                 reason=reason,
@@ -540,16 +546,18 @@ class Dumper:
         notes: list[str],
         data_key: DataKey | None,
         freeze_cgroup: str | None,
-    ) -> tuple[Manifest, DumpResult, bool]:
+    ) -> tuple[tuple[Manifest, DumpResult, bool], float]:
         """`_checkpoint_tree` at a moment no unix stream connection crosses the tree's edge, if
         one comes within EDGE_SETTLE_S: a job that calls a node's service now and then (a munge
         credential, a name-service lookup) is dumped between its calls, not failed for being
         caught in one ("Can't dump half of stream unix connection"), as a cut's freeze does
         (partfreeze.py). A connection that lasts fails the dump, explained. A frozen part is
-        dumped as it is: partfreeze froze it between calls."""
+        dumped as it is: partfreeze froze it between calls. Also returns how long the tries
+        before the one that succeeded held the tree frozen."""
         deadline = time.monotonic() + EDGE_SETTLE_S
         frozen = freeze_cgroup is not None
         caught = 0
+        held_s = 0.0
         while True:
             tried: list[str] = []  # each try says its own (not staged ...) once
             try:
@@ -570,6 +578,7 @@ class Dumper:
                 if frozen or caught + 1 >= _MAX_TRIES or (caught and time.monotonic() > deadline):
                     raise
                 caught += 1
+                held_s += e.held_s
                 log.info("%s: dumped again once no connection crosses its edge: %s", what, e)
                 deadline = max(deadline, time.monotonic() + 0.5)
                 continue
@@ -579,7 +588,7 @@ class Dumper:
                     f"dumped at try {caught + 1}: the dump before caught it mid-connection to a "
                     "process outside it (it ran on meanwhile)"
                 )
-            return done
+            return done, held_s
 
     @staticmethod
     def _wait_for_a_gap(pid: int, deadline: float) -> None:
@@ -678,6 +687,7 @@ class Dumper:
         if gap_deadline is not None:
             # As late as can be: what came before (staging, the store) takes longer than a call.
             self._wait_for_a_gap(pid, gap_deadline)
+        criu_started = time.monotonic()
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
@@ -691,12 +701,12 @@ class Dumper:
                 ) from e
             # CRIU names no process when one end of a connection is outside the job: we can.
             why = obstacles.explain(pid, viewer=info.uid)
-            caught = any(words in str(e) for words in _MID_CALL)
-            failed = _CaughtMidCall if caught else CheckpointError
-            raise failed(
-                f"checkpoint of {what} failed, job still running: "
-                + (f"{why} (CRIU: {e})" if why else str(e))
-            ) from e
+            message = f"checkpoint of {what} failed, job still running: " + (
+                f"{why} (CRIU: {e})" if why else str(e)
+            )
+            if any(words in str(e) for words in _MID_CALL):
+                raise _CaughtMidCall(message, time.monotonic() - criu_started) from e
+            raise CheckpointError(message) from e
         finally:
             if watcher:
                 watcher.stop()

@@ -5,7 +5,10 @@ node-hours per cluster and per user; a report sent again counts once."""
 
 from __future__ import annotations
 
+import os
 import pwd
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,53 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         assert (status, listed) == (200, [])
         status, theirs = cp.call("GET", "/api/v1/savings", other["token"])
         assert status == 200 and theirs["node_hours"] == 0
+    finally:
+        d.kill_all()
+        d.stop()
+
+
+def test_a_dump_tried_again_reports_the_time_every_try_held_the_job(
+    controlplane: ControlPlane,
+    world_tmp: Path,
+    test_user: pwd.struct_passwd,
+    started: list[subprocess.Popen[str]],
+) -> None:
+    """A dump that caught its job mid-call to a server outside (daemon/dumping.py's retry)
+    held the job frozen for its failed try too: the frozen time the node reports, which the
+    interval policies weigh, counts it, not only CRIU's time of the try that succeeded."""
+    cp = controlplane
+    cluster = cp.json("clusters", "add", "retried", "--kind", "slurm")
+    sockets = Path(tempfile.mkdtemp(prefix="sockets-", dir=world_tmp))
+    os.chown(sockets, test_user.pw_uid, test_user.pw_gid)
+    server = subprocess.Popen(
+        workload("unixserver.py", sockets / "service.sock", 0.06),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    started.append(server)
+    assert server.stdout is not None and server.stdout.readline() == "listening\n"
+    d = new_daemon(world_tmp, "node-t", env=node_env(cp, cluster, "node-t"))
+    d.start()
+    try:
+        user = test_user.pw_name
+        job = d.run(*workload("unixclient.py", sockets / "service.sock", "per-call"), user=user)
+        wait_for(lambda: "echo 2\n" in d.log_of(job["job"]), what="its first calls")
+        # About one dump in four catches a call (tests/daemon/test_dump_check.py).
+        for _ in range(40):
+            retried = d.json("dump", "--leave-running", job["job"], user=user)
+            if any(n.startswith("dumped at try ") for n in retried["notes"]):
+                break
+        else:
+            raise AssertionError("no dump of 40 caught the job mid-call")
+        reported: dict[str, Any] = wait_for(
+            lambda: next(
+                (c for c in cp.json("checkpoints") if c["id"] == retried["checkpoint"]), None
+            ),
+            20,
+            "the report of the dump tried again",
+        )
+        assert reported["duration_s"] == retried["duration_s"]
+        assert reported["frozen_s"] > reported["duration_s"], reported
     finally:
         d.kill_all()
         d.stop()
