@@ -360,22 +360,29 @@ def bound_unix_paths(images: Path) -> set[str]:
 def ghost_paths(images: Path) -> set[str]:
     """The paths of the deleted files the job held open or mapped that the images carry as
     ghosts: a restore recreates each beside its old path for a moment (NAME.cr.ID.ghost)."""
+    return set(ghost_files(images).values())
+
+
+def ghost_files(images: Path) -> dict[str, str]:
+    """The names a restore of `images` gives its ghosts while it restores (CRIU's
+    `PATH.cr.ID.ghost`, ID its remap id in hex), each with the PATH of the deleted file it
+    stands for. CRIU removes them before the tree resumes, or when it fails by itself."""
     try:
         with open(images / "remap-fpath.img", "rb") as f:
             remaps = _entries(f.read(_PSTREE_MAX_BYTES))
     except FileNotFoundError:
-        return set()
-    ghosts = set()
+        return {}
+    ghosts: dict[int, int] = {}  # the file's id: the ghost's
     for entry in remaps:
         fields = dict((n, v) for n, v in protobuf.fields(entry) if isinstance(v, int))
-        kind = fields.get(_REMAP_TYPE)
-        if kind == 1 or (kind is None and fields.get(_REMAP_ID, 0) & _REMAP_GHOST_BIT):
-            ghosts.add(fields.get(_REMAP_ORIG_ID, -1))
+        kind, remap_id = fields.get(_REMAP_TYPE), fields.get(_REMAP_ID, 0)
+        if kind == 1 or (kind is None and remap_id & _REMAP_GHOST_BIT):
+            ghosts[fields.get(_REMAP_ORIG_ID, -1)] = remap_id & ~_REMAP_GHOST_BIT
     if not ghosts:
-        return set()
+        return {}
     with open(images / "files.img", "rb") as f:
         files = _entries(f.read(_PSTREE_MAX_BYTES))
-    paths = set()
+    names = {}
     for entry in files:
         for reg in (
             v for n, v in protobuf.fields(entry) if n == _FILE_REG and isinstance(v, bytes)
@@ -384,10 +391,9 @@ def ghost_paths(images: Path) -> set[str]:
             ids = [v for n, v in parts if n == _REG_ID and isinstance(v, int)]
             name = next((v for n, v in parts if n == _REG_NAME and isinstance(v, bytes)), b"")
             if ids and ids[0] in ghosts and name:
-                paths.add(
-                    os.path.normpath(os.path.join("/", name.decode(errors="surrogateescape")))
-                )
-    return paths
+                path = os.path.normpath(os.path.join("/", name.decode(errors="surrogateescape")))
+                names[f"{path}.cr.{ghosts[ids[0]]:x}.ghost"] = path
+    return names
 
 
 def _private(path: str) -> bool:

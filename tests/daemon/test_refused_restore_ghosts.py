@@ -1,0 +1,100 @@
+"""A restore refused once CRIU ran (a damaged page found at the gate: the whole restore is
+killed, CRIU too) leaves none of the ghost files CRIU made on the node (a deleted file the job
+held, recreated as PATH.cr.ID.ghost for the restore): the next restore of the job, from a good
+checkpoint, restores it, the deleted file's content with it. What the daemon removes it never
+reaches through a link, and only a regular file."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stasis.daemon.restoring import _remove_ghost
+from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for, workload
+from tests.daemon.test_streamed_restore import _encrypting_daemon
+
+LINE = re.compile(r"^(\d+) (\S+)$", re.M)
+
+
+def _lines(text: str) -> list[tuple[int, str]]:
+    return [(int(n), held) for n, held in LINE.findall(text)]
+
+
+def _ghosts(where: str, token: str) -> list[Path]:
+    return sorted(Path(where).glob(f"*{token}*.cr.*.ghost"))
+
+
+@pytest.fixture
+def token() -> Iterator[str]:
+    """Names the job's deleted file; whatever of it is on the node at the end is removed."""
+    token = secrets.token_hex(4)
+    yield token
+    for where in ("/dev/shm", "/tmp"):
+        for left in Path(where).glob(f"*{token}*"):
+            left.unlink()
+
+
+@pytest.mark.parametrize("where", ["/dev/shm", "/tmp"])
+def test_a_refused_restore_leaves_no_ghost_and_the_next_one_restores(
+    make_daemon: MakeDaemon, world_tmp: Path, where: str, token: str
+) -> None:
+    # Streamed (encrypted): the gate refuses when CRIU reads the damaged page, long after it
+    # made the ghost; in place, the hash may refuse before CRIU gets that far.
+    d = _encrypting_daemon(make_daemon, world_tmp)
+    held = f"held-{token}"
+    job = d.run(*workload("heldghost.py", f"{where}/{token}", held), user=TEST_USER)
+    wait_for(lambda: len(_lines(d.log_of(job["job"]))) >= 3, what="the job's deleted file")
+    before = _lines(d.log_of(job["job"]))[-1][0]
+    good = d.json("dump", "--encrypt", "--leave-running", job["job"], user=TEST_USER)
+    after_dump = _lines(d.log_of(job["job"]))[-1][0]
+    bad = d.json("dump", "--encrypt", job["job"], user=TEST_USER)["checkpoint"]
+    pages = max((Path(d.store) / bad).glob("pages-*.img*"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(data)
+
+    refused = d.cli("restore", bad, user=TEST_USER, check=False)
+
+    assert refused.returncode == 1 and "authentication tag" in refused.stderr, refused.stderr
+    assert "Configuring remap" in _criu_log(d), "CRIU never got to make the ghost"
+    assert _ghosts(where, token) == []
+    logged = len(d.log_of(job["job"]))
+    restored = d.json("restore", good["checkpoint"], user=TEST_USER)
+    # Counting on from the good checkpoint, the deleted file read back.
+    wait_for(lambda: len(_lines(d.log_of(job["job"])[logged:])) >= 3, what="the restored job")
+    resumed = _lines(d.log_of(job["job"])[logged:])
+    assert before < resumed[0][0] <= after_dump + 1, (before, after_dump, resumed)
+    assert {text for _, text in resumed} == {held}
+    assert _ghosts(where, token) == [] and not Path(where, token).exists()
+    d.cli("kill", restored["job"], user=TEST_USER)
+
+
+def _criu_log(d: Daemon) -> str:
+    """The newest restore's CRIU log."""
+    logs = sorted((d.state_dir / "criu-logs").glob("restore-*.log"), key=os.path.getmtime)
+    return logs[-1].read_text(errors="replace") if logs else ""
+
+
+def test_only_a_regular_file_reached_without_a_link_is_removed(world_tmp: Path) -> None:
+    top = Path(world_tmp) / f"ghosts-{secrets.token_hex(4)}"
+    (top / "real").mkdir(parents=True)
+    (top / "link").symlink_to(top / "real")
+    ghost = top / "real" / "f.cr.1.ghost"
+    ghost.write_text("a ghost")
+    (top / "real" / "d.cr.2.ghost").mkdir()
+    os.mkfifo(top / "real" / "p.cr.3.ghost")
+
+    _remove_ghost(str(top / "link" / "f.cr.1.ghost"), "cp")  # through a link: left alone
+    _remove_ghost(str(top / "real" / "d.cr.2.ghost"), "cp")
+    _remove_ghost(str(top / "real" / "p.cr.3.ghost"), "cp")
+    assert ghost.read_text() == "a ghost"
+    assert (top / "real" / "d.cr.2.ghost").is_dir()
+    assert (top / "real" / "p.cr.3.ghost").exists()
+
+    _remove_ghost(str(ghost), "cp")
+    assert not ghost.exists()
