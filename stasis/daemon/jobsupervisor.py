@@ -28,7 +28,9 @@ job's --env values, so it never goes into a file), or `spec.json` in JOB_DIR:
            resumed only once all its memory is back.
            Before that, the spec's "expect" (the checkpoint's restore_facts) is compared with
            this node (engine/nodefacts.py): a difference that refuses answers
-           IncompatibleNodeError.
+           IncompatibleNodeError. A restore that fails, or that the daemon refuses (its b"no",
+           or its pipe closed), is killed whole, then the ghost files its CRIU made are
+           removed (engine/ghosts.py).
 
 The first line on stdout is the daemon's answer: {"pid": N, ...} or {"error": {"type", "message"}}.
 Before it, the job's pid goes into `pid.json` in JOB_DIR, so that a daemon killed before it recorded
@@ -42,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import logging
 import os
 import stat
 import struct
@@ -353,6 +356,7 @@ def _kill_children() -> None:
 
 def restore(job_dir: Path, spec: RestoreSpec) -> None:
     from stasis.engine.criu import CRIU, Owner
+    from stasis.engine.ghosts import Ghosts
     from stasis.engine.restoring import restore_tree
     from stasis.errors import StasisError
 
@@ -368,6 +372,8 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
             _error("RestoreError", str(e))
             return
     criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
+    # Before CRIU runs, in its mount namespace: what it would leave should it be killed.
+    ghosts = Ghosts(Path(spec["images"]), bool(spec.get("private_tmp")), spec["checkpoint"])
     started = time.monotonic()
     job_net = spec.get("job_net")
     with _in_job_net(job_net) as netns_fd:
@@ -397,6 +403,7 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
             return
         except StasisError as e:
             _end_leftovers()
+            ghosts.remove_left()  # its CRIU is gone
             _error(type(e).__name__, str(e))
             return
     _note_pid(job_dir, result.pid)
@@ -465,6 +472,10 @@ def main() -> None:
     # Its files (exit.json, CRIU's restore log) are root's alone, whatever umask the daemon had
     # at the moment it started us (it narrows it briefly to create its socket).
     os.umask(0o077)
+    # Its stderr is the daemon's: the same lines (what goes wrong only).
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s stasis %(levelname)s %(message)s"
+    )
     spec: Spec
     if sys.argv[1:] == ["--spare"]:
         waited = _wait_for_job()

@@ -16,9 +16,7 @@ untracked orphan that a retry would restore a second time.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +53,6 @@ from stasis.engine import (
     privatepts,
     privatetmp,
     proctree,
-    sandbox,
 )
 from stasis.errors import (
     CorruptCheckpointError,
@@ -68,7 +65,6 @@ from stasis.errors import (
     UntrustedCheckpointError,
     UsageError,
 )
-from stasis.fdio import descend
 from stasis.store import Manifest, validate_checkpoint_id, validate_label
 from stasis.wire import RestoreAnswer
 
@@ -320,23 +316,15 @@ class Restorer:
         # only on the gate's word: its check passed, then the fence.
         with source:
             manifest = source.manifest
-            # Read where CRIU reads them, before it runs: the ghosts it will make.
-            ghosts = _Ghosts(Path(source.images["images"]), private_tmp, manifest.id)
             gate = Gate(
                 _then(source.check, fence),
                 cancel=source.cancel,
                 point=f"restore.{source.mode}.before-resume",
             )
-            try:
-                started = self._supervisors.restore(
-                    job_id, spec, source.images, job, record, gate, progress, manifest.size_bytes
-                )
-                source.started(started, refused=gate.error is not None)
-            except BaseException:
-                ghosts.remove_left()
-                raise
-            if gate.error is not None or "error" in started.answer:
-                ghosts.remove_left()
+            started = self._supervisors.restore(
+                job_id, spec, source.images, job, record, gate, progress, manifest.size_bytes
+            )
+            source.started(started, refused=gate.error is not None)
         notes = list(source.notes)
         mode = source.mode
         if gate.error is not None:
@@ -523,113 +511,6 @@ class Restorer:
                 log.warning(
                     "cannot note in the store that checkpoint %s was restored: %s", manifest.id, e
                 )
-
-
-class _Ghosts:
-    """The ghost files a restore's CRIU makes (a deleted file the job held, recreated beside
-    its old path for the tasks to reopen: engine/sandbox.ghost_files). CRIU removes them before
-    the tree resumes, and when it fails by itself, but not when it is killed, as a refused gate
-    kills the whole restore (supervisor.Gate; CRIU may hang on a damaged image, so it is not
-    asked): left on the node, each fails the next restore of the job ("Can't create ghost
-    regfile: File exists"; that CRIU removes it as it fails). After a restore that failed,
-    `remove_left` removes those that were not there before it (those are not this restore's),
-    as root but never through a link: the job's user may write their directories. Ghosts in a
-    job's private /tmp and /var/tmp (engine/privatetmp.py) went with its mount namespace, and
-    the node's files of those names are none of ours."""
-
-    def __init__(self, images: Path, private_tmp: bool, checkpoint: str) -> None:
-        self._checkpoint = checkpoint
-        try:
-            names = sandbox.ghost_files(images)
-        except (OSError, ValueError) as e:
-            # Damaged (in place: the gate refuses them): a failed restore leaves what it made.
-            _log.warning("checkpoint %s: its ghost files cannot be listed: %s", checkpoint, e)
-            names = {}
-        self._names = [
-            name
-            for name in sorted(names)
-            if "\0" not in name
-            and not (private_tmp and any(name.startswith(d + "/") for d in privatetmp.MOUNTS))
-        ]
-        self._there = {name for name in self._names if _exists(name)}
-
-    def remove_left(self) -> None:
-        """Called once the failed restore's supervisor answered or died: after its CRIU ended
-        (it answers once CRIU is gone) or was sent SIGKILL with the rest of its tree (a refused
-        gate), so no ghost is made after this."""
-        for name in self._names:
-            if name not in self._there:
-                _remove_ghost(name, self._checkpoint)
-
-
-def _open_dir(path: str) -> int:
-    """An O_DIRECTORY descriptor of `path`, reached from / one component at a time, never
-    through a symbolic link (ELOOP, or ENOTDIR, where one stands)."""
-
-    def step(fd: int, part: str) -> int:
-        return os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-
-    parts = [part for part in path.split("/") if part]
-    return descend(os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parts, step)
-
-
-def _exists(path: str) -> bool:
-    parent, name = os.path.split(path)
-    try:
-        fd = _open_dir(parent)
-    except OSError:
-        return False  # nothing of this restore's can be there either: it is never removed
-    try:
-        os.stat(name, dir_fd=fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # there, whatever it is: left alone
-    finally:
-        os.close(fd)
-
-
-def _remove_ghost(path: str, checkpoint: str) -> None:
-    parent, name = os.path.split(path)
-    try:
-        fd = _open_dir(parent)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        _log.warning(
-            "left %s alone (a ghost file of the failed restore of checkpoint %s): its directory "
-            "is not reached without following a link: %s",
-            path,
-            checkpoint,
-            e.strerror,
-        )
-        return
-    try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            _log.warning(
-                "left %s alone (where the failed restore of checkpoint %s made a ghost file): "
-                "it is not a regular file",
-                path,
-                checkpoint,
-            )
-            return
-        os.unlink(name, dir_fd=fd)  # the name only, whatever stands there now: never a target
-        _log.info(
-            "removed %s, a ghost file the failed restore of checkpoint %s left", path, checkpoint
-        )
-    except FileNotFoundError:
-        pass  # CRIU removed it: it failed by itself, or never made it
-    except OSError as e:
-        _log.warning(
-            "cannot remove %s, a ghost file the failed restore of checkpoint %s left: %s",
-            path,
-            checkpoint,
-            e.strerror,
-        )
-    finally:
-        os.close(fd)
 
 
 def _then(check: Callable[[], None], fence: Callable[[], None] | None) -> Callable[[], None]:

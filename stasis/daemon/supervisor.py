@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -46,6 +47,7 @@ from stasis.wire import WireError
 # `make install` and the node package put stasis-init (stasis/daemon/stasis-init.c) at the first
 # path, where every job's user may run it (`make install` also builds it next to the venv's
 # python); the second is where `make install` put it before (it links it to the first now).
+REFUSED_END_S = 10.0  # a refused restore's supervisor kills it and answers in well under that
 _INIT_CANDIDATES = ("/usr/libexec/stasis/stasis-init", "/usr/local/libexec/stasis/stasis-init")
 
 
@@ -216,6 +218,21 @@ class Supervisors:
                     del self._running[pid]
 
 
+def _refuse(pipe: IO[bytes], supervisor_pid: int) -> None:
+    started = proctree.start_time(supervisor_pid)
+    try:
+        pipe.write(b"no\n")
+        pipe.close()
+    except (BrokenPipeError, ValueError):
+        pass  # it died, or answered and closed its end: the answer says why
+    deadline = time.monotonic() + REFUSED_END_S
+    while proctree.alive(supervisor_pid, started):
+        if time.monotonic() > deadline:
+            proctree.signal_tree(supervisor_pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
 class _SpareSupervisor:
     """One supervisor process started ahead of need, its imports done, waiting on its stdin for
     the directory of the job it is to supervise.
@@ -285,9 +302,11 @@ def write_job_file(job_dir: Path, job: JobRow) -> None:
 
 class Gate:
     """Runs a check while the supervisor restores, then tells it (on its stdin) whether the
-    restored tree may be resumed: b"ok", or b"no" and the whole restore is killed (CRIU can
-    spin forever on a truncated image, so it cannot be trusted to reach the gate). The
-    check's error is kept for the caller. `point`: the fault point just before the word."""
+    restored tree may be resumed: b"ok", or b"no" and the supervisor kills the whole restore
+    at once (CRIU can spin forever on a truncated image, so it cannot be trusted to reach the
+    gate), removes what its CRIU left on the node (engine/ghosts.py) and answers; a supervisor
+    still there REFUSED_END_S later has its whole tree killed from here. The check's error is
+    kept for the caller. `point`: the fault point just before the word."""
 
     def __init__(
         self, check: Callable[[], None], cancel: Callable[[], None] | None = None, point: str = ""
@@ -308,7 +327,7 @@ class Gate:
             self.check()
         except StasisError as e:
             self.error = e
-            proctree.signal_tree(supervisor_pid, signal.SIGKILL)
+            _refuse(pipe, supervisor_pid)
             return
         if self._point:
             faults.point(self._point)

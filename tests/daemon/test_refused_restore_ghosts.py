@@ -1,8 +1,9 @@
 """A restore refused once CRIU ran (a damaged page found at the gate: the whole restore is
 killed, CRIU too) leaves none of the ghost files CRIU made on the node (a deleted file the job
 held, recreated as PATH.cr.ID.ghost for the restore): the next restore of the job, from a good
-checkpoint, restores it, the deleted file's content with it. What the daemon removes it never
-reaches through a link, and only a regular file."""
+checkpoint, restores it, the deleted file's content with it; nor does a daemon killed at the
+gate (the job's supervisor kills the restore and removes them). What is removed is never
+reached through a link, and only a regular file (tests/engine/test_ghosts.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from stasis.daemon.restoring import _remove_ghost
 from tests.conftest import TEST_USER, Daemon, MakeDaemon, wait_for, workload
 from tests.daemon.test_streamed_restore import _encrypting_daemon
+from tests.faults import kit
 
 LINE = re.compile(r"^(\d+) (\S+)$", re.M)
 
@@ -80,21 +81,21 @@ def _criu_log(d: Daemon) -> str:
     return logs[-1].read_text(errors="replace") if logs else ""
 
 
-def test_only_a_regular_file_reached_without_a_link_is_removed(world_tmp: Path) -> None:
-    top = Path(world_tmp) / f"ghosts-{secrets.token_hex(4)}"
-    (top / "real").mkdir(parents=True)
-    (top / "link").symlink_to(top / "real")
-    ghost = top / "real" / "f.cr.1.ghost"
-    ghost.write_text("a ghost")
-    (top / "real" / "d.cr.2.ghost").mkdir()
-    os.mkfifo(top / "real" / "p.cr.3.ghost")
-
-    _remove_ghost(str(top / "link" / "f.cr.1.ghost"), "cp")  # through a link: left alone
-    _remove_ghost(str(top / "real" / "d.cr.2.ghost"), "cp")
-    _remove_ghost(str(top / "real" / "p.cr.3.ghost"), "cp")
-    assert ghost.read_text() == "a ghost"
-    assert (top / "real" / "d.cr.2.ghost").is_dir()
-    assert (top / "real" / "p.cr.3.ghost").exists()
-
-    _remove_ghost(str(ghost), "cp")
-    assert not ghost.exists()
+def test_a_daemon_killed_at_the_gate_leaves_no_ghost(make_daemon: MakeDaemon, token: str) -> None:
+    d = make_daemon()  # in place: CRIU has made every ghost by the gate
+    held = f"held-{token}"
+    job = d.run(*workload("heldghost.py", f"/dev/shm/{token}", held), user=TEST_USER)
+    wait_for(lambda: len(_lines(d.log_of(job["job"]))) >= 3, what="the job's deleted file")
+    cp = d.json("dump", job["job"], user=TEST_USER)
+    at = _lines(d.log_of(job["job"]))[-1][0]
+    kit.kill_at(d, "restore.inplace.before-resume", "restore", cp["checkpoint"])
+    assert "Configuring remap" in _criu_log(d), "CRIU never got to make the ghost"
+    wait_for(lambda: not _ghosts("/dev/shm", token), what="the ghost removed")
+    wait_for(lambda: not kit.live_jobs(d), what="nothing of the killed restore running")
+    logged = len(d.log_of(job["job"]))
+    restored = d.json("restore", cp["checkpoint"], user=TEST_USER)
+    wait_for(lambda: len(_lines(d.log_of(job["job"])[logged:])) >= 3, what="the restored job")
+    resumed = _lines(d.log_of(job["job"])[logged:])
+    assert resumed[0][0] == at + 1 and {text for _, text in resumed} == {held}, resumed
+    assert not _ghosts("/dev/shm", token)
+    d.cli("kill", restored["job"], user=TEST_USER)
