@@ -914,26 +914,47 @@ def _node_netns(state: dict[str, Any], node: str) -> int | None:
 
 
 def _kill_node_processes(lay: SlurmClusterDirs, state: dict[str, Any], node: str) -> list[int]:
-    """SIGKILL every process inside `node`'s network namespace (several nodes only) but its
-    holder: the node stays, to be started again."""
+    """SIGKILL every process of `node` (several nodes only) but its holder: the node stays, to
+    be started again. Its processes are those in its network namespace or its UTS namespace
+    (the parts of a job across nodes run in a job network of their own, still on the node's
+    host name); those a freezer holds are thawed to die (a cut's frozen parts), none runs on."""
     if "net_id" not in state:
         return []
-    ino = _node_netns(state, node)
-    if ino is None:
-        return []
     holder = _holder(state, node)
+    net = _node_netns(state, node)
+    uts = _netns_inode(Path(f"/proc/{holder}/ns/uts")) if holder else None
+    if uts == _netns_inode(Path("/proc/self/ns/uts")):
+        uts = None  # a holder without a host of its own: the network alone says
+    if net is None and uts is None:
+        return []
     killed = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == holder:
             continue
         try:
-            if os.stat(entry / "ns" / "net").st_ino != ino:
+            ours = os.stat(entry / "ns" / "net").st_ino == net
+            ours = ours or os.stat(entry / "ns" / "uts").st_ino == uts
+            if not ours:
                 continue
             os.kill(int(entry.name), signal.SIGKILL)
             killed.append(int(entry.name))
         except (OSError, ProcessLookupError):
             continue
+    if killed and "cgroup" in state:
+        _thaw_node(state["cgroup"]["base"], node)
     return killed
+
+
+def _thaw_node(base: str, node: str) -> None:
+    """Thaw every freezer cgroup of `node` (v1: a SIGKILLed task it holds dies only thawed)."""
+    for h in slurmcgroup.hierarchies():
+        top = Path(h.mountpoint) / base / node
+        for state in top.glob("**/freezer.state") if top.is_dir() else ():
+            try:
+                if state.read_text().strip() != "THAWED":
+                    state.write_text("THAWED")
+            except OSError:
+                continue  # gone meanwhile
 
 
 def kill_node(root: Path, node: str) -> list[int]:
