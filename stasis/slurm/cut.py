@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, Unpack
 
-from stasis import wire
+from stasis import faults, wire
 from stasis.daemon.jobnet import JobNet
 from stasis.daemon.models import CUT_KEY_PATTERN, CUT_PARTS_MAX
 from stasis.errors import CheckpointError, StasisError, UsageError
@@ -209,6 +209,7 @@ def take(
             f"no checkpoint of {label} taken: {_failed('frozen', names, froze)}; every part runs "
             f"on{f' except: {left}' if left else ''}"
         )
+    faults.point("cut.after-freeze")  # a coordinator dead here: each part thaws at its deadline
 
     key_of = {(p.node, p.job): k for p, k in zip(parts, keys, strict=True)}
     dumped = _each(
@@ -231,6 +232,8 @@ def take(
             f"{f' except: {left}' if left else ''}"
         )
 
+    # Dead here: the cut stands (every part was dumped frozen), each part thaws at its deadline.
+    faults.point("cut.after-dump")
     cut.checkpoints = taken
     cut.stopped = not leave_running
     thawed = _each(parts, lambda p: p.client.thaw(p.job, stop=cut.stopped))

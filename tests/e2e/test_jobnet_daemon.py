@@ -15,8 +15,10 @@ import ipaddress
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from stasis.engine import unixpeers
 from stasis.errors import StasisError
 from stasis.slurm import cut
 from stasis.store import Manifest
-from tests.conftest import WORKLOADS, Daemon, new_daemon, wait_for
+from tests.conftest import ROOT, WORKLOADS, Daemon, new_daemon, wait_for
 from tests.test_wire import conforms
 
 _LINE = re.compile(r"^(\d+) on (\S+)$", re.M)
@@ -293,6 +295,64 @@ def test_a_daemon_killed_with_a_part_frozen_thaws_it_at_its_start(
         c1.freeze(server, timeout_s=600)
         killed = c1.kill(server, timeout_s=5)
         assert killed["ended_by"] == "SIGTERM", killed
+    finally:
+        _thaw_parts()
+        for d in (n1, n2):
+            d.kill_all()
+        job.remove(n1, n2)
+
+
+# A coordinator of its own (the batch node's stasis-slurm process): armed to die at a point.
+_COORDINATOR = """
+import sys
+from stasis import faults
+from stasis.client import Client
+from stasis.slurm import cut
+point, sock1, job1, sock2, job2, label = sys.argv[1:]
+faults.arm([point])
+parts = [cut.PartRef("jn1", Client(sock1), job1), cut.PartRef("jn2", Client(sock2), job2)]
+cut.take(parts, label, timeout_s=3)
+"""
+
+
+@pytest.mark.parametrize("point", ["cut.after-freeze", "cut.after-dump"])
+def test_a_coordinator_killed_mid_cut_leaves_no_part_frozen(
+    daemons: dict[str, Daemon], tmp_path: Path, point: str
+) -> None:
+    # docs/faults.md: a coordinator that died mid-cut leaves no part frozen: each thaws at its
+    # freeze's deadline and the job goes on, nothing lost or repeated. Killed once every part
+    # was dumped, its cut stands whole (each part dumped frozen): a restore may take it; killed
+    # before, none of it is listed.
+    n1, n2 = daemons["jn1"], daemons["jn2"]
+    c1 = Client(n1.socket)
+    job = Job(n1, n2, tmp_path)
+    try:
+        server, client = job.start()
+        label = f"jn-{job.tag}"
+        coordinator = subprocess.run(
+            [sys.executable, "-c", _COORDINATOR, point, str(n1.socket), server, str(n2.socket)]
+            + [client, label],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=120,
+        )
+        assert coordinator.returncode == -signal.SIGKILL, coordinator
+        parts = [partcgroup.path_for(server), partcgroup.path_for(client)]
+        wait_for(lambda: not any(_frozen(str(p)) for p in parts), 15, "the deadlines' thaw")
+        before = _counted(job.client_log)
+        wait_for(
+            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
+        )
+        numbers = [n for n, _ in _counted(job.client_log)]
+        assert numbers == list(range(2, 2 + len(numbers)))
+        with pytest.raises(StasisError, match=f"job {server} is not frozen"):
+            c1.thaw(server)
+        cuts = {m.label for m in _manifests(c1) if (cut.cut_of(m.label) or ("",))[0] == label}
+        plans = cut.restore_plan(_manifests(c1), label, job.net, ["jn1", "jn2"])
+        if point == "cut.after-freeze":
+            assert cuts == set() and plans == []
+        else:
+            (whole,) = cuts
+            assert [p.label for p in plans] == [whole]
     finally:
         _thaw_parts()
         for d in (n1, n2):
