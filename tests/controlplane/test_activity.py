@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import new_daemon, wait_for, workload
-from tests.controlplane.conftest import ControlPlane
+from tests.controlplane.conftest import SQLITE_ONLY, ControlPlane
 from tests.controlplane.test_commands import scrape
 from tests.controlplane.test_node import node_credential, node_env
 
@@ -118,6 +118,7 @@ def test_checkpoints_and_restores_reported_with_the_work_they_keep(
         d.stop()
 
 
+@SQLITE_ONLY  # the frozen time is summed on the node
 def test_a_dump_tried_again_reports_the_time_every_try_held_the_job(
     controlplane: ControlPlane,
     world_tmp: Path,
