@@ -691,6 +691,7 @@ class Dumper:
         try:
             result = criu.dump(pid, target, options, f"dump-{info.id}.log")
         except StasisError as e:
+            held_s = time.monotonic() - criu_started  # before the looks below: it runs again
             if tail:
                 tail.finish()  # before its files go: it may be creating one
             self._discard(info.id, fast)
@@ -705,7 +706,7 @@ class Dumper:
                 f"{why} (CRIU: {e})" if why else str(e)
             )
             if any(words in str(e) for words in _MID_CALL):
-                raise _CaughtMidCall(message, time.monotonic() - criu_started) from e
+                raise _CaughtMidCall(message, held_s) from e
             raise CheckpointError(message) from e
         finally:
             if watcher:

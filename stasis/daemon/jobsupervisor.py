@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stasis.daemon.supervisorwire import (
     EXIT_FILE,
@@ -73,6 +74,9 @@ from stasis.daemon.supervisorwire import (
     write,
 )
 from stasis.wire import WireError
+
+if TYPE_CHECKING:
+    from stasis.engine.ghosts import Ghosts
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWIPC = 0x08000000
@@ -315,15 +319,26 @@ class _ResumeGate:
 
     post-restore comes once all memory is in place and before the tasks run any of their own
     code; a failure there makes CRIU kill them (a failed pre-resume would not stop the resume).
-    The daemon's word is read as soon as it comes: should its pipe close without one (the
-    daemon died), the whole restore is killed at once, not at post-restore, which a lazy
-    restore whose page server died with the daemon would never reach.
+    The daemon's word is read as soon as it comes, from before CRIU starts: should it be "no"
+    (the daemon's check refused the images) or its pipe close without one (the daemon died),
+    whatever of the restore runs is killed at once, not at post-restore, which a lazy restore
+    whose page server died with the daemon would never reach, and again until the restore is
+    `over` (a CRIU started after a pass, as a lazy restore's fallback to a full one is).
     """
 
     def __init__(self) -> None:
         self._word: bytes | None = None
         self._said = threading.Event()
+        self._over = threading.Event()
         threading.Thread(target=self._listen, name="stasis-gate", daemon=True).start()
+
+    @property
+    def refused(self) -> bool:
+        return self._said.is_set() and self._word != b"ok"
+
+    def over(self) -> None:
+        """The restore returned or failed: nothing of it is left to kill."""
+        self._over.set()
 
     def _listen(self) -> None:
         try:
@@ -333,7 +348,9 @@ class _ResumeGate:
         self._word = word
         self._said.set()
         if word != b"ok":
-            _kill_children()
+            while not self._over.is_set():
+                _kill_children()
+                self._over.wait(0.05)
 
     def __call__(self, script: str, _pid: int) -> bool:
         if script != "post-restore":
@@ -371,11 +388,17 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
         except OSError as e:
             _error("RestoreError", str(e))
             return
+    # Listening from now on (after the namespace above: unshare wants one thread): a refusal
+    # that comes before CRIU starts stops it starting.
+    gate = _ResumeGate() if spec["gate"] else None
     criu = CRIU(spec["criu"], Path(spec["criu_log_dir"]))
     # Before CRIU runs, in its mount namespace: what it would leave should it be killed.
     ghosts = Ghosts(Path(spec["images"]), bool(spec.get("private_tmp")), spec["checkpoint"])
     started = time.monotonic()
     job_net = spec.get("job_net")
+    if gate is not None and gate.refused:
+        _error("RestoreError", "the restore was refused before CRIU started")
+        return
     with _in_job_net(job_net) as netns_fd:
         try:
             result = restore_tree(
@@ -386,7 +409,7 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
                 spec["criu_log_name"],
                 umask=spec["umask"],
                 lazy=spec["lazy"],
-                notify=_ResumeGate() if spec["gate"] else None,
+                notify=gate,
                 page_server=Path(spec["page_server"]) if spec.get("page_server") else None,
                 stream=spec.get("stream", False),
                 on_lost=lambda why: note_killed(job_dir, why),
@@ -399,13 +422,16 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
                 job_netns_fd=netns_fd,
             )
         except OSError as e:
+            _failed(gate, ghosts)
             _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
             return
         except StasisError as e:
-            _end_leftovers()
-            ghosts.remove_left()  # its CRIU is gone
+            _failed(gate, ghosts)
             _error(type(e).__name__, str(e))
             return
+        finally:
+            if gate is not None:
+                gate.over()
     _note_pid(job_dir, result.pid)
     _answer(
         Restored(
@@ -440,6 +466,14 @@ def _in_job_net(job_net: JobNetSpec | None) -> Iterator[int | None]:
         os.close(fd)
         if own is not None:
             partcgroup.join(own)
+
+
+def _failed(gate: _ResumeGate | None, ghosts: Ghosts) -> None:
+    """After a restore that failed: nothing of it left running, nor its ghost files."""
+    if gate is not None:
+        gate.over()
+    _end_leftovers()
+    ghosts.remove_left()  # its CRIU is gone
 
 
 def _end_leftovers() -> None:

@@ -11,13 +11,13 @@ The spec, the answer and the files: stasis/daemon/supervisorwire.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,10 +44,12 @@ from stasis.errors import StasisError, UsageError
 from stasis.layout import StateLayout
 from stasis.wire import WireError
 
+log = logging.getLogger("stasis.daemon")
+
+REFUSED_END_S = 10.0  # a refused restore's supervisor kills it and answers in well under that
 # `make install` and the node package put stasis-init (stasis/daemon/stasis-init.c) at the first
 # path, where every job's user may run it (`make install` also builds it next to the venv's
 # python); the second is where `make install` put it before (it links it to the first now).
-REFUSED_END_S = 10.0  # a refused restore's supervisor kills it and answers in well under that
 _INIT_CANDIDATES = ("/usr/libexec/stasis/stasis-init", "/usr/local/libexec/stasis/stasis-init")
 
 
@@ -186,7 +188,7 @@ class Supervisors:
                     # the gate answers at once, and the gate's check is told to give up.
                     gating = threading.Thread(
                         target=gate.open,
-                        args=(proc.stdin, proc.pid),
+                        args=(proc.stdin, proc),
                         name="stasis-gate",
                         daemon=True,
                     )
@@ -218,19 +220,23 @@ class Supervisors:
                     del self._running[pid]
 
 
-def _refuse(pipe: IO[bytes], supervisor_pid: int) -> None:
-    started = proctree.start_time(supervisor_pid)
+def _refuse(pipe: IO[bytes], supervisor: subprocess.Popen[bytes]) -> None:
     try:
         pipe.write(b"no\n")
         pipe.close()
     except (BrokenPipeError, ValueError):
         pass  # it died, or answered and closed its end: the answer says why
-    deadline = time.monotonic() + REFUSED_END_S
-    while proctree.alive(supervisor_pid, started):
-        if time.monotonic() > deadline:
-            proctree.signal_tree(supervisor_pid, signal.SIGKILL)
-            return
-        time.sleep(0.02)
+    try:
+        # Unreaped until this returns (or the reaper's poll reaps it): its pid is not reused.
+        supervisor.wait(timeout=REFUSED_END_S)
+    except subprocess.TimeoutExpired:
+        log.warning(
+            "the supervisor of a refused restore (pid %d) did not end within %.0f s: killed, "
+            "with what it ran (ghost files its CRIU made may be left)",
+            supervisor.pid,
+            REFUSED_END_S,
+        )
+        proctree.signal_tree(supervisor.pid, signal.SIGKILL)
 
 
 class _SpareSupervisor:
@@ -322,12 +328,12 @@ class Gate:
         if self._cancel is not None:
             self._cancel()
 
-    def open(self, pipe: IO[bytes], supervisor_pid: int) -> None:
+    def open(self, pipe: IO[bytes], supervisor: subprocess.Popen[bytes]) -> None:
         try:
             self.check()
         except StasisError as e:
             self.error = e
-            _refuse(pipe, supervisor_pid)
+            _refuse(pipe, supervisor)
             return
         if self._point:
             faults.point(self._point)

@@ -9,8 +9,8 @@ whole tree), it removes nothing, and each ghost left on the node fails the job's
 
 `Ghosts` is taken before CRIU runs, by the process CRIU runs under (the job's supervisor: the
 same mount namespace); after a failed restore whose CRIU is dead, `remove_left` removes those
-that were not there before it (those are not this restore's), as root but never through a
-link: the job's user may write their directories. Names are logged quoted (JSON): the user
+that were not there before it (those are not this restore's), in the directory that was
+there then, as root but never through a link: the job's user may write their directories. Names are logged quoted (JSON): the user
 chose them, and the supervisor's stderr is the daemon's log. Ghosts in a job's private /tmp and /var/tmp
 (engine/privatetmp.py) went with its mount namespace, and the node's files of those names are
 none of ours.
@@ -39,21 +39,24 @@ class Ghosts:
             # Damaged (in place: the gate refuses them): a failed restore leaves what it made.
             log.warning("checkpoint %s: its ghost files cannot be listed: %s", checkpoint, e)
             names = {}
-        self._names = [
-            name
-            for name in sorted(names)
-            if "\0" not in name
-            and not (private_tmp and any(name.startswith(d + "/") for d in privatetmp.MOUNTS))
-        ]
-        self._there = {name for name in self._names if _exists(name)}
+        # Each name not there now, with its directory as it is now (device, inode): a
+        # directory swapped for another meanwhile (the job's user may rename theirs) is not
+        # where this restore made it, and nothing is removed there.
+        self._left: dict[str, tuple[int, int]] = {}
+        for name in sorted(names):
+            if "\0" in name or (
+                private_tmp and any(name.startswith(d + "/") for d in privatetmp.MOUNTS)
+            ):
+                continue
+            where = _directory(name)
+            if where is not None:
+                self._left[name] = where
 
     def remove_left(self) -> list[str]:
         """Once the failed restore's CRIU is dead (nothing makes a ghost after this): the
         ghosts it left, removed. Returns their names."""
         removed = [
-            name
-            for name in self._names
-            if name not in self._there and _remove(name, self._checkpoint)
+            name for name, where in self._left.items() if _remove(name, where, self._checkpoint)
         ]
         if removed:
             log.warning(
@@ -76,25 +79,31 @@ def _open_dir(path: str) -> int:
     return descend(os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), parts, step)
 
 
-def _exists(path: str) -> bool:
+def _directory(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of the directory `path` would be made in, where nothing stands at
+    `path` yet; None where something does (not this restore's: never removed) or where its
+    directory cannot be reached without a link."""
     parent, name = os.path.split(path)
     try:
         fd = _open_dir(parent)
     except OSError:
-        return False  # nothing of this restore's can be there either: it is never removed
+        return None
     try:
-        os.stat(name, dir_fd=fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # there, whatever it is: left alone
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return None
+        except FileNotFoundError:
+            st = os.fstat(fd)
+            return st.st_dev, st.st_ino
+        except OSError:
+            return None  # there, whatever it is: left alone
     finally:
         os.close(fd)
 
 
-def _remove(path: str, checkpoint: str) -> bool:
-    """Unlinks the regular file at `path`, reached without a link; True if it did."""
+def _remove(path: str, where: tuple[int, int], checkpoint: str) -> bool:
+    """Unlinks the regular file at `path`, reached without a link, in the directory `where`
+    (device, inode); True if it did."""
     parent, name = os.path.split(path)
     try:
         fd = _open_dir(parent)
@@ -103,13 +112,22 @@ def _remove(path: str, checkpoint: str) -> bool:
     except OSError as e:
         log.warning(
             "left %s alone (a ghost file of the failed restore of checkpoint %s): its directory "
-            "is not reached without following a link: %s",
+            "cannot be opened without following a link: %s",
             json.dumps(path),
             checkpoint,
             e.strerror,
         )
         return False
     try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != where:
+            log.warning(
+                "left %s alone (a ghost file of the failed restore of checkpoint %s): its "
+                "directory is not the one the restore began with",
+                json.dumps(path),
+                checkpoint,
+            )
+            return False
         st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             log.warning(

@@ -5,6 +5,7 @@ node-hours per cluster and per user; a report sent again counts once."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
@@ -145,9 +146,11 @@ def test_a_dump_tried_again_reports_the_time_every_try_held_the_job(
         user = test_user.pw_name
         job = d.run(*workload("unixclient.py", sockets / "service.sock", "per-call"), user=user)
         wait_for(lambda: "echo 2\n" in d.log_of(job["job"]), what="its first calls")
-        # About one dump in four catches a call (tests/daemon/test_dump_check.py).
+        # About one dump in four catches a call (tests/daemon/test_dump_check.py); one caught
+        # at every try fails, which a loaded machine may do now and then: the next one is asked.
         for _ in range(40):
-            retried = d.json("dump", "--leave-running", job["job"], user=user)
+            dumped = d.cli("dump", "--json", "--leave-running", job["job"], user=user, check=False)
+            retried = json.loads(dumped.stdout) if dumped.returncode == 0 else {"notes": []}
             if any(n.startswith("dumped at try ") for n in retried["notes"]):
                 break
         else:

@@ -64,6 +64,7 @@ def test_a_refused_restore_leaves_no_ghost_and_the_next_one_restores(
     assert refused.returncode == 1 and "authentication tag" in refused.stderr, refused.stderr
     assert "Configuring remap" in _criu_log(d), "CRIU never got to make the ghost"
     assert _ghosts(where, token) == []
+    assert _removed_by_the_supervisor(d, bad, f"{where}/{token}")
     logged = len(d.log_of(job["job"]))
     restored = d.json("restore", good["checkpoint"], user=TEST_USER)
     # Counting on from the good checkpoint, the deleted file read back.
@@ -81,16 +82,22 @@ def _criu_log(d: Daemon) -> str:
     return logs[-1].read_text(errors="replace") if logs else ""
 
 
-def test_a_daemon_killed_at_the_gate_leaves_no_ghost(make_daemon: MakeDaemon, token: str) -> None:
-    d = make_daemon()  # in place: CRIU has made every ghost by the gate
+def test_a_daemon_killed_at_the_gate_leaves_no_ghost(
+    make_daemon: MakeDaemon, world_tmp: Path, token: str
+) -> None:
+    # Streamed: the daemon's check ends once CRIU read every page, long after it made the ghost.
+    d = _encrypting_daemon(make_daemon, world_tmp)
     held = f"held-{token}"
     job = d.run(*workload("heldghost.py", f"/dev/shm/{token}", held), user=TEST_USER)
     wait_for(lambda: len(_lines(d.log_of(job["job"]))) >= 3, what="the job's deleted file")
-    cp = d.json("dump", job["job"], user=TEST_USER)
+    cp = d.json("dump", "--encrypt", job["job"], user=TEST_USER)
     at = _lines(d.log_of(job["job"]))[-1][0]
-    kit.kill_at(d, "restore.inplace.before-resume", "restore", cp["checkpoint"])
-    assert "Configuring remap" in _criu_log(d), "CRIU never got to make the ghost"
-    wait_for(lambda: not _ghosts("/dev/shm", token), what="the ghost removed")
+    kit.kill_at(d, "restore.streamed.before-resume", "restore", cp["checkpoint"])
+    wait_for(
+        lambda: _removed_by_the_supervisor(d, cp["checkpoint"], f"/dev/shm/{token}"),
+        what="the supervisor's removal of the ghost",
+    )
+    assert not _ghosts("/dev/shm", token)
     wait_for(lambda: not kit.live_jobs(d), what="nothing of the killed restore running")
     logged = len(d.log_of(job["job"]))
     restored = d.json("restore", cp["checkpoint"], user=TEST_USER)
@@ -99,3 +106,13 @@ def test_a_daemon_killed_at_the_gate_leaves_no_ghost(make_daemon: MakeDaemon, to
     assert resumed[0][0] == at + 1 and {text for _, text in resumed} == {held}, resumed
     assert not _ghosts("/dev/shm", token)
     d.cli("kill", restored["job"], user=TEST_USER)
+
+
+def _removed_by_the_supervisor(d: Daemon, checkpoint: str, path: str) -> bool:
+    """The job's supervisor said it removed the ghost of `path` (in the daemon's log)."""
+    said = re.findall(
+        rf"the failed restore of checkpoint {checkpoint} left ghost files .*removed: (.*)$",
+        (d.root / "daemon.log").read_text(errors="replace"),
+        re.M,
+    )
+    return any(re.search(rf'"{re.escape(path)}\.cr\.[0-9a-f]+\.ghost"', line) for line in said)

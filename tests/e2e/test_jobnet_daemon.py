@@ -311,7 +311,7 @@ from stasis.slurm import cut
 point, sock1, job1, sock2, job2, label = sys.argv[1:]
 faults.arm([point])
 parts = [cut.PartRef("jn1", Client(sock1), job1), cut.PartRef("jn2", Client(sock2), job2)]
-cut.take(parts, label, timeout_s=3)
+cut.take(parts, label, timeout_s=10)
 """
 
 
@@ -337,7 +337,7 @@ def test_a_coordinator_killed_mid_cut_leaves_no_part_frozen(
         )
         assert coordinator.returncode == -signal.SIGKILL, coordinator
         parts = [partcgroup.path_for(server), partcgroup.path_for(client)]
-        wait_for(lambda: not any(_frozen(str(p)) for p in parts), 15, "the deadlines' thaw")
+        wait_for(lambda: not any(_frozen(str(p)) for p in parts), 30, "the deadlines' thaw")
         before = _counted(job.client_log)
         wait_for(
             lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"

@@ -177,8 +177,12 @@ def _power_cut(c: Cluster, node: str, parts: list[str]) -> None:
     c.run(STASIS_DEV, "local-cluster", "kill-node", "--dir", str(c.root), node)
     for part in parts:
         procs = _freezer(c, node, f"stasis-part-{part}") / "cgroup.procs"
-        left = procs.read_text().split() if procs.exists() else []
-        assert not left, f"kill-node left {part}'s processes running: {left}"
+        # Gone from its namespaces (what kill-node waits for) a moment before from the cgroup.
+        until(
+            lambda: not (procs.read_text().split() if procs.exists() else []),
+            10,
+            f"kill-node to end {part}'s processes",
+        )
 
 
 def _runs(text: str) -> list[list[str]]:
