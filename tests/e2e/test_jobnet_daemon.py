@@ -119,6 +119,15 @@ class Job:
         wait_for(lambda: len(_counted(self.client_log)) >= 20, 30, "the counter passed 20 times")
         return server["job"], client["job"]
 
+    def counts_on(self, since: int) -> list[tuple[int, str]]:
+        """Waits for 20 more rounds of the counter past `since` lines; none lost or repeated,
+        ever (it starts at 2). Every round counted so far."""
+        wait_for(lambda: len(_counted(self.client_log)) >= since + 20, 30, "the counter going on")
+        counted = _counted(self.client_log)
+        numbers = [n for n, _ in counted]
+        assert numbers == list(range(2, 2 + len(numbers))), counted  # none lost, none repeated
+        return counted
+
     def remove(self, *nodes: Daemon) -> None:
         for d in nodes:
             if d.node is not None:
@@ -193,12 +202,7 @@ def test_a_cut_across_nodes_moves_a_part_to_a_third_node(
             c3.restore(checkpoint=dumped[0]["checkpoint"]),
             c2.restore(checkpoint=dumped[1]["checkpoint"]),
         ]
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
-        )
-        after = _counted(job.client_log)
-        numbers = [n for n, _ in after]
-        assert numbers == list(range(2, 2 + len(numbers))), after  # none lost, none repeated
+        after = job.counts_on(len(before))
         assert after[: len(before)] == before
         assert {h for _, h in before} == {"jn1"}
         assert {h for _, h in after[len(before) + 1 :]} == {"jn3"}, after
@@ -240,11 +244,7 @@ def test_a_cut_whose_dump_fails_leaves_every_part_running(
             assert not thawed["stopped"] and thawed["state"] == "running", thawed
             assert c.job(j)["frozen"] is False
         before = _counted(job.client_log)
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
-        )
-        numbers = [n for n, _ in _counted(job.client_log)]
-        assert numbers == list(range(2, 2 + len(numbers)))
+        job.counts_on(len(before))
         assert not any(a["cgroup"] and _frozen(a["cgroup"]) for a in frozen)
         for c, label in ((c1, "jn-server"), (c2, "jn-client")):
             assert c.checkpoints(label=f"{label}-{job.tag}") == []
@@ -277,11 +277,7 @@ def test_a_daemon_killed_with_a_part_frozen_thaws_it_at_its_start(
         assert _frozen(frozen["cgroup"]) and _counted(job.client_log) == before
         n1.start()
         assert not _frozen(frozen["cgroup"])
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
-        )
-        numbers = [n for n, _ in _counted(job.client_log)]
-        assert numbers == list(range(2, 2 + len(numbers)))
+        job.counts_on(len(before))
         assert c1.job(server)["state"] == "running"
         with pytest.raises(StasisError, match=f"job {server} is not frozen"):
             c1.thaw(server)
@@ -339,11 +335,7 @@ def test_a_coordinator_killed_mid_cut_leaves_no_part_frozen(
         parts = [partcgroup.path_for(server), partcgroup.path_for(client)]
         wait_for(lambda: not any(_frozen(str(p)) for p in parts), 30, "the deadlines' thaw")
         before = _counted(job.client_log)
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
-        )
-        numbers = [n for n, _ in _counted(job.client_log)]
-        assert numbers == list(range(2, 2 + len(numbers)))
+        job.counts_on(len(before))
         with pytest.raises(StasisError, match=f"job {server} is not frozen"):
             c1.thaw(server)
         cuts = {m.label for m in _manifests(c1) if (cut.cut_of(m.label) or ("",))[0] == label}
@@ -392,11 +384,7 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         assert cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, ["a"]) == []
         # Left running: the counter goes on, nothing lost or repeated, nothing frozen.
         before = _counted(job.client_log)
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
-        )
-        numbers = [n for n, _ in _counted(job.client_log)]
-        assert numbers == list(range(2, 2 + len(numbers)))
+        job.counts_on(len(before))
         assert {j["state"] for j in (c1.job(server), c2.job(client))} == {"running"}
         with pytest.raises(StasisError, match=f"job {server} is not frozen"):
             c1.thaw(server)
@@ -428,11 +416,7 @@ def test_the_coordinator_takes_one_cut_and_leaves_the_job_running(
         jobnet.make_part(job.net, job.server, job.parts, underlay="eth0", on=n1.node.prefix())
         c1.restore(checkpoint=second.checkpoints["jn1"])
         c2.restore(checkpoint=second.checkpoints["jn2"])
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(at_cut) + 20, 30, "the counter going on"
-        )
-        numbers = [n for n, _ in _counted(job.client_log)]
-        assert numbers == list(range(2, 2 + len(numbers)))
+        job.counts_on(len(at_cut))
         # Newest cut first; a cut missing a part is none.
         nodes = ["jn1", "jn2"]
         plans = cut.restore_plan(_manifests(c1), f"jn-{job.tag}", job.net, nodes)
@@ -508,11 +492,7 @@ def test_the_coordinator_abandons_a_cut_whose_part_cannot_be_dumped(
             m for m in c1.checkpoints() + c2.checkpoints() if m["label"].startswith(f"jn-{job.tag}")
         ] == []
         before = _counted(job.client_log)
-        wait_for(
-            lambda: len(_counted(job.client_log)) >= len(before) + 20, 30, "the counter going on"
-        )
-        numbers = [n for n, _ in _counted(job.client_log)]
-        assert numbers == list(range(2, 2 + len(numbers)))
+        job.counts_on(len(before))
         assert {j["state"] for j in (c1.job(server), c2.job(client))} == {"running"}
         assert not any(_frozen(str(cg)) for cg in partcgroup.root().glob(f"{partcgroup.PREFIX}*"))
     finally:
