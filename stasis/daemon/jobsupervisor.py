@@ -422,8 +422,10 @@ def restore(job_dir: Path, spec: RestoreSpec) -> None:
                 job_netns_fd=netns_fd,
             )
         except OSError as e:
+            # Not CRIU's words: its socket, a file of the images (the job's output is a
+            # RestoreError of its own).
             _failed(gate, ghosts)
-            _error("RestoreError", f"cannot open the job's log {spec['log']}: {e.strerror}")
+            _error("RestoreError", f"the restore failed: {e}")
             return
         except StasisError as e:
             _failed(gate, ghosts)

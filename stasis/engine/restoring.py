@@ -23,7 +23,7 @@ from pathlib import Path
 from stasis import wire
 from stasis.engine import credentials, netidentity, nodefacts, nodelocal, privatetmp, rpc
 from stasis.engine.criu import CRIU, Owner, RestoreOptions, RestoreResult
-from stasis.errors import CRIUError, IncompatibleNodeError, OwnerDeniedError
+from stasis.errors import CRIUError, IncompatibleNodeError, OwnerDeniedError, RestoreError
 
 
 def open_as(path: str, owner: Owner, umask: int = 0o022) -> int:
@@ -71,7 +71,7 @@ def restore_tree(
     """Restore the tree in `images` as a child of the caller (rst_sibling), its paths resolved
     with `owner`'s rights (root's own jobs: root's). `outputs`: (path in the images, path to
     write to now) for each output file to re-point, e.g. a log, or a Slurm job's --output under
-    this run's name; each is opened with the owner's rights. OSError if one cannot be opened.
+    this run's name; each is opened with the owner's rights. RestoreError if one cannot be opened.
 
     `page_server`: lazily, with the lazy pages served on that unix socket (RestoreOptions);
     `on_lost`: told why before the tree is killed for a page server that went away.
@@ -144,7 +144,13 @@ def restore_tree(
     try:
         inherit = []
         for old, new in outputs:
-            fds.append(open_as(new, owner, umask))
+            try:
+                fds.append(open_as(new, owner, umask))
+            except OSError as e:
+                raise RestoreError(
+                    f"cannot open the job's output {new} as {_name(owner.uid)}: "
+                    f"{e.strerror}; nothing was restored"
+                ) from e
             key = privatetmp.hand_over(old, fds[-1], external_files or {}, owner.uid)
             inherit.append((key, fds[-1]))
         options = RestoreOptions(

@@ -595,7 +595,7 @@ def _sandboxed(spec: dict[str, Any]) -> dict[str, Any]:
         except OSError as e:
             return {
                 "ok": False,
-                "reason": f"cannot open the job's output for the restore: {e}",
+                "reason": f"the restore failed: {e}",
                 "processes": len(expected),
                 "duration_s": 0.0,
             }
