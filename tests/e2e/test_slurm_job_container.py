@@ -15,6 +15,7 @@ import secrets
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,25 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     assert {(m, d, s) for _, m, d, s in lines} == {("made-by-run-0", "deep", "shm-data")}
     assert "done" in c.output(job)
     assert hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest() == shadow
+    # Each stopped run's batch step ended at Slurm's SIGTERM, not KillWait (5 s) later at its
+    # SIGKILL: lingering there, it made Slurm 24.11 drain the node 1 stop in 5 (launcher.py).
+    ends = _batch_step_ends(c, job)
+    assert len(ends) == 2 and max(ends) < 3.0, ends
+
+
+def _batch_step_ends(c: Cluster, job: str) -> list[float]:
+    """From slurmd's log: the seconds from each requeue's cancel of `job`'s batch step to the
+    end of that step."""
+    log = (c.lay.slurm / "slurmd.log").read_text(errors="replace")
+    ends, cancelled = [], None
+    for at, what in re.findall(rf"^\[([\d:T.-]+)\] \[{job}\.batch\] (.*)$", log, re.M):
+        t = datetime.fromisoformat(at).timestamp()
+        if "DUE TO JOB REQUEUE" in what:
+            cancelled = t
+        elif cancelled is not None and re.match(r"(stepd_cleanup: )?done with (job|step)", what):
+            ends.append(t - cancelled)
+            cancelled = None
+    return ends
 
 
 def _stand_in(c: Cluster, job: str, user: str | None, seconds: float) -> subprocess.Popen[bytes]:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -119,3 +120,37 @@ def test_no_checkpoint_while_slurms_srun_runs(
                 pass
         tree.wait()
     assert not launcher.steps_outside(final=False)
+
+
+# -- after a requeue ------------------------------------------------------------------------------
+
+_REQUEUED = """\
+import os, signal, sys
+from stasis.slurm import launcher
+r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+signal.set_wakeup_fd(w)
+signal.signal(signal.SIGTERM, lambda *_: None)  # as the launcher's loop has it
+if sys.argv[1] == "before":
+    os.kill(os.getpid(), signal.SIGTERM)
+print("waiting", flush=True)
+sys.exit(launcher._until_ended(r))
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_requeued_jobs_launcher_ends_at_slurms_sigterm(when: str) -> None:
+    """Not KillWait later at the SIGKILL: a batch step lingering there makes Slurm 24.11 drain
+    the node now and then (tests/e2e/test_slurm_job_container.py measures it in Slurm)."""
+    started = time.monotonic()
+    with subprocess.Popen([sys.executable, "-c", _REQUEUED, when], stdout=subprocess.PIPE) as p:
+        try:
+            assert p.stdout is not None
+            assert p.stdout.readline() == b"waiting\n"
+            if when == "during":
+                time.sleep(0.3)
+                p.send_signal(signal.SIGTERM)
+            # A SIGTERM that came while the workload's end was looked at ends it as well.
+            assert p.wait(10) == (1 if when == "before" else -signal.SIGTERM)
+        finally:
+            p.kill()
+    assert time.monotonic() - started < 10
