@@ -406,7 +406,7 @@ def _until_ended(wakeup_fd: int) -> int:
     already): a batch step that lingers to the SIGKILL holds the job's extern step until the
     moment slurmd tells that step to end too, where Slurm up to 25.05.0 races (its ticket
     22864: the extern step hangs UnkillableStepTimeout and the node drains "Kill task
-    failed", seen 1 stop in 5 on 24.11)."""
+    failed", on 24.11 seen after 2 of 36 stops)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         came = os.read(wakeup_fd, 512)
