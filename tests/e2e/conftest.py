@@ -315,9 +315,8 @@ class Cluster:
             lines.append(
                 f"daemon {pid}: sees it {Path(f'/proc/{pid}/root{self.lay.store}').exists()}"
             )
-            lines.append(
-                f"its mount ns {os.readlink(f'/proc/{pid}/ns/mnt')}, ours {os.readlink('/proc/self/ns/mnt')}"
-            )
+            theirs, ours = os.readlink(f"/proc/{pid}/ns/mnt"), os.readlink("/proc/self/ns/mnt")
+            lines.append(f"its mount ns {theirs}, ours {ours}")
             holders = read_state(self.lay).get("holders", {})
             for node, holder in holders.items():
                 cmd = Path(f"/proc/{holder}/cmdline").read_bytes()

@@ -112,7 +112,8 @@ def test_job_container_tmp_and_shm_move_with_the_job(contained: Cluster) -> None
     assert "done" in c.output(job)
     assert hashlib.sha256(Path("/etc/shadow").read_bytes()).hexdigest() == shadow
     # Each stopped run's batch step ended at Slurm's SIGTERM, not KillWait (5 s) later at its
-    # SIGKILL: lingering there, it made Slurm 24.11 drain the node after 2 of 36 stops (launcher.py).
+    # SIGKILL: lingering there, it made Slurm 24.11 drain the node after 2 of 36 stops
+    # (launcher.py).
     ends = _batch_step_ends(c, job)
     assert len(ends) == 2 and max(ends) < 3.0, ends
 
