@@ -408,10 +408,15 @@ def _until_ended(wakeup_fd: int) -> int:
     22864: the extern step hangs UnkillableStepTimeout and the node drains "Kill task
     failed", on 24.11 seen after 2 of 36 stops)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        came = os.read(wakeup_fd, 512)
-    except BlockingIOError:
-        came = b""
+    came = b""
+    while True:  # every signal caught since the loop's last read, however many
+        try:
+            chunk = os.read(wakeup_fd, 512)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        came += chunk
     if signal.SIGTERM in came:
         return 1
     time.sleep(_REQUEUE_WAIT_S)  # a bound, should Slurm never end it

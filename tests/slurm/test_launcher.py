@@ -21,6 +21,7 @@ from stasis.engine import proctree
 from stasis.errors import DaemonAPIError
 from stasis.slurm import steps
 from stasis.slurm.launcher import Launcher
+from tests.conftest import wait_for
 
 
 def test_a_daemon_that_never_answers_is_given_up_on(tmp_path: Path) -> None:
@@ -147,10 +148,20 @@ def test_a_requeued_jobs_launcher_ends_at_slurms_sigterm(when: str) -> None:
             assert p.stdout is not None
             assert p.stdout.readline() == b"waiting\n"
             if when == "during":
-                time.sleep(0.3)
+                # Once it no longer catches SIGTERM: it is waiting for Slurm's now.
+                wait_for(lambda: not _catches(p.pid, signal.SIGTERM), 10, "SIGTERM uncaught")
                 p.send_signal(signal.SIGTERM)
             # A SIGTERM that came while the workload's end was looked at ends it as well.
             assert p.wait(10) == (1 if when == "before" else -signal.SIGTERM)
         finally:
             p.kill()
     assert time.monotonic() - started < 10
+
+
+def _catches(pid: int, sig: int) -> bool:
+    caught = next(
+        line.split()[1]
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("SigCgt:")
+    )
+    return bool(int(caught, 16) >> (sig - 1) & 1)
