@@ -62,9 +62,15 @@ def test_a_refused_restore_leaves_no_ghost_and_the_next_one_restores(
     refused = d.cli("restore", bad, user=TEST_USER, check=False)
 
     assert refused.returncode == 1 and "authentication tag" in refused.stderr, refused.stderr
-    assert "Configuring remap" in _criu_log(d), "CRIU never got to make the ghost"
+    criu_log = _criu_log(d)
+    assert "Configuring remap" in criu_log, "CRIU never got to make the ghost"
     assert _ghosts(where, token) == []
-    assert _removed_by_the_supervisor(d, bad, f"{where}/{token}")
+    # Removed by the supervisor once the refusal killed CRIU; or, where CRIU met the damaged
+    # file cut short (the streamer closes its pipe) and failed before the kill came, by CRIU
+    # as it failed, which its log says (seen once in some forty runs of the suite).
+    assert _removed_by_the_supervisor(d, bad, f"{where}/{token}") or re.search(
+        rf"Unlink remap \S*/{token}\.cr\.[0-9a-f]+\.ghost$", criu_log, re.M
+    ), criu_log[-3000:]
     logged = len(d.log_of(job["job"]))
     restored = d.json("restore", good["checkpoint"], user=TEST_USER)
     # Counting on from the good checkpoint, the deleted file read back.
