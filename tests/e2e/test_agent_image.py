@@ -25,10 +25,10 @@ from stasis.daemon import detached
 from stasis.dev import k8snode
 from stasis.k8s import shim
 from tests.conftest import wait_for
+from tests.e2e import agentimage
 from tests.e2e.containerd_node import IMAGE, Node, busybox_archive, numbers
 from tests.k8s.apiserver import ApiServer
 
-REPO = Path(__file__).resolve().parents[2]
 NODE = "node-b"
 CID = f"counter-{secrets.token_hex(3)}"  # runc's state of a namespace is machine-wide
 COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
@@ -58,21 +58,13 @@ def version() -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
+    archive = agentimage.archive()  # built since the session's tests were known
     root = Path(tempfile.mkdtemp(prefix="stasis-image-"))
     os.chmod(root, 0o755)
     # A node's root is a shared mount (systemd makes it one; HostToContainer needs it): the
     # rootfs mounts node B's containerd makes must reach the agent. This machine's is private.
     for cmd in (["mount", "--bind", str(root), str(root)], ["mount", "--make-rshared", str(root)]):
         subprocess.run(cmd, check=True)
-    archive = root / "agent.oci.tar"
-    built = subprocess.run(
-        ["bash", str(REPO / "scripts" / "build-image.sh"), str(archive)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
-    assert built.returncode == 0, built.stderr[-3000:]
     infra = Node(root / "a")
     b = k8snode.K8sNodeDirs(root / "b")
     for d in (b.containerd, b.bin, b.stasis):
