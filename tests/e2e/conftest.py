@@ -382,8 +382,10 @@ class Cluster:
             nodes = self.run("sinfo", "-N", "-h", "-o", "%N %T %E", check=False).stdout
         except Exception as e:  # the failure being reported matters more than this
             return f"(cannot tell why: {e})"
-        return f"it is {record.get('JobState')} ({record.get('Reason')}), the nodes: " + "; ".join(
-            nodes.strip().splitlines()
+        comment = f", its Comment {record['Comment']!r}" if record.get("Comment") else ""
+        return (
+            f"it is {record.get('JobState')} ({record.get('Reason')}){comment}, the nodes: "
+            + "; ".join(nodes.strip().splitlines())
         )
 
     def output(self, job_id: str) -> str:
