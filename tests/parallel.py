@@ -31,11 +31,9 @@ from typing import Any
 import pytest
 
 EARLY_GROUP = "early"
-# Modules whose work starts at collection (tests/e2e/conftest.py EARLY, debian13.start_build,
-# agentimage.start_build).
+# Modules whose work starts at collection (tests/e2e/conftest.py EARLY, debian13.start_build).
 EARLY_MODULES = frozenset(
     {
-        "tests/e2e/test_agent_image.py",
         "tests/e2e/test_hostile_step_book.py",
         "tests/e2e/test_job_id_reuse.py",
         "tests/e2e/test_mpi_cut.py",

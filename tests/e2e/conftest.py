@@ -29,7 +29,7 @@ from stasis.poll import poll
 from stasis.slurm.scontrol import parse_record
 from tests import parallel
 from tests.conftest import STASIS, STASIS_DEV, TEST_USER, ensure_test_user
-from tests.e2e import agentimage, debian13
+from tests.e2e import debian13
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -38,11 +38,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # The Debian 13 root takes minutes to build: it builds while the other tests run.
     if any(item.path.name == "test_slurm_debian13.py" for item in session.items):
         debian13.start_build()
-    # So does the agent's image (`make image`).
-    if not session.config.option.collectonly and any(
-        item.path.name == "test_agent_image.py" for item in session.items
-    ):
-        agentimage.start_build()
     # So does the modules' early work (mostly waiting on Slurm's clocks), of chosen modules only.
     chosen = [
         work
@@ -60,7 +55,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     Early.ending = True  # what has not started yet never will
     for work in EARLY.values():
         work.abandon()
-    agentimage.stop()
 
 
 R = TypeVar("R")

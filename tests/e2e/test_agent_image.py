@@ -25,10 +25,10 @@ from stasis.daemon import detached
 from stasis.dev import k8snode
 from stasis.k8s import shim
 from tests.conftest import wait_for
-from tests.e2e import agentimage
 from tests.e2e.containerd_node import IMAGE, Node, busybox_archive, numbers
 from tests.k8s.apiserver import ApiServer
 
+REPO = Path(__file__).resolve().parents[2]
 NODE = "node-b"
 CID = f"counter-{secrets.token_hex(3)}"  # runc's state of a namespace is machine-wide
 COUNTER = "i=0; while :; do i=$((i+1)); echo n=$i; sleep 0.1; done"
@@ -58,7 +58,19 @@ def version() -> str:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    archive = agentimage.archive()  # built since the session's tests were known
+    # Built before anything is mounted: a build that fails leaves no mount behind.
+    out = Path(tempfile.mkdtemp(prefix="stasis-image-build-", dir="/var/tmp"))
+    archive = out / "agent.oci.tar"
+    built = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build-image.sh"), str(archive)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+    if built.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
+    assert built.returncode == 0, built.stderr[-3000:]
     root = Path(tempfile.mkdtemp(prefix="stasis-image-"))
     os.chmod(root, 0o755)
     # A node's root is a shared mount (systemd makes it one; HostToContainer needs it): the
@@ -172,6 +184,7 @@ def cluster() -> Iterator[Cluster]:
         k8snode._unmount_under(root)
         subprocess.run(["umount", "-l", str(root)], check=False)
         shutil.rmtree(root / "b" / "runtime", ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def test_the_agent_from_its_image_makes_a_node_whose_containers_resume(cluster: Cluster) -> None:
